@@ -1,0 +1,36 @@
+# hf-vit: `make train` runs the main job, `make test` the test suite. Both create .venv and install into it first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Nothing in the main job or the tests may reach the Hugging Face Hub.
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export HF_HUB_DISABLE_TELEMETRY := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup train test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $@
+
+train: setup
+	$(PY) scripts/main_job.py --output_dir outputs/main
+
+test: setup
+	$(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check hf_vit scripts tests
+	$(VENV)/bin/ruff format --check hf_vit scripts tests
+
+bench: setup
+	$(PY) scripts/benchmark.py --json docs/benchmarks.json
+
+clean:
+	rm -rf outputs .pytest_cache

@@ -1,0 +1,49 @@
+"""hf-vit: the Vision Transformer of "An Image is Worth 16x16 Words" for the Hugging Face stack.
+
+Importing the package registers its classes with transformers' Auto classes, so `AutoConfig`, `AutoModel`,
+`AutoModelForImageClassification`, `AutoImageProcessor` and `pipeline("image-classification")` load hf-vit folders.
+"""
+
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForImageClassification,
+)
+
+from .configuration_vit import PRESETS, VisionTransformerConfig
+from .image_processing_vit import VisionTransformerImageProcessor
+from .modeling_vit import (
+    VisionTransformerForImageClassification,
+    VisionTransformerModel,
+    VisionTransformerPreTrainedModel,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "VisionTransformerConfig",
+    "VisionTransformerForImageClassification",
+    "VisionTransformerImageProcessor",
+    "VisionTransformerModel",
+    "VisionTransformerPreTrainedModel",
+]
+
+AutoConfig.register(VisionTransformerConfig.model_type, VisionTransformerConfig, exist_ok=True)
+AutoModel.register(VisionTransformerConfig, VisionTransformerModel, exist_ok=True)
+AutoModelForImageClassification.register(
+    VisionTransformerConfig, VisionTransformerForImageClassification, exist_ok=True
+)
+# One torch implementation serves both of transformers' backend slots, so no "backend unavailable" fallback happens.
+AutoImageProcessor.register(
+    VisionTransformerConfig,
+    image_processor_classes={"torchvision": VisionTransformerImageProcessor, "pil": VisionTransformerImageProcessor},
+    exist_ok=True,
+)
+
+# Saving copies the code files beside the weights and records them in `auto_map`.
+VisionTransformerConfig.register_for_auto_class()
+VisionTransformerModel.register_for_auto_class("AutoModel")
+VisionTransformerForImageClassification.register_for_auto_class("AutoModelForImageClassification")
+VisionTransformerImageProcessor.register_for_auto_class("AutoImageProcessor")

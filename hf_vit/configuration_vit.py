@@ -1,0 +1,177 @@
+"""Configuration of the Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., 2020).
+
+This file is also saved next to checkpoints as remote code, so it imports only transformers and the standard library.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+# Width, depth, MLP size and heads of the paper's Table 1 (Base, Large, Huge) and of the DeiT/AugReg Tiny and Small.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden_size": 192, "num_hidden_layers": 12, "intermediate_size": 768, "num_attention_heads": 3},
+    "small": {"hidden_size": 384, "num_hidden_layers": 12, "intermediate_size": 1536, "num_attention_heads": 6},
+    "base": {"hidden_size": 768, "num_hidden_layers": 12, "intermediate_size": 3072, "num_attention_heads": 12},
+    "large": {"hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 4096, "num_attention_heads": 16},
+    "huge": {"hidden_size": 1280, "num_hidden_layers": 32, "intermediate_size": 5120, "num_attention_heads": 16},
+}
+PATCH_SIZES = (8, 14, 16, 32)
+CLASSIFIERS = ("token", "gap")
+AUTO_MAP = {
+    "AutoConfig": "configuration_vit.VisionTransformerConfig",
+    "AutoModel": "modeling_vit.VisionTransformerModel",
+    "AutoModelForImageClassification": "modeling_vit.VisionTransformerForImageClassification",
+}
+
+
+def _preset_table() -> dict[str, dict[str, Any]]:
+    presets = {}
+    for size_name, dims in MODEL_SIZES.items():
+        for patch in PATCH_SIZES:
+            # Patch 14 tiles 224 exactly; every other patch size does too. The paper's H/14 runs at 224.
+            presets[f"vit-{size_name}-patch{patch}-224"] = {**dims, "patch_size": patch, "image_size": 224}
+    return presets
+
+
+PRESETS: dict[str, dict[str, Any]] = _preset_table()
+
+
+def _pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value, value)
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return (int(value[0]), int(value[1]))
+    raise ValueError(f"`{name}` must be an int or a (height, width) pair of ints, got {value!r}.")
+
+
+class VisionTransformerConfig(PretrainedConfig):
+    r"""Configuration of a Vision Transformer (ViT).
+
+    Args:
+        image_size: input resolution, an int or a `(height, width)` pair.
+        patch_size: side of the square patches the image is cut into (`P` in the paper).
+        num_channels: channels of the input image.
+        hidden_size: width `D` of every token.
+        num_hidden_layers: number of Transformer blocks `L`.
+        num_attention_heads: heads of multi-head self-attention; must divide `hidden_size`.
+        intermediate_size: hidden size of the MLP (4 `D` in the paper).
+        hidden_act: activation of the MLP (the paper uses GELU).
+        hidden_dropout_prob: dropout after the position embeddings, in the MLP and after attention.
+        attention_probs_dropout_prob: dropout on the attention probabilities.
+        layer_norm_eps: epsilon of every LayerNorm.
+        qkv_bias: whether the query, key and value projections have a bias.
+        classifier: `"token"` (the class token, equation 4) or `"gap"` (global average pooling, no class token).
+        representation_size: size of the pre-logits layer (a tanh dense layer used in pretraining); `None` for none.
+        drop_path_rate: stochastic depth rate of the last block, growing linearly from 0 at the first block.
+        initializer_range: standard deviation of the position embeddings at initialisation.
+        zero_init_head: initialise the classifier's weights and bias to zero, as the paper does.
+    """
+
+    model_type = "hf_vit"
+
+    image_size: int | tuple[int, int] | list[int] = 224
+    patch_size: int = 16
+    num_channels: int = 3
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.0
+    attention_probs_dropout_prob: float = 0.0
+    layer_norm_eps: float = 1e-6
+    qkv_bias: bool = True
+    classifier: str = "token"
+    representation_size: int | None = None
+    drop_path_rate: float = 0.0
+    initializer_range: float = 0.02
+    zero_init_head: bool = True
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if isinstance(self.image_size, (tuple, list)):
+            self.image_size = list(_pair(self.image_size, "image_size"))
+        super().__post_init__(**kwargs)
+        if getattr(self, "auto_map", None) is None:
+            # Saved folders name the classes to load with `trust_remote_code=True` where hf_vit is not installed.
+            self.auto_map = dict(AUTO_MAP)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise a `ValueError` naming the first field whose value cannot build a model."""
+        height, width = _pair(self.image_size, "image_size")
+        positive = {
+            "image_size": min(height, width),
+            "patch_size": self.patch_size,
+            "num_channels": self.num_channels,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "intermediate_size": self.intermediate_size,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
+                f"({self.num_attention_heads})."
+            )
+        if height % self.patch_size or width % self.patch_size:
+            raise ValueError(
+                f"`image_size` ({height}x{width}) must be divisible by `patch_size` ({self.patch_size}) "
+                "in both height and width."
+            )
+        if self.classifier not in CLASSIFIERS:
+            raise ValueError(f"`classifier` must be one of {CLASSIFIERS}, got {self.classifier!r}.")
+        if self.representation_size is not None and (
+            not isinstance(self.representation_size, int) or self.representation_size <= 0
+        ):
+            raise ValueError(f"`representation_size` must be a positive int or None, got {self.representation_size!r}.")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
+        if self.layer_norm_eps <= 0:
+            raise ValueError(f"`layer_norm_eps` must be positive, got {self.layer_norm_eps!r}.")
+
+    @property
+    def image_hw(self) -> tuple[int, int]:
+        """The input resolution as `(height, width)`."""
+        return _pair(self.image_size, "image_size")
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        """Number of patches along height and width."""
+        height, width = self.image_hw
+        return (height // self.patch_size, width // self.patch_size)
+
+    @property
+    def num_patches(self) -> int:
+        rows, cols = self.grid_size
+        return rows * cols
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """Tokens in front of the patch tokens: the class token, when the classifier uses it."""
+        return 1 if self.classifier == "token" else 0
+
+    @classmethod
+    def preset_names(cls) -> list[str]:
+        return sorted(PRESETS)
+
+    @classmethod
+    def from_preset(cls, name: str, **kwargs: Any) -> "VisionTransformerConfig":
+        """Build the config of a named model, e.g. `"vit-base-patch16-224"`; keyword arguments override fields.
+
+        `"vit-base-patch16-384"` gives the same model at another resolution: any `-<int>` suffix is the image size.
+        """
+        base, _, size = name.rpartition("-")
+        key = f"{base}-224"
+        if key not in PRESETS or not size.isdigit():
+            raise ValueError(
+                f"Unknown preset {name!r}. Presets are vit-<size>-patch<P>-<resolution> with size in "
+                f"{list(MODEL_SIZES)} and P in {list(PATCH_SIZES)}, e.g. 'vit-base-patch16-224'."
+            )
+        return cls(**{**PRESETS[key], "image_size": int(size), **kwargs})

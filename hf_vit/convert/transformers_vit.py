@@ -1,0 +1,215 @@
+"""transformers' ViT (`ViTModel`, `ViTForImageClassification`, the `google/vit-*` checkpoints) <-> hf-vit.
+
+Saved transformers ViT folders use the layout `vit.encoder.layer.{i}.attention.attention.query.weight`; transformers
+v5 renames these in memory to `vit.layers.{i}.attention.q_proj.weight`. Both are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ..configuration_vit import VisionTransformerConfig
+from .common import ConversionError, check_state_dict, write_converted_folder
+
+# (pattern in the saved transformers layout, hf-vit name); `{i}` is the block index.
+_BLOCK_KEYS = {
+    "layernorm_before": "norm1",
+    "attention.output.dense": "attention.proj",
+    "layernorm_after": "norm2",
+    "intermediate.dense": "mlp.fc1",
+    "output.dense": "mlp.fc2",
+}
+_TOP_KEYS = {
+    "vit.embeddings.cls_token": "vit.embeddings.cls_token",
+    "vit.embeddings.position_embeddings": "vit.embeddings.position_embedding",
+    "vit.embeddings.patch_embeddings.projection.weight": "vit.embeddings.patch_embedding.weight",
+    "vit.embeddings.patch_embeddings.projection.bias": "vit.embeddings.patch_embedding.bias",
+    "vit.layernorm.weight": "vit.norm.weight",
+    "vit.layernorm.bias": "vit.norm.bias",
+    "classifier.weight": "classifier.weight",
+    "classifier.bias": "classifier.bias",
+    "vit.pooler.dense.weight": "pre_logits.weight",
+    "vit.pooler.dense.bias": "pre_logits.bias",
+}
+# transformers v5 in-memory names -> the saved layout.
+_V5_RENAMES = [
+    (r"^vit\.layers\.(\d+)\.", r"vit.encoder.layer.\1."),
+    (r"\.attention\.q_proj\.", ".attention.attention.query."),
+    (r"\.attention\.k_proj\.", ".attention.attention.key."),
+    (r"\.attention\.v_proj\.", ".attention.attention.value."),
+    (r"\.attention\.o_proj\.", ".attention.output.dense."),
+    (r"\.mlp\.fc1\.", ".intermediate.dense."),
+    (r"\.mlp\.fc2\.", ".output.dense."),
+]
+_BLOCK = re.compile(r"^vit\.encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def _saved_layout(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in state_dict.items():
+        if not key.startswith(("vit.", "classifier.")):
+            key = f"vit.{key}"  # a bare ViTModel saves without the prefix
+        for pattern, replacement in _V5_RENAMES:
+            key = re.sub(pattern, replacement, key)
+        out[key] = value
+    return out
+
+
+def transformers_to_hf_vit_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map a transformers ViT state dict to hf-vit names; query, key and value are fused into one `qkv` projection.
+
+    Raises `ConversionError` listing every array it cannot place.
+    """
+    source = _saved_layout(state_dict)
+    out: dict[str, torch.Tensor] = {}
+    qkv: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    leftovers = []
+    for key, value in source.items():
+        if key in _TOP_KEYS:
+            out[_TOP_KEYS[key]] = value
+            continue
+        match = _BLOCK.match(key)
+        if match is None:
+            leftovers.append(key)
+            continue
+        index, name, kind = match.groups()
+        if name.startswith("attention.attention."):
+            qkv.setdefault((int(index), kind), {})[name.rsplit(".", 1)[-1]] = value
+        elif name in _BLOCK_KEYS:
+            out[f"vit.layers.{index}.{_BLOCK_KEYS[name]}.{kind}"] = value
+        else:
+            leftovers.append(key)
+    for (index, kind), parts in sorted(qkv.items()):
+        if set(parts) != {"query", "key", "value"}:
+            raise ConversionError(f"Block {index} has attention {kind} for {sorted(parts)} only; need query, key, value.")
+        out[f"vit.layers.{index}.attention.qkv.{kind}"] = torch.cat([parts["query"], parts["key"], parts["value"]])
+    if leftovers:
+        raise ConversionError(f"Cannot place these transformers ViT arrays in hf-vit: {sorted(leftovers)}")
+    return out
+
+
+def hf_vit_to_transformers_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `transformers_to_hf_vit_state_dict`: hf-vit names to the saved transformers ViT layout."""
+    top = {v: k for k, v in _TOP_KEYS.items()}
+    block = {v: k for k, v in _BLOCK_KEYS.items()}
+    out = {}
+    for key, value in state_dict.items():
+        if key in top:
+            out[top[key]] = value
+            continue
+        match = re.match(r"^vit\.layers\.(\d+)\.(.+)\.(weight|bias)$", key)
+        if match is None:
+            raise ConversionError(f"transformers' ViT has no place for the hf-vit weight {key!r}.")
+        index, name, kind = match.groups()
+        prefix = f"vit.encoder.layer.{index}"
+        if name == "attention.qkv":
+            for part, chunk in zip(("query", "key", "value"), value.chunk(3, dim=0)):
+                out[f"{prefix}.attention.attention.{part}.{kind}"] = chunk.clone()
+        elif name in block:
+            out[f"{prefix}.{block[name]}.{kind}"] = value
+        else:
+            raise ConversionError(f"transformers' ViT has no place for the hf-vit weight {key!r}.")
+    return out
+
+
+_SHARED_CONFIG_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "hidden_act",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "layer_norm_eps",
+    "image_size",
+    "patch_size",
+    "num_channels",
+    "qkv_bias",
+    "initializer_range",
+)
+
+
+def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) -> VisionTransformerConfig:
+    """An hf-vit config computing the same function as a transformers `ViTConfig` (given as its dict)."""
+    if config.get("model_type") not in (None, "vit"):
+        raise ConversionError(f"Expected a transformers ViT config (model_type 'vit'), got {config.get('model_type')!r}.")
+    fields = {name: config[name] for name in _SHARED_CONFIG_FIELDS if name in config}
+    fields["layer_norm_eps"] = config.get("layer_norm_eps", 1e-12)  # transformers' ViT default
+    if with_pooler:
+        # transformers' pooler (dense + tanh on the class token) is the paper's pre-logits layer.
+        fields["representation_size"] = config.get("pooler_output_size") or config.get("hidden_size", 768)
+    if "id2label" in config:
+        fields["id2label"] = {int(k): v for k, v in config["id2label"].items()}
+        fields["label2id"] = {v: int(k) for k, v in config["id2label"].items()}
+    return VisionTransformerConfig(classifier="token", zero_init_head=False, **fields)
+
+
+def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    single = folder / "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(single)
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state_dict = {}
+        for shard in shards:
+            state_dict.update(load_file(folder / shard))
+        return state_dict
+    raise ConversionError(f"{folder} has no model.safetensors (or sharded index); only safetensors weights are read.")
+
+
+def _processor_from_transformers(folder: Path, image_size: tuple[int, int]):
+    from ..image_processing_vit import VisionTransformerImageProcessor
+
+    path = folder / "preprocessor_config.json"
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    keep = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
+    kwargs = {k: settings[k] for k in keep if k in settings}
+    kwargs["size"] = {"height": image_size[0], "width": image_size[1]}
+    return VisionTransformerImageProcessor(**kwargs)
+
+
+def convert_transformers_checkpoint(
+    input_dir: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False
+):
+    """Convert a saved transformers ViT folder into a complete hf-vit folder (weights, config, processor, code).
+
+    Returns the converted model. A `ViTForImageClassification` becomes `VisionTransformerForImageClassification`; a
+    `ViTModel` with its pooler becomes a classification model with the pooler as pre-logits layer and no classes.
+    """
+    from ..modeling_vit import VisionTransformerForImageClassification
+
+    input_dir = Path(input_dir)
+    config_path = input_dir / "config.json"
+    if not config_path.is_file():
+        raise ConversionError(f"{input_dir} has no config.json; pass the folder of a saved transformers ViT model.")
+    source_config = json.loads(config_path.read_text())
+    source = _saved_layout(_load_state_dict(input_dir))
+    has_classifier = "classifier.weight" in source
+    with_pooler = "vit.pooler.dense.weight" in source
+    if has_classifier and with_pooler:
+        # ViTForImageClassification ignores the pooler: so must we, to compute the same function.
+        source = {k: v for k, v in source.items() if not k.startswith("vit.pooler.")}
+        with_pooler = False
+    config = transformers_config_to_hf_vit(source_config, with_pooler=with_pooler)
+    if not has_classifier:
+        config.num_labels = 0
+    state_dict = transformers_to_hf_vit_state_dict(source)
+    model = VisionTransformerForImageClassification(config)
+    check_state_dict(state_dict, model.state_dict())
+    model.load_state_dict(state_dict, strict=True)
+    model.eval()
+    processor = _processor_from_transformers(input_dir, config.image_hw)
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder)
+        processor.save_pretrained(folder)
+
+    write_converted_folder(save, output_dir, overwrite=overwrite)
+    return model

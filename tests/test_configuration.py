@@ -1,0 +1,62 @@
+import pytest
+from conftest import tiny_config
+
+from hf_vit import PRESETS, VisionTransformerConfig
+from hf_vit.configuration_vit import MODEL_SIZES, PATCH_SIZES
+
+
+def test_presets_cover_the_papers_table():
+    assert len(PRESETS) == len(MODEL_SIZES) * len(PATCH_SIZES) == 20
+    base = VisionTransformerConfig.from_preset("vit-base-patch16-224")
+    assert (base.hidden_size, base.num_hidden_layers, base.intermediate_size, base.num_attention_heads) == (
+        768,
+        12,
+        3072,
+        12,
+    )
+    huge = VisionTransformerConfig.from_preset("vit-huge-patch14-224")
+    assert (huge.hidden_size, huge.num_hidden_layers, huge.intermediate_size, huge.num_attention_heads) == (
+        1280,
+        32,
+        5120,
+        16,
+    )
+    assert huge.grid_size == (16, 16)
+
+
+def test_preset_overrides_and_resolution_suffix():
+    config = VisionTransformerConfig.from_preset("vit-small-patch32-384", num_labels=10, drop_path_rate=0.1)
+    assert config.image_size == 384 and config.patch_size == 32 and config.hidden_size == 384
+    assert config.num_labels == 10 and config.drop_path_rate == 0.1
+    with pytest.raises(ValueError, match="Unknown preset"):
+        VisionTransformerConfig.from_preset("vit-gigantic-patch16-224")
+
+
+def test_save_load_round_trip(tmp_path):
+    config = tiny_config(image_size=(32, 48), representation_size=16, classifier="gap")
+    config.save_pretrained(tmp_path)
+    loaded = VisionTransformerConfig.from_pretrained(tmp_path)
+    assert loaded.to_dict() == config.to_dict()
+    assert loaded.image_hw == (32, 48) and loaded.grid_size == (4, 6) and loaded.num_prefix_tokens == 0
+    assert loaded.auto_map["AutoModelForImageClassification"].startswith("modeling_vit.")
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(hidden_size=30, num_attention_heads=4), "hidden_size"),
+        (dict(image_size=36), "image_size"),
+        (dict(image_size=(32, 36)), "image_size"),
+        (dict(classifier="cls"), "classifier"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(num_hidden_layers=-1), "num_hidden_layers"),
+        (dict(patch_size=0), "patch_size"),
+        (dict(intermediate_size=0), "intermediate_size"),
+        (dict(representation_size=0), "representation_size"),
+        (dict(drop_path_rate=1.5), "drop_path_rate"),
+        (dict(image_size=(1, 2, 3)), "image_size"),
+    ],
+)
+def test_invalid_values_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        tiny_config(**overrides)
