@@ -128,7 +128,9 @@ class VisionTransformerConfig(PretrainedConfig):
         if self.representation_size is not None and (
             not isinstance(self.representation_size, int) or self.representation_size <= 0
         ):
-            raise ValueError(f"`representation_size` must be a positive int or None, got {self.representation_size!r}.")
+            raise ValueError(
+                f"`representation_size` must be a positive int or None, got {self.representation_size!r}."
+            )
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -162,7 +164,7 @@ class VisionTransformerConfig(PretrainedConfig):
         return sorted(PRESETS)
 
     @classmethod
-    def from_preset(cls, name: str, **kwargs: Any) -> "VisionTransformerConfig":
+    def from_preset(cls, name: str, **kwargs: Any) -> VisionTransformerConfig:
         """Build the config of a named model, e.g. `"vit-base-patch16-224"`; keyword arguments override fields.
 
         `"vit-base-patch16-384"` gives the same model at another resolution: any `-<int>` suffix is the image size.

@@ -14,6 +14,7 @@ transformers and the configuration file beside it.
 from __future__ import annotations
 
 import math
+
 import torch
 from safetensors import SafetensorError
 from torch import nn
@@ -87,7 +88,7 @@ class VisionTransformerEmbeddings(nn.Module):
         if channels != self.config.num_channels:
             raise ValueError(
                 f"`pixel_values` has {channels} channels but the model expects {self.config.num_channels} "
-                f"(shape {tuple(pixel_values.shape)}; the layout must be channels first: batch, channels, height, width)."
+                f"(shape {tuple(pixel_values.shape)}; the layout is channels first: batch, channels, height, width)."
             )
         if height % self.patch_size or width % self.patch_size:
             raise ValueError(
@@ -131,7 +132,7 @@ def eager_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q k^T / sqrt(d_h)) v, returning the probabilities too. Inputs `(B, heads, N, d_h)`, output `(B, N, heads, d_h)`."""
+    """softmax(q k^T / sqrt(d_h)) v and the probabilities. Inputs `(B, heads, N, d_h)`, output `(B, N, heads, d_h)`."""
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask
@@ -375,7 +376,7 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
 
 
 class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
-    """ViT with a linear classifier on `y`, optionally after the pre-logits layer (dense + tanh) used in pretraining."""
+    """ViT with a linear classifier on `y`, optionally after the pre-logits layer (dense + tanh) of pretraining."""
 
     def __init__(self, config: VisionTransformerConfig) -> None:
         super().__init__(config)

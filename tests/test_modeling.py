@@ -37,7 +37,9 @@ def test_base_model_pools_the_class_token_after_the_final_norm(config):
     out = model(pixels())
     assert torch.equal(out.pooler_output, out.last_hidden_state[:, 0])
     # Equation (4): y = LN(z_L^0); the final LayerNorm is applied, so each token has zero mean.
-    torch.testing.assert_close(out.last_hidden_state.mean(-1), torch.zeros(2, 1 + config.num_patches), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        out.last_hidden_state.mean(-1), torch.zeros(2, 1 + config.num_patches), atol=1e-5, rtol=0
+    )
 
 
 def test_gap_classifier_has_no_class_token_and_averages_patches():

@@ -87,7 +87,9 @@ def transformers_to_hf_vit_state_dict(state_dict: dict[str, torch.Tensor]) -> di
             leftovers.append(key)
     for (index, kind), parts in sorted(qkv.items()):
         if set(parts) != {"query", "key", "value"}:
-            raise ConversionError(f"Block {index} has attention {kind} for {sorted(parts)} only; need query, key, value.")
+            raise ConversionError(
+                f"Block {index} has attention {kind} for {sorted(parts)} only; need query, key, value."
+            )
         out[f"vit.layers.{index}.attention.qkv.{kind}"] = torch.cat([parts["query"], parts["key"], parts["value"]])
     if leftovers:
         raise ConversionError(f"Cannot place these transformers ViT arrays in hf-vit: {sorted(leftovers)}")
@@ -138,7 +140,9 @@ _SHARED_CONFIG_FIELDS = (
 def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) -> VisionTransformerConfig:
     """An hf-vit config computing the same function as a transformers `ViTConfig` (given as its dict)."""
     if config.get("model_type") not in (None, "vit"):
-        raise ConversionError(f"Expected a transformers ViT config (model_type 'vit'), got {config.get('model_type')!r}.")
+        raise ConversionError(
+            f"Expected a transformers ViT config (model_type 'vit'), got {config.get('model_type')!r}."
+        )
     fields = {name: config[name] for name in _SHARED_CONFIG_FIELDS if name in config}
     fields["layer_norm_eps"] = config.get("layer_norm_eps", 1e-12)  # transformers' ViT default
     if with_pooler:

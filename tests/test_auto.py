@@ -1,0 +1,139 @@
+"""The Auto classes, the pipeline, and loading a saved folder where hf_vit is not installed."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from PIL import Image
+from transformers import (
+    AutoConfig,
+    AutoImageProcessor,
+    AutoModel,
+    AutoModelForImageClassification,
+    pipeline,
+)
+
+from hf_vit import (
+    VisionTransformerConfig,
+    VisionTransformerForImageClassification,
+    VisionTransformerImageProcessor,
+    VisionTransformerModel,
+)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    config = VisionTransformerConfig.from_preset(
+        "vit-tiny-patch16-224", num_labels=3, num_hidden_layers=2, zero_init_head=False
+    )
+    config.id2label = {0: "cat", 1: "dog", 2: "bird"}
+    config.label2id = {v: k for k, v in config.id2label.items()}
+    torch.manual_seed(0)
+    model = AutoModelForImageClassification.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    VisionTransformerImageProcessor().save_pretrained(tmp_path)
+    return tmp_path, model
+
+
+def photo(seed=0, size=(97, 131)):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def test_the_issue_example(saved):
+    path, model = saved
+    files = {p.name for p in path.iterdir()}
+    assert "model.safetensors" in files and not any(f.endswith((".bin", ".pt", ".pth")) for f in files)
+    assert {"configuration_vit.py", "modeling_vit.py", "image_processing_vit.py"} <= files
+    loaded = AutoModelForImageClassification.from_pretrained(path)
+    assert isinstance(loaded, VisionTransformerForImageClassification)
+    assert isinstance(AutoModel.from_pretrained(path), VisionTransformerModel)
+    assert isinstance(AutoConfig.from_pretrained(path), VisionTransformerConfig)
+    processor = AutoImageProcessor.from_pretrained(path)
+    assert isinstance(processor, VisionTransformerImageProcessor)
+    pixel_values = processor(photo(), return_tensors="pt")["pixel_values"]
+    torch.testing.assert_close(loaded(pixel_values).logits, model(pixel_values).logits)
+
+    classify = pipeline("image-classification", model=str(path))
+    results = classify(photo())
+    assert {r["label"] for r in results} == {"cat", "dog", "bird"}
+    probs = model(pixel_values).logits.softmax(-1)[0]
+    best = int(probs.argmax())
+    assert results[0]["label"] == model.config.id2label[best]
+    assert abs(results[0]["score"] - probs[best].item()) < 1e-5
+
+
+def test_saved_folder_carries_auto_map(saved):
+    path, _ = saved
+    config = json.loads((path / "config.json").read_text())
+    assert config["model_type"] == "hf_vit"
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_vit.VisionTransformerConfig",
+        "AutoModel": "modeling_vit.VisionTransformerModel",
+        "AutoModelForImageClassification": "modeling_vit.VisionTransformerForImageClassification",
+    }
+    processor = json.loads((path / "preprocessor_config.json").read_text())
+    assert processor["auto_map"]["AutoImageProcessor"] == "image_processing_vit.VisionTransformerImageProcessor"
+
+
+def test_trust_remote_code_without_hf_vit(saved, tmp_path_factory):
+    """A fresh process where `import hf_vit` fails loads the folder from its own code files."""
+    path, model = saved
+    x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    expected = model(x).logits
+    torch.save(x, path.parent / "x.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["hf_vit"] = None  # hf_vit cannot be imported in this process
+        try:
+            import hf_vit
+            raise SystemExit("hf_vit is importable")
+        except ImportError:
+            pass
+        import torch
+        from transformers import AutoImageProcessor, AutoModel, AutoModelForImageClassification
+        model = AutoModelForImageClassification.from_pretrained({str(path)!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        AutoModel.from_pretrained({str(path)!r}, trust_remote_code=True)
+        processor = AutoImageProcessor.from_pretrained({str(path)!r}, trust_remote_code=True)
+        assert type(processor).__name__ == "VisionTransformerImageProcessor"
+        x = torch.load({str(path.parent / "x.pt")!r})
+        torch.save(model(x).logits, {str(path.parent / "logits.pt")!r})
+        """
+    )
+    home = tmp_path_factory.mktemp("hf_home")
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=home, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch.testing.assert_close(torch.load(path.parent / "logits.pt"), expected)
+
+
+def test_corrupted_or_truncated_weights_get_a_clear_error(saved):
+    path, _ = saved
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(OSError, match="corrupted or truncated"):
+        AutoModelForImageClassification.from_pretrained(path)
+    weights.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(OSError, match="corrupted or truncated"):
+        AutoModelForImageClassification.from_pretrained(path)
+
+
+def test_from_config_and_tiny_round_trip(tmp_path):
+    config = tiny_config()
+    model = AutoModel.from_config(config)
+    assert isinstance(model, VisionTransformerModel)
+    model.save_pretrained(tmp_path)
+    again = AutoModel.from_pretrained(tmp_path)
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
