@@ -1,0 +1,368 @@
+"""Image classification data sets and torch-only transforms for training `hf_vit` models with `transformers.Trainer`.
+
+Data sets: `load_image_dataset(name)` returns a `DatasetDict` (an `IterableDatasetDict` with `streaming=True`) with
+the splits `train`, `validation` and, when the source has one, `test`. Every split has exactly two columns: `image`
+(a `datasets.Image`) and `label` (a `datasets.ClassLabel`, so `label_names(ds)` gives `id2label`). `name` is one of:
+
+* `"digits"`: scikit-learn's 1797 bundled 8x8 handwritten digits (no download), see `load_digits_dataset`;
+* a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` (read with `datasets.load_from_disk`);
+* any other local directory: an image folder, `root/<label>/<file>` or `root/<split>/<label>/<file>`, read with
+  datasets' `imagefolder` builder (labels are the folder names);
+* otherwise a data set on the Hugging Face Hub (`datasets.load_dataset(name)`, needs network or the local cache).
+
+A missing validation split is carved out of train: `validation_fraction` of it, stratified by label with `seed`
+(in-memory data), or every `1 / validation_fraction`-th example (streaming).
+
+Transforms: `make_train_transform` (random resized crop, optional horizontal flip) and `make_eval_transform` (resize
+with the image processor) map a batch `{"image": [...], "label": [...]}` to `{"pixel_values": float32 [N, 3, H, W],
+"labels": int64 [N]}`; images of any size and mode (L, P, RGBA, ...) are converted to RGB first. Use them through
+`apply_transforms(ds, train_transform, eval_transform)` and `collate_fn` as the Trainer's `data_collator` (with
+`remove_unused_columns=False`, since the transforms read the `image` and `label` columns).
+
+Corrupt images fail loudly: an image that cannot be decoded raises `CorruptImageError` naming its file (or its size
+in bytes) and its position in the batch, chaining PIL's error. Nothing is dropped silently, because that would
+change the data set. `apply_transforms` turns off datasets' own decoding so the transforms decode and report it;
+with decoding left on (plain `set_transform`), datasets raises PIL's error before the transform runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import datasets
+import numpy as np
+import PIL.Image
+import torch
+import torch.nn.functional as F
+from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+from huggingface_hub.errors import HFValidationError
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+DIGITS_SPLIT_SIZES = {"train": 1257, "validation": 180, "test": 360}
+"""Sizes of the fixed, stratified digits splits (70/10/20 % of 1797)."""
+
+_DIGITS_SPLIT_SEED = 0
+_IMAGE_DECODER = datasets.Image()
+
+Transform = Callable[[Mapping[str, Sequence[Any]]], dict[str, torch.Tensor]]
+
+
+class CorruptImageError(ValueError):
+    """An image could not be decoded (unreadable, truncated or not an image file)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data sets
+
+
+def load_digits_dataset(seed: int = 0) -> DatasetDict:
+    """scikit-learn's handwritten digits as a `DatasetDict` with fixed stratified train/validation/test splits.
+
+    Images are 8x8 grayscale (`L`) PIL images, scaled from 0..16 to 0..255; labels are `ClassLabel` "0".."9".
+    Which images go to which split never changes (sizes in `DIGITS_SPLIT_SIZES`, every split has the class
+    proportions of the whole set); `seed` only shuffles the order of the rows inside each split.
+    """
+    digits = load_digits()
+    pixels = np.rint(digits.images * (255 / 16)).astype(np.uint8)
+    labels = digits.target.astype(np.int64)
+    rest, test = train_test_split(
+        np.arange(len(labels)), test_size=DIGITS_SPLIT_SIZES["test"], stratify=labels, random_state=_DIGITS_SPLIT_SEED
+    )
+    train, validation = train_test_split(
+        rest, test_size=DIGITS_SPLIT_SIZES["validation"], stratify=labels[rest], random_state=_DIGITS_SPLIT_SEED
+    )
+    features = datasets.Features({"image": datasets.Image(), "label": ClassLabel(names=[str(d) for d in range(10)])})
+    rng = np.random.default_rng(seed)
+    splits = {}
+    for split, indices in (("train", train), ("validation", validation), ("test", test)):
+        indices = rng.permutation(np.sort(indices))
+        images = [PIL.Image.fromarray(pixels[i]) for i in indices]
+        splits[split] = Dataset.from_dict({"image": images, "label": labels[indices]}, features=features)
+    return DatasetDict(splits)
+
+
+def load_image_dataset(
+    name: str,
+    *,
+    image_column: str = "image",
+    label_column: str = "label",
+    streaming: bool = False,
+    train_split: str = "train",
+    validation_split: str = "validation",
+    test_split: str = "test",
+    validation_fraction: float = 0.1,
+    seed: int = 0,
+    cache_dir: str | None = None,
+) -> DatasetDict | IterableDatasetDict:
+    """Load an image classification data set: splits `train`, `validation` (and `test`), columns `image`, `label`.
+
+    See the module docstring for the accepted `name`s. `image_column`/`label_column` name the source columns
+    (renamed to `image`/`label`, other columns are dropped); `*_split` name the source splits. String labels become
+    `ClassLabel` ids in sorted name order, integer labels without names get the names "0".."max".
+    """
+    path = os.path.expanduser(name)
+    if name == "digits":
+        ds = load_digits_dataset(seed)
+    elif os.path.isdir(path) and _is_saved_dataset(path):
+        ds = datasets.load_from_disk(path)
+        ds = DatasetDict({train_split: ds}) if isinstance(ds, Dataset) else ds
+    elif os.path.isdir(path):
+        ds = datasets.load_dataset("imagefolder", data_dir=path, streaming=streaming, cache_dir=cache_dir)
+    else:
+        ds = _load_from_hub(name, streaming=streaming, cache_dir=cache_dir)
+
+    splits = {"train": train_split, "validation": validation_split, "test": test_split}
+    if train_split not in ds:
+        raise ValueError(f"Data set {name!r} has no split {train_split!r} (it has {list(ds)}); choose train_split.")
+    ds = type(ds)({new: ds[old] for new, old in splits.items() if old in ds})
+    ds = _standardize_columns(ds, name, image_column, label_column)
+    if "validation" not in ds:
+        ds = _carve_validation(ds, validation_fraction, seed)
+    ds = type(ds)({split: ds[split] for split in splits if split in ds})
+    if streaming and isinstance(ds, DatasetDict):
+        ds = IterableDatasetDict({split: d.to_iterable_dataset() for split, d in ds.items()})
+    return ds
+
+
+def label_names(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> list[str]:
+    """Class names of the `label` column (index = label id), e.g. for `id2label = dict(enumerate(names))`."""
+    if isinstance(ds, (DatasetDict, IterableDatasetDict)):
+        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    feature = (ds.features or {}).get("label")
+    if not isinstance(feature, ClassLabel):
+        raise ValueError(f"The 'label' column must be a ClassLabel to have names, got {feature!r}.")
+    return list(feature.names)
+
+
+def _is_saved_dataset(path: str) -> bool:
+    return any(
+        os.path.isfile(os.path.join(path, filename))
+        for filename in (datasets.config.DATASETDICT_JSON_FILENAME, datasets.config.DATASET_STATE_JSON_FILENAME)
+    )
+
+
+def _load_from_hub(name: str, *, streaming: bool, cache_dir: str | None) -> DatasetDict | IterableDatasetDict:
+    try:
+        return datasets.load_dataset(name, streaming=streaming, cache_dir=cache_dir)
+    except (OSError, HFValidationError) as err:  # OSError: ConnectionError, DatasetNotFoundError, HTTP errors...
+        raise FileNotFoundError(
+            f"Cannot load data set {name!r}: it is not 'digits', not an existing local directory (an image folder "
+            "or a save_to_disk output), and could not be loaded from the Hugging Face Hub "
+            f"({type(err).__name__}: {err}). Pass 'digits', a local path, or a Hub data set id while online (or one "
+            "already in the local cache; HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1 forbid network access)."
+        ) from err
+
+
+def _standardize_columns(ds, name: str, image_column: str, label_column: str):
+    """Keep only the image and label columns, renamed to `image`/`label`; make `label` a ClassLabel."""
+    columns = ds["train"].column_names
+    if columns is not None:  # None for some streamed data sets whose features are unknown until read
+        missing = [column for column in (image_column, label_column) if column not in columns]
+        if missing:
+            raise ValueError(
+                f"Data set {name!r} has no column {' or '.join(map(repr, missing))}; its columns are {columns}. "
+                "Choose the image and label columns with --image_column_name and --label_column_name."
+            )
+    ds = ds.select_columns([image_column, label_column])
+    renames = {old: new for old, new in ((image_column, "image"), (label_column, "label")) if old != new}
+    ds = ds.rename_columns(renames) if renames else ds
+
+    features = ds["train"].features
+    if features is None:
+        return ds
+    if not isinstance(features["image"], datasets.Image):
+        ds = ds.cast_column("image", datasets.Image())
+    label = features["label"]
+    if isinstance(label, ClassLabel):
+        return ds
+    is_string = isinstance(label, datasets.Value) and label.dtype in ("string", "large_string")
+    is_integer = isinstance(label, datasets.Value) and "int" in label.dtype
+    if isinstance(ds, IterableDatasetDict) or not (is_string or is_integer):
+        raise ValueError(
+            f"Cannot use labels of type {label!r} from {name!r}: expected a ClassLabel, or string or integer labels "
+            "(those are mapped to a ClassLabel without streaming only)."
+        )
+    values = set().union(*(d.unique("label") for d in ds.values()))
+    names = sorted(values) if is_string else [str(i) for i in range(max(values) + 1)]
+    return ds.cast_column("label", ClassLabel(names=names))
+
+
+def _carve_validation(ds, fraction: float, seed: int):
+    """Split `fraction` of train off as validation (stratified by label where possible)."""
+    if not 0 < fraction < 1:
+        raise ValueError(
+            f"There is no validation split to use; validation_fraction must be in (0, 1), not {fraction}."
+        )
+    train = ds["train"]
+    if isinstance(train, IterableDataset):  # no length: take each example whose index crosses a multiple of 1/fraction
+
+        def in_validation(_, index: int) -> bool:
+            return math.floor((index + 1) * fraction) > math.floor(index * fraction)
+
+        ds["validation"] = train.filter(in_validation, with_indices=True, input_columns="label")
+        ds["train"] = train.filter(lambda *args: not in_validation(*args), with_indices=True, input_columns="label")
+        return ds
+    try:
+        parts = train.train_test_split(test_size=fraction, seed=seed, stratify_by_column="label")
+    except ValueError:  # a class with fewer than 2 examples, or fewer validation examples than classes
+        parts = train.train_test_split(test_size=fraction, seed=seed)
+    ds["train"], ds["validation"] = parts["train"], parts["test"]
+    return ds
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Transforms
+
+
+def decode_rgb(image: Any, index: int | None = None) -> PIL.Image.Image:
+    """Return `image` (PIL image, `{"path", "bytes"}` dict, path, bytes or uint8 array) as an RGB PIL image.
+
+    Raises `CorruptImageError` naming the file (and `index`, its position in the batch) when it cannot be decoded.
+    """
+    if isinstance(image, np.ndarray):
+        image = PIL.Image.fromarray(image)
+    elif not isinstance(image, PIL.Image.Image):
+        if isinstance(image, (str, os.PathLike)):
+            image = {"path": os.fspath(image), "bytes": None}
+        elif isinstance(image, (bytes, bytearray)):
+            image = {"path": None, "bytes": bytes(image)}
+        try:
+            image = _IMAGE_DECODER.decode_example(image)
+        except Exception as err:
+            source = image.get("path") or f"{len(image.get('bytes') or b'')} bytes of image data"
+            where = "" if index is None else f" (image {index} of the batch)"
+            raise CorruptImageError(f"Cannot decode image {source}{where}: {err}") from err
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")  # PIL warns when converting such palette images straight to RGB
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def make_eval_transform(processor) -> Transform:
+    """Batch transform for evaluation: decode, convert to RGB, then resize and normalize with `processor`."""
+
+    def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
+        images = [decode_rgb(image, i) for i, image in enumerate(batch["image"])]
+        return _with_labels(processor(images, return_tensors="pt")["pixel_values"], batch)
+
+    return transform
+
+
+def make_train_transform(
+    processor,
+    *,
+    random_resized_crop: bool = True,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    hflip: bool = True,
+    seed: int | None = None,
+) -> Transform:
+    """Batch transform for training: random resized crop, resize, random horizontal flip, rescale and normalize.
+
+    The crop covers a random fraction `scale` of the image area with an aspect ratio log-uniform in `ratio`
+    (Inception-style; a central crop after 10 failed draws); it is resized to `processor.size` (bilinear,
+    antialiased), flipped with probability 1/2 when `hflip` (keep it off for digits and text), then scaled by
+    `processor.rescale_factor` and normalized with `processor.image_mean`/`image_std`. Without
+    `random_resized_crop`, the whole image is resized. With `seed`, the transform draws from its own generator
+    (reproducible); otherwise, and always inside DataLoader workers (so they don't repeat each other), from torch's
+    global generator, which the DataLoader seeds per worker and epoch.
+    """
+    if not (0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
+        raise ValueError(f"Need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}.")
+    size = (int(processor.size["height"]), int(processor.size["width"]))
+    rescale = float(processor.rescale_factor) if getattr(processor, "do_rescale", True) else 1.0
+    normalize = getattr(processor, "do_normalize", True)
+    mean = torch.tensor(processor.image_mean if normalize else 0.0, dtype=torch.float32).reshape(-1, 1, 1)
+    std = torch.tensor(processor.image_std if normalize else 1.0, dtype=torch.float32).reshape(-1, 1, 1)
+    own_generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+    def augment(image: PIL.Image.Image, generator: torch.Generator | None) -> torch.Tensor:
+        pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1).float()  # [3, h, w], 0..255
+        if random_resized_crop:
+            top, left, height, width = random_resized_crop_box(*pixels.shape[1:], scale, ratio, generator)
+            pixels = pixels[:, top : top + height, left : left + width]
+        pixels = F.interpolate(pixels[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+        if hflip and torch.rand((), generator=generator) < 0.5:
+            pixels = pixels.flip(-1)
+        return pixels
+
+    def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
+        generator = own_generator if torch.utils.data.get_worker_info() is None else None
+        pixels = torch.stack([augment(decode_rgb(image, i), generator) for i, image in enumerate(batch["image"])])
+        return _with_labels((pixels * rescale - mean) / std, batch)
+
+    return transform
+
+
+def random_resized_crop_box(
+    height: int,
+    width: int,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    generator: torch.Generator | None = None,
+) -> tuple[int, int, int, int]:
+    """Inception-style crop `(top, left, crop_height, crop_width)` of a `height` x `width` image (as torchvision's)."""
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * torch.empty(()).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect = math.exp(torch.empty(()).uniform_(log_ratio[0], log_ratio[1], generator=generator).item())
+        crop_width = round(math.sqrt(target_area * aspect))
+        crop_height = round(math.sqrt(target_area / aspect))
+        if 0 < crop_width <= width and 0 < crop_height <= height:
+            top = int(torch.randint(0, height - crop_height + 1, (), generator=generator))
+            left = int(torch.randint(0, width - crop_width + 1, (), generator=generator))
+            return top, left, crop_height, crop_width
+    # Fallback: the largest central crop whose aspect ratio is within `ratio`.
+    if width / height < ratio[0]:
+        crop_width, crop_height = width, round(width / ratio[0])
+    elif width / height > ratio[1]:
+        crop_width, crop_height = round(height * ratio[1]), height
+    else:
+        crop_width, crop_height = width, height
+    return (height - crop_height) // 2, (width - crop_width) // 2, crop_height, crop_width
+
+
+def _with_labels(pixel_values: torch.Tensor, batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
+    output = {"pixel_values": pixel_values.to(torch.float32)}
+    if "label" in batch:
+        output["labels"] = torch.as_tensor(np.asarray(batch["label"]), dtype=torch.long)
+    return output
+
+
+def apply_transforms(
+    ds: DatasetDict | IterableDatasetDict,
+    train_transform: Transform,
+    eval_transform: Transform,
+    *,
+    train_split: str = "train",
+    stream_batch_size: int = 32,
+) -> DatasetDict | IterableDatasetDict:
+    """Return `ds` with `train_transform` on `train_split` and `eval_transform` on the other splits.
+
+    In-memory splits get the transform lazily with `with_transform`; streamed splits with
+    `map(batched=True, batch_size=stream_batch_size)`. Images reach the transforms undecoded, so a corrupt image
+    raises `CorruptImageError` with its file name.
+    """
+    transformed = {}
+    for split, data in ds.items():
+        transform = train_transform if split == train_split else eval_transform
+        if isinstance(data, IterableDataset):
+            columns = data.column_names or ["image", "label"]
+            data = data.decode(False)
+            data = data.map(transform, batched=True, batch_size=stream_batch_size, remove_columns=columns)
+        else:
+            data = data.cast_column("image", datasets.Image(decode=False)).with_transform(transform)
+        transformed[split] = data
+    return type(ds)(transformed)
+
+
+def collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack transformed examples into a batch: `pixel_values` [N, 3, H, W] and, when present, `labels` [N]."""
+    batch = {"pixel_values": torch.stack([torch.as_tensor(example["pixel_values"]) for example in examples])}
+    if "labels" in examples[0]:
+        batch["labels"] = torch.tensor([int(example["labels"]) for example in examples], dtype=torch.long)
+    return batch

@@ -1,0 +1,63 @@
+"""Evaluation metrics shipped with `hf_vit`, loadable without network access.
+
+`load_accuracy()` loads the local `evaluate` module in `hf_vit/metrics/accuracy/` by path, so it never contacts the
+Hugging Face Hub (it works with `HF_HUB_OFFLINE=1`). `compute_metrics` plugs it into `transformers.Trainer`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import evaluate
+
+ACCURACY_PATH = str(Path(__file__).resolve().parent / "accuracy")
+"""Local path of the accuracy metric module (a directory holding `accuracy.py`)."""
+
+_accuracy: evaluate.EvaluationModule | None = None
+
+
+def load_accuracy(**kwargs) -> evaluate.EvaluationModule:
+    """Return `evaluate.load(ACCURACY_PATH, **kwargs)`: top-1 and top-k accuracy, loaded from the local file."""
+    import evaluate  # imported here: `import evaluate` takes seconds (it imports transformers' pipelines)
+
+    return evaluate.load(ACCURACY_PATH, **kwargs)
+
+
+def compute_metrics(eval_pred) -> dict[str, float]:
+    """Trainer `compute_metrics`: `{"accuracy", "top5_accuracy"}` from logits [N, C] and label ids [N].
+
+    `top5_accuracy` is reported only when C >= 5. `eval_pred` is a `transformers.EvalPrediction` (or a
+    `(predictions, label_ids)` pair); when the model returns several outputs, the first one is taken as the logits.
+    """
+    global _accuracy
+    logits, labels = eval_pred[0], eval_pred[1]
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    logits = np.asarray(logits)
+    if logits.ndim != 2:
+        raise ValueError(f"compute_metrics expects logits of shape [N, C], got shape {logits.shape}")
+    if _accuracy is None:
+        _accuracy = load_accuracy(keep_in_memory=True)
+    top_k = (1, 5) if logits.shape[1] >= 5 else (1,)
+    logits, labels = _keep_top_classes(logits, np.asarray(labels, dtype=np.int64), max(top_k))
+    return _accuracy.compute(predictions=logits, references=labels, top_k=top_k)
+
+
+def _keep_top_classes(logits: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Shrink [N, C] logits to [N, k + 1] without changing any top-j accuracy for j <= k.
+
+    Each row keeps its k best classes (by score, ties to the lower id) plus the label's class, or the (k + 1)-th best
+    when the label is among the k best; kept columns stay in class-id order, so ties break as before. This keeps
+    the metric fast for many classes (it copies every score through Python lists).
+    """
+    if logits.shape[1] <= k + 1:
+        return logits, labels
+    kept = np.argsort(-logits, axis=1, kind="stable")[:, : k + 1]
+    missed = ~(kept[:, :k] == labels[:, None]).any(axis=1)
+    kept[missed, k] = labels[missed]
+    kept.sort(axis=1)
+    return np.take_along_axis(logits, kept, axis=1), (kept == labels[:, None]).argmax(axis=1)

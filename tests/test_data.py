@@ -1,0 +1,356 @@
+import collections
+import time
+
+import datasets
+import huggingface_hub
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from sklearn.datasets import load_digits
+
+from hf_vit.data import (
+    DIGITS_SPLIT_SIZES,
+    CorruptImageError,
+    apply_transforms,
+    collate_fn,
+    load_digits_dataset,
+    load_image_dataset,
+    make_eval_transform,
+    make_train_transform,
+    random_resized_crop_box,
+)
+from hf_vit.data import label_names as get_label_names
+from hf_vit.image_processing_vit import VisionTransformerImageProcessor
+
+SIZE = 16
+COLORS = {"bird": (0, 0, 255), "cat": (255, 0, 0), "dog": (0, 255, 0)}
+MODES = ["L", "RGBA", "P", "RGB"]
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return VisionTransformerImageProcessor(size={"height": SIZE, "width": SIZE})
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits_dataset()
+
+
+def _key(image, label):
+    return np.asarray(image).tobytes() + bytes([label])
+
+
+def _colored_image(color, mode, size):
+    image = PIL.Image.new("RGB", size, color)
+    if mode == "P":
+        return image.convert("P", palette=PIL.Image.Palette.ADAPTIVE)
+    return image.convert(mode)
+
+
+def _write_image_folder(root, sizes=((10, 12), (20, 7), (8, 8), (33, 17))):
+    """Write root/<label>/<i>.png, each image uniformly its label's color, in varied modes and sizes."""
+    for label, color in COLORS.items():
+        (root / label).mkdir(parents=True)
+        for i, (mode, size) in enumerate(zip(MODES, sizes)):
+            _colored_image(color, mode, size).save(root / label / f"{i}.png")
+    return root
+
+
+def _color_name(pixel_values, processor):
+    """Which of COLORS a transformed uniform image shows, by luma (grayscale copies of a color keep its luma)."""
+    std, mean = torch.tensor(processor.image_std).view(3, 1, 1), torch.tensor(processor.image_mean).view(3, 1, 1)
+    rgb = (pixel_values * std + mean).mean(dim=(-2, -1)) * 255
+    luma = float(rgb @ torch.tensor([0.299, 0.587, 0.114]))
+    return min(COLORS, key=lambda name: abs(np.dot(COLORS[name], [0.299, 0.587, 0.114]) - luma))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# digits
+
+
+def test_digits_splits_partition_the_data_set(digits):
+    assert {split: len(ds) for split, ds in digits.items()} == DIGITS_SPLIT_SIZES
+    assert sum(DIGITS_SPLIT_SIZES.values()) == 1797
+    sk = load_digits()
+    expected = collections.Counter(
+        _key(np.rint(x * 255 / 16).astype(np.uint8), int(y)) for x, y in zip(sk.images, sk.target)
+    )
+    found = collections.Counter(_key(ex["image"], ex["label"]) for ds in digits.values() for ex in ds)
+    assert found == expected  # together with the sizes: the splits are disjoint and cover every image
+
+
+def test_digits_splits_are_stratified(digits):
+    class_counts = np.bincount(load_digits().target)
+    for split, ds in digits.items():
+        counts = np.bincount(ds["label"], minlength=10)
+        assert np.all(np.abs(counts - class_counts * len(ds) / 1797) <= 1), (split, counts)
+
+
+def test_digits_features_and_images(digits):
+    assert get_label_names(digits) == [str(d) for d in range(10)]
+    assert isinstance(digits["train"].features["image"], datasets.Image)
+    image = digits["train"][0]["image"]
+    assert image.mode == "L" and image.size == (8, 8)
+    pixels = np.stack([np.asarray(ex["image"]) for ex in digits["test"]])
+    assert pixels.dtype == np.uint8 and pixels.min() == 0 and pixels.max() == 255
+
+
+def test_digits_are_deterministic_and_seed_only_orders(digits):
+    again = load_digits_dataset()
+    reordered = load_digits_dataset(seed=1)
+    for split in digits:
+        assert again[split]["label"] == digits[split]["label"]
+        assert [np.asarray(im).tobytes() for im in again[split]["image"]] == [
+            np.asarray(im).tobytes() for im in digits[split]["image"]
+        ]
+        assert reordered[split]["label"] != digits[split]["label"]
+        same = collections.Counter(_key(ex["image"], ex["label"]) for ex in digits[split])
+        assert collections.Counter(_key(ex["image"], ex["label"]) for ex in reordered[split]) == same
+    assert load_image_dataset("digits")["validation"]["label"] == digits["validation"]["label"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# local data sets
+
+
+def test_image_folder_with_string_labels_mixed_sizes_and_modes(tmp_path, processor):
+    root = _write_image_folder(tmp_path / "images")
+    ds = load_image_dataset(str(root), validation_fraction=0.25, cache_dir=str(tmp_path / "cache"))
+    assert set(ds) == {"train", "validation"}
+    assert len(ds["train"]) + len(ds["validation"]) == 12 and len(ds["validation"]) == 3
+    assert get_label_names(ds) == ["bird", "cat", "dog"]  # folder names, sorted
+    assert ds["train"].column_names == ["image", "label"]
+    all_examples = [ex for split in ds.values() for ex in split]
+    assert {ex["image"].mode for ex in all_examples} == set(MODES)
+    assert len({ex["image"].size for ex in all_examples}) == 4
+
+    transformed = apply_transforms(ds, make_train_transform(processor, seed=0), make_eval_transform(processor))
+    for split in ("train", "validation"):
+        batch = collate_fn([transformed[split][i] for i in range(len(ds[split]))])
+        assert batch["pixel_values"].shape == (len(ds[split]), 3, SIZE, SIZE)
+        names = [get_label_names(ds)[label] for label in batch["labels"].tolist()]
+        assert [_color_name(pixels, processor) for pixels in batch["pixel_values"]] == names  # labels match images
+
+
+def test_image_folder_with_split_directories(tmp_path):
+    root = tmp_path / "images"
+    _write_image_folder(root / "train")
+    _write_image_folder(root / "test", sizes=[(9, 9)] * 4)
+    ds = load_image_dataset(str(root), validation_fraction=0.25, seed=3, cache_dir=str(tmp_path / "cache"))
+    assert {split: len(d) for split, d in ds.items()} == {"train": 9, "validation": 3, "test": 12}
+    assert sorted(ds["validation"]["label"]) == [0, 1, 2]  # stratified: one image of each class
+    again = load_image_dataset(str(root), validation_fraction=0.25, seed=3, cache_dir=str(tmp_path / "cache"))
+    assert again["validation"]["label"] == ds["validation"]["label"]
+
+
+def test_save_to_disk_round_trip(tmp_path, digits):
+    digits.save_to_disk(str(tmp_path / "digits"))
+    loaded = load_image_dataset(str(tmp_path / "digits"))
+    assert {split: len(d) for split, d in loaded.items()} == DIGITS_SPLIT_SIZES
+    assert get_label_names(loaded) == get_label_names(digits)
+    assert loaded["test"]["label"] == digits["test"]["label"]
+    assert np.array_equal(np.asarray(loaded["test"][5]["image"]), np.asarray(digits["test"][5]["image"]))
+
+    digits["validation"].save_to_disk(str(tmp_path / "single"))  # a lone Dataset is the train split
+    single = load_image_dataset(str(tmp_path / "single"), validation_fraction=0.2)
+    assert {split: len(d) for split, d in single.items()} == {"train": 144, "validation": 36}
+
+
+def _saved(tmp_path, columns, features=None, name="custom"):
+    path = str(tmp_path / name)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(columns, features=features)}).save_to_disk(path)
+    return path
+
+
+def test_custom_column_names_and_string_labels(tmp_path):
+    images = [_colored_image(COLORS["cat"], "RGB", (6, 6))] * 6
+    path = _saved(tmp_path, {"img": images, "species": ["dog", "cat", "dog", "bird", "cat", "dog"], "extra": [0] * 6})
+    ds = load_image_dataset(path, image_column="img", label_column="species", validation_fraction=0.5)
+    assert ds["train"].column_names == ["image", "label"]
+    assert get_label_names(ds) == ["bird", "cat", "dog"]
+    labels = sorted([*ds["train"]["label"], *ds["validation"]["label"]])
+    assert labels == [0, 1, 1, 2, 2, 2]
+    assert isinstance(ds["train"][0]["image"], PIL.Image.Image)
+
+
+def test_integer_labels_without_names_get_numbers_as_names(tmp_path):
+    images = [_colored_image(COLORS["dog"], "L", (5, 5))] * 4
+    ds = load_image_dataset(_saved(tmp_path, {"image": images, "label": [0, 3, 1, 3]}), validation_fraction=0.25)
+    assert get_label_names(ds) == ["0", "1", "2", "3"]
+
+
+def test_missing_columns_error_lists_columns_and_flags(tmp_path):
+    path = _saved(tmp_path, {"img": [_colored_image(COLORS["cat"], "RGB", (4, 4))], "target": [1]})
+    with pytest.raises(ValueError) as info:
+        load_image_dataset(path)
+    message = str(info.value)
+    for text in ("'image'", "'label'", "['img', 'target']", "--image_column_name", "--label_column_name"):
+        assert text in message
+
+
+def test_unknown_data_set_name_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    start = time.perf_counter()
+    with pytest.raises(FileNotFoundError) as info:
+        load_image_dataset("nobody-here/no_such_image_dataset")
+    assert time.perf_counter() - start < 10
+    message = str(info.value)
+    assert "'nobody-here/no_such_image_dataset'" in message and "'digits'" in message and "local" in message
+    assert info.value.__cause__ is not None
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_image_raises_naming_the_file(tmp_path, processor, damage):
+    root = _write_image_folder(tmp_path / "images")
+    bad = root / "cat" / "bad.png"
+    if damage == "garbage":
+        bad.write_bytes(b"this is not an image")
+    else:
+        _colored_image((1, 2, 3), "RGB", (64, 64)).save(bad)
+        bad.write_bytes(bad.read_bytes()[:80])
+    ds = load_image_dataset(str(root), validation_fraction=0.25, cache_dir=str(tmp_path / "cache"))
+    transformed = apply_transforms(ds, make_train_transform(processor), make_eval_transform(processor))
+    split = next(split for split in ds if any("bad.png" in (p or "") for p in _paths(ds[split])))
+    index = _paths(ds[split]).index(str(bad))
+    with pytest.raises(CorruptImageError, match="bad.png") as info:
+        transformed[split][index]
+    assert isinstance(info.value.__cause__, OSError)  # PIL's error, chained
+    for transform in (make_train_transform(processor), make_eval_transform(processor)):
+        batch = {"image": [_colored_image((0, 0, 0), "RGB", (4, 4)), {"path": str(bad), "bytes": None}]}
+        with pytest.raises(CorruptImageError, match="image 1 of the batch"):
+            transform(batch)
+        with pytest.raises(CorruptImageError, match="20 bytes of image data"):
+            transform({"image": [b"this is not an image"], "label": [0]})
+
+
+def _paths(ds):
+    return [image["path"] for image in ds.cast_column("image", datasets.Image(decode=False))["image"]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# transforms
+
+
+def _batch(digits, n=6):
+    return digits["train"][:n]
+
+
+def _bounds(processor):
+    mean, std = torch.tensor(processor.image_mean), torch.tensor(processor.image_std)
+    return ((0 - mean) / std).min().item() - 1e-5, ((1 - mean) / std).max().item() + 1e-5
+
+
+def test_train_transform_shapes_and_ranges(digits, processor):
+    out = make_train_transform(processor, hflip=False, seed=0)(_batch(digits))
+    assert out["pixel_values"].shape == (6, 3, SIZE, SIZE) and out["pixel_values"].dtype == torch.float32
+    assert out["labels"].dtype == torch.long and out["labels"].tolist() == _batch(digits)["label"]
+    low, high = _bounds(processor)
+    assert low <= out["pixel_values"].min() and out["pixel_values"].max() <= high
+    assert out["pixel_values"].std() > 0.1
+    grey = out["pixel_values"] * torch.tensor(processor.image_std).view(3, 1, 1)
+    assert torch.allclose(grey[:, 0] + processor.image_mean[0], grey[:, 2] + processor.image_mean[2], atol=1e-5)
+
+
+def test_train_transform_mixed_modes_and_sizes(processor):
+    sizes = [(3, 9), (40, 11), (8, 8), (5, 5)]
+    images = [_colored_image(COLORS["dog"], mode, size) for mode, size in zip(MODES, sizes)]
+    out = make_train_transform(processor, seed=0)({"image": images, "label": [1, 2, 0, 1]})
+    assert out["pixel_values"].shape == (4, 3, SIZE, SIZE)
+    assert [_color_name(p, processor) for p in out["pixel_values"]] == ["dog"] * 4
+
+
+def test_train_transform_randomness_and_seeding(digits, processor):
+    batch = _batch(digits)
+    transform = make_train_transform(processor, seed=0)
+    first, second = transform(batch)["pixel_values"], transform(batch)["pixel_values"]
+    assert not torch.equal(first, second)  # every call draws new crops
+    assert torch.equal(make_train_transform(processor, seed=0)(batch)["pixel_values"], first)
+    assert not torch.equal(make_train_transform(processor, seed=1)(batch)["pixel_values"], first)
+    torch.manual_seed(5)
+    unseeded = make_train_transform(processor)(batch)["pixel_values"]
+    torch.manual_seed(5)
+    assert torch.equal(make_train_transform(processor)(batch)["pixel_values"], unseeded)  # global RNG
+
+
+def test_horizontal_flip_only_when_enabled(processor):
+    image = PIL.Image.fromarray(np.tile(np.arange(0, 240, 30, dtype=np.uint8), (8, 1)))  # dark left, bright right
+    batch = {"image": [image], "label": [0]}
+    no_flip = make_train_transform(processor, random_resized_crop=False, hflip=False, seed=0)
+    outputs = [no_flip(batch)["pixel_values"][0] for _ in range(20)]
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+    assert outputs[0][0, :, 0].mean() < outputs[0][0, :, -1].mean()  # still dark on the left
+    flip = make_train_transform(processor, random_resized_crop=False, hflip=True, seed=0)
+    flipped = [flip(batch)["pixel_values"][0] for _ in range(20)]
+    assert all(torch.equal(out, outputs[0]) or torch.equal(out, outputs[0].flip(-1)) for out in flipped)
+    assert 0 < sum(torch.equal(out, outputs[0]) for out in flipped) < 20
+
+
+def test_random_resized_crop_box():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        top, left, height, width = random_resized_crop_box(30, 50, (0.25, 0.5), (0.5, 2.0), generator)
+        assert 0 <= top and top + height <= 30 and 0 <= left and left + width <= 50
+        assert 0.2 <= height * width / 1500 <= 0.55 and 0.4 <= width / height <= 2.5
+    # no crop of the whole area has an aspect ratio of 10..20: fall back to the central crop closest to it
+    assert random_resized_crop_box(10, 10, (1.0, 1.0), (10.0, 20.0), generator) == (4, 0, 1, 10)
+    with pytest.raises(ValueError):
+        make_train_transform(VisionTransformerImageProcessor(), scale=(0.9, 0.1))
+
+
+def test_eval_transform_matches_processor(digits, processor):
+    batch = _batch(digits)
+    out = make_eval_transform(processor)(batch)
+    expected = processor([image.convert("RGB") for image in batch["image"]], return_tensors="pt")["pixel_values"]
+    assert torch.equal(out["pixel_values"], expected)
+    assert out["labels"].tolist() == batch["label"]
+    assert torch.equal(make_eval_transform(processor)(batch)["pixel_values"], out["pixel_values"])
+
+
+def test_with_transform_and_collate(digits, processor):
+    train = digits["train"].with_transform(make_train_transform(processor, hflip=False))
+    example = train[0]
+    assert example["pixel_values"].shape == (3, SIZE, SIZE) and int(example["labels"]) == digits["train"][0]["label"]
+    batch = collate_fn(train.__getitems__([0, 1, 2]))
+    assert batch["pixel_values"].shape == (3, 3, SIZE, SIZE)
+    assert batch["labels"].tolist() == digits["train"]["label"][:3]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# streaming
+
+
+def test_streaming_digits_yields_transformed_batches(digits, processor):
+    stream = load_image_dataset("digits", streaming=True)
+    assert isinstance(stream, datasets.IterableDatasetDict) and get_label_names(stream) == get_label_names(digits)
+    eval_transform = make_eval_transform(processor)
+    mapped = stream["validation"].map(eval_transform, batched=True, batch_size=64, remove_columns=["image", "label"])
+    loader = torch.utils.data.DataLoader(mapped, batch_size=50, collate_fn=collate_fn)
+    batches = list(loader)
+    assert [len(b["labels"]) for b in batches] == [50, 50, 50, 30]
+    assert torch.cat([b["labels"] for b in batches]).tolist() == digits["validation"]["label"]
+    expected = eval_transform(digits["validation"][:50])["pixel_values"]
+    assert torch.allclose(batches[0]["pixel_values"], expected)
+
+    transformed = apply_transforms(stream, make_train_transform(processor, hflip=False, seed=0), eval_transform)
+    train_batch = next(iter(torch.utils.data.DataLoader(transformed["train"], batch_size=8, collate_fn=collate_fn)))
+    assert train_batch["pixel_values"].shape == (8, 3, SIZE, SIZE)
+    assert train_batch["labels"].tolist() == digits["train"]["label"][:8]
+
+
+def test_streaming_image_folder_carves_validation(tmp_path, processor):
+    root = _write_image_folder(tmp_path / "images")
+    stream = load_image_dataset(str(root), streaming=True, validation_fraction=0.25, cache_dir=str(tmp_path / "c"))
+    assert isinstance(stream["train"], datasets.IterableDataset) and set(stream) == {"train", "validation"}
+    assert get_label_names(stream) == ["bird", "cat", "dog"]
+    transformed = apply_transforms(stream, make_train_transform(processor, seed=0), make_eval_transform(processor))
+    train, validation = list(transformed["train"]), list(transformed["validation"])
+    assert (len(train), len(validation)) == (9, 3)
+    assert all(ex["pixel_values"].shape == (3, SIZE, SIZE) for ex in train + validation)
+    names = get_label_names(stream)
+    for ex in train + validation:
+        assert _color_name(ex["pixel_values"], processor) == names[int(ex["labels"])]
