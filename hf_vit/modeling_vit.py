@@ -261,6 +261,9 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
+    # The loss is a mean over the batch. Telling Trainer so keeps it from expecting a sum over `num_items_in_batch`
+    # and multiplying the loss by the number of processes.
+    accepts_loss_kwargs = False
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):

@@ -1,0 +1,41 @@
+"""Training curves from `Trainer`'s log history."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def plot_training_curves(log_history: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> Path:
+    """Write a PNG with the training and validation loss (left) and the validation accuracy (right) per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        points = [(entry["step"], entry[key]) for entry in log_history if key in entry and "step" in entry]
+        return [s for s, _ in points], [v for _, v in points]
+
+    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label in (("loss", "train loss"), ("eval_loss", "validation loss")):
+        steps, values = series(key)
+        if steps:
+            loss_ax.plot(steps, values, marker="." if key == "eval_loss" else None, label=label)
+    loss_ax.set(xlabel="step", ylabel="cross-entropy", title="loss")
+    loss_ax.legend()
+    for key, label in (("eval_accuracy", "top-1"), ("eval_top5_accuracy", "top-5")):
+        steps, values = series(key)
+        if steps:
+            acc_ax.plot(steps, values, marker=".", label=f"validation {label}")
+    acc_ax.set(xlabel="step", ylabel="accuracy", title="accuracy", ylim=(0, 1.01))
+    acc_ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,95 @@
+"""Resolution changes: resample the learned position embeddings to a new patch grid (the paper's section 3.2).
+
+The class token's position is kept as it is; the patch positions are treated as a 2D image of D channels and
+resampled (bicubic by default, bilinear available) to the new grid, which may be non-square.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .configuration_vit import VisionTransformerConfig, _pair
+from .modeling_vit import VisionTransformerPreTrainedModel, resample_patch_position_embeddings
+
+POSITION_KEY = "embeddings.position_embedding"
+MODES = ("bicubic", "bilinear")
+
+
+def new_grid(config: VisionTransformerConfig, image_size: int | Sequence[int]) -> tuple[int, int]:
+    """The patch grid of `config`'s model at `image_size`, with a clear error when the size cannot be tiled."""
+    height, width = _pair(list(image_size) if not isinstance(image_size, int) else image_size, "image_size")
+    patch = config.patch_size
+    if height < patch or width < patch:
+        raise ValueError(f"image_size {height}x{width} is smaller than one {patch}x{patch} patch.")
+    if height % patch or width % patch:
+        raise ValueError(
+            f"image_size {height}x{width} is not divisible by the patch size {patch}; "
+            f"the nearest sizes are {height // patch * patch}x{width // patch * patch} "
+            f"and {-(-height // patch) * patch}x{-(-width // patch) * patch}."
+        )
+    return (height // patch, width // patch)
+
+
+def resample_position_embeddings(
+    position_embedding: torch.Tensor,
+    old_grid: tuple[int, int],
+    grid: tuple[int, int],
+    num_prefix_tokens: int = 1,
+    mode: str = "bicubic",
+) -> torch.Tensor:
+    """Resample `(1, prefix + old_h * old_w, D)` position embeddings to `grid`, keeping the prefix (class) tokens."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    expected = num_prefix_tokens + old_grid[0] * old_grid[1]
+    if position_embedding.ndim != 3 or position_embedding.shape[1] != expected:
+        raise ValueError(
+            f"Position embeddings of shape {tuple(position_embedding.shape)} do not match a {old_grid[0]}x"
+            f"{old_grid[1]} grid with {num_prefix_tokens} prefix token(s) (expected (1, {expected}, D)); the "
+            "checkpoint's config does not describe its weights."
+        )
+    prefix, patches = position_embedding[:, :num_prefix_tokens], position_embedding[:, num_prefix_tokens:]
+    return torch.cat([prefix, resample_patch_position_embeddings(patches, old_grid, grid, mode)], dim=1)
+
+
+def resize_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    config: VisionTransformerConfig,
+    image_size: int | Sequence[int],
+    mode: str = "bicubic",
+) -> dict[str, torch.Tensor]:
+    """Return `state_dict` (of a model built from `config`) with its position embeddings resampled for `image_size`."""
+    grid = new_grid(config, image_size)
+    out = dict(state_dict)
+    keys = [k for k in state_dict if k == POSITION_KEY or k.endswith("." + POSITION_KEY)]
+    if len(keys) != 1:
+        raise ValueError(f"Expected one position embedding ({POSITION_KEY}) in the state dict, found {keys}.")
+    key = keys[0]
+    out[key] = resample_position_embeddings(state_dict[key], config.grid_size, grid, config.num_prefix_tokens, mode)
+    return out
+
+
+def resized_config(config: VisionTransformerConfig, image_size: int | Sequence[int]) -> VisionTransformerConfig:
+    """A copy of `config` at `image_size` (validated)."""
+    new_grid(config, image_size)
+    fields = config.to_dict()
+    fields["image_size"] = image_size if isinstance(image_size, int) else list(image_size)
+    if fields["image_size"] != config.image_size and isinstance(fields["image_size"], list):
+        height, width = fields["image_size"]
+        fields["image_size"] = height if height == width else [height, width]
+    return type(config).from_dict(fields)
+
+
+def resize_model(
+    model: VisionTransformerPreTrainedModel, image_size: int | Sequence[int], mode: str = "bicubic"
+) -> VisionTransformerPreTrainedModel:
+    """A new model of the same class at `image_size`, whose position embeddings are `model`'s resampled in 2D.
+
+    The result runs at the new size without `interpolate_pos_encoding`; its config says the new size.
+    """
+    config = resized_config(model.config, image_size)
+    state_dict = resize_state_dict(model.state_dict(), model.config, image_size, mode)
+    resized = type(model)(config)
+    resized.load_state_dict(state_dict, strict=True)
+    return resized.to(next(model.parameters()).device).train(model.training)

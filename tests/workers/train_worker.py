@@ -1,0 +1,45 @@
+"""Runs `hf_vit.training.train` like the scripts do, with test hooks: each rank dumps its weights at the end, and
+`--kill_at_step N` makes the process die abruptly (as a killed job would) once step N is reached.
+
+    python tests/workers/train_worker.py finetune [--kill_at_step N] <script flags>
+    torchrun --nproc_per_node 2 tests/workers/train_worker.py finetune <script flags>
+"""
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+from safetensors.torch import save_file
+from transformers import TrainerCallback
+
+from hf_vit.training import parse_args, train
+
+
+class DumpWeights(TrainerCallback):
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        save_file(weights, os.path.join(args.output_dir, f"rank{rank}.safetensors"))
+        with open(os.path.join(args.output_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "world_size": world, "args_world_size": args.world_size}, f)
+
+
+class KillAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os._exit(17)  # no cleanup, no final save: as if the job was killed
+
+
+if __name__ == "__main__":
+    task, argv = sys.argv[1], sys.argv[2:]
+    callbacks = [DumpWeights()]
+    if "--kill_at_step" in argv:
+        i = argv.index("--kill_at_step")
+        callbacks.append(KillAt(int(argv[i + 1])))
+        argv = argv[:i] + argv[i + 2 :]
+    train(task, *parse_args(task, argv), callbacks=callbacks)
