@@ -112,3 +112,46 @@ def write_model_card(output_dir: str | os.PathLike, model, metrics: dict[str, An
     path = Path(output_dir) / "README.md"
     render_model_card(model, metrics, **kwargs).save(path)
     return path
+
+
+# What a published hf-vit folder holds: safetensors weights, configs, code files for trust_remote_code, the card and
+# its figures. Anything else (optimizer states, pickles, checkpoints) stays local.
+UPLOAD_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.py", "README.md", "*.png"]
+UPLOAD_EXCLUDE = ["checkpoint-*/**", "runs/**", "training_args.bin", "*.bin", "*.pt", "*.pth", "*.pkl"]
+
+
+def push_folder_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str | None,
+    *,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str = "Upload hf-vit model",
+    revision: str | None = None,
+) -> str:
+    """Push an hf-vit folder to the Hub with huggingface_hub's own machinery; returns the commit URL.
+
+    Only safetensors weights, JSON configs, the code files and the card (with its PNG figures) are uploaded.
+    """
+    from huggingface_hub import HfApi
+
+    if not repo_id:
+        raise ValueError("Pushing needs a repository id: pass --hub_model_id <user or org>/<name>.")
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: save the model there before pushing it.")
+    weights = list(folder.glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(f"{folder} has no safetensors weights; hf-vit only publishes safetensors.")
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    commit = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=str(folder),
+        allow_patterns=UPLOAD_PATTERNS,
+        ignore_patterns=UPLOAD_EXCLUDE,
+        commit_message=commit_message,
+        revision=revision,
+        repo_type="model",
+    )
+    return str(getattr(commit, "commit_url", commit))

@@ -6,7 +6,9 @@ resampled (bicubic by default, bilinear available) to the new grid, which may be
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -93,3 +95,65 @@ def resize_model(
     resized = type(model)(config)
     resized.load_state_dict(state_dict, strict=True)
     return resized.to(next(model.parameters()).device).train(model.training)
+
+
+def _check_checkpoint_positions(folder: Path, config: VisionTransformerConfig) -> None:
+    """Fail clearly when a saved folder's position embeddings do not fit its own config."""
+    from safetensors import safe_open
+
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        return  # sharded or missing weights: from_pretrained reports those itself
+    with safe_open(weights, "pt") as f:
+        key = next((k for k in f.keys() if k == POSITION_KEY or k.endswith("." + POSITION_KEY)), None)
+        if key is None:
+            raise ValueError(f"{weights} has no position embeddings ({POSITION_KEY}); is it an hf-vit checkpoint?")
+        shape = tuple(f.get_slice(key).get_shape())
+    expected = config.num_prefix_tokens + config.num_patches
+    if len(shape) != 3 or shape[1] != expected or shape[2] != config.hidden_size:
+        rows, cols = config.grid_size
+        raise ValueError(
+            f"The position embeddings in {weights} have shape {shape}, but its config describes a {rows}x{cols} grid "
+            f"with {config.num_prefix_tokens} class token(s) and width {config.hidden_size}, i.e. "
+            f"(1, {expected}, {config.hidden_size}). Fix image_size/patch_size in config.json to match the weights."
+        )
+
+
+def make_resolution_variant(
+    source: str | os.PathLike,
+    image_size: int | Sequence[int],
+    output_dir: str | os.PathLike | None = None,
+    mode: str = "bicubic",
+    overwrite: bool = False,
+):
+    """Turn the hf-vit folder `source` into a variant at `image_size`: position embeddings resampled in 2D, and the
+    config and processor saying the new size, so it runs without `interpolate_pos_encoding`.
+
+    Returns `(model, processor)`; with `output_dir`, also writes the variant there (only if everything succeeded).
+    """
+    from .configuration_vit import VisionTransformerConfig as Config
+    from .convert.common import write_converted_folder
+    from .image_processing_vit import VisionTransformerImageProcessor
+    from .modeling_vit import VisionTransformerForImageClassification, VisionTransformerModel
+
+    folder = Path(source)
+    config = Config.from_pretrained(folder)
+    grid = new_grid(config, image_size)  # validate before loading anything big
+    _check_checkpoint_positions(folder, config)
+    is_classifier = any("ForImageClassification" in name for name in (config.architectures or []))
+    model_class = VisionTransformerForImageClassification if is_classifier else VisionTransformerModel
+    model = resize_model(model_class.from_pretrained(folder), image_size, mode).eval()
+    try:
+        processor = VisionTransformerImageProcessor.from_pretrained(folder)
+    except OSError:
+        processor = VisionTransformerImageProcessor()
+    height, width = grid[0] * config.patch_size, grid[1] * config.patch_size
+    processor.size = {"height": height, "width": width}
+    if output_dir is not None:
+
+        def save(path: Path) -> None:
+            model.save_pretrained(path)
+            processor.save_pretrained(path)
+
+        write_converted_folder(save, output_dir, overwrite=overwrite)
+    return model, processor

@@ -95,7 +95,9 @@ class ModelArguments:
     patch_size: int | None = field(default=None, metadata={"help": "Patch size, overriding the preset's."})
     config_overrides: str | None = field(
         default=None,
-        metadata={"help": "Config fields to override, e.g. 'hidden_size=96,num_hidden_layers=4,num_attention_heads=3'."},
+        metadata={
+            "help": "Config fields to override, e.g. 'hidden_size=96,num_hidden_layers=4,num_attention_heads=3'."
+        },
     )
     representation_size: int | None = field(
         default=None,
@@ -252,10 +254,8 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     folder = Path(output_dir)
     if not folder.is_dir():
         return None
-    found = sorted(
-        (int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))
-    )
-    for step, path in reversed(found):
+    found = sorted((int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name)))
+    for _, path in reversed(found):
         if is_complete_checkpoint(path):
             return str(path)
         logger.warning("Skipping %s: it is incomplete (the run stopped while saving it).", path)
@@ -385,6 +385,16 @@ def train(
             training_args=training_args,
             base_model=model_args.model_name_or_path if task == "finetune" else None,
         )
+        if training_args.push_to_hub:
+            from .hub import push_folder_to_hub
+
+            push_folder_to_hub(
+                training_args.output_dir,
+                training_args.hub_model_id or Path(training_args.output_dir).name,
+                private=training_args.hub_private_repo,
+                token=training_args.hub_token,
+                commit_message=f"hf-vit {task}: final model, card and metrics",
+            )
     return metrics
 
 

@@ -48,7 +48,9 @@ def test_recipes_are_the_papers_and_overridable(tmp_path):
     _, _, fine = parse_args("finetune", ["--output_dir", str(tmp_path), "--learning_rate", "0.03"])
     assert (fine.optim, fine.optim_args, fine.weight_decay) == ("sgd", "momentum=0.9", 0.0)
     assert fine.lr_scheduler_type == "cosine" and fine.max_grad_norm == 1.0 and fine.learning_rate == 0.03
-    _, _, other = parse_args("finetune", ["--output_dir", str(tmp_path), "--optim", "adamw_torch", "--weight_decay", "0.05"])
+    _, _, other = parse_args(
+        "finetune", ["--output_dir", str(tmp_path), "--optim", "adamw_torch", "--weight_decay", "0.05"]
+    )
     assert (other.optim, other.weight_decay) == ("adamw_torch", 0.05)
 
 
@@ -87,7 +89,9 @@ def test_pretrain_then_finetune_in_process(tmp_path):
     pre = VisionTransformerForImageClassification.from_pretrained(pre_dir)
     assert pre.config.representation_size == 32  # the paper pretrains with a pre-logits layer
     fine_args = ["--output_dir", str(fine_dir), "--model_name_or_path", str(pre_dir), "--image_size", "12"]
-    metrics = train("finetune", *parse_args("finetune", fine_args + common + ["--max_steps", "60", "--learning_rate", "0.05"]))
+    metrics = train(
+        "finetune", *parse_args("finetune", fine_args + common + ["--max_steps", "60", "--learning_rate", "0.05"])
+    )
     files = {p.name for p in fine_dir.iterdir()}
     assert {"model.safetensors", "config.json", "preprocessor_config.json", "README.md"} <= files
     assert {"all_results.json", "training_curves.png", "modeling_vit.py"} <= files
@@ -125,7 +129,16 @@ def test_string_labels_and_mixed_images_train_and_name_their_classes(tmp_path):
 def test_corrupt_image_fails_naming_the_file(tmp_path):
     data = image_folder(tmp_path / "data", corrupt=True)
     args = ["--output_dir", str(tmp_path / "out"), "--dataset_name", str(data), "--image_size", "8"]
-    args += ["--patch_size", "4", "--config_overrides", TINY, "--max_steps", "30", "--per_device_train_batch_size", "32"]
+    args += [
+        "--patch_size",
+        "4",
+        "--config_overrides",
+        TINY,
+        "--max_steps",
+        "30",
+        "--per_device_train_batch_size",
+        "32",
+    ]
     with pytest.raises(CorruptImageError, match="broken.png"):
         train("pretrain", *parse_args("pretrain", args + QUIET + ["--eval_strategy", "no", "--save_strategy", "no"]))
 
@@ -200,7 +213,16 @@ def test_distributed_two_processes_match_one(tmp_path):
 def test_killed_run_resumes_to_the_same_weights(tmp_path):
     source = pretrained_folder(tmp_path / "pre")
     # Augmentation on: resuming must also restore the random state of the crops.
-    extra = ["--save_strategy", "steps", "--save_steps", "4", "--random_resized_crop", "True", "--crop_scale_min", "0.5"]
+    extra = [
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "4",
+        "--random_resized_crop",
+        "True",
+        "--crop_scale_min",
+        "0.5",
+    ]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     run([sys.executable, str(WORKER)] + deterministic_finetune_args(source, straight, 16, max_steps=10, extra=extra))
     run(
@@ -214,7 +236,9 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     (killed / "checkpoint-6" / "trainer_state.json").unlink()
     resumed = run(
         [sys.executable, str(WORKER)]
-        + deterministic_finetune_args(source, killed, 16, max_steps=10, extra=extra + ["--resume_from_checkpoint", "True"])
+        + deterministic_finetune_args(
+            source, killed, 16, max_steps=10, extra=extra + ["--resume_from_checkpoint", "True"]
+        )
     )
     assert "checkpoint-6" in resumed.stderr  # named as skipped
     a, b = load_file(straight / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
