@@ -44,6 +44,8 @@ def render_model_card(
     base_model: str | None = None,
     resolution_note: str | None = None,
     summary: str | None = None,
+    recipe: str | None = None,
+    results_note: str = "Measured by the training run that produced these weights.",
     license: str = "apache-2.0",
 ) -> ModelCard:
     """A `ModelCard` for `model` with Hub metadata and the `metrics` measured for it (keys like `eval_accuracy`)."""
@@ -100,9 +102,9 @@ def render_model_card(
         num_labels=len(labels),
         labels=", ".join(labels[:20]) + (", ..." if len(labels) > 20 else ""),
         dataset_description=DATASET_DESCRIPTIONS.get(dataset_name, f"`{dataset_name}`."),
-        recipe=_recipe_text(task, training_args),
+        recipe=recipe or _recipe_text(task, training_args),
         results=results,
-        results_note="Measured by the training run that produced these weights.",
+        results_note=results_note,
         limitations=DIGITS_LIMITATIONS if dataset_name == "digits" else "Evaluated only on the data named above.",
     )
 

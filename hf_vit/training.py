@@ -111,6 +111,10 @@ class ModelArguments:
     interpolation: str = field(
         default="bicubic", metadata={"help": "Resampling of position embeddings: bicubic or bilinear."}
     )
+    keep_head: bool = field(
+        default=False,
+        metadata={"help": "Keep the checkpoint's head (same classes) instead of a new zero-initialised head."},
+    )
     attn_implementation: str = field(default="sdpa", metadata={"help": "eager, sdpa, flash_attention_2, flex..."})
 
 
@@ -211,26 +215,40 @@ def load_for_finetuning(
     representation_size: int | None = None,
     interpolation: str = "bicubic",
     attn_implementation: str = "sdpa",
+    keep_head: bool = False,
     **config_fields: Any,
 ) -> VisionTransformerForImageClassification:
     """Load a pretrained hf-vit model for fine-tuning, as the paper does: the head (pre-logits and classifier) is
     replaced by one zero-initialised linear layer for `id2label`, and at another `image_size` the position embeddings
-    are resampled in 2D from the checkpoint's."""
+    are resampled in 2D from the checkpoint's.
+
+    `keep_head=True` keeps the checkpoint's head instead, to continue training on the same classes (e.g. a short
+    fine-tune of a resolution variant); the classes must then be the checkpoint's.
+    """
     source = VisionTransformerForImageClassification.from_pretrained(path)
     fields = {k: v for k, v in config_fields.items() if v is not None}
     config = resized_config(source.config, image_size) if image_size is not None else source.config
+    if keep_head and source.config.id2label != id2label:
+        raise ValueError(
+            f"--keep_head needs the data set's classes to be the checkpoint's: {source.config.id2label} vs {id2label}."
+        )
+    head = (
+        {"representation_size": source.config.representation_size}
+        if keep_head
+        else {"representation_size": representation_size or None, "zero_init_head": True}
+    )
     config = VisionTransformerConfig.from_dict(
         {
             **config.to_dict(),
             **fields,
+            **head,
             "id2label": id2label,
             "label2id": {v: k for k, v in id2label.items()},
-            "representation_size": representation_size or None,
-            "zero_init_head": True,
             "problem_type": None,
         }
     )
-    backbone = {k: v for k, v in source.state_dict().items() if k.startswith("vit.")}
+    keep = ("vit.", "classifier.", "pre_logits.") if keep_head else ("vit.",)
+    backbone = {k: v for k, v in source.state_dict().items() if k.startswith(keep)}
     if image_size is not None:
         backbone = resize_state_dict(backbone, source.config, image_size, interpolation)
     config._attn_implementation = attn_implementation
@@ -345,6 +363,7 @@ def train(
             representation_size=model_args.representation_size,
             interpolation=model_args.interpolation,
             attn_implementation=model_args.attn_implementation,
+            keep_head=model_args.keep_head,
             drop_path_rate=model_args.drop_path_rate,
             hidden_dropout_prob=model_args.hidden_dropout_prob,
         )
@@ -398,6 +417,26 @@ def train(
     return metrics
 
 
+@torch.no_grad()
+def evaluate_model(
+    model: VisionTransformerForImageClassification,
+    processor: VisionTransformerImageProcessor,
+    data_args: DataArguments | None = None,
+    split: str = "test",
+    batch_size: int = 256,
+) -> dict[str, float]:
+    """Top-1/top-5 accuracy of `model` on a split of `data_args`' data set (digits by default), no training."""
+    data_args = data_args or DataArguments()
+    ds = with_transforms(load_datasets(data_args, seed=0), data_args, processor)[split]
+    model.eval()
+    logits, labels = [], []
+    for start in range(0, len(ds), batch_size):
+        batch = ds[start : start + batch_size]
+        logits.append(model(pixel_values=batch["pixel_values"]).logits.float())
+        labels.append(batch["labels"])
+    return compute_metrics((torch.cat(logits).numpy(), torch.cat(labels).numpy()))
+
+
 def _processor_for(path: str, config: VisionTransformerConfig) -> VisionTransformerImageProcessor:
     """The checkpoint's processor (its normalisation) at the fine-tuning resolution."""
     try:
@@ -413,3 +452,49 @@ def main(task: str, argv: list[str] | None = None) -> dict[str, float]:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     torch.set_float32_matmul_precision("high")
     return train(task, *parse_args(task, argv))
+
+
+def make_evaluated_variant(
+    source: str | os.PathLike,
+    image_size: int | list[int],
+    output_dir: str | os.PathLike,
+    data_args: DataArguments | None = None,
+    repo_id: str | None = None,
+    base_model: str | None = None,
+    mode: str = "bicubic",
+    overwrite: bool = False,
+) -> dict[str, float]:
+    """Write a resolution variant of the folder `source` to `output_dir`, measure its test accuracy with no further
+    training, and give it a model card that says so. Returns the measured metrics (`eval_*`)."""
+    from .hub import write_model_card
+    from .resolution import make_resolution_variant
+
+    data_args = data_args or DataArguments()
+    model, processor = make_resolution_variant(source, image_size, output_dir, mode, overwrite=overwrite)
+    measured = evaluate_model(model, processor, data_args)
+    metrics = {f"eval_{k}": v for k, v in measured.items()}
+    metrics["eval_split"] = "test"
+    old = VisionTransformerConfig.from_pretrained(source)
+    (height, width), (old_h, old_w) = model.config.image_hw, old.image_hw
+    write_model_card(
+        output_dir,
+        model=model,
+        metrics=metrics,
+        task="finetune",
+        dataset_name=data_args.dataset_name,
+        repo_id=repo_id,
+        base_model=base_model or str(source),
+        summary=(
+            f"A resolution variant of `{base_model or source}`: the same weights with the position embeddings "
+            f"resampled ({mode}) from {old_h}x{old_w} to {height}x{width}, not trained after."
+        ),
+        resolution_note=(
+            f"Interpolated from {old_h}x{old_w} ({old.grid_size[0]}x{old.grid_size[1]} patches) to {height}x{width} "
+            f"({model.config.grid_size[0]}x{model.config.grid_size[1]} patches) with {mode} resampling of the "
+            "position embeddings; not fine-tuned after the interpolation."
+        ),
+        recipe=f"no training after the interpolation; see `{base_model or source}` for how its weights were trained.",
+        results_note=f"Measured on the {data_args.dataset_name} test split right after the interpolation.",
+    )
+    (Path(output_dir) / "all_results.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics

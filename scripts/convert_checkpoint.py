@@ -1,7 +1,18 @@
 #!/usr/bin/env python
 """Convert a checkpoint from another ViT implementation into an hf-vit folder.
 
+python scripts/convert_checkpoint.py --source jax --input ViT-B_16.npz --output vit-b16-in21k
+python scripts/convert_checkpoint.py --source jax --input ViT-B_16.npz --output vit-b16-384 --image_size 384
+python scripts/convert_checkpoint.py --source timm --input path/to/model.safetensors --output vit-timm
 python scripts/convert_checkpoint.py --source transformers --input path/to/google-vit --output vit-hf
+
+jax: the authors' .npz files (google-research/vision_transformer, AugReg, big_vision names). timm: timm
+VisionTransformer weights (.safetensors, a torch file, or a Hub folder with config.json). transformers: a saved
+transformers ViT folder, whose config.json describes the model: --preset and --image_size are refused for it (use
+scripts/resize_resolution.py on the converted folder to change its resolution).
+
+--preset checks the checkpoint's sizes against a named model (e.g. vit-base-patch16-224; its resolution is not used).
+--image_size converts at another resolution, resampling the position embeddings in 2D.
 """
 
 from __future__ import annotations
@@ -9,20 +20,43 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hf_vit.convert import ConversionError, convert_transformers_checkpoint
+from hf_vit.convert import (
+    ConversionError,
+    convert_jax_checkpoint,
+    convert_timm_checkpoint,
+    convert_transformers_checkpoint,
+)
 
-CONVERTERS = {"transformers": convert_transformers_checkpoint}
+CONVERTERS = {
+    "jax": convert_jax_checkpoint,
+    "timm": convert_timm_checkpoint,
+    "transformers": convert_transformers_checkpoint,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", required=True, choices=sorted(CONVERTERS), help="layout of the input checkpoint")
-    parser.add_argument("--input", required=True, help="folder (or file) of the checkpoint to convert")
+    parser.add_argument("--input", required=True, help="file or folder of the checkpoint to convert")
     parser.add_argument("--output", required=True, help="folder to write the hf-vit checkpoint to")
+    parser.add_argument("--preset", default=None, help="named model the checkpoint must match (jax, timm)")
+    parser.add_argument("--image_size", type=int, default=None, help="resolution to convert at (jax, timm)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     args = parser.parse_args(argv)
+    kwargs = {"overwrite": args.overwrite}
+    if args.source == "transformers":
+        given = [f"--{name}" for name in ("preset", "image_size") if getattr(args, name) is not None]
+        if given:
+            print(
+                f"error: {' and '.join(given)} cannot be used with --source transformers: the folder's config.json "
+                "describes the model. Convert first, then change the resolution with scripts/resize_resolution.py.",
+                file=sys.stderr,
+            )
+            return 2
+    else:
+        kwargs.update(preset=args.preset, image_size=args.image_size)
     try:
-        model = CONVERTERS[args.source](args.input, args.output, overwrite=args.overwrite)
+        model = CONVERTERS[args.source](args.input, args.output, **kwargs)
     except (ConversionError, FileExistsError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,6 +1,20 @@
 """Pure state-dict mappings from other checkpoint layouts to hf-vit's, and the folder converters built on them."""
 
 from .common import ConversionError, write_converted_folder
+from .jax_npz import (
+    convert_jax_checkpoint,
+    hf_vit_to_npz_arrays,
+    infer_config_from_npz,
+    load_npz,
+    npz_to_hf_vit_state_dict,
+)
+from .timm_vit import (
+    convert_timm_checkpoint,
+    hf_vit_to_timm_state_dict,
+    infer_config_from_timm,
+    load_timm_state_dict,
+    timm_to_hf_vit_state_dict,
+)
 from .transformers_vit import (
     convert_transformers_checkpoint,
     hf_vit_to_transformers_state_dict,
@@ -10,8 +24,18 @@ from .transformers_vit import (
 
 __all__ = [
     "ConversionError",
+    "convert_jax_checkpoint",
+    "convert_timm_checkpoint",
     "convert_transformers_checkpoint",
+    "hf_vit_to_npz_arrays",
+    "hf_vit_to_timm_state_dict",
     "hf_vit_to_transformers_state_dict",
+    "infer_config_from_npz",
+    "infer_config_from_timm",
+    "load_npz",
+    "load_timm_state_dict",
+    "npz_to_hf_vit_state_dict",
+    "timm_to_hf_vit_state_dict",
     "transformers_config_to_hf_vit",
     "transformers_to_hf_vit_state_dict",
     "write_converted_folder",

@@ -1,0 +1,408 @@
+"""timm's `vision_transformer.VisionTransformer` state dicts <-> hf-vit.
+
+timm names (its attention already fuses query, key and value as rows [q; k; v], the layout hf-vit uses):
+
+    patch_embed.proj.{weight,bias}    cls_token    pos_embed    blocks.{i}.norm1    blocks.{i}.attn.qkv
+    blocks.{i}.attn.proj    blocks.{i}.norm2    blocks.{i}.mlp.fc1    blocks.{i}.mlp.fc2    norm    head
+    pre_logits.fc.{weight,bias}   (older timm: the representation layer, dense + tanh)
+
+Supported: class-token models with token pooling, and models without a class token that apply `norm` to every token
+before average pooling (`class_token=False, global_pool="avg", fc_norm=False`). Rejected with a `ConversionError`,
+because hf-vit computes a different function for them:
+
+* `fc_norm` (timm's default for average pooling: `norm` is an identity and a LayerNorm follows the pooling);
+* `no_embed_class=True` (the class token has no position embedding) and register tokens (`reg_token`);
+* anything else timm adds: LayerScale, QK-norm, a pre-norm, attention pooling, a patch-embedding norm...
+
+A state dict does not record timm's `global_pool`: one with a class token is taken to pool with it ("token"), unless a
+`config.json` beside the weights says otherwise. It does not record the number of heads either (the fused `qkv` hides
+it): it comes from `preset`, `num_attention_heads`, `model_args.num_heads` in `config.json`, or, failing those, the
+standard heads of the width (Ti 192: 3, S 384: 6, B 768: 12, L 1024: 16, H 1280: 16).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from ..configuration_vit import MODEL_SIZES, VisionTransformerConfig, _pair
+from ..resolution import resample_position_embeddings
+from .common import ConversionError, check_state_dict, write_converted_folder
+
+_TOP_KEYS = {
+    "patch_embed.proj.weight": "vit.embeddings.patch_embedding.weight",
+    "patch_embed.proj.bias": "vit.embeddings.patch_embedding.bias",
+    "cls_token": "vit.embeddings.cls_token",
+    "pos_embed": "vit.embeddings.position_embedding",
+    "norm.weight": "vit.norm.weight",
+    "norm.bias": "vit.norm.bias",
+    "pre_logits.fc.weight": "pre_logits.weight",
+    "pre_logits.fc.bias": "pre_logits.bias",
+    "head.weight": "classifier.weight",
+    "head.bias": "classifier.bias",
+}
+_BLOCK_KEYS = {
+    "norm1": "norm1",
+    "attn.qkv": "attention.qkv",
+    "attn.proj": "attention.proj",
+    "norm2": "norm2",
+    "mlp.fc1": "mlp.fc1",
+    "mlp.fc2": "mlp.fc2",
+}
+_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)\.(weight|bias)$")
+_HF_BLOCK = re.compile(r"^vit\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# timm features hf-vit does not have, by the arrays that reveal them.
+_UNSUPPORTED = (
+    (r"^reg_token$", "register tokens (reg_token)"),
+    (r"^dist_token$|^head_dist\.", "DeiT's distillation token and head"),
+    (r"^fc_norm\.", "a LayerNorm after average pooling (fc_norm)"),
+    (r"\.ls[12]\.", "LayerScale (ls1/ls2)"),
+    (r"\.attn\.(q_norm|k_norm)\.", "QK-norm"),
+    (r"\.attn\.norm\.", "a norm inside attention"),
+    (r"^norm_pre\.", "a LayerNorm before the blocks (norm_pre)"),
+    (r"^attn_pool\.", "attention pooling (attn_pool)"),
+    (r"^patch_embed\.norm\.", "a LayerNorm after the patch embedding"),
+    (r"^patch_embed\.backbone\.", "a hybrid CNN backbone"),
+    (r"^head\.fc\.|^head\.norm\.", "a multi-layer head"),
+)
+TIMM_DEFAULTS = {"layer_norm_eps": 1e-6, "hidden_act": "gelu"}
+_STANDARD_HEADS = {dims["hidden_size"]: dims["num_attention_heads"] for dims in MODEL_SIZES.values()}
+
+
+def _is_square(n: int) -> bool:
+    return n > 0 and math.isqrt(n) ** 2 == n
+
+
+def _unsupported(keys) -> tuple[list[str], set[str]]:
+    """Descriptions of the timm features hf-vit lacks that `keys` reveal, and the keys they explain."""
+    found, explained = [], set()
+    for pattern, what in _UNSUPPORTED:
+        hits = sorted(k for k in keys if re.search(pattern, k))
+        if hits:
+            found.append(f"{what}: {hits[:4]}{' ...' if len(hits) > 4 else ''}")
+            explained.update(hits)
+    return found, explained
+
+
+def _layout_problems(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+    """Problems that make the timm model compute something hf-vit cannot, whatever the config."""
+    problems = []
+    if "fc_norm.weight" in state_dict and "norm.weight" not in state_dict:
+        problems.append(
+            "the model has fc_norm and no norm: timm average-pools the tokens and then applies fc_norm, while "
+            "hf-vit applies its final LayerNorm to every token before pooling, a different function; this layout "
+            "is unsupported"
+        )
+    pos, cls = state_dict.get("pos_embed"), state_dict.get("cls_token")
+    if cls is not None and pos is not None and pos.ndim == 3:
+        if _is_square(pos.shape[1]) and not _is_square(pos.shape[1] - 1):
+            problems.append(
+                f"pos_embed {tuple(pos.shape)} has no position for the class token (timm no_embed_class=True); "
+                "unsupported"
+            )
+    return problems
+
+
+def _timm_name(hf_key: str) -> str:
+    try:
+        return next(iter(hf_vit_to_timm_state_dict({hf_key: None})))
+    except ConversionError:
+        return hf_key
+
+
+def timm_to_hf_vit_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    config: VisionTransformerConfig | None = None,
+    resize_mode: str = "bicubic",
+) -> dict[str, torch.Tensor]:
+    """Map a timm ViT state dict to hf-vit names.
+
+    With `config`, the result is also checked against `config`'s classification model (every weight present, with its
+    shape) and the position embeddings are resampled in 2D when the checkpoint's square grid differs from `config`'s
+    (`resize_mode`, timm's default "bicubic"). Raises `ConversionError` listing every problem at once.
+    """
+    problems = _layout_problems(state_dict)
+    out: dict[str, torch.Tensor] = {}
+    unmapped = []
+    for key, value in state_dict.items():
+        if key in _TOP_KEYS:
+            out[_TOP_KEYS[key]] = value
+            continue
+        match = _BLOCK.match(key)
+        if match and match.group(2) in _BLOCK_KEYS:
+            index, name, kind = match.groups()
+            out[f"vit.layers.{index}.{_BLOCK_KEYS[name]}.{kind}"] = value
+        else:
+            unmapped.append(key)
+    unsupported, explained = _unsupported([k for k in unmapped if not (problems and k.startswith("fc_norm."))])
+    if unsupported:
+        problems.append("timm features hf-vit does not have: " + "; ".join(unsupported))
+    leftovers = sorted(k for k in unmapped if k not in explained and not (problems and k.startswith("fc_norm.")))
+    if leftovers:
+        problems.append(f"arrays with no place in hf-vit: {leftovers}")
+    if config is not None:
+        from ..modeling_vit import VisionTransformerForImageClassification
+
+        key = "vit.embeddings.position_embedding"
+        pos = out.get(key)
+        prefix, expected = config.num_prefix_tokens, config.num_prefix_tokens + config.num_patches
+        if pos is not None and pos.ndim == 3 and pos.shape[1] != expected and _is_square(pos.shape[1] - prefix):
+            side = math.isqrt(pos.shape[1] - prefix)
+            if pos.shape[2] == config.hidden_size:
+                out[key] = resample_position_embeddings(pos, (side, side), config.grid_size, prefix, resize_mode)
+        with torch.device("meta"):
+            reference = VisionTransformerForImageClassification(config).state_dict()
+        missing = sorted(_timm_name(k) for k in set(reference) - set(out))
+        if missing:
+            problems.append(f"arrays the model needs but the checkpoint lacks: {missing}")
+        extra = sorted(_timm_name(k) for k in set(out) - set(reference))
+        if extra:
+            problems.append(f"arrays the model (as configured) has no place for: {extra}")
+        for name in sorted(set(out) & set(reference)):
+            if tuple(out[name].shape) != tuple(reference[name].shape):
+                problems.append(
+                    f"{_timm_name(name)}: shape {tuple(out[name].shape)} does not fit the model's "
+                    f"{tuple(reference[name].shape)}"
+                )
+    if problems:
+        raise ConversionError("Cannot convert the timm checkpoint:\n- " + "\n- ".join(problems))
+    return out
+
+
+def hf_vit_to_timm_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `timm_to_hf_vit_state_dict`: hf-vit names to timm's `VisionTransformer` names."""
+    top = {v: k for k, v in _TOP_KEYS.items()}
+    block = {v: k for k, v in _BLOCK_KEYS.items()}
+    out = {}
+    for key, value in state_dict.items():
+        if key in top:
+            out[top[key]] = value
+            continue
+        match = _HF_BLOCK.match(key)
+        if match is None or match.group(2) not in block:
+            raise ConversionError(f"timm's VisionTransformer has no place for the hf-vit weight {key!r}.")
+        index, name, kind = match.groups()
+        out[f"blocks.{index}.{block[name]}.{kind}"] = value
+    return out
+
+
+def _global_pool(timm_config: Mapping | None) -> str | None:
+    if not timm_config:
+        return None
+    model_args = timm_config.get("model_args") or {}
+    return model_args.get("global_pool", timm_config.get("global_pool"))
+
+
+def infer_config_from_timm(
+    state_dict: Mapping[str, torch.Tensor],
+    preset: str | None = None,
+    image_size: int | Sequence[int] | None = None,
+    num_attention_heads: int | None = None,
+    timm_config: Mapping | None = None,
+) -> VisionTransformerConfig:
+    """The hf-vit config of a timm ViT state dict, read from its shapes (see the module docstring for the heads).
+
+    `timm_config` is timm's `config.json` (as a dict), when there is one. The image size comes from the
+    position-embedding grid unless `image_size` is given; the preset's resolution is not used, its sizes must match.
+    """
+    problems = _layout_problems(state_dict)
+    unsupported, _ = _unsupported([k for k in state_dict if not (problems and k.startswith("fc_norm."))])
+    if unsupported:
+        problems.append("timm features hf-vit does not have: " + "; ".join(unsupported))
+    fields = {}
+    weight = state_dict.get("patch_embed.proj.weight")
+    if weight is None or weight.ndim != 4:
+        keys = sorted(state_dict)[:6]
+        raise ConversionError(
+            f"This is not a timm ViT state dict: it has no 4-D 'patch_embed.proj.weight'. First keys: {keys}"
+        )
+    width, channels, patch, patch_w = weight.shape
+    if patch != patch_w:
+        problems.append(f"patch_embed.proj.weight {tuple(weight.shape)}: non-square patches are not supported")
+    fields.update(hidden_size=width, num_channels=channels, patch_size=patch)
+    indices = sorted({int(m.group(1)) for k in state_dict if (m := _BLOCK.match(k))})
+    if not indices:
+        raise ConversionError("This timm state dict has no Transformer blocks ('blocks.<i>.*').")
+    fields["num_hidden_layers"] = len(indices)
+    if indices != list(range(len(indices))):
+        problems.append(f"blocks are not numbered 0..L-1: blocks {sorted(set(range(indices[-1])) - set(indices))}")
+    fc1 = state_dict.get("blocks.0.mlp.fc1.weight")
+    if fc1 is None:
+        problems.append("blocks.0.mlp.fc1.weight is missing")
+    else:
+        fields["intermediate_size"] = fc1.shape[0]
+    fields["qkv_bias"] = "blocks.0.attn.qkv.bias" in state_dict
+    fields["classifier"] = "token" if "cls_token" in state_dict else "gap"
+    pool = _global_pool(timm_config)
+    if fields["classifier"] == "token" and pool not in (None, "token"):
+        problems.append(
+            f"config.json says global_pool={pool!r} for a model with a class token: timm then pools the patch tokens "
+            "only, which hf-vit does not do (its 'gap' models have no class token)"
+        )
+    pre_logits = state_dict.get("pre_logits.fc.weight")
+    fields["representation_size"] = pre_logits.shape[0] if pre_logits is not None else None
+    head = state_dict.get("head.weight")
+    fields["num_labels"] = head.shape[0] if head is not None else 0
+
+    model_args = (timm_config or {}).get("model_args") or {}
+    heads = num_attention_heads or model_args.get("num_heads")
+    preset_config = None
+    if preset is not None:
+        try:
+            preset_config = VisionTransformerConfig.from_preset(preset)
+        except ValueError as error:
+            raise ConversionError(str(error)) from error
+        heads = heads or preset_config.num_attention_heads
+    heads = heads or _STANDARD_HEADS.get(width)
+    if heads is None:
+        problems.append(
+            f"the number of heads of a width-{width} model cannot be read from a timm state dict; pass a preset or "
+            "num_attention_heads"
+        )
+    fields["num_attention_heads"] = heads
+
+    if image_size is None:
+        pos = state_dict.get("pos_embed")
+        prefix = 1 if fields["classifier"] == "token" else 0
+        if pos is None or pos.ndim != 3:
+            problems.append("pos_embed is missing (or not 3-D); pass image_size")
+        elif _is_square(pos.shape[1] - prefix):
+            fields["image_size"] = math.isqrt(pos.shape[1] - prefix) * patch
+        elif not unsupported and not any("no_embed_class" in problem for problem in problems):
+            problems.append(
+                f"pos_embed {tuple(pos.shape)}: the patch positions are not a square grid; pass image_size"
+            )
+    else:
+        try:
+            height, width_px = _pair(list(image_size) if not isinstance(image_size, int) else image_size, "image_size")
+        except ValueError as error:
+            raise ConversionError(str(error)) from error
+        fields["image_size"] = height if height == width_px else [height, width_px]
+
+    base = dict(TIMM_DEFAULTS)
+    if preset_config is not None:
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size"):
+            if name in fields and fields[name] != getattr(preset_config, name):
+                problems.append(
+                    f"{name}: the checkpoint has {fields[name]}, preset {preset!r} has {getattr(preset_config, name)}"
+                )
+    if problems:
+        raise ConversionError("Cannot infer the model from the timm checkpoint:\n- " + "\n- ".join(problems))
+    try:
+        return VisionTransformerConfig(**base, **fields)
+    except ValueError as error:
+        raise ConversionError(f"The checkpoint's shapes do not make a valid model: {error}") from error
+
+
+def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read timm weights: a `.safetensors` file, a torch file (read with `weights_only=True`; a dict holding them under
+    "state_dict" or "model" is unwrapped), or a folder holding `model.safetensors` or `pytorch_model.bin`."""
+    path = Path(path)
+    if path.is_dir():
+        candidates = [
+            path / name for name in ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
+        ]
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            raise ConversionError(f"{path} holds neither model.safetensors nor pytorch_model.bin.")
+        path = found
+    if not path.is_file():
+        raise ConversionError(f"{path} is not a file; pass timm weights (.safetensors, .pth, .bin) or their folder.")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(path)
+        except SafetensorError as error:
+            raise ConversionError(f"Could not read {path} as safetensors: {error}") from error
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - torch raises many kinds for unreadable or unsafe files
+        raise ConversionError(
+            f"Could not read {path} with torch.load(weights_only=True): {error}. Only plain tensors are read; "
+            "files that need unpickling arbitrary objects are refused."
+        ) from error
+    for wrapper in ("state_dict", "model"):
+        if isinstance(loaded, dict) and isinstance(loaded.get(wrapper), dict):
+            loaded = loaded[wrapper]
+            break
+    if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+        raise ConversionError(f"{path} does not hold a state dict of tensors.")
+    return dict(loaded)
+
+
+def _read_timm_config(folder: Path) -> dict | None:
+    path = folder / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConversionError(f"{path} is not valid JSON: {error}") from error
+    return config if isinstance(config, dict) else None
+
+
+def convert_timm_checkpoint(
+    input_path: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    preset: str | None = None,
+    image_size: int | Sequence[int] | None = None,
+    overwrite: bool = False,
+    image_mean: Sequence[float] | None = None,
+    image_std: Sequence[float] | None = None,
+    num_attention_heads: int | None = None,
+    resize_mode: str = "bicubic",
+):
+    """Convert timm ViT weights (a file, or a folder as on the Hub) into a complete hf-vit folder.
+
+    Normalisation: `image_mean`/`image_std` when given, else `mean`/`std` (or `pretrained_cfg.mean/std`) from a timm
+    `config.json` beside the weights, else 0.5, the value of timm's weights ported from the original ViT. Class names
+    come from that config's `label_names` when it has one per class. Returns the converted model; nothing is written
+    unless everything succeeded.
+    """
+    from ..image_processing_vit import VisionTransformerImageProcessor
+    from ..modeling_vit import VisionTransformerForImageClassification
+
+    output = Path(output_dir)
+    if output.exists() and any(output.iterdir()) and not overwrite:
+        raise FileExistsError(f"{output} exists and is not empty; choose another folder or pass overwrite=True.")
+    input_path = Path(input_path)
+    state_dict = load_timm_state_dict(input_path)
+    timm_config = _read_timm_config(input_path if input_path.is_dir() else input_path.parent)
+    config = infer_config_from_timm(
+        state_dict, preset=preset, image_size=image_size, num_attention_heads=num_attention_heads,
+        timm_config=timm_config,
+    )  # fmt: skip
+    pretrained_cfg = (timm_config or {}).get("pretrained_cfg") or {}
+    labels = (timm_config or {}).get("label_names")
+    if isinstance(labels, list) and len(labels) == config.num_labels and config.num_labels > 0:
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {name: i for i, name in enumerate(labels)}
+    converted = timm_to_hf_vit_state_dict(state_dict, config, resize_mode=resize_mode)
+    model = VisionTransformerForImageClassification(config)
+    check_state_dict(converted, model.state_dict())
+    model.load_state_dict(converted, strict=True)
+    model.eval()
+
+    def pick(given, name):
+        value = given if given is not None else (timm_config or {}).get(name, pretrained_cfg.get(name))
+        return [0.5] * config.num_channels if value is None else [float(v) for v in value]
+
+    height, width = config.image_hw
+    processor = VisionTransformerImageProcessor(
+        size={"height": height, "width": width}, image_mean=pick(image_mean, "mean"), image_std=pick(image_std, "std")
+    )
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder)
+        processor.save_pretrained(folder)
+
+    write_converted_folder(save, output_dir, overwrite=overwrite)
+    return model

@@ -1,0 +1,71 @@
+"""A trained model's resolution variant, end to end: as interpolated, after a short fine-tune, as uploaded."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from huggingface_hub import ModelCard
+
+from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.training import make_evaluated_variant, parse_args, train
+
+TINY = "hidden_size=48,num_hidden_layers=2,num_attention_heads=3,intermediate_size=96"
+COMMON = ["--disable_tqdm", "True", "--eval_strategy", "no", "--save_strategy", "no", "--crop_scale_min", "0.8"]
+COMMON += ["--per_device_train_batch_size", "32", "--per_device_eval_batch_size", "256", "--seed", "0"]
+
+
+def test_variant_at_one_and_a_half_times_the_resolution(tmp_path):
+    source, variant_dir, tuned_dir = tmp_path / "src", tmp_path / "variant", tmp_path / "tuned"
+    pre = ["--output_dir", str(source), "--image_size", "16", "--patch_size", "4", "--config_overrides", TINY]
+    source_metrics = train("pretrain", *parse_args("pretrain", pre + COMMON + ["--max_steps", "300"]))
+
+    variant = make_evaluated_variant(source, 24, variant_dir, repo_id="me/tiny-24", base_model="me/tiny-16")
+    model = VisionTransformerForImageClassification.from_pretrained(variant_dir)
+    assert model.config.image_size == 24
+    assert model(torch.randn(2, 3, 24, 24)).logits.shape == (2, 10)  # no interpolate_pos_encoding needed
+    card = ModelCard.load(variant_dir / "README.md")
+    assert card.data.base_model == "me/tiny-16"
+    assert {r.metric_type: r.metric_value for r in card.data.eval_results}["accuracy"] == round(
+        variant["eval_accuracy"], 4
+    )
+    assert "Interpolated from 16x16" in card.text and "not fine-tuned" in card.text
+    print(f"source {source_metrics['eval_accuracy']:.4f}, interpolated {variant['eval_accuracy']:.4f}", end=" ")
+
+    short = ["--output_dir", str(tuned_dir), "--model_name_or_path", str(variant_dir), "--keep_head", "True"]
+    tuned = train("finetune", *parse_args("finetune", short + COMMON + ["--max_steps", "150"]))
+    print(f"after 150 steps at 24x24 {tuned['eval_accuracy']:.4f}")
+    assert tuned["eval_accuracy"] >= source_metrics["eval_accuracy"]
+
+
+def test_uploaded_variant_loads_offline_without_hf_vit(tmp_path):
+    torch.manual_seed(0)
+    from conftest import tiny_config
+
+    VisionTransformerForImageClassification(tiny_config(num_labels=10, zero_init_head=False)).save_pretrained(tmp_path / "src")
+    VisionTransformerImageProcessor(size=32).save_pretrained(tmp_path / "src")
+    make_evaluated_variant(tmp_path / "src", 48, tmp_path / "up", data_args=None)
+    model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "up").eval()
+    x = torch.randn(2, 3, 48, 48)
+    torch.save(x, tmp_path / "x.pt")
+    expected = model(x).logits
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["hf_vit"] = None
+        import torch
+        from transformers import AutoImageProcessor, AutoModelForImageClassification
+        path = {str(tmp_path / "up")!r}
+        model = AutoModelForImageClassification.from_pretrained(path, trust_remote_code=True).eval()
+        processor = AutoImageProcessor.from_pretrained(path, trust_remote_code=True)
+        assert processor.size == {{"height": 48, "width": 48}}, processor.size
+        torch.save(model(torch.load({str(tmp_path / "x.pt")!r})).logits, {str(tmp_path / "out.pt")!r})
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home"), "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected)
+    assert json.loads((tmp_path / "up" / "all_results.json").read_text())["eval_split"] == "test"
