@@ -243,3 +243,14 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path):
     assert "checkpoint-6" in resumed.stderr  # named as skipped
     a, b = load_file(straight / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):
+    out = tmp_path / "out"
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    accelerate += [str(ROOT / "configs" / "accelerate" / "cpu.yaml"), "--main_process_port", "29534"]
+    args = ["pretrain", "--output_dir", str(out), "--image_size", "8", "--patch_size", "4", "--config_overrides", TINY]
+    args += ["--max_steps", "2", "--eval_strategy", "no", "--save_strategy", "no", "--per_device_train_batch_size", "8"]
+    run(accelerate + [str(WORKER)] + args + QUIET)
+    info = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(i["rank"], i["world_size"], i["args_world_size"]) for i in info] == [(0, 2, 2), (1, 2, 2)]
