@@ -383,7 +383,10 @@ def train(
     train_result = trainer.train(resume_from_checkpoint=_resolve_resume(training_args))
     metrics = dict(train_result.metrics)
     final_split = "test" if "test" in ds else "validation"
-    metrics.update(trainer.evaluate(ds[final_split], metric_key_prefix="eval"))
+    # Logged as `test_*` (so the curves keep validation and test apart), reported as `eval_*` in all_results.json.
+    final = trainer.evaluate(ds[final_split], metric_key_prefix=final_split)
+    metrics.update(final)
+    metrics.update({"eval_" + k.removeprefix(f"{final_split}_"): v for k, v in final.items()})
     metrics["eval_split"] = final_split
     metrics["train_task"] = task
     trainer.save_model()  # weights (safetensors), config, processor and code files

@@ -250,7 +250,16 @@ def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
     accelerate += [str(ROOT / "configs" / "accelerate" / "cpu.yaml"), "--main_process_port", "29534"]
     args = ["pretrain", "--output_dir", str(out), "--image_size", "8", "--patch_size", "4", "--config_overrides", TINY]
-    args += ["--max_steps", "2", "--eval_strategy", "no", "--save_strategy", "no", "--per_device_train_batch_size", "8"]
+    args += [
+        "--max_steps",
+        "2",
+        "--eval_strategy",
+        "no",
+        "--save_strategy",
+        "no",
+        "--per_device_train_batch_size",
+        "8",
+    ]
     run(accelerate + [str(WORKER)] + args + QUIET)
     info = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(i["rank"], i["world_size"], i["args_world_size"]) for i in info] == [(0, 2, 2), (1, 2, 2)]
