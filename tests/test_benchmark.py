@@ -1,0 +1,196 @@
+"""The benchmark script on a tiny model: every figure and ratio lands in the JSON, and the models agreed.
+
+No timing assertions: this machine's speed says nothing about the code.
+"""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_vit.benchmarking import (
+    HF_VIT,
+    PROFILE_CATEGORIES,
+    TRANSFORMERS,
+    build_models,
+    compare_logits,
+    vit_forward_flops,
+)
+from hf_vit.configuration_vit import VisionTransformerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+# ViT-Ti/16 cut to 2 blocks, at 32x32 (5 tokens), batch 2: the whole run takes seconds.
+TINY = ["--model", "vit-tiny-patch16-224", "--num_hidden_layers", "2", "--image_size", "32", "--batch_size", "2"]
+TINY += ["--steps", "1", "--warmup", "0"]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """One run of the script (in this process, to skip a second interpreter start) on a tiny config."""
+    folder = tmp_path_factory.mktemp("benchmark")
+    argv = TINY + [
+        "--no_compile",
+        "--repeats", "2",
+        "--matmul_size", "128",
+        "--processor_images", "8",
+        "--profile",
+        "--sizes", "32", "48",
+        "--sweep_batch_size", "1",
+        "--plot", str(folder / "sweep.png"),
+        "--json", str(folder / "bench.json"),
+    ]  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        # One thread: with two, OpenMP's barriers stall for whole time slices whenever another job shares the cores,
+        # and the many tiny ops of this config slow down 30-fold.
+        assert load_script().main(argv + ["--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads((folder / "bench.json").read_text()), folder
+
+
+def figure_keys(dtypes, compiled_variants):
+    keys = {"processor_images_per_s"}
+    for dtype in dtypes:
+        for variant in compiled_variants:
+            for mode in ("train", "infer"):
+                for metric in ("images_per_s", "matmul_fraction", "peak_mem_mb"):
+                    keys.add(f"{mode}_{metric}/{dtype}/{variant}")
+    return keys
+
+
+def test_json_has_every_figure_and_ratio(report):
+    data, _ = report
+    figures = {row["key"]: row for row in data["figures"]}
+    assert figure_keys(("fp32", "bf16"), ("eager",)) <= set(figures)
+    for key, row in figures.items():
+        assert set(row["values"]) >= {HF_VIT, TRANSFORMERS}, key
+        for name in (HF_VIT, TRANSFORMERS):
+            assert row["values"][name] is not None and row["values"][name] > 0, (key, name)
+        ratio = row["values"][HF_VIT] / row["values"][TRANSFORMERS]
+        assert math.isclose(row["ratio"], ratio, rel_tol=1e-9), key
+        assert isinstance(row["higher_is_better"], bool)
+    assert figures["train_images_per_s/fp32/eager"]["higher_is_better"]
+    assert not figures["train_peak_mem_mb/fp32/eager"]["higher_is_better"]
+    timing = figures["train_images_per_s/fp32/eager"]["seconds_per_call"][HF_VIT]
+    assert len(timing["seconds"]) >= 2 and len(timing["clean"]) == len(timing["seconds"])  # one per round
+    assert set(data["memory_metrics"]) >= {"peak_mem_mb"}
+    assert data["compile"]["requested"] is False
+    assert "command" in data and "--no_compile" in data["command"]
+    assert {"cpu_count", "torch", "transformers"} <= set(data["machine"])
+
+
+def test_models_agreed_before_timing(report):
+    data, _ = report
+    verification = data["verification"]
+    assert verification["passed"] and verification["tolerance"] == 1e-4
+    assert verification["max_abs_logits_diff"]["fp32"][TRANSFORMERS] <= 1e-4
+    assert TRANSFORMERS in verification["max_abs_logits_diff"]["bf16"]
+    for row in data["sweep"]:
+        assert row["max_abs_logits_diff"][TRANSFORMERS] <= 1e-4
+
+
+def test_matmul_flops_processor_and_profile(report):
+    data, _ = report
+    for dtype in ("fp32", "bf16"):
+        assert data["matmul"][dtype]["flops_per_s"] > 0 and data["matmul"][dtype]["size"] == 128
+    config = VisionTransformerConfig.from_preset(
+        "vit-tiny-patch16-224", image_size=32, num_labels=1000, num_hidden_layers=2
+    )
+    assert data["flops_per_image"]["forward"]["total"] == vit_forward_flops(config)["total"]
+    assert data["flops_per_image"]["train_step"] == 3 * vit_forward_flops(config)["total"]
+    processor = data["processor"]
+    assert processor["shapes_match"] and processor["images"] == 8
+    assert 0 <= processor["mean_abs_diff_01"] < 0.01  # both resize like PIL: far below one grey level (1/255)
+    for dtype in ("fp32", "bf16"):
+        for name in (HF_VIT, TRANSFORMERS):
+            profile = data["profile"][dtype][name]
+            assert set(profile["categories_pct"]) == set(PROFILE_CATEGORIES)
+            assert math.isclose(sum(profile["categories_pct"].values()), 100.0, rel_tol=1e-6)
+            assert profile["top_ops"]
+
+
+def test_size_sweep_and_plot(report):
+    data, folder = report
+    rows = data["sweep"]
+    assert [(row["image_size"], row["dtype"]) for row in rows] == [
+        (32, "fp32"), (32, "bf16"), (48, "fp32"), (48, "bf16")
+    ]  # fmt: skip
+    assert [row["tokens"] for row in rows[::2]] == [5, 10]
+    for row in rows:
+        for mode in ("train", "infer"):
+            values = row[f"{mode}_images_per_s"]
+            assert math.isclose(row[f"{mode}_ratio"], values[HF_VIT] / values[TRANSFORMERS])
+    assert (folder / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_flop_count_of_vit_b16():
+    # ViT-B/16 at 224 is the well-known "17.6 GFLOPs" per image, which counts multiply-adds: 35.1e9 FLOPs here.
+    config = VisionTransformerConfig.from_preset("vit-base-patch16-224", num_labels=1000)
+    parts = vit_forward_flops(config)
+    assert parts["total"] == sum(value for key, value in parts.items() if key != "total")
+    assert 2 * 17.5e9 < parts["total"] < 2 * 17.6e9
+    # Attention scores and the weighted sum grow with the square of the tokens; the rest linearly.
+    bigger = vit_forward_flops(config, image_size=448)
+    assert bigger["attention_scores"] / parts["attention_scores"] == pytest.approx((785 / 197) ** 2)
+    assert bigger["mlp"] / parts["mlp"] == pytest.approx(785 / 197)
+
+
+def test_identical_weights_give_identical_logits_at_another_size():
+    models, skipped = build_models(
+        "vit-tiny-patch16-224", 48, 10, torch.device("cpu"), include_timm=False, overrides={"num_hidden_layers": 2}
+    )
+    assert set(models) == {HF_VIT, TRANSFORMERS} and TIMM_SKIPPED in skipped
+    pixel_values = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(0))
+    assert compare_logits(models, pixel_values)[TRANSFORMERS] < 1e-4
+    assert models[TRANSFORMERS].config._attn_implementation == "sdpa"
+    assert models[HF_VIT].config._attn_implementation == "sdpa"
+
+
+TIMM_SKIPPED = "timm"
+
+
+def test_command_line_rejects_unknown_preset(capsys):
+    with pytest.raises(SystemExit):
+        load_script().parse_args(["--model", "vit-enormous-patch16-224"])
+    assert "unknown --model" in capsys.readouterr().err
+
+
+def test_merge_replaces_redone_figures_and_keeps_the_rest():
+    from hf_vit.benchmarking import merge_reports
+
+    def figure(key, value):
+        return {"key": key, "values": {HF_VIT: value, TRANSFORMERS: 1.0}, "ratio": value}
+
+    old = {
+        "command": "first",
+        "settings": {},
+        "machine": {},
+        "figures": [figure("a/fp32/eager", 1.0), figure("a/bf16/eager", 2.0)],
+        "matmul": {"fp32": 1, "bf16": 2},
+        "sweep": [{"image_size": 224}],
+        "verification": {"passed": True, "max_abs_logits_diff": {"fp32": {TRANSFORMERS: 0.0}}},
+    }
+    new = {
+        "command": "second",
+        "settings": {"main_rows": True},
+        "machine": {},
+        "figures": [figure("a/bf16/eager", 3.0)],
+        "matmul": {"bf16": 5},
+        "verification": {"passed": True, "max_abs_logits_diff": {"bf16": {TRANSFORMERS: 0.0}}},
+    }
+    merged = merge_reports(old, new)
+    assert {row["key"]: row["ratio"] for row in merged["figures"]} == {"a/fp32/eager": 1.0, "a/bf16/eager": 3.0}
+    assert merged["matmul"] == {"fp32": 1, "bf16": 5} and merged["sweep"] == [{"image_size": 224}]
+    assert set(merged["verification"]["max_abs_logits_diff"]) == {"fp32", "bf16"}
+    assert [run["command"] for run in merged["runs"]] == ["first", "second"]
