@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .configuration_vit import VisionTransformerConfig
-from .convert.transformers_vit import hf_vit_to_transformers_state_dict
+from .convert.transformers_vit import hf_vit_to_transformers_module_state_dict
 from .modeling_vit import VisionTransformerForImageClassification
 
 HF_VIT = "hf_vit"
@@ -102,18 +102,6 @@ def build_hf_vit(config: VisionTransformerConfig, seed: int = 0) -> VisionTransf
     return model
 
 
-# transformers v5 keeps the saved layout on disk but uses these names in memory.
-_V5_NAMES = [
-    ("vit.encoder.layer.", "vit.layers."),
-    ("attention.attention.query", "attention.q_proj"),
-    ("attention.attention.key", "attention.k_proj"),
-    ("attention.attention.value", "attention.v_proj"),
-    ("attention.output.dense", "attention.o_proj"),
-    ("intermediate.dense", "mlp.fc1"),
-    ("output.dense", "mlp.fc2"),
-]
-
-
 def transformers_from_hf_vit(model: VisionTransformerForImageClassification) -> nn.Module:
     """transformers' `ViTForImageClassification` with the same configuration and weights as `model`."""
     from transformers import ViTConfig, ViTForImageClassification
@@ -140,12 +128,8 @@ def transformers_from_hf_vit(model: VisionTransformerForImageClassification) -> 
         num_labels=config.num_labels,
     )
     reference = ViTForImageClassification._from_config(reference_config, attn_implementation="sdpa")
-    state = {}
-    for key, value in hf_vit_to_transformers_state_dict(model.state_dict()).items():
-        for old, new in _V5_NAMES:
-            key = key.replace(old, new)
-        state[key] = value.detach().clone()
-    reference.load_state_dict(state, strict=True)
+    state = hf_vit_to_transformers_module_state_dict(model.state_dict())
+    reference.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=True)
     return reference.to(next(model.parameters()).device)
 
 

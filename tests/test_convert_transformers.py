@@ -13,6 +13,7 @@ from hf_vit import VisionTransformerForImageClassification
 from hf_vit.convert import (
     ConversionError,
     convert_transformers_checkpoint,
+    hf_vit_to_transformers_module_state_dict,
     hf_vit_to_transformers_state_dict,
     transformers_to_hf_vit_state_dict,
 )
@@ -105,31 +106,10 @@ def test_state_dict_round_trip_is_exact():
             layer_norm_eps=model.config.layer_norm_eps,
         )
     ).eval()
-    missing, unexpected = reference.load_state_dict(
-        transformers_to_v5_names(hf_vit_to_transformers_state_dict(state)), strict=True
-    )
+    missing, unexpected = reference.load_state_dict(hf_vit_to_transformers_module_state_dict(state), strict=True)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert max_diff(reference(x).logits, model.eval()(x).logits) < 1e-5
-
-
-def transformers_to_v5_names(state):
-    """transformers v5 keeps the saved layout on disk but uses q_proj/k_proj/... names in memory."""
-    renames = [
-        ("vit.encoder.layer.", "vit.layers."),
-        ("attention.attention.query", "attention.q_proj"),
-        ("attention.attention.key", "attention.k_proj"),
-        ("attention.attention.value", "attention.v_proj"),
-        ("attention.output.dense", "attention.o_proj"),
-        ("intermediate.dense", "mlp.fc1"),
-        ("output.dense", "mlp.fc2"),
-    ]
-    out = {}
-    for key, value in state.items():
-        for old, new in renames:
-            key = key.replace(old, new)
-        out[key] = value
-    return out
 
 
 def test_in_memory_v5_names_are_accepted():

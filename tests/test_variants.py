@@ -44,7 +44,9 @@ def test_uploaded_variant_loads_offline_without_hf_vit(tmp_path):
     torch.manual_seed(0)
     from conftest import tiny_config
 
-    VisionTransformerForImageClassification(tiny_config(num_labels=10, zero_init_head=False)).save_pretrained(tmp_path / "src")
+    VisionTransformerForImageClassification(tiny_config(num_labels=10, zero_init_head=False)).save_pretrained(
+        tmp_path / "src"
+    )
     VisionTransformerImageProcessor(size=32).save_pretrained(tmp_path / "src")
     make_evaluated_variant(tmp_path / "src", 48, tmp_path / "up", data_args=None)
     model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "up").eval()

@@ -17,6 +17,7 @@ from .timm_vit import (
 )
 from .transformers_vit import (
     convert_transformers_checkpoint,
+    hf_vit_to_transformers_module_state_dict,
     hf_vit_to_transformers_state_dict,
     transformers_config_to_hf_vit,
     transformers_to_hf_vit_state_dict,
@@ -29,6 +30,7 @@ __all__ = [
     "convert_transformers_checkpoint",
     "hf_vit_to_npz_arrays",
     "hf_vit_to_timm_state_dict",
+    "hf_vit_to_transformers_module_state_dict",
     "hf_vit_to_transformers_state_dict",
     "infer_config_from_npz",
     "infer_config_from_timm",

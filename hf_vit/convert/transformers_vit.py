@@ -120,6 +120,28 @@ def hf_vit_to_transformers_state_dict(state_dict: dict[str, torch.Tensor]) -> di
     return out
 
 
+# The saved layout -> transformers v5's in-memory names (what `ViTForImageClassification.load_state_dict` takes).
+_IN_MEMORY_NAMES = [
+    ("vit.encoder.layer.", "vit.layers."),
+    ("attention.attention.query", "attention.q_proj"),
+    ("attention.attention.key", "attention.k_proj"),
+    ("attention.attention.value", "attention.v_proj"),
+    ("attention.output.dense", "attention.o_proj"),
+    ("intermediate.dense", "mlp.fc1"),
+    ("output.dense", "mlp.fc2"),
+]
+
+
+def hf_vit_to_transformers_module_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """hf-vit weights under the names a transformers v5 `ViTForImageClassification` module has in memory."""
+    out = {}
+    for key, value in hf_vit_to_transformers_state_dict(state_dict).items():
+        for old, new in _IN_MEMORY_NAMES:
+            key = key.replace(old, new)
+        out[key] = value
+    return out
+
+
 _SHARED_CONFIG_FIELDS = (
     "hidden_size",
     "num_hidden_layers",
