@@ -1077,7 +1077,13 @@ def merge_reports(old: dict, new: dict) -> dict:
     for section in ("matmul", "profile", "rss_growth_lower_bound_mb"):
         if section in new:
             merged[section] = {**old.get(section, {}), **new[section]}
-    for section in ("sweep", "processor", "flops_per_image", "memory_metrics", "skipped_models"):
+    if new.get("sweep"):
+        redone = {(row["image_size"], row["dtype"]) for row in new["sweep"]}
+        kept = [row for row in old.get("sweep", []) if (row["image_size"], row["dtype"]) not in redone]
+        merged["sweep"] = sorted(
+            kept + new["sweep"], key=lambda row: (row["image_size"], list(DTYPES).index(row["dtype"]))
+        )
+    for section in ("processor", "flops_per_image", "memory_metrics", "skipped_models"):
         if new.get(section):
             merged[section] = new[section]
     if "verification" in new:

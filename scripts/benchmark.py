@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     report = run_benchmark(settings, log=lambda message: print(message, file=sys.stderr, flush=True))
     report["command"] = "python scripts/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.merge_json and Path(args.json).is_file():
+        # Figures, sweep points and sections this run redid replace the file's; the rest stays (and is plotted).
+        report = merge_reports(json.loads(Path(args.json).read_text()), report)
     print(format_table(report))
     if "profile" in report:
         print("\nWhere one training step's time goes (self CPU time):")
@@ -152,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             title = f"{args.model} batch {report['sweep'][0]['batch_size']} on {machine}"
             print(f"plot: {plot_sweep(report['sweep'], args.plot, title)}")
     if args.json:
-        path = Path(args.json)
-        if args.merge_json and path.is_file():
-            report = merge_reports(json.loads(path.read_text()), report)
-        print(f"json: {write_json(report, path)}")
+        print(f"json: {write_json(report, args.json)}")
     return 0
 
 
