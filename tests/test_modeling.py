@@ -6,6 +6,7 @@ from conftest import tiny_config
 from torch.nn import functional as F
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerModel
+from hf_vit.modeling_vit import matmul_attention_forward
 
 
 def pixels(batch=2, height=32, width=32, seed=0):
@@ -224,3 +225,67 @@ def test_torch_compile_fullgraph(config):
     x = pixels()
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x).logits, model(x).logits)
+    with torch.no_grad():  # the in-place inference path
+        torch.testing.assert_close(compiled(x).logits, model(x).logits)
+    model.train()  # the matmul attention path of CPU half-precision training
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(compiled(x).logits, model(x).logits)
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_pytorch_tanh", "gelu_new"])
+def test_inference_without_autograd_equals_inference_with_it(hidden_act):
+    # Without autograd GELU and the residual adds run in place; nothing returned may differ or be overwritten.
+    model = model_for(tiny_config(zero_init_head=False, hidden_act=hidden_act))
+    x = pixels()
+    tracked = model(x, output_hidden_states=True)
+    with torch.no_grad():
+        untracked = model(x, output_hidden_states=True)
+    assert torch.equal(untracked.logits, tracked.logits)
+    assert len(untracked.hidden_states) == len(tracked.hidden_states) == 3
+    for free, kept in zip(untracked.hidden_states, tracked.hidden_states):
+        assert torch.equal(free, kept)
+
+
+def test_matmul_attention_computes_what_sdpa_computes():
+    module = torch.nn.Module()  # the attention function reads only `.training`
+    qkv = torch.randn(2, 17, 3, 4, 8, dtype=torch.float64, requires_grad=True)
+    query, key, value = (part.transpose(1, 2) for part in qkv.unbind(2))
+    output, probs = matmul_attention_forward(module, query, key, value, None, scaling=8**-0.5)
+    reference = F.scaled_dot_product_attention(query, key, value).transpose(1, 2)
+    assert probs is None and output.shape == (2, 17, 4, 8)
+    torch.testing.assert_close(output, reference, atol=1e-12, rtol=1e-12)
+    grad = torch.randn_like(output)
+    (ours,) = torch.autograd.grad(output, qkv, grad)
+    (theirs,) = torch.autograd.grad(reference, qkv, grad)
+    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-12)
+
+
+def test_cpu_bf16_training_takes_the_matmul_attention_path(monkeypatch):
+    import hf_vit.modeling_vit as modeling
+
+    calls = []
+    matmul_attention = modeling.matmul_attention_forward
+    monkeypatch.setattr(
+        modeling,
+        "matmul_attention_forward",
+        lambda *args, **kwargs: calls.append(1) or matmul_attention(*args, **kwargs),
+    )
+    config = tiny_config(zero_init_head=False)
+    model, x = model_for(config), pixels()
+    labels = torch.tensor([1, 3])
+    reference = model(x, labels=labels)
+    reference.loss.backward()
+    reference_grads = [p.grad.clone() for p in model.parameters()]
+    assert calls == []  # fp32 keeps SDPA
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x)
+    assert calls == []  # so does inference
+    model.train().zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = model(x, labels=labels)
+    assert len(calls) == config.num_hidden_layers
+    low.loss.backward()
+    torch.testing.assert_close(low.logits.float(), reference.logits, atol=0.1, rtol=0.1)
+    for p, expected in zip(model.parameters(), reference_grads):
+        cosine = F.cosine_similarity(p.grad.flatten(), expected.flatten(), dim=0)
+        assert cosine > 0.99, cosine
