@@ -283,8 +283,14 @@ class VisionTransformerBlock(GradientCheckpointingLayer):
 
 
 def _residual_add(residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-    """`residual + branch`; without autograd it is written into `branch`, a fresh output no one else holds."""
+    """`residual + branch`; without autograd it is written into `branch`, a fresh output no one else holds.
+
+    Only when the sum has `branch`'s dtype and shape: under autocast the branch is bf16 while the residual stream
+    stays fp32, and the sum must stay fp32.
+    """
     if branch.requires_grad or residual.requires_grad:
+        return residual + branch
+    if branch.dtype != residual.dtype or branch.shape != residual.shape:
         return residual + branch
     return branch.add_(residual)
 

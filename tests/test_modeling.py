@@ -246,6 +246,21 @@ def test_inference_without_autograd_equals_inference_with_it(hidden_act):
         assert torch.equal(free, kept)
 
 
+def test_inference_under_autocast_keeps_the_residual_stream_in_fp32(monkeypatch):
+    import hf_vit.modeling_vit as modeling
+
+    model, x = model_for(tiny_config(zero_init_head=False)), pixels()
+    monkeypatch.setattr(modeling, "prefers_matmul_attention", lambda query: False)  # SDPA with autograd too
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tracked = model(x, output_hidden_states=True)
+        with torch.no_grad():
+            untracked = model(x, output_hidden_states=True)
+    assert [h.dtype for h in untracked.hidden_states] == [torch.float32] * 3
+    for free, kept in zip(untracked.hidden_states, tracked.hidden_states):
+        assert torch.equal(free, kept)
+    assert torch.equal(untracked.logits, tracked.logits)
+
+
 def test_matmul_attention_computes_what_sdpa_computes():
     module = torch.nn.Module()  # the attention function reads only `.training`
     qkv = torch.randn(2, 17, 3, 4, 8, dtype=torch.float64, requires_grad=True)
