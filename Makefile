@@ -30,7 +30,9 @@ lint: setup
 	$(VENV)/bin/ruff format --check hf_vit scripts tests
 
 bench: setup
-	$(PY) scripts/benchmark.py --json docs/benchmarks.json
+	$(PY) scripts/benchmark.py --steps 2 --repeats 5 --profile --sizes 224 288 384 448 512 --sweep_batch_size 4 \
+		--sweep_steps 2 --sweep_repeats 3 --plot docs/throughput_vs_size.png --json docs/benchmarks.json \
+		--doc docs/benchmarks.md
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -26,8 +26,10 @@ import torch
 from hf_vit.benchmarking import (
     DTYPES,
     BenchmarkSettings,
+    fill_markdown,
     format_profile,
     format_table,
+    markdown_sections,
     merge_reports,
     plot_sweep,
     run_benchmark,
@@ -76,11 +78,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sweep_repeats", type=int, default=None, help="default: --repeats")
     parser.add_argument("--sweep_dtypes", nargs="+", default=None, choices=sorted(DTYPES), help="default: --dtypes")
     parser.add_argument("--sweep_only", action="store_true", help="only the size sweep (with --sizes)")
+    parser.add_argument(
+        "--profile_only", action="store_true", help="only the training-step profile (e.g. to redo one, --merge_json)"
+    )
     parser.add_argument("--plot", default=None, help="PNG of the size sweep")
     parser.add_argument("--no_timm", dest="include_timm", action="store_false", help="leave timm out")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write every figure and ratio here")
+    parser.add_argument(
+        "--doc",
+        default=None,
+        help="markdown file whose <!-- benchmark:NAME --> blocks (machine, table, targets, sweep, profile) are "
+        "rewritten from this run's figures (after --merge_json)",
+    )
+    parser.add_argument(
+        "--doc_only", action="store_true", help="measure nothing: rewrite --doc from the figures in --json"
+    )
     parser.add_argument(
         "--merge_json",
         action="store_true",
@@ -93,11 +107,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--plot and --sweep_only need --sizes")
     if args.merge_json and not args.json:
         parser.error("--merge_json needs --json")
+    if args.doc_only and not (args.doc and args.json and Path(args.json).is_file()):
+        parser.error("--doc_only needs --doc and an existing --json file to take the figures from")
+    if args.sweep_only and args.profile_only:
+        parser.error("--sweep_only and --profile_only exclude each other")
     return args
+
+
+def write_doc(report: dict, path: str) -> Path:
+    """Rewrite the generated blocks of the markdown file at `path`; the rest of it is left as written."""
+    doc = Path(path)
+    if not doc.is_file():
+        raise FileNotFoundError(f"--doc {path} does not exist; create it with <!-- benchmark:table --> blocks first.")
+    doc.write_text(fill_markdown(doc.read_text(), markdown_sections(report)))
+    return doc
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.doc_only:
+        print(f"doc: {write_doc(json.loads(Path(args.json).read_text()), args.doc)}")
+        return 0
+    only = args.sweep_only or args.profile_only
     if args.threads:
         torch.set_num_threads(args.threads)
     on_gpu = args.device.startswith("cuda")
@@ -116,11 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         compile_modes=args.compile_modes,
         memory=args.memory,
         matmul_size=args.matmul_size,
-        processor=args.processor and not args.sweep_only,
+        processor=args.processor and not only,
         processor_images=args.processor_images,
-        profile=args.profile and not args.sweep_only,
-        main_rows=not args.sweep_only,
-        sizes=args.sizes,
+        profile=args.profile_only or (args.profile and not args.sweep_only),
+        main_rows=not only,
+        sizes=[] if args.profile_only else args.sizes,
         sweep_batch_size=args.sweep_batch_size,
         sweep_steps=args.sweep_steps,
         sweep_repeats=args.sweep_repeats,
@@ -156,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {plot_sweep(report['sweep'], args.plot, title)}")
     if args.json:
         print(f"json: {write_json(report, args.json)}")
+    if args.doc:
+        print(f"doc: {write_doc(report, args.doc)}")
     return 0
 
 

@@ -194,3 +194,24 @@ def test_merge_replaces_redone_figures_and_keeps_the_rest():
     assert merged["matmul"] == {"fp32": 1, "bf16": 5} and merged["sweep"] == [{"image_size": 224}]
     assert set(merged["verification"]["max_abs_logits_diff"]) == {"fp32", "bf16"}
     assert [run["command"] for run in merged["runs"]] == ["first", "second"]
+
+
+def test_doc_blocks_are_rewritten_from_the_figures(report, tmp_path):
+    from hf_vit.benchmarking import fill_markdown, markdown_sections
+
+    figures, folder = report
+    doc = tmp_path / "bench.md"
+    doc.write_text("# Bench\n\nkept\n\n<!-- benchmark:targets -->\nstale\n<!-- /benchmark:targets -->\n\nkept too\n")
+    assert load_script().main(["--doc_only", "--doc", str(doc), "--json", str(folder / "bench.json")]) == 0
+    text = doc.read_text()
+    assert "stale" not in text and text.startswith("# Bench\n\nkept\n") and text.endswith("\n\nkept too\n")
+    targets = text.split("<!-- benchmark:targets -->\n")[1].split("<!-- /benchmark:targets -->")[0]
+    train_fp32 = next(row for row in figures["figures"] if row["key"] == "train_images_per_s/fp32/eager")
+    line = next(line for line in targets.splitlines() if line.startswith("| train_images_per_s | fp32 | eager |"))
+    assert f"| 1.10 | {train_fp32['ratio']:.3f} |" in line
+    assert line.endswith("| **met** |") == (train_fp32["ratio"] >= 1.10)
+    sections = markdown_sections(figures)
+    assert set(sections) == {"machine", "table", "targets", "sweep", "profile"}
+    assert fill_markdown(text, sections) == text  # idempotent
+    with pytest.raises(KeyError, match="nosuch"):
+        fill_markdown("<!-- benchmark:nosuch -->\n<!-- /benchmark:nosuch -->\n", sections)
