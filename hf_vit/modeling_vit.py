@@ -235,12 +235,21 @@ class VisionTransformerMLP(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         hidden_states = self.fc1(hidden_states)
-        if self.in_place_gelu is not None and not hidden_states.requires_grad:
-            # Without autograd the activation can overwrite fc1's output: one (B, N, 4D) buffer fewer per block.
+        if self.in_place_gelu is not None and not hidden_states.requires_grad and not _has_hooks(self.fc1, self.act):
+            # Without autograd the activation can overwrite fc1's output: one (B, N, 4D) buffer fewer per block,
+            # 2-3% of a CPU forward. Not when hooks may hold fc1's output or expect the activation module to run.
             hidden_states = torch.ops.aten.gelu_(hidden_states, approximate=self.in_place_gelu)
         else:
             hidden_states = self.act(hidden_states)
         return self.dropout(self.fc2(self.dropout(hidden_states)))
+
+
+def _has_hooks(*modules: nn.Module) -> bool:
+    """Whether forward hooks are registered on any of `modules` or globally."""
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return True
+    return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
 class DropPath(nn.Module):
@@ -277,22 +286,9 @@ class VisionTransformerBlock(GradientCheckpointingLayer):
         self, hidden_states: torch.Tensor, output_attentions: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attended, probs = self.attention(self.norm1(hidden_states), output_attentions)
-        hidden_states = _residual_add(hidden_states, self.drop_path(self.dropout(attended)))  # (2)
-        hidden_states = _residual_add(hidden_states, self.drop_path(self.mlp(self.norm2(hidden_states))))  # (3)
+        hidden_states = hidden_states + self.drop_path(self.dropout(attended))  # (2)
+        hidden_states = hidden_states + self.drop_path(self.mlp(self.norm2(hidden_states)))  # (3)
         return hidden_states, probs
-
-
-def _residual_add(residual: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-    """`residual + branch`; without autograd it is written into `branch`, a fresh output no one else holds.
-
-    Only when the sum has `branch`'s dtype and shape: under autocast the branch is bf16 while the residual stream
-    stays fp32, and the sum must stay fp32.
-    """
-    if branch.requires_grad or residual.requires_grad:
-        return residual + branch
-    if branch.dtype != residual.dtype or branch.shape != residual.shape:
-        return residual + branch
-    return branch.add_(residual)
 
 
 def _is_loaded(tensor: torch.Tensor) -> bool:

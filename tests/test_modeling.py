@@ -234,7 +234,7 @@ def test_torch_compile_fullgraph(config):
 
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_pytorch_tanh", "gelu_new"])
 def test_inference_without_autograd_equals_inference_with_it(hidden_act):
-    # Without autograd GELU and the residual adds run in place; nothing returned may differ or be overwritten.
+    # Without autograd GELU runs in place; nothing returned may differ or be overwritten.
     model = model_for(tiny_config(zero_init_head=False, hidden_act=hidden_act))
     x = pixels()
     tracked = model(x, output_hidden_states=True)
@@ -244,6 +244,19 @@ def test_inference_without_autograd_equals_inference_with_it(hidden_act):
     assert len(untracked.hidden_states) == len(tracked.hidden_states) == 3
     for free, kept in zip(untracked.hidden_states, tracked.hidden_states):
         assert torch.equal(free, kept)
+
+
+def test_hooks_on_the_mlp_see_what_they_would_see_with_autograd():
+    model, x = model_for(tiny_config(zero_init_head=False)), pixels()
+    seen = {}
+    mlp = model.vit.layers[0].mlp
+    mlp.fc1.register_forward_hook(lambda module, args, output: seen.setdefault("fc1", output))
+    mlp.act.register_forward_hook(lambda module, args, output: seen.setdefault("act", output))
+    with torch.no_grad():
+        model(x)
+    assert set(seen) == {"fc1", "act"}  # the activation module ran
+    assert not torch.equal(seen["fc1"], seen["act"])  # and did not overwrite the pre-activations a hook holds
+    torch.testing.assert_close(seen["act"], F.gelu(seen["fc1"]))
 
 
 def test_inference_under_autocast_keeps_the_residual_stream_in_fp32(monkeypatch):
