@@ -1174,16 +1174,15 @@ def format_machine(report: dict) -> str:
     peaks = ", ".join(
         f"{dtype} {entry['flops_per_s'] / 1e12:.3f} TFLOP/s" for dtype, entry in report.get("matmul", {}).items()
     )
-    size = report["settings"].get("matmul_size") or "default"
+    size = next((entry.get("size") for entry in report.get("matmul", {}).values()), None) or "?"
+    loads = [machine.get(f"load_average_at_{when}") for when in ("start", "end")]
+    loads = [", ".join(f"{value:.2f}" for value in load) if load else "?" for load in loads]
     rows = [
         ["processor", machine.get("gpu") or machine.get("cpu", machine["device"])],
         ["cores, torch threads", f"{machine.get('cpu_count')}, {machine.get('torch_threads')}"],
         ["software", f"torch {machine['torch']}, transformers {machine['transformers']}, Python {machine['python']}"],
         [f"matmul peak ({size}², best of before and after the models)", peaks],
-        [
-            "load average at start / end",
-            f"{machine.get('load_average_at_start')} / {machine.get('load_average_at_end')}",
-        ],
+        ["load average (1, 5, 15 min) at start / end", f"{loads[0]} / {loads[1]}"],
     ]
     commands = [run["command"] for run in report.get("runs", [])] or [report.get("command", "")]
     rows += [[f"command {index}", f"`{command}`"] for index, command in enumerate(commands, 1)]

@@ -215,3 +215,13 @@ def test_doc_blocks_are_rewritten_from_the_figures(report, tmp_path):
     assert fill_markdown(text, sections) == text  # idempotent
     with pytest.raises(KeyError, match="nosuch"):
         fill_markdown("<!-- benchmark:nosuch -->\n<!-- /benchmark:nosuch -->\n", sections)
+
+
+def test_committed_doc_shows_the_committed_figures():
+    # docs/benchmarks.md's generated blocks must be what docs/benchmarks.json renders to (no hand-edited figures).
+    from hf_vit.benchmarking import fill_markdown, markdown_sections
+
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert "<!-- benchmark:table -->" in doc and "<!-- benchmark:targets -->" in doc
+    figures = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
+    assert fill_markdown(doc, markdown_sections(figures)) == doc
