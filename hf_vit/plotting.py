@@ -24,13 +24,13 @@ def plot_training_curves(log_history: Sequence[dict], path: str | os.PathLike, t
         if steps:
             loss_ax.plot(steps, values, marker="." if key == "eval_loss" else None, label=label)
     loss_ax.set(xlabel="step", ylabel="cross-entropy", title="loss")
-    loss_ax.legend()
+    _legend_or_note(loss_ax, "no loss logged")
     for key, label in (("eval_accuracy", "top-1"), ("eval_top5_accuracy", "top-5")):
         steps, values = series(key)
         if steps:
             acc_ax.plot(steps, values, marker=".", label=f"validation {label}")
     acc_ax.set(xlabel="step", ylabel="accuracy", title="accuracy", ylim=(0, 1.01))
-    acc_ax.legend()
+    _legend_or_note(acc_ax, "no evaluation logged")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -39,3 +39,11 @@ def plot_training_curves(log_history: Sequence[dict], path: str | os.PathLike, t
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _legend_or_note(ax, note: str) -> None:
+    """A legend when the panel has curves, else `note` in its middle: an empty panel says why it is empty."""
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="gray")

@@ -1,0 +1,17 @@
+import warnings
+
+from hf_vit.plotting import plot_training_curves
+
+
+def test_curves_are_written_with_and_without_evaluation(tmp_path):
+    history = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an empty panel must not make matplotlib warn about a missing legend
+        trained_only = plot_training_curves(history, tmp_path / "a.png", title="no eval")
+        evaluated = plot_training_curves(
+            history + [{"step": 2, "eval_loss": 1.4, "eval_accuracy": 0.5, "eval_top5_accuracy": 0.9}],
+            tmp_path / "b.png",
+        )
+        empty = plot_training_curves([], tmp_path / "c.png")
+    for path in (trained_only, evaluated, empty):
+        assert path.read_bytes().startswith(b"\x89PNG") and path.stat().st_size > 1000
