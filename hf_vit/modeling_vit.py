@@ -168,8 +168,8 @@ def prefers_matmul_attention(query: torch.Tensor) -> bool:
     """Whether `matmul_attention_forward` beats SDPA's kernels for `query`: CPU, half precision, with autograd.
 
     Measured on 2 AVX-512/AMX cores, ViT-S/16 shapes (B=16, 6 heads, 197 tokens), forward + backward per block:
-    bf16 SDPA 62-66 ms, matmuls 23-27 ms; fp32 SDPA 36-43 ms, matmuls 41-46 ms; without autograd SDPA is faster
-    in both dtypes. GPUs keep SDPA's fused kernels.
+    bf16 SDPA 62-66 ms, matmuls 23-27 ms; fp16 SDPA 90-93 ms, matmuls 41-43 ms; fp32 SDPA 36-43 ms, matmuls
+    41-46 ms; without autograd SDPA is faster in fp32 and bf16. GPUs keep SDPA's fused kernels.
     """
     return query.device.type == "cpu" and query.requires_grad and query.dtype in (torch.bfloat16, torch.float16)
 
