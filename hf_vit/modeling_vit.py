@@ -164,14 +164,27 @@ def matmul_attention_forward(
     return torch.matmul(probs, value).transpose(1, 2), None
 
 
-def prefers_matmul_attention(query: torch.Tensor) -> bool:
-    """Whether `matmul_attention_forward` beats SDPA's kernels for `query`: CPU, half precision, with autograd.
+# Above this many tokens the matmul attention is left to SDPA: the probabilities it keeps for the backward grow as
+# tokens², and its lead had shrunk to 1.04x at 1025 tokens (ViT-S/16 at 512 px, bf16, batch 4).
+MATMUL_ATTENTION_MAX_TOKENS = 1024
+
+
+def prefers_matmul_attention(query: torch.Tensor, training: bool) -> bool:
+    """Whether `matmul_attention_forward` beats SDPA's kernels for `query`: CPU, half precision, training.
 
     Measured on 2 AVX-512/AMX cores, ViT-S/16 shapes (B=16, 6 heads, 197 tokens), forward + backward per block:
     bf16 SDPA 62-66 ms, matmuls 23-27 ms; fp16 SDPA 90-93 ms, matmuls 41-43 ms; fp32 SDPA 36-43 ms, matmuls
     41-46 ms; without autograd SDPA is faster in fp32 and bf16. GPUs keep SDPA's fused kernels.
+
+    "Training" is the module's mode or autograd being on: reentrant activation checkpointing runs the forward without
+    autograd and recomputes it with autograd, and both passes must take the same path.
     """
-    return query.device.type == "cpu" and query.requires_grad and query.dtype in (torch.bfloat16, torch.float16)
+    return (
+        query.device.type == "cpu"
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and (training or query.requires_grad)
+        and query.shape[-2] <= MATMUL_ATTENTION_MAX_TOKENS
+    )
 
 
 class VisionTransformerAttention(nn.Module):
@@ -203,7 +216,7 @@ class VisionTransformerAttention(nn.Module):
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
         if implementation == "eager":
             attention = eager_attention_forward
-        elif implementation == "sdpa" and prefers_matmul_attention(query):
+        elif implementation == "sdpa" and prefers_matmul_attention(query, self.training):
             attention = matmul_attention_forward
         output, probs = attention(
             self,
@@ -237,7 +250,7 @@ class VisionTransformerMLP(nn.Module):
         hidden_states = self.fc1(hidden_states)
         if self.in_place_gelu is not None and not hidden_states.requires_grad and not _has_hooks(self.fc1, self.act):
             # Without autograd the activation can overwrite fc1's output: one (B, N, 4D) buffer fewer per block,
-            # 2-3% of a CPU forward. Not when hooks may hold fc1's output or expect the activation module to run.
+            # about 3% of a CPU forward. Not when hooks may hold fc1's output or expect the activation module to run.
             hidden_states = torch.ops.aten.gelu_(hidden_states, approximate=self.in_place_gelu)
         else:
             hidden_states = self.act(hidden_states)
@@ -245,11 +258,12 @@ class VisionTransformerMLP(nn.Module):
 
 
 def _has_hooks(*modules: nn.Module) -> bool:
-    """Whether forward hooks are registered on any of `modules` or globally."""
+    """Whether forward hooks are registered globally or on any of `modules` or their submodules (e.g. the base
+    layer inside an adapter wrapper)."""
     hooks = nn.modules.module
     if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
         return True
-    return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
+    return any(part._forward_hooks or part._forward_pre_hooks for module in modules for part in module.modules())
 
 
 class DropPath(nn.Module):

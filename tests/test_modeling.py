@@ -259,11 +259,30 @@ def test_hooks_on_the_mlp_see_what_they_would_see_with_autograd():
     torch.testing.assert_close(seen["act"], F.gelu(seen["fc1"]))
 
 
+def test_a_hook_inside_an_adapter_wrapper_keeps_its_output():
+    class Wrapper(torch.nn.Module):  # the shape of an adapter layer: the original linear inside
+        def __init__(self, base_layer):
+            super().__init__()
+            self.base_layer = base_layer
+
+        def forward(self, x):
+            return self.base_layer(x)
+
+    model, x = model_for(tiny_config(zero_init_head=False)), pixels()
+    mlp = model.vit.layers[0].mlp
+    mlp.fc1 = Wrapper(mlp.fc1)
+    seen = []
+    mlp.fc1.base_layer.register_forward_hook(lambda module, args, output: seen.append(output))
+    with torch.no_grad():
+        model(x)
+    assert len(seen) == 1 and seen[0].min() < -0.2  # pre-activations; GELU's output never goes below -0.17
+
+
 def test_inference_under_autocast_keeps_the_residual_stream_in_fp32(monkeypatch):
     import hf_vit.modeling_vit as modeling
 
     model, x = model_for(tiny_config(zero_init_head=False)), pixels()
-    monkeypatch.setattr(modeling, "prefers_matmul_attention", lambda query: False)  # SDPA with autograd too
+    monkeypatch.setattr(modeling, "prefers_matmul_attention", lambda query, training: False)  # SDPA here too
     with torch.autocast("cpu", dtype=torch.bfloat16):
         tracked = model(x, output_hidden_states=True)
         with torch.no_grad():
@@ -317,3 +336,47 @@ def test_cpu_bf16_training_takes_the_matmul_attention_path(monkeypatch):
     for p, expected in zip(model.parameters(), reference_grads):
         cosine = F.cosine_similarity(p.grad.flatten(), expected.flatten(), dim=0)
         assert cosine > 0.99, cosine
+
+
+def test_matmul_attention_is_preferred_only_for_cpu_half_precision_training():
+    from hf_vit.modeling_vit import MATMUL_ATTENTION_MAX_TOKENS, prefers_matmul_attention
+
+    def query(tokens=197, dtype=torch.bfloat16):
+        return torch.empty(1, 2, tokens, 8, dtype=dtype)
+
+    assert prefers_matmul_attention(query(), training=True)
+    assert prefers_matmul_attention(query(dtype=torch.float16), training=True)
+    assert prefers_matmul_attention(query().requires_grad_(), training=False)  # eval mode with autograd (saliency)
+    assert not prefers_matmul_attention(query(), training=False)  # inference
+    assert not prefers_matmul_attention(query(dtype=torch.float32), training=True)
+    assert prefers_matmul_attention(query(MATMUL_ATTENTION_MAX_TOKENS), training=True)
+    assert not prefers_matmul_attention(query(MATMUL_ATTENTION_MAX_TOKENS + 1), training=True)
+
+
+def test_reentrant_checkpointing_recomputes_with_the_same_attention_path(monkeypatch):
+    # The reentrant forward runs without autograd, its recomputation with it: both must take the matmul path, or
+    # the gradients would belong to a different computation than the loss.
+    import hf_vit.modeling_vit as modeling
+
+    calls = []
+    matmul_attention = modeling.matmul_attention_forward
+    monkeypatch.setattr(
+        modeling,
+        "matmul_attention_forward",
+        lambda *args, **kwargs: calls.append(1) or matmul_attention(*args, **kwargs),
+    )
+    config = tiny_config(zero_init_head=False)
+    x, labels = pixels(), torch.tensor([1, 3])
+    grads = []
+    for checkpointing in (False, True):
+        model = model_for(config).train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        calls.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x, labels=labels).loss
+        loss.backward()
+        assert len(calls) == config.num_hidden_layers * (2 if checkpointing else 1)
+        grads.append([p.grad for p in model.parameters()])
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-5)
