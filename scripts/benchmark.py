@@ -111,6 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--doc_only needs --doc and an existing --json file to take the figures from")
     if args.sweep_only and args.profile_only:
         parser.error("--sweep_only and --profile_only exclude each other")
+    if args.profile_only and args.sizes:
+        parser.error("--profile_only measures no size sweep: drop --sizes, or use --sweep_only for the sweep")
+    if args.doc and (args.sweep_only or args.profile_only) and not args.merge_json:
+        parser.error(
+            "--doc with --sweep_only/--profile_only would rewrite the page from a partial run: add --merge_json "
+            "(and --json) to merge this run into the full figures first"
+        )
     return args
 
 
@@ -165,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge_json and Path(args.json).is_file():
         # Figures, sweep points and sections this run redid replace the file's; the rest stays (and is plotted).
         report = merge_reports(json.loads(Path(args.json).read_text()), report)
+    if args.json:  # first: what was measured is kept even if printing or plotting fails
+        print(f"json: {write_json(report, args.json)}")
     print(format_table(report))
     if "profile" in report:
         print("\nWhere one training step's time goes (self CPU time):")
@@ -185,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
             machine = report["machine"].get("gpu") or report["machine"].get("cpu", args.device)
             title = f"{args.model} batch {report['sweep'][0]['batch_size']} on {machine}"
             print(f"plot: {plot_sweep(report['sweep'], args.plot, title)}")
-    if args.json:
-        print(f"json: {write_json(report, args.json)}")
     if args.doc:
         print(f"doc: {write_doc(report, args.doc)}")
     return 0

@@ -213,8 +213,39 @@ def test_doc_blocks_are_rewritten_from_the_figures(report, tmp_path):
     sections = markdown_sections(figures)
     assert set(sections) == {"machine", "table", "targets", "sweep", "profile"}
     assert fill_markdown(text, sections) == text  # idempotent
-    with pytest.raises(KeyError, match="nosuch"):
+    with pytest.raises(ValueError, match="nosuch"):
         fill_markdown("<!-- benchmark:nosuch -->\n<!-- /benchmark:nosuch -->\n", sections)
+    with pytest.raises(ValueError, match=r"\['table'\].*closing marker"):
+        fill_markdown("<!-- benchmark:table -->\nold\n<!-- /benchmark:tabel -->\n", sections)
+
+
+def test_partial_runs_cannot_rewrite_the_doc_alone(capsys):
+    script = load_script()
+    for partial in (["--sweep_only", "--sizes", "32"], ["--profile_only"]):
+        with pytest.raises(SystemExit):
+            script.parse_args(partial + ["--doc", "docs/benchmarks.md"])
+        assert "--merge_json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.parse_args(["--profile_only", "--sizes", "32"])
+    assert "--profile_only measures no size sweep" in capsys.readouterr().err
+
+
+def test_profile_counts_hf_vit_matmul_attention_as_attention(report):
+    figures, _ = report
+    attention = PROFILE_CATEGORIES[1]
+    bf16 = figures["profile"]["bf16"]["hf_vit"]
+    assert attention.startswith("attention") and bf16["categories_pct"][attention] > 0
+    # hf-vit's CPU bf16 training runs attention as bmm + softmax: those ops are attention, not the linear layers
+    ops = {op["op"] for op in bf16["top_ops"]}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" not in ops
+
+
+def test_old_reports_render_after_the_profile_category_rename():
+    from hf_vit.benchmarking import format_profile
+
+    profile = {"categories_pct": {"attention kernel (SDPA)": 12.5}, "total_ms": 100.0}
+    table = format_profile({"profile": {"fp32": {"hf_vit": profile}}})
+    assert "| attention (SDPA kernel, or bmm + softmax) | 12.5% |" in table
 
 
 def test_committed_doc_shows_the_committed_figures():
@@ -225,3 +256,35 @@ def test_committed_doc_shows_the_committed_figures():
     assert "<!-- benchmark:table -->" in doc and "<!-- benchmark:targets -->" in doc
     figures = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
     assert fill_markdown(doc, markdown_sections(figures)) == doc
+
+
+def test_merge_of_a_partial_sweep_replaces_only_its_points_and_keeps_the_matmul_peak():
+    from hf_vit.benchmarking import merge_reports
+
+    def point(size, dtype, value):
+        return {"image_size": size, "dtype": dtype, "train_ratio": value}
+
+    old = {
+        "command": "full",
+        "settings": {},
+        "machine": {},
+        "figures": [],
+        "matmul": {"bf16": 7},
+        "sweep": [point(224, "fp32", 1.0), point(224, "bf16", 1.1), point(512, "bf16", 1.2)],
+    }
+    new = {
+        "command": "sweep",
+        "settings": {"main_rows": False},
+        "machine": {},
+        "figures": [],
+        "matmul": {"bf16": 3},
+        "sweep": [point(512, "bf16", 0.9), point(512, "fp32", 1.0)],
+    }
+    merged = merge_reports(old, new)
+    assert [(p["image_size"], p["dtype"], p["train_ratio"]) for p in merged["sweep"]] == [
+        (224, "fp32", 1.0),
+        (224, "bf16", 1.1),
+        (512, "fp32", 1.0),
+        (512, "bf16", 0.9),
+    ]
+    assert merged["matmul"] == {"bf16": 7}  # the peak the main figures were measured against
