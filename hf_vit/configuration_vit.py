@@ -5,6 +5,8 @@ This file is also saved next to checkpoints as remote code, so it imports only t
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -175,5 +177,17 @@ class VisionTransformerConfig(PretrainedConfig):
             raise ValueError(
                 f"Unknown preset {name!r}. Presets are vit-<size>-patch<P>-<resolution> with size in "
                 f"{list(MODEL_SIZES)} and P in {list(PATCH_SIZES)}, e.g. 'vit-base-patch16-224'."
+            )
+        own = [name for name in cls.__annotations__ if not name.startswith("_") and name != "model_type"]
+        known = {field.name for field in dataclasses.fields(cls)} | {"num_labels", "attn_implementation", "auto_map"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            hints = []
+            for field_name in unknown:
+                close = difflib.get_close_matches(field_name, own, n=1, cutoff=0.5)
+                hints.append(f"{field_name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(
+                f"Unknown config field(s) {', '.join(hints)} for preset {name!r}. The model's fields: "
+                f"{', '.join(own)}; also num_labels, id2label, label2id, problem_type."
             )
         return cls(**{**PRESETS[key], "image_size": int(size), **kwargs})

@@ -60,3 +60,10 @@ def test_save_load_round_trip(tmp_path):
 def test_invalid_values_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=f"`{field}`"):
         tiny_config(**overrides)
+
+
+def test_unknown_preset_fields_are_named_with_a_suggestion():
+    with pytest.raises(ValueError, match=r"'num_layers' \(did you mean 'num_hidden_layers'\?\)"):
+        VisionTransformerConfig.from_preset("vit-tiny-patch16-224", num_layers=2)
+    config = VisionTransformerConfig.from_preset("vit-tiny-patch16-224", num_labels=3, attn_implementation="eager")
+    assert config.num_labels == 3
