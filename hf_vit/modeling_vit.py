@@ -14,6 +14,7 @@ transformers and the configuration file beside it.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from safetensors import SafetensorError
@@ -338,13 +339,28 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        source = pretrained_model_name_or_path
+        if isinstance(source, (str, os.PathLike)) and not os.path.isdir(source):
+            text = os.fspath(source)
+            # "org/name" may be a Hub id; "./x", "/x", "~/x" or "a/b/c" can only be folders.
+            if text.startswith((".", "/", "~")) or text.count("/") > 1 or os.path.exists(text):
+                raise OSError(
+                    f"{text!r} is not a folder. Pass the folder that `save_pretrained` or a training run wrote."
+                )
         try:
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            return super().from_pretrained(source, *args, **kwargs)
         except SafetensorError as error:
             raise OSError(
-                f"Could not read the weights in {pretrained_model_name_or_path}: the safetensors file is corrupted or "
-                f"truncated ({error}). Save or download the checkpoint again."
+                f"Could not read the weights in {source}: the safetensors file is corrupted or truncated ({error}). "
+                "Save or download the checkpoint again."
             ) from error
+        except OSError as error:
+            if isinstance(source, (str, os.PathLike)) and not os.path.isdir(source):
+                raise OSError(
+                    f"{os.fspath(source)!r} is not a local folder, and loading it as a Hugging Face Hub model id "
+                    f"failed: {error}"
+                ) from error
+            raise
 
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
         # transformers skips parameter-less containers (attention, MLP, the classifier model) for custom code, but

@@ -137,6 +137,12 @@ def make_resolution_variant(
     from .modeling_vit import VisionTransformerForImageClassification, VisionTransformerModel
 
     folder = Path(source)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(source)!r} is not an hf-vit model folder (no config.json there). Pass the folder that a training "
+            "run or `save_pretrained` wrote; to start from a Hub model, download it first (`hf download <id> "
+            "--local-dir <folder>`)."
+        )
     config = Config.from_pretrained(folder)
     grid = new_grid(config, image_size)  # validate before loading anything big
     _check_checkpoint_positions(folder, config)

@@ -380,3 +380,14 @@ def test_reentrant_checkpointing_recomputes_with_the_same_attention_path(monkeyp
         grads.append([p.grad for p in model.parameters()])
     for plain, recomputed in zip(*grads):
         torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-5)
+
+
+def test_a_missing_checkpoint_folder_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    for path in (str(tmp_path / "run" / "final"), "./run", "weights.bin"):
+        with pytest.raises(OSError, match="is not a folder"):
+            VisionTransformerForImageClassification.from_pretrained(path)
+    # "org/name" could be a Hub id: the Hub is tried (offline in the tests), and the error still names the path
+    with pytest.raises(OSError, match="'run/final' is not a local folder, and loading it as a Hugging Face Hub"):
+        VisionTransformerForImageClassification.from_pretrained("run/final")

@@ -101,3 +101,11 @@ def test_command_line(folder, tmp_path):
         text=True,
     )
     assert no_id.returncode == 2 and "--hub_model_id" in no_id.stderr
+
+
+def test_a_folder_without_a_model_is_named_before_anything_loads(tmp_path):
+    from hf_vit.resolution import make_resolution_variant
+
+    with pytest.raises(FileNotFoundError, match="'.*nope' is not an hf-vit model folder"):
+        make_resolution_variant(tmp_path / "nope", 48, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
