@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark hf-vit's VisionTransformerForImageClassification against transformers' ViTForImageClassification
+r"""Benchmark hf-vit's VisionTransformerForImageClassification against transformers' ViTForImageClassification
 (and timm's VisionTransformer where timm is installed) with identical weights, in one process.
 
 Measures training-step and inference throughput, peak memory and the fraction of the machine's matmul throughput

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Make a resolution variant of an hf-vit model: position embeddings resampled in 2D (bicubic by default), config and
+r"""Make a resolution variant of an hf-vit model: position embeddings resampled in 2D (bicubic by default), config and
 processor set to the new size, so it runs there without `interpolate_pos_encoding`.
 
     python scripts/resize_resolution.py --model outputs/main --image_size 36 --output outputs/main-36

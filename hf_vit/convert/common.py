@@ -46,7 +46,10 @@ def write_converted_folder(save, output_dir: str | os.PathLike, overwrite: bool 
     """
     output_dir = Path(output_dir)
     if output_dir.exists() and any(output_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{output_dir} exists and is not empty; choose another folder or pass overwrite=True.")
+        raise FileExistsError(
+            f"{output_dir} exists and is not empty; choose another folder or pass --overwrite (overwrite=True "
+            "from Python)."
+        )
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.", dir=output_dir.parent))
     try:

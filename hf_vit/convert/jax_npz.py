@@ -462,7 +462,10 @@ def convert_jax_checkpoint(
 
     output = Path(output_dir)
     if output.exists() and any(output.iterdir()) and not overwrite:
-        raise FileExistsError(f"{output} exists and is not empty; choose another folder or pass overwrite=True.")
+        raise FileExistsError(
+            f"{output} exists and is not empty; choose another folder or pass --overwrite (overwrite=True "
+            "from Python)."
+        )
     arrays = load_npz(input_path)
     config = infer_config_from_npz(arrays, preset=preset, image_size=image_size, hidden_act=hidden_act)
     if labels is not None:

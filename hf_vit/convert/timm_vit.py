@@ -372,7 +372,10 @@ def convert_timm_checkpoint(
 
     output = Path(output_dir)
     if output.exists() and any(output.iterdir()) and not overwrite:
-        raise FileExistsError(f"{output} exists and is not empty; choose another folder or pass overwrite=True.")
+        raise FileExistsError(
+            f"{output} exists and is not empty; choose another folder or pass --overwrite (overwrite=True "
+            "from Python)."
+        )
     input_path = Path(input_path)
     state_dict = load_timm_state_dict(input_path)
     timm_config = _read_timm_config(input_path if input_path.is_dir() else input_path.parent)
