@@ -70,6 +70,9 @@ COMMON_DEFAULTS: dict[str, Any] = dict(
     logging_strategy="steps",
     logging_steps=10,
     report_to="none",
+    # Every parameter gets a gradient in every step, so DDP need not search the graph for unused ones (Trainer would
+    # otherwise ask it to, and it warns that the search found none).
+    ddp_find_unused_parameters=False,
 )
 
 

@@ -194,7 +194,8 @@ def test_distributed_two_processes_match_one(tmp_path):
     source = pretrained_folder(tmp_path / "pre")
     two = tmp_path / "two"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
-    run(torchrun + [str(WORKER)] + deterministic_finetune_args(source, two, 8, extra=["--save_strategy", "no"]))
+    done = run(torchrun + [str(WORKER)] + deterministic_finetune_args(source, two, 8, extra=["--save_strategy", "no"]))
+    assert "find_unused_parameters=True was specified" not in done.stderr  # DDP does not search for unused params
     info = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [i["world_size"] for i in info] == [2, 2] and [i["rank"] for i in info] == [0, 1]
     rank0, rank1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
