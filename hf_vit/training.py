@@ -254,6 +254,17 @@ def load_for_finetuning(
     backbone = {k: v for k, v in source.state_dict().items() if k.startswith(keep)}
     if image_size is not None:
         backbone = resize_state_dict(backbone, source.config, image_size, interpolation)
+        (old_h, old_w), (new_h, new_w) = source.config.image_hw, config.image_hw
+        if (old_h, old_w) != (new_h, new_w):
+            logger.info(
+                "Fine-tuning at %dx%d a model trained at %dx%d: position embeddings resampled (%s) from a %dx%d to a "
+                "%dx%d grid of patches.",
+                new_h, new_w, old_h, old_w, interpolation, *source.config.grid_size, *config.grid_size,
+            )  # fmt: skip
+    if not keep_head:
+        logger.info(
+            "New zero-initialised classifier for %d classes (the checkpoint's head is dropped).", len(id2label)
+        )
     config._attn_implementation = attn_implementation
     model = VisionTransformerForImageClassification(config)
     missing, unexpected = model.load_state_dict(backbone, strict=False)

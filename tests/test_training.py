@@ -54,11 +54,14 @@ def test_recipes_are_the_papers_and_overridable(tmp_path):
     assert (other.optim, other.weight_decay) == ("adamw_torch", 0.05)
 
 
-def test_finetuning_model_replaces_the_head_and_resamples_positions(tmp_path):
+def test_finetuning_model_replaces_the_head_and_resamples_positions(tmp_path, caplog):
     source_path = pretrained_folder(tmp_path / "pre")
     source = VisionTransformerForImageClassification.from_pretrained(source_path)
     id2label = {0: "a", 1: "b", 2: "c"}
-    model = load_for_finetuning(str(source_path), id2label, image_size=16)
+    with caplog.at_level("INFO", logger="hf_vit.training"):
+        model = load_for_finetuning(str(source_path), id2label, image_size=16)
+    assert "position embeddings resampled (bicubic) from a 2x2 to a 4x4 grid" in caplog.text
+    assert "New zero-initialised classifier for 3 classes" in caplog.text
     assert model.config.image_size == 16 and model.config.representation_size is None
     assert model.pre_logits is None and model.config.id2label == id2label
     assert torch.count_nonzero(model.classifier.weight) == 0  # a new zero-initialised head
