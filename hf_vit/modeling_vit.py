@@ -524,7 +524,17 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
         if self.config.problem_type == "regression":
             return F.mse_loss(logits.squeeze(-1).float(), labels.squeeze(-1).float())
         if self.config.problem_type == "single_label_classification":
-            return F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1))
+            labels = labels.view(-1)
+            # Checked where it costs no device synchronisation; on GPUs torch's own assertion fires.
+            if labels.device.type == "cpu" and labels.numel() and not torch.compiler.is_compiling():
+                bad = labels[(labels != -100) & ((labels < 0) | (labels >= self.num_labels))]
+                if bad.numel():
+                    raise ValueError(
+                        f"Label {bad[0].item()} is outside the model's {self.num_labels} classes "
+                        f"(0..{self.num_labels - 1}; -100 is ignored). Check the data set's labels, or build the "
+                        "model with num_labels/id2label covering them."
+                    )
+            return F.cross_entropy(logits.view(-1, self.num_labels).float(), labels)
         if self.config.problem_type == "multi_label_classification":
             return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
         raise ValueError(

@@ -391,3 +391,11 @@ def test_a_missing_checkpoint_folder_is_named(tmp_path, monkeypatch):
     # "org/name" could be a Hub id: the Hub is tried (offline in the tests), and the error still names the path
     with pytest.raises(OSError, match="'run/final' is not a local folder, and loading it as a Hugging Face Hub"):
         VisionTransformerForImageClassification.from_pretrained("run/final")
+
+
+def test_labels_outside_the_classes_are_named(config):
+    model, x = model_for(config), pixels()
+    with pytest.raises(ValueError, match=r"Label 5 is outside the model's 5 classes \(0..4; -100 is ignored\)"):
+        model(x, labels=torch.tensor([1, 5]))
+    ignored = model(x, labels=torch.tensor([1, -100])).loss  # the usual "ignore this sample" label is fine
+    torch.testing.assert_close(ignored, F.cross_entropy(model(x).logits[:1], torch.tensor([1])))
