@@ -55,9 +55,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..configuration_vit import VisionTransformerConfig, _pair
+from ..configuration_vit import VisionTransformerConfig
 from ..resolution import resample_position_embeddings
-from .common import ConversionError, check_state_dict, write_converted_folder
+from .common import (
+    ConversionError,
+    build_config,
+    check_output_dir,
+    image_size_field,
+    load_preset,
+    preset_mismatches,
+    save_converted_model,
+)
 
 POS_KEY = "Transformer/posembed_input/pos_embedding"
 _BLOCK = "Transformer/encoderblock_{i}/"
@@ -379,30 +387,14 @@ def infer_config_from_npz(
             else:
                 problems.append(f"{POS_KEY} {pos}: {patches} patch positions are not a square grid; pass image_size")
     else:
-        try:
-            height, width = _pair(list(image_size) if not isinstance(image_size, int) else image_size, "image_size")
-        except ValueError as error:
-            raise ConversionError(str(error)) from error
-        fields["image_size"] = height if height == width else [height, width]
+        fields["image_size"] = image_size_field(image_size)
 
     base = dict(PAPER_DEFAULTS, hidden_act=hidden_act)
     if preset is not None:
-        try:
-            preset_config = VisionTransformerConfig.from_preset(preset)
-        except ValueError as error:
-            raise ConversionError(str(error)) from error
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size"):
-            if name in fields and fields[name] != getattr(preset_config, name):
-                problems.append(
-                    f"{name}: the checkpoint has {fields[name]}, preset {preset!r} has {getattr(preset_config, name)}"
-                )
+        preset_config = load_preset(preset)
+        problems += preset_mismatches(fields, preset_config, preset)
         base.update({k: v for k, v in preset_config.to_dict().items() if k in ("layer_norm_eps", "initializer_range")})
-    if problems:
-        raise ConversionError("Cannot infer the model from the checkpoint:\n- " + "\n- ".join(problems))
-    try:
-        return VisionTransformerConfig(**base, **fields)
-    except ValueError as error:
-        raise ConversionError(f"The checkpoint's shapes do not make a valid model: {error}") from error
+    return build_config(base, fields, problems, "checkpoint")
 
 
 def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -458,14 +450,8 @@ def convert_jax_checkpoint(
     everything succeeded.
     """
     from ..image_processing_vit import VisionTransformerImageProcessor
-    from ..modeling_vit import VisionTransformerForImageClassification
 
-    output = Path(output_dir)
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{output} exists and is not empty; choose another folder or pass --overwrite (overwrite=True "
-            "from Python)."
-        )
+    check_output_dir(output_dir, overwrite)  # before any loading
     arrays = load_npz(input_path)
     config = infer_config_from_npz(arrays, preset=preset, image_size=image_size, hidden_act=hidden_act)
     if labels is not None:
@@ -475,19 +461,9 @@ def convert_jax_checkpoint(
         config.id2label = dict(enumerate(labels))
         config.label2id = {name: i for i, name in enumerate(labels)}
     state_dict = npz_to_hf_vit_state_dict(arrays, config, resize_mode=resize_mode)
-    model = VisionTransformerForImageClassification(config)
-    check_state_dict(state_dict, model.state_dict())
-    model.load_state_dict(state_dict, strict=True)
-    model.eval()
     height, width = config.image_hw
     half = [0.5] * config.num_channels
     processor = VisionTransformerImageProcessor(
         size={"height": height, "width": width}, image_mean=half, image_std=half
     )
-
-    def save(folder: Path) -> None:
-        model.save_pretrained(folder)
-        processor.save_pretrained(folder)
-
-    write_converted_folder(save, output_dir, overwrite=overwrite)
-    return model
+    return save_converted_model(config, state_dict, processor, output_dir, overwrite)

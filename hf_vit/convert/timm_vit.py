@@ -31,9 +31,18 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_vit import MODEL_SIZES, VisionTransformerConfig, _pair
+from ..configuration_vit import MODEL_SIZES, VisionTransformerConfig
 from ..resolution import resample_position_embeddings
-from .common import ConversionError, check_state_dict, write_converted_folder
+from .common import (
+    ConversionError,
+    build_config,
+    check_output_dir,
+    image_size_field,
+    load_preset,
+    preset_mismatches,
+    save_converted_model,
+    state_dict_problems,
+)
 
 _TOP_KEYS = {
     "patch_embed.proj.weight": "vit.embeddings.patch_embedding.weight",
@@ -158,18 +167,7 @@ def timm_to_hf_vit_state_dict(
                 out[key] = resample_position_embeddings(pos, (side, side), config.grid_size, prefix, resize_mode)
         with torch.device("meta"):
             reference = VisionTransformerForImageClassification(config).state_dict()
-        missing = sorted(_timm_name(k) for k in set(reference) - set(out))
-        if missing:
-            problems.append(f"arrays the model needs but the checkpoint lacks: {missing}")
-        extra = sorted(_timm_name(k) for k in set(out) - set(reference))
-        if extra:
-            problems.append(f"arrays the model (as configured) has no place for: {extra}")
-        for name in sorted(set(out) & set(reference)):
-            if tuple(out[name].shape) != tuple(reference[name].shape):
-                problems.append(
-                    f"{_timm_name(name)}: shape {tuple(out[name].shape)} does not fit the model's "
-                    f"{tuple(reference[name].shape)}"
-                )
+        problems += state_dict_problems(out, reference, name=_timm_name)
     if problems:
         raise ConversionError("Cannot convert the timm checkpoint:\n- " + "\n- ".join(problems))
     return out
@@ -254,10 +252,7 @@ def infer_config_from_timm(
     heads = num_attention_heads or model_args.get("num_heads")
     preset_config = None
     if preset is not None:
-        try:
-            preset_config = VisionTransformerConfig.from_preset(preset)
-        except ValueError as error:
-            raise ConversionError(str(error)) from error
+        preset_config = load_preset(preset)
         heads = heads or preset_config.num_attention_heads
     heads = heads or _STANDARD_HEADS.get(width)
     if heads is None:
@@ -279,25 +274,11 @@ def infer_config_from_timm(
                 f"pos_embed {tuple(pos.shape)}: the patch positions are not a square grid; pass image_size"
             )
     else:
-        try:
-            height, width_px = _pair(list(image_size) if not isinstance(image_size, int) else image_size, "image_size")
-        except ValueError as error:
-            raise ConversionError(str(error)) from error
-        fields["image_size"] = height if height == width_px else [height, width_px]
+        fields["image_size"] = image_size_field(image_size)
 
-    base = dict(TIMM_DEFAULTS)
     if preset_config is not None:
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size"):
-            if name in fields and fields[name] != getattr(preset_config, name):
-                problems.append(
-                    f"{name}: the checkpoint has {fields[name]}, preset {preset!r} has {getattr(preset_config, name)}"
-                )
-    if problems:
-        raise ConversionError("Cannot infer the model from the timm checkpoint:\n- " + "\n- ".join(problems))
-    try:
-        return VisionTransformerConfig(**base, **fields)
-    except ValueError as error:
-        raise ConversionError(f"The checkpoint's shapes do not make a valid model: {error}") from error
+        problems += preset_mismatches(fields, preset_config, preset)
+    return build_config(TIMM_DEFAULTS, fields, problems, "timm checkpoint")
 
 
 def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -368,14 +349,8 @@ def convert_timm_checkpoint(
     unless everything succeeded.
     """
     from ..image_processing_vit import VisionTransformerImageProcessor
-    from ..modeling_vit import VisionTransformerForImageClassification
 
-    output = Path(output_dir)
-    if output.exists() and any(output.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{output} exists and is not empty; choose another folder or pass --overwrite (overwrite=True "
-            "from Python)."
-        )
+    check_output_dir(output_dir, overwrite)  # before any loading
     input_path = Path(input_path)
     state_dict = load_timm_state_dict(input_path)
     timm_config = _read_timm_config(input_path if input_path.is_dir() else input_path.parent)
@@ -389,10 +364,6 @@ def convert_timm_checkpoint(
         config.id2label = dict(enumerate(labels))
         config.label2id = {name: i for i, name in enumerate(labels)}
     converted = timm_to_hf_vit_state_dict(state_dict, config, resize_mode=resize_mode)
-    model = VisionTransformerForImageClassification(config)
-    check_state_dict(converted, model.state_dict())
-    model.load_state_dict(converted, strict=True)
-    model.eval()
 
     def pick(given, name):
         value = given if given is not None else (timm_config or {}).get(name, pretrained_cfg.get(name))
@@ -402,10 +373,4 @@ def convert_timm_checkpoint(
     processor = VisionTransformerImageProcessor(
         size={"height": height, "width": width}, image_mean=pick(image_mean, "mean"), image_std=pick(image_std, "std")
     )
-
-    def save(folder: Path) -> None:
-        model.save_pretrained(folder)
-        processor.save_pretrained(folder)
-
-    write_converted_folder(save, output_dir, overwrite=overwrite)
-    return model
+    return save_converted_model(config, converted, processor, output_dir, overwrite)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..configuration_vit import VisionTransformerConfig
-from .common import ConversionError, check_state_dict, write_converted_folder
+from .common import ConversionError, save_converted_model
 
 # (pattern in the saved transformers layout, hf-vit name); `{i}` is the block index.
 _BLOCK_KEYS = {
@@ -209,7 +209,6 @@ def convert_transformers_checkpoint(
     Returns the converted model. A `ViTForImageClassification` becomes `VisionTransformerForImageClassification`; a
     `ViTModel` with its pooler becomes a classification model with the pooler as pre-logits layer and no classes.
     """
-    from ..modeling_vit import VisionTransformerForImageClassification
 
     input_dir = Path(input_dir)
     config_path = input_dir / "config.json"
@@ -227,15 +226,5 @@ def convert_transformers_checkpoint(
     if not has_classifier:
         config.num_labels = 0
     state_dict = transformers_to_hf_vit_state_dict(source)
-    model = VisionTransformerForImageClassification(config)
-    check_state_dict(state_dict, model.state_dict())
-    model.load_state_dict(state_dict, strict=True)
-    model.eval()
     processor = _processor_from_transformers(input_dir, config.image_hw)
-
-    def save(folder: Path) -> None:
-        model.save_pretrained(folder)
-        processor.save_pretrained(folder)
-
-    write_converted_folder(save, output_dir, overwrite=overwrite)
-    return model
+    return save_converted_model(config, state_dict, processor, output_dir, overwrite)
