@@ -716,12 +716,9 @@ def size_sweep(settings: BenchmarkSettings, device: torch.device) -> list[dict]:
 def plot_sweep(rows: list[dict], path: str | os.PathLike, title: str = "") -> Path:
     """Throughput against tokens for each model (training left, inference middle) and the hf-vit/transformers
     ratio (right)."""
-    import matplotlib
+    from .plotting import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = pyplot().subplots(1, 3, figsize=(15, 4.5))
     styles = {HF_VIT: "-o", TRANSFORMERS: "--s", TIMM: ":^"}
     dtypes = sorted({row["dtype"] for row in rows}, key=list(DTYPES).index)
     for dtype in dtypes:
@@ -750,14 +747,7 @@ def plot_sweep(rows: list[dict], path: str | os.PathLike, title: str = "") -> Pa
     axes[1].set_yscale("log")
     axes[2].axhline(1.0, color="grey", lw=0.8)
     axes[2].set_ylabel("throughput ratio (higher: hf-vit faster)")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title, dpi=110)
 
 
 # ------------------------------------------------------------------------------------------------------------- main

@@ -1,4 +1,4 @@
-"""Training curves from `Trainer`'s log history."""
+"""Plots: training curves from `Trainer`'s log history, and the figure set-up and saving other plots share."""
 
 from __future__ import annotations
 
@@ -7,12 +7,31 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def plot_training_curves(log_history: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> Path:
-    """Write a PNG with the training and validation loss (left) and the validation accuracy (right) per step."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed), imported only when a plot is made."""
     import matplotlib
 
-    matplotlib.use("Agg")  # no display needed
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | os.PathLike, title: str | None = None, dpi: int = 100) -> Path:
+    """Title, lay out and write `fig` to `path` (parent folders created), then close it."""
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
+def plot_training_curves(log_history: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> Path:
+    """Write a PNG with the training and validation loss (left) and the validation accuracy (right) per step."""
+    plt = pyplot()
 
     def series(key: str) -> tuple[list[int], list[float]]:
         points = [(entry["step"], entry[key]) for entry in log_history if key in entry and "step" in entry]
@@ -31,14 +50,7 @@ def plot_training_curves(log_history: Sequence[dict], path: str | os.PathLike, t
             acc_ax.plot(steps, values, marker=".", label=f"validation {label}")
     acc_ax.set(xlabel="step", ylabel="accuracy", title="accuracy", ylim=(0, 1.01))
     _legend_or_note(acc_ax, "no evaluation logged")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def _legend_or_note(ax, note: str) -> None:
