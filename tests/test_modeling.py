@@ -307,7 +307,9 @@ def test_matmul_attention_computes_what_sdpa_computes():
     torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-12)
 
 
-def test_cpu_bf16_training_takes_the_matmul_attention_path(monkeypatch):
+@pytest.fixture
+def matmul_attention_calls(monkeypatch):
+    """A list that gets an entry each time the model runs `matmul_attention_forward`."""
     import hf_vit.modeling_vit as modeling
 
     calls = []
@@ -317,6 +319,11 @@ def test_cpu_bf16_training_takes_the_matmul_attention_path(monkeypatch):
         "matmul_attention_forward",
         lambda *args, **kwargs: calls.append(1) or matmul_attention(*args, **kwargs),
     )
+    return calls
+
+
+def test_cpu_bf16_training_takes_the_matmul_attention_path(matmul_attention_calls):
+    calls = matmul_attention_calls
     config = tiny_config(zero_init_head=False)
     model, x = model_for(config), pixels()
     labels = torch.tensor([1, 3])
@@ -353,18 +360,10 @@ def test_matmul_attention_is_preferred_only_for_cpu_half_precision_training():
     assert not prefers_matmul_attention(query(MATMUL_ATTENTION_MAX_TOKENS + 1), training=True)
 
 
-def test_reentrant_checkpointing_recomputes_with_the_same_attention_path(monkeypatch):
+def test_reentrant_checkpointing_recomputes_with_the_same_attention_path(matmul_attention_calls):
     # The reentrant forward runs without autograd, its recomputation with it: both must take the matmul path, or
     # the gradients would belong to a different computation than the loss.
-    import hf_vit.modeling_vit as modeling
-
-    calls = []
-    matmul_attention = modeling.matmul_attention_forward
-    monkeypatch.setattr(
-        modeling,
-        "matmul_attention_forward",
-        lambda *args, **kwargs: calls.append(1) or matmul_attention(*args, **kwargs),
-    )
+    calls = matmul_attention_calls
     config = tiny_config(zero_init_head=False)
     x, labels = pixels(), torch.tensor([1, 3])
     grads = []
