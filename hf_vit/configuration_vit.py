@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -139,6 +140,32 @@ class VisionTransformerConfig(PretrainedConfig):
                 raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
         if self.layer_norm_eps <= 0:
             raise ValueError(f"`layer_norm_eps` must be positive, got {self.layer_norm_eps!r}.")
+
+    @classmethod
+    def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """transformers' reading of `config.json`, refusing what would silently build another model: a folder
+        without `config.json` (transformers would use the defaults) or the config of another model type (whose
+        weights would not load, leaving the model randomly initialised)."""
+        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
+        source = os.fspath(pretrained_model_name_or_path)
+        if not config_dict:  # transformers returns {} for a folder without config.json
+            raise OSError(
+                f"{source} has no config.json. Pass the folder that `save_pretrained` or a training run wrote (it "
+                "holds config.json beside the weights)."
+            )
+        model_type = config_dict.get("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            hint = (
+                f" Convert it first: python scripts/convert_checkpoint.py --source transformers --input {source} "
+                "--output <folder>."
+                if model_type == "vit"
+                else ""
+            )
+            raise ValueError(
+                f"{source} holds a {model_type!r} checkpoint, not an hf-vit one (model_type {cls.model_type!r}): its "
+                f"weights would not load into this model.{hint}"
+            )
+        return config_dict, kwargs
 
     @property
     def image_hw(self) -> tuple[int, int]:

@@ -341,28 +341,34 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`, made strict: weights that leave part of the encoder randomly initialised
+        are an error (only a classification head may be new), and unreadable weights or folders are named."""
+        output_loading_info = kwargs.pop("output_loading_info", False)
         source = pretrained_model_name_or_path
-        if isinstance(source, (str, os.PathLike)) and not os.path.isdir(source):
-            text = os.fspath(source)
-            # "org/name" may be a Hub id; "./x", "/x", "~/x" or "a/b/c" can only be folders.
-            if text.startswith((".", "/", "~")) or text.count("/") > 1 or os.path.exists(text):
-                raise OSError(
-                    f"{text!r} is not a folder. Pass the folder that `save_pretrained` or a training run wrote."
-                )
+        if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
+            raise OSError(f"{os.fspath(source)!r} is a file: pass the folder that holds it and its config.json.")
         try:
-            return super().from_pretrained(source, *args, **kwargs)
+            model, info = super().from_pretrained(source, *args, output_loading_info=True, **kwargs)
         except SafetensorError as error:
             raise OSError(
                 f"Could not read the weights in {source}: the safetensors file is corrupted or truncated ({error}). "
                 "Save or download the checkpoint again."
             ) from error
         except OSError as error:
-            if isinstance(source, (str, os.PathLike)) and not os.path.isdir(source):
+            if isinstance(source, (str, os.PathLike)) and not os.path.exists(source):
                 raise OSError(
                     f"{os.fspath(source)!r} is not a local folder, and loading it as a Hugging Face Hub model id "
                     f"failed: {error}"
                 ) from error
             raise
+        missing = sorted(key for key in info["missing_keys"] if not key.startswith(("classifier.", "pre_logits.")))
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(
+                f"The weights in {source} do not fit {cls.__name__}: {len(missing)} of its weights are not in the "
+                f"checkpoint ({shown}) and would stay randomly initialised. Is it a checkpoint of another model?"
+            )
+        return (model, info) if output_loading_info else model
 
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
         # transformers skips parameter-less containers (attention, MLP, the classifier model) for custom code, but

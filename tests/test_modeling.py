@@ -384,9 +384,11 @@ def test_reentrant_checkpointing_recomputes_with_the_same_attention_path(matmul_
 def test_a_missing_checkpoint_folder_is_named(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "weights.bin").write_bytes(b"x")
-    for path in (str(tmp_path / "run" / "final"), "./run", "weights.bin"):
-        with pytest.raises(OSError, match="is not a folder"):
+    for path in (str(tmp_path / "run" / "final"), "./run"):
+        with pytest.raises(OSError, match="is not a local folder"):
             VisionTransformerForImageClassification.from_pretrained(path)
+    with pytest.raises(OSError, match="'weights.bin' is a file: pass the folder"):
+        VisionTransformerForImageClassification.from_pretrained("weights.bin")
     # "org/name" could be a Hub id: the Hub is tried (offline in the tests), and the error still names the path
     with pytest.raises(OSError, match="'run/final' is not a local folder, and loading it as a Hugging Face Hub"):
         VisionTransformerForImageClassification.from_pretrained("run/final")
@@ -398,3 +400,39 @@ def test_labels_outside_the_classes_are_named(config):
         model(x, labels=torch.tensor([1, 5]))
     ignored = model(x, labels=torch.tensor([1, -100])).loss  # the usual "ignore this sample" label is fine
     torch.testing.assert_close(ignored, F.cross_entropy(model(x).logits[:1], torch.tensor([1])))
+
+
+def test_a_folder_without_config_json_is_named(tmp_path, config):
+    model_for(config).save_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
+    # transformers alone builds a default (ViT-B/16) config for such a folder and fails on the weights' shapes
+    with pytest.raises(OSError, match="has no config.json"):
+        VisionTransformerForImageClassification.from_pretrained(tmp_path)
+
+
+def test_a_transformers_vit_checkpoint_is_refused_not_loaded_as_a_random_backbone(tmp_path):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, num_labels=3)
+    ViTForImageClassification(ViTConfig(image_size=32, patch_size=8, **sizes)).save_pretrained(tmp_path)
+    for model_class in (VisionTransformerForImageClassification, VisionTransformerModel):
+        with pytest.raises(ValueError, match="holds a 'vit' checkpoint, not an hf-vit one.*convert_checkpoint.py"):
+            model_class.from_pretrained(tmp_path)
+
+
+def test_weights_missing_from_the_checkpoint_are_an_error_except_a_new_head(tmp_path, config):
+    from safetensors.torch import load_file, save_file
+
+    model_for(config).vit.save_pretrained(tmp_path / "backbone")
+    # a backbone checkpoint gives a classifier its encoder; only the head is new
+    loaded, info = VisionTransformerForImageClassification.from_pretrained(
+        tmp_path / "backbone", output_loading_info=True
+    )
+    assert set(info["missing_keys"]) == {"classifier.weight", "classifier.bias"}
+    weights = load_file(tmp_path / "backbone" / "model.safetensors")
+    del weights["layers.1.mlp.fc1.weight"]
+    save_file(weights, tmp_path / "backbone" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"1 of its weights are not in the checkpoint \(vit.layers.1.mlp.fc1.weight\)"
+    ):
+        VisionTransformerForImageClassification.from_pretrained(tmp_path / "backbone")
