@@ -18,14 +18,23 @@ def pyplot():
 
 
 def save_figure(fig, path: str | os.PathLike, title: str | None = None, dpi: int = 100) -> Path:
-    """Title, lay out and write `fig` to `path` (parent folders created), then close it."""
+    """Title, lay out and write `fig` to `path` (parent folders created), then close it.
+
+    The figure is written beside `path` and renamed over it: a failed write (a full disk) leaves the old file or
+    none, never a truncated one.
+    """
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    pyplot().close(fig)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        fig.savefig(partial, dpi=dpi, format=path.suffix.lstrip(".") or "png")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+        pyplot().close(fig)
     return path
 
 

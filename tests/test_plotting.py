@@ -15,3 +15,25 @@ def test_curves_are_written_with_and_without_evaluation(tmp_path):
         empty = plot_training_curves([], tmp_path / "c.png")
     for path in (trained_only, evaluated, empty):
         assert path.read_bytes().startswith(b"\x89PNG") and path.stat().st_size > 1000
+
+
+def test_a_failed_write_leaves_the_old_figure_not_a_truncated_one(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    history = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    path = plot_training_curves(history, tmp_path / "curves.png")
+    before = path.read_bytes()
+
+    def disk_full(self, fname, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG")  # what a full disk leaves: the first bytes
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", disk_full)
+    try:
+        plot_training_curves(history, path)
+    except OSError as error:
+        assert error.errno == 28
+    else:
+        raise AssertionError("the write error was swallowed")
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["curves.png"]
