@@ -1,12 +1,23 @@
-"""Model cards: Hub metadata and an honest description rendered from the card template."""
+"""Model cards (Hub metadata and an honest description rendered from the card template) and pushing a folder to the
+Hub: an explicit list of the files this project writes, checked for symlinks and local paths before anything is sent.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import re
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+logger = logging.getLogger(__name__)
 
 TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 
@@ -19,6 +30,52 @@ DIGITS_LIMITATIONS = (
     "size-normalised digits in that style and nothing else. It is a demonstration of the training pipeline, not a "
     "general-purpose image classifier."
 )
+
+# `org/name` or `name`, as the Hub spells repository ids.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+@dataclass(frozen=True)
+class CardReference:
+    """What a model card may say about a model or data set the user named."""
+
+    text: str  # for the card's body: the Hub id, the plain name, or a local path's final folder name
+    hub_id: str | None  # for the card's metadata (`base_model`, `datasets`), which hold Hub ids only; None if local
+
+
+def card_reference(reference: str | os.PathLike) -> CardReference:
+    """Turn a user-given model or data set reference into what a card may say, never a local path.
+
+    A Hub id (`org/name`) or a plain name (`digits`) stays as it is; a local path (absolute, relative, `~`, or an
+    existing file or folder) becomes its final folder name in the text and is left out of the metadata.
+    """
+    raw = os.fspath(reference)
+    is_local = (
+        isinstance(reference, os.PathLike)
+        or os.path.isabs(raw)
+        or raw.startswith(("~", "."))
+        or "\\" in raw
+        or not _HUB_ID.fullmatch(raw)
+        or os.path.exists(raw)
+    )
+    if not is_local:
+        return CardReference(text=raw, hub_id=raw)
+    return CardReference(text=os.path.basename(os.path.abspath(os.path.expanduser(raw))) or raw, hub_id=None)
+
+
+def _without_local_paths(text: str | None, references: Iterable[str | os.PathLike | None]) -> str | None:
+    """`text` with every local path among `references` replaced by its final folder name."""
+    if text is None:
+        return None
+    for reference in references:
+        if reference is None:
+            continue
+        raw, ref = os.fspath(reference), card_reference(reference)
+        # Only path-like spellings are replaced: a bare name like `.` would otherwise rewrite every full stop.
+        if ref.hub_id is None and ("/" in raw or os.sep in raw):
+            for spelling in sorted({raw, os.path.abspath(raw), os.path.realpath(raw)}, key=len, reverse=True):
+                text = text.replace(spelling, ref.text)
+    return text
 
 
 def _recipe_text(task: str, args: Any) -> str:
@@ -48,10 +105,19 @@ def render_model_card(
     results_note: str = "Measured by the training run that produced these weights.",
     license: str = "apache-2.0",
 ) -> ModelCard:
-    """A `ModelCard` for `model` with Hub metadata and the `metrics` measured for it (keys like `eval_accuracy`)."""
+    """A `ModelCard` for `model` with Hub metadata and the `metrics` measured for it (keys like `eval_accuracy`).
+
+    `repo_id` is the Hub repository the card will be pushed to; without it the card names the output folder by its
+    plain name (no invented organisation). `base_model` and `dataset_name` may be Hub ids, plain names or local
+    paths: local paths appear as their final folder name in the text and are left out of the metadata.
+    """
     config = model.config
     height, width = config.image_hw
-    repo_id = repo_id or f"hf-vit/{Path(getattr(training_args, 'output_dir', None) or 'model').name}"
+    output_dir = getattr(training_args, "output_dir", None)
+    repo_id = repo_id or (card_reference(Path(output_dir)).text if output_dir else "model")
+    base = card_reference(base_model) if base_model else None
+    data = card_reference(dataset_name)
+    local_refs = [base_model, dataset_name, output_dir]
     split = metrics.get("eval_split", "test")
     results = [
         {"split": split, "metric": name.removeprefix("eval_"), "value": f"{value:.4f}"}
@@ -61,8 +127,9 @@ def render_model_card(
     eval_results = [
         EvalResult(
             task_type="image-classification",
-            dataset_type=dataset_name,
-            dataset_name=dataset_name,
+            # The model-index needs a data set type; a local data set is named by its plain folder name.
+            dataset_type=data.hub_id or data.text,
+            dataset_name=data.text,
             dataset_split=split,
             metric_type=row["metric"],
             metric_name=row["metric"],
@@ -75,19 +142,24 @@ def render_model_card(
         pipeline_tag="image-classification",
         license=license,
         tags=["hf-vit", "vision-transformer", "image-classification", "safetensors"],
-        datasets=[dataset_name],
+        datasets=[data.hub_id] if data.hub_id else None,
         metrics=["accuracy"],
-        base_model=base_model,
+        base_model=base.hub_id if base else None,
         model_name=repo_id,
         eval_results=eval_results or None,
     )
     labels = list(config.id2label.values())
+    if data.text in DATASET_DESCRIPTIONS:
+        dataset_description = DATASET_DESCRIPTIONS[data.text]
+    else:
+        dataset_description = f"`{data.text}`{'' if data.hub_id else ' (a local data set)'}."
     return ModelCard.from_template(
         card_data,
         template_path=str(TEMPLATE),
         model_name=repo_id.split("/")[-1],
         repo_id=repo_id,
-        summary=summary or f"A Vision Transformer {'pretrained' if task == 'pretrain' else 'fine-tuned'} with hf-vit.",
+        summary=_without_local_paths(summary, local_refs)
+        or f"A Vision Transformer {'pretrained' if task == 'pretrain' else 'fine-tuned'} with hf-vit.",
         architecture=type(model).__name__,
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
@@ -98,28 +170,185 @@ def render_model_card(
         representation_size=config.representation_size,
         num_parameters=f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M",
         resolution=f"{height}x{width}",
-        resolution_note=resolution_note,
+        resolution_note=_without_local_paths(resolution_note, local_refs),
         num_labels=len(labels),
         labels=", ".join(labels[:20]) + (", ..." if len(labels) > 20 else ""),
-        dataset_description=DATASET_DESCRIPTIONS.get(dataset_name, f"`{dataset_name}`."),
-        recipe=recipe or _recipe_text(task, training_args),
+        base_model=base.text if base else None,
+        dataset_description=dataset_description,
+        recipe=_without_local_paths(recipe, local_refs) or _recipe_text(task, training_args),
         results=results,
-        results_note=results_note,
-        limitations=DIGITS_LIMITATIONS if dataset_name == "digits" else "Evaluated only on the data named above.",
+        results_note=_without_local_paths(results_note, local_refs),
+        limitations=DIGITS_LIMITATIONS if data.text == "digits" else "Evaluated only on the data named above.",
     )
 
 
 def write_model_card(output_dir: str | os.PathLike, model, metrics: dict[str, Any], **kwargs: Any) -> Path:
-    """Render the card (see `render_model_card`) to `output_dir/README.md`."""
+    """Render the card (see `render_model_card`) to `output_dir/README.md`.
+
+    Without `repo_id`, the card names the folder by its plain name; pushing replaces it by the repository pushed to.
+    """
     path = Path(output_dir) / "README.md"
+    if not kwargs.get("repo_id"):
+        kwargs["repo_id"] = card_reference(Path(output_dir)).text
     render_model_card(model, metrics, **kwargs).save(path)
     return path
 
 
-# What a published hf-vit folder holds: safetensors weights, configs, code files for trust_remote_code, the card and
-# its figures. Anything else (optimizer states, pickles, checkpoints) stays local.
-UPLOAD_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "*.py", "README.md", "*.png"]
-UPLOAD_EXCLUDE = ["checkpoint-*/**", "runs/**", "training_args.bin", "*.bin", "*.pt", "*.pth", "*.pkl"]
+# What a published hf-vit folder holds, top level only: the files this project writes. Anything else (optimizer
+# states, checkpoints, logs, the user's own files, trainer_state.json with its local checkpoint path) stays local
+# unless the user names it (`extra_files`). trainer_state.json is left out rather than scrubbed: its metrics are in
+# *_results.json and training_curves.png, and its log history and checkpoint paths tell a model's user nothing.
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+# The code files `save_pretrained` copies beside checkpoints for `trust_remote_code=True`.
+REMOTE_CODE_FILES = ("configuration_vit.py", "modeling_vit.py", "image_processing_vit.py")
+UPLOAD_FILES = (
+    "config.json",
+    "preprocessor_config.json",
+    *REMOTE_CODE_FILES,
+    "README.md",
+    "training_curves.png",
+    "pretraining_curves.png",
+    "all_results.json",
+    "train_results.json",
+    "eval_results.json",
+    "main_job.json",
+)
+_TEXT_SUFFIXES = {".json", ".md", ".txt", ".py", ".yaml", ".yml", ".csv", ".toml", ".cfg", ".ini"}
+
+
+@dataclass(frozen=True)
+class UploadFile:
+    """One file of an upload: where it goes in the repository, where it comes from, and the bytes sent instead of
+    the file's own when the project corrects a copy (the card's repository id)."""
+
+    path_in_repo: str
+    source: Path
+    content: bytes | None = None
+
+
+def _plain_file(path: Path, name: str) -> bool:
+    """Whether `path` is a regular file; a symlink is an error naming it (its target's bytes would be sent)."""
+    if path.is_symlink():
+        raise ValueError(
+            f"{name} in {path.parent} is a symlink (to {os.readlink(path)}); symlinks are not uploaded, since the "
+            f"bytes sent would be its target's. Replace it with a copy of the file (`cp --remove-destination "
+            f'"$(readlink -f {path})" {path}`) if you mean to publish it.'
+        )
+    return path.is_file()
+
+
+def _weights(folder: Path) -> list[str]:
+    """The safetensors weights: `model.safetensors`, or the shards named by its index and the index itself."""
+    index = folder / WEIGHTS_INDEX_FILE
+    if _plain_file(index, WEIGHTS_INDEX_FILE):
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError, TypeError) as error:
+            raise ValueError(f"{index} is not a safetensors index with a weight_map ({error}).") from error
+        for shard in shards:
+            if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
+                raise ValueError(f"{index} names {shard!r}, not a .safetensors file beside it.")
+            if not _plain_file(folder / shard, shard):
+                raise FileNotFoundError(f"{index} names the shard {shard}, which is not in {folder}.")
+        return [*shards, WEIGHTS_INDEX_FILE]
+    if _plain_file(folder / WEIGHTS_FILE, WEIGHTS_FILE):
+        return [WEIGHTS_FILE]
+    found = sorted(p.name for p in folder.glob("*.safetensors"))
+    hint = f" (found {found}: name other files with extra_files / --include)" if found else ""
+    raise FileNotFoundError(
+        f"{folder} has no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX_FILE}); hf-vit only publishes safetensors weights "
+        f"saved by `save_pretrained`{hint}."
+    )
+
+
+def _extra_file(folder: Path, name: str | os.PathLike) -> str:
+    """The repository path of a user-named file: it must be a regular file inside `folder`, not a symlink."""
+    path = Path(name) if Path(name).is_absolute() else folder / name
+    if not _plain_file(path, os.fspath(name)):
+        raise FileNotFoundError(f"{name} is not a file in {folder}: --include names files inside the pushed folder.")
+    try:
+        return path.resolve().relative_to(folder.resolve()).as_posix()
+    except ValueError:
+        raise ValueError(f"{name} is outside {folder}: only files inside the pushed folder are uploaded.") from None
+
+
+def _local_roots(folder: Path) -> list[str]:
+    """Absolute paths of this machine that no uploaded text may contain: home, the working and temporary folders,
+    the pushed folder and the folder holding it."""
+    roots = set()
+    for path in (Path.home(), Path.cwd(), Path(tempfile.gettempdir()), folder.absolute(), folder.absolute().parent):
+        for spelling in (path, path.resolve()):
+            if len(spelling.parts) >= 2:  # never the filesystem root itself
+                roots.add(str(spelling))
+    return sorted(roots, key=len, reverse=True)
+
+
+def _find_local_path(text: str, roots: list[str]) -> str | None:
+    for root in roots:
+        # The root must end where a path component ends: /home/al is not found in /home/alice.
+        match = re.search(re.escape(root) + r"(?![\w.-])[^\s\"'`<>)\]},]*", text)
+        if match:
+            return match.group(0)
+    return None
+
+
+def _corrected_card(text: str, repo_id: str) -> str:
+    """The card with the repository id it names replaced by `repo_id` (metadata, heading, code examples)."""
+    card = ModelCard(text)
+    old = getattr(card.data, "model_name", None)
+    if not old:
+        match = re.search(r'from_pretrained\("([^"]+)"|model="([^"]+)"', card.text)
+        old = match and (match.group(1) or match.group(2))
+    if not old or old == repo_id:
+        return text
+    if getattr(card.data, "model_name", None):
+        card.data.model_name = repo_id
+    body = card.text.replace(f'"{old}"', f'"{repo_id}"')
+    body = re.sub(rf"^# {re.escape(old.split('/')[-1])}$", f"# {repo_id.split('/')[-1]}", body, count=1, flags=re.M)
+    card.text = body
+    return str(card)
+
+
+def plan_upload(
+    folder: str | os.PathLike, repo_id: str | None = None, extra_files: Iterable[str | os.PathLike] = ()
+) -> list[UploadFile]:
+    """Exactly what pushing `folder` sends, checked, without touching the network.
+
+    The project's files (`UPLOAD_FILES` and the safetensors weights) at the top level of `folder`, plus the files the
+    user names in `extra_files`. A symlink among them is an error, since the bytes sent would be its target's. The
+    card goes as a copy naming `repo_id`. Any text file naming an absolute path of this machine is an error naming
+    the file and the path. The user's files are never modified.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder: pass the folder that a training run or script wrote.")
+    if not _plain_file(folder / "config.json", "config.json"):
+        raise FileNotFoundError(f"{folder} has no config.json: save the model there before pushing it.")
+    names = _weights(folder) + [name for name in UPLOAD_FILES if _plain_file(folder / name, name)]
+    names += [_extra_file(folder, name) for name in extra_files]
+    if "README.md" not in names:
+        logger.warning("%s has no model card (README.md): the repository will have none.", folder)
+    roots = _local_roots(folder)
+    plan = []
+    for name in dict.fromkeys(names):  # in order, each once
+        source = folder / name
+        content = None
+        if Path(name).suffix.lower() in _TEXT_SUFFIXES:
+            text = source.read_text(encoding="utf-8", errors="replace")
+            if name == "README.md" and repo_id:
+                corrected = _corrected_card(text, repo_id)
+                if corrected != text:
+                    text, content = corrected, corrected.encode("utf-8")
+            found = _find_local_path(text, roots)
+            if found:
+                raise ValueError(
+                    f"{source} contains the local path {found!r}; nothing naming a path of this machine is uploaded. "
+                    "Remove it from the file (a card names Hub ids or plain names: re-render it with "
+                    "hf_vit.hub.write_model_card) or leave the file out."
+                )
+        plan.append(UploadFile(name, source, content))
+    return plan
 
 
 def push_folder_to_hub(
@@ -130,30 +359,37 @@ def push_folder_to_hub(
     token: str | None = None,
     commit_message: str = "Upload hf-vit model",
     revision: str | None = None,
+    extra_files: Iterable[str | os.PathLike] = (),
 ) -> str:
-    """Push an hf-vit folder to the Hub with huggingface_hub's own machinery; returns the commit URL.
-
-    Only safetensors weights, JSON configs, the code files and the card (with its PNG figures) are uploaded.
-    """
-    from huggingface_hub import HfApi
+    """Push an hf-vit folder to the Hub in one commit of exactly the files `plan_upload` lists (logged at INFO);
+    returns the commit URL."""
+    from huggingface_hub import CommitOperationAdd, HfApi
 
     if not repo_id:
         raise ValueError("Pushing needs a repository id: pass --hub_model_id <user or org>/<name>.")
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} has no config.json: save the model there before pushing it.")
-    weights = list(folder.glob("*.safetensors"))
-    if not weights:
-        raise FileNotFoundError(f"{folder} has no safetensors weights; hf-vit only publishes safetensors.")
+    plan = plan_upload(folder, repo_id, extra_files)
+    logger.info(
+        "Uploading %d files of %s to %s: %s", len(plan), folder, repo_id, ", ".join(f.path_in_repo for f in plan)
+    )
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-    commit = api.upload_folder(
-        repo_id=repo_id,
-        folder_path=str(folder),
-        allow_patterns=UPLOAD_PATTERNS,
-        ignore_patterns=UPLOAD_EXCLUDE,
-        commit_message=commit_message,
-        revision=revision,
-        repo_type="model",
-    )
+    # O_NOFOLLOW: a file swapped for a symlink after the checks is refused rather than followed.
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    with contextlib.ExitStack() as stack:
+        operations = [
+            CommitOperationAdd(
+                path_in_repo=item.path_in_repo,
+                path_or_fileobj=item.content
+                if item.content is not None
+                else stack.enter_context(open(item.source, "rb", opener=lambda p, f: os.open(p, f | nofollow))),
+            )
+            for item in plan
+        ]
+        commit = api.create_commit(
+            repo_id=repo_id,
+            operations=operations,
+            commit_message=commit_message,
+            revision=revision,
+            repo_type="model",
+        )
     return str(getattr(commit, "commit_url", commit))

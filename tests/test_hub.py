@@ -1,27 +1,65 @@
-"""Model cards and pushing (the Hub itself is unreachable here: the push goes to a recording stand-in of HfApi)."""
+"""Model cards and pushing (the Hub itself is unreachable here: HfApi's network methods are replaced by recorders)."""
+
+import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 from conftest import tiny_config
-from huggingface_hub import ModelCard
-from huggingface_hub.utils import filter_repo_objects
+from huggingface_hub import HfApi, ModelCard
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.hub import push_folder_to_hub, write_model_card
+from hf_vit.hub import REMOTE_CODE_FILES, card_reference, push_folder_to_hub, write_model_card
+
+ROOT = Path(__file__).resolve().parents[1]
+METRICS = {"eval_accuracy": 0.9722, "eval_top5_accuracy": 0.9972, "eval_split": "test", "eval_loss": 0.1}
+PROJECT_FILES = {"model.safetensors", "config.json", "preprocessor_config.json", "README.md", *REMOTE_CODE_FILES}
 
 
 @pytest.fixture
 def folder(tmp_path):
+    path = tmp_path / "run"
     model = VisionTransformerForImageClassification(tiny_config())
-    model.save_pretrained(tmp_path)
-    VisionTransformerImageProcessor(size=32).save_pretrained(tmp_path)
-    return tmp_path, model
+    model.save_pretrained(path)
+    VisionTransformerImageProcessor(size=32).save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """Records what HfApi would create and send; any other way of uploading fails the test."""
+    sent = {}
+
+    def create_repo(self, repo_id, **kwargs):
+        sent["repo"] = repo_id
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        files = {}
+        for op in operations:
+            data = op.path_or_fileobj
+            if isinstance(data, (str, Path)):
+                data = Path(data).read_bytes()
+            elif not isinstance(data, bytes):
+                data.seek(0)
+                data = data.read()
+            files[op.path_in_repo] = data
+        sent["files"] = files
+        return "https://huggingface.co/me/vit/commit/0"
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("only create_repo and create_commit may be used: they send exactly the listed files")
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    for name in ("upload_folder", "upload_file", "preupload_lfs_files", "upload_large_folder"):
+        monkeypatch.setattr(HfApi, name, refuse, raising=False)
+    return sent
 
 
 def test_card_renders_with_parseable_metadata(folder):
     path, model = folder
-    metrics = {"eval_accuracy": 0.9722, "eval_top5_accuracy": 0.9972, "eval_split": "test", "eval_loss": 0.1}
     write_model_card(
-        path, model, metrics, task="finetune", dataset_name="digits", repo_id="hf-vit/tiny", base_model="hf-vit/base"
+        path, model, METRICS, task="finetune", dataset_name="digits", repo_id="hf-vit/tiny", base_model="hf-vit/base"
     )
     card = ModelCard.load(path / "README.md")
     data = card.data.to_dict()
@@ -32,7 +70,7 @@ def test_card_renders_with_parseable_metadata(folder):
     assert results == {"accuracy": 0.9722, "top5_accuracy": 0.9972}
     text = card.text
     assert "| test | accuracy | 0.9722 |" in text and "trust_remote_code=True" in text
-    assert "32x32" in text and "Limitations" in text
+    assert "32x32" in text and "Limitations" in text and "Base model: `hf-vit/base`" in text
 
 
 def test_push_needs_a_repo_id(folder):
@@ -40,37 +78,185 @@ def test_push_needs_a_repo_id(folder):
         push_folder_to_hub(folder[0], None)
 
 
-def test_push_uploads_only_safetensors_configs_code_and_card(folder, monkeypatch):
+def test_push_sends_exactly_the_projects_top_level_files(folder, hub):
     path, model = folder
+    write_model_card(path, model, METRICS, task="finetune", dataset_name="digits", repo_id="me/vit")
+    (path / "training_curves.png").write_bytes(b"\x89PNG curves")
+    (path / "all_results.json").write_text(json.dumps({"eval_accuracy": 0.97}))
+    # What a user's run folder also holds: none of it may leave the machine unless named.
+    (path / "trainer_state.json").write_text(json.dumps({"best_model_checkpoint": "outputs/run/checkpoint-5"}))
+    (path / "credentials.json").write_text('{"token": "hf_secret"}')
+    for name in ("notes/secrets.py", "wandb/run-config.json", "eval_outputs/predictions.json", "checkpoint-5/x.json"):
+        (path / name).parent.mkdir(exist_ok=True)
+        (path / name).write_text("{}")
     (path / "training_args.bin").write_bytes(b"pickle")
-    (path / "pytorch_model.bin").write_bytes(b"pickle")
-    (path / "checkpoint-5").mkdir()
     (path / "checkpoint-5" / "optimizer.pt").write_bytes(b"pickle")
-    calls = {}
+    outside = path.parent / "private.json"
+    outside.write_text('{"private": true}')
+    (path / "leak.json").symlink_to(outside)
 
-    class RecordingApi:
-        def __init__(self, token=None):
-            calls["token"] = token
-
-        def create_repo(self, repo_id, **kwargs):
-            calls["create_repo"] = repo_id
-
-        def upload_folder(self, repo_id, folder_path, allow_patterns, ignore_patterns, **kwargs):
-            files = [p.relative_to(folder_path).as_posix() for p in path.rglob("*") if p.is_file()]
-            calls["uploaded"] = sorted(
-                filter_repo_objects(files, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns)
-            )
-            return "https://huggingface.co/me/vit/commit/0"
-
-    monkeypatch.setattr("huggingface_hub.HfApi", RecordingApi)
     assert push_folder_to_hub(path, "me/vit").endswith("/commit/0")
-    assert calls["create_repo"] == "me/vit"
-    uploaded = calls["uploaded"]
-    assert {"model.safetensors", "config.json", "preprocessor_config.json", "modeling_vit.py"} <= set(uploaded)
-    assert not [f for f in uploaded if f.endswith((".bin", ".pt", ".pth")) or f.startswith("checkpoint-")]
+    assert hub["repo"] == "me/vit"
+    assert set(hub["files"]) == PROJECT_FILES | {"training_curves.png", "all_results.json"}
+    assert hub["files"]["model.safetensors"] == (path / "model.safetensors").read_bytes()
+
+    push_folder_to_hub(path, "me/vit", extra_files=["eval_outputs/predictions.json"])
+    assert set(hub["files"]) == PROJECT_FILES | {
+        "training_curves.png",
+        "all_results.json",
+        "eval_outputs/predictions.json",
+    }
+
+
+def test_push_sends_sharded_weights_with_their_index(tmp_path, hub):
+    path = tmp_path / "sharded"
+    VisionTransformerForImageClassification(tiny_config()).save_pretrained(path, max_shard_size="30KB")
+    VisionTransformerImageProcessor(size=32).save_pretrained(path)
+    shards = {p.name for p in path.glob("model-*.safetensors")}
+    assert len(shards) > 1
+    push_folder_to_hub(path, "me/vit")
+    assert set(hub["files"]) == {
+        "config.json",
+        "preprocessor_config.json",
+        "model.safetensors.index.json",
+        *shards,
+        *REMOTE_CODE_FILES,
+    }
+
+
+def test_push_refuses_symlinks_and_files_outside_the_folder(folder, hub):
+    path, _ = folder
+    outside = path.parent / "elsewhere.png"
+    outside.write_bytes(b"\x89PNG private")
+    (path / "training_curves.png").symlink_to(outside)
+    with pytest.raises(ValueError, match=r"training_curves\.png .*symlink"):
+        push_folder_to_hub(path, "me/vit")
+    (path / "training_curves.png").unlink()
+    (path / "notes.txt").symlink_to(outside)
+    with pytest.raises(ValueError, match=r"notes\.txt .*symlink"):
+        push_folder_to_hub(path, "me/vit", extra_files=["notes.txt"])
+    with pytest.raises(ValueError, match="outside"):
+        push_folder_to_hub(path, "me/vit", extra_files=["../elsewhere.png"])
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        push_folder_to_hub(path, "me/vit", extra_files=["missing.json"])
+    assert "files" not in hub and "repo" not in hub
 
 
 def test_push_refuses_a_folder_without_safetensors(tmp_path):
     tiny_config().save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match="safetensors"):
         push_folder_to_hub(tmp_path, "me/vit")
+
+
+def test_card_reference_keeps_hub_ids_and_drops_local_paths(tmp_path):
+    ref = card_reference("google/vit-base-patch16-224")
+    assert (ref.text, ref.hub_id) == ("google/vit-base-patch16-224", "google/vit-base-patch16-224")
+    assert card_reference("digits").text == "digits" and card_reference("digits").hub_id == "digits"
+    for local in (str(tmp_path / "runs" / "vit"), "./runs/vit", "~/runs/vit", "a/b/vit", tmp_path / "runs" / "vit"):
+        ref = card_reference(local)
+        assert (ref.text, ref.hub_id) == ("vit", None), local
+    (tmp_path / "data").mkdir()
+    ref = card_reference(str(tmp_path / "data"))
+    assert (ref.text, ref.hub_id) == ("data", None)
+
+
+def test_card_names_no_local_path_and_no_invented_repo(folder):
+    path, model = folder
+    base, data = path.parent / "pretrain-run", path.parent / "private-data"
+    base.mkdir()
+    data.mkdir()
+    write_model_card(
+        path,
+        model,
+        METRICS,
+        task="finetune",
+        dataset_name=str(data),
+        base_model=str(base),
+        summary=f"Fine-tuned from {base}.",
+    )
+    text = (path / "README.md").read_text()
+    assert str(path.parent) not in text
+    card = ModelCard.load(path / "README.md")
+    assert card.data.base_model is None and card.data.datasets is None
+    assert "Base model: `pretrain-run`" in card.text and "`private-data`" in card.text
+    assert "Fine-tuned from pretrain-run." in card.text
+    # Without repo_id the card names the folder, not an organisation it made up.
+    assert card.data.model_name == "run" and '"hf-vit/' not in text and 'model="run"' in text
+
+
+def test_push_sends_a_card_naming_the_repo_pushed_to_and_keeps_the_users_file(folder, hub):
+    path, model = folder
+    write_model_card(path, model, METRICS, task="finetune", dataset_name="digits")
+    before = (path / "README.md").read_bytes()
+    push_folder_to_hub(path, "my-org/vit-digits")
+    sent = ModelCard(hub["files"]["README.md"].decode())
+    assert sent.data.model_name == "my-org/vit-digits" and sent.data.eval_results
+    assert 'model="my-org/vit-digits"' in sent.text and 'from_pretrained("my-org/vit-digits"' in sent.text
+    assert "\n# vit-digits\n" in sent.text and 'model="run"' not in sent.text
+    assert (path / "README.md").read_bytes() == before
+
+
+def test_push_refuses_text_files_naming_local_paths(folder, hub):
+    path, model = folder
+    write_model_card(path, model, METRICS, task="finetune", dataset_name="digits", repo_id="me/vit")
+    state = {"best_model_checkpoint": str(path / "checkpoint-5"), "log_history": []}
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=rf"trainer_state\.json contains the local path '{path}/checkpoint-5'"):
+        push_folder_to_hub(path, "me/vit", extra_files=["trainer_state.json"])
+    home_path = f"{Path.home()}/datasets/private-data"
+    (path / "all_results.json").write_text(json.dumps({"dataset": home_path}))
+    with pytest.raises(ValueError, match=rf"all_results\.json contains the local path '{home_path}'"):
+        push_folder_to_hub(path, "me/vit")
+    (path / "all_results.json").unlink()
+    card = (path / "README.md").read_text()
+    (path / "README.md").write_text(card.replace("datasets:\n- digits", f"base_model: {path.parent}/pretrain-run"))
+    with pytest.raises(ValueError, match=rf"README\.md contains the local path '{path.parent}/pretrain-run'"):
+        push_folder_to_hub(path, "me/vit")
+    assert "files" not in hub
+
+
+def _push_script():
+    spec = importlib.util.spec_from_file_location("push_to_hub_script", ROOT / "scripts" / "push_to_hub.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_push_script_dry_run_lists_the_files_and_sends_nothing(folder, hub, capsys):
+    path, model = folder
+    write_model_card(path, model, METRICS, task="finetune", dataset_name="digits")
+    (path / "credentials.json").write_text("{}")
+    (path / "eval_outputs").mkdir()
+    (path / "eval_outputs" / "predictions.json").write_text("{}")
+    argv = [
+        "--model",
+        str(path),
+        "--hub_model_id",
+        "me/vit",
+        "--dry_run",
+        "--include",
+        "eval_outputs/predictions.json",
+    ]
+    assert _push_script().main(argv) == 0
+    listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]}
+    assert listed == PROJECT_FILES | {"eval_outputs/predictions.json"}
+    assert hub == {}
+
+
+def test_card_and_readme_say_remote_code_executes(folder):
+    path, model = folder
+    write_model_card(path, model, METRICS, task="finetune", dataset_name="digits", repo_id="me/vit")
+    for text in ((path / "README.md").read_text(), (ROOT / "README.md").read_text()):
+        flat = " ".join(text.split())
+        assert "are loaded" not in flat
+        assert "trust_remote_code=True" in flat and "execute" in flat and "Read them first" in flat
+        assert "import hf_vit" in flat and "needs no remote code" in flat
+
+
+def test_the_published_cards_name_no_local_path():
+    cards = sorted((ROOT / "model_cards").glob("*/README.md"))
+    assert cards
+    for card in cards:
+        text = card.read_text()
+        assert not any(root in text for root in ("/home/", "/tmp/", "/root/", "/work/", str(Path.home()))), card
+        assert "trust_remote_code=True" not in text or "execute" in text, card
