@@ -125,14 +125,24 @@ def make_resolution_variant(
     output_dir: str | os.PathLike | None = None,
     mode: str = "bicubic",
     overwrite: bool = False,
+    *,
+    base_model: str | None = None,
+    repo_id: str | None = None,
+    data_args=None,
 ):
     """Turn the hf-vit folder `source` into a variant at `image_size`: position embeddings resampled in 2D, and the
     config and processor saying the new size, so it runs without `interpolate_pos_encoding`.
 
-    Returns `(model, processor)`; with `output_dir`, also writes the variant there (only if everything succeeded).
+    Returns `(model, processor)`; with `output_dir`, also writes the variant there with a model card (only if
+    everything succeeded; see `hf_vit.convert.common.write_converted_folder` for what `overwrite` may replace). The
+    card names `base_model` (a Hub id; default: the source folder's name, never a local path) and `repo_id`. With
+    `data_args` (`hf_vit.training.DataArguments`), the variant's test accuracy is measured with no further training
+    and goes into the card and `all_results.json`.
     """
+    import json
+
     from .configuration_vit import VisionTransformerConfig as Config
-    from .convert.common import write_converted_folder
+    from .convert.common import check_grid_size, check_output_dir, write_card, write_converted_folder
     from .image_processing_vit import VisionTransformerImageProcessor
     from .modeling_vit import VisionTransformerForImageClassification, VisionTransformerModel
 
@@ -143,8 +153,10 @@ def make_resolution_variant(
             "run or `save_pretrained` wrote; to start from a Hub model, download it first (`hf download <id> "
             "--local-dir <folder>`)."
         )
+    target = check_output_dir(output_dir, overwrite, [source]) if output_dir is not None else None
     config = Config.from_pretrained(folder)
     grid = new_grid(config, image_size)  # validate before loading anything big
+    check_grid_size(resized_config(config, image_size))
     _check_checkpoint_positions(folder, config)
     is_classifier = any("ForImageClassification" in name for name in (config.architectures or []))
     model_class = VisionTransformerForImageClassification if is_classifier else VisionTransformerModel
@@ -155,11 +167,41 @@ def make_resolution_variant(
         processor = VisionTransformerImageProcessor()
     height, width = grid[0] * config.patch_size, grid[1] * config.patch_size
     processor.size = {"height": height, "width": width}
-    if output_dir is not None:
+    if target is None:
+        return model, processor
+    metrics = {}
+    if data_args is not None:
+        from .training import evaluate_model
 
-        def save(path: Path) -> None:
-            model.save_pretrained(path)
-            processor.save_pretrained(path)
+        metrics = {f"eval_{name}": value for name, value in evaluate_model(model, processor, data_args).items()}
+        metrics["eval_split"] = "test"
+    base_model = base_model or folder.expanduser().resolve().name
+    (old_h, old_w), (rows, cols) = config.image_hw, grid
 
-        write_converted_folder(save, output_dir, overwrite=overwrite)
+    def save(path: Path) -> None:
+        model.save_pretrained(path)
+        processor.save_pretrained(path)
+        write_card(
+            path,
+            model,
+            base_model=base_model,
+            repo_id=repo_id,
+            output_name=target.name,
+            metrics=metrics,
+            dataset_name=data_args.dataset_name if data_args is not None else None,
+            summary=(
+                f"A resolution variant of `{base_model}`: the same weights with the position embeddings resampled "
+                f"({mode}) from {old_h}x{old_w} to {height}x{width}, not trained after."
+            ),
+            resolution_note=(
+                f"Interpolated from {old_h}x{old_w} ({config.grid_size[0]}x{config.grid_size[1]} patches) to "
+                f"{height}x{width} ({rows}x{cols} patches) with {mode} resampling of the position embeddings; not "
+                "fine-tuned after the interpolation."
+            ),
+            recipe=f"no training after the interpolation; see `{base_model}` for how its weights were trained.",
+        )
+        if metrics:
+            (path / "all_results.json").write_text(json.dumps(metrics, indent=2) + "\n")
+
+    write_converted_folder(save, target, overwrite=overwrite, inputs=[source])
     return model, processor

@@ -13,12 +13,19 @@ scripts/resize_resolution.py on the converted folder to change its resolution).
 
 --preset checks the checkpoint's sizes against a named model (e.g. vit-base-patch16-224; its resolution is not used).
 --image_size converts at another resolution, resampling the position embeddings in 2D.
+--base_model names the source (e.g. its Hub id) in the model card written beside the weights (default: the input's
+file or folder name; never a local path).
+
+--output is refused when it is, contains, or lies inside the input. --overwrite replaces only a folder hf-vit wrote:
+an hf-vit config.json and nothing but the files hf-vit writes (weights, configs, code files, card, metrics, curves).
+The new folder is written beside the old one and swapped in, so a crash leaves the old or the new one complete.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from hf_vit.convert import (
     ConversionError,
@@ -41,9 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="folder to write the hf-vit checkpoint to")
     parser.add_argument("--preset", default=None, help="named model the checkpoint must match (jax, timm)")
     parser.add_argument("--image_size", type=int, default=None, help="resolution to convert at (jax, timm)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    parser.add_argument("--overwrite", action="store_true", help="replace an output folder hf-vit wrote")
+    parser.add_argument("--base_model", default=None, help="the source's Hub id, named in the model card")
     args = parser.parse_args(argv)
-    kwargs = {"overwrite": args.overwrite}
+    kwargs = {"overwrite": args.overwrite, "base_model": args.base_model}
     if args.source == "transformers":
         given = [f"--{name}" for name in ("preset", "image_size") if getattr(args, name) is not None]
         if given:
@@ -57,11 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         kwargs.update(preset=args.preset, image_size=args.image_size)
     try:
         model = CONVERTERS[args.source](args.input, args.output, **kwargs)
-    except (ConversionError, FileExistsError) as error:
+    except (ConversionError, OSError) as error:  # OSError: output refusals, unreadable or unwritable files
         print(f"error: {error}", file=sys.stderr)
         return 2
     params = sum(p.numel() for p in model.parameters())
-    print(f"wrote {args.output}: {type(model).__name__}, {params / 1e6:.2f}M parameters")
+    print(f"wrote {Path(args.output).resolve()}: {type(model).__name__}, {params / 1e6:.2f}M parameters")
     return 0
 
 

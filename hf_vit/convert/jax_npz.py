@@ -441,17 +441,18 @@ def convert_jax_checkpoint(
     labels: Sequence[str] | None = None,
     hidden_act: str = "gelu",
     resize_mode: str = "bilinear",
+    base_model: str | None = None,
 ):
     """Convert an authors' `.npz` checkpoint into a complete hf-vit folder: `VisionTransformerForImageClassification`
     weights (safetensors), config, code, and an image processor resizing to the model's size and normalising with
     mean = std = 0.5 (the authors' [-1, 1] inputs).
 
-    `labels` names the classes in order (default "LABEL_<i>"). Returns the converted model; nothing is written unless
-    everything succeeded.
+    `labels` names the classes in order (default "LABEL_<i>"). The folder's model card names `base_model` (default:
+    the file's name) as its origin. Returns the converted model; nothing is written unless everything succeeded.
     """
     from ..image_processing_vit import VisionTransformerImageProcessor
 
-    check_output_dir(output_dir, overwrite)  # before any loading
+    check_output_dir(output_dir, overwrite, [input_path])  # before any loading
     arrays = load_npz(input_path)
     config = infer_config_from_npz(arrays, preset=preset, image_size=image_size, hidden_act=hidden_act)
     if labels is not None:
@@ -466,4 +467,7 @@ def convert_jax_checkpoint(
     processor = VisionTransformerImageProcessor(
         size={"height": height, "width": width}, image_mean=half, image_std=half
     )
-    return save_converted_model(config, state_dict, processor, output_dir, overwrite)
+    return save_converted_model(
+        config, state_dict, processor, output_dir, overwrite,
+        source=input_path, source_format="the authors' JAX .npz layout", base_model=base_model,
+    )  # fmt: skip

@@ -340,17 +340,19 @@ def convert_timm_checkpoint(
     image_std: Sequence[float] | None = None,
     num_attention_heads: int | None = None,
     resize_mode: str = "bicubic",
+    base_model: str | None = None,
 ):
     """Convert timm ViT weights (a file, or a folder as on the Hub) into a complete hf-vit folder.
 
     Normalisation: `image_mean`/`image_std` when given, else `mean`/`std` (or `pretrained_cfg.mean/std`) from a timm
     `config.json` beside the weights, else 0.5, the value of timm's weights ported from the original ViT. Class names
-    come from that config's `label_names` when it has one per class. Returns the converted model; nothing is written
+    come from that config's `label_names` when it has one per class. The model card names `base_model` (e.g. the timm
+    Hub id; default: the file's or folder's name) as its origin. Returns the converted model; nothing is written
     unless everything succeeded.
     """
     from ..image_processing_vit import VisionTransformerImageProcessor
 
-    check_output_dir(output_dir, overwrite)  # before any loading
+    check_output_dir(output_dir, overwrite, [input_path])  # before any loading
     input_path = Path(input_path)
     state_dict = load_timm_state_dict(input_path)
     timm_config = _read_timm_config(input_path if input_path.is_dir() else input_path.parent)
@@ -373,4 +375,7 @@ def convert_timm_checkpoint(
     processor = VisionTransformerImageProcessor(
         size={"height": height, "width": width}, image_mean=pick(image_mean, "mean"), image_std=pick(image_std, "std")
     )
-    return save_converted_model(config, converted, processor, output_dir, overwrite)
+    return save_converted_model(
+        config, converted, processor, output_dir, overwrite,
+        source=input_path, source_format="timm's layout", base_model=base_model,
+    )  # fmt: skip

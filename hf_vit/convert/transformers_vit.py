@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..configuration_vit import VisionTransformerConfig
-from .common import ConversionError, save_converted_model
+from .common import ConversionError, check_grid_size, check_output_dir, save_converted_model
 
 # (pattern in the saved transformers layout, hf-vit name); `{i}` is the block index.
 _BLOCK_KEYS = {
@@ -176,13 +176,24 @@ def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) ->
     return VisionTransformerConfig(classifier="token", zero_init_head=False, **fields)
 
 
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`, or a `ConversionError` naming the file and what is wrong with it."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConversionError(f"{path} is not readable JSON: {error}. Fix or replace the file.") from error
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path} holds a JSON {type(value).__name__}, not an object; fix or replace the file.")
+    return value
+
+
 def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file():
         return load_file(single)
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        shards = sorted(set(_read_json(index)["weight_map"].values()))
         state_dict = {}
         for shard in shards:
             state_dict.update(load_file(folder / shard))
@@ -194,27 +205,34 @@ def _processor_from_transformers(folder: Path, image_size: tuple[int, int]):
     from ..image_processing_vit import VisionTransformerImageProcessor
 
     path = folder / "preprocessor_config.json"
-    settings = json.loads(path.read_text()) if path.is_file() else {}
+    settings = _read_json(path) if path.is_file() else {}
     keep = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
     kwargs = {k: settings[k] for k in keep if k in settings}
     kwargs["size"] = {"height": image_size[0], "width": image_size[1]}
-    return VisionTransformerImageProcessor(**kwargs)
+    try:
+        return VisionTransformerImageProcessor(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ConversionError(f"{path} has settings hf-vit cannot use: {error}") from error
 
 
 def convert_transformers_checkpoint(
-    input_dir: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False
+    input_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    overwrite: bool = False,
+    base_model: str | None = None,
 ):
     """Convert a saved transformers ViT folder into a complete hf-vit folder (weights, config, processor, code).
 
     Returns the converted model. A `ViTForImageClassification` becomes `VisionTransformerForImageClassification`; a
     `ViTModel` with its pooler becomes a classification model with the pooler as pre-logits layer and no classes.
+    The model card names `base_model` (e.g. the Hub id; default: the folder's name) as its origin.
     """
-
+    check_output_dir(output_dir, overwrite, [input_dir])  # before any loading
     input_dir = Path(input_dir)
     config_path = input_dir / "config.json"
     if not config_path.is_file():
         raise ConversionError(f"{input_dir} has no config.json; pass the folder of a saved transformers ViT model.")
-    source_config = json.loads(config_path.read_text())
+    source_config = _read_json(config_path)
     source = _saved_layout(_load_state_dict(input_dir))
     has_classifier = "classifier.weight" in source
     with_pooler = "vit.pooler.dense.weight" in source
@@ -222,9 +240,18 @@ def convert_transformers_checkpoint(
         # ViTForImageClassification ignores the pooler: so must we, to compute the same function.
         source = {k: v for k, v in source.items() if not k.startswith("vit.pooler.")}
         with_pooler = False
-    config = transformers_config_to_hf_vit(source_config, with_pooler=with_pooler)
+    try:
+        config = transformers_config_to_hf_vit(source_config, with_pooler=with_pooler)
+    except (TypeError, ValueError, AttributeError) as error:
+        if isinstance(error, ConversionError):
+            raise
+        raise ConversionError(f"{config_path} does not describe a model hf-vit can build: {error}") from error
+    check_grid_size(config, f"image_size in {config_path}")
     if not has_classifier:
         config.num_labels = 0
     state_dict = transformers_to_hf_vit_state_dict(source)
     processor = _processor_from_transformers(input_dir, config.image_hw)
-    return save_converted_model(config, state_dict, processor, output_dir, overwrite)
+    return save_converted_model(
+        config, state_dict, processor, output_dir, overwrite,
+        source=input_dir, source_format="transformers' ViT layout", base_model=base_model,
+    )  # fmt: skip
