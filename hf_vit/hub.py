@@ -295,7 +295,10 @@ def _find_local_path(text: str, roots: list[str]) -> str | None:
 
 def _corrected_card(text: str, repo_id: str) -> str:
     """The card with the repository id it names replaced by `repo_id` (metadata, heading, code examples)."""
-    card = ModelCard(text)
+    try:
+        card = ModelCard(text)
+    except ValueError:  # not a card with metadata this project wrote: the user's text goes as it is
+        return text
     old = getattr(card.data, "model_name", None)
     if not old:
         match = re.search(r'from_pretrained\("([^"]+)"|model="([^"]+)"', card.text)
@@ -368,11 +371,15 @@ def push_folder_to_hub(
     if not repo_id:
         raise ValueError("Pushing needs a repository id: pass --hub_model_id <user or org>/<name>.")
     plan = plan_upload(folder, repo_id, extra_files)
+    api = HfApi(token=token)
+    created = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    # A bare name lands in the token owner's namespace: the card must name that full id.
+    full_id = getattr(created, "repo_id", None) or repo_id
+    if full_id != repo_id:
+        repo_id, plan = full_id, plan_upload(folder, full_id, extra_files)
     logger.info(
         "Uploading %d files of %s to %s: %s", len(plan), folder, repo_id, ", ".join(f.path_in_repo for f in plan)
     )
-    api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
     # O_NOFOLLOW: a file swapped for a symlink after the checks is refused rather than followed.
     nofollow = getattr(os, "O_NOFOLLOW", 0)
     with contextlib.ExitStack() as stack:

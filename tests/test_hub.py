@@ -3,6 +3,7 @@
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import tiny_config
@@ -32,6 +33,8 @@ def hub(monkeypatch):
 
     def create_repo(self, repo_id, **kwargs):
         sent["repo"] = repo_id
+        # As the Hub does: a bare name is created in the token owner's namespace.
+        return SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"alice/{repo_id}")
 
     def create_commit(self, repo_id, operations, **kwargs):
         files = {}
@@ -78,7 +81,7 @@ def test_push_needs_a_repo_id(folder):
         push_folder_to_hub(folder[0], None)
 
 
-def test_push_sends_exactly_the_projects_top_level_files(folder, hub):
+def test_push_sends_exactly_the_projects_top_level_files(folder, hub, caplog):
     path, model = folder
     write_model_card(path, model, METRICS, task="finetune", dataset_name="digits", repo_id="me/vit")
     (path / "training_curves.png").write_bytes(b"\x89PNG curves")
@@ -95,7 +98,9 @@ def test_push_sends_exactly_the_projects_top_level_files(folder, hub):
     outside.write_text('{"private": true}')
     (path / "leak.json").symlink_to(outside)
 
-    assert push_folder_to_hub(path, "me/vit").endswith("/commit/0")
+    with caplog.at_level("INFO", logger="hf_vit.hub"):
+        assert push_folder_to_hub(path, "me/vit").endswith("/commit/0")
+    assert "Uploading 9 files" in caplog.text and "credentials.json" not in caplog.text
     assert hub["repo"] == "me/vit"
     assert set(hub["files"]) == PROJECT_FILES | {"training_curves.png", "all_results.json"}
     assert hub["files"]["model.safetensors"] == (path / "model.safetensors").read_bytes()
@@ -194,6 +199,8 @@ def test_push_sends_a_card_naming_the_repo_pushed_to_and_keeps_the_users_file(fo
     assert 'model="my-org/vit-digits"' in sent.text and 'from_pretrained("my-org/vit-digits"' in sent.text
     assert "\n# vit-digits\n" in sent.text and 'model="run"' not in sent.text
     assert (path / "README.md").read_bytes() == before
+    push_folder_to_hub(path, "vit-digits")
+    assert ModelCard(hub["files"]["README.md"].decode()).data.model_name == "alice/vit-digits"
 
 
 def test_push_refuses_text_files_naming_local_paths(folder, hub):
