@@ -5,6 +5,7 @@ installed), so it may import only the standard library, numpy, PIL, torch and tr
 """
 
 import io
+import math
 import numbers
 import os
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ _RESAMPLE_TO_MODE = {
 _RESAMPLE_NAMES = {name: PILImageResampling[name.upper()] for name in ("nearest", "bilinear", "bicubic")}
 _ENCODED_TYPES = (bytes, bytearray, memoryview, str, os.PathLike)
 _NUM_CHANNELS = (1, 3, 4)
+_EXIF_ORIENTATION = 0x0112
 
 
 def to_resampling(resample: PILImageResampling | int | str) -> PILImageResampling:
@@ -107,6 +109,7 @@ def rescale_and_normalize(
     if (mean is None) != (std is None):
         raise ValueError("Give both `mean` and `std` to normalise, or neither.")
     if mean is not None:
+        _check_mean_std(mean, std, "mean", "std")
         mean_t, std_t = (_per_channel(v, num_channels, name) for v, name in ((mean, "mean"), (std, "std")))
         scale, shift = scale / std_t, -mean_t / std_t
     if rescale_factor is None and mean is None:
@@ -132,22 +135,52 @@ def _size_dict(size: int | Sequence[int] | dict[str, int] | SizeDict, name: str)
     if isinstance(size, SizeDict):
         size = dict(size)
     if isinstance(size, int) and not isinstance(size, bool):
-        return {"height": size, "width": size}
-    if isinstance(size, dict) and set(size) == {"height", "width"}:
-        return {"height": int(size["height"]), "width": int(size["width"])}
-    if isinstance(size, Sequence) and not isinstance(size, str) and len(size) == 2:
-        return {"height": int(size[0]), "width": int(size[1])}
-    raise ValueError(
-        f"`{name}` must be an int, a (height, width) pair or a dict with 'height' and 'width', got {size!r}."
-    )
+        result = {"height": size, "width": size}
+    elif isinstance(size, dict) and set(size) == {"height", "width"}:
+        result = {"height": int(size["height"]), "width": int(size["width"])}
+    elif isinstance(size, Sequence) and not isinstance(size, str) and len(size) == 2:
+        result = {"height": int(size[0]), "width": int(size[1])}
+    else:
+        raise ValueError(
+            f"`{name}` must be an int, a (height, width) pair or a dict with 'height' and 'width', got {size!r}."
+        )
+    if result["height"] <= 0 or result["width"] <= 0:
+        raise ValueError(f"`{name}` must be a positive height and width in pixels, got {size!r}.")
+    return result
+
+
+def _check_mean_std(
+    mean: float | Sequence[float], std: float | Sequence[float], mean_name: str, std_name: str
+) -> None:
+    """Refuse a mean or std that is empty or not finite, and a std that is not positive (the output would be NaN)."""
+    for name, value in ((mean_name, mean), (std_name, std)):
+        values = torch.as_tensor(value, dtype=torch.float64).flatten()
+        if values.numel() == 0 or not bool(torch.isfinite(values).all()):
+            raise ValueError(f"`{name}` must be one finite number or one per channel, got {value!r}.")
+    if bool((torch.as_tensor(std, dtype=torch.float64) <= 0).any()):
+        raise ValueError(f"`{std_name}` must be positive (it divides the pixel values), got {std!r}.")
+
+
+def _check_rescale_and_normalization(
+    rescale_factor: float, image_mean: float | Sequence[float], image_std: float | Sequence[float]
+) -> None:
+    if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real):
+        raise ValueError(f"`rescale_factor` must be a number, got {rescale_factor!r}.")
+    if not (math.isfinite(rescale_factor) and rescale_factor > 0):
+        raise ValueError(f"`rescale_factor` must be a positive finite number, got {rescale_factor!r}.")
+    _check_mean_std(image_mean, image_std, "image_mean", "image_std")
 
 
 def _float_or_list(value: float | Sequence[float]) -> float | list[float]:
     return float(value) if isinstance(value, numbers.Real) else [float(v) for v in value]
 
 
-def _open_image(source: bytes | bytearray | memoryview | str | os.PathLike) -> PIL.Image.Image:
-    """Decode an encoded image given as bytes or as a path to a file, applying its EXIF orientation."""
+def open_image(source: bytes | bytearray | memoryview | str | os.PathLike) -> PIL.Image.Image:
+    """Decode an encoded image given as bytes or as a path to a file, applying its EXIF orientation.
+
+    Raises `ValueError` (chaining PIL's error) when the data is not an image PIL can decode, and the usual `OSError`
+    when a file cannot be read.
+    """
     if isinstance(source, bytes | bytearray | memoryview):
         data, what = bytes(source), f"The given bytes ({len(source)} bytes) are"
     elif str(source).startswith(("http://", "https://")):
@@ -160,10 +193,31 @@ def _open_image(source: bytes | bytearray | memoryview | str | os.PathLike) -> P
         image.load()  # decode now, so truncated data fails here with a clear message
     except (PIL.UnidentifiedImageError, OSError) as err:
         raise ValueError(f"{what} not a valid image file that PIL can decode: {err}") from err
+    return exif_transpose(image)
+
+
+def exif_transpose(image: PIL.Image.Image) -> PIL.Image.Image:
+    """Return `image` turned upright by its EXIF orientation tag (the image itself when it has none).
+
+    Applied to every PIL image, also those opened by the caller, because a photo shows upright in every viewer and
+    users expect the model to see it that way. Transposing removes the tag, so applying it twice is harmless.
+    """
+    if image.getexif().get(_EXIF_ORIENTATION, 1) == 1:
+        return image  # PIL's exif_transpose would copy the pixels even then
     return PIL.ImageOps.exif_transpose(image)
 
 
-def _pil_to_array(image: PIL.Image.Image, do_convert_rgb: bool) -> np.ndarray:
+def sixteen_to_eight_bit(values: np.ndarray) -> np.ndarray:
+    """Map 16-bit values 0..65535 to uint8 0..255 by rounding `value / 257`.
+
+    65535 maps to 255 and an 8-bit image stored as 16 bits (`value * 257`) maps back to itself exactly. The result
+    is 8-bit like every other image, so the whole pipeline (cropping, resizing) runs on uint8 and the model sees 16-bit
+    files with the same brightness as their 8-bit versions; the precision lost is below what 8-bit-trained models use.
+    """
+    return ((values.astype(np.uint32) + 128) // 257).astype(np.uint8)  # integer round(value / 257), never a tie
+
+
+def _pil_to_array(image: PIL.Image.Image, do_convert_rgb: bool, index: int) -> np.ndarray:
     """Return the pixels of a PIL image as an `[H, W, C]` array; RGB (or 1-channel grey) if `do_convert_rgb`."""
     if not do_convert_rgb:
         return np.array(image)
@@ -171,8 +225,21 @@ def _pil_to_array(image: PIL.Image.Image, do_convert_rgb: bool) -> np.ndarray:
         return np.array(image)[..., None]  # grey is expanded to RGB after resizing, which is 3x cheaper
     if image.mode.startswith("I;16"):
         # PIL's own conversion clips 16-bit values at 255, turning nearly every pixel white.
-        return np.round(np.asarray(image, dtype=np.float32)[..., None] / 257.0).astype(np.uint8)
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        return sixteen_to_eight_bit(np.asarray(image))[..., None]
+    if image.mode == "I":
+        # 32-bit integers: what PIL gives 16-bit grey files (older PNG readers, TIFF) and `convert("I")` of them.
+        values = np.asarray(image)
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high > 65535:
+            raise ValueError(
+                f"Image {index} is a PIL image in mode 'I' with values in [{low}, {high}]: 32-bit integer images are "
+                "read as 16-bit data (0..65535, scaled by 1/257). Rescale it to 0..65535, or convert it to 'L' or "
+                "'RGB' yourself."
+            )
+        return sixteen_to_eight_bit(values)[..., None]
+    if image.mode == "F":
+        return np.asarray(image, dtype=np.float32)[..., None]  # float values are kept (checked finite) like arrays
+    if any(band in ("A", "a") for band in image.getbands()) or image.info.get("transparency") is not None:
         # Composite transparency onto white, like transformers' `convert_to_rgb`: hidden pixels often hold garbage.
         background = PIL.Image.new("RGBA", image.size, (255, 255, 255, 255))
         return np.array(PIL.Image.alpha_composite(background, image.convert("RGBA")).convert("RGB"))
@@ -180,10 +247,12 @@ def _pil_to_array(image: PIL.Image.Image, do_convert_rgb: bool) -> np.ndarray:
 
 
 def _to_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """Wrap an array as a tensor without copying when possible; uint8 stays uint8, other numbers become float32."""
+    """Wrap an array as a tensor without copying when possible; 16-bit (uint16) data is scaled to uint8."""
     if isinstance(array, np.ndarray):
         if array.dtype == bool or not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array):
             raise TypeError(f"Unsupported image dtype {array.dtype}: use uint8 (0-255) or float pixel values.")
+        if array.dtype == np.uint16:
+            array = sixteen_to_eight_bit(array)
         if not (array.flags.writeable and array.dtype.isnative and all(s >= 0 for s in array.strides)):
             array = np.array(array, dtype=array.dtype.newbyteorder("="))  # layouts torch.from_numpy rejects
         tensor = torch.from_numpy(array)
@@ -191,7 +260,72 @@ def _to_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
         tensor = array.detach()
         if tensor.dtype == torch.bool or tensor.is_complex():
             raise TypeError(f"Unsupported image dtype {tensor.dtype}: use uint8 (0-255) or float pixel values.")
-    return tensor if tensor.dtype == torch.uint8 else tensor.to(torch.float32)
+        if tensor.dtype == torch.uint16:
+            tensor = torch.from_numpy(sixteen_to_eight_bit(tensor.cpu().to(torch.int32).numpy())).to(tensor.device)
+    return tensor
+
+
+def _check_values(tensor: torch.Tensor, index: int) -> torch.Tensor:
+    """Return one `[C, H, W]` image as uint8 or float32, refusing values that would silently give wrong pixels."""
+    if tensor.dtype == torch.uint8:
+        return tensor
+    if not tensor.is_floating_point() and tensor.numel():
+        low, high = int(tensor.min()), int(tensor.max())
+        if low < 0 or high > 255:
+            raise ValueError(
+                f"Image {index} is a {tensor.dtype} array with values in [{low}, {high}]: integer images must hold "
+                "0..255 (or be uint16, which is read as 16-bit data and scaled by 1/257). Cast 16-bit data to "
+                "uint16, or pass floats (with do_rescale=False if they are already in [0, 1])."
+            )
+        return tensor.to(torch.uint8)
+    tensor = tensor.to(torch.float32)
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError(
+            f"Image {index} contains NaN or infinite values: replace them (e.g. with numpy.nan_to_num) before "
+            "processing."
+        )
+    return tensor
+
+
+def load_images(
+    images: Any, do_convert_rgb: bool = True, input_data_format: str | ChannelDimension | None = None
+) -> list[torch.Tensor]:
+    """Decode and convert `images` into a flat list of `[C, H, W]` tensors: the first step of the one pixel path.
+
+    Training transforms use it too, so augmented and processed images see the same pixels. Encoded images (bytes,
+    paths) are decoded; every PIL image is turned upright by its EXIF orientation. With `do_convert_rgb`, images come
+    back with 3 channels, or 1 for grey (expand it to RGB after resizing, which is cheaper), and transparency
+    composited onto white. 8-bit data stays uint8; 16-bit data (PIL modes `I;16*` and `I`, uint16 arrays) is scaled
+    to uint8 by `sixteen_to_eight_bit`; other integer arrays must hold 0..255 and become uint8; floats become float32
+    and must be finite. Images are numbered in the flattened order in error messages.
+    """
+    tensors = []
+    pending = [images]
+    while pending:
+        image = pending.pop()
+        if isinstance(image, list | tuple):
+            pending.extend(reversed(image))
+            continue
+        if isinstance(image, _ENCODED_TYPES):
+            image = open_image(image)
+        if isinstance(image, PIL.Image.Image):
+            array = _pil_to_array(exif_transpose(image), do_convert_rgb, len(tensors))
+            tensors.append(_check_values(_channels_first(_to_tensor(array), "channels_last"), len(tensors)))
+        elif isinstance(image, np.ndarray | torch.Tensor):
+            tensor = _channels_first(_to_tensor(image), input_data_format)
+            for one in tensor.unbind(0) if tensor.ndim == 4 else [tensor]:
+                one = _check_values(one, len(tensors))
+                if do_convert_rgb and one.shape[0] == 4:
+                    one = _composite_on_white(one)
+                tensors.append(one)
+        else:
+            raise TypeError(
+                f"Unsupported image type {type(image).__name__}: expected a PIL image, a numpy array, a torch "
+                "tensor, the bytes of an image file, a path to an image file, or a list of these."
+            )
+    if not tensors:
+        raise ValueError("No images to process: got an empty list or batch. Pass at least one image.")
+    return tensors
 
 
 def _channels_first(tensor: torch.Tensor, input_data_format: str | ChannelDimension | None) -> torch.Tensor:
@@ -254,6 +388,17 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     batches `[N, C, H, W]`/`[N, H, W, C]`; uint8 0-255 or floats), bytes of an encoded image file, paths to image
     files, or a (nested) list of these, of any mix of sizes.
 
+    Decoding and colour conversion are `load_images`, which `hf_vit.data`'s training and evaluation transforms call
+    too, so a model sees the same pixels in training and inference:
+
+    * EXIF orientation is applied to every PIL image, whether this processor opened it or you did, so photos are
+      seen upright as in any viewer.
+    * Transparency (RGBA, LA, P with a transparent colour, RGBA arrays) is composited onto white.
+    * 16-bit images (PIL modes `I;16*`, mode `I` holding 0..65535, uint16 arrays) are scaled to 8 bits by
+      rounding `value / 257` (65535 -> 255), so they come out with the brightness of their 8-bit versions. Other
+      integer arrays must hold 0..255.
+    * NaN or infinite values, and options that would produce them (`image_std` 0), raise a `ValueError`.
+
     Args:
         do_convert_rgb (`bool`, *optional*, defaults to `True`):
             Convert images to 3-channel RGB; transparency is composited onto white, like transformers does.
@@ -310,6 +455,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         self.do_normalize = do_normalize
         self.image_mean = _float_or_list([0.5, 0.5, 0.5] if image_mean is None else image_mean)
         self.image_std = _float_or_list([0.5, 0.5, 0.5] if image_std is None else image_std)
+        _check_rescale_and_normalization(self.rescale_factor, self.image_mean, self.image_std)
 
     def preprocess(
         self,
@@ -359,6 +505,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         do_normalize = self.do_normalize if do_normalize is None else do_normalize
         image_mean = self.image_mean if image_mean is None else image_mean
         image_std = self.image_std if image_std is None else image_std
+        _check_rescale_and_normalization(rescale_factor, image_mean, image_std)
 
         tensors = self._load_images(images, do_convert_rgb, input_data_format)
         # Same-size images are processed as one batch: one interpolate call per group.
@@ -370,8 +517,6 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             batch = _stack_channels_last([tensors[i] for i in indices])
             if device is not None:
                 batch = batch.to(device)
-            if do_convert_rgb and batch.shape[1] == 4:
-                batch = _composite_on_white(batch)
             if do_rescale and batch.is_floating_point() and batch.min() >= 0 and batch.max() <= 1:
                 logger.warning_once(
                     "It looks like you are trying to rescale already rescaled images. If the input images have pixel "
@@ -425,35 +570,17 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     def _load_images(
         images: Any, do_convert_rgb: bool, input_data_format: str | ChannelDimension | None
     ) -> list[torch.Tensor]:
-        """Flatten `images` into a list of `[C, H, W]` tensors (uint8 or float32), sharing memory where possible."""
-        tensors = []
-        pending = [images]
-        while pending:
-            image = pending.pop()
-            if isinstance(image, list | tuple):
-                pending.extend(reversed(image))
-                continue
-            if isinstance(image, _ENCODED_TYPES):
-                image = _open_image(image)
-            if isinstance(image, PIL.Image.Image):
-                tensors.append(_channels_first(_to_tensor(_pil_to_array(image, do_convert_rgb)), "channels_last"))
-            elif isinstance(image, np.ndarray | torch.Tensor):
-                tensor = _channels_first(_to_tensor(image), input_data_format)
-                tensors.extend(tensor.unbind(0) if tensor.ndim == 4 else [tensor])
-            else:
-                raise TypeError(
-                    f"Unsupported image type {type(image).__name__}: expected a PIL image, a numpy array, a torch "
-                    "tensor, the bytes of an image file, a path to an image file, or a list of these."
-                )
-        if not tensors:
-            raise ValueError("No images to process: got an empty list or batch. Pass at least one image.")
-        return tensors
+        return load_images(images, do_convert_rgb, input_data_format)
 
 
 __all__ = [
     "VisionTransformerImageProcessor",
     "center_crop_images",
+    "exif_transpose",
+    "load_images",
+    "open_image",
     "rescale_and_normalize",
     "resize_images",
+    "sixteen_to_eight_bit",
     "to_resampling",
 ]

@@ -439,3 +439,90 @@ def test_invalid_options_raise_clear_errors(photo):
         processor([photo, photo[:100]], do_resize=False, return_tensors="pt")
     with pytest.raises(ValueError, match=r"\[N, C, H, W\]"):
         resize_images(torch.zeros(3, 8, 8), (4, 4))
+
+
+def _exif_rotated_jpeg(photo: np.ndarray, orientation: int = 6) -> bytes:
+    exif = PIL.Image.Exif()
+    exif[0x0112] = orientation
+    jpeg = io.BytesIO()
+    PIL.Image.fromarray(photo).save(jpeg, format="JPEG", exif=exif, quality=95)
+    return jpeg.getvalue()
+
+
+def test_exif_orientation_is_applied_to_opened_pil_images_too(photo, tmp_path):
+    path = tmp_path / "rotated.jpg"
+    path.write_bytes(_exif_rotated_jpeg(photo))
+    opened = PIL.Image.open(path)
+    upright = PIL.ImageOps.exif_transpose(PIL.Image.open(path))
+    assert upright.size == opened.size[::-1]  # orientation 6: the stored pixels are turned a quarter
+    expected = process(upright, do_resize=False)
+    assert expected.shape == (1, 3, photo.shape[1], photo.shape[0])
+    for kind, image in {"path": path, "bytes": path.read_bytes(), "opened PIL image": opened}.items():
+        np.testing.assert_array_equal(process(image, do_resize=False), expected, err_msg=kind)
+    assert opened.getexif().get(0x0112) == 6  # the caller's image is left as it was
+
+
+def test_sixteen_bit_images_and_uint16_arrays_share_one_scaling_rule(photo):
+    ramp = np.linspace(0, 65535, 64 * 48).round().astype(np.uint16).reshape(48, 64)
+    png = io.BytesIO()
+    PIL.Image.fromarray(ramp).save(png, format="PNG")
+    from_png = process(png.getvalue(), do_normalize=False, do_resize=False)
+    # Full-range 16-bit data maps onto the full 0..1 range, as its 8-bit version would.
+    assert from_png.min() == 0.0 and from_png.max() == 1.0 and from_png.mean() == pytest.approx(0.5, abs=0.01)
+    eight_bit = np.round(ramp / 257).astype(np.uint8)
+    np.testing.assert_array_equal(from_png, process(eight_bit, do_normalize=False, do_resize=False))
+    for kind, image in {
+        "uint16 array": ramp,
+        "uint16 HWC array": np.repeat(ramp[..., None], 3, axis=-1),
+        "uint16 tensor": torch.from_numpy(ramp.astype(np.int32)).to(torch.uint16),
+        "PIL mode I": PIL.Image.fromarray(ramp.astype(np.int32)),
+    }.items():
+        np.testing.assert_array_equal(process(image, do_normalize=False, do_resize=False), from_png, err_msg=kind)
+    # An 8-bit image stored in 16 bits (value * 257) gives back exactly the 8-bit image.
+    grey = np.array(PIL.Image.fromarray(photo).convert("L"))
+    np.testing.assert_array_equal(process(grey.astype(np.uint16) * 257), process(grey))
+    with pytest.raises(ValueError, match=r"Image 0 is a PIL image in mode 'I' with values in \[-5, 70000\]"):
+        process(PIL.Image.fromarray(np.array([[-5, 70000]], np.int32)))
+    with pytest.raises(ValueError, match=r"Image 1 is a torch.int32 array with values in \[467, 467\].*uint16"):
+        process([photo, np.full((8, 8), 467, np.int32)])
+
+
+def test_non_finite_pixels_are_refused_naming_the_image(photo):
+    good = photo.astype(np.float32)
+    for bad_value in (np.nan, np.inf, -np.inf):
+        bad = good.copy()
+        bad[3, 4, 1] = bad_value
+        with pytest.raises(ValueError, match="Image 2 contains NaN or infinite values"):
+            process([good, good, bad])
+        with pytest.raises(ValueError, match="Image 1 contains NaN or infinite values"):
+            process(torch.from_numpy(np.stack([good, bad])))  # a batch: images are numbered inside it
+    with pytest.raises(ValueError, match="Image 0 contains NaN"):
+        process(PIL.Image.fromarray(np.full((4, 4), np.nan, np.float32)))  # PIL mode F
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("image_std", 0),
+        ("image_std", [0.5, 0.0, 0.5]),
+        ("image_std", -1.0),
+        ("image_std", float("inf")),
+        ("image_mean", [0.5, float("nan"), 0.5]),
+        ("image_mean", []),
+        ("rescale_factor", 0),
+        ("rescale_factor", float("nan")),
+        ("size", 0),
+        ("size", (-1, 32)),
+        ("size", {"height": 32, "width": 0}),
+        ("crop_size", 0),
+        ("crop_size", (32, -3)),
+    ],
+)
+def test_invalid_numeric_options_are_refused_naming_the_argument(photo, option, value):
+    with pytest.raises(ValueError, match=f"`{option}` must"):
+        VisionTransformerImageProcessor(**{option: value})
+    processor = VisionTransformerImageProcessor()
+    with pytest.raises(ValueError, match=f"`{option}` must"):
+        processor(photo, **{option: value})
+    with pytest.raises(ValueError, match=f"`{option}` must"):  # also where the option is switched off
+        processor(photo, do_center_crop=False, do_normalize=False, do_rescale=False, **{option: value})
