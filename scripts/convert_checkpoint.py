@@ -63,13 +63,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         kwargs.update(preset=args.preset, image_size=args.image_size)
+    output = Path(args.output).resolve()
     try:
-        model = CONVERTERS[args.source](args.input, args.output, **kwargs)
+        model = CONVERTERS[args.source](args.input, output, **kwargs)
     except (ConversionError, OSError) as error:  # OSError: output refusals, unreadable or unwritable files
         print(f"error: {error}", file=sys.stderr)
         return 2
     params = sum(p.numel() for p in model.parameters())
-    print(f"wrote {Path(args.output).resolve()}: {type(model).__name__}, {params / 1e6:.2f}M parameters")
+    print(f"wrote {output}: {type(model).__name__}, {params / 1e6:.2f}M parameters")
     return 0
 
 

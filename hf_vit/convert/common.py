@@ -311,6 +311,9 @@ def _install(staging: Path, target: Path) -> None:
             os.rename(entry, target / entry.name)
         return
     check_replaceable(target)  # again: it may have changed while the conversion ran
+    # Replacing the working directory (`--output . --overwrite`) moves it aside; this process follows the path to the
+    # new folder (a shell sitting there needs `cd .`).
+    in_target = Path.cwd() == target
     aside = target.parent / f".{target.name}.{_ASIDE}-{os.getpid()}"
     os.rename(target, aside)
     _crash_point("aside")
@@ -319,6 +322,8 @@ def _install(staging: Path, target: Path) -> None:
     except OSError:
         os.rename(aside, target)
         raise
+    if in_target:
+        os.chdir(target)
     _crash_point("replaced")
     shutil.rmtree(aside)
 
