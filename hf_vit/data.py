@@ -13,11 +13,13 @@ the splits `train`, `validation` and, when the source has one, `test`. Every spl
 A missing validation split is carved out of train: `validation_fraction` of it, stratified by label with `seed`
 (in-memory data), or every `1 / validation_fraction`-th example (streaming).
 
-Transforms: `make_train_transform` (random resized crop, optional horizontal flip) and `make_eval_transform` (resize
-with the image processor) map a batch `{"image": [...], "label": [...]}` to `{"pixel_values": float32 [N, 3, H, W],
-"labels": int64 [N]}`; images of any size and mode (L, P, RGBA, ...) are converted to RGB first. Use them through
-`apply_transforms(ds, train_transform, eval_transform)` and `collate_fn` as the Trainer's `data_collator` (with
-`remove_unused_columns=False`, since the transforms read the `image` and `label` columns).
+Transforms: `make_train_transform` (random resized crop, optional horizontal flip) and `make_eval_transform` (the
+image processor alone) map a batch `{"image": [...], "label": [...]}` to `{"pixel_values": float32 [N, 3, H, W],
+"labels": int64 [N]}`. Both take their pixels from the image processor's own path (`load_images` for decoding, EXIF
+orientation, RGB conversion with transparency on white and 16-bit scaling; `resize_images`; `normalize_batch`), so
+training sees exactly the pixels inference sees; the training transform only adds the crop and the flip. Use them
+through `apply_transforms(ds, train_transform, eval_transform)` and `collate_fn` as the Trainer's `data_collator`
+(with `remove_unused_columns=False`, since the transforms read the `image` and `label` columns).
 
 Corrupt images fail loudly: an image that cannot be decoded raises `CorruptImageError` naming its file (or its size
 in bytes) and its position in the batch, chaining PIL's error. Nothing is dropped silently, because that would
@@ -36,11 +38,18 @@ import datasets
 import numpy as np
 import PIL.Image
 import torch
-import torch.nn.functional as F
 from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from huggingface_hub.errors import HFValidationError
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
+
+from .image_processing_vit import (
+    VisionTransformerImageProcessor,
+    center_crop_images,
+    load_images,
+    open_image,
+    resize_images,
+)
 
 DIGITS_SPLIT_SIZES = {"train": 1257, "validation": 180, "test": 360}
 """Sizes of the fixed, stratified digits splits (70/10/20 % of 1797)."""
@@ -218,41 +227,61 @@ def _carve_validation(ds, fraction: float, seed: int):
 # Transforms
 
 
-def decode_rgb(image: Any, index: int | None = None) -> PIL.Image.Image:
-    """Return `image` (PIL image, `{"path", "bytes"}` dict, path, bytes or uint8 array) as an RGB PIL image.
+def decode_image(image: Any, index: int | None = None) -> PIL.Image.Image | np.ndarray | torch.Tensor:
+    """Decode a data set image (`{"path", "bytes"}` dict, path or bytes) with the image processor's `open_image`.
 
+    PIL images, numpy arrays and tensors are returned as they are: the processor's `load_images` converts them.
+    Raises `CorruptImageError` naming the file (and `index`, its position in the batch), chaining PIL's error.
+    """
+    if isinstance(image, (PIL.Image.Image, np.ndarray, torch.Tensor)):
+        return image
+    if isinstance(image, (str, os.PathLike)):
+        image = {"path": os.fspath(image), "bytes": None}
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        image = {"path": None, "bytes": bytes(image)}
+    if not isinstance(image, Mapping):
+        raise TypeError(f"Unsupported image type {type(image).__name__}: expected a PIL image, a path or bytes.")
+    path, data = image.get("path"), image.get("bytes")
+    source = path or f"{len(data or b'')} bytes of image data"
+    try:
+        if data is None and path is not None and "://" in path:
+            return _IMAGE_DECODER.decode_example(image)  # remote files (hf://, s3://) are read by datasets
+        return open_image(data if data is not None else path)
+    except (ValueError, OSError) as err:
+        cause = err.__cause__ if isinstance(err.__cause__, Exception) else err  # PIL's own error, not our wrapper
+        where = "" if index is None else f" (image {index} of the batch)"
+        raise CorruptImageError(f"Cannot decode image {source}{where}: {cause}") from cause
+
+
+def decode_rgb(image: Any, index: int | None = None) -> PIL.Image.Image:
+    """Return `image` (PIL image, `{"path", "bytes"}` dict, path, bytes or array) as an RGB PIL image.
+
+    The pixels are those the image processor uses (EXIF orientation, transparency on white, 16-bit scaling).
     Raises `CorruptImageError` naming the file (and `index`, its position in the batch) when it cannot be decoded.
     """
-    if isinstance(image, np.ndarray):
-        image = PIL.Image.fromarray(image)
-    elif not isinstance(image, PIL.Image.Image):
-        if isinstance(image, (str, os.PathLike)):
-            image = {"path": os.fspath(image), "bytes": None}
-        elif isinstance(image, (bytes, bytearray)):
-            image = {"path": None, "bytes": bytes(image)}
-        try:
-            image = _IMAGE_DECODER.decode_example(image)
-        except Exception as err:
-            source = image.get("path") or f"{len(image.get('bytes') or b'')} bytes of image data"
-            where = "" if index is None else f" (image {index} of the batch)"
-            raise CorruptImageError(f"Cannot decode image {source}{where}: {err}") from err
-    if image.mode == "P" and "transparency" in image.info:
-        image = image.convert("RGBA")  # PIL warns when converting such palette images straight to RGB
-    return image if image.mode == "RGB" else image.convert("RGB")
+    (pixels,) = load_images(decode_image(image, index))
+    if pixels.is_floating_point():
+        pixels = pixels.round().clamp(0, 255).to(torch.uint8)
+    return PIL.Image.fromarray(pixels.expand(3, -1, -1).permute(1, 2, 0).numpy())
 
 
-def make_eval_transform(processor) -> Transform:
-    """Batch transform for evaluation: decode, convert to RGB, then resize and normalize with `processor`."""
+def _load_batch(batch: Mapping[str, Sequence[Any]], do_convert_rgb: bool) -> list[torch.Tensor]:
+    """The batch's images as `[C, H, W]` tensors (uint8 unless given as floats) through the processor's path."""
+    return load_images([decode_image(image, i) for i, image in enumerate(batch["image"])], do_convert_rgb)
+
+
+def make_eval_transform(processor: VisionTransformerImageProcessor) -> Transform:
+    """Batch transform for evaluation: decode the images, then `processor` does everything else (as at inference)."""
 
     def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
-        images = [decode_rgb(image, i) for i, image in enumerate(batch["image"])]
+        images = [decode_image(image, i) for i, image in enumerate(batch["image"])]
         return _with_labels(processor(images, return_tensors="pt")["pixel_values"], batch)
 
     return transform
 
 
 def make_train_transform(
-    processor,
+    processor: VisionTransformerImageProcessor,
     *,
     random_resized_crop: bool = True,
     scale: tuple[float, float] = (0.08, 1.0),
@@ -260,39 +289,52 @@ def make_train_transform(
     hflip: bool = True,
     seed: int | None = None,
 ) -> Transform:
-    """Batch transform for training: random resized crop, resize, random horizontal flip, rescale and normalize.
+    """Batch transform for training: random resized crop, random horizontal flip, then the processor's normalisation.
 
-    The crop covers a random fraction `scale` of the image area with an aspect ratio log-uniform in `ratio`
-    (Inception-style; a central crop after 10 failed draws); it is resized to `processor.size` (bilinear,
-    antialiased), flipped with probability 1/2 when `hflip` (keep it off for digits and text), then scaled by
-    `processor.rescale_factor` and normalized with `processor.image_mean`/`image_std`. Without
-    `random_resized_crop`, the whole image is resized. With `seed`, the transform draws from its own generator
-    (reproducible); otherwise, and always inside DataLoader workers (so they don't repeat each other), from torch's
-    global generator, which the DataLoader seeds per worker and epoch.
+    Images are decoded and converted exactly as by `processor` (its `load_images`: EXIF orientation, transparency on
+    white, 16-bit scaling). The crop covers a random fraction `scale` of the image area with an aspect ratio
+    log-uniform in `ratio` (Inception-style; a central crop after 10 failed draws); it is cut from the uint8 image and
+    resized with the processor's `resize_images` and `resample` to the processor's output size (`crop_size` when it
+    centre-crops, else `size`). Without `random_resized_crop`, the image goes through the processor's own resize and
+    centre crop, so with `hflip=False` the output equals `processor(images)`. The flip (probability 1/2, when `hflip`;
+    keep it off for digits and text) comes next, and the processor's `normalize_batch` last, once per batch. With
+    `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
+    (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
     """
     if not (0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
         raise ValueError(f"Need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}.")
+    if not hasattr(processor, "normalize_batch"):
+        raise TypeError(
+            f"make_train_transform needs a VisionTransformerImageProcessor (it reuses its pixel path), got "
+            f"{type(processor).__name__}."
+        )
     size = (int(processor.size["height"]), int(processor.size["width"]))
-    rescale = float(processor.rescale_factor) if getattr(processor, "do_rescale", True) else 1.0
-    normalize = getattr(processor, "do_normalize", True)
-    mean = torch.tensor(processor.image_mean if normalize else 0.0, dtype=torch.float32).reshape(-1, 1, 1)
-    std = torch.tensor(processor.image_std if normalize else 1.0, dtype=torch.float32).reshape(-1, 1, 1)
+    crop_size = (int(processor.crop_size["height"]), int(processor.crop_size["width"]))
+    output_size = crop_size if processor.do_center_crop else size
     own_generator = None if seed is None else torch.Generator().manual_seed(seed)
 
-    def augment(image: PIL.Image.Image, generator: torch.Generator | None) -> torch.Tensor:
-        pixels = torch.from_numpy(np.array(image)).permute(2, 0, 1).float()  # [3, h, w], 0..255
+    def augment(pixels: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         if random_resized_crop:
+            # Cropping the uint8 image first means only the crop is resized.
             top, left, height, width = random_resized_crop_box(*pixels.shape[1:], scale, ratio, generator)
-            pixels = pixels[:, top : top + height, left : left + width]
-        pixels = F.interpolate(pixels[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+            pixels = resize_images(
+                pixels[None, :, top : top + height, left : left + width], output_size, processor.resample
+            )[0]
+        else:
+            if processor.do_resize:
+                pixels = resize_images(pixels[None], size, processor.resample)[0]
+            if processor.do_center_crop:
+                pixels = center_crop_images(pixels, crop_size)
         if hflip and torch.rand((), generator=generator) < 0.5:
             pixels = pixels.flip(-1)
-        return pixels
+        return pixels.expand(3, -1, -1) if processor.do_convert_rgb and pixels.shape[0] == 1 else pixels
 
     def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
         generator = own_generator if torch.utils.data.get_worker_info() is None else None
-        pixels = torch.stack([augment(decode_rgb(image, i), generator) for i, image in enumerate(batch["image"])])
-        return _with_labels((pixels * rescale - mean) / std, batch)
+        images = [augment(pixels, generator) for pixels in _load_batch(batch, processor.do_convert_rgb)]
+        if len({image.dtype for image in images}) > 1:  # float images among uint8 ones: stack them all as floats
+            images = [image.float() for image in images]
+        return _with_labels(processor.normalize_batch(torch.stack(images)), batch)
 
     return transform
 

@@ -1,4 +1,5 @@
 import collections
+import io
 import time
 
 import datasets
@@ -14,6 +15,7 @@ from hf_vit.data import (
     CorruptImageError,
     apply_transforms,
     collate_fn,
+    decode_rgb,
     load_digits_dataset,
     load_image_dataset,
     make_eval_transform,
@@ -354,3 +356,107 @@ def test_streaming_image_folder_carves_validation(tmp_path, processor):
     names = get_label_names(stream)
     for ex in train + validation:
         assert _color_name(ex["pixel_values"], processor) == names[int(ex["labels"])]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# one pixel path: the transforms see what the processor sees
+
+
+def _png_bytes(image):
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _awkward_images(tmp_path):
+    """Images whose decoding or colour conversion is easy to get wrong, in the forms data sets hand them over."""
+    rgba = np.zeros((20, 30, 4), np.uint8)
+    rgba[..., 0] = 255  # red everywhere, hidden on the left by alpha 0
+    rgba[:, 15:, 3] = 255
+    rgba[:5, :, 3] = 128
+    la = np.stack(
+        [
+            np.tile(np.arange(0, 240, 8, np.uint8), (20, 1)),
+            np.tile(np.arange(20, dtype=np.uint8)[:, None] * 12, (1, 30)),
+        ],
+        -1,
+    )
+    palette = PIL.Image.fromarray(rgba[..., :3]).convert("P", palette=PIL.Image.Palette.ADAPTIVE, colors=4)
+    palette.info["transparency"] = 0
+    ramp = np.linspace(0, 65535, 20 * 30).round().astype(np.uint16).reshape(20, 30)
+    photo = np.asarray(PIL.Image.effect_mandelbrot((30, 20), (-2, -1.2, 1, 1.2), 50).convert("RGB"))
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6
+    rotated = tmp_path / "rotated.jpg"
+    PIL.Image.fromarray(photo).save(rotated, format="JPEG", exif=exif)
+    return {
+        "RGBA with transparency": PIL.Image.fromarray(rgba, mode="RGBA"),
+        "RGBA PNG bytes": _png_bytes(PIL.Image.fromarray(rgba, mode="RGBA")),
+        "LA": PIL.Image.fromarray(la, mode="LA"),
+        "P with transparency": palette,
+        "P with transparency as PNG dict": {"path": None, "bytes": _png_bytes(palette)},
+        "I;16 grayscale PNG": {"path": None, "bytes": _png_bytes(PIL.Image.fromarray(ramp))},
+        "I": PIL.Image.fromarray(ramp.astype(np.int32)),
+        "CMYK": PIL.Image.fromarray(photo).convert("CMYK"),
+        "1-bit": PIL.Image.fromarray(photo).convert("1"),
+        "EXIF-rotated JPEG path": str(rotated),
+        "EXIF-rotated JPEG dict": {"path": str(rotated), "bytes": None},
+        "EXIF-rotated JPEG bytes": rotated.read_bytes(),
+        "EXIF-rotated opened JPEG": PIL.Image.open(rotated),
+    }
+
+
+def _processor_input(image):
+    return image["bytes"] or image["path"] if isinstance(image, dict) else image
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"size": (12, 20), "resample": "bicubic"}, {"size": 20, "do_center_crop": True, "crop_size": 14}]
+)
+def test_transforms_give_exactly_the_processors_pixels(tmp_path, options):
+    processor = VisionTransformerImageProcessor(**{"size": SIZE, **options})
+    images = _awkward_images(tmp_path)
+    eval_transform = make_eval_transform(processor)
+    whole_image = make_train_transform(processor, random_resized_crop=False, hflip=False)
+    for kind, image in images.items():
+        expected = processor(_processor_input(image), return_tensors="pt")["pixel_values"]
+        for name, transform in (("eval", eval_transform), ("train without crop and flip", whole_image)):
+            actual = transform({"image": [image], "label": [0]})["pixel_values"]
+            assert torch.equal(actual, expected), f"{name}: {kind}"  # same uint8 resize: no tolerance needed
+    batch = {"image": list(images.values()), "label": [0] * len(images)}  # all at once, mixed modes and sizes
+    expected = processor([_processor_input(image) for image in images.values()], return_tensors="pt")
+    assert torch.equal(eval_transform(batch)["pixel_values"], expected["pixel_values"])
+    assert torch.equal(whole_image(batch)["pixel_values"], expected["pixel_values"])
+
+
+def test_awkward_images_have_the_expected_pixels(tmp_path):
+    processor = VisionTransformerImageProcessor(do_resize=False, do_normalize=False)
+    images = _awkward_images(tmp_path)
+    transform = make_train_transform(processor, random_resized_crop=False, hflip=False)
+
+    def pixels(kind):
+        return transform({"image": [images[kind]]})["pixel_values"][0]
+
+    rgba = pixels("RGBA with transparency")
+    assert torch.equal(rgba[:, 10, :15], torch.ones(3, 15))  # fully transparent red is white, not red
+    assert torch.equal(rgba[:, 10, 15:], torch.tensor([1.0, 0, 0])[:, None].expand(3, 15))
+    assert torch.equal(pixels("RGBA PNG bytes"), rgba)
+    as_rgb = np.asarray(decode_rgb(images["RGBA PNG bytes"]))
+    assert as_rgb.shape == (20, 30, 3) and as_rgb[10, 0].tolist() == [255, 255, 255]
+    grey16 = pixels("I;16 grayscale PNG")
+    assert grey16.min() == 0 and grey16.max() == 1 and abs(grey16.mean() - 0.5) < 0.01  # scaled, not clipped
+    assert torch.equal(pixels("I"), grey16)
+    upright = pixels("EXIF-rotated JPEG path")
+    assert upright.shape == (3, 30, 20)  # orientation 6 turns the 30x20 photo upright
+    for kind in ("EXIF-rotated JPEG dict", "EXIF-rotated JPEG bytes", "EXIF-rotated opened JPEG"):
+        assert torch.equal(pixels(kind), upright), kind
+
+
+def test_random_crop_is_cut_from_the_processors_pixels(tmp_path):
+    processor = VisionTransformerImageProcessor(size=SIZE)
+    image = _awkward_images(tmp_path)["RGBA with transparency"]
+    out = make_train_transform(processor, hflip=False, seed=3)({"image": [image]})["pixel_values"]
+    top, left, height, width = random_resized_crop_box(20, 30, generator=torch.Generator().manual_seed(3))
+    rgb = np.asarray(PIL.Image.alpha_composite(PIL.Image.new("RGBA", image.size, "white"), image).convert("RGB"))
+    expected = processor(rgb[top : top + height, left : left + width], return_tensors="pt")["pixel_values"]
+    assert torch.equal(out, expected)
