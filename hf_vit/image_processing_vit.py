@@ -218,11 +218,10 @@ def sixteen_to_eight_bit(values: np.ndarray) -> np.ndarray:
 
 
 def _pil_to_array(image: PIL.Image.Image, do_convert_rgb: bool, index: int) -> np.ndarray:
-    """Return the pixels of a PIL image as an `[H, W, C]` array; RGB (or 1-channel grey) if `do_convert_rgb`."""
-    if not do_convert_rgb:
-        return np.array(image)
-    if image.mode == "L":
-        return np.array(image)[..., None]  # grey is expanded to RGB after resizing, which is 3x cheaper
+    """Return the pixels of a PIL image as an `[H, W, C]` array; RGB (or 1-channel grey) if `do_convert_rgb`.
+
+    16-bit and float grey images are read the same way with or without `do_convert_rgb`.
+    """
     if image.mode.startswith("I;16"):
         # PIL's own conversion clips 16-bit values at 255, turning nearly every pixel white.
         return sixteen_to_eight_bit(np.asarray(image))[..., None]
@@ -239,6 +238,10 @@ def _pil_to_array(image: PIL.Image.Image, do_convert_rgb: bool, index: int) -> n
         return sixteen_to_eight_bit(values)[..., None]
     if image.mode == "F":
         return np.asarray(image, dtype=np.float32)[..., None]  # float values are kept (checked finite) like arrays
+    if not do_convert_rgb:
+        return np.array(image)
+    if image.mode == "L":
+        return np.array(image)[..., None]  # grey is expanded to RGB after resizing, which is 3x cheaper
     if any(band in ("A", "a") for band in image.getbands()) or image.info.get("transparency") is not None:
         # Composite transparency onto white, like transformers' `convert_to_rgb`: hidden pixels often hold garbage.
         background = PIL.Image.new("RGBA", image.size, (255, 255, 255, 255))

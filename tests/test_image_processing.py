@@ -478,6 +478,10 @@ def test_sixteen_bit_images_and_uint16_arrays_share_one_scaling_rule(photo):
         "PIL mode I": PIL.Image.fromarray(ramp.astype(np.int32)),
     }.items():
         np.testing.assert_array_equal(process(image, do_normalize=False, do_resize=False), from_png, err_msg=kind)
+        grey_only = process(image, do_normalize=False, do_resize=False, do_convert_rgb=False)
+        np.testing.assert_array_equal(
+            grey_only, from_png[:, :1] if grey_only.shape[1] == 1 else from_png, err_msg=kind
+        )
     # An 8-bit image stored in 16 bits (value * 257) gives back exactly the 8-bit image.
     grey = np.array(PIL.Image.fromarray(photo).convert("L"))
     np.testing.assert_array_equal(process(grey.astype(np.uint16) * 257), process(grey))
