@@ -6,22 +6,32 @@ unchanged under `python`, `torchrun` and `accelerate launch`, because `Trainer` 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
 import os
+import random
 import re
+import shutil
+import zipfile
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import datasets
+import numpy as np
 import torch
 import transformers
-from transformers import HfArgumentParser, Trainer, TrainingArguments
+from safetensors import SafetensorError, safe_open
+from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 
 from .configuration_vit import VisionTransformerConfig
 from .data import (
     apply_transforms,
     collate_fn,
+    decode_rgb,
     label_names,
     load_image_dataset,
     make_eval_transform,
@@ -149,11 +159,33 @@ class DataArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only this many training images."})
 
 
-def parse_args(task: str, argv: list[str] | None = None) -> tuple[ModelArguments, DataArguments, TrainingArguments]:
+@dataclass
+class VisionTransformerTrainingArguments(TrainingArguments):
+    """Every `TrainingArguments` flag, plus what a run into an existing folder needs said."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train into an --output_dir that is not empty: files of the same names (the final model, "
+            "results, card) are replaced and the earlier run's checkpoint-* folders removed; other files are kept."
+        },
+    )
+    check_eval_images: bool = field(
+        default=True,
+        metadata={
+            "help": "Decode every validation and test image once before training, so that a corrupt one stops the "
+            "run in seconds instead of at the first evaluation."
+        },
+    )
+
+
+def parse_args(
+    task: str, argv: list[str] | None = None
+) -> tuple[ModelArguments, DataArguments, VisionTransformerTrainingArguments]:
     """Parse command-line flags for `task`, with the paper's recipe as defaults for the Trainer flags."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}.")
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, VisionTransformerTrainingArguments))
     # Without an accelerator, Trainer only forms a multi-process (gloo) group under torchrun when told it runs on CPU.
     parser.set_defaults(**COMMON_DEFAULTS, **RECIPES[task], use_cpu=not torch.accelerator.is_available())
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
@@ -277,26 +309,55 @@ def load_for_finetuning(
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
-    """The newest `checkpoint-N` folder in `output_dir` that was written to the end.
+def checkpoint_problems(path: str | os.PathLike) -> list[str]:
+    """What keeps the `checkpoint-N` folder `path` from being resumed exactly; empty when nothing does.
 
-    `Trainer` writes `trainer_state.json` last, after the weights, optimizer, scheduler and RNG states, so a folder
-    without it is what a run killed while saving leaves behind: it is skipped (and named in a warning).
+    `Trainer` writes `trainer_state.json` last, so a folder without a readable one, or with truncated weights or
+    optimizer state, is what a run killed (or out of disk) while saving leaves behind.
     """
+    path = Path(path)
+    problems = []
+    state = path / "trainer_state.json"
+    try:
+        json.loads(state.read_text())
+    except FileNotFoundError:
+        problems.append(f"{state} is missing")
+    except (OSError, ValueError) as error:
+        problems.append(f"{state} is cut off or unreadable ({error})")
+    weights = path / "model.safetensors"
+    try:
+        with safe_open(weights, "pt"):
+            pass
+    except FileNotFoundError:
+        problems.append(f"{weights} is missing")
+    except (OSError, SafetensorError) as error:
+        problems.append(f"{weights} is truncated or corrupted ({error})")
+    for name in ("optimizer.pt", "scheduler.pt"):
+        if (path / name).exists():
+            try:
+                zipfile.ZipFile(path / name).close()  # torch.save writes a zip archive; a cut one has no directory
+            except (OSError, zipfile.BadZipFile) as error:
+                problems.append(f"{path / name} is truncated or corrupted ({error})")
+    return problems
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest `checkpoint-N` folder in `output_dir` that was written to the end; incomplete ones are skipped
+    (and named in a warning)."""
     folder = Path(output_dir)
     if not folder.is_dir():
         return None
     found = sorted((int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name)))
     for _, path in reversed(found):
-        if is_complete_checkpoint(path):
+        problems = checkpoint_problems(path)
+        if not problems:
             return str(path)
-        logger.warning("Skipping %s: it is incomplete (the run stopped while saving it).", path)
+        logger.warning("Skipping %s: it is incomplete (%s).", path, "; ".join(problems))
     return None
 
 
 def is_complete_checkpoint(path: str | os.PathLike) -> bool:
-    path = Path(path)
-    return (path / "trainer_state.json").is_file() and (path / "model.safetensors").is_file()
+    return not checkpoint_problems(path)
 
 
 def _resolve_resume(training_args: TrainingArguments) -> str | None:
@@ -307,13 +368,24 @@ def _resolve_resume(training_args: TrainingArguments) -> str | None:
         checkpoint = last_complete_checkpoint(training_args.output_dir)
         if checkpoint is None:
             logger.warning("No complete checkpoint in %s: training from the start.", training_args.output_dir)
-        return checkpoint
-    if not is_complete_checkpoint(resume):
+            return None
+    else:
+        checkpoint = str(resume)
+        if not Path(checkpoint).is_dir():
+            raise FileNotFoundError(f"--resume_from_checkpoint {checkpoint}: no such checkpoint folder.")
+        problems = checkpoint_problems(checkpoint)
+        if problems:
+            raise ValueError(
+                f"Cannot resume from {checkpoint}: " + "; ".join(problems) + ". It was probably cut off while saving: "
+                "pass --resume_from_checkpoint True to take the last complete checkpoint."
+            )
+    if not any((Path(checkpoint) / name).exists() for name in ("optimizer.pt", "optimizer_0")):
         raise ValueError(
-            f"{resume} is not a complete checkpoint (no trainer_state.json or model.safetensors): it was probably "
-            "cut off while saving. Pass --resume_from_checkpoint True to take the last complete one."
+            f"{checkpoint} holds the weights only (it was saved with --save_only_model): resuming from it would "
+            "restart the optimizer state and the learning-rate schedule, which is not the run it came from. To "
+            f"train on from its weights, start a new run with --model_name_or_path {checkpoint}."
         )
-    return str(resume)
+    return checkpoint
 
 
 def load_datasets(data_args: DataArguments, seed: int):
@@ -346,6 +418,186 @@ def with_transforms(ds, data_args: DataArguments, processor: VisionTransformerIm
     return apply_transforms(ds, train_transform, make_eval_transform(processor))
 
 
+class SeededAugmentation(torch.utils.data.Dataset):
+    """A training split whose random augmentation of example `i` in epoch `e` is drawn from a generator seeded by
+    `(seed, e, i)`, not from the global random stream at the moment the example is fetched.
+
+    This is what makes resuming exact: the data loader fetches batches ahead (accelerate one batch, workers
+    several), so with the global stream an interrupted and an uninterrupted run augment the batches after the
+    checkpoint with different numbers. The epoch lives in shared memory so that persistent workers see it change.
+    """
+
+    def __init__(self, data, seed: int) -> None:
+        self.data = data
+        self.seed = seed
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        key = hashlib.blake2b(f"{self.seed}:{int(self.epoch)}:{index}".encode(), digest_size=8).digest()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int.from_bytes(key, "little"))
+            return self.data[index]
+
+
+class _EpochToDataset(TrainerCallback):
+    """Tells a `SeededAugmentation` which epoch starts (accelerate forwards it only to samplers)."""
+
+    def __init__(self, dataset: SeededAugmentation) -> None:
+        self.dataset = dataset
+
+    def on_epoch_begin(self, args: TrainingArguments, state, control, **kwargs: Any) -> None:
+        # At an epoch's start `state.epoch` is the number of epochs done, fractional when resuming mid-epoch.
+        self.dataset.set_epoch(math.floor(state.epoch + 1e-6))
+
+
+class VisionTransformerTrainer(Trainer):
+    """`Trainer` with two guarantees the scripts promise.
+
+    - Evaluation does not consume the training's random numbers (its data loader draws a seed), so a checkpoint saved
+      right before an evaluation resumes to the same weights (with `SeededAugmentation` for the training split).
+    - A checkpoint that cannot be written (a full disk) stops the run with the folder and the free space named.
+    """
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            try:
+                return super().evaluate(*args, **kwargs)
+            finally:
+                random.setstate(python_state)
+                np.random.set_state(numpy_state)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        try:
+            super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError) as error:
+            raise _save_error(self.args.output_dir, f"checkpoint {self.state.global_step}", error) from error
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        try:
+            super().save_model(output_dir, _internal_call)
+        except (OSError, RuntimeError) as error:
+            raise _save_error(output_dir or self.args.output_dir, "model", error) from error
+
+
+def _save_error(folder: str | os.PathLike, what: str, error: Exception) -> OSError:
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**30:.1f} GiB free there"
+    except OSError:
+        free = "its free space could not be read"
+    return OSError(
+        f"Writing the {what} in {folder} failed ({error}); {free}. Is the disk full? Free space (or choose another "
+        "--output_dir) and resume with --resume_from_checkpoint True: incomplete checkpoints are skipped."
+    )
+
+
+class RunSetupCallback(TrainerCallback):
+    """Logs the run's set-up once it is known, as transformers' example scripts do: how a user checks a launch."""
+
+    def __init__(self, num_examples: int | None) -> None:
+        self.num_examples = num_examples
+
+    def on_train_begin(self, args: TrainingArguments, state, control, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        per_device = args.per_device_train_batch_size
+        accumulation = args.gradient_accumulation_steps
+        logger.info(
+            "Run set-up: %s training examples, %s epochs, batch %d per device x %d process(es) x %d accumulation "
+            "step(s) = global batch %d, %d optimisation steps.",
+            "unknown (streamed)" if self.num_examples is None else self.num_examples,
+            f"{state.num_train_epochs:g}",
+            per_device,
+            args.world_size,
+            accumulation,
+            per_device * args.world_size * accumulation,
+            state.max_steps,
+        )
+
+
+_LOCK_NAME = ".hf-vit-run.lock"
+
+
+def claim_output_dir(training_args: VisionTransformerTrainingArguments, resuming: bool) -> Any:
+    """Check that the run may write into `--output_dir` and lock it against a second run; returns the lock's file
+    (close it to release) or None on processes other than the main one.
+
+    A folder holding files is refused unless `--resume_from_checkpoint` or `--overwrite_output_dir` says what to do
+    with them, as transformers' example scripts refuse it: the second run would replace the first's model.
+    """
+    folder = Path(training_args.output_dir)
+    if folder.exists() and not folder.is_dir():
+        raise FileExistsError(f"--output_dir {folder} is a file; pass a folder.")
+    if training_args.process_index != 0:
+        return None
+    entries = sorted(p.name for p in folder.iterdir() if p.name != _LOCK_NAME) if folder.is_dir() else []
+    if entries and not resuming and not training_args.overwrite_output_dir:
+        shown = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "")
+        raise FileExistsError(
+            f"--output_dir {folder} is not empty (it holds {shown}). Pass --resume_from_checkpoint True to continue "
+            "the run whose checkpoints it holds, --overwrite_output_dir True to train a new model there (replacing "
+            "the files of the same names), or choose another folder."
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder / _LOCK_NAME, "a")
+    try:
+        import fcntl
+
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # no advisory locks on this platform: the emptiness check above is all there is
+        pass
+    except OSError as error:
+        lock.close()
+        raise FileExistsError(
+            f"Another run is writing to --output_dir {folder} right now; wait for it or choose another folder."
+        ) from error
+    if training_args.overwrite_output_dir and not resuming:
+        for path in folder.iterdir():
+            if path.is_dir() and _CHECKPOINT.match(path.name):
+                # Left there, an earlier run's later checkpoint would be what --resume_from_checkpoint True picks.
+                logger.warning("--overwrite_output_dir: removing %s of the earlier run.", path)
+                shutil.rmtree(path)
+    return lock
+
+
+def check_labels(raw, id2label: dict[int, str]) -> None:
+    """Refuse a data set a classifier cannot learn from, and name classes that have no training images."""
+    if len(id2label) < 2:
+        raise ValueError(
+            f"The data set has {len(id2label)} class(es) ({list(id2label.values())}): classification needs at least "
+            "two (with one, the model would fit a constant). Check --dataset_name and --label_column_name."
+        )
+    train = raw["train"]
+    if isinstance(train, datasets.IterableDataset):
+        return
+    counts = Counter(train["label"])
+    empty = [name for index, name in id2label.items() if counts[index] == 0]
+    if empty:
+        logger.warning(
+            "Class(es) %s have no training images (they appear only in other splits, or nowhere): the model cannot "
+            "learn them.",
+            empty,
+        )
+
+
+def check_eval_images(raw) -> None:
+    """Decode every image of the evaluation splits once, so a corrupt file stops the run before training."""
+    for split in ("validation", "test"):
+        data = raw.get(split)
+        if data is None or isinstance(data, datasets.IterableDataset):
+            continue
+        undecoded = data.cast_column("image", datasets.Image(decode=False))
+        for start in range(0, len(undecoded), 256):
+            for offset, image in enumerate(undecoded[start : start + 256]["image"]):
+                decode_rgb(image, start + offset)
+
+
 def train(
     task: str,
     model_args: ModelArguments,
@@ -353,16 +605,31 @@ def train(
     training_args: TrainingArguments,
     callbacks: list | None = None,
 ) -> dict[str, float]:
-    """Pretrain or fine-tune, evaluate, and save the model, processor, metrics, curves and model card.
+    """Pretrain or fine-tune, save the model, evaluate it, and save the metrics, curves and model card.
 
     The final metrics (`eval_*` in `all_results.json`) are measured on the test split when the data set has one,
-    on the validation split otherwise; validation metrics during training are in `trainer_state.json`.
+    on the validation split otherwise; validation metrics during training are in `trainer_state.json`. The model is
+    saved before that final evaluation, so an error there loses no training.
     """
     transformers.set_seed(training_args.seed)
     if data_args.streaming and training_args.max_steps <= 0:
         raise ValueError("--streaming data sets have no length: set --max_steps to say how long to train.")
+    resume = _resolve_resume(training_args)
+    lock = claim_output_dir(training_args, resuming=resume is not None)
+    try:
+        return _train(task, model_args, data_args, training_args, callbacks, resume)
+    finally:
+        if lock is not None:
+            Path(lock.name).unlink(missing_ok=True)
+            lock.close()
+
+
+def _train(task, model_args, data_args, training_args, callbacks, resume) -> dict[str, float]:
     raw = load_datasets(data_args, training_args.seed)
     id2label = dict(enumerate(label_names(raw)))
+    check_labels(raw, id2label)
+    if getattr(training_args, "check_eval_images", True):
+        check_eval_images(raw)
 
     if task == "pretrain":
         model = build_pretraining_model(model_args, id2label)
@@ -384,7 +651,13 @@ def train(
         processor = _processor_for(model_args.model_name_or_path, model.config)
 
     ds = with_transforms(raw, data_args, processor)
-    trainer = Trainer(
+    callbacks = [*(callbacks or [])]
+    num_examples = None
+    if not isinstance(ds["train"], datasets.IterableDataset):
+        ds["train"] = SeededAugmentation(ds["train"], training_args.seed)
+        callbacks.append(_EpochToDataset(ds["train"]))
+        num_examples = len(ds["train"])
+    trainer = VisionTransformerTrainer(
         model=model,
         args=training_args,
         train_dataset=ds["train"],
@@ -392,9 +665,11 @@ def train(
         data_collator=collate_fn,
         compute_metrics=compute_metrics,
         processing_class=processor,
-        callbacks=callbacks,
+        callbacks=[RunSetupCallback(num_examples), *callbacks],
     )
-    train_result = trainer.train(resume_from_checkpoint=_resolve_resume(training_args))
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model()  # weights (safetensors), config, processor and code files: first, so nothing trained is lost
+    trainer.save_state()
     metrics = dict(train_result.metrics)
     final_split = "test" if "test" in ds else "validation"
     # Logged as `test_*` (so the curves keep validation and test apart), reported as `eval_*` in all_results.json.
@@ -403,7 +678,6 @@ def train(
     metrics.update({"eval_" + k.removeprefix(f"{final_split}_"): v for k, v in final.items()})
     metrics["eval_split"] = final_split
     metrics["train_task"] = task
-    trainer.save_model()  # weights (safetensors), config, processor and code files
     trainer.log_metrics("all", {k: v for k, v in metrics.items() if not isinstance(v, str)})
     trainer.save_metrics("all", metrics, combined=False)
     trainer.save_state()
@@ -419,6 +693,7 @@ def train(
             task=task,
             dataset_name=data_args.dataset_name,
             training_args=training_args,
+            repo_id=training_args.hub_model_id,
             base_model=model_args.model_name_or_path if task == "finetune" else None,
         )
         if training_args.push_to_hub:

@@ -34,9 +34,10 @@ def main() -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     common = ["--seed", str(args.seed), "--dataset_name", "digits", "--per_device_eval_batch_size", "256"]
     common += ["--save_strategy", "no", "--crop_scale_min", "0.7", "--logging_steps", "20"]
+    common += ["--overwrite_output_dir", "True"]  # the main job's own output folders, rewritten by every run
     started = time.perf_counter()
 
-    print(f"[1/2] pretraining ViT (width 96, depth 4, patch 4) on digits at 16x16 for {args.pretrain_epochs} epochs")
+    print(f"[1/3] pretraining ViT (width 96, depth 4, patch 4) on digits at 16x16 for {args.pretrain_epochs} epochs")
     pretrain_args = ["--output_dir", args.pretrain_dir, "--preset", "vit-tiny-patch16-224", "--patch_size", "4"]
     pretrain_args += ["--image_size", "16", "--config_overrides", ARCHITECTURE, "--learning_rate", "1e-3"]
     pretrain_args += ["--num_train_epochs", str(args.pretrain_epochs), "--per_device_train_batch_size", "64"]
@@ -44,7 +45,7 @@ def main() -> None:
     pretrained = train("pretrain", *parse_args("pretrain", pretrain_args + common))
     pretrain_minutes = (time.perf_counter() - started) / 60
 
-    print(f"[2/2] fine-tuning at 24x24 (position embeddings resampled in 2D) for {args.finetune_epochs} epochs")
+    print(f"[2/3] fine-tuning at 24x24 (position embeddings resampled in 2D) for {args.finetune_epochs} epochs")
     finetune_args = ["--output_dir", args.output_dir, "--model_name_or_path", args.pretrain_dir, "--image_size", "24"]
     finetune_args += ["--learning_rate", "0.03", "--num_train_epochs", str(args.finetune_epochs)]
     finetune_args += ["--per_device_train_batch_size", "32", "--eval_strategy", "epoch"]

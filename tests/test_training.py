@@ -71,17 +71,6 @@ def test_finetuning_model_replaces_the_head_and_resamples_positions(tmp_path, ca
     model(torch.randn(1, 3, 16, 16))  # runs at the new size without interpolate_pos_encoding
 
 
-def test_last_complete_checkpoint_skips_half_written_ones(tmp_path):
-    for step, complete in ((5, True), (10, True), (15, False)):
-        folder = tmp_path / f"checkpoint-{step}"
-        folder.mkdir()
-        (folder / "model.safetensors").write_bytes(b"x")
-        if complete:
-            (folder / "trainer_state.json").write_text("{}")
-    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-10")
-    assert last_complete_checkpoint(tmp_path / "missing") is None
-
-
 def test_pretrain_then_finetune_in_process(tmp_path):
     pre_dir, fine_dir = tmp_path / "pre", tmp_path / "fine"
     common = QUIET + ["--per_device_train_batch_size", "32", "--per_device_eval_batch_size", "128"]
@@ -105,7 +94,9 @@ def test_pretrain_then_finetune_in_process(tmp_path):
     fine = VisionTransformerForImageClassification.from_pretrained(fine_dir)
     assert fine.config.image_size == 12 and fine.config.id2label[3] == "3"
     card = (fine_dir / "README.md").read_text()
-    assert f"{results['eval_accuracy']:.4f}" in card and "base_model:" in card
+    assert f"{results['eval_accuracy']:.4f}" in card
+    # the base model was a local folder: named by its folder name in the text, kept out of the Hub metadata
+    assert "base_model:" not in card and "Base model: `pre`" in card and str(tmp_path) not in card
 
 
 def image_folder(root, corrupt=False):
@@ -214,39 +205,42 @@ def test_distributed_two_processes_match_one(tmp_path):
     assert moved > 1e-3 and worst < 1e-4
 
 
-def test_killed_run_resumes_to_the_same_weights(tmp_path):
-    source = pretrained_folder(tmp_path / "pre")
-    # Augmentation on: resuming must also restore the random state of the crops.
-    extra = [
-        "--save_strategy",
-        "steps",
-        "--save_steps",
-        "4",
-        "--random_resized_crop",
-        "True",
-        "--crop_scale_min",
-        "0.5",
-    ]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    run([sys.executable, str(WORKER)] + deterministic_finetune_args(source, straight, 16, max_steps=10, extra=extra))
-    run(
-        [sys.executable, str(WORKER)]
-        + deterministic_finetune_args(source, killed, 16, max_steps=10, extra=extra + ["--kill_at_step", "6"]),
-        expect=17,
-    )
-    assert (killed / "checkpoint-4").is_dir() and not (killed / "rank0.safetensors").exists()
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    """An uninterrupted run with augmentation, dropout and per-epoch evaluation, and the flags that made it: 32
+    images in batches of 8 (4 steps an epoch), a checkpoint every 2 steps (mid-epoch, and at epoch ends right
+    before the epoch's evaluation)."""
+    root = tmp_path_factory.mktemp("resume")
+    source = pretrained_folder(root / "pre")
+    extra = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "epoch"]
+    extra += ["--random_resized_crop", "True", "--crop_scale_min", "0.5", "--hidden_dropout_prob", "0.1"]
+
+    def flags(output_dir, *more):
+        args = deterministic_finetune_args(source, output_dir, 8, max_steps=10, extra=extra + list(more))
+        i = args.index("--max_train_samples")
+        return args[: i + 1] + ["32"] + args[i + 2 :]
+
+    run([sys.executable, str(WORKER)] + flags(root / "straight"))
+    return root, flags, load_file(root / "straight" / "rank0.safetensors")
+
+
+@pytest.mark.parametrize("kill_at, resumed_from", [(7, "checkpoint-6"), (5, "checkpoint-4")])
+def test_killed_run_resumes_to_the_same_weights(resume_runs, kill_at, resumed_from):
+    # checkpoint-6 is mid-epoch (the first batch after resuming was drawn before the random state was restored);
+    # checkpoint-4 ends an epoch right before its evaluation (which used to consume the training's random numbers)
+    root, flags, straight = resume_runs
+    killed = root / f"killed-{kill_at}"
+    run([sys.executable, str(WORKER)] + flags(killed, "--kill_at_step", str(kill_at)), expect=17)
+    assert (killed / resumed_from).is_dir() and not (killed / "rank0.safetensors").exists()
     # What a kill during a save leaves behind: a newer checkpoint without its trainer state.
-    shutil.copytree(killed / "checkpoint-4", killed / "checkpoint-6")
-    (killed / "checkpoint-6" / "trainer_state.json").unlink()
-    resumed = run(
-        [sys.executable, str(WORKER)]
-        + deterministic_finetune_args(
-            source, killed, 16, max_steps=10, extra=extra + ["--resume_from_checkpoint", "True"]
-        )
+    shutil.copytree(killed / resumed_from, killed / "checkpoint-99")
+    (killed / "checkpoint-99" / "trainer_state.json").unlink()
+    resumed = run([sys.executable, str(WORKER)] + flags(killed, "--resume_from_checkpoint", "True"))
+    assert "checkpoint-99" in resumed.stderr  # named as skipped
+    again = load_file(killed / "rank0.safetensors")
+    assert all(torch.equal(straight[k], again[k]) for k in straight), max(
+        (straight[k] - again[k]).abs().max().item() for k in straight
     )
-    assert "checkpoint-6" in resumed.stderr  # named as skipped
-    a, b = load_file(straight / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):
@@ -267,3 +261,169 @@ def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):
     run(accelerate + [str(WORKER)] + args + QUIET)
     info = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [(i["rank"], i["world_size"], i["args_world_size"]) for i in info] == [(0, 2, 2), (1, 2, 2)]
+
+
+# --- Safe edges: the output folder, the data, checkpoints ------------------------------------------------------------
+
+TINY_RUN = ["--image_size", "8", "--patch_size", "4", "--config_overrides", TINY, "--per_device_train_batch_size", "8"]
+
+
+def tiny_pretrain(output_dir, *flags):
+    args = ["--output_dir", str(output_dir), *TINY_RUN, "--max_steps", "2", "--eval_strategy", "no"]
+    return parse_args("pretrain", args + ["--save_strategy", "no", "--max_train_samples", "16", *QUIET, *flags])
+
+
+def test_a_second_run_into_a_finished_runs_folder_is_refused(tmp_path, caplog):
+    out = tmp_path / "out"
+    with caplog.at_level("INFO", logger="hf_vit.training"):
+        train("pretrain", *tiny_pretrain(out))
+    # the run's set-up, as transformers' example scripts print it
+    assert "Run set-up: 16 training examples" in caplog.text
+    assert "batch 8 per device x 1 process(es) x 1 accumulation step(s) = global batch 8, 2 optimisation" in caplog.text
+    first = (out / "model.safetensors").read_bytes()
+    assert not (out / ".hf-vit-run.lock").exists()  # the lock goes with the run
+    with pytest.raises(FileExistsError, match="is not empty.*--resume_from_checkpoint True.*--overwrite_output_dir"):
+        train("pretrain", *tiny_pretrain(out, "--seed", "1"))
+    assert (out / "model.safetensors").read_bytes() == first
+    (out / "checkpoint-1").mkdir()
+    (out / "notes.txt").write_text("mine")
+    train("pretrain", *tiny_pretrain(out, "--seed", "1", "--overwrite_output_dir", "True"))
+    assert (out / "model.safetensors").read_bytes() != first
+    assert (out / "notes.txt").read_text() == "mine" and not (out / "checkpoint-1").exists()
+
+
+def test_a_folder_another_run_is_writing_to_is_refused(tmp_path):
+    from hf_vit.training import claim_output_dir
+
+    _, _, args = tiny_pretrain(tmp_path / "out")
+    lock = claim_output_dir(args, resuming=False)
+    try:
+        with pytest.raises(FileExistsError, match="Another run is writing to --output_dir"):
+            claim_output_dir(args, resuming=False)
+    finally:
+        lock.close()
+    claim_output_dir(args, resuming=False).close()  # released with the first run
+
+
+def split_image_folder(root, broken_split=None):
+    for split in ("train", "test"):
+        for label in ("cat", "dog"):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            for i in range(4):
+                Image.new("RGB", (8, 8), (40 * i, 200 if label == "dog" else 0, 0)).save(folder / f"{i}.png")
+    if broken_split:
+        (root / broken_split / "dog" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    return root
+
+
+def test_a_corrupt_evaluation_image_stops_the_run_before_training(tmp_path):
+    data = split_image_folder(tmp_path / "data", broken_split="test")
+    out = tmp_path / "out"
+    with pytest.raises(CorruptImageError, match="broken.png"):
+        train("pretrain", *tiny_pretrain(out, "--dataset_name", str(data), "--max_train_samples", "8"))
+    assert not (out / "model.safetensors").exists() and not list(out.glob("checkpoint-*"))
+
+
+def test_the_model_is_saved_before_the_final_evaluation(tmp_path):
+    data = split_image_folder(tmp_path / "data", broken_split="test")
+    out = tmp_path / "out"
+    flags = ["--dataset_name", str(data), "--max_train_samples", "8", "--check_eval_images", "False"]
+    with pytest.raises(CorruptImageError, match="broken.png"):
+        train("pretrain", *tiny_pretrain(out, *flags))  # the final evaluation on test fails...
+    VisionTransformerForImageClassification.from_pretrained(out)  # ...after the trained model was saved
+
+
+def test_finetuning_a_transformers_vit_folder_is_an_error_not_a_random_backbone(tmp_path):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    ViTForImageClassification(ViTConfig(image_size=8, patch_size=4, **sizes)).save_pretrained(tmp_path / "hf")
+    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tmp_path / "hf"), "--max_steps", "1"]
+    with pytest.raises(ValueError, match="holds a 'vit' checkpoint"):
+        train("finetune", *parse_args("finetune", args + QUIET))
+
+
+def labelled_dataset(path, names, splits):
+    from datasets import ClassLabel, Dataset, DatasetDict, Features
+    from datasets import Image as ImageFeature
+
+    features = Features({"image": ImageFeature(), "label": ClassLabel(names=names)})
+    image = Image.new("RGB", (8, 8), (10, 20, 30))
+    DatasetDict(
+        {
+            split: Dataset.from_dict({"image": [image] * len(labels), "label": labels}, features=features)
+            for split, labels in splits.items()
+        }
+    ).save_to_disk(str(path))
+    return path
+
+
+def test_one_class_is_an_error_not_a_regression(tmp_path):
+    data = labelled_dataset(tmp_path / "data", ["only"], {"train": [0] * 8, "validation": [0] * 2})
+    with pytest.raises(ValueError, match=r"1 class\(es\) \(\['only'\]\): classification needs at least two"):
+        train("pretrain", *tiny_pretrain(tmp_path / "out", "--dataset_name", str(data)))
+
+
+def test_a_class_without_training_images_is_named(tmp_path, caplog):
+    splits = {"train": [0, 1] * 4, "validation": [0, 1], "test": [0, 1, 2]}
+    data = labelled_dataset(tmp_path / "data", ["ant", "bee", "cow"], splits)
+    with caplog.at_level("WARNING", logger="hf_vit.training"):
+        train("pretrain", *tiny_pretrain(tmp_path / "out", "--dataset_name", str(data)))
+    assert "Class(es) ['cow'] have no training images" in caplog.text
+
+
+def fake_checkpoint(path, state="{}", weights=True, optimizer=True):
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(state)
+    if weights:
+        save_file({"w": torch.zeros(64)}, path / "model.safetensors")
+    if optimizer:
+        torch.save({"state": {}}, path / "optimizer.pt")
+    return path
+
+
+def test_half_written_checkpoints_are_skipped_and_named(tmp_path, caplog):
+    fake_checkpoint(tmp_path / "checkpoint-2")
+    fake_checkpoint(tmp_path / "checkpoint-4", state='{"global_step": 4, "log_hi')  # killed while writing the state
+    cut = fake_checkpoint(tmp_path / "checkpoint-6")
+    (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:100])
+    with caplog.at_level("WARNING", logger="hf_vit.training"):
+        assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+    assert "checkpoint-4" in caplog.text and "trainer_state.json is cut off" in caplog.text
+    assert "checkpoint-6" in caplog.text and "model.safetensors is truncated" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["model.safetensors", "optimizer.pt"])
+def test_resuming_from_a_truncated_checkpoint_names_the_file(tmp_path, damage):
+    checkpoint = fake_checkpoint(tmp_path / "checkpoint-2")
+    data = (checkpoint / damage).read_bytes()
+    (checkpoint / damage).write_bytes(data[: len(data) // 2])
+    _, _, args = tiny_pretrain(tmp_path, "--resume_from_checkpoint", str(checkpoint))
+    from hf_vit.training import _resolve_resume
+
+    with pytest.raises(ValueError, match=f"Cannot resume from {checkpoint}: {checkpoint / damage} is truncated"):
+        _resolve_resume(args)
+
+
+def test_resuming_a_weights_only_checkpoint_is_refused(tmp_path):
+    from hf_vit.training import _resolve_resume
+
+    fake_checkpoint(tmp_path / "checkpoint-2", optimizer=False)
+    _, _, args = tiny_pretrain(tmp_path, "--resume_from_checkpoint", "True")
+    with pytest.raises(ValueError, match="weights only.*--save_only_model.*restart the optimizer state"):
+        _resolve_resume(args)
+
+
+def test_a_checkpoint_that_cannot_be_written_names_the_folder_and_free_space(tmp_path, monkeypatch):
+    import transformers.trainer
+
+    def disk_full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0: iostream error")
+
+    monkeypatch.setattr(transformers.trainer.torch, "save", disk_full)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match=r"Writing the checkpoint 1 in .*out failed .*GiB free there. Is the disk full"):
+        train("pretrain", *tiny_pretrain(out, "--save_strategy", "steps", "--save_steps", "1"))
