@@ -279,7 +279,7 @@ def test_a_second_run_into_a_finished_runs_folder_is_refused(tmp_path, caplog):
         train("pretrain", *tiny_pretrain(out))
     # the run's set-up, as transformers' example scripts print it
     assert "Run set-up: 16 training examples" in caplog.text
-    assert "batch 8 per device x 1 process(es) x 1 accumulation step(s) = global batch 8, 2 optimisation" in caplog.text
+    assert "batch 8 per device x 1 process(es) x 1 accumulation step(s) = global batch 8, 2 optim" in caplog.text
     first = (out / "model.safetensors").read_bytes()
     assert not (out / ".hf-vit-run.lock").exists()  # the lock goes with the run
     with pytest.raises(FileExistsError, match="is not empty.*--resume_from_checkpoint True.*--overwrite_output_dir"):
