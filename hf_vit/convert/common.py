@@ -242,13 +242,16 @@ def _check_writable(target: Path) -> None:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise OutputFolderError(f"{ancestor} is a file, so {target} cannot be created there; choose another --output.")
-    try:  # a real probe: permissions alone do not show read-only mounts, and root ignores them
-        os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.{_STAGING}-{os.getpid()}-", dir=ancestor))
-    except OSError as error:
-        raise OutputFolderError(
-            f"cannot write to {ancestor} ({error.strerror or error}), so {target} cannot be written; choose a "
-            "writable --output."
-        ) from error
+    # An existing empty target receives the files itself (see `_install`), so it must be writable too.
+    folders = [ancestor] + ([target] if target.is_dir() and not any(target.iterdir()) else [])
+    for folder in folders:
+        try:  # a real probe: permissions alone do not show read-only mounts, and root ignores them
+            os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.{_STAGING}-{os.getpid()}-", dir=folder))
+        except OSError as error:
+            raise OutputFolderError(
+                f"cannot write to {folder} ({error.strerror or error}), so {target} cannot be written; choose a "
+                "writable --output."
+            ) from error
 
 
 def _overlap(source: Path, target: Path) -> str | None:
