@@ -26,11 +26,11 @@ test: setup
 	$(PY) -m pytest -q tests
 
 lint: setup
-	$(VENV)/bin/ruff check hf_vit scripts tests
-	$(VENV)/bin/ruff format --check hf_vit scripts tests
+	$(VENV)/bin/ruff check hf_vit scripts tests benchmarks
+	$(VENV)/bin/ruff format --check hf_vit scripts tests benchmarks
 
 bench: setup
-	$(PY) scripts/benchmark.py --steps 2 --repeats 5 --profile --sizes 224 288 384 448 512 --sweep_batch_size 4 \
+	$(PY) benchmarks/benchmark.py --steps 2 --repeats 5 --profile --sizes 224 288 384 448 512 --sweep_batch_size 4 \
 		--sweep_steps 2 --sweep_repeats 3 --plot docs/throughput_vs_size.png --json docs/benchmarks.json \
 		--doc docs/benchmarks.md
 

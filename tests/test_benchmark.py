@@ -1,42 +1,41 @@
-"""The benchmark script on a tiny model: every figure and ratio lands in the JSON, and the models agreed.
+"""The benchmark (benchmarks/, outside the package) on a tiny model: every figure and ratio lands in the JSON, and
+the models agreed.
 
 No timing assertions: this machine's speed says nothing about the code.
 """
 
-import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf_vit.benchmarking import (
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed with hf_vit
+
+from benchmarks import benchmark  # noqa: E402
+from benchmarks.measure import (  # noqa: E402
     HF_VIT,
     PROFILE_CATEGORIES,
     TRANSFORMERS,
+    BenchmarkSettings,
     build_models,
     compare_logits,
     vit_forward_flops,
 )
-from hf_vit.configuration_vit import VisionTransformerConfig
+from benchmarks.report import fill_markdown, markdown_sections, merge_reports  # noqa: E402
+from hf_vit.configuration_vit import VisionTransformerConfig  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 # ViT-Ti/16 cut to 2 blocks, at 32x32 (5 tokens), batch 2: the whole run takes seconds.
 TINY = ["--model", "vit-tiny-patch16-224", "--num_hidden_layers", "2", "--image_size", "32", "--batch_size", "2"]
 TINY += ["--steps", "1", "--warmup", "0"]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("benchmark_script", ROOT / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    """One run of the script (in this process, to skip a second interpreter start) on a tiny config."""
+    """One run of the command line (in this process, to skip a second interpreter start) on a tiny config."""
     folder = tmp_path_factory.mktemp("benchmark")
     argv = TINY + [
         "--no_compile",
@@ -53,7 +52,7 @@ def report(tmp_path_factory):
     try:
         # One thread: with two, OpenMP's barriers stall for whole time slices whenever another job shares the cores,
         # and the many tiny ops of this config slow down 30-fold.
-        assert load_script().main(argv + ["--threads", "1"]) == 0
+        assert benchmark.main(argv + ["--threads", "1"]) == 0
     finally:
         torch.set_num_threads(threads)
     return json.loads((folder / "bench.json").read_text()), folder
@@ -147,28 +146,22 @@ def test_flop_count_of_vit_b16():
 
 
 def test_identical_weights_give_identical_logits_at_another_size():
-    models, skipped = build_models(
-        "vit-tiny-patch16-224", 48, 10, torch.device("cpu"), include_timm=False, overrides={"num_hidden_layers": 2}
-    )
-    assert set(models) == {HF_VIT, TRANSFORMERS} and TIMM_SKIPPED in skipped
+    settings = BenchmarkSettings(model="vit-tiny-patch16-224", num_labels=10, num_hidden_layers=2, timm=False)
+    models, skipped = build_models(settings, torch.device("cpu"), image_size=48)
+    assert set(models) == {HF_VIT, TRANSFORMERS} and skipped == {"timm": "not requested"}
     pixel_values = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(0))
     assert compare_logits(models, pixel_values)[TRANSFORMERS] < 1e-4
     assert models[TRANSFORMERS].config._attn_implementation == "sdpa"
     assert models[HF_VIT].config._attn_implementation == "sdpa"
 
 
-TIMM_SKIPPED = "timm"
-
-
 def test_command_line_rejects_unknown_preset(capsys):
     with pytest.raises(SystemExit):
-        load_script().parse_args(["--model", "vit-enormous-patch16-224"])
+        benchmark.parse_args(["--model", "vit-enormous-patch16-224"])
     assert "unknown --model" in capsys.readouterr().err
 
 
 def test_merge_replaces_redone_figures_and_keeps_the_rest():
-    from hf_vit.benchmarking import merge_reports
-
     def figure(key, value):
         return {"key": key, "values": {HF_VIT: value, TRANSFORMERS: 1.0}, "ratio": value}
 
@@ -183,7 +176,7 @@ def test_merge_replaces_redone_figures_and_keeps_the_rest():
     }
     new = {
         "command": "second",
-        "settings": {"main_rows": True},
+        "settings": {},
         "machine": {},
         "figures": [figure("a/bf16/eager", 3.0)],
         "matmul": {"bf16": 5},
@@ -197,12 +190,10 @@ def test_merge_replaces_redone_figures_and_keeps_the_rest():
 
 
 def test_doc_blocks_are_rewritten_from_the_figures(report, tmp_path):
-    from hf_vit.benchmarking import fill_markdown, markdown_sections
-
     figures, folder = report
     doc = tmp_path / "bench.md"
     doc.write_text("# Bench\n\nkept\n\n<!-- benchmark:targets -->\nstale\n<!-- /benchmark:targets -->\n\nkept too\n")
-    assert load_script().main(["--doc_only", "--doc", str(doc), "--json", str(folder / "bench.json")]) == 0
+    assert benchmark.main(["--doc_only", "--doc", str(doc), "--json", str(folder / "bench.json")]) == 0
     text = doc.read_text()
     assert "stale" not in text and text.startswith("# Bench\n\nkept\n") and text.endswith("\n\nkept too\n")
     targets = text.split("<!-- benchmark:targets -->\n")[1].split("<!-- /benchmark:targets -->")[0]
@@ -220,13 +211,12 @@ def test_doc_blocks_are_rewritten_from_the_figures(report, tmp_path):
 
 
 def test_partial_runs_cannot_rewrite_the_doc_alone(capsys):
-    script = load_script()
     for partial in (["--sweep_only", "--sizes", "32"], ["--profile_only"]):
         with pytest.raises(SystemExit):
-            script.parse_args(partial + ["--doc", "docs/benchmarks.md"])
+            benchmark.parse_args(partial + ["--doc", "docs/benchmarks.md"])
         assert "--merge_json" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        script.parse_args(["--profile_only", "--sizes", "32"])
+        benchmark.parse_args(["--profile_only", "--sizes", "32"])
     assert "--profile_only measures no size sweep" in capsys.readouterr().err
 
 
@@ -240,18 +230,8 @@ def test_profile_counts_hf_vit_matmul_attention_as_attention(report):
     assert "aten::_scaled_dot_product_flash_attention_for_cpu_backward" not in ops
 
 
-def test_old_reports_render_after_the_profile_category_rename():
-    from hf_vit.benchmarking import format_profile
-
-    profile = {"categories_pct": {"attention kernel (SDPA)": 12.5}, "total_ms": 100.0}
-    table = format_profile({"profile": {"fp32": {"hf_vit": profile}}})
-    assert "| attention (SDPA kernel, or bmm + softmax) | 12.5% |" in table
-
-
 def test_committed_doc_shows_the_committed_figures():
     # docs/benchmarks.md's generated blocks must be what docs/benchmarks.json renders to (no hand-edited figures).
-    from hf_vit.benchmarking import fill_markdown, markdown_sections
-
     doc = (ROOT / "docs" / "benchmarks.md").read_text()
     assert "<!-- benchmark:table -->" in doc and "<!-- benchmark:targets -->" in doc
     figures = json.loads((ROOT / "docs" / "benchmarks.json").read_text())
@@ -259,8 +239,6 @@ def test_committed_doc_shows_the_committed_figures():
 
 
 def test_merge_of_a_partial_sweep_replaces_only_its_points_and_keeps_the_matmul_peak():
-    from hf_vit.benchmarking import merge_reports
-
     def point(size, dtype, value):
         return {"image_size": size, "dtype": dtype, "train_ratio": value}
 
@@ -274,7 +252,7 @@ def test_merge_of_a_partial_sweep_replaces_only_its_points_and_keeps_the_matmul_
     }
     new = {
         "command": "sweep",
-        "settings": {"main_rows": False},
+        "settings": {"sweep_only": True},
         "machine": {},
         "figures": [],
         "matmul": {"bf16": 3},

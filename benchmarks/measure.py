@@ -1,18 +1,18 @@
 """Speed and memory of hf-vit against transformers' ViT (and timm's, where it is installed) with identical weights.
 
 Everything runs in one process: the models share the input batch, the settings (attention implementation "sdpa",
-dtype, train/eval mode, dropout 0) and the optimiser, and their order alternates between repeats so that neither
-profits from running second (warm caches) or suffers from a neighbour's job starting half-way. Figures are medians
-over the repeats.
+dtype, train/eval mode, dropout 0) and the optimiser; their logits are checked to agree before anything is timed, and
+their order alternates between rounds so that neither profits from running second (warm caches) or suffers from a
+neighbour's job starting half-way. Figures are medians over the rounds.
 
-`scripts/benchmark.py` is the command line over `run_benchmark`.
+`benchmarks/benchmark.py` is the command line over `run_benchmark`; `benchmarks/report.py` turns its report into
+tables and the generated blocks of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import math
 import os
 import platform
@@ -22,15 +22,14 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .configuration_vit import VisionTransformerConfig
-from .convert.transformers_vit import hf_vit_to_transformers_module_state_dict
-from .modeling_vit import VisionTransformerForImageClassification
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.convert.timm_vit import TIMM_DEFAULTS, hf_vit_to_timm_state_dict
+from hf_vit.convert.transformers_vit import hf_vit_to_transformers_module_state_dict
 
 HF_VIT = "hf_vit"
 TRANSFORMERS = "transformers"
@@ -39,56 +38,98 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 LOGITS_TOLERANCE = 1e-4
 
 
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _help(text: str, **extra) -> dict:
+    return {"help": text, **extra}
+
+
 @dataclass
 class BenchmarkSettings:
-    """What to measure; the defaults are ViT-S/16 at 224 with batch 16."""
+    """What to measure; every field is a flag of `benchmarks/benchmark.py`. The defaults: ViT-S/16, 224, batch 16."""
 
-    model: str = "vit-small-patch16-224"
-    image_size: int | None = None  # None: the preset's resolution
+    model: str = field(default="vit-small-patch16-224", metadata=_help("hf-vit preset name"))
+    image_size: int | None = field(default=None, metadata=_help("default: the preset's resolution"))
     batch_size: int = 16
     num_labels: int = 1000
-    device: str = "cpu"
-    dtypes: Sequence[str] = ("fp32", "bf16")
-    steps: int = 3  # timed steps per repeat
-    warmup: int = 1  # untimed steps per model before timing (compiled models get at least 2)
-    repeats: int = 3  # alternating repeats; figures are medians over them
-    compile: bool = True
-    compile_mode: str | None = None
-    compile_modes: Sequence[str] = ("train", "infer")  # which rows to compile (CPU: the backward compiles slowly)
-    memory: bool = True
-    matmul_size: int | None = None  # None: 2048 on CPU, 8192 on GPU
-    processor: bool = True
+    num_hidden_layers: int | None = field(default=None, metadata=_help("override the preset's depth"))
+    device: str = field(default_factory=_default_device)
+    dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"], metadata=_help("", choices=list(DTYPES)))
+    steps: int | None = field(default=None, metadata=_help("timed steps per round (default 3 CPU, 20 GPU)"))
+    warmup: int | None = field(
+        default=None, metadata=_help("untimed steps per model (default 1 CPU, 5 GPU; compiled models at least 2)")
+    )
+    repeats: int = field(default=3, metadata=_help("undisturbed rounds per model; figures are their medians"))
+    compile: bool = field(default=True, metadata=_help("also time torch.compile'd models"))
+    compile_mode: str | None = field(default=None, metadata=_help("torch.compile mode for every model"))
+    compile_modes: list[str] = field(
+        default_factory=lambda: ["train", "infer"],
+        metadata=_help(
+            "which rows to compile (on CPU compiling the backward takes minutes)", choices=["train", "infer"]
+        ),
+    )
+    memory: bool = field(default=True, metadata=_help("measure peak memory"))
+    matmul_size: int | None = field(default=None, metadata=_help("default 2048 on CPU, 8192 on GPU"))
+    processor: bool = field(default=True, metadata=_help("compare the image processors on real photos"))
     processor_images: int = 32
     processor_repeats: int = 5
-    profile: bool = False
-    sizes: Sequence[int] = ()  # image sizes of the throughput sweep; empty: no sweep
-    sweep_batch_size: int | None = None
-    sweep_steps: int | None = None
-    sweep_repeats: int | None = None
-    sweep_dtypes: Sequence[str] | None = None
-    main_rows: bool = True  # False: only the sweep (and the matmul peak), e.g. to redo a disturbed sweep
-    include_timm: bool = True
+    profile: bool = field(default=False, metadata=_help("profile one training step of each model"))
+    sizes: list[int] = field(default_factory=list, metadata=_help("image sizes of a throughput sweep"))
+    sweep_batch_size: int | None = field(default=None, metadata=_help("default: --batch_size"))
+    sweep_steps: int | None = field(default=None, metadata=_help("default: --steps"))
+    sweep_repeats: int | None = field(default=None, metadata=_help("default: --repeats"))
+    sweep_dtypes: list[str] | None = field(default=None, metadata=_help("default: --dtypes", choices=list(DTYPES)))
+    sweep_only: bool = field(default=False, metadata=_help("only the size sweep (with --sizes)"))
+    profile_only: bool = field(default=False, metadata=_help("only the training-step profile, e.g. to redo one"))
+    timm: bool = field(default=True, metadata=_help("add timm's ViT where timm is installed"))
+    threads: int | None = field(default=None, metadata=_help("torch.set_num_threads"))
     seed: int = 0
-    config_overrides: dict = field(default_factory=dict)  # e.g. {"num_hidden_layers": 2} for a quick run
+
+    def __post_init__(self) -> None:
+        on_gpu = self.device.startswith("cuda")
+        if self.steps is None:
+            self.steps = 20 if on_gpu else 3
+        if self.warmup is None:
+            self.warmup = 5 if on_gpu else 1
+        unknown = sorted((set(self.dtypes) | set(self.sweep_dtypes or ())) - set(DTYPES))
+        if unknown:
+            raise ValueError(f"Unknown dtype(s) {unknown}; use {sorted(DTYPES)}.")
+        try:
+            VisionTransformerConfig.from_preset(self.model)
+        except ValueError as error:
+            raise ValueError(f"unknown --model {self.model!r}: {error}") from None
+        if self.sweep_only and self.profile_only:
+            raise ValueError("--sweep_only and --profile_only exclude each other")
+        if self.sweep_only and not self.sizes:
+            raise ValueError("--sweep_only needs --sizes")
+        if self.profile_only and self.sizes:
+            raise ValueError("--profile_only measures no size sweep: drop --sizes, or use --sweep_only for the sweep")
+
+    @property
+    def main_rows(self) -> bool:
+        """Whether the main table (and the image processors) is measured, not only a sweep or a profile."""
+        return not (self.sweep_only or self.profile_only)
 
 
 # ---------------------------------------------------------------------------------------------------------- models
 
 
-def hf_vit_config(
-    preset: str, image_size: int | None, num_labels: int, overrides: dict | None = None
-) -> VisionTransformerConfig:
+def hf_vit_config(settings: BenchmarkSettings, image_size: int | None = None) -> VisionTransformerConfig:
+    """The preset's config with dropout off and a non-zero head (a zero head would make the logits check trivial)."""
     fields = dict(
-        num_labels=num_labels,
-        zero_init_head=False,  # a zero head would make the logits check trivial
+        num_labels=settings.num_labels,
+        zero_init_head=False,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
         drop_path_rate=0.0,
-        **(overrides or {}),
     )
-    if image_size is not None:
-        fields["image_size"] = image_size
-    return VisionTransformerConfig.from_preset(preset, **fields)
+    if settings.num_hidden_layers is not None:
+        fields["num_hidden_layers"] = settings.num_hidden_layers
+    if image_size or settings.image_size:
+        fields["image_size"] = image_size or settings.image_size
+    return VisionTransformerConfig.from_preset(settings.model, **fields)
 
 
 def build_hf_vit(config: VisionTransformerConfig, seed: int = 0) -> VisionTransformerForImageClassification:
@@ -138,11 +179,11 @@ def timm_from_hf_vit(model: VisionTransformerForImageClassification) -> nn.Modul
     from timm.models.vision_transformer import VisionTransformer
 
     config = model.config
-    kwargs = {}
-    if config.layer_norm_eps != 1e-6:  # timm's default
-        kwargs["norm_layer"] = functools.partial(nn.LayerNorm, eps=config.layer_norm_eps)
-    if config.hidden_act != "gelu":
+    if config.hidden_act != TIMM_DEFAULTS["hidden_act"]:
         raise ValueError(f"timm's ViT uses exact GELU; the model uses {config.hidden_act!r}.")
+    kwargs = {}
+    if config.layer_norm_eps != TIMM_DEFAULTS["layer_norm_eps"]:
+        kwargs["norm_layer"] = functools.partial(nn.LayerNorm, eps=config.layer_norm_eps)
     reference = VisionTransformer(
         img_size=config.image_hw,
         patch_size=config.patch_size,
@@ -157,45 +198,25 @@ def timm_from_hf_vit(model: VisionTransformerForImageClassification) -> nn.Modul
         class_token=True,
         **kwargs,
     )
-    renames = [
-        (r"^vit\.embeddings\.cls_token$", "cls_token"),
-        (r"^vit\.embeddings\.position_embedding$", "pos_embed"),
-        (r"^vit\.embeddings\.patch_embedding\.", "patch_embed.proj."),
-        (r"^vit\.layers\.(\d+)\.attention\.", r"blocks.\1.attn."),
-        (r"^vit\.layers\.(\d+)\.", r"blocks.\1."),
-        (r"^vit\.norm\.", "norm."),
-        (r"^classifier\.", "head."),
-    ]
-    state = {}
-    for key, value in model.state_dict().items():
-        for pattern, replacement in renames:
-            key = re.sub(pattern, replacement, key)
-        state[key] = value.detach().clone()
-    reference.load_state_dict(state, strict=True)
+    state = hf_vit_to_timm_state_dict(model.state_dict())
+    reference.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=True)
     return reference.to(next(model.parameters()).device)
 
 
 def build_models(
-    preset: str,
-    image_size: int | None,
-    num_labels: int,
-    device: torch.device,
-    seed: int = 0,
-    include_timm: bool = True,
-    overrides: dict | None = None,
+    settings: BenchmarkSettings, device: torch.device, image_size: int | None = None
 ) -> tuple[dict[str, nn.Module], dict[str, str]]:
-    """hf-vit, transformers' ViT and (when importable) timm's ViT, with identical weights, on `device`.
+    """hf-vit, transformers' ViT and (when asked for and importable) timm's ViT, with identical weights, on `device`.
 
     Returns the models and, for those left out, why.
     """
-    config = hf_vit_config(preset, image_size, num_labels, overrides)
-    ours = build_hf_vit(config, seed)
+    ours = build_hf_vit(hf_vit_config(settings, image_size), settings.seed)
     models = {HF_VIT: ours.to(device), TRANSFORMERS: transformers_from_hf_vit(ours)}
     skipped = {}
-    if include_timm:
+    if settings.timm:
         try:
             models[TIMM] = timm_from_hf_vit(ours)
-        except Exception as error:  # noqa: BLE001 - timm is optional; any failure only drops its row
+        except Exception as error:  # noqa: BLE001 - timm is optional; any failure only drops its column
             skipped[TIMM] = f"{type(error).__name__}: {error}"
     else:
         skipped[TIMM] = "not requested"
@@ -536,8 +557,6 @@ def compare_processors(image_size: int, count: int = 32, repeats: int = 5) -> di
     their outputs are in [0, 1] pixel units."""
     from transformers import ViTImageProcessorPil
 
-    from .image_processing_vit import VisionTransformerImageProcessor
-
     images = sample_photos(count)
     processors = {
         HF_VIT: VisionTransformerImageProcessor(size=image_size),
@@ -672,15 +691,7 @@ def size_sweep(settings: BenchmarkSettings, device: torch.device) -> list[dict]:
     repeats = settings.sweep_repeats or settings.repeats
     rows = []
     for size in settings.sizes:
-        models, _ = build_models(
-            settings.model,
-            size,
-            settings.num_labels,
-            device,
-            settings.seed,
-            settings.include_timm,
-            settings.config_overrides,
-        )
+        models, _ = build_models(settings, device, size)
         config = models[HF_VIT].config
         generator = torch.Generator().manual_seed(settings.seed + 2)
         pixel_values = torch.randn(batch, config.num_channels, size, size, generator=generator).to(device)
@@ -711,43 +722,6 @@ def size_sweep(settings: BenchmarkSettings, device: torch.device) -> list[dict]:
             rows.append(row)
         del models, optimizers
     return rows
-
-
-def plot_sweep(rows: list[dict], path: str | os.PathLike, title: str = "") -> Path:
-    """Throughput against tokens for each model (training left, inference middle) and the hf-vit/transformers
-    ratio (right)."""
-    from .plotting import pyplot, save_figure
-
-    fig, axes = pyplot().subplots(1, 3, figsize=(15, 4.5))
-    styles = {HF_VIT: "-o", TRANSFORMERS: "--s", TIMM: ":^"}
-    dtypes = sorted({row["dtype"] for row in rows}, key=list(DTYPES).index)
-    for dtype in dtypes:
-        selected = sorted((row for row in rows if row["dtype"] == dtype), key=lambda row: row["tokens"])
-        tokens = [row["tokens"] for row in selected]
-        for ax, mode in zip(axes[:2], ("train", "infer")):
-            for name in styles:
-                if name in selected[0][f"{mode}_images_per_s"]:
-                    values = [row[f"{mode}_images_per_s"][name] for row in selected]
-                    ax.plot(tokens, values, styles[name], label=f"{name} {dtype}")
-        for mode, marker in (("train", "-o"), ("infer", "--s")):
-            axes[2].plot(tokens, [row[f"{mode}_ratio"] for row in selected], marker, label=f"{mode} {dtype}")
-    sizes = sorted({(row["tokens"], row["image_size"]) for row in rows})
-    for ax, label in zip(axes, ("training step", "inference", "hf-vit / transformers")):
-        ax.set_xscale("log")
-        ax.set_xticks([t for t, _ in sizes])
-        ax.set_xticklabels([f"{t}\n({s}px)" for t, s in sizes], fontsize=8)
-        ax.minorticks_off()
-        ax.set_xlabel("tokens (image size)")
-        ax.set_title(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[0].set_ylabel("images / s")
-    axes[1].set_ylabel("images / s")
-    axes[0].set_yscale("log")
-    axes[1].set_yscale("log")
-    axes[2].axhline(1.0, color="grey", lw=0.8)
-    axes[2].set_ylabel("throughput ratio (higher: hf-vit faster)")
-    return save_figure(fig, path, title, dpi=110)
 
 
 # ------------------------------------------------------------------------------------------------------------- main
@@ -786,6 +760,7 @@ def machine_info(device: torch.device) -> dict:
 
 
 def _figure(metric, dtype, compiled, unit, higher_is_better, values, samples=None) -> dict:
+    """One row of the report: every model's value, hf-vit's ratios, and for timed figures the samples."""
     present = {name: value for name, value in values.items() if value is not None}
     ours, theirs = present.get(HF_VIT), present.get(TRANSFORMERS)
     row = {
@@ -800,19 +775,11 @@ def _figure(metric, dtype, compiled, unit, higher_is_better, values, samples=Non
     }
     if TIMM in present and ours is not None and present[TIMM]:
         row["ratio_timm"] = ours / present[TIMM]
-    if samples is not None:
-        row["seconds_per_call"] = samples  # one sample per round, with the other processes' CPU use during it
-        add_best_ratio(row)
-    return row
-
-
-def add_best_ratio(row: dict) -> dict:
-    """Add to a throughput figure the ratio of the fastest samples: interference only ever adds time, so the best
-    runs are a second, less noise-sensitive estimate beside the median."""
-    samples = row.get("seconds_per_call")
-    if not samples or HF_VIT not in samples or TRANSFORMERS not in samples:
+    if samples is None or HF_VIT not in samples or TRANSFORMERS not in samples:
         return row
+    row["seconds_per_call"] = samples  # one sample per round, with the other processes' CPU use during it
     row["disturbed_samples"] = {name: len(s["clean"]) - sum(s["clean"]) for name, s in samples.items()}
+    # Interference only ever adds time, so the fastest rounds give a second, less noise-sensitive ratio.
     best = {name: min(s["seconds"]) for name, s in samples.items()}
     row["ratio_best"] = best[TRANSFORMERS] / best[HF_VIT]  # time ratio inverted: higher means hf-vit faster
     if TIMM in best:
@@ -821,24 +788,13 @@ def add_best_ratio(row: dict) -> dict:
 
 
 def run_benchmark(settings: BenchmarkSettings, log: Callable[[str], None] = print) -> dict:
-    """Measure everything `settings` asks for and return it as one JSON-able dict (see `format_table`)."""
+    """Measure everything `settings` asks for and return it as one JSON-able dict (see `report.format_table`)."""
     device = torch.device(settings.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for both models and the matmul peak
         torch.backends.cudnn.allow_tf32 = False
-    for dtype in settings.dtypes:
-        if dtype not in DTYPES:
-            raise ValueError(f"Unknown dtype {dtype!r}; use {sorted(DTYPES)}.")
     report: dict = {"settings": asdict(settings), "machine": machine_info(device)}
-    models, skipped = build_models(
-        settings.model,
-        settings.image_size,
-        settings.num_labels,
-        device,
-        settings.seed,
-        settings.include_timm,
-        settings.config_overrides,
-    )
+    models, skipped = build_models(settings, device)
     report["skipped_models"] = skipped
     config = models[HF_VIT].config
     image_size = config.image_hw[0]
@@ -933,7 +889,7 @@ def run_benchmark(settings: BenchmarkSettings, log: Callable[[str], None] = prin
     for results, dtype, compiled in model_results:
         figures.extend(_model_figures(results, dtype, compiled, settings.batch_size, flops, report["matmul"]))
 
-    if settings.processor:
+    if settings.processor and settings.main_rows:
         log("image processors ...")
         processor = compare_processors(image_size, settings.processor_images, settings.processor_repeats)
         report["processor"] = processor
@@ -949,7 +905,7 @@ def run_benchmark(settings: BenchmarkSettings, log: Callable[[str], None] = prin
             )
         )
 
-    if settings.profile:
+    if settings.profile_only or (settings.profile and not settings.sweep_only):
         report["profile"] = {}
         for dtype in settings.dtypes:
             for name in (HF_VIT, TRANSFORMERS):
@@ -984,268 +940,3 @@ def _model_figures(results, dtype, compiled, batch_size, flops, matmul) -> list[
         if any(value is not None for value in values.values()):
             figures.append(_figure(f"{mode}_peak_mem_mb", dtype, compiled, "MiB", False, values))
     return figures
-
-
-def _format_value(value, unit: str) -> str:
-    if value is None:
-        return "-"
-    if unit == "of matmul peak":
-        return f"{100 * value:.1f}%"
-    if abs(value) >= 100:
-        return f"{value:.0f}"
-    return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
-
-
-def format_table(report: dict, markdown: bool = False) -> str:
-    """Every figure with the hf-vit / transformers ratio (and hf-vit / timm where timm ran)."""
-    with_timm = any(TIMM in row["values"] for row in report["figures"])
-    header = ["figure", "dtype", "mode", "hf-vit", "transformers"]
-    if with_timm:
-        header.append("timm")
-    header += ["hf-vit / transformers", "(best runs)"]
-    if with_timm:
-        header.append("hf-vit / timm")
-    header.append("better")
-    lines = []
-    for row in report["figures"]:
-        cells = [
-            row["metric"],
-            row["dtype"] or "",
-            ("compiled" if row["compiled"] else "eager") if row["dtype"] else "",
-            _format_value(row["values"].get(HF_VIT), row["unit"]),
-            _format_value(row["values"].get(TRANSFORMERS), row["unit"]),
-        ]
-        if with_timm:
-            cells.append(_format_value(row["values"].get(TIMM), row["unit"]))
-        cells.append("-" if row["ratio"] is None else f"{row['ratio']:.3f}")
-        cells.append(f"{row['ratio_best']:.3f}" if row.get("ratio_best") is not None else "")
-        if with_timm:
-            cells.append("-" if row.get("ratio_timm") is None else f"{row['ratio_timm']:.3f}")
-        cells.append("higher" if row["higher_is_better"] else "lower")
-        lines.append(cells)
-    if "processor" in report:
-        processor = report["processor"]
-        lines.append(
-            ["processor_mean_abs_diff_01", "", "", f"{processor['mean_abs_diff_01']:.2e}", "(reference)"]
-            + ([""] if with_timm else [])
-            + ["-", ""]
-            + ([""] if with_timm else [])
-            + ["lower"]
-        )
-    if markdown:
-        out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        out += ["| " + " | ".join(cells) + " |" for cells in lines]
-        return "\n".join(out)
-    widths = [max(len(str(cells[i])) for cells in [header] + lines) for i in range(len(header))]
-    out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths))]
-    out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(str(c).ljust(w) for c, w in zip(cells, widths)) for cells in lines]
-    return "\n".join(out)
-
-
-# Category names used by earlier versions of this file, so that their JSON still renders and merges.
-_RENAMED_CATEGORIES = {"attention (SDPA kernel, or bmm + softmax)": "attention kernel (SDPA)"}
-
-
-def _category_pct(profile: dict, category: str) -> float:
-    shares = profile["categories_pct"]
-    return shares[category] if category in shares else shares.get(_RENAMED_CATEGORIES.get(category, category), 0.0)
-
-
-def format_profile(report: dict) -> str:
-    """The per-category percentages of one training step, side by side for the models and dtypes profiled."""
-    if "profile" not in report:
-        return ""
-    columns = [(dtype, name) for dtype, per_model in report["profile"].items() for name in per_model]
-    header = ["category"] + [f"{name} {dtype}" for dtype, name in columns]
-    lines = []
-    for category in PROFILE_CATEGORIES:
-        lines.append([category] + [f"{_category_pct(report['profile'][d][n], category):.1f}%" for d, n in columns])
-    lines.append(["step total (ms, profiled)"] + [f"{report['profile'][d][n]['total_ms']:.0f}" for d, n in columns])
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(cells) + " |" for cells in lines]
-    return "\n".join(out)
-
-
-def merge_reports(old: dict, new: dict) -> dict:
-    """`old` updated with the figures and sections `new` measured (figures replaced by key), and `new`'s command,
-    settings and machine appended to "runs": for redoing part of a benchmark, e.g. rows disturbed by another job."""
-    merged = dict(old)
-    runs = merged.setdefault("runs", [{k: old.get(k) for k in ("command", "settings", "machine")}])
-    runs.append({k: new.get(k) for k in ("command", "settings", "machine")})
-    runs[-1]["figures"] = [row["key"] for row in new.get("figures", [])]
-    new_keys = {row["key"] for row in new.get("figures", [])}
-    merged["figures"] = [row for row in old.get("figures", []) if row["key"] not in new_keys] + new.get("figures", [])
-    merged["figures"] = [add_best_ratio(row) for row in merged["figures"]]
-    redid_rows = new.get("settings", {}).get("main_rows", True)
-    for section in ("matmul", "profile", "rss_growth_lower_bound_mb"):
-        if section in new and (section != "matmul" or redid_rows):  # the peak the figures were measured against
-            merged[section] = {**old.get(section, {}), **new[section]}
-    if new.get("sweep"):
-        redone = {(row["image_size"], row["dtype"]) for row in new["sweep"]}
-        kept = [row for row in old.get("sweep", []) if (row["image_size"], row["dtype"]) not in redone]
-        merged["sweep"] = sorted(
-            kept + new["sweep"], key=lambda row: (row["image_size"], list(DTYPES).index(row["dtype"]))
-        )
-    for section in ("processor", "flops_per_image", "memory_metrics", "skipped_models"):
-        if new.get(section):
-            merged[section] = new[section]
-    if "verification" in new:
-        verification = dict(old.get("verification", {}))
-        diffs = {**verification.get("max_abs_logits_diff", {}), **new["verification"]["max_abs_logits_diff"]}
-        verification.update(new["verification"], max_abs_logits_diff=diffs)
-        verification["passed"] = bool(
-            old.get("verification", {}).get("passed", True) and new["verification"]["passed"]
-        )
-        merged["verification"] = verification
-    if "compile" in new and new["settings"].get("main_rows", True):
-        compiled = dict(old.get("compile", {}))
-        compiled["first_call_s"] = {**compiled.get("first_call_s", {}), **new["compile"].get("first_call_s", {})}
-        compiled["errors"] = {**compiled.get("errors", {}), **new["compile"].get("errors", {})}
-        merged["compile"] = compiled
-    return merged
-
-
-def write_json(report: dict, path: str | os.PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return path
-
-
-# ------------------------------------------------------------------------------------------------- documentation
-
-# The ratios hf-vit / transformers this project aims for (the performance issue), by figure and dtype; they apply
-# to the eager and the compiled rows alike. The processor's also needs a mean absolute difference <= 1/255.
-TARGETS = {
-    ("train_images_per_s", "fp32"): 1.10,
-    ("train_images_per_s", "bf16"): 1.15,
-    ("infer_images_per_s", "fp32"): 1.05,
-    ("infer_images_per_s", "bf16"): 1.05,
-    ("processor_images_per_s", None): 1.50,
-}
-# On a GPU (ViT-B/16 at 224): bf16 training at least 1.1x transformers' and timm's, and at least half the GPU's
-# measured bf16 matmul throughput.
-GPU_TARGETS = {("train_images_per_s", "bf16"): 1.10}
-GPU_MATMUL_FRACTION_TARGET = 0.50
-PROCESSOR_MAX_MEAN_ABS_DIFF = 1 / 255
-_MARKER_START = re.compile(r"<!-- benchmark:(\w+) -->")
-_MARKER = re.compile(r"(<!-- benchmark:(\w+) -->\r?\n).*?(<!-- /benchmark:\2 -->)", re.DOTALL)
-
-
-def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
-
-
-def format_targets(report: dict) -> str:
-    """Each targeted figure's ratio against its target, met or not (the GPU targets where the run was on a GPU)."""
-    on_gpu = report["machine"].get("device", "cpu").startswith("cuda")
-    targets = GPU_TARGETS if on_gpu else TARGETS
-    rows = []
-    for row in report["figures"]:
-        mode = "" if row["dtype"] is None else ("compiled" if row["compiled"] else "eager")
-        head = [row["metric"], row["dtype"] or "", mode]
-        if on_gpu and (row["metric"], row["dtype"]) == ("train_matmul_fraction", "bf16"):
-            value = row["values"].get(HF_VIT)
-            if value is not None:
-                met = value >= GPU_MATMUL_FRACTION_TARGET
-                rows.append(head + ["hf-vit", f"{GPU_MATMUL_FRACTION_TARGET:.0%}", f"{value:.1%}", "", _met(met)])
-            continue
-        target = targets.get((row["metric"], row["dtype"]))
-        if target is None or row["ratio"] is None:
-            continue
-        met = row["ratio"] >= target
-        measured = f"{row['ratio']:.3f}"
-        if row["metric"] == "processor_images_per_s":
-            difference = report["processor"]["mean_abs_diff_01"]
-            met = met and difference <= PROCESSOR_MAX_MEAN_ABS_DIFF
-            measured += f" at a mean absolute difference of {difference:.1e} (limit {PROCESSOR_MAX_MEAN_ABS_DIFF:.1e})"
-        best = f"{row['ratio_best']:.3f}" if row.get("ratio_best") is not None else ""
-        rows.append(head + ["hf-vit / transformers", f"{target:.2f}", measured, best, _met(met)])
-        if on_gpu:
-            ratio, best = row.get("ratio_timm"), row.get("ratio_best_timm")
-            measured = "timm not installed" if ratio is None else f"{ratio:.3f}"
-            best = f"{best:.3f}" if best is not None else ""
-            rows.append(
-                head + ["hf-vit / timm", f"{target:.2f}", measured, best, _met(ratio is not None and ratio >= target)]
-            )
-    return _markdown_table(["figure", "dtype", "mode", "against", "target", "measured", "(best runs)", ""], rows)
-
-
-def _met(met: bool) -> str:
-    return "**met**" if met else "not met"
-
-
-def format_sweep(report: dict) -> str:
-    """The size sweep as a table: throughput of the models and hf-vit's ratio to the others at each image size."""
-    points = report.get("sweep", [])
-    others = [name for name in (TRANSFORMERS, TIMM) if any(name in p["train_images_per_s"] for p in points)]
-    header = ["size", "tokens", "dtype"]
-    for mode in ("train", "infer"):
-        header += [f"{mode} hf-vit"] + [f"{mode} {name}" for name in others]
-        header += [f"{mode} hf-vit / {name}" for name in others]
-    rows = []
-    for point in points:
-        cells = [point["image_size"], point["tokens"], point["dtype"]]
-        for mode in ("train", "infer"):
-            values = point[f"{mode}_images_per_s"]
-            cells += [f"{values[HF_VIT]:.2f}"] + [
-                f"{values[name]:.2f}" if values.get(name) else "-" for name in others
-            ]
-            cells += [f"{values[HF_VIT] / values[name]:.3f}" if values.get(name) else "-" for name in others]
-        rows.append(cells)
-    return _markdown_table(header, rows)
-
-
-def format_machine(report: dict) -> str:
-    """Where and with what the figures were measured."""
-    machine = report["machine"]
-    peaks = ", ".join(
-        f"{dtype} {entry['flops_per_s'] / 1e12:.3f} TFLOP/s" for dtype, entry in report.get("matmul", {}).items()
-    )
-    size = next((entry.get("size") for entry in report.get("matmul", {}).values()), None) or "?"
-    loads = [machine.get(f"load_average_at_{when}") for when in ("start", "end")]
-    loads = [", ".join(f"{value:.2f}" for value in load) if load else "?" for load in loads]
-    rows = [
-        ["processor", machine.get("gpu") or machine.get("cpu", machine["device"])],
-        ["cores, torch threads", f"{machine.get('cpu_count')}, {machine.get('torch_threads')}"],
-        ["software", f"torch {machine['torch']}, transformers {machine['transformers']}, Python {machine['python']}"],
-        [f"matmul peak ({size}², best of before and after the models)", peaks],
-        ["load average (1, 5, 15 min) at start / end", f"{loads[0]} / {loads[1]}"],
-    ]
-    commands = [run["command"] for run in report.get("runs", [])] or [report.get("command", "")]
-    rows += [[f"command {index}", f"`{command}`"] for index, command in enumerate(commands, 1)]
-    return _markdown_table(["", ""], rows)
-
-
-def markdown_sections(report: dict) -> dict[str, str]:
-    """The generated blocks of docs/benchmarks.md, by marker name."""
-    sections = {
-        "machine": format_machine(report),
-        "table": format_table(report, markdown=True),
-        "targets": format_targets(report),
-    }
-    if report.get("sweep"):
-        sections["sweep"] = format_sweep(report)
-    if "profile" in report:
-        sections["profile"] = format_profile(report)
-    return sections
-
-
-def fill_markdown(text: str, sections: dict[str, str]) -> str:
-    """`text` with every `<!-- benchmark:NAME -->` ... `<!-- /benchmark:NAME -->` block holding `sections[NAME]`."""
-    blocks = [groups[1] for groups in _MARKER.findall(text)]
-    unclosed = sorted(set(_MARKER_START.findall(text)) - set(blocks))
-    if unclosed:
-        raise ValueError(
-            f"Block(s) {unclosed} open with <!-- benchmark:NAME --> on a line of its own but have no "
-            "<!-- /benchmark:NAME --> after them; add the closing marker."
-        )
-    unknown = sorted(set(blocks) - set(sections))
-    if unknown:
-        raise ValueError(
-            f"No figures for the block(s) {unknown}: this report has only {sorted(sections)}. Measure the missing "
-            "parts (e.g. --profile, --sizes) or merge them in with --merge_json."
-        )
-    return _MARKER.sub(lambda match: match[1] + sections[match[2]] + "\n" + match[3], text)

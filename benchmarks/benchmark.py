@@ -1,0 +1,117 @@
+#!/usr/bin/env python
+r"""Benchmark hf-vit's VisionTransformerForImageClassification against transformers' ViTForImageClassification
+(and timm's VisionTransformer where timm is installed) with identical weights, in one process.
+
+Measures training-step and inference throughput, peak memory and the fraction of the machine's matmul throughput
+achieved, in fp32 and bf16 autocast, eager and torch.compile'd; the image processors' throughput on real photos;
+and optionally a sweep of throughput against image size and a profile of one training step.
+
+    python benchmarks/benchmark.py                                # ViT-S/16, 224, batch 16, fp32 + bf16
+    python benchmarks/benchmark.py --json docs/benchmarks.json --profile \
+        --sizes 224 288 384 448 512 --sweep_batch_size 4 --plot docs/throughput_vs_size.png
+    python benchmarks/benchmark.py --model vit-tiny-patch16-224 --image_size 32 --batch_size 2 --steps 1 \
+        --warmup 0 --no_compile --no_timm                         # seconds: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder importable as a package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from transformers import HfArgumentParser
+
+from benchmarks.measure import BenchmarkSettings, run_benchmark
+from benchmarks.report import (
+    format_profile,
+    format_sweep,
+    format_table,
+    merge_reports,
+    plot_sweep,
+    write_doc,
+    write_json,
+)
+
+
+@dataclass
+class OutputArguments:
+    """Where the figures go."""
+
+    json: str | None = field(default=None, metadata={"help": "write every figure and ratio here"})
+    doc: str | None = field(
+        default=None,
+        metadata={
+            "help": "markdown file whose <!-- benchmark:NAME --> blocks (machine, table, targets, sweep, profile) are "
+            "rewritten from this run's figures (after --merge_json)"
+        },
+    )
+    doc_only: bool = field(default=False, metadata={"help": "measure nothing: rewrite --doc from the --json figures"})
+    merge_json: bool = field(
+        default=False,
+        metadata={"help": "update an existing --json file with this run's figures instead of replacing it"},
+    )
+    plot: str | None = field(default=None, metadata={"help": "PNG of the size sweep"})
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkSettings, OutputArguments]:
+    """The settings and outputs from the command line; inconsistent flags exit with a one-line usage error."""
+    parser = HfArgumentParser(
+        (BenchmarkSettings, OutputArguments), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    try:
+        settings, output = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as error:  # BenchmarkSettings.__post_init__ names the flags
+        parser.error(str(error))
+    if output.plot and not settings.sizes:
+        parser.error("--plot needs --sizes")
+    if output.merge_json and not output.json:
+        parser.error("--merge_json needs --json")
+    if output.doc_only and not (output.doc and output.json and Path(output.json).is_file()):
+        parser.error("--doc_only needs --doc and an existing --json file to take the figures from")
+    if output.doc and not settings.main_rows and not output.merge_json and not output.doc_only:
+        parser.error(
+            "--doc with --sweep_only/--profile_only would rewrite the page from a partial run: add --merge_json "
+            "(and --json) to merge this run into the full figures first"
+        )
+    return settings, output
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings, output = parse_args(argv)
+    if output.doc_only:
+        print(f"doc: {write_doc(json.loads(Path(output.json).read_text()), output.doc)}")
+        return 0
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    report = run_benchmark(settings, log=lambda message: print(message, file=sys.stderr, flush=True))
+    report["command"] = "python benchmarks/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if output.merge_json and Path(output.json).is_file():
+        # Figures, sweep points and sections this run redid replace the file's; the rest stays (and is plotted).
+        report = merge_reports(json.loads(Path(output.json).read_text()), report)
+    if output.json:  # first: what was measured is kept even if printing or plotting fails
+        print(f"json: {write_json(report, output.json)}")
+    print(format_table(report))
+    if "profile" in report:
+        print("\nWhere one training step's time goes (self CPU time):")
+        print(format_profile(report))
+    if report.get("sweep"):
+        print("\nSize sweep (images/s):")
+        print(format_sweep(report))
+        if output.plot:
+            machine = report["machine"].get("gpu") or report["machine"].get("cpu", settings.device)
+            title = f"{settings.model} batch {report['sweep'][0]['batch_size']} on {machine}"
+            print(f"plot: {plot_sweep(report['sweep'], output.plot, title)}")
+    if output.doc:
+        print(f"doc: {write_doc(report, output.doc)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
