@@ -19,14 +19,18 @@ from benchmarks import benchmark  # noqa: E402
 from benchmarks.measure import (  # noqa: E402
     HF_VIT,
     PROFILE_CATEGORIES,
+    TIMM,
     TRANSFORMERS,
     BenchmarkSettings,
+    build_hf_vit,
     build_models,
     compare_logits,
+    hf_vit_config,
     vit_forward_flops,
 )
 from benchmarks.report import fill_markdown, markdown_sections, merge_reports  # noqa: E402
 from hf_vit.configuration_vit import VisionTransformerConfig  # noqa: E402
+from hf_vit.convert.timm_vit import hf_vit_to_timm_state_dict  # noqa: E402
 
 # ViT-Ti/16 cut to 2 blocks, at 32x32 (5 tokens), batch 2: the whole run takes seconds.
 TINY = ["--model", "vit-tiny-patch16-224", "--num_hidden_layers", "2", "--image_size", "32", "--batch_size", "2"]
@@ -266,3 +270,30 @@ def test_merge_of_a_partial_sweep_replaces_only_its_points_and_keeps_the_matmul_
         (512, "bf16", 0.9),
     ]
     assert merged["matmul"] == {"bf16": 7}  # the peak the main figures were measured against
+
+
+def test_timm_weights_use_the_converters_mapping():
+    settings = BenchmarkSettings(model="vit-tiny-patch16-224", num_hidden_layers=2, image_size=32, timm=False)
+    model = build_hf_vit(hf_vit_config(settings))
+    state = hf_vit_to_timm_state_dict(model.state_dict())
+    expected = {"cls_token", "pos_embed", "patch_embed.proj.weight", "blocks.1.attn.qkv.weight", "norm.bias"}
+    assert expected | {"blocks.1.mlp.fc2.bias", "head.weight"} <= set(state)
+    assert len(state) == len(model.state_dict())
+
+
+def test_timm_column_computes_the_same_logits():
+    pytest.importorskip("timm")
+    settings = BenchmarkSettings(model="vit-tiny-patch16-224", num_hidden_layers=2, image_size=32)
+    models, skipped = build_models(settings, torch.device("cpu"))
+    assert TIMM in models, skipped
+    pixel_values = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    assert compare_logits(models, pixel_values)[TIMM] < 1e-4
+
+
+def test_benchmarks_are_not_packaged():
+    tomllib = pytest.importorskip("tomllib")
+    from setuptools import find_packages
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = find_packages(str(ROOT), include=pyproject["tool"]["setuptools"]["packages"]["find"]["include"])
+    assert "hf_vit" in packages and not any(name.split(".")[0] == "benchmarks" for name in packages)
