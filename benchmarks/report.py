@@ -12,6 +12,11 @@ from pathlib import Path
 from .measure import DTYPES, HF_VIT, PROFILE_CATEGORIES, TIMM, TRANSFORMERS
 
 
+def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+
+
 def _format_value(value, unit: str) -> str:
     if value is None:
         return "-"
@@ -59,9 +64,7 @@ def format_table(report: dict, markdown: bool = False) -> str:
             + ["lower"]
         )
     if markdown:
-        out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        out += ["| " + " | ".join(cells) + " |" for cells in lines]
-        return "\n".join(out)
+        return _markdown_table(header, lines)
     widths = [max(len(str(cells[i])) for cells in [header] + lines) for i in range(len(header))]
     out = ["  ".join(str(c).ljust(w) for c, w in zip(header, widths))]
     out.append("  ".join("-" * w for w in widths))
@@ -79,9 +82,7 @@ def format_profile(report: dict) -> str:
     for category in PROFILE_CATEGORIES:
         lines.append([category] + [f"{report['profile'][d][n]['categories_pct'][category]:.1f}%" for d, n in columns])
     lines.append(["step total (ms, profiled)"] + [f"{report['profile'][d][n]['total_ms']:.0f}" for d, n in columns])
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    out += ["| " + " | ".join(cells) + " |" for cells in lines]
-    return "\n".join(out)
+    return _markdown_table(header, lines)
 
 
 def _main_rows(settings: dict) -> bool:
@@ -127,6 +128,7 @@ def merge_reports(old: dict, new: dict) -> dict:
 
 
 def write_json(report: dict, path: str | os.PathLike) -> Path:
+    """Write `report` as indented JSON, creating the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -151,11 +153,6 @@ GPU_MATMUL_FRACTION_TARGET = 0.50
 PROCESSOR_MAX_MEAN_ABS_DIFF = 1 / 255
 _MARKER_START = re.compile(r"<!-- benchmark:(\w+) -->")
 _MARKER = re.compile(r"(<!-- benchmark:(\w+) -->\r?\n).*?(<!-- /benchmark:\2 -->)", re.DOTALL)
-
-
-def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
 
 
 def format_targets(report: dict) -> str:
