@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -39,6 +40,7 @@ def _preset_table() -> dict[str, dict[str, Any]]:
 
 
 PRESETS: dict[str, dict[str, Any]] = _preset_table()
+_PRESET_NAME = re.compile(rf"vit-(?P<size>{'|'.join(MODEL_SIZES)})-patch(?P<patch>\d+)-(?P<resolution>\d+)")
 
 
 def _pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
@@ -47,6 +49,12 @@ def _pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int
     if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
         return (int(value[0]), int(value[1]))
     raise ValueError(f"`{name}` must be an int or a (height, width) pair of ints, got {value!r}.")
+
+
+def image_size_field(image_size: int | tuple[int, int] | list[int]) -> int | list[int]:
+    """`image_size` as the config stores it: an int for a square size, else `[height, width]`."""
+    height, width = _pair(image_size if isinstance(image_size, int) else list(image_size), "image_size")
+    return height if height == width else [height, width]
 
 
 class VisionTransformerConfig(PretrainedConfig):
@@ -99,10 +107,13 @@ class VisionTransformerConfig(PretrainedConfig):
         if getattr(self, "auto_map", None) is None:
             # Saved folders name the classes to load with `trust_remote_code=True` where hf_vit is not installed.
             self.auto_map = dict(AUTO_MAP)
-        self.validate()
+        self.validate_architecture()
 
-    def validate(self) -> None:
-        """Raise a `ValueError` naming the first field whose value cannot build a model."""
+    def validate_architecture(self) -> None:
+        """Raise a `ValueError` naming the first field whose value cannot build a model.
+
+        Called when the config is built; `validate()`, which `save_pretrained` calls, stays transformers' own and runs
+        its checks (e.g. `validate_output_attentions`)."""
         height, width = _pair(self.image_size, "image_size")
         positive = {
             "image_size": min(height, width),
@@ -196,11 +207,10 @@ class VisionTransformerConfig(PretrainedConfig):
     def from_preset(cls, name: str, **kwargs: Any) -> VisionTransformerConfig:
         """Build the config of a named model, e.g. `"vit-base-patch16-224"`; keyword arguments override fields.
 
-        `"vit-base-patch16-384"` gives the same model at another resolution: any `-<int>` suffix is the image size.
+        The name is parsed as `vit-<size>-patch<P>-<resolution>`: `"vit-base-patch16-384"` is ViT-B/16 at 384.
         """
-        base, _, size = name.rpartition("-")
-        key = f"{base}-224"
-        if key not in PRESETS or not size.isdigit():
+        match = _PRESET_NAME.fullmatch(name)
+        if match is None or int(match["patch"]) not in PATCH_SIZES:
             raise ValueError(
                 f"Unknown preset {name!r}. Presets are vit-<size>-patch<P>-<resolution> with size in "
                 f"{list(MODEL_SIZES)} and P in {list(PATCH_SIZES)}, e.g. 'vit-base-patch16-224'."
@@ -217,4 +227,5 @@ class VisionTransformerConfig(PretrainedConfig):
                 f"Unknown config field(s) {', '.join(hints)} for preset {name!r}. The model's fields: "
                 f"{', '.join(own)}; also num_labels, id2label, label2id, problem_type."
             )
-        return cls(**{**PRESETS[key], "image_size": int(size), **kwargs})
+        dims = MODEL_SIZES[match["size"]]
+        return cls(**{**dims, "patch_size": int(match["patch"]), "image_size": int(match["resolution"]), **kwargs})

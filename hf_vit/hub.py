@@ -201,7 +201,13 @@ def write_model_card(output_dir: str | os.PathLike, model, metrics: dict[str, An
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 # The code files `save_pretrained` copies beside checkpoints for `trust_remote_code=True`.
-REMOTE_CODE_FILES = ("configuration_vit.py", "modeling_vit.py", "image_processing_vit.py")
+REMOTE_CODE_FILES = (
+    "configuration_vit.py",
+    "modeling_vit.py",
+    "attention.py",
+    "resolution.py",
+    "image_processing_vit.py",
+)
 UPLOAD_FILES = (
     "config.json",
     "preprocessor_config.json",

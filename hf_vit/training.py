@@ -40,7 +40,6 @@ from .data import (
 from .image_processing_vit import VisionTransformerImageProcessor
 from .metrics import compute_metrics
 from .modeling_vit import VisionTransformerForImageClassification
-from .resolution import resize_state_dict, resized_config
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +237,7 @@ def build_pretraining_model(
     config = VisionTransformerConfig.from_preset(model_args.preset, **fields)
     representation = model_args.representation_size
     config.representation_size = config.hidden_size if representation is None else (representation or None)
-    config.validate()
+    config.validate_architecture()
     config._attn_implementation = model_args.attn_implementation
     return VisionTransformerForImageClassification(config)
 
@@ -260,50 +259,27 @@ def load_for_finetuning(
     `keep_head=True` keeps the checkpoint's head instead, to continue training on the same classes (e.g. a short
     fine-tune of a resolution variant); the classes must then be the checkpoint's.
     """
-    source = VisionTransformerForImageClassification.from_pretrained(path)
     fields = {k: v for k, v in config_fields.items() if v is not None}
-    config = resized_config(source.config, image_size) if image_size is not None else source.config
-    if keep_head and source.config.id2label != id2label:
+    model = VisionTransformerForImageClassification.from_pretrained(
+        path, attn_implementation=attn_implementation, **fields
+    )
+    if keep_head and model.config.id2label != id2label:
         raise ValueError(
-            f"--keep_head needs the data set's classes to be the checkpoint's: {source.config.id2label} vs {id2label}."
+            f"--keep_head needs the data set's classes to be the checkpoint's: {model.config.id2label} vs {id2label}."
         )
-    head = (
-        {"representation_size": source.config.representation_size}
-        if keep_head
-        else {"representation_size": representation_size or None, "zero_init_head": True}
-    )
-    config = VisionTransformerConfig.from_dict(
-        {
-            **config.to_dict(),
-            **fields,
-            **head,
-            "id2label": id2label,
-            "label2id": {v: k for k, v in id2label.items()},
-            "problem_type": None,
-        }
-    )
-    keep = ("vit.", "classifier.", "pre_logits.") if keep_head else ("vit.",)
-    backbone = {k: v for k, v in source.state_dict().items() if k.startswith(keep)}
+    (old_h, old_w), old_grid = model.config.image_hw, model.config.grid_size
     if image_size is not None:
-        backbone = resize_state_dict(backbone, source.config, image_size, interpolation)
-        (old_h, old_w), (new_h, new_w) = source.config.image_hw, config.image_hw
-        if (old_h, old_w) != (new_h, new_w):
+        model.set_input_size(image_size, interpolation)
+        if model.config.grid_size != old_grid:
             logger.info(
                 "Fine-tuning at %dx%d a model trained at %dx%d: position embeddings resampled (%s) from a %dx%d to a "
                 "%dx%d grid of patches.",
-                new_h, new_w, old_h, old_w, interpolation, *source.config.grid_size, *config.grid_size,
+                *model.config.image_hw, old_h, old_w, interpolation, *old_grid, *model.config.grid_size,
             )  # fmt: skip
     if not keep_head:
-        logger.info(
-            "New zero-initialised classifier for %d classes (the checkpoint's head is dropped).", len(id2label)
-        )
-    config._attn_implementation = attn_implementation
-    model = VisionTransformerForImageClassification(config)
-    missing, unexpected = model.load_state_dict(backbone, strict=False)
-    new_head = [k for k in missing if not k.startswith(("classifier.", "pre_logits."))]
-    if new_head or unexpected:
-        raise ValueError(f"{path} does not fit the fine-tuning model: missing {new_head}, unexpected {unexpected}.")
-    return model
+        model.reset_classifier(id2label, representation_size)
+        logger.info("New zero-initialised classifier for %d classes (the old head is dropped).", len(id2label))
+    return model.train()
 
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -719,7 +695,14 @@ def evaluate_model(
 ) -> dict[str, float]:
     """Top-1/top-5 accuracy of `model` on a split of `data_args`' data set (digits by default), no training."""
     data_args = data_args or DataArguments()
-    ds = with_transforms(load_datasets(data_args, seed=0), data_args, processor)[split]
+    raw = load_datasets(data_args, seed=0)
+    classes = label_names(raw)
+    if len(classes) > model.config.num_labels:
+        raise ValueError(
+            f"The data set {data_args.dataset_name!r} has {len(classes)} classes but the model predicts "
+            f"{model.config.num_labels}: evaluate it on the data set it was trained for, or fine-tune it first."
+        )
+    ds = with_transforms(raw, data_args, processor)[split]
     model.eval()
     logits, labels = [], []
     for start in range(0, len(ds), batch_size):
@@ -744,49 +727,3 @@ def main(task: str, argv: list[str] | None = None) -> dict[str, float]:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     torch.set_float32_matmul_precision("high")
     return train(task, *parse_args(task, argv))
-
-
-def make_evaluated_variant(
-    source: str | os.PathLike,
-    image_size: int | list[int],
-    output_dir: str | os.PathLike,
-    data_args: DataArguments | None = None,
-    repo_id: str | None = None,
-    base_model: str | None = None,
-    mode: str = "bicubic",
-    overwrite: bool = False,
-) -> dict[str, float]:
-    """Write a resolution variant of the folder `source` to `output_dir`, measure its test accuracy with no further
-    training, and give it a model card that says so. Returns the measured metrics (`eval_*`)."""
-    from .hub import write_model_card
-    from .resolution import make_resolution_variant
-
-    data_args = data_args or DataArguments()
-    model, processor = make_resolution_variant(source, image_size, output_dir, mode, overwrite=overwrite)
-    measured = evaluate_model(model, processor, data_args)
-    metrics = {f"eval_{k}": v for k, v in measured.items()}
-    metrics["eval_split"] = "test"
-    old = VisionTransformerConfig.from_pretrained(source)
-    (height, width), (old_h, old_w) = model.config.image_hw, old.image_hw
-    write_model_card(
-        output_dir,
-        model=model,
-        metrics=metrics,
-        task="finetune",
-        dataset_name=data_args.dataset_name,
-        repo_id=repo_id,
-        base_model=base_model or str(source),
-        summary=(
-            f"A resolution variant of `{base_model or source}`: the same weights with the position embeddings "
-            f"resampled ({mode}) from {old_h}x{old_w} to {height}x{width}, not trained after."
-        ),
-        resolution_note=(
-            f"Interpolated from {old_h}x{old_w} ({old.grid_size[0]}x{old.grid_size[1]} patches) to {height}x{width} "
-            f"({model.config.grid_size[0]}x{model.config.grid_size[1]} patches) with {mode} resampling of the "
-            "position embeddings; not fine-tuned after the interpolation."
-        ),
-        recipe=f"no training after the interpolation; see `{base_model or source}` for how its weights were trained.",
-        results_note=f"Measured on the {data_args.dataset_name} test split right after the interpolation.",
-    )
-    (Path(output_dir) / "all_results.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    return metrics

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from hf_vit import VisionTransformerForImageClassification
 from hf_vit.hub import write_model_card
-from hf_vit.training import make_evaluated_variant, parse_args, train
+from hf_vit.training import parse_args, train
+from hf_vit.variants import make_evaluated_variant
 
 ARCHITECTURE = "hidden_size=96,num_hidden_layers=4,num_attention_heads=3,intermediate_size=384"
 

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from hf_vit.hub import push_folder_to_hub
-from hf_vit.resolution import MODES, make_resolution_variant
+from hf_vit.resolution import MODES
+from hf_vit.variants import make_resolution_variant
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         metrics = json.loads((output / "all_results.json").read_text())
         print(f"test accuracy on {args.dataset_name} as interpolated: {metrics.get('eval_accuracy')}")
     if args.push_to_hub:
-        url = push_folder_to_hub(output, args.hub_model_id, private=args.hub_private_repo, token=args.hub_token)
+        try:
+            url = push_folder_to_hub(output, args.hub_model_id, private=args.hub_private_repo, token=args.hub_token)
+        except (ValueError, OSError) as error:  # refusals: a symlink, a text file naming a local path
+            print(f"error: the variant was written, but not pushed: {error}", file=sys.stderr)
+            return 2
         print(f"pushed to {args.hub_model_id}: {url}")
     return 0
 

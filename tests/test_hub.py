@@ -100,7 +100,7 @@ def test_push_sends_exactly_the_projects_top_level_files(folder, hub, caplog):
 
     with caplog.at_level("INFO", logger="hf_vit.hub"):
         assert push_folder_to_hub(path, "me/vit").endswith("/commit/0")
-    assert "Uploading 9 files" in caplog.text and "credentials.json" not in caplog.text
+    assert "Uploading 11 files" in caplog.text and "credentials.json" not in caplog.text
     assert hub["repo"] == "me/vit"
     assert set(hub["files"]) == PROJECT_FILES | {"training_curves.png", "all_results.json"}
     assert hub["files"]["model.safetensors"] == (path / "model.safetensors").read_bytes()
@@ -267,3 +267,14 @@ def test_the_published_cards_name_no_local_path():
         text = card.read_text()
         assert not any(root in text for root in ("/home/", "/tmp/", "/root/", "/work/", str(Path.home()))), card
         assert "trust_remote_code=True" not in text or "execute" in text, card
+
+
+def test_every_code_file_a_saved_folder_needs_is_uploaded(folder, hub):
+    # trust_remote_code loads the model from the Hub copy alone: a code file save_pretrained wrote but the push left
+    # out would break it there
+    path, model = folder
+    write_model_card(path, model, METRICS, task="finetune", dataset_name="digits", repo_id="me/vit")
+    saved_code = {p.name for p in path.glob("*.py")}
+    assert {"modeling_vit.py", "attention.py", "resolution.py"} <= saved_code
+    push_folder_to_hub(path, "me/vit")
+    assert saved_code <= set(hub["files"])

@@ -1,4 +1,5 @@
-"""Resolution variants: position embeddings resampled in 2D, saved so the variant runs at its new size."""
+"""Resolution changes: the one resampling function, the model methods that change size and head in place, and the
+variants saved so they run at their new size."""
 
 import json
 import subprocess
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 from conftest import tiny_config
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.resolution import make_resolution_variant, resample_position_embeddings, resize_model
+from hf_vit.resolution import grid_for, resample_position_embeddings
+from hf_vit.variants import make_resolution_variant
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,11 +56,32 @@ def test_variant_equals_interpolating_at_forward(folder, tmp_path):
         reloaded(torch.randn(1, 3, 32, 32))  # its native size is the new one
 
 
-def test_resize_model_in_memory(folder):
+def test_set_input_size_changes_the_model_in_place(folder):
     _, model = folder
-    resized = resize_model(model, 64)
-    assert resized.config.image_size == 64 and resized.vit.embeddings.position_embedding.shape[1] == 1 + 64
-    assert model.config.image_size == 32  # the source is left as it was
+    x = torch.randn(2, 3, 64, 48)
+    with torch.no_grad():
+        interpolated = model(x, interpolate_pos_encoding=True).logits
+        model.set_input_size((64, 48))
+        assert model.config.image_size == [64, 48] and model.config.grid_size == (8, 6)
+        assert model.vit.embeddings.position_embedding.shape == (1, 1 + 48, 32)
+        torch.testing.assert_close(model(x).logits, interpolated)  # no interpolate_pos_encoding needed any more
+        model.set_input_size(64)
+        assert model.config.image_size == 64  # square sizes are stored as one int
+    with pytest.raises(ValueError, match="not divisible by the patch size 8"):
+        model.set_input_size(60)
+    with pytest.raises(ValueError, match="at most 65536 patch positions"):
+        grid_for(100000, 16)
+
+
+def test_reset_classifier_gives_the_papers_fine_tuning_head(folder):
+    _, model = folder
+    model.reset_classifier({0: "cat", 1: "dog"})
+    assert model.config.num_labels == 2 and model.config.label2id == {"cat": 0, "dog": 1}
+    assert model.pre_logits is None and model.config.representation_size is None
+    assert model.classifier.weight.shape == (2, 32) and torch.count_nonzero(model.classifier.weight) == 0
+    model.reset_classifier({0: "a", 1: "b", 2: "c"}, representation_size=16)
+    assert model.pre_logits.weight.shape == (16, 32) and model.classifier.weight.shape == (3, 16)
+    assert model(torch.randn(1, 3, 32, 32)).logits.shape == (1, 3)
 
 
 @pytest.mark.parametrize(
@@ -104,8 +127,6 @@ def test_command_line(folder, tmp_path):
 
 
 def test_a_folder_without_a_model_is_named_before_anything_loads(tmp_path):
-    from hf_vit.resolution import make_resolution_variant
-
     with pytest.raises(FileNotFoundError, match="'.*nope' is not an hf-vit model folder"):
         make_resolution_variant(tmp_path / "nope", 48, tmp_path / "out")
     assert not (tmp_path / "out").exists()

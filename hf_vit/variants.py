@@ -1,0 +1,147 @@
+"""Resolution variants of a saved model (the paper's section 3.2): the same weights at another image size, written as
+a folder ready to share (model, processor, model card, and the accuracy measured right after the interpolation)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from .configuration_vit import VisionTransformerConfig
+from .convert.common import check_output_dir, write_card, write_converted_folder
+from .image_processing_vit import VisionTransformerImageProcessor
+from .modeling_vit import VisionTransformerForImageClassification, VisionTransformerModel
+from .resolution import grid_for
+
+POSITION_KEY = "embeddings.position_embedding"
+
+
+def _check_checkpoint_positions(folder: Path, config: VisionTransformerConfig) -> None:
+    """Fail clearly when a saved folder's position embeddings do not fit its own config."""
+    from safetensors import safe_open
+
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        return  # sharded or missing weights: from_pretrained reports those itself
+    with safe_open(weights, "pt") as f:
+        key = next((k for k in f.keys() if k == POSITION_KEY or k.endswith("." + POSITION_KEY)), None)
+        if key is None:
+            raise ValueError(f"{weights} has no position embeddings ({POSITION_KEY}); is it an hf-vit checkpoint?")
+        shape = tuple(f.get_slice(key).get_shape())
+    expected = config.num_prefix_tokens + config.num_patches
+    if len(shape) != 3 or shape[1] != expected or shape[2] != config.hidden_size:
+        rows, cols = config.grid_size
+        raise ValueError(
+            f"The position embeddings in {weights} have shape {shape}, but its config describes a {rows}x{cols} grid "
+            f"with {config.num_prefix_tokens} class token(s) and width {config.hidden_size}, i.e. "
+            f"(1, {expected}, {config.hidden_size}). Fix image_size/patch_size in config.json to match the weights."
+        )
+
+
+def make_resolution_variant(
+    source: str | os.PathLike,
+    image_size: int | Sequence[int],
+    output_dir: str | os.PathLike | None = None,
+    mode: str = "bicubic",
+    overwrite: bool = False,
+    *,
+    base_model: str | None = None,
+    repo_id: str | None = None,
+    data_args=None,
+):
+    """Turn the hf-vit folder `source` into a variant at `image_size`: position embeddings resampled in 2D, and the
+    config and processor saying the new size, so it runs without `interpolate_pos_encoding`.
+
+    Returns `(model, processor)`; with `output_dir`, also writes the variant there with a model card (only if
+    everything succeeded; see `hf_vit.convert.common.write_converted_folder` for what `overwrite` may replace). The
+    card names `base_model` (a Hub id; default: the source folder's name, never a local path) and `repo_id`. With
+    `data_args` (`hf_vit.training.DataArguments`), the variant's test accuracy is measured with no further training
+    and goes into the card and `all_results.json`.
+    """
+    folder = Path(source)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(source)!r} is not an hf-vit model folder (no config.json there). Pass the folder that a training "
+            "run or `save_pretrained` wrote; to start from a Hub model, download it first (`hf download <id> "
+            "--local-dir <folder>`)."
+        )
+    target = check_output_dir(output_dir, overwrite, [source]) if output_dir is not None else None
+    config = VisionTransformerConfig.from_pretrained(folder)
+    grid = grid_for(image_size, config.patch_size)  # validate before loading anything big
+    _check_checkpoint_positions(folder, config)
+    is_classifier = any("ForImageClassification" in name for name in (config.architectures or []))
+    model_class = VisionTransformerForImageClassification if is_classifier else VisionTransformerModel
+    model = model_class.from_pretrained(folder)
+    model.set_input_size(image_size, mode)
+    try:
+        processor = VisionTransformerImageProcessor.from_pretrained(folder)
+    except OSError:
+        processor = VisionTransformerImageProcessor()
+    height, width = grid[0] * config.patch_size, grid[1] * config.patch_size
+    processor.size = {"height": height, "width": width}
+    if target is None:
+        return model, processor
+    metrics = {}
+    if data_args is not None:
+        from .training import evaluate_model  # training imports this module's callers: import on use
+
+        metrics = {f"eval_{name}": value for name, value in evaluate_model(model, processor, data_args).items()}
+        metrics["eval_split"] = "test"
+    base_model = base_model or folder.expanduser().resolve().name
+    (old_h, old_w), (rows, cols) = config.image_hw, grid
+
+    def save(path: Path) -> None:
+        model.save_pretrained(path)
+        processor.save_pretrained(path)
+        write_card(
+            path,
+            model,
+            base_model=base_model,
+            repo_id=repo_id,
+            output_name=target.name,
+            metrics=metrics,
+            dataset_name=data_args.dataset_name if data_args is not None else None,
+            summary=(
+                f"A resolution variant of `{base_model}`: the same weights with the position embeddings resampled "
+                f"({mode}) from {old_h}x{old_w} to {height}x{width}, not trained after."
+            ),
+            resolution_note=(
+                f"Interpolated from {old_h}x{old_w} ({config.grid_size[0]}x{config.grid_size[1]} patches) to "
+                f"{height}x{width} ({rows}x{cols} patches) with {mode} resampling of the position embeddings; not "
+                "fine-tuned after the interpolation."
+            ),
+            recipe=f"no training after the interpolation; see `{base_model}` for how its weights were trained.",
+        )
+        if metrics:
+            (path / "all_results.json").write_text(json.dumps(metrics, indent=2) + "\n")
+
+    write_converted_folder(save, target, overwrite=overwrite, inputs=[source])
+    return model, processor
+
+
+def make_evaluated_variant(
+    source: str | os.PathLike,
+    image_size: int | list[int],
+    output_dir: str | os.PathLike,
+    data_args=None,
+    repo_id: str | None = None,
+    base_model: str | None = None,
+    mode: str = "bicubic",
+    overwrite: bool = False,
+) -> dict[str, float]:
+    """`make_resolution_variant` with the test accuracy measured (on the digits unless `data_args` names another data
+    set) and written to its card and `all_results.json`. Returns the measured metrics (`eval_*`)."""
+    from .training import DataArguments
+
+    make_resolution_variant(
+        source,
+        image_size,
+        output_dir,
+        mode,
+        overwrite,
+        base_model=base_model,
+        repo_id=repo_id,
+        data_args=data_args or DataArguments(),
+    )
+    return json.loads((Path(output_dir) / "all_results.json").read_text())
