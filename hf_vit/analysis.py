@@ -1,0 +1,369 @@
+"""The paper's look inside the Vision Transformer (section 4.5, appendix D.7-D.8) as functions on any hf-vit model.
+
+- `capture_attention`: attention probabilities of chosen layers only. A hook on each chosen layer's attention
+  recomputes softmax(q k^T / sqrt(d_h)) from that layer's own input and `qkv` projection, in float32, while every
+  layer (the chosen ones included) keeps running its configured SDPA/flash attention. `output_attentions=True`
+  instead switches every layer to eager attention and holds all their probabilities at once.
+- `attention_rollout` / `rollout_maps`: attention rollout (Abnar & Zuidema, 2020; the paper's Figures 6 and 14).
+- `mean_attention_distance` / `mean_attention_distances`: the paper's Figure 7 (right), in pixels.
+- `position_embedding_similarity`: the paper's Figure 7 (centre).
+- `patch_embedding_components`: principal components of the patch-embedding filters, the paper's Figure 7 (left).
+
+Every model-level function accepts any input resolution the model accepts (pass `interpolate_pos_encoding=True` for
+other sizes, square or not) and fp32 or bf16 models; results are float32 tensors on the CPU-or-model device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = [
+    "HEAD_FUSIONS",
+    "PrincipalComponents",
+    "attention_probabilities",
+    "attention_rollout",
+    "capture_attention",
+    "components_as_images",
+    "mean_attention_distance",
+    "mean_attention_distances",
+    "patch_distances",
+    "patch_embedding_components",
+    "position_embedding_similarity",
+    "rollout_map",
+    "rollout_maps",
+]
+
+HEAD_FUSIONS = ("mean", "max", "min")
+
+
+def _encoder(model: nn.Module) -> nn.Module:
+    """The ViT encoder (`VisionTransformerModel`) of a model or of one of its task heads."""
+    encoder = getattr(model, "base_model", model)
+    if not (hasattr(encoder, "layers") and hasattr(encoder, "embeddings")):
+        raise TypeError(
+            f"{type(model).__name__} is not an hf-vit model: expected a VisionTransformerModel or a model with one "
+            "as its base model (`model.vit`)."
+        )
+    return encoder
+
+
+def _layer_indices(num_layers: int, layers: int | Sequence[int] | None) -> list[int]:
+    """Chosen layers as sorted, unique, non-negative indices (negative ones count from the last layer)."""
+    if layers is None:
+        return list(range(num_layers))
+    chosen = [layers] if isinstance(layers, int) else list(layers)
+    indices = set()
+    for layer in chosen:
+        if not isinstance(layer, int) or not -num_layers <= layer < num_layers:
+            raise ValueError(f"`layers` must hold indices in [-{num_layers}, {num_layers}), got {layer!r}.")
+        indices.add(layer % num_layers)
+    return sorted(indices)
+
+
+def _probabilities(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T * scaling) of one `VisionTransformerAttention` for its input, `(B, heads, N, N)` float32.
+
+    q and k come from the module's own `qkv` (so wrapped or quantised projections are honoured) in the model's
+    dtype, as the model computes them; the scores and softmax are float32 so bf16 models give accurate maps.
+    """
+    batch, tokens, _ = hidden_states.shape
+    qkv = module.qkv(hidden_states).view(batch, tokens, 3, module.num_heads, module.head_dim)
+    query, key = (qkv[:, :, i].transpose(1, 2).float() for i in (0, 1))
+    scores = torch.matmul(query, key.transpose(-1, -2)) * module.scaling
+    return scores.softmax(dim=-1)
+
+
+@contextlib.contextmanager
+def _attention_hooks(
+    model: nn.Module, layers: int | Sequence[int] | None, callback: Callable[[int, torch.Tensor], None]
+) -> Iterator[list[int]]:
+    """Call `callback(layer, probabilities)` for each chosen layer during the forwards run inside the context."""
+    encoder = _encoder(model)
+    indices = _layer_indices(len(encoder.layers), layers)
+    handles = []
+
+    def make_hook(index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            hidden_states = args[0] if args else kwargs["hidden_states"]
+            # Analysis only: no graph is kept, whatever the caller's grad mode.
+            with torch.no_grad():
+                callback(index, _probabilities(module, hidden_states.detach()))
+
+        return hook
+
+    try:
+        for index in indices:
+            attention = encoder.layers[index].attention
+            handles.append(attention.register_forward_pre_hook(make_hook(index), with_kwargs=True))
+        yield indices
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def capture_attention(
+    model: nn.Module, layers: int | Sequence[int] | None = None
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Capture the attention probabilities of the chosen `layers` (default: all) during forwards in the context.
+
+        with capture_attention(model, layers=[0, -1]) as probs:
+            model(pixel_values)
+        probs[0].shape  # (batch, heads, tokens, tokens), float32; keys are non-negative layer indices
+
+    The model's own attention path is untouched (SDPA or flash keeps running in every layer); the probabilities
+    are recomputed from each chosen layer's input, before attention dropout, like `output_attentions=True`
+    returns them. Each forward replaces the previous one's entries. Only the chosen layers' probabilities are held.
+    """
+    captured: dict[int, torch.Tensor] = {}
+
+    def store(index: int, probs: torch.Tensor) -> None:
+        captured[index] = probs
+
+    with _attention_hooks(model, layers, store):
+        yield captured
+
+
+def _forward(model: nn.Module, pixel_values: torch.Tensor, interpolate_pos_encoding: bool | None) -> None:
+    encoder = _encoder(model)
+    parameter = next(encoder.parameters())
+    pixel_values = pixel_values.to(device=parameter.device, dtype=parameter.dtype)
+    with torch.no_grad():
+        encoder(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding)
+
+
+def attention_probabilities(
+    model: nn.Module,
+    pixel_values: torch.Tensor,
+    layers: int | Sequence[int] | None = None,
+    interpolate_pos_encoding: bool | None = None,
+) -> dict[int, torch.Tensor]:
+    """Run the encoder on `pixel_values` and return `{layer: (B, heads, N, N) float32 probabilities}`."""
+    with capture_attention(model, layers) as probs:
+        _forward(model, pixel_values, interpolate_pos_encoding)
+    return dict(probs)
+
+
+def _grid(model: nn.Module, pixel_values: torch.Tensor) -> tuple[int, int]:
+    patch = _encoder(model).config.patch_size
+    return (pixel_values.shape[-2] // patch, pixel_values.shape[-1] // patch)
+
+
+# Attention rollout
+
+
+def _fuse_heads(probs: torch.Tensor, head_fusion: str) -> torch.Tensor:
+    if head_fusion == "mean":
+        return probs.mean(dim=1)
+    if head_fusion == "max":
+        return probs.amax(dim=1)
+    if head_fusion == "min":
+        return probs.amin(dim=1)
+    raise ValueError(f"`head_fusion` must be one of {HEAD_FUSIONS}, got {head_fusion!r}.")
+
+
+def _rollout_layer(probs: torch.Tensor, head_fusion: str, discard_ratio: float) -> torch.Tensor:
+    """One layer's attention with its residual connection: 0.5 A + 0.5 I, rows renormalised to sum to 1."""
+    if not 0.0 <= discard_ratio < 1.0:
+        raise ValueError(f"`discard_ratio` must be in [0, 1), got {discard_ratio}.")
+    fused = _fuse_heads(probs.float(), head_fusion)  # (B, N, N)
+    if discard_ratio > 0:
+        # Zero the weakest entries of each image's fused matrix (noise removal of the common rollout code); the
+        # identity added next keeps every row non-zero.
+        flat = fused.flatten(1)
+        count = int(flat.shape[1] * discard_ratio)
+        if count:
+            weakest = flat.topk(count, dim=1, largest=False).indices
+            fused = flat.scatter(1, weakest, 0.0).view_as(fused)
+    identity = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
+    joint = 0.5 * fused + 0.5 * identity
+    return joint / joint.sum(dim=-1, keepdim=True)
+
+
+def attention_rollout(
+    attentions: Sequence[torch.Tensor], head_fusion: str = "mean", discard_ratio: float = 0.0
+) -> torch.Tensor:
+    """Attention rollout (Abnar & Zuidema, 2020) of per-layer probabilities `(B, heads, N, N)`, first layer first.
+
+    Heads are fused (mean, max or min), optionally the weakest `discard_ratio` of entries dropped, the residual
+    identity added (0.5 A + 0.5 I) and rows renormalised, then the layers multiplied: R = A_L ... A_2 A_1.
+    Returns `R` `(B, N, N)`: row i says how much each input token flows into token i's output. Rows sum to 1.
+    """
+    if not attentions:
+        raise ValueError("`attentions` is empty: pass at least one layer's probabilities.")
+    rollout = None
+    for probs in attentions:
+        layer = _rollout_layer(probs, head_fusion, discard_ratio)
+        rollout = layer if rollout is None else torch.bmm(layer, rollout)
+    return rollout
+
+
+def rollout_map(rollout: torch.Tensor, grid_size: tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
+    """The output's attention to the input patches as `(B, rows, cols)` maps: the class token's row of the
+    rollout, or (no class token: `classifier="gap"`) the mean of the patch tokens' rows, which is what the pooled
+    representation averages."""
+    rows, cols = grid_size
+    patches = rollout[:, :, num_prefix_tokens:]
+    if patches.shape[-1] != rows * cols:
+        raise ValueError(
+            f"The rollout has {patches.shape[-1]} patch tokens but the grid {rows}x{cols} has {rows * cols}."
+        )
+    flow = patches[:, 0] if num_prefix_tokens else patches.mean(dim=1)
+    return flow.reshape(-1, rows, cols)
+
+
+def rollout_maps(
+    model: nn.Module,
+    pixel_values: torch.Tensor,
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    interpolate_pos_encoding: bool | None = None,
+) -> torch.Tensor:
+    """Attention rollout of `model` on `pixel_values` as `(B, rows, cols)` maps over the patch grid (Figure 6).
+
+    The product is accumulated layer by layer during the forward, so only one `(B, N, N)` matrix is held.
+    """
+    _fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)  # reject a bad fusion name before running the model
+    state: dict[str, torch.Tensor] = {}
+
+    def accumulate(index: int, probs: torch.Tensor) -> None:
+        layer = _rollout_layer(probs, head_fusion, discard_ratio)
+        state["rollout"] = layer if "rollout" not in state else torch.bmm(layer, state["rollout"])
+
+    with _attention_hooks(model, None, accumulate):
+        _forward(model, pixel_values, interpolate_pos_encoding)
+    config = _encoder(model).config
+    return rollout_map(state["rollout"], _grid(model, pixel_values), config.num_prefix_tokens)
+
+
+# Mean attention distance
+
+
+def patch_distances(grid_size: tuple[int, int], patch_size: int) -> torch.Tensor:
+    """Euclidean distances in pixels between the centres of the patches of a row-major grid, `(N, N)` float32."""
+    rows, cols = grid_size
+    y, x = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    centres = torch.stack([y.flatten(), x.flatten()], dim=1).float() * patch_size
+    return torch.cdist(centres, centres)
+
+
+def mean_attention_distance(
+    probs: torch.Tensor, grid_size: tuple[int, int], patch_size: int, num_prefix_tokens: int
+) -> torch.Tensor:
+    """Mean attention distance in pixels of one layer's probabilities `(B, heads, N, N)`, as `(B, heads)`.
+
+    For each query patch: the sum over key patches of attention weight times the distance between the two patch
+    centres; averaged over the query patches. Prefix tokens (the class token) have no place in the image, so, as in
+    the paper's Figure 7, they are left out: their rows are dropped, and each patch's weights over the patch keys
+    are renormalised to sum to 1 (its attention to the class token does not count as distance 0).
+    """
+    patches = probs[..., num_prefix_tokens:, num_prefix_tokens:].float()
+    weights = patches / patches.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    distances = patch_distances(grid_size, patch_size).to(weights.device)
+    if distances.shape[-1] != weights.shape[-1]:
+        raise ValueError(f"{weights.shape[-1]} patch tokens do not fill the grid {grid_size[0]}x{grid_size[1]}.")
+    per_query = torch.einsum("bhqk,qk->bhq", weights, distances)
+    return per_query.mean(dim=-1)
+
+
+def mean_attention_distances(
+    model: nn.Module,
+    pixel_values: torch.Tensor,
+    layers: int | Sequence[int] | None = None,
+    interpolate_pos_encoding: bool | None = None,
+) -> torch.Tensor:
+    """Mean attention distance in pixels for each layer and head, averaged over the images: `(layers, heads)`.
+
+    Each layer's probabilities are reduced as soon as they are computed, so one layer's are held at a time.
+    Rows follow the chosen `layers` in increasing order (all layers by default).
+    """
+    config = _encoder(model).config
+    grid = _grid(model, pixel_values)
+    results: dict[int, torch.Tensor] = {}
+
+    def reduce(index: int, probs: torch.Tensor) -> None:
+        distance = mean_attention_distance(probs, grid, config.patch_size, config.num_prefix_tokens)
+        results[index] = distance.mean(dim=0).cpu()
+
+    with _attention_hooks(model, layers, reduce) as indices:
+        _forward(model, pixel_values, interpolate_pos_encoding)
+    return torch.stack([results[index] for index in indices])
+
+
+# Position embeddings and patch-embedding filters
+
+
+def position_embedding_similarity(
+    model_or_embeddings: nn.Module | torch.Tensor, grid_size: tuple[int, int] | None = None
+) -> torch.Tensor:
+    """Cosine similarity of each patch's position embedding with every patch's, `(rows, cols, rows, cols)`.
+
+    `[i, j]` is the map of patch (i, j)'s similarity to all patches (the paper's Figure 7, centre). Pass a model
+    (its learned embeddings at its configured grid, prefix tokens skipped) or patch embeddings `(N, D)` or
+    `(1, N, D)` without prefix tokens, with their `grid_size`.
+    """
+    if isinstance(model_or_embeddings, nn.Module):
+        encoder = _encoder(model_or_embeddings)
+        prefix = encoder.config.num_prefix_tokens
+        embeddings = encoder.embeddings.position_embedding[0, prefix:]
+        grid_size = grid_size or encoder.config.grid_size
+    else:
+        embeddings = model_or_embeddings.reshape(-1, model_or_embeddings.shape[-1])
+        if grid_size is None:
+            raise ValueError("`grid_size` is needed with an embedding tensor.")
+    rows, cols = grid_size
+    if embeddings.shape[0] != rows * cols:
+        raise ValueError(f"{embeddings.shape[0]} position embeddings do not fill the grid {rows}x{cols}.")
+    unit = torch.nn.functional.normalize(embeddings.detach().float(), dim=-1)
+    return (unit @ unit.T).reshape(rows, cols, rows, cols)
+
+
+class PrincipalComponents(NamedTuple):
+    """Principal components of the patch-embedding filters."""
+
+    components: torch.Tensor  # (K, C, P, P), unit norm, first the direction of largest variance
+    explained_variance_ratio: torch.Tensor  # (K,)
+
+
+def patch_embedding_components(
+    model_or_weight: nn.Module | torch.Tensor, num_components: int = 28
+) -> PrincipalComponents:
+    """The top principal components of the D linear patch-embedding filters `E` (the paper shows 28).
+
+    Filters `(D, C, P, P)` are flattened and centred; the components are the right singular vectors. Each
+    component's sign is fixed so that its largest-magnitude entry is positive (PCA leaves it arbitrary).
+    """
+    if isinstance(model_or_weight, nn.Module):
+        weight = _encoder(model_or_weight).embeddings.patch_embedding.weight
+    else:
+        weight = model_or_weight
+    filters = weight.detach().float().cpu()
+    flat = filters.flatten(1)
+    centred = flat - flat.mean(dim=0, keepdim=True)
+    _, singular_values, vh = torch.linalg.svd(centred, full_matrices=False)
+    count = min(num_components, vh.shape[0])
+    components = vh[:count]
+    signs = torch.sign(components.gather(1, components.abs().argmax(dim=1, keepdim=True)))
+    components = components * signs
+    variance = singular_values**2
+    ratio = variance[:count] / variance.sum().clamp_min(torch.finfo(torch.float32).tiny)
+    return PrincipalComponents(components.reshape(count, *filters.shape[1:]), ratio)
+
+
+def components_as_images(components: torch.Tensor) -> torch.Tensor:
+    """Components `(K, C, P, P)` as displayable images `(K, P, P, 3)` in [0, 1], each scaled on its own range.
+
+    Three channels are shown as RGB, one as grey; other channel counts show their first three (or first) channels.
+    """
+    images = components.float()
+    if images.shape[1] != 3:
+        images = images[:, :1].expand(-1, 3, -1, -1) if images.shape[1] < 3 else images[:, :3]
+    low = images.flatten(1).amin(dim=1).view(-1, 1, 1, 1)
+    high = images.flatten(1).amax(dim=1).view(-1, 1, 1, 1)
+    scaled = (images - low) / (high - low).clamp_min(1e-12)
+    return scaled.permute(0, 2, 3, 1)
