@@ -1,10 +1,12 @@
 """hf-vit: the Vision Transformer of "An Image is Worth 16x16 Words" for the Hugging Face stack.
 
 Importing the package registers its classes with transformers' Auto classes, so `AutoConfig`, `AutoModel`,
-`AutoModelForImageClassification`, `AutoImageProcessor` and `pipeline("image-classification")` load hf-vit folders.
+`AutoModelForImageClassification`, `AutoBackbone`, `AutoImageProcessor` and `pipeline("image-classification")` load
+hf-vit folders.
 """
 
 from transformers import (
+    AutoBackbone,
     AutoConfig,
     AutoImageProcessor,
     AutoModel,
@@ -14,6 +16,7 @@ from transformers import (
 from .configuration_vit import PRESETS, VisionTransformerConfig
 from .image_processing_vit import VisionTransformerImageProcessor
 from .modeling_vit import (
+    VisionTransformerBackbone,
     VisionTransformerForImageClassification,
     VisionTransformerModel,
     VisionTransformerPreTrainedModel,
@@ -23,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "VisionTransformerBackbone",
     "VisionTransformerConfig",
     "VisionTransformerForImageClassification",
     "VisionTransformerImageProcessor",
@@ -35,6 +39,7 @@ AutoModel.register(VisionTransformerConfig, VisionTransformerModel, exist_ok=Tru
 AutoModelForImageClassification.register(
     VisionTransformerConfig, VisionTransformerForImageClassification, exist_ok=True
 )
+AutoBackbone.register(VisionTransformerConfig, VisionTransformerBackbone, exist_ok=True)
 # One torch implementation serves both of transformers' backend slots, so no "backend unavailable" fallback happens.
 AutoImageProcessor.register(
     VisionTransformerConfig,
@@ -46,4 +51,5 @@ AutoImageProcessor.register(
 VisionTransformerConfig.register_for_auto_class()
 VisionTransformerModel.register_for_auto_class("AutoModel")
 VisionTransformerForImageClassification.register_for_auto_class("AutoModelForImageClassification")
+VisionTransformerBackbone.register_for_auto_class("AutoBackbone")
 VisionTransformerImageProcessor.register_for_auto_class("AutoImageProcessor")

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from transformers import PretrainedConfig
+from transformers.backbone_utils import BackboneConfigMixin
 
 # Width, depth, MLP size and heads of the paper's Table 1 (Base, Large, Huge) and of the DeiT/AugReg Tiny and Small.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -27,6 +28,7 @@ AUTO_MAP = {
     "AutoConfig": "configuration_vit.VisionTransformerConfig",
     "AutoModel": "modeling_vit.VisionTransformerModel",
     "AutoModelForImageClassification": "modeling_vit.VisionTransformerForImageClassification",
+    "AutoBackbone": "modeling_vit.VisionTransformerBackbone",
 }
 
 
@@ -57,7 +59,7 @@ def image_size_field(image_size: int | tuple[int, int] | list[int]) -> int | lis
     return height if height == width else [height, width]
 
 
-class VisionTransformerConfig(PretrainedConfig):
+class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     r"""Configuration of a Vision Transformer (ViT).
 
     Args:
@@ -99,10 +101,18 @@ class VisionTransformerConfig(PretrainedConfig):
     drop_path_rate: float = 0.0
     initializer_range: float = 0.02
     zero_init_head: bool = True
+    # As a backbone (`VisionTransformerBackbone`): which stages' outputs are the feature maps. The stages are "stem"
+    # (the embeddings, equation 1) and "stage1".."stageL" (the blocks' outputs); default: the last block.
+    _out_features: list[str] | None = None
+    _out_indices: list[int] | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
         if isinstance(self.image_size, (tuple, list)):
             self.image_size = list(_pair(self.image_size, "image_size"))
+        self.stage_names = ["stem"] + [f"stage{index}" for index in range(1, self.num_hidden_layers + 1)]
+        self.set_output_features_output_indices(
+            out_features=kwargs.pop("out_features", None), out_indices=kwargs.pop("out_indices", None)
+        )
         super().__post_init__(**kwargs)
         if getattr(self, "auto_map", None) is None:
             # Saved folders name the classes to load with `trust_remote_code=True` where hf_vit is not installed.
@@ -216,7 +226,13 @@ class VisionTransformerConfig(PretrainedConfig):
                 f"{list(MODEL_SIZES)} and P in {list(PATCH_SIZES)}, e.g. 'vit-base-patch16-224'."
             )
         own = [name for name in cls.__annotations__ if not name.startswith("_") and name != "model_type"]
-        known = {field.name for field in dataclasses.fields(cls)} | {"num_labels", "attn_implementation", "auto_map"}
+        known = {field.name for field in dataclasses.fields(cls)} | {
+            "num_labels",
+            "attn_implementation",
+            "auto_map",
+            "out_features",
+            "out_indices",
+        }
         unknown = sorted(set(kwargs) - known)
         if unknown:
             hints = []

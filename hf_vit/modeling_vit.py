@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
@@ -22,15 +24,19 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.backbone_utils import BackboneMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
+from transformers.modeling_outputs import BackboneOutput, BaseModelOutputWithPooling, ImageClassifierOutput
+from transformers.utils import ModelOutput
 
 from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig, image_size_field
 from .resolution import grid_for, resample_position_embeddings
 
 __all__ = [
+    "VisionTransformerBackbone",
     "VisionTransformerForImageClassification",
+    "VisionTransformerIntermediates",
     "VisionTransformerModel",
     "VisionTransformerPreTrainedModel",
     "check_pixel_values",
@@ -365,6 +371,100 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
             hidden_states=all_hidden_states,
             attentions=all_attentions,
         )
+
+    def forward_intermediates(
+        self,
+        pixel_values: torch.Tensor,
+        indices: int | Sequence[int] = 1,
+        *,
+        norm: bool = False,
+        output_fmt: str = "NCHW",
+        interpolate_pos_encoding: bool = False,
+    ) -> VisionTransformerIntermediates:
+        """The outputs of chosen blocks, for dense prediction and feature extraction.
+
+        `indices` is the last n blocks (an int) or block indices (0-based, negative from the end); the forward stops
+        after the last block asked for. `norm` applies the final LayerNorm to each output. `output_fmt` is "NCHW"
+        (maps on the patch grid, any patch-divisible size, non-square included) or "NLC" (patch tokens); the prefix
+        (class) tokens come apart, in `prefix_tokens`.
+        """
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}.")
+        depth = len(self.layers)
+        wanted = list(range(depth - indices, depth)) if isinstance(indices, int) else list(indices)
+        if not wanted or any(not -depth <= index < depth for index in wanted):
+            raise ValueError(f"indices must name blocks 0..{depth - 1} (or -{depth}..-1), got {indices!r}.")
+        wanted = [index % depth for index in wanted]
+        check_pixel_values(pixel_values, self.config, interpolate_pos_encoding)
+        grid = (pixel_values.shape[-2] // self.config.patch_size, pixel_values.shape[-1] // self.config.patch_size)
+        prefix = self.config.num_prefix_tokens
+        hidden_states = self.embeddings(pixel_values)
+        outputs = {}
+        for index, block in enumerate(self.layers[: max(wanted) + 1]):
+            hidden_states, _ = block(hidden_states)
+            if index in wanted:
+                outputs[index] = self.norm(hidden_states) if norm else hidden_states
+        features, prefix_tokens = [], []
+        for index in wanted:
+            tokens = outputs[index]
+            prefix_tokens.append(tokens[:, :prefix])
+            patches = tokens[:, prefix:]
+            if output_fmt == "NCHW":
+                patches = patches.reshape(patches.shape[0], grid[0], grid[1], -1).permute(0, 3, 1, 2).contiguous()
+            features.append(patches)
+        return VisionTransformerIntermediates(features=tuple(features), prefix_tokens=tuple(prefix_tokens))
+
+
+@dataclass
+class VisionTransformerIntermediates(ModelOutput):
+    """Outputs of chosen blocks: `features` as NCHW maps or NLC patch tokens, `prefix_tokens` (B, prefix, D)."""
+
+    features: tuple[torch.Tensor, ...] | None = None
+    prefix_tokens: tuple[torch.Tensor, ...] | None = None
+
+
+class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
+    """ViT as transformers' backbone (`AutoBackbone`) for dense prediction models (UperNet, DPT, ...): the stages
+    named by `config.out_features` ("stem", "stage1".."stageL") as NCHW feature maps on the patch grid, after the
+    final LayerNorm. Loads the encoder of any hf-vit checkpoint."""
+
+    def __init__(self, config: VisionTransformerConfig) -> None:
+        super().__init__(config)
+        self.num_features = [config.hidden_size] * (config.num_hidden_layers + 1)
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
+        interpolate_pos_encoding: bool = True,
+        **kwargs,
+    ) -> BackboneOutput | tuple:
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        # dense prediction runs at any patch-divisible size: the position embeddings follow it
+        outputs = VisionTransformerModel.forward(  # not super(): BackboneMixin defines a forward of its own
+            self,
+            pixel_values,
+            interpolate_pos_encoding=interpolate_pos_encoding,
+            output_attentions=output_attentions,
+            output_hidden_states=True,
+            return_dict=True,
+        )
+        height, width = pixel_values.shape[-2:]
+        rows, cols = height // self.config.patch_size, width // self.config.patch_size
+        feature_maps = tuple(
+            self.norm(state)[:, self.config.num_prefix_tokens :]
+            .reshape(state.shape[0], rows, cols, -1)
+            .permute(0, 3, 1, 2)
+            .contiguous()
+            for stage, state in zip(self.stage_names, outputs.hidden_states)
+            if stage in self.out_features
+        )
+        hidden_states = outputs.hidden_states if output_hidden_states else None
+        if not return_dict:
+            return tuple(v for v in (feature_maps, hidden_states, outputs.attentions) if v is not None)
+        return BackboneOutput(feature_maps=feature_maps, hidden_states=hidden_states, attentions=outputs.attentions)
 
 
 class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
