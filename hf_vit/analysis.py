@@ -24,6 +24,8 @@ from torch import nn
 
 __all__ = [
     "HEAD_FUSIONS",
+    "AttentionSummary",
+    "attention_summary",
     "PrincipalComponents",
     "attention_probabilities",
     "attention_rollout",
@@ -36,6 +38,7 @@ __all__ = [
     "position_embedding_similarity",
     "rollout_map",
     "rollout_maps",
+    "upsample_maps",
 ]
 
 HEAD_FUSIONS = ("mean", "max", "min")
@@ -241,6 +244,13 @@ def rollout_maps(
     return rollout_map(state["rollout"], _grid(model, pixel_values), config.num_prefix_tokens)
 
 
+def upsample_maps(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Patch-grid maps `(B, rows, cols)` resized bilinearly to the image `size=(height, width)`, for overlays."""
+    return torch.nn.functional.interpolate(maps[:, None].float(), size=size, mode="bilinear", align_corners=False)[
+        :, 0
+    ]
+
+
 # Mean attention distance
 
 
@@ -293,6 +303,38 @@ def mean_attention_distances(
     with _attention_hooks(model, layers, reduce) as indices:
         _forward(model, pixel_values, interpolate_pos_encoding)
     return torch.stack([results[index] for index in indices])
+
+
+class AttentionSummary(NamedTuple):
+    """What one forward gives for the figures: rollout maps and per-image mean attention distances."""
+
+    rollout: torch.Tensor  # (B, rows, cols)
+    mean_distances: torch.Tensor  # (B, layers, heads), pixels
+
+
+def attention_summary(
+    model: nn.Module,
+    pixel_values: torch.Tensor,
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    interpolate_pos_encoding: bool | None = None,
+) -> AttentionSummary:
+    """`rollout_maps` and the per-image `mean_attention_distance` of every layer from a single forward."""
+    _fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)
+    config = _encoder(model).config
+    grid = _grid(model, pixel_values)
+    state: dict[str, torch.Tensor] = {}
+    distances: list[torch.Tensor] = []
+
+    def both(index: int, probs: torch.Tensor) -> None:
+        distances.append(mean_attention_distance(probs, grid, config.patch_size, config.num_prefix_tokens).cpu())
+        layer = _rollout_layer(probs, head_fusion, discard_ratio)
+        state["rollout"] = layer if "rollout" not in state else torch.bmm(layer, state["rollout"])
+
+    with _attention_hooks(model, None, both):
+        _forward(model, pixel_values, interpolate_pos_encoding)
+    maps = rollout_map(state["rollout"], grid, config.num_prefix_tokens).cpu()
+    return AttentionSummary(maps, torch.stack(distances, dim=1))
 
 
 # Position embeddings and patch-embedding filters

@@ -1,4 +1,5 @@
-"""Plots: training curves from `Trainer`'s log history, and the figure set-up and saving other plots share."""
+"""Plots: training curves from `Trainer`'s log history, the section 4.5 analysis figures (the paper's Figures 6 and
+7), and the figure set-up and saving other plots share."""
 
 from __future__ import annotations
 
@@ -68,3 +69,96 @@ def _legend_or_note(ax, note: str) -> None:
         ax.legend()
     else:
         ax.text(0.5, 0.5, note, ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _mosaic(tiles, columns: int, gap: int = 1, fill: float = float("nan")):
+    """Tiles `(K, h, w[, channels])` laid out row by row on `columns` columns with `gap`-pixel borders of `fill`."""
+    import numpy as np
+
+    tiles = np.asarray(tiles, dtype=np.float64)
+    count, height, width = tiles.shape[:3]
+    rows = -(-count // columns)
+    shape = (rows * (height + gap) - gap, columns * (width + gap) - gap) + tiles.shape[3:]
+    mosaic = np.full(shape, fill)
+    for index, tile in enumerate(tiles):
+        top, left = (index // columns) * (height + gap), (index % columns) * (width + gap)
+        mosaic[top : top + height, left : left + width] = tile
+    return mosaic
+
+
+def plot_embedding_analysis(
+    filter_images,
+    similarity,
+    distances,
+    path: str | os.PathLike,
+    patch_size: int | None = None,
+    title: str | None = None,
+) -> Path:
+    """The paper's Figure 7 in three panels: principal components of the patch-embedding filters `(K, P, P, 3)` in
+    [0, 1] (left), position-embedding cosine similarity `(rows, cols, rows, cols)` (centre), and mean attention
+    distance in pixels `(layers, heads)` against depth, one dot per head (right)."""
+    import numpy as np
+
+    plt = pyplot()
+    filter_images, similarity, distances = (
+        np.asarray(a, dtype=np.float64) for a in (filter_images, similarity, distances)
+    )
+    fig, (filters_ax, position_ax, distance_ax) = plt.subplots(1, 3, figsize=(15, 4.8))
+
+    columns = min(7, len(filter_images))
+    filters_ax.imshow(_mosaic(filter_images, columns, fill=1.0), interpolation="nearest")
+    filters_ax.set_title(f"RGB embedding filters\n(first {len(filter_images)} principal components)")
+    filters_ax.axis("off")
+
+    rows, cols = similarity.shape[:2]
+    maps = similarity.reshape(rows * cols, rows, cols)
+    cmap = plt.get_cmap("viridis").copy()
+    cmap.set_bad("white")
+    image = position_ax.imshow(_mosaic(maps, cols), cmap=cmap, vmin=-1, vmax=1, interpolation="nearest")
+    # Ticks at the centre of each small map name the patch it belongs to.
+    position_ax.set_xticks([c * (cols + 1) + (cols - 1) / 2 for c in range(cols)], [str(c + 1) for c in range(cols)])
+    position_ax.set_yticks([r * (rows + 1) + (rows - 1) / 2 for r in range(rows)], [str(r + 1) for r in range(rows)])
+    position_ax.set(xlabel="input patch column", ylabel="input patch row", title="position embedding similarity")
+    position_ax.tick_params(length=0)
+    fig.colorbar(image, ax=position_ax, fraction=0.046, pad=0.04, label="cosine similarity")
+
+    layers, heads = distances.shape
+    depth = np.arange(1, layers + 1)
+    for head in range(heads):
+        distance_ax.scatter(depth, distances[:, head], s=18, label=f"head {head + 1}")
+    distance_ax.set(xlabel="network depth (layer)", ylabel="mean attention distance (pixels)")
+    distance_ax.set_title("mean attention distance" + (f" (patch {patch_size} px)" if patch_size else ""))
+    distance_ax.set_xticks(depth if layers <= 12 else depth[::2])
+    distance_ax.set_ylim(bottom=0)
+    if heads <= 16:
+        distance_ax.legend(fontsize="x-small", ncol=2 if heads > 8 else 1, loc="lower right")
+    return save_figure(fig, path, title)
+
+
+def plot_attention_rollout(
+    images,
+    maps,
+    path: str | os.PathLike,
+    captions: Sequence[str] | None = None,
+    title: str | None = None,
+) -> Path:
+    """The paper's Figure 6: each input image `(N, H, W, 3)` in [0, 1] above itself weighted by its attention
+    rollout map `(N, H, W)` (already resized to the image), which is scaled to a maximum of 1 per image."""
+    import numpy as np
+
+    plt = pyplot()
+    images, maps = np.asarray(images, dtype=np.float64), np.asarray(maps, dtype=np.float64)
+    count = len(images)
+    fig, axes = plt.subplots(2, count, figsize=(1.9 * count + 0.6, 4.2), squeeze=False)
+    for index in range(count):
+        weights = maps[index] / max(maps[index].max(), 1e-12)
+        axes[0, index].imshow(images[index], interpolation="nearest")
+        axes[1, index].imshow(images[index] * weights[..., None], interpolation="nearest")
+        if captions is not None:
+            axes[0, index].set_title(captions[index], fontsize="small")
+        for ax in axes[:, index]:
+            ax.set_xticks([])
+            ax.set_yticks([])
+    axes[0, 0].set_ylabel("input")
+    axes[1, 0].set_ylabel("attention")
+    return save_figure(fig, path, title)

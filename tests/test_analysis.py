@@ -15,6 +15,7 @@ from hf_vit import VisionTransformerForImageClassification, VisionTransformerMod
 from hf_vit.analysis import (
     attention_probabilities,
     attention_rollout,
+    attention_summary,
     capture_attention,
     components_as_images,
     mean_attention_distance,
@@ -171,6 +172,9 @@ def test_mean_attention_distance_matches_numpy_on_captured_probabilities():
     distances = mean_attention_distances(model, x, interpolate_pos_encoding=True)
     assert distances.shape == (3, 4)
     torch.testing.assert_close(distances, torch.stack([d.mean(0) for d in per_image]))
+    summary = attention_summary(model, x, interpolate_pos_encoding=True)
+    torch.testing.assert_close(summary.mean_distances, torch.stack(per_image, dim=1))
+    torch.testing.assert_close(summary.rollout, rollout_maps(model, x, interpolate_pos_encoding=True))
 
 
 @pytest.mark.parametrize("classifier, image_size", [("token", 32), ("gap", [16, 32])])
