@@ -77,6 +77,7 @@ def test_saved_folder_carries_auto_map(saved):
         "AutoConfig": "configuration_vit.VisionTransformerConfig",
         "AutoModel": "modeling_vit.VisionTransformerModel",
         "AutoModelForImageClassification": "modeling_vit.VisionTransformerForImageClassification",
+        "AutoBackbone": "modeling_vit.VisionTransformerBackbone",
     }
     processor = json.loads((path / "preprocessor_config.json").read_text())
     assert processor["auto_map"]["AutoImageProcessor"] == "image_processing_vit.VisionTransformerImageProcessor"
