@@ -121,11 +121,16 @@ def test_in_memory_v5_names_are_accepted():
 
 def test_leftover_and_missing_arrays_are_listed(tmp_path):
     state = transformers_model("tiny").state_dict()
-    with pytest.raises(ConversionError, match="mystery"):
-        transformers_to_hf_vit_state_dict({**state, "vit.mystery.weight": torch.zeros(1)})
     incomplete = {k: v for k, v in state.items() if "layers.1.attention.k_proj" not in k}
-    with pytest.raises(ConversionError, match="Block 1"):
-        transformers_to_hf_vit_state_dict(incomplete)
+    with pytest.raises(ConversionError) as error:
+        transformers_to_hf_vit_state_dict({**incomplete, "vit.mystery.weight": torch.zeros(1)})
+    message = str(error.value)  # everything wrong, listed at once, in transformers' (saved) names
+    assert "no place in hf-vit: ['vit.mystery.weight']" in message
+    key = "vit.encoder.layer.1.attention.attention.key"
+    assert f"lacks: ['{key}.bias', '{key}.weight']" in message
+    config = tiny_config(num_labels=7, layer_norm_eps=1e-12, num_hidden_layers=3)  # one block more than the weights
+    with pytest.raises(ConversionError, match=r"lacks: \['vit\.encoder\.layer\.2\.attention\.attention\.key\.bias'"):
+        transformers_to_hf_vit_state_dict(state, config)
 
 
 def test_failed_conversion_writes_nothing(tmp_path):

@@ -1,7 +1,9 @@
-"""Pure state-dict mappings from other checkpoint layouts to hf-vit's, and the folder converters built on them."""
+"""Foreign checkpoint layouts <-> hf-vit: one rename table per layout (`Layout`), read in both directions by one
+engine, one check against the model (`check_state_dict`), and the folder converters built on them."""
 
-from .common import ConversionError, write_converted_folder
+from .common import FUSED_QKV, RENAME, ConversionError, Layout, Transform, check_state_dict, write_converted_folder
 from .jax_npz import (
+    JAX_LAYOUT,
     convert_jax_checkpoint,
     hf_vit_to_npz_arrays,
     infer_config_from_npz,
@@ -9,6 +11,7 @@ from .jax_npz import (
     npz_to_hf_vit_state_dict,
 )
 from .timm_vit import (
+    TIMM_LAYOUT,
     convert_timm_checkpoint,
     hf_vit_to_timm_state_dict,
     infer_config_from_timm,
@@ -16,6 +19,7 @@ from .timm_vit import (
     timm_to_hf_vit_state_dict,
 )
 from .transformers_vit import (
+    TRANSFORMERS_LAYOUT,
     convert_transformers_checkpoint,
     hf_vit_to_transformers_module_state_dict,
     hf_vit_to_transformers_state_dict,
@@ -24,7 +28,15 @@ from .transformers_vit import (
 )
 
 __all__ = [
+    "FUSED_QKV",
+    "JAX_LAYOUT",
+    "RENAME",
+    "TIMM_LAYOUT",
+    "TRANSFORMERS_LAYOUT",
     "ConversionError",
+    "Layout",
+    "Transform",
+    "check_state_dict",
     "convert_jax_checkpoint",
     "convert_timm_checkpoint",
     "convert_transformers_checkpoint",

@@ -1,63 +1,234 @@
-"""What every converter shares: the error type, key checks, and writing a folder only once everything succeeded."""
+"""What every converter shares: a rename table per foreign layout with one engine for both directions, one check of a
+state dict against the model built on the meta device, one error listing every problem, and config helpers.
+
+A layout is a `Layout(name, table)`. Each row of the table is `(source, target)` or `(source, target, transform)`:
+`source` is a key pattern of the foreign layout (or a tuple of them, for arrays fused into one hf-vit weight),
+`target` the hf-vit key pattern, and `transform` a `Transform` turning the source arrays into the hf-vit tensor and
+back (a plain rename without one). Patterns hold `{i}` (a block index) and `{p}` ("weight" or "bias").
+`Layout.to_hf` and `Layout.from_hf` read the same table in opposite directions, so a new layout is one table.
+"""
 
 from __future__ import annotations
 
-import json
-import logging
+import math
 import os
 import re
-import shutil
-import signal
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..configuration_vit import VisionTransformerConfig, _pair
-
-logger = logging.getLogger(__name__)
+from ..configuration_vit import VisionTransformerConfig
+from ..configuration_vit import image_size_field as _image_size_field
+from ..resolution import grid_for, resample_position_embeddings
+from .output import (  # noqa: F401 - re-exported: variants and older imports read them from here
+    OutputFolderError,
+    check_output_dir,
+    write_card,
+    write_converted_folder,
+)
 
 
 class ConversionError(ValueError):
     """A checkpoint cannot be converted; the message lists what is wrong."""
 
 
-def state_dict_problems(
-    converted: Mapping[str, torch.Tensor],
-    reference: Mapping[str, torch.Tensor],
-    leftovers: Iterable[str] = (),
-    name: Callable[[str], str] = str,
-) -> list[str]:
-    """What keeps `converted` from having exactly the keys and shapes of `reference`, with the source arrays left
-    unmapped; hf-vit keys are reported as `name(key)` (e.g. the source checkpoint's own names)."""
-    problems = []
-    leftovers = sorted(leftovers)
-    if leftovers:
-        problems.append(f"source arrays with no place in the model: {leftovers}")
-    missing = sorted(name(key) for key in set(reference) - set(converted))
-    if missing:
-        problems.append(f"arrays the model needs but the checkpoint lacks: {missing}")
-    extra = sorted(name(key) for key in set(converted) - set(reference))
-    if extra:
-        problems.append(f"arrays the model (as configured) has no place for: {extra}")
-    for key in sorted(set(converted) & set(reference)):
-        if tuple(converted[key].shape) != tuple(reference[key].shape):
-            problems.append(
-                f"{name(key)}: shape {tuple(converted[key].shape)} does not fit the model's "
-                f"{tuple(reference[key].shape)}"
-            )
-    return problems
+def raise_problems(what: str, problems: Sequence[str]) -> None:
+    """The one problem report: raise a `ConversionError` listing `problems` (one line each), if there are any."""
+    if problems:
+        raise ConversionError(f"Cannot convert the {what}:\n- " + "\n- ".join(problems))
+
+
+def _listing(leftovers: Iterable[str] = (), missing: Iterable[str] = (), extra: Iterable[str] = ()) -> list[str]:
+    lines = []
+    for label, keys in (
+        ("arrays with no place in hf-vit", leftovers),
+        ("arrays the model needs but the checkpoint lacks", missing),
+        ("arrays the model (as configured) has no place for", extra),
+    ):
+        if keys := sorted(keys):
+            lines.append(f"{label}: {keys}")
+    return lines
+
+
+# --- Rename tables ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Transform:
+    """How the source arrays of one table row become the hf-vit tensor (`to_hf(*arrays)`) and back
+    (`from_hf(tensor, config)`, a tuple in the row's source order; `config` gives what the tensor does not record,
+    e.g. the number of heads, and may be None where nothing is needed)."""
+
+    to_hf: Callable[..., torch.Tensor]
+    from_hf: Callable[[torch.Tensor, Any], tuple[torch.Tensor, ...]]
+
+
+RENAME = Transform(lambda x: x, lambda x, config: (x,))
+# Separate query, key and value projections <-> hf-vit's fused `qkv`, rows [q; k; v]. The parts are cloned so that
+# they do not share storage (safetensors refuses shared tensors).
+FUSED_QKV = Transform(
+    lambda q, k, v: torch.cat([q, k, v]), lambda qkv, config: tuple(part.clone() for part in qkv.chunk(3))
+)
+_PLACEHOLDERS = {"i": r"\d+", "p": "weight|bias"}
+
+
+def _compile(pattern: str) -> re.Pattern:
+    pieces = re.split(r"\{(\w+)\}", pattern)  # literal, placeholder, literal, ...
+    return re.compile(
+        "".join(
+            f"(?P<{piece}>{_PLACEHOLDERS[piece]})" if n % 2 else re.escape(piece) for n, piece in enumerate(pieces)
+        )
+    )
+
+
+@dataclass(frozen=True)
+class _Row:
+    sources: tuple[str, ...]
+    target: str
+    transform: Transform
+    source_patterns: tuple[re.Pattern, ...]
+    target_pattern: re.Pattern
+
+
+class Layout:
+    """A foreign checkpoint layout as one rename table (see the module docstring), read in both directions."""
+
+    def __init__(self, name: str, table: Sequence[tuple]):
+        self.name = name
+        self.rows = []
+        for source, target, *transform in table:
+            sources = (source,) if isinstance(source, str) else tuple(source)
+            patterns = tuple(_compile(s) for s in sources)
+            self.rows.append(_Row(sources, target, transform[0] if transform else RENAME, patterns, _compile(target)))
+        for side in ([s for row in self.rows for s in row.sources], [row.target for row in self.rows]):
+            if twice := sorted({pattern for pattern in side if side.count(pattern) > 1}):
+                raise ValueError(f"{name}: key patterns {twice} appear twice in the table; its inverse is ambiguous.")
+
+    def _find(self, key: str) -> tuple[int, int, dict[str, str]] | None:
+        """(row, part, placeholder values) of a source key, or None when no row places it."""
+        for index, row in enumerate(self.rows):
+            for part, pattern in enumerate(row.source_patterns):
+                if match := pattern.fullmatch(key):
+                    return index, part, match.groupdict()
+        return None
+
+    def places(self, key: str) -> bool:
+        """Whether a row of the table matches the source key `key`."""
+        return self._find(key) is not None
+
+    def to_hf(
+        self,
+        source: Mapping[str, torch.Tensor],
+        config: VisionTransformerConfig | None = None,
+        problems: Sequence[str] = (),
+    ) -> dict[str, torch.Tensor]:
+        """`source` under hf-vit's names. With `config`, `source` must first pass `check_state_dict`; without it, only
+        arrays no row places and incomplete fused groups are reported. `problems` (the format's own findings) are
+        reported with them, in one `ConversionError`."""
+        if config is not None:
+            check_state_dict(source, config, self, problems)
+        groups: dict[tuple[int, tuple], dict[int, torch.Tensor]] = {}
+        leftovers = []
+        for key, value in source.items():
+            found = self._find(key)
+            if found is None:
+                leftovers.append(key)
+                continue
+            index, part, values = found
+            groups.setdefault((index, tuple(sorted(values.items()))), {})[part] = value
+        out, missing = {}, []
+        for (index, values), parts in groups.items():
+            row, values = self.rows[index], dict(values)
+            if len(parts) < len(row.sources):
+                missing += [s.format(**values) for n, s in enumerate(row.sources) if n not in parts]
+            else:
+                arrays = [parts[n] for n in range(len(row.sources))]
+                out[row.target.format(**values)] = row.transform.to_hf(*arrays).contiguous()
+        raise_problems(self.name, [*problems, *_listing(leftovers, missing)])
+        return out
+
+    def from_hf(
+        self, state_dict: Mapping[str, torch.Tensor], config: VisionTransformerConfig | None = None
+    ) -> dict[str, torch.Tensor]:
+        """hf-vit weights under this layout's names (the inverse of `to_hf`); works on meta tensors too."""
+        out, unplaced = {}, []
+        for key, value in state_dict.items():
+            found = next(((row, m) for row in self.rows if (m := row.target_pattern.fullmatch(key))), None)
+            if found is None:
+                unplaced.append(key)
+                continue
+            row, match = found
+            parts = row.transform.from_hf(value, config)
+            out.update((s.format(**match.groupdict()), p.contiguous()) for s, p in zip(row.sources, parts))
+        if unplaced:
+            raise ConversionError(f"The {self.name} layout has no place for the hf-vit weights {sorted(unplaced)}.")
+        return out
 
 
 def check_state_dict(
-    converted: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], leftovers: Iterable[str] = ()
+    state_dict: Mapping[str, Any],
+    config: VisionTransformerConfig,
+    layout: Layout | None = None,
+    problems: Sequence[str] = (),
 ) -> None:
-    """Raise `ConversionError` unless `converted` has exactly the keys and shapes of `reference` and nothing was left
-    unmapped in the source."""
-    problems = state_dict_problems(converted, reference, leftovers)
-    if problems:
-        raise ConversionError("Cannot convert the checkpoint:\n- " + "\n- ".join(problems))
+    """Raise one `ConversionError` unless `state_dict` holds exactly the floating-point arrays, with their shapes, of
+    `config`'s classification model (built on the meta device, so nothing is allocated).
+
+    `state_dict` is in `layout`'s names (hf-vit's own without one), and so is every problem reported: arrays no row
+    places, arrays the model lacks or has no place for as configured, non-float arrays and shape mismatches. The
+    format's own `problems` come first in the same report.
+    """
+    from ..modeling_vit import VisionTransformerForImageClassification
+
+    with torch.device("meta"):
+        expected = VisionTransformerForImageClassification(config).state_dict()
+    if layout is not None:
+        expected = layout.from_hf(expected, config)
+    placed = {key for key in state_dict if layout is None or layout.places(key)}
+    lines = [*problems, *_listing(set(state_dict) - placed, set(expected) - set(state_dict), placed - set(expected))]
+    for key in sorted(placed & set(expected)):
+        value, shape = state_dict[key], tuple(expected[key].shape)
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            lines.append(f"{key}: {getattr(value, 'dtype', type(value).__name__)} is not a floating point array")
+        elif tuple(value.shape) != shape:
+            lines.append(f"{key}: shape {tuple(value.shape)} does not fit the model's {shape}")
+    raise_problems(layout.name if layout is not None else "state dict", lines)
+
+
+def resample_positions(
+    source: Mapping[str, torch.Tensor], key: str, config: VisionTransformerConfig, mode: str
+) -> dict[str, torch.Tensor]:
+    """`source` with its position embeddings `source[key]` (a renamed, `(1, prefix + n*n, D)` array) resampled to
+    `config`'s grid when the checkpoint was trained at another square grid; anything else is left for the check."""
+    out = dict(source)
+    pos, prefix = out.get(key), config.num_prefix_tokens
+    if isinstance(pos, torch.Tensor) and pos.ndim == 3 and pos.shape[0] == 1 and pos.shape[2] == config.hidden_size:
+        side = square_side(pos.shape[1] - prefix)
+        if side and pos.shape[1] != prefix + config.num_patches:
+            out[key] = resample_position_embeddings(pos, (side, side), config.grid_size, prefix, mode).contiguous()
+    return out
+
+
+# --- Config inference helpers ----------------------------------------------------------------------------------------
+
+
+def square_side(n: int) -> int | None:
+    """The side of a square grid of `n` positions, or None when `n` is not a positive square."""
+    side = math.isqrt(n) if n > 0 else 0
+    return side if side and side * side == n else None
+
+
+def count_blocks(keys: Iterable[str], pattern: re.Pattern, problems: list[str]) -> int:
+    """The number of Transformer blocks among `keys` (`pattern`'s first group is the index); gaps in 0..L-1 are added
+    to `problems`."""
+    indices = sorted({int(m.group(1)) for key in keys if (m := pattern.match(key))})
+    gaps = sorted(set(range(indices[-1] + 1)) - set(indices)) if indices else []
+    if gaps:
+        problems.append(f"the encoder blocks are not numbered 0..L-1: blocks {gaps} are missing")
+    return len(indices)
 
 
 def load_preset(preset: str) -> VisionTransformerConfig:
@@ -69,12 +240,12 @@ def load_preset(preset: str) -> VisionTransformerConfig:
 
 
 def image_size_field(image_size: int | Sequence[int]) -> int | list[int]:
-    """`image_size` as a config field: an int for a square size, else `[height, width]`."""
+    """`image_size` as a config field (an int for a square size, else `[height, width]`), errors as
+    `ConversionError`."""
     try:
-        height, width = _pair(list(image_size) if not isinstance(image_size, int) else image_size, "image_size")
+        return _image_size_field(image_size)
     except ValueError as error:
         raise ConversionError(str(error)) from error
-    return height if height == width else [height, width]
 
 
 def preset_mismatches(fields: Mapping[str, object], preset_config: VisionTransformerConfig, preset: str) -> list[str]:
@@ -84,6 +255,15 @@ def preset_mismatches(fields: Mapping[str, object], preset_config: VisionTransfo
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "patch_size")
         if name in fields and fields[name] != getattr(preset_config, name)
     ]
+
+
+def check_grid_size(config: VisionTransformerConfig, where: str | None = None) -> None:
+    """Refuse a patch grid `hf_vit.resolution.grid_for` refuses (beyond its bound of positions) before anything of
+    that size is allocated; `where` names the file the size came from."""
+    try:
+        grid_for(config.image_size, config.patch_size)
+    except ValueError as error:
+        raise ConversionError(f"{where}: {error}" if where else str(error)) from error
 
 
 def build_config(
@@ -98,308 +278,6 @@ def build_config(
         raise ConversionError(f"The checkpoint's shapes do not make a valid model: {error}") from error
     check_grid_size(config)
     return config
-
-
-# --- Output folders -------------------------------------------------------------------------------------------------
-#
-# What the project writes into a model folder meant for sharing (converted checkpoints, resolution variants, the final
-# model of a training run): `save_pretrained`'s weights, config and code files, the processor config, the model card,
-# the metrics and the curves. `--overwrite` replaces a folder only when everything in it is on this list and its
-# config.json is hf-vit's: a folder holding anything else (a sub-folder, a symlink, any other file) is refused,
-# because replacing it would delete what the project did not write.
-SAVED_FILE_NAMES = frozenset(
-    {
-        "config.json",
-        "preprocessor_config.json",
-        "model.safetensors",
-        "model.safetensors.index.json",
-        "README.md",
-        "all_results.json",
-        "train_results.json",
-        "eval_results.json",
-        "test_results.json",
-        "trainer_state.json",
-        "training_args.bin",
-        "training_curves.png",
-        "pretraining_curves.png",
-        "main_job.json",
-    }
-)
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-# Sibling folders of a target `out`: `.out.hf-vit-staging-<pid>-<random>` (the new result being written) and
-# `.out.hf-vit-old-<pid>` (the old result moved aside while the new one is moved in).
-_STAGING, _ASIDE = "hf-vit-staging", "hf-vit-old"
-# Test-only: the name of a step at which the process kills itself (SIGKILL), to check what a crash there leaves.
-CRASH_ENV = "HF_VIT_TEST_CRASH_AT"
-# The largest position table accepted: a 256x256 grid of patches (e.g. 4096x4096 pixels at patch 16). Beyond it the
-# position embeddings alone take gigabytes (100000x100000 at patch 16 would need 120 GB) and attention is infeasible.
-MAX_PATCH_POSITIONS = 65536
-
-
-class OutputFolderError(FileExistsError, ValueError):
-    """An output folder cannot be written or replaced; the message names the path that blocks it and what to do."""
-
-
-def code_file_names() -> frozenset[str]:
-    """The hf-vit modules `save_pretrained` may copy beside a checkpoint as remote code."""
-    package = Path(__file__).resolve().parents[1]
-    return frozenset(path.name for path in package.glob("*.py") if path.name != "__init__.py")
-
-
-def is_saved_file_name(name: str) -> bool:
-    """Whether a file called `name` is one hf-vit writes into a model folder."""
-    return name in SAVED_FILE_NAMES or bool(_SHARD_NAME.fullmatch(name)) or name in code_file_names()
-
-
-def check_grid_size(config: VisionTransformerConfig, what: str = "image_size") -> None:
-    """Refuse a patch grid beyond `MAX_PATCH_POSITIONS` before anything of that size is allocated."""
-    rows, cols = config.grid_size
-    if rows * cols > MAX_PATCH_POSITIONS:
-        height, width = config.image_hw
-        raise ConversionError(
-            f"{what} {height}x{width} gives a {rows}x{cols} grid of {config.patch_size}x{config.patch_size} patches "
-            f"({rows * cols} positions); hf-vit accepts at most {MAX_PATCH_POSITIONS} patch positions (a 256x256 "
-            f"grid, e.g. {256 * config.patch_size}x{256 * config.patch_size} at this patch size). "
-            f"Choose a smaller {what}."
-        )
-
-
-def check_replaceable(folder: Path) -> None:
-    """Raise `OutputFolderError` unless `folder` is one hf-vit wrote: an hf-vit config.json and only the files hf-vit
-    writes (`SAVED_FILE_NAMES`, weight shards, the code files), no sub-folders, no symlinks."""
-    config = folder / "config.json"
-    hint = "Move it away, delete it yourself, or choose another --output."
-    if not config.is_file() or config.is_symlink():
-        raise OutputFolderError(
-            f"--overwrite only replaces a folder hf-vit wrote, and {folder} has no config.json of an hf-vit model. "
-            + hint
-        )
-    try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError) as error:
-        raise OutputFolderError(
-            f"{config} is not a readable JSON object ({error}); {folder} is left alone. {hint}"
-        ) from error
-    if model_type != VisionTransformerConfig.model_type:
-        raise OutputFolderError(
-            f"{config} has model_type {model_type!r}, not hf-vit's {VisionTransformerConfig.model_type!r}: "
-            f"--overwrite only replaces a folder hf-vit wrote, so {folder} is left alone. {hint}"
-        )
-    for entry in sorted(folder.iterdir()):
-        if entry.is_symlink() or entry.is_dir() or not is_saved_file_name(entry.name):
-            kind = "symlink" if entry.is_symlink() else "folder" if entry.is_dir() else "file"
-            raise OutputFolderError(
-                f"{entry} is a {kind} hf-vit never writes into a model folder; --overwrite would delete it, so "
-                f"{folder} is left alone. {hint}"
-            )
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def clean_leftovers(target: Path) -> list[str]:
-    """Tidy what a killed run left beside `target`; returns what was done, one line each.
-
-    An aside folder (`.<name>.hf-vit-old-<pid>`) of a dead process is the complete old result: it is moved back when
-    the target is missing (the run died between its two renames), else deleted (the new result is in place). Staging
-    folders of dead processes are deleted. Folders of live processes are left to them.
-    """
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.({_STAGING}|{_ASIDE})-(\d+)(-[A-Za-z0-9_]+)?")
-    if not target.parent.is_dir():
-        return []
-    found = []
-    for entry in target.parent.iterdir():
-        match = pattern.fullmatch(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink() and not _pid_alive(int(match.group(2))):
-            found.append((match.group(1), entry))
-    done = []
-    # Newest aside first: the one a restore should bring back.
-    for kind, entry in sorted(found, key=lambda item: (item[0] != _ASIDE, -item[1].stat().st_mtime)):
-        if kind == _ASIDE and not target.exists():
-            os.rename(entry, target)
-            done.append(f"restored {target} from {entry.name}, left by a run that was killed while replacing it")
-        else:
-            shutil.rmtree(entry)
-            done.append(f"removed {entry}, left by a killed run")
-    for line in done:
-        logger.warning(line)
-    return done
-
-
-def _check_writable(target: Path) -> None:
-    """Fail now, before any work, when the folder that will hold `target` cannot be written to."""
-    ancestor = target.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise OutputFolderError(f"{ancestor} is a file, so {target} cannot be created there; choose another --output.")
-    # An existing empty target receives the files itself (see `_install`), so it must be writable too.
-    folders = [ancestor] + ([target] if target.is_dir() and not any(target.iterdir()) else [])
-    for folder in folders:
-        try:  # a real probe: permissions alone do not show read-only mounts, and root ignores them
-            os.rmdir(tempfile.mkdtemp(prefix=f".{target.name}.{_STAGING}-{os.getpid()}-", dir=folder))
-        except OSError as error:
-            raise OutputFolderError(
-                f"cannot write to {folder} ({error.strerror or error}), so {target} cannot be written; choose a "
-                "writable --output."
-            ) from error
-
-
-def _overlap(source: Path, target: Path) -> str | None:
-    if source == target:
-        return "is the input"
-    if target in source.parents:
-        return "contains the input"
-    if source in target.parents:
-        return "lies inside the input folder"
-    return None
-
-
-def check_output_dir(
-    output_dir: str | os.PathLike, overwrite: bool = False, inputs: Iterable[str | os.PathLike] = ()
-) -> Path:
-    """`output_dir` as an absolute Path, checked before any work is done; else `OutputFolderError`.
-
-    It must not be, contain, or lie inside any of `inputs`; it must be a folder (or not exist yet) in a writable
-    place; a non-empty folder needs `overwrite` and must be one hf-vit wrote (see `check_replaceable`). Leftovers of
-    a killed earlier run beside it are cleaned first (see `clean_leftovers`).
-    """
-    target = Path(output_dir).expanduser().resolve()
-    if target == target.parent:
-        raise OutputFolderError(f"{output_dir} is the filesystem root; choose a folder for the output.")
-    for source in inputs:
-        problem = _overlap(Path(source).expanduser().resolve(), target)
-        if problem:
-            raise OutputFolderError(
-                f"The output folder {target} {problem} ({source}); writing there could destroy the input. Choose an "
-                "--output outside the input."
-            )
-    clean_leftovers(target)
-    if target.exists() and not target.is_dir():
-        raise OutputFolderError(f"{target} is a file, not a folder; --output names the folder to write the model to.")
-    if target.is_dir() and any(target.iterdir()):
-        if not overwrite:
-            raise OutputFolderError(
-                f"{target} exists and is not empty; choose another folder or pass --overwrite (overwrite=True from "
-                "Python) to replace a folder hf-vit wrote."
-            )
-        check_replaceable(target)
-    _check_writable(target)
-    return target
-
-
-def _crash_point(step: str) -> None:
-    if os.environ.get(CRASH_ENV) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _install(staging: Path, target: Path) -> None:
-    """Put the complete folder `staging` at `target` so that one complete result exists at every instant."""
-    if not target.exists():
-        os.rename(staging, target)
-        return
-    if not any(target.iterdir()):
-        # An empty folder stays (it may be the user's working directory); config.json last, so an interrupted move
-        # leaves no folder that looks like a complete model.
-        for entry in sorted(staging.iterdir(), key=lambda path: path.name == "config.json"):
-            os.rename(entry, target / entry.name)
-        return
-    check_replaceable(target)  # again: it may have changed while the conversion ran
-    # Replacing the working directory (`--output . --overwrite`) moves it aside; this process follows the path to the
-    # new folder (a shell sitting there needs `cd .`).
-    in_target = Path.cwd() == target
-    aside = target.parent / f".{target.name}.{_ASIDE}-{os.getpid()}"
-    os.rename(target, aside)
-    _crash_point("aside")
-    try:
-        os.rename(staging, target)
-    except OSError:
-        os.rename(aside, target)
-        raise
-    if in_target:
-        os.chdir(target)
-    _crash_point("replaced")
-    shutil.rmtree(aside)
-
-
-def write_converted_folder(
-    save: Callable[[Path], None],
-    output_dir: str | os.PathLike,
-    overwrite: bool = False,
-    inputs: Iterable[str | os.PathLike] = (),
-) -> Path:
-    """Call `save(staging_dir)` and move the result to `output_dir` only if it returns without error; returns the
-    absolute output path.
-
-    The output is checked first (`check_output_dir`). The new folder is written to a staging folder beside the target;
-    an existing target is renamed aside, the new one renamed in, then the old one deleted: at every instant one
-    complete result is at or beside the target, and a failed conversion leaves the target as it was.
-    """
-    inputs = list(inputs)
-    target = check_output_dir(output_dir, overwrite, inputs)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.{_STAGING}-{os.getpid()}-", dir=target.parent))
-    try:
-        save(staging)
-        _crash_point("staged")
-        _install(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    return target
-
-
-def write_card(
-    folder: str | os.PathLike,
-    model,
-    *,
-    base_model: str,
-    summary: str,
-    recipe: str,
-    resolution_note: str | None = None,
-    repo_id: str | None = None,
-    metrics: Mapping[str, object] | None = None,
-    dataset_name: str | None = None,
-    output_name: str | None = None,
-) -> Path:
-    """Write the model card of a folder the project made from `base_model` (a Hub id or a plain name, never a local
-    path). Without `dataset_name` no data set is claimed in the metadata; `output_name` is the folder's final name
-    (`folder` may be a staging folder), used for the repo id when none is given."""
-    from ..hub import render_model_card
-
-    unknown = "not measured"
-    card = render_model_card(
-        model,
-        dict(metrics or {}),
-        task="finetune",
-        dataset_name=dataset_name or unknown,
-        repo_id=repo_id or f"hf-vit/{output_name or Path(folder).name}",
-        base_model=base_model,
-        summary=summary,
-        recipe=recipe,
-        resolution_note=resolution_note,
-        results_note=(
-            f"Measured on the {dataset_name} {dict(metrics or {}).get('eval_split', 'test')} split by hf-vit when it "
-            "wrote this folder."
-            if dataset_name
-            else "No metrics were measured for this folder; see the base model for its results."
-        ),
-    )
-    if not dataset_name:
-        card.data.datasets = None
-        card.text = card.text.replace(f"- Data: `{unknown}`.", "- Data: as for the base model.")
-    path = Path(folder) / "README.md"
-    card.save(path)
-    return path
 
 
 def save_converted_model(
@@ -424,8 +302,8 @@ def save_converted_model(
 
     inputs = [source] if source is not None else []
     target = check_output_dir(output_dir, overwrite, inputs)  # fail before building anything
+    check_state_dict(state_dict, config)
     model = VisionTransformerForImageClassification(config)
-    check_state_dict(state_dict, model.state_dict())
     model.load_state_dict(state_dict, strict=True)
     model.eval()
     base_model = base_model or (Path(source).expanduser().resolve().name if source is not None else None)

@@ -45,35 +45,98 @@ Two choices to know about:
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..configuration_vit import VisionTransformerConfig
-from ..resolution import resample_position_embeddings
 from .common import (
     ConversionError,
+    Layout,
+    Transform,
     build_config,
     check_output_dir,
+    check_state_dict,
+    count_blocks,
     image_size_field,
     load_preset,
     preset_mismatches,
+    resample_positions,
     save_converted_model,
+    square_side,
 )
 
 POS_KEY = "Transformer/posembed_input/pos_embedding"
-_BLOCK = "Transformer/encoderblock_{i}/"
-_ATTN = "MultiHeadDotProductAttention_1"
-_MLP = "MlpBlock_3"
+
+
+def _heads(config: VisionTransformerConfig | None) -> int:
+    if config is None:
+        raise ConversionError("Writing the JAX layout needs the config: its kernels are split by attention head.")
+    return config.num_attention_heads
+
+
+# Flax kernels are (in, out) and split by head; hf-vit's are torch's (out, in), heads flattened.
+CONV = Transform(lambda k: k.permute(3, 2, 0, 1), lambda w, config: (w.permute(2, 3, 1, 0),))  # HWIO <-> OIHW
+DENSE = Transform(lambda k: k.T, lambda w, config: (w.T,))
+QKV_KERNEL = Transform(  # 3 x (D, heads, head_dim) <-> rows [q; k; v] of (3 D, D)
+    lambda *kernels: torch.cat([k.flatten(1).T for k in kernels]),
+    lambda w, config: tuple(part.T.unflatten(1, (_heads(config), -1)) for part in w.chunk(3)),
+)
+QKV_BIAS = Transform(  # 3 x (heads, head_dim) <-> (3 D,)
+    lambda *biases: torch.cat([b.flatten() for b in biases]),
+    lambda b, config: tuple(part.unflatten(0, (_heads(config), -1)) for part in b.chunk(3)),
+)
+OUT_KERNEL = Transform(  # (heads, head_dim, D) <-> (D, D)
+    lambda k: k.flatten(0, 1).T, lambda w, config: (w.T.unflatten(0, (_heads(config), -1)),)
+)
+
+_B, _H = "Transformer/encoderblock_{i}/", "vit.layers.{i}."
+_ATTN, _MLP = _B + "MultiHeadDotProductAttention_1/", _B + "MlpBlock_3/"
+
+
+def _qkv(name: str) -> tuple[str, str, str]:
+    return tuple(f"{_ATTN}{part}/{name}" for part in ("query", "key", "value"))
+
+
+JAX_LAYOUT = Layout(
+    "JAX .npz checkpoint",
+    [
+        ("embedding/kernel", "vit.embeddings.patch_embedding.weight", CONV),
+        ("embedding/bias", "vit.embeddings.patch_embedding.bias"),
+        ("cls", "vit.embeddings.cls_token"),
+        (POS_KEY, "vit.embeddings.position_embedding"),
+        (_B + "LayerNorm_0/scale", _H + "norm1.weight"),
+        (_B + "LayerNorm_0/bias", _H + "norm1.bias"),
+        (_qkv("kernel"), _H + "attention.qkv.weight", QKV_KERNEL),
+        (_qkv("bias"), _H + "attention.qkv.bias", QKV_BIAS),
+        (_ATTN + "out/kernel", _H + "attention.proj.weight", OUT_KERNEL),
+        (_ATTN + "out/bias", _H + "attention.proj.bias"),
+        (_B + "LayerNorm_2/scale", _H + "norm2.weight"),
+        (_B + "LayerNorm_2/bias", _H + "norm2.bias"),
+        (_MLP + "Dense_0/kernel", _H + "mlp.fc1.weight", DENSE),
+        (_MLP + "Dense_0/bias", _H + "mlp.fc1.bias"),
+        (_MLP + "Dense_1/kernel", _H + "mlp.fc2.weight", DENSE),
+        (_MLP + "Dense_1/bias", _H + "mlp.fc2.bias"),
+        ("Transformer/encoder_norm/scale", "vit.norm.weight"),
+        ("Transformer/encoder_norm/bias", "vit.norm.bias"),
+        ("pre_logits/kernel", "pre_logits.weight", DENSE),
+        ("pre_logits/bias", "pre_logits.bias"),
+        ("head/kernel", "classifier.weight", DENSE),
+        ("head/bias", "classifier.bias"),
+    ],
+)
+
 # big_vision numbers the sub-modules of a block from 0 per type; vit_jax numbers them in order of creation.
-_BIG_VISION_RENAMES = {"MultiHeadDotProductAttention_0": _ATTN, "LayerNorm_1": "LayerNorm_2", "MlpBlock_0": _MLP}
-_BLOCK_KEY = re.compile(r"^Transformer/encoderblock_(\d+)/([^/]+)/(.+)$")
+_BIG_VISION_RENAMES = {
+    "/MultiHeadDotProductAttention_0/": "/MultiHeadDotProductAttention_1/",
+    "/LayerNorm_1/": "/LayerNorm_2/",
+    "/MlpBlock_0/": "/MlpBlock_3/",
+}
+_BLOCK_KEY = re.compile(r"^Transformer/encoderblock_(\d+)/")
 # The paper's defaults for what the arrays do not say.
 PAPER_DEFAULTS = {"layer_norm_eps": 1e-6, "hidden_act": "gelu", "hidden_dropout_prob": 0.0}
 # Hints for arrays of other models, shown when they are found.
@@ -84,10 +147,6 @@ _FOREIGN_HINTS = (
     ("block1/", "ResNet stages (hybrid R50+ViT), which hf-vit does not have"),
     ("LayerScale", "LayerScale, which hf-vit does not have"),
 )
-
-
-def _is_square(n: int) -> bool:
-    return n > 0 and math.isqrt(n) ** 2 == n
 
 
 def _not_a_vit(keys: Sequence[str]) -> ConversionError:
@@ -131,16 +190,12 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
                 "with scan=True); this layout is not supported. Unstack them into 'Transformer/encoderblock_<i>/'."
             )
         raise _not_a_vit(list(arrays))
-    big_vision = "pos_embedding" in out or any(
-        (m := _BLOCK_KEY.match(k)) and m.group(2) == "MultiHeadDotProductAttention_0" for k in out
-    )
-    if big_vision:
+    if "pos_embedding" in out or any("/MultiHeadDotProductAttention_0/" in k for k in out):  # big_vision
         renamed = {}
         for key, value in out.items():
-            match = _BLOCK_KEY.match(key)
-            if match:
-                index, module, rest = match.groups()
-                key = f"Transformer/encoderblock_{index}/{_BIG_VISION_RENAMES.get(module, module)}/{rest}"
+            if _BLOCK_KEY.match(key):
+                for old, new in _BIG_VISION_RENAMES.items():
+                    key = key.replace(old, new)
             renamed[key] = value
         out = renamed
     for old in ("pos_embedding", "Transformer/pos_embedding"):  # big_vision, and its pre-2022 place
@@ -148,112 +203,17 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             out[POS_KEY] = out.pop(old)
     pos = out.get(POS_KEY)
     if "cls" in out and isinstance(pos, np.ndarray) and pos.ndim == 3:
-        if _is_square(pos.shape[1]) and not _is_square(pos.shape[1] - 1):
+        if square_side(pos.shape[1]) and not square_side(pos.shape[1] - 1):
             # The class token was added after the position embedding: give it a zero position (exact).
             out[POS_KEY] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)
     return out
 
 
-@dataclass(frozen=True)
-class _Entry:
-    """Some npz arrays and the hf-vit weight they make; `kind` says how."""
-
-    npz_keys: tuple[str, ...]
-    npz_shapes: tuple[tuple[int, ...], ...]
-    hf_key: str
-    kind: str  # copy | conv | dense | qkv_kernel | qkv_bias | out_kernel
-
-
-def _entries(config: VisionTransformerConfig) -> list[_Entry]:
-    """Every hf-vit weight of `config`'s classification model with its npz arrays and their expected shapes."""
-    d, h, m = config.hidden_size, config.num_attention_heads, config.intermediate_size
-    hd, p, c = d // h, config.patch_size, config.num_channels
-    out = [
-        _Entry(("embedding/kernel",), ((p, p, c, d),), "vit.embeddings.patch_embedding.weight", "conv"),
-        _Entry(("embedding/bias",), ((d,),), "vit.embeddings.patch_embedding.bias", "copy"),
-    ]
-    if config.classifier == "token":
-        out.append(_Entry(("cls",), ((1, 1, d),), "vit.embeddings.cls_token", "copy"))
-    positions = config.num_prefix_tokens + config.num_patches
-    out.append(_Entry((POS_KEY,), ((1, positions, d),), "vit.embeddings.position_embedding", "copy"))
-
-    def ln(npz: str, hf: str) -> list[_Entry]:
-        return [
-            _Entry((f"{npz}/{n}",), ((d,),), f"{hf}.{w}", "copy") for n, w in (("scale", "weight"), ("bias", "bias"))
-        ]
-
-    def dense(npz: str, hf: str, n_in: int, n_out: int) -> list[_Entry]:
-        return [
-            _Entry((f"{npz}/kernel",), ((n_in, n_out),), f"{hf}.weight", "dense"),
-            _Entry((f"{npz}/bias",), ((n_out,),), f"{hf}.bias", "copy"),
-        ]
-
-    for i in range(config.num_hidden_layers):
-        npz, hf = _BLOCK.format(i=i), f"vit.layers.{i}."
-        attn = f"{npz}{_ATTN}/"
-        out += ln(f"{npz}LayerNorm_0", f"{hf}norm1")
-        qkv = tuple(f"{attn}{n}" for n in ("query", "key", "value"))
-        out.append(
-            _Entry(tuple(f"{k}/kernel" for k in qkv), ((d, h, hd),) * 3, f"{hf}attention.qkv.weight", "qkv_kernel")
-        )
-        if config.qkv_bias:
-            out.append(_Entry(tuple(f"{k}/bias" for k in qkv), ((h, hd),) * 3, f"{hf}attention.qkv.bias", "qkv_bias"))
-        out.append(_Entry((f"{attn}out/kernel",), ((h, hd, d),), f"{hf}attention.proj.weight", "out_kernel"))
-        out.append(_Entry((f"{attn}out/bias",), ((d,),), f"{hf}attention.proj.bias", "copy"))
-        out += ln(f"{npz}LayerNorm_2", f"{hf}norm2")
-        out += dense(f"{npz}{_MLP}/Dense_0", f"{hf}mlp.fc1", d, m)
-        out += dense(f"{npz}{_MLP}/Dense_1", f"{hf}mlp.fc2", m, d)
-    out += ln("Transformer/encoder_norm", "vit.norm")
-    width = d
-    if config.representation_size is not None:
-        out += dense("pre_logits", "pre_logits", d, config.representation_size)
-        width = config.representation_size
-    if config.num_labels > 0:
-        out += dense("head", "classifier", width, config.num_labels)
-    return out
-
-
-def _to_hf(kind: str, arrays: list[np.ndarray]) -> torch.Tensor:
-    if kind == "copy":
-        value = arrays[0]
-    elif kind == "conv":  # HWIO -> OIHW
-        value = arrays[0].transpose(3, 2, 0, 1)
-    elif kind == "dense":  # (in, out) -> (out, in)
-        value = arrays[0].T
-    elif kind == "qkv_kernel":  # 3 x (D, heads, head_dim) -> rows [q; k; v] of (out, in)
-        value = np.concatenate([a.reshape(a.shape[0], -1).T for a in arrays], axis=0)
-    elif kind == "qkv_bias":  # 3 x (heads, head_dim) -> (3 D,)
-        value = np.concatenate([a.reshape(-1) for a in arrays])
-    elif kind == "out_kernel":  # (heads, head_dim, D) -> (out D, in heads * head_dim)
-        value = arrays[0].reshape(-1, arrays[0].shape[-1]).T
-    else:
-        raise AssertionError(kind)
-    return torch.from_numpy(np.ascontiguousarray(value))
-
-
-def _to_npz(kind: str, tensor: torch.Tensor, shapes: tuple[tuple[int, ...], ...]) -> list[np.ndarray]:
-    t = tensor.detach().cpu()
-    value = (t.float() if t.dtype == torch.bfloat16 else t).numpy()
-    if kind == "copy":
-        parts = [value]
-    elif kind == "conv":
-        parts = [value.transpose(2, 3, 1, 0)]
-    elif kind == "dense":
-        parts = [value.T]
-    elif kind == "qkv_kernel":
-        parts = [chunk.T.reshape(shape) for chunk, shape in zip(np.split(value, 3, axis=0), shapes)]
-    elif kind == "qkv_bias":
-        parts = [chunk.reshape(shape) for chunk, shape in zip(np.split(value, 3), shapes)]
-    elif kind == "out_kernel":
-        parts = [value.T.reshape(shapes[0])]
-    else:
-        raise AssertionError(kind)
-    return [np.ascontiguousarray(p) for p in parts]
-
-
-def _hints(keys: Sequence[str]) -> str:
-    found = [hint for pattern, hint in _FOREIGN_HINTS if any(pattern in k for k in keys)]
-    return f" (these look like {'; '.join(found)})" if found else ""
+def _tensor(value):
+    """A float array as a tensor sharing its memory; anything else as it is (the check reports it)."""
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        return torch.from_numpy(value if value.flags.writeable else value.copy())
+    return value
 
 
 def npz_to_hf_vit_state_dict(
@@ -266,41 +226,11 @@ def npz_to_hf_vit_state_dict(
     `ConversionError` lists all the problems at once. When `config`'s patch grid differs from the checkpoint's (square)
     grid, the position embeddings are resampled in 2D (`resize_mode`, see the module docstring).
     """
-    source = canonical_arrays(arrays)
-    entries = _entries(config)
-    expected = {k: s for e in entries for k, s in zip(e.npz_keys, e.npz_shapes)}
-    problems = []
-    extra = sorted(set(source) - set(expected))
-    if extra:
-        problems.append(f"arrays with no place in the model: {extra}{_hints(extra)}")
-    missing = sorted(set(expected) - set(source))
-    if missing:
-        problems.append(f"arrays the model needs but the checkpoint lacks: {missing}")
-    old_grid = None
-    for key in sorted(set(expected) & set(source)):
-        value = source[key]
-        if not isinstance(value, np.ndarray) or value.dtype.kind != "f":
-            kind = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
-            problems.append(f"{key}: {kind} is not a floating point array")
-            continue
-        shape = tuple(value.shape)
-        if key == POS_KEY and shape != expected[key]:
-            prefix, dim = config.num_prefix_tokens, config.hidden_size
-            if len(shape) == 3 and shape[0] == 1 and shape[2] == dim and _is_square(shape[1] - prefix):
-                side = math.isqrt(shape[1] - prefix)
-                old_grid = (side, side)  # another resolution: resampled below
-                continue
-        if shape != expected[key]:
-            problems.append(f"{key}: shape {shape} does not fit the model's {expected[key]}")
-    if problems:
-        raise ConversionError("Cannot convert the checkpoint:\n- " + "\n- ".join(problems))
-    out = {e.hf_key: _to_hf(e.kind, [source[k] for k in e.npz_keys]) for e in entries}
-    if old_grid is not None:
-        key = "vit.embeddings.position_embedding"
-        out[key] = resample_position_embeddings(
-            out[key], old_grid, config.grid_size, config.num_prefix_tokens, mode=resize_mode
-        ).contiguous()
-    return out
+    source = {key: _tensor(value) for key, value in canonical_arrays(arrays).items()}
+    source = resample_positions(source, POS_KEY, config, resize_mode)
+    hints = [hint for pattern, hint in _FOREIGN_HINTS if any(pattern in key for key in source)]
+    problems = [f"some arrays look like {'; '.join(hints)}"] if hints else []
+    return JAX_LAYOUT.to_hf(source, config, problems)
 
 
 def hf_vit_to_npz_arrays(
@@ -308,17 +238,9 @@ def hf_vit_to_npz_arrays(
 ) -> dict[str, np.ndarray]:
     """The inverse of `npz_to_hf_vit_state_dict` (at the checkpoint's own resolution): an hf-vit classification state
     dict as the arrays of a `vit_jax` `.npz` file (save them with `np.savez(path, **arrays)`)."""
-    entries = _entries(config)
-    extra = sorted(set(state_dict) - {e.hf_key for e in entries})
-    missing = sorted({e.hf_key for e in entries} - set(state_dict))
-    if extra or missing:
-        raise ConversionError(
-            f"The state dict does not fit the config: unexpected weights {extra}, missing weights {missing}."
-        )
-    out = {}
-    for e in entries:
-        out.update(zip(e.npz_keys, _to_npz(e.kind, state_dict[e.hf_key], e.npz_shapes)))
-    return out
+    check_state_dict(state_dict, config)
+    arrays = JAX_LAYOUT.from_hf({k: v.detach().cpu() for k, v in state_dict.items()}, config)
+    return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in arrays.items()}
 
 
 def infer_config_from_npz(
@@ -356,18 +278,15 @@ def infer_config_from_npz(
         if kernel[0] != kernel[1]:
             problems.append(f"embedding/kernel {kernel}: non-square {kernel[0]}x{kernel[1]} patches are not supported")
         fields.update(patch_size=kernel[0], num_channels=kernel[2], hidden_size=kernel[3])
-    indices = sorted({int(m.group(1)) for k in source if (m := _BLOCK_KEY.match(k))})
-    fields["num_hidden_layers"] = len(indices)
-    if indices != list(range(len(indices))):
-        gaps = sorted(set(range(indices[-1] + 1)) - set(indices))
-        problems.append(f"the encoder blocks are not numbered 0..L-1: blocks {gaps} are missing")
-    query = shape_of(f"{_BLOCK.format(i=0)}{_ATTN}/query/kernel", 3)
+    fields["num_hidden_layers"] = count_blocks(source, _BLOCK_KEY, problems)
+    attention, mlp = _ATTN.format(i=0), _MLP.format(i=0)
+    query = shape_of(attention + "query/kernel", 3)
     if query is not None:
         fields["num_attention_heads"] = query[1]
-    mlp = shape_of(f"{_BLOCK.format(i=0)}{_MLP}/Dense_0/kernel", 2)
-    if mlp is not None:
-        fields["intermediate_size"] = mlp[1]
-    fields["qkv_bias"] = f"{_BLOCK.format(i=0)}{_ATTN}/query/bias" in source
+    dense = shape_of(mlp + "Dense_0/kernel", 2)
+    if dense is not None:
+        fields["intermediate_size"] = dense[1]
+    fields["qkv_bias"] = attention + "query/bias" in source
     fields["classifier"] = "token" if "cls" in source else "gap"
     fields["representation_size"] = None
     if "pre_logits/kernel" in source:
@@ -382,8 +301,8 @@ def infer_config_from_npz(
         pos = shape_of(POS_KEY, 3)
         if pos is not None and kernel is not None:
             patches = pos[1] - (1 if fields["classifier"] == "token" else 0)
-            if _is_square(patches):
-                fields["image_size"] = math.isqrt(patches) * kernel[0]
+            if side := square_side(patches):
+                fields["image_size"] = side * kernel[0]
             else:
                 problems.append(f"{POS_KEY} {pos}: {patches} patch positions are not a square grid; pass image_size")
     else:

@@ -23,7 +23,6 @@ standard heads of the width (Ti 192: 3, S 384: 6, B 768: 12, L 1024: 16, H 1280:
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -32,40 +31,39 @@ from pathlib import Path
 import torch
 
 from ..configuration_vit import MODEL_SIZES, VisionTransformerConfig
-from ..resolution import resample_position_embeddings
 from .common import (
     ConversionError,
+    Layout,
     build_config,
     check_output_dir,
+    count_blocks,
     image_size_field,
     load_preset,
     preset_mismatches,
+    resample_positions,
     save_converted_model,
-    state_dict_problems,
+    square_side,
 )
 
-_TOP_KEYS = {
-    "patch_embed.proj.weight": "vit.embeddings.patch_embedding.weight",
-    "patch_embed.proj.bias": "vit.embeddings.patch_embedding.bias",
-    "cls_token": "vit.embeddings.cls_token",
-    "pos_embed": "vit.embeddings.position_embedding",
-    "norm.weight": "vit.norm.weight",
-    "norm.bias": "vit.norm.bias",
-    "pre_logits.fc.weight": "pre_logits.weight",
-    "pre_logits.fc.bias": "pre_logits.bias",
-    "head.weight": "classifier.weight",
-    "head.bias": "classifier.bias",
-}
-_BLOCK_KEYS = {
-    "norm1": "norm1",
-    "attn.qkv": "attention.qkv",
-    "attn.proj": "attention.proj",
-    "norm2": "norm2",
-    "mlp.fc1": "mlp.fc1",
-    "mlp.fc2": "mlp.fc2",
-}
-_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)\.(weight|bias)$")
-_HF_BLOCK = re.compile(r"^vit\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_B, _H = "blocks.{i}.", "vit.layers.{i}."
+TIMM_LAYOUT = Layout(
+    "timm checkpoint",
+    [
+        ("patch_embed.proj.{p}", "vit.embeddings.patch_embedding.{p}"),
+        ("cls_token", "vit.embeddings.cls_token"),
+        ("pos_embed", "vit.embeddings.position_embedding"),
+        (_B + "norm1.{p}", _H + "norm1.{p}"),
+        (_B + "attn.qkv.{p}", _H + "attention.qkv.{p}"),
+        (_B + "attn.proj.{p}", _H + "attention.proj.{p}"),
+        (_B + "norm2.{p}", _H + "norm2.{p}"),
+        (_B + "mlp.fc1.{p}", _H + "mlp.fc1.{p}"),
+        (_B + "mlp.fc2.{p}", _H + "mlp.fc2.{p}"),
+        ("norm.{p}", "vit.norm.{p}"),
+        ("pre_logits.fc.{p}", "pre_logits.{p}"),
+        ("head.{p}", "classifier.{p}"),
+    ],
+)
+_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
 # timm features hf-vit does not have, by the arrays that reveal them.
 _UNSUPPORTED = (
     (r"^reg_token$", "register tokens (reg_token)"),
@@ -84,45 +82,32 @@ TIMM_DEFAULTS = {"layer_norm_eps": 1e-6, "hidden_act": "gelu"}
 _STANDARD_HEADS = {dims["hidden_size"]: dims["num_attention_heads"] for dims in MODEL_SIZES.values()}
 
 
-def _is_square(n: int) -> bool:
-    return n > 0 and math.isqrt(n) ** 2 == n
-
-
-def _unsupported(keys) -> tuple[list[str], set[str]]:
-    """Descriptions of the timm features hf-vit lacks that `keys` reveal, and the keys they explain."""
-    found, explained = [], set()
-    for pattern, what in _UNSUPPORTED:
-        hits = sorted(k for k in keys if re.search(pattern, k))
-        if hits:
-            found.append(f"{what}: {hits[:4]}{' ...' if len(hits) > 4 else ''}")
-            explained.update(hits)
-    return found, explained
-
-
-def _layout_problems(state_dict: Mapping[str, torch.Tensor]) -> list[str]:
-    """Problems that make the timm model compute something hf-vit cannot, whatever the config."""
-    problems = []
+def _timm_problems(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[str], set[str]]:
+    """What makes the timm model compute something hf-vit cannot, whatever the config, and the keys that explains."""
+    problems, explained = [], set()
     if "fc_norm.weight" in state_dict and "norm.weight" not in state_dict:
         problems.append(
             "the model has fc_norm and no norm: timm average-pools the tokens and then applies fc_norm, while "
             "hf-vit applies its final LayerNorm to every token before pooling, a different function; this layout "
             "is unsupported"
         )
-    pos, cls = state_dict.get("pos_embed"), state_dict.get("cls_token")
-    if cls is not None and pos is not None and pos.ndim == 3:
-        if _is_square(pos.shape[1]) and not _is_square(pos.shape[1] - 1):
+        explained = {key for key in state_dict if key.startswith("fc_norm.")}
+    pos = state_dict.get("pos_embed")
+    if "cls_token" in state_dict and pos is not None and pos.ndim == 3:
+        if square_side(pos.shape[1]) and not square_side(pos.shape[1] - 1):
             problems.append(
                 f"pos_embed {tuple(pos.shape)} has no position for the class token (timm no_embed_class=True); "
                 "unsupported"
             )
-    return problems
-
-
-def _timm_name(hf_key: str) -> str:
-    try:
-        return next(iter(hf_vit_to_timm_state_dict({hf_key: None})))
-    except ConversionError:
-        return hf_key
+    found, keys = [], [key for key in state_dict if key not in explained]
+    for pattern, what in _UNSUPPORTED:
+        hits = sorted(key for key in keys if re.search(pattern, key))
+        if hits:
+            found.append(f"{what}: {hits[:4]}{' ...' if len(hits) > 4 else ''}")
+            explained.update(hits)
+    if found:
+        problems.append("timm features hf-vit does not have: " + "; ".join(found))
+    return problems, explained
 
 
 def timm_to_hf_vit_state_dict(
@@ -132,62 +117,22 @@ def timm_to_hf_vit_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Map a timm ViT state dict to hf-vit names.
 
-    With `config`, the result is also checked against `config`'s classification model (every weight present, with its
-    shape) and the position embeddings are resampled in 2D when the checkpoint's square grid differs from `config`'s
-    (`resize_mode`, timm's default "bicubic"). Raises `ConversionError` listing every problem at once.
+    With `config`, the state dict is also checked against `config`'s classification model (every weight present, with
+    its shape) and the position embeddings are resampled in 2D when the checkpoint's square grid differs from
+    `config`'s (`resize_mode`, timm's default "bicubic"). Raises `ConversionError` listing every problem at once.
     """
-    problems = _layout_problems(state_dict)
-    out: dict[str, torch.Tensor] = {}
-    unmapped = []
-    for key, value in state_dict.items():
-        if key in _TOP_KEYS:
-            out[_TOP_KEYS[key]] = value
-            continue
-        match = _BLOCK.match(key)
-        if match and match.group(2) in _BLOCK_KEYS:
-            index, name, kind = match.groups()
-            out[f"vit.layers.{index}.{_BLOCK_KEYS[name]}.{kind}"] = value
-        else:
-            unmapped.append(key)
-    unsupported, explained = _unsupported([k for k in unmapped if not (problems and k.startswith("fc_norm."))])
-    if unsupported:
-        problems.append("timm features hf-vit does not have: " + "; ".join(unsupported))
-    leftovers = sorted(k for k in unmapped if k not in explained and not (problems and k.startswith("fc_norm.")))
-    if leftovers:
-        problems.append(f"arrays with no place in hf-vit: {leftovers}")
+    problems, explained = _timm_problems(state_dict)
+    source = {key: value for key, value in state_dict.items() if key not in explained}
     if config is not None:
-        from ..modeling_vit import VisionTransformerForImageClassification
-
-        key = "vit.embeddings.position_embedding"
-        pos = out.get(key)
-        prefix, expected = config.num_prefix_tokens, config.num_prefix_tokens + config.num_patches
-        if pos is not None and pos.ndim == 3 and pos.shape[1] != expected and _is_square(pos.shape[1] - prefix):
-            side = math.isqrt(pos.shape[1] - prefix)
-            if pos.shape[2] == config.hidden_size:
-                out[key] = resample_position_embeddings(pos, (side, side), config.grid_size, prefix, resize_mode)
-        with torch.device("meta"):
-            reference = VisionTransformerForImageClassification(config).state_dict()
-        problems += state_dict_problems(out, reference, name=_timm_name)
-    if problems:
-        raise ConversionError("Cannot convert the timm checkpoint:\n- " + "\n- ".join(problems))
-    return out
+        source = resample_positions(source, "pos_embed", config, resize_mode)
+    return TIMM_LAYOUT.to_hf(source, config, problems)
 
 
-def hf_vit_to_timm_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_vit_to_timm_state_dict(
+    state_dict: Mapping[str, torch.Tensor], config: VisionTransformerConfig | None = None
+) -> dict[str, torch.Tensor]:
     """The inverse of `timm_to_hf_vit_state_dict`: hf-vit names to timm's `VisionTransformer` names."""
-    top = {v: k for k, v in _TOP_KEYS.items()}
-    block = {v: k for k, v in _BLOCK_KEYS.items()}
-    out = {}
-    for key, value in state_dict.items():
-        if key in top:
-            out[top[key]] = value
-            continue
-        match = _HF_BLOCK.match(key)
-        if match is None or match.group(2) not in block:
-            raise ConversionError(f"timm's VisionTransformer has no place for the hf-vit weight {key!r}.")
-        index, name, kind = match.groups()
-        out[f"blocks.{index}.{block[name]}.{kind}"] = value
-    return out
+    return TIMM_LAYOUT.from_hf(state_dict, config)
 
 
 def _global_pool(timm_config: Mapping | None) -> str | None:
@@ -209,10 +154,8 @@ def infer_config_from_timm(
     `timm_config` is timm's `config.json` (as a dict), when there is one. The image size comes from the
     position-embedding grid unless `image_size` is given; the preset's resolution is not used, its sizes must match.
     """
-    problems = _layout_problems(state_dict)
-    unsupported, _ = _unsupported([k for k in state_dict if not (problems and k.startswith("fc_norm."))])
-    if unsupported:
-        problems.append("timm features hf-vit does not have: " + "; ".join(unsupported))
+    timm_problems, _ = _timm_problems(state_dict)
+    problems = list(timm_problems)
     fields = {}
     weight = state_dict.get("patch_embed.proj.weight")
     if weight is None or weight.ndim != 4:
@@ -224,12 +167,9 @@ def infer_config_from_timm(
     if patch != patch_w:
         problems.append(f"patch_embed.proj.weight {tuple(weight.shape)}: non-square patches are not supported")
     fields.update(hidden_size=width, num_channels=channels, patch_size=patch)
-    indices = sorted({int(m.group(1)) for k in state_dict if (m := _BLOCK.match(k))})
-    if not indices:
+    fields["num_hidden_layers"] = count_blocks(state_dict, _BLOCK_KEY, problems)
+    if not fields["num_hidden_layers"]:
         raise ConversionError("This timm state dict has no Transformer blocks ('blocks.<i>.*').")
-    fields["num_hidden_layers"] = len(indices)
-    if indices != list(range(len(indices))):
-        problems.append(f"blocks are not numbered 0..L-1: blocks {sorted(set(range(indices[-1])) - set(indices))}")
     fc1 = state_dict.get("blocks.0.mlp.fc1.weight")
     if fc1 is None:
         problems.append("blocks.0.mlp.fc1.weight is missing")
@@ -267,9 +207,9 @@ def infer_config_from_timm(
         prefix = 1 if fields["classifier"] == "token" else 0
         if pos is None or pos.ndim != 3:
             problems.append("pos_embed is missing (or not 3-D); pass image_size")
-        elif _is_square(pos.shape[1] - prefix):
-            fields["image_size"] = math.isqrt(pos.shape[1] - prefix) * patch
-        elif not unsupported and not any("no_embed_class" in problem for problem in problems):
+        elif side := square_side(pos.shape[1] - prefix):
+            fields["image_size"] = side * patch
+        elif not timm_problems:  # else those problems already say why the grid is not square
             problems.append(
                 f"pos_embed {tuple(pos.shape)}: the patch positions are not a square grid; pass image_size"
             )

@@ -8,136 +8,81 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from ..configuration_vit import VisionTransformerConfig
-from .common import ConversionError, check_grid_size, check_output_dir, save_converted_model
+from .common import FUSED_QKV, ConversionError, Layout, check_grid_size, check_output_dir, save_converted_model
 
-# (pattern in the saved transformers layout, hf-vit name); `{i}` is the block index.
-_BLOCK_KEYS = {
-    "layernorm_before": "norm1",
-    "attention.output.dense": "attention.proj",
-    "layernorm_after": "norm2",
-    "intermediate.dense": "mlp.fc1",
-    "output.dense": "mlp.fc2",
-}
-_TOP_KEYS = {
-    "vit.embeddings.cls_token": "vit.embeddings.cls_token",
-    "vit.embeddings.position_embeddings": "vit.embeddings.position_embedding",
-    "vit.embeddings.patch_embeddings.projection.weight": "vit.embeddings.patch_embedding.weight",
-    "vit.embeddings.patch_embeddings.projection.bias": "vit.embeddings.patch_embedding.bias",
-    "vit.layernorm.weight": "vit.norm.weight",
-    "vit.layernorm.bias": "vit.norm.bias",
-    "classifier.weight": "classifier.weight",
-    "classifier.bias": "classifier.bias",
-    "vit.pooler.dense.weight": "pre_logits.weight",
-    "vit.pooler.dense.bias": "pre_logits.bias",
-}
-# transformers v5 in-memory names -> the saved layout.
-_V5_RENAMES = [
-    (r"^vit\.layers\.(\d+)\.", r"vit.encoder.layer.\1."),
-    (r"\.attention\.q_proj\.", ".attention.attention.query."),
-    (r"\.attention\.k_proj\.", ".attention.attention.key."),
-    (r"\.attention\.v_proj\.", ".attention.attention.value."),
-    (r"\.attention\.o_proj\.", ".attention.output.dense."),
-    (r"\.mlp\.fc1\.", ".intermediate.dense."),
-    (r"\.mlp\.fc2\.", ".output.dense."),
-]
-_BLOCK = re.compile(r"^vit\.encoder\.layer\.(\d+)\.(.+)\.(weight|bias)$")
+_L, _H = "vit.encoder.layer.{i}.", "vit.layers.{i}."
+_QKV = tuple(f"{_L}attention.attention.{part}.{{p}}" for part in ("query", "key", "value"))
+TRANSFORMERS_LAYOUT = Layout(  # the saved layout
+    "transformers ViT checkpoint",
+    [
+        ("vit.embeddings.cls_token", "vit.embeddings.cls_token"),
+        ("vit.embeddings.position_embeddings", "vit.embeddings.position_embedding"),
+        ("vit.embeddings.patch_embeddings.projection.{p}", "vit.embeddings.patch_embedding.{p}"),
+        (_L + "layernorm_before.{p}", _H + "norm1.{p}"),
+        (_QKV, _H + "attention.qkv.{p}", FUSED_QKV),
+        (_L + "attention.output.dense.{p}", _H + "attention.proj.{p}"),
+        (_L + "layernorm_after.{p}", _H + "norm2.{p}"),
+        (_L + "intermediate.dense.{p}", _H + "mlp.fc1.{p}"),
+        (_L + "output.dense.{p}", _H + "mlp.fc2.{p}"),
+        ("vit.layernorm.{p}", "vit.norm.{p}"),
+        ("vit.pooler.dense.{p}", "pre_logits.{p}"),
+        ("classifier.{p}", "classifier.{p}"),
+    ],
+)
+# transformers v5 renames these fragments of the saved names in memory (`ViTForImageClassification.state_dict()`);
+# applied in this order, each direction is one pass.
+_IN_MEMORY_NAMES = (
+    ("vit.encoder.layer.", "vit.layers."),
+    ("attention.attention.query.", "attention.q_proj."),
+    ("attention.attention.key.", "attention.k_proj."),
+    ("attention.attention.value.", "attention.v_proj."),
+    ("attention.output.dense.", "attention.o_proj."),
+    ("intermediate.dense.", "mlp.fc1."),
+    ("output.dense.", "mlp.fc2."),
+)
 
 
 def _saved_layout(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers ViT state dict under the saved layout's names, whichever names it came with."""
     out = {}
     for key, value in state_dict.items():
         if not key.startswith(("vit.", "classifier.")):
             key = f"vit.{key}"  # a bare ViTModel saves without the prefix
-        for pattern, replacement in _V5_RENAMES:
-            key = re.sub(pattern, replacement, key)
+        for saved, in_memory in _IN_MEMORY_NAMES:
+            key = key.replace(in_memory, saved)
         out[key] = value
     return out
 
 
-def transformers_to_hf_vit_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map a transformers ViT state dict to hf-vit names; query, key and value are fused into one `qkv` projection.
+def transformers_to_hf_vit_state_dict(
+    state_dict: dict[str, torch.Tensor], config: VisionTransformerConfig | None = None
+) -> dict[str, torch.Tensor]:
+    """Map a transformers ViT state dict (saved or v5 in-memory names) to hf-vit names; query, key and value are
+    fused into one `qkv` projection.
 
-    Raises `ConversionError` listing every array it cannot place.
+    Raises `ConversionError` listing every array it cannot place and every part of a fused weight that is missing;
+    with `config`, also every weight `config`'s model needs that is missing or has another shape.
     """
-    source = _saved_layout(state_dict)
-    out: dict[str, torch.Tensor] = {}
-    qkv: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    leftovers = []
-    for key, value in source.items():
-        if key in _TOP_KEYS:
-            out[_TOP_KEYS[key]] = value
-            continue
-        match = _BLOCK.match(key)
-        if match is None:
-            leftovers.append(key)
-            continue
-        index, name, kind = match.groups()
-        if name.startswith("attention.attention."):
-            qkv.setdefault((int(index), kind), {})[name.rsplit(".", 1)[-1]] = value
-        elif name in _BLOCK_KEYS:
-            out[f"vit.layers.{index}.{_BLOCK_KEYS[name]}.{kind}"] = value
-        else:
-            leftovers.append(key)
-    for (index, kind), parts in sorted(qkv.items()):
-        if set(parts) != {"query", "key", "value"}:
-            raise ConversionError(
-                f"Block {index} has attention {kind} for {sorted(parts)} only; need query, key, value."
-            )
-        out[f"vit.layers.{index}.attention.qkv.{kind}"] = torch.cat([parts["query"], parts["key"], parts["value"]])
-    if leftovers:
-        raise ConversionError(f"Cannot place these transformers ViT arrays in hf-vit: {sorted(leftovers)}")
-    return out
+    return TRANSFORMERS_LAYOUT.to_hf(_saved_layout(state_dict), config)
 
 
 def hf_vit_to_transformers_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The inverse of `transformers_to_hf_vit_state_dict`: hf-vit names to the saved transformers ViT layout."""
-    top = {v: k for k, v in _TOP_KEYS.items()}
-    block = {v: k for k, v in _BLOCK_KEYS.items()}
-    out = {}
-    for key, value in state_dict.items():
-        if key in top:
-            out[top[key]] = value
-            continue
-        match = re.match(r"^vit\.layers\.(\d+)\.(.+)\.(weight|bias)$", key)
-        if match is None:
-            raise ConversionError(f"transformers' ViT has no place for the hf-vit weight {key!r}.")
-        index, name, kind = match.groups()
-        prefix = f"vit.encoder.layer.{index}"
-        if name == "attention.qkv":
-            for part, chunk in zip(("query", "key", "value"), value.chunk(3, dim=0)):
-                out[f"{prefix}.attention.attention.{part}.{kind}"] = chunk.clone()
-        elif name in block:
-            out[f"{prefix}.{block[name]}.{kind}"] = value
-        else:
-            raise ConversionError(f"transformers' ViT has no place for the hf-vit weight {key!r}.")
-    return out
-
-
-# The saved layout -> transformers v5's in-memory names (what `ViTForImageClassification.load_state_dict` takes).
-_IN_MEMORY_NAMES = [
-    ("vit.encoder.layer.", "vit.layers."),
-    ("attention.attention.query", "attention.q_proj"),
-    ("attention.attention.key", "attention.k_proj"),
-    ("attention.attention.value", "attention.v_proj"),
-    ("attention.output.dense", "attention.o_proj"),
-    ("intermediate.dense", "mlp.fc1"),
-    ("output.dense", "mlp.fc2"),
-]
+    return TRANSFORMERS_LAYOUT.from_hf(state_dict)
 
 
 def hf_vit_to_transformers_module_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """hf-vit weights under the names a transformers v5 `ViTForImageClassification` module has in memory."""
     out = {}
     for key, value in hf_vit_to_transformers_state_dict(state_dict).items():
-        for old, new in _IN_MEMORY_NAMES:
-            key = key.replace(old, new)
+        for saved, in_memory in _IN_MEMORY_NAMES:
+            key = key.replace(saved, in_memory)
         out[key] = value
     return out
 
@@ -246,10 +191,10 @@ def convert_transformers_checkpoint(
         if isinstance(error, ConversionError):
             raise
         raise ConversionError(f"{config_path} does not describe a model hf-vit can build: {error}") from error
-    check_grid_size(config, f"image_size in {config_path}")
+    check_grid_size(config, str(config_path))
     if not has_classifier:
         config.num_labels = 0
-    state_dict = transformers_to_hf_vit_state_dict(source)
+    state_dict = transformers_to_hf_vit_state_dict(source, config)
     processor = _processor_from_transformers(input_dir, config.image_hw)
     return save_converted_model(
         config, state_dict, processor, output_dir, overwrite,
