@@ -27,8 +27,9 @@ AugReg release ("How to train your ViT?", Ti/S/B/L), both written by `vit_jax`. 
   position embedding at the top level as `pos_embedding`). big_vision adds the position embedding *before* it
   prepends the class token, so its class token has no position: a zero position is prepended, which is exact.
 
-`npz_to_hf_vit_state_dict` and `hf_vit_to_npz_arrays` only permute and reshape, so a round trip is bitwise exact;
-`hf_vit_to_npz_arrays` always writes the `vit_jax` layout above.
+`JAX_LAYOUT` maps these names to hf-vit's; its transforms only permute, reshape and concatenate, so a round trip
+(`npz_to_hf_vit_state_dict`, `hf_vit_to_npz_arrays`) is bitwise exact; `hf_vit_to_npz_arrays` always writes the
+`vit_jax` layout above.
 
 Two choices to know about:
 

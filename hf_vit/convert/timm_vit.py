@@ -1,10 +1,7 @@
 """timm's `vision_transformer.VisionTransformer` state dicts <-> hf-vit.
 
-timm names (its attention already fuses query, key and value as rows [q; k; v], the layout hf-vit uses):
-
-    patch_embed.proj.{weight,bias}    cls_token    pos_embed    blocks.{i}.norm1    blocks.{i}.attn.qkv
-    blocks.{i}.attn.proj    blocks.{i}.norm2    blocks.{i}.mlp.fc1    blocks.{i}.mlp.fc2    norm    head
-    pre_logits.fc.{weight,bias}   (older timm: the representation layer, dense + tanh)
+`TIMM_LAYOUT` is the whole mapping: a rename, since timm's attention already fuses query, key and value as rows
+[q; k; v] as hf-vit does. `pre_logits.fc` is older timm's representation layer (dense + tanh).
 
 Supported: class-token models with token pooling, and models without a class token that apply `norm` to every token
 before average pooling (`class_token=False, global_pool="avg", fc_norm=False`). Rejected with a `ConversionError`,
