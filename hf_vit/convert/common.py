@@ -4,8 +4,9 @@ state dict against the model built on the meta device, one error listing every p
 A layout is a `Layout(name, table)`. Each row of the table is `(source, target)` or `(source, target, transform)`:
 `source` is a key pattern of the foreign layout (or a tuple of them, for arrays fused into one hf-vit weight),
 `target` the hf-vit key pattern, and `transform` a `Transform` turning the source arrays into the hf-vit tensor and
-back (a plain rename without one). Patterns hold `{i}` (a block index) and `{p}` ("weight" or "bias").
-`Layout.to_hf` and `Layout.from_hf` read the same table in opposite directions, so a new layout is one table.
+back (a plain rename without one). In patterns `{p}` is "weight" or "bias" and any other `{name}` an index (digits),
+e.g. `{i}` for the block. `Layout.to_hf` and `Layout.from_hf` read the same table in opposite directions, so a new
+layout is one table.
 """
 
 from __future__ import annotations
@@ -72,14 +73,16 @@ RENAME = Transform(lambda x: x, lambda x, config: (x,))
 FUSED_QKV = Transform(
     lambda q, k, v: torch.cat([q, k, v]), lambda qkv, config: tuple(part.clone() for part in qkv.chunk(3))
 )
-_PLACEHOLDERS = {"i": r"\d+", "p": "weight|bias"}
+# `{p}` is a parameter's name; any other placeholder an index (a block, or a stage and unit of a ResNet stem).
+_PLACEHOLDERS = {"p": "weight|bias"}
 
 
 def _compile(pattern: str) -> re.Pattern:
     pieces = re.split(r"\{(\w+)\}", pattern)  # literal, placeholder, literal, ...
     return re.compile(
         "".join(
-            f"(?P<{piece}>{_PLACEHOLDERS[piece]})" if n % 2 else re.escape(piece) for n, piece in enumerate(pieces)
+            f"(?P<{piece}>{_PLACEHOLDERS.get(piece, '[0-9]+')})" if n % 2 else re.escape(piece)
+            for n, piece in enumerate(pieces)
         )
     )
 
