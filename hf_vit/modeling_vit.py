@@ -78,7 +78,7 @@ def check_pixel_values(
             f"Image size {height}x{width} is not divisible by the patch size {config.patch_size}; "
             "resize or crop the images to a multiple of it."
         )
-    if (height, width) != config.image_hw and not interpolate_pos_encoding:
+    if not interpolate_pos_encoding and (height, width) != config.image_hw:
         raise ValueError(
             f"Image size {height}x{width} differs from the model's {config.image_hw[0]}x{config.image_hw[1]}. Pass "
             "`interpolate_pos_encoding=True` to interpolate the position embeddings to the new size, or resize "

@@ -56,7 +56,7 @@ def resample_position_embeddings(
     """Resample `(1, prefix + old_h * old_w, D)` position embeddings to `new_grid`, keeping the prefix tokens'.
 
     Interpolation runs in float32 so that bf16/fp16 models resample as accurately as fp32 ones; the same grid
-    returns the input itself.
+    returns the input itself (except while exporting a graph: see below).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
@@ -67,7 +67,9 @@ def resample_position_embeddings(
             f"{old_grid[1]} grid with {num_prefix_tokens} prefix token(s) (expected (1, {expected}, D)); the "
             "checkpoint's config does not describe its weights."
         )
-    if tuple(old_grid) == tuple(new_grid):
+    # The same grid needs no resampling; an exported graph resamples always (a bicubic or bilinear resize to the same
+    # size is the identity), since the shortcut would freeze the grid it was traced at into the graph.
+    if not torch.compiler.is_exporting() and tuple(old_grid) == tuple(new_grid):
         return position_embedding
     prefix, patches = position_embedding[:, :num_prefix_tokens], position_embedding[:, num_prefix_tokens:]
     dim = patches.shape[-1]

@@ -1,0 +1,91 @@
+"""Export: torch.export and ONNX graphs that take any batch and any patch-divisible size (the position embeddings
+resampled inside the graph), checked against eager PyTorch, with onnxruntime for ONNX."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+
+from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor, VisionTransformerModel
+from hf_vit.export import check_onnx, export, export_program
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def classifier(**overrides):
+    torch.manual_seed(0)
+    return VisionTransformerForImageClassification(tiny_config(zero_init_head=False, **overrides)).eval()
+
+
+@pytest.mark.parametrize("classifier_type", ["token", "gap"])
+def test_torch_export_is_right_at_every_size(classifier_type):
+    model = classifier(classifier=classifier_type)
+    program = export_program(model).module()
+    # the native 32x32 (where eager PyTorch skips the resampling), non-square sizes, batch 1 and 3
+    for shape in [(2, 3, 32, 32), (1, 3, 32, 32), (3, 3, 48, 24), (1, 3, 16, 40)]:
+        pixels = torch.randn(*shape)
+        with torch.no_grad():
+            expected = model(pixels, interpolate_pos_encoding=True).logits
+        torch.testing.assert_close(program(pixels), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_onnx_matches_pytorch_at_two_sizes_one_non_square(tmp_path):
+    model = classifier()
+    path = export(model, tmp_path / "vit.onnx")
+    differences = check_onnx(path, model, [(32, 32), (48, 24)], batch=3)
+    print("onnxruntime vs PyTorch:", differences)
+    assert set(differences) == {"32x32", "48x24"} and max(differences.values()) < 1e-4
+
+
+def test_onnx_of_the_encoder_outputs_tokens_and_pooled(tmp_path):
+    import onnxruntime
+
+    torch.manual_seed(0)
+    encoder = VisionTransformerModel(tiny_config()).eval()
+    path = export(encoder, tmp_path / "encoder.onnx")
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["last_hidden_state", "pooler_output"]
+    pixels = torch.randn(1, 3, 40, 24)
+    tokens, pooled = session.run(None, {"pixel_values": pixels.numpy()})
+    with torch.no_grad():
+        expected = encoder(pixels, interpolate_pos_encoding=True)
+    assert tokens.shape == (1, 1 + 5 * 3, 32)
+    np.testing.assert_allclose(pooled, expected.pooler_output.numpy(), atol=1e-5)
+
+
+def test_export_keeps_an_existing_file_unless_told(tmp_path):
+    model = classifier()
+    existing = tmp_path / "vit.onnx"
+    existing.write_bytes(b"mine")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export(model, existing)
+    assert existing.read_bytes() == b"mine"
+    with pytest.raises(IsADirectoryError):
+        export(model, tmp_path)
+    export(model, existing, overwrite=True)
+    assert existing.read_bytes() != b"mine" and [p.name for p in tmp_path.iterdir()] == ["vit.onnx"]
+
+
+def test_export_script(tmp_path):
+    model = classifier()
+    model.save_pretrained(tmp_path / "model")
+    VisionTransformerImageProcessor(size=32).save_pretrained(tmp_path / "model")
+    script = [sys.executable, str(ROOT / "scripts" / "export.py"), "--model", str(tmp_path / "model")]
+    done = subprocess.run(script + ["--output", str(tmp_path / "vit.onnx")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "onnxruntime vs PyTorch" in done.stdout and "32x32" in done.stdout and "48x24" in done.stdout
+    program = subprocess.run(
+        script + ["--format", "torch_export", "--output", str(tmp_path / "vit.pt2")], capture_output=True, text=True
+    )
+    assert program.returncode == 0, program.stderr[-3000:]
+    loaded = torch.export.load(tmp_path / "vit.pt2").module()
+    pixels = torch.randn(2, 3, 24, 40)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(pixels), model(pixels, interpolate_pos_encoding=True).logits)
+    again = subprocess.run(script + ["--output", str(tmp_path / "vit.onnx")], capture_output=True, text=True)
+    assert again.returncode == 2 and "Loading" not in again.stderr  # refused before the model is loaded
+    assert again.stderr.startswith("error:") and "--overwrite" in again.stderr
