@@ -142,23 +142,28 @@ def plot_attention_rollout(
     captions: Sequence[str] | None = None,
     title: str | None = None,
 ) -> Path:
-    """The paper's Figure 6: each input image `(N, H, W, 3)` in [0, 1] above itself weighted by its attention
-    rollout map `(N, H, W)` (already resized to the image), which is scaled to a maximum of 1 per image."""
+    """The paper's Figure 6 for `(N, H, W, 3)` images in [0, 1] and their attention rollout maps `(N, H, W)` (already
+    resized to the images), one column per image: the input, the map (scaled to a maximum of 1 per image), and the
+    input weighted by the map as the paper shows it."""
     import numpy as np
 
     plt = pyplot()
     images, maps = np.asarray(images, dtype=np.float64), np.asarray(maps, dtype=np.float64)
     count = len(images)
-    fig, axes = plt.subplots(2, count, figsize=(1.9 * count + 0.6, 4.2), squeeze=False)
+    height, width = images.shape[1:3]
+    side = 1.8
+    figsize = (side * count * max(width / height, 0.5) + 0.8, side * 3 * max(height / width, 0.5) + 0.8)
+    fig, axes = plt.subplots(3, count, figsize=figsize, squeeze=False)
     for index in range(count):
         weights = maps[index] / max(maps[index].max(), 1e-12)
         axes[0, index].imshow(images[index], interpolation="nearest")
-        axes[1, index].imshow(images[index] * weights[..., None], interpolation="nearest")
+        axes[1, index].imshow(weights, cmap="inferno", vmin=0, vmax=1, interpolation="nearest")
+        axes[2, index].imshow(images[index] * weights[..., None], interpolation="nearest")
         if captions is not None:
             axes[0, index].set_title(captions[index], fontsize="small")
         for ax in axes[:, index]:
             ax.set_xticks([])
             ax.set_yticks([])
-    axes[0, 0].set_ylabel("input")
-    axes[1, 0].set_ylabel("attention")
+    for ax, label in zip(axes[:, 0], ("input", "rollout", "input x rollout")):
+        ax.set_ylabel(label)
     return save_figure(fig, path, title)

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
-from hf_vit import VisionTransformerImageProcessor, VisionTransformerModel
+from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.analysis import (
     HEAD_FUSIONS,
     attention_summary,
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--num_images must be at least 1")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = VisionTransformerModel.from_pretrained(args.model).eval().to(device)
+    # The classification class loads encoder-only folders too (only a head may be missing), without a load report.
+    model = VisionTransformerForImageClassification.from_pretrained(args.model).eval().to(device)
     if args.bf16:
         model = model.to(torch.bfloat16)
     processor = VisionTransformerImageProcessor.from_pretrained(args.model)
