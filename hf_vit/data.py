@@ -29,6 +29,7 @@ with decoding left on (plain `set_transform`), datasets raises PIL's error befor
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -46,9 +47,11 @@ from sklearn.model_selection import train_test_split
 from .image_processing_vit import (
     VisionTransformerImageProcessor,
     center_crop_images,
+    exif_transpose,
     load_images,
     open_image,
     resize_images,
+    to_resampling,
 )
 
 DIGITS_SPLIT_SIZES = {"train": 1257, "validation": 180, "test": 360}
@@ -56,6 +59,10 @@ DIGITS_SPLIT_SIZES = {"train": 1257, "validation": 180, "test": 360}
 
 _DIGITS_SPLIT_SEED = 0
 _IMAGE_DECODER = datasets.Image()
+_EXIF_ORIENTATION = 0x0112
+_TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+DRAFT_SCALES = (8, 4, 2)
+"""The JPEG reductions the training transform decodes at (libjpeg's scaled IDCT), largest first."""
 
 Transform = Callable[[Mapping[str, Sequence[Any]]], dict[str, torch.Tensor]]
 
@@ -300,6 +307,13 @@ def make_train_transform(
     keep it off for digits and text) comes next, and the processor's `normalize_batch` last, once per batch. With
     `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
     (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
+
+    Encoded RGB and grey JPEGs (bytes, paths, `{"path", "bytes"}` dicts) take a faster road to the same crop: the
+    crop is drawn from the header's size, and when it is at least 2, 4 or 8 times the output size in both directions
+    the JPEG is decoded at that reduction in the DCT domain (`decode_jpeg_crop`), and PIL resizes the crop's exact
+    (fractional) box of the reduced image. The crop box and the random draws are the same as on the full image; the
+    pixels differ from resizing the full-size crop by the DCT-domain downscaling only (see `decode_jpeg_crop`). When
+    no reduction applies, the pixels are exactly the processor's full-size crop, resized by `resize_images`.
     """
     if not (0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
         raise ValueError(f"Need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}.")
@@ -312,31 +326,145 @@ def make_train_transform(
     crop_size = (int(processor.crop_size["height"]), int(processor.crop_size["width"]))
     output_size = crop_size if processor.do_center_crop else size
     own_generator = None if seed is None else torch.Generator().manual_seed(seed)
+    # Only RGB output has a fast road: without conversion the processor keeps modes the JPEG decoder would change.
+    fast_jpegs = random_resized_crop and processor.do_convert_rgb
 
-    def augment(pixels: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def draw_box(height: int, width: int, generator: torch.Generator | None) -> tuple[int, int, int, int]:
+        return random_resized_crop_box(height, width, scale, ratio, generator)
+
+    def crop_and_resize(pixels: torch.Tensor, box: tuple[int, int, int, int] | None, generator) -> torch.Tensor:
         if random_resized_crop:
             # Cropping the uint8 image first means only the crop is resized.
-            top, left, height, width = random_resized_crop_box(*pixels.shape[1:], scale, ratio, generator)
-            pixels = resize_images(
+            top, left, height, width = box or draw_box(*pixels.shape[1:], generator)
+            return resize_images(
                 pixels[None, :, top : top + height, left : left + width], output_size, processor.resample
             )[0]
-        else:
-            if processor.do_resize:
-                pixels = resize_images(pixels[None], size, processor.resample)[0]
-            if processor.do_center_crop:
-                pixels = center_crop_images(pixels, crop_size)
+        if processor.do_resize:
+            pixels = resize_images(pixels[None], size, processor.resample)[0]
+        if processor.do_center_crop:
+            pixels = center_crop_images(pixels, crop_size)
+        return pixels
+
+    def augment(image: Any, index: int, generator: torch.Generator | None) -> torch.Tensor:
+        box, pixels = None, None
+        jpeg = _open_jpeg(image) if fast_jpegs else None
+        if jpeg is not None:
+            box = draw_box(*_upright_size(jpeg), generator)
+            pixels = decode_jpeg_crop(jpeg, box, output_size, processor.resample)
+        if pixels is None:  # not a JPEG, or one the fast road cannot decode: the processor's own path reports it
+            (pixels,) = load_images(decode_image(image, index), processor.do_convert_rgb)
+            pixels = crop_and_resize(pixels, box, generator)
         if hflip and torch.rand((), generator=generator) < 0.5:
             pixels = pixels.flip(-1)
         return pixels.expand(3, -1, -1) if processor.do_convert_rgb and pixels.shape[0] == 1 else pixels
 
     def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
         generator = own_generator if torch.utils.data.get_worker_info() is None else None
-        images = [augment(pixels, generator) for pixels in _load_batch(batch, processor.do_convert_rgb)]
+        images = [augment(image, i, generator) for i, image in enumerate(batch["image"])]
         if len({image.dtype for image in images}) > 1:  # float images among uint8 ones: stack them all as floats
             images = [image.float() for image in images]
-        return _with_labels(processor.normalize_batch(torch.stack(images)), batch)
+        # Stacked channels-last (the layout PIL and the uint8 resize give), so that normalising converts to float and
+        # to channels-first in one pass over the batch.
+        stacked = torch.stack([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)
+        return _with_labels(processor.normalize_batch(stacked), batch)
 
     return transform
+
+
+def _open_jpeg(image: Any) -> PIL.Image.Image | None:
+    """`image` opened lazily (header read, pixels not decoded) when it is an encoded RGB or grey JPEG, else None."""
+    if isinstance(image, (str, os.PathLike)):
+        path, data = os.fspath(image), None
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        path, data = None, bytes(image)
+    elif isinstance(image, Mapping):
+        path, data = image.get("path"), image.get("bytes")
+    else:
+        return None
+    if data is None and (path is None or "://" in path):
+        return None
+    try:
+        opened = PIL.Image.open(io.BytesIO(data) if data is not None else path)
+    except (OSError, ValueError):
+        return None  # decode_image names the file and the error
+    if opened.format != "JPEG" or opened.mode not in ("RGB", "L"):
+        opened.close()
+        return None
+    return opened
+
+
+def _upright_size(image: PIL.Image.Image) -> tuple[int, int]:
+    """(height, width) of `image` once turned upright by its EXIF orientation."""
+    width, height = image.size
+    if image.getexif().get(_EXIF_ORIENTATION, 1) in _TRANSPOSING_ORIENTATIONS:
+        return width, height
+    return height, width
+
+
+def draft_scale(crop_height: int, crop_width: int, output_size: tuple[int, int]) -> int:
+    """The largest JPEG reduction (8, 4, 2, else 1) that keeps a crop at or above `output_size` in both directions.
+
+    Decoding at 1/`scale` then never makes the crop smaller than the output, so the resize still only shrinks.
+    """
+    for factor in DRAFT_SCALES:
+        if crop_height >= factor * output_size[0] and crop_width >= factor * output_size[1]:
+            return factor
+    return 1
+
+
+def decode_jpeg_crop(
+    jpeg: PIL.Image.Image,
+    box: tuple[int, int, int, int],
+    output_size: tuple[int, int],
+    resample: Any = "bilinear",
+) -> torch.Tensor | None:
+    """Decode a lazily opened RGB or grey JPEG and return its upright crop `box` resized to `output_size`.
+
+    `box` is `(top, left, height, width)` in the upright full-size image. Returns a uint8 `[C, H, W]` tensor (C = 3,
+    or 1 for grey), or None when the JPEG cannot be decoded (the caller's full decode then raises the real error).
+
+    With a reduction `draft_scale(...) > 1`, libjpeg decodes at that scale (each pixel is the scaled IDCT of its
+    block, the average of the block's full-size pixels up to JPEG's rounding) and PIL resizes the box divided by the
+    scale (fractional, so the crop's geometry is kept) with its antialiased filter: within a few grey levels of
+    resizing the full-size crop (tests/test_data.py states the bound). Without one, the pixels are exactly the
+    processor's: its uint8 `resize_images` of the full-size crop.
+    """
+    top, left, height, width = box
+    factor = draft_scale(height, width, output_size)
+    full_height, full_width = _upright_size(jpeg)
+    orientation = jpeg.getexif().get(_EXIF_ORIENTATION, 1)
+    try:
+        if factor > 1:
+            stored_width = jpeg.size[0]
+            drafted = jpeg.draft(jpeg.mode, (stored_width // factor, jpeg.size[1] // factor))
+            factor = 1 if drafted is None else round(stored_width / drafted[1][2])  # the scale PIL chose
+        jpeg.load()
+    except (OSError, ValueError):  # truncated or corrupt: the processor's path raises with the file's name
+        return None
+    upright = exif_transpose(jpeg)
+    if upright.size == (full_width, full_height):  # decoded at full size: the processor's crop and resize
+        pixels = _to_chw(upright.crop((left, top, left + width, top + height)))
+        return resize_images(pixels[None], output_size, resample)[0]
+    if orientation == 1:  # reduced pixel i covers the full-size pixels [i * factor, (i + 1) * factor)
+        x_scale = y_scale = 1 / factor
+    else:  # turned upright after decoding: the image's far edge may hold the partial block
+        x_scale, y_scale = upright.size[0] / full_width, upright.size[1] / full_height
+    x0, y0, x1, y1 = left * x_scale, top * y_scale, (left + width) * x_scale, (top + height) * y_scale
+    # Cut first, so that the filter sees no pixels outside the crop (as when resizing the full-size crop), then
+    # resize the exact fractional box inside the whole reduced pixels that cover it.
+    outer = (math.floor(x0), math.floor(y0), min(math.ceil(x1), upright.size[0]), min(math.ceil(y1), upright.size[1]))
+    resized = upright.crop(outer).resize(
+        (output_size[1], output_size[0]),
+        PIL.Image.Resampling(int(to_resampling(resample))),
+        box=(x0 - outer[0], y0 - outer[1], x1 - outer[0], y1 - outer[1]),
+    )
+    return _to_chw(resized)
+
+
+def _to_chw(image: PIL.Image.Image) -> torch.Tensor:
+    """A uint8 `[C, H, W]` view of a writable copy of an RGB or grey PIL image's pixels (channels-last in memory)."""
+    array = np.array(image)
+    return torch.from_numpy(array[..., None] if array.ndim == 2 else array).permute(2, 0, 1)
 
 
 def random_resized_crop_box(
