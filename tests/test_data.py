@@ -16,6 +16,7 @@ from hf_vit.data import (
     apply_transforms,
     collate_fn,
     decode_rgb,
+    draft_scale,
     load_digits_dataset,
     load_image_dataset,
     make_eval_transform,
@@ -23,7 +24,7 @@ from hf_vit.data import (
     random_resized_crop_box,
 )
 from hf_vit.data import label_names as get_label_names
-from hf_vit.image_processing_vit import VisionTransformerImageProcessor
+from hf_vit.image_processing_vit import VisionTransformerImageProcessor, load_images, resize_images
 
 SIZE = 16
 COLORS = {"bird": (0, 0, 255), "cat": (255, 0, 0), "dog": (0, 255, 0)}
@@ -460,3 +461,93 @@ def test_random_crop_is_cut_from_the_processors_pixels(tmp_path):
     rgb = np.asarray(PIL.Image.alpha_composite(PIL.Image.new("RGBA", image.size, "white"), image).convert("RGB"))
     expected = processor(rgb[top : top + height, left : left + width], return_tensors="pt")["pixel_values"]
     assert torch.equal(out, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the JPEG road of the training transform: the same crop, decoded at a reduced scale when it is large enough
+
+
+def _jpeg_photo(size, exif_orientation=None):
+    """A real photograph (scikit-learn's sample) resized to `size` (width, height), as JPEG bytes."""
+    from sklearn.datasets import load_sample_images
+
+    photo = PIL.Image.fromarray(load_sample_images().images[0]).resize(size, PIL.Image.Resampling.BICUBIC)
+    buffer = io.BytesIO()
+    exif = PIL.Image.Exif()
+    if exif_orientation:
+        exif[0x0112] = exif_orientation
+    photo.save(buffer, format="JPEG", quality=90, exif=exif)
+    return buffer.getvalue()
+
+
+def _reference_crop(data, box, size):
+    """The processor's pixels of `box` (top, left, height, width): full-size decode, crop, uint8 resize."""
+    (pixels,) = load_images(data)
+    top, left, height, width = box
+    return resize_images(pixels[None, :, top : top + height, left : left + width], size)[0]
+
+
+def test_draft_scale_keeps_the_crop_at_or_above_the_output_size():
+    assert draft_scale(427, 640, (224, 224)) == 1  # a 640x427 photo never decodes reduced at 224
+    assert draft_scale(448, 448, (224, 224)) == 2 and draft_scale(447, 900, (224, 224)) == 1
+    assert draft_scale(1800, 1792, (224, 224)) == 8 and draft_scale(1000, 2000, (224, 224)) == 4
+
+
+@pytest.mark.parametrize("orientation", [None, 6])
+def test_jpeg_road_gives_the_same_crop_as_the_processor(orientation):
+    # Same random draws as cropping the processor's full-size pixels; exactly its pixels without a reduction, and
+    # within a stated tolerance with one: each crop's mean absolute difference <= 3 grey levels (of 255), <= 1.5 on
+    # average, from the DCT-domain downscaling.
+    size = (224, 224)
+    processor = VisionTransformerImageProcessor(size=224)
+    data = _jpeg_photo((1280, 960), orientation)
+    (full,) = load_images(data)
+    height, width = full.shape[1:]
+    generator = torch.Generator().manual_seed(0)
+    differences = collections.defaultdict(list)
+    for seed in range(24):
+        transform = make_train_transform(processor, hflip=False, seed=seed)
+        got = transform({"image": [{"path": None, "bytes": data}]})["pixel_values"][0]
+        box = random_resized_crop_box(height, width, generator=generator.manual_seed(seed))
+        expected = processor.normalize_batch(_reference_crop(data, box, size)[None])[0]
+        step = 1 / 255 / torch.tensor(processor.image_std).view(3, 1, 1)  # one grey level, normalised
+        levels = ((got - expected) / step).abs()
+        factor = draft_scale(box[2], box[3], size)
+        if factor == 1:
+            assert torch.allclose(got, expected, atol=1e-6), box
+        differences[factor].append(levels.mean().item())
+    assert set(differences) >= {1, 2, 4}  # every road taken
+    reduced = differences[2] + differences[4] + differences[8]
+    assert max(reduced) <= 3 and sum(reduced) / len(reduced) <= 1.5, differences
+
+
+def test_jpeg_road_draws_like_the_processors_road():
+    # A JPEG and the same pixels as PNG go different roads but make the same random draws (crop box, then flip).
+    processor = VisionTransformerImageProcessor(size=32)
+    data = _jpeg_photo((64, 48))
+    png = _png_bytes(PIL.Image.open(io.BytesIO(data)))
+    outputs = [
+        make_train_transform(processor, seed=seed)({"image": [image]})["pixel_values"]
+        for image in (data, png, {"path": None, "bytes": data})
+        for seed in range(4)
+    ]
+    for seed in range(4):
+        assert torch.equal(outputs[seed], outputs[4 + seed]) and torch.equal(outputs[seed], outputs[8 + seed])
+    batch = {"image": [data, png, {"path": None, "bytes": data}], "label": [0, 1, 2]}
+    torch.manual_seed(7)
+    first = make_train_transform(processor)(batch)["pixel_values"]
+    torch.manual_seed(7)
+    assert torch.equal(make_train_transform(processor)(batch)["pixel_values"], first)  # global generator
+
+
+def test_jpeg_road_grey_and_truncated(tmp_path):
+    processor = VisionTransformerImageProcessor(size=32)
+    grey = PIL.Image.open(io.BytesIO(_jpeg_photo((600, 400)))).convert("L")
+    path = tmp_path / "grey.jpg"
+    grey.save(path)
+    out = make_train_transform(processor, seed=0)({"image": [str(path)]})["pixel_values"]
+    assert out.shape == (1, 3, 32, 32) and torch.equal(out[0, 0], out[0, 1])  # grey expanded after resizing
+    truncated = tmp_path / "truncated.jpg"
+    truncated.write_bytes(_jpeg_photo((600, 400))[:3000])
+    with pytest.raises(CorruptImageError, match="truncated.jpg"):
+        make_train_transform(processor, seed=0)({"image": [{"path": str(truncated), "bytes": None}]})
