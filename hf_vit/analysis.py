@@ -16,8 +16,10 @@ other sizes, square or not) and fp32 or bf16 models; results are float32 tensors
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -39,7 +41,10 @@ __all__ = [
     "rollout_map",
     "rollout_maps",
     "upsample_maps",
+    "write_analysis_figures",
 ]
+
+IMAGES_PER_FIGURE = 8
 
 HEAD_FUSIONS = ("mean", "max", "min")
 
@@ -409,3 +414,86 @@ def components_as_images(components: torch.Tensor) -> torch.Tensor:
     high = images.flatten(1).amax(dim=1).view(-1, 1, 1, 1)
     scaled = (images - low) / (high - low).clamp_min(1e-12)
     return scaled.permute(0, 2, 3, 1)
+
+
+# Figures
+
+
+def _displayable(pixel_values: torch.Tensor, processor: Any) -> torch.Tensor:
+    """Processed pixels back to `(B, H, W, 3)` in [0, 1]: the image exactly as the model saw it."""
+    values = pixel_values.float()
+    if processor.do_normalize:
+        mean = torch.tensor(processor.image_mean, dtype=torch.float32).view(1, -1, 1, 1)
+        std = torch.tensor(processor.image_std, dtype=torch.float32).view(1, -1, 1, 1)
+        values = values * std + mean
+    if values.shape[1] != 3:
+        values = values[:, :1].expand(-1, 3, -1, -1)
+    return values.clamp(0, 1).permute(0, 2, 3, 1)
+
+
+def write_analysis_figures(
+    model: nn.Module,
+    processor: Any,
+    images: Sequence[Any],
+    output_dir: str | os.PathLike,
+    captions: Sequence[str] | None = None,
+    image_size: tuple[int, int] | None = None,
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    num_components: int = 28,
+    batch_size: int = 32,
+    name: str | None = None,
+) -> list[Path]:
+    """Write the paper's Figure 7 (`embedding_and_attention_distance.png`, mean distances over all `images`) and
+    Figure 6 (`rollout.png`, or `rollout_1.png`, ... with 8 images each) for `model` to `output_dir`.
+
+    `images` are anything `processor` takes (files, PIL images, arrays); `image_size=(height, width)` runs them at
+    another size with interpolated position embeddings. Progress is shown per batch.
+    """
+    from tqdm.auto import tqdm
+
+    from .plotting import plot_attention_rollout, plot_embedding_analysis
+
+    if not images:
+        raise ValueError("`images` is empty: pass at least one image.")
+    _fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)
+    config = _encoder(model).config
+    interpolate = image_size is not None and tuple(image_size) != config.image_hw
+    options = {} if image_size is None else {"size": {"height": image_size[0], "width": image_size[1]}}
+    if image_size is not None:
+        options["do_center_crop"] = False
+    output = Path(output_dir)
+    shown, maps, distances = [], [], []
+    for start in tqdm(range(0, len(images), batch_size), desc="analysing images", unit="batch"):
+        pixel_values = processor(list(images[start : start + batch_size]), return_tensors="pt", **options)
+        pixel_values = pixel_values["pixel_values"]
+        summary = attention_summary(model, pixel_values, head_fusion, discard_ratio, interpolate)
+        maps.append(upsample_maps(summary.rollout, pixel_values.shape[-2:]))
+        shown.append(_displayable(pixel_values, processor))
+        distances.append(summary.mean_distances)
+    shown, maps = torch.cat(shown), torch.cat(maps)
+    height, width = shown.shape[1:3]
+    components = patch_embedding_components(model, num_components).components
+    written = [
+        plot_embedding_analysis(
+            components_as_images(components),
+            position_embedding_similarity(model),
+            torch.cat(distances).mean(dim=0),  # (layers, heads), over all images
+            output / "embedding_and_attention_distance.png",
+            patch_size=config.patch_size,
+            title=f"{name + ': ' if name else ''}{len(images)} images at {height}x{width}",
+        )
+    ]
+    pages = range(0, len(images), IMAGES_PER_FIGURE)
+    for page, start in enumerate(pages, start=1):
+        end = start + IMAGES_PER_FIGURE
+        written.append(
+            plot_attention_rollout(
+                shown[start:end],
+                maps[start:end],
+                output / ("rollout.png" if len(pages) == 1 else f"rollout_{page}.png"),
+                captions=None if captions is None else list(captions[start:end]),
+                title=f"attention rollout ({head_fusion} over heads)",
+            )
+        )
+    return written

@@ -112,8 +112,7 @@ def plot_embedding_analysis(
 
     rows, cols = similarity.shape[:2]
     maps = similarity.reshape(rows * cols, rows, cols)
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("white")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")  # the gaps between the small maps
     image = position_ax.imshow(_mosaic(maps, cols), cmap=cmap, vmin=-1, vmax=1, interpolation="nearest")
     # Ticks at the centre of each small map name the patch it belongs to.
     position_ax.set_xticks([c * (cols + 1) + (cols - 1) / 2 for c in range(cols)], [str(c + 1) for c in range(cols)])

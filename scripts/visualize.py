@@ -21,21 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers import HfArgumentParser
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.analysis import (
-    HEAD_FUSIONS,
-    attention_summary,
-    components_as_images,
-    patch_embedding_components,
-    position_embedding_similarity,
-    upsample_maps,
-)
-from hf_vit.plotting import plot_attention_rollout, plot_embedding_analysis
-
-IMAGES_PER_FIGURE = 8
+from hf_vit.analysis import HEAD_FUSIONS, write_analysis_figures
 
 
 @dataclass
@@ -58,7 +47,8 @@ def load_inputs(args: VisualizeArguments) -> tuple[list, list[str]]:
         return list(args.image), [Path(name).name for name in args.image]
     from hf_vit.data import load_digits_dataset
 
-    test = load_digits_dataset()["test"].select(range(args.num_images))
+    test = load_digits_dataset()["test"]
+    test = test.select(range(min(args.num_images, len(test))))
     return list(test["image"]), [f"digit {label}" for label in test["label"]]
 
 
@@ -78,63 +68,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.bf16:
         model = model.to(torch.bfloat16)
     processor = VisionTransformerImageProcessor.from_pretrained(args.model)
-    config = model.config
-    size = None if args.image_size is None else (args.image_size * 2)[:2]
-    interpolate = size is not None and tuple(size) != config.image_hw
-    output = Path(args.output)
-
     images, captions = load_inputs(args)
-    shown, maps, distances = [], [], []
-    for start in tqdm(range(0, len(images), args.batch_size), desc="images", unit="batch"):
-        batch = images[start : start + args.batch_size]
-        options = {} if size is None else {"size": {"height": size[0], "width": size[1]}, "do_center_crop": False}
-        pixel_values = processor(batch, return_tensors="pt", **options)["pixel_values"]
-        summary = attention_summary(model, pixel_values, args.head_fusion, args.discard_ratio, interpolate)
-        maps.append(upsample_maps(summary.rollout, pixel_values.shape[-2:]))
-        shown.append(displayable(pixel_values, processor))
-        distances.append(summary.mean_distances)
-    shown, maps = torch.cat(shown), torch.cat(maps)
-    distances = torch.cat(distances).mean(dim=0)  # (layers, heads), over all images
-
-    components = patch_embedding_components(model, args.num_components).components
-    height, width = shown.shape[1:3]
-    written = [
-        plot_embedding_analysis(
-            components_as_images(components),
-            position_embedding_similarity(model),
-            distances,
-            output / "embedding_and_attention_distance.png",
-            patch_size=config.patch_size,
-            title=f"{Path(args.model).name}: {len(images)} images at {height}x{width}",
-        )
-    ]
-    pages = range(0, len(images), IMAGES_PER_FIGURE)
-    for page, start in enumerate(pages, start=1):
-        name = "rollout.png" if len(pages) == 1 else f"rollout_{page}.png"
-        end = start + IMAGES_PER_FIGURE
-        written.append(
-            plot_attention_rollout(
-                shown[start:end],
-                maps[start:end],
-                output / name,
-                captions=captions[start:end],
-                title=f"attention rollout ({args.head_fusion} over heads)",
-            )
-        )
-    print(f"wrote {len(written)} figures to {output}: " + ", ".join(path.name for path in written[:4]))
+    written = write_analysis_figures(
+        model,
+        processor,
+        images,
+        args.output,
+        captions=captions,
+        image_size=None if args.image_size is None else tuple((args.image_size * 2)[:2]),
+        head_fusion=args.head_fusion,
+        discard_ratio=args.discard_ratio,
+        num_components=args.num_components,
+        batch_size=args.batch_size,
+        name=Path(args.model).name,
+    )
+    print(f"wrote {len(written)} figures to {args.output}: " + ", ".join(path.name for path in written[:4]))
     return 0
-
-
-def displayable(pixel_values: torch.Tensor, processor: VisionTransformerImageProcessor) -> torch.Tensor:
-    """Processed pixels back to `(B, H, W, 3)` in [0, 1]: the image exactly as the model saw it."""
-    values = pixel_values.float()
-    if processor.do_normalize:
-        mean = torch.tensor(processor.image_mean, dtype=torch.float32).view(1, -1, 1, 1)
-        std = torch.tensor(processor.image_std, dtype=torch.float32).view(1, -1, 1, 1)
-        values = values * std + mean
-    if values.shape[1] != 3:
-        values = values[:, :1].expand(-1, 3, -1, -1)
-    return values.clamp(0, 1).permute(0, 2, 3, 1)
 
 
 if __name__ == "__main__":

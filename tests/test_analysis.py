@@ -24,6 +24,7 @@ from hf_vit.analysis import (
     position_embedding_similarity,
     rollout_map,
     rollout_maps,
+    write_analysis_figures,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,6 +283,25 @@ def test_visualize_writes_the_figures_for_a_saved_model(tmp_path):
     written = sorted(p.name for p in (tmp_path / "figures").iterdir())
     assert written == ["embedding_and_attention_distance.png", "rollout.png"]
     assert (tmp_path / "figures" / "rollout.png").stat().st_size > 1000
+
+
+def test_figures_are_paged_eight_images_to_a_rollout_figure(tmp_path):
+    import PIL.Image
+
+    from hf_vit import VisionTransformerImageProcessor
+
+    model = model_for(tiny_config(classifier="gap"))
+    rng = np.random.default_rng(0)
+    images = [PIL.Image.fromarray(rng.integers(0, 256, (20, 30, 3), dtype=np.uint8)) for _ in range(9)]
+    written = write_analysis_figures(
+        model, VisionTransformerImageProcessor(size=32), images, tmp_path, image_size=(24, 40), batch_size=4
+    )
+    assert [path.name for path in written] == [
+        "embedding_and_attention_distance.png",
+        "rollout_1.png",
+        "rollout_2.png",
+    ]
+    assert all(path.stat().st_size > 1000 for path in written)
 
 
 def test_all_layer_functions_work_on_the_base_model_in_bf16():
