@@ -164,27 +164,31 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """transformers' reading of `config.json`, refusing what would silently build another model: a folder
-        without `config.json` (transformers would use the defaults) or the config of another model type (whose
-        weights would not load, leaving the model randomly initialised)."""
-        config_dict, kwargs = super().get_config_dict(pretrained_model_name_or_path, **kwargs)
-        source = os.fspath(pretrained_model_name_or_path)
+        """transformers' reading of `config.json`, with the checkpoints users have converted on the way (transformers'
+        and timm's ViT, the authors' `.npz`; see `hf_vit.convert.sources`), and refusing what would silently build
+        another model: a folder without `config.json` (transformers would use the defaults) or the config of another
+        model type (whose weights would not load, leaving the model randomly initialised)."""
+        source = pretrained_model_name_or_path
+        try:
+            from hf_vit.convert.sources import ConvertedSource
+        except ImportError:  # remote code where hf-vit is not installed: hf-vit checkpoints only
+            ConvertedSource = None
+        if ConvertedSource is not None and isinstance(source, (str, os.PathLike)):
+            with ConvertedSource(source, kwargs) as resolved:
+                if resolved is not source:
+                    return super().get_config_dict(resolved, **kwargs)
+        config_dict, kwargs = super().get_config_dict(source, **kwargs)
         if not config_dict:  # transformers returns {} for a folder without config.json
             raise OSError(
-                f"{source} has no config.json. Pass the folder that `save_pretrained` or a training run wrote (it "
-                "holds config.json beside the weights)."
+                f"{os.fspath(source)} has no config.json. Pass the folder that `save_pretrained` or a training run "
+                "wrote (it holds config.json beside the weights)."
             )
         model_type = config_dict.get("model_type", cls.model_type)
         if model_type != cls.model_type:
-            hint = (
-                f" Convert it first: python scripts/convert_checkpoint.py --source transformers --input {source} "
-                "--output <folder>."
-                if model_type == "vit"
-                else ""
-            )
             raise ValueError(
-                f"{source} holds a {model_type!r} checkpoint, not an hf-vit one (model_type {cls.model_type!r}): its "
-                f"weights would not load into this model.{hint}"
+                f"{os.fspath(source)} holds a {model_type!r} checkpoint, not an hf-vit one (model_type "
+                f"{cls.model_type!r}), and not one hf-vit converts on load (transformers' or timm's ViT, the authors' "
+                ".npz): its weights would not load into this model."
             )
         return config_dict, kwargs
 

@@ -431,6 +431,20 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
 
     model_input_names = ["pixel_values"]
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' `from_pretrained`, also for the checkpoints hf-vit's models convert on load (transformers'
+        and timm's ViT, the authors' `.npz`): their preprocessing (size, mean/std, resampling) comes along."""
+        try:
+            from hf_vit.convert.sources import ConvertedSource
+        except ImportError:  # remote code where hf-vit is not installed: hf-vit folders only
+            ConvertedSource = None
+        if ConvertedSource is not None:
+            with ConvertedSource(pretrained_model_name_or_path, kwargs) as resolved:
+                if resolved is not pretrained_model_name_or_path:
+                    return super().from_pretrained(resolved, *args, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
     def __init__(
         self,
         do_convert_rgb: bool = True,

@@ -226,10 +226,20 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' `from_pretrained`, made strict: weights that leave part of the encoder randomly initialised
-        are an error (only a classification head may be new), and unreadable weights or folders are named."""
+        """transformers' `from_pretrained`, taking also the checkpoints users have (transformers' and timm's ViT as Hub
+        ids or folders, the authors' `.npz` files; converted on load, see `hf_vit.convert.sources`), and strict:
+        weights that leave part of the encoder randomly initialised are an error (only a classification head may be
+        new), and unreadable weights or folders are named."""
         output_loading_info = kwargs.pop("output_loading_info", False)
         source = pretrained_model_name_or_path
+        try:
+            from hf_vit.convert.sources import ConvertedSource
+        except ImportError:  # remote code where hf-vit is not installed: hf-vit checkpoints only
+            ConvertedSource = None
+        if ConvertedSource is not None:
+            with ConvertedSource(source, kwargs) as resolved:
+                if resolved is not source:  # transformers' or timm's ViT, or the authors' .npz, converted on load
+                    return cls.from_pretrained(resolved, *args, output_loading_info=output_loading_info, **kwargs)
         if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
             raise OSError(f"{os.fspath(source)!r} is a file: pass the folder that holds it and its config.json.")
         try:

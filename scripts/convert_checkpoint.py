@@ -50,7 +50,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image_size", type=int, default=None, help="resolution to convert at (jax, timm)")
     parser.add_argument("--overwrite", action="store_true", help="replace an output folder hf-vit wrote")
     parser.add_argument("--base_model", default=None, help="the source's Hub id, named in the model card")
+    parser.add_argument(
+        "--hidden_act",
+        default=None,
+        choices=["gelu_pytorch_tanh", "gelu"],
+        help="jax: the MLP activation; default gelu_pytorch_tanh, the tanh GELU the authors' Flax code computes",
+    )
     args = parser.parse_args(argv)
+    if args.hidden_act is not None and args.source != "jax":
+        print(
+            f"error: --hidden_act is for --source jax; {args.source} checkpoints keep the exact GELU their own "
+            "models use.",
+            file=sys.stderr,
+        )
+        return 2
     kwargs = {"overwrite": args.overwrite, "base_model": args.base_model}
     if args.source == "transformers":
         given = [f"--{name}" for name in ("preset", "image_size") if getattr(args, name) is not None]
@@ -63,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     else:
         kwargs.update(preset=args.preset, image_size=args.image_size)
+    if args.hidden_act is not None:
+        kwargs["hidden_act"] = args.hidden_act
     output = Path(args.output).resolve()
     try:
         model = CONVERTERS[args.source](args.input, output, **kwargs)

@@ -334,13 +334,12 @@ def test_the_model_is_saved_before_the_final_evaluation(tmp_path):
     VisionTransformerForImageClassification.from_pretrained(out)  # ...after the trained model was saved
 
 
-def test_finetuning_a_transformers_vit_folder_is_an_error_not_a_random_backbone(tmp_path):
-    from transformers import ViTConfig, ViTForImageClassification
+def test_finetuning_another_models_folder_is_an_error_not_a_random_backbone(tmp_path):
+    from transformers import ResNetConfig, ResNetModel
 
-    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
-    ViTForImageClassification(ViTConfig(image_size=8, patch_size=4, **sizes)).save_pretrained(tmp_path / "hf")
-    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tmp_path / "hf"), "--max_steps", "1"]
-    with pytest.raises(ValueError, match="holds a 'vit' checkpoint"):
+    ResNetModel(ResNetConfig(hidden_sizes=[8, 16], depths=[1, 1], embedding_size=8)).save_pretrained(tmp_path / "rn")
+    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tmp_path / "rn"), "--max_steps", "1"]
+    with pytest.raises(ValueError, match="holds a 'resnet' checkpoint"):
         train("finetune", *parse_args("finetune", args + QUIET))
 
 

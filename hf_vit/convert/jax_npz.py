@@ -34,9 +34,9 @@ AugReg release ("How to train your ViT?", Ti/S/B/L), both written by `vit_jax`. 
 Two choices to know about:
 
 * GELU. The Flax code calls `flax.linen.gelu`, i.e. `jax.nn.gelu` with its default `approximate=True` (the tanh
-  approximation). hf-vit's default `hidden_act="gelu"` is the exact erf form, as in transformers' and timm's ports of
-  these checkpoints; the two differ by at most 5e-4 per activation. Pass `hidden_act="gelu_pytorch_tanh"` to compute
-  the activation exactly as the authors' code does.
+  approximation), so a converted `.npz` uses `hidden_act="gelu_pytorch_tanh"` and computes what the authors' code
+  computes. transformers' and timm's ports of these checkpoints use the exact erf form; the two differ by at most 5e-4
+  per activation. Pass `hidden_act="gelu"` for that.
 * Resolution. With an `image_size` other than the checkpoint's, the position embeddings are resampled at load as the
   authors' `load_pretrained` does. They use `scipy.ndimage.zoom(order=1)` (bilinear through the grid corners, like
   `align_corners=True`); this uses `hf_vit.resolution.resample_position_embeddings` with `mode="bilinear"`
@@ -248,7 +248,7 @@ def infer_config_from_npz(
     arrays: Mapping[str, np.ndarray],
     preset: str | None = None,
     image_size: int | Sequence[int] | None = None,
-    hidden_act: str = "gelu",
+    hidden_act: str = "gelu_pytorch_tanh",
 ) -> VisionTransformerConfig:
     """The hf-vit config of an `.npz` checkpoint, read from its array shapes.
 
@@ -352,27 +352,22 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return arrays
 
 
-def convert_jax_checkpoint(
+def read_jax_checkpoint(
     input_path: str | os.PathLike,
-    output_dir: str | os.PathLike,
     preset: str | None = None,
     image_size: int | Sequence[int] | None = None,
-    overwrite: bool = False,
     labels: Sequence[str] | None = None,
-    hidden_act: str = "gelu",
+    hidden_act: str = "gelu_pytorch_tanh",
     resize_mode: str = "bilinear",
-    base_model: str | None = None,
 ):
-    """Convert an authors' `.npz` checkpoint into a complete hf-vit folder: `VisionTransformerForImageClassification`
-    weights (safetensors), config, code, and an image processor resizing to the model's size and normalising with
-    mean = std = 0.5 (the authors' [-1, 1] inputs).
+    """`(config, state_dict, processor)` of an authors' `.npz` checkpoint, without writing: the processor resizes to
+    the model's size and normalises with mean = std = 0.5 (the authors' [-1, 1] inputs).
 
-    `labels` names the classes in order (default "LABEL_<i>"). The folder's model card names `base_model` (default:
-    the file's name) as its origin. Returns the converted model; nothing is written unless everything succeeded.
+    `hidden_act` defaults to the tanh approximation of GELU, `flax.linen.gelu`'s default, so the model computes what
+    the authors' code computes; "gelu" gives the exact GELU that transformers' and timm's ports use.
     """
     from ..image_processing_vit import VisionTransformerImageProcessor
 
-    check_output_dir(output_dir, overwrite, [input_path])  # before any loading
     arrays = load_npz(input_path)
     config = infer_config_from_npz(arrays, preset=preset, image_size=image_size, hidden_act=hidden_act)
     if labels is not None:
@@ -386,6 +381,30 @@ def convert_jax_checkpoint(
     half = [0.5] * config.num_channels
     processor = VisionTransformerImageProcessor(
         size={"height": height, "width": width}, image_mean=half, image_std=half
+    )
+    return config, state_dict, processor
+
+
+def convert_jax_checkpoint(
+    input_path: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    preset: str | None = None,
+    image_size: int | Sequence[int] | None = None,
+    overwrite: bool = False,
+    labels: Sequence[str] | None = None,
+    hidden_act: str = "gelu_pytorch_tanh",
+    resize_mode: str = "bilinear",
+    base_model: str | None = None,
+):
+    """Convert an authors' `.npz` checkpoint into a complete hf-vit folder (see `read_jax_checkpoint`): weights
+    (safetensors), config, code, processor and card.
+
+    `labels` names the classes in order (default "LABEL_<i>"). The folder's model card names `base_model` (default:
+    the file's name) as its origin. Returns the converted model; nothing is written unless everything succeeded.
+    """
+    check_output_dir(output_dir, overwrite, [input_path])  # before any loading
+    config, state_dict, processor = read_jax_checkpoint(
+        input_path, preset, image_size, labels, hidden_act, resize_mode
     )
     return save_converted_model(
         config, state_dict, processor, output_dir, overwrite,

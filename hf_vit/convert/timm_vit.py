@@ -267,29 +267,24 @@ def _read_timm_config(folder: Path) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
-def convert_timm_checkpoint(
+def read_timm_checkpoint(
     input_path: str | os.PathLike,
-    output_dir: str | os.PathLike,
     preset: str | None = None,
     image_size: int | Sequence[int] | None = None,
-    overwrite: bool = False,
     image_mean: Sequence[float] | None = None,
     image_std: Sequence[float] | None = None,
     num_attention_heads: int | None = None,
     resize_mode: str = "bicubic",
-    base_model: str | None = None,
 ):
-    """Convert timm ViT weights (a file, or a folder as on the Hub) into a complete hf-vit folder.
+    """`(config, state_dict, processor)` of timm ViT weights (a file, or a folder as on the Hub), without writing.
 
-    Normalisation: `image_mean`/`image_std` when given, else `mean`/`std` (or `pretrained_cfg.mean/std`) from a timm
-    `config.json` beside the weights, else 0.5, the value of timm's weights ported from the original ViT. Class names
-    come from that config's `label_names` when it has one per class. The model card names `base_model` (e.g. the timm
-    Hub id; default: the file's or folder's name) as its origin. Returns the converted model; nothing is written
-    unless everything succeeded.
+    Normalisation and resampling: `image_mean`/`image_std` when given, else `mean`/`std` (or `pretrained_cfg`'s) from
+    a timm `config.json` beside the weights, else 0.5, the value of timm's weights ported from the original ViT; the
+    processor resizes with `pretrained_cfg.interpolation` when it names one. Class names come from that config's
+    `label_names` when it has one per class.
     """
     from ..image_processing_vit import VisionTransformerImageProcessor
 
-    check_output_dir(output_dir, overwrite, [input_path])  # before any loading
     input_path = Path(input_path)
     state_dict = load_timm_state_dict(input_path)
     timm_config = _read_timm_config(input_path if input_path.is_dir() else input_path.parent)
@@ -309,8 +304,37 @@ def convert_timm_checkpoint(
         return [0.5] * config.num_channels if value is None else [float(v) for v in value]
 
     height, width = config.image_hw
+    resample = {"bilinear": "bilinear", "bicubic": "bicubic", "nearest": "nearest"}.get(
+        pretrained_cfg.get("interpolation"), "bilinear"
+    )
     processor = VisionTransformerImageProcessor(
-        size={"height": height, "width": width}, image_mean=pick(image_mean, "mean"), image_std=pick(image_std, "std")
+        size={"height": height, "width": width},
+        image_mean=pick(image_mean, "mean"),
+        image_std=pick(image_std, "std"),
+        resample=resample,
+    )
+    return config, converted, processor
+
+
+def convert_timm_checkpoint(
+    input_path: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    preset: str | None = None,
+    image_size: int | Sequence[int] | None = None,
+    overwrite: bool = False,
+    image_mean: Sequence[float] | None = None,
+    image_std: Sequence[float] | None = None,
+    num_attention_heads: int | None = None,
+    resize_mode: str = "bicubic",
+    base_model: str | None = None,
+):
+    """Convert timm ViT weights (a file, or a folder as on the Hub) into a complete hf-vit folder (see
+    `read_timm_checkpoint`). The model card names `base_model` (e.g. the timm Hub id; default: the file's or folder's
+    name) as its origin. Returns the converted model; nothing is written unless everything succeeded.
+    """
+    check_output_dir(output_dir, overwrite, [input_path])  # before any loading
+    config, converted, processor = read_timm_checkpoint(
+        input_path, preset, image_size, image_mean, image_std, num_attention_heads, resize_mode
     )
     return save_converted_model(
         config, converted, processor, output_dir, overwrite,

@@ -160,19 +160,8 @@ def _processor_from_transformers(folder: Path, image_size: tuple[int, int]):
         raise ConversionError(f"{path} has settings hf-vit cannot use: {error}") from error
 
 
-def convert_transformers_checkpoint(
-    input_dir: str | os.PathLike,
-    output_dir: str | os.PathLike,
-    overwrite: bool = False,
-    base_model: str | None = None,
-):
-    """Convert a saved transformers ViT folder into a complete hf-vit folder (weights, config, processor, code).
-
-    Returns the converted model. A `ViTForImageClassification` becomes `VisionTransformerForImageClassification`; a
-    `ViTModel` with its pooler becomes a classification model with the pooler as pre-logits layer and no classes.
-    The model card names `base_model` (e.g. the Hub id; default: the folder's name) as its origin.
-    """
-    check_output_dir(output_dir, overwrite, [input_dir])  # before any loading
+def read_transformers_checkpoint(input_dir: str | os.PathLike):
+    """`(config, state_dict, processor)` of a saved transformers ViT folder, in hf-vit's terms, without writing."""
     input_dir = Path(input_dir)
     config_path = input_dir / "config.json"
     if not config_path.is_file():
@@ -195,7 +184,23 @@ def convert_transformers_checkpoint(
     if not has_classifier:
         config.num_labels = 0
     state_dict = transformers_to_hf_vit_state_dict(source, config)
-    processor = _processor_from_transformers(input_dir, config.image_hw)
+    return config, state_dict, _processor_from_transformers(input_dir, config.image_hw)
+
+
+def convert_transformers_checkpoint(
+    input_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    overwrite: bool = False,
+    base_model: str | None = None,
+):
+    """Convert a saved transformers ViT folder into a complete hf-vit folder (weights, config, processor, code).
+
+    Returns the converted model. A `ViTForImageClassification` becomes `VisionTransformerForImageClassification`; a
+    `ViTModel` with its pooler becomes a classification model with the pooler as pre-logits layer and no classes.
+    The model card names `base_model` (e.g. the Hub id; default: the folder's name) as its origin.
+    """
+    check_output_dir(output_dir, overwrite, [input_dir])  # before any loading
+    config, state_dict, processor = read_transformers_checkpoint(input_dir)
     return save_converted_model(
         config, state_dict, processor, output_dir, overwrite,
         source=input_dir, source_format="transformers' ViT layout", base_model=base_model,

@@ -1,0 +1,176 @@
+"""The checkpoints users have, loaded as they are: transformers' and timm's ViT by Hub id (through a Hugging Face
+cache the tests fill in the Hub's layout, offline, so huggingface_hub's real resolution runs) or folder, and the
+authors' .npz files, converted on load."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor, ViTModel
+
+from hf_vit import (
+    VisionTransformerConfig,
+    VisionTransformerForImageClassification,
+    VisionTransformerImageProcessor,
+    VisionTransformerModel,
+)
+from hf_vit.convert import hf_vit_to_npz_arrays, hf_vit_to_timm_state_dict
+
+SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hub_repo(cache: Path, repo_id: str) -> Path:
+    """The snapshot folder of `repo_id` in a Hub cache (`models--org--name/snapshots/<commit>`, `refs/main`)."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True, exist_ok=True)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert huggingface_hub.constants.HF_HUB_OFFLINE  # conftest: the Hub is never reached
+    return cache
+
+
+def transformers_vit(model_class, **extra):
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=32, patch_size=8, **SIZES, **extra)
+    return model_class(config).eval()
+
+
+def pixels(height=32, width=32, batch=2):
+    return torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(1))
+
+
+def test_a_transformers_classifier_loads_by_hub_id(hub_cache):
+    source = transformers_vit(ViTForImageClassification, num_labels=3, id2label={0: "a", 1: "b", 2: "c"})
+    snapshot = hub_repo(hub_cache, "google/vit-base-patch16-224")
+    source.save_pretrained(snapshot)
+    ViTImageProcessor(size={"height": 32, "width": 32}, resample=3).save_pretrained(snapshot)
+
+    model = VisionTransformerForImageClassification.from_pretrained("google/vit-base-patch16-224")
+    assert model.config.model_type == "hf_vit" and model.config.id2label == {0: "a", 1: "b", 2: "c"}
+    assert model.config.hidden_act == "gelu"  # transformers' checkpoints keep their exact GELU
+    x = pixels()
+    with torch.no_grad():
+        difference = (model(x).logits - source(x).logits).abs().max().item()
+    print(f"transformers ViT by Hub id: max |logits difference| {difference:.1e}")
+    assert difference < 1e-5
+    processor = VisionTransformerImageProcessor.from_pretrained("google/vit-base-patch16-224")
+    assert processor.size == {"height": 32, "width": 32} and int(processor.resample) == 3
+
+
+def test_the_in21k_encoder_with_its_pooler_loads_by_hub_id(hub_cache, tmp_path):
+    source = transformers_vit(ViTModel)  # the in21k checkpoints are ViTModel with a pooler
+    source.save_pretrained(hub_repo(hub_cache, "google/vit-base-patch16-224-in21k"))
+    encoder = VisionTransformerModel.from_pretrained("google/vit-base-patch16-224-in21k")
+    x = pixels(48, 32)
+    with torch.no_grad():
+        ours = encoder(x, interpolate_pos_encoding=True).last_hidden_state
+        theirs = source(x, interpolate_pos_encoding=True).last_hidden_state
+    assert (ours - theirs).abs().max().item() < 1e-5
+    classifier = VisionTransformerForImageClassification.from_pretrained("google/vit-base-patch16-224-in21k")
+    assert classifier.config.representation_size == 32  # the pooler is the pre-logits layer
+    encoder.save_pretrained(tmp_path / "saved")  # a normal hf-vit folder afterwards
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "hf_vit"
+    reloaded = VisionTransformerModel.from_pretrained(tmp_path / "saved")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(x, interpolate_pos_encoding=True).last_hidden_state, ours)
+
+
+def timm_repo(folder: Path, model, **cfg):
+    save_file(hf_vit_to_timm_state_dict(model.state_dict(), model.config), folder / "model.safetensors")
+    config = {
+        "architecture": "vit_tiny_patch8_32",
+        "num_classes": model.config.num_labels,
+        "num_features": 32,
+        "global_pool": "token",
+        "model_args": {"num_heads": 2},
+        "pretrained_cfg": {
+            "input_size": [3, 32, 32],
+            "interpolation": "bicubic",
+            "mean": [0.485, 0.456, 0.406],
+            "std": [0.229, 0.224, 0.225],
+            **cfg,
+        },
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_timm_checkpoint_loads_by_hub_id_with_its_preprocessing(hub_cache):
+    torch.manual_seed(0)
+    source = VisionTransformerForImageClassification(
+        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=4, zero_init_head=False, **SIZES)
+    ).eval()
+    timm_repo(hub_repo(hub_cache, "timm/vit_tiny_patch8_32.test"), source)
+    model = VisionTransformerForImageClassification.from_pretrained("timm/vit_tiny_patch8_32.test")
+    x = pixels()
+    with torch.no_grad():
+        assert (model(x).logits - source(x).logits).abs().max().item() < 1e-5
+    processor = VisionTransformerImageProcessor.from_pretrained("timm/vit_tiny_patch8_32.test")
+    assert processor.image_mean == pytest.approx([0.485, 0.456, 0.406]) and int(processor.resample) == 3
+
+
+def test_the_authors_npz_loads_with_their_activation(tmp_path):
+    torch.manual_seed(0)
+    source = VisionTransformerForImageClassification(
+        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=5, zero_init_head=False, **SIZES)
+    ).eval()
+    np.savez(tmp_path / "ViT-T_8.npz", **hf_vit_to_npz_arrays(source.state_dict(), source.config))
+    model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "ViT-T_8.npz")
+    assert model.config.hidden_act == "gelu_pytorch_tanh"  # flax.linen.gelu's default, the authors' activation
+    source.config.hidden_act = "gelu_pytorch_tanh"
+    tanh_source = VisionTransformerForImageClassification(source.config).eval()
+    tanh_source.load_state_dict(source.state_dict())
+    x = pixels()
+    with torch.no_grad():
+        assert (model(x).logits - tanh_source(x).logits).abs().max().item() < 1e-5
+    exact = VisionTransformerForImageClassification.from_pretrained(tmp_path / "ViT-T_8.npz", hidden_act="gelu")
+    assert exact.config.hidden_act == "gelu"
+    processor = VisionTransformerImageProcessor.from_pretrained(tmp_path / "ViT-T_8.npz")
+    assert processor.image_mean == [0.5, 0.5, 0.5] and processor.size == {"height": 32, "width": 32}
+
+
+def test_a_checkpoint_that_does_not_fit_is_an_error_naming_it(hub_cache):
+    source = transformers_vit(ViTForImageClassification, num_labels=3)
+    snapshot = hub_repo(hub_cache, "google/vit-broken")
+    source.save_pretrained(snapshot)
+    from safetensors.torch import load_file
+
+    weights = load_file(snapshot / "model.safetensors")
+    del weights["vit.encoder.layer.1.intermediate.dense.weight"]
+    save_file(weights, snapshot / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="vit.encoder.layer.1.intermediate.dense.weight"):
+        VisionTransformerForImageClassification.from_pretrained("google/vit-broken")
+
+
+def test_finetune_starts_from_a_hub_ids_weights(hub_cache, tmp_path):
+    from hf_vit.training import parse_args, train
+
+    torch.manual_seed(0)
+    vit = ViTModel(ViTConfig(image_size=8, patch_size=4, **SIZES)).eval()
+    vit.save_pretrained(hub_repo(hub_cache, "google/vit-base-patch16-224-in21k"))
+    args = ["--model_name_or_path", "google/vit-base-patch16-224-in21k", "--output_dir", str(tmp_path / "out")]
+    args += ["--max_steps", "1", "--learning_rate", "0", "--warmup_steps", "0", "--eval_strategy", "no"]
+    args += ["--save_strategy", "no", "--max_train_samples", "16", "--per_device_train_batch_size", "8"]
+    args += ["--disable_tqdm", "True", "--report_to", "none", "--dataloader_num_workers", "0"]
+    train("finetune", *parse_args("finetune", args))
+    tuned = VisionTransformerForImageClassification.from_pretrained(tmp_path / "out").eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():  # learning rate 0: the encoder is the checkpoint's
+        torch.testing.assert_close(tuned.vit(x).last_hidden_state, vit(x).last_hidden_state, atol=1e-5, rtol=1e-5)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "base_model: google/vit-base-patch16-224-in21k" in card
