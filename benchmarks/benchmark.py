@@ -3,14 +3,19 @@ r"""Benchmark hf-vit's VisionTransformerForImageClassification against transform
 (and timm's VisionTransformer where timm is installed) with identical weights, in one process.
 
 Measures training-step and inference throughput, peak memory and the fraction of the machine's matmul throughput
-achieved, in fp32 and bf16 autocast, eager and torch.compile'd; the image processors' throughput on real photos;
-and optionally a sweep of throughput against image size and a profile of one training step.
+achieved, in fp32 and bf16 autocast (eager; torch.compile'd with --compile); the image processors' throughput on real
+photos; the training input pipelines per core (hf-vit, torchvision as in transformers' example, timm); onnxruntime
+against eager inference; and optionally a sweep of throughput against image size and a profile of one training step.
+The default run takes under 15 minutes on 2 CPU cores.
+
+timm and torchvision are not dependencies: their columns appear where they import, e.g. in the environment that
+`../shared/peers/make-peer-env` builds (`$PEER/bin/python benchmarks/benchmark.py ...`), and are absent otherwise.
 
     python benchmarks/benchmark.py                                # ViT-S/16, 224, batch 16, fp32 + bf16
-    python benchmarks/benchmark.py --json docs/benchmarks.json --profile \
+    python benchmarks/benchmark.py --json docs/benchmarks.json --profile --compile \
         --sizes 224 288 384 448 512 --sweep_batch_size 4 --plot docs/throughput_vs_size.png
     python benchmarks/benchmark.py --model vit-tiny-patch16-224 --image_size 32 --batch_size 2 --steps 1 \
-        --warmup 0 --no_compile --no_timm                         # seconds: a smoke test
+        --warmup 0 --no_timm --no_pipeline --no_onnx              # seconds: a smoke test
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from transformers import HfArgumentParser
 
 from benchmarks.measure import BenchmarkSettings, run_benchmark
 from benchmarks.report import (
+    format_input_pipeline,
+    format_onnxruntime,
     format_profile,
     format_sweep,
     format_table,
@@ -98,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     if output.json:  # first: what was measured is kept even if printing or plotting fails
         print(f"json: {write_json(report, output.json)}")
     print(format_table(report))
+    if "input_pipeline" in report:
+        print("\nTraining input pipelines, one thread (JPEG bytes to a normalised batch):")
+        print(format_input_pipeline(report))
+    if "onnxruntime" in report:
+        print("\nonnxruntime against eager fp32 inference:")
+        print(format_onnxruntime(report))
     if "profile" in report:
         print("\nWhere one training step's time goes (self CPU time):")
         print(format_profile(report))

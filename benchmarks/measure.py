@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -62,7 +63,9 @@ class BenchmarkSettings:
         default=None, metadata=_help("untimed steps per model (default 1 CPU, 5 GPU; compiled models at least 2)")
     )
     repeats: int = field(default=3, metadata=_help("undisturbed rounds per model; figures are their medians"))
-    compile: bool = field(default=True, metadata=_help("also time torch.compile'd models"))
+    compile: bool = field(
+        default=False, metadata=_help("also time torch.compile'd models (on 2 CPU cores this adds many minutes)")
+    )
     compile_mode: str | None = field(default=None, metadata=_help("torch.compile mode for every model"))
     compile_modes: list[str] = field(
         default_factory=lambda: ["train", "infer"],
@@ -75,7 +78,16 @@ class BenchmarkSettings:
     processor: bool = field(default=True, metadata=_help("compare the image processors on real photos"))
     processor_images: int = 32
     processor_repeats: int = 5
-    profile: bool = field(default=False, metadata=_help("profile one training step of each model"))
+    pipeline: bool = field(
+        default=True, metadata=_help("compare the training input pipelines (hf-vit, torchvision, timm) per core")
+    )
+    pipeline_images: int = 48
+    pipeline_repeats: int = 5
+    onnx: bool = field(default=True, metadata=_help("time onnxruntime (CPU) against eager fp32 inference"))
+    onnx_batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
+    profile: bool = field(
+        default=False, metadata=_help("profile one training step of each model, and the hf-vit input pipeline")
+    )
     sizes: list[int] = field(default_factory=list, metadata=_help("image sizes of a throughput sweep"))
     sweep_batch_size: int | None = field(default=None, metadata=_help("default: --batch_size"))
     sweep_steps: int | None = field(default=None, metadata=_help("default: --steps"))
@@ -580,6 +592,211 @@ def compare_processors(image_size: int, count: int = 32, repeats: int = 5) -> di
     }
 
 
+# --------------------------------------------------------------------------------------------------- input pipeline
+
+TORCHVISION = "torchvision"
+PIL_DECODE = "pil_decode"
+PIPELINE_NAMES = {
+    HF_VIT: "hf-vit make_train_transform",
+    TORCHVISION: "torchvision, as transformers' run_image_classification.py",
+    TIMM: "timm create_transform(is_training=True, color_jitter=None)",
+    PIL_DECODE: "PIL decoding alone (open, RGB)",
+}
+PHOTO_SIZES = {"photo": [(640, 427), (500, 375)], "large_photo": [(2048, 1365), (1600, 1200)]}
+
+
+def jpeg_photos(count: int, sizes: Sequence[tuple[int, int]], quality: int = 90) -> list[bytes]:
+    """`count` JPEG files of scikit-learn's two sample photos (640x427) resized to `sizes` (width, height) in turn."""
+    import io
+
+    import PIL.Image
+    from sklearn.datasets import load_sample_images
+
+    photos = [PIL.Image.fromarray(photo) for photo in load_sample_images().images]
+    files = []
+    for index in range(count):
+        photo, size = photos[index % len(photos)], sizes[(index // len(photos)) % len(sizes)]
+        photo = photo if photo.size == size else photo.resize(size, PIL.Image.Resampling.BICUBIC)
+        buffer = io.BytesIO()
+        photo.save(buffer, format="JPEG", quality=quality)
+        files.append(buffer.getvalue())
+    return files
+
+
+def input_pipelines(output_size: int) -> tuple[dict[str, Callable[[list[bytes]], object]], dict[str, str]]:
+    """Training input pipelines from JPEG bytes to a normalised float batch (crop, flip), and why any is missing.
+
+    hf-vit's training transform; torchvision's pipeline of transformers' image classification example
+    (RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize on the decoded image converted to RGB, then
+    stacked like its collate function); timm's `create_transform(is_training=True)` without colour jitter; and PIL's
+    decoding alone as the floor. All normalise with the same mean and std.
+    """
+    import io
+
+    import PIL.Image
+
+    from hf_vit.data import make_train_transform
+
+    processor = VisionTransformerImageProcessor(size=output_size)
+    mean, std = list(processor.image_mean), list(processor.image_std)
+    hf_vit_transform = make_train_transform(processor)
+
+    def decode(data: bytes) -> PIL.Image.Image:
+        return PIL.Image.open(io.BytesIO(data)).convert("RGB")
+
+    pipelines: dict[str, Callable[[list[bytes]], object]] = {
+        HF_VIT: lambda files: hf_vit_transform({"image": [{"path": None, "bytes": data} for data in files]}),
+    }
+    skipped = {}
+    try:
+        from torchvision import transforms
+
+        example = transforms.Compose(
+            [
+                transforms.RandomResizedCrop(output_size),
+                transforms.RandomHorizontalFlip(),
+                transforms.ToTensor(),
+                transforms.Normalize(mean, std),
+            ]
+        )
+        pipelines[TORCHVISION] = lambda files: torch.stack([example(decode(data)) for data in files])
+    except Exception as error:  # noqa: BLE001 - torchvision is optional (the peer environment has it)
+        skipped[TORCHVISION] = f"{type(error).__name__}: {error}"
+    try:
+        from timm.data import create_transform
+
+        timm_transform = create_transform(output_size, is_training=True, color_jitter=None, mean=mean, std=std)
+        pipelines[TIMM] = lambda files: torch.stack([timm_transform(decode(data)) for data in files])
+    except Exception as error:  # noqa: BLE001 - timm is optional
+        skipped[TIMM] = f"{type(error).__name__}: {error}"
+    pipelines[PIL_DECODE] = lambda files: [decode(data) for data in files]
+    return pipelines, skipped
+
+
+def compare_input_pipelines(output_size: int, count: int = 48, repeats: int = 5) -> dict:
+    """Images/s per core of the training input pipelines on JPEG photos of the sizes in `PHOTO_SIZES`.
+
+    One torch thread (as in a DataLoader worker), the pipelines alternating round by round like the models.
+    """
+    pipelines, skipped = input_pipelines(output_size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    result: dict = {"names": PIPELINE_NAMES, "skipped": skipped, "output_size": output_size, "threads": 1}
+    try:
+        for kind, sizes in PHOTO_SIZES.items():
+            files = jpeg_photos(count if kind == "photo" else max(count // 4, 4), sizes)
+            fns = {name: functools.partial(pipeline, files) for name, pipeline in pipelines.items()}
+            for name, fn in fns.items():  # warm-up, and every pipeline must give the same kind of batch
+                output = fn()
+                if name != PIL_DECODE:
+                    pixels = output["pixel_values"] if isinstance(output, dict) else output
+                    expected = (len(files), 3, output_size, output_size)
+                    if tuple(pixels.shape) != expected or pixels.dtype != torch.float32:
+                        raise AssertionError(f"{name} gave {tuple(pixels.shape)} {pixels.dtype}, not {expected}")
+            samples = time_alternating(fns, 1, repeats, torch.device("cpu"))
+            result[kind] = {
+                "images": len(files),
+                "image_sizes": [f"{width}x{height}" for width, height in sizes],
+                "jpeg_kib": sum(len(data) for data in files) / len(files) / 1024,
+                "seconds": samples,
+                "images_per_s": {name: len(files) / median_seconds(sample) for name, sample in samples.items()},
+            }
+    finally:
+        torch.set_num_threads(threads)
+    return result
+
+
+def profile_input_pipeline(output_size: int, count: int = 48, top: int = 12) -> dict:
+    """Where hf-vit's training transform spends its time on the photos, by Python function (cProfile, one thread)."""
+    import cProfile
+    import pstats
+
+    pipelines, _ = input_pipelines(output_size)
+    files = jpeg_photos(count, PHOTO_SIZES["photo"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        pipelines[HF_VIT](files)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        pipelines[HF_VIT](files)
+        profiler.disable()
+    finally:
+        torch.set_num_threads(threads)
+    stats = pstats.Stats(profiler)
+    total = stats.total_tt
+    rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # by own (self) time
+    return {
+        "images": count,
+        "total_ms_per_image": 1e3 * total / count,
+        "top_functions": [
+            {
+                "function": f"{Path(filename).name}:{line}({name})" if filename != "~" else name,
+                "self_ms_per_image": 1e3 * own / count,
+                "pct": 100 * own / total,
+            }
+            for (filename, line, name), (_, _, own, _, _) in rows
+        ],
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ onnxruntime
+
+ONNX_TOLERANCE = 1e-3
+
+
+def compare_onnxruntime(
+    model: VisionTransformerForImageClassification, batch_sizes: Sequence[int], steps: int, repeats: int, seed: int
+) -> dict:
+    """onnxruntime (CPU) on `hf_vit.export`'s ONNX file against eager PyTorch fp32 inference, same weights.
+
+    The outputs are compared first (max |logits difference| <= `ONNX_TOLERANCE`); onnxruntime gets as many
+    intra-op threads as torch uses.
+    """
+    import tempfile
+
+    import onnxruntime
+
+    from hf_vit.export import export
+
+    model = model.eval()
+    config = model.config
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        path = export(model, Path(folder) / "model.onnx", "onnx")
+        export_s = time.perf_counter() - start
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()
+        session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    result: dict = {"onnxruntime": onnxruntime.__version__, "export_s": export_s, "threads": torch.get_num_threads()}
+    generator = torch.Generator().manual_seed(seed + 3)
+    for batch in batch_sizes:
+        pixel_values = torch.randn(batch, config.num_channels, *config.image_hw, generator=generator)
+        array = pixel_values.numpy()
+        with torch.no_grad():
+            expected = model(pixel_values).logits
+        got = session.run(None, {"pixel_values": array})[0]
+        difference = float((torch.from_numpy(got) - expected).abs().max())
+        if difference > ONNX_TOLERANCE:
+            raise AssertionError(
+                f"onnxruntime's logits differ by {difference:.2e} > {ONNX_TOLERANCE} at batch {batch}"
+            )
+        fns = {
+            HF_VIT: make_infer_step(model, pixel_values, "fp32"),
+            "onnxruntime": functools.partial(session.run, None, {"pixel_values": array}),
+        }
+        samples = time_alternating(fns, steps, repeats, torch.device("cpu"))
+        per_s = {name: batch / median_seconds(sample) for name, sample in samples.items()}
+        result[f"batch_{batch}"] = {
+            "batch_size": batch,
+            "max_abs_logits_diff": difference,
+            "seconds": samples,
+            "images_per_s": per_s,
+            "ratio_onnxruntime_to_eager": per_s["onnxruntime"] / per_s[HF_VIT],
+        }
+    return result
+
+
 # -------------------------------------------------------------------------------------------------------- profiling
 
 PROFILE_CATEGORIES = (
@@ -904,6 +1121,39 @@ def run_benchmark(settings: BenchmarkSettings, log: Callable[[str], None] = prin
                 processor["seconds"],
             )
         )
+
+    if settings.pipeline and settings.main_rows:
+        log("input pipelines (one thread) ...")
+        pipeline = compare_input_pipelines(image_size, settings.pipeline_images, settings.pipeline_repeats)
+        if settings.profile:
+            pipeline["profile"] = profile_input_pipeline(image_size, settings.pipeline_images)
+        report["input_pipeline"] = pipeline
+        log(f"  skipped: {pipeline['skipped']}" if pipeline["skipped"] else "  done")
+        if TORCHVISION in pipeline["photo"]["images_per_s"]:  # the transformers column is its example's pipeline
+            for kind in PHOTO_SIZES:
+                per_s, seconds = pipeline[kind]["images_per_s"], pipeline[kind]["seconds"]
+                names = {HF_VIT: HF_VIT, TRANSFORMERS: TORCHVISION, TIMM: TIMM}
+                figures.append(
+                    _figure(
+                        f"input_pipeline_{kind}_images_per_s",
+                        None,
+                        False,
+                        "images/s per core",
+                        True,
+                        {ours: per_s[theirs] for ours, theirs in names.items() if theirs in per_s},
+                        {ours: seconds[theirs] for ours, theirs in names.items() if theirs in seconds},
+                    )
+                )
+
+    if settings.onnx and settings.main_rows and device.type == "cpu":
+        log("onnxruntime ...")
+        try:
+            report["onnxruntime"] = compare_onnxruntime(
+                models[HF_VIT], settings.onnx_batch_sizes, settings.steps, settings.repeats, settings.seed
+            )
+        except Exception as error:  # noqa: BLE001 - an export or session failure drops the rows, not the run
+            report["onnxruntime"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            log(f"  onnxruntime failed: {report['onnxruntime']['error'][:300]}")
 
     if settings.profile_only or (settings.profile and not settings.sweep_only):
         report["profile"] = {}

@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from .measure import DTYPES, HF_VIT, PROFILE_CATEGORIES, TIMM, TRANSFORMERS
+from .measure import DTYPES, HF_VIT, PIL_DECODE, PROFILE_CATEGORIES, TIMM, TORCHVISION, TRANSFORMERS
 
 
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -145,6 +145,8 @@ TARGETS = {
     ("infer_images_per_s", "fp32"): 1.05,
     ("infer_images_per_s", "bf16"): 1.05,
     ("processor_images_per_s", None): 1.50,
+    # the training input pipeline per core against torchvision's in transformers' example (the transformers column)
+    ("input_pipeline_photo_images_per_s", None): 2.00,
 }
 # On a GPU (ViT-B/16 at 224): bf16 training at least 1.1x transformers' and timm's, and at least half the GPU's
 # measured bf16 matmul throughput.
@@ -227,7 +229,12 @@ def format_machine(report: dict) -> str:
     rows = [
         ["processor", machine.get("gpu") or machine.get("cpu", machine["device"])],
         ["cores, torch threads", f"{machine.get('cpu_count')}, {machine.get('torch_threads')}"],
-        ["software", f"torch {machine['torch']}, transformers {machine['transformers']}, Python {machine['python']}"],
+        [
+            "software",
+            f"torch {machine['torch']}, transformers {machine['transformers']}"
+            + (f", timm {machine['timm']}" if machine.get("timm") else ", timm not installed")
+            + f", Python {machine['python']}",
+        ],
         [f"matmul peak ({size}², best of before and after the models)", peaks],
         ["load average (1, 5, 15 min) at start / end", f"{loads[0]} / {loads[1]}"],
     ]
@@ -236,15 +243,80 @@ def format_machine(report: dict) -> str:
     return _markdown_table(["", ""], rows)
 
 
+def format_input_pipeline(report: dict) -> str:
+    """Images/s per core of each training input pipeline on each kind of photo, and hf-vit's ratio to each."""
+    pipeline = report.get("input_pipeline")
+    if not pipeline:
+        return "Not measured in this run (`--no_pipeline`)."
+    kinds = [kind for kind in ("photo", "large_photo") if kind in pipeline]
+    header = ["pipeline"]
+    for kind in kinds:
+        header += [f"{kind.replace('_', ' ')}s {', '.join(pipeline[kind]['image_sizes'])} (images/s)", "hf-vit / it"]
+    rows = []
+    for name in (HF_VIT, TORCHVISION, TIMM, PIL_DECODE):
+        cells = [pipeline["names"][name]]
+        for kind in kinds:
+            values = pipeline[kind]["images_per_s"]
+            if name not in values:
+                cells += ["-", "-"]
+                continue
+            cells += [f"{values[name]:.0f}", "" if name == HF_VIT else f"{values[HF_VIT] / values[name]:.2f}"]
+        rows.append(cells)
+    table = _markdown_table(header, rows)
+    if pipeline.get("skipped"):
+        missing = "; ".join(f"{name}: {why}" for name, why in pipeline["skipped"].items())
+        table += f"\n\nNot in this run (run the benchmark in the peer environment to add them): {missing}"
+    profile = pipeline.get("profile")
+    if profile:
+        table += (
+            f"\n\nWhere hf-vit's transform spends its time on the photos (cProfile, self time, "
+            f"{profile['total_ms_per_image']:.2f} ms per image in all under the profiler):\n\n"
+        )
+        table += _markdown_table(
+            ["function", "ms per image", "share"],
+            [
+                [f"`{row['function']}`", f"{row['self_ms_per_image']:.3f}", f"{row['pct']:.1f}%"]
+                for row in profile["top_functions"]
+            ],
+        )
+    return table
+
+
+def format_onnxruntime(report: dict) -> str:
+    """onnxruntime against eager PyTorch fp32 inference at each batch size."""
+    section = report.get("onnxruntime")
+    if not section:
+        return "Not measured in this run (`--no_onnx`, or not on CPU)."
+    if "error" in section:
+        return f"Not timed: {section['error']}"
+    rows = []
+    for key, row in section.items():
+        if key.startswith("batch_"):
+            rows.append(
+                [
+                    row["batch_size"],
+                    f"{row['images_per_s'][HF_VIT]:.1f}",
+                    f"{row['images_per_s']['onnxruntime']:.1f}",
+                    f"{row['ratio_onnxruntime_to_eager']:.3f}",
+                    f"{row['max_abs_logits_diff']:.1e}",
+                ]
+            )
+    header = ["batch", "hf-vit eager fp32 (images/s)", "onnxruntime (images/s)", "onnxruntime / eager"]
+    return _markdown_table(header + ["max abs logits difference"], rows)
+
+
 def markdown_sections(report: dict) -> dict[str, str]:
     """The generated blocks of docs/benchmarks.md, by marker name."""
     sections = {
         "machine": format_machine(report),
         "table": format_table(report, markdown=True),
         "targets": format_targets(report),
+        "pipeline": format_input_pipeline(report),
+        "onnxruntime": format_onnxruntime(report),
+        "sweep": format_sweep(report)
+        if report.get("sweep")
+        else "Not measured in this run: the size sweep runs with `--sizes` (outside `make bench`'s 15 minutes).",
     }
-    if report.get("sweep"):
-        sections["sweep"] = format_sweep(report)
     if "profile" in report:
         sections["profile"] = format_profile(report)
     return sections

@@ -42,8 +42,10 @@ def report(tmp_path_factory):
     """One run of the command line (in this process, to skip a second interpreter start) on a tiny config."""
     folder = tmp_path_factory.mktemp("benchmark")
     argv = TINY + [
-        "--no_compile",
         "--repeats", "2",
+        "--pipeline_images", "4",
+        "--pipeline_repeats", "1",
+        "--onnx_batch_sizes", "1", "2",
         "--matmul_size", "128",
         "--processor_images", "8",
         "--profile",
@@ -88,8 +90,8 @@ def test_json_has_every_figure_and_ratio(report):
     timing = figures["train_images_per_s/fp32/eager"]["seconds_per_call"][HF_VIT]
     assert len(timing["seconds"]) >= 2 and len(timing["clean"]) == len(timing["seconds"])  # one per round
     assert set(data["memory_metrics"]) >= {"peak_mem_mb"}
-    assert data["compile"]["requested"] is False
-    assert "command" in data and "--no_compile" in data["command"]
+    assert data["compile"]["requested"] is False  # compiled rows only with --compile
+    assert "command" in data and "--pipeline_images" in data["command"]
     assert {"cpu_count", "torch", "transformers"} <= set(data["machine"])
 
 
@@ -206,7 +208,7 @@ def test_doc_blocks_are_rewritten_from_the_figures(report, tmp_path):
     assert f"| 1.10 | {train_fp32['ratio']:.3f} |" in line
     assert line.endswith("| **met** |") == (train_fp32["ratio"] >= 1.10)
     sections = markdown_sections(figures)
-    assert set(sections) == {"machine", "table", "targets", "sweep", "profile"}
+    assert set(sections) == {"machine", "table", "targets", "sweep", "profile", "pipeline", "onnxruntime"}
     assert fill_markdown(text, sections) == text  # idempotent
     with pytest.raises(ValueError, match="nosuch"):
         fill_markdown("<!-- benchmark:nosuch -->\n<!-- /benchmark:nosuch -->\n", sections)
@@ -288,3 +290,34 @@ def test_benchmarks_are_not_packaged():
     include = re.search(r"^include = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.MULTILINE)[1]
     packages = find_packages(str(ROOT), include=[name.strip().strip('"') for name in include.split(",")])
     assert "hf_vit" in packages and not any(name.split(".")[0] == "benchmarks" for name in packages)
+
+
+def test_input_pipelines_and_onnxruntime(report):
+    data, _ = report
+    pipeline = data["input_pipeline"]
+    assert pipeline["threads"] == 1
+    for kind in ("photo", "large_photo"):
+        values = pipeline[kind]["images_per_s"]
+        assert values[HF_VIT] > 0 and values["pil_decode"] > 0
+        assert set(values) | set(pipeline["skipped"]) == {HF_VIT, "torchvision", "timm", "pil_decode"}
+    assert pipeline["photo"]["image_sizes"] == ["640x427", "500x375"]
+    assert pipeline["profile"]["top_functions"] and pipeline["profile"]["total_ms_per_image"] > 0
+    rows = {row["key"] for row in data["figures"]}
+    assert ("input_pipeline_photo_images_per_s" in rows) == ("torchvision" in pipeline["photo"]["images_per_s"])
+    onnx = data["onnxruntime"]
+    assert "error" not in onnx, onnx.get("error")
+    for batch in (1, 2):
+        row = onnx[f"batch_{batch}"]
+        assert row["max_abs_logits_diff"] <= 1e-3 and row["images_per_s"]["onnxruntime"] > 0
+        assert row["ratio_onnxruntime_to_eager"] == row["images_per_s"]["onnxruntime"] / row["images_per_s"][HF_VIT]
+    sections = markdown_sections(data)
+    assert "onnxruntime / eager" in sections["onnxruntime"] and "make_train_transform" in sections["pipeline"]
+    without = markdown_sections({key: value for key, value in data.items() if key not in ("input_pipeline", "sweep")})
+    assert without["pipeline"].startswith("Not measured") and without["sweep"].startswith("Not measured")
+
+
+def test_default_run_is_bounded():
+    # compiled rows and the size sweep are behind flags; the pipelines and onnxruntime are in the default run
+    settings, _ = benchmark.parse_args([])
+    assert not settings.compile and not settings.sizes and settings.pipeline and settings.onnx
+    assert benchmark.parse_args(["--compile"])[0].compile
