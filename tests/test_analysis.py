@@ -72,6 +72,29 @@ def test_captured_probabilities_equal_eager_attention_for_the_chosen_layers(dtyp
         torch.testing.assert_close(probs[layer], eager[layer].float(), atol=atol, rtol=0)
 
 
+def test_captured_probabilities_of_a_converted_checkpoint_equal_transformers_own(tmp_path):
+    import subprocess
+
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    fields = dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96, num_labels=3)
+    theirs = ViTForImageClassification(ViTConfig(image_size=32, patch_size=8, **fields)).eval()
+    theirs.save_pretrained(tmp_path / "transformers")
+    command = [sys.executable, str(ROOT / "scripts" / "convert_checkpoint.py"), "--source", "transformers"]
+    command += ["--input", str(tmp_path / "transformers"), "--output", str(tmp_path / "converted")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    ours = VisionTransformerForImageClassification.from_pretrained(tmp_path / "converted").eval()
+    theirs.set_attn_implementation("eager")
+    x = pixels()
+    with torch.no_grad():
+        expected = theirs(x, output_attentions=True).attentions
+    probs = attention_probabilities(ours, x)
+    for layer in range(3):
+        torch.testing.assert_close(probs[layer], expected[layer], atol=1e-6, rtol=0)
+
+
 def test_capture_keeps_the_models_attention_and_outputs_and_removes_its_hooks():
     model = model_for(tiny_config(attn_implementation="sdpa"))
     x = pixels()
