@@ -1,0 +1,83 @@
+"""A/B of hf-vit's model at two revisions, alternating in one process on identical weights.
+
+git worktree add /tmp/before <rev>
+python benchmarks/ab_revisions.py --before /tmp/before [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def load_package(root: Path, name: str):
+    spec = importlib.util.spec_from_file_location(
+        name, root / "hf_vit" / "__init__.py", submodule_search_locations=[str(root / "hf_vit")]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, type=Path, help="a checkout of the earlier revision")
+    parser.add_argument("--model", default="vit-small-patch16-224")
+    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    before = load_package(args.before, "hf_vit_before")
+    import hf_vit as after
+
+    config = after.VisionTransformerConfig.from_preset(args.model, num_labels=10, zero_init_head=False)
+    new = after.VisionTransformerForImageClassification(config)
+    old = before.VisionTransformerForImageClassification(before.VisionTransformerConfig(**config.to_dict()))
+    old.load_state_dict(new.state_dict())
+    x = torch.randn(args.batch_size, 3, *config.image_hw)
+    labels = torch.randint(0, 10, (args.batch_size,))
+    with torch.no_grad():
+        assert torch.equal(old.eval()(x).logits, new.eval()(x).logits), "the revisions compute different logits"
+
+    def infer(model, dtype):
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            model(x)
+
+    def train(model, dtype):
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = model(x, labels=labels).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    print(
+        f"{args.model}, batch {args.batch_size}, {torch.get_num_threads()} threads, "
+        f"{torch.backends.cpu.get_cpu_capability()}; median of {args.rounds} alternating rounds of {args.steps} steps"
+    )
+    print(f"{'row':<16}{'before s/step':>14}{'after s/step':>14}{'after speed-up':>16}")
+    for mode, step in (("inference", infer), ("training", train)):
+        for dtype in ("fp32", "bf16"):
+            times = {"before": [], "after": []}
+            for model in (old, new):
+                step(model, dtype)  # warm-up
+            for _ in range(args.rounds):
+                for label, model in (("before", old), ("after", new)):
+                    start = time.perf_counter()
+                    for _ in range(args.steps):
+                        step(model, dtype)
+                    times[label].append((time.perf_counter() - start) / args.steps)
+            b, a = statistics.median(times["before"]), statistics.median(times["after"])
+            print(f"{mode + ' ' + dtype:<16}{b:>14.3f}{a:>14.3f}{b / a:>15.3f}x")
+
+
+if __name__ == "__main__":
+    main()
