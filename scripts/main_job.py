@@ -15,7 +15,9 @@ import shutil
 import time
 from pathlib import Path
 
-from hf_vit import VisionTransformerForImageClassification
+from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.analysis import write_analysis_figures
+from hf_vit.data import load_digits_dataset
 from hf_vit.hub import write_model_card
 from hf_vit.training import parse_args, train
 from hf_vit.variants import make_evaluated_variant
@@ -78,6 +80,16 @@ def main() -> None:
         ),
         resolution_note="Fine-tuned at 24x24 from a model pretrained at 16x16; the position embeddings were "
         "resampled bicubically from the 4x4 to the 6x6 patch grid before fine-tuning.",
+    )
+    # The paper's section 4.5 for this model: filters, position similarity, attention distance, rollout.
+    digits = load_digits_dataset()["test"].select(range(8))
+    write_analysis_figures(
+        VisionTransformerForImageClassification.from_pretrained(output).eval(),
+        VisionTransformerImageProcessor.from_pretrained(output),
+        list(digits["image"]),
+        output / "analysis",
+        captions=[f"digit {label}" for label in digits["label"]],
+        name="vit-digits-24",
     )
 
     print("[3/3] resolution variant at 36x36 (1.5x): accuracy as interpolated, then after a short fine-tune")
