@@ -128,6 +128,22 @@ class ModelArguments:
         metadata={"help": "Keep the checkpoint's head (same classes) instead of a new zero-initialised head."},
     )
     attn_implementation: str = field(default="sdpa", metadata={"help": "eager, sdpa, flash_attention_2, flex..."})
+    lora_rank: int = field(
+        default=0,
+        metadata={
+            "help": "Fine-tune LoRA adapters of this rank (peft) instead of every weight; the new head is trained in "
+            "full."
+        },
+    )
+    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA scaling alpha (default: the rank)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA adapters' input."})
+    lora_target_modules: str = field(
+        default="qkv",
+        metadata={
+            "help": "Comma-separated layers to adapt: qkv (the fused query/key/value), or its parts query, key, value "
+            "(e.g. query,value as in PEFT's ViT guide), proj, fc1, fc2."
+        },
+    )
 
 
 @dataclass
@@ -625,6 +641,24 @@ def _train(task, model_args, data_args, training_args, callbacks, resume) -> dic
             hidden_dropout_prob=model_args.hidden_dropout_prob,
         )
         processor = _processor_for(model_args.model_name_or_path, model.config)
+    if model_args.lora_rank:
+        if task != "finetune":
+            raise ValueError("--lora_rank adapts a pretrained model: use finetune.py with --model_name_or_path.")
+        from .lora import apply_lora
+
+        model.config.save_pretrained(training_args.output_dir)  # the fine-tuning model the adapter belongs to
+        model = apply_lora(
+            model,
+            model_args.lora_rank,
+            model_args.lora_alpha,
+            model_args.lora_dropout,
+            model_args.lora_target_modules.split(","),
+        )
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        logger.info(
+            "LoRA rank %d on %s: %d of %d parameters trained.",
+            model_args.lora_rank, model_args.lora_target_modules, trained, sum(p.numel() for p in model.parameters()),
+        )  # fmt: skip
 
     ds = with_transforms(raw, data_args, processor)
     callbacks = [*(callbacks or [])]
@@ -671,6 +705,7 @@ def _train(task, model_args, data_args, training_args, callbacks, resume) -> dic
             training_args=training_args,
             repo_id=training_args.hub_model_id,
             base_model=model_args.model_name_or_path if task == "finetune" else None,
+            summary=_lora_summary(model_args) if model_args.lora_rank else None,
         )
         if training_args.push_to_hub:
             from .hub import push_folder_to_hub
@@ -710,6 +745,14 @@ def evaluate_model(
         logits.append(model(pixel_values=batch["pixel_values"]).logits.float())
         labels.append(batch["labels"])
     return compute_metrics((torch.cat(logits).numpy(), torch.cat(labels).numpy()))
+
+
+def _lora_summary(model_args: ModelArguments) -> str:
+    return (
+        f"A LoRA adapter (peft; rank {model_args.lora_rank} on {model_args.lora_target_modules}, new head trained in "
+        f"full) for the base model named below. Load it with `hf_vit.lora.load_lora_model(<this folder>)`, or "
+        "`PeftModel.from_pretrained` on `hf_vit.training.load_for_finetuning(<base>, id2label)`."
+    )
 
 
 def _processor_for(path: str, config: VisionTransformerConfig) -> VisionTransformerImageProcessor:
