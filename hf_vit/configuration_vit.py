@@ -24,6 +24,23 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
 }
 PATCH_SIZES = (8, 14, 16, 32)
 CLASSIFIERS = ("token", "gap")
+# Stage depths of the hybrids' ResNet stems (section 3.1), by stem and effective patch size, as the authors' code
+# defines them: R50 with stage 4 removed and its units moved to stage 3 (stride 16), the full R50 (stride 32), and the
+# R26 of their later releases (four stages of two units, stride 32).
+RESNET_STAGES: dict[tuple[str, int], list[int]] = {
+    ("r50", 16): [3, 4, 9],
+    ("r50", 32): [3, 4, 6, 3],
+    ("r26", 32): [2, 2, 2, 2],
+}
+# The hybrids of the paper's Table 5 and of the authors' releases; any size of MODEL_SIZES parses the same way.
+HYBRID_PRESET_NAMES = (
+    "r50-vit-base-patch16-224",
+    "r50-vit-large-patch16-224",
+    "r50-vit-large-patch32-224",
+    "r26-vit-small-patch32-224",
+    "r26-vit-base-patch32-224",
+)
+RESNET_GROUPS = 32  # GroupNorm groups of every stem layer (the authors' flax.linen.GroupNorm default)
 AUTO_MAP = {
     "AutoConfig": "configuration_vit.VisionTransformerConfig",
     "AutoModel": "modeling_vit.VisionTransformerModel",
@@ -41,8 +58,28 @@ def _preset_table() -> dict[str, dict[str, Any]]:
     return presets
 
 
+def _preset_fields(name: str) -> dict[str, Any] | None:
+    """The architecture fields a preset name spells, or None when it is not one."""
+    match = _PRESET_NAME.fullmatch(name)
+    if match is None:
+        return None
+    patch = int(match["patch"])
+    fields = {**MODEL_SIZES[match["size"]], "patch_size": patch, "image_size": int(match["resolution"])}
+    if match["resnet"]:
+        layers = RESNET_STAGES.get((match["resnet"], patch))
+        if layers is None:
+            return None
+        fields["resnet_layers"] = list(layers)
+    elif patch not in PATCH_SIZES:
+        return None
+    return fields
+
+
+_PRESET_NAME = re.compile(
+    rf"(?:(?P<resnet>r26|r50)-)?vit-(?P<size>{'|'.join(MODEL_SIZES)})-patch(?P<patch>\d+)-(?P<resolution>\d+)"
+)
 PRESETS: dict[str, dict[str, Any]] = _preset_table()
-_PRESET_NAME = re.compile(rf"vit-(?P<size>{'|'.join(MODEL_SIZES)})-patch(?P<patch>\d+)-(?P<resolution>\d+)")
+HYBRID_PRESETS: dict[str, dict[str, Any]] = {name: _preset_fields(name) for name in HYBRID_PRESET_NAMES}
 
 
 def _pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
@@ -80,6 +117,22 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         drop_path_rate: stochastic depth rate of the last block, growing linearly from 0 at the first block.
         initializer_range: standard deviation of the position embeddings at initialisation.
         zero_init_head: initialise the classifier's weights and bias to zero, as the paper does.
+        resnet_layers: stage depths of the hybrid's ResNet stem (section 3.1), e.g. `[3, 4, 9]` for the paper's R50
+            hybrid; `None` (the default) for the plain ViT. The stem is the authors': weight-standardised
+            convolutions and GroupNorm, a 7x7 stride-2 root convolution and 3x3 stride-2 max pooling, then bottleneck
+            stages (the first at stride 1, the others at stride 2), so its stride is `4 * 2 ** (stages - 1)`. An empty
+            list is the root alone (stride 4).
+        resnet_width: channels of the stem's root (64 times the authors' width factor); stage `i` (from 0) has
+            bottlenecks of `resnet_width * 2**i` channels and outputs four times that.
+        mpp_corrupt_ratio: masked patch prediction (section 4.6): the share of patches corrupted per image.
+        mpp_mask_ratio: the share of corrupted patches replaced by the learnable [mask] embedding.
+        mpp_random_ratio: the share of corrupted patches replaced by another patch's embedding (the rest are kept).
+        mpp_color_bits: bits per channel of the mean colour the model predicts (3: 512 classes for RGB).
+
+    `patch_size` is always in input pixels: the side of the image region one token covers (16 for R50+ViT-B/16, whose
+    embedding takes 1x1 patches of the stem's stride-16 feature map). So `grid_size` is `image_size / patch_size` for
+    plain and hybrid models alike, and everything that maps tokens to pixels (resolution changes, dense features,
+    attention distances) holds for both; `stem_stride` and `embedding_patch_size` give the two factors.
     """
 
     model_type = "hf_vit"
@@ -101,6 +154,12 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     drop_path_rate: float = 0.0
     initializer_range: float = 0.02
     zero_init_head: bool = True
+    resnet_layers: list[int] | None = None
+    resnet_width: int = 64
+    mpp_corrupt_ratio: float = 0.5
+    mpp_mask_ratio: float = 0.8
+    mpp_random_ratio: float = 0.1
+    mpp_color_bits: int = 3
     # As a backbone (`VisionTransformerBackbone`): which stages' outputs are the feature maps. The stages are "stem"
     # (the embeddings, equation 1) and "stage1".."stageL" (the blocks' outputs); default: the last block.
     _out_features: list[str] | None = None
@@ -109,6 +168,8 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     def __post_init__(self, **kwargs: Any) -> None:
         if isinstance(self.image_size, (tuple, list)):
             self.image_size = list(_pair(self.image_size, "image_size"))
+        if isinstance(self.resnet_layers, tuple):
+            self.resnet_layers = list(self.resnet_layers)
         self.stage_names = ["stem"] + [f"stage{index}" for index in range(1, self.num_hidden_layers + 1)]
         self.set_output_features_output_indices(
             out_features=kwargs.pop("out_features", None), out_indices=kwargs.pop("out_indices", None)
@@ -142,6 +203,24 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
                 f"({self.num_attention_heads})."
             )
+        if self.resnet_layers is not None:
+            layers = self.resnet_layers
+            if not isinstance(layers, list) or any(
+                not isinstance(depth, int) or isinstance(depth, bool) or depth <= 0 for depth in layers
+            ):
+                raise ValueError(f"`resnet_layers` must be None or a list of positive ints, got {layers!r}.")
+            width = self.resnet_width
+            if not isinstance(width, int) or isinstance(width, bool) or width <= 0 or width % RESNET_GROUPS:
+                raise ValueError(
+                    f"`resnet_width` must be a positive multiple of {RESNET_GROUPS} (the stem's GroupNorm groups), "
+                    f"got {width!r}."
+                )
+            if self.patch_size % self.stem_stride:
+                raise ValueError(
+                    f"`patch_size` ({self.patch_size}, in input pixels) must be a multiple of the ResNet stem's "
+                    f"stride ({self.stem_stride} for {len(layers)} stage(s)): the embedding cuts the stem's feature "
+                    "map into patch_size / stride patches."
+                )
         if height % self.patch_size or width % self.patch_size:
             raise ValueError(
                 f"`image_size` ({height}x{width}) must be divisible by `patch_size` ({self.patch_size}) "
@@ -161,6 +240,17 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
                 raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
         if self.layer_norm_eps <= 0:
             raise ValueError(f"`layer_norm_eps` must be positive, got {self.layer_norm_eps!r}.")
+        for name in ("mpp_corrupt_ratio", "mpp_mask_ratio", "mpp_random_ratio"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"`{name}` must be in [0, 1], got {value!r}.")
+        if self.mpp_mask_ratio + self.mpp_random_ratio > 1.0:
+            raise ValueError(
+                f"`mpp_mask_ratio` + `mpp_random_ratio` ({self.mpp_mask_ratio} + {self.mpp_random_ratio}) must be at "
+                "most 1: they are shares of the same corrupted patches."
+            )
+        if not isinstance(self.mpp_color_bits, int) or not 1 <= self.mpp_color_bits <= 8:
+            raise ValueError(f"`mpp_color_bits` must be an int in 1..8, got {self.mpp_color_bits!r}.")
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -204,6 +294,32 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         return (height // self.patch_size, width // self.patch_size)
 
     @property
+    def stem_stride(self) -> int:
+        """Downsampling of the hybrid's ResNet stem (16 for the R50 of `[3, 4, 9]`); 1 without a stem."""
+        if self.resnet_layers is None:
+            return 1
+        return 4 * 2 ** max(len(self.resnet_layers) - 1, 0)
+
+    @property
+    def stem_channels(self) -> int:
+        """Channels of what the patch embedding reads: the image's, or the stem's last stage's output."""
+        if self.resnet_layers is None:
+            return self.num_channels
+        if not self.resnet_layers:
+            return self.resnet_width
+        return self.resnet_width * 4 * 2 ** (len(self.resnet_layers) - 1)
+
+    @property
+    def embedding_patch_size(self) -> int:
+        """Side of the patches the embedding `E` cuts, in the pixels it reads (the stem's feature map in a hybrid)."""
+        return self.patch_size // self.stem_stride
+
+    @property
+    def mpp_num_classes(self) -> int:
+        """Classes of masked patch prediction: every mean colour at `mpp_color_bits` per channel (512 for RGB)."""
+        return 2 ** (self.mpp_color_bits * self.num_channels)
+
+    @property
     def num_patches(self) -> int:
         rows, cols = self.grid_size
         return rows * cols
@@ -215,19 +331,23 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     @classmethod
     def preset_names(cls) -> list[str]:
-        return sorted(PRESETS)
+        return sorted(PRESETS) + sorted(HYBRID_PRESETS)
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> VisionTransformerConfig:
         """Build the config of a named model, e.g. `"vit-base-patch16-224"`; keyword arguments override fields.
 
-        The name is parsed as `vit-<size>-patch<P>-<resolution>`: `"vit-base-patch16-384"` is ViT-B/16 at 384.
+        The name is parsed as `vit-<size>-patch<P>-<resolution>`: `"vit-base-patch16-384"` is ViT-B/16 at 384. A
+        hybrid is named by its stem in front, `r50-vit-base-patch16-224` (R50+ViT-B/16) or
+        `r26-vit-small-patch32-224` (R26+ViT-S/32); its stages are those of `RESNET_STAGES`.
         """
-        match = _PRESET_NAME.fullmatch(name)
-        if match is None or int(match["patch"]) not in PATCH_SIZES:
+        preset = _preset_fields(name)
+        if preset is None:
+            stems = ", ".join(f"{stem}-...-patch{patch}" for stem, patch in RESNET_STAGES)
             raise ValueError(
                 f"Unknown preset {name!r}. Presets are vit-<size>-patch<P>-<resolution> with size in "
-                f"{list(MODEL_SIZES)} and P in {list(PATCH_SIZES)}, e.g. 'vit-base-patch16-224'."
+                f"{list(MODEL_SIZES)} and P in {list(PATCH_SIZES)}, e.g. 'vit-base-patch16-224', and the hybrids "
+                f"{stems}, e.g. 'r50-vit-base-patch16-224'."
             )
         own = [name for name in cls.__annotations__ if not name.startswith("_") and name != "model_type"]
         known = {field.name for field in dataclasses.fields(cls)} | {
@@ -247,5 +367,4 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
                 f"Unknown config field(s) {', '.join(hints)} for preset {name!r}. The model's fields: "
                 f"{', '.join(own)}; also num_labels, id2label, label2id, problem_type."
             )
-        dims = MODEL_SIZES[match["size"]]
-        return cls(**{**dims, "patch_size": int(match["patch"]), "image_size": int(match["resolution"]), **kwargs})
+        return cls(**{**preset, **kwargs})

@@ -206,6 +206,7 @@ REMOTE_CODE_FILES = (
     "modeling_vit.py",
     "attention.py",
     "resolution.py",
+    "hybrid.py",
     "image_processing_vit.py",
 )
 UPLOAD_FILES = (

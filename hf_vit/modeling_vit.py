@@ -7,8 +7,12 @@
     zl  = MLP(LN(z'l)) + z'l                             (3)  VisionTransformerBlock
     y   = LN(zL^0)                                       (4)  VisionTransformerModel
 
+The hybrid architecture (section 3.1) takes the patches x_p from the feature map of a ResNet stem (`hybrid.py`)
+instead of the image; masked patch prediction (section 4.6) corrupts some of the x_p^i E before the positions are added
+and predicts their mean colours (`VisionTransformerForMaskedPatchPrediction`).
+
 This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
-transformers and the configuration file beside it.
+transformers and the code files beside it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import SafetensorError
 from torch import nn
+from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -31,16 +36,29 @@ from transformers.utils import ModelOutput
 
 from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig, image_size_field
+from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .resolution import grid_for, resample_position_embeddings
 
 __all__ = [
+    "PATCH_CLEAN",
+    "PATCH_KEPT",
+    "PATCH_MASKED",
+    "PATCH_RANDOM",
+    "MaskedPatchPredictionOutput",
     "VisionTransformerBackbone",
     "VisionTransformerForImageClassification",
+    "VisionTransformerForMaskedPatchPrediction",
     "VisionTransformerIntermediates",
     "VisionTransformerModel",
     "VisionTransformerPreTrainedModel",
     "check_pixel_values",
+    "corrupt_patches",
+    "draw_patch_corruption",
 ]
+
+# What masked patch prediction does to each patch embedding (a `patch_corruption` tensor holds these codes): left
+# alone, replaced by the [mask] embedding, replaced by another patch's embedding, or kept but predicted all the same.
+PATCH_CLEAN, PATCH_MASKED, PATCH_RANDOM, PATCH_KEPT = 0, 1, 2, 3
 
 
 def check_pixel_values(
@@ -86,24 +104,85 @@ def check_pixel_values(
         )
 
 
-class VisionTransformerEmbeddings(nn.Module):
-    """Equation (1): linear patch embedding `E`, the class token, and learned 1D position embeddings `E_pos`."""
+def draw_patch_corruption(
+    batch_size: int,
+    num_patches: int,
+    config: VisionTransformerConfig,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Masked patch prediction's corruption of `batch_size` images of `num_patches` patches, as B.1.2 of the paper
+    describes it: `config.mpp_corrupt_ratio` of each image's patches (rounded half up) are corrupted, each of them
+    replaced by the [mask] embedding with probability `mpp_mask_ratio`, by another patch's embedding with probability
+    `mpp_random_ratio`, and kept otherwise. Returns `(batch_size, num_patches)` int64 codes (`PATCH_CLEAN`,
+    `PATCH_MASKED`, `PATCH_RANDOM`, `PATCH_KEPT`)."""
+    count = int(config.mpp_corrupt_ratio * num_patches + 0.5)
+    # The ranks of uniform draws are a uniform random permutation: the `count` lowest are corrupted.
+    ranks = torch.rand(batch_size, num_patches, generator=generator, device=device).argsort(dim=1).argsort(dim=1)
+    kind = torch.rand(batch_size, num_patches, generator=generator, device=device)
+    codes = torch.where(
+        kind < config.mpp_mask_ratio,
+        PATCH_MASKED,
+        torch.where(kind < config.mpp_mask_ratio + config.mpp_random_ratio, PATCH_RANDOM, PATCH_KEPT),
+    )
+    return torch.where(ranks < count, codes, PATCH_CLEAN)
 
-    def __init__(self, config: VisionTransformerConfig) -> None:
+
+def corrupt_patches(
+    tokens: torch.Tensor, patch_corruption: torch.Tensor, mask_token: torch.Tensor | None
+) -> torch.Tensor:
+    """Apply `patch_corruption` codes `(B, N)` to patch embeddings `(B, N, D)`. A `PATCH_RANDOM` patch takes the
+    embedding of another patch drawn uniformly from the whole batch (as BERT's random token is drawn from the
+    vocabulary rather than from its own sentence)."""
+    batch, count, dim = tokens.shape
+    if tuple(patch_corruption.shape) != (batch, count):
+        raise ValueError(
+            f"`patch_corruption` has shape {tuple(patch_corruption.shape)} but the images have {count} patches each "
+            f"(expected ({batch}, {count}))."
+        )
+    if mask_token is None:
+        raise ValueError(
+            "This model has no [mask] embedding: corrupt patches with VisionTransformerForMaskedPatchPrediction (or "
+            "a VisionTransformerModel built with use_mask_token=True)."
+        )
+    total = batch * count
+    flat = tokens.reshape(total, dim)
+    # Draw among the total - 1 other patches: values at or above a patch's own index move up by one.
+    source = torch.randint(0, max(total - 1, 1), (total,), device=tokens.device)
+    source = source + (source >= torch.arange(total, device=tokens.device)).long() if total > 1 else source
+    others = flat[source].view(batch, count, dim)
+    tokens = torch.where((patch_corruption == PATCH_RANDOM)[..., None], others, tokens)
+    return torch.where((patch_corruption == PATCH_MASKED)[..., None], mask_token.to(tokens.dtype), tokens)
+
+
+class VisionTransformerEmbeddings(nn.Module):
+    """Equation (1): linear patch embedding `E`, the class token, and learned 1D position embeddings `E_pos`.
+
+    In a hybrid the patches come from the ResNet stem's feature map; with `use_mask_token` the embeddings can be
+    corrupted for masked patch prediction (`patch_corruption`)."""
+
+    def __init__(self, config: VisionTransformerConfig, use_mask_token: bool = False) -> None:
         super().__init__()
         self.config = config
-        # A stride-P convolution is the linear map E applied to every flattened P x P patch.
-        self.patch_embedding = nn.Conv2d(
-            config.num_channels, config.hidden_size, kernel_size=config.patch_size, stride=config.patch_size
-        )
+        self.stem = ResNetStem(config) if config.resnet_layers is not None else None
+        # A stride-P convolution is the linear map E applied to every flattened P x P patch (of the stem's feature
+        # map in a hybrid, where P is `embedding_patch_size`, e.g. 1).
+        patch = config.embedding_patch_size
+        self.patch_embedding = nn.Conv2d(config.stem_channels, config.hidden_size, kernel_size=patch, stride=patch)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size)) if config.classifier == "token" else None
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size)) if use_mask_token else None
         num_positions = config.num_patches + config.num_prefix_tokens
         self.position_embedding = nn.Parameter(torch.zeros(1, num_positions, config.hidden_size))
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        patches = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))  # (B, D, H/P, W/P)
+    def forward(self, pixel_values: torch.Tensor, patch_corruption: torch.Tensor | None = None) -> torch.Tensor:
+        pixel_values = pixel_values.to(self.patch_embedding.weight.dtype)
+        # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
+        features = pixel_values if self.stem is None else self.stem(pixel_values)
+        patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
         tokens = patches.flatten(2).transpose(1, 2)  # (B, N, D): x_p^i E
+        if patch_corruption is not None:  # masked patch prediction: before the positions, as BERT's [MASK]
+            tokens = corrupt_patches(tokens, patch_corruption, self.mask_token)
         if self.cls_token is not None:
             tokens = torch.cat([self.cls_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
         # E_pos, resampled in 2D when the grid is not the one the model was trained on
@@ -223,6 +302,8 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
     # The loss is a mean over the batch. Telling Trainer so keeps it from expecting a sum over `num_items_in_batch`
     # and multiplying the loss by the number of processes.
     accepts_loss_kwargs = False
+    # Weights a checkpoint may lack, because they belong to a new head: loading starts them from `_init_weights`.
+    _new_weight_prefixes: tuple[str, ...] = ("classifier.", "pre_logits.")
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
@@ -256,7 +337,7 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
                     f"failed: {error}"
                 ) from error
             raise
-        missing = sorted(key for key in info["missing_keys"] if not key.startswith(("classifier.", "pre_logits.")))
+        missing = sorted(key for key in info["missing_keys"] if not key.startswith(cls._new_weight_prefixes))
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ValueError(
@@ -297,6 +378,17 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
             init.normal_(module.position_embedding, std=std)
             if module.cls_token is not None:
                 init.zeros_(module.cls_token)
+            if module.mask_token is not None:
+                init.normal_(module.mask_token, std=std)
+        elif isinstance(module, StdConv2d):  # flax.linen.Conv's default kernel initialiser
+            _lecun_normal_(module.weight)
+        elif isinstance(module, nn.GroupNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, ResNetUnit):
+            # The last GroupNorm of a unit starts at zero scale (applied after its children's initialisation), so
+            # that each unit starts as its shortcut.
+            init.zeros_(module.gn3.weight)
         elif isinstance(module, VisionTransformerAttention):
             # Query, key and value are three D x D maps, each Xavier-uniform: one draw with a D x D matrix's bound.
             bound = math.sqrt(6.0 / (2 * module.qkv.in_features))
@@ -322,14 +414,17 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
                 else:
                     _lecun_normal_(module.classifier.weight)
                 init.zeros_(module.classifier.bias)
+        elif isinstance(module, VisionTransformerForMaskedPatchPrediction):
+            _lecun_normal_(module.mpp_head.weight)
+            init.zeros_(module.mpp_head.bias)
 
 
 class VisionTransformerModel(VisionTransformerPreTrainedModel):
     """The ViT encoder: returns every token's final representation and the pooled image representation `y`."""
 
-    def __init__(self, config: VisionTransformerConfig) -> None:
+    def __init__(self, config: VisionTransformerConfig, use_mask_token: bool = False) -> None:
         super().__init__(config)
-        self.embeddings = VisionTransformerEmbeddings(config)
+        self.embeddings = VisionTransformerEmbeddings(config, use_mask_token)
         depth = config.num_hidden_layers
         # Stochastic depth grows linearly with depth, from 0 at the first block to drop_path_rate at the last.
         rates = [config.drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
@@ -347,8 +442,11 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        patch_corruption: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling | tuple:
+        """`patch_corruption`: masked patch prediction's codes `(B, N)` (see `draw_patch_corruption`), applied to the
+        patch embeddings; needs a model built with `use_mask_token=True`."""
         if pixel_values is None:
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
@@ -358,7 +456,7 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         return_dict = self.config.return_dict if return_dict is None else return_dict
 
         check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
-        hidden_states = self.embeddings(pixel_values)  # (1)
+        hidden_states = self.embeddings(pixel_values, patch_corruption)  # (1)
         all_hidden_states = (hidden_states,) if output_hidden_states else None
         all_attentions = () if output_attentions else None
         for block in self.layers:
@@ -541,4 +639,88 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
             return ((loss, logits) if loss is not None else (logits,)) + rest
         return ImageClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+
+
+@dataclass
+class MaskedPatchPredictionOutput(ModelOutput):
+    """Outputs of masked patch prediction: the cross-entropy over the corrupted patches (`loss`), the mean-colour
+    logits of every patch `(B, N, classes)`, and the corruption codes used (`patch_corruption`, None if none)."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    patch_corruption: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel):
+    """ViT pretrained by masked patch prediction (section 4.6, appendix B.1.2): a share of the patch embeddings is
+    corrupted (see `draw_patch_corruption`) and a linear head predicts, from each corrupted patch's final
+    representation, its mean colour at `config.mpp_color_bits` bits per channel (512 classes for RGB at 3 bits).
+
+    The corruption is drawn here while training unless `patch_corruption` is given (the data pipeline of
+    `hf_vit.pretraining` draws it per example); outside training, only a given `patch_corruption` corrupts anything.
+    `labels` are the colour classes `(B, N)` of the patches (`hf_vit.pretraining.mean_color_classes`), -100 where
+    none; the loss is their cross-entropy over the corrupted patches, or over every labelled patch when nothing is
+    corrupted. The encoder's weights are a plain ViT's, so a checkpoint fine-tunes with
+    `VisionTransformerForImageClassification.from_pretrained` like any other (the [mask] embedding and this head are
+    left out).
+    """
+
+    _new_weight_prefixes = ("mpp_head.", "vit.embeddings.mask_token")
+
+    def __init__(self, config: VisionTransformerConfig) -> None:
+        super().__init__(config)
+        self.vit = VisionTransformerModel(config, use_mask_token=True)
+        self.mpp_head = nn.Linear(config.hidden_size, config.mpp_num_classes)
+        self.post_init()
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        patch_corruption: torch.Tensor | None = None,
+        interpolate_pos_encoding: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MaskedPatchPredictionOutput | tuple:
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        if patch_corruption is None and self.training and isinstance(pixel_values, torch.Tensor):
+            check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
+            patch = self.config.patch_size
+            count = (pixel_values.shape[-2] // patch) * (pixel_values.shape[-1] // patch)
+            patch_corruption = draw_patch_corruption(
+                pixel_values.shape[0], count, self.config, device=pixel_values.device
+            )
+        outputs = self.vit(
+            pixel_values,
+            interpolate_pos_encoding=interpolate_pos_encoding,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+            patch_corruption=patch_corruption,
+        )
+        logits = self.mpp_head(outputs.last_hidden_state[:, self.config.num_prefix_tokens :])
+        loss = None
+        if labels is not None:
+            targets = labels.to(logits.device)
+            if patch_corruption is not None:
+                targets = targets.masked_fill(patch_corruption.to(logits.device) == PATCH_CLEAN, -100)
+            # A sum over the labelled patches divided by their number (at least 1): no NaN for a batch without any.
+            flat_logits, flat_targets = logits.flatten(0, 1).float(), targets.flatten()
+            total = F.cross_entropy(flat_logits, flat_targets, ignore_index=-100, reduction="sum")
+            loss = total / (flat_targets != -100).sum().clamp(min=1)
+
+        if not return_dict:
+            rest = tuple(v for v in (patch_corruption, outputs.hidden_states, outputs.attentions) if v is not None)
+            return ((loss, logits) if loss is not None else (logits,)) + rest
+        return MaskedPatchPredictionOutput(
+            loss=loss,
+            logits=logits,
+            patch_corruption=patch_corruption,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
         )
