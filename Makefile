@@ -29,9 +29,11 @@ lint: setup
 	$(VENV)/bin/ruff check hf_vit scripts tests benchmarks
 	$(VENV)/bin/ruff format --check hf_vit scripts tests benchmarks
 
+# The default run (no compiled rows, no size sweep) takes under 15 minutes on 2 CPU cores. timm's and torchvision's
+# columns need an environment that has them: BENCH_PY=~/.cache/hfvit-peer-env/bin/python (../shared/peers/make-peer-env).
+BENCH_PY ?= $(PY)
 bench: setup
-	$(PY) benchmarks/benchmark.py --steps 2 --repeats 5 --profile --sizes 224 288 384 448 512 --sweep_batch_size 4 \
-		--sweep_steps 2 --sweep_repeats 3 --plot docs/throughput_vs_size.png --json docs/benchmarks.json \
+	$(BENCH_PY) benchmarks/benchmark.py --steps 2 --repeats 5 --profile --json docs/benchmarks.json \
 		--doc docs/benchmarks.md
 
 clean:

@@ -355,7 +355,8 @@ def make_train_transform(
             (pixels,) = load_images(decode_image(image, index), processor.do_convert_rgb)
             pixels = crop_and_resize(pixels, box, generator)
         if hflip and torch.rand((), generator=generator) < 0.5:
-            pixels = pixels.flip(-1)
+            # Flipped as [H, W, C], so that the copy stays channels-last like the resized image.
+            pixels = pixels.permute(1, 2, 0).flip(1).permute(2, 0, 1)
         return pixels.expand(3, -1, -1) if processor.do_convert_rgb and pixels.shape[0] == 1 else pixels
 
     def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
