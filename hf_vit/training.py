@@ -210,6 +210,15 @@ def parse_args(
             f"Launched as {launched} processes but Trainer sees {training_args.world_size}: each would train alone on "
             "the whole data set. On machines without GPUs pass --use_cpu True (the default there)."
         )
+    if training_args.fsdp and training_args.use_cpu:
+        # accelerate's AcceleratorState turns an FSDP plugin into DistributedType.FSDP only for GPU-like process
+        # groups (MULTI_GPU, MULTI_NPU, MULTI_XPU, ...), not MULTI_CPU: Trainer would silently train with DDP.
+        raise ValueError(
+            "--fsdp was given, but this run is on CPU processes (gloo), where accelerate does not enable FSDP: "
+            "Trainer would train with DistributedDataParallel, every process holding the whole model. torch's own "
+            "FSDP2 (fully_shard) does shard hf-vit on CPU (tests/test_distributed.py checks it), but not through "
+            "Trainer. Run FSDP on GPUs (configs/accelerate/fsdp.yaml), or drop --fsdp to train with DDP."
+        )
     return model_args, data_args, training_args
 
 

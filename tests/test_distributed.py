@@ -1,0 +1,85 @@
+"""Scale-out rehearsed on one machine with CPU processes and gloo: FSDP2 sharding of hf-vit (torch's fully_shard;
+Trainer's --fsdp is refused on CPU, where accelerate does not enable it), and a two-node torchrun launch as two node
+processes on 127.0.0.1."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_training import WORKER, deterministic_finetune_args, pretrained_folder
+
+from hf_vit import VisionTransformerForImageClassification
+from hf_vit.training import parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+FSDP_WORKER = ROOT / "tests" / "workers" / "fsdp_worker.py"
+
+
+def run(cmd, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done
+
+
+def test_fsdp_shards_hf_vit_on_cpu_and_saves_one_consolidated_model(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
+    run(torchrun + [str(FSDP_WORKER), str(tmp_path / "sharded")])
+    run([sys.executable, str(FSDP_WORKER), str(tmp_path / "single"), "--single"])
+    ranks = [json.loads((tmp_path / "sharded" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    total = ranks[0]["total_parameters"]
+    # parameters (and so gradients and SGD's momentum) are sharded: each rank holds about half
+    assert all(r["world"] == 2 and r["local_parameters"] < 0.6 * total for r in ranks)
+    assert sum(r["local_parameters"] for r in ranks) == total
+    sharded = VisionTransformerForImageClassification.from_pretrained(tmp_path / "sharded" / "model").eval()
+    single = VisionTransformerForImageClassification.from_pretrained(tmp_path / "single" / "model").eval()
+    probe = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reloaded = sharded(probe).logits
+    # the consolidated model.safetensors computes what the sharded model computed
+    torch.testing.assert_close(reloaded, load_file(tmp_path / "sharded" / "logits.safetensors")["logits"])
+    worst = max(
+        (a - b).abs().max().item() for a, b in zip(sharded.state_dict().values(), single.state_dict().values())
+    )
+    print(f"FSDP (2 CPU processes) vs one process, 4 SGD steps: max weight difference {worst:.1e}")
+    assert worst < 1e-5
+
+
+def test_trainer_fsdp_on_cpu_is_refused_with_the_reason(tmp_path):
+    args = ["--output_dir", str(tmp_path), "--fsdp", "full_shard auto_wrap", "--use_cpu", "True"]
+    with pytest.raises(ValueError, match="accelerate does not enable FSDP.*DistributedDataParallel"):
+        parse_args("pretrain", args)
+
+
+def test_two_nodes_on_one_machine_match_one_process(tmp_path):
+    source = pretrained_folder(tmp_path / "pre")
+    two = tmp_path / "two-nodes"
+    nodes = []
+    for node_rank in (0, 1):
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank)]
+        launch += ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", "29543"]
+        args = deterministic_finetune_args(source, two, 8, extra=["--save_strategy", "no"])
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        nodes.append(
+            subprocess.Popen(
+                launch + [str(WORKER)] + args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    for node in nodes:
+        _, err = node.communicate(timeout=600)
+        assert node.returncode == 0, err[-4000:]
+    info = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(i["rank"], i["world_size"]) for i in info] == [(0, 2), (1, 2)]
+    rank0, rank1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    one = tmp_path / "one"
+    run([sys.executable, str(WORKER)] + deterministic_finetune_args(source, one, 16, extra=["--save_strategy", "no"]))
+    single = load_file(one / "rank0.safetensors")
+    worst = max((single[k] - rank0[k]).abs().max().item() for k in single)
+    print(f"2 nodes x 1 process x 8 vs 1 process x 16: max weight difference {worst:.1e}")
+    assert worst < 1e-4
