@@ -50,19 +50,54 @@ def test_fsdp_shards_hf_vit_on_cpu_and_saves_one_consolidated_model(tmp_path):
     assert worst < 1e-5
 
 
+def test_a_killed_fsdp_run_resumes_from_its_sharded_checkpoint(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547"]
+    run(torchrun + [str(FSDP_WORKER), str(tmp_path / "straight")])
+    killed = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    died = subprocess.run(
+        torchrun + [str(FSDP_WORKER), str(killed), "--kill_after", "2"], env=env, capture_output=True
+    )
+    assert died.returncode != 0 and (killed / "sharded-checkpoint" / "step.json").is_file()
+    assert not (killed / "model").exists()
+    # one file of shards per rank: no process ever held the whole model or optimizer state
+    assert len(list((killed / "sharded-checkpoint").glob("*.distcp"))) == 2
+    run(torchrun + [str(FSDP_WORKER), str(killed), "--resume"])
+    straight = load_file(tmp_path / "straight" / "model" / "model.safetensors")
+    resumed = load_file(killed / "model" / "model.safetensors")
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
 def test_trainer_fsdp_on_cpu_is_refused_with_the_reason(tmp_path):
     args = ["--output_dir", str(tmp_path), "--fsdp", "full_shard auto_wrap", "--use_cpu", "True"]
     with pytest.raises(ValueError, match="accelerate does not enable FSDP.*DistributedDataParallel"):
         parse_args("pretrain", args)
 
 
-def test_two_nodes_on_one_machine_match_one_process(tmp_path):
+def node_launch(launcher: str, node_rank: int, port: int) -> list[str]:
+    """The README's multi-node command for node `node_rank` of 2, one worker each, master on 127.0.0.1."""
+    if launcher == "torchrun":
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank)]
+        return launch + ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    launch += [str(ROOT / "configs" / "accelerate" / "cpu.yaml"), "--num_machines", "2", "--num_processes", "2"]
+    return launch + [
+        "--machine_rank",
+        str(node_rank),
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        str(port),
+    ]
+
+
+@pytest.mark.parametrize("launcher, port", [("torchrun", 29543), ("accelerate", 29545)])
+def test_two_nodes_on_one_machine_match_one_process(tmp_path, launcher, port):
     source = pretrained_folder(tmp_path / "pre")
     two = tmp_path / "two-nodes"
     nodes = []
     for node_rank in (0, 1):
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank)]
-        launch += ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", "29543"]
+        launch = node_launch(launcher, node_rank, port)
         args = deterministic_finetune_args(source, two, 8, extra=["--save_strategy", "no"])
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         nodes.append(

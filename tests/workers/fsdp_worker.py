@@ -3,9 +3,12 @@ a few SGD steps on fixed batches, then the full state dict gathered and saved as
 
     torchrun --nproc_per_node 2 tests/workers/fsdp_worker.py OUT_DIR
     python tests/workers/fsdp_worker.py OUT_DIR --single      # the same steps in one process, unsharded
+    torchrun ... OUT_DIR --kill_after 2   # save a sharded checkpoint (model and optimizer) after step 2, then die
+    torchrun ... OUT_DIR --resume         # load that checkpoint and do the remaining steps
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,13 +47,39 @@ def main() -> None:
         fully_shard(model)
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for pixels, labels in batches():
+    kill_after = int(sys.argv[sys.argv.index("--kill_after") + 1]) if "--kill_after" in sys.argv else None
+    start = 0
+    if "--resume" in sys.argv:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(state, checkpoint_id=str(out / "sharded-checkpoint"))  # each rank reads its own shards
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        start = json.loads((out / "sharded-checkpoint" / "step.json").read_text())["step"]
+    for step, (pixels, labels) in enumerate(batches()):
+        if step < start:
+            continue
         # each rank takes its share of the global batch; the mean gradient is the single process's
         share = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
         loss = model(pixels[share], labels=labels[share]).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if kill_after is not None and step + 1 == kill_after:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp.save(
+                {"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(out / "sharded-checkpoint")
+            )
+            dist.barrier()
+            if rank == 0:
+                (out / "sharded-checkpoint" / "step.json").write_text(json.dumps({"step": step + 1}))
+            dist.barrier()
+            os._exit(17)  # killed after the checkpoint: no cleanup, no final save
     probe = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model.eval()(probe).logits
