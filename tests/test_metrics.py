@@ -114,3 +114,27 @@ def test_load_accuracy_offline(tmp_path, monkeypatch):
     assert metric.compute(predictions=[[0.1, 0.9], [0.8, 0.2]], references=[1, 1]) == {"accuracy": 0.5}
     copied = list((tmp_path / "modules").rglob("accuracy.py"))
     assert len(copied) == 1 and copied[0].read_text() == (Path(ACCURACY_PATH) / "accuracy.py").read_text()
+
+
+def _average_precision(scores, truth):
+    """AP of one class, written out: the mean over positives of the precision at their rank (no tied scores)."""
+    order = np.argsort(-scores)
+    hits = truth[order]
+    precision_at = np.cumsum(hits) / np.arange(1, len(hits) + 1)
+    return precision_at[hits == 1].mean()
+
+
+def test_multilabel_metrics_against_a_written_out_computation():
+    from hf_vit.metrics import compute_metrics
+
+    rng = np.random.default_rng(0)
+    truth = (rng.random((40, 5)) < 0.3).astype(np.int64)
+    truth[:, 4] = 0  # a class no example has: left out of the mean average precision
+    logits = rng.normal(size=(40, 5)) + 2 * truth
+    result = compute_metrics((logits, truth.astype(np.float32)))  # multi-hot labels as the model's float targets
+    expected_map = np.mean([_average_precision(logits[:, c], truth[:, c]) for c in range(4)])
+    assert result["mean_average_precision"] == pytest.approx(expected_map)
+    predicted = logits > 0  # sigmoid > 0.5
+    tp, fp, fn = (predicted & (truth == 1)).sum(), (predicted & (truth == 0)).sum(), (~predicted & (truth == 1)).sum()
+    assert result["f1_micro"] == pytest.approx(2 * tp / (2 * tp + fp + fn))
+    assert set(result) == {"mean_average_precision", "f1_micro", "f1_macro"}

@@ -16,8 +16,11 @@ if TYPE_CHECKING:
 
 ACCURACY_PATH = str(Path(__file__).resolve().parent / "accuracy")
 """Local path of the accuracy metric module (a directory holding `accuracy.py`)."""
+MULTILABEL_PATH = str(Path(__file__).resolve().parent / "multilabel")
+"""Local path of the multi-label metric module (mean average precision, F1)."""
 
 _accuracy: evaluate.EvaluationModule | None = None
+_multilabel: evaluate.EvaluationModule | None = None
 
 
 def load_accuracy(**kwargs) -> evaluate.EvaluationModule:
@@ -27,19 +30,31 @@ def load_accuracy(**kwargs) -> evaluate.EvaluationModule:
     return evaluate.load(ACCURACY_PATH, **kwargs)
 
 
+def load_multilabel(**kwargs) -> evaluate.EvaluationModule:
+    """Return `evaluate.load(MULTILABEL_PATH, **kwargs)`: mean average precision and F1, from the local file."""
+    import evaluate
+
+    return evaluate.load(MULTILABEL_PATH, **kwargs)
+
+
 def compute_metrics(eval_pred) -> dict[str, float]:
-    """Trainer `compute_metrics`: `{"accuracy", "top5_accuracy"}` from logits [N, C] and label ids [N].
+    """Trainer `compute_metrics`: `{"accuracy", "top5_accuracy"}` from logits [N, C] and label ids [N]; for
+    multi-label classification (multi-hot labels [N, C]), `{"mean_average_precision", "f1_micro", "f1_macro"}`.
 
     `top5_accuracy` is reported only when C >= 5. `eval_pred` is a `transformers.EvalPrediction` (or a
     `(predictions, label_ids)` pair); when the model returns several outputs, the first one is taken as the logits.
     """
-    global _accuracy
+    global _accuracy, _multilabel
     logits, labels = eval_pred[0], eval_pred[1]
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
     logits = np.asarray(logits)
     if logits.ndim != 2:
         raise ValueError(f"compute_metrics expects logits of shape [N, C], got shape {logits.shape}")
+    if np.ndim(labels) == 2:
+        if _multilabel is None:
+            _multilabel = load_multilabel(keep_in_memory=True)
+        return _multilabel.compute(predictions=logits, references=np.asarray(labels).round().astype(np.int64))
     if _accuracy is None:
         _accuracy = load_accuracy(keep_in_memory=True)
     top_k = (1, 5) if logits.shape[1] >= 5 else (1,)
