@@ -1,0 +1,164 @@
+"""Masked patch prediction (section 4.6, appendix B.1.2): the data side of self-supervised pretraining and its run's
+pieces for `Trainer`.
+
+The paper corrupts 50% of the patch embeddings (80% of them replaced by a learnable [mask] embedding, 10% by another
+patch's embedding, 10% kept) and predicts the 3-bit mean colour (512 classes) of every corrupted patch. The model
+(`VisionTransformerForMaskedPatchPrediction`) applies the corruption in its embeddings; this module makes its inputs:
+
+* `mean_color_classes`: the targets, from the pixels *before* normalisation (values in [0, 1]): each channel's mean
+  over a patch quantised to `bits` bits (`floor(mean * 2**bits)`, 1.0 in the top bin), the channels' bins combined
+  as one class, red most significant. A patch is `config.patch_size` input pixels, so hybrids predict the colour of
+  the image region each token covers.
+* `MaskedPatchPredictionTransform`: wraps a batch transform that yields un-normalised pixels (the library's own
+  transforms built on `unnormalized(processor)`) into one that yields the normalised `pixel_values` (bitwise what the
+  supervised transforms give), the colour `labels` (-100 where a patch is not corrupted) and the `patch_corruption`
+  codes, drawn per example so that `SeededAugmentation` makes them reproducible and resumable. The image labels of
+  the data set are not used.
+* `with_mpp_transforms`, `mpp_collate_fn`, `build_mpp_model`, `mpp_compute_metrics`, `mpp_preprocess_logits`: what
+  `Trainer` needs; its logs then carry the masked-patch cross-entropy as `loss` / `eval_loss` and the colour accuracy
+  on corrupted patches as `eval_mpp_accuracy`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from .configuration_vit import VisionTransformerConfig
+from .data import Transform, apply_transforms, make_eval_transform, make_train_transform
+from .image_processing_vit import VisionTransformerImageProcessor
+from .modeling_vit import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
+
+__all__ = [
+    "MaskedPatchPredictionTransform",
+    "build_mpp_model",
+    "mean_color_classes",
+    "mpp_collate_fn",
+    "mpp_compute_metrics",
+    "mpp_preprocess_logits",
+    "unnormalized",
+    "with_mpp_transforms",
+]
+
+# Float error allowance when binning a mean colour: a mean on a bin edge (k / 2**bits) goes to the upper bin as exact
+# arithmetic puts it. For 8-bit images a mean is at least 1 / (255 * pixels) away from an edge otherwise, far more.
+_EDGE_TOLERANCE = 1e-6
+
+
+def mean_color_classes(pixels: torch.Tensor, patch_size: int, bits: int = 3) -> torch.Tensor:
+    """The mean-colour class `(B, N)` of every `patch_size` patch of `pixels` `(B, C, H, W)` with values in [0, 1],
+    in the model's token order (rows of patches, left to right): `2 ** (bits * C)` classes."""
+    if pixels.ndim != 4:
+        raise ValueError(f"`pixels` must be (batch, channels, height, width), got shape {tuple(pixels.shape)}.")
+    levels = 2**bits
+    means = F.avg_pool2d(pixels.double(), patch_size)  # (B, C, H/P, W/P)
+    bins = torch.floor(means * levels + _EDGE_TOLERANCE).clamp_(0, levels - 1).long()
+    weights = levels ** torch.arange(pixels.shape[1] - 1, -1, -1, device=bins.device)
+    return (bins * weights[None, :, None, None]).sum(dim=1).flatten(1)
+
+
+def unnormalized(processor: VisionTransformerImageProcessor) -> VisionTransformerImageProcessor:
+    """A copy of `processor` that stops before rescaling and normalising, for transforms whose pixels give the
+    targets; `MaskedPatchPredictionTransform` then applies `processor`'s own `normalize_batch`."""
+    raw = copy.deepcopy(processor)
+    raw.do_rescale = False
+    raw.do_normalize = False
+    return raw
+
+
+class MaskedPatchPredictionTransform:
+    """`transform` (un-normalised pixels, see `unnormalized`) -> `pixel_values` normalised by `processor`, mean-colour
+    `labels` (-100 on clean patches) and `patch_corruption` codes drawn from torch's generator, per example."""
+
+    def __init__(
+        self, transform: Transform, processor: VisionTransformerImageProcessor, config: VisionTransformerConfig
+    ) -> None:
+        if processor.do_rescale is False and processor.do_normalize is False:
+            raise ValueError("`processor` is the one that normalises (the model's); `transform` is built on a copy.")
+        self.transform = transform
+        self.processor = processor
+        self.config = config
+
+    def __call__(self, batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
+        raw = self.transform(batch)["pixel_values"]
+        scale = self.processor.rescale_factor if self.processor.do_rescale else 1.0
+        patch = self.config.patch_size
+        targets = mean_color_classes(raw.double() * scale, patch, self.config.mpp_color_bits)
+        count = targets.shape[1]
+        # One draw per example: under SeededAugmentation each example's draw comes from its own seeded generator.
+        plan = torch.cat([draw_patch_corruption(1, count, self.config) for _ in range(raw.shape[0])])
+        return {
+            "pixel_values": self.processor.normalize_batch(raw),
+            "labels": targets.masked_fill(plan == PATCH_CLEAN, -100),
+            "patch_corruption": plan,
+        }
+
+
+def with_mpp_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config):
+    """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
+    (`data_args`' crop and flip settings), the other splits resized by the processor only."""
+    pixels = unnormalized(processor)
+    hflip = data_args.hflip if data_args.hflip is not None else data_args.dataset_name != "digits"
+    train = make_train_transform(
+        pixels, random_resized_crop=data_args.random_resized_crop, scale=(data_args.crop_scale_min, 1.0), hflip=hflip
+    )
+    return apply_transforms(
+        raw,
+        MaskedPatchPredictionTransform(train, processor, config),
+        MaskedPatchPredictionTransform(make_eval_transform(pixels), processor, config),
+    )
+
+
+def mpp_collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack transformed examples: `pixel_values` (B, C, H, W), `labels` and `patch_corruption` (B, N)."""
+    return {
+        key: torch.stack([torch.as_tensor(example[key]) for example in examples])
+        for key in ("pixel_values", "labels", "patch_corruption")
+    }
+
+
+def build_mpp_model(model_args: Any) -> VisionTransformerForMaskedPatchPrediction:
+    """The model to pretrain by masked patch prediction, from the fields of `hf_vit.training.ModelArguments`:
+    `preset` with `patch_size`, `image_size`, `config_overrides`, `drop_path_rate` and `hidden_dropout_prob` from
+    scratch (the paper's initialisation), or `model_name_or_path` to continue from an hf-vit checkpoint (its head
+    and [mask] embedding are new if it has none)."""
+    from .training import _image_size, _overrides  # the same parsing as supervised pretraining
+
+    attention = getattr(model_args, "attn_implementation", "sdpa")
+    if getattr(model_args, "model_name_or_path", None):
+        return VisionTransformerForMaskedPatchPrediction.from_pretrained(
+            model_args.model_name_or_path, attn_implementation=attention
+        )
+    fields: dict[str, Any] = _overrides(model_args.config_overrides)
+    for name in ("patch_size", "drop_path_rate", "hidden_dropout_prob"):
+        if getattr(model_args, name, None) is not None:
+            fields[name] = getattr(model_args, name)
+    if (size := _image_size(model_args.image_size)) is not None:
+        fields["image_size"] = size
+    config = VisionTransformerConfig.from_preset(model_args.preset, **fields)
+    config._attn_implementation = attention
+    return VisionTransformerForMaskedPatchPrediction(config)
+
+
+def mpp_preprocess_logits(logits: torch.Tensor | tuple, labels: torch.Tensor) -> torch.Tensor:
+    """`Trainer`'s `preprocess_logits_for_metrics`: keep the predicted classes (B, N), not the (B, N, 512) logits."""
+    if isinstance(logits, (tuple, list)):
+        logits = logits[0]
+    return logits.argmax(dim=-1)
+
+
+def mpp_compute_metrics(eval_pred) -> dict[str, float]:
+    """`Trainer`'s `compute_metrics`: accuracy of the predicted mean colour on the corrupted patches."""
+    predictions, labels = eval_pred.predictions, eval_pred.label_ids
+    if isinstance(predictions, (tuple, list)):
+        predictions = predictions[0]
+    predictions, labels = np.asarray(predictions), np.asarray(labels)
+    if predictions.ndim == labels.ndim + 1:  # logits given without `mpp_preprocess_logits`
+        predictions = predictions.argmax(-1)
+    scored = labels != -100
+    return {"mpp_accuracy": float((predictions[scored] == labels[scored]).mean()) if scored.any() else float("nan")}
