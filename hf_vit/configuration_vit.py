@@ -82,6 +82,14 @@ PRESETS: dict[str, dict[str, Any]] = _preset_table()
 HYBRID_PRESETS: dict[str, dict[str, Any]] = {name: _preset_fields(name) for name in HYBRID_PRESET_NAMES}
 
 
+def resnet_stride(resnet_layers: list[int] | None) -> int:
+    """Downsampling of a ResNet stem of these stage depths: 4 for the root, 2 for each stage after the first; 1
+    without a stem (`None`)."""
+    if resnet_layers is None:
+        return 1
+    return 4 * 2 ** max(len(resnet_layers) - 1, 0)
+
+
 def _pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
     if isinstance(value, int) and not isinstance(value, bool):
         return (value, value)
@@ -296,9 +304,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     @property
     def stem_stride(self) -> int:
         """Downsampling of the hybrid's ResNet stem (16 for the R50 of `[3, 4, 9]`); 1 without a stem."""
-        if self.resnet_layers is None:
-            return 1
-        return 4 * 2 ** max(len(self.resnet_layers) - 1, 0)
+        return resnet_stride(self.resnet_layers)
 
     @property
     def stem_channels(self) -> int:

@@ -349,7 +349,7 @@ def resnet_arrays():
     "case, pattern",
     [
         ("resnet", r"not a ViT checkpoint.*ResNet"),
-        ("hybrid", r"hybrid ResNet\+ViT"),
+        ("hybrid", r"lacks.*'block1/unit1/conv2/kernel'.*gn_root/bias"),
         ("missing", r"lacks.*encoderblock_1/LayerNorm_2/scale"),
         ("extra", r"no place.*Transformer/extra/kernel"),
         ("pickled", r"pickled object arrays \['meta'\].*allow_pickle"),

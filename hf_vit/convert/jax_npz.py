@@ -19,6 +19,14 @@ them with `np.savez`):
     pre_logits/{kernel,bias}                                  (D, R), (R,)   only with a representation layer
     head/{kernel,bias}                                        (D or R, K), (K,)
 
+Hybrids (R50+ViT-B/16, R26+ViT-S/32, ...) add their ResNet stem at the top level, and their `embedding/kernel` reads
+its feature map (P is then 1 or 2, in feature-map pixels):
+
+    conv_root/kernel                                          (7, 7, C, W)   HWIO, weight-standardised at run time
+    gn_root/{scale,bias}                                      (W,)
+    block{s}/unit{u}/conv{1,2,3}/kernel, conv_proj/kernel     HWIO (1x1, 3x3, 1x1; projection 1x1), s and u from 1
+    block{s}/unit{u}/gn{1,2,3}/{scale,bias}, gn_proj/{scale,bias}
+
 This is the layout of the paper's release (ViT-B/16, B/32, L/16, L/32, H/14; ImageNet-21k and fine-tuned) and of the
 AugReg release ("How to train your ViT?", Ti/S/B/L), both written by `vit_jax`. Also accepted:
 
@@ -54,7 +62,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..configuration_vit import VisionTransformerConfig
+from ..configuration_vit import VisionTransformerConfig, resnet_stride
 from .common import (
     ConversionError,
     Layout,
@@ -97,6 +105,9 @@ OUT_KERNEL = Transform(  # (heads, head_dim, D) <-> (D, D)
 
 _B, _H = "Transformer/encoderblock_{i}/", "vit.layers.{i}."
 _ATTN, _MLP = _B + "MultiHeadDotProductAttention_1/", _B + "MlpBlock_3/"
+_STEM = "vit.embeddings.stem."
+_UNIT, _HF_UNIT = "block{s}/unit{u}/", _STEM + "block{s}.unit{u}."
+_UNIT_KEY = re.compile(r"^block(\d+)/unit(\d+)/")
 
 
 def _qkv(name: str) -> tuple[str, str, str]:
@@ -128,6 +139,16 @@ JAX_LAYOUT = Layout(
         ("pre_logits/bias", "pre_logits.bias"),
         ("head/kernel", "classifier.weight", DENSE),
         ("head/bias", "classifier.bias"),
+        # The hybrids' ResNet stem; stage and unit numbers are the authors' (from 1) on both sides.
+        ("conv_root/kernel", _STEM + "conv_root.weight", CONV),
+        ("gn_root/scale", _STEM + "gn_root.weight"),
+        ("gn_root/bias", _STEM + "gn_root.bias"),
+        (_UNIT + "conv{c}/kernel", _HF_UNIT + "conv{c}.weight", CONV),
+        (_UNIT + "gn{c}/scale", _HF_UNIT + "gn{c}.weight"),
+        (_UNIT + "gn{c}/bias", _HF_UNIT + "gn{c}.bias"),
+        (_UNIT + "conv_proj/kernel", _HF_UNIT + "conv_proj.weight", CONV),
+        (_UNIT + "gn_proj/scale", _HF_UNIT + "gn_proj.weight"),
+        (_UNIT + "gn_proj/bias", _HF_UNIT + "gn_proj.bias"),
     ],
 )
 
@@ -144,8 +165,6 @@ PAPER_DEFAULTS = {"layer_norm_eps": 1e-6, "hidden_act": "gelu", "hidden_dropout_
 _FOREIGN_HINTS = (
     ("MAPHead_0/", "an attention-pooling (MAP) head, which hf-vit does not have"),
     ("Transformer/encoderblock/", "blocks stacked by `nn.scan` (big_vision scan=True), not supported: unstack them"),
-    ("conv_root/", "a ResNet stem (hybrid R50+ViT), which hf-vit does not have"),
-    ("block1/", "ResNet stages (hybrid R50+ViT), which hf-vit does not have"),
     ("LayerScale", "LayerScale, which hf-vit does not have"),
 )
 
@@ -179,11 +198,6 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             out[key[len(prefix) :]] = value
         elif not key.startswith("opt/"):  # under a prefix, opt/ holds the optimizer state: not weights
             out[key] = value
-    if "conv_root/kernel" in out:
-        raise ConversionError(
-            "This is a hybrid ResNet+ViT checkpoint (it has 'conv_root/kernel', a ResNet stem feeding the "
-            "Transformer); hf-vit implements the plain ViT only."
-        )
     if not any(_BLOCK_KEY.match(k) for k in out):
         if any(k.startswith("Transformer/encoderblock/") for k in out):
             raise ConversionError(
@@ -252,7 +266,9 @@ def infer_config_from_npz(
 ) -> VisionTransformerConfig:
     """The hf-vit config of an `.npz` checkpoint, read from its array shapes.
 
-    Width, patch size and channels come from `embedding/kernel`, depth from the `encoderblock_<i>` count, heads from
+    Width, patch size and channels come from `embedding/kernel` (for a hybrid, the channels and the stem's width
+    from `conv_root/kernel`, its stage depths from the `block{s}/unit{u}` names, and the patch size in input pixels
+    is the embedding's times the stem's stride), depth from the `encoderblock_<i>` count, heads from
     the query kernel's middle dimension, the MLP size from `Dense_0`, the classifier from the presence of `cls`
     ("token") or not ("gap"), the representation size from `pre_logits`, the number of labels from `head` (0 without
     one) and the image size from the position-embedding grid, unless `image_size` is given (the position embeddings
@@ -279,6 +295,26 @@ def infer_config_from_npz(
         if kernel[0] != kernel[1]:
             problems.append(f"embedding/kernel {kernel}: non-square {kernel[0]}x{kernel[1]} patches are not supported")
         fields.update(patch_size=kernel[0], num_channels=kernel[2], hidden_size=kernel[3])
+    if "conv_root/kernel" in source:  # a hybrid: the embedding reads the ResNet stem's feature map
+        root = shape_of("conv_root/kernel", 4)
+        units: dict[int, set[int]] = {}
+        for key in source:
+            if match := _UNIT_KEY.match(key):
+                units.setdefault(int(match.group(1)), set()).add(int(match.group(2)))
+        stages = sorted(units)
+        if stages != list(range(1, len(stages) + 1)):
+            problems.append(f"the ResNet stages are not numbered block1..block<n>: found {stages}")
+        layers = []
+        for stage in stages:
+            numbers = sorted(units[stage])
+            if numbers != list(range(1, len(numbers) + 1)):
+                problems.append(f"the units of block{stage} are not numbered unit1..unit<n>: found {numbers}")
+            layers.append(len(numbers))
+        fields["resnet_layers"] = layers
+        if root is not None:
+            fields.update(num_channels=root[2], resnet_width=root[3])
+        if kernel is not None:
+            fields["patch_size"] = kernel[0] * resnet_stride(layers)
     fields["num_hidden_layers"] = count_blocks(source, _BLOCK_KEY, problems)
     attention, mlp = _ATTN.format(i=0), _MLP.format(i=0)
     query = shape_of(attention + "query/kernel", 3)
@@ -303,7 +339,7 @@ def infer_config_from_npz(
         if pos is not None and kernel is not None:
             patches = pos[1] - (1 if fields["classifier"] == "token" else 0)
             if side := square_side(patches):
-                fields["image_size"] = side * kernel[0]
+                fields["image_size"] = side * fields["patch_size"]
             else:
                 problems.append(f"{POS_KEY} {pos}: {patches} patch positions are not a square grid; pass image_size")
     else:

@@ -1,0 +1,147 @@
+"""Masked patch prediction (section 4.6): the corruption's proportions and effect, the mean-colour targets against a
+loop over the pixels, the loss over corrupted patches only, the data pipeline's pixels equal to the supervised one's,
+a short Trainer run, and checkpoints loading into the classifier for fine-tuning."""
+
+import numpy as np
+import torch
+from conftest import tiny_config
+from transformers import Trainer, TrainingArguments
+
+from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.data import load_digits_dataset, make_eval_transform
+from hf_vit.modeling_vit import (
+    PATCH_CLEAN,
+    PATCH_KEPT,
+    PATCH_MASKED,
+    PATCH_RANDOM,
+    VisionTransformerForMaskedPatchPrediction,
+    corrupt_patches,
+    draw_patch_corruption,
+)
+from hf_vit.pretraining import (
+    MaskedPatchPredictionTransform,
+    mean_color_classes,
+    mpp_collate_fn,
+    mpp_compute_metrics,
+    mpp_preprocess_logits,
+    unnormalized,
+    with_mpp_transforms,
+)
+from hf_vit.training import DataArguments
+
+
+def mpp_config(**overrides):
+    return tiny_config(image_size=16, patch_size=4, **overrides)
+
+
+def test_corruption_draws_the_papers_proportions():
+    config = mpp_config()
+    codes = draw_patch_corruption(4000, 16, config, generator=torch.Generator().manual_seed(0))
+    assert ((codes != PATCH_CLEAN).sum(1) == 8).all()  # 50% of every image's patches
+    corrupted = codes[codes != PATCH_CLEAN]
+    shares = [(corrupted == code).float().mean().item() for code in (PATCH_MASKED, PATCH_RANDOM, PATCH_KEPT)]
+    np.testing.assert_allclose(shares, [0.8, 0.1, 0.1], atol=0.01)
+    assert (draw_patch_corruption(3, 49, config) != PATCH_CLEAN).sum(1).tolist() == [25] * 3  # rounded half up
+
+
+def test_corrupted_embeddings():
+    tokens = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
+    mask = torch.full((1, 1, 3), -1.0)
+    codes = torch.tensor([[0, 1, 2, 3, 2, 0], [2, 2, 2, 1, 0, 3]])
+    torch.manual_seed(0)
+    out = corrupt_patches(tokens, codes, mask)
+    keep = (codes == PATCH_CLEAN) | (codes == PATCH_KEPT)
+    assert torch.equal(out[keep], tokens[keep])
+    assert (out[codes == PATCH_MASKED] == -1).all()
+    flat = tokens.reshape(-1, 3)
+    for b, n in zip(*torch.nonzero(codes == PATCH_RANDOM, as_tuple=True)):
+        source = [i for i in range(12) if torch.equal(flat[i], out[b, n])]
+        assert len(source) == 1 and source[0] != b * 6 + n  # another patch of the batch, never itself
+
+
+def test_mean_colour_classes_against_a_loop():
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (2, 3, 8, 12)).astype(np.float64) / 255
+    pixels[0, :, :4, :4] = 0.5  # a mean exactly on a bin edge goes up: 0.5 * 8 = 4
+    classes = mean_color_classes(torch.from_numpy(pixels), 4, bits=3)
+    assert classes.shape == (2, 6)
+    for b in range(2):
+        for n in range(6):
+            row, col = divmod(n, 3)
+            means = pixels[b, :, row * 4 : row * 4 + 4, col * 4 : col * 4 + 4].mean(axis=(1, 2))
+            bins = np.minimum(np.floor(means * 8 + 1e-9), 7).astype(int)
+            assert classes[b, n] == bins[0] * 64 + bins[1] * 8 + bins[2]
+    assert classes[0, 0] == 4 * 64 + 4 * 8 + 4
+    assert mean_color_classes(torch.ones(1, 3, 4, 4), 4).item() == 511
+
+
+def test_loss_is_over_corrupted_patches_and_eval_corrupts_only_when_asked():
+    torch.manual_seed(0)
+    model = VisionTransformerForMaskedPatchPrediction(mpp_config()).eval()
+    assert model.config.mpp_num_classes == 512 and model.mpp_head.out_features == 512
+    x = torch.randn(3, 3, 16, 16)
+    labels = torch.randint(0, 512, (3, 16))
+    clean = model(x, labels=labels)
+    assert clean.patch_corruption is None
+    torch.testing.assert_close(model(x).logits, clean.logits)  # nothing random without a corruption in eval
+    codes = draw_patch_corruption(3, 16, model.config, generator=torch.Generator().manual_seed(1))
+    out = model(x, labels=labels, patch_corruption=codes)
+    chosen = codes != PATCH_CLEAN
+    expected = torch.nn.functional.cross_entropy(out.logits[chosen], labels[chosen])
+    torch.testing.assert_close(out.loss, expected)
+    assert not torch.allclose(out.logits, clean.logits)
+    model.train()
+    drawn = model(x, labels=labels)  # training without codes: the model draws them
+    assert ((drawn.patch_corruption != PATCH_CLEAN).sum(1) == 8).all()
+    drawn.loss.backward()
+    assert model.vit.embeddings.mask_token.grad.abs().sum() > 0
+
+
+def test_pipeline_pixels_are_the_supervised_ones_and_labels_follow_the_corruption():
+    digits = load_digits_dataset()["test"].select(range(6))
+    processor = VisionTransformerImageProcessor(size={"height": 16, "width": 16})
+    config = mpp_config()
+    batch = {"image": list(digits["image"]), "label": list(digits["label"])}
+    supervised = make_eval_transform(processor)(batch)
+    mpp = MaskedPatchPredictionTransform(make_eval_transform(unnormalized(processor)), processor, config)(batch)
+    assert torch.equal(mpp["pixel_values"], supervised["pixel_values"])
+    raw = make_eval_transform(unnormalized(processor))(batch)["pixel_values"] / 255
+    targets = mean_color_classes(raw, 4)
+    corrupted = mpp["patch_corruption"] != PATCH_CLEAN
+    assert torch.equal(mpp["labels"][corrupted], targets[corrupted]) and (mpp["labels"][~corrupted] == -100).all()
+    # Grey digits: all three channels fall in the same bin.
+    assert all(int(c) // 64 == (int(c) // 8) % 8 == int(c) % 8 for c in targets.flatten())
+
+
+def test_trainer_run_and_fine_tuning_from_its_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    config = mpp_config(num_hidden_layers=1)
+    model = VisionTransformerForMaskedPatchPrediction(config)
+    processor = VisionTransformerImageProcessor(size={"height": 16, "width": 16})
+    raw = load_digits_dataset()
+    raw["train"], raw["validation"] = raw["train"].select(range(64)), raw["validation"].select(range(32))
+    ds = with_mpp_transforms(raw, DataArguments(crop_scale_min=0.7), processor, config)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "mpp"), max_steps=6, per_device_train_batch_size=16, learning_rate=1e-3,
+        remove_unused_columns=False, report_to="none", use_cpu=True, logging_steps=2, save_strategy="no",
+    )  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args, train_dataset=ds["train"], eval_dataset=ds["validation"],
+        data_collator=mpp_collate_fn, compute_metrics=mpp_compute_metrics,
+        preprocess_logits_for_metrics=mpp_preprocess_logits,
+    )  # fmt: skip
+    before = trainer.evaluate()["eval_loss"]
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] < before and 0 <= metrics["eval_mpp_accuracy"] <= 1
+    assert any("loss" in entry for entry in trainer.state.log_history)
+    trainer.save_model(tmp_path / "mpp")
+    classifier = VisionTransformerForImageClassification.from_pretrained(tmp_path / "mpp", num_labels=10)
+    for key, value in model.vit.state_dict().items():
+        if key != "embeddings.mask_token":
+            assert torch.equal(classifier.vit.state_dict()[key], value.cpu())
+    assert "mask_token" not in dict(classifier.named_parameters())
+    # and back: a classification checkpoint starts masked patch prediction with a new head and [mask] embedding
+    classifier.save_pretrained(tmp_path / "cls")
+    again = VisionTransformerForMaskedPatchPrediction.from_pretrained(tmp_path / "cls")
+    assert again.vit.embeddings.mask_token is not None
