@@ -11,6 +11,7 @@ from transformers import (
     AutoImageProcessor,
     AutoModel,
     AutoModelForImageClassification,
+    AutoModelForPreTraining,
 )
 
 from .configuration_vit import PRESETS, VisionTransformerConfig
@@ -18,6 +19,7 @@ from .image_processing_vit import VisionTransformerImageProcessor
 from .modeling_vit import (
     VisionTransformerBackbone,
     VisionTransformerForImageClassification,
+    VisionTransformerForMaskedPatchPrediction,
     VisionTransformerModel,
     VisionTransformerPreTrainedModel,
 )
@@ -29,6 +31,7 @@ __all__ = [
     "VisionTransformerBackbone",
     "VisionTransformerConfig",
     "VisionTransformerForImageClassification",
+    "VisionTransformerForMaskedPatchPrediction",
     "VisionTransformerImageProcessor",
     "VisionTransformerModel",
     "VisionTransformerPreTrainedModel",
@@ -40,6 +43,7 @@ AutoModelForImageClassification.register(
     VisionTransformerConfig, VisionTransformerForImageClassification, exist_ok=True
 )
 AutoBackbone.register(VisionTransformerConfig, VisionTransformerBackbone, exist_ok=True)
+AutoModelForPreTraining.register(VisionTransformerConfig, VisionTransformerForMaskedPatchPrediction, exist_ok=True)
 # One torch implementation serves both of transformers' backend slots, so no "backend unavailable" fallback happens.
 AutoImageProcessor.register(
     VisionTransformerConfig,
@@ -52,4 +56,5 @@ VisionTransformerConfig.register_for_auto_class()
 VisionTransformerModel.register_for_auto_class("AutoModel")
 VisionTransformerForImageClassification.register_for_auto_class("AutoModelForImageClassification")
 VisionTransformerBackbone.register_for_auto_class("AutoBackbone")
+VisionTransformerForMaskedPatchPrediction.register_for_auto_class("AutoModelForPreTraining")
 VisionTransformerImageProcessor.register_for_auto_class("AutoImageProcessor")

@@ -128,6 +128,13 @@ class ModelArguments:
         metadata={"help": "Keep the checkpoint's head (same classes) instead of a new zero-initialised head."},
     )
     attn_implementation: str = field(default="sdpa", metadata={"help": "eager, sdpa, flash_attention_2, flex..."})
+    objective: str = field(
+        default="classification",
+        metadata={
+            "help": "Pretraining objective: classification (supervised, the paper's main recipe) or mpp (masked patch "
+            "prediction, section 4.6: the data set's labels are not used)."
+        },
+    )
     lora_rank: int = field(
         default=0,
         metadata={
@@ -626,13 +633,32 @@ def train(
 
 
 def _train(task, model_args, data_args, training_args, callbacks, resume) -> dict[str, float]:
+    if model_args.objective not in ("classification", "mpp"):
+        raise ValueError(f"--objective must be classification or mpp, got {model_args.objective!r}.")
+    mpp = model_args.objective == "mpp"
+    if mpp and task != "pretrain":
+        raise ValueError("--objective mpp is a pretraining objective: use it with pretrain.py.")
     raw = load_datasets(data_args, training_args.seed)
-    id2label = dict(enumerate(label_names(raw)))
-    check_labels(raw, id2label)
+    id2label = dict(enumerate(label_names(raw))) if not mpp else {}
+    if not mpp:
+        check_labels(raw, id2label)
     if getattr(training_args, "check_eval_images", True):
         check_eval_images(raw)
 
-    if task == "pretrain":
+    collator, metrics_function, preprocess_logits = collate_fn, compute_metrics, None
+    if mpp:
+        from .pretraining import (
+            build_mpp_model,
+            mpp_collate_fn,
+            mpp_compute_metrics,
+            mpp_preprocess_logits,
+            with_mpp_transforms,
+        )
+
+        model = build_mpp_model(model_args)
+        processor = VisionTransformerImageProcessor(size=model.config.image_hw)
+        collator, metrics_function, preprocess_logits = mpp_collate_fn, mpp_compute_metrics, mpp_preprocess_logits
+    elif task == "pretrain":
         model = build_pretraining_model(model_args, id2label)
         processor = VisionTransformerImageProcessor(size=model.config.image_hw)
     else:
@@ -669,7 +695,11 @@ def _train(task, model_args, data_args, training_args, callbacks, resume) -> dic
             model_args.lora_rank, model_args.lora_target_modules, trained, sum(p.numel() for p in model.parameters()),
         )  # fmt: skip
 
-    ds = with_transforms(raw, data_args, processor)
+    ds = (
+        with_mpp_transforms(raw, data_args, processor, model.config)
+        if mpp
+        else with_transforms(raw, data_args, processor)
+    )
     callbacks = [*(callbacks or [])]
     num_examples = None
     if not isinstance(ds["train"], datasets.IterableDataset):
@@ -681,8 +711,9 @@ def _train(task, model_args, data_args, training_args, callbacks, resume) -> dic
         args=training_args,
         train_dataset=ds["train"],
         eval_dataset=ds["validation"],
-        data_collator=collate_fn,
-        compute_metrics=compute_metrics,
+        data_collator=collator,
+        compute_metrics=metrics_function,
+        preprocess_logits_for_metrics=preprocess_logits,
         processing_class=processor,
         callbacks=[RunSetupCallback(num_examples), *callbacks],
     )

@@ -3,6 +3,7 @@ loop over the pixels, the loss over corrupted patches only, the data pipeline's 
 a short Trainer run, and checkpoints loading into the classifier for fine-tuning."""
 
 import numpy as np
+import pytest
 import torch
 from conftest import tiny_config
 from transformers import Trainer, TrainingArguments
@@ -145,3 +146,26 @@ def test_trainer_run_and_fine_tuning_from_its_checkpoint(tmp_path):
     classifier.save_pretrained(tmp_path / "cls")
     again = VisionTransformerForMaskedPatchPrediction.from_pretrained(tmp_path / "cls")
     assert again.vit.embeddings.mask_token is not None
+
+
+def test_pretrain_script_with_the_mpp_objective_then_finetune(tmp_path):
+    from test_training import QUIET, TINY
+
+    from hf_vit import VisionTransformerForImageClassification, VisionTransformerForMaskedPatchPrediction
+    from hf_vit.training import parse_args, train
+
+    pre = ["--output_dir", str(tmp_path / "mpp"), "--objective", "mpp", "--image_size", "8", "--patch_size", "4"]
+    pre += ["--config_overrides", TINY, "--max_steps", "3", "--per_device_train_batch_size", "16"]
+    pre += ["--eval_strategy", "no", "--save_strategy", "no", "--max_train_samples", "48", *QUIET]
+    metrics = train("pretrain", *parse_args("pretrain", pre))
+    assert "eval_mpp_accuracy" in metrics and 0.0 <= metrics["eval_mpp_accuracy"] <= 1.0
+    assert isinstance(
+        VisionTransformerForMaskedPatchPrediction.from_pretrained(tmp_path / "mpp"),
+        VisionTransformerForMaskedPatchPrediction,
+    )
+    fine = ["--output_dir", str(tmp_path / "fine"), "--model_name_or_path", str(tmp_path / "mpp"), "--image_size", "8"]
+    fine += ["--max_steps", "2", "--eval_strategy", "no", "--save_strategy", "no", "--max_train_samples", "32", *QUIET]
+    train("finetune", *parse_args("finetune", fine))
+    assert VisionTransformerForImageClassification.from_pretrained(tmp_path / "fine").config.num_labels == 10
+    with pytest.raises(ValueError, match="pretraining objective"):
+        train("finetune", *parse_args("finetune", fine + ["--objective", "mpp", "--overwrite_output_dir", "True"]))
