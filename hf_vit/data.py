@@ -149,6 +149,8 @@ def label_names(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDic
     if isinstance(ds, (DatasetDict, IterableDatasetDict)):
         ds = ds["train"] if "train" in ds else next(iter(ds.values()))
     feature = (ds.features or {}).get("label")
+    if isinstance(feature, (datasets.List, datasets.Sequence, datasets.LargeList)):
+        feature = feature.feature  # multi-label: the classes of the lists' elements
     if not isinstance(feature, ClassLabel):
         raise ValueError(f"The 'label' column must be a ClassLabel to have names, got {feature!r}.")
     return list(feature.names)
@@ -193,18 +195,48 @@ def _standardize_columns(ds, name: str, image_column: str, label_column: str):
     if not isinstance(features["image"], datasets.Image):
         ds = ds.cast_column("image", datasets.Image())
     label = features["label"]
-    if isinstance(label, ClassLabel):
+    # a list of classes per image (multi-label classification): the same rules for its elements
+    is_list = isinstance(label, (datasets.List, datasets.Sequence, datasets.LargeList))
+    element = label.feature if is_list else label
+    if isinstance(element, ClassLabel):
         return ds
-    is_string = isinstance(label, datasets.Value) and label.dtype in ("string", "large_string")
-    is_integer = isinstance(label, datasets.Value) and "int" in label.dtype
+    is_string = isinstance(element, datasets.Value) and element.dtype in ("string", "large_string")
+    is_integer = isinstance(element, datasets.Value) and "int" in element.dtype
     if isinstance(ds, IterableDatasetDict) or not (is_string or is_integer):
         raise ValueError(
-            f"Cannot use labels of type {label!r} from {name!r}: expected a ClassLabel, or string or integer labels "
-            "(those are mapped to a ClassLabel without streaming only)."
+            f"Cannot use labels of type {label!r} from {name!r}: expected a ClassLabel, or string or integer labels, "
+            "or lists of them (those are mapped to a ClassLabel without streaming only)."
         )
-    values = set().union(*(d.unique("label") for d in ds.values()))
+    if is_list:
+        values = {value for d in ds.values() for row in d["label"] for value in row}
+    else:
+        values = set().union(*(d.unique("label") for d in ds.values()))
+    if not values:
+        raise ValueError(f"The label column of {name!r} holds no labels.")
     names = sorted(values) if is_string else [str(i) for i in range(max(values) + 1)]
-    return ds.cast_column("label", ClassLabel(names=names))
+    return ds.cast_column("label", datasets.List(ClassLabel(names=names)) if is_list else ClassLabel(names=names))
+
+
+def is_multi_label(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> bool:
+    """Whether the `label` column holds a list of classes per image (multi-label classification)."""
+    if isinstance(ds, (DatasetDict, IterableDatasetDict)):
+        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    return isinstance((ds.features or {}).get("label"), (datasets.List, datasets.Sequence, datasets.LargeList))
+
+
+def to_multi_hot(ds: DatasetDict, num_classes: int) -> DatasetDict:
+    """`ds` with each image's list of class ids as a multi-hot float vector of `num_classes` (the model's targets for
+    multi-label classification)."""
+
+    def encode(batch):
+        vectors = np.zeros((len(batch["label"]), num_classes), dtype=np.float32)
+        for row, classes in enumerate(batch["label"]):
+            vectors[row, list(classes)] = 1.0
+        return {"label": vectors.tolist()}
+
+    features = ds["train"].features.copy()
+    features["label"] = datasets.List(datasets.Value("float32"), length=num_classes)
+    return DatasetDict({split: data.map(encode, batched=True, features=features) for split, data in ds.items()})
 
 
 def _carve_validation(ds, fraction: float, seed: int):
@@ -500,7 +532,9 @@ def random_resized_crop_box(
 def _with_labels(pixel_values: torch.Tensor, batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
     output = {"pixel_values": pixel_values.to(torch.float32)}
     if "label" in batch:
-        output["labels"] = torch.as_tensor(np.asarray(batch["label"]), dtype=torch.long)
+        labels = np.asarray(batch["label"])
+        # class ids, or multi-hot float vectors for multi-label classification
+        output["labels"] = torch.as_tensor(labels, dtype=torch.float32 if labels.ndim == 2 else torch.long)
     return output
 
 
@@ -532,8 +566,10 @@ def apply_transforms(
 
 
 def collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """Stack transformed examples into a batch: `pixel_values` [N, 3, H, W] and, when present, `labels` [N]."""
+    """Stack transformed examples into a batch: `pixel_values` [N, 3, H, W] and, when present, `labels` [N] (class
+    ids) or [N, C] (multi-hot)."""
     batch = {"pixel_values": torch.stack([torch.as_tensor(example["pixel_values"]) for example in examples])}
     if "labels" in examples[0]:
-        batch["labels"] = torch.tensor([int(example["labels"]) for example in examples], dtype=torch.long)
+        labels = [torch.as_tensor(example["labels"]) for example in examples]
+        batch["labels"] = torch.stack(labels) if labels[0].ndim else torch.stack(labels).long()
     return batch

@@ -32,10 +32,12 @@ from .data import (
     apply_transforms,
     collate_fn,
     decode_rgb,
+    is_multi_label,
     label_names,
     load_image_dataset,
     make_eval_transform,
     make_train_transform,
+    to_multi_hot,
 )
 from .image_processing_vit import VisionTransformerImageProcessor
 from .metrics import compute_metrics
@@ -128,6 +130,13 @@ class ModelArguments:
         metadata={"help": "Keep the checkpoint's head (same classes) instead of a new zero-initialised head."},
     )
     attn_implementation: str = field(default="sdpa", metadata={"help": "eager, sdpa, flash_attention_2, flex..."})
+    problem_type: str | None = field(
+        default=None,
+        metadata={
+            "help": "single_label_classification or multi_label_classification (sigmoid outputs, a list of classes "
+            "per image in the label column). Default: multi-label when the label column holds lists."
+        },
+    )
     objective: str = field(
         default="classification",
         metadata={
@@ -584,7 +593,12 @@ def check_labels(raw, id2label: dict[int, str]) -> None:
     train = raw["train"]
     if isinstance(train, datasets.IterableDataset):
         return
-    counts = Counter(train["label"])
+    labels = train["label"]
+    if labels and isinstance(labels[0], list):  # multi-hot vectors (multi-label classification)
+        sums = np.asarray(labels).sum(axis=0)
+        counts = Counter({index: int(total) for index, total in enumerate(sums)})
+    else:
+        counts = Counter(labels)
     empty = [name for index, name in id2label.items() if counts[index] == 0]
     if empty:
         logger.warning(
@@ -592,6 +606,22 @@ def check_labels(raw, id2label: dict[int, str]) -> None:
             "learn them.",
             empty,
         )
+
+
+def _problem_type(requested: str | None, lists: bool, dataset_name: str) -> str:
+    """The classification problem: what the user asked for, checked against the label column (lists of classes make
+    a multi-label data set), or what the labels say."""
+    choices = ("single_label_classification", "multi_label_classification")
+    if requested is not None and requested not in choices:
+        raise ValueError(f"--problem_type must be one of {choices}, got {requested!r}.")
+    found = "multi_label_classification" if lists else "single_label_classification"
+    if requested is not None and requested != found:
+        holds = "a list of classes" if lists else "one class"
+        raise ValueError(
+            f"--problem_type {requested}, but the label column of {dataset_name!r} holds {holds} per image. For "
+            "multi-label classification the label column must hold a list of classes per image."
+        )
+    return found
 
 
 def check_eval_images(raw) -> None:
@@ -640,7 +670,13 @@ def _train(task, model_args, data_args, training_args, callbacks, resume) -> dic
         raise ValueError("--objective mpp is a pretraining objective: use it with pretrain.py.")
     raw = load_datasets(data_args, training_args.seed)
     id2label = dict(enumerate(label_names(raw))) if not mpp else {}
+    problem_type = None
     if not mpp:
+        problem_type = _problem_type(model_args.problem_type, is_multi_label(raw), data_args.dataset_name)
+        if problem_type == "multi_label_classification":
+            if data_args.streaming:
+                raise ValueError("Multi-label data sets are supported without --streaming only.")
+            raw = to_multi_hot(raw, len(id2label))
         check_labels(raw, id2label)
     if getattr(training_args, "check_eval_images", True):
         check_eval_images(raw)
@@ -695,6 +731,8 @@ def _train(task, model_args, data_args, training_args, callbacks, resume) -> dic
             model_args.lora_rank, model_args.lora_target_modules, trained, sum(p.numel() for p in model.parameters()),
         )  # fmt: skip
 
+    if problem_type is not None:
+        model.config.problem_type = problem_type
     ds = (
         with_mpp_transforms(raw, data_args, processor, model.config)
         if mpp

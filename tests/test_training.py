@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.data import CorruptImageError
 from hf_vit.resolution import resample_position_embeddings
 from hf_vit.training import last_complete_checkpoint, load_for_finetuning, parse_args, train
@@ -426,3 +426,49 @@ def test_a_checkpoint_that_cannot_be_written_names_the_folder_and_free_space(tmp
     out = tmp_path / "out"
     with pytest.raises(OSError, match=r"Writing the checkpoint 1 in .*out failed .*GiB free there. Is the disk full"):
         train("pretrain", *tiny_pretrain(out, "--save_strategy", "steps", "--save_steps", "1"))
+
+
+def multi_label_dataset(path):
+    """Digits with a list of classes each: its parity, and "round" for 0, 6, 8, 9 (some images have both)."""
+    from datasets import Dataset, DatasetDict
+
+    from hf_vit.data import load_digits_dataset
+
+    digits = load_digits_dataset()
+    splits = {}
+    for split, size in (("train", 96), ("validation", 32), ("test", 48)):
+        rows = digits[split].select(range(size))
+        labels = [["even" if d % 2 == 0 else "odd"] + (["round"] if d in (0, 6, 8, 9) else []) for d in rows["label"]]
+        splits[split] = Dataset.from_dict({"image": list(rows["image"]), "tags": labels})
+    DatasetDict(splits).save_to_disk(str(path))
+    return path
+
+
+def test_multi_label_fine_tuning_metrics_and_sigmoid_pipeline(tmp_path):
+    from transformers import pipeline
+
+    source = pretrained_folder(tmp_path / "pre")
+    data = multi_label_dataset(tmp_path / "tags")
+    args = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--label_column_name", "tags"]
+    args += ["--output_dir", str(tmp_path / "out"), "--image_size", "8", "--max_steps", "30", "--eval_strategy", "no"]
+    args += ["--save_strategy", "no", "--per_device_train_batch_size", "32", "--learning_rate", "0.05", *QUIET]
+    metrics = train("finetune", *parse_args("finetune", args + ["--problem_type", "multi_label_classification"]))
+    assert {"eval_mean_average_precision", "eval_f1_micro", "eval_f1_macro"} <= set(metrics)
+    assert metrics["eval_mean_average_precision"] > 0.6  # above chance (about the classes' frequency, ~0.45)
+    model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "out").eval()
+    assert model.config.problem_type == "multi_label_classification"
+    assert set(model.config.id2label.values()) == {"even", "odd", "round"}
+    image = Image.new("RGB", (8, 8), (200, 200, 200))
+    scores = {r["label"]: r["score"] for r in pipeline("image-classification", str(tmp_path / "out"), top_k=3)(image)}
+    pixels = VisionTransformerImageProcessor.from_pretrained(tmp_path / "out")(image, return_tensors="pt").pixel_values
+    with torch.no_grad():
+        expected = model(pixels).logits.sigmoid()[0]  # independent sigmoid scores, not a softmax
+    for index, name in model.config.id2label.items():
+        assert scores[name] == pytest.approx(expected[index].item(), abs=1e-5)
+    with pytest.raises(ValueError, match="holds a list of classes per image"):
+        train(
+            "finetune",
+            *parse_args(
+                "finetune", args + ["--problem_type", "single_label_classification", "--overwrite_output_dir", "True"]
+            ),
+        )
