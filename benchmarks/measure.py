@@ -686,14 +686,19 @@ def compare_input_pipelines(output_size: int, count: int = 48, repeats: int = 5)
         for kind, sizes in PHOTO_SIZES.items():
             files = jpeg_photos(count if kind == "photo" else max(count // 4, 4), sizes)
             fns = {name: functools.partial(pipeline, files) for name, pipeline in pipelines.items()}
+            durations = []
             for name, fn in fns.items():  # warm-up, and every pipeline must give the same kind of batch
+                start = time.perf_counter()
                 output = fn()
+                durations.append(time.perf_counter() - start)
                 if name != PIL_DECODE:
                     pixels = output["pixel_values"] if isinstance(output, dict) else output
                     expected = (len(files), 3, output_size, output_size)
                     if tuple(pixels.shape) != expected or pixels.dtype != torch.float32:
                         raise AssertionError(f"{name} gave {tuple(pixels.shape)} {pixels.dtype}, not {expected}")
-            samples = time_alternating(fns, 1, repeats, torch.device("cpu"))
+            # At least a quarter second per sample, so that other processes' CPU use during it can be read.
+            steps = max(1, math.ceil(0.25 / max(min(durations), 1e-3)))
+            samples = time_alternating(fns, steps, repeats, torch.device("cpu"))
             result[kind] = {
                 "images": len(files),
                 "image_sizes": [f"{width}x{height}" for width, height in sizes],
