@@ -38,6 +38,7 @@ def main() -> None:
     common = ["--seed", str(args.seed), "--dataset_name", "digits", "--per_device_eval_batch_size", "256"]
     common += ["--save_strategy", "no", "--crop_scale_min", "0.7", "--logging_steps", "20"]
     common += ["--overwrite_output_dir", "True"]  # the main job's own output folders, rewritten by every run
+    common += ["--dataloader_num_workers", "0"]  # as measured for the README; the scripts default to workers
     started = time.perf_counter()
 
     print(f"[1/3] pretraining ViT (width 96, depth 4, patch 4) on digits at 16x16 for {args.pretrain_epochs} epochs")
