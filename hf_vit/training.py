@@ -239,6 +239,8 @@ def parse_args(
         dataloader_pin_memory=torch.cuda.is_available(),
     )
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if training_args.dataloader_num_workers == 0:
+        training_args.dataloader_persistent_workers = False  # the default, meaningful with workers only
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and training_args.world_size != launched:
         raise RuntimeError(
