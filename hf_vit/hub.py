@@ -200,6 +200,7 @@ def write_model_card(output_dir: str | os.PathLike, model, metrics: dict[str, An
 # *_results.json and training_curves.png, and its log history and checkpoint paths tell a model's user nothing.
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 # The code files `save_pretrained` copies beside checkpoints for `trust_remote_code=True`.
 REMOTE_CODE_FILES = (
     "configuration_vit.py",
@@ -261,6 +262,8 @@ def _weights(folder: Path) -> list[str]:
         return [*shards, WEIGHTS_INDEX_FILE]
     if _plain_file(folder / WEIGHTS_FILE, WEIGHTS_FILE):
         return [WEIGHTS_FILE]
+    if _plain_file(folder / ADAPTER_FILE, ADAPTER_FILE) and _plain_file(folder / ADAPTER_CONFIG, ADAPTER_CONFIG):
+        return [ADAPTER_FILE, ADAPTER_CONFIG]  # a LoRA run's folder: peft's adapter, loaded onto its base model
     found = sorted(p.name for p in folder.glob("*.safetensors"))
     hint = f" (found {found}: name other files with extra_files / --include)" if found else ""
     raise FileNotFoundError(

@@ -14,6 +14,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import zipfile
 from collections import Counter
 from dataclasses import dataclass, field
@@ -595,13 +596,22 @@ def claim_output_dir(training_args: VisionTransformerTrainingArguments, resuming
         raise FileExistsError(
             f"Another run is writing to --output_dir {folder} right now; wait for it or choose another folder."
         ) from error
-    if training_args.overwrite_output_dir and not resuming:
-        for path in folder.iterdir():
-            if path.is_dir() and _CHECKPOINT.match(path.name):
-                # Left there, an earlier run's later checkpoint would be what --resume_from_checkpoint True picks.
-                logger.warning("--overwrite_output_dir: removing %s of the earlier run.", path)
-                shutil.rmtree(path)
     return lock
+
+
+def remove_earlier_checkpoints(output_dir: str | os.PathLike, keep: str | os.PathLike | None = None) -> None:
+    """`--overwrite_output_dir`: remove the earlier run's `checkpoint-*` folders (left there, a later one would be
+    what `--resume_from_checkpoint True` picks), once the new run has loaded its data and model, so that a run that
+    fails to start deletes nothing. The checkpoint the model was loaded from (`keep`) stays."""
+    keep = Path(keep).resolve() if keep is not None and Path(keep).exists() else None
+    for path in Path(output_dir).iterdir():
+        if not (path.is_dir() and _CHECKPOINT.match(path.name)):
+            continue
+        if keep is not None and (keep == path.resolve() or path.resolve() in keep.parents):
+            logger.warning("--overwrite_output_dir: keeping %s, the checkpoint this run starts from.", path)
+            continue
+        logger.warning("--overwrite_output_dir: removing %s of the earlier run.", path)
+        shutil.rmtree(path)
 
 
 def check_labels(raw, id2label: dict[int, str]) -> None:
@@ -739,6 +749,8 @@ def _train(task, model_args, data_args, training_args, callbacks, resume) -> dic
         from .lora import apply_lora
 
         model.config.save_pretrained(training_args.output_dir)  # the fine-tuning model the adapter belongs to
+        if os.path.isdir(model_args.model_name_or_path):  # the adapter names its base: a folder by its full path
+            model.name_or_path = os.path.abspath(model_args.model_name_or_path)
         model = apply_lora(
             model,
             model_args.lora_rank,
@@ -776,6 +788,8 @@ def _train(task, model_args, data_args, training_args, callbacks, resume) -> dic
         processing_class=processor,
         callbacks=[RunSetupCallback(num_examples), *callbacks],
     )
+    if getattr(training_args, "overwrite_output_dir", False) and resume is None and trainer.is_world_process_zero():
+        remove_earlier_checkpoints(training_args.output_dir, keep=model_args.model_name_or_path)
     train_result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()  # weights (safetensors), config, processor and code files: first, so nothing trained is lost
     trainer.save_state()
@@ -866,6 +880,14 @@ def _processor_for(path: str, config: VisionTransformerConfig) -> VisionTransfor
 
 
 def main(task: str, argv: list[str] | None = None) -> dict[str, float]:
+    """The scripts' entry point: bad input ends in one `error:` line and exit status 2 (set HF_VIT_TRACEBACK=1 for
+    the whole traceback)."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     torch.set_float32_matmul_precision("high")
-    return train(task, *parse_args(task, argv))
+    try:
+        return train(task, *parse_args(task, argv))
+    except (ValueError, OSError) as error:
+        if os.environ.get("HF_VIT_TRACEBACK"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from error

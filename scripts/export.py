@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         help="H W pairs onnxruntime is checked at against PyTorch (default: the model's size and a non-square one)",
     )
     args = parser.parse_args(argv)
+    if args.check_sizes is not None and len(args.check_sizes) % 2:
+        parser.error("--check_sizes takes pairs: H W [H W ...]")
     if Path(args.output).exists() and not args.overwrite:
         print(
             f"error: {args.output} exists; choose another --output or pass --overwrite to replace it.", file=sys.stderr
@@ -43,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         is_classifier = any("ForImageClassification" in name for name in (config.architectures or []))
         model_class = VisionTransformerForImageClassification if is_classifier else VisionTransformerModel
         model = model_class.from_pretrained(args.model, attn_implementation="sdpa").eval()
+        patch = config.patch_size
+        bad = [f"{h}x{w}" for h, w in zip(args.check_sizes[::2], args.check_sizes[1::2]) if h % patch or w % patch]
+        if args.check_sizes and bad:  # checked before anything is written
+            raise ValueError(f"--check_sizes {', '.join(bad)}: sizes must be multiples of the patch size {patch}.")
         path = export(model, args.output, args.format, overwrite=args.overwrite)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -50,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {path}: {type(model).__name__} as {args.format}, dynamic batch, height and width")
     if args.format == "onnx":
         height, width = config.image_hw
-        patch = config.patch_size
         sizes = list(zip(args.check_sizes[::2], args.check_sizes[1::2])) if args.check_sizes else None
         sizes = sizes or [(height, width), (height + 2 * patch, max(patch, width - patch))]
         with torch.no_grad():

@@ -89,3 +89,14 @@ def test_export_script(tmp_path):
     again = subprocess.run(script + ["--output", str(tmp_path / "vit.onnx")], capture_output=True, text=True)
     assert again.returncode == 2 and "Loading" not in again.stderr  # refused before the model is loaded
     assert again.stderr.startswith("error:") and "--overwrite" in again.stderr
+
+
+def test_export_script_checks_its_sizes_before_writing(tmp_path):
+    classifier().save_pretrained(tmp_path / "model")
+    script = [sys.executable, str(ROOT / "scripts" / "export.py"), "--model", str(tmp_path / "model")]
+    odd = subprocess.run(script + ["--output", str(tmp_path / "a.onnx"), "--check_sizes", "32"], capture_output=True)
+    assert odd.returncode == 2 and b"pairs" in odd.stderr
+    bad = subprocess.run(
+        script + ["--output", str(tmp_path / "b.onnx"), "--check_sizes", "7", "9"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "multiples of the patch size 8" in bad.stderr and not (tmp_path / "b.onnx").exists()

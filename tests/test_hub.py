@@ -278,3 +278,16 @@ def test_every_code_file_a_saved_folder_needs_is_uploaded(folder, hub):
     assert {"modeling_vit.py", "attention.py", "resolution.py"} <= saved_code
     push_folder_to_hub(path, "me/vit")
     assert saved_code <= set(hub["files"])
+
+
+def test_a_lora_runs_folder_pushes_its_adapter(tmp_path, hub):
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "lora"
+    folder.mkdir()
+    VisionTransformerForImageClassification(tiny_config()).config.save_pretrained(folder)
+    save_file({"lora_A": torch.zeros(2, 2)}, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "google/vit-base-patch16-224"}))
+    push_folder_to_hub(folder, "me/lora")
+    assert {"adapter_model.safetensors", "adapter_config.json", "config.json"} <= set(hub["files"])

@@ -249,3 +249,17 @@ def test_resolution_variant_has_a_card_with_measured_metrics(tmp_path):
     card, results = _card(out), json.loads((out / "all_results.json").read_text())
     assert card.data.base_model == "me/vit-32" and card.data.datasets == ["digits"]
     assert 0.0 <= results["eval_accuracy"] <= 1.0 and f"{results['eval_accuracy']:.4f}" in card.text
+
+
+def test_overwrite_refuses_a_users_module_named_like_an_hf_vit_one(tmp_path):
+    # hf-vit writes its model's code files beside checkpoints, not every module of the package: data.py is the user's
+    from hf_vit.convert.output import check_replaceable
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "hf_vit"}))
+    (folder / "modeling_vit.py").write_text("# written by save_pretrained")
+    check_replaceable(folder)
+    (folder / "data.py").write_text("# the user's own loader")
+    with pytest.raises(ValueError, match="data.py"):
+        check_replaceable(folder)

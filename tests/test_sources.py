@@ -174,3 +174,22 @@ def test_finetune_starts_from_a_hub_ids_weights(hub_cache, tmp_path):
         torch.testing.assert_close(tuned.vit(x).last_hidden_state, vit(x).last_hidden_state, atol=1e-5, rtol=1e-5)
     card = (tmp_path / "out" / "README.md").read_text()
     assert "base_model: google/vit-base-patch16-224-in21k" in card
+
+
+def test_a_timm_checkpoint_of_unusual_width_takes_the_heads_from_the_caller(hub_cache):
+    torch.manual_seed(0)
+    source = VisionTransformerForImageClassification(
+        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=4, zero_init_head=False, **SIZES)
+    ).eval()
+    folder = hub_repo(hub_cache, "timm/vit_tiny_patch8_32.noheads")
+    timm_repo(folder, source)
+    config = json.loads((folder / "config.json").read_text())
+    del config["model_args"]  # timm's config says nothing of the heads of a width-32 model
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        VisionTransformerForImageClassification.from_pretrained("timm/vit_tiny_patch8_32.noheads")
+    model = VisionTransformerForImageClassification.from_pretrained(
+        "timm/vit_tiny_patch8_32.noheads", num_attention_heads=2
+    )
+    with torch.no_grad():
+        assert (model(pixels()).logits - source(pixels()).logits).abs().max().item() < 1e-5

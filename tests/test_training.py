@@ -472,3 +472,24 @@ def test_multi_label_fine_tuning_metrics_and_sigmoid_pipeline(tmp_path):
                 "finetune", args + ["--problem_type", "single_label_classification", "--overwrite_output_dir", "True"]
             ),
         )
+
+
+def test_overwrite_output_dir_keeps_the_starting_checkpoint_and_deletes_nothing_when_the_run_fails(tmp_path):
+    out = tmp_path / "out"
+    train("pretrain", *tiny_pretrain(out, "--save_strategy", "steps", "--save_steps", "1"))
+    assert {p.name for p in out.glob("checkpoint-*")} == {"checkpoint-1", "checkpoint-2"}
+    with pytest.raises(Exception, match="typo_dataset"):  # a run that fails to start...
+        train("pretrain", *tiny_pretrain(out, "--overwrite_output_dir", "True", "--dataset_name", "typo_dataset"))
+    assert {p.name for p in out.glob("checkpoint-*")} == {"checkpoint-1", "checkpoint-2"}  # ...deletes nothing
+    fine = ["--output_dir", str(out), "--model_name_or_path", str(out / "checkpoint-2"), "--image_size", "8"]
+    fine += ["--max_steps", "1", "--eval_strategy", "no", "--save_strategy", "no", "--overwrite_output_dir", "True"]
+    train("finetune", *parse_args("finetune", fine + ["--max_train_samples", "16", *QUIET]))
+    # the earlier run's other checkpoint is gone, the one this run started from is kept
+    assert {p.name for p in out.glob("checkpoint-*")} == {"checkpoint-2"}
+
+
+def test_the_scripts_end_bad_input_in_one_error_line(tmp_path):
+    script = [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--output_dir", str(tmp_path / "out")]
+    done = subprocess.run(script + ["--model_name_or_path", str(tmp_path / "missing")], capture_output=True, text=True)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("error:") and "missing" in done.stderr

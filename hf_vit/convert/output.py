@@ -54,9 +54,11 @@ class OutputFolderError(FileExistsError, ValueError):
 
 
 def code_file_names() -> frozenset[str]:
-    """The hf-vit modules `save_pretrained` may copy beside a checkpoint as remote code."""
-    package = Path(__file__).resolve().parents[1]
-    return frozenset(path.name for path in package.glob("*.py") if path.name != "__init__.py")
+    """The hf-vit modules `save_pretrained` copies beside a checkpoint as remote code (the model's and processor's
+    files and what they import), not every module of the package: a user's own `data.py` is not hf-vit's."""
+    from ..hub import REMOTE_CODE_FILES
+
+    return frozenset(REMOTE_CODE_FILES)
 
 
 def is_saved_file_name(name: str) -> bool:

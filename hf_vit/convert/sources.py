@@ -70,7 +70,13 @@ def source_layout(source: str | os.PathLike, **hub: Any) -> str | None:
         return None
 
 
-def read_foreign(source: str | os.PathLike, layout: str, hidden_act: str | None = None, **hub: Any):
+def read_foreign(
+    source: str | os.PathLike,
+    layout: str,
+    hidden_act: str | None = None,
+    num_attention_heads: int | None = None,
+    **hub: Any,
+):
     """`(config, state_dict, processor)` of a foreign checkpoint, converted with the converters' tables."""
     from .jax_npz import read_jax_checkpoint
     from .timm_vit import read_timm_checkpoint
@@ -91,7 +97,7 @@ def read_foreign(source: str | os.PathLike, layout: str, hidden_act: str | None 
         converted = read_transformers_checkpoint(folder)
     else:
         _fetch(text, "model.safetensors", hub)
-        converted = read_timm_checkpoint(folder)
+        converted = read_timm_checkpoint(folder, num_attention_heads=num_attention_heads)
     if hidden_act is not None:
         converted[0].hidden_act = hidden_act
     return converted
@@ -115,6 +121,8 @@ class ConvertedSource:
         self.source = source
         self.hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}
         self.hidden_act = kwargs.get("hidden_act")
+        # timm's weights do not say how many heads a non-standard width has: from_pretrained(..., num_attention_heads=)
+        self.num_attention_heads = kwargs.get("num_attention_heads")
         self.folder: str | None = None
 
     def __enter__(self) -> Any:
@@ -123,7 +131,9 @@ class ConvertedSource:
         layout = source_layout(self.source, **self.hub)
         if layout in (None, "hf_vit"):
             return self.source
-        config, state_dict, processor = read_foreign(self.source, layout, self.hidden_act, **self.hub)
+        config, state_dict, processor = read_foreign(
+            self.source, layout, self.hidden_act, self.num_attention_heads, **self.hub
+        )
         from ..modeling_vit import VisionTransformerForImageClassification
         from .common import check_state_dict
 
