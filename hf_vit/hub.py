@@ -90,6 +90,12 @@ def _recipe_text(task: str, args: Any) -> str:
     )
 
 
+def _is_quality_metric(name: str) -> bool:
+    """The measured qualities a card reports (accuracies; mean average precision and F1 for multi-label models),
+    not the run's loss, runtime or throughput."""
+    return any(key in name for key in ("accuracy", "mean_average_precision", "f1_"))
+
+
 def render_model_card(
     model,
     metrics: dict[str, Any],
@@ -122,7 +128,7 @@ def render_model_card(
     results = [
         {"split": split, "metric": name.removeprefix("eval_"), "value": f"{value:.4f}"}
         for name, value in metrics.items()
-        if name.startswith("eval_") and "accuracy" in name and isinstance(value, float)
+        if name.startswith("eval_") and isinstance(value, float) and _is_quality_metric(name)
     ]
     eval_results = [
         EvalResult(
@@ -143,7 +149,7 @@ def render_model_card(
         license=license,
         tags=["hf-vit", "vision-transformer", "image-classification", "safetensors"],
         datasets=[data.hub_id] if data.hub_id else None,
-        metrics=["accuracy"],
+        metrics=sorted({row["metric"] for row in results}) or ["accuracy"],
         base_model=base.hub_id if base else None,
         model_name=repo_id,
         eval_results=eval_results or None,

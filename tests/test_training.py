@@ -455,6 +455,8 @@ def test_multi_label_fine_tuning_metrics_and_sigmoid_pipeline(tmp_path):
     metrics = train("finetune", *parse_args("finetune", args + ["--problem_type", "multi_label_classification"]))
     assert {"eval_mean_average_precision", "eval_f1_micro", "eval_f1_macro"} <= set(metrics)
     assert metrics["eval_mean_average_precision"] > 0.6  # above chance (about the classes' frequency, ~0.45)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"{metrics['eval_mean_average_precision']:.4f}" in card and "- mean_average_precision" in card
     model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "out").eval()
     assert model.config.problem_type == "multi_label_classification"
     assert set(model.config.id2label.values()) == {"even", "odd", "round"}
