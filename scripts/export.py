@@ -46,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         model_class = VisionTransformerForImageClassification if is_classifier else VisionTransformerModel
         model = model_class.from_pretrained(args.model, attn_implementation="sdpa").eval()
         patch = config.patch_size
-        bad = [f"{h}x{w}" for h, w in zip(args.check_sizes[::2], args.check_sizes[1::2]) if h % patch or w % patch]
-        if args.check_sizes and bad:  # checked before anything is written
+        pairs = list(zip(args.check_sizes[::2], args.check_sizes[1::2])) if args.check_sizes else []
+        bad = [f"{h}x{w}" for h, w in pairs if h % patch or w % patch]
+        if bad:  # checked before anything is written
             raise ValueError(f"--check_sizes {', '.join(bad)}: sizes must be multiples of the patch size {patch}.")
         path = export(model, args.output, args.format, overwrite=args.overwrite)
     except (OSError, ValueError) as error:
