@@ -81,9 +81,12 @@ def _without_local_paths(text: str | None, references: Iterable[str | os.PathLik
 def _recipe_text(task: str, args: Any) -> str:
     if args is None:
         return "not recorded."
-    schedule = f"{args.lr_scheduler_type} schedule with warmup {args.warmup_steps}"
+    def plain(value: Any) -> Any:  # enum members (OptimizerNames.SGD) by their value ("sgd")
+        return getattr(value, "value", value)
+
+    schedule = f"{plain(args.lr_scheduler_type)} schedule with warmup {args.warmup_steps}"
     return (
-        f"{task}: optimizer {args.optim}{f' ({args.optim_args})' if args.optim_args else ''}, learning rate "
+        f"{task}: optimizer {plain(args.optim)}{f' ({args.optim_args})' if args.optim_args else ''}, learning rate "
         f"{args.learning_rate}, weight decay {args.weight_decay}, {schedule}, gradient clipping at global norm "
         f"{args.max_grad_norm}, batch {args.per_device_train_batch_size} per device, {args.num_train_epochs} epochs "
         f"(max_steps {args.max_steps}), seed {args.seed}."

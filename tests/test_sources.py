@@ -193,3 +193,11 @@ def test_a_timm_checkpoint_of_unusual_width_takes_the_heads_from_the_caller(hub_
     )
     with torch.no_grad():
         assert (model(pixels()).logits - source(pixels()).logits).abs().max().item() < 1e-5
+
+
+def test_truncated_weights_of_a_transformers_folder_are_named(tmp_path):
+    transformers_vit(ViTForImageClassification, num_labels=3).save_pretrained(tmp_path)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors is truncated or corrupted"):
+        VisionTransformerForImageClassification.from_pretrained(tmp_path)

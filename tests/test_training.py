@@ -97,6 +97,7 @@ def test_pretrain_then_finetune_in_process(tmp_path):
     assert f"{results['eval_accuracy']:.4f}" in card
     # the base model was a local folder: named by its folder name in the text, kept out of the Hub metadata
     assert "base_model:" not in card and "Base model: `pre`" in card and str(tmp_path) not in card
+    assert "finetune: optimizer sgd (momentum=0.9)" in card and "cosine schedule" in card  # values, not enum reprs
 
 
 def image_folder(root, corrupt=False):

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..configuration_vit import VisionTransformerConfig
@@ -132,16 +133,23 @@ def _read_json(path: Path) -> dict:
     return value
 
 
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except SafetensorError as error:
+        raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
+
+
 def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(single)
+        return _read_weights(single)
     if index.is_file():
         shards = sorted(set(_read_json(index)["weight_map"].values()))
         state_dict = {}
         for shard in shards:
-            state_dict.update(load_file(folder / shard))
+            state_dict.update(_read_weights(folder / shard))
         return state_dict
     raise ConversionError(f"{folder} has no model.safetensors (or sharded index); only safetensors weights are read.")
 
