@@ -81,6 +81,7 @@ def _without_local_paths(text: str | None, references: Iterable[str | os.PathLik
 def _recipe_text(task: str, args: Any) -> str:
     if args is None:
         return "not recorded."
+
     def plain(value: Any) -> Any:  # enum members (OptimizerNames.SGD) by their value ("sgd")
         return getattr(value, "value", value)
 
