@@ -436,13 +436,12 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         """transformers' `from_pretrained`, also for the checkpoints hf-vit's models convert on load (transformers'
         and timm's ViT, the authors' `.npz`): their preprocessing (size, mean/std, resampling) comes along."""
         try:
-            from hf_vit.convert.sources import ConvertedSource
+            from hf_vit.convert.sources import foreign_processor
         except ImportError:  # remote code where hf-vit is not installed: hf-vit folders only
-            ConvertedSource = None
-        if ConvertedSource is not None:
-            with ConvertedSource(pretrained_model_name_or_path, kwargs) as resolved:
-                if resolved is not pretrained_model_name_or_path:
-                    return super().from_pretrained(resolved, *args, **kwargs)
+            foreign_processor = None
+        processor = foreign_processor(pretrained_model_name_or_path, kwargs) if foreign_processor else None
+        if processor is not None:  # the caller's settings (e.g. size=384) apply as for a saved processor
+            return cls.from_dict(processor.to_dict(), **{k: v for k, v in kwargs.items() if hasattr(processor, k)})
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     def __init__(

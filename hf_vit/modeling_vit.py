@@ -582,13 +582,17 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.vit = VisionTransformerModel(config)
-        width = config.hidden_size
+        self._build_head()
+        self.post_init()
+
+    def _build_head(self) -> None:
+        """The pre-logits layer (dense + tanh, when `representation_size` is set) and the linear classifier."""
+        config, width = self.config, self.config.hidden_size
         self.pre_logits = None
         if config.representation_size is not None:
             self.pre_logits = nn.Linear(width, config.representation_size)
             width = config.representation_size
         self.classifier = nn.Linear(width, config.num_labels) if config.num_labels > 0 else nn.Identity()
-        self.post_init()
 
     @torch.no_grad()
     def reset_classifier(self, id2label: dict[int, str], representation_size: int | None = None) -> None:
@@ -601,13 +605,11 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
         config.representation_size = representation_size or None
         config.zero_init_head = True
         self.num_labels = config.num_labels
+        self._build_head()
         reference = self.vit.norm.weight
-        width = config.hidden_size
-        self.pre_logits = None
-        if config.representation_size is not None:
-            self.pre_logits = nn.Linear(width, config.representation_size).to(reference)
-            width = config.representation_size
-        self.classifier = nn.Linear(width, config.num_labels).to(reference)
+        for layer in (self.pre_logits, self.classifier):
+            if layer is not None:
+                layer.to(reference)
         self._init_weights(self)
 
     def forward(

@@ -102,10 +102,14 @@ class MaskedPatchPredictionTransform:
 def with_mpp_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config):
     """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
     (`data_args`' crop and flip settings), the other splits resized by the processor only."""
+    from .training import default_hflip  # the supervised runs' flip default
+
     pixels = unnormalized(processor)
-    hflip = data_args.hflip if data_args.hflip is not None else data_args.dataset_name != "digits"
     train = make_train_transform(
-        pixels, random_resized_crop=data_args.random_resized_crop, scale=(data_args.crop_scale_min, 1.0), hflip=hflip
+        pixels,
+        random_resized_crop=data_args.random_resized_crop,
+        scale=(data_args.crop_scale_min, 1.0),
+        hflip=default_hflip(data_args),
     )
     return apply_transforms(
         raw,

@@ -231,12 +231,13 @@ def parse_args(
         raise ValueError(f"task must be one of {TASKS}, got {task!r}.")
     parser = HfArgumentParser((ModelArguments, DataArguments, VisionTransformerTrainingArguments))
     # Without an accelerator, Trainer only forms a multi-process (gloo) group under torchrun when told it runs on CPU.
+    workers = default_num_workers()
     parser.set_defaults(
         **COMMON_DEFAULTS,
         **RECIPES[task],
         use_cpu=not torch.accelerator.is_available(),
-        dataloader_num_workers=default_num_workers(),
-        dataloader_persistent_workers=default_num_workers() > 0,
+        dataloader_num_workers=workers,
+        dataloader_persistent_workers=workers > 0,
         dataloader_pin_memory=torch.cuda.is_available(),
     )
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
@@ -445,9 +446,14 @@ def load_datasets(data_args: DataArguments, seed: int):
     return ds
 
 
+def default_hflip(data_args: DataArguments) -> bool:
+    """`--hflip`, or by default on, except for digits (a flipped digit is another shape)."""
+    return data_args.hflip if data_args.hflip is not None else data_args.dataset_name != "digits"
+
+
 def with_transforms(ds, data_args: DataArguments, processor: VisionTransformerImageProcessor):
     """`ds` with on-the-fly augmentation on train and the processor's resizing on the other splits."""
-    hflip = data_args.hflip if data_args.hflip is not None else data_args.dataset_name != "digits"
+    hflip = default_hflip(data_args)
     train_transform = make_train_transform(
         processor,
         random_resized_crop=data_args.random_resized_crop,

@@ -103,6 +103,18 @@ def read_foreign(
     return converted
 
 
+def foreign_processor(source: Any, kwargs: dict[str, Any]):
+    """The image processor of a foreign checkpoint (its size, mean/std, resampling), or None for an hf-vit one (or a
+    source that cannot be read): read without building or writing the converted model."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}
+    layout = source_layout(source, **hub)
+    if layout in (None, "hf_vit"):
+        return None
+    return read_foreign(source, layout, kwargs.get("hidden_act"), kwargs.get("num_attention_heads"), **hub)[2]
+
+
 DESCRIPTIONS = {
     "jax": "the authors' .npz layout",
     "transformers": "transformers' ViT layout",
