@@ -40,10 +40,10 @@ from .data import (
     make_train_transform,
     to_multi_hot,
 )
+from .hub import PlannedHubPushes
 from .image_processing_vit import VisionTransformerImageProcessor
 from .metrics import compute_metrics
 from .modeling_vit import VisionTransformerForImageClassification
-from .hub import PlannedHubPushes
 from .run_folders import claim_output_dir, release, remove_earlier_checkpoints
 
 logger = logging.getLogger(__name__)
