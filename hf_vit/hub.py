@@ -414,7 +414,7 @@ def _hub_call(what: str, repo_id: str, call):
         raise HubPushError(
             f"could not {what} {repo_id} on the Hugging Face Hub ({_one_line(error)}).{offline} Check the network "
             "and the token (--hub_token or `hf auth login`), then push the folder again with "
-            "`hf-vit push <folder> --hub_model_id <org>/<name>`."
+            "`hf-vit-push --model <folder> --hub_model_id <org>/<name>`."
         ) from error
 
 

@@ -1,72 +1,10 @@
 #!/usr/bin/env python
-"""Export an hf-vit model for deployment: an ONNX file (checked with onnxruntime against PyTorch) or a torch.export
-program (.pt2). The graph takes any batch size and any image size divisible by the patch size; the position
-embeddings are resampled inside it.
+"""`hf-vit-export` run from a checkout of the repository; installed, the command is on the PATH. See
+`hf_vit/commands/export.py`."""
 
-    python scripts/export.py --model outputs/main --format onnx --output vit-digits.onnx
-    python scripts/export.py --model outputs/main --format torch_export --output vit-digits.pt2
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
-from pathlib import Path
 
-import torch
-
-from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerModel
-from hf_vit.export import FORMATS, check_onnx, export
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="hf-vit folder to export")
-    parser.add_argument("--format", default="onnx", choices=FORMATS)
-    parser.add_argument("--output", required=True, help="file to write (.onnx or .pt2)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
-    parser.add_argument(
-        "--check_sizes",
-        type=int,
-        nargs="*",
-        default=None,
-        help="H W pairs onnxruntime is checked at against PyTorch (default: the model's size and a non-square one)",
-    )
-    args = parser.parse_args(argv)
-    if args.check_sizes is not None and len(args.check_sizes) % 2:
-        parser.error("--check_sizes takes pairs: H W [H W ...]")
-    if Path(args.output).exists() and not args.overwrite:
-        print(
-            f"error: {args.output} exists; choose another --output or pass --overwrite to replace it.", file=sys.stderr
-        )
-        return 2
-    try:
-        config = VisionTransformerConfig.from_pretrained(args.model)
-        is_classifier = any("ForImageClassification" in name for name in (config.architectures or []))
-        model_class = VisionTransformerForImageClassification if is_classifier else VisionTransformerModel
-        model = model_class.from_pretrained(args.model, attn_implementation="sdpa").eval()
-        patch = config.patch_size
-        pairs = list(zip(args.check_sizes[::2], args.check_sizes[1::2])) if args.check_sizes else []
-        bad = [f"{h}x{w}" for h, w in pairs if h % patch or w % patch]
-        if bad:  # checked before anything is written
-            raise ValueError(f"--check_sizes {', '.join(bad)}: sizes must be multiples of the patch size {patch}.")
-        path = export(model, args.output, args.format, overwrite=args.overwrite)
-    except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"wrote {path}: {type(model).__name__} as {args.format}, dynamic batch, height and width")
-    if args.format == "onnx":
-        height, width = config.image_hw
-        sizes = list(zip(args.check_sizes[::2], args.check_sizes[1::2])) if args.check_sizes else None
-        sizes = sizes or [(height, width), (height + 2 * patch, max(patch, width - patch))]
-        with torch.no_grad():
-            differences = check_onnx(path, model, sizes)
-        print(
-            "onnxruntime vs PyTorch, largest absolute difference: "
-            + ", ".join(f"{k}: {v:.1e}" for k, v in differences.items())
-        )
-    return 0
-
+from hf_vit.commands.export import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,90 +1,10 @@
 #!/usr/bin/env python
-r"""Figures of the paper's section 4.5 for an hf-vit model: what the model learned and where it attends.
-
-    python scripts/visualize.py --model outputs/main --output outputs/main/analysis
-    python scripts/visualize.py --model vit-b16 --image cat.jpg dog.png --output figures --image_size 384 512 --bf16
-
-Writes to --output:
-  embedding_and_attention_distance.png  the paper's Figure 7: principal components of the patch-embedding filters,
-                                        position-embedding similarity, mean attention distance per head and layer
-                                        (averaged over the images)
-  rollout.png (rollout_1.png, ...)      the paper's Figure 6: each image and its attention rollout, 8 per figure
-
-Pixels come from the processor saved with the model; --image_size runs at another size (position embeddings
-interpolated). Without --image, --num_images digits of the test split are used.
-"""
-
-from __future__ import annotations
+"""`hf-vit-visualize` run from a checkout of the repository; installed, the command is on the PATH. See
+`hf_vit/commands/visualize.py`."""
 
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
-from transformers import HfArgumentParser
-
-from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.analysis import HEAD_FUSIONS, write_analysis_figures
-
-
-@dataclass
-class VisualizeArguments:
-    model: str = field(metadata={"help": "hf-vit model folder (or Hub id) with its preprocessor_config.json"})
-    output: str = field(metadata={"help": "folder for the PNG figures (created if missing)"})
-    image: list[str] | None = field(default=None, metadata={"help": "image files; default: digits of the test split"})
-    num_images: int = field(default=8, metadata={"help": "digits to use when no --image is given"})
-    image_size: list[int] | None = field(default=None, metadata={"help": "N, or H W: run at this size"})
-    bf16: bool = field(default=False, metadata={"help": "run the model in bfloat16"})
-    head_fusion: str = field(default="mean", metadata={"help": f"rollout head fusion, one of {HEAD_FUSIONS}"})
-    discard_ratio: float = field(default=0.0, metadata={"help": "rollout: weakest fraction of attention dropped"})
-    num_components: int = field(default=28, metadata={"help": "principal components of the filters shown"})
-    batch_size: int = field(default=32, metadata={"help": "images per forward"})
-
-
-def load_inputs(args: VisualizeArguments) -> tuple[list, list[str]]:
-    """The images to analyse and their captions."""
-    if args.image:
-        return list(args.image), [Path(name).name for name in args.image]
-    from hf_vit.data import load_digits_dataset
-
-    test = load_digits_dataset()["test"]
-    test = test.select(range(min(args.num_images, len(test))))
-    return list(test["image"]), [f"digit {label}" for label in test["label"]]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = HfArgumentParser(VisualizeArguments, description=__doc__)
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
-    if args.image_size is not None and len(args.image_size) not in (1, 2):
-        parser.error("--image_size takes one size (square) or two (height width)")
-    if args.head_fusion not in HEAD_FUSIONS:
-        parser.error(f"--head_fusion must be one of {HEAD_FUSIONS}")
-    if args.num_images < 1:
-        parser.error("--num_images must be at least 1")
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    # The classification class loads encoder-only folders too (only a head may be missing), without a load report.
-    model = VisionTransformerForImageClassification.from_pretrained(args.model).eval().to(device)
-    if args.bf16:
-        model = model.to(torch.bfloat16)
-    processor = VisionTransformerImageProcessor.from_pretrained(args.model)
-    images, captions = load_inputs(args)
-    written = write_analysis_figures(
-        model,
-        processor,
-        images,
-        args.output,
-        captions=captions,
-        image_size=None if args.image_size is None else tuple((args.image_size * 2)[:2]),
-        head_fusion=args.head_fusion,
-        discard_ratio=args.discard_ratio,
-        num_components=args.num_components,
-        batch_size=args.batch_size,
-        name=Path(args.model).name,
-    )
-    print(f"wrote {len(written)} figures to {args.output}: " + ", ".join(path.name for path in written[:4]))
-    return 0
-
+from hf_vit.commands.visualize import main
 
 if __name__ == "__main__":
     sys.exit(main())

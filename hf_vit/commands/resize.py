@@ -1,0 +1,70 @@
+r"""Make a resolution variant of an hf-vit model: position embeddings resampled in 2D (bicubic by default), config and
+processor set to the new size, so it runs there without `interpolate_pos_encoding`.
+
+    hf-vit-resize --model outputs/main --image_size 36 --output outputs/main-36
+    hf-vit-resize --model vit-224 --image_size 384 512 --output vit-384x512 \
+        --push_to_hub --hub_model_id my-org/vit-384x512 --base_model my-org/vit-224 --dataset_name digits
+
+The variant carries a model card naming its base model (--base_model, a Hub id; default: the folder's name) and what
+was changed; with --dataset_name its test accuracy is measured (no training) and reported in the card and in
+all_results.json. --overwrite replaces only a folder hf-vit wrote (see scripts/convert_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hf_vit.hub import push_folder_to_hub
+from hf_vit.resolution import MODES
+from hf_vit.variants import make_resolution_variant
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="hf-vit folder to start from")
+    parser.add_argument("--image_size", required=True, type=int, nargs="+", help="N, or H W for non-square")
+    parser.add_argument("--output", required=True, help="folder to write the variant to")
+    parser.add_argument("--interpolation", default="bicubic", choices=MODES)
+    parser.add_argument("--overwrite", action="store_true", help="replace an output folder hf-vit wrote")
+    parser.add_argument("--base_model", default=None, help="Hub id of --model, named in the card")
+    parser.add_argument("--dataset_name", default=None, help="measure test accuracy on this data set (e.g. digits)")
+    parser.add_argument("--push_to_hub", action="store_true", help="push the variant to the Hub")
+    parser.add_argument("--hub_model_id", help="<user or org>/<name> to push to")
+    parser.add_argument("--hub_private_repo", action="store_true")
+    parser.add_argument("--hub_token", default=None)
+    args = parser.parse_args(argv)
+    if len(args.image_size) not in (1, 2):
+        parser.error("--image_size takes N or H W")
+    if args.push_to_hub and not args.hub_model_id:
+        parser.error("--push_to_hub needs --hub_model_id <user or org>/<name>")
+    size = args.image_size[0] if len(args.image_size) == 1 else args.image_size
+    data_args = None
+    if args.dataset_name:
+        from hf_vit.training import DataArguments
+
+        data_args = DataArguments(dataset_name=args.dataset_name)
+    output = Path(args.output).resolve()
+    try:
+        model, _ = make_resolution_variant(
+            args.model, size, output, args.interpolation, overwrite=args.overwrite,
+            base_model=args.base_model, repo_id=args.hub_model_id, data_args=data_args,
+        )  # fmt: skip
+    except (ValueError, OSError) as error:  # OSError: output refusals, missing or unwritable folders
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    height, width = model.config.image_hw
+    print(f"wrote {output}: {type(model).__name__} at {height}x{width}")
+    if data_args is not None:
+        metrics = json.loads((output / "all_results.json").read_text())
+        print(f"test accuracy on {args.dataset_name} as interpolated: {metrics.get('eval_accuracy')}")
+    if args.push_to_hub:
+        try:
+            url = push_folder_to_hub(output, args.hub_model_id, private=args.hub_private_repo, token=args.hub_token)
+        except (ValueError, OSError) as error:  # refusals: a symlink, a text file naming a local path
+            print(f"error: the variant was written, but not pushed: {error}", file=sys.stderr)
+            return 2
+        print(f"pushed to {args.hub_model_id}: {url}")
+    return 0
