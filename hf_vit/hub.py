@@ -35,6 +35,7 @@ from .files import (
 logger = logging.getLogger(__name__)
 
 
+HOMEPAGE = "https://github.com/hf-vit/hf-vit"
 DATASET_DESCRIPTIONS = {
     "digits": "scikit-learn's bundled handwritten digits (1797 real 8x8 grayscale images of 10 classes, from the UCI "
     "optical recognition data set), split into fixed stratified train/validation/test sets of 1257/180/360 images.",
@@ -119,7 +120,7 @@ def render_model_card(
     metrics: dict[str, Any],
     *,
     task: str,
-    dataset_name: str,
+    dataset_name: str | None,
     training_args: Any = None,
     repo_id: str | None = None,
     base_model: str | None = None,
@@ -133,14 +134,18 @@ def render_model_card(
 
     `repo_id` is the Hub repository the card will be pushed to; without it the card names the output folder by its
     plain name (no invented organisation). `base_model` and `dataset_name` may be Hub ids, plain names or local
-    paths: local paths appear as their final folder name in the text and are left out of the metadata.
+    paths: local paths appear as their final folder name in the text and are left out of the metadata. Without
+    `dataset_name` (a converted or resized folder) no data set is claimed. A peft model gets an adapter's card: how
+    to apply it to its base model, which the card names.
     """
+    adapter = hasattr(model, "peft_config")
+    architecture = type(model.get_base_model() if adapter else model).__name__
     config = model.config
     height, width = config.image_hw
     output_dir = getattr(training_args, "output_dir", None)
     repo_id = repo_id or (card_reference(Path(output_dir)).text if output_dir else "model")
     base = card_reference(base_model) if base_model else None
-    data = card_reference(dataset_name)
+    data = card_reference(dataset_name) if dataset_name else None
     local_refs = [base_model, dataset_name, output_dir]
     split = metrics.get("eval_split", "test")
     results = [
@@ -152,8 +157,8 @@ def render_model_card(
         EvalResult(
             task_type="image-classification",
             # The model-index needs a data set type; a local data set is named by its plain folder name.
-            dataset_type=data.hub_id or data.text,
-            dataset_name=data.text,
+            dataset_type=data.hub_id or data.text if data else "unknown",
+            dataset_name=data.text if data else "unknown",
             dataset_split=split,
             metric_type=row["metric"],
             metric_name=row["metric"],
@@ -162,18 +167,20 @@ def render_model_card(
         for row in results
     ]
     card_data = ModelCardData(
-        library_name="transformers",
+        library_name="peft" if adapter else "transformers",
         pipeline_tag="image-classification",
         license=license,
         tags=["hf-vit", "vision-transformer", "image-classification", "safetensors"],
-        datasets=[data.hub_id] if data.hub_id else None,
+        datasets=[data.hub_id] if data and data.hub_id else None,
         metrics=sorted({row["metric"] for row in results}) or ["accuracy"],
         base_model=base.hub_id if base else None,
         model_name=repo_id,
         eval_results=eval_results or None,
     )
     labels = list(config.id2label.values())
-    if data.text in DATASET_DESCRIPTIONS:
+    if data is None:
+        dataset_description = "as for the base model (this folder was not trained)."
+    elif data.text in DATASET_DESCRIPTIONS:
         dataset_description = DATASET_DESCRIPTIONS[data.text]
     else:
         dataset_description = f"`{data.text}`{'' if data.hub_id else ' (a local data set)'}."
@@ -184,7 +191,15 @@ def render_model_card(
         repo_id=repo_id,
         summary=_without_local_paths(summary, local_refs)
         or f"A Vision Transformer {'pretrained' if task == 'pretrain' else 'fine-tuned'} with hf-vit.",
-        architecture=type(model).__name__,
+        architecture=architecture + (" with a LoRA adapter" if adapter else ""),
+        adapter=adapter,
+        base_model_note=(
+            "a local model when the adapter was trained: pass where it is"
+            if adapter and base and not base.hub_id
+            else None
+        ),
+        homepage=HOMEPAGE,
+        code_files=", ".join(f"`{name}`" for name in remote_code_files()),
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         num_heads=config.num_attention_heads,
@@ -202,7 +217,11 @@ def render_model_card(
         recipe=_without_local_paths(recipe, local_refs) or _recipe_text(task, training_args),
         results=results,
         results_note=_without_local_paths(results_note, local_refs),
-        limitations=DIGITS_LIMITATIONS if data.text == "digits" else "Evaluated only on the data named above.",
+        limitations=DIGITS_LIMITATIONS
+        if data and data.text == "digits"
+        else "Evaluated only on the data named above."
+        if results
+        else "Not evaluated by hf-vit: see the base model's results and limitations.",
     )
 
 

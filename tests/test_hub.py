@@ -292,3 +292,37 @@ def test_a_lora_runs_folder_pushes_its_adapter(tmp_path, hub):
     (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "google/vit-base-patch16-224"}))
     push_folder_to_hub(folder, "me/lora")
     assert {"adapter_model.safetensors", "adapter_config.json", "config.json"} <= set(hub["files"])
+
+
+def test_the_security_note_lists_every_code_file_that_executes(folder):
+    path, model = folder
+    write_model_card(path, model, METRICS, task="finetune", dataset_name="digits", repo_id="me/vit")
+    card, readme = (path / "README.md").read_text(), (ROOT / "README.md").read_text()
+    assert "hybrid.py" in remote_code_files() and set(remote_code_files()) == {p.name for p in path.glob("*.py")}
+    for name in remote_code_files():
+        assert f"`{name}`" in card and f"`{name}`" in readme, name
+
+
+def test_cards_say_how_to_install_and_carry_no_placeholder_rows(tmp_path):
+    from hf_vit.convert.output import write_card
+
+    model = VisionTransformerForImageClassification(tiny_config())
+    write_card(tmp_path, model, base_model="google/vit-base-patch16-224", summary="Converted.", recipe="none.")
+    card = (tmp_path / "README.md").read_text()
+    assert "not measured" not in card and "| split | metric | value |" not in card
+    assert "No metrics were measured for this folder" in card and "as for the base model" in card
+    assert "`pip install hf-vit`" not in card and "git+https://github.com/hf-vit/hf-vit" in card
+    assert ModelCard.load(tmp_path / "README.md").data.to_dict().get("datasets") is None
+
+
+def test_a_lora_adapters_card_says_how_to_apply_it_to_its_base(tmp_path):
+    from hf_vit.lora import apply_lora
+
+    model = apply_lora(VisionTransformerForImageClassification(tiny_config()), 2, None, 0.0, ["qkv"])
+    write_model_card(tmp_path, model, METRICS, task="finetune", dataset_name="digits", repo_id="me/lora",
+                     base_model="google/vit-base-patch16-224")  # fmt: skip
+    card = ModelCard.load(tmp_path / "README.md")
+    assert "PeftModel" not in card.text and "VisionTransformerForImageClassification with a LoRA adapter" in card.text
+    assert card.data.library_name == "peft" and card.data.base_model == "google/vit-base-patch16-224"
+    assert "load_lora_model(folder)" in card.text and 'snapshot_download("me/lora")' in card.text
+    assert "trust_remote_code" not in card.text and 'pipeline("image-classification", model="me/lora"' not in card.text

@@ -240,29 +240,24 @@ def write_card(
     """Write the model card of a folder the project made from `base_model` (a Hub id or a plain name, never a local
     path). Without `dataset_name` no data set is claimed in the metadata; `output_name` is the folder's final name
     (`folder` may be a staging folder), used for the repo id when none is given."""
-    from ..hub import render_model_card
+    from ..hub import write_model_card
 
-    unknown = "not measured"
-    card = render_model_card(
+    measured = dict(metrics or {})
+    return write_model_card(
+        folder,
         model,
-        dict(metrics or {}),
+        measured,
         task="finetune",
-        dataset_name=dataset_name or unknown,
-        repo_id=repo_id or f"hf-vit/{output_name or Path(folder).name}",
+        dataset_name=dataset_name,
+        repo_id=repo_id or output_name or Path(folder).name,
         base_model=base_model,
         summary=summary,
         recipe=recipe,
         resolution_note=resolution_note,
         results_note=(
-            f"Measured on the {dataset_name} {dict(metrics or {}).get('eval_split', 'test')} split by hf-vit when it "
-            "wrote this folder."
+            f"Measured on the {dataset_name} {measured.get('eval_split', 'test')} split by hf-vit when it wrote this "
+            "folder."
             if dataset_name
             else "No metrics were measured for this folder; see the base model for its results."
         ),
     )
-    if not dataset_name:
-        card.data.datasets = None
-        card.text = card.text.replace(f"- Data: `{unknown}`.", "- Data: as for the base model.")
-    path = Path(folder) / "README.md"
-    card.save(path)
-    return path
