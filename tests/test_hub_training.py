@@ -201,3 +201,17 @@ def test_the_push_scan_catches_any_absolute_path(tmp_path, text):
     (folder / "all_results.json").write_text(json.dumps({"note": text}))
     with pytest.raises(ValueError, match="contains the local path"):
         plan_upload(folder, "me/vit")
+
+
+def test_hf_vit_push_without_network_ends_in_one_error_line(tmp_path):
+    from conftest import tiny_config
+
+    from hf_vit import VisionTransformerForImageClassification
+
+    VisionTransformerForImageClassification(tiny_config()).save_pretrained(tmp_path / "m")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, str(ROOT / "scripts" / "push_to_hub.py"), "--model", str(tmp_path / "m")]
+    done = subprocess.run([*command, "--hub_model_id", "me/vit"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "me/vit" in errors[0], done.stderr[-2000:]

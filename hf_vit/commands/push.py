@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             commit_message=args.commit_message,
             extra_files=args.include,
         )
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # OSError: missing files, and a Hub that cannot be reached
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"pushed {args.model} to {args.hub_model_id}: {url}")
