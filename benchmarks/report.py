@@ -9,7 +9,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from .measure import DTYPES, HF_VIT, PIL_DECODE, PROFILE_CATEGORIES, TIMM, TORCHVISION, TRANSFORMERS
+from .profiling import PROFILE_CATEGORIES
+from .settings import DTYPES, HF_VIT, PIL_DECODE, TIMM, TORCHVISION, TRANSFORMERS
 
 
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -20,7 +21,7 @@ def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 def _format_value(value, unit: str) -> str:
     if value is None:
         return "-"
-    if unit == "of matmul peak":
+    if unit in ("of matmul peak", "of bf16 dense peak"):
         return f"{100 * value:.1f}%"
     if abs(value) >= 100:
         return f"{value:.0f}"
