@@ -220,12 +220,12 @@ class MatmulPeak(Section):
             report["bf16_dense_peak"] = dense_bf16_peak(report["machine"].get("gpu"), run.settings.peak_tflops)
             report["matmul"] = {}
             for dtype in run.settings.dtypes:
-                report["matmul"][dtype] = matmul_flops_per_s(run.device, dtype, size)
+                report["matmul"][dtype] = matmul_flops_per_s(run.device, dtype, size, run.settings.matmul_repeats)
                 run.log(f"matmul {size}^2 {dtype}: {report['matmul'][dtype]['flops_per_s'] / 1e12:.3f} TFLOP/s")
             report["memory_metrics"] = memory_metric_description(run.device)
             return
         for dtype in run.settings.dtypes:
-            again = matmul_flops_per_s(run.device, dtype, size)
+            again = matmul_flops_per_s(run.device, dtype, size, run.settings.matmul_repeats)
             first = report["matmul"][dtype]
             run.log(f"matmul {size}^2 {dtype} after the models: {again['flops_per_s'] / 1e12:.3f} TFLOP/s")
             report["matmul"][dtype] = max(first, again, key=lambda entry: entry["flops_per_s"])
@@ -246,6 +246,7 @@ class Throughput(Section):
         report["compile"] = {
             "requested": settings.compile,
             "mode": settings.compile_mode,
+            "backend": settings.compile_backend,
             "modes": list(settings.compile_modes),
             "errors": {},
             "first_call_s": {},  # includes compiling; the first model compiled pays for shared work
@@ -255,7 +256,10 @@ class Throughput(Section):
             models = run.models
             if compiled:
                 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-                models = {name: torch.compile(model, mode=settings.compile_mode) for name, model in models.items()}
+                models = {
+                    name: torch.compile(model, mode=settings.compile_mode, backend=settings.compile_backend)
+                    for name, model in models.items()
+                }
             for dtype in settings.dtypes:
                 self._time(run, models, dtype, compiled)
             del models

@@ -45,6 +45,9 @@ class BenchmarkSettings:
         default=False, metadata=_help("also time torch.compile'd models (on 2 CPU cores this adds many minutes)")
     )
     compile_mode: str | None = field(default=None, metadata=_help("torch.compile mode for every model"))
+    compile_backend: str = field(
+        default="inductor", metadata=_help("torch.compile backend (aot_eager: traces without generating kernels)")
+    )
     compile_modes: list[str] = field(
         default_factory=lambda: ["train", "infer"],
         metadata=_help(
@@ -53,6 +56,7 @@ class BenchmarkSettings:
     )
     memory: bool = field(default=True, metadata=_help("measure peak memory"))
     matmul_size: int | None = field(default=None, metadata=_help("default 2048 on CPU, 8192 on GPU"))
+    matmul_repeats: int = field(default=5, metadata=_help("rounds of at least 0.25 s each for the matmul peak"))
     processor: bool = field(default=True, metadata=_help("compare the image processors on real photos"))
     processor_images: int = 32
     processor_repeats: int = 5

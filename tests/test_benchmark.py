@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed with hf_vit
 
-from benchmarks import benchmark  # noqa: E402
+from benchmarks import benchmark, gpu  # noqa: E402
 from benchmarks.measure import (  # noqa: E402
     HF_VIT,
     PROFILE_CATEGORIES,
@@ -25,6 +25,7 @@ from benchmarks.measure import (  # noqa: E402
     build_hf_vit,
     build_models,
     compare_logits,
+    dense_bf16_peak,
     hf_vit_config,
     vit_forward_flops,
 )
@@ -321,3 +322,80 @@ def test_default_run_is_bounded():
     settings, _ = benchmark.parse_args([])
     assert not settings.compile and not settings.sizes and settings.pipeline and settings.onnx
     assert benchmark.parse_args(["--compile"])[0].compile
+
+
+# --------------------------------------------------------------------------------------------- the GPU benchmark
+
+
+@pytest.fixture(scope="module")
+def gpu_quick(tmp_path_factory):
+    """benchmarks/gpu.py --quick on CPU: the GPU path (bf16, train and infer, eager and compiled, MFU, the JSON and
+    the doc blocks) on a tiny model; aot_eager compiles through dynamo and AOTAutograd without generating kernels."""
+    folder = tmp_path_factory.mktemp("gpu")
+    doc = folder / "gpu.md"
+    doc.write_text("# GPU\n\n<!-- benchmark-gpu:summary -->\nstale\n<!-- /benchmark-gpu:summary -->\n\n"
+                   "<!-- benchmark-gpu:targets -->\n<!-- /benchmark-gpu:targets -->\n<!-- benchmark:table -->\nCPU\n"
+                   "<!-- /benchmark:table -->\n")  # fmt: skip
+    argv = ["--quick", "--device", "cpu", "--peak_tflops", "0.5", "--compile_backend", "aot_eager", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert gpu.main(argv + ["--json", str(folder / "gpu.json"), "--doc", str(doc)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads((folder / "gpu.json").read_text()), doc.read_text()
+
+
+def test_gpu_benchmark_quick_run_has_every_row_with_mfu(gpu_quick):
+    data, _ = gpu_quick
+    assert data["machine"]["device"] == "cpu" and data["bf16_dense_peak"]["flops_per_s"] == 0.5e12
+    run = data["models"]["vit-tiny-patch16-224"]
+    assert run["settings"]["dtypes"] == ["bf16"] and run["verification"]["passed"]
+    assert run["compile"]["errors"] == {} and run["optimizer"]["fused"] is False  # fused AdamW is for CUDA
+    assert [(row["mode"], row["variant"]) for row in data["summary"]] == [
+        ("train", "eager"), ("infer", "eager"), ("train", "compiled"), ("infer", "compiled")
+    ]  # fmt: skip
+    forward = run["flops_per_image"]["forward"]["total"]
+    assert run["flops_per_image"]["train_step"] == 3 * forward
+    for row in data["summary"]:
+        for name in (HF_VIT, TRANSFORMERS):
+            per_s = row["images_per_s"][name]
+            flops = forward * (3 if row["mode"] == "train" else 1)
+            assert row["mfu"][name] == pytest.approx(per_s * flops / 0.5e12, rel=1e-9)
+            assert row["peak_mem_mb"][name] > 0
+        assert row["ratio"][TRANSFORMERS] == pytest.approx(
+            row["images_per_s"][HF_VIT] / row["images_per_s"][TRANSFORMERS]
+        )
+    assert "2 * multiply-adds" in data["flops_formula"] and "3 * forward" in data["flops_formula"]
+
+
+def test_gpu_benchmark_fills_only_its_own_doc_blocks(gpu_quick):
+    _, text = gpu_quick
+    assert "stale" not in text and "| vit-tiny-patch16-224 | 2 | train | compiled |" in text
+    assert "<!-- benchmark:table -->\nCPU\n" in text  # the CPU benchmark's blocks are not touched
+    targets = text.split("<!-- benchmark-gpu:targets -->\n")[1].split("<!-- /benchmark-gpu:targets -->")[0]
+    assert "| hf-vit / transformers | 1.05 |" in targets
+
+
+def test_gpu_presets_batch_sizes_and_peaks():
+    args = gpu.parse_args(["--device", "cuda"])
+    settings = gpu.settings_for(args)
+    assert [(s.model, s.batch_size) for s in settings] == [
+        ("vit-small-patch16-224", 256), ("vit-base-patch16-224", 256), ("vit-large-patch16-224", 128)
+    ]  # fmt: skip
+    assert all(s.fused_optimizer and s.compile and s.dtypes == ["bf16"] and not s.onnx for s in settings)
+    assert BenchmarkSettings(device="cpu").fused_optimizer is False
+    assert dense_bf16_peak("NVIDIA H100 80GB HBM3")["flops_per_s"] == 989e12
+    assert dense_bf16_peak("NVIDIA H100 PCIe")["flops_per_s"] == 756e12
+    assert dense_bf16_peak("NVIDIA H200")["flops_per_s"] == 989e12
+    assert dense_bf16_peak(None) is None and dense_bf16_peak("NVIDIA H200", 100.0)["flops_per_s"] == 100e12
+
+
+def test_gpu_benchmark_time_budget_and_bad_flags(tmp_path, capsys):
+    assert gpu.main(["--quick", "--device", "cpu", "--time_budget_s", "0", "--json", str(tmp_path / "x.json")]) == 1
+    assert "no model was measured" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--models", "vit-base-patch16-224", "--batch_sizes", "1", "2"])
+    assert "one batch size per model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--doc", str(tmp_path / "missing.md")])
+    assert "does not exist" in capsys.readouterr().err
