@@ -399,3 +399,27 @@ def test_gpu_benchmark_time_budget_and_bad_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gpu.parse_args(["--doc", str(tmp_path / "missing.md")])
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_end_to_end_jpeg_folder_is_imagenet_sized_and_never_overwrites(tmp_path):
+    import PIL.Image
+
+    from benchmarks.end_to_end import IMAGENET_SIZES, finetune_command, generate_jpeg_folder
+
+    folder = tmp_path / "jpegs"
+    data = generate_jpeg_folder(folder, images=8, classes=2)
+    train = sorted((folder / "images" / "train").rglob("*.jpg"))
+    assert len(train) == 8 and len(list((folder / "images" / "validation").rglob("*.jpg"))) == 2
+    assert {path.parent.name for path in train} == {"class_00", "class_01"}
+    assert [PIL.Image.open(path).size for path in train] == IMAGENET_SIZES[:8]
+    assert len({path.read_bytes() for path in train}) == 8 and data["mean_jpeg_kib"] > 10
+    assert generate_jpeg_folder(folder, images=8, classes=2) == data  # reused, not rewritten
+    with pytest.raises(FileExistsError, match="other settings"):
+        generate_jpeg_folder(folder, images=9, classes=2)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "holiday.jpg").write_bytes(b"precious")
+    with pytest.raises(FileExistsError, match="did not write"):
+        generate_jpeg_folder(tmp_path / "mine", images=8)
+    assert (tmp_path / "mine" / "holiday.jpg").read_bytes() == b"precious"
+    command = finetune_command("m", data["dataset"], "out", 32, 12, ["--bf16"])
+    assert command[command.index("--max_steps") + 1] == "12" and command[-1] == "--bf16"
