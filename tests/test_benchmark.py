@@ -408,7 +408,7 @@ def test_end_to_end_jpeg_folder_is_imagenet_sized_and_never_overwrites(tmp_path)
 
     folder = tmp_path / "jpegs"
     data = generate_jpeg_folder(folder, images=8, classes=2)
-    train = sorted((folder / "images" / "train").rglob("*.jpg"))
+    train = sorted((folder / "images" / "train").rglob("*.jpg"), key=lambda path: path.name)
     assert len(train) == 8 and len(list((folder / "images" / "validation").rglob("*.jpg"))) == 2
     assert {path.parent.name for path in train} == {"class_00", "class_01"}
     assert [PIL.Image.open(path).size for path in train] == IMAGENET_SIZES[:8]
