@@ -103,7 +103,7 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
                 total_bytes += len(buffer.getvalue())
     written = dict(spec, mean_jpeg_kib=total_bytes / images / 1024, dataset=str(folder / "images"))
     marker.write_text(json.dumps(written, indent=2) + "\n")
-    return written
+    return json.loads(marker.read_text())  # as a later call that reuses the folder returns it
 
 
 def make_model(preset: str, classes: int, image_size: int | None, num_hidden_layers: int | None):
