@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -413,7 +414,11 @@ def resume_after_a_kill(smoke: Smoke) -> str:
     args += ["--bf16"] if smoke.cuda else []
     env = trainer_env(smoke)
     with open(smoke.scratch / "killed.log", "w") as log:
-        process = subprocess.Popen([sys.executable, str(FINETUNE), *args], stdout=log, stderr=log, env=env, cwd=ROOT)
+        # Its own process group, killed whole as a scheduler kills a job: SIGKILL to the main process alone leaves
+        # its DataLoader workers alive for a few seconds, holding the output folder's lock (inherited over fork).
+        process = subprocess.Popen(
+            [sys.executable, str(FINETUNE), *args], stdout=log, stderr=log, env=env, cwd=ROOT, start_new_session=True
+        )
         try:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and process.poll() is None:
@@ -425,18 +430,24 @@ def resume_after_a_kill(smoke: Smoke) -> str:
             else:
                 raise AssertionError(f"no checkpoint within the time limit (exit status {process.poll()})")
         finally:
-            if process.poll() is None:
-                process.send_signal(signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     killed_at = max(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
     if killed_at >= max_steps:
         raise AssertionError("the run finished before it could be killed")
-    done = _run([sys.executable, str(FINETUNE), *args, "--resume_from_checkpoint", "True"], env)
+    # --log_level info: Trainer then says from which step it resumes.
+    done = _run([sys.executable, str(FINETUNE), *args, "--resume_from_checkpoint", "True", "--log_level", "info"], env)
+    (smoke.scratch / "resumed.log").write_text(done.stdout + done.stderr)
     state = json.loads((output_dir / "trainer_state.json").read_text())
-    if state["global_step"] != max_steps or "Continuing training from" not in done.stderr + done.stdout:
-        raise AssertionError(f"resumed run ended at step {state['global_step']} (of {max_steps}) or did not resume")
+    resumed = re.search(r"Resuming training from checkpoint with epoch \d+ and global step (\d+)", done.stderr)
+    if resumed is None or int(resumed[1]) != killed_at or state["global_step"] != max_steps:
+        raise AssertionError(
+            f"the second run did not resume from checkpoint-{killed_at} ({resumed and resumed[0]!r}) or ended at step "
+            f"{state['global_step']}, not {max_steps}; its output is in {smoke.scratch / 'resumed.log'}"
+        )
     _final_metrics(output_dir)
-    return f"killed after checkpoint-{killed_at}, resumed to step {state['global_step']}"
+    return f"killed after checkpoint-{killed_at}, resumed from step {resumed[1]} to {state['global_step']}"
 
 
 @check(cuda_only=True)
