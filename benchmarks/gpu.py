@@ -18,6 +18,7 @@ skips the models that would start after it.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -30,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder imp
 import torch
 
 from benchmarks.measure import run_benchmark
-from benchmarks.report import _markdown_table, fill_markdown, write_json
+from benchmarks.report import _markdown_table, fill_markdown, merge_reports, write_json
 from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings
 
 # The presets and the training batch sizes practitioners use on one 80 GB GPU (inference uses the same batch).
@@ -52,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch_sizes", nargs="+", type=int, default=None, help="one per --models")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no_compile", action="store_true", help="eager rows only")
+    parser.add_argument("--no_eager", action="store_true", help="compiled rows only (e.g. a second run, merged)")
+    parser.add_argument(
+        "--merge_json",
+        action="store_true",
+        help="merge this run into the existing --json file (figures replaced by key, other models kept)",
+    )
     parser.add_argument("--compile_mode", default=None, help="torch.compile mode (default: torch's default)")
     parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
@@ -70,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--quick runs its own tiny model: drop --models")
     if args.batch_sizes and len(args.batch_sizes) != len(args.models or GPU_PRESETS):
         parser.error("--batch_sizes needs one batch size per model")
+    if args.no_eager and args.no_compile:
+        parser.error("--no_eager with --no_compile leaves nothing to time")
+    if args.merge_json and not args.json:
+        parser.error("--merge_json needs --json")
     if args.doc and not Path(args.doc).is_file():
         parser.error(f"--doc {args.doc} does not exist; create it with <!-- benchmark-gpu:summary --> blocks first")
     return args
@@ -82,6 +93,7 @@ def settings_for(args: argparse.Namespace) -> list[BenchmarkSettings]:
         device=args.device,
         dtypes=["bf16"],
         compile=not args.no_compile,
+        eager=not args.no_eager,
         compile_mode=args.compile_mode,
         compile_backend=args.compile_backend,
         steps=args.steps,
@@ -185,7 +197,7 @@ def format_machine(report: dict) -> str:
         ["dense bf16 peak", "unknown" if peak is None else f"{peak['flops_per_s'] / 1e12:g} TFLOP/s "
          f"({peak['source']})"],
         ["FLOPs", report["flops_formula"]],
-        ["command", f"`{report['command']}`"],
+        *[[f"command {i}", f"`{command}`"] for i, command in enumerate(report.get("runs", [report["command"]]), 1)],
     ]  # fmt: skip
     return _markdown_table(["", ""], rows)
 
@@ -204,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
         "models": {},
         "skipped": {},
     }
+    previous = json.loads(Path(args.json).read_text()) if args.merge_json and Path(args.json).is_file() else None
+    if previous is not None:  # models measured before keep their figures; a model measured again is merged
+        report["models"] = previous["models"]
+        report["runs"] = previous.get("runs", [previous["command"]]) + [report["command"]]
+        for key in ("machine", "flops_formula", "bf16_dense_peak"):
+            report[key] = previous[key]
     for settings in settings_for(args):
         elapsed = time.perf_counter() - start
         if args.time_budget_s is not None and elapsed > args.time_budget_s:
@@ -212,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         run = run_benchmark(settings, log=lambda message: print(message, file=sys.stderr, flush=True))
         run["seconds"] = time.perf_counter() - start - elapsed
+        if settings.model in report["models"]:
+            run = merge_reports(report["models"][settings.model], run)
         report["models"][settings.model] = run
         for key in ("machine", "flops_formula", "bf16_dense_peak"):
             report.setdefault(key, run[key])

@@ -252,7 +252,7 @@ class Throughput(Section):
             "first_call_s": {},  # includes compiling; the first model compiled pays for shared work
         }
         self.results = []
-        for compiled in [False] + ([True] if settings.compile else []):
+        for compiled in ([False] if settings.eager else []) + ([True] if settings.compile else []):
             models = run.models
             if compiled:
                 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)

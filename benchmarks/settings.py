@@ -44,6 +44,7 @@ class BenchmarkSettings:
     compile: bool = field(
         default=False, metadata=_help("also time torch.compile'd models (on 2 CPU cores this adds many minutes)")
     )
+    eager: bool = field(default=True, metadata=_help("time the eager models (--no_eager: the compiled rows only)"))
     compile_mode: str | None = field(default=None, metadata=_help("torch.compile mode for every model"))
     compile_backend: str = field(
         default="inductor", metadata=_help("torch.compile backend (aot_eager: traces without generating kernels)")
@@ -108,6 +109,8 @@ class BenchmarkSettings:
             raise ValueError(f"--peak_tflops must be positive, not {self.peak_tflops}")
         if self.fused_optimizer is None:
             self.fused_optimizer = on_gpu
+        if not self.eager and not self.compile:
+            raise ValueError("--no_eager leaves nothing to time without --compile")
         if self.sweep_only and self.profile_only:
             raise ValueError("--sweep_only and --profile_only exclude each other")
         if self.sweep_only and not self.sizes:

@@ -339,7 +339,11 @@ def gpu_quick(tmp_path_factory):
     argv = ["--quick", "--device", "cpu", "--peak_tflops", "0.5", "--compile_backend", "aot_eager", "--threads", "1"]
     threads = torch.get_num_threads()
     try:
-        assert gpu.main(argv + ["--json", str(folder / "gpu.json"), "--doc", str(doc)]) == 0
+        # eager rows first, then the compiled ones merged in (as a GPU session splits the work between commands)
+        assert gpu.main(argv + ["--no_compile", "--json", str(folder / "gpu.json")]) == 0
+        assert (
+            gpu.main(argv + ["--no_eager", "--merge_json", "--json", str(folder / "gpu.json"), "--doc", str(doc)]) == 0
+        )
     finally:
         torch.set_num_threads(threads)
     return json.loads((folder / "gpu.json").read_text()), doc.read_text()
@@ -366,6 +370,7 @@ def test_gpu_benchmark_quick_run_has_every_row_with_mfu(gpu_quick):
             row["images_per_s"][HF_VIT] / row["images_per_s"][TRANSFORMERS]
         )
     assert "2 * multiply-adds" in data["flops_formula"] and "3 * forward" in data["flops_formula"]
+    assert len(data["runs"]) == 2 and "--no_eager" in data["runs"][1] and "--no_eager" not in data["runs"][0]
 
 
 def test_gpu_benchmark_fills_only_its_own_doc_blocks(gpu_quick):
@@ -396,6 +401,9 @@ def test_gpu_benchmark_time_budget_and_bad_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gpu.parse_args(["--models", "vit-base-patch16-224", "--batch_sizes", "1", "2"])
     assert "one batch size per model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--no_eager", "--no_compile"])
+    assert "leaves nothing to time" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gpu.parse_args(["--doc", str(tmp_path / "missing.md")])
     assert "does not exist" in capsys.readouterr().err
