@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -55,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no_compile", action="store_true", help="eager rows only")
     parser.add_argument("--no_eager", action="store_true", help="compiled rows only (e.g. a second run, merged)")
     parser.add_argument(
+        "--doc_only", action="store_true", help="measure nothing: fill --doc's blocks from the existing --json file"
+    )
+    parser.add_argument(
         "--merge_json",
         action="store_true",
         help="merge this run into the existing --json file (figures replaced by key, other models kept)",
@@ -79,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--batch_sizes needs one batch size per model")
     if args.no_eager and args.no_compile:
         parser.error("--no_eager with --no_compile leaves nothing to time")
+    if args.doc_only and not (args.doc and args.json and Path(args.json).is_file()):
+        parser.error("--doc_only needs --doc and an existing --json file to take the figures from")
     if args.merge_json and not args.json:
         parser.error("--merge_json needs --json")
     if args.doc and not Path(args.doc).is_file():
@@ -208,6 +214,9 @@ def markdown_sections(report: dict) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.doc_only:
+        print(f"doc: {write_doc(json.loads(Path(args.json).read_text()), args.doc)}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
@@ -250,10 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_targets(report))
     if args.doc:
-        doc = Path(args.doc)
-        doc.write_text(fill_markdown(doc.read_text(), markdown_sections(report), tag="benchmark-gpu"))
-        print(f"doc: {doc}")
+        print(f"doc: {write_doc(report, args.doc)}")
     return 0
+
+
+def write_doc(report: dict, path: str | os.PathLike) -> Path:
+    """Fill the `<!-- benchmark-gpu:NAME -->` blocks (machine, summary, targets) of the markdown file at `path`."""
+    doc = Path(path)
+    doc.write_text(fill_markdown(doc.read_text(), markdown_sections(report), tag="benchmark-gpu"))
+    return doc
 
 
 if __name__ == "__main__":

@@ -373,12 +373,19 @@ def test_gpu_benchmark_quick_run_has_every_row_with_mfu(gpu_quick):
     assert len(data["runs"]) == 2 and "--no_eager" in data["runs"][1] and "--no_eager" not in data["runs"][0]
 
 
-def test_gpu_benchmark_fills_only_its_own_doc_blocks(gpu_quick):
-    _, text = gpu_quick
+def test_gpu_benchmark_fills_only_its_own_doc_blocks(gpu_quick, tmp_path):
+    data, text = gpu_quick
     assert "stale" not in text and "| vit-tiny-patch16-224 | 2 | train | compiled |" in text
     assert "<!-- benchmark:table -->\nCPU\n" in text  # the CPU benchmark's blocks are not touched
     targets = text.split("<!-- benchmark-gpu:targets -->\n")[1].split("<!-- /benchmark-gpu:targets -->")[0]
     assert "| hf-vit / transformers | 1.05 |" in targets
+    # --doc_only renders the same blocks from the JSON alone (no GPU needed to rewrite the page)
+    (tmp_path / "gpu.json").write_text(json.dumps(data))
+    doc = tmp_path / "gpu.md"
+    doc.write_text("<!-- benchmark-gpu:summary -->\n<!-- /benchmark-gpu:summary -->\n")
+    assert gpu.main(["--doc_only", "--doc", str(doc), "--json", str(tmp_path / "gpu.json")]) == 0
+    summary = text.split("<!-- benchmark-gpu:summary -->\n")[1].split("<!-- /benchmark-gpu:summary -->")[0]
+    assert doc.read_text() == "<!-- benchmark-gpu:summary -->\n" + summary + "<!-- /benchmark-gpu:summary -->\n"
 
 
 def test_gpu_presets_batch_sizes_and_peaks():
