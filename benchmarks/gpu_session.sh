@@ -34,7 +34,8 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAM
     [ "$rc" -eq 0 ] || { echo "== $name: exit status $rc"; status=1; }
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >"$OUT/nvidia-smi.csv" 2>&1 || true
-"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|accelerate|huggingface.hub|timm|torchvision|pyarrow|fsspec|tokenizers|onnx|onnxruntime|onnxscript|dill|multiprocess|evaluate) " \
+    | tee "$OUT/packages.txt"
 
 case "$part" in
 1)
