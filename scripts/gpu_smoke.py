@@ -474,6 +474,13 @@ def fsdp_through_accelerate(smoke: Smoke) -> str:
             f"{checkpoints[-1].name} holds {sorted(p.name for p in checkpoints[-1].iterdir())}: not FSDP's sharded "
             "state (pytorch_model_fsdp_0/, optimizer_0/)"
         )
+    if not (output_dir / "model.safetensors").is_file():
+        held = sorted(p.name for p in output_dir.iterdir())
+        raise AssertionError(
+            f"no consolidated model.safetensors in {output_dir} (it holds {held}): Trainer.save_model writes the "
+            "whole model under FSDP only with FULL_STATE_DICT, and "
+            "configs/accelerate/fsdp.yaml asks for SHARDED_STATE_DICT (for the checkpoints)"
+        )
     loaded = VisionTransformerForImageClassification.from_pretrained(output_dir)
     reference = VisionTransformerForImageClassification(loaded.config)
     shapes = {name: tuple(t.shape) for name, t in reference.state_dict().items()}
