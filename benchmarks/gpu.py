@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch_sizes", nargs="+", type=int, default=None, help="one per --models")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no_compile", action="store_true", help="eager rows only")
+    parser.add_argument(
+        "--sdpa_backend", default=None, choices=["flash", "efficient", "cudnn", "math"], help="one SDPA backend only"
+    )
     parser.add_argument("--no_eager", action="store_true", help="compiled rows only (e.g. a second run, merged)")
     parser.add_argument(
         "--doc_only", action="store_true", help="measure nothing: fill --doc's blocks from the existing --json file"
@@ -100,6 +103,7 @@ def settings_for(args: argparse.Namespace) -> list[BenchmarkSettings]:
         dtypes=["bf16"],
         compile=not args.no_compile,
         eager=not args.no_eager,
+        sdpa_backend=args.sdpa_backend,
         compile_mode=args.compile_mode,
         compile_backend=args.compile_backend,
         steps=args.steps,

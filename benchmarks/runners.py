@@ -24,7 +24,7 @@ from .models import build_models, compare_logits, dense_bf16_peak, step_flops, v
 from .onnx_runtime import compare_onnxruntime
 from .profiling import profile_training_step
 from .settings import HF_VIT, LOGITS_TOLERANCE, TIMM, TORCHVISION, TRANSFORMERS, BenchmarkSettings
-from .timing import benchmark_models, make_optimizer, matmul_flops_per_s, median_seconds
+from .timing import benchmark_models, make_optimizer, matmul_flops_per_s, median_seconds, sdpa_backend
 
 
 def machine_info(device: torch.device) -> dict:
@@ -269,18 +269,19 @@ class Throughput(Section):
         run.log(f"timing {dtype} {'compiled' if compiled else 'eager'} ...")
         start = time.perf_counter()
         try:
-            results = benchmark_models(
-                models,
-                run.pixel_values,
-                run.labels,
-                dtype,
-                settings.steps,
-                max(settings.warmup, 2) if compiled else settings.warmup,
-                settings.repeats,
-                settings.memory,
-                run.optimizers,
-                settings.compile_modes if compiled else ("train", "infer"),
-            )
+            with sdpa_backend(settings.sdpa_backend):  # compiled models trace under it too
+                results = benchmark_models(
+                    models,
+                    run.pixel_values,
+                    run.labels,
+                    dtype,
+                    settings.steps,
+                    max(settings.warmup, 2) if compiled else settings.warmup,
+                    settings.repeats,
+                    settings.memory,
+                    run.optimizers,
+                    settings.compile_modes if compiled else ("train", "infer"),
+                )
         except Exception as error:  # noqa: BLE001 - a failed compile drops its rows, not the whole benchmark
             if not compiled:
                 raise

@@ -44,6 +44,13 @@ class BenchmarkSettings:
     compile: bool = field(
         default=False, metadata=_help("also time torch.compile'd models (on 2 CPU cores this adds many minutes)")
     )
+    sdpa_backend: str | None = field(
+        default=None,
+        metadata=_help(
+            "restrict scaled_dot_product_attention to one backend for every model (default: torch's choice)",
+            choices=["flash", "efficient", "cudnn", "math"],
+        ),
+    )
     eager: bool = field(default=True, metadata=_help("time the eager models (--no_eager: the compiled rows only)"))
     compile_mode: str | None = field(default=None, metadata=_help("torch.compile mode for every model"))
     compile_backend: str = field(

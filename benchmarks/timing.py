@@ -121,6 +121,23 @@ def matmul_flops_per_s(device: torch.device, dtype: str, size: int, repeats: int
     }
 
 
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
+
+
+def sdpa_backend(name: str | None):
+    """A context restricting `scaled_dot_product_attention` to one backend (None: torch's own choice)."""
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
+
+
 def logits_of(output) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 

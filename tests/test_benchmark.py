@@ -341,9 +341,9 @@ def gpu_quick(tmp_path_factory):
     try:
         # eager rows first, then the compiled ones merged in (as a GPU session splits the work between commands)
         assert gpu.main(argv + ["--no_compile", "--json", str(folder / "gpu.json")]) == 0
-        assert (
-            gpu.main(argv + ["--no_eager", "--merge_json", "--json", str(folder / "gpu.json"), "--doc", str(doc)]) == 0
-        )
+        # the compiled rows with SDPA restricted to its math backend (a lever to measure on the GPU)
+        second = ["--no_eager", "--sdpa_backend", "math", "--merge_json", "--json", str(folder / "gpu.json")]
+        assert gpu.main(argv + second + ["--doc", str(doc)]) == 0
     finally:
         torch.set_num_threads(threads)
     return json.loads((folder / "gpu.json").read_text()), doc.read_text()
@@ -371,6 +371,7 @@ def test_gpu_benchmark_quick_run_has_every_row_with_mfu(gpu_quick):
         )
     assert "2 * multiply-adds" in data["flops_formula"] and "3 * forward" in data["flops_formula"]
     assert len(data["runs"]) == 2 and "--no_eager" in data["runs"][1] and "--no_eager" not in data["runs"][0]
+    assert [entry["settings"]["sdpa_backend"] for entry in run["runs"]] == [None, "math"]
 
 
 def test_gpu_benchmark_fills_only_its_own_doc_blocks(gpu_quick, tmp_path):
