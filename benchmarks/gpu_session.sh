@@ -39,11 +39,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 
 case "$part" in
 1)
-    step 230 smoke "$PY" scripts/gpu_smoke.py --json "$OUT/smoke.json"
-    step 170 end_to_end_b16 "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs --images 1024 \
+    step 280 smoke "$PY" scripts/gpu_smoke.py --json "$OUT/smoke.json"
+    step 145 end_to_end_b16 "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs --images 768 \
         --preset vit-base-patch16-224 --batch_size 256 --steps 8 --warmup_steps 3 --json "$OUT/end_to_end_b16.json" \
         -- --bf16
-    step 140 end_to_end_s16 "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs --images 1024 \
+    step 120 end_to_end_s16 "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs --images 768 \
         --preset vit-small-patch16-224 --batch_size 256 --steps 8 --warmup_steps 3 --json "$OUT/end_to_end_s16.json" \
         -- --bf16
     ;;

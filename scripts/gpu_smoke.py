@@ -511,7 +511,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_checks(smoke: Smoke, names: list[str]) -> dict[str, dict]:
+def run_checks(
+    smoke: Smoke, names: list[str], after_each: Callable[[dict[str, dict]], None] = lambda outcomes: None
+) -> dict[str, dict]:
+    """Run the named checks in order; `after_each` sees the outcomes so far (to keep them if the run is stopped)."""
     outcomes = {}
     for name in names:
         function, _ = CHECKS[name]
@@ -528,6 +531,7 @@ def run_checks(smoke: Smoke, names: list[str]) -> dict[str, dict]:
         seconds = time.perf_counter() - start
         outcomes[name] = {"status": status, "detail": detail, "seconds": seconds}
         smoke.log(f"{status:7s} {name} ({seconds:.1f} s): {detail}")
+        after_each(outcomes)
     return outcomes
 
 
@@ -546,16 +550,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hf-vit-smoke-")))
         smoke = Smoke(device, scratch, args.trainer_on_cpu, log=lambda line: print(line, flush=True))
-        outcomes = run_checks(smoke, args.only or list(CHECKS))
+
+        def write(outcomes: dict[str, dict]) -> None:  # after every check: a run stopped by a time limit keeps them
+            if args.json:
+                report = {"device": str(device), "name": where, "torch": torch.__version__, "checks": outcomes}
+                report["details"] = smoke.details
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+        outcomes = run_checks(smoke, args.only or list(CHECKS), write)
     counts = {
         status: sum(o["status"] == status for o in outcomes.values()) for status in ("passed", "failed", "skipped")
     }
     print(", ".join(f"{count} {status}" for status, count in counts.items()))
-    if args.json:
-        report = {"device": str(device), "name": where, "torch": torch.__version__, "checks": outcomes}
-        report["details"] = smoke.details
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return 1 if counts["failed"] else 0
 
 
