@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="merge this run into the existing --json file (figures replaced by key, other models kept)",
     )
     parser.add_argument("--compile_mode", default=None, help="torch.compile mode (default: torch's default)")
+    parser.add_argument(
+        "--compile_blocks", action="store_true", help="compile each transformer block (fullgraph) instead of the model"
+    )
     parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per model; the figures are their medians")
@@ -106,6 +109,7 @@ def settings_for(args: argparse.Namespace) -> list[BenchmarkSettings]:
         sdpa_backend=args.sdpa_backend,
         compile_mode=args.compile_mode,
         compile_backend=args.compile_backend,
+        compile_blocks=args.compile_blocks,
         steps=args.steps,
         repeats=args.repeats,
         warmup=args.warmup,

@@ -24,6 +24,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 HF_DATASETS_O
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
 JSON=docs/benchmarks_gpu.json
+# e.g. COMPILE_FLAGS=--compile_blocks (each block compiled once, fullgraph: minutes less per model) or
+# COMPILE_FLAGS="--compile_mode max-autotune"; applies to the compiled rows of parts 2-4.
+read -r -a COMPILE <<<"${COMPILE_FLAGS:-}"
 status=0
 step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAME.log, remember a failure
     local seconds=$1 name=$2
@@ -49,17 +52,17 @@ case "$part" in
     ;;
 2)
     step 250 gpu_eager "$PY" benchmarks/gpu.py --no_compile --json "$OUT/benchmarks_gpu.json" --time_budget_s 200
-    step 300 gpu_compiled_s16 "$PY" benchmarks/gpu.py --no_eager --models vit-small-patch16-224 --merge_json \
+    step 300 gpu_compiled_s16 "$PY" benchmarks/gpu.py --no_eager --models vit-small-patch16-224 --merge_json "${COMPILE[@]}" \
         --json "$OUT/benchmarks_gpu.json"
     ;;
 3)
     cp "$JSON" "$OUT/benchmarks_gpu.json" || exit 1
-    step 560 gpu_compiled_b16 "$PY" benchmarks/gpu.py --no_eager --models vit-base-patch16-224 --profile --merge_json \
+    step 560 gpu_compiled_b16 "$PY" benchmarks/gpu.py --no_eager --models vit-base-patch16-224 --profile --merge_json "${COMPILE[@]}" \
         --json "$OUT/benchmarks_gpu.json"
     ;;
 4)
     cp "$JSON" "$OUT/benchmarks_gpu.json" || exit 1
-    step 560 gpu_compiled_l16 "$PY" benchmarks/gpu.py --no_eager --models vit-large-patch16-224 --merge_json \
+    step 560 gpu_compiled_l16 "$PY" benchmarks/gpu.py --no_eager --models vit-large-patch16-224 --merge_json "${COMPILE[@]}" \
         --json "$OUT/benchmarks_gpu.json"
     ;;
 quick)

@@ -251,17 +251,15 @@ class Throughput(Section):
             "errors": {},
             "first_call_s": {},  # includes compiling; the first model compiled pays for shared work
         }
+        report["compile"]["blocks"] = settings.compile_blocks
         self.results = []
         for compiled in ([False] if settings.eager else []) + ([True] if settings.compile else []):
-            models = run.models
-            if compiled:
-                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-                models = {
-                    name: torch.compile(model, mode=settings.compile_mode, backend=settings.compile_backend)
-                    for name, model in models.items()
-                }
-            for dtype in settings.dtypes:
-                self._time(run, models, dtype, compiled)
+            models, undo = compile_models(run.models, settings) if compiled else (run.models, lambda: None)
+            try:
+                for dtype in settings.dtypes:
+                    self._time(run, models, dtype, compiled)
+            finally:
+                undo()  # the sections after this one (profile, sweep) see the eager models
             del models
 
     def _time(self, run: Run, models: dict[str, nn.Module], dtype: str, compiled: bool) -> None:
@@ -314,6 +312,39 @@ class Throughput(Section):
                     run.report["bf16_dense_peak"],
                 )
             )
+
+
+# The transformer blocks of hf-vit, transformers' ViT and timm's ViT, by class name (for --compile_blocks).
+BLOCK_CLASSES = ("VisionTransformerBlock", "ViTLayer", "Block")
+
+
+def compile_models(
+    models: dict[str, nn.Module], settings: BenchmarkSettings
+) -> tuple[dict[str, nn.Module], Callable[[], None]]:
+    """The models torch.compile'd as `settings` says, and a function that undoes it.
+
+    Whole models are wrapped (the originals stay eager); with `compile_blocks` each transformer block is compiled in
+    place with fullgraph=True (a graph break fails loudly instead of splitting the block), and the undo function
+    restores the eager blocks.
+    """
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    options = dict(mode=settings.compile_mode, backend=settings.compile_backend)
+    if not settings.compile_blocks:
+        return {name: torch.compile(model, **options) for name, model in models.items()}, lambda: None
+    blocks = []
+    for name, model in models.items():
+        found = [module for module in model.modules() if type(module).__name__ in BLOCK_CLASSES]
+        if not found:
+            raise ValueError(f"--compile_blocks: no block of {BLOCK_CLASSES} in {name}'s model")
+        for block in found:
+            block.compile(fullgraph=True, **options)
+        blocks += found
+
+    def undo() -> None:
+        for block in blocks:
+            block._compiled_call_impl = None  # what nn.Module.compile set
+
+    return dict(models), undo
 
 
 class ThroughputFigures(Section):

@@ -53,6 +53,13 @@ class BenchmarkSettings:
     )
     eager: bool = field(default=True, metadata=_help("time the eager models (--no_eager: the compiled rows only)"))
     compile_mode: str | None = field(default=None, metadata=_help("torch.compile mode for every model"))
+    compile_blocks: bool = field(
+        default=False,
+        metadata=_help(
+            "compile each transformer block (fullgraph=True) instead of the whole model: identical blocks share one "
+            "compilation, so compiling takes a fraction of the time"
+        ),
+    )
     compile_backend: str = field(
         default="inductor", metadata=_help("torch.compile backend (aot_eager: traces without generating kernels)")
     )

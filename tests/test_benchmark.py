@@ -439,3 +439,24 @@ def test_end_to_end_jpeg_folder_is_imagenet_sized_and_never_overwrites(tmp_path)
     assert (tmp_path / "mine" / "holiday.jpg").read_bytes() == b"precious"
     command = finetune_command("m", data["dataset"], "out", 32, 12, ["--bf16"])
     assert command[command.index("--max_steps") + 1] == "12" and command[-1] == "--bf16"
+
+
+def test_compiling_per_block_keeps_the_logits_and_is_undone():
+    from benchmarks.runners import BLOCK_CLASSES, compile_models
+
+    settings = BenchmarkSettings(
+        model="vit-tiny-patch16-224", num_hidden_layers=2, image_size=32, timm=False, device="cpu",
+        compile=True, compile_blocks=True, compile_backend="aot_eager",
+    )  # fmt: skip
+    models, _ = build_models(settings, torch.device("cpu"))
+    pixel_values = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    eager = {name: model.eval()(pixel_values).logits.detach() for name, model in models.items()}
+    compiled, undo = compile_models(models, settings)
+    blocks = [m for model in models.values() for m in model.modules() if type(m).__name__ in BLOCK_CLASSES]
+    assert len(blocks) == 4 and all(block._compiled_call_impl is not None for block in blocks)  # 2 per model
+    torch._dynamo.reset()
+    for name, model in compiled.items():
+        torch.testing.assert_close(model(pixel_values).logits, eager[name], rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the blocks did run compiled
+    undo()
+    assert all(block._compiled_call_impl is None for block in blocks)
