@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder importable as a package
+    # ... and take this folder itself off the path, so that its modules (models, timing, memory, ...) cannot shadow
+    # top-level modules of the same names.
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch

@@ -9,7 +9,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from .measure import DTYPES, HF_VIT, PIL_DECODE, PROFILE_CATEGORIES, TIMM, TORCHVISION, TRANSFORMERS
+from .profiling import PROFILE_CATEGORIES
+from .settings import DTYPES, HF_VIT, PIL_DECODE, TIMM, TORCHVISION, TRANSFORMERS
 
 
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -20,7 +21,7 @@ def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str
 def _format_value(value, unit: str) -> str:
     if value is None:
         return "-"
-    if unit == "of matmul peak":
+    if unit in ("of matmul peak", "of bf16 dense peak"):
         return f"{100 * value:.1f}%"
     if abs(value) >= 100:
         return f"{value:.0f}"
@@ -153,8 +154,6 @@ TARGETS = {
 GPU_TARGETS = {("train_images_per_s", "bf16"): 1.10}
 GPU_MATMUL_FRACTION_TARGET = 0.50
 PROCESSOR_MAX_MEAN_ABS_DIFF = 1 / 255
-_MARKER_START = re.compile(r"<!-- benchmark:(\w+) -->")
-_MARKER = re.compile(r"(<!-- benchmark:(\w+) -->\r?\n).*?(<!-- /benchmark:\2 -->)", re.DOTALL)
 
 
 def format_targets(report: dict) -> str:
@@ -322,14 +321,17 @@ def markdown_sections(report: dict) -> dict[str, str]:
     return sections
 
 
-def fill_markdown(text: str, sections: dict[str, str]) -> str:
-    """`text` with every `<!-- benchmark:NAME -->` ... `<!-- /benchmark:NAME -->` block holding `sections[NAME]`."""
-    blocks = [groups[1] for groups in _MARKER.findall(text)]
-    unclosed = sorted(set(_MARKER_START.findall(text)) - set(blocks))
+def fill_markdown(text: str, sections: dict[str, str], tag: str = "benchmark") -> str:
+    """`text` with every `<!-- TAG:NAME -->` ... `<!-- /TAG:NAME -->` block holding `sections[NAME]` (TAG is
+    "benchmark" for the CPU figures, "benchmark-gpu" for `benchmarks/gpu.py`'s)."""
+    start = re.compile(rf"<!-- {re.escape(tag)}:(\w+) -->")
+    marker = re.compile(rf"(<!-- {re.escape(tag)}:(\w+) -->\r?\n).*?(<!-- /{re.escape(tag)}:\2 -->)", re.DOTALL)
+    blocks = [groups[1] for groups in marker.findall(text)]
+    unclosed = sorted(set(start.findall(text)) - set(blocks))
     if unclosed:
         raise ValueError(
-            f"Block(s) {unclosed} open with <!-- benchmark:NAME --> on a line of its own but have no "
-            "<!-- /benchmark:NAME --> after them; add the closing marker."
+            f"Block(s) {unclosed} open with <!-- {tag}:NAME --> on a line of its own but have no "
+            f"<!-- /{tag}:NAME --> after them; add the closing marker."
         )
     unknown = sorted(set(blocks) - set(sections))
     if unknown:
@@ -337,7 +339,7 @@ def fill_markdown(text: str, sections: dict[str, str]) -> str:
             f"No figures for the block(s) {unknown}: this report has only {sorted(sections)}. Measure the missing "
             "parts (e.g. --profile, --sizes) or merge them in with --merge_json."
         )
-    return _MARKER.sub(lambda match: match[1] + sections[match[2]] + "\n" + match[3], text)
+    return marker.sub(lambda match: match[1] + sections[match[2]] + "\n" + match[3], text)
 
 
 def write_doc(report: dict, path: str | os.PathLike) -> Path:

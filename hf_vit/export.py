@@ -57,7 +57,9 @@ def example_input(model: VisionTransformerPreTrainedModel) -> torch.Tensor:
     rows, cols = (max(2, n) for n in model.config.grid_size)
     patch = model.config.patch_size
     parameter = next(model.parameters())
-    return torch.zeros(2, model.config.num_channels, rows * patch, cols * patch, dtype=parameter.dtype)
+    return torch.zeros(
+        2, model.config.num_channels, rows * patch, cols * patch, dtype=parameter.dtype, device=parameter.device
+    )
 
 
 def export_program(model: VisionTransformerPreTrainedModel) -> torch.export.ExportedProgram:

@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed with hf_vit
 
-from benchmarks import benchmark  # noqa: E402
+from benchmarks import benchmark, gpu  # noqa: E402
 from benchmarks.measure import (  # noqa: E402
     HF_VIT,
     PROFILE_CATEGORIES,
@@ -25,6 +25,7 @@ from benchmarks.measure import (  # noqa: E402
     build_hf_vit,
     build_models,
     compare_logits,
+    dense_bf16_peak,
     hf_vit_config,
     vit_forward_flops,
 )
@@ -321,3 +322,141 @@ def test_default_run_is_bounded():
     settings, _ = benchmark.parse_args([])
     assert not settings.compile and not settings.sizes and settings.pipeline and settings.onnx
     assert benchmark.parse_args(["--compile"])[0].compile
+
+
+# --------------------------------------------------------------------------------------------- the GPU benchmark
+
+
+@pytest.fixture(scope="module")
+def gpu_quick(tmp_path_factory):
+    """benchmarks/gpu.py --quick on CPU: the GPU path (bf16, train and infer, eager and compiled, MFU, the JSON and
+    the doc blocks) on a tiny model; aot_eager compiles through dynamo and AOTAutograd without generating kernels."""
+    folder = tmp_path_factory.mktemp("gpu")
+    doc = folder / "gpu.md"
+    doc.write_text("# GPU\n\n<!-- benchmark-gpu:summary -->\nstale\n<!-- /benchmark-gpu:summary -->\n\n"
+                   "<!-- benchmark-gpu:targets -->\n<!-- /benchmark-gpu:targets -->\n<!-- benchmark:table -->\nCPU\n"
+                   "<!-- /benchmark:table -->\n")  # fmt: skip
+    argv = ["--quick", "--device", "cpu", "--peak_tflops", "0.5", "--compile_backend", "aot_eager", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        # eager rows first, then the compiled ones merged in (as a GPU session splits the work between commands)
+        assert gpu.main(argv + ["--no_compile", "--json", str(folder / "gpu.json")]) == 0
+        # the compiled rows with SDPA restricted to its math backend (a lever to measure on the GPU)
+        second = ["--no_eager", "--sdpa_backend", "math", "--merge_json", "--json", str(folder / "gpu.json")]
+        assert gpu.main(argv + second + ["--doc", str(doc)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads((folder / "gpu.json").read_text()), doc.read_text()
+
+
+def test_gpu_benchmark_quick_run_has_every_row_with_mfu(gpu_quick):
+    data, _ = gpu_quick
+    assert data["machine"]["device"] == "cpu" and data["bf16_dense_peak"]["flops_per_s"] == 0.5e12
+    run = data["models"]["vit-tiny-patch16-224"]
+    assert run["settings"]["dtypes"] == ["bf16"] and run["verification"]["passed"]
+    assert run["compile"]["errors"] == {} and run["optimizer"]["fused"] is False  # fused AdamW is for CUDA
+    assert [(row["mode"], row["variant"]) for row in data["summary"]] == [
+        ("train", "eager"), ("infer", "eager"), ("train", "compiled"), ("infer", "compiled")
+    ]  # fmt: skip
+    forward = run["flops_per_image"]["forward"]["total"]
+    assert run["flops_per_image"]["train_step"] == 3 * forward
+    for row in data["summary"]:
+        for name in (HF_VIT, TRANSFORMERS):
+            per_s = row["images_per_s"][name]
+            flops = forward * (3 if row["mode"] == "train" else 1)
+            assert row["mfu"][name] == pytest.approx(per_s * flops / 0.5e12, rel=1e-9)
+            assert row["peak_mem_mb"][name] > 0
+        assert row["ratio"][TRANSFORMERS] == pytest.approx(
+            row["images_per_s"][HF_VIT] / row["images_per_s"][TRANSFORMERS]
+        )
+    assert "2 * multiply-adds" in data["flops_formula"] and "3 * forward" in data["flops_formula"]
+    assert len(data["runs"]) == 2 and "--no_eager" in data["runs"][1] and "--no_eager" not in data["runs"][0]
+    assert [entry["settings"]["sdpa_backend"] for entry in run["runs"]] == [None, "math"]
+
+
+def test_gpu_benchmark_fills_only_its_own_doc_blocks(gpu_quick, tmp_path):
+    data, text = gpu_quick
+    assert "stale" not in text and "| vit-tiny-patch16-224 | 2 | train | compiled |" in text
+    assert "<!-- benchmark:table -->\nCPU\n" in text  # the CPU benchmark's blocks are not touched
+    targets = text.split("<!-- benchmark-gpu:targets -->\n")[1].split("<!-- /benchmark-gpu:targets -->")[0]
+    assert "| hf-vit / transformers | 1.05 |" in targets
+    # --doc_only renders the same blocks from the JSON alone (no GPU needed to rewrite the page)
+    (tmp_path / "gpu.json").write_text(json.dumps(data))
+    doc = tmp_path / "gpu.md"
+    doc.write_text("<!-- benchmark-gpu:summary -->\n<!-- /benchmark-gpu:summary -->\n")
+    assert gpu.main(["--doc_only", "--doc", str(doc), "--json", str(tmp_path / "gpu.json")]) == 0
+    summary = text.split("<!-- benchmark-gpu:summary -->\n")[1].split("<!-- /benchmark-gpu:summary -->")[0]
+    assert doc.read_text() == "<!-- benchmark-gpu:summary -->\n" + summary + "<!-- /benchmark-gpu:summary -->\n"
+
+
+def test_gpu_presets_batch_sizes_and_peaks():
+    args = gpu.parse_args(["--device", "cuda"])
+    settings = gpu.settings_for(args)
+    assert [(s.model, s.batch_size) for s in settings] == [
+        ("vit-small-patch16-224", 256), ("vit-base-patch16-224", 256), ("vit-large-patch16-224", 128)
+    ]  # fmt: skip
+    assert all(s.fused_optimizer and s.compile and s.dtypes == ["bf16"] and not s.onnx for s in settings)
+    assert BenchmarkSettings(device="cpu").fused_optimizer is False
+    assert dense_bf16_peak("NVIDIA H100 80GB HBM3")["flops_per_s"] == 989e12
+    assert dense_bf16_peak("NVIDIA H100 PCIe")["flops_per_s"] == 756e12
+    assert dense_bf16_peak("NVIDIA H200")["flops_per_s"] == 989e12
+    assert dense_bf16_peak(None) is None and dense_bf16_peak("NVIDIA H200", 100.0)["flops_per_s"] == 100e12
+
+
+def test_gpu_benchmark_time_budget_and_bad_flags(tmp_path, capsys):
+    assert gpu.main(["--quick", "--device", "cpu", "--time_budget_s", "0", "--json", str(tmp_path / "x.json")]) == 1
+    assert "no model was measured" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--models", "vit-base-patch16-224", "--batch_sizes", "1", "2"])
+    assert "one batch size per model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--no_eager", "--no_compile"])
+    assert "leaves nothing to time" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gpu.parse_args(["--doc", str(tmp_path / "missing.md")])
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_end_to_end_jpeg_folder_is_imagenet_sized_and_never_overwrites(tmp_path):
+    import PIL.Image
+
+    from benchmarks.end_to_end import IMAGENET_SIZES, finetune_command, generate_jpeg_folder
+
+    folder = tmp_path / "jpegs"
+    data = generate_jpeg_folder(folder, images=8, classes=2)
+    train = sorted((folder / "images" / "train").rglob("*.jpg"), key=lambda path: path.name)
+    assert len(train) == 8 and len(list((folder / "images" / "validation").rglob("*.jpg"))) == 2
+    assert {path.parent.name for path in train} == {"class_00", "class_01"}
+    assert [PIL.Image.open(path).size for path in train] == IMAGENET_SIZES[:8]
+    assert len({path.read_bytes() for path in train}) == 8 and data["mean_jpeg_kib"] > 10
+    assert generate_jpeg_folder(folder, images=8, classes=2) == data  # reused, not rewritten
+    with pytest.raises(FileExistsError, match="other settings"):
+        generate_jpeg_folder(folder, images=9, classes=2)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "holiday.jpg").write_bytes(b"precious")
+    with pytest.raises(FileExistsError, match="did not write"):
+        generate_jpeg_folder(tmp_path / "mine", images=8)
+    assert (tmp_path / "mine" / "holiday.jpg").read_bytes() == b"precious"
+    command = finetune_command("m", data["dataset"], "out", 32, 12, ["--bf16"])
+    assert command[command.index("--max_steps") + 1] == "12" and command[-1] == "--bf16"
+
+
+def test_compiling_per_block_keeps_the_logits_and_is_undone():
+    from benchmarks.runners import BLOCK_CLASSES, compile_models
+
+    settings = BenchmarkSettings(
+        model="vit-tiny-patch16-224", num_hidden_layers=2, image_size=32, timm=False, device="cpu",
+        compile=True, compile_blocks=True, compile_backend="aot_eager",
+    )  # fmt: skip
+    models, _ = build_models(settings, torch.device("cpu"))
+    pixel_values = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    eager = {name: model.eval()(pixel_values).logits.detach() for name, model in models.items()}
+    compiled, undo = compile_models(models, settings)
+    blocks = [m for model in models.values() for m in model.modules() if type(m).__name__ in BLOCK_CLASSES]
+    assert len(blocks) == 4 and all(block._compiled_call_impl is not None for block in blocks)  # 2 per model
+    torch._dynamo.reset()
+    for name, model in compiled.items():
+        torch.testing.assert_close(model(pixel_values).logits, eager[name], rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the blocks did run compiled
+    undo()
+    assert all(block._compiled_call_impl is None for block in blocks)

@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+r"""End to end: `scripts/finetune.py` on a folder of generated ImageNet-sized JPEGs, with the project's data loader
+(decoding and augmenting in its worker processes), against the model-only throughput of the same training step on
+a batch already on the device.
+
+    python benchmarks/end_to_end.py --folder /tmp/jpegs --images 4096 --preset vit-base-patch16-224 \
+        --batch_size 256 --steps 40 --json e2e.json -- --bf16 --torch_compile      # on the GPU machine
+    python benchmarks/end_to_end.py --folder /tmp/jpegs --images 48 --preset vit-tiny-patch16-224 \
+        --num_hidden_layers 2 --image_size 64 --batch_size 8 --steps 2 --warmup_steps 1   # proves the path on CPU
+
+End-to-end images/s come from two finetune.py runs that differ only in --max_steps (`warmup_steps` and
+`warmup_steps + steps`): the difference of their `train_runtime` (all_results.json) is the time of `steps` steady
+steps, without the start-up, the workers' spin-up or compiling. The model-only figure times the same model, batch,
+optimiser (SGD with momentum 0.9, gradient clipping at 1, as finetune.py's recipe), dtype and compile setting on one
+batch of random pixels that stays on the device. Flags after `--` go to both: finetune.py (e.g. `--bf16
+--torch_compile --dataloader_num_workers 12`) and, where they name bf16 / torch_compile, the model-only step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder importable as a package
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.timing import synchronize
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+
+ROOT = Path(__file__).resolve().parents[1]
+FINETUNE = ROOT / "scripts" / "finetune.py"
+# Sizes (width, height) typical of ImageNet-1k's training images (most are 500 pixels on the long side; the mean is
+# about 400x350), in turn.
+IMAGENET_SIZES = [(500, 375), (500, 333), (375, 500), (500, 500), (333, 500), (640, 480), (500, 400), (400, 300)]
+MARKER = "generated.json"
+
+
+def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 10, seed: int = 0) -> dict:
+    """An image folder `folder/images/{train,validation}/class_NN/*.jpg` of `images` training JPEGs (and one
+    validation image per class) of ImageNet's typical sizes and quality: crops of scikit-learn's two sample photos,
+    each with its own crop, flip and brightness, so no two files are alike.
+
+    Reuses a folder this function wrote with the same figures (`generated.json` says so); refuses a folder that has
+    other files, to overwrite nothing of a user's.
+    """
+    import io
+
+    import numpy as np
+    import PIL.Image
+    from sklearn.datasets import load_sample_images
+
+    folder = Path(folder)
+    spec = {"images": images, "classes": classes, "seed": seed, "sizes": IMAGENET_SIZES}
+    marker = folder / MARKER
+    if marker.is_file():
+        written = json.loads(marker.read_text())
+        if {key: written.get(key) for key in spec} == json.loads(json.dumps(spec)):
+            return written
+    if folder.exists() and any(folder.iterdir()):
+        if not marker.is_file():
+            raise FileExistsError(
+                f"--folder {folder} exists and holds files this benchmark did not write; give an empty or new folder."
+            )
+        raise FileExistsError(
+            f"--folder {folder} holds JPEGs generated with other settings ({marker}); give another folder or delete "
+            "that one."
+        )
+    rng = random.Random(seed)
+    photos = [PIL.Image.fromarray(photo) for photo in load_sample_images().images]
+    total_bytes = 0
+    counts = {"train": images, "validation": classes}
+    for split, count in counts.items():
+        for index in range(count):
+            label = index % classes
+            photo = photos[rng.randrange(len(photos))]
+            width, height = IMAGENET_SIZES[index % len(IMAGENET_SIZES)]
+            scale = rng.uniform(0.5, 1.0)
+            crop_w, crop_h = int(photo.width * scale), int(photo.height * scale)
+            left, top = rng.randrange(photo.width - crop_w + 1), rng.randrange(photo.height - crop_h + 1)
+            image = photo.crop((left, top, left + crop_w, top + crop_h)).resize(
+                (width, height), PIL.Image.Resampling.BICUBIC
+            )
+            if rng.random() < 0.5:
+                image = image.transpose(PIL.Image.Transpose.FLIP_LEFT_RIGHT)
+            pixels = np.asarray(image, dtype=np.float32) * rng.uniform(0.7, 1.3)
+            image = PIL.Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+            buffer = io.BytesIO()
+            image.save(buffer, format="JPEG", quality=rng.choice([75, 85, 90, 95]))
+            path = folder / "images" / split / f"class_{label:02d}" / f"{index:07d}.jpg"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(buffer.getvalue())
+            if split == "train":
+                total_bytes += len(buffer.getvalue())
+    written = dict(spec, mean_jpeg_kib=total_bytes / images / 1024, dataset=str(folder / "images"))
+    marker.write_text(json.dumps(written, indent=2) + "\n")
+    return json.loads(marker.read_text())  # as a later call that reuses the folder returns it
+
+
+def make_model(preset: str, classes: int, image_size: int | None, num_hidden_layers: int | None):
+    fields = {"num_labels": classes}
+    if image_size:
+        fields["image_size"] = image_size
+    if num_hidden_layers:
+        fields["num_hidden_layers"] = num_hidden_layers
+    torch.manual_seed(0)
+    return VisionTransformerForImageClassification(VisionTransformerConfig.from_preset(preset, **fields))
+
+
+def model_only_images_per_s(
+    model: torch.nn.Module, batch_size: int, steps: int, device: str, bf16: bool, compile: bool, warmup: int = 3
+) -> float:
+    """Images/s of finetune.py's training step (SGD momentum 0.9, clipping at 1) on one batch kept on `device`."""
+    device = torch.device(device)
+    model = model.to(device).train()
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    pixel_values = torch.randn(batch_size, config.num_channels, *config.image_hw, generator=generator).to(device)
+    labels = torch.randint(0, config.num_labels, (batch_size,), generator=generator).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    forward = torch.compile(model) if compile else model
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def step() -> None:
+        with autocast:
+            loss = forward(pixel_values, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return batch_size * steps / (time.perf_counter() - start)
+
+
+def finetune_command(model_dir, dataset, output_dir, batch_size: int, max_steps: int, extra=()) -> list[str]:
+    return [
+        sys.executable,
+        str(FINETUNE),
+        "--model_name_or_path", str(model_dir),
+        "--dataset_name", str(dataset),
+        "--output_dir", str(output_dir),
+        "--per_device_train_batch_size", str(batch_size),
+        "--per_device_eval_batch_size", str(batch_size),
+        "--max_steps", str(max_steps),
+        "--eval_strategy", "no",
+        "--save_strategy", "no",
+        "--logging_steps", str(max(max_steps, 1)),
+        "--seed", "0",
+        *extra,
+    ]  # fmt: skip
+
+
+def finetune_runtime(command: list[str], log) -> float:
+    """Run finetune.py; its `train_runtime` (seconds in `trainer.train`) from all_results.json."""
+    output_dir = Path(command[command.index("--output_dir") + 1])
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"finetune.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    log(f"  finetune.py --max_steps {command[command.index('--max_steps') + 1]}: {time.perf_counter() - start:.1f} s")
+    return float(json.loads((output_dir / "all_results.json").read_text())["train_runtime"])
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--folder", required=True, help="where the JPEGs are generated (or were, by this script)")
+    parser.add_argument("--images", type=int, default=4096, help="training JPEGs to generate")
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--preset", default="vit-base-patch16-224")
+    parser.add_argument("--image_size", type=int, default=None)
+    parser.add_argument("--num_hidden_layers", type=int, default=None)
+    parser.add_argument("--batch_size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=40, help="steady steps timed")
+    parser.add_argument("--warmup_steps", type=int, default=10, help="steps of the shorter run (start-up, compile)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of the model-only timing")
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.steps < 1 or args.warmup_steps < 1:
+        parser.error("--steps and --warmup_steps must be at least 1")
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    data = generate_jpeg_folder(args.folder, args.images, args.classes)
+    seconds = time.perf_counter() - start
+    log(f"{args.images} JPEGs in {data['dataset']} (mean {data['mean_jpeg_kib']:.0f} KiB): {seconds:.0f} s")
+    bf16, compile = "--bf16" in extra, "--torch_compile" in extra
+    result = {
+        "preset": args.preset,
+        "batch_size": args.batch_size,
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "cpu_count": os.cpu_count(),
+        "finetune_flags": extra,
+        "data": data,
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        model = make_model(args.preset, args.classes, args.image_size, args.num_hidden_layers)
+        model_dir = Path(scratch) / "model"
+        model.save_pretrained(model_dir)
+        VisionTransformerImageProcessor(size=model.config.image_hw[0]).save_pretrained(model_dir)
+        result["model_only_images_per_s"] = model_only_images_per_s(
+            model, args.batch_size, args.steps, args.device, bf16, compile
+        )
+        log(f"model only: {result['model_only_images_per_s']:.1f} images/s")
+        del model
+        runtimes = {}
+        for steps in (args.warmup_steps, args.warmup_steps + args.steps):
+            command = finetune_command(
+                model_dir, data["dataset"], Path(scratch) / f"run{steps}", args.batch_size, steps, extra
+            )
+            runtimes[steps] = finetune_runtime(command, log)
+    result["finetune_train_runtime_s"] = {str(steps): value for steps, value in runtimes.items()}
+    steady = runtimes[args.warmup_steps + args.steps] - runtimes[args.warmup_steps]
+    if steady <= 0:
+        raise RuntimeError(f"the longer run was not slower ({runtimes}); time more --steps")
+    result["end_to_end_images_per_s"] = args.batch_size * args.steps / steady
+    result["ratio_end_to_end_to_model_only"] = result["end_to_end_images_per_s"] / result["model_only_images_per_s"]
+    result["command"] = "python benchmarks/end_to_end.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    log(
+        f"end to end: {result['end_to_end_images_per_s']:.1f} images/s, "
+        f"{result['ratio_end_to_end_to_model_only']:.1%} of the model-only figure"
+    )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "data"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+#!/usr/bin/env python
+r"""The GPU benchmark: ViT-S/16, ViT-B/16 and ViT-L/16 at 224 in bf16 autocast, training (forward, loss, backward,
+fused AdamW) and inference, eager and torch.compile'd, hf-vit against transformers' and timm's ViT with identical
+weights in one process, through the same sections as `benchmark.py` (logits checked first, alternating rounds,
+medians, CUDA-synchronised timing, `torch.cuda.max_memory_allocated`).
+
+MFU (model FLOPs utilisation) = images/s * analytic FLOPs per image / the GPU's dense bf16 peak (data sheet, e.g.
+989 TFLOP/s for an H100 SXM or H200). FLOPs per image: forward = 2 * multiply-adds of the matrix products
+(`benchmarks.models.vit_forward_flops`; ViT-B/16 at 224: 35.1 GFLOP), a training step = 3 * forward.
+
+    python benchmarks/gpu.py --json docs/benchmarks_gpu.json --doc docs/benchmarks.md   # on the GPU machine
+    python benchmarks/gpu.py --quick --json /tmp/gpu.json      # the same path on a tiny model, seconds on a CPU
+
+The JSON is written after every model, so a run stopped by a time limit keeps what it measured; `--time_budget_s`
+skips the models that would start after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder importable as a package
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.measure import run_benchmark
+from benchmarks.report import _markdown_table, fill_markdown, merge_reports, write_json
+from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings
+
+# The presets and the training batch sizes practitioners use on one 80 GB GPU (inference uses the same batch).
+GPU_PRESETS = {"vit-small-patch16-224": 256, "vit-base-patch16-224": 256, "vit-large-patch16-224": 128}
+# --quick: ViT-Ti/16 cut to 2 blocks at 32x32, batch 2.
+QUICK_PRESET = "vit-tiny-patch16-224"
+# The issue's targets: every hf-vit / peer throughput ratio (eager against eager, compiled against compiled), and
+# compiled ViT-B/16's MFU.
+RATIO_TARGET = 1.05
+MFU_TARGETS = {("vit-base-patch16-224", "train"): 0.40, ("vit-base-patch16-224", "infer"): 0.50}
+PEERS = (TRANSFORMERS, TIMM)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None, help="write the figures here (e.g. docs/benchmarks_gpu.json)")
+    parser.add_argument("--doc", default=None, help="markdown file whose <!-- benchmark-gpu:NAME --> blocks to fill")
+    parser.add_argument("--models", nargs="+", default=None, help=f"presets (default: {', '.join(GPU_PRESETS)})")
+    parser.add_argument("--batch_sizes", nargs="+", type=int, default=None, help="one per --models")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no_compile", action="store_true", help="eager rows only")
+    parser.add_argument(
+        "--sdpa_backend", default=None, choices=["flash", "efficient", "cudnn", "math"], help="one SDPA backend only"
+    )
+    parser.add_argument("--no_eager", action="store_true", help="compiled rows only (e.g. a second run, merged)")
+    parser.add_argument(
+        "--doc_only", action="store_true", help="measure nothing: fill --doc's blocks from the existing --json file"
+    )
+    parser.add_argument(
+        "--merge_json",
+        action="store_true",
+        help="merge this run into the existing --json file (figures replaced by key, other models kept)",
+    )
+    parser.add_argument("--compile_mode", default=None, help="torch.compile mode (default: torch's default)")
+    parser.add_argument(
+        "--compile_blocks", action="store_true", help="compile each transformer block (fullgraph) instead of the model"
+    )
+    parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per model; the figures are their medians")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model (compiled: at least 2)")
+    parser.add_argument("--profile", action="store_true", help="also profile one training step of each model")
+    parser.add_argument("--no_timm", action="store_true", help="leave timm's column out")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
+    parser.add_argument("--time_budget_s", type=float, default=None, help="start no model after this many seconds")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument(
+        "--quick", action="store_true", help="the same path on a tiny model (2-block ViT-Ti/16 at 32, batch 2)"
+    )
+    args = parser.parse_args(argv)
+    if args.quick and args.models:
+        parser.error("--quick runs its own tiny model: drop --models")
+    if args.batch_sizes and len(args.batch_sizes) != len(args.models or GPU_PRESETS):
+        parser.error("--batch_sizes needs one batch size per model")
+    if args.no_eager and args.no_compile:
+        parser.error("--no_eager with --no_compile leaves nothing to time")
+    if args.doc_only and not (args.doc and args.json and Path(args.json).is_file()):
+        parser.error("--doc_only needs --doc and an existing --json file to take the figures from")
+    if args.merge_json and not args.json:
+        parser.error("--merge_json needs --json")
+    if args.doc and not Path(args.doc).is_file():
+        parser.error(f"--doc {args.doc} does not exist; create it with <!-- benchmark-gpu:summary --> blocks first")
+    return args
+
+
+def settings_for(args: argparse.Namespace) -> list[BenchmarkSettings]:
+    """One `BenchmarkSettings` per model: bf16 only, training and inference, eager and (unless --no_compile)
+    compiled, no image processors, input pipelines or onnxruntime (those are CPU figures)."""
+    common = dict(
+        device=args.device,
+        dtypes=["bf16"],
+        compile=not args.no_compile,
+        eager=not args.no_eager,
+        sdpa_backend=args.sdpa_backend,
+        compile_mode=args.compile_mode,
+        compile_backend=args.compile_backend,
+        compile_blocks=args.compile_blocks,
+        steps=args.steps,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        processor=False,
+        pipeline=False,
+        onnx=False,
+        profile=args.profile,
+        timm=not args.no_timm,
+        peak_tflops=args.peak_tflops,
+    )
+    if args.quick:
+        quick = dict(
+            common, steps=1, repeats=1, warmup=0, matmul_size=128, matmul_repeats=1, num_hidden_layers=2, image_size=32
+        )
+        return [BenchmarkSettings(model=QUICK_PRESET, batch_size=2, **quick)]
+    models = args.models or list(GPU_PRESETS)
+    batch_sizes = args.batch_sizes or [GPU_PRESETS.get(model, 128) for model in models]
+    return [BenchmarkSettings(model=model, batch_size=batch, **common) for model, batch in zip(models, batch_sizes)]
+
+
+def summary_rows(report: dict) -> list[dict]:
+    """One row per model, mode (train, infer) and variant (eager, compiled): images/s of each library, hf-vit's
+    ratios to the peers, each library's MFU and peak memory."""
+    rows = []
+    for model, run in report["models"].items():
+        figures = {row["key"]: row for row in run["figures"]}
+        for variant in ("eager", "compiled"):
+            for mode in ("train", "infer"):
+                speed = figures.get(f"{mode}_images_per_s/bf16/{variant}")
+                if speed is None:
+                    continue
+                mfu = figures.get(f"{mode}_mfu/bf16/{variant}", {}).get("values", {})
+                memory = figures.get(f"{mode}_peak_mem_mb/bf16/{variant}", {}).get("values", {})
+                row = {
+                    "model": model,
+                    "batch_size": run["settings"]["batch_size"],
+                    "mode": mode,
+                    "variant": variant,
+                    "images_per_s": speed["values"],
+                    "ratio": {TRANSFORMERS: speed.get("ratio"), TIMM: speed.get("ratio_timm")},
+                    "mfu": mfu,
+                    "peak_mem_mb": memory,
+                }
+                target = MFU_TARGETS.get((model, mode)) if variant == "compiled" else None
+                if target is not None:
+                    row["mfu_target"] = target
+                rows.append(row)
+    return rows
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _number(value, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def format_summary(report: dict) -> str:
+    """The GPU table: images/s, hf-vit / peer ratios (target 1.05), MFU and peak memory of every row."""
+    header = ["model", "batch", "mode", "variant", "hf-vit (images/s)", "transformers", "timm"]
+    header += ["hf-vit / transformers", "hf-vit / timm", "MFU hf-vit", "MFU transformers", "MFU timm"]
+    header += ["peak memory hf-vit (GiB)", "transformers", "timm"]
+    lines = []
+    for row in report["summary"]:
+        speed, ratio, mfu, memory = row["images_per_s"], row["ratio"], row["mfu"], row["peak_mem_mb"]
+        cells = [row["model"], row["batch_size"], row["mode"], row["variant"]]
+        cells += [_number(speed.get(name)) for name in (HF_VIT, *PEERS)]
+        cells += ["-" if ratio.get(name) is None else f"{ratio[name]:.3f}" for name in PEERS]
+        cells += [_percent(mfu.get(name)) for name in (HF_VIT, *PEERS)]
+        cells += [_number(None if memory.get(name) is None else memory[name] / 1024, 2) for name in (HF_VIT, *PEERS)]
+        lines.append(cells)
+    return _markdown_table(header, lines)
+
+
+def format_targets(report: dict) -> str:
+    """Each target of the issue against the measured figure: every ratio >= 1.05, compiled ViT-B/16 MFU."""
+    lines = []
+    for row in report["summary"]:
+        head = [row["model"], row["mode"], row["variant"]]
+        for peer in PEERS:
+            ratio = row["ratio"].get(peer)
+            if ratio is not None:
+                met = "**met**" if ratio >= RATIO_TARGET else "not met"
+                lines.append(head + [f"hf-vit / {peer}", f"{RATIO_TARGET:.2f}", f"{ratio:.3f}", met])
+        if "mfu_target" in row:
+            value = row["mfu"].get(HF_VIT)
+            met = "**met**" if value is not None and value >= row["mfu_target"] else "not met"
+            lines.append(head + ["MFU", f"{row['mfu_target']:.0%}", _percent(value), met])
+    return _markdown_table(["model", "mode", "variant", "figure", "target", "measured", ""], lines)
+
+
+def format_machine(report: dict) -> str:
+    machine, peak = report["machine"], report.get("bf16_dense_peak")
+    rows = [
+        ["device", f"{machine['device']}: {machine.get('gpu') or machine.get('cpu', '?')}"],
+        ["software", f"torch {machine['torch']} (CUDA {machine.get('cuda')}), transformers {machine['transformers']}"
+         + (f", timm {machine['timm']}" if machine.get("timm") else ", timm not installed")],
+        ["dense bf16 peak", "unknown" if peak is None else f"{peak['flops_per_s'] / 1e12:g} TFLOP/s "
+         f"({peak['source']})"],
+        ["FLOPs", report["flops_formula"]],
+        *[[f"command {i}", f"`{command}`"] for i, command in enumerate(report.get("runs", [report["command"]]), 1)],
+    ]  # fmt: skip
+    return _markdown_table(["", ""], rows)
+
+
+def markdown_sections(report: dict) -> dict[str, str]:
+    return {"machine": format_machine(report), "summary": format_summary(report), "targets": format_targets(report)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.doc_only:
+        print(f"doc: {write_doc(json.loads(Path(args.json).read_text()), args.doc)}")
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    report: dict = {
+        "command": "python benchmarks/gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "models": {},
+        "skipped": {},
+    }
+    previous = json.loads(Path(args.json).read_text()) if args.merge_json and Path(args.json).is_file() else None
+    if previous is not None:  # models measured before keep their figures; a model measured again is merged
+        report["models"] = previous["models"]
+        report["runs"] = previous.get("runs", [previous["command"]]) + [report["command"]]
+        for key in ("machine", "flops_formula", "bf16_dense_peak"):
+            report[key] = previous[key]
+    for settings in settings_for(args):
+        elapsed = time.perf_counter() - start
+        if args.time_budget_s is not None and elapsed > args.time_budget_s:
+            report["skipped"][settings.model] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
+            print(f"{settings.model}: skipped, {report['skipped'][settings.model]}", file=sys.stderr)
+            continue
+        run = run_benchmark(settings, log=lambda message: print(message, file=sys.stderr, flush=True))
+        run["seconds"] = time.perf_counter() - start - elapsed
+        if settings.model in report["models"]:
+            run = merge_reports(report["models"][settings.model], run)
+        report["models"][settings.model] = run
+        for key in ("machine", "flops_formula", "bf16_dense_peak"):
+            report.setdefault(key, run[key])
+        report["summary"] = summary_rows(report)
+        if torch.cuda.is_available() and settings.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        if args.json:  # after every model: a run cut short keeps what it measured
+            write_json(report, args.json)
+    if not report["models"]:
+        print("error: no model was measured (the time budget was spent before the first)", file=sys.stderr)
+        return 1
+    report["seconds"] = time.perf_counter() - start
+    if args.json:
+        print(f"json: {write_json(report, args.json)}")
+    print(format_summary(report))
+    print()
+    print(format_targets(report))
+    if args.doc:
+        print(f"doc: {write_doc(report, args.doc)}")
+    return 0
+
+
+def write_doc(report: dict, path: str | os.PathLike) -> Path:
+    """Fill the `<!-- benchmark-gpu:NAME -->` blocks (machine, summary, targets) of the markdown file at `path`."""
+    doc = Path(path)
+    doc.write_text(fill_markdown(doc.read_text(), markdown_sections(report), tag="benchmark-gpu"))
+    return doc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU work of the benchmark as parts of under 10 minutes each (the device machine's limit per command); see
+# benchmarks/README.md for bringing the packages the machine lacks and for copying the results back between parts.
+#
+#   bash benchmarks/gpu_session.sh 1   the smoke checks (scripts/gpu_smoke.py) and the end-to-end runs (ViT-B/16, S/16)
+#   bash benchmarks/gpu_session.sh 2   eager rows of ViT-S/16, B/16 and L/16, then compiled rows of ViT-S/16
+#   bash benchmarks/gpu_session.sh 3   compiled rows of ViT-B/16 (with a profile of its training step)
+#   bash benchmarks/gpu_session.sh 4   compiled rows of ViT-L/16
+#   bash benchmarks/gpu_session.sh quick   parts 1 and 2's code paths on tiny models, in about a minute (CPU or GPU)
+#
+# Each part writes under $OUT (default outputs/gpu). Parts 2-4 merge into docs/benchmarks_gpu.json: copy the file
+# that comes back from one part into docs/ before the next. Each step has its own `timeout`, and gpu.py its time
+# budget, so that a part ends inside its 10 minutes with what it measured.
+set -uo pipefail
+part=${1:?usage: bash benchmarks/gpu_session.sh 1|2|3|4|quick}
+OUT=${OUT:-outputs/gpu}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then  # packages the machine lacks, brought as wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY=${PY:-python3}
+JSON=docs/benchmarks_gpu.json
+# e.g. COMPILE_FLAGS=--compile_blocks (each block compiled once, fullgraph: minutes less per model) or
+# COMPILE_FLAGS="--compile_mode max-autotune"; applies to the compiled rows of parts 2-4.
+read -r -a COMPILE <<<"${COMPILE_FLAGS:-}"
+status=0
+step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAME.log, remember a failure
+    local seconds=$1 name=$2
+    shift 2
+    echo "== $name (at most ${seconds} s)"
+    timeout --kill-after=10 "$seconds" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || { echo "== $name: exit status $rc"; status=1; }
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >"$OUT/nvidia-smi.csv" 2>&1 || true
+"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|accelerate|huggingface.hub|timm|torchvision|pyarrow|fsspec|tokenizers|onnx|onnxruntime|onnxscript|dill|multiprocess|evaluate) " \
+    | tee "$OUT/packages.txt"
+
+case "$part" in
+1)
+    step 280 smoke "$PY" scripts/gpu_smoke.py --json "$OUT/smoke.json"
+    step 145 end_to_end_b16 "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs --images 768 \
+        --preset vit-base-patch16-224 --batch_size 256 --steps 8 --warmup_steps 3 --json "$OUT/end_to_end_b16.json" \
+        -- --bf16
+    step 120 end_to_end_s16 "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs --images 768 \
+        --preset vit-small-patch16-224 --batch_size 256 --steps 8 --warmup_steps 3 --json "$OUT/end_to_end_s16.json" \
+        -- --bf16
+    ;;
+2)
+    step 250 gpu_eager "$PY" benchmarks/gpu.py --no_compile --json "$OUT/benchmarks_gpu.json" --time_budget_s 200
+    step 300 gpu_compiled_s16 "$PY" benchmarks/gpu.py --no_eager --models vit-small-patch16-224 --merge_json "${COMPILE[@]}" \
+        --json "$OUT/benchmarks_gpu.json"
+    ;;
+3)
+    cp "$JSON" "$OUT/benchmarks_gpu.json" || exit 1
+    step 560 gpu_compiled_b16 "$PY" benchmarks/gpu.py --no_eager --models vit-base-patch16-224 --profile --merge_json "${COMPILE[@]}" \
+        --json "$OUT/benchmarks_gpu.json"
+    ;;
+4)
+    cp "$JSON" "$OUT/benchmarks_gpu.json" || exit 1
+    step 560 gpu_compiled_l16 "$PY" benchmarks/gpu.py --no_eager --models vit-large-patch16-224 --merge_json "${COMPILE[@]}" \
+        --json "$OUT/benchmarks_gpu.json"
+    ;;
+quick)
+    step 120 smoke "$PY" scripts/gpu_smoke.py --json "$OUT/smoke.json"
+    step 120 end_to_end "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs-quick --images 64 \
+        --preset vit-tiny-patch16-224 --num_hidden_layers 2 --image_size 64 --batch_size 8 --steps 8 \
+        --warmup_steps 2 --json "$OUT/end_to_end.json"
+    step 120 gpu_quick "$PY" benchmarks/gpu.py --quick --json "$OUT/benchmarks_gpu.json"
+    ;;
+*)
+    echo "unknown part $part: use 1, 2, 3, 4 or quick" >&2
+    exit 2
+    ;;
+esac
+exit $status

@@ -1,0 +1,138 @@
+"""The benchmark's settings (every field is a flag of `benchmarks/benchmark.py`) and the names its reports use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hf_vit import VisionTransformerConfig
+
+HF_VIT = "hf_vit"
+TRANSFORMERS = "transformers"
+TIMM = "timm"
+TORCHVISION = "torchvision"
+PIL_DECODE = "pil_decode"
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+LOGITS_TOLERANCE = 1e-4
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _help(text: str, **extra) -> dict:
+    return {"help": text, **extra}
+
+
+@dataclass
+class BenchmarkSettings:
+    """What to measure; every field is a flag of `benchmarks/benchmark.py`. The defaults: ViT-S/16, 224, batch 16."""
+
+    model: str = field(default="vit-small-patch16-224", metadata=_help("hf-vit preset name"))
+    image_size: int | None = field(default=None, metadata=_help("default: the preset's resolution"))
+    batch_size: int = 16
+    num_labels: int = 1000
+    num_hidden_layers: int | None = field(default=None, metadata=_help("override the preset's depth"))
+    device: str = field(default_factory=_default_device)
+    dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"], metadata=_help("", choices=list(DTYPES)))
+    steps: int | None = field(default=None, metadata=_help("timed steps per round (default 3 CPU, 20 GPU)"))
+    warmup: int | None = field(
+        default=None, metadata=_help("untimed steps per model (default 1 CPU, 5 GPU; compiled models at least 2)")
+    )
+    repeats: int = field(default=3, metadata=_help("undisturbed rounds per model; figures are their medians"))
+    compile: bool = field(
+        default=False, metadata=_help("also time torch.compile'd models (on 2 CPU cores this adds many minutes)")
+    )
+    sdpa_backend: str | None = field(
+        default=None,
+        metadata=_help(
+            "restrict scaled_dot_product_attention to one backend for every model (default: torch's choice)",
+            choices=["flash", "efficient", "cudnn", "math"],
+        ),
+    )
+    eager: bool = field(default=True, metadata=_help("time the eager models (--no_eager: the compiled rows only)"))
+    compile_mode: str | None = field(default=None, metadata=_help("torch.compile mode for every model"))
+    compile_blocks: bool = field(
+        default=False,
+        metadata=_help(
+            "compile each transformer block (fullgraph=True) instead of the whole model: identical blocks share one "
+            "compilation, so compiling takes a fraction of the time"
+        ),
+    )
+    compile_backend: str = field(
+        default="inductor", metadata=_help("torch.compile backend (aot_eager: traces without generating kernels)")
+    )
+    compile_modes: list[str] = field(
+        default_factory=lambda: ["train", "infer"],
+        metadata=_help(
+            "which rows to compile (on CPU compiling the backward takes minutes)", choices=["train", "infer"]
+        ),
+    )
+    memory: bool = field(default=True, metadata=_help("measure peak memory"))
+    matmul_size: int | None = field(default=None, metadata=_help("default 2048 on CPU, 8192 on GPU"))
+    matmul_repeats: int = field(default=5, metadata=_help("rounds of at least 0.25 s each for the matmul peak"))
+    processor: bool = field(default=True, metadata=_help("compare the image processors on real photos"))
+    processor_images: int = 32
+    processor_repeats: int = 5
+    pipeline: bool = field(
+        default=True, metadata=_help("compare the training input pipelines (hf-vit, torchvision, timm) per core")
+    )
+    pipeline_images: int = 48
+    pipeline_repeats: int = 5
+    onnx: bool = field(default=True, metadata=_help("time onnxruntime (CPU) against eager fp32 inference"))
+    onnx_batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
+    profile: bool = field(
+        default=False, metadata=_help("profile one training step of each model, and the hf-vit input pipeline")
+    )
+    sizes: list[int] = field(default_factory=list, metadata=_help("image sizes of a throughput sweep"))
+    sweep_batch_size: int | None = field(default=None, metadata=_help("default: --batch_size"))
+    sweep_steps: int | None = field(default=None, metadata=_help("default: --steps"))
+    sweep_repeats: int | None = field(default=None, metadata=_help("default: --repeats"))
+    sweep_dtypes: list[str] | None = field(default=None, metadata=_help("default: --dtypes", choices=list(DTYPES)))
+    sweep_only: bool = field(default=False, metadata=_help("only the size sweep (with --sizes)"))
+    profile_only: bool = field(default=False, metadata=_help("only the training-step profile, e.g. to redo one"))
+    timm: bool = field(default=True, metadata=_help("add timm's ViT where timm is installed"))
+    peak_tflops: float | None = field(
+        default=None,
+        metadata=_help(
+            "the device's dense bf16 peak in TFLOP/s for the MFU rows (default: looked up by GPU name, e.g. 989 for "
+            "an H100 or H200; no MFU rows where unknown, e.g. on CPU)"
+        ),
+    )
+    fused_optimizer: bool | None = field(
+        default=None, metadata=_help("AdamW's fused implementation (default: on for CUDA, off on CPU)")
+    )
+    threads: int | None = field(default=None, metadata=_help("torch.set_num_threads"))
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        on_gpu = self.device.startswith("cuda")
+        if self.steps is None:
+            self.steps = 20 if on_gpu else 3
+        if self.warmup is None:
+            self.warmup = 5 if on_gpu else 1
+        unknown = sorted((set(self.dtypes) | set(self.sweep_dtypes or ())) - set(DTYPES))
+        if unknown:
+            raise ValueError(f"Unknown dtype(s) {unknown}; use {sorted(DTYPES)}.")
+        try:
+            VisionTransformerConfig.from_preset(self.model)
+        except ValueError as error:
+            raise ValueError(f"unknown --model {self.model!r}: {error}") from None
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"--peak_tflops must be positive, not {self.peak_tflops}")
+        if self.fused_optimizer is None:
+            self.fused_optimizer = on_gpu
+        if not self.eager and not self.compile:
+            raise ValueError("--no_eager leaves nothing to time without --compile")
+        if self.sweep_only and self.profile_only:
+            raise ValueError("--sweep_only and --profile_only exclude each other")
+        if self.sweep_only and not self.sizes:
+            raise ValueError("--sweep_only needs --sizes")
+        if self.profile_only and self.sizes:
+            raise ValueError("--profile_only measures no size sweep: drop --sizes, or use --sweep_only for the sweep")
+
+    @property
+    def main_rows(self) -> bool:
+        """Whether the main table (and the image processors) is measured, not only a sweep or a profile."""
+        return not (self.sweep_only or self.profile_only)

@@ -1,0 +1,218 @@
+"""Timing: alternating rounds, medians of the undisturbed samples, the machine's matmul peak, and the training and
+inference steps that are timed. On CUDA every sample is bracketed by `torch.cuda.synchronize`, so it measures the
+GPU's work and not only the launches; on CPU the other processes' CPU use during a sample marks it as disturbed."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .memory import measure_memory
+from .settings import DTYPES
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def autocast(device: torch.device, dtype: str):
+    """bf16 autocast (fp32 master weights), or nothing for fp32."""
+    target = DTYPES[dtype]
+    if target is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=target)
+
+
+CONTENTION_LIMIT = 0.15  # CPU cores used by other processes during a sample above which it counts as disturbed
+
+
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(busy ticks of the whole machine including steal, ticks of this process), or None off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            values = [int(v) for v in stat.readline().split()[1:9]]
+        with open("/proc/self/stat") as own:
+            fields = own.read().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values
+    return user + nice + system + irq + softirq + steal, int(fields[11]) + int(fields[12])
+
+
+def other_cpu_load(before: tuple[int, int] | None, after: tuple[int, int] | None, seconds: float) -> float | None:
+    """CPU cores that other processes (and the hypervisor, as steal) took between two `_cpu_ticks` readings."""
+    if before is None or after is None or seconds < 0.2:  # ticks are 10 ms: too coarse for shorter samples
+        return None
+    busy, own = after[0] - before[0], after[1] - before[1]
+    return max(busy - own, 0) / os.sysconf("SC_CLK_TCK") / seconds
+
+
+def time_alternating(
+    fns: dict[str, Callable[[], object]], steps: int, repeats: int, device: torch.device, max_rounds: int | None = None
+) -> dict[str, dict[str, list]]:
+    """Seconds per call of each function, one sample per round; the order of the functions reverses every round.
+
+    A sample during which other processes used more than `CONTENTION_LIMIT` cores (read from /proc/stat) is marked
+    disturbed, and rounds go on (up to `max_rounds`, default twice `repeats`) until every function has `repeats`
+    undisturbed samples. Returns, per function, "seconds", "other_cpu" (cores, None where unknown) and "clean".
+    """
+    names = list(fns)
+    max_rounds = max(max_rounds or 2 * repeats, repeats)
+    samples: dict[str, dict[str, list]] = {name: {"seconds": [], "other_cpu": [], "clean": []} for name in names}
+    for round_index in range(max_rounds):
+        if round_index >= repeats and all(sum(samples[name]["clean"]) >= repeats for name in names):
+            break
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            synchronize(device)
+            ticks = _cpu_ticks()
+            start = time.perf_counter()
+            for _ in range(steps):
+                fns[name]()
+            synchronize(device)
+            elapsed = time.perf_counter() - start
+            other = other_cpu_load(ticks, _cpu_ticks(), elapsed)
+            samples[name]["seconds"].append(elapsed / steps)
+            samples[name]["other_cpu"].append(other)
+            samples[name]["clean"].append(other is None or other <= CONTENTION_LIMIT)
+    return samples
+
+
+def median_seconds(sample: dict[str, list]) -> float:
+    """Median of the undisturbed samples, or of all of them when fewer than half were undisturbed."""
+    clean = [seconds for seconds, ok in zip(sample["seconds"], sample["clean"]) if ok]
+    return statistics.median(clean if 2 * len(clean) >= len(sample["seconds"]) else sample["seconds"])
+
+
+def matmul_flops_per_s(device: torch.device, dtype: str, size: int, repeats: int = 5) -> dict:
+    """The machine's throughput on one large square `torch.matmul` in `dtype` (median over repeats)."""
+    torch_dtype = DTYPES[dtype] or torch.float32
+    a = torch.randn(size, size, device=device, dtype=torch_dtype)
+    b = torch.randn(size, size, device=device, dtype=torch_dtype)
+    out = torch.empty(size, size, device=device, dtype=torch_dtype)
+    torch.matmul(a, b, out=out)  # warm-up (and library initialisation)
+    synchronize(device)
+    start = time.perf_counter()
+    torch.matmul(a, b, out=out)
+    synchronize(device)
+    single = max(time.perf_counter() - start, 1e-6)
+    calls = max(1, math.ceil(0.25 / single))  # at least a quarter second per sample
+
+    def product() -> None:
+        for _ in range(calls):
+            torch.matmul(a, b, out=out)
+
+    sample = time_alternating({"matmul": product}, 1, repeats, device)["matmul"]
+    seconds = median_seconds(sample) / calls
+    return {
+        "size": size,
+        "dtype": dtype,
+        "flops_per_s": 2 * size**3 / seconds,
+        "seconds": seconds,
+        "disturbed_samples": len(sample["clean"]) - sum(sample["clean"]),
+    }
+
+
+SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
+
+
+def sdpa_backend(name: str | None):
+    """A context restricting `scaled_dot_product_attention` to one backend (None: torch's own choice)."""
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
+
+
+def logits_of(output) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def make_optimizer(model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW, lr 1e-4; `fused` takes the single-kernel implementation (CUDA), otherwise torch's default (foreach)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if fused else None)
+
+
+def make_train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, pixel_values: torch.Tensor, labels: torch.Tensor, dtype: str
+) -> Callable[[], None]:
+    """Forward, cross-entropy (in fp32, outside the model, the same for every model), backward, AdamW step.
+
+    Nothing in the step reads a value back to the host (no `.item()`, no logging), so on a GPU the steps queue up
+    without a synchronisation; the timer synchronises once per sample."""
+    device = pixel_values.device
+
+    def step() -> None:
+        with autocast(device, dtype):
+            logits = logits_of(model(pixel_values))
+        loss = F.cross_entropy(logits.float(), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def make_infer_step(model: nn.Module, pixel_values: torch.Tensor, dtype: str) -> Callable[[], None]:
+    device = pixel_values.device
+
+    def step() -> None:
+        with torch.no_grad(), autocast(device, dtype):
+            model(pixel_values)
+
+    return step
+
+
+def benchmark_models(
+    models: dict[str, nn.Module],
+    pixel_values: torch.Tensor,
+    labels: torch.Tensor,
+    dtype: str,
+    steps: int,
+    warmup: int,
+    repeats: int,
+    memory: bool,
+    optimizers: dict[str, torch.optim.Optimizer],
+    modes: Sequence[str] = ("train", "infer"),
+) -> dict[str, dict]:
+    """Training-step and inference seconds (samples per repeat) and optionally peak memory of every model."""
+    device = pixel_values.device
+    results: dict[str, dict] = {name: {} for name in models}
+    for mode in modes:
+        steps_fns = {}
+        for name, model in models.items():
+            if mode == "train":
+                model.train()
+                steps_fns[name] = make_train_step(model, optimizers[name], pixel_values, labels, dtype)
+            else:
+                model.eval()
+                steps_fns[name] = make_infer_step(model, pixel_values, dtype)
+        for name, step in steps_fns.items():
+            for index in range(warmup):
+                synchronize(device)
+                start = time.perf_counter()
+                step()
+                synchronize(device)
+                if index == 0:
+                    results[name][f"{mode}_first_call_s"] = time.perf_counter() - start
+        samples = time_alternating(steps_fns, steps, repeats, device)
+        for name, seconds in samples.items():
+            results[name][f"{mode}_seconds"] = seconds
+            if memory:
+                for key, value in measure_memory(steps_fns[name], device).items():
+                    results[name][f"{mode}_{key}"] = value
+    return results

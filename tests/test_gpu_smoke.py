@@ -1,0 +1,73 @@
+"""scripts/gpu_smoke.py on CPU: every check that can run here passes with tiny models, the CUDA-only ones are printed
+as skipped with their reason, and a failing check makes the exit status non-zero."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_smoke.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+import gpu_smoke  # noqa: E402
+
+CPU_CHECKS = [
+    "attention_implementations",
+    "gradient_checkpointing",
+    "interpolate_pos_encoding",
+    "hybrid",
+    "masked_patch_prediction",
+    "attention_capture",
+    "onnx_export_of_a_trained_model",
+]
+CUDA_CHECKS = ["finetune_bf16_compiled_from_hub_id", "resume_after_a_kill", "fsdp_through_accelerate"]
+
+
+def test_cpu_part_passes_and_names_what_needs_a_gpu(tmp_path):
+    report = tmp_path / "smoke.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--json", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.split(" ", 1)[0] in ("passed", "failed", "skipped")]
+    assert [line.split()[1] for line in lines] == CPU_CHECKS + CUDA_CHECKS  # one line per check, in order
+    data = json.loads(report.read_text())
+    assert data["device"] == "cpu"
+    assert {name: data["checks"][name]["status"] for name in CPU_CHECKS} == dict.fromkeys(CPU_CHECKS, "passed")
+    for name in CUDA_CHECKS:
+        assert data["checks"][name]["status"] == "skipped" and "needs CUDA" in data["checks"][name]["detail"]
+    assert done.stdout.rstrip().endswith(f"{len(CPU_CHECKS)} passed, 0 failed, {len(CUDA_CHECKS)} skipped")
+    attention = data["details"]["attention_implementations"]
+    assert "sdpa" in attention["relative_difference"] and attention["relative_difference"]["eager"] == 0.0
+    assert max(attention["relative_difference"].values()) <= gpu_smoke.BF16_RELATIVE_TOLERANCE
+    # flash attention needs CUDA (and its package): it is reported as not loading, with the error
+    assert "flash_attention_2" in attention["skipped"] and attention["skipped"]["flash_attention_2"]
+
+
+def test_a_failing_check_makes_the_exit_status_non_zero(monkeypatch, capsys):
+    def broken(smoke):
+        raise AssertionError("logits differ by 1.0e+00")
+
+    monkeypatch.setitem(gpu_smoke.CHECKS, "broken", (broken, False))
+    assert gpu_smoke.main(["--device", "cpu", "--only", "interpolate_pos_encoding", "broken"]) == 1
+    out = capsys.readouterr().out
+    assert "passed  interpolate_pos_encoding" in out
+    assert "failed  broken" in out and "AssertionError: logits differ by 1.0e+00" in out
+    assert out.rstrip().endswith("1 passed, 1 failed, 0 skipped")
+
+
+def test_unknown_check_and_missing_cuda_are_usage_errors(capsys):
+    with pytest.raises(SystemExit):
+        gpu_smoke.parse_args(["--only", "warp_drive"])
+    assert "unknown check(s) ['warp_drive']" in capsys.readouterr().err
+    if not gpu_smoke.torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            gpu_smoke.parse_args(["--device", "cuda"])
+        assert "CUDA is not available" in capsys.readouterr().err
