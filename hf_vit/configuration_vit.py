@@ -1,6 +1,7 @@
 """Configuration of the Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., 2020).
 
-This file is also saved next to checkpoints as remote code, so it imports only transformers and the standard library.
+This file is also saved next to checkpoints as remote code, so it imports only transformers, the standard library and
+the code files beside it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 from transformers.backbone_utils import BackboneConfigMixin
+
+from .foreign import open_foreign
 
 # Width, depth, MLP size and heads of the paper's Table 1 (Base, Large, Huge) and of the DeiT/AugReg Tiny and Small.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -264,18 +267,13 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """transformers' reading of `config.json`, with the checkpoints users have converted on the way (transformers'
-        and timm's ViT, the authors' `.npz`; see `hf_vit.convert.sources`), and refusing what would silently build
-        another model: a folder without `config.json` (transformers would use the defaults) or the config of another
+        and timm's ViT, the authors' `.npz`, once `hf_vit.convert` has registered its reader with `foreign.py`), and
+        refusing what would silently build another model: a folder without `config.json` (transformers would use the defaults) or the config of another
         model type (whose weights would not load, leaving the model randomly initialised)."""
         source = pretrained_model_name_or_path
-        try:
-            from hf_vit.convert.sources import ConvertedSource
-        except ImportError:  # remote code where hf-vit is not installed: hf-vit checkpoints only
-            ConvertedSource = None
-        if ConvertedSource is not None and isinstance(source, (str, os.PathLike)):
-            with ConvertedSource(source, kwargs) as resolved:
-                if resolved is not source:
-                    return super().get_config_dict(resolved, **kwargs)
+        foreign = open_foreign(source, kwargs)
+        if foreign is not None:
+            return foreign.config_dict(kwargs), kwargs
         config_dict, kwargs = super().get_config_dict(source, **kwargs)
         if not config_dict:  # transformers returns {} for a folder without config.json
             raise OSError(

@@ -20,6 +20,8 @@ from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 from transformers.image_utils import ChannelDimension, PILImageResampling, SizeDict
 from transformers.utils import TensorType, logging
 
+from .foreign import open_foreign
+
 logger = logging.get_logger(__name__)
 
 _RESAMPLE_TO_MODE = {
@@ -435,12 +437,9 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`, also for the checkpoints hf-vit's models convert on load (transformers'
         and timm's ViT, the authors' `.npz`): their preprocessing (size, mean/std, resampling) comes along."""
-        try:
-            from hf_vit.convert.sources import foreign_processor
-        except ImportError:  # remote code where hf-vit is not installed: hf-vit folders only
-            foreign_processor = None
-        processor = foreign_processor(pretrained_model_name_or_path, kwargs) if foreign_processor else None
-        if processor is not None:  # the caller's settings (e.g. size=384) apply as for a saved processor
+        foreign = open_foreign(pretrained_model_name_or_path, kwargs)
+        if foreign is not None:  # the caller's settings (e.g. size=384) apply as for a saved processor
+            processor = foreign.processor()
             return cls.from_dict(processor.to_dict(), **{k: v for k, v in kwargs.items() if hasattr(processor, k)})
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 

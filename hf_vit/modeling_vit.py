@@ -36,6 +36,7 @@ from transformers.utils import ModelOutput
 
 from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig, image_size_field
+from .foreign import open_foreign
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .resolution import grid_for, resample_position_embeddings
 
@@ -308,23 +309,21 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`, taking also the checkpoints users have (transformers' and timm's ViT as Hub
-        ids or folders, the authors' `.npz` files; converted on load, see `hf_vit.convert.sources`), and strict:
-        weights that leave part of the encoder randomly initialised are an error (only a classification head may be
+        ids or folders, the authors' `.npz` files; converted in memory by the reader `hf_vit.convert` registers), and
+        strict: weights that leave part of the encoder randomly initialised are an error (only a classification head may be
         new), and unreadable weights or folders are named."""
         output_loading_info = kwargs.pop("output_loading_info", False)
         source = pretrained_model_name_or_path
-        try:
-            from hf_vit.convert.sources import ConvertedSource
-        except ImportError:  # remote code where hf-vit is not installed: hf-vit checkpoints only
-            ConvertedSource = None
-        if ConvertedSource is not None:
-            with ConvertedSource(source, kwargs) as resolved:
-                if resolved is not source:  # transformers' or timm's ViT, or the authors' .npz, converted on load
-                    return cls.from_pretrained(resolved, *args, output_loading_info=output_loading_info, **kwargs)
-        if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
+        foreign = open_foreign(source, kwargs)
+        if foreign is None and isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
             raise OSError(f"{os.fspath(source)!r} is a file: pass the folder that holds it and its config.json.")
         try:
-            model, info = super().from_pretrained(source, *args, output_loading_info=True, **kwargs)
+            if foreign is not None:  # transformers' or timm's ViT, or the authors' .npz, converted in memory
+                model, info = foreign.load_model(
+                    super().from_pretrained, args, {**kwargs, "output_loading_info": True}
+                )
+            else:
+                model, info = super().from_pretrained(source, *args, output_loading_info=True, **kwargs)
         except SafetensorError as error:
             raise OSError(
                 f"Could not read the weights in {source}: the safetensors file is corrupted or truncated ({error}). "
