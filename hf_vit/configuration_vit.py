@@ -268,8 +268,9 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """transformers' reading of `config.json`, with the checkpoints users have converted on the way (transformers'
         and timm's ViT, the authors' `.npz`, once `hf_vit.convert` has registered its reader with `foreign.py`), and
-        refusing what would silently build another model: a folder without `config.json` (transformers would use the defaults) or the config of another
-        model type (whose weights would not load, leaving the model randomly initialised)."""
+        refusing what would silently build another model: a folder without `config.json` (transformers would use the
+        defaults) or the config of another model type (whose weights would not load, leaving the model randomly
+        initialised)."""
         source = pretrained_model_name_or_path
         foreign = open_foreign(source, kwargs)
         if foreign is not None:

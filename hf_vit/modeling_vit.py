@@ -310,8 +310,8 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`, taking also the checkpoints users have (transformers' and timm's ViT as Hub
         ids or folders, the authors' `.npz` files; converted in memory by the reader `hf_vit.convert` registers), and
-        strict: weights that leave part of the encoder randomly initialised are an error (only a classification head may be
-        new), and unreadable weights or folders are named."""
+        strict: weights that leave part of the encoder randomly initialised are an error (only a classification head
+        may be new), and unreadable weights or folders are named."""
         output_loading_info = kwargs.pop("output_loading_info", False)
         source = pretrained_model_name_or_path
         foreign = open_foreign(source, kwargs)
