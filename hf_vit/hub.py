@@ -219,6 +219,7 @@ REMOTE_CODE_FILES = (
     "resolution.py",
     "hybrid.py",
     "image_processing_vit.py",
+    "foreign.py",
 )
 UPLOAD_FILES = (
     "config.json",
