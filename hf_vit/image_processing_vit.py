@@ -20,8 +20,6 @@ from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 from transformers.image_utils import ChannelDimension, PILImageResampling, SizeDict
 from transformers.utils import TensorType, logging
 
-from .foreign import open_foreign
-
 logger = logging.get_logger(__name__)
 
 _RESAMPLE_TO_MODE = {
@@ -437,7 +435,12 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`, also for the checkpoints hf-vit's models convert on load (transformers'
         and timm's ViT, the authors' `.npz`): their preprocessing (size, mean/std, resampling) comes along."""
-        foreign = open_foreign(pretrained_model_name_or_path, kwargs)
+        try:  # the hook the converters fill (`foreign.py`); this file also works alone, for hf-vit folders only
+            from .foreign import open_foreign
+        except ImportError:
+            foreign = None
+        else:
+            foreign = open_foreign(pretrained_model_name_or_path, kwargs)
         if foreign is not None:  # the caller's settings (e.g. size=384) apply as for a saved processor
             processor = foreign.processor()
             return cls.from_dict(processor.to_dict(), **{k: v for k, v in kwargs.items() if hasattr(processor, k)})
