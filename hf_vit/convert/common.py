@@ -153,6 +153,25 @@ class Layout:
         raise_problems(self.name, [*problems, *_listing(leftovers, missing)])
         return out
 
+    def to_hf_lazy(
+        self,
+        source: Mapping[str, Any],
+        shapes: Mapping[str, torch.Tensor],
+        config: VisionTransformerConfig,
+        problems: Sequence[str] = (),
+    ) -> dict[str, LazyTensor]:
+        """`to_hf` computed tensor by tensor as transformers' loading reads them: `source` holds safetensors slices
+        (or tensors), `shapes` the same arrays as meta tensors, which are checked against `config` first. Only one
+        weight's source arrays are in memory at a time."""
+        self.to_hf(shapes, config, problems)  # the whole check, on meta tensors
+        plan: dict[str, tuple[Transform, list]] = {}
+        for key in source:
+            index, part, values = self._find(key)
+            row = self.rows[index]
+            target = row.target.format(**values)
+            plan.setdefault(target, (row.transform, [None] * len(row.sources)))[1][part] = source[key]
+        return {target: LazyTensor(transform, parts) for target, (transform, parts) in plan.items()}
+
     def from_hf(
         self, state_dict: Mapping[str, torch.Tensor], config: VisionTransformerConfig | None = None
     ) -> dict[str, torch.Tensor]:
@@ -169,6 +188,18 @@ class Layout:
         if unplaced:
             raise ConversionError(f"The {self.name} layout has no place for the hf-vit weights {sorted(unplaced)}.")
         return out
+
+
+class LazyTensor:
+    """A weight computed when transformers' loading reads it (`value[...]`, as it reads a safetensors slice): the
+    transform of a layout's row applied to its source arrays, read only then."""
+
+    def __init__(self, transform: Transform, parts: Sequence[Any]) -> None:
+        self.transform, self.parts = transform, parts
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        arrays = [part if isinstance(part, torch.Tensor) else part[...] for part in self.parts]
+        return self.transform.to_hf(*arrays).contiguous()[index]
 
 
 def check_state_dict(

@@ -98,15 +98,18 @@ def _safetensors_files(source: str, hub: dict[str, Any]) -> list[Path] | None:
 
 def _header(files: list[Path]) -> dict[str, torch.Tensor]:
     """The arrays of safetensors `files` as meta tensors: names, shapes and dtypes, read from the headers only."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     out = {}
     for path in files:
-        with safe_open(path, framework="pt") as handle:
-            for key in handle.keys():
-                part = handle.get_slice(key)
-                dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8)
-                out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+        try:
+            with safe_open(path, framework="pt") as handle:
+                for key in handle.keys():
+                    part = handle.get_slice(key)
+                    dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8)
+                    out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+        except SafetensorError as error:
+            raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
     return out
 
 
@@ -131,6 +134,7 @@ class ForeignCheckpoint:
     layout: str
     hub: dict[str, Any]
     folder: Path | None = None  # the local folder (or Hub snapshot) holding config.json; None for an .npz
+    _open: list = dataclasses.field(default_factory=list)  # safetensors files open while a model loads
 
     def _fail(self, error: Exception) -> ConversionError:
         return ConversionError(f"Cannot load {self.source} ({DESCRIPTIONS[self.layout]}): {error}")
@@ -148,6 +152,18 @@ class ForeignCheckpoint:
             + (", nor pytorch_model.bin" if self.layout == "timm" else "")
             + "); hf-vit reads transformers' ViT weights from safetensors only"
         )
+
+    def _slices(self, files: list[Path]) -> dict[str, Any]:
+        """The arrays of safetensors `files` as slices, read (memory-mapped) only when transformers' loading indexes
+        them; the files stay open until `load_model` returns."""
+        from safetensors import safe_open
+
+        out = {}
+        for path in files:
+            handle = safe_open(path, framework="pt")
+            self._open.append(handle)
+            out.update((key, handle.get_slice(key)) for key in handle.keys())
+        return out
 
     def _timm_arrays(self, header_only: bool) -> dict[str, torch.Tensor]:
         from .timm_vit import load_timm_state_dict
@@ -173,13 +189,13 @@ class ForeignCheckpoint:
                 from .transformers_vit import transformers_config, transformers_state_dict
 
                 files = self._weight_files()
-                arrays = _read(files) if weights else _header(files)
-                config = transformers_config(self.folder, arrays)
+                shapes = _header(files)
+                config = transformers_config(self.folder, shapes)
                 state_dict = None
                 if image_size is not None:
                     config.image_size = image_size
                 if weights:
-                    state_dict = transformers_state_dict(arrays, config)
+                    state_dict = transformers_state_dict(self._slices(files), config, shapes)
             else:
                 from .timm_vit import read_timm_config, timm_config, timm_to_hf_vit_state_dict
 
@@ -234,7 +250,10 @@ class ForeignCheckpoint:
         fields |= {"num_labels", "id2label", "label2id", "problem_type", "output_attentions", "output_hidden_states"}
         for name in [name for name in kwargs if name in fields]:
             setattr(config, name, kwargs.pop(name))
-        result = load(None, *args, config=config, state_dict=state_dict, **kwargs)
+        try:
+            result = load(None, *args, config=config, state_dict=state_dict, **kwargs)
+        finally:
+            self._open.clear()
         logger.info(
             "Converted %s from %s to hf-vit on load (%d layers, width %d, %s at %dx%d); save_pretrained writes an "
             "hf-vit folder.",

@@ -10,6 +10,7 @@ import json
 import os
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -226,14 +227,27 @@ def transformers_config(folder: Path, keys: Collection[str]) -> VisionTransforme
     return config
 
 
-def transformers_state_dict(source: dict[str, torch.Tensor], config: VisionTransformerConfig) -> dict:
-    """A transformers ViT folder's weights converted for `config` (see `transformers_config`)."""
+def transformers_state_dict(
+    source: dict[str, Any], config: VisionTransformerConfig, shapes: dict[str, torch.Tensor] | None = None
+) -> dict:
+    """A transformers ViT folder's weights converted for `config` (see `transformers_config`). With `shapes` (the
+    same arrays as meta tensors), `source` may hold safetensors slices, and the result is computed weight by weight
+    as transformers' loading reads it (`Layout.to_hf_lazy`)."""
     source = _saved_layout(source)
+    shapes = _saved_layout(shapes) if shapes is not None else None
     if config.representation_size is None:
         source = {k: v for k, v in source.items() if not k.startswith("vit.pooler.")}
+        shapes = {k: v for k, v in shapes.items() if not k.startswith("vit.pooler.")} if shapes is not None else None
     # A model asked for at another size (from_pretrained(..., image_size=384)) gets its positions resampled.
-    source = resample_positions(source, "vit.embeddings.position_embeddings", config, "bicubic")
-    return TRANSFORMERS_LAYOUT.to_hf(source, config)
+    key = "vit.embeddings.position_embeddings"
+    if key in source and not isinstance(source[key], torch.Tensor):
+        source[key] = source[key][...]  # one small array, read now
+    source = resample_positions(source, key, config, "bicubic")
+    if shapes is None:
+        return TRANSFORMERS_LAYOUT.to_hf(source, config)
+    if key in source:
+        shapes[key] = source[key].to("meta")
+    return TRANSFORMERS_LAYOUT.to_hf_lazy(source, shapes, config)
 
 
 def read_transformers_checkpoint(input_dir: str | os.PathLike):
