@@ -248,6 +248,7 @@ class ForeignCheckpoint:
         # The caller's other config fields (e.g. drop_path_rate=0.1, id2label=...) apply as they do for a folder.
         fields = {field.name for field in dataclasses.fields(VisionTransformerConfig)}
         fields |= {"num_labels", "id2label", "label2id", "problem_type", "output_attentions", "output_hidden_states"}
+        fields -= {"dtype", "torch_dtype"}  # from_pretrained's own arguments
         for name in [name for name in kwargs if name in fields]:
             setattr(config, name, kwargs.pop(name))
         try:
