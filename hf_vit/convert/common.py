@@ -198,7 +198,11 @@ class LazyTensor:
         self.transform, self.parts = transform, parts
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        arrays = [part if isinstance(part, torch.Tensor) else part[...] for part in self.parts]
+        fused = len(self.parts) > 1  # read the parts of a fused weight into memory, not mapped from their file
+        arrays = [
+            part if isinstance(part, torch.Tensor) else part.read() if fused and hasattr(part, "read") else part[...]
+            for part in self.parts
+        ]
         return self.transform.to_hf(*arrays).contiguous()[index]
 
 

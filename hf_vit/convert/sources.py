@@ -126,6 +126,38 @@ def _read(files: list[Path]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """Where each array's bytes lie in a safetensors file: `(start, end)` from the file's beginning."""
+    with open(path, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+    return {
+        key: (8 + size + entry["data_offsets"][0], 8 + size + entry["data_offsets"][1])
+        for key, entry in header.items()
+        if key != "__metadata__"
+    }
+
+
+class FilePart:
+    """One array of a safetensors file: `part[...]` maps it from the file (as transformers' loading reads weights
+    that load as they are), `read()` copies it into new memory without mapping the file, for arrays that are only
+    the sources of a fused weight (so their pages do not stay mapped beside the fused copy)."""
+
+    def __init__(self, path: Path, part: Any, start: int, end: int) -> None:
+        self.path, self.part, self.start, self.end = path, part, start, end
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.part[index]
+
+    def read(self) -> torch.Tensor:
+        dtype = _SAFETENSORS_DTYPES[self.part.get_dtype()]
+        out = torch.empty(self.part.get_shape(), dtype=dtype)
+        with open(self.path, "rb") as handle:
+            handle.seek(self.start)
+            handle.readinto(out.view(-1).view(torch.uint8).numpy())
+        return out
+
+
 @dataclasses.dataclass
 class ForeignCheckpoint:
     """A foreign checkpoint at `source` (what the user passed) in `layout` ("transformers", "timm" or "jax")."""
@@ -162,7 +194,8 @@ class ForeignCheckpoint:
         for path in files:
             handle = safe_open(path, framework="pt")
             self._open.append(handle)
-            out.update((key, handle.get_slice(key)) for key in handle.keys())
+            offsets = _data_offsets(path)
+            out.update((key, FilePart(path, handle.get_slice(key), *offsets[key])) for key in handle.keys())
         return out
 
     def _timm_arrays(self, header_only: bool) -> dict[str, torch.Tensor]:
