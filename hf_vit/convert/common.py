@@ -65,13 +65,15 @@ class Transform:
 
     to_hf: Callable[..., torch.Tensor]
     from_hf: Callable[[torch.Tensor, Any], tuple[torch.Tensor, ...]]
+    # `to_hf` concatenates its arrays along the first dimension: a lazy load reads them straight into the result.
+    concatenates: bool = False
 
 
 RENAME = Transform(lambda x: x, lambda x, config: (x,))
 # Separate query, key and value projections <-> hf-vit's fused `qkv`, rows [q; k; v]. The parts are cloned so that
 # they do not share storage (safetensors refuses shared tensors).
 FUSED_QKV = Transform(
-    lambda q, k, v: torch.cat([q, k, v]), lambda qkv, config: tuple(part.clone() for part in qkv.chunk(3))
+    lambda q, k, v: torch.cat([q, k, v]), lambda qkv, config: tuple(part.clone() for part in qkv.chunk(3)), True
 )
 # `{p}` is a parameter's name; any other placeholder an index (a block, or a stage and unit of a ResNet stem).
 _PLACEHOLDERS = {"p": "weight|bias"}
@@ -198,6 +200,15 @@ class LazyTensor:
         self.transform, self.parts = transform, parts
 
     def __getitem__(self, index: Any) -> torch.Tensor:
+        if self.transform.concatenates and all(hasattr(part, "read_into") for part in self.parts):
+            # One buffer for the fused weight, each part read into its rows: no copies of the parts on the way.
+            shapes = [part.shape for part in self.parts]
+            out = torch.empty((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype=self.parts[0].dtype)
+            start = 0
+            for part, shape in zip(self.parts, shapes):
+                part.read_into(out[start : start + shape[0]])
+                start += shape[0]
+            return out[index]
         fused = len(self.parts) > 1  # read the parts of a fused weight into memory, not mapped from their file
         arrays = [
             part if isinstance(part, torch.Tensor) else part.read() if fused and hasattr(part, "read") else part[...]

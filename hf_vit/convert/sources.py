@@ -149,12 +149,27 @@ class FilePart:
     def __getitem__(self, index: Any) -> torch.Tensor:
         return self.part[index]
 
-    def read(self) -> torch.Tensor:
-        dtype = _SAFETENSORS_DTYPES[self.part.get_dtype()]
-        out = torch.empty(self.part.get_shape(), dtype=dtype)
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.part.get_shape())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _SAFETENSORS_DTYPES[self.part.get_dtype()]
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """Copy the array's bytes into `out` (contiguous, of its shape and dtype)."""
+        if tuple(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(f"{self.path}: cannot read an array of {self.shape} {self.dtype} into {tuple(out.shape)}")
+        buffer = out.view(-1).view(torch.uint8).numpy()
         with open(self.path, "rb") as handle:
             handle.seek(self.start)
-            handle.readinto(out.view(-1).view(torch.uint8).numpy())
+            if handle.readinto(buffer) != self.end - self.start:
+                raise ConversionError(f"{self.path} is truncated; download or save it again.")
+
+    def read(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.read_into(out)
         return out
 
 
