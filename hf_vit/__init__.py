@@ -19,10 +19,10 @@ from transformers import (
 from . import convert  # noqa: E402, F401
 from .configuration_vit import PRESETS, VisionTransformerConfig
 from .image_processing_vit import VisionTransformerImageProcessor
+from .modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .modeling_vit import (
     VisionTransformerBackbone,
     VisionTransformerForImageClassification,
-    VisionTransformerForMaskedPatchPrediction,
     VisionTransformerModel,
     VisionTransformerPreTrainedModel,
 )

@@ -49,7 +49,7 @@ AUTO_MAP = {
     "AutoModel": "modeling_vit.VisionTransformerModel",
     "AutoModelForImageClassification": "modeling_vit.VisionTransformerForImageClassification",
     "AutoBackbone": "modeling_vit.VisionTransformerBackbone",
-    "AutoModelForPreTraining": "modeling_vit.VisionTransformerForMaskedPatchPrediction",
+    "AutoModelForPreTraining": "modeling_mpp.VisionTransformerForMaskedPatchPrediction",
 }
 
 

@@ -220,6 +220,7 @@ REMOTE_CODE_FILES = (
     "hybrid.py",
     "image_processing_vit.py",
     "foreign.py",
+    "modeling_mpp.py",
 )
 UPLOAD_FILES = (
     "config.json",

@@ -77,3 +77,44 @@ def resample_position_embeddings(
     grid = F.interpolate(grid, size=tuple(new_grid), mode=mode, align_corners=False)
     patches = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(position_embedding.dtype)
     return torch.cat([prefix, patches], dim=1)
+
+
+def check_pixel_values(pixel_values: torch.Tensor, config, interpolate_pos_encoding: bool) -> None:
+    """Reject inputs the model cannot embed, with a message that says how to fix them."""
+    if not isinstance(pixel_values, torch.Tensor):
+        raise TypeError(f"`pixel_values` must be a torch.Tensor, got {type(pixel_values).__name__}.")
+    if pixel_values.ndim != 4:
+        raise ValueError(
+            "`pixel_values` must have 4 dimensions (batch, channels, height, width), got shape "
+            f"{tuple(pixel_values.shape)}. Add a batch dimension with `pixel_values[None]` for one image."
+        )
+    batch, channels, height, width = pixel_values.shape
+    if batch == 0:
+        raise ValueError("`pixel_values` is an empty batch (batch size 0); pass at least one image.")
+    if not pixel_values.is_floating_point():
+        raise TypeError(
+            f"`pixel_values` must be a floating point tensor, got {pixel_values.dtype}. Run the image processor, "
+            "or convert integer pixels with `.float() / 255` and normalise them."
+        )
+    if channels != config.num_channels:
+        hint = (
+            " The image processor converts images to RGB by default: build it with `do_convert_rgb=False` to keep "
+            f"{config.num_channels} channels (e.g. RGB + infrared)."
+            if channels == 3
+            else ""
+        )
+        raise ValueError(
+            f"`pixel_values` has {channels} channels but the model expects {config.num_channels} "
+            f"(shape {tuple(pixel_values.shape)}; the layout is channels first: batch, channels, height, width).{hint}"
+        )
+    if height % config.patch_size or width % config.patch_size:
+        raise ValueError(
+            f"Image size {height}x{width} is not divisible by the patch size {config.patch_size}; "
+            "resize or crop the images to a multiple of it."
+        )
+    if not interpolate_pos_encoding and (height, width) != config.image_hw:
+        raise ValueError(
+            f"Image size {height}x{width} differs from the model's {config.image_hw[0]}x{config.image_hw[1]}. Pass "
+            "`interpolate_pos_encoding=True` to interpolate the position embeddings to the new size, or resize "
+            "the images (the image processor does it)."
+        )

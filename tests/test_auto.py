@@ -80,7 +80,7 @@ def test_saved_folder_carries_auto_map(saved):
         "AutoModel": "modeling_vit.VisionTransformerModel",
         "AutoModelForImageClassification": "modeling_vit.VisionTransformerForImageClassification",
         "AutoBackbone": "modeling_vit.VisionTransformerBackbone",
-        "AutoModelForPreTraining": "modeling_vit.VisionTransformerForMaskedPatchPrediction",
+        "AutoModelForPreTraining": "modeling_mpp.VisionTransformerForMaskedPatchPrediction",
     }
     processor = json.loads((path / "preprocessor_config.json").read_text())
     assert processor["auto_map"]["AutoImageProcessor"] == "image_processing_vit.VisionTransformerImageProcessor"
