@@ -15,7 +15,7 @@ from transformers import (
 )
 
 # The converters register their reader of foreign checkpoints (transformers' and timm's ViT, the authors' .npz) with
-# the core's hook (`foreign.py`) as they are imported: the core imports nothing of them.
+# the core's hook (`loading.py`) as they are imported: the core imports nothing of them.
 from . import convert  # noqa: E402, F401
 from .configuration_vit import PRESETS, VisionTransformerConfig
 from .image_processing_vit import VisionTransformerImageProcessor

@@ -15,7 +15,7 @@ from typing import Any
 from transformers import PretrainedConfig
 from transformers.backbone_utils import BackboneConfigMixin
 
-from .foreign import open_foreign
+from .loading import open_foreign
 
 # Width, depth, MLP size and heads of the paper's Table 1 (Base, Large, Huge) and of the DeiT/AugReg Tiny and Small.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -267,7 +267,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """transformers' reading of `config.json`, with the checkpoints users have converted on the way (transformers'
-        and timm's ViT, the authors' `.npz`, once `hf_vit.convert` has registered its reader with `foreign.py`), and
+        and timm's ViT, the authors' `.npz`, once `hf_vit.convert` has registered its reader with `loading.py`), and
         refusing what would silently build another model: a folder without `config.json` (transformers would use the
         defaults) or the config of another model type (whose weights would not load, leaving the model randomly
         initialised)."""

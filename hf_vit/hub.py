@@ -219,7 +219,7 @@ REMOTE_CODE_FILES = (
     "resolution.py",
     "hybrid.py",
     "image_processing_vit.py",
-    "foreign.py",
+    "loading.py",
     "modeling_mpp.py",
 )
 UPLOAD_FILES = (

@@ -435,8 +435,8 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`, also for the checkpoints hf-vit's models convert on load (transformers'
         and timm's ViT, the authors' `.npz`): their preprocessing (size, mean/std, resampling) comes along."""
-        try:  # the hook the converters fill (`foreign.py`); this file also works alone, for hf-vit folders only
-            from .foreign import open_foreign
+        try:  # the hook the converters fill (`loading.py`); this file also works alone, for hf-vit folders only
+            from .loading import open_foreign
         except ImportError:
             foreign = None
         else:

@@ -18,12 +18,10 @@ transformers and the code files beside it.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
@@ -36,8 +34,8 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig, image_size_field
-from .foreign import open_foreign
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
+from .loading import load_strictly
 from .resolution import check_pixel_values, grid_for, resample_position_embeddings
 
 __all__ = [
@@ -210,43 +208,8 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         """transformers' `from_pretrained`, taking also the checkpoints users have (transformers' and timm's ViT as Hub
         ids or folders, the authors' `.npz` files; converted in memory by the reader `hf_vit.convert` registers), and
         strict: weights that leave part of the encoder randomly initialised are an error (only a classification head
-        may be new), and unreadable weights or folders are named."""
-        output_loading_info = kwargs.pop("output_loading_info", False)
-        source = pretrained_model_name_or_path
-        foreign = open_foreign(source, kwargs)
-        if foreign is None and isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
-            raise OSError(f"{os.fspath(source)!r} is a file: pass the folder that holds it and its config.json.")
-        try:
-            if foreign is not None:  # transformers' or timm's ViT, or the authors' .npz, converted in memory
-                model, info = foreign.load_model(
-                    super().from_pretrained, args, {**kwargs, "output_loading_info": True}
-                )
-            else:
-                model, info = super().from_pretrained(source, *args, output_loading_info=True, **kwargs)
-        except SafetensorError as error:
-            raise OSError(
-                f"Could not read the weights in {source}: the safetensors file is corrupted or truncated ({error}). "
-                "Save or download the checkpoint again."
-            ) from error
-        except OSError as error:
-            if isinstance(source, (str, os.PathLike)) and not os.path.exists(source):
-                raise OSError(
-                    f"{os.fspath(source)!r} is not a local folder, and loading it as a Hugging Face Hub model id "
-                    f"failed: {error}"
-                ) from error
-            raise
-        missing = sorted(
-            key
-            for key in info["missing_keys"]
-            if not key.startswith(cls._new_weight_prefixes) and not key.endswith(cls._new_weight_suffixes)
-        )
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(
-                f"The weights in {source} do not fit {cls.__name__}: {len(missing)} of its weights are not in the "
-                f"checkpoint ({shown}) and would stay randomly initialised. Is it a checkpoint of another model?"
-            )
-        return (model, info) if output_loading_info else model
+        may be new), and unreadable weights or folders are named: see `loading.py`."""
+        return load_strictly(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs)
 
     @torch.no_grad()
     def set_input_size(self, image_size: int | tuple[int, int] | list[int], mode: str = "bicubic") -> None:

@@ -1,7 +1,7 @@
 """Foreign checkpoint layouts <-> hf-vit: one rename table per layout (`Layout`), read in both directions by one
 engine, one check against the model (`check_state_dict`), and the folder converters built on them."""
 
-from ..foreign import register_foreign_reader
+from ..loading import register_foreign_reader
 from .common import FUSED_QKV, RENAME, ConversionError, Layout, Transform, check_state_dict, write_converted_folder
 from .jax_npz import (
     JAX_LAYOUT,
