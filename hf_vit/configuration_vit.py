@@ -16,6 +16,7 @@ from transformers import PretrainedConfig
 from transformers.backbone_utils import BackboneConfigMixin
 
 from .loading import open_foreign
+from .resolution import height_width
 
 # Width, depth, MLP size and heads of the paper's Table 1 (Base, Large, Huge) and of the DeiT/AugReg Tiny and Small.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -94,20 +95,6 @@ def resnet_stride(resnet_layers: list[int] | None) -> int:
     return 4 * 2 ** max(len(resnet_layers) - 1, 0)
 
 
-def _pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value, value)
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return (int(value[0]), int(value[1]))
-    raise ValueError(f"`{name}` must be an int or a (height, width) pair of ints, got {value!r}.")
-
-
-def image_size_field(image_size: int | tuple[int, int] | list[int]) -> int | list[int]:
-    """`image_size` as the config stores it: an int for a square size, else `[height, width]`."""
-    height, width = _pair(image_size if isinstance(image_size, int) else list(image_size), "image_size")
-    return height if height == width else [height, width]
-
-
 class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     r"""Configuration of a Vision Transformer (ViT).
 
@@ -179,7 +166,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     def __post_init__(self, **kwargs: Any) -> None:
         if isinstance(self.image_size, (tuple, list)):
-            self.image_size = list(_pair(self.image_size, "image_size"))
+            self.image_size = list(height_width(self.image_size, "image_size"))
         if isinstance(self.resnet_layers, tuple):
             self.resnet_layers = list(self.resnet_layers)
         self.stage_names = ["stem"] + [f"stage{index}" for index in range(1, self.num_hidden_layers + 1)]
@@ -197,7 +184,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
         Called when the config is built; `validate()`, which `save_pretrained` calls, stays transformers' own and runs
         its checks (e.g. `validate_output_attentions`)."""
-        height, width = _pair(self.image_size, "image_size")
+        height, width = height_width(self.image_size, "image_size")
         positive = {
             "image_size": min(height, width),
             "patch_size": self.patch_size,
@@ -293,7 +280,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     @property
     def image_hw(self) -> tuple[int, int]:
         """The input resolution as `(height, width)`."""
-        return _pair(self.image_size, "image_size")
+        return height_width(self.image_size, "image_size")
 
     @property
     def grid_size(self) -> tuple[int, int]:

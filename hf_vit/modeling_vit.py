@@ -33,10 +33,10 @@ from transformers.utils import ModelOutput, can_return_tuple
 from transformers.utils.output_capturing import capture_outputs
 
 from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
-from .configuration_vit import VisionTransformerConfig, image_size_field
+from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .loading import load_strictly
-from .resolution import check_pixel_values, grid_for, resample_position_embeddings
+from .resolution import check_pixel_values, grid_for, image_size_field, resample_position_embeddings
 
 __all__ = [
     "VisionTransformerBackbone",

@@ -5,7 +5,8 @@ resampled (bicubic by default, bilinear available) to the new grid, which may be
 `set_input_size` (in place), fine-tuning at another size, resolution variants, the converters and
 `interpolate_pos_encoding` all go through `resample_position_embeddings`.
 
-Saved next to checkpoints as remote code with the model, so it imports only torch and the configuration file.
+Image sizes and patch grids are read here only (`height_width`, `image_size_field`, `grid_for`, `check_pixel_values`).
+Saved next to checkpoints as remote code with the model, so it imports only torch.
 """
 
 from __future__ import annotations
@@ -15,18 +16,31 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
-from .configuration_vit import _pair
-
 MODES = ("bicubic", "bilinear")
 # The largest position table accepted: a 256x256 grid of patches (e.g. 4096x4096 pixels at patch 16). Beyond it the
 # position embeddings alone take gigabytes (100000x100000 at patch 16 would need 120 GB) and attention is infeasible.
 MAX_PATCH_POSITIONS = 65536
 
 
+def height_width(value: int | tuple[int, int] | list[int], name: str = "image_size") -> tuple[int, int]:
+    """A size given as N (square) or (height, width), as `(height, width)`; a `ValueError` naming `name` else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value, value)
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return (int(value[0]), int(value[1]))
+    raise ValueError(f"`{name}` must be an int or a (height, width) pair of ints, got {value!r}.")
+
+
+def image_size_field(image_size: int | tuple[int, int] | list[int]) -> int | list[int]:
+    """`image_size` as the config stores it: an int for a square size, else `[height, width]`."""
+    height, width = height_width(image_size if isinstance(image_size, int) else list(image_size), "image_size")
+    return height if height == width else [height, width]
+
+
 def grid_for(image_size: int | Sequence[int], patch_size: int) -> tuple[int, int]:
     """The `(rows, cols)` patch grid of `image_size` (N or (H, W)), with an error saying what to pass instead when
     the size cannot be tiled by `patch_size` or is beyond `MAX_PATCH_POSITIONS`."""
-    height, width = _pair(image_size if isinstance(image_size, int) else list(image_size), "image_size")
+    height, width = height_width(image_size if isinstance(image_size, int) else list(image_size), "image_size")
     patch = patch_size
     if height < patch or width < patch:
         raise ValueError(f"image_size {height}x{width} is smaller than one {patch}x{patch} patch.")

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from .. import resolution
 from ..configuration_vit import VisionTransformerConfig
-from ..configuration_vit import image_size_field as _image_size_field
 from ..resolution import grid_for, resample_position_embeddings
 from .output import (  # noqa: F401 - re-exported: variants and older imports read them from here
     OutputFolderError,
@@ -292,7 +292,7 @@ def image_size_field(image_size: int | Sequence[int]) -> int | list[int]:
     """`image_size` as a config field (an int for a square size, else `[height, width]`), errors as
     `ConversionError`."""
     try:
-        return _image_size_field(image_size)
+        return resolution.image_size_field(image_size)
     except ValueError as error:
         raise ConversionError(str(error)) from error
 
