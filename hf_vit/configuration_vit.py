@@ -84,7 +84,6 @@ _PRESET_NAME = re.compile(
     rf"(?:(?P<resnet>r26|r50)-)?vit-(?P<size>{'|'.join(MODEL_SIZES)})-patch(?P<patch>\d+)-(?P<resolution>\d+)"
 )
 PRESETS: dict[str, dict[str, Any]] = _preset_table()
-HYBRID_PRESETS: dict[str, dict[str, Any]] = {name: _preset_fields(name) for name in HYBRID_PRESET_NAMES}
 
 
 def resnet_stride(resnet_layers: list[int] | None) -> int:
@@ -324,7 +323,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     @classmethod
     def preset_names(cls) -> list[str]:
-        return sorted(PRESETS) + sorted(HYBRID_PRESETS)
+        return sorted(PRESETS) + sorted(HYBRID_PRESET_NAMES)
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> VisionTransformerConfig:

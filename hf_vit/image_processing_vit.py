@@ -525,7 +525,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         image_std = self.image_std if image_std is None else image_std
         _check_rescale_and_normalization(rescale_factor, image_mean, image_std)
 
-        tensors = self._load_images(images, do_convert_rgb, input_data_format)
+        tensors = load_images(images, do_convert_rgb, input_data_format)
         # Same-size images are processed as one batch: one interpolate call per group.
         groups: dict[tuple, list[int]] = {}
         for index, tensor in enumerate(tensors):
@@ -583,12 +583,6 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             self.image_mean if self.do_normalize else None,
             self.image_std if self.do_normalize else None,
         )
-
-    @staticmethod
-    def _load_images(
-        images: Any, do_convert_rgb: bool, input_data_format: str | ChannelDimension | None
-    ) -> list[torch.Tensor]:
-        return load_images(images, do_convert_rgb, input_data_format)
 
 
 __all__ = [

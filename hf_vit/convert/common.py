@@ -24,12 +24,7 @@ import torch
 from .. import resolution
 from ..configuration_vit import VisionTransformerConfig
 from ..resolution import grid_for, resample_position_embeddings
-from .output import (  # noqa: F401 - re-exported: variants and older imports read them from here
-    OutputFolderError,
-    check_output_dir,
-    write_card,
-    write_converted_folder,
-)
+from .output import check_output_dir, write_card, write_converted_folder
 
 
 class ConversionError(ValueError):

@@ -269,9 +269,9 @@ class ForeignCheckpoint:
         """The source's image processor: its size, crop, mean/std and resampling."""
         try:
             if self.layout == "transformers":
-                from .transformers_vit import _read_json, transformers_config_to_hf_vit, transformers_processor
+                from .transformers_vit import read_json, transformers_config_to_hf_vit, transformers_processor
 
-                image_hw = transformers_config_to_hf_vit(_read_json(self.folder / "config.json")).image_hw
+                image_hw = transformers_config_to_hf_vit(read_json(self.folder / "config.json")).image_hw
                 return transformers_processor(self.folder, image_hw)
             if self.layout == "timm":
                 from .timm_vit import read_timm_config, timm_config, timm_processor

@@ -146,7 +146,7 @@ def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) ->
     return VisionTransformerConfig(classifier="token", zero_init_head=False, **fields)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     """A JSON object from `path`, or a `ConversionError` naming the file and what is wrong with it."""
     try:
         value = json.loads(path.read_text())
@@ -170,7 +170,7 @@ def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     if single.is_file():
         return _read_weights(single)
     if index.is_file():
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        shards = sorted(set(read_json(index)["weight_map"].values()))
         state_dict = {}
         for shard in shards:
             state_dict.update(_read_weights(folder / shard))
@@ -185,7 +185,7 @@ def transformers_processor(folder: Path, image_size: tuple[int, int]):
     from ..image_processing_vit import VisionTransformerImageProcessor
 
     path = folder / "preprocessor_config.json"
-    settings = _read_json(path) if path.is_file() else {}
+    settings = read_json(path) if path.is_file() else {}
     keep = (
         "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
         "do_normalize", "image_mean", "image_std", "do_convert_rgb",
@@ -210,7 +210,7 @@ def transformers_config(folder: Path, keys: Collection[str]) -> VisionTransforme
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ConversionError(f"{folder} has no config.json; pass the folder of a saved transformers ViT model.")
-    source_config = _read_json(config_path)
+    source_config = read_json(config_path)
     keys = set(_saved_layout(dict.fromkeys(keys)))
     has_classifier = "classifier.weight" in keys
     # ViTForImageClassification ignores a pooler: so does the conversion, to compute the same function.
