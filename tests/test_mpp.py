@@ -222,3 +222,16 @@ def test_a_model_built_with_a_mask_token_loads_a_checkpoint_without_one(tmp_path
     with torch.no_grad():
         torch.testing.assert_close(outputs[0], model(x).last_hidden_state)
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_pixels_are_checked_once_per_forward(monkeypatch):
+    import hf_vit.modeling_vit as modeling
+
+    calls = []
+    check = modeling.check_pixel_values
+    monkeypatch.setattr(modeling, "check_pixel_values", lambda *args: calls.append(1) or check(*args))
+    model = VisionTransformerForMaskedPatchPrediction(mpp_config()).train()
+    model(torch.randn(2, 3, 16, 16))
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="not divisible by the patch size"):
+        model(torch.randn(2, 3, 18, 16))

@@ -324,3 +324,37 @@ def test_an_npz_loads_at_another_size_by_keyword_and_with_an_upper_case_suffix(t
     (tmp_path / "ViT-T_8.npz").rename(tmp_path / "VIT-T_8.NPZ")
     upper = VisionTransformerForImageClassification.from_pretrained(tmp_path / "VIT-T_8.NPZ")
     assert upper.config.image_size == 32 and upper.config.num_labels == 5
+
+
+def test_a_config_only_load_builds_no_model_and_reads_no_weights(hub_cache, monkeypatch):
+    import safetensors.torch
+
+    from hf_vit import VisionTransformerPreTrainedModel
+
+    transformers_vit(ViTForImageClassification, num_labels=3).save_pretrained(hub_repo(hub_cache, "google/vit-cfg"))
+    source = VisionTransformerForImageClassification(
+        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=4, **SIZES)
+    )
+    timm_repo(hub_repo(hub_cache, "timm/vit_tiny_patch8_32.cfg"), source)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a config-only load built a model or read weights")
+
+    monkeypatch.setattr(VisionTransformerPreTrainedModel, "__init__", refuse)
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    config = VisionTransformerConfig.from_pretrained("google/vit-cfg")
+    assert (config.num_labels, config.hidden_size, config.image_size) == (3, 32, 32)
+    timm = VisionTransformerConfig.from_pretrained("timm/vit_tiny_patch8_32.cfg")
+    assert (timm.num_labels, timm.num_attention_heads) == (4, 2)
+
+
+def test_dtype_and_device_map_work_as_for_a_folder(hub_cache):
+    source = transformers_vit(ViTForImageClassification, num_labels=3)
+    source.save_pretrained(hub_repo(hub_cache, "google/vit-bf16"))
+    model = VisionTransformerForImageClassification.from_pretrained(
+        "google/vit-bf16", dtype=torch.bfloat16, device_map="cpu"
+    )
+    assert model.dtype == torch.bfloat16 and model.device.type == "cpu"
+    with torch.no_grad():
+        difference = (model(pixels().bfloat16()).logits.float() - source(pixels()).logits).abs().max().item()
+    assert difference < 0.1
