@@ -14,12 +14,15 @@ from transformers import (
     AutoModelForPreTraining,
 )
 
+# The converters register their reader of foreign checkpoints (transformers' and timm's ViT, the authors' .npz) with
+# the core's hook (`loading.py`) as they are imported: the core imports nothing of them.
+from . import convert  # noqa: E402, F401
 from .configuration_vit import PRESETS, VisionTransformerConfig
 from .image_processing_vit import VisionTransformerImageProcessor
+from .modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .modeling_vit import (
     VisionTransformerBackbone,
     VisionTransformerForImageClassification,
-    VisionTransformerForMaskedPatchPrediction,
     VisionTransformerModel,
     VisionTransformerPreTrainedModel,
 )

@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .resolution import grid_for
+
 __all__ = [
     "HEAD_FUSIONS",
     "AttentionSummary",
@@ -158,8 +160,7 @@ def attention_probabilities(
 
 
 def _grid(model: nn.Module, pixel_values: torch.Tensor) -> tuple[int, int]:
-    patch = _encoder(model).config.patch_size
-    return (pixel_values.shape[-2] // patch, pixel_values.shape[-1] // patch)
+    return grid_for(tuple(pixel_values.shape[-2:]), _encoder(model).config.patch_size)
 
 
 # Attention rollout

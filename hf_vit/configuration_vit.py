@@ -1,6 +1,7 @@
 """Configuration of the Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., 2020).
 
-This file is also saved next to checkpoints as remote code, so it imports only transformers and the standard library.
+This file is also saved next to checkpoints as remote code, so it imports only transformers, the standard library and
+the code files beside it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from typing import Any
 
 from transformers import PretrainedConfig
 from transformers.backbone_utils import BackboneConfigMixin
+
+from .loading import open_foreign
+from .resolution import height_width
 
 # Width, depth, MLP size and heads of the paper's Table 1 (Base, Large, Huge) and of the DeiT/AugReg Tiny and Small.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -46,7 +50,7 @@ AUTO_MAP = {
     "AutoModel": "modeling_vit.VisionTransformerModel",
     "AutoModelForImageClassification": "modeling_vit.VisionTransformerForImageClassification",
     "AutoBackbone": "modeling_vit.VisionTransformerBackbone",
-    "AutoModelForPreTraining": "modeling_vit.VisionTransformerForMaskedPatchPrediction",
+    "AutoModelForPreTraining": "modeling_mpp.VisionTransformerForMaskedPatchPrediction",
 }
 
 
@@ -80,7 +84,6 @@ _PRESET_NAME = re.compile(
     rf"(?:(?P<resnet>r26|r50)-)?vit-(?P<size>{'|'.join(MODEL_SIZES)})-patch(?P<patch>\d+)-(?P<resolution>\d+)"
 )
 PRESETS: dict[str, dict[str, Any]] = _preset_table()
-HYBRID_PRESETS: dict[str, dict[str, Any]] = {name: _preset_fields(name) for name in HYBRID_PRESET_NAMES}
 
 
 def resnet_stride(resnet_layers: list[int] | None) -> int:
@@ -89,20 +92,6 @@ def resnet_stride(resnet_layers: list[int] | None) -> int:
     if resnet_layers is None:
         return 1
     return 4 * 2 ** max(len(resnet_layers) - 1, 0)
-
-
-def _pair(value: int | tuple[int, int] | list[int], name: str) -> tuple[int, int]:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return (value, value)
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
-        return (int(value[0]), int(value[1]))
-    raise ValueError(f"`{name}` must be an int or a (height, width) pair of ints, got {value!r}.")
-
-
-def image_size_field(image_size: int | tuple[int, int] | list[int]) -> int | list[int]:
-    """`image_size` as the config stores it: an int for a square size, else `[height, width]`."""
-    height, width = _pair(image_size if isinstance(image_size, int) else list(image_size), "image_size")
-    return height if height == width else [height, width]
 
 
 class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
@@ -176,7 +165,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     def __post_init__(self, **kwargs: Any) -> None:
         if isinstance(self.image_size, (tuple, list)):
-            self.image_size = list(_pair(self.image_size, "image_size"))
+            self.image_size = list(height_width(self.image_size, "image_size"))
         if isinstance(self.resnet_layers, tuple):
             self.resnet_layers = list(self.resnet_layers)
         self.stage_names = ["stem"] + [f"stage{index}" for index in range(1, self.num_hidden_layers + 1)]
@@ -194,7 +183,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
         Called when the config is built; `validate()`, which `save_pretrained` calls, stays transformers' own and runs
         its checks (e.g. `validate_output_attentions`)."""
-        height, width = _pair(self.image_size, "image_size")
+        height, width = height_width(self.image_size, "image_size")
         positive = {
             "image_size": min(height, width),
             "patch_size": self.patch_size,
@@ -264,18 +253,14 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """transformers' reading of `config.json`, with the checkpoints users have converted on the way (transformers'
-        and timm's ViT, the authors' `.npz`; see `hf_vit.convert.sources`), and refusing what would silently build
-        another model: a folder without `config.json` (transformers would use the defaults) or the config of another
-        model type (whose weights would not load, leaving the model randomly initialised)."""
+        and timm's ViT, the authors' `.npz`, once `hf_vit.convert` has registered its reader with `loading.py`), and
+        refusing what would silently build another model: a folder without `config.json` (transformers would use the
+        defaults) or the config of another model type (whose weights would not load, leaving the model randomly
+        initialised)."""
         source = pretrained_model_name_or_path
-        try:
-            from hf_vit.convert.sources import ConvertedSource
-        except ImportError:  # remote code where hf-vit is not installed: hf-vit checkpoints only
-            ConvertedSource = None
-        if ConvertedSource is not None and isinstance(source, (str, os.PathLike)):
-            with ConvertedSource(source, kwargs) as resolved:
-                if resolved is not source:
-                    return super().get_config_dict(resolved, **kwargs)
+        foreign = open_foreign(source, kwargs)
+        if foreign is not None:
+            return foreign.config_dict(kwargs), kwargs
         config_dict, kwargs = super().get_config_dict(source, **kwargs)
         if not config_dict:  # transformers returns {} for a folder without config.json
             raise OSError(
@@ -294,7 +279,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     @property
     def image_hw(self) -> tuple[int, int]:
         """The input resolution as `(height, width)`."""
-        return _pair(self.image_size, "image_size")
+        return height_width(self.image_size, "image_size")
 
     @property
     def grid_size(self) -> tuple[int, int]:
@@ -338,7 +323,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     @classmethod
     def preset_names(cls) -> list[str]:
-        return sorted(PRESETS) + sorted(HYBRID_PRESETS)
+        return sorted(PRESETS) + sorted(HYBRID_PRESET_NAMES)
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> VisionTransformerConfig:

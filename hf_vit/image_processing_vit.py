@@ -435,12 +435,14 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`, also for the checkpoints hf-vit's models convert on load (transformers'
         and timm's ViT, the authors' `.npz`): their preprocessing (size, mean/std, resampling) comes along."""
-        try:
-            from hf_vit.convert.sources import foreign_processor
-        except ImportError:  # remote code where hf-vit is not installed: hf-vit folders only
-            foreign_processor = None
-        processor = foreign_processor(pretrained_model_name_or_path, kwargs) if foreign_processor else None
-        if processor is not None:  # the caller's settings (e.g. size=384) apply as for a saved processor
+        try:  # the hook the converters fill (`loading.py`); this file also works alone, for hf-vit folders only
+            from .loading import open_foreign
+        except ImportError:
+            foreign = None
+        else:
+            foreign = open_foreign(pretrained_model_name_or_path, kwargs)
+        if foreign is not None:  # the caller's settings (e.g. size=384) apply as for a saved processor
+            processor = foreign.processor()
             return cls.from_dict(processor.to_dict(), **{k: v for k, v in kwargs.items() if hasattr(processor, k)})
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
@@ -523,7 +525,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         image_std = self.image_std if image_std is None else image_std
         _check_rescale_and_normalization(rescale_factor, image_mean, image_std)
 
-        tensors = self._load_images(images, do_convert_rgb, input_data_format)
+        tensors = load_images(images, do_convert_rgb, input_data_format)
         # Same-size images are processed as one batch: one interpolate call per group.
         groups: dict[tuple, list[int]] = {}
         for index, tensor in enumerate(tensors):
@@ -581,12 +583,6 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             self.image_mean if self.do_normalize else None,
             self.image_std if self.do_normalize else None,
         )
-
-    @staticmethod
-    def _load_images(
-        images: Any, do_convert_rgb: bool, input_data_format: str | ChannelDimension | None
-    ) -> list[torch.Tensor]:
-        return load_images(images, do_convert_rgb, input_data_format)
 
 
 __all__ = [

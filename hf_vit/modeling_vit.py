@@ -8,8 +8,8 @@
     y   = LN(zL^0)                                       (4)  VisionTransformerModel
 
 The hybrid architecture (section 3.1) takes the patches x_p from the feature map of a ResNet stem (`hybrid.py`)
-instead of the image; masked patch prediction (section 4.6) corrupts some of the x_p^i E before the positions are added
-and predicts their mean colours (`VisionTransformerForMaskedPatchPrediction`).
+instead of the image; masked patch prediction (section 4.6, `modeling_mpp.py`) corrupts some of the x_p^i E before the
+positions are added, through the `corrupt_embeddings` argument of the encoder.
 
 This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
 transformers and the code files beside it.
@@ -18,148 +18,41 @@ transformers and the code files beside it.
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorError
 from torch import nn
-from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.backbone_utils import BackboneMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BackboneOutput, BaseModelOutputWithPooling, ImageClassifierOutput
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, can_return_tuple
+from transformers.utils.output_capturing import capture_outputs
 
 from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
-from .configuration_vit import VisionTransformerConfig, image_size_field
+from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
-from .resolution import grid_for, resample_position_embeddings
+from .loading import load_strictly
+from .resolution import check_pixel_values, grid_for, image_size_field, resample_position_embeddings
 
 __all__ = [
-    "PATCH_CLEAN",
-    "PATCH_KEPT",
-    "PATCH_MASKED",
-    "PATCH_RANDOM",
-    "MaskedPatchPredictionOutput",
     "VisionTransformerBackbone",
     "VisionTransformerForImageClassification",
-    "VisionTransformerForMaskedPatchPrediction",
     "VisionTransformerIntermediates",
     "VisionTransformerModel",
     "VisionTransformerPreTrainedModel",
-    "check_pixel_values",
-    "corrupt_patches",
-    "draw_patch_corruption",
 ]
-
-# What masked patch prediction does to each patch embedding (a `patch_corruption` tensor holds these codes): left
-# alone, replaced by the [mask] embedding, replaced by another patch's embedding, or kept but predicted all the same.
-PATCH_CLEAN, PATCH_MASKED, PATCH_RANDOM, PATCH_KEPT = 0, 1, 2, 3
-
-
-def check_pixel_values(
-    pixel_values: torch.Tensor, config: VisionTransformerConfig, interpolate_pos_encoding: bool
-) -> None:
-    """Reject inputs the model cannot embed, with a message that says how to fix them."""
-    if not isinstance(pixel_values, torch.Tensor):
-        raise TypeError(f"`pixel_values` must be a torch.Tensor, got {type(pixel_values).__name__}.")
-    if pixel_values.ndim != 4:
-        raise ValueError(
-            "`pixel_values` must have 4 dimensions (batch, channels, height, width), got shape "
-            f"{tuple(pixel_values.shape)}. Add a batch dimension with `pixel_values[None]` for one image."
-        )
-    batch, channels, height, width = pixel_values.shape
-    if batch == 0:
-        raise ValueError("`pixel_values` is an empty batch (batch size 0); pass at least one image.")
-    if not pixel_values.is_floating_point():
-        raise TypeError(
-            f"`pixel_values` must be a floating point tensor, got {pixel_values.dtype}. Run the image processor, "
-            "or convert integer pixels with `.float() / 255` and normalise them."
-        )
-    if channels != config.num_channels:
-        hint = (
-            " The image processor converts images to RGB by default: build it with `do_convert_rgb=False` to keep "
-            f"{config.num_channels} channels (e.g. RGB + infrared)."
-            if channels == 3
-            else ""
-        )
-        raise ValueError(
-            f"`pixel_values` has {channels} channels but the model expects {config.num_channels} "
-            f"(shape {tuple(pixel_values.shape)}; the layout is channels first: batch, channels, height, width).{hint}"
-        )
-    if height % config.patch_size or width % config.patch_size:
-        raise ValueError(
-            f"Image size {height}x{width} is not divisible by the patch size {config.patch_size}; "
-            "resize or crop the images to a multiple of it."
-        )
-    if not interpolate_pos_encoding and (height, width) != config.image_hw:
-        raise ValueError(
-            f"Image size {height}x{width} differs from the model's {config.image_hw[0]}x{config.image_hw[1]}. Pass "
-            "`interpolate_pos_encoding=True` to interpolate the position embeddings to the new size, or resize "
-            "the images (the image processor does it)."
-        )
-
-
-def draw_patch_corruption(
-    batch_size: int,
-    num_patches: int,
-    config: VisionTransformerConfig,
-    generator: torch.Generator | None = None,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Masked patch prediction's corruption of `batch_size` images of `num_patches` patches, as B.1.2 of the paper
-    describes it: `config.mpp_corrupt_ratio` of each image's patches (rounded half up) are corrupted, each of them
-    replaced by the [mask] embedding with probability `mpp_mask_ratio`, by another patch's embedding with probability
-    `mpp_random_ratio`, and kept otherwise. Returns `(batch_size, num_patches)` int64 codes (`PATCH_CLEAN`,
-    `PATCH_MASKED`, `PATCH_RANDOM`, `PATCH_KEPT`)."""
-    count = int(config.mpp_corrupt_ratio * num_patches + 0.5)
-    # The ranks of uniform draws are a uniform random permutation: the `count` lowest are corrupted.
-    ranks = torch.rand(batch_size, num_patches, generator=generator, device=device).argsort(dim=1).argsort(dim=1)
-    kind = torch.rand(batch_size, num_patches, generator=generator, device=device)
-    codes = torch.where(
-        kind < config.mpp_mask_ratio,
-        PATCH_MASKED,
-        torch.where(kind < config.mpp_mask_ratio + config.mpp_random_ratio, PATCH_RANDOM, PATCH_KEPT),
-    )
-    return torch.where(ranks < count, codes, PATCH_CLEAN)
-
-
-def corrupt_patches(
-    tokens: torch.Tensor, patch_corruption: torch.Tensor, mask_token: torch.Tensor | None
-) -> torch.Tensor:
-    """Apply `patch_corruption` codes `(B, N)` to patch embeddings `(B, N, D)`. A `PATCH_RANDOM` patch takes the
-    embedding of another patch drawn uniformly from the whole batch (as BERT's random token is drawn from the
-    vocabulary rather than from its own sentence)."""
-    batch, count, dim = tokens.shape
-    if tuple(patch_corruption.shape) != (batch, count):
-        raise ValueError(
-            f"`patch_corruption` has shape {tuple(patch_corruption.shape)} but the images have {count} patches each "
-            f"(expected ({batch}, {count}))."
-        )
-    if mask_token is None:
-        raise ValueError(
-            "This model has no [mask] embedding: corrupt patches with VisionTransformerForMaskedPatchPrediction (or "
-            "a VisionTransformerModel built with use_mask_token=True)."
-        )
-    total = batch * count
-    flat = tokens.reshape(total, dim)
-    # Draw among the total - 1 other patches: values at or above a patch's own index move up by one.
-    source = torch.randint(0, max(total - 1, 1), (total,), device=tokens.device)
-    source = source + (source >= torch.arange(total, device=tokens.device)).long() if total > 1 else source
-    others = flat[source].view(batch, count, dim)
-    tokens = torch.where((patch_corruption == PATCH_RANDOM)[..., None], others, tokens)
-    return torch.where((patch_corruption == PATCH_MASKED)[..., None], mask_token.to(tokens.dtype), tokens)
 
 
 class VisionTransformerEmbeddings(nn.Module):
     """Equation (1): linear patch embedding `E`, the class token, and learned 1D position embeddings `E_pos`.
 
-    In a hybrid the patches come from the ResNet stem's feature map; with `use_mask_token` the embeddings can be
-    corrupted for masked patch prediction (`patch_corruption`)."""
+    In a hybrid the patches come from the ResNet stem's feature map. `use_mask_token` adds the learned [mask]
+    embedding of masked patch prediction, which `corrupt_embeddings(x_p^i E, mask_token)` may put in place of some
+    patch embeddings before the positions are added (as BERT's [MASK]; see `modeling_mpp.py`)."""
 
     def __init__(self, config: VisionTransformerConfig, use_mask_token: bool = False) -> None:
         super().__init__()
@@ -175,14 +68,14 @@ class VisionTransformerEmbeddings(nn.Module):
         self.position_embedding = nn.Parameter(torch.zeros(1, num_positions, config.hidden_size))
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, pixel_values: torch.Tensor, patch_corruption: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, corrupt_embeddings: Callable | None = None) -> torch.Tensor:
         pixel_values = pixel_values.to(self.patch_embedding.weight.dtype)
         # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
         features = pixel_values if self.stem is None else self.stem(pixel_values)
         patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
         tokens = patches.flatten(2).transpose(1, 2)  # (B, N, D): x_p^i E
-        if patch_corruption is not None:  # masked patch prediction: before the positions, as BERT's [MASK]
-            tokens = corrupt_patches(tokens, patch_corruption, self.mask_token)
+        if corrupt_embeddings is not None:
+            tokens = corrupt_embeddings(tokens, self.mask_token)
         if self.cls_token is not None:
             tokens = torch.cat([self.cls_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
         # E_pos, resampled in 2D when the grid is not the one the model was trained on
@@ -277,7 +170,7 @@ class VisionTransformerBlock(GradientCheckpointingLayer):
         return hidden_states, probs
 
 
-def _lecun_normal_(tensor: torch.Tensor) -> None:
+def lecun_normal_(tensor: torch.Tensor) -> None:
     """Flax's lecun_normal: a normal of variance 1/fan_in truncated at two standard deviations."""
     fan_in = tensor[0].numel()  # (out, in, ...) layouts: everything but the first dimension feeds one output
     std = math.sqrt(1.0 / fan_in) / 0.87962566103423978  # rescaled so the truncated values have variance 1/fan_in
@@ -299,52 +192,24 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = True
     _supports_attention_backend = True
     _can_compile_fullgraph = True
+    # transformers' `capture_outputs` records `hidden_states` (the embeddings and every block's output) and
+    # `attentions` (the probabilities each attention returns with the eager implementation) from these modules.
+    _can_record_outputs = {"hidden_states": VisionTransformerBlock, "attentions": VisionTransformerAttention}
     # The loss is a mean over the batch. Telling Trainer so keeps it from expecting a sum over `num_items_in_batch`
     # and multiplying the loss by the number of processes.
     accepts_loss_kwargs = False
-    # Weights a checkpoint may lack, because they belong to a new head: loading starts them from `_init_weights`.
+    # Weights a checkpoint may lack, because they are new by construction (a new head; the [mask] embedding of a model
+    # built with use_mask_token=True): loading starts them from `_init_weights`.
     _new_weight_prefixes: tuple[str, ...] = ("classifier.", "pre_logits.")
+    _new_weight_suffixes: tuple[str, ...] = ("embeddings.mask_token",)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' `from_pretrained`, taking also the checkpoints users have (transformers' and timm's ViT as Hub
-        ids or folders, the authors' `.npz` files; converted on load, see `hf_vit.convert.sources`), and strict:
-        weights that leave part of the encoder randomly initialised are an error (only a classification head may be
-        new), and unreadable weights or folders are named."""
-        output_loading_info = kwargs.pop("output_loading_info", False)
-        source = pretrained_model_name_or_path
-        try:
-            from hf_vit.convert.sources import ConvertedSource
-        except ImportError:  # remote code where hf-vit is not installed: hf-vit checkpoints only
-            ConvertedSource = None
-        if ConvertedSource is not None:
-            with ConvertedSource(source, kwargs) as resolved:
-                if resolved is not source:  # transformers' or timm's ViT, or the authors' .npz, converted on load
-                    return cls.from_pretrained(resolved, *args, output_loading_info=output_loading_info, **kwargs)
-        if isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
-            raise OSError(f"{os.fspath(source)!r} is a file: pass the folder that holds it and its config.json.")
-        try:
-            model, info = super().from_pretrained(source, *args, output_loading_info=True, **kwargs)
-        except SafetensorError as error:
-            raise OSError(
-                f"Could not read the weights in {source}: the safetensors file is corrupted or truncated ({error}). "
-                "Save or download the checkpoint again."
-            ) from error
-        except OSError as error:
-            if isinstance(source, (str, os.PathLike)) and not os.path.exists(source):
-                raise OSError(
-                    f"{os.fspath(source)!r} is not a local folder, and loading it as a Hugging Face Hub model id "
-                    f"failed: {error}"
-                ) from error
-            raise
-        missing = sorted(key for key in info["missing_keys"] if not key.startswith(cls._new_weight_prefixes))
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(
-                f"The weights in {source} do not fit {cls.__name__}: {len(missing)} of its weights are not in the "
-                f"checkpoint ({shown}) and would stay randomly initialised. Is it a checkpoint of another model?"
-            )
-        return (model, info) if output_loading_info else model
+        ids or folders, the authors' `.npz` files; converted in memory by the reader `hf_vit.convert` registers), and
+        strict: weights that leave part of the encoder randomly initialised are an error (only a classification head
+        may be new), and unreadable weights or folders are named: see `loading.py`."""
+        return load_strictly(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs)
 
     @torch.no_grad()
     def set_input_size(self, image_size: int | tuple[int, int] | list[int], mode: str = "bicubic") -> None:
@@ -373,7 +238,7 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         LeCun-normal patch embedding, normal(0.02) positions, zero class token and zero classifier."""
         std = self.config.initializer_range
         if isinstance(module, VisionTransformerEmbeddings):
-            _lecun_normal_(module.patch_embedding.weight)
+            lecun_normal_(module.patch_embedding.weight)
             init.zeros_(module.patch_embedding.bias)
             init.normal_(module.position_embedding, std=std)
             if module.cls_token is not None:
@@ -381,7 +246,7 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
             if module.mask_token is not None:
                 init.normal_(module.mask_token, std=std)
         elif isinstance(module, StdConv2d):  # flax.linen.Conv's default kernel initialiser
-            _lecun_normal_(module.weight)
+            lecun_normal_(module.weight)
         elif isinstance(module, nn.GroupNorm):
             init.ones_(module.weight)
             init.zeros_(module.bias)
@@ -406,17 +271,14 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
             init.zeros_(module.bias)
         elif isinstance(module, VisionTransformerForImageClassification):
             if module.pre_logits is not None:
-                _lecun_normal_(module.pre_logits.weight)
+                lecun_normal_(module.pre_logits.weight)
                 init.zeros_(module.pre_logits.bias)
             if isinstance(module.classifier, nn.Linear):
                 if self.config.zero_init_head:
                     init.zeros_(module.classifier.weight)
                 else:
-                    _lecun_normal_(module.classifier.weight)
+                    lecun_normal_(module.classifier.weight)
                 init.zeros_(module.classifier.bias)
-        elif isinstance(module, VisionTransformerForMaskedPatchPrediction):
-            _lecun_normal_(module.mpp_head.weight)
-            init.zeros_(module.mpp_head.bias)
 
 
 class VisionTransformerModel(VisionTransformerPreTrainedModel):
@@ -435,50 +297,29 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
     def get_input_embeddings(self) -> nn.Module:
         return self.embeddings.patch_embedding
 
+    @capture_outputs(tie_last_hidden_states=False)  # hidden states and attentions recorded from the blocks
     def forward(
         self,
         pixel_values: torch.Tensor | None = None,
         interpolate_pos_encoding: bool | None = None,
         output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        patch_corruption: torch.Tensor | None = None,
+        corrupt_embeddings: Callable | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPooling | tuple:
-        """`patch_corruption`: masked patch prediction's codes `(B, N)` (see `draw_patch_corruption`), applied to the
-        patch embeddings; needs a model built with `use_mask_token=True`."""
+    ) -> BaseModelOutputWithPooling:
+        """`corrupt_embeddings(tokens, mask_token)`: masked patch prediction's corruption of the patch embeddings
+        (see `VisionTransformerEmbeddings` and `modeling_mpp.py`)."""
         if pixel_values is None:
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
+        # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        output_hidden_states = (
-            self.config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        )
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-
         check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
-        hidden_states = self.embeddings(pixel_values, patch_corruption)  # (1)
-        all_hidden_states = (hidden_states,) if output_hidden_states else None
-        all_attentions = () if output_attentions else None
+        hidden_states = self.embeddings(pixel_values, corrupt_embeddings)  # (1)
         for block in self.layers:
-            hidden_states, probs = block(hidden_states, output_attentions)  # (2), (3)
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
-            if output_attentions:
-                all_attentions += (probs,)
+            hidden_states, _ = block(hidden_states, output_attentions)  # (2), (3)
         sequence_output = self.norm(hidden_states)
         # (4): the class token's final state, or the average of the patch tokens for classifier="gap".
         pooled_output = sequence_output[:, 0] if self.config.classifier == "token" else sequence_output.mean(dim=1)
-
-        if not return_dict:
-            return tuple(
-                v for v in (sequence_output, pooled_output, all_hidden_states, all_attentions) if v is not None
-            )
-        return BaseModelOutputWithPooling(
-            last_hidden_state=sequence_output,
-            pooler_output=pooled_output,
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
-        )
+        return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
 
     def forward_intermediates(
         self,
@@ -504,7 +345,7 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
             raise ValueError(f"indices must name blocks 0..{depth - 1} (or -{depth}..-1), got {indices!r}.")
         wanted = [index % depth for index in wanted]
         check_pixel_values(pixel_values, self.config, interpolate_pos_encoding)
-        grid = (pixel_values.shape[-2] // self.config.patch_size, pixel_values.shape[-1] // self.config.patch_size)
+        grid = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
         prefix = self.config.num_prefix_tokens
         hidden_states = self.embeddings(pixel_values)
         outputs = {}
@@ -540,27 +381,21 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
         super().__init__(config)
         self.num_features = [config.hidden_size] * (config.num_hidden_layers + 1)
 
+    @can_return_tuple
     def forward(
         self,
         pixel_values: torch.Tensor,
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
-        return_dict: bool | None = None,
         interpolate_pos_encoding: bool = True,
         **kwargs,
-    ) -> BackboneOutput | tuple:
-        return_dict = self.config.return_dict if return_dict is None else return_dict
+    ) -> BackboneOutput:
         # dense prediction runs at any patch-divisible size: the position embeddings follow it
         outputs = VisionTransformerModel.forward(  # not super(): BackboneMixin defines a forward of its own
-            self,
-            pixel_values,
-            interpolate_pos_encoding=interpolate_pos_encoding,
-            output_attentions=output_attentions,
-            output_hidden_states=True,
-            return_dict=True,
-        )
-        height, width = pixel_values.shape[-2:]
-        rows, cols = height // self.config.patch_size, width // self.config.patch_size
+            self, pixel_values, interpolate_pos_encoding=interpolate_pos_encoding,
+            output_attentions=output_attentions, output_hidden_states=True,
+        )  # fmt: skip
+        rows, cols = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
         feature_maps = tuple(
             self.norm(state)[:, self.config.num_prefix_tokens :]
             .reshape(state.shape[0], rows, cols, -1)
@@ -570,8 +405,6 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
             if stage in self.out_features
         )
         hidden_states = outputs.hidden_states if output_hidden_states else None
-        if not return_dict:
-            return tuple(v for v in (feature_maps, hidden_states, outputs.attentions) if v is not None)
         return BackboneOutput(feature_maps=feature_maps, hidden_states=hidden_states, attentions=outputs.attentions)
 
 
@@ -612,117 +445,20 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
                 layer.to(reference)
         self._init_weights(self)
 
+    @can_return_tuple
     def forward(
         self,
         pixel_values: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         interpolate_pos_encoding: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
         **kwargs,
-    ) -> ImageClassifierOutput | tuple:
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        outputs = self.vit(
-            pixel_values,
-            interpolate_pos_encoding=interpolate_pos_encoding,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-        )
+    ) -> ImageClassifierOutput:
+        outputs = self.vit(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs)
         features = outputs.pooler_output
         if self.pre_logits is not None:
             features = torch.tanh(self.pre_logits(features))
         logits = self.classifier(features)
         loss = self.loss_function(labels, logits, self.config) if labels is not None else None
-
-        if not return_dict:
-            rest = tuple(v for v in (outputs.hidden_states, outputs.attentions) if v is not None)
-            return ((loss, logits) if loss is not None else (logits,)) + rest
         return ImageClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
-
-
-@dataclass
-class MaskedPatchPredictionOutput(ModelOutput):
-    """Outputs of masked patch prediction: the cross-entropy over the corrupted patches (`loss`), the mean-colour
-    logits of every patch `(B, N, classes)`, and the corruption codes used (`patch_corruption`, None if none)."""
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    patch_corruption: torch.Tensor | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
-    attentions: tuple[torch.Tensor, ...] | None = None
-
-
-class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel):
-    """ViT pretrained by masked patch prediction (section 4.6, appendix B.1.2): a share of the patch embeddings is
-    corrupted (see `draw_patch_corruption`) and a linear head predicts, from each corrupted patch's final
-    representation, its mean colour at `config.mpp_color_bits` bits per channel (512 classes for RGB at 3 bits).
-
-    The corruption is drawn here while training unless `patch_corruption` is given (the data pipeline of
-    `hf_vit.pretraining` draws it per example); outside training, only a given `patch_corruption` corrupts anything.
-    `labels` are the colour classes `(B, N)` of the patches (`hf_vit.pretraining.mean_color_classes`), -100 where
-    none; the loss is their cross-entropy over the corrupted patches, or over every labelled patch when nothing is
-    corrupted. The encoder's weights are a plain ViT's, so a checkpoint fine-tunes with
-    `VisionTransformerForImageClassification.from_pretrained` like any other (the [mask] embedding and this head are
-    left out).
-    """
-
-    _new_weight_prefixes = ("mpp_head.", "vit.embeddings.mask_token")
-
-    def __init__(self, config: VisionTransformerConfig) -> None:
-        super().__init__(config)
-        self.vit = VisionTransformerModel(config, use_mask_token=True)
-        self.mpp_head = nn.Linear(config.hidden_size, config.mpp_num_classes)
-        self.post_init()
-
-    def forward(
-        self,
-        pixel_values: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        patch_corruption: torch.Tensor | None = None,
-        interpolate_pos_encoding: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        return_dict: bool | None = None,
-        **kwargs,
-    ) -> MaskedPatchPredictionOutput | tuple:
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        if patch_corruption is None and self.training and isinstance(pixel_values, torch.Tensor):
-            check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
-            patch = self.config.patch_size
-            count = (pixel_values.shape[-2] // patch) * (pixel_values.shape[-1] // patch)
-            patch_corruption = draw_patch_corruption(
-                pixel_values.shape[0], count, self.config, device=pixel_values.device
-            )
-        outputs = self.vit(
-            pixel_values,
-            interpolate_pos_encoding=interpolate_pos_encoding,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
-            patch_corruption=patch_corruption,
-        )
-        logits = self.mpp_head(outputs.last_hidden_state[:, self.config.num_prefix_tokens :])
-        loss = None
-        if labels is not None:
-            targets = labels.to(logits.device)
-            if patch_corruption is not None:
-                targets = targets.masked_fill(patch_corruption.to(logits.device) == PATCH_CLEAN, -100)
-            # A sum over the labelled patches divided by their number (at least 1): no NaN for a batch without any.
-            flat_logits, flat_targets = logits.flatten(0, 1).float(), targets.flatten()
-            total = F.cross_entropy(flat_logits, flat_targets, ignore_index=-100, reduction="sum")
-            loss = total / (flat_targets != -100).sum().clamp(min=1)
-
-        if not return_dict:
-            rest = tuple(v for v in (patch_corruption, outputs.hidden_states, outputs.attentions) if v is not None)
-            return ((loss, logits) if loss is not None else (logits,)) + rest
-        return MaskedPatchPredictionOutput(
-            loss=loss,
-            logits=logits,
-            patch_corruption=patch_corruption,
-            hidden_states=outputs.hidden_states,
-            attentions=outputs.attentions,
         )

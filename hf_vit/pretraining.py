@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from .configuration_vit import VisionTransformerConfig
 from .data import Transform, apply_transforms, make_eval_transform, make_train_transform
 from .image_processing_vit import VisionTransformerImageProcessor
-from .modeling_vit import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
+from .modeling_mpp import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
 
 __all__ = [
     "MaskedPatchPredictionTransform",

@@ -5,7 +5,8 @@ resampled (bicubic by default, bilinear available) to the new grid, which may be
 `set_input_size` (in place), fine-tuning at another size, resolution variants, the converters and
 `interpolate_pos_encoding` all go through `resample_position_embeddings`.
 
-Saved next to checkpoints as remote code with the model, so it imports only torch and the configuration file.
+Image sizes and patch grids are read here only (`height_width`, `image_size_field`, `grid_for`, `check_pixel_values`).
+Saved next to checkpoints as remote code with the model, so it imports only torch.
 """
 
 from __future__ import annotations
@@ -15,18 +16,31 @@ from collections.abc import Sequence
 import torch
 from torch.nn import functional as F
 
-from .configuration_vit import _pair
-
 MODES = ("bicubic", "bilinear")
 # The largest position table accepted: a 256x256 grid of patches (e.g. 4096x4096 pixels at patch 16). Beyond it the
 # position embeddings alone take gigabytes (100000x100000 at patch 16 would need 120 GB) and attention is infeasible.
 MAX_PATCH_POSITIONS = 65536
 
 
+def height_width(value: int | tuple[int, int] | list[int], name: str = "image_size") -> tuple[int, int]:
+    """A size given as N (square) or (height, width), as `(height, width)`; a `ValueError` naming `name` else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value, value)
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return (int(value[0]), int(value[1]))
+    raise ValueError(f"`{name}` must be an int or a (height, width) pair of ints, got {value!r}.")
+
+
+def image_size_field(image_size: int | tuple[int, int] | list[int]) -> int | list[int]:
+    """`image_size` as the config stores it: an int for a square size, else `[height, width]`."""
+    height, width = height_width(image_size if isinstance(image_size, int) else list(image_size), "image_size")
+    return height if height == width else [height, width]
+
+
 def grid_for(image_size: int | Sequence[int], patch_size: int) -> tuple[int, int]:
     """The `(rows, cols)` patch grid of `image_size` (N or (H, W)), with an error saying what to pass instead when
     the size cannot be tiled by `patch_size` or is beyond `MAX_PATCH_POSITIONS`."""
-    height, width = _pair(image_size if isinstance(image_size, int) else list(image_size), "image_size")
+    height, width = height_width(image_size if isinstance(image_size, int) else list(image_size), "image_size")
     patch = patch_size
     if height < patch or width < patch:
         raise ValueError(f"image_size {height}x{width} is smaller than one {patch}x{patch} patch.")
@@ -77,3 +91,44 @@ def resample_position_embeddings(
     grid = F.interpolate(grid, size=tuple(new_grid), mode=mode, align_corners=False)
     patches = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(position_embedding.dtype)
     return torch.cat([prefix, patches], dim=1)
+
+
+def check_pixel_values(pixel_values: torch.Tensor, config, interpolate_pos_encoding: bool) -> None:
+    """Reject inputs the model cannot embed, with a message that says how to fix them."""
+    if not isinstance(pixel_values, torch.Tensor):
+        raise TypeError(f"`pixel_values` must be a torch.Tensor, got {type(pixel_values).__name__}.")
+    if pixel_values.ndim != 4:
+        raise ValueError(
+            "`pixel_values` must have 4 dimensions (batch, channels, height, width), got shape "
+            f"{tuple(pixel_values.shape)}. Add a batch dimension with `pixel_values[None]` for one image."
+        )
+    batch, channels, height, width = pixel_values.shape
+    if batch == 0:
+        raise ValueError("`pixel_values` is an empty batch (batch size 0); pass at least one image.")
+    if not pixel_values.is_floating_point():
+        raise TypeError(
+            f"`pixel_values` must be a floating point tensor, got {pixel_values.dtype}. Run the image processor, "
+            "or convert integer pixels with `.float() / 255` and normalise them."
+        )
+    if channels != config.num_channels:
+        hint = (
+            " The image processor converts images to RGB by default: build it with `do_convert_rgb=False` to keep "
+            f"{config.num_channels} channels (e.g. RGB + infrared)."
+            if channels == 3
+            else ""
+        )
+        raise ValueError(
+            f"`pixel_values` has {channels} channels but the model expects {config.num_channels} "
+            f"(shape {tuple(pixel_values.shape)}; the layout is channels first: batch, channels, height, width).{hint}"
+        )
+    if height % config.patch_size or width % config.patch_size:
+        raise ValueError(
+            f"Image size {height}x{width} is not divisible by the patch size {config.patch_size}; "
+            "resize or crop the images to a multiple of it."
+        )
+    if not interpolate_pos_encoding and (height, width) != config.image_hw:
+        raise ValueError(
+            f"Image size {height}x{width} differs from the model's {config.image_hw[0]}x{config.image_hw[1]}. Pass "
+            "`interpolate_pos_encoding=True` to interpolate the position embeddings to the new size, or resize "
+            "the images (the image processor does it)."
+        )

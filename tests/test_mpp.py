@@ -10,7 +10,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.data import load_digits_dataset, make_eval_transform
-from hf_vit.modeling_vit import (
+from hf_vit.modeling_mpp import (
     PATCH_CLEAN,
     PATCH_KEPT,
     PATCH_MASKED,
@@ -50,7 +50,7 @@ def test_corrupted_embeddings():
     mask = torch.full((1, 1, 3), -1.0)
     codes = torch.tensor([[0, 1, 2, 3, 2, 0], [2, 2, 2, 1, 0, 3]])
     torch.manual_seed(0)
-    out = corrupt_patches(tokens, codes, mask)
+    out = corrupt_patches(tokens, mask, codes)
     keep = (codes == PATCH_CLEAN) | (codes == PATCH_KEPT)
     assert torch.equal(out[keep], tokens[keep])
     assert (out[codes == PATCH_MASKED] == -1).all()
@@ -169,3 +169,69 @@ def test_pretrain_script_with_the_mpp_objective_then_finetune(tmp_path):
     assert VisionTransformerForImageClassification.from_pretrained(tmp_path / "fine").config.num_labels == 10
     with pytest.raises(ValueError, match="pretraining objective"):
         train("finetune", *parse_args("finetune", fine + ["--objective", "mpp", "--overwrite_output_dir", "True"]))
+
+
+def test_a_masked_patch_prediction_checkpoint_loads_as_remote_code_without_hf_vit(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    torch.manual_seed(0)
+    model = VisionTransformerForMaskedPatchPrediction(mpp_config()).eval()
+    model.save_pretrained(tmp_path / "mpp")
+    assert {"modeling_mpp.py", "modeling_vit.py", "configuration_vit.py"} <= {
+        p.name for p in (tmp_path / "mpp").iterdir()
+    }
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    torch.save(x, tmp_path / "x.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.modules["hf_vit"] = None  # hf_vit cannot be imported in this process
+        import torch
+        from transformers import AutoModelForPreTraining
+        model = AutoModelForPreTraining.from_pretrained({str(tmp_path / "mpp")!r}, trust_remote_code=True).eval()
+        assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
+        torch.save(model(torch.load({str(tmp_path / "x.pt")!r})).logits, {str(tmp_path / "logits.pt")!r})
+        """
+    )
+    env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), model(x).logits)
+
+
+def test_a_model_built_with_a_mask_token_loads_a_checkpoint_without_one(tmp_path):
+    """transformers' test_eager_matches_sdpa_inference pattern: save a model, load it with use_mask_token=True."""
+    from hf_vit import VisionTransformerModel
+
+    torch.manual_seed(0)
+    model = VisionTransformerModel(mpp_config()).eval()
+    model.save_pretrained(tmp_path)
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for implementation in ("eager", "sdpa"):
+        loaded = VisionTransformerModel.from_pretrained(
+            tmp_path, use_mask_token=True, attn_implementation=implementation
+        ).eval()
+        assert loaded.embeddings.mask_token is not None and loaded.embeddings.mask_token.abs().sum() > 0  # new
+        with torch.no_grad():
+            outputs.append(loaded(x).last_hidden_state)
+    with torch.no_grad():
+        torch.testing.assert_close(outputs[0], model(x).last_hidden_state)
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_pixels_are_checked_once_per_forward(monkeypatch):
+    import hf_vit.modeling_vit as modeling
+
+    calls = []
+    check = modeling.check_pixel_values
+    monkeypatch.setattr(modeling, "check_pixel_values", lambda *args: calls.append(1) or check(*args))
+    model = VisionTransformerForMaskedPatchPrediction(mpp_config()).train()
+    model(torch.randn(2, 3, 16, 16))
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="not divisible by the patch size"):
+        model(torch.randn(2, 3, 18, 16))

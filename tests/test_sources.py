@@ -201,3 +201,160 @@ def test_truncated_weights_of_a_transformers_folder_are_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="model.safetensors is truncated or corrupted"):
         VisionTransformerForImageClassification.from_pretrained(tmp_path)
+
+
+# --- Conversion in memory, every field kept or refused by name -------------------------------------------------------
+
+
+def test_a_conversion_writes_nothing_and_saves_an_hf_vit_folder(hub_cache, tmp_path, monkeypatch):
+    import tempfile
+
+    source = transformers_vit(ViTForImageClassification, num_labels=3)
+    source.save_pretrained(hub_repo(hub_cache, "google/vit-in-memory"))
+
+    def no_temporary_folder(*args, **kwargs):
+        raise AssertionError("the conversion wrote a temporary folder")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_temporary_folder)
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", no_temporary_folder)
+    model = VisionTransformerForImageClassification.from_pretrained("google/vit-in-memory")
+    x = pixels()
+    with torch.no_grad():
+        assert (model(x).logits - source(x).logits).abs().max().item() < 1e-5
+    monkeypatch.undo()
+    model.save_pretrained(tmp_path / "saved")
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "saved" / "model.safetensors", framework="pt") as saved:
+        assert "vit.layers.0.attention.qkv.weight" in set(saved.keys())  # hf-vit's layout, not the source's
+
+
+def test_an_fp16_source_loads_in_fp16_with_dtype_auto(hub_cache):
+    source = transformers_vit(ViTForImageClassification, num_labels=3).half()
+    source.save_pretrained(hub_repo(hub_cache, "google/vit-fp16"))
+    model = VisionTransformerForImageClassification.from_pretrained("google/vit-fp16", dtype="auto")
+    assert model.dtype == torch.float16
+    assert VisionTransformerForImageClassification.from_pretrained("google/vit-fp16", dtype=torch.float32).dtype == (
+        torch.float32
+    )
+
+
+def test_a_multi_label_checkpoint_keeps_its_problem_type_and_labels(hub_cache):
+    labels = {0: "cat", 1: "dog", 2: "grass"}
+    source = transformers_vit(
+        ViTForImageClassification, num_labels=3, id2label=labels, problem_type="multi_label_classification"
+    )
+    source.save_pretrained(hub_repo(hub_cache, "google/vit-multi-label"))
+    model = VisionTransformerForImageClassification.from_pretrained("google/vit-multi-label")
+    assert model.config.problem_type == "multi_label_classification"
+    assert model.config.id2label == labels and model.config.label2id == {"cat": 0, "dog": 1, "grass": 2}
+    config = VisionTransformerConfig.from_pretrained("google/vit-multi-label")
+    assert config.problem_type == "multi_label_classification"
+
+
+def test_a_pooler_that_is_not_tanh_is_refused_by_name(hub_cache):
+    transformers_vit(ViTModel, pooler_act="relu").save_pretrained(hub_repo(hub_cache, "google/vit-relu-pooler"))
+    with pytest.raises(ValueError, match=r"google/vit-relu-pooler.*pooler_act='relu'"):
+        VisionTransformerModel.from_pretrained("google/vit-relu-pooler")
+
+
+def test_a_deit_style_processor_keeps_its_resize_and_crop_and_needs_no_weights(hub_cache):
+    snapshot = hub_repo(hub_cache, "facebook/deit-like")
+    transformers_vit(ViTForImageClassification, num_labels=3).save_pretrained(snapshot)
+    settings = {
+        "image_processor_type": "ViTImageProcessor",
+        "do_resize": True,
+        "size": {"height": 40, "width": 40},
+        "resample": 3,
+        "do_center_crop": True,
+        "crop_size": {"height": 32, "width": 32},
+        "image_mean": [0.485, 0.456, 0.406],
+        "image_std": [0.229, 0.224, 0.225],
+    }
+    (snapshot / "preprocessor_config.json").write_text(json.dumps(settings))
+    (snapshot / "model.safetensors").unlink()  # a processor-only load reads the processor's files only
+    processor = VisionTransformerImageProcessor.from_pretrained("facebook/deit-like")
+    assert processor.size == {"height": 40, "width": 40} and processor.do_center_crop
+    assert processor.crop_size == {"height": 32, "width": 32}
+    image = torch.rand(3, 50, 60)
+    assert processor(image, return_tensors="pt")["pixel_values"].shape == (1, 3, 32, 32)
+
+
+def test_a_timm_repository_with_only_a_torch_file_loads(hub_cache):
+    torch.manual_seed(0)
+    source = VisionTransformerForImageClassification(
+        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=4, zero_init_head=False, **SIZES)
+    ).eval()
+    snapshot = hub_repo(hub_cache, "timm/vit_tiny_patch8_32.bin_only")
+    timm_repo(snapshot, source)
+    (snapshot / "model.safetensors").unlink()
+    torch.save(hf_vit_to_timm_state_dict(source.state_dict(), source.config), snapshot / "pytorch_model.bin")
+    model = VisionTransformerForImageClassification.from_pretrained("timm/vit_tiny_patch8_32.bin_only")
+    x = pixels()
+    with torch.no_grad():
+        assert (model(x).logits - source(x).logits).abs().max().item() < 1e-5
+
+
+def test_timm_global_pool_none_is_refused_with_its_meaning(hub_cache):
+    source = VisionTransformerForImageClassification(
+        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=4, **SIZES)
+    )
+    snapshot = hub_repo(hub_cache, "timm/vit_tiny_patch8_32.no_pool")
+    timm_repo(snapshot, source)
+    config = json.loads((snapshot / "config.json").read_text())
+    config["global_pool"] = ""
+    (snapshot / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"(?s)timm/vit_tiny_patch8_32.no_pool.*global_pool=''.*classifies every token"
+    ):
+        VisionTransformerForImageClassification.from_pretrained("timm/vit_tiny_patch8_32.no_pool")
+
+
+def test_an_npz_loads_at_another_size_by_keyword_and_with_an_upper_case_suffix(tmp_path):
+    torch.manual_seed(0)
+    source = VisionTransformerForImageClassification(
+        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=5, zero_init_head=False, **SIZES)
+    ).eval()
+    np.savez(tmp_path / "ViT-T_8.npz", **hf_vit_to_npz_arrays(source.state_dict(), source.config))
+    model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "ViT-T_8.npz", image_size=48)
+    assert model.config.image_size == 48
+    assert model.vit.embeddings.position_embedding.shape == (1, 1 + 6 * 6, 32)
+    with torch.no_grad():
+        assert model(pixels(48, 48)).logits.shape == (2, 5)
+    (tmp_path / "ViT-T_8.npz").rename(tmp_path / "VIT-T_8.NPZ")
+    upper = VisionTransformerForImageClassification.from_pretrained(tmp_path / "VIT-T_8.NPZ")
+    assert upper.config.image_size == 32 and upper.config.num_labels == 5
+
+
+def test_a_config_only_load_builds_no_model_and_reads_no_weights(hub_cache, monkeypatch):
+    import safetensors.torch
+
+    from hf_vit import VisionTransformerPreTrainedModel
+
+    transformers_vit(ViTForImageClassification, num_labels=3).save_pretrained(hub_repo(hub_cache, "google/vit-cfg"))
+    source = VisionTransformerForImageClassification(
+        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=4, **SIZES)
+    )
+    timm_repo(hub_repo(hub_cache, "timm/vit_tiny_patch8_32.cfg"), source)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a config-only load built a model or read weights")
+
+    monkeypatch.setattr(VisionTransformerPreTrainedModel, "__init__", refuse)
+    monkeypatch.setattr(safetensors.torch, "load_file", refuse)
+    config = VisionTransformerConfig.from_pretrained("google/vit-cfg")
+    assert (config.num_labels, config.hidden_size, config.image_size) == (3, 32, 32)
+    timm = VisionTransformerConfig.from_pretrained("timm/vit_tiny_patch8_32.cfg")
+    assert (timm.num_labels, timm.num_attention_heads) == (4, 2)
+
+
+def test_dtype_and_device_map_work_as_for_a_folder(hub_cache):
+    source = transformers_vit(ViTForImageClassification, num_labels=3)
+    source.save_pretrained(hub_repo(hub_cache, "google/vit-bf16"))
+    model = VisionTransformerForImageClassification.from_pretrained(
+        "google/vit-bf16", dtype=torch.bfloat16, device_map="cpu"
+    )
+    assert model.dtype == torch.bfloat16 and model.device.type == "cpu"
+    with torch.no_grad():
+        difference = (model(pixels().bfloat16()).logits.float() - source(pixels()).logits).abs().max().item()
+    assert difference < 0.1

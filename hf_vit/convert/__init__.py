@@ -1,7 +1,8 @@
 """Foreign checkpoint layouts <-> hf-vit: one rename table per layout (`Layout`), read in both directions by one
 engine, one check against the model (`check_state_dict`), and the folder converters built on them."""
 
-from .common import FUSED_QKV, RENAME, ConversionError, Layout, Transform, check_state_dict, write_converted_folder
+from ..loading import register_foreign_reader
+from .common import FUSED_QKV, RENAME, ConversionError, Layout, Transform, check_state_dict
 from .jax_npz import (
     JAX_LAYOUT,
     convert_jax_checkpoint,
@@ -10,6 +11,8 @@ from .jax_npz import (
     load_npz,
     npz_to_hf_vit_state_dict,
 )
+from .output import write_converted_folder
+from .sources import read_source
 from .timm_vit import (
     TIMM_LAYOUT,
     convert_timm_checkpoint,
@@ -54,3 +57,6 @@ __all__ = [
     "transformers_to_hf_vit_state_dict",
     "write_converted_folder",
 ]
+
+# from_pretrained of the hf-vit classes converts these checkpoints on load (see `sources`).
+register_foreign_reader(read_source)

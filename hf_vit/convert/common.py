@@ -21,15 +21,10 @@ from typing import Any
 
 import torch
 
+from .. import resolution
 from ..configuration_vit import VisionTransformerConfig
-from ..configuration_vit import image_size_field as _image_size_field
 from ..resolution import grid_for, resample_position_embeddings
-from .output import (  # noqa: F401 - re-exported: variants and older imports read them from here
-    OutputFolderError,
-    check_output_dir,
-    write_card,
-    write_converted_folder,
-)
+from .output import check_output_dir, write_card, write_converted_folder
 
 
 class ConversionError(ValueError):
@@ -65,13 +60,15 @@ class Transform:
 
     to_hf: Callable[..., torch.Tensor]
     from_hf: Callable[[torch.Tensor, Any], tuple[torch.Tensor, ...]]
+    # `to_hf` concatenates its arrays along the first dimension: a lazy load reads them straight into the result.
+    concatenates: bool = False
 
 
 RENAME = Transform(lambda x: x, lambda x, config: (x,))
 # Separate query, key and value projections <-> hf-vit's fused `qkv`, rows [q; k; v]. The parts are cloned so that
 # they do not share storage (safetensors refuses shared tensors).
 FUSED_QKV = Transform(
-    lambda q, k, v: torch.cat([q, k, v]), lambda qkv, config: tuple(part.clone() for part in qkv.chunk(3))
+    lambda q, k, v: torch.cat([q, k, v]), lambda qkv, config: tuple(part.clone() for part in qkv.chunk(3)), True
 )
 # `{p}` is a parameter's name; any other placeholder an index (a block, or a stage and unit of a ResNet stem).
 _PLACEHOLDERS = {"p": "weight|bias"}
@@ -153,6 +150,25 @@ class Layout:
         raise_problems(self.name, [*problems, *_listing(leftovers, missing)])
         return out
 
+    def to_hf_lazy(
+        self,
+        source: Mapping[str, Any],
+        shapes: Mapping[str, torch.Tensor],
+        config: VisionTransformerConfig,
+        problems: Sequence[str] = (),
+    ) -> dict[str, LazyTensor]:
+        """`to_hf` computed tensor by tensor as transformers' loading reads them: `source` holds safetensors slices
+        (or tensors), `shapes` the same arrays as meta tensors, which are checked against `config` first. Only one
+        weight's source arrays are in memory at a time."""
+        self.to_hf(shapes, config, problems)  # the whole check, on meta tensors
+        plan: dict[str, tuple[Transform, list]] = {}
+        for key in source:
+            index, part, values = self._find(key)
+            row = self.rows[index]
+            target = row.target.format(**values)
+            plan.setdefault(target, (row.transform, [None] * len(row.sources)))[1][part] = source[key]
+        return {target: LazyTensor(transform, parts) for target, (transform, parts) in plan.items()}
+
     def from_hf(
         self, state_dict: Mapping[str, torch.Tensor], config: VisionTransformerConfig | None = None
     ) -> dict[str, torch.Tensor]:
@@ -169,6 +185,31 @@ class Layout:
         if unplaced:
             raise ConversionError(f"The {self.name} layout has no place for the hf-vit weights {sorted(unplaced)}.")
         return out
+
+
+class LazyTensor:
+    """A weight computed when transformers' loading reads it (`value[...]`, as it reads a safetensors slice): the
+    transform of a layout's row applied to its source arrays, read only then."""
+
+    def __init__(self, transform: Transform, parts: Sequence[Any]) -> None:
+        self.transform, self.parts = transform, parts
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        if self.transform.concatenates and all(hasattr(part, "read_into") for part in self.parts):
+            # One buffer for the fused weight, each part read into its rows: no copies of the parts on the way.
+            shapes = [part.shape for part in self.parts]
+            out = torch.empty((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype=self.parts[0].dtype)
+            start = 0
+            for part, shape in zip(self.parts, shapes):
+                part.read_into(out[start : start + shape[0]])
+                start += shape[0]
+            return out[index]
+        fused = len(self.parts) > 1  # read the parts of a fused weight into memory, not mapped from their file
+        arrays = [
+            part if isinstance(part, torch.Tensor) else part.read() if fused and hasattr(part, "read") else part[...]
+            for part in self.parts
+        ]
+        return self.transform.to_hf(*arrays).contiguous()[index]
 
 
 def check_state_dict(
@@ -246,7 +287,7 @@ def image_size_field(image_size: int | Sequence[int]) -> int | list[int]:
     """`image_size` as a config field (an int for a square size, else `[height, width]`), errors as
     `ConversionError`."""
     try:
-        return _image_size_field(image_size)
+        return resolution.image_size_field(image_size)
     except ValueError as error:
         raise ConversionError(str(error)) from error
 

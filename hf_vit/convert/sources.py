@@ -1,28 +1,51 @@
 """The checkpoints users already have, loaded as they are: transformers' ViT and timm's ViT, as Hub ids or folders,
-and the authors' `.npz` files. `from_pretrained` of the hf-vit classes converts them on load with the same tables
-the folder converters use.
+and the authors' `.npz` files. Registered with `hf_vit.loading` when `hf_vit` is imported, so `from_pretrained` of
+the hf-vit classes converts them on load with the same tables the folder converters use.
 
 A source is recognised by its `config.json`: `model_type` "hf_vit" (nothing to convert), "vit" (transformers'
-layout), or timm's Hub layout (`architecture` with `pretrained_cfg` or `num_classes`); a path ending in `.npz` is the
-authors' layout. Hub ids resolve through huggingface_hub's cache, so `HF_HUB_OFFLINE=1` works on cached repositories.
+layout), or timm's Hub layout (`architecture` with `pretrained_cfg` or `num_classes`); a path ending in `.npz` (any
+case) is the authors' layout. Hub ids resolve through huggingface_hub's cache, so `HF_HUB_OFFLINE=1` works on cached
+repositories.
+
+Conversion happens in memory: the foreign config becomes an hf-vit config, the weights are read (memory-mapped from
+safetensors), renamed and fused, and handed to transformers' own `from_pretrained(None, config=..., state_dict=...)`,
+so `dtype` (with "auto": the source's), `device_map` and the attention arguments work as for any folder. No model is
+initialised at random and nothing is written. A config-only load reads the source's config (and the names and shapes
+in a safetensors header for timm, whose config does not describe the architecture); a processor-only load reads the
+config and processor files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..configuration_vit import VisionTransformerConfig
 from .common import ConversionError
 
 logger = logging.getLogger(__name__)
 
 # from_pretrained's arguments that say where and how to fetch files from the Hub
 HUB_ARGUMENTS = ("cache_dir", "revision", "token", "local_files_only", "force_download")
+# from_pretrained's arguments the conversion itself reads: the size to resample the positions to, the activation (the
+# authors' .npz use tanh-approximated GELU), and the heads a timm state dict does not record.
+CONVERSION_ARGUMENTS = ("image_size", "hidden_act", "num_attention_heads")
+DESCRIPTIONS = {
+    "jax": "the authors' .npz layout",
+    "transformers": "transformers' ViT layout",
+    "timm": "timm's ViT layout",
+}
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
 
 
 def layout_of(config: dict) -> str | None:
@@ -35,6 +58,10 @@ def layout_of(config: dict) -> str | None:
     if model_type is None and "architecture" in config and ("pretrained_cfg" in config or "num_classes" in config):
         return "timm"
     return None
+
+
+def is_npz(source: str | os.PathLike) -> bool:
+    return os.fspath(source).lower().endswith(".npz")
 
 
 def _fetch(source: str, filename: str, hub: dict[str, Any], required: bool = True) -> Path | None:
@@ -54,115 +81,249 @@ def _fetch(source: str, filename: str, hub: dict[str, Any], required: bool = Tru
     except (EntryNotFoundError, LocalEntryNotFoundError):
         if not required:
             return None
-        raise
+        raise ConversionError(f"The Hub repository {source} has no {filename} (or it is not in the cache).") from None
 
 
-def source_layout(source: str | os.PathLike, **hub: Any) -> str | None:
-    """The layout of `source` (see `layout_of`; "jax" for an `.npz` path), or None when it cannot be told (no
-    readable config.json): from_pretrained then reports the problem itself."""
-    text = os.fspath(source)
-    if text.endswith(".npz"):
-        return "jax"
+def _safetensors_files(source: str, hub: dict[str, Any]) -> list[Path] | None:
+    """The safetensors files of `source` (one, or the shards of an index), fetched; None when it has none."""
+    single = _fetch(source, "model.safetensors", hub, required=False)
+    if single is not None:
+        return [single]
+    index = _fetch(source, "model.safetensors.index.json", hub, required=False)
+    if index is None:
+        return None
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return [_fetch(source, shard, hub) for shard in shards]
+
+
+def _header(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The arrays of safetensors `files` as meta tensors: names, shapes and dtypes, read from the headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as handle:
+                for key in handle.keys():
+                    part = handle.get_slice(key)
+                    dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8)
+                    out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+        except SafetensorError as error:
+            raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
+    return out
+
+
+def _read(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in files:
+        try:
+            out.update(load_file(path))
+        except SafetensorError as error:
+            raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
+    return out
+
+
+def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
+    """Where each array's bytes lie in a safetensors file: `(start, end)` from the file's beginning."""
+    with open(path, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+    return {
+        key: (8 + size + entry["data_offsets"][0], 8 + size + entry["data_offsets"][1])
+        for key, entry in header.items()
+        if key != "__metadata__"
+    }
+
+
+class FilePart:
+    """One array of a safetensors file: `part[...]` maps it from the file (as transformers' loading reads weights
+    that load as they are), `read()` copies it into new memory without mapping the file, for arrays that are only
+    the sources of a fused weight (so their pages do not stay mapped beside the fused copy)."""
+
+    def __init__(self, path: Path, part: Any, start: int, end: int) -> None:
+        self.path, self.part, self.start, self.end = path, part, start, end
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.part[index]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.part.get_shape())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _SAFETENSORS_DTYPES[self.part.get_dtype()]
+
+    def read_into(self, out: torch.Tensor) -> None:
+        """Copy the array's bytes into `out` (contiguous, of its shape and dtype)."""
+        if tuple(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
+            raise ValueError(f"{self.path}: cannot read an array of {self.shape} {self.dtype} into {tuple(out.shape)}")
+        buffer = out.view(-1).view(torch.uint8).numpy()
+        with open(self.path, "rb") as handle:
+            handle.seek(self.start)
+            if handle.readinto(buffer) != self.end - self.start:
+                raise ConversionError(f"{self.path} is truncated; download or save it again.")
+
+    def read(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.read_into(out)
+        return out
+
+
+@dataclasses.dataclass
+class ForeignCheckpoint:
+    """A foreign checkpoint at `source` (what the user passed) in `layout` ("transformers", "timm" or "jax")."""
+
+    source: str
+    layout: str
+    hub: dict[str, Any]
+    folder: Path | None = None  # the local folder (or Hub snapshot) holding config.json; None for an .npz
+    _open: list = dataclasses.field(default_factory=list)  # safetensors files open while a model loads
+
+    def _fail(self, error: Exception) -> ConversionError:
+        return ConversionError(f"Cannot load {self.source} ({DESCRIPTIONS[self.layout]}): {error}")
+
+    def _weight_files(self) -> list[Path]:
+        files = _safetensors_files(self.source, self.hub)
+        if files is not None:
+            return files
+        if self.layout == "timm":  # older timm repositories hold a torch file only
+            found = _fetch(self.source, "pytorch_model.bin", self.hub, required=False)
+            if found is not None:
+                return [found]
+        raise ConversionError(
+            "it has no model.safetensors (nor a sharded index"
+            + (", nor pytorch_model.bin" if self.layout == "timm" else "")
+            + "); hf-vit reads transformers' ViT weights from safetensors only"
+        )
+
+    def _slices(self, files: list[Path]) -> dict[str, Any]:
+        """The arrays of safetensors `files` as slices, read (memory-mapped) only when transformers' loading indexes
+        them; the files stay open until `load_model` returns."""
+        from safetensors import safe_open
+
+        out = {}
+        for path in files:
+            handle = safe_open(path, framework="pt")
+            self._open.append(handle)
+            offsets = _data_offsets(path)
+            out.update((key, FilePart(path, handle.get_slice(key), *offsets[key])) for key in handle.keys())
+        return out
+
+    def _timm_arrays(self, header_only: bool) -> dict[str, torch.Tensor]:
+        from .timm_vit import load_timm_state_dict
+
+        files = self._weight_files()
+        if files[0].suffix == ".safetensors":
+            return _header(files) if header_only else _read(files)
+        return load_timm_state_dict(files[0])
+
+    def convert(self, options: dict[str, Any], weights: bool = True):
+        """`(config, state_dict or None, processor or None)` in hf-vit's terms; `options` are the conversion
+        arguments (`CONVERSION_ARGUMENTS`) the caller gave. Errors name the source."""
+        image_size, hidden_act = options.get("image_size"), options.get("hidden_act")
+        try:
+            if self.layout == "jax":
+                from .jax_npz import read_jax_checkpoint
+
+                config, state_dict, processor = read_jax_checkpoint(
+                    self.source, image_size=image_size, hidden_act=hidden_act or "gelu_pytorch_tanh"
+                )
+                return config, state_dict, processor
+            if self.layout == "transformers":
+                from .transformers_vit import transformers_config, transformers_state_dict
+
+                files = self._weight_files()
+                shapes = _header(files)
+                config = transformers_config(self.folder, shapes)
+                state_dict = None
+                if image_size is not None:
+                    config.image_size = image_size
+                if weights:
+                    state_dict = transformers_state_dict(self._slices(files), config, shapes)
+            else:
+                from .timm_vit import read_timm_config, timm_config, timm_to_hf_vit_state_dict
+
+                settings = read_timm_config(self.folder)
+                arrays = self._timm_arrays(header_only=not weights)
+                config = timm_config(
+                    arrays, settings, image_size=image_size, num_attention_heads=options.get("num_attention_heads")
+                )
+                state_dict = timm_to_hf_vit_state_dict(arrays, config) if weights else None
+        except ConversionError as error:
+            raise self._fail(error) from error
+        if hidden_act is not None:
+            config.hidden_act = hidden_act
+        return config, state_dict, None
+
+    def config_dict(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The hf-vit config's fields, reading the source's config (and, for timm, its safetensors header)."""
+        options = {name: kwargs[name] for name in CONVERSION_ARGUMENTS if kwargs.get(name) is not None}
+        config, _, _ = self.convert(options, weights=self.layout == "jax")
+        return config.to_dict()
+
+    def processor(self):
+        """The source's image processor: its size, crop, mean/std and resampling."""
+        try:
+            if self.layout == "transformers":
+                from .transformers_vit import read_json, transformers_config_to_hf_vit, transformers_processor
+
+                image_hw = transformers_config_to_hf_vit(read_json(self.folder / "config.json")).image_hw
+                return transformers_processor(self.folder, image_hw)
+            if self.layout == "timm":
+                from .timm_vit import read_timm_config, timm_config, timm_processor
+
+                settings = read_timm_config(self.folder)
+                return timm_processor(timm_config(self._timm_arrays(header_only=True), settings), settings)
+        except ConversionError as error:
+            raise self._fail(error) from error
+        return self.convert({})[2]
+
+    def load_model(self, load: Any, args: tuple, kwargs: dict[str, Any]):
+        """The converted model, as transformers' `load(None, *args, config=..., state_dict=..., **kwargs)` (the
+        classes' own `from_pretrained`) builds it from the converted weights; returns what `load` returns."""
+        kwargs = dict(kwargs)
+        options = {name: kwargs.pop(name) for name in CONVERSION_ARGUMENTS if name in kwargs}
+        for name in HUB_ARGUMENTS:
+            kwargs.pop(name, None)
+        config, state_dict, _ = self.convert({k: v for k, v in options.items() if v is not None})
+        given = kwargs.pop("config", None)
+        if isinstance(given, VisionTransformerConfig):
+            config = given
+        # The caller's other config fields (e.g. drop_path_rate=0.1, id2label=...) apply as they do for a folder.
+        fields = {field.name for field in dataclasses.fields(VisionTransformerConfig)}
+        fields |= {"num_labels", "id2label", "label2id", "problem_type", "output_attentions", "output_hidden_states"}
+        fields -= {"dtype", "torch_dtype"}  # from_pretrained's own arguments
+        for name in [name for name in kwargs if name in fields]:
+            setattr(config, name, kwargs.pop(name))
+        try:
+            result = load(None, *args, config=config, state_dict=state_dict, **kwargs)
+        finally:
+            self._open.clear()
+        logger.info(
+            "Converted %s from %s to hf-vit on load (%d layers, width %d, %s at %dx%d); save_pretrained writes an "
+            "hf-vit folder.",
+            self.source, DESCRIPTIONS[self.layout], config.num_hidden_layers, config.hidden_size, config.hidden_act,
+            *config.image_hw,
+        )  # fmt: skip
+        return result
+
+
+def read_source(source: str, kwargs: dict[str, Any]) -> ForeignCheckpoint | None:
+    """The reader registered with `hf_vit.loading`: a `ForeignCheckpoint` for an `.npz` path or a folder or Hub id
+    whose `config.json` is transformers' or timm's; None for anything else (hf-vit checkpoints, unreadable sources:
+    transformers' loading reports those)."""
+    hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}
+    if is_npz(source):
+        return ForeignCheckpoint(source, "jax", hub)
     try:
-        path = _fetch(text, "config.json", hub)
-        return layout_of(json.loads(path.read_text()))
+        path = _fetch(source, "config.json", hub)
+        layout = layout_of(json.loads(path.read_text()))
     except Exception:  # noqa: BLE001 - any failure to read means: not ours to convert, let from_pretrained say why
         return None
-
-
-def read_foreign(
-    source: str | os.PathLike,
-    layout: str,
-    hidden_act: str | None = None,
-    num_attention_heads: int | None = None,
-    **hub: Any,
-):
-    """`(config, state_dict, processor)` of a foreign checkpoint, converted with the converters' tables."""
-    from .jax_npz import read_jax_checkpoint
-    from .timm_vit import read_timm_checkpoint
-    from .transformers_vit import read_transformers_checkpoint
-
-    text = os.fspath(source)
-    if layout == "jax":
-        return read_jax_checkpoint(text, hidden_act=hidden_act or "gelu_pytorch_tanh")
-    folder = _fetch(text, "config.json", hub).parent
-    if layout == "transformers":
-        _fetch(text, "preprocessor_config.json", hub, required=False)
-        if _fetch(text, "model.safetensors", hub, required=False) is None:
-            index = _fetch(text, "model.safetensors.index.json", hub, required=False)
-            if index is None:
-                raise ConversionError(f"{text} has no safetensors weights; hf-vit reads only safetensors.")
-            for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-                _fetch(text, shard, hub)
-        converted = read_transformers_checkpoint(folder)
-    else:
-        _fetch(text, "model.safetensors", hub)
-        converted = read_timm_checkpoint(folder, num_attention_heads=num_attention_heads)
-    if hidden_act is not None:
-        converted[0].hidden_act = hidden_act
-    return converted
-
-
-def foreign_processor(source: Any, kwargs: dict[str, Any]):
-    """The image processor of a foreign checkpoint (its size, mean/std, resampling), or None for an hf-vit one (or a
-    source that cannot be read): read without building or writing the converted model."""
-    if not isinstance(source, (str, os.PathLike)):
-        return None
-    hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}
-    layout = source_layout(source, **hub)
     if layout in (None, "hf_vit"):
         return None
-    return read_foreign(source, layout, kwargs.get("hidden_act"), kwargs.get("num_attention_heads"), **hub)[2]
-
-
-DESCRIPTIONS = {
-    "jax": "the authors' .npz layout",
-    "transformers": "transformers' ViT layout",
-    "timm": "timm's ViT layout",
-}
-
-
-class ConvertedSource:
-    """A temporary hf-vit folder holding `source` converted, for transformers' own `from_pretrained` to load (so that
-    its dtype, device and attention arguments work as for any folder); removed on exit.
-
-    `source` is returned unchanged (nothing written) when it is already an hf-vit checkpoint or cannot be read.
-    """
-
-    def __init__(self, source: Any, kwargs: dict[str, Any]) -> None:
-        self.source = source
-        self.hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}
-        self.hidden_act = kwargs.get("hidden_act")
-        # timm's weights do not say how many heads a non-standard width has: from_pretrained(..., num_attention_heads=)
-        self.num_attention_heads = kwargs.get("num_attention_heads")
-        self.folder: str | None = None
-
-    def __enter__(self) -> Any:
-        if not isinstance(self.source, (str, os.PathLike)):
-            return self.source
-        layout = source_layout(self.source, **self.hub)
-        if layout in (None, "hf_vit"):
-            return self.source
-        config, state_dict, processor = read_foreign(
-            self.source, layout, self.hidden_act, self.num_attention_heads, **self.hub
-        )
-        from ..modeling_vit import VisionTransformerForImageClassification
-        from .common import check_state_dict
-
-        check_state_dict(state_dict, config)
-        model = VisionTransformerForImageClassification(config)
-        model.load_state_dict(state_dict, strict=True)
-        self.folder = tempfile.mkdtemp(prefix="hf-vit-converted-")
-        model.save_pretrained(self.folder)
-        processor.save_pretrained(self.folder)
-        logger.warning(
-            "Converted %s from %s to hf-vit on load (%s, %d layers, width %d, %s at %dx%d). save_pretrained writes "
-            "an hf-vit folder.",
-            os.fspath(self.source), DESCRIPTIONS[layout], type(model).__name__, config.num_hidden_layers,
-            config.hidden_size, config.hidden_act, *config.image_hw,
-        )  # fmt: skip
-        return self.folder
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
+    return ForeignCheckpoint(source, layout, hub, path.parent)

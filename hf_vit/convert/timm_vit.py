@@ -175,7 +175,13 @@ def infer_config_from_timm(
     fields["qkv_bias"] = "blocks.0.attn.qkv.bias" in state_dict
     fields["classifier"] = "token" if "cls_token" in state_dict else "gap"
     pool = _global_pool(timm_config)
-    if fields["classifier"] == "token" and pool not in (None, "token"):
+    if pool == "":
+        problems.append(
+            "config.json says global_pool='': timm then pools nothing and its head classifies every token "
+            "separately, while hf-vit classifies one image representation (the class token, or the average of the "
+            "patch tokens for a model without one); set global_pool to 'token' (or 'avg' without a class token)"
+        )
+    elif fields["classifier"] == "token" and pool not in (None, "token"):
         problems.append(
             f"config.json says global_pool={pool!r} for a model with a class token: timm then pools the patch tokens "
             "only, which hf-vit does not do (its 'gap' models have no class token)"
@@ -256,7 +262,55 @@ def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return dict(loaded)
 
 
-def _read_timm_config(folder: Path) -> dict | None:
+def timm_config(
+    state_dict: Mapping[str, torch.Tensor],
+    timm_config: Mapping | None,
+    preset: str | None = None,
+    image_size: int | Sequence[int] | None = None,
+    num_attention_heads: int | None = None,
+) -> VisionTransformerConfig:
+    """`infer_config_from_timm` with the class names of timm's `config.json` (`label_names`, when it has one per
+    class). Shapes and names are all it reads of `state_dict`: meta tensors do."""
+    config = infer_config_from_timm(
+        state_dict, preset=preset, image_size=image_size, num_attention_heads=num_attention_heads,
+        timm_config=timm_config,
+    )  # fmt: skip
+    labels = (timm_config or {}).get("label_names")
+    if isinstance(labels, list) and len(labels) == config.num_labels and config.num_labels > 0:
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {name: i for i, name in enumerate(labels)}
+    return config
+
+
+def timm_processor(
+    config: VisionTransformerConfig,
+    timm_config: Mapping | None,
+    image_mean: Sequence[float] | None = None,
+    image_std: Sequence[float] | None = None,
+):
+    """The processor of a timm checkpoint (see `read_timm_checkpoint`)."""
+    from ..image_processing_vit import VisionTransformerImageProcessor
+
+    pretrained_cfg = (timm_config or {}).get("pretrained_cfg") or {}
+
+    def pick(given, name):
+        value = given if given is not None else (timm_config or {}).get(name, pretrained_cfg.get(name))
+        return [0.5] * config.num_channels if value is None else [float(v) for v in value]
+
+    height, width = config.image_hw
+    resample = {"bilinear": "bilinear", "bicubic": "bicubic", "nearest": "nearest"}.get(
+        pretrained_cfg.get("interpolation"), "bilinear"
+    )
+    return VisionTransformerImageProcessor(
+        size={"height": height, "width": width},
+        image_mean=pick(image_mean, "mean"),
+        image_std=pick(image_std, "std"),
+        resample=resample,
+    )
+
+
+def read_timm_config(folder: Path) -> dict | None:
+    """timm's `config.json` in `folder`, or None without one."""
     path = folder / "config.json"
     if not path.is_file():
         return None
@@ -283,37 +337,12 @@ def read_timm_checkpoint(
     processor resizes with `pretrained_cfg.interpolation` when it names one. Class names come from that config's
     `label_names` when it has one per class.
     """
-    from ..image_processing_vit import VisionTransformerImageProcessor
-
     input_path = Path(input_path)
     state_dict = load_timm_state_dict(input_path)
-    timm_config = _read_timm_config(input_path if input_path.is_dir() else input_path.parent)
-    config = infer_config_from_timm(
-        state_dict, preset=preset, image_size=image_size, num_attention_heads=num_attention_heads,
-        timm_config=timm_config,
-    )  # fmt: skip
-    pretrained_cfg = (timm_config or {}).get("pretrained_cfg") or {}
-    labels = (timm_config or {}).get("label_names")
-    if isinstance(labels, list) and len(labels) == config.num_labels and config.num_labels > 0:
-        config.id2label = dict(enumerate(labels))
-        config.label2id = {name: i for i, name in enumerate(labels)}
+    settings = read_timm_config(input_path if input_path.is_dir() else input_path.parent)
+    config = timm_config(state_dict, settings, preset, image_size, num_attention_heads)
     converted = timm_to_hf_vit_state_dict(state_dict, config, resize_mode=resize_mode)
-
-    def pick(given, name):
-        value = given if given is not None else (timm_config or {}).get(name, pretrained_cfg.get(name))
-        return [0.5] * config.num_channels if value is None else [float(v) for v in value]
-
-    height, width = config.image_hw
-    resample = {"bilinear": "bilinear", "bicubic": "bicubic", "nearest": "nearest"}.get(
-        pretrained_cfg.get("interpolation"), "bilinear"
-    )
-    processor = VisionTransformerImageProcessor(
-        size={"height": height, "width": width},
-        image_mean=pick(image_mean, "mean"),
-        image_std=pick(image_std, "std"),
-        resample=resample,
-    )
-    return config, converted, processor
+    return config, converted, timm_processor(config, settings, image_mean, image_std)
 
 
 def convert_timm_checkpoint(

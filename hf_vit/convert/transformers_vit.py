@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..configuration_vit import VisionTransformerConfig
-from .common import FUSED_QKV, ConversionError, Layout, check_grid_size, check_output_dir, save_converted_model
+from .common import (
+    FUSED_QKV,
+    ConversionError,
+    Layout,
+    check_grid_size,
+    check_output_dir,
+    resample_positions,
+    save_converted_model,
+)
 
 _L, _H = "vit.encoder.layer.{i}.", "vit.layers.{i}."
 _QKV = tuple(f"{_L}attention.attention.{part}.{{p}}" for part in ("query", "key", "value"))
@@ -106,7 +116,10 @@ _SHARED_CONFIG_FIELDS = (
 
 
 def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) -> VisionTransformerConfig:
-    """An hf-vit config computing the same function as a transformers `ViTConfig` (given as its dict)."""
+    """An hf-vit config computing the same function as a transformers `ViTConfig` (given as its dict).
+
+    Kept: the architecture, the labels and `problem_type`, the dtype; the pooler (dense + `pooler_act`) becomes the
+    pre-logits layer when `with_pooler`, which hf-vit computes with tanh only, so another `pooler_act` is refused."""
     if config.get("model_type") not in (None, "vit"):
         raise ConversionError(
             f"Expected a transformers ViT config (model_type 'vit'), got {config.get('model_type')!r}."
@@ -114,15 +127,26 @@ def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) ->
     fields = {name: config[name] for name in _SHARED_CONFIG_FIELDS if name in config}
     fields["layer_norm_eps"] = config.get("layer_norm_eps", 1e-12)  # transformers' ViT default
     if with_pooler:
-        # transformers' pooler (dense + tanh on the class token) is the paper's pre-logits layer.
+        # transformers' pooler (dense + pooler_act on the class token) is the paper's pre-logits layer (dense + tanh).
+        activation = config.get("pooler_act", "tanh")
+        if activation != "tanh":
+            raise ConversionError(
+                f"pooler_act={activation!r}: hf-vit's pre-logits layer (transformers' pooler) is dense + tanh, so "
+                "this pooler would compute another function. Load the checkpoint with transformers' ViTModel."
+            )
         fields["representation_size"] = config.get("pooler_output_size") or config.get("hidden_size", 768)
     if "id2label" in config:
         fields["id2label"] = {int(k): v for k, v in config["id2label"].items()}
         fields["label2id"] = {v: int(k) for k, v in config["id2label"].items()}
+    if config.get("problem_type") is not None:
+        fields["problem_type"] = config["problem_type"]
+    dtype = config.get("dtype", config.get("torch_dtype"))
+    if dtype is not None:
+        fields["dtype"] = dtype
     return VisionTransformerConfig(classifier="token", zero_init_head=False, **fields)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     """A JSON object from `path`, or a `ConversionError` naming the file and what is wrong with it."""
     try:
         value = json.loads(path.read_text())
@@ -146,7 +170,7 @@ def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     if single.is_file():
         return _read_weights(single)
     if index.is_file():
-        shards = sorted(set(_read_json(index)["weight_map"].values()))
+        shards = sorted(set(read_json(index)["weight_map"].values()))
         state_dict = {}
         for shard in shards:
             state_dict.update(_read_weights(folder / shard))
@@ -154,34 +178,43 @@ def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     raise ConversionError(f"{folder} has no model.safetensors (or sharded index); only safetensors weights are read.")
 
 
-def _processor_from_transformers(folder: Path, image_size: tuple[int, int]):
+def transformers_processor(folder: Path, image_size: tuple[int, int]):
+    """The hf-vit processor of a transformers ViT folder's `preprocessor_config.json` (the model's size and the
+    defaults without one): its resize, centre crop, rescaling and normalisation are kept; settings hf-vit's processor
+    does not have are refused by name."""
     from ..image_processing_vit import VisionTransformerImageProcessor
 
     path = folder / "preprocessor_config.json"
-    settings = _read_json(path) if path.is_file() else {}
-    keep = ("do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std")
-    kwargs = {k: settings[k] for k in keep if k in settings}
-    kwargs["size"] = {"height": image_size[0], "width": image_size[1]}
+    settings = read_json(path) if path.is_file() else {}
+    keep = (
+        "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
+        "do_normalize", "image_mean", "image_std", "do_convert_rgb",
+    )  # fmt: skip
+    kwargs = {k: settings[k] for k in keep if settings.get(k) is not None}
+    kwargs.setdefault("size", {"height": image_size[0], "width": image_size[1]})
+    for name in ("size", "crop_size"):
+        if isinstance(kwargs.get(name), dict) and set(kwargs[name]) - {"height", "width"}:
+            raise ConversionError(
+                f"{path}: {name}={kwargs[name]} resizes by {sorted(set(kwargs[name]) - {'height', 'width'})}, which "
+                "hf-vit's processor does not do (it resizes to a height and width); set them in the file."
+            )
     try:
         return VisionTransformerImageProcessor(**kwargs)
     except (TypeError, ValueError) as error:
         raise ConversionError(f"{path} has settings hf-vit cannot use: {error}") from error
 
 
-def read_transformers_checkpoint(input_dir: str | os.PathLike):
-    """`(config, state_dict, processor)` of a saved transformers ViT folder, in hf-vit's terms, without writing."""
-    input_dir = Path(input_dir)
-    config_path = input_dir / "config.json"
+def transformers_config(folder: Path, keys: Collection[str]) -> VisionTransformerConfig:
+    """The hf-vit config of a transformers ViT folder whose weights are named `keys` (saved or in-memory names):
+    `config.json` says the architecture, the weights whether there is a classifier and a pooler."""
+    config_path = folder / "config.json"
     if not config_path.is_file():
-        raise ConversionError(f"{input_dir} has no config.json; pass the folder of a saved transformers ViT model.")
-    source_config = _read_json(config_path)
-    source = _saved_layout(_load_state_dict(input_dir))
-    has_classifier = "classifier.weight" in source
-    with_pooler = "vit.pooler.dense.weight" in source
-    if has_classifier and with_pooler:
-        # ViTForImageClassification ignores the pooler: so must we, to compute the same function.
-        source = {k: v for k, v in source.items() if not k.startswith("vit.pooler.")}
-        with_pooler = False
+        raise ConversionError(f"{folder} has no config.json; pass the folder of a saved transformers ViT model.")
+    source_config = read_json(config_path)
+    keys = set(_saved_layout(dict.fromkeys(keys)))
+    has_classifier = "classifier.weight" in keys
+    # ViTForImageClassification ignores a pooler: so does the conversion, to compute the same function.
+    with_pooler = "vit.pooler.dense.weight" in keys and not has_classifier
     try:
         config = transformers_config_to_hf_vit(source_config, with_pooler=with_pooler)
     except (TypeError, ValueError, AttributeError) as error:
@@ -191,8 +224,41 @@ def read_transformers_checkpoint(input_dir: str | os.PathLike):
     check_grid_size(config, str(config_path))
     if not has_classifier:
         config.num_labels = 0
-    state_dict = transformers_to_hf_vit_state_dict(source, config)
-    return config, state_dict, _processor_from_transformers(input_dir, config.image_hw)
+    return config
+
+
+def transformers_state_dict(
+    source: dict[str, Any], config: VisionTransformerConfig, shapes: dict[str, torch.Tensor] | None = None
+) -> dict:
+    """A transformers ViT folder's weights converted for `config` (see `transformers_config`). With `shapes` (the
+    same arrays as meta tensors), `source` may hold safetensors slices, and the result is computed weight by weight
+    as transformers' loading reads it (`Layout.to_hf_lazy`)."""
+    source = _saved_layout(source)
+    shapes = _saved_layout(shapes) if shapes is not None else None
+    if config.representation_size is None:
+        source = {k: v for k, v in source.items() if not k.startswith("vit.pooler.")}
+        shapes = {k: v for k, v in shapes.items() if not k.startswith("vit.pooler.")} if shapes is not None else None
+    # A model asked for at another size (from_pretrained(..., image_size=384)) gets its positions resampled.
+    key = "vit.embeddings.position_embeddings"
+    if key in source and not isinstance(source[key], torch.Tensor):
+        source[key] = source[key][...]  # one small array, read now
+    source = resample_positions(source, key, config, "bicubic")
+    if shapes is None:
+        return TRANSFORMERS_LAYOUT.to_hf(source, config)
+    if key in source:
+        shapes[key] = source[key].to("meta")
+    return TRANSFORMERS_LAYOUT.to_hf_lazy(source, shapes, config)
+
+
+def read_transformers_checkpoint(input_dir: str | os.PathLike):
+    """`(config, state_dict, processor)` of a saved transformers ViT folder, in hf-vit's terms, without writing."""
+    input_dir = Path(input_dir)
+    if not (input_dir / "config.json").is_file():
+        raise ConversionError(f"{input_dir} has no config.json; pass the folder of a saved transformers ViT model.")
+    source = _load_state_dict(input_dir)
+    config = transformers_config(input_dir, source)
+    state_dict = transformers_state_dict(source, config)
+    return config, state_dict, transformers_processor(input_dir, config.image_hw)
 
 
 def convert_transformers_checkpoint(

@@ -1,0 +1,134 @@
+"""Loading a checkpoint in transformers' ViT layout by Hub id: hf-vit's converting `from_pretrained` against
+transformers' own `ViTForImageClassification.from_pretrained` of the same snapshot.
+
+The benchmark writes ViT-B/16 and ViT-L/16 with random weights, in transformers' layout, into an offline Hugging Face
+cache of its own (`google/vit-base-patch16-224`, `google/vit-large-patch16-224`), then loads each one in a fresh
+process per load (`--worker`), alternating the two loaders for `--rounds` rounds. A load is `from_pretrained` plus
+one forward of one image; its time and its peak resident memory are measured above the imports. The figures are
+medians over the rounds.
+
+    .venv/bin/python benchmarks/load_cost.py --cache /tmp/load-cost-hub --rounds 3
+
+`--code PATH` loads hf-vit from another checkout (e.g. a `git worktree` of an older commit) for before/after figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+MODELS = {
+    "ViT-B/16": ("google/vit-base-patch16-224", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                                     intermediate_size=3072)),
+    "ViT-L/16": ("google/vit-large-patch16-224", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                                      intermediate_size=4096)),
+}  # fmt: skip
+LOADERS = ("transformers", "hf-vit")
+
+
+def write_snapshot(cache: Path, repo_id: str, sizes: dict) -> None:
+    """`repo_id` in the Hub cache layout under `cache`: a transformers ViT classifier with random weights."""
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / COMMIT
+    if (snapshot / "model.safetensors").is_file():
+        return
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=224, patch_size=16, num_labels=1000, **sizes)
+    with torch.device("meta"):
+        model = ViTForImageClassification(config)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(std=0.02)
+    model.save_pretrained(snapshot)
+    ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(snapshot)
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker(loader: str, repo_id: str) -> None:
+    """One load in this process: prints `{"seconds", "peak_mb"}` above the imports as one JSON line."""
+    import time
+
+    import torch
+
+    if loader == "hf-vit":
+        import hf_vit
+
+        model_class = hf_vit.VisionTransformerForImageClassification
+    else:
+        from transformers import ViTForImageClassification as model_class
+    pixels = torch.randn(1, 3, 224, 224)
+    base = rss_mb()
+    start = time.perf_counter()
+    model = model_class.from_pretrained(repo_id)
+    with torch.no_grad():
+        model(pixels)
+    seconds = time.perf_counter() - start
+    code = sys.modules[model_class.__module__].__file__
+    print(json.dumps({"seconds": seconds, "peak_mb": peak_mb() - base, "code": code}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", default="/tmp/hf-vit-load-cost-hub", help="Hub cache folder the benchmark fills")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--code", help="load hf-vit from this checkout instead of the installed one")
+    parser.add_argument("--worker", nargs=2, metavar=("LOADER", "REPO_ID"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return
+    cache = Path(args.cache)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env["TRANSFORMERS_VERBOSITY"] = "error"
+    if args.code:
+        env["PYTHONPATH"] = os.pathsep.join([args.code, env.get("PYTHONPATH", "")])
+    print("| model | loader | seconds | peak MB above imports |")
+    print("|---|---|---|---|")
+    results = {}
+    for name in args.models:
+        repo_id, sizes = MODELS[name]
+        write_snapshot(cache, repo_id, sizes)
+        runs = {loader: [] for loader in LOADERS}
+        for _ in range(args.rounds):
+            for loader in LOADERS:  # alternating, each load in a fresh process
+                done = subprocess.run(
+                    [sys.executable, __file__, "--worker", loader, repo_id],
+                    env=env, capture_output=True, text=True, check=True,
+                )  # fmt: skip
+                runs[loader].append(json.loads(done.stdout.strip().splitlines()[-1]))
+        for loader in LOADERS:
+            seconds = statistics.median(run["seconds"] for run in runs[loader])
+            peak = statistics.median(run["peak_mb"] for run in runs[loader])
+            results[(name, loader)] = (seconds, peak)
+            print(f"| {name} | {loader} | {seconds:.2f} | {peak:.0f} |", flush=True)
+    for name in args.models:
+        (t_seconds, t_peak), (h_seconds, h_peak) = results[(name, "transformers")], results[(name, "hf-vit")]
+        print(f"{name}: hf-vit / transformers = {h_seconds / t_seconds:.2f}x time, {h_peak / t_peak:.2f}x memory")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""How the hf-vit classes load: strictly, and with the readers of foreign checkpoints plugged in.
+
+The config, model and processor classes ask `open_foreign(source, kwargs)` whether `source` is a checkpoint of
+another layout (transformers' or timm's ViT, the authors' `.npz`). Nothing here knows those layouts: `hf_vit.convert`
+registers its reader with `register_foreign_reader` when `hf_vit` is imported, as timm hands a `checkpoint_filter_fn`
+to its model builder. Saved beside checkpoints as remote code with the classes, where no reader is registered: remote
+code loads hf-vit checkpoints only.
+
+A reader is called with the source and the caller's keyword arguments and returns None (not a foreign checkpoint, or
+one it cannot tell: transformers' own loading then reports the problem) or an object with three methods, each reading
+only what it needs:
+
+    config_dict(kwargs) -> dict          the hf-vit config's fields (reads the source's config, not its weights)
+    processor() -> image processor       the source's preprocessing (reads its config and processor files)
+    load_model(model_class, args, kwargs) -> (model, loading info)   the converted model, in memory
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from safetensors import SafetensorError
+
+_READERS: list[Callable[[str, dict[str, Any]], Any]] = []
+
+
+def register_foreign_reader(reader: Callable[[str, dict[str, Any]], Any]) -> None:
+    """Add `reader` (see the module docstring) to those asked about every source; registering it again is a no-op."""
+    if reader not in _READERS:
+        _READERS.append(reader)
+
+
+def open_foreign(source: Any, kwargs: dict[str, Any]) -> Any:
+    """The foreign checkpoint at `source`, as the first registered reader that recognises it opens it; None for an
+    hf-vit checkpoint, an in-memory object or a source no reader recognises."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    for reader in _READERS:
+        found = reader(os.fspath(source), kwargs)
+        if found is not None:
+            return found
+    return None
+
+
+def load_strictly(model_class: Any, load: Any, source: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """`model_class.from_pretrained(source, *args, **kwargs)` through transformers' `load` (the foreign reader's
+    conversion first, when `source` is a foreign checkpoint), refusing weights that would leave part of the model
+    randomly initialised (only the weights `model_class` declares new may be missing: a new head, the [mask]
+    embedding) and naming unreadable weights or folders."""
+    output_loading_info = kwargs.pop("output_loading_info", False)
+    foreign = open_foreign(source, kwargs)
+    if foreign is None and isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
+        raise OSError(f"{os.fspath(source)!r} is a file: pass the folder that holds it and its config.json.")
+    try:
+        if foreign is not None:  # transformers' or timm's ViT, or the authors' .npz, converted in memory
+            model, info = foreign.load_model(load, args, {**kwargs, "output_loading_info": True})
+        else:
+            model, info = load(source, *args, output_loading_info=True, **kwargs)
+    except SafetensorError as error:
+        raise OSError(
+            f"Could not read the weights in {source}: the safetensors file is corrupted or truncated ({error}). "
+            "Save or download the checkpoint again."
+        ) from error
+    except OSError as error:
+        if isinstance(source, (str, os.PathLike)) and not os.path.exists(source):
+            raise OSError(
+                f"{os.fspath(source)!r} is not a local folder, and loading it as a Hugging Face Hub model id "
+                f"failed: {error}"
+            ) from error
+        raise
+    missing = sorted(
+        key
+        for key in info["missing_keys"]
+        if not key.startswith(model_class._new_weight_prefixes) and not key.endswith(model_class._new_weight_suffixes)
+    )
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"The weights in {source} do not fit {model_class.__name__}: {len(missing)} of its weights are not in "
+            f"the checkpoint ({shown}) and would stay randomly initialised. Is it a checkpoint of another model?"
+        )
+    return (model, info) if output_loading_info else model

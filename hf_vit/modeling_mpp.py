@@ -1,0 +1,169 @@
+"""Masked patch prediction (the paper's section 4.6 and appendix B.1.2): self-supervised pretraining of ViT by
+corrupting some patch embeddings and predicting the mean colour of each corrupted patch.
+
+The encoder is `modeling_vit`'s, built with the [mask] embedding; the corruption is applied to the patch embeddings
+x_p^i E before the position embeddings are added, through the encoder's `corrupt_embeddings` argument.
+
+This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
+transformers and the code files beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import initialization as init
+from transformers.utils import ModelOutput, can_return_tuple
+
+from .configuration_vit import VisionTransformerConfig
+from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel, lecun_normal_
+
+__all__ = [
+    "PATCH_CLEAN",
+    "PATCH_KEPT",
+    "PATCH_MASKED",
+    "PATCH_RANDOM",
+    "MaskedPatchPredictionOutput",
+    "VisionTransformerForMaskedPatchPrediction",
+    "corrupt_patches",
+    "draw_patch_corruption",
+]
+
+# What masked patch prediction does to each patch embedding (a `patch_corruption` tensor holds these codes): left
+# alone, replaced by the [mask] embedding, replaced by another patch's embedding, or kept but predicted all the same.
+PATCH_CLEAN, PATCH_MASKED, PATCH_RANDOM, PATCH_KEPT = 0, 1, 2, 3
+
+
+def draw_patch_corruption(
+    batch_size: int,
+    num_patches: int,
+    config: VisionTransformerConfig,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Masked patch prediction's corruption of `batch_size` images of `num_patches` patches, as B.1.2 of the paper
+    describes it: `config.mpp_corrupt_ratio` of each image's patches (rounded half up) are corrupted, each of them
+    replaced by the [mask] embedding with probability `mpp_mask_ratio`, by another patch's embedding with probability
+    `mpp_random_ratio`, and kept otherwise. Returns `(batch_size, num_patches)` int64 codes (`PATCH_CLEAN`,
+    `PATCH_MASKED`, `PATCH_RANDOM`, `PATCH_KEPT`)."""
+    count = int(config.mpp_corrupt_ratio * num_patches + 0.5)
+    # The ranks of uniform draws are a uniform random permutation: the `count` lowest are corrupted.
+    ranks = torch.rand(batch_size, num_patches, generator=generator, device=device).argsort(dim=1).argsort(dim=1)
+    kind = torch.rand(batch_size, num_patches, generator=generator, device=device)
+    codes = torch.where(
+        kind < config.mpp_mask_ratio,
+        PATCH_MASKED,
+        torch.where(kind < config.mpp_mask_ratio + config.mpp_random_ratio, PATCH_RANDOM, PATCH_KEPT),
+    )
+    return torch.where(ranks < count, codes, PATCH_CLEAN)
+
+
+def corrupt_patches(
+    tokens: torch.Tensor, mask_token: torch.Tensor | None, patch_corruption: torch.Tensor
+) -> torch.Tensor:
+    """Apply `patch_corruption` codes `(B, N)` to patch embeddings `(B, N, D)`. A `PATCH_RANDOM` patch takes the
+    embedding of another patch drawn uniformly from the whole batch (as BERT's random token is drawn from the
+    vocabulary rather than from its own sentence)."""
+    batch, count, dim = tokens.shape
+    if tuple(patch_corruption.shape) != (batch, count):
+        raise ValueError(
+            f"`patch_corruption` has shape {tuple(patch_corruption.shape)} but the images have {count} patches each "
+            f"(expected ({batch}, {count}))."
+        )
+    if mask_token is None:
+        raise ValueError(
+            "This model has no [mask] embedding: corrupt patches with VisionTransformerForMaskedPatchPrediction (or "
+            "a VisionTransformerModel built with use_mask_token=True)."
+        )
+    total = batch * count
+    flat = tokens.reshape(total, dim)
+    # Draw among the total - 1 other patches: values at or above a patch's own index move up by one.
+    source = torch.randint(0, max(total - 1, 1), (total,), device=tokens.device)
+    source = source + (source >= torch.arange(total, device=tokens.device)).long() if total > 1 else source
+    others = flat[source].view(batch, count, dim)
+    tokens = torch.where((patch_corruption == PATCH_RANDOM)[..., None], others, tokens)
+    return torch.where((patch_corruption == PATCH_MASKED)[..., None], mask_token.to(tokens.dtype), tokens)
+
+
+@dataclass
+class MaskedPatchPredictionOutput(ModelOutput):
+    """Outputs of masked patch prediction: the cross-entropy over the corrupted patches (`loss`), the mean-colour
+    logits of every patch `(B, N, classes)`, and the corruption codes used (`patch_corruption`, None if none)."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    patch_corruption: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel):
+    """ViT pretrained by masked patch prediction (section 4.6, appendix B.1.2): a share of the patch embeddings is
+    corrupted (see `draw_patch_corruption`) and a linear head predicts, from each corrupted patch's final
+    representation, its mean colour at `config.mpp_color_bits` bits per channel (512 classes for RGB at 3 bits).
+
+    The corruption is drawn here while training unless `patch_corruption` is given (the data pipeline of
+    `hf_vit.pretraining` draws it per example); outside training, only a given `patch_corruption` corrupts anything.
+    `labels` are the colour classes `(B, N)` of the patches (`hf_vit.pretraining.mean_color_classes`), -100 where
+    none; the loss is their cross-entropy over the corrupted patches, or over every labelled patch when nothing is
+    corrupted. The encoder's weights are a plain ViT's, so a checkpoint fine-tunes with
+    `VisionTransformerForImageClassification.from_pretrained` like any other (the [mask] embedding and this head are
+    left out).
+    """
+
+    _new_weight_prefixes = ("mpp_head.", "vit.embeddings.mask_token")
+
+    def __init__(self, config: VisionTransformerConfig) -> None:
+        super().__init__(config)
+        self.vit = VisionTransformerModel(config, use_mask_token=True)
+        self.mpp_head = nn.Linear(config.hidden_size, config.mpp_num_classes)
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if module is self:
+            lecun_normal_(self.mpp_head.weight)
+            init.zeros_(self.mpp_head.bias)
+
+    @can_return_tuple
+    def forward(
+        self,
+        pixel_values: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        patch_corruption: torch.Tensor | None = None,
+        interpolate_pos_encoding: bool | None = None,
+        **kwargs,
+    ) -> MaskedPatchPredictionOutput:
+        drawable = isinstance(pixel_values, torch.Tensor) and pixel_values.ndim == 4
+        if patch_corruption is None and self.training and drawable:
+            # the encoder checks the pixels; a grid they do not tile is refused there, before these codes are used
+            rows, cols = (size // self.config.patch_size for size in pixel_values.shape[-2:])
+            patch_corruption = draw_patch_corruption(
+                pixel_values.shape[0], rows * cols, self.config, device=pixel_values.device
+            )
+        corrupt = None if patch_corruption is None else partial(corrupt_patches, patch_corruption=patch_corruption)
+        outputs = self.vit(
+            pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, corrupt_embeddings=corrupt, **kwargs
+        )
+        logits = self.mpp_head(outputs.last_hidden_state[:, self.config.num_prefix_tokens :])
+        loss = None
+        if labels is not None:
+            targets = labels.to(logits.device)
+            if patch_corruption is not None:
+                targets = targets.masked_fill(patch_corruption.to(logits.device) == PATCH_CLEAN, -100)
+            # A sum over the labelled patches divided by their number (at least 1): no NaN for a batch without any.
+            flat_logits, flat_targets = logits.flatten(0, 1).float(), targets.flatten()
+            total = F.cross_entropy(flat_logits, flat_targets, ignore_index=-100, reduction="sum")
+            loss = total / (flat_targets != -100).sum().clamp(min=1)
+        return MaskedPatchPredictionOutput(
+            loss=loss,
+            logits=logits,
+            patch_corruption=patch_corruption,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
