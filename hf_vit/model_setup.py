@@ -12,8 +12,10 @@ import logging
 from typing import Any
 
 from .configuration_vit import VisionTransformerConfig, image_size_field
+from .image_processing_vit import VisionTransformerImageProcessor
+from .modeling_vit import VisionTransformerForImageClassification
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
 
 # Fields a checkpoint takes as they are given: they change how it trains, not the shapes of its weights.
 TRAINING_FIELDS = (
@@ -78,23 +80,12 @@ def load_checkpoint(model_class: type, model_args: Any, interpolation: str = "bi
     prediction's corruption ratios) as given, `--image_size` by resampling the position embeddings in 2D; a flag that
     would change the shape of the checkpoint's weights (`--patch_size`, a width, a depth...) is refused in one line
     that names it, rather than ignored. `fields` go to `from_pretrained` (e.g. the classes)."""
-    requested = requested_fields(model_args)
-    settable = {name: requested.pop(name) for name in TRAINING_FIELDS if name in requested}
-    image_size = requested.pop("image_size", None)
+    settable, image_size, shapes = split_requested(model_args)
     model = model_class.from_pretrained(
         model_args.model_name_or_path, attn_implementation=model_args.attn_implementation, **settable, **fields
     )
     config = model.config
-    changed = {name: value for name, value in requested.items() if _differs(getattr(config, name, None), value)}
-    if changed:
-        shown = ", ".join(
-            f"{name}={value!r} (the checkpoint has {getattr(config, name, None)!r})" for name, value in changed.items()
-        )
-        raise ValueError(
-            f"--model_name_or_path {model_args.model_name_or_path} cannot take {shown}: they change the shapes of its "
-            "weights. Drop them to train the checkpoint as it is, or drop --model_name_or_path to train --preset "
-            "with them from scratch."
-        )
+    refuse_shape_changes(config, shapes, model_args.model_name_or_path)
     if image_size is not None and image_size_field(image_size) != image_size_field(config.image_size):
         old_size, old_grid = tuple(config.image_hw), config.grid_size
         model.set_input_size(image_size, interpolation)
@@ -106,7 +97,137 @@ def load_checkpoint(model_class: type, model_args: Any, interpolation: str = "bi
     return model
 
 
+def split_requested(model_args: Any) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """The flags' fields for a checkpoint: (those it takes as given, `--image_size`, those that shape its weights)."""
+    requested = requested_fields(model_args)
+    settable = {name: requested.pop(name) for name in TRAINING_FIELDS if name in requested}
+    return settable, requested.pop("image_size", None), requested
+
+
+def refuse_shape_changes(config: VisionTransformerConfig, fields: dict[str, Any], source: str) -> None:
+    """Refuse, in one line naming them, the fields that differ from the checkpoint's and would change its weights."""
+    changed = {name: value for name, value in fields.items() if _differs(getattr(config, name, None), value)}
+    if changed:
+        shown = ", ".join(
+            f"{name}={value!r} (the checkpoint has {getattr(config, name, None)!r})" for name, value in changed.items()
+        )
+        raise ValueError(
+            f"--model_name_or_path {source} cannot take {shown}: they change the shapes of its weights. Drop them to "
+            "train the checkpoint as it is, or drop --model_name_or_path to train --preset with them from scratch."
+        )
+
+
 def _differs(current: Any, wanted: Any) -> bool:
     if isinstance(current, (list, tuple)) or isinstance(wanted, (list, tuple)):
         return list(current) != list(wanted) if isinstance(current, (list, tuple)) else True
     return current != wanted
+
+
+def build_classifier(task: str, model_args: Any, labels: Any) -> VisionTransformerForImageClassification:
+    """The classifier a run trains: fine-tuning loads `--model_name_or_path` with a new head for the data set's
+    classes (`load_for_finetuning`); pretraining builds `--preset` from scratch, or continues from a checkpoint. Its
+    config says the problem type (`labels.problem_type`) before anything is saved."""
+    if task == "finetune":
+        if not model_args.model_name_or_path:
+            raise ValueError("Fine-tuning needs --model_name_or_path: the pretrained hf-vit folder to start from.")
+        settable, image_size, shapes = split_requested(model_args)
+        model = load_for_finetuning(
+            model_args.model_name_or_path,
+            labels.id2label,
+            image_size=image_size,
+            representation_size=model_args.representation_size,
+            interpolation=model_args.interpolation,
+            attn_implementation=model_args.attn_implementation,
+            keep_head=model_args.keep_head,
+            **settable,
+        )
+        refuse_shape_changes(model.config, shapes, model_args.model_name_or_path)
+    else:
+        model = build_pretraining_model(model_args, labels.id2label)
+    model.config.problem_type = labels.problem_type
+    return model
+
+
+def build_pretraining_model(model_args: Any, id2label: dict[int, str]) -> VisionTransformerForImageClassification:
+    """A model to pretrain: `preset` from scratch (the paper's initialisation) or `model_name_or_path` to continue
+    (with the flags applied or refused, see `load_checkpoint`)."""
+    names = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
+    if model_args.model_name_or_path:
+        model = load_checkpoint(
+            VisionTransformerForImageClassification, model_args, interpolation=model_args.interpolation, **names
+        )
+        if model_args.representation_size is not None:
+            model.reset_classifier(id2label, model_args.representation_size or None)
+        return model
+    config = config_from_preset(model_args, **names)
+    representation = model_args.representation_size
+    config.representation_size = config.hidden_size if representation is None else (representation or None)
+    config.validate_architecture()
+    return VisionTransformerForImageClassification(config)
+
+
+def load_for_finetuning(
+    path: str,
+    id2label: dict[int, str],
+    image_size: int | list[int] | None = None,
+    representation_size: int | None = None,
+    interpolation: str = "bicubic",
+    attn_implementation: str = "sdpa",
+    keep_head: bool = False,
+    **config_fields: Any,
+) -> VisionTransformerForImageClassification:
+    """Load a pretrained hf-vit model for fine-tuning, as the paper does: the head (pre-logits and classifier) is
+    replaced by one zero-initialised linear layer for `id2label`, and at another `image_size` the position embeddings
+    are resampled in 2D from the checkpoint's.
+
+    `keep_head=True` keeps the checkpoint's head instead, to continue training on the same classes (e.g. a short
+    fine-tune of a resolution variant); the classes must then be the checkpoint's.
+    """
+    fields = {k: v for k, v in config_fields.items() if v is not None}
+    model = VisionTransformerForImageClassification.from_pretrained(
+        path, attn_implementation=attn_implementation, **fields
+    )
+    if keep_head and model.config.id2label != id2label:
+        raise ValueError(
+            f"--keep_head needs the data set's classes to be the checkpoint's: {model.config.id2label} vs {id2label}."
+        )
+    (old_h, old_w), old_grid = model.config.image_hw, model.config.grid_size
+    if image_size is not None:
+        model.set_input_size(image_size, interpolation)
+        if model.config.grid_size != old_grid:
+            logger.info(
+                "Fine-tuning at %dx%d a model trained at %dx%d: position embeddings resampled (%s) from a %dx%d to a "
+                "%dx%d grid of patches.",
+                *model.config.image_hw, old_h, old_w, interpolation, *old_grid, *model.config.grid_size,
+            )  # fmt: skip
+    if not keep_head:
+        model.reset_classifier(id2label, representation_size)
+        logger.info("New zero-initialised classifier for %d classes (the old head is dropped).", len(id2label))
+    return model.train()
+
+
+def processor_for(model_args: Any, config: VisionTransformerConfig) -> VisionTransformerImageProcessor:
+    """The image processor of a run: the checkpoint's (its normalisation) or the default, at the model's image size,
+    converting to RGB only for 3-channel models (1-channel and 4-channel models get their images' own channels, the
+    mean and standard deviation repeated per channel)."""
+    processor = None
+    if getattr(model_args, "model_name_or_path", None):
+        try:
+            processor = VisionTransformerImageProcessor.from_pretrained(model_args.model_name_or_path)
+        except OSError:
+            processor = None
+    processor = processor or VisionTransformerImageProcessor()
+    height, width = config.image_hw
+    processor.size = {"height": height, "width": width}
+    channels = config.num_channels
+    processor.do_convert_rgb = channels == 3
+    for name in ("image_mean", "image_std"):
+        value = getattr(processor, name)
+        if isinstance(value, (list, tuple)) and len(value) != channels:
+            if len(set(value)) != 1:
+                raise ValueError(
+                    f"The model takes {channels} channel(s) but its processor's {name} has {len(value)} different "
+                    f"values ({value}); save a processor with one {name} per channel beside the checkpoint."
+                )
+            setattr(processor, name, [value[0]] * channels)
+    return processor
