@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def pyplot():
@@ -39,9 +42,16 @@ def save_figure(fig, path: str | os.PathLike, title: str | None = None, dpi: int
     return path
 
 
-def plot_training_curves(log_history: Sequence[dict], path: str | os.PathLike, title: str | None = None) -> Path:
-    """Write a PNG with the training and validation loss (left) and the validation accuracy (right) per step."""
-    plt = pyplot()
+def plot_training_curves(
+    log_history: Sequence[dict], path: str | os.PathLike, title: str | None = None
+) -> Path | None:
+    """Write a PNG with the training and validation loss (left) and the validation accuracy (right) per step; without
+    matplotlib (the `plot` extra), log one line and draw nothing."""
+    try:
+        plt = pyplot()
+    except ModuleNotFoundError:
+        logger.warning("%s not drawn: matplotlib is not installed (pip install 'hf-vit[plot]').", Path(path).name)
+        return None
 
     def series(key: str) -> tuple[list[int], list[float]]:
         points = [(entry["step"], entry[key]) for entry in log_history if key in entry and "step" in entry]

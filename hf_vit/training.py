@@ -40,9 +40,11 @@ from .data import (
     make_train_transform,
     to_multi_hot,
 )
+from .hub import PlannedHubPushes
 from .image_processing_vit import VisionTransformerImageProcessor
 from .metrics import compute_metrics
 from .modeling_vit import VisionTransformerForImageClassification
+from .run_folders import claim_output_dir, release, remove_earlier_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -501,8 +503,11 @@ class _EpochToDataset(TrainerCallback):
         self.dataset.set_epoch(math.floor(state.epoch + 1e-6))
 
 
-class VisionTransformerTrainer(Trainer):
-    """`Trainer` with two guarantees the scripts promise.
+class VisionTransformerTrainer(PlannedHubPushes, Trainer):
+    """`Trainer` with the guarantees the scripts promise.
+
+    - Every push sends exactly the files the project's upload plan lists, and the token never reaches disk
+      (`hf_vit.hub.PlannedHubPushes`).
 
     - Evaluation does not consume the training's random numbers (its data loader draws a seed), so a checkpoint saved
       right before an evaluation resumes to the same weights (with `SeededAugmentation` for the training split).
@@ -564,60 +569,6 @@ class RunSetupCallback(TrainerCallback):
             per_device * args.world_size * accumulation,
             state.max_steps,
         )
-
-
-_LOCK_NAME = ".hf-vit-run.lock"
-
-
-def claim_output_dir(training_args: VisionTransformerTrainingArguments, resuming: bool) -> Any:
-    """Check that the run may write into `--output_dir` and lock it against a second run; returns the lock's file
-    (close it to release) or None on processes other than the main one.
-
-    A folder holding files is refused unless `--resume_from_checkpoint` or `--overwrite_output_dir` says what to do
-    with them, as transformers' example scripts refuse it: the second run would replace the first's model.
-    """
-    folder = Path(training_args.output_dir)
-    if folder.exists() and not folder.is_dir():
-        raise FileExistsError(f"--output_dir {folder} is a file; pass a folder.")
-    if training_args.process_index != 0:
-        return None
-    entries = sorted(p.name for p in folder.iterdir() if p.name != _LOCK_NAME) if folder.is_dir() else []
-    if entries and not resuming and not training_args.overwrite_output_dir:
-        shown = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "")
-        raise FileExistsError(
-            f"--output_dir {folder} is not empty (it holds {shown}). Pass --resume_from_checkpoint True to continue "
-            "the run whose checkpoints it holds, --overwrite_output_dir True to train a new model there (replacing "
-            "the files of the same names), or choose another folder."
-        )
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = open(folder / _LOCK_NAME, "a")
-    try:
-        import fcntl
-
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except ImportError:  # no advisory locks on this platform: the emptiness check above is all there is
-        pass
-    except OSError as error:
-        lock.close()
-        raise FileExistsError(
-            f"Another run is writing to --output_dir {folder} right now; wait for it or choose another folder."
-        ) from error
-    return lock
-
-
-def remove_earlier_checkpoints(output_dir: str | os.PathLike, keep: str | os.PathLike | None = None) -> None:
-    """`--overwrite_output_dir`: remove the earlier run's `checkpoint-*` folders (left there, a later one would be
-    what `--resume_from_checkpoint True` picks), once the new run has loaded its data and model, so that a run that
-    fails to start deletes nothing. The checkpoint the model was loaded from (`keep`) stays."""
-    keep = Path(keep).resolve() if keep is not None and Path(keep).exists() else None
-    for path in Path(output_dir).iterdir():
-        if not (path.is_dir() and _CHECKPOINT.match(path.name)):
-            continue
-        if keep is not None and (keep == path.resolve() or path.resolve() in keep.parents):
-            logger.warning("--overwrite_output_dir: keeping %s, the checkpoint this run starts from.", path)
-            continue
-        logger.warning("--overwrite_output_dir: removing %s of the earlier run.", path)
-        shutil.rmtree(path)
 
 
 def check_labels(raw, id2label: dict[int, str]) -> None:
@@ -690,13 +641,16 @@ def train(
     if data_args.streaming and training_args.max_steps <= 0:
         raise ValueError("--streaming data sets have no length: set --max_steps to say how long to train.")
     resume = _resolve_resume(training_args)
-    lock = claim_output_dir(training_args, resuming=resume is not None)
+    lock = claim_output_dir(
+        training_args.output_dir,
+        resuming=resume is not None,
+        overwrite=training_args.overwrite_output_dir,
+        main_process=training_args.process_index == 0,
+    )
     try:
         return _train(task, model_args, data_args, training_args, callbacks, resume)
     finally:
-        if lock is not None:
-            Path(lock.name).unlink(missing_ok=True)
-            lock.close()
+        release(lock)
 
 
 def _train(task, model_args, data_args, training_args, callbacks, resume) -> dict[str, float]:
@@ -797,7 +751,9 @@ def _train(task, model_args, data_args, training_args, callbacks, resume) -> dic
     if getattr(training_args, "overwrite_output_dir", False) and resume is None and trainer.is_world_process_zero():
         remove_earlier_checkpoints(training_args.output_dir, keep=model_args.model_name_or_path)
     train_result = trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model()  # weights (safetensors), config, processor and code files: first, so nothing trained is lost
+    # Weights (safetensors), config, processor and code files first, so nothing trained is lost; the push waits for
+    # the card and the final metrics.
+    trainer.save_model(_internal_call=True)
     trainer.save_state()
     metrics = dict(train_result.metrics)
     final_split = "test" if "test" in ds else "validation"
@@ -822,20 +778,12 @@ def _train(task, model_args, data_args, training_args, callbacks, resume) -> dic
             task=task,
             dataset_name=data_args.dataset_name,
             training_args=training_args,
-            repo_id=training_args.hub_model_id,
+            repo_id=trainer.hub_model_id or training_args.hub_model_id,
             base_model=model_args.model_name_or_path if task == "finetune" else None,
             summary=_lora_summary(model_args) if model_args.lora_rank else None,
         )
         if training_args.push_to_hub:
-            from .hub import push_folder_to_hub
-
-            push_folder_to_hub(
-                training_args.output_dir,
-                training_args.hub_model_id or Path(training_args.output_dir).name,
-                private=training_args.hub_private_repo,
-                token=training_args.hub_token,
-                commit_message=f"hf-vit {task}: final model, card and metrics",
-            )
+            trainer.push_output_dir(f"hf-vit {task}: final model, card and metrics")
     return metrics
 
 

@@ -10,11 +10,12 @@ from conftest import tiny_config
 from huggingface_hub import HfApi, ModelCard
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.hub import REMOTE_CODE_FILES, card_reference, push_folder_to_hub, write_model_card
+from hf_vit.files import remote_code_files
+from hf_vit.hub import card_reference, push_folder_to_hub, write_model_card
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = {"eval_accuracy": 0.9722, "eval_top5_accuracy": 0.9972, "eval_split": "test", "eval_loss": 0.1}
-PROJECT_FILES = {"model.safetensors", "config.json", "preprocessor_config.json", "README.md", *REMOTE_CODE_FILES}
+PROJECT_FILES = {"model.safetensors", "config.json", "preprocessor_config.json", "README.md", *remote_code_files()}
 
 
 @pytest.fixture
@@ -125,7 +126,7 @@ def test_push_sends_sharded_weights_with_their_index(tmp_path, hub):
         "preprocessor_config.json",
         "model.safetensors.index.json",
         *shards,
-        *REMOTE_CODE_FILES,
+        *remote_code_files(),
     }
 
 

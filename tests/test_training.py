@@ -287,6 +287,7 @@ def test_a_second_run_into_a_finished_runs_folder_is_refused(tmp_path, caplog):
         train("pretrain", *tiny_pretrain(out, "--seed", "1"))
     assert (out / "model.safetensors").read_bytes() == first
     (out / "checkpoint-1").mkdir()
+    (out / "checkpoint-1" / "trainer_state.json").write_text("{}")  # what a run leaves there
     (out / "notes.txt").write_text("mine")
     train("pretrain", *tiny_pretrain(out, "--seed", "1", "--overwrite_output_dir", "True"))
     assert (out / "model.safetensors").read_bytes() != first
@@ -294,16 +295,16 @@ def test_a_second_run_into_a_finished_runs_folder_is_refused(tmp_path, caplog):
 
 
 def test_a_folder_another_run_is_writing_to_is_refused(tmp_path):
-    from hf_vit.training import claim_output_dir
+    from hf_vit.run_folders import claim_output_dir
 
-    _, _, args = tiny_pretrain(tmp_path / "out")
-    lock = claim_output_dir(args, resuming=False)
+    out = tmp_path / "out"
+    lock = claim_output_dir(out, resuming=False, overwrite=False, main_process=True)
     try:
         with pytest.raises(FileExistsError, match="Another run is writing to --output_dir"):
-            claim_output_dir(args, resuming=False)
+            claim_output_dir(out, resuming=False, overwrite=False, main_process=True)
     finally:
         lock.close()
-    claim_output_dir(args, resuming=False).close()  # released with the first run
+    claim_output_dir(out, resuming=False, overwrite=False, main_process=True).close()  # released with the first run
 
 
 def split_image_folder(root, broken_split=None):

@@ -14,34 +14,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from ..configuration_vit import VisionTransformerConfig
+from ..files import is_run_file
 
 logger = logging.getLogger(__name__)
 
 
-# What the project writes into a model folder meant for sharing (converted checkpoints, resolution variants, the final
-# model of a training run): `save_pretrained`'s weights, config and code files, the processor config, the model card,
-# the metrics and the curves. `--overwrite` replaces a folder only when everything in it is on this list and its
-# config.json is hf-vit's: a folder holding anything else (a sub-folder, a symlink, any other file) is refused,
-# because replacing it would delete what the project did not write.
-SAVED_FILE_NAMES = frozenset(
-    {
-        "config.json",
-        "preprocessor_config.json",
-        "model.safetensors",
-        "model.safetensors.index.json",
-        "README.md",
-        "all_results.json",
-        "train_results.json",
-        "eval_results.json",
-        "test_results.json",
-        "trainer_state.json",
-        "training_args.bin",
-        "training_curves.png",
-        "pretraining_curves.png",
-        "main_job.json",
-    }
-)
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # Sibling folders of a target `out`: `.out.hf-vit-staging-<pid>-<random>` (the new result being written) and
 # `.out.hf-vit-old-<pid>` (the old result moved aside while the new one is moved in).
 _STAGING, _ASIDE = "hf-vit-staging", "hf-vit-old"
@@ -53,22 +30,9 @@ class OutputFolderError(FileExistsError, ValueError):
     """An output folder cannot be written or replaced; the message names the path that blocks it and what to do."""
 
 
-def code_file_names() -> frozenset[str]:
-    """The hf-vit modules `save_pretrained` copies beside a checkpoint as remote code (the model's and processor's
-    files and what they import), not every module of the package: a user's own `data.py` is not hf-vit's."""
-    from ..hub import REMOTE_CODE_FILES
-
-    return frozenset(REMOTE_CODE_FILES)
-
-
-def is_saved_file_name(name: str) -> bool:
-    """Whether a file called `name` is one hf-vit writes into a model folder."""
-    return name in SAVED_FILE_NAMES or bool(_SHARD_NAME.fullmatch(name)) or name in code_file_names()
-
-
 def check_replaceable(folder: Path) -> None:
     """Raise `OutputFolderError` unless `folder` is one hf-vit wrote: an hf-vit config.json and only the files hf-vit
-    writes (`SAVED_FILE_NAMES`, weight shards, the code files), no sub-folders, no symlinks."""
+    writes (`hf_vit.files.is_run_file`), no sub-folders, no symlinks."""
     config = folder / "config.json"
     hint = "Move it away, delete it yourself, or choose another --output."
     if not config.is_file() or config.is_symlink():
@@ -88,7 +52,7 @@ def check_replaceable(folder: Path) -> None:
             f"--overwrite only replaces a folder hf-vit wrote, so {folder} is left alone. {hint}"
         )
     for entry in sorted(folder.iterdir()):
-        if entry.is_symlink() or entry.is_dir() or not is_saved_file_name(entry.name):
+        if entry.is_symlink() or entry.is_dir() or not is_run_file(entry.name):
             kind = "symlink" if entry.is_symlink() else "folder" if entry.is_dir() else "file"
             raise OutputFolderError(
                 f"{entry} is a {kind} hf-vit never writes into a model folder; --overwrite would delete it, so "

@@ -1,0 +1,118 @@
+"""The files this project writes, in one place: what a model folder, a training run's folder and a checkpoint hold.
+
+Saving, uploading, overwriting and converting all read these lists, so that "what hf-vit wrote" means one thing:
+`--overwrite` replaces only such files, a push sends only the shareable ones, and the card's security note lists
+exactly the code files `save_pretrained` copies beside the weights.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+PACKAGE = Path(__file__).parent
+
+CONFIG_FILE = "config.json"
+PROCESSOR_FILE = "preprocessor_config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+CARD_FILE = "README.md"
+TRAINING_ARGS_FILE = "training_args.bin"
+TRAINER_STATE_FILE = "trainer_state.json"
+LOCK_FILE = ".hf-vit-run.lock"
+CARD_TEMPLATE = PACKAGE / "templates" / "model_card.md"
+
+# What a run reports beside its model: metrics, curves, the card. Shareable.
+RESULT_FILES = (
+    CARD_FILE,
+    "training_curves.png",
+    "pretraining_curves.png",
+    "all_results.json",
+    "train_results.json",
+    "eval_results.json",
+    "test_results.json",
+    "main_job.json",
+)
+# What Trainer writes beside a model and a checkpoint to resume it. Never shared from a run's folder: the arguments
+# are a pickle naming local paths, the state names checkpoint paths.
+TRAINER_FILES = (TRAINER_STATE_FILE, TRAINING_ARGS_FILE)
+# A checkpoint's resume state on top of the model files (rng_state_<rank>.pth for each process of a multi-process run;
+# optimizer_0 / pytorch_model_fsdp_0 are the sharded folders of FSDP's torch.distributed.checkpoint).
+RESUME_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth")
+RESUME_FILE_PATTERN = re.compile(r"rng_state_\d+\.pth")
+RESUME_FOLDER_PATTERN = re.compile(r"(optimizer|pytorch_model_fsdp)_\d+")
+CHECKPOINT_FOLDER = re.compile(r"checkpoint-(\d+)")
+
+
+@lru_cache(maxsize=1)
+def remote_code_files() -> tuple[str, ...]:
+    """The modules `save_pretrained` copies beside a checkpoint for `trust_remote_code=True`: every configuration,
+    modeling and image-processing module of the package and the modules they import relatively (transformers'
+    own rule for what a custom model's code consists of), sorted. All of them execute on `trust_remote_code=True`."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    names = set()
+    roots = [
+        p
+        for pattern in ("configuration_*.py", "modeling_*.py", "image_processing_*.py")
+        for p in PACKAGE.glob(pattern)
+    ]
+    for root in roots:
+        names.add(root.name)
+        names.update(Path(path).name for path in get_relative_import_files(str(root)))
+    return tuple(sorted(names))
+
+
+def model_file_names() -> frozenset[str]:
+    """The fixed names of a saved model folder: config, weights (not shards, see `is_model_file`), processor, code."""
+    return frozenset(
+        {
+            CONFIG_FILE,
+            PROCESSOR_FILE,
+            WEIGHTS_FILE,
+            WEIGHTS_INDEX_FILE,
+            ADAPTER_FILE,
+            ADAPTER_CONFIG,
+            *remote_code_files(),
+        }
+    )
+
+
+def is_model_file(name: str) -> bool:
+    return name in model_file_names() or bool(SHARD_NAME.fullmatch(name))
+
+
+def is_run_file(name: str) -> bool:
+    """Whether a training run, converter or variant writes a top-level file called `name` into its output folder."""
+    return is_model_file(name) or name in RESULT_FILES or name in TRAINER_FILES
+
+
+def is_checkpoint_entry(name: str, is_dir: bool) -> bool:
+    """Whether `Trainer` writes an entry called `name` into a `checkpoint-N` folder of an hf-vit run."""
+    if is_dir:
+        return bool(RESUME_FOLDER_PATTERN.fullmatch(name))
+    # peft writes its card (README.md) beside an adapter checkpoint.
+    return (
+        is_model_file(name)
+        or name in TRAINER_FILES
+        or name in RESUME_FILES
+        or name == CARD_FILE
+        or bool(RESUME_FILE_PATTERN.fullmatch(name))
+    )
+
+
+def checkpoint_foreign_entries(folder: Path) -> list[str]:
+    """What in a `checkpoint-N` folder is not something a run writes there (symlinks included); empty for a real
+    checkpoint. A folder with none of a checkpoint's state files is foreign as a whole."""
+    foreign = [
+        entry.name + ("/" if entry.is_dir() else "")
+        for entry in sorted(folder.iterdir())
+        if entry.is_symlink() or not is_checkpoint_entry(entry.name, entry.is_dir())
+    ]
+    names = {entry.name for entry in folder.iterdir()}
+    if not foreign and not names & {TRAINER_STATE_FILE, WEIGHTS_FILE, ADAPTER_FILE, *RESUME_FILES}:
+        foreign.append("(none of a checkpoint's files)")
+    return foreign
