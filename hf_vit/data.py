@@ -160,6 +160,25 @@ def shuffle_stream(data: IterableDataset, seed: int, buffer_size: int) -> Iterab
     return data.shuffle(seed=seed, buffer_size=buffer_size)
 
 
+def load_datasets(data_args: Any, seed: int):
+    """The raw splits named by `data_args` (`hf_vit.arguments.DataArguments`; columns `image` and `label`)."""
+    ds = load_image_dataset(
+        data_args.dataset_name,
+        image_column=data_args.image_column_name,
+        label_column=data_args.label_column_name,
+        streaming=data_args.streaming,
+        train_split=data_args.train_split,
+        validation_split=data_args.validation_split,
+        test_split=data_args.test_split,
+        validation_fraction=data_args.validation_fraction,
+        seed=seed,
+        shuffle_buffer_size=data_args.shuffle_buffer_size,
+    )
+    if data_args.max_train_samples is not None and not data_args.streaming:
+        ds["train"] = ds["train"].select(range(min(data_args.max_train_samples, len(ds["train"]))))
+    return ds
+
+
 def label_names(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> list[str]:
     """Class names of the `label` column (index = label id), e.g. for `id2label = dict(enumerate(names))`."""
     if isinstance(ds, (DatasetDict, IterableDatasetDict)):

@@ -23,6 +23,7 @@ would publish the user's file system with the adapter; `load_lora_model(folder, 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
 
 QKV_PARTS = ("query", "key", "value")
 
@@ -73,6 +76,33 @@ def apply_lora(
     if parts and "qkv" not in targets:
         _restrict_to_parts(peft_model, parts)
     return peft_model
+
+
+def adapt(model: nn.Module, model_args: Any, task: str, output_dir: str | os.PathLike) -> nn.Module:
+    """The run's adapter stage: with `--lora_rank`, `model` (the fine-tuning model, its problem type set) wrapped
+    with LoRA adapters, its config written to `output_dir` first (what `load_lora_model` rebuilds on the base, with
+    the interpolation its position embeddings were resampled with), the adapter naming its base as the user did.
+    Without `--lora_rank`, `model` as it is."""
+    if not model_args.lora_rank:
+        return model
+    if task != "finetune" or not model_args.model_name_or_path:
+        raise ValueError("--lora_rank adapts a pretrained model: use finetune.py with --model_name_or_path.")
+    model.config.position_interpolation = model_args.interpolation
+    model.config.save_pretrained(output_dir)  # the fine-tuning model the adapter belongs to
+    model = apply_lora(
+        model,
+        model_args.lora_rank,
+        model_args.lora_alpha,
+        model_args.lora_dropout,
+        model_args.lora_target_modules.split(","),
+        base_model_name_or_path=model_args.model_name_or_path,
+    )
+    trained, total = trainable_parameters(model)
+    logger.info(
+        "LoRA rank %d on %s: %d of %d parameters trained.", model_args.lora_rank, model_args.lora_target_modules,
+        trained, total,
+    )  # fmt: skip
+    return model
 
 
 def _restrict_to_parts(peft_model: nn.Module, parts: list[int]) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from .arguments import default_hflip
 from .configuration_vit import VisionTransformerConfig
 from .data import Transform, apply_transforms, make_eval_transform, make_train_transform
 from .image_processing_vit import VisionTransformerImageProcessor
@@ -103,8 +104,6 @@ class MaskedPatchPredictionTransform:
 def with_mpp_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config):
     """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
     (`data_args`' crop and flip settings), the other splits resized by the processor only."""
-    from .training import default_hflip  # the supervised runs' flip default
-
     pixels = unnormalized(processor)
     train = make_train_transform(
         pixels,

@@ -403,19 +403,19 @@ def test_resuming_from_a_truncated_checkpoint_names_the_file(tmp_path, damage):
     data = (checkpoint / damage).read_bytes()
     (checkpoint / damage).write_bytes(data[: len(data) // 2])
     _, _, args = tiny_pretrain(tmp_path, "--resume_from_checkpoint", str(checkpoint))
-    from hf_vit.training import _resolve_resume
+    from hf_vit.checkpoints import resolve_resume
 
     with pytest.raises(ValueError, match=f"Cannot resume from {checkpoint}: {checkpoint / damage} is truncated"):
-        _resolve_resume(args)
+        resolve_resume(args)
 
 
 def test_resuming_a_weights_only_checkpoint_is_refused(tmp_path):
-    from hf_vit.training import _resolve_resume
+    from hf_vit.checkpoints import resolve_resume
 
     fake_checkpoint(tmp_path / "checkpoint-2", optimizer=False)
     _, _, args = tiny_pretrain(tmp_path, "--resume_from_checkpoint", "True")
     with pytest.raises(ValueError, match="weights only.*--save_only_model.*restart the optimizer state"):
-        _resolve_resume(args)
+        resolve_resume(args)
 
 
 def test_a_checkpoint_that_cannot_be_written_names_the_folder_and_free_space(tmp_path, monkeypatch):
