@@ -328,7 +328,7 @@ def test_with_transform_and_collate(digits, processor):
 
 
 def test_streaming_digits_yields_transformed_batches(digits, processor):
-    stream = load_image_dataset("digits", streaming=True)
+    stream = load_image_dataset("digits", streaming=True, shuffle_buffer_size=0)  # in order, to compare
     assert isinstance(stream, datasets.IterableDatasetDict) and get_label_names(stream) == get_label_names(digits)
     eval_transform = make_eval_transform(processor)
     mapped = stream["validation"].map(eval_transform, batched=True, batch_size=64, remove_columns=["image", "label"])
