@@ -50,7 +50,7 @@ def test_supervised_pretraining_from_a_checkpoint_resamples_to_the_image_size_gi
         (["--config_overrides", TINY.replace("num_hidden_layers=2", "num_hidden_layers=3")], "num_hidden_layers=3"),
     ],
 )
-def test_flags_that_change_a_checkpoints_weights_are_refused_naming_them(tmp_path, classifier, objective, flags, named):
+def test_flags_changing_a_checkpoints_weights_are_refused_naming_them(tmp_path, classifier, objective, flags, named):
     with pytest.raises(ValueError) as info:
         pretrain(tmp_path, classifier, "--objective", objective, *flags)
     message = str(info.value)
