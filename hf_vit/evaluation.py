@@ -3,6 +3,7 @@ model on a data set's split without training."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,23 +21,31 @@ def final_split(ds) -> str:
     return "test" if "test" in ds else "validation"
 
 
-def evaluate_split(trainer: Trainer, dataset, split: str) -> dict[str, float]:
+def evaluate_split(
+    trainer: Trainer, dataset, split: str, loss: Callable[[Any, Any], float] | None = None
+) -> dict[str, float]:
     """`trainer`'s metrics of `dataset` (the split `split`), logged as `<split>_*` (so that the curves keep
     validation and test apart).
 
     The data set gets a data loader built for it: `Trainer.evaluate` hands back the loader it cached for the
     validation split whenever the data loader's workers persist (the scripts' default), whatever data set it is given,
-    so the "test" metrics would be the validation split's."""
+    so the "test" metrics would be the validation split's. With `loss` (the objective's loss of predictions and
+    labels), the loss is that of the gathered predictions: Trainer's mean of the processes' batch losses counts the
+    examples that pad a streamed split's last batch across processes."""
     output = trainer.predict(dataset, metric_key_prefix=split)
-    trainer.log(output.metrics)
-    return dict(output.metrics)
+    metrics = dict(output.metrics)
+    if loss is not None and output.predictions is not None and output.label_ids is not None:
+        predictions = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+        metrics[f"{split}_loss"] = loss(predictions, output.label_ids)
+    trainer.log(metrics)
+    return metrics
 
 
-def final_evaluation(trainer: Trainer, ds) -> dict[str, Any]:
+def final_evaluation(trainer: Trainer, ds, loss: Callable[[Any, Any], float] | None = None) -> dict[str, Any]:
     """The run's final metrics on `final_split(ds)`: as `<split>_*`, and as `eval_*` (what `all_results.json`, the
-    card and the Hub metadata report), with `eval_split` naming the split."""
+    card and the Hub metadata report), with `eval_split` naming the split (`loss`: see `evaluate_split`)."""
     split = final_split(ds)
-    measured = evaluate_split(trainer, ds[split], split)
+    measured = evaluate_split(trainer, ds[split], split, loss)
     metrics: dict[str, Any] = dict(measured)
     metrics.update({"eval_" + key.removeprefix(f"{split}_"): value for key, value in measured.items()})
     metrics["eval_split"] = split

@@ -19,6 +19,8 @@ from typing import Any
 
 import datasets
 import numpy as np
+import torch
+from torch.nn import functional as F
 
 from .arguments import default_hflip
 from .data import (
@@ -65,6 +67,19 @@ class Objective:
     compute_metrics: Callable
     preprocess_logits: Callable | None = None
     streaming: bool = True  # whether it trains on streamed data sets
+    # The loss of the gathered predictions and labels, for the final evaluation (None: Trainer's mean of the batches'
+    # losses, which counts the padding of a streamed split's last batch when several processes evaluate it).
+    loss: Callable[[Any, Any], float] | None = None
+
+
+def cross_entropy(logits, labels) -> float:
+    """The model's single-label loss (mean cross-entropy) of `logits` [N, C] and class ids [N]."""
+    return float(F.cross_entropy(torch.as_tensor(logits).float(), torch.as_tensor(labels).long()))
+
+
+def binary_cross_entropy(logits, labels) -> float:
+    """The model's multi-label loss (mean sigmoid cross-entropy) of `logits` [N, C] and multi-hot targets [N, C]."""
+    return float(F.binary_cross_entropy_with_logits(torch.as_tensor(logits).float(), torch.as_tensor(labels).float()))
 
 
 def classification_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config: Any = None):
@@ -108,6 +123,7 @@ OBJECTIVES: dict[str, Objective] = {
         transforms=classification_transforms,
         collator=collate_fn,
         compute_metrics=compute_metrics,
+        loss=cross_entropy,
     ),
     "multi_label_classification": Objective(
         name="multi_label_classification",
@@ -118,6 +134,7 @@ OBJECTIVES: dict[str, Objective] = {
         collator=collate_fn,
         compute_metrics=compute_metrics,
         streaming=False,
+        loss=binary_cross_entropy,
     ),
     "mpp": Objective(
         name="mpp",

@@ -123,7 +123,7 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     # the card and the final metrics.
     trainer.save_model(_internal_call=True)
     trainer.save_state()
-    metrics = {**train_result.metrics, **final_evaluation(trainer, ds), "train_task": task}
+    metrics = {**train_result.metrics, **final_evaluation(trainer, ds, objective.loss), "train_task": task}
     trainer.log_metrics("all", {k: v for k, v in metrics.items() if not isinstance(v, str)})
     trainer.save_metrics("all", metrics, combined=False)
     trainer.save_state()
