@@ -595,3 +595,58 @@ def test_a_validation_split_without_positive_labels_does_not_stop_a_multi_label_
     metrics = train("pretrain", *parse_args("pretrain", args))
     assert np.isnan(metrics["eval_mean_average_precision"]) and "eval_f1_micro" in metrics
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+# --- The run's structure ---------------------------------------------------------------------------------------------
+
+RUN_MODULES = (
+    "training", "arguments", "objectives", "model_setup", "lora", "trainer", "checkpoints", "evaluation",
+    "pretraining", "data", "run_folders", "metrics",
+)  # fmt: skip
+
+
+def _relative_imports(module: str) -> list[tuple[str, list[str], bool]]:
+    """(imported module, names, at module level) for each `from .x import ...` of `hf_vit/<module>`."""
+    import ast
+
+    path = ROOT / "hf_vit" / (f"{module}/__init__.py" if module == "metrics" else f"{module}.py")
+    tree = ast.parse(path.read_text())
+    top = set(map(id, tree.body))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            found.append((node.module.split(".")[0], [alias.name for alias in node.names], id(node) in top))
+    return found
+
+
+def test_the_runs_modules_form_no_import_cycle_and_share_no_private_names():
+    graph = {module: set() for module in RUN_MODULES}
+    for module in RUN_MODULES:
+        for imported, names, _ in _relative_imports(module):
+            private = [name for name in names if name.startswith("_")]
+            assert not private, f"hf_vit/{module} imports the private {private} of hf_vit/{imported}"
+            if imported in graph:
+                graph[module].add(imported)  # deferred imports count too: a cycle is a cycle
+    visiting, done = set(), set()
+
+    def visit(module, path):
+        assert module not in visiting, "import cycle: " + " -> ".join([*path, module])
+        if module in done:
+            return
+        visiting.add(module)
+        for imported in sorted(graph[module]):
+            visit(imported, [*path, module])
+        visiting.discard(module)
+        done.add(module)
+
+    for module in RUN_MODULES:
+        visit(module, [])
+    training_lines = len((ROOT / "hf_vit" / "training.py").read_text().splitlines())
+    assert training_lines <= 450
+    # no branch on the objective outside the table
+    for module in RUN_MODULES:
+        if module != "objectives":
+            source = (
+                ROOT / "hf_vit" / (f"{module}/__init__.py" if module == "metrics" else f"{module}.py")
+            ).read_text()
+            assert ".objective ==" not in source and '"mpp" if' not in source, module
