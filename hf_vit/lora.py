@@ -140,11 +140,8 @@ def base_model_name(model_name_or_path: str) -> str:
 def lora_summary(rank: int, target_modules: str, model_name_or_path: str) -> str:
     """The model card's summary of a LoRA run on `model_name_or_path`: what the folder holds and how to load it."""
     base = base_model_name(model_name_or_path)
-    where = (
-        f"the Hub model `{base}`"
-        if base == model_name_or_path
-        else f"the local model folder `{base}` (pass its path as `base=`)"
-    )
+    local = os.path.exists(os.path.expanduser(model_name_or_path))
+    where = f"the local model `{base}` (pass its path as `base=`)" if local else f"the Hub model `{base}`"
     return (
         f"A LoRA adapter (peft; rank {rank} on {target_modules}, new head trained in full) for {where}. Load the "
         "fine-tuned model with `hf_vit.lora.load_lora_model(<this folder>)`; "

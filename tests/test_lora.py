@@ -39,7 +39,7 @@ def test_a_lora_run_saves_an_adapter_that_merges_into_the_base(tmp_path):
             assert str(tmp_path) not in path.read_text(), path.name
     card = (out / "README.md").read_text()
     assert f"base_model: {source.name}" not in card  # a local folder: named in the text, not the Hub metadata
-    assert "LoRA adapter" in card and f"local model folder `{source.name}`" in card and "base=" in card
+    assert "LoRA adapter" in card and f"local model `{source.name}`" in card and "base=" in card
 
     id2label = {i: str(i) for i in range(10)}
     x = torch.randn(4, 3, 8, 8)
