@@ -11,7 +11,9 @@ the splits `train`, `validation` and, when the source has one, `test`. Every spl
 * otherwise a data set on the Hugging Face Hub (`datasets.load_dataset(name)`, needs network or the local cache).
 
 A missing validation split is carved out of train: `validation_fraction` of it, stratified by label with `seed`
-(in-memory data), or every `1 / validation_fraction`-th example (streaming).
+(in-memory data), or every `1 / validation_fraction`-th example (streaming). A streamed train split is shuffled
+through a buffer of `shuffle_buffer_size` examples (and its shards' order), seeded by `seed` and reseeded each epoch
+(`set_epoch`, which Trainer calls): an image folder is otherwise read class after class.
 
 Transforms: `make_train_transform` (random resized crop, optional horizontal flip) and `make_eval_transform` (the
 image processor alone) map a batch `{"image": [...], "label": [...]}` to `{"pixel_values": float32 [N, 3, H, W],
@@ -113,13 +115,18 @@ def load_image_dataset(
     validation_fraction: float = 0.1,
     seed: int = 0,
     cache_dir: str | None = None,
+    shuffle_buffer_size: int = 1000,
 ) -> DatasetDict | IterableDatasetDict:
     """Load an image classification data set: splits `train`, `validation` (and `test`), columns `image`, `label`.
 
     See the module docstring for the accepted `name`s. `image_column`/`label_column` name the source columns
     (renamed to `image`/`label`, other columns are dropped); `*_split` name the source splits. String labels become
-    `ClassLabel` ids in sorted name order, integer labels without names get the names "0".."max".
+    `ClassLabel` ids in sorted name order, integer labels without names get the names "0".."max" (negative
+    integers are refused). A streamed train split is shuffled with a buffer of `shuffle_buffer_size` examples (0:
+    read in the source's order).
     """
+    if shuffle_buffer_size < 0:
+        raise ValueError(f"--shuffle_buffer_size must be 0 (no shuffling) or positive, got {shuffle_buffer_size}.")
     path = os.path.expanduser(name)
     if name == "digits":
         ds = load_digits_dataset(seed)
@@ -141,6 +148,34 @@ def load_image_dataset(
     ds = type(ds)({split: ds[split] for split in splits if split in ds})
     if streaming and isinstance(ds, DatasetDict):
         ds = IterableDatasetDict({split: d.to_iterable_dataset() for split, d in ds.items()})
+    if isinstance(ds, IterableDatasetDict) and shuffle_buffer_size:
+        ds["train"] = shuffle_stream(ds["train"], seed, shuffle_buffer_size)
+    return ds
+
+
+def shuffle_stream(data: IterableDataset, seed: int, buffer_size: int) -> IterableDataset:
+    """`data` read in a shuffled order: its shards in a random order, then each example drawn at random from a buffer
+    of `buffer_size`. The order is drawn from `seed + epoch` (datasets' `set_epoch`, called by Trainer at each
+    epoch's start), so every epoch is read in another order, the same one for every run with `seed`."""
+    return data.shuffle(seed=seed, buffer_size=buffer_size)
+
+
+def load_datasets(data_args: Any, seed: int):
+    """The raw splits named by `data_args` (`hf_vit.arguments.DataArguments`; columns `image` and `label`)."""
+    ds = load_image_dataset(
+        data_args.dataset_name,
+        image_column=data_args.image_column_name,
+        label_column=data_args.label_column_name,
+        streaming=data_args.streaming,
+        train_split=data_args.train_split,
+        validation_split=data_args.validation_split,
+        test_split=data_args.test_split,
+        validation_fraction=data_args.validation_fraction,
+        seed=seed,
+        shuffle_buffer_size=data_args.shuffle_buffer_size,
+    )
+    if data_args.max_train_samples is not None and not data_args.streaming:
+        ds["train"] = ds["train"].select(range(min(data_args.max_train_samples, len(ds["train"]))))
     return ds
 
 
@@ -213,6 +248,11 @@ def _standardize_columns(ds, name: str, image_column: str, label_column: str):
         values = set().union(*(d.unique("label") for d in ds.values()))
     if not values:
         raise ValueError(f"The label column of {name!r} holds no labels.")
+    if is_integer and min(values) < 0:
+        raise ValueError(
+            f"The label column of {name!r} holds the negative class id {min(values)}: class ids start at 0. Remove "
+            "the images without a label (or, for multi-label data, give them an empty list of classes)."
+        )
     names = sorted(values) if is_string else [str(i) for i in range(max(values) + 1)]
     return ds.cast_column("label", datasets.List(ClassLabel(names=names)) if is_list else ClassLabel(names=names))
 
@@ -231,6 +271,13 @@ def to_multi_hot(ds: DatasetDict, num_classes: int) -> DatasetDict:
     def encode(batch):
         vectors = np.zeros((len(batch["label"]), num_classes), dtype=np.float32)
         for row, classes in enumerate(batch["label"]):
+            wrong = [c for c in classes if not 0 <= c < num_classes]
+            if wrong:  # numpy would read -1 as the last class
+                raise ValueError(
+                    f"A label list holds the class id(s) {wrong}, outside 0..{num_classes - 1}: every element of a "
+                    "multi-label list must be one of the data set's classes (an image without classes has an empty "
+                    "list)."
+                )
             vectors[row, list(classes)] = 1.0
         return {"label": vectors.tolist()}
 

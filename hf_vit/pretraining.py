@@ -29,9 +29,11 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from .arguments import default_hflip
 from .configuration_vit import VisionTransformerConfig
 from .data import Transform, apply_transforms, make_eval_transform, make_train_transform
 from .image_processing_vit import VisionTransformerImageProcessor
+from .model_setup import config_from_preset, load_checkpoint
 from .modeling_mpp import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
 
 __all__ = [
@@ -102,8 +104,6 @@ class MaskedPatchPredictionTransform:
 def with_mpp_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config):
     """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
     (`data_args`' crop and flip settings), the other splits resized by the processor only."""
-    from .training import default_hflip  # the supervised runs' flip default
-
     pixels = unnormalized(processor)
     train = make_train_transform(
         pixels,
@@ -130,22 +130,15 @@ def build_mpp_model(model_args: Any) -> VisionTransformerForMaskedPatchPredictio
     """The model to pretrain by masked patch prediction, from the fields of `hf_vit.training.ModelArguments`:
     `preset` with `patch_size`, `image_size`, `config_overrides`, `drop_path_rate` and `hidden_dropout_prob` from
     scratch (the paper's initialisation), or `model_name_or_path` to continue from an hf-vit checkpoint (its head
-    and [mask] embedding are new if it has none)."""
-    from .training import _image_size, _overrides  # the same parsing as supervised pretraining
-
-    attention = getattr(model_args, "attn_implementation", "sdpa")
+    and [mask] embedding are new if it has none) with the flags applied (`--image_size` resamples its position
+    embeddings) or, where they would change its weights' shapes, refused."""
     if getattr(model_args, "model_name_or_path", None):
-        return VisionTransformerForMaskedPatchPrediction.from_pretrained(
-            model_args.model_name_or_path, attn_implementation=attention
+        return load_checkpoint(
+            VisionTransformerForMaskedPatchPrediction,
+            model_args,
+            interpolation=getattr(model_args, "interpolation", "bicubic"),
         )
-    fields: dict[str, Any] = _overrides(model_args.config_overrides)
-    for name in ("patch_size", "drop_path_rate", "hidden_dropout_prob"):
-        if getattr(model_args, name, None) is not None:
-            fields[name] = getattr(model_args, name)
-    if (size := _image_size(model_args.image_size)) is not None:
-        fields["image_size"] = size
-    config = VisionTransformerConfig.from_preset(model_args.preset, **fields)
-    config._attn_implementation = attention
+    config = config_from_preset(model_args)
     return VisionTransformerForMaskedPatchPrediction(config)
 
 

@@ -328,7 +328,7 @@ def test_with_transform_and_collate(digits, processor):
 
 
 def test_streaming_digits_yields_transformed_batches(digits, processor):
-    stream = load_image_dataset("digits", streaming=True)
+    stream = load_image_dataset("digits", streaming=True, shuffle_buffer_size=0)  # in order, to compare
     assert isinstance(stream, datasets.IterableDatasetDict) and get_label_names(stream) == get_label_names(digits)
     eval_transform = make_eval_transform(processor)
     mapped = stream["validation"].map(eval_transform, batched=True, batch_size=64, remove_columns=["image", "label"])
@@ -551,3 +551,66 @@ def test_jpeg_road_grey_and_truncated(tmp_path):
     truncated.write_bytes(_jpeg_photo((600, 400))[:3000])
     with pytest.raises(CorruptImageError, match="truncated.jpg"):
         make_train_transform(processor, seed=0)({"image": [{"path": str(truncated), "bytes": None}]})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# streaming order and label edges
+
+
+def _class_folder(root, per_class=12):
+    for label in ("a", "b", "c"):
+        (root / label).mkdir(parents=True)
+        for i in range(per_class):
+            PIL.Image.new("L", (4, 4), 10 * i).save(root / label / f"{i:02d}.png")
+    return root
+
+
+def test_a_streamed_image_folder_is_shuffled_and_reshuffled_each_epoch(tmp_path):
+    folder = str(_class_folder(tmp_path / "folder"))
+    ds = load_image_dataset(folder, streaming=True, validation_fraction=0.25, seed=3, shuffle_buffer_size=64)
+    train = ds["train"]
+    first = [row["label"] for row in train]
+    assert len(first) == 27 and sorted(first) == [0] * 9 + [1] * 9 + [2] * 9
+    assert first != sorted(first)  # read from the folder, it came class after class
+    assert set(first[:9]) != {0}
+    again = [row["label"] for row in ds["train"]]
+    assert again == first  # the same seed and epoch: the same order
+    train.set_epoch(1)  # what Trainer does at each epoch's start
+    second = [row["label"] for row in train]
+    assert sorted(second) == sorted(first) and second != first
+    unshuffled = load_image_dataset(folder, streaming=True, validation_fraction=0.25, shuffle_buffer_size=0)
+    assert [row["label"] for row in unshuffled["train"]] == sorted(first)
+    with pytest.raises(ValueError, match="--shuffle_buffer_size"):
+        load_image_dataset(folder, streaming=True, shuffle_buffer_size=-1)
+
+
+def test_in_memory_data_streamed_is_shuffled_with_the_seed(digits):
+    ordered = load_image_dataset("digits", streaming=True, shuffle_buffer_size=0)
+    shuffled = load_image_dataset("digits", streaming=True, shuffle_buffer_size=100, seed=0)
+    take = [row["label"] for row in shuffled["train"].take(50)]
+    assert take != [row["label"] for row in ordered["train"].take(50)]
+    assert take == [
+        row["label"]
+        for row in load_image_dataset("digits", streaming=True, seed=0, shuffle_buffer_size=100)["train"].take(50)
+    ]
+
+
+def test_a_negative_class_id_is_refused_not_read_as_the_last_class(tmp_path):
+    images = [_colored_image(COLORS["dog"], "L", (5, 5))] * 4
+    lists = _saved(tmp_path, {"image": images, "label": [[0], [1, -1], [2], []]}, name="lists")
+    with pytest.raises(ValueError, match="negative class id -1"):
+        load_image_dataset(lists, validation_fraction=0.25)
+    single = _saved(tmp_path, {"image": images, "label": [0, 1, -1, 2]}, name="single")
+    with pytest.raises(ValueError, match="negative class id -1"):
+        load_image_dataset(single, validation_fraction=0.25)
+
+
+def test_multi_hot_refuses_class_ids_outside_the_classes():
+    from hf_vit.data import to_multi_hot
+
+    features = datasets.Features({"label": datasets.List(datasets.Value("int64"))})
+    ds = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"label": [[0], [2, -1]]}, features=features)})
+    with pytest.raises(ValueError, match=r"class id\(s\) \[-1\], outside 0..2"):
+        to_multi_hot(ds, 3)
+    good = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"label": [[0], [2, 1]]}, features=features)})
+    assert to_multi_hot(good, 3)["train"]["label"] == [[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]]

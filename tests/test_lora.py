@@ -32,14 +32,21 @@ def test_a_lora_run_saves_an_adapter_that_merges_into_the_base(tmp_path):
     adapter = load_file(out / "adapter_model.safetensors")
     assert any("lora_B" in key and value.abs().max() > 0 for key, value in adapter.items())  # it was trained
     assert any("classifier" in key for key in adapter)  # the new head is saved with it, in full
-    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(source)
-    assert f"base_model: {source.name}" not in (out / "README.md").read_text()  # a local path: named in the text
-    assert "LoRA adapter" in (out / "README.md").read_text()
+    # a local base is named by its plain name: no path of this machine in the adapter's files
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == source.name
+    for path in out.iterdir():
+        if path.is_file() and path.suffix in (".json", ".md", ".txt"):
+            assert str(tmp_path) not in path.read_text(), path.name
+    card = (out / "README.md").read_text()
+    assert f"base_model: {source.name}" not in card  # a local folder: named in the text, not the Hub metadata
+    assert "LoRA adapter" in card and f"local model `{source.name}`" in card and "base=" in card
 
     id2label = {i: str(i) for i in range(10)}
     x = torch.randn(4, 3, 8, 8)
     adapted = PeftModel.from_pretrained(load_for_finetuning(str(source), id2label, image_size=8), out).eval()
-    merged = load_lora_model(out)
+    with pytest.raises(OSError, match="base=<that folder>"):
+        load_lora_model(out)  # named "pre" only: where it is, the caller says
+    merged = load_lora_model(out, base=source)
     base = load_for_finetuning(str(source), id2label, image_size=8).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(x).logits, adapted(x).logits, atol=1e-5, rtol=1e-5)
@@ -54,7 +61,7 @@ def test_query_value_parts_leave_the_keys_untouched(tmp_path):
     width = b.shape[0] // 3
     assert b[width : 2 * width].abs().max() == 0  # key rows stayed zero
     assert b[:width].abs().max() > 0 and b[2 * width :].abs().max() > 0
-    merged = load_lora_model(out)
+    merged = load_lora_model(out, base=source)
     base = load_for_finetuning(str(source), {i: str(i) for i in range(10)}, image_size=8)
     merged_qkv, base_qkv = merged.vit.layers[0].attention.qkv.weight, base.vit.layers[0].attention.qkv.weight
     torch.testing.assert_close(merged_qkv[width : 2 * width], base_qkv[width : 2 * width])
@@ -75,3 +82,70 @@ def test_fused_qkv_at_rank_r_has_the_parameters_of_query_value_at_rank_r(tmp_pat
     assert adapter_parameters(parts) == adapter_parameters(fused)  # the masked key rows are stored, kept at zero
     with pytest.raises(ValueError, match="choose from"):
         apply_lora(load_for_finetuning(str(source), id2label), rank=4, target_modules=["queries"])
+
+
+def test_the_merged_model_is_the_runs_model_with_its_settings(tmp_path):
+    """--interpolation bilinear, a pre-logits layer and another image size: the merge rebuilds the same model (it
+    resampled bicubic and had no pre-logits layer: logits off, or a size-mismatch error)."""
+    from peft import PeftModel
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    from hf_vit.lora import save_merged_model
+
+    flags = ("--interpolation", "bilinear", "--representation_size", "16", "--image_size", "12")
+    source, out, _ = lora_run(tmp_path, *flags)
+    id2label = {i: str(i) for i in range(10)}
+    run_model = load_for_finetuning(
+        str(source), id2label, image_size=12, representation_size=16, interpolation="bilinear"
+    )
+    adapted = PeftModel.from_pretrained(run_model, out).eval()
+    merged = load_lora_model(out, base=source)
+    assert merged.config.image_size == 12 and merged.config.representation_size == 16
+    x = torch.randn(3, 3, 12, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x).logits, adapted(x).logits, atol=1e-5, rtol=1e-5)
+    save_merged_model(out, tmp_path / "merged", base=source)
+    reloaded = AutoModelForImageClassification.from_pretrained(tmp_path / "merged").eval()
+    processor = AutoImageProcessor.from_pretrained(tmp_path / "merged")
+    assert processor.size == {"height": 12, "width": 12}
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(x).logits, adapted(x).logits, atol=1e-5, rtol=1e-5)
+    assert str(tmp_path) not in (tmp_path / "merged" / "config.json").read_text()
+
+
+def test_multi_label_lora_keeps_its_problem_type(tmp_path):
+    from test_training import multi_label_dataset
+
+    data = multi_label_dataset(tmp_path / "tags")
+    flags = ("--dataset_name", str(data), "--label_column_name", "tags", "--max_train_samples", "96")
+    source, out, metrics = lora_run(tmp_path, *flags)
+    assert json.loads((out / "config.json").read_text())["problem_type"] == "multi_label_classification"
+    merged = load_lora_model(out, base=source)
+    assert merged.config.problem_type == "multi_label_classification"
+    assert "eval_mean_average_precision" in metrics
+
+
+def test_lora_on_a_hub_id_in_transformers_layout_names_the_hub_id(tmp_path, monkeypatch):
+    """The base converted on load: the adapter names the Hub id (it named a deleted conversion folder), and merges."""
+    import huggingface_hub.constants
+    from test_sources import hub_repo
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    snapshot = hub_repo(cache, "google/vit-tiny-test")
+    torch.manual_seed(0)
+    config = ViTConfig(image_size=8, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2)
+    ViTForImageClassification(config).save_pretrained(snapshot)
+    ViTImageProcessor(size={"height": 8, "width": 8}).save_pretrained(snapshot)
+
+    out = tmp_path / "lora"
+    args = ["--model_name_or_path", "google/vit-tiny-test", "--output_dir", str(out), "--max_steps", "4"]
+    args += ["--per_device_train_batch_size", "16", "--eval_strategy", "no", "--save_strategy", "no"]
+    args += ["--max_train_samples", "32", "--lora_rank", "2", *QUIET]
+    train("finetune", *parse_args("finetune", args))
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == "google/vit-tiny-test"
+    merged = load_lora_model(out)
+    assert merged.config.num_labels == 10
+    assert "the Hub model `google/vit-tiny-test`" in (out / "README.md").read_text()

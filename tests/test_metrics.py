@@ -138,3 +138,15 @@ def test_multilabel_metrics_against_a_written_out_computation():
     tp, fp, fn = (predicted & (truth == 1)).sum(), (predicted & (truth == 0)).sum(), (~predicted & (truth == 1)).sum()
     assert result["f1_micro"] == pytest.approx(2 * tp / (2 * tp + fp + fn))
     assert set(result) == {"mean_average_precision", "f1_micro", "f1_macro"}
+
+
+def test_multilabel_metrics_without_a_positive_label_give_nan_not_an_error():
+    """A small validation split where no image has any class: the run must go on (it raised after the first epoch)."""
+    from hf_vit.metrics import compute_metrics
+
+    logits = np.random.default_rng(1).normal(size=(6, 3))
+    truth = np.zeros((6, 3), dtype=np.float32)
+    result = compute_metrics((logits, truth))
+    assert np.isnan(result["mean_average_precision"])
+    predicted = (logits > 0).sum()
+    assert result["f1_micro"] == pytest.approx(0.0) and predicted > 0  # every predicted class is a false positive

@@ -383,6 +383,7 @@ def fake_checkpoint(path, state="{}", weights=True, optimizer=True):
         save_file({"w": torch.zeros(64)}, path / "model.safetensors")
     if optimizer:
         torch.save({"state": {}}, path / "optimizer.pt")
+        torch.save({"python": 1, "cpu": torch.get_rng_state()}, path / "rng_state.pth")
     return path
 
 
@@ -397,25 +398,25 @@ def test_half_written_checkpoints_are_skipped_and_named(tmp_path, caplog):
     assert "checkpoint-6" in caplog.text and "model.safetensors is truncated" in caplog.text
 
 
-@pytest.mark.parametrize("damage", ["model.safetensors", "optimizer.pt"])
+@pytest.mark.parametrize("damage", ["model.safetensors", "optimizer.pt", "rng_state.pth"])
 def test_resuming_from_a_truncated_checkpoint_names_the_file(tmp_path, damage):
     checkpoint = fake_checkpoint(tmp_path / "checkpoint-2")
     data = (checkpoint / damage).read_bytes()
     (checkpoint / damage).write_bytes(data[: len(data) // 2])
     _, _, args = tiny_pretrain(tmp_path, "--resume_from_checkpoint", str(checkpoint))
-    from hf_vit.training import _resolve_resume
+    from hf_vit.checkpoints import resolve_resume
 
     with pytest.raises(ValueError, match=f"Cannot resume from {checkpoint}: {checkpoint / damage} is truncated"):
-        _resolve_resume(args)
+        resolve_resume(args)
 
 
 def test_resuming_a_weights_only_checkpoint_is_refused(tmp_path):
-    from hf_vit.training import _resolve_resume
+    from hf_vit.checkpoints import resolve_resume
 
     fake_checkpoint(tmp_path / "checkpoint-2", optimizer=False)
     _, _, args = tiny_pretrain(tmp_path, "--resume_from_checkpoint", "True")
     with pytest.raises(ValueError, match="weights only.*--save_only_model.*restart the optimizer state"):
-        _resolve_resume(args)
+        resolve_resume(args)
 
 
 def test_a_checkpoint_that_cannot_be_written_names_the_folder_and_free_space(tmp_path, monkeypatch):
@@ -497,3 +498,155 @@ def test_the_scripts_end_bad_input_in_one_error_line(tmp_path):
     done = subprocess.run(script + ["--model_name_or_path", str(tmp_path / "missing")], capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("error:") and "missing" in done.stderr
+
+
+# --- Combined features: what each run reports and what it saves ------------------------------------------------------
+
+
+def test_the_test_metrics_are_the_test_splits_with_persistent_workers(tmp_path):
+    """With the scripts' default persistent data-loader workers, Trainer caches the validation loader and handed it
+    back for the test split: the reported test metrics were the validation's."""
+    from hf_vit.data import load_digits_dataset
+    from hf_vit.metrics import compute_metrics
+
+    out = tmp_path / "out"
+    args = ["--output_dir", str(out), *TINY_RUN, "--max_steps", "4", "--eval_strategy", "steps", "--eval_steps", "2"]
+    args += ["--save_strategy", "no", "--max_train_samples", "64", "--learning_rate", "0.01"]
+    args += ["--disable_tqdm", "True", "--dataloader_num_workers", "1", "--dataloader_persistent_workers", "True"]
+    metrics = train("pretrain", *parse_args("pretrain", args))
+    assert metrics["eval_split"] == "test"
+    model = VisionTransformerForImageClassification.from_pretrained(out).eval()
+    processor = VisionTransformerImageProcessor.from_pretrained(out)
+    test = load_digits_dataset()["test"]
+    pixels = processor(list(test["image"]), return_tensors="pt").pixel_values
+    labels = torch.tensor(test["label"])
+    with torch.no_grad():
+        logits = model(pixels).logits
+    loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    assert metrics["test_loss"] == pytest.approx(loss, abs=1e-4)
+    assert metrics["eval_accuracy"] == compute_metrics((logits.numpy(), labels.numpy()))["accuracy"]
+    last_validation = [
+        entry["eval_loss"]
+        for entry in json.loads((out / "trainer_state.json").read_text())["log_history"]
+        if "eval_loss" in entry
+    ]
+    assert metrics["test_loss"] != last_validation[-1]
+
+
+def test_a_streamed_run_says_what_it_knows_in_its_set_up_line(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="hf_vit.training"):
+        train("pretrain", *tiny_pretrain(tmp_path / "out", "--streaming", "True"))
+    line = next(line for line in caplog.text.splitlines() if "Run set-up" in line)
+    assert "unknown (streamed) training examples, unknown (streamed) epochs" in line and "e+18" not in line
+    assert "global batch 8, 2 optimisation steps" in line
+
+
+@pytest.mark.parametrize("channels", [1, 4])
+def test_one_and_four_channel_models_train_from_the_command_line(tmp_path, channels):
+    if channels == 1:
+        data = "digits"  # grey images
+    else:
+        data = tmp_path / "rgba"
+        rng = np.random.default_rng(0)
+        for label in ("a", "b"):
+            (data / label).mkdir(parents=True)
+            for i in range(8):
+                Image.fromarray(rng.integers(0, 255, (8, 8, 4), dtype=np.uint8), "RGBA").save(
+                    data / label / f"{i}.png"
+                )
+    out = tmp_path / "out"
+    train("pretrain", *tiny_pretrain(out, "--dataset_name", str(data), "--num_channels", str(channels)))
+    model = VisionTransformerForImageClassification.from_pretrained(out)
+    processor = VisionTransformerImageProcessor.from_pretrained(out)
+    assert model.config.num_channels == channels and processor.do_convert_rgb is False
+    assert len(processor.image_mean) == channels
+    image = Image.new("L" if channels == 1 else "RGBA", (8, 8))
+    assert processor(image, return_tensors="pt").pixel_values.shape == (1, channels, 8, 8)
+    # fine-tuning goes on with the checkpoint's channels
+    fine = ["--output_dir", str(tmp_path / "fine"), "--model_name_or_path", str(out), "--dataset_name", str(data)]
+    fine += ["--max_steps", "2", "--eval_strategy", "no", "--save_strategy", "no", "--max_train_samples", "16", *QUIET]
+    train("finetune", *parse_args("finetune", fine))
+    assert VisionTransformerForImageClassification.from_pretrained(tmp_path / "fine").config.num_channels == channels
+
+
+def test_fine_tuning_flags_that_would_change_the_checkpoints_weights_are_refused(tmp_path):
+    source = pretrained_folder(tmp_path / "pre")
+    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(source), "--patch_size", "2"]
+    with pytest.raises(ValueError, match=r"cannot take patch_size=2 \(the checkpoint has 4\)"):
+        train("finetune", *parse_args("finetune", args + QUIET))
+
+
+def test_a_validation_split_without_positive_labels_does_not_stop_a_multi_label_run(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    from hf_vit.data import load_digits_dataset
+
+    digits = load_digits_dataset()
+    splits = {}
+    for split, size in (("train", 32), ("validation", 8), ("test", 8)):
+        rows = digits[split].select(range(size))
+        tags = [["odd"] if d % 2 else [] for d in rows["label"]] if split == "train" else [[] for _ in range(size)]
+        if split == "train":
+            tags[0] = ["odd", "even"]
+        splits[split] = Dataset.from_dict({"image": list(rows["image"]), "tags": tags})
+    DatasetDict(splits).save_to_disk(str(tmp_path / "tags"))
+    args = ["--output_dir", str(tmp_path / "out"), *TINY_RUN, "--dataset_name", str(tmp_path / "tags")]
+    args += ["--label_column_name", "tags", "--num_train_epochs", "2", "--save_strategy", "no", *QUIET]
+    metrics = train("pretrain", *parse_args("pretrain", args))
+    assert np.isnan(metrics["eval_mean_average_precision"]) and "eval_f1_micro" in metrics
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+# --- The run's structure ---------------------------------------------------------------------------------------------
+
+RUN_MODULES = (
+    "training", "arguments", "objectives", "model_setup", "lora", "trainer", "checkpoints", "evaluation",
+    "pretraining", "data", "run_folders", "metrics",
+)  # fmt: skip
+
+
+def _relative_imports(module: str) -> list[tuple[str, list[str], bool]]:
+    """(imported module, names, at module level) for each `from .x import ...` of `hf_vit/<module>`."""
+    import ast
+
+    path = ROOT / "hf_vit" / (f"{module}/__init__.py" if module == "metrics" else f"{module}.py")
+    tree = ast.parse(path.read_text())
+    top = set(map(id, tree.body))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            found.append((node.module.split(".")[0], [alias.name for alias in node.names], id(node) in top))
+    return found
+
+
+def test_the_runs_modules_form_no_import_cycle_and_share_no_private_names():
+    graph = {module: set() for module in RUN_MODULES}
+    for module in RUN_MODULES:
+        for imported, names, _ in _relative_imports(module):
+            private = [name for name in names if name.startswith("_")]
+            assert not private, f"hf_vit/{module} imports the private {private} of hf_vit/{imported}"
+            if imported in graph:
+                graph[module].add(imported)  # deferred imports count too: a cycle is a cycle
+    visiting, done = set(), set()
+
+    def visit(module, path):
+        assert module not in visiting, "import cycle: " + " -> ".join([*path, module])
+        if module in done:
+            return
+        visiting.add(module)
+        for imported in sorted(graph[module]):
+            visit(imported, [*path, module])
+        visiting.discard(module)
+        done.add(module)
+
+    for module in RUN_MODULES:
+        visit(module, [])
+    training_lines = len((ROOT / "hf_vit" / "training.py").read_text().splitlines())
+    assert training_lines <= 450
+    # no branch on the objective outside the table
+    for module in RUN_MODULES:
+        if module != "objectives":
+            source = (
+                ROOT / "hf_vit" / (f"{module}/__init__.py" if module == "metrics" else f"{module}.py")
+            ).read_text()
+            assert ".objective ==" not in source and '"mpp" if' not in source, module

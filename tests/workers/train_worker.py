@@ -6,6 +6,7 @@
 """
 
 import json
+import logging
 import os
 import sys
 
@@ -36,6 +37,7 @@ class KillAt(TrainerCallback):
 
 
 if __name__ == "__main__":
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)  # as the scripts log
     task, argv = sys.argv[1], sys.argv[2:]
     callbacks = [DumpWeights()]
     if "--kill_at_step" in argv:

@@ -12,9 +12,10 @@ from sklearn.metrics import average_precision_score, f1_score
 _DESCRIPTION = """
 For multi-label classification, where each example has any number of the C classes. Mean average precision (mAP) is
 the mean over classes of the average precision of ranking the examples by that class's score (classes without a
-positive example are left out, as their precision is undefined). F1 compares the predicted label sets, a class being
-predicted when its score is above `threshold` (0 for logits: a sigmoid probability above 0.5), micro-averaged (over
-all example-class pairs) and macro-averaged (the mean of the classes' F1).
+positive example are left out, as their precision is undefined; with no positive example at all, as in a small
+validation split, it is NaN, not an error, so that a training run goes on). F1 compares the predicted label sets, a
+class being predicted when its score is above `threshold` (0 for logits: a sigmoid probability above 0.5),
+micro-averaged (over all example-class pairs) and macro-averaged (the mean of the classes' F1).
 """
 
 _KWARGS_DESCRIPTION = """
@@ -24,7 +25,8 @@ Args:
     threshold (`float`, *optional*, defaults to 0.0): scores above it count as predicted (0 for logits).
 
 Returns:
-    `dict`: `"mean_average_precision"`, `"f1_micro"`, `"f1_macro"`, each a float in [0, 1].
+    `dict`: `"mean_average_precision"`, `"f1_micro"`, `"f1_macro"`, each a float in [0, 1] (the mean average
+    precision is NaN when no reference is positive).
 
 Examples:
     >>> metric = hf_vit.metrics.load_multilabel()
@@ -60,9 +62,13 @@ class MultiLabel(evaluate.Metric):
         if not np.isin(truth, (0, 1)).all():
             raise ValueError("references must be multi-hot: 0 or 1 for every class")
         present = truth.sum(axis=0) > 0
-        if not present.any():
-            raise ValueError("mean average precision needs at least one positive label")
-        mean_ap = average_precision_score(truth[:, present], scores[:, present], average="macro")
+        # Undefined without a positive label: NaN (as for an empty class in the mean), not an error that would end a
+        # training run at its first evaluation.
+        mean_ap = (
+            average_precision_score(truth[:, present], scores[:, present], average="macro")
+            if present.any()
+            else float("nan")
+        )
         predicted = (scores > threshold).astype(np.int64)
         return {
             "mean_average_precision": float(mean_ap),

@@ -1,0 +1,245 @@
+"""A run's arguments: the model, data and Trainer flags as `HfArgumentParser` dataclasses, and the paper's recipes as
+the Trainer flags' defaults for each task. Imports nothing of the run, so that every stage can read it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import HfArgumentParser, TrainingArguments
+
+TASKS = ("pretrain", "finetune")
+
+# Section 4.1 and appendix B.1 of the paper. Every value is only a default: any Trainer flag overrides it.
+RECIPES: dict[str, dict[str, Any]] = {
+    # Adam (beta1 0.9, beta2 0.999), weight decay 0.1, linear warmup then linear decay, clipping at global norm 1.
+    "pretrain": dict(
+        optim="adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        weight_decay=0.1,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=0.1,
+        max_grad_norm=1.0,
+    ),
+    # SGD with momentum 0.9, no weight decay, cosine decay, clipping at global norm 1.
+    "finetune": dict(
+        optim="sgd",
+        optim_args="momentum=0.9",
+        weight_decay=0.0,
+        learning_rate=0.01,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.05,
+        max_grad_norm=1.0,
+    ),
+}
+# Defaults the image pipeline needs, whatever the task.
+COMMON_DEFAULTS: dict[str, Any] = dict(
+    remove_unused_columns=False,  # the transforms read the raw `image` and `label` columns
+    label_names=["labels"],
+    eval_strategy="epoch",
+    save_strategy="epoch",
+    save_total_limit=2,
+    logging_strategy="steps",
+    logging_steps=10,
+    report_to="none",
+    # Every parameter gets a gradient in every step, so DDP need not search the graph for unused ones (Trainer would
+    # otherwise ask it to, and it warns that the search found none).
+    ddp_find_unused_parameters=False,
+)
+
+
+def default_num_workers() -> int:
+    """Data loader workers per training process: the process's share of the cores, less one for the training itself
+    (at most 8). Decoding and augmenting in a worker, one torch thread each, was 6x faster than in the training
+    process at its 2 torch threads (2-core Xeon, 640x427 JPEGs, batch 32: 308 against 48 images/s)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return min(8, max(1, cores // processes - 1))
+
+
+@dataclass
+class ModelArguments:
+    """Which model to train. Fine-tuning needs `model_name_or_path`; pretraining builds `preset` from scratch."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "hf-vit folder (or Hub id) to start from; required for fine-tuning."}
+    )
+    preset: str = field(
+        default="vit-tiny-patch16-224",
+        metadata={"help": "Architecture to pretrain from scratch, e.g. vit-base-patch16-224 (see PRESETS)."},
+    )
+    image_size: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Training resolution: N or H W. Fine-tuning at another size than the checkpoint's resamples "
+            "its position embeddings in 2D when it is loaded.",
+            "nargs": "+",
+        },
+    )
+    patch_size: int | None = field(default=None, metadata={"help": "Patch size, overriding the preset's."})
+    num_channels: int | None = field(
+        default=None,
+        metadata={
+            "help": "Image channels of a model trained from scratch (default 3, RGB). With 1 (grey) or 4 (e.g. RGBA, "
+            "RGB + infrared), images are not converted to RGB: the model sees their own channels. A checkpoint's "
+            "models keep the channels they were trained with."
+        },
+    )
+    config_overrides: str | None = field(
+        default=None,
+        metadata={
+            "help": "Config fields to override, e.g. 'hidden_size=96,num_hidden_layers=4,num_attention_heads=3'."
+        },
+    )
+    representation_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Size of the pre-logits (dense + tanh) layer. Default: the hidden size when pretraining (as the "
+            "paper does), none when fine-tuning (the paper replaces the whole head). 0 turns it off."
+        },
+    )
+    drop_path_rate: float | None = field(default=None, metadata={"help": "Stochastic depth rate."})
+    hidden_dropout_prob: float | None = field(default=None, metadata={"help": "Dropout rate."})
+    interpolation: str = field(
+        default="bicubic", metadata={"help": "Resampling of position embeddings: bicubic or bilinear."}
+    )
+    keep_head: bool = field(
+        default=False,
+        metadata={"help": "Keep the checkpoint's head (same classes) instead of a new zero-initialised head."},
+    )
+    attn_implementation: str = field(default="sdpa", metadata={"help": "eager, sdpa, flash_attention_2, flex..."})
+    problem_type: str | None = field(
+        default=None,
+        metadata={
+            "help": "single_label_classification or multi_label_classification (sigmoid outputs, a list of classes "
+            "per image in the label column). Default: multi-label when the label column holds lists."
+        },
+    )
+    objective: str = field(
+        default="classification",
+        metadata={
+            "help": "Pretraining objective: classification (supervised, the paper's main recipe) or mpp (masked patch "
+            "prediction, section 4.6: the data set's labels are not used)."
+        },
+    )
+    lora_rank: int = field(
+        default=0,
+        metadata={
+            "help": "Fine-tune LoRA adapters of this rank (peft) instead of every weight; the new head is trained in "
+            "full."
+        },
+    )
+    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA scaling alpha (default: the rank)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA adapters' input."})
+    lora_target_modules: str = field(
+        default="qkv",
+        metadata={
+            "help": "Comma-separated layers to adapt: qkv (the fused query/key/value), or its parts query, key, value "
+            "(e.g. query,value as in PEFT's ViT guide), proj, fc1, fc2."
+        },
+    )
+
+
+@dataclass
+class DataArguments:
+    """Where the images come from and how they are augmented."""
+
+    dataset_name: str = field(
+        default="digits",
+        metadata={
+            "help": "'digits' (scikit-learn's bundled handwritten digits), a local image folder, a folder saved "
+            "with Dataset.save_to_disk, or a Hub data set name."
+        },
+    )
+    image_column_name: str = field(default="image", metadata={"help": "Column holding the images."})
+    label_column_name: str = field(default="label", metadata={"help": "Column holding the labels."})
+    train_split: str = field(default="train", metadata={"help": "Source split used for training."})
+    validation_split: str = field(default="validation", metadata={"help": "Source split used for validation."})
+    test_split: str = field(default="test", metadata={"help": "Source split for the final evaluation, if any."})
+    validation_fraction: float = field(
+        default=0.1, metadata={"help": "Share of train held out for validation when there is no validation split."}
+    )
+    streaming: bool = field(default=False, metadata={"help": "Stream the data set (needs --max_steps)."})
+    shuffle_buffer_size: int = field(
+        default=1000,
+        metadata={
+            "help": "With --streaming: examples in the buffer the training stream is shuffled through (reseeded each "
+            "epoch); 0 reads it in the source's order."
+        },
+    )
+    random_resized_crop: bool = field(default=True, metadata={"help": "Inception-style random resized crop."})
+    crop_scale_min: float = field(default=0.08, metadata={"help": "Smallest image area fraction a crop covers."})
+    hflip: bool | None = field(
+        default=None, metadata={"help": "Random horizontal flips. Default: on, except for digits (flips change them)."}
+    )
+    max_train_samples: int | None = field(default=None, metadata={"help": "Use only this many training images."})
+
+
+@dataclass
+class VisionTransformerTrainingArguments(TrainingArguments):
+    """Every `TrainingArguments` flag, plus what a run into an existing folder needs said."""
+
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Train into an --output_dir that is not empty: files of the same names (the final model, "
+            "results, card) are replaced and the earlier run's checkpoint-* folders removed; other files are kept."
+        },
+    )
+    check_eval_images: bool = field(
+        default=True,
+        metadata={
+            "help": "Decode every validation and test image once before training, so that a corrupt one stops the "
+            "run in seconds instead of at the first evaluation."
+        },
+    )
+
+
+def parse_args(
+    task: str, argv: list[str] | None = None
+) -> tuple[ModelArguments, DataArguments, VisionTransformerTrainingArguments]:
+    """Parse command-line flags for `task`, with the paper's recipe as defaults for the Trainer flags."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}.")
+    parser = HfArgumentParser((ModelArguments, DataArguments, VisionTransformerTrainingArguments))
+    # Without an accelerator, Trainer only forms a multi-process (gloo) group under torchrun when told it runs on CPU.
+    workers = default_num_workers()
+    parser.set_defaults(
+        **COMMON_DEFAULTS,
+        **RECIPES[task],
+        use_cpu=not torch.accelerator.is_available(),
+        dataloader_num_workers=workers,
+        dataloader_persistent_workers=workers > 0,
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    if training_args.dataloader_num_workers == 0:
+        training_args.dataloader_persistent_workers = False  # the default, meaningful with workers only
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and training_args.world_size != launched:
+        raise RuntimeError(
+            f"Launched as {launched} processes but Trainer sees {training_args.world_size}: each would train alone on "
+            "the whole data set. On machines without GPUs pass --use_cpu True (the default there)."
+        )
+    if training_args.fsdp and training_args.use_cpu:
+        # accelerate's AcceleratorState turns an FSDP plugin into DistributedType.FSDP only for GPU-like process
+        # groups (MULTI_GPU, MULTI_NPU, MULTI_XPU, ...), not MULTI_CPU: Trainer would silently train with DDP.
+        raise ValueError(
+            "--fsdp was given, but this run is on CPU processes (gloo), where accelerate does not enable FSDP: "
+            "Trainer would train with DistributedDataParallel, every process holding the whole model. torch's own "
+            "FSDP2 (fully_shard) does shard hf-vit on CPU (tests/test_distributed.py checks it), but not through "
+            "Trainer. Run FSDP on GPUs (configs/accelerate/fsdp.yaml), or drop --fsdp to train with DDP."
+        )
+    return model_args, data_args, training_args
+
+
+def default_hflip(data_args: DataArguments) -> bool:
+    """`--hflip`, or by default on, except for digits (a flipped digit is another shape)."""
+    return data_args.hflip if data_args.hflip is not None else data_args.dataset_name != "digits"

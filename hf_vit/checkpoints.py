@@ -1,0 +1,101 @@
+"""Checkpoints a run can resume from: which `checkpoint-N` folders were written to the end, and what
+`--resume_from_checkpoint` names. Trainer writes `trainer_state.json` last, so a folder without a readable one, or
+with a truncated file, is what a run killed (or out of disk) while saving leaves behind."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import zipfile
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+from transformers import TrainingArguments
+
+logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_problems(path: str | os.PathLike) -> list[str]:
+    """What keeps the `checkpoint-N` folder `path` from being resumed exactly; empty when nothing does.
+
+    `Trainer` writes `trainer_state.json` last, so a folder without a readable one, or with truncated weights or
+    optimizer state, is what a run killed (or out of disk) while saving leaves behind.
+    """
+    path = Path(path)
+    problems = []
+    state = path / "trainer_state.json"
+    try:
+        json.loads(state.read_text())
+    except FileNotFoundError:
+        problems.append(f"{state} is missing")
+    except (OSError, ValueError) as error:
+        problems.append(f"{state} is cut off or unreadable ({error})")
+    weights = path / "model.safetensors"
+    try:
+        with safe_open(weights, "pt"):
+            pass
+    except FileNotFoundError:
+        problems.append(f"{weights} is missing")
+    except (OSError, SafetensorError) as error:
+        problems.append(f"{weights} is truncated or corrupted ({error})")
+    # torch.save writes a zip archive, whose directory is at its end: a cut file has none. The random states
+    # (rng_state.pth, rng_state_<rank>.pth) are read by torch.load when resuming, with a raw traceback if cut.
+    states = ["optimizer.pt", "scheduler.pt", *sorted(p.name for p in path.glob("rng_state*.pth"))]
+    for name in states:
+        if (path / name).exists():
+            try:
+                zipfile.ZipFile(path / name).close()
+            except (OSError, zipfile.BadZipFile) as error:
+                problems.append(f"{path / name} is truncated or corrupted ({error})")
+    return problems
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The newest `checkpoint-N` folder in `output_dir` that was written to the end; incomplete ones are skipped
+    (and named in a warning)."""
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return None
+    found = sorted((int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name)))
+    for _, path in reversed(found):
+        problems = checkpoint_problems(path)
+        if not problems:
+            return str(path)
+        logger.warning("Skipping %s: it is incomplete (%s).", path, "; ".join(problems))
+    return None
+
+
+def is_complete_checkpoint(path: str | os.PathLike) -> bool:
+    return not checkpoint_problems(path)
+
+
+def resolve_resume(training_args: TrainingArguments) -> str | None:
+    resume = training_args.resume_from_checkpoint
+    if resume in (None, False, "False", "false", ""):
+        return None
+    if resume in (True, "True", "true"):
+        checkpoint = last_complete_checkpoint(training_args.output_dir)
+        if checkpoint is None:
+            logger.warning("No complete checkpoint in %s: training from the start.", training_args.output_dir)
+            return None
+    else:
+        checkpoint = str(resume)
+        if not Path(checkpoint).is_dir():
+            raise FileNotFoundError(f"--resume_from_checkpoint {checkpoint}: no such checkpoint folder.")
+        problems = checkpoint_problems(checkpoint)
+        if problems:
+            raise ValueError(
+                f"Cannot resume from {checkpoint}: " + "; ".join(problems) + ". It was probably cut off while saving: "
+                "pass --resume_from_checkpoint True to take the last complete checkpoint."
+            )
+    if not any((Path(checkpoint) / name).exists() for name in ("optimizer.pt", "optimizer_0")):
+        raise ValueError(
+            f"{checkpoint} holds the weights only (it was saved with --save_only_model): resuming from it would "
+            "restart the optimizer state and the learning-rate schedule, which is not the run it came from. To "
+            f"train on from its weights, start a new run with --model_name_or_path {checkpoint}."
+        )
+    return checkpoint

@@ -1,0 +1,234 @@
+"""The model a run trains, from its arguments: a config from a preset and flags, or a checkpoint with the flags that
+can change it applied (and the others refused in one line that names them).
+
+`model_args` is `hf_vit.arguments.ModelArguments` (or anything with its fields). Nothing here imports the modules
+that build the run, so the objectives' model builders (`hf_vit.objectives`, `hf_vit.pretraining`) can use it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from .configuration_vit import VisionTransformerConfig
+from .image_processing_vit import VisionTransformerImageProcessor
+from .modeling_vit import VisionTransformerForImageClassification
+from .resolution import image_size_field
+
+logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
+
+# Fields a checkpoint takes as they are given: they change how it trains, not the shapes of its weights.
+TRAINING_FIELDS = (
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "drop_path_rate",
+    "mpp_corrupt_ratio",
+    "mpp_mask_ratio",
+    "mpp_random_ratio",
+)
+
+
+def parse_image_size(value: list[int] | int | None) -> int | list[int] | None:
+    """`--image_size` (N, or H W) as the config stores it; None when not given."""
+    if value is None or value == []:
+        return None
+    if isinstance(value, int):
+        return value
+    if len(value) not in (1, 2):
+        raise ValueError(f"--image_size takes N or H W, got {value}.")
+    return value[0] if len(value) == 1 or value[0] == value[1] else list(value)
+
+
+def parse_config_overrides(text: str | None) -> dict[str, Any]:
+    """Parse `--config_overrides` ('a=1,b=0.5,c=gelu') into typed values."""
+    fields: dict[str, Any] = {}
+    for item in filter(None, (text or "").split(",")):
+        if "=" not in item:
+            raise ValueError(f"--config_overrides takes key=value pairs separated by commas, got {item!r}.")
+        key, raw = (part.strip() for part in item.split("=", 1))
+        try:
+            fields[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            fields[key] = raw
+    return fields
+
+
+def requested_fields(model_args: Any) -> dict[str, Any]:
+    """The config fields the flags ask for: `--config_overrides`, then `--patch_size`, `--num_channels`, the dropout
+    rates and `--image_size` (given flags win over the same field in the overrides)."""
+    fields = parse_config_overrides(getattr(model_args, "config_overrides", None))
+    for name in ("patch_size", "num_channels", "drop_path_rate", "hidden_dropout_prob"):
+        if getattr(model_args, name, None) is not None:
+            fields[name] = getattr(model_args, name)
+    if (size := parse_image_size(getattr(model_args, "image_size", None))) is not None:
+        fields["image_size"] = size
+    return fields
+
+
+def config_from_preset(model_args: Any, **fields: Any) -> VisionTransformerConfig:
+    """`--preset` with the flags' fields (and `fields`, e.g. the classes) for a model trained from scratch, with
+    `--attn_implementation`."""
+    fields = {**requested_fields(model_args), **fields}
+    attention = getattr(model_args, "attn_implementation", None) or "sdpa"
+    config = VisionTransformerConfig.from_preset(model_args.preset, attn_implementation=attention, **fields)
+    config.validate_architecture()
+    return config
+
+
+def load_checkpoint(model_class: type, model_args: Any, interpolation: str = "bicubic", **fields: Any):
+    """`model_class.from_pretrained(--model_name_or_path)` with the flags applied: dropout rates (and masked patch
+    prediction's corruption ratios) as given, `--image_size` by resampling the position embeddings in 2D; a flag that
+    would change the shape of the checkpoint's weights (`--patch_size`, a width, a depth...) is refused in one line
+    that names it, rather than ignored. `fields` go to `from_pretrained` (e.g. the classes)."""
+    settable, image_size, shapes = split_requested(model_args)
+    model = model_class.from_pretrained(
+        model_args.model_name_or_path, attn_implementation=model_args.attn_implementation, **settable, **fields
+    )
+    config = model.config
+    refuse_shape_changes(config, shapes, model_args.model_name_or_path)
+    if image_size is not None and image_size_field(image_size) != image_size_field(config.image_size):
+        old_size, old_grid = tuple(config.image_hw), config.grid_size
+        model.set_input_size(image_size, interpolation)
+        logger.info(
+            "Training at %dx%d a model saved at %dx%d: position embeddings resampled (%s) from a %dx%d to a %dx%d "
+            "grid of patches.",
+            *config.image_hw, *old_size, interpolation, *old_grid, *config.grid_size,
+        )  # fmt: skip
+    return model
+
+
+def split_requested(model_args: Any) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """The flags' fields for a checkpoint: (those it takes as given, `--image_size`, those that shape its weights)."""
+    requested = requested_fields(model_args)
+    settable = {name: requested.pop(name) for name in TRAINING_FIELDS if name in requested}
+    return settable, requested.pop("image_size", None), requested
+
+
+def refuse_shape_changes(config: VisionTransformerConfig, fields: dict[str, Any], source: str) -> None:
+    """Refuse, in one line naming them, the fields that differ from the checkpoint's and would change its weights."""
+    changed = {name: value for name, value in fields.items() if _differs(getattr(config, name, None), value)}
+    if changed:
+        shown = ", ".join(
+            f"{name}={value!r} (the checkpoint has {getattr(config, name, None)!r})" for name, value in changed.items()
+        )
+        raise ValueError(
+            f"--model_name_or_path {source} cannot take {shown}: they change the shapes of its weights. Drop them to "
+            "train the checkpoint as it is, or drop --model_name_or_path to train --preset with them from scratch."
+        )
+
+
+def _differs(current: Any, wanted: Any) -> bool:
+    if isinstance(current, (list, tuple)) or isinstance(wanted, (list, tuple)):
+        return list(current) != list(wanted) if isinstance(current, (list, tuple)) else True
+    return current != wanted
+
+
+def build_classifier(task: str, model_args: Any, labels: Any) -> VisionTransformerForImageClassification:
+    """The classifier a run trains: fine-tuning loads `--model_name_or_path` with a new head for the data set's
+    classes (`load_for_finetuning`); pretraining builds `--preset` from scratch, or continues from a checkpoint. Its
+    config says the problem type (`labels.problem_type`) before anything is saved."""
+    if task == "finetune":
+        if not model_args.model_name_or_path:
+            raise ValueError("Fine-tuning needs --model_name_or_path: the pretrained hf-vit folder to start from.")
+        settable, image_size, shapes = split_requested(model_args)
+        model = load_for_finetuning(
+            model_args.model_name_or_path,
+            labels.id2label,
+            image_size=image_size,
+            representation_size=model_args.representation_size,
+            interpolation=model_args.interpolation,
+            attn_implementation=model_args.attn_implementation,
+            keep_head=model_args.keep_head,
+            **settable,
+        )
+        refuse_shape_changes(model.config, shapes, model_args.model_name_or_path)
+    else:
+        model = build_pretraining_model(model_args, labels.id2label)
+    model.config.problem_type = labels.problem_type
+    return model
+
+
+def build_pretraining_model(model_args: Any, id2label: dict[int, str]) -> VisionTransformerForImageClassification:
+    """A model to pretrain: `preset` from scratch (the paper's initialisation) or `model_name_or_path` to continue
+    (with the flags applied or refused, see `load_checkpoint`)."""
+    names = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
+    if model_args.model_name_or_path:
+        model = load_checkpoint(
+            VisionTransformerForImageClassification, model_args, interpolation=model_args.interpolation, **names
+        )
+        if model_args.representation_size is not None:
+            model.reset_classifier(id2label, model_args.representation_size or None)
+        return model
+    config = config_from_preset(model_args, **names)
+    representation = model_args.representation_size
+    config.representation_size = config.hidden_size if representation is None else (representation or None)
+    config.validate_architecture()
+    return VisionTransformerForImageClassification(config)
+
+
+def load_for_finetuning(
+    path: str,
+    id2label: dict[int, str],
+    image_size: int | list[int] | None = None,
+    representation_size: int | None = None,
+    interpolation: str = "bicubic",
+    attn_implementation: str = "sdpa",
+    keep_head: bool = False,
+    **config_fields: Any,
+) -> VisionTransformerForImageClassification:
+    """Load a pretrained hf-vit model for fine-tuning, as the paper does: the head (pre-logits and classifier) is
+    replaced by one zero-initialised linear layer for `id2label`, and at another `image_size` the position embeddings
+    are resampled in 2D from the checkpoint's.
+
+    `keep_head=True` keeps the checkpoint's head instead, to continue training on the same classes (e.g. a short
+    fine-tune of a resolution variant); the classes must then be the checkpoint's.
+    """
+    fields = {k: v for k, v in config_fields.items() if v is not None}
+    model = VisionTransformerForImageClassification.from_pretrained(
+        path, attn_implementation=attn_implementation, **fields
+    )
+    if keep_head and model.config.id2label != id2label:
+        raise ValueError(
+            f"--keep_head needs the data set's classes to be the checkpoint's: {model.config.id2label} vs {id2label}."
+        )
+    (old_h, old_w), old_grid = model.config.image_hw, model.config.grid_size
+    if image_size is not None:
+        model.set_input_size(image_size, interpolation)
+        if model.config.grid_size != old_grid:
+            logger.info(
+                "Fine-tuning at %dx%d a model trained at %dx%d: position embeddings resampled (%s) from a %dx%d to a "
+                "%dx%d grid of patches.",
+                *model.config.image_hw, old_h, old_w, interpolation, *old_grid, *model.config.grid_size,
+            )  # fmt: skip
+    if not keep_head:
+        model.reset_classifier(id2label, representation_size)
+        logger.info("New zero-initialised classifier for %d classes (the old head is dropped).", len(id2label))
+    return model.train()
+
+
+def processor_for(model_args: Any, config: VisionTransformerConfig) -> VisionTransformerImageProcessor:
+    """The image processor of a run: the checkpoint's (its normalisation) or the default, at the model's image size,
+    converting to RGB only for 3-channel models (1-channel and 4-channel models get their images' own channels, the
+    mean and standard deviation repeated per channel)."""
+    processor = None
+    if getattr(model_args, "model_name_or_path", None):
+        try:
+            processor = VisionTransformerImageProcessor.from_pretrained(model_args.model_name_or_path)
+        except OSError:
+            processor = None
+    processor = processor or VisionTransformerImageProcessor()
+    height, width = config.image_hw
+    processor.size = {"height": height, "width": width}
+    channels = config.num_channels
+    processor.do_convert_rgb = channels == 3
+    for name in ("image_mean", "image_std"):
+        value = getattr(processor, name)
+        if isinstance(value, (list, tuple)) and len(value) != channels:
+            if len(set(value)) != 1:
+                raise ValueError(
+                    f"The model takes {channels} channel(s) but its processor's {name} has {len(value)} different "
+                    f"values ({value}); save a processor with one {name} per channel beside the checkpoint."
+                )
+            setattr(processor, name, [value[0]] * channels)
+    return processor

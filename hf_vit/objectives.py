@@ -1,0 +1,207 @@
+"""What a run learns, as a table: each objective gives its labels, model builder, transforms, collator and metrics.
+
+A run looks its objective up in `OBJECTIVES` (by `select_objective`) and calls these parts; it never branches on
+which objective it trains, as big_vision's trainer loads its model module by name. The objectives:
+
+* `classification`: one class per image (softmax, cross-entropy, top-1/top-5 accuracy);
+* `multi_label_classification`: a list of classes per image (multi-hot targets, sigmoid, BCE, mean average
+  precision and F1); chosen when the label column holds lists;
+* `mpp`: masked patch prediction (section 4.6), self-supervised pretraining: the image labels are not used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import datasets
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from .arguments import default_hflip
+from .data import (
+    apply_transforms,
+    collate_fn,
+    is_multi_label,
+    label_names,
+    make_eval_transform,
+    make_train_transform,
+    to_multi_hot,
+)
+from .image_processing_vit import VisionTransformerImageProcessor
+from .metrics import compute_metrics
+from .model_setup import build_classifier
+from .pretraining import (
+    build_mpp_model,
+    mpp_collate_fn,
+    mpp_compute_metrics,
+    mpp_preprocess_logits,
+    with_mpp_transforms,
+)
+
+logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
+
+
+@dataclass(frozen=True)
+class Labels:
+    """What the model predicts: its classes (empty for self-supervised objectives) and transformers' problem type."""
+
+    id2label: dict[int, str] = field(default_factory=dict)
+    problem_type: str | None = None
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The parts of a run that depend on what it learns."""
+
+    name: str
+    tasks: tuple[str, ...]  # the scripts that train it
+    labels: Callable[[Any, Any], tuple[Any, Labels]]  # (raw splits, data_args) -> (splits with targets, Labels)
+    build_model: Callable[[str, Any, Labels], Any]  # (task, model_args, labels) -> model
+    transforms: Callable[[Any, Any, VisionTransformerImageProcessor, Any], Any]  # (raw, data_args, processor, config)
+    collator: Callable
+    compute_metrics: Callable
+    preprocess_logits: Callable | None = None
+    streaming: bool = True  # whether it trains on streamed data sets
+    # The loss of the gathered predictions and labels, for the final evaluation (None: Trainer's mean of the batches'
+    # losses, which counts the padding of a streamed split's last batch when several processes evaluate it).
+    loss: Callable[[Any, Any], float] | None = None
+
+
+def cross_entropy(logits, labels) -> float:
+    """The model's single-label loss (mean cross-entropy) of `logits` [N, C] and class ids [N]."""
+    return float(F.cross_entropy(torch.as_tensor(logits).float(), torch.as_tensor(labels).long()))
+
+
+def binary_cross_entropy(logits, labels) -> float:
+    """The model's multi-label loss (mean sigmoid cross-entropy) of `logits` [N, C] and multi-hot targets [N, C]."""
+    return float(F.binary_cross_entropy_with_logits(torch.as_tensor(logits).float(), torch.as_tensor(labels).float()))
+
+
+def classification_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config: Any = None):
+    """`raw` with on-the-fly augmentation (crop, flip) on train and the processor alone on the other splits."""
+    train_transform = make_train_transform(
+        processor,
+        random_resized_crop=data_args.random_resized_crop,
+        scale=(data_args.crop_scale_min, 1.0),
+        hflip=default_hflip(data_args),
+    )
+    return apply_transforms(raw, train_transform, make_eval_transform(processor))
+
+
+def _class_labels(raw, data_args: Any) -> tuple[Any, Labels]:
+    labels = Labels(dict(enumerate(label_names(raw))), "single_label_classification")
+    check_labels(raw, labels.id2label)
+    return raw, labels
+
+
+def _multi_hot_labels(raw, data_args: Any) -> tuple[Any, Labels]:
+    labels = Labels(dict(enumerate(label_names(raw))), "multi_label_classification")
+    raw = to_multi_hot(raw, len(labels.id2label))
+    check_labels(raw, labels.id2label)
+    return raw, labels
+
+
+def _no_labels(raw, data_args: Any) -> tuple[Any, Labels]:
+    return raw, Labels()
+
+
+def _mpp_model(task: str, model_args: Any, labels: Labels):
+    return build_mpp_model(model_args)
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "classification": Objective(
+        name="classification",
+        tasks=("pretrain", "finetune"),
+        labels=_class_labels,
+        build_model=build_classifier,
+        transforms=classification_transforms,
+        collator=collate_fn,
+        compute_metrics=compute_metrics,
+        loss=cross_entropy,
+    ),
+    "multi_label_classification": Objective(
+        name="multi_label_classification",
+        tasks=("pretrain", "finetune"),
+        labels=_multi_hot_labels,
+        build_model=build_classifier,
+        transforms=classification_transforms,
+        collator=collate_fn,
+        compute_metrics=compute_metrics,
+        streaming=False,
+        loss=binary_cross_entropy,
+    ),
+    "mpp": Objective(
+        name="mpp",
+        tasks=("pretrain",),
+        labels=_no_labels,
+        build_model=_mpp_model,
+        transforms=with_mpp_transforms,
+        collator=mpp_collate_fn,
+        compute_metrics=mpp_compute_metrics,
+        preprocess_logits=mpp_preprocess_logits,
+    ),
+}
+
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
+
+
+def select_objective(task: str, model_args: Any, data_args: Any, raw) -> Objective:
+    """The objective of a run: `--objective` (classification or mpp), a classification being multi-label when the
+    label column holds lists of classes (checked against `--problem_type` when given)."""
+    if model_args.objective not in ("classification", "mpp"):
+        raise ValueError(f"--objective must be classification or mpp, got {model_args.objective!r}.")
+    name = model_args.objective
+    if name == "classification":
+        name = _problem_type(model_args.problem_type, is_multi_label(raw), data_args.dataset_name)
+        name = "classification" if name == "single_label_classification" else name
+    objective = OBJECTIVES[name]
+    if task not in objective.tasks:
+        raise ValueError(f"--objective {model_args.objective} is a pretraining objective: use it with pretrain.py.")
+    if data_args.streaming and not objective.streaming:
+        raise ValueError("Multi-label data sets are supported without --streaming only.")
+    return objective
+
+
+def _problem_type(requested: str | None, lists: bool, dataset_name: str) -> str:
+    """What the user asked for, checked against the label column (lists of classes make a multi-label data set)."""
+    if requested is not None and requested not in PROBLEM_TYPES:
+        raise ValueError(f"--problem_type must be one of {PROBLEM_TYPES}, got {requested!r}.")
+    found = PROBLEM_TYPES[1] if lists else PROBLEM_TYPES[0]
+    if requested is not None and requested != found:
+        holds = "a list of classes" if lists else "one class"
+        raise ValueError(
+            f"--problem_type {requested}, but the label column of {dataset_name!r} holds {holds} per image. For "
+            "multi-label classification the label column must hold a list of classes per image."
+        )
+    return found
+
+
+def check_labels(raw, id2label: dict[int, str]) -> None:
+    """Refuse a data set a classifier cannot learn from, and name classes that have no training images."""
+    if len(id2label) < 2:
+        raise ValueError(
+            f"The data set has {len(id2label)} class(es) ({list(id2label.values())}): classification needs at least "
+            "two (with one, the model would fit a constant). Check --dataset_name and --label_column_name."
+        )
+    train = raw["train"]
+    if isinstance(train, datasets.IterableDataset):
+        return
+    labels = train["label"]
+    if labels and isinstance(labels[0], list):  # multi-hot vectors (multi-label classification)
+        sums = np.asarray(labels).sum(axis=0)
+        counts = Counter({index: int(total) for index, total in enumerate(sums)})
+    else:
+        counts = Counter(labels)
+    empty = [name for index, name in id2label.items() if counts[index] == 0]
+    if empty:
+        logger.warning(
+            "Class(es) %s have no training images (they appear only in other splits, or nowhere): the model cannot "
+            "learn them.",
+            empty,
+        )

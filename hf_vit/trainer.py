@@ -1,0 +1,127 @@
+"""The Trainer of a run and its callbacks: reproducible augmentation across resumption, evaluation that leaves the
+training's random numbers alone, clear errors when a checkpoint cannot be written, and the run's set-up line."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from .hub import PlannedHubPushes
+
+logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
+
+
+class SeededAugmentation(torch.utils.data.Dataset):
+    """A training split whose random augmentation of example `i` in epoch `e` is drawn from a generator seeded by
+    `(seed, e, i)`, not from the global random stream at the moment the example is fetched.
+
+    This is what makes resuming exact: the data loader fetches batches ahead (accelerate one batch, workers
+    several), so with the global stream an interrupted and an uninterrupted run augment the batches after the
+    checkpoint with different numbers. The epoch lives in shared memory so that persistent workers see it change.
+    """
+
+    def __init__(self, data, seed: int) -> None:
+        self.data = data
+        self.seed = seed
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch.fill_(epoch)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        key = hashlib.blake2b(f"{self.seed}:{int(self.epoch)}:{index}".encode(), digest_size=8).digest()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int.from_bytes(key, "little"))
+            return self.data[index]
+
+
+class EpochToDataset(TrainerCallback):
+    """Tells a `SeededAugmentation` which epoch starts (accelerate forwards it only to samplers)."""
+
+    def __init__(self, dataset: SeededAugmentation) -> None:
+        self.dataset = dataset
+
+    def on_epoch_begin(self, args: TrainingArguments, state, control, **kwargs: Any) -> None:
+        # At an epoch's start `state.epoch` is the number of epochs done, fractional when resuming mid-epoch.
+        self.dataset.set_epoch(math.floor(state.epoch + 1e-6))
+
+
+class VisionTransformerTrainer(PlannedHubPushes, Trainer):
+    """`Trainer` with the guarantees the scripts promise.
+
+    - Every push sends exactly the files the project's upload plan lists, and the token never reaches disk
+      (`hf_vit.hub.PlannedHubPushes`).
+
+    - Evaluation does not consume the training's random numbers (its data loader draws a seed), so a checkpoint saved
+      right before an evaluation resumes to the same weights (with `SeededAugmentation` for the training split).
+    - A checkpoint that cannot be written (a full disk) stops the run with the folder and the free space named.
+    """
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        python_state, numpy_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            try:
+                return super().evaluate(*args, **kwargs)
+            finally:
+                random.setstate(python_state)
+                np.random.set_state(numpy_state)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        try:
+            super()._save_checkpoint(model, trial)
+        except (OSError, RuntimeError) as error:
+            raise _save_error(self.args.output_dir, f"checkpoint {self.state.global_step}", error) from error
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        try:
+            super().save_model(output_dir, _internal_call)
+        except (OSError, RuntimeError) as error:
+            raise _save_error(output_dir or self.args.output_dir, "model", error) from error
+
+
+def _save_error(folder: str | os.PathLike, what: str, error: Exception) -> OSError:
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**30:.1f} GiB free there"
+    except OSError:
+        free = "its free space could not be read"
+    return OSError(
+        f"Writing the {what} in {folder} failed ({error}); {free}. Is the disk full? Free space (or choose another "
+        "--output_dir) and resume with --resume_from_checkpoint True: incomplete checkpoints are skipped."
+    )
+
+
+class RunSetupCallback(TrainerCallback):
+    """Logs the run's set-up once it is known, as transformers' example scripts do: how a user checks a launch."""
+
+    def __init__(self, num_examples: int | None) -> None:
+        self.num_examples = num_examples
+
+    def on_train_begin(self, args: TrainingArguments, state, control, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        per_device = args.per_device_train_batch_size
+        accumulation = args.gradient_accumulation_steps
+        logger.info(
+            "Run set-up: %s training examples, %s epochs, batch %d per device x %d process(es) x %d accumulation "
+            "step(s) = global batch %d, %d optimisation steps.",
+            "unknown (streamed)" if self.num_examples is None else self.num_examples,
+            # A stream has no length: Trainer counts its epochs as sys.maxsize and stops at --max_steps.
+            "unknown (streamed)" if self.num_examples is None else f"{state.num_train_epochs:g}",
+            per_device,
+            args.world_size,
+            accumulation,
+            per_device * args.world_size * accumulation,
+            state.max_steps,
+        )

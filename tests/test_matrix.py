@@ -1,0 +1,295 @@
+"""The combination matrix: tiny training runs over the combinations users make, each checked for the same invariants.
+
+Factors: source (a preset from scratch, an hf-vit folder, transformers' and timm's layouts by Hub id through a cache
+the test fills, the authors' .npz) x adaptation (full, LoRA on the fused qkv, LoRA on query,value) x labels (single,
+multi-label) x data (in memory, streamed) x processes (1, 2 with torchrun). `COMBINATIONS` covers every pair of values
+of the first four factors (a preset trains in full only, and multi-label data does not stream: that pair is checked to
+be refused); three of them run with two processes, covering two processes with every adaptation, both label kinds and
+both data kinds, from the sources that need no conversion (a preset, an hf-vit folder).
+
+Invariants on every run:
+1. the run's folder (for LoRA: the merged model, saved) reloads with the Auto classes and predicts what the trained
+   model in memory predicted (with two processes: the model rank 0 held at the end of training);
+2. the reported test metrics (`all_results.json`) equal an evaluation of the test split made here;
+3. no text file written names a local path;
+4. the push plan (`hf_vit.hub.plan_upload`) lists only the project's files;
+5. the logged global batch is per-device batch x processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoImageProcessor, AutoModelForImageClassification, TrainerCallback
+
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification
+from hf_vit.data import load_digits_dataset
+from hf_vit.files import RESULT_FILES
+from hf_vit.hub import UPLOAD_FILES, plan_upload
+from hf_vit.lora import apply_lora, save_merged_model
+from hf_vit.metrics import compute_metrics
+from hf_vit.training import load_for_finetuning, parse_args, train
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "train_worker.py"
+TINY = "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64"
+SIZE, PATCH, BATCH = 32, 8, 8
+TRANSFORMERS_ID, TIMM_ID = "google/vit-matrix-test", "timm/vit_tiny_patch8_32.matrix"
+BINARY = (".safetensors", ".bin", ".pt", ".pth", ".png")
+
+
+@dataclass(frozen=True)
+class Combination:
+    source: str  # preset, folder, transformers, timm, npz
+    adaptation: str  # full, qkv, query_value
+    labels: str  # single, multi
+    data: str  # memory, stream
+    processes: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.source}-{self.adaptation}-{self.labels}-{self.data}-{self.processes}p"
+
+
+COMBINATIONS = [
+    Combination("preset", "full", "single", "memory"),
+    Combination("preset", "full", "multi", "memory", processes=2),
+    Combination("preset", "full", "single", "stream"),
+    Combination("folder", "full", "multi", "memory"),
+    Combination("folder", "qkv", "single", "stream", processes=2),
+    Combination("folder", "query_value", "single", "memory", processes=2),
+    Combination("transformers", "full", "single", "stream"),
+    Combination("transformers", "qkv", "multi", "memory"),
+    Combination("transformers", "query_value", "single", "memory"),
+    Combination("timm", "full", "single", "stream"),
+    Combination("timm", "qkv", "single", "memory"),
+    Combination("timm", "query_value", "multi", "memory"),
+    Combination("npz", "full", "single", "stream"),
+    Combination("npz", "qkv", "multi", "memory"),
+    Combination("npz", "query_value", "single", "stream"),
+]
+
+
+def test_the_combinations_cover_every_pair():
+    factors = ("source", "adaptation", "labels", "data")
+    values = {name: {getattr(c, name) for c in COMBINATIONS} for name in factors}
+    assert values["source"] == {"preset", "folder", "transformers", "timm", "npz"}
+    for i, first in enumerate(factors):
+        for second in factors[i + 1 :]:
+            seen = {(getattr(c, first), getattr(c, second)) for c in COMBINATIONS}
+            for a in values[first]:
+                for b in values[second]:
+                    impossible = {(a, b), (b, a)} & {("preset", "qkv"), ("preset", "query_value"), ("multi", "stream")}
+                    assert (a, b) in seen or impossible, f"{first}={a} with {second}={b} is not covered"
+    two = [c for c in COMBINATIONS if c.processes == 2]
+    for name in ("adaptation", "labels", "data"):
+        assert {getattr(c, name) for c in two} == values[name], name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What the runs share: data sets and sources, written once
+
+
+@dataclass
+class World:
+    root: Path
+    cache: Path
+    data: dict[str, Path]
+    sources: dict[str, str]
+
+
+def _digits_subsets(root: Path) -> dict[str, Path]:
+    from datasets import Dataset, DatasetDict
+
+    digits = load_digits_dataset()
+    single, multi = {}, {}
+    for split, size in (("train", 32), ("validation", 8), ("test", 24)):
+        rows = digits[split].select(range(size))
+        images, labels = list(rows["image"]), rows["label"]
+        single[split] = Dataset.from_dict({"image": images, "label": labels}, features=rows.features)
+        tags = [["even" if d % 2 == 0 else "odd"] + (["round"] if d in (0, 6, 8, 9) else []) for d in labels]
+        multi[split] = Dataset.from_dict({"image": images, "tags": tags})
+    DatasetDict(single).save_to_disk(str(root / "single"))
+    DatasetDict(multi).save_to_disk(str(root / "multi"))
+    return {"single": root / "single", "multi": root / "multi"}
+
+
+def _write_sources(root: Path, cache: Path) -> dict[str, str]:
+    from test_sources import hub_repo, timm_repo
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    from hf_vit.convert import hf_vit_to_npz_arrays
+
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(
+        VisionTransformerConfig(image_size=SIZE, patch_size=PATCH, num_labels=5, zero_init_head=False, **sizes)
+    ).eval()
+    model.save_pretrained(root / "hf-vit-base")
+    np.savez(root / "ViT-T_8.npz", **hf_vit_to_npz_arrays(model.state_dict(), model.config))
+    timm_repo(hub_repo(cache, TIMM_ID), model)
+    snapshot = hub_repo(cache, TRANSFORMERS_ID)
+    ViTForImageClassification(ViTConfig(image_size=SIZE, patch_size=PATCH, num_labels=5, **sizes)).save_pretrained(
+        snapshot
+    )
+    ViTImageProcessor(size={"height": SIZE, "width": SIZE}).save_pretrained(snapshot)
+    return {
+        "folder": str(root / "hf-vit-base"),
+        "npz": str(root / "ViT-T_8.npz"),
+        "timm": TIMM_ID,
+        "transformers": TRANSFORMERS_ID,
+    }
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    import huggingface_hub.constants
+
+    root = tmp_path_factory.mktemp("matrix")
+    cache = root / "hub"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+        patch.setenv("HF_HUB_CACHE", str(cache))
+        yield World(root, cache, _digits_subsets(root), _write_sources(root, cache))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One run
+
+
+class KeepModel(TrainerCallback):
+    """Keeps the trained model as it is in memory at the end of training."""
+
+    model = None
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.model = model
+
+
+def run_flags(world: World, combination: Combination, output_dir: Path) -> tuple[str, list[str]]:
+    task = "pretrain" if combination.source == "preset" else "finetune"
+    flags = ["--output_dir", str(output_dir), "--image_size", str(SIZE), "--seed", "0"]
+    if combination.source == "preset":
+        flags += ["--patch_size", str(PATCH), "--config_overrides", TINY]
+    else:
+        flags += ["--model_name_or_path", world.sources[combination.source]]
+    if combination.adaptation != "full":
+        targets = "qkv" if combination.adaptation == "qkv" else "query,value"
+        flags += ["--lora_rank", "2", "--lora_target_modules", targets]
+    flags += ["--dataset_name", str(world.data[combination.labels])]
+    flags += ["--label_column_name", "tags" if combination.labels == "multi" else "label"]
+    if combination.data == "stream":
+        flags += ["--streaming", "True", "--shuffle_buffer_size", "16"]
+    flags += ["--max_steps", "3", "--per_device_train_batch_size", str(BATCH), "--per_device_eval_batch_size", "8"]
+    flags += ["--learning_rate", "0.05", "--save_strategy", "no", "--disable_tqdm", "True", "--report_to", "none"]
+    if combination.processes == 1:  # a validation pass during training, through persistent workers
+        flags += ["--eval_strategy", "steps", "--eval_steps", "2"]
+        flags += ["--dataloader_num_workers", "1", "--dataloader_persistent_workers", "True"]
+    else:
+        flags += ["--eval_strategy", "no", "--dataloader_num_workers", "0"]
+    return task, flags
+
+
+def trained_in_memory(world, combination, output_dir, task, flags, caplog):
+    """Run the combination; returns the model as training left it, and the run's log."""
+    if combination.processes == 1:
+        keep = KeepModel()
+        with caplog.at_level("INFO", logger="hf_vit.training"):
+            train(task, *parse_args(task, flags), callbacks=[keep])
+        return keep.model.eval(), caplog.text
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_CACHE": str(world.cache)}
+    done = subprocess.run(torchrun + [str(WORKER), task, *flags], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    weights = load_file(output_dir / "rank0.safetensors")
+    for rank in (0, 1):
+        (output_dir / f"rank{rank}.safetensors").unlink()
+        (output_dir / f"rank{rank}.json").unlink()
+    config = VisionTransformerConfig.from_pretrained(output_dir)
+    if combination.adaptation == "full":
+        model = VisionTransformerForImageClassification(config)
+    else:  # the run's fine-tuning model with the same adapters, to take rank 0's weights
+        base = load_for_finetuning(world.sources[combination.source], config.id2label, image_size=config.image_size)
+        base.config.problem_type = config.problem_type
+        targets = ["qkv"] if combination.adaptation == "qkv" else ["query", "value"]
+        model = apply_lora(base, 2, target_modules=targets)
+    model.load_state_dict(weights)
+    return model.eval(), done.stdout + done.stderr
+
+
+def test_pairs_that_cannot_go_together_are_refused(world, tmp_path):
+    task, flags = run_flags(world, Combination("folder", "full", "multi", "stream"), tmp_path / "out")
+    with pytest.raises(ValueError, match="Multi-label data sets are supported without --streaming only"):
+        train(task, *parse_args(task, flags))
+    task, flags = run_flags(world, Combination("preset", "qkv", "single", "memory"), tmp_path / "out2")
+    with pytest.raises(ValueError, match="--lora_rank adapts a pretrained model"):
+        train(task, *parse_args(task, flags))
+
+
+@pytest.mark.parametrize("combination", COMBINATIONS, ids=str)
+def test_combination(world, combination, tmp_path, caplog):
+    out = tmp_path / "run"
+    task, flags = run_flags(world, combination, out)
+    in_memory, log = trained_in_memory(world, combination, out, task, flags, caplog)
+
+    # 1. the saved run reloads with the Auto classes and predicts what the trained model predicted
+    folder = out
+    if combination.adaptation != "full":
+        folder = tmp_path / "merged"
+        save_merged_model(out, folder, base=world.sources[combination.source])
+    reloaded = AutoModelForImageClassification.from_pretrained(folder).eval()
+    processor = AutoImageProcessor.from_pretrained(folder)
+    test = load_digits_dataset()["test"].select(range(24))  # the test split of both data sets
+    pixels = processor(list(test["image"]), return_tensors="pt").pixel_values
+    with torch.no_grad():
+        logits = reloaded(pixels).logits
+        torch.testing.assert_close(logits, in_memory(pixel_values=pixels).logits, atol=1e-4, rtol=1e-4)
+
+    # 2. the reported test metrics are the test split's
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["eval_split"] == "test"
+    if combination.labels == "single":
+        labels = torch.tensor(test["label"])
+        loss = torch.nn.functional.cross_entropy(logits, labels).item()
+        assert results["eval_accuracy"] == compute_metrics((logits.numpy(), labels.numpy()))["accuracy"]
+    else:
+        names = reloaded.config.label2id
+        assert reloaded.config.problem_type == "multi_label_classification"
+        targets = torch.zeros(len(test), len(names))
+        for row, digit in enumerate(test["label"]):
+            for tag in ["even" if digit % 2 == 0 else "odd"] + (["round"] if digit in (0, 6, 8, 9) else []):
+                targets[row, names[tag]] = 1
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets).item()
+        expected = compute_metrics((logits.numpy(), targets.numpy()))["mean_average_precision"]
+        assert results["eval_mean_average_precision"] == pytest.approx(expected, abs=1e-6)
+    assert results["test_loss"] == pytest.approx(loss, rel=1e-4, abs=1e-5)
+
+    # 3. no local path in any text file written
+    for folder_written in {out, folder}:
+        for path in folder_written.rglob("*"):
+            if path.is_file() and not path.name.endswith(BINARY):
+                text = path.read_text(errors="replace")
+                for local in (str(world.root), str(tmp_path)):
+                    assert local not in text, f"{path.name} names {local}"
+
+    # 4. the push plan lists only the project's files
+    planned = {item.path_in_repo for item in plan_upload(out, repo_id="someone/matrix")}
+    weights = {"model.safetensors"} if combination.adaptation == "full" else {"adapter_model.safetensors"}
+    allowed = set(UPLOAD_FILES) | {"model.safetensors", "adapter_model.safetensors", "adapter_config.json"}
+    assert planned <= allowed and weights <= planned and {"config.json", "README.md"} <= planned
+    assert not planned & {"training_args.bin", "trainer_state.json"} and set(RESULT_FILES) & planned
+
+    # 5. the logged global batch
+    processes = combination.processes
+    assert (
+        f"batch {BATCH} per device x {processes} process(es) x 1 accumulation step(s) = global batch "
+        f"{BATCH * processes}" in log
+    )

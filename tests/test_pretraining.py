@@ -1,0 +1,63 @@
+"""Pretraining runs from a checkpoint: the flags given with `--model_name_or_path` are applied (dropout rates, the
+image size by resampling the position embeddings) or refused in one line that names them, for supervised and masked
+patch prediction runs alike."""
+
+import pytest
+import torch
+from test_training import QUIET, TINY, pretrained_folder
+
+from hf_vit import VisionTransformerForImageClassification, VisionTransformerForMaskedPatchPrediction
+from hf_vit.resolution import resample_position_embeddings
+from hf_vit.training import parse_args, train
+
+SHORT = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--eval_strategy", "no", "--save_strategy", "no"]
+SHORT += ["--max_train_samples", "16", *QUIET]
+
+
+def pretrain(tmp_path, source, *flags, name="out"):
+    args = ["--output_dir", str(tmp_path / name), "--model_name_or_path", str(source), *SHORT, *flags]
+    return train("pretrain", *parse_args("pretrain", args))
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """A supervised checkpoint at 8x8 (patch 4, pre-logits layer) to continue pretraining from."""
+    return pretrained_folder(tmp_path_factory.mktemp("pre") / "classifier", image_size=8)
+
+
+def test_mpp_from_a_classification_checkpoint_trains_at_the_image_size_given(tmp_path, classifier):
+    pretrain(tmp_path, classifier, "--objective", "mpp", "--image_size", "16", "--hidden_dropout_prob", "0.1")
+    model = VisionTransformerForMaskedPatchPrediction.from_pretrained(tmp_path / "out")
+    assert model.config.image_size == 16 and model.config.grid_size == (4, 4)  # it trained at 8 before
+    assert model.config.hidden_dropout_prob == 0.1
+    assert model.vit.embeddings.position_embedding.shape[1] == 1 + 16
+
+
+def test_supervised_pretraining_from_a_checkpoint_resamples_to_the_image_size_given(tmp_path, classifier):
+    pretrain(tmp_path, classifier, "--image_size", "12", "--drop_path_rate", "0.2", "--learning_rate", "0")
+    model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "out")
+    assert model.config.image_size == 12 and model.config.drop_path_rate == 0.2
+    source = VisionTransformerForImageClassification.from_pretrained(classifier)
+    expected = resample_position_embeddings(source.vit.embeddings.position_embedding, (2, 2), (3, 3))
+    torch.testing.assert_close(model.vit.embeddings.position_embedding, expected)  # learning rate 0: unchanged
+
+
+@pytest.mark.parametrize("objective", ["classification", "mpp"])
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--patch_size", "2"], "patch_size=2 (the checkpoint has 4)"),
+        (["--config_overrides", TINY.replace("num_hidden_layers=2", "num_hidden_layers=3")], "num_hidden_layers=3"),
+    ],
+)
+def test_flags_changing_a_checkpoints_weights_are_refused_naming_them(tmp_path, classifier, objective, flags, named):
+    with pytest.raises(ValueError) as info:
+        pretrain(tmp_path, classifier, "--objective", objective, *flags)
+    message = str(info.value)
+    assert named in message and "\n" not in message and "--preset" in message
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_overrides_equal_to_the_checkpoints_fields_are_accepted(tmp_path, classifier):
+    pretrain(tmp_path, classifier, "--objective", "mpp", "--patch_size", "4", "--config_overrides", TINY)
+    assert VisionTransformerForMaskedPatchPrediction.from_pretrained(tmp_path / "out").config.patch_size == 4
