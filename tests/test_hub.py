@@ -307,7 +307,7 @@ def test_the_security_note_lists_every_code_file_that_executes(folder):
 
 
 def test_cards_say_how_to_install_and_carry_no_placeholder_rows(tmp_path):
-    from hf_vit.convert.output import write_card
+    from hf_vit.hub import write_card
 
     model = VisionTransformerForImageClassification(tiny_config())
     write_card(tmp_path, model, base_model="google/vit-base-patch16-224", summary="Converted.", recipe="none.")

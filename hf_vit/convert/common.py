@@ -23,8 +23,9 @@ import torch
 
 from .. import resolution
 from ..configuration_vit import VisionTransformerConfig
+from ..hub import write_card
+from ..output_folders import check_output_dir, write_converted_folder
 from ..resolution import grid_for, resample_position_embeddings
-from .output import check_output_dir, write_card, write_converted_folder
 
 
 class ConversionError(ValueError):
