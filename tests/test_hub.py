@@ -100,7 +100,7 @@ def test_push_sends_exactly_the_projects_top_level_files(folder, hub, caplog):
 
     with caplog.at_level("INFO", logger="hf_vit.hub"):
         assert push_folder_to_hub(path, "me/vit").endswith("/commit/0")
-    assert "Uploading 12 files" in caplog.text and "credentials.json" not in caplog.text
+    assert "Uploading 14 files" in caplog.text and "credentials.json" not in caplog.text
     assert hub["repo"] == "me/vit"
     assert set(hub["files"]) == PROJECT_FILES | {"training_curves.png", "all_results.json"}
     assert hub["files"]["model.safetensors"] == (path / "model.safetensors").read_bytes()
