@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,6 +235,43 @@ def write_model_card(output_dir: str | os.PathLike, model, metrics: dict[str, An
         kwargs["repo_id"] = card_reference(Path(output_dir)).text
     render_model_card(model, metrics, **kwargs).save(path)
     return path
+
+
+def write_card(
+    folder: str | os.PathLike,
+    model,
+    *,
+    base_model: str,
+    summary: str,
+    recipe: str,
+    resolution_note: str | None = None,
+    repo_id: str | None = None,
+    metrics: Mapping[str, object] | None = None,
+    dataset_name: str | None = None,
+    output_name: str | None = None,
+) -> Path:
+    """Write the model card of a folder the project made from `base_model` (a Hub id or a plain name, never a local
+    path). Without `dataset_name` no data set is claimed in the metadata; `output_name` is the folder's final name
+    (`folder` may be a staging folder), used for the repo id when none is given."""
+    measured = dict(metrics or {})
+    return write_model_card(
+        folder,
+        model,
+        measured,
+        task="finetune",
+        dataset_name=dataset_name,
+        repo_id=repo_id or output_name or Path(folder).name,
+        base_model=base_model,
+        summary=summary,
+        recipe=recipe,
+        resolution_note=resolution_note,
+        results_note=(
+            f"Measured on the {dataset_name} {measured.get('eval_split', 'test')} split by hf-vit when it wrote this "
+            "folder."
+            if dataset_name
+            else "No metrics were measured for this folder; see the base model for its results."
+        ),
+    )
 
 
 # What a published hf-vit folder holds, top level only: the model files and the run's results (`hf_vit.files`).

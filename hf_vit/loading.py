@@ -18,7 +18,9 @@ only what it needs:
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError
@@ -82,3 +84,18 @@ def load_strictly(model_class: Any, load: Any, source: Any, args: tuple, kwargs:
             f"the checkpoint ({shown}) and would stay randomly initialised. Is it a checkpoint of another model?"
         )
     return (model, info) if output_loading_info else model
+
+
+# Code files every hf-vit checkpoint carries though the saved class's module does not import them: the config's
+# `auto_map` names the masked patch prediction model of `modeling_mpp.py` for every checkpoint.
+SIBLING_CODE_FILES = ("modeling_mpp.py",)
+
+
+def save_sibling_code(model: Any, folder: str | os.PathLike) -> None:
+    """Copy `SIBLING_CODE_FILES` beside the code `save_pretrained` wrote into `folder` (when it wrote code)."""
+    folder, here = Path(folder), Path(__file__).parent
+    if not (folder / Path(type(model).__module__.rpartition(".")[2]).with_suffix(".py")).is_file():
+        return  # no remote code was written (the class is not registered for an Auto class)
+    for name in SIBLING_CODE_FILES:
+        if (here / name).is_file() and not (folder / name).exists():
+            shutil.copyfile(here / name, folder / name)

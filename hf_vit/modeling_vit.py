@@ -35,7 +35,7 @@ from transformers.utils.output_capturing import capture_outputs
 from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
-from .loading import load_strictly
+from .loading import load_strictly, save_sibling_code
 from .resolution import check_pixel_values, grid_for, image_size_field, resample_position_embeddings
 
 __all__ = [
@@ -210,6 +210,11 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         strict: weights that leave part of the encoder randomly initialised are an error (only a classification head
         may be new), and unreadable weights or folders are named: see `loading.py`."""
         return load_strictly(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """transformers' `save_pretrained`, with every code file the config's `auto_map` names."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        save_sibling_code(self, save_directory)
 
     @torch.no_grad()
     def set_input_size(self, image_size: int | tuple[int, int] | list[int], mode: str = "bicubic") -> None:

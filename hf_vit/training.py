@@ -7,7 +7,7 @@ and outputs. Each stage lives in its own module; this one only puts them in orde
 * `hf_vit.model_setup`: models from presets or checkpoints with the flags applied, and the processor;
 * `hf_vit.lora`: the adapter stage (`adapt`);
 * `hf_vit.trainer`: the Trainer, reproducible augmentation and the run's set-up line;
-* `hf_vit.run_folders`, `hf_vit.checkpoints`: the output folder, and what a run can resume from;
+* `hf_vit.output_folders`, `hf_vit.checkpoints`: the output folder, and what a run can resume from;
 * `hf_vit.evaluation`: the final evaluation, each split on a loader built for it;
 * `hf_vit.hub`: the model card and the push.
 
@@ -46,7 +46,7 @@ from .hub import write_model_card
 from .lora import adapt, lora_summary
 from .model_setup import build_pretraining_model, load_for_finetuning, processor_for
 from .objectives import OBJECTIVES, Objective, select_objective
-from .run_folders import claim_output_dir, release, remove_earlier_checkpoints
+from .output_folders import claim_output_dir, release, remove_earlier_checkpoints
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
 
 __all__ = [

@@ -15,8 +15,8 @@ from hf_vit.hub import card_reference, push_folder_to_hub, write_model_card
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = {"eval_accuracy": 0.9722, "eval_top5_accuracy": 0.9972, "eval_split": "test", "eval_loss": 0.1}
-# The code files a classifier's save_pretrained writes (the masked-patch-prediction module only goes with that model).
-CLASSIFIER_CODE = set(remote_code_files()) - {"modeling_mpp.py"}
+# The code files save_pretrained writes beside every checkpoint.
+CLASSIFIER_CODE = set(remote_code_files())
 PROJECT_FILES = {"model.safetensors", "config.json", "preprocessor_config.json", "README.md", *CLASSIFIER_CODE}
 
 
@@ -307,7 +307,7 @@ def test_the_security_note_lists_every_code_file_that_executes(folder):
 
 
 def test_cards_say_how_to_install_and_carry_no_placeholder_rows(tmp_path):
-    from hf_vit.convert.output import write_card
+    from hf_vit.hub import write_card
 
     model = VisionTransformerForImageClassification(tiny_config())
     write_card(tmp_path, model, base_model="google/vit-base-patch16-224", summary="Converted.", recipe="none.")

@@ -24,7 +24,7 @@ RUN = [
     *("--max_train_samples", "16", "--eval_strategy", "no", "--disable_tqdm", "True", "--report_to", "none"),
     *("--dataloader_num_workers", "0"),
 ]
-CODE_FILES = set(remote_code_files()) - {"modeling_mpp.py"}  # a classifier's (the MPP module goes with its model)
+CODE_FILES = set(remote_code_files())  # every checkpoint carries all of them
 MODEL_FILES = {"config.json", "model.safetensors", "preprocessor_config.json", *CODE_FILES}
 FINAL_FILES = MODEL_FILES | {"README.md", "all_results.json", "training_curves.png"}
 

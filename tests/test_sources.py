@@ -358,3 +358,22 @@ def test_dtype_and_device_map_work_as_for_a_folder(hub_cache):
     with torch.no_grad():
         difference = (model(pixels().bfloat16()).logits.float() - source(pixels()).logits).abs().max().item()
     assert difference < 0.1
+
+
+def test_a_transformers_checkpoint_loads_at_another_size_by_keyword(hub_cache):
+    source = transformers_vit(ViTForImageClassification, num_labels=3)
+    source.save_pretrained(hub_repo(hub_cache, "google/vit-resized"))
+    model = VisionTransformerForImageClassification.from_pretrained("google/vit-resized", image_size=48)
+    assert model.config.image_size == 48
+    assert model.vit.embeddings.position_embedding.shape == (1, 1 + 6 * 6, 32)
+    with torch.no_grad():
+        assert model(pixels(48, 48)).logits.shape == (2, 3)
+
+
+def test_a_transformers_repository_without_safetensors_is_named_with_the_fix(hub_cache):
+    snapshot = hub_repo(hub_cache, "google/vit-bin-only")
+    transformers_vit(ViTForImageClassification, num_labels=3).save_pretrained(snapshot)
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "pytorch_model.bin").write_bytes(b"a torch file")
+    with pytest.raises(ValueError, match=r"google/vit-bin-only .*no model.safetensors.*save_pretrained"):
+        VisionTransformerForImageClassification.from_pretrained("google/vit-bin-only")

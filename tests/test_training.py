@@ -295,7 +295,7 @@ def test_a_second_run_into_a_finished_runs_folder_is_refused(tmp_path, caplog):
 
 
 def test_a_folder_another_run_is_writing_to_is_refused(tmp_path):
-    from hf_vit.run_folders import claim_output_dir
+    from hf_vit.output_folders import claim_output_dir
 
     out = tmp_path / "out"
     lock = claim_output_dir(out, resuming=False, overwrite=False, main_process=True)
@@ -601,7 +601,7 @@ def test_a_validation_split_without_positive_labels_does_not_stop_a_multi_label_
 
 RUN_MODULES = (
     "training", "arguments", "objectives", "model_setup", "lora", "trainer", "checkpoints", "evaluation",
-    "pretraining", "data", "run_folders", "metrics",
+    "pretraining", "data", "output_folders", "metrics",
 )  # fmt: skip
 
 

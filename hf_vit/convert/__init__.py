@@ -2,6 +2,7 @@
 engine, one check against the model (`check_state_dict`), and the folder converters built on them."""
 
 from ..loading import register_foreign_reader
+from ..output_folders import write_converted_folder
 from .common import FUSED_QKV, RENAME, ConversionError, Layout, Transform, check_state_dict
 from .jax_npz import (
     JAX_LAYOUT,
@@ -11,7 +12,6 @@ from .jax_npz import (
     load_npz,
     npz_to_hf_vit_state_dict,
 )
-from .output import write_converted_folder
 from .sources import read_source
 from .timm_vit import (
     TIMM_LAYOUT,

@@ -21,10 +21,11 @@ from typing import Any
 
 import torch
 
-from .. import resolution
 from ..configuration_vit import VisionTransformerConfig
+from ..hub import write_card
+from ..output_folders import check_output_dir, write_converted_folder
 from ..resolution import grid_for, resample_position_embeddings
-from .output import check_output_dir, write_card, write_converted_folder
+from ..resolution import image_size_field as config_image_size
 
 
 class ConversionError(ValueError):
@@ -287,7 +288,7 @@ def image_size_field(image_size: int | Sequence[int]) -> int | list[int]:
     """`image_size` as a config field (an int for a square size, else `[height, width]`), errors as
     `ConversionError`."""
     try:
-        return resolution.image_size_field(image_size)
+        return config_image_size(image_size)
     except ValueError as error:
         raise ConversionError(str(error)) from error
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..configuration_vit import VisionTransformerConfig
-from .common import ConversionError
+from .common import ConversionError, check_grid_size, image_size_field
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +194,11 @@ class ForeignCheckpoint:
             found = _fetch(self.source, "pytorch_model.bin", self.hub, required=False)
             if found is not None:
                 return [found]
+        if self.layout == "timm":
+            raise ConversionError("it has no model.safetensors, sharded index or pytorch_model.bin")
         raise ConversionError(
-            "it has no model.safetensors (nor a sharded index"
-            + (", nor pytorch_model.bin" if self.layout == "timm" else "")
-            + "); hf-vit reads transformers' ViT weights from safetensors only"
+            "it has no model.safetensors (nor a sharded index); hf-vit reads transformers' ViT weights from "
+            "safetensors only: save the model with transformers' save_pretrained (safetensors by default)"
         )
 
     def _slices(self, files: list[Path]) -> dict[str, Any]:
@@ -241,7 +242,8 @@ class ForeignCheckpoint:
                 config = transformers_config(self.folder, shapes)
                 state_dict = None
                 if image_size is not None:
-                    config.image_size = image_size
+                    config.image_size = image_size_field(image_size)
+                    check_grid_size(config)
                 if weights:
                     state_dict = transformers_state_dict(self._slices(files), config, shapes)
             else:
