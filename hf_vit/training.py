@@ -95,7 +95,7 @@ def train(
     lock = claim_output_dir(
         training_args.output_dir,
         resuming=resume is not None,
-        overwrite=training_args.overwrite_output_dir,
+        overwrite=getattr(training_args, "overwrite_output_dir", False),
         main_process=training_args.process_index == 0,
     )
     try:
@@ -108,14 +108,14 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     raw = load_datasets(data_args, training_args.seed)
     objective = select_objective(task, model_args, data_args, raw)
     raw, labels = objective.labels(raw, data_args)
-    if training_args.check_eval_images:
+    if getattr(training_args, "check_eval_images", True):  # a plain TrainingArguments has no such flag
         check_eval_images(raw)
     model = objective.build_model(task, model_args, labels)
     processor = processor_for(model_args, model.config)
     model = adapt(model, model_args, task, training_args.output_dir)
     ds = objective.transforms(raw, data_args, processor, model.config)
     trainer = build_trainer(objective, model, processor, ds, training_args, callbacks)
-    if training_args.overwrite_output_dir and resume is None and trainer.is_world_process_zero():
+    if getattr(training_args, "overwrite_output_dir", False) and resume is None and trainer.is_world_process_zero():
         remove_earlier_checkpoints(training_args.output_dir, keep=model_args.model_name_or_path)
 
     train_result = trainer.train(resume_from_checkpoint=resume)
