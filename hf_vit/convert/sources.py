@@ -72,10 +72,12 @@ def _fetch(source: str, filename: str, hub: dict[str, Any], required: bool = Tru
         if path.is_file() or not required:
             return path if path.is_file() else None
         raise ConversionError(f"{folder} has no {filename}.")
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     options = {k: v for k, v in hub.items() if v is not None}
+    if constants.HF_HUB_OFFLINE:  # straight to the cache, as transformers' own loading does: no HTTP client is built
+        options["local_files_only"] = True
     try:
         return Path(hf_hub_download(source, filename, **options))
     except (EntryNotFoundError, LocalEntryNotFoundError):
