@@ -66,6 +66,7 @@ def remote_code_files() -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+@lru_cache(maxsize=1)
 def model_file_names() -> frozenset[str]:
     """The fixed names of a saved model folder: config, weights (not shards, see `is_model_file`), processor, code."""
     return frozenset(

@@ -277,7 +277,11 @@ def write_card(
 # What a published hf-vit folder holds, top level only: the model files and the run's results (`hf_vit.files`).
 # Anything else (optimizer states, checkpoints, logs, the lock, the user's own files, training_args.bin with its local
 # paths, trainer_state.json with its checkpoint paths) stays local unless the user names it (`extra_files`).
-UPLOAD_FILES = (CONFIG_FILE, PROCESSOR_FILE, *remote_code_files(), *RESULT_FILES)
+def upload_file_names() -> tuple[str, ...]:
+    """The fixed names a push takes from a folder's top level, besides the weights."""
+    return (CONFIG_FILE, PROCESSOR_FILE, *remote_code_files(), *RESULT_FILES)
+
+
 _TEXT_SUFFIXES = {".json", ".md", ".txt", ".py", ".yaml", ".yml", ".csv", ".toml", ".cfg", ".ini"}
 
 
@@ -405,17 +409,17 @@ def plan_upload(
 ) -> list[UploadFile]:
     """Exactly what pushing `folder` sends, checked, without touching the network.
 
-    The project's files (`UPLOAD_FILES` and the safetensors weights) at the top level of `folder`, plus the files the
-    user names in `extra_files`. A symlink among them is an error, since the bytes sent would be its target's. The
-    card goes as a copy naming `repo_id`. Any text file naming an absolute path is an error naming the file and the
-    path. The user's files are never modified. `card=False` (a checkpoint's model files) expects no card.
+    The project's files (`upload_file_names()` and the safetensors weights) at the top level of `folder`, plus the
+    files the user names in `extra_files`. A symlink among them is an error, since the bytes sent would be its
+    target's. The card goes as a copy naming `repo_id`. Any text file naming an absolute path is an error naming the
+    file and the path. The user's files are never modified. `card=False` (a checkpoint's model files) expects no card.
     """
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder: pass the folder that a training run or script wrote.")
     if not _plain_file(folder / CONFIG_FILE, CONFIG_FILE):
         raise FileNotFoundError(f"{folder} has no config.json: save the model there before pushing it.")
-    names = _weights(folder) + [name for name in UPLOAD_FILES if _plain_file(folder / name, name)]
+    names = _weights(folder) + [name for name in upload_file_names() if _plain_file(folder / name, name)]
     names += [_extra_file(folder, name) for name in extra_files]
     if card and CARD_FILE not in names:
         logger.warning("%s has no model card (README.md): the repository will have none.", folder)

@@ -1,4 +1,6 @@
 import os
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,3 +31,51 @@ def tiny_config(**overrides):
 @pytest.fixture
 def config():
     return tiny_config()
+
+
+class HubRecord(dict):
+    """What HfApi would have created and sent: the last call's `repo` and `files` as keys, and every repository,
+    commit (its files' bytes and message) and token used as attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.repos, self.commits, self.tokens = [], [], set()
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    """Records HfApi's write calls (never the network); any other way of uploading fails the test."""
+    from huggingface_hub import HfApi
+
+    sent = HubRecord()
+
+    def create_repo(self, repo_id, **kwargs):
+        sent["repo"] = repo_id
+        sent.repos.append(repo_id)
+        sent.tokens.add(self.token)
+        # As the Hub does: a bare name is created in the token owner's namespace.
+        return SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"alice/{repo_id}")
+
+    def create_commit(self, repo_id, operations, commit_message="", **kwargs):
+        files = {}
+        for op in operations:
+            data = op.path_or_fileobj
+            if isinstance(data, (str, Path)):
+                data = Path(data).read_bytes()
+            elif not isinstance(data, bytes):
+                data.seek(0)
+                data = data.read()
+            files[op.path_in_repo] = data
+        sent["files"] = files
+        sent.commits.append(SimpleNamespace(repo=repo_id, message=commit_message, files=files))
+        sent.tokens.add(self.token)
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/{len(sent.commits) - 1}")
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("only create_repo and create_commit may be used: they send exactly the planned files")
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    for name in ("upload_folder", "upload_file", "preupload_lfs_files", "upload_large_folder", "create_branch"):
+        monkeypatch.setattr(HfApi, name, refuse, raising=False)
+    return sent

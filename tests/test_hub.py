@@ -3,11 +3,10 @@
 import importlib.util
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from conftest import tiny_config
-from huggingface_hub import HfApi, ModelCard
+from huggingface_hub import ModelCard
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.files import remote_code_files
@@ -27,39 +26,6 @@ def folder(tmp_path):
     model.save_pretrained(path)
     VisionTransformerImageProcessor(size=32).save_pretrained(path)
     return path, model
-
-
-@pytest.fixture
-def hub(monkeypatch):
-    """Records what HfApi would create and send; any other way of uploading fails the test."""
-    sent = {}
-
-    def create_repo(self, repo_id, **kwargs):
-        sent["repo"] = repo_id
-        # As the Hub does: a bare name is created in the token owner's namespace.
-        return SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"alice/{repo_id}")
-
-    def create_commit(self, repo_id, operations, **kwargs):
-        files = {}
-        for op in operations:
-            data = op.path_or_fileobj
-            if isinstance(data, (str, Path)):
-                data = Path(data).read_bytes()
-            elif not isinstance(data, bytes):
-                data.seek(0)
-                data = data.read()
-            files[op.path_in_repo] = data
-        sent["files"] = files
-        return "https://huggingface.co/me/vit/commit/0"
-
-    def refuse(self, *args, **kwargs):
-        raise AssertionError("only create_repo and create_commit may be used: they send exactly the listed files")
-
-    monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "create_commit", create_commit)
-    for name in ("upload_folder", "upload_file", "preupload_lfs_files", "upload_large_folder"):
-        monkeypatch.setattr(HfApi, name, refuse, raising=False)
-    return sent
 
 
 def test_card_renders_with_parseable_metadata(folder):

@@ -7,10 +7,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from huggingface_hub import HfApi
 
 from hf_vit.files import remote_code_files
 from hf_vit.hub import find_local_path, plan_upload
@@ -27,40 +25,6 @@ RUN = [
 CODE_FILES = set(remote_code_files())  # every checkpoint carries all of them
 MODEL_FILES = {"config.json", "model.safetensors", "preprocessor_config.json", *CODE_FILES}
 FINAL_FILES = MODEL_FILES | {"README.md", "all_results.json", "training_curves.png"}
-
-
-@pytest.fixture
-def hub(monkeypatch):
-    """Every repository created and every commit HfApi would send, with each file's bytes and the token used."""
-    sent = SimpleNamespace(repos=[], commits=[], tokens=set())
-
-    def create_repo(self, repo_id, **kwargs):
-        sent.repos.append(repo_id)
-        sent.tokens.add(self.token)
-        return SimpleNamespace(repo_id=repo_id if "/" in repo_id else f"alice/{repo_id}")
-
-    def create_commit(self, repo_id, operations, commit_message="", **kwargs):
-        files = {}
-        for op in operations:
-            data = op.path_or_fileobj
-            if isinstance(data, (str, Path)):
-                data = Path(data).read_bytes()
-            elif not isinstance(data, bytes):
-                data.seek(0)
-                data = data.read()
-            files[op.path_in_repo] = data
-        sent.commits.append(SimpleNamespace(repo=repo_id, message=commit_message, files=files))
-        sent.tokens.add(self.token)
-        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/{len(sent.commits)}")
-
-    def refuse(self, *args, **kwargs):
-        raise AssertionError("only create_repo and create_commit may be used: they send exactly the planned files")
-
-    monkeypatch.setattr(HfApi, "create_repo", create_repo)
-    monkeypatch.setattr(HfApi, "create_commit", create_commit)
-    for name in ("upload_folder", "upload_file", "preupload_lfs_files", "upload_large_folder", "create_branch"):
-        monkeypatch.setattr(HfApi, name, refuse, raising=False)
-    return sent
 
 
 def assert_nothing_private(sent, *private: str) -> None:

@@ -34,7 +34,7 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification, Tr
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification
 from hf_vit.data import load_digits_dataset
 from hf_vit.files import RESULT_FILES
-from hf_vit.hub import UPLOAD_FILES, plan_upload
+from hf_vit.hub import plan_upload, upload_file_names
 from hf_vit.lora import apply_lora, save_merged_model
 from hf_vit.metrics import compute_metrics
 from hf_vit.training import load_for_finetuning, parse_args, train
@@ -283,7 +283,7 @@ def test_combination(world, combination, tmp_path, caplog):
     # 4. the push plan lists only the project's files
     planned = {item.path_in_repo for item in plan_upload(out, repo_id="someone/matrix")}
     weights = {"model.safetensors"} if combination.adaptation == "full" else {"adapter_model.safetensors"}
-    allowed = set(UPLOAD_FILES) | {"model.safetensors", "adapter_model.safetensors", "adapter_config.json"}
+    allowed = set(upload_file_names()) | {"model.safetensors", "adapter_model.safetensors", "adapter_config.json"}
     assert planned <= allowed and weights <= planned and {"config.json", "README.md"} <= planned
     assert not planned & {"training_args.bin", "trainer_state.json"} and set(RESULT_FILES) & planned
 
