@@ -157,6 +157,51 @@ def test_a_checkpoint_that_does_not_fit_is_an_error_naming_it(hub_cache):
         VisionTransformerForImageClassification.from_pretrained("google/vit-broken")
 
 
+@pytest.mark.parametrize(
+    "break_weights, named",
+    [
+        (
+            lambda w: w.pop("vit.encoder.layer.1.output.dense.bias"),
+            r"lacks: \['vit.encoder.layer.1.output.dense.bias'\]",
+        ),
+        (
+            lambda w: w.update({"vit.layernorm.weight": torch.ones(33)}),
+            r"vit.layernorm.weight: shape \(33,\) does not fit",
+        ),
+        (
+            lambda w: w.update({"vit.encoder.layer.0.attention.attention.key.weight": torch.ones(32, 31)}),
+            r"layer.0.attention.attention.key.weight: shape \(32, 31\) does not fit",
+        ),
+        (lambda w: w.update({"vit.extra.weight": torch.ones(2)}), r"no place in hf-vit: \['vit.extra.weight'\]"),
+        (lambda w: w.update({"vit.layernorm.bias": torch.ones(32, dtype=torch.int64)}), "not a floating point array"),
+    ],
+    ids=["missing", "shape", "fused-part-shape", "unplaced", "integer"],
+)
+def test_what_does_not_fit_is_named_in_the_checkpoints_own_names(hub_cache, monkeypatch, break_weights, named):
+    """A clean load builds no model to check the weights against (transformers' loading reports what does not fit,
+    then the check names it); every way a checkpoint can fail to fit still ends in one report in its own names."""
+    from safetensors.torch import load_file
+
+    from hf_vit.convert import common
+
+    source = transformers_vit(ViTForImageClassification, num_labels=3)
+    source.save_pretrained(hub_repo(hub_cache, "google/vit-fits"))
+    snapshot = hub_repo(hub_cache, "google/vit-does-not-fit")
+    source.save_pretrained(snapshot)
+    weights = load_file(snapshot / "model.safetensors")
+    break_weights(weights)
+    save_file(weights, snapshot / "model.safetensors", metadata={"format": "pt"})
+
+    checks = []
+    check = common.check_state_dict
+    monkeypatch.setattr(common, "check_state_dict", lambda *args, **kwargs: checks.append(1) or check(*args, **kwargs))
+    VisionTransformerForImageClassification.from_pretrained("google/vit-fits")
+    assert checks == []
+    with pytest.raises(ValueError, match=rf"google/vit-does-not-fit \(transformers' ViT layout\)(.|\n)*{named}"):
+        VisionTransformerForImageClassification.from_pretrained("google/vit-does-not-fit")
+    assert checks == [1]
+
+
 def test_finetune_starts_from_a_hub_ids_weights(hub_cache, tmp_path):
     from hf_vit.training import parse_args, train
 
