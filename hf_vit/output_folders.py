@@ -299,14 +299,32 @@ def claim_output_dir(
         raise OutputDirError(
             f"Another run is writing to --output_dir {folder} right now; wait for it or choose another folder."
         ) from error
+    _held_locks.add(lock)
     return lock
 
 
 def release(lock: IO[Any] | None) -> None:
     """Remove and unlock what `claim_output_dir` returned."""
     if lock is not None:
+        _held_locks.discard(lock)
         Path(lock.name).unlink(missing_ok=True)
         lock.close()
+
+
+# A lock held by `flock` lasts while any process holds its file open, and forked processes (data loader workers)
+# inherit it: without this, a run killed while its workers were still exiting would keep its folder locked. The
+# run's own process alone holds it.
+_held_locks: set[IO[Any]] = set()
+
+
+def _close_inherited_locks() -> None:
+    for lock in _held_locks:
+        lock.close()
+    _held_locks.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 def remove_earlier_checkpoints(output_dir: str | os.PathLike, keep: str | os.PathLike | None = None) -> None:

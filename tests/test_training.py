@@ -307,6 +307,30 @@ def test_a_folder_another_run_is_writing_to_is_refused(tmp_path):
     claim_output_dir(out, resuming=False, overwrite=False, main_process=True).close()  # released with the first run
 
 
+def test_a_forked_data_loader_worker_does_not_keep_the_folder_locked(tmp_path):
+    """A run killed while its forked workers are still exiting: the lock goes with the run's own process."""
+    import signal
+
+    from hf_vit.output_folders import claim_output_dir
+
+    out = tmp_path / "out"
+    lock = claim_output_dir(out, resuming=False, overwrite=False, main_process=True)
+    ready, tell = os.pipe()
+    child = os.fork()
+    if child == 0:  # a worker: alive, holding whatever it inherited
+        os.write(tell, b"1")
+        signal.pause()
+        os._exit(0)
+    try:
+        assert os.read(ready, 1) == b"1"
+        lock.close()  # the run's process is killed: its files close, its workers live on
+        claim_output_dir(out, resuming=True, overwrite=False, main_process=True).close()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(ready), os.close(tell)
+
+
 def split_image_folder(root, broken_split=None):
     for split in ("train", "test"):
         for label in ("cat", "dog"):
