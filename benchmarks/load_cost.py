@@ -5,7 +5,9 @@ The benchmark writes ViT-B/16 and ViT-L/16 with random weights, in transformers'
 cache of its own (`google/vit-base-patch16-224`, `google/vit-large-patch16-224`), then loads each one in a fresh
 process per load (`--worker`), alternating the two loaders for `--rounds` rounds. A load is `from_pretrained` plus
 one forward of one image; its time and its peak resident memory are measured above the imports. The figures are
-medians over the rounds.
+medians over the rounds, with the time of `from_pretrained` alone beside them (transformers' mapped weights are read
+from the file during the first forward; hf-vit reads its fused query, key and value weights during the load) and the
+range of the times over the rounds.
 
     .venv/bin/python benchmarks/load_cost.py --cache /tmp/load-cost-hub --rounds 3
 
@@ -83,11 +85,12 @@ def worker(loader: str, repo_id: str) -> None:
     base = rss_mb()
     start = time.perf_counter()
     model = model_class.from_pretrained(repo_id)
+    loaded = time.perf_counter()
     with torch.no_grad():
         model(pixels)
     seconds = time.perf_counter() - start
     code = sys.modules[model_class.__module__].__file__
-    print(json.dumps({"seconds": seconds, "peak_mb": peak_mb() - base, "code": code}))
+    print(json.dumps({"seconds": seconds, "load_seconds": loaded - start, "peak_mb": peak_mb() - base, "code": code}))
 
 
 def main() -> None:
@@ -106,8 +109,8 @@ def main() -> None:
     env["TRANSFORMERS_VERBOSITY"] = "error"
     if args.code:
         env["PYTHONPATH"] = os.pathsep.join([args.code, env.get("PYTHONPATH", "")])
-    print("| model | loader | seconds | peak MB above imports |")
-    print("|---|---|---|---|")
+    print("| model | loader | seconds | range over the rounds | of which from_pretrained | peak MB above imports |")
+    print("|---|---|---|---|---|---|")
     results = {}
     for name in args.models:
         repo_id, sizes = MODELS[name]
@@ -121,10 +124,15 @@ def main() -> None:
                 )  # fmt: skip
                 runs[loader].append(json.loads(done.stdout.strip().splitlines()[-1]))
         for loader in LOADERS:
-            seconds = statistics.median(run["seconds"] for run in runs[loader])
-            peak = statistics.median(run["peak_mb"] for run in runs[loader])
+            times = [run["seconds"] for run in runs[loader]]
+            seconds, peak = statistics.median(times), statistics.median(run["peak_mb"] for run in runs[loader])
+            load_seconds = statistics.median(run["load_seconds"] for run in runs[loader])
             results[(name, loader)] = (seconds, peak)
-            print(f"| {name} | {loader} | {seconds:.2f} | {peak:.0f} |", flush=True)
+            print(
+                f"| {name} | {loader} | {seconds:.2f} | {min(times):.2f}-{max(times):.2f} | {load_seconds:.2f} "
+                f"| {peak:.0f} |",
+                flush=True,
+            )
     for name in args.models:
         (t_seconds, t_peak), (h_seconds, h_peak) = results[(name, "transformers")], results[(name, "hf-vit")]
         print(f"{name}: hf-vit / transformers = {h_seconds / t_seconds:.2f}x time, {h_peak / t_peak:.2f}x memory")
