@@ -460,3 +460,26 @@ def test_compiling_per_block_keeps_the_logits_and_is_undone():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the blocks did run compiled
     undo()
     assert all(block._compiled_call_impl is None for block in blocks)
+
+
+def test_load_cost_loads_a_snapshot_both_ways_in_fresh_processes(tmp_path):
+    """benchmarks/load_cost.py's worker on a tiny ViT in transformers' layout: both loaders load it from the offline
+    cache, and each reports its time, the time of from_pretrained alone and its memory."""
+    import os
+    import subprocess
+
+    from benchmarks import load_cost
+
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    load_cost.write_snapshot(tmp_path, "google/vit-tiny-load-cost", sizes)
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    for loader, code in zip(load_cost.LOADERS, ("transformers/models/vit/modeling_vit.py", "hf_vit/modeling_vit.py")):
+        done = subprocess.run(
+            [sys.executable, load_cost.__file__, "--worker", loader, "google/vit-tiny-load-cost"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        figures = json.loads(done.stdout.strip().splitlines()[-1])
+        assert figures["code"].endswith(code)
+        assert 0 < figures["load_seconds"] < figures["seconds"] and figures["peak_mb"] >= 0
