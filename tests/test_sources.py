@@ -157,6 +157,17 @@ def test_a_checkpoint_that_does_not_fit_is_an_error_naming_it(hub_cache):
         VisionTransformerForImageClassification.from_pretrained("google/vit-broken")
 
 
+def split_qkv_unevenly(weights):
+    """Block 0's query, key and value of 16, 16 and 64 rows: together the 96 rows of the fused weight."""
+    prefix = "vit.encoder.layer.0.attention.attention."
+    fused = torch.cat([weights[f"{prefix}{part}.weight"] for part in ("query", "key", "value")])
+    fused_bias = torch.cat([weights[f"{prefix}{part}.bias"] for part in ("query", "key", "value")])
+    for part, rows in zip(("query", "key", "value"), fused.split([16, 16, 64])):
+        weights[f"{prefix}{part}.weight"] = rows.clone()
+    for part, rows in zip(("query", "key", "value"), fused_bias.split([16, 16, 64])):
+        weights[f"{prefix}{part}.bias"] = rows.clone()
+
+
 @pytest.mark.parametrize(
     "break_weights, named",
     [
@@ -174,8 +185,14 @@ def test_a_checkpoint_that_does_not_fit_is_an_error_naming_it(hub_cache):
         ),
         (lambda w: w.update({"vit.extra.weight": torch.ones(2)}), r"no place in hf-vit: \['vit.extra.weight'\]"),
         (lambda w: w.update({"vit.layernorm.bias": torch.ones(32, dtype=torch.int64)}), "not a floating point array"),
+        (split_qkv_unevenly, r"layer.0.attention.attention.key.weight: shape \(16, 32\) does not fit"),
+        (
+            lambda w: w.update({"vit.embeddings.position_embeddings": torch.ones(1, 37, 32)}),
+            r"hold 36 positions, but config.json's image_size 32 with patch_size 8 makes a 4x4 grid: pass "
+            r"image_size=48",
+        ),
     ],
-    ids=["missing", "shape", "fused-part-shape", "unplaced", "integer"],
+    ids=["missing", "shape", "fused-part-shape", "unplaced", "integer", "fused-parts-summing-to-fit", "position-grid"],
 )
 def test_what_does_not_fit_is_named_in_the_checkpoints_own_names(hub_cache, monkeypatch, break_weights, named):
     """A clean load builds no model to check the weights against (transformers' loading reports what does not fit,
@@ -282,6 +299,39 @@ def test_an_fp16_source_loads_in_fp16_with_dtype_auto(hub_cache):
     assert VisionTransformerForImageClassification.from_pretrained("google/vit-fp16", dtype=torch.float32).dtype == (
         torch.float32
     )
+
+
+def test_dtype_auto_without_a_dtype_in_config_json_takes_the_weights_dtype(hub_cache):
+    """Older uploads record no dtype in config.json: "auto" then means the weights' dtype, as for transformers."""
+    snapshot = hub_repo(hub_cache, "google/vit-no-dtype")
+    transformers_vit(ViTForImageClassification, num_labels=3).to(torch.bfloat16).save_pretrained(snapshot)
+    config = json.loads((snapshot / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    expected = ViTForImageClassification.from_pretrained("google/vit-no-dtype", dtype="auto")
+    model = VisionTransformerForImageClassification.from_pretrained("google/vit-no-dtype", dtype="auto")
+    assert model.dtype == expected.dtype == torch.bfloat16
+    attention = expected.vit.layers[0].attention
+    fused = torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight])
+    assert torch.equal(model.vit.layers[0].attention.qkv.weight, fused)  # the weights as stored, not cast
+    logits, expected_logits = model(pixels().bfloat16()).logits, expected(pixels().bfloat16()).logits
+    assert (logits.float() - expected_logits.float()).abs().max().item() < 2e-2  # bf16 arithmetic
+
+
+def test_query_key_and_value_of_different_dtypes_load_as_transformers_loads_them(hub_cache):
+    from safetensors.torch import load_file
+
+    snapshot = hub_repo(hub_cache, "google/vit-mixed-qkv")
+    transformers_vit(ViTForImageClassification, num_labels=3).save_pretrained(snapshot)
+    weights = load_file(snapshot / "model.safetensors")
+    for name in ("query.weight", "key.bias"):
+        key = f"vit.encoder.layer.1.attention.attention.{name}"
+        weights[key] = weights[key].half()
+    save_file(weights, snapshot / "model.safetensors", metadata={"format": "pt"})
+    expected = ViTForImageClassification.from_pretrained("google/vit-mixed-qkv").eval()
+    model = VisionTransformerForImageClassification.from_pretrained("google/vit-mixed-qkv").eval()
+    assert model.dtype == torch.float32
+    assert (model(pixels()).logits - expected(pixels()).logits).abs().max().item() < 1e-5
 
 
 def test_a_multi_label_checkpoint_keeps_its_problem_type_and_labels(hub_cache):

@@ -183,9 +183,13 @@ class Layout:
             index, part, values = found
             row = self.rows[index]
             plan.setdefault(row.target.format(**values), (row.transform, [None] * len(row.sources)))[1][part] = key
-        if unusual or any(None in parts for _, parts in plan.values()):
+        for _, keys in plan.values():
+            # Parts missing, or fused parts (query, key, value) of different shapes whose sum may still fit the fused
+            # weight: transformers' loading sees only the fused weight, so the check must run here.
+            unusual |= None in keys or len({tuple(shapes[key].shape) for key in keys if key is not None}) > 1
+        if unusual:
             verify()
-            raise_problems(self.name, [*problems, "arrays no row places or that are not floating point"])
+            raise_problems(self.name, [*problems, "arrays no row places, that are not floating point or do not fit"])
         lazy = {
             target: LazyTensor(transform, [source[key] for key in keys]) for target, (transform, keys) in plan.items()
         }
@@ -225,14 +229,31 @@ class LazyTensor:
     def __init__(self, transform: Transform, parts: Sequence[Any]) -> None:
         self.transform, self.parts = transform, parts
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The weight's dtype, known without reading it (transformers' `dtype="auto"` asks): its parts', promoted."""
+        dtype = self.parts[0].dtype
+        for part in self.parts[1:]:
+            dtype = torch.promote_types(dtype, part.dtype)
+        return dtype
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
     def __getitem__(self, index: Any) -> torch.Tensor:
+        dtype = self.dtype
         if self.transform.concatenates and all(hasattr(part, "read_into") for part in self.parts):
-            # One buffer for the fused weight, each part read into its rows: no copies of the parts on the way.
+            # One buffer for the fused weight, each part read into its rows: no copies of the parts on the way (a
+            # part of another dtype than the others is read, then cast).
             shapes = [part.shape for part in self.parts]
-            out = torch.empty((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype=self.parts[0].dtype)
+            out = torch.empty((sum(shape[0] for shape in shapes), *shapes[0][1:]), dtype=dtype)
             start = 0
             for part, shape in zip(self.parts, shapes):
-                part.read_into(out[start : start + shape[0]])
+                rows = out[start : start + shape[0]]
+                if part.dtype == dtype:
+                    part.read_into(rows)
+                else:
+                    rows.copy_(part.read())
                 start += shape[0]
             return out[index]
         fused = len(self.parts) > 1  # read the parts of a fused weight into memory, not mapped from their file
@@ -240,7 +261,7 @@ class LazyTensor:
             part if isinstance(part, torch.Tensor) else part.read() if fused and hasattr(part, "read") else part[...]
             for part in self.parts
         ]
-        return self.transform.to_hf(*arrays).contiguous()[index]
+        return self.transform.to_hf(*(array.to(dtype) for array in arrays)).contiguous()[index]
 
 
 def check_state_dict(

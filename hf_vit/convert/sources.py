@@ -177,7 +177,7 @@ class FilePart:
                 size, offset = self.end - self.start, self.start - first
                 source = torch.frombuffer(mapped, dtype=torch.uint8, count=size, offset=offset)
                 out.view(-1).view(torch.uint8).copy_(source)
-                del source  # the mapping closes only once no tensor views it
+                del source  # no tensor may view the mapping once it is closed
 
     def read(self) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype)
@@ -257,7 +257,9 @@ class ForeignCheckpoint:
                     config.image_size = image_size_field(image_size)
                     check_grid_size(config)
                 if weights:
-                    state_dict = transformers_state_dict(self._slices(files), config, shapes)
+                    state_dict = transformers_state_dict(
+                        self._slices(files), config, shapes, resample=image_size is not None
+                    )
             else:
                 from .timm_vit import read_timm_config, timm_config, timm_to_hf_vit_state_dict
 

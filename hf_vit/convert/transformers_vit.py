@@ -25,6 +25,7 @@ from .common import (
     check_output_dir,
     resample_positions,
     save_converted_model,
+    square_side,
 )
 
 _L, _H = "vit.encoder.layer.{i}.", "vit.layers.{i}."
@@ -228,26 +229,43 @@ def transformers_config(folder: Path, keys: Collection[str]) -> VisionTransforme
 
 
 def transformers_state_dict(
-    source: dict[str, Any], config: VisionTransformerConfig, shapes: dict[str, torch.Tensor] | None = None
+    source: dict[str, Any],
+    config: VisionTransformerConfig,
+    shapes: dict[str, torch.Tensor] | None = None,
+    resample: bool = False,
 ) -> dict:
     """A transformers ViT folder's weights converted for `config` (see `transformers_config`). With `shapes` (the
     same arrays as meta tensors), `source` may hold safetensors slices, and the result is computed weight by weight
-    as transformers' loading reads it (`Layout.to_hf_lazy`)."""
+    as transformers' loading reads it (`Layout.to_hf_lazy`). `resample`: the caller asked for `config`'s image size
+    (`from_pretrained(..., image_size=384)`), so position embeddings of another grid are resampled to it; otherwise a
+    grid that differs from `config.json`'s is refused, as transformers refuses it."""
     source = _saved_layout(source)
     shapes = _saved_layout(shapes) if shapes is not None else None
     if config.representation_size is None:
         source = {k: v for k, v in source.items() if not k.startswith("vit.pooler.")}
         shapes = {k: v for k, v in shapes.items() if not k.startswith("vit.pooler.")} if shapes is not None else None
-    # A model asked for at another size (from_pretrained(..., image_size=384)) gets its positions resampled.
-    key = "vit.embeddings.position_embeddings"
-    if key in source and not isinstance(source[key], torch.Tensor):
-        source[key] = source[key][...]  # one small array, read now
-    source = resample_positions(source, key, config, "bicubic")
+    key, problems = "vit.embeddings.position_embeddings", []
+    positions = (shapes if shapes is not None else source).get(key)
+    if resample and key in source:
+        if not isinstance(source[key], torch.Tensor):
+            source[key] = source[key][...]  # one small array, read now
+        source = resample_positions(source, key, config, "bicubic")
+        if shapes is not None:
+            shapes[key] = source[key].to("meta")
+    elif positions is not None and positions.ndim == 3:
+        found = positions.shape[1] - config.num_prefix_tokens
+        if found != config.num_patches:
+            side, (rows, cols) = square_side(found), config.grid_size
+            hint = ""
+            if side:
+                hint = f": pass image_size={side * config.patch_size} for their own grid, or a size to resample to"
+            problems.append(
+                f"the position embeddings hold {found} positions, but config.json's image_size {config.image_size} "
+                f"with patch_size {config.patch_size} makes a {rows}x{cols} grid{hint}"
+            )
     if shapes is None:
-        return TRANSFORMERS_LAYOUT.to_hf(source, config)
-    if key in source:
-        shapes[key] = source[key].to("meta")
-    return TRANSFORMERS_LAYOUT.to_hf_lazy(source, shapes, config)
+        return TRANSFORMERS_LAYOUT.to_hf(source, config, problems)
+    return TRANSFORMERS_LAYOUT.to_hf_lazy(source, shapes, config, problems)
 
 
 def read_transformers_checkpoint(input_dir: str | os.PathLike):
