@@ -94,6 +94,11 @@ class Smoke:
         fields.update(overrides)
         return VisionTransformerConfig(**fields)
 
+    def classifier(self, config: VisionTransformerConfig) -> VisionTransformerForImageClassification:
+        """`config`'s classification model on the device, seeded and `randomised`."""
+        torch.manual_seed(0)
+        return randomised(VisionTransformerForImageClassification(config)).to(self.device)
+
     def pixels(self, config: VisionTransformerConfig, batch: int = 4, size: tuple[int, int] | None = None):
         generator = torch.Generator().manual_seed(0)
         height, width = size or config.image_hw
@@ -160,8 +165,7 @@ def attention_implementations(smoke: Smoke) -> str:
 def gradient_checkpointing(smoke: Smoke) -> str:
     """The same loss and gradients with and without checkpointing (fp32, dropout off, attention sdpa)."""
     config = smoke.config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
-    torch.manual_seed(0)
-    model = randomised(VisionTransformerForImageClassification(config)).to(smoke.device).train()
+    model = smoke.classifier(config).train()
     pixels = smoke.pixels(config)
     labels = torch.arange(pixels.shape[0], device=smoke.device) % config.num_labels
     # A checkpointed block runs again during the backward: count the forwards of the first block's MLP.
@@ -192,8 +196,7 @@ def gradient_checkpointing(smoke: Smoke) -> str:
 def interpolate_pos_encoding(smoke: Smoke) -> str:
     """A non-square input with interpolated position embeddings; at the native size interpolation is the identity."""
     config = smoke.config()
-    torch.manual_seed(0)
-    model = randomised(VisionTransformerForImageClassification(config)).to(smoke.device).eval()
+    model = smoke.classifier(config).eval()
     patch = config.patch_size
     height, width = config.image_hw
     size = (height + 2 * patch, width - patch)  # taller and narrower: a non-square grid
@@ -222,8 +225,7 @@ def hybrid(smoke: Smoke) -> str:
         config = VisionTransformerConfig.from_preset("r50-vit-base-patch16-224", num_hidden_layers=2, num_labels=10)
     else:
         config = smoke.config(**overrides)
-    torch.manual_seed(0)
-    model = randomised(VisionTransformerForImageClassification(config)).to(smoke.device)
+    model = smoke.classifier(config)
     pixels = smoke.pixels(config, batch=2)
     labels = torch.tensor([0, 1], device=smoke.device)
     model.eval()
@@ -274,8 +276,7 @@ def masked_patch_prediction(smoke: Smoke) -> str:
 def attention_capture(smoke: Smoke) -> str:
     """`hf_vit.analysis.attention_probabilities` on an SDPA model equals `output_attentions=True` (eager)."""
     config = smoke.config()
-    torch.manual_seed(0)
-    model = randomised(VisionTransformerForImageClassification(config)).to(smoke.device).eval()
+    model = smoke.classifier(config).eval()
     pixels = smoke.pixels(config, batch=2)
     captured = attention_probabilities(model, pixels, layers=[0, -1])
     with torch.no_grad():

@@ -51,6 +51,13 @@ def transformers_vit(model_class, **extra):
     return model_class(config).eval()
 
 
+def hf_vit_source(num_labels):
+    """The tiny hf-vit classifier the timm and .npz sources are written from (a head that is not zero, so it shows)."""
+    torch.manual_seed(0)
+    config = VisionTransformerConfig(image_size=32, patch_size=8, num_labels=num_labels, zero_init_head=False, **SIZES)
+    return VisionTransformerForImageClassification(config).eval()
+
+
 def pixels(height=32, width=32, batch=2):
     return torch.randn(batch, 3, height, width, generator=torch.Generator().manual_seed(1))
 
@@ -111,10 +118,7 @@ def timm_repo(folder: Path, model, **cfg):
 
 
 def test_a_timm_checkpoint_loads_by_hub_id_with_its_preprocessing(hub_cache):
-    torch.manual_seed(0)
-    source = VisionTransformerForImageClassification(
-        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=4, zero_init_head=False, **SIZES)
-    ).eval()
+    source = hf_vit_source(num_labels=4)
     timm_repo(hub_repo(hub_cache, "timm/vit_tiny_patch8_32.test"), source)
     model = VisionTransformerForImageClassification.from_pretrained("timm/vit_tiny_patch8_32.test")
     x = pixels()
@@ -125,10 +129,7 @@ def test_a_timm_checkpoint_loads_by_hub_id_with_its_preprocessing(hub_cache):
 
 
 def test_the_authors_npz_loads_with_their_activation(tmp_path):
-    torch.manual_seed(0)
-    source = VisionTransformerForImageClassification(
-        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=5, zero_init_head=False, **SIZES)
-    ).eval()
+    source = hf_vit_source(num_labels=5)
     np.savez(tmp_path / "ViT-T_8.npz", **hf_vit_to_npz_arrays(source.state_dict(), source.config))
     model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "ViT-T_8.npz")
     assert model.config.hidden_act == "gelu_pytorch_tanh"  # flax.linen.gelu's default, the authors' activation
@@ -239,10 +240,7 @@ def test_finetune_starts_from_a_hub_ids_weights(hub_cache, tmp_path):
 
 
 def test_a_timm_checkpoint_of_unusual_width_takes_the_heads_from_the_caller(hub_cache):
-    torch.manual_seed(0)
-    source = VisionTransformerForImageClassification(
-        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=4, zero_init_head=False, **SIZES)
-    ).eval()
+    source = hf_vit_source(num_labels=4)
     folder = hub_repo(hub_cache, "timm/vit_tiny_patch8_32.noheads")
     timm_repo(folder, source)
     config = json.loads((folder / "config.json").read_text())
@@ -376,10 +374,7 @@ def test_a_deit_style_processor_keeps_its_resize_and_crop_and_needs_no_weights(h
 
 
 def test_a_timm_repository_with_only_a_torch_file_loads(hub_cache):
-    torch.manual_seed(0)
-    source = VisionTransformerForImageClassification(
-        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=4, zero_init_head=False, **SIZES)
-    ).eval()
+    source = hf_vit_source(num_labels=4)
     snapshot = hub_repo(hub_cache, "timm/vit_tiny_patch8_32.bin_only")
     timm_repo(snapshot, source)
     (snapshot / "model.safetensors").unlink()
@@ -406,10 +401,7 @@ def test_timm_global_pool_none_is_refused_with_its_meaning(hub_cache):
 
 
 def test_an_npz_loads_at_another_size_by_keyword_and_with_an_upper_case_suffix(tmp_path):
-    torch.manual_seed(0)
-    source = VisionTransformerForImageClassification(
-        VisionTransformerConfig(image_size=32, patch_size=8, num_labels=5, zero_init_head=False, **SIZES)
-    ).eval()
+    source = hf_vit_source(num_labels=5)
     np.savez(tmp_path / "ViT-T_8.npz", **hf_vit_to_npz_arrays(source.state_dict(), source.config))
     model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "ViT-T_8.npz", image_size=48)
     assert model.config.image_size == 48
