@@ -34,14 +34,26 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
         problems.append(f"{state} is missing")
     except (OSError, ValueError) as error:
         problems.append(f"{state} is cut off or unreadable ({error})")
-    weights = path / "model.safetensors"
-    try:
-        with safe_open(weights, "pt"):
-            pass
-    except FileNotFoundError:
-        problems.append(f"{weights} is missing")
-    except (OSError, SafetensorError) as error:
-        problems.append(f"{weights} is truncated or corrupted ({error})")
+    # The model files a run writes into a checkpoint: the full model's weights (one file or shards), a LoRA run's
+    # adapter, or FSDP's sharded folder. Each JSON file beside them is read again when resuming.
+    for name in ("config.json", "adapter_config.json", "model.safetensors.index.json"):
+        if (path / name).exists():
+            try:
+                json.loads((path / name).read_text())
+            except (OSError, ValueError) as error:
+                problems.append(f"{path / name} is cut off or unreadable ({error})")
+    weights = [path / name for name in ("model.safetensors", "adapter_model.safetensors") if (path / name).exists()]
+    weights += sorted(path.glob("model-*-of-*.safetensors"))
+    if not weights and not any(path.glob("pytorch_model_fsdp_*")):
+        problems.append(
+            f"{path} holds no model weights (model.safetensors, or adapter_model.safetensors for a LoRA run)"
+        )
+    for file in weights:
+        try:
+            with safe_open(file, "pt"):
+                pass
+        except (OSError, SafetensorError) as error:
+            problems.append(f"{file} is truncated or corrupted ({error})")
     # torch.save writes a zip archive, whose directory is at its end: a cut file has none. The random states
     # (rng_state.pth, rng_state_<rank>.pth) are read by torch.load when resuming, with a raw traceback if cut.
     states = ["optimizer.pt", "scheduler.pt", *sorted(p.name for p in path.glob("rng_state*.pth"))]

@@ -107,13 +107,21 @@ def is_checkpoint_entry(name: str, is_dir: bool) -> bool:
 
 def checkpoint_foreign_entries(folder: Path) -> list[str]:
     """What in a `checkpoint-N` folder is not something a run writes there (symlinks included); empty for a real
-    checkpoint. A folder with none of a checkpoint's state files is foreign as a whole."""
+    checkpoint. A folder with none of a checkpoint's training state (trainer state, optimizer, scheduler, random
+    states) is foreign as a whole: model files alone are what `save_pretrained` writes, a user's model."""
+    entries = sorted(folder.iterdir())
     foreign = [
         entry.name + ("/" if entry.is_dir() else "")
-        for entry in sorted(folder.iterdir())
+        for entry in entries
         if entry.is_symlink() or not is_checkpoint_entry(entry.name, entry.is_dir())
     ]
-    names = {entry.name for entry in folder.iterdir()}
-    if not foreign and not names & {TRAINER_STATE_FILE, WEIGHTS_FILE, ADAPTER_FILE, *RESUME_FILES}:
-        foreign.append("(none of a checkpoint's files)")
+    state = [
+        entry
+        for entry in entries
+        if entry.name in (TRAINER_STATE_FILE, *RESUME_FILES)
+        or RESUME_FILE_PATTERN.fullmatch(entry.name)
+        or (entry.is_dir() and RESUME_FOLDER_PATTERN.fullmatch(entry.name))
+    ]
+    if not foreign and not state:
+        foreign.append("(no training state: trainer_state.json, optimizer.pt, scheduler.pt or rng_state*.pth)")
     return foreign

@@ -118,6 +118,8 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     if getattr(training_args, "overwrite_output_dir", False) and resume is None and trainer.is_world_process_zero():
         remove_earlier_checkpoints(training_args.output_dir, keep=model_args.model_name_or_path)
 
+    if resume is not None:
+        logger.info("Resuming from %s: its weights, optimizer, schedule and random states.", resume)
     train_result = trainer.train(resume_from_checkpoint=resume)
     # Weights (safetensors), config, processor and code files first, so nothing trained is lost; the push waits for
     # the card and the final metrics.

@@ -293,3 +293,36 @@ def test_combination(world, combination, tmp_path, caplog):
         f"batch {BATCH} per device x {processes} process(es) x 1 accumulation step(s) = global batch "
         f"{BATCH * processes}" in log
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rows across a kill: a LoRA run killed after a checkpoint resumes to the uninterrupted run's weights
+
+
+@pytest.mark.parametrize("processes", [2])  # the one-process path is the same code, without the ranks
+def test_killed_lora_run_resumes_to_the_same_weights(world, processes, tmp_path):
+    combination = Combination("folder", "qkv", "single", "memory", processes=processes)
+
+    def launch(output_dir, *more, expect=0):
+        task, flags = run_flags(world, combination, output_dir)
+        flags[flags.index("--save_strategy") + 1] = "steps"
+        flags[flags.index("--max_steps") + 1] = "6"
+        flags += ["--save_steps", "2", "--eval_strategy", "no", "--dataloader_num_workers", "0", *more]
+        command = [sys.executable, str(WORKER), task, *flags]
+        if processes == 2:
+            command[:1] = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+            command[5:5] = ["--master_port", "29542"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_CACHE": str(world.cache)}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+        assert (done.returncode == 0) == (expect == 0), done.stderr[-4000:]
+        return done.stderr
+
+    launch(tmp_path / "straight")
+    killed = tmp_path / "killed"
+    launch(killed, "--kill_at_step", "5", expect=17)
+    assert (killed / "checkpoint-4" / "adapter_model.safetensors").is_file() and not (killed / "checkpoint-6").exists()
+    log = launch(killed, "--resume_from_checkpoint", "True")
+    assert f"Resuming from {killed / 'checkpoint-4'}" in log and "incomplete" not in log
+    straight, resumed = load_file(tmp_path / "straight" / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
+    assert straight.keys() == resumed.keys() and any("lora_" in k for k in straight)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)

@@ -294,6 +294,16 @@ def test_a_second_run_into_a_finished_runs_folder_is_refused(tmp_path, caplog):
     assert (out / "notes.txt").read_text() == "mine" and not (out / "checkpoint-1").exists()
 
 
+def test_overwrite_output_dir_refuses_a_users_model_folder_named_like_a_checkpoint(tmp_path):
+    # A `save_pretrained` output (config and weights, no training state) is a user's model, not a checkpoint.
+    out = tmp_path / "out"
+    pretrained_folder(out / "checkpoint-7")
+    kept = sorted(p.name for p in (out / "checkpoint-7").iterdir())
+    with pytest.raises(FileExistsError, match="checkpoint-7 is not a checkpoint of a run.*no training state"):
+        train("pretrain", *tiny_pretrain(out, "--overwrite_output_dir", "True"))
+    assert sorted(p.name for p in (out / "checkpoint-7").iterdir()) == kept
+
+
 def test_a_folder_another_run_is_writing_to_is_refused(tmp_path):
     from hf_vit.output_folders import claim_output_dir
 
