@@ -432,6 +432,21 @@ def test_half_written_checkpoints_are_skipped_and_named(tmp_path, caplog):
     assert "checkpoint-6" in caplog.text and "model.safetensors is truncated" in caplog.text
 
 
+def test_checkpoints_of_lora_runs_resume_and_cut_configs_are_skipped(tmp_path, caplog):
+    from safetensors.torch import save_file
+
+    lora = fake_checkpoint(tmp_path / "checkpoint-2", weights=False)
+    save_file({"w": torch.zeros(4)}, lora / "adapter_model.safetensors")  # a LoRA run's weights
+    (lora / "adapter_config.json").write_text("{}")
+    assert last_complete_checkpoint(tmp_path) == str(lora)
+    cut = fake_checkpoint(tmp_path / "checkpoint-4")
+    (cut / "config.json").write_text('{"model_type": "hf-vit", "hidden_si')
+    fake_checkpoint(tmp_path / "checkpoint-6", weights=False)  # no weights at all
+    with caplog.at_level("WARNING", logger="hf_vit.training"):
+        assert last_complete_checkpoint(tmp_path) == str(lora)
+    assert f"{cut / 'config.json'} is cut off" in caplog.text and "checkpoint-6 holds no model weights" in caplog.text
+
+
 @pytest.mark.parametrize("damage", ["model.safetensors", "optimizer.pt", "rng_state.pth"])
 def test_resuming_from_a_truncated_checkpoint_names_the_file(tmp_path, damage):
     checkpoint = fake_checkpoint(tmp_path / "checkpoint-2")
