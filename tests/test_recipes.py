@@ -1,0 +1,406 @@
+"""The recipes' parts, each against a property computed here: layer-wise learning-rate decay (the first SGD update of
+each block), the weights' EMA (its closed form), Mixup/CutMix (the targets as lambda says, the box's area),
+RandAugment (the parser, seeding, and each operation's effect on a small image) and the recipe table."""
+
+import math
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from conftest import tiny_config
+
+from hf_vit.ema import WeightAverage, ema_decay_at
+from hf_vit.mixing import Mixing, cutmix_box, mix_batch, mixing_seed, smooth_targets, soft_target_cross_entropy
+from hf_vit.rand_augment import OPERATIONS, RandAugment, RandAugmentPolicy, from_pil, parse_rand_augment, to_pil
+from hf_vit.recipes import RECIPES, layer_decay_param_groups, layer_of, scaled_learning_rate
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layer-wise learning-rate decay
+
+
+def _classifier(layers=3, **fields):
+    from hf_vit import VisionTransformerForImageClassification
+
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(tiny_config(num_hidden_layers=layers, **fields))
+    with torch.no_grad():  # a zero-initialised head would give the blocks no gradient
+        model.classifier.weight.normal_(0, 0.5)
+    return model
+
+
+def _first_sgd_update(model, groups, inputs):
+    optimizer = torch.optim.SGD(groups, lr=1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model(**inputs).loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    return {n: (before[n] - p.detach(), grads[n]) for n, p in model.named_parameters() if n in grads}
+
+
+def _scale_of(update, grad, lr):
+    mask = grad.abs() > 1e-6
+    return (update[mask] / (lr * grad[mask])).mean().item()
+
+
+@pytest.mark.parametrize("decay", [0.5, 0.75])
+def test_layer_decay_scales_each_block_first_sgd_update(decay):
+    """With SGD the first update is lr_group * grad: block i of L moves by lr * D^(L-i) times its gradient, the
+    embeddings by lr * D^(L+1), the final norm and head by lr."""
+    model, lr, depth = _classifier(layers=3), 0.1, 3
+    groups = layer_decay_param_groups(model, learning_rate=lr, weight_decay=0.0, layer_decay=decay)
+    inputs = {"pixel_values": torch.randn(4, 3, 32, 32), "labels": torch.tensor([0, 1, 2, 3])}
+    updates = _first_sgd_update(model, groups, inputs)
+    expected = {
+        "vit.embeddings.patch_embedding.weight": decay ** (depth + 1),
+        "vit.embeddings.position_embedding": decay ** (depth + 1),
+        "vit.embeddings.cls_token": decay ** (depth + 1),
+        "vit.norm.weight": 1.0,
+        "classifier.weight": 1.0,
+        **{f"vit.layers.{i}.mlp.fc1.weight": decay ** (depth - i) for i in range(depth)},
+        **{f"vit.layers.{i}.attention.qkv.weight": decay ** (depth - i) for i in range(depth)},
+    }
+    for name, scale in expected.items():
+        update, grad = updates[name]
+        assert _scale_of(update, grad, lr) == pytest.approx(scale, rel=1e-4), name
+    # every parameter moved by exactly its group's lr times its gradient
+    for group in groups:
+        for name in group["param_names"]:
+            update, grad = updates[name]
+            torch.testing.assert_close(update, group["lr"] * grad, rtol=1e-5, atol=1e-7)
+
+
+def test_layer_decay_weight_decay_groups():
+    """No weight decay on biases, norms, position embeddings and the class token; decay on the weight matrices.
+    With AdamW at a zero gradient, the first update is lr_group * weight_decay * w exactly where decay applies."""
+    model = _classifier(layers=2)
+    groups = layer_decay_param_groups(model, learning_rate=0.01, weight_decay=0.3, layer_decay=0.5)
+    by_name = {n: g for g in groups for n in g["param_names"]}
+    for name in (
+        "vit.embeddings.position_embedding",
+        "vit.embeddings.cls_token",
+        "vit.layers.0.norm1.weight",
+        "vit.layers.1.mlp.fc1.bias",
+        "vit.norm.bias",
+        "classifier.bias",
+    ):
+        assert by_name[name]["weight_decay"] == 0.0, name
+    for name in ("vit.embeddings.patch_embedding.weight", "vit.layers.0.attention.qkv.weight", "classifier.weight"):
+        assert by_name[name]["weight_decay"] == 0.3, name
+    optimizer = torch.optim.AdamW(groups, lr=1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for name, p in model.named_parameters():
+        group = by_name[name]
+        expected = before[name] * (1 - group["lr"] * group["weight_decay"])
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-7)
+
+
+def test_layer_decay_numbering_of_lora_and_mpp_models():
+    """The same numbering inside peft's wrapper (frozen weights left out) and for masked patch prediction."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_vit import VisionTransformerForMaskedPatchPrediction
+
+    model = _classifier(layers=2)
+    lora = get_peft_model(model, LoraConfig(r=2, target_modules=["qkv"], modules_to_save=["classifier"]))
+    groups = layer_decay_param_groups(lora, learning_rate=1.0, weight_decay=0.1, layer_decay=0.5)
+    names = [n for g in groups for n in g["param_names"]]
+    assert names and all("lora_" in n or "classifier" in n for n in names)
+    for group in groups:
+        for name in group["param_names"]:
+            if ".layers.0." in name:
+                assert group["lr"] == 0.5**2, name
+            elif ".layers.1." in name:
+                assert group["lr"] == 0.5, name
+            else:
+                assert group["lr"] == 1.0, name
+    mpp = VisionTransformerForMaskedPatchPrediction(tiny_config(num_hidden_layers=2))
+    groups = layer_decay_param_groups(mpp, learning_rate=1.0, weight_decay=0.1, layer_decay=0.5)
+    scale = {n: g["lr_scale"] for g in groups for n in g["param_names"]}
+    assert scale["vit.embeddings.mask_token"] == 0.5**3
+    assert scale["vit.layers.0.mlp.fc2.weight"] == 0.5**2
+    assert scale["mpp_head.weight"] == 1.0
+    assert layer_of("module.base_model.model.vit.layers.11.norm1.weight", 12) == 12
+    with pytest.raises(ValueError, match="--layer_decay"):
+        layer_decay_param_groups(mpp, 1.0, 0.0, 1.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# EMA of the weights
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_ema_matches_its_closed_form(warmup):
+    """After steps 1..T the average is sum_t w_t (1 - d_t) prod_{s>t} d_s (the first update copies: d_1 = 0),
+    computed here from the raw weights after each step; LoRA-style frozen weights are not averaged."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[1].weight.requires_grad_(False)
+    average = WeightAverage(model, decay=0.9, warmup=warmup)
+    assert average.names == ["0.weight", "0.bias", "1.bias"]
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    history, decays = [], []
+    for step in range(1, 6):
+        optimizer.zero_grad()
+        model(torch.randn(8, 4)).square().mean().backward()
+        optimizer.step()
+        decays.append(average.update(step))
+        history.append([p.detach().clone() for p in average.params])
+    expected_decays = [0.0] + [min(0.9, 1 - (1 + s) ** (-2 / 3)) if warmup else 0.9 for s in range(1, 5)]
+    assert decays == pytest.approx(expected_decays)
+    assert ema_decay_at(1, 0.9, warmup) == 0.0
+    for index in range(len(average.params)):
+        closed = sum(history[t][index] * (1 - decays[t]) * math.prod(decays[t + 1 :]) for t in range(len(history)))
+        torch.testing.assert_close(average.averages[index], closed, rtol=1e-6, atol=1e-7)
+    # applied() swaps the average in and back out
+    raw = [p.detach().clone() for p in average.params]
+    with average.applied():
+        for p, a in zip(average.params, average.averages):
+            assert torch.equal(p, a)
+    for p, r in zip(average.params, raw):
+        assert torch.equal(p, r)
+
+
+def test_ema_state_round_trip_and_refusals(tmp_path):
+    model = torch.nn.Linear(4, 3)
+    average = WeightAverage(model, decay=0.5)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    average.update(2)
+    average.save(tmp_path)
+    other = WeightAverage(torch.nn.Linear(4, 3), decay=0.5)
+    other.load(tmp_path)
+    for a, b in zip(average.averages, other.averages):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="does not average this model"):
+        WeightAverage(torch.nn.Linear(4, 3, bias=False), decay=0.5).load(tmp_path)
+    with pytest.raises(ValueError, match="holds no ema_state.safetensors"):
+        other.load(tmp_path / "missing")
+    with pytest.raises(ValueError, match="--ema_decay must be in"):
+        WeightAverage(model, decay=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Mixup and CutMix
+
+
+def _batch(n=6, classes=5, size=16):
+    torch.manual_seed(1)
+    return torch.randn(n, 3, size, size), torch.arange(n) % classes
+
+
+def test_mixup_targets_and_images_are_as_lambda_says():
+    pixels, _ = _batch()
+    labels = torch.tensor([0, 1, 2, 3, 4, 3])
+    mixing = Mixing(num_classes=5, mixup_alpha=0.8, label_smoothing=0.1)
+    mixed, targets, lam = mix_batch(pixels, labels, mixing, np.random.default_rng(3))
+    assert 0 < lam < 1
+    torch.testing.assert_close(mixed, lam * pixels + (1 - lam) * pixels.flip(0))
+    smooth = torch.full((6, 5), 0.1 / 5)
+    smooth[torch.arange(6), labels] = 1 - 0.1 + 0.1 / 5
+    torch.testing.assert_close(targets, lam * smooth + (1 - lam) * smooth.flip(0))
+    torch.testing.assert_close(targets.sum(1), torch.ones(6))
+    # image 0 holds lam of its class and 1 - lam of the last image's (plus smoothing)
+    assert targets[0, labels[0]].item() == pytest.approx(lam * (0.9 + 0.02) + (1 - lam) * 0.02)
+    assert targets[0, labels[-1]].item() == pytest.approx(lam * 0.02 + (1 - lam) * (0.9 + 0.02))
+
+
+def test_cutmix_lambda_is_corrected_to_the_box_area():
+    pixels, labels = _batch(size=20)
+    mixing = Mixing(num_classes=5, cutmix_alpha=1.0)
+    for seed in range(20):
+        mixed, targets, lam = mix_batch(pixels, labels, mixing, np.random.default_rng(seed))
+        pasted = (mixed != pixels).any(dim=1)[0]  # where image 0 took the last image's pixels
+        area = pasted.sum().item()
+        assert lam == pytest.approx(1 - area / (20 * 20))
+        one_hot = torch.nn.functional.one_hot(labels, 5).float()
+        torch.testing.assert_close(targets, lam * one_hot + (1 - lam) * one_hot.flip(0))
+        if area:  # the pasted pixels form one box, the same in every image
+            rows, cols = pasted.any(1).nonzero(), pasted.any(0).nonzero()
+            assert area == (rows.max() - rows.min() + 1) * (cols.max() - cols.min() + 1)
+            assert torch.equal((mixed != pixels).any(dim=1)[1], pasted)
+    # a box drawn for lam has sides int(H sqrt(1 - lam)) (clipped at the borders)
+    (top, bottom, left, right), corrected = cutmix_box(100, 100, 0.75, np.random.default_rng(0))
+    assert bottom - top <= 50 and right - left <= 50
+    assert corrected == pytest.approx(1 - (bottom - top) * (right - left) / 1e4)
+    (top, bottom, left, right), corrected = cutmix_box(100, 80, 0.5, np.random.default_rng(0), minmax=(0.2, 0.4))
+    assert 20 <= bottom - top < 40 and 16 <= right - left < 32
+    assert corrected == pytest.approx(1 - (bottom - top) * (right - left) / 8000)
+
+
+def test_mixing_is_reproducible_per_seed_and_switches():
+    pixels, labels = _batch()
+    mixing = Mixing(num_classes=5, mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5, prob=0.7)
+    runs = [
+        [mix_batch(pixels, labels, mixing, np.random.default_rng(mixing_seed(0, step)))[2] for step in range(40)]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+    other = [mix_batch(pixels, labels, mixing, np.random.default_rng(mixing_seed(1, step)))[2] for step in range(40)]
+    assert other != runs[0]
+    assert 0 < sum(lam == 1.0 for lam in runs[0]) < 40  # mixup_prob 0.7: some batches are left alone
+    assert mixing_seed(0, 5, 1) != mixing_seed(0, 5, 0)
+
+
+def test_mixing_multi_label_targets():
+    pixels = torch.randn(4, 3, 8, 8)
+    multi_hot = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.float32)
+    mixing = Mixing(num_classes=3, mixup_alpha=1.0, label_smoothing=0.3)
+    _, targets, lam = mix_batch(pixels, multi_hot, mixing, np.random.default_rng(0))
+    smooth = multi_hot * 0.7 + 0.1
+    torch.testing.assert_close(targets, lam * smooth + (1 - lam) * smooth.flip(0))
+    assert torch.equal(smooth_targets(multi_hot, 3, 0.0), multi_hot)
+
+
+def test_soft_target_cross_entropy_and_refusals():
+    logits = torch.randn(4, 5)
+    labels = torch.tensor([0, 3, 1, 4])
+    one_hot = torch.nn.functional.one_hot(labels, 5).float()
+    torch.testing.assert_close(
+        soft_target_cross_entropy(logits, one_hot), torch.nn.functional.cross_entropy(logits, labels)
+    )
+    soft = smooth_targets(labels, 5, 0.1)
+    torch.testing.assert_close(
+        soft_target_cross_entropy(logits, soft, num_items_in_batch=8),
+        torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.1, reduction="sum") / 8,
+    )
+    with pytest.raises(ValueError, match="--mixup_prob"):
+        Mixing(num_classes=5, mixup_alpha=1.0, prob=1.5)
+    with pytest.raises(ValueError, match="--cutmix_minmax"):
+        Mixing(num_classes=5, cutmix_minmax=(0.5, 0.2))
+    with pytest.raises(ValueError, match="--mixup_alpha"):
+        Mixing(num_classes=5, mixup_alpha=-1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# RandAugment
+
+
+def test_rand_augment_parser():
+    assert parse_rand_augment("rand-m9-mstd0.5-inc1") == RandAugmentPolicy(9, 2, 0.5, 10, True)
+    assert parse_rand_augment("rand-m7-n3") == RandAugmentPolicy(7, 3, 0.0, 10, False)
+    assert parse_rand_augment("rand") == RandAugmentPolicy()
+    assert parse_rand_augment("rand-m15-n2-mmax15").magnitude_max == 15
+    assert parse_rand_augment("rand-m9-mstd101").magnitude_std == math.inf
+    assert parse_rand_augment("rand-inc1").ops[4] == "PosterizeIncreasing"
+    assert len(parse_rand_augment("rand").ops) == 15
+    for bad, message in (
+        ("auto-m9", "timm's notation"),
+        ("rand-m9-w0", "weighted"),
+        ("rand-x3", "unknown section"),
+        ("rand-n0", "whole number"),
+        ("rand-inc2", "inc takes 0 or 1"),
+        ("rand-mfoo", "cannot read"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_rand_augment(bad)
+
+
+def _image(size=12):
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, 256, (3, size, size), dtype=torch.uint8, generator=generator)
+
+
+def test_rand_augment_is_reproducible_per_seed():
+    augment = RandAugment("rand-m9-mstd0.5-inc1")
+    image = _image(16)
+
+    def run(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return [augment(image, generator) for _ in range(8)]
+
+    first, again, other = run(0), run(0), run(1)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other))
+    assert any(not torch.equal(a, image) for a in first)
+    grey = augment(image[:1], torch.Generator().manual_seed(0))
+    assert grey.shape == (1, 16, 16) and grey.dtype == torch.uint8
+    with pytest.raises(ValueError, match="1 or 3 channels"):
+        augment(torch.zeros(4, 8, 8, dtype=torch.uint8))
+
+
+def _apply(name, magnitude, image, sign_seed=None):
+    augment = RandAugment(RandAugmentPolicy(), fill=0, resample="nearest")
+    generator = None if sign_seed is None else torch.Generator().manual_seed(sign_seed)
+    return from_pil(augment.apply(to_pil(image), name, magnitude, generator))
+
+
+def test_each_operation_does_what_it_says():
+    image = _image()
+    x = image.int()
+    # Posterize at magnitude 5 keeps int(5/10 * 4) = 2 bits; the increasing variant 4 - 2 = 2, at 7.5: 4 - 3 = 1.
+    assert torch.equal(_apply("Posterize", 5, image).int(), x & 0b11000000)
+    assert torch.equal(_apply("PosterizeIncreasing", 7.5, image).int(), x & 0b10000000)
+    # Solarize at magnitude 5 inverts pixels >= int(0.5 * 256) = 128; increasing at 2.5: >= 256 - 64 = 192.
+    assert torch.equal(_apply("Solarize", 5, image).int(), torch.where(x >= 128, 255 - x, x))
+    assert torch.equal(_apply("SolarizeIncreasing", 2.5, image).int(), torch.where(x >= 192, 255 - x, x))
+    # SolarizeAdd adds int(m/10 * 110) below 128, clipped at 255.
+    assert torch.equal(_apply("SolarizeAdd", 10, image).int(), torch.where(x < 128, (x + 110).clamp(max=255), x))
+    assert torch.equal(_apply("Invert", 3, image).int(), 255 - x)
+    # Brightness at magnitude 0 multiplies by 0.1 (PIL rounds and clips).
+    expected = (x.float() * 0.1).round().clamp(0, 255).int()
+    assert (_apply("Brightness", 0, image).int() - expected).abs().max() <= 1
+    # AutoContrast stretches each channel to 0..255.
+    stretched = _apply("AutoContrast", 0, image)
+    assert stretched.amin(dim=(1, 2)).tolist() == [0, 0, 0] and stretched.amax(dim=(1, 2)).tolist() == [255] * 3
+
+
+def test_geometric_operations_move_pixels_by_their_magnitude():
+    """A bright 3x3 block centred on pixel (x 16, y 10) of a dark 21x21 image moves where the operation says (PIL
+    samples output pixel centres, nearest neighbour here): its centroid is checked to within 0.6 pixel."""
+    image = torch.zeros(3, 21, 21, dtype=torch.uint8)
+    image[:, 9:12, 15:18] = 255
+
+    def centroid(result):
+        ys, xs = result[0].nonzero(as_tuple=True)
+        assert len(xs) >= 4
+        return xs.float().mean().item(), ys.float().mean().item()
+
+    def sign_of(seed):  # the operation's first draw says its sign
+        return -1 if torch.rand((), generator=torch.Generator().manual_seed(seed)).item() > 0.5 else 1
+
+    # Rotate at magnitude 10: +-30 degrees about the image's centre (10.5, 10.5), counter-clockwise when positive.
+    signs = set()
+    for seed in range(6):
+        angle = math.radians(30 * sign_of(seed))
+        signs.add(sign_of(seed))
+        x, y = centroid(_apply("Rotate", 10, image, sign_seed=seed))
+        assert x == pytest.approx(10.5 + 6 * math.cos(angle) - 0.5, abs=0.6)
+        assert y == pytest.approx(10.5 - 6 * math.sin(angle) - 0.5, abs=0.6)
+    assert signs == {-1, 1}
+    # Translations and shears of a block centred on (10, 10).
+    image = torch.zeros(3, 21, 21, dtype=torch.uint8)
+    image[:, 9:12, 9:12] = 255
+    # TranslateXRel at magnitude 5: output (x, y) samples input (x + t, y), t = +-0.225 of the width (4.725 px).
+    for seed in range(2):
+        x, y = centroid(_apply("TranslateXRel", 5, image, sign_seed=seed))
+        assert x == pytest.approx(10 - sign_of(seed) * 0.225 * 21, abs=0.6) and y == pytest.approx(10)
+    x, y = centroid(_apply("TranslateYRel", 5, image, sign_seed=0))
+    assert y == pytest.approx(10 - sign_of(0) * 0.225 * 21, abs=0.6) and x == pytest.approx(10)
+    # ShearX at magnitude 10 (+-0.3): output (x, y) samples input (x + 0.3 y, y), y = 10.5 at the block's centre.
+    x, y = centroid(_apply("ShearX", 10, image, sign_seed=0))
+    assert x == pytest.approx(10 - sign_of(0) * 0.3 * 10.5, abs=0.6) and y == pytest.approx(10)
+    x, y = centroid(_apply("ShearY", 10, image, sign_seed=1))
+    assert y == pytest.approx(10 - sign_of(1) * 0.3 * 10.5, abs=0.6) and x == pytest.approx(10)
+    assert set(OPERATIONS) >= set(parse_rand_augment("rand").ops) | set(parse_rand_augment("rand-inc1").ops)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The recipe table
+
+
+def test_recipe_table():
+    assert set(RECIPES) == {"augreg", "deit", "finetune"}
+    for recipe in RECIPES.values():
+        flags = recipe.flags
+        assert {"optim", "learning_rate", "lr_scheduler_type", "warmup_steps", "drop_path_rate"} <= set(flags)
+        if "rand_augment" in flags:
+            parse_rand_augment(flags["rand_augment"])
+    assert scaled_learning_rate(RECIPES["deit"], 1024) == pytest.approx(1e-3)
+    assert scaled_learning_rate(RECIPES["augreg"], 32) == 1e-3
+    assert RECIPES["finetune"].flags["layer_decay"] == 0.65
+    PIL.Image.new("RGB", (1, 1))  # PIL is the operations' backend
