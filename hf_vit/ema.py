@@ -21,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import TrainerCallback
 
 EMA_FILE = "ema_state.safetensors"
 """The averaged weights in a `checkpoint-N` folder (safetensors, keyed by parameter name)."""
@@ -119,3 +120,35 @@ class WeightAverage:
         except (OSError, SafetensorError) as error:
             raise ValueError(f"{path} is truncated or corrupted ({error}).") from error
         self.load_state_dict(state, path)
+
+
+class EmaCallback(TrainerCallback):
+    """Keeps a run's `WeightAverage`: made from the model when training begins (and loaded from the checkpoint a run
+    resumes, `resume_from`), moved after every optimiser step, and put into the model when training ends, before any
+    other callback, the final save and the final evaluation see it. Checkpoints keep the model's own weights; the
+    Trainer writes `state_dict` beside them (`EMA_FILE`)."""
+
+    def __init__(self, decay: float, warmup: bool = False) -> None:
+        check_ema_decay(decay, warmup)
+        self.decay, self.warmup = decay, warmup
+        self.average: WeightAverage | None = None
+        self.resume_from: str | None = None
+        self.finished = False
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs) -> None:
+        self.average = WeightAverage(model, self.decay, self.warmup)
+        self.finished = False
+        if self.resume_from is not None:
+            self.average.load(self.resume_from)
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self.average.update(state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs) -> None:
+        self.average.copy_to_model()
+        self.finished = True
+
+    @property
+    def averaging(self) -> bool:
+        """Whether the model's own weights differ from the average (during training)."""
+        return self.average is not None and not self.finished

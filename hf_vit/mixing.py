@@ -38,6 +38,7 @@ class Mixing:
     prob: float = 1.0
     switch_prob: float = 0.5
     label_smoothing: float = 0.0
+    multi_label: bool = False  # targets are multi-hot vectors [N, C], learnt with sigmoid cross-entropy
 
     def __post_init__(self) -> None:
         for flag, value in (("--mixup_alpha", self.mixup_alpha), ("--cutmix_alpha", self.cutmix_alpha)):

@@ -13,12 +13,22 @@ the masked patch prediction model; frozen parameters are left out.
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from torch import nn
+from torch.nn import functional as F
+
+from .ema import EmaCallback
+from .mixing import Mixing, mix_batch, mixing_seed, soft_target_cross_entropy
+
+logger = logging.getLogger(__name__)
 
 _BLOCK = re.compile(r"(?:^|\.)vit\.layers\.(\d+)\.|(?:^|\.)layers\.(\d+)\.")
 _EMBEDDINGS = re.compile(r"(?:^|\.)embeddings\.")
@@ -109,7 +119,7 @@ class Recipe:
     left_out: str = ""
 
 
-RECIPES: dict[str, Recipe] = {
+NAMED_RECIPES: dict[str, Recipe] = {
     # Steiner et al. 2021, "How to train your ViT? Data, Augmentation, and Regularization in Vision Transformers":
     # Adam, lr 1e-3 at batch 4096, decoupled weight decay 0.1, 10k of ~94k steps warmup then cosine, clipping at 1;
     # the "medium1" augmentation (Mixup 0.2, RandAugment 2 ops at magnitude 15) with dropout and stochastic depth 0.1.
@@ -195,12 +205,126 @@ RECIPES: dict[str, Recipe] = {
 
 
 def get_recipe(name: str) -> Recipe:
-    if name not in RECIPES:
-        raise ValueError(f"--recipe must be one of {sorted(RECIPES)}, got {name!r}.")
-    return RECIPES[name]
+    if name not in NAMED_RECIPES:
+        raise ValueError(f"--recipe must be one of {sorted(NAMED_RECIPES)}, got {name!r}.")
+    return NAMED_RECIPES[name]
 
 
 def scaled_learning_rate(recipe: Recipe, global_batch: int) -> float:
     """The recipe's learning rate for a run's global batch (linear scaling from `base_batch`, as its paper does)."""
     lr = recipe.flags["learning_rate"]
     return lr if recipe.base_batch is None else lr * global_batch / recipe.base_batch
+
+
+def passed_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The destinations of the flags `argv` gives explicitly (however spelled: `--x v`, `--x=v`, `--no_x`)."""
+    # argparse fills in defaults (the actions' and set_defaults') for flags not given: suppress them for one parse.
+    saved = [(action, action.default, action.required) for action in parser._actions], parser._defaults
+    parser._defaults = {}
+    try:
+        for action, _, _ in saved[0]:
+            action.default, action.required = argparse.SUPPRESS, False
+        namespace, _ = parser.parse_known_args(argv)
+    finally:
+        for action, default, required in saved[0]:
+            action.default, action.required = default, required
+        parser._defaults = saved[1]
+    return set(vars(namespace))
+
+
+def recipe_summary(recipe: Recipe, values: dict[str, Any], passed: set[str]) -> str:
+    """What a recipe ran with, for the run's log and its card: the paper, each of its flags' values, and which of
+    them the command line overrode."""
+    shown = []
+    for name in recipe.flags:
+        value = values.get(name, recipe.flags[name])
+        note = " (given on the command line)" if name in passed else ""
+        shown.append(f"{name}={value}{note}")
+    if recipe.base_batch is not None and "learning_rate" not in passed:
+        shown.append(f"learning rate scaled from {recipe.flags['learning_rate']:g} at batch {recipe.base_batch}")
+    text = f"recipe {recipe.name} ({recipe.source}): " + ", ".join(shown)
+    return text + (f". Left out: {recipe.left_out}." if recipe.left_out else ".")
+
+
+class RecipeTrainerMixin:
+    """The recipes' part of a run's Trainer (put it before `transformers.Trainer` in the bases):
+
+    - `args.layer_decay`: the optimiser gets `layer_decay_param_groups` (logged) instead of Trainer's two groups;
+    - `mixing` (a `Mixing`): each training batch is mixed on its way into `training_step`, seeded by the run's seed,
+      the optimiser step and the batch's place in it (the same on every process, and again after resuming), and its
+      soft targets are learnt with soft-target cross-entropy (single-label) or the sigmoid cross-entropy the model
+      uses (multi-label); evaluation is unchanged;
+    - `ema` (an `ema.EmaCallback`): evaluation during training sees the averaged weights, and every checkpoint holds
+      the average (`ema.EMA_FILE`, written before Trainer's state so that a cut checkpoint is skipped) to resume it.
+    """
+
+    mixing: Mixing | None = None
+    ema: EmaCallback | None = None
+    _mixing_step: tuple[int, int] = (-1, 0)
+
+    def create_optimizer(self, model=None):
+        layer_decay = getattr(self.args, "layer_decay", None)
+        if layer_decay is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        if {"params", "model", "optimizer_dict"} & set(kwargs) or not isinstance(optimizer_cls, type):
+            raise ValueError(
+                f"--layer_decay builds the optimiser's parameter groups, which --optim {self.args.optim} builds "
+                "itself: use it with adamw_torch, sgd, adafactor or another optimiser of parameter groups."
+            )
+        kwargs = dict(kwargs)
+        learning_rate = kwargs.pop("lr", self.args.learning_rate)
+        groups = layer_decay_param_groups(opt_model, learning_rate, self.args.weight_decay, layer_decay)
+        if self.args.process_index == 0:
+            logger.info("Layer-wise learning-rate decay %g: %s.", layer_decay, describe_param_groups(groups))
+        groups = [{key: value for key, value in g.items() if key != "param_names"} for g in groups]
+        self.optimizer = optimizer_cls(groups, lr=learning_rate, **kwargs)
+        return self.optimizer
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.mixing is not None and "labels" in inputs:
+            step = self.state.global_step
+            micro = self._mixing_step[1] + 1 if self._mixing_step[0] == step else 0
+            self._mixing_step = (step, micro)
+            rng = np.random.default_rng(mixing_seed(self.args.seed, step, micro))
+            pixel_values, targets, _ = mix_batch(inputs["pixel_values"], inputs["labels"], self.mixing, rng)
+            inputs = {**inputs, "pixel_values": pixel_values, "labels": targets}
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.get("labels")
+        if self.mixing is None or not model.training or labels is None or not labels.is_floating_point():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = {key: value for key, value in inputs.items() if key != "labels"}
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        by_items = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        if self.mixing.multi_label:  # the model's own multi-label loss (a mean), on the soft multi-hot targets
+            loss = F.binary_cross_entropy_with_logits(logits.float(), labels.to(logits.device))
+        else:
+            loss = soft_target_cross_entropy(logits, labels, num_items_in_batch if by_items else None)
+        if self.args.average_tokens_across_devices and by_items:
+            loss = loss * self.accelerator.num_processes  # as Trainer scales the model's own loss
+        return (loss, outputs) if return_outputs else loss
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        if self.ema is None or not self.ema.averaging:
+            return super().evaluate(*args, **kwargs)
+        with self.ema.average.applied():
+            return super().evaluate(*args, **kwargs)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.ema is not None:
+            self.ema.resume_from = resume_from_checkpoint
+
+    def _save_checkpoint(self, model, trial) -> None:
+        if self.ema is not None and self.ema.average is not None and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            self.ema.average.save(folder)
+        super()._save_checkpoint(model, trial)

@@ -13,7 +13,7 @@ from conftest import tiny_config
 from hf_vit.ema import WeightAverage, ema_decay_at
 from hf_vit.mixing import Mixing, cutmix_box, mix_batch, mixing_seed, smooth_targets, soft_target_cross_entropy
 from hf_vit.rand_augment import OPERATIONS, RandAugment, RandAugmentPolicy, from_pil, parse_rand_augment, to_pil
-from hf_vit.recipes import RECIPES, layer_decay_param_groups, layer_of, scaled_learning_rate
+from hf_vit.recipes import NAMED_RECIPES, layer_decay_param_groups, layer_of, scaled_learning_rate
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Layer-wise learning-rate decay
@@ -394,13 +394,113 @@ def test_geometric_operations_move_pixels_by_their_magnitude():
 
 
 def test_recipe_table():
-    assert set(RECIPES) == {"augreg", "deit", "finetune"}
-    for recipe in RECIPES.values():
+    assert set(NAMED_RECIPES) == {"augreg", "deit", "finetune"}
+    for recipe in NAMED_RECIPES.values():
         flags = recipe.flags
         assert {"optim", "learning_rate", "lr_scheduler_type", "warmup_steps", "drop_path_rate"} <= set(flags)
         if "rand_augment" in flags:
             parse_rand_augment(flags["rand_augment"])
-    assert scaled_learning_rate(RECIPES["deit"], 1024) == pytest.approx(1e-3)
-    assert scaled_learning_rate(RECIPES["augreg"], 32) == 1e-3
-    assert RECIPES["finetune"].flags["layer_decay"] == 0.65
+    assert scaled_learning_rate(NAMED_RECIPES["deit"], 1024) == pytest.approx(1e-3)
+    assert scaled_learning_rate(NAMED_RECIPES["augreg"], 32) == 1e-3
+    assert NAMED_RECIPES["finetune"].flags["layer_decay"] == 0.65
     PIL.Image.new("RGB", (1, 1))  # PIL is the operations' backend
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The Trainer's part
+
+
+class _Images(torch.utils.data.Dataset):
+    def __init__(self, n=16, classes=5):
+        generator = torch.Generator().manual_seed(0)
+        self.pixels = torch.randn(n, 3, 32, 32, generator=generator)
+        self.labels = torch.arange(n) % classes
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"pixel_values": self.pixels[i], "labels": self.labels[i]}
+
+
+def _recipe_trainer(tmp_path, model, **fields):
+    from transformers import Trainer, TrainingArguments
+
+    from hf_vit.recipes import RecipeTrainerMixin
+
+    class RecipeTrainer(RecipeTrainerMixin, Trainer):
+        pass
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_train_batch_size=8, **fields
+    )
+    return RecipeTrainer(model=model, args=args, train_dataset=_Images())
+
+
+def test_trainer_builds_layer_decay_groups_and_the_schedule_keeps_their_ratios(tmp_path):
+    model = _classifier(layers=3)
+    trainer = _recipe_trainer(tmp_path, model, optim="sgd", learning_rate=0.1, weight_decay=0.02, warmup_steps=2)
+    trainer.args.layer_decay = 0.5
+    trainer.create_optimizer_and_scheduler(num_training_steps=10)
+    groups = trainer.optimizer.param_groups
+    assert [g["layer"] for g in groups] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    for group in groups:
+        assert group["initial_lr"] == pytest.approx(0.1 * 0.5 ** (4 - group["layer"]))
+        assert group["weight_decay"] in (0.0, 0.02)
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    for _ in range(3):
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+    for group in groups:  # every group follows the same warmup and decay
+        assert group["lr"] / group["initial_lr"] == pytest.approx(groups[-1]["lr"] / groups[-1]["initial_lr"])
+
+
+def test_trainer_mixes_training_batches_and_learns_soft_targets(tmp_path):
+    model = _classifier(layers=2)
+    trainer = _recipe_trainer(tmp_path, model, seed=7)
+    trainer.mixing = Mixing(num_classes=5, mixup_alpha=1.0, cutmix_alpha=1.0, label_smoothing=0.1)
+    seen = []
+    original = trainer.compute_loss
+
+    def record(model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = original(model, inputs, return_outputs, num_items_in_batch)
+        seen.append((inputs["pixel_values"].clone(), inputs["labels"].clone(), loss.detach(), num_items_in_batch))
+        return loss
+
+    trainer.compute_loss = record
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop
+    batch = {"pixel_values": _Images().pixels[:8], "labels": _Images().labels[:8]}
+    model.train()
+    trainer.training_step(model, dict(batch), num_items_in_batch=torch.tensor(8))
+    pixels, targets, loss, _ = seen[0]
+    rng = np.random.default_rng(mixing_seed(7, 0, 0))
+    expected_pixels, expected_targets, _ = mix_batch(batch["pixel_values"], batch["labels"], trainer.mixing, rng)
+    assert torch.equal(pixels, expected_pixels) and torch.equal(targets, expected_targets)
+    with torch.no_grad():
+        logits = model(pixel_values=pixels).logits
+    expected_loss = soft_target_cross_entropy(logits, targets, 8)
+    assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-5)
+    # the next batch of the same optimiser step is mixed with the next seed
+    trainer.training_step(model, dict(batch), num_items_in_batch=torch.tensor(8))
+    rng = np.random.default_rng(mixing_seed(7, 0, 1))
+    assert torch.equal(seen[1][1], mix_batch(batch["pixel_values"], batch["labels"], trainer.mixing, rng)[1])
+    # evaluation is unchanged: class ids, the model's loss
+    model.eval()
+    with torch.no_grad():
+        eval_loss = trainer.compute_loss(model, dict(batch))
+        assert eval_loss.item() == pytest.approx(model(**batch).loss.item())
+
+
+def test_passed_flags_and_recipe_summary():
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from hf_vit.recipes import passed_flags, recipe_summary
+
+    parser = HfArgumentParser(TrainingArguments)
+    parser.set_defaults(learning_rate=0.5, weight_decay=0.3)
+    argv = ["--output_dir", "x", "--learning_rate=0.1", "--no_remove_unused_columns", "--seed", "3"]
+    assert passed_flags(parser, argv) == {"output_dir", "learning_rate", "remove_unused_columns", "seed"}
+    text = recipe_summary(NAMED_RECIPES["deit"], {"learning_rate": 0.1, "mixup_alpha": 0.8}, {"learning_rate"})
+    assert text.startswith("recipe deit (Touvron et al. 2021")
+    assert "learning_rate=0.1 (given on the command line)" in text and "mixup_alpha=0.8," in text
+    assert "Left out: random erasing" in text and "scaled from" not in text
