@@ -8,6 +8,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
+from transformers import TrainerCallback
 from conftest import tiny_config
 
 from hf_vit.ema import WeightAverage, ema_decay_at
@@ -504,3 +505,39 @@ def test_passed_flags_and_recipe_summary():
     assert text.startswith("recipe deit (Touvron et al. 2021")
     assert "learning_rate=0.1 (given on the command line)" in text and "mixup_alpha=0.8," in text
     assert "Left out: random erasing" in text and "scaled from" not in text
+
+
+def test_trainer_evaluates_the_average_and_ends_holding_it(tmp_path):
+    from hf_vit.ema import EMA_FILE, EmaCallback
+
+    model = _classifier(layers=2)
+    trainer = _recipe_trainer(tmp_path, model, optim="sgd", learning_rate=0.5, max_steps=4, save_strategy="no")
+    trainer.ema = EmaCallback(decay=0.5)
+    trainer.add_callback(trainer.ema)
+    evaluations = []
+
+    class EvaluateMidway(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                averaged = [a.clone() for a in trainer.ema.average.averages]
+                raw = [p.detach().clone() for p in trainer.ema.average.params]
+                loss = trainer.evaluate(eval_dataset=_Images(8))["eval_loss"]
+                evaluations.append((loss, averaged, raw))
+                trainer.save_model(str(tmp_path / "midway"))
+
+    trainer.add_callback(EvaluateMidway())
+    trainer.train()
+    loss, averaged, raw = evaluations[0]
+    assert any(not torch.equal(a, r) for a, r in zip(averaged, raw))  # the average is not the weights
+    # the evaluation saw the average, and training went on from the raw weights
+    check = _classifier(layers=2)
+    with torch.no_grad():
+        for p, a in zip(check.parameters(), averaged):
+            p.copy_(a)
+        batch = _Images(8)
+        expected = check(pixel_values=batch.pixels, labels=batch.labels).loss.item()
+    assert loss == pytest.approx(expected, rel=1e-5)
+    # at the end, the model holds the average (what the run saves and evaluates)
+    for p, a in zip(trainer.ema.average.params, trainer.ema.average.averages):
+        assert torch.equal(p, a)
+    assert not (tmp_path / "midway" / EMA_FILE).exists()  # only checkpoints carry the EMA state
