@@ -8,8 +8,8 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-from transformers import TrainerCallback
 from conftest import tiny_config
+from transformers import TrainerCallback
 
 from hf_vit.ema import WeightAverage, ema_decay_at
 from hf_vit.mixing import Mixing, cutmix_box, mix_batch, mixing_seed, smooth_targets, soft_target_cross_entropy
