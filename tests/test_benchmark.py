@@ -30,8 +30,8 @@ from benchmarks.measure import (  # noqa: E402
     vit_forward_flops,
 )
 from benchmarks.report import fill_markdown, markdown_sections, merge_reports  # noqa: E402
-from hf_vit.configuration_vit import VisionTransformerConfig  # noqa: E402
 from hf_vit.convert.timm_vit import hf_vit_to_timm_state_dict  # noqa: E402
+from hf_vit.model.configuration_vit import VisionTransformerConfig  # noqa: E402
 
 # ViT-Ti/16 cut to 2 blocks, at 32x32 (5 tokens), batch 2: the whole run takes seconds.
 TINY = ["--model", "vit-tiny-patch16-224", "--num_hidden_layers", "2", "--image_size", "32", "--batch_size", "2"]

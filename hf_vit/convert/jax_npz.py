@@ -62,7 +62,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..configuration_vit import VisionTransformerConfig, resnet_stride
+from ..model.configuration_vit import VisionTransformerConfig, resnet_stride
 from .common import (
     ConversionError,
     Layout,
@@ -402,7 +402,7 @@ def read_jax_checkpoint(
     `hidden_act` defaults to the tanh approximation of GELU, `flax.linen.gelu`'s default, so the model computes what
     the authors' code computes; "gelu" gives the exact GELU that transformers' and timm's ports use.
     """
-    from ..image_processing_vit import VisionTransformerImageProcessor
+    from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     arrays = load_npz(input_path)
     config = infer_config_from_npz(arrays, preset=preset, image_size=image_size, hidden_act=hidden_act)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..configuration_vit import VisionTransformerConfig
+from ..model.configuration_vit import VisionTransformerConfig
 from .common import ConversionError, check_grid_size, image_size_field
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from .configuration_vit import VisionTransformerConfig
+from ..model.configuration_vit import VisionTransformerConfig
 from .files import CHECKPOINT_FOLDER, LOCK_FILE, checkpoint_foreign_entries, is_run_file
 
 logger = logging.getLogger(__name__)

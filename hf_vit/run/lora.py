@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
+logger = logging.getLogger(__name__)
 
 QKV_PARTS = ("query", "key", "value")
 
@@ -158,8 +158,8 @@ def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = 
     """
     from peft import PeftModel
 
-    from .configuration_vit import VisionTransformerConfig
-    from .modeling_vit import VisionTransformerForImageClassification
+    from ..model.configuration_vit import VisionTransformerConfig
+    from ..model.modeling_vit import VisionTransformerForImageClassification
 
     folder = Path(folder)
     named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
@@ -192,7 +192,7 @@ def save_merged_model(
 ) -> None:
     """Write the merged model of the LoRA run in `folder` to `output_dir` as a plain hf-vit folder (weights, config,
     code) with the run's image processor, loadable with the Auto classes and without peft."""
-    from .image_processing_vit import VisionTransformerImageProcessor
+    from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     model = load_lora_model(folder, base)
     model.name_or_path = ""

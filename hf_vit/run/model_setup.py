@@ -11,12 +11,12 @@ import json
 import logging
 from typing import Any
 
-from .configuration_vit import VisionTransformerConfig
-from .image_processing_vit import VisionTransformerImageProcessor
-from .modeling_vit import VisionTransformerForImageClassification
-from .resolution import image_size_field
+from ..model.configuration_vit import VisionTransformerConfig
+from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..model.modeling_vit import VisionTransformerForImageClassification
+from ..model.resolution import image_size_field
 
-logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
+logger = logging.getLogger(__name__)
 
 # Fields a checkpoint takes as they are given: they change how it trains, not the shapes of its weights.
 TRAINING_FIELDS = (

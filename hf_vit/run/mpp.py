@@ -29,12 +29,12 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from ..model.configuration_vit import VisionTransformerConfig
+from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..model.modeling_mpp import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
 from .arguments import default_hflip
-from .configuration_vit import VisionTransformerConfig
-from .data import Transform, apply_transforms, make_eval_transform, make_train_transform
-from .image_processing_vit import VisionTransformerImageProcessor
 from .model_setup import config_from_preset, load_checkpoint
-from .modeling_mpp import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
+from .transforms import Transform, apply_transforms, make_eval_transform, make_train_transform
 
 __all__ = [
     "MaskedPatchPredictionTransform",

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from .hub import PlannedHubPushes
+from ..outputs.push import PlannedHubPushes
 
-logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
+logger = logging.getLogger(__name__)
 
 
 class SeededAugmentation(torch.utils.data.Dataset):

@@ -1,0 +1,365 @@
+"""Torch-only transforms from a data set's images to model inputs, for training `hf_vit` models with
+`transformers.Trainer`.
+
+Transforms: `make_train_transform` (random resized crop, optional horizontal flip) and `make_eval_transform` (the
+image processor alone) map a batch `{"image": [...], "label": [...]}` to `{"pixel_values": float32 [N, 3, H, W],
+"labels": int64 [N]}`. Both take their pixels from the image processor's own path (`load_images` for decoding, EXIF
+orientation, RGB conversion with transparency on white and 16-bit scaling; `resize_images`; `normalize_batch`), so
+training sees exactly the pixels inference sees; the training transform only adds the crop and the flip. Use them
+through `apply_transforms(ds, train_transform, eval_transform)` and `collate_fn` as the Trainer's `data_collator`
+(with `remove_unused_columns=False`, since the transforms read the `image` and `label` columns).
+
+Corrupt images fail loudly: an image that cannot be decoded raises `CorruptImageError` naming its file (or its size
+in bytes) and its position in the batch, chaining PIL's error. Nothing is dropped silently, because that would
+change the data set. `apply_transforms` turns off datasets' own decoding so the transforms decode and report it;
+with decoding left on (plain `set_transform`), datasets raises PIL's error before the transform runs.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import datasets
+import numpy as np
+import PIL.Image
+import torch
+from datasets import DatasetDict, IterableDataset, IterableDatasetDict
+
+from ..model.image_processing_vit import (
+    VisionTransformerImageProcessor,
+    center_crop_images,
+    exif_transpose,
+    load_images,
+    open_image,
+    resize_images,
+    to_resampling,
+)
+
+_IMAGE_DECODER = datasets.Image()
+_EXIF_ORIENTATION = 0x0112
+_TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+DRAFT_SCALES = (8, 4, 2)
+"""The JPEG reductions the training transform decodes at (libjpeg's scaled IDCT), largest first."""
+
+Transform = Callable[[Mapping[str, Sequence[Any]]], dict[str, torch.Tensor]]
+
+
+class CorruptImageError(ValueError):
+    """An image could not be decoded (unreadable, truncated or not an image file)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data sets
+
+
+def decode_image(image: Any, index: int | None = None) -> PIL.Image.Image | np.ndarray | torch.Tensor:
+    """Decode a data set image (`{"path", "bytes"}` dict, path or bytes) with the image processor's `open_image`.
+
+    PIL images, numpy arrays and tensors are returned as they are: the processor's `load_images` converts them.
+    Raises `CorruptImageError` naming the file (and `index`, its position in the batch), chaining PIL's error.
+    """
+    if isinstance(image, (PIL.Image.Image, np.ndarray, torch.Tensor)):
+        return image
+    if isinstance(image, (str, os.PathLike)):
+        image = {"path": os.fspath(image), "bytes": None}
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        image = {"path": None, "bytes": bytes(image)}
+    if not isinstance(image, Mapping):
+        raise TypeError(f"Unsupported image type {type(image).__name__}: expected a PIL image, a path or bytes.")
+    path, data = image.get("path"), image.get("bytes")
+    source = path or f"{len(data or b'')} bytes of image data"
+    try:
+        if data is None and path is not None and "://" in path:
+            return _IMAGE_DECODER.decode_example(image)  # remote files (hf://, s3://) are read by datasets
+        return open_image(data if data is not None else path)
+    except (ValueError, OSError) as err:
+        cause = err.__cause__ if isinstance(err.__cause__, Exception) else err  # PIL's own error, not our wrapper
+        where = "" if index is None else f" (image {index} of the batch)"
+        raise CorruptImageError(f"Cannot decode image {source}{where}: {cause}") from cause
+
+
+def decode_rgb(image: Any, index: int | None = None) -> PIL.Image.Image:
+    """Return `image` (PIL image, `{"path", "bytes"}` dict, path, bytes or array) as an RGB PIL image.
+
+    The pixels are those the image processor uses (EXIF orientation, transparency on white, 16-bit scaling).
+    Raises `CorruptImageError` naming the file (and `index`, its position in the batch) when it cannot be decoded.
+    """
+    (pixels,) = load_images(decode_image(image, index))
+    if pixels.is_floating_point():
+        pixels = pixels.round().clamp(0, 255).to(torch.uint8)
+    return PIL.Image.fromarray(pixels.expand(3, -1, -1).permute(1, 2, 0).numpy())
+
+
+def _load_batch(batch: Mapping[str, Sequence[Any]], do_convert_rgb: bool) -> list[torch.Tensor]:
+    """The batch's images as `[C, H, W]` tensors (uint8 unless given as floats) through the processor's path."""
+    return load_images([decode_image(image, i) for i, image in enumerate(batch["image"])], do_convert_rgb)
+
+
+def make_eval_transform(processor: VisionTransformerImageProcessor) -> Transform:
+    """Batch transform for evaluation: decode the images, then `processor` does everything else (as at inference)."""
+
+    def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
+        images = [decode_image(image, i) for i, image in enumerate(batch["image"])]
+        return _with_labels(processor(images, return_tensors="pt")["pixel_values"], batch)
+
+    return transform
+
+
+def make_train_transform(
+    processor: VisionTransformerImageProcessor,
+    *,
+    random_resized_crop: bool = True,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    hflip: bool = True,
+    seed: int | None = None,
+) -> Transform:
+    """Batch transform for training: random resized crop, random horizontal flip, then the processor's normalisation.
+
+    Images are decoded and converted exactly as by `processor` (its `load_images`: EXIF orientation, transparency on
+    white, 16-bit scaling). The crop covers a random fraction `scale` of the image area with an aspect ratio
+    log-uniform in `ratio` (Inception-style; a central crop after 10 failed draws); it is cut from the uint8 image and
+    resized with the processor's `resize_images` and `resample` to the processor's output size (`crop_size` when it
+    centre-crops, else `size`). Without `random_resized_crop`, the image goes through the processor's own resize and
+    centre crop, so with `hflip=False` the output equals `processor(images)`. The flip (probability 1/2, when `hflip`;
+    keep it off for digits and text) comes next, and the processor's `normalize_batch` last, once per batch. With
+    `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
+    (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
+
+    Encoded RGB and grey JPEGs (bytes, paths, `{"path", "bytes"}` dicts) take a faster road to the same crop: the
+    crop is drawn from the header's size, and when it is at least 2, 4 or 8 times the output size in both directions
+    the JPEG is decoded at that reduction in the DCT domain (`decode_jpeg_crop`), and PIL resizes the crop's exact
+    (fractional) box of the reduced image. The crop box and the random draws are the same as on the full image; the
+    pixels differ from resizing the full-size crop by the DCT-domain downscaling only (see `decode_jpeg_crop`). When
+    no reduction applies, the pixels are exactly the processor's full-size crop, resized by `resize_images`.
+    """
+    if not (0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
+        raise ValueError(f"Need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}.")
+    if not hasattr(processor, "normalize_batch"):
+        raise TypeError(
+            f"make_train_transform needs a VisionTransformerImageProcessor (it reuses its pixel path), got "
+            f"{type(processor).__name__}."
+        )
+    size = (int(processor.size["height"]), int(processor.size["width"]))
+    crop_size = (int(processor.crop_size["height"]), int(processor.crop_size["width"]))
+    output_size = crop_size if processor.do_center_crop else size
+    own_generator = None if seed is None else torch.Generator().manual_seed(seed)
+    # Only RGB output has a fast road: without conversion the processor keeps modes the JPEG decoder would change.
+    fast_jpegs = random_resized_crop and processor.do_convert_rgb
+
+    def draw_box(height: int, width: int, generator: torch.Generator | None) -> tuple[int, int, int, int]:
+        return random_resized_crop_box(height, width, scale, ratio, generator)
+
+    def crop_and_resize(pixels: torch.Tensor, box: tuple[int, int, int, int] | None, generator) -> torch.Tensor:
+        if random_resized_crop:
+            # Cropping the uint8 image first means only the crop is resized.
+            top, left, height, width = box or draw_box(*pixels.shape[1:], generator)
+            return resize_images(
+                pixels[None, :, top : top + height, left : left + width], output_size, processor.resample
+            )[0]
+        if processor.do_resize:
+            pixels = resize_images(pixels[None], size, processor.resample)[0]
+        if processor.do_center_crop:
+            pixels = center_crop_images(pixels, crop_size)
+        return pixels
+
+    def augment(image: Any, index: int, generator: torch.Generator | None) -> torch.Tensor:
+        box, pixels = None, None
+        jpeg = _open_jpeg(image) if fast_jpegs else None
+        if jpeg is not None:
+            box = draw_box(*_upright_size(jpeg), generator)
+            pixels = decode_jpeg_crop(jpeg, box, output_size, processor.resample)
+        if pixels is None:  # not a JPEG, or one the fast road cannot decode: the processor's own path reports it
+            (pixels,) = load_images(decode_image(image, index), processor.do_convert_rgb)
+            pixels = crop_and_resize(pixels, box, generator)
+        if hflip and torch.rand((), generator=generator) < 0.5:
+            # Flipped as [H, W, C], so that the copy stays channels-last like the resized image.
+            pixels = pixels.permute(1, 2, 0).flip(1).permute(2, 0, 1)
+        return pixels.expand(3, -1, -1) if processor.do_convert_rgb and pixels.shape[0] == 1 else pixels
+
+    def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
+        generator = own_generator if torch.utils.data.get_worker_info() is None else None
+        images = [augment(image, i, generator) for i, image in enumerate(batch["image"])]
+        if len({image.dtype for image in images}) > 1:  # float images among uint8 ones: stack them all as floats
+            images = [image.float() for image in images]
+        # Stacked channels-last (the layout PIL and the uint8 resize give), so that normalising converts to float and
+        # to channels-first in one pass over the batch.
+        stacked = torch.stack([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)
+        return _with_labels(processor.normalize_batch(stacked), batch)
+
+    return transform
+
+
+def _open_jpeg(image: Any) -> PIL.Image.Image | None:
+    """`image` opened lazily (header read, pixels not decoded) when it is an encoded RGB or grey JPEG, else None."""
+    if isinstance(image, (str, os.PathLike)):
+        path, data = os.fspath(image), None
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        path, data = None, bytes(image)
+    elif isinstance(image, Mapping):
+        path, data = image.get("path"), image.get("bytes")
+    else:
+        return None
+    if data is None and (path is None or "://" in path):
+        return None
+    try:
+        opened = PIL.Image.open(io.BytesIO(data) if data is not None else path)
+    except (OSError, ValueError):
+        return None  # decode_image names the file and the error
+    if opened.format != "JPEG" or opened.mode not in ("RGB", "L"):
+        opened.close()
+        return None
+    return opened
+
+
+def _upright_size(image: PIL.Image.Image) -> tuple[int, int]:
+    """(height, width) of `image` once turned upright by its EXIF orientation."""
+    width, height = image.size
+    if image.getexif().get(_EXIF_ORIENTATION, 1) in _TRANSPOSING_ORIENTATIONS:
+        return width, height
+    return height, width
+
+
+def draft_scale(crop_height: int, crop_width: int, output_size: tuple[int, int]) -> int:
+    """The largest JPEG reduction (8, 4, 2, else 1) that keeps a crop at or above `output_size` in both directions.
+
+    Decoding at 1/`scale` then never makes the crop smaller than the output, so the resize still only shrinks.
+    """
+    for factor in DRAFT_SCALES:
+        if crop_height >= factor * output_size[0] and crop_width >= factor * output_size[1]:
+            return factor
+    return 1
+
+
+def decode_jpeg_crop(
+    jpeg: PIL.Image.Image,
+    box: tuple[int, int, int, int],
+    output_size: tuple[int, int],
+    resample: Any = "bilinear",
+) -> torch.Tensor | None:
+    """Decode a lazily opened RGB or grey JPEG and return its upright crop `box` resized to `output_size`.
+
+    `box` is `(top, left, height, width)` in the upright full-size image. Returns a uint8 `[C, H, W]` tensor (C = 3,
+    or 1 for grey), or None when the JPEG cannot be decoded (the caller's full decode then raises the real error).
+
+    With a reduction `draft_scale(...) > 1`, libjpeg decodes at that scale (each pixel is the scaled IDCT of its
+    block, the average of the block's full-size pixels up to JPEG's rounding) and PIL resizes the box divided by the
+    scale (fractional, so the crop's geometry is kept) with its antialiased filter: within a few grey levels of
+    resizing the full-size crop (tests/test_data.py states the bound). Without one, the pixels are exactly the
+    processor's: its uint8 `resize_images` of the full-size crop.
+    """
+    top, left, height, width = box
+    factor = draft_scale(height, width, output_size)
+    full_height, full_width = _upright_size(jpeg)
+    orientation = jpeg.getexif().get(_EXIF_ORIENTATION, 1)
+    try:
+        if factor > 1:
+            stored_width = jpeg.size[0]
+            drafted = jpeg.draft(jpeg.mode, (stored_width // factor, jpeg.size[1] // factor))
+            factor = 1 if drafted is None else round(stored_width / drafted[1][2])  # the scale PIL chose
+        jpeg.load()
+    except (OSError, ValueError):  # truncated or corrupt: the processor's path raises with the file's name
+        return None
+    upright = exif_transpose(jpeg)
+    if upright.size == (full_width, full_height):  # decoded at full size: the processor's crop and resize
+        pixels = _to_chw(upright.crop((left, top, left + width, top + height)))
+        return resize_images(pixels[None], output_size, resample)[0]
+    if orientation == 1:  # reduced pixel i covers the full-size pixels [i * factor, (i + 1) * factor)
+        x_scale = y_scale = 1 / factor
+    else:  # turned upright after decoding: the image's far edge may hold the partial block
+        x_scale, y_scale = upright.size[0] / full_width, upright.size[1] / full_height
+    x0, y0, x1, y1 = left * x_scale, top * y_scale, (left + width) * x_scale, (top + height) * y_scale
+    # Cut first, so that the filter sees no pixels outside the crop (as when resizing the full-size crop), then
+    # resize the exact fractional box inside the whole reduced pixels that cover it.
+    outer = (math.floor(x0), math.floor(y0), min(math.ceil(x1), upright.size[0]), min(math.ceil(y1), upright.size[1]))
+    resized = upright.crop(outer).resize(
+        (output_size[1], output_size[0]),
+        PIL.Image.Resampling(int(to_resampling(resample))),
+        box=(x0 - outer[0], y0 - outer[1], x1 - outer[0], y1 - outer[1]),
+    )
+    return _to_chw(resized)
+
+
+def _to_chw(image: PIL.Image.Image) -> torch.Tensor:
+    """A uint8 `[C, H, W]` view of a writable copy of an RGB or grey PIL image's pixels (channels-last in memory)."""
+    array = np.array(image)
+    return torch.from_numpy(array[..., None] if array.ndim == 2 else array).permute(2, 0, 1)
+
+
+def random_resized_crop_box(
+    height: int,
+    width: int,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    generator: torch.Generator | None = None,
+) -> tuple[int, int, int, int]:
+    """Inception-style crop `(top, left, crop_height, crop_width)` of a `height` x `width` image (as torchvision's)."""
+    area = height * width
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * torch.empty(()).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect = math.exp(torch.empty(()).uniform_(log_ratio[0], log_ratio[1], generator=generator).item())
+        crop_width = round(math.sqrt(target_area * aspect))
+        crop_height = round(math.sqrt(target_area / aspect))
+        if 0 < crop_width <= width and 0 < crop_height <= height:
+            top = int(torch.randint(0, height - crop_height + 1, (), generator=generator))
+            left = int(torch.randint(0, width - crop_width + 1, (), generator=generator))
+            return top, left, crop_height, crop_width
+    # Fallback: the largest central crop whose aspect ratio is within `ratio`.
+    if width / height < ratio[0]:
+        crop_width, crop_height = width, round(width / ratio[0])
+    elif width / height > ratio[1]:
+        crop_width, crop_height = round(height * ratio[1]), height
+    else:
+        crop_width, crop_height = width, height
+    return (height - crop_height) // 2, (width - crop_width) // 2, crop_height, crop_width
+
+
+def _with_labels(pixel_values: torch.Tensor, batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
+    output = {"pixel_values": pixel_values.to(torch.float32)}
+    if "label" in batch:
+        labels = np.asarray(batch["label"])
+        # class ids, or multi-hot float vectors for multi-label classification
+        output["labels"] = torch.as_tensor(labels, dtype=torch.float32 if labels.ndim == 2 else torch.long)
+    return output
+
+
+def apply_transforms(
+    ds: DatasetDict | IterableDatasetDict,
+    train_transform: Transform,
+    eval_transform: Transform,
+    *,
+    train_split: str = "train",
+    stream_batch_size: int = 32,
+) -> DatasetDict | IterableDatasetDict:
+    """Return `ds` with `train_transform` on `train_split` and `eval_transform` on the other splits.
+
+    In-memory splits get the transform lazily with `with_transform`; streamed splits with
+    `map(batched=True, batch_size=stream_batch_size)`. Images reach the transforms undecoded, so a corrupt image
+    raises `CorruptImageError` with its file name.
+    """
+    transformed = {}
+    for split, data in ds.items():
+        transform = train_transform if split == train_split else eval_transform
+        if isinstance(data, IterableDataset):
+            columns = data.column_names or ["image", "label"]
+            data = data.decode(False)
+            data = data.map(transform, batched=True, batch_size=stream_batch_size, remove_columns=columns)
+        else:
+            data = data.cast_column("image", datasets.Image(decode=False)).with_transform(transform)
+        transformed[split] = data
+    return type(ds)(transformed)
+
+
+def collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack transformed examples into a batch: `pixel_values` [N, 3, H, W] and, when present, `labels` [N] (class
+    ids) or [N, C] (multi-hot)."""
+    batch = {"pixel_values": torch.stack([torch.as_tensor(example["pixel_values"]) for example in examples])}
+    if "labels" in examples[0]:
+        labels = [torch.as_tensor(example["labels"]) for example in examples]
+        batch["labels"] = torch.stack(labels) if labels[0].ndim else torch.stack(labels).long()
+    return batch
