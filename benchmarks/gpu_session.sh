@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU work of the benchmark as parts of under 10 minutes each (the device machine's limit per command); see
-# benchmarks/README.md for bringing the packages the machine lacks and for copying the results back between parts.
+# The GPU work of the benchmark, on a GPU machine without network access, as parts of under 10 minutes each (for
+# machines that limit how long one command runs); see benchmarks/README.md for bringing the packages the machine
+# lacks as wheels (.whl/) and for carrying the results from one part to the next.
 #
 #   bash benchmarks/gpu_session.sh 1   the smoke checks (benchmarks/gpu_checks.py) and the end-to-end runs (ViT-B/16, S/16)
 #   bash benchmarks/gpu_session.sh 2   eager rows of ViT-S/16, B/16 and L/16, then compiled rows of ViT-S/16

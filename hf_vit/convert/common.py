@@ -356,7 +356,7 @@ def preset_mismatches(fields: Mapping[str, object], preset_config: VisionTransfo
 
 
 def check_grid_size(config: VisionTransformerConfig, where: str | None = None) -> None:
-    """Refuse a patch grid `hf_vit.resolution.grid_for` refuses (beyond its bound of positions) before anything of
+    """Refuse a patch grid `resolution.grid_for` refuses (beyond its bound of positions) before anything of
     that size is allocated; `where` names the file the size came from."""
     try:
         grid_for(config.image_size, config.patch_size)

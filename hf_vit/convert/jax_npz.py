@@ -47,7 +47,7 @@ Two choices to know about:
   per activation. Pass `hidden_act="gelu"` for that.
 * Resolution. With an `image_size` other than the checkpoint's, the position embeddings are resampled at load as the
   authors' `load_pretrained` does. They use `scipy.ndimage.zoom(order=1)` (bilinear through the grid corners, like
-  `align_corners=True`); this uses `hf_vit.resolution.resample_position_embeddings` with `mode="bilinear"`
+  `align_corners=True`); this uses `hf_vit.model.resolution.resample_position_embeddings` with `mode="bilinear"`
   (`align_corners=False`, what timm uses for these files), the closest mode it offers. Values differ slightly from
   scipy's away from the corners; both are then fine-tuned in practice.
 """

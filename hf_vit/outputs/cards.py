@@ -260,6 +260,6 @@ def write_card(
     )
 
 
-# What a published hf-vit folder holds, top level only: the model files and the run's results (`hf_vit.files`).
+# What a published hf-vit folder holds, top level only: the model files and the run's results (`hf_vit.outputs.files`).
 # Anything else (optimizer states, checkpoints, logs, the lock, the user's own files, training_args.bin with its local
 # paths, trainer_state.json with its checkpoint paths) stays local unless the user names it (`extra_files`).

@@ -122,7 +122,7 @@ def shuffle_stream(data: IterableDataset, seed: int, buffer_size: int) -> Iterab
 
 
 def load_datasets(data_args: Any, seed: int):
-    """The raw splits named by `data_args` (`hf_vit.arguments.DataArguments`; columns `image` and `label`)."""
+    """The raw splits named by `data_args` (`hf_vit.run.arguments.DataArguments`; columns `image` and `label`)."""
     ds = load_image_dataset(
         data_args.dataset_name,
         image_column=data_args.image_column_name,

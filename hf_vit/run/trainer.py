@@ -62,7 +62,7 @@ class VisionTransformerTrainer(PlannedHubPushes, Trainer):
     """`Trainer` with the guarantees the scripts promise.
 
     - Every push sends exactly the files the project's upload plan lists, and the token never reaches disk
-      (`hf_vit.hub.PlannedHubPushes`).
+      (`hf_vit.outputs.push.PlannedHubPushes`).
 
     - Evaluation does not consume the training's random numbers (its data loader draws a seed), so a checkpoint saved
       right before an evaluation resumes to the same weights (with `SeededAugmentation` for the training split).

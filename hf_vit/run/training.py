@@ -1,15 +1,5 @@
 """A pretraining or fine-tuning run, as stages: data, objective, model, adapters, trainer, training, final evaluation
-and outputs. Each stage lives in its own module; this one only puts them in order.
-
-* `hf_vit.arguments`: the flags (`parse_args`) and the paper's recipes;
-* `hf_vit.data`: the data set's splits (`load_datasets`), shuffled when streamed;
-* `hf_vit.objectives`: the table of what a run learns (labels, model builder, transforms, collator, metrics);
-* `hf_vit.model_setup`: models from presets or checkpoints with the flags applied, and the processor;
-* `hf_vit.lora`: the adapter stage (`adapt`);
-* `hf_vit.trainer`: the Trainer, reproducible augmentation and the run's set-up line;
-* `hf_vit.output_folders`, `hf_vit.checkpoints`: the output folder, and what a run can resume from;
-* `hf_vit.evaluation`: the final evaluation, each split on a loader built for it;
-* `hf_vit.hub`: the model card and the push.
+and outputs. Each stage lives in its own module of `hf_vit.run` (see its docstring); this one only puts them in order.
 
 `scripts/pretrain.py` and `scripts/finetune.py` are `main(task)`; both run unchanged under `python`, `torchrun` and
 `accelerate launch`, because `Trainer` does the distribution.
