@@ -143,8 +143,8 @@ def build_pretraining_model(model_args: Any, id2label: dict[int, str]) -> Vision
             interpolation=model_args.interpolation,
             attn_implementation=model_args.attn_implementation,
             refuse=shapes,
+            names=id2label,  # the config takes the data set's names, whether the head is kept or new
             **settable,
-            **names,  # the config takes the data set's names, whether the head is kept or new
         )
     config = config_from_preset(model_args, **names)
     representation = model_args.representation_size
@@ -164,6 +164,7 @@ def load_checkpoint(
     interpolation: str = "bicubic",
     attn_implementation: str = "sdpa",
     refuse: dict[str, Any] | None = None,
+    names: dict[int, str] | None = None,
     **config_fields: Any,
 ):
     """The one way a run loads an hf-vit checkpoint: `model_class.from_pretrained(path)` with `config_fields` (those
@@ -175,9 +176,13 @@ def load_checkpoint(
       Without `id2label` the model is the checkpoint's as it is (masked patch prediction, a classifier continued);
     * `image_size`: another size resamples the position embeddings in 2D (`interpolation`) from the checkpoint's;
     * `refuse`: fields the flags ask for that would change the shapes of the weights (`--patch_size`, a width, a
-      depth...); any that differs from the checkpoint's is refused in one line that names it, rather than ignored.
+      depth...); any that differs from the checkpoint's is refused in one line that names it, rather than ignored;
+    * `names`: the classes' names the config takes as it loads (its `id2label` and `label2id`), e.g. to continue
+      training the checkpoint's own head under the data set's names.
     """
     fields = {k: v for k, v in config_fields.items() if v is not None}
+    if names is not None:
+        fields.update(id2label=names, label2id={name: index for index, name in names.items()})
     model = model_class.from_pretrained(path, attn_implementation=attn_implementation, **fields)
     config = model.config
     if refuse:
