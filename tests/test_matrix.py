@@ -56,9 +56,11 @@ class Combination:
     labels: str  # single, multi
     data: str  # memory, stream
     processes: int = 1
+    recipe: str | None = None  # --recipe
 
     def __str__(self) -> str:
-        return f"{self.source}-{self.adaptation}-{self.labels}-{self.data}-{self.processes}p"
+        recipe = f"-{self.recipe}" if self.recipe else ""
+        return f"{self.source}-{self.adaptation}-{self.labels}-{self.data}-{self.processes}p{recipe}"
 
 
 COMBINATIONS = [
@@ -77,6 +79,10 @@ COMBINATIONS = [
     Combination("npz", "full", "single", "stream"),
     Combination("npz", "qkv", "multi", "memory"),
     Combination("npz", "query_value", "single", "stream"),
+    # The recipes composed with the rest: LoRA, multi-label (mixed multi-hot targets) and 2 processes with DeiT's
+    # (Mixup/CutMix, RandAugment, label smoothing, EMA); a stream with MAE fine-tuning's (layer-wise lr decay too).
+    Combination("transformers", "qkv", "multi", "memory", processes=2, recipe="deit"),
+    Combination("timm", "full", "single", "stream", recipe="finetune"),
 ]
 
 
@@ -192,6 +198,8 @@ def run_flags(world: World, combination: Combination, output_dir: Path) -> tuple
         flags += ["--streaming", "True", "--shuffle_buffer_size", "16"]
     flags += ["--max_steps", "3", "--per_device_train_batch_size", str(BATCH), "--per_device_eval_batch_size", "8"]
     flags += ["--learning_rate", "0.05", "--save_strategy", "no", "--disable_tqdm", "True", "--report_to", "none"]
+    if combination.recipe:
+        flags += ["--recipe", combination.recipe]
     if combination.processes == 1:  # a validation pass during training, through persistent workers
         flags += ["--eval_strategy", "steps", "--eval_steps", "2"]
         flags += ["--dataloader_num_workers", "1", "--dataloader_persistent_workers", "True"]
@@ -295,6 +303,15 @@ def test_combination(world, combination, tmp_path, caplog):
         f"batch {BATCH} per device x {processes} process(es) x 1 accumulation step(s) = global batch "
         f"{BATCH * processes}" in log
     )
+
+    # 6. the recipe that ran, in the log and on the card (the learning rate given here overrides the recipe's)
+    if combination.recipe:
+        assert f"Training with the recipe {combination.recipe} (" in log
+        card = (out / "README.md").read_text()
+        assert (
+            f"Named recipe {combination.recipe} (" in card and "learning_rate=0.05 (given on the command line)" in card
+        )
+        assert "RandAugment rand-m9-mstd0.5-inc1" in card and "Mixup alpha 0.8" in card
 
 
 # ---------------------------------------------------------------------------------------------------------------------

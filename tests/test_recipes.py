@@ -2,19 +2,22 @@
 each block), the weights' EMA (its closed form), Mixup/CutMix (the targets as lambda says, the box's area),
 RandAugment (the parser, seeding, and each operation's effect on a small image) and the recipe table."""
 
+import json
 import math
+import sys
 
 import numpy as np
 import PIL.Image
 import pytest
 import torch
 from conftest import tiny_config
+from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from hf_vit.ema import WeightAverage, ema_decay_at
-from hf_vit.mixing import Mixing, cutmix_box, mix_batch, mixing_seed, smooth_targets, soft_target_cross_entropy
-from hf_vit.rand_augment import OPERATIONS, RandAugment, RandAugmentPolicy, from_pil, parse_rand_augment, to_pil
-from hf_vit.recipes import NAMED_RECIPES, layer_decay_param_groups, layer_of, scaled_learning_rate
+from hf_vit.run.ema import WeightAverage, ema_decay_at
+from hf_vit.run.mixing import Mixing, cutmix_box, mix_batch, mixing_seed, smooth_targets, soft_target_cross_entropy
+from hf_vit.run.rand_augment import OPERATIONS, RandAugment, RandAugmentPolicy, from_pil, parse_rand_augment, to_pil
+from hf_vit.run.recipes import NAMED_RECIPES, layer_decay_param_groups, layer_of, scaled_learning_rate
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Layer-wise learning-rate decay
@@ -427,7 +430,7 @@ class _Images(torch.utils.data.Dataset):
 def _recipe_trainer(tmp_path, model, **fields):
     from transformers import Trainer, TrainingArguments
 
-    from hf_vit.recipes import RecipeTrainerMixin
+    from hf_vit.run.recipes import RecipeTrainerMixin
 
     class RecipeTrainer(RecipeTrainerMixin, Trainer):
         pass
@@ -495,7 +498,7 @@ def test_trainer_mixes_training_batches_and_learns_soft_targets(tmp_path):
 def test_passed_flags_and_recipe_summary():
     from transformers import HfArgumentParser, TrainingArguments
 
-    from hf_vit.recipes import passed_flags, recipe_summary
+    from hf_vit.run.recipes import passed_flags, recipe_summary
 
     parser = HfArgumentParser(TrainingArguments)
     parser.set_defaults(learning_rate=0.5, weight_decay=0.3)
@@ -508,7 +511,7 @@ def test_passed_flags_and_recipe_summary():
 
 
 def test_trainer_evaluates_the_average_and_ends_holding_it(tmp_path):
-    from hf_vit.ema import EMA_FILE, EmaCallback
+    from hf_vit.run.ema import EMA_FILE, EmaCallback
 
     model = _classifier(layers=2)
     trainer = _recipe_trainer(tmp_path, model, optim="sgd", learning_rate=0.5, max_steps=4, save_strategy="no")
@@ -541,3 +544,133 @@ def test_trainer_evaluates_the_average_and_ends_holding_it(tmp_path):
     for p, a in zip(trainer.ema.average.params, trainer.ema.average.averages):
         assert torch.equal(p, a)
     assert not (tmp_path / "midway" / EMA_FILE).exists()  # only checkpoints carry the EMA state
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A run with the recipes
+
+
+def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
+    from hf_vit.run.arguments import parse_args
+
+    out = ["--output_dir", str(tmp_path)]
+    model_args, data_args, args = parse_args(
+        "finetune", out + ["--recipe", "deit", "--mixup_alpha", "0.3", "--per_device_train_batch_size", "16"]
+    )
+    assert (args.optim.value, args.weight_decay, args.lr_scheduler_type.value) == ("adamw_torch", 0.05, "cosine")
+    assert (args.mixup_alpha, args.cutmix_alpha, args.ema_decay, args.label_smoothing_factor) == (
+        0.3,
+        1.0,
+        0.99996,
+        0.1,
+    )
+    assert model_args.drop_path_rate == 0.1 and data_args.rand_augment == "rand-m9-mstd0.5-inc1"
+    assert args.learning_rate == pytest.approx(5e-4 * 16 / 512)  # DeiT's rule, at this run's global batch
+    assert "mixup_alpha" in args.recipe_flags_given and "cutmix_alpha" not in args.recipe_flags_given
+    _, _, args = parse_args("finetune", out + ["--recipe", "finetune", "--learning_rate=0.01", "--layer_decay", "0.8"])
+    assert (args.learning_rate, args.layer_decay, args.warmup_steps) == (0.01, 0.8, 0.05)
+    _, _, plain = parse_args("finetune", out)
+    assert (plain.optim.value, plain.mixup_alpha, plain.ema_decay, plain.layer_decay) == ("sgd", 0.0, None, None)
+    for argv, message in (
+        (["--recipe", "mae"], "--recipe must be one of"),
+        (["--layer_decay", "1.5"], "--layer_decay must be in"),
+        (["--ema_decay", "1.0"], "--ema_decay must be in"),
+        (["--ema_warmup", "True"], "--ema_warmup"),
+        (["--mixup_prob", "0.5"], "--mixup_prob says how batches are mixed"),
+        (["--mixup_alpha", "0.2", "--mixup_switch_prob", "0.3"], "--mixup_switch_prob chooses"),
+        (["--cutmix_minmax", "0.6", "0.2"], "--cutmix_minmax"),
+        (["--rand_augment", "rand-m9-w0"], "weighted"),
+        (["--ema_decay", "0.9", "--load_best_model_at_end", "True", "--save_strategy", "epoch"], "load_best_model"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_args("finetune", out + argv)
+    with pytest.raises(ValueError, match="masked patch prediction"):
+        parse_args("pretrain", out + ["--objective", "mpp", "--recipe", "augreg"])
+    with pytest.raises(SystemExit):
+        parse_args("finetune", ["--help"])
+    shown = capsys.readouterr().out
+    for flag in (
+        "--recipe", "--layer_decay", "--ema_decay", "--ema_warmup", "--mixup_alpha", "--cutmix_alpha",
+        "--cutmix_minmax", "--mixup_prob", "--mixup_switch_prob", "--rand_augment",
+    ):  # fmt: skip
+        assert flag in shown, flag
+
+
+def test_rand_augment_in_the_training_transform_is_seeded_per_example():
+    from hf_vit import VisionTransformerImageProcessor
+    from hf_vit.run.transforms import make_train_transform
+
+    processor = VisionTransformerImageProcessor(size={"height": 16, "width": 16})
+    images = [PIL.Image.fromarray(np.asarray(_image(24).permute(1, 2, 0))) for _ in range(4)]
+    batch = {"image": images, "label": [0, 1, 2, 3]}
+    plain = make_train_transform(processor, random_resized_crop=False, hflip=False, seed=0)(batch)
+    augmented = make_train_transform(
+        processor, random_resized_crop=False, hflip=False, seed=0, rand_augment="rand-m9-n3"
+    )
+    first, again = (
+        augmented(batch),
+        make_train_transform(processor, random_resized_crop=False, hflip=False, seed=0, rand_augment="rand-m9-n3")(
+            batch
+        ),
+    )
+    other = make_train_transform(processor, random_resized_crop=False, hflip=False, seed=1, rand_augment="rand-m9-n3")(
+        batch
+    )
+    assert torch.equal(first["pixel_values"], again["pixel_values"])
+    assert not torch.equal(first["pixel_values"], other["pixel_values"])
+    assert not torch.equal(first["pixel_values"], plain["pixel_values"])
+    assert first["pixel_values"].shape == plain["pixel_values"].shape
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory):
+    """An uninterrupted fine-tuning run with every recipe part on (layer decay, EMA with warmup, Mixup and CutMix with
+    label smoothing, RandAugment), checkpointed every 2 steps, and the flags that made it."""
+    from test_training import WORKER, deterministic_finetune_args, pretrained_folder, run
+
+    root = tmp_path_factory.mktemp("recipe-resume")
+    source = pretrained_folder(root / "pre")
+    extra = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "steps", "--eval_steps", "3"]
+    extra += ["--random_resized_crop", "True", "--crop_scale_min", "0.5", "--hidden_dropout_prob", "0.1"]
+    extra += ["--recipe", "finetune", "--learning_rate", "0.01", "--ema_decay", "0.8", "--ema_warmup", "True"]
+    extra += ["--rand_augment", "rand-m9-mstd0.5-inc1", "--cutmix_minmax", "0.3", "0.7"]
+
+    def flags(output_dir, *more):
+        return deterministic_finetune_args(source, output_dir, 8, max_steps=8, extra=extra + list(more))
+
+    def launch(*args, expect=0):
+        return run([sys.executable, str(WORKER), *args], expect=expect)
+
+    straight = launch(*flags(root / "straight"))
+    return root, flags, launch, straight
+
+
+def test_recipe_run_saves_the_average_and_resumes_bit_for_bit(recipe_runs):
+    from hf_vit.run.ema import EMA_FILE
+
+    root, flags, launch, straight = recipe_runs
+    out = root / "straight"
+    assert "Layer-wise learning-rate decay 0.65: layer 0: lr x 0.2746" in straight.stderr  # 0.65^3, 2 blocks
+    assert "Training with the recipe finetune (He et al. 2021" in straight.stderr
+    assert "learning_rate=0.01 (given on the command line)" in straight.stderr
+    # the saved model is the average; the last checkpoint holds the raw weights and the same average
+    final = load_file(out / "model.safetensors")
+    raw = load_file(out / "checkpoint-8" / "model.safetensors")
+    average = load_file(out / "checkpoint-8" / EMA_FILE)
+    assert average.keys() <= final.keys() and all(torch.equal(final[k], average[k]) for k in average)
+    assert any(not torch.equal(final[k], raw[k]) for k in average)
+    card = (out / "README.md").read_text()
+    assert "Named recipe finetune (He et al. 2021" in card and "layer-wise learning-rate decay 0.65" in card
+    assert "EMA of the weights (decay 0.8 with warmup" in card and "RandAugment rand-m9-mstd0.5-inc1" in card
+
+    killed = root / "killed"
+    launch(*flags(killed, "--kill_at_step", "5"), expect=17)
+    assert (killed / "checkpoint-4" / EMA_FILE).is_file() and not (killed / "checkpoint-6").exists()
+    launch(*flags(killed, "--resume_from_checkpoint", "True"))
+    for name in ("model.safetensors", "checkpoint-8/model.safetensors", f"checkpoint-8/{EMA_FILE}"):
+        first, again = load_file(out / name), load_file(killed / name)
+        assert all(torch.equal(first[k], again[k]) for k in first), name
+    history = [json.loads((folder / "trainer_state.json").read_text())["log_history"] for folder in (out, killed)]
+    evaluated = [{e["step"]: e["eval_loss"] for e in h if "eval_loss" in e} for h in history]
+    assert {3, 6} <= set(evaluated[0])
+    assert all(evaluated[0][step] == evaluated[1][step] for step in evaluated[1] if step > 4)  # after resuming

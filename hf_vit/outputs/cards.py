@@ -79,7 +79,7 @@ def _without_local_paths(text: str | None, references: Iterable[str | os.PathLik
     return text
 
 
-def _recipe_text(task: str, args: Any) -> str:
+def training_recipe_text(task: str, args: Any) -> str:
     if args is None:
         return "not recorded."
 
@@ -200,7 +200,7 @@ def render_model_card(
         labels=", ".join(labels[:20]) + (", ..." if len(labels) > 20 else ""),
         base_model=base.text if base else None,
         dataset_description=dataset_description,
-        recipe=_without_local_paths(recipe, local_refs) or _recipe_text(task, training_args),
+        recipe=_without_local_paths(recipe, local_refs) or training_recipe_text(task, training_args),
         results=results,
         results_note=_without_local_paths(results_note, local_refs),
         limitations=DIGITS_LIMITATIONS

@@ -1,14 +1,22 @@
 """A run's arguments: the model, data and Trainer flags as `HfArgumentParser` dataclasses, and the paper's recipes as
-the Trainer flags' defaults for each task. Imports nothing of the run, so that every stage can read it."""
+the Trainer flags' defaults for each task; `--recipe` puts a named recipe's values (`recipes.NAMED_RECIPES`) in their
+place, and the recipes' flags are checked here, by name. Imports only the recipes' parts of the run (which import no
+stage of it), so that every stage can read it."""
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import HfArgumentParser, TrainingArguments
+
+from .ema import check_ema_decay
+from .mixing import Mixing
+from .rand_augment import parse_rand_augment
+from .recipes import get_recipe, passed_flags, scaled_learning_rate
 
 TASKS = ("pretrain", "finetune")
 
@@ -179,6 +187,14 @@ class DataArguments:
     hflip: bool | None = field(
         default=None, metadata={"help": "Random horizontal flips. Default: on, except for digits (flips change them)."}
     )
+    rand_augment: str | None = field(
+        default=None,
+        metadata={
+            "help": "RandAugment in timm's notation, e.g. rand-m9-mstd0.5-inc1: n (default 2) operations per image of "
+            "timm's 15, each applied with probability 1/2 at magnitude m of 10 (mstd: its noise; mmax: its largest "
+            "value; inc1: the variants that strengthen with m), after the crop and flip, seeded per image and epoch."
+        },
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only this many training images."})
 
 
@@ -200,6 +216,67 @@ class VisionTransformerTrainingArguments(TrainingArguments):
             "run in seconds instead of at the first evaluation."
         },
     )
+    recipe: str | None = field(
+        default=None,
+        metadata={
+            "help": "A paper's recipe as the defaults of its flags: augreg (Steiner et al. 2021: Adam, Mixup 0.2, "
+            "RandAugment 2x15, dropout and stochastic depth 0.1), deit (Touvron et al. 2021: AdamW, Mixup 0.8 / "
+            "CutMix 1.0, RandAugment m9-mstd0.5-inc1, label smoothing 0.1, stochastic depth 0.1, EMA), finetune (He "
+            "et al. 2021, MAE fine-tuning: AdamW, layer-wise lr decay 0.65, Mixup/CutMix, RandAugment, label "
+            "smoothing, drop path 0.1). Flags given on the command line override it; deit's and finetune's learning "
+            "rate scales with the global batch (from 512 and 256) unless --learning_rate is given. The card says what "
+            "ran."
+        },
+    )
+    layer_decay: float | None = field(
+        default=None,
+        metadata={
+            "help": "Layer-wise learning-rate decay D (timm's): block i of L learns at lr * D^(L-i), the embeddings "
+            "at lr * D^(L+1), the final norm and head at lr; biases, norms, position embeddings and the class token "
+            "get no weight decay. E.g. 0.65 for ViT-B, 0.75 for ViT-L. 1.0: those weight-decay groups only."
+        },
+    )
+    ema_decay: float | None = field(
+        default=None,
+        metadata={
+            "help": "Keep an exponential moving average of the trained weights with this decay (e.g. 0.9998), updated "
+            "after each optimiser step (the first copies the weights): evaluation uses it and the saved model is it; "
+            "checkpoints keep the raw weights and the average. With LoRA, the adapters and head are averaged."
+        },
+    )
+    ema_warmup: bool = field(
+        default=False,
+        metadata={
+            "help": "Warm the EMA's decay up as timm's ModelEmaV3 does: min(--ema_decay, 1 - (1 + t)^(-2/3)) after "
+            "step t + 1, so short runs average over a window that grows with them."
+        },
+    )
+    mixup_alpha: float = field(
+        default=0.0,
+        metadata={"help": "Mixup: mix each training batch with itself reversed, lam ~ Beta(alpha, alpha); 0 is off."},
+    )
+    cutmix_alpha: float = field(
+        default=0.0,
+        metadata={
+            "help": "CutMix: paste a box of the reversed batch, lam ~ Beta(alpha, alpha) then corrected to the box's "
+            "area; 0 is off. With --mixup_alpha, each batch does one or the other (--mixup_switch_prob)."
+        },
+    )
+    cutmix_minmax: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "CutMix box sides drawn uniformly between these fractions of the image's (min max), instead of "
+            "from lam; turns CutMix on.",
+            "nargs": 2,
+        },
+    )
+    mixup_prob: float = field(
+        default=1.0, metadata={"help": "Probability that a batch is mixed (Mixup or CutMix) at all."}
+    )
+    mixup_switch_prob: float = field(
+        default=0.5,
+        metadata={"help": "With both --mixup_alpha and --cutmix_alpha: probability of CutMix for a batch."},
+    )
 
 
 def parse_args(
@@ -219,7 +296,20 @@ def parse_args(
         dataloader_persistent_workers=workers > 0,
         dataloader_pin_memory=torch.cuda.is_available(),
     )
+    argv = sys.argv[1:] if argv is None else list(argv)
     model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    recipe = None
+    if training_args.recipe is not None:
+        # The recipe's values become the flags' defaults: what the command line gives still wins.
+        recipe = get_recipe(training_args.recipe)
+        parser.set_defaults(**recipe.flags)
+        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    passed = passed_flags(parser, argv)
+    training_args.recipe_flags_given = sorted(passed)
+    if recipe is not None and recipe.base_batch is not None and "learning_rate" not in passed:
+        batch = training_args.per_device_train_batch_size * training_args.world_size
+        training_args.learning_rate = scaled_learning_rate(recipe, batch * training_args.gradient_accumulation_steps)
+    check_recipe_flags(model_args, data_args, training_args, passed)
     if training_args.dataloader_num_workers == 0:
         training_args.dataloader_persistent_workers = False  # the default, meaningful with workers only
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -238,6 +328,61 @@ def parse_args(
             "Trainer. Run FSDP on GPUs (configs/accelerate/fsdp.yaml), or drop --fsdp to train with DDP."
         )
     return model_args, data_args, training_args
+
+
+def check_recipe_flags(model_args, data_args, training_args, passed: set[str]) -> None:
+    """Refuse, by name, recipe flags out of range or that would be ignored."""
+    if training_args.layer_decay is not None and not 0 < training_args.layer_decay <= 1:
+        raise ValueError(f"--layer_decay must be in (0, 1] (e.g. 0.65 for ViT-B), got {training_args.layer_decay}.")
+    check_ema_decay(training_args.ema_decay, training_args.ema_warmup)
+    if training_args.ema_decay is not None:
+        if training_args.load_best_model_at_end:
+            raise ValueError(
+                "--ema_decay with --load_best_model_at_end: the best checkpoint's weights are the raw ones, not their "
+                "average. Drop one of them."
+            )
+        if training_args.fsdp:
+            raise ValueError("--ema_decay averages whole parameters: it is not supported with --fsdp (use DDP).")
+    minmax = training_args.cutmix_minmax
+    mixing = Mixing(
+        num_classes=2,
+        mixup_alpha=training_args.mixup_alpha,
+        cutmix_alpha=training_args.cutmix_alpha,
+        cutmix_minmax=tuple(minmax) if minmax else None,
+        prob=training_args.mixup_prob,
+        switch_prob=training_args.mixup_switch_prob,
+        label_smoothing=training_args.label_smoothing_factor,
+    )
+    if not mixing.enabled:
+        idle = sorted({"mixup_prob", "mixup_switch_prob"} & passed)
+        if idle and mixing.prob > 0:
+            raise ValueError(
+                f"--{idle[0]} says how batches are mixed, but neither --mixup_alpha nor --cutmix_alpha is set: pass "
+                "one of them (e.g. --mixup_alpha 0.8) or drop it."
+            )
+    elif mixing.mixup_alpha == 0 or not mixing.uses_cutmix:
+        if "mixup_switch_prob" in passed:
+            raise ValueError(
+                "--mixup_switch_prob chooses between Mixup and CutMix: it needs both --mixup_alpha and --cutmix_alpha."
+            )
+    if data_args.rand_augment is not None:
+        parse_rand_augment(data_args.rand_augment)
+    if model_args.objective == "mpp":
+        used = [
+            flag
+            for flag, on in (
+                ("--mixup_alpha", training_args.mixup_alpha > 0),
+                ("--cutmix_alpha", mixing.uses_cutmix),
+                ("--rand_augment", data_args.rand_augment is not None),
+            )
+            if on
+        ]
+        if used:
+            raise ValueError(
+                f"{', '.join(used)} augment(s) images for classification: masked patch prediction (--objective mpp) "
+                "learns the patches' colours, which they would change. Drop them (a --recipe sets them: override with "
+                "--mixup_alpha 0 --cutmix_alpha 0, or train mpp without --recipe)."
+            )
 
 
 def default_hflip(data_args: DataArguments) -> bool:

@@ -48,6 +48,8 @@ def checkpoint_problems(path: str | os.PathLike) -> list[str]:
         problems.append(
             f"{path} holds no model weights (model.safetensors, or adapter_model.safetensors for a LoRA run)"
         )
+    # A run with --ema_decay writes the average first: a cut one is as unusable as cut weights.
+    weights += [path / "ema_state.safetensors"] if (path / "ema_state.safetensors").exists() else []
     for file in weights:
         try:
             with safe_open(file, "pt"):

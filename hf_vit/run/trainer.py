@@ -16,6 +16,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..outputs.push import PlannedHubPushes
+from .recipes import RecipeTrainerMixin
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,9 @@ class EpochToDataset(TrainerCallback):
         self.dataset.set_epoch(math.floor(state.epoch + 1e-6))
 
 
-class VisionTransformerTrainer(PlannedHubPushes, Trainer):
-    """`Trainer` with the guarantees the scripts promise.
+class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
+    """`Trainer` with the guarantees the scripts promise, and the recipes' parts (`recipes.RecipeTrainerMixin`:
+    layer-wise learning-rate decay, Mixup/CutMix, the weights' EMA).
 
     - Every push sends exactly the files the project's upload plan lists, and the token never reaches disk
       (`hf_vit.outputs.push.PlannedHubPushes`).

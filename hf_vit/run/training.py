@@ -27,10 +27,13 @@ from .evaluation import final_evaluation
 from .lora import adapt, lora_summary
 from .model_setup import processor_for
 from .objectives import Objective, select_objective
+from .recipes import ema_callback, log_recipe, mixing_for, recipe_card_text
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
 from .transforms import decode_rgb
 
 __all__ = ["check_eval_images", "main", "train"]
+
+logger = logging.getLogger(__name__)
 
 
 def train(
@@ -56,6 +59,8 @@ def train(
         overwrite=getattr(training_args, "overwrite_output_dir", False),
         main_process=training_args.process_index == 0,
     )
+    if training_args.process_index == 0:
+        log_recipe(model_args, data_args, training_args)
     try:
         return _run(task, model_args, data_args, training_args, callbacks or [], resume)
     finally:
@@ -103,7 +108,9 @@ def build_trainer(
         ds["train"] = SeededAugmentation(ds["train"], training_args.seed)
         callbacks.append(EpochToDataset(ds["train"]))
         num_examples = len(ds["train"])
-    return VisionTransformerTrainer(
+    # The average goes into the model at the end of training before the caller's callbacks see it.
+    ema = ema_callback(training_args)
+    trainer = VisionTransformerTrainer(
         model=model,
         args=training_args,
         train_dataset=ds["train"],
@@ -112,8 +119,10 @@ def build_trainer(
         compute_metrics=objective.compute_metrics,
         preprocess_logits_for_metrics=objective.preprocess_logits,
         processing_class=processor,
-        callbacks=[RunSetupCallback(num_examples), *callbacks],
+        callbacks=[RunSetupCallback(num_examples), *([ema] if ema else []), *callbacks],
     )
+    trainer.mixing, trainer.ema = mixing_for(training_args, model.config), ema
+    return trainer
 
 
 def write_outputs(trainer, task: str, model_args, data_args, training_args, metrics: dict[str, Any]) -> None:
@@ -135,6 +144,7 @@ def write_outputs(trainer, task: str, model_args, data_args, training_args, metr
             if model_args.lora_rank
             else None
         ),
+        recipe=recipe_card_text(task, model_args, data_args, training_args),
     )
     if training_args.push_to_hub:
         trainer.push_output_dir(f"hf-vit {task}: final model, card and metrics")

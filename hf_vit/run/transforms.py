@@ -38,6 +38,7 @@ from ..model.image_processing_vit import (
     resize_images,
     to_resampling,
 )
+from .rand_augment import RandAugment
 
 _IMAGE_DECODER = datasets.Image()
 _EXIF_ORIENTATION = 0x0112
@@ -117,6 +118,7 @@ def make_train_transform(
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     hflip: bool = True,
     seed: int | None = None,
+    rand_augment: str | None = None,
 ) -> Transform:
     """Batch transform for training: random resized crop, random horizontal flip, then the processor's normalisation.
 
@@ -126,7 +128,9 @@ def make_train_transform(
     resized with the processor's `resize_images` and `resample` to the processor's output size (`crop_size` when it
     centre-crops, else `size`). Without `random_resized_crop`, the image goes through the processor's own resize and
     centre crop, so with `hflip=False` the output equals `processor(images)`. The flip (probability 1/2, when `hflip`;
-    keep it off for digits and text) comes next, and the processor's `normalize_batch` last, once per batch. With
+    keep it off for digits and text) comes next, then RandAugment when `rand_augment` gives its policy in timm's
+    notation (`rand_augment.RandAugment`: on the uint8 image, areas it uncovers filled with the processor's mean
+    colour), and the processor's `normalize_batch` last, once per batch. With
     `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
     (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
 
@@ -147,6 +151,10 @@ def make_train_transform(
     size = (int(processor.size["height"]), int(processor.size["width"]))
     crop_size = (int(processor.crop_size["height"]), int(processor.crop_size["width"]))
     output_size = crop_size if processor.do_center_crop else size
+    augment_more = None
+    if rand_augment:
+        fill = tuple(round(255 * float(m)) for m in processor.image_mean)
+        augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
     own_generator = None if seed is None else torch.Generator().manual_seed(seed)
     # Only RGB output has a fast road: without conversion the processor keeps modes the JPEG decoder would change.
     fast_jpegs = random_resized_crop and processor.do_convert_rgb
@@ -179,6 +187,8 @@ def make_train_transform(
         if hflip and torch.rand((), generator=generator) < 0.5:
             # Flipped as [H, W, C], so that the copy stays channels-last like the resized image.
             pixels = pixels.permute(1, 2, 0).flip(1).permute(2, 0, 1)
+        if augment_more is not None:
+            pixels = augment_more(pixels, generator)
         return pixels.expand(3, -1, -1) if processor.do_convert_rgb and pixels.shape[0] == 1 else pixels
 
     def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import PIL.Image
@@ -229,13 +230,26 @@ def from_pil(image: PIL.Image.Image) -> torch.Tensor:
     return torch.from_numpy(array[..., None] if array.ndim == 2 else array).permute(2, 0, 1)
 
 
+def _resampling(value: Any) -> PIL.Image.Resampling:
+    """PIL's filter for `value` (a name or PIL's number); PIL's rotations and affine maps take nearest, bilinear and
+    bicubic only, so others (e.g. lanczos, a processor's resize filter) become bilinear."""
+    if isinstance(value, str):
+        chosen = RESAMPLING.get(value.lower())
+    else:
+        try:
+            chosen = PIL.Image.Resampling(int(value))
+        except (TypeError, ValueError):
+            chosen = None
+    return chosen if chosen in RESAMPLING.values() else PIL.Image.Resampling.BILINEAR
+
+
 class RandAugment:
     """`policy` applied to uint8 [C, H, W] images (C = 1 or 3), drawing from `generator`."""
 
     def __init__(self, policy: RandAugmentPolicy | str, fill: int | tuple[int, ...] = 128, resample="bilinear"):
         self.policy = parse_rand_augment(policy) if isinstance(policy, str) else policy
         self.fill = fill
-        self.resample = RESAMPLING.get(str(resample), PIL.Image.Resampling.BILINEAR)
+        self.resample = _resampling(resample)
 
     def magnitude(self, generator: torch.Generator | None) -> float:
         policy = self.policy

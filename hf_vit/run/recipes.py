@@ -328,3 +328,90 @@ class RecipeTrainerMixin:
             os.makedirs(folder, exist_ok=True)
             self.ema.average.save(folder)
         super()._save_checkpoint(model, trial)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A run's recipe, from its arguments
+
+
+def ema_callback(training_args: Any) -> EmaCallback | None:
+    decay = getattr(training_args, "ema_decay", None)
+    return None if decay is None else EmaCallback(decay, getattr(training_args, "ema_warmup", False))
+
+
+def mixing_for(training_args: Any, config: Any) -> Mixing | None:
+    """The run's `Mixing` of its training batches (None when off), for a classifier with `config`."""
+    minmax = getattr(training_args, "cutmix_minmax", None)
+    mixing = Mixing(
+        num_classes=max(int(getattr(config, "num_labels", 0)), 2),
+        mixup_alpha=getattr(training_args, "mixup_alpha", 0.0),
+        cutmix_alpha=getattr(training_args, "cutmix_alpha", 0.0),
+        cutmix_minmax=tuple(minmax) if minmax else None,
+        prob=getattr(training_args, "mixup_prob", 1.0),
+        switch_prob=getattr(training_args, "mixup_switch_prob", 0.5),
+        label_smoothing=training_args.label_smoothing_factor,
+        multi_label=getattr(config, "problem_type", None) == "multi_label_classification",
+    )
+    return mixing if mixing.enabled else None
+
+
+def _flag_values(*arguments: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for args in arguments:
+        values.update({name: getattr(args, name) for name in getattr(args, "__dataclass_fields__", {})})
+    return values
+
+
+def log_recipe(model_args: Any, data_args: Any, training_args: Any) -> None:
+    """The run's set-up: the named recipe and the values it ran with."""
+    name = getattr(training_args, "recipe", None)
+    if name is not None:
+        given = set(getattr(training_args, "recipe_flags_given", ()))
+        values = _flag_values(model_args, data_args, training_args)
+        logger.info("Training with the %s", recipe_summary(get_recipe(name), values, given))
+
+
+def regularisation_text(model_args: Any, data_args: Any, training_args: Any) -> str:
+    """The augmentation and regularisation a run used, in one sentence (empty when none of them)."""
+    parts = []
+    if getattr(training_args, "layer_decay", None) is not None:
+        parts.append(f"layer-wise learning-rate decay {training_args.layer_decay}")
+    if getattr(training_args, "ema_decay", None) is not None:
+        warmup = " with warmup" if training_args.ema_warmup else ""
+        parts.append(f"EMA of the weights (decay {training_args.ema_decay}{warmup}; the saved weights are the EMA)")
+    mixup = getattr(training_args, "mixup_alpha", 0) > 0
+    cutmix = getattr(training_args, "cutmix_alpha", 0) > 0 or bool(getattr(training_args, "cutmix_minmax", None))
+    if mixup:
+        parts.append(f"Mixup alpha {training_args.mixup_alpha}")
+    if cutmix:
+        minmax = f" (box sides {training_args.cutmix_minmax} of the image's)" if training_args.cutmix_minmax else ""
+        parts.append(f"CutMix alpha {training_args.cutmix_alpha}{minmax}")
+    if mixup or cutmix:
+        share = f", CutMix for {training_args.mixup_switch_prob} of them" if mixup and cutmix else ""
+        parts.append(f"batches mixed with probability {training_args.mixup_prob}{share}")
+    if getattr(data_args, "rand_augment", None):
+        parts.append(f"RandAugment {data_args.rand_augment}")
+    if training_args.label_smoothing_factor:
+        parts.append(f"label smoothing {training_args.label_smoothing_factor}")
+    for name, text in (("drop_path_rate", "stochastic depth"), ("hidden_dropout_prob", "dropout")):
+        if getattr(model_args, name, None):
+            parts.append(f"{text} {getattr(model_args, name)}")
+    return ("Regularisation and augmentation: " + ", ".join(parts) + ".") if parts else ""
+
+
+def recipe_card_text(task: str, model_args: Any, data_args: Any, training_args: Any) -> str:
+    """The card's recipe line: the optimiser and schedule, the regularisation, and the named recipe, if any."""
+    from ..outputs.cards import training_recipe_text
+
+    text = " ".join(
+        filter(
+            None,
+            [training_recipe_text(task, training_args), regularisation_text(model_args, data_args, training_args)],
+        )
+    )
+    name = getattr(training_args, "recipe", None)
+    if name is not None:
+        given = set(getattr(training_args, "recipe_flags_given", ()))
+        values = _flag_values(model_args, data_args, training_args)
+        text += " Named " + recipe_summary(get_recipe(name), values, given)
+    return text
