@@ -622,14 +622,18 @@ def test_rand_augment_in_the_training_transform_is_seeded_per_example():
     assert first["pixel_values"].shape == plain["pixel_values"].shape
 
 
-@pytest.fixture(scope="module")
-def recipe_runs(tmp_path_factory):
-    """An uninterrupted fine-tuning run with every recipe part on (layer decay, EMA with warmup, Mixup and CutMix with
-    label smoothing, RandAugment), checkpointed every 2 steps, and the flags that made it."""
+def test_recipe_run_saves_the_average_and_resumes_bit_for_bit(tmp_path, caplog):
+    """A fine-tuning run with every recipe part on (layer decay, EMA with warmup, Mixup and CutMix with label
+    smoothing, RandAugment, dropout), checkpointed every 2 steps and evaluated every 3, killed after step 5 and resumed
+    from checkpoint-4, ends as the uninterrupted run did, bit for bit. The two full runs train in this process (one
+    torch thread, as the killed run in its own process), the killed one in a worker."""
     from test_training import WORKER, deterministic_finetune_args, pretrained_folder, run
 
-    root = tmp_path_factory.mktemp("recipe-resume")
-    source = pretrained_folder(root / "pre")
+    from hf_vit.run.arguments import parse_args
+    from hf_vit.run.ema import EMA_FILE
+    from hf_vit.run.training import train
+
+    source = pretrained_folder(tmp_path / "pre")
     extra = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "steps", "--eval_steps", "3"]
     extra += ["--random_resized_crop", "True", "--crop_scale_min", "0.5", "--hidden_dropout_prob", "0.1"]
     extra += ["--recipe", "finetune", "--learning_rate", "0.01", "--ema_decay", "0.8", "--ema_warmup", "True"]
@@ -638,21 +642,20 @@ def recipe_runs(tmp_path_factory):
     def flags(output_dir, *more):
         return deterministic_finetune_args(source, output_dir, 8, max_steps=8, extra=extra + list(more))
 
-    def launch(*args, expect=0):
-        return run([sys.executable, str(WORKER), *args], expect=expect)
+    def train_here(*args):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with caplog.at_level("INFO", logger="hf_vit.run"):
+                train(args[0], *parse_args(args[0], list(args[1:])))
+        finally:
+            torch.set_num_threads(threads)
 
-    straight = launch(*flags(root / "straight"))
-    return root, flags, launch, straight
-
-
-def test_recipe_run_saves_the_average_and_resumes_bit_for_bit(recipe_runs):
-    from hf_vit.run.ema import EMA_FILE
-
-    root, flags, launch, straight = recipe_runs
-    out = root / "straight"
-    assert "Layer-wise learning-rate decay 0.65: layer 0: lr x 0.2746" in straight.stderr  # 0.65^3, 2 blocks
-    assert "Training with the recipe finetune (He et al. 2021" in straight.stderr
-    assert "learning_rate=0.01 (given on the command line)" in straight.stderr
+    out, killed = tmp_path / "straight", tmp_path / "killed"
+    train_here(*flags(out))
+    assert "Layer-wise learning-rate decay 0.65: layer 0: lr x 0.2746" in caplog.text  # 0.65^3, 2 blocks
+    assert "Training with the recipe finetune (He et al. 2021" in caplog.text
+    assert "learning_rate=0.01 (given on the command line)" in caplog.text
     # the saved model is the average; the last checkpoint holds the raw weights and the same average
     final = load_file(out / "model.safetensors")
     raw = load_file(out / "checkpoint-8" / "model.safetensors")
@@ -663,10 +666,9 @@ def test_recipe_run_saves_the_average_and_resumes_bit_for_bit(recipe_runs):
     assert "Named recipe finetune (He et al. 2021" in card and "layer-wise learning-rate decay 0.65" in card
     assert "EMA of the weights (decay 0.8 with warmup" in card and "RandAugment rand-m9-mstd0.5-inc1" in card
 
-    killed = root / "killed"
-    launch(*flags(killed, "--kill_at_step", "5"), expect=17)
+    run([sys.executable, str(WORKER), *flags(killed, "--kill_at_step", "5")], expect=17)
     assert (killed / "checkpoint-4" / EMA_FILE).is_file() and not (killed / "checkpoint-6").exists()
-    launch(*flags(killed, "--resume_from_checkpoint", "True"))
+    train_here(*flags(killed, "--resume_from_checkpoint", "True"))
     for name in ("model.safetensors", "checkpoint-8/model.safetensors", f"checkpoint-8/{EMA_FILE}"):
         first, again = load_file(out / name), load_file(killed / name)
         assert all(torch.equal(first[k], again[k]) for k in first), name
