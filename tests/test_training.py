@@ -445,7 +445,7 @@ def test_checkpoints_of_lora_runs_resume_and_cut_configs_are_skipped(tmp_path, c
     cut = fake_checkpoint(tmp_path / "checkpoint-4")
     (cut / "config.json").write_text('{"model_type": "hf-vit", "hidden_si')
     fake_checkpoint(tmp_path / "checkpoint-6", weights=False)  # no weights at all
-    with caplog.at_level("WARNING", logger="hf_vit.training"):
+    with caplog.at_level("WARNING", logger="hf_vit.run"):
         assert last_complete_checkpoint(tmp_path) == str(lora)
     assert f"{cut / 'config.json'} is cut off" in caplog.text and "checkpoint-6 holds no model weights" in caplog.text
 
