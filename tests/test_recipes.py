@@ -579,6 +579,7 @@ def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
         (["--mixup_prob", "0.5"], "--mixup_prob says how batches are mixed"),
         (["--mixup_alpha", "0.2", "--mixup_switch_prob", "0.3"], "--mixup_switch_prob chooses"),
         (["--cutmix_minmax", "0.6", "0.2"], "--cutmix_minmax"),
+        (["--cutmix_minmax", "0.2", "0.4", "0.6"], "--cutmix_minmax takes two"),
         (["--rand_augment", "rand-m9-w0"], "weighted"),
         (["--ema_decay", "0.9", "--load_best_model_at_end", "True", "--save_strategy", "epoch"], "load_best_model"),
     ):

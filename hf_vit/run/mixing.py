@@ -50,6 +50,8 @@ class Mixing:
         if not 0 <= self.label_smoothing < 1:
             raise ValueError(f"--label_smoothing_factor must be in [0, 1), got {self.label_smoothing}.")
         if self.cutmix_minmax is not None:
+            if len(self.cutmix_minmax) != 2:
+                raise ValueError(f"--cutmix_minmax takes two fractions (min max), got {list(self.cutmix_minmax)}.")
             low, high = self.cutmix_minmax
             if not 0 < low < high <= 1:
                 raise ValueError(
