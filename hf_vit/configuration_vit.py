@@ -348,8 +348,9 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         if model_type != cls.model_type:
             raise ValueError(
                 f"{os.fspath(source)} holds a {model_type!r} checkpoint, not an hf-vit one (model_type "
-                f"{cls.model_type!r}), and not one hf-vit converts on load (transformers' or timm's ViT, the authors' "
-                ".npz): its weights would not load into this model."
+                f"{cls.model_type!r}), and not one hf-vit converts on load (transformers' or timm's ViT, DINOv2, "
+                "DeiT, the vision towers of CLIP and SigLIP, the authors' .npz): its weights would not load into this "
+                "model."
             )
         return config_dict, kwargs
 
