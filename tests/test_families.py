@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from test_sources import hub_repo
 from transformers import (
     AutoModel,
@@ -282,3 +283,145 @@ def test_converted_models_save_hf_vit_folders_that_load_as_remote_code(hub, tmp_
     for name, (hidden, pooled) in torch.load(tmp_path / "out.pt").items():
         torch.testing.assert_close(hidden, expected[name][0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(pooled, expected[name][1], atol=1e-5, rtol=1e-5)
+
+
+def timm_folder(folder, state_dict, heads, global_pool, **model_args):
+    """A timm repository as on the Hub: weights under timm's names and timm's config.json."""
+    save_file({key: value.contiguous() for key, value in state_dict.items()}, folder / "model.safetensors")
+    config = {
+        "architecture": "vit_small_patch14_reg4_dinov2",
+        "num_classes": 0,
+        "global_pool": global_pool,
+        "model_args": {"num_heads": heads, **model_args},
+        "pretrained_cfg": {"interpolation": "bicubic", "mean": [0.5] * 3, "std": [0.5] * 3},
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def timm_blocks(layers, names) -> dict:
+    """timm's block arrays from transformers' layers; `names` says where each part lives in them."""
+    out = {}
+    for i, layer in enumerate(layers):
+        get = {part: layer.get_submodule(path) for part, path in names.items() if part != "qkv"}
+        attn = get["attention"]
+        for p in ("weight", "bias"):
+            out[f"blocks.{i}.attn.qkv.{p}"] = torch.cat([getattr(getattr(attn, x), p) for x in names["qkv"]])
+            for ours, theirs in (("norm1", "norm1"), ("norm2", "norm2"), ("attn.proj", "proj")):
+                out[f"blocks.{i}.{ours}.{p}"] = getattr(get[theirs], p)
+            out[f"blocks.{i}.mlp.fc1.{p}"] = getattr(get["fc1"], p)
+            out[f"blocks.{i}.mlp.fc2.{p}"] = getattr(get["fc2"], p)
+    return {key: value.detach().clone() for key, value in out.items()}
+
+
+# where timm's block parts are in transformers' DINOv2 layer (its in-memory names)
+DINOV2_PARTS = dict(attention="attention", norm1="norm1", norm2="norm2", proj="attention.o_proj", fc1="mlp.fc1",
+                    fc2="mlp.fc2", qkv=("q_proj", "k_proj", "v_proj"))  # fmt: skip
+
+
+def test_timm_reg4_with_layer_scale_and_no_embed_class_computes_what_dinov2_with_registers_computes(hub_cache):
+    """timm's `vit_*_reg4_dinov2`: register tokens, LayerScale, and no position for the class token
+    (`no_embed_class=True`), written from transformers' DINOv2 with registers whose class position is zero."""
+    source = dinov2_registers()
+    with torch.no_grad():
+        source.embeddings.position_embeddings[:, 0] = 0
+    layers = source.encoder.layer
+    names = DINOV2_PARTS
+    state_dict = timm_blocks(layers, names)
+    for i, layer in enumerate(layers):
+        state_dict[f"blocks.{i}.ls1.gamma"] = layer.layer_scale1.lambda1.detach().clone()
+        state_dict[f"blocks.{i}.ls2.gamma"] = layer.layer_scale2.lambda1.detach().clone()
+    embeddings = source.embeddings
+    state_dict.update({
+        "patch_embed.proj.weight": embeddings.patch_embeddings.projection.weight,
+        "patch_embed.proj.bias": embeddings.patch_embeddings.projection.bias,
+        "cls_token": embeddings.cls_token, "reg_token": embeddings.register_tokens,
+        "pos_embed": embeddings.position_embeddings[:, 1:],  # patches only: no_embed_class=True
+        "norm.weight": source.layernorm.weight, "norm.bias": source.layernorm.bias,
+    })  # fmt: skip
+    timm_folder(hub_repo(hub_cache, "timm/vit_small_patch14_reg4_dinov2.lvd142m"), state_dict, 4, "token",
+                reg_tokens=4, no_embed_class=True, init_values=1e-5)  # fmt: skip
+    model = VisionTransformerModel.from_pretrained("timm/vit_small_patch14_reg4_dinov2.lvd142m")
+    assert (model.config.num_register_tokens, model.config.layer_scale_init_value) == (4, 1e-5)
+    images = pixels(28, 28)
+    with torch.no_grad():
+        ours, theirs = model(images), source(images)
+    torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.pooler_output, theirs.pooler_output, atol=1e-5, rtol=1e-5)
+
+
+def test_timm_attention_pooling_computes_what_siglip_computes(hub_cache):
+    """timm's `global_pool="map"` (`attn_pool`: latent, q, kv, proj, norm, mlp), written from SigLIP's vision tower."""
+    source = siglip(vision_only=True)
+    names = dict(attention="self_attn", norm1="layer_norm1", norm2="layer_norm2", proj="self_attn.out_proj",
+                 fc1="mlp.fc1", fc2="mlp.fc2", qkv=("q_proj", "k_proj", "v_proj"))  # fmt: skip
+    state_dict = timm_blocks(source.encoder.layers, names)
+    head, width = source.head, source.config.hidden_size
+    state_dict.update({
+        "patch_embed.proj.weight": source.embeddings.patch_embedding.weight,
+        "patch_embed.proj.bias": source.embeddings.patch_embedding.bias,
+        "pos_embed": source.embeddings.position_embedding.weight[None],
+        "norm.weight": source.post_layernorm.weight, "norm.bias": source.post_layernorm.bias,
+        "attn_pool.latent": head.probe,
+        "attn_pool.q.weight": head.attention.in_proj_weight[:width],
+        "attn_pool.q.bias": head.attention.in_proj_bias[:width],
+        "attn_pool.kv.weight": head.attention.in_proj_weight[width:],
+        "attn_pool.kv.bias": head.attention.in_proj_bias[width:],
+        "attn_pool.proj.weight": head.attention.out_proj.weight, "attn_pool.proj.bias": head.attention.out_proj.bias,
+        "attn_pool.norm.weight": head.layernorm.weight, "attn_pool.norm.bias": head.layernorm.bias,
+        "attn_pool.mlp.fc1.weight": head.mlp.fc1.weight, "attn_pool.mlp.fc1.bias": head.mlp.fc1.bias,
+        "attn_pool.mlp.fc2.weight": head.mlp.fc2.weight, "attn_pool.mlp.fc2.bias": head.mlp.fc2.bias,
+    })  # fmt: skip
+    state_dict = {key: value.detach().clone() for key, value in state_dict.items()}
+    timm_folder(hub_repo(hub_cache, "timm/vit_base_patch16_siglip_224.test"), state_dict, 4, "map", class_token=False)
+    model = VisionTransformerModel.from_pretrained(
+        "timm/vit_base_patch16_siglip_224.test", hidden_act="gelu_pytorch_tanh"
+    )
+    assert (model.config.classifier, model.config.use_class_token) == ("map", False)
+    images = pixels(32, 32)
+    with torch.no_grad():
+        ours, theirs = model(images), source(images)
+    torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.pooler_output, theirs.pooler_output, atol=1e-5, rtol=1e-5)
+
+
+def test_timm_fc_norm_normalises_the_average_of_the_patch_tokens_after_registers(hub_cache):
+    """timm's `vit_*_reg4_gap_*` with `fc_norm`: no class token, four registers, average pooling of the patch
+    tokens only, then fc_norm; `norm` is an identity, so the tokens are returned as the last block left them."""
+    source = dinov2_registers()
+    layers = source.encoder.layer
+    names = DINOV2_PARTS
+    state_dict = timm_blocks(layers, names)
+    embeddings = source.embeddings
+    torch.manual_seed(3)
+    state_dict.update({
+        "patch_embed.proj.weight": embeddings.patch_embeddings.projection.weight.detach(),
+        "patch_embed.proj.bias": embeddings.patch_embeddings.projection.bias.detach(),
+        "reg_token": embeddings.register_tokens.detach(),
+        "pos_embed": embeddings.position_embeddings[:, 1:].detach(),
+        "fc_norm.weight": 1 + torch.randn(32) * 0.1, "fc_norm.bias": torch.randn(32) * 0.1,
+    })  # fmt: skip
+    timm_folder(hub_repo(hub_cache, "timm/vit_base_patch16_reg4_gap_256.test"), state_dict, 4, "avg",
+                class_token=False, reg_tokens=4, fc_norm=True)  # fmt: skip
+    model = VisionTransformerModel.from_pretrained("timm/vit_base_patch16_reg4_gap_256.test")
+    assert (model.config.fc_norm, model.config.classifier, model.config.num_prefix_tokens) == (True, "gap", 4)
+    images = pixels(28, 28)
+    with torch.no_grad():
+        out = model(images)
+        # the same blocks without LayerScale: written with transformers' DINOv2, LayerScale set to one
+        for layer in layers:
+            layer.layer_scale1.lambda1.fill_(1.0)
+            layer.layer_scale2.lambda1.fill_(1.0)
+        hidden = source.encoder(
+            torch.cat(
+                [
+                    embeddings.register_tokens.expand(2, -1, -1),
+                    embeddings.patch_embeddings(images) + embeddings.position_embeddings[:, 1:],
+                ],
+                dim=1,
+            )
+        ).last_hidden_state
+    torch.testing.assert_close(out.last_hidden_state, hidden, atol=1e-5, rtol=1e-5)
+    expected = torch.nn.functional.layer_norm(
+        hidden[:, 4:].mean(dim=1), (32,), state_dict["fc_norm.weight"], state_dict["fc_norm.bias"], eps=1e-6
+    )
+    torch.testing.assert_close(out.pooler_output, expected, atol=1e-5, rtol=1e-5)
