@@ -3,6 +3,7 @@ without registers), DeiT with its distillation token, and the vision towers of C
 are written by transformers' classes into an offline Hub cache under the real repository ids; hf-vit converts them on
 load and must compute what they compute."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -110,30 +111,37 @@ def vision_encoder(model):
     return getattr(model, "vision_model", None) or getattr(model, "deit", None) or model
 
 
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    """An empty Hub cache in the Hub's layout, offline (as tests/test_sources.py's)."""
+@contextlib.contextmanager
+def offline_cache(folder):
+    """An empty Hub cache in the Hub's layout at `folder`, offline (as tests/test_sources.py's)."""
     import huggingface_hub.constants
 
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    assert huggingface_hub.constants.HF_HUB_OFFLINE  # conftest: the Hub is never reached
-    return cache
+    folder.mkdir()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(folder))
+        patch.setenv("HF_HUB_CACHE", str(folder))
+        assert huggingface_hub.constants.HF_HUB_OFFLINE  # conftest: the Hub is never reached
+        yield folder
 
 
 @pytest.fixture
-def hub(hub_cache):
-    """Write each source into the offline Hub cache as its repository id; returns id -> source model."""
-    written = {}
-    for repo_id, (build, processor) in SOURCES.items():
-        model = build()
-        folder = hub_repo(hub_cache, repo_id)
-        model.save_pretrained(folder)
-        processor.save_pretrained(folder)
-        written[repo_id] = model
-    return written
+def hub_cache(tmp_path):
+    with offline_cache(tmp_path / "hub") as cache:
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """Each source written into an offline Hub cache under its repository id, once; returns id -> source model."""
+    with offline_cache(tmp_path_factory.mktemp("families") / "hub") as cache:
+        written = {}
+        for repo_id, (build, processor) in SOURCES.items():
+            model = build()
+            folder = hub_repo(cache, repo_id)
+            model.save_pretrained(folder)
+            processor.save_pretrained(folder)
+            written[repo_id] = model
+        yield written
 
 
 def pixels(height, width, batch=2):
@@ -425,3 +433,14 @@ def test_timm_fc_norm_normalises_the_average_of_the_patch_tokens_after_registers
         hidden[:, 4:].mean(dim=1), (32,), state_dict["fc_norm.weight"], state_dict["fc_norm.bias"], eps=1e-6
     )
     torch.testing.assert_close(out.pooler_output, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_converted_models_export_to_onnx_and_match_at_two_sizes(hub, tmp_path):
+    """SigLIP's tower (no class token, attention pooling through torch's MultiheadAttention) exports to ONNX;
+    onnxruntime matches PyTorch at the native size and a non-square one (positions resampled inside the graph)."""
+    from hf_vit.export import check_onnx, export
+
+    model = VisionTransformerModel.from_pretrained("google/siglip-base-patch16-224").eval()
+    path = export(model, tmp_path / "siglip.onnx")
+    differences = check_onnx(path, model, [(32, 32), (48, 32)], batch=2)
+    assert len(differences) == 2 and max(differences.values()) < 1e-4, differences
