@@ -493,10 +493,9 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
             self.pre_logits = nn.Linear(width, config.representation_size)
             width = config.representation_size
         self.classifier = nn.Linear(width, config.num_labels) if config.num_labels > 0 else nn.Identity()
-        self.distillation_classifier = None
-        if config.use_distillation_token and config.distillation_head:
-            head = nn.Linear(config.hidden_size, config.num_labels) if config.num_labels > 0 else nn.Identity()
-            self.distillation_classifier = head
+        self.distillation_classifier = None  # DeiT's second head; without classes the features are the output
+        if config.use_distillation_token and config.distillation_head and config.num_labels > 0:
+            self.distillation_classifier = nn.Linear(config.hidden_size, config.num_labels)
 
     @torch.no_grad()
     def reset_classifier(self, id2label: dict[int, str], representation_size: int | None = None) -> None:

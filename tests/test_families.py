@@ -444,3 +444,36 @@ def test_converted_models_export_to_onnx_and_match_at_two_sizes(hub, tmp_path):
     path = export(model, tmp_path / "siglip.onnx")
     differences = check_onnx(path, model, [(32, 32), (48, 32)], batch=2)
     assert len(differences) == 2 and max(differences.values()) < 1e-4, differences
+
+
+def test_deits_one_head_classifier_and_its_encoder_with_pooler_load_as_transformers_computes_them(hub_cache):
+    """transformers' `DeiTForImageClassification` classifies the class token alone (its distillation token is in the
+    sequence, without a head); `DeiTModel`'s pooler (dense + tanh) becomes the pre-logits layer."""
+    from transformers import DeiTForImageClassification, DeiTModel
+
+    torch.manual_seed(0)
+    config = DeiTConfig(**TOWER, image_size=32, patch_size=8, num_labels=3)
+    one_head = randomise(DeiTForImageClassification(config))
+    one_head.save_pretrained(hub_repo(hub_cache, "someone/deit-finetuned"))
+    encoder = randomise(DeiTModel(config))
+    encoder.save_pretrained(hub_repo(hub_cache, "someone/deit-encoder"))
+    images = pixels(32, 32)
+    model = VisionTransformerForImageClassification.from_pretrained("someone/deit-finetuned")
+    assert model.config.use_distillation_token and model.distillation_classifier is None
+    pooled = VisionTransformerForImageClassification.from_pretrained("someone/deit-encoder")
+    assert pooled.config.representation_size == 32 and pooled.config.num_labels == 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(images).logits, one_head(images).logits, atol=1e-5, rtol=1e-5)
+        # with no classes the classifier is the identity: the logits are the pre-logits features, DeiT's pooler output
+        torch.testing.assert_close(pooled(images).logits, encoder(images).pooler_output, atol=1e-5, rtol=1e-5)
+
+
+def test_dinov2s_classification_head_is_refused_by_name(hub_cache):
+    from transformers import Dinov2ForImageClassification
+
+    torch.manual_seed(0)
+    Dinov2ForImageClassification(Dinov2Config(**DINO, num_labels=3)).save_pretrained(
+        hub_repo(hub_cache, "facebook/dinov2-small-imagenet1k-1-layer")
+    )
+    with pytest.raises(ValueError, match="concatenated with the mean of the patch tokens"):
+        VisionTransformerForImageClassification.from_pretrained("facebook/dinov2-small-imagenet1k-1-layer")
