@@ -47,7 +47,7 @@ Two choices to know about:
   per activation. Pass `hidden_act="gelu"` for that.
 * Resolution. With an `image_size` other than the checkpoint's, the position embeddings are resampled at load as the
   authors' `load_pretrained` does. They use `scipy.ndimage.zoom(order=1)` (bilinear through the grid corners, like
-  `align_corners=True`); this uses `hf_vit.resolution.resample_position_embeddings` with `mode="bilinear"`
+  `align_corners=True`); this uses `hf_vit.model.resolution.resample_position_embeddings` with `mode="bilinear"`
   (`align_corners=False`, what timm uses for these files), the closest mode it offers. Values differ slightly from
   scipy's away from the corners; both are then fine-tuned in practice.
 """
@@ -56,13 +56,15 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..configuration_vit import VisionTransformerConfig, resnet_stride
+from ..model.configuration_vit import VisionTransformerConfig, resnet_stride
 from .common import (
     ConversionError,
     Layout,
@@ -368,16 +370,25 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
             f"{path} is {what}. Only .npz archives of plain numeric arrays are read; pickled content would need "
             "allow_pickle=True, which can run arbitrary code, so it is refused."
         )
+    # A cut file (a download or copy that stopped) has no zip directory, or members that end early.
+    damaged = (OSError, EOFError, zipfile.BadZipFile, zlib.error)
+    cut = "it is truncated or corrupted (a download or copy that stopped?); fetch the file again"
     try:
         archive = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as error:
+    except damaged as error:
+        raise ConversionError(f"Could not read {path} as an .npz archive: {cut} ({error}).") from error
+    except ValueError as error:
         raise ConversionError(f"Could not read {path} as an .npz archive: {error}") from error
     arrays, pickled = {}, []
     with archive:
         for name in archive.files:
             try:
                 arrays[name] = archive[name]
-            except ValueError:  # an object array: np.load refuses it without allow_pickle
+            except damaged as error:
+                raise ConversionError(f"Could not read the array {name!r} of {path}: {cut} ({error}).") from error
+            except ValueError as error:  # an object array: np.load refuses it without allow_pickle
+                if "allow_pickle" not in str(error):
+                    raise ConversionError(f"Could not read the array {name!r} of {path}: {cut} ({error}).") from error
                 pickled.append(name)
     if pickled:
         raise ConversionError(
@@ -402,7 +413,7 @@ def read_jax_checkpoint(
     `hidden_act` defaults to the tanh approximation of GELU, `flax.linen.gelu`'s default, so the model computes what
     the authors' code computes; "gelu" gives the exact GELU that transformers' and timm's ports use.
     """
-    from ..image_processing_vit import VisionTransformerImageProcessor
+    from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     arrays = load_npz(input_path)
     config = infer_config_from_npz(arrays, preset=preset, image_size=image_size, hidden_act=hidden_act)

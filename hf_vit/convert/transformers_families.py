@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ..configuration_vit import VisionTransformerConfig
-from ..resolution import resample_position_embeddings
+from ..model.configuration_vit import VisionTransformerConfig
+from ..model.resolution import resample_position_embeddings
 from .common import FUSED_QKV, ConversionError, Layout, Transform, check_grid_size, square_side
 from .transformers_vit import read_json
 
