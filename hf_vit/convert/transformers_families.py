@@ -25,7 +25,6 @@ What each family computes, in hf-vit's terms:
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -37,8 +36,6 @@ from ..model.configuration_vit import VisionTransformerConfig
 from ..model.resolution import resample_position_embeddings
 from .common import FUSED_QKV, ConversionError, Layout, Transform, check_grid_size, square_side
 from .transformers_vit import read_json
-
-logger = logging.getLogger(__name__)
 
 _H = "vit.layers.{i}."
 # CLIP and SigLIP store the class token as (D,) and the positions as an nn.Embedding table (N, D).
@@ -374,9 +371,6 @@ def family_state_dict(
     return family.layout.to_hf_lazy(source, shapes, config, problems)
 
 
-def family_description(model_type: str) -> str:
-    return FAMILIES[model_type].name
-
-
 def read_config_json(folder: Path) -> dict:
+    """A family checkpoint's `config.json`, as a dict (errors name the file)."""
     return read_json(folder / "config.json")
