@@ -36,6 +36,14 @@ from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .loading import load_strictly, save_sibling_code
+from .naflex import (
+    attention_mask_for,
+    check_native_batch,
+    embed_flat_patches,
+    masked_mean,
+    native_position_embeddings,
+    patch_grid_maps,
+)
 from .resolution import check_pixel_values, grid_for, image_size_field, resample_position_embeddings
 
 __all__ = [
@@ -68,8 +76,15 @@ class VisionTransformerEmbeddings(nn.Module):
         self.position_embedding = nn.Parameter(torch.zeros(1, num_positions, config.hidden_size))
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, pixel_values: torch.Tensor, corrupt_embeddings: Callable | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        corrupt_embeddings: Callable | None = None,
+        spatial_shapes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         pixel_values = pixel_values.to(self.patch_embedding.weight.dtype)
+        if spatial_shapes is not None:  # a native-aspect batch: x_p given flattened, a grid per image (naflex.py)
+            return self.dropout(self.embed_native(pixel_values, spatial_shapes, corrupt_embeddings))
         # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
         features = pixel_values if self.stem is None else self.stem(pixel_values)
         patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
@@ -83,6 +98,26 @@ class VisionTransformerEmbeddings(nn.Module):
             self.position_embedding, self.config.grid_size, patches.shape[2:], self.config.num_prefix_tokens
         )
         return self.dropout(tokens + position_embedding)
+
+    def position_embeddings_for(self, grid: tuple[int, int]) -> torch.Tensor:
+        """E_pos `(1, prefix + rows * cols, D)` for a `(rows, cols)` grid, resampled as the ordinary path does."""
+        return resample_position_embeddings(
+            self.position_embedding, self.config.grid_size, grid, self.config.num_prefix_tokens
+        )
+
+    def embed_native(
+        self, pixel_values: torch.Tensor, spatial_shapes: torch.Tensor, corrupt_embeddings: Callable | None = None
+    ) -> torch.Tensor:
+        """Equation (1) for flattened patches `(B, K, P * P * C)`: the same E, class token and E_pos (resampled once
+        per distinct grid) as `forward`; padded patches get no position (they are masked as keys)."""
+        tokens = embed_flat_patches(self.patch_embedding, pixel_values)  # (B, K, D): x_p^i E
+        if corrupt_embeddings is not None:
+            tokens = corrupt_embeddings(tokens, self.mask_token)
+        if self.cls_token is not None:
+            tokens = torch.cat([self.cls_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
+        prefix = self.config.num_prefix_tokens
+        count = tokens.shape[1] - prefix
+        return tokens + native_position_embeddings(self.position_embeddings_for, spatial_shapes, prefix, count)
 
 
 class VisionTransformerAttention(nn.Module):
@@ -100,7 +135,7 @@ class VisionTransformerAttention(nn.Module):
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(
-        self, hidden_states: torch.Tensor, output_attentions: bool = False
+        self, hidden_states: torch.Tensor, output_attentions: bool = False, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, tokens, width = hidden_states.shape
         # (B, N, 3D) -> three (B, heads, N, d_h) views of one buffer: no copies before attention. Unbinding before
@@ -111,9 +146,8 @@ class VisionTransformerAttention(nn.Module):
         # Only the eager function returns the probabilities.
         implementation = "eager" if output_attentions else self.config._attn_implementation
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        output, probs = attention(
-            self, query, key, value, None, scaling=self.scaling, dropout=self.dropout if self.training else 0.0
-        )
+        dropout = self.dropout if self.training else 0.0
+        output, probs = attention(self, query, key, value, attention_mask, scaling=self.scaling, dropout=dropout)
         return self.proj(output.reshape(batch, tokens, width)), probs
 
 
@@ -162,9 +196,9 @@ class VisionTransformerBlock(GradientCheckpointingLayer):
         self.drop_path = DropPath(drop_path_rate)
 
     def forward(
-        self, hidden_states: torch.Tensor, output_attentions: bool = False
+        self, hidden_states: torch.Tensor, output_attentions: bool = False, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attended, probs = self.attention(self.norm1(hidden_states), output_attentions)
+        attended, probs = self.attention(self.norm1(hidden_states), output_attentions, attention_mask)
         hidden_states = hidden_states + self.drop_path(self.dropout(attended))  # (2)
         hidden_states = hidden_states + self.drop_path(self.mlp(self.norm2(hidden_states)))  # (3)
         return hidden_states, probs
@@ -309,22 +343,49 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         interpolate_pos_encoding: bool | None = None,
         output_attentions: bool | None = None,
         corrupt_embeddings: Callable | None = None,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
         """`corrupt_embeddings(tokens, mask_token)`: masked patch prediction's corruption of the patch embeddings
-        (see `VisionTransformerEmbeddings` and `modeling_mpp.py`)."""
+        (see `VisionTransformerEmbeddings` and `modeling_mpp.py`). `spatial_shapes` (with `pixel_attention_mask`):
+        a native-aspect batch of flattened patches, each image on its own grid (see `naflex.py`)."""
         if pixel_values is None:
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
-        hidden_states = self.embeddings(pixel_values, corrupt_embeddings)  # (1)
+        token_mask = attention_mask = None
+        if spatial_shapes is None:
+            check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
+        else:  # padded patches are masked as keys and left out of the pooling
+            masks = self.native_masks(pixel_values, pixel_attention_mask, spatial_shapes, output_attentions)
+            token_mask, attention_mask = masks
+        hidden_states = self.embeddings(pixel_values, corrupt_embeddings, spatial_shapes)  # (1)
         for block in self.layers:
-            hidden_states, _ = block(hidden_states, output_attentions)  # (2), (3)
+            hidden_states, _ = block(hidden_states, output_attentions, attention_mask)  # (2), (3)
         sequence_output = self.norm(hidden_states)
         # (4): the class token's final state, or the average of the patch tokens for classifier="gap".
         pooled_output = sequence_output[:, 0] if self.config.classifier == "token" else sequence_output.mean(dim=1)
+        if token_mask is not None and self.config.classifier != "token":  # the average of the valid tokens only
+            pooled_output = masked_mean(sequence_output, token_mask)
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
+
+    def native_masks(
+        self,
+        pixel_values: torch.Tensor,
+        pixel_attention_mask: torch.Tensor | None,
+        spatial_shapes: torch.Tensor,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The valid tokens `(B, prefix + K)` of a native-aspect batch and the attention mask hiding the others, in
+        the form the attention implementation takes (checked first: see `naflex.check_native_batch`)."""
+        if self.config.classifier not in ("token", "gap"):
+            raise ValueError(f"classifier={self.config.classifier!r} does not pool native-aspect batches yet.")
+        patch_mask = check_native_batch(pixel_values, pixel_attention_mask, spatial_shapes, self.config)
+        prefix = patch_mask.new_ones(patch_mask.shape[0], self.config.num_prefix_tokens)
+        token_mask = torch.cat([prefix, patch_mask], dim=1)
+        implementation = "eager" if output_attentions else self.config._attn_implementation
+        return token_mask, attention_mask_for(token_mask, implementation, self.embeddings.patch_embedding.weight)
 
     def forward_intermediates(
         self,
@@ -393,19 +454,23 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         interpolate_pos_encoding: bool = True,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
         **kwargs,
     ) -> BackboneOutput:
+        """A native-aspect batch (`spatial_shapes`, see `naflex.py`) gives maps on its largest grid, each image's at
+        the top left and zero beyond its own grid."""
         # dense prediction runs at any patch-divisible size: the position embeddings follow it
         outputs = VisionTransformerModel.forward(  # not super(): BackboneMixin defines a forward of its own
             self, pixel_values, interpolate_pos_encoding=interpolate_pos_encoding,
             output_attentions=output_attentions, output_hidden_states=True,
+            pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes,
         )  # fmt: skip
-        rows, cols = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
+        if spatial_shapes is None:
+            grid = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
+            spatial_shapes = torch.tensor([grid] * pixel_values.shape[0])
         feature_maps = tuple(
-            self.norm(state)[:, self.config.num_prefix_tokens :]
-            .reshape(state.shape[0], rows, cols, -1)
-            .permute(0, 3, 1, 2)
-            .contiguous()
+            patch_grid_maps(self.norm(state)[:, self.config.num_prefix_tokens :], spatial_shapes)
             for stage, state in zip(self.stage_names, outputs.hidden_states)
             if stage in self.out_features
         )
