@@ -36,15 +36,14 @@ from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .loading import load_strictly, save_sibling_code
-from .naflex import (
-    attention_mask_for,
-    check_native_batch,
-    embed_flat_patches,
-    masked_mean,
-    native_position_embeddings,
-    patch_grid_maps,
+from .naflex import embed_flat_patches, masked_mean, native_masks, native_position_embeddings, patch_grid_maps
+from .resolution import (
+    check_pixel_values,
+    grid_for,
+    image_size_field,
+    resample_patch_embedding_layer,
+    resample_position_embeddings,
 )
-from .resolution import check_pixel_values, grid_for, image_size_field, resample_position_embeddings
 
 __all__ = [
     "VisionTransformerBackbone",
@@ -242,8 +241,13 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         """transformers' `from_pretrained`, taking also the checkpoints users have (transformers' and timm's ViT as Hub
         ids or folders, the authors' `.npz` files; converted in memory by the reader `hf_vit.convert` registers), and
         strict: weights that leave part of the encoder randomly initialised are an error (only a classification head
-        may be new), and unreadable weights or folders are named: see `loading.py`."""
-        return load_strictly(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs)
+        may be new), and unreadable weights or folders are named: see `loading.py`. `patch_size=P` (with `image_size`,
+        optionally) loads the checkpoint as it is, then resamples it to P with `set_input_size` (FlexiViT)."""
+        resize = [kwargs.pop(name, None) for name in ("image_size", "patch_size")] if "patch_size" in kwargs else None
+        loaded = load_strictly(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs)
+        if resize is not None:
+            (loaded[0] if isinstance(loaded, tuple) else loaded).set_input_size(resize[0], patch_size=resize[1])
+        return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """transformers' `save_pretrained`, with every code file the config's `auto_map` names."""
@@ -251,12 +255,24 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         save_sibling_code(self, save_directory)
 
     @torch.no_grad()
-    def set_input_size(self, image_size: int | tuple[int, int] | list[int], mode: str = "bicubic") -> None:
+    def set_input_size(
+        self,
+        image_size: int | tuple[int, int] | list[int] | None = None,
+        mode: str = "bicubic",
+        patch_size: int | None = None,
+    ) -> None:
         """Change the model's resolution in place (the paper's fine-tuning at higher resolution): the position
         embeddings are resampled in 2D to the new patch grid, and the config says the new size, so the model runs
-        there without `interpolate_pos_encoding`."""
-        old_grid, new_grid = self.config.grid_size, grid_for(image_size, self.config.patch_size)
+        there without `interpolate_pos_encoding`. `patch_size` also changes the patch size (FlexiViT): the patch
+        embedding is resampled by `resample_patch_embedding`; `image_size` left out keeps the current one."""
+        image_size = self.config.image_hw if image_size is None else image_size
+        patch_size = self.config.patch_size if patch_size is None else patch_size
         embeddings = self.base_model.embeddings
+        patch_embedding = embeddings.patch_embedding
+        if patch_size != self.config.patch_size:  # checked before anything changes
+            patch_embedding = resample_patch_embedding_layer(patch_embedding, patch_size, self.config.stem_stride)
+        old_grid, new_grid = self.config.grid_size, grid_for(image_size, patch_size)
+        embeddings.patch_embedding, self.config.patch_size = patch_embedding, patch_size
         resampled = resample_position_embeddings(
             embeddings.position_embedding, old_grid, new_grid, self.config.num_prefix_tokens, mode
         )
@@ -358,8 +374,9 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         if spatial_shapes is None:
             check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
         else:  # padded patches are masked as keys and left out of the pooling
-            masks = self.native_masks(pixel_values, pixel_attention_mask, spatial_shapes, output_attentions)
-            token_mask, attention_mask = masks
+            token_mask, attention_mask = native_masks(
+                self.config, pixel_values, pixel_attention_mask, spatial_shapes, output_attentions, self.dtype
+            )
         hidden_states = self.embeddings(pixel_values, corrupt_embeddings, spatial_shapes)  # (1)
         for block in self.layers:
             hidden_states, _ = block(hidden_states, output_attentions, attention_mask)  # (2), (3)
@@ -369,23 +386,6 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         if token_mask is not None and self.config.classifier != "token":  # the average of the valid tokens only
             pooled_output = masked_mean(sequence_output, token_mask)
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
-
-    def native_masks(
-        self,
-        pixel_values: torch.Tensor,
-        pixel_attention_mask: torch.Tensor | None,
-        spatial_shapes: torch.Tensor,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The valid tokens `(B, prefix + K)` of a native-aspect batch and the attention mask hiding the others, in
-        the form the attention implementation takes (checked first: see `naflex.check_native_batch`)."""
-        if self.config.classifier not in ("token", "gap"):
-            raise ValueError(f"classifier={self.config.classifier!r} does not pool native-aspect batches yet.")
-        patch_mask = check_native_batch(pixel_values, pixel_attention_mask, spatial_shapes, self.config)
-        prefix = patch_mask.new_ones(patch_mask.shape[0], self.config.num_prefix_tokens)
-        token_mask = torch.cat([prefix, patch_mask], dim=1)
-        implementation = "eager" if output_attentions else self.config._attn_implementation
-        return token_mask, attention_mask_for(token_mask, implementation, self.embeddings.patch_embedding.weight)
 
     def forward_intermediates(
         self,

@@ -28,6 +28,7 @@ __all__ = [
     "check_native_batch",
     "embed_flat_patches",
     "masked_mean",
+    "native_masks",
     "native_position_embeddings",
     "patch_grid_maps",
 ]
@@ -118,11 +119,31 @@ def native_position_embeddings(
     return output
 
 
-def attention_mask_for(token_mask: torch.Tensor, implementation: str, weight: torch.Tensor) -> torch.Tensor:
+def native_masks(
+    config,
+    pixel_values: torch.Tensor,
+    pixel_attention_mask: torch.Tensor | None,
+    spatial_shapes: torch.Tensor,
+    output_attentions: bool,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The valid tokens `(B, prefix + K)` of a native-aspect batch (checked first: see `check_native_batch`) and the
+    attention mask hiding the others from every query, in the form the model's attention takes (`attention_mask_for`;
+    eager's when the probabilities are asked for), in the dtype of its weights."""
+    if config.classifier not in ("token", "gap"):
+        raise ValueError(f"classifier={config.classifier!r} does not pool native-aspect batches yet.")
+    patch_mask = check_native_batch(pixel_values, pixel_attention_mask, spatial_shapes, config)
+    prefix = patch_mask.new_ones(patch_mask.shape[0], config.num_prefix_tokens)
+    token_mask = torch.cat([prefix, patch_mask], dim=1)
+    implementation = "eager" if output_attentions else config._attn_implementation
+    return token_mask, attention_mask_for(token_mask, implementation, dtype)
+
+
+def attention_mask_for(token_mask: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
     """The attention mask that keeps padded tokens out of every token's keys, in the form `implementation` takes:
     the `(B, N)` padding mask for flash attention, a `BlockMask` for flex attention (whose kernels skip the padded
     blocks), else an additive `(B, 1, N, N)` mask (a broadcast view: eager and SDPA read it per query and key) in the
-    dtype the queries have: `weight`'s, or autocast's."""
+    dtype the queries have: the model's `dtype`, or autocast's."""
     if "flash" in implementation:
         return token_mask.int()
     if implementation == "flex_attention":
@@ -134,7 +155,7 @@ def attention_mask_for(token_mask: torch.Tensor, implementation: str, weight: to
         batch, tokens = token_mask.shape
         return create_block_mask(valid_key, batch, None, tokens, tokens, device=token_mask.device)
     device = token_mask.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else dtype
     batch, tokens = token_mask.shape
     additive = torch.zeros(token_mask.shape, dtype=dtype, device=token_mask.device)
     additive = additive.masked_fill(~token_mask, torch.finfo(dtype).min)
