@@ -354,6 +354,8 @@ def resnet_arrays():
         ("extra", r"no place.*Transformer/extra/kernel"),
         ("pickled", r"pickled object arrays \['meta'\].*allow_pickle"),
         ("pickle-file", r"pickle file"),
+        ("truncated", r"bad.npz as an .npz archive: it is truncated or corrupted.*fetch the file again"),
+        ("corrupted", r"array '.*' of .*bad.npz: it is truncated or corrupted"),
     ],
 )
 def test_bad_checkpoints_raise_and_write_nothing(tmp_path, case, pattern):
@@ -369,6 +371,13 @@ def test_bad_checkpoints_raise_and_write_nothing(tmp_path, case, pattern):
         save_npz(path, {**arrays, "Transformer/extra/kernel": np.zeros(2, np.float32)})
     elif case == "pickled":
         save_npz(path, {**arrays, "meta": np.array([{"note": "python object"}], dtype=object)})
+    elif case in ("truncated", "corrupted"):  # a download cut short; bytes changed inside a member
+        data = bytearray(save_npz(path, arrays).read_bytes())
+        if case == "truncated":
+            data = data[: len(data) // 2]
+        else:
+            data[len(data) // 3 : len(data) // 3 + 64] = bytes(64)
+        path.write_bytes(bytes(data))
     else:
         path.write_bytes(pickle.dumps(arrays))
     with pytest.raises(ConversionError, match=pattern) as error:

@@ -17,7 +17,7 @@ from hf_vit import (
     VisionTransformerImageProcessor,
     VisionTransformerModel,
 )
-from hf_vit.convert import hf_vit_to_npz_arrays, hf_vit_to_timm_state_dict
+from hf_vit.convert import ConversionError, hf_vit_to_npz_arrays, hf_vit_to_timm_state_dict
 
 SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -143,6 +143,10 @@ def test_the_authors_npz_loads_with_their_activation(tmp_path):
     assert exact.config.hidden_act == "gelu"
     processor = VisionTransformerImageProcessor.from_pretrained(tmp_path / "ViT-T_8.npz")
     assert processor.image_mean == [0.5, 0.5, 0.5] and processor.size == {"height": 32, "width": 32}
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes((tmp_path / "ViT-T_8.npz").read_bytes()[:5000])  # a download that stopped
+    with pytest.raises(ConversionError, match="cut.npz as an .npz archive: it is truncated or corrupted"):
+        VisionTransformerForImageClassification.from_pretrained(cut)
 
 
 def test_a_checkpoint_that_does_not_fit_is_an_error_naming_it(hub_cache):

@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -368,16 +370,25 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
             f"{path} is {what}. Only .npz archives of plain numeric arrays are read; pickled content would need "
             "allow_pickle=True, which can run arbitrary code, so it is refused."
         )
+    # A cut file (a download or copy that stopped) has no zip directory, or members that end early.
+    damaged = (OSError, EOFError, zipfile.BadZipFile, zlib.error)
+    cut = "it is truncated or corrupted (a download or copy that stopped?); fetch the file again"
     try:
         archive = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as error:
+    except damaged as error:
+        raise ConversionError(f"Could not read {path} as an .npz archive: {cut} ({error}).") from error
+    except ValueError as error:
         raise ConversionError(f"Could not read {path} as an .npz archive: {error}") from error
     arrays, pickled = {}, []
     with archive:
         for name in archive.files:
             try:
                 arrays[name] = archive[name]
-            except ValueError:  # an object array: np.load refuses it without allow_pickle
+            except damaged as error:
+                raise ConversionError(f"Could not read the array {name!r} of {path}: {cut} ({error}).") from error
+            except ValueError as error:  # an object array: np.load refuses it without allow_pickle
+                if "allow_pickle" not in str(error):
+                    raise ConversionError(f"Could not read the array {name!r} of {path}: {cut} ({error}).") from error
                 pickled.append(name)
     if pickled:
         raise ConversionError(
