@@ -246,3 +246,22 @@ def test_flex_attention_masks_the_padding_as_sdpa_does():
     valid = torch.cat([torch.ones(2, 1), inputs["pixel_attention_mask"]], dim=1).bool()
     assert not bool(valid.all())
     torch.testing.assert_close(flex[valid], sdpa[valid], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_native_batches_run_in_half_precision_and_under_autocast(implementation):
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(tiny_config(attn_implementation=implementation)).eval()
+    with torch.no_grad():
+        model.classifier.weight.normal_()
+    inputs = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)(
+        images([(40, 40), (90, 30)]), return_tensors="pt"
+    )
+    with torch.no_grad():
+        reference = model(**inputs).logits
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(**inputs).logits
+        half = model.to(torch.bfloat16)(**inputs).logits
+    for logits in (autocast, half):
+        assert logits.dtype == torch.bfloat16
+        torch.testing.assert_close(logits.float(), reference, atol=0.1 * reference.abs().max().item(), rtol=0)
