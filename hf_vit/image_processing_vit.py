@@ -670,7 +670,7 @@ def _native_batch(
 ) -> BatchFeature:
     """Each `[C, H, W]` image as its flattened patches padded to `max_num_patches`, with the padding mask and its
     grid (see `naflex.py`)."""
-    patches, masks, shapes = [], [], []
+    grids = []
     for index, image in enumerate(images):
         height, width = image.shape[-2:]
         rows, cols = height // patch_size, width // patch_size
@@ -679,14 +679,21 @@ def _native_batch(
                 f"Image {index} is {height}x{width} pixels, which is not a grid of at most {max_num_patches} "
                 f"{patch_size}x{patch_size} patches: leave do_resize on with max_num_patches (it chooses the grid)."
             )
-        flat = patchify(image[None], patch_size)[0]
-        patches.append(F.pad(flat, (0, 0, 0, max_num_patches - rows * cols)))
-        masks.append((torch.arange(max_num_patches, device=image.device) < rows * cols).to(torch.int32))
-        shapes.append(torch.tensor([rows, cols], device=image.device))
-    data = {"pixel_values": patches, "pixel_attention_mask": masks, "spatial_shapes": shapes}
+        grids.append((rows, cols))
+    channels, device = images[0].shape[0], images[0].device
+    # One strided copy per image straight into the padded batch (patchify's layout), zeros after its patches.
+    pixel_values = torch.zeros(len(grids), max_num_patches, patch_size * patch_size * channels, device=device)
+    for row, (image, (rows, cols)) in enumerate(zip(images, grids)):
+        target = pixel_values[row, : rows * cols].view(rows, cols, patch_size, patch_size, channels)
+        target.copy_(image.view(channels, rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0))
+    shapes = torch.tensor(grids, device=device)
+    data = {
+        "pixel_values": pixel_values,
+        "pixel_attention_mask": (torch.arange(max_num_patches, device=device) < shapes.prod(1)[:, None]).int(),
+        "spatial_shapes": shapes,
+    }
     if return_tensors is None:
-        return BatchFeature({name: [value.cpu().numpy() for value in values] for name, values in data.items()})
-    data = {name: torch.stack(values) for name, values in data.items()}
+        return BatchFeature({name: list(value.cpu().numpy()) for name, value in data.items()})
     if return_tensors == TensorType.NUMPY:
         data = {name: value.cpu().numpy() for name, value in data.items()}
     return BatchFeature(data, tensor_type=return_tensors)
