@@ -30,7 +30,8 @@ lint: setup
 	$(VENV)/bin/ruff format --check hf_vit scripts tests benchmarks
 
 # The default run (no compiled rows, no size sweep) takes under 15 minutes on 2 CPU cores. timm's and torchvision's
-# columns need an environment that has them: BENCH_PY=~/.cache/hfvit-peer-env/bin/python (../shared/peers/make-peer-env).
+# columns need an environment that has them: `bash benchmarks/peer_env.sh` builds one, then
+# make bench BENCH_PY=~/.cache/hfvit-peer-env/bin/python.
 BENCH_PY ?= $(PY)
 bench: setup
 	$(BENCH_PY) benchmarks/benchmark.py --steps 2 --repeats 5 --profile --json docs/benchmarks.json \

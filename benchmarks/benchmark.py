@@ -9,7 +9,7 @@ against eager inference; and optionally a sweep of throughput against image size
 The default run takes under 15 minutes on 2 CPU cores.
 
 timm and torchvision are not dependencies: their columns appear where they import, e.g. in the environment that
-`../shared/peers/make-peer-env` builds (`$PEER/bin/python benchmarks/benchmark.py ...`), and are absent otherwise.
+`bash benchmarks/peer_env.sh` builds (`$PEER/bin/python benchmarks/benchmark.py ...`), and are absent otherwise.
 
     python benchmarks/benchmark.py                                # ViT-S/16, 224, batch 16, fp32 + bf16
     python benchmarks/benchmark.py --json docs/benchmarks.json --profile --compile \
@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder imp
 import torch
 from transformers import HfArgumentParser
 
-from benchmarks.measure import BenchmarkSettings, run_benchmark
+from benchmarks.measure import run_benchmark
 from benchmarks.report import (
     format_input_pipeline,
     format_onnxruntime,
@@ -48,6 +48,7 @@ from benchmarks.report import (
     write_doc,
     write_json,
 )
+from benchmarks.settings import BenchmarkSettings
 
 
 @dataclass

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU work of the benchmark as parts of under 10 minutes each (the device machine's limit per command); see
-# benchmarks/README.md for bringing the packages the machine lacks and for copying the results back between parts.
+# The GPU work of the benchmark, on a GPU machine without network access, as parts of under 10 minutes each (for
+# machines that limit how long one command runs); see benchmarks/README.md for bringing the packages the machine
+# lacks as wheels (.whl/) and for carrying the results from one part to the next.
 #
-#   bash benchmarks/gpu_session.sh 1   the smoke checks (scripts/gpu_smoke.py) and the end-to-end runs (ViT-B/16, S/16)
+#   bash benchmarks/gpu_session.sh 1   the smoke checks (benchmarks/gpu_checks.py) and the end-to-end runs (ViT-B/16, S/16)
 #   bash benchmarks/gpu_session.sh 2   eager rows of ViT-S/16, B/16 and L/16, then compiled rows of ViT-S/16
 #   bash benchmarks/gpu_session.sh 3   compiled rows of ViT-B/16 (with a profile of its training step)
 #   bash benchmarks/gpu_session.sh 4   compiled rows of ViT-L/16
@@ -42,7 +43,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=c
 
 case "$part" in
 1)
-    step 280 smoke "$PY" scripts/gpu_smoke.py --json "$OUT/smoke.json"
+    step 280 smoke "$PY" benchmarks/gpu_checks.py --json "$OUT/smoke.json"
     step 145 end_to_end_b16 "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs --images 768 \
         --preset vit-base-patch16-224 --batch_size 256 --steps 8 --warmup_steps 3 --json "$OUT/end_to_end_b16.json" \
         -- --bf16
@@ -66,7 +67,7 @@ case "$part" in
         --json "$OUT/benchmarks_gpu.json"
     ;;
 quick)
-    step 120 smoke "$PY" scripts/gpu_smoke.py --json "$OUT/smoke.json"
+    step 120 smoke "$PY" benchmarks/gpu_checks.py --json "$OUT/smoke.json"
     step 120 end_to_end "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs-quick --images 64 \
         --preset vit-tiny-patch16-224 --num_hidden_layers 2 --image_size 64 --batch_size 8 --steps 8 \
         --warmup_steps 2 --json "$OUT/end_to_end.json"

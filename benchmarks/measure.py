@@ -16,70 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .inputs import PHOTO_SIZES, PIPELINE_NAMES, compare_input_pipelines, compare_processors, jpeg_photos
-from .models import (
-    BF16_DENSE_PEAK_TFLOPS,
-    build_hf_vit,
-    build_models,
-    compare_logits,
-    dense_bf16_peak,
-    hf_vit_config,
-    step_flops,
-    timm_from_hf_vit,
-    transformers_from_hf_vit,
-    vit_forward_flops,
-)
-from .profiling import PROFILE_CATEGORIES, profile_training_step
-from .runners import Run, Section, machine_info, sections, size_sweep
-from .settings import (
-    DTYPES,
-    HF_VIT,
-    LOGITS_TOLERANCE,
-    PIL_DECODE,
-    TIMM,
-    TORCHVISION,
-    TRANSFORMERS,
-    BenchmarkSettings,
-)
-from .timing import benchmark_models, make_infer_step, make_optimizer, make_train_step, time_alternating
-
-__all__ = [
-    "BF16_DENSE_PEAK_TFLOPS",
-    "DTYPES",
-    "HF_VIT",
-    "LOGITS_TOLERANCE",
-    "PHOTO_SIZES",
-    "PIL_DECODE",
-    "PIPELINE_NAMES",
-    "PROFILE_CATEGORIES",
-    "TIMM",
-    "TORCHVISION",
-    "TRANSFORMERS",
-    "BenchmarkSettings",
-    "Run",
-    "Section",
-    "benchmark_models",
-    "build_hf_vit",
-    "build_models",
-    "compare_input_pipelines",
-    "compare_logits",
-    "compare_processors",
-    "dense_bf16_peak",
-    "hf_vit_config",
-    "jpeg_photos",
-    "machine_info",
-    "make_infer_step",
-    "make_optimizer",
-    "make_train_step",
-    "profile_training_step",
-    "run_benchmark",
-    "size_sweep",
-    "step_flops",
-    "time_alternating",
-    "timm_from_hf_vit",
-    "transformers_from_hf_vit",
-    "vit_forward_flops",
-]
+from .runners import Run, sections
+from .settings import BenchmarkSettings
 
 
 def run_benchmark(settings: BenchmarkSettings, log: Callable[[str], None] = print) -> dict:

@@ -354,7 +354,7 @@ def write_doc(report: dict, path: str | os.PathLike) -> Path:
 def plot_sweep(rows: list[dict], path: str | os.PathLike, title: str = "") -> Path:
     """Throughput against tokens for each model (training left, inference middle) and the hf-vit/transformers
     ratio (right)."""
-    from hf_vit.plotting import pyplot, save_figure
+    from hf_vit.outputs.plotting import pyplot, save_figure
 
     fig, axes = pyplot().subplots(1, 3, figsize=(15, 4.5))
     styles = {HF_VIT: "-o", TRANSFORMERS: "--s", TIMM: ":^"}

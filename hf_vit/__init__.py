@@ -17,10 +17,10 @@ from transformers import (
 # The converters register their reader of foreign checkpoints (transformers' and timm's ViT, the authors' .npz) with
 # the core's hook (`loading.py`) as they are imported: the core imports nothing of them.
 from . import convert  # noqa: E402, F401
-from .configuration_vit import PRESETS, VisionTransformerConfig
-from .image_processing_vit import VisionTransformerImageProcessor
-from .modeling_mpp import VisionTransformerForMaskedPatchPrediction
-from .modeling_vit import (
+from .model.configuration_vit import PRESETS, VisionTransformerConfig
+from .model.image_processing_vit import VisionTransformerImageProcessor
+from .model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
+from .model.modeling_vit import (
     VisionTransformerBackbone,
     VisionTransformerForImageClassification,
     VisionTransformerModel,

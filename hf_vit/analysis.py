@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from .resolution import grid_for
+from .model.resolution import grid_for
 
 __all__ = [
     "HEAD_FUSIONS",
@@ -453,7 +453,7 @@ def write_analysis_figures(
     """
     from tqdm.auto import tqdm
 
-    from .plotting import plot_attention_rollout, plot_embedding_analysis
+    from .outputs.plotting import plot_attention_rollout, plot_embedding_analysis
 
     if not images:
         raise ValueError("`images` is empty: pass at least one image.")

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .modeling_vit import VisionTransformerForImageClassification, VisionTransformerPreTrainedModel
-from .resolution import MAX_PATCH_POSITIONS
+from .model.modeling_vit import VisionTransformerForImageClassification, VisionTransformerPreTrainedModel
+from .model.resolution import MAX_PATCH_POSITIONS
 
 FORMATS = ("onnx", "torch_export")
 

@@ -8,11 +8,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .configuration_vit import VisionTransformerConfig
-from .convert.common import check_output_dir, write_card, write_converted_folder
-from .image_processing_vit import VisionTransformerImageProcessor
-from .modeling_vit import VisionTransformerForImageClassification, VisionTransformerModel
-from .resolution import grid_for
+from .model.configuration_vit import VisionTransformerConfig
+from .model.image_processing_vit import VisionTransformerImageProcessor
+from .model.modeling_vit import VisionTransformerForImageClassification, VisionTransformerModel
+from .model.resolution import grid_for
+from .outputs.cards import write_card
+from .outputs.output_folders import check_output_dir, write_converted_folder
 
 POSITION_KEY = "embeddings.position_embedding"
 
@@ -54,10 +55,10 @@ def make_resolution_variant(
     config and processor saying the new size, so it runs without `interpolate_pos_encoding`.
 
     Returns `(model, processor)`; with `output_dir`, also writes the variant there with a model card (only if
-    everything succeeded; see `hf_vit.convert.common.write_converted_folder` for what `overwrite` may replace). The
-    card names `base_model` (a Hub id; default: the source folder's name, never a local path) and `repo_id`. With
-    `data_args` (`hf_vit.training.DataArguments`), the variant's test accuracy is measured with no further training
-    and goes into the card and `all_results.json`.
+    everything succeeded; see `hf_vit.outputs.output_folders.write_converted_folder` for what `overwrite` may
+    replace). The card names `base_model` (a Hub id; default: the source folder's name, never a local path) and
+    `repo_id`. With `data_args` (`hf_vit.run.arguments.DataArguments`), the variant's test accuracy is measured with no
+    further training and goes into the card and `all_results.json`.
     """
     folder = Path(source)
     if not (folder / "config.json").is_file():
@@ -84,7 +85,7 @@ def make_resolution_variant(
         return model, processor
     metrics = {}
     if data_args is not None:
-        from .training import evaluate_model  # training imports this module's callers: import on use
+        from .run.evaluation import evaluate_model  # loads the data set libraries: imported only to measure
 
         metrics = {f"eval_{name}": value for name, value in evaluate_model(model, processor, data_args).items()}
         metrics["eval_split"] = "test"
@@ -132,7 +133,7 @@ def make_evaluated_variant(
 ) -> dict[str, float]:
     """`make_resolution_variant` with the test accuracy measured (on the digits unless `data_args` names another data
     set) and written to its card and `all_results.json`. Returns the measured metrics (`eval_*`)."""
-    from .training import DataArguments
+    from .run.arguments import DataArguments
 
     make_resolution_variant(
         source,

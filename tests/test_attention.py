@@ -7,11 +7,11 @@ from conftest import tiny_config
 from test_modeling import model_for, pixels
 from torch.nn import functional as F
 
-from hf_vit.attention import matmul_attention_forward
+from hf_vit.model.attention import matmul_attention_forward
 
 
 def test_inference_under_autocast_keeps_the_residual_stream_in_fp32(monkeypatch):
-    import hf_vit.attention as attention
+    import hf_vit.model.attention as attention
 
     model, x = model_for(tiny_config(zero_init_head=False)), pixels()
     monkeypatch.setattr(attention, "prefers_matmul_attention", lambda query, training: False)  # SDPA here too
@@ -42,7 +42,7 @@ def test_matmul_attention_computes_what_sdpa_computes():
 @pytest.fixture
 def matmul_attention_calls(monkeypatch):
     """A list that gets an entry each time the model runs `matmul_attention_forward`."""
-    import hf_vit.attention as attention
+    import hf_vit.model.attention as attention
 
     calls = []
     matmul_attention = attention.matmul_attention_forward
@@ -78,7 +78,7 @@ def test_cpu_bf16_training_takes_the_matmul_attention_path(matmul_attention_call
 
 
 def test_matmul_attention_is_preferred_only_for_cpu_half_precision_training():
-    from hf_vit.attention import MATMUL_ATTENTION_MAX_TOKENS, prefers_matmul_attention
+    from hf_vit.model.attention import MATMUL_ATTENTION_MAX_TOKENS, prefers_matmul_attention
 
     def query(tokens=197, dtype=torch.bfloat16):
         return torch.empty(1, 2, tokens, 8, dtype=dtype)

@@ -206,10 +206,106 @@ def test_the_import_graph_finds_a_cycle():
     assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_package_has_no_import_cycle_and_the_core_imports_no_converter():
+# The layers, lowest first: a module may import its own layer and those below it, never one above. The core is
+# what a checkpoint carries; the outputs write folders, cards and pushes; the converters write converted folders
+# through the outputs; the run and the tools after training build on all three; the commands on everything.
+LAYERS = {
+    "hf_vit.model": 0,
+    "hf_vit.metrics": 0,
+    "hf_vit.outputs": 1,
+    "hf_vit.convert": 2,
+    "hf_vit.run": 3,
+    "hf_vit.variants": 3,
+    "hf_vit.export": 3,
+    "hf_vit.analysis": 3,
+    "hf_vit.lora": 3,
+    "hf_vit.hub": 3,
+    "hf_vit": 4,
+    "hf_vit.commands": 4,
+}
+
+
+def _layer(module: str) -> tuple[str, int]:
+    for prefix in sorted(LAYERS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix, LAYERS[prefix]
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+
+
+def test_the_package_has_no_import_cycle_and_imports_point_down():
     graph = package_import_graph()
     assert "hf_vit.convert.sources" in graph["hf_vit.convert"]  # the walk sees relative imports
     assert [cycle for cycle in import_cycles(graph) if cycle not in KNOWN_CYCLES] == []
-    core = ("hf_vit.configuration_vit", "hf_vit.modeling_vit", "hf_vit.image_processing_vit", "hf_vit.loading")
-    for module in core:
-        assert not {other for other in graph[module] if other.startswith("hf_vit.convert")}, module
+    upward = []
+    for module, imported in graph.items():
+        group, layer = _layer(module)
+        for other in imported:
+            other_group, other_layer = _layer(other)
+            if other_group == "hf_vit.commands" and group != "hf_vit.commands":
+                upward.append(f"{module} -> {other} (nothing imports the commands)")
+            elif other_layer > layer or (other_layer == layer and other_group != group and layer == 0):
+                upward.append(f"{module} -> {other}")
+    assert upward == []
+    assert not any(other.startswith("hf_vit.") and not other.startswith("hf_vit.model") for m, o in graph.items()
+                   if m.startswith("hf_vit.model") for other in o)  # fmt: skip
+
+
+def test_the_core_imports_only_its_siblings_torch_transformers_and_the_standard_library():
+    """Every module of hf_vit/model/ runs from a checkpoint's folder under trust_remote_code, beside its siblings
+    only: anything else it imported would be missing there (or be another version of hf-vit)."""
+    # numpy and safetensors are transformers' own requirements, Pillow that of its image processors: wherever
+    # transformers loads an hf-vit checkpoint with its processor, they are there.
+    allowed = {"torch", "transformers", "numpy", "safetensors", "PIL", "__future__"} | set(sys.stdlib_module_names)
+    for path in sorted((PACKAGE / "model").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1 and path.name != "__init__.py", f"{path.name}: from {'.' * node.level}"
+                names = [node.module] if node.module else [alias.name for alias in node.names]
+                for name in names:
+                    assert (PACKAGE / "model" / f"{name.split('.')[0]}.py").is_file(), f"{path.name}: .{name}"
+            else:
+                roots = (
+                    [alias.name for alias in node.names] if isinstance(node, ast.Import)
+                    else [node.module] if isinstance(node, ast.ImportFrom) else []
+                )  # fmt: skip
+                for root in roots:
+                    assert root.split(".")[0] in allowed, f"{path.name} imports {root}"
+
+
+def test_the_core_folder_is_exactly_the_code_a_checkpoint_carries(tmp_path):
+    from hf_vit import VisionTransformerImageProcessor
+    from hf_vit.outputs.files import remote_code_files
+
+    core = sorted(p.name for p in (PACKAGE / "model").glob("*.py") if p.name != "__init__.py")
+    assert list(remote_code_files()) == core
+    model = VisionTransformerForImageClassification(tiny_config())
+    model.save_pretrained(tmp_path)
+    VisionTransformerImageProcessor().save_pretrained(tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("*.py")) == core
+    auto_map = json.loads((tmp_path / "config.json").read_text())["auto_map"]
+    assert {value.split(".")[0] for value in auto_map.values()} <= {p.removesuffix(".py") for p in core}
+    assert all(value.count(".") == 1 for value in auto_map.values())  # basenames: the folder's own files
+
+
+def test_the_paths_users_were_given_still_import():
+    from importlib import import_module
+
+    import tomllib
+
+    import hf_vit
+    from hf_vit.analysis import HEAD_FUSIONS, write_analysis_figures  # noqa: F401
+    from hf_vit.hub import push_folder_to_hub  # noqa: F401
+    from hf_vit.lora import load_lora_model, save_merged_model  # noqa: F401
+
+    for name in ("VisionTransformerConfig", "VisionTransformerModel", "VisionTransformerForImageClassification",
+                 "VisionTransformerForMaskedPatchPrediction", "VisionTransformerImageProcessor",
+                 "VisionTransformerBackbone"):  # fmt: skip
+        assert hasattr(hf_vit, name), name
+    scripts = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    for command, target in scripts.items():
+        module, _, function = target.partition(":")
+        assert callable(getattr(import_module(module), function)), command
+
+
+def test_the_packages_top_level_holds_few_modules():
+    assert len([p for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]) <= 6

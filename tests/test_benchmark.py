@@ -17,11 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed with hf_vit
 
 from benchmarks import benchmark, gpu  # noqa: E402
-from benchmarks.measure import (  # noqa: E402
-    HF_VIT,
-    PROFILE_CATEGORIES,
-    TRANSFORMERS,
-    BenchmarkSettings,
+from benchmarks.models import (  # noqa: E402
     build_hf_vit,
     build_models,
     compare_logits,
@@ -29,9 +25,11 @@ from benchmarks.measure import (  # noqa: E402
     hf_vit_config,
     vit_forward_flops,
 )
+from benchmarks.profiling import PROFILE_CATEGORIES  # noqa: E402
 from benchmarks.report import fill_markdown, markdown_sections, merge_reports  # noqa: E402
-from hf_vit.configuration_vit import VisionTransformerConfig  # noqa: E402
+from benchmarks.settings import HF_VIT, TRANSFORMERS, BenchmarkSettings  # noqa: E402
 from hf_vit.convert.timm_vit import hf_vit_to_timm_state_dict  # noqa: E402
+from hf_vit.model.configuration_vit import VisionTransformerConfig  # noqa: E402
 
 # ViT-Ti/16 cut to 2 blocks, at 32x32 (5 tokens), batch 2: the whole run takes seconds.
 TINY = ["--model", "vit-tiny-patch16-224", "--num_hidden_layers", "2", "--image_size", "32", "--batch_size", "2"]
@@ -474,7 +472,9 @@ def test_load_cost_loads_a_snapshot_both_ways_in_fresh_processes(tmp_path):
     load_cost.write_snapshot(tmp_path, "google/vit-tiny-load-cost", sizes)
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    for loader, code in zip(load_cost.LOADERS, ("transformers/models/vit/modeling_vit.py", "hf_vit/modeling_vit.py")):
+    for loader, code in zip(
+        load_cost.LOADERS, ("transformers/models/vit/modeling_vit.py", "hf_vit/model/modeling_vit.py")
+    ):
         done = subprocess.run(
             [sys.executable, load_cost.__file__, "--worker", loader, "google/vit-tiny-load-cost"],
             env=env, capture_output=True, text=True, timeout=300,

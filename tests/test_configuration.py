@@ -2,7 +2,7 @@ import pytest
 from conftest import tiny_config
 
 from hf_vit import PRESETS, VisionTransformerConfig
-from hf_vit.configuration_vit import MODEL_SIZES, PATCH_SIZES
+from hf_vit.model.configuration_vit import MODEL_SIZES, PATCH_SIZES
 
 
 def test_presets_cover_the_papers_table():

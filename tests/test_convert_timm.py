@@ -22,7 +22,7 @@ from hf_vit.convert import (
     load_timm_state_dict,
     timm_to_hf_vit_state_dict,
 )
-from hf_vit.resolution import resample_position_embeddings
+from hf_vit.model.resolution import resample_position_embeddings
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = {

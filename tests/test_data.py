@@ -10,21 +10,19 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from hf_vit.data import (
-    DIGITS_SPLIT_SIZES,
+from hf_vit.model.image_processing_vit import VisionTransformerImageProcessor, load_images, resize_images
+from hf_vit.run.datasets import DIGITS_SPLIT_SIZES, load_digits_dataset, load_image_dataset
+from hf_vit.run.datasets import label_names as get_label_names
+from hf_vit.run.transforms import (
     CorruptImageError,
     apply_transforms,
     collate_fn,
     decode_rgb,
     draft_scale,
-    load_digits_dataset,
-    load_image_dataset,
     make_eval_transform,
     make_train_transform,
     random_resized_crop_box,
 )
-from hf_vit.data import label_names as get_label_names
-from hf_vit.image_processing_vit import VisionTransformerImageProcessor, load_images, resize_images
 
 SIZE = 16
 COLORS = {"bird": (0, 0, 255), "cat": (255, 0, 0), "dog": (0, 255, 0)}
@@ -606,7 +604,7 @@ def test_a_negative_class_id_is_refused_not_read_as_the_last_class(tmp_path):
 
 
 def test_multi_hot_refuses_class_ids_outside_the_classes():
-    from hf_vit.data import to_multi_hot
+    from hf_vit.run.datasets import to_multi_hot
 
     features = datasets.Features({"label": datasets.List(datasets.Value("int64"))})
     ds = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"label": [[0], [2, -1]]}, features=features)})

@@ -9,8 +9,9 @@ from conftest import tiny_config
 from huggingface_hub import ModelCard
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.files import remote_code_files
-from hf_vit.hub import card_reference, push_folder_to_hub, write_model_card
+from hf_vit.outputs.cards import card_reference, write_model_card
+from hf_vit.outputs.files import remote_code_files
+from hf_vit.outputs.push import push_folder_to_hub
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = {"eval_accuracy": 0.9722, "eval_top5_accuracy": 0.9972, "eval_split": "test", "eval_loss": 0.1}
@@ -67,7 +68,7 @@ def test_push_sends_exactly_the_projects_top_level_files(folder, hub, caplog):
     outside.write_text('{"private": true}')
     (path / "leak.json").symlink_to(outside)
 
-    with caplog.at_level("INFO", logger="hf_vit.hub"):
+    with caplog.at_level("INFO", logger="hf_vit.outputs.push"):
         assert push_folder_to_hub(path, "me/vit").endswith("/commit/0")
     assert f"Uploading {len(PROJECT_FILES) + 2} files" in caplog.text and "credentials.json" not in caplog.text
     assert hub["repo"] == "me/vit"
@@ -273,7 +274,7 @@ def test_the_security_note_lists_every_code_file_that_executes(folder):
 
 
 def test_cards_say_how_to_install_and_carry_no_placeholder_rows(tmp_path):
-    from hf_vit.hub import write_card
+    from hf_vit.outputs.cards import write_card
 
     model = VisionTransformerForImageClassification(tiny_config())
     write_card(tmp_path, model, base_model="google/vit-base-patch16-224", summary="Converted.", recipe="none.")
@@ -285,7 +286,7 @@ def test_cards_say_how_to_install_and_carry_no_placeholder_rows(tmp_path):
 
 
 def test_a_lora_adapters_card_says_how_to_apply_it_to_its_base(tmp_path):
-    from hf_vit.lora import apply_lora
+    from hf_vit.run.lora import apply_lora
 
     model = apply_lora(VisionTransformerForImageClassification(tiny_config()), 2, None, 0.0, ["qkv"])
     write_model_card(tmp_path, model, METRICS, task="finetune", dataset_name="digits", repo_id="me/lora",

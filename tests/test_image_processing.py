@@ -16,8 +16,8 @@ from sklearn.datasets import load_sample_images
 from transformers import BatchFeature, ViTConfig, ViTForImageClassification, ViTImageProcessorPil, pipeline
 from transformers.image_utils import PILImageResampling
 
-from hf_vit import image_processing_vit
-from hf_vit.image_processing_vit import (
+from hf_vit.model import image_processing_vit
+from hf_vit.model.image_processing_vit import (
     VisionTransformerImageProcessor,
     center_crop_images,
     rescale_and_normalize,

@@ -8,8 +8,10 @@ import torch
 from safetensors.torch import load_file
 from test_training import QUIET, pretrained_folder
 
-from hf_vit.lora import apply_lora, load_lora_model
-from hf_vit.training import load_for_finetuning, parse_args, train
+from hf_vit.run.arguments import parse_args
+from hf_vit.run.lora import apply_lora, load_lora_model
+from hf_vit.run.model_setup import load_checkpoint as load_for_finetuning
+from hf_vit.run.training import train
 
 
 def lora_run(tmp_path, *flags):
@@ -90,7 +92,7 @@ def test_the_merged_model_is_the_runs_model_with_its_settings(tmp_path):
     from peft import PeftModel
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-    from hf_vit.lora import save_merged_model
+    from hf_vit.run.lora import save_merged_model
 
     flags = ("--interpolation", "bilinear", "--representation_size", "16", "--image_size", "12")
     source, out, _ = lora_run(tmp_path, *flags)

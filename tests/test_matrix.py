@@ -12,7 +12,7 @@ Invariants on every run:
    model in memory predicted (with two processes: the model rank 0 held at the end of training);
 2. the reported test metrics (`all_results.json`) equal an evaluation of the test split made here;
 3. no text file written names a local path;
-4. the push plan (`hf_vit.hub.plan_upload`) lists only the project's files;
+4. the push plan (`hf_vit.outputs.push.plan_upload`) lists only the project's files;
 5. the logged global batch is per-device batch x processes.
 """
 
@@ -32,12 +32,14 @@ from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageClassification, TrainerCallback
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification
-from hf_vit.data import load_digits_dataset
-from hf_vit.files import RESULT_FILES
-from hf_vit.hub import plan_upload, upload_file_names
-from hf_vit.lora import apply_lora, save_merged_model
 from hf_vit.metrics import compute_metrics
-from hf_vit.training import load_for_finetuning, parse_args, train
+from hf_vit.outputs.files import RESULT_FILES
+from hf_vit.outputs.push import plan_upload, upload_file_names
+from hf_vit.run.arguments import parse_args
+from hf_vit.run.datasets import load_digits_dataset
+from hf_vit.run.lora import apply_lora, save_merged_model
+from hf_vit.run.model_setup import load_checkpoint as load_for_finetuning
+from hf_vit.run.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "train_worker.py"
@@ -202,7 +204,7 @@ def trained_in_memory(world, combination, output_dir, task, flags, caplog):
     """Run the combination; returns the model as training left it, and the run's log."""
     if combination.processes == 1:
         keep = KeepModel()
-        with caplog.at_level("INFO", logger="hf_vit.training"):
+        with caplog.at_level("INFO", logger="hf_vit.run"):
             train(task, *parse_args(task, flags), callbacks=[keep])
         return keep.model.eval(), caplog.text
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]

@@ -129,7 +129,7 @@ def test_backward_reaches_every_parameter(config):
 
 
 def test_activation_checkpointing_recomputes_blocks_and_keeps_gradients(monkeypatch):
-    import hf_vit.modeling_vit as modeling
+    import hf_vit.model.modeling_vit as modeling
 
     calls = []
     forward = modeling.VisionTransformerMLP.forward

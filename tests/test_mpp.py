@@ -9,8 +9,7 @@ from conftest import tiny_config
 from transformers import Trainer, TrainingArguments
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.data import load_digits_dataset, make_eval_transform
-from hf_vit.modeling_mpp import (
+from hf_vit.model.modeling_mpp import (
     PATCH_CLEAN,
     PATCH_KEPT,
     PATCH_MASKED,
@@ -19,7 +18,9 @@ from hf_vit.modeling_mpp import (
     corrupt_patches,
     draw_patch_corruption,
 )
-from hf_vit.pretraining import (
+from hf_vit.run.arguments import DataArguments
+from hf_vit.run.datasets import load_digits_dataset
+from hf_vit.run.mpp import (
     MaskedPatchPredictionTransform,
     mean_color_classes,
     mpp_collate_fn,
@@ -28,7 +29,7 @@ from hf_vit.pretraining import (
     unnormalized,
     with_mpp_transforms,
 )
-from hf_vit.training import DataArguments
+from hf_vit.run.transforms import make_eval_transform
 
 
 def mpp_config(**overrides):
@@ -152,7 +153,8 @@ def test_pretrain_script_with_the_mpp_objective_then_finetune(tmp_path):
     from test_training import QUIET, TINY
 
     from hf_vit import VisionTransformerForImageClassification, VisionTransformerForMaskedPatchPrediction
-    from hf_vit.training import parse_args, train
+    from hf_vit.run.arguments import parse_args
+    from hf_vit.run.training import train
 
     pre = ["--output_dir", str(tmp_path / "mpp"), "--objective", "mpp", "--image_size", "8", "--patch_size", "4"]
     pre += ["--config_overrides", TINY, "--max_steps", "3", "--per_device_train_batch_size", "16"]
@@ -225,7 +227,7 @@ def test_a_model_built_with_a_mask_token_loads_a_checkpoint_without_one(tmp_path
 
 
 def test_pixels_are_checked_once_per_forward(monkeypatch):
-    import hf_vit.modeling_vit as modeling
+    import hf_vit.model.modeling_vit as modeling
 
     calls = []
     check = modeling.check_pixel_values

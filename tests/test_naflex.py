@@ -15,8 +15,8 @@ from hf_vit import (
     VisionTransformerImageProcessor,
     VisionTransformerModel,
 )
-from hf_vit.image_processing_vit import grid_for_max_patches
-from hf_vit.modeling_mpp import PATCH_CLEAN, PATCH_MASKED, draw_patch_corruption
+from hf_vit.model.image_processing_vit import grid_for_max_patches
+from hf_vit.model.modeling_mpp import PATCH_CLEAN, PATCH_MASKED, draw_patch_corruption
 
 # (height, width) of images of several aspect ratios: square, wide, tall, extreme both ways, tiny
 SIZES = [(40, 40), (20, 80), (90, 30), (7, 200), (300, 5), (2, 5), (64, 48)]

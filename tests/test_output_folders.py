@@ -253,7 +253,7 @@ def test_resolution_variant_has_a_card_with_measured_metrics(tmp_path):
 
 def test_overwrite_refuses_a_users_module_named_like_an_hf_vit_one(tmp_path):
     # hf-vit writes its model's code files beside checkpoints, not every module of the package: data.py is the user's
-    from hf_vit.output_folders import check_replaceable
+    from hf_vit.outputs.output_folders import check_replaceable
 
     folder = tmp_path / "out"
     folder.mkdir()

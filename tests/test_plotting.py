@@ -1,6 +1,6 @@
 import warnings
 
-from hf_vit.plotting import plot_training_curves
+from hf_vit.outputs.plotting import plot_training_curves
 
 
 def test_curves_are_written_with_and_without_evaluation(tmp_path):

@@ -7,8 +7,9 @@ import torch
 from test_training import QUIET, TINY, pretrained_folder
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerForMaskedPatchPrediction
-from hf_vit.resolution import resample_position_embeddings
-from hf_vit.training import parse_args, train
+from hf_vit.model.resolution import resample_position_embeddings
+from hf_vit.run.arguments import parse_args
+from hf_vit.run.training import train
 
 SHORT = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--eval_strategy", "no", "--save_strategy", "no"]
 SHORT += ["--max_train_samples", "16", *QUIET]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import tiny_config
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.resolution import grid_for, resample_patch_embedding, resample_position_embeddings
+from hf_vit.model.resolution import grid_for, resample_patch_embedding, resample_position_embeddings
 from hf_vit.variants import make_resolution_variant
 
 ROOT = Path(__file__).resolve().parents[1]

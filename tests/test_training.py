@@ -14,9 +14,12 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.data import CorruptImageError
-from hf_vit.resolution import resample_position_embeddings
-from hf_vit.training import last_complete_checkpoint, load_for_finetuning, parse_args, train
+from hf_vit.model.resolution import resample_position_embeddings
+from hf_vit.run.arguments import parse_args
+from hf_vit.run.checkpoints import last_complete_checkpoint
+from hf_vit.run.model_setup import load_checkpoint as load_for_finetuning
+from hf_vit.run.training import train
+from hf_vit.run.transforms import CorruptImageError
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "train_worker.py"
@@ -58,7 +61,7 @@ def test_finetuning_model_replaces_the_head_and_resamples_positions(tmp_path, ca
     source_path = pretrained_folder(tmp_path / "pre")
     source = VisionTransformerForImageClassification.from_pretrained(source_path)
     id2label = {0: "a", 1: "b", 2: "c"}
-    with caplog.at_level("INFO", logger="hf_vit.training"):
+    with caplog.at_level("INFO", logger="hf_vit.run"):
         model = load_for_finetuning(str(source_path), id2label, image_size=16)
     assert "position embeddings resampled (bicubic) from a 2x2 to a 4x4 grid" in caplog.text
     assert "New zero-initialised classifier for 3 classes" in caplog.text
@@ -276,7 +279,7 @@ def tiny_pretrain(output_dir, *flags):
 
 def test_a_second_run_into_a_finished_runs_folder_is_refused(tmp_path, caplog):
     out = tmp_path / "out"
-    with caplog.at_level("INFO", logger="hf_vit.training"):
+    with caplog.at_level("INFO", logger="hf_vit.run"):
         train("pretrain", *tiny_pretrain(out))
     # the run's set-up, as transformers' example scripts print it
     assert "Run set-up: 16 training examples" in caplog.text
@@ -305,7 +308,7 @@ def test_overwrite_output_dir_refuses_a_users_model_folder_named_like_a_checkpoi
 
 
 def test_a_folder_another_run_is_writing_to_is_refused(tmp_path):
-    from hf_vit.output_folders import claim_output_dir
+    from hf_vit.outputs.output_folders import claim_output_dir
 
     out = tmp_path / "out"
     lock = claim_output_dir(out, resuming=False, overwrite=False, main_process=True)
@@ -321,7 +324,7 @@ def test_a_forked_data_loader_worker_does_not_keep_the_folder_locked(tmp_path):
     """A run killed while its forked workers are still exiting: the lock goes with the run's own process."""
     import signal
 
-    from hf_vit.output_folders import claim_output_dir
+    from hf_vit.outputs.output_folders import claim_output_dir
 
     out = tmp_path / "out"
     lock = claim_output_dir(out, resuming=False, overwrite=False, main_process=True)
@@ -403,7 +406,7 @@ def test_one_class_is_an_error_not_a_regression(tmp_path):
 def test_a_class_without_training_images_is_named(tmp_path, caplog):
     splits = {"train": [0, 1] * 4, "validation": [0, 1], "test": [0, 1, 2]}
     data = labelled_dataset(tmp_path / "data", ["ant", "bee", "cow"], splits)
-    with caplog.at_level("WARNING", logger="hf_vit.training"):
+    with caplog.at_level("WARNING", logger="hf_vit.run"):
         train("pretrain", *tiny_pretrain(tmp_path / "out", "--dataset_name", str(data)))
     assert "Class(es) ['cow'] have no training images" in caplog.text
 
@@ -426,7 +429,7 @@ def test_half_written_checkpoints_are_skipped_and_named(tmp_path, caplog):
     fake_checkpoint(tmp_path / "checkpoint-4", state='{"global_step": 4, "log_hi')  # killed while writing the state
     cut = fake_checkpoint(tmp_path / "checkpoint-6")
     (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:100])
-    with caplog.at_level("WARNING", logger="hf_vit.training"):
+    with caplog.at_level("WARNING", logger="hf_vit.run"):
         assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
     assert "checkpoint-4" in caplog.text and "trainer_state.json is cut off" in caplog.text
     assert "checkpoint-6" in caplog.text and "model.safetensors is truncated" in caplog.text
@@ -442,7 +445,7 @@ def test_checkpoints_of_lora_runs_resume_and_cut_configs_are_skipped(tmp_path, c
     cut = fake_checkpoint(tmp_path / "checkpoint-4")
     (cut / "config.json").write_text('{"model_type": "hf-vit", "hidden_si')
     fake_checkpoint(tmp_path / "checkpoint-6", weights=False)  # no weights at all
-    with caplog.at_level("WARNING", logger="hf_vit.training"):
+    with caplog.at_level("WARNING", logger="hf_vit.run"):
         assert last_complete_checkpoint(tmp_path) == str(lora)
     assert f"{cut / 'config.json'} is cut off" in caplog.text and "checkpoint-6 holds no model weights" in caplog.text
 
@@ -453,14 +456,14 @@ def test_resuming_from_a_truncated_checkpoint_names_the_file(tmp_path, damage):
     data = (checkpoint / damage).read_bytes()
     (checkpoint / damage).write_bytes(data[: len(data) // 2])
     _, _, args = tiny_pretrain(tmp_path, "--resume_from_checkpoint", str(checkpoint))
-    from hf_vit.checkpoints import resolve_resume
+    from hf_vit.run.checkpoints import resolve_resume
 
     with pytest.raises(ValueError, match=f"Cannot resume from {checkpoint}: {checkpoint / damage} is truncated"):
         resolve_resume(args)
 
 
 def test_resuming_a_weights_only_checkpoint_is_refused(tmp_path):
-    from hf_vit.checkpoints import resolve_resume
+    from hf_vit.run.checkpoints import resolve_resume
 
     fake_checkpoint(tmp_path / "checkpoint-2", optimizer=False)
     _, _, args = tiny_pretrain(tmp_path, "--resume_from_checkpoint", "True")
@@ -484,7 +487,7 @@ def multi_label_dataset(path):
     """Digits with a list of classes each: its parity, and "round" for 0, 6, 8, 9 (some images have both)."""
     from datasets import Dataset, DatasetDict
 
-    from hf_vit.data import load_digits_dataset
+    from hf_vit.run.datasets import load_digits_dataset
 
     digits = load_digits_dataset()
     splits = {}
@@ -555,8 +558,8 @@ def test_the_scripts_end_bad_input_in_one_error_line(tmp_path):
 def test_the_test_metrics_are_the_test_splits_with_persistent_workers(tmp_path):
     """With the scripts' default persistent data-loader workers, Trainer caches the validation loader and handed it
     back for the test split: the reported test metrics were the validation's."""
-    from hf_vit.data import load_digits_dataset
     from hf_vit.metrics import compute_metrics
+    from hf_vit.run.datasets import load_digits_dataset
 
     out = tmp_path / "out"
     args = ["--output_dir", str(out), *TINY_RUN, "--max_steps", "4", "--eval_strategy", "steps", "--eval_steps", "2"]
@@ -583,7 +586,7 @@ def test_the_test_metrics_are_the_test_splits_with_persistent_workers(tmp_path):
 
 
 def test_a_streamed_run_says_what_it_knows_in_its_set_up_line(tmp_path, caplog):
-    with caplog.at_level("INFO", logger="hf_vit.training"):
+    with caplog.at_level("INFO", logger="hf_vit.run"):
         train("pretrain", *tiny_pretrain(tmp_path / "out", "--streaming", "True"))
     line = next(line for line in caplog.text.splitlines() if "Run set-up" in line)
     assert "unknown (streamed) training examples, unknown (streamed) epochs" in line and "e+18" not in line
@@ -628,7 +631,7 @@ def test_fine_tuning_flags_that_would_change_the_checkpoints_weights_are_refused
 def test_a_validation_split_without_positive_labels_does_not_stop_a_multi_label_run(tmp_path):
     from datasets import Dataset, DatasetDict
 
-    from hf_vit.data import load_digits_dataset
+    from hf_vit.run.datasets import load_digits_dataset
 
     digits = load_digits_dataset()
     splits = {}
@@ -650,15 +653,15 @@ def test_a_validation_split_without_positive_labels_does_not_stop_a_multi_label_
 
 RUN_MODULES = (
     "training", "arguments", "objectives", "model_setup", "lora", "trainer", "checkpoints", "evaluation",
-    "pretraining", "data", "output_folders", "metrics",
+    "mpp", "datasets", "transforms",
 )  # fmt: skip
 
 
 def _relative_imports(module: str) -> list[tuple[str, list[str], bool]]:
-    """(imported module, names, at module level) for each `from .x import ...` of `hf_vit/<module>`."""
+    """(imported module, names, at module level) for each `from .x import ...` of `hf_vit/run/<module>`."""
     import ast
 
-    path = ROOT / "hf_vit" / (f"{module}/__init__.py" if module == "metrics" else f"{module}.py")
+    path = ROOT / "hf_vit" / "run" / f"{module}.py"
     tree = ast.parse(path.read_text())
     top = set(map(id, tree.body))
     found = []
@@ -673,7 +676,7 @@ def test_the_runs_modules_form_no_import_cycle_and_share_no_private_names():
     for module in RUN_MODULES:
         for imported, names, _ in _relative_imports(module):
             private = [name for name in names if name.startswith("_")]
-            assert not private, f"hf_vit/{module} imports the private {private} of hf_vit/{imported}"
+            assert not private, f"hf_vit/run/{module} imports the private {private} of hf_vit/run/{imported}"
             if imported in graph:
                 graph[module].add(imported)  # deferred imports count too: a cycle is a cycle
     visiting, done = set(), set()
@@ -690,12 +693,10 @@ def test_the_runs_modules_form_no_import_cycle_and_share_no_private_names():
 
     for module in RUN_MODULES:
         visit(module, [])
-    training_lines = len((ROOT / "hf_vit" / "training.py").read_text().splitlines())
+    training_lines = len((ROOT / "hf_vit" / "run" / "training.py").read_text().splitlines())
     assert training_lines <= 450
     # no branch on the objective outside the table
     for module in RUN_MODULES:
         if module != "objectives":
-            source = (
-                ROOT / "hf_vit" / (f"{module}/__init__.py" if module == "metrics" else f"{module}.py")
-            ).read_text()
+            source = (ROOT / "hf_vit" / "run" / f"{module}.py").read_text()
             assert ".objective ==" not in source and '"mpp" if' not in source, module

@@ -10,7 +10,8 @@ import torch
 from huggingface_hub import ModelCard
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.training import parse_args, train
+from hf_vit.run.arguments import parse_args
+from hf_vit.run.training import train
 from hf_vit.variants import make_evaluated_variant
 
 TINY = "hidden_size=48,num_hidden_layers=2,num_attention_heads=3,intermediate_size=96"

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 
 def pretrain() -> int:
-    """`hf-vit-pretrain`: the paper's pretraining recipe (see `hf_vit.training.main`)."""
-    from ..training import main
+    """`hf-vit-pretrain`: the paper's pretraining recipe (see `hf_vit.run.training.main`)."""
+    from ..run.training import main
 
     main("pretrain")
     return 0
 
 
 def finetune() -> int:
-    """`hf-vit-finetune`: the paper's fine-tuning recipe (see `hf_vit.training.main`)."""
-    from ..training import main
+    """`hf-vit-finetune`: the paper's fine-tuning recipe (see `hf_vit.run.training.main`)."""
+    from ..run.training import main
 
     main("finetune")
     return 0

@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from hf_vit.hub import plan_upload, push_folder_to_hub
+from hf_vit.outputs.push import plan_upload, push_folder_to_hub
 
 
 def main(argv: list[str] | None = None) -> int:

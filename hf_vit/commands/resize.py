@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from hf_vit.hub import push_folder_to_hub
-from hf_vit.resolution import MODES
+from hf_vit.model.resolution import MODES
+from hf_vit.outputs.push import push_folder_to_hub
 from hf_vit.variants import make_resolution_variant
 
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     size = args.image_size[0] if len(args.image_size) == 1 else args.image_size
     data_args = None
     if args.dataset_name:
-        from hf_vit.training import DataArguments
+        from hf_vit.run.arguments import DataArguments
 
         data_args = DataArguments(dataset_name=args.dataset_name)
     output = Path(args.output).resolve()

@@ -43,7 +43,7 @@ def load_inputs(args: VisualizeArguments) -> tuple[list, list[str]]:
     """The images to analyse and their captions."""
     if args.image:
         return list(args.image), [Path(name).name for name in args.image]
-    from hf_vit.data import load_digits_dataset
+    from hf_vit.run.datasets import load_digits_dataset
 
     test = load_digits_dataset()["test"]
     test = test.select(range(min(args.num_images, len(test))))

@@ -1,8 +1,8 @@
 """Foreign checkpoint layouts <-> hf-vit: one rename table per layout (`Layout`), read in both directions by one
 engine, one check against the model (`check_state_dict`), and the folder converters built on them."""
 
-from ..loading import register_foreign_reader
-from ..output_folders import write_converted_folder
+from ..model.loading import register_foreign_reader
+from ..outputs.output_folders import write_converted_folder
 from .common import FUSED_QKV, RENAME, ConversionError, Layout, Transform, check_state_dict
 from .jax_npz import (
     JAX_LAYOUT,

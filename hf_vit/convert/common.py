@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from ..configuration_vit import VisionTransformerConfig
-from ..hub import write_card
-from ..output_folders import check_output_dir, write_converted_folder
-from ..resolution import grid_for, resample_position_embeddings
-from ..resolution import image_size_field as config_image_size
+from ..model.configuration_vit import VisionTransformerConfig
+from ..model.resolution import grid_for, resample_position_embeddings
+from ..model.resolution import image_size_field as config_image_size
+from ..outputs.cards import write_card
+from ..outputs.output_folders import check_output_dir, write_converted_folder
 
 
 class ConversionError(ValueError):
@@ -279,7 +279,7 @@ def check_state_dict(
     """
     from transformers.initialization import no_init_weights
 
-    from ..modeling_vit import VisionTransformerForImageClassification
+    from ..model.modeling_vit import VisionTransformerForImageClassification
 
     with torch.device("meta"), no_init_weights():  # shapes only: nothing allocated, no initialiser run
         expected = VisionTransformerForImageClassification(config).state_dict()
@@ -356,7 +356,7 @@ def preset_mismatches(fields: Mapping[str, object], preset_config: VisionTransfo
 
 
 def check_grid_size(config: VisionTransformerConfig, where: str | None = None) -> None:
-    """Refuse a patch grid `hf_vit.resolution.grid_for` refuses (beyond its bound of positions) before anything of
+    """Refuse a patch grid `resolution.grid_for` refuses (beyond its bound of positions) before anything of
     that size is allocated; `where` names the file the size came from."""
     try:
         grid_for(config.image_size, config.patch_size)
@@ -396,7 +396,7 @@ def save_converted_model(
     `source` is the converted file or folder: the output may not overlap it, and its plain name is the card's base
     model unless `base_model` (e.g. its Hub id) is given.
     """
-    from ..modeling_vit import VisionTransformerForImageClassification
+    from ..model.modeling_vit import VisionTransformerForImageClassification
 
     inputs = [source] if source is not None else []
     target = check_output_dir(output_dir, overwrite, inputs)  # fail before building anything

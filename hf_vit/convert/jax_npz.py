@@ -47,7 +47,7 @@ Two choices to know about:
   per activation. Pass `hidden_act="gelu"` for that.
 * Resolution. With an `image_size` other than the checkpoint's, the position embeddings are resampled at load as the
   authors' `load_pretrained` does. They use `scipy.ndimage.zoom(order=1)` (bilinear through the grid corners, like
-  `align_corners=True`); this uses `hf_vit.resolution.resample_position_embeddings` with `mode="bilinear"`
+  `align_corners=True`); this uses `hf_vit.model.resolution.resample_position_embeddings` with `mode="bilinear"`
   (`align_corners=False`, what timm uses for these files), the closest mode it offers. Values differ slightly from
   scipy's away from the corners; both are then fine-tuned in practice.
 """
@@ -64,7 +64,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..configuration_vit import VisionTransformerConfig, resnet_stride
+from ..model.configuration_vit import VisionTransformerConfig, resnet_stride
 from .common import (
     ConversionError,
     Layout,
@@ -413,7 +413,7 @@ def read_jax_checkpoint(
     `hidden_act` defaults to the tanh approximation of GELU, `flax.linen.gelu`'s default, so the model computes what
     the authors' code computes; "gelu" gives the exact GELU that transformers' and timm's ports use.
     """
-    from ..image_processing_vit import VisionTransformerImageProcessor
+    from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     arrays = load_npz(input_path)
     config = infer_config_from_npz(arrays, preset=preset, image_size=image_size, hidden_act=hidden_act)

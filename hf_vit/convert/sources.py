@@ -1,5 +1,5 @@
 """The checkpoints users already have, loaded as they are: transformers' ViT and timm's ViT, as Hub ids or folders,
-and the authors' `.npz` files. Registered with `hf_vit.loading` when `hf_vit` is imported, so `from_pretrained` of
+and the authors' `.npz` files. Registered with the core's `loading` when `hf_vit` is imported, so `from_pretrained` of
 the hf-vit classes converts them on load with the same tables the folder converters use.
 
 A source is recognised by its `config.json`: `model_type` "hf_vit" (nothing to convert), "vit" (transformers'
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..configuration_vit import VisionTransformerConfig
+from ..model.configuration_vit import VisionTransformerConfig
 from .common import ConversionError, check_grid_size, image_size_field
 
 logger = logging.getLogger(__name__)
@@ -343,7 +343,7 @@ class ForeignCheckpoint:
 
 
 def read_source(source: str, kwargs: dict[str, Any]) -> ForeignCheckpoint | None:
-    """The reader registered with `hf_vit.loading`: a `ForeignCheckpoint` for an `.npz` path or a folder or Hub id
+    """The reader registered with the core's `loading`: a `ForeignCheckpoint` for an `.npz` path or a folder or Hub id
     whose `config.json` is transformers' or timm's; None for anything else (hf-vit checkpoints, unreadable sources:
     transformers' loading reports those)."""
     hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}

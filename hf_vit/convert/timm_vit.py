@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..configuration_vit import MODEL_SIZES, VisionTransformerConfig
+from ..model.configuration_vit import MODEL_SIZES, VisionTransformerConfig
 from .common import (
     ConversionError,
     Layout,
@@ -289,7 +289,7 @@ def timm_processor(
     image_std: Sequence[float] | None = None,
 ):
     """The processor of a timm checkpoint (see `read_timm_checkpoint`)."""
-    from ..image_processing_vit import VisionTransformerImageProcessor
+    from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     pretrained_cfg = (timm_config or {}).get("pretrained_cfg") or {}
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..configuration_vit import VisionTransformerConfig
+from ..model.configuration_vit import VisionTransformerConfig
 from .common import (
     FUSED_QKV,
     ConversionError,
@@ -183,7 +183,7 @@ def transformers_processor(folder: Path, image_size: tuple[int, int]):
     """The hf-vit processor of a transformers ViT folder's `preprocessor_config.json` (the model's size and the
     defaults without one): its resize, centre crop, rescaling and normalisation are kept; settings hf-vit's processor
     does not have are refused by name."""
-    from ..image_processing_vit import VisionTransformerImageProcessor
+    from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     path = folder / "preprocessor_config.json"
     settings = read_json(path) if path.is_file() else {}

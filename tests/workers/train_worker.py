@@ -1,4 +1,4 @@
-"""Runs `hf_vit.training.train` like the scripts do, with test hooks: each rank dumps its weights at the end, and
+"""Runs `hf_vit.run.training.train` like the scripts do, with test hooks: each rank dumps its weights at the end, and
 `--kill_at_step N` makes the process die abruptly (as a killed job would) once step N is reached.
 
     python tests/workers/train_worker.py finetune [--kill_at_step N] <script flags>
@@ -14,7 +14,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 
-from hf_vit.training import parse_args, train
+from hf_vit.run.arguments import parse_args
+from hf_vit.run.training import train
 
 
 class DumpWeights(TrainerCallback):

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from .hub import PlannedHubPushes
+from ..outputs.push import PlannedHubPushes
 
-logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
+logger = logging.getLogger(__name__)
 
 
 class SeededAugmentation(torch.utils.data.Dataset):
@@ -62,7 +62,7 @@ class VisionTransformerTrainer(PlannedHubPushes, Trainer):
     """`Trainer` with the guarantees the scripts promise.
 
     - Every push sends exactly the files the project's upload plan lists, and the token never reaches disk
-      (`hf_vit.hub.PlannedHubPushes`).
+      (`hf_vit.outputs.push.PlannedHubPushes`).
 
     - Evaluation does not consume the training's random numbers (its data loader draws a seed), so a checkpoint saved
       right before an evaluation resumes to the same weights (with `SeededAugmentation` for the training split).

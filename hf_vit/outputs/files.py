@@ -11,7 +11,7 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-PACKAGE = Path(__file__).parent
+MODEL_CODE = Path(__file__).parents[1] / "model"  # the core: exactly the code a checkpoint carries
 
 CONFIG_FILE = "config.json"
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -23,7 +23,7 @@ CARD_FILE = "README.md"
 TRAINING_ARGS_FILE = "training_args.bin"
 TRAINER_STATE_FILE = "trainer_state.json"
 LOCK_FILE = ".hf-vit-run.lock"
-CARD_TEMPLATE = PACKAGE / "templates" / "model_card.md"
+CARD_TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 
 # What a run reports beside its model: metrics, curves, the card. Shareable.
 RESULT_FILES = (
@@ -49,21 +49,10 @@ CHECKPOINT_FOLDER = re.compile(r"checkpoint-(\d+)")
 
 @lru_cache(maxsize=1)
 def remote_code_files() -> tuple[str, ...]:
-    """The modules `save_pretrained` copies beside a checkpoint for `trust_remote_code=True`: every configuration,
-    modeling and image-processing module of the package and the modules they import relatively (transformers'
-    own rule for what a custom model's code consists of), sorted. All of them execute on `trust_remote_code=True`."""
-    from transformers.dynamic_module_utils import get_relative_import_files
-
-    names = set()
-    roots = [
-        p
-        for pattern in ("configuration_*.py", "modeling_*.py", "image_processing_*.py")
-        for p in PACKAGE.glob(pattern)
-    ]
-    for root in roots:
-        names.add(root.name)
-        names.update(Path(path).name for path in get_relative_import_files(str(root)))
-    return tuple(sorted(names))
+    """The modules `save_pretrained` copies beside a checkpoint for `trust_remote_code=True`, sorted: every module of
+    `hf_vit/model/` (its `__init__.py` aside), by decision rather than by a filename pattern. A module placed there
+    ships with every checkpoint and executes on `trust_remote_code=True`; nothing outside that folder does."""
+    return tuple(sorted(path.name for path in MODEL_CODE.glob("*.py") if path.name != "__init__.py"))
 
 
 @lru_cache(maxsize=1)

@@ -125,8 +125,8 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
     representation, its mean colour at `config.mpp_color_bits` bits per channel (512 classes for RGB at 3 bits).
 
     The corruption is drawn here while training unless `patch_corruption` is given (the data pipeline of
-    `hf_vit.pretraining` draws it per example); outside training, only a given `patch_corruption` corrupts anything.
-    `labels` are the colour classes `(B, N)` of the patches (`hf_vit.pretraining.mean_color_classes`), -100 where
+    `hf_vit.run.mpp` draws it per example); outside training, only a given `patch_corruption` corrupts anything.
+    `labels` are the colour classes `(B, N)` of the patches (`hf_vit.run.mpp.mean_color_classes`), -100 where
     none; the loss is their cross-entropy over the corrupted patches, or over every labelled patch when nothing is
     corrupted. The encoder's weights are a plain ViT's, so a checkpoint fine-tunes with
     `VisionTransformerForImageClassification.from_pretrained` like any other (the [mask] embedding and this head are

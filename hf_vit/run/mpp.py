@@ -29,12 +29,12 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from ..model.configuration_vit import VisionTransformerConfig
+from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..model.modeling_mpp import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
 from .arguments import default_hflip
-from .configuration_vit import VisionTransformerConfig
-from .data import Transform, apply_transforms, make_eval_transform, make_train_transform
-from .image_processing_vit import VisionTransformerImageProcessor
-from .model_setup import config_from_preset, load_checkpoint
-from .modeling_mpp import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
+from .model_setup import config_from_preset, load_checkpoint, split_requested
+from .transforms import Transform, apply_transforms, make_eval_transform, make_train_transform
 
 __all__ = [
     "MaskedPatchPredictionTransform",
@@ -127,16 +127,21 @@ def mpp_collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Ten
 
 
 def build_mpp_model(model_args: Any) -> VisionTransformerForMaskedPatchPrediction:
-    """The model to pretrain by masked patch prediction, from the fields of `hf_vit.training.ModelArguments`:
+    """The model to pretrain by masked patch prediction, from the fields of `hf_vit.run.arguments.ModelArguments`:
     `preset` with `patch_size`, `image_size`, `config_overrides`, `drop_path_rate` and `hidden_dropout_prob` from
     scratch (the paper's initialisation), or `model_name_or_path` to continue from an hf-vit checkpoint (its head
     and [mask] embedding are new if it has none) with the flags applied (`--image_size` resamples its position
     embeddings) or, where they would change its weights' shapes, refused."""
     if getattr(model_args, "model_name_or_path", None):
+        settable, image_size, shapes = split_requested(model_args)
         return load_checkpoint(
-            VisionTransformerForMaskedPatchPrediction,
-            model_args,
+            model_args.model_name_or_path,
+            model_class=VisionTransformerForMaskedPatchPrediction,
+            image_size=image_size,
             interpolation=getattr(model_args, "interpolation", "bicubic"),
+            attn_implementation=model_args.attn_implementation,
+            refuse=shapes,
+            **settable,
         )
     config = config_from_preset(model_args)
     return VisionTransformerForMaskedPatchPrediction(config)

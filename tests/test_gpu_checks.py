@@ -1,5 +1,5 @@
-"""scripts/gpu_smoke.py on CPU: every check that can run here passes with tiny models, the CUDA-only ones are printed
-as skipped with their reason, and a failing check makes the exit status non-zero."""
+"""benchmarks/gpu_checks.py on CPU: every check that can run here passes with tiny models, the CUDA-only ones are
+printed as skipped with their reason, and a failing check makes the exit status non-zero."""
 
 import json
 import subprocess
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_smoke.py"
+SCRIPT = ROOT / "benchmarks" / "gpu_checks.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
-import gpu_smoke  # noqa: E402
+import gpu_checks  # noqa: E402
 
 CPU_CHECKS = [
     "attention_implementations",
@@ -47,7 +47,7 @@ def test_cpu_part_passes_and_names_what_needs_a_gpu(tmp_path):
     assert done.stdout.rstrip().endswith(f"{len(CPU_CHECKS)} passed, 0 failed, {len(CUDA_CHECKS)} skipped")
     attention = data["details"]["attention_implementations"]
     assert "sdpa" in attention["relative_difference"] and attention["relative_difference"]["eager"] == 0.0
-    assert max(attention["relative_difference"].values()) <= gpu_smoke.BF16_RELATIVE_TOLERANCE
+    assert max(attention["relative_difference"].values()) <= gpu_checks.BF16_RELATIVE_TOLERANCE
     # flash attention needs CUDA (and its package): it is reported as not loading, with the error
     assert "flash_attention_2" in attention["skipped"] and attention["skipped"]["flash_attention_2"]
 
@@ -56,8 +56,8 @@ def test_a_failing_check_makes_the_exit_status_non_zero(monkeypatch, capsys):
     def broken(smoke):
         raise AssertionError("logits differ by 1.0e+00")
 
-    monkeypatch.setitem(gpu_smoke.CHECKS, "broken", (broken, False))
-    assert gpu_smoke.main(["--device", "cpu", "--only", "interpolate_pos_encoding", "broken"]) == 1
+    monkeypatch.setitem(gpu_checks.CHECKS, "broken", (broken, False))
+    assert gpu_checks.main(["--device", "cpu", "--only", "interpolate_pos_encoding", "broken"]) == 1
     out = capsys.readouterr().out
     assert "passed  interpolate_pos_encoding" in out
     assert "failed  broken" in out and "AssertionError: logits differ by 1.0e+00" in out
@@ -66,9 +66,9 @@ def test_a_failing_check_makes_the_exit_status_non_zero(monkeypatch, capsys):
 
 def test_unknown_check_and_missing_cuda_are_usage_errors(capsys):
     with pytest.raises(SystemExit):
-        gpu_smoke.parse_args(["--only", "warp_drive"])
+        gpu_checks.parse_args(["--only", "warp_drive"])
     assert "unknown check(s) ['warp_drive']" in capsys.readouterr().err
-    if not gpu_smoke.torch.cuda.is_available():
+    if not gpu_checks.torch.cuda.is_available():
         with pytest.raises(SystemExit):
-            gpu_smoke.parse_args(["--device", "cuda"])
+            gpu_checks.parse_args(["--device", "cuda"])
         assert "CUDA is not available" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from transformers import TrainingArguments
 
-logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
+logger = logging.getLogger(__name__)
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 

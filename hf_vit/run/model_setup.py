@@ -1,22 +1,23 @@
 """The model a run trains, from its arguments: a config from a preset and flags, or a checkpoint with the flags that
 can change it applied (and the others refused in one line that names them).
 
-`model_args` is `hf_vit.arguments.ModelArguments` (or anything with its fields). Nothing here imports the modules
-that build the run, so the objectives' model builders (`hf_vit.objectives`, `hf_vit.pretraining`) can use it.
+`model_args` is `hf_vit.run.arguments.ModelArguments` (or anything with its fields). Nothing here imports the modules
+that build the run, so the objectives' model builders (`objectives`, `mpp`) can use it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any
 
-from .configuration_vit import VisionTransformerConfig
-from .image_processing_vit import VisionTransformerImageProcessor
-from .modeling_vit import VisionTransformerForImageClassification
-from .resolution import image_size_field
+from ..model.configuration_vit import VisionTransformerConfig
+from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..model.modeling_vit import VisionTransformerForImageClassification
+from ..model.resolution import image_size_field
 
-logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
+logger = logging.getLogger(__name__)
 
 # Fields a checkpoint takes as they are given: they change how it trains, not the shapes of its weights.
 TRAINING_FIELDS = (
@@ -76,28 +77,6 @@ def config_from_preset(model_args: Any, **fields: Any) -> VisionTransformerConfi
     return config
 
 
-def load_checkpoint(model_class: type, model_args: Any, interpolation: str = "bicubic", **fields: Any):
-    """`model_class.from_pretrained(--model_name_or_path)` with the flags applied: dropout rates (and masked patch
-    prediction's corruption ratios) as given, `--image_size` by resampling the position embeddings in 2D; a flag that
-    would change the shape of the checkpoint's weights (`--patch_size`, a width, a depth...) is refused in one line
-    that names it, rather than ignored. `fields` go to `from_pretrained` (e.g. the classes)."""
-    settable, image_size, shapes = split_requested(model_args)
-    model = model_class.from_pretrained(
-        model_args.model_name_or_path, attn_implementation=model_args.attn_implementation, **settable, **fields
-    )
-    config = model.config
-    refuse_shape_changes(config, shapes, model_args.model_name_or_path)
-    if image_size is not None and image_size_field(image_size) != image_size_field(config.image_size):
-        old_size, old_grid = tuple(config.image_hw), config.grid_size
-        model.set_input_size(image_size, interpolation)
-        logger.info(
-            "Training at %dx%d a model saved at %dx%d: position embeddings resampled (%s) from a %dx%d to a %dx%d "
-            "grid of patches.",
-            *config.image_hw, *old_size, interpolation, *old_grid, *config.grid_size,
-        )  # fmt: skip
-    return model
-
-
 def split_requested(model_args: Any) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """The flags' fields for a checkpoint: (those it takes as given, `--image_size`, those that shape its weights)."""
     requested = requested_fields(model_args)
@@ -126,23 +105,23 @@ def _differs(current: Any, wanted: Any) -> bool:
 
 def build_classifier(task: str, model_args: Any, labels: Any) -> VisionTransformerForImageClassification:
     """The classifier a run trains: fine-tuning loads `--model_name_or_path` with a new head for the data set's
-    classes (`load_for_finetuning`); pretraining builds `--preset` from scratch, or continues from a checkpoint. Its
+    classes (`load_checkpoint`); pretraining builds `--preset` from scratch, or continues from a checkpoint. Its
     config says the problem type (`labels.problem_type`) before anything is saved."""
     if task == "finetune":
         if not model_args.model_name_or_path:
             raise ValueError("Fine-tuning needs --model_name_or_path: the pretrained hf-vit folder to start from.")
         settable, image_size, shapes = split_requested(model_args)
-        model = load_for_finetuning(
+        model = load_checkpoint(
             model_args.model_name_or_path,
             labels.id2label,
+            keep_head=model_args.keep_head,
             image_size=image_size,
             representation_size=model_args.representation_size,
             interpolation=model_args.interpolation,
             attn_implementation=model_args.attn_implementation,
-            keep_head=model_args.keep_head,
+            refuse=shapes,
             **settable,
         )
-        refuse_shape_changes(model.config, shapes, model_args.model_name_or_path)
     else:
         model = build_pretraining_model(model_args, labels.id2label)
     model.config.problem_type = labels.problem_type
@@ -154,12 +133,19 @@ def build_pretraining_model(model_args: Any, id2label: dict[int, str]) -> Vision
     (with the flags applied or refused, see `load_checkpoint`)."""
     names = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
     if model_args.model_name_or_path:
-        model = load_checkpoint(
-            VisionTransformerForImageClassification, model_args, interpolation=model_args.interpolation, **names
+        settable, image_size, shapes = split_requested(model_args)
+        new_head = model_args.representation_size is not None  # a new head only for a new pre-logits layer
+        return load_checkpoint(
+            model_args.model_name_or_path,
+            id2label if new_head else None,
+            image_size=image_size,
+            representation_size=model_args.representation_size or None,
+            interpolation=model_args.interpolation,
+            attn_implementation=model_args.attn_implementation,
+            refuse=shapes,
+            names=id2label,  # the config takes the data set's names, whether the head is kept or new
+            **settable,
         )
-        if model_args.representation_size is not None:
-            model.reset_classifier(id2label, model_args.representation_size or None)
-        return model
     config = config_from_preset(model_args, **names)
     representation = model_args.representation_size
     config.representation_size = config.hidden_size if representation is None else (representation or None)
@@ -167,41 +153,53 @@ def build_pretraining_model(model_args: Any, id2label: dict[int, str]) -> Vision
     return VisionTransformerForImageClassification(config)
 
 
-def load_for_finetuning(
-    path: str,
-    id2label: dict[int, str],
+def load_checkpoint(
+    path: str | os.PathLike,
+    id2label: dict[int, str] | None = None,
+    *,
+    model_class: type = VisionTransformerForImageClassification,
+    keep_head: bool = False,
     image_size: int | list[int] | None = None,
     representation_size: int | None = None,
     interpolation: str = "bicubic",
     attn_implementation: str = "sdpa",
-    keep_head: bool = False,
+    refuse: dict[str, Any] | None = None,
+    names: dict[int, str] | None = None,
     **config_fields: Any,
-) -> VisionTransformerForImageClassification:
-    """Load a pretrained hf-vit model for fine-tuning, as the paper does: the head (pre-logits and classifier) is
-    replaced by one zero-initialised linear layer for `id2label`, and at another `image_size` the position embeddings
-    are resampled in 2D from the checkpoint's.
+):
+    """The one way a run loads an hf-vit checkpoint: `model_class.from_pretrained(path)` with `config_fields` (those
+    that are not None: dropout rates, masked patch prediction's ratios, the classes' names), ready to train.
 
-    `keep_head=True` keeps the checkpoint's head instead, to continue training on the same classes (e.g. a short
-    fine-tune of a resolution variant); the classes must then be the checkpoint's.
+    * the head: with `id2label`, the checkpoint's head (pre-logits and classifier) is replaced by one zero-initialised
+      linear layer for those classes, as the paper fine-tunes (after a new pre-logits layer of `representation_size`,
+      if given); `keep_head=True` keeps the checkpoint's head instead, and then the classes must be the checkpoint's.
+      Without `id2label` the model is the checkpoint's as it is (masked patch prediction, a classifier continued);
+    * `image_size`: another size resamples the position embeddings in 2D (`interpolation`) from the checkpoint's;
+    * `refuse`: fields the flags ask for that would change the shapes of the weights (`--patch_size`, a width, a
+      depth...); any that differs from the checkpoint's is refused in one line that names it, rather than ignored;
+    * `names`: the classes' names the config takes as it loads (its `id2label` and `label2id`), e.g. to continue
+      training the checkpoint's own head under the data set's names.
     """
     fields = {k: v for k, v in config_fields.items() if v is not None}
-    model = VisionTransformerForImageClassification.from_pretrained(
-        path, attn_implementation=attn_implementation, **fields
-    )
-    if keep_head and model.config.id2label != id2label:
+    if names is not None:
+        fields.update(id2label=names, label2id={name: index for index, name in names.items()})
+    model = model_class.from_pretrained(path, attn_implementation=attn_implementation, **fields)
+    config = model.config
+    if refuse:
+        refuse_shape_changes(config, refuse, str(path))
+    if id2label is not None and keep_head and config.id2label != id2label:
         raise ValueError(
-            f"--keep_head needs the data set's classes to be the checkpoint's: {model.config.id2label} vs {id2label}."
+            f"--keep_head needs the data set's classes to be the checkpoint's: {config.id2label} vs {id2label}."
         )
-    (old_h, old_w), old_grid = model.config.image_hw, model.config.grid_size
-    if image_size is not None:
+    if image_size is not None and image_size_field(image_size) != image_size_field(config.image_size):
+        old_size, old_grid = tuple(config.image_hw), config.grid_size
         model.set_input_size(image_size, interpolation)
-        if model.config.grid_size != old_grid:
-            logger.info(
-                "Fine-tuning at %dx%d a model trained at %dx%d: position embeddings resampled (%s) from a %dx%d to a "
-                "%dx%d grid of patches.",
-                *model.config.image_hw, old_h, old_w, interpolation, *old_grid, *model.config.grid_size,
-            )  # fmt: skip
-    if not keep_head:
+        logger.info(
+            "Training at %dx%d a model saved at %dx%d: position embeddings resampled (%s) from a %dx%d to a %dx%d "
+            "grid of patches.",
+            *config.image_hw, *old_size, interpolation, *old_grid, *config.grid_size,
+        )  # fmt: skip
+    if id2label is not None and not keep_head:
         model.reset_classifier(id2label, representation_size)
         logger.info("New zero-initialised classifier for %d classes (the old head is dropped).", len(id2label))
     return model.train()

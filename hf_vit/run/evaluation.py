@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from ..metrics import compute_metrics
+from ..model.image_processing_vit import VisionTransformerImageProcessor
 from .arguments import DataArguments
-from .data import label_names, load_datasets
-from .image_processing_vit import VisionTransformerImageProcessor
-from .metrics import compute_metrics
+from .datasets import label_names, load_datasets
 from .objectives import classification_transforms
 
 

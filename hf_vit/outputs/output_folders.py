@@ -1,7 +1,7 @@
 """Output folders, in one place: a converter's or resolution variant's folder is checked before any work, written to a
 staging folder and swapped in whole; a training run's `--output_dir` (written in place by Trainer) is claimed and
 locked, never written through a symlink, and cleared of an earlier run's checkpoints only where they are checkpoints.
-Either way, only what hf-vit wrote (`hf_vit.files`) is ever replaced or removed."""
+Either way, only what hf-vit wrote (`hf_vit.outputs.files`) is ever replaced or removed."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from .configuration_vit import VisionTransformerConfig
+from ..model.configuration_vit import VisionTransformerConfig
 from .files import CHECKPOINT_FOLDER, LOCK_FILE, checkpoint_foreign_entries, is_run_file
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class OutputFolderError(FileExistsError, ValueError):
 
 def check_replaceable(folder: Path) -> None:
     """Raise `OutputFolderError` unless `folder` is one hf-vit wrote: an hf-vit config.json and only the files hf-vit
-    writes (`hf_vit.files.is_run_file`), no sub-folders, no symlinks."""
+    writes (`hf_vit.outputs.files.is_run_file`), no sub-folders, no symlinks."""
     config = folder / "config.json"
     hint = "Move it away, delete it yourself, or choose another --output."
     if not config.is_file() or config.is_symlink():

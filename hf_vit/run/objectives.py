@@ -22,28 +22,21 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from ..metrics import compute_metrics
+from ..model.image_processing_vit import VisionTransformerImageProcessor
 from .arguments import default_hflip
-from .data import (
-    apply_transforms,
-    collate_fn,
-    is_multi_label,
-    label_names,
-    make_eval_transform,
-    make_train_transform,
-    to_multi_hot,
-)
-from .image_processing_vit import VisionTransformerImageProcessor
-from .metrics import compute_metrics
+from .datasets import is_multi_label, label_names, to_multi_hot
 from .model_setup import build_classifier
-from .pretraining import (
+from .mpp import (
     build_mpp_model,
     mpp_collate_fn,
     mpp_compute_metrics,
     mpp_preprocess_logits,
     with_mpp_transforms,
 )
+from .transforms import apply_transforms, collate_fn, make_eval_transform, make_train_transform
 
-logger = logging.getLogger("hf_vit.training")  # the run's one logger, whichever module of it logs
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

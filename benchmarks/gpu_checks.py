@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 r"""Every path of hf-vit on the GPU, one line per check: passed, failed, or skipped with the reason.
 
-    python scripts/gpu_smoke.py                  # on a GPU machine: every check (a few minutes)
-    python scripts/gpu_smoke.py --device cpu     # the checks that can run on CPU, with tiny models (seconds)
-    python scripts/gpu_smoke.py --only attention_implementations onnx_export_of_a_trained_model
+    python benchmarks/gpu_checks.py                  # on a GPU machine: every check (a few minutes)
+    python benchmarks/gpu_checks.py --device cpu     # the checks that can run on CPU, with tiny models (seconds)
+    python benchmarks/gpu_checks.py --only attention_implementations onnx_export_of_a_trained_model
 
 Checks: each attention implementation that loads gives eager's logits within bf16 tolerance; gradient checkpointing
 gives the same gradients; `interpolate_pos_encoding` at a non-square size; the hybrid (ResNet stem) trains; masked
@@ -15,7 +15,7 @@ loads (flash and flex attention included). On CUDA only (printed as skipped else
 through `accelerate launch --config_file configs/accelerate/fsdp.yaml` on one GPU (the checkpoints are FSDP's
 sharded ones, the saved model is consolidated). `--trainer_on_cpu` runs the first two on CPU too (minutes).
 
-Exit status 1 when any check failed. Not run in CI: the test suite runs the CPU part (tests/test_gpu_smoke.py).
+Exit status 1 when any check failed. Not run in CI: the test suite runs the CPU part (tests/test_gpu_checks.py).
 """
 
 from __future__ import annotations

@@ -391,8 +391,8 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     batches `[N, C, H, W]`/`[N, H, W, C]`; uint8 0-255 or floats), bytes of an encoded image file, paths to image
     files, or a (nested) list of these, of any mix of sizes.
 
-    Decoding and colour conversion are `load_images`, which `hf_vit.data`'s training and evaluation transforms call
-    too, so a model sees the same pixels in training and inference:
+    Decoding and colour conversion are `load_images`, which the training and evaluation transforms of
+    `hf_vit.run.transforms` call too, so a model sees the same pixels in training and inference:
 
     * EXIF orientation is applied to every PIL image, whether this processor opened it or you did, so photos are
       seen upright as in any viewer.

@@ -1,15 +1,5 @@
 """A pretraining or fine-tuning run, as stages: data, objective, model, adapters, trainer, training, final evaluation
-and outputs. Each stage lives in its own module; this one only puts them in order.
-
-* `hf_vit.arguments`: the flags (`parse_args`) and the paper's recipes;
-* `hf_vit.data`: the data set's splits (`load_datasets`), shuffled when streamed;
-* `hf_vit.objectives`: the table of what a run learns (labels, model builder, transforms, collator, metrics);
-* `hf_vit.model_setup`: models from presets or checkpoints with the flags applied, and the processor;
-* `hf_vit.lora`: the adapter stage (`adapt`);
-* `hf_vit.trainer`: the Trainer, reproducible augmentation and the run's set-up line;
-* `hf_vit.output_folders`, `hf_vit.checkpoints`: the output folder, and what a run can resume from;
-* `hf_vit.evaluation`: the final evaluation, each split on a loader built for it;
-* `hf_vit.hub`: the model card and the push.
+and outputs. Each stage lives in its own module of `hf_vit.run` (see its docstring); this one only puts them in order.
 
 `scripts/pretrain.py` and `scripts/finetune.py` are `main(task)`; both run unchanged under `python`, `torchrun` and
 `accelerate launch`, because `Trainer` does the distribution.
@@ -28,51 +18,19 @@ import torch
 import transformers
 from transformers import TrainingArguments
 
-from .arguments import (
-    COMMON_DEFAULTS,
-    RECIPES,
-    TASKS,
-    DataArguments,
-    ModelArguments,
-    VisionTransformerTrainingArguments,
-    default_hflip,
-    default_num_workers,
-    parse_args,
-)
-from .checkpoints import checkpoint_problems, is_complete_checkpoint, last_complete_checkpoint, resolve_resume
-from .data import decode_rgb, load_datasets
-from .evaluation import evaluate_model, final_evaluation
-from .hub import write_model_card
+from ..outputs.cards import write_model_card
+from ..outputs.output_folders import claim_output_dir, release, remove_earlier_checkpoints
+from .arguments import DataArguments, ModelArguments, parse_args
+from .checkpoints import resolve_resume
+from .datasets import load_datasets
+from .evaluation import final_evaluation
 from .lora import adapt, lora_summary
-from .model_setup import build_pretraining_model, load_for_finetuning, processor_for
-from .objectives import OBJECTIVES, Objective, select_objective
-from .output_folders import claim_output_dir, release, remove_earlier_checkpoints
+from .model_setup import processor_for
+from .objectives import Objective, select_objective
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
+from .transforms import decode_rgb
 
-__all__ = [
-    "COMMON_DEFAULTS",
-    "OBJECTIVES",
-    "RECIPES",
-    "TASKS",
-    "DataArguments",
-    "ModelArguments",
-    "VisionTransformerTrainingArguments",
-    "build_pretraining_model",
-    "check_eval_images",
-    "checkpoint_problems",
-    "default_hflip",
-    "default_num_workers",
-    "evaluate_model",
-    "is_complete_checkpoint",
-    "last_complete_checkpoint",
-    "load_datasets",
-    "load_for_finetuning",
-    "main",
-    "parse_args",
-    "train",
-]
-
-logger = logging.getLogger("hf_vit.training")
+__all__ = ["check_eval_images", "main", "train"]
 
 
 def train(
@@ -160,7 +118,7 @@ def build_trainer(
 
 def write_outputs(trainer, task: str, model_args, data_args, training_args, metrics: dict[str, Any]) -> None:
     """The main process's last stage: training curves, the model card, and the push (`--push_to_hub`)."""
-    from .plotting import plot_training_curves
+    from ..outputs.plotting import plot_training_curves
 
     plot_training_curves(trainer.state.log_history, Path(training_args.output_dir) / "training_curves.png")
     write_model_card(

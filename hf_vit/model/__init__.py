@@ -1,0 +1,18 @@
+"""The core: exactly the code a checkpoint carries.
+
+`save_pretrained` of the model and of the image processor copies every module of this folder (this `__init__.py`
+aside) beside the weights, and `from_pretrained(..., trust_remote_code=True)` executes them, so the folder is the
+decision of what ships: `hf_vit.outputs.files.remote_code_files()` lists it, and a test holds each module to importing
+only its siblings (relatively), torch, transformers and the standard library.
+
+* `configuration_vit`: `VisionTransformerConfig` and the paper's presets;
+* `modeling_vit`: the encoder, the classifier, the backbone; `modeling_mpp`: masked patch prediction's model;
+* `attention`: the attention implementations; `hybrid`: the ResNet stem of the hybrid models;
+* `resolution`: image sizes, patch grids and resampling the position embeddings and the patch embedding;
+* `naflex`: native-aspect batches (flattened patches, a padding mask and a grid per image) in the model;
+* `image_processing_vit`: `VisionTransformerImageProcessor`, the pixels of training and inference;
+* `loading`: strict loading, the hook through which foreign checkpoints load, and the code copied beside a save.
+
+A new module of the model (e.g. another pooling) goes here and ships with every checkpoint; anything a checkpoint does
+not need at load time belongs elsewhere.
+"""

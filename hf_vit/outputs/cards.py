@@ -1,0 +1,265 @@
+"""Model cards: Hub metadata and an honest description rendered from the card template (`templates/model_card.md`),
+for a run's folder (`write_model_card`) and for a folder the project made from another model (`write_card`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from .files import (
+    CARD_TEMPLATE,
+    remote_code_files,
+)
+
+logger = logging.getLogger(__name__)
+
+
+HOMEPAGE = "https://github.com/hf-vit/hf-vit"
+DATASET_DESCRIPTIONS = {
+    "digits": "scikit-learn's bundled handwritten digits (1797 real 8x8 grayscale images of 10 classes, from the UCI "
+    "optical recognition data set), split into fixed stratified train/validation/test sets of 1257/180/360 images.",
+}
+DIGITS_LIMITATIONS = (
+    "Trained on 8x8 handwritten digits only, upsampled to the model's resolution: it recognises centred, "
+    "size-normalised digits in that style and nothing else. It is a demonstration of the training pipeline, not a "
+    "general-purpose image classifier."
+)
+
+# `org/name` or `name`, as the Hub spells repository ids.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+@dataclass(frozen=True)
+class CardReference:
+    """What a model card may say about a model or data set the user named."""
+
+    text: str  # for the card's body: the Hub id, the plain name, or a local path's final folder name
+    hub_id: str | None  # for the card's metadata (`base_model`, `datasets`), which hold Hub ids only; None if local
+
+
+def card_reference(reference: str | os.PathLike) -> CardReference:
+    """Turn a user-given model or data set reference into what a card may say, never a local path.
+
+    A Hub id (`org/name`) or a plain name (`digits`) stays as it is; a local path (absolute, relative, `~`, or an
+    existing file or folder) becomes its final folder name in the text and is left out of the metadata.
+    """
+    raw = os.fspath(reference)
+    is_local = (
+        isinstance(reference, os.PathLike)
+        or os.path.isabs(raw)
+        or raw.startswith(("~", "."))
+        or "\\" in raw
+        or not _HUB_ID.fullmatch(raw)
+        or os.path.exists(raw)
+    )
+    if not is_local:
+        return CardReference(text=raw, hub_id=raw)
+    return CardReference(text=os.path.basename(os.path.abspath(os.path.expanduser(raw))) or raw, hub_id=None)
+
+
+def _without_local_paths(text: str | None, references: Iterable[str | os.PathLike | None]) -> str | None:
+    """`text` with every local path among `references` replaced by its final folder name."""
+    if text is None:
+        return None
+    for reference in references:
+        if reference is None:
+            continue
+        raw, ref = os.fspath(reference), card_reference(reference)
+        # Only path-like spellings are replaced: a bare name like `.` would otherwise rewrite every full stop.
+        if ref.hub_id is None and ("/" in raw or os.sep in raw):
+            for spelling in sorted({raw, os.path.abspath(raw), os.path.realpath(raw)}, key=len, reverse=True):
+                text = text.replace(spelling, ref.text)
+    return text
+
+
+def _recipe_text(task: str, args: Any) -> str:
+    if args is None:
+        return "not recorded."
+
+    def plain(value: Any) -> Any:  # enum members (OptimizerNames.SGD) by their value ("sgd")
+        return getattr(value, "value", value)
+
+    schedule = f"{plain(args.lr_scheduler_type)} schedule with warmup {args.warmup_steps}"
+    return (
+        f"{task}: optimizer {plain(args.optim)}{f' ({args.optim_args})' if args.optim_args else ''}, learning rate "
+        f"{args.learning_rate}, weight decay {args.weight_decay}, {schedule}, gradient clipping at global norm "
+        f"{args.max_grad_norm}, batch {args.per_device_train_batch_size} per device, {args.num_train_epochs} epochs "
+        f"(max_steps {args.max_steps}), seed {args.seed}."
+    )
+
+
+def _is_quality_metric(name: str) -> bool:
+    """The measured qualities a card reports (accuracies; mean average precision and F1 for multi-label models),
+    not the run's loss, runtime or throughput."""
+    return any(key in name for key in ("accuracy", "mean_average_precision", "f1_"))
+
+
+def render_model_card(
+    model,
+    metrics: dict[str, Any],
+    *,
+    task: str,
+    dataset_name: str | None,
+    training_args: Any = None,
+    repo_id: str | None = None,
+    base_model: str | None = None,
+    resolution_note: str | None = None,
+    summary: str | None = None,
+    recipe: str | None = None,
+    results_note: str = "Measured by the training run that produced these weights.",
+    license: str = "apache-2.0",
+) -> ModelCard:
+    """A `ModelCard` for `model` with Hub metadata and the `metrics` measured for it (keys like `eval_accuracy`).
+
+    `repo_id` is the Hub repository the card will be pushed to; without it the card names the output folder by its
+    plain name (no invented organisation). `base_model` and `dataset_name` may be Hub ids, plain names or local
+    paths: local paths appear as their final folder name in the text and are left out of the metadata. Without
+    `dataset_name` (a converted or resized folder) no data set is claimed. A peft model gets an adapter's card: how
+    to apply it to its base model, which the card names.
+    """
+    adapter = hasattr(model, "peft_config")
+    architecture = type(model.get_base_model() if adapter else model).__name__
+    config = model.config
+    height, width = config.image_hw
+    output_dir = getattr(training_args, "output_dir", None)
+    repo_id = repo_id or (card_reference(Path(output_dir)).text if output_dir else "model")
+    base = card_reference(base_model) if base_model else None
+    data = card_reference(dataset_name) if dataset_name else None
+    local_refs = [base_model, dataset_name, output_dir]
+    split = metrics.get("eval_split", "test")
+    results = [
+        {"split": split, "metric": name.removeprefix("eval_"), "value": f"{value:.4f}"}
+        for name, value in metrics.items()
+        if name.startswith("eval_") and isinstance(value, float) and _is_quality_metric(name)
+    ]
+    eval_results = [
+        EvalResult(
+            task_type="image-classification",
+            # The model-index needs a data set type; a local data set is named by its plain folder name.
+            dataset_type=data.hub_id or data.text if data else "unknown",
+            dataset_name=data.text if data else "unknown",
+            dataset_split=split,
+            metric_type=row["metric"],
+            metric_name=row["metric"],
+            metric_value=float(row["value"]),
+        )
+        for row in results
+    ]
+    card_data = ModelCardData(
+        library_name="peft" if adapter else "transformers",
+        pipeline_tag="image-classification",
+        license=license,
+        tags=["hf-vit", "vision-transformer", "image-classification", "safetensors"],
+        datasets=[data.hub_id] if data and data.hub_id else None,
+        metrics=sorted({row["metric"] for row in results}) or ["accuracy"],
+        base_model=base.hub_id if base else None,
+        model_name=repo_id,
+        eval_results=eval_results or None,
+    )
+    labels = list(config.id2label.values())
+    if data is None:
+        dataset_description = "as for the base model (this folder was not trained)."
+    elif data.text in DATASET_DESCRIPTIONS:
+        dataset_description = DATASET_DESCRIPTIONS[data.text]
+    else:
+        dataset_description = f"`{data.text}`{'' if data.hub_id else ' (a local data set)'}."
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(CARD_TEMPLATE),
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
+        summary=_without_local_paths(summary, local_refs)
+        or f"A Vision Transformer {'pretrained' if task == 'pretrain' else 'fine-tuned'} with hf-vit.",
+        architecture=architecture + (" with a LoRA adapter" if adapter else ""),
+        adapter=adapter,
+        base_model_note=(
+            "a local model when the adapter was trained: pass where it is"
+            if adapter and base and not base.hub_id
+            else None
+        ),
+        homepage=HOMEPAGE,
+        code_files=", ".join(f"`{name}`" for name in remote_code_files()),
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        mlp_size=config.intermediate_size,
+        patch_size=config.patch_size,
+        classifier="class-token" if config.classifier == "token" else "global-average-pooling",
+        representation_size=config.representation_size,
+        num_parameters=f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M",
+        resolution=f"{height}x{width}",
+        resolution_note=_without_local_paths(resolution_note, local_refs),
+        num_labels=len(labels),
+        labels=", ".join(labels[:20]) + (", ..." if len(labels) > 20 else ""),
+        base_model=base.text if base else None,
+        dataset_description=dataset_description,
+        recipe=_without_local_paths(recipe, local_refs) or _recipe_text(task, training_args),
+        results=results,
+        results_note=_without_local_paths(results_note, local_refs),
+        limitations=DIGITS_LIMITATIONS
+        if data and data.text == "digits"
+        else "Evaluated only on the data named above."
+        if results
+        else "Not evaluated by hf-vit: see the base model's results and limitations.",
+    )
+
+
+def write_model_card(output_dir: str | os.PathLike, model, metrics: dict[str, Any], **kwargs: Any) -> Path:
+    """Render the card (see `render_model_card`) to `output_dir/README.md`.
+
+    Without `repo_id`, the card names the folder by its plain name; pushing replaces it by the repository pushed to.
+    """
+    path = Path(output_dir) / "README.md"
+    if not kwargs.get("repo_id"):
+        kwargs["repo_id"] = card_reference(Path(output_dir)).text
+    render_model_card(model, metrics, **kwargs).save(path)
+    return path
+
+
+def write_card(
+    folder: str | os.PathLike,
+    model,
+    *,
+    base_model: str,
+    summary: str,
+    recipe: str,
+    resolution_note: str | None = None,
+    repo_id: str | None = None,
+    metrics: Mapping[str, object] | None = None,
+    dataset_name: str | None = None,
+    output_name: str | None = None,
+) -> Path:
+    """Write the model card of a folder the project made from `base_model` (a Hub id or a plain name, never a local
+    path). Without `dataset_name` no data set is claimed in the metadata; `output_name` is the folder's final name
+    (`folder` may be a staging folder), used for the repo id when none is given."""
+    measured = dict(metrics or {})
+    return write_model_card(
+        folder,
+        model,
+        measured,
+        task="finetune",
+        dataset_name=dataset_name,
+        repo_id=repo_id or output_name or Path(folder).name,
+        base_model=base_model,
+        summary=summary,
+        recipe=recipe,
+        resolution_note=resolution_note,
+        results_note=(
+            f"Measured on the {dataset_name} {measured.get('eval_split', 'test')} split by hf-vit when it wrote this "
+            "folder."
+            if dataset_name
+            else "No metrics were measured for this folder; see the base model for its results."
+        ),
+    )
+
+
+# What a published hf-vit folder holds, top level only: the model files and the run's results (`hf_vit.outputs.files`).
+# Anything else (optimizer states, checkpoints, logs, the lock, the user's own files, training_args.bin with its local
+# paths, trainer_state.json with its checkpoint paths) stays local unless the user names it (`extra_files`).

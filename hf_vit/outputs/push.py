@@ -1,0 +1,385 @@
+"""Pushing a folder to the Hub: an explicit list of the files this project writes (`hf_vit.outputs.files`), checked
+for symlinks and local paths before anything is sent, in one commit; and the `Trainer` mix-in that sends every push
+of a run through the same plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCard
+
+from .files import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    CARD_FILE,
+    CONFIG_FILE,
+    PROCESSOR_FILE,
+    RESULT_FILES,
+    RESUME_FILE_PATTERN,
+    RESUME_FILES,
+    TRAINER_STATE_FILE,
+    WEIGHTS_FILE,
+    WEIGHTS_INDEX_FILE,
+    remote_code_files,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def upload_file_names() -> tuple[str, ...]:
+    """The fixed names a push takes from a folder's top level, besides the weights."""
+    return (CONFIG_FILE, PROCESSOR_FILE, *remote_code_files(), *RESULT_FILES)
+
+
+_TEXT_SUFFIXES = {".json", ".md", ".txt", ".py", ".yaml", ".yml", ".csv", ".toml", ".cfg", ".ini"}
+
+
+class HubPushError(OSError):
+    """The Hub could not be reached or refused the push; the message says which repository and what to try."""
+
+
+@dataclass(frozen=True)
+class UploadFile:
+    """One file of an upload: where it goes in the repository, where it comes from, and the bytes sent instead of
+    the file's own when the project corrects a copy (the card's repository id, a checkpoint's state)."""
+
+    path_in_repo: str
+    source: Path
+    content: bytes | None = None
+
+
+def _plain_file(path: Path, name: str) -> bool:
+    """Whether `path` is a regular file; a symlink is an error naming it (its target's bytes would be sent)."""
+    if path.is_symlink():
+        raise ValueError(
+            f"{name} in {path.parent} is a symlink (to {os.readlink(path)}); symlinks are not uploaded, since the "
+            f"bytes sent would be its target's. Replace it with a copy of the file (`cp --remove-destination "
+            f'"$(readlink -f {path})" {path}`) if you mean to publish it.'
+        )
+    return path.is_file()
+
+
+def _weights(folder: Path) -> list[str]:
+    """The safetensors weights: `model.safetensors`, or the shards named by its index and the index itself."""
+    index = folder / WEIGHTS_INDEX_FILE
+    if _plain_file(index, WEIGHTS_INDEX_FILE):
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError, TypeError) as error:
+            raise ValueError(f"{index} is not a safetensors index with a weight_map ({error}).") from error
+        for shard in shards:
+            if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
+                raise ValueError(f"{index} names {shard!r}, not a .safetensors file beside it.")
+            if not _plain_file(folder / shard, shard):
+                raise FileNotFoundError(f"{index} names the shard {shard}, which is not in {folder}.")
+        return [*shards, WEIGHTS_INDEX_FILE]
+    if _plain_file(folder / WEIGHTS_FILE, WEIGHTS_FILE):
+        return [WEIGHTS_FILE]
+    if _plain_file(folder / ADAPTER_FILE, ADAPTER_FILE) and _plain_file(folder / ADAPTER_CONFIG, ADAPTER_CONFIG):
+        return [ADAPTER_FILE, ADAPTER_CONFIG]  # a LoRA run's folder: peft's adapter, loaded onto its base model
+    found = sorted(p.name for p in folder.glob("*.safetensors"))
+    hint = f" (found {found}: name other files with extra_files / --include)" if found else ""
+    raise FileNotFoundError(
+        f"{folder} has no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX_FILE}); hf-vit only publishes safetensors weights "
+        f"saved by `save_pretrained`{hint}."
+    )
+
+
+def _extra_file(folder: Path, name: str | os.PathLike) -> str:
+    """The repository path of a user-named file: it must be a regular file inside `folder`, not a symlink."""
+    path = Path(name) if Path(name).is_absolute() else folder / name
+    if not _plain_file(path, os.fspath(name)):
+        raise FileNotFoundError(f"{name} is not a file in {folder}: --include names files inside the pushed folder.")
+    try:
+        return path.resolve().relative_to(folder.resolve()).as_posix()
+    except ValueError:
+        raise ValueError(f"{name} is outside {folder}: only files inside the pushed folder are uploaded.") from None
+
+
+# Any absolute path, whatever its prefix: POSIX (`/srv/models/base`: two components at least, not inside a URL or
+# a fraction), `file://` URLs, a home folder (`~/x`, `~alice/x`), Windows drives (`C:\Users\...`) and UNC shares.
+_LOCAL_PATH = re.compile(
+    r"file://\S+"
+    r"|(?<![\w.:/\\~-])/[\w@+-][\w.@+-]*/[^\s\"'`<>()\[\]{},;|]*"
+    r"|(?<![\w/\\])~[\w.-]*/[^\s\"'`<>()\[\]{},;|]*"
+    r"|(?<![\w])[A-Za-z]:[\\/][^\s\"'`<>()\[\]{},;|]+"
+    r"|\\\\[\w.$-]+\\[^\s\"'`<>()\[\]{},;|]+"
+)
+
+
+def find_local_path(text: str) -> str | None:
+    """The first absolute local path (or home-relative path) written in `text`, or None."""
+    match = _LOCAL_PATH.search(text)
+    return match.group(0) if match else None
+
+
+def _corrected_card(text: str, repo_id: str) -> str:
+    """The card with the repository id it names replaced by `repo_id` (metadata, heading, code examples)."""
+    try:
+        card = ModelCard(text)
+    except ValueError:  # not a card with metadata this project wrote: the user's text goes as it is
+        return text
+    old = getattr(card.data, "model_name", None)
+    if not old:
+        match = re.search(r'from_pretrained\("([^"]+)"|model="([^"]+)"', card.text)
+        old = match and (match.group(1) or match.group(2))
+    if not old or old == repo_id:
+        return text
+    if getattr(card.data, "model_name", None):
+        card.data.model_name = repo_id
+    body = card.text.replace(f'"{old}"', f'"{repo_id}"')
+    body = re.sub(rf"^# {re.escape(old.split('/')[-1])}$", f"# {repo_id.split('/')[-1]}", body, count=1, flags=re.M)
+    card.text = body
+    return str(card)
+
+
+def _checked(folder: Path, name: str, path_in_repo: str, text: str | None = None) -> UploadFile:
+    """`folder/name` as an upload, refused if it is a text file naming a local path; `text` replaces its content."""
+    source = folder / name
+    content = None if text is None else text.encode("utf-8")
+    if Path(name).suffix.lower() in _TEXT_SUFFIXES:
+        text = source.read_text(encoding="utf-8", errors="replace") if text is None else text
+        found = find_local_path(text)
+        if found:
+            raise ValueError(
+                f"{source} contains the local path {found!r}; nothing naming a path of this machine is uploaded. "
+                "Remove it from the file (a card names Hub ids or plain names: re-render it with "
+                "hf_vit.hub.write_model_card) or leave the file out."
+            )
+    return UploadFile(path_in_repo, source, content)
+
+
+def plan_upload(
+    folder: str | os.PathLike,
+    repo_id: str | None = None,
+    extra_files: Iterable[str | os.PathLike] = (),
+    *,
+    card: bool = True,
+) -> list[UploadFile]:
+    """Exactly what pushing `folder` sends, checked, without touching the network.
+
+    The project's files (`upload_file_names()` and the safetensors weights) at the top level of `folder`, plus the
+    files the user names in `extra_files`. A symlink among them is an error, since the bytes sent would be its
+    target's. The card goes as a copy naming `repo_id`. Any text file naming an absolute path is an error naming the
+    file and the path. The user's files are never modified. `card=False` (a checkpoint's model files) expects no card.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder: pass the folder that a training run or script wrote.")
+    if not _plain_file(folder / CONFIG_FILE, CONFIG_FILE):
+        raise FileNotFoundError(f"{folder} has no config.json: save the model there before pushing it.")
+    names = _weights(folder) + [name for name in upload_file_names() if _plain_file(folder / name, name)]
+    names += [_extra_file(folder, name) for name in extra_files]
+    if card and CARD_FILE not in names:
+        logger.warning("%s has no model card (README.md): the repository will have none.", folder)
+    plan = []
+    for name in dict.fromkeys(names):  # in order, each once
+        text = None
+        if name == CARD_FILE and repo_id:
+            original = (folder / name).read_text(encoding="utf-8", errors="replace")
+            corrected = _corrected_card(original, repo_id)
+            text = corrected if corrected != original else None
+        plan.append(_checked(folder, name, name, text))
+    return plan
+
+
+def plan_checkpoint_upload(checkpoint: str | os.PathLike, path_in_repo: str) -> list[UploadFile]:
+    """What a checkpoint push (`--hub_strategy checkpoint` or `all_checkpoints`) sends under `path_in_repo`: the
+    checkpoint's model files and the state a run resumes from (optimizer, scheduler, random states, trainer state
+    with checkpoint paths reduced to their folder names). Never `training_args.bin`."""
+    folder = Path(checkpoint)
+    plan = [
+        UploadFile(f"{path_in_repo}/{item.path_in_repo}", item.source, item.content)
+        for item in plan_upload(folder, card=False)
+    ]
+    for entry in sorted(folder.iterdir()):
+        name = entry.name
+        if not (name in RESUME_FILES or RESUME_FILE_PATTERN.fullmatch(name) or name == TRAINER_STATE_FILE):
+            continue
+        if not _plain_file(entry, name):
+            continue
+        text = None
+        if name == TRAINER_STATE_FILE:
+            state = json.loads(entry.read_text())
+            for key in ("best_model_checkpoint",):
+                if isinstance(state.get(key), str):
+                    state[key] = Path(state[key]).name
+            text = json.dumps(state, indent=2, sort_keys=True) + "\n"
+        plan.append(_checked(folder, name, f"{path_in_repo}/{name}", text))
+    return plan
+
+
+def _one_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
+
+
+def _hub_call(what: str, repo_id: str, call):
+    """Run a call to the Hub; a network or Hub error becomes one `HubPushError` line naming the repository."""
+    try:
+        return call()
+    except Exception as error:  # httpx / huggingface_hub errors have no common base but Exception
+        offline = " HF_HUB_OFFLINE=1 is set in this environment." if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise HubPushError(
+            f"could not {what} {repo_id} on the Hugging Face Hub ({_one_line(error)}).{offline} Check the network "
+            "and the token (--hub_token or `hf auth login`), then push the folder again with "
+            "`hf-vit-push --model <folder> --hub_model_id <org>/<name>`."
+        ) from error
+
+
+def create_repo(repo_id: str, *, token: str | None = None, private: bool | None = None) -> str:
+    """Create (or find) the model repository; returns its full id (a bare name lands in the token owner's
+    namespace)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    created = _hub_call(
+        "create", repo_id, lambda: api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    )
+    return getattr(created, "repo_id", None) or repo_id
+
+
+def commit_plan(
+    repo_id: str,
+    plan: list[UploadFile],
+    *,
+    token: str | None = None,
+    commit_message: str,
+    revision: str | None = None,
+) -> str:
+    """Send exactly `plan` to `repo_id` in one commit; returns the commit URL."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    logger.info("Uploading %d files to %s: %s", len(plan), repo_id, ", ".join(f.path_in_repo for f in plan))
+    # O_NOFOLLOW: a file swapped for a symlink after the checks is refused rather than followed.
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    api = HfApi(token=token)
+    with contextlib.ExitStack() as stack:
+        operations = [
+            CommitOperationAdd(
+                path_in_repo=item.path_in_repo,
+                path_or_fileobj=item.content
+                if item.content is not None
+                else stack.enter_context(open(item.source, "rb", opener=lambda p, f: os.open(p, f | nofollow))),
+            )
+            for item in plan
+        ]
+        commit = _hub_call(
+            "push to",
+            repo_id,
+            lambda: api.create_commit(
+                repo_id=repo_id,
+                operations=operations,
+                commit_message=commit_message,
+                revision=revision,
+                repo_type="model",
+            ),
+        )
+    return str(getattr(commit, "commit_url", commit))
+
+
+def push_folder_to_hub(
+    folder: str | os.PathLike,
+    repo_id: str | None,
+    *,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str = "Upload hf-vit model",
+    revision: str | None = None,
+    extra_files: Iterable[str | os.PathLike] = (),
+) -> str:
+    """Push an hf-vit folder to the Hub in one commit of exactly the files `plan_upload` lists (logged at INFO);
+    returns the commit URL. Everything is checked before anything reaches the network."""
+    if not repo_id:
+        raise ValueError("Pushing needs a repository id: pass --hub_model_id <user or org>/<name>.")
+    plan = plan_upload(folder, repo_id, extra_files)
+    full_id = create_repo(repo_id, token=token, private=private)
+    if full_id != repo_id:  # the card must name the full id
+        repo_id, plan = full_id, plan_upload(folder, full_id, extra_files)
+    return commit_plan(repo_id, plan, token=token, commit_message=commit_message, revision=revision)
+
+
+class PlannedHubPushes:
+    """A `Trainer` mix-in whose every push (`--push_to_hub` with any `--hub_strategy`, checkpoint pushes,
+    `trainer.push_to_hub()`) sends exactly what `plan_upload` / `plan_checkpoint_upload` list, in one commit each,
+    instead of Trainer's `upload_folder` of the whole output folder.
+
+    The token is taken out of the arguments when the trainer is built, so `training_args.bin` (a pickle of them,
+    written into every checkpoint) never holds it. Checkpoint pushes are synchronous: the bytes sent are the
+    checkpoint's own, not copies Trainer would write into the output folder. A failed checkpoint push is logged and
+    training goes on; a failed final push is an error.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        self.hub_token = getattr(training_args, "hub_token", None)
+        if training_args is not None:
+            training_args.hub_token = None
+        super().__init__(*args, **kwargs)
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        if not self.is_world_process_zero():
+            return
+        name = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
+        private = self.args.hub_private_repo if private is None else private
+        self.hub_model_id = create_repo(name, token=token or self.hub_token, private=private)
+        self.push_in_progress = None
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ) -> str | None:
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        return self.push_output_dir(commit_message or "End of training", token=token, revision=revision)
+
+    def push_output_dir(self, commit_message: str, token: str | None = None, revision: str | None = None) -> str:
+        """Push the output folder as `plan_upload` lists it (the saved model, its card and results)."""
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token)
+        return commit_plan(
+            self.hub_model_id,
+            plan_upload(self.args.output_dir, self.hub_model_id),
+            token=token or self.hub_token,
+            commit_message=commit_message,
+            revision=revision or self.args.hub_revision,
+        )
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        from transformers.trainer_utils import HubStrategy
+
+        strategy = self.args.hub_strategy
+        if not self.is_world_process_zero() or strategy == HubStrategy.END:
+            return
+        step = self.state.global_step
+        try:
+            plan = plan_upload(checkpoint_folder, card=False)
+            if strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+                where = "last-checkpoint" if strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
+                plan += plan_checkpoint_upload(checkpoint_folder, where)
+            commit_plan(
+                self.hub_model_id,
+                plan,
+                token=self.hub_token,
+                commit_message=f"Training in progress, step {step}",
+                revision=self.args.hub_revision,
+            )
+        except HubPushError as error:
+            logger.warning("The push of step %d failed; training goes on. %s", step, error)

@@ -1,0 +1,274 @@
+"""The image classification data sets a run trains and evaluates on.
+
+Data sets: `load_image_dataset(name)` returns a `DatasetDict` (an `IterableDatasetDict` with `streaming=True`) with
+the splits `train`, `validation` and, when the source has one, `test`. Every split has exactly two columns: `image`
+(a `datasets.Image`) and `label` (a `datasets.ClassLabel`, so `label_names(ds)` gives `id2label`). `name` is one of:
+
+* `"digits"`: scikit-learn's 1797 bundled 8x8 handwritten digits (no download), see `load_digits_dataset`;
+* a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` (read with `datasets.load_from_disk`);
+* any other local directory: an image folder, `root/<label>/<file>` or `root/<split>/<label>/<file>`, read with
+  datasets' `imagefolder` builder (labels are the folder names);
+* otherwise a data set on the Hugging Face Hub (`datasets.load_dataset(name)`, needs network or the local cache).
+
+A missing validation split is carved out of train: `validation_fraction` of it, stratified by label with `seed`
+(in-memory data), or every `1 / validation_fraction`-th example (streaming). A streamed train split is shuffled
+through a buffer of `shuffle_buffer_size` examples (and its shards' order), seeded by `seed` and reseeded each epoch
+(`set_epoch`, which Trainer calls): an image folder is otherwise read class after class.
+
+Their images become model inputs in `hf_vit.run.transforms`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import datasets
+import numpy as np
+import PIL.Image
+from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+from huggingface_hub.errors import HFValidationError
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+DIGITS_SPLIT_SIZES = {"train": 1257, "validation": 180, "test": 360}
+"""Sizes of the fixed, stratified digits splits (70/10/20 % of 1797)."""
+
+_DIGITS_SPLIT_SEED = 0
+
+
+def load_digits_dataset(seed: int = 0) -> DatasetDict:
+    """scikit-learn's handwritten digits as a `DatasetDict` with fixed stratified train/validation/test splits.
+
+    Images are 8x8 grayscale (`L`) PIL images, scaled from 0..16 to 0..255; labels are `ClassLabel` "0".."9".
+    Which images go to which split never changes (sizes in `DIGITS_SPLIT_SIZES`, every split has the class
+    proportions of the whole set); `seed` only shuffles the order of the rows inside each split.
+    """
+    digits = load_digits()
+    pixels = np.rint(digits.images * (255 / 16)).astype(np.uint8)
+    labels = digits.target.astype(np.int64)
+    rest, test = train_test_split(
+        np.arange(len(labels)), test_size=DIGITS_SPLIT_SIZES["test"], stratify=labels, random_state=_DIGITS_SPLIT_SEED
+    )
+    train, validation = train_test_split(
+        rest, test_size=DIGITS_SPLIT_SIZES["validation"], stratify=labels[rest], random_state=_DIGITS_SPLIT_SEED
+    )
+    features = datasets.Features({"image": datasets.Image(), "label": ClassLabel(names=[str(d) for d in range(10)])})
+    rng = np.random.default_rng(seed)
+    splits = {}
+    for split, indices in (("train", train), ("validation", validation), ("test", test)):
+        indices = rng.permutation(np.sort(indices))
+        images = [PIL.Image.fromarray(pixels[i]) for i in indices]
+        splits[split] = Dataset.from_dict({"image": images, "label": labels[indices]}, features=features)
+    return DatasetDict(splits)
+
+
+def load_image_dataset(
+    name: str,
+    *,
+    image_column: str = "image",
+    label_column: str = "label",
+    streaming: bool = False,
+    train_split: str = "train",
+    validation_split: str = "validation",
+    test_split: str = "test",
+    validation_fraction: float = 0.1,
+    seed: int = 0,
+    cache_dir: str | None = None,
+    shuffle_buffer_size: int = 1000,
+) -> DatasetDict | IterableDatasetDict:
+    """Load an image classification data set: splits `train`, `validation` (and `test`), columns `image`, `label`.
+
+    See the module docstring for the accepted `name`s. `image_column`/`label_column` name the source columns
+    (renamed to `image`/`label`, other columns are dropped); `*_split` name the source splits. String labels become
+    `ClassLabel` ids in sorted name order, integer labels without names get the names "0".."max" (negative
+    integers are refused). A streamed train split is shuffled with a buffer of `shuffle_buffer_size` examples (0:
+    read in the source's order).
+    """
+    if shuffle_buffer_size < 0:
+        raise ValueError(f"--shuffle_buffer_size must be 0 (no shuffling) or positive, got {shuffle_buffer_size}.")
+    path = os.path.expanduser(name)
+    if name == "digits":
+        ds = load_digits_dataset(seed)
+    elif os.path.isdir(path) and _is_saved_dataset(path):
+        ds = datasets.load_from_disk(path)
+        ds = DatasetDict({train_split: ds}) if isinstance(ds, Dataset) else ds
+    elif os.path.isdir(path):
+        ds = datasets.load_dataset("imagefolder", data_dir=path, streaming=streaming, cache_dir=cache_dir)
+    else:
+        ds = _load_from_hub(name, streaming=streaming, cache_dir=cache_dir)
+
+    splits = {"train": train_split, "validation": validation_split, "test": test_split}
+    if train_split not in ds:
+        raise ValueError(f"Data set {name!r} has no split {train_split!r} (it has {list(ds)}); choose train_split.")
+    ds = type(ds)({new: ds[old] for new, old in splits.items() if old in ds})
+    ds = _standardize_columns(ds, name, image_column, label_column)
+    if "validation" not in ds:
+        ds = _carve_validation(ds, validation_fraction, seed)
+    ds = type(ds)({split: ds[split] for split in splits if split in ds})
+    if streaming and isinstance(ds, DatasetDict):
+        ds = IterableDatasetDict({split: d.to_iterable_dataset() for split, d in ds.items()})
+    if isinstance(ds, IterableDatasetDict) and shuffle_buffer_size:
+        ds["train"] = shuffle_stream(ds["train"], seed, shuffle_buffer_size)
+    return ds
+
+
+def shuffle_stream(data: IterableDataset, seed: int, buffer_size: int) -> IterableDataset:
+    """`data` read in a shuffled order: its shards in a random order, then each example drawn at random from a buffer
+    of `buffer_size`. The order is drawn from `seed + epoch` (datasets' `set_epoch`, called by Trainer at each
+    epoch's start), so every epoch is read in another order, the same one for every run with `seed`."""
+    return data.shuffle(seed=seed, buffer_size=buffer_size)
+
+
+def load_datasets(data_args: Any, seed: int):
+    """The raw splits named by `data_args` (`hf_vit.run.arguments.DataArguments`; columns `image` and `label`)."""
+    ds = load_image_dataset(
+        data_args.dataset_name,
+        image_column=data_args.image_column_name,
+        label_column=data_args.label_column_name,
+        streaming=data_args.streaming,
+        train_split=data_args.train_split,
+        validation_split=data_args.validation_split,
+        test_split=data_args.test_split,
+        validation_fraction=data_args.validation_fraction,
+        seed=seed,
+        shuffle_buffer_size=data_args.shuffle_buffer_size,
+    )
+    if data_args.max_train_samples is not None and not data_args.streaming:
+        ds["train"] = ds["train"].select(range(min(data_args.max_train_samples, len(ds["train"]))))
+    return ds
+
+
+def label_names(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> list[str]:
+    """Class names of the `label` column (index = label id), e.g. for `id2label = dict(enumerate(names))`."""
+    if isinstance(ds, (DatasetDict, IterableDatasetDict)):
+        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    feature = (ds.features or {}).get("label")
+    if isinstance(feature, (datasets.List, datasets.Sequence, datasets.LargeList)):
+        feature = feature.feature  # multi-label: the classes of the lists' elements
+    if not isinstance(feature, ClassLabel):
+        raise ValueError(f"The 'label' column must be a ClassLabel to have names, got {feature!r}.")
+    return list(feature.names)
+
+
+def _is_saved_dataset(path: str) -> bool:
+    return any(
+        os.path.isfile(os.path.join(path, filename))
+        for filename in (datasets.config.DATASETDICT_JSON_FILENAME, datasets.config.DATASET_STATE_JSON_FILENAME)
+    )
+
+
+def _load_from_hub(name: str, *, streaming: bool, cache_dir: str | None) -> DatasetDict | IterableDatasetDict:
+    try:
+        return datasets.load_dataset(name, streaming=streaming, cache_dir=cache_dir)
+    except (OSError, HFValidationError) as err:  # OSError: ConnectionError, DatasetNotFoundError, HTTP errors...
+        raise FileNotFoundError(
+            f"Cannot load data set {name!r}: it is not 'digits', not an existing local directory (an image folder "
+            "or a save_to_disk output), and could not be loaded from the Hugging Face Hub "
+            f"({type(err).__name__}: {err}). Pass 'digits', a local path, or a Hub data set id while online (or one "
+            "already in the local cache; HF_HUB_OFFLINE=1 / HF_DATASETS_OFFLINE=1 forbid network access)."
+        ) from err
+
+
+def _standardize_columns(ds, name: str, image_column: str, label_column: str):
+    """Keep only the image and label columns, renamed to `image`/`label`; make `label` a ClassLabel."""
+    columns = ds["train"].column_names
+    if columns is not None:  # None for some streamed data sets whose features are unknown until read
+        missing = [column for column in (image_column, label_column) if column not in columns]
+        if missing:
+            raise ValueError(
+                f"Data set {name!r} has no column {' or '.join(map(repr, missing))}; its columns are {columns}. "
+                "Choose the image and label columns with --image_column_name and --label_column_name."
+            )
+    ds = ds.select_columns([image_column, label_column])
+    renames = {old: new for old, new in ((image_column, "image"), (label_column, "label")) if old != new}
+    ds = ds.rename_columns(renames) if renames else ds
+
+    features = ds["train"].features
+    if features is None:
+        return ds
+    if not isinstance(features["image"], datasets.Image):
+        ds = ds.cast_column("image", datasets.Image())
+    label = features["label"]
+    # a list of classes per image (multi-label classification): the same rules for its elements
+    is_list = isinstance(label, (datasets.List, datasets.Sequence, datasets.LargeList))
+    element = label.feature if is_list else label
+    if isinstance(element, ClassLabel):
+        return ds
+    is_string = isinstance(element, datasets.Value) and element.dtype in ("string", "large_string")
+    is_integer = isinstance(element, datasets.Value) and "int" in element.dtype
+    if isinstance(ds, IterableDatasetDict) or not (is_string or is_integer):
+        raise ValueError(
+            f"Cannot use labels of type {label!r} from {name!r}: expected a ClassLabel, or string or integer labels, "
+            "or lists of them (those are mapped to a ClassLabel without streaming only)."
+        )
+    if is_list:
+        values = {value for d in ds.values() for row in d["label"] for value in row}
+    else:
+        values = set().union(*(d.unique("label") for d in ds.values()))
+    if not values:
+        raise ValueError(f"The label column of {name!r} holds no labels.")
+    if is_integer and min(values) < 0:
+        raise ValueError(
+            f"The label column of {name!r} holds the negative class id {min(values)}: class ids start at 0. Remove "
+            "the images without a label (or, for multi-label data, give them an empty list of classes)."
+        )
+    names = sorted(values) if is_string else [str(i) for i in range(max(values) + 1)]
+    return ds.cast_column("label", datasets.List(ClassLabel(names=names)) if is_list else ClassLabel(names=names))
+
+
+def is_multi_label(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> bool:
+    """Whether the `label` column holds a list of classes per image (multi-label classification)."""
+    if isinstance(ds, (DatasetDict, IterableDatasetDict)):
+        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    return isinstance((ds.features or {}).get("label"), (datasets.List, datasets.Sequence, datasets.LargeList))
+
+
+def to_multi_hot(ds: DatasetDict, num_classes: int) -> DatasetDict:
+    """`ds` with each image's list of class ids as a multi-hot float vector of `num_classes` (the model's targets for
+    multi-label classification)."""
+
+    def encode(batch):
+        vectors = np.zeros((len(batch["label"]), num_classes), dtype=np.float32)
+        for row, classes in enumerate(batch["label"]):
+            wrong = [c for c in classes if not 0 <= c < num_classes]
+            if wrong:  # numpy would read -1 as the last class
+                raise ValueError(
+                    f"A label list holds the class id(s) {wrong}, outside 0..{num_classes - 1}: every element of a "
+                    "multi-label list must be one of the data set's classes (an image without classes has an empty "
+                    "list)."
+                )
+            vectors[row, list(classes)] = 1.0
+        return {"label": vectors.tolist()}
+
+    features = ds["train"].features.copy()
+    features["label"] = datasets.List(datasets.Value("float32"), length=num_classes)
+    return DatasetDict({split: data.map(encode, batched=True, features=features) for split, data in ds.items()})
+
+
+def _carve_validation(ds, fraction: float, seed: int):
+    """Split `fraction` of train off as validation (stratified by label where possible)."""
+    if not 0 < fraction < 1:
+        raise ValueError(
+            f"There is no validation split to use; validation_fraction must be in (0, 1), not {fraction}."
+        )
+    train = ds["train"]
+    if isinstance(train, IterableDataset):  # no length: take each example whose index crosses a multiple of 1/fraction
+
+        def in_validation(_, index: int) -> bool:
+            return math.floor((index + 1) * fraction) > math.floor(index * fraction)
+
+        ds["validation"] = train.filter(in_validation, with_indices=True, input_columns="label")
+        ds["train"] = train.filter(lambda *args: not in_validation(*args), with_indices=True, input_columns="label")
+        return ds
+    try:
+        parts = train.train_test_split(test_size=fraction, seed=seed, stratify_by_column="label")
+    except ValueError:  # a class with fewer than 2 examples, or fewer validation examples than classes
+        parts = train.train_test_split(test_size=fraction, seed=seed)
+    ds["train"], ds["validation"] = parts["train"], parts["test"]
+    return ds
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Transforms
