@@ -265,3 +265,66 @@ def test_native_batches_run_in_half_precision_and_under_autocast(implementation)
     for logits in (autocast, half):
         assert logits.dtype == torch.bfloat16
         torch.testing.assert_close(logits.float(), reference, atol=0.1 * reference.abs().max().item(), rtol=0)
+
+
+def test_training_transform_crops_at_their_own_aspect_ratio_and_the_collator_pads():
+    from hf_vit.run.transforms import collate_fn, make_eval_transform, make_train_transform
+
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
+    batch = {"image": images([(40, 40), (20, 80), (90, 30)]), "label": [0, 1, 2]}
+    # without augmentation the training transform is the processor
+    plain = make_train_transform(processor, random_resized_crop=False, hflip=False)(batch)
+    expected = processor(batch["image"], return_tensors="pt")
+    for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes"):
+        assert torch.equal(plain[key], expected[key]), key
+    assert plain["labels"].tolist() == [0, 1, 2]
+    evaluated = make_eval_transform(processor)(batch)
+    assert torch.equal(evaluated["pixel_values"], expected["pixel_values"]) and "spatial_shapes" in evaluated
+    # crops: each on the largest grid of at most 12 patches at the crop's own aspect ratio
+    crops = make_train_transform(processor, scale=(0.2, 0.5), ratio=(0.3, 3.0), seed=0)(batch)
+    assert crops["pixel_values"].shape == (3, 12, 192)
+    grids = crops["spatial_shapes"].tolist()
+    assert all(rows * cols <= 12 for rows, cols in grids) and len({tuple(grid) for grid in grids}) > 1
+    assert torch.equal(crops["pixel_attention_mask"].sum(1), crops["spatial_shapes"].prod(1).int())
+    # the collator pads examples of different lengths to the longest, with the mask to match
+    examples = [
+        {"pixel_values": crops["pixel_values"][i, : rows * cols], "spatial_shapes": crops["spatial_shapes"][i],
+         "labels": crops["labels"][i]}
+        for i, (rows, cols) in enumerate(grids)
+    ]  # fmt: skip
+    collated = collate_fn(examples)
+    longest = max(rows * cols for rows, cols in grids)
+    assert collated["pixel_values"].shape == (3, longest, 192) and collated["labels"].tolist() == [0, 1, 2]
+    for row, (rows, cols) in enumerate(grids):
+        count = rows * cols
+        assert torch.equal(collated["pixel_values"][row, :count], crops["pixel_values"][row, :count])
+        assert collated["pixel_attention_mask"][row].tolist() == [1] * count + [0] * (longest - count)
+    assert torch.equal(collate_fn([dict(zip(crops, values)) for values in zip(*crops.values())])["pixel_values"],
+                       crops["pixel_values"])  # fmt: skip
+
+
+def test_fine_tuning_with_max_num_patches(tmp_path):
+    from hf_vit.run.arguments import parse_args
+    from hf_vit.run.training import train
+
+    config = tiny_config(image_size=8, patch_size=4, num_labels=10, zero_init_head=False)
+    torch.manual_seed(0)
+    VisionTransformerForImageClassification(config).save_pretrained(tmp_path / "pre")
+    flags = ["--output_dir", str(tmp_path / "fine"), "--model_name_or_path", str(tmp_path / "pre")]
+    flags += ["--max_num_patches", "6", "--max_steps", "4", "--max_train_samples", "64", "--learning_rate", "0.05"]
+    flags += ["--per_device_train_batch_size", "16", "--eval_strategy", "no", "--save_strategy", "no"]
+    flags += ["--disable_tqdm", "True", "--report_to", "none", "--dataloader_num_workers", "0"]
+    metrics = train("finetune", *parse_args("finetune", flags))
+    # trained (the new head started at zero) and evaluated on the test split's native-aspect batches
+    assert 0 <= metrics["eval_accuracy"] <= 1 and np.isfinite(metrics["eval_loss"])
+    model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "fine").eval()
+    assert model.classifier.weight.abs().sum() > 0
+    saved = VisionTransformerImageProcessor.from_pretrained(tmp_path / "fine")
+    assert (saved.max_num_patches, saved.patch_size) == (6, 4)
+    inputs = saved(images([(16, 8), (8, 24)]), return_tensors="pt")
+    assert inputs["spatial_shapes"].tolist() == [[3, 2], [1, 3]]  # the largest grids of at most 6 patches
+    with torch.no_grad():
+        assert model(**inputs).logits.shape == (2, 10)
+    with pytest.raises(ValueError, match="max_num_patches"):
+        train("pretrain", *parse_args("pretrain", ["--output_dir", str(tmp_path / "mpp"), "--objective", "mpp",
+                                                    "--max_num_patches", "6", "--max_steps", "1"]))  # fmt: skip

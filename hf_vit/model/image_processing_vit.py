@@ -582,7 +582,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                     processed[index] = batch[position]
 
         if max_num_patches is not None:
-            return _native_batch(processed, patch_size, max_num_patches, return_tensors)
+            return native_patch_batch(processed, patch_size, max_num_patches, return_tensors)
         if return_tensors is None:
             return BatchFeature({"pixel_values": [image.cpu().numpy() for image in processed]})
         if not isinstance(processed, torch.Tensor):
@@ -665,11 +665,16 @@ def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: 
         )
 
 
-def _native_batch(
-    images: torch.Tensor | list[torch.Tensor], patch_size: int, max_num_patches: int, return_tensors: TensorType | None
+def native_patch_batch(
+    images: torch.Tensor | list[torch.Tensor],
+    patch_size: int,
+    max_num_patches: int,
+    return_tensors: str | TensorType | None = "pt",
 ) -> BatchFeature:
-    """Each `[C, H, W]` image as its flattened patches padded to `max_num_patches`, with the padding mask and its
-    grid (see `naflex.py`)."""
+    """Normalised `[C, H, W]` images, each a whole number of patches, as the processor's native-aspect batch: each
+    image's flattened patches padded to `max_num_patches` (`pixel_values`), the padding mask and each grid (see
+    `max_num_patches` in the class docstring). Training transforms that resize images themselves batch them here."""
+    return_tensors = None if return_tensors is None else TensorType(return_tensors)
     grids = []
     for index, image in enumerate(images):
         height, width = image.shape[-2:]
@@ -705,6 +710,7 @@ __all__ = [
     "exif_transpose",
     "grid_for_max_patches",
     "load_images",
+    "native_patch_batch",
     "open_image",
     "patchify",
     "rescale_and_normalize",

@@ -180,6 +180,14 @@ class DataArguments:
         default=None, metadata={"help": "Random horizontal flips. Default: on, except for digits (flips change them)."}
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only this many training images."})
+    max_num_patches: int | None = field(
+        default=None,
+        metadata={
+            "help": "Native aspect ratio (NaFlex): each image (each crop, in training) is resized to the largest grid "
+            "of at most this many patches that keeps its aspect ratio, and batches are its patches padded to this "
+            "number; the saved processor does the same at inference. Classification objectives only."
+        },
+    )
 
 
 @dataclass

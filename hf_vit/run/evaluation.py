@@ -74,6 +74,9 @@ def evaluate_model(
     logits, labels = [], []
     for start in range(0, len(ds), batch_size):
         batch = ds[start : start + batch_size]
-        logits.append(model(pixel_values=batch["pixel_values"]).logits.float())
+        inputs = {
+            key: batch[key] for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes") if key in batch
+        }
+        logits.append(model(**inputs).logits.float())
         labels.append(batch["labels"])
     return compute_metrics((torch.cat(logits).numpy(), torch.cat(labels).numpy()))

@@ -205,10 +205,13 @@ def load_checkpoint(
     return model.train()
 
 
-def processor_for(model_args: Any, config: VisionTransformerConfig) -> VisionTransformerImageProcessor:
+def processor_for(
+    model_args: Any, config: VisionTransformerConfig, max_num_patches: int | None = None
+) -> VisionTransformerImageProcessor:
     """The image processor of a run: the checkpoint's (its normalisation) or the default, at the model's image size,
     converting to RGB only for 3-channel models (1-channel and 4-channel models get their images' own channels, the
-    mean and standard deviation repeated per channel)."""
+    mean and standard deviation repeated per channel); native aspect ratio with `max_num_patches` patches of the
+    model's patch size, whole images of that size without."""
     processor = None
     if getattr(model_args, "model_name_or_path", None):
         try:
@@ -218,6 +221,11 @@ def processor_for(model_args: Any, config: VisionTransformerConfig) -> VisionTra
     processor = processor or VisionTransformerImageProcessor()
     height, width = config.image_hw
     processor.size = {"height": height, "width": width}
+    if max_num_patches is not None and (isinstance(max_num_patches, bool) or not 0 < max_num_patches):
+        raise ValueError(f"--max_num_patches must be a positive number of patches per image, got {max_num_patches}.")
+    processor.max_num_patches, processor.patch_size = max_num_patches, config.patch_size
+    if max_num_patches is not None:
+        processor.do_center_crop = False  # a native-aspect image is kept whole
     channels = config.num_channels
     processor.do_convert_rgb = channels == 3
     for name in ("image_mean", "image_std"):

@@ -69,7 +69,7 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     if getattr(training_args, "check_eval_images", True):  # a plain TrainingArguments has no such flag
         check_eval_images(raw)
     model = objective.build_model(task, model_args, labels)
-    processor = processor_for(model_args, model.config)
+    processor = processor_for(model_args, model.config, data_args.max_num_patches)
     model = adapt(model, model_args, task, training_args.output_dir)
     ds = objective.transforms(raw, data_args, processor, model.config)
     trainer = build_trainer(objective, model, processor, ds, training_args, callbacks)
