@@ -643,15 +643,6 @@ def grid_for_max_patches(height: int, width: int, patch_size: int, max_num_patch
     return best
 
 
-def patchify(images: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """`(N, C, H, W)` images as `(N, H/P * W/P, P * P * C)` flattened patches, row-major over the grid, each patch
-    in (patch row, patch column, channel) order."""
-    batch, channels, height, width = images.shape
-    rows, cols = height // patch_size, width // patch_size
-    patches = images.reshape(batch, channels, rows, patch_size, cols, patch_size)
-    return patches.permute(0, 2, 4, 3, 5, 1).reshape(batch, rows * cols, patch_size * patch_size * channels)
-
-
 def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: bool) -> None:
     if max_num_patches is None:
         return
@@ -686,7 +677,7 @@ def native_patch_batch(
             )
         grids.append((rows, cols))
     channels, device = images[0].shape[0], images[0].device
-    # One strided copy per image straight into the padded batch (patchify's layout), zeros after its patches.
+    # One strided copy per image straight into the padded batch, each patch in (row, column, channel) order.
     pixel_values = torch.zeros(len(grids), max_num_patches, patch_size * patch_size * channels, device=device)
     for row, (image, (rows, cols)) in enumerate(zip(images, grids)):
         target = pixel_values[row, : rows * cols].view(rows, cols, patch_size, patch_size, channels)
@@ -712,7 +703,6 @@ __all__ = [
     "load_images",
     "native_patch_batch",
     "open_image",
-    "patchify",
     "rescale_and_normalize",
     "resize_images",
     "sixteen_to_eight_bit",

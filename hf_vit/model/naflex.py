@@ -1,8 +1,8 @@
 """Native-aspect batches: every image at its own aspect ratio, as a grid of at most K patches, padded to K.
 
-The image processor (`max_num_patches=K`; its `grid_for_max_patches` and `patchify`) resizes each image to the
-largest patch grid of at most K patches that keeps its aspect ratio and returns, in the layout of transformers'
-SigLIP 2 processor:
+The image processor (`max_num_patches=K`; its `grid_for_max_patches` and `native_patch_batch`) resizes each image
+to the largest patch grid of at most K patches that keeps its aspect ratio and returns, in the layout of
+transformers' SigLIP 2 processor:
 
     pixel_values          (B, K, P * P * C)   each patch flattened in (patch row, patch column, channel) order
     pixel_attention_mask  (B, K)              1 for an image's patches, 0 for the padding after them
