@@ -1,11 +1,13 @@
 """Native-aspect batches: the processor's patches (max_num_patches); the model on them equals each image alone."""
 
 import importlib
+import io
 
 import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from PIL import Image
 from torch.nn import functional as F
 
 from hf_vit import (
@@ -301,6 +303,15 @@ def test_training_transform_crops_at_their_own_aspect_ratio_and_the_collator_pad
         assert collated["pixel_attention_mask"][row].tolist() == [1] * count + [0] * (longest - count)
     assert torch.equal(collate_fn([dict(zip(crops, values)) for values in zip(*crops.values())])["pixel_values"],
                        crops["pixel_values"])  # fmt: skip
+    # encoded JPEGs take the transform's fast road (the crop decoded at a reduced scale): the same grids
+    encoded = []
+    for array in images([(400, 160), (160, 400)]):
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, "JPEG")
+        encoded.append(buffer.getvalue())
+    jpegs = make_train_transform(processor, scale=(0.9, 1.0), ratio=(1.0, 1.0), seed=0)({"image": encoded})
+    assert jpegs["spatial_shapes"].tolist() == [[3, 3], [3, 3]]  # square crops: the largest square grid of 12
+    assert jpegs["pixel_values"].shape == (2, 12, 192) and jpegs["pixel_attention_mask"].sum().item() == 18
 
 
 def test_fine_tuning_with_max_num_patches(tmp_path):
@@ -313,6 +324,7 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
     flags = ["--output_dir", str(tmp_path / "fine"), "--model_name_or_path", str(tmp_path / "pre")]
     flags += ["--max_num_patches", "6", "--max_steps", "4", "--max_train_samples", "64", "--learning_rate", "0.05"]
     flags += ["--per_device_train_batch_size", "16", "--eval_strategy", "no", "--save_strategy", "no"]
+    flags += ["--per_device_eval_batch_size", "120", "--check_eval_images", "False"]
     flags += ["--disable_tqdm", "True", "--report_to", "none", "--dataloader_num_workers", "0"]
     metrics = train("finetune", *parse_args("finetune", flags))
     # trained (the new head started at zero) and evaluated on the test split's native-aspect batches
