@@ -383,8 +383,9 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         sequence_output = self.norm(hidden_states)
         # (4): the class token's final state, or the average of the patch tokens for classifier="gap".
         pooled_output = sequence_output[:, 0] if self.config.classifier == "token" else sequence_output.mean(dim=1)
-        if token_mask is not None and self.config.classifier != "token":  # the average of the valid tokens only
-            pooled_output = masked_mean(sequence_output, token_mask)
+        if token_mask is not None and self.config.classifier != "token":  # the average of the valid patches only
+            prefix = self.config.num_prefix_tokens
+            pooled_output = masked_mean(sequence_output[:, prefix:], token_mask[:, prefix:])
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
 
     def forward_intermediates(
