@@ -32,6 +32,8 @@ from .transforms import decode_rgb
 
 __all__ = ["check_eval_images", "main", "train"]
 
+logger = logging.getLogger(__name__)
+
 
 def train(
     task: str,
