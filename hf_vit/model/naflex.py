@@ -12,7 +12,7 @@ The model embeds the flattened patches with the same linear map E as the convolu
 the position embeddings once per distinct grid of the batch, masks the padded patches as attention keys and leaves
 them out of the pooling: each image's outputs are those it has alone at its own size (`interpolate_pos_encoding`).
 
-Saved next to checkpoints as remote code with the model, so it imports only torch.
+Saved next to checkpoints as remote code with the model, so it imports only torch and its siblings.
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .resolution import resample_position_embeddings
+
 __all__ = [
     "attention_mask_for",
     "check_native_batch",
     "embed_flat_patches",
+    "embed_native",
     "masked_mean",
     "native_masks",
     "native_position_embeddings",
@@ -96,6 +99,37 @@ def embed_flat_patches(patch_embedding: nn.Conv2d, pixel_values: torch.Tensor) -
     it applies to each patch, its inputs laid out in (patch row, patch column, channel) order."""
     weight = patch_embedding.weight
     return F.linear(pixel_values, weight.permute(0, 2, 3, 1).flatten(1), patch_embedding.bias)
+
+
+def embed_native(
+    embeddings: nn.Module,
+    pixel_values: torch.Tensor,
+    spatial_shapes: torch.Tensor,
+    corrupt_embeddings: Callable | None = None,
+) -> torch.Tensor:
+    """Equation (1) of `embeddings` (the model's `VisionTransformerEmbeddings`) for flattened patches
+    `(B, K, P * P * C)`: the same E, prefix tokens, E_pos and registers as its `forward`, E_pos resampled once per
+    distinct grid of the batch; padded patches get no position (they are masked as keys). Before dropout."""
+    config = embeddings.config
+    tokens = embed_flat_patches(embeddings.patch_embedding, pixel_values)  # (B, K, D): x_p^i E
+    if corrupt_embeddings is not None:
+        tokens = corrupt_embeddings(tokens, embeddings.mask_token)
+    batch, positioned = tokens.shape[0], config.num_position_prefix_tokens
+    prefix = [token for token in (embeddings.cls_token, embeddings.distillation_token) if token is not None]
+    tokens = torch.cat([*(token.expand(batch, -1, -1) for token in prefix), tokens], dim=1)  # [x_class; x_dist; ...]
+
+    def position_embeddings_for(grid: tuple[int, int]) -> torch.Tensor:  # as `forward` resamples them
+        return resample_position_embeddings(
+            embeddings.position_embedding, config.grid_size, grid, positioned,
+            config.interpolation_mode, config.interpolation_antialias,
+        )  # fmt: skip
+
+    count = tokens.shape[1] - positioned
+    tokens = tokens + native_position_embeddings(position_embeddings_for, spatial_shapes, positioned, count)
+    if embeddings.register_tokens is not None:  # registers follow the prefix tokens and have no position
+        registers = embeddings.register_tokens.expand(batch, -1, -1)
+        tokens = torch.cat([tokens[:, :positioned], registers, tokens[:, positioned:]], dim=1)
+    return tokens
 
 
 def native_position_embeddings(
