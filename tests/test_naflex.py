@@ -148,6 +148,29 @@ def test_each_row_equals_the_image_alone_at_its_own_size(classifier, implementat
     torch.testing.assert_close(padded.logits, logits.logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "family",
+    [
+        dict(use_distillation_token=True, num_register_tokens=2, layer_scale_init_value=0.1, pre_norm=True),
+        dict(classifier="gap", num_register_tokens=3, fc_norm=True, interpolation_mode="bilinear"),
+    ],
+)
+def test_the_family_blocks_on_native_batches(family):
+    # distillation and register tokens, LayerScale, pre-norm, fc_norm, GAP beside registers, another resampling mode:
+    # each row still equals the image alone at its own size
+    torch.manual_seed(0)
+    config = tiny_config(attn_implementation="sdpa", **family)
+    model = VisionTransformerModel(config).eval()
+    inputs, native, alone = native_and_alone(model, 12)
+    prefix = config.num_prefix_tokens
+    for row, one in enumerate(alone):
+        count = int(inputs["pixel_attention_mask"][row].sum())
+        torch.testing.assert_close(
+            native.last_hidden_state[row, : prefix + count], one.last_hidden_state[0], atol=1e-4, rtol=0
+        )
+        torch.testing.assert_close(native.pooler_output[row], one.pooler_output[0], atol=1e-4, rtol=0)
+
+
 def test_attentions_of_a_native_batch_never_look_at_padding():
     torch.manual_seed(0)
     model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()
@@ -229,6 +252,8 @@ def test_native_batches_that_cannot_be_embedded_are_refused():
     hybrid = VisionTransformerModel(tiny_config(resnet_layers=[], resnet_width=32, patch_size=8)).eval()
     with pytest.raises(ValueError, match="hybrid"):
         hybrid(**inputs)
+    with pytest.raises(ValueError, match="does not pool native-aspect batches"):
+        VisionTransformerModel(tiny_config(classifier="map")).eval()(**inputs)  # attention pooling would see padding
     # the mask may be left out: the grids say it
     with torch.no_grad():
         left_out = model(inputs["pixel_values"], spatial_shapes=inputs["spatial_shapes"]).pooler_output
