@@ -285,6 +285,20 @@ def unknown_flags_message(parser: HfArgumentParser, unknown: list[str]) -> str:
     return f"Unknown flag(s): {'; '.join(hints)}. --help lists every flag."
 
 
+def parse_args_or_exit(task: str, argv: list[str] | None = None):
+    """`parse_args`, a bad flag ending in one `error:` line and exit status 2 (HF_VIT_TRACEBACK=1: the traceback).
+    Imports nothing of the run beyond the flags', so that `--help` and argument errors come before the heavy part."""
+    import sys
+
+    try:
+        return parse_args(task, argv)
+    except ValueError as error:
+        if os.environ.get("HF_VIT_TRACEBACK"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
+
+
 def default_hflip(data_args: DataArguments) -> bool:
     """`--hflip`, or by default on, except for digits (a flipped digit is another shape)."""
     return data_args.hflip if data_args.hflip is not None else data_args.dataset_name != "digits"

@@ -160,13 +160,14 @@ def check_eval_images(raw) -> None:
                 decode_rgb(image, start + offset)
 
 
-def main(task: str, argv: list[str] | None = None) -> dict[str, Any]:
+def main(task: str, argv: list[str] | None = None, parsed: tuple | None = None) -> dict[str, Any]:
     """The scripts' entry point: bad input ends in one `error:` line and exit status 2 (set HF_VIT_TRACEBACK=1 for
-    the whole traceback)."""
+    the whole traceback). `parsed`: the flags already parsed (`parse_args`), as the commands do before importing
+    this module."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     torch.set_float32_matmul_precision("high")
     try:
-        return train(task, *parse_args(task, argv))
+        return train(task, *(parsed or parse_args(task, argv)))
     except (ValueError, OSError) as error:
         if os.environ.get("HF_VIT_TRACEBACK"):
             raise
