@@ -56,7 +56,7 @@ def main() -> None:
         "--bin", action="append", default=None, help="a bin/ folder holding the hf-vit-* commands (repeatable)"
     )
     args = parser.parse_args()
-    bins = [Path(b) for b in (args.bin or [Path(sys.executable).parent])]
+    bins = [Path(b).absolute() for b in (args.bin or [Path(sys.executable).parent])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     os.environ.update(env)
     with tempfile.TemporaryDirectory() as folder:
