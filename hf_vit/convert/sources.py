@@ -168,8 +168,9 @@ class FilePart:
         return _SAFETENSORS_DTYPES[self.part.get_dtype()]
 
     def read_into(self, out: torch.Tensor) -> None:
-        """Copy the array's bytes into `out` (contiguous, of its shape and dtype). A copy from a mapping takes about
-        0.6x the time of a `readinto` of the same bytes (ViT-L/16's query, key and value: 0.09 s against 0.15 s)."""
+        """Copy the array's bytes into `out` (contiguous, of its shape and dtype), from a short-lived mapping:
+        faster than a `readinto` of the same bytes (measured: docs/benchmarks.md, "Measurements behind choices in
+        the code")."""
         if tuple(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
             raise ValueError(f"{self.path}: cannot read an array of {self.shape} {self.dtype} into {tuple(out.shape)}")
         if self.end == self.start:

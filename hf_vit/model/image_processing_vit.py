@@ -70,7 +70,7 @@ def resize_images(
 
 
 def _has_uint8_kernel(device: torch.device) -> bool:
-    # torch's uint8 antialiased kernels exist only on CPU; they port Pillow-SIMD, so they are ~10x faster than
+    # torch's uint8 antialiased kernels exist only on CPU; they port Pillow-SIMD, so they are much faster than
     # resizing in float and round exactly like PIL.
     return device.type == "cpu"
 

@@ -55,8 +55,8 @@ COMMON_DEFAULTS: dict[str, Any] = dict(
 
 def default_num_workers() -> int:
     """Data loader workers per training process: the process's share of the cores, less one for the training itself
-    (at most 8). Decoding and augmenting in a worker, one torch thread each, was 6x faster than in the training
-    process at its 2 torch threads (2-core Xeon, 640x427 JPEGs, batch 32: 308 against 48 images/s)."""
+    (at most 8). Decoding and augmenting in workers, one torch thread each, is much faster than in the training
+    process (measured: docs/benchmarks.md, "Measurements behind choices in the code")."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
