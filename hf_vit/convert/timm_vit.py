@@ -79,8 +79,14 @@ TIMM_DEFAULTS = {"layer_norm_eps": 1e-6, "hidden_act": "gelu"}
 _STANDARD_HEADS = {dims["hidden_size"]: dims["num_attention_heads"] for dims in MODEL_SIZES.values()}
 
 
-def _timm_problems(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[str], set[str]]:
-    """What makes the timm model compute something hf-vit cannot, whatever the config, and the keys that explains."""
+def _timm_problems(
+    state_dict: Mapping[str, torch.Tensor], num_patches: int | None = None
+) -> tuple[list[str], set[str]]:
+    """What makes the timm model compute something hf-vit cannot, whatever the config, and the keys that explains.
+
+    `num_patches`: the patch positions of the checkpoint's grid when its image size is known; it decides whether
+    `pos_embed` has a position for the class token (a grid of n x (n+2) patches plus the class token is a square
+    count of positions too, which alone would read as `no_embed_class`)."""
     problems, explained = [], set()
     if "fc_norm.weight" in state_dict and "norm.weight" not in state_dict:
         problems.append(
@@ -91,7 +97,11 @@ def _timm_problems(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[str], s
         explained = {key for key in state_dict if key.startswith("fc_norm.")}
     pos = state_dict.get("pos_embed")
     if "cls_token" in state_dict and pos is not None and pos.ndim == 3:
-        if square_side(pos.shape[1]) and not square_side(pos.shape[1] - 1):
+        if num_patches in (pos.shape[1], pos.shape[1] - 1):
+            no_class_position = pos.shape[1] == num_patches
+        else:
+            no_class_position = square_side(pos.shape[1]) and not square_side(pos.shape[1] - 1)
+        if no_class_position:
             problems.append(
                 f"pos_embed {tuple(pos.shape)} has no position for the class token (timm no_embed_class=True); "
                 "unsupported"
@@ -118,7 +128,7 @@ def timm_to_hf_vit_state_dict(
     its shape) and the position embeddings are resampled in 2D when the checkpoint's square grid differs from
     `config`'s (`resize_mode`, timm's default "bicubic"). Raises `ConversionError` listing every problem at once.
     """
-    problems, explained = _timm_problems(state_dict)
+    problems, explained = _timm_problems(state_dict, config.num_patches if config is not None else None)
     source = {key: value for key, value in state_dict.items() if key not in explained}
     if config is not None:
         source = resample_positions(source, "pos_embed", config, resize_mode)
@@ -151,8 +161,6 @@ def infer_config_from_timm(
     `timm_config` is timm's `config.json` (as a dict), when there is one. The image size comes from the
     position-embedding grid unless `image_size` is given; the preset's resolution is not used, its sizes must match.
     """
-    timm_problems, _ = _timm_problems(state_dict)
-    problems = list(timm_problems)
     fields = {}
     weight = state_dict.get("patch_embed.proj.weight")
     if weight is None or weight.ndim != 4:
@@ -161,6 +169,15 @@ def infer_config_from_timm(
             f"This is not a timm ViT state dict: it has no 4-D 'patch_embed.proj.weight'. First keys: {keys}"
         )
     width, channels, patch, patch_w = weight.shape
+    # The grid the checkpoint was trained at, when its image size is known (given, or timm's `input_size`).
+    trained_size = _timm_input_size(timm_config)
+    known = image_size_field(image_size) if image_size is not None else trained_size
+    num_patches = None
+    if known is not None and patch and patch_w:
+        height, width_px = (known, known) if isinstance(known, int) else known
+        num_patches = (height // patch) * (width_px // patch_w)
+    timm_problems, _ = _timm_problems(state_dict, num_patches)
+    problems = list(timm_problems)
     if patch != patch_w:
         problems.append(f"patch_embed.proj.weight {tuple(weight.shape)}: non-square patches are not supported")
     fields.update(hidden_size=width, num_channels=channels, patch_size=patch)
@@ -210,6 +227,8 @@ def infer_config_from_timm(
         prefix = 1 if fields["classifier"] == "token" else 0
         if pos is None or pos.ndim != 3:
             problems.append("pos_embed is missing (or not 3-D); pass image_size")
+        elif num_patches is not None and pos.shape[1] - prefix == num_patches:
+            fields["image_size"] = trained_size
         elif side := square_side(pos.shape[1] - prefix):
             fields["image_size"] = side * patch
         elif not timm_problems:  # else those problems already say why the grid is not square
@@ -222,6 +241,18 @@ def infer_config_from_timm(
     if preset_config is not None:
         problems += preset_mismatches(fields, preset_config, preset)
     return build_config(TIMM_DEFAULTS, fields, problems, "timm checkpoint")
+
+
+def _timm_input_size(timm_config: Mapping | None) -> int | list[int] | None:
+    """The image size timm's `config.json` says the weights were trained at (`pretrained_cfg.input_size` or
+    `input_size`, as [C, H, W]), as the config's `image_size` field; None when it says none."""
+    if not timm_config:
+        return None
+    pretrained = timm_config.get("pretrained_cfg") or {}
+    size = pretrained.get("input_size") or timm_config.get("input_size")
+    if isinstance(size, (list, tuple)) and len(size) == 3 and all(isinstance(v, int) and v > 0 for v in size):
+        return image_size_field(list(size[1:]))
+    return None
 
 
 def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
