@@ -90,8 +90,16 @@ def test_a_variant_is_measured_on_the_validation_split_of_data_without_a_test_sp
         for i in range(10):
             pixels = np.clip(rng.normal(colour, 30, (10, 10, 3)), 0, 255).astype(np.uint8)
             Image.fromarray(pixels).save(tmp_path / "shapes" / name / f"{i}.png")
-    config = VisionTransformerConfig(image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=1,
-                                     num_attention_heads=2, intermediate_size=32, num_labels=2, zero_init_head=False)  # fmt: skip
+    config = VisionTransformerConfig(
+        image_size=8,
+        patch_size=4,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+        zero_init_head=False,
+    )
     torch.manual_seed(0)
     VisionTransformerForImageClassification(config).save_pretrained(tmp_path / "model")
     VisionTransformerImageProcessor(size=8).save_pretrained(tmp_path / "model")
