@@ -561,7 +561,7 @@ def test_a_timm_checkpoint_of_unusual_width_takes_the_heads_of_the_overrides(tmp
     from test_sources import hf_vit_source, hub_repo, timm_repo
 
     from hf_vit.run.arguments import ModelArguments
-    from hf_vit.run.model_setup import build_classifier
+    from hf_vit.run.model_setup import build_classifier, processor_for
     from hf_vit.run.objectives import Labels
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -578,6 +578,8 @@ def test_a_timm_checkpoint_of_unusual_width_takes_the_heads_of_the_overrides(tmp
     model_args.config_overrides = "num_attention_heads=2"
     model = build_classifier("finetune", model_args, labels).eval()
     assert model.config.num_attention_heads == 2
+    # the run's processor is the checkpoint's (timm's normalisation), whatever its heads
+    assert processor_for(model_args, model.config).image_mean == pytest.approx([0.485, 0.456, 0.406])
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model.vit(x).last_hidden_state, source.vit(x).last_hidden_state)

@@ -381,7 +381,7 @@ def check_image_channels(raw, processor: VisionTransformerImageProcessor, num_ch
     if found != num_channels:
         names = {1: "grey (1 channel)", 2: "grey with alpha (2 channels)", 3: "RGB (3 channels)", 4: "4 channels"}
         fix = (
-            f"Pass --num_channels {found} (or 3, which converts every image to RGB)."
+            f"Pass --num_channels {found}" + ("." if found == 3 else " (or 3, which converts every image to RGB).")
             if source == "--num_channels"
             else f"Start from a checkpoint of {found} channels (or 3), or convert the images."
         )
