@@ -1,5 +1,7 @@
 """Loading a checkpoint in transformers' ViT layout by Hub id: hf-vit's converting `from_pretrained` against
-transformers' own `ViTForImageClassification.from_pretrained` of the same snapshot.
+transformers' own `ViTForImageClassification.from_pretrained` of the same snapshot; with `--models DINOv2-B/14`,
+transformers' `Dinov2Model` against hf-vit's `VisionTransformerModel` (LayerScale, 518x518 position table resampled
+to the 224x224 image in both).
 
 The benchmark writes ViT-B/16 and ViT-L/16 with random weights, in transformers' layout, into an offline Hugging Face
 cache of its own (`google/vit-base-patch16-224`, `google/vit-large-patch16-224`), then loads each one in a fresh
@@ -30,14 +32,26 @@ MODELS = {
                                                      intermediate_size=3072)),
     "ViT-L/16": ("google/vit-large-patch16-224", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                                                       intermediate_size=4096)),
+    # opt-in (`--models DINOv2-B/14`): DINOv2's layout, LayerScale, a 37x37 position table
+    "DINOv2-B/14": ("facebook/dinov2-base", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                                 mlp_ratio=4)),
 }  # fmt: skip
+DEFAULT_MODELS = ("ViT-B/16", "ViT-L/16")
 LOADERS = ("transformers", "hf-vit")
 
 
 def write_snapshot(cache: Path, repo_id: str, sizes: dict) -> None:
-    """`repo_id` in the Hub cache layout under `cache`: a transformers ViT classifier with random weights."""
+    """`repo_id` in the Hub cache layout under `cache`: a transformers ViT classifier with random weights, or a
+    DINOv2 encoder (DINOv2-B/14's 518x518 position table) when `sizes` has DINOv2's `mlp_ratio`."""
     import torch
-    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+    from transformers import (
+        BitImageProcessor,
+        Dinov2Config,
+        Dinov2Model,
+        ViTConfig,
+        ViTForImageClassification,
+        ViTImageProcessor,
+    )
 
     repo = cache / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / COMMIT
@@ -47,15 +61,22 @@ def write_snapshot(cache: Path, repo_id: str, sizes: dict) -> None:
     (repo / "refs" / "main").write_text(COMMIT)
     snapshot.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    config = ViTConfig(image_size=224, patch_size=16, num_labels=1000, **sizes)
+    dinov2 = "mlp_ratio" in sizes
+    if dinov2:
+        config = Dinov2Config(image_size=518, patch_size=14, **sizes)
+    else:
+        config = ViTConfig(image_size=224, patch_size=16, num_labels=1000, **sizes)
     with torch.device("meta"):
-        model = ViTForImageClassification(config)
+        model = Dinov2Model(config) if dinov2 else ViTForImageClassification(config)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(std=0.02)
     model.save_pretrained(snapshot)
-    ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(snapshot)
+    if dinov2:
+        BitImageProcessor(size={"shortest_edge": 256}, crop_size=224).save_pretrained(snapshot)
+    else:
+        ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(snapshot)
 
 
 def rss_mb() -> float:
@@ -74,11 +95,17 @@ def worker(loader: str, repo_id: str) -> None:
     import time
 
     import torch
+    from huggingface_hub import hf_hub_download
 
+    dinov2 = json.loads(Path(hf_hub_download(repo_id, "config.json")).read_text())["model_type"] == "dinov2"
+    forward = {}
     if loader == "hf-vit":
         import hf_vit
 
-        model_class = hf_vit.VisionTransformerForImageClassification
+        model_class = hf_vit.VisionTransformerModel if dinov2 else hf_vit.VisionTransformerForImageClassification
+        forward = {"interpolate_pos_encoding": True} if dinov2 else {}  # transformers' DINOv2 always resamples
+    elif dinov2:
+        from transformers import Dinov2Model as model_class
     else:
         from transformers import ViTForImageClassification as model_class
     pixels = torch.randn(1, 3, 224, 224)
@@ -87,7 +114,7 @@ def worker(loader: str, repo_id: str) -> None:
     model = model_class.from_pretrained(repo_id)
     loaded = time.perf_counter()
     with torch.no_grad():
-        model(pixels)
+        model(pixels, **forward)
     seconds = time.perf_counter() - start
     code = sys.modules[model_class.__module__].__file__
     print(json.dumps({"seconds": seconds, "load_seconds": loaded - start, "peak_mb": peak_mb() - base, "code": code}))
@@ -97,7 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", default="/tmp/hf-vit-load-cost-hub", help="Hub cache folder the benchmark fills")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS))
     parser.add_argument("--code", help="load hf-vit from this checkout instead of the installed one")
     parser.add_argument("--worker", nargs=2, metavar=("LOADER", "REPO_ID"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -212,17 +212,21 @@ def attention_rollout(
     return rollout
 
 
-def rollout_map(rollout: torch.Tensor, grid_size: tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
+def rollout_map(
+    rollout: torch.Tensor, grid_size: tuple[int, int], num_prefix_tokens: int, class_token: bool | None = None
+) -> torch.Tensor:
     """The output's attention to the input patches as `(B, rows, cols)` maps: the class token's row of the
-    rollout, or (no class token: `classifier="gap"`) the mean of the patch tokens' rows, which is what the pooled
-    representation averages."""
+    rollout (`class_token`, the model pools the class token), or else the mean of the patch tokens' rows, which is
+    what the pooled representation averages. The prefix tokens' columns (class, distillation and register tokens)
+    are dropped from the map; `class_token=None` means "when there are prefix tokens"."""
     rows, cols = grid_size
     patches = rollout[:, :, num_prefix_tokens:]
     if patches.shape[-1] != rows * cols:
         raise ValueError(
             f"The rollout has {patches.shape[-1]} patch tokens but the grid {rows}x{cols} has {rows * cols}."
         )
-    flow = patches[:, 0] if num_prefix_tokens else patches.mean(dim=1)
+    class_token = bool(num_prefix_tokens) if class_token is None else class_token
+    flow = patches[:, 0] if class_token else patches[:, num_prefix_tokens:].mean(dim=1)
     return flow.reshape(-1, rows, cols)
 
 
@@ -247,7 +251,8 @@ def rollout_maps(
     with _attention_hooks(model, None, accumulate):
         _forward(model, pixel_values, interpolate_pos_encoding)
     config = _encoder(model).config
-    return rollout_map(state["rollout"], _grid(model, pixel_values), config.num_prefix_tokens)
+    pooled_by_class_token = config.classifier == "token"
+    return rollout_map(state["rollout"], _grid(model, pixel_values), config.num_prefix_tokens, pooled_by_class_token)
 
 
 def upsample_maps(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -339,7 +344,7 @@ def attention_summary(
 
     with _attention_hooks(model, None, both):
         _forward(model, pixel_values, interpolate_pos_encoding)
-    maps = rollout_map(state["rollout"], grid, config.num_prefix_tokens).cpu()
+    maps = rollout_map(state["rollout"], grid, config.num_prefix_tokens, config.classifier == "token").cpu()
     return AttentionSummary(maps, torch.stack(distances, dim=1))
 
 
@@ -357,7 +362,7 @@ def position_embedding_similarity(
     """
     if isinstance(model_or_embeddings, nn.Module):
         encoder = _encoder(model_or_embeddings)
-        prefix = encoder.config.num_prefix_tokens
+        prefix = encoder.config.num_position_prefix_tokens  # register tokens have no position
         embeddings = encoder.embeddings.position_embedding[0, prefix:]
         grid_size = grid_size or encoder.config.grid_size
     else:

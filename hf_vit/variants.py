@@ -30,12 +30,12 @@ def _check_checkpoint_positions(folder: Path, config: VisionTransformerConfig) -
         if key is None:
             raise ValueError(f"{weights} has no position embeddings ({POSITION_KEY}); is it an hf-vit checkpoint?")
         shape = tuple(f.get_slice(key).get_shape())
-    expected = config.num_prefix_tokens + config.num_patches
+    expected = config.num_position_prefix_tokens + config.num_patches
     if len(shape) != 3 or shape[1] != expected or shape[2] != config.hidden_size:
         rows, cols = config.grid_size
         raise ValueError(
             f"The position embeddings in {weights} have shape {shape}, but its config describes a {rows}x{cols} grid "
-            f"with {config.num_prefix_tokens} class token(s) and width {config.hidden_size}, i.e. "
+            f"with {config.num_position_prefix_tokens} class token(s) and width {config.hidden_size}, i.e. "
             f"(1, {expected}, {config.hidden_size}). Fix image_size/patch_size in config.json to match the weights."
         )
 

@@ -151,19 +151,24 @@ def test_rollout_matches_numpy_and_its_rows_sum_to_one(fusion, discard):
         attention_rollout(attentions, head_fusion="median")
 
 
-@pytest.mark.parametrize("classifier", ["token", "gap"])
-def test_model_rollout_is_the_class_tokens_row_or_the_patch_rows_mean(classifier):
-    config = tiny_config(num_hidden_layers=3, classifier=classifier)
+@pytest.mark.parametrize("classifier, registers", [("token", 0), ("gap", 0), ("token", 4), ("gap", 4)])
+def test_model_rollout_is_the_class_tokens_row_or_the_patch_rows_mean(classifier, registers):
+    """The map is the class token's row (or the patch rows' mean) over the patch columns only: register tokens'
+    columns and rows are left out of it."""
+    config = tiny_config(num_hidden_layers=3, classifier=classifier, num_register_tokens=registers)
     model, x = model_for(config), pixels(height=24, width=40)
     with torch.no_grad():
         eager = model(x, output_attentions=True, interpolate_pos_encoding=True).attentions
     reference = numpy_rollout(eager)
     prefix = config.num_prefix_tokens
-    expected = reference[:, 0, prefix:] if prefix else reference[:, prefix:, prefix:].mean(axis=1)
+    assert reference.shape[-1] == 15 + prefix
+    token = classifier == "token"
+    expected = reference[:, 0, prefix:] if token else reference[:, prefix:, prefix:].mean(axis=1)
     maps = rollout_maps(model, x, interpolate_pos_encoding=True)
     assert maps.shape == (2, 3, 5)
     np.testing.assert_allclose(maps.numpy(), expected.reshape(2, 3, 5), atol=1e-5)
-    torch.testing.assert_close(rollout_map(attention_rollout(eager), (3, 5), prefix), maps, atol=1e-5, rtol=0)
+    computed = rollout_map(attention_rollout(eager), (3, 5), prefix, class_token=token)
+    torch.testing.assert_close(computed, maps, atol=1e-5, rtol=0)
 
 
 # Mean attention distance

@@ -55,6 +55,15 @@ def test_save_load_round_trip(tmp_path):
         (dict(representation_size=0), "representation_size"),
         (dict(drop_path_rate=1.5), "drop_path_rate"),
         (dict(image_size=(1, 2, 3)), "image_size"),
+        (dict(num_register_tokens=-1), "num_register_tokens"),
+        (dict(layer_scale_init_value=0), "layer_scale_init_value"),
+        (dict(pre_norm="yes"), "pre_norm"),
+        (dict(fc_norm=1), "fc_norm"),
+        (dict(classifier="token", use_class_token=False), "use_class_token"),
+        (dict(classifier="gap", use_distillation_token=True), "use_distillation_token"),
+        (dict(interpolation_mode="nearest"), "interpolation_mode"),
+        (dict(interpolation_antialias=None), "interpolation_antialias"),
+        (dict(hidden_act="quick_gleu"), "hidden_act"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):
@@ -67,3 +76,20 @@ def test_unknown_preset_fields_are_named_with_a_suggestion():
         VisionTransformerConfig.from_preset("vit-tiny-patch16-224", num_layers=2)
     config = VisionTransformerConfig.from_preset("vit-tiny-patch16-224", num_labels=3, attn_implementation="eager")
     assert config.num_labels == 3
+
+
+def test_the_family_blocks_are_off_by_default_and_round_trip(tmp_path):
+    default = tiny_config()
+    assert (default.use_class_token, default.num_register_tokens, default.layer_scale_init_value) == (True, 0, None)
+    assert not (default.pre_norm or default.fc_norm or default.use_distillation_token)
+    assert tiny_config(classifier="gap").use_class_token is False  # the paper's GAP model has no class token
+    blocks = dict(
+        classifier="map", use_class_token=True, use_distillation_token=True, num_register_tokens=4,
+        layer_scale_init_value=1e-5, pre_norm=True, fc_norm=True, patch_embedding_bias=False,
+        hidden_act="quick_gelu", interpolation_mode="bilinear", interpolation_antialias=True, layer_norm_eps=1e-5,
+    )  # fmt: skip
+    config = tiny_config(**blocks)
+    assert (config.num_prefix_tokens, config.num_position_prefix_tokens) == (6, 2)
+    config.save_pretrained(tmp_path)
+    loaded = VisionTransformerConfig.from_pretrained(tmp_path)
+    assert {name: getattr(loaded, name) for name in blocks} == blocks

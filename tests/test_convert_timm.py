@@ -198,8 +198,11 @@ def test_config_inference_and_the_number_of_heads(tmp_path):
     with pytest.raises(ConversionError, match="hidden_size: the checkpoint has 40, preset 'vit-tiny-patch16-224'"):
         infer_config_from_timm(odd, preset="vit-tiny-patch16-224")
     base = {k: v for k, v in random_timm(**SPECS["tiny"]).items()}
-    with pytest.raises(ConversionError, match="global_pool='avg'"):
-        infer_config_from_timm(base, num_attention_heads=4, timm_config={"global_pool": "avg"})
+    with pytest.raises(ConversionError, match="global_pool='avgmax'"):
+        infer_config_from_timm(base, num_attention_heads=4, timm_config={"global_pool": "avgmax"})
+    # global_pool='avg' beside a class token averages the patch tokens only, as hf-vit's "gap" does
+    avg = infer_config_from_timm(base, num_attention_heads=4, timm_config={"global_pool": "avg"})
+    assert (avg.classifier, avg.use_class_token, avg.num_prefix_tokens) == ("gap", True, 1)
 
 
 def test_position_embeddings_resized_at_load(tmp_path):
@@ -213,22 +216,20 @@ def test_position_embeddings_resized_at_load(tmp_path):
 
 
 def test_unsupported_timm_layouts(tmp_path):
-    gap_fc_norm = random_timm(**SPECS["tiny"], cls=False)
-    gap_fc_norm["fc_norm.weight"], gap_fc_norm["fc_norm.bias"] = (
-        gap_fc_norm.pop("norm.weight"),
-        gap_fc_norm.pop("norm.bias"),
+    both_norms = dict(
+        random_timm(**SPECS["tiny"]), **{"fc_norm.weight": torch.ones(32), "fc_norm.bias": torch.ones(32)}
     )
-    registers = dict(random_timm(**SPECS["tiny"]), reg_token=torch.zeros(1, 4, 32))
-    no_embed_class = random_timm(**SPECS["tiny"])
-    no_embed_class["pos_embed"] = no_embed_class["pos_embed"][:, 1:]
-    layer_scale = dict(random_timm(**SPECS["tiny"]), **{"blocks.0.ls1.gamma": torch.ones(32)})
+    qk_norm = dict(random_timm(**SPECS["tiny"]), **{"blocks.0.attn.q_norm.weight": torch.ones(8)})
+    patch_norm = dict(random_timm(**SPECS["tiny"]), **{"patch_embed.norm.weight": torch.ones(32)})
+    layer_scale_once = dict(random_timm(**SPECS["tiny"]), **{"blocks.0.ls1.gamma": torch.ones(32)})
     unknown = dict(random_timm(**SPECS["tiny"]), **{"mystery.weight": torch.ones(2)})
     missing = {k: v for k, v in random_timm(**SPECS["tiny"]).items() if k != "blocks.1.mlp.fc2.bias"}
     cases = {
-        "fc_norm": (gap_fc_norm, r"fc_norm.*before pooling.*unsupported"),
-        "registers": (registers, r"register tokens \(reg_token\)"),
-        "no_embed_class": (no_embed_class, r"no_embed_class=True"),
-        "layer_scale": (layer_scale, r"LayerScale.*blocks\.0\.ls1\.gamma"),
+        "both_norms": (both_norms, r"both norm and fc_norm"),
+        "qk_norm": (qk_norm, r"QK-norm.*blocks\.0\.attn\.q_norm\.weight"),
+        "patch_norm": (patch_norm, r"LayerNorm after the patch embedding"),
+        # LayerScale in one block only: the other blocks' scales are named as missing
+        "layer_scale_once": (layer_scale_once, r"lacks: \['blocks\.0\.ls2\.gamma', 'blocks\.1\.ls1\.gamma'"),
         "unknown": (unknown, r"no place in hf-vit: \['mystery\.weight'\]"),
         "missing": (missing, r"lacks: \['blocks\.1\.mlp\.fc2\.bias'\]"),
     }
@@ -306,8 +307,9 @@ def test_a_grid_of_n_by_n_plus_2_patches_has_its_class_position_when_the_size_is
     sd = random_timm(**SPECS["tiny"])
     sd["pos_embed"] = torch.randn(1, 4 * 6 + 1, 32, generator=torch.Generator().manual_seed(2))
     save_file(sd, tmp_path / "model.safetensors")
-    with pytest.raises(ConversionError, match="no_embed_class"):  # nothing says the size: the count alone decides
-        convert_timm_checkpoint(tmp_path / "model.safetensors", tmp_path / "guess", num_attention_heads=4)
+    # nothing says the size: the square count alone reads as a 5x5 grid without a class position (no_embed_class)
+    guess = convert_timm_checkpoint(tmp_path / "model.safetensors", tmp_path / "guess", num_attention_heads=4)
+    assert guess.config.grid_size == (5, 5)
     given = convert_timm_checkpoint(
         tmp_path / "model.safetensors", tmp_path / "given", image_size=[32, 48], num_attention_heads=4
     )

@@ -5,7 +5,9 @@ the test fills, the authors' .npz) x adaptation (full, LoRA on the fused qkv, Lo
 multi-label) x data (in memory, streamed) x processes (1, 2 with torchrun). `COMBINATIONS` covers every pair of values
 of the first four factors (a preset trains in full only, and multi-label data does not stream: that pair is checked to
 be refused); three of them run with two processes, covering two processes with every adaptation, both label kinds and
-both data kinds, from a preset, an hf-vit folder and a Hub id converted on load in each process.
+both data kinds, from a preset, an hf-vit folder and a Hub id converted on load in each process. `FAMILY_ROWS` add one
+row for each of the family that followed, by Hub id (DINOv2 with registers, SigLIP's vision tower, DeiT with its
+distillation head), together covering every adaptation.
 
 Invariants on every run:
 1. the run's folder (for LoRA: the merged model, saved) reloads with the Auto classes and predicts what the trained
@@ -46,6 +48,12 @@ WORKER = ROOT / "tests" / "workers" / "train_worker.py"
 TINY = "hidden_size=32,num_hidden_layers=2,num_attention_heads=2,intermediate_size=64"
 SIZE, PATCH, BATCH = 32, 8, 8
 TRANSFORMERS_ID, TIMM_ID = "google/vit-matrix-test", "timm/vit_tiny_patch8_32.matrix"
+# The family's sources, one row each (`FAMILY_ROWS`), by Hub id; the pairs are checked over the other sources.
+FAMILY_IDS = {
+    "dinov2": "facebook/dinov2-with-registers-small",
+    "siglip": "google/siglip-base-patch16-224",
+    "deit": "facebook/deit-tiny-distilled-patch16-224",
+}
 BINARY = (".safetensors", ".bin", ".pt", ".pth", ".png")
 
 
@@ -78,11 +86,18 @@ COMBINATIONS = [
     Combination("npz", "qkv", "multi", "memory"),
     Combination("npz", "query_value", "single", "stream"),
 ]
+FAMILY_ROWS = [
+    Combination("dinov2", "full", "single", "memory"),
+    Combination("siglip", "qkv", "single", "stream"),
+    Combination("deit", "query_value", "multi", "memory"),
+]
 
 
 def test_the_combinations_cover_every_pair():
     factors = ("source", "adaptation", "labels", "data")
     values = {name: {getattr(c, name) for c in COMBINATIONS} for name in factors}
+    assert {c.source for c in FAMILY_ROWS} == set(FAMILY_IDS)  # one row per family, every adaptation among them
+    assert {c.adaptation for c in FAMILY_ROWS} == values["adaptation"]
     assert values["source"] == {"preset", "folder", "transformers", "timm", "npz"}
     for i, first in enumerate(factors):
         for second in factors[i + 1 :]:
@@ -143,12 +158,51 @@ def _write_sources(root: Path, cache: Path) -> dict[str, str]:
         snapshot
     )
     ViTImageProcessor(size={"height": SIZE, "width": SIZE}).save_pretrained(snapshot)
+    _write_family_sources(cache, sizes)
     return {
         "folder": str(root / "hf-vit-base"),
         "npz": str(root / "ViT-T_8.npz"),
         "timm": TIMM_ID,
         "transformers": TRANSFORMERS_ID,
+        **FAMILY_IDS,
     }
+
+
+def _write_family_sources(cache: Path, sizes: dict) -> None:
+    """DINOv2 with registers, SigLIP and distilled DeiT, written by transformers' classes under their Hub ids."""
+    from test_sources import hub_repo
+    from transformers import (
+        BitImageProcessor,
+        DeiTConfig,
+        DeiTForImageClassificationWithTeacher,
+        DeiTImageProcessor,
+        Dinov2WithRegistersConfig,
+        Dinov2WithRegistersModel,
+        SiglipConfig,
+        SiglipImageProcessor,
+        SiglipModel,
+    )
+
+    vision = dict(sizes, image_size=SIZE, patch_size=PATCH)
+    dino = {k: v for k, v in vision.items() if k != "intermediate_size"}
+    sources = {
+        "dinov2": (
+            Dinov2WithRegistersModel(Dinov2WithRegistersConfig(**dino, mlp_ratio=2, num_register_tokens=4)),
+            BitImageProcessor(size={"shortest_edge": SIZE}, crop_size=SIZE),
+        ),
+        "siglip": (
+            SiglipModel(SiglipConfig(vision_config=vision, text_config=dict(sizes, vocab_size=64))),
+            SiglipImageProcessor(size={"height": SIZE, "width": SIZE}),
+        ),
+        "deit": (
+            DeiTForImageClassificationWithTeacher(DeiTConfig(**vision, num_labels=5)),
+            DeiTImageProcessor(size=SIZE, crop_size=SIZE),
+        ),
+    }
+    for name, (model, processor) in sources.items():
+        snapshot = hub_repo(cache, FAMILY_IDS[name])
+        model.save_pretrained(snapshot)
+        processor.save_pretrained(snapshot)
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +290,7 @@ def test_pairs_that_cannot_go_together_are_refused(world, tmp_path):
         train(task, *parse_args(task, flags))
 
 
-@pytest.mark.parametrize("combination", COMBINATIONS, ids=str)
+@pytest.mark.parametrize("combination", COMBINATIONS + FAMILY_ROWS, ids=str)
 def test_combination(world, combination, tmp_path, caplog):
     out = tmp_path / "run"
     task, flags = run_flags(world, combination, out)

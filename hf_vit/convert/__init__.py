@@ -21,6 +21,15 @@ from .timm_vit import (
     load_timm_state_dict,
     timm_to_hf_vit_state_dict,
 )
+from .transformers_families import (
+    CLIP_LAYOUT,
+    DEIT_LAYOUT,
+    DINOV2_LAYOUT,
+    FAMILIES,
+    SIGLIP_LAYOUT,
+    family_config,
+    family_state_dict,
+)
 from .transformers_vit import (
     TRANSFORMERS_LAYOUT,
     convert_transformers_checkpoint,
@@ -31,6 +40,13 @@ from .transformers_vit import (
 )
 
 __all__ = [
+    "CLIP_LAYOUT",
+    "DEIT_LAYOUT",
+    "DINOV2_LAYOUT",
+    "FAMILIES",
+    "SIGLIP_LAYOUT",
+    "family_config",
+    "family_state_dict",
     "FUSED_QKV",
     "JAX_LAYOUT",
     "RENAME",

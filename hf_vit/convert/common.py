@@ -302,7 +302,7 @@ def resample_positions(
     """`source` with its position embeddings `source[key]` (a renamed, `(1, prefix + n*n, D)` array) resampled to
     `config`'s grid when the checkpoint was trained at another square grid; anything else is left for the check."""
     out = dict(source)
-    pos, prefix = out.get(key), config.num_prefix_tokens
+    pos, prefix = out.get(key), config.num_position_prefix_tokens
     if isinstance(pos, torch.Tensor) and pos.ndim == 3 and pos.shape[0] == 1 and pos.shape[2] == config.hidden_size:
         side = square_side(pos.shape[1] - prefix)
         if side and pos.shape[1] != prefix + config.num_patches:

@@ -1,9 +1,11 @@
 """The checkpoints users already have, loaded as they are: transformers' ViT and timm's ViT, as Hub ids or folders,
-and the authors' `.npz` files. Registered with the core's `loading` when `hf_vit` is imported, so `from_pretrained` of
+the family that followed (DINOv2, DeiT, the vision towers of CLIP and SigLIP, `transformers_families.py`) and the
+authors' `.npz` files. Registered with the core's `loading` when `hf_vit` is imported, so `from_pretrained` of
 the hf-vit classes converts them on load with the same tables the folder converters use.
 
 A source is recognised by its `config.json`: `model_type` "hf_vit" (nothing to convert), "vit" (transformers'
-layout), or timm's Hub layout (`architecture` with `pretrained_cfg` or `num_classes`); a path ending in `.npz` (any
+layout), a family's model type (`FAMILIES`: "dinov2", "deit", "clip", "siglip_vision_model", ...), or timm's Hub
+layout (`architecture` with `pretrained_cfg` or `num_classes`); a path ending in `.npz` (any
 case) is the authors' layout. Hub ids resolve through huggingface_hub's cache, so `HF_HUB_OFFLINE=1` works on cached
 repositories.
 
@@ -29,6 +31,7 @@ import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
 from .common import ConversionError, check_grid_size, image_size_field
+from .transformers_families import FAMILIES
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ DESCRIPTIONS = {
     "jax": "the authors' .npz layout",
     "transformers": "transformers' ViT layout",
     "timm": "timm's ViT layout",
+    **{model_type: family.name for model_type, family in FAMILIES.items()},
 }
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -56,6 +60,8 @@ def layout_of(config: dict) -> str | None:
         return "hf_vit"
     if model_type == "vit":
         return "transformers"
+    if model_type in FAMILIES:
+        return model_type
     if model_type is None and "architecture" in config and ("pretrained_cfg" in config or "num_classes" in config):
         return "timm"
     return None
@@ -209,7 +215,7 @@ class ForeignCheckpoint:
         if self.layout == "timm":
             raise ConversionError("it has no model.safetensors, sharded index or pytorch_model.bin")
         raise ConversionError(
-            "it has no model.safetensors (nor a sharded index); hf-vit reads transformers' ViT weights from "
+            "it has no model.safetensors (nor a sharded index); hf-vit reads transformers' checkpoints from "
             "safetensors only: save the model with transformers' save_pretrained (safetensors by default)"
         )
 
@@ -260,6 +266,20 @@ class ForeignCheckpoint:
                     state_dict = transformers_state_dict(
                         self._slices(files), config, shapes, resample=image_size is not None
                     )
+            elif self.layout in FAMILIES:
+                from .transformers_families import family_config, family_state_dict, read_config_json
+
+                config_json = read_config_json(self.folder)
+                family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
+                files = self._weight_files()
+                shapes = _header(files)
+                size = image_size_field(image_size) if image_size is not None else None
+                config = family_config(config_json, shapes, size)
+                state_dict = None
+                if weights:
+                    state_dict = family_state_dict(
+                        self.layout, config, self._slices(files), shapes, resample=image_size is not None
+                    )
             else:
                 from .timm_vit import read_timm_config, timm_config, timm_to_hf_vit_state_dict
 
@@ -289,6 +309,12 @@ class ForeignCheckpoint:
 
                 image_hw = transformers_config_to_hf_vit(read_json(self.folder / "config.json")).image_hw
                 return transformers_processor(self.folder, image_hw)
+            if self.layout in FAMILIES:
+                from .transformers_families import family_config, read_config_json
+                from .transformers_vit import transformers_processor
+
+                config = family_config(read_config_json(self.folder), _header(self._weight_files()))
+                return transformers_processor(self.folder, config.image_hw)
             if self.layout == "timm":
                 from .timm_vit import read_timm_config, timm_config, timm_processor
 

@@ -3,13 +3,13 @@
 `TIMM_LAYOUT` is the whole mapping: a rename, since timm's attention already fuses query, key and value as rows
 [q; k; v] as hf-vit does. `pre_logits.fc` is older timm's representation layer (dense + tanh).
 
-Supported: class-token models with token pooling, and models without a class token that apply `norm` to every token
-before average pooling (`class_token=False, global_pool="avg", fc_norm=False`). Rejected with a `ConversionError`,
-because hf-vit computes a different function for them:
-
-* `fc_norm` (timm's default for average pooling: `norm` is an identity and a LayerNorm follows the pooling);
-* `no_embed_class=True` (the class token has no position embedding) and register tokens (`reg_token`);
-* anything else timm adds: LayerScale, QK-norm, a pre-norm, attention pooling, a patch-embedding norm...
+Supported: token, average (`global_pool="avg"`, with or without a class token) and attention pooling
+(`global_pool="map"`, `attn_pool` with one latent), `fc_norm` (the LayerNorm after the pooling instead of on every
+token), register tokens (`reg_token`, e.g. `vit_*_reg4_*`), DeiT's distillation token and head (`dist_token`,
+`head_dist`), LayerScale (`ls1`/`ls2`), a LayerNorm before the blocks (`norm_pre`), and `no_embed_class=True`
+(prefix tokens without a position: the class and distillation tokens get a zero one, so hf-vit computes the same).
+Rejected with a `ConversionError`, because hf-vit computes a different function for them: QK-norm, a norm inside
+attention, a patch-embedding norm, a hybrid CNN backbone, a multi-layer head.
 
 A state dict does not record timm's `global_pool`: one with a class token is taken to pool with it ("token"), unless a
 `config.json` beside the weights says otherwise. It does not record the number of heads either (the fused `qkv` hides
@@ -31,6 +31,7 @@ from ..model.configuration_vit import MODEL_SIZES, VisionTransformerConfig
 from .common import (
     ConversionError,
     Layout,
+    Transform,
     build_config,
     check_output_dir,
     count_blocks,
@@ -43,34 +44,48 @@ from .common import (
 )
 
 _B, _H = "blocks.{i}.", "vit.layers.{i}."
+# timm's attention pooling projects the latent (q) and the tokens (kv: rows [k; v]) apart; torch's
+# MultiheadAttention, which hf-vit's pooling uses, holds them as one [q; k; v].
+_Q_KV = Transform(
+    lambda q, kv: torch.cat([q, kv]),
+    lambda qkv, config: (qkv[: qkv.shape[0] // 3].clone(), qkv[qkv.shape[0] // 3 :].clone()),
+    True,
+)
 TIMM_LAYOUT = Layout(
     "timm checkpoint",
     [
         ("patch_embed.proj.{p}", "vit.embeddings.patch_embedding.{p}"),
         ("cls_token", "vit.embeddings.cls_token"),
+        ("dist_token", "vit.embeddings.distillation_token"),
+        ("reg_token", "vit.embeddings.register_tokens"),
         ("pos_embed", "vit.embeddings.position_embedding"),
+        ("norm_pre.{p}", "vit.pre_norm.{p}"),
         (_B + "norm1.{p}", _H + "norm1.{p}"),
         (_B + "attn.qkv.{p}", _H + "attention.qkv.{p}"),
         (_B + "attn.proj.{p}", _H + "attention.proj.{p}"),
+        (_B + "ls1.gamma", _H + "layer_scale1.gamma"),
+        (_B + "ls2.gamma", _H + "layer_scale2.gamma"),
         (_B + "norm2.{p}", _H + "norm2.{p}"),
         (_B + "mlp.fc1.{p}", _H + "mlp.fc1.{p}"),
         (_B + "mlp.fc2.{p}", _H + "mlp.fc2.{p}"),
-        ("norm.{p}", "vit.norm.{p}"),
+        ("norm.{p}", "vit.norm.{p}"),  # timm's fc_norm is renamed to norm first: hf-vit's fc_norm uses `norm`
+        ("attn_pool.latent", "vit.attention_pool.probe"),
+        (("attn_pool.q.{p}", "attn_pool.kv.{p}"), "vit.attention_pool.attention.in_proj_{p}", _Q_KV),
+        ("attn_pool.proj.{p}", "vit.attention_pool.attention.out_proj.{p}"),
+        ("attn_pool.norm.{p}", "vit.attention_pool.layernorm.{p}"),
+        ("attn_pool.mlp.fc1.{p}", "vit.attention_pool.mlp.fc1.{p}"),
+        ("attn_pool.mlp.fc2.{p}", "vit.attention_pool.mlp.fc2.{p}"),
         ("pre_logits.fc.{p}", "pre_logits.{p}"),
         ("head.{p}", "classifier.{p}"),
+        ("head_dist.{p}", "distillation_classifier.{p}"),
     ],
 )
 _BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
 # timm features hf-vit does not have, by the arrays that reveal them.
 _UNSUPPORTED = (
-    (r"^reg_token$", "register tokens (reg_token)"),
-    (r"^dist_token$|^head_dist\.", "DeiT's distillation token and head"),
-    (r"^fc_norm\.", "a LayerNorm after average pooling (fc_norm)"),
-    (r"\.ls[12]\.", "LayerScale (ls1/ls2)"),
     (r"\.attn\.(q_norm|k_norm)\.", "QK-norm"),
     (r"\.attn\.norm\.", "a norm inside attention"),
-    (r"^norm_pre\.", "a LayerNorm before the blocks (norm_pre)"),
-    (r"^attn_pool\.", "attention pooling (attn_pool)"),
+    (r"^attn_pool\.(q_norm|k_norm)\.", "QK-norm in the attention pooling"),
     (r"^patch_embed\.norm\.", "a LayerNorm after the patch embedding"),
     (r"^patch_embed\.backbone\.", "a hybrid CNN backbone"),
     (r"^head\.fc\.|^head\.norm\.", "a multi-layer head"),
@@ -79,33 +94,82 @@ TIMM_DEFAULTS = {"layer_norm_eps": 1e-6, "hidden_act": "gelu"}
 _STANDARD_HEADS = {dims["hidden_size"]: dims["num_attention_heads"] for dims in MODEL_SIZES.values()}
 
 
-def _timm_problems(
-    state_dict: Mapping[str, torch.Tensor], num_patches: int | None = None
-) -> tuple[list[str], set[str]]:
-    """What makes the timm model compute something hf-vit cannot, whatever the config, and the keys that explains.
+def _prefix_counts(state_dict: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+    """(class and distillation tokens, register tokens) of a timm state dict."""
+    registers = state_dict.get("reg_token")
+    positioned = int("cls_token" in state_dict) + int("dist_token" in state_dict)
+    return positioned, registers.shape[1] if registers is not None and registers.ndim == 3 else 0
 
-    `num_patches`: the patch positions of the checkpoint's grid when its image size is known; it decides whether
-    `pos_embed` has a position for the class token (a grid of n x (n+2) patches plus the class token is a square
-    count of positions too, which alone would read as `no_embed_class`)."""
+
+def timm_canonical(state_dict: Mapping[str, torch.Tensor], num_patches: int | None = None) -> dict[str, torch.Tensor]:
+    """`state_dict` as `TIMM_LAYOUT` reads it: `fc_norm` (timm's LayerNorm after the pooling, `norm` being an
+    identity) named `norm`, and the position table holding one row per class and distillation token before the patch
+    rows, none for register tokens: `no_embed_class=True` tables get zero rows for those tokens (adding zero is what
+    timm computes), and positions of register tokens are added to the tokens (a constant either way)."""
+    out = dict(state_dict)
+    if "fc_norm.weight" in out and "norm.weight" not in out:
+        for name in ("weight", "bias"):
+            if f"fc_norm.{name}" in out:
+                out[f"norm.{name}"] = out.pop(f"fc_norm.{name}")
+    pos = out.get("pos_embed")
+    positioned, registers = _prefix_counts(out)
+    if not isinstance(pos, torch.Tensor) or pos.ndim != 3 or not (positioned or registers):
+        return out
+    rows = pos.shape[1]
+    if registers and square_side(rows - positioned - registers):  # registers with positions: fold them in
+        start = positioned
+        out["reg_token"] = out["reg_token"] + pos[:, start : start + registers].to(out["reg_token"].dtype)
+        out["pos_embed"] = torch.cat([pos[:, :start], pos[:, start + registers :]], dim=1)
+    elif positioned and _without_token_positions(rows, positioned, num_patches):  # no_embed_class=True
+        zeros = pos.new_zeros(1, positioned, pos.shape[2])
+        out["pos_embed"] = torch.cat([zeros, pos], dim=1)
+    return out
+
+
+def _without_token_positions(rows: int, positioned: int, num_patches: int | None) -> bool:
+    """Whether a position table of `rows` has no rows for its `positioned` class/distillation tokens. A known grid
+    (`num_patches`, from the image size) decides; else a square count of rows does (one of n x (n+2) patches and a
+    class token is square too: its image size tells them apart)."""
+    if num_patches in (rows, rows - positioned):
+        return rows == num_patches
+    return bool(square_side(rows)) and not square_side(rows - positioned)
+
+
+def _known_num_patches(
+    state_dict: Mapping[str, torch.Tensor], image_size: int | Sequence[int] | None, timm_config: Mapping | None
+) -> int | None:
+    """The patch positions at the image size given, else at timm's `input_size`; None when neither is known."""
+    size = image_size_field(image_size) if image_size is not None else _timm_input_size(timm_config)
+    weight = state_dict.get("patch_embed.proj.weight")
+    if size is None or weight is None or weight.ndim != 4 or not weight.shape[2] or not weight.shape[3]:
+        return None
+    height, width = (size, size) if isinstance(size, int) else size
+    return (height // weight.shape[2]) * (width // weight.shape[3])
+
+
+def _timm_input_size(timm_config: Mapping | None) -> int | list[int] | None:
+    """The image size timm's `config.json` says the weights were trained at (`pretrained_cfg.input_size` or
+    `input_size`, as [C, H, W]), as the config's `image_size` field; None when it says none."""
+    if not timm_config:
+        return None
+    pretrained = timm_config.get("pretrained_cfg") or {}
+    size = pretrained.get("input_size") or timm_config.get("input_size")
+    if isinstance(size, (list, tuple)) and len(size) == 3 and all(isinstance(v, int) and v > 0 for v in size):
+        return image_size_field(list(size[1:]))
+    return None
+
+
+def _timm_problems(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[str], set[str]]:
+    """What makes the timm model compute something hf-vit cannot, whatever the config, and the keys that explains."""
     problems, explained = [], set()
-    if "fc_norm.weight" in state_dict and "norm.weight" not in state_dict:
+    if "fc_norm.weight" in state_dict and "norm.weight" in state_dict:
         problems.append(
-            "the model has fc_norm and no norm: timm average-pools the tokens and then applies fc_norm, while "
-            "hf-vit applies its final LayerNorm to every token before pooling, a different function; this layout "
-            "is unsupported"
+            "the model has both norm and fc_norm: hf-vit has one final LayerNorm, on every token or after the pooling"
         )
         explained = {key for key in state_dict if key.startswith("fc_norm.")}
-    pos = state_dict.get("pos_embed")
-    if "cls_token" in state_dict and pos is not None and pos.ndim == 3:
-        if num_patches in (pos.shape[1], pos.shape[1] - 1):
-            no_class_position = pos.shape[1] == num_patches
-        else:
-            no_class_position = square_side(pos.shape[1]) and not square_side(pos.shape[1] - 1)
-        if no_class_position:
-            problems.append(
-                f"pos_embed {tuple(pos.shape)} has no position for the class token (timm no_embed_class=True); "
-                "unsupported"
-            )
+    latent = state_dict.get("attn_pool.latent")
+    if latent is not None and latent.ndim == 3 and latent.shape[1] != 1:
+        problems.append(f"attn_pool.latent {tuple(latent.shape)}: hf-vit's attention pooling has one latent (probe)")
     found, keys = [], [key for key in state_dict if key not in explained]
     for pattern, what in _UNSUPPORTED:
         hits = sorted(key for key in keys if re.search(pattern, key))
@@ -128,8 +192,9 @@ def timm_to_hf_vit_state_dict(
     its shape) and the position embeddings are resampled in 2D when the checkpoint's square grid differs from
     `config`'s (`resize_mode`, timm's default "bicubic"). Raises `ConversionError` listing every problem at once.
     """
-    problems, explained = _timm_problems(state_dict, config.num_patches if config is not None else None)
+    problems, explained = _timm_problems(state_dict)
     source = {key: value for key, value in state_dict.items() if key not in explained}
+    source = timm_canonical(source, config.num_patches if config is not None else None)
     if config is not None:
         source = resample_positions(source, "pos_embed", config, resize_mode)
     return TIMM_LAYOUT.to_hf(source, config, problems)
@@ -161,6 +226,11 @@ def infer_config_from_timm(
     `timm_config` is timm's `config.json` (as a dict), when there is one. The image size comes from the
     position-embedding grid unless `image_size` is given; the preset's resolution is not used, its sizes must match.
     """
+    timm_problems, _ = _timm_problems(state_dict)
+    problems = list(timm_problems)
+    fc_norm = "fc_norm.weight" in state_dict and "norm.weight" not in state_dict
+    num_patches = _known_num_patches(state_dict, image_size, timm_config)  # the grid, when the size is known
+    state_dict = timm_canonical(state_dict, num_patches)
     fields = {}
     weight = state_dict.get("patch_embed.proj.weight")
     if weight is None or weight.ndim != 4:
@@ -169,15 +239,6 @@ def infer_config_from_timm(
             f"This is not a timm ViT state dict: it has no 4-D 'patch_embed.proj.weight'. First keys: {keys}"
         )
     width, channels, patch, patch_w = weight.shape
-    # The grid the checkpoint was trained at, when its image size is known (given, or timm's `input_size`).
-    trained_size = _timm_input_size(timm_config)
-    known = image_size_field(image_size) if image_size is not None else trained_size
-    num_patches = None
-    if known is not None and patch and patch_w:
-        height, width_px = (known, known) if isinstance(known, int) else known
-        num_patches = (height // patch) * (width_px // patch_w)
-    timm_problems, _ = _timm_problems(state_dict, num_patches)
-    problems = list(timm_problems)
     if patch != patch_w:
         problems.append(f"patch_embed.proj.weight {tuple(weight.shape)}: non-square patches are not supported")
     fields.update(hidden_size=width, num_channels=channels, patch_size=patch)
@@ -190,25 +251,39 @@ def infer_config_from_timm(
     else:
         fields["intermediate_size"] = fc1.shape[0]
     fields["qkv_bias"] = "blocks.0.attn.qkv.bias" in state_dict
-    fields["classifier"] = "token" if "cls_token" in state_dict else "gap"
+    model_args = (timm_config or {}).get("model_args") or {}
+    has_class_token = "cls_token" in state_dict
+    fields["use_class_token"] = has_class_token
+    fields["use_distillation_token"] = "dist_token" in state_dict
+    fields["distillation_head"] = "head_dist.weight" in state_dict or "head.weight" not in state_dict
+    fields["num_register_tokens"] = _prefix_counts(state_dict)[1]
+    fields["pre_norm"] = "norm_pre.weight" in state_dict
+    fields["fc_norm"] = fc_norm
+    if "blocks.0.ls1.gamma" in state_dict:  # the values are loaded; the initial value matters for a re-initialisation
+        fields["layer_scale_init_value"] = model_args.get("init_values") or 1e-5
     pool = _global_pool(timm_config)
-    if pool == "":
+    if "attn_pool.latent" in state_dict:
+        fields["classifier"] = "map"
+    elif pool == "avg" or (pool is None and not has_class_token):
+        fields["classifier"] = "gap"
+    elif pool in (None, "token") and has_class_token:
+        fields["classifier"] = "token"
+    elif pool == "":
         problems.append(
             "config.json says global_pool='': timm then pools nothing and its head classifies every token "
-            "separately, while hf-vit classifies one image representation (the class token, or the average of the "
-            "patch tokens for a model without one); set global_pool to 'token' (or 'avg' without a class token)"
+            "separately, while hf-vit classifies one image representation (the class token, the average of the "
+            "patch tokens or attention pooling); set global_pool to 'token', 'avg' or 'map'"
         )
-    elif fields["classifier"] == "token" and pool not in (None, "token"):
+    else:
         problems.append(
-            f"config.json says global_pool={pool!r} for a model with a class token: timm then pools the patch tokens "
-            "only, which hf-vit does not do (its 'gap' models have no class token)"
+            f"config.json says global_pool={pool!r}: hf-vit pools with the class token ('token'), the average of the "
+            "patch tokens ('avg') or attention pooling ('map')"
         )
     pre_logits = state_dict.get("pre_logits.fc.weight")
     fields["representation_size"] = pre_logits.shape[0] if pre_logits is not None else None
     head = state_dict.get("head.weight")
     fields["num_labels"] = head.shape[0] if head is not None else 0
 
-    model_args = (timm_config or {}).get("model_args") or {}
     heads = num_attention_heads or model_args.get("num_heads")
     preset_config = None
     if preset is not None:
@@ -224,11 +299,11 @@ def infer_config_from_timm(
 
     if image_size is None:
         pos = state_dict.get("pos_embed")
-        prefix = 1 if fields["classifier"] == "token" else 0
+        prefix = _prefix_counts(state_dict)[0]
         if pos is None or pos.ndim != 3:
             problems.append("pos_embed is missing (or not 3-D); pass image_size")
         elif num_patches is not None and pos.shape[1] - prefix == num_patches:
-            fields["image_size"] = trained_size
+            fields["image_size"] = _timm_input_size(timm_config)
         elif side := square_side(pos.shape[1] - prefix):
             fields["image_size"] = side * patch
         elif not timm_problems:  # else those problems already say why the grid is not square
@@ -241,18 +316,6 @@ def infer_config_from_timm(
     if preset_config is not None:
         problems += preset_mismatches(fields, preset_config, preset)
     return build_config(TIMM_DEFAULTS, fields, problems, "timm checkpoint")
-
-
-def _timm_input_size(timm_config: Mapping | None) -> int | list[int] | None:
-    """The image size timm's `config.json` says the weights were trained at (`pretrained_cfg.input_size` or
-    `input_size`, as [C, H, W]), as the config's `image_size` field; None when it says none."""
-    if not timm_config:
-        return None
-    pretrained = timm_config.get("pretrained_cfg") or {}
-    size = pretrained.get("input_size") or timm_config.get("input_size")
-    if isinstance(size, (list, tuple)) and len(size) == 3 and all(isinstance(v, int) and v > 0 for v in size):
-        return image_size_field(list(size[1:]))
-    return None
 
 
 def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ v5 renames these in memory to `vit.layers.{i}.attention.q_proj.weight`. Both are
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Collection
 from pathlib import Path
@@ -27,6 +28,8 @@ from .common import (
     save_converted_model,
     square_side,
 )
+
+logger = logging.getLogger(__name__)
 
 _L, _H = "vit.encoder.layer.{i}.", "vit.layers.{i}."
 _QKV = tuple(f"{_L}attention.attention.{part}.{{p}}" for part in ("query", "key", "value"))
@@ -194,6 +197,17 @@ def transformers_processor(folder: Path, image_size: tuple[int, int]):
     kwargs = {k: settings[k] for k in keep if settings.get(k) is not None}
     kwargs.setdefault("size", {"height": image_size[0], "width": image_size[1]})
     for name in ("size", "crop_size"):
+        value = kwargs.get(name)
+        if isinstance(value, dict) and set(value) == {"shortest_edge"} and kwargs.get("do_center_crop"):
+            # DINOv2's and CLIP's processors resize the shorter side, then crop the centre: hf-vit's processor
+            # resizes to a height and width, the same for square images; other images are squeezed, not cut.
+            side = int(value["shortest_edge"])
+            kwargs[name] = {"height": side, "width": side}
+            logger.warning(
+                "%s: %s={'shortest_edge': %d} then a centre crop becomes a resize to %dx%d then the crop: the same "
+                "for square images; others are squeezed to a square before the crop rather than cut.",
+                path, name, side, side, side,
+            )  # fmt: skip
         if isinstance(kwargs.get(name), dict) and set(kwargs[name]) - {"height", "width"}:
             raise ConversionError(
                 f"{path}: {name}={kwargs[name]} resizes by {sorted(set(kwargs[name]) - {'height', 'width'})}, which "
@@ -253,7 +267,7 @@ def transformers_state_dict(
         if shapes is not None:
             shapes[key] = source[key].to("meta")
     elif positions is not None and positions.ndim == 3:
-        found = positions.shape[1] - config.num_prefix_tokens
+        found = positions.shape[1] - config.num_position_prefix_tokens
         if found != config.num_patches:
             side, (rows, cols) = square_side(found), config.grid_size
             hint = ""

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
 from transformers.backbone_utils import BackboneConfigMixin
 
 from .loading import open_foreign
@@ -27,7 +28,11 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "huge": {"hidden_size": 1280, "num_hidden_layers": 32, "intermediate_size": 5120, "num_attention_heads": 16},
 }
 PATCH_SIZES = (8, 14, 16, 32)
-CLASSIFIERS = ("token", "gap")
+# How the image representation `y` of equation (4) is pooled: the class token, the average of the patch tokens, or
+# multi-head attention pooling ("map", SigLIP's and big_vision's head, `pooling.py`).
+CLASSIFIERS = ("token", "gap", "map")
+# How position embeddings are resampled to another grid (`resolution.py`).
+INTERPOLATION_MODES = ("bicubic", "bilinear")
 # Stage depths of the hybrids' ResNet stems (section 3.1), by stem and effective patch size, as the authors' code
 # defines them: R50 with stage 4 removed and its units moved to stage 3 (stride 16), the full R50 (stride 32), and the
 # R26 of their later releases (four stages of two units, stride 32).
@@ -105,12 +110,15 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         num_hidden_layers: number of Transformer blocks `L`.
         num_attention_heads: heads of multi-head self-attention; must divide `hidden_size`.
         intermediate_size: hidden size of the MLP (4 `D` in the paper).
-        hidden_act: activation of the MLP (the paper uses GELU).
+        hidden_act: activation of the MLP, a name of transformers' `ACT2FN` (the paper uses GELU; CLIP "quick_gelu",
+            SigLIP "gelu_pytorch_tanh").
         hidden_dropout_prob: dropout after the position embeddings, in the MLP and after attention.
         attention_probs_dropout_prob: dropout on the attention probabilities.
         layer_norm_eps: epsilon of every LayerNorm.
         qkv_bias: whether the query, key and value projections have a bias.
-        classifier: `"token"` (the class token, equation 4) or `"gap"` (global average pooling, no class token).
+        classifier: how `y` of equation (4) is pooled: `"token"` (the class token), `"gap"` (the average of the patch
+            tokens) or `"map"` (multi-head attention pooling: a learned probe attends to every token, then an MLP
+            with a residual, as SigLIP's head).
         representation_size: size of the pre-logits layer (a tanh dense layer used in pretraining); `None` for none.
         drop_path_rate: stochastic depth rate of the last block, growing linearly from 0 at the first block.
         initializer_range: standard deviation of the position embeddings at initialisation.
@@ -126,6 +134,30 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         mpp_mask_ratio: the share of corrupted patches replaced by the learnable [mask] embedding.
         mpp_random_ratio: the share of corrupted patches replaced by another patch's embedding (the rest are kept).
         mpp_color_bits: bits per channel of the mean colour the model predicts (3: 512 classes for RGB).
+
+    The blocks of the family that followed the paper, each off by default (the paper's model):
+
+        use_class_token: whether the sequence starts with the class token; `None` (the default) means "when
+            `classifier` is `"token"`", the paper's two models. `False` with `"map"` is SigLIP's tower; `True` with
+            `"gap"` averages the patch tokens beside a class token (timm's `global_pool="avg"`).
+        use_distillation_token: DeiT's distillation token after the class token (with a position embedding); the
+            classification model has a second head on it, `logits` are the average of the two heads, and
+            fine-tuning trains both against the labels.
+        distillation_head: with `use_distillation_token`, whether the classification model has that second head
+            (DeiT's distilled models) or classifies from the class token alone (transformers'
+            `DeiTForImageClassification`).
+        num_register_tokens: register tokens after the prefix tokens (DINOv2 with registers, timm's `reg_tokens`):
+            learned, without a position embedding, dropped from every output that maps tokens to patches.
+        layer_scale_init_value: LayerScale on both residual branches of every block (a learned per-channel scale,
+            initialised to this value; CaiT, DINOv2); `None` for none.
+        pre_norm: a LayerNorm between the embeddings and the first block (CLIP's `pre_layrnorm`, timm's
+            `norm_pre`).
+        fc_norm: apply the final LayerNorm to the pooled representation instead of to every token (timm's
+            `fc_norm`, CLIP's `post_layernorm`): `last_hidden_state` is then the last block's output.
+        patch_embedding_bias: whether the patch embedding has a bias (CLIP's has none).
+        interpolation_mode, interpolation_antialias: how position embeddings are resampled to another grid
+            (`interpolate_pos_encoding`, `set_input_size`): `"bicubic"` or `"bilinear"`, with or without
+            antialiasing, as the checkpoint's own code resamples them.
 
     `patch_size` is always in input pixels: the side of the image region one token covers (16 for R50+ViT-B/16, whose
     embedding takes 1x1 patches of the stem's stride-16 feature map). So `grid_size` is `image_size / patch_size` for
@@ -158,6 +190,16 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     mpp_mask_ratio: float = 0.8
     mpp_random_ratio: float = 0.1
     mpp_color_bits: int = 3
+    use_class_token: bool | None = None
+    use_distillation_token: bool = False
+    distillation_head: bool = True
+    num_register_tokens: int = 0
+    layer_scale_init_value: float | None = None
+    pre_norm: bool = False
+    fc_norm: bool = False
+    patch_embedding_bias: bool = True
+    interpolation_mode: str = "bicubic"
+    interpolation_antialias: bool = False
     # As a backbone (`VisionTransformerBackbone`): which stages' outputs are the feature maps. The stages are "stem"
     # (the embeddings, equation 1) and "stage1".."stageL" (the blocks' outputs); default: the last block.
     _out_features: list[str] | None = None
@@ -168,6 +210,8 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             self.image_size = list(height_width(self.image_size, "image_size"))
         if isinstance(self.resnet_layers, tuple):
             self.resnet_layers = list(self.resnet_layers)
+        if self.use_class_token is None:
+            self.use_class_token = self.classifier == "token"
         self.stage_names = ["stem"] + [f"stage{index}" for index in range(1, self.num_hidden_layers + 1)]
         self.set_output_features_output_indices(
             out_features=kwargs.pop("out_features", None), out_indices=kwargs.pop("out_indices", None)
@@ -226,6 +270,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             )
         if self.classifier not in CLASSIFIERS:
             raise ValueError(f"`classifier` must be one of {CLASSIFIERS}, got {self.classifier!r}.")
+        self.validate_family_blocks()
         if self.representation_size is not None and (
             not isinstance(self.representation_size, int) or self.representation_size <= 0
         ):
@@ -250,6 +295,38 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         if not isinstance(self.mpp_color_bits, int) or not 1 <= self.mpp_color_bits <= 8:
             raise ValueError(f"`mpp_color_bits` must be an int in 1..8, got {self.mpp_color_bits!r}.")
 
+    def validate_family_blocks(self) -> None:
+        """The fields of the blocks that followed the paper (see the class docstring), each named when invalid."""
+        for name in (
+            "use_class_token", "use_distillation_token", "distillation_head", "pre_norm", "fc_norm",
+            "patch_embedding_bias", "interpolation_antialias",
+        ):  # fmt: skip
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+        if self.classifier == "token" and not self.use_class_token:
+            raise ValueError(
+                "`use_class_token` is False but `classifier` is 'token', which pools the class token: choose "
+                "classifier='gap' or 'map', or keep the class token."
+            )
+        if self.use_distillation_token and not self.use_class_token:
+            raise ValueError("`use_distillation_token` needs the class token (`use_class_token=True`), as DeiT has.")
+        registers = self.num_register_tokens
+        if not isinstance(registers, int) or isinstance(registers, bool) or registers < 0:
+            raise ValueError(f"`num_register_tokens` must be an int >= 0, got {registers!r}.")
+        scale = self.layer_scale_init_value
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
+            raise ValueError(f"`layer_scale_init_value` must be a positive number or None, got {scale!r}.")
+        if self.interpolation_mode not in INTERPOLATION_MODES:
+            raise ValueError(
+                f"`interpolation_mode` must be one of {INTERPOLATION_MODES}, got {self.interpolation_mode!r}."
+            )
+        if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
+            close = difflib.get_close_matches(str(self.hidden_act), list(ACT2FN), n=3)
+            raise ValueError(
+                f"`hidden_act` must name one of transformers' activations (ACT2FN), got {self.hidden_act!r}"
+                + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ".")
+            )
+
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """transformers' reading of `config.json`, with the checkpoints users have converted on the way (transformers'
@@ -271,8 +348,9 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         if model_type != cls.model_type:
             raise ValueError(
                 f"{os.fspath(source)} holds a {model_type!r} checkpoint, not an hf-vit one (model_type "
-                f"{cls.model_type!r}), and not one hf-vit converts on load (transformers' or timm's ViT, the authors' "
-                ".npz): its weights would not load into this model."
+                f"{cls.model_type!r}), and not one hf-vit converts on load (transformers' or timm's ViT, DINOv2, "
+                "DeiT, the vision towers of CLIP and SigLIP, the authors' .npz): its weights would not load into this "
+                "model."
             )
         return config_dict, kwargs
 
@@ -318,8 +396,13 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     @property
     def num_prefix_tokens(self) -> int:
-        """Tokens in front of the patch tokens: the class token, when the classifier uses it."""
-        return 1 if self.classifier == "token" else 0
+        """Tokens in front of the patch tokens: the class token, the distillation token and the register tokens."""
+        return self.num_position_prefix_tokens + self.num_register_tokens
+
+    @property
+    def num_position_prefix_tokens(self) -> int:
+        """Prefix tokens with a position embedding (at the front of the table): the class and distillation tokens."""
+        return int(bool(self.use_class_token)) + int(bool(self.use_distillation_token))
 
     @classmethod
     def preset_names(cls) -> list[str]:

@@ -7,6 +7,11 @@
     zl  = MLP(LN(z'l)) + z'l                             (3)  VisionTransformerBlock
     y   = LN(zL^0)                                       (4)  VisionTransformerModel
 
+The blocks of the family that followed the paper are config fields, off by default, each a term of one of these
+steps: a distillation token beside x_class and register tokens after them (1), a LayerNorm after (1) (`pre_norm`),
+LayerScale on the residual branches of (2) and (3) (`layer_scale.py`), and in (4) the average of the patch tokens or
+attention pooling (`pooling.py`) instead of the class token, with the LayerNorm after the pooling (`fc_norm`).
+
 The hybrid architecture (section 3.1) takes the patches x_p from the feature map of a ResNet stem (`hybrid.py`)
 instead of the image; masked patch prediction (section 4.6, `modeling_mpp.py`) corrupts some of the x_p^i E before the
 positions are added, through the `corrupt_embeddings` argument of the encoder.
@@ -35,7 +40,9 @@ from transformers.utils.output_capturing import capture_outputs
 from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
+from .layer_scale import LayerScale
 from .loading import load_strictly, save_sibling_code
+from .pooling import MultiheadAttentionPooling
 from .resolution import check_pixel_values, grid_for, image_size_field, resample_position_embeddings
 
 __all__ = [
@@ -48,7 +55,8 @@ __all__ = [
 
 
 class VisionTransformerEmbeddings(nn.Module):
-    """Equation (1): linear patch embedding `E`, the class token, and learned 1D position embeddings `E_pos`.
+    """Equation (1): linear patch embedding `E`, the class token, and learned 1D position embeddings `E_pos`; DeiT's
+    distillation token after the class token (with a position), register tokens after both (without one).
 
     In a hybrid the patches come from the ResNet stem's feature map. `use_mask_token` adds the learned [mask]
     embedding of masked patch prediction, which `corrupt_embeddings(x_p^i E, mask_token)` may put in place of some
@@ -61,10 +69,15 @@ class VisionTransformerEmbeddings(nn.Module):
         # A stride-P convolution is the linear map E applied to every flattened P x P patch (of the stem's feature
         # map in a hybrid, where P is `embedding_patch_size`, e.g. 1).
         patch = config.embedding_patch_size
-        self.patch_embedding = nn.Conv2d(config.stem_channels, config.hidden_size, kernel_size=patch, stride=patch)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size)) if config.classifier == "token" else None
+        self.patch_embedding = nn.Conv2d(
+            config.stem_channels, config.hidden_size, patch, stride=patch, bias=config.patch_embedding_bias
+        )
+        width, registers = config.hidden_size, config.num_register_tokens
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, width)) if config.use_class_token else None
+        self.distillation_token = nn.Parameter(torch.zeros(1, 1, width)) if config.use_distillation_token else None
+        self.register_tokens = nn.Parameter(torch.zeros(1, registers, width)) if registers else None
         self.mask_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size)) if use_mask_token else None
-        num_positions = config.num_patches + config.num_prefix_tokens
+        num_positions = config.num_patches + config.num_position_prefix_tokens
         self.position_embedding = nn.Parameter(torch.zeros(1, num_positions, config.hidden_size))
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
@@ -76,13 +89,21 @@ class VisionTransformerEmbeddings(nn.Module):
         tokens = patches.flatten(2).transpose(1, 2)  # (B, N, D): x_p^i E
         if corrupt_embeddings is not None:
             tokens = corrupt_embeddings(tokens, self.mask_token)
-        if self.cls_token is not None:
-            tokens = torch.cat([self.cls_token.expand(tokens.shape[0], -1, -1), tokens], dim=1)
+        batch, config = tokens.shape[0], self.config
+        prefix = [
+            token.expand(batch, -1, -1) for token in (self.cls_token, self.distillation_token) if token is not None
+        ]
+        tokens = torch.cat([*prefix, tokens], dim=1)  # [x_class; x_dist; x_p^1 E; ...]
         # E_pos, resampled in 2D when the grid is not the one the model was trained on
         position_embedding = resample_position_embeddings(
-            self.position_embedding, self.config.grid_size, patches.shape[2:], self.config.num_prefix_tokens
-        )
-        return self.dropout(tokens + position_embedding)
+            self.position_embedding, config.grid_size, patches.shape[2:], config.num_position_prefix_tokens,
+            config.interpolation_mode, config.interpolation_antialias,
+        )  # fmt: skip
+        tokens = tokens + position_embedding
+        if self.register_tokens is not None:  # registers follow the prefix tokens and have no position
+            registers, split = self.register_tokens.expand(batch, -1, -1), config.num_position_prefix_tokens
+            tokens = torch.cat([tokens[:, :split], registers, tokens[:, split:]], dim=1)
+        return self.dropout(tokens)
 
 
 class VisionTransformerAttention(nn.Module):
@@ -150,7 +171,8 @@ class DropPath(nn.Module):
 
 
 class VisionTransformerBlock(GradientCheckpointingLayer):
-    """One pre-norm Transformer encoder block: equations (2) and (3)."""
+    """One pre-norm Transformer encoder block: equations (2) and (3), each branch scaled by LayerScale when the
+    config has `layer_scale_init_value`."""
 
     def __init__(self, config: VisionTransformerConfig, drop_path_rate: float = 0.0) -> None:
         super().__init__()
@@ -160,13 +182,16 @@ class VisionTransformerBlock(GradientCheckpointingLayer):
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = VisionTransformerMLP(config)
         self.drop_path = DropPath(drop_path_rate)
+        scale, width = config.layer_scale_init_value, config.hidden_size
+        self.layer_scale1 = LayerScale(width, scale) if scale is not None else nn.Identity()
+        self.layer_scale2 = LayerScale(width, scale) if scale is not None else nn.Identity()
 
     def forward(
         self, hidden_states: torch.Tensor, output_attentions: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attended, probs = self.attention(self.norm1(hidden_states), output_attentions)
-        hidden_states = hidden_states + self.drop_path(self.dropout(attended))  # (2)
-        hidden_states = hidden_states + self.drop_path(self.mlp(self.norm2(hidden_states)))  # (3)
+        hidden_states = hidden_states + self.drop_path(self.layer_scale1(self.dropout(attended)))  # (2)
+        hidden_states = hidden_states + self.drop_path(self.layer_scale2(self.mlp(self.norm2(hidden_states))))  # (3)
         return hidden_states, probs
 
 
@@ -200,7 +225,7 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
     accepts_loss_kwargs = False
     # Weights a checkpoint may lack, because they are new by construction (a new head; the [mask] embedding of a model
     # built with use_mask_token=True): loading starts them from `_init_weights`.
-    _new_weight_prefixes: tuple[str, ...] = ("classifier.", "pre_logits.")
+    _new_weight_prefixes: tuple[str, ...] = ("classifier.", "pre_logits.", "distillation_classifier.")
     _new_weight_suffixes: tuple[str, ...] = ("embeddings.mask_token",)
 
     @classmethod
@@ -217,15 +242,17 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         save_sibling_code(self, save_directory)
 
     @torch.no_grad()
-    def set_input_size(self, image_size: int | tuple[int, int] | list[int], mode: str = "bicubic") -> None:
+    def set_input_size(self, image_size: int | tuple[int, int] | list[int], mode: str | None = None) -> None:
         """Change the model's resolution in place (the paper's fine-tuning at higher resolution): the position
-        embeddings are resampled in 2D to the new patch grid, and the config says the new size, so the model runs
-        there without `interpolate_pos_encoding`."""
-        old_grid, new_grid = self.config.grid_size, grid_for(image_size, self.config.patch_size)
+        embeddings are resampled in 2D to the new patch grid (`mode`, by default the config's `interpolation_mode`),
+        and the config says the new size, so the model runs there without `interpolate_pos_encoding`."""
+        config = self.config
+        old_grid, new_grid = config.grid_size, grid_for(image_size, config.patch_size)
         embeddings = self.base_model.embeddings
         resampled = resample_position_embeddings(
-            embeddings.position_embedding, old_grid, new_grid, self.config.num_prefix_tokens, mode
-        )
+            embeddings.position_embedding, old_grid, new_grid, config.num_position_prefix_tokens,
+            mode or config.interpolation_mode, config.interpolation_antialias,
+        )  # fmt: skip
         embeddings.position_embedding = nn.Parameter(
             resampled.contiguous(), requires_grad=embeddings.position_embedding.requires_grad
         )
@@ -244,10 +271,14 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, VisionTransformerEmbeddings):
             lecun_normal_(module.patch_embedding.weight)
-            init.zeros_(module.patch_embedding.bias)
+            if module.patch_embedding.bias is not None:
+                init.zeros_(module.patch_embedding.bias)
             init.normal_(module.position_embedding, std=std)
             if module.cls_token is not None:
                 init.zeros_(module.cls_token)
+            for token in (module.distillation_token, module.register_tokens):
+                if token is not None:
+                    init.normal_(token, std=std)
             if module.mask_token is not None:
                 init.normal_(module.mask_token, std=std)
         elif isinstance(module, StdConv2d):  # flax.linen.Conv's default kernel initialiser
@@ -267,6 +298,15 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
             if module.qkv.bias is not None:
                 init.zeros_(module.qkv.bias)
             init.zeros_(module.proj.bias)
+        elif isinstance(module, LayerScale):
+            init.constant_(module.gamma, module.init_value)
+        elif isinstance(module, MultiheadAttentionPooling):
+            init.normal_(module.probe, std=std)
+            bound = math.sqrt(6.0 / (2 * module.attention.embed_dim))  # query, key, value: each Xavier-uniform
+            init.uniform_(module.attention.in_proj_weight, -bound, bound)
+            init.zeros_(module.attention.in_proj_bias)
+            init.xavier_uniform_(module.attention.out_proj.weight)
+            init.zeros_(module.attention.out_proj.bias)
         elif isinstance(module, VisionTransformerMLP):
             for layer in (module.fc1, module.fc2):
                 init.xavier_uniform_(layer.weight)
@@ -278,12 +318,13 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
             if module.pre_logits is not None:
                 lecun_normal_(module.pre_logits.weight)
                 init.zeros_(module.pre_logits.bias)
-            if isinstance(module.classifier, nn.Linear):
-                if self.config.zero_init_head:
-                    init.zeros_(module.classifier.weight)
-                else:
-                    lecun_normal_(module.classifier.weight)
-                init.zeros_(module.classifier.bias)
+            for head in (module.classifier, module.distillation_classifier):
+                if isinstance(head, nn.Linear):
+                    if self.config.zero_init_head:
+                        init.zeros_(head.weight)
+                    else:
+                        lecun_normal_(head.weight)
+                    init.zeros_(head.bias)
 
 
 class VisionTransformerModel(VisionTransformerPreTrainedModel):
@@ -296,7 +337,13 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         # Stochastic depth grows linearly with depth, from 0 at the first block to drop_path_rate at the last.
         rates = [config.drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.layers = nn.ModuleList(VisionTransformerBlock(config, rate) for rate in rates)
-        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        width, eps = config.hidden_size, config.layer_norm_eps
+        self.pre_norm = nn.LayerNorm(width, eps=eps) if config.pre_norm else nn.Identity()
+        self.norm = nn.LayerNorm(width, eps=eps)
+        self.attention_pool = None
+        if config.classifier == "map":
+            mlp = VisionTransformerMLP(config)
+            self.attention_pool = MultiheadAttentionPooling(width, config.num_attention_heads, eps, mlp)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:
@@ -318,13 +365,24 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
-        hidden_states = self.embeddings(pixel_values, corrupt_embeddings)  # (1)
+        hidden_states = self.pre_norm(self.embeddings(pixel_values, corrupt_embeddings))  # (1)
         for block in self.layers:
             hidden_states, _ = block(hidden_states, output_attentions)  # (2), (3)
-        sequence_output = self.norm(hidden_states)
-        # (4): the class token's final state, or the average of the patch tokens for classifier="gap".
-        pooled_output = sequence_output[:, 0] if self.config.classifier == "token" else sequence_output.mean(dim=1)
+        # (4): LN of the class token's final state (or of the patch tokens' average, or of attention pooling); with
+        # fc_norm the LayerNorm follows the pooling, and the tokens are returned as the last block left them.
+        fc_norm = self.config.fc_norm
+        sequence_output = hidden_states if fc_norm else self.norm(hidden_states)
+        pooled_output = self.norm(self.pool(sequence_output)) if fc_norm else self.pool(sequence_output)
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
+
+    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The image representation of equation (4) from the final tokens, by `config.classifier`: the class token,
+        the average of the patch tokens (prefix tokens left out), or attention pooling over every token."""
+        if self.config.classifier == "token":
+            return tokens[:, 0]
+        if self.config.classifier == "map":
+            return self.attention_pool(tokens)
+        return tokens[:, self.config.num_prefix_tokens :].mean(dim=1)
 
     def forward_intermediates(
         self,
@@ -352,7 +410,7 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         check_pixel_values(pixel_values, self.config, interpolate_pos_encoding)
         grid = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
         prefix = self.config.num_prefix_tokens
-        hidden_states = self.embeddings(pixel_values)
+        hidden_states = self.pre_norm(self.embeddings(pixel_values))
         outputs = {}
         for index, block in enumerate(self.layers[: max(wanted) + 1]):
             hidden_states, _ = block(hidden_states)
@@ -414,7 +472,11 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
 
 
 class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
-    """ViT with a linear classifier on `y`, optionally after the pre-logits layer (dense + tanh) of pretraining."""
+    """ViT with a linear classifier on `y`, optionally after the pre-logits layer (dense + tanh) of pretraining.
+
+    With DeiT's distillation token (and `distillation_head`), a second linear classifier reads that token's final
+    state: `logits` are the average of the two heads', and the loss is the average of both heads' losses against the
+    labels (each head is trained on the labels, as when fine-tuning a distilled DeiT)."""
 
     def __init__(self, config: VisionTransformerConfig) -> None:
         super().__init__(config)
@@ -431,6 +493,9 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
             self.pre_logits = nn.Linear(width, config.representation_size)
             width = config.representation_size
         self.classifier = nn.Linear(width, config.num_labels) if config.num_labels > 0 else nn.Identity()
+        self.distillation_classifier = None  # DeiT's second head; without classes the features are the output
+        if config.use_distillation_token and config.distillation_head and config.num_labels > 0:
+            self.distillation_classifier = nn.Linear(config.hidden_size, config.num_labels)
 
     @torch.no_grad()
     def reset_classifier(self, id2label: dict[int, str], representation_size: int | None = None) -> None:
@@ -445,7 +510,7 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
         self.num_labels = config.num_labels
         self._build_head()
         reference = self.vit.norm.weight
-        for layer in (self.pre_logits, self.classifier):
+        for layer in (self.pre_logits, self.classifier, self.distillation_classifier):
             if layer is not None:
                 layer.to(reference)
         self._init_weights(self)
@@ -464,6 +529,12 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
             features = torch.tanh(self.pre_logits(features))
         logits = self.classifier(features)
         loss = self.loss_function(labels, logits, self.config) if labels is not None else None
+        if self.distillation_classifier is not None:  # DeiT: the distillation token's head, averaged with the first
+            token = outputs.last_hidden_state[:, 1]
+            distilled = self.distillation_classifier(self.vit.norm(token) if self.config.fc_norm else token)
+            if labels is not None:
+                loss = (loss + self.loss_function(labels, distilled, self.config)) / 2
+            logits = (logits + distilled) / 2
         return ImageClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )

@@ -66,10 +66,14 @@ def resample_position_embeddings(
     new_grid: tuple[int, int],
     num_prefix_tokens: int = 1,
     mode: str = "bicubic",
+    antialias: bool = False,
 ) -> torch.Tensor:
     """Resample `(1, prefix + old_h * old_w, D)` position embeddings to `new_grid`, keeping the prefix tokens'.
 
-    Interpolation runs in float32 so that bf16/fp16 models resample as accurately as fp32 ones; the same grid
+    `mode` and `antialias` are those of `torch.nn.functional.interpolate` (antialiasing changes a downsampling only);
+    the config's `interpolation_mode` and `interpolation_antialias` choose them as each checkpoint's own code
+    resamples (DINOv2 with registers antialiases, DINOv2, CLIP, SigLIP and DeiT do not). Interpolation runs in
+    float32 so that bf16/fp16 models resample as accurately as fp32 ones; the same grid
     returns the input itself (except while exporting a graph: see below).
     """
     if mode not in MODES:
@@ -88,7 +92,7 @@ def resample_position_embeddings(
     prefix, patches = position_embedding[:, :num_prefix_tokens], position_embedding[:, num_prefix_tokens:]
     dim = patches.shape[-1]
     grid = patches.reshape(1, old_grid[0], old_grid[1], dim).permute(0, 3, 1, 2).float()
-    grid = F.interpolate(grid, size=tuple(new_grid), mode=mode, align_corners=False)
+    grid = F.interpolate(grid, size=tuple(new_grid), mode=mode, align_corners=False, antialias=antialias)
     patches = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(position_embedding.dtype)
     return torch.cat([prefix, patches], dim=1)
 

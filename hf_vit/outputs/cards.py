@@ -45,6 +45,10 @@ class CardReference:
     hub_id: str | None  # for the card's metadata (`base_model`, `datasets`), which hold Hub ids only; None if local
 
 
+# How the model card names each `classifier` (the pooling of equation 4).
+POOLING_NAMES = {"token": "class-token", "gap": "global-average-pooling", "map": "multi-head-attention-pooling"}
+
+
 def card_reference(reference: str | os.PathLike) -> CardReference:
     """Turn a user-given model or data set reference into what a card may say, never a local path.
 
@@ -202,7 +206,7 @@ def render_model_card(
         num_heads=config.num_attention_heads,
         mlp_size=config.intermediate_size,
         patch_size=config.patch_size,
-        classifier="class-token" if config.classifier == "token" else "global-average-pooling",
+        classifier=POOLING_NAMES.get(config.classifier, config.classifier),
         representation_size=config.representation_size,
         num_parameters=f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M",
         resolution=f"{height}x{width}",

@@ -46,8 +46,9 @@ def apply_lora(
     base_model_name_or_path: str | None = None,
 ):
     """`model` wrapped by peft with LoRA adapters of `rank` on `target_modules` (see the module docstring); the
-    classifier (and pre-logits layer, if any) is trained in full and saved with the adapter. The saved adapter names
-    `base_model_name(base_model_name_or_path)` as its base (by default the model's own `name_or_path`)."""
+    classifier (and pre-logits layer and DeiT's distillation head, if any) is trained in full and saved with the
+    adapter. The saved adapter names `base_model_name(base_model_name_or_path)` as its base (by default the model's
+    own `name_or_path`)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as error:
@@ -55,7 +56,11 @@ def apply_lora(
     targets = check_lora_settings(rank, target_modules)
     parts = [index for index, part in enumerate(QKV_PARTS) if part in targets]
     modules = sorted({"qkv" if name in QKV_PARTS else name for name in targets})
-    heads = [name for name in ("classifier", "pre_logits") if getattr(model, name, None) is not None]
+    heads = [
+        name
+        for name in ("classifier", "pre_logits", "distillation_classifier")
+        if getattr(model, name, None) is not None
+    ]
     if base_model_name_or_path is not None:
         model.name_or_path = base_model_name(base_model_name_or_path)  # what peft writes as the adapter's base
     config = LoraConfig(

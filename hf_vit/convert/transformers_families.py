@@ -1,0 +1,376 @@
+"""The ViTs that followed the paper, as transformers saves them: DINOv2 (with and without registers), DeiT, and the
+vision towers of CLIP and SigLIP (read out of the full two-tower checkpoint or a vision-only one) -> hf-vit.
+
+Each family is one rename table (`Layout`) and one reading of its `config.json` into hf-vit's fields (the blocks of
+`VisionTransformerConfig`: register tokens, LayerScale, the distillation token, the norm before the encoder,
+attention pooling, fc_norm). The weights convert in memory while transformers loads them, as transformers' ViT does
+(`sources.py`). What a family has and hf-vit lacks is refused by name: DINOv2's SwiGLU feed-forward network, DINOv2's
+classification head (class token concatenated with the patch tokens' mean), the text-only towers of CLIP and SigLIP.
+
+What each family computes, in hf-vit's terms:
+
+* DINOv2: class token, LayerScale on both branches (`layerscale_value`), final LayerNorm on every token; with
+  registers, `num_register_tokens` tokens after the class token without positions (its resampling antialiases).
+* DeiT: class and distillation tokens, both with positions; `DeiTForImageClassificationWithTeacher`'s two heads
+  (logits: their average), `DeiTForImageClassification`'s one head on the class token, `DeiTModel`'s pooler as the
+  pre-logits layer (dense + tanh), as transformers' ViT.
+* CLIP: no patch-embedding bias, a LayerNorm before the encoder (`pre_layrnorm`), quick GELU, and `post_layernorm`
+  on the pooled class token only (`fc_norm`): `last_hidden_state` is the last block's output, as CLIP returns it.
+  The projection into the joint space (`visual_projection`) and the text tower are not part of the vision tower.
+* SigLIP: no class token, `post_layernorm` on every token, then the attention-pooling head (`classifier="map"`); a
+  tower without the head (`vision_use_head=False`) pools by averaging the tokens (transformers returns no pooled
+  output for it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..model.configuration_vit import VisionTransformerConfig
+from ..model.resolution import resample_position_embeddings
+from .common import FUSED_QKV, ConversionError, Layout, Transform, check_grid_size, square_side
+from .transformers_vit import read_json
+
+_H = "vit.layers.{i}."
+# CLIP and SigLIP store the class token as (D,) and the positions as an nn.Embedding table (N, D).
+TOKEN_VECTOR = Transform(lambda x: x.reshape(1, 1, -1), lambda t, config: (t.reshape(-1).clone(),))
+POSITION_TABLE = Transform(lambda x: x.unsqueeze(0), lambda t, config: (t[0].clone(),))
+
+
+def _vit_block(prefix: str) -> list[tuple]:
+    """The rows of transformers' ViT-style block (DeiT's, and DINOv2's attention) under `prefix`."""
+    qkv = tuple(f"{prefix}attention.attention.{part}.{{p}}" for part in ("query", "key", "value"))
+    return [
+        (qkv, _H + "attention.qkv.{p}", FUSED_QKV),
+        (prefix + "attention.output.dense.{p}", _H + "attention.proj.{p}"),
+    ]
+
+
+_D = "encoder.layer.{i}."
+DINOV2_LAYOUT = Layout(
+    "transformers DINOv2 checkpoint",
+    [
+        ("embeddings.cls_token", "vit.embeddings.cls_token"),
+        ("embeddings.register_tokens", "vit.embeddings.register_tokens"),
+        ("embeddings.position_embeddings", "vit.embeddings.position_embedding"),
+        ("embeddings.patch_embeddings.projection.{p}", "vit.embeddings.patch_embedding.{p}"),
+        (_D + "norm1.{p}", _H + "norm1.{p}"),
+        *_vit_block(_D),
+        (_D + "layer_scale1.lambda1", _H + "layer_scale1.gamma"),
+        (_D + "norm2.{p}", _H + "norm2.{p}"),
+        (_D + "mlp.fc1.{p}", _H + "mlp.fc1.{p}"),
+        (_D + "mlp.fc2.{p}", _H + "mlp.fc2.{p}"),
+        (_D + "layer_scale2.lambda1", _H + "layer_scale2.gamma"),
+        ("layernorm.{p}", "vit.norm.{p}"),
+    ],
+)
+_T = "deit.encoder.layer.{i}."
+DEIT_LAYOUT = Layout(
+    "transformers DeiT checkpoint",
+    [
+        ("deit.embeddings.cls_token", "vit.embeddings.cls_token"),
+        ("deit.embeddings.distillation_token", "vit.embeddings.distillation_token"),
+        ("deit.embeddings.position_embeddings", "vit.embeddings.position_embedding"),
+        ("deit.embeddings.patch_embeddings.projection.{p}", "vit.embeddings.patch_embedding.{p}"),
+        (_T + "layernorm_before.{p}", _H + "norm1.{p}"),
+        *_vit_block(_T),
+        (_T + "layernorm_after.{p}", _H + "norm2.{p}"),
+        (_T + "intermediate.dense.{p}", _H + "mlp.fc1.{p}"),
+        (_T + "output.dense.{p}", _H + "mlp.fc2.{p}"),
+        ("deit.layernorm.{p}", "vit.norm.{p}"),
+        ("deit.pooler.dense.{p}", "pre_logits.{p}"),
+        ("classifier.{p}", "classifier.{p}"),  # DeiTForImageClassification's, or the teacher model's cls_classifier
+        ("distillation_classifier.{p}", "distillation_classifier.{p}"),
+    ],
+)
+_C = "encoder.layers.{i}."
+_TOWER_BLOCK = [
+    (_C + "layer_norm1.{p}", _H + "norm1.{p}"),
+    (tuple(f"{_C}self_attn.{part}_proj.{{p}}" for part in "qkv"), _H + "attention.qkv.{p}", FUSED_QKV),
+    (_C + "self_attn.out_proj.{p}", _H + "attention.proj.{p}"),
+    (_C + "layer_norm2.{p}", _H + "norm2.{p}"),
+    (_C + "mlp.fc1.{p}", _H + "mlp.fc1.{p}"),
+    (_C + "mlp.fc2.{p}", _H + "mlp.fc2.{p}"),
+]
+CLIP_LAYOUT = Layout(
+    "CLIP vision tower",
+    [
+        ("embeddings.class_embedding", "vit.embeddings.cls_token", TOKEN_VECTOR),
+        ("embeddings.patch_embedding.weight", "vit.embeddings.patch_embedding.weight"),
+        ("embeddings.position_embedding.weight", "vit.embeddings.position_embedding", POSITION_TABLE),
+        ("pre_layrnorm.{p}", "vit.pre_norm.{p}"),
+        *_TOWER_BLOCK,
+        ("post_layernorm.{p}", "vit.norm.{p}"),
+    ],
+)
+SIGLIP_LAYOUT = Layout(
+    "SigLIP vision tower",
+    [
+        ("embeddings.patch_embedding.{p}", "vit.embeddings.patch_embedding.{p}"),
+        ("embeddings.position_embedding.weight", "vit.embeddings.position_embedding", POSITION_TABLE),
+        *_TOWER_BLOCK,
+        ("post_layernorm.{p}", "vit.norm.{p}"),
+        ("head.probe", "vit.attention_pool.probe"),
+        ("head.attention.in_proj_weight", "vit.attention_pool.attention.in_proj_weight"),
+        ("head.attention.in_proj_bias", "vit.attention_pool.attention.in_proj_bias"),
+        ("head.attention.out_proj.{p}", "vit.attention_pool.attention.out_proj.{p}"),
+        ("head.layernorm.{p}", "vit.attention_pool.layernorm.{p}"),
+        ("head.mlp.fc1.{p}", "vit.attention_pool.mlp.fc1.{p}"),
+        ("head.mlp.fc2.{p}", "vit.attention_pool.mlp.fc2.{p}"),
+    ],
+)
+
+
+def _transformers_config(model_type: str, config: dict) -> Any:
+    """transformers' own config class of `model_type` read from `config`, so that fields `save_pretrained` left out
+    (equal to their defaults) take transformers' defaults."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(config)
+    except (TypeError, ValueError, KeyError) as error:
+        raise ConversionError(
+            f"config.json does not describe a {model_type} model transformers can build: {error}"
+        ) from error
+
+
+def _side(value: Any, name: str) -> int:
+    """A size that transformers allows as N or (N, N), as hf-vit's int; a non-square one is refused by name."""
+    if isinstance(value, (list, tuple)):
+        if len(value) == 2 and value[0] == value[1]:
+            return int(value[0])
+        raise ConversionError(f"{name}={list(value)}: hf-vit reads a square {name} from this config")
+    return int(value)
+
+
+def _fields(source: Any, **renamed: str) -> dict[str, Any]:
+    """The hf-vit fields of a transformers vision config: the shared ones, and `renamed` (hf-vit name -> source)."""
+    fields = {
+        name: getattr(source, name)
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "hidden_act", "layer_norm_eps",
+                     "num_channels", "initializer_range")
+        if getattr(source, name, None) is not None
+    }  # fmt: skip
+    fields.update({name: getattr(source, other) for name, other in renamed.items()})
+    fields["image_size"] = _side(source.image_size, "image_size")
+    fields["patch_size"] = _side(source.patch_size, "patch_size")
+    return fields
+
+
+def _dinov2(config: dict, keys: Collection[str]) -> dict[str, Any]:
+    source = _transformers_config(config["model_type"], config)
+    if getattr(source, "use_swiglu_ffn", False):
+        raise ConversionError(
+            "use_swiglu_ffn=True: DINOv2's SwiGLU feed-forward network (of the giant models) is a block hf-vit "
+            "lacks (its MLP is fc1, the activation, fc2); load it with transformers' Dinov2Model"
+        )
+    if "classifier.weight" in keys:
+        raise ConversionError(
+            "Dinov2ForImageClassification's head classifies the class token concatenated with the mean of the "
+            "patch tokens, a head hf-vit lacks; load the backbone's Dinov2Model checkpoint and fine-tune a new head"
+        )
+    fields = _fields(source, hidden_dropout_prob="hidden_dropout_prob", qkv_bias="qkv_bias")
+    fields.update(
+        intermediate_size=int(source.hidden_size * source.mlp_ratio),
+        attention_probs_dropout_prob=source.attention_probs_dropout_prob,
+        drop_path_rate=source.drop_path_rate,
+        layer_scale_init_value=source.layerscale_value,
+        num_register_tokens=getattr(source, "num_register_tokens", 0),
+        # transformers' DINOv2 with registers resamples its positions with antialiasing, DINOv2 without
+        interpolation_antialias=config["model_type"] == "dinov2_with_registers",
+        num_labels=0,
+    )
+    return fields
+
+
+def _deit(config: dict, keys: Collection[str]) -> dict[str, Any]:
+    source = _transformers_config("deit", config)
+    fields = _fields(
+        source, intermediate_size="intermediate_size", hidden_dropout_prob="hidden_dropout_prob",
+        attention_probs_dropout_prob="attention_probs_dropout_prob", qkv_bias="qkv_bias",
+    )  # fmt: skip
+    fields["use_distillation_token"] = True
+    if "classifier.weight" in keys:
+        fields["distillation_head"] = "distillation_classifier.weight" in keys
+        labels = source.id2label or {}
+        fields["id2label"] = {int(k): v for k, v in labels.items()}
+        fields["label2id"] = {v: int(k) for k, v in labels.items()}
+        if source.problem_type is not None:
+            fields["problem_type"] = source.problem_type
+    else:
+        fields["num_labels"] = 0
+        if "deit.pooler.dense.weight" in keys:
+            if source.pooler_act != "tanh":
+                raise ConversionError(
+                    f"pooler_act={source.pooler_act!r}: hf-vit's pre-logits layer (DeiT's pooler) is dense + tanh, so "
+                    "this pooler would compute another function; load it with transformers' DeiTModel"
+                )
+            fields["representation_size"] = source.pooler_output_size or source.hidden_size
+    return fields
+
+
+def _tower(config: dict, family: str) -> Any:
+    """The vision tower's config of a two-tower checkpoint or a vision-only one; a text-only one is refused."""
+    model_type = config["model_type"]
+    if model_type.endswith("_text_model"):
+        raise ConversionError(
+            f"model_type {model_type!r} is {family}'s text tower alone: it has no vision tower to load (pass the full "
+            f"{family} checkpoint or its vision model)"
+        )
+    source = _transformers_config(model_type, config)
+    return source.vision_config if hasattr(source, "vision_config") else source
+
+
+def _clip(config: dict, keys: Collection[str]) -> dict[str, Any]:
+    source = _tower(config, "CLIP")
+    fields = _fields(source, intermediate_size="intermediate_size", attention_probs_dropout_prob="attention_dropout")
+    fields.update(pre_norm=True, fc_norm=True, patch_embedding_bias=False, num_labels=0)
+    return fields
+
+
+def _siglip(config: dict, keys: Collection[str]) -> dict[str, Any]:
+    source = _tower(config, "SigLIP")
+    fields = _fields(source, intermediate_size="intermediate_size", attention_probs_dropout_prob="attention_dropout")
+    head = getattr(source, "vision_use_head", True)
+    fields.update(classifier="map" if head else "gap", use_class_token=False, num_labels=0)
+    return fields
+
+
+def _strip(prefix: str) -> Callable[[str], str]:
+    return lambda key: key[len(prefix) :] if key.startswith(prefix) else key
+
+
+def _deit_name(key: str) -> str:
+    if key.startswith("cls_classifier."):
+        return "classifier." + key[len("cls_classifier.") :]
+    if not key.startswith(("deit.", "classifier.", "distillation_classifier.")):
+        return f"deit.{key}"  # DeiTModel saves without the prefix
+    return key
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One family: its table, how its keys read under the table's names (`rename`; `dropped`: what is not part of
+    the vision encoder, e.g. the text tower), its config reading, and the source key of the position table."""
+
+    name: str
+    layout: Layout
+    config_fields: Callable[[dict, Collection[str]], dict[str, Any]]
+    rename: Callable[[str], str]
+    dropped: str
+    positions: str
+
+    def names(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
+        """`arrays` under the table's names, without the arrays that are not part of the vision encoder."""
+        renamed = {self.rename(key): value for key, value in arrays.items()}
+        return {key: value for key, value in renamed.items() if not re.match(self.dropped, key)}
+
+
+_DINOV2 = Family(
+    "transformers' DINOv2 layout", DINOV2_LAYOUT, _dinov2, _strip("dinov2."), r"embeddings\.mask_token$",
+    "embeddings.position_embeddings",
+)  # fmt: skip
+_CLIP_DROPPED = r"text_model\.|text_projection\.|visual_projection\.|logit_scale$|logit_bias$"
+FAMILIES: dict[str, Family] = {
+    "dinov2": _DINOV2,
+    "dinov2_with_registers": _DINOV2,
+    "deit": Family(
+        "transformers' DeiT layout", DEIT_LAYOUT, _deit, _deit_name, r"$^", "deit.embeddings.position_embeddings"
+    ),
+    **dict.fromkeys(
+        ("clip", "clip_vision_model", "clip_text_model"),
+        Family(
+            "CLIP's layout",
+            CLIP_LAYOUT,
+            _clip,
+            _strip("vision_model."),
+            _CLIP_DROPPED,
+            "embeddings.position_embedding.weight",
+        ),
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ("siglip", "siglip_vision_model", "siglip_text_model"),
+        Family(
+            "SigLIP's layout",
+            SIGLIP_LAYOUT,
+            _siglip,
+            _strip("vision_model."),
+            _CLIP_DROPPED,
+            "embeddings.position_embedding.weight",
+        ),
+    ),  # fmt: skip
+}
+
+
+def family_config(
+    config_json: dict, keys: Collection[str], image_size: Any = None, check_only: bool = False
+) -> VisionTransformerConfig | None:
+    """The hf-vit config of a family checkpoint whose `config.json` is `config_json` and whose arrays are named `keys`
+    (as saved); `image_size` (from the caller) replaces the checkpoint's. `check_only`: refuse what `config.json`
+    alone shows hf-vit cannot load (a text tower, DINOv2's SwiGLU), before any weights are fetched."""
+    family = FAMILIES[config_json["model_type"]]
+    if check_only:
+        family.config_fields(config_json, ())
+        return None
+    names = family.names(dict.fromkeys(keys))
+    fields = family.config_fields(config_json, names)
+    if image_size is not None:
+        fields["image_size"] = image_size
+    dtype = config_json.get("dtype", config_json.get("torch_dtype"))
+    if dtype is not None:
+        fields["dtype"] = dtype
+    try:
+        config = VisionTransformerConfig(zero_init_head=False, **fields)
+    except ValueError as error:
+        raise ConversionError(f"config.json does not describe a model hf-vit can build: {error}") from error
+    check_grid_size(config)
+    return config
+
+
+def family_state_dict(
+    model_type: str,
+    config: VisionTransformerConfig,
+    source: Mapping[str, Any],
+    shapes: Mapping[str, torch.Tensor],
+    resample: bool = False,
+):
+    """The weights of a family checkpoint converted for `config`, computed weight by weight as transformers' loading
+    reads them (`Layout.to_hf_lazy`; `source` holds safetensors slices or tensors, `shapes` meta tensors).
+    `resample`: the caller asked for `config`'s image size, so positions of another grid are resampled to it (as the
+    family's own code resamples: `interpolation_mode`, `interpolation_antialias`); otherwise another grid is refused
+    with the size to pass."""
+    family = FAMILIES[model_type]
+    source, shapes = family.names(source), family.names(shapes)
+    key, problems, prefix = family.positions, [], config.num_position_prefix_tokens
+    positions = shapes.get(key)
+    if positions is not None and positions.ndim in (2, 3):
+        found = positions.shape[-2] - prefix
+        side = square_side(found)
+        if resample and side and found != config.num_patches:
+            array = source[key] if isinstance(source[key], torch.Tensor) else source[key][...]
+            table = array if array.ndim == 3 else array[None]
+            table = resample_position_embeddings(
+                table, (side, side), config.grid_size, prefix, config.interpolation_mode,
+                config.interpolation_antialias,
+            ).contiguous()  # fmt: skip
+            source[key] = table if array.ndim == 3 else table[0]
+            shapes[key] = source[key].to("meta")
+        elif found != config.num_patches:
+            rows, cols = config.grid_size
+            hint = f": pass image_size={side * config.patch_size} for their own grid, or a size to resample to"
+            problems.append(
+                f"the position embeddings hold {found} positions, but config.json's image_size {config.image_size} "
+                f"with patch_size {config.patch_size} makes a {rows}x{cols} grid{hint if side else ''}"
+            )
+    return family.layout.to_hf_lazy(source, shapes, config, problems)
+
+
+def read_config_json(folder: Path) -> dict:
+    """A family checkpoint's `config.json`, as a dict (errors name the file)."""
+    return read_json(folder / "config.json")

@@ -1,0 +1,30 @@
+"""Multi-head attention pooling ("MAP"): the pooled representation `y` of equation (4) for `classifier="map"`.
+
+A learned probe attends to every token with one multi-head attention, and an MLP with a residual follows, the head of
+big_vision's ViT and of SigLIP's vision tower. Its parameters are those of `torch.nn.MultiheadAttention` (`probe`,
+`attention.in_proj_weight` with rows [q; k; v], `attention.out_proj`), a LayerNorm and the model's MLP.
+
+Saved next to checkpoints as remote code with the model, so it imports only torch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MultiheadAttentionPooling(nn.Module):
+    """`y = z + MLP(LN(z))` where `z = MHA(probe, tokens, tokens)`: one pooled vector per image."""
+
+    def __init__(self, hidden_size: int, num_heads: int, layer_norm_eps: float, mlp: nn.Module) -> None:
+        super().__init__()
+        self.probe = nn.Parameter(torch.zeros(1, 1, hidden_size))
+        self.attention = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
+        self.layernorm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        probe = self.probe.expand(tokens.shape[0], -1, -1)
+        pooled = self.attention(probe, tokens, tokens, need_weights=False)[0]
+        pooled = pooled + self.mlp(self.layernorm(pooled))
+        return pooled[:, 0]
