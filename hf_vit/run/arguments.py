@@ -46,6 +46,7 @@ COMMON_DEFAULTS: dict[str, Any] = dict(
     logging_strategy="steps",
     logging_steps=10,
     report_to="none",
+    do_train=True,  # --do_train False --do_eval (or --do_predict) evaluates the checkpoint as it is
     # Every parameter gets a gradient in every step, so DDP need not search the graph for unused ones (Trainer would
     # otherwise ask it to, and it warns that the search found none).
     ddp_find_unused_parameters=False,
@@ -219,7 +220,12 @@ def parse_args(
         dataloader_persistent_workers=workers > 0,
         dataloader_pin_memory=torch.cuda.is_available(),
     )
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    refuse_unknown_flags(parser)
+    model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True
+    )
+    if unknown:
+        raise ValueError(unknown_flags_message(parser, unknown))
     if training_args.dataloader_num_workers == 0:
         training_args.dataloader_persistent_workers = False  # the default, meaningful with workers only
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -238,6 +244,59 @@ def parse_args(
             "Trainer. Run FSDP on GPUs (configs/accelerate/fsdp.yaml), or drop --fsdp to train with DDP."
         )
     return model_args, data_args, training_args
+
+
+# Flags a user guesses for the data, all of them `--dataset_name` here.
+DATA_LIKE_FLAGS = ("train_dir", "data_dir", "dataset", "data", "dataset_dir", "image_dir", "images", "train_data",
+                   "data_path", "dataset_path", "train_folder", "folder", "root")  # fmt: skip
+
+
+def refuse_unknown_flags(parser: HfArgumentParser) -> None:
+    """Make `parser` say its errors as one `ValueError` (one `error:` line from the scripts), and take no
+    abbreviation of a flag as the flag (`--data` is a guess to answer, not `--data_seed`)."""
+    parser.allow_abbrev = False
+
+    def error(message: str):
+        raise ValueError(f"{message} (--help lists every flag).")
+
+    parser.error = error
+
+
+def unknown_flags_message(parser: HfArgumentParser, unknown: list[str]) -> str:
+    """What the unknown command-line words are, each flag with the nearest known flag (or `--dataset_name` for the
+    data-like names users guess)."""
+    import difflib
+
+    known = sorted(
+        {option[2:] for action in parser._actions for option in action.option_strings if option[:2] == "--"}
+    )
+    flags = [word for word in unknown if word.startswith("-")]
+    hints = []
+    for flag in flags:
+        name = flag.lstrip("-").split("=", 1)[0]
+        if name.replace("-", "_") in DATA_LIKE_FLAGS:
+            hints.append(f"{flag}: the data set is --dataset_name (an image folder root/<label>/*.png, a "
+                         "save_to_disk folder, a Hub data set or 'digits')")  # fmt: skip
+            continue
+        close = difflib.get_close_matches(name.replace("-", "_"), known, n=1, cutoff=0.6)
+        hints.append(f"{flag}: did you mean --{close[0]}?" if close else f"{flag}: no such flag")
+    if not flags:
+        return f"Unexpected argument(s) {' '.join(unknown)}: every value follows its flag (--flag value)."
+    return f"Unknown flag(s): {'; '.join(hints)}. --help lists every flag."
+
+
+def parse_args_or_exit(task: str, argv: list[str] | None = None):
+    """`parse_args`, a bad flag ending in one `error:` line and exit status 2 (HF_VIT_TRACEBACK=1: the traceback).
+    Imports nothing of the run beyond the flags', so that `--help` and argument errors come before the heavy part."""
+    import sys
+
+    try:
+        return parse_args(task, argv)
+    except ValueError as error:
+        if os.environ.get("HF_VIT_TRACEBACK"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
 
 
 def default_hflip(data_args: DataArguments) -> bool:

@@ -17,7 +17,10 @@ with its processor.
 
 The adapter names its base by what the user gave (`base_model_name`): a Hub id as it is (not the folder a foreign
 layout was converted through), a local folder by its plain name only, since an absolute path in `adapter_config.json`
-would publish the user's file system with the adapter; `load_lora_model(folder, base=...)` then says where it is.
+would publish the user's file system with the adapter. On the machine that trained it, the run also records the
+base's local path in `LOCAL_BASE_FILE` (a file no push carries), so that `load_lora_model(folder)`,
+`from_pretrained(folder)` and `pipeline(model=folder)` find it there; elsewhere `load_lora_model(folder, base=...)`
+says where it is.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ..outputs.files import (
+    LOCAL_BASE_FILE,
+)  # where a local base lives on this machine: written by the run, never pushed
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +129,10 @@ def adapt(model: nn.Module, model_args: Any, task: str, output_dir: str | os.Pat
     check_lora_arguments(model_args, task)
     model.config.position_interpolation = model_args.interpolation
     model.config.save_pretrained(output_dir)  # the fine-tuning model the adapter belongs to
+    base = os.path.expanduser(model_args.model_name_or_path)
+    if os.path.isdir(base):  # the adapter names it by its plain name: say where it is on this machine
+        record = {"base_model_name_or_path": os.path.abspath(base)}
+        (Path(output_dir) / LOCAL_BASE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     model = apply_lora(
         model,
         model_args.lora_rank,
@@ -196,7 +207,7 @@ def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = 
 
     folder = Path(folder)
     named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    base = os.fspath(base) if base is not None else named
+    base = os.fspath(base) if base is not None else (local_base(folder) or named)
     if not base:
         raise ValueError(f"{folder / 'adapter_config.json'} names no base model: pass base=<its folder or Hub id>.")
     config = VisionTransformerConfig.from_pretrained(folder)
@@ -213,6 +224,68 @@ def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = 
     model.reset_classifier(config.id2label, config.representation_size)
     model.config.problem_type = config.problem_type
     return PeftModel.from_pretrained(model, folder).merge_and_unload().eval()
+
+
+def local_base(folder: str | os.PathLike) -> str | None:
+    """The local folder of a LoRA run's base, as the run recorded it on this machine (None: not recorded, or no
+    longer there)."""
+    path = Path(folder) / LOCAL_BASE_FILE
+    if not path.is_file():
+        return None
+    try:
+        recorded = json.loads(path.read_text()).get("base_model_name_or_path")
+    except (ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, str) and os.path.isdir(recorded) else None
+
+
+def is_lora_folder(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is a LoRA run's folder: a peft adapter beside the fine-tuning config, no model weights."""
+    folder = Path(folder)
+    return (
+        (folder / "adapter_config.json").is_file()
+        and (folder / "config.json").is_file()
+        and not any((folder / name).exists() for name in ("model.safetensors", "model.safetensors.index.json"))
+    )
+
+
+class LoraFolder:
+    """A LoRA run's folder as the core's loading hook sees a foreign checkpoint (`hf_vit.model.loading`): its config
+    and processor are the folder's own, its model the base with the adapter merged (`load_lora_model`). This is what
+    makes `AutoModelForImageClassification.from_pretrained(folder)` and `pipeline(model=folder)` load it."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def config_dict(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return json.loads((self.folder / "config.json").read_text())
+
+    def processor(self):
+        from ..model.image_processing_vit import VisionTransformerImageProcessor
+
+        return VisionTransformerImageProcessor.from_dict(
+            json.loads((self.folder / "preprocessor_config.json").read_text())
+        )
+
+    def load_model(self, load: Any, args: tuple, kwargs: dict[str, Any]):
+        from ..model.modeling_vit import VisionTransformerForImageClassification
+
+        model_class = getattr(load, "__self__", None)
+        if model_class is not None and not issubclass(VisionTransformerForImageClassification, model_class):
+            raise ValueError(
+                f"{self.folder} is a LoRA run's image classifier: load it with AutoModelForImageClassification "
+                "(or hf_vit.lora.load_lora_model), or write it merged with hf_vit.lora.save_merged_model."
+            )
+        model = load_lora_model(self.folder)
+        info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+        return model, info
+
+
+def read_lora_folder(source: str, kwargs: dict[str, Any]) -> LoraFolder | None:
+    """The loading hook's reader of LoRA run folders (registered when `hf_vit` is imported)."""
+    if kwargs.get("subfolder") or not os.path.isdir(source) or not is_lora_folder(source):
+        return None
+    return LoraFolder(source)
 
 
 def run_settings(config: Any) -> dict[str, Any]:

@@ -25,9 +25,11 @@ from .arguments import DataArguments, ModelArguments, parse_args
 from .checkpoints import resolve_resume
 from .datasets import load_datasets
 from .evaluation import final_evaluation
+from .inference import evaluate_checkpoint
 from .lora import adapt, check_lora_arguments, lora_summary
 from .model_setup import processor_for
 from .objectives import Objective, select_objective
+from .summary import summarize_run
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
 from .transforms import check_image_channels, decode_rgb
 
@@ -50,6 +52,8 @@ def train(
     saved before that final evaluation, so an error there loses no training.
     """
     transformers.set_seed(training_args.seed)
+    if not training_args.do_train:  # --do_train False: measure the checkpoint as it is, write no model
+        return evaluate_checkpoint(task, model_args, data_args, training_args)
     if data_args.streaming and training_args.max_steps <= 0:
         raise ValueError("--streaming data sets have no length: set --max_steps to say how long to train.")
     check_lora_arguments(model_args, task)  # before anything is written
@@ -101,6 +105,8 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     trainer.save_state()
     if trainer.is_world_process_zero():
         write_outputs(trainer, task, model_args, data_args, training_args, metrics)
+        summarize_run(task, training_args.output_dir, metrics, trainer.state.log_history, model.config,
+                      training_args, data_args.dataset_name)  # fmt: skip
     return metrics
 
 
@@ -164,13 +170,14 @@ def check_eval_images(raw) -> None:
                 decode_rgb(image, start + offset)
 
 
-def main(task: str, argv: list[str] | None = None) -> dict[str, Any]:
+def main(task: str, argv: list[str] | None = None, parsed: tuple | None = None) -> dict[str, Any]:
     """The scripts' entry point: bad input ends in one `error:` line and exit status 2 (set HF_VIT_TRACEBACK=1 for
-    the whole traceback)."""
+    the whole traceback). `parsed`: the flags already parsed (`parse_args`), as the commands do before importing
+    this module."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     torch.set_float32_matmul_precision("high")
     try:
-        return train(task, *parse_args(task, argv))
+        return train(task, *(parsed or parse_args(task, argv)))
     except (ValueError, OSError) as error:
         if os.environ.get("HF_VIT_TRACEBACK"):
             raise
