@@ -160,6 +160,38 @@ def test_lora_on_a_hub_id_in_transformers_layout_names_the_hub_id(tmp_path, monk
     assert "the Hub model `google/vit-tiny-test`" in (out / "README.md").read_text()
 
 
+@pytest.mark.parametrize(
+    "flags, missing, named",
+    [
+        (["--lora_target_modules", "qvk"], None, "--lora_target_modules qvk: not a layer LoRA can adapt"),
+        ([], "peft", 'needs peft, which is not installed: pip install "hf-vit[lora]"'),
+    ],
+)
+def test_a_refused_lora_start_writes_nothing_and_the_corrected_command_runs(
+    tmp_path, monkeypatch, capsys, flags, missing, named
+):
+    import sys
+
+    from hf_vit.run.training import main
+
+    source = pretrained_folder(tmp_path / "pre")
+    out = tmp_path / "lora"
+    args = ["--model_name_or_path", str(source), "--output_dir", str(out), "--image_size", "8", "--max_steps", "1"]
+    args += ["--per_device_train_batch_size", "8", "--eval_strategy", "no", "--save_strategy", "no"]
+    args += ["--max_train_samples", "8", "--lora_rank", "2", *QUIET]
+    with monkeypatch.context() as patch:
+        if missing:
+            patch.setitem(sys.modules, missing, None)  # as if the extra were not installed
+        with pytest.raises(SystemExit) as stopped:
+            main("finetune", args + flags)
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and errors[-1].startswith("error: ") and named in errors[-1]
+    assert "Traceback" not in "\n".join(errors)
+    assert not out.exists()  # nothing written: the corrected command is not refused as "not empty"
+    main("finetune", args)
+    assert (out / "adapter_model.safetensors").is_file() and (out / "config.json").is_file()
+
+
 def test_a_lora_runs_folder_loads_with_from_pretrained_and_pipeline_and_pushes_no_local_path(tmp_path, hub):
     from PIL import Image
     from transformers import AutoModelForImageClassification, pipeline

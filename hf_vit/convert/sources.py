@@ -320,7 +320,10 @@ class ForeignCheckpoint:
                 from .timm_vit import read_timm_config, timm_config, timm_processor
 
                 settings = read_timm_config(self.folder)
-                return timm_processor(timm_config(self._timm_arrays(header_only=True), settings), settings)
+                # The processor takes the image size and normalisation only: the heads, which a timm state dict does
+                # not record (and the model loading asks for), play no part in it.
+                config = timm_config(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
+                return timm_processor(config, settings)
         except ConversionError as error:
             raise self._fail(error) from error
         return self.convert({})[2]

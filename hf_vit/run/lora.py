@@ -59,14 +59,8 @@ def apply_lora(
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as error:
-        raise ImportError("LoRA needs peft: pip install 'hf-vit[lora]' (or pip install peft).") from error
-    if rank <= 0:
-        raise ValueError(f"--lora_rank must be a positive int, got {rank}.")
-    targets = [name.strip() for name in target_modules if name.strip()]
-    known = {"qkv", "proj", "fc1", "fc2", *QKV_PARTS}
-    unknown = sorted(set(targets) - known)
-    if unknown or not targets:
-        raise ValueError(f"--lora_target_modules {unknown or targets}: choose from {sorted(known)}.")
+        raise ImportError(PEFT_MISSING) from error
+    targets = check_lora_settings(rank, target_modules)
     parts = [index for index, part in enumerate(QKV_PARTS) if part in targets]
     modules = sorted({"qkv" if name in QKV_PARTS else name for name in targets})
     heads = [
@@ -90,6 +84,41 @@ def apply_lora(
     return peft_model
 
 
+PEFT_MISSING = (
+    'LoRA (--lora_rank) needs peft, which is not installed: pip install "hf-vit[lora]" (or pip install peft).'
+)
+TARGETS = ("qkv", *QKV_PARTS, "proj", "fc1", "fc2")
+
+
+def check_lora_settings(rank: int, target_modules: Sequence[str]) -> list[str]:
+    """The adapted layers' names, checked: a positive `rank` and names from `TARGETS`; else a `ValueError` naming
+    the flag."""
+    if rank <= 0:
+        raise ValueError(f"--lora_rank must be a positive int, got {rank}.")
+    targets = [name.strip() for name in target_modules if name.strip()]
+    unknown = [name for name in targets if name not in TARGETS]
+    if unknown or not targets:
+        raise ValueError(
+            f"--lora_target_modules {','.join(unknown) if unknown else repr(','.join(target_modules))}: "
+            f"not a layer LoRA can adapt; choose from {', '.join(TARGETS)} (comma-separated)."
+        )
+    return targets
+
+
+def check_lora_arguments(model_args: Any, task: str) -> None:
+    """Everything a LoRA run (`--lora_rank`) needs, checked before anything is written: peft installed, a pretrained
+    model to adapt, a positive rank and known target layers. Nothing without `--lora_rank`."""
+    if not getattr(model_args, "lora_rank", 0):
+        return
+    if task != "finetune" or not model_args.model_name_or_path:
+        raise ValueError("--lora_rank adapts a pretrained model: use finetune.py with --model_name_or_path.")
+    check_lora_settings(model_args.lora_rank, model_args.lora_target_modules.split(","))
+    try:
+        import peft  # noqa: F401
+    except ImportError as error:
+        raise ValueError(PEFT_MISSING) from error
+
+
 def adapt(model: nn.Module, model_args: Any, task: str, output_dir: str | os.PathLike) -> nn.Module:
     """The run's adapter stage: with `--lora_rank`, `model` (the fine-tuning model, its problem type set) wrapped
     with LoRA adapters, its config written to `output_dir` first (what `load_lora_model` rebuilds on the base, with
@@ -97,8 +126,7 @@ def adapt(model: nn.Module, model_args: Any, task: str, output_dir: str | os.Pat
     Without `--lora_rank`, `model` as it is."""
     if not model_args.lora_rank:
         return model
-    if task != "finetune" or not model_args.model_name_or_path:
-        raise ValueError("--lora_rank adapts a pretrained model: use finetune.py with --model_name_or_path.")
+    check_lora_arguments(model_args, task)
     model.config.position_interpolation = model_args.interpolation
     model.config.save_pretrained(output_dir)  # the fine-tuning model the adapter belongs to
     base = os.path.expanduser(model_args.model_name_or_path)

@@ -7,6 +7,7 @@ and outputs. Each stage lives in its own module of `hf_vit.run` (see its docstri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -25,12 +26,12 @@ from .checkpoints import resolve_resume
 from .datasets import load_datasets
 from .evaluation import final_evaluation
 from .inference import evaluate_checkpoint
-from .lora import adapt, lora_summary
+from .lora import adapt, check_lora_arguments, lora_summary
 from .model_setup import processor_for
 from .objectives import Objective, select_objective
 from .summary import summarize_run
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
-from .transforms import decode_rgb
+from .transforms import check_image_channels, decode_rgb
 
 __all__ = ["check_eval_images", "main", "train"]
 
@@ -55,7 +56,9 @@ def train(
         return evaluate_checkpoint(task, model_args, data_args, training_args)
     if data_args.streaming and training_args.max_steps <= 0:
         raise ValueError("--streaming data sets have no length: set --max_steps to say how long to train.")
+    check_lora_arguments(model_args, task)  # before anything is written
     resume = resolve_resume(training_args)
+    created = not os.path.lexists(training_args.output_dir)
     lock = claim_output_dir(
         training_args.output_dir,
         resuming=resume is not None,
@@ -66,6 +69,9 @@ def train(
         return _run(task, model_args, data_args, training_args, callbacks or [], resume)
     finally:
         release(lock)
+        if created and training_args.process_index == 0:
+            with contextlib.suppress(OSError):  # a start refused before writing anything leaves no empty folder
+                os.rmdir(training_args.output_dir)
 
 
 def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[str, Any]:
@@ -76,6 +82,10 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
         check_eval_images(raw)
     model = objective.build_model(task, model_args, labels)
     processor = processor_for(model_args, model.config, data_args.max_num_patches)
+    channels_from = (
+        "--num_channels" if model_args.num_channels else f"--model_name_or_path {model_args.model_name_or_path}"
+    )
+    check_image_channels(raw, processor, model.config.num_channels, channels_from)
     model = adapt(model, model_args, task, training_args.output_dir)
     ds = objective.transforms(raw, data_args, processor, model.config)
     trainer = build_trainer(objective, model, processor, ds, training_args, callbacks)

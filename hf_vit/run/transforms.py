@@ -402,3 +402,29 @@ def _pad_native(examples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, tor
         "pixel_attention_mask": torch.stack(masks),
         "spatial_shapes": torch.stack([example["spatial_shapes"].long() for example in examples]),
     }
+
+
+def check_image_channels(raw, processor: VisionTransformerImageProcessor, num_channels: int, source: str) -> None:
+    """Refuse, before training, a model whose channels (`num_channels`, from `source`: "--num_channels" or the
+    checkpoint's name) are not those of the data's images as the processor reads them (a 3-channel model converts
+    every image to RGB; others take the images' own channels). One image is decoded: the first of the validation
+    split (a stream's is not shuffled)."""
+    if processor.do_convert_rgb:
+        return
+    split = raw.get("validation") or raw["train"]
+    first = next(iter(split), None)
+    if first is None:
+        return
+    (pixels,) = load_images(decode_image(first["image"]), do_convert_rgb=False)
+    found = pixels.shape[0]
+    if found != num_channels:
+        names = {1: "grey (1 channel)", 2: "grey with alpha (2 channels)", 3: "RGB (3 channels)", 4: "4 channels"}
+        fix = (
+            f"Pass --num_channels {found}" + ("." if found == 3 else " (or 3, which converts every image to RGB).")
+            if source == "--num_channels"
+            else f"Start from a checkpoint of {found} channels (or 3), or convert the images."
+        )
+        raise ValueError(
+            f"{source} {num_channels}: the model takes {num_channels} channel(s), but the data set's images are "
+            f"{names.get(found, f'{found} channels')}. {fix}"
+        )
