@@ -19,8 +19,9 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
+# make train QUICK=1: a short version (a tenth of the training) into outputs/quick.
 train: setup
-	$(PY) scripts/main_job.py --output_dir outputs/main
+	$(PY) scripts/main_job.py $(if $(QUICK),--quick,--output_dir outputs/main)
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -8,7 +8,9 @@ r"""Every path of hf-vit on the GPU, one line per check: passed, failed, or skip
 Checks: each attention implementation that loads gives eager's logits within bf16 tolerance; gradient checkpointing
 gives the same gradients; `interpolate_pos_encoding` at a non-square size; the hybrid (ResNet stem) trains; masked
 patch prediction trains; attention capture matches `output_attentions`; ONNX export of a model trained on the device
-matches it in onnxruntime. On CUDA only (printed as skipped elsewhere, with the reason): `scripts/finetune.py --bf16
+matches it in onnxruntime; a padded native-aspect batch gives eager's logits in every attention implementation that
+loads (flash and flex attention included). On CUDA only (printed as skipped elsewhere, with the reason):
+`scripts/finetune.py --bf16
 --torch_compile` from a Hub id whose checkpoint is in an offline Hub cache; resuming after the run was killed; FSDP
 through `accelerate launch --config_file configs/accelerate/fsdp.yaml` on one GPU (the checkpoints are FSDP's
 sharded ones, the saved model is consolidated). `--trainer_on_cpu` runs the first two on CPU too (minutes).
@@ -321,6 +323,45 @@ def onnx_export_of_a_trained_model(smoke: Smoke) -> str:
 
 
 # ------------------------------------------------------------------------------------------- Trainer on the GPU
+
+
+@check()
+def native_aspect_batches(smoke: Smoke) -> str:
+    """A padded native-aspect batch (the processor's `max_num_patches`) gives eager's logits in every attention
+    implementation that loads (bf16): flash attention takes the padding mask, flex attention a block mask."""
+    config = smoke.config()
+    folder = smoke.scratch / "native_model"
+    smoke.classifier(config).save_pretrained(folder)
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(224, 224), (120, 400), (500, 90), (64, 64)] if smoke.cuda else [(40, 40), (20, 80), (90, 30)]
+    images = [
+        torch.randint(0, 256, (3, height, width), generator=generator, dtype=torch.uint8) for height, width in shapes
+    ]
+    processor = VisionTransformerImageProcessor(max_num_patches=config.num_patches, patch_size=config.patch_size)
+    inputs = {name: value.to(smoke.device) for name, value in processor(images, return_tensors="pt").items()}
+    if bool(inputs["pixel_attention_mask"].all()):
+        raise AssertionError("the batch has no padding: the check would not test the mask")
+    logits, skipped = {}, {}
+    for implementation in ATTENTION_IMPLEMENTATIONS:
+        try:
+            model = VisionTransformerForImageClassification.from_pretrained(
+                folder, attn_implementation=implementation, dtype=torch.bfloat16
+            )
+            with torch.no_grad():
+                logits[implementation] = model.to(smoke.device).eval()(**inputs).logits.float()
+        except Exception as error:  # noqa: BLE001 - an implementation that does not load or run here is skipped
+            if implementation in ("eager", "sdpa"):
+                raise
+            skipped[implementation] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    differences = {name: relative_difference(value, logits["eager"]) for name, value in logits.items()}
+    bad = {name: value for name, value in differences.items() if value > BF16_RELATIVE_TOLERANCE}
+    if bad:
+        raise AssertionError(f"native-batch logits differ from eager's beyond {BF16_RELATIVE_TOLERANCE}: {bad}")
+    smoke.details["native_aspect_batches"] = {"relative_difference": differences, "skipped": skipped}
+    shown = ", ".join(f"{name} {value:.1e}" for name, value in differences.items() if name != "eager")
+    return f"grids {inputs['spatial_shapes'].tolist()}, against eager: {shown}" + (
+        f"; did not load: {', '.join(skipped)}" if skipped else ""
+    )
 
 
 def hub_cache_with(smoke: Smoke, repo_id: str) -> Path:

@@ -19,6 +19,7 @@ from transformers import (
 from . import convert  # noqa: E402, F401
 from .model.configuration_vit import PRESETS, VisionTransformerConfig
 from .model.image_processing_vit import VisionTransformerImageProcessor
+from .model.loading import register_foreign_reader
 from .model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .model.modeling_vit import (
     VisionTransformerBackbone,
@@ -26,6 +27,10 @@ from .model.modeling_vit import (
     VisionTransformerModel,
     VisionTransformerPreTrainedModel,
 )
+from .run.lora import read_lora_folder
+
+# A LoRA run's folder (adapter + fine-tuning config) loads as its merged classifier.
+register_foreign_reader(read_lora_folder)
 
 __version__ = "0.1.0"
 

@@ -57,8 +57,9 @@ def make_resolution_variant(
     Returns `(model, processor)`; with `output_dir`, also writes the variant there with a model card (only if
     everything succeeded; see `hf_vit.outputs.output_folders.write_converted_folder` for what `overwrite` may
     replace). The card names `base_model` (a Hub id; default: the source folder's name, never a local path) and
-    `repo_id`. With `data_args` (`hf_vit.run.arguments.DataArguments`), the variant's test accuracy is measured with no
-    further training and goes into the card and `all_results.json`.
+    `repo_id`. With `data_args` (`hf_vit.run.arguments.DataArguments`), the variant's accuracy is measured with no
+    further training (on the test split, else validation, as a run reports) and goes into the card and
+    `all_results.json`.
     """
     folder = Path(source)
     if not (folder / "config.json").is_file():
@@ -85,10 +86,11 @@ def make_resolution_variant(
         return model, processor
     metrics = {}
     if data_args is not None:
-        from .run.evaluation import evaluate_model  # loads the data set libraries: imported only to measure
+        from .run.evaluation import measure_model  # loads the data set libraries: imported only to measure
 
-        metrics = {f"eval_{name}": value for name, value in evaluate_model(model, processor, data_args).items()}
-        metrics["eval_split"] = "test"
+        split, measured = measure_model(model, processor, data_args)  # test, else validation, as a run reports
+        metrics = {f"eval_{name}": value for name, value in measured.items()}
+        metrics["eval_split"] = split
     base_model = base_model or folder.expanduser().resolve().name
     (old_h, old_w), (rows, cols) = config.image_hw, grid
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import shutil
 import time
 from pathlib import Path
 
-from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
+import torch
+
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.analysis import write_analysis_figures
 from hf_vit.outputs.cards import write_model_card
 from hf_vit.run.arguments import parse_args
@@ -24,22 +27,76 @@ from hf_vit.run.training import train
 from hf_vit.variants import make_evaluated_variant
 
 ARCHITECTURE = "hidden_size=96,num_hidden_layers=4,num_attention_heads=3,intermediate_size=384"
+TRAIN_IMAGES = 1257  # the digits' training split
+# The stages' wall time over their training steps' compute, measured on 2 CPU cores (data, evaluation each epoch,
+# saving, the analysis figures): the estimate multiplies the steps' measured time by it.
+OVERHEAD = 1.6
+
+
+def step_seconds(image_size: int, batch: int, repeats: int = 3) -> float:
+    """Seconds of one training step (forward, backward, SGD update) of the main job's model on this machine now."""
+    config = VisionTransformerConfig(
+        image_size=image_size, patch_size=4, hidden_size=96, num_hidden_layers=4, num_attention_heads=3,
+        intermediate_size=384, num_labels=10, representation_size=96,
+    )  # fmt: skip
+    model = VisionTransformerForImageClassification(config).train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    pixels, labels = torch.randn(batch, 3, image_size, image_size), torch.randint(0, 10, (batch,))
+    times = []
+    for _ in range(repeats + 1):  # the first step warms up
+        started = time.perf_counter()
+        model(pixel_values=pixels, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - started)
+    return sorted(times[1:])[len(times[1:]) // 2]
+
+
+def estimate_minutes(args: argparse.Namespace) -> float:
+    """The main job's wall time on this machine, from its steps' measured time (and `OVERHEAD`)."""
+    stages = [
+        (16, 64, math.ceil(TRAIN_IMAGES / 64) * args.pretrain_epochs),
+        (24, 32, math.ceil(TRAIN_IMAGES / 32) * args.finetune_epochs),
+        (36, 32, args.variant_steps),
+    ]
+    return OVERHEAD * sum(step_seconds(size, batch) * steps for size, batch, steps in stages) / 60
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--output_dir", default="outputs/main")
-    parser.add_argument("--pretrain_dir", default="outputs/pretrain")
-    parser.add_argument("--pretrain_epochs", type=int, default=60)
-    parser.add_argument("--finetune_epochs", type=int, default=30)
-    parser.add_argument("--variant_steps", type=int, default=300)
+    parser.add_argument("--output_dir", default=None, help="default: outputs/main (outputs/quick with --quick)")
+    parser.add_argument("--pretrain_dir", default=None, help="default: outputs/pretrain (outputs/quick-pretrain)")
+    parser.add_argument("--pretrain_epochs", type=int, default=None, help="default: 60 (6 with --quick)")
+    parser.add_argument("--finetune_epochs", type=int, default=None, help="default: 30 (3 with --quick)")
+    parser.add_argument("--variant_steps", type=int, default=None, help="default: 300 (30 with --quick)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--quick", action="store_true", help="a short version (a tenth of the training) into outputs/quick*"
+    )
     args = parser.parse_args()
+    quick = args.quick
+    defaults = dict(
+        output_dir="outputs/quick" if quick else "outputs/main",
+        pretrain_dir="outputs/quick-pretrain" if quick else "outputs/pretrain",
+        pretrain_epochs=6 if quick else 60,
+        finetune_epochs=3 if quick else 30,
+        variant_steps=30 if quick else 300,
+    )
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     common = ["--seed", str(args.seed), "--dataset_name", "digits", "--per_device_eval_batch_size", "256"]
     common += ["--save_strategy", "no", "--crop_scale_min", "0.7", "--logging_steps", "20"]
     common += ["--overwrite_output_dir", "True"]  # the main job's own output folders, rewritten by every run
     common += ["--dataloader_num_workers", "0"]  # as measured for the README; the scripts default to workers
+    estimate = estimate_minutes(args)
+    print(
+        f"The main job{' (quick version)' if quick else ''}: about {estimate:.0f} minutes on this machine now "
+        f"({torch.get_num_threads()} threads; measured from a few training steps, so a loaded machine gives a "
+        "longer estimate). `make train QUICK=1` runs a short version.",
+        flush=True,
+    )
     started = time.perf_counter()
 
     print(f"[1/3] pretraining ViT (width 96, depth 4, patch 4) on digits at 16x16 for {args.pretrain_epochs} epochs")
@@ -61,6 +118,7 @@ def main() -> None:
     output = Path(args.output_dir)
     shutil.copy(Path(args.pretrain_dir) / "training_curves.png", output / "pretraining_curves.png")
     summary = {
+        "estimated_minutes": round(estimate, 2),
         "pretrain_test_accuracy_16x16": pretrained["eval_accuracy"],
         "finetune_test_accuracy_24x24": finetuned["eval_accuracy"],
         "pretrain_minutes": round(pretrain_minutes, 2),

@@ -7,7 +7,7 @@
 Every `transformers.TrainingArguments` flag works; see `--help`.
 """
 
-from hf_vit.run.training import main
+from hf_vit.commands import pretrain
 
 if __name__ == "__main__":
-    main("pretrain")
+    pretrain()

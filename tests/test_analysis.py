@@ -337,3 +337,57 @@ def test_all_layer_functions_work_on_the_base_model_in_bf16():
     x = pixels()
     assert rollout_maps(model, x, head_fusion="max", discard_ratio=0.5).dtype == torch.float32
     assert mean_attention_distances(model, x, layers=[-1]).shape == (1, 4)
+
+
+@pytest.fixture
+def saved_model(tmp_path):
+    from hf_vit import VisionTransformerImageProcessor
+
+    model_for(tiny_config(image_size=16, patch_size=4, num_labels=10)).save_pretrained(tmp_path / "model")
+    VisionTransformerImageProcessor(size=16, do_center_crop=False).save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def test_visualize_without_matplotlib_stops_before_the_analysis(saved_model, tmp_path, monkeypatch, capsys):
+    import hf_vit.commands.visualize as visualize
+
+    def analysis_ran(*args, **kwargs):
+        raise AssertionError("the analysis ran although its figures cannot be drawn")
+
+    monkeypatch.setattr(visualize, "write_analysis_figures", analysis_ran)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if hf-vit[plot] were not installed
+    code = visualize.main(["--model", str(saved_model), "--output", str(tmp_path / "figures"), "--num_images", "1"])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert (
+        code == 2
+        and len(errors) == 1
+        and 'matplotlib, which is not installed: pip install "hf-vit[plot]"' in (errors[0])
+    )
+    assert not (tmp_path / "figures").exists()
+
+
+@pytest.mark.parametrize(
+    "case, named",
+    [
+        ("missing model", r"^error: --model .*nowhere: not an hf-vit model folder"),
+        ("missing image", r"^error: --image .*absent\.png: no such file\.$"),
+        ("corrupt image", r"^error: --image .*broken\.png: cannot be read as an image"),
+        ("image size", r"^error: --image_size 18 16: the model's patches are 4x4; pass sizes divisible by 4\.$"),
+    ],
+)
+def test_visualize_bad_input_is_one_error_line(saved_model, tmp_path, capsys, case, named):
+    import re
+
+    from hf_vit.commands.visualize import main
+
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    args = {
+        "missing model": ["--model", str(tmp_path / "nowhere")],
+        "missing image": ["--model", str(saved_model), "--image", str(tmp_path / "absent.png")],
+        "corrupt image": ["--model", str(saved_model), "--image", str(tmp_path / "broken.png")],
+        "image size": ["--model", str(saved_model), "--image_size", "18", "16"],
+    }[case]
+    code = main([*args, "--output", str(tmp_path / "figures"), "--num_images", "1"])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(errors) == 1 and re.search(named, errors[0]), errors
+    assert not (tmp_path / "figures").exists()

@@ -299,3 +299,29 @@ def test_command_line(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert max_diff(model(x).logits, reference(x).logits) < 1e-5
+
+
+def test_a_grid_of_n_by_n_plus_2_patches_has_its_class_position_when_the_size_is_known(tmp_path):
+    # 4x6 patches + the class token = 25 positions, a square count: the size (given, or timm's input_size) says it
+    # is a class-token model at 32x48, not a 5x5 grid without a class position.
+    sd = random_timm(**SPECS["tiny"])
+    sd["pos_embed"] = torch.randn(1, 4 * 6 + 1, 32, generator=torch.Generator().manual_seed(2))
+    save_file(sd, tmp_path / "model.safetensors")
+    # nothing says the size: the square count alone reads as a 5x5 grid without a class position (no_embed_class)
+    guess = convert_timm_checkpoint(tmp_path / "model.safetensors", tmp_path / "guess", num_attention_heads=4)
+    assert guess.config.grid_size == (5, 5)
+    given = convert_timm_checkpoint(
+        tmp_path / "model.safetensors", tmp_path / "given", image_size=[32, 48], num_attention_heads=4
+    )
+    folder = tmp_path / "hub-folder"
+    folder.mkdir()
+    save_file(sd, folder / "model.safetensors")
+    timm_cfg = {"architecture": "vit_tiny_patch8", "num_classes": 5, "model_args": {"num_heads": 4}}
+    (folder / "config.json").write_text(json.dumps({**timm_cfg, "pretrained_cfg": {"input_size": [3, 32, 48]}}))
+    read = VisionTransformerForImageClassification.from_pretrained(folder)
+    reference = transformers_vit(sd, 4, [32, 48], 8)
+    x = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(1))
+    for model in (given, read):
+        assert model.config.image_hw == (32, 48) and model.config.grid_size == (4, 6)
+        with torch.no_grad():
+            assert max_diff(model(x).logits, reference(x).logits) < 1e-5

@@ -612,3 +612,16 @@ def test_multi_hot_refuses_class_ids_outside_the_classes():
         to_multi_hot(ds, 3)
     good = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"label": [[0], [2, 1]]}, features=features)})
     assert to_multi_hot(good, 3)["train"]["label"] == [[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_an_image_folder_of_one_class_is_refused_as_one_class(tmp_path, streaming):
+    from hf_vit.run.objectives import OBJECTIVES
+
+    (tmp_path / "images" / "cat").mkdir(parents=True)
+    for i in range(4):
+        PIL.Image.new("RGB", (8, 8), (60 * i, 0, 0)).save(tmp_path / "images" / "cat" / f"{i}.png")
+    ds = load_image_dataset(str(tmp_path / "images"), streaming=streaming, cache_dir=str(tmp_path / "cache"))
+    assert get_label_names(ds) == ["cat"]
+    with pytest.raises(ValueError, match=r"1 class\(es\) \(\['cat'\]\): classification needs at least two"):
+        OBJECTIVES["classification"].labels(ds, None)

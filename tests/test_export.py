@@ -100,3 +100,17 @@ def test_export_script_checks_its_sizes_before_writing(tmp_path):
         script + ["--output", str(tmp_path / "b.onnx"), "--check_sizes", "7", "9"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "multiples of the patch size 8" in bad.stderr and not (tmp_path / "b.onnx").exists()
+
+
+@pytest.mark.parametrize("missing", ["onnxscript", "onnxruntime"])
+def test_onnx_export_without_the_extra_is_one_error_line_before_any_work(tmp_path, monkeypatch, capsys, missing):
+    from hf_vit.commands.export import main
+
+    classifier().save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # saving's progress bar
+    monkeypatch.setitem(sys.modules, missing, None)  # as if hf-vit[export] were not installed
+    code = main(["--model", str(tmp_path / "model"), "--output", str(tmp_path / "vit.onnx")])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("error: --format onnx needs")
+    assert missing in errors[0] and 'pip install "hf-vit[export]"' in errors[0]
+    assert not (tmp_path / "vit.onnx").exists()

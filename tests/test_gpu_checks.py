@@ -22,6 +22,7 @@ CPU_CHECKS = [
     "masked_patch_prediction",
     "attention_capture",
     "onnx_export_of_a_trained_model",
+    "native_aspect_batches",
 ]
 CUDA_CHECKS = ["finetune_bf16_compiled_from_hub_id", "resume_after_a_kill", "fsdp_through_accelerate"]
 

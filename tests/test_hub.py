@@ -296,3 +296,34 @@ def test_a_lora_adapters_card_says_how_to_apply_it_to_its_base(tmp_path):
     assert card.data.library_name == "peft" and card.data.base_model == "google/vit-base-patch16-224"
     assert "load_lora_model(folder)" in card.text and 'snapshot_download("me/lora")' in card.text
     assert "trust_remote_code" not in card.text and 'pipeline("image-classification", model="me/lora"' not in card.text
+
+
+def test_a_masked_patch_prediction_models_card_says_what_it_is_and_its_code_runs(tmp_path):
+    import re
+
+    import torch
+    from PIL import Image
+
+    import hf_vit  # noqa: F401 - the Auto classes, as the card's code imports them
+    from hf_vit import VisionTransformerForMaskedPatchPrediction
+
+    model = VisionTransformerForMaskedPatchPrediction(tiny_config()).eval()
+    model.save_pretrained(tmp_path)
+    VisionTransformerImageProcessor(size=32).save_pretrained(tmp_path)
+    metrics = {"eval_mpp_accuracy": 0.25, "eval_split": "test", "eval_loss": 4.2}
+    write_model_card(tmp_path, model, metrics, task="pretrain", dataset_name="digits", repo_id="me/mpp")
+    card = ModelCard.load(tmp_path / "README.md")
+    data = card.data.to_dict()
+    assert data["pipeline_tag"] == "image-feature-extraction" and "image-classification" not in data["tags"]
+    assert "masked-patch-prediction" in data["tags"] and not card.data.eval_results  # no classification task
+    assert "Classes:" not in card.text and "LABEL_0" not in card.text and "no classes" in card.text
+    assert "| test | mpp_accuracy | 0.2500 |" in card.text
+    assert "hf-vit-finetune --model_name_or_path me/mpp" in card.text and "pipeline(" not in card.text
+    # the card's Python block runs as written, on this folder for "me/mpp", and gives the encoder's features
+    code = re.search(r"```python\n(.*?)```", card.text, re.S).group(1).replace('"me/mpp"', repr(str(tmp_path)))
+    image = Image.new("RGB", (40, 30), (200, 30, 60))
+    scope = {"image": image}
+    exec(code, scope)
+    pixels = VisionTransformerImageProcessor.from_pretrained(tmp_path)(image, return_tensors="pt").pixel_values
+    with torch.no_grad():
+        torch.testing.assert_close(scope["features"], model.vit(pixels).last_hidden_state)

@@ -123,7 +123,7 @@ def test_the_output_folder_is_never_written_through_a_link(tmp_path):
     with pytest.raises(FileExistsError, match="README.md is a symlink"):
         train("pretrain", *parse_args("pretrain", flags + ["--overwrite_output_dir", "True"]))
     assert {p.read_text() for p in elsewhere.iterdir()} == {"the user's own file"}
-    with pytest.raises(FileExistsError):
+    with pytest.raises(ValueError, match="holds no complete checkpoint-N folder"):  # nothing to resume: refused
         train("pretrain", *parse_args("pretrain", flags + ["--resume_from_checkpoint", "True"]))
     assert {p.read_text() for p in elsewhere.iterdir()} == {"the user's own file"}
 

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 from test_training import QUIET, pretrained_folder
 
+from hf_vit.outputs.files import LOCAL_BASE_FILE
 from hf_vit.run.arguments import parse_args
 from hf_vit.run.lora import apply_lora, load_lora_model
 from hf_vit.run.model_setup import load_checkpoint as load_for_finetuning
@@ -34,10 +35,13 @@ def test_a_lora_run_saves_an_adapter_that_merges_into_the_base(tmp_path):
     adapter = load_file(out / "adapter_model.safetensors")
     assert any("lora_B" in key and value.abs().max() > 0 for key, value in adapter.items())  # it was trained
     assert any("classifier" in key for key in adapter)  # the new head is saved with it, in full
-    # a local base is named by its plain name: no path of this machine in the adapter's files
+    # a local base is named by its plain name: no path of this machine in the adapter's files, only in the file
+    # that records where the base is on this machine (which no push carries)
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == source.name
+    local = json.loads((out / LOCAL_BASE_FILE).read_text())
+    assert local == {"base_model_name_or_path": str(source.resolve())}
     for path in out.iterdir():
-        if path.is_file() and path.suffix in (".json", ".md", ".txt"):
+        if path.is_file() and path.suffix in (".json", ".md", ".txt") and path.name != LOCAL_BASE_FILE:
             assert str(tmp_path) not in path.read_text(), path.name
     card = (out / "README.md").read_text()
     assert f"base_model: {source.name}" not in card  # a local folder: named in the text, not the Hub metadata
@@ -46,13 +50,16 @@ def test_a_lora_run_saves_an_adapter_that_merges_into_the_base(tmp_path):
     id2label = {i: str(i) for i in range(10)}
     x = torch.randn(4, 3, 8, 8)
     adapted = PeftModel.from_pretrained(load_for_finetuning(str(source), id2label, image_size=8), out).eval()
-    with pytest.raises(OSError, match="base=<that folder>"):
-        load_lora_model(out)  # named "pre" only: where it is, the caller says
-    merged = load_lora_model(out, base=source)
+    merged = load_lora_model(out)  # on the machine that trained it, the base is found where it was
     base = load_for_finetuning(str(source), id2label, image_size=8).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(x).logits, adapted(x).logits, atol=1e-5, rtol=1e-5)
         assert (merged(x).logits - base(x).logits).abs().max() > 1e-3
+    moved = source.rename(tmp_path / "moved")
+    with pytest.raises(OSError, match="base=<that folder>"):
+        load_lora_model(out)  # named "pre" only, and no longer where it was: where it is, the caller says
+    with torch.no_grad():
+        torch.testing.assert_close(load_lora_model(out, base=moved)(x).logits, adapted(x).logits)
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0
 
 
@@ -151,3 +158,67 @@ def test_lora_on_a_hub_id_in_transformers_layout_names_the_hub_id(tmp_path, monk
     merged = load_lora_model(out)
     assert merged.config.num_labels == 10
     assert "the Hub model `google/vit-tiny-test`" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "flags, missing, named",
+    [
+        (["--lora_target_modules", "qvk"], None, "--lora_target_modules qvk: not a layer LoRA can adapt"),
+        ([], "peft", 'needs peft, which is not installed: pip install "hf-vit[lora]"'),
+    ],
+)
+def test_a_refused_lora_start_writes_nothing_and_the_corrected_command_runs(
+    tmp_path, monkeypatch, capsys, flags, missing, named
+):
+    import sys
+
+    from hf_vit.run.training import main
+
+    source = pretrained_folder(tmp_path / "pre")
+    out = tmp_path / "lora"
+    args = ["--model_name_or_path", str(source), "--output_dir", str(out), "--image_size", "8", "--max_steps", "1"]
+    args += ["--per_device_train_batch_size", "8", "--eval_strategy", "no", "--save_strategy", "no"]
+    args += ["--max_train_samples", "8", "--lora_rank", "2", *QUIET]
+    with monkeypatch.context() as patch:
+        if missing:
+            patch.setitem(sys.modules, missing, None)  # as if the extra were not installed
+        with pytest.raises(SystemExit) as stopped:
+            main("finetune", args + flags)
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and errors[-1].startswith("error: ") and named in errors[-1]
+    assert "Traceback" not in "\n".join(errors)
+    assert not out.exists()  # nothing written: the corrected command is not refused as "not empty"
+    main("finetune", args)
+    assert (out / "adapter_model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+def test_a_lora_runs_folder_loads_with_from_pretrained_and_pipeline_and_pushes_no_local_path(tmp_path, hub):
+    from PIL import Image
+    from transformers import AutoModelForImageClassification, pipeline
+
+    import hf_vit  # noqa: F401  (registers the classes and the LoRA folder reader)
+    from hf_vit.outputs.push import push_folder_to_hub
+
+    source, out, _ = lora_run(tmp_path)
+    merged = load_lora_model(out, base=source)
+    x = torch.randn(2, 3, 8, 8)
+    auto = AutoModelForImageClassification.from_pretrained(out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(auto(x).logits, merged(x).logits)
+    image = Image.fromarray((torch.rand(8, 8, 3) * 255).byte().numpy())
+    answers = pipeline("image-classification", model=str(out), trust_remote_code=False)(image, top_k=3)
+    from hf_vit import VisionTransformerImageProcessor
+
+    pixels = VisionTransformerImageProcessor.from_pretrained(out)(image, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        expected = merged(pixels).logits.softmax(-1)[0].topk(3)
+    assert [a["label"] for a in answers] == [merged.config.id2label[int(i)] for i in expected.indices]
+    torch.testing.assert_close(torch.tensor([a["score"] for a in answers]), expected.values, atol=1e-5, rtol=1e-5)
+
+    push_folder_to_hub(out, "alice/lora-digits")
+    sent = hub["files"]
+    assert LOCAL_BASE_FILE not in sent and "adapter_config.json" in sent
+    assert json.loads(sent["adapter_config.json"])["base_model_name_or_path"] == source.name
+    for name, data in sent.items():
+        if name.endswith((".json", ".md", ".txt", ".py")):
+            assert str(tmp_path).encode() not in data, name

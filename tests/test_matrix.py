@@ -399,3 +399,51 @@ def test_killed_lora_run_resumes_to_the_same_weights(world, processes, tmp_path)
     straight, resumed = load_file(tmp_path / "straight" / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
     assert straight.keys() == resumed.keys() and any("lora_" in k for k in straight)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A row with pushes: a LoRA run pushing at every checkpoint, recorded at HfApi's write calls (never the network)
+
+
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
+def test_lora_run_pushes_its_checkpoints_and_final_model(world, strategy, hub, tmp_path):
+    from hf_vit.outputs.push import find_local_path
+    from hf_vit.run.lora import load_lora_model
+
+    combination = Combination("folder", "qkv", "single", "memory")
+    out = tmp_path / "run"
+    task, flags = run_flags(world, combination, out)
+    flags[flags.index("--save_strategy") + 1] = "steps"
+    flags[flags.index("--max_steps") + 1] = "2"
+    flags += ["--save_steps", "1", "--eval_strategy", "no", "--dataloader_num_workers", "0"]
+    flags += ["--push_to_hub", "True", "--hub_model_id", "me/lora", "--hub_strategy", strategy]
+    train(task, *parse_args(task, flags))
+
+    adapter = {"adapter_model.safetensors", "adapter_config.json"}
+    allowed = set(upload_file_names()) | adapter
+    assert len(hub.commits) == 3 and "final model" in hub.commits[-1].message  # two checkpoints, then the end
+    for commit in hub.commits[:2]:
+        root = {name for name in commit.files if "/" not in name}
+        assert adapter | {"config.json", "preprocessor_config.json"} <= root <= allowed - {"README.md"}, root
+        nested = {name for name in commit.files if "/" in name}
+        if strategy == "checkpoint":
+            resume = {"optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"}
+            assert {name.removeprefix("last-checkpoint/") for name in nested} == root | resume
+        else:
+            assert not nested
+    final = hub.commits[-1].files
+    assert adapter | {"config.json", "README.md", "all_results.json"} <= set(final) <= allowed
+    for commit in hub.commits:
+        for name, data in commit.files.items():
+            assert "training_args.bin" not in name
+            if not name.endswith(BINARY):
+                text = data.decode()
+                assert find_local_path(text) is None and str(tmp_path) not in text, name
+    # what was pushed of the last checkpoint is a LoRA checkpoint on its own: the run's model, from its base
+    pushed = tmp_path / "pushed"
+    pushed.mkdir()
+    for name, data in hub.commits[1].files.items():
+        if "/" not in name:
+            (pushed / name).write_bytes(data)
+    model = load_lora_model(pushed, base=world.sources["folder"])
+    assert model.config.id2label == VisionTransformerConfig.from_pretrained(out).id2label

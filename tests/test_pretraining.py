@@ -62,3 +62,21 @@ def test_flags_changing_a_checkpoints_weights_are_refused_naming_them(tmp_path, 
 def test_overrides_equal_to_the_checkpoints_fields_are_accepted(tmp_path, classifier):
     pretrain(tmp_path, classifier, "--objective", "mpp", "--patch_size", "4", "--config_overrides", TINY)
     assert VisionTransformerForMaskedPatchPrediction.from_pretrained(tmp_path / "out").config.patch_size == 4
+
+
+def test_continuing_on_other_classes_gives_a_new_head_and_says_so(tmp_path, classifier, caplog):
+    from test_training import labelled_dataset
+
+    data = labelled_dataset(tmp_path / "data", ["ant", "bee", "cow"], {"train": [0, 1, 2] * 4, "validation": [0, 1]})
+    with caplog.at_level("INFO", logger="hf_vit.run"):
+        pretrain(tmp_path, classifier, "--dataset_name", str(data), "--learning_rate", "0")  # the digits' 10 before
+    assert "whose head has 10 classes, on a data set of 3: its head (pre-logits and classifier) is replaced" in (
+        caplog.text
+    )
+    model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "out").eval()
+    source = VisionTransformerForImageClassification.from_pretrained(classifier).eval()
+    assert model.config.id2label == {0: "ant", 1: "bee", 2: "cow"} and model.classifier.out_features == 3
+    assert model.config.representation_size == source.config.representation_size == 32
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # learning rate 0: the encoder is the checkpoint's
+        torch.testing.assert_close(model.vit(x).last_hidden_state, source.vit(x).last_hidden_state)

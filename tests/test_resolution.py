@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import tiny_config
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.model.resolution import grid_for, resample_position_embeddings
+from hf_vit.model.resolution import grid_for, resample_patch_embedding, resample_position_embeddings
 from hf_vit.variants import make_resolution_variant
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +71,90 @@ def test_set_input_size_changes_the_model_in_place(folder):
         model.set_input_size(60)
     with pytest.raises(ValueError, match="at most 65536 patch positions"):
         grid_for(100000, 16)
+
+
+def resize_patches(images, old, new, mode="bicubic"):
+    """Each old x old patch of `images` resized on its own to new x new (F.interpolate, antialiased), reassembled."""
+    batch, channels, height, width = images.shape
+    rows, cols = height // old, width // old
+    patches = images.reshape(batch, channels, rows, old, cols, old).permute(0, 2, 4, 1, 3, 5)
+    patches = patches.reshape(-1, channels, old, old).double()
+    resized = F.interpolate(patches, size=(new, new), mode=mode, antialias=True, align_corners=False)
+    resized = resized.reshape(batch, rows, cols, channels, new, new).permute(0, 3, 1, 4, 2, 5)
+    return resized.reshape(batch, channels, rows * new, cols * new).to(images.dtype)
+
+
+@pytest.mark.parametrize(("old", "new", "mode"), [(4, 8, "bicubic"), (3, 7, "bilinear"), (8, 12, "bicubic")])
+def test_resampled_patch_embedding_is_the_pseudo_inverse_of_the_resize(old, new, mode):
+    # <x, w> = <resize(x), resample(w)> for every patch x and kernel w when the patch grows (FlexiViT's property)
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(6, 3, old, old, generator=generator, dtype=torch.float64)
+    patches = torch.randn(10, 3, old, old, generator=generator, dtype=torch.float64)
+    resampled = resample_patch_embedding(weight, new, interpolation=mode)
+    assert resampled.shape == (6, 3, new, new) and resampled.dtype == weight.dtype
+    resized = resize_patches(patches, old, new, mode)
+    before = torch.einsum("nchw,dchw->nd", patches, weight)
+    after = torch.einsum("nchw,dchw->nd", resized, resampled)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=0)
+    assert before.abs().max() > 1
+    # in float32 too, and the same size is the weight itself
+    single = resample_patch_embedding(weight.float(), new, interpolation=mode)
+    assert single.dtype == torch.float32
+    torch.testing.assert_close(single.double(), resampled, atol=1e-4, rtol=0)
+    assert resample_patch_embedding(weight, old) is weight
+
+
+def test_a_shrunk_patch_embedding_is_the_least_squares_fit():
+    # Shrinking cannot keep every product; the pseudo-inverse gives the kernel whose products with resized patches are
+    # closest to the original ones over all patches: any other kernel does worse.
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(2, 1, 6, 6, generator=generator, dtype=torch.float64)
+    resampled = resample_patch_embedding(weight, 4)
+    basis = torch.eye(36, dtype=torch.float64).reshape(36, 1, 6, 6)
+    resized = F.interpolate(basis, size=(4, 4), mode="bicubic", antialias=True, align_corners=False).reshape(36, 16)
+    solution = torch.linalg.lstsq(resized, weight.reshape(2, 36).T).solution.T  # min ||R^T w' - w||
+    torch.testing.assert_close(resampled.reshape(2, 16), solution, atol=1e-8, rtol=0)
+    with pytest.raises(ValueError, match="interpolation"):
+        resample_patch_embedding(weight, 4, interpolation="nearest")
+
+
+def test_set_input_size_changes_the_patch_size(folder, tmp_path):
+    path, model = folder
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        before = model(x).logits
+        # patch 8 -> 16 at twice the size: the same 4x4 grid, each patch resized up: the same logits
+        model.set_input_size(64, patch_size=16)
+        assert model.config.patch_size == 16 and model.config.image_size == 64 and model.config.grid_size == (4, 4)
+        assert model.vit.embeddings.patch_embedding.weight.shape == (32, 3, 16, 16)
+        assert model.vit.embeddings.patch_embedding.stride == (16, 16)
+        torch.testing.assert_close(model(resize_patches(x, 8, 16)).logits, before, atol=1e-4, rtol=0)
+        # the patch size alone: the image size stays, the grid follows
+        model.set_input_size(patch_size=8)
+        assert model.config.image_size == 64 and model.config.grid_size == (8, 8)
+        assert model(torch.randn(1, 3, 64, 64)).logits.shape == (1, 5)
+        model.save_pretrained(tmp_path / "patch8")
+        reloaded = VisionTransformerForImageClassification.from_pretrained(tmp_path / "patch8").eval()
+        assert reloaded.config.patch_size == 8 and reloaded.config.grid_size == (8, 8)
+        y = torch.randn(2, 3, 64, 64)
+        torch.testing.assert_close(reloaded(y).logits, model(y).logits, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="not divisible by the patch size 12"):
+        model.set_input_size(patch_size=12)
+    assert model.config.patch_size == 8 and model.vit.embeddings.patch_embedding.weight.shape[-1] == 8  # unchanged
+    with pytest.raises(ValueError, match="patch_size"):
+        model.set_input_size(patch_size=0)
+
+
+def test_from_pretrained_at_another_patch_size(folder):
+    path, model = folder
+    loaded = VisionTransformerForImageClassification.from_pretrained(path, patch_size=16, image_size=64).eval()
+    assert loaded.config.patch_size == 16 and loaded.config.grid_size == (4, 4)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(resize_patches(x, 8, 16)).logits, model(x).logits, atol=1e-4, rtol=0)
+    only_patch = VisionTransformerForImageClassification.from_pretrained(path, patch_size=4)
+    assert only_patch.config.image_size == 32 and only_patch.config.grid_size == (8, 8)
+    assert only_patch.vit.embeddings.patch_embedding.weight.shape == (32, 3, 4, 4)
 
 
 def test_reset_classifier_gives_the_papers_fine_tuning_head(folder):

@@ -1,7 +1,9 @@
 """Pretraining and fine-tuning with Trainer: recipes, the fine-tuning hand-over, resumption and distribution."""
 
+import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -474,13 +476,123 @@ def test_resuming_a_weights_only_checkpoint_is_refused(tmp_path):
 def test_a_checkpoint_that_cannot_be_written_names_the_folder_and_free_space(tmp_path, monkeypatch):
     import transformers.trainer
 
-    def disk_full(*args, **kwargs):
+    def stream_error(*args, **kwargs):
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0: iostream error")
 
-    monkeypatch.setattr(transformers.trainer.torch, "save", disk_full)
+    monkeypatch.setattr(transformers.trainer.torch, "save", stream_error)
     out = tmp_path / "out"
-    with pytest.raises(OSError, match=r"Writing the checkpoint 1 in .*out failed .*GiB free there. Is the disk full"):
+    with pytest.raises(
+        OSError, match=r"Writing the checkpoint 1 in .*out failed: .*iostream error \(.*GiB free there"
+    ):
         train("pretrain", *tiny_pretrain(out, "--save_strategy", "steps", "--save_steps", "1"))
+
+
+@pytest.mark.parametrize(
+    "code, cause",
+    [
+        (errno.EFBIG, r"a file is larger than this file system"),
+        (errno.ENOSPC, r"the disk is full: \d+\.\d GiB free there\)\. Free space"),
+        (errno.EACCES, r"permission denied\)\. Fix that"),
+    ],
+)
+def test_a_failed_checkpoint_write_names_its_cause_once(tmp_path, monkeypatch, code, cause):
+    import transformers.trainer
+
+    def failing_write(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(transformers.trainer.torch, "save", failing_write)
+    with pytest.raises(OSError) as error:
+        train("pretrain", *tiny_pretrain(tmp_path / "out", "--save_strategy", "steps", "--save_steps", "1"))
+    message = str(error.value)
+    assert re.search(cause, message), message
+    assert message.count("Writing the") == 1 and message.count("--resume_from_checkpoint") == 1
+    assert ("disk is full" in message) == (code == errno.ENOSPC) and "Is the disk full" not in message
+    assert error.value.errno == code
+
+
+def test_resuming_a_folder_without_checkpoints_says_there_is_none(tmp_path):
+    from hf_vit.run.checkpoints import resolve_resume
+
+    out = tmp_path / "out"
+    _, _, args = tiny_pretrain(out, "--resume_from_checkpoint", "True")
+    assert resolve_resume(args) is None  # no folder yet: a first run, started with the flag it will resume with
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"")  # a finished run's folder, no checkpoint-N
+    with pytest.raises(ValueError) as error:
+        resolve_resume(args)
+    message = str(error.value)
+    assert f"{out} holds no complete checkpoint-N folder" in message and "model.safetensors" in message
+    assert "--overwrite_output_dir True" in message and "Pass --resume_from_checkpoint True" not in message
+
+
+def test_config_overrides_take_lists_and_json_values():
+    from hf_vit.run.model_setup import parse_config_overrides
+
+    parsed = parse_config_overrides('resnet_layers=[1,1],hidden_size=32, hidden_act=gelu,image_size=[16, 24],x="a,b"')
+    assert parsed == {
+        "resnet_layers": [1, 1],
+        "hidden_size": 32,
+        "hidden_act": "gelu",
+        "image_size": [16, 24],
+        "x": "a,b",
+    }
+    with pytest.raises(ValueError, match="unclosed bracket"):
+        parse_config_overrides("resnet_layers=[1,1")
+    with pytest.raises(ValueError, match=r"resnet_layers=\[1,,1\] is not a valid JSON value"):
+        parse_config_overrides("resnet_layers=[1,,1]")
+
+
+def test_a_hybrid_from_scratch_takes_its_resnet_layers_from_the_overrides(tmp_path):
+    from hf_vit.run.model_setup import config_from_preset
+
+    model_args, _, _ = parse_args(
+        "pretrain",
+        ["--output_dir", str(tmp_path), "--preset", "r50-vit-base-patch16-224", "--image_size", "32", "--patch_size",
+         "8", "--config_overrides", f"{TINY},resnet_layers=[1,1],resnet_width=32"],
+    )  # fmt: skip
+    config = config_from_preset(model_args)
+    assert config.resnet_layers == [1, 1] and config.hidden_size == 32 and config.grid_size == (4, 4)
+    VisionTransformerForImageClassification(config)(torch.randn(1, 3, 32, 32))  # the stem of two stages runs
+
+
+def test_a_timm_checkpoint_of_unusual_width_takes_the_heads_of_the_overrides(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    from test_sources import hf_vit_source, hub_repo, timm_repo
+
+    from hf_vit.run.arguments import ModelArguments
+    from hf_vit.run.model_setup import build_classifier, processor_for
+    from hf_vit.run.objectives import Labels
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    source = hf_vit_source(num_labels=4)  # width 32, 2 heads
+    folder = hub_repo(tmp_path / "hub", "timm/vit_narrow.test")
+    timm_repo(folder, source)
+    config = json.loads((folder / "config.json").read_text())
+    del config["model_args"]  # nothing says the heads of a width-32 model
+    (folder / "config.json").write_text(json.dumps(config))
+    labels = Labels({0: "a", 1: "b"}, "single_label_classification")
+    model_args = ModelArguments(model_name_or_path="timm/vit_narrow.test")
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        build_classifier("finetune", model_args, labels)
+    model_args.config_overrides = "num_attention_heads=2"
+    model = build_classifier("finetune", model_args, labels).eval()
+    assert model.config.num_attention_heads == 2
+    # the run's processor is the checkpoint's (timm's normalisation), whatever its heads
+    assert processor_for(model_args, model.config).image_mean == pytest.approx([0.485, 0.456, 0.406])
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model.vit(x).last_hidden_state, source.vit(x).last_hidden_state)
+
+
+def test_a_number_of_channels_the_images_do_not_have_is_refused_before_training(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError) as error:
+        train("pretrain", *tiny_pretrain(out, "--num_channels", "2"))  # digits: grey images
+    message = str(error.value)
+    assert message.startswith("--num_channels 2:") and "grey (1 channel)" in message
+    assert "Pass --num_channels 1" in message
+    assert not out.exists()  # refused before anything was written
 
 
 def multi_label_dataset(path):

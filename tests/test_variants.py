@@ -73,3 +73,46 @@ def test_uploaded_variant_loads_offline_without_hf_vit(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     torch.testing.assert_close(torch.load(tmp_path / "out.pt"), expected)
     assert json.loads((tmp_path / "up" / "all_results.json").read_text())["eval_split"] == "test"
+
+
+def test_a_variant_is_measured_on_the_validation_split_of_data_without_a_test_split(tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    from hf_vit import VisionTransformerConfig
+    from hf_vit.commands.resize import main
+    from hf_vit.run.arguments import DataArguments
+    from hf_vit.run.datasets import load_datasets
+
+    rng = np.random.default_rng(0)
+    for name, colour in (("dark", 40), ("light", 210)):
+        (tmp_path / "shapes" / name).mkdir(parents=True)
+        for i in range(10):
+            pixels = np.clip(rng.normal(colour, 30, (10, 10, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels).save(tmp_path / "shapes" / name / f"{i}.png")
+    config = VisionTransformerConfig(
+        image_size=8,
+        patch_size=4,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+        zero_init_head=False,
+    )
+    torch.manual_seed(0)
+    VisionTransformerForImageClassification(config).save_pretrained(tmp_path / "model")
+    VisionTransformerImageProcessor(size=8).save_pretrained(tmp_path / "model")
+    args = ["--model", str(tmp_path / "model"), "--image_size", "12", "--output", str(tmp_path / "variant")]
+    assert main(args + ["--dataset_name", str(tmp_path / "shapes")]) == 0
+    results = json.loads((tmp_path / "variant" / "all_results.json").read_text())
+    assert results["eval_split"] == "validation"
+    assert "validation accuracy on" in capsys.readouterr().out
+    # the part of train a run holds out, measured here with the variant and its processor
+    validation = load_datasets(DataArguments(dataset_name=str(tmp_path / "shapes")), seed=0)["validation"]
+    variant = VisionTransformerForImageClassification.from_pretrained(tmp_path / "variant").eval()
+    processor = VisionTransformerImageProcessor.from_pretrained(tmp_path / "variant")
+    with torch.no_grad():
+        logits = variant(processor(list(validation["image"]), return_tensors="pt").pixel_values).logits
+    expected = (logits.argmax(-1) == torch.tensor(validation["label"])).float().mean().item()
+    assert len(validation) == 2 and results["eval_accuracy"] == expected

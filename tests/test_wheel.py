@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("hf-vit-pretrain", "hf-vit-finetune", "hf-vit-convert", "hf-vit-resize", "hf-vit-export")
-COMMANDS += ("hf-vit-visualize", "hf-vit-push")
+COMMANDS += ("hf-vit-visualize", "hf-vit-push", "hf-vit-evaluate", "hf-vit-predict")
 TINY = "hidden_size=16,num_hidden_layers=1,num_attention_heads=2,intermediate_size=32"
 
 

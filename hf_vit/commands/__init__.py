@@ -2,6 +2,7 @@
 in the repository's `scripts/` folder are thin wrappers over the same functions.
 
     hf-vit-pretrain, hf-vit-finetune   training (every TrainingArguments flag; torchrun, accelerate launch)
+    hf-vit-evaluate, hf-vit-predict    a saved model's metrics on a split; its top classes for image files
     hf-vit-convert                     foreign checkpoints (.npz, timm, transformers) to hf-vit folders
     hf-vit-resize                      resolution variants (position embeddings resampled)
     hf-vit-export                      ONNX / torch.export
@@ -14,15 +15,20 @@ from __future__ import annotations
 
 def pretrain() -> int:
     """`hf-vit-pretrain`: the paper's pretraining recipe (see `hf_vit.run.training.main`)."""
-    from ..run.training import main
-
-    main("pretrain")
-    return 0
+    return _train("pretrain")
 
 
 def finetune() -> int:
     """`hf-vit-finetune`: the paper's fine-tuning recipe (see `hf_vit.run.training.main`)."""
+    return _train("finetune")
+
+
+def _train(task: str) -> int:
+    """The flags first (`--help` and a bad flag answer at once), then the run's imports (datasets, Trainer...)."""
+    from ..run.arguments import parse_args_or_exit
+
+    parsed = parse_args_or_exit(task)
     from ..run.training import main
 
-    main("finetune")
+    main(task, parsed=parsed)
     return 0

@@ -34,6 +34,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.check_sizes is not None and len(args.check_sizes) % 2:
         parser.error("--check_sizes takes pairs: H W [H W ...]")
+    if args.format == "onnx":  # torch.onnx imports onnxscript deep inside the export: checked before any work
+        import importlib
+
+        missing = []
+        for name in ("onnx", "onnxscript", "onnxruntime"):
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                missing.append(name)
+        if missing:
+            print(
+                f'error: --format onnx needs {", ".join(missing)}, not installed: pip install "hf-vit[export]" '
+                "(or --format torch_export, which needs nothing more).",
+                file=sys.stderr,
+            )
+            return 2
     if Path(args.output).exists() and not args.overwrite:
         print(
             f"error: {args.output} exists; choose another --output or pass --overwrite to replace it.", file=sys.stderr

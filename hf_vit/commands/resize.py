@@ -6,8 +6,9 @@ processor set to the new size, so it runs there without `interpolate_pos_encodin
         --push_to_hub --hub_model_id my-org/vit-384x512 --base_model my-org/vit-224 --dataset_name digits
 
 The variant carries a model card naming its base model (--base_model, a Hub id; default: the folder's name) and what
-was changed; with --dataset_name its test accuracy is measured (no training) and reported in the card and in
-all_results.json. --overwrite replaces only a folder hf-vit wrote (see scripts/convert_checkpoint.py).
+was changed; with --dataset_name its accuracy is measured (no training) on the test split, else the validation split
+(the source's, or the part of train a run holds out), and reported in the card and in all_results.json. --overwrite
+replaces only a folder hf-vit wrote (see scripts/convert_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interpolation", default="bicubic", choices=MODES)
     parser.add_argument("--overwrite", action="store_true", help="replace an output folder hf-vit wrote")
     parser.add_argument("--base_model", default=None, help="Hub id of --model, named in the card")
-    parser.add_argument("--dataset_name", default=None, help="measure test accuracy on this data set (e.g. digits)")
+    parser.add_argument(
+        "--dataset_name",
+        default=None,
+        help="measure accuracy on this data set (e.g. digits): test split, else validation",
+    )
     parser.add_argument("--push_to_hub", action="store_true", help="push the variant to the Hub")
     parser.add_argument("--hub_model_id", help="<user or org>/<name> to push to")
     parser.add_argument("--hub_private_repo", action="store_true")
@@ -59,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {output}: {type(model).__name__} at {height}x{width}")
     if data_args is not None:
         metrics = json.loads((output / "all_results.json").read_text())
-        print(f"test accuracy on {args.dataset_name} as interpolated: {metrics.get('eval_accuracy')}")
+        split = metrics.get("eval_split", "test")
+        print(f"{split} accuracy on {args.dataset_name} as interpolated: {metrics.get('eval_accuracy')}")
     if args.push_to_hub:
         try:
             url = push_folder_to_hub(output, args.hub_model_id, private=args.hub_private_repo, token=args.hub_token)

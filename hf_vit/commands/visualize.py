@@ -40,9 +40,19 @@ class VisualizeArguments:
 
 
 def load_inputs(args: VisualizeArguments) -> tuple[list, list[str]]:
-    """The images to analyse and their captions."""
+    """The images to analyse (decoded now, so a missing or corrupt file is named before any work) and captions."""
     if args.image:
-        return list(args.image), [Path(name).name for name in args.image]
+        from hf_vit.model.image_processing_vit import open_image
+
+        images = []
+        for name in args.image:
+            try:
+                images.append(open_image(name))
+            except FileNotFoundError as error:
+                raise FileNotFoundError(f"--image {name}: no such file.") from error
+            except (OSError, ValueError) as error:
+                raise ValueError(f"--image {name}: cannot be read as an image ({error}).") from error
+        return images, [Path(name).name for name in args.image]
     from hf_vit.run.datasets import load_digits_dataset
 
     test = load_digits_dataset()["test"]
@@ -60,14 +70,48 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_images < 1:
         parser.error("--num_images must be at least 1")
 
+    import sys
+
+    try:
+        import matplotlib  # noqa: F401 - the figures need it: checked before the analysis runs
+    except ImportError:
+        print('error: hf-vit-visualize draws with matplotlib, which is not installed: pip install "hf-vit[plot]" '
+              "(or: pip install matplotlib).", file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        written = _visualize(args)
+    except (OSError, ValueError) as error:  # a missing model or image, a corrupt image, a size the patch cannot tile
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(written)} figures to {args.output}: " + ", ".join(path.name for path in written[:4]))
+    return 0
+
+
+def _visualize(args: VisualizeArguments) -> list[Path]:
+    from hf_vit import VisionTransformerConfig
+
+    try:
+        config = VisionTransformerConfig.from_pretrained(args.model)
+        processor = VisionTransformerImageProcessor.from_pretrained(args.model)
+    except OSError as error:
+        raise OSError(
+            f"--model {args.model}: not an hf-vit model folder (or Hub id) with config.json and "
+            f"preprocessor_config.json ({str(error).splitlines()[0]})"
+        ) from error
+    if args.image_size is not None:
+        height, width = (args.image_size * 2)[:2]
+        if height % config.patch_size or width % config.patch_size:
+            raise ValueError(
+                f"--image_size {' '.join(map(str, args.image_size))}: the model's patches are {config.patch_size}x"
+                f"{config.patch_size}; pass sizes divisible by {config.patch_size}."
+            )
+    images, captions = load_inputs(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # The classification class loads encoder-only folders too (only a head may be missing), without a load report.
     model = VisionTransformerForImageClassification.from_pretrained(args.model).eval().to(device)
     if args.bf16:
         model = model.to(torch.bfloat16)
-    processor = VisionTransformerImageProcessor.from_pretrained(args.model)
-    images, captions = load_inputs(args)
-    written = write_analysis_figures(
+    return write_analysis_figures(
         model,
         processor,
         images,
@@ -80,5 +124,3 @@ def main(argv: list[str] | None = None) -> int:
         batch_size=args.batch_size,
         name=Path(args.model).name,
     )
-    print(f"wrote {len(written)} figures to {args.output}: " + ", ".join(path.name for path in written[:4]))
-    return 0

@@ -166,8 +166,8 @@ class Layout:
         What needs no model is checked now: arrays no row places, incomplete fused groups, arrays that are not
         floating point, the format's own `problems` (any of them: the whole check, one report). The check against
         `config`'s model, built on the meta device, is the result's `verify()`, for the caller to run when
-        transformers' loading reports a missing, unexpected or mismatched weight (built up front, that model took 10 ms
-        of ViT-B/16's 0.13 s `from_pretrained`)."""
+        transformers' loading reports a missing, unexpected or mismatched weight (built up front, that model was a
+        noticeable share of every load; measured: docs/benchmarks.md, "Measurements behind choices in the code")."""
         snapshot = copy.deepcopy(config)  # the caller may change `config` before it loads (a new head, labels)
 
         def verify() -> None:

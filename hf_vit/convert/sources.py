@@ -168,8 +168,9 @@ class FilePart:
         return _SAFETENSORS_DTYPES[self.part.get_dtype()]
 
     def read_into(self, out: torch.Tensor) -> None:
-        """Copy the array's bytes into `out` (contiguous, of its shape and dtype). A copy from a mapping takes about
-        0.6x the time of a `readinto` of the same bytes (ViT-L/16's query, key and value: 0.09 s against 0.15 s)."""
+        """Copy the array's bytes into `out` (contiguous, of its shape and dtype), from a short-lived mapping:
+        faster than a `readinto` of the same bytes (measured: docs/benchmarks.md, "Measurements behind choices in
+        the code")."""
         if tuple(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
             raise ValueError(f"{self.path}: cannot read an array of {self.shape} {self.dtype} into {tuple(out.shape)}")
         if self.end == self.start:
@@ -319,7 +320,10 @@ class ForeignCheckpoint:
                 from .timm_vit import read_timm_config, timm_config, timm_processor
 
                 settings = read_timm_config(self.folder)
-                return timm_processor(timm_config(self._timm_arrays(header_only=True), settings), settings)
+                # The processor takes the image size and normalisation only: the heads, which a timm state dict does
+                # not record (and the model loading asks for), play no part in it.
+                config = timm_config(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
+                return timm_processor(config, settings)
         except ConversionError as error:
             raise self._fail(error) from error
         return self.convert({})[2]

@@ -101,7 +101,7 @@ def _prefix_counts(state_dict: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     return positioned, registers.shape[1] if registers is not None and registers.ndim == 3 else 0
 
 
-def timm_canonical(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def timm_canonical(state_dict: Mapping[str, torch.Tensor], num_patches: int | None = None) -> dict[str, torch.Tensor]:
     """`state_dict` as `TIMM_LAYOUT` reads it: `fc_norm` (timm's LayerNorm after the pooling, `norm` being an
     identity) named `norm`, and the position table holding one row per class and distillation token before the patch
     rows, none for register tokens: `no_embed_class=True` tables get zero rows for those tokens (adding zero is what
@@ -120,10 +120,43 @@ def timm_canonical(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
         start = positioned
         out["reg_token"] = out["reg_token"] + pos[:, start : start + registers].to(out["reg_token"].dtype)
         out["pos_embed"] = torch.cat([pos[:, :start], pos[:, start + registers :]], dim=1)
-    elif positioned and square_side(rows) and not square_side(rows - positioned):  # no_embed_class=True
+    elif positioned and _without_token_positions(rows, positioned, num_patches):  # no_embed_class=True
         zeros = pos.new_zeros(1, positioned, pos.shape[2])
         out["pos_embed"] = torch.cat([zeros, pos], dim=1)
     return out
+
+
+def _without_token_positions(rows: int, positioned: int, num_patches: int | None) -> bool:
+    """Whether a position table of `rows` has no rows for its `positioned` class/distillation tokens. A known grid
+    (`num_patches`, from the image size) decides; else a square count of rows does (one of n x (n+2) patches and a
+    class token is square too: its image size tells them apart)."""
+    if num_patches in (rows, rows - positioned):
+        return rows == num_patches
+    return bool(square_side(rows)) and not square_side(rows - positioned)
+
+
+def _known_num_patches(
+    state_dict: Mapping[str, torch.Tensor], image_size: int | Sequence[int] | None, timm_config: Mapping | None
+) -> int | None:
+    """The patch positions at the image size given, else at timm's `input_size`; None when neither is known."""
+    size = image_size_field(image_size) if image_size is not None else _timm_input_size(timm_config)
+    weight = state_dict.get("patch_embed.proj.weight")
+    if size is None or weight is None or weight.ndim != 4 or not weight.shape[2] or not weight.shape[3]:
+        return None
+    height, width = (size, size) if isinstance(size, int) else size
+    return (height // weight.shape[2]) * (width // weight.shape[3])
+
+
+def _timm_input_size(timm_config: Mapping | None) -> int | list[int] | None:
+    """The image size timm's `config.json` says the weights were trained at (`pretrained_cfg.input_size` or
+    `input_size`, as [C, H, W]), as the config's `image_size` field; None when it says none."""
+    if not timm_config:
+        return None
+    pretrained = timm_config.get("pretrained_cfg") or {}
+    size = pretrained.get("input_size") or timm_config.get("input_size")
+    if isinstance(size, (list, tuple)) and len(size) == 3 and all(isinstance(v, int) and v > 0 for v in size):
+        return image_size_field(list(size[1:]))
+    return None
 
 
 def _timm_problems(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[str], set[str]]:
@@ -160,7 +193,8 @@ def timm_to_hf_vit_state_dict(
     `config`'s (`resize_mode`, timm's default "bicubic"). Raises `ConversionError` listing every problem at once.
     """
     problems, explained = _timm_problems(state_dict)
-    source = timm_canonical({key: value for key, value in state_dict.items() if key not in explained})
+    source = {key: value for key, value in state_dict.items() if key not in explained}
+    source = timm_canonical(source, config.num_patches if config is not None else None)
     if config is not None:
         source = resample_positions(source, "pos_embed", config, resize_mode)
     return TIMM_LAYOUT.to_hf(source, config, problems)
@@ -195,7 +229,8 @@ def infer_config_from_timm(
     timm_problems, _ = _timm_problems(state_dict)
     problems = list(timm_problems)
     fc_norm = "fc_norm.weight" in state_dict and "norm.weight" not in state_dict
-    state_dict = timm_canonical(state_dict)
+    num_patches = _known_num_patches(state_dict, image_size, timm_config)  # the grid, when the size is known
+    state_dict = timm_canonical(state_dict, num_patches)
     fields = {}
     weight = state_dict.get("patch_embed.proj.weight")
     if weight is None or weight.ndim != 4:
@@ -267,6 +302,8 @@ def infer_config_from_timm(
         prefix = _prefix_counts(state_dict)[0]
         if pos is None or pos.ndim != 3:
             problems.append("pos_embed is missing (or not 3-D); pass image_size")
+        elif num_patches is not None and pos.shape[1] - prefix == num_patches:
+            fields["image_size"] = _timm_input_size(timm_config)
         elif side := square_side(pos.shape[1] - prefix):
             fields["image_size"] = side * patch
         elif not timm_problems:  # else those problems already say why the grid is not square

@@ -8,7 +8,8 @@ only its siblings (relatively), torch, transformers and the standard library.
 * `configuration_vit`: `VisionTransformerConfig` and the paper's presets;
 * `modeling_vit`: the encoder, the classifier, the backbone; `modeling_mpp`: masked patch prediction's model;
 * `attention`: the attention implementations; `hybrid`: the ResNet stem of the hybrid models;
-* `resolution`: image sizes, patch grids and resampling the position embeddings;
+* `resolution`: image sizes, patch grids and resampling the position embeddings and the patch embedding;
+* `naflex`: native-aspect batches (flattened patches, a padding mask and a grid per image) in the model;
 * `image_processing_vit`: `VisionTransformerImageProcessor`, the pixels of training and inference;
 * `loading`: strict loading, the hook through which foreign checkpoints load, and the code copied beside a save.
 

@@ -67,16 +67,16 @@ def matmul_attention_forward(
 
 
 # Above this many tokens the matmul attention is left to SDPA: the probabilities it keeps for the backward grow as
-# tokens², and its lead had shrunk to 1.04x at 1025 tokens (ViT-S/16 at 512 px, bf16, batch 4).
+# tokens², and its lead shrinks with them (measured: docs/benchmarks.md, "Measurements behind choices in the code").
 MATMUL_ATTENTION_MAX_TOKENS = 1024
 
 
 def prefers_matmul_attention(query: torch.Tensor, training: bool) -> bool:
     """Whether `matmul_attention_forward` beats SDPA's kernels for `query`: CPU, half precision, training.
 
-    Measured on 2 AVX-512/AMX cores, ViT-S/16 shapes (B=16, 6 heads, 197 tokens), forward + backward per block:
-    bf16 SDPA 62-66 ms, matmuls 23-27 ms; fp16 SDPA 90-93 ms, matmuls 41-43 ms; fp32 SDPA 36-43 ms, matmuls
-    41-46 ms; without autograd SDPA is faster in fp32 and bf16. GPUs keep SDPA's fused kernels.
+    On CPU in half precision SDPA's math kernel is the slower of the two for training; without autograd, and in
+    fp32, SDPA is faster (measured: docs/benchmarks.md, "Measurements behind choices in the code"). GPUs keep
+    SDPA's fused kernels.
 
     "Training" is the module's mode or autograd being on: reentrant activation checkpointing runs the forward without
     autograd and recomputes it with autograd, and both passes must take the same path.

@@ -70,7 +70,7 @@ def resize_images(
 
 
 def _has_uint8_kernel(device: torch.device) -> bool:
-    # torch's uint8 antialiased kernels exist only on CPU; they port Pillow-SIMD, so they are ~10x faster than
+    # torch's uint8 antialiased kernels exist only on CPU; they port Pillow-SIMD, so they are much faster than
     # resizing in float and round exactly like PIL.
     return device.type == "cpu"
 
@@ -425,6 +425,15 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             Per-channel mean, as in the ViT paper.
         image_std (`float` or `list[float]`, *optional*, defaults to `[0.5, 0.5, 0.5]`):
             Per-channel standard deviation.
+        max_num_patches (`int`, *optional*):
+            Native aspect ratio (as transformers' SigLIP 2 processor): resize each image to the largest grid of at
+            most this many `patch_size` patches that keeps its aspect ratio (instead of `size`), and return its
+            patches flattened and padded to this number: `pixel_values` `(N, max_num_patches, patch_size**2 * C)`
+            (each patch in patch-row, patch-column, channel order), `pixel_attention_mask` `(N, max_num_patches)` (1
+            for the image's patches, which come first) and `spatial_shapes` `(N, 2)` (rows, columns). `None` (the
+            default): whole images of `size`.
+        patch_size (`int`, *optional*, defaults to 16):
+            The model's patch size, which the patches of `max_num_patches` are cut with.
 
     Every option can also be overridden per call, e.g. `processor(images, size=384, return_tensors="pt")`.
     """
@@ -459,6 +468,8 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         do_normalize: bool = True,
         image_mean: float | Sequence[float] | None = None,
         image_std: float | Sequence[float] | None = None,
+        max_num_patches: int | None = None,
+        patch_size: int = 16,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -474,6 +485,9 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         self.image_mean = _float_or_list([0.5, 0.5, 0.5] if image_mean is None else image_mean)
         self.image_std = _float_or_list([0.5, 0.5, 0.5] if image_std is None else image_std)
         _check_rescale_and_normalization(self.rescale_factor, self.image_mean, self.image_std)
+        self.max_num_patches = max_num_patches
+        self.patch_size = patch_size
+        _check_native(max_num_patches, patch_size, do_center_crop)
 
     def preprocess(
         self,
@@ -489,6 +503,8 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         do_normalize: bool | None = None,
         image_mean: float | Sequence[float] | None = None,
         image_std: float | Sequence[float] | None = None,
+        max_num_patches: int | None = None,
+        patch_size: int | None = None,
         return_tensors: str | TensorType | None = None,
         input_data_format: str | ChannelDimension | None = None,
         device: str | torch.device | None = None,
@@ -524,6 +540,9 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         image_mean = self.image_mean if image_mean is None else image_mean
         image_std = self.image_std if image_std is None else image_std
         _check_rescale_and_normalization(rescale_factor, image_mean, image_std)
+        max_num_patches = self.max_num_patches if max_num_patches is None else max_num_patches
+        patch_size = self.patch_size if patch_size is None else patch_size
+        _check_native(max_num_patches, patch_size, do_center_crop)
 
         tensors = load_images(images, do_convert_rgb, input_data_format)
         # Same-size images are processed as one batch: one interpolate call per group.
@@ -541,7 +560,11 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                     "values between 0 and 1, set `do_rescale=False` to avoid rescaling them again."
                 )
             if do_resize:
-                batch = resize_images(batch, (size["height"], size["width"]), resample)
+                target = (size["height"], size["width"])
+                if max_num_patches is not None:  # the image's own aspect ratio, on the largest grid that fits
+                    rows, cols = grid_for_max_patches(*batch.shape[-2:], patch_size, max_num_patches)
+                    target = (rows * patch_size, cols * patch_size)
+                batch = resize_images(batch, target, resample)
             if do_center_crop:
                 batch = center_crop_images(batch, (crop_size["height"], crop_size["width"]))
             if do_convert_rgb and batch.shape[1] == 1:
@@ -558,6 +581,8 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                 for position, index in enumerate(indices):
                     processed[index] = batch[position]
 
+        if max_num_patches is not None:
+            return native_patch_batch(processed, patch_size, max_num_patches, return_tensors)
         if return_tensors is None:
             return BatchFeature({"pixel_values": [image.cpu().numpy() for image in processed]})
         if not isinstance(processed, torch.Tensor):
@@ -585,11 +610,98 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         )
 
 
+def grid_for_max_patches(height: int, width: int, patch_size: int, max_num_patches: int) -> tuple[int, int]:
+    """The `(rows, cols)` grid a `height` x `width` image is resized to: the largest grid of at most
+    `max_num_patches` patches among those of the image scaled by one factor (each side rounded up to whole patches,
+    at least one patch a side), as transformers' SigLIP 2 processor chooses it.
+
+    The grid only changes where a side crosses a whole number of patches, so the largest one is at such a point:
+    `rows = k` (and `cols = ceil(k * width / height)`) or `cols = k`; both families grow with `k` and are searched in
+    exact integer arithmetic."""
+    for name, value in (("height", height), ("width", width), ("patch_size", patch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    if not isinstance(max_num_patches, int) or isinstance(max_num_patches, bool) or max_num_patches < 1:
+        raise ValueError(f"`max_num_patches` must be a positive int (patches per image), got {max_num_patches!r}.")
+
+    def by_rows(k: int) -> tuple[int, int]:
+        return k, max(1, -(-k * width // height))
+
+    def by_cols(k: int) -> tuple[int, int]:
+        return max(1, -(-k * height // width)), k
+
+    best = (1, 1)
+    for grid_of in (by_rows, by_cols):
+        low, high = 1, max_num_patches  # the largest k whose grid fits: grid_of(1) may not (then none does)
+        while low < high:
+            middle = (low + high + 1) // 2
+            rows, cols = grid_of(middle)
+            low, high = (middle, high) if rows * cols <= max_num_patches else (low, middle - 1)
+        rows, cols = grid_of(low)
+        if rows * cols <= max_num_patches and rows * cols > best[0] * best[1]:
+            best = (rows, cols)
+    return best
+
+
+def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: bool) -> None:
+    if max_num_patches is None:
+        return
+    for name, value in (("max_num_patches", max_num_patches), ("patch_size", patch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    if do_center_crop:
+        raise ValueError(
+            "`max_num_patches` keeps each image whole at its own aspect ratio, which a centre crop to `crop_size` "
+            "would undo: pass do_center_crop=False with it."
+        )
+
+
+def native_patch_batch(
+    images: torch.Tensor | list[torch.Tensor],
+    patch_size: int,
+    max_num_patches: int,
+    return_tensors: str | TensorType | None = "pt",
+) -> BatchFeature:
+    """Normalised `[C, H, W]` images, each a whole number of patches, as the processor's native-aspect batch: each
+    image's flattened patches padded to `max_num_patches` (`pixel_values`), the padding mask and each grid (see
+    `max_num_patches` in the class docstring). Training transforms that resize images themselves batch them here."""
+    return_tensors = None if return_tensors is None else TensorType(return_tensors)
+    grids = []
+    for index, image in enumerate(images):
+        height, width = image.shape[-2:]
+        rows, cols = height // patch_size, width // patch_size
+        if height % patch_size or width % patch_size or rows * cols > max_num_patches:
+            raise ValueError(
+                f"Image {index} is {height}x{width} pixels, which is not a grid of at most {max_num_patches} "
+                f"{patch_size}x{patch_size} patches: leave do_resize on with max_num_patches (it chooses the grid)."
+            )
+        grids.append((rows, cols))
+    channels, device = images[0].shape[0], images[0].device
+    # One strided copy per image straight into the padded batch, each patch in (row, column, channel) order.
+    pixel_values = torch.zeros(len(grids), max_num_patches, patch_size * patch_size * channels, device=device)
+    for row, (image, (rows, cols)) in enumerate(zip(images, grids)):
+        target = pixel_values[row, : rows * cols].view(rows, cols, patch_size, patch_size, channels)
+        target.copy_(image.view(channels, rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0))
+    shapes = torch.tensor(grids, device=device)
+    data = {
+        "pixel_values": pixel_values,
+        "pixel_attention_mask": (torch.arange(max_num_patches, device=device) < shapes.prod(1)[:, None]).int(),
+        "spatial_shapes": shapes,
+    }
+    if return_tensors is None:
+        return BatchFeature({name: list(value.cpu().numpy()) for name, value in data.items()})
+    if return_tensors == TensorType.NUMPY:
+        data = {name: value.cpu().numpy() for name, value in data.items()}
+    return BatchFeature(data, tensor_type=return_tensors)
+
+
 __all__ = [
     "VisionTransformerImageProcessor",
     "center_crop_images",
     "exif_transpose",
+    "grid_for_max_patches",
     "load_images",
+    "native_patch_batch",
     "open_image",
     "rescale_and_normalize",
     "resize_images",

@@ -21,6 +21,7 @@ from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_vit import VisionTransformerConfig
 from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel, lecun_normal_
+from .naflex import check_native_batch
 
 __all__ = [
     "PATCH_CLEAN",
@@ -44,15 +45,22 @@ def draw_patch_corruption(
     config: VisionTransformerConfig,
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
+    patch_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked patch prediction's corruption of `batch_size` images of `num_patches` patches, as B.1.2 of the paper
     describes it: `config.mpp_corrupt_ratio` of each image's patches (rounded half up) are corrupted, each of them
     replaced by the [mask] embedding with probability `mpp_mask_ratio`, by another patch's embedding with probability
     `mpp_random_ratio`, and kept otherwise. Returns `(batch_size, num_patches)` int64 codes (`PATCH_CLEAN`,
-    `PATCH_MASKED`, `PATCH_RANDOM`, `PATCH_KEPT`)."""
+    `PATCH_MASKED`, `PATCH_RANDOM`, `PATCH_KEPT`). `patch_mask` `(batch_size, num_patches)` marks each image's
+    patches in a padded native-aspect batch: the share is of those, and the padding stays clean."""
     count = int(config.mpp_corrupt_ratio * num_patches + 0.5)
+    draws = torch.rand(batch_size, num_patches, generator=generator, device=device)
+    if patch_mask is not None:  # padding draws last, and each image corrupts its share of its own patches
+        patch_mask = patch_mask.to(draws.device).bool()
+        draws = draws.masked_fill(~patch_mask, 2.0)
+        count = (config.mpp_corrupt_ratio * patch_mask.sum(dim=1, keepdim=True) + 0.5).long()
     # The ranks of uniform draws are a uniform random permutation: the `count` lowest are corrupted.
-    ranks = torch.rand(batch_size, num_patches, generator=generator, device=device).argsort(dim=1).argsort(dim=1)
+    ranks = draws.argsort(dim=1).argsort(dim=1)
     kind = torch.rand(batch_size, num_patches, generator=generator, device=device)
     codes = torch.where(
         kind < config.mpp_mask_ratio,
@@ -63,11 +71,15 @@ def draw_patch_corruption(
 
 
 def corrupt_patches(
-    tokens: torch.Tensor, mask_token: torch.Tensor | None, patch_corruption: torch.Tensor
+    tokens: torch.Tensor,
+    mask_token: torch.Tensor | None,
+    patch_corruption: torch.Tensor,
+    patch_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Apply `patch_corruption` codes `(B, N)` to patch embeddings `(B, N, D)`. A `PATCH_RANDOM` patch takes the
     embedding of another patch drawn uniformly from the whole batch (as BERT's random token is drawn from the
-    vocabulary rather than from its own sentence)."""
+    vocabulary rather than from its own sentence); of another image patch, not padding, where `patch_mask` `(B, N)`
+    marks them in a native-aspect batch."""
     batch, count, dim = tokens.shape
     if tuple(patch_corruption.shape) != (batch, count):
         raise ValueError(
@@ -79,12 +91,18 @@ def corrupt_patches(
             "This model has no [mask] embedding: corrupt patches with VisionTransformerForMaskedPatchPrediction (or "
             "a VisionTransformerModel built with use_mask_token=True)."
         )
-    total = batch * count
-    flat = tokens.reshape(total, dim)
-    # Draw among the total - 1 other patches: values at or above a patch's own index move up by one.
-    source = torch.randint(0, max(total - 1, 1), (total,), device=tokens.device)
-    source = source + (source >= torch.arange(total, device=tokens.device)).long() if total > 1 else source
-    others = flat[source].view(batch, count, dim)
+    flat = tokens.reshape(batch * count, dim)
+    # The patches a random replacement is drawn from (all, or the images' own without padding) and each patch's
+    # place among them.
+    candidates = place = torch.arange(batch * count, device=tokens.device)
+    if patch_mask is not None:
+        valid = patch_mask.to(tokens.device).flatten().bool()
+        candidates, place = candidates[valid], (valid.long().cumsum(0) - 1).clamp(min=0)
+    total = len(candidates)
+    # Draw among the total - 1 other patches: values at or above a patch's own place move up by one.
+    source = torch.randint(0, max(total - 1, 1), (batch * count,), device=tokens.device)
+    source = source + (source >= place).long() if total > 1 else source
+    others = flat[candidates[source]].view(batch, count, dim)
     tokens = torch.where((patch_corruption == PATCH_RANDOM)[..., None], others, tokens)
     return torch.where((patch_corruption == PATCH_MASKED)[..., None], mask_token.to(tokens.dtype), tokens)
 
@@ -139,14 +157,24 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
         interpolate_pos_encoding: bool | None = None,
         **kwargs,
     ) -> MaskedPatchPredictionOutput:
-        drawable = isinstance(pixel_values, torch.Tensor) and pixel_values.ndim == 4
+        spatial_shapes, patch_mask = kwargs.get("spatial_shapes"), None
+        if spatial_shapes is not None:  # a native-aspect batch: the padding is neither corrupted nor predicted
+            mask = kwargs.get("pixel_attention_mask")
+            patch_mask = check_native_batch(pixel_values, mask, spatial_shapes, self.config)
+        drawable = isinstance(pixel_values, torch.Tensor) and pixel_values.ndim == (4 if patch_mask is None else 3)
         if patch_corruption is None and self.training and drawable:
             # the encoder checks the pixels; a grid they do not tile is refused there, before these codes are used
             rows, cols = (size // self.config.patch_size for size in pixel_values.shape[-2:])
             patch_corruption = draw_patch_corruption(
-                pixel_values.shape[0], rows * cols, self.config, device=pixel_values.device
+                pixel_values.shape[0],
+                rows * cols if patch_mask is None else pixel_values.shape[1],
+                self.config,
+                device=pixel_values.device,
+                patch_mask=patch_mask,
             )
-        corrupt = None if patch_corruption is None else partial(corrupt_patches, patch_corruption=patch_corruption)
+        corrupt = None
+        if patch_corruption is not None:
+            corrupt = partial(corrupt_patches, patch_corruption=patch_corruption, patch_mask=patch_mask)
         outputs = self.vit(
             pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, corrupt_embeddings=corrupt, **kwargs
         )
@@ -156,6 +184,8 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
             targets = labels.to(logits.device)
             if patch_corruption is not None:
                 targets = targets.masked_fill(patch_corruption.to(logits.device) == PATCH_CLEAN, -100)
+            if patch_mask is not None:
+                targets = targets.masked_fill(~patch_mask.to(logits.device), -100)
             # A sum over the labelled patches divided by their number (at least 1): no NaN for a batch without any.
             flat_logits, flat_targets = logits.flatten(0, 1).float(), targets.flatten()
             total = F.cross_entropy(flat_logits, flat_targets, ignore_index=-100, reduction="sum")

@@ -42,8 +42,15 @@ from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .layer_scale import LayerScale
 from .loading import load_strictly, save_sibling_code
+from .naflex import embed_native, masked_mean, native_masks, patch_grid_maps
 from .pooling import MultiheadAttentionPooling
-from .resolution import check_pixel_values, grid_for, image_size_field, resample_position_embeddings
+from .resolution import (
+    check_pixel_values,
+    grid_for,
+    image_size_field,
+    resample_patch_embedding_layer,
+    resample_position_embeddings,
+)
 
 __all__ = [
     "VisionTransformerBackbone",
@@ -81,8 +88,15 @@ class VisionTransformerEmbeddings(nn.Module):
         self.position_embedding = nn.Parameter(torch.zeros(1, num_positions, config.hidden_size))
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, pixel_values: torch.Tensor, corrupt_embeddings: Callable | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        pixel_values: torch.Tensor,
+        corrupt_embeddings: Callable | None = None,
+        spatial_shapes: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         pixel_values = pixel_values.to(self.patch_embedding.weight.dtype)
+        if spatial_shapes is not None:  # a native-aspect batch: x_p given flattened, a grid per image (naflex.py)
+            return self.dropout(embed_native(self, pixel_values, spatial_shapes, corrupt_embeddings))
         # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
         features = pixel_values if self.stem is None else self.stem(pixel_values)
         patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
@@ -121,7 +135,7 @@ class VisionTransformerAttention(nn.Module):
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(
-        self, hidden_states: torch.Tensor, output_attentions: bool = False
+        self, hidden_states: torch.Tensor, output_attentions: bool = False, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, tokens, width = hidden_states.shape
         # (B, N, 3D) -> three (B, heads, N, d_h) views of one buffer: no copies before attention. Unbinding before
@@ -132,9 +146,8 @@ class VisionTransformerAttention(nn.Module):
         # Only the eager function returns the probabilities.
         implementation = "eager" if output_attentions else self.config._attn_implementation
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-        output, probs = attention(
-            self, query, key, value, None, scaling=self.scaling, dropout=self.dropout if self.training else 0.0
-        )
+        dropout = self.dropout if self.training else 0.0
+        output, probs = attention(self, query, key, value, attention_mask, scaling=self.scaling, dropout=dropout)
         return self.proj(output.reshape(batch, tokens, width)), probs
 
 
@@ -187,9 +200,9 @@ class VisionTransformerBlock(GradientCheckpointingLayer):
         self.layer_scale2 = LayerScale(width, scale) if scale is not None else nn.Identity()
 
     def forward(
-        self, hidden_states: torch.Tensor, output_attentions: bool = False
+        self, hidden_states: torch.Tensor, output_attentions: bool = False, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attended, probs = self.attention(self.norm1(hidden_states), output_attentions)
+        attended, probs = self.attention(self.norm1(hidden_states), output_attentions, attention_mask)
         hidden_states = hidden_states + self.drop_path(self.layer_scale1(self.dropout(attended)))  # (2)
         hidden_states = hidden_states + self.drop_path(self.layer_scale2(self.mlp(self.norm2(hidden_states))))  # (3)
         return hidden_states, probs
@@ -233,8 +246,13 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         """transformers' `from_pretrained`, taking also the checkpoints users have (transformers' and timm's ViT as Hub
         ids or folders, the authors' `.npz` files; converted in memory by the reader `hf_vit.convert` registers), and
         strict: weights that leave part of the encoder randomly initialised are an error (only a classification head
-        may be new), and unreadable weights or folders are named: see `loading.py`."""
-        return load_strictly(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs)
+        may be new), and unreadable weights or folders are named: see `loading.py`. `patch_size=P` (with `image_size`,
+        optionally) loads the checkpoint as it is, then resamples it to P with `set_input_size` (FlexiViT)."""
+        resize = [kwargs.pop(name, None) for name in ("image_size", "patch_size")] if "patch_size" in kwargs else None
+        loaded = load_strictly(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs)
+        if resize is not None:
+            (loaded[0] if isinstance(loaded, tuple) else loaded).set_input_size(resize[0], patch_size=resize[1])
+        return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """transformers' `save_pretrained`, with every code file the config's `auto_map` names."""
@@ -242,13 +260,26 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         save_sibling_code(self, save_directory)
 
     @torch.no_grad()
-    def set_input_size(self, image_size: int | tuple[int, int] | list[int], mode: str | None = None) -> None:
+    def set_input_size(
+        self,
+        image_size: int | tuple[int, int] | list[int] | None = None,
+        mode: str | None = None,
+        patch_size: int | None = None,
+    ) -> None:
         """Change the model's resolution in place (the paper's fine-tuning at higher resolution): the position
         embeddings are resampled in 2D to the new patch grid (`mode`, by default the config's `interpolation_mode`),
-        and the config says the new size, so the model runs there without `interpolate_pos_encoding`."""
+        and the config says the new size, so the model runs there without `interpolate_pos_encoding`. `patch_size`
+        also changes the patch size (FlexiViT): the patch embedding is resampled by `resample_patch_embedding`;
+        `image_size` left out keeps the current one."""
         config = self.config
-        old_grid, new_grid = config.grid_size, grid_for(image_size, config.patch_size)
+        image_size = config.image_hw if image_size is None else image_size
+        patch_size = config.patch_size if patch_size is None else patch_size
         embeddings = self.base_model.embeddings
+        patch_embedding = embeddings.patch_embedding
+        if patch_size != config.patch_size:  # checked before anything changes
+            patch_embedding = resample_patch_embedding_layer(patch_embedding, patch_size, config.stem_stride)
+        old_grid, new_grid = config.grid_size, grid_for(image_size, patch_size)
+        embeddings.patch_embedding, config.patch_size = patch_embedding, patch_size
         resampled = resample_position_embeddings(
             embeddings.position_embedding, old_grid, new_grid, config.num_position_prefix_tokens,
             mode or config.interpolation_mode, config.interpolation_antialias,
@@ -356,33 +387,47 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         interpolate_pos_encoding: bool | None = None,
         output_attentions: bool | None = None,
         corrupt_embeddings: Callable | None = None,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
         """`corrupt_embeddings(tokens, mask_token)`: masked patch prediction's corruption of the patch embeddings
-        (see `VisionTransformerEmbeddings` and `modeling_mpp.py`)."""
+        (see `VisionTransformerEmbeddings` and `modeling_mpp.py`). `spatial_shapes` (with `pixel_attention_mask`):
+        a native-aspect batch of flattened patches, each image on its own grid (see `naflex.py`)."""
         if pixel_values is None:
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
-        hidden_states = self.pre_norm(self.embeddings(pixel_values, corrupt_embeddings))  # (1)
+        token_mask = attention_mask = None
+        if spatial_shapes is None:
+            check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
+        else:  # padded patches are masked as keys and left out of the pooling
+            token_mask, attention_mask = native_masks(
+                self.config, pixel_values, pixel_attention_mask, spatial_shapes, output_attentions, self.dtype
+            )
+        hidden_states = self.pre_norm(self.embeddings(pixel_values, corrupt_embeddings, spatial_shapes))  # (1)
         for block in self.layers:
-            hidden_states, _ = block(hidden_states, output_attentions)  # (2), (3)
+            hidden_states, _ = block(hidden_states, output_attentions, attention_mask)  # (2), (3)
         # (4): LN of the class token's final state (or of the patch tokens' average, or of attention pooling); with
         # fc_norm the LayerNorm follows the pooling, and the tokens are returned as the last block left them.
         fc_norm = self.config.fc_norm
         sequence_output = hidden_states if fc_norm else self.norm(hidden_states)
-        pooled_output = self.norm(self.pool(sequence_output)) if fc_norm else self.pool(sequence_output)
+        pooled_output = self.pool(sequence_output, token_mask)
+        pooled_output = self.norm(pooled_output) if fc_norm else pooled_output
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
 
-    def pool(self, tokens: torch.Tensor) -> torch.Tensor:
+    def pool(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The image representation of equation (4) from the final tokens, by `config.classifier`: the class token,
-        the average of the patch tokens (prefix tokens left out), or attention pooling over every token."""
+        the average of the patch tokens (prefix tokens left out; of the valid ones in a native-aspect batch, whose
+        `token_mask` marks them), or attention pooling over every token."""
         if self.config.classifier == "token":
             return tokens[:, 0]
         if self.config.classifier == "map":
             return self.attention_pool(tokens)
-        return tokens[:, self.config.num_prefix_tokens :].mean(dim=1)
+        prefix = self.config.num_prefix_tokens
+        if token_mask is not None:
+            return masked_mean(tokens[:, prefix:], token_mask[:, prefix:])
+        return tokens[:, prefix:].mean(dim=1)
 
     def forward_intermediates(
         self,
@@ -451,19 +496,23 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         interpolate_pos_encoding: bool = True,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
         **kwargs,
     ) -> BackboneOutput:
+        """A native-aspect batch (`spatial_shapes`, see `naflex.py`) gives maps on its largest grid, each image's at
+        the top left and zero beyond its own grid."""
         # dense prediction runs at any patch-divisible size: the position embeddings follow it
         outputs = VisionTransformerModel.forward(  # not super(): BackboneMixin defines a forward of its own
             self, pixel_values, interpolate_pos_encoding=interpolate_pos_encoding,
             output_attentions=output_attentions, output_hidden_states=True,
+            pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes,
         )  # fmt: skip
-        rows, cols = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
+        if spatial_shapes is None:
+            grid = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
+            spatial_shapes = torch.tensor([grid] * pixel_values.shape[0])
         feature_maps = tuple(
-            self.norm(state)[:, self.config.num_prefix_tokens :]
-            .reshape(state.shape[0], rows, cols, -1)
-            .permute(0, 3, 1, 2)
-            .contiguous()
+            patch_grid_maps(self.norm(state)[:, self.config.num_prefix_tokens :], spatial_shapes)
             for stage, state in zip(self.stage_names, outputs.hidden_states)
             if stage in self.out_features
         )

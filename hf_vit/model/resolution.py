@@ -1,4 +1,5 @@
-"""Resolution changes (the paper's section 3.2): the learned position embeddings resampled to a new patch grid.
+"""Resolution changes (the paper's section 3.2): the learned position embeddings resampled to a new patch grid; and
+patch size changes (FlexiViT): the patch embedding resampled to a new patch size.
 
 The prefix (class) token's position is kept as it is; the patch positions are treated as a 2D image of D channels and
 resampled (bicubic by default, bilinear available) to the new grid, which may be non-square. The model's
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 MODES = ("bicubic", "bilinear")
@@ -95,6 +97,55 @@ def resample_position_embeddings(
     grid = F.interpolate(grid, size=tuple(new_grid), mode=mode, align_corners=False, antialias=antialias)
     patches = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(position_embedding.dtype)
     return torch.cat([prefix, patches], dim=1)
+
+
+def resample_patch_embedding(
+    weight: torch.Tensor,
+    new_patch_size: int | tuple[int, int] | list[int],
+    interpolation: str = "bicubic",
+    antialias: bool = True,
+) -> torch.Tensor:
+    """The patch embedding kernel `(D, C, h, w)` resampled to `new_patch_size` by FlexiViT's pseudo-inverse resize
+    (Beyer et al., 2023): with `R` the linear map that resizes an h x w patch to the new size (`F.interpolate` with
+    `interpolation` and `antialias`, the processor's resize), each kernel `w` becomes `pinv(R^T) w`. When the patch
+    grows, `<x, w> = <R x, pinv(R^T) w>` for every patch `x`: a patch resized up is embedded as it was; when it
+    shrinks, the new kernel is the least-squares best. The resize and its pseudo-inverse are computed in float64 and
+    applied in the weight's dtype; differentiable in `weight` (a patch size drawn per step trains one kernel).
+    """
+    if interpolation not in MODES:
+        raise ValueError(f"interpolation must be one of {MODES}, got {interpolation!r}.")
+    if weight.ndim != 4:
+        raise ValueError(
+            f"The patch embedding kernel must be (out, channels, height, width), got {tuple(weight.shape)}."
+        )
+    new_hw = height_width(new_patch_size if isinstance(new_patch_size, int) else list(new_patch_size), "patch_size")
+    if min(new_hw) < 1:
+        raise ValueError(f"`patch_size` must be positive, got {new_patch_size!r}.")
+    old_hw = tuple(weight.shape[-2:])
+    if old_hw == new_hw:
+        return weight
+    old_count = old_hw[0] * old_hw[1]
+    # Row i of `resize` is the i-th one-pixel patch resized: the matrix R^T, (old pixels, new pixels).
+    basis = torch.eye(old_count, dtype=torch.float64).reshape(old_count, 1, *old_hw)
+    resize = F.interpolate(basis, size=new_hw, mode=interpolation, antialias=antialias, align_corners=False)
+    inverse = torch.linalg.pinv(resize.reshape(old_count, -1))  # (new pixels, old pixels)
+    kernels = weight.reshape(-1, old_count)
+    return (kernels @ inverse.T.to(weight.device, weight.dtype)).reshape(*weight.shape[:2], *new_hw)
+
+
+def resample_patch_embedding_layer(layer: nn.Conv2d, patch_size: int, stem_stride: int = 1) -> nn.Conv2d:
+    """A new patch embedding for `patch_size` input pixels (`patch_size / stem_stride` of a hybrid's feature map): the
+    kernel resampled by `resample_patch_embedding`, the bias shared. `layer` is left as it is."""
+    if not isinstance(patch_size, int) or isinstance(patch_size, bool) or patch_size < 1 or patch_size % stem_stride:
+        raise ValueError(
+            f"`patch_size` must be a positive int (a multiple of the ResNet stem's stride {stem_stride}), got "
+            f"{patch_size!r}."
+        )
+    side = patch_size // stem_stride
+    new = nn.Conv2d(layer.in_channels, layer.out_channels, side, stride=side, device=layer.weight.device)
+    new.weight = nn.Parameter(resample_patch_embedding(layer.weight, side), requires_grad=layer.weight.requires_grad)
+    new.bias = layer.bias
+    return new
 
 
 def check_pixel_values(pixel_values: torch.Tensor, config, interpolate_pos_encoding: bool) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .files import (
     CARD_TEMPLATE,
     remote_code_files,
@@ -130,6 +131,8 @@ def render_model_card(
     """
     adapter = hasattr(model, "peft_config")
     architecture = type(model.get_base_model() if adapter else model).__name__
+    # A masked patch prediction model has no classes and no pipeline: the card says how to fine-tune or embed with it.
+    mpp = isinstance(model, VisionTransformerForMaskedPatchPrediction)
     config = model.config
     height, width = config.image_hw
     output_dir = getattr(training_args, "output_dir", None)
@@ -155,12 +158,18 @@ def render_model_card(
             metric_value=float(row["value"]),
         )
         for row in results
+        if not mpp  # the model-index names an image classification task; masked patch prediction is none
     ]
     card_data = ModelCardData(
         library_name="peft" if adapter else "transformers",
-        pipeline_tag="image-classification",
+        pipeline_tag="image-feature-extraction" if mpp else "image-classification",
         license=license,
-        tags=["hf-vit", "vision-transformer", "image-classification", "safetensors"],
+        tags=[
+            "hf-vit",
+            "vision-transformer",
+            *(["masked-patch-prediction", "self-supervised"] if mpp else ["image-classification"]),
+            "safetensors",
+        ],
         datasets=[data.hub_id] if data and data.hub_id else None,
         metrics=sorted({row["metric"] for row in results}) or ["accuracy"],
         base_model=base.hub_id if base else None,
@@ -183,6 +192,8 @@ def render_model_card(
         or f"A Vision Transformer {'pretrained' if task == 'pretrain' else 'fine-tuned'} with hf-vit.",
         architecture=architecture + (" with a LoRA adapter" if adapter else ""),
         adapter=adapter,
+        masked_patch_prediction=mpp,
+        color_bits=getattr(config, "mpp_color_bits", None),
         base_model_note=(
             "a local model when the adapter was trained: pass where it is"
             if adapter and base and not base.hub_id

@@ -23,6 +23,7 @@ CARD_FILE = "README.md"
 TRAINING_ARGS_FILE = "training_args.bin"
 TRAINER_STATE_FILE = "trainer_state.json"
 LOCK_FILE = ".hf-vit-run.lock"
+LOCAL_BASE_FILE = "lora_base_path.json"  # a LoRA run's local base folder on this machine
 CARD_TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 
 # What a run reports beside its model: metrics, curves, the card. Shareable.
@@ -38,7 +39,7 @@ RESULT_FILES = (
 )
 # What Trainer writes beside a model and a checkpoint to resume it. Never shared from a run's folder: the arguments
 # are a pickle naming local paths, the state names checkpoint paths.
-TRAINER_FILES = (TRAINER_STATE_FILE, TRAINING_ARGS_FILE)
+TRAINER_FILES = (TRAINER_STATE_FILE, TRAINING_ARGS_FILE, LOCAL_BASE_FILE)
 # A checkpoint's resume state on top of the model files (rng_state_<rank>.pth for each process of a multi-process run;
 # optimizer_0 / pytorch_model_fsdp_0 are the sharded folders of FSDP's torch.distributed.checkpoint).
 # ema_state.safetensors: the weights' moving average of a run with --ema_decay (`hf_vit.run.ema.EMA_FILE`).

@@ -54,6 +54,7 @@ COMMON_DEFAULTS: dict[str, Any] = dict(
     logging_strategy="steps",
     logging_steps=10,
     report_to="none",
+    do_train=True,  # --do_train False --do_eval (or --do_predict) evaluates the checkpoint as it is
     # Every parameter gets a gradient in every step, so DDP need not search the graph for unused ones (Trainer would
     # otherwise ask it to, and it warns that the search found none).
     ddp_find_unused_parameters=False,
@@ -62,8 +63,8 @@ COMMON_DEFAULTS: dict[str, Any] = dict(
 
 def default_num_workers() -> int:
     """Data loader workers per training process: the process's share of the cores, less one for the training itself
-    (at most 8). Decoding and augmenting in a worker, one torch thread each, was 6x faster than in the training
-    process at its 2 torch threads (2-core Xeon, 640x427 JPEGs, batch 32: 308 against 48 images/s)."""
+    (at most 8). Decoding and augmenting in workers, one torch thread each, is much faster than in the training
+    process (measured: docs/benchmarks.md, "Measurements behind choices in the code")."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -196,6 +197,14 @@ class DataArguments:
         },
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only this many training images."})
+    max_num_patches: int | None = field(
+        default=None,
+        metadata={
+            "help": "Native aspect ratio (NaFlex): each image (each crop, in training) is resized to the largest grid "
+            "of at most this many patches that keeps its aspect ratio, and batches are its patches padded to this "
+            "number; the saved processor does the same at inference. Classification objectives only."
+        },
+    )
 
 
 @dataclass
@@ -296,8 +305,13 @@ def parse_args(
         dataloader_persistent_workers=workers > 0,
         dataloader_pin_memory=torch.cuda.is_available(),
     )
+    refuse_unknown_flags(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
-    model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+    model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(
+        args=argv, return_remaining_strings=True
+    )
+    if unknown:
+        raise ValueError(unknown_flags_message(parser, unknown))
     recipe = None
     if training_args.recipe is not None:
         # The recipe's values become the flags' defaults: what the command line gives still wins.
@@ -383,6 +397,59 @@ def check_recipe_flags(model_args, data_args, training_args, passed: set[str]) -
                 "learns the patches' colours, which they would change. Drop them (a --recipe sets them: override with "
                 "--mixup_alpha 0 --cutmix_alpha 0, or train mpp without --recipe)."
             )
+
+
+# Flags a user guesses for the data, all of them `--dataset_name` here.
+DATA_LIKE_FLAGS = ("train_dir", "data_dir", "dataset", "data", "dataset_dir", "image_dir", "images", "train_data",
+                   "data_path", "dataset_path", "train_folder", "folder", "root")  # fmt: skip
+
+
+def refuse_unknown_flags(parser: HfArgumentParser) -> None:
+    """Make `parser` say its errors as one `ValueError` (one `error:` line from the scripts), and take no
+    abbreviation of a flag as the flag (`--data` is a guess to answer, not `--data_seed`)."""
+    parser.allow_abbrev = False
+
+    def error(message: str):
+        raise ValueError(f"{message} (--help lists every flag).")
+
+    parser.error = error
+
+
+def unknown_flags_message(parser: HfArgumentParser, unknown: list[str]) -> str:
+    """What the unknown command-line words are, each flag with the nearest known flag (or `--dataset_name` for the
+    data-like names users guess)."""
+    import difflib
+
+    known = sorted(
+        {option[2:] for action in parser._actions for option in action.option_strings if option[:2] == "--"}
+    )
+    flags = [word for word in unknown if word.startswith("-")]
+    hints = []
+    for flag in flags:
+        name = flag.lstrip("-").split("=", 1)[0]
+        if name.replace("-", "_") in DATA_LIKE_FLAGS:
+            hints.append(f"{flag}: the data set is --dataset_name (an image folder root/<label>/*.png, a "
+                         "save_to_disk folder, a Hub data set or 'digits')")  # fmt: skip
+            continue
+        close = difflib.get_close_matches(name.replace("-", "_"), known, n=1, cutoff=0.6)
+        hints.append(f"{flag}: did you mean --{close[0]}?" if close else f"{flag}: no such flag")
+    if not flags:
+        return f"Unexpected argument(s) {' '.join(unknown)}: every value follows its flag (--flag value)."
+    return f"Unknown flag(s): {'; '.join(hints)}. --help lists every flag."
+
+
+def parse_args_or_exit(task: str, argv: list[str] | None = None):
+    """`parse_args`, a bad flag ending in one `error:` line and exit status 2 (HF_VIT_TRACEBACK=1: the traceback).
+    Imports nothing of the run beyond the flags', so that `--help` and argument errors come before the heavy part."""
+    import sys
+
+    try:
+        return parse_args(task, argv)
+    except ValueError as error:
+        if os.environ.get("HF_VIT_TRACEBACK"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
 
 
 def default_hflip(data_args: DataArguments) -> bool:

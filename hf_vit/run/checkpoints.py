@@ -14,6 +14,8 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 from transformers import TrainingArguments
 
+from ..outputs.files import LOCK_FILE
+
 logger = logging.getLogger(__name__)
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -94,6 +96,16 @@ def resolve_resume(training_args: TrainingArguments) -> str | None:
     if resume in (True, "True", "true"):
         checkpoint = last_complete_checkpoint(training_args.output_dir)
         if checkpoint is None:
+            folder = Path(training_args.output_dir)
+            held = sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE) if folder.is_dir() else []
+            if held and not getattr(training_args, "overwrite_output_dir", False):
+                shown = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "")
+                raise ValueError(
+                    f"--resume_from_checkpoint True: --output_dir {folder} holds no complete checkpoint-N folder to "
+                    f"resume from (it holds {shown}). Name a checkpoint folder with --resume_from_checkpoint <path>, "
+                    "start a new run there with --overwrite_output_dir True (instead of --resume_from_checkpoint), "
+                    "or choose another --output_dir."
+                )
             logger.warning("No complete checkpoint in %s: training from the start.", training_args.output_dir)
             return None
     else:

@@ -52,17 +52,33 @@ def final_evaluation(trainer: Trainer, ds, loss: Callable[[Any, Any], float] | N
     return metrics
 
 
-@torch.no_grad()
 def evaluate_model(
     model: Any,
     processor: VisionTransformerImageProcessor,
     data_args: Any = None,
-    split: str = "test",
+    split: str | None = "test",
     batch_size: int = 256,
 ) -> dict[str, float]:
-    """Top-1/top-5 accuracy of `model` on a split of `data_args`' data set (digits by default), no training."""
+    """Top-1/top-5 accuracy of `model` on a split of `data_args`' data set (digits by default), no training; `split`
+    None: the split a run's final metrics are measured on (`final_split`)."""
+    return measure_model(model, processor, data_args, split, batch_size)[1]
+
+
+@torch.no_grad()
+def measure_model(
+    model: Any,
+    processor: VisionTransformerImageProcessor,
+    data_args: Any = None,
+    split: str | None = None,
+    batch_size: int = 256,
+) -> tuple[str, dict[str, float]]:
+    """`(split, metrics)`: `evaluate_model`'s metrics on `split`, by default the one a run would report: test when
+    the data set has one, else validation (the source's, or the part of train a run holds out)."""
     data_args = data_args or DataArguments()
     raw = load_datasets(data_args, seed=0)
+    split = split or final_split(raw)
+    if split not in raw:
+        raise ValueError(f"The data set {data_args.dataset_name!r} has no {split} split (it has {', '.join(raw)}).")
     classes = label_names(raw)
     if len(classes) > model.config.num_labels:
         raise ValueError(
@@ -74,6 +90,9 @@ def evaluate_model(
     logits, labels = [], []
     for start in range(0, len(ds), batch_size):
         batch = ds[start : start + batch_size]
-        logits.append(model(pixel_values=batch["pixel_values"]).logits.float())
+        inputs = {
+            key: batch[key] for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes") if key in batch
+        }
+        logits.append(model(**inputs).logits.float())
         labels.append(batch["labels"])
-    return compute_metrics((torch.cat(logits).numpy(), torch.cat(labels).numpy()))
+    return split, compute_metrics((torch.cat(logits).numpy(), torch.cat(labels).numpy()))

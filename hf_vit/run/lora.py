@@ -17,7 +17,10 @@ with its processor.
 
 The adapter names its base by what the user gave (`base_model_name`): a Hub id as it is (not the folder a foreign
 layout was converted through), a local folder by its plain name only, since an absolute path in `adapter_config.json`
-would publish the user's file system with the adapter; `load_lora_model(folder, base=...)` then says where it is.
+would publish the user's file system with the adapter. On the machine that trained it, the run also records the
+base's local path in `LOCAL_BASE_FILE` (a file no push carries), so that `load_lora_model(folder)`,
+`from_pretrained(folder)` and `pipeline(model=folder)` find it there; elsewhere `load_lora_model(folder, base=...)`
+says where it is.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ..outputs.files import (
+    LOCAL_BASE_FILE,
+)  # where a local base lives on this machine: written by the run, never pushed
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +59,8 @@ def apply_lora(
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as error:
-        raise ImportError("LoRA needs peft: pip install 'hf-vit[lora]' (or pip install peft).") from error
-    if rank <= 0:
-        raise ValueError(f"--lora_rank must be a positive int, got {rank}.")
-    targets = [name.strip() for name in target_modules if name.strip()]
-    known = {"qkv", "proj", "fc1", "fc2", *QKV_PARTS}
-    unknown = sorted(set(targets) - known)
-    if unknown or not targets:
-        raise ValueError(f"--lora_target_modules {unknown or targets}: choose from {sorted(known)}.")
+        raise ImportError(PEFT_MISSING) from error
+    targets = check_lora_settings(rank, target_modules)
     parts = [index for index, part in enumerate(QKV_PARTS) if part in targets]
     modules = sorted({"qkv" if name in QKV_PARTS else name for name in targets})
     heads = [
@@ -83,6 +84,41 @@ def apply_lora(
     return peft_model
 
 
+PEFT_MISSING = (
+    'LoRA (--lora_rank) needs peft, which is not installed: pip install "hf-vit[lora]" (or pip install peft).'
+)
+TARGETS = ("qkv", *QKV_PARTS, "proj", "fc1", "fc2")
+
+
+def check_lora_settings(rank: int, target_modules: Sequence[str]) -> list[str]:
+    """The adapted layers' names, checked: a positive `rank` and names from `TARGETS`; else a `ValueError` naming
+    the flag."""
+    if rank <= 0:
+        raise ValueError(f"--lora_rank must be a positive int, got {rank}.")
+    targets = [name.strip() for name in target_modules if name.strip()]
+    unknown = [name for name in targets if name not in TARGETS]
+    if unknown or not targets:
+        raise ValueError(
+            f"--lora_target_modules {','.join(unknown) if unknown else repr(','.join(target_modules))}: "
+            f"not a layer LoRA can adapt; choose from {', '.join(TARGETS)} (comma-separated)."
+        )
+    return targets
+
+
+def check_lora_arguments(model_args: Any, task: str) -> None:
+    """Everything a LoRA run (`--lora_rank`) needs, checked before anything is written: peft installed, a pretrained
+    model to adapt, a positive rank and known target layers. Nothing without `--lora_rank`."""
+    if not getattr(model_args, "lora_rank", 0):
+        return
+    if task != "finetune" or not model_args.model_name_or_path:
+        raise ValueError("--lora_rank adapts a pretrained model: use finetune.py with --model_name_or_path.")
+    check_lora_settings(model_args.lora_rank, model_args.lora_target_modules.split(","))
+    try:
+        import peft  # noqa: F401
+    except ImportError as error:
+        raise ValueError(PEFT_MISSING) from error
+
+
 def adapt(model: nn.Module, model_args: Any, task: str, output_dir: str | os.PathLike) -> nn.Module:
     """The run's adapter stage: with `--lora_rank`, `model` (the fine-tuning model, its problem type set) wrapped
     with LoRA adapters, its config written to `output_dir` first (what `load_lora_model` rebuilds on the base, with
@@ -90,10 +126,13 @@ def adapt(model: nn.Module, model_args: Any, task: str, output_dir: str | os.Pat
     Without `--lora_rank`, `model` as it is."""
     if not model_args.lora_rank:
         return model
-    if task != "finetune" or not model_args.model_name_or_path:
-        raise ValueError("--lora_rank adapts a pretrained model: use finetune.py with --model_name_or_path.")
+    check_lora_arguments(model_args, task)
     model.config.position_interpolation = model_args.interpolation
     model.config.save_pretrained(output_dir)  # the fine-tuning model the adapter belongs to
+    base = os.path.expanduser(model_args.model_name_or_path)
+    if os.path.isdir(base):  # the adapter names it by its plain name: say where it is on this machine
+        record = {"base_model_name_or_path": os.path.abspath(base)}
+        (Path(output_dir) / LOCAL_BASE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     model = apply_lora(
         model,
         model_args.lora_rank,
@@ -168,7 +207,7 @@ def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = 
 
     folder = Path(folder)
     named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    base = os.fspath(base) if base is not None else named
+    base = os.fspath(base) if base is not None else (local_base(folder) or named)
     if not base:
         raise ValueError(f"{folder / 'adapter_config.json'} names no base model: pass base=<its folder or Hub id>.")
     config = VisionTransformerConfig.from_pretrained(folder)
@@ -185,6 +224,68 @@ def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = 
     model.reset_classifier(config.id2label, config.representation_size)
     model.config.problem_type = config.problem_type
     return PeftModel.from_pretrained(model, folder).merge_and_unload().eval()
+
+
+def local_base(folder: str | os.PathLike) -> str | None:
+    """The local folder of a LoRA run's base, as the run recorded it on this machine (None: not recorded, or no
+    longer there)."""
+    path = Path(folder) / LOCAL_BASE_FILE
+    if not path.is_file():
+        return None
+    try:
+        recorded = json.loads(path.read_text()).get("base_model_name_or_path")
+    except (ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, str) and os.path.isdir(recorded) else None
+
+
+def is_lora_folder(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is a LoRA run's folder: a peft adapter beside the fine-tuning config, no model weights."""
+    folder = Path(folder)
+    return (
+        (folder / "adapter_config.json").is_file()
+        and (folder / "config.json").is_file()
+        and not any((folder / name).exists() for name in ("model.safetensors", "model.safetensors.index.json"))
+    )
+
+
+class LoraFolder:
+    """A LoRA run's folder as the core's loading hook sees a foreign checkpoint (`hf_vit.model.loading`): its config
+    and processor are the folder's own, its model the base with the adapter merged (`load_lora_model`). This is what
+    makes `AutoModelForImageClassification.from_pretrained(folder)` and `pipeline(model=folder)` load it."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def config_dict(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return json.loads((self.folder / "config.json").read_text())
+
+    def processor(self):
+        from ..model.image_processing_vit import VisionTransformerImageProcessor
+
+        return VisionTransformerImageProcessor.from_dict(
+            json.loads((self.folder / "preprocessor_config.json").read_text())
+        )
+
+    def load_model(self, load: Any, args: tuple, kwargs: dict[str, Any]):
+        from ..model.modeling_vit import VisionTransformerForImageClassification
+
+        model_class = getattr(load, "__self__", None)
+        if model_class is not None and not issubclass(VisionTransformerForImageClassification, model_class):
+            raise ValueError(
+                f"{self.folder} is a LoRA run's image classifier: load it with AutoModelForImageClassification "
+                "(or hf_vit.lora.load_lora_model), or write it merged with hf_vit.lora.save_merged_model."
+            )
+        model = load_lora_model(self.folder)
+        info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+        return model, info
+
+
+def read_lora_folder(source: str, kwargs: dict[str, Any]) -> LoraFolder | None:
+    """The loading hook's reader of LoRA run folders (registered when `hf_vit` is imported)."""
+    if kwargs.get("subfolder") or not os.path.isdir(source) or not is_lora_folder(source):
+        return None
+    return LoraFolder(source)
 
 
 def run_settings(config: Any) -> dict[str, Any]:

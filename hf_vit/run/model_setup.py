@@ -42,17 +42,51 @@ def parse_image_size(value: list[int] | int | None) -> int | list[int] | None:
 
 
 def parse_config_overrides(text: str | None) -> dict[str, Any]:
-    """Parse `--config_overrides` ('a=1,b=0.5,c=gelu') into typed values."""
+    """Parse `--config_overrides` ('a=1,b=0.5,c=gelu,resnet_layers=[3,4,9]') into typed values: each value is read
+    as JSON where it is JSON (numbers, true/false/null, lists in brackets, objects in braces, quoted strings), else
+    kept as the plain string. Commas inside brackets, braces or quotes belong to the value."""
     fields: dict[str, Any] = {}
-    for item in filter(None, (text or "").split(",")):
+    for item in _split_top_level(text or ""):
         if "=" not in item:
             raise ValueError(f"--config_overrides takes key=value pairs separated by commas, got {item!r}.")
         key, raw = (part.strip() for part in item.split("=", 1))
+        if not key:
+            raise ValueError(f"--config_overrides: {item!r} names no field before '='.")
+        if raw and raw[0] in '[{"':
+            try:
+                fields[key] = json.loads(raw)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"--config_overrides {key}={raw} is not a valid JSON value ({error.msg}); write lists as "
+                    "[1,2,3] and quote strings inside them."
+                ) from error
+            continue
         try:
             fields[key] = json.loads(raw)
         except json.JSONDecodeError:
             fields[key] = raw
     return fields
+
+
+def _split_top_level(text: str) -> list[str]:
+    """`text` split at the commas outside brackets, braces and double quotes; empty items dropped."""
+    items, depth, quoted, start = [], 0, False, 0
+    for index, char in enumerate(text):
+        if quoted:
+            quoted = char != '"' or text[index - 1] == "\\"
+        elif char == '"':
+            quoted = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(text[start:index])
+            start = index + 1
+    if depth or quoted:
+        raise ValueError(f"--config_overrides {text!r} has an unclosed bracket or quote.")
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
 
 
 def requested_fields(model_args: Any) -> dict[str, Any]:
@@ -134,16 +168,25 @@ def build_pretraining_model(model_args: Any, id2label: dict[int, str]) -> Vision
     names = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
     if model_args.model_name_or_path:
         settable, image_size, shapes = split_requested(model_args)
-        new_head = model_args.representation_size is not None  # a new head only for a new pre-logits layer
+        representation = model_args.representation_size or None
+        new_head = model_args.representation_size is not None  # a new head for a new pre-logits layer
+        checkpoint = VisionTransformerConfig.from_pretrained(model_args.model_name_or_path)
+        if not new_head and checkpoint.num_labels != len(id2label):
+            new_head, representation = True, checkpoint.representation_size  # a head of the same form, new
+            logger.info(
+                "Continuing %s, whose head has %d classes, on a data set of %d: its head (pre-logits and classifier) "
+                "is replaced by a new one; the encoder is kept.",
+                model_args.model_name_or_path, checkpoint.num_labels, len(id2label),
+            )  # fmt: skip
         return load_checkpoint(
             model_args.model_name_or_path,
             id2label if new_head else None,
             image_size=image_size,
-            representation_size=model_args.representation_size or None,
+            representation_size=representation,
             interpolation=model_args.interpolation,
             attn_implementation=model_args.attn_implementation,
             refuse=shapes,
-            names=id2label,  # the config takes the data set's names, whether the head is kept or new
+            names=None if new_head else id2label,  # a kept head takes the data set's names; a new one has them
             **settable,
         )
     config = config_from_preset(model_args, **names)
@@ -181,6 +224,10 @@ def load_checkpoint(
       training the checkpoint's own head under the data set's names.
     """
     fields = {k: v for k, v in config_fields.items() if v is not None}
+    refuse = dict(refuse or {})
+    if "num_attention_heads" in refuse and _foreign_layout(path) == "timm":
+        # A timm state dict does not record its heads (the fused qkv hides them): the conversion takes them as given.
+        fields["num_attention_heads"] = refuse.pop("num_attention_heads")
     if names is not None:
         fields.update(id2label=names, label2id={name: index for index, name in names.items()})
     model = model_class.from_pretrained(path, attn_implementation=attn_implementation, **fields)
@@ -205,10 +252,21 @@ def load_checkpoint(
     return model.train()
 
 
-def processor_for(model_args: Any, config: VisionTransformerConfig) -> VisionTransformerImageProcessor:
+def _foreign_layout(path: str | os.PathLike) -> str | None:
+    """ "timm", "transformers" or "jax" for a checkpoint the converters read while loading; None for hf-vit's."""
+    from ..convert.sources import read_source
+
+    foreign = read_source(os.fspath(path), {})
+    return foreign.layout if foreign is not None else None
+
+
+def processor_for(
+    model_args: Any, config: VisionTransformerConfig, max_num_patches: int | None = None
+) -> VisionTransformerImageProcessor:
     """The image processor of a run: the checkpoint's (its normalisation) or the default, at the model's image size,
     converting to RGB only for 3-channel models (1-channel and 4-channel models get their images' own channels, the
-    mean and standard deviation repeated per channel)."""
+    mean and standard deviation repeated per channel); native aspect ratio with `max_num_patches` patches of the
+    model's patch size, whole images of that size without."""
     processor = None
     if getattr(model_args, "model_name_or_path", None):
         try:
@@ -218,6 +276,11 @@ def processor_for(model_args: Any, config: VisionTransformerConfig) -> VisionTra
     processor = processor or VisionTransformerImageProcessor()
     height, width = config.image_hw
     processor.size = {"height": height, "width": width}
+    if max_num_patches is not None and (isinstance(max_num_patches, bool) or not 0 < max_num_patches):
+        raise ValueError(f"--max_num_patches must be a positive number of patches per image, got {max_num_patches}.")
+    processor.max_num_patches, processor.patch_size = max_num_patches, config.patch_size
+    if max_num_patches is not None:
+        processor.do_center_crop = False  # a native-aspect image is kept whole
     channels = config.num_channels
     processor.do_convert_rgb = channels == 3
     for name in ("image_mean", "image_std"):

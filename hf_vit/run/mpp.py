@@ -104,6 +104,11 @@ class MaskedPatchPredictionTransform:
 def with_mpp_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config):
     """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
     (`data_args`' crop and flip settings), the other splits resized by the processor only."""
+    if getattr(data_args, "max_num_patches", None) is not None:
+        raise ValueError(
+            "--max_num_patches (native aspect ratio) trains the classification objectives; masked patch prediction "
+            "pretrains on whole images of --image_size: drop --max_num_patches, or use --objective classification."
+        )
     pixels = unnormalized(processor)
     train = make_train_transform(
         pixels,

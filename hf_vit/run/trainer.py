@@ -3,11 +3,13 @@ training's random numbers alone, clear errors when a checkpoint cannot be writte
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import math
 import os
 import random
+import re
 import shutil
 from typing import Any
 
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
+from ..outputs.files import CARD_FILE
 from ..outputs.push import PlannedHubPushes
 from .recipes import RecipeTrainerMixin
 
@@ -80,28 +83,85 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
                 random.setstate(python_state)
                 np.random.set_state(numpy_state)
 
+    _saving_checkpoint = False
+
     def _save_checkpoint(self, model, trial) -> None:
+        self._saving_checkpoint = True  # the checkpoint's model is written by save_model: explained once, here
         try:
             super()._save_checkpoint(model, trial)
         except (OSError, RuntimeError) as error:
             raise _save_error(self.args.output_dir, f"checkpoint {self.state.global_step}", error) from error
+        finally:
+            self._saving_checkpoint = False
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         try:
             super().save_model(output_dir, _internal_call)
         except (OSError, RuntimeError) as error:
+            if self._saving_checkpoint:
+                raise
             raise _save_error(output_dir or self.args.output_dir, "model", error) from error
 
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        super()._save(output_dir, state_dict)
+        if self.args.should_save and hasattr(self.model, "peft_config"):
+            # A LoRA checkpoint holds peft's adapter and, as the run's folder does, the fine-tuning model's config
+            # (classes, size, head) it applies to: loadable and pushable on its own. peft's template card is no card
+            # of this project's (the run writes its own at the end).
+            folder = output_dir or self.args.output_dir
+            self.model.get_base_model().config.save_pretrained(folder)
+            card = os.path.join(folder, CARD_FILE)
+            if os.path.isfile(card) and not os.path.islink(card):
+                os.remove(card)
 
-def _save_error(folder: str | os.PathLike, what: str, error: Exception) -> OSError:
+
+class CheckpointWriteError(OSError):
+    """A checkpoint or model could not be written; the message names the folder, the cause and what to do."""
+
+
+# What an errno says about a failed write, and what to do about it.
+_WRITE_CAUSES = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "a file is larger than this file system (or the process's file size limit, ulimit -f) allows",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "the operation is not permitted",
+    errno.EROFS: "the file system is read-only",
+    errno.EIO: "an input/output error of the device",
+}
+
+
+def _errno_of(error: BaseException) -> int | None:
+    """The errno behind `error`: its own, one of its causes', or one named in a Rust I/O error's text (safetensors)."""
+    seen, visited = error, set()
+    while seen is not None and id(seen) not in visited:
+        visited.add(id(seen))
+        if isinstance(seen, OSError) and seen.errno:
+            return seen.errno
+        seen = seen.__cause__ or seen.__context__
+    match = re.search(r"\bcode: (\d+)|\[Errno (\d+)\]", str(error))
+    return int(match.group(1) or match.group(2)) if match else None
+
+
+def _save_error(folder: str | os.PathLike, what: str, error: Exception) -> CheckpointWriteError:
     try:
         free = f"{shutil.disk_usage(folder).free / 2**30:.1f} GiB free there"
     except OSError:
         free = "its free space could not be read"
-    return OSError(
-        f"Writing the {what} in {folder} failed ({error}); {free}. Is the disk full? Free space (or choose another "
-        "--output_dir) and resume with --resume_from_checkpoint True: incomplete checkpoints are skipped."
+    code = _errno_of(error)
+    cause = _WRITE_CAUSES.get(code)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        why, fix = f"{cause}: {free}", "Free space (or choose another --output_dir)"
+    elif cause:
+        why, fix = cause, "Fix that (or choose another --output_dir)"
+    else:
+        why, fix = free, "Fix the cause (or choose another --output_dir)"
+    failure = CheckpointWriteError(
+        f"Writing the {what} in {folder} failed: {error} ({why}). {fix} and resume with --resume_from_checkpoint "
+        "True: incomplete checkpoints are skipped."
     )
+    failure.errno = code
+    return failure
 
 
 class RunSetupCallback(TrainerCallback):

@@ -7,6 +7,7 @@ and outputs. Each stage lives in its own module of `hf_vit.run` (see its docstri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -24,12 +25,14 @@ from .arguments import DataArguments, ModelArguments, parse_args
 from .checkpoints import resolve_resume
 from .datasets import load_datasets
 from .evaluation import final_evaluation
-from .lora import adapt, lora_summary
+from .inference import evaluate_checkpoint
+from .lora import adapt, check_lora_arguments, lora_summary
 from .model_setup import processor_for
 from .objectives import Objective, select_objective
 from .recipes import ema_callback, log_recipe, mixing_for, recipe_card_text
+from .summary import summarize_run
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
-from .transforms import decode_rgb
+from .transforms import check_image_channels, decode_rgb
 
 __all__ = ["check_eval_images", "main", "train"]
 
@@ -50,9 +53,13 @@ def train(
     saved before that final evaluation, so an error there loses no training.
     """
     transformers.set_seed(training_args.seed)
+    if not training_args.do_train:  # --do_train False: measure the checkpoint as it is, write no model
+        return evaluate_checkpoint(task, model_args, data_args, training_args)
     if data_args.streaming and training_args.max_steps <= 0:
         raise ValueError("--streaming data sets have no length: set --max_steps to say how long to train.")
+    check_lora_arguments(model_args, task)  # before anything is written
     resume = resolve_resume(training_args)
+    created = not os.path.lexists(training_args.output_dir)
     lock = claim_output_dir(
         training_args.output_dir,
         resuming=resume is not None,
@@ -65,6 +72,9 @@ def train(
         return _run(task, model_args, data_args, training_args, callbacks or [], resume)
     finally:
         release(lock)
+        if created and training_args.process_index == 0:
+            with contextlib.suppress(OSError):  # a start refused before writing anything leaves no empty folder
+                os.rmdir(training_args.output_dir)
 
 
 def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[str, Any]:
@@ -74,7 +84,11 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     if getattr(training_args, "check_eval_images", True):  # a plain TrainingArguments has no such flag
         check_eval_images(raw)
     model = objective.build_model(task, model_args, labels)
-    processor = processor_for(model_args, model.config)
+    processor = processor_for(model_args, model.config, data_args.max_num_patches)
+    channels_from = (
+        "--num_channels" if model_args.num_channels else f"--model_name_or_path {model_args.model_name_or_path}"
+    )
+    check_image_channels(raw, processor, model.config.num_channels, channels_from)
     model = adapt(model, model_args, task, training_args.output_dir)
     ds = objective.transforms(raw, data_args, processor, model.config)
     trainer = build_trainer(objective, model, processor, ds, training_args, callbacks)
@@ -94,6 +108,8 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     trainer.save_state()
     if trainer.is_world_process_zero():
         write_outputs(trainer, task, model_args, data_args, training_args, metrics)
+        summarize_run(task, training_args.output_dir, metrics, trainer.state.log_history, model.config,
+                      training_args, data_args.dataset_name)  # fmt: skip
     return metrics
 
 
@@ -162,13 +178,14 @@ def check_eval_images(raw) -> None:
                 decode_rgb(image, start + offset)
 
 
-def main(task: str, argv: list[str] | None = None) -> dict[str, Any]:
+def main(task: str, argv: list[str] | None = None, parsed: tuple | None = None) -> dict[str, Any]:
     """The scripts' entry point: bad input ends in one `error:` line and exit status 2 (set HF_VIT_TRACEBACK=1 for
-    the whole traceback)."""
+    the whole traceback). `parsed`: the flags already parsed (`parse_args`), as the commands do before importing
+    this module."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     torch.set_float32_matmul_precision("high")
     try:
-        return train(task, *parse_args(task, argv))
+        return train(task, *(parsed or parse_args(task, argv)))
     except (ValueError, OSError) as error:
         if os.environ.get("HF_VIT_TRACEBACK"):
             raise

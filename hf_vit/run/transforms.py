@@ -28,12 +28,15 @@ import numpy as np
 import PIL.Image
 import torch
 from datasets import DatasetDict, IterableDataset, IterableDatasetDict
+from torch.nn import functional as F
 
 from ..model.image_processing_vit import (
     VisionTransformerImageProcessor,
     center_crop_images,
     exif_transpose,
+    grid_for_max_patches,
     load_images,
+    native_patch_batch,
     open_image,
     resize_images,
     to_resampling,
@@ -105,7 +108,9 @@ def make_eval_transform(processor: VisionTransformerImageProcessor) -> Transform
 
     def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
         images = [decode_image(image, i) for i, image in enumerate(batch["image"])]
-        return _with_labels(processor(images, return_tensors="pt")["pixel_values"], batch)
+        processed = processor(images, return_tensors="pt")
+        # native-aspect batches (the processor's max_num_patches) carry their padding mask and grids along
+        return {**processed, **_with_labels(processed["pixel_values"], batch)}
 
     return transform
 
@@ -155,6 +160,16 @@ def make_train_transform(
     if rand_augment:
         fill = tuple(round(255 * float(m)) for m in processor.image_mean)
         augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
+    native, patch = getattr(processor, "max_num_patches", None), getattr(processor, "patch_size", None)
+
+    def size_for(height: int, width: int) -> tuple[int, int]:
+        """The size a crop (or image) of `height` x `width` is resized to: the processor's, or with `max_num_patches`
+        the largest grid of at most that many patches at the crop's own aspect ratio."""
+        if native is None:
+            return output_size
+        rows, cols = grid_for_max_patches(height, width, patch, native)
+        return rows * patch, cols * patch
+
     own_generator = None if seed is None else torch.Generator().manual_seed(seed)
     # Only RGB output has a fast road: without conversion the processor keeps modes the JPEG decoder would change.
     fast_jpegs = random_resized_crop and processor.do_convert_rgb
@@ -167,10 +182,11 @@ def make_train_transform(
             # Cropping the uint8 image first means only the crop is resized.
             top, left, height, width = box or draw_box(*pixels.shape[1:], generator)
             return resize_images(
-                pixels[None, :, top : top + height, left : left + width], output_size, processor.resample
+                pixels[None, :, top : top + height, left : left + width], size_for(height, width), processor.resample
             )[0]
         if processor.do_resize:
-            pixels = resize_images(pixels[None], size, processor.resample)[0]
+            target = size if native is None else size_for(*pixels.shape[1:])
+            pixels = resize_images(pixels[None], target, processor.resample)[0]
         if processor.do_center_crop:
             pixels = center_crop_images(pixels, crop_size)
         return pixels
@@ -180,7 +196,7 @@ def make_train_transform(
         jpeg = _open_jpeg(image) if fast_jpegs else None
         if jpeg is not None:
             box = draw_box(*_upright_size(jpeg), generator)
-            pixels = decode_jpeg_crop(jpeg, box, output_size, processor.resample)
+            pixels = decode_jpeg_crop(jpeg, box, size_for(box[2], box[3]), processor.resample)
         if pixels is None:  # not a JPEG, or one the fast road cannot decode: the processor's own path reports it
             (pixels,) = load_images(decode_image(image, index), processor.do_convert_rgb)
             pixels = crop_and_resize(pixels, box, generator)
@@ -196,6 +212,10 @@ def make_train_transform(
         images = [augment(image, i, generator) for i, image in enumerate(batch["image"])]
         if len({image.dtype for image in images}) > 1:  # float images among uint8 ones: stack them all as floats
             images = [image.float() for image in images]
+        if native is not None:  # images of their own sizes: normalised one by one, as the processor's patches
+            normalised = [processor.normalize_batch(image[None])[0] for image in images]
+            patches = native_patch_batch(normalised, patch, native)
+            return {**patches, **_with_labels(patches["pixel_values"], batch)}
         # Stacked channels-last (the layout PIL and the uint8 resize give), so that normalising converts to float and
         # to channels-first in one pass over the batch.
         stacked = torch.stack([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)
@@ -367,9 +387,54 @@ def apply_transforms(
 
 def collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     """Stack transformed examples into a batch: `pixel_values` [N, 3, H, W] and, when present, `labels` [N] (class
-    ids) or [N, C] (multi-hot)."""
-    batch = {"pixel_values": torch.stack([torch.as_tensor(example["pixel_values"]) for example in examples])}
+    ids) or [N, C] (multi-hot). Native-aspect examples (with `spatial_shapes`) are flattened patches [K_i, P*P*C]:
+    they are padded to the longest with zeros, and `pixel_attention_mask` [N, K] marks each one's own patches."""
+    if "spatial_shapes" in examples[0]:
+        batch = _pad_native([{key: torch.as_tensor(value) for key, value in example.items()} for example in examples])
+    else:
+        batch = {"pixel_values": torch.stack([torch.as_tensor(example["pixel_values"]) for example in examples])}
     if "labels" in examples[0]:
         labels = [torch.as_tensor(example["labels"]) for example in examples]
         batch["labels"] = torch.stack(labels) if labels[0].ndim else torch.stack(labels).long()
     return batch
+
+
+def _pad_native(examples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Native-aspect examples padded to the longest: each one's patches (its grid's rows * cols) first, then zeros."""
+    length = max(len(example["pixel_values"]) for example in examples)
+    pixel_values, masks = [], []
+    for example in examples:
+        patches, (rows, cols) = example["pixel_values"], example["spatial_shapes"].tolist()
+        pixel_values.append(F.pad(patches[: rows * cols].float(), (0, 0, 0, length - rows * cols)))
+        masks.append((torch.arange(length) < rows * cols).int())
+    return {
+        "pixel_values": torch.stack(pixel_values),
+        "pixel_attention_mask": torch.stack(masks),
+        "spatial_shapes": torch.stack([example["spatial_shapes"].long() for example in examples]),
+    }
+
+
+def check_image_channels(raw, processor: VisionTransformerImageProcessor, num_channels: int, source: str) -> None:
+    """Refuse, before training, a model whose channels (`num_channels`, from `source`: "--num_channels" or the
+    checkpoint's name) are not those of the data's images as the processor reads them (a 3-channel model converts
+    every image to RGB; others take the images' own channels). One image is decoded: the first of the validation
+    split (a stream's is not shuffled)."""
+    if processor.do_convert_rgb:
+        return
+    split = raw.get("validation") or raw["train"]
+    first = next(iter(split), None)
+    if first is None:
+        return
+    (pixels,) = load_images(decode_image(first["image"]), do_convert_rgb=False)
+    found = pixels.shape[0]
+    if found != num_channels:
+        names = {1: "grey (1 channel)", 2: "grey with alpha (2 channels)", 3: "RGB (3 channels)", 4: "4 channels"}
+        fix = (
+            f"Pass --num_channels {found}" + ("." if found == 3 else " (or 3, which converts every image to RGB).")
+            if source == "--num_channels"
+            else f"Start from a checkpoint of {found} channels (or 3), or convert the images."
+        )
+        raise ValueError(
+            f"{source} {num_channels}: the model takes {num_channels} channel(s), but the data set's images are "
+            f"{names.get(found, f'{found} channels')}. {fix}"
+        )

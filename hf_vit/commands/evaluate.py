@@ -1,0 +1,65 @@
+"""Evaluate a saved model on a data set's split, without training: the metrics of its objective (accuracy and top-5
+accuracy, or mean average precision and F1 for multi-label data, and the loss), `<split>_results.json` and, for
+single-label data, a confusion matrix (`<split>_confusion_matrix.png`, with matplotlib) in --output_dir.
+
+hf-vit-evaluate --model outputs/main --dataset_name digits --split test
+hf-vit-evaluate --model out/lora-run --dataset_name path/to/images --output_dir out/lora-run/evaluation
+
+--model takes an hf-vit folder, a LoRA run's folder or a transformers/timm checkpoint by Hub id; its head is used as
+it is, so its classes must be the data set's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, as every other error of the command
+        print(f"error: {message} (--help lists the flags)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="hf-vit-evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="hf-vit folder, LoRA run folder or Hub id")
+    parser.add_argument(
+        "--dataset_name", required=True, help="'digits', an image folder, a save_to_disk folder or a Hub data set"
+    )
+    parser.add_argument("--split", default=None, help="split to measure (default: test, or validation without one)")
+    parser.add_argument("--image_column_name", default="image")
+    parser.add_argument("--label_column_name", default="label")
+    parser.add_argument(
+        "--output_dir", default=None, help="where the results JSON and confusion matrix go (default: none written)"
+    )
+    args = parser.parse_args(argv)
+    # The heavy imports (torch, transformers' models, datasets) come after the flags are read.
+    import logging
+
+    from transformers.utils import logging as transformers_logging
+
+    from hf_vit.run.arguments import DataArguments
+    from hf_vit.run.inference import evaluate_saved_model
+
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    import datasets
+
+    transformers_logging.disable_progress_bar()  # stderr keeps the warnings and errors
+    datasets.disable_progress_bars()
+    data_args = DataArguments(
+        dataset_name=args.dataset_name,
+        image_column_name=args.image_column_name,
+        label_column_name=args.label_column_name,
+    )
+    try:
+        metrics = evaluate_saved_model(args.model, args.dataset_name, args.split, args.output_dir, data_args)
+    except (ValueError, OSError) as error:
+        if os.environ.get("HF_VIT_TRACEBACK"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(metrics, indent=2))
+    return 0

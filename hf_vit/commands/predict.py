@@ -1,0 +1,53 @@
+"""Classify images with a saved model: each image's top classes with their scores (softmax; independent sigmoids for
+a multi-label model), as JSON lines on stdout (one image a line), or into a .jsonl or .csv file.
+
+hf-vit-predict --model outputs/main photo.jpg more/photos/
+hf-vit-predict --model out/lora-run images/ --top_k 3 --output predictions.csv
+
+--model takes an hf-vit folder, a LoRA run's folder or a transformers/timm checkpoint by Hub id; a folder among the
+images stands for every image file under it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, as every other error of the command
+        print(f"error: {message} (--help lists the flags)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(prog="hf-vit-predict", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="hf-vit folder, LoRA run folder or Hub id")
+    parser.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files, or folders of them")
+    parser.add_argument("--top_k", type=int, default=5, help="classes per image (default 5, at most all)")
+    parser.add_argument("--output", default=None, help="a new .jsonl or .csv file (default: JSON lines on stdout)")
+    parser.add_argument("--batch_size", type=int, default=32)
+    args = parser.parse_args(argv)
+    # The heavy imports (torch, transformers' models) come after the flags are read.
+    import logging
+
+    from transformers.utils import logging as transformers_logging
+
+    from hf_vit.run.inference import predict_files, write_predictions
+
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    transformers_logging.disable_progress_bar()  # stderr keeps the warnings and errors
+    try:
+        rows = predict_files(args.model, args.images, args.top_k, args.batch_size)
+        text = write_predictions(rows, args.output)
+    except (ValueError, OSError) as error:
+        if os.environ.get("HF_VIT_TRACEBACK"):
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        print(f"{len(rows)} images -> {args.output}", file=sys.stderr)
+    return 0

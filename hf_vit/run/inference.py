@@ -1,0 +1,267 @@
+"""A saved model at work without training: its metrics on a data set's split (`evaluate_saved_model`, with a
+confusion matrix and a results file) and its top classes for image files (`predict_files`).
+
+Both take what a run or a user has: an hf-vit folder, a foreign checkpoint by Hub id or folder (converted on load),
+or a LoRA run's folder (merged on load, see `hf_vit.run.lora`). The evaluation is the run's: the objective's
+transforms, collator, metrics and loss (`hf_vit.run.objectives`), on the splits the run would see
+(`hf_vit.run.datasets`); the checkpoint's head is used as it is, so its classes must be the data set's.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..model.modeling_vit import VisionTransformerForImageClassification
+from .arguments import DataArguments
+from .datasets import load_datasets
+from .evaluation import final_split
+from .lora import is_lora_folder, load_lora_model
+from .objectives import select_objective
+from .transforms import decode_image
+
+logger = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
+
+
+def load_model(model: str | os.PathLike) -> tuple[VisionTransformerForImageClassification, Any]:
+    """The classifier and image processor saved at `model` (an hf-vit folder, a foreign checkpoint by Hub id or
+    folder, or a LoRA run's folder, merged), in eval mode."""
+    source = model_source(model)
+    if is_lora_folder(source):
+        classifier = load_lora_model(source)
+    else:
+        classifier = VisionTransformerForImageClassification.from_pretrained(source)
+    processor = VisionTransformerImageProcessor.from_pretrained(source)
+    return classifier.eval(), processor
+
+
+def model_source(model: str | os.PathLike) -> str:
+    """`model` as a local folder or a Hub id; a path that is neither is refused before anything loads."""
+    source = os.fspath(model)
+    local = os.path.expanduser(source)
+    if os.path.exists(local):
+        if not os.path.isdir(local):
+            raise ValueError(f"--model {model}: a file, not a model folder (pass the folder holding config.json).")
+        return local
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise ValueError(f"--model {model}: no such folder (and not a Hugging Face Hub id).")
+    return source
+
+
+def image_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Every image named in `paths`, a folder standing for the images under it (sorted, recursively)."""
+    found: list[Path] = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            inside = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            if not inside:
+                raise ValueError(f"{path} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
+            found.extend(inside)
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise ValueError(f"{path}: no such image file or folder.")
+    return found
+
+
+def scores(model, logits: torch.Tensor) -> torch.Tensor:
+    """The model's class scores: independent sigmoids for multi-label models, a softmax otherwise (as
+    `pipeline("image-classification")` gives them)."""
+    if model.config.problem_type == "multi_label_classification":
+        return logits.float().sigmoid()
+    return logits.float().softmax(-1)
+
+
+@torch.no_grad()
+def predict_files(
+    model: str | os.PathLike, images: Sequence[str | os.PathLike], top_k: int = 5, batch_size: int = 32
+) -> list[dict[str, Any]]:
+    """Each image's `top_k` classes with their scores, best first: `{"image", "predictions": [{"label", "score"}]}`."""
+    if top_k < 1:
+        raise ValueError(f"--top_k must be at least 1, got {top_k}.")
+    model_source(model)
+    files = image_files(images)
+    classifier, processor = load_model(model)
+    names = classifier.config.id2label
+    top_k = min(top_k, classifier.config.num_labels)
+    rows = []
+    for start in range(0, len(files), batch_size):
+        batch = files[start : start + batch_size]
+        pixels = processor([decode_image(str(path)) for path in batch], return_tensors="pt")["pixel_values"]
+        probabilities = scores(classifier, classifier(pixel_values=pixels).logits)
+        best = probabilities.topk(top_k, dim=-1)
+        for path, values, indices in zip(batch, best.values.tolist(), best.indices.tolist()):
+            labels = [{"label": names[index], "score": value} for value, index in zip(values, indices)]
+            rows.append({"image": str(path), "predictions": labels})
+    return rows
+
+
+def write_predictions(rows: list[dict[str, Any]], output: str | os.PathLike | None = None) -> str:
+    """`rows` as JSON lines (one image a line), or as CSV (image, rank, label, score) for a `.csv` `output`; written
+    to `output` (a new file: an existing one is refused) and returned."""
+    if output is not None and Path(output).suffix.lower() == ".csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(["image", "rank", "label", "score"])
+        for row in rows:
+            for rank, item in enumerate(row["predictions"], 1):
+                writer.writerow([row["image"], rank, item["label"], f"{item['score']:.6g}"])
+        text = buffer.getvalue()
+    else:
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+    if output is not None:
+        path = Path(output)
+        if path.suffix.lower() not in (".csv", ".jsonl", ".json"):
+            raise ValueError(f"--output {output}: name a .jsonl or .csv file.")
+        if path.exists():
+            raise ValueError(f"--output {output} exists: name a new file (it is never overwritten).")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return text
+
+
+@torch.no_grad()
+def evaluate_loaded(
+    classifier, processor, data_args: Any, split: str | None = None, batch_size: int = 64, seed: int = 0
+) -> tuple[dict[str, Any], np.ndarray | None]:
+    """The metrics of the objective of `classifier` (single- or multi-label classification) on `split` (default: the
+    run's final split, test or else validation) of `data_args`' data set, as `<split>_*` with `<split>_loss`, and
+    the confusion matrix (rows: true class, columns: predicted; None for multi-label data)."""
+    raw = load_datasets(data_args, seed)
+    split = split or final_split(raw)
+    if split not in raw:
+        raise ValueError(f"--split {split}: the data set {data_args.dataset_name!r} has {', '.join(raw)}.")
+    wanted = SimpleNamespace(objective="classification", problem_type=None)
+    objective = select_objective("finetune", wanted, data_args, raw)
+    raw, labels = objective.labels(raw, data_args)
+    check_classes(classifier.config, labels.id2label, data_args.dataset_name)
+    data = objective.transforms(raw, data_args, processor, classifier.config)[split]
+    logits, targets = [], []
+    for start in range(0, len(data), batch_size):
+        batch = objective.collator([data[i] for i in range(start, min(start + batch_size, len(data)))])
+        logits.append(classifier(pixel_values=batch["pixel_values"]).logits.float())
+        targets.append(batch["labels"])
+    predictions, references = torch.cat(logits).numpy(), torch.cat(targets).numpy()
+    measured = objective.compute_metrics((predictions, references))
+    metrics: dict[str, Any] = {f"{split}_{key}": value for key, value in measured.items()}
+    metrics[f"{split}_loss"] = objective.loss(predictions, references)
+    metrics[f"{split}_samples"] = len(references)
+    confusion = None
+    if references.ndim == 1:
+        classes = len(labels.id2label)
+        confusion = np.zeros((classes, classes), dtype=np.int64)
+        np.add.at(confusion, (references, predictions.argmax(-1)), 1)
+    return metrics, confusion
+
+
+def check_classes(config: Any, id2label: dict[int, str], dataset_name: str) -> None:
+    """A checkpoint's head is evaluated as it is: its classes must be the data set's, in the same order."""
+    model_names = [config.id2label[i] for i in range(config.num_labels)]
+    data_names = [id2label[i] for i in range(len(id2label))]
+    if model_names != data_names:
+        raise ValueError(
+            f"The model's classes {model_names} are not those of {dataset_name!r} ({data_names}): its head can only "
+            "be evaluated on the classes it was trained for. Fine-tune it on this data set first (hf-vit-finetune)."
+        )
+
+
+def evaluate_saved_model(
+    model: str | os.PathLike,
+    dataset_name: str,
+    split: str | None = None,
+    output_dir: str | os.PathLike | None = None,
+    data_args: Any = None,
+) -> dict[str, Any]:
+    """Evaluate the model at `model` on `split` of `dataset_name` (see `evaluate_loaded`); with `output_dir`, write
+    `<split>_results.json` and, for single-label data, `<split>_confusion_matrix.png` there (matplotlib needed: without
+    it the plot is skipped and said so). Existing files of those names are refused, never overwritten."""
+    data_args = data_args or DataArguments(dataset_name=dataset_name)
+    classifier, processor = load_model(model)
+    metrics, confusion = evaluate_loaded(classifier, processor, data_args, split)
+    split = next(key for key in metrics if key.endswith("_samples")).removesuffix("_samples")
+    metrics = {"model": os.fspath(model), "dataset_name": dataset_name, "split": split, **metrics}
+    if output_dir is not None:
+        write_evaluation(Path(output_dir), split, metrics, confusion, classifier.config.id2label)
+    return metrics
+
+
+def write_evaluation(folder: Path, split: str, metrics: dict, confusion, id2label: dict[int, str]) -> list[Path]:
+    """The results JSON (and the confusion matrix's PNG when there is one and matplotlib is installed) in `folder`."""
+    results = folder / f"{split}_results.json"
+    plot = folder / f"{split}_confusion_matrix.png"
+    for path in (results, plot):
+        if path.exists():
+            raise ValueError(f"{path} exists: pass another output folder (files are never overwritten).")
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [results]
+    results.write_text(json.dumps(metrics, indent=2) + "\n")
+    if confusion is not None:
+        try:
+            written.append(plot_confusion_matrix(confusion, [id2label[i] for i in range(len(confusion))], plot))
+        except ImportError:
+            logger.warning("matplotlib is not installed: no %s (pip install 'hf-vit[plot]').", plot.name)
+    return written
+
+
+def plot_confusion_matrix(confusion: np.ndarray, names: list[str], path: Path) -> Path:
+    """The confusion matrix (rows: true class, columns: predicted) as a PNG with the counts written in."""
+    from ..outputs.plotting import pyplot, save_figure
+
+    plt = pyplot()
+    size = max(4.0, 0.45 * len(names) + 2)
+    fig, ax = plt.subplots(figsize=(size, size))
+    ax.imshow(confusion, cmap="Blues")
+    ax.set(xlabel="predicted", ylabel="true", xticks=range(len(names)), yticks=range(len(names)))
+    ax.set_xticklabels(names, rotation=90)
+    ax.set_yticklabels(names)
+    if len(names) <= 30:
+        peak = confusion.max() or 1
+        for (row, column), count in np.ndenumerate(confusion):
+            color = "white" if count > peak / 2 else "black"
+            ax.text(column, row, str(count), ha="center", va="center", color=color, fontsize=8)
+    return save_figure(fig, path, title=f"Confusion matrix ({int(confusion.sum())} images)")
+
+
+def evaluate_checkpoint(task: str, model_args: Any, data_args: Any, training_args: Any) -> dict[str, Any]:
+    """`--do_train False`: the checkpoint `--model_name_or_path`, head and all, measured on the validation split
+    (`--do_eval`) and the test split (`--do_predict`); `<split>_results.json` (and the confusion matrix) go to
+    `--output_dir`. No model is written."""
+    if not model_args.model_name_or_path:
+        raise ValueError(
+            f"--do_train False evaluates a saved model: pass --model_name_or_path (hf-vit-{task} trains nothing "
+            "without --do_train)."
+        )
+    splits = [split for split, wanted in (("validation", training_args.do_eval), ("test", training_args.do_predict))
+              if wanted]  # fmt: skip
+    if not splits:
+        raise ValueError("--do_train False with neither --do_eval nor --do_predict: there is nothing to do.")
+    classifier, processor = load_model(model_args.model_name_or_path)
+    results: dict[str, Any] = {"model": model_args.model_name_or_path, "dataset_name": data_args.dataset_name}
+    for split in splits:
+        metrics, confusion = evaluate_loaded(
+            classifier, processor, data_args, split, training_args.per_device_eval_batch_size, training_args.seed
+        )
+        write_evaluation(Path(training_args.output_dir), split, {**results, "split": split, **metrics}, confusion,
+                         classifier.config.id2label)  # fmt: skip
+        results.update(metrics)
+    shown = ", ".join(f"{key} {value:.4f}" for key, value in results.items() if isinstance(value, float))
+    message = (
+        f"Evaluated {model_args.model_name_or_path} as it is (no training, no model written) on "
+        f"{data_args.dataset_name}: {shown}. Results in {os.path.abspath(training_args.output_dir)}."
+    )
+    logger.info("%s", message)
+    print(message, flush=True)
+    return results

@@ -1,0 +1,93 @@
+"""The end of a run, said in a few lines: where the model is, its headline metric on which split, the commands to
+run next with the real paths, and a warning when the training loss stayed at chance level."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shlex
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# The metric a run is judged by, per objective, as the final evaluation reports it (`eval_*`).
+HEADLINE_METRICS = ("accuracy", "mean_average_precision", "mpp_accuracy", "loss")
+CHANCE_MARGIN = 0.05  # a final training loss within 5% of chance is "at chance"
+
+
+def final_training_loss(log_history: list[dict[str, Any]], metrics: dict[str, Any]) -> float | None:
+    """The last logged training loss (the run's mean training loss when no step was logged)."""
+    for entry in reversed(log_history):
+        if "loss" in entry:
+            return float(entry["loss"])
+    value = metrics.get("train_loss")
+    return float(value) if value is not None else None
+
+
+def chance_warning(loss: float | None, num_classes: int, problem_type: str | None, training_args: Any) -> str | None:
+    """The warning for a single-label run whose final training loss is within 5% of chance, ln C for C classes (a
+    model answering every class at 1/C); None otherwise."""
+    if loss is None or problem_type != "single_label_classification" or num_classes < 2:
+        return None
+    chance = math.log(num_classes)
+    if abs(loss - chance) > CHANCE_MARGIN * chance:
+        return None
+    return (
+        f"The final training loss {loss:.4f} is at chance level: ln {num_classes} = {chance:.4f} for {num_classes} "
+        "classes, the loss of a model that answers every class at 1/{0} whatever the image. It has learned nothing "
+        "yet. Try a higher --learning_rate (this run: {1:g}), more --num_train_epochs (this run: {2:g}), or the "
+        "README's quick-start recipe for an image folder."
+    ).format(num_classes, training_args.learning_rate, training_args.num_train_epochs)
+
+
+def headline(metrics: dict[str, Any]) -> tuple[str, float] | None:
+    """(name, value) of the final evaluation's headline metric."""
+    for name in HEADLINE_METRICS:
+        if isinstance(metrics.get(f"eval_{name}"), (int, float)):
+            return name, float(metrics[f"eval_{name}"])
+    return None
+
+
+def next_commands(output_dir: str, dataset_name: str | None, task: str, split: str = "test") -> list[str]:
+    """What to run on the saved model next, with its path (and the data set's, a local one made absolute)."""
+    model = shlex.quote(output_dir)
+    commands = [f"hf-vit-predict --model {model} IMAGE_OR_FOLDER..."]
+    if dataset_name:
+        data = os.path.abspath(dataset_name) if os.path.exists(dataset_name) else dataset_name
+        commands.append(f"hf-vit-evaluate --model {model} --dataset_name {shlex.quote(data)} --split {split}")
+    commands.append(f"hf-vit-export --model {model} --format onnx --output {shlex.quote(output_dir + '.onnx')}")
+    commands.append(f"hf-vit-push --model {model} --hub_model_id YOUR_NAME/{os.path.basename(output_dir) or task}")
+    return commands
+
+
+def summarize_run(
+    task: str,
+    output_dir: str | os.PathLike,
+    metrics: dict[str, Any],
+    log_history: list[dict[str, Any]],
+    config: Any,
+    training_args: Any,
+    dataset_name: str | None = None,
+) -> list[str]:
+    """Log (INFO) and print the run's summary; log the chance-level WARNING when it applies. Returns the lines."""
+    output_dir = os.path.abspath(os.fspath(output_dir))
+    lines = [f"hf-vit {task}: the model is in {output_dir}"]
+    found = headline(metrics)
+    if found is not None:
+        name, value = found
+        split = metrics.get("eval_split", "validation")
+        lines.append(f"  {name} on the {split} split: {value:.4f}")
+    lines.append("  next:")
+    split = metrics.get("eval_split", "validation")
+    lines.extend(f"    {command}" for command in next_commands(output_dir, dataset_name, task, split))
+    problem_type = getattr(config, "problem_type", None)
+    num_classes = len(getattr(config, "id2label", None) or {})
+    warning = chance_warning(final_training_loss(log_history, metrics), num_classes, problem_type, training_args)
+    for line in lines:
+        logger.info("%s", line)
+    if warning:
+        logger.warning("%s", warning)
+        lines.append(f"  WARNING: {warning}")
+    print("\n".join(lines), flush=True)
+    return lines

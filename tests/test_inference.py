@@ -1,0 +1,207 @@
+"""A saved model at work without training: hf-vit-predict, hf-vit-evaluate and `--do_train False`, on hf-vit
+folders, Hub ids of transformers' checkpoints and LoRA run folders; each checked against a forward computed here."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_sources import hub_cache, hub_repo  # noqa: F401
+from test_training import QUIET, pretrained_folder, split_image_folder
+from torch.nn import functional as F
+from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.commands import evaluate as evaluate_command
+from hf_vit.commands import predict as predict_command
+from hf_vit.run.arguments import parse_args
+from hf_vit.run.training import train
+
+CLASSES = {0: "cat", 1: "dog"}
+
+
+def classifier_folder(path, id2label=CLASSES, seed=0):
+    """A tiny hf-vit classifier of `id2label` at 8x8 with a non-zero head, and its processor."""
+    config = VisionTransformerConfig(
+        image_size=8, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, id2label=id2label, label2id={v: k for k, v in id2label.items()}, zero_init_head=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    VisionTransformerForImageClassification(config).save_pretrained(path)
+    VisionTransformerImageProcessor(size=8).save_pretrained(path)
+    return path
+
+
+def direct_scores(model, processor, files):
+    """Softmax scores of a forward of the files' images, computed here."""
+    images = [Image.open(path).convert("RGB") for path in files]
+    with torch.no_grad():
+        return model(pixel_values=processor(images, return_tensors="pt")["pixel_values"]).logits.softmax(-1)
+
+
+def predicted(capsys, argv):
+    assert predict_command.main(argv) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def check_rows(rows, files, expected, id2label, top_k):
+    assert [row["image"] for row in rows] == [str(path) for path in files]
+    for row, scores in zip(rows, expected):
+        best = scores.topk(top_k)
+        assert [item["label"] for item in row["predictions"]] == [id2label[int(i)] for i in best.indices]
+        np.testing.assert_allclose([item["score"] for item in row["predictions"]], best.values.numpy(), atol=1e-5)
+
+
+def test_predict_gives_each_images_top_classes_as_a_forward_does(tmp_path, capsys):
+    model = classifier_folder(tmp_path / "model", {0: "a", 1: "b", 2: "c"})
+    data = split_image_folder(tmp_path / "data")
+    files = sorted((data / "test").rglob("*.png"))
+    rows = predicted(capsys, ["--model", str(model), str(data / "test"), "--top_k", "2"])
+    expected = direct_scores(
+        VisionTransformerForImageClassification.from_pretrained(model).eval(),
+        VisionTransformerImageProcessor.from_pretrained(model),
+        files,
+    )
+    check_rows(rows, files, expected, {0: "a", 1: "b", 2: "c"}, 2)
+    # a CSV file: one row per image and rank
+    assert predict_command.main(["--model", str(model), str(files[0]), "--output", str(tmp_path / "p.csv")]) == 0
+    lines = (tmp_path / "p.csv").read_text().splitlines()
+    assert lines[0] == "image,rank,label,score" and len(lines) == 1 + 3  # top_k 5 is cut to the 3 classes
+    assert predict_command.main(["--model", str(model), str(files[0]), "--output", str(tmp_path / "p.csv")]) == 2
+
+
+def test_predict_loads_a_transformers_checkpoint_by_hub_id(hub_cache, tmp_path, capsys):  # noqa: F811
+    torch.manual_seed(0)
+    id2label = {0: "x", 1: "y", 2: "z"}
+    source = ViTForImageClassification(
+        ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=64, id2label=id2label, label2id={v: k for k, v in id2label.items()})
+    ).eval()  # fmt: skip
+    torch.nn.init.normal_(source.classifier.weight, std=0.5)
+    snapshot = hub_repo(hub_cache, "google/vit-tiny-test")
+    source.save_pretrained(snapshot)
+    transformers_processor = ViTImageProcessor(size={"height": 32, "width": 32})
+    transformers_processor.save_pretrained(snapshot)
+    images = []  # at the model's size: the two processors' resampling differs by a few 1e-4
+    for i in range(3):
+        images.append(tmp_path / f"{i}.png")
+        Image.fromarray(np.random.default_rng(i).integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(images[-1])
+    rows = predicted(capsys, ["--model", "google/vit-tiny-test", *map(str, images), "--top_k", "3"])
+    check_rows(rows, images, direct_scores(source, transformers_processor, images), id2label, 3)
+
+
+def expected_metrics(model_folder, data, split="test"):
+    """Accuracy and loss of the model on the split's files, computed here from the folder's files."""
+    model = VisionTransformerForImageClassification.from_pretrained(model_folder).eval()
+    processor = VisionTransformerImageProcessor.from_pretrained(model_folder)
+    files = sorted((data / split).rglob("*.png"))
+    labels = torch.tensor([model.config.label2id[path.parent.name] for path in files])
+    images = [Image.open(path).convert("RGB") for path in files]
+    with torch.no_grad():
+        logits = model(pixel_values=processor(images, return_tensors="pt")["pixel_values"]).logits
+    return float((logits.argmax(-1) == labels).float().mean()), float(F.cross_entropy(logits, labels)), len(files)
+
+
+def test_evaluate_measures_the_split_as_a_forward_does_and_draws_the_confusion_matrix(tmp_path, capsys):
+    model = classifier_folder(tmp_path / "model")
+    data = split_image_folder(tmp_path / "data")
+    out = tmp_path / "eval"
+    argv = ["--model", str(model), "--dataset_name", str(data), "--output_dir", str(out)]
+    assert evaluate_command.main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    accuracy, loss, count = expected_metrics(model, data)
+    assert printed["split"] == "test" and printed["test_samples"] == count
+    assert printed["test_accuracy"] == pytest.approx(accuracy) and printed["test_loss"] == pytest.approx(
+        loss, abs=1e-5
+    )
+    assert json.loads((out / "test_results.json").read_text()) == printed
+    with Image.open(out / "test_confusion_matrix.png") as image:
+        assert image.size[0] > 100
+    assert evaluate_command.main(argv) == 2  # the results are never overwritten
+    assert "exists" in capsys.readouterr().err
+
+
+def test_evaluate_without_matplotlib_says_so_and_skips_the_plot(tmp_path, monkeypatch, caplog):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    model = classifier_folder(tmp_path / "model")
+    data = split_image_folder(tmp_path / "data")
+    assert (
+        evaluate_command.main(
+            ["--model", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "e")]
+        )
+        == 0
+    )
+    assert (tmp_path / "e" / "test_results.json").exists() and not (
+        tmp_path / "e" / "test_confusion_matrix.png"
+    ).exists()
+    assert "matplotlib is not installed" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "command, argv, named",
+    [
+        (predict_command, ["--model", "{tmp}/missing", "{tmp}/x.png"], "missing"),
+        (predict_command, ["--model", "{model}", "{tmp}/no-such.png"], "no-such.png"),
+        (evaluate_command, ["--model", "{model}", "--dataset_name", "{data}", "--split", "tset"], "--split tset"),
+        (evaluate_command, ["--model", "{tmp}/missing", "--dataset_name", "{data}"], "missing"),
+        (evaluate_command, ["--model", "{model}"], "--dataset_name"),
+    ],
+)
+def test_errors_are_one_line_and_exit_status_2(tmp_path, capsys, command, argv, named):
+    model = classifier_folder(tmp_path / "model")
+    data = split_image_folder(tmp_path / "data")
+    argv = [word.format(tmp=tmp_path, model=model, data=data) for word in argv]
+    capsys.readouterr()
+    try:
+        code = command.main(argv)
+    except SystemExit as done:  # the flags' own errors
+        code = done.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and named in err[0], err
+
+
+def test_do_train_false_evaluates_the_checkpoint_as_it_is_and_writes_no_model(tmp_path):
+    model = classifier_folder(tmp_path / "model")
+    data = split_image_folder(tmp_path / "data")
+    out = tmp_path / "out"
+    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(out)]
+    metrics = train("finetune", *parse_args("finetune", args + ["--do_train", "False", "--do_predict", *QUIET]))
+    accuracy, loss, _ = expected_metrics(model, data)
+    assert metrics["test_accuracy"] == pytest.approx(accuracy) and metrics["test_loss"] == pytest.approx(
+        loss, abs=1e-5
+    )
+    assert "validation_accuracy" in metrics  # --do_eval is on with the evaluation strategy
+    names = {path.name for path in out.iterdir()}
+    assert {"test_results.json", "validation_results.json"} <= names
+    assert not names & {"model.safetensors", "config.json", "adapter_model.safetensors"}
+
+    other = classifier_folder(tmp_path / "other", {0: "bird", 1: "fish"})
+    args = ["--model_name_or_path", str(other), "--dataset_name", str(data), "--output_dir", str(tmp_path / "o")]
+    with pytest.raises(ValueError, match=r"\['bird', 'fish'\] are not those of .*\['cat', 'dog'\]"):
+        train("finetune", *parse_args("finetune", args + ["--do_train", "False", *QUIET]))
+
+
+def test_a_lora_runs_folder_predicts_and_loads_without_base(tmp_path, capsys):
+    from hf_vit.run.lora import load_lora_model
+
+    source = pretrained_folder(tmp_path / "pre")
+    data = split_image_folder(tmp_path / "data")
+    out = tmp_path / "lora"
+    args = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--output_dir", str(out)]
+    args += ["--image_size", "8", "--max_steps", "4", "--eval_strategy", "no", "--save_strategy", "no"]
+    train("finetune", *parse_args("finetune", args + ["--learning_rate", "0.05", "--lora_rank", "2", *QUIET]))
+    assert "the model is in" in capsys.readouterr().out  # the run's summary
+    files = sorted((data / "test").rglob("*.png"))
+    rows = predicted(capsys, ["--model", str(out), str(data / "test"), "--top_k", "2"])
+    merged = load_lora_model(out, base=source)
+    check_rows(rows, files, direct_scores(merged, VisionTransformerImageProcessor.from_pretrained(out), files),
+               CLASSES, 2)  # fmt: skip
+    assert evaluate_command.main(["--model", str(out), "--dataset_name", str(data)]) == 0
+    accuracy = json.loads(capsys.readouterr().out)["test_accuracy"]
+    labels = torch.tensor([0 if path.parent.name == "cat" else 1 for path in files])
+    expected = direct_scores(merged, VisionTransformerImageProcessor.from_pretrained(out), files).argmax(-1)
+    assert accuracy == pytest.approx(float((expected == labels).float().mean()))

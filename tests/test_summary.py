@@ -1,0 +1,77 @@
+"""What a user meets at both ends of a run: a mistyped or guessed flag answered with the flag meant, and a run that
+ends by saying where its model is, what it measured on which split, what to run next, and when it learned nothing."""
+
+import logging
+import math
+import subprocess
+import sys
+
+import pytest
+from test_training import QUIET, ROOT, TINY_RUN, split_image_folder
+
+from hf_vit.run.arguments import parse_args
+from hf_vit.run.summary import chance_warning
+from hf_vit.run.training import train
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--train_dir", "shapes"], "--train_dir: the data set is --dataset_name"),
+        (["--data", "shapes"], "--data: the data set is --dataset_name"),  # not taken as --data_seed
+        (["--dataset", "shapes"], "--dataset: the data set is --dataset_name"),  # not taken as --dataset_name
+        (["--learning_rat", "0.1"], "--learning_rat: did you mean --learning_rate?"),
+        (["--num_train_epoch", "3"], "--num_train_epoch: did you mean --num_train_epochs?"),
+    ],
+)
+def test_unknown_flags_are_answered_with_the_flag_meant(tmp_path, flags, named):
+    with pytest.raises(ValueError) as error:
+        parse_args("finetune", ["--output_dir", str(tmp_path), *flags])
+    assert named in str(error.value) and "HfArgumentParser" not in str(error.value)
+
+
+def test_a_guessed_flag_is_one_error_line_with_exit_status_2(tmp_path):
+    script = [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--output_dir", str(tmp_path / "out")]
+    done = subprocess.run(script + ["--train_dir", "shapes"], capture_output=True, text=True)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error:") and "--dataset_name" in lines[0]
+    done = subprocess.run(script + ["--num_train_epochs", "many"], capture_output=True, text=True)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "--num_train_epochs" in lines[0], done.stderr
+
+
+def tiny_run(tmp_path, data, learning_rate, epochs="1"):
+    args = ["--output_dir", str(tmp_path / "out"), "--dataset_name", str(data), *TINY_RUN]
+    args += ["--learning_rate", learning_rate, "--num_train_epochs", epochs, "--logging_steps", "1"]
+    args += ["--eval_strategy", "no", "--save_strategy", "no", *QUIET]
+    return train("pretrain", *parse_args("pretrain", args))
+
+
+def test_a_run_ends_with_its_summary_and_a_run_at_chance_says_so(tmp_path, capsys, caplog):
+    data = split_image_folder(tmp_path / "data")
+    caplog.set_level(logging.INFO, logger="hf_vit")
+    # learning rate 0: the weights never move. The pretraining head starts at zero (as the paper's does), so every
+    # image gets 1/2 per class and the loss is ln 2 exactly.
+    metrics = tiny_run(tmp_path, data, "0")
+    printed = capsys.readouterr().out
+    out = (tmp_path / "out").resolve()
+    assert f"the model is in {out}" in printed
+    assert f"accuracy on the test split: {metrics['eval_accuracy']:.4f}" in printed
+    assert f"hf-vit-predict --model {out} " in printed
+    assert f"hf-vit-evaluate --model {out} --dataset_name {data.resolve()} --split test" in printed
+    assert f"hf-vit-export --model {out} --format onnx" in printed and f"hf-vit-push --model {out} " in printed
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "chance" in r.getMessage()]
+    assert len(warnings) == 1 and f"ln 2 = {math.log(2):.4f}" in warnings[0] and "--learning_rate" in warnings[0]
+    assert "the model is in" in caplog.text  # logged as well as printed
+
+
+def test_the_chance_warning_is_for_losses_within_5_percent_of_ln_c(tmp_path):
+    args = parse_args("finetune", ["--output_dir", str(tmp_path)])[2]
+    chance = math.log(4)
+    assert chance_warning(1.3856, 4, "single_label_classification", args)  # the reported run: 4 classes, 1.3856
+    assert chance_warning(chance * 1.049, 4, "single_label_classification", args)
+    assert chance_warning(chance * 0.951, 4, "single_label_classification", args)
+    assert chance_warning(chance * 1.06, 4, "single_label_classification", args) is None
+    assert chance_warning(chance * 0.5, 4, "single_label_classification", args) is None
+    assert chance_warning(chance, 4, "multi_label_classification", args) is None  # ln C is not its chance level
