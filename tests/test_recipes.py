@@ -585,8 +585,18 @@ def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
     ):
         with pytest.raises(ValueError, match=message):
             parse_args("finetune", out + argv)
-    with pytest.raises(ValueError, match="masked patch prediction"):
-        parse_args("pretrain", out + ["--objective", "mpp", "--recipe", "augreg"])
+    from hf_vit.run.training import train
+
+    mpp = out + [
+        "--objective",
+        "mpp",
+        "--recipe",
+        "augreg",
+        "--config_overrides",
+        "hidden_size=32,num_hidden_layers=1",
+    ]
+    with pytest.raises(ValueError, match="--mixup_alpha, --rand_augment augment"):
+        train("pretrain", *parse_args("pretrain", mpp + ["--image_size", "8", "--patch_size", "4"]))
     with pytest.raises(SystemExit):
         parse_args("finetune", ["--help"])
     shown = capsys.readouterr().out

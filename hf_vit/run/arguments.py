@@ -381,22 +381,6 @@ def check_recipe_flags(model_args, data_args, training_args, passed: set[str]) -
             )
     if data_args.rand_augment is not None:
         parse_rand_augment(data_args.rand_augment)
-    if model_args.objective == "mpp":
-        used = [
-            flag
-            for flag, on in (
-                ("--mixup_alpha", training_args.mixup_alpha > 0),
-                ("--cutmix_alpha", mixing.uses_cutmix),
-                ("--rand_augment", data_args.rand_augment is not None),
-            )
-            if on
-        ]
-        if used:
-            raise ValueError(
-                f"{', '.join(used)} augment(s) images for classification: masked patch prediction (--objective mpp) "
-                "learns the patches' colours, which they would change. Drop them (a --recipe sets them: override with "
-                "--mixup_alpha 0 --cutmix_alpha 0, or train mpp without --recipe)."
-            )
 
 
 # Flags a user guesses for the data, all of them `--dataset_name` here.

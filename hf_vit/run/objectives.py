@@ -60,6 +60,8 @@ class Objective:
     compute_metrics: Callable
     preprocess_logits: Callable | None = None
     streaming: bool = True  # whether it trains on streamed data sets
+    # Whether its training images may be mixed (Mixup, CutMix) and RandAugmented: not when it learns the pixels.
+    augmentable: bool = True
     # The loss of the gathered predictions and labels, for the final evaluation (None: Trainer's mean of the batches'
     # losses, which counts the padding of a streamed split's last batch when several processes evaluate it).
     loss: Callable[[Any, Any], float] | None = None
@@ -140,6 +142,7 @@ OBJECTIVES: dict[str, Objective] = {
         collator=mpp_collate_fn,
         compute_metrics=mpp_compute_metrics,
         preprocess_logits=mpp_preprocess_logits,
+        augmentable=False,
     ),
 }
 

@@ -415,3 +415,27 @@ def recipe_card_text(task: str, model_args: Any, data_args: Any, training_args: 
         values = _flag_values(model_args, data_args, training_args)
         text += " Named " + recipe_summary(get_recipe(name), values, given)
     return text
+
+
+def refuse_augmentation(objective: str, augmentable: bool, data_args: Any, training_args: Any) -> None:
+    """Refuse Mixup, CutMix and RandAugment, by name, for an objective that learns the pixels themselves."""
+    if augmentable:
+        return
+    used = [
+        flag
+        for flag, on in (
+            ("--mixup_alpha", getattr(training_args, "mixup_alpha", 0) > 0),
+            (
+                "--cutmix_alpha",
+                getattr(training_args, "cutmix_alpha", 0) > 0 or getattr(training_args, "cutmix_minmax", None),
+            ),
+            ("--rand_augment", getattr(data_args, "rand_augment", None) is not None),
+        )
+        if on
+    ]
+    if used:
+        raise ValueError(
+            f"{', '.join(used)} augment(s) images for classification: --objective {objective} learns the patches' "
+            "colours, which they would change. Drop them (a --recipe sets them: override with --mixup_alpha 0 "
+            "--cutmix_alpha 0, or train without --recipe)."
+        )

@@ -29,7 +29,7 @@ from .inference import evaluate_checkpoint
 from .lora import adapt, check_lora_arguments, lora_summary
 from .model_setup import processor_for
 from .objectives import Objective, select_objective
-from .recipes import ema_callback, log_recipe, mixing_for, recipe_card_text
+from .recipes import ema_callback, log_recipe, mixing_for, recipe_card_text, refuse_augmentation
 from .summary import summarize_run
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
 from .transforms import check_image_channels, decode_rgb
@@ -80,6 +80,7 @@ def train(
 def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[str, Any]:
     raw = load_datasets(data_args, training_args.seed)
     objective = select_objective(task, model_args, data_args, raw)
+    refuse_augmentation(objective.name, objective.augmentable, data_args, training_args)
     raw, labels = objective.labels(raw, data_args)
     if getattr(training_args, "check_eval_images", True):  # a plain TrainingArguments has no such flag
         check_eval_images(raw)
