@@ -1,4 +1,5 @@
 import os
+import socket
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,6 +11,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launcher's rendezvous: fixed ports collide when test files run side
+    by side (pytest-xdist) or beside another run on the machine."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def tiny_config(**overrides):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 from safetensors.torch import load_file
 from test_training import WORKER, deterministic_finetune_args, pretrained_folder
 
@@ -28,7 +29,15 @@ def run(cmd, timeout=600):
 
 
 def test_fsdp_shards_hf_vit_on_cpu_and_saves_one_consolidated_model(tmp_path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
     run(torchrun + [str(FSDP_WORKER), str(tmp_path / "sharded")])
     run([sys.executable, str(FSDP_WORKER), str(tmp_path / "single"), "--single"])
     ranks = [json.loads((tmp_path / "sharded" / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -51,7 +60,15 @@ def test_fsdp_shards_hf_vit_on_cpu_and_saves_one_consolidated_model(tmp_path):
 
 
 def test_a_killed_fsdp_run_resumes_from_its_sharded_checkpoint(tmp_path):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29547"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
     run(torchrun + [str(FSDP_WORKER), str(tmp_path / "straight")])
     killed = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -91,8 +108,9 @@ def node_launch(launcher: str, node_rank: int, port: int) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("launcher, port", [("torchrun", 29543), ("accelerate", 29545)])
-def test_two_nodes_on_one_machine_match_one_process(tmp_path, launcher, port):
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+def test_two_nodes_on_one_machine_match_one_process(tmp_path, launcher):
+    port = free_port()
     source = pretrained_folder(tmp_path / "pre")
     two = tmp_path / "two-nodes"
     nodes = []

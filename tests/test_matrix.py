@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import free_port
 from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageClassification, TrainerCallback
 
@@ -269,7 +270,15 @@ def trained_in_memory(world, combination, output_dir, task, flags, caplog):
         with caplog.at_level("INFO", logger="hf_vit.run"):
             train(task, *parse_args(task, flags), callbacks=[keep])
         return keep.model.eval(), caplog.text
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29541"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_CACHE": str(world.cache)}
     done = subprocess.run(torchrun + [str(WORKER), task, *flags], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -384,7 +393,7 @@ def test_killed_lora_run_resumes_to_the_same_weights(world, processes, tmp_path)
         command = [sys.executable, str(WORKER), task, *flags]
         if processes == 2:
             command[:1] = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-            command[5:5] = ["--master_port", "29542"]
+            command[5:5] = ["--master_port", str(free_port())]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_CACHE": str(world.cache)}
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
         assert (done.returncode == 0) == (expect == 0), done.stderr[-4000:]

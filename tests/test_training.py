@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import free_port
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -193,7 +194,15 @@ def deterministic_finetune_args(source, output_dir, per_device_batch, max_steps=
 def test_distributed_two_processes_match_one(tmp_path):
     source = pretrained_folder(tmp_path / "pre")
     two = tmp_path / "two"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
     done = run(torchrun + [str(WORKER)] + deterministic_finetune_args(source, two, 8, extra=["--save_strategy", "no"]))
     assert "find_unused_parameters=True was specified" not in done.stderr  # DDP does not search for unused params
     info = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -252,7 +261,7 @@ def test_killed_run_resumes_to_the_same_weights(resume_runs, kill_at, resumed_fr
 def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):
     out = tmp_path / "out"
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    accelerate += [str(ROOT / "configs" / "accelerate" / "cpu.yaml"), "--main_process_port", "29534"]
+    accelerate += [str(ROOT / "configs" / "accelerate" / "cpu.yaml"), "--main_process_port", str(free_port())]
     args = ["pretrain", "--output_dir", str(out), "--image_size", "8", "--patch_size", "4", "--config_overrides", TINY]
     args += [
         "--max_steps",
