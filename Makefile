@@ -23,8 +23,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 train: setup
 	$(PY) scripts/main_job.py $(if $(QUICK),--quick,--output_dir outputs/main)
 
+# The test files run in TEST_WORKERS processes side by side (pytest-xdist), each file whole in one of them.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: setup
 	$(VENV)/bin/ruff check hf_vit scripts tests benchmarks
