@@ -1,5 +1,6 @@
 import os
 import socket
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,12 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def torchrun_command(processes: int = 2) -> list[str]:
+    """`torchrun --nproc_per_node N` on a free rendezvous port, as this interpreter runs it."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    return launcher + ["--master_port", str(free_port())]
 
 
 def tiny_config(**overrides):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, torchrun_command
 from safetensors.torch import load_file
 from test_training import WORKER, deterministic_finetune_args, pretrained_folder
 
@@ -29,15 +29,7 @@ def run(cmd, timeout=600):
 
 
 def test_fsdp_shards_hf_vit_on_cpu_and_saves_one_consolidated_model(tmp_path):
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-    ]
+    torchrun = torchrun_command()
     run(torchrun + [str(FSDP_WORKER), str(tmp_path / "sharded")])
     run([sys.executable, str(FSDP_WORKER), str(tmp_path / "single"), "--single"])
     ranks = [json.loads((tmp_path / "sharded" / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -60,15 +52,7 @@ def test_fsdp_shards_hf_vit_on_cpu_and_saves_one_consolidated_model(tmp_path):
 
 
 def test_a_killed_fsdp_run_resumes_from_its_sharded_checkpoint(tmp_path):
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-    ]
+    torchrun = torchrun_command()
     run(torchrun + [str(FSDP_WORKER), str(tmp_path / "straight")])
     killed = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import free_port
+from conftest import torchrun_command
 from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageClassification, TrainerCallback
 
@@ -270,15 +270,7 @@ def trained_in_memory(world, combination, output_dir, task, flags, caplog):
         with caplog.at_level("INFO", logger="hf_vit.run"):
             train(task, *parse_args(task, flags), callbacks=[keep])
         return keep.model.eval(), caplog.text
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-    ]
+    torchrun = torchrun_command()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_CACHE": str(world.cache)}
     done = subprocess.run(torchrun + [str(WORKER), task, *flags], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -390,10 +382,8 @@ def test_killed_lora_run_resumes_to_the_same_weights(world, processes, tmp_path)
         flags[flags.index("--save_strategy") + 1] = "steps"
         flags[flags.index("--max_steps") + 1] = "6"
         flags += ["--save_steps", "2", "--eval_strategy", "no", "--dataloader_num_workers", "0", *more]
-        command = [sys.executable, str(WORKER), task, *flags]
-        if processes == 2:
-            command[:1] = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-            command[5:5] = ["--master_port", str(free_port())]
+        launcher = torchrun_command(processes) if processes > 1 else [sys.executable]
+        command = [*launcher, str(WORKER), task, *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_CACHE": str(world.cache)}
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
         assert (done.returncode == 0) == (expect == 0), done.stderr[-4000:]

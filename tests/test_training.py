@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, torchrun_command
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -194,15 +194,7 @@ def deterministic_finetune_args(source, output_dir, per_device_batch, max_steps=
 def test_distributed_two_processes_match_one(tmp_path):
     source = pretrained_folder(tmp_path / "pre")
     two = tmp_path / "two"
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-    ]
+    torchrun = torchrun_command()
     done = run(torchrun + [str(WORKER)] + deterministic_finetune_args(source, two, 8, extra=["--save_strategy", "no"]))
     assert "find_unused_parameters=True was specified" not in done.stderr  # DDP does not search for unused params
     info = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
