@@ -39,7 +39,7 @@ from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings
 GPU_PRESETS = {"vit-small-patch16-224": 256, "vit-base-patch16-224": 256, "vit-large-patch16-224": 128}
 # --quick: ViT-Ti/16 cut to 2 blocks at 32x32, batch 2.
 QUICK_PRESET = "vit-tiny-patch16-224"
-# The issue's targets: every hf-vit / peer throughput ratio (eager against eager, compiled against compiled), and
+# The project's GPU targets: every hf-vit / peer throughput ratio (eager against eager, compiled against compiled), and
 # compiled ViT-B/16's MFU.
 RATIO_TARGET = 1.05
 MFU_TARGETS = {("vit-base-patch16-224", "train"): 0.40, ("vit-base-patch16-224", "infer"): 0.50}
@@ -186,7 +186,7 @@ def format_summary(report: dict) -> str:
 
 
 def format_targets(report: dict) -> str:
-    """Each target of the issue against the measured figure: every ratio >= 1.05, compiled ViT-B/16 MFU."""
+    """Each of the project's GPU targets against the measured figure: every ratio >= 1.05, compiled ViT-B/16 MFU."""
     lines = []
     for row in report["summary"]:
         head = [row["model"], row["mode"], row["variant"]]

@@ -138,7 +138,7 @@ def write_json(report: dict, path: str | os.PathLike) -> Path:
 
 # ------------------------------------------------------------------------------------------------- documentation
 
-# The ratios hf-vit / transformers this project aims for (the performance issue), by figure and dtype; they apply
+# The ratios hf-vit / transformers this project aims for, by figure and dtype; they apply
 # to the eager and the compiled rows alike. The processor's also needs a mean absolute difference <= 1/255.
 TARGETS = {
     ("train_images_per_s", "fp32"): 1.10,
