@@ -183,6 +183,9 @@ def test_do_train_false_evaluates_the_checkpoint_as_it_is_and_writes_no_model(tm
     args = ["--model_name_or_path", str(other), "--dataset_name", str(data), "--output_dir", str(tmp_path / "o")]
     with pytest.raises(ValueError, match=r"\['bird', 'fish'\] are not those of .*\['cat', 'dog'\]"):
         train("finetune", *parse_args("finetune", args + ["--do_train", "False", *QUIET]))
+    for flag, value in (("--image_size", "16"), ("--learning_rate", "0.1"), ("--lora_rank", "2")):
+        with pytest.raises(ValueError, match=f"--do_train False measures the checkpoint as it is, so {flag} would"):
+            parse_args("finetune", args + ["--do_train", "False", flag, value, *QUIET])
 
 
 def test_a_lora_runs_folder_predicts_and_loads_without_base(tmp_path, capsys):

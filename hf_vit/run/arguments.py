@@ -324,6 +324,8 @@ def parse_args(
         batch = training_args.per_device_train_batch_size * training_args.world_size
         training_args.learning_rate = scaled_learning_rate(recipe, batch * training_args.gradient_accumulation_steps)
     check_recipe_flags(model_args, data_args, training_args, passed)
+    if not training_args.do_train:
+        check_evaluation_flags(passed)
     if training_args.dataloader_num_workers == 0:
         training_args.dataloader_persistent_workers = False  # the default, meaningful with workers only
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -342,6 +344,30 @@ def parse_args(
             "Trainer. Run FSDP on GPUs (configs/accelerate/fsdp.yaml), or drop --fsdp to train with DDP."
         )
     return model_args, data_args, training_args
+
+
+# What `--do_train False` reads: the checkpoint, the data set and its splits, which splits to measure, where the
+# results go, the batch and the seed (the validation split drawn from training data); the rest shapes training only.
+EVALUATION_FLAGS = frozenset(
+    {
+        "model_name_or_path", "dataset_name", "image_column_name", "label_column_name", "streaming",
+        "shuffle_buffer_size", "train_split", "validation_split", "test_split", "validation_fraction",
+        "do_train", "do_eval", "do_predict", "eval_strategy", "output_dir", "per_device_eval_batch_size", "seed",
+        "report_to", "disable_tqdm", "dataloader_num_workers", "use_cpu",
+    }
+)  # fmt: skip
+
+
+def check_evaluation_flags(passed: set[str]) -> None:
+    """Refuse, by name, flags that `--do_train False` (measure the checkpoint as it is) would accept and ignore."""
+    ignored = sorted(passed - EVALUATION_FLAGS)
+    if ignored:
+        named = ", ".join(f"--{name}" for name in ignored)
+        raise ValueError(
+            f"--do_train False measures the checkpoint as it is, so {named} would have no effect (nothing is trained, "
+            "resized or adapted). Drop them, or fine-tune with them (without --do_train False); hf-vit-evaluate "
+            "measures a saved model too."
+        )
 
 
 def check_recipe_flags(model_args, data_args, training_args, passed: set[str]) -> None:
