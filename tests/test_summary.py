@@ -41,6 +41,18 @@ def test_a_guessed_flag_is_one_error_line_with_exit_status_2(tmp_path):
     assert done.returncode == 2 and len(lines) == 1 and "--num_train_epochs" in lines[0], done.stderr
 
 
+@pytest.mark.parametrize("command", ["convert", "evaluate", "export", "predict", "push", "resize"])
+def test_every_other_command_answers_a_bad_flag_in_one_error_line(capsys, command):
+    import importlib
+
+    main = importlib.import_module(f"hf_vit.commands.{command}").main
+    with pytest.raises(SystemExit) as done:
+        main(["--modle", "x"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error:") and lines[0].endswith("(--help lists the flags)")
+
+
 def tiny_run(tmp_path, data, learning_rate, epochs="1"):
     args = ["--output_dir", str(tmp_path / "out"), "--dataset_name", str(data), *TINY_RUN]
     args += ["--learning_rate", learning_rate, "--num_train_epochs", epochs, "--logging_steps", "1"]
