@@ -224,11 +224,12 @@ OPERATIONS: dict[str, tuple[Callable | None, Callable]] = {
 
 
 def to_pil(pixels: torch.Tensor) -> PIL.Image.Image:
-    """A uint8 [C, H, W] tensor (C = 1 or 3) as a PIL image (mode L or RGB)."""
-    array = pixels.permute(1, 2, 0).contiguous().numpy()
-    return PIL.Image.fromarray(
-        array[..., 0] if array.shape[2] == 1 else array, mode="L" if array.shape[2] == 1 else "RGB"
-    )
+    """A uint8 [C, H, W] tensor (C = 1 or 3) as a PIL image (mode L or RGB). Each channel plane is wrapped as it lies
+    (no copy) and PIL interleaves them: several times faster than transposing the tensor to [H, W, C] first."""
+    planes = np.ascontiguousarray(pixels.numpy())
+    height, width = planes.shape[1:]
+    bands = [PIL.Image.frombuffer("L", (width, height), plane, "raw", "L", 0, 1) for plane in planes]
+    return bands[0] if len(bands) == 1 else PIL.Image.merge("RGB", bands)
 
 
 def from_pil(image: PIL.Image.Image) -> torch.Tensor:
