@@ -114,3 +114,63 @@ def test_onnx_export_without_the_extra_is_one_error_line_before_any_work(tmp_pat
     assert code == 2 and len(errors) == 1 and errors[0].startswith("error: --format onnx needs")
     assert missing in errors[0] and 'pip install "hf-vit[export]"' in errors[0]
     assert not (tmp_path / "vit.onnx").exists()
+
+
+def native_batch(model, max_patches, sizes, seed=0):
+    """The image processor's native-aspect batch of random images of `sizes` (height, width)."""
+    rng = np.random.default_rng(seed)
+    images = [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for height, width in sizes]
+    processor = VisionTransformerImageProcessor(max_num_patches=max_patches, patch_size=model.config.patch_size)
+    return processor(images, return_tensors="pt")
+
+
+def test_onnx_of_native_batches_takes_any_number_of_patches_and_grids(tmp_path):
+    import onnxruntime
+
+    from hf_vit.export import check_native_onnx
+
+    model = classifier(classifier="gap", num_register_tokens=1)  # a 4x4 position grid, resampled per image
+    path = export(model, tmp_path / "native.onnx", max_num_patches=12)
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["pixel_values", "pixel_attention_mask", "spatial_shapes"]
+    # the processor's batches at two patch counts, images of several aspect ratios (padded rows among them)
+    for max_patches, sizes in ((12, [(40, 40), (20, 80), (90, 30)]), (30, [(64, 48), (7, 200)])):
+        inputs = native_batch(model, max_patches, sizes)
+        assert len({tuple(grid) for grid in inputs["spatial_shapes"].tolist()}) == len(sizes)
+        assert not bool(inputs["pixel_attention_mask"].all())
+        (logits,) = session.run(None, {name: tensor.numpy() for name, tensor in inputs.items()})
+        with torch.no_grad():
+            expected = model(**inputs).logits
+        assert logits.shape == (len(sizes), model.config.num_labels) and expected.std() > 0.1
+        np.testing.assert_allclose(logits, expected.numpy(), atol=1e-4, rtol=0)
+    differences = check_native_onnx(path, model, [12, 5])
+    print("native onnxruntime vs PyTorch:", differences)
+    assert set(differences) == {"12 patches", "5 patches"} and max(differences.values()) < 1e-4
+
+
+def test_export_command_writes_a_native_program_and_refuses_what_it_cannot(tmp_path, capsys):
+    from hf_vit.commands.export import main
+
+    model = classifier(interpolation_mode="bilinear", interpolation_antialias=True)
+    model.save_pretrained(tmp_path / "model")
+    output = tmp_path / "native.pt2"
+    argv = ["--model", str(tmp_path / "model"), "--format", "torch_export", "--output", str(output)]
+    assert main(argv + ["--max_num_patches", "12"]) == 0
+    assert "native-aspect batches" in capsys.readouterr().out
+    program = torch.export.load(output).module()
+    for max_patches, sizes in ((12, [(40, 40), (20, 80)]), (40, [(90, 30), (64, 48), (16, 16)])):
+        inputs = native_batch(model, max_patches, sizes)
+        with torch.no_grad():
+            expected = model(**inputs).logits
+        arguments = [inputs[name] for name in ("pixel_values", "pixel_attention_mask", "spatial_shapes")]
+        torch.testing.assert_close(program(*arguments), expected, atol=1e-4, rtol=0)
+    # refused by name before anything is written
+    with pytest.raises(SystemExit):
+        main(argv[:-1] + [str(tmp_path / "one.pt2"), "--max_num_patches", "1"])
+    assert "--max_num_patches must be at least 2" in capsys.readouterr().err
+    VisionTransformerForImageClassification(tiny_config(classifier="map")).save_pretrained(tmp_path / "map")
+    code = main(["--model", str(tmp_path / "map"), "--output", str(tmp_path / "map.pt2"), "--format", "torch_export",
+                 "--max_num_patches", "12"])  # fmt: skip
+    error = capsys.readouterr().err
+    assert code == 2 and "--max_num_patches" in error and "classifier='map'" in error
+    assert not (tmp_path / "one.pt2").exists() and not (tmp_path / "map.pt2").exists()

@@ -365,3 +365,23 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
     with pytest.raises(ValueError, match="max_num_patches"):
         train("pretrain", *parse_args("pretrain", ["--output_dir", str(tmp_path / "mpp"), "--objective", "mpp",
                                                     "--max_num_patches", "6", "--max_steps", "1"]))  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
+@pytest.mark.parametrize("antialias", [False, True])
+def test_exported_position_embeddings_equal_the_resampling_per_grid(mode, antialias):
+    # what an exported graph computes from the grids as data: the same embeddings as F.interpolate per grid
+    from hf_vit.model.naflex import exported_position_embeddings, native_position_embeddings
+    from hf_vit.model.resolution import resample_position_embeddings
+
+    torch.manual_seed(0)
+    config = tiny_config(interpolation_mode=mode, interpolation_antialias=antialias, use_distillation_token=True)
+    table = VisionTransformerModel(config).embeddings.position_embedding  # a 4x4 grid and two prefix tokens
+    shapes = torch.tensor([[4, 4], [1, 12], [3, 5], [7, 2], [2, 1], [9, 1]])  # same, up, down, both, padded
+    prefix = config.num_position_prefix_tokens
+
+    def per_grid(grid):
+        return resample_position_embeddings(table, config.grid_size, grid, prefix, mode, antialias)
+
+    expected = native_position_embeddings(per_grid, shapes, prefix, 16)
+    torch.testing.assert_close(exported_position_embeddings(table, config, shapes, 16), expected, atol=1e-6, rtol=0)
