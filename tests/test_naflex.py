@@ -362,6 +362,25 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
     assert inputs["spatial_shapes"].tolist() == [[3, 2], [1, 3]]  # the largest grids of at most 6 patches
     with torch.no_grad():
         assert model(**inputs).logits.shape == (2, 10)
+    # the compute dial, measured at the end of the run: accuracy at each number of patches up to the 2x2 grid the
+    # 8x8 digits have at patch 4, and at the 6 trained; each row as an evaluation here measures it; linked in the card
+    import json
+
+    from hf_vit.run.arguments import DataArguments
+    from hf_vit.run.evaluation import measure_model
+
+    rows = json.loads((tmp_path / "fine" / "compute_dial.json").read_text())
+    assert [(row["series"], row["max_num_patches"]) for row in rows] == [("tokens", 1), ("tokens", 4), ("tokens", 6)]
+    for row in rows:
+        processor = VisionTransformerImageProcessor.from_pretrained(
+            tmp_path / "fine", max_num_patches=row["max_num_patches"]
+        )
+        split, measured = measure_model(model, processor, DataArguments(), None, 512)
+        assert row["split"] == split == "test" and row["accuracy"] == pytest.approx(measured["accuracy"])
+    assert [row["tokens_per_image"] for row in rows] == [1, 4, 4]  # square digits: at most 6 patches is a 2x2 grid
+    with Image.open(tmp_path / "fine" / "compute_dial.png") as image:
+        assert image.size[0] > 300
+    assert "![compute dial](compute_dial.png)" in (tmp_path / "fine" / "README.md").read_text()
     with pytest.raises(ValueError, match="max_num_patches"):
         train("pretrain", *parse_args("pretrain", ["--output_dir", str(tmp_path / "mpp"), "--objective", "mpp",
                                                     "--max_num_patches", "6", "--max_steps", "1"]))  # fmt: skip

@@ -243,7 +243,7 @@ def measure_split(
     device = next(classifier.parameters()).device
     logits, targets, tokens = [], [], []
     for start in range(0, len(data), batch_size):
-        batch = objective.collator([data[i] for i in range(start, min(start + batch_size, len(data)))])
+        batch = data[start : start + batch_size]  # the processor runs once per batch (`with_transform`)
         inputs = model_inputs(batch, device)
         logits.append(classifier(**inputs).logits.float().cpu())
         targets.append(batch["labels"])
