@@ -194,7 +194,10 @@ def plot_compute_dial(
             tokens_ax.annotate(f"K={row['max_num_patches']}", (x, y), textcoords="offset points", xytext=(4, -10),
                                fontsize="x-small")  # fmt: skip
         tokens_ax.set_xscale("log", base=2)
+        tokens_ax.set_xticks(xs, [f"{x:.3g}" for x in xs], fontsize="small")
+        tokens_ax.minorticks_off()
     tokens_ax.set(xlabel="tokens per image (mean patches)", ylabel=metric, title="native aspect ratio (NaFlex)")
+    tokens_ax.set_ylim(0, 1.01)
     _legend_or_note(tokens_ax, "not measured")
     patches = sorted((row for row in rows if row["series"] == "patch_size"), key=lambda row: row["patch_size"])
     if patches:
@@ -205,6 +208,6 @@ def plot_compute_dial(
             patch_ax.annotate(f"{row['tokens_per_image']:g} tokens", (x, y), textcoords="offset points",
                               xytext=(4, -10), fontsize="x-small")  # fmt: skip
         patch_ax.set_xticks(xs)
-    patch_ax.set(xlabel="patch size (pixels)", ylabel=metric, title="patch size (FlexiViT)")
+    patch_ax.set(xlabel="patch size (pixels)", ylabel=metric, title="patch size (FlexiViT)", ylim=(0, 1.01))
     _legend_or_note(patch_ax, "not measured")
     return save_figure(fig, path, title)
