@@ -108,11 +108,12 @@ def resize_asked_by_config(source: Any, kwargs: dict[str, Any]) -> list[Any] | N
         stored, _ = type(config).get_config_dict(os.fspath(source), **location)
     except (OSError, ValueError):
         return None  # not a readable hf-vit checkpoint: the loading itself reports it
-    if stored.get("model_type") != config.model_type or stored.get("patch_size", config.patch_size) == config.patch_size:
+    saved_patch = stored.get("patch_size", config.patch_size)
+    if stored.get("model_type") != config.model_type or saved_patch == config.patch_size:
         return None
     wanted = [config.image_size, config.patch_size]
     as_saved = copy.deepcopy(config)
-    as_saved.patch_size, as_saved.image_size = stored["patch_size"], stored.get("image_size", config.image_size)
+    as_saved.patch_size, as_saved.image_size = saved_patch, stored.get("image_size", config.image_size)
     kwargs["config"] = as_saved
     return wanted
 
