@@ -227,3 +227,30 @@ def test_a_folder_without_a_model_is_named_before_anything_loads(tmp_path):
     with pytest.raises(FileNotFoundError, match="'.*nope' is not an hf-vit model folder"):
         make_resolution_variant(tmp_path / "nope", 48, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_patch_size_variant_on_the_command_line(folder, tmp_path, capsys):
+    from hf_vit.commands.resize import main
+
+    path, model = folder
+    assert (
+        main(["--model", str(path), "--patch_size", "16", "--image_size", "64", "--output", str(tmp_path / "p16")])
+        == 0
+    )
+    variant = VisionTransformerForImageClassification.from_pretrained(tmp_path / "p16").eval()
+    assert variant.config.patch_size == 16 and variant.config.image_size == 64
+    expected = VisionTransformerForImageClassification.from_pretrained(path, patch_size=16, image_size=64).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(variant(x).logits, expected(x).logits, atol=0, rtol=0)
+    card = (tmp_path / "p16" / "README.md").read_text()
+    assert "patch embedding resampled from 8x8 to 16x16" in card and "pseudo-inverse" in card
+    assert VisionTransformerImageProcessor.from_pretrained(tmp_path / "p16").size == {"height": 64, "width": 64}
+    # the patch size alone keeps the image size; a patch that does not tile it is refused, naming the sizes
+    assert main(["--model", str(path), "--patch_size", "4", "--output", str(tmp_path / "p4")]) == 0
+    assert VisionTransformerForImageClassification.from_pretrained(tmp_path / "p4").config.grid_size == (8, 8)
+    assert main(["--model", str(path), "--patch_size", "12", "--output", str(tmp_path / "p12")]) == 2
+    assert "not divisible by the patch size 12" in capsys.readouterr().err and not (tmp_path / "p12").exists()
+    with pytest.raises(SystemExit):
+        main(["--model", str(path), "--output", str(tmp_path / "none")])
+    assert "--image_size, --patch_size or both" in capsys.readouterr().err
