@@ -129,8 +129,9 @@ def make_resolution_variant(
             summary=(f"A resolution variant of `{base_model}`: the same weights with the {what}, not trained after."),
             resolution_note=(
                 f"Interpolated from {old_h}x{old_w} ({config.grid_size[0]}x{config.grid_size[1]} patches of "
-                f"{old_patch}x{old_patch}) to {height}x{width} ({rows}x{cols} patches of {new_patch}x{new_patch}) with "
-                f"{mode} resampling of the position embeddings; not fine-tuned after the interpolation.{patch_note}"
+                f"{old_patch}x{old_patch}) to {height}x{width} ({rows}x{cols} patches of {new_patch}x{new_patch}) "
+                f"with {mode} resampling of the position embeddings; not fine-tuned after the interpolation."
+                + patch_note
             ),
             recipe=f"no training after the interpolation; see `{base_model}` for how its weights were trained.",
         )

@@ -16,7 +16,12 @@ from conftest import free_port, torchrun_command
 from PIL import Image
 from safetensors.torch import load_file
 
-from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit import (
+    VisionTransformerConfig,
+    VisionTransformerForImageClassification,
+    VisionTransformerImageProcessor,
+    VisionTransformerModel,
+)
 from hf_vit.model.resolution import resample_position_embeddings
 from hf_vit.run.arguments import parse_args
 from hf_vit.run.checkpoints import last_complete_checkpoint
@@ -734,11 +739,22 @@ def test_one_and_four_channel_models_train_from_the_command_line(tmp_path, chann
     assert VisionTransformerForImageClassification.from_pretrained(tmp_path / "fine").config.num_channels == channels
 
 
-def test_fine_tuning_flags_that_would_change_the_checkpoints_weights_are_refused(tmp_path):
+def test_fine_tuning_at_another_patch_size_resamples_the_checkpoint(tmp_path):
     source = pretrained_folder(tmp_path / "pre")
-    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(source), "--patch_size", "2"]
-    with pytest.raises(ValueError, match=r"cannot take patch_size=2 \(the checkpoint has 4\)"):
-        train("finetune", *parse_args("finetune", args + QUIET))
+    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(source), "--learning_rate", "0"]
+    args += ["--max_steps", "1", "--eval_strategy", "no", "--save_strategy", "no", "--max_train_samples", "8"]
+    with pytest.raises(ValueError, match="--model_name_or_path .* not divisible by the patch size 3"):
+        train("finetune", *parse_args("finetune", args + ["--patch_size", "3", *QUIET]))
+    with pytest.raises(ValueError, match=r"cannot take num_hidden_layers=3 \(the checkpoint has 2\)"):
+        train("finetune", *parse_args("finetune", args + ["--config_overrides", "num_hidden_layers=3", *QUIET]))
+    train("finetune", *parse_args("finetune", args + ["--patch_size", "2", *QUIET]))
+    tuned = VisionTransformerModel.from_pretrained(tmp_path / "out").eval()
+    expected = VisionTransformerModel.from_pretrained(source, patch_size=2).eval()  # learning rate 0: as resampled
+    assert tuned.config.patch_size == 2 and tuned.config.grid_size == (4, 4)
+    assert VisionTransformerImageProcessor.from_pretrained(tmp_path / "out").size == {"height": 8, "width": 8}
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x).last_hidden_state, expected(x).last_hidden_state, atol=1e-6, rtol=0)
 
 
 def test_a_validation_split_without_positive_labels_does_not_stop_a_multi_label_run(tmp_path):

@@ -92,7 +92,13 @@ class ModelArguments:
             "nargs": "+",
         },
     )
-    patch_size: int | None = field(default=None, metadata={"help": "Patch size, overriding the preset's."})
+    patch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Patch size, overriding the preset's. From a checkpoint (--model_name_or_path) its patch "
+            "embedding is resampled to it (FlexiViT's pseudo-inverse resize) and the position grid follows."
+        },
+    )
     num_channels: int | None = field(
         default=None,
         metadata={
