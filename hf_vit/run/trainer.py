@@ -19,7 +19,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from ..outputs.files import CARD_FILE
 from ..outputs.push import PlannedHubPushes
+from .flexible import PatchSizeDraw, SeqLenBatchSampler, at_patch_size
 from .recipes import RecipeTrainerMixin
+from .transforms import batch_max_num_patches
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,8 @@ class SeededAugmentation(torch.utils.data.Dataset):
     This is what makes resuming exact: the data loader fetches batches ahead (accelerate one batch, workers
     several), so with the global stream an interrupted and an uninterrupted run augment the batches after the
     checkpoint with different numbers. The epoch lives in shared memory so that persistent workers see it change.
+    An `(index, max_num_patches)` key (from `flexible.SeqLenBatchSampler`) fetches example `index` at that number of
+    patches.
     """
 
     def __init__(self, data, seed: int) -> None:
@@ -44,9 +48,10 @@ class SeededAugmentation(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int | tuple[int, int]):
+        index, max_num_patches = index if isinstance(index, tuple) else (index, None)
         key = hashlib.blake2b(f"{self.seed}:{int(self.epoch)}:{index}".encode(), digest_size=8).digest()
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), batch_max_num_patches(max_num_patches):
             torch.manual_seed(int.from_bytes(key, "little"))
             return self.data[index]
 
@@ -72,7 +77,35 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
     - Evaluation does not consume the training's random numbers (its data loader draws a seed), so a checkpoint saved
       right before an evaluation resumes to the same weights (with `SeededAugmentation` for the training split).
     - A checkpoint that cannot be written (a full disk) stops the run with the folder and the free space named.
+    - Sizes drawn per batch (`flexible.py`): with `seq_len_sampler` the training batches come from it (a length and a
+      batch size per step); with `patch_size_draw` each optimisation step trains at the patch size it draws.
     """
+
+    seq_len_sampler: SeqLenBatchSampler | None = None
+    patch_size_draw: PatchSizeDraw | None = None
+
+    def get_train_dataloader(self):
+        if self.seq_len_sampler is None:
+            return super().get_train_dataloader()
+        loader = torch.utils.data.DataLoader(
+            self.train_dataset,
+            batch_sampler=self.seq_len_sampler,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers,
+            prefetch_factor=self.args.dataloader_prefetch_factor,
+        )
+        # accelerate wraps a batch sampler without a batch size in BatchSamplerShard, which gives process r the r-th
+        # batch of every num_processes: the sampler yields those together, at one length.
+        return self.accelerator.prepare(loader)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.patch_size_draw is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with at_patch_size(self.model, self.patch_size_draw(self.state.global_step)):
+            inputs = {**inputs, "interpolate_pos_encoding": True}
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         python_state, numpy_state = random.getstate(), np.random.get_state()
