@@ -219,13 +219,14 @@ def test_distributed_two_processes_match_one(tmp_path):
 
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory):
-    """An uninterrupted run with augmentation, dropout and per-epoch evaluation, and the flags that made it: 32
-    images in batches of 8 (4 steps an epoch), a checkpoint every 2 steps (mid-epoch, and at epoch ends right
-    before the epoch's evaluation)."""
+    """An uninterrupted run with augmentation, dropout, a patch size per step and per-epoch evaluation, and the flags
+    that made it: 32 images in batches of 8 (4 steps an epoch), a checkpoint every 2 steps (mid-epoch, and at epoch
+    ends right before the epoch's evaluation)."""
     root = tmp_path_factory.mktemp("resume")
     source = pretrained_folder(root / "pre")
     extra = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "epoch"]
     extra += ["--random_resized_crop", "True", "--crop_scale_min", "0.5", "--hidden_dropout_prob", "0.1"]
+    extra += ["--patch_sizes", "2,4,8"]  # FlexiViT: a patch size drawn per step, the same after resuming
 
     def flags(output_dir, *more):
         args = deterministic_finetune_args(source, output_dir, 8, max_steps=10, extra=extra + list(more))
