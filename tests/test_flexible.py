@@ -92,6 +92,8 @@ def test_fine_tuning_with_patch_sizes_saves_the_base_patch_and_loads_at_each(tmp
     trained = VisionTransformerForImageClassification.from_pretrained(tmp_path / "out").eval()
     start = VisionTransformerForImageClassification.from_pretrained(source)
     assert trained.config.patch_size == 4 and trained.vit.embeddings.patch_embedding.weight.shape == (32, 3, 4, 4)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "a patch size drawn per step from 2,4,8 (weights 1,0,1)" in card
     # the steps ran at 2 and 8 only (weight 0 for 4), and trained the stored kernel through the resize
     assert not torch.equal(trained.vit.embeddings.patch_embedding.weight, start.vit.embeddings.patch_embedding.weight)
     x = torch.randn(3, 3, 8, 8)

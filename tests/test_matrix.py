@@ -366,12 +366,14 @@ def test_combination(world, combination, tmp_path, caplog):
     assert planned <= allowed and weights <= planned and {"config.json", "README.md"} <= planned
     assert not planned & {"training_args.bin", "trainer_state.json", LOCAL_BASE_FILE} and set(RESULT_FILES) & planned
 
-    # 5. the logged global batch
+    # 5. the logged global batch (with --seq_lens, each length's batch within the 8 x 16 patches' budget)
     processes = combination.processes
     assert (
-        f"batch {BATCH} per device x {processes} process(es) x 1 accumulation step(s) = global batch "
-        f"{BATCH * processes}" in log
-    )
+        f"batches of 32 at 4 patches, 8 at 16 patches per device (128 patches each) x {processes} process(es)"
+        if "--seq_lens" in combination.flags
+        else f"batch {BATCH} per device x {processes} process(es) x 1 accumulation step(s) = global batch "
+        f"{BATCH * processes}"
+    ) in log
 
     # 6. the recipe that ran, in the log and on the card (the learning rate given here overrides the recipe's)
     if combination.recipe:

@@ -202,12 +202,24 @@ class RunSetupCallback(TrainerCallback):
 
     def __init__(self, num_examples: int | None) -> None:
         self.num_examples = num_examples
+        self.seq_len_sampler: SeqLenBatchSampler | None = None  # batches sized per drawn length (--seq_lens)
 
     def on_train_begin(self, args: TrainingArguments, state, control, **kwargs: Any) -> None:
         if not state.is_world_process_zero:
             return
         per_device = args.per_device_train_batch_size
         accumulation = args.gradient_accumulation_steps
+        sampler = self.seq_len_sampler
+        if sampler is not None:
+            sizes = ", ".join(f"{sampler.batch_size_for(s)} at {s} patches" for s in sampler.seq_lens)
+            logger.info(
+                "Run set-up: %d training examples, %g epochs of %d steps, a sequence length drawn per step: batches "
+                "of %s per device (%d patches each) x %d process(es) x %d accumulation step(s), %d optimisation "
+                "steps.",
+                self.num_examples, state.num_train_epochs, len(sampler.schedule), sizes,
+                sampler.max_tokens_per_batch, args.world_size, accumulation, state.max_steps,
+            )  # fmt: skip
+            return
         logger.info(
             "Run set-up: %s training examples, %s epochs, batch %d per device x %d process(es) x %d accumulation "
             "step(s) = global batch %d, %d optimisation steps.",

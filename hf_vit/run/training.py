@@ -141,6 +141,9 @@ def build_trainer(
     )
     trainer.mixing, trainer.ema = mixing_for(training_args, model.config), ema
     trainer.seq_len_sampler, trainer.patch_size_draw = flexible_sizes(ds["train"], model, data_args, training_args)
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, RunSetupCallback):
+            callback.seq_len_sampler = trainer.seq_len_sampler
     return trainer
 
 
@@ -152,10 +155,6 @@ def flexible_sizes(train, model, data_args, training_args) -> tuple[SeqLenBatchS
     if seq_lens is not None:
         budget = data_args.max_tokens_per_batch or training_args.per_device_train_batch_size * max(seq_lens)
         sampler = SeqLenBatchSampler(train, seq_lens, budget, training_args.seed, training_args.world_size)
-        logger.info(
-            "Sequence length drawn per step from %s with %d patches per process's batch: batches of %s images.",
-            seq_lens, budget, ", ".join(f"{sampler.batch_size_for(s)} at {s}" for s in seq_lens),
-        )  # fmt: skip
     patch_sizes = parse_sizes(getattr(data_args, "patch_sizes", None), "--patch_sizes")
     if patch_sizes is not None:
         config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
