@@ -15,18 +15,18 @@ replaces only a folder hf-vit wrote (see scripts/convert_checkpoint.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from hf_vit.commands import CommandParser
 from hf_vit.model.resolution import MODES
 from hf_vit.outputs.push import push_folder_to_hub
 from hf_vit.variants import make_resolution_variant
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser("hf-vit-resize", __doc__)
     parser.add_argument("--model", required=True, help="hf-vit folder to start from")
     parser.add_argument("--image_size", type=int, nargs="+", help="N, or H W for non-square (default: the model's)")
     parser.add_argument(

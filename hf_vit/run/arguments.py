@@ -5,6 +5,7 @@ stage of it), so that every stage can read it."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass, field
@@ -350,6 +351,7 @@ def parse_args(
         dataloader_pin_memory=torch.cuda.is_available(),
     )
     refuse_unknown_flags(parser)
+    describe_negations(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True
@@ -508,6 +510,16 @@ def refuse_unknown_flags(parser: HfArgumentParser) -> None:
         raise ValueError(f"{message} (--help lists every flag).")
 
     parser.error = error
+
+
+def describe_negations(parser: HfArgumentParser) -> None:
+    """HfArgumentParser gives each flag that defaults to True a `--no_` twin with the flag's own help and
+    "(default: False)", which reads as if the flag were off: say what the twin does instead."""
+    for action in parser._actions:
+        negations = [option for option in action.option_strings if option.startswith(("--no_", "--no-"))]
+        if negations and action.const is False:
+            action.help = f"Turn --{action.dest} off (it is on by default)."
+            action.default = argparse.SUPPRESS  # the flag's own action sets the default; no "(default: False)"
 
 
 def unknown_flags_message(parser: HfArgumentParser, unknown: list[str]) -> str:
