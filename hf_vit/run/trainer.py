@@ -11,11 +11,13 @@ import os
 import random
 import re
 import shutil
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import seed_worker
 
 from ..outputs.files import CARD_FILE
 from ..outputs.push import PlannedHubPushes
@@ -95,7 +97,12 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
             pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers,
             prefetch_factor=self.args.dataloader_prefetch_factor,
-        )
+            multiprocessing_context=self.args.dataloader_multiprocessing_context,
+            in_order=self.args.dataloader_in_order,
+            worker_init_fn=partial(
+                seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
+            ),
+        )  # every batch is full (an epoch's last step is filled from its first examples): no --dataloader_drop_last
         # accelerate wraps a batch sampler without a batch size in BatchSamplerShard, which gives process r the r-th
         # batch of every num_processes: the sampler yields those together, at one length.
         return self.accelerator.prepare(loader)
