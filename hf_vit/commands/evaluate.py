@@ -17,20 +17,15 @@ images, or with --max_num_patches K at K), printed as JSON and written with its 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, as every other error of the command
-        print(f"error: {message} (--help lists the flags)", file=sys.stderr)
-        raise SystemExit(2)
+from hf_vit.commands import CommandParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="hf-vit-evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser("hf-vit-evaluate", __doc__)
     parser.add_argument("--model", required=True, help="hf-vit folder, LoRA run folder or Hub id")
     parser.add_argument(
         "--dataset_name", required=True, help="'digits', an image folder, a save_to_disk folder or a Hub data set"
@@ -54,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as transformers_logging
 
     from hf_vit.run.arguments import DataArguments
-    from hf_vit.run.compute_dial import evaluate_dial, parse_sizes
+    from hf_vit.run.compute_dial import evaluate_dial
+    from hf_vit.run.flexible import parse_sizes
     from hf_vit.run.inference import evaluate_saved_model
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .flexible import parse_sizes
 from .inference import (
     EvaluationSplit,
     check_native_model,
@@ -37,23 +38,6 @@ DEFAULT_TOKEN_COUNTS = (1, 4, 16, 64, 144, 256, 576)
 SIZE_SAMPLE = 256  # images whose sizes bound the default token counts
 
 
-def parse_sizes(value: Any, flag: str) -> list[int] | None:
-    """`value` given as "16,64,144", one int, or a sequence of ints, as a list of positive ints (None for None);
-    anything else is refused, naming `flag`."""
-    if value is None:
-        return None
-    parts = value.split(",") if isinstance(value, str) else value if isinstance(value, Sequence) else [value]
-    sizes = []
-    for part in parts:
-        text = str(part).strip()
-        if not text.isdigit() or int(text) < 1:
-            raise ValueError(f"{flag} takes positive ints separated by commas (e.g. 16,64,144), got {value!r}.")
-        sizes.append(int(text))
-    if not sizes:
-        raise ValueError(f"{flag} takes positive ints separated by commas (e.g. 16,64,144), got {value!r}.")
-    return sizes
-
-
 def token_counts_for(prepared: EvaluationSplit, patch_size: int, trained: Sequence[int] = ()) -> list[int]:
     """The tokens per image a run's dial is measured at: `DEFAULT_TOKEN_COUNTS` up to the patches the largest of the
     split's first `SIZE_SAMPLE` images has at its own resolution (more would only upsample it), and the `trained`
@@ -71,7 +55,7 @@ def _row(series: str, patch_size: int, max_num_patches: int | None, split: str, 
     return {"series": series, "patch_size": patch_size, "max_num_patches": max_num_patches, "split": split, **measured}
 
 
-def at_patch_size(classifier, patch_size: int):
+def resized_copy(classifier, patch_size: int):
     """A copy of `classifier` at `patch_size` (`set_input_size`: the patch embedding resampled by the pseudo-inverse
     of the resize); a LoRA model is merged into the copy first. `classifier` is left as it is."""
     resized = copy.deepcopy(classifier)
@@ -111,7 +95,7 @@ def measure_dial(
     whole = copy.deepcopy(processor)
     whole.max_num_patches = None  # whole images of the processor's size, unless a number of patches is given
     for size in patch_sizes:
-        resized = classifier if size == config.patch_size else at_patch_size(classifier, size)
+        resized = classifier if size == config.patch_size else resized_copy(classifier, size)
         served = serving_processor(whole, resized.config, max_num_patches)
         metrics, _ = measure_split(resized, served, prepared, batch_size)
         rows.append(_row("patch_size", size, max_num_patches, prepared.name, metrics))
