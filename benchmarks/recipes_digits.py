@@ -108,7 +108,9 @@ def main() -> None:
     pretraining, finetuning = split_digits(args.output_dir, args.images)
     pretrained = args.output_dir / "pretrain"
     architecture = ["--patch_size", "4", "--config_overrides", ARCHITECTURE]
-    if "finetune" in args.setups and not (pretrained / "model.safetensors").is_file():
+    if (pretrained / "model.safetensors").is_file():
+        print(f"reusing the pretrained model in {pretrained} (delete it to pretrain again)", file=sys.stderr)
+    elif "finetune" in args.setups:
         pre = ["--output_dir", str(pretrained), "--dataset_name", str(pretraining), *architecture]
         pre += ["--num_train_epochs", str(args.pretrain_epochs), "--per_device_train_batch_size", "64"]
         pre += ["--learning_rate", "1e-3", "--crop_scale_min", "0.7"]
