@@ -5,13 +5,14 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 from test_sources import hub_repo
 
-from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.convert import ConversionError
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.convert import ConversionError, hf_vit_to_big_vision_arrays, hf_vit_to_npz_arrays, is_big_vision
 
 FIXTURES = Path(__file__).parent / "data" / "timm_naflex"
 
@@ -116,3 +117,91 @@ def test_naflexvit_settings_hf_vit_cannot_compute_are_refused_by_name(tmp_path, 
     _edit_config(folder, **model_args)
     with pytest.raises(ConversionError, match=named.replace("(", r"\(").replace("[", r"\[")):
         VisionTransformerForImageClassification.from_pretrained(folder)
+
+
+# --- big_vision's FlexiViT .npz files ---
+
+
+def _flexivit(classifier: str):
+    """A tiny random hf-vit classifier as FlexiViT is configured (bilinear, antialiased positions; Flax's GELU); its
+    class token without a position, as big_vision's has none."""
+    torch.manual_seed(0)
+    config = VisionTransformerConfig(
+        image_size=24, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        classifier=classifier, num_labels=3, zero_init_head=False, hidden_act="gelu_pytorch_tanh",
+        interpolation_mode="bilinear", interpolation_antialias=True,
+    )  # fmt: skip
+    model = VisionTransformerForImageClassification(config).eval()
+    with torch.no_grad():
+        model.vit.embeddings.position_embedding[:, : config.num_position_prefix_tokens] = 0
+        for parameter in model.parameters():  # nothing at its initial value, so every weight shows
+            parameter.add_(0.05 * torch.randn_like(parameter))
+        model.vit.embeddings.position_embedding[:, : config.num_position_prefix_tokens] = 0
+    return model
+
+
+def _map_head_reference(arrays: dict, tokens: np.ndarray, heads: int) -> np.ndarray:
+    """big_vision's MAPHead and head in float64 numpy on the encoder's output `tokens` (B, N, D): a probe attends to
+    the tokens (Flax's MultiHeadDotProductAttention, kernels split by head), then LayerNorm, an MLP with a residual."""
+    w = {k: np.asarray(v, dtype=np.float64) for k, v in arrays.items()}
+    attention = "MAPHead_0/MultiHeadDotProductAttention_0/"
+    probe = np.repeat(w["MAPHead_0/probe"], tokens.shape[0], axis=0)
+
+    def project(x, name):
+        return np.einsum("bnd,dhk->bnhk", x, w[f"{attention}{name}/kernel"]) + w[f"{attention}{name}/bias"]
+
+    query, key, value = project(probe, "query"), project(tokens, "key"), project(tokens, "value")
+    scores = np.einsum("bqhk,bnhk->bhqn", query, key) / np.sqrt(query.shape[-1])
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    pooled = np.einsum("bhqn,bnhk->bqhk", weights, value)
+    pooled = np.einsum("bqhk,hkd->bqd", pooled, w[f"{attention}out/kernel"]) + w[f"{attention}out/bias"]
+    mean = pooled.mean(-1, keepdims=True)
+    normed = (pooled - mean) / np.sqrt(((pooled - mean) ** 2).mean(-1, keepdims=True) + 1e-6)
+    normed = normed * w["MAPHead_0/LayerNorm_0/scale"] + w["MAPHead_0/LayerNorm_0/bias"]
+    hidden = normed @ w["MAPHead_0/MlpBlock_0/Dense_0/kernel"] + w["MAPHead_0/MlpBlock_0/Dense_0/bias"]
+    hidden = 0.5 * hidden * (1 + np.tanh(np.sqrt(2 / np.pi) * (hidden + 0.044715 * hidden**3)))  # Flax's GELU
+    pooled = pooled + hidden @ w["MAPHead_0/MlpBlock_0/Dense_1/kernel"] + w["MAPHead_0/MlpBlock_0/Dense_1/bias"]
+    return pooled[:, 0] @ w["head/kernel"] + w["head/bias"]
+
+
+@pytest.mark.parametrize("classifier", ["gap", "token", "map"])
+def test_big_vision_flexivit_npz_loads_through_its_own_table(tmp_path, classifier):
+    model = _flexivit(classifier)
+    config = model.config
+    arrays = hf_vit_to_big_vision_arrays(model.state_dict(), config)
+    assert "pos_embedding" in arrays and arrays["pos_embedding"].shape == (1, 9, 32)  # the grid only, as big_vision
+    assert ("MAPHead_0/probe" in arrays) == (classifier == "map") and ("cls" in arrays) == (classifier == "token")
+    path = tmp_path / "flexivit.npz"
+    np.savez(path, **{f"params/{key}": value for key, value in arrays.items()}, **{"opt/state/step": np.array(3)})
+    assert is_big_vision(dict(np.load(path)))
+    loaded = VisionTransformerForImageClassification.from_pretrained(path).eval()
+    assert loaded.config.classifier == classifier and loaded.config.hidden_act == "gelu_pytorch_tanh"
+    assert (loaded.config.interpolation_mode, loaded.config.interpolation_antialias) == ("bilinear", True)
+    images = torch.randn(2, 3, 24, 24, generator=torch.Generator().manual_seed(1))
+    other = torch.randn(2, 3, 16, 40, generator=torch.Generator().manual_seed(2))  # a FlexiViT-style other grid
+    with torch.no_grad():
+        logits = loaded(images).logits
+        torch.testing.assert_close(logits, model(images).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            loaded(other, interpolate_pos_encoding=True).logits,
+            model(other, interpolate_pos_encoding=True).logits, atol=1e-5, rtol=0,
+        )  # fmt: skip
+    assert logits.std() > 0.1
+    # An independent reference: the encoder through vit_jax's names and its parity-tested path, and for attention
+    # pooling big_vision's MAP head in numpy on that encoder's tokens.
+    vit_jax = hf_vit_to_npz_arrays(model.state_dict(), config) if classifier != "map" else None
+    if classifier == "map":
+        gap = VisionTransformerConfig(**{**config.to_dict(), "classifier": "gap", "use_class_token": False})
+        encoder_weights = {k: v for k, v in model.state_dict().items() if "attention_pool" not in k}
+        vit_jax = hf_vit_to_npz_arrays(encoder_weights, gap)
+    assert not is_big_vision(vit_jax)
+    np.savez(tmp_path / "vit_jax.npz", **vit_jax)
+    reference = VisionTransformerForImageClassification.from_pretrained(tmp_path / "vit_jax.npz").eval()
+    with torch.no_grad():
+        if classifier != "map":
+            torch.testing.assert_close(reference(images).logits, logits, atol=1e-5, rtol=0)
+            return
+        tokens = reference.vit(images).last_hidden_state.double().numpy()
+    expected = _map_head_reference(arrays, tokens, config.num_attention_heads)
+    assert np.abs(logits.double().numpy() - expected).max() < 1e-5
