@@ -87,3 +87,13 @@ def test_the_chance_warning_is_for_losses_within_5_percent_of_ln_c(tmp_path):
     assert chance_warning(chance * 1.06, 4, "single_label_classification", args) is None
     assert chance_warning(chance * 0.5, 4, "single_label_classification", args) is None
     assert chance_warning(chance, 4, "multi_label_classification", args) is None  # ln C is not its chance level
+
+
+def test_help_says_what_a_no_twin_of_a_flag_on_by_default_does(capsys):
+    with pytest.raises(SystemExit):
+        parse_args("finetune", ["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    twin = text[text.index("--no_check_eval_images, --no-check-eval-images") :][:120]
+    assert "Turn --check_eval_images off (it is on by default)." in twin and "default: False" not in twin
+    assert not parse_args("finetune", ["--output_dir", "x", "--no_check_eval_images"])[2].check_eval_images
+    assert parse_args("finetune", ["--output_dir", "x"])[2].check_eval_images
