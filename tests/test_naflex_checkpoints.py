@@ -12,7 +12,15 @@ from safetensors.torch import load_file
 from test_sources import hub_repo
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.convert import ConversionError, hf_vit_to_big_vision_arrays, hf_vit_to_npz_arrays, is_big_vision
+from hf_vit.convert import (
+    ConversionError,
+    hf_vit_to_big_vision_arrays,
+    hf_vit_to_naflex_state_dict,
+    hf_vit_to_npz_arrays,
+    is_big_vision,
+    naflex_config,
+    naflex_to_hf_vit_state_dict,
+)
 
 FIXTURES = Path(__file__).parent / "data" / "timm_naflex"
 
@@ -47,6 +55,8 @@ def test_timm_naflexvit_gives_timms_logits_by_hub_id(hub_cache, name):
     """
     repo_id = timm_naflex_repo(hub_cache, name)
     model = VisionTransformerForImageClassification.from_pretrained(repo_id).eval()
+    header_only = VisionTransformerConfig.from_pretrained(repo_id).to_dict()  # read from the safetensors header
+    assert all(header_only[k] == v for k, v in model.config.to_dict().items() if k not in ("dtype", "_name_or_path"))
     recorded = load_file(FIXTURES / name / "outputs.safetensors")
     record = json.loads((FIXTURES / name / "outputs.json").read_text())
     config, args = model.config, record["model_args"]
@@ -87,6 +97,12 @@ def test_timm_naflexvit_by_folder_with_its_processor_and_a_size_given(tmp_path):
     with torch.no_grad():
         logits = model(recorded["images_1"]).logits
     torch.testing.assert_close(logits, recorded["logits_1"], atol=1e-5, rtol=0)
+    # the table read backwards gives timm's arrays again, bit for bit
+    timm_arrays = load_file(folder / "model.safetensors")
+    settings = json.loads((folder / "config.json").read_text())
+    config = naflex_config(timm_arrays, settings)
+    back = hf_vit_to_naflex_state_dict(naflex_to_hf_vit_state_dict(timm_arrays, settings, config), config)
+    assert back.keys() == timm_arrays.keys() and all(torch.equal(back[k], timm_arrays[k]) for k in back)
     # the converted model saves as an hf-vit folder and reloads to the same logits
     model.save_pretrained(tmp_path / "saved")
     reloaded = VisionTransformerForImageClassification.from_pretrained(tmp_path / "saved").eval()
