@@ -56,7 +56,8 @@ _SAFETENSORS_DTYPES = {
 
 
 def layout_of(config: dict) -> str | None:
-    """ "hf_vit", "transformers" or "timm" for a `config.json`'s contents; None when it is none of them."""
+    """ "hf_vit", "transformers", a family's model type, "timm" or "timm_naflex" for a `config.json`'s contents; None
+    when it is none of them."""
     model_type = config.get("model_type")
     if model_type == "hf_vit":
         return "hf_vit"
@@ -196,7 +197,7 @@ class FilePart:
 
 @dataclasses.dataclass
 class ForeignCheckpoint:
-    """A foreign checkpoint at `source` (what the user passed) in `layout` ("transformers", "timm" or "jax")."""
+    """A foreign checkpoint at `source` (what the user passed) in `layout` (a key of `DESCRIPTIONS`)."""
 
     source: str
     layout: str
