@@ -14,6 +14,7 @@ from test_sources import hub_repo
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.convert import (
     ConversionError,
+    convert_timm_checkpoint,
     hf_vit_to_big_vision_arrays,
     hf_vit_to_naflex_state_dict,
     hf_vit_to_npz_arrays,
@@ -108,6 +109,21 @@ def test_timm_naflexvit_by_folder_with_its_processor_and_a_size_given(tmp_path):
     reloaded = VisionTransformerForImageClassification.from_pretrained(tmp_path / "saved").eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(recorded["images_1"]).logits, logits, atol=0, rtol=0)
+
+
+def test_timm_naflexvit_converts_to_an_hf_vit_folder(tmp_path):
+    recorded = load_file(FIXTURES / "gap" / "outputs.safetensors")
+    model = convert_timm_checkpoint(FIXTURES / "gap", tmp_path / "out")
+    reloaded = VisionTransformerForImageClassification.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        for converted in (model, reloaded):
+            logits = converted(recorded["images_1"], interpolate_pos_encoding=True).logits
+            torch.testing.assert_close(logits, recorded["logits_1"], atol=1e-5, rtol=0)
+    with pytest.raises(ConversionError, match="leave the preset out"):
+        convert_timm_checkpoint(FIXTURES / "gap", tmp_path / "preset", preset="vit-base-patch16-224")
+    with pytest.raises(ConversionError, match="resize_mode 'bilinear'"):
+        convert_timm_checkpoint(FIXTURES / "gap", tmp_path / "mode", image_size=24, resize_mode="bilinear")
+    assert not (tmp_path / "preset").exists() and not (tmp_path / "mode").exists()
 
 
 def _edit_config(folder: Path, **model_args) -> None:
