@@ -54,7 +54,9 @@ class SeededAugmentation(torch.utils.data.Dataset):
         index, max_num_patches = index if isinstance(index, tuple) else (index, None)
         key = hashlib.blake2b(f"{self.seed}:{int(self.epoch)}:{index}".encode(), digest_size=8).digest()
         with torch.random.fork_rng(devices=[]), batch_max_num_patches(max_num_patches):
-            torch.manual_seed(int.from_bytes(key, "little"))
+            # The CPU generator only, as fork_rng restores: `torch.manual_seed` would also queue (or, where CUDA is
+            # up, do) a reseeding of every accelerator's generator per example, each call formatting a stack.
+            torch.default_generator.manual_seed(int.from_bytes(key, "little"))
             return self.data[index]
 
 
