@@ -245,8 +245,6 @@ def native_masks(
     """The valid tokens `(B, prefix + K)` of a native-aspect batch (checked first: see `check_native_batch`) and the
     attention mask hiding the others from every query, in the form the model's attention takes (`attention_mask_for`;
     eager's when the probabilities are asked for), in the dtype of its weights."""
-    if config.classifier not in ("token", "gap"):
-        raise ValueError(f"classifier={config.classifier!r} does not pool native-aspect batches yet.")
     patch_mask = check_native_batch(pixel_values, pixel_attention_mask, spatial_shapes, config)
     prefix = patch_mask.new_ones(patch_mask.shape[0], config.num_prefix_tokens)
     token_mask = torch.cat([prefix, patch_mask], dim=1)
