@@ -539,15 +539,52 @@ def test_timm_fc_norm_normalises_the_average_of_the_patch_tokens_after_registers
     torch.testing.assert_close(out.pooler_output, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_converted_models_export_to_onnx_and_match_at_two_sizes(hub, tmp_path):
-    """SigLIP's tower (no class token, attention pooling through torch's MultiheadAttention) exports to ONNX;
-    onnxruntime matches PyTorch at the native size and a non-square one (positions resampled inside the graph)."""
-    from hf_vit.export import check_onnx, export
+# family -> its source by Hub id, and a second (non-square) size for the exported graph
+FAMILIES = {
+    "dinov2": ("facebook/dinov2-small", (28, 42)),
+    "dinov2-registers": ("facebook/dinov2-with-registers-small", (42, 28)),
+    "deit-distilled": ("facebook/deit-tiny-distilled-patch16-224", (48, 40)),
+    "clip": ("openai/clip-vit-base-patch32", (48, 64)),
+    "siglip": ("google/siglip-base-patch16-224", (64, 48)),
+    "timm-reg4": (TIMM_REG4, (42, 28)),
+    "timm-fc-norm": (TIMM_GAP, (28, 42)),
+}
 
-    model = VisionTransformerModel.from_pretrained("google/siglip-base-patch16-224").eval()
-    path = export(model, tmp_path / "siglip.onnx")
-    differences = check_onnx(path, model, [(32, 32), (48, 32)], batch=2)
-    assert len(differences) == 2 and max(differences.values()) < 1e-4, differences
+
+def test_each_family_fine_tunes_from_the_command_line_and_exports_to_onnx(hub, tmp_path):
+    """Every family, by Hub id: one step of `finetune` with the command line's flags (a new 10-class head, the
+    source's processor at its size), then the saved model exports to ONNX and onnxruntime computes what PyTorch does
+    at the native size and at a non-square one (positions resampled inside the graph) within 1e-4. One loop in one
+    process: the sources and the data set are written once."""
+    from datasets import DatasetDict
+
+    from hf_vit.export import check_onnx, export
+    from hf_vit.run.arguments import parse_args
+    from hf_vit.run.datasets import load_digits_dataset
+    from hf_vit.run.training import train
+
+    digits = load_digits_dataset()
+    splits = {split: digits[split].select(range(n)) for split, n in (("train", 4), ("validation", 2), ("test", 4))}
+    DatasetDict(splits).save_to_disk(str(tmp_path / "digits"))
+    for family, (repo_id, other_size) in FAMILIES.items():
+        out = tmp_path / family
+        flags = ["--model_name_or_path", repo_id, "--dataset_name", str(tmp_path / "digits"), "--output_dir", str(out)]
+        flags += ["--max_steps", "1", "--learning_rate", "0.01", "--per_device_train_batch_size", "4"]
+        flags += ["--per_device_eval_batch_size", "4"]
+        flags += ["--eval_strategy", "no", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "True"]
+        train("finetune", *parse_args("finetune", flags))
+        results = json.loads((out / "all_results.json").read_text())
+        assert results["eval_split"] == "test" and results["epoch"] == 1.0, (family, results)  # 4 images, 1 step
+        model = VisionTransformerForImageClassification.from_pretrained(out).eval()
+        source = VisionTransformerConfig.from_pretrained(repo_id)
+        blocks = ("num_register_tokens", "layer_scale_init_value", "use_distillation_token", "classifier", "fc_norm")
+        assert [getattr(model.config, name) for name in blocks] == [getattr(source, name) for name in blocks]
+        assert model.config.num_labels == 10, family
+        with torch.no_grad():  # the trained head tells images apart, so the comparison below is not of constants
+            assert model(pixels(*model.config.image_hw)).logits.std(dim=0).mean() > 1e-3, family
+        path = export(model, tmp_path / f"{family}.onnx")
+        differences = check_onnx(path, model, [model.config.image_hw, other_size], batch=2)
+        assert len(differences) == 2 and max(differences.values()) < 1e-4, (family, differences)
 
 
 def test_deits_one_head_classifier_and_its_encoder_with_pooler_load_as_transformers_computes_them(hub_cache):
