@@ -133,9 +133,10 @@ def make_train_transform(
     white, 16-bit scaling). The crop covers a random fraction `scale` of the image area with an aspect ratio
     log-uniform in `ratio` (Inception-style; a central crop after 10 failed draws); it is cut from the uint8 image and
     resized with the processor's `resize_images` and `resample` to the processor's output size (`crop_size` when it
-    centre-crops, else `size`; a shorter-side `size` needs the crop, which gives the one output size). Without `random_resized_crop`, the image goes through the processor's own resize and
-    centre crop, so with `hflip=False` the output equals `processor(images)`. The flip (probability 1/2, when `hflip`;
-    keep it off for digits and text) comes next, then RandAugment when `rand_augment` gives its policy in timm's
+    centre-crops, else `size`; a shorter-side `size` needs the crop, which gives the one output size). Without
+    `random_resized_crop`, the image goes through the processor's own resize and centre crop, so with `hflip=False`
+    the output equals `processor(images)`. The flip (probability 1/2, when `hflip`; keep it off for digits and text)
+    comes next, then RandAugment when `rand_augment` gives its policy in timm's
     notation (`rand_augment.RandAugment`: on the uint8 image, areas it uncovers filled with the processor's mean
     colour), and the processor's `normalize_batch` last, once per batch. With
     `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
