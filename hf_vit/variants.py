@@ -42,7 +42,7 @@ def _check_checkpoint_positions(folder: Path, config: VisionTransformerConfig) -
 
 def make_resolution_variant(
     source: str | os.PathLike,
-    image_size: int | Sequence[int],
+    image_size: int | Sequence[int] | None,
     output_dir: str | os.PathLike | None = None,
     mode: str = "bicubic",
     overwrite: bool = False,
@@ -50,9 +50,12 @@ def make_resolution_variant(
     base_model: str | None = None,
     repo_id: str | None = None,
     data_args=None,
+    patch_size: int | None = None,
 ):
-    """Turn the hf-vit folder `source` into a variant at `image_size`: position embeddings resampled in 2D, and the
-    config and processor saying the new size, so it runs without `interpolate_pos_encoding`.
+    """Turn the hf-vit folder `source` into a variant at `image_size` (None: the source's) and `patch_size` (None:
+    the source's): position embeddings resampled in 2D to the new grid, the patch embedding resampled by FlexiViT's
+    pseudo-inverse resize when the patch size changes, and the config and processor saying the new sizes, so it runs
+    without `interpolate_pos_encoding`.
 
     Returns `(model, processor)`; with `output_dir`, also writes the variant there with a model card (only if
     everything succeeded; see `hf_vit.outputs.output_folders.write_converted_folder` for what `overwrite` may
@@ -70,18 +73,24 @@ def make_resolution_variant(
         )
     target = check_output_dir(output_dir, overwrite, [source]) if output_dir is not None else None
     config = VisionTransformerConfig.from_pretrained(folder)
-    grid = grid_for(image_size, config.patch_size)  # validate before loading anything big
+    image_size = config.image_hw if image_size is None else image_size
+    new_patch = config.patch_size if patch_size is None else patch_size
+    if isinstance(new_patch, bool) or not isinstance(new_patch, int) or new_patch < 1:
+        raise ValueError(f"--patch_size must be a positive number of pixels, got {patch_size!r}.")
+    grid = grid_for(image_size, new_patch)  # validate before loading anything big
     _check_checkpoint_positions(folder, config)
     is_classifier = any("ForImageClassification" in name for name in (config.architectures or []))
     model_class = VisionTransformerForImageClassification if is_classifier else VisionTransformerModel
     model = model_class.from_pretrained(folder)
-    model.set_input_size(image_size, mode)
+    model.set_input_size(image_size, mode, patch_size=new_patch)
     try:
         processor = VisionTransformerImageProcessor.from_pretrained(folder)
     except OSError:
         processor = VisionTransformerImageProcessor()
-    height, width = grid[0] * config.patch_size, grid[1] * config.patch_size
+    height, width = grid[0] * new_patch, grid[1] * new_patch
     processor.size = {"height": height, "width": width}
+    if getattr(processor, "patch_size", None) is not None or getattr(processor, "max_num_patches", None) is not None:
+        processor.patch_size = new_patch  # native-aspect patches are cut at the model's patch size
     if target is None:
         return model, processor
     metrics = {}
@@ -92,7 +101,19 @@ def make_resolution_variant(
         metrics = {f"eval_{name}": value for name, value in measured.items()}
         metrics["eval_split"] = split
     base_model = base_model or folder.expanduser().resolve().name
-    (old_h, old_w), (rows, cols) = config.image_hw, grid
+    (old_h, old_w), (rows, cols), old_patch = config.image_hw, grid, config.patch_size
+    what = f"position embeddings resampled ({mode}) from {old_h}x{old_w} to {height}x{width}"
+    patch_note = ""
+    if new_patch != old_patch:
+        what = (
+            f"patch embedding resampled from {old_patch}x{old_patch} to {new_patch}x{new_patch} pixels (FlexiViT's "
+            f"pseudo-inverse resize) and the {what}"
+        )
+        patch_note = (
+            f" The patch size changed from {old_patch} to {new_patch}: the patch embedding kernel was resampled by "
+            "FlexiViT's pseudo-inverse resize (a patch resized up is embedded as before; shrunk, the least-squares "
+            "fit)."
+        )
 
     def save(path: Path) -> None:
         model.save_pretrained(path)
@@ -105,14 +126,12 @@ def make_resolution_variant(
             output_name=target.name,
             metrics=metrics,
             dataset_name=data_args.dataset_name if data_args is not None else None,
-            summary=(
-                f"A resolution variant of `{base_model}`: the same weights with the position embeddings resampled "
-                f"({mode}) from {old_h}x{old_w} to {height}x{width}, not trained after."
-            ),
+            summary=(f"A resolution variant of `{base_model}`: the same weights with the {what}, not trained after."),
             resolution_note=(
-                f"Interpolated from {old_h}x{old_w} ({config.grid_size[0]}x{config.grid_size[1]} patches) to "
-                f"{height}x{width} ({rows}x{cols} patches) with {mode} resampling of the position embeddings; not "
-                "fine-tuned after the interpolation."
+                f"Interpolated from {old_h}x{old_w} ({config.grid_size[0]}x{config.grid_size[1]} patches of "
+                f"{old_patch}x{old_patch}) to {height}x{width} ({rows}x{cols} patches of {new_patch}x{new_patch}) "
+                f"with {mode} resampling of the position embeddings; not fine-tuned after the interpolation."
+                + patch_note
             ),
             recipe=f"no training after the interpolation; see `{base_model}` for how its weights were trained.",
         )

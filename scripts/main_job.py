@@ -28,9 +28,10 @@ from hf_vit.variants import make_evaluated_variant
 
 ARCHITECTURE = "hidden_size=96,num_hidden_layers=4,num_attention_heads=3,intermediate_size=384"
 TRAIN_IMAGES = 1257  # the digits' training split
-# The stages' wall time over their training steps' compute, measured on 2 CPU cores (data, evaluation each epoch,
-# saving, the analysis figures): the estimate multiplies the steps' measured time by it.
-OVERHEAD = 1.6
+# The stages' wall time over their training steps' compute, measured on 2 quiet CPU cores (the data path's
+# augmentation on the main process, evaluation each epoch, saving, the analysis figures): the estimate multiplies the
+# steps' measured time by it. docs/benchmarks.md gives the measurement.
+OVERHEAD = 3.0
 
 
 def step_seconds(image_size: int, batch: int, repeats: int = 3) -> float:
@@ -60,6 +61,10 @@ def estimate_minutes(args: argparse.Namespace) -> float:
         (36, 32, args.variant_steps),
     ]
     return OVERHEAD * sum(step_seconds(size, batch) * steps for size, batch, steps in stages) / 60
+
+
+def _duration(minutes: float) -> str:
+    return f"{minutes * 60:.0f} seconds" if minutes < 2 else f"{minutes:.0f} minutes"
 
 
 def main() -> None:
@@ -92,7 +97,7 @@ def main() -> None:
     common += ["--dataloader_num_workers", "0"]  # as measured for the README; the scripts default to workers
     estimate = estimate_minutes(args)
     print(
-        f"The main job{' (quick version)' if quick else ''}: about {estimate:.0f} minutes on this machine now "
+        f"The main job{' (quick version)' if quick else ''}: about {_duration(estimate)} on this machine now "
         f"({torch.get_num_threads()} threads; measured from a few training steps, so a loaded machine gives a "
         "longer estimate). `make train QUICK=1` runs a short version.",
         flush=True,

@@ -625,3 +625,33 @@ def test_an_image_folder_of_one_class_is_refused_as_one_class(tmp_path, streamin
     assert get_label_names(ds) == ["cat"]
     with pytest.raises(ValueError, match=r"1 class\(es\) \(\['cat'\]\): classification needs at least two"):
         OBJECTIVES["classification"].labels(ds, None)
+
+
+class _Draws:
+    """A data set whose examples are random draws from the global stream (as an augmentation's are)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.rand(3)
+
+
+def test_a_seeded_example_reseeds_the_cpu_generator_only(monkeypatch):
+    """Each example's augmentation is seeded on the CPU generator, which fork_rng restores; reseeding every
+    accelerator's generator too (torch.manual_seed) cost milliseconds an example and, with CUDA up, would reset the
+    training stream's dropout at every example."""
+    from hf_vit.run.trainer import SeededAugmentation
+
+    def refuse(seed):
+        raise AssertionError("an accelerator's generator was reseeded")
+
+    for device in ("cuda", "xpu", "mtia"):
+        monkeypatch.setattr(getattr(torch, device), "manual_seed_all", refuse)
+    data = SeededAugmentation(_Draws(), seed=0)
+    torch.default_generator.manual_seed(7)
+    expected = torch.rand(1)
+    torch.default_generator.manual_seed(7)
+    first, again, other = data[2], data[2], data[1]
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert torch.equal(torch.rand(1), expected)  # the training process's own stream is left where it was

@@ -7,7 +7,9 @@ of the first four factors (a preset trains in full only, and multi-label data do
 be refused); three of them run with two processes, covering two processes with every adaptation, both label kinds and
 both data kinds, from a preset, an hf-vit folder and a Hub id converted on load in each process. `FAMILY_ROWS` add one
 row for each of the family that followed, by Hub id (DINOv2 with registers, SigLIP's vision tower, DeiT with its
-distillation head), together covering every adaptation.
+distillation head), together covering every adaptation. Sizes drawn per batch ride on rows as extra flags: `--seq_lens`
+with two processes, multi-label and native-aspect batches (each step's length alike on both processes, checked from
+each one's batches) and across a kill (exact resumption); `--patch_sizes` with LoRA and with a stream.
 
 Invariants on every run:
 1. the run's folder (for LoRA: the merged model, saved) reloads with the Auto classes and predicts what the trained
@@ -66,19 +68,24 @@ class Combination:
     data: str  # memory, stream
     processes: int = 1
     recipe: str | None = None  # --recipe
+    flags: tuple[str, ...] = ()  # more flags: sizes drawn per batch (--seq_lens, --patch_sizes)
 
     def __str__(self) -> str:
         recipe = f"-{self.recipe}" if self.recipe else ""
-        return f"{self.source}-{self.adaptation}-{self.labels}-{self.data}-{self.processes}p{recipe}"
+        more = "".join(f"-{flag.strip('-')}" for flag in self.flags if flag.startswith("--"))
+        return f"{self.source}-{self.adaptation}-{self.labels}-{self.data}-{self.processes}p{recipe}{more}"
+
+
+SEQ_LENS = ("--seq_lens", "4,16")  # native-aspect batches of 32 images at 4 patches or 8 at 16 (the 8 x 16 budget)
 
 
 COMBINATIONS = [
     Combination("preset", "full", "single", "memory"),
-    Combination("preset", "full", "multi", "memory", processes=2),
-    Combination("preset", "full", "single", "stream"),
+    Combination("preset", "full", "multi", "memory", processes=2, flags=SEQ_LENS),
+    Combination("preset", "full", "single", "stream", flags=("--patch_sizes", "8,16")),
     Combination("folder", "full", "multi", "memory"),
     Combination("folder", "qkv", "single", "stream", processes=2),
-    Combination("folder", "query_value", "single", "memory"),
+    Combination("folder", "query_value", "single", "memory", flags=("--patch_sizes", "4,8,16")),
     Combination("transformers", "full", "single", "stream"),
     Combination("transformers", "qkv", "multi", "memory"),
     Combination("transformers", "query_value", "single", "memory", processes=2),
@@ -255,6 +262,7 @@ def run_flags(world: World, combination: Combination, output_dir: Path) -> tuple
     flags += ["--learning_rate", "0.05", "--save_strategy", "no", "--disable_tqdm", "True", "--report_to", "none"]
     if combination.recipe:
         flags += ["--recipe", combination.recipe]
+    flags += combination.flags
     if combination.processes == 1:  # a validation pass during training, through persistent workers
         flags += ["--eval_strategy", "steps", "--eval_steps", "2"]
         flags += ["--dataloader_num_workers", "1", "--dataloader_persistent_workers", "True"]
@@ -275,6 +283,11 @@ def trained_in_memory(world, combination, output_dir, task, flags, caplog):
     done = subprocess.run(torchrun + [str(WORKER), task, *flags], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     weights = load_file(output_dir / "rank0.safetensors")
+    if "--seq_lens" in flags:  # every step drew one length for both processes: the same batch size, within it
+        batches = [json.loads((output_dir / f"rank{rank}.json").read_text())["batches"] for rank in (0, 1)]
+        assert len(batches[0]) == len(batches[1]) == 3
+        for (images, patches), (other_images, other_patches) in zip(*batches):
+            assert images == other_images and max(patches, other_patches) <= BATCH * 16 // images
     for rank in (0, 1):
         (output_dir / f"rank{rank}.safetensors").unlink()
         (output_dir / f"rank{rank}.json").unlink()
@@ -313,10 +326,11 @@ def test_combination(world, combination, tmp_path, caplog):
     reloaded = AutoModelForImageClassification.from_pretrained(folder).eval()
     processor = AutoImageProcessor.from_pretrained(folder)
     test = load_digits_dataset()["test"].select(range(24))  # the test split of both data sets
-    pixels = processor(list(test["image"]), return_tensors="pt").pixel_values
+    inputs = processor(list(test["image"]), return_tensors="pt")  # native-aspect batches after --seq_lens
+    assert ("spatial_shapes" in inputs) == ("--seq_lens" in combination.flags)
     with torch.no_grad():
-        logits = reloaded(pixels).logits
-        torch.testing.assert_close(logits, in_memory(pixel_values=pixels).logits, atol=1e-4, rtol=1e-4)
+        logits = reloaded(**inputs).logits
+        torch.testing.assert_close(logits, in_memory(**inputs).logits, atol=1e-4, rtol=1e-4)
 
     # 2. the reported test metrics are the test split's
     results = json.loads((out / "all_results.json").read_text())
@@ -352,12 +366,14 @@ def test_combination(world, combination, tmp_path, caplog):
     assert planned <= allowed and weights <= planned and {"config.json", "README.md"} <= planned
     assert not planned & {"training_args.bin", "trainer_state.json", LOCAL_BASE_FILE} and set(RESULT_FILES) & planned
 
-    # 5. the logged global batch
+    # 5. the logged global batch (with --seq_lens, each length's batch within the 8 x 16 patches' budget)
     processes = combination.processes
     assert (
-        f"batch {BATCH} per device x {processes} process(es) x 1 accumulation step(s) = global batch "
-        f"{BATCH * processes}" in log
-    )
+        f"batches of 32 at 4 patches, 8 at 16 patches per device (128 patches each) x {processes} process(es)"
+        if "--seq_lens" in combination.flags
+        else f"batch {BATCH} per device x {processes} process(es) x 1 accumulation step(s) = global batch "
+        f"{BATCH * processes}"
+    ) in log
 
     # 6. the recipe that ran, in the log and on the card (the learning rate given here overrides the recipe's)
     if combination.recipe:
@@ -370,7 +386,8 @@ def test_combination(world, combination, tmp_path, caplog):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Rows across a kill: a LoRA run killed after a checkpoint resumes to the uninterrupted run's weights
+# Rows across a kill: a LoRA run on lengths drawn per step (--seq_lens) killed after a checkpoint resumes to the
+# uninterrupted run's weights
 
 
 @pytest.mark.parametrize("processes", [2])  # the one-process path is the same code, without the ranks
@@ -381,7 +398,7 @@ def test_killed_lora_run_resumes_to_the_same_weights(world, processes, tmp_path)
         task, flags = run_flags(world, combination, output_dir)
         flags[flags.index("--save_strategy") + 1] = "steps"
         flags[flags.index("--max_steps") + 1] = "6"
-        flags += ["--save_steps", "2", "--eval_strategy", "no", "--dataloader_num_workers", "0", *more]
+        flags += ["--save_steps", "2", "--eval_strategy", "no", "--dataloader_num_workers", "0", *SEQ_LENS, *more]
         launcher = torchrun_command(processes) if processes > 1 else [sys.executable]
         command = [*launcher, str(WORKER), task, *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_CACHE": str(world.cache)}

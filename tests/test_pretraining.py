@@ -47,7 +47,7 @@ def test_supervised_pretraining_from_a_checkpoint_resamples_to_the_image_size_gi
 @pytest.mark.parametrize(
     "flags, named",
     [
-        (["--patch_size", "2"], "patch_size=2 (the checkpoint has 4)"),
+        (["--config_overrides", TINY.replace("hidden_size=32", "hidden_size=64")], "hidden_size=64"),
         (["--config_overrides", TINY.replace("num_hidden_layers=2", "num_hidden_layers=3")], "num_hidden_layers=3"),
     ],
 )

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_config
+from transformers import AutoModel, AutoModelForImageClassification
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.model.resolution import grid_for, resample_patch_embedding, resample_position_embeddings
@@ -152,9 +153,21 @@ def test_from_pretrained_at_another_patch_size(folder):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(resize_patches(x, 8, 16)).logits, model(x).logits, atol=1e-4, rtol=0)
-    only_patch = VisionTransformerForImageClassification.from_pretrained(path, patch_size=4)
+    only_patch = VisionTransformerForImageClassification.from_pretrained(path, patch_size=4).eval()
     assert only_patch.config.image_size == 32 and only_patch.config.grid_size == (8, 8)
     assert only_patch.vit.embeddings.patch_embedding.weight.shape == (32, 3, 4, 4)
+    # The Auto classes write patch_size onto the config before the weights load: the same model as the class's path
+    auto = AutoModelForImageClassification.from_pretrained(path, patch_size=4).eval()
+    assert type(auto) is VisionTransformerForImageClassification and auto.config.patch_size == 4
+    base = AutoModel.from_pretrained(path, patch_size=16, image_size=64).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(auto(x).logits, only_patch(x).logits, atol=0, rtol=0)
+        assert base.config.grid_size == (4, 4)
+        upsampled = resize_patches(x, 8, 16)
+        torch.testing.assert_close(
+            base(upsampled).last_hidden_state, loaded.vit(upsampled).last_hidden_state, atol=0, rtol=0
+        )
+    assert json.loads((path / "config.json").read_text())["patch_size"] == 8  # the folder is left as it was
 
 
 def test_reset_classifier_gives_the_papers_fine_tuning_head(folder):
@@ -214,3 +227,30 @@ def test_a_folder_without_a_model_is_named_before_anything_loads(tmp_path):
     with pytest.raises(FileNotFoundError, match="'.*nope' is not an hf-vit model folder"):
         make_resolution_variant(tmp_path / "nope", 48, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_patch_size_variant_on_the_command_line(folder, tmp_path, capsys):
+    from hf_vit.commands.resize import main
+
+    path, model = folder
+    assert (
+        main(["--model", str(path), "--patch_size", "16", "--image_size", "64", "--output", str(tmp_path / "p16")])
+        == 0
+    )
+    variant = VisionTransformerForImageClassification.from_pretrained(tmp_path / "p16").eval()
+    assert variant.config.patch_size == 16 and variant.config.image_size == 64
+    expected = VisionTransformerForImageClassification.from_pretrained(path, patch_size=16, image_size=64).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(variant(x).logits, expected(x).logits, atol=0, rtol=0)
+    card = (tmp_path / "p16" / "README.md").read_text()
+    assert "patch embedding resampled from 8x8 to 16x16" in card and "pseudo-inverse" in card
+    assert VisionTransformerImageProcessor.from_pretrained(tmp_path / "p16").size == {"height": 64, "width": 64}
+    # the patch size alone keeps the image size; a patch that does not tile it is refused, naming the sizes
+    assert main(["--model", str(path), "--patch_size", "4", "--output", str(tmp_path / "p4")]) == 0
+    assert VisionTransformerForImageClassification.from_pretrained(tmp_path / "p4").config.grid_size == (8, 8)
+    assert main(["--model", str(path), "--patch_size", "12", "--output", str(tmp_path / "p12")]) == 2
+    assert "not divisible by the patch size 12" in capsys.readouterr().err and not (tmp_path / "p12").exists()
+    with pytest.raises(SystemExit):
+        main(["--model", str(path), "--output", str(tmp_path / "none")])
+    assert "--image_size, --patch_size or both" in capsys.readouterr().err

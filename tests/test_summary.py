@@ -41,6 +41,18 @@ def test_a_guessed_flag_is_one_error_line_with_exit_status_2(tmp_path):
     assert done.returncode == 2 and len(lines) == 1 and "--num_train_epochs" in lines[0], done.stderr
 
 
+@pytest.mark.parametrize("command", ["convert", "evaluate", "export", "predict", "push", "resize"])
+def test_every_other_command_answers_a_bad_flag_in_one_error_line(capsys, command):
+    import importlib
+
+    main = importlib.import_module(f"hf_vit.commands.{command}").main
+    with pytest.raises(SystemExit) as done:
+        main(["--modle", "x"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert done.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error:") and lines[0].endswith("(--help lists the flags)")
+
+
 def tiny_run(tmp_path, data, learning_rate, epochs="1"):
     args = ["--output_dir", str(tmp_path / "out"), "--dataset_name", str(data), *TINY_RUN]
     args += ["--learning_rate", learning_rate, "--num_train_epochs", epochs, "--logging_steps", "1"]
@@ -75,3 +87,13 @@ def test_the_chance_warning_is_for_losses_within_5_percent_of_ln_c(tmp_path):
     assert chance_warning(chance * 1.06, 4, "single_label_classification", args) is None
     assert chance_warning(chance * 0.5, 4, "single_label_classification", args) is None
     assert chance_warning(chance, 4, "multi_label_classification", args) is None  # ln C is not its chance level
+
+
+def test_help_says_what_a_no_twin_of_a_flag_on_by_default_does(capsys):
+    with pytest.raises(SystemExit):
+        parse_args("finetune", ["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    twin = text[text.index("--no_check_eval_images, --no-check-eval-images") :][:120]
+    assert "Turn --check_eval_images off (it is on by default)." in twin and "default: False" not in twin
+    assert not parse_args("finetune", ["--output_dir", "x", "--no_check_eval_images"])[2].check_eval_images
+    assert parse_args("finetune", ["--output_dir", "x"])[2].check_eval_images

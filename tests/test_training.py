@@ -16,7 +16,12 @@ from conftest import free_port, torchrun_command
 from PIL import Image
 from safetensors.torch import load_file
 
-from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit import (
+    VisionTransformerConfig,
+    VisionTransformerForImageClassification,
+    VisionTransformerImageProcessor,
+    VisionTransformerModel,
+)
 from hf_vit.model.resolution import resample_position_embeddings
 from hf_vit.run.arguments import parse_args
 from hf_vit.run.checkpoints import last_complete_checkpoint
@@ -214,13 +219,14 @@ def test_distributed_two_processes_match_one(tmp_path):
 
 @pytest.fixture(scope="module")
 def resume_runs(tmp_path_factory):
-    """An uninterrupted run with augmentation, dropout and per-epoch evaluation, and the flags that made it: 32
-    images in batches of 8 (4 steps an epoch), a checkpoint every 2 steps (mid-epoch, and at epoch ends right
-    before the epoch's evaluation)."""
+    """An uninterrupted run with augmentation, dropout, a patch size per step and per-epoch evaluation, and the flags
+    that made it: 32 images in batches of 8 (4 steps an epoch), a checkpoint every 2 steps (mid-epoch, and at epoch
+    ends right before the epoch's evaluation)."""
     root = tmp_path_factory.mktemp("resume")
     source = pretrained_folder(root / "pre")
     extra = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "epoch"]
     extra += ["--random_resized_crop", "True", "--crop_scale_min", "0.5", "--hidden_dropout_prob", "0.1"]
+    extra += ["--patch_sizes", "2,4,8"]  # FlexiViT: a patch size drawn per step, the same after resuming
 
     def flags(output_dir, *more):
         args = deterministic_finetune_args(source, output_dir, 8, max_steps=10, extra=extra + list(more))
@@ -734,11 +740,22 @@ def test_one_and_four_channel_models_train_from_the_command_line(tmp_path, chann
     assert VisionTransformerForImageClassification.from_pretrained(tmp_path / "fine").config.num_channels == channels
 
 
-def test_fine_tuning_flags_that_would_change_the_checkpoints_weights_are_refused(tmp_path):
+def test_fine_tuning_at_another_patch_size_resamples_the_checkpoint(tmp_path):
     source = pretrained_folder(tmp_path / "pre")
-    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(source), "--patch_size", "2"]
-    with pytest.raises(ValueError, match=r"cannot take patch_size=2 \(the checkpoint has 4\)"):
-        train("finetune", *parse_args("finetune", args + QUIET))
+    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(source), "--learning_rate", "0"]
+    args += ["--max_steps", "1", "--eval_strategy", "no", "--save_strategy", "no", "--max_train_samples", "8"]
+    with pytest.raises(ValueError, match="--model_name_or_path .* not divisible by the patch size 3"):
+        train("finetune", *parse_args("finetune", args + ["--patch_size", "3", *QUIET]))
+    with pytest.raises(ValueError, match=r"cannot take num_hidden_layers=3 \(the checkpoint has 2\)"):
+        train("finetune", *parse_args("finetune", args + ["--config_overrides", "num_hidden_layers=3", *QUIET]))
+    train("finetune", *parse_args("finetune", args + ["--patch_size", "2", *QUIET]))
+    tuned = VisionTransformerModel.from_pretrained(tmp_path / "out").eval()
+    expected = VisionTransformerModel.from_pretrained(source, patch_size=2).eval()  # learning rate 0: as resampled
+    assert tuned.config.patch_size == 2 and tuned.config.grid_size == (4, 4)
+    assert VisionTransformerImageProcessor.from_pretrained(tmp_path / "out").size == {"height": 8, "width": 8}
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x).last_hidden_state, expected(x).last_hidden_state, atol=1e-6, rtol=0)
 
 
 def test_a_validation_split_without_positive_labels_does_not_stop_a_multi_label_run(tmp_path):

@@ -12,6 +12,21 @@ in the repository's `scripts/` folder are thin wrappers over the same functions.
 
 from __future__ import annotations
 
+import argparse
+import sys
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of every command that is not a training run: `--help` shows the module's docstring as written, and
+    a bad flag is one `error:` line (exit 2), as every other error of the commands."""
+
+    def __init__(self, prog: str, description: str | None) -> None:
+        super().__init__(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def error(self, message: str):
+        print(f"error: {message} (--help lists the flags)", file=sys.stderr)
+        raise SystemExit(2)
+
 
 def pretrain() -> int:
     """`hf-vit-pretrain`: the paper's pretraining recipe (see `hf_vit.run.training.main`)."""

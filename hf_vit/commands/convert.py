@@ -22,10 +22,10 @@ The new folder is written beside the old one and swapped in, so a crash leaves t
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from hf_vit.commands import CommandParser
 from hf_vit.convert import (
     ConversionError,
     convert_jax_checkpoint,
@@ -41,7 +41,7 @@ CONVERTERS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser("hf-vit-convert", __doc__)
     parser.add_argument("--source", required=True, choices=sorted(CONVERTERS), help="layout of the input checkpoint")
     parser.add_argument("--input", required=True, help="file or folder of the checkpoint to convert")
     parser.add_argument("--output", required=True, help="folder to write the hf-vit checkpoint to")

@@ -11,20 +11,15 @@ it is, so its classes must be the data set's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, as every other error of the command
-        print(f"error: {message} (--help lists the flags)", file=sys.stderr)
-        raise SystemExit(2)
+from hf_vit.commands import CommandParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="hf-vit-evaluate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser("hf-vit-evaluate", __doc__)
     parser.add_argument("--model", required=True, help="hf-vit folder, LoRA run folder or Hub id")
     parser.add_argument(
         "--dataset_name", required=True, help="'digits', an image folder, a save_to_disk folder or a Hub data set"

@@ -8,18 +8,18 @@ embeddings are resampled inside it.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerModel
+from hf_vit.commands import CommandParser
 from hf_vit.export import FORMATS, check_onnx, export
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser("hf-vit-export", __doc__)
     parser.add_argument("--model", required=True, help="hf-vit folder to export")
     parser.add_argument("--format", default="onnx", choices=FORMATS)
     parser.add_argument("--output", required=True, help="file to write (.onnx or .pt2)")

@@ -10,19 +10,14 @@ images stands for every image file under it.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, as every other error of the command
-        print(f"error: {message} (--help lists the flags)", file=sys.stderr)
-        raise SystemExit(2)
+from hf_vit.commands import CommandParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="hf-vit-predict", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser("hf-vit-predict", __doc__)
     parser.add_argument("--model", required=True, help="hf-vit folder, LoRA run folder or Hub id")
     parser.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files, or folders of them")
     parser.add_argument("--top_k", type=int, default=5, help="classes per image (default 5, at most all)")

@@ -8,15 +8,15 @@ hf-vit-push --model outputs/main --hub_model_id my-org/vit-digits-24
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
+from hf_vit.commands import CommandParser
 from hf_vit.outputs.push import plan_upload, push_folder_to_hub
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser("hf-vit-push", __doc__)
     parser.add_argument("--model", required=True, help="the hf-vit folder to push")
     parser.add_argument("--hub_model_id", help="<user or org>/<name> of the Hub repository")
     parser.add_argument("--private", action="store_true", help="create the repository as private")

@@ -1,7 +1,9 @@
-r"""Make a resolution variant of an hf-vit model: position embeddings resampled in 2D (bicubic by default), config and
-processor set to the new size, so it runs there without `interpolate_pos_encoding`.
+r"""Make a resolution variant of an hf-vit model: position embeddings resampled in 2D (bicubic by default), with
+--patch_size the patch embedding too (FlexiViT's pseudo-inverse resize), config and processor set to the new sizes,
+so it runs there without `interpolate_pos_encoding`.
 
     hf-vit-resize --model outputs/main --image_size 36 --output outputs/main-36
+    hf-vit-resize --model outputs/main --patch_size 8 --output outputs/main-p8   # FlexiViT: the patch resampled
     hf-vit-resize --model vit-224 --image_size 384 512 --output vit-384x512 \
         --push_to_hub --hub_model_id my-org/vit-384x512 --base_model my-org/vit-224 --dataset_name digits
 
@@ -13,20 +15,27 @@ replaces only a folder hf-vit wrote (see scripts/convert_checkpoint.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from hf_vit.commands import CommandParser
 from hf_vit.model.resolution import MODES
 from hf_vit.outputs.push import push_folder_to_hub
 from hf_vit.variants import make_resolution_variant
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser("hf-vit-resize", __doc__)
     parser.add_argument("--model", required=True, help="hf-vit folder to start from")
-    parser.add_argument("--image_size", required=True, type=int, nargs="+", help="N, or H W for non-square")
+    parser.add_argument("--image_size", type=int, nargs="+", help="N, or H W for non-square (default: the model's)")
+    parser.add_argument(
+        "--patch_size",
+        type=int,
+        default=None,
+        help="a new patch size: the patch embedding is resampled by FlexiViT's pseudo-inverse resize, the position "
+        "grid follows (default: the model's)",
+    )
     parser.add_argument("--output", required=True, help="folder to write the variant to")
     parser.add_argument("--interpolation", default="bicubic", choices=MODES)
     parser.add_argument("--overwrite", action="store_true", help="replace an output folder hf-vit wrote")
@@ -41,11 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hub_private_repo", action="store_true")
     parser.add_argument("--hub_token", default=None)
     args = parser.parse_args(argv)
-    if len(args.image_size) not in (1, 2):
+    if args.image_size is None and args.patch_size is None:
+        parser.error("give --image_size, --patch_size or both: the size(s) of the variant")
+    if args.image_size is not None and len(args.image_size) not in (1, 2):
         parser.error("--image_size takes N or H W")
     if args.push_to_hub and not args.hub_model_id:
         parser.error("--push_to_hub needs --hub_model_id <user or org>/<name>")
-    size = args.image_size[0] if len(args.image_size) == 1 else args.image_size
+    size = None if args.image_size is None else args.image_size[0] if len(args.image_size) == 1 else args.image_size
     data_args = None
     if args.dataset_name:
         from hf_vit.run.arguments import DataArguments
@@ -55,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, _ = make_resolution_variant(
             args.model, size, output, args.interpolation, overwrite=args.overwrite,
-            base_model=args.base_model, repo_id=args.hub_model_id, data_args=data_args,
+            base_model=args.base_model, repo_id=args.hub_model_id, data_args=data_args, patch_size=args.patch_size,
         )  # fmt: skip
     except (ValueError, OSError) as error:  # OSError: output refusals, missing or unwritable folders
         print(f"error: {error}", file=sys.stderr)
         return 2
     height, width = model.config.image_hw
-    print(f"wrote {output}: {type(model).__name__} at {height}x{width}")
+    print(f"wrote {output}: {type(model).__name__} at {height}x{width}, patch {model.config.patch_size}")
     if data_args is not None:
         metrics = json.loads((output / "all_results.json").read_text())
         split = metrics.get("eval_split", "test")

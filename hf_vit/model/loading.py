@@ -17,6 +17,7 @@ only what it needs:
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from collections.abc import Callable
@@ -84,6 +85,37 @@ def load_strictly(model_class: Any, load: Any, source: Any, args: tuple, kwargs:
             f"the checkpoint ({shown}) and would stay randomly initialised. Is it a checkpoint of another model?"
         )
     return (model, info) if output_loading_info else model
+
+
+# The keyword arguments of `from_pretrained` that say where a checkpoint's files are, not what the model is.
+_LOCATION_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
+
+
+def resize_asked_by_config(source: Any, kwargs: dict[str, Any]) -> list[Any] | None:
+    """`[image_size, patch_size]` when `kwargs["config"]` asks for another patch size than the checkpoint at `source`
+    was saved with, else None.
+
+    `AutoModel.from_pretrained(folder, patch_size=P)` loads the config first and writes `patch_size=P` onto it, then
+    hands the model class that config: loading the saved weights into it would fail on the kernel's and the positions'
+    shapes. `kwargs["config"]` is then replaced by a copy with the checkpoint's own sizes, so the weights load as they
+    were saved, and the caller resamples the model to the sizes returned (`set_input_size`), as with `patch_size=P`
+    given to the model class itself."""
+    config = kwargs.get("config")
+    if not isinstance(source, (str, os.PathLike)) or not hasattr(config, "patch_size"):
+        return None
+    location = {name: kwargs[name] for name in _LOCATION_KWARGS if name in kwargs}
+    try:
+        stored, _ = type(config).get_config_dict(os.fspath(source), **location)
+    except (OSError, ValueError):
+        return None  # not a readable hf-vit checkpoint: the loading itself reports it
+    saved_patch = stored.get("patch_size", config.patch_size)
+    if stored.get("model_type") != config.model_type or saved_patch == config.patch_size:
+        return None
+    wanted = [config.image_size, config.patch_size]
+    as_saved = copy.deepcopy(config)
+    as_saved.patch_size, as_saved.image_size = saved_patch, stored.get("image_size", config.image_size)
+    kwargs["config"] = as_saved
+    return wanted
 
 
 # Code files every hf-vit checkpoint carries though the saved class's module does not import them: the config's

@@ -5,6 +5,7 @@ stage of it), so that every stage can read it."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 
 from .ema import check_ema_decay
+from .flexible import parse_sizes
 from .mixing import Mixing
 from .rand_augment import parse_rand_augment
 from .recipes import get_recipe, passed_flags, scaled_learning_rate
@@ -92,7 +94,13 @@ class ModelArguments:
             "nargs": "+",
         },
     )
-    patch_size: int | None = field(default=None, metadata={"help": "Patch size, overriding the preset's."})
+    patch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Patch size, overriding the preset's. From a checkpoint (--model_name_or_path) its patch "
+            "embedding is resampled to it (FlexiViT's pseudo-inverse resize) and the position grid follows."
+        },
+    )
     num_channels: int | None = field(
         default=None,
         metadata={
@@ -205,6 +213,43 @@ class DataArguments:
             "number; the saved processor does the same at inference. Classification objectives only."
         },
     )
+    seq_lens: str | None = field(
+        default=None,
+        metadata={
+            "help": "Native aspect ratio with a sequence length drawn per training batch (timm's NaFlex loader), e.g. "
+            "64,144,256: each step's images are resized to the largest grid of at most the drawn number of patches "
+            "at their own aspect ratio, and the batch holds --max_tokens_per_batch // length images per process. "
+            "The draw is fixed by --seed and the step (every process trains the step at the same length; a resumed "
+            "run draws what the uninterrupted one did); every epoch has the same steps, in another order. "
+            "Evaluation and the saved processor use --max_num_patches (default: the longest length). Not with "
+            "--streaming (accelerate deals a stream out in batches of one size)."
+        },
+    )
+    max_tokens_per_batch: int | None = field(
+        default=None,
+        metadata={
+            "help": "With --seq_lens: the patches one process's batch may hold; its batch size at length L is this // "
+            "L. Default: --per_device_train_batch_size x the longest of --seq_lens (that length trains at "
+            "--per_device_train_batch_size images, shorter ones at more)."
+        },
+    )
+    patch_sizes: str | None = field(
+        default=None,
+        metadata={
+            "help": "FlexiViT: a patch size drawn per optimisation step from these, e.g. 8,16,32 (fixed by --seed and "
+            "the step: alike on every process and on resumption). The step embeds its patches with the stored patch "
+            "embedding resampled by FlexiViT's pseudo-inverse resize (its gradient trains the stored kernel) and "
+            "resamples the position grid to the image's grid at that size. The saved model keeps its own patch size "
+            "and kernel: from_pretrained(folder, patch_size=P) gives it at P. Each size must divide --image_size; "
+            "whole images only (not with --max_num_patches or --seq_lens)."
+        },
+    )
+    patch_size_probs: str | None = field(
+        default=None,
+        metadata={
+            "help": "With --patch_sizes: the weight of each size, e.g. 0.2,0.3,0.5 (normalised). Default: equal."
+        },
+    )
 
 
 @dataclass
@@ -306,6 +351,7 @@ def parse_args(
         dataloader_pin_memory=torch.cuda.is_available(),
     )
     refuse_unknown_flags(parser)
+    describe_negations(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
     model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True
@@ -324,6 +370,7 @@ def parse_args(
         batch = training_args.per_device_train_batch_size * training_args.world_size
         training_args.learning_rate = scaled_learning_rate(recipe, batch * training_args.gradient_accumulation_steps)
     check_recipe_flags(model_args, data_args, training_args, passed)
+    check_flexible_flags(data_args, training_args)
     if not training_args.do_train:
         check_evaluation_flags(passed)
     if training_args.dataloader_num_workers == 0:
@@ -367,6 +414,46 @@ def check_evaluation_flags(passed: set[str]) -> None:
             f"--do_train False measures the checkpoint as it is, so {named} would have no effect (nothing is trained, "
             "resized or adapted). Drop them, or fine-tune with them (without --do_train False); hf-vit-evaluate "
             "measures a saved model too."
+        )
+
+
+def check_flexible_flags(data_args: DataArguments, training_args: TrainingArguments) -> None:
+    """Refuse, by name, sizes drawn per batch that cannot be trained or would be ignored; `--seq_lens` without
+    `--max_num_patches` evaluates (and saves its processor) at its longest length."""
+    seq_lens = parse_sizes(data_args.seq_lens, "--seq_lens")
+    if data_args.max_tokens_per_batch is not None and seq_lens is None:
+        raise ValueError("--max_tokens_per_batch sizes the batches of --seq_lens: give --seq_lens, or drop it.")
+    if seq_lens is not None:
+        if data_args.streaming:
+            raise ValueError(
+                "--seq_lens with --streaming: accelerate deals a stream out in batches of one size, so a batch size "
+                "per drawn length cannot reach it. Drop --streaming (load the data set), or use --max_num_patches."
+            )
+        if data_args.max_num_patches is None:
+            data_args.max_num_patches = max(seq_lens)
+        if data_args.max_tokens_per_batch is not None and data_args.max_tokens_per_batch < max(seq_lens):
+            raise ValueError(
+                f"--max_tokens_per_batch {data_args.max_tokens_per_batch} is below the longest of --seq_lens "
+                f"({max(seq_lens)}): one image of that length would not fit a batch. Raise it."
+            )
+    patch_sizes = parse_sizes(data_args.patch_sizes, "--patch_sizes")
+    if data_args.patch_size_probs is not None:
+        if patch_sizes is None:
+            raise ValueError("--patch_size_probs weighs the sizes of --patch_sizes: give --patch_sizes, or drop it.")
+        try:
+            weights = [float(part) for part in data_args.patch_size_probs.split(",")]
+        except ValueError:
+            weights = []
+        if len(weights) != len(patch_sizes) or any(w < 0 for w in weights) or sum(weights) <= 0:
+            raise ValueError(
+                f"--patch_size_probs {data_args.patch_size_probs!r} must give one non-negative weight per size of "
+                f"--patch_sizes {data_args.patch_sizes!r}, not all zero."
+            )
+    if patch_sizes is not None and data_args.max_num_patches is not None:
+        flag = "--seq_lens" if seq_lens is not None else "--max_num_patches"
+        raise ValueError(
+            f"--patch_sizes with {flag}: native-aspect batches are cut into patches of one size by the image "
+            "processor before the step draws its patch size. Train --patch_sizes on whole images, or drop it."
         )
 
 
@@ -423,6 +510,16 @@ def refuse_unknown_flags(parser: HfArgumentParser) -> None:
         raise ValueError(f"{message} (--help lists every flag).")
 
     parser.error = error
+
+
+def describe_negations(parser: HfArgumentParser) -> None:
+    """HfArgumentParser gives each flag that defaults to True a `--no_` twin with the flag's own help and
+    "(default: False)", which reads as if the flag were off: say what the twin does instead."""
+    for action in parser._actions:
+        negations = [option for option in action.option_strings if option.startswith(("--no_", "--no-"))]
+        if negations and action.const is False:
+            action.help = f"Turn --{action.dest} off (it is on by default)."
+            action.default = argparse.SUPPRESS  # the flag's own action sets the default; no "(default: False)"
 
 
 def unknown_flags_message(parser: HfArgumentParser, unknown: list[str]) -> str:

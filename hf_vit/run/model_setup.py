@@ -219,13 +219,16 @@ def load_checkpoint(
       if given); `keep_head=True` keeps the checkpoint's head instead, and then the classes must be the checkpoint's.
       Without `id2label` the model is the checkpoint's as it is (masked patch prediction, a classifier continued);
     * `image_size`: another size resamples the position embeddings in 2D (`interpolation`) from the checkpoint's;
-    * `refuse`: fields the flags ask for that would change the shapes of the weights (`--patch_size`, a width, a
-      depth...); any that differs from the checkpoint's is refused in one line that names it, rather than ignored;
+    * `refuse`: fields the flags ask for that would change the shapes of the weights (a width, a depth...); any that
+      differs from the checkpoint's is refused in one line that names it, rather than ignored. Its `patch_size` (the
+      `--patch_size` flag) is taken instead: the patch embedding is resampled to it (FlexiViT's pseudo-inverse resize)
+      and the position grid follows;
     * `names`: the classes' names the config takes as it loads (its `id2label` and `label2id`), e.g. to continue
       training the checkpoint's own head under the data set's names.
     """
     fields = {k: v for k, v in config_fields.items() if v is not None}
     refuse = dict(refuse or {})
+    patch_size = refuse.pop("patch_size", None)
     if "num_attention_heads" in refuse and _foreign_layout(path) == "timm":
         # A timm state dict does not record its heads (the fused qkv hides them): the conversion takes them as given.
         fields["num_attention_heads"] = refuse.pop("num_attention_heads")
@@ -239,13 +242,19 @@ def load_checkpoint(
         raise ValueError(
             f"--keep_head needs the data set's classes to be the checkpoint's: {config.id2label} vs {id2label}."
         )
-    if image_size is not None and image_size_field(image_size) != image_size_field(config.image_size):
-        old_size, old_grid = tuple(config.image_hw), config.grid_size
-        model.set_input_size(image_size, interpolation)
+    new_size = image_size is not None and image_size_field(image_size) != image_size_field(config.image_size)
+    new_patch = patch_size is not None and patch_size != config.patch_size
+    if new_size or new_patch:
+        old_size, old_grid, old_patch = tuple(config.image_hw), config.grid_size, config.patch_size
+        try:
+            model.set_input_size(image_size if new_size else None, interpolation, patch_size=patch_size)
+        except ValueError as error:
+            raise ValueError(f"--model_name_or_path {path} at --patch_size/--image_size: {error}") from error
         logger.info(
-            "Training at %dx%d a model saved at %dx%d: position embeddings resampled (%s) from a %dx%d to a %dx%d "
-            "grid of patches.",
-            *config.image_hw, *old_size, interpolation, *old_grid, *config.grid_size,
+            "Training at %dx%d (patch %d) a model saved at %dx%d (patch %d): position embeddings resampled (%s) from "
+            "a %dx%d to a %dx%d grid of patches%s.",
+            *config.image_hw, config.patch_size, *old_size, old_patch, interpolation, *old_grid, *config.grid_size,
+            ", the patch embedding by FlexiViT's pseudo-inverse resize" if new_patch else "",
         )  # fmt: skip
     if id2label is not None and not keep_head:
         model.reset_classifier(id2label, representation_size)

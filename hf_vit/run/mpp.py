@@ -104,6 +104,12 @@ class MaskedPatchPredictionTransform:
 def with_mpp_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config):
     """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
     (`data_args`' crop and flip settings), the other splits resized by the processor only."""
+    for flag in ("seq_lens", "patch_sizes"):
+        if getattr(data_args, flag, None) is not None:
+            raise ValueError(
+                f"--{flag} trains the classification objectives; masked patch prediction predicts the colour of "
+                "patches of one size on whole images of --image_size: drop it, or use --objective classification."
+            )
     if getattr(data_args, "max_num_patches", None) is not None:
         raise ValueError(
             "--max_num_patches (native aspect ratio) trains the classification objectives; masked patch prediction "

@@ -409,11 +409,35 @@ def recipe_card_text(task: str, model_args: Any, data_args: Any, training_args: 
             [training_recipe_text(task, training_args), regularisation_text(model_args, data_args, training_args)],
         )
     )
+    text += drawn_sizes_text(data_args, training_args)
+    text += drawn_sizes_text(data_args, training_args)
     name = getattr(training_args, "recipe", None)
     if name is not None:
         given = set(getattr(training_args, "recipe_flags_given", ()))
         values = _flag_values(model_args, data_args, training_args)
         text += " Named " + recipe_summary(get_recipe(name), values, given)
+    return text
+
+
+def drawn_sizes_text(data_args: Any, training_args: Any) -> str:
+    """The card's words for sizes drawn per step (`--seq_lens`, `--patch_sizes`), or nothing."""
+    text = ""
+    seq_lens = getattr(data_args, "seq_lens", None)
+    if seq_lens:
+        longest = max(int(length) for length in seq_lens.split(","))
+        budget = data_args.max_tokens_per_batch or training_args.per_device_train_batch_size * longest
+        text += (
+            f" Native aspect ratio with a sequence length drawn per step from {seq_lens} patches, each device's batch "
+            f"holding {budget} // length images."
+        )
+    patch_sizes = getattr(data_args, "patch_sizes", None)
+    if patch_sizes:
+        weights = getattr(data_args, "patch_size_probs", None)
+        text += (
+            f" FlexiViT training: a patch size drawn per step from {patch_sizes}"
+            + (f" (weights {weights})" if weights else "")
+            + ", the patch embedding resampled from the saved one by the pseudo-inverse resize."
+        )
     return text
 
 

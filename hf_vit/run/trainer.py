@@ -11,15 +11,19 @@ import os
 import random
 import re
 import shutil
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import seed_worker
 
 from ..outputs.files import CARD_FILE
 from ..outputs.push import PlannedHubPushes
+from .flexible import PatchSizeDraw, SeqLenBatchSampler, at_patch_size
 from .recipes import RecipeTrainerMixin
+from .transforms import batch_max_num_patches
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,8 @@ class SeededAugmentation(torch.utils.data.Dataset):
     This is what makes resuming exact: the data loader fetches batches ahead (accelerate one batch, workers
     several), so with the global stream an interrupted and an uninterrupted run augment the batches after the
     checkpoint with different numbers. The epoch lives in shared memory so that persistent workers see it change.
+    An `(index, max_num_patches)` key (from `flexible.SeqLenBatchSampler`) fetches example `index` at that number of
+    patches.
     """
 
     def __init__(self, data, seed: int) -> None:
@@ -44,10 +50,13 @@ class SeededAugmentation(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, index: int | tuple[int, int]):
+        index, max_num_patches = index if isinstance(index, tuple) else (index, None)
         key = hashlib.blake2b(f"{self.seed}:{int(self.epoch)}:{index}".encode(), digest_size=8).digest()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int.from_bytes(key, "little"))
+        with torch.random.fork_rng(devices=[]), batch_max_num_patches(max_num_patches):
+            # The CPU generator only, as fork_rng restores: `torch.manual_seed` would also queue (or, where CUDA is
+            # up, do) a reseeding of every accelerator's generator per example, each call formatting a stack.
+            torch.default_generator.manual_seed(int.from_bytes(key, "little"))
             return self.data[index]
 
 
@@ -72,7 +81,40 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
     - Evaluation does not consume the training's random numbers (its data loader draws a seed), so a checkpoint saved
       right before an evaluation resumes to the same weights (with `SeededAugmentation` for the training split).
     - A checkpoint that cannot be written (a full disk) stops the run with the folder and the free space named.
+    - Sizes drawn per batch (`flexible.py`): with `seq_len_sampler` the training batches come from it (a length and a
+      batch size per step); with `patch_size_draw` each optimisation step trains at the patch size it draws.
     """
+
+    seq_len_sampler: SeqLenBatchSampler | None = None
+    patch_size_draw: PatchSizeDraw | None = None
+
+    def get_train_dataloader(self):
+        if self.seq_len_sampler is None:
+            return super().get_train_dataloader()
+        loader = torch.utils.data.DataLoader(
+            self.train_dataset,
+            batch_sampler=self.seq_len_sampler,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers,
+            prefetch_factor=self.args.dataloader_prefetch_factor,
+            multiprocessing_context=self.args.dataloader_multiprocessing_context,
+            in_order=self.args.dataloader_in_order,
+            worker_init_fn=partial(
+                seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
+            ),
+        )  # every batch is full (an epoch's last step is filled from its first examples): no --dataloader_drop_last
+        # accelerate wraps a batch sampler without a batch size in BatchSamplerShard, which gives process r the r-th
+        # batch of every num_processes: the sampler yields those together, at one length.
+        return self.accelerator.prepare(loader)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.patch_size_draw is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with at_patch_size(self.model, self.patch_size_draw(self.state.global_step)):
+            inputs = {**inputs, "interpolate_pos_encoding": True}
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         python_state, numpy_state = random.getstate(), np.random.get_state()
@@ -169,12 +211,24 @@ class RunSetupCallback(TrainerCallback):
 
     def __init__(self, num_examples: int | None) -> None:
         self.num_examples = num_examples
+        self.seq_len_sampler: SeqLenBatchSampler | None = None  # batches sized per drawn length (--seq_lens)
 
     def on_train_begin(self, args: TrainingArguments, state, control, **kwargs: Any) -> None:
         if not state.is_world_process_zero:
             return
         per_device = args.per_device_train_batch_size
         accumulation = args.gradient_accumulation_steps
+        sampler = self.seq_len_sampler
+        if sampler is not None:
+            sizes = ", ".join(f"{sampler.batch_size_for(s)} at {s} patches" for s in sampler.seq_lens)
+            logger.info(
+                "Run set-up: %d training examples, %g epochs of %d steps, a sequence length drawn per step: batches "
+                "of %s per device (%d patches each) x %d process(es) x %d accumulation step(s), %d optimisation "
+                "steps.",
+                self.num_examples, state.num_train_epochs, len(sampler.schedule), sizes,
+                sampler.max_tokens_per_batch, args.world_size, accumulation, state.max_steps,
+            )  # fmt: skip
+            return
         logger.info(
             "Run set-up: %s training examples, %s epochs, batch %d per device x %d process(es) x %d accumulation "
             "step(s) = global batch %d, %d optimisation steps.",

@@ -25,6 +25,7 @@ from .arguments import DataArguments, ModelArguments, parse_args
 from .checkpoints import resolve_resume
 from .datasets import load_datasets
 from .evaluation import final_evaluation
+from .flexible import PatchSizeDraw, SeqLenBatchSampler, check_patch_sizes, parse_sizes
 from .inference import evaluate_checkpoint
 from .lora import adapt, check_lora_arguments, lora_summary
 from .model_setup import processor_for
@@ -92,7 +93,7 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     check_image_channels(raw, processor, model.config.num_channels, channels_from)
     model = adapt(model, model_args, task, training_args.output_dir)
     ds = objective.transforms(raw, data_args, processor, model.config)
-    trainer = build_trainer(objective, model, processor, ds, training_args, callbacks)
+    trainer = build_trainer(objective, model, processor, ds, training_args, callbacks, data_args)
     if getattr(training_args, "overwrite_output_dir", False) and resume is None and trainer.is_world_process_zero():
         remove_earlier_checkpoints(training_args.output_dir, keep=model_args.model_name_or_path)
 
@@ -115,7 +116,7 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
 
 
 def build_trainer(
-    objective: Objective, model, processor, ds, training_args: TrainingArguments, callbacks: list
+    objective: Objective, model, processor, ds, training_args: TrainingArguments, callbacks: list, data_args=None
 ) -> VisionTransformerTrainer:
     """The run's Trainer: the objective's collator and metrics; an in-memory training split augmented
     reproducibly (`SeededAugmentation`, told each epoch)."""
@@ -139,7 +140,30 @@ def build_trainer(
         callbacks=[RunSetupCallback(num_examples), *([ema] if ema else []), *callbacks],
     )
     trainer.mixing, trainer.ema = mixing_for(training_args, model.config), ema
+    trainer.seq_len_sampler, trainer.patch_size_draw = flexible_sizes(ds["train"], model, data_args, training_args)
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, RunSetupCallback):
+            callback.seq_len_sampler = trainer.seq_len_sampler
     return trainer
+
+
+def flexible_sizes(train, model, data_args, training_args) -> tuple[SeqLenBatchSampler | None, PatchSizeDraw | None]:
+    """The sizes a run draws per batch (`flexible.py`): the sequence lengths' batch sampler (`--seq_lens`) and the
+    patch sizes' draw (`--patch_sizes`), or None for those not asked for."""
+    sampler = draw = None
+    seq_lens = parse_sizes(getattr(data_args, "seq_lens", None), "--seq_lens")
+    if seq_lens is not None:
+        budget = data_args.max_tokens_per_batch or training_args.per_device_train_batch_size * max(seq_lens)
+        sampler = SeqLenBatchSampler(train, seq_lens, budget, training_args.seed, training_args.world_size)
+    patch_sizes = parse_sizes(getattr(data_args, "patch_sizes", None), "--patch_sizes")
+    if patch_sizes is not None:
+        config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+        if config.resnet_layers is not None:
+            raise ValueError("--patch_sizes resamples a linear patch embedding; a hybrid (ResNet stem) has none.")
+        check_patch_sizes(patch_sizes, config.image_hw)
+        probs = data_args.patch_size_probs
+        draw = PatchSizeDraw(patch_sizes, [float(p) for p in probs.split(",")] if probs else None, training_args.seed)
+    return sampler, draw
 
 
 def write_outputs(trainer, task: str, model_args, data_args, training_args, metrics: dict[str, Any]) -> None:

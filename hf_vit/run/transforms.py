@@ -17,10 +17,12 @@ with decoding left on (plain `set_transform`), datasets raises PIL's error befor
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import io
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import datasets
@@ -105,6 +107,22 @@ def _load_batch(batch: Mapping[str, Sequence[Any]], do_convert_rgb: bool) -> lis
     return load_images([decode_image(image, i) for i, image in enumerate(batch["image"])], do_convert_rgb)
 
 
+# The patches per image of the batch being built, when the batch drew its own (`--seq_lens`): the training transform
+# reads it instead of the processor's `max_num_patches`.
+_BATCH_MAX_NUM_PATCHES: contextvars.ContextVar[int | None] = contextvars.ContextVar("max_num_patches", default=None)
+
+
+@contextlib.contextmanager
+def batch_max_num_patches(max_num_patches: int | None) -> Iterator[None]:
+    """Inside the block, the training transform of a native-aspect run resizes each image to at most
+    `max_num_patches` patches (None: the processor's `max_num_patches`)."""
+    token = _BATCH_MAX_NUM_PATCHES.set(max_num_patches)
+    try:
+        yield
+    finally:
+        _BATCH_MAX_NUM_PATCHES.reset(token)
+
+
 def make_eval_transform(processor: VisionTransformerImageProcessor) -> Transform:
     """Batch transform for evaluation: decode the images, then `processor` does everything else (as at inference)."""
 
@@ -175,7 +193,7 @@ def make_train_transform(
         the largest grid of at most that many patches at the crop's own aspect ratio."""
         if native is None:
             return output_size
-        rows, cols = grid_for_max_patches(height, width, patch, native)
+        rows, cols = grid_for_max_patches(height, width, patch, _BATCH_MAX_NUM_PATCHES.get() or native)
         return rows * patch, cols * patch
 
     own_generator = None if seed is None else torch.Generator().manual_seed(seed)
@@ -223,7 +241,7 @@ def make_train_transform(
             images = [image.float() for image in images]
         if native is not None:  # images of their own sizes: normalised one by one, as the processor's patches
             normalised = [processor.normalize_batch(image[None])[0] for image in images]
-            patches = native_patch_batch(normalised, patch, native)
+            patches = native_patch_batch(normalised, patch, _BATCH_MAX_NUM_PATCHES.get() or native)
             return {**patches, **_with_labels(patches["pixel_values"], batch)}
         # Stacked channels-last (the layout PIL and the uint8 resize give), so that normalising converts to float and
         # to channels-first in one pass over the batch.

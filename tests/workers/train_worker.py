@@ -15,7 +15,20 @@ from safetensors.torch import save_file
 from transformers import TrainerCallback
 
 from hf_vit.run.arguments import parse_args
+from hf_vit.run.trainer import VisionTransformerTrainer
 from hf_vit.run.training import train
+
+BATCHES = []  # each training batch this process trained: [images, most patches of one image (native batches)]
+_training_step = VisionTransformerTrainer.training_step
+
+
+def recording_training_step(self, model, inputs, num_items_in_batch=None):
+    shapes = inputs.get("spatial_shapes")
+    BATCHES.append([len(inputs["pixel_values"]), None if shapes is None else int(shapes.prod(-1).max())])
+    return _training_step(self, model, inputs, num_items_in_batch)
+
+
+VisionTransformerTrainer.training_step = recording_training_step
 
 
 class DumpWeights(TrainerCallback):
@@ -25,7 +38,7 @@ class DumpWeights(TrainerCallback):
         weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         save_file(weights, os.path.join(args.output_dir, f"rank{rank}.safetensors"))
         with open(os.path.join(args.output_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "world_size": world, "args_world_size": args.world_size}, f)
+            json.dump({"rank": rank, "world_size": world, "args_world_size": args.world_size, "batches": BATCHES}, f)
 
 
 class KillAt(TrainerCallback):
