@@ -3,6 +3,12 @@ image size, the position embeddings resampled inside the graph.
 
 The graph's input is `pixel_values` (batch, channels, height, width), normalised as the model's image processor
 does; its outputs are `logits` for a classifier, `last_hidden_state` and `pooler_output` for the encoder.
+
+With `native=True` the graph takes the image processor's native-aspect batches (`max_num_patches`) instead:
+`pixel_values` (batch, patches, patch * patch * channels) float32, `pixel_attention_mask` (batch, patches) int32 and
+`spatial_shapes` (batch, 2) int64, the batch and the number of patches free and each image's grid read from
+`spatial_shapes` as data (the position embeddings are resampled per patch by weights computed from it: see
+`hf_vit.model.naflex.exported_position_embeddings`).
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from .model.image_processing_vit import grid_for_max_patches
 from .model.modeling_vit import VisionTransformerForImageClassification, VisionTransformerPreTrainedModel
 from .model.resolution import MAX_PATCH_POSITIONS
 
 FORMATS = ("onnx", "torch_export")
+NATIVE_INPUTS = ["pixel_values", "pixel_attention_mask", "spatial_shapes"]
 
 
 class _GraphModel(nn.Module):
@@ -33,6 +41,52 @@ class _GraphModel(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         outputs = self.model(pixel_values, interpolate_pos_encoding=True, return_dict=True)
         return outputs.logits if self.is_classifier else (outputs.last_hidden_state, outputs.pooler_output)
+
+
+class _NativeGraphModel(_GraphModel):
+    """The model as a function of a native-aspect batch (flattened patches, their mask, each image's grid)."""
+
+    def forward(self, pixel_values, pixel_attention_mask, spatial_shapes):
+        outputs = self.model(
+            pixel_values, pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes, return_dict=True
+        )
+        return outputs.logits if self.is_classifier else (outputs.last_hidden_state, outputs.pooler_output)
+
+
+def check_native_export(model: VisionTransformerPreTrainedModel, max_num_patches: int) -> None:
+    """Refuse, naming `--max_num_patches`, a native-aspect export the model cannot take."""
+    config = model.config
+    if isinstance(max_num_patches, bool) or not isinstance(max_num_patches, int) or max_num_patches < 2:
+        raise ValueError(
+            f"--max_num_patches must be a number of patches per image of at least 2 (the graph is traced on it and "
+            f"takes any number after), got {max_num_patches!r}."
+        )
+    if max_num_patches > MAX_PATCH_POSITIONS:
+        raise ValueError(f"--max_num_patches {max_num_patches} is over the {MAX_PATCH_POSITIONS} patches hf-vit takes")
+    if config.resnet_layers is not None or config.classifier not in ("token", "gap"):
+        raise ValueError(
+            "--max_num_patches: native-aspect batches need a model without a ResNet stem whose classifier is "
+            f"'token' or 'gap' (this one: resnet_layers={config.resnet_layers}, classifier={config.classifier!r}); "
+            "export it without --max_num_patches."
+        )
+
+
+def native_example(model: VisionTransformerPreTrainedModel, max_num_patches: int, batch: int = 2, seed: int = 0):
+    """A native-aspect batch of `max_num_patches` patches: random patches, images of several aspect ratios on the
+    grids the image processor would choose, the mask and the grids (the dtypes the processor returns)."""
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    aspects = [(1, 1), (1, 3), (3, 1), (2, 5), (4, 3)]
+    grids = [
+        grid_for_max_patches(*(side * 10 for side in aspects[(seed + row) % len(aspects)]), 1, max_num_patches)
+        for row in range(batch)
+    ]
+    width = config.patch_size**2 * config.num_channels
+    pixel_values = torch.randn(batch, max_num_patches, width, generator=generator)
+    shapes = torch.tensor(grids, dtype=torch.int64)
+    mask = (torch.arange(max_num_patches) < shapes.prod(1)[:, None]).int()
+    parameter = next(model.parameters())
+    return pixel_values.to(parameter.device, parameter.dtype) * mask[..., None], mask, shapes
 
 
 def output_names(model: VisionTransformerPreTrainedModel) -> list[str]:
@@ -62,10 +116,29 @@ def example_input(model: VisionTransformerPreTrainedModel) -> torch.Tensor:
     )
 
 
-def export_program(model: VisionTransformerPreTrainedModel) -> torch.export.ExportedProgram:
-    """`torch.export` of `model` (in eval mode) with dynamic batch, height and width."""
-    graph = _GraphModel(model.eval())
-    return torch.export.export(graph, (example_input(model),), dynamic_shapes=dynamic_shapes(model))
+def native_dynamic_shapes() -> dict:
+    """Batch and number of patches free; the patch width and the grids' 2 fixed."""
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    patches = torch.export.Dim("patches", min=1, max=MAX_PATCH_POSITIONS)
+    return {
+        "pixel_values": {0: batch, 1: patches},
+        "pixel_attention_mask": {0: batch, 1: patches},
+        "spatial_shapes": {0: batch},
+    }
+
+
+def export_program(
+    model: VisionTransformerPreTrainedModel, max_num_patches: int | None = None
+) -> torch.export.ExportedProgram:
+    """`torch.export` of `model` (in eval mode) with dynamic batch, height and width; with `max_num_patches`, of the
+    model on native-aspect batches (traced at that many patches), with dynamic batch and number of patches."""
+    if max_num_patches is None:
+        graph = _GraphModel(model.eval())
+        return torch.export.export(graph, (example_input(model),), dynamic_shapes=dynamic_shapes(model))
+    check_native_export(model, max_num_patches)
+    graph = _NativeGraphModel(model.eval())
+    example = native_example(model, max_num_patches)
+    return torch.export.export(graph, example, dynamic_shapes=native_dynamic_shapes())
 
 
 def export(
@@ -73,8 +146,10 @@ def export(
     output: str | os.PathLike,
     format: str = "onnx",
     overwrite: bool = False,
+    max_num_patches: int | None = None,
 ) -> Path:
-    """Write `model` as an ONNX file or a `torch.export` program (`.pt2`) to `output`.
+    """Write `model` as an ONNX file or a `torch.export` program (`.pt2`) to `output`; with `max_num_patches`, the
+    graph of native-aspect batches (see the module's docstring), traced at that many patches.
 
     An existing `output` is kept unless `overwrite`; the file is written beside it and renamed over it, so a failed
     export leaves the old file (or none), never a half-written one.
@@ -89,14 +164,14 @@ def export(
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} exists; choose another --output or pass --overwrite to replace it.")
     output.parent.mkdir(parents=True, exist_ok=True)
-    program = export_program(model)
+    program = export_program(model, max_num_patches)
     with tempfile.TemporaryDirectory(prefix=f".{output.name}.", dir=output.parent) as staging:
         partial = Path(staging) / output.name
         if format == "onnx":
             onnx_program = torch.onnx.export(
                 program,
                 dynamo=True,
-                input_names=["pixel_values"],
+                input_names=NATIVE_INPUTS if max_num_patches is not None else ["pixel_values"],
                 output_names=output_names(model),
                 external_data=False,
             )
@@ -125,4 +200,25 @@ def check_onnx(
         expected = expected[0] if isinstance(expected, tuple) else expected
         got = session.run(None, {"pixel_values": pixels.numpy()})[0]
         differences[f"{height}x{width}"] = float(np.abs(got - expected.float().numpy()).max())
+    return differences
+
+
+@torch.no_grad()
+def check_native_onnx(
+    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, patch_counts: Sequence[int], batch: int = 3
+) -> dict[str, float]:
+    """Run a native-aspect ONNX file with onnxruntime and `model` with PyTorch on the same batches of each number of
+    patches (images of several aspect ratios, padded); returns the largest absolute difference of the first output
+    per count ("K patches")."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    graph = _NativeGraphModel(model.eval())
+    differences = {}
+    for seed, count in enumerate(patch_counts):
+        inputs = native_example(model, count, batch, seed)
+        expected = graph(*inputs)
+        expected = expected[0] if isinstance(expected, tuple) else expected
+        got = session.run(None, dict(zip(NATIVE_INPUTS, (tensor.cpu().numpy() for tensor in inputs))))[0]
+        differences[f"{count} patches"] = float(np.abs(got - expected.float().cpu().numpy()).max())
     return differences

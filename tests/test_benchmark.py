@@ -489,3 +489,21 @@ def test_load_cost_loads_a_snapshot_both_ways_in_fresh_processes(tmp_path):
         figures = json.loads(done.stdout.strip().splitlines()[-1])
         assert figures["code"].endswith(code)
         assert 0 < figures["load_seconds"] < figures["seconds"] and figures["peak_mb"] >= 0
+
+
+def test_naflex_rows_fill_their_doc_block(tmp_path, capsys):
+    from benchmarks import naflex_speed
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("before\n<!-- naflex:table -->\nold\n<!-- /naflex:table -->\nafter\n")
+    tiny = ["--max_num_patches", "4", "--batch_size", "2", "--width", "32", "--depth", "1", "--heads", "2"]
+    assert naflex_speed.main([*tiny, "--steps", "1", "--repeats", "1", "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("before\n<!-- naflex:table -->\n| attention |") and text.endswith("after\n")
+    rows = [line for line in text.splitlines() if line.startswith(("| eager", "| sdpa"))]
+    assert len(rows) == 2 and "old" not in text and "load average" in text
+    timm_present = "timm absent" not in text  # its column is there only where timm imports
+    assert all(row.endswith("- | - |") != timm_present for row in rows)
+    with pytest.raises(SystemExit):
+        naflex_speed.main(["--max_num_patches", "5"])  # not a square: refused by name
+    assert "--max_num_patches must be a square number" in capsys.readouterr().err

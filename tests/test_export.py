@@ -114,3 +114,64 @@ def test_onnx_export_without_the_extra_is_one_error_line_before_any_work(tmp_pat
     assert code == 2 and len(errors) == 1 and errors[0].startswith("error: --format onnx needs")
     assert missing in errors[0] and 'pip install "hf-vit[export]"' in errors[0]
     assert not (tmp_path / "vit.onnx").exists()
+
+
+def native_batch(model, max_patches, sizes, seed=0):
+    """The image processor's native-aspect batch of random images of `sizes` (height, width)."""
+    rng = np.random.default_rng(seed)
+    images = [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for height, width in sizes]
+    processor = VisionTransformerImageProcessor(max_num_patches=max_patches, patch_size=model.config.patch_size)
+    return processor(images, return_tensors="pt")
+
+
+def test_export_command_writes_native_onnx_that_takes_any_number_of_patches_and_grids(tmp_path, capsys):
+    import onnxruntime
+
+    from hf_vit.commands.export import main
+
+    model = classifier(classifier="gap", num_register_tokens=1, num_hidden_layers=1)  # a 4x4 position grid
+    model.save_pretrained(tmp_path / "model")
+    path = tmp_path / "native.onnx"
+    assert main(["--model", str(tmp_path / "model"), "--output", str(path), "--max_num_patches", "12"]) == 0
+    printed = capsys.readouterr().out
+    assert "native-aspect batches" in printed
+    # the command's own check: onnxruntime against PyTorch at 12, 4 and 24 patches
+    checked = dict(part.split(": ") for part in printed.split("largest absolute difference: ")[1].strip().split(", "))
+    assert set(checked) == {"12 patches", "4 patches", "24 patches"} and max(map(float, checked.values())) < 1e-4
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["pixel_values", "pixel_attention_mask", "spatial_shapes"]
+    # the processor's batches at two patch counts, images of several aspect ratios (padded rows among them)
+    for max_patches, sizes in ((12, [(40, 40), (20, 80), (90, 30)]), (30, [(64, 48), (7, 200)])):
+        inputs = native_batch(model, max_patches, sizes)
+        assert len({tuple(grid) for grid in inputs["spatial_shapes"].tolist()}) == len(sizes)
+        assert not bool(inputs["pixel_attention_mask"].all())
+        (logits,) = session.run(None, {name: tensor.numpy() for name, tensor in inputs.items()})
+        with torch.no_grad():
+            expected = model(**inputs).logits
+        assert logits.shape == (len(sizes), model.config.num_labels) and expected.std() > 0.1
+        np.testing.assert_allclose(logits, expected.numpy(), atol=1e-4, rtol=0)
+
+
+def test_torch_export_of_native_batches_and_what_the_command_refuses(tmp_path, capsys):
+    from hf_vit.commands.export import main
+
+    model = classifier(interpolation_mode="bilinear", interpolation_antialias=True)
+    program = export_program(model, max_num_patches=12).module()
+    for max_patches, sizes in ((12, [(40, 40), (20, 80)]), (40, [(90, 30), (64, 48), (16, 16)])):
+        inputs = native_batch(model, max_patches, sizes)
+        with torch.no_grad():
+            expected = model(**inputs).logits
+        arguments = [inputs[name] for name in ("pixel_values", "pixel_attention_mask", "spatial_shapes")]
+        torch.testing.assert_close(program(*arguments), expected, atol=1e-4, rtol=0)
+    # refused by name before anything is written
+    model.save_pretrained(tmp_path / "model")
+    argv = ["--model", str(tmp_path / "model"), "--format", "torch_export", "--output", str(tmp_path / "one.pt2")]
+    with pytest.raises(SystemExit):
+        main(argv + ["--max_num_patches", "1"])
+    assert "--max_num_patches must be at least 2" in capsys.readouterr().err
+    VisionTransformerForImageClassification(tiny_config(classifier="map")).save_pretrained(tmp_path / "map")
+    code = main(["--model", str(tmp_path / "map"), "--output", str(tmp_path / "map.pt2"), "--format", "torch_export",
+                 "--max_num_patches", "12"])  # fmt: skip
+    error = capsys.readouterr().err
+    assert code == 2 and "--max_num_patches" in error and "classifier='map'" in error
+    assert not (tmp_path / "one.pt2").exists() and not (tmp_path / "map.pt2").exists()

@@ -103,6 +103,25 @@ def test_fine_tuning_with_patch_sizes_saves_the_base_patch_and_loads_at_each(tmp
             torch.testing.assert_close(
                 trained(x, interpolate_pos_encoding=True).logits, loaded(x).logits, atol=1e-5, rtol=1e-5
             )
+    # the compute dial at the end of the run: the accuracy at each trained patch size, on whole images, as an
+    # evaluation here of the folder loaded at that patch size measures it; the plot linked in the card
+    import json
+
+    from hf_vit import VisionTransformerImageProcessor
+    from hf_vit.run.arguments import DataArguments
+    from hf_vit.run.evaluation import measure_model
+
+    rows = json.loads((tmp_path / "out" / "compute_dial.json").read_text())
+    assert [(row["series"], row["patch_size"], row["tokens_per_image"]) for row in rows] == [
+        ("patch_size", 2, 16), ("patch_size", 4, 4), ("patch_size", 8, 1)
+    ]  # fmt: skip
+    processor = VisionTransformerImageProcessor.from_pretrained(tmp_path / "out")
+    for row in rows:
+        folder, patch = tmp_path / "out", row["patch_size"]
+        loaded = VisionTransformerForImageClassification.from_pretrained(folder, patch_size=patch).eval()
+        split, measured = measure_model(loaded, processor, DataArguments(), None, 512)
+        assert row["split"] == split and row["accuracy"] == pytest.approx(measured["accuracy"])
+    assert (tmp_path / "out" / "compute_dial.png").exists() and "![compute dial](compute_dial.png)" in card
     for more, named in (
         (["--patch_size_probs", "1,1"], "--patch_size_probs '1,1' must give one non-negative weight per size"),
         (["--max_num_patches", "4"], "--patch_sizes with --max_num_patches"),

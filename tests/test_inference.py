@@ -148,12 +148,32 @@ def test_evaluate_without_matplotlib_says_so_and_skips_the_plot(tmp_path, monkey
         (evaluate_command, ["--model", "{model}", "--dataset_name", "{data}", "--split", "tset"], "--split tset"),
         (evaluate_command, ["--model", "{tmp}/missing", "--dataset_name", "{data}"], "missing"),
         (evaluate_command, ["--model", "{model}"], "--dataset_name"),
+        (predict_command, ["--model", "{model}", "{tmp}/x.png", "--max_num_patches", "0"], "--max_num_patches"),
+        (predict_command, ["--model", "{model}", "{tmp}/x.png", "--patch_size", "3"], "--patch_size 3"),
+        (predict_command, ["--model", "{map}", "{tmp}/x.png", "--max_num_patches", "4"], "classifier='map'"),
+        (
+            evaluate_command,
+            ["--model", "{model}", "--dataset_name", "{data}", "--max_num_patches", "4,x"],
+            "--max_num_patches takes",
+        ),
+        (evaluate_command, ["--model", "{model}", "--dataset_name", "{data}", "--patch_size", "0"], "--patch_size"),
+        (
+            evaluate_command,
+            ["--model", "{model}", "--dataset_name", "{data}", "--patch_size", "2,3"],
+            "--patch_size 3",
+        ),
     ],
 )
 def test_errors_are_one_line_and_exit_status_2(tmp_path, capsys, command, argv, named):
     model = classifier_folder(tmp_path / "model")
     data = split_image_folder(tmp_path / "data")
-    argv = [word.format(tmp=tmp_path, model=model, data=data) for word in argv]
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
+    attention_pooling = tmp_path / "map"  # a model that cannot take native-aspect batches
+    VisionTransformerForImageClassification(
+        VisionTransformerConfig.from_pretrained(model, classifier="map")
+    ).save_pretrained(attention_pooling)
+    VisionTransformerImageProcessor(size=8).save_pretrained(attention_pooling)
+    argv = [word.format(tmp=tmp_path, model=model, data=data, map=attention_pooling) for word in argv]
     capsys.readouterr()
     try:
         code = command.main(argv)
@@ -208,3 +228,128 @@ def test_a_lora_runs_folder_predicts_and_loads_without_base(tmp_path, capsys):
     labels = torch.tensor([0 if path.parent.name == "cat" else 1 for path in files])
     expected = direct_scores(merged, VisionTransformerImageProcessor.from_pretrained(out), files).argmax(-1)
     assert accuracy == pytest.approx(float((expected == labels).float().mean()))
+
+
+# Images of several aspect ratios (height, width): native-aspect batches put them on different grids.
+ASPECTS = [(8, 8), (8, 24), (30, 10), (12, 20), (5, 40), (16, 12)]
+
+
+def aspect_image_folder(root):
+    """A data set of random images of several aspect ratios, a test split of 8 (cat, dog) and a train split."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for index, label in enumerate(("cat", "dog") * 4):
+            folder = root / split / label
+            folder.mkdir(parents=True, exist_ok=True)
+            height, width = ASPECTS[index % len(ASPECTS)]
+            Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(folder / f"{index}.png")
+    return root
+
+
+def native_scores(model, files, max_patches):
+    """Softmax scores of the model on a native-aspect batch of the files' images built here, and its grids."""
+    processor = VisionTransformerImageProcessor(
+        size=8, max_num_patches=max_patches, patch_size=model.config.patch_size
+    )
+    inputs = processor([Image.open(path).convert("RGB") for path in files], return_tensors="pt")
+    with torch.no_grad():
+        return model(**inputs).logits.softmax(-1), inputs["spatial_shapes"]
+
+
+def test_pipeline_serves_native_batches_from_the_saved_field_or_a_given_processor(tmp_path):
+    from transformers import pipeline
+
+    model_folder = classifier_folder(tmp_path / "model", {0: "a", 1: "b", 2: "c"})
+    VisionTransformerImageProcessor(size=8, max_num_patches=6, patch_size=4).save_pretrained(model_folder)
+    files = sorted(aspect_image_folder(tmp_path / "data").rglob("test/*/*.png"))
+    model = VisionTransformerForImageClassification.from_pretrained(model_folder).eval()
+    expected, grids = native_scores(model, files, 6)
+    assert len({tuple(grid) for grid in grids.tolist()}) >= 4  # the aspect ratios kept: several grids
+
+    def check(results, expected):
+        for result, scores in zip(results, expected):
+            best = scores.topk(3)
+            assert [item["label"] for item in result] == ["abc"[int(i)] for i in best.indices]
+            np.testing.assert_allclose([item["score"] for item in result], best.values.numpy(), atol=1e-5)
+
+    classify = pipeline("image-classification", model=str(model_folder), trust_remote_code=False)
+    images = [Image.open(path).convert("RGB") for path in files]
+    check(classify(images), expected)
+    check(classify(images, batch_size=4), expected)  # the pipeline's collation stacks the padded batches
+    # a folder without the field: the processor given to the pipeline says how many patches
+    plain = classifier_folder(tmp_path / "plain", {0: "a", 1: "b", 2: "c"})
+    processor = VisionTransformerImageProcessor.from_pretrained(plain, max_num_patches=12, patch_size=4)
+    served = pipeline("image-classification", model=str(plain), image_processor=processor, trust_remote_code=False)
+    check(served(images), native_scores(model, files, 12)[0])
+    # the pipeline takes no processor options per call: refused by transformers, never ignored
+    with pytest.raises(TypeError, match="max_num_patches"):
+        classify(images[0], max_num_patches=4)
+
+
+def test_predict_at_native_aspect_and_another_patch_size_as_a_forward_does(tmp_path, capsys):
+    model_folder = classifier_folder(tmp_path / "model", {0: "a", 1: "b", 2: "c"})  # its processor: whole images
+    data = aspect_image_folder(tmp_path / "data")
+    files = sorted((data / "test").rglob("*.png"))
+    names = {0: "a", 1: "b", 2: "c"}
+    rows = predicted(capsys, ["--model", str(model_folder), str(data / "test"), "--max_num_patches", "6"])
+    model = VisionTransformerForImageClassification.from_pretrained(model_folder).eval()
+    check_rows(rows, files, native_scores(model, files, 6)[0], names, 3)
+    # at patch size 2, native: the checkpoint's patch embedding resampled (FlexiViT), then the same batches
+    rows = predicted(
+        capsys, ["--model", str(model_folder), *map(str, files), "--max_num_patches", "9", "--patch_size", "2"]
+    )
+    model.set_input_size(patch_size=2)
+    expected, grids = native_scores(model, files, 9)
+    assert int(grids.prod(-1).max()) > 6  # more, smaller patches
+    check_rows(rows, files, expected, names, 3)
+    # at patch size 2 on whole images of the processor's size (8x8: 16 patches)
+    rows = predicted(capsys, ["--model", str(model_folder), *map(str, files), "--patch_size", "2"])
+    check_rows(rows, files, direct_scores(model, VisionTransformerImageProcessor(size=8), files), names, 3)
+
+
+def expected_native_metrics(model, data, max_patches):
+    """Accuracy and loss of the model on the test split's native-aspect batches, computed here."""
+    files = sorted((data / "test").rglob("*.png"))
+    labels = torch.tensor([model.config.label2id[path.parent.name] for path in files])
+    scores, grids = native_scores(model, files, max_patches)
+    accuracy = float((scores.argmax(-1) == labels).float().mean())
+    return accuracy, float(F.nll_loss(scores.log(), labels)), float(grids.prod(-1).float().mean())
+
+
+def test_evaluate_at_native_aspect_and_the_compute_dial(tmp_path, capsys):
+    model_folder = classifier_folder(tmp_path / "model")
+    data = aspect_image_folder(tmp_path / "data")
+    model = VisionTransformerForImageClassification.from_pretrained(model_folder).eval()
+    argv = ["--model", str(model_folder), "--dataset_name", str(data)]
+    assert evaluate_command.main(argv + ["--max_num_patches", "6"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    accuracy, loss, tokens = expected_native_metrics(model, data, 6)
+    assert (printed["max_num_patches"], printed["patch_size"]) == (6, 4)
+    assert printed["test_accuracy"] == pytest.approx(accuracy)
+    assert printed["test_loss"] == pytest.approx(loss, abs=1e-5) and printed["test_tokens_per_image"] == tokens
+    # a list: one row per number of patches, and the plot
+    out = tmp_path / "dial"
+    assert evaluate_command.main(argv + ["--max_num_patches", "1,4,12", "--output_dir", str(out)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(row["series"], row["max_num_patches"]) for row in rows] == [("tokens", 1), ("tokens", 4), ("tokens", 12)]
+    for row in rows:
+        accuracy, loss, tokens = expected_native_metrics(model, data, row["max_num_patches"])
+        assert row["accuracy"] == pytest.approx(accuracy) and row["loss"] == pytest.approx(loss, abs=1e-5)
+        assert row["tokens_per_image"] == pytest.approx(tokens)
+    assert json.loads((out / "compute_dial.json").read_text()) == rows
+    with Image.open(out / "compute_dial.png") as image:
+        assert image.size[0] > 300
+    # patch sizes, on whole images of the processor's size: the checkpoint resampled to each
+    assert evaluate_command.main(argv + ["--patch_size", "2,4,8"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(row["patch_size"], row["tokens_per_image"]) for row in rows] == [(2, 16.0), (4, 4.0), (8, 1.0)]
+    for row in rows:
+        resized = VisionTransformerForImageClassification.from_pretrained(model_folder).eval()
+        resized.set_input_size(patch_size=row["patch_size"])
+        files = sorted((data / "test").rglob("*.png"))
+        labels = torch.tensor([model.config.label2id[path.parent.name] for path in files])
+        scores = direct_scores(resized, VisionTransformerImageProcessor(size=8), files)
+        assert row["accuracy"] == pytest.approx(float((scores.argmax(-1) == labels).float().mean()))
+        assert row["loss"] == pytest.approx(float(F.nll_loss(scores.log(), labels)), abs=1e-5)
+    assert evaluate_command.main(argv + ["--max_num_patches", "1,4", "--output_dir", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err  # the dial is never overwritten

@@ -119,7 +119,7 @@ def native_and_alone(model, max_patches, sizes=((40, 40), (20, 80), (90, 30), (7
     return inputs, native, alone
 
 
-@pytest.mark.parametrize("classifier", ["token", "gap"])
+@pytest.mark.parametrize("classifier", ["token", "gap", "map"])
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
 def test_each_row_equals_the_image_alone_at_its_own_size(classifier, implementation):
     torch.manual_seed(0)
@@ -252,8 +252,6 @@ def test_native_batches_that_cannot_be_embedded_are_refused():
     hybrid = VisionTransformerModel(tiny_config(resnet_layers=[], resnet_width=32, patch_size=8)).eval()
     with pytest.raises(ValueError, match="hybrid"):
         hybrid(**inputs)
-    with pytest.raises(ValueError, match="does not pool native-aspect batches"):
-        VisionTransformerModel(tiny_config(classifier="map")).eval()(**inputs)  # attention pooling would see padding
     # the mask may be left out: the grids say it
     with torch.no_grad():
         left_out = model(inputs["pixel_values"], spatial_shapes=inputs["spatial_shapes"]).pooler_output
@@ -362,6 +360,45 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
     assert inputs["spatial_shapes"].tolist() == [[3, 2], [1, 3]]  # the largest grids of at most 6 patches
     with torch.no_grad():
         assert model(**inputs).logits.shape == (2, 10)
+    # the compute dial, measured at the end of the run: accuracy at each number of patches up to the 2x2 grid the
+    # 8x8 digits have at patch 4, and at the 6 trained; each row as an evaluation here measures it; linked in the card
+    import json
+
+    from hf_vit.run.arguments import DataArguments
+    from hf_vit.run.evaluation import measure_model
+
+    rows = json.loads((tmp_path / "fine" / "compute_dial.json").read_text())
+    assert [(row["series"], row["max_num_patches"]) for row in rows] == [("tokens", 1), ("tokens", 4), ("tokens", 6)]
+    for row in rows:
+        processor = VisionTransformerImageProcessor.from_pretrained(
+            tmp_path / "fine", max_num_patches=row["max_num_patches"]
+        )
+        split, measured = measure_model(model, processor, DataArguments(), None, 512)
+        assert row["split"] == split == "test" and row["accuracy"] == pytest.approx(measured["accuracy"])
+    assert [row["tokens_per_image"] for row in rows] == [1, 4, 4]  # square digits: at most 6 patches is a 2x2 grid
+    with Image.open(tmp_path / "fine" / "compute_dial.png") as image:
+        assert image.size[0] > 300
+    assert "![compute dial](compute_dial.png)" in (tmp_path / "fine" / "README.md").read_text()
     with pytest.raises(ValueError, match="max_num_patches"):
         train("pretrain", *parse_args("pretrain", ["--output_dir", str(tmp_path / "mpp"), "--objective", "mpp",
                                                     "--max_num_patches", "6", "--max_steps", "1"]))  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
+@pytest.mark.parametrize("antialias", [False, True])
+def test_exported_position_embeddings_equal_the_resampling_per_grid(mode, antialias):
+    # what an exported graph computes from the grids as data: the same embeddings as F.interpolate per grid
+    from hf_vit.model.naflex import exported_position_embeddings, native_position_embeddings
+    from hf_vit.model.resolution import resample_position_embeddings
+
+    torch.manual_seed(0)
+    config = tiny_config(interpolation_mode=mode, interpolation_antialias=antialias, use_distillation_token=True)
+    table = VisionTransformerModel(config).embeddings.position_embedding  # a 4x4 grid and two prefix tokens
+    shapes = torch.tensor([[4, 4], [1, 12], [3, 5], [7, 2], [2, 1], [9, 1]])  # same, up, down, both, padded
+    prefix = config.num_position_prefix_tokens
+
+    def per_grid(grid):
+        return resample_position_embeddings(table, config.grid_size, grid, prefix, mode, antialias)
+
+    expected = native_position_embeddings(per_grid, shapes, prefix, 16)
+    torch.testing.assert_close(exported_position_embeddings(table, config, shapes, 16), expected, atol=1e-6, rtol=0)

@@ -339,6 +339,15 @@ def test_each_operation_does_what_it_says():
     # Posterize at magnitude 5 keeps int(5/10 * 4) = 2 bits; the increasing variant 4 - 2 = 2, at 7.5: 4 - 3 = 1.
     assert torch.equal(_apply("Posterize", 5, image).int(), x & 0b11000000)
     assert torch.equal(_apply("PosterizeIncreasing", 7.5, image).int(), x & 0b10000000)
+    # At the strongest magnitudes they keep no bit: a black image (Pillow's own posterize refuses 0 bits; a
+    # DeiT run's RandAugment m9-mstd0.5 draws magnitude 10 for about 2% of its operations).
+    assert int(_apply("PosterizeIncreasing", 10, image).max()) == 0
+    assert int(_apply("Posterize", 2, image).max()) == 0
+    grey = image[:1]
+    assert torch.equal(_apply("PosterizeIncreasing", 5, grey).int(), grey.int() & 0b11000000)
+    # The tensor to PIL and back is exact for grey and RGB, whatever the tensor's strides (a transposed view).
+    for pixels in (image, grey, image.transpose(1, 2)):
+        assert torch.equal(from_pil(to_pil(pixels)), pixels)
     # Solarize at magnitude 5 inverts pixels >= int(0.5 * 256) = 128; increasing at 2.5: >= 256 - 64 = 192.
     assert torch.equal(_apply("Solarize", 5, image).int(), torch.where(x >= 128, 255 - x, x))
     assert torch.equal(_apply("SolarizeIncreasing", 2.5, image).int(), torch.where(x >= 192, 255 - x, x))

@@ -4,9 +4,15 @@ single-label data, a confusion matrix (`<split>_confusion_matrix.png`, with matp
 
 hf-vit-evaluate --model outputs/main --dataset_name digits --split test
 hf-vit-evaluate --model out/lora-run --dataset_name path/to/images --output_dir out/lora-run/evaluation
+hf-vit-evaluate --model outputs/main --dataset_name digits --max_num_patches 4,16,64 --output_dir outputs/dial
 
 --model takes an hf-vit folder, a LoRA run's folder or a transformers/timm checkpoint by Hub id; its head is used as
-it is, so its classes must be the data set's.
+it is, so its classes must be the data set's. --max_num_patches K measures it on native-aspect batches (each image at
+its own aspect ratio on the largest grid of at most K patches, no centre crop); --patch_size P at another patch size,
+its patch embedding resampled (FlexiViT). A list of either (16,64,144 or 8,16,32) measures the compute dial: one row
+per value (the numbers of patches at the model's patch size, or with --patch_size P at P; the patch sizes on whole
+images, or with --max_num_patches K at K), printed as JSON and written with its plot to --output_dir
+(compute_dial.json, compute_dial.png).
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--output_dir", default=None, help="where the results JSON and confusion matrix go (default: none written)"
     )
+    parser.add_argument(
+        "--max_num_patches", default=None, metavar="K[,K...]", help="native aspect ratio: at most K patches an image"
+    )
+    parser.add_argument(
+        "--patch_size", default=None, metavar="P[,P...]", help="the checkpoint resampled to P-pixel patches"
+    )
     args = parser.parse_args(argv)
     # The heavy imports (torch, transformers' models, datasets) come after the flags are read.
     import logging
@@ -37,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as transformers_logging
 
     from hf_vit.run.arguments import DataArguments
+    from hf_vit.run.compute_dial import evaluate_dial
+    from hf_vit.run.flexible import parse_sizes
     from hf_vit.run.inference import evaluate_saved_model
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
@@ -50,7 +64,16 @@ def main(argv: list[str] | None = None) -> int:
         label_column_name=args.label_column_name,
     )
     try:
-        metrics = evaluate_saved_model(args.model, args.dataset_name, args.split, args.output_dir, data_args)
+        counts = parse_sizes(args.max_num_patches, "--max_num_patches") or []
+        patch_sizes = parse_sizes(args.patch_size, "--patch_size") or []
+        if len(counts) > 1 or len(patch_sizes) > 1:
+            rows = evaluate_dial(args.model, data_args, args.split, args.output_dir, counts, patch_sizes)
+            print(json.dumps(rows, indent=2))
+            return 0
+        count, patch = (counts or [None])[0], (patch_sizes or [None])[0]
+        metrics = evaluate_saved_model(
+            args.model, args.dataset_name, args.split, args.output_dir, data_args, count, patch
+        )
     except (ValueError, OSError) as error:
         if os.environ.get("HF_VIT_TRACEBACK"):
             raise

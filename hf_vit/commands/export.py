@@ -4,6 +4,12 @@ embeddings are resampled inside it.
 
     hf-vit-export --model outputs/main --format onnx --output vit-digits.onnx
     hf-vit-export --model outputs/main --format torch_export --output vit-digits.pt2
+    hf-vit-export --model outputs/main --max_num_patches 256 --output vit-native.onnx
+
+With --max_num_patches K the graph takes the image processor's native-aspect batches (max_num_patches): pixel_values
+(batch, patches, patch * patch * channels) float32, pixel_attention_mask (batch, patches) int32 and spatial_shapes
+(batch, 2) int64, any batch and any number of patches, each image's grid read from spatial_shapes; it is traced at K
+patches and checked with onnxruntime at K and at a smaller and a larger count.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerModel
 from hf_vit.commands import CommandParser
-from hf_vit.export import FORMATS, check_onnx, export
+from hf_vit.export import FORMATS, check_native_onnx, check_onnx, export
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,9 +37,21 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="H W pairs onnxruntime is checked at against PyTorch (default: the model's size and a non-square one)",
     )
+    parser.add_argument(
+        "--max_num_patches",
+        type=int,
+        default=None,
+        metavar="K",
+        help="export for native-aspect batches (flattened patches, mask, grids), traced at K patches; any count after",
+    )
     args = parser.parse_args(argv)
     if args.check_sizes is not None and len(args.check_sizes) % 2:
         parser.error("--check_sizes takes pairs: H W [H W ...]")
+    if args.max_num_patches is not None and args.check_sizes is not None:
+        parser.error("--check_sizes checks whole images: with --max_num_patches the check runs at patch counts")
+    if args.max_num_patches is not None and args.max_num_patches < 2:
+        parser.error(f"--max_num_patches must be at least 2 patches (the count the graph is traced at), got "
+                     f"{args.max_num_patches}")  # fmt: skip
     if args.format == "onnx":  # torch.onnx imports onnxscript deep inside the export: checked before any work
         import importlib
 
@@ -65,10 +83,20 @@ def main(argv: list[str] | None = None) -> int:
         bad = [f"{h}x{w}" for h, w in pairs if h % patch or w % patch]
         if bad:  # checked before anything is written
             raise ValueError(f"--check_sizes {', '.join(bad)}: sizes must be multiples of the patch size {patch}.")
-        path = export(model, args.output, args.format, overwrite=args.overwrite)
+        path = export(model, args.output, args.format, overwrite=args.overwrite, max_num_patches=args.max_num_patches)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.max_num_patches is not None:
+        print(f"wrote {path}: {type(model).__name__} as {args.format} on native-aspect batches, dynamic batch and "
+              "number of patches")  # fmt: skip
+        if args.format == "onnx":
+            counts = [args.max_num_patches, max(2, args.max_num_patches // 3), args.max_num_patches * 2]
+            with torch.no_grad():
+                differences = check_native_onnx(path, model, counts)
+            print("onnxruntime vs PyTorch, largest absolute difference: "
+                  + ", ".join(f"{k}: {v:.1e}" for k, v in differences.items()))  # fmt: skip
+        return 0
     print(f"wrote {path}: {type(model).__name__} as {args.format}, dynamic batch, height and width")
     if args.format == "onnx":
         height, width = config.image_hw

@@ -3,9 +3,12 @@ a multi-label model), as JSON lines on stdout (one image a line), or into a .jso
 
 hf-vit-predict --model outputs/main photo.jpg more/photos/
 hf-vit-predict --model out/lora-run images/ --top_k 3 --output predictions.csv
+hf-vit-predict --model outputs/main photo.jpg --max_num_patches 256 --patch_size 8
 
 --model takes an hf-vit folder, a LoRA run's folder or a transformers/timm checkpoint by Hub id; a folder among the
-images stands for every image file under it.
+images stands for every image file under it. --max_num_patches K keeps each image's aspect ratio: it is resized to the
+largest grid of at most K patches (no centre crop) and the model takes the padded patches (native-aspect batches).
+--patch_size P runs the checkpoint at another patch size, its patch embedding resampled (FlexiViT).
 """
 
 from __future__ import annotations
@@ -23,6 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top_k", type=int, default=5, help="classes per image (default 5, at most all)")
     parser.add_argument("--output", default=None, help="a new .jsonl or .csv file (default: JSON lines on stdout)")
     parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument(
+        "--max_num_patches", type=int, default=None, metavar="K", help="native aspect ratio: at most K patches each"
+    )
+    parser.add_argument(
+        "--patch_size", type=int, default=None, metavar="P", help="the checkpoint resampled to P-pixel patches"
+    )
     args = parser.parse_args(argv)
     # The heavy imports (torch, transformers' models) come after the flags are read.
     import logging
@@ -34,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     transformers_logging.disable_progress_bar()  # stderr keeps the warnings and errors
     try:
-        rows = predict_files(args.model, args.images, args.top_k, args.batch_size)
+        rows = predict_files(
+            args.model, args.images, args.top_k, args.batch_size, args.max_num_patches, args.patch_size
+        )
         text = write_predictions(rows, args.output)
     except (ValueError, OSError) as error:
         if os.environ.get("HF_VIT_TRACEBACK"):

@@ -3,6 +3,13 @@ engine, one check against the model (`check_state_dict`), and the folder convert
 
 from ..model.loading import register_foreign_reader
 from ..outputs.output_folders import write_converted_folder
+from .big_vision_npz import (
+    BIG_VISION_LAYOUT,
+    big_vision_to_hf_vit_state_dict,
+    hf_vit_to_big_vision_arrays,
+    infer_config_from_big_vision,
+    is_big_vision,
+)
 from .common import FUSED_QKV, RENAME, ConversionError, Layout, Transform, check_state_dict
 from .jax_npz import (
     JAX_LAYOUT,
@@ -13,6 +20,13 @@ from .jax_npz import (
     npz_to_hf_vit_state_dict,
 )
 from .sources import read_source
+from .timm_naflex import (
+    NAFLEX_ARCHITECTURES,
+    NAFLEX_LAYOUT,
+    hf_vit_to_naflex_state_dict,
+    naflex_config,
+    naflex_to_hf_vit_state_dict,
+)
 from .timm_vit import (
     TIMM_LAYOUT,
     convert_timm_checkpoint,
@@ -40,6 +54,11 @@ from .transformers_vit import (
 )
 
 __all__ = [
+    "BIG_VISION_LAYOUT",
+    "big_vision_to_hf_vit_state_dict",
+    "hf_vit_to_big_vision_arrays",
+    "infer_config_from_big_vision",
+    "is_big_vision",
     "CLIP_LAYOUT",
     "DEIT_LAYOUT",
     "DINOV2_LAYOUT",
@@ -49,6 +68,8 @@ __all__ = [
     "family_state_dict",
     "FUSED_QKV",
     "JAX_LAYOUT",
+    "NAFLEX_ARCHITECTURES",
+    "NAFLEX_LAYOUT",
     "RENAME",
     "TIMM_LAYOUT",
     "TRANSFORMERS_LAYOUT",
@@ -59,6 +80,7 @@ __all__ = [
     "convert_jax_checkpoint",
     "convert_timm_checkpoint",
     "convert_transformers_checkpoint",
+    "hf_vit_to_naflex_state_dict",
     "hf_vit_to_npz_arrays",
     "hf_vit_to_timm_state_dict",
     "hf_vit_to_transformers_module_state_dict",
@@ -67,6 +89,8 @@ __all__ = [
     "infer_config_from_timm",
     "load_npz",
     "load_timm_state_dict",
+    "naflex_config",
+    "naflex_to_hf_vit_state_dict",
     "npz_to_hf_vit_state_dict",
     "timm_to_hf_vit_state_dict",
     "transformers_config_to_hf_vit",

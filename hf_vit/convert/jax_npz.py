@@ -31,9 +31,9 @@ This is the layout of the paper's release (ViT-B/16, B/32, L/16, L/32, H/14; Ima
 AugReg release ("How to train your ViT?", Ti/S/B/L), both written by `vit_jax`. Also accepted:
 
 * an `opt/target/` prefix (checkpoints saved with their optimizer; the optimizer state under `opt/` is skipped);
-* big_vision's names (`params/` prefix, `MultiHeadDotProductAttention_0`, `LayerNorm_1`, `MlpBlock_0`, and the
-  position embedding at the top level as `pos_embedding`). big_vision adds the position embedding *before* it
-  prepends the class token, so its class token has no position: a zero position is prepended, which is exact.
+* big_vision's names (`params/` prefix, `MultiHeadDotProductAttention_0`, `LayerNorm_1`, `MlpBlock_0`, the position
+  embedding at the top level as `pos_embedding`, `MAPHead_0`), FlexiViT's among them: recognised by those names and
+  read with a table of their own (`big_vision_npz.py`).
 
 `JAX_LAYOUT` maps these names to hf-vit's; its transforms only permute, reshape and concatenate, so a round trip
 (`npz_to_hf_vit_state_dict`, `hf_vit_to_npz_arrays`) is bitwise exact; `hf_vit_to_npz_arrays` always writes the
@@ -154,12 +154,6 @@ JAX_LAYOUT = Layout(
     ],
 )
 
-# big_vision numbers the sub-modules of a block from 0 per type; vit_jax numbers them in order of creation.
-_BIG_VISION_RENAMES = {
-    "/MultiHeadDotProductAttention_0/": "/MultiHeadDotProductAttention_1/",
-    "/LayerNorm_1/": "/LayerNorm_2/",
-    "/MlpBlock_0/": "/MlpBlock_3/",
-}
 _BLOCK_KEY = re.compile(r"^Transformer/encoderblock_(\d+)/")
 # The paper's defaults for what the arrays do not say.
 PAPER_DEFAULTS = {"layer_norm_eps": 1e-6, "hidden_act": "gelu", "hidden_dropout_prob": 0.0}
@@ -189,8 +183,9 @@ def _not_a_vit(keys: Sequence[str]) -> ConversionError:
 
 
 def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`arrays` under the `vit_jax` names of the module docstring: prefixes stripped, big_vision names mapped, and a
-    zero class position added where the class token has none. Raises `ConversionError` for non-ViT checkpoints."""
+    """`arrays` under the `vit_jax` names of the module docstring: prefixes stripped, and a zero class position added
+    where the class token has none (big_vision's names have a table of their own: `big_vision_npz.py`). Raises
+    `ConversionError` for non-ViT checkpoints."""
     prefix = next((p for p in ("", "opt/target/", "params/") if f"{p}embedding/kernel" in arrays), None)
     if prefix is None:
         raise _not_a_vit(list(arrays))
@@ -207,14 +202,6 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
                 "with scan=True); this layout is not supported. Unstack them into 'Transformer/encoderblock_<i>/'."
             )
         raise _not_a_vit(list(arrays))
-    if "pos_embedding" in out or any("/MultiHeadDotProductAttention_0/" in k for k in out):  # big_vision
-        renamed = {}
-        for key, value in out.items():
-            if _BLOCK_KEY.match(key):
-                for old, new in _BIG_VISION_RENAMES.items():
-                    key = key.replace(old, new)
-            renamed[key] = value
-        out = renamed
     for old in ("pos_embedding", "Transformer/pos_embedding"):  # big_vision, and its pre-2022 place
         if old in out and POS_KEY not in out:
             out[POS_KEY] = out.pop(old)
@@ -243,6 +230,10 @@ def npz_to_hf_vit_state_dict(
     `ConversionError` lists all the problems at once. When `config`'s patch grid differs from the checkpoint's (square)
     grid, the position embeddings are resampled in 2D (`resize_mode`, see the module docstring).
     """
+    from .big_vision_npz import big_vision_to_hf_vit_state_dict, is_big_vision
+
+    if is_big_vision(arrays):
+        return big_vision_to_hf_vit_state_dict(arrays, config, resize_mode)
     source = {key: _tensor(value) for key, value in canonical_arrays(arrays).items()}
     source = resample_positions(source, POS_KEY, config, resize_mode)
     hints = [hint for pattern, hint in _FOREIGN_HINTS if any(pattern in key for key in source)]
@@ -277,6 +268,10 @@ def infer_config_from_npz(
     are then resampled at load). The rest comes from `preset` when given (its sizes must match the arrays; its
     resolution is not used) or the paper's defaults (LayerNorm epsilon 1e-6, no dropout).
     """
+    from .big_vision_npz import infer_config_from_big_vision, is_big_vision
+
+    if is_big_vision(arrays):
+        return infer_config_from_big_vision(arrays, preset, image_size, hidden_act)
     source = canonical_arrays(arrays)
     problems = []
 

@@ -5,7 +5,8 @@ the hf-vit classes converts them on load with the same tables the folder convert
 
 A source is recognised by its `config.json`: `model_type` "hf_vit" (nothing to convert), "vit" (transformers'
 layout), a family's model type (`FAMILIES`: "dinov2", "deit", "clip", "siglip_vision_model", ...), or timm's Hub
-layout (`architecture` with `pretrained_cfg` or `num_classes`); a path ending in `.npz` (any
+layout (`architecture` with `pretrained_cfg` or `num_classes`; a "naflexvit..." architecture is timm's NaFlexViT,
+`timm_naflex.py`); a path ending in `.npz` (any
 case) is the authors' layout. Hub ids resolve through huggingface_hub's cache, so `HF_HUB_OFFLINE=1` works on cached
 repositories.
 
@@ -44,6 +45,7 @@ DESCRIPTIONS = {
     "jax": "the authors' .npz layout",
     "transformers": "transformers' ViT layout",
     "timm": "timm's ViT layout",
+    "timm_naflex": "timm's NaFlexViT layout",
     **{model_type: family.name for model_type, family in FAMILIES.items()},
 }
 _SAFETENSORS_DTYPES = {
@@ -54,7 +56,8 @@ _SAFETENSORS_DTYPES = {
 
 
 def layout_of(config: dict) -> str | None:
-    """ "hf_vit", "transformers" or "timm" for a `config.json`'s contents; None when it is none of them."""
+    """ "hf_vit", "transformers", a family's model type, "timm" or "timm_naflex" for a `config.json`'s contents; None
+    when it is none of them."""
     model_type = config.get("model_type")
     if model_type == "hf_vit":
         return "hf_vit"
@@ -63,7 +66,7 @@ def layout_of(config: dict) -> str | None:
     if model_type in FAMILIES:
         return model_type
     if model_type is None and "architecture" in config and ("pretrained_cfg" in config or "num_classes" in config):
-        return "timm"
+        return "timm_naflex" if str(config["architecture"]).startswith("naflexvit") else "timm"
     return None
 
 
@@ -194,7 +197,7 @@ class FilePart:
 
 @dataclasses.dataclass
 class ForeignCheckpoint:
-    """A foreign checkpoint at `source` (what the user passed) in `layout` ("transformers", "timm" or "jax")."""
+    """A foreign checkpoint at `source` (what the user passed) in `layout` (a key of `DESCRIPTIONS`)."""
 
     source: str
     layout: str
@@ -209,11 +212,10 @@ class ForeignCheckpoint:
         files = _safetensors_files(self.source, self.hub)
         if files is not None:
             return files
-        if self.layout == "timm":  # older timm repositories hold a torch file only
+        if self.layout in ("timm", "timm_naflex"):  # older timm repositories hold a torch file only
             found = _fetch(self.source, "pytorch_model.bin", self.hub, required=False)
             if found is not None:
                 return [found]
-        if self.layout == "timm":
             raise ConversionError("it has no model.safetensors, sharded index or pytorch_model.bin")
         raise ConversionError(
             "it has no model.safetensors (nor a sharded index); hf-vit reads transformers' checkpoints from "
@@ -281,6 +283,14 @@ class ForeignCheckpoint:
                     state_dict = family_state_dict(
                         self.layout, config, self._slices(files), shapes, resample=image_size is not None
                     )
+            elif self.layout == "timm_naflex":
+                from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
+                from .timm_vit import read_timm_config
+
+                settings = read_timm_config(self.folder) or {}
+                arrays = self._timm_arrays(header_only=not weights)
+                config = naflex_config(arrays, settings, image_size, options.get("num_attention_heads"))
+                state_dict = naflex_to_hf_vit_state_dict(arrays, settings, config) if weights else None
             else:
                 from .timm_vit import read_timm_config, timm_config, timm_to_hf_vit_state_dict
 
@@ -321,6 +331,13 @@ class ForeignCheckpoint:
                 # The processor takes the image size and normalisation only: the heads, which a timm state dict does
                 # not record (and the model loading asks for), play no part in it.
                 config = timm_config(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
+                return timm_processor(config, settings)
+            if self.layout == "timm_naflex":
+                from .timm_naflex import naflex_config
+                from .timm_vit import read_timm_config, timm_processor
+
+                settings = read_timm_config(self.folder) or {}
+                config = naflex_config(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
                 return timm_processor(config, settings)
         except ConversionError as error:
             raise self._fail(error) from error

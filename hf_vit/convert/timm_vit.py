@@ -424,7 +424,8 @@ def read_timm_checkpoint(
     num_attention_heads: int | None = None,
     resize_mode: str = "bicubic",
 ):
-    """`(config, state_dict, processor)` of timm ViT weights (a file, or a folder as on the Hub), without writing.
+    """`(config, state_dict, processor)` of timm ViT weights (a file, or a folder as on the Hub), without writing; a
+    NaFlexViT's (a "naflexvit..." architecture in config.json) through `timm_naflex.py`.
 
     Normalisation and resampling: `image_mean`/`image_std` when given, else `mean`/`std` (or `pretrained_cfg`'s) from
     a timm `config.json` beside the weights, else 0.5, the value of timm's weights ported from the original ViT; the
@@ -434,8 +435,37 @@ def read_timm_checkpoint(
     input_path = Path(input_path)
     state_dict = load_timm_state_dict(input_path)
     settings = read_timm_config(input_path if input_path.is_dir() else input_path.parent)
+    if settings is not None and str(settings.get("architecture", "")).startswith("naflexvit"):
+        options = (preset, image_size, image_mean, image_std, num_attention_heads, resize_mode)
+        return _read_naflex(state_dict, settings, *options)
     config = timm_config(state_dict, settings, preset, image_size, num_attention_heads)
     converted = timm_to_hf_vit_state_dict(state_dict, config, resize_mode=resize_mode)
+    return config, converted, timm_processor(config, settings, image_mean, image_std)
+
+
+def _read_naflex(state_dict, settings, preset, image_size, image_mean, image_std, num_attention_heads, resize_mode):
+    """`read_timm_checkpoint` of a NaFlexViT (`timm_naflex.py`): its config.json names the architecture, whose
+    settings and position resampling the conversion takes, so a preset, or a resampling mode other than the
+    checkpoint's own, is refused rather than ignored."""
+    from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
+
+    if preset is not None:
+        raise ConversionError(
+            f"preset {preset!r} given for a timm NaFlexViT, whose config.json names its architecture "
+            f"{settings.get('architecture')!r}: leave the preset out."
+        )
+    config = naflex_config(state_dict, settings, image_size, num_attention_heads)
+    if image_size is not None and resize_mode != config.interpolation_mode:
+        raise ConversionError(
+            f"resize_mode {resize_mode!r} given for a timm NaFlexViT, which resamples its position grid "
+            f"{config.interpolation_mode} (antialiased, as timm does in its forward pass): leave resize_mode out or "
+            f"pass {config.interpolation_mode!r}."
+        )
+    labels = settings.get("label_names")
+    if isinstance(labels, list) and len(labels) == config.num_labels and config.num_labels > 0:
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {name: i for i, name in enumerate(labels)}
+    converted = naflex_to_hf_vit_state_dict(state_dict, settings, config)
     return config, converted, timm_processor(config, settings, image_mean, image_std)
 
 

@@ -421,11 +421,11 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
     def pool(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The image representation of equation (4) from the final tokens, by `config.classifier`: the class token,
         the average of the patch tokens (prefix tokens left out; of the valid ones in a native-aspect batch, whose
-        `token_mask` marks them), or attention pooling over every token."""
+        `token_mask` marks them), or attention pooling over every (valid) token."""
         if self.config.classifier == "token":
             return tokens[:, 0]
         if self.config.classifier == "map":
-            return self.attention_pool(tokens)
+            return self.attention_pool(tokens, token_mask)
         prefix = self.config.num_prefix_tokens
         if token_mask is not None:
             return masked_mean(tokens[:, prefix:], token_mask[:, prefix:])

@@ -1,8 +1,9 @@
 """Multi-head attention pooling ("MAP"): the pooled representation `y` of equation (4) for `classifier="map"`.
 
-A learned probe attends to every token with one multi-head attention, and an MLP with a residual follows, the head of
-big_vision's ViT and of SigLIP's vision tower. Its parameters are those of `torch.nn.MultiheadAttention` (`probe`,
-`attention.in_proj_weight` with rows [q; k; v], `attention.out_proj`), a LayerNorm and the model's MLP.
+A learned probe attends to every token (every valid one of a native-aspect batch) with one multi-head attention, and
+an MLP with a residual follows, the head of big_vision's ViT and of SigLIP's vision tower. Its parameters are those of
+`torch.nn.MultiheadAttention` (`probe`, `attention.in_proj_weight` with rows [q; k; v], `attention.out_proj`), a
+LayerNorm and the model's MLP.
 
 Saved next to checkpoints as remote code with the model, so it imports only torch.
 """
@@ -23,8 +24,11 @@ class MultiheadAttentionPooling(nn.Module):
         self.layernorm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
         self.mlp = mlp
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`tokens` `(B, N, D)`; `token_mask` `(B, N)` marks those the probe may attend to (all without it: a
+        native-aspect batch leaves its padding out)."""
         probe = self.probe.expand(tokens.shape[0], -1, -1)
-        pooled = self.attention(probe, tokens, tokens, need_weights=False)[0]
+        ignored = None if token_mask is None else ~token_mask.bool()
+        pooled = self.attention(probe, tokens, tokens, key_padding_mask=ignored, need_weights=False)[0]
         pooled = pooled + self.mlp(self.layernorm(pooled))
         return pooled[:, 0]

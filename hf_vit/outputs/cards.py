@@ -120,6 +120,7 @@ def render_model_card(
     recipe: str | None = None,
     results_note: str = "Measured by the training run that produced these weights.",
     license: str = "apache-2.0",
+    compute_dial: str | None = None,
 ) -> ModelCard:
     """A `ModelCard` for `model` with Hub metadata and the `metrics` measured for it (keys like `eval_accuracy`).
 
@@ -127,7 +128,8 @@ def render_model_card(
     plain name (no invented organisation). `base_model` and `dataset_name` may be Hub ids, plain names or local
     paths: local paths appear as their final folder name in the text and are left out of the metadata. Without
     `dataset_name` (a converted or resized folder) no data set is claimed. A peft model gets an adapter's card: how
-    to apply it to its base model, which the card names.
+    to apply it to its base model, which the card names. `compute_dial`: the name of the compute dial's PNG beside
+    the card (`hf_vit.run.compute_dial`), shown in the results with its JSON named.
     """
     adapter = hasattr(model, "peft_config")
     architecture = type(model.get_base_model() if adapter else model).__name__
@@ -218,6 +220,8 @@ def render_model_card(
         recipe=_without_local_paths(recipe, local_refs) or training_recipe_text(task, training_args),
         results=results,
         results_note=_without_local_paths(results_note, local_refs),
+        compute_dial=compute_dial,
+        compute_dial_data=Path(compute_dial).with_suffix(".json").name if compute_dial else None,
         limitations=DIGITS_LIMITATIONS
         if data and data.text == "digits"
         else "Evaluated only on the data named above."

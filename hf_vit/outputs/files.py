@@ -36,6 +36,8 @@ RESULT_FILES = (
     "eval_results.json",
     "test_results.json",
     "main_job.json",
+    "compute_dial.json",
+    "compute_dial.png",
 )
 # What Trainer writes beside a model and a checkpoint to resume it. Never shared from a run's folder: the arguments
 # are a pickle naming local paths, the state names checkpoint paths.

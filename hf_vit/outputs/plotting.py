@@ -176,3 +176,38 @@ def plot_attention_rollout(
     for ax, label in zip(axes[:, 0], ("input", "rollout", "input x rollout")):
         ax.set_ylabel(label)
     return save_figure(fig, path, title)
+
+
+def plot_compute_dial(
+    rows: Sequence[dict], path: str | os.PathLike, metric: str = "accuracy", title: str | None = None
+) -> Path:
+    """The compute dial of one checkpoint: `metric` against the tokens per image (left: rows of series "tokens",
+    native-aspect batches of at most K patches, each point labelled K) and against the patch size (right: series
+    "patch_size", each point labelled with its tokens per image). A panel without rows says so."""
+    plt = pyplot()
+    fig, (tokens_ax, patch_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    tokens = sorted((row for row in rows if row["series"] == "tokens"), key=lambda row: row["tokens_per_image"])
+    if tokens:
+        xs, ys = [row["tokens_per_image"] for row in tokens], [row[metric] for row in tokens]
+        tokens_ax.plot(xs, ys, marker="o", label=f"patch {tokens[0]['patch_size']}")
+        for row, x, y in zip(tokens, xs, ys):
+            tokens_ax.annotate(f"K={row['max_num_patches']}", (x, y), textcoords="offset points", xytext=(4, -10),
+                               fontsize="x-small")  # fmt: skip
+        tokens_ax.set_xscale("log", base=2)
+        tokens_ax.set_xticks(xs, [f"{x:.3g}" for x in xs], fontsize="small")
+        tokens_ax.minorticks_off()
+    tokens_ax.set(xlabel="tokens per image (mean patches)", ylabel=metric, title="native aspect ratio (NaFlex)")
+    tokens_ax.set_ylim(0, 1.01)
+    _legend_or_note(tokens_ax, "not measured")
+    patches = sorted((row for row in rows if row["series"] == "patch_size"), key=lambda row: row["patch_size"])
+    if patches:
+        xs, ys = [row["patch_size"] for row in patches], [row[metric] for row in patches]
+        patch_ax.plot(xs, ys, marker="o", label="whole images" if patches[0]["max_num_patches"] is None else
+                      f"at most {patches[0]['max_num_patches']} patches")  # fmt: skip
+        for row, x, y in zip(patches, xs, ys):
+            patch_ax.annotate(f"{row['tokens_per_image']:g} tokens", (x, y), textcoords="offset points",
+                              xytext=(4, -10), fontsize="x-small")  # fmt: skip
+        patch_ax.set_xticks(xs)
+    patch_ax.set(xlabel="patch size (pixels)", ylabel=metric, title="patch size (FlexiViT)", ylim=(0, 1.01))
+    _legend_or_note(patch_ax, "not measured")
+    return save_figure(fig, path, title)

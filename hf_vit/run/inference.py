@@ -9,12 +9,14 @@ transforms, collator, metrics and loss (`hf_vit.run.objectives`), on the splits 
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
 import json
 import logging
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +26,7 @@ import torch
 
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..model.modeling_vit import VisionTransformerForImageClassification
+from ..model.resolution import MAX_PATCH_POSITIONS
 from .arguments import DataArguments
 from .datasets import load_datasets
 from .evaluation import final_split
@@ -36,16 +39,79 @@ logger = logging.getLogger(__name__)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 
 
-def load_model(model: str | os.PathLike) -> tuple[VisionTransformerForImageClassification, Any]:
+def load_model(
+    model: str | os.PathLike, patch_size: int | None = None, max_num_patches: int | None = None
+) -> tuple[VisionTransformerForImageClassification, Any]:
     """The classifier and image processor saved at `model` (an hf-vit folder, a foreign checkpoint by Hub id or
-    folder, or a LoRA run's folder, merged), in eval mode."""
+    folder, or a LoRA run's folder, merged), in eval mode. `patch_size`: the checkpoint loaded at another patch size
+    (FlexiViT: `from_pretrained(..., patch_size=)`, the patch embedding resampled by the pseudo-inverse of the
+    resize). `max_num_patches`: the processor returns native-aspect batches of at most that many patches per image
+    (see `serving_processor`)."""
+    check_serving_sizes(patch_size, max_num_patches)
     source = model_source(model)
-    if is_lora_folder(source):
-        classifier = load_lora_model(source)
-    else:
-        classifier = VisionTransformerForImageClassification.from_pretrained(source)
+    try:
+        if is_lora_folder(source):
+            classifier = load_lora_model(source)
+            if patch_size is not None:
+                classifier.set_input_size(patch_size=patch_size)
+        else:
+            resize = {} if patch_size is None else {"patch_size": patch_size}
+            classifier = VisionTransformerForImageClassification.from_pretrained(source, **resize)
+    except ValueError as error:
+        if patch_size is None:
+            raise
+        raise ValueError(f"--patch_size {patch_size}: {error}") from error
     processor = VisionTransformerImageProcessor.from_pretrained(source)
-    return classifier.eval(), processor
+    return classifier.eval(), serving_processor(processor, classifier.config, max_num_patches)
+
+
+def check_serving_sizes(patch_size: int | None = None, max_num_patches: int | None = None) -> None:
+    """Refuse, by flag, a patch size or a number of patches that is not a positive int."""
+    for flag, value in (("--patch_size", patch_size), ("--max_num_patches", max_num_patches)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{flag} must be a positive int, got {value!r}.")
+    if max_num_patches is not None and max_num_patches > MAX_PATCH_POSITIONS:
+        raise ValueError(
+            f"--max_num_patches {max_num_patches} is over the {MAX_PATCH_POSITIONS} patch positions hf-vit takes."
+        )
+
+
+def check_native_model(config: Any) -> None:
+    """Refuse, naming `--max_num_patches`, a model that cannot take native-aspect batches."""
+    if config.resnet_layers is not None or config.classifier not in ("token", "gap"):
+        raise ValueError(
+            "--max_num_patches: native-aspect batches need a model without a ResNet stem whose classifier is 'token' "
+            f"or 'gap'; this one has resnet_layers={config.resnet_layers}, classifier={config.classifier!r}. Leave "
+            "--max_num_patches out: its images are resized to the model's size."
+        )
+
+
+def serving_processor(processor: Any, config: Any, max_num_patches: int | None = None) -> Any:
+    """A copy of `processor` that serves `config`'s model: with `max_num_patches` (or the processor's own saved
+    field), native-aspect batches of at most that many patches of the model's patch size, each image kept whole (no
+    centre crop); else the processor as saved."""
+    processor = copy.deepcopy(processor)
+    if max_num_patches is not None:
+        check_native_model(config)
+        processor.max_num_patches, processor.do_center_crop = max_num_patches, False
+    if processor.max_num_patches is not None:
+        check_native_model(config)
+        processor.patch_size = config.patch_size
+    return processor
+
+
+def model_inputs(batch: dict[str, Any], device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The model's inputs in a processed batch: `pixel_values`, and a native-aspect batch's mask and grids."""
+    inputs = {key: batch[key] for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes") if key in batch}
+    return {key: value.to(device) for key, value in inputs.items()} if device is not None else inputs
+
+
+def tokens_per_image(inputs: dict[str, torch.Tensor], patch_size: int) -> torch.Tensor:
+    """The patches each image of a batch is seen as: its grid's in a native-aspect batch, else the image's."""
+    if "spatial_shapes" in inputs:
+        return inputs["spatial_shapes"].prod(-1).float().cpu()
+    height, width = inputs["pixel_values"].shape[-2:]
+    return torch.full((len(inputs["pixel_values"]),), float((height // patch_size) * (width // patch_size)))
 
 
 def model_source(model: str | os.PathLike) -> str:
@@ -87,21 +153,28 @@ def scores(model, logits: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def predict_files(
-    model: str | os.PathLike, images: Sequence[str | os.PathLike], top_k: int = 5, batch_size: int = 32
+    model: str | os.PathLike,
+    images: Sequence[str | os.PathLike],
+    top_k: int = 5,
+    batch_size: int = 32,
+    max_num_patches: int | None = None,
+    patch_size: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Each image's `top_k` classes with their scores, best first: `{"image", "predictions": [{"label", "score"}]}`."""
+    """Each image's `top_k` classes with their scores, best first: `{"image", "predictions": [{"label", "score"}]}`;
+    `max_num_patches` and `patch_size` as for `load_model`."""
     if top_k < 1:
         raise ValueError(f"--top_k must be at least 1, got {top_k}.")
     model_source(model)
+    check_serving_sizes(patch_size, max_num_patches)
     files = image_files(images)
-    classifier, processor = load_model(model)
+    classifier, processor = load_model(model, patch_size, max_num_patches)
     names = classifier.config.id2label
     top_k = min(top_k, classifier.config.num_labels)
     rows = []
     for start in range(0, len(files), batch_size):
         batch = files[start : start + batch_size]
-        pixels = processor([decode_image(str(path)) for path in batch], return_tensors="pt")["pixel_values"]
-        probabilities = scores(classifier, classifier(pixel_values=pixels).logits)
+        inputs = model_inputs(processor([decode_image(str(path)) for path in batch], return_tensors="pt"))
+        probabilities = scores(classifier, classifier(**inputs).logits)
         best = probabilities.topk(top_k, dim=-1)
         for path, values, indices in zip(batch, best.values.tolist(), best.indices.tolist()):
             labels = [{"label": names[index], "score": value} for value, index in zip(values, indices)]
@@ -133,13 +206,19 @@ def write_predictions(rows: list[dict[str, Any]], output: str | os.PathLike | No
     return text
 
 
-@torch.no_grad()
-def evaluate_loaded(
-    classifier, processor, data_args: Any, split: str | None = None, batch_size: int = 64, seed: int = 0
-) -> tuple[dict[str, Any], np.ndarray | None]:
-    """The metrics of the objective of `classifier` (single- or multi-label classification) on `split` (default: the
-    run's final split, test or else validation) of `data_args`' data set, as `<split>_*` with `<split>_loss`, and
-    the confusion matrix (rows: true class, columns: predicted; None for multi-label data)."""
+@dataclass
+class EvaluationSplit:
+    """A data set's split ready to be measured with any processor: its name, raw examples and objective."""
+
+    name: str
+    raw: Any
+    objective: Any
+    data_args: Any
+
+
+def evaluation_split(config: Any, data_args: Any, split: str | None = None, seed: int = 0) -> EvaluationSplit:
+    """`split` (default: the run's final split, test or else validation) of `data_args`' data set, labelled as the
+    classification objective labels it; its classes checked against `config`'s."""
     raw = load_datasets(data_args, seed)
     split = split or final_split(raw)
     if split not in raw:
@@ -147,24 +226,50 @@ def evaluate_loaded(
     wanted = SimpleNamespace(objective="classification", problem_type=None)
     objective = select_objective("finetune", wanted, data_args, raw)
     raw, labels = objective.labels(raw, data_args)
-    check_classes(classifier.config, labels.id2label, data_args.dataset_name)
-    data = objective.transforms(raw, data_args, processor, classifier.config)[split]
-    logits, targets = [], []
+    check_classes(config, labels.id2label, data_args.dataset_name)
+    return EvaluationSplit(split, raw, objective, data_args)
+
+
+@torch.no_grad()
+def measure_split(
+    classifier, processor, prepared: EvaluationSplit, batch_size: int = 64
+) -> tuple[dict[str, Any], np.ndarray | None]:
+    """The objective's metrics of `classifier` on the prepared split through `processor` (whole images, or
+    native-aspect batches when it has `max_num_patches`), as `<split>_*` with `<split>_loss`,
+    `<split>_tokens_per_image` (the mean number of patches an image was seen as) and the confusion matrix (rows: true
+    class, columns: predicted; None for multi-label data)."""
+    split, objective = prepared.name, prepared.objective
+    data = objective.transforms(prepared.raw, prepared.data_args, processor, classifier.config)[split]
+    device = next(classifier.parameters()).device
+    logits, targets, tokens = [], [], []
     for start in range(0, len(data), batch_size):
-        batch = objective.collator([data[i] for i in range(start, min(start + batch_size, len(data)))])
-        logits.append(classifier(pixel_values=batch["pixel_values"]).logits.float())
+        batch = data[start : start + batch_size]  # the processor runs once per batch (`with_transform`)
+        inputs = model_inputs(batch, device)
+        logits.append(classifier(**inputs).logits.float().cpu())
         targets.append(batch["labels"])
+        tokens.append(tokens_per_image(inputs, classifier.config.patch_size))
     predictions, references = torch.cat(logits).numpy(), torch.cat(targets).numpy()
     measured = objective.compute_metrics((predictions, references))
     metrics: dict[str, Any] = {f"{split}_{key}": value for key, value in measured.items()}
     metrics[f"{split}_loss"] = objective.loss(predictions, references)
     metrics[f"{split}_samples"] = len(references)
+    metrics[f"{split}_tokens_per_image"] = float(torch.cat(tokens).mean())
     confusion = None
     if references.ndim == 1:
-        classes = len(labels.id2label)
+        classes = classifier.config.num_labels
         confusion = np.zeros((classes, classes), dtype=np.int64)
         np.add.at(confusion, (references, predictions.argmax(-1)), 1)
     return metrics, confusion
+
+
+def evaluate_loaded(
+    classifier, processor, data_args: Any, split: str | None = None, batch_size: int = 64, seed: int = 0
+) -> tuple[dict[str, Any], np.ndarray | None]:
+    """The metrics of the objective of `classifier` (single- or multi-label classification) on `split` (default: the
+    run's final split, test or else validation) of `data_args`' data set, and the confusion matrix: see
+    `measure_split`."""
+    prepared = evaluation_split(classifier.config, data_args, split, seed)
+    return measure_split(classifier, processor, prepared, batch_size)
 
 
 def check_classes(config: Any, id2label: dict[int, str], dataset_name: str) -> None:
@@ -184,15 +289,19 @@ def evaluate_saved_model(
     split: str | None = None,
     output_dir: str | os.PathLike | None = None,
     data_args: Any = None,
+    max_num_patches: int | None = None,
+    patch_size: int | None = None,
 ) -> dict[str, Any]:
-    """Evaluate the model at `model` on `split` of `dataset_name` (see `evaluate_loaded`); with `output_dir`, write
-    `<split>_results.json` and, for single-label data, `<split>_confusion_matrix.png` there (matplotlib needed: without
-    it the plot is skipped and said so). Existing files of those names are refused, never overwritten."""
+    """Evaluate the model at `model` on `split` of `dataset_name` (see `evaluate_loaded`; `max_num_patches` and
+    `patch_size` as for `load_model`); with `output_dir`, write `<split>_results.json` and, for single-label data,
+    `<split>_confusion_matrix.png` there (matplotlib needed: without it the plot is skipped and said so). Existing
+    files of those names are refused, never overwritten."""
     data_args = data_args or DataArguments(dataset_name=dataset_name)
-    classifier, processor = load_model(model)
+    classifier, processor = load_model(model, patch_size, max_num_patches)
     metrics, confusion = evaluate_loaded(classifier, processor, data_args, split)
     split = next(key for key in metrics if key.endswith("_samples")).removesuffix("_samples")
-    metrics = {"model": os.fspath(model), "dataset_name": dataset_name, "split": split, **metrics}
+    served = {"patch_size": classifier.config.patch_size, "max_num_patches": processor.max_num_patches}
+    metrics = {"model": os.fspath(model), "dataset_name": dataset_name, "split": split, **served, **metrics}
     if output_dir is not None:
         write_evaluation(Path(output_dir), split, metrics, confusion, classifier.config.id2label)
     return metrics

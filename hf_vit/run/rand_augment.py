@@ -183,7 +183,13 @@ def _affine(image: PIL.Image.Image, matrix: tuple[float, ...], fill, resample) -
 
 
 def posterize(image: PIL.Image.Image, bits: int) -> PIL.Image.Image:
-    return image if bits >= 8 else ImageOps.posterize(image, bits)
+    """Keep the `bits` most significant bits of each channel (0 to 8; 0 makes the image black, as TensorFlow's and
+    timm's posterize mean at the strongest magnitude: `PosterizeIncreasing` at 10, `Posterize` below 2.5). PIL's
+    `ImageOps.posterize` refuses 0 bits, so the table is built here."""
+    if bits >= 8:
+        return image
+    mask = 0xFF & ~(2 ** (8 - max(bits, 0)) - 1)
+    return image.point([i & mask for i in range(256)] * len(image.getbands()))
 
 
 def solarize_add(image: PIL.Image.Image, add: int, threshold: int = 128) -> PIL.Image.Image:
@@ -218,11 +224,12 @@ OPERATIONS: dict[str, tuple[Callable | None, Callable]] = {
 
 
 def to_pil(pixels: torch.Tensor) -> PIL.Image.Image:
-    """A uint8 [C, H, W] tensor (C = 1 or 3) as a PIL image (mode L or RGB)."""
-    array = pixels.permute(1, 2, 0).contiguous().numpy()
-    return PIL.Image.fromarray(
-        array[..., 0] if array.shape[2] == 1 else array, mode="L" if array.shape[2] == 1 else "RGB"
-    )
+    """A uint8 [C, H, W] tensor (C = 1 or 3) as a PIL image (mode L or RGB). Each channel plane is wrapped as it lies
+    (no copy) and PIL interleaves them: several times faster than transposing the tensor to [H, W, C] first."""
+    planes = np.ascontiguousarray(pixels.numpy())
+    height, width = planes.shape[1:]
+    bands = [PIL.Image.frombuffer("L", (width, height), plane, "raw", "L", 0, 1) for plane in planes]
+    return bands[0] if len(bands) == 1 else PIL.Image.merge("RGB", bands)
 
 
 def from_pil(image: PIL.Image.Image) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ..outputs.cards import write_model_card
 from ..outputs.output_folders import claim_output_dir, release, remove_earlier_checkpoints
 from .arguments import DataArguments, ModelArguments, parse_args
 from .checkpoints import resolve_resume
+from .compute_dial import compute_dial_after_training
 from .datasets import load_datasets
 from .evaluation import final_evaluation
 from .flexible import PatchSizeDraw, SeqLenBatchSampler, check_patch_sizes, parse_sizes
@@ -167,10 +168,12 @@ def flexible_sizes(train, model, data_args, training_args) -> tuple[SeqLenBatchS
 
 
 def write_outputs(trainer, task: str, model_args, data_args, training_args, metrics: dict[str, Any]) -> None:
-    """The main process's last stage: training curves, the model card, and the push (`--push_to_hub`)."""
+    """The main process's last stage: training curves, the compute dial (a run with native-aspect batches or patch
+    sizes: `compute_dial.py`), the model card, and the push (`--push_to_hub`)."""
     from ..outputs.plotting import plot_training_curves
 
     plot_training_curves(trainer.state.log_history, Path(training_args.output_dir) / "training_curves.png")
+    dial = compute_dial_after_training(trainer.model, trainer.processing_class, data_args, training_args)
     write_model_card(
         training_args.output_dir,
         model=trainer.model,
@@ -186,6 +189,7 @@ def write_outputs(trainer, task: str, model_args, data_args, training_args, metr
             else None
         ),
         recipe=recipe_card_text(task, model_args, data_args, training_args),
+        compute_dial=dial.name if dial else None,
     )
     if training_args.push_to_hub:
         trainer.push_output_dir(f"hf-vit {task}: final model, card and metrics")

@@ -1,0 +1,203 @@
+#!/usr/bin/env python
+r"""NaFlex rows of the benchmark: inference on a native-aspect batch of K patches per image (mixed aspect ratios,
+padded) against a square batch of the same token count (each image a sqrt(K) x sqrt(K) grid, the ordinary path), and
+against timm's NaFlexVit on the same batch with the same weights (its column only where timm imports), eager and SDPA,
+timed in one process in alternating rounds (`timing.time_alternating`). Prints the rows and ratios; `--doc` rewrites
+the `<!-- naflex:table -->` block of docs/benchmarks.md.
+
+The model is timm's `naflexvit_base_patch16_gap` architecture (4 registers, LayerScale, fc_norm, average pooling) at
+ViT-Ti width by default; hf-vit's copy is converted from timm's weights by `hf_vit.convert.timm_naflex` and checked
+against timm's logits on the batch before anything is timed. Without timm, hf-vit's model is built from the same
+config at random and only the square-batch ratio is measured.
+
+    PYTHONPATH=. $PEER/bin/python benchmarks/naflex_speed.py --doc docs/benchmarks.md
+    python benchmarks/naflex_speed.py --max_num_patches 16 --batch_size 2 --repeats 1 --depth 1   # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+from benchmarks.report import fill_markdown
+from benchmarks.timing import median_seconds, time_alternating
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+
+# (height, width) of the mixed batch's images: square, wide, tall, panoramic, portrait, ...
+ASPECTS = [(224, 224), (160, 320), (320, 160), (120, 480), (300, 200), (200, 300), (256, 192), (180, 360)]
+
+
+def timm_model(args):
+    """timm's NaFlexVit (the `naflexvit_base_patch16_gap` blocks at the asked width), or None without timm."""
+    try:
+        import timm
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "naflexvit_base_patch16_gap", pretrained=False, num_classes=1000, embed_dim=args.width, depth=args.depth,
+        num_heads=args.heads, pos_embed_grid_size=(14, 14),
+    )  # fmt: skip
+    return model.eval()
+
+
+def hf_vit_from_timm(model, implementation: str) -> VisionTransformerForImageClassification:
+    """hf-vit's copy of timm's model, through the converter that loads timm's NaFlexViT checkpoints."""
+    from hf_vit.convert.timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
+
+    heads = model.blocks[0].attn.num_heads
+    settings = {"architecture": "naflexvit_base_patch16_gap", "model_args": {"num_heads": heads}}
+    state_dict = model.state_dict()
+    config = naflex_config(state_dict, settings)
+    config._attn_implementation = implementation
+    ours = VisionTransformerForImageClassification(config)
+    ours.load_state_dict(naflex_to_hf_vit_state_dict(state_dict, settings, config))
+    return ours.eval()
+
+
+def hf_vit_alone(args, implementation: str) -> VisionTransformerForImageClassification:
+    torch.manual_seed(0)
+    config = VisionTransformerConfig(
+        image_size=224, patch_size=16, hidden_size=args.width, num_hidden_layers=args.depth,
+        num_attention_heads=args.heads, intermediate_size=4 * args.width, classifier="gap", fc_norm=True,
+        num_register_tokens=4, layer_scale_init_value=1e-5, use_class_token=False, num_labels=1000,
+        interpolation_antialias=True, attn_implementation=implementation,
+    )  # fmt: skip
+    return VisionTransformerForImageClassification(config).eval()
+
+
+def batches(args) -> tuple[dict, torch.Tensor, dict]:
+    """The mixed-aspect native batch (hf-vit's processor), the square batch of the same K tokens per image, and the
+    mixed batch as timm's NaFlex dict (patches, coordinates, validity)."""
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (*ASPECTS[i % len(ASPECTS)], 3), dtype=np.uint8) for i in range(args.batch_size)]
+    native = VisionTransformerImageProcessor(max_num_patches=args.max_num_patches, patch_size=16)(
+        images, return_tensors="pt"
+    )
+    side = math.isqrt(args.max_num_patches)
+    square = torch.randn(args.batch_size, 3, side * 16, side * 16, generator=torch.Generator().manual_seed(0))
+    coords = torch.zeros(args.batch_size, args.max_num_patches, 2, dtype=torch.long)
+    for row, (rows, cols) in enumerate(native["spatial_shapes"].tolist()):
+        grid = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1).reshape(-1, 2)
+        coords[row, : rows * cols] = grid
+    timm_batch = {
+        "patches": native["pixel_values"],
+        "patch_coord": coords,
+        "patch_valid": native["pixel_attention_mask"].bool(),
+    }
+    return dict(native), square, timm_batch
+
+
+def measure(args) -> dict:
+    native, square, timm_batch = batches(args)
+    load_before = os.getloadavg()
+    theirs = timm_model(args)
+    fns, checks = {}, {}
+    for implementation in ("eager", "sdpa"):
+        ours = hf_vit_from_timm(theirs, implementation) if theirs is not None else hf_vit_alone(args, implementation)
+
+        def mixed(model=ours):
+            model(**native)
+
+        def squared(model=ours):
+            model(square, interpolate_pos_encoding=True)
+
+        fns[f"hf-vit {implementation} mixed"] = mixed
+        fns[f"hf-vit {implementation} square"] = squared
+        if theirs is not None:
+            for module in theirs.modules():  # timm's attention: SDPA when fused, else its own matmul-softmax
+                if hasattr(module, "fused_attn"):
+                    module.fused_attn = implementation == "sdpa"
+            with torch.no_grad():
+                difference = (ours(**native).logits - theirs(dict(timm_batch))).abs().max().item()
+            checks[implementation] = difference
+            if difference > 1e-3:
+                raise SystemExit(f"hf-vit and timm disagree on the batch ({implementation}): {difference:.2e}")
+            timm_copy = timm_model(args)
+            timm_copy.load_state_dict(theirs.state_dict())
+            for module in timm_copy.modules():
+                if hasattr(module, "fused_attn"):
+                    module.fused_attn = implementation == "sdpa"
+
+            def timm_mixed(model=timm_copy):
+                model(dict(timm_batch))
+
+            fns[f"timm {implementation} mixed"] = timm_mixed
+    with torch.no_grad():
+        for fn in fns.values():  # warm-up
+            fn()
+        samples = time_alternating(fns, args.steps, args.repeats, torch.device("cpu"))
+    load_after = os.getloadavg()
+    images_per_s = {name: args.batch_size / median_seconds(sample) for name, sample in samples.items()}
+    valid = int(native["pixel_attention_mask"].sum())
+    return {
+        "images_per_s": images_per_s,
+        "logits_difference": checks,
+        "load_average": [load_before[0], load_after[0]],
+        "valid_share": valid / (args.batch_size * args.max_num_patches),
+        "grids": native["spatial_shapes"].tolist(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def format_rows(result: dict, args) -> str:
+    rate = result["images_per_s"]
+    lines = [
+        "| attention | mixed-aspect K batch (images/s) | square batch, same K (images/s) | ratio (target >= 0.95) "
+        "| timm NaFlexVit, same batch (images/s) | hf-vit / timm (target >= 1.0) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for implementation in ("eager", "sdpa"):
+        mixed, square = rate[f"hf-vit {implementation} mixed"], rate[f"hf-vit {implementation} square"]
+        timm_rate = rate.get(f"timm {implementation} mixed")
+        timm_cells = f"{timm_rate:.1f} | {mixed / timm_rate:.2f}x" if timm_rate else "- | -"
+        lines.append(f"| {implementation} | {mixed:.1f} | {square:.1f} | {mixed / square:.2f}x | {timm_cells} |")
+    load = result["load_average"]
+    checks = ", ".join(f"{k} {v:.1e}" for k, v in result["logits_difference"].items()) or "timm absent"
+    lines += [
+        "",
+        f"ViT-Ti/16 width {args.width}, depth {args.depth}, {args.heads} heads (timm's naflexvit_base_patch16_gap "
+        f"blocks), batch {args.batch_size}, K = {args.max_num_patches}, fp32 inference, {result['threads']} threads; "
+        f"{result['valid_share']:.0%} of the mixed batch's patches are images (the rest padding); grids "
+        f"{result['grids']}. 1-minute load average {load[0]:.2f} before, {load[1]:.2f} after. Max |logits hf-vit - "
+        f"timm| on the batch: {checks}.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max_num_patches", type=int, default=196, help="K, a square number (default 196)")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--width", type=int, default=192)
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="calls per timed sample")
+    parser.add_argument("--repeats", type=int, default=5, help="undisturbed samples per row")
+    parser.add_argument("--doc", type=Path, help="markdown file whose <!-- naflex:table --> block is rewritten")
+    args = parser.parse_args(argv)
+    if math.isqrt(args.max_num_patches) ** 2 != args.max_num_patches:
+        parser.error(f"--max_num_patches must be a square number (a square grid), not {args.max_num_patches}")
+    result = measure(args)
+    table = format_rows(result, args)
+    print(table)
+    if args.doc:
+        command = "python benchmarks/naflex_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+        args.doc.write_text(fill_markdown(args.doc.read_text(), {"table": f"{table}\n\n`{command}`"}, tag="naflex"))
+        print(f"doc: {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+r"""Checks against timm, run in the comparison environment (`bash benchmarks/peer_env.sh`): timm is the other
+implementation, and what it computes is recorded for the tests, which cannot import it.
+
+1. `--fixtures DIR`: tiny random timm NaFlexViT models written in timm's Hub layout (`timm.models.save_for_hf`:
+   config.json with `architecture` and `model_args`, model.safetensors), one folder each, with `outputs.safetensors`:
+   images at two sizes and timm's logits for them (the image path, positions resampled by timm), and a NaFlex batch
+   built by timm's own transforms and collator (`ResizeToSequence`, `Patchify`, `NaFlexCollator`) with timm's logits
+   on it. tests/test_naflex_checkpoints.py loads each folder by Hub id and compares hf-vit's logits with these.
+2. `--resample`: hf-vit's `resample_patch_embedding` against timm's `resample_patch_embed` (bicubic, with and without
+   antialiasing, up and down), the largest difference printed (docs/benchmarks.md records them).
+
+    PYTHONPATH=. $PEER/bin/python benchmarks/peer_checks.py --fixtures tests/data/timm_naflex --resample
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+COMMAND = "PYTHONPATH=. $PEER/bin/python benchmarks/peer_checks.py --fixtures tests/data/timm_naflex --resample"
+TINY = {"patch_size": 4, "embed_dim": 16, "depth": 2, "num_heads": 2, "mlp_ratio": 2.0}
+# name: (timm architecture, model_args beyond TINY, image sizes (H, W) for the image path, NaFlex max_seq_len)
+FIXTURES = {
+    # average pooling, 4 registers, LayerScale, fc_norm: the architecture's own blocks
+    "gap": ("naflexvit_base_patch16_gap", {"pos_embed_grid_size": [4, 4]}, [(16, 16), (12, 24)], 20),
+    # the class token pooled, 2 registers, LayerScale, bilinear position resampling
+    "token": (
+        "naflexvit_base_patch16_gap",
+        {"pos_embed_grid_size": [4, 4], "class_token": True, "reg_tokens": 2, "global_pool": "token",
+         "fc_norm": False, "pos_embed_interp_mode": "bilinear"},
+        [(16, 16), (20, 8)],
+        20,
+    ),
+    # attention pooling (SigLIP 2's NaFlex tower: no prefix tokens, tanh GELU) on a 3x5 position grid
+    "map": ("naflexvit_base_patch16_siglip", {"pos_embed_grid_size": [3, 5]}, [(12, 20), (24, 16)], 24),
+}  # fmt: skip
+NUM_CLASSES = 5
+# raw image sizes (H, W) of the NaFlex batch: square, wide, tall, extreme
+RAW_SIZES = [(40, 40), (20, 80), (90, 30), (10, 120)]
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    """Every weight away from its initial value (timm starts LayerScale at 1e-5 and the tokens near zero, which
+    would hide them), so that each one shows in the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if name.startswith("head."):  # logits of order one, so that a tolerance of 1e-5 says something
+                parameter.copy_(noise)
+            elif name.endswith("gamma"):
+                parameter.copy_(0.5 + 0.2 * noise)
+            elif "norm" in name and name.endswith("weight"):
+                parameter.copy_(1 + 0.1 * noise)
+            else:
+                parameter.add_(0.1 * noise)
+
+
+def naflex_batch(patch_size: int, max_seq_len: int, seed: int) -> dict[str, torch.Tensor]:
+    """A NaFlex batch of random images built by timm's own data path: resized to fit `max_seq_len` patches at their
+    aspect ratio (`ResizeToSequence`), normalised, patchified (`Patchify`) and padded (`NaFlexCollator`)."""
+    from timm.data.naflex_dataset import NaFlexCollator
+    from timm.data.naflex_transforms import Patchify, ResizeToSequence
+    from torchvision import transforms
+
+    rng = np.random.default_rng(seed)
+    transform = transforms.Compose(
+        [
+            transforms.ToTensor(),
+            ResizeToSequence(patch_size, max_seq_len=max_seq_len, interpolation="bicubic"),
+            transforms.Normalize([0.5] * 3, [0.5] * 3),
+            Patchify(patch_size),
+        ]
+    )
+    samples = [(transform(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)), 0) for h, w in RAW_SIZES]
+    batch, _ = NaFlexCollator(max_seq_len=max_seq_len)(samples)
+    return {name: batch[name] for name in ("patches", "patch_coord", "patch_valid")}
+
+
+def write_fixture(folder: Path, name: str, seed: int) -> dict:
+    """One tiny NaFlexViT in timm's Hub layout in `folder`, with inputs and timm's logits in outputs.safetensors."""
+    import timm
+    from safetensors.torch import save_file
+    from timm.models import save_for_hf
+
+    architecture, extra, sizes, max_seq_len = FIXTURES[name]
+    model_args = {**TINY, **extra}
+    torch.manual_seed(seed)
+    model = timm.create_model(
+        architecture, pretrained=False, num_classes=NUM_CLASSES,
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in model_args.items()},
+    ).eval()  # fmt: skip
+    _randomise(model, seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_for_hf(model, folder, model_args=model_args, safe_serialization=True)
+    outputs, generator = {}, torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for index, (height, width) in enumerate(sizes):
+            images = torch.randn(2, 3, height, width, generator=generator)
+            outputs[f"images_{index}"] = images
+            outputs[f"logits_{index}"] = model(images)
+        batch = naflex_batch(model_args["patch_size"], max_seq_len, seed)
+        outputs.update(batch)
+        outputs["naflex_logits"] = model(dict(batch))
+    valid = batch["patch_valid"]
+    grids = [(int(c[v][:, 0].max()) + 1, int(c[v][:, 1].max()) + 1) for c, v in zip(batch["patch_coord"], valid)]
+    outputs["spatial_shapes"] = torch.tensor(grids)
+    save_file({k: v.contiguous() for k, v in outputs.items()}, folder / "outputs.safetensors")
+    record = {
+        "architecture": architecture,
+        "model_args": model_args,
+        "timm": timm.__version__,
+        "torch": torch.__version__,
+        "image_sizes": [list(size) for size in sizes],
+        "naflex_grids": [list(grid) for grid in grids],
+        "command": COMMAND,
+    }
+    (folder / "outputs.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def compare_resampling() -> list[dict]:
+    """hf-vit's `resample_patch_embedding` against timm's `resample_patch_embed` on the same random kernel."""
+    from timm.layers import resample_patch_embed
+
+    from hf_vit.model.resolution import resample_patch_embedding
+
+    rows = []
+    generator = torch.Generator().manual_seed(0)
+    for old, new in ((16, 8), (16, 24), (16, 32), (8, 16), (32, 16), (14, 16)):
+        weight = torch.randn(64, 3, old, old, generator=generator)
+        for antialias in (True, False):
+            ours = resample_patch_embedding(weight, new, "bicubic", antialias)
+            theirs = resample_patch_embed(weight, [new, new], interpolation="bicubic", antialias=antialias)
+            difference = (ours - theirs).abs().max().item()
+            scale = theirs.abs().max().item()
+            rows.append(dict(old=old, new=new, antialias=antialias, max_difference=difference, max_value=scale))
+            print(
+                f"resample_patch_embedding {old}->{new} bicubic antialias={antialias}: max |hf-vit - timm| "
+                f"{difference:.2e} (largest weight {scale:.2f})"
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fixtures", type=Path, help="folder to write the timm NaFlexViT fixtures into")
+    parser.add_argument("--resample", action="store_true", help="compare the patch-embedding resampling with timm's")
+    args = parser.parse_args(argv)
+    if not args.fixtures and not args.resample:
+        parser.error("give --fixtures DIR and/or --resample")
+    torch.set_num_threads(1)
+    if args.fixtures:
+        for seed, name in enumerate(FIXTURES):
+            record = write_fixture(args.fixtures / name, name, seed)
+            print(f"fixture {args.fixtures / name}: {record['architecture']}, NaFlex grids {record['naflex_grids']}")
+    if args.resample:
+        compare_resampling()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

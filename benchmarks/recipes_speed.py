@@ -1,0 +1,145 @@
+"""The recipes' speed on CPU: the EMA update's cost against a ViT-S/16 training step, and RandAugment's per-core
+throughput against timm's `rand_augment_transform` (when timm is importable: the comparison environment).
+
+    python benchmarks/recipes_speed.py                  # EMA row (and RandAugment without timm's)
+    PYTHONPATH=. ~/.cache/hfvit-peer-env/bin/python benchmarks/recipes_speed.py --only rand_augment
+
+Both run in one process with one torch thread, alternating what they compare (the order reverses every round); the
+figures are medians of the rounds that other processes did not disturb (`timing.time_alternating`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: import the benchmark's modules as a package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+from hf_vit.run.ema import WeightAverage  # noqa: E402
+from hf_vit.run.rand_augment import RandAugment, posterize  # noqa: E402
+
+from .models import build_hf_vit, hf_vit_config  # noqa: E402
+from .settings import BenchmarkSettings  # noqa: E402
+from .timing import make_optimizer, make_train_step, median_seconds, time_alternating  # noqa: E402
+
+RAND_AUGMENT = "rand-m9-mstd0.5-inc1"
+
+
+def ema_cost(batch_size: int, repeats: int, steps: int) -> dict:
+    """Seconds of a ViT-S/16 training step (forward, backward, AdamW) and of the EMA update after it, alternating;
+    and the step with the update against the step without it."""
+    settings = BenchmarkSettings(batch_size=batch_size, device="cpu", dtypes=["fp32"])
+    model = build_hf_vit(hf_vit_config(settings)).train()
+    optimizer = make_optimizer(model)
+    pixel_values = torch.randn(batch_size, 3, 224, 224)
+    labels = torch.randint(1000, (batch_size,))
+    train_step = make_train_step(model, optimizer, pixel_values, labels, "fp32")
+    average = WeightAverage(model, 0.9998, warmup=True)
+    counter = {"step": 1}
+
+    def update() -> None:
+        counter["step"] += 1
+        average.update(counter["step"])
+
+    def step_with_ema() -> None:
+        train_step()
+        update()
+
+    train_step()  # warm-up: the optimiser's state
+    update()
+    fns = {"training step": train_step, "EMA update": update, "training step + EMA update": step_with_ema}
+    samples = time_alternating(fns, steps, repeats, torch.device("cpu"))
+    seconds = {name: median_seconds(sample) for name, sample in samples.items()}
+    values = sum(p.numel() for p in average.params)
+    return {
+        "model": "vit-small-patch16-224",
+        "batch_size": batch_size,
+        "averaged_values": values,
+        "seconds": seconds,
+        "update_over_step": seconds["EMA update"] / seconds["training step"],
+        "with_over_without": seconds["training step + EMA update"] / seconds["training step"],
+        "clean_samples": {name: sum(sample["clean"]) for name, sample in samples.items()},
+    }
+
+
+def sample_images(count: int, size: int) -> list:
+    """`count` real photo crops (scikit-learn's sample images) resized to `size` x `size`, as PIL images."""
+    import PIL.Image
+
+    from .inputs import sample_photos
+
+    return [image.resize((size, size), PIL.Image.Resampling.BILINEAR) for image in sample_photos(count)]
+
+
+def rand_augment_throughput(count: int, size: int, repeats: int, policy: str) -> dict:
+    """Images/s on one thread: hf-vit's `RandAugment` on uint8 [3, H, W] tensors (the training transform's pixel path)
+    and timm's `rand_augment_transform` on PIL images (its transform's input), with the same policy, fill 128 and
+    bilinear resampling. Each pass draws its operations afresh (hf-vit from a generator seeded per pass)."""
+    import numpy as np
+
+    images = sample_images(count, size)
+    tensors = [torch.from_numpy(np.asarray(image)).permute(2, 0, 1).contiguous() for image in images]
+    ours = RandAugment(policy, fill=128, resample="bilinear")
+    generator = torch.Generator()
+    passes = {"hf_vit": 0}
+
+    def hf_vit() -> None:
+        passes["hf_vit"] += 1
+        for index, pixels in enumerate(tensors):
+            generator.manual_seed(passes["hf_vit"] * 100_003 + index)
+            ours(pixels, generator)
+
+    fns = {"hf_vit": hf_vit}
+    try:
+        import PIL.Image
+        from timm.data import auto_augment
+        from timm.data.auto_augment import rand_augment_transform
+
+        # timm's posterize passes 0 bits (its strongest magnitudes) to Pillow's ImageOps.posterize, which refuses
+        # them: give it the same black image that hf-vit's makes, so that both run the whole policy.
+        for name in ("Posterize", "PosterizeIncreasing"):
+            auto_augment.NAME_TO_OP[name] = lambda image, bits, **_: posterize(image, bits)
+        theirs = rand_augment_transform(
+            policy, {"img_mean": (128, 128, 128), "interpolation": PIL.Image.Resampling.BILINEAR}
+        )
+        fns["timm"] = lambda: [theirs(image) for image in images]
+    except ImportError as error:
+        print(f"timm is not importable ({error}): hf-vit's row only", file=sys.stderr)
+    for fn in fns.values():  # warm-up
+        fn()
+    samples = time_alternating(fns, 1, repeats, torch.device("cpu"))
+    rates = {name: count / median_seconds(sample) for name, sample in samples.items()}
+    result = {"policy": policy, "images": count, "size": size, "images_per_s": rates}
+    if "timm" in rates:
+        result["hf_vit_over_timm"] = rates["hf_vit"] / rates["timm"]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["ema", "rand_augment"], default=None)
+    parser.add_argument("--batch_size", type=int, default=16, help="ViT-S/16 training batch (the benchmark's 16)")
+    parser.add_argument("--steps", type=int, default=1, help="training steps per timed sample")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--images", type=int, default=64)
+    parser.add_argument("--image_size", type=int, default=224)
+    parser.add_argument("--policy", default=RAND_AUGMENT)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {"torch_threads": torch.get_num_threads()}
+    if args.only in (None, "rand_augment"):
+        results["rand_augment"] = rand_augment_throughput(args.images, args.image_size, args.repeats, args.policy)
+        print(json.dumps(results["rand_augment"]), flush=True)
+    if args.only in (None, "ema"):
+        results["ema"] = ema_cost(args.batch_size, args.repeats, args.steps)
+        print(json.dumps(results["ema"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""timm's NaFlexViT checkpoints (`timm/naflexvit_*`, `models/naflexvit.py`) -> hf-vit.
+
+timm's Hub layout is `config.json` (`architecture` "naflexvit_...", `pretrained_cfg`, optionally `model_args`) beside
+`model.safetensors`. The weights differ from timm's `VisionTransformer` in the embedding only:
+
+    embeds.proj.weight      (D, P * P * C)    a linear patch embedding on flattened patches, each in (patch row,
+                                              patch column, channel) order (`patchify_channels_last`, the default;
+                                              (channel, row, column) without it); `embed_proj_type="conv"` holds
+                                              the (D, C, P, P) kernel instead
+    embeds.pos_embed        (1, h, w, D)      a learned position GRID, for the patches only: the class token has no
+                                              position (hf-vit gives it a zero one, which adds nothing)
+    embeds.cls_token, embeds.reg_token        the class token and the register tokens (without positions)
+
+and the blocks, `norm`/`fc_norm`, `attn_pool` and `head` are `VisionTransformer`'s (`TIMM_LAYOUT`'s rows).
+
+timm resamples the grid with `F.interpolate(mode=pos_embed_interp_mode, align_corners=False, antialias=True)` (in the
+image path and per grid of a NaFlex batch): the converted config records it as `interpolation_mode` and
+`interpolation_antialias=True`, so `interpolate_pos_encoding`, native-aspect batches and `image_size=` at load resample
+as timm does.
+
+`config.json` records the architecture's name, not its settings: those the weights do not show (heads, pooling, the
+activation, how positions are resampled) come from `NAFLEX_ARCHITECTURES` (timm's registered architectures),
+overridden by `config.json`'s `global_pool` and `model_args`. Refused by name, because hf-vit computes another function
+for them: factorized or rotary position embeddings, aspect-preserving or `grid_sample` position resampling, pooling
+over the prefix tokens where hf-vit leaves them out (or the reverse), a norm on the patches or the embeddings, EVA
+blocks (SwiGLU, gated attention), QK-norm, a missing final norm, pooling other than token/avg/map.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..model.configuration_vit import VisionTransformerConfig
+from ..model.resolution import grid_for, resample_position_embeddings
+from .common import ConversionError, Layout, build_config, count_blocks, image_size_field
+from .timm_vit import TIMM_LAYOUT, _timm_problems
+
+# What `models/naflexvit.py`'s registered architectures set beyond `NaFlexVitCfg`'s defaults and the weights do not
+# show. Architectures not listed are refused unless `model_args` in config.json gives `num_heads` and `global_pool`.
+NAFLEX_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "naflexvit_base_patch16_gap": {"num_heads": 12, "global_pool": "avg", "init_values": 1e-5},
+    "naflexvit_base_patch16_par_gap": {
+        "num_heads": 12, "global_pool": "avg", "init_values": 1e-5, "pos_embed_ar_preserving": True,
+    },
+    "naflexvit_base_patch16_parfac_gap": {
+        "num_heads": 12, "global_pool": "avg", "init_values": 1e-5, "pos_embed_ar_preserving": True,
+        "pos_embed": "factorized",
+    },
+    "naflexvit_base_patch16_map": {"num_heads": 12, "global_pool": "map", "init_values": 1e-5},
+    "naflexvit_so150m2_patch16_reg1_gap": {"num_heads": 13, "global_pool": "avg", "init_values": 1e-5},
+    "naflexvit_so150m2_patch16_reg1_map": {"num_heads": 13, "global_pool": "map", "init_values": 1e-5},
+    "naflexvit_base_patch16_siglip": {"num_heads": 12, "global_pool": "map", "act_layer": "gelu_tanh"},
+    "naflexvit_so400m_patch16_siglip": {"num_heads": 16, "global_pool": "map", "act_layer": "gelu_tanh"},
+}  # fmt: skip
+# `NaFlexVitCfg`'s defaults for the settings read here.
+NAFLEX_DEFAULTS: dict[str, Any] = {
+    "global_pool": "map",
+    "pool_include_prefix": False,
+    "pos_embed": "learned",
+    "pos_embed_interp_mode": "bicubic",
+    "pos_embed_ar_preserving": False,
+    "pos_embed_use_grid_sample": False,
+    "patchify_channels_last": True,
+    "act_layer": None,
+    "final_norm": True,
+    "rope_type": "",
+    "attn_type": "standard",
+    "swiglu_mlp": False,
+    "attn_gated": False,
+    "qkv_fused": True,
+    "scale_mlp_norm": False,
+    "scale_attn_inner_norm": False,
+    "norm_layer": None,
+    "block_fn": None,
+    "mlp_layer": None,
+    "attn_layer": None,
+    "attn_pool_num_heads": None,
+    "attn_pool_mlp_ratio": None,
+}
+# timm's activation names -> transformers' (ACT2FN) for the same function.
+_ACTIVATIONS = {None: "gelu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}
+# What these settings must be for hf-vit to compute timm's function, and why not otherwise.
+_REQUIRED = (
+    ("pos_embed", "learned", "hf-vit has one learned position table (no factorized, rotary or missing positions)"),
+    ("pos_embed_ar_preserving", False,
+     "timm resamples the grid to a square of the longer side and crops it; hf-vit resamples to the grid itself"),
+    ("pos_embed_use_grid_sample", False,
+     "timm samples positions with grid_sample (no antialiasing); hf-vit resizes the grid with interpolate"),
+    ("rope_type", ("", "none"), "rotary position embeddings"),
+    ("attn_type", "standard", "EVA attention blocks"),
+    ("swiglu_mlp", False, "a SwiGLU MLP"),
+    ("attn_gated", False, "gated attention"),
+    ("qkv_fused", True, "separate query, key and value projections of EVA blocks"),
+    ("scale_mlp_norm", False, "a norm inside the MLP"),
+    ("scale_attn_inner_norm", False, "a norm inside attention"),
+    ("norm_layer", (None, "layernorm"), "a norm other than LayerNorm"),
+    ("block_fn", None, "another block implementation"),
+    ("mlp_layer", None, "another MLP implementation"),
+    ("attn_layer", None, "another attention implementation"),
+    ("final_norm", True, "no final LayerNorm (hf-vit always has one, on the tokens or after the pooling)"),
+)  # fmt: skip
+_POOLS = {"avg": "gap", "token": "token", "map": "map"}
+_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
+
+
+def is_naflex_architecture(config: Mapping) -> bool:
+    """Whether timm's `config.json` (as a dict) is a NaFlexViT's."""
+    return str(config.get("architecture", "")).startswith("naflexvit")
+
+
+def naflex_settings(timm_config: Mapping) -> dict[str, Any]:
+    """The NaFlexViT settings of timm's `config.json`: `NaFlexVitCfg`'s defaults, the registered architecture's,
+    `global_pool` at the top level and `model_args`, in that order."""
+    architecture = str(timm_config.get("architecture"))
+    model_args = dict(timm_config.get("model_args") or {})
+    if architecture not in NAFLEX_ARCHITECTURES and not {"num_heads", "global_pool"} <= set(model_args):
+        raise ConversionError(
+            f"config.json names the NaFlexViT architecture {architecture!r}, which hf-vit does not know "
+            f"({', '.join(sorted(NAFLEX_ARCHITECTURES))}): its heads and pooling are not in the weights; give "
+            "`num_heads` and `global_pool` in config.json's `model_args`."
+        )
+    settings = {**NAFLEX_DEFAULTS, **NAFLEX_ARCHITECTURES.get(architecture, {})}
+    if isinstance(timm_config.get("global_pool"), str) and timm_config["global_pool"]:
+        settings["global_pool"] = timm_config["global_pool"]
+    settings.update(model_args)
+    return settings
+
+
+def _setting_problems(settings: Mapping[str, Any]) -> list[str]:
+    problems = []
+    for name, allowed, why in _REQUIRED:
+        value = settings.get(name)
+        if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+            problems.append(f"{name}={value!r}: {why}")
+    if settings["pos_embed_interp_mode"] not in ("bicubic", "bilinear"):
+        problems.append(
+            f"pos_embed_interp_mode={settings['pos_embed_interp_mode']!r}: hf-vit resamples positions bicubic or "
+            "bilinear"
+        )
+    if settings["act_layer"] not in _ACTIVATIONS:
+        problems.append(f"act_layer={settings['act_layer']!r}: hf-vit knows {sorted(map(str, _ACTIVATIONS))}")
+    if settings["global_pool"] not in _POOLS:
+        problems.append(
+            f"global_pool={settings['global_pool']!r}: hf-vit pools with the class token ('token'), the average of "
+            "the patch tokens ('avg') or attention pooling ('map')"
+        )
+    return problems
+
+
+def _canonical(
+    state_dict: Mapping[str, torch.Tensor], settings: Mapping[str, Any], channels: int
+) -> tuple[dict[str, torch.Tensor], list[str], tuple[int, int] | None]:
+    """`state_dict` as `NAFLEX_LAYOUT` reads it: the linear patch embedding as a convolution kernel, the position grid
+    as a `(1, prefix + h * w, D)` table with zero rows for the class token (which has no position), `fc_norm` as
+    `norm` (hf-vit's `fc_norm` uses `norm`); the problems found and the position grid `(h, w)`."""
+    problems, out, grid = [], {}, None
+    positioned = int("embeds.cls_token" in state_dict)
+    for key, value in state_dict.items():
+        if key.startswith("embeds."):
+            name = key[len("embeds.") :]
+            if name in ("cls_token", "reg_token", "proj.weight", "proj.bias"):
+                out[key] = value
+            elif name == "pos_embed":
+                if value.ndim != 4 or value.shape[0] != 1:
+                    problems.append(f"embeds.pos_embed {tuple(value.shape)} is not a (1, h, w, D) grid")
+                    continue
+                grid = (int(value.shape[1]), int(value.shape[2]))
+                rows = value.reshape(1, grid[0] * grid[1], value.shape[3])
+                out[key] = torch.cat([rows.new_zeros(1, positioned, rows.shape[2]), rows], dim=1)
+            elif name.startswith(("pos_embed_y", "pos_embed_x")):
+                problems.append("factorized position embeddings (embeds.pos_embed_y/x): hf-vit has one 2D table")
+            elif name.startswith(("norm.", "norm_input.")):
+                problems.append(f"a norm in the embedding ({key}): hf-vit embeds patches without one")
+            else:
+                problems.append(f"{key}: an embedding array hf-vit has no place for")
+        elif key.startswith("fc_norm.") and "norm.weight" not in state_dict:
+            out["norm." + key[len("fc_norm.") :]] = value
+        else:
+            out[key] = value
+    weight = out.get("embeds.proj.weight")
+    if weight is not None and weight.ndim == 2:
+        width, flat = weight.shape
+        patch = int(round((flat / channels) ** 0.5))
+        if patch * patch * channels != flat:
+            problems.append(f"embeds.proj.weight {tuple(weight.shape)} is not (D, P * P * {channels})")
+        elif settings["patchify_channels_last"]:
+            out["embeds.proj.weight"] = weight.reshape(width, patch, patch, channels).permute(0, 3, 1, 2)
+        else:
+            out["embeds.proj.weight"] = weight.reshape(width, channels, patch, patch)
+    if "embeds.pos_embed" not in out and "factorized" not in " ".join(problems):
+        problems.append("embeds.pos_embed is missing: hf-vit needs the learned position grid")
+    return out, problems, grid
+
+
+def _naflex_problems(state_dict: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> list[str]:
+    """The settings hf-vit cannot compute, with the prefix tokens' pooling (timm leaves them out or takes them in by
+    `pool_include_prefix`; hf-vit averages the patch tokens only and attention-pools every token)."""
+    problems = _setting_problems(settings)
+    prefix = int("embeds.cls_token" in state_dict)
+    reg = state_dict.get("embeds.reg_token")
+    prefix += int(reg.shape[1]) if reg is not None and reg.ndim == 3 else 0
+    pool, include = settings["global_pool"], bool(settings["pool_include_prefix"])
+    if prefix and pool == "avg" and include:
+        problems.append(
+            "pool_include_prefix=True: timm averages the class and register tokens with the patches; hf-vit averages "
+            "the patch tokens only"
+        )
+    if prefix and pool == "map" and not include:
+        problems.append(
+            f"pool_include_prefix=False with {prefix} prefix token(s): timm's attention pooling leaves the class and "
+            "register tokens out; hf-vit's attends to every token"
+        )
+    if pool == "map":
+        for name, field in (("attn_pool_num_heads", "num_heads"), ("attn_pool_mlp_ratio", None)):
+            value = settings.get(name)
+            if value is not None and (field is None or value != settings.get(field)):
+                problems.append(f"{name}={value!r}: hf-vit's attention pooling has the blocks' heads and MLP")
+    return problems
+
+
+def naflex_canonical(
+    state_dict: Mapping[str, torch.Tensor], timm_config: Mapping
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str], tuple[int, int] | None]:
+    """`(arrays as NAFLEX_LAYOUT reads them, settings, problems, position grid)` of a NaFlexViT checkpoint."""
+    settings = naflex_settings(timm_config)
+    channels = int(settings.get("in_chans") or timm_config.get("in_chans") or 3)
+    arrays, problems, grid = _canonical(state_dict, settings, channels)
+    problems = _naflex_problems(state_dict, settings) + problems
+    vit_problems, explained = _timm_problems(arrays)
+    return {k: v for k, v in arrays.items() if k not in explained}, settings, problems + vit_problems, grid
+
+
+def naflex_config(
+    state_dict: Mapping[str, torch.Tensor],
+    timm_config: Mapping,
+    image_size: int | list[int] | tuple[int, int] | None = None,
+    num_attention_heads: int | None = None,
+) -> VisionTransformerConfig:
+    """The hf-vit config of a NaFlexViT checkpoint (shapes and names are all it reads: meta tensors do). The image
+    size is the position grid's times the patch size unless `image_size` is given (the grid is then resampled at
+    load, as timm resamples it)."""
+    arrays, settings, problems, grid = naflex_canonical(state_dict, timm_config)
+    weight = arrays.get("embeds.proj.weight")
+    if weight is None or weight.ndim != 4:
+        raise ConversionError("This is not a timm NaFlexViT state dict: it has no 'embeds.proj.weight'.")
+    width, channels, patch, patch_w = weight.shape
+    if patch != patch_w:
+        problems.append(f"embeds.proj.weight: non-square {patch}x{patch_w} patches are not supported")
+    fields: dict[str, Any] = dict(hidden_size=width, num_channels=channels, patch_size=patch)
+    fields["num_hidden_layers"] = count_blocks(arrays, _BLOCK_KEY, problems)
+    if not fields["num_hidden_layers"]:
+        raise ConversionError("This NaFlexViT state dict has no Transformer blocks ('blocks.<i>.*').")
+    fc1 = arrays.get("blocks.0.mlp.fc1.weight")
+    if fc1 is None:
+        problems.append("blocks.0.mlp.fc1.weight is missing")
+    else:
+        fields["intermediate_size"] = fc1.shape[0]
+    fields["qkv_bias"] = "blocks.0.attn.qkv.bias" in arrays
+    fields["patch_embedding_bias"] = "embeds.proj.bias" in arrays
+    fields["use_class_token"] = "embeds.cls_token" in arrays
+    registers = arrays.get("embeds.reg_token")
+    fields["num_register_tokens"] = int(registers.shape[1]) if registers is not None and registers.ndim == 3 else 0
+    fields["pre_norm"] = "norm_pre.weight" in arrays
+    fields["fc_norm"] = "fc_norm.weight" in state_dict and "norm.weight" not in state_dict
+    if "blocks.0.ls1.gamma" in arrays:
+        fields["layer_scale_init_value"] = settings.get("init_values") or 1e-5
+    fields["classifier"] = _POOLS.get(settings["global_pool"], "token")
+    if fields["classifier"] == "token" and not fields["use_class_token"]:
+        problems.append("global_pool='token' but the checkpoint has no class token")
+    fields["hidden_act"] = _ACTIVATIONS.get(settings["act_layer"], "gelu")
+    fields["interpolation_mode"] = settings["pos_embed_interp_mode"]
+    fields["interpolation_antialias"] = True  # timm's NaFlexEmbeds resample with antialias=True, both paths
+    fields["num_attention_heads"] = num_attention_heads or settings.get("num_heads")
+    head = arrays.get("head.weight")
+    fields["num_labels"] = int(head.shape[0]) if head is not None else 0
+    if image_size is not None:
+        fields["image_size"] = image_size_field(image_size)
+    elif grid is not None:
+        fields["image_size"] = image_size_field([grid[0] * patch, grid[1] * patch])
+    if not _setting_problems(settings) and "norm.weight" not in arrays:
+        problems.append("there is neither norm nor fc_norm: hf-vit has one final LayerNorm")
+    return build_config({"layer_norm_eps": 1e-6}, fields, problems, "timm NaFlexViT checkpoint")
+
+
+def naflex_to_hf_vit_state_dict(
+    state_dict: Mapping[str, torch.Tensor], timm_config: Mapping, config: VisionTransformerConfig
+) -> dict[str, torch.Tensor]:
+    """A NaFlexViT state dict in hf-vit's names, checked against `config`'s model; the position grid resampled to
+    `config`'s grid with timm's resampling when they differ."""
+    arrays, _, problems, grid = naflex_canonical(state_dict, timm_config)
+    pos = arrays.get("embeds.pos_embed")
+    if grid is not None and pos is not None and tuple(grid) != config.grid_size:
+        grid_for(config.image_size, config.patch_size)
+        arrays["embeds.pos_embed"] = resample_position_embeddings(
+            pos, grid, config.grid_size, config.num_position_prefix_tokens,
+            config.interpolation_mode, config.interpolation_antialias,
+        ).contiguous()  # fmt: skip
+    return NAFLEX_LAYOUT.to_hf(arrays, config, problems)
+
+
+# NaFlexViT's names, as `_canonical` leaves them (a convolution kernel, a position table with the class token's row),
+# <-> hf-vit's: the embedding rows are its own, the others `TIMM_LAYOUT`'s.
+NAFLEX_LAYOUT = Layout(
+    "timm NaFlexViT checkpoint",
+    [
+        ("embeds.proj.{p}", "vit.embeddings.patch_embedding.{p}"),
+        ("embeds.cls_token", "vit.embeddings.cls_token"),
+        ("embeds.reg_token", "vit.embeddings.register_tokens"),
+        ("embeds.pos_embed", "vit.embeddings.position_embedding"),
+        *[
+            (row.sources if len(row.sources) > 1 else row.sources[0], row.target, row.transform)
+            for row in TIMM_LAYOUT.rows
+            if not row.sources[0].startswith(("patch_embed.", "cls_token", "reg_token", "pos_embed", "dist_token"))
+        ],
+    ],
+)
+
+
+def hf_vit_to_naflex_state_dict(
+    state_dict: Mapping[str, torch.Tensor], config: VisionTransformerConfig
+) -> dict[str, torch.Tensor]:
+    """hf-vit weights under timm NaFlexViT's names (the inverse of `naflex_to_hf_vit_state_dict`): the kernel as the
+    linear map on (row, column, channel) patches, the table as the grid. The class token's position must be zero, as
+    NaFlexViT's class token has none."""
+    out = NAFLEX_LAYOUT.from_hf(state_dict, config)
+    table, prefix = out["embeds.pos_embed"], config.num_position_prefix_tokens
+    if bool(table[:, :prefix].detach().ne(0).any()):
+        raise ConversionError("NaFlexViT's class token has no position: the class token's position must be zero.")
+    out["embeds.pos_embed"] = table[:, prefix:].reshape(1, *config.grid_size, table.shape[-1]).clone()
+    out["embeds.proj.weight"] = out["embeds.proj.weight"].permute(0, 2, 3, 1).flatten(1).contiguous()
+    if config.fc_norm:
+        for name in ("weight", "bias"):
+            out[f"fc_norm.{name}"] = out.pop(f"norm.{name}")
+    return out

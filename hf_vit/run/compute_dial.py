@@ -1,0 +1,193 @@
+"""The compute dial of one checkpoint: its accuracy against the tokens each image is seen as (native-aspect batches of
+at most K patches, NaFlex) and against the patch size (the patch embedding resampled, FlexiViT), measured on a data
+set's split; written as `compute_dial.json` and `compute_dial.png`.
+
+A run that trained with native-aspect batches (`--max_num_patches`, `--seq_lens`) or with patch sizes drawn per batch
+(`--patch_sizes`) measures it at its end (`compute_dial_after_training`, one call in the run's last stage) and links it
+in the model card; `hf-vit-evaluate --max_num_patches 16,64,144` (or `--patch_size 8,16,32`) measures it on demand.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .flexible import parse_sizes
+from .inference import (
+    EvaluationSplit,
+    check_native_model,
+    check_serving_sizes,
+    evaluation_split,
+    load_model,
+    measure_split,
+    serving_processor,
+)
+from .transforms import decode_rgb
+
+logger = logging.getLogger(__name__)
+
+DIAL_JSON, DIAL_PNG = "compute_dial.json", "compute_dial.png"
+# Tokens per image measured by default: the square grids 1x1 .. 24x24, as far as the split's images reach.
+DEFAULT_TOKEN_COUNTS = (1, 4, 16, 64, 144, 256, 576)
+SIZE_SAMPLE = 256  # images whose sizes bound the default token counts
+
+
+def token_counts_for(prepared: EvaluationSplit, patch_size: int, trained: Sequence[int] = ()) -> list[int]:
+    """The tokens per image a run's dial is measured at: `DEFAULT_TOKEN_COUNTS` up to the patches the largest of the
+    split's first `SIZE_SAMPLE` images has at its own resolution (more would only upsample it), and the `trained`
+    counts."""
+    data = prepared.raw[prepared.name]
+    largest = 1
+    for index in range(min(len(data), SIZE_SAMPLE)):
+        width, height = decode_rgb(data[index]["image"], index).size
+        largest = max(largest, math.ceil(height / patch_size) * math.ceil(width / patch_size))
+    return sorted({count for count in DEFAULT_TOKEN_COUNTS if count <= largest} | set(trained))
+
+
+def _row(series: str, patch_size: int, max_num_patches: int | None, split: str, metrics: dict) -> dict[str, Any]:
+    measured = {key.removeprefix(f"{split}_"): value for key, value in metrics.items()}
+    return {"series": series, "patch_size": patch_size, "max_num_patches": max_num_patches, "split": split, **measured}
+
+
+def resized_copy(classifier, patch_size: int):
+    """A copy of `classifier` at `patch_size` (`set_input_size`: the patch embedding resampled by the pseudo-inverse
+    of the resize); a LoRA model is merged into the copy first. `classifier` is left as it is."""
+    resized = copy.deepcopy(classifier)
+    if hasattr(resized, "merge_and_unload"):
+        resized = resized.merge_and_unload()
+    try:
+        resized.set_input_size(patch_size=patch_size)
+    except ValueError as error:
+        raise ValueError(f"--patch_size {patch_size}: {error}") from error
+    return resized.eval()
+
+
+def measure_dial(
+    classifier,
+    processor,
+    prepared: EvaluationSplit,
+    token_counts: Sequence[int] = (),
+    patch_sizes: Sequence[int] = (),
+    max_num_patches: int | None = None,
+    batch_size: int = 64,
+) -> list[dict[str, Any]]:
+    """One row per setting, each the objective's metrics on the prepared split with `tokens_per_image`: series
+    "tokens", the model at its own patch size on native-aspect batches of each of `token_counts` patches; series
+    "patch_size", the model at each of `patch_sizes` on whole images of the processor's size (on native-aspect
+    batches of `max_num_patches` when given)."""
+    check_serving_sizes(None, max_num_patches)
+    for count in token_counts:
+        check_serving_sizes(None, count)
+    for size in patch_sizes:
+        check_serving_sizes(size, None)
+    config, rows = classifier.config, []
+    if token_counts:
+        check_native_model(config)
+    for count in token_counts:
+        metrics, _ = measure_split(classifier, serving_processor(processor, config, count), prepared, batch_size)
+        rows.append(_row("tokens", config.patch_size, count, prepared.name, metrics))
+    whole = copy.deepcopy(processor)
+    whole.max_num_patches = None  # whole images of the processor's size, unless a number of patches is given
+    for size in patch_sizes:
+        resized = classifier if size == config.patch_size else resized_copy(classifier, size)
+        served = serving_processor(whole, resized.config, max_num_patches)
+        metrics, _ = measure_split(resized, served, prepared, batch_size)
+        rows.append(_row("patch_size", size, max_num_patches, prepared.name, metrics))
+    return rows
+
+
+def quality_metric(row: dict[str, Any]) -> str:
+    """The metric a dial plots: top-1 accuracy, or mean average precision for multi-label models."""
+    return "accuracy" if "accuracy" in row else "mean_average_precision"
+
+
+def write_compute_dial(
+    rows: list[dict[str, Any]], folder: str | os.PathLike, title: str | None = None, overwrite: bool = False
+) -> list[Path]:
+    """`compute_dial.json` (the rows) and `compute_dial.png` (with matplotlib; without it the plot is skipped and said
+    so) in `folder`; existing files are refused unless `overwrite` (a run rewriting its own results)."""
+    folder = Path(folder)
+    results, plot = folder / DIAL_JSON, folder / DIAL_PNG
+    for path in (results, plot):
+        if path.exists() and not overwrite:
+            raise ValueError(f"{path} exists: pass another output folder (files are never overwritten).")
+    folder.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(rows, indent=2) + "\n")
+    written = [results]
+    try:
+        from ..outputs.plotting import plot_compute_dial
+
+        written.append(plot_compute_dial(rows, plot, quality_metric(rows[0]) if rows else "accuracy", title))
+    except ImportError:
+        logger.warning("matplotlib is not installed: no %s (pip install 'hf-vit[plot]').", plot.name)
+    return written
+
+
+def evaluate_dial(
+    model: str | os.PathLike,
+    data_args: Any,
+    split: str | None = None,
+    output_dir: str | os.PathLike | None = None,
+    token_counts: Sequence[int] = (),
+    patch_sizes: Sequence[int] = (),
+    batch_size: int = 64,
+) -> list[dict[str, Any]]:
+    """The dial of the checkpoint at `model` (as `load_model` loads it) on `split` of `data_args`' data set (default:
+    test, or validation without one), written to `output_dir` when given. A list of several `token_counts` is the
+    tokens series (at the one patch size of `patch_sizes` when it names one, else at the model's); several
+    `patch_sizes`, the patch size series (at the one number of patches of `token_counts` when it names one, else on
+    whole images)."""
+    counts, sizes = list(token_counts), list(patch_sizes)
+    if len(counts) < 2 and len(sizes) < 2:
+        raise ValueError("A compute dial needs several --max_num_patches or several --patch_size values.")
+    for name in (DIAL_JSON, DIAL_PNG) if output_dir is not None else ():
+        if (Path(output_dir) / name).exists():  # before any work
+            raise ValueError(f"{Path(output_dir) / name} exists: pass another --output_dir (never overwritten).")
+    at_patch = sizes[0] if len(sizes) == 1 else None
+    at_count = counts[0] if len(counts) == 1 else None
+    classifier, processor = load_model(model, at_patch)
+    prepared = evaluation_split(classifier.config, data_args, split)
+    rows = measure_dial(
+        classifier, processor, prepared, counts if at_count is None else [], sizes if at_patch is None else [],
+        at_count, batch_size,
+    )  # fmt: skip
+    if output_dir is not None:
+        write_compute_dial(rows, output_dir, f"Compute dial ({Path(os.fspath(model)).name}, {prepared.name} split)")
+    return rows
+
+
+def compute_dial_after_training(model, processor, data_args: Any, training_args: Any) -> Path | None:
+    """A run's dial, when it trained with native-aspect batches (`--max_num_patches`, `--seq_lens`: the tokens series
+    at `token_counts_for`) or with patch sizes drawn per batch (`--patch_sizes`: the patch size series, whole images):
+    measured on the run's final split and written to `--output_dir`; the PNG's path (None when the run trained
+    neither way, or the plot could not be drawn)."""
+    seq_lens = parse_sizes(getattr(data_args, "seq_lens", None), "--seq_lens") or []
+    patch_sizes = parse_sizes(getattr(data_args, "patch_sizes", None), "--patch_sizes") or []
+    native = [count for count in [getattr(data_args, "max_num_patches", None), *seq_lens] if count is not None]
+    if not native and not patch_sizes:
+        return None
+    if getattr(data_args, "streaming", False):
+        logger.warning("No compute dial: it measures an in-memory split, and this run streamed its data.")
+        return None
+    if hasattr(model, "merge_and_unload"):  # a LoRA model: the dial of the merged weights, on a copy
+        model = copy.deepcopy(model).merge_and_unload()
+    model.eval()
+    prepared = evaluation_split(model.config, data_args, None, training_args.seed)
+    patch = model.config.patch_size
+    counts = token_counts_for(prepared, patch, native) if native else []
+    batch_size = training_args.per_device_eval_batch_size
+    rows = measure_dial(model, processor, prepared, counts, sorted(set(patch_sizes)), batch_size=batch_size)
+    written = write_compute_dial(rows, training_args.output_dir, "Compute dial", overwrite=True)
+    for row in rows:
+        logger.info(
+            "Compute dial: patch %d, %s tokens per image (%.1f on average): %s %.4f", row["patch_size"],
+            row["max_num_patches"] or "whole images", row["tokens_per_image"], quality_metric(row),
+            row[quality_metric(row)],
+        )  # fmt: skip
+    return written[-1] if written[-1].suffix == ".png" else None
