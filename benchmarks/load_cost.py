@@ -9,7 +9,7 @@ process per load (`--worker`), alternating the two loaders for `--rounds` rounds
 one forward of one image; its time and its peak resident memory are measured above the imports. The figures are
 medians over the rounds, with the time of `from_pretrained` alone beside them (transformers' mapped weights are read
 from the file during the first forward; hf-vit reads its fused query, key and value weights during the load) and the
-range of the times over the rounds.
+range of the times over the rounds, and the machine's load average at the start and the end.
 
     .venv/bin/python benchmarks/load_cost.py --cache /tmp/load-cost-hub --rounds 3
 
@@ -136,6 +136,7 @@ def main() -> None:
     env["TRANSFORMERS_VERBOSITY"] = "error"
     if args.code:
         env["PYTHONPATH"] = os.pathsep.join([args.code, env.get("PYTHONPATH", "")])
+    start_load = os.getloadavg()
     print("| model | loader | seconds | range over the rounds | of which from_pretrained | peak MB above imports |")
     print("|---|---|---|---|---|---|")
     results = {}
@@ -163,6 +164,9 @@ def main() -> None:
     for name in args.models:
         (t_seconds, t_peak), (h_seconds, h_peak) = results[(name, "transformers")], results[(name, "hf-vit")]
         print(f"{name}: hf-vit / transformers = {h_seconds / t_seconds:.2f}x time, {h_peak / t_peak:.2f}x memory")
+    # the machine's load (1, 5 and 15 minute averages) at the start and the end: figures from busy cores are noisy
+    loads = ", ".join(f"{one:.2f}/{five:.2f}/{fifteen:.2f}" for one, five, fifteen in (start_load, os.getloadavg()))
+    print(f"load average at the start and the end: {loads} on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

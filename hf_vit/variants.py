@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .model.configuration_vit import VisionTransformerConfig
+from .model.image_geometry import scaled_geometry
 from .model.image_processing_vit import VisionTransformerImageProcessor
 from .model.modeling_vit import VisionTransformerForImageClassification, VisionTransformerModel
 from .model.resolution import grid_for
@@ -88,7 +89,12 @@ def make_resolution_variant(
     except OSError:
         processor = VisionTransformerImageProcessor()
     height, width = grid[0] * new_patch, grid[1] * new_patch
-    processor.size = {"height": height, "width": width}
+    if getattr(processor, "max_num_patches", None) is None:  # the source's resize and crop, scaled to the new size
+        processor.size, processor.crop_size = scaled_geometry(
+            processor.size, processor.crop_size, processor.do_center_crop, (height, width)
+        )
+    else:
+        processor.size = {"height": height, "width": width}
     if getattr(processor, "patch_size", None) is not None or getattr(processor, "max_num_patches", None) is not None:
         processor.patch_size = new_patch  # native-aspect patches are cut at the model's patch size
     if target is None:

@@ -16,7 +16,7 @@ from sklearn.datasets import load_sample_images
 from transformers import BatchFeature, ViTConfig, ViTForImageClassification, ViTImageProcessorPil, pipeline
 from transformers.image_utils import PILImageResampling
 
-from hf_vit.model import image_processing_vit
+from hf_vit.model import image_geometry, image_processing_vit
 from hf_vit.model.image_processing_vit import (
     VisionTransformerImageProcessor,
     center_crop_images,
@@ -25,6 +25,7 @@ from hf_vit.model.image_processing_vit import (
 )
 
 MODULE_PATH = pathlib.Path(image_processing_vit.__file__)
+GEOMETRY_PATH = MODULE_PATH.with_name("image_geometry.py")
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +83,7 @@ def test_parity_with_transformers_pil_processor(photos, resample, do_normalize):
 
 def test_float_resize_path_rounds_uint8_like_pil(photos, monkeypatch):
     """Without torch's CPU uint8 kernels (e.g. on GPU), uint8 images are resized in float, then rounded like PIL."""
-    monkeypatch.setattr(image_processing_vit, "_has_uint8_kernel", lambda device: False)
+    monkeypatch.setattr(image_geometry, "_has_uint8_kernel", lambda device: False)
     processor = VisionTransformerImageProcessor(do_normalize=False)
     theirs = ViTImageProcessorPil(do_normalize=False)
     for array in photos:
@@ -314,30 +315,40 @@ def test_defaults_and_save_load_round_trip(tmp_path, photo):
     }
 
 
-def test_module_is_self_contained_remote_code(photo):
-    """The file ships beside checkpoints, so it may import only the stdlib, numpy, PIL, torch and transformers."""
+def test_module_is_self_contained_remote_code(photo, tmp_path):
+    """The file ships beside checkpoints with its sibling `image_geometry.py`, so they may import only each other, the
+    stdlib, numpy, PIL, torch and transformers; the two alone, in a package of their own, process as hf_vit does."""
     allowed = {"numpy", "PIL", "torch", "transformers"} | set(sys.stdlib_module_names)
-    tree = ast.parse(MODULE_PATH.read_text())
-    # an import guarded by `except ImportError` is optional: where hf-vit is installed, its converters are used
-    optional = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Try) and any(getattr(h.type, "id", None) == "ImportError" for h in node.handlers)
-        for statement in node.body
-        for inner in ast.walk(statement)
-    }
-    for node in ast.walk(tree):
-        if id(node) in optional:
-            continue
-        if isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "relative imports break remote code"
-            assert node.module.split(".")[0] in allowed, node.module
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                assert alias.name.split(".")[0] in allowed, alias.name
-    spec = importlib.util.spec_from_file_location("standalone_image_processing_vit", MODULE_PATH)
-    standalone = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(standalone)
+    for path in (MODULE_PATH, GEOMETRY_PATH):
+        tree = ast.parse(path.read_text())
+        # an import guarded by `except ImportError` is optional: where hf-vit is installed, its converters are used
+        optional = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Try) and any(getattr(h.type, "id", None) == "ImportError" for h in node.handlers)
+            for statement in node.body
+            for inner in ast.walk(statement)
+        }
+        for node in ast.walk(tree):
+            if id(node) in optional:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1 and node.module == "image_geometry", (path.name, node.module)
+            elif isinstance(node, ast.ImportFrom):
+                assert node.module.split(".")[0] in allowed, node.module
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    assert alias.name.split(".")[0] in allowed, alias.name
+    package = tmp_path / "standalone_processor"
+    package.mkdir()
+    for path in (MODULE_PATH, GEOMETRY_PATH):
+        (package / path.name).write_text(path.read_text())
+    (package / "__init__.py").write_text("")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        standalone = importlib.import_module("standalone_processor.image_processing_vit")
+    finally:
+        sys.path.remove(str(tmp_path))
     np.testing.assert_array_equal(
         standalone.VisionTransformerImageProcessor()(photo, return_tensors="np")["pixel_values"], process(photo)
     )
@@ -437,8 +448,10 @@ def test_invalid_options_raise_clear_errors(photo):
         processor(photo, resample=PILImageResampling.LANCZOS)
     with pytest.raises(ValueError, match="Unsupported resample"):
         VisionTransformerImageProcessor(resample="area")
-    with pytest.raises(ValueError, match="`size` must be"):
-        processor(photo, size={"shortest_edge": 224})
+    with pytest.raises(ValueError, match="`size` must be .*shortest_edge"):
+        processor(photo, size={"longest_edge": 224})
+    with pytest.raises(ValueError, match="`crop_size` must be"):
+        VisionTransformerImageProcessor(crop_size={"shortest_edge": 224})
     with pytest.raises(ValueError, match="return_tensors"):
         processor(photo, return_tensors="mlx")
     with pytest.raises(TypeError, match="unsupported argument"):

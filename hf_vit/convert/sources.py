@@ -321,11 +321,9 @@ class ForeignCheckpoint:
                 image_hw = transformers_config_to_hf_vit(read_json(self.folder / "config.json")).image_hw
                 return transformers_processor(self.folder, image_hw)
             if self.layout in FAMILIES:
-                from .transformers_families import family_config, read_config_json
-                from .transformers_vit import transformers_processor
+                from .transformers_families import family_processor, read_config_json
 
-                config = family_config(read_config_json(self.folder), _header(self._weight_files()))
-                return transformers_processor(self.folder, config.image_hw)
+                return family_processor(self.folder, read_config_json(self.folder), _header(self._weight_files()))
             if self.layout == "timm":
                 from .timm_vit import read_timm_config, timm_config, timm_processor
 

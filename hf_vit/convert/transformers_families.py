@@ -20,6 +20,10 @@ What each family computes, in hf-vit's terms:
 * SigLIP: no class token, `post_layernorm` on every token, then the attention-pooling head (`classifier="map"`); a
   tower without the head (`vision_use_head=False`) pools by averaging the tokens (transformers returns no pooled
   output for it).
+
+The processor (`family_processor`) is the source's `preprocessor_config.json` in hf-vit's processor: DINOv2's and
+CLIP's resize the shorter side (`{"shortest_edge": 256}`, or a bare number in older CLIP files) then crop the centre,
+DeiT's resize to a square then crop, SigLIP's resize to a square; each with its resampling, mean and std.
 """
 
 from __future__ import annotations
@@ -265,6 +269,9 @@ class Family:
     rename: Callable[[str], str]
     dropped: str
     positions: str
+    # How the family's processor reads a `size` saved as one number: a square, or (DINOv2's BitImageProcessor,
+    # CLIP's) the shorter side.
+    square_size: bool = True
 
     def names(self, arrays: Mapping[str, Any]) -> dict[str, Any]:
         """`arrays` under the table's names, without the arrays that are not part of the vision encoder."""
@@ -274,7 +281,7 @@ class Family:
 
 _DINOV2 = Family(
     "transformers' DINOv2 layout", DINOV2_LAYOUT, _dinov2, _strip("dinov2."), r"embeddings\.mask_token$",
-    "embeddings.position_embeddings",
+    "embeddings.position_embeddings", square_size=False,
 )  # fmt: skip
 _CLIP_DROPPED = r"text_model\.|text_projection\.|visual_projection\.|logit_scale$|logit_bias$"
 FAMILIES: dict[str, Family] = {
@@ -292,6 +299,7 @@ FAMILIES: dict[str, Family] = {
             _strip("vision_model."),
             _CLIP_DROPPED,
             "embeddings.position_embedding.weight",
+            square_size=False,
         ),
     ),  # fmt: skip
     **dict.fromkeys(
@@ -369,6 +377,17 @@ def family_state_dict(
                 f"with patch_size {config.patch_size} makes a {rows}x{cols} grid{hint if side else ''}"
             )
     return family.layout.to_hf_lazy(source, shapes, config, problems)
+
+
+def family_processor(folder: Path, config_json: dict, keys: Collection[str]):
+    """The hf-vit processor of a family checkpoint in `folder` (its `config.json` is `config_json`, its arrays are
+    named `keys`): what the source's `preprocessor_config.json` does, the shorter-side resize and centre crop of
+    DINOv2's and CLIP's processors included, the model's image size without one."""
+    from .transformers_vit import transformers_processor
+
+    family = FAMILIES[config_json["model_type"]]
+    config = family_config(config_json, keys)
+    return transformers_processor(folder, config.image_hw, default_to_square=family.square_size)
 
 
 def read_config_json(folder: Path) -> dict:

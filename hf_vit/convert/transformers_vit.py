@@ -182,10 +182,14 @@ def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     raise ConversionError(f"{folder} has no model.safetensors (or sharded index); only safetensors weights are read.")
 
 
-def transformers_processor(folder: Path, image_size: tuple[int, int]):
-    """The hf-vit processor of a transformers ViT folder's `preprocessor_config.json` (the model's size and the
-    defaults without one): its resize, centre crop, rescaling and normalisation are kept; settings hf-vit's processor
-    does not have are refused by name."""
+def transformers_processor(folder: Path, image_size: tuple[int, int], default_to_square: bool = True):
+    """The hf-vit processor of a transformers folder's `preprocessor_config.json` (the model's size and the defaults
+    without one): its resize (a height and width, or the shorter side as `{"shortest_edge": N}`), centre crop,
+    rescaling and normalisation are kept; settings hf-vit's processor does not have are refused by name.
+
+    `default_to_square`: how the source's processor reads a `size` saved as one number, as transformers' processor
+    classes do: a square (ViT's, DeiT's, SigLIP's), or the shorter side (`False`: DINOv2's `BitImageProcessor`, CLIP's
+    processor, which older files save as `"size": 224`)."""
     from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     path = folder / "preprocessor_config.json"
@@ -196,23 +200,8 @@ def transformers_processor(folder: Path, image_size: tuple[int, int]):
     )  # fmt: skip
     kwargs = {k: settings[k] for k in keep if settings.get(k) is not None}
     kwargs.setdefault("size", {"height": image_size[0], "width": image_size[1]})
-    for name in ("size", "crop_size"):
-        value = kwargs.get(name)
-        if isinstance(value, dict) and set(value) == {"shortest_edge"} and kwargs.get("do_center_crop"):
-            # DINOv2's and CLIP's processors resize the shorter side, then crop the centre: hf-vit's processor
-            # resizes to a height and width, the same for square images; other images are squeezed, not cut.
-            side = int(value["shortest_edge"])
-            kwargs[name] = {"height": side, "width": side}
-            logger.warning(
-                "%s: %s={'shortest_edge': %d} then a centre crop becomes a resize to %dx%d then the crop: the same "
-                "for square images; others are squeezed to a square before the crop rather than cut.",
-                path, name, side, side, side,
-            )  # fmt: skip
-        if isinstance(kwargs.get(name), dict) and set(kwargs[name]) - {"height", "width"}:
-            raise ConversionError(
-                f"{path}: {name}={kwargs[name]} resizes by {sorted(set(kwargs[name]) - {'height', 'width'})}, which "
-                "hf-vit's processor does not do (it resizes to a height and width); set them in the file."
-            )
+    if not default_to_square and isinstance(kwargs["size"], int) and not isinstance(kwargs["size"], bool):
+        kwargs["size"] = {"shortest_edge": kwargs["size"]}
     try:
         return VisionTransformerImageProcessor(**kwargs)
     except (TypeError, ValueError) as error:

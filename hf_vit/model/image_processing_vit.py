@@ -1,7 +1,8 @@
 """Image processor for the Vision Transformer: turns images into normalised `pixel_values` batches with torch.
 
 This file is also saved next to checkpoints as remote code (loaded with `trust_remote_code=True` where hf_vit is not
-installed), so it may import only the standard library, numpy, PIL, torch and transformers.
+installed), so it may import only its siblings, the standard library, numpy, PIL, torch and transformers. The
+geometry (sizes, resizing, the centre crop, native-aspect grids) is its sibling `image_geometry.py`.
 """
 
 import io
@@ -15,80 +16,24 @@ import numpy as np
 import PIL.Image
 import PIL.ImageOps
 import torch
-import torch.nn.functional as F
 from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
-from transformers.image_utils import ChannelDimension, PILImageResampling, SizeDict
+from transformers.image_utils import ChannelDimension, PILImageResampling
 from transformers.utils import TensorType, logging
+
+from .image_geometry import (
+    center_crop_images,
+    grid_for_max_patches,
+    resize_images,
+    resize_target,
+    size_dict,
+    to_resampling,
+)
 
 logger = logging.get_logger(__name__)
 
-_RESAMPLE_TO_MODE = {
-    PILImageResampling.NEAREST: "nearest-exact",  # PIL samples the nearest pixel centre, like "nearest-exact"
-    PILImageResampling.BILINEAR: "bilinear",
-    PILImageResampling.BICUBIC: "bicubic",
-}
-_RESAMPLE_NAMES = {name: PILImageResampling[name.upper()] for name in ("nearest", "bilinear", "bicubic")}
 _ENCODED_TYPES = (bytes, bytearray, memoryview, str, os.PathLike)
 _NUM_CHANNELS = (1, 3, 4)
 _EXIF_ORIENTATION = 0x0112
-
-
-def to_resampling(resample: PILImageResampling | int | str) -> PILImageResampling:
-    """Return the `PILImageResampling` for `resample` given as a PIL constant, its int value or its lowercase name."""
-    value = _RESAMPLE_NAMES.get(resample.lower()) if isinstance(resample, str) else resample
-    if value in _RESAMPLE_TO_MODE:
-        return PILImageResampling(value)
-    raise ValueError(f"Unsupported resample {resample!r}: use one of 'nearest', 'bilinear' or 'bicubic' (0, 2, 3).")
-
-
-def resize_images(
-    images: torch.Tensor, size: tuple[int, int], resample: PILImageResampling | int | str = "bilinear"
-) -> torch.Tensor:
-    """Resize a `[N, C, H, W]` batch to `size=(height, width)` like PIL does, keeping its dtype.
-
-    Bilinear and bicubic use antialiased filters (PIL's kernels), so downscaling matches `PIL.Image.resize`.
-    uint8 batches stay uint8 and are rounded like PIL's output.
-    """
-    if images.ndim != 4:
-        raise ValueError(f"resize_images expects a [N, C, H, W] batch, got shape {tuple(images.shape)}.")
-    if images.dtype != torch.uint8 and not images.is_floating_point():
-        raise TypeError(f"resize_images expects a uint8 or floating point batch, got {images.dtype}.")
-    size = (int(size[0]), int(size[1]))
-    if tuple(images.shape[-2:]) == size:
-        return images
-    mode = _RESAMPLE_TO_MODE[to_resampling(resample)]
-    # PIL's bilinear and bicubic filters widen when downscaling, which is what torch calls antialiasing.
-    options = {} if mode == "nearest-exact" else {"antialias": True, "align_corners": False}
-    if images.dtype == torch.uint8 and _has_uint8_kernel(images.device):
-        images = images.contiguous(memory_format=torch.channels_last)
-        return F.interpolate(images, size=size, mode=mode, **options)
-    if images.dtype == torch.uint8:
-        resized = F.interpolate(images.float(), size=size, mode=mode, **options)
-        # Rounding to integers like PIL halves the mean difference to it; clamping catches bicubic overshoot.
-        return resized.round_().clamp_(0, 255).to(torch.uint8)
-    return F.interpolate(images, size=size, mode=mode, **options)
-
-
-def _has_uint8_kernel(device: torch.device) -> bool:
-    # torch's uint8 antialiased kernels exist only on CPU; they port Pillow-SIMD, so they are much faster than
-    # resizing in float and round exactly like PIL.
-    return device.type == "cpu"
-
-
-def center_crop_images(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Crop the centre `size=(height, width)` of `[..., H, W]` images, zero-padding images smaller than `size`.
-
-    Offsets and padding match transformers' `image_transforms.center_crop`.
-    """
-    crop_height, crop_width = int(size[0]), int(size[1])
-    pad_height = max(crop_height - images.shape[-2], 0)
-    pad_width = max(crop_width - images.shape[-1], 0)
-    if pad_height or pad_width:
-        padding = ((pad_width + 1) // 2, pad_width // 2, (pad_height + 1) // 2, pad_height // 2)
-        images = F.pad(images, padding)
-    top = (images.shape[-2] - crop_height) // 2
-    left = (images.shape[-1] - crop_width) // 2
-    return images[..., top : top + crop_height, left : left + crop_width]
 
 
 def rescale_and_normalize(
@@ -128,25 +73,6 @@ def _per_channel(value: float | Sequence[float], num_channels: int, name: str) -
     if values.numel() != num_channels:
         raise ValueError(f"Image {name} has {values.numel()} values but the images have {num_channels} channels.")
     return values
-
-
-def _size_dict(size: int | Sequence[int] | dict[str, int] | SizeDict, name: str) -> dict[str, int]:
-    """Return `size` given as an int (square), `(height, width)` or `{"height", "width"}` as a plain dict."""
-    if isinstance(size, SizeDict):
-        size = dict(size)
-    if isinstance(size, int) and not isinstance(size, bool):
-        result = {"height": size, "width": size}
-    elif isinstance(size, dict) and set(size) == {"height", "width"}:
-        result = {"height": int(size["height"]), "width": int(size["width"])}
-    elif isinstance(size, Sequence) and not isinstance(size, str) and len(size) == 2:
-        result = {"height": int(size[0]), "width": int(size[1])}
-    else:
-        raise ValueError(
-            f"`{name}` must be an int, a (height, width) pair or a dict with 'height' and 'width', got {size!r}."
-        )
-    if result["height"] <= 0 or result["width"] <= 0:
-        raise ValueError(f"`{name}` must be a positive height and width in pixels, got {size!r}.")
-    return result
 
 
 def _check_mean_std(
@@ -408,7 +334,10 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         do_resize (`bool`, *optional*, defaults to `True`):
             Resize images to `size`.
         size (`int`, `(height, width)` or `dict[str, int]`, *optional*, defaults to `{"height": 224, "width": 224}`):
-            Output size of the resize.
+            Output size of the resize: a height and width, or `{"shortest_edge": N}` to resize the shorter side to N
+            and the longer one by the same factor (rounded down), keeping the aspect ratio, as transformers' DINOv2
+            (`BitImageProcessor`) and CLIP processors do; a centre crop then usually makes the images one size.
+            Each image is resized once, straight to that size.
         resample (`PILImageResampling`, `int` or `str`, *optional*, defaults to `PILImageResampling.BILINEAR`):
             Resampling filter: nearest, bilinear or bicubic.
         do_center_crop (`bool`, *optional*, defaults to `False`):
@@ -475,10 +404,10 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         super().__init__(**kwargs)
         self.do_convert_rgb = do_convert_rgb
         self.do_resize = do_resize
-        self.size = _size_dict(224 if size is None else size, "size")
+        self.size = size_dict(224 if size is None else size, "size", shortest_edge=True)
         self.resample = to_resampling(resample)
         self.do_center_crop = do_center_crop
-        self.crop_size = _size_dict(224 if crop_size is None else crop_size, "crop_size")
+        self.crop_size = size_dict(224 if crop_size is None else crop_size, "crop_size")
         self.do_rescale = do_rescale
         self.rescale_factor = float(rescale_factor)
         self.do_normalize = do_normalize
@@ -530,10 +459,10 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             raise ValueError(f"return_tensors must be 'pt', 'np' or None, got {return_tensors!r}.")
         do_convert_rgb = self.do_convert_rgb if do_convert_rgb is None else do_convert_rgb
         do_resize = self.do_resize if do_resize is None else do_resize
-        size = _size_dict(self.size if size is None else size, "size")
+        size = size_dict(self.size if size is None else size, "size", shortest_edge=True)
         resample = to_resampling(self.resample if resample is None else resample)
         do_center_crop = self.do_center_crop if do_center_crop is None else do_center_crop
-        crop_size = _size_dict(self.crop_size if crop_size is None else crop_size, "crop_size")
+        crop_size = size_dict(self.crop_size if crop_size is None else crop_size, "crop_size")
         do_rescale = self.do_rescale if do_rescale is None else do_rescale
         rescale_factor = self.rescale_factor if rescale_factor is None else rescale_factor
         do_normalize = self.do_normalize if do_normalize is None else do_normalize
@@ -560,7 +489,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                     "values between 0 and 1, set `do_rescale=False` to avoid rescaling them again."
                 )
             if do_resize:
-                target = (size["height"], size["width"])
+                target = resize_target(*batch.shape[-2:], size)
                 if max_num_patches is not None:  # the image's own aspect ratio, on the largest grid that fits
                     rows, cols = grid_for_max_patches(*batch.shape[-2:], patch_size, max_num_patches)
                     target = (rows * patch_size, cols * patch_size)
@@ -589,8 +518,9 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             shapes = {tuple(image.shape) for image in processed}
             if len(shapes) > 1:
                 raise ValueError(
-                    f"Cannot batch images of different shapes {sorted(shapes)}: enable do_resize (or do_center_crop) "
-                    "so all images get the same size, or pass return_tensors=None to get a list."
+                    f"Cannot batch images of different shapes {sorted(shapes)}: enable do_center_crop (or do_resize "
+                    "to a height and width) so all images get the same size, or pass return_tensors=None to get a "
+                    "list."
                 )
             processed = torch.stack(processed)
         if return_tensors == TensorType.NUMPY:
@@ -608,39 +538,6 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             self.image_mean if self.do_normalize else None,
             self.image_std if self.do_normalize else None,
         )
-
-
-def grid_for_max_patches(height: int, width: int, patch_size: int, max_num_patches: int) -> tuple[int, int]:
-    """The `(rows, cols)` grid a `height` x `width` image is resized to: the largest grid of at most
-    `max_num_patches` patches among those of the image scaled by one factor (each side rounded up to whole patches,
-    at least one patch a side), as transformers' SigLIP 2 processor chooses it.
-
-    The grid only changes where a side crosses a whole number of patches, so the largest one is at such a point:
-    `rows = k` (and `cols = ceil(k * width / height)`) or `cols = k`; both families grow with `k` and are searched in
-    exact integer arithmetic."""
-    for name, value in (("height", height), ("width", width), ("patch_size", patch_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
-    if not isinstance(max_num_patches, int) or isinstance(max_num_patches, bool) or max_num_patches < 1:
-        raise ValueError(f"`max_num_patches` must be a positive int (patches per image), got {max_num_patches!r}.")
-
-    def by_rows(k: int) -> tuple[int, int]:
-        return k, max(1, -(-k * width // height))
-
-    def by_cols(k: int) -> tuple[int, int]:
-        return max(1, -(-k * height // width)), k
-
-    best = (1, 1)
-    for grid_of in (by_rows, by_cols):
-        low, high = 1, max_num_patches  # the largest k whose grid fits: grid_of(1) may not (then none does)
-        while low < high:
-            middle = (low + high + 1) // 2
-            rows, cols = grid_of(middle)
-            low, high = (middle, high) if rows * cols <= max_num_patches else (low, middle - 1)
-        rows, cols = grid_of(low)
-        if rows * cols <= max_num_patches and rows * cols > best[0] * best[1]:
-            best = (rows, cols)
-    return best
 
 
 def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: bool) -> None:

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from ..model.configuration_vit import VisionTransformerConfig
+from ..model.image_geometry import scaled_geometry
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..model.modeling_vit import VisionTransformerForImageClassification
 from ..model.resolution import image_size_field
@@ -272,10 +273,16 @@ def _foreign_layout(path: str | os.PathLike) -> str | None:
 def processor_for(
     model_args: Any, config: VisionTransformerConfig, max_num_patches: int | None = None
 ) -> VisionTransformerImageProcessor:
-    """The image processor of a run: the checkpoint's (its normalisation) or the default, at the model's image size,
-    converting to RGB only for 3-channel models (1-channel and 4-channel models get their images' own channels, the
-    mean and standard deviation repeated per channel); native aspect ratio with `max_num_patches` patches of the
-    model's patch size, whole images of that size without."""
+    """The image processor of a run: the checkpoint's (its normalisation and geometry) or the default, making images
+    of the model's image size, converting to RGB only for 3-channel models (1-channel and 4-channel models get their
+    images' own channels, the mean and standard deviation repeated per channel); native aspect ratio with
+    `max_num_patches` patches of the model's patch size, whole images of that size without.
+
+    A checkpoint whose processor resizes then crops the centre (DINOv2's and CLIP's shorter side to 256 then 224,
+    DeiT's 256x256 then 224) keeps that geometry at the model's size: the crop becomes the model's size and the resize
+    keeps its ratio to the crop (DINOv2 at 448: shorter side 512, crop 448); one that resizes to a square (SigLIP's)
+    resizes to the model's size (`image_geometry.scaled_geometry`). The evaluation transform is this processor; the
+    training transform's random crops are resized to its output size."""
     processor = None
     if getattr(model_args, "model_name_or_path", None):
         try:
@@ -283,13 +290,19 @@ def processor_for(
         except OSError:
             processor = None
     processor = processor or VisionTransformerImageProcessor()
-    height, width = config.image_hw
-    processor.size = {"height": height, "width": width}
     if max_num_patches is not None and (isinstance(max_num_patches, bool) or not 0 < max_num_patches):
         raise ValueError(f"--max_num_patches must be a positive number of patches per image, got {max_num_patches}.")
     processor.max_num_patches, processor.patch_size = max_num_patches, config.patch_size
     if max_num_patches is not None:
         processor.do_center_crop = False  # a native-aspect image is kept whole
+        processor.size = dict(zip(("height", "width"), config.image_hw))
+    else:
+        try:
+            processor.size, processor.crop_size = scaled_geometry(
+                processor.size, processor.crop_size, processor.do_center_crop, config.image_hw
+            )
+        except ValueError as error:
+            raise ValueError(f"The processor of {model_args.model_name_or_path}: {error}") from error
     channels = config.num_channels
     processor.do_convert_rgb = channels == 3
     for name in ("image_mean", "image_std"):

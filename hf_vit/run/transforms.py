@@ -32,6 +32,8 @@ import torch
 from datasets import DatasetDict, IterableDataset, IterableDatasetDict
 from torch.nn import functional as F
 
+from ..model.image_geometry import output_size as fixed_output_size
+from ..model.image_geometry import resize_target
 from ..model.image_processing_vit import (
     VisionTransformerImageProcessor,
     center_crop_images,
@@ -149,9 +151,10 @@ def make_train_transform(
     white, 16-bit scaling). The crop covers a random fraction `scale` of the image area with an aspect ratio
     log-uniform in `ratio` (Inception-style; a central crop after 10 failed draws); it is cut from the uint8 image and
     resized with the processor's `resize_images` and `resample` to the processor's output size (`crop_size` when it
-    centre-crops, else `size`). Without `random_resized_crop`, the image goes through the processor's own resize and
-    centre crop, so with `hflip=False` the output equals `processor(images)`. The flip (probability 1/2, when `hflip`;
-    keep it off for digits and text) comes next, then RandAugment when `rand_augment` gives its policy in timm's
+    centre-crops, else `size`; a shorter-side `size` needs the crop, which gives the one output size). Without
+    `random_resized_crop`, the image goes through the processor's own resize and centre crop, so with `hflip=False`
+    the output equals `processor(images)`. The flip (probability 1/2, when `hflip`; keep it off for digits and text)
+    comes next, then RandAugment when `rand_augment` gives its policy in timm's
     notation (`rand_augment.RandAugment`: on the uint8 image, areas it uncovers filled with the processor's mean
     colour), and the processor's `normalize_batch` last, once per batch. With
     `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
@@ -171,14 +174,19 @@ def make_train_transform(
             f"make_train_transform needs a VisionTransformerImageProcessor (it reuses its pixel path), got "
             f"{type(processor).__name__}."
         )
-    size = (int(processor.size["height"]), int(processor.size["width"]))
     crop_size = (int(processor.crop_size["height"]), int(processor.crop_size["width"]))
-    output_size = crop_size if processor.do_center_crop else size
+    output_size = fixed_output_size(processor.size, processor.crop_size, processor.do_center_crop)
+    native, patch = getattr(processor, "max_num_patches", None), getattr(processor, "patch_size", None)
+    if output_size is None and native is None:
+        raise ValueError(
+            f"The processor's size={processor.size} without do_center_crop keeps each image's aspect ratio, so "
+            "training crops have no one size to be resized to: set do_center_crop with crop_size, or size to a "
+            "height and width."
+        )
     augment_more = None
     if rand_augment:
         fill = tuple(round(255 * float(m)) for m in processor.image_mean)
         augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
-    native, patch = getattr(processor, "max_num_patches", None), getattr(processor, "patch_size", None)
 
     def size_for(height: int, width: int) -> tuple[int, int]:
         """The size a crop (or image) of `height` x `width` is resized to: the processor's, or with `max_num_patches`
@@ -203,7 +211,8 @@ def make_train_transform(
                 pixels[None, :, top : top + height, left : left + width], size_for(height, width), processor.resample
             )[0]
         if processor.do_resize:
-            target = size if native is None else size_for(*pixels.shape[1:])
+            height, width = pixels.shape[1:]
+            target = resize_target(height, width, processor.size) if native is None else size_for(height, width)
             pixels = resize_images(pixels[None], target, processor.resample)[0]
         if processor.do_center_crop:
             pixels = center_crop_images(pixels, crop_size)
