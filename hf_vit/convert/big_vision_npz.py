@@ -48,7 +48,7 @@ from .common import (
     preset_mismatches,
     square_side,
 )
-from .jax_npz import CONV, DENSE, OUT_KERNEL, QKV_BIAS, QKV_KERNEL, _tensor
+from .flax_layout import CONV, DENSE, OUT_KERNEL, QKV_BIAS, QKV_KERNEL, _tensor
 
 _B, _H = "Transformer/encoderblock_{i}/", "vit.layers.{i}."
 _MAP, _HMAP = "MAPHead_0/", "vit.attention_pool."

@@ -68,7 +68,6 @@ from ..model.configuration_vit import VisionTransformerConfig, resnet_stride
 from .common import (
     ConversionError,
     Layout,
-    Transform,
     build_config,
     check_output_dir,
     check_state_dict,
@@ -80,30 +79,10 @@ from .common import (
     save_converted_model,
     square_side,
 )
+from .flax_layout import CONV, DENSE, OUT_KERNEL, QKV_BIAS, QKV_KERNEL, _tensor
 
 POS_KEY = "Transformer/posembed_input/pos_embedding"
 
-
-def _heads(config: VisionTransformerConfig | None) -> int:
-    if config is None:
-        raise ConversionError("Writing the JAX layout needs the config: its kernels are split by attention head.")
-    return config.num_attention_heads
-
-
-# Flax kernels are (in, out) and split by head; hf-vit's are torch's (out, in), heads flattened.
-CONV = Transform(lambda k: k.permute(3, 2, 0, 1), lambda w, config: (w.permute(2, 3, 1, 0),))  # HWIO <-> OIHW
-DENSE = Transform(lambda k: k.T, lambda w, config: (w.T,))
-QKV_KERNEL = Transform(  # 3 x (D, heads, head_dim) <-> rows [q; k; v] of (3 D, D)
-    lambda *kernels: torch.cat([k.flatten(1).T for k in kernels]),
-    lambda w, config: tuple(part.T.unflatten(1, (_heads(config), -1)) for part in w.chunk(3)),
-)
-QKV_BIAS = Transform(  # 3 x (heads, head_dim) <-> (3 D,)
-    lambda *biases: torch.cat([b.flatten() for b in biases]),
-    lambda b, config: tuple(part.unflatten(0, (_heads(config), -1)) for part in b.chunk(3)),
-)
-OUT_KERNEL = Transform(  # (heads, head_dim, D) <-> (D, D)
-    lambda k: k.flatten(0, 1).T, lambda w, config: (w.T.unflatten(0, (_heads(config), -1)),)
-)
 
 _B, _H = "Transformer/encoderblock_{i}/", "vit.layers.{i}."
 _ATTN, _MLP = _B + "MultiHeadDotProductAttention_1/", _B + "MlpBlock_3/"
@@ -211,13 +190,6 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             # The class token was added after the position embedding: give it a zero position (exact).
             out[POS_KEY] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)
     return out
-
-
-def _tensor(value):
-    """A float array as a tensor sharing its memory; anything else as it is (the check reports it)."""
-    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
-        return torch.from_numpy(value if value.flags.writeable else value.copy())
-    return value
 
 
 def npz_to_hf_vit_state_dict(

@@ -37,7 +37,7 @@ import torch
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.resolution import grid_for, resample_position_embeddings
 from .common import ConversionError, Layout, build_config, count_blocks, image_size_field
-from .timm_vit import TIMM_LAYOUT, _timm_problems
+from .timm_layout import TIMM_LAYOUT, _timm_problems
 
 # What `models/naflexvit.py`'s registered architectures set beyond `NaFlexVitCfg`'s defaults and the weights do not
 # show. Architectures not listed are refused unless `model_args` in config.json gives `num_heads` and `global_pool`.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -30,8 +29,6 @@ import torch
 from ..model.configuration_vit import MODEL_SIZES, VisionTransformerConfig
 from .common import (
     ConversionError,
-    Layout,
-    Transform,
     build_config,
     check_output_dir,
     count_blocks,
@@ -42,54 +39,8 @@ from .common import (
     save_converted_model,
     square_side,
 )
+from .timm_layout import _BLOCK_KEY, TIMM_LAYOUT, _timm_problems
 
-_B, _H = "blocks.{i}.", "vit.layers.{i}."
-# timm's attention pooling projects the latent (q) and the tokens (kv: rows [k; v]) apart; torch's
-# MultiheadAttention, which hf-vit's pooling uses, holds them as one [q; k; v].
-_Q_KV = Transform(
-    lambda q, kv: torch.cat([q, kv]),
-    lambda qkv, config: (qkv[: qkv.shape[0] // 3].clone(), qkv[qkv.shape[0] // 3 :].clone()),
-    True,
-)
-TIMM_LAYOUT = Layout(
-    "timm checkpoint",
-    [
-        ("patch_embed.proj.{p}", "vit.embeddings.patch_embedding.{p}"),
-        ("cls_token", "vit.embeddings.cls_token"),
-        ("dist_token", "vit.embeddings.distillation_token"),
-        ("reg_token", "vit.embeddings.register_tokens"),
-        ("pos_embed", "vit.embeddings.position_embedding"),
-        ("norm_pre.{p}", "vit.pre_norm.{p}"),
-        (_B + "norm1.{p}", _H + "norm1.{p}"),
-        (_B + "attn.qkv.{p}", _H + "attention.qkv.{p}"),
-        (_B + "attn.proj.{p}", _H + "attention.proj.{p}"),
-        (_B + "ls1.gamma", _H + "layer_scale1.gamma"),
-        (_B + "ls2.gamma", _H + "layer_scale2.gamma"),
-        (_B + "norm2.{p}", _H + "norm2.{p}"),
-        (_B + "mlp.fc1.{p}", _H + "mlp.fc1.{p}"),
-        (_B + "mlp.fc2.{p}", _H + "mlp.fc2.{p}"),
-        ("norm.{p}", "vit.norm.{p}"),  # timm's fc_norm is renamed to norm first: hf-vit's fc_norm uses `norm`
-        ("attn_pool.latent", "vit.attention_pool.probe"),
-        (("attn_pool.q.{p}", "attn_pool.kv.{p}"), "vit.attention_pool.attention.in_proj_{p}", _Q_KV),
-        ("attn_pool.proj.{p}", "vit.attention_pool.attention.out_proj.{p}"),
-        ("attn_pool.norm.{p}", "vit.attention_pool.layernorm.{p}"),
-        ("attn_pool.mlp.fc1.{p}", "vit.attention_pool.mlp.fc1.{p}"),
-        ("attn_pool.mlp.fc2.{p}", "vit.attention_pool.mlp.fc2.{p}"),
-        ("pre_logits.fc.{p}", "pre_logits.{p}"),
-        ("head.{p}", "classifier.{p}"),
-        ("head_dist.{p}", "distillation_classifier.{p}"),
-    ],
-)
-_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
-# timm features hf-vit does not have, by the arrays that reveal them.
-_UNSUPPORTED = (
-    (r"\.attn\.(q_norm|k_norm)\.", "QK-norm"),
-    (r"\.attn\.norm\.", "a norm inside attention"),
-    (r"^attn_pool\.(q_norm|k_norm)\.", "QK-norm in the attention pooling"),
-    (r"^patch_embed\.norm\.", "a LayerNorm after the patch embedding"),
-    (r"^patch_embed\.backbone\.", "a hybrid CNN backbone"),
-    (r"^head\.fc\.|^head\.norm\.", "a multi-layer head"),
-)
 TIMM_DEFAULTS = {"layer_norm_eps": 1e-6, "hidden_act": "gelu"}
 _STANDARD_HEADS = {dims["hidden_size"]: dims["num_attention_heads"] for dims in MODEL_SIZES.values()}
 
@@ -157,28 +108,6 @@ def _timm_input_size(timm_config: Mapping | None) -> int | list[int] | None:
     if isinstance(size, (list, tuple)) and len(size) == 3 and all(isinstance(v, int) and v > 0 for v in size):
         return image_size_field(list(size[1:]))
     return None
-
-
-def _timm_problems(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[str], set[str]]:
-    """What makes the timm model compute something hf-vit cannot, whatever the config, and the keys that explains."""
-    problems, explained = [], set()
-    if "fc_norm.weight" in state_dict and "norm.weight" in state_dict:
-        problems.append(
-            "the model has both norm and fc_norm: hf-vit has one final LayerNorm, on every token or after the pooling"
-        )
-        explained = {key for key in state_dict if key.startswith("fc_norm.")}
-    latent = state_dict.get("attn_pool.latent")
-    if latent is not None and latent.ndim == 3 and latent.shape[1] != 1:
-        problems.append(f"attn_pool.latent {tuple(latent.shape)}: hf-vit's attention pooling has one latent (probe)")
-    found, keys = [], [key for key in state_dict if key not in explained]
-    for pattern, what in _UNSUPPORTED:
-        hits = sorted(key for key in keys if re.search(pattern, key))
-        if hits:
-            found.append(f"{what}: {hits[:4]}{' ...' if len(hits) > 4 else ''}")
-            explained.update(hits)
-    if found:
-        problems.append("timm features hf-vit does not have: " + "; ".join(found))
-    return problems, explained
 
 
 def timm_to_hf_vit_state_dict(
