@@ -70,7 +70,11 @@ def test_export_keeps_an_existing_file_unless_told(tmp_path):
     assert existing.read_bytes() != b"mine" and [p.name for p in tmp_path.iterdir()] == ["vit.onnx"]
 
 
-def test_export_script(tmp_path):
+def test_export_script(tmp_path, capsys):
+    """The script as users run it writes and checks the ONNX file; the other formats and the refusals through the same
+    command's function in this process (each script start imports torch and transformers anew)."""
+    from hf_vit.commands.export import main
+
     model = classifier()
     model.save_pretrained(tmp_path / "model")
     VisionTransformerImageProcessor(size=32).save_pretrained(tmp_path / "model")
@@ -78,28 +82,28 @@ def test_export_script(tmp_path):
     done = subprocess.run(script + ["--output", str(tmp_path / "vit.onnx")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "onnxruntime vs PyTorch" in done.stdout and "32x32" in done.stdout and "48x24" in done.stdout
-    program = subprocess.run(
-        script + ["--format", "torch_export", "--output", str(tmp_path / "vit.pt2")], capture_output=True, text=True
-    )
-    assert program.returncode == 0, program.stderr[-3000:]
+    flags = ["--model", str(tmp_path / "model")]
+    assert main(flags + ["--format", "torch_export", "--output", str(tmp_path / "vit.pt2")]) == 0
     loaded = torch.export.load(tmp_path / "vit.pt2").module()
     pixels = torch.randn(2, 3, 24, 40)
     with torch.no_grad():
         torch.testing.assert_close(loaded(pixels), model(pixels, interpolate_pos_encoding=True).logits)
-    again = subprocess.run(script + ["--output", str(tmp_path / "vit.onnx")], capture_output=True, text=True)
-    assert again.returncode == 2 and "Loading" not in again.stderr  # refused before the model is loaded
-    assert again.stderr.startswith("error:") and "--overwrite" in again.stderr
+    capsys.readouterr()
+    assert main(flags + ["--output", str(tmp_path / "vit.onnx")]) == 2
+    again = capsys.readouterr().err
+    assert "Loading" not in again and again.startswith("error:") and "--overwrite" in again
 
 
-def test_export_script_checks_its_sizes_before_writing(tmp_path):
+def test_export_script_checks_its_sizes_before_writing(tmp_path, capsys):
+    from hf_vit.commands.export import main
+
     classifier().save_pretrained(tmp_path / "model")
-    script = [sys.executable, str(ROOT / "scripts" / "export.py"), "--model", str(tmp_path / "model")]
-    odd = subprocess.run(script + ["--output", str(tmp_path / "a.onnx"), "--check_sizes", "32"], capture_output=True)
-    assert odd.returncode == 2 and b"pairs" in odd.stderr
-    bad = subprocess.run(
-        script + ["--output", str(tmp_path / "b.onnx"), "--check_sizes", "7", "9"], capture_output=True, text=True
-    )
-    assert bad.returncode == 2 and "multiples of the patch size 8" in bad.stderr and not (tmp_path / "b.onnx").exists()
+    flags = ["--model", str(tmp_path / "model")]
+    with pytest.raises(SystemExit) as odd:
+        main(flags + ["--output", str(tmp_path / "a.onnx"), "--check_sizes", "32"])
+    assert odd.value.code == 2 and "pairs" in capsys.readouterr().err
+    assert main(flags + ["--output", str(tmp_path / "b.onnx"), "--check_sizes", "7", "9"]) == 2
+    assert "multiples of the patch size 8" in capsys.readouterr().err and not (tmp_path / "b.onnx").exists()
 
 
 @pytest.mark.parametrize("missing", ["onnxscript", "onnxruntime"])

@@ -2,7 +2,6 @@
 printed as skipped with their reason, and a failing check makes the exit status non-zero."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,24 +26,21 @@ CPU_CHECKS = [
 CUDA_CHECKS = ["finetune_bf16_compiled_from_hub_id", "resume_after_a_kill", "fsdp_through_accelerate"]
 
 
-def test_cpu_part_passes_and_names_what_needs_a_gpu(tmp_path):
+def test_cpu_part_passes_and_names_what_needs_a_gpu(tmp_path, capsys):
+    # In this process: the script's own start (`python gpu_checks.py`) is the same `main`, and a fresh process would
+    # import torch and transformers once more.
     report = tmp_path / "smoke.json"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--json", str(report)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.split(" ", 1)[0] in ("passed", "failed", "skipped")]
+    code = gpu_checks.main(["--device", "cpu", "--json", str(report)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout[-3000:]
+    lines = [line for line in stdout.splitlines() if line.split(" ", 1)[0] in ("passed", "failed", "skipped")]
     assert [line.split()[1] for line in lines] == CPU_CHECKS + CUDA_CHECKS  # one line per check, in order
     data = json.loads(report.read_text())
     assert data["device"] == "cpu"
     assert {name: data["checks"][name]["status"] for name in CPU_CHECKS} == dict.fromkeys(CPU_CHECKS, "passed")
     for name in CUDA_CHECKS:
         assert data["checks"][name]["status"] == "skipped" and "needs CUDA" in data["checks"][name]["detail"]
-    assert done.stdout.rstrip().endswith(f"{len(CPU_CHECKS)} passed, 0 failed, {len(CUDA_CHECKS)} skipped")
+    assert stdout.rstrip().endswith(f"{len(CPU_CHECKS)} passed, 0 failed, {len(CUDA_CHECKS)} skipped")
     attention = data["details"]["attention_implementations"]
     assert "sdpa" in attention["relative_difference"] and attention["relative_difference"]["eager"] == 0.0
     assert max(attention["relative_difference"].values()) <= gpu_checks.BF16_RELATIVE_TOLERANCE
