@@ -590,17 +590,11 @@ FAMILIES = {
 }
 
 
-# An ONNX export costs about ten seconds: a family whose exported graph has no block that another family's lacks is
-# covered by that family's export (DINOv2's blocks are DINOv2 with registers' without the registers; timm's fc_norm
-# variant normalises after pooling as CLIP's tower does, over an average, which every GAP model's export has).
-SAME_GRAPH = {"dinov2": "dinov2-registers", "timm-fc-norm": "clip"}
-
-
 def test_each_family_fine_tunes_from_the_command_line_and_exports_to_onnx(hub, tmp_path):
     """Every family, by Hub id: one step of `finetune` with the command line's flags (a new 10-class head, the
-    source's processor at its size), then the saved model exports to ONNX (once per distinct graph: `SAME_GRAPH`) and
-    onnxruntime computes what PyTorch does at the native size and at a non-square one (positions resampled inside the
-    graph) within 1e-4. One loop in one process: the sources and the data set are written once."""
+    source's processor at its size), then the saved model exports to ONNX and onnxruntime computes what PyTorch does
+    at the native size and at a non-square one (positions resampled inside the graph) within 1e-4. One loop in one
+    process: the sources and the data set are written once."""
     from datasets import DatasetDict
 
     from hf_vit.export import check_onnx, export
@@ -628,8 +622,6 @@ def test_each_family_fine_tunes_from_the_command_line_and_exports_to_onnx(hub, t
         with torch.no_grad():  # the trained head tells images apart, so the comparison below is not of constants
             logits = model(pixels(*model.config.image_hw)).logits
             assert (logits[0] - logits[1]).abs().max() > 1e-2, (family, logits)
-        if family in SAME_GRAPH:  # its blocks are exported with the family named there
-            continue
         path = export(model, tmp_path / f"{family}.onnx")
         differences = check_onnx(path, model, [model.config.image_hw, other_size], batch=2)
         assert len(differences) == 2 and max(differences.values()) < 1e-4, (family, differences)
