@@ -100,17 +100,3 @@ def hub(monkeypatch):
     for name in ("upload_folder", "upload_file", "preupload_lfs_files", "upload_large_folder", "create_branch"):
         monkeypatch.setattr(HfApi, name, refuse, raising=False)
     return sent
-
-
-# The files that take longest (minutes of a run), started first: pytest-xdist hands out whole files in collection
-# order, so a long file collected last ran on after the other worker had finished (two minutes of one busy worker).
-LONGEST_FIRST = ("test_training.py", "test_matrix.py", "test_distributed.py", "test_wheel.py", "test_families.py",
-                 "test_export.py", "test_benchmark.py", "test_variants.py")  # fmt: skip
-
-
-def pytest_collection_modifyitems(config, items):
-    def rank(item) -> int:
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
