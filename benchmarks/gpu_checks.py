@@ -141,26 +141,33 @@ def attention_implementations(smoke: Smoke) -> str:
     torch.manual_seed(0)
     randomised(VisionTransformerForImageClassification(smoke.config())).save_pretrained(folder)
     pixels = smoke.pixels(smoke.config()).to(torch.bfloat16)
+    shown = against_eager(smoke, folder, {"pixel_values": pixels}, "attention_implementations", "logits")
+    return f"against eager: {shown}"
+
+
+def against_eager(smoke: Smoke, folder: Path, inputs: dict[str, torch.Tensor], name: str, what: str) -> str:
+    """The saved classifier in every attention implementation that loads (bf16) on `inputs`, each against eager's
+    logits (relative tolerance `BF16_RELATIVE_TOLERANCE`); eager and SDPA must load. Records the differences and the
+    implementations that did not load under `smoke.details[name]`; returns them as text."""
     logits, skipped = {}, {}
     for implementation in ATTENTION_IMPLEMENTATIONS:
         try:
             model = VisionTransformerForImageClassification.from_pretrained(
                 folder, attn_implementation=implementation, dtype=torch.bfloat16
             )
-            model = model.to(smoke.device).eval()
             with torch.no_grad():
-                logits[implementation] = model(pixels).logits.float()
+                logits[implementation] = model.to(smoke.device).eval()(**inputs).logits.float()
         except Exception as error:  # noqa: BLE001 - an implementation that does not load or run here is skipped
             if implementation in ("eager", "sdpa"):
                 raise
             skipped[implementation] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    differences = {name: relative_difference(value, logits["eager"]) for name, value in logits.items()}
-    bad = {name: value for name, value in differences.items() if value > BF16_RELATIVE_TOLERANCE}
+    differences = {key: relative_difference(value, logits["eager"]) for key, value in logits.items()}
+    bad = {key: value for key, value in differences.items() if value > BF16_RELATIVE_TOLERANCE}
     if bad:
-        raise AssertionError(f"logits differ from eager's beyond {BF16_RELATIVE_TOLERANCE}: {bad}")
-    smoke.details["attention_implementations"] = {"relative_difference": differences, "skipped": skipped}
-    shown = ", ".join(f"{name} {value:.1e}" for name, value in differences.items() if name != "eager")
-    return f"against eager: {shown}" + (f"; did not load: {', '.join(skipped)}" if skipped else "")
+        raise AssertionError(f"{what} differ from eager's beyond {BF16_RELATIVE_TOLERANCE}: {bad}")
+    smoke.details[name] = {"relative_difference": differences, "skipped": skipped}
+    shown = ", ".join(f"{key} {value:.1e}" for key, value in differences.items() if key != "eager")
+    return shown + (f"; did not load: {', '.join(skipped)}" if skipped else "")
 
 
 @check()
@@ -341,27 +348,8 @@ def native_aspect_batches(smoke: Smoke) -> str:
     inputs = {name: value.to(smoke.device) for name, value in processor(images, return_tensors="pt").items()}
     if bool(inputs["pixel_attention_mask"].all()):
         raise AssertionError("the batch has no padding: the check would not test the mask")
-    logits, skipped = {}, {}
-    for implementation in ATTENTION_IMPLEMENTATIONS:
-        try:
-            model = VisionTransformerForImageClassification.from_pretrained(
-                folder, attn_implementation=implementation, dtype=torch.bfloat16
-            )
-            with torch.no_grad():
-                logits[implementation] = model.to(smoke.device).eval()(**inputs).logits.float()
-        except Exception as error:  # noqa: BLE001 - an implementation that does not load or run here is skipped
-            if implementation in ("eager", "sdpa"):
-                raise
-            skipped[implementation] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-    differences = {name: relative_difference(value, logits["eager"]) for name, value in logits.items()}
-    bad = {name: value for name, value in differences.items() if value > BF16_RELATIVE_TOLERANCE}
-    if bad:
-        raise AssertionError(f"native-batch logits differ from eager's beyond {BF16_RELATIVE_TOLERANCE}: {bad}")
-    smoke.details["native_aspect_batches"] = {"relative_difference": differences, "skipped": skipped}
-    shown = ", ".join(f"{name} {value:.1e}" for name, value in differences.items() if name != "eager")
-    return f"grids {inputs['spatial_shapes'].tolist()}, against eager: {shown}" + (
-        f"; did not load: {', '.join(skipped)}" if skipped else ""
-    )
+    shown = against_eager(smoke, folder, inputs, "native_aspect_batches", "native-batch logits")
+    return f"grids {inputs['spatial_shapes'].tolist()}, against eager: {shown}"
 
 
 def hub_cache_with(smoke: Smoke, repo_id: str) -> Path:

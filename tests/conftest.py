@@ -100,3 +100,17 @@ def hub(monkeypatch):
     for name in ("upload_folder", "upload_file", "preupload_lfs_files", "upload_large_folder", "create_branch"):
         monkeypatch.setattr(HfApi, name, refuse, raising=False)
     return sent
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache folder that the Hub client reads and writes (offline), for checkpoints a test
+    writes in the Hub's layout."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert huggingface_hub.constants.HF_HUB_OFFLINE  # set above: the Hub is never reached
+    return cache

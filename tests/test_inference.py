@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from test_sources import hub_cache, hub_repo  # noqa: F401
+from test_sources import hub_repo
 from test_training import QUIET, pretrained_folder, split_image_folder
 from torch.nn import functional as F
 from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
@@ -71,7 +71,7 @@ def test_predict_gives_each_images_top_classes_as_a_forward_does(tmp_path, capsy
     assert predict_command.main(["--model", str(model), str(files[0]), "--output", str(tmp_path / "p.csv")]) == 2
 
 
-def test_predict_loads_a_transformers_checkpoint_by_hub_id(hub_cache, tmp_path, capsys):  # noqa: F811
+def test_predict_loads_a_transformers_checkpoint_by_hub_id(hub_cache, tmp_path, capsys):
     torch.manual_seed(0)
     id2label = {0: "x", 1: "y", 2: "z"}
     source = ViTForImageClassification(

@@ -26,18 +26,6 @@ from hf_vit.convert import (
 FIXTURES = Path(__file__).parent / "data" / "timm_naflex"
 
 
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    import huggingface_hub.constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    assert huggingface_hub.constants.HF_HUB_OFFLINE  # conftest: the Hub is never reached
-    return cache
-
-
 def timm_naflex_repo(cache: Path, name: str) -> str:
     """The fixture `name` (timm's Hub layout: config.json, model.safetensors) as a cached Hub repository."""
     repo_id = f"timm/naflexvit_tiny_{name}.test"

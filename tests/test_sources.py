@@ -33,18 +33,6 @@ def hub_repo(cache: Path, repo_id: str) -> Path:
     return snapshot
 
 
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    import huggingface_hub.constants
-
-    cache = tmp_path / "hub"
-    cache.mkdir()
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    assert huggingface_hub.constants.HF_HUB_OFFLINE  # conftest: the Hub is never reached
-    return cache
-
-
 def transformers_vit(model_class, **extra):
     torch.manual_seed(0)
     config = ViTConfig(image_size=32, patch_size=8, **SIZES, **extra)
