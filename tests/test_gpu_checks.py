@@ -23,7 +23,13 @@ CPU_CHECKS = [
     "onnx_export_of_a_trained_model",
     "native_aspect_batches",
 ]
-CUDA_CHECKS = ["finetune_bf16_compiled_from_hub_id", "resume_after_a_kill", "fsdp_through_accelerate"]
+CUDA_CHECKS = [
+    "finetune_bf16_compiled_from_hub_id",
+    "resume_after_a_kill",
+    "recipe_deit_resumes_bit_for_bit",
+    "ema_update_cost",
+    "fsdp_through_accelerate",
+]
 
 
 def test_cpu_part_passes_and_names_what_needs_a_gpu(tmp_path, capsys):
