@@ -46,6 +46,7 @@ from ..model.image_processing_vit import (
     to_resampling,
 )
 from .rand_augment import RandAugment
+from .random_erasing import RandomErasing
 
 _IMAGE_DECODER = datasets.Image()
 _EXIF_ORIENTATION = 0x0112
@@ -144,6 +145,9 @@ def make_train_transform(
     hflip: bool = True,
     seed: int | None = None,
     rand_augment: str | None = None,
+    reprob: float = 0.0,
+    remode: str = "pixel",
+    recount: int = 1,
 ) -> Transform:
     """Batch transform for training: random resized crop, random horizontal flip, then the processor's normalisation.
 
@@ -156,7 +160,9 @@ def make_train_transform(
     the output equals `processor(images)`. The flip (probability 1/2, when `hflip`; keep it off for digits and text)
     comes next, then RandAugment when `rand_augment` gives its policy in timm's
     notation (`rand_augment.RandAugment`: on the uint8 image, areas it uncovers filled with the processor's mean
-    colour), and the processor's `normalize_batch` last, once per batch. With
+    colour), and the processor's `normalize_batch`, once per batch; last, with `reprob` > 0, random erasing
+    (`random_erasing.RandomErasing` with `remode` and `recount`) of each normalised image in turn, a native-aspect
+    image within its own size before it is cut into patches. With
     `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
     (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
 
@@ -187,6 +193,12 @@ def make_train_transform(
     if rand_augment:
         fill = tuple(round(255 * float(m)) for m in processor.image_mean)
         augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
+    erasing = RandomErasing(reprob, remode, recount) if reprob else None
+    if erasing is not None and not processor.do_normalize:
+        raise ValueError(
+            "--reprob fills the erased rectangles with the noise of normalised pixels (mean 0, std 1), but the "
+            "processor does not normalise (do_normalize=False): normalise, or drop --reprob."
+        )
 
     def size_for(height: int, width: int) -> tuple[int, int]:
         """The size a crop (or image) of `height` x `width` is resized to: the processor's, or with `max_num_patches`
@@ -241,12 +253,18 @@ def make_train_transform(
             images = [image.float() for image in images]
         if native is not None:  # images of their own sizes: normalised one by one, as the processor's patches
             normalised = [processor.normalize_batch(image[None])[0] for image in images]
+            if erasing is not None:
+                normalised = [erasing(image, generator) for image in normalised]
             patches = native_patch_batch(normalised, patch, _BATCH_MAX_NUM_PATCHES.get() or native)
             return {**patches, **_with_labels(patches["pixel_values"], batch)}
         # Stacked channels-last (the layout PIL and the uint8 resize give), so that normalising converts to float and
         # to channels-first in one pass over the batch.
         stacked = torch.stack([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)
-        return _with_labels(processor.normalize_batch(stacked), batch)
+        normalised = processor.normalize_batch(stacked)
+        if erasing is not None:
+            for image in normalised:
+                erasing(image, generator)
+        return _with_labels(normalised, batch)
 
     return transform
 
