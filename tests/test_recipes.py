@@ -529,8 +529,11 @@ def test_random_erasing_in_the_training_transform():
         image = plain["pixel_values"][row, : rows * cols].view(rows, cols, 4, 4, 3).permute(4, 0, 2, 1, 3)
         own.append(RandomErasing(1.0)(image.reshape(3, rows * 4, cols * 4).clone(), generator))
     assert torch.equal(erased["pixel_values"], native_patch_batch(own, 4, 12)["pixel_values"])
+    assert not torch.equal(erased["pixel_values"], plain["pixel_values"])
     with pytest.raises(ValueError, match="--reprob .*do_normalize=False"):
         make_train_transform(VisionTransformerImageProcessor(size=16, do_normalize=False), reprob=0.5)
+    with pytest.raises(ValueError, match="--remode must be one of"):
+        make_train_transform(processor, remode="noise")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from ..model.image_processing_vit import (
     to_resampling,
 )
 from .rand_augment import RandAugment
-from .random_erasing import RandomErasing
+from .random_erasing import RandomErasing, check_random_erasing
 
 _IMAGE_DECODER = datasets.Image()
 _EXIF_ORIENTATION = 0x0112
@@ -193,6 +193,7 @@ def make_train_transform(
     if rand_augment:
         fill = tuple(round(255 * float(m)) for m in processor.image_mean)
         augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
+    check_random_erasing(reprob, remode, recount)
     erasing = RandomErasing(reprob, remode, recount) if reprob else None
     if erasing is not None and not processor.do_normalize:
         raise ValueError(
