@@ -210,7 +210,8 @@ class DataArguments:
         metadata={
             "help": "Random erasing (timm's --reprob): the probability that a training image, once normalised, has "
             "rectangles erased, each of 0.02 to 1/3 of its area (divided by their count) at an aspect ratio in "
-            "0.3-3.3, seeded per image and epoch. Default 0: off."
+            "0.3-3.3, seeded per image and epoch. Default 0: off. Classification only: refused with --objective "
+            "mpp, whose targets are the pixels it would erase."
         },
     )
     remode: str = field(
