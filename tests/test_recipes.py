@@ -419,10 +419,12 @@ def test_operations_match_pillows(magnitude_max):
     fill = (124, 116, 104)
     augment = RandAugment(RandAugmentPolicy(magnitude_max=magnitude_max), fill=fill, resample="bilinear")
     rgb = _photo()
+    two_levels = np.where(rgb > 120, 200, 30).astype(np.uint8)  # a histogram of two levels per channel
+    flat = np.full_like(rgb, 77)  # one level: AutoContrast and Equalize leave it
     worst = {}
     for name in OPERATIONS:
         for magnitude in np.linspace(0, magnitude_max, 7):
-            for seed, image in ((0, rgb), (1, rgb), (2, rgb[..., :1])):
+            for seed, image in ((0, rgb), (1, rgb), (2, rgb[..., :1]), (3, two_levels), (4, flat)):
                 ours = augment.apply(image, name, magnitude, torch.Generator().manual_seed(seed))
                 pils = augment.apply(image, name, magnitude, torch.Generator().manual_seed(seed), reference=True)
                 assert ours.shape == image.shape and ours.dtype == np.uint8, name

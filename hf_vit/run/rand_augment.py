@@ -133,11 +133,12 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator))
 
 
-def _signed(value: float, generator: torch.Generator | None) -> float:
-    return -value if _uniform(generator) > 0.5 else value
+def _signed(value: float, draw: float | torch.Generator | None) -> float:
+    """`value` negated when the uniform `draw` (or one drawn from the generator `draw`) is above 1/2."""
+    return -value if (draw if isinstance(draw, float) else _uniform(draw)) > 0.5 else value
 
 
-# Each level function maps (magnitude, generator) to the operation's argument, as timm's LEVEL_TO_ARG.
+# Each level function maps (magnitude, sign draw) to the operation's argument, as timm's LEVEL_TO_ARG.
 def _rotate_level(m, g):
     return _signed(m / LEVEL_DENOM * 30.0, g)
 
@@ -243,8 +244,8 @@ def _matrix(name: str, argument: float, width: int, height: int) -> tuple[float,
 # Pillow samples each pixel in float64 and truncates: where its value lands a hair below a whole number (a neighbour
 # difference times a fraction that should be whole), the float32 one, nudged by `_ROUNDING`, gives that whole number,
 # one more; so those differ by at most 1, on a few percent of the pixels (tests/test_recipes.py measures it against
-# Pillow). AutoContrast, Equalize, Color and Rotate run in Pillow, as do the geometric operations with nearest or
-# bicubic resampling.
+# Pillow). AutoContrast and Equalize build their tables here from Pillow's histogram; Color and Rotate run in Pillow,
+# as do the geometric operations with nearest or bicubic resampling.
 
 
 def _blend(degenerate: np.ndarray | float, image: np.ndarray, factor: float) -> np.ndarray:
@@ -276,6 +277,44 @@ def _color(image: np.ndarray, factor: float) -> np.ndarray:
         return image
     pil = _array_to_pil(image)  # Pillow's grey, back to RGB, and its blend: three passes in C
     return _pil_to_array(PIL.Image.blend(pil.convert("L").convert("RGB"), pil, factor))
+
+
+def _by_table(image: np.ndarray, tables) -> np.ndarray:
+    """`image` through a lookup table per channel (Pillow's `point`, one pass in C); `tables(histograms)` makes the
+    [C, 256] tables from the image's [C, 256] histograms."""
+    pil = _array_to_pil(image)
+    histograms = np.asarray(pil.histogram(), dtype=np.int64).reshape(-1, 256)
+    return _pil_to_array(pil.point(np.clip(tables(histograms), 0, 255).reshape(-1).tolist()))
+
+
+def _autocontrast_tables(histograms: np.ndarray) -> np.ndarray:
+    """ImageOps.autocontrast's tables: each channel's darkest level to 0, its lightest to 255, linearly (truncated)."""
+    levels = np.arange(256)
+    tables = np.empty_like(histograms)
+    for channel, histogram in enumerate(histograms):
+        present = np.flatnonzero(histogram)
+        low, high = present[0], present[-1]
+        if high <= low:
+            tables[channel] = levels
+        else:
+            scale = 255.0 / (high - low)
+            tables[channel] = (levels * scale + -low * scale).astype(np.int64)
+    return tables
+
+
+def _equalize_tables(histograms: np.ndarray) -> np.ndarray:
+    """ImageOps.equalize's tables: level i to (step // 2 + the count below i) // step, step the count without the
+    lightest level over 255; unchanged when a channel has one level or step is 0."""
+    tables = np.empty_like(histograms)
+    for channel, histogram in enumerate(histograms):
+        present = histogram[histogram > 0]
+        step = (int(present.sum()) - int(present[-1])) // 255 if present.size > 1 else 0
+        if step == 0:
+            tables[channel] = np.arange(256)
+        else:
+            below = np.concatenate([[0], np.cumsum(histogram)[:-1]])
+            tables[channel] = (step // 2 + below) // step
+    return tables
 
 
 def _sharpness(image: np.ndarray, factor: float) -> np.ndarray:
@@ -453,14 +492,10 @@ def _geometric(name: str) -> Callable:
     return operation
 
 
-def _pil_fallback(name: str) -> Callable:
-    return lambda image, argument, fill, resample: _via_pil(image, name, argument, None, resample)
-
-
 _ARRAY_OPERATIONS: dict[str, Callable] = {
     # name: operation(image [H, W, C] uint8, argument, fill [C] uint8, resample) -> new array (or `image` unchanged)
-    "AutoContrast": _pil_fallback("AutoContrast"),  # a histogram and a table: Pillow's own are as fast
-    "Equalize": _pil_fallback("Equalize"),
+    "AutoContrast": lambda im, a, f, r: _by_table(im, _autocontrast_tables),
+    "Equalize": lambda im, a, f, r: _by_table(im, _equalize_tables),
     "Invert": lambda im, a, f, r: np.uint8(255) - im,
     "Rotate": _geometric("Rotate"),
     "Posterize": lambda im, a, f, r: _posterize(im, a),
@@ -542,23 +577,29 @@ class RandAugment:
         self.resample = _resampling(resample)
 
     def magnitude(self, generator: torch.Generator | None) -> float:
+        return self._magnitude(_uniform(generator), float(torch.randn((), generator=generator)))
+
+    def _magnitude(self, uniform: float, normal: float) -> float:
+        """The policy's magnitude, with its noise (`normal` times mstd, or `uniform` times m when mstd is above 100),
+        clipped to [0, mmax]."""
         policy = self.policy
         magnitude = policy.magnitude
         if policy.magnitude_std == math.inf:
-            magnitude = _uniform(generator) * magnitude
+            magnitude = uniform * magnitude
         elif policy.magnitude_std > 0:
-            magnitude = magnitude + policy.magnitude_std * float(torch.randn((), generator=generator))
+            magnitude = magnitude + policy.magnitude_std * normal
         return max(0.0, min(magnitude, policy.magnitude_max))
 
     def _fill_for(self, channels: int) -> np.ndarray:
         fill = (self.fill,) * channels if isinstance(self.fill, int) else tuple(self.fill)[:channels]
         return np.asarray(fill * (channels // len(fill)), dtype=np.uint8)
 
-    def apply(self, image, name: str, magnitude: float, generator=None, *, reference: bool = False):
-        """One operation at `magnitude` (its random sign, if any, drawn from `generator`) on a uint8 [H, W, C] array
-        or a PIL image (returned as the same kind). `reference` runs Pillow's implementation (timm's) instead."""
+    def apply(self, image, name: str, magnitude: float, sign=None, *, reference: bool = False):
+        """One operation at `magnitude` on a uint8 [H, W, C] array or a PIL image (returned as the same kind); its
+        sign, for the operations that take one, is - when `sign` (a uniform draw, or a generator to draw it from) is
+        above 1/2. `reference` runs Pillow's implementation (timm's) instead."""
         level, operation = OPERATIONS[name]
-        argument = level(magnitude, generator) if level is not None else None
+        argument = level(magnitude, sign) if level is not None else None
         as_pil = isinstance(image, PIL.Image.Image)
         array = _pil_to_array(image) if as_pil else image
         fill = self._fill_for(array.shape[2])
@@ -574,16 +615,20 @@ class RandAugment:
                 f"--rand_augment works on grey or RGB images (1 or 3 channels), got an image of shape "
                 f"{tuple(pixels.shape)}: drop --rand_augment for images of other channels."
             )
-        ops = self.policy.ops
-        chosen = torch.randint(len(ops), (self.policy.num_ops,), generator=generator).tolist()
+        ops, count = self.policy.ops, self.policy.num_ops
+        chosen = torch.randint(len(ops), (count,), generator=generator).tolist()
+        # each operation's draws at once: whether it applies (below 1/2), its sign, its magnitude's noise
+        uniforms = torch.rand((count, 2 + (self.policy.magnitude_std == math.inf)), generator=generator).tolist()
+        noisy = 0 < self.policy.magnitude_std < math.inf
+        normals = torch.randn(count, generator=generator).tolist() if noisy else [0.0] * count
         image = None
-        for index in chosen:
-            if _uniform(generator) > 0.5:  # each operation applies with probability 1/2
+        for index, draws, normal in zip(chosen, uniforms, normals):
+            if draws[0] > 0.5:  # each operation applies with probability 1/2
                 continue
-            magnitude = self.magnitude(generator)
+            magnitude = self._magnitude(draws[-1], normal)
             if image is None:  # the [C, H, W] tensor as an [H, W, C] array (no copy in the pixel path's layout)
                 image = np.ascontiguousarray(_to_uint8(pixels).permute(1, 2, 0).numpy())
-            image = self.apply(image, ops[index], magnitude, generator)
+            image = self.apply(image, ops[index], magnitude, draws[1])
         if image is None:
             return pixels
         if not image.flags.writeable:  # an array Pillow handed back
