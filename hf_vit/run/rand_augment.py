@@ -255,7 +255,8 @@ def _blend(degenerate: np.ndarray | float, image: np.ndarray, factor: float) -> 
     out -= degenerate
     out *= np.float32(factor)
     out += degenerate
-    np.clip(out, 0, 255, out=out)
+    if not 0 <= factor <= 1:  # between the two images the values stay in 0..255 (truncating -0.0001 gives 0)
+        np.clip(out, 0, 255, out=out)
     return out.astype(np.uint8)
 
 
