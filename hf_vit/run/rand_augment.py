@@ -244,8 +244,8 @@ def _matrix(name: str, argument: float, width: int, height: int) -> tuple[float,
 # Pillow samples each pixel in float64 and truncates: where its value lands a hair below a whole number (a neighbour
 # difference times a fraction that should be whole), the float32 one, nudged by `_ROUNDING`, gives that whole number,
 # one more; so those differ by at most 1, on a few percent of the pixels (tests/test_recipes.py measures it against
-# Pillow). AutoContrast and Equalize build their tables here from Pillow's histogram; Color and Rotate run in Pillow,
-# as do the geometric operations with nearest or bicubic resampling.
+# Pillow). AutoContrast, Equalize, Color and Rotate run in Pillow, as do the geometric operations with nearest or
+# bicubic resampling.
 
 
 def _blend(degenerate: np.ndarray | float, image: np.ndarray, factor: float) -> np.ndarray:
@@ -278,44 +278,6 @@ def _color(image: np.ndarray, factor: float) -> np.ndarray:
         return image
     pil = _array_to_pil(image)  # Pillow's grey, back to RGB, and its blend: three passes in C
     return _pil_to_array(PIL.Image.blend(pil.convert("L").convert("RGB"), pil, factor))
-
-
-def _by_table(image: np.ndarray, tables) -> np.ndarray:
-    """`image` through a lookup table per channel (Pillow's `point`, one pass in C); `tables(histograms)` makes the
-    [C, 256] tables from the image's [C, 256] histograms."""
-    pil = _array_to_pil(image)
-    histograms = np.asarray(pil.histogram(), dtype=np.int64).reshape(-1, 256)
-    return _pil_to_array(pil.point(np.clip(tables(histograms), 0, 255).reshape(-1).tolist()))
-
-
-def _autocontrast_tables(histograms: np.ndarray) -> np.ndarray:
-    """ImageOps.autocontrast's tables: each channel's darkest level to 0, its lightest to 255, linearly (truncated)."""
-    levels = np.arange(256)
-    tables = np.empty_like(histograms)
-    for channel, histogram in enumerate(histograms):
-        present = np.flatnonzero(histogram)
-        low, high = present[0], present[-1]
-        if high <= low:
-            tables[channel] = levels
-        else:
-            scale = 255.0 / (high - low)
-            tables[channel] = (levels * scale + -low * scale).astype(np.int64)
-    return tables
-
-
-def _equalize_tables(histograms: np.ndarray) -> np.ndarray:
-    """ImageOps.equalize's tables: level i to (step // 2 + the count below i) // step, step the count without the
-    lightest level over 255; unchanged when a channel has one level or step is 0."""
-    tables = np.empty_like(histograms)
-    for channel, histogram in enumerate(histograms):
-        present = histogram[histogram > 0]
-        step = (int(present.sum()) - int(present[-1])) // 255 if present.size > 1 else 0
-        if step == 0:
-            tables[channel] = np.arange(256)
-        else:
-            below = np.concatenate([[0], np.cumsum(histogram)[:-1]])
-            tables[channel] = (step // 2 + below) // step
-    return tables
 
 
 def _sharpness(image: np.ndarray, factor: float) -> np.ndarray:
@@ -495,8 +457,8 @@ def _geometric(name: str) -> Callable:
 
 _ARRAY_OPERATIONS: dict[str, Callable] = {
     # name: operation(image [H, W, C] uint8, argument, fill [C] uint8, resample) -> new array (or `image` unchanged)
-    "AutoContrast": lambda im, a, f, r: _by_table(im, _autocontrast_tables),
-    "Equalize": lambda im, a, f, r: _by_table(im, _equalize_tables),
+    "AutoContrast": lambda im, a, f, r: _via_pil(im, "AutoContrast", a, None, r),  # a histogram and a table each:
+    "Equalize": lambda im, a, f, r: _via_pil(im, "Equalize", a, None, r),  # numpy's are no faster than Pillow's
     "Invert": lambda im, a, f, r: np.uint8(255) - im,
     "Rotate": _geometric("Rotate"),
     "Posterize": lambda im, a, f, r: _posterize(im, a),
