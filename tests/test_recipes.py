@@ -404,6 +404,59 @@ def test_geometric_operations_move_pixels_by_their_magnitude():
     assert set(OPERATIONS) >= set(parse_rand_augment("rand").ops) | set(parse_rand_augment("rand-inc1").ops)
 
 
+def _photo(height=37, width=52):
+    """A photograph's crop (scikit-learn's sample photo), of odd, non-square size: edges, flat areas and texture."""
+    from sklearn.datasets import load_sample_images
+
+    photo = load_sample_images().images[0]
+    return np.ascontiguousarray(photo[200 : 200 + height * 4 : 4, 300 : 300 + width * 4 : 4])
+
+
+@pytest.mark.parametrize("magnitude_max", [10, 15])
+def test_operations_match_pillows(magnitude_max):
+    """Each operation on uint8 arrays against Pillow's own (the calls timm makes), for RGB and grey, every magnitude
+    step and both signs, bilinear, with a fill colour: the colour operations and Pillow-run rotations give the same
+    pixels; the shears and translations (interpolated here in float32, in float64 by Pillow) differ by at most 1,
+    on few pixels, and fill exactly the pixels Pillow fills."""
+    fill = (124, 116, 104)
+    augment = RandAugment(RandAugmentPolicy(magnitude_max=magnitude_max), fill=fill, resample="bilinear")
+    rgb = _photo()
+    two_levels = np.where(rgb > 120, 200, 30).astype(np.uint8)  # a histogram of two levels per channel
+    flat = np.full_like(rgb, 77)  # one level: AutoContrast and Equalize leave it
+    worst = {}
+    for name in OPERATIONS:
+        for magnitude in np.linspace(0, magnitude_max, 7):
+            for seed, image in ((0, rgb), (1, rgb), (2, rgb[..., :1]), (3, two_levels), (4, flat)):
+                ours = augment.apply(image, name, magnitude, torch.Generator().manual_seed(seed))
+                pils = augment.apply(image, name, magnitude, torch.Generator().manual_seed(seed), reference=True)
+                assert ours.shape == image.shape and ours.dtype == np.uint8, name
+                difference = np.abs(ours.astype(int) - pils.astype(int))
+                worst[name] = max(worst.get(name, (0, 0.0)), (int(difference.max()), float((difference > 0).mean())))
+                # the filled pixels are Pillow's: a pixel of the fill colour in one is the fill colour in the other
+                filled_pil = (pils == np.array(fill[: image.shape[2]], np.uint8)).all(axis=2)
+                filled_ours = (ours == np.array(fill[: image.shape[2]], np.uint8)).all(axis=2)
+                assert (filled_pil == filled_ours).mean() > 0.99, name
+    geometric = {"ShearX", "ShearY", "TranslateXRel", "TranslateYRel"}
+    for name, (largest, share) in worst.items():
+        if name in geometric:
+            assert largest <= 1 and share < 0.1, (name, largest, share)
+        else:
+            assert largest == 0, (name, largest, share)
+
+
+def test_rand_augment_takes_either_layout_and_leaves_its_input():
+    """The pixel path's channels-last tensors and contiguous [C, H, W] ones give the same images; the input is never
+    written to."""
+    augment = RandAugment("rand-m9-mstd0.5-inc1-n3", fill=(124, 116, 104))
+    photo = torch.from_numpy(_photo())
+    channels_last, planar = photo.permute(2, 0, 1), photo.permute(2, 0, 1).contiguous()
+    for seed in range(12):
+        before = planar.clone()
+        first = augment(channels_last, torch.Generator().manual_seed(seed))
+        second = augment(planar, torch.Generator().manual_seed(seed))
+        assert torch.equal(first, second) and torch.equal(planar, before) and torch.equal(channels_last, before)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Random erasing
 
