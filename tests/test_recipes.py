@@ -845,6 +845,24 @@ def test_rand_augment_in_the_training_transform_is_seeded_per_example():
     assert first["pixel_values"].shape == plain["pixel_values"].shape
 
 
+def test_measuring_a_train_split_sees_no_augmentation():
+    """`evaluate_model` on the train split with the recipes' augmentations in the data arguments measures the
+    processor's pixels, as a plain evaluation of that split does: the same accuracy, twice."""
+    from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
+    from hf_vit.run.arguments import DataArguments
+    from hf_vit.run.evaluation import evaluate_model
+
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(tiny_config(image_size=16, patch_size=8, num_labels=10)).eval()
+    with torch.no_grad():
+        model.classifier.weight.normal_(0, 1.0)  # a head that is not zero, so that the pixels decide the predictions
+    processor = VisionTransformerImageProcessor(size={"height": 16, "width": 16})
+    augmented = DataArguments(rand_augment="rand-m9-n3-mstd0.5", reprob=1.0, max_train_samples=96)
+    plain = evaluate_model(model, processor, DataArguments(max_train_samples=96), split="train")
+    measured = [evaluate_model(model, processor, augmented, split="train") for _ in range(2)]
+    assert measured[0] == measured[1] == plain
+
+
 def test_recipe_run_saves_the_average_and_resumes_bit_for_bit(tmp_path, caplog):
     """A fine-tuning run with every recipe part on (layer decay, EMA with warmup, Mixup and CutMix with label
     smoothing, RandAugment, the recipe's random erasing, dropout), checkpointed every 2 steps and evaluated every 3,

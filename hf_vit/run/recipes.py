@@ -420,7 +420,6 @@ def recipe_card_text(task: str, model_args: Any, data_args: Any, training_args: 
         )
     )
     text += drawn_sizes_text(data_args, training_args)
-    text += drawn_sizes_text(data_args, training_args)
     name = getattr(training_args, "recipe", None)
     if name is not None:
         given = set(getattr(training_args, "recipe_flags_given", ()))

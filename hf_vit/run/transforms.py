@@ -1,13 +1,14 @@
 """Torch-only transforms from a data set's images to model inputs, for training `hf_vit` models with
 `transformers.Trainer`.
 
-Transforms: `make_train_transform` (random resized crop, optional horizontal flip) and `make_eval_transform` (the
-image processor alone) map a batch `{"image": [...], "label": [...]}` to `{"pixel_values": float32 [N, 3, H, W],
-"labels": int64 [N]}`. Both take their pixels from the image processor's own path (`load_images` for decoding, EXIF
-orientation, RGB conversion with transparency on white and 16-bit scaling; `resize_images`; `normalize_batch`), so
-training sees exactly the pixels inference sees; the training transform only adds the crop and the flip. Use them
-through `apply_transforms(ds, train_transform, eval_transform)` and `collate_fn` as the Trainer's `data_collator`
-(with `remove_unused_columns=False`, since the transforms read the `image` and `label` columns).
+Transforms: `make_train_transform` (random resized crop, optional horizontal flip, RandAugment, random erasing) and
+`make_eval_transform` (the image processor alone) map a batch `{"image": [...], "label": [...]}` to `{"pixel_values":
+float32 [N, 3, H, W], "labels": int64 [N]}`. Both take their pixels from the image processor's own path (`load_images`
+for decoding, EXIF orientation, RGB conversion with transparency on white and 16-bit scaling; `resize_images`;
+`normalize_batch`), so training sees exactly the pixels inference sees; the training transform only adds its
+augmentations. Use them through `apply_transforms(ds, train_transform, eval_transform)` and `collate_fn` as the
+Trainer's `data_collator` (with `remove_unused_columns=False`, since the transforms read the `image` and `label`
+columns).
 
 Corrupt images fail loudly: an image that cannot be decoded raises `CorruptImageError` naming its file (or its size
 in bytes) and its position in the batch, chaining PIL's error. Nothing is dropped silently, because that would
