@@ -11,11 +11,11 @@ patch prediction trains; attention capture matches `output_attentions`; ONNX exp
 matches it in onnxruntime; a padded native-aspect batch gives eager's logits in every attention implementation that
 loads (flash and flex attention included). On CUDA only (printed as skipped elsewhere, with the reason):
 `scripts/finetune.py --bf16 --torch_compile` from a Hub id whose checkpoint is in an offline Hub cache; resuming
-after the run was killed; the DeiT recipe (`--recipe deit --layer_decay 0.75 --bf16`: RandAugment, Mixup/CutMix,
-label smoothing, EMA) saving the EMA as its model and resuming after a kill bit for bit; the EMA update's kernels
-(the multi-tensor path) and its cost against a ViT-S/16 bf16 training step; FSDP through `accelerate launch
---config_file configs/accelerate/fsdp.yaml` on one GPU (the checkpoints are FSDP's sharded ones, the saved model is
-consolidated). `--trainer_on_cpu` runs all but FSDP on CPU too (minutes).
+after the run was killed; the DeiT recipe (`--recipe deit --layer_decay 0.75 --bf16`: RandAugment, random erasing,
+Mixup/CutMix, label smoothing, EMA) saving the EMA as its model and resuming after a kill bit for bit; the EMA
+update's kernels (the multi-tensor path) and its cost against a ViT-S/16 bf16 training step; FSDP through `accelerate
+launch --config_file configs/accelerate/fsdp.yaml` on one GPU (the checkpoints are FSDP's sharded ones, the saved
+model is consolidated). `--trainer_on_cpu` runs all but FSDP on CPU too (minutes).
 
 Exit status 1 when any check failed. Not run in CI: the test suite runs the CPU part (tests/test_gpu_checks.py).
 """
@@ -520,12 +520,12 @@ RECIPE_STEPS = 12
 
 @check(cuda_only=True)
 def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
-    """`finetune.py --recipe deit --layer_decay 0.75 --bf16` (RandAugment, Mixup/CutMix, label smoothing, stochastic
-    depth, AdamW in layer-decay groups, EMA with warmup) for 12 steps, a checkpoint every 4: the saved model is the
-    EMA, equal to the last checkpoint's EMA state and not to its raw weights; a second run, killed after its first
-    checkpoint and resumed, ends bit for bit as the first (model, raw weights and EMA). Eager attention and
-    `--full_determinism`: SDPA's flash backward sums with atomics, and cuDNN may choose non-deterministic kernels,
-    so that two uninterrupted runs would differ in the last bits without them."""
+    """`finetune.py --recipe deit --layer_decay 0.75 --bf16` (RandAugment, random erasing, Mixup/CutMix, label
+    smoothing, stochastic depth, AdamW in layer-decay groups, EMA with warmup) for 12 steps, a checkpoint every 4:
+    the saved model is the EMA, equal to the last checkpoint's EMA state and not to its raw weights; a second run,
+    killed after its first checkpoint and resumed, ends bit for bit as the first (model, raw weights and EMA).
+    Eager attention and `--full_determinism`: SDPA's fused backward kernels may sum with atomics, cuDNN may choose
+    non-deterministic kernels, so that two uninterrupted runs would differ in the last bits without them."""
     _trainer_skip(smoke, cpu_ok=True)
     from hf_vit.run.ema import EMA_FILE
 
