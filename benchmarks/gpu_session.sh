@@ -4,6 +4,7 @@
 # lacks as wheels (.whl/) and for carrying the results from one part to the next.
 #
 #   bash benchmarks/gpu_session.sh 1   the smoke checks (benchmarks/gpu_checks.py) and the end-to-end runs (ViT-B/16, S/16)
+#   bash benchmarks/gpu_session.sh smoke   part 1's smoke checks alone (for a short device budget)
 #   bash benchmarks/gpu_session.sh 2   eager rows of ViT-S/16, B/16 and L/16, then compiled rows of ViT-S/16
 #   bash benchmarks/gpu_session.sh 3   compiled rows of ViT-B/16 (with a profile of its training step)
 #   bash benchmarks/gpu_session.sh 4   compiled rows of ViT-L/16
@@ -13,7 +14,7 @@
 # that comes back from one part into docs/ before the next. Each step has its own `timeout`, and gpu.py its time
 # budget, so that a part ends inside its 10 minutes with what it measured.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_session.sh 1|2|3|4|quick}
+part=${1:?usage: bash benchmarks/gpu_session.sh 1|2|3|4|smoke|quick}
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
 PY=${PY:-python3}
@@ -60,6 +61,9 @@ print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.c
     | tee -a "$OUT/packages.txt"
 
 case "$part" in
+smoke)
+    step 330 smoke "$PY" benchmarks/gpu_checks.py --json "$OUT/smoke.json" ${SMOKE_KEEP:+--keep "$SMOKE_KEEP"}
+    ;;
 1)
     # SMOKE_KEEP=/tmp/smoke keeps the checks' scratch folder (the training runs' logs) to look into afterwards.
     # About 280 s on an H100 by estimate (not yet measured): 330 s leaves room.
@@ -94,7 +98,7 @@ quick)
     step 120 gpu_quick "$PY" benchmarks/gpu.py --quick --json "$OUT/benchmarks_gpu.json"
     ;;
 *)
-    echo "unknown part $part: use 1, 2, 3, 4 or quick" >&2
+    echo "unknown part $part: use 1, 2, 3, 4, smoke or quick" >&2
     exit 2
     ;;
 esac
