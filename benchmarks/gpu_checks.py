@@ -515,13 +515,13 @@ def _differing(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) 
     )
 
 
-RECIPE_STEPS = 12
+RECIPE_STEPS = 60  # at 12 steps an H200 finished the run before the kill could land
 
 
 @check(cuda_only=True)
 def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
     """`finetune.py --recipe deit --layer_decay 0.75 --bf16` (RandAugment, random erasing, Mixup/CutMix, label
-    smoothing, stochastic depth, AdamW in layer-decay groups, EMA with warmup) for 12 steps, a checkpoint every 4:
+    smoothing, stochastic depth, AdamW in layer-decay groups, EMA with warmup) for 60 steps, a checkpoint every 10:
     the saved model is the EMA, equal to the last checkpoint's EMA state and not to its raw weights; a second run,
     killed after its first checkpoint and resumed, ends bit for bit as the first (model, raw weights and EMA).
     Eager attention and `--full_determinism`: SDPA's fused backward kernels may sum with atomics, cuDNN may choose
@@ -529,7 +529,7 @@ def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
     _trainer_skip(smoke, cpu_ok=True)
     from hf_vit.run.ema import EMA_FILE
 
-    extra = ["--recipe", "deit", "--layer_decay", "0.75", "--save_strategy", "steps", "--save_steps", "4"]
+    extra = ["--recipe", "deit", "--layer_decay", "0.75", "--save_strategy", "steps", "--save_steps", "10"]
     extra += ["--attn_implementation", "eager", "--full_determinism", "True"]
     extra += ["--bf16"] if smoke.cuda else []
     env = trainer_env(smoke)

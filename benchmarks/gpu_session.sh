@@ -61,8 +61,10 @@ print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.c
     | tee -a "$OUT/packages.txt"
 
 case "$part" in
-smoke)
-    step 330 smoke "$PY" benchmarks/gpu_checks.py --json "$OUT/smoke.json" ${SMOKE_KEEP:+--keep "$SMOKE_KEEP"}
+smoke)  # SMOKE_ONLY="check ..." runs some of the checks (a rerun of those that failed)
+    # shellcheck disable=SC2086
+    step 330 smoke "$PY" benchmarks/gpu_checks.py --json "$OUT/smoke.json" ${SMOKE_KEEP:+--keep "$SMOKE_KEEP"} \
+        ${SMOKE_ONLY:+--only $SMOKE_ONLY}
     ;;
 1)
     # SMOKE_KEEP=/tmp/smoke keeps the checks' scratch folder (the training runs' logs) to look into afterwards.
