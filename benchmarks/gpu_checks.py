@@ -472,12 +472,17 @@ def resume_to_the_end(smoke: Smoke, args: list[str], env: dict[str, str], killed
     at `--max_steps`. Returns the step it resumed from; its output goes to `<scratch>/<name>-resumed.log`."""
     output_dir = Path(args[args.index("--output_dir") + 1])
     max_steps = int(args[args.index("--max_steps") + 1])
-    # --log_level info: Trainer then says from which step it resumes.
-    done = _run([sys.executable, str(FINETUNE), *args, "--resume_from_checkpoint", "True", "--log_level", "info"], env)
+    # --log_level info: Trainer then says from which step it resumes. The output goes to the log as it comes, so that
+    # a run that stalls (a --recipe deit resume on an H200 did not end within 200 s) leaves where it stopped.
     log = smoke.scratch / f"{name}-resumed.log"
-    log.write_text(done.stdout + done.stderr)
+    command = [sys.executable, str(FINETUNE), *args, "--resume_from_checkpoint", "True", "--log_level", "info"]
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900, cwd=ROOT)
+    said = log.read_text()
+    if done.returncode != 0:
+        raise AssertionError(f"exit status {done.returncode}: {said.strip()[-1500:]}")
     state = json.loads((output_dir / "trainer_state.json").read_text())
-    resumed = re.search(r"Resuming training from checkpoint with epoch \d+ and global step (\d+)", done.stderr)
+    resumed = re.search(r"Resuming training from checkpoint with epoch \d+ and global step (\d+)", said)
     if resumed is None or int(resumed[1]) != killed_at or state["global_step"] != max_steps:
         raise AssertionError(
             f"the second run did not resume from checkpoint-{killed_at} ({resumed and resumed[0]!r}) or ended at step "
