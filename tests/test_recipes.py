@@ -444,6 +444,35 @@ def test_operations_match_pillows(magnitude_max):
             assert largest == 0, (name, largest, share)
 
 
+def test_rand_augment_draws_follow_the_policy():
+    """Over 4,000 images of `rand-m9-mstd0.5-n2`: every operation is chosen about equally often, each applies with
+    probability 1/2, magnitudes are N(9, 0.5) (clipped at 10), signs are + or - one half each; `mstd101` draws the
+    magnitude uniformly in [0, 9]."""
+    drawn = []
+
+    def record(augment):
+        augment.apply = lambda image, name, magnitude, sign=None, **_: drawn.append((name, magnitude, sign)) or image
+        return augment
+
+    image = _image(8)
+    generator = torch.Generator().manual_seed(0)
+    augment = record(RandAugment("rand-m9-mstd0.5-n2"))
+    for _ in range(4000):
+        augment(image, generator)
+    names = [name for name, _, _ in drawn]
+    counts = np.array([names.count(name) for name in augment.policy.ops])
+    assert abs(len(drawn) / 8000 - 0.5) < 0.02 and counts.min() > 0.8 * counts.mean()
+    magnitudes = np.array([m for _, m, _ in drawn])
+    assert abs(magnitudes.mean() - 9) < 0.05 and 0.4 < magnitudes.std() < 0.5 and magnitudes.max() <= 10
+    assert abs(np.mean([sign > 0.5 for _, _, sign in drawn]) - 0.5) < 0.03
+    drawn.clear()
+    augment = record(RandAugment("rand-m9-mstd101"))
+    for _ in range(2000):
+        augment(image, generator)
+    magnitudes = np.array([m for _, m, _ in drawn])
+    assert magnitudes.min() >= 0 and magnitudes.max() <= 9 and abs(magnitudes.mean() - 4.5) < 0.25
+
+
 def test_rand_augment_takes_either_layout_and_leaves_its_input():
     """The pixel path's channels-last tensors and contiguous [C, H, W] ones give the same images; the input is never
     written to."""

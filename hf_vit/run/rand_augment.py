@@ -579,19 +579,20 @@ class RandAugment:
                 f"{tuple(pixels.shape)}: drop --rand_augment for images of other channels."
             )
         ops, count = self.policy.ops, self.policy.num_ops
-        chosen = torch.randint(len(ops), (count,), generator=generator).tolist()
-        # each operation's draws at once: whether it applies (below 1/2), its sign, its magnitude's noise
-        uniforms = torch.rand((count, 2 + (self.policy.magnitude_std == math.inf)), generator=generator).tolist()
-        noisy = 0 < self.policy.magnitude_std < math.inf
-        normals = torch.randn(count, generator=generator).tolist() if noisy else [0.0] * count
+        # All of the image's draws in one call, per operation: which one, whether it applies (below 1/2), its sign,
+        # and its magnitude's noise (uniform, or normal by Box-Muller from two uniforms).
+        draws = torch.rand((count, 6), generator=generator).tolist()
+        chosen = [min(int(row[0] * len(ops)), len(ops) - 1) for row in draws]
+        uniforms = [row[1:4] for row in draws]
+        normals = [math.sqrt(-2 * math.log1p(-row[4])) * math.cos(2 * math.pi * row[5]) for row in draws]
         image = None
-        for index, draws, normal in zip(chosen, uniforms, normals):
-            if draws[0] > 0.5:  # each operation applies with probability 1/2
+        for index, (coin, sign, spread), normal in zip(chosen, uniforms, normals):
+            if coin > 0.5:  # each operation applies with probability 1/2
                 continue
-            magnitude = self._magnitude(draws[-1], normal)
+            magnitude = self._magnitude(spread, normal)
             if image is None:  # the [C, H, W] tensor as an [H, W, C] array (no copy in the pixel path's layout)
                 image = np.ascontiguousarray(_to_uint8(pixels).permute(1, 2, 0).numpy())
-            image = self.apply(image, ops[index], magnitude, draws[1])
+            image = self.apply(image, ops[index], magnitude, sign)
         if image is None:
             return pixels
         if not image.flags.writeable:  # an array Pillow handed back
