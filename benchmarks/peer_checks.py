@@ -9,14 +9,21 @@ implementation, and what it computes is recorded for the tests, which cannot imp
    on it. tests/test_naflex_checkpoints.py loads each folder by Hub id and compares hf-vit's logits with these.
 2. `--resample`: hf-vit's `resample_patch_embedding` against timm's `resample_patch_embed` (bicubic, with and without
    antialiasing, up and down), the largest difference printed (docs/benchmarks.md records them).
+3. `--erasing`: hf-vit's `RandomErasing` against timm's, in distribution (their random streams differ: timm draws
+   from Python's `random` and torch's global generator): over 2000 draws on a 32x32 image at probability 0.5, the
+   share of images erased, the erased rectangles' area and aspect ratio (two-sample Kolmogorov-Smirnov distance
+   against its 0.1% critical value), their position, and the fill's mean and spread; also with up to 3 rectangles.
 
     PYTHONPATH=. $PEER/bin/python benchmarks/peer_checks.py --fixtures tests/data/timm_naflex --resample
+    PYTHONPATH=. $PEER/bin/python benchmarks/peer_checks.py --erasing
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -152,13 +159,109 @@ def compare_resampling() -> list[dict]:
     return rows
 
 
+def _erased_regions(erase, draws: int, size: int) -> list[torch.Tensor]:
+    """`draws` constant images (every value 5), each after `erase` (in place)."""
+    out = []
+    for _ in range(draws):
+        image = torch.full((3, size, size), 5.0)
+        erase(image)
+        out.append(image)
+    return out
+
+
+def _ks_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """The two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical distribution functions."""
+    points = np.concatenate([a, b])
+    return float(np.abs(np.searchsorted(np.sort(a), points, "right") / len(a)
+                        - np.searchsorted(np.sort(b), points, "right") / len(b)).max())  # fmt: skip
+
+
+def _erasing_statistics(images: list[torch.Tensor]) -> dict:
+    erased = [image for image in images if (image != 5.0).any()]
+    masks = [(image != 5.0).any(0) for image in erased]
+    areas, aspects, tops, lefts, fills = [], [], [], [], []
+    for image, mask in zip(erased, masks):
+        rows, cols = mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
+        height, width = int(rows[-1] - rows[0] + 1), int(cols[-1] - cols[0] + 1)
+        areas.append(mask.float().mean().item())
+        aspects.append(math.log(height / width))
+        tops.append(int(rows[0]))
+        lefts.append(int(cols[0]))
+        fills.append(image[:, mask])
+    fill = torch.cat(fills, 1) if fills else torch.zeros(3, 0)
+    return dict(
+        erased=len(erased) / len(images),
+        areas=np.array(areas),
+        log_aspects=np.array(aspects),
+        mean_top=float(np.mean(tops)),
+        mean_left=float(np.mean(lefts)),
+        fill_mean=fill.mean().item(),
+        fill_std=fill.std().item(),
+    )
+
+
+def compare_random_erasing(draws: int = 2000, size: int = 32, probability: float = 0.5) -> list[dict]:
+    """hf-vit's `RandomErasing` against timm's over `draws` images: the same statistics of each, side by side."""
+    import random
+
+    from timm.data.random_erasing import RandomErasing as TimmErasing
+
+    from hf_vit.run.random_erasing import RandomErasing
+
+    rows = []
+    for mode, count in (("pixel", 1), ("pixel", 3), ("rand", 1)):
+        random.seed(0)
+        torch.manual_seed(0)
+        timm_erase = TimmErasing(probability, mode=mode, max_count=count, device="cpu")
+        theirs = _erasing_statistics(_erased_regions(timm_erase, draws, size))
+        ours_erase = functools.partial(
+            RandomErasing(probability, mode, count), generator=torch.Generator().manual_seed(0)
+        )
+        ours = _erasing_statistics(_erased_regions(ours_erase, draws, size))
+        n, m = len(ours["areas"]), len(theirs["areas"])
+        critical = 1.95 * math.sqrt((n + m) / (n * m))  # the KS distance's critical value at the 0.1% level
+        share_sd = math.sqrt(probability * (1 - probability) * 2 / draws)
+        row = dict(
+            mode=mode,
+            count=count,
+            erased=(ours["erased"], theirs["erased"]),
+            mean_area=(float(ours["areas"].mean()), float(theirs["areas"].mean())),
+            ks_area=_ks_distance(ours["areas"], theirs["areas"]),
+            # with several rectangles the bounding box of their union says little about one rectangle's aspect
+            ks_log_aspect=_ks_distance(ours["log_aspects"], theirs["log_aspects"]) if count == 1 else None,
+            mean_top=(ours["mean_top"], theirs["mean_top"]),
+            mean_left=(ours["mean_left"], theirs["mean_left"]),
+            fill_mean=(ours["fill_mean"], theirs["fill_mean"]),
+            fill_std=(ours["fill_std"], theirs["fill_std"]),
+            ks_critical=critical,
+        )
+        row["within"] = bool(
+            abs(ours["erased"] - theirs["erased"]) < 4 * share_sd
+            and row["ks_area"] < critical
+            and (row["ks_log_aspect"] is None or row["ks_log_aspect"] < critical)
+        )
+        rows.append(row)
+        aspect = "" if row["ks_log_aspect"] is None else f", KS log aspect {row['ks_log_aspect']:.3f}"
+        print(
+            f"random erasing {mode} count<={count}, {draws} draws of {size}x{size} at p={probability} "
+            f"(hf-vit / timm): erased {ours['erased']:.3f} / {theirs['erased']:.3f}, mean erased area "
+            f"{row['mean_area'][0]:.4f} / {row['mean_area'][1]:.4f}, KS area {row['ks_area']:.3f}{aspect} "
+            f"(critical {critical:.3f}), mean top {ours['mean_top']:.2f} / {theirs['mean_top']:.2f}, mean left "
+            f"{ours['mean_left']:.2f} / {theirs['mean_left']:.2f}, fill mean {ours['fill_mean']:.3f} / "
+            f"{theirs['fill_mean']:.3f}, fill std {ours['fill_std']:.3f} / {theirs['fill_std']:.3f}: "
+            f"{'within' if row['within'] else 'OUTSIDE'} tolerance"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fixtures", type=Path, help="folder to write the timm NaFlexViT fixtures into")
     parser.add_argument("--resample", action="store_true", help="compare the patch-embedding resampling with timm's")
+    parser.add_argument("--erasing", action="store_true", help="compare random erasing's statistics with timm's")
     args = parser.parse_args(argv)
-    if not args.fixtures and not args.resample:
-        parser.error("give --fixtures DIR and/or --resample")
+    if not args.fixtures and not args.resample and not args.erasing:
+        parser.error("give --fixtures DIR, --resample and/or --erasing")
     torch.set_num_threads(1)
     if args.fixtures:
         for seed, name in enumerate(FIXTURES):
@@ -166,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fixture {args.fixtures / name}: {record['architecture']}, NaFlex grids {record['naflex_grids']}")
     if args.resample:
         compare_resampling()
+    if args.erasing:
+        rows = compare_random_erasing()
+        if not all(row["within"] for row in rows):
+            return 1
     return 0
 
 

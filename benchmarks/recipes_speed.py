@@ -84,7 +84,7 @@ def rand_augment_throughput(count: int, size: int, repeats: int, policy: str) ->
     import numpy as np
 
     images = sample_images(count, size)
-    tensors = [torch.from_numpy(np.asarray(image)).permute(2, 0, 1).contiguous() for image in images]
+    tensors = [torch.from_numpy(np.array(image)).permute(2, 0, 1) for image in images]
     ours = RandAugment(policy, fill=128, resample="bilinear")
     generator = torch.Generator()
     passes = {"hf_vit": 0}
@@ -118,6 +118,37 @@ def rand_augment_throughput(count: int, size: int, repeats: int, policy: str) ->
     result = {"policy": policy, "images": count, "size": size, "images_per_s": rates}
     if "timm" in rates:
         result["hf_vit_over_timm"] = rates["hf_vit"] / rates["timm"]
+        result["pixels_against_timm"] = rand_augment_parity(8, 96, policy)
+    return result
+
+
+def rand_augment_parity(count: int, size: int, policy: str) -> dict:
+    """hf-vit's operations against timm's own (`timm.data.auto_augment.NAME_TO_OP`, the functions its RandAugment
+    calls) with the same argument (each operation's level at magnitudes 0..10 and both signs), on photo crops: the
+    largest pixel difference and the share of pixels that differ, per operation."""
+    import numpy as np
+    import PIL.Image
+    from timm.data import auto_augment
+
+    from hf_vit.run.rand_augment import OPERATIONS
+
+    images = [np.asarray(image) for image in sample_images(count, size)]
+    ours = RandAugment(policy, fill=128, resample="bilinear")
+    kwargs = {"fillcolor": (128, 128, 128), "resample": PIL.Image.Resampling.BILINEAR}
+    result = {}
+    for name in ours.policy.ops:
+        level, _ = OPERATIONS[name]
+        largest, differing, total = 0, 0, 0
+        for magnitude in range(11):
+            for seed, image in enumerate(images):
+                argument = None if level is None else level(magnitude, torch.Generator().manual_seed(seed))
+                mine = ours.apply(image, name, magnitude, torch.Generator().manual_seed(seed))
+                args = () if argument is None else (argument,)
+                theirs = np.asarray(auto_augment.NAME_TO_OP[name](PIL.Image.fromarray(image), *args, **kwargs))
+                difference = np.abs(mine.astype(int) - theirs.astype(int))
+                largest = max(largest, int(difference.max()))
+                differing, total = differing + int((difference > 0).sum()), total + difference.size
+        result[name] = {"largest_difference": largest, "share_differing": differing / total}
     return result
 
 

@@ -1,6 +1,7 @@
 """The recipes' parts, each against a property computed here: layer-wise learning-rate decay (the first SGD update of
 each block), the weights' EMA (its closed form), Mixup/CutMix (the targets as lambda says, the box's area),
-RandAugment (the parser, seeding, and each operation's effect on a small image) and the recipe table."""
+RandAugment (the parser, seeding, and each operation's effect on a small image), random erasing (its rectangles,
+fills and seeding, in the training transform) and the recipe table."""
 
 import json
 import math
@@ -17,6 +18,7 @@ from transformers import TrainerCallback
 from hf_vit.run.ema import WeightAverage, ema_decay_at
 from hf_vit.run.mixing import Mixing, cutmix_box, mix_batch, mixing_seed, smooth_targets, soft_target_cross_entropy
 from hf_vit.run.rand_augment import OPERATIONS, RandAugment, RandAugmentPolicy, from_pil, parse_rand_augment, to_pil
+from hf_vit.run.random_erasing import RandomErasing
 from hf_vit.run.recipes import NAMED_RECIPES, layer_decay_param_groups, layer_of, scaled_learning_rate
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -402,6 +404,191 @@ def test_geometric_operations_move_pixels_by_their_magnitude():
     assert set(OPERATIONS) >= set(parse_rand_augment("rand").ops) | set(parse_rand_augment("rand-inc1").ops)
 
 
+def _photo(height=37, width=52):
+    """A photograph's crop (scikit-learn's sample photo), of odd, non-square size: edges, flat areas and texture."""
+    from sklearn.datasets import load_sample_images
+
+    photo = load_sample_images().images[0]
+    return np.ascontiguousarray(photo[200 : 200 + height * 4 : 4, 300 : 300 + width * 4 : 4])
+
+
+@pytest.mark.parametrize("magnitude_max", [10, 15])
+def test_operations_match_pillows(magnitude_max):
+    """Each operation on uint8 arrays against Pillow's own (the calls timm makes), for RGB and grey, every magnitude
+    step and both signs, bilinear, with a fill colour: the colour operations and Pillow-run rotations give the same
+    pixels; the shears and translations (interpolated here in float32, in float64 by Pillow) differ by at most 1,
+    on few pixels, and fill exactly the pixels Pillow fills."""
+    fill = (124, 116, 104)
+    augment = RandAugment(RandAugmentPolicy(magnitude_max=magnitude_max), fill=fill, resample="bilinear")
+    rgb = _photo()
+    two_levels = np.where(rgb > 120, 200, 30).astype(np.uint8)  # a histogram of two levels per channel
+    flat = np.full_like(rgb, 77)  # one level: AutoContrast and Equalize leave it
+    worst = {}
+    for name in OPERATIONS:
+        for magnitude in np.linspace(0, magnitude_max, 7):
+            for seed, image in ((0, rgb), (1, rgb), (2, rgb[..., :1]), (3, two_levels), (4, flat)):
+                ours = augment.apply(image, name, magnitude, torch.Generator().manual_seed(seed))
+                pils = augment.apply(image, name, magnitude, torch.Generator().manual_seed(seed), reference=True)
+                assert ours.shape == image.shape and ours.dtype == np.uint8, name
+                difference = np.abs(ours.astype(int) - pils.astype(int))
+                worst[name] = max(worst.get(name, (0, 0.0)), (int(difference.max()), float((difference > 0).mean())))
+                # the filled pixels are Pillow's: a pixel of the fill colour in one is the fill colour in the other
+                filled_pil = (pils == np.array(fill[: image.shape[2]], np.uint8)).all(axis=2)
+                filled_ours = (ours == np.array(fill[: image.shape[2]], np.uint8)).all(axis=2)
+                assert (filled_pil == filled_ours).mean() > 0.99, name
+    geometric = {"ShearX", "ShearY", "TranslateXRel", "TranslateYRel"}
+    for name, (largest, share) in worst.items():
+        if name in geometric:
+            assert largest <= 1 and share < 0.1, (name, largest, share)
+        else:
+            assert largest == 0, (name, largest, share)
+
+
+def test_rand_augment_takes_either_layout_and_leaves_its_input():
+    """The pixel path's channels-last tensors and contiguous [C, H, W] ones give the same images; the input is never
+    written to."""
+    augment = RandAugment("rand-m9-mstd0.5-inc1-n3", fill=(124, 116, 104))
+    photo = torch.from_numpy(_photo())
+    channels_last, planar = photo.permute(2, 0, 1), photo.permute(2, 0, 1).contiguous()
+    for seed in range(12):
+        before = planar.clone()
+        first = augment(channels_last, torch.Generator().manual_seed(seed))
+        second = augment(planar, torch.Generator().manual_seed(seed))
+        assert torch.equal(first, second) and torch.equal(planar, before) and torch.equal(channels_last, before)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Random erasing
+
+
+def _changed_boxes_hold(image, before, boxes):
+    """The pixels that changed are exactly those of the returned boxes (their union, when they overlap)."""
+    inside = torch.zeros(image.shape[1:], dtype=torch.bool)
+    for top, left, height, width in boxes:
+        inside[top : top + height, left : left + width] = True
+    return torch.equal((image != before).any(0), inside)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_random_erasing_boxes_follow_the_area_and_aspect_draws(count):
+    """Over many seeds at P=1: the changed pixels are the returned rectangles, each strictly inside the image, its
+    size compatible with a target area in [0.02, 1/3] of the image / count and an aspect in [0.3, 1/0.3] (h and w
+    are rounded square roots, so each is within 0.5 of sqrt(area * aspect) and sqrt(area / aspect)); with recount 3
+    every count 1..3 occurs."""
+    erasing = RandomErasing(1.0, "pixel", count)
+    height, width, counts = 16, 24, set()
+    for seed in range(150):
+        image = torch.full((3, height, width), 5.0)
+        boxes = erasing.erase(image, torch.Generator().manual_seed(seed))
+        assert _changed_boxes_hold(image, torch.full_like(image, 5.0), boxes)
+        counts.add(len(boxes))
+        for top, left, h, w in boxes:
+            assert 0 <= top and top + h <= height and 0 <= left and left + w <= width and h < height and w < width
+            share = height * width / len(boxes)  # no attempt fails at these sizes: as many boxes as the count
+            assert (h - 0.5) * (w - 0.5) <= share / 3 and (h + 0.5) * (w + 0.5) >= 0.02 * share
+            assert (h + 0.5) / max(w - 0.5, 1e-9) >= 0.3 and (h - 0.5) / (w + 0.5) <= 1 / 0.3
+    assert counts == ({1} if count == 1 else {1, 2, 3})
+
+
+def test_random_erasing_fills_probability_and_seeding():
+    image = torch.full((3, 64, 64), 5.0)
+    big = dict(min_area=0.3, max_area=0.3)  # a large box, for the fill's statistics
+
+    def erased(mode, seed, probability=1.0, **fields):
+        out = image.clone()
+        boxes = RandomErasing(probability, mode, **fields).erase(out, torch.Generator().manual_seed(seed))
+        return out, boxes
+
+    # pixel: per-pixel standard normal noise
+    out, [(top, left, h, w)] = erased("pixel", 0, **big)
+    noise = out[:, top : top + h, left : left + w]
+    assert noise.numel() > 3000 and abs(noise.mean().item()) < 0.1 and abs(noise.std().item() - 1) < 0.1
+    assert _changed_boxes_hold(out, image, [(top, left, h, w)])
+    # rand: one normal value per channel, constant over the box, the channels differ
+    out, [(top, left, h, w)] = erased("rand", 0, **big)
+    colour = out[:, top, left]
+    assert torch.equal(out[:, top : top + h, left : left + w], colour[:, None, None].expand(3, h, w))
+    assert len(set(colour.tolist())) == 3
+    # const: zeros (the mean colour of a normalised image)
+    out, [(top, left, h, w)] = erased("const", 0, **big)
+    assert torch.equal(out[:, top : top + h, left : left + w], torch.zeros(3, h, w))
+    # reproducible per seed, different across seeds
+    assert torch.equal(erased("pixel", 3)[0], erased("pixel", 3)[0])
+    assert not torch.equal(erased("pixel", 3)[0], erased("pixel", 4)[0])
+    # P=0: unchanged, and nothing drawn from the generator
+    generator = torch.Generator().manual_seed(1)
+    state = generator.get_state()
+    out = image.clone()
+    assert RandomErasing(0.0).erase(out, generator) == [] and torch.equal(out, image)
+    assert torch.equal(generator.get_state(), state)
+    # P=0.5: about half the images erased (binomial: 400 draws, sd 10)
+    erased_images = sum(bool(erased("pixel", seed, 0.5)[1]) for seed in range(400))
+    assert 160 <= erased_images <= 240
+    with pytest.raises(TypeError, match="float"):
+        RandomErasing(1.0).erase(torch.zeros(3, 8, 8, dtype=torch.uint8))
+
+
+def test_random_erasing_in_the_training_transform():
+    """After normalisation, image by image in order, from the transform's generator: the batch equals the plain
+    transform's batch erased here with a generator of the same seed (crop and flip off, so they draw nothing);
+    the same seed gives the same batch again (a resumed epoch), another seed another; inside DataLoader workers
+    (torch's global generator, seeded per worker and epoch) likewise. Native-aspect images are erased within their
+    own size, before they are cut into patches: the padding stays zeros."""
+    from hf_vit import VisionTransformerImageProcessor
+    from hf_vit.model.image_processing_vit import native_patch_batch
+    from hf_vit.run.transforms import make_train_transform
+
+    images = [PIL.Image.fromarray(np.asarray(_image(24).permute(1, 2, 0))) for _ in range(4)]
+    batch = {"image": images, "label": [0, 1, 2, 3]}
+    processor = VisionTransformerImageProcessor(size={"height": 16, "width": 16})
+
+    def transform(seed, **erasing):
+        return make_train_transform(processor, random_resized_crop=False, hflip=False, seed=seed, **erasing)(batch)
+
+    plain = transform(0)["pixel_values"]
+    generator = torch.Generator().manual_seed(0)
+    expected = torch.stack([RandomErasing(1.0, "rand", 2)(image.clone(), generator) for image in plain])
+    first = transform(0, reprob=1.0, remode="rand", recount=2)
+    assert torch.equal(first["pixel_values"], expected) and not torch.equal(expected, plain)
+    assert torch.equal(first["labels"], torch.tensor([0, 1, 2, 3]))
+    assert torch.equal(transform(0, reprob=1.0, remode="rand", recount=2)["pixel_values"], expected)  # resumed
+    assert not torch.equal(transform(1, reprob=1.0, remode="rand", recount=2)["pixel_values"], expected)
+    # with the crop and flip on, from torch's global generator (as in DataLoader workers)
+    augmented = make_train_transform(processor, seed=None, reprob=0.5)
+    runs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        runs.append(augmented(batch)["pixel_values"])
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    # native aspect: each normalised image erased on its own grid, then patchified
+    native = VisionTransformerImageProcessor(max_num_patches=12, patch_size=4, do_center_crop=False)
+    wide = [PIL.Image.fromarray(np.asarray(_image(24)[:, :8].permute(1, 2, 0))), images[0]]
+    native_batch = {"image": wide, "label": [0, 1]}
+
+    def native_transform(**erasing):
+        return make_train_transform(native, random_resized_crop=False, hflip=False, seed=0, **erasing)(native_batch)
+
+    generator = torch.Generator().manual_seed(0)
+    plain = native_transform()
+    erased = native_transform(reprob=1.0)
+    grids = plain["spatial_shapes"].tolist()
+    assert grids != [grids[0]] * len(grids)  # images of two shapes
+    padding = ~plain["pixel_attention_mask"].bool()
+    assert padding.any() and torch.equal(
+        erased["pixel_values"][padding], torch.zeros_like(erased["pixel_values"][padding])
+    )
+    own = []
+    for row, (rows, cols) in enumerate(grids):  # the plain image back from its patches, erased here
+        image = plain["pixel_values"][row, : rows * cols].view(rows, cols, 4, 4, 3).permute(4, 0, 2, 1, 3)
+        own.append(RandomErasing(1.0)(image.reshape(3, rows * 4, cols * 4).clone(), generator))
+    assert torch.equal(erased["pixel_values"], native_patch_batch(own, 4, 12)["pixel_values"])
+    assert not torch.equal(erased["pixel_values"], plain["pixel_values"])
+    with pytest.raises(ValueError, match="--reprob .*do_normalize=False"):
+        make_train_transform(VisionTransformerImageProcessor(size=16, do_normalize=False), reprob=0.5)
+    with pytest.raises(ValueError, match="--remode must be one of"):
+        make_train_transform(processor, remode="noise")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The recipe table
 
@@ -516,7 +703,8 @@ def test_passed_flags_and_recipe_summary():
     text = recipe_summary(NAMED_RECIPES["deit"], {"learning_rate": 0.1, "mixup_alpha": 0.8}, {"learning_rate"})
     assert text.startswith("recipe deit (Touvron et al. 2021")
     assert "learning_rate=0.1 (given on the command line)" in text and "mixup_alpha=0.8," in text
-    assert "Left out: random erasing" in text and "scaled from" not in text
+    assert "reprob=0.25, remode=pixel, recount=1," in text
+    assert "Left out: repeated augmentation" in text and "scaled from" not in text
 
 
 def test_trainer_evaluates_the_average_and_ends_holding_it(tmp_path):
@@ -574,6 +762,9 @@ def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
         0.1,
     )
     assert model_args.drop_path_rate == 0.1 and data_args.rand_augment == "rand-m9-mstd0.5-inc1"
+    assert (data_args.reprob, data_args.remode, data_args.recount) == (0.25, "pixel", 1)  # DeiT's random erasing
+    _, data_args, _ = parse_args("finetune", out + ["--recipe", "deit", "--reprob", "0"])
+    assert data_args.reprob == 0  # an explicit --reprob 0 wins
     assert args.learning_rate == pytest.approx(5e-4 * 16 / 512)  # DeiT's rule, at this run's global batch
     assert "mixup_alpha" in args.recipe_flags_given and "cutmix_alpha" not in args.recipe_flags_given
     _, _, args = parse_args("finetune", out + ["--recipe", "finetune", "--learning_rate=0.01", "--layer_decay", "0.8"])
@@ -590,6 +781,11 @@ def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
         (["--cutmix_minmax", "0.6", "0.2"], "--cutmix_minmax"),
         (["--cutmix_minmax", "0.2", "0.4", "0.6"], "--cutmix_minmax takes two"),
         (["--rand_augment", "rand-m9-w0"], "weighted"),
+        (["--reprob", "1.5"], r"--reprob is the probability of erasing an image: it must be in \[0, 1\]"),
+        (["--reprob", "0.25", "--remode", "noise"], "--remode must be one of pixel, rand, const"),
+        (["--reprob", "0.25", "--recount", "0"], "--recount is the largest number"),
+        (["--recount", "2"], "--recount says how images are erased, but --reprob is 0"),
+        (["--recipe", "deit", "--reprob", "0", "--remode", "rand"], "--remode says how images are erased"),
         (["--ema_decay", "0.9", "--load_best_model_at_end", "True", "--save_strategy", "epoch"], "load_best_model"),
     ):
         with pytest.raises(ValueError, match=message):
@@ -606,12 +802,19 @@ def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
     ]
     with pytest.raises(ValueError, match="--mixup_alpha, --rand_augment augment"):
         train("pretrain", *parse_args("pretrain", mpp + ["--image_size", "8", "--patch_size", "4"]))
+    from hf_vit.run.recipes import refuse_augmentation
+
+    # masked patch prediction would reconstruct the noise of the erased rectangles
+    _, data_args, args = parse_args("pretrain", out + ["--objective", "mpp", "--reprob", "0.25"])
+    with pytest.raises(ValueError, match=r"^--reprob augment\(s\) images .* --reprob 0"):
+        refuse_augmentation("mpp", False, data_args, args)
     with pytest.raises(SystemExit):
         parse_args("finetune", ["--help"])
     shown = capsys.readouterr().out
     for flag in (
         "--recipe", "--layer_decay", "--ema_decay", "--ema_warmup", "--mixup_alpha", "--cutmix_alpha",
-        "--cutmix_minmax", "--mixup_prob", "--mixup_switch_prob", "--rand_augment",
+        "--cutmix_minmax", "--mixup_prob", "--mixup_switch_prob", "--rand_augment", "--reprob", "--remode",
+        "--recount",
     ):  # fmt: skip
         assert flag in shown, flag
 
@@ -642,11 +845,30 @@ def test_rand_augment_in_the_training_transform_is_seeded_per_example():
     assert first["pixel_values"].shape == plain["pixel_values"].shape
 
 
+def test_measuring_a_train_split_sees_no_augmentation():
+    """`evaluate_model` on the train split with the recipes' augmentations in the data arguments measures the
+    processor's pixels, as a plain evaluation of that split does: the same accuracy, twice."""
+    from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
+    from hf_vit.run.arguments import DataArguments
+    from hf_vit.run.evaluation import evaluate_model
+
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(tiny_config(image_size=16, patch_size=8, num_labels=10)).eval()
+    with torch.no_grad():
+        model.classifier.weight.normal_(0, 1.0)  # a head that is not zero, so that the pixels decide the predictions
+    processor = VisionTransformerImageProcessor(size={"height": 16, "width": 16})
+    augmented = DataArguments(rand_augment="rand-m9-n3-mstd0.5", reprob=1.0, max_train_samples=96)
+    plain = evaluate_model(model, processor, DataArguments(max_train_samples=96), split="train")
+    measured = [evaluate_model(model, processor, augmented, split="train") for _ in range(2)]
+    assert measured[0] == measured[1] == plain
+
+
 def test_recipe_run_saves_the_average_and_resumes_bit_for_bit(tmp_path, caplog):
     """A fine-tuning run with every recipe part on (layer decay, EMA with warmup, Mixup and CutMix with label
-    smoothing, RandAugment, dropout), checkpointed every 2 steps and evaluated every 3, killed after step 5 and resumed
-    from checkpoint-4, ends as the uninterrupted run did, bit for bit. The two full runs train in this process (one
-    torch thread, as the killed run in its own process), the killed one in a worker."""
+    smoothing, RandAugment, the recipe's random erasing, dropout), checkpointed every 2 steps and evaluated every 3,
+    killed after step 5 and resumed from checkpoint-4, ends as the uninterrupted run did, bit for bit. The two full
+    runs train in this process (one torch thread, as the killed run in its own process), the killed one in a
+    worker."""
     from test_training import WORKER, deterministic_finetune_args, pretrained_folder, run
 
     from hf_vit.run.arguments import parse_args
@@ -685,6 +907,7 @@ def test_recipe_run_saves_the_average_and_resumes_bit_for_bit(tmp_path, caplog):
     card = (out / "README.md").read_text()
     assert "Named recipe finetune (He et al. 2021" in card and "layer-wise learning-rate decay 0.65" in card
     assert "EMA of the weights (decay 0.8 with warmup" in card and "RandAugment rand-m9-mstd0.5-inc1" in card
+    assert "random erasing 0.25 (pixel fill)" in card and "reprob=0.25, remode=pixel, recount=1" in card
 
     run([sys.executable, str(WORKER), *flags(killed, "--kill_at_step", "5")], expect=17)
     assert (killed / "checkpoint-4" / EMA_FILE).is_file() and not (killed / "checkpoint-6").exists()

@@ -7,7 +7,8 @@
 * `model_setup`: the model from a preset or a checkpoint (`load_checkpoint`, head kept or new), and the processor;
 * `lora`: the adapter stage (`adapt`), and loading or merging a saved adapter;
 * `recipes`: the recipes for mid-sized data (`--recipe`'s table, layer-wise learning-rate decay, and the Trainer's
-  part of them), built from `ema` (the weights' moving average), `mixing` (Mixup and CutMix) and `rand_augment`;
+  part of them), built from `ema` (the weights' moving average), `mixing` (Mixup and CutMix), `rand_augment` and
+  `random_erasing`;
 * `trainer`: the Trainer, reproducible augmentation and the run's set-up line;
 * `checkpoints`: what a run can resume from;
 * `evaluation`: the final evaluation, each split on a loader built for it;

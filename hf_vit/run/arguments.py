@@ -18,6 +18,7 @@ from .ema import check_ema_decay
 from .flexible import parse_sizes
 from .mixing import Mixing
 from .rand_augment import parse_rand_augment
+from .random_erasing import check_random_erasing
 from .recipes import get_recipe, passed_flags, scaled_learning_rate
 
 TASKS = ("pretrain", "finetune")
@@ -203,6 +204,26 @@ class DataArguments:
             "timm's 15, each applied with probability 1/2 at magnitude m of 10 (mstd: its noise; mmax: its largest "
             "value; inc1: the variants that strengthen with m), after the crop and flip, seeded per image and epoch."
         },
+    )
+    reprob: float = field(
+        default=0.0,
+        metadata={
+            "help": "Random erasing (timm's --reprob): the probability that a training image, once normalised, has "
+            "rectangles erased, each of 0.02 to 1/3 of its area (divided by their count) at an aspect ratio in "
+            "0.3-3.3, seeded per image and epoch. Default 0: off. Classification only: refused with --objective "
+            "mpp, whose targets are the pixels it would erase."
+        },
+    )
+    remode: str = field(
+        default="pixel",
+        metadata={
+            "help": "With --reprob: what fills an erased rectangle: pixel (per-pixel normal noise), rand (one normal "
+            "colour per rectangle) or const (zeros, the mean colour)."
+        },
+    )
+    recount: int = field(
+        default=1,
+        metadata={"help": "With --reprob: at most this many rectangles per erased image (the count uniform in 1..N)."},
     )
     max_train_samples: int | None = field(default=None, metadata={"help": "Use only this many training images."})
     max_num_patches: int | None = field(
@@ -494,6 +515,12 @@ def check_recipe_flags(model_args, data_args, training_args, passed: set[str]) -
             )
     if data_args.rand_augment is not None:
         parse_rand_augment(data_args.rand_augment)
+    check_random_erasing(data_args.reprob, data_args.remode, data_args.recount)
+    idle = sorted({"remode", "recount"} & passed)
+    if idle and data_args.reprob == 0:
+        raise ValueError(
+            f"--{idle[0]} says how images are erased, but --reprob is 0 (off): pass --reprob (e.g. 0.25) or drop it."
+        )
 
 
 # Flags a user guesses for the data, all of them `--dataset_name` here.

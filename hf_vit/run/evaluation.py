@@ -13,7 +13,7 @@ from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from .arguments import DataArguments
 from .datasets import label_names, load_datasets
-from .objectives import classification_transforms
+from .transforms import apply_transforms, make_eval_transform
 
 
 def final_split(ds) -> str:
@@ -85,7 +85,8 @@ def measure_model(
             f"The data set {data_args.dataset_name!r} has {len(classes)} classes but the model predicts "
             f"{model.config.num_labels}: evaluate it on the data set it was trained for, or fine-tune it first."
         )
-    ds = classification_transforms(raw, data_args, processor)[split]
+    evaluation = make_eval_transform(processor)  # the processor alone, on train too: no augmentation is measured
+    ds = apply_transforms(raw, evaluation, evaluation)[split]
     model.eval()
     logits, labels = [], []
     for start in range(0, len(ds), batch_size):

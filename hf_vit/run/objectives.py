@@ -78,14 +78,17 @@ def binary_cross_entropy(logits, labels) -> float:
 
 
 def classification_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config: Any = None):
-    """`raw` with on-the-fly augmentation (crop, flip, RandAugment) on train, the processor alone on the other
-    splits."""
+    """`raw` with on-the-fly augmentation (crop, flip, RandAugment, random erasing) on train, the processor alone on
+    the other splits."""
     train_transform = make_train_transform(
         processor,
         random_resized_crop=data_args.random_resized_crop,
         scale=(data_args.crop_scale_min, 1.0),
         hflip=default_hflip(data_args),
         rand_augment=getattr(data_args, "rand_augment", None),
+        reprob=getattr(data_args, "reprob", 0.0),
+        remode=getattr(data_args, "remode", "pixel"),
+        recount=getattr(data_args, "recount", 1),
     )
     return apply_transforms(raw, train_transform, make_eval_transform(processor))
 

@@ -14,10 +14,11 @@
   below 128; AutoContrast, Equalize and Invert take no magnitude. The sign of the geometric and increasing colour
   operations is drawn at random (+ or -, one half each).
 
-The pixels come from PIL's implementations (the ones timm calls); the random numbers from the generator the caller
-passes (the training transform's, seeded per example and epoch), so that a resumed run augments as the uninterrupted
-one did. Areas that a geometric operation uncovers are filled with `fill` (timm: the normalisation mean, 128 for
-ViT's 0.5). `w` (timm's weighted op choice) is refused.
+The pixels are those of PIL's implementations (the ones timm calls), computed on uint8 arrays where that is faster (see
+the note above `_blend`: the same pixels, or at most 1 apart for shears and translations); the random numbers come from
+the generator the caller passes (the training transform's, seeded per example and epoch), so that a resumed run
+augments as the uninterrupted one did. Areas that a geometric operation uncovers are filled with `fill` (timm: the
+normalisation mean, 128 for ViT's 0.5). `w` (timm's weighted op choice) is refused.
 """
 
 from __future__ import annotations
@@ -132,11 +133,12 @@ def _uniform(generator: torch.Generator | None) -> float:
     return float(torch.rand((), generator=generator))
 
 
-def _signed(value: float, generator: torch.Generator | None) -> float:
-    return -value if _uniform(generator) > 0.5 else value
+def _signed(value: float, draw: float | torch.Generator | None) -> float:
+    """`value` negated when the uniform `draw` (or one drawn from the generator `draw`) is above 1/2."""
+    return -value if (draw if isinstance(draw, float) else _uniform(draw)) > 0.5 else value
 
 
-# Each level function maps (magnitude, generator) to the operation's argument, as timm's LEVEL_TO_ARG.
+# Each level function maps (magnitude, sign draw) to the operation's argument, as timm's LEVEL_TO_ARG.
 def _rotate_level(m, g):
     return _signed(m / LEVEL_DENOM * 30.0, g)
 
@@ -177,7 +179,11 @@ def _solarize_add_level(m, g):
     return int(m / LEVEL_DENOM * 110)
 
 
-def _affine(image: PIL.Image.Image, matrix: tuple[float, ...], fill, resample) -> PIL.Image.Image:
+# ---------------------------------------------------------------------------------------------------------------------
+# Pillow's operations, the ones timm calls: the reference, and the road for resampling filters other than bilinear
+
+
+def _pil_affine(image: PIL.Image.Image, matrix: tuple[float, ...], fill, resample) -> PIL.Image.Image:
     # PIL maps each output pixel (x, y) to the input pixel (a x + b y + c, d x + e y + f).
     return image.transform(image.size, PIL.Image.Transform.AFFINE, matrix, resample=resample, fillcolor=fill)
 
@@ -188,8 +194,7 @@ def posterize(image: PIL.Image.Image, bits: int) -> PIL.Image.Image:
     `ImageOps.posterize` refuses 0 bits, so the table is built here."""
     if bits >= 8:
         return image
-    mask = 0xFF & ~(2 ** (8 - max(bits, 0)) - 1)
-    return image.point([i & mask for i in range(256)] * len(image.getbands()))
+    return image.point([i & _posterize_mask(bits) for i in range(256)] * len(image.getbands()))
 
 
 def solarize_add(image: PIL.Image.Image, add: int, threshold: int = 128) -> PIL.Image.Image:
@@ -197,29 +202,305 @@ def solarize_add(image: PIL.Image.Image, add: int, threshold: int = 128) -> PIL.
     return image.point(table * len(image.getbands()))
 
 
-OPERATIONS: dict[str, tuple[Callable | None, Callable]] = {
-    # name: (level function or None, operation(image, argument, fill, resample))
-    "AutoContrast": (None, lambda im, a, f, r: ImageOps.autocontrast(im)),
-    "Equalize": (None, lambda im, a, f, r: ImageOps.equalize(im)),
-    "Invert": (None, lambda im, a, f, r: ImageOps.invert(im)),
-    "Rotate": (_rotate_level, lambda im, a, f, r: im.rotate(a, resample=r, fillcolor=f)),
-    "Posterize": (_posterize_level, lambda im, a, f, r: posterize(im, a)),
-    "PosterizeIncreasing": (_posterize_increasing_level, lambda im, a, f, r: posterize(im, a)),
-    "Solarize": (_solarize_level, lambda im, a, f, r: ImageOps.solarize(im, a)),
-    "SolarizeIncreasing": (_solarize_increasing_level, lambda im, a, f, r: ImageOps.solarize(im, a)),
-    "SolarizeAdd": (_solarize_add_level, lambda im, a, f, r: solarize_add(im, a)),
-    "Color": (_enhance_level, lambda im, a, f, r: ImageEnhance.Color(im).enhance(a)),
-    "ColorIncreasing": (_enhance_increasing_level, lambda im, a, f, r: ImageEnhance.Color(im).enhance(a)),
-    "Contrast": (_enhance_level, lambda im, a, f, r: ImageEnhance.Contrast(im).enhance(a)),
-    "ContrastIncreasing": (_enhance_increasing_level, lambda im, a, f, r: ImageEnhance.Contrast(im).enhance(a)),
-    "Brightness": (_enhance_level, lambda im, a, f, r: ImageEnhance.Brightness(im).enhance(a)),
-    "BrightnessIncreasing": (_enhance_increasing_level, lambda im, a, f, r: ImageEnhance.Brightness(im).enhance(a)),
-    "Sharpness": (_enhance_level, lambda im, a, f, r: ImageEnhance.Sharpness(im).enhance(a)),
-    "SharpnessIncreasing": (_enhance_increasing_level, lambda im, a, f, r: ImageEnhance.Sharpness(im).enhance(a)),
-    "ShearX": (_shear_level, lambda im, a, f, r: _affine(im, (1, a, 0, 0, 1, 0), f, r)),
-    "ShearY": (_shear_level, lambda im, a, f, r: _affine(im, (1, 0, 0, a, 1, 0), f, r)),
-    "TranslateXRel": (_translate_level, lambda im, a, f, r: _affine(im, (1, 0, a * im.size[0], 0, 1, 0), f, r)),
-    "TranslateYRel": (_translate_level, lambda im, a, f, r: _affine(im, (1, 0, 0, 0, 1, a * im.size[1]), f, r)),
+def _posterize_mask(bits: int) -> int:
+    return 0xFF & ~(2 ** (8 - max(bits, 0)) - 1)
+
+
+PIL_OPERATIONS: dict[str, Callable] = {
+    # name: operation(image, argument, fill, resample) on a PIL image, as timm's
+    "AutoContrast": lambda im, a, f, r: ImageOps.autocontrast(im),
+    "Equalize": lambda im, a, f, r: ImageOps.equalize(im),
+    "Invert": lambda im, a, f, r: ImageOps.invert(im),
+    "Rotate": lambda im, a, f, r: im.rotate(a, resample=r, fillcolor=f),
+    "Posterize": lambda im, a, f, r: posterize(im, a),
+    "Solarize": lambda im, a, f, r: ImageOps.solarize(im, a),
+    "SolarizeAdd": lambda im, a, f, r: solarize_add(im, a),
+    "Color": lambda im, a, f, r: ImageEnhance.Color(im).enhance(a),
+    "Contrast": lambda im, a, f, r: ImageEnhance.Contrast(im).enhance(a),
+    "Brightness": lambda im, a, f, r: ImageEnhance.Brightness(im).enhance(a),
+    "Sharpness": lambda im, a, f, r: ImageEnhance.Sharpness(im).enhance(a),
+    "ShearX": lambda im, a, f, r: _pil_affine(im, _matrix("ShearX", a, *im.size), f, r),
+    "ShearY": lambda im, a, f, r: _pil_affine(im, _matrix("ShearY", a, *im.size), f, r),
+    "TranslateXRel": lambda im, a, f, r: _pil_affine(im, _matrix("TranslateXRel", a, *im.size), f, r),
+    "TranslateYRel": lambda im, a, f, r: _pil_affine(im, _matrix("TranslateYRel", a, *im.size), f, r),
+}
+
+
+def _matrix(name: str, argument: float, width: int, height: int) -> tuple[float, ...]:
+    """The affine map (a, b, c, d, e, f) of a shear or translation, as PIL takes it: output pixel centre (x, y) samples
+    the input at (a x + b y + c, d x + e y + f)."""
+    return {
+        "ShearX": (1.0, argument, 0.0, 0.0, 1.0, 0.0),
+        "ShearY": (1.0, 0.0, 0.0, argument, 1.0, 0.0),
+        "TranslateXRel": (1.0, 0.0, argument * width, 0.0, 1.0, 0.0),
+        "TranslateYRel": (1.0, 0.0, 0.0, 0.0, 1.0, argument * height),
+    }[name]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The same operations on uint8 [H, W, C] arrays, where that is faster than Pillow's per-pixel calls and Python tables:
+# the colour operations with Pillow's own arithmetic (its float32 blend, its integer luminance, its SMOOTH filter): the
+# same pixels; shears and translations by gathering whole input lines and interpolating neighbouring ones in float32.
+# Pillow samples each pixel in float64 and truncates: where its value lands a hair below a whole number (a neighbour
+# difference times a fraction that should be whole), the float32 one, nudged by `_ROUNDING`, gives that whole number,
+# one more; so those differ by at most 1, on a few percent of the pixels (tests/test_recipes.py measures it against
+# Pillow). AutoContrast, Equalize, Color and Rotate run in Pillow, as do the geometric operations with nearest or
+# bicubic resampling.
+
+
+def _blend(degenerate: np.ndarray | float, image: np.ndarray, factor: float) -> np.ndarray:
+    """Pillow's `Image.blend(degenerate, image, factor)`: `degenerate + factor * (image - degenerate)` in float32,
+    clipped to 0..255 and truncated (ImageEnhance's Color, Contrast, Brightness and Sharpness are such blends)."""
+    out = image.astype(np.float32)
+    out -= degenerate
+    out *= np.float32(factor)
+    out += degenerate
+    if not 0 <= factor <= 1:  # between the two images the values stay in 0..255 (truncating -0.0001 gives 0)
+        np.clip(out, 0, 255, out=out)
+    return out.astype(np.uint8)
+
+
+def _luminance(image: np.ndarray) -> np.ndarray:
+    """Pillow's grey of an RGB image, (299 R + 587 G + 114 B) / 1000 in its integer rounding, as [H, W, 1]."""
+    if image.shape[2] == 1:
+        return image
+    return np.asarray(_array_to_pil(image).convert("L"))[..., None]
+
+
+def _contrast(image: np.ndarray, factor: float) -> np.ndarray:
+    grey = _luminance(image)
+    mean = int(grey.sum(dtype=np.int64) / grey.size + 0.5)  # ImageStat's mean, rounded as ImageEnhance rounds it
+    return _blend(np.float32(mean), image, factor)
+
+
+def _color(image: np.ndarray, factor: float) -> np.ndarray:
+    if image.shape[2] == 1:  # a grey image is its own degenerate: unchanged, as in Pillow
+        return image
+    pil = _array_to_pil(image)  # Pillow's grey, back to RGB, and its blend: three passes in C
+    return _pil_to_array(PIL.Image.blend(pil.convert("L").convert("RGB"), pil, factor))
+
+
+def _sharpness(image: np.ndarray, factor: float) -> np.ndarray:
+    """Blend with Pillow's SMOOTH filter (the 3x3 kernel of ones with 5 in the centre, over 13, rounded; the border
+    rows and columns kept), summed in integers."""
+    height, width = image.shape[:2]
+    if height < 3 or width < 3:
+        return _via_pil(image, "Sharpness", factor, None, None)
+    wide = image.astype(np.uint16)
+    rows = wide[:, :-2] + wide[:, 1:-1] + wide[:, 2:]
+    total = rows[:-2] + rows[1:-1] + rows[2:] + 4 * wide[1:-1, 1:-1]
+    smooth = image.copy()
+    smooth[1:-1, 1:-1] = (total + 6) // 13
+    return _blend(smooth.astype(np.float32), image, factor)
+
+
+def _solarize(image: np.ndarray, threshold: int) -> np.ndarray:
+    # 255 - x is x with every bit flipped: flip the pixels at or above the threshold.
+    return image ^ ((image >= threshold).view(np.uint8) * np.uint8(255))
+
+
+def _solarize_add(image: np.ndarray, add: int, threshold: int = 128) -> np.ndarray:
+    below = (image < threshold).view(np.uint8)
+    if threshold + add <= 256:  # no sum passes 255: uint8 arithmetic is exact
+        return image + below * np.uint8(add)
+    return np.minimum(image.astype(np.uint16) + below * np.uint16(add), 255).astype(np.uint8)
+
+
+def _posterize(image: np.ndarray, bits: int) -> np.ndarray:
+    return image if bits >= 8 else image & np.uint8(_posterize_mask(bits))
+
+
+# Pillow interpolates in float64 and truncates; float32 lands a whole-number value (a flat area, a pixel-aligned map)
+# a hair below it as often as above, so the float32 results are nudged up by this before truncation.
+_ROUNDING = np.float32(1e-3)
+
+
+def _translate_bilinear(image: np.ndarray, offset: float, axis: int, fill: np.ndarray) -> np.ndarray:
+    """PIL's bilinear map for a translation by `offset` pixels along `axis` (1: x, 0: y): output pixel `i` takes
+    input pixels `i + k` and `i + k + 1` (k = floor(offset), edges clamped) in the proportion of offset's fraction,
+    interpolated in float32; pixels whose centre `i + 0.5 + offset` falls outside (PIL's float64 test) take `fill`.
+    The two input rows (or columns) come as slices of the image padded by its edge pixels."""
+    size = image.shape[axis]
+    centres = (np.arange(size) + 0.5) + offset
+    inside = np.flatnonzero((centres >= 0) & (centres < size))
+    out = np.empty_like(image)
+    if inside.size == 0:
+        out[...] = fill
+        return out
+    first, last = int(inside[0]), int(inside[-1]) + 1
+    whole = math.floor(offset)
+    edges = (image[:1], image[-1:]) if axis == 0 else (image[:, :1], image[:, -1:])
+    padded = np.concatenate([edges[0], image, edges[1]], axis=axis)  # padded[j] is image[clip(j - 1)]
+    start = first + whole + 1
+
+    def rows(array, begin, end):
+        return array[begin:end] if axis == 0 else array[:, begin:end]
+
+    lower = rows(padded, start, start + last - first).astype(np.float32)
+    upper = rows(padded, start + 1, start + 1 + last - first).astype(np.float32)
+    upper -= lower
+    upper *= np.float32(offset - whole)
+    upper += lower
+    upper += _ROUNDING
+    np.copyto(rows(out, first, last), upper, casting="unsafe")
+    rows(out, 0, first)[...] = fill
+    rows(out, last, size)[...] = fill
+    return out
+
+
+def _padded_lines(image: np.ndarray, axis: int, margin: int, fill: np.ndarray) -> np.ndarray:
+    """`image` padded along `axis` by `margin` pixels each side: its edge pixels once (PIL clamps at the edges), then
+    `fill` (an input pixel further out only feeds output pixels that PIL fills)."""
+    height, width, channels = image.shape
+    shape = [height, width, channels]
+    shape[axis] += 2 * margin
+    padded = np.empty(shape, dtype=np.uint8)
+    filler = np.tile(fill, max(height, width) + 2 * margin).reshape(-1, channels)  # rows of fill, copied as blocks
+    if axis == 1:
+        padded[:, : margin - 1] = filler[: margin - 1]
+        padded[:, margin + width + 1 :] = filler[: margin - 1]
+        padded[:, margin - 1] = image[:, 0]
+        padded[:, margin : margin + width] = image
+        padded[:, margin + width] = image[:, -1]
+    else:
+        padded[: margin - 1] = filler[:width]
+        padded[margin + height + 1 :] = filler[:width]
+        padded[margin - 1] = image[0]
+        padded[margin : margin + height] = image
+        padded[margin + height] = image[-1]
+    return padded
+
+
+def _shear_bilinear(image: np.ndarray, factor: float, axis: int, fill: np.ndarray) -> np.ndarray:
+    """PIL's bilinear shear: ShearX (`axis` 1) samples row y at x + 0.5 + factor (y + 0.5), ShearY (`axis` 0)
+    column x at y + 0.5 + factor (x + 0.5). Each line (row or column) is its input line moved by a whole number of
+    pixels and interpolated with its neighbour in float32; the moved lines are gathered from the padded image in one
+    indexing (a window per row for ShearX, a column offset per column for ShearY); pixels whose centre falls
+    outside (PIL's float64 test) take `fill`."""
+    height, width, channels = image.shape
+    along, across = (width, height) if axis == 1 else (height, width)
+    shifts = factor * (np.arange(across) + 0.5)
+    whole = np.floor(shifts)
+    weights = (shifts - whole).astype(np.float32)
+    whole = whole.astype(np.int64)
+    margin = int(np.abs(whole).max()) + 2
+    flat = _padded_lines(image, axis, margin, fill).reshape(-1)
+    if axis == 1:  # row y starts at padded column margin + whole[y]: a window of the flat image per row
+        line = (width + 2 * margin) * channels
+        windows = np.lib.stride_tricks.sliding_window_view(flat, (width + 1) * channels)
+        pairs = windows[np.arange(height) * line + (margin + whole) * channels]
+        lower, upper = pairs[:, :-channels], pairs[:, channels:]
+        weight = weights[:, None]
+    else:  # column x starts at padded row margin + whole[x]: rows of the flat image, an offset per column
+        line = width * channels
+        rows = np.lib.stride_tricks.as_strided(flat, (height, flat.size - (height - 1) * line), (line, 1))
+        offsets = ((margin + whole) * line + np.arange(width) * channels)[:, None] + np.arange(channels)
+        offsets = offsets.reshape(-1)
+        lower, upper = rows[:, offsets], rows[:, offsets + line]
+        weight = np.repeat(weights, channels)[None, :]
+    result = upper.astype(np.float32)
+    low = lower.astype(np.float32)
+    result -= low
+    result *= weight
+    result += low
+    result += _ROUNDING
+    out = result.astype(np.uint8).reshape(height, width, channels)
+    # The pixels next to the edges that read an edge pixel and a fill pixel: PIL fills them unless their centre is in.
+    first = np.arange(across)
+    candidates = (np.array([-2, -1, along - 1, along])[:, None] - whole[None, :]).reshape(-1)
+    lines = np.tile(first, 4)
+    centres = (candidates + 0.5) + shifts[lines]
+    chosen = (candidates >= 0) & (candidates < along) & ((centres < 0) | (centres >= along))
+    if axis == 1:
+        out[lines[chosen], candidates[chosen]] = fill
+    else:
+        out[candidates[chosen], lines[chosen]] = fill
+    return out
+
+
+def _array_to_pil(image: np.ndarray) -> PIL.Image.Image:
+    if image.shape[2] == 1:
+        return PIL.Image.fromarray(np.ascontiguousarray(image[..., 0]), mode="L")
+    height, width = image.shape[:2]
+    return PIL.Image.frombuffer("RGB", (width, height), np.ascontiguousarray(image), "raw", "RGB", 0, 1)
+
+
+def _pil_to_array(image: PIL.Image.Image) -> np.ndarray:
+    array = np.asarray(image)
+    return array[..., None] if array.ndim == 2 else array
+
+
+def _pil_fill(fill: np.ndarray) -> int | tuple[int, ...]:
+    return tuple(int(v) for v in fill) if fill.size > 1 else int(fill[0])
+
+
+def _via_pil(image: np.ndarray, name: str, argument, fill, resample) -> np.ndarray:
+    return _pil_to_array(PIL_OPERATIONS[name](_array_to_pil(image), argument, fill, resample))
+
+
+def _geometric(name: str) -> Callable:
+    def operation(image: np.ndarray, argument: float, fill, resample) -> np.ndarray:
+        # Bilinear shears and translations are computed here; rotations and the other filters by Pillow.
+        if resample != PIL.Image.Resampling.BILINEAR or name == "Rotate":
+            return _via_pil(
+                image, name, argument, tuple(int(v) for v in fill) if fill.size > 1 else int(fill[0]), resample
+            )
+        height, width = image.shape[:2]
+        if name == "TranslateXRel":
+            return _translate_bilinear(image, argument * width, 1, fill)
+        if name == "TranslateYRel":
+            return _translate_bilinear(image, argument * height, 0, fill)
+        return _shear_bilinear(image, argument, 1 if name == "ShearX" else 0, fill)
+
+    return operation
+
+
+_ARRAY_OPERATIONS: dict[str, Callable] = {
+    # name: operation(image [H, W, C] uint8, argument, fill [C] uint8, resample) -> new array (or `image` unchanged)
+    "AutoContrast": lambda im, a, f, r: _via_pil(im, "AutoContrast", a, None, r),  # a histogram and a table each:
+    "Equalize": lambda im, a, f, r: _via_pil(im, "Equalize", a, None, r),  # numpy's are no faster than Pillow's
+    "Invert": lambda im, a, f, r: np.uint8(255) - im,
+    "Rotate": _geometric("Rotate"),
+    "Posterize": lambda im, a, f, r: _posterize(im, a),
+    "Solarize": lambda im, a, f, r: _solarize(im, a),
+    "SolarizeAdd": lambda im, a, f, r: _solarize_add(im, a),
+    "Color": lambda im, a, f, r: _color(im, a),
+    "Contrast": lambda im, a, f, r: _contrast(im, a),
+    "Brightness": lambda im, a, f, r: _blend(np.float32(0), im, a),
+    "Sharpness": lambda im, a, f, r: _sharpness(im, a),
+    "ShearX": _geometric("ShearX"),
+    "ShearY": _geometric("ShearY"),
+    "TranslateXRel": _geometric("TranslateXRel"),
+    "TranslateYRel": _geometric("TranslateYRel"),
+}
+
+_LEVELS: dict[str, Callable | None] = {
+    "AutoContrast": None,
+    "Equalize": None,
+    "Invert": None,
+    "Rotate": _rotate_level,
+    "Posterize": _posterize_level,
+    "PosterizeIncreasing": _posterize_increasing_level,
+    "Solarize": _solarize_level,
+    "SolarizeIncreasing": _solarize_increasing_level,
+    "SolarizeAdd": _solarize_add_level,
+    "Color": _enhance_level,
+    "ColorIncreasing": _enhance_increasing_level,
+    "Contrast": _enhance_level,
+    "ContrastIncreasing": _enhance_increasing_level,
+    "Brightness": _enhance_level,
+    "BrightnessIncreasing": _enhance_increasing_level,
+    "Sharpness": _enhance_level,
+    "SharpnessIncreasing": _enhance_increasing_level,
+    "ShearX": _shear_level,
+    "ShearY": _shear_level,
+    "TranslateXRel": _translate_level,
+    "TranslateYRel": _translate_level,
+}
+
+# name (timm's, the increasing variants included): (level function or None, the operation it applies)
+OPERATIONS: dict[str, tuple[Callable | None, str]] = {
+    name: (level, name.removesuffix("Increasing")) for name, level in _LEVELS.items()
 }
 
 
@@ -259,22 +540,37 @@ class RandAugment:
         self.resample = _resampling(resample)
 
     def magnitude(self, generator: torch.Generator | None) -> float:
+        return self._magnitude(_uniform(generator), float(torch.randn((), generator=generator)))
+
+    def _magnitude(self, uniform: float, normal: float) -> float:
+        """The policy's magnitude, with its noise (`normal` times mstd, or `uniform` times m when mstd is above 100),
+        clipped to [0, mmax]."""
         policy = self.policy
         magnitude = policy.magnitude
         if policy.magnitude_std == math.inf:
-            magnitude = _uniform(generator) * magnitude
+            magnitude = uniform * magnitude
         elif policy.magnitude_std > 0:
-            magnitude = magnitude + policy.magnitude_std * float(torch.randn((), generator=generator))
+            magnitude = magnitude + policy.magnitude_std * normal
         return max(0.0, min(magnitude, policy.magnitude_max))
 
-    def apply(self, image: PIL.Image.Image, name: str, magnitude: float, generator=None) -> PIL.Image.Image:
-        """One operation at `magnitude` (its random sign, if any, drawn from `generator`)."""
+    def _fill_for(self, channels: int) -> np.ndarray:
+        fill = (self.fill,) * channels if isinstance(self.fill, int) else tuple(self.fill)[:channels]
+        return np.asarray(fill * (channels // len(fill)), dtype=np.uint8)
+
+    def apply(self, image, name: str, magnitude: float, sign=None, *, reference: bool = False):
+        """One operation at `magnitude` on a uint8 [H, W, C] array or a PIL image (returned as the same kind); its
+        sign, for the operations that take one, is - when `sign` (a uniform draw, or a generator to draw it from) is
+        above 1/2. `reference` runs Pillow's implementation (timm's) instead."""
         level, operation = OPERATIONS[name]
-        argument = level(magnitude, generator) if level is not None else None
-        fill = self.fill if image.mode == "RGB" or isinstance(self.fill, int) else self.fill[0]
-        if image.mode == "RGB" and isinstance(fill, int):
-            fill = (fill,) * 3
-        return operation(image, argument, fill, self.resample)
+        argument = level(magnitude, sign) if level is not None else None
+        as_pil = isinstance(image, PIL.Image.Image)
+        array = _pil_to_array(image) if as_pil else image
+        fill = self._fill_for(array.shape[2])
+        if reference:
+            result = _via_pil(array, operation, argument, _pil_fill(fill), self.resample)
+        else:
+            result = _ARRAY_OPERATIONS[operation](array, argument, fill, self.resample)
+        return _array_to_pil(result) if as_pil else result
 
     def __call__(self, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         if pixels.ndim != 3 or pixels.shape[0] not in (1, 3):
@@ -282,17 +578,25 @@ class RandAugment:
                 f"--rand_augment works on grey or RGB images (1 or 3 channels), got an image of shape "
                 f"{tuple(pixels.shape)}: drop --rand_augment for images of other channels."
             )
-        ops = self.policy.ops
-        chosen = torch.randint(len(ops), (self.policy.num_ops,), generator=generator).tolist()
+        ops, count = self.policy.ops, self.policy.num_ops
+        chosen = torch.randint(len(ops), (count,), generator=generator).tolist()
+        # each operation's draws at once: whether it applies (below 1/2), its sign, its magnitude's noise
+        uniforms = torch.rand((count, 2 + (self.policy.magnitude_std == math.inf)), generator=generator).tolist()
+        noisy = 0 < self.policy.magnitude_std < math.inf
+        normals = torch.randn(count, generator=generator).tolist() if noisy else [0.0] * count
         image = None
-        for index in chosen:
-            if _uniform(generator) > 0.5:  # each operation applies with probability 1/2
+        for index, draws, normal in zip(chosen, uniforms, normals):
+            if draws[0] > 0.5:  # each operation applies with probability 1/2
                 continue
-            magnitude = self.magnitude(generator)
-            if image is None:
-                image = to_pil(_to_uint8(pixels))
-            image = self.apply(image, ops[index], magnitude, generator)
-        return pixels if image is None else from_pil(image)
+            magnitude = self._magnitude(draws[-1], normal)
+            if image is None:  # the [C, H, W] tensor as an [H, W, C] array (no copy in the pixel path's layout)
+                image = np.ascontiguousarray(_to_uint8(pixels).permute(1, 2, 0).numpy())
+            image = self.apply(image, ops[index], magnitude, draws[1])
+        if image is None:
+            return pixels
+        if not image.flags.writeable:  # an array Pillow handed back
+            image = image.copy()
+        return torch.from_numpy(image).permute(2, 0, 1)
 
 
 def _to_uint8(pixels: torch.Tensor) -> torch.Tensor:

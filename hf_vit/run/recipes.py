@@ -145,7 +145,8 @@ NAMED_RECIPES: dict[str, Recipe] = {
     ),
     # Touvron et al. 2021, "Training data-efficient image transformers" (DeiT), table 9: AdamW, lr 5e-4 x batch/512,
     # weight decay 0.05, cosine with 5 of 300 epochs warmup, label smoothing 0.1, stochastic depth 0.1, RandAugment
-    # rand-m9-mstd0.5-inc1, Mixup 0.8 and CutMix 1.0 (half each), EMA 0.99996, no clipping.
+    # rand-m9-mstd0.5-inc1, Mixup 0.8 and CutMix 1.0 (half each), random erasing 0.25 (one rectangle of per-pixel
+    # noise), EMA 0.99996, no clipping.
     "deit": Recipe(
         name="deit",
         source="Touvron et al. 2021, Training data-efficient image transformers (DeiT), table 9",
@@ -166,16 +167,20 @@ NAMED_RECIPES: dict[str, Recipe] = {
             mixup_prob=1.0,
             mixup_switch_prob=0.5,
             rand_augment="rand-m9-mstd0.5-inc1",
+            reprob=0.25,
+            remode="pixel",
+            recount=1,
             ema_decay=0.99996,
             ema_warmup=True,
         ),
         base_batch=512,
-        left_out="random erasing (0.25) and repeated augmentation are not implemented; the EMA warms up (timm's "
+        left_out="repeated augmentation is not implemented; the EMA warms up (timm's "
         "ModelEmaV3 warmup) so that short runs do not average over their first steps",
     ),
     # He et al. 2021, "Masked Autoencoders Are Scalable Vision Learners", appendix A.2 (end-to-end fine-tuning, after
     # BEiT): AdamW (0.9, 0.999), lr 5e-4 x batch/256, weight decay 0.05, layer-wise decay 0.65 (ViT-B), 5 of 100
-    # epochs warmup then cosine, label smoothing 0.1, Mixup 0.8, CutMix 1.0, RandAugment (9, 0.5), drop path 0.1.
+    # epochs warmup then cosine, label smoothing 0.1, Mixup 0.8, CutMix 1.0, RandAugment (9, 0.5), random erasing
+    # 0.25, drop path 0.1.
     "finetune": Recipe(
         name="finetune",
         source="He et al. 2021, Masked Autoencoders Are Scalable Vision Learners, appendix A.2 (fine-tuning, ViT-B)",
@@ -197,9 +202,11 @@ NAMED_RECIPES: dict[str, Recipe] = {
             mixup_prob=1.0,
             mixup_switch_prob=0.5,
             rand_augment="rand-m9-mstd0.5-inc1",
+            reprob=0.25,
+            remode="pixel",
+            recount=1,
         ),
         base_batch=256,
-        left_out="random erasing (0.25) is not implemented",
     ),
 }
 
@@ -391,6 +398,9 @@ def regularisation_text(model_args: Any, data_args: Any, training_args: Any) -> 
         parts.append(f"batches mixed with probability {training_args.mixup_prob}{share}")
     if getattr(data_args, "rand_augment", None):
         parts.append(f"RandAugment {data_args.rand_augment}")
+    if getattr(data_args, "reprob", 0):
+        count = f", up to {data_args.recount} rectangles" if data_args.recount > 1 else ""
+        parts.append(f"random erasing {data_args.reprob} ({data_args.remode} fill{count})")
     if training_args.label_smoothing_factor:
         parts.append(f"label smoothing {training_args.label_smoothing_factor}")
     for name, text in (("drop_path_rate", "stochastic depth"), ("hidden_dropout_prob", "dropout")):
@@ -409,7 +419,6 @@ def recipe_card_text(task: str, model_args: Any, data_args: Any, training_args: 
             [training_recipe_text(task, training_args), regularisation_text(model_args, data_args, training_args)],
         )
     )
-    text += drawn_sizes_text(data_args, training_args)
     text += drawn_sizes_text(data_args, training_args)
     name = getattr(training_args, "recipe", None)
     if name is not None:
@@ -442,7 +451,8 @@ def drawn_sizes_text(data_args: Any, training_args: Any) -> str:
 
 
 def refuse_augmentation(objective: str, augmentable: bool, data_args: Any, training_args: Any) -> None:
-    """Refuse Mixup, CutMix and RandAugment, by name, for an objective that learns the pixels themselves."""
+    """Refuse Mixup, CutMix, RandAugment and random erasing, by name, for an objective that learns the pixels
+    themselves (random erasing would replace the very patches it must reconstruct with noise)."""
     if augmentable:
         return
     used = [
@@ -454,6 +464,7 @@ def refuse_augmentation(objective: str, augmentable: bool, data_args: Any, train
                 getattr(training_args, "cutmix_alpha", 0) > 0 or getattr(training_args, "cutmix_minmax", None),
             ),
             ("--rand_augment", getattr(data_args, "rand_augment", None) is not None),
+            ("--reprob", getattr(data_args, "reprob", 0) > 0),
         )
         if on
     ]
@@ -461,5 +472,5 @@ def refuse_augmentation(objective: str, augmentable: bool, data_args: Any, train
         raise ValueError(
             f"{', '.join(used)} augment(s) images for classification: --objective {objective} learns the patches' "
             "colours, which they would change. Drop them (a --recipe sets them: override with --mixup_alpha 0 "
-            "--cutmix_alpha 0, or train without --recipe)."
+            "--cutmix_alpha 0 --reprob 0, or train without --recipe)."
         )

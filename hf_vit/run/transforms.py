@@ -1,13 +1,14 @@
 """Torch-only transforms from a data set's images to model inputs, for training `hf_vit` models with
 `transformers.Trainer`.
 
-Transforms: `make_train_transform` (random resized crop, optional horizontal flip) and `make_eval_transform` (the
-image processor alone) map a batch `{"image": [...], "label": [...]}` to `{"pixel_values": float32 [N, 3, H, W],
-"labels": int64 [N]}`. Both take their pixels from the image processor's own path (`load_images` for decoding, EXIF
-orientation, RGB conversion with transparency on white and 16-bit scaling; `resize_images`; `normalize_batch`), so
-training sees exactly the pixels inference sees; the training transform only adds the crop and the flip. Use them
-through `apply_transforms(ds, train_transform, eval_transform)` and `collate_fn` as the Trainer's `data_collator`
-(with `remove_unused_columns=False`, since the transforms read the `image` and `label` columns).
+Transforms: `make_train_transform` (random resized crop, optional horizontal flip, RandAugment, random erasing) and
+`make_eval_transform` (the image processor alone) map a batch `{"image": [...], "label": [...]}` to `{"pixel_values":
+float32 [N, 3, H, W], "labels": int64 [N]}`. Both take their pixels from the image processor's own path (`load_images`
+for decoding, EXIF orientation, RGB conversion with transparency on white and 16-bit scaling; `resize_images`;
+`normalize_batch`), so training sees exactly the pixels inference sees; the training transform only adds its
+augmentations. Use them through `apply_transforms(ds, train_transform, eval_transform)` and `collate_fn` as the
+Trainer's `data_collator` (with `remove_unused_columns=False`, since the transforms read the `image` and `label`
+columns).
 
 Corrupt images fail loudly: an image that cannot be decoded raises `CorruptImageError` naming its file (or its size
 in bytes) and its position in the batch, chaining PIL's error. Nothing is dropped silently, because that would
@@ -46,6 +47,7 @@ from ..model.image_processing_vit import (
     to_resampling,
 )
 from .rand_augment import RandAugment
+from .random_erasing import RandomErasing, check_random_erasing
 
 _IMAGE_DECODER = datasets.Image()
 _EXIF_ORIENTATION = 0x0112
@@ -144,6 +146,9 @@ def make_train_transform(
     hflip: bool = True,
     seed: int | None = None,
     rand_augment: str | None = None,
+    reprob: float = 0.0,
+    remode: str = "pixel",
+    recount: int = 1,
 ) -> Transform:
     """Batch transform for training: random resized crop, random horizontal flip, then the processor's normalisation.
 
@@ -156,7 +161,9 @@ def make_train_transform(
     the output equals `processor(images)`. The flip (probability 1/2, when `hflip`; keep it off for digits and text)
     comes next, then RandAugment when `rand_augment` gives its policy in timm's
     notation (`rand_augment.RandAugment`: on the uint8 image, areas it uncovers filled with the processor's mean
-    colour), and the processor's `normalize_batch` last, once per batch. With
+    colour), and the processor's `normalize_batch`, once per batch; last, with `reprob` > 0, random erasing
+    (`random_erasing.RandomErasing` with `remode` and `recount`) of each normalised image in turn, a native-aspect
+    image within its own size before it is cut into patches. With
     `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
     (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
 
@@ -187,6 +194,13 @@ def make_train_transform(
     if rand_augment:
         fill = tuple(round(255 * float(m)) for m in processor.image_mean)
         augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
+    check_random_erasing(reprob, remode, recount)
+    erasing = RandomErasing(reprob, remode, recount) if reprob else None
+    if erasing is not None and not processor.do_normalize:
+        raise ValueError(
+            "--reprob fills the erased rectangles with the noise of normalised pixels (mean 0, std 1), but the "
+            "processor does not normalise (do_normalize=False): normalise, or drop --reprob."
+        )
 
     def size_for(height: int, width: int) -> tuple[int, int]:
         """The size a crop (or image) of `height` x `width` is resized to: the processor's, or with `max_num_patches`
@@ -241,12 +255,18 @@ def make_train_transform(
             images = [image.float() for image in images]
         if native is not None:  # images of their own sizes: normalised one by one, as the processor's patches
             normalised = [processor.normalize_batch(image[None])[0] for image in images]
+            if erasing is not None:
+                normalised = [erasing(image, generator) for image in normalised]
             patches = native_patch_batch(normalised, patch, _BATCH_MAX_NUM_PATCHES.get() or native)
             return {**patches, **_with_labels(patches["pixel_values"], batch)}
         # Stacked channels-last (the layout PIL and the uint8 resize give), so that normalising converts to float and
         # to channels-first in one pass over the batch.
         stacked = torch.stack([image.permute(1, 2, 0) for image in images]).permute(0, 3, 1, 2)
-        return _with_labels(processor.normalize_batch(stacked), batch)
+        normalised = processor.normalize_batch(stacked)
+        if erasing is not None:
+            for image in normalised:
+                erasing(image, generator)
+        return _with_labels(normalised, batch)
 
     return transform
 
