@@ -10,10 +10,12 @@ gives the same gradients; `interpolate_pos_encoding` at a non-square size; the h
 patch prediction trains; attention capture matches `output_attentions`; ONNX export of a model trained on the device
 matches it in onnxruntime; a padded native-aspect batch gives eager's logits in every attention implementation that
 loads (flash and flex attention included). On CUDA only (printed as skipped elsewhere, with the reason):
-`scripts/finetune.py --bf16
---torch_compile` from a Hub id whose checkpoint is in an offline Hub cache; resuming after the run was killed; FSDP
-through `accelerate launch --config_file configs/accelerate/fsdp.yaml` on one GPU (the checkpoints are FSDP's
-sharded ones, the saved model is consolidated). `--trainer_on_cpu` runs the first two on CPU too (minutes).
+`scripts/finetune.py --bf16 --torch_compile` from a Hub id whose checkpoint is in an offline Hub cache; resuming
+after the run was killed; the DeiT recipe (`--recipe deit --layer_decay 0.75 --bf16`: RandAugment, random erasing,
+Mixup/CutMix, label smoothing, EMA) saving the EMA as its model and resuming after a kill bit for bit; the EMA
+update's kernels (the multi-tensor path) and its cost against a ViT-S/16 bf16 training step; FSDP through `accelerate
+launch --config_file configs/accelerate/fsdp.yaml` on one GPU (the checkpoints are FSDP's sharded ones, the saved
+model is consolidated). `--trainer_on_cpu` runs all but FSDP on CPU too (minutes).
 
 Exit status 1 when any check failed. Not run in CI: the test suite runs the CPU part (tests/test_gpu_checks.py).
 """
@@ -377,7 +379,7 @@ def trainer_env(smoke: Smoke) -> dict[str, str]:
     }
 
 
-def finetune_args(output_dir: Path, max_steps: int, extra=()) -> list[str]:
+def finetune_args(output_dir: Path, max_steps: int, extra=(), learning_rate: float = 0.03) -> list[str]:
     return [
         "--model_name_or_path", HUB_REPO_ID,
         "--dataset_name", "digits",
@@ -385,7 +387,7 @@ def finetune_args(output_dir: Path, max_steps: int, extra=()) -> list[str]:
         "--max_steps", str(max_steps),
         "--per_device_train_batch_size", "32",
         "--per_device_eval_batch_size", "64",
-        "--learning_rate", "0.03",
+        "--learning_rate", str(learning_rate),
         "--eval_strategy", "no",
         "--logging_steps", "5",
         "--seed", "0",
@@ -434,16 +436,12 @@ def finetune_bf16_compiled_from_hub_id(smoke: Smoke) -> str:
     )
 
 
-@check(cuda_only=True)
-def resume_after_a_kill(smoke: Smoke) -> str:
-    """Kill a run (SIGKILL) once it has saved a checkpoint; `--resume_from_checkpoint True` then finishes it."""
-    _trainer_skip(smoke, cpu_ok=True)
-    output_dir = smoke.scratch / "resume"
-    max_steps = 60
-    args = finetune_args(output_dir, max_steps, ["--save_strategy", "steps", "--save_steps", "10"])
-    args += ["--bf16"] if smoke.cuda else []
-    env = trainer_env(smoke)
-    with open(smoke.scratch / "killed.log", "w") as log:
+def kill_after_a_checkpoint(smoke: Smoke, args: list[str], env: dict[str, str], name: str) -> int:
+    """Start `finetune.py args` and SIGKILL it once it has saved a checkpoint; returns the last checkpoint's step
+    (which must be before the run's end). Its output goes to `<scratch>/<name>-killed.log`."""
+    output_dir = Path(args[args.index("--output_dir") + 1])
+    max_steps = int(args[args.index("--max_steps") + 1])
+    with open(smoke.scratch / f"{name}-killed.log", "w") as log:
         # Its own process group, killed whole as a scheduler kills a job: SIGKILL to the main process alone leaves
         # its DataLoader workers alive for a few seconds, holding the output folder's lock (inherited over fork).
         process = subprocess.Popen(
@@ -466,18 +464,190 @@ def resume_after_a_kill(smoke: Smoke) -> str:
     killed_at = max(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
     if killed_at >= max_steps:
         raise AssertionError("the run finished before it could be killed")
-    # --log_level info: Trainer then says from which step it resumes.
-    done = _run([sys.executable, str(FINETUNE), *args, "--resume_from_checkpoint", "True", "--log_level", "info"], env)
-    (smoke.scratch / "resumed.log").write_text(done.stdout + done.stderr)
+    return killed_at
+
+
+def resume_to_the_end(smoke: Smoke, args: list[str], env: dict[str, str], killed_at: int, name: str) -> int:
+    """`finetune.py args --resume_from_checkpoint True`: it must say that it resumes from step `killed_at` and end
+    at `--max_steps`. Returns the step it resumed from; its output goes to `<scratch>/<name>-resumed.log`."""
+    output_dir = Path(args[args.index("--output_dir") + 1])
+    max_steps = int(args[args.index("--max_steps") + 1])
+    # --log_level info: Trainer then says from which step it resumes. The output goes to the log as it comes, so that
+    # a run that stalls (a --recipe deit resume on an H200 did not end within 200 s) leaves where it stopped.
+    log = smoke.scratch / f"{name}-resumed.log"
+    command = [sys.executable, str(FINETUNE), *args, "--resume_from_checkpoint", "True", "--log_level", "info"]
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900, cwd=ROOT)
+    said = log.read_text()
+    if done.returncode != 0:
+        raise AssertionError(f"exit status {done.returncode}: {said.strip()[-1500:]}")
     state = json.loads((output_dir / "trainer_state.json").read_text())
-    resumed = re.search(r"Resuming training from checkpoint with epoch \d+ and global step (\d+)", done.stderr)
+    resumed = re.search(r"Resuming training from checkpoint with epoch \d+ and global step (\d+)", said)
     if resumed is None or int(resumed[1]) != killed_at or state["global_step"] != max_steps:
         raise AssertionError(
             f"the second run did not resume from checkpoint-{killed_at} ({resumed and resumed[0]!r}) or ended at step "
-            f"{state['global_step']}, not {max_steps}; its output is in {smoke.scratch / 'resumed.log'}"
+            f"{state['global_step']}, not {max_steps}; its output is in {log}"
         )
-    _final_metrics(output_dir)
-    return f"killed after checkpoint-{killed_at}, resumed from step {resumed[1]} to {state['global_step']}"
+    return int(resumed[1])
+
+
+@check(cuda_only=True)
+def resume_after_a_kill(smoke: Smoke) -> str:
+    """Kill a run (SIGKILL) once it has saved a checkpoint; `--resume_from_checkpoint True` then finishes it."""
+    _trainer_skip(smoke, cpu_ok=True)
+    max_steps = 60
+    args = finetune_args(smoke.scratch / "resume", max_steps, ["--save_strategy", "steps", "--save_steps", "10"])
+    args += ["--bf16"] if smoke.cuda else []
+    env = trainer_env(smoke)
+    killed_at = kill_after_a_checkpoint(smoke, args, env, "resume")
+    resumed = resume_to_the_end(smoke, args, env, killed_at, "resume")
+    _final_metrics(smoke.scratch / "resume")
+    return f"killed after checkpoint-{killed_at}, resumed from step {resumed} to {max_steps}"
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def _differing(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors are not bit for bit equal (or missing from one side)."""
+    return sorted(
+        name
+        for name in first.keys() | second.keys()
+        if name not in first or name not in second or not torch.equal(first[name], second[name])
+    )
+
+
+RECIPE_STEPS = 60  # at 12 steps an H200 finished the run before the kill could land
+
+
+@check(cuda_only=True)
+def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
+    """`finetune.py --recipe deit --layer_decay 0.75 --bf16` (RandAugment, random erasing, Mixup/CutMix, label
+    smoothing, stochastic depth, AdamW in layer-decay groups, EMA with warmup) for 60 steps, a checkpoint every 10:
+    the saved model is the EMA, equal to the last checkpoint's EMA state and not to its raw weights; a second run,
+    killed after its first checkpoint and resumed, ends bit for bit as the first (model, raw weights and EMA).
+    Eager attention and `--full_determinism`: SDPA's fused backward kernels may sum with atomics, cuDNN may choose
+    non-deterministic kernels, so that two uninterrupted runs would differ in the last bits without them."""
+    _trainer_skip(smoke, cpu_ok=True)
+    from hf_vit.run.ema import EMA_FILE
+
+    extra = ["--recipe", "deit", "--layer_decay", "0.75", "--save_strategy", "steps", "--save_steps", "10"]
+    extra += ["--attn_implementation", "eager", "--full_determinism", "True"]
+    extra += ["--bf16"] if smoke.cuda else []
+    env = trainer_env(smoke)
+    straight, killed = smoke.scratch / "deit", smoke.scratch / "deit_killed"
+    start = time.perf_counter()
+    args = finetune_args(straight, RECIPE_STEPS, extra, learning_rate=5e-4)
+    done = _run([sys.executable, str(FINETUNE), *args, "--log_level", "info"], env)
+    (smoke.scratch / "deit.log").write_text(done.stdout + done.stderr)
+    seconds = time.perf_counter() - start
+    for said in ("Training with the recipe deit", "Layer-wise learning-rate decay 0.75"):
+        if said not in done.stderr:
+            raise AssertionError(f"the run's log does not say {said!r}: the recipe was not applied")
+    metrics = _final_metrics(straight)
+    last = straight / f"checkpoint-{RECIPE_STEPS}"
+    final, raw, average = (
+        _tensors(p) for p in (straight / "model.safetensors", last / "model.safetensors", last / EMA_FILE)
+    )
+    if not average or not average.keys() <= final.keys():
+        raise AssertionError(f"{EMA_FILE} holds {len(average)} tensors, not a subset of the model's {len(final)}")
+    if _differing({k: final[k] for k in average}, average):
+        raise AssertionError("the saved model.safetensors is not the EMA state of the last checkpoint")
+    if not _differing({k: raw[k] for k in average}, average):
+        raise AssertionError("the EMA equals the raw weights: the average did not average (or was never updated)")
+    killed_at = kill_after_a_checkpoint(
+        smoke, finetune_args(killed, RECIPE_STEPS, extra, learning_rate=5e-4), env, "deit"
+    )
+    resume_to_the_end(smoke, finetune_args(killed, RECIPE_STEPS, extra, learning_rate=5e-4), env, killed_at, "deit")
+    differing = {}
+    for name in (
+        "model.safetensors",
+        f"checkpoint-{RECIPE_STEPS}/model.safetensors",
+        f"checkpoint-{RECIPE_STEPS}/{EMA_FILE}",
+    ):
+        first, again = _tensors(straight / name), _tensors(killed / name)
+        names = _differing(first, again)
+        if names:
+            differing[name] = {
+                "tensors": len(names),
+                "largest": max(
+                    float((first[n].float() - again[n].float()).abs().max())
+                    for n in names
+                    if n in first and n in again
+                ),
+            }
+    smoke.details["recipe_deit_resumes_bit_for_bit"] = {
+        "straight_seconds": seconds,
+        "killed_after": killed_at,
+        "differing": differing,
+        "train_loss": metrics["train_loss"],
+        "eval_accuracy": metrics["eval_accuracy"],
+    }
+    if differing:
+        raise AssertionError(f"the resumed run differs from the uninterrupted one: {differing}")
+    return (
+        f"{RECIPE_STEPS} steps in {seconds:.0f} s, eval accuracy {metrics['eval_accuracy']:.3f}; the model is the "
+        f"EMA ({len(average)} tensors); killed after checkpoint-{killed_at}, resumed: equal bit for bit"
+    )
+
+
+@check(cuda_only=True)
+def ema_update_cost(smoke: Smoke) -> str:
+    """The EMA update (`WeightAverage.update`) is one `_foreach_lerp_` over every trained tensor (on CUDA the
+    multi-tensor kernels: far fewer launches than tensors), and its time as a fraction of a ViT-S/16 bf16 training
+    step (`benchmarks/recipes_speed.py`'s `ema_cost` on the device, batch 256; on CPU batch 2, fp32)."""
+    _trainer_skip(smoke, cpu_ok=True)
+    from torch.profiler import ProfilerActivity, profile
+
+    if str(ROOT) not in sys.path:  # run as `python benchmarks/gpu_checks.py`: the `benchmarks` package from the root
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.recipes_speed import ema_cost
+    from benchmarks.timing import synchronize
+    from hf_vit.run.ema import WeightAverage
+
+    model = smoke.classifier(smoke.config(num_hidden_layers=12) if smoke.cuda else smoke.config())
+    average = WeightAverage(model, 0.999)
+    average.update(1)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if smoke.cuda else [])
+    with profile(activities=activities) as profiled:
+        average.update(2)
+        synchronize(smoke.device)
+    events = profiled.events()
+    calls = sum(event.name == "aten::_foreach_lerp_" for event in events)
+    kernels = [event.name for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
+    tensors = len(average.params)
+    if calls != 1:
+        raise AssertionError(f"the update made {calls} aten::_foreach_lerp_ calls, not 1")
+    if smoke.cuda and not (0 < len(kernels) < tensors / 4 and any("multi_tensor" in name for name in kernels)):
+        raise AssertionError(
+            f"the update launched {len(kernels)} kernels for {tensors} tensors ({sorted(set(kernels))[:3]}): not the "
+            "multi-tensor (foreach) path"
+        )
+    on = {str(a.device) for a in average.averages}
+    if on != {str(p.device) for p in average.params}:
+        raise AssertionError(f"the averages are on {on}, the weights on {[str(p.device) for p in average.params][:1]}")
+    del model, average
+    batch = 256 if smoke.cuda else 2
+    cost = ema_cost(
+        batch,
+        repeats=5 if smoke.cuda else 2,
+        steps=5 if smoke.cuda else 1,
+        device=str(smoke.device),
+        dtype="bf16" if smoke.cuda else "fp32",
+    )
+    cost["kernels_per_update"] = len(kernels)
+    cost["tensors"] = tensors
+    smoke.details["ema_update_cost"] = cost
+    seconds = cost["seconds"]
+    return (
+        f"{tensors} tensors, {len(kernels)} kernels per update on {sorted(on)}; "
+        f"ViT-S/16 {cost['dtype']} batch {batch}: "
+        f"step {seconds['training step'] * 1e3:.1f} ms, EMA update {seconds['EMA update'] * 1e3:.2f} ms "
+        f"({cost['update_over_step']:.2%} of the step; step + update / step {cost['with_over_without']:.3f})"
+    )
 
 
 @check(cuda_only=True)
@@ -529,7 +699,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--only", nargs="+", default=None, metavar="CHECK", help=f"some of: {', '.join(CHECKS)}")
-    parser.add_argument("--trainer_on_cpu", action="store_true", help="run the Hub-id and resume checks on CPU too")
+    parser.add_argument(
+        "--trainer_on_cpu", action="store_true", help="run the Hub-id, resume, recipe and EMA checks on CPU too"
+    )
     parser.add_argument("--json", default=None, help="write every check's outcome and details here")
     parser.add_argument("--keep", default=None, help="scratch folder to keep (default: a temporary one, removed)")
     args = parser.parse_args(argv)

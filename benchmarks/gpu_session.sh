@@ -4,6 +4,7 @@
 # lacks as wheels (.whl/) and for carrying the results from one part to the next.
 #
 #   bash benchmarks/gpu_session.sh 1   the smoke checks (benchmarks/gpu_checks.py) and the end-to-end runs (ViT-B/16, S/16)
+#   bash benchmarks/gpu_session.sh smoke   part 1's smoke checks alone (for a short device budget)
 #   bash benchmarks/gpu_session.sh 2   eager rows of ViT-S/16, B/16 and L/16, then compiled rows of ViT-S/16
 #   bash benchmarks/gpu_session.sh 3   compiled rows of ViT-B/16 (with a profile of its training step)
 #   bash benchmarks/gpu_session.sh 4   compiled rows of ViT-L/16
@@ -13,17 +14,30 @@
 # that comes back from one part into docs/ before the next. Each step has its own `timeout`, and gpu.py its time
 # budget, so that a part ends inside its 10 minutes with what it measured.
 set -uo pipefail
-part=${1:?usage: bash benchmarks/gpu_session.sh 1|2|3|4|quick}
+part=${1:?usage: bash benchmarks/gpu_session.sh 1|2|3|4|smoke|quick}
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then  # packages the machine lacks, brought as wheels
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+PY=${PY:-python3}
+# Packages the machine lacks, brought as wheels, go to a folder whose path holds "site-packages": dill (which datasets
+# uses to fingerprint what it caches) pickles a module found anywhere else by value, and fails on pyarrow's.
+SITE=${SITE:-/tmp/hf-vit/site-packages}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
         || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+    # What they require and the machine lacks or has too old: from .whl/fallback/ (a large wheel such as pyarrow
+    # travels there, to replace the machine's own only where that is too old); what is still unmet is printed.
+    fallback=$("$PY" benchmarks/wheel_requirements.py .whl --fallback .whl/fallback 2>"$OUT/unmet_requirements.txt")
+    if [ -n "$fallback" ]; then
+        echo "== from .whl/fallback: $fallback"
+        # shellcheck disable=SC2086
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+            $fallback || exit 1
+    fi
+    "$PY" benchmarks/wheel_requirements.py .whl 2>&1 >/dev/null | tee "$OUT/unmet_requirements.txt"
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-PY=${PY:-python3}
 JSON=docs/benchmarks_gpu.json
 # e.g. COMPILE_FLAGS=--compile_blocks (each block compiled once, fullgraph: minutes less per model) or
 # COMPILE_FLAGS="--compile_mode max-autotune"; applies to the compiled rows of parts 2-4.
@@ -38,12 +52,24 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAM
     [ "$rc" -eq 0 ] || { echo "== $name: exit status $rc"; status=1; }
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >"$OUT/nvidia-smi.csv" 2>&1 || true
-"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|accelerate|huggingface.hub|timm|torchvision|pyarrow|fsspec|tokenizers|onnx|onnxruntime|onnxscript|dill|multiprocess|evaluate) " \
+"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|accelerate|huggingface.hub|timm|torchvision|pyarrow|fsspec|tokenizers|onnx|onnxruntime|onnxscript|dill|multiprocess|evaluate|numpy|pandas|peft|xxhash|safetensors) " \
     | tee "$OUT/packages.txt"
+# What the programs will import (pip list above also shows the machine's own copies that $SITE shadows).
+"$PY" -c "import datasets, evaluate, fsspec, pyarrow, torch, transformers, huggingface_hub as h
+print('imported:', *(f'{m.__name__} {m.__version__}' for m in (torch, transformers, h, datasets, evaluate, pyarrow, fsspec)))
+print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>&1 \
+    | tee -a "$OUT/packages.txt"
 
 case "$part" in
+smoke)  # SMOKE_ONLY="check ..." runs some of the checks (a rerun of those that failed)
+    # shellcheck disable=SC2086
+    step 330 smoke "$PY" benchmarks/gpu_checks.py --json "$OUT/smoke.json" ${SMOKE_KEEP:+--keep "$SMOKE_KEEP"} \
+        ${SMOKE_ONLY:+--only $SMOKE_ONLY}
+    ;;
 1)
-    step 280 smoke "$PY" benchmarks/gpu_checks.py --json "$OUT/smoke.json"
+    # SMOKE_KEEP=/tmp/smoke keeps the checks' scratch folder (the training runs' logs) to look into afterwards.
+    # About 280 s on an H100 by estimate (not yet measured): 330 s leaves room.
+    step 330 smoke "$PY" benchmarks/gpu_checks.py --json "$OUT/smoke.json" ${SMOKE_KEEP:+--keep "$SMOKE_KEEP"}
     step 145 end_to_end_b16 "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs --images 768 \
         --preset vit-base-patch16-224 --batch_size 256 --steps 8 --warmup_steps 3 --json "$OUT/end_to_end_b16.json" \
         -- --bf16
@@ -74,7 +100,7 @@ quick)
     step 120 gpu_quick "$PY" benchmarks/gpu.py --quick --json "$OUT/benchmarks_gpu.json"
     ;;
 *)
-    echo "unknown part $part: use 1, 2, 3, 4 or quick" >&2
+    echo "unknown part $part: use 1, 2, 3, 4, smoke or quick" >&2
     exit 2
     ;;
 esac

@@ -31,15 +31,15 @@ from .timing import make_optimizer, make_train_step, median_seconds, time_altern
 RAND_AUGMENT = "rand-m9-mstd0.5-inc1"
 
 
-def ema_cost(batch_size: int, repeats: int, steps: int) -> dict:
+def ema_cost(batch_size: int, repeats: int, steps: int, device: str = "cpu", dtype: str = "fp32") -> dict:
     """Seconds of a ViT-S/16 training step (forward, backward, AdamW) and of the EMA update after it, alternating;
-    and the step with the update against the step without it."""
-    settings = BenchmarkSettings(batch_size=batch_size, device="cpu", dtypes=["fp32"])
-    model = build_hf_vit(hf_vit_config(settings)).train()
+    and the step with the update against the step without it. On `device` (a GPU: `dtype` "bf16" for autocast)."""
+    settings = BenchmarkSettings(batch_size=batch_size, device=device, dtypes=[dtype])
+    model = build_hf_vit(hf_vit_config(settings)).to(device).train()
     optimizer = make_optimizer(model)
-    pixel_values = torch.randn(batch_size, 3, 224, 224)
-    labels = torch.randint(1000, (batch_size,))
-    train_step = make_train_step(model, optimizer, pixel_values, labels, "fp32")
+    pixel_values = torch.randn(batch_size, 3, 224, 224).to(device)
+    labels = torch.randint(1000, (batch_size,)).to(device)
+    train_step = make_train_step(model, optimizer, pixel_values, labels, dtype)
     average = WeightAverage(model, 0.9998, warmup=True)
     counter = {"step": 1}
 
@@ -54,11 +54,13 @@ def ema_cost(batch_size: int, repeats: int, steps: int) -> dict:
     train_step()  # warm-up: the optimiser's state
     update()
     fns = {"training step": train_step, "EMA update": update, "training step + EMA update": step_with_ema}
-    samples = time_alternating(fns, steps, repeats, torch.device("cpu"))
+    samples = time_alternating(fns, steps, repeats, torch.device(device))
     seconds = {name: median_seconds(sample) for name, sample in samples.items()}
     values = sum(p.numel() for p in average.params)
     return {
         "model": "vit-small-patch16-224",
+        "device": device,
+        "dtype": dtype,
         "batch_size": batch_size,
         "averaged_values": values,
         "seconds": seconds,

@@ -23,7 +23,13 @@ CPU_CHECKS = [
     "onnx_export_of_a_trained_model",
     "native_aspect_batches",
 ]
-CUDA_CHECKS = ["finetune_bf16_compiled_from_hub_id", "resume_after_a_kill", "fsdp_through_accelerate"]
+CUDA_CHECKS = [
+    "finetune_bf16_compiled_from_hub_id",
+    "resume_after_a_kill",
+    "recipe_deit_resumes_bit_for_bit",
+    "ema_update_cost",
+    "fsdp_through_accelerate",
+]
 
 
 def test_cpu_part_passes_and_names_what_needs_a_gpu(tmp_path, capsys):
@@ -68,3 +74,42 @@ def test_unknown_check_and_missing_cuda_are_usage_errors(capsys):
         with pytest.raises(SystemExit):
             gpu_checks.parse_args(["--device", "cuda"])
         assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_wheel_requirements_names_what_the_machine_lacks_and_offers_fallbacks(tmp_path, capsys):
+    """benchmarks/wheel_requirements.py reads each wheel's Requires-Dist: a requirement this environment meets is
+    quiet, one it lacks or has too old is printed with the version found, and a fallback wheel that meets it is
+    offered (one that does not, is not)."""
+    import zipfile
+
+    import numpy
+    import wheel_requirements
+
+    def wheel(folder, name, version, requires=()):
+        folder.mkdir(exist_ok=True)
+        path = folder / f"{name}-{version}-py3-none-any.whl"
+        metadata = [f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr(f"{name}-{version}.dist-info/METADATA", "\n".join(metadata) + "\n")
+        return path
+
+    requires = [
+        "numpy>=1.0",
+        "numpy<1.0; python_version < '3'",
+        "numpy>=999",
+        "no-such-package-q7>=1",
+        'pytest; extra == "t"',
+    ]
+    wheel(tmp_path / "whl", "carried", "1.0", requires)
+    fallback = tmp_path / "fallback"
+    offered = wheel(fallback, "numpy", "1000.0")
+    wheel(fallback, "no_such_package_q7", "0.5")  # too old for >=1: not offered
+    assert wheel_requirements.main([str(tmp_path / "whl"), "--fallback", str(fallback)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.split() == [str(offered)]
+    assert captured.err.splitlines() == [
+        f"carried requires numpy>=999; found {numpy.__version__}",
+        "carried requires no-such-package-q7>=1; found nothing",
+    ]
+    wheel(tmp_path / "met", "carried", "1.0", ["numpy>=1.0"])
+    assert wheel_requirements.main([str(tmp_path / "met")]) == 0

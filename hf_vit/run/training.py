@@ -41,6 +41,19 @@ __all__ = ["check_eval_images", "main", "train"]
 logger = logging.getLogger(__name__)
 
 
+def gather_the_whole_model(trainer: Any) -> None:
+    """Under FSDP with sharded state dicts (the form its checkpoints take, configs/accelerate/fsdp.yaml's),
+    `Trainer.save_model` writes no model at all: the final save switches to FULL_STATE_DICT, so that the run's
+    model.safetensors is the whole model, gathered on the main process."""
+    if not getattr(trainer, "is_fsdp_enabled", False):
+        return
+    plugin = trainer.accelerator.state.fsdp_plugin
+    if "FULL_STATE_DICT" not in str(plugin.state_dict_type):
+        logger.info("FSDP: the checkpoints are sharded; the final model is gathered whole into model.safetensors.")
+        plugin.state_dict_config = plugin.optim_state_dict_config = None  # the full state dict's own defaults
+        plugin.set_state_dict_type("FULL_STATE_DICT")
+
+
 def train(
     task: str,
     model_args: ModelArguments,
@@ -103,6 +116,7 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     train_result = trainer.train(resume_from_checkpoint=resume)
     # Weights (safetensors), config, processor and code files first, so nothing trained is lost; the push waits for
     # the card and the final metrics.
+    gather_the_whole_model(trainer)
     trainer.save_model(_internal_call=True)
     trainer.save_state()
     metrics = {**train_result.metrics, **final_evaluation(trainer, ds, objective.loss), "train_task": task}
