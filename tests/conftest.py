@@ -33,6 +33,36 @@ def torchrun_command(processes: int = 2) -> list[str]:
     return launcher + ["--master_port", str(free_port())]
 
 
+def keep_weights():
+    """A callback that keeps the weights at the end of training, as the training worker's ranks dump them."""
+    from transformers import TrainerCallback
+
+    class KeepWeights(TrainerCallback):
+        weights = None
+
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            self.weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    return KeepWeights()
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory):
+    """The one-process side of the distributed comparisons (here and in test_distributed.py): a pretrained folder and
+    the weights of one process fine-tuning from it on a batch of 16, trained once per test process, in it."""
+    from test_training import deterministic_finetune_args, pretrained_folder
+
+    from hf_vit.run.arguments import parse_args
+    from hf_vit.run.training import train
+
+    root = tmp_path_factory.mktemp("one-process")
+    source = pretrained_folder(root / "pre")
+    keep = keep_weights()
+    task, *argv = deterministic_finetune_args(source, root / "one", 16, extra=["--save_strategy", "no"])
+    train(task, *parse_args(task, argv), callbacks=[keep])
+    return source, keep.weights
+
+
 def tiny_config(**overrides):
     from hf_vit import VisionTransformerConfig
 

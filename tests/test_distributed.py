@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import free_port, torchrun_command
 from safetensors.torch import load_file
-from test_training import WORKER, deterministic_finetune_args, pretrained_folder
+from test_training import WORKER, deterministic_finetune_args
 
 from hf_vit import VisionTransformerForImageClassification
 from hf_vit.run.arguments import parse_args
@@ -28,22 +28,29 @@ def run(cmd, timeout=600):
     return done
 
 
-def test_fsdp_shards_hf_vit_on_cpu_and_saves_one_consolidated_model(tmp_path):
-    torchrun = torchrun_command()
-    run(torchrun + [str(FSDP_WORKER), str(tmp_path / "sharded")])
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """The FSDP worker's uninterrupted run on two processes, once: the sharding test reads it, and it is the killed
+    run's reference (the same command). Returns its folder, read only."""
+    out = tmp_path_factory.mktemp("fsdp") / "sharded"
+    run(torchrun_command() + [str(FSDP_WORKER), str(out)])
+    return out
+
+
+def test_fsdp_shards_hf_vit_on_cpu_and_saves_one_consolidated_model(tmp_path, sharded_run):
     run([sys.executable, str(FSDP_WORKER), str(tmp_path / "single"), "--single"])
-    ranks = [json.loads((tmp_path / "sharded" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((sharded_run / f"rank{r}.json").read_text()) for r in (0, 1)]
     total = ranks[0]["total_parameters"]
     # parameters (and so gradients and SGD's momentum) are sharded: each rank holds about half
     assert all(r["world"] == 2 and r["local_parameters"] < 0.6 * total for r in ranks)
     assert sum(r["local_parameters"] for r in ranks) == total
-    sharded = VisionTransformerForImageClassification.from_pretrained(tmp_path / "sharded" / "model").eval()
+    sharded = VisionTransformerForImageClassification.from_pretrained(sharded_run / "model").eval()
     single = VisionTransformerForImageClassification.from_pretrained(tmp_path / "single" / "model").eval()
     probe = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         reloaded = sharded(probe).logits
     # the consolidated model.safetensors computes what the sharded model computed
-    torch.testing.assert_close(reloaded, load_file(tmp_path / "sharded" / "logits.safetensors")["logits"])
+    torch.testing.assert_close(reloaded, load_file(sharded_run / "logits.safetensors")["logits"])
     worst = max(
         (a - b).abs().max().item() for a, b in zip(sharded.state_dict().values(), single.state_dict().values())
     )
@@ -51,9 +58,8 @@ def test_fsdp_shards_hf_vit_on_cpu_and_saves_one_consolidated_model(tmp_path):
     assert worst < 1e-5
 
 
-def test_a_killed_fsdp_run_resumes_from_its_sharded_checkpoint(tmp_path):
+def test_a_killed_fsdp_run_resumes_from_its_sharded_checkpoint(tmp_path, sharded_run):
     torchrun = torchrun_command()
-    run(torchrun + [str(FSDP_WORKER), str(tmp_path / "straight")])
     killed = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     died = subprocess.run(
@@ -64,7 +70,7 @@ def test_a_killed_fsdp_run_resumes_from_its_sharded_checkpoint(tmp_path):
     # one file of shards per rank: no process ever held the whole model or optimizer state
     assert len(list((killed / "sharded-checkpoint").glob("*.distcp"))) == 2
     run(torchrun + [str(FSDP_WORKER), str(killed), "--resume"])
-    straight = load_file(tmp_path / "straight" / "model" / "model.safetensors")
+    straight = load_file(sharded_run / "model" / "model.safetensors")  # the uninterrupted run
     resumed = load_file(killed / "model" / "model.safetensors")
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
@@ -93,9 +99,9 @@ def node_launch(launcher: str, node_rank: int, port: int) -> list[str]:
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
-def test_two_nodes_on_one_machine_match_one_process(tmp_path, launcher):
+def test_two_nodes_on_one_machine_match_one_process(tmp_path, launcher, one_process_run):
     port = free_port()
-    source = pretrained_folder(tmp_path / "pre")
+    source, single = one_process_run
     two = tmp_path / "two-nodes"
     nodes = []
     for node_rank in (0, 1):
@@ -114,9 +120,6 @@ def test_two_nodes_on_one_machine_match_one_process(tmp_path, launcher):
     assert [(i["rank"], i["world_size"]) for i in info] == [(0, 2), (1, 2)]
     rank0, rank1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
-    one = tmp_path / "one"
-    run([sys.executable, str(WORKER)] + deterministic_finetune_args(source, one, 16, extra=["--save_strategy", "no"]))
-    single = load_file(one / "rank0.safetensors")
     worst = max((single[k] - rank0[k]).abs().max().item() for k in single)
     print(f"2 nodes x 1 process x 8 vs 1 process x 16: max weight difference {worst:.1e}")
     assert worst < 1e-4

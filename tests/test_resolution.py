@@ -203,7 +203,17 @@ def test_positions_that_do_not_match_the_config(folder, tmp_path):
         resample_position_embeddings(torch.zeros(1, 17, 32), (8, 8), (6, 6))
 
 
-def test_command_line(folder, tmp_path):
+def test_command_line(folder, tmp_path, capsys):
+    """The script as users run it; its refusals through the same command's function in this process (each script
+    start imports torch and transformers anew)."""
+    from hf_vit.commands.resize import main
+
+    def exit_status(argv):
+        try:
+            return main(argv)
+        except SystemExit as exit:  # argparse's refusals
+            return exit.code
+
     path, _ = folder
     script = [sys.executable, str(ROOT / "scripts" / "resize_resolution.py"), "--model", str(path)]
     done = subprocess.run(
@@ -211,16 +221,12 @@ def test_command_line(folder, tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert VisionTransformerForImageClassification.from_pretrained(tmp_path / "v48").config.image_size == 48
-    bad = subprocess.run(
-        script + ["--image_size", "50", "--output", str(tmp_path / "v50")], capture_output=True, text=True
-    )
-    assert bad.returncode == 2 and "not divisible" in bad.stderr
-    no_id = subprocess.run(
-        script + ["--image_size", "48", "--output", str(tmp_path / "v"), "--push_to_hub"],
-        capture_output=True,
-        text=True,
-    )
-    assert no_id.returncode == 2 and "--hub_model_id" in no_id.stderr
+    capsys.readouterr()
+    flags = ["--model", str(path)]
+    assert exit_status(flags + ["--image_size", "50", "--output", str(tmp_path / "v50")]) == 2
+    assert "not divisible" in capsys.readouterr().err and not (tmp_path / "v50").exists()
+    assert exit_status(flags + ["--image_size", "48", "--output", str(tmp_path / "v"), "--push_to_hub"]) == 2
+    assert "--hub_model_id" in capsys.readouterr().err and not (tmp_path / "v").exists()
 
 
 def test_a_folder_without_a_model_is_named_before_anything_loads(tmp_path):

@@ -196,8 +196,8 @@ def deterministic_finetune_args(source, output_dir, per_device_batch, max_steps=
     ]  # fmt: skip
 
 
-def test_distributed_two_processes_match_one(tmp_path):
-    source = pretrained_folder(tmp_path / "pre")
+def test_distributed_two_processes_match_one(tmp_path, one_process_run):
+    source, single = one_process_run
     two = tmp_path / "two"
     torchrun = torchrun_command()
     done = run(torchrun + [str(WORKER)] + deterministic_finetune_args(source, two, 8, extra=["--save_strategy", "no"]))
@@ -207,9 +207,6 @@ def test_distributed_two_processes_match_one(tmp_path):
     rank0, rank1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)  # DDP keeps the replicas identical
 
-    one = tmp_path / "one"
-    run([sys.executable, str(WORKER)] + deterministic_finetune_args(source, one, 16, extra=["--save_strategy", "no"]))
-    single = load_file(one / "rank0.safetensors")
     start = load_for_finetuning(str(source), {i: str(i) for i in range(10)}, image_size=8).state_dict()
     moved = max((single[k] - start[k]).abs().max().item() for k in single)
     worst = max((single[k] - rank0[k]).abs().max().item() for k in single)

@@ -29,8 +29,6 @@ import numpy as np
 import PIL.Image
 from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from huggingface_hub.errors import HFValidationError
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 DIGITS_SPLIT_SIZES = {"train": 1257, "validation": 180, "test": 360}
 """Sizes of the fixed, stratified digits splits (70/10/20 % of 1797)."""
@@ -45,6 +43,10 @@ def load_digits_dataset(seed: int = 0) -> DatasetDict:
     Which images go to which split never changes (sizes in `DIGITS_SPLIT_SIZES`, every split has the class
     proportions of the whole set); `seed` only shuffles the order of the rows inside each split.
     """
+    # scikit-learn is imported here, not with the module: it costs every process that trains on other data a second
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     digits = load_digits()
     pixels = np.rint(digits.images * (255 / 16)).astype(np.uint8)
     labels = digits.target.astype(np.int64)
