@@ -253,6 +253,38 @@ def test_killed_run_resumes_to_the_same_weights(resume_runs, kill_at, resumed_fr
     )
 
 
+def test_resuming_mid_epoch_keeps_dropout_as_the_uninterrupted_run(tmp_path):
+    """Resumed from a mid-epoch checkpoint, a run with dropout (drawn from torch's global generator) ends bit for bit
+    as the uninterrupted run, through the next epoch, on Trainer's own data loader with persistent workers (its first
+    pass draws their seed from that generator, and a resumed run makes its first pass an epoch later). Both runs
+    train in this process, one torch thread."""
+    from hf_vit.run.arguments import parse_args
+    from hf_vit.run.training import train
+
+    source = pretrained_folder(tmp_path / "pre")
+    extra = ["--save_strategy", "steps", "--save_steps", "3", "--save_total_limit", "5"]
+    extra += ["--hidden_dropout_prob", "0.1", "--dataloader_num_workers", "1"]  # persistent workers, as by default
+
+    def train_here(output_dir, *more):  # 16 images in batches of 4: 4 steps an epoch; checkpoint-3 is mid-epoch
+        args = deterministic_finetune_args(source, output_dir, 4, max_steps=8, extra=extra + list(more))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            train(args[0], *parse_args(args[0], args[1:]))
+        finally:
+            torch.set_num_threads(threads)
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_here(straight)
+    resumed.mkdir()
+    shutil.copytree(straight / "checkpoint-3", resumed / "checkpoint-3")
+    train_here(resumed, "--resume_from_checkpoint", "True")
+    first, again = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(first[k], again[k]) for k in first), max(
+        (first[k] - again[k]).abs().max().item() for k in first
+    )
+
+
 def test_accelerate_launch_with_the_shipped_cpu_config(tmp_path):
     out = tmp_path / "out"
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]

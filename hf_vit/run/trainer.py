@@ -109,6 +109,18 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
         # batch of every num_processes: the sampler yields those together, at one length.
         return self.accelerator.prepare(loader)
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        # A data loader's first pass draws from torch's global generator (accelerate's loader, for its workers'
+        # seed), which dropout and stochastic depth draw from too. An uninterrupted run makes that pass at step 0; a
+        # resumed one makes it an epoch later (its resumed epoch skips batches on a copy of the loader), where the
+        # draw would shift every later dropout mask. So every fetch after step 0 leaves the generator as it was:
+        # the uninterrupted run's stream is unchanged, and a resumed run's equals it. (Augmentation is seeded per
+        # example; the sampler's order per epoch.)
+        if self.state.global_step == 0:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        with torch.random.fork_rng(devices=[]):
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.patch_size_draw is None:
             return super().training_step(model, inputs, num_items_in_batch)
