@@ -315,6 +315,18 @@ def _posterize(image: np.ndarray, bits: int) -> np.ndarray:
 _ROUNDING = np.float32(1e-3)
 
 
+def _interpolate(lower: np.ndarray, upper: np.ndarray, weight) -> np.ndarray:
+    """`lower + weight * (upper - lower)` of two uint8 arrays in float32, nudged by `_ROUNDING` and truncated to
+    uint8 (`weight` a number, or an array that broadcasts: one per line)."""
+    result = upper.astype(np.float32)
+    low = lower.astype(np.float32)
+    result -= low
+    result *= weight
+    result += low
+    result += _ROUNDING
+    return result.astype(np.uint8)
+
+
 def _translate_bilinear(image: np.ndarray, offset: float, axis: int, fill: np.ndarray) -> np.ndarray:
     """PIL's bilinear map for a translation by `offset` pixels along `axis` (1: x, 0: y): output pixel `i` takes
     input pixels `i + k` and `i + k + 1` (k = floor(offset), edges clamped) in the proportion of offset's fraction,
@@ -336,13 +348,8 @@ def _translate_bilinear(image: np.ndarray, offset: float, axis: int, fill: np.nd
     def rows(array, begin, end):
         return array[begin:end] if axis == 0 else array[:, begin:end]
 
-    lower = rows(padded, start, start + last - first).astype(np.float32)
-    upper = rows(padded, start + 1, start + 1 + last - first).astype(np.float32)
-    upper -= lower
-    upper *= np.float32(offset - whole)
-    upper += lower
-    upper += _ROUNDING
-    np.copyto(rows(out, first, last), upper, casting="unsafe")
+    lower, upper = rows(padded, start, start + last - first), rows(padded, start + 1, start + 1 + last - first)
+    rows(out, first, last)[...] = _interpolate(lower, upper, np.float32(offset - whole))
     rows(out, 0, first)[...] = fill
     rows(out, last, size)[...] = fill
     return out
@@ -398,13 +405,7 @@ def _shear_bilinear(image: np.ndarray, factor: float, axis: int, fill: np.ndarra
         offsets = offsets.reshape(-1)
         lower, upper = rows[:, offsets], rows[:, offsets + line]
         weight = np.repeat(weights, channels)[None, :]
-    result = upper.astype(np.float32)
-    low = lower.astype(np.float32)
-    result -= low
-    result *= weight
-    result += low
-    result += _ROUNDING
-    out = result.astype(np.uint8).reshape(height, width, channels)
+    out = _interpolate(lower, upper, weight).reshape(height, width, channels)
     # The pixels next to the edges that read an edge pixel and a fill pixel: PIL fills them unless their centre is in.
     first = np.arange(across)
     candidates = (np.array([-2, -1, along - 1, along])[:, None] - whole[None, :]).reshape(-1)
@@ -539,10 +540,7 @@ class RandAugment:
         self.fill = fill
         self.resample = _resampling(resample)
 
-    def magnitude(self, generator: torch.Generator | None) -> float:
-        return self._magnitude(_uniform(generator), float(torch.randn((), generator=generator)))
-
-    def _magnitude(self, uniform: float, normal: float) -> float:
+    def magnitude(self, uniform: float, normal: float) -> float:
         """The policy's magnitude, with its noise (`normal` times mstd, or `uniform` times m when mstd is above 100),
         clipped to [0, mmax]."""
         policy = self.policy
@@ -589,7 +587,7 @@ class RandAugment:
         for index, (coin, sign, spread), normal in zip(chosen, uniforms, normals):
             if coin > 0.5:  # each operation applies with probability 1/2
                 continue
-            magnitude = self._magnitude(spread, normal)
+            magnitude = self.magnitude(spread, normal)
             if image is None:  # the [C, H, W] tensor as an [H, W, C] array (no copy in the pixel path's layout)
                 image = np.ascontiguousarray(_to_uint8(pixels).permute(1, 2, 0).numpy())
             image = self.apply(image, ops[index], magnitude, sign)
