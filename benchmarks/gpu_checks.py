@@ -532,7 +532,7 @@ def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
     Eager attention and `--full_determinism`: SDPA's fused backward kernels may sum with atomics, cuDNN may choose
     non-deterministic kernels, so that two uninterrupted runs would differ in the last bits without them."""
     _trainer_skip(smoke, cpu_ok=True)
-    from hf_vit.run.ema import EMA_FILE
+    from hf_vit.train.ema import EMA_FILE
 
     extra = ["--recipe", "deit", "--layer_decay", "0.75", "--save_strategy", "steps", "--save_steps", "10"]
     extra += ["--attn_implementation", "eager", "--full_determinism", "True"]
@@ -606,7 +606,7 @@ def ema_update_cost(smoke: Smoke) -> str:
         sys.path.insert(0, str(ROOT))
     from benchmarks.recipes_speed import ema_cost
     from benchmarks.timing import synchronize
-    from hf_vit.run.ema import WeightAverage
+    from hf_vit.train.ema import WeightAverage
 
     model = smoke.classifier(smoke.config(num_hidden_layers=12) if smoke.cuda else smoke.config())
     average = WeightAverage(model, 0.999)

@@ -25,8 +25,8 @@ def finetune(argv: list[str]) -> dict:
     """Run in a child process: one fine-tune, its metrics, trainable parameters and peak RSS."""
     import torch
 
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
 
     trained = {}
 
@@ -54,8 +54,8 @@ def main() -> None:
         return
     pretrained = args.pretrained
     if pretrained is None:
-        from hf_vit.run.arguments import parse_args
-        from hf_vit.run.training import train
+        from hf_vit.train.arguments import parse_args
+        from hf_vit.train.training import train
 
         pretrained = args.output_dir / "pretrain"
         pre = ["--output_dir", str(pretrained), "--patch_size", "4", "--image_size", "16"]

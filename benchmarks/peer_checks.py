@@ -206,7 +206,7 @@ def compare_random_erasing(draws: int = 2000, size: int = 32, probability: float
 
     from timm.data.random_erasing import RandomErasing as TimmErasing
 
-    from hf_vit.run.random_erasing import RandomErasing
+    from hf_vit.data.augment.random_erasing import RandomErasing
 
     rows = []
     for mode, count in (("pixel", 1), ("pixel", 3), ("rand", 1)):

@@ -46,7 +46,7 @@ def split_digits(folder: Path, images: int) -> tuple[Path, Path]:
     the validation and test images of 5-9 (labels renumbered 0-4)."""
     from datasets import ClassLabel, DatasetDict
 
-    from hf_vit.run.datasets import load_digits_dataset
+    from hf_vit.data.datasets import load_digits_dataset
 
     digits = load_digits_dataset()
     first = DatasetDict({split: data.filter(lambda row: row["label"] < 5) for split, data in digits.items()})
@@ -63,8 +63,8 @@ def run_seeds(task: str, runs: list[list[str]]) -> list[dict]:
     """Run in a child process: one training run per argv (one per seed), and each one's test metrics."""
     import torch
 
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
 
     torch.set_num_threads(1)
     results = []
@@ -102,8 +102,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
 
     pretraining, finetuning = split_digits(args.output_dir, args.images)
     pretrained = args.output_dir / "pretrain"

@@ -21,8 +21,8 @@ if __package__ in (None, ""):  # run as a script: import the benchmark's modules
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
-from hf_vit.run.ema import WeightAverage  # noqa: E402
-from hf_vit.run.rand_augment import RandAugment, posterize  # noqa: E402
+from hf_vit.data.augment.rand_augment import RandAugment, posterize  # noqa: E402
+from hf_vit.train.ema import WeightAverage  # noqa: E402
 
 from .models import build_hf_vit, hf_vit_config  # noqa: E402
 from .settings import BenchmarkSettings  # noqa: E402
@@ -132,7 +132,7 @@ def rand_augment_parity(count: int, size: int, policy: str) -> dict:
     import PIL.Image
     from timm.data import auto_augment
 
-    from hf_vit.run.rand_augment import OPERATIONS
+    from hf_vit.data.augment.rand_augment import OPERATIONS
 
     images = [np.asarray(image) for image in sample_images(count, size)]
     ours = RandAugment(policy, fill=128, resample="bilinear")

@@ -27,7 +27,7 @@ from .model.modeling_vit import (
     VisionTransformerModel,
     VisionTransformerPreTrainedModel,
 )
-from .run.lora import read_lora_folder
+from .train.lora import read_lora_folder
 
 # A LoRA run's folder (adapter + fine-tuning config) loads as its merged classifier.
 register_foreign_reader(read_lora_folder)

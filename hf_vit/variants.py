@@ -61,7 +61,7 @@ def make_resolution_variant(
     Returns `(model, processor)`; with `output_dir`, also writes the variant there with a model card (only if
     everything succeeded; see `hf_vit.outputs.output_folders.write_converted_folder` for what `overwrite` may
     replace). The card names `base_model` (a Hub id; default: the source folder's name, never a local path) and
-    `repo_id`. With `data_args` (`hf_vit.run.arguments.DataArguments`), the variant's accuracy is measured with no
+    `repo_id`. With `data_args` (`hf_vit.train.arguments.DataArguments`), the variant's accuracy is measured with no
     further training (on the test split, else validation, as a run reports) and goes into the card and
     `all_results.json`.
     """
@@ -101,7 +101,7 @@ def make_resolution_variant(
         return model, processor
     metrics = {}
     if data_args is not None:
-        from .run.evaluation import measure_model  # loads the data set libraries: imported only to measure
+        from .train.evaluation import measure_model  # loads the data set libraries: imported only to measure
 
         split, measured = measure_model(model, processor, data_args)  # test, else validation, as a run reports
         metrics = {f"eval_{name}": value for name, value in measured.items()}
@@ -160,7 +160,7 @@ def make_evaluated_variant(
 ) -> dict[str, float]:
     """`make_resolution_variant` with the test accuracy measured (on the digits unless `data_args` names another data
     set) and written to its card and `all_results.json`. Returns the measured metrics (`eval_*`)."""
-    from .run.arguments import DataArguments
+    from .train.arguments import DataArguments
 
     make_resolution_variant(
         source,

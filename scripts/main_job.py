@@ -20,10 +20,10 @@ import torch
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.analysis import write_analysis_figures
+from hf_vit.data.datasets import load_digits_dataset
 from hf_vit.outputs.cards import write_model_card
-from hf_vit.run.arguments import parse_args
-from hf_vit.run.datasets import load_digits_dataset
-from hf_vit.run.training import train
+from hf_vit.train.arguments import parse_args
+from hf_vit.train.training import train
 from hf_vit.variants import make_evaluated_variant
 
 ARCHITECTURE = "hidden_size=96,num_hidden_layers=4,num_attention_heads=3,intermediate_size=384"

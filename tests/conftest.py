@@ -52,8 +52,8 @@ def one_process_run(tmp_path_factory):
     the weights of one process fine-tuning from it on a batch of 16, trained once per test process, in it."""
     from test_training import deterministic_finetune_args, pretrained_folder
 
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
 
     root = tmp_path_factory.mktemp("one-process")
     source = pretrained_folder(root / "pre")

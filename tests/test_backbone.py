@@ -66,7 +66,7 @@ def test_the_backbone_loads_a_classifiers_encoder_and_gives_feature_maps(tmp_pat
 
 def segmentation_set(count=32, size=32, seed=0):
     """Digits pasted at random places on a dark canvas; the mask is 1 where the digit's strokes are."""
-    from hf_vit.run.datasets import load_digits_dataset
+    from hf_vit.data.datasets import load_digits_dataset
 
     rng = np.random.default_rng(seed)
     digits = load_digits_dataset()["train"]

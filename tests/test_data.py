@@ -10,10 +10,9 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
-from hf_vit.model.image_processing_vit import VisionTransformerImageProcessor, load_images, resize_images
-from hf_vit.run.datasets import DIGITS_SPLIT_SIZES, load_digits_dataset, load_image_dataset
-from hf_vit.run.datasets import label_names as get_label_names
-from hf_vit.run.transforms import (
+from hf_vit.data.datasets import DIGITS_SPLIT_SIZES, load_digits_dataset, load_image_dataset
+from hf_vit.data.datasets import label_names as get_label_names
+from hf_vit.data.transforms import (
     CorruptImageError,
     apply_transforms,
     collate_fn,
@@ -23,6 +22,7 @@ from hf_vit.run.transforms import (
     make_train_transform,
     random_resized_crop_box,
 )
+from hf_vit.model.image_processing_vit import VisionTransformerImageProcessor, load_images, resize_images
 
 SIZE = 16
 COLORS = {"bird": (0, 0, 255), "cat": (255, 0, 0), "dog": (0, 255, 0)}
@@ -604,7 +604,7 @@ def test_a_negative_class_id_is_refused_not_read_as_the_last_class(tmp_path):
 
 
 def test_multi_hot_refuses_class_ids_outside_the_classes():
-    from hf_vit.run.datasets import to_multi_hot
+    from hf_vit.data.datasets import to_multi_hot
 
     features = datasets.Features({"label": datasets.List(datasets.Value("int64"))})
     ds = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"label": [[0], [2, -1]]}, features=features)})
@@ -616,7 +616,7 @@ def test_multi_hot_refuses_class_ids_outside_the_classes():
 
 @pytest.mark.parametrize("streaming", [False, True])
 def test_an_image_folder_of_one_class_is_refused_as_one_class(tmp_path, streaming):
-    from hf_vit.run.objectives import OBJECTIVES
+    from hf_vit.tasks.objectives import OBJECTIVES
 
     (tmp_path / "images" / "cat").mkdir(parents=True)
     for i in range(4):
@@ -641,7 +641,7 @@ def test_a_seeded_example_reseeds_the_cpu_generator_only(monkeypatch):
     """Each example's augmentation is seeded on the CPU generator, which fork_rng restores; reseeding every
     accelerator's generator too (torch.manual_seed) cost milliseconds an example and, with CUDA up, would reset the
     training stream's dropout at every example."""
-    from hf_vit.run.trainer import SeededAugmentation
+    from hf_vit.train.trainer import SeededAugmentation
 
     def refuse(seed):
         raise AssertionError("an accelerator's generator was reseeded")

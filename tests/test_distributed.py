@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from test_training import WORKER, deterministic_finetune_args
 
 from hf_vit import VisionTransformerForImageClassification
-from hf_vit.run.arguments import parse_args
+from hf_vit.train.arguments import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 FSDP_WORKER = ROOT / "tests" / "workers" / "fsdp_worker.py"

@@ -276,8 +276,8 @@ def test_a_run_at_another_image_size_keeps_the_sources_geometry(hub, repo_id, re
     them it is the evaluation transform exactly."""
     from types import SimpleNamespace
 
-    from hf_vit.run.model_setup import processor_for
-    from hf_vit.run.transforms import make_eval_transform, make_train_transform
+    from hf_vit.data.transforms import make_eval_transform, make_train_transform
+    from hf_vit.tasks.model_setup import processor_for
 
     side = crop or resize["height"]
     config = VisionTransformerConfig.from_pretrained(repo_id, image_size=side)
@@ -597,10 +597,10 @@ def test_each_family_fine_tunes_from_the_command_line_and_exports_to_onnx(hub, t
     process: the sources and the data set are written once."""
     from datasets import DatasetDict
 
+    from hf_vit.data.datasets import load_digits_dataset
     from hf_vit.export import check_onnx, export
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.datasets import load_digits_dataset
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
 
     digits = load_digits_dataset()
     splits = {split: digits[split].select(range(n)) for split, n in (("train", 4), ("validation", 2), ("test", 4))}

@@ -10,8 +10,8 @@ from accelerate.data_loader import BatchSamplerShard
 from conftest import tiny_config
 
 from hf_vit import VisionTransformerForImageClassification
-from hf_vit.run.flexible import PatchSizeDraw, SeqLenBatchSampler, at_patch_size, parse_sizes
-from hf_vit.run.trainer import SeededAugmentation
+from hf_vit.train.flexible import PatchSizeDraw, SeqLenBatchSampler, at_patch_size, parse_sizes
+from hf_vit.train.trainer import SeededAugmentation
 
 
 def test_seq_len_batches_follow_the_budget_and_every_process_trains_a_step_at_one_length():
@@ -72,7 +72,7 @@ def test_a_step_at_another_patch_size_is_the_resampled_model_and_trains_the_stor
         assert model.vit.embeddings.patch_embedding is stored and model.config.patch_size == 8
         assert model.config.image_size == 32 and stored.weight.shape == (32, 3, 8, 8)
     with pytest.raises(ValueError, match="not divisible by the patch size 12"):
-        from hf_vit.run.flexible import check_patch_sizes
+        from hf_vit.train.flexible import check_patch_sizes
 
         check_patch_sizes([8, 12], 32)
 
@@ -80,8 +80,8 @@ def test_a_step_at_another_patch_size_is_the_resampled_model_and_trains_the_stor
 def test_fine_tuning_with_patch_sizes_saves_the_base_patch_and_loads_at_each(tmp_path):
     from test_training import QUIET, pretrained_folder
 
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
 
     source = pretrained_folder(tmp_path / "pre")  # 8x8 images, patch 4
     flags = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(source), "--learning_rate", "0.1"]
@@ -108,8 +108,8 @@ def test_fine_tuning_with_patch_sizes_saves_the_base_patch_and_loads_at_each(tmp
     import json
 
     from hf_vit import VisionTransformerImageProcessor
-    from hf_vit.run.arguments import DataArguments
-    from hf_vit.run.evaluation import measure_model
+    from hf_vit.train.arguments import DataArguments
+    from hf_vit.train.evaluation import measure_model
 
     rows = json.loads((tmp_path / "out" / "compute_dial.json").read_text())
     assert [(row["series"], row["patch_size"], row["tokens_per_image"]) for row in rows] == [

@@ -286,7 +286,7 @@ def test_cards_say_how_to_install_and_carry_no_placeholder_rows(tmp_path):
 
 
 def test_a_lora_adapters_card_says_how_to_apply_it_to_its_base(tmp_path):
-    from hf_vit.run.lora import apply_lora
+    from hf_vit.train.lora import apply_lora
 
     model = apply_lora(VisionTransformerForImageClassification(tiny_config()), 2, None, 0.0, ["qkv"])
     write_model_card(tmp_path, model, METRICS, task="finetune", dataset_name="digits", repo_id="me/lora",

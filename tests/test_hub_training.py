@@ -12,8 +12,8 @@ import pytest
 
 from hf_vit.outputs.files import remote_code_files
 from hf_vit.outputs.push import find_local_path, plan_upload
-from hf_vit.run.arguments import parse_args
-from hf_vit.run.training import train
+from hf_vit.train.arguments import parse_args
+from hf_vit.train.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "hf_FAKEtoken0123456789abcdefSECRET"
@@ -80,7 +80,7 @@ def sent_repos(hub):
 
 
 def test_trainer_push_to_hub_called_by_the_user_goes_through_the_plan(tmp_path, hub):
-    from hf_vit.run.trainer import VisionTransformerTrainer
+    from hf_vit.train.trainer import VisionTransformerTrainer
 
     out = tmp_path / "run"
     flags = ["--output_dir", str(out), *RUN, "--max_steps", "1", "--save_strategy", "no"]

@@ -15,8 +15,8 @@ from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.commands import evaluate as evaluate_command
 from hf_vit.commands import predict as predict_command
-from hf_vit.run.arguments import parse_args
-from hf_vit.run.training import train
+from hf_vit.train.arguments import parse_args
+from hf_vit.train.training import train
 
 CLASSES = {0: "cat", 1: "dog"}
 
@@ -209,7 +209,7 @@ def test_do_train_false_evaluates_the_checkpoint_as_it_is_and_writes_no_model(tm
 
 
 def test_a_lora_runs_folder_predicts_and_loads_without_base(tmp_path, capsys):
-    from hf_vit.run.lora import load_lora_model
+    from hf_vit.train.lora import load_lora_model
 
     source = pretrained_folder(tmp_path / "pre")
     data = split_image_folder(tmp_path / "data")

@@ -37,14 +37,14 @@ from safetensors.torch import load_file
 from transformers import AutoImageProcessor, AutoModelForImageClassification, TrainerCallback
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification
+from hf_vit.data.datasets import load_digits_dataset
 from hf_vit.metrics import compute_metrics
 from hf_vit.outputs.files import LOCAL_BASE_FILE, RESULT_FILES
 from hf_vit.outputs.push import plan_upload, upload_file_names
-from hf_vit.run.arguments import parse_args
-from hf_vit.run.datasets import load_digits_dataset
-from hf_vit.run.lora import apply_lora, save_merged_model
-from hf_vit.run.model_setup import load_checkpoint as load_for_finetuning
-from hf_vit.run.training import train
+from hf_vit.tasks.model_setup import load_checkpoint as load_for_finetuning
+from hf_vit.train.arguments import parse_args
+from hf_vit.train.lora import apply_lora, save_merged_model
+from hf_vit.train.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "train_worker.py"
@@ -275,7 +275,7 @@ def trained_in_memory(world, combination, output_dir, task, flags, caplog):
     """Run the combination; returns the model as training left it, and the run's log."""
     if combination.processes == 1:
         keep = KeepModel()
-        with caplog.at_level("INFO", logger="hf_vit.run"):
+        with caplog.at_level("INFO", logger="hf_vit"):
             train(task, *parse_args(task, flags), callbacks=[keep])
         return keep.model.eval(), caplog.text
     torchrun = torchrun_command()
@@ -424,7 +424,7 @@ def test_killed_lora_run_resumes_to_the_same_weights(world, processes, tmp_path)
 @pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
 def test_lora_run_pushes_its_checkpoints_and_final_model(world, strategy, hub, tmp_path):
     from hf_vit.outputs.push import find_local_path
-    from hf_vit.run.lora import load_lora_model
+    from hf_vit.train.lora import load_lora_model
 
     combination = Combination("folder", "qkv", "single", "memory")
     out = tmp_path / "run"

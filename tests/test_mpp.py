@@ -9,6 +9,8 @@ from conftest import tiny_config
 from transformers import Trainer, TrainingArguments
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.data.datasets import load_digits_dataset
+from hf_vit.data.transforms import make_eval_transform
 from hf_vit.model.modeling_mpp import (
     PATCH_CLEAN,
     PATCH_KEPT,
@@ -18,9 +20,7 @@ from hf_vit.model.modeling_mpp import (
     corrupt_patches,
     draw_patch_corruption,
 )
-from hf_vit.run.arguments import DataArguments
-from hf_vit.run.datasets import load_digits_dataset
-from hf_vit.run.mpp import (
+from hf_vit.tasks.mpp import (
     MaskedPatchPredictionTransform,
     mean_color_classes,
     mpp_collate_fn,
@@ -29,7 +29,7 @@ from hf_vit.run.mpp import (
     unnormalized,
     with_mpp_transforms,
 )
-from hf_vit.run.transforms import make_eval_transform
+from hf_vit.train.arguments import DataArguments
 
 
 def mpp_config(**overrides):
@@ -153,8 +153,8 @@ def test_pretrain_script_with_the_mpp_objective_then_finetune(tmp_path):
     from test_training import QUIET, TINY
 
     from hf_vit import VisionTransformerForImageClassification, VisionTransformerForMaskedPatchPrediction
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
 
     pre = ["--output_dir", str(tmp_path / "mpp"), "--objective", "mpp", "--image_size", "8", "--patch_size", "4"]
     pre += ["--config_overrides", TINY, "--max_steps", "3", "--per_device_train_batch_size", "16"]

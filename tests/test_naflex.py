@@ -293,7 +293,7 @@ def test_native_batches_run_in_half_precision_and_under_autocast(implementation)
 
 
 def test_training_transform_crops_at_their_own_aspect_ratio_and_the_collator_pads():
-    from hf_vit.run.transforms import collate_fn, make_eval_transform, make_train_transform
+    from hf_vit.data.transforms import collate_fn, make_eval_transform, make_train_transform
 
     processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
     batch = {"image": images([(40, 40), (20, 80), (90, 30)]), "label": [0, 1, 2]}
@@ -338,8 +338,8 @@ def test_training_transform_crops_at_their_own_aspect_ratio_and_the_collator_pad
 
 
 def test_fine_tuning_with_max_num_patches(tmp_path):
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
 
     config = tiny_config(image_size=8, patch_size=4, num_labels=10, zero_init_head=False)
     torch.manual_seed(0)
@@ -364,8 +364,8 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
     # 8x8 digits have at patch 4, and at the 6 trained; each row as an evaluation here measures it; linked in the card
     import json
 
-    from hf_vit.run.arguments import DataArguments
-    from hf_vit.run.evaluation import measure_model
+    from hf_vit.train.arguments import DataArguments
+    from hf_vit.train.evaluation import measure_model
 
     rows = json.loads((tmp_path / "fine" / "compute_dial.json").read_text())
     assert [(row["series"], row["max_num_patches"]) for row in rows] == [("tokens", 1), ("tokens", 4), ("tokens", 6)]

@@ -8,8 +8,8 @@ from test_training import QUIET, TINY, pretrained_folder
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerForMaskedPatchPrediction
 from hf_vit.model.resolution import resample_position_embeddings
-from hf_vit.run.arguments import parse_args
-from hf_vit.run.training import train
+from hf_vit.train.arguments import parse_args
+from hf_vit.train.training import train
 
 SHORT = ["--max_steps", "2", "--per_device_train_batch_size", "8", "--eval_strategy", "no", "--save_strategy", "no"]
 SHORT += ["--max_train_samples", "16", *QUIET]
@@ -68,7 +68,7 @@ def test_continuing_on_other_classes_gives_a_new_head_and_says_so(tmp_path, clas
     from test_training import labelled_dataset
 
     data = labelled_dataset(tmp_path / "data", ["ant", "bee", "cow"], {"train": [0, 1, 2] * 4, "validation": [0, 1]})
-    with caplog.at_level("INFO", logger="hf_vit.run"):
+    with caplog.at_level("INFO", logger="hf_vit"):
         pretrain(tmp_path, classifier, "--dataset_name", str(data), "--learning_rate", "0")  # the digits' 10 before
     assert "whose head has 10 classes, on a data set of 3: its head (pre-logits and classifier) is replaced" in (
         caplog.text

@@ -29,7 +29,7 @@ def lora_run_folder(folder: Path, base: Path) -> None:
         VisionTransformerImageProcessor,
     )
     from hf_vit.outputs.files import LOCAL_BASE_FILE
-    from hf_vit.run.lora import apply_lora
+    from hf_vit.train.lora import apply_lora
 
     config = VisionTransformerConfig(image_size=8, patch_size=4, num_hidden_layers=2, num_labels=4, **TINY)
     torch.manual_seed(0)

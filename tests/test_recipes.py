@@ -15,11 +15,25 @@ from conftest import tiny_config
 from safetensors.torch import load_file
 from transformers import TrainerCallback
 
-from hf_vit.run.ema import WeightAverage, ema_decay_at
-from hf_vit.run.mixing import Mixing, cutmix_box, mix_batch, mixing_seed, smooth_targets, soft_target_cross_entropy
-from hf_vit.run.rand_augment import OPERATIONS, RandAugment, RandAugmentPolicy, from_pil, parse_rand_augment, to_pil
-from hf_vit.run.random_erasing import RandomErasing
-from hf_vit.run.recipes import NAMED_RECIPES, layer_decay_param_groups, layer_of, scaled_learning_rate
+from hf_vit.data.augment.mixing import (
+    Mixing,
+    cutmix_box,
+    mix_batch,
+    mixing_seed,
+    smooth_targets,
+    soft_target_cross_entropy,
+)
+from hf_vit.data.augment.rand_augment import (
+    OPERATIONS,
+    RandAugment,
+    RandAugmentPolicy,
+    from_pil,
+    parse_rand_augment,
+    to_pil,
+)
+from hf_vit.data.augment.random_erasing import RandomErasing
+from hf_vit.train.ema import WeightAverage, ema_decay_at
+from hf_vit.train.recipes import NAMED_RECIPES, layer_decay_param_groups, layer_of, scaled_learning_rate
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Layer-wise learning-rate decay
@@ -564,8 +578,8 @@ def test_random_erasing_in_the_training_transform():
     (torch's global generator, seeded per worker and epoch) likewise. Native-aspect images are erased within their
     own size, before they are cut into patches: the padding stays zeros."""
     from hf_vit import VisionTransformerImageProcessor
+    from hf_vit.data.transforms import make_train_transform
     from hf_vit.model.image_processing_vit import native_patch_batch
-    from hf_vit.run.transforms import make_train_transform
 
     images = [PIL.Image.fromarray(np.asarray(_image(24).permute(1, 2, 0))) for _ in range(4)]
     batch = {"image": images, "label": [0, 1, 2, 3]}
@@ -655,7 +669,7 @@ class _Images(torch.utils.data.Dataset):
 def _recipe_trainer(tmp_path, model, **fields):
     from transformers import Trainer, TrainingArguments
 
-    from hf_vit.run.recipes import RecipeTrainerMixin
+    from hf_vit.train.recipes import RecipeTrainerMixin
 
     class RecipeTrainer(RecipeTrainerMixin, Trainer):
         pass
@@ -723,7 +737,7 @@ def test_trainer_mixes_training_batches_and_learns_soft_targets(tmp_path):
 def test_passed_flags_and_recipe_summary():
     from transformers import HfArgumentParser, TrainingArguments
 
-    from hf_vit.run.recipes import passed_flags, recipe_summary
+    from hf_vit.train.recipes import passed_flags, recipe_summary
 
     parser = HfArgumentParser(TrainingArguments)
     parser.set_defaults(learning_rate=0.5, weight_decay=0.3)
@@ -737,7 +751,7 @@ def test_passed_flags_and_recipe_summary():
 
 
 def test_trainer_evaluates_the_average_and_ends_holding_it(tmp_path):
-    from hf_vit.run.ema import EMA_FILE, EmaCallback
+    from hf_vit.train.ema import EMA_FILE, EmaCallback
 
     model = _classifier(layers=2)
     trainer = _recipe_trainer(tmp_path, model, optim="sgd", learning_rate=0.5, max_steps=4, save_strategy="no")
@@ -777,7 +791,7 @@ def test_trainer_evaluates_the_average_and_ends_holding_it(tmp_path):
 
 
 def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
-    from hf_vit.run.arguments import parse_args
+    from hf_vit.train.arguments import parse_args
 
     out = ["--output_dir", str(tmp_path)]
     model_args, data_args, args = parse_args(
@@ -819,7 +833,7 @@ def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
     ):
         with pytest.raises(ValueError, match=message):
             parse_args("finetune", out + argv)
-    from hf_vit.run.training import train
+    from hf_vit.train.training import train
 
     mpp = out + [
         "--objective",
@@ -831,7 +845,7 @@ def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
     ]
     with pytest.raises(ValueError, match="--mixup_alpha, --rand_augment augment"):
         train("pretrain", *parse_args("pretrain", mpp + ["--image_size", "8", "--patch_size", "4"]))
-    from hf_vit.run.recipes import refuse_augmentation
+    from hf_vit.train.recipes import refuse_augmentation
 
     # masked patch prediction would reconstruct the noise of the erased rectangles
     _, data_args, args = parse_args("pretrain", out + ["--objective", "mpp", "--reprob", "0.25"])
@@ -850,7 +864,7 @@ def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
 
 def test_rand_augment_in_the_training_transform_is_seeded_per_example():
     from hf_vit import VisionTransformerImageProcessor
-    from hf_vit.run.transforms import make_train_transform
+    from hf_vit.data.transforms import make_train_transform
 
     processor = VisionTransformerImageProcessor(size={"height": 16, "width": 16})
     images = [PIL.Image.fromarray(np.asarray(_image(24).permute(1, 2, 0))) for _ in range(4)]
@@ -878,8 +892,8 @@ def test_measuring_a_train_split_sees_no_augmentation():
     """`evaluate_model` on the train split with the recipes' augmentations in the data arguments measures the
     processor's pixels, as a plain evaluation of that split does: the same accuracy, twice."""
     from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-    from hf_vit.run.arguments import DataArguments
-    from hf_vit.run.evaluation import evaluate_model
+    from hf_vit.train.arguments import DataArguments
+    from hf_vit.train.evaluation import evaluate_model
 
     torch.manual_seed(0)
     model = VisionTransformerForImageClassification(tiny_config(image_size=16, patch_size=8, num_labels=10)).eval()
@@ -900,9 +914,9 @@ def test_recipe_run_saves_the_average_and_resumes_bit_for_bit(tmp_path, caplog):
     worker."""
     from test_training import WORKER, deterministic_finetune_args, pretrained_folder, run
 
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.ema import EMA_FILE
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.ema import EMA_FILE
+    from hf_vit.train.training import train
 
     source = pretrained_folder(tmp_path / "pre")
     extra = ["--save_strategy", "steps", "--save_steps", "2", "--eval_strategy", "steps", "--eval_steps", "3"]

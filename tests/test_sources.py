@@ -213,8 +213,8 @@ def test_what_does_not_fit_is_named_in_the_checkpoints_own_names(hub_cache, monk
 
 
 def test_finetune_starts_from_a_hub_ids_weights(hub_cache, tmp_path):
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
 
     torch.manual_seed(0)
     vit = ViTModel(ViTConfig(image_size=8, patch_size=4, **SIZES)).eval()

@@ -9,9 +9,9 @@ import sys
 import pytest
 from test_training import QUIET, ROOT, TINY_RUN, split_image_folder
 
-from hf_vit.run.arguments import parse_args
-from hf_vit.run.summary import chance_warning
-from hf_vit.run.training import train
+from hf_vit.train.arguments import parse_args
+from hf_vit.train.summary import chance_warning
+from hf_vit.train.training import train
 
 
 @pytest.mark.parametrize(

@@ -22,12 +22,12 @@ from hf_vit import (
     VisionTransformerImageProcessor,
     VisionTransformerModel,
 )
+from hf_vit.data.transforms import CorruptImageError
 from hf_vit.model.resolution import resample_position_embeddings
-from hf_vit.run.arguments import parse_args
-from hf_vit.run.checkpoints import last_complete_checkpoint
-from hf_vit.run.model_setup import load_checkpoint as load_for_finetuning
-from hf_vit.run.training import train
-from hf_vit.run.transforms import CorruptImageError
+from hf_vit.tasks.model_setup import load_checkpoint as load_for_finetuning
+from hf_vit.train.arguments import parse_args
+from hf_vit.train.checkpoints import last_complete_checkpoint
+from hf_vit.train.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "train_worker.py"
@@ -69,7 +69,7 @@ def test_finetuning_model_replaces_the_head_and_resamples_positions(tmp_path, ca
     source_path = pretrained_folder(tmp_path / "pre")
     source = VisionTransformerForImageClassification.from_pretrained(source_path)
     id2label = {0: "a", 1: "b", 2: "c"}
-    with caplog.at_level("INFO", logger="hf_vit.run"):
+    with caplog.at_level("INFO", logger="hf_vit"):
         model = load_for_finetuning(str(source_path), id2label, image_size=16)
     assert "position embeddings resampled (bicubic) from a 2x2 to a 4x4 grid" in caplog.text
     assert "New zero-initialised classifier for 3 classes" in caplog.text
@@ -258,8 +258,8 @@ def test_resuming_mid_epoch_keeps_dropout_as_the_uninterrupted_run(tmp_path):
     as the uninterrupted run, through the next epoch, on Trainer's own data loader with persistent workers (its first
     pass draws their seed from that generator, and a resumed run makes its first pass an epoch later). Both runs
     train in this process, one torch thread."""
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
 
     source = pretrained_folder(tmp_path / "pre")
     extra = ["--save_strategy", "steps", "--save_steps", "3", "--save_total_limit", "5"]
@@ -317,7 +317,7 @@ def tiny_pretrain(output_dir, *flags):
 
 def test_a_second_run_into_a_finished_runs_folder_is_refused(tmp_path, caplog):
     out = tmp_path / "out"
-    with caplog.at_level("INFO", logger="hf_vit.run"):
+    with caplog.at_level("INFO", logger="hf_vit"):
         train("pretrain", *tiny_pretrain(out))
     # the run's set-up, as transformers' example scripts print it
     assert "Run set-up: 16 training examples" in caplog.text
@@ -444,7 +444,7 @@ def test_one_class_is_an_error_not_a_regression(tmp_path):
 def test_a_class_without_training_images_is_named(tmp_path, caplog):
     splits = {"train": [0, 1] * 4, "validation": [0, 1], "test": [0, 1, 2]}
     data = labelled_dataset(tmp_path / "data", ["ant", "bee", "cow"], splits)
-    with caplog.at_level("WARNING", logger="hf_vit.run"):
+    with caplog.at_level("WARNING", logger="hf_vit"):
         train("pretrain", *tiny_pretrain(tmp_path / "out", "--dataset_name", str(data)))
     assert "Class(es) ['cow'] have no training images" in caplog.text
 
@@ -467,7 +467,7 @@ def test_half_written_checkpoints_are_skipped_and_named(tmp_path, caplog):
     fake_checkpoint(tmp_path / "checkpoint-4", state='{"global_step": 4, "log_hi')  # killed while writing the state
     cut = fake_checkpoint(tmp_path / "checkpoint-6")
     (cut / "model.safetensors").write_bytes((cut / "model.safetensors").read_bytes()[:100])
-    with caplog.at_level("WARNING", logger="hf_vit.run"):
+    with caplog.at_level("WARNING", logger="hf_vit"):
         assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
     assert "checkpoint-4" in caplog.text and "trainer_state.json is cut off" in caplog.text
     assert "checkpoint-6" in caplog.text and "model.safetensors is truncated" in caplog.text
@@ -483,7 +483,7 @@ def test_checkpoints_of_lora_runs_resume_and_cut_configs_are_skipped(tmp_path, c
     cut = fake_checkpoint(tmp_path / "checkpoint-4")
     (cut / "config.json").write_text('{"model_type": "hf-vit", "hidden_si')
     fake_checkpoint(tmp_path / "checkpoint-6", weights=False)  # no weights at all
-    with caplog.at_level("WARNING", logger="hf_vit.run"):
+    with caplog.at_level("WARNING", logger="hf_vit"):
         assert last_complete_checkpoint(tmp_path) == str(lora)
     assert f"{cut / 'config.json'} is cut off" in caplog.text and "checkpoint-6 holds no model weights" in caplog.text
 
@@ -494,14 +494,14 @@ def test_resuming_from_a_truncated_checkpoint_names_the_file(tmp_path, damage):
     data = (checkpoint / damage).read_bytes()
     (checkpoint / damage).write_bytes(data[: len(data) // 2])
     _, _, args = tiny_pretrain(tmp_path, "--resume_from_checkpoint", str(checkpoint))
-    from hf_vit.run.checkpoints import resolve_resume
+    from hf_vit.train.checkpoints import resolve_resume
 
     with pytest.raises(ValueError, match=f"Cannot resume from {checkpoint}: {checkpoint / damage} is truncated"):
         resolve_resume(args)
 
 
 def test_resuming_a_weights_only_checkpoint_is_refused(tmp_path):
-    from hf_vit.run.checkpoints import resolve_resume
+    from hf_vit.train.checkpoints import resolve_resume
 
     fake_checkpoint(tmp_path / "checkpoint-2", optimizer=False)
     _, _, args = tiny_pretrain(tmp_path, "--resume_from_checkpoint", "True")
@@ -548,7 +548,7 @@ def test_a_failed_checkpoint_write_names_its_cause_once(tmp_path, monkeypatch, c
 
 
 def test_resuming_a_folder_without_checkpoints_says_there_is_none(tmp_path):
-    from hf_vit.run.checkpoints import resolve_resume
+    from hf_vit.train.checkpoints import resolve_resume
 
     out = tmp_path / "out"
     _, _, args = tiny_pretrain(out, "--resume_from_checkpoint", "True")
@@ -563,7 +563,7 @@ def test_resuming_a_folder_without_checkpoints_says_there_is_none(tmp_path):
 
 
 def test_config_overrides_take_lists_and_json_values():
-    from hf_vit.run.model_setup import parse_config_overrides
+    from hf_vit.tasks.model_setup import parse_config_overrides
 
     parsed = parse_config_overrides('resnet_layers=[1,1],hidden_size=32, hidden_act=gelu,image_size=[16, 24],x="a,b"')
     assert parsed == {
@@ -580,7 +580,7 @@ def test_config_overrides_take_lists_and_json_values():
 
 
 def test_a_hybrid_from_scratch_takes_its_resnet_layers_from_the_overrides(tmp_path):
-    from hf_vit.run.model_setup import config_from_preset
+    from hf_vit.tasks.model_setup import config_from_preset
 
     model_args, _, _ = parse_args(
         "pretrain",
@@ -596,9 +596,9 @@ def test_a_timm_checkpoint_of_unusual_width_takes_the_heads_of_the_overrides(tmp
     import huggingface_hub.constants
     from test_sources import hf_vit_source, hub_repo, timm_repo
 
-    from hf_vit.run.arguments import ModelArguments
-    from hf_vit.run.model_setup import build_classifier, processor_for
-    from hf_vit.run.objectives import Labels
+    from hf_vit.tasks.model_setup import build_classifier, processor_for
+    from hf_vit.tasks.objectives import Labels
+    from hf_vit.train.arguments import ModelArguments
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     source = hf_vit_source(num_labels=4)  # width 32, 2 heads
@@ -635,7 +635,7 @@ def multi_label_dataset(path):
     """Digits with a list of classes each: its parity, and "round" for 0, 6, 8, 9 (some images have both)."""
     from datasets import Dataset, DatasetDict
 
-    from hf_vit.run.datasets import load_digits_dataset
+    from hf_vit.data.datasets import load_digits_dataset
 
     digits = load_digits_dataset()
     splits = {}
@@ -706,8 +706,8 @@ def test_the_scripts_end_bad_input_in_one_error_line(tmp_path):
 def test_the_test_metrics_are_the_test_splits_with_persistent_workers(tmp_path):
     """With the scripts' default persistent data-loader workers, Trainer caches the validation loader and handed it
     back for the test split: the reported test metrics were the validation's."""
+    from hf_vit.data.datasets import load_digits_dataset
     from hf_vit.metrics import compute_metrics
-    from hf_vit.run.datasets import load_digits_dataset
 
     out = tmp_path / "out"
     args = ["--output_dir", str(out), *TINY_RUN, "--max_steps", "4", "--eval_strategy", "steps", "--eval_steps", "2"]
@@ -734,7 +734,7 @@ def test_the_test_metrics_are_the_test_splits_with_persistent_workers(tmp_path):
 
 
 def test_a_streamed_run_says_what_it_knows_in_its_set_up_line(tmp_path, caplog):
-    with caplog.at_level("INFO", logger="hf_vit.run"):
+    with caplog.at_level("INFO", logger="hf_vit"):
         train("pretrain", *tiny_pretrain(tmp_path / "out", "--streaming", "True"))
     line = next(line for line in caplog.text.splitlines() if "Run set-up" in line)
     assert "unknown (streamed) training examples, unknown (streamed) epochs" in line and "e+18" not in line
@@ -790,7 +790,7 @@ def test_fine_tuning_at_another_patch_size_resamples_the_checkpoint(tmp_path):
 def test_a_validation_split_without_positive_labels_does_not_stop_a_multi_label_run(tmp_path):
     from datasets import Dataset, DatasetDict
 
-    from hf_vit.run.datasets import load_digits_dataset
+    from hf_vit.data.datasets import load_digits_dataset
 
     digits = load_digits_dataset()
     splits = {}

@@ -10,8 +10,8 @@ import torch
 from huggingface_hub import ModelCard
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.run.arguments import parse_args
-from hf_vit.run.training import train
+from hf_vit.train.arguments import parse_args
+from hf_vit.train.training import train
 from hf_vit.variants import make_evaluated_variant
 
 TINY = "hidden_size=48,num_hidden_layers=2,num_attention_heads=3,intermediate_size=96"
@@ -81,8 +81,8 @@ def test_a_variant_is_measured_on_the_validation_split_of_data_without_a_test_sp
 
     from hf_vit import VisionTransformerConfig
     from hf_vit.commands.resize import main
-    from hf_vit.run.arguments import DataArguments
-    from hf_vit.run.datasets import load_datasets
+    from hf_vit.data.datasets import load_datasets
+    from hf_vit.train.arguments import DataArguments
 
     rng = np.random.default_rng(0)
     for name, colour in (("dark", 40), ("light", 210)):

@@ -66,7 +66,18 @@ def test_the_wheel_holds_every_file_the_package_reads(installed):
     wheel, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "hf_vit/outputs/templates/model_card.md" in names
-    for package in ("model", "run", "outputs", "convert", "commands", "metrics"):  # every subpackage is packaged
+    for package in (
+        "model",
+        "data",
+        "data/augment",
+        "tasks",
+        "train",
+        "infer",
+        "outputs",
+        "convert",
+        "commands",
+        "metrics",
+    ):  # every subpackage is packaged
         local = {str(p.relative_to(ROOT)) for p in (ROOT / "hf_vit" / package).glob("*.py")}
         assert local and local <= names, package
     assert {"hf_vit/metrics/accuracy/accuracy.py", "hf_vit/metrics/multilabel/multilabel.py"} <= names

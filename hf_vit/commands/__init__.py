@@ -29,21 +29,21 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def pretrain() -> int:
-    """`hf-vit-pretrain`: the paper's pretraining recipe (see `hf_vit.run.training.main`)."""
+    """`hf-vit-pretrain`: the paper's pretraining recipe (see `hf_vit.train.training.main`)."""
     return _train("pretrain")
 
 
 def finetune() -> int:
-    """`hf-vit-finetune`: the paper's fine-tuning recipe (see `hf_vit.run.training.main`)."""
+    """`hf-vit-finetune`: the paper's fine-tuning recipe (see `hf_vit.train.training.main`)."""
     return _train("finetune")
 
 
 def _train(task: str) -> int:
     """The flags first (`--help` and a bad flag answer at once), then the run's imports (datasets, Trainer...)."""
-    from ..run.arguments import parse_args_or_exit
+    from ..train.arguments import parse_args_or_exit
 
     parsed = parse_args_or_exit(task)
-    from ..run.training import main
+    from ..train.training import main
 
     main(task, parsed=parsed)
     return 0

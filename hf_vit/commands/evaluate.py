@@ -48,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers.utils import logging as transformers_logging
 
-    from hf_vit.run.arguments import DataArguments
-    from hf_vit.run.compute_dial import evaluate_dial
-    from hf_vit.run.flexible import parse_sizes
-    from hf_vit.run.inference import evaluate_saved_model
+    from hf_vit.infer.compute_dial import evaluate_dial
+    from hf_vit.infer.inference import evaluate_saved_model
+    from hf_vit.train.arguments import DataArguments
+    from hf_vit.train.flexible import parse_sizes
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     import datasets

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     size = None if args.image_size is None else args.image_size[0] if len(args.image_size) == 1 else args.image_size
     data_args = None
     if args.dataset_name:
-        from hf_vit.run.arguments import DataArguments
+        from hf_vit.train.arguments import DataArguments
 
         data_args = DataArguments(dataset_name=args.dataset_name)
     output = Path(args.output).resolve()

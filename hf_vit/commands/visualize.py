@@ -53,7 +53,7 @@ def load_inputs(args: VisualizeArguments) -> tuple[list, list[str]]:
             except (OSError, ValueError) as error:
                 raise ValueError(f"--image {name}: cannot be read as an image ({error}).") from error
         return images, [Path(name).name for name in args.image]
-    from hf_vit.run.datasets import load_digits_dataset
+    from hf_vit.data.datasets import load_digits_dataset
 
     test = load_digits_dataset()["test"]
     test = test.select(range(min(args.num_images, len(test))))

@@ -129,7 +129,7 @@ def render_model_card(
     paths: local paths appear as their final folder name in the text and are left out of the metadata. Without
     `dataset_name` (a converted or resized folder) no data set is claimed. A peft model gets an adapter's card: how
     to apply it to its base model, which the card names. `compute_dial`: the name of the compute dial's PNG beside
-    the card (`hf_vit.run.compute_dial`), shown in the results with its JSON named.
+    the card (`hf_vit.infer.compute_dial`), shown in the results with its JSON named.
     """
     adapter = hasattr(model, "peft_config")
     architecture = type(model.get_base_model() if adapter else model).__name__

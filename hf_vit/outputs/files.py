@@ -44,7 +44,7 @@ RESULT_FILES = (
 TRAINER_FILES = (TRAINER_STATE_FILE, TRAINING_ARGS_FILE, LOCAL_BASE_FILE)
 # A checkpoint's resume state on top of the model files (rng_state_<rank>.pth for each process of a multi-process run;
 # optimizer_0 / pytorch_model_fsdp_0 are the sharded folders of FSDP's torch.distributed.checkpoint).
-# ema_state.safetensors: the weights' moving average of a run with --ema_decay (`hf_vit.run.ema.EMA_FILE`).
+# ema_state.safetensors: the weights' moving average of a run with --ema_decay (`hf_vit.train.ema.EMA_FILE`).
 RESUME_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "ema_state.safetensors")
 RESUME_FILE_PATTERN = re.compile(r"rng_state_\d+\.pth")
 RESUME_FOLDER_PATTERN = re.compile(r"(optimizer|pytorch_model_fsdp)_\d+")

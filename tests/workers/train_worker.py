@@ -1,4 +1,4 @@
-"""Runs `hf_vit.run.training.train` like the scripts do, with test hooks: each rank dumps its weights at the end, and
+"""Runs `hf_vit.train.training.train` like the scripts do, with test hooks: each rank dumps its weights at the end, and
 `--kill_at_step N` makes the process die abruptly (as a killed job would) once step N is reached.
 
     python tests/workers/train_worker.py finetune [--kill_at_step N] <script flags>
@@ -14,9 +14,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from transformers import TrainerCallback
 
-from hf_vit.run.arguments import parse_args
-from hf_vit.run.trainer import VisionTransformerTrainer
-from hf_vit.run.training import train
+from hf_vit.train.arguments import parse_args
+from hf_vit.train.trainer import VisionTransformerTrainer
+from hf_vit.train.training import train
 
 BATCHES = []  # each training batch this process trained: [images, most patches of one image (native batches)]
 _training_step = VisionTransformerTrainer.training_step

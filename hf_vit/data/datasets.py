@@ -15,7 +15,7 @@ A missing validation split is carved out of train: `validation_fraction` of it, 
 through a buffer of `shuffle_buffer_size` examples (and its shards' order), seeded by `seed` and reseeded each epoch
 (`set_epoch`, which Trainer calls): an image folder is otherwise read class after class.
 
-Their images become model inputs in `hf_vit.run.transforms`.
+Their images become model inputs in `hf_vit.data.transforms`.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def shuffle_stream(data: IterableDataset, seed: int, buffer_size: int) -> Iterab
 
 
 def load_datasets(data_args: Any, seed: int):
-    """The raw splits named by `data_args` (`hf_vit.run.arguments.DataArguments`; columns `image` and `label`)."""
+    """The raw splits named by `data_args` (`hf_vit.train.arguments.DataArguments`; columns `image` and `label`)."""
     ds = load_image_dataset(
         data_args.dataset_name,
         image_column=data_args.image_column_name,

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from ..data.datasets import label_names, load_datasets
+from ..data.transforms import apply_transforms, make_eval_transform
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from .arguments import DataArguments
-from .datasets import label_names, load_datasets
-from .transforms import apply_transforms, make_eval_transform
 
 
 def final_split(ds) -> str:

@@ -1,7 +1,7 @@
 """The model a run trains, from its arguments: a config from a preset and flags, or a checkpoint with the flags that
 can change it applied (and the others refused in one line that names them).
 
-`model_args` is `hf_vit.run.arguments.ModelArguments` (or anything with its fields). Nothing here imports the modules
+`model_args` is `hf_vit.train.arguments.ModelArguments` (or anything with its fields). Nothing here imports the modules
 that build the run, so the objectives' model builders (`objectives`, `mpp`) can use it.
 """
 

@@ -25,8 +25,8 @@ import numpy as np
 from torch import nn
 from torch.nn import functional as F
 
+from ..data.augment.mixing import Mixing, mix_batch, mixing_seed, soft_target_cross_entropy
 from .ema import EmaCallback
-from .mixing import Mixing, mix_batch, mixing_seed, soft_target_cross_entropy
 
 logger = logging.getLogger(__name__)
 

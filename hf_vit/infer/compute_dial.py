@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .flexible import parse_sizes
+from ..data.transforms import decode_rgb
+from ..train.flexible import parse_sizes
 from .inference import (
     EvaluationSplit,
     check_native_model,
@@ -28,7 +29,6 @@ from .inference import (
     measure_split,
     serving_processor,
 )
-from .transforms import decode_rgb
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
+from ..data.transforms import batch_max_num_patches
 from ..outputs.files import CARD_FILE
 from ..outputs.push import PlannedHubPushes
 from .flexible import PatchSizeDraw, SeqLenBatchSampler, at_patch_size
 from .recipes import RecipeTrainerMixin
-from .transforms import batch_max_num_patches
 
 logger = logging.getLogger(__name__)
 

@@ -19,22 +19,22 @@ import torch
 import transformers
 from transformers import TrainingArguments
 
+from ..data.datasets import load_datasets
+from ..data.transforms import check_image_channels, decode_rgb
+from ..infer.compute_dial import compute_dial_after_training
+from ..infer.inference import evaluate_checkpoint
 from ..outputs.cards import write_model_card
 from ..outputs.output_folders import claim_output_dir, release, remove_earlier_checkpoints
+from ..tasks.model_setup import processor_for
+from ..tasks.objectives import Objective, select_objective
 from .arguments import DataArguments, ModelArguments, parse_args
 from .checkpoints import resolve_resume
-from .compute_dial import compute_dial_after_training
-from .datasets import load_datasets
 from .evaluation import final_evaluation
 from .flexible import PatchSizeDraw, SeqLenBatchSampler, check_patch_sizes, parse_sizes
-from .inference import evaluate_checkpoint
 from .lora import adapt, check_lora_arguments, lora_summary
-from .model_setup import processor_for
-from .objectives import Objective, select_objective
 from .recipes import ema_callback, log_recipe, mixing_for, recipe_card_text, refuse_augmentation
 from .summary import summarize_run
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
-from .transforms import check_image_channels, decode_rgb
 
 __all__ = ["check_eval_images", "main", "train"]
 

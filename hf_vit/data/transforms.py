@@ -46,8 +46,8 @@ from ..model.image_processing_vit import (
     resize_images,
     to_resampling,
 )
-from .rand_augment import RandAugment
-from .random_erasing import RandomErasing, check_random_erasing
+from .augment.rand_augment import RandAugment
+from .augment.random_erasing import RandomErasing, check_random_erasing
 
 _IMAGE_DECODER = datasets.Image()
 _EXIF_ORIENTATION = 0x0112

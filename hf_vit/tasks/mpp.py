@@ -29,12 +29,12 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from ..data.transforms import Transform, apply_transforms, make_eval_transform, make_train_transform
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..model.modeling_mpp import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
-from .arguments import default_hflip
+from ..train.arguments import default_hflip
 from .model_setup import config_from_preset, load_checkpoint, split_requested
-from .transforms import Transform, apply_transforms, make_eval_transform, make_train_transform
 
 __all__ = [
     "MaskedPatchPredictionTransform",
@@ -138,7 +138,7 @@ def mpp_collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Ten
 
 
 def build_mpp_model(model_args: Any) -> VisionTransformerForMaskedPatchPrediction:
-    """The model to pretrain by masked patch prediction, from the fields of `hf_vit.run.arguments.ModelArguments`:
+    """The model to pretrain by masked patch prediction, from the fields of `hf_vit.train.arguments.ModelArguments`:
     `preset` with `patch_size`, `image_size`, `config_overrides`, `drop_path_rate` and `hidden_dropout_prob` from
     scratch (the paper's initialisation), or `model_name_or_path` to continue from an hf-vit checkpoint (its head
     and [mask] embedding are new if it has none) with the flags applied (`--image_size` resamples its position

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
+from ..data.augment.mixing import Mixing
+from ..data.augment.rand_augment import parse_rand_augment
+from ..data.augment.random_erasing import check_random_erasing
 from .ema import check_ema_decay
 from .flexible import parse_sizes
-from .mixing import Mixing
-from .rand_augment import parse_rand_augment
-from .random_erasing import check_random_erasing
 from .recipes import get_recipe, passed_flags, scaled_learning_rate
 
 TASKS = ("pretrain", "finetune")

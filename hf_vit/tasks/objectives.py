@@ -22,10 +22,11 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from ..data.datasets import is_multi_label, label_names, to_multi_hot
+from ..data.transforms import apply_transforms, collate_fn, make_eval_transform, make_train_transform
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
-from .arguments import default_hflip
-from .datasets import is_multi_label, label_names, to_multi_hot
+from ..train.arguments import default_hflip
 from .model_setup import build_classifier
 from .mpp import (
     build_mpp_model,
@@ -34,7 +35,6 @@ from .mpp import (
     mpp_preprocess_logits,
     with_mpp_transforms,
 )
-from .transforms import apply_transforms, collate_fn, make_eval_transform, make_train_transform
 
 logger = logging.getLogger(__name__)
 

@@ -2,9 +2,9 @@
 confusion matrix and a results file) and its top classes for image files (`predict_files`).
 
 Both take what a run or a user has: an hf-vit folder, a foreign checkpoint by Hub id or folder (converted on load),
-or a LoRA run's folder (merged on load, see `hf_vit.run.lora`). The evaluation is the run's: the objective's
-transforms, collator, metrics and loss (`hf_vit.run.objectives`), on the splits the run would see
-(`hf_vit.run.datasets`); the checkpoint's head is used as it is, so its classes must be the data set's.
+or a LoRA run's folder (merged on load, see `hf_vit.train.lora`). The evaluation is the run's: the objective's
+transforms, collator, metrics and loss (`hf_vit.tasks.objectives`), on the splits the run would see
+(`hf_vit.data.datasets`); the checkpoint's head is used as it is, so its classes must be the data set's.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..data.datasets import load_datasets
+from ..data.transforms import decode_image
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..model.modeling_vit import VisionTransformerForImageClassification
 from ..model.resolution import MAX_PATCH_POSITIONS
-from .arguments import DataArguments
-from .datasets import load_datasets
-from .evaluation import final_split
-from .lora import is_lora_folder, load_lora_model
-from .objectives import select_objective
-from .transforms import decode_image
+from ..tasks.objectives import select_objective
+from ..train.arguments import DataArguments
+from ..train.evaluation import final_split
+from ..train.lora import is_lora_folder, load_lora_model
 
 logger = logging.getLogger(__name__)
 

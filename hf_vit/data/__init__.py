@@ -1,0 +1,6 @@
+"""Images to batches, knowing nothing of Trainer or command-line flags: the data sets and their splits (`datasets`),
+the pixel path from an image to model inputs with augmentation, native-aspect batches and the collator
+(`transforms`), and `augment/` (RandAugment, random erasing, Mixup/CutMix).
+
+Imports only the core (`hf_vit.model`); every stage above it (tasks, training, serving) builds on it.
+"""
