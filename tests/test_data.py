@@ -135,6 +135,23 @@ def test_image_folder_with_string_labels_mixed_sizes_and_modes(tmp_path, process
         assert [_color_name(pixels, processor) for pixels in batch["pixel_values"]] == names  # labels match images
 
 
+def test_the_carved_validation_split_does_not_depend_on_the_runs_seed(tmp_path):
+    """The held-out images are the same whatever seed trains: evaluate and resize carve the run's validation split."""
+    root = tmp_path / "images"
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True)
+        for i in range(15):
+            PIL.Image.new("RGB", (4, 4), (label == "a") * 200 + i).save(root / label / f"{i}.png")
+    held_out = [
+        sorted(
+            _key(example["image"], example["label"])
+            for example in load_image_dataset(str(root), seed=seed)["validation"]
+        )
+        for seed in (0, 1, 42)
+    ]
+    assert len(held_out[0]) == 3 and held_out[0] == held_out[1] == held_out[2]
+
+
 def test_image_folder_with_split_directories(tmp_path):
     root = tmp_path / "images"
     _write_image_folder(root / "train")

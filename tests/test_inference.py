@@ -353,3 +353,26 @@ def test_evaluate_at_native_aspect_and_the_compute_dial(tmp_path, capsys):
         assert row["loss"] == pytest.approx(float(F.nll_loss(scores.log(), labels)), abs=1e-5)
     assert evaluate_command.main(argv + ["--max_num_patches", "1,4", "--output_dir", str(out)]) == 2
     assert "exists" in capsys.readouterr().err  # the dial is never overwritten
+
+
+def test_a_runs_validation_figures_are_those_evaluate_measures_on_its_folder(tmp_path, capsys):
+    """A folder without a validation split: the run holds out images whatever its --seed, and `hf-vit-evaluate
+    --split validation` (what the run's summary suggests) measures exactly those images."""
+    rng = np.random.default_rng(3)
+    data = tmp_path / "data"
+    for label in ("cat", "dog", "fox"):
+        (data / label).mkdir(parents=True)
+        for i in range(20):
+            pixels = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(data / label / f"{i}.png")
+    source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
+    args = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--output_dir", str(out)]
+    args += ["--image_size", "8", "--max_steps", "3", "--eval_strategy", "no", "--save_strategy", "no"]
+    metrics = train("finetune", *parse_args("finetune", args + ["--seed", "42", "--learning_rate", "0.05", *QUIET]))
+    assert metrics["eval_split"] == "validation" and metrics["validation_accuracy"] not in (0, 1)
+    capsys.readouterr()
+    assert evaluate_command.main(["--model", str(out), "--dataset_name", str(data), "--split", "validation"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["validation_samples"] == 6
+    assert measured["validation_accuracy"] == metrics["validation_accuracy"]
+    assert measured["validation_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-7)

@@ -106,3 +106,13 @@ def test_help_says_what_a_no_twin_of_a_flag_on_by_default_does(capsys):
     assert "Turn --check_eval_images off (it is on by default)." in twin and "default: False" not in twin
     assert not parse_args("finetune", ["--output_dir", "x", "--no_check_eval_images"])[2].check_eval_images
     assert parse_args("finetune", ["--output_dir", "x"])[2].check_eval_images
+
+
+def test_the_suggested_evaluation_names_the_runs_held_out_share():
+    from hf_vit.run.summary import next_commands
+
+    default = next_commands("out", "digits", "finetune", "validation")
+    assert any(c.endswith("--split validation") for c in default)
+    other = next_commands("out", "digits", "finetune", "validation", validation_fraction=0.25)
+    assert any(c.endswith("--split validation --validation_fraction 0.25") for c in other)
+    assert not any("--validation_fraction" in c for c in next_commands("out", "d", "finetune", "test", 0.25))

@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         "--dataset_name", required=True, help="'digits', an image folder, a save_to_disk folder or a Hub data set"
     )
     parser.add_argument("--split", default=None, help="split to measure (default: test, or validation without one)")
+    parser.add_argument(
+        "--validation_fraction",
+        type=float,
+        default=0.1,
+        help="share of train a run held out as validation when the data set has none (the run's own value)",
+    )
     parser.add_argument("--image_column_name", default="image")
     parser.add_argument("--label_column_name", default="label")
     parser.add_argument(
@@ -62,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         dataset_name=args.dataset_name,
         image_column_name=args.image_column_name,
         label_column_name=args.label_column_name,
+        validation_fraction=args.validation_fraction,
     )
     try:
         counts = parse_sizes(args.max_num_patches, "--max_num_patches") or []

@@ -10,10 +10,11 @@ the splits `train`, `validation` and, when the source has one, `test`. Every spl
   datasets' `imagefolder` builder (labels are the folder names);
 * otherwise a data set on the Hugging Face Hub (`datasets.load_dataset(name)`, needs network or the local cache).
 
-A missing validation split is carved out of train: `validation_fraction` of it, stratified by label with `seed`
-(in-memory data), or every `1 / validation_fraction`-th example (streaming). A streamed train split is shuffled
-through a buffer of `shuffle_buffer_size` examples (and its shards' order), seeded by `seed` and reseeded each epoch
-(`set_epoch`, which Trainer calls): an image folder is otherwise read class after class.
+A missing validation split is carved out of train: `validation_fraction` of it, stratified by label with the fixed
+`HELD_OUT_SEED` whatever the run's seed (in-memory data), or every `1 / validation_fraction`-th example (streaming).
+A streamed train split is shuffled through a buffer of `shuffle_buffer_size` examples (and its shards' order), seeded
+by `seed` and reseeded each epoch (`set_epoch`, which Trainer calls): an image folder is otherwise read class after
+class.
 
 Their images become model inputs in `hf_vit.data.transforms`.
 """
@@ -30,6 +31,9 @@ import PIL.Image
 from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from huggingface_hub.errors import HFValidationError
 
+# The draw of the validation split carved out of a train split (`_carve_validation`): fixed, so that a run, its
+# evaluation and a resized variant's measurement hold out the same images.
+HELD_OUT_SEED = 0
 DIGITS_SPLIT_SIZES = {"train": 1257, "validation": 180, "test": 360}
 """Sizes of the fixed, stratified digits splits (70/10/20 % of 1797)."""
 
@@ -113,7 +117,7 @@ def load_image_dataset(
     ds = type(ds)({new: ds[old] for new, old in splits.items() if old in ds})
     ds = _standardize_columns(ds, name, image_column, label_column)
     if "validation" not in ds:
-        ds = _carve_validation(ds, validation_fraction, seed)
+        ds = _carve_validation(ds, validation_fraction)
     ds = type(ds)({split: ds[split] for split in splits if split in ds})
     if streaming and isinstance(ds, DatasetDict):
         ds = IterableDatasetDict({split: d.to_iterable_dataset() for split, d in ds.items()})
@@ -255,8 +259,11 @@ def to_multi_hot(ds: DatasetDict, num_classes: int) -> DatasetDict:
     return DatasetDict({split: data.map(encode, batched=True, features=features) for split, data in ds.items()})
 
 
-def _carve_validation(ds, fraction: float, seed: int):
-    """Split `fraction` of train off as validation (stratified by label where possible)."""
+def _carve_validation(ds, fraction: float):
+    """Split `fraction` of train off as validation (stratified by label where possible).
+
+    The carve is drawn from `HELD_OUT_SEED`, never from a run's `--seed`: the images a run holds out must be the ones
+    every later command (evaluate, resize) measures as "validation", whatever seed trained the model."""
     if not 0 < fraction < 1:
         raise ValueError(
             f"There is no validation split to use; validation_fraction must be in (0, 1), not {fraction}."
@@ -271,9 +278,9 @@ def _carve_validation(ds, fraction: float, seed: int):
         ds["train"] = train.filter(lambda *args: not in_validation(*args), with_indices=True, input_columns="label")
         return ds
     try:
-        parts = train.train_test_split(test_size=fraction, seed=seed, stratify_by_column="label")
+        parts = train.train_test_split(test_size=fraction, seed=HELD_OUT_SEED, stratify_by_column="label")
     except ValueError:  # a class with fewer than 2 examples, or fewer validation examples than classes
-        parts = train.train_test_split(test_size=fraction, seed=seed)
+        parts = train.train_test_split(test_size=fraction, seed=HELD_OUT_SEED)
     ds["train"], ds["validation"] = parts["train"], parts["test"]
     return ds
 

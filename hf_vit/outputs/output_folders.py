@@ -123,7 +123,8 @@ def _check_writable(target: Path) -> None:
             ) from error
 
 
-def _overlap(source: Path, target: Path) -> str | None:
+def overlap(source: Path, target: Path) -> str | None:
+    """How the resolved path `target` overlaps the resolved input `source` ("is the input", ...), or None."""
     if source == target:
         return "is the input"
     if target in source.parents:
@@ -146,7 +147,7 @@ def check_output_dir(
     if target == target.parent:
         raise OutputFolderError(f"{output_dir} is the filesystem root; choose a folder for the output.")
     for source in inputs:
-        problem = _overlap(Path(source).expanduser().resolve(), target)
+        problem = overlap(Path(source).expanduser().resolve(), target)
         if problem:
             raise OutputFolderError(
                 f"The output folder {target} {problem} ({source}); writing there could destroy the input. Choose an "

@@ -49,13 +49,19 @@ def headline(metrics: dict[str, Any]) -> tuple[str, float] | None:
     return None
 
 
-def next_commands(output_dir: str, dataset_name: str | None, task: str, split: str = "test") -> list[str]:
-    """What to run on the saved model next, with its path (and the data set's, a local one made absolute)."""
+def next_commands(
+    output_dir: str, dataset_name: str | None, task: str, split: str = "test", validation_fraction: float = 0.1
+) -> list[str]:
+    """What to run on the saved model next, with its path (and the data set's, a local one made absolute); a run that
+    held out another share than the default passes it on, so that "validation" names the same images."""
     model = shlex.quote(output_dir)
     commands = [f"hf-vit-predict --model {model} IMAGE_OR_FOLDER..."]
     if dataset_name:
         data = os.path.abspath(dataset_name) if os.path.exists(dataset_name) else dataset_name
-        commands.append(f"hf-vit-evaluate --model {model} --dataset_name {shlex.quote(data)} --split {split}")
+        evaluate = f"hf-vit-evaluate --model {model} --dataset_name {shlex.quote(data)} --split {split}"
+        if split == "validation" and validation_fraction != 0.1:
+            evaluate += f" --validation_fraction {validation_fraction:g}"
+        commands.append(evaluate)
     commands.append(f"hf-vit-export --model {model} --format onnx --output {shlex.quote(output_dir + '.onnx')}")
     commands.append(f"hf-vit-push --model {model} --hub_model_id YOUR_NAME/{os.path.basename(output_dir) or task}")
     return commands
@@ -69,6 +75,7 @@ def summarize_run(
     config: Any,
     training_args: Any,
     dataset_name: str | None = None,
+    validation_fraction: float = 0.1,
 ) -> list[str]:
     """Log (INFO) and print the run's summary; log the chance-level WARNING when it applies. Returns the lines."""
     output_dir = os.path.abspath(os.fspath(output_dir))
@@ -80,7 +87,9 @@ def summarize_run(
         lines.append(f"  {name} on the {split} split: {value:.4f}")
     lines.append("  next:")
     split = metrics.get("eval_split", "validation")
-    lines.extend(f"    {command}" for command in next_commands(output_dir, dataset_name, task, split))
+    lines.extend(
+        f"    {command}" for command in next_commands(output_dir, dataset_name, task, split, validation_fraction)
+    )
     problem_type = getattr(config, "problem_type", None)
     num_classes = len(getattr(config, "id2label", None) or {})
     warning = chance_warning(final_training_loss(log_history, metrics), num_classes, problem_type, training_args)

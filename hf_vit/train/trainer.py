@@ -109,6 +109,19 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
         # batch of every num_processes: the sampler yields those together, at one length.
         return self.accelerator.prepare(loader)
 
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial):  # fmt: skip
+        # Private, because no public hook runs between restoring a checkpoint's state and the first step. Trainer
+        # resumes a checkpoint of the run's last step that ends mid-epoch by finishing that epoch's loop: it trains
+        # one step past --max_steps (and moves the EMA once more), so a finished run resumed, or re-run with
+        # --resume_from_checkpoint True, saved another model. A finished state has no epoch left to run.
+        epochs_trained, steps_trained = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
+            return num_train_epochs, 0
+        return epochs_trained, steps_trained
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         # A data loader's first pass draws from torch's global generator (accelerate's loader, for its workers'
         # seed), which dropout and stochastic depth draw from too. An uninterrupted run makes that pass at step 0; a

@@ -126,7 +126,7 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     if trainer.is_world_process_zero():
         write_outputs(trainer, task, model_args, data_args, training_args, metrics)
         summarize_run(task, training_args.output_dir, metrics, trainer.state.log_history, model.config,
-                      training_args, data_args.dataset_name)  # fmt: skip
+                      training_args, data_args.dataset_name, data_args.validation_fraction)  # fmt: skip
     return metrics
 
 
