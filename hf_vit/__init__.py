@@ -17,6 +17,7 @@ from transformers import (
 # The converters register their reader of foreign checkpoints (transformers' and timm's ViT, the authors' .npz) with
 # the core's hook (`loading.py`) as they are imported: the core imports nothing of them.
 from . import convert  # noqa: E402, F401
+from .lora import read_lora_folder
 from .model.configuration_vit import PRESETS, VisionTransformerConfig
 from .model.image_processing_vit import VisionTransformerImageProcessor
 from .model.loading import register_foreign_reader
@@ -27,7 +28,6 @@ from .model.modeling_vit import (
     VisionTransformerModel,
     VisionTransformerPreTrainedModel,
 )
-from .train.lora import read_lora_folder
 
 # A LoRA run's folder (adapter + fine-tuning config) loads as its merged classifier.
 register_foreign_reader(read_lora_folder)

@@ -1,5 +1,152 @@
-"""Kept for code written against earlier releases: the adapter stage lives in `hf_vit.train.lora`."""
+"""LoRA run folders as models: a peft adapter beside the fine-tuning config, loaded as the merged classifier.
 
-from .train.lora import load_lora_model, save_merged_model
+A LoRA run (`hf_vit.train.lora`) saves peft's adapter (`adapter_model.safetensors`, `adapter_config.json`) beside the
+run's `config.json` (the fine-tuning model: classes, image size, pre-logits size, problem type, and
+`position_interpolation` when the base's position embeddings were resampled) and its processor.
+`load_lora_model(folder)` rebuilds that fine-tuning model from the base the adapter names, applies the adapter and
+merges it; `save_merged_model` writes it as a plain hf-vit folder with its processor; `read_lora_folder` is the
+reader `import hf_vit` registers with the core's loading hook, so that `from_pretrained(folder)` and
+`pipeline(model=folder)` load such a folder.
 
-__all__ = ["load_lora_model", "save_merged_model"]
+The adapter names its base by what the user gave (`base_model_name`): a Hub id as it is, a local folder by its plain
+name only, since an absolute path in `adapter_config.json` would publish the user's file system with the adapter. On
+the machine that trained it, the run also records the base's local path in `LOCAL_BASE_FILE` (a file no push
+carries); elsewhere `load_lora_model(folder, base=...)` says where it is.
+
+Serving (`hf_vit.infer`) and training both read folders through this module; it imports neither.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .outputs.files import (
+    LOCAL_BASE_FILE,  # where a local base lives on this machine: written by the run, never pushed
+)
+
+__all__ = ["base_model_name", "is_lora_folder", "load_lora_model", "read_lora_folder", "save_merged_model"]
+
+
+def base_model_name(model_name_or_path: str) -> str:
+    """How an adapter names its base: a Hub id as it is; a local folder by its plain name (the last part of its
+    path), so that no local path is saved or published with the adapter."""
+    path = os.path.expanduser(model_name_or_path)
+    if os.path.exists(path) or os.path.isabs(path) or model_name_or_path.startswith((".", "~")):
+        return Path(os.path.abspath(path)).name
+    return model_name_or_path
+
+
+def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = None):
+    """The fine-tuned model of a LoRA run's `folder`, merged, in eval mode.
+
+    The base checkpoint (`base`, default: the one named in `adapter_config.json`) is loaded as the run's fine-tuning
+    model, with the settings its `config.json` records: the classes, image size (position embeddings resampled with
+    the run's interpolation), pre-logits size and problem type; then the adapter is applied and merged.
+    """
+    from peft import PeftModel
+
+    from .model.configuration_vit import VisionTransformerConfig
+    from .model.modeling_vit import VisionTransformerForImageClassification
+
+    folder = Path(folder)
+    named = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    base = os.fspath(base) if base is not None else (local_base(folder) or named)
+    if not base:
+        raise ValueError(f"{folder / 'adapter_config.json'} names no base model: pass base=<its folder or Hub id>.")
+    config = VisionTransformerConfig.from_pretrained(folder)
+    try:
+        model = VisionTransformerForImageClassification.from_pretrained(base)
+    except OSError as error:
+        raise OSError(
+            f"Cannot load the base model {base!r} of the LoRA adapter in {folder} ({error}). A base that was a local "
+            "folder is named by its plain name only: pass load_lora_model(folder, base=<that folder>)."
+        ) from error
+    settings = run_settings(config)
+    if tuple(model.config.image_hw) != tuple(config.image_hw):
+        model.set_input_size(config.image_size, settings["interpolation"])
+    model.reset_classifier(config.id2label, config.representation_size)
+    model.config.problem_type = config.problem_type
+    return PeftModel.from_pretrained(model, folder).merge_and_unload().eval()
+
+
+def local_base(folder: str | os.PathLike) -> str | None:
+    """The local folder of a LoRA run's base, as the run recorded it on this machine (None: not recorded, or no
+    longer there)."""
+    path = Path(folder) / LOCAL_BASE_FILE
+    if not path.is_file():
+        return None
+    try:
+        recorded = json.loads(path.read_text()).get("base_model_name_or_path")
+    except (ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, str) and os.path.isdir(recorded) else None
+
+
+def is_lora_folder(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is a LoRA run's folder: a peft adapter beside the fine-tuning config, no model weights."""
+    folder = Path(folder)
+    return (
+        (folder / "adapter_config.json").is_file()
+        and (folder / "config.json").is_file()
+        and not any((folder / name).exists() for name in ("model.safetensors", "model.safetensors.index.json"))
+    )
+
+
+class LoraFolder:
+    """A LoRA run's folder as the core's loading hook sees a foreign checkpoint (`hf_vit.model.loading`): its config
+    and processor are the folder's own, its model the base with the adapter merged (`load_lora_model`). This is what
+    makes `AutoModelForImageClassification.from_pretrained(folder)` and `pipeline(model=folder)` load it."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def config_dict(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        return json.loads((self.folder / "config.json").read_text())
+
+    def processor(self):
+        from .model.image_processing_vit import VisionTransformerImageProcessor
+
+        return VisionTransformerImageProcessor.from_dict(
+            json.loads((self.folder / "preprocessor_config.json").read_text())
+        )
+
+    def load_model(self, load: Any, args: tuple, kwargs: dict[str, Any]):
+        from .model.modeling_vit import VisionTransformerForImageClassification
+
+        model_class = getattr(load, "__self__", None)
+        if model_class is not None and not issubclass(VisionTransformerForImageClassification, model_class):
+            raise ValueError(
+                f"{self.folder} is a LoRA run's image classifier: load it with AutoModelForImageClassification "
+                "(or hf_vit.lora.load_lora_model), or write it merged with hf_vit.lora.save_merged_model."
+            )
+        model = load_lora_model(self.folder)
+        info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+        return model, info
+
+
+def read_lora_folder(source: str, kwargs: dict[str, Any]) -> LoraFolder | None:
+    """The loading hook's reader of LoRA run folders (registered when `hf_vit` is imported)."""
+    if kwargs.get("subfolder") or not os.path.isdir(source) or not is_lora_folder(source):
+        return None
+    return LoraFolder(source)
+
+
+def run_settings(config: Any) -> dict[str, Any]:
+    """The settings a LoRA run's fine-tuning model was made with, from its `config.json`."""
+    return {"interpolation": getattr(config, "position_interpolation", None) or "bicubic"}
+
+
+def save_merged_model(
+    folder: str | os.PathLike, output_dir: str | os.PathLike, base: str | os.PathLike | None = None
+) -> None:
+    """Write the merged model of the LoRA run in `folder` to `output_dir` as a plain hf-vit folder (weights, config,
+    code) with the run's image processor, loadable with the Auto classes and without peft."""
+    from .model.image_processing_vit import VisionTransformerImageProcessor
+
+    model = load_lora_model(folder, base)
+    model.name_or_path = ""
+    model.save_pretrained(output_dir)
+    VisionTransformerImageProcessor.from_pretrained(folder).save_pretrained(output_dir)

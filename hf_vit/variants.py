@@ -7,7 +7,9 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from .flags import positive_int
 from .model.configuration_vit import VisionTransformerConfig
 from .model.image_geometry import scaled_geometry
 from .model.image_processing_vit import VisionTransformerImageProcessor
@@ -15,6 +17,9 @@ from .model.modeling_vit import VisionTransformerForImageClassification, VisionT
 from .model.resolution import grid_for
 from .outputs.cards import write_card
 from .outputs.output_folders import check_output_dir, write_converted_folder
+
+if TYPE_CHECKING:  # the data set libraries load only when a variant is measured
+    from .data.datasets import DataSource
 
 POSITION_KEY = "embeddings.position_embedding"
 
@@ -50,7 +55,7 @@ def make_resolution_variant(
     *,
     base_model: str | None = None,
     repo_id: str | None = None,
-    data_args=None,
+    data_source: DataSource | None = None,
     patch_size: int | None = None,
 ):
     """Turn the hf-vit folder `source` into a variant at `image_size` (None: the source's) and `patch_size` (None:
@@ -61,7 +66,7 @@ def make_resolution_variant(
     Returns `(model, processor)`; with `output_dir`, also writes the variant there with a model card (only if
     everything succeeded; see `hf_vit.outputs.output_folders.write_converted_folder` for what `overwrite` may
     replace). The card names `base_model` (a Hub id; default: the source folder's name, never a local path) and
-    `repo_id`. With `data_args` (`hf_vit.train.arguments.DataArguments`), the variant's accuracy is measured with no
+    `repo_id`. With `data_source` (a `hf_vit.data.datasets.DataSource`), the variant's accuracy is measured with no
     further training (on the test split, else validation, as a run reports) and goes into the card and
     `all_results.json`.
     """
@@ -76,8 +81,8 @@ def make_resolution_variant(
     config = VisionTransformerConfig.from_pretrained(folder)
     image_size = config.image_hw if image_size is None else image_size
     new_patch = config.patch_size if patch_size is None else patch_size
-    if isinstance(new_patch, bool) or not isinstance(new_patch, int) or new_patch < 1:
-        raise ValueError(f"--patch_size must be a positive number of pixels, got {patch_size!r}.")
+    if patch_size is not None:
+        positive_int(patch_size, "--patch_size", "number of pixels")
     grid = grid_for(image_size, new_patch)  # validate before loading anything big
     _check_checkpoint_positions(folder, config)
     is_classifier = any("ForImageClassification" in name for name in (config.architectures or []))
@@ -100,10 +105,10 @@ def make_resolution_variant(
     if target is None:
         return model, processor
     metrics = {}
-    if data_args is not None:
-        from .train.evaluation import measure_model  # loads the data set libraries: imported only to measure
+    if data_source is not None:
+        from .infer.inference import measure_model  # loads the data set libraries: imported only to measure
 
-        split, measured = measure_model(model, processor, data_args)  # test, else validation, as a run reports
+        split, measured = measure_model(model, processor, data_source)  # test, else validation, as a run reports
         metrics = {f"eval_{name}": value for name, value in measured.items()}
         metrics["eval_split"] = split
     base_model = base_model or folder.expanduser().resolve().name
@@ -131,7 +136,7 @@ def make_resolution_variant(
             repo_id=repo_id,
             output_name=target.name,
             metrics=metrics,
-            dataset_name=data_args.dataset_name if data_args is not None else None,
+            dataset_name=data_source.dataset_name if data_source is not None else None,
             summary=(f"A resolution variant of `{base_model}`: the same weights with the {what}, not trained after."),
             resolution_note=(
                 f"Interpolated from {old_h}x{old_w} ({config.grid_size[0]}x{config.grid_size[1]} patches of "
@@ -152,15 +157,15 @@ def make_evaluated_variant(
     source: str | os.PathLike,
     image_size: int | list[int],
     output_dir: str | os.PathLike,
-    data_args=None,
+    data_source: DataSource | None = None,
     repo_id: str | None = None,
     base_model: str | None = None,
     mode: str = "bicubic",
     overwrite: bool = False,
 ) -> dict[str, float]:
-    """`make_resolution_variant` with the test accuracy measured (on the digits unless `data_args` names another data
+    """`make_resolution_variant` with the test accuracy measured (on the digits unless `data_source` names another data
     set) and written to its card and `all_results.json`. Returns the measured metrics (`eval_*`)."""
-    from .train.arguments import DataArguments
+    from .data.datasets import DataSource
 
     make_resolution_variant(
         source,
@@ -170,6 +175,6 @@ def make_evaluated_variant(
         overwrite,
         base_model=base_model,
         repo_id=repo_id,
-        data_args=data_args or DataArguments(),
+        data_source=data_source or DataSource(),
     )
     return json.loads((Path(output_dir) / "all_results.json").read_text())

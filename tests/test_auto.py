@@ -207,21 +207,27 @@ def test_the_import_graph_finds_a_cycle():
 
 
 # The layers, lowest first: a module may import its own layer and those below it, never one above. The core is
-# what a checkpoint carries; the outputs write folders, cards and pushes; the converters write converted folders
-# through the outputs; the run and the tools after training build on all three; the commands on everything.
+# what a checkpoint carries; the outputs write folders, cards and pushes; the converters and the LoRA folder reader
+# load through the core's hook (and `import hf_vit` registers them); then the stages: data, tasks, serving, training
+# and the tools after training; the commands on everything. tests/test_architecture.py states the stages' order
+# strictly (no sideways imports between stages).
 LAYERS = {
     "hf_vit.model": 0,
     "hf_vit.metrics": 0,
+    "hf_vit.flags": 0,
     "hf_vit.outputs": 1,
     "hf_vit.convert": 2,
-    "hf_vit.run": 3,
-    "hf_vit.variants": 3,
-    "hf_vit.export": 3,
-    "hf_vit.analysis": 3,
-    "hf_vit.lora": 3,
-    "hf_vit.hub": 3,
-    "hf_vit": 4,
-    "hf_vit.commands": 4,
+    "hf_vit.lora": 2,
+    "hf_vit": 2,
+    "hf_vit.data": 3,
+    "hf_vit.tasks": 4,
+    "hf_vit.infer": 5,
+    "hf_vit.train": 6,
+    "hf_vit.variants": 6,
+    "hf_vit.export": 6,
+    "hf_vit.analysis": 6,
+    "hf_vit.hub": 6,
+    "hf_vit.commands": 7,
 }
 
 

@@ -641,7 +641,7 @@ def test_an_image_folder_of_one_class_is_refused_as_one_class(tmp_path, streamin
     ds = load_image_dataset(str(tmp_path / "images"), streaming=streaming, cache_dir=str(tmp_path / "cache"))
     assert get_label_names(ds) == ["cat"]
     with pytest.raises(ValueError, match=r"1 class\(es\) \(\['cat'\]\): classification needs at least two"):
-        OBJECTIVES["classification"].labels(ds, None)
+        OBJECTIVES["classification"].labels(ds)
 
 
 class _Draws:

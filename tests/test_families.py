@@ -274,14 +274,12 @@ def test_a_run_at_another_image_size_keeps_the_sources_geometry(hub, repo_id, re
     transform is that processor, equal to transformers' own processor with those settings (within the 8-bit levels
     the resize filters differ by, see above); the training transform resizes its random crops to 56x56, and without
     them it is the evaluation transform exactly."""
-    from types import SimpleNamespace
-
     from hf_vit.data.transforms import make_eval_transform, make_train_transform
     from hf_vit.tasks.model_setup import processor_for
 
     side = crop or resize["height"]
     config = VisionTransformerConfig.from_pretrained(repo_id, image_size=side)
-    processor = processor_for(SimpleNamespace(model_name_or_path=repo_id), config)
+    processor = processor_for(repo_id, config)
     assert (processor.size, processor.do_center_crop) == (resize, crop is not None)
     if crop:
         assert processor.crop_size == {"height": crop, "width": crop}

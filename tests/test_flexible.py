@@ -10,7 +10,8 @@ from accelerate.data_loader import BatchSamplerShard
 from conftest import tiny_config
 
 from hf_vit import VisionTransformerForImageClassification
-from hf_vit.train.flexible import PatchSizeDraw, SeqLenBatchSampler, at_patch_size, parse_sizes
+from hf_vit.flags import parse_sizes
+from hf_vit.train.flexible import PatchSizeDraw, SeqLenBatchSampler, at_patch_size
 from hf_vit.train.trainer import SeededAugmentation
 
 
@@ -108,8 +109,8 @@ def test_fine_tuning_with_patch_sizes_saves_the_base_patch_and_loads_at_each(tmp
     import json
 
     from hf_vit import VisionTransformerImageProcessor
-    from hf_vit.train.arguments import DataArguments
-    from hf_vit.train.evaluation import measure_model
+    from hf_vit.data.datasets import DataSource
+    from hf_vit.infer.inference import measure_model
 
     rows = json.loads((tmp_path / "out" / "compute_dial.json").read_text())
     assert [(row["series"], row["patch_size"], row["tokens_per_image"]) for row in rows] == [
@@ -119,7 +120,7 @@ def test_fine_tuning_with_patch_sizes_saves_the_base_patch_and_loads_at_each(tmp
     for row in rows:
         folder, patch = tmp_path / "out", row["patch_size"]
         loaded = VisionTransformerForImageClassification.from_pretrained(folder, patch_size=patch).eval()
-        split, measured = measure_model(loaded, processor, DataArguments(), None, 512)
+        split, measured = measure_model(loaded, processor, DataSource(), None, 512)
         assert row["split"] == split and row["accuracy"] == pytest.approx(measured["accuracy"])
     assert (tmp_path / "out" / "compute_dial.png").exists() and "![compute dial](compute_dial.png)" in card
     for more, named in (

@@ -209,7 +209,7 @@ def test_do_train_false_evaluates_the_checkpoint_as_it_is_and_writes_no_model(tm
 
 
 def test_a_lora_runs_folder_predicts_and_loads_without_base(tmp_path, capsys):
-    from hf_vit.train.lora import load_lora_model
+    from hf_vit.lora import load_lora_model
 
     source = pretrained_folder(tmp_path / "pre")
     data = split_image_folder(tmp_path / "data")

@@ -8,10 +8,11 @@ import torch
 from safetensors.torch import load_file
 from test_training import QUIET, pretrained_folder
 
+from hf_vit.lora import load_lora_model
 from hf_vit.outputs.files import LOCAL_BASE_FILE
 from hf_vit.tasks.model_setup import load_checkpoint as load_for_finetuning
 from hf_vit.train.arguments import parse_args
-from hf_vit.train.lora import apply_lora, load_lora_model
+from hf_vit.train.lora import apply_lora
 from hf_vit.train.training import train
 
 
@@ -99,7 +100,7 @@ def test_the_merged_model_is_the_runs_model_with_its_settings(tmp_path):
     from peft import PeftModel
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-    from hf_vit.train.lora import save_merged_model
+    from hf_vit.lora import save_merged_model
 
     flags = ("--interpolation", "bilinear", "--representation_size", "16", "--image_size", "12")
     source, out, _ = lora_run(tmp_path, *flags)

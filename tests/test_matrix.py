@@ -38,12 +38,13 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification, Tr
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification
 from hf_vit.data.datasets import load_digits_dataset
+from hf_vit.lora import save_merged_model
 from hf_vit.metrics import compute_metrics
 from hf_vit.outputs.files import LOCAL_BASE_FILE, RESULT_FILES
 from hf_vit.outputs.push import plan_upload, upload_file_names
 from hf_vit.tasks.model_setup import load_checkpoint as load_for_finetuning
 from hf_vit.train.arguments import parse_args
-from hf_vit.train.lora import apply_lora, save_merged_model
+from hf_vit.train.lora import apply_lora
 from hf_vit.train.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -423,8 +424,8 @@ def test_killed_lora_run_resumes_to_the_same_weights(world, processes, tmp_path)
 
 @pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
 def test_lora_run_pushes_its_checkpoints_and_final_model(world, strategy, hub, tmp_path):
+    from hf_vit.lora import load_lora_model
     from hf_vit.outputs.push import find_local_path
-    from hf_vit.train.lora import load_lora_model
 
     combination = Combination("folder", "qkv", "single", "memory")
     out = tmp_path / "run"

@@ -10,7 +10,7 @@ from transformers import Trainer, TrainingArguments
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.data.datasets import load_digits_dataset
-from hf_vit.data.transforms import make_eval_transform
+from hf_vit.data.transforms import Augmentation, make_eval_transform
 from hf_vit.model.modeling_mpp import (
     PATCH_CLEAN,
     PATCH_KEPT,
@@ -29,7 +29,6 @@ from hf_vit.tasks.mpp import (
     unnormalized,
     with_mpp_transforms,
 )
-from hf_vit.train.arguments import DataArguments
 
 
 def mpp_config(**overrides):
@@ -122,7 +121,7 @@ def test_trainer_run_and_fine_tuning_from_its_checkpoint(tmp_path):
     processor = VisionTransformerImageProcessor(size={"height": 16, "width": 16})
     raw = load_digits_dataset()
     raw["train"], raw["validation"] = raw["train"].select(range(64)), raw["validation"].select(range(32))
-    ds = with_mpp_transforms(raw, DataArguments(crop_scale_min=0.7), processor, config)
+    ds = with_mpp_transforms(raw, Augmentation(crop_scale_min=0.7, hflip=False), processor, config)
     args = TrainingArguments(
         output_dir=str(tmp_path / "mpp"), max_steps=6, per_device_train_batch_size=16, learning_rate=1e-3,
         remove_unused_columns=False, report_to="none", use_cpu=True, logging_steps=2, save_strategy="no",

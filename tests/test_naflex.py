@@ -364,8 +364,8 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
     # 8x8 digits have at patch 4, and at the 6 trained; each row as an evaluation here measures it; linked in the card
     import json
 
-    from hf_vit.train.arguments import DataArguments
-    from hf_vit.train.evaluation import measure_model
+    from hf_vit.data.datasets import DataSource
+    from hf_vit.infer.inference import measure_model
 
     rows = json.loads((tmp_path / "fine" / "compute_dial.json").read_text())
     assert [(row["series"], row["max_num_patches"]) for row in rows] == [("tokens", 1), ("tokens", 4), ("tokens", 6)]
@@ -373,7 +373,7 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
         processor = VisionTransformerImageProcessor.from_pretrained(
             tmp_path / "fine", max_num_patches=row["max_num_patches"]
         )
-        split, measured = measure_model(model, processor, DataArguments(), None, 512)
+        split, measured = measure_model(model, processor, DataSource(), None, 512)
         assert row["split"] == split == "test" and row["accuracy"] == pytest.approx(measured["accuracy"])
     assert [row["tokens_per_image"] for row in rows] == [1, 4, 4]  # square digits: at most 6 patches is a 2x2 grid
     with Image.open(tmp_path / "fine" / "compute_dial.png") as image:

@@ -666,24 +666,25 @@ class _Images(torch.utils.data.Dataset):
         return {"pixel_values": self.pixels[i], "labels": self.labels[i]}
 
 
-def _recipe_trainer(tmp_path, model, **fields):
-    from transformers import Trainer, TrainingArguments
+def _recipe_trainer(tmp_path, model, layer_decay=None, mixing=None, ema=None, **fields):
+    from transformers import TrainingArguments
 
-    from hf_vit.train.recipes import RecipeTrainerMixin
-
-    class RecipeTrainer(RecipeTrainerMixin, Trainer):
-        pass
+    from hf_vit.train.trainer import VisionTransformerTrainer
 
     args = TrainingArguments(
         output_dir=str(tmp_path), report_to="none", use_cpu=True, per_device_train_batch_size=8, **fields
     )
-    return RecipeTrainer(model=model, args=args, train_dataset=_Images())
+    return VisionTransformerTrainer(
+        model=model, args=args, train_dataset=_Images(), callbacks=[ema] if ema else None,
+        layer_decay=layer_decay, mixing=mixing, ema=ema,
+    )  # fmt: skip
 
 
 def test_trainer_builds_layer_decay_groups_and_the_schedule_keeps_their_ratios(tmp_path):
     model = _classifier(layers=3)
-    trainer = _recipe_trainer(tmp_path, model, optim="sgd", learning_rate=0.1, weight_decay=0.02, warmup_steps=2)
-    trainer.args.layer_decay = 0.5
+    trainer = _recipe_trainer(
+        tmp_path, model, layer_decay=0.5, optim="sgd", learning_rate=0.1, weight_decay=0.02, warmup_steps=2
+    )
     trainer.create_optimizer_and_scheduler(num_training_steps=10)
     groups = trainer.optimizer.param_groups
     assert [g["layer"] for g in groups] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
@@ -700,8 +701,8 @@ def test_trainer_builds_layer_decay_groups_and_the_schedule_keeps_their_ratios(t
 
 def test_trainer_mixes_training_batches_and_learns_soft_targets(tmp_path):
     model = _classifier(layers=2)
-    trainer = _recipe_trainer(tmp_path, model, seed=7)
-    trainer.mixing = Mixing(num_classes=5, mixup_alpha=1.0, cutmix_alpha=1.0, label_smoothing=0.1)
+    mixing = Mixing(num_classes=5, mixup_alpha=1.0, cutmix_alpha=1.0, label_smoothing=0.1)
+    trainer = _recipe_trainer(tmp_path, model, mixing=mixing, seed=7)
     seen = []
     original = trainer.compute_loss
 
@@ -754,9 +755,10 @@ def test_trainer_evaluates_the_average_and_ends_holding_it(tmp_path):
     from hf_vit.train.ema import EMA_FILE, EmaCallback
 
     model = _classifier(layers=2)
-    trainer = _recipe_trainer(tmp_path, model, optim="sgd", learning_rate=0.5, max_steps=4, save_strategy="no")
-    trainer.ema = EmaCallback(decay=0.5)
-    trainer.add_callback(trainer.ema)
+    ema = EmaCallback(decay=0.5)
+    trainer = _recipe_trainer(
+        tmp_path, model, ema=ema, optim="sgd", learning_rate=0.5, max_steps=4, save_strategy="no"
+    )
     evaluations = []
 
     class EvaluateMidway(TrainerCallback):
@@ -850,7 +852,7 @@ def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
     # masked patch prediction would reconstruct the noise of the erased rectangles
     _, data_args, args = parse_args("pretrain", out + ["--objective", "mpp", "--reprob", "0.25"])
     with pytest.raises(ValueError, match=r"^--reprob augment\(s\) images .* --reprob 0"):
-        refuse_augmentation("mpp", False, data_args, args)
+        refuse_augmentation("mpp", False, data_args.augmentation(), args.recipe_settings())
     with pytest.raises(SystemExit):
         parse_args("finetune", ["--help"])
     shown = capsys.readouterr().out
@@ -889,19 +891,20 @@ def test_rand_augment_in_the_training_transform_is_seeded_per_example():
 
 
 def test_measuring_a_train_split_sees_no_augmentation():
-    """`evaluate_model` on the train split with the recipes' augmentations in the data arguments measures the
-    processor's pixels, as a plain evaluation of that split does: the same accuracy, twice."""
+    """`evaluate_model` on the train split of data flags that carry the recipes' augmentations (their data source)
+    measures the processor's pixels, as a plain evaluation of that split does: the same accuracy, twice."""
     from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
+    from hf_vit.data.datasets import DataSource
+    from hf_vit.infer.inference import evaluate_model
     from hf_vit.train.arguments import DataArguments
-    from hf_vit.train.evaluation import evaluate_model
 
     torch.manual_seed(0)
     model = VisionTransformerForImageClassification(tiny_config(image_size=16, patch_size=8, num_labels=10)).eval()
     with torch.no_grad():
         model.classifier.weight.normal_(0, 1.0)  # a head that is not zero, so that the pixels decide the predictions
     processor = VisionTransformerImageProcessor(size={"height": 16, "width": 16})
-    augmented = DataArguments(rand_augment="rand-m9-n3-mstd0.5", reprob=1.0, max_train_samples=96)
-    plain = evaluate_model(model, processor, DataArguments(max_train_samples=96), split="train")
+    augmented = DataArguments(rand_augment="rand-m9-n3-mstd0.5", reprob=1.0, max_train_samples=96).source()
+    plain = evaluate_model(model, processor, DataSource(max_train_samples=96), split="train")
     measured = [evaluate_model(model, processor, augmented, split="train") for _ in range(2)]
     assert measured[0] == measured[1] == plain
 
@@ -931,7 +934,7 @@ def test_recipe_run_saves_the_average_and_resumes_bit_for_bit(tmp_path, caplog):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            with caplog.at_level("INFO", logger="hf_vit.run"):
+            with caplog.at_level("INFO", logger="hf_vit"):
                 train(args[0], *parse_args(args[0], list(args[1:])))
         finally:
             torch.set_num_threads(threads)
@@ -972,8 +975,8 @@ def test_a_run_resumed_at_its_last_step_saves_the_uninterrupted_model(tmp_path, 
 
     from test_training import deterministic_finetune_args, pretrained_folder
 
-    from hf_vit.run.arguments import parse_args
-    from hf_vit.run.training import train
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
 
     source = pretrained_folder(tmp_path / "pre")
     extra = ["--save_strategy", "steps", "--save_steps", "1", "--learning_rate", "0.01"]

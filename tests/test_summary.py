@@ -89,13 +89,14 @@ def test_a_run_ends_with_its_summary_and_a_run_at_chance_says_so(tmp_path, capsy
 
 def test_the_chance_warning_is_for_losses_within_5_percent_of_ln_c(tmp_path):
     args = parse_args("finetune", ["--output_dir", str(tmp_path)])[2]
+    args = (args.learning_rate, args.num_train_epochs)
     chance = math.log(4)
-    assert chance_warning(1.3856, 4, "single_label_classification", args)  # the reported run: 4 classes, 1.3856
-    assert chance_warning(chance * 1.049, 4, "single_label_classification", args)
-    assert chance_warning(chance * 0.951, 4, "single_label_classification", args)
-    assert chance_warning(chance * 1.06, 4, "single_label_classification", args) is None
-    assert chance_warning(chance * 0.5, 4, "single_label_classification", args) is None
-    assert chance_warning(chance, 4, "multi_label_classification", args) is None  # ln C is not its chance level
+    assert chance_warning(1.3856, 4, "single_label_classification", *args)  # the reported run: 4 classes, 1.3856
+    assert chance_warning(chance * 1.049, 4, "single_label_classification", *args)
+    assert chance_warning(chance * 0.951, 4, "single_label_classification", *args)
+    assert chance_warning(chance * 1.06, 4, "single_label_classification", *args) is None
+    assert chance_warning(chance * 0.5, 4, "single_label_classification", *args) is None
+    assert chance_warning(chance, 4, "multi_label_classification", *args) is None  # ln C is not its chance level
 
 
 def test_help_says_what_a_no_twin_of_a_flag_on_by_default_does(capsys):
@@ -109,7 +110,7 @@ def test_help_says_what_a_no_twin_of_a_flag_on_by_default_does(capsys):
 
 
 def test_the_suggested_evaluation_names_the_runs_held_out_share():
-    from hf_vit.run.summary import next_commands
+    from hf_vit.train.summary import next_commands
 
     default = next_commands("out", "digits", "finetune", "validation")
     assert any(c.endswith("--split validation") for c in default)

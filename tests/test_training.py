@@ -497,7 +497,7 @@ def test_resuming_from_a_truncated_checkpoint_names_the_file(tmp_path, damage):
     from hf_vit.train.checkpoints import resolve_resume
 
     with pytest.raises(ValueError, match=f"Cannot resume from {checkpoint}: {checkpoint / damage} is truncated"):
-        resolve_resume(args)
+        resolve_resume(args.resume_from_checkpoint, args.output_dir, args.overwrite_output_dir)
 
 
 def test_resuming_a_weights_only_checkpoint_is_refused(tmp_path):
@@ -506,7 +506,7 @@ def test_resuming_a_weights_only_checkpoint_is_refused(tmp_path):
     fake_checkpoint(tmp_path / "checkpoint-2", optimizer=False)
     _, _, args = tiny_pretrain(tmp_path, "--resume_from_checkpoint", "True")
     with pytest.raises(ValueError, match="weights only.*--save_only_model.*restart the optimizer state"):
-        resolve_resume(args)
+        resolve_resume(args.resume_from_checkpoint, args.output_dir, args.overwrite_output_dir)
 
 
 def test_a_checkpoint_that_cannot_be_written_names_the_folder_and_free_space(tmp_path, monkeypatch):
@@ -552,11 +552,13 @@ def test_resuming_a_folder_without_checkpoints_says_there_is_none(tmp_path):
 
     out = tmp_path / "out"
     _, _, args = tiny_pretrain(out, "--resume_from_checkpoint", "True")
-    assert resolve_resume(args) is None  # no folder yet: a first run, started with the flag it will resume with
+    assert (
+        resolve_resume(args.resume_from_checkpoint, args.output_dir, args.overwrite_output_dir) is None
+    )  # no folder yet: a first run, started with the flag it will resume with
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"")  # a finished run's folder, no checkpoint-N
     with pytest.raises(ValueError) as error:
-        resolve_resume(args)
+        resolve_resume(args.resume_from_checkpoint, args.output_dir, args.overwrite_output_dir)
     message = str(error.value)
     assert f"{out} holds no complete checkpoint-N folder" in message and "model.safetensors" in message
     assert "--overwrite_output_dir True" in message and "Pass --resume_from_checkpoint True" not in message
@@ -587,7 +589,7 @@ def test_a_hybrid_from_scratch_takes_its_resnet_layers_from_the_overrides(tmp_pa
         ["--output_dir", str(tmp_path), "--preset", "r50-vit-base-patch16-224", "--image_size", "32", "--patch_size",
          "8", "--config_overrides", f"{TINY},resnet_layers=[1,1],resnet_width=32"],
     )  # fmt: skip
-    config = config_from_preset(model_args)
+    config = config_from_preset(model_args.settings())
     assert config.resnet_layers == [1, 1] and config.hidden_size == 32 and config.grid_size == (4, 4)
     VisionTransformerForImageClassification(config)(torch.randn(1, 3, 32, 32))  # the stem of two stages runs
 
@@ -596,9 +598,8 @@ def test_a_timm_checkpoint_of_unusual_width_takes_the_heads_of_the_overrides(tmp
     import huggingface_hub.constants
     from test_sources import hf_vit_source, hub_repo, timm_repo
 
-    from hf_vit.tasks.model_setup import build_classifier, processor_for
+    from hf_vit.tasks.model_setup import ModelSettings, build_classifier, processor_for
     from hf_vit.tasks.objectives import Labels
-    from hf_vit.train.arguments import ModelArguments
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     source = hf_vit_source(num_labels=4)  # width 32, 2 heads
@@ -608,14 +609,14 @@ def test_a_timm_checkpoint_of_unusual_width_takes_the_heads_of_the_overrides(tmp
     del config["model_args"]  # nothing says the heads of a width-32 model
     (folder / "config.json").write_text(json.dumps(config))
     labels = Labels({0: "a", 1: "b"}, "single_label_classification")
-    model_args = ModelArguments(model_name_or_path="timm/vit_narrow.test")
+    settings = ModelSettings(model_name_or_path="timm/vit_narrow.test")
     with pytest.raises(ValueError, match="num_attention_heads"):
-        build_classifier("finetune", model_args, labels)
-    model_args.config_overrides = "num_attention_heads=2"
-    model = build_classifier("finetune", model_args, labels).eval()
+        build_classifier("finetune", settings, labels)
+    settings = ModelSettings(model_name_or_path="timm/vit_narrow.test", config_overrides="num_attention_heads=2")
+    model = build_classifier("finetune", settings, labels).eval()
     assert model.config.num_attention_heads == 2
     # the run's processor is the checkpoint's (timm's normalisation), whatever its heads
-    assert processor_for(model_args, model.config).image_mean == pytest.approx([0.485, 0.456, 0.406])
+    assert processor_for(settings.model_name_or_path, model.config).image_mean == pytest.approx([0.485, 0.456, 0.406])
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model.vit(x).last_hidden_state, source.vit(x).last_hidden_state)
@@ -811,22 +812,26 @@ def test_a_validation_split_without_positive_labels_does_not_stop_a_multi_label_
 # --- The run's structure ---------------------------------------------------------------------------------------------
 
 RUN_MODULES = (
-    "training", "arguments", "objectives", "model_setup", "lora", "trainer", "checkpoints", "evaluation",
-    "mpp", "datasets", "transforms",
+    "train/training", "train/arguments", "tasks/objectives", "tasks/model_setup", "train/lora", "train/trainer",
+    "train/checkpoints", "train/evaluation", "tasks/mpp", "data/datasets", "data/transforms",
 )  # fmt: skip
 
 
 def _relative_imports(module: str) -> list[tuple[str, list[str], bool]]:
-    """(imported module, names, at module level) for each `from .x import ...` of `hf_vit/run/<module>`."""
+    """(imported module, names, at module level) for each relative import of `hf_vit/<module>` that names another
+    module of hf_vit's stage packages (data, tasks, train, infer), as `<package>/<module>`."""
     import ast
 
-    path = ROOT / "hf_vit" / "run" / f"{module}.py"
+    path = ROOT / "hf_vit" / f"{module}.py"
     tree = ast.parse(path.read_text())
     top = set(map(id, tree.body))
     found = []
+    package = module.split("/")[0]
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-            found.append((node.module.split(".")[0], [alias.name for alias in node.names], id(node) in top))
+        if isinstance(node, ast.ImportFrom) and node.level in (1, 2) and node.module:
+            parts = node.module.split(".")
+            target = f"{package}/{parts[0]}" if node.level == 1 else "/".join(parts[:2])
+            found.append((target, [alias.name for alias in node.names], id(node) in top))
     return found
 
 
@@ -835,7 +840,7 @@ def test_the_runs_modules_form_no_import_cycle_and_share_no_private_names():
     for module in RUN_MODULES:
         for imported, names, _ in _relative_imports(module):
             private = [name for name in names if name.startswith("_")]
-            assert not private, f"hf_vit/run/{module} imports the private {private} of hf_vit/run/{imported}"
+            assert not private, f"hf_vit/{module} imports the private {private} of hf_vit/{imported}"
             if imported in graph:
                 graph[module].add(imported)  # deferred imports count too: a cycle is a cycle
     visiting, done = set(), set()
@@ -852,10 +857,10 @@ def test_the_runs_modules_form_no_import_cycle_and_share_no_private_names():
 
     for module in RUN_MODULES:
         visit(module, [])
-    training_lines = len((ROOT / "hf_vit" / "run" / "training.py").read_text().splitlines())
+    training_lines = len((ROOT / "hf_vit" / "train" / "training.py").read_text().splitlines())
     assert training_lines <= 450
     # no branch on the objective outside the table
     for module in RUN_MODULES:
-        if module != "objectives":
-            source = (ROOT / "hf_vit" / "run" / f"{module}.py").read_text()
+        if module != "tasks/objectives":
+            source = (ROOT / "hf_vit" / f"{module}.py").read_text()
             assert ".objective ==" not in source and '"mpp" if' not in source, module

@@ -50,7 +50,7 @@ def test_uploaded_variant_loads_offline_without_hf_vit(tmp_path):
         tmp_path / "src"
     )
     VisionTransformerImageProcessor(size=32).save_pretrained(tmp_path / "src")
-    make_evaluated_variant(tmp_path / "src", 48, tmp_path / "up", data_args=None)
+    make_evaluated_variant(tmp_path / "src", 48, tmp_path / "up", data_source=None)
     model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "up").eval()
     x = torch.randn(2, 3, 48, 48)
     torch.save(x, tmp_path / "x.pt")
@@ -81,8 +81,7 @@ def test_a_variant_is_measured_on_the_validation_split_of_data_without_a_test_sp
 
     from hf_vit import VisionTransformerConfig
     from hf_vit.commands.resize import main
-    from hf_vit.data.datasets import load_datasets
-    from hf_vit.train.arguments import DataArguments
+    from hf_vit.data.datasets import DataSource, load_datasets
 
     rng = np.random.default_rng(0)
     for name, colour in (("dark", 40), ("light", 210)):
@@ -109,7 +108,7 @@ def test_a_variant_is_measured_on_the_validation_split_of_data_without_a_test_sp
     assert results["eval_split"] == "validation"
     assert "validation accuracy on" in capsys.readouterr().out
     # the part of train a run holds out, measured here with the variant and its processor
-    validation = load_datasets(DataArguments(dataset_name=str(tmp_path / "shapes")), seed=0)["validation"]
+    validation = load_datasets(DataSource(dataset_name=str(tmp_path / "shapes")), seed=0)["validation"]
     variant = VisionTransformerForImageClassification.from_pretrained(tmp_path / "variant").eval()
     processor = VisionTransformerImageProcessor.from_pretrained(tmp_path / "variant")
     with torch.no_grad():

@@ -18,10 +18,9 @@ images, or with --max_num_patches K at K), printed as JSON and written with its 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 from hf_vit.commands import CommandParser
+from hf_vit.flags import error_status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,17 +53,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers.utils import logging as transformers_logging
 
+    from hf_vit.data.datasets import DataSource
+    from hf_vit.flags import parse_sizes
     from hf_vit.infer.compute_dial import evaluate_dial
     from hf_vit.infer.inference import evaluate_saved_model
-    from hf_vit.train.arguments import DataArguments
-    from hf_vit.train.flexible import parse_sizes
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     import datasets
 
     transformers_logging.disable_progress_bar()  # stderr keeps the warnings and errors
     datasets.disable_progress_bars()
-    data_args = DataArguments(
+    source = DataSource(
         dataset_name=args.dataset_name,
         image_column_name=args.image_column_name,
         label_column_name=args.label_column_name,
@@ -74,17 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         counts = parse_sizes(args.max_num_patches, "--max_num_patches") or []
         patch_sizes = parse_sizes(args.patch_size, "--patch_size") or []
         if len(counts) > 1 or len(patch_sizes) > 1:
-            rows = evaluate_dial(args.model, data_args, args.split, args.output_dir, counts, patch_sizes)
+            rows = evaluate_dial(args.model, source, args.split, args.output_dir, counts, patch_sizes)
             print(json.dumps(rows, indent=2))
             return 0
         count, patch = (counts or [None])[0], (patch_sizes or [None])[0]
         metrics = evaluate_saved_model(
-            args.model, args.dataset_name, args.split, args.output_dir, data_args, count, patch
+            args.model, args.dataset_name, args.split, args.output_dir, source, count, patch
         )
     except (ValueError, OSError) as error:
-        if os.environ.get("HF_VIT_TRACEBACK"):
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error_status(error)
     print(json.dumps(metrics, indent=2))
     return 0

@@ -13,10 +13,10 @@ largest grid of at most K patches (no centre crop) and the model takes the padde
 
 from __future__ import annotations
 
-import os
 import sys
 
 from hf_vit.commands import CommandParser
+from hf_vit.flags import error_status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,10 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         text = write_predictions(rows, args.output)
     except (ValueError, OSError) as error:
-        if os.environ.get("HF_VIT_TRACEBACK"):
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error_status(error)
     if args.output is None:
         sys.stdout.write(text)
     else:

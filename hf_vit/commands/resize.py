@@ -57,23 +57,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.push_to_hub and not args.hub_model_id:
         parser.error("--push_to_hub needs --hub_model_id <user or org>/<name>")
     size = None if args.image_size is None else args.image_size[0] if len(args.image_size) == 1 else args.image_size
-    data_args = None
+    data_source = None
     if args.dataset_name:
-        from hf_vit.train.arguments import DataArguments
+        from hf_vit.data.datasets import DataSource
 
-        data_args = DataArguments(dataset_name=args.dataset_name)
+        data_source = DataSource(dataset_name=args.dataset_name)
     output = Path(args.output).resolve()
     try:
         model, _ = make_resolution_variant(
             args.model, size, output, args.interpolation, overwrite=args.overwrite,
-            base_model=args.base_model, repo_id=args.hub_model_id, data_args=data_args, patch_size=args.patch_size,
+            base_model=args.base_model, repo_id=args.hub_model_id, data_source=data_source, patch_size=args.patch_size,
         )  # fmt: skip
     except (ValueError, OSError) as error:  # OSError: output refusals, missing or unwritable folders
         print(f"error: {error}", file=sys.stderr)
         return 2
     height, width = model.config.image_hw
     print(f"wrote {output}: {type(model).__name__} at {height}x{width}, patch {model.config.patch_size}")
-    if data_args is not None:
+    if data_source is not None:
         metrics = json.loads((output / "all_results.json").read_text())
         split = metrics.get("eval_split", "test")
         print(f"{split} accuracy on {args.dataset_name} as interpolated: {metrics.get('eval_accuracy')}")

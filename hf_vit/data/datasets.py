@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from dataclasses import dataclass
 
 import datasets
 import numpy as np
@@ -133,22 +133,39 @@ def shuffle_stream(data: IterableDataset, seed: int, buffer_size: int) -> Iterab
     return data.shuffle(seed=seed, buffer_size=buffer_size)
 
 
-def load_datasets(data_args: Any, seed: int):
-    """The raw splits named by `data_args` (`hf_vit.train.arguments.DataArguments`; columns `image` and `label`)."""
+@dataclass(frozen=True)
+class DataSource:
+    """Where a run's images come from and how its splits are cut: the values of the data set flags
+    (`--dataset_name`, `--image_column_name`, ..., `--max_train_samples`), under their names."""
+
+    dataset_name: str = "digits"
+    image_column_name: str = "image"
+    label_column_name: str = "label"
+    train_split: str = "train"
+    validation_split: str = "validation"
+    test_split: str = "test"
+    validation_fraction: float = 0.1
+    streaming: bool = False
+    shuffle_buffer_size: int = 1000
+    max_train_samples: int | None = None
+
+
+def load_datasets(source: DataSource, seed: int):
+    """The raw splits `source` names (columns `image` and `label`)."""
     ds = load_image_dataset(
-        data_args.dataset_name,
-        image_column=data_args.image_column_name,
-        label_column=data_args.label_column_name,
-        streaming=data_args.streaming,
-        train_split=data_args.train_split,
-        validation_split=data_args.validation_split,
-        test_split=data_args.test_split,
-        validation_fraction=data_args.validation_fraction,
+        source.dataset_name,
+        image_column=source.image_column_name,
+        label_column=source.label_column_name,
+        streaming=source.streaming,
+        train_split=source.train_split,
+        validation_split=source.validation_split,
+        test_split=source.test_split,
+        validation_fraction=source.validation_fraction,
         seed=seed,
-        shuffle_buffer_size=data_args.shuffle_buffer_size,
+        shuffle_buffer_size=source.shuffle_buffer_size,
     )
-    if data_args.max_train_samples is not None and not data_args.streaming:
-        ds["train"] = ds["train"].select(range(min(data_args.max_train_samples, len(ds["train"]))))
+    if source.max_train_samples is not None and not source.streaming:
+        ds["train"] = ds["train"].select(range(min(source.max_train_samples, len(ds["train"]))))
     return ds
 
 

@@ -18,19 +18,18 @@ with decoding left on (plain `set_transform`), datasets raises PIL's error befor
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import io
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
 import numpy as np
 import PIL.Image
 import torch
-from datasets import DatasetDict, IterableDataset, IterableDatasetDict
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from torch.nn import functional as F
 
 from ..model.image_geometry import output_size as fixed_output_size
@@ -56,6 +55,33 @@ DRAFT_SCALES = (8, 4, 2)
 """The JPEG reductions the training transform decodes at (libjpeg's scaled IDCT), largest first."""
 
 Transform = Callable[[Mapping[str, Sequence[Any]]], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Augmentation:
+    """How a run augments its training images: the values of the augmentation flags (`--random_resized_crop`,
+    `--crop_scale_min`, `--hflip` resolved to on or off, `--rand_augment`, `--reprob`, `--remode`, `--recount`)."""
+
+    random_resized_crop: bool = True
+    crop_scale_min: float = 0.08
+    hflip: bool = True
+    rand_augment: str | None = None
+    reprob: float = 0.0
+    remode: str = "pixel"
+    recount: int = 1
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """The sizes of a run's training batches, as their flags give them: `--max_num_patches` (native aspect ratio),
+    `--seq_lens` with `--max_tokens_per_batch` (a sequence length drawn per step), `--patch_sizes` with
+    `--patch_size_probs` (a patch size drawn per step)."""
+
+    max_num_patches: int | None = None
+    seq_lens: str | None = None
+    max_tokens_per_batch: int | None = None
+    patch_sizes: str | None = None
+    patch_size_probs: str | None = None
 
 
 class CorruptImageError(ValueError):
@@ -107,22 +133,6 @@ def decode_rgb(image: Any, index: int | None = None) -> PIL.Image.Image:
 def _load_batch(batch: Mapping[str, Sequence[Any]], do_convert_rgb: bool) -> list[torch.Tensor]:
     """The batch's images as `[C, H, W]` tensors (uint8 unless given as floats) through the processor's path."""
     return load_images([decode_image(image, i) for i, image in enumerate(batch["image"])], do_convert_rgb)
-
-
-# The patches per image of the batch being built, when the batch drew its own (`--seq_lens`): the training transform
-# reads it instead of the processor's `max_num_patches`.
-_BATCH_MAX_NUM_PATCHES: contextvars.ContextVar[int | None] = contextvars.ContextVar("max_num_patches", default=None)
-
-
-@contextlib.contextmanager
-def batch_max_num_patches(max_num_patches: int | None) -> Iterator[None]:
-    """Inside the block, the training transform of a native-aspect run resizes each image to at most
-    `max_num_patches` patches (None: the processor's `max_num_patches`)."""
-    token = _BATCH_MAX_NUM_PATCHES.set(max_num_patches)
-    try:
-        yield
-    finally:
-        _BATCH_MAX_NUM_PATCHES.reset(token)
 
 
 def make_eval_transform(processor: VisionTransformerImageProcessor) -> Transform:
@@ -183,7 +193,7 @@ def make_train_transform(
         )
     crop_size = (int(processor.crop_size["height"]), int(processor.crop_size["width"]))
     output_size = fixed_output_size(processor.size, processor.crop_size, processor.do_center_crop)
-    native, patch = getattr(processor, "max_num_patches", None), getattr(processor, "patch_size", None)
+    native, patch = processor.max_num_patches, processor.patch_size
     if output_size is None and native is None:
         raise ValueError(
             f"The processor's size={processor.size} without do_center_crop keeps each image's aspect ratio, so "
@@ -202,12 +212,12 @@ def make_train_transform(
             "processor does not normalise (do_normalize=False): normalise, or drop --reprob."
         )
 
-    def size_for(height: int, width: int) -> tuple[int, int]:
+    def size_for(height: int, width: int, budget: int) -> tuple[int, int]:
         """The size a crop (or image) of `height` x `width` is resized to: the processor's, or with `max_num_patches`
-        the largest grid of at most that many patches at the crop's own aspect ratio."""
+        the largest grid of at most `budget` patches at the crop's own aspect ratio."""
         if native is None:
             return output_size
-        rows, cols = grid_for_max_patches(height, width, patch, _BATCH_MAX_NUM_PATCHES.get() or native)
+        rows, cols = grid_for_max_patches(height, width, patch, budget)
         return rows * patch, cols * patch
 
     own_generator = None if seed is None else torch.Generator().manual_seed(seed)
@@ -217,30 +227,33 @@ def make_train_transform(
     def draw_box(height: int, width: int, generator: torch.Generator | None) -> tuple[int, int, int, int]:
         return random_resized_crop_box(height, width, scale, ratio, generator)
 
-    def crop_and_resize(pixels: torch.Tensor, box: tuple[int, int, int, int] | None, generator) -> torch.Tensor:
+    def crop_and_resize(
+        pixels: torch.Tensor, box: tuple[int, int, int, int] | None, generator, budget: int
+    ) -> torch.Tensor:
         if random_resized_crop:
             # Cropping the uint8 image first means only the crop is resized.
             top, left, height, width = box or draw_box(*pixels.shape[1:], generator)
-            return resize_images(
-                pixels[None, :, top : top + height, left : left + width], size_for(height, width), processor.resample
-            )[0]
+            size = size_for(height, width, budget)
+            return resize_images(pixels[None, :, top : top + height, left : left + width], size, processor.resample)[0]
         if processor.do_resize:
             height, width = pixels.shape[1:]
-            target = resize_target(height, width, processor.size) if native is None else size_for(height, width)
+            target = (
+                resize_target(height, width, processor.size) if native is None else size_for(height, width, budget)
+            )
             pixels = resize_images(pixels[None], target, processor.resample)[0]
         if processor.do_center_crop:
             pixels = center_crop_images(pixels, crop_size)
         return pixels
 
-    def augment(image: Any, index: int, generator: torch.Generator | None) -> torch.Tensor:
+    def augment(image: Any, index: int, generator: torch.Generator | None, budget: int) -> torch.Tensor:
         box, pixels = None, None
         jpeg = _open_jpeg(image) if fast_jpegs else None
         if jpeg is not None:
             box = draw_box(*_upright_size(jpeg), generator)
-            pixels = decode_jpeg_crop(jpeg, box, size_for(box[2], box[3]), processor.resample)
+            pixels = decode_jpeg_crop(jpeg, box, size_for(box[2], box[3], budget), processor.resample)
         if pixels is None:  # not a JPEG, or one the fast road cannot decode: the processor's own path reports it
             (pixels,) = load_images(decode_image(image, index), processor.do_convert_rgb)
-            pixels = crop_and_resize(pixels, box, generator)
+            pixels = crop_and_resize(pixels, box, generator, budget)
         if hflip and torch.rand((), generator=generator) < 0.5:
             # Flipped as [H, W, C], so that the copy stays channels-last like the resized image.
             pixels = pixels.permute(1, 2, 0).flip(1).permute(2, 0, 1)
@@ -248,16 +261,19 @@ def make_train_transform(
             pixels = augment_more(pixels, generator)
         return pixels.expand(3, -1, -1) if processor.do_convert_rgb and pixels.shape[0] == 1 else pixels
 
-    def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
+    def transform(batch: Mapping[str, Sequence[Any]], max_num_patches: int | None = None) -> dict[str, torch.Tensor]:
+        # `max_num_patches`: this batch's own number of patches per image (drawn per step with --seq_lens), in place
+        # of the processor's.
+        budget = max_num_patches or native
         generator = own_generator if torch.utils.data.get_worker_info() is None else None
-        images = [augment(image, i, generator) for i, image in enumerate(batch["image"])]
+        images = [augment(image, i, generator, budget) for i, image in enumerate(batch["image"])]
         if len({image.dtype for image in images}) > 1:  # float images among uint8 ones: stack them all as floats
             images = [image.float() for image in images]
         if native is not None:  # images of their own sizes: normalised one by one, as the processor's patches
             normalised = [processor.normalize_batch(image[None])[0] for image in images]
             if erasing is not None:
                 normalised = [erasing(image, generator) for image in normalised]
-            patches = native_patch_batch(normalised, patch, _BATCH_MAX_NUM_PATCHES.get() or native)
+            patches = native_patch_batch(normalised, patch, budget)
             return {**patches, **_with_labels(patches["pixel_values"], batch)}
         # Stacked channels-last (the layout PIL and the uint8 resize give), so that normalising converts to float and
         # to channels-first in one pass over the batch.
@@ -430,6 +446,12 @@ def apply_transforms(
             data = data.cast_column("image", datasets.Image(decode=False)).with_transform(transform)
         transformed[split] = data
     return type(ds)(transformed)
+
+
+def rows_and_transform(data: Dataset) -> tuple[Dataset, Transform]:
+    """An in-memory split of `apply_transforms` as its raw rows (images undecoded) and its transform, for a caller
+    that applies the transform itself (to give it arguments of its own, e.g. a batch's number of patches)."""
+    return data.with_format(None), data.format["format_kwargs"]["transform"]
 
 
 def collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:

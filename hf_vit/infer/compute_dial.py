@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..data.transforms import decode_rgb
-from ..train.flexible import parse_sizes
+from ..data.datasets import DataSource
+from ..data.transforms import BatchSizes, decode_rgb
+from ..flags import parse_sizes
 from .inference import (
     EvaluationSplit,
     check_native_model,
@@ -131,14 +132,14 @@ def write_compute_dial(
 
 def evaluate_dial(
     model: str | os.PathLike,
-    data_args: Any,
+    source: DataSource,
     split: str | None = None,
     output_dir: str | os.PathLike | None = None,
     token_counts: Sequence[int] = (),
     patch_sizes: Sequence[int] = (),
     batch_size: int = 64,
 ) -> list[dict[str, Any]]:
-    """The dial of the checkpoint at `model` (as `load_model` loads it) on `split` of `data_args`' data set (default:
+    """The dial of the checkpoint at `model` (as `load_model` loads it) on `split` of `source`'s data set (default:
     test, or validation without one), written to `output_dir` when given. A list of several `token_counts` is the
     tokens series (at the one patch size of `patch_sizes` when it names one, else at the model's); several
     `patch_sizes`, the patch size series (at the one number of patches of `token_counts` when it names one, else on
@@ -152,7 +153,7 @@ def evaluate_dial(
     at_patch = sizes[0] if len(sizes) == 1 else None
     at_count = counts[0] if len(counts) == 1 else None
     classifier, processor = load_model(model, at_patch)
-    prepared = evaluation_split(classifier.config, data_args, split)
+    prepared = evaluation_split(classifier.config, source, split)
     rows = measure_dial(
         classifier, processor, prepared, counts if at_count is None else [], sizes if at_patch is None else [],
         at_count, batch_size,
@@ -162,28 +163,35 @@ def evaluate_dial(
     return rows
 
 
-def compute_dial_after_training(model, processor, data_args: Any, training_args: Any) -> Path | None:
+def compute_dial_after_training(
+    model,
+    processor,
+    source: DataSource,
+    sizes: BatchSizes,
+    output_dir: str | os.PathLike,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> Path | None:
     """A run's dial, when it trained with native-aspect batches (`--max_num_patches`, `--seq_lens`: the tokens series
     at `token_counts_for`) or with patch sizes drawn per batch (`--patch_sizes`: the patch size series, whole images):
-    measured on the run's final split and written to `--output_dir`; the PNG's path (None when the run trained
-    neither way, or the plot could not be drawn)."""
-    seq_lens = parse_sizes(getattr(data_args, "seq_lens", None), "--seq_lens") or []
-    patch_sizes = parse_sizes(getattr(data_args, "patch_sizes", None), "--patch_sizes") or []
-    native = [count for count in [getattr(data_args, "max_num_patches", None), *seq_lens] if count is not None]
+    measured on the run's final split of `source` and written to `output_dir`; the PNG's path (None when the run
+    trained neither way, or the plot could not be drawn)."""
+    seq_lens = parse_sizes(sizes.seq_lens, "--seq_lens") or []
+    patch_sizes = parse_sizes(sizes.patch_sizes, "--patch_sizes") or []
+    native = [count for count in [sizes.max_num_patches, *seq_lens] if count is not None]
     if not native and not patch_sizes:
         return None
-    if getattr(data_args, "streaming", False):
+    if source.streaming:
         logger.warning("No compute dial: it measures an in-memory split, and this run streamed its data.")
         return None
     if hasattr(model, "merge_and_unload"):  # a LoRA model: the dial of the merged weights, on a copy
         model = copy.deepcopy(model).merge_and_unload()
     model.eval()
-    prepared = evaluation_split(model.config, data_args, None, training_args.seed)
+    prepared = evaluation_split(model.config, source, None, seed)
     patch = model.config.patch_size
     counts = token_counts_for(prepared, patch, native) if native else []
-    batch_size = training_args.per_device_eval_batch_size
     rows = measure_dial(model, processor, prepared, counts, sorted(set(patch_sizes)), batch_size=batch_size)
-    written = write_compute_dial(rows, training_args.output_dir, "Compute dial", overwrite=True)
+    written = write_compute_dial(rows, output_dir, "Compute dial", overwrite=True)
     for row in rows:
         logger.info(
             "Compute dial: patch %d, %s tokens per image (%.1f on average): %s %.4f", row["patch_size"],

@@ -2,7 +2,7 @@
 confusion matrix and a results file) and its top classes for image files (`predict_files`).
 
 Both take what a run or a user has: an hf-vit folder, a foreign checkpoint by Hub id or folder (converted on load),
-or a LoRA run's folder (merged on load, see `hf_vit.train.lora`). The evaluation is the run's: the objective's
+or a LoRA run's folder (merged on load, see `hf_vit.lora`). The evaluation is the run's: the objective's
 transforms, collator, metrics and loss (`hf_vit.tasks.objectives`), on the splits the run would see
 (`hf_vit.data.datasets`); the checkpoint's head is used as it is, so its classes must be the data set's.
 """
@@ -18,21 +18,20 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..data.datasets import load_datasets
-from ..data.transforms import decode_image
+from ..data.datasets import DataSource, label_names, load_datasets
+from ..data.transforms import Augmentation, apply_transforms, decode_image, make_eval_transform
+from ..flags import positive_int
+from ..lora import is_lora_folder, load_lora_model
+from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..model.modeling_vit import VisionTransformerForImageClassification
 from ..model.resolution import MAX_PATCH_POSITIONS
 from ..tasks.objectives import select_objective
-from ..train.arguments import DataArguments
-from ..train.evaluation import final_split
-from ..train.lora import is_lora_folder, load_lora_model
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +67,8 @@ def load_model(
 def check_serving_sizes(patch_size: int | None = None, max_num_patches: int | None = None) -> None:
     """Refuse, by flag, a patch size or a number of patches that is not a positive int."""
     for flag, value in (("--patch_size", patch_size), ("--max_num_patches", max_num_patches)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{flag} must be a positive int, got {value!r}.")
+        if value is not None:
+            positive_int(value, flag)
     if max_num_patches is not None and max_num_patches > MAX_PATCH_POSITIONS:
         raise ValueError(
             f"--max_num_patches {max_num_patches} is over the {MAX_PATCH_POSITIONS} patch positions hf-vit takes."
@@ -206,28 +205,34 @@ def write_predictions(rows: list[dict[str, Any]], output: str | os.PathLike | No
     return text
 
 
+def final_split(ds) -> str:
+    """The split a run's final metrics are measured on: test when the data set has one, else validation."""
+    return "test" if "test" in ds else "validation"
+
+
 @dataclass
 class EvaluationSplit:
-    """A data set's split ready to be measured with any processor: its name, raw examples and objective."""
+    """A data set's split ready to be measured with any processor: its name, raw examples and objective, and the
+    augmentation its transforms give a training split (measured as a run would see it)."""
 
     name: str
     raw: Any
     objective: Any
-    data_args: Any
+    augmentation: Augmentation
 
 
-def evaluation_split(config: Any, data_args: Any, split: str | None = None, seed: int = 0) -> EvaluationSplit:
-    """`split` (default: the run's final split, test or else validation) of `data_args`' data set, labelled as the
+def evaluation_split(config: Any, source: DataSource, split: str | None = None, seed: int = 0) -> EvaluationSplit:
+    """`split` (default: the run's final split, test or else validation) of `source`'s data set, labelled as the
     classification objective labels it; its classes checked against `config`'s."""
-    raw = load_datasets(data_args, seed)
+    raw = load_datasets(source, seed)
     split = split or final_split(raw)
     if split not in raw:
-        raise ValueError(f"--split {split}: the data set {data_args.dataset_name!r} has {', '.join(raw)}.")
-    wanted = SimpleNamespace(objective="classification", problem_type=None)
-    objective = select_objective("finetune", wanted, data_args, raw)
-    raw, labels = objective.labels(raw, data_args)
-    check_classes(config, labels.id2label, data_args.dataset_name)
-    return EvaluationSplit(split, raw, objective, data_args)
+        raise ValueError(f"--split {split}: the data set {source.dataset_name!r} has {', '.join(raw)}.")
+    objective = select_objective("finetune", raw, source.dataset_name, streaming=source.streaming)
+    raw, labels = objective.labels(raw)
+    check_classes(config, labels.id2label, source.dataset_name)
+    # The augmentation flags' defaults (flips off for digits), as a run without augmentation flags has them.
+    return EvaluationSplit(split, raw, objective, Augmentation(hflip=source.dataset_name != "digits"))
 
 
 @torch.no_grad()
@@ -239,7 +244,7 @@ def measure_split(
     `<split>_tokens_per_image` (the mean number of patches an image was seen as) and the confusion matrix (rows: true
     class, columns: predicted; None for multi-label data)."""
     split, objective = prepared.name, prepared.objective
-    data = objective.transforms(prepared.raw, prepared.data_args, processor, classifier.config)[split]
+    data = objective.transforms(prepared.raw, prepared.augmentation, processor, classifier.config)[split]
     device = next(classifier.parameters()).device
     logits, targets, tokens = [], [], []
     for start in range(0, len(data), batch_size):
@@ -263,12 +268,12 @@ def measure_split(
 
 
 def evaluate_loaded(
-    classifier, processor, data_args: Any, split: str | None = None, batch_size: int = 64, seed: int = 0
+    classifier, processor, source: DataSource, split: str | None = None, batch_size: int = 64, seed: int = 0
 ) -> tuple[dict[str, Any], np.ndarray | None]:
     """The metrics of the objective of `classifier` (single- or multi-label classification) on `split` (default: the
-    run's final split, test or else validation) of `data_args`' data set, and the confusion matrix: see
+    run's final split, test or else validation) of `source`'s data set, and the confusion matrix: see
     `measure_split`."""
-    prepared = evaluation_split(classifier.config, data_args, split, seed)
+    prepared = evaluation_split(classifier.config, source, split, seed)
     return measure_split(classifier, processor, prepared, batch_size)
 
 
@@ -288,17 +293,18 @@ def evaluate_saved_model(
     dataset_name: str,
     split: str | None = None,
     output_dir: str | os.PathLike | None = None,
-    data_args: Any = None,
+    source: DataSource | None = None,
     max_num_patches: int | None = None,
     patch_size: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate the model at `model` on `split` of `dataset_name` (see `evaluate_loaded`; `max_num_patches` and
     `patch_size` as for `load_model`); with `output_dir`, write `<split>_results.json` and, for single-label data,
     `<split>_confusion_matrix.png` there (matplotlib needed: without it the plot is skipped and said so). Existing
-    files of those names are refused, never overwritten."""
-    data_args = data_args or DataArguments(dataset_name=dataset_name)
+    files of those names are refused, never overwritten. `source`: the data set's columns and splits, when not the
+    defaults."""
+    source = source or DataSource(dataset_name=dataset_name)
     classifier, processor = load_model(model, patch_size, max_num_patches)
-    metrics, confusion = evaluate_loaded(classifier, processor, data_args, split)
+    metrics, confusion = evaluate_loaded(classifier, processor, source, split)
     split = next(key for key in metrics if key.endswith("_samples")).removesuffix("_samples")
     served = {"patch_size": classifier.config.patch_size, "max_num_patches": processor.max_num_patches}
     metrics = {"model": os.fspath(model), "dataset_name": dataset_name, "split": split, **served, **metrics}
@@ -344,33 +350,86 @@ def plot_confusion_matrix(confusion: np.ndarray, names: list[str], path: Path) -
     return save_figure(fig, path, title=f"Confusion matrix ({int(confusion.sum())} images)")
 
 
-def evaluate_checkpoint(task: str, model_args: Any, data_args: Any, training_args: Any) -> dict[str, Any]:
-    """`--do_train False`: the checkpoint `--model_name_or_path`, head and all, measured on the validation split
-    (`--do_eval`) and the test split (`--do_predict`); `<split>_results.json` (and the confusion matrix) go to
-    `--output_dir`. No model is written."""
-    if not model_args.model_name_or_path:
+def evaluate_checkpoint(
+    task: str,
+    model_name_or_path: str | None,
+    source: DataSource,
+    output_dir: str | os.PathLike,
+    do_eval: bool,
+    do_predict: bool,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """`--do_train False`: the checkpoint `model_name_or_path`, head and all, measured on the validation split
+    (`do_eval`) and the test split (`do_predict`); `<split>_results.json` (and the confusion matrix) go to
+    `output_dir`. No model is written."""
+    if not model_name_or_path:
         raise ValueError(
             f"--do_train False evaluates a saved model: pass --model_name_or_path (hf-vit-{task} trains nothing "
             "without --do_train)."
         )
-    splits = [split for split, wanted in (("validation", training_args.do_eval), ("test", training_args.do_predict))
-              if wanted]  # fmt: skip
+    splits = [split for split, wanted in (("validation", do_eval), ("test", do_predict)) if wanted]
     if not splits:
         raise ValueError("--do_train False with neither --do_eval nor --do_predict: there is nothing to do.")
-    classifier, processor = load_model(model_args.model_name_or_path)
-    results: dict[str, Any] = {"model": model_args.model_name_or_path, "dataset_name": data_args.dataset_name}
+    classifier, processor = load_model(model_name_or_path)
+    results: dict[str, Any] = {"model": model_name_or_path, "dataset_name": source.dataset_name}
     for split in splits:
-        metrics, confusion = evaluate_loaded(
-            classifier, processor, data_args, split, training_args.per_device_eval_batch_size, training_args.seed
-        )
-        write_evaluation(Path(training_args.output_dir), split, {**results, "split": split, **metrics}, confusion,
+        metrics, confusion = evaluate_loaded(classifier, processor, source, split, batch_size, seed)
+        write_evaluation(Path(output_dir), split, {**results, "split": split, **metrics}, confusion,
                          classifier.config.id2label)  # fmt: skip
         results.update(metrics)
     shown = ", ".join(f"{key} {value:.4f}" for key, value in results.items() if isinstance(value, float))
     message = (
-        f"Evaluated {model_args.model_name_or_path} as it is (no training, no model written) on "
-        f"{data_args.dataset_name}: {shown}. Results in {os.path.abspath(training_args.output_dir)}."
+        f"Evaluated {model_name_or_path} as it is (no training, no model written) on "
+        f"{source.dataset_name}: {shown}. Results in {os.path.abspath(output_dir)}."
     )
     logger.info("%s", message)
     print(message, flush=True)
     return results
+
+
+def evaluate_model(
+    model: Any,
+    processor: VisionTransformerImageProcessor,
+    source: DataSource | None = None,
+    split: str | None = "test",
+    batch_size: int = 256,
+) -> dict[str, float]:
+    """Top-1/top-5 accuracy of `model` on a split of `source`'s data set (digits by default), no training; `split`
+    None: the split a run's final metrics are measured on (`final_split`)."""
+    return measure_model(model, processor, source, split, batch_size)[1]
+
+
+@torch.no_grad()
+def measure_model(
+    model: Any,
+    processor: VisionTransformerImageProcessor,
+    source: DataSource | None = None,
+    split: str | None = None,
+    batch_size: int = 256,
+) -> tuple[str, dict[str, float]]:
+    """`(split, metrics)`: `evaluate_model`'s metrics on `split`, by default the one a run would report: test when
+    the data set has one, else validation (the source's, or the part of train a run holds out)."""
+    source = source or DataSource()
+    raw = load_datasets(source, seed=0)
+    split = split or final_split(raw)
+    if split not in raw:
+        raise ValueError(f"The data set {source.dataset_name!r} has no {split} split (it has {', '.join(raw)}).")
+    classes = label_names(raw)
+    if len(classes) > model.config.num_labels:
+        raise ValueError(
+            f"The data set {source.dataset_name!r} has {len(classes)} classes but the model predicts "
+            f"{model.config.num_labels}: evaluate it on the data set it was trained for, or fine-tune it first."
+        )
+    evaluation = make_eval_transform(processor)  # the processor alone, on train too: no augmentation is measured
+    ds = apply_transforms(raw, evaluation, evaluation)[split]
+    model.eval()
+    logits, labels = [], []
+    for start in range(0, len(ds), batch_size):
+        batch = ds[start : start + batch_size]
+        inputs = {
+            key: batch[key] for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes") if key in batch
+        }
+        logits.append(model(**inputs).logits.float())
+        labels.append(batch["labels"])
+    return split, compute_metrics((torch.cat(logits).numpy(), torch.cat(labels).numpy()))

@@ -137,7 +137,7 @@ def render_model_card(
     mpp = isinstance(model, VisionTransformerForMaskedPatchPrediction)
     config = model.config
     height, width = config.image_hw
-    output_dir = getattr(training_args, "output_dir", None)
+    output_dir = training_args.output_dir if training_args is not None else None
     repo_id = repo_id or (card_reference(Path(output_dir)).text if output_dir else "model")
     base = card_reference(base_model) if base_model else None
     data = card_reference(dataset_name) if dataset_name else None

@@ -13,7 +13,6 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from huggingface_hub import ModelCard
 
@@ -306,80 +305,3 @@ def push_folder_to_hub(
     if full_id != repo_id:  # the card must name the full id
         repo_id, plan = full_id, plan_upload(folder, full_id, extra_files)
     return commit_plan(repo_id, plan, token=token, commit_message=commit_message, revision=revision)
-
-
-class PlannedHubPushes:
-    """A `Trainer` mix-in whose every push (`--push_to_hub` with any `--hub_strategy`, checkpoint pushes,
-    `trainer.push_to_hub()`) sends exactly what `plan_upload` / `plan_checkpoint_upload` list, in one commit each,
-    instead of Trainer's `upload_folder` of the whole output folder.
-
-    The token is taken out of the arguments when the trainer is built, so `training_args.bin` (a pickle of them,
-    written into every checkpoint) never holds it. Checkpoint pushes are synchronous: the bytes sent are the
-    checkpoint's own, not copies Trainer would write into the output folder. A failed checkpoint push is logged and
-    training goes on; a failed final push is an error.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        self.hub_token = getattr(training_args, "hub_token", None)
-        if training_args is not None:
-            training_args.hub_token = None
-        super().__init__(*args, **kwargs)
-
-    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
-        if not self.is_world_process_zero():
-            return
-        name = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
-        private = self.args.hub_private_repo if private is None else private
-        self.hub_model_id = create_repo(name, token=token or self.hub_token, private=private)
-        self.push_in_progress = None
-
-    def push_to_hub(
-        self,
-        commit_message: str | None = "End of training",
-        blocking: bool = True,
-        token: str | None = None,
-        revision: str | None = None,
-        private: bool | None = None,
-        **kwargs: Any,
-    ) -> str | None:
-        if self.hub_model_id is None:
-            self.init_hf_repo(token=token, private=private)
-        self.save_model(_internal_call=True)
-        if not self.is_world_process_zero():
-            return None
-        return self.push_output_dir(commit_message or "End of training", token=token, revision=revision)
-
-    def push_output_dir(self, commit_message: str, token: str | None = None, revision: str | None = None) -> str:
-        """Push the output folder as `plan_upload` lists it (the saved model, its card and results)."""
-        if self.hub_model_id is None:
-            self.init_hf_repo(token=token)
-        return commit_plan(
-            self.hub_model_id,
-            plan_upload(self.args.output_dir, self.hub_model_id),
-            token=token or self.hub_token,
-            commit_message=commit_message,
-            revision=revision or self.args.hub_revision,
-        )
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        from transformers.trainer_utils import HubStrategy
-
-        strategy = self.args.hub_strategy
-        if not self.is_world_process_zero() or strategy == HubStrategy.END:
-            return
-        step = self.state.global_step
-        try:
-            plan = plan_upload(checkpoint_folder, card=False)
-            if strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
-                where = "last-checkpoint" if strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
-                plan += plan_checkpoint_upload(checkpoint_folder, where)
-            commit_plan(
-                self.hub_model_id,
-                plan,
-                token=self.hub_token,
-                commit_message=f"Training in progress, step {step}",
-                revision=self.args.hub_revision,
-            )
-        except HubPushError as error:
-            logger.warning("The push of step %d failed; training goes on. %s", step, error)

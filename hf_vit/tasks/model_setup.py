@@ -1,17 +1,16 @@
-"""The model a run trains, from its arguments: a config from a preset and flags, or a checkpoint with the flags that
-can change it applied (and the others refused in one line that names them).
-
-`model_args` is `hf_vit.train.arguments.ModelArguments` (or anything with its fields). Nothing here imports the modules
-that build the run, so the objectives' model builders (`objectives`, `mpp`) can use it.
-"""
+"""The model a run trains, from its settings (`ModelSettings`, the model flags' values): a config from a preset and
+flags, or a checkpoint with the flags that can change it applied (and the others refused in one line that names them).
+The objectives' model builders (`objectives`, `mpp`) use it."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
+from ..flags import positive_int
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.image_geometry import scaled_geometry
 from ..model.image_processing_vit import VisionTransformerImageProcessor
@@ -29,6 +28,25 @@ TRAINING_FIELDS = (
     "mpp_mask_ratio",
     "mpp_random_ratio",
 )
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Which model a run trains and how it is built or loaded: the values of the model flags, under their names
+    (`--model_name_or_path`, `--preset`, `--image_size`, ...; see `hf_vit.train.arguments.ModelArguments`)."""
+
+    model_name_or_path: str | None = None
+    preset: str = "vit-tiny-patch16-224"
+    image_size: list[int] | int | None = None
+    patch_size: int | None = None
+    num_channels: int | None = None
+    config_overrides: str | None = None
+    representation_size: int | None = None
+    drop_path_rate: float | None = None
+    hidden_dropout_prob: float | None = None
+    interpolation: str = "bicubic"
+    keep_head: bool = False
+    attn_implementation: str = "sdpa"
 
 
 def parse_image_size(value: list[int] | int | None) -> int | list[int] | None:
@@ -90,31 +108,35 @@ def _split_top_level(text: str) -> list[str]:
     return [item.strip() for item in items if item.strip()]
 
 
-def requested_fields(model_args: Any) -> dict[str, Any]:
+def requested_fields(model: ModelSettings) -> dict[str, Any]:
     """The config fields the flags ask for: `--config_overrides`, then `--patch_size`, `--num_channels`, the dropout
     rates and `--image_size` (given flags win over the same field in the overrides)."""
-    fields = parse_config_overrides(getattr(model_args, "config_overrides", None))
-    for name in ("patch_size", "num_channels", "drop_path_rate", "hidden_dropout_prob"):
-        if getattr(model_args, name, None) is not None:
-            fields[name] = getattr(model_args, name)
-    if (size := parse_image_size(getattr(model_args, "image_size", None))) is not None:
+    fields = parse_config_overrides(model.config_overrides)
+    given = {
+        "patch_size": model.patch_size,
+        "num_channels": model.num_channels,
+        "drop_path_rate": model.drop_path_rate,
+        "hidden_dropout_prob": model.hidden_dropout_prob,
+    }
+    fields.update({name: value for name, value in given.items() if value is not None})
+    if (size := parse_image_size(model.image_size)) is not None:
         fields["image_size"] = size
     return fields
 
 
-def config_from_preset(model_args: Any, **fields: Any) -> VisionTransformerConfig:
+def config_from_preset(model: ModelSettings, **fields: Any) -> VisionTransformerConfig:
     """`--preset` with the flags' fields (and `fields`, e.g. the classes) for a model trained from scratch, with
     `--attn_implementation`."""
-    fields = {**requested_fields(model_args), **fields}
-    attention = getattr(model_args, "attn_implementation", None) or "sdpa"
-    config = VisionTransformerConfig.from_preset(model_args.preset, attn_implementation=attention, **fields)
+    fields = {**requested_fields(model), **fields}
+    attention = model.attn_implementation or "sdpa"
+    config = VisionTransformerConfig.from_preset(model.preset, attn_implementation=attention, **fields)
     config.validate_architecture()
     return config
 
 
-def split_requested(model_args: Any) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+def split_requested(model: ModelSettings) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """The flags' fields for a checkpoint: (those it takes as given, `--image_size`, those that shape its weights)."""
-    requested = requested_fields(model_args)
+    requested = requested_fields(model)
     settable = {name: requested.pop(name) for name in TRAINING_FIELDS if name in requested}
     return settable, requested.pop("image_size", None), requested
 
@@ -138,60 +160,62 @@ def _differs(current: Any, wanted: Any) -> bool:
     return current != wanted
 
 
-def build_classifier(task: str, model_args: Any, labels: Any) -> VisionTransformerForImageClassification:
+def build_classifier(task: str, settings: ModelSettings, labels: Any) -> VisionTransformerForImageClassification:
     """The classifier a run trains: fine-tuning loads `--model_name_or_path` with a new head for the data set's
     classes (`load_checkpoint`); pretraining builds `--preset` from scratch, or continues from a checkpoint. Its
     config says the problem type (`labels.problem_type`) before anything is saved."""
     if task == "finetune":
-        if not model_args.model_name_or_path:
+        if not settings.model_name_or_path:
             raise ValueError("Fine-tuning needs --model_name_or_path: the pretrained hf-vit folder to start from.")
-        settable, image_size, shapes = split_requested(model_args)
+        settable, image_size, shapes = split_requested(settings)
         model = load_checkpoint(
-            model_args.model_name_or_path,
+            settings.model_name_or_path,
             labels.id2label,
-            keep_head=model_args.keep_head,
+            keep_head=settings.keep_head,
             image_size=image_size,
-            representation_size=model_args.representation_size,
-            interpolation=model_args.interpolation,
-            attn_implementation=model_args.attn_implementation,
+            representation_size=settings.representation_size,
+            interpolation=settings.interpolation,
+            attn_implementation=settings.attn_implementation,
             refuse=shapes,
             **settable,
         )
     else:
-        model = build_pretraining_model(model_args, labels.id2label)
+        model = build_pretraining_model(settings, labels.id2label)
     model.config.problem_type = labels.problem_type
     return model
 
 
-def build_pretraining_model(model_args: Any, id2label: dict[int, str]) -> VisionTransformerForImageClassification:
+def build_pretraining_model(
+    settings: ModelSettings, id2label: dict[int, str]
+) -> VisionTransformerForImageClassification:
     """A model to pretrain: `preset` from scratch (the paper's initialisation) or `model_name_or_path` to continue
     (with the flags applied or refused, see `load_checkpoint`)."""
     names = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
-    if model_args.model_name_or_path:
-        settable, image_size, shapes = split_requested(model_args)
-        representation = model_args.representation_size or None
-        new_head = model_args.representation_size is not None  # a new head for a new pre-logits layer
-        checkpoint = VisionTransformerConfig.from_pretrained(model_args.model_name_or_path)
+    if settings.model_name_or_path:
+        settable, image_size, shapes = split_requested(settings)
+        representation = settings.representation_size or None
+        new_head = settings.representation_size is not None  # a new head for a new pre-logits layer
+        checkpoint = VisionTransformerConfig.from_pretrained(settings.model_name_or_path)
         if not new_head and checkpoint.num_labels != len(id2label):
             new_head, representation = True, checkpoint.representation_size  # a head of the same form, new
             logger.info(
                 "Continuing %s, whose head has %d classes, on a data set of %d: its head (pre-logits and classifier) "
                 "is replaced by a new one; the encoder is kept.",
-                model_args.model_name_or_path, checkpoint.num_labels, len(id2label),
+                settings.model_name_or_path, checkpoint.num_labels, len(id2label),
             )  # fmt: skip
         return load_checkpoint(
-            model_args.model_name_or_path,
+            settings.model_name_or_path,
             id2label if new_head else None,
             image_size=image_size,
             representation_size=representation,
-            interpolation=model_args.interpolation,
-            attn_implementation=model_args.attn_implementation,
+            interpolation=settings.interpolation,
+            attn_implementation=settings.attn_implementation,
             refuse=shapes,
             names=None if new_head else id2label,  # a kept head takes the data set's names; a new one has them
             **settable,
         )
-    config = config_from_preset(model_args, **names)
-    representation = model_args.representation_size
+    config = config_from_preset(settings, **names)
+    representation = settings.representation_size
     config.representation_size = config.hidden_size if representation is None else (representation or None)
     config.validate_architecture()
     return VisionTransformerForImageClassification(config)
@@ -271,7 +295,7 @@ def _foreign_layout(path: str | os.PathLike) -> str | None:
 
 
 def processor_for(
-    model_args: Any, config: VisionTransformerConfig, max_num_patches: int | None = None
+    model_name_or_path: str | None, config: VisionTransformerConfig, max_num_patches: int | None = None
 ) -> VisionTransformerImageProcessor:
     """The image processor of a run: the checkpoint's (its normalisation and geometry) or the default, making images
     of the model's image size, converting to RGB only for 3-channel models (1-channel and 4-channel models get their
@@ -284,14 +308,14 @@ def processor_for(
     resizes to the model's size (`image_geometry.scaled_geometry`). The evaluation transform is this processor; the
     training transform's random crops are resized to its output size."""
     processor = None
-    if getattr(model_args, "model_name_or_path", None):
+    if model_name_or_path:
         try:
-            processor = VisionTransformerImageProcessor.from_pretrained(model_args.model_name_or_path)
+            processor = VisionTransformerImageProcessor.from_pretrained(model_name_or_path)
         except OSError:
             processor = None
     processor = processor or VisionTransformerImageProcessor()
-    if max_num_patches is not None and (isinstance(max_num_patches, bool) or not 0 < max_num_patches):
-        raise ValueError(f"--max_num_patches must be a positive number of patches per image, got {max_num_patches}.")
+    if max_num_patches is not None:
+        positive_int(max_num_patches, "--max_num_patches", "number of patches per image")
     processor.max_num_patches, processor.patch_size = max_num_patches, config.patch_size
     if max_num_patches is not None:
         processor.do_center_crop = False  # a native-aspect image is kept whole
@@ -302,7 +326,7 @@ def processor_for(
                 processor.size, processor.crop_size, processor.do_center_crop, config.image_hw
             )
         except ValueError as error:
-            raise ValueError(f"The processor of {model_args.model_name_or_path}: {error}") from error
+            raise ValueError(f"The processor of {model_name_or_path}: {error}") from error
     channels = config.num_channels
     processor.do_convert_rgb = channels == 3
     for name in ("image_mean", "image_std"):

@@ -29,12 +29,11 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from ..data.transforms import Transform, apply_transforms, make_eval_transform, make_train_transform
+from ..data.transforms import Augmentation, Transform, apply_transforms, make_eval_transform, make_train_transform
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..model.modeling_mpp import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
-from ..train.arguments import default_hflip
-from .model_setup import config_from_preset, load_checkpoint, split_requested
+from .model_setup import ModelSettings, config_from_preset, load_checkpoint, split_requested
 
 __all__ = [
     "MaskedPatchPredictionTransform",
@@ -101,26 +100,32 @@ class MaskedPatchPredictionTransform:
         }
 
 
-def with_mpp_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config):
-    """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
-    (`data_args`' crop and flip settings), the other splits resized by the processor only."""
-    for flag in ("seq_lens", "patch_sizes"):
-        if getattr(data_args, flag, None) is not None:
+def refuse_drawn_sizes(max_num_patches: int | None, seq_lens: str | None, patch_sizes: str | None) -> None:
+    """Refuse, by flag, native-aspect batches and sizes drawn per step: masked patch prediction predicts the colour of
+    patches of one size on whole images."""
+    for flag, value in (("seq_lens", seq_lens), ("patch_sizes", patch_sizes)):
+        if value is not None:
             raise ValueError(
                 f"--{flag} trains the classification objectives; masked patch prediction predicts the colour of "
                 "patches of one size on whole images of --image_size: drop it, or use --objective classification."
             )
-    if getattr(data_args, "max_num_patches", None) is not None:
+    if max_num_patches is not None:
         raise ValueError(
             "--max_num_patches (native aspect ratio) trains the classification objectives; masked patch prediction "
             "pretrains on whole images of --image_size: drop --max_num_patches, or use --objective classification."
         )
+
+
+def with_mpp_transforms(raw, augmentation: Augmentation, processor: VisionTransformerImageProcessor, config):
+    """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
+    (`augmentation`'s crop and flip; the rest of it changes colours and is refused for this objective), the other
+    splits resized by the processor only."""
     pixels = unnormalized(processor)
     train = make_train_transform(
         pixels,
-        random_resized_crop=data_args.random_resized_crop,
-        scale=(data_args.crop_scale_min, 1.0),
-        hflip=default_hflip(data_args),
+        random_resized_crop=augmentation.random_resized_crop,
+        scale=(augmentation.crop_scale_min, 1.0),
+        hflip=augmentation.hflip,
     )
     return apply_transforms(
         raw,
@@ -137,24 +142,24 @@ def mpp_collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Ten
     }
 
 
-def build_mpp_model(model_args: Any) -> VisionTransformerForMaskedPatchPrediction:
-    """The model to pretrain by masked patch prediction, from the fields of `hf_vit.train.arguments.ModelArguments`:
-    `preset` with `patch_size`, `image_size`, `config_overrides`, `drop_path_rate` and `hidden_dropout_prob` from
-    scratch (the paper's initialisation), or `model_name_or_path` to continue from an hf-vit checkpoint (its head
-    and [mask] embedding are new if it has none) with the flags applied (`--image_size` resamples its position
-    embeddings) or, where they would change its weights' shapes, refused."""
-    if getattr(model_args, "model_name_or_path", None):
-        settable, image_size, shapes = split_requested(model_args)
+def build_mpp_model(settings: ModelSettings) -> VisionTransformerForMaskedPatchPrediction:
+    """The model to pretrain by masked patch prediction, from the model flags' values: `preset` with `patch_size`,
+    `image_size`, `config_overrides`, `drop_path_rate` and `hidden_dropout_prob` from scratch (the paper's
+    initialisation), or `model_name_or_path` to continue from an hf-vit checkpoint (its head and [mask] embedding are
+    new if it has none) with the flags applied (`--image_size` resamples its position embeddings) or, where they would
+    change its weights' shapes, refused."""
+    if settings.model_name_or_path:
+        settable, image_size, shapes = split_requested(settings)
         return load_checkpoint(
-            model_args.model_name_or_path,
+            settings.model_name_or_path,
             model_class=VisionTransformerForMaskedPatchPrediction,
             image_size=image_size,
-            interpolation=getattr(model_args, "interpolation", "bicubic"),
-            attn_implementation=model_args.attn_implementation,
+            interpolation=settings.interpolation,
+            attn_implementation=settings.attn_implementation,
             refuse=shapes,
             **settable,
         )
-    config = config_from_preset(model_args)
+    config = config_from_preset(settings)
     return VisionTransformerForMaskedPatchPrediction(config)
 
 

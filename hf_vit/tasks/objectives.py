@@ -23,16 +23,16 @@ import torch
 from torch.nn import functional as F
 
 from ..data.datasets import is_multi_label, label_names, to_multi_hot
-from ..data.transforms import apply_transforms, collate_fn, make_eval_transform, make_train_transform
+from ..data.transforms import Augmentation, apply_transforms, collate_fn, make_eval_transform, make_train_transform
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
-from ..train.arguments import default_hflip
-from .model_setup import build_classifier
+from .model_setup import ModelSettings, build_classifier
 from .mpp import (
     build_mpp_model,
     mpp_collate_fn,
     mpp_compute_metrics,
     mpp_preprocess_logits,
+    refuse_drawn_sizes,
     with_mpp_transforms,
 )
 
@@ -53,9 +53,10 @@ class Objective:
 
     name: str
     tasks: tuple[str, ...]  # the scripts that train it
-    labels: Callable[[Any, Any], tuple[Any, Labels]]  # (raw splits, data_args) -> (splits with targets, Labels)
-    build_model: Callable[[str, Any, Labels], Any]  # (task, model_args, labels) -> model
-    transforms: Callable[[Any, Any, VisionTransformerImageProcessor, Any], Any]  # (raw, data_args, processor, config)
+    labels: Callable[[Any], tuple[Any, Labels]]  # raw splits -> (splits with targets, Labels)
+    build_model: Callable[[str, ModelSettings, Labels], Any]  # (task, model settings, labels) -> model
+    # (raw, augmentation, processor, config) -> splits of model inputs
+    transforms: Callable[[Any, Augmentation, VisionTransformerImageProcessor, Any], Any]
     collator: Callable
     compute_metrics: Callable
     preprocess_logits: Callable | None = None
@@ -65,6 +66,8 @@ class Objective:
     # The loss of the gathered predictions and labels, for the final evaluation (None: Trainer's mean of the batches'
     # losses, which counts the padding of a streamed split's last batch when several processes evaluate it).
     loss: Callable[[Any, Any], float] | None = None
+    # Refuses, by flag, the native-aspect and drawn sizes it cannot train: (max_num_patches, seq_lens, patch_sizes).
+    check_sizes: Callable[[int | None, str | None, str | None], None] | None = None
 
 
 def cross_entropy(logits, labels) -> float:
@@ -77,41 +80,43 @@ def binary_cross_entropy(logits, labels) -> float:
     return float(F.binary_cross_entropy_with_logits(torch.as_tensor(logits).float(), torch.as_tensor(labels).float()))
 
 
-def classification_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config: Any = None):
+def classification_transforms(
+    raw, augmentation: Augmentation, processor: VisionTransformerImageProcessor, config: Any = None
+):
     """`raw` with on-the-fly augmentation (crop, flip, RandAugment, random erasing) on train, the processor alone on
     the other splits."""
     train_transform = make_train_transform(
         processor,
-        random_resized_crop=data_args.random_resized_crop,
-        scale=(data_args.crop_scale_min, 1.0),
-        hflip=default_hflip(data_args),
-        rand_augment=getattr(data_args, "rand_augment", None),
-        reprob=getattr(data_args, "reprob", 0.0),
-        remode=getattr(data_args, "remode", "pixel"),
-        recount=getattr(data_args, "recount", 1),
+        random_resized_crop=augmentation.random_resized_crop,
+        scale=(augmentation.crop_scale_min, 1.0),
+        hflip=augmentation.hflip,
+        rand_augment=augmentation.rand_augment,
+        reprob=augmentation.reprob,
+        remode=augmentation.remode,
+        recount=augmentation.recount,
     )
     return apply_transforms(raw, train_transform, make_eval_transform(processor))
 
 
-def _class_labels(raw, data_args: Any) -> tuple[Any, Labels]:
+def _class_labels(raw) -> tuple[Any, Labels]:
     labels = Labels(dict(enumerate(label_names(raw))), "single_label_classification")
     check_labels(raw, labels.id2label)
     return raw, labels
 
 
-def _multi_hot_labels(raw, data_args: Any) -> tuple[Any, Labels]:
+def _multi_hot_labels(raw) -> tuple[Any, Labels]:
     labels = Labels(dict(enumerate(label_names(raw))), "multi_label_classification")
     raw = to_multi_hot(raw, len(labels.id2label))
     check_labels(raw, labels.id2label)
     return raw, labels
 
 
-def _no_labels(raw, data_args: Any) -> tuple[Any, Labels]:
+def _no_labels(raw) -> tuple[Any, Labels]:
     return raw, Labels()
 
 
-def _mpp_model(task: str, model_args: Any, labels: Labels):
-    return build_mpp_model(model_args)
+def _mpp_model(task: str, settings: ModelSettings, labels: Labels):
+    return build_mpp_model(settings)
 
 
 OBJECTIVES: dict[str, Objective] = {
@@ -146,27 +151,36 @@ OBJECTIVES: dict[str, Objective] = {
         compute_metrics=mpp_compute_metrics,
         preprocess_logits=mpp_preprocess_logits,
         augmentable=False,
+        check_sizes=refuse_drawn_sizes,
     ),
 }
 
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
 
 
-def select_objective(task: str, model_args: Any, data_args: Any, raw) -> Objective:
-    """The objective of a run: `--objective` (classification or mpp), a classification being multi-label when the
-    label column holds lists of classes (checked against `--problem_type` when given)."""
-    if model_args.objective not in ("classification", "mpp"):
-        raise ValueError(f"--objective must be classification or mpp, got {model_args.objective!r}.")
-    name = model_args.objective
+def select_objective(
+    task: str,
+    raw,
+    dataset_name: str,
+    objective: str = "classification",
+    problem_type: str | None = None,
+    streaming: bool = False,
+) -> Objective:
+    """The objective of a run: `objective` (`--objective`: classification or mpp), a classification being multi-label
+    when the label column of `raw` (the data set `dataset_name`) holds lists of classes (checked against
+    `problem_type`, `--problem_type`, when given)."""
+    if objective not in ("classification", "mpp"):
+        raise ValueError(f"--objective must be classification or mpp, got {objective!r}.")
+    name = objective
     if name == "classification":
-        name = _problem_type(model_args.problem_type, is_multi_label(raw), data_args.dataset_name)
+        name = _problem_type(problem_type, is_multi_label(raw), dataset_name)
         name = "classification" if name == "single_label_classification" else name
-    objective = OBJECTIVES[name]
-    if task not in objective.tasks:
-        raise ValueError(f"--objective {model_args.objective} is a pretraining objective: use it with pretrain.py.")
-    if data_args.streaming and not objective.streaming:
+    chosen = OBJECTIVES[name]
+    if task not in chosen.tasks:
+        raise ValueError(f"--objective {objective} is a pretraining objective: use it with pretrain.py.")
+    if streaming and not chosen.streaming:
         raise ValueError("Multi-label data sets are supported without --streaming only.")
-    return objective
+    return chosen
 
 
 def _problem_type(requested: str | None, lists: bool, dataset_name: str) -> str:

@@ -1,7 +1,9 @@
-"""A run's arguments: the model, data and Trainer flags as `HfArgumentParser` dataclasses, and the paper's recipes as
-the Trainer flags' defaults for each task; `--recipe` puts a named recipe's values (`recipes.NAMED_RECIPES`) in their
-place, and the recipes' flags are checked here, by name. Imports only the recipes' parts of the run (which import no
-stage of it), so that every stage can read it."""
+"""A run's arguments, the edge of the run: the model, data and Trainer flags as `HfArgumentParser` dataclasses, with
+the paper's recipes (`recipes.TASK_RECIPES`) as the Trainer flags' defaults for each task; `--recipe` puts a named
+recipe's values in their place (both from the one table, `recipes.RECIPES`), and the recipes' flags are checked here,
+by name. Each dataclass unpacks itself into the settings the stages take (`ModelArguments.settings`, `.lora`;
+`DataArguments.source`, `.augmentation`, `.sizes`; `VisionTransformerTrainingArguments.recipe_settings`): no stage
+below reads the argument objects. Parsing imports no data set library: `--help` and bad flags answer at once."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import HfArgumentParser, TrainingArguments
@@ -17,36 +19,18 @@ from transformers import HfArgumentParser, TrainingArguments
 from ..data.augment.mixing import Mixing
 from ..data.augment.rand_augment import parse_rand_augment
 from ..data.augment.random_erasing import check_random_erasing
+from ..flags import exit_on_error, parse_sizes
+from ..tasks.model_setup import ModelSettings
 from .ema import check_ema_decay
-from .flexible import parse_sizes
-from .recipes import get_recipe, passed_flags, scaled_learning_rate
+from .lora import LoraSettings
+from .recipes import NAMED_RECIPES, TASK_RECIPES, RecipeSettings, get_recipe, given_flags, scaled_learning_rate
+
+if TYPE_CHECKING:  # the data settings' modules load the data set libraries: not before the flags are read
+    from ..data.datasets import DataSource
+    from ..data.transforms import Augmentation, BatchSizes
 
 TASKS = ("pretrain", "finetune")
 
-# Section 4.1 and appendix B.1 of the paper. Every value is only a default: any Trainer flag overrides it.
-RECIPES: dict[str, dict[str, Any]] = {
-    # Adam (beta1 0.9, beta2 0.999), weight decay 0.1, linear warmup then linear decay, clipping at global norm 1.
-    "pretrain": dict(
-        optim="adamw_torch",
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        weight_decay=0.1,
-        learning_rate=1e-3,
-        lr_scheduler_type="linear",
-        warmup_steps=0.1,
-        max_grad_norm=1.0,
-    ),
-    # SGD with momentum 0.9, no weight decay, cosine decay, clipping at global norm 1.
-    "finetune": dict(
-        optim="sgd",
-        optim_args="momentum=0.9",
-        weight_decay=0.0,
-        learning_rate=0.01,
-        lr_scheduler_type="cosine",
-        warmup_steps=0.05,
-        max_grad_norm=1.0,
-    ),
-}
 # Defaults the image pipeline needs, whatever the task.
 COMMON_DEFAULTS: dict[str, Any] = dict(
     remove_unused_columns=False,  # the transforms read the raw `image` and `label` columns
@@ -164,6 +148,34 @@ class ModelArguments:
         },
     )
 
+    def settings(self) -> ModelSettings:
+        """The model stage's settings: which model, and how it is built or loaded."""
+        return ModelSettings(
+            model_name_or_path=self.model_name_or_path,
+            preset=self.preset,
+            image_size=self.image_size,
+            patch_size=self.patch_size,
+            num_channels=self.num_channels,
+            config_overrides=self.config_overrides,
+            representation_size=self.representation_size,
+            drop_path_rate=self.drop_path_rate,
+            hidden_dropout_prob=self.hidden_dropout_prob,
+            interpolation=self.interpolation,
+            keep_head=self.keep_head,
+            attn_implementation=self.attn_implementation,
+        )
+
+    def lora(self) -> LoraSettings:
+        """The adapter stage's settings (`--lora_rank` 0: none)."""
+        return LoraSettings(
+            rank=self.lora_rank,
+            alpha=self.lora_alpha,
+            dropout=self.lora_dropout,
+            target_modules=self.lora_target_modules,
+            base=self.model_name_or_path,
+            interpolation=self.interpolation,
+        )
+
 
 @dataclass
 class DataArguments:
@@ -272,6 +284,49 @@ class DataArguments:
         },
     )
 
+    def source(self) -> DataSource:
+        """Where the images come from and how the splits are cut."""
+        from ..data.datasets import DataSource
+
+        return DataSource(
+            dataset_name=self.dataset_name,
+            image_column_name=self.image_column_name,
+            label_column_name=self.label_column_name,
+            train_split=self.train_split,
+            validation_split=self.validation_split,
+            test_split=self.test_split,
+            validation_fraction=self.validation_fraction,
+            streaming=self.streaming,
+            shuffle_buffer_size=self.shuffle_buffer_size,
+            max_train_samples=self.max_train_samples,
+        )
+
+    def augmentation(self) -> Augmentation:
+        """How the training images are augmented (`--hflip` resolved: on, except for digits)."""
+        from ..data.transforms import Augmentation
+
+        return Augmentation(
+            random_resized_crop=self.random_resized_crop,
+            crop_scale_min=self.crop_scale_min,
+            hflip=default_hflip(self),
+            rand_augment=self.rand_augment,
+            reprob=self.reprob,
+            remode=self.remode,
+            recount=self.recount,
+        )
+
+    def sizes(self) -> BatchSizes:
+        """The sizes of the training batches: native aspect ratio and the sizes drawn per step."""
+        from ..data.transforms import BatchSizes
+
+        return BatchSizes(
+            max_num_patches=self.max_num_patches,
+            seq_lens=self.seq_lens,
+            max_tokens_per_batch=self.max_tokens_per_batch,
+            patch_sizes=self.patch_sizes,
+            patch_size_probs=self.patch_size_probs,
+        )
+
 
 @dataclass
 class VisionTransformerTrainingArguments(TrainingArguments):
@@ -352,6 +407,24 @@ class VisionTransformerTrainingArguments(TrainingArguments):
         default=0.5,
         metadata={"help": "With both --mixup_alpha and --cutmix_alpha: probability of CutMix for a batch."},
     )
+    # Not a flag: the flags the command line gave, which `parse_args` records for the run's log and card.
+    recipe_flags_given: list[str] = field(default_factory=list, init=False)
+
+    def recipe_settings(self) -> RecipeSettings:
+        """The recipe's settings: the named recipe, layer decay, EMA, Mixup/CutMix and label smoothing."""
+        return RecipeSettings(
+            name=self.recipe,
+            given=frozenset(self.recipe_flags_given),
+            layer_decay=self.layer_decay,
+            ema_decay=self.ema_decay,
+            ema_warmup=self.ema_warmup,
+            mixup_alpha=self.mixup_alpha,
+            cutmix_alpha=self.cutmix_alpha,
+            cutmix_minmax=tuple(self.cutmix_minmax) if self.cutmix_minmax else None,
+            mixup_prob=self.mixup_prob,
+            mixup_switch_prob=self.mixup_switch_prob,
+            label_smoothing=self.label_smoothing_factor,
+        )
 
 
 def parse_args(
@@ -365,7 +438,7 @@ def parse_args(
     workers = default_num_workers()
     parser.set_defaults(
         **COMMON_DEFAULTS,
-        **RECIPES[task],
+        **TASK_RECIPES[task].flags,
         use_cpu=not torch.accelerator.is_available(),
         dataloader_num_workers=workers,
         dataloader_persistent_workers=workers > 0,
@@ -374,18 +447,18 @@ def parse_args(
     refuse_unknown_flags(parser)
     describe_negations(parser)
     argv = sys.argv[1:] if argv is None else list(argv)
+    given = given_flags(parser, argv)
+    # A named recipe's values become the flags' defaults before the one parse: what the command line gives still
+    # wins. An unknown name is refused after it, as any other bad value.
+    if given.get("recipe") in NAMED_RECIPES:
+        parser.set_defaults(**NAMED_RECIPES[given["recipe"]].flags)
     model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True
     )
     if unknown:
         raise ValueError(unknown_flags_message(parser, unknown))
-    recipe = None
-    if training_args.recipe is not None:
-        # The recipe's values become the flags' defaults: what the command line gives still wins.
-        recipe = get_recipe(training_args.recipe)
-        parser.set_defaults(**recipe.flags)
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
-    passed = passed_flags(parser, argv)
+    recipe = get_recipe(training_args.recipe) if training_args.recipe is not None else None
+    passed = set(given)
     training_args.recipe_flags_given = sorted(passed)
     if recipe is not None and recipe.base_batch is not None and "learning_rate" not in passed:
         batch = training_args.per_device_train_batch_size * training_args.world_size
@@ -575,17 +648,18 @@ def unknown_flags_message(parser: HfArgumentParser, unknown: list[str]) -> str:
 def parse_args_or_exit(task: str, argv: list[str] | None = None):
     """`parse_args`, a bad flag ending in one `error:` line and exit status 2 (HF_VIT_TRACEBACK=1: the traceback).
     Imports nothing of the run beyond the flags', so that `--help` and argument errors come before the heavy part."""
-    import sys
-
-    try:
+    with exit_on_error((ValueError,)):
         return parse_args(task, argv)
-    except ValueError as error:
-        if os.environ.get("HF_VIT_TRACEBACK"):
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from error
 
 
-def default_hflip(data_args: DataArguments) -> bool:
+def default_hflip(data_args: DataArguments) -> bool:  # the edge: reads the flags' dataclass
     """`--hflip`, or by default on, except for digits (a flipped digit is another shape)."""
     return data_args.hflip if data_args.hflip is not None else data_args.dataset_name != "digits"
+
+
+def flag_values(*arguments: Any) -> dict[str, Any]:
+    """Every flag's value in the parsed dataclasses `arguments`, by name: what a named recipe's summary reports."""
+    values: dict[str, Any] = {}
+    for parsed in arguments:
+        values.update({name: getattr(parsed, name) for name in parsed.__dataclass_fields__})
+    return values

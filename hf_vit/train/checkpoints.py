@@ -12,7 +12,6 @@ import zipfile
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
-from transformers import TrainingArguments
 
 from ..outputs.files import LOCK_FILE
 
@@ -89,16 +88,18 @@ def is_complete_checkpoint(path: str | os.PathLike) -> bool:
     return not checkpoint_problems(path)
 
 
-def resolve_resume(training_args: TrainingArguments) -> str | None:
-    resume = training_args.resume_from_checkpoint
+def resolve_resume(
+    resume: str | bool | None, output_dir: str | os.PathLike, overwrite_output_dir: bool = False
+) -> str | None:
+    """The checkpoint folder `--resume_from_checkpoint` (`resume`) names in `output_dir`, checked; None for none."""
     if resume in (None, False, "False", "false", ""):
         return None
     if resume in (True, "True", "true"):
-        checkpoint = last_complete_checkpoint(training_args.output_dir)
+        checkpoint = last_complete_checkpoint(output_dir)
         if checkpoint is None:
-            folder = Path(training_args.output_dir)
+            folder = Path(output_dir)
             held = sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE) if folder.is_dir() else []
-            if held and not getattr(training_args, "overwrite_output_dir", False):
+            if held and not overwrite_output_dir:
                 shown = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "")
                 raise ValueError(
                     f"--resume_from_checkpoint True: --output_dir {folder} holds no complete checkpoint-N folder to "
@@ -106,7 +107,7 @@ def resolve_resume(training_args: TrainingArguments) -> str | None:
                     "start a new run there with --overwrite_output_dir True (instead of --resume_from_checkpoint), "
                     "or choose another --output_dir."
                 )
-            logger.warning("No complete checkpoint in %s: training from the start.", training_args.output_dir)
+            logger.warning("No complete checkpoint in %s: training from the start.", output_dir)
             return None
     else:
         checkpoint = str(resume)

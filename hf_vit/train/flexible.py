@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from ..model.resolution import grid_for, resample_patch_embedding
 
-__all__ = ["PatchSizeDraw", "SeqLenBatchSampler", "at_patch_size", "parse_sizes", "seeded_int"]
+__all__ = ["PatchSizeDraw", "SeqLenBatchSampler", "at_patch_size", "seeded_int"]
 
 
 def seeded_int(seed: int, *key: Any) -> int:
@@ -41,21 +41,6 @@ def seeded_int(seed: int, *key: Any) -> int:
 
 def _generator(seed: int, *key: Any) -> torch.Generator:
     return torch.Generator().manual_seed(seeded_int(seed, *key) % 2**63)
-
-
-def parse_sizes(text: str | None, flag: str) -> list[int] | None:
-    """`"64,144,256"` as `[64, 144, 256]`; a clear error naming `flag` for anything but distinct positive ints."""
-    if text is None:
-        return None
-    try:
-        sizes = [int(part) for part in str(text).split(",") if part.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(size < 1 for size in sizes) or len(set(sizes)) != len(sizes):
-        raise ValueError(
-            f"{flag} takes distinct positive whole numbers separated by commas (e.g. 8,16,32), got {text!r}."
-        )
-    return sizes
 
 
 class SeqLenBatchSampler:

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from torch import nn
-from torch.nn import functional as F
 
-from ..data.augment.mixing import Mixing, mix_batch, mixing_seed, soft_target_cross_entropy
+from ..data.augment.mixing import Mixing
 from .ema import EmaCallback
+
+if TYPE_CHECKING:  # the settings' modules load the data set libraries, which parsing the flags does without
+    from ..data.transforms import Augmentation, BatchSizes
+    from ..tasks.model_setup import ModelSettings
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +118,42 @@ class Recipe:
     flags: dict[str, Any] = field(default_factory=dict)
     base_batch: int | None = None
     left_out: str = ""
+    selectable: bool = True  # chosen with --recipe; the paper's own two are the tasks' defaults (`TASK_RECIPES`)
 
 
-NAMED_RECIPES: dict[str, Recipe] = {
+RECIPES: dict[str, Recipe] = {
+    # The paper's section 4.1 and appendix B.1: Adam (beta1 0.9, beta2 0.999), weight decay 0.1, linear warmup then
+    # linear decay, clipping at global norm 1. Every value is only a default: any Trainer flag overrides it.
+    "vit-pretrain": Recipe(
+        name="vit-pretrain",
+        source="Dosovitskiy et al. 2021, An Image is Worth 16x16 Words, section 4.1 and appendix B.1 (pretraining)",
+        flags=dict(
+            optim="adamw_torch",
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            weight_decay=0.1,
+            learning_rate=1e-3,
+            lr_scheduler_type="linear",
+            warmup_steps=0.1,
+            max_grad_norm=1.0,
+        ),
+        selectable=False,
+    ),
+    # The paper's fine-tuning: SGD with momentum 0.9, no weight decay, cosine decay, clipping at global norm 1.
+    "vit-finetune": Recipe(
+        name="vit-finetune",
+        source="Dosovitskiy et al. 2021, An Image is Worth 16x16 Words, appendix B.1.1 (fine-tuning)",
+        flags=dict(
+            optim="sgd",
+            optim_args="momentum=0.9",
+            weight_decay=0.0,
+            learning_rate=0.01,
+            lr_scheduler_type="cosine",
+            warmup_steps=0.05,
+            max_grad_norm=1.0,
+        ),
+        selectable=False,
+    ),
     # Steiner et al. 2021, "How to train your ViT? Data, Augmentation, and Regularization in Vision Transformers":
     # Adam, lr 1e-3 at batch 4096, decoupled weight decay 0.1, 10k of ~94k steps warmup then cosine, clipping at 1;
     # the "medium1" augmentation (Mixup 0.2, RandAugment 2 ops at magnitude 15) with dropout and stochastic depth 0.1.
@@ -211,6 +245,12 @@ NAMED_RECIPES: dict[str, Recipe] = {
 }
 
 
+# The recipe whose values are each task's flags' defaults; `--recipe` puts a named one's values in their place.
+TASK_RECIPES = {"pretrain": RECIPES["vit-pretrain"], "finetune": RECIPES["vit-finetune"]}
+# The recipes `--recipe` names (a view of the one table).
+NAMED_RECIPES = {name: recipe for name, recipe in RECIPES.items() if recipe.selectable}
+
+
 def get_recipe(name: str) -> Recipe:
     if name not in NAMED_RECIPES:
         raise ValueError(f"--recipe must be one of {sorted(NAMED_RECIPES)}, got {name!r}.")
@@ -225,6 +265,11 @@ def scaled_learning_rate(recipe: Recipe, global_batch: int) -> float:
 
 def passed_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """The destinations of the flags `argv` gives explicitly (however spelled: `--x v`, `--x=v`, `--no_x`)."""
+    return set(given_flags(parser, argv))
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, Any]:
+    """The flags `argv` gives explicitly, with their values (what `passed_flags` names)."""
     # argparse fills in defaults (the actions' and set_defaults') for flags not given: suppress them for one parse.
     saved = [(action, action.default, action.required) for action in parser._actions], parser._defaults
     parser._defaults = {}
@@ -236,7 +281,7 @@ def passed_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
         for action, default, required in saved[0]:
             action.default, action.required = default, required
         parser._defaults = saved[1]
-    return set(vars(namespace))
+    return vars(namespace)
 
 
 def recipe_summary(recipe: Recipe, values: dict[str, Any], passed: set[str]) -> str:
@@ -253,204 +298,124 @@ def recipe_summary(recipe: Recipe, values: dict[str, Any], passed: set[str]) -> 
     return text + (f". Left out: {recipe.left_out}." if recipe.left_out else ".")
 
 
-class RecipeTrainerMixin:
-    """The recipes' part of a run's Trainer (put it before `transformers.Trainer` in the bases):
-
-    - `args.layer_decay`: the optimiser gets `layer_decay_param_groups` (logged) instead of Trainer's two groups;
-    - `mixing` (a `Mixing`): each training batch is mixed on its way into `training_step`, seeded by the run's seed,
-      the optimiser step and the batch's place in it (the same on every process, and again after resuming), and its
-      soft targets are learnt with soft-target cross-entropy (single-label) or the sigmoid cross-entropy the model
-      uses (multi-label); evaluation is unchanged;
-    - `ema` (an `ema.EmaCallback`): evaluation during training sees the averaged weights, and every checkpoint holds
-      the average (`ema.EMA_FILE`, written before Trainer's state so that a cut checkpoint is skipped) to resume it.
-    """
-
-    mixing: Mixing | None = None
-    ema: EmaCallback | None = None
-    _mixing_step: tuple[int, int] = (-1, 0)
-
-    def create_optimizer(self, model=None):
-        layer_decay = getattr(self.args, "layer_decay", None)
-        if layer_decay is None or self.optimizer is not None:
-            return super().create_optimizer(model)
-        opt_model = self.model if model is None else model
-        if self.optimizer_cls_and_kwargs is not None:
-            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
-        else:
-            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
-        if {"params", "model", "optimizer_dict"} & set(kwargs) or not isinstance(optimizer_cls, type):
-            raise ValueError(
-                f"--layer_decay builds the optimiser's parameter groups, which --optim {self.args.optim} builds "
-                "itself: use it with adamw_torch, sgd, adafactor or another optimiser of parameter groups."
-            )
-        kwargs = dict(kwargs)
-        learning_rate = kwargs.pop("lr", self.args.learning_rate)
-        groups = layer_decay_param_groups(opt_model, learning_rate, self.args.weight_decay, layer_decay)
-        if self.args.process_index == 0:
-            logger.info("Layer-wise learning-rate decay %g: %s.", layer_decay, describe_param_groups(groups))
-        groups = [{key: value for key, value in g.items() if key != "param_names"} for g in groups]
-        self.optimizer = optimizer_cls(groups, lr=learning_rate, **kwargs)
-        return self.optimizer
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.mixing is not None and "labels" in inputs:
-            step = self.state.global_step
-            micro = self._mixing_step[1] + 1 if self._mixing_step[0] == step else 0
-            self._mixing_step = (step, micro)
-            rng = np.random.default_rng(mixing_seed(self.args.seed, step, micro))
-            pixel_values, targets, _ = mix_batch(inputs["pixel_values"], inputs["labels"], self.mixing, rng)
-            inputs = {**inputs, "pixel_values": pixel_values, "labels": targets}
-        return super().training_step(model, inputs, num_items_in_batch)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        labels = inputs.get("labels")
-        if self.mixing is None or not model.training or labels is None or not labels.is_floating_point():
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        inputs = {key: value for key, value in inputs.items() if key != "labels"}
-        outputs = model(**inputs)
-        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
-        by_items = self.model_accepts_loss_kwargs and num_items_in_batch is not None
-        if self.mixing.multi_label:  # the model's own multi-label loss (a mean), on the soft multi-hot targets
-            loss = F.binary_cross_entropy_with_logits(logits.float(), labels.to(logits.device))
-        else:
-            loss = soft_target_cross_entropy(logits, labels, num_items_in_batch if by_items else None)
-        if self.args.average_tokens_across_devices and by_items:
-            loss = loss * self.accelerator.num_processes  # as Trainer scales the model's own loss
-        return (loss, outputs) if return_outputs else loss
-
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        if self.ema is None or not self.ema.averaging:
-            return super().evaluate(*args, **kwargs)
-        with self.ema.average.applied():
-            return super().evaluate(*args, **kwargs)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        super()._load_from_checkpoint(resume_from_checkpoint, model)
-        if self.ema is not None:
-            self.ema.resume_from = resume_from_checkpoint
-
-    def _save_checkpoint(self, model, trial) -> None:
-        if self.ema is not None and self.ema.average is not None and self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            os.makedirs(folder, exist_ok=True)
-            self.ema.average.save(folder)
-        super()._save_checkpoint(model, trial)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# A run's recipe, from its arguments
+# A run's recipe, from its settings
 
 
-def ema_callback(training_args: Any) -> EmaCallback | None:
-    decay = getattr(training_args, "ema_decay", None)
-    return None if decay is None else EmaCallback(decay, getattr(training_args, "ema_warmup", False))
+@dataclass(frozen=True)
+class RecipeSettings:
+    """The recipe flags' values a run's Trainer, log and card need: `--recipe` and which flags the command line gave,
+    `--layer_decay`, `--ema_decay`/`--ema_warmup`, Mixup/CutMix (`--mixup_alpha`, `--cutmix_alpha`,
+    `--cutmix_minmax`, `--mixup_prob`, `--mixup_switch_prob`) and `--label_smoothing_factor`."""
+
+    name: str | None = None
+    given: frozenset[str] = frozenset()
+    layer_decay: float | None = None
+    ema_decay: float | None = None
+    ema_warmup: bool = False
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    cutmix_minmax: tuple[float, float] | None = None
+    mixup_prob: float = 1.0
+    mixup_switch_prob: float = 0.5
+    label_smoothing: float = 0.0
 
 
-def mixing_for(training_args: Any, config: Any) -> Mixing | None:
+def ema_callback(recipe: RecipeSettings) -> EmaCallback | None:
+    return None if recipe.ema_decay is None else EmaCallback(recipe.ema_decay, recipe.ema_warmup)
+
+
+def mixing_for(recipe: RecipeSettings, config: Any) -> Mixing | None:
     """The run's `Mixing` of its training batches (None when off), for a classifier with `config`."""
-    minmax = getattr(training_args, "cutmix_minmax", None)
     mixing = Mixing(
         num_classes=max(int(getattr(config, "num_labels", 0)), 2),
-        mixup_alpha=getattr(training_args, "mixup_alpha", 0.0),
-        cutmix_alpha=getattr(training_args, "cutmix_alpha", 0.0),
-        cutmix_minmax=tuple(minmax) if minmax else None,
-        prob=getattr(training_args, "mixup_prob", 1.0),
-        switch_prob=getattr(training_args, "mixup_switch_prob", 0.5),
-        label_smoothing=training_args.label_smoothing_factor,
+        mixup_alpha=recipe.mixup_alpha,
+        cutmix_alpha=recipe.cutmix_alpha,
+        cutmix_minmax=recipe.cutmix_minmax,
+        prob=recipe.mixup_prob,
+        switch_prob=recipe.mixup_switch_prob,
+        label_smoothing=recipe.label_smoothing,
         multi_label=getattr(config, "problem_type", None) == "multi_label_classification",
     )
     return mixing if mixing.enabled else None
 
 
-def _flag_values(*arguments: Any) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for args in arguments:
-        values.update({name: getattr(args, name) for name in getattr(args, "__dataclass_fields__", {})})
-    return values
+def log_recipe(recipe: RecipeSettings, values: dict[str, Any]) -> None:
+    """The run's set-up: the named recipe and the values (`values`: every flag's) it ran with."""
+    if recipe.name is not None:
+        logger.info("Training with the %s", recipe_summary(get_recipe(recipe.name), values, set(recipe.given)))
 
 
-def log_recipe(model_args: Any, data_args: Any, training_args: Any) -> None:
-    """The run's set-up: the named recipe and the values it ran with."""
-    name = getattr(training_args, "recipe", None)
-    if name is not None:
-        given = set(getattr(training_args, "recipe_flags_given", ()))
-        values = _flag_values(model_args, data_args, training_args)
-        logger.info("Training with the %s", recipe_summary(get_recipe(name), values, given))
-
-
-def regularisation_text(model_args: Any, data_args: Any, training_args: Any) -> str:
+def regularisation_text(recipe: RecipeSettings, augmentation: Augmentation, model: ModelSettings) -> str:
     """The augmentation and regularisation a run used, in one sentence (empty when none of them)."""
     parts = []
-    if getattr(training_args, "layer_decay", None) is not None:
-        parts.append(f"layer-wise learning-rate decay {training_args.layer_decay}")
-    if getattr(training_args, "ema_decay", None) is not None:
-        warmup = " with warmup" if training_args.ema_warmup else ""
-        parts.append(f"EMA of the weights (decay {training_args.ema_decay}{warmup}; the saved weights are the EMA)")
-    mixup = getattr(training_args, "mixup_alpha", 0) > 0
-    cutmix = getattr(training_args, "cutmix_alpha", 0) > 0 or bool(getattr(training_args, "cutmix_minmax", None))
+    if recipe.layer_decay is not None:
+        parts.append(f"layer-wise learning-rate decay {recipe.layer_decay}")
+    if recipe.ema_decay is not None:
+        warmup = " with warmup" if recipe.ema_warmup else ""
+        parts.append(f"EMA of the weights (decay {recipe.ema_decay}{warmup}; the saved weights are the EMA)")
+    mixup = recipe.mixup_alpha > 0
+    cutmix = recipe.cutmix_alpha > 0 or bool(recipe.cutmix_minmax)
     if mixup:
-        parts.append(f"Mixup alpha {training_args.mixup_alpha}")
+        parts.append(f"Mixup alpha {recipe.mixup_alpha}")
     if cutmix:
-        minmax = f" (box sides {training_args.cutmix_minmax} of the image's)" if training_args.cutmix_minmax else ""
-        parts.append(f"CutMix alpha {training_args.cutmix_alpha}{minmax}")
+        minmax = f" (box sides {list(recipe.cutmix_minmax)} of the image's)" if recipe.cutmix_minmax else ""
+        parts.append(f"CutMix alpha {recipe.cutmix_alpha}{minmax}")
     if mixup or cutmix:
-        share = f", CutMix for {training_args.mixup_switch_prob} of them" if mixup and cutmix else ""
-        parts.append(f"batches mixed with probability {training_args.mixup_prob}{share}")
-    if getattr(data_args, "rand_augment", None):
-        parts.append(f"RandAugment {data_args.rand_augment}")
-    if getattr(data_args, "reprob", 0):
-        count = f", up to {data_args.recount} rectangles" if data_args.recount > 1 else ""
-        parts.append(f"random erasing {data_args.reprob} ({data_args.remode} fill{count})")
-    if training_args.label_smoothing_factor:
-        parts.append(f"label smoothing {training_args.label_smoothing_factor}")
-    for name, text in (("drop_path_rate", "stochastic depth"), ("hidden_dropout_prob", "dropout")):
-        if getattr(model_args, name, None):
-            parts.append(f"{text} {getattr(model_args, name)}")
+        share = f", CutMix for {recipe.mixup_switch_prob} of them" if mixup and cutmix else ""
+        parts.append(f"batches mixed with probability {recipe.mixup_prob}{share}")
+    if augmentation.rand_augment:
+        parts.append(f"RandAugment {augmentation.rand_augment}")
+    if augmentation.reprob:
+        count = f", up to {augmentation.recount} rectangles" if augmentation.recount > 1 else ""
+        parts.append(f"random erasing {augmentation.reprob} ({augmentation.remode} fill{count})")
+    if recipe.label_smoothing:
+        parts.append(f"label smoothing {recipe.label_smoothing}")
+    for value, text in ((model.drop_path_rate, "stochastic depth"), (model.hidden_dropout_prob, "dropout")):
+        if value:
+            parts.append(f"{text} {value}")
     return ("Regularisation and augmentation: " + ", ".join(parts) + ".") if parts else ""
 
 
-def recipe_card_text(task: str, model_args: Any, data_args: Any, training_args: Any) -> str:
-    """The card's recipe line: the optimiser and schedule, the regularisation, and the named recipe, if any."""
-    from ..outputs.cards import training_recipe_text
-
-    text = " ".join(
-        filter(
-            None,
-            [training_recipe_text(task, training_args), regularisation_text(model_args, data_args, training_args)],
-        )
-    )
-    text += drawn_sizes_text(data_args, training_args)
-    name = getattr(training_args, "recipe", None)
-    if name is not None:
-        given = set(getattr(training_args, "recipe_flags_given", ()))
-        values = _flag_values(model_args, data_args, training_args)
-        text += " Named " + recipe_summary(get_recipe(name), values, given)
+def recipe_card_text(
+    optimiser_text: str,
+    recipe: RecipeSettings,
+    augmentation: Augmentation,
+    model: ModelSettings,
+    sizes: BatchSizes,
+    per_device_batch: int,
+    values: dict[str, Any],
+) -> str:
+    """The card's recipe line: the optimiser and schedule (`optimiser_text`), the regularisation, the sizes drawn
+    per step, and the named recipe with the values it ran with (`values`: every flag's), if any."""
+    text = " ".join(filter(None, [optimiser_text, regularisation_text(recipe, augmentation, model)]))
+    text += drawn_sizes_text(sizes, per_device_batch)
+    if recipe.name is not None:
+        text += " Named " + recipe_summary(get_recipe(recipe.name), values, set(recipe.given))
     return text
 
 
-def drawn_sizes_text(data_args: Any, training_args: Any) -> str:
+def drawn_sizes_text(sizes: BatchSizes, per_device_batch: int) -> str:
     """The card's words for sizes drawn per step (`--seq_lens`, `--patch_sizes`), or nothing."""
     text = ""
-    seq_lens = getattr(data_args, "seq_lens", None)
-    if seq_lens:
-        longest = max(int(length) for length in seq_lens.split(","))
-        budget = data_args.max_tokens_per_batch or training_args.per_device_train_batch_size * longest
+    if sizes.seq_lens:
+        longest = max(int(length) for length in sizes.seq_lens.split(","))
+        budget = sizes.max_tokens_per_batch or per_device_batch * longest
         text += (
-            f" Native aspect ratio with a sequence length drawn per step from {seq_lens} patches, each device's batch "
-            f"holding {budget} // length images."
+            f" Native aspect ratio with a sequence length drawn per step from {sizes.seq_lens} patches, each device's "
+            f"batch holding {budget} // length images."
         )
-    patch_sizes = getattr(data_args, "patch_sizes", None)
-    if patch_sizes:
-        weights = getattr(data_args, "patch_size_probs", None)
+    if sizes.patch_sizes:
+        weights = sizes.patch_size_probs
         text += (
-            f" FlexiViT training: a patch size drawn per step from {patch_sizes}"
+            f" FlexiViT training: a patch size drawn per step from {sizes.patch_sizes}"
             + (f" (weights {weights})" if weights else "")
             + ", the patch embedding resampled from the saved one by the pseudo-inverse resize."
         )
     return text
 
 
-def refuse_augmentation(objective: str, augmentable: bool, data_args: Any, training_args: Any) -> None:
+def refuse_augmentation(objective: str, augmentable: bool, augmentation: Augmentation, recipe: RecipeSettings) -> None:
     """Refuse Mixup, CutMix, RandAugment and random erasing, by name, for an objective that learns the pixels
     themselves (random erasing would replace the very patches it must reconstruct with noise)."""
     if augmentable:
@@ -458,13 +423,10 @@ def refuse_augmentation(objective: str, augmentable: bool, data_args: Any, train
     used = [
         flag
         for flag, on in (
-            ("--mixup_alpha", getattr(training_args, "mixup_alpha", 0) > 0),
-            (
-                "--cutmix_alpha",
-                getattr(training_args, "cutmix_alpha", 0) > 0 or getattr(training_args, "cutmix_minmax", None),
-            ),
-            ("--rand_augment", getattr(data_args, "rand_augment", None) is not None),
-            ("--reprob", getattr(data_args, "reprob", 0) > 0),
+            ("--mixup_alpha", recipe.mixup_alpha > 0),
+            ("--cutmix_alpha", recipe.cutmix_alpha > 0 or recipe.cutmix_minmax),
+            ("--rand_augment", augmentation.rand_augment is not None),
+            ("--reprob", augmentation.reprob > 0),
         )
         if on
     ]

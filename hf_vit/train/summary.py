@@ -25,7 +25,9 @@ def final_training_loss(log_history: list[dict[str, Any]], metrics: dict[str, An
     return float(value) if value is not None else None
 
 
-def chance_warning(loss: float | None, num_classes: int, problem_type: str | None, training_args: Any) -> str | None:
+def chance_warning(
+    loss: float | None, num_classes: int, problem_type: str | None, learning_rate: float, num_train_epochs: float
+) -> str | None:
     """The warning for a single-label run whose final training loss is within 5% of chance, ln C for C classes (a
     model answering every class at 1/C); None otherwise."""
     if loss is None or problem_type != "single_label_classification" or num_classes < 2:
@@ -38,7 +40,7 @@ def chance_warning(loss: float | None, num_classes: int, problem_type: str | Non
         "classes, the loss of a model that answers every class at 1/{0} whatever the image. It has learned nothing "
         "yet. Try a higher --learning_rate (this run: {1:g}), more --num_train_epochs (this run: {2:g}), or the "
         "README's quick-start recipe for an image folder."
-    ).format(num_classes, training_args.learning_rate, training_args.num_train_epochs)
+    ).format(num_classes, learning_rate, num_train_epochs)
 
 
 def headline(metrics: dict[str, Any]) -> tuple[str, float] | None:
@@ -73,7 +75,8 @@ def summarize_run(
     metrics: dict[str, Any],
     log_history: list[dict[str, Any]],
     config: Any,
-    training_args: Any,
+    learning_rate: float,
+    num_train_epochs: float,
     dataset_name: str | None = None,
     validation_fraction: float = 0.1,
 ) -> list[str]:
@@ -92,7 +95,8 @@ def summarize_run(
     )
     problem_type = getattr(config, "problem_type", None)
     num_classes = len(getattr(config, "id2label", None) or {})
-    warning = chance_warning(final_training_loss(log_history, metrics), num_classes, problem_type, training_args)
+    loss = final_training_loss(log_history, metrics)
+    warning = chance_warning(loss, num_classes, problem_type, learning_rate, num_train_epochs)
     for line in lines:
         logger.info("%s", line)
     if warning:

@@ -1,5 +1,7 @@
-"""The Trainer of a run and its callbacks: reproducible augmentation across resumption, evaluation that leaves the
-training's random numbers alone, clear errors when a checkpoint cannot be written, and the run's set-up line."""
+"""The Trainer of a run (one subclass, `VisionTransformerTrainer`) and its callbacks: reproducible augmentation across
+resumption, evaluation that leaves the training's random numbers alone, the recipes' parts (layer-wise decay,
+Mixup/CutMix, the weights' EMA), sizes drawn per step, pushes of exactly the project's files, clear errors when a
+checkpoint cannot be written, and the run's set-up line."""
 
 from __future__ import annotations
 
@@ -11,19 +13,24 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import seed_worker
+from transformers.trainer_utils import HubStrategy, seed_worker
 
-from ..data.transforms import batch_max_num_patches
+from ..data.augment.mixing import Mixing, mix_batch, mixing_seed, soft_target_cross_entropy
 from ..outputs.files import CARD_FILE
-from ..outputs.push import PlannedHubPushes
+from ..outputs.push import HubPushError, commit_plan, create_repo, plan_checkpoint_upload, plan_upload
+from .ema import EmaCallback
 from .flexible import PatchSizeDraw, SeqLenBatchSampler, at_patch_size
-from .recipes import RecipeTrainerMixin
+from .recipes import describe_param_groups, layer_decay_param_groups
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +43,16 @@ class SeededAugmentation(torch.utils.data.Dataset):
     several), so with the global stream an interrupted and an uninterrupted run augment the batches after the
     checkpoint with different numbers. The epoch lives in shared memory so that persistent workers see it change.
     An `(index, max_num_patches)` key (from `flexible.SeqLenBatchSampler`) fetches example `index` at that number of
-    patches.
+    patches: the number travels with the key to the transform, which takes it as an argument.
+
+    With `transform` (a batch transform), `data` holds the raw rows and each is transformed here, as a batch of one
+    (as datasets' `with_transform` applies it), so that the transform can be given the key's number of patches;
+    without, `data[index]` is the example.
     """
 
-    def __init__(self, data, seed: int) -> None:
+    def __init__(self, data, seed: int, transform: Callable | None = None) -> None:
         self.data = data
+        self.transform = transform
         self.seed = seed
         self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
@@ -53,11 +65,18 @@ class SeededAugmentation(torch.utils.data.Dataset):
     def __getitem__(self, index: int | tuple[int, int]):
         index, max_num_patches = index if isinstance(index, tuple) else (index, None)
         key = hashlib.blake2b(f"{self.seed}:{int(self.epoch)}:{index}".encode(), digest_size=8).digest()
-        with torch.random.fork_rng(devices=[]), batch_max_num_patches(max_num_patches):
+        with torch.random.fork_rng(devices=[]):
             # The CPU generator only, as fork_rng restores: `torch.manual_seed` would also queue (or, where CUDA is
             # up, do) a reseeding of every accelerator's generator per example, each call formatting a stack.
             torch.default_generator.manual_seed(int.from_bytes(key, "little"))
-            return self.data[index]
+            if self.transform is None:
+                return self.data[index]
+            batch = {name: [value] for name, value in self.data[index].items()}
+            if max_num_patches is None:
+                batch = self.transform(batch)
+            else:
+                batch = self.transform(batch, max_num_patches=max_num_patches)
+            return {name: values[0] for name, values in batch.items()}
 
 
 class EpochToDataset(TrainerCallback):
@@ -71,22 +90,65 @@ class EpochToDataset(TrainerCallback):
         self.dataset.set_epoch(math.floor(state.epoch + 1e-6))
 
 
-class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
-    """`Trainer` with the guarantees the scripts promise, and the recipes' parts (`recipes.RecipeTrainerMixin`:
-    layer-wise learning-rate decay, Mixup/CutMix, the weights' EMA).
+class VisionTransformerTrainer(Trainer):
+    """`Trainer` with the guarantees the scripts promise and the recipes' parts, each Trainer method overridden once,
+    here, in the order a run calls them. What a run adds is given to the constructor:
 
-    - Every push sends exactly the files the project's upload plan lists, and the token never reaches disk
-      (`hf_vit.outputs.push.PlannedHubPushes`).
+    - `layer_decay`: the optimiser gets `recipes.layer_decay_param_groups` (logged) instead of Trainer's two groups;
+    - `mixing` (a `Mixing`): each training batch is mixed on its way into `training_step`, seeded by the run's seed,
+      the optimiser step and the batch's place in it (the same on every process, and again after resuming), and its
+      soft targets are learnt with soft-target cross-entropy (single-label) or the sigmoid cross-entropy the model
+      uses (multi-label); evaluation is unchanged;
+    - `ema` (an `ema.EmaCallback`, also among the callbacks): evaluation during training sees the averaged weights,
+      and every checkpoint holds the average (`ema.EMA_FILE`, written before Trainer's state so that a cut checkpoint
+      is skipped) to resume it;
+    - `seq_len_sampler` (`flexible.SeqLenBatchSampler`): the training batches come from it, a length and a batch size
+      per step; `patch_size_draw` (`flexible.PatchSizeDraw`): each optimisation step trains at the patch size it
+      draws.
 
-    - Evaluation does not consume the training's random numbers (its data loader draws a seed), so a checkpoint saved
-      right before an evaluation resumes to the same weights (with `SeededAugmentation` for the training split).
-    - A checkpoint that cannot be written (a full disk) stops the run with the folder and the free space named.
-    - Sizes drawn per batch (`flexible.py`): with `seq_len_sampler` the training batches come from it (a length and a
-      batch size per step); with `patch_size_draw` each optimisation step trains at the patch size it draws.
+    And always: every push sends exactly the files the project's upload plan lists (`hf_vit.outputs.push`), in one
+    commit each, and the token never reaches disk (it is taken out of the arguments Trainer pickles into every
+    checkpoint); evaluation does not consume the training's random numbers, so a checkpoint saved right before an
+    evaluation resumes to the same weights (with `SeededAugmentation` for the training split); a checkpoint that
+    cannot be written (a full disk) stops the run with the folder and the free space named.
+
+    Private Trainer methods are overridden only where Trainer has no public hook; each says so.
     """
 
-    seq_len_sampler: SeqLenBatchSampler | None = None
-    patch_size_draw: PatchSizeDraw | None = None
+    def __init__(
+        self,
+        *args: Any,
+        layer_decay: float | None = None,
+        mixing: Mixing | None = None,
+        ema: EmaCallback | None = None,
+        seq_len_sampler: SeqLenBatchSampler | None = None,
+        patch_size_draw: PatchSizeDraw | None = None,
+        **kwargs: Any,
+    ) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        self.hub_token = training_args.hub_token if training_args is not None else None
+        if training_args is not None:
+            training_args.hub_token = None
+        self.layer_decay, self.mixing, self.ema = layer_decay, mixing, ema
+        self.seq_len_sampler, self.patch_size_draw = seq_len_sampler, patch_size_draw
+        self._mixing_step: tuple[int, int] = (-1, 0)  # (optimisation step, batch within it) of the last mixing
+        self._saving_checkpoint = False
+        super().__init__(*args, **kwargs)
+
+    def init_hf_repo(self, token: str | None = None, private: bool | None = None) -> None:
+        if not self.is_world_process_zero():
+            return
+        name = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
+        private = self.args.hub_private_repo if private is None else private
+        self.hub_model_id = create_repo(name, token=token or self.hub_token, private=private)
+        self.push_in_progress = None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        # Private: the one place that knows the checkpoint a run resumes before training begins (callbacks are not
+        # told), where the EMA's average is read back.
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.ema is not None:
+            self.ema.resume_from = resume_from_checkpoint
 
     def get_train_dataloader(self):
         if self.seq_len_sampler is None:
@@ -108,6 +170,28 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
         # accelerate wraps a batch sampler without a batch size in BatchSamplerShard, which gives process r the r-th
         # batch of every num_processes: the sampler yields those together, at one length.
         return self.accelerator.prepare(loader)
+
+    def create_optimizer(self, model=None):
+        if self.layer_decay is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        if self.optimizer_cls_and_kwargs is not None:
+            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
+        else:
+            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        if {"params", "model", "optimizer_dict"} & set(kwargs) or not isinstance(optimizer_cls, type):
+            raise ValueError(
+                f"--layer_decay builds the optimiser's parameter groups, which --optim {self.args.optim} builds "
+                "itself: use it with adamw_torch, sgd, adafactor or another optimiser of parameter groups."
+            )
+        kwargs = dict(kwargs)
+        learning_rate = kwargs.pop("lr", self.args.learning_rate)
+        groups = layer_decay_param_groups(opt_model, learning_rate, self.args.weight_decay, self.layer_decay)
+        if self.args.process_index == 0:
+            logger.info("Layer-wise learning-rate decay %g: %s.", self.layer_decay, describe_param_groups(groups))
+        groups = [{key: value for key, value in g.items() if key != "param_names"} for g in groups]
+        self.optimizer = optimizer_cls(groups, lr=learning_rate, **kwargs)
+        return self.optimizer
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
                              trial):  # fmt: skip
@@ -135,26 +219,54 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
             return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.mixing is not None and "labels" in inputs:
+            step = self.state.global_step
+            micro = self._mixing_step[1] + 1 if self._mixing_step[0] == step else 0
+            self._mixing_step = (step, micro)
+            rng = np.random.default_rng(mixing_seed(self.args.seed, step, micro))
+            pixel_values, targets, _ = mix_batch(inputs["pixel_values"], inputs["labels"], self.mixing, rng)
+            inputs = {**inputs, "pixel_values": pixel_values, "labels": targets}
         if self.patch_size_draw is None:
             return super().training_step(model, inputs, num_items_in_batch)
         with at_patch_size(self.model, self.patch_size_draw(self.state.global_step)):
             inputs = {**inputs, "interpolate_pos_encoding": True}
             return super().training_step(model, inputs, num_items_in_batch)
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.get("labels")
+        if self.mixing is None or not model.training or labels is None or not labels.is_floating_point():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = {key: value for key, value in inputs.items() if key != "labels"}
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        by_items = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        if self.mixing.multi_label:  # the model's own multi-label loss (a mean), on the soft multi-hot targets
+            loss = F.binary_cross_entropy_with_logits(logits.float(), labels.to(logits.device))
+        else:
+            loss = soft_target_cross_entropy(logits, labels, num_items_in_batch if by_items else None)
+        if self.args.average_tokens_across_devices and by_items:
+            loss = loss * self.accelerator.num_processes  # as Trainer scales the model's own loss
+        return (loss, outputs) if return_outputs else loss
+
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         python_state, numpy_state = random.getstate(), np.random.get_state()
-        with torch.random.fork_rng(devices=[]):
+        averaged = self.ema.average.applied() if self.ema is not None and self.ema.averaging else nullcontext()
+        with torch.random.fork_rng(devices=[]), averaged:
             try:
                 return super().evaluate(*args, **kwargs)
             finally:
                 random.setstate(python_state)
                 np.random.set_state(numpy_state)
 
-    _saving_checkpoint = False
-
     def _save_checkpoint(self, model, trial) -> None:
+        # Private: no public hook runs before a checkpoint's files are written, where the EMA's average must go
+        # first (a checkpoint cut before Trainer's state is skipped when resuming) and a failed write be explained.
         self._saving_checkpoint = True  # the checkpoint's model is written by save_model: explained once, here
         try:
+            if self.ema is not None and self.ema.average is not None and self.args.should_save:
+                folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+                os.makedirs(folder, exist_ok=True)
+                self.ema.average.save(folder)
             super()._save_checkpoint(model, trial)
         except (OSError, RuntimeError) as error:
             raise _save_error(self.args.output_dir, f"checkpoint {self.state.global_step}", error) from error
@@ -170,6 +282,7 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
             raise _save_error(output_dir or self.args.output_dir, "model", error) from error
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        # Private: the one place every save of the model passes (final, checkpoint, push) on the saving process.
         super()._save(output_dir, state_dict)
         if self.args.should_save and hasattr(self.model, "peft_config"):
             # A LoRA checkpoint holds peft's adapter and, as the run's folder does, the fine-tuning model's config
@@ -180,6 +293,57 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
             card = os.path.join(folder, CARD_FILE)
             if os.path.isfile(card) and not os.path.islink(card):
                 os.remove(card)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # Private: Trainer's checkpoint push (--hub_strategy) has no public hook. Synchronous, so that the bytes sent
+        # are the checkpoint's own; a failed push is logged and training goes on.
+        strategy = self.args.hub_strategy
+        if not self.is_world_process_zero() or strategy == HubStrategy.END:
+            return
+        step = self.state.global_step
+        try:
+            plan = plan_upload(checkpoint_folder, card=False)
+            if strategy in (HubStrategy.CHECKPOINT, HubStrategy.ALL_CHECKPOINTS):
+                where = "last-checkpoint" if strategy == HubStrategy.CHECKPOINT else Path(checkpoint_folder).name
+                plan += plan_checkpoint_upload(checkpoint_folder, where)
+            commit_plan(
+                self.hub_model_id,
+                plan,
+                token=self.hub_token,
+                commit_message=f"Training in progress, step {step}",
+                revision=self.args.hub_revision,
+            )
+        except HubPushError as error:
+            logger.warning("The push of step %d failed; training goes on. %s", step, error)
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ) -> str | None:
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        return self.push_output_dir(commit_message or "End of training", token=token, revision=revision)
+
+    def push_output_dir(self, commit_message: str, token: str | None = None, revision: str | None = None) -> str:
+        """Push the output folder as `plan_upload` lists it (the saved model, its card and results), in one commit;
+        a failed final push is an error."""
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token)
+        return commit_plan(
+            self.hub_model_id,
+            plan_upload(self.args.output_dir, self.hub_model_id),
+            token=token or self.hub_token,
+            commit_message=commit_message,
+            revision=revision or self.args.hub_revision,
+        )
 
 
 class CheckpointWriteError(OSError):
@@ -234,9 +398,9 @@ def _save_error(folder: str | os.PathLike, what: str, error: Exception) -> Check
 class RunSetupCallback(TrainerCallback):
     """Logs the run's set-up once it is known, as transformers' example scripts do: how a user checks a launch."""
 
-    def __init__(self, num_examples: int | None) -> None:
+    def __init__(self, num_examples: int | None, seq_len_sampler: SeqLenBatchSampler | None = None) -> None:
         self.num_examples = num_examples
-        self.seq_len_sampler: SeqLenBatchSampler | None = None  # batches sized per drawn length (--seq_lens)
+        self.seq_len_sampler = seq_len_sampler  # batches sized per drawn length (--seq_lens)
 
     def on_train_begin(self, args: TrainingArguments, state, control, **kwargs: Any) -> None:
         if not state.is_world_process_zero:

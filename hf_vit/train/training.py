@@ -1,5 +1,6 @@
 """A pretraining or fine-tuning run, as stages: data, objective, model, adapters, trainer, training, final evaluation
-and outputs. Each stage lives in its own module of `hf_vit.run` (see its docstring); this one only puts them in order.
+and outputs. Each stage lives in its own package or module (`hf_vit.data`, `hf_vit.tasks`, `hf_vit.train`, ...); this
+one unpacks the flags into their settings and puts the stages in order.
 
 `scripts/pretrain.py` and `scripts/finetune.py` are `main(task)`; both run unchanged under `python`, `torchrun` and
 `accelerate launch`, because `Trainer` does the distribution.
@@ -10,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,20 +20,28 @@ import torch
 import transformers
 from transformers import TrainingArguments
 
-from ..data.datasets import load_datasets
-from ..data.transforms import check_image_channels, decode_rgb
+from ..data.datasets import DataSource, load_datasets
+from ..data.transforms import Augmentation, BatchSizes, check_image_channels, decode_rgb, rows_and_transform
+from ..flags import exit_on_error, parse_sizes
 from ..infer.compute_dial import compute_dial_after_training
 from ..infer.inference import evaluate_checkpoint
-from ..outputs.cards import write_model_card
+from ..outputs.cards import training_recipe_text, write_model_card
 from ..outputs.output_folders import claim_output_dir, release, remove_earlier_checkpoints
-from ..tasks.model_setup import processor_for
+from ..tasks.model_setup import ModelSettings, processor_for
 from ..tasks.objectives import Objective, select_objective
-from .arguments import DataArguments, ModelArguments, parse_args
+from .arguments import DataArguments, ModelArguments, VisionTransformerTrainingArguments, flag_values, parse_args
 from .checkpoints import resolve_resume
 from .evaluation import final_evaluation
-from .flexible import PatchSizeDraw, SeqLenBatchSampler, check_patch_sizes, parse_sizes
-from .lora import adapt, check_lora_arguments, lora_summary
-from .recipes import ema_callback, log_recipe, mixing_for, recipe_card_text, refuse_augmentation
+from .flexible import PatchSizeDraw, SeqLenBatchSampler, check_patch_sizes
+from .lora import LoraSettings, adapt, check_lora_arguments, lora_summary
+from .recipes import (
+    RecipeSettings,
+    ema_callback,
+    log_recipe,
+    mixing_for,
+    recipe_card_text,
+    refuse_augmentation,
+)
 from .summary import summarize_run
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
 
@@ -58,7 +67,7 @@ def train(
     task: str,
     model_args: ModelArguments,
     data_args: DataArguments,
-    training_args: TrainingArguments,
+    training_args: VisionTransformerTrainingArguments,
     callbacks: list | None = None,
 ) -> dict[str, Any]:
     """Pretrain or fine-tune, save the model, evaluate it, and save the metrics, curves and model card.
@@ -66,25 +75,45 @@ def train(
     The final metrics (`eval_*` in `all_results.json`) are measured on the test split when the data set has one,
     on the validation split otherwise; validation metrics during training are in `trainer_state.json`. The model is
     saved before that final evaluation, so an error there loses no training.
+
+    This is the run's edge: the parsed flags are unpacked here into the settings each stage takes.
     """
     transformers.set_seed(training_args.seed)
+    source = data_args.source()
     if not training_args.do_train:  # --do_train False: measure the checkpoint as it is, write no model
-        return evaluate_checkpoint(task, model_args, data_args, training_args)
-    if data_args.streaming and training_args.max_steps <= 0:
+        return evaluate_checkpoint(
+            task, model_args.model_name_or_path, source, training_args.output_dir, training_args.do_eval,
+            training_args.do_predict, training_args.per_device_eval_batch_size, training_args.seed,
+        )  # fmt: skip
+    if source.streaming and training_args.max_steps <= 0:
         raise ValueError("--streaming data sets have no length: set --max_steps to say how long to train.")
-    check_lora_arguments(model_args, task)  # before anything is written
-    resume = resolve_resume(training_args)
+    run = Run(
+        task=task,
+        model=model_args.settings(),
+        lora=model_args.lora(),
+        source=source,
+        augmentation=data_args.augmentation(),
+        sizes=data_args.sizes(),
+        recipe=training_args.recipe_settings(),
+        objective=model_args.objective,
+        problem_type=model_args.problem_type,
+        values=flag_values(model_args, data_args, training_args),
+    )
+    check_lora_arguments(run.lora, task)  # before anything is written
+    resume = resolve_resume(
+        training_args.resume_from_checkpoint, training_args.output_dir, training_args.overwrite_output_dir
+    )
     created = not os.path.lexists(training_args.output_dir)
     lock = claim_output_dir(
         training_args.output_dir,
         resuming=resume is not None,
-        overwrite=getattr(training_args, "overwrite_output_dir", False),
+        overwrite=training_args.overwrite_output_dir,
         main_process=training_args.process_index == 0,
     )
     if training_args.process_index == 0:
-        log_recipe(model_args, data_args, training_args)
+        log_recipe(run.recipe, run.values)
     try:
-        return _run(task, model_args, data_args, training_args, callbacks or [], resume)
+        return _run(run, training_args, callbacks or [], resume)
     finally:
         release(lock)
         if created and training_args.process_index == 0:
@@ -92,24 +121,45 @@ def train(
                 os.rmdir(training_args.output_dir)
 
 
-def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[str, Any]:
-    raw = load_datasets(data_args, training_args.seed)
-    objective = select_objective(task, model_args, data_args, raw)
-    refuse_augmentation(objective.name, objective.augmentable, data_args, training_args)
-    raw, labels = objective.labels(raw, data_args)
-    if getattr(training_args, "check_eval_images", True):  # a plain TrainingArguments has no such flag
+@dataclass(frozen=True)
+class Run:
+    """What a run's stages take, unpacked from its flags by `train`."""
+
+    task: str
+    model: ModelSettings
+    lora: LoraSettings
+    source: DataSource
+    augmentation: Augmentation
+    sizes: BatchSizes
+    recipe: RecipeSettings
+    objective: str
+    problem_type: str | None
+    values: dict[str, Any]  # every flag's value, for a named recipe's summary
+
+
+def _run(run: Run, training_args: VisionTransformerTrainingArguments, callbacks, resume) -> dict[str, Any]:
+    task = run.task
+    raw = load_datasets(run.source, training_args.seed)
+    objective = select_objective(
+        task, raw, run.source.dataset_name, run.objective, run.problem_type, run.source.streaming
+    )
+    refuse_augmentation(objective.name, objective.augmentable, run.augmentation, run.recipe)
+    raw, labels = objective.labels(raw)
+    if training_args.check_eval_images:
         check_eval_images(raw)
-    model = objective.build_model(task, model_args, labels)
-    processor = processor_for(model_args, model.config, data_args.max_num_patches)
+    model = objective.build_model(task, run.model, labels)
+    processor = processor_for(run.model.model_name_or_path, model.config, run.sizes.max_num_patches)
     channels_from = (
-        "--num_channels" if model_args.num_channels else f"--model_name_or_path {model_args.model_name_or_path}"
+        "--num_channels" if run.model.num_channels else f"--model_name_or_path {run.model.model_name_or_path}"
     )
     check_image_channels(raw, processor, model.config.num_channels, channels_from)
-    model = adapt(model, model_args, task, training_args.output_dir)
-    ds = objective.transforms(raw, data_args, processor, model.config)
-    trainer = build_trainer(objective, model, processor, ds, training_args, callbacks, data_args)
-    if getattr(training_args, "overwrite_output_dir", False) and resume is None and trainer.is_world_process_zero():
-        remove_earlier_checkpoints(training_args.output_dir, keep=model_args.model_name_or_path)
+    model = adapt(model, run.lora, task, training_args.output_dir)
+    if objective.check_sizes is not None:
+        objective.check_sizes(run.sizes.max_num_patches, run.sizes.seq_lens, run.sizes.patch_sizes)
+    ds = objective.transforms(raw, run.augmentation, processor, model.config)
+    trainer = build_trainer(objective, model, processor, ds, training_args, callbacks, run.sizes, run.recipe)
+    if training_args.overwrite_output_dir and resume is None and trainer.is_world_process_zero():
+        remove_earlier_checkpoints(training_args.output_dir, keep=run.model.model_name_or_path)
 
     if resume is not None:
         logger.info("Resuming from %s: its weights, optimizer, schedule and random states.", resume)
@@ -124,26 +174,39 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     trainer.save_metrics("all", metrics, combined=False)
     trainer.save_state()
     if trainer.is_world_process_zero():
-        write_outputs(trainer, task, model_args, data_args, training_args, metrics)
+        write_outputs(trainer, run, training_args, metrics)
         summarize_run(task, training_args.output_dir, metrics, trainer.state.log_history, model.config,
-                      training_args, data_args.dataset_name, data_args.validation_fraction)  # fmt: skip
+                      training_args.learning_rate, training_args.num_train_epochs, run.source.dataset_name,
+                      run.source.validation_fraction)  # fmt: skip
     return metrics
 
 
 def build_trainer(
-    objective: Objective, model, processor, ds, training_args: TrainingArguments, callbacks: list, data_args=None
+    objective: Objective,
+    model,
+    processor,
+    ds,
+    training_args: TrainingArguments,
+    callbacks: list,
+    sizes: BatchSizes | None = None,
+    recipe: RecipeSettings | None = None,
 ) -> VisionTransformerTrainer:
     """The run's Trainer: the objective's collator and metrics; an in-memory training split augmented
-    reproducibly (`SeededAugmentation`, told each epoch)."""
+    reproducibly (`SeededAugmentation`, told each epoch); the recipe's parts and the sizes drawn per step."""
+    sizes, recipe = sizes or BatchSizes(), recipe or RecipeSettings()
     callbacks = list(callbacks)
     num_examples = None
     if not isinstance(ds["train"], datasets.IterableDataset):
-        ds["train"] = SeededAugmentation(ds["train"], training_args.seed)
+        # The split's transform is applied by `SeededAugmentation`, which gives it each batch's own number of
+        # patches (drawn per step with --seq_lens).
+        rows, transform = rows_and_transform(ds["train"])
+        ds["train"] = SeededAugmentation(rows, training_args.seed, transform)
         callbacks.append(EpochToDataset(ds["train"]))
         num_examples = len(ds["train"])
+    seq_len_sampler, patch_size_draw = flexible_sizes(ds["train"], model, sizes, training_args)
     # The average goes into the model at the end of training before the caller's callbacks see it.
-    ema = ema_callback(training_args)
-    trainer = VisionTransformerTrainer(
+    ema = ema_callback(recipe)
+    return VisionTransformerTrainer(
         model=model,
         args=training_args,
         train_dataset=ds["train"],
@@ -152,57 +215,67 @@ def build_trainer(
         compute_metrics=objective.compute_metrics,
         preprocess_logits_for_metrics=objective.preprocess_logits,
         processing_class=processor,
-        callbacks=[RunSetupCallback(num_examples), *([ema] if ema else []), *callbacks],
+        callbacks=[RunSetupCallback(num_examples, seq_len_sampler), *([ema] if ema else []), *callbacks],
+        layer_decay=recipe.layer_decay,
+        mixing=mixing_for(recipe, model.config),
+        ema=ema,
+        seq_len_sampler=seq_len_sampler,
+        patch_size_draw=patch_size_draw,
     )
-    trainer.mixing, trainer.ema = mixing_for(training_args, model.config), ema
-    trainer.seq_len_sampler, trainer.patch_size_draw = flexible_sizes(ds["train"], model, data_args, training_args)
-    for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, RunSetupCallback):
-            callback.seq_len_sampler = trainer.seq_len_sampler
-    return trainer
 
 
-def flexible_sizes(train, model, data_args, training_args) -> tuple[SeqLenBatchSampler | None, PatchSizeDraw | None]:
+def flexible_sizes(
+    train, model, sizes: BatchSizes, training_args: TrainingArguments
+) -> tuple[SeqLenBatchSampler | None, PatchSizeDraw | None]:
     """The sizes a run draws per batch (`flexible.py`): the sequence lengths' batch sampler (`--seq_lens`) and the
     patch sizes' draw (`--patch_sizes`), or None for those not asked for."""
     sampler = draw = None
-    seq_lens = parse_sizes(getattr(data_args, "seq_lens", None), "--seq_lens")
+    seq_lens = parse_sizes(sizes.seq_lens, "--seq_lens")
     if seq_lens is not None:
-        budget = data_args.max_tokens_per_batch or training_args.per_device_train_batch_size * max(seq_lens)
+        budget = sizes.max_tokens_per_batch or training_args.per_device_train_batch_size * max(seq_lens)
         sampler = SeqLenBatchSampler(train, seq_lens, budget, training_args.seed, training_args.world_size)
-    patch_sizes = parse_sizes(getattr(data_args, "patch_sizes", None), "--patch_sizes")
+    patch_sizes = parse_sizes(sizes.patch_sizes, "--patch_sizes")
     if patch_sizes is not None:
         config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
         if config.resnet_layers is not None:
             raise ValueError("--patch_sizes resamples a linear patch embedding; a hybrid (ResNet stem) has none.")
         check_patch_sizes(patch_sizes, config.image_hw)
-        probs = data_args.patch_size_probs
+        probs = sizes.patch_size_probs
         draw = PatchSizeDraw(patch_sizes, [float(p) for p in probs.split(",")] if probs else None, training_args.seed)
     return sampler, draw
 
 
-def write_outputs(trainer, task: str, model_args, data_args, training_args, metrics: dict[str, Any]) -> None:
+def write_outputs(trainer, run: Run, training_args: TrainingArguments, metrics: dict[str, Any]) -> None:
     """The main process's last stage: training curves, the compute dial (a run with native-aspect batches or patch
     sizes: `compute_dial.py`), the model card, and the push (`--push_to_hub`)."""
     from ..outputs.plotting import plot_training_curves
 
+    task = run.task
     plot_training_curves(trainer.state.log_history, Path(training_args.output_dir) / "training_curves.png")
-    dial = compute_dial_after_training(trainer.model, trainer.processing_class, data_args, training_args)
+    dial = compute_dial_after_training(
+        trainer.model, trainer.processing_class, run.source, run.sizes, training_args.output_dir,
+        training_args.per_device_eval_batch_size, training_args.seed,
+    )  # fmt: skip
+    base = run.model.model_name_or_path
     write_model_card(
         training_args.output_dir,
         model=trainer.model,
         metrics=metrics,
         task=task,
-        dataset_name=data_args.dataset_name,
+        dataset_name=run.source.dataset_name,
         training_args=training_args,
         repo_id=trainer.hub_model_id or training_args.hub_model_id,
-        base_model=model_args.model_name_or_path if task == "finetune" else None,
-        summary=(
-            lora_summary(model_args.lora_rank, model_args.lora_target_modules, model_args.model_name_or_path)
-            if model_args.lora_rank
-            else None
-        ),
-        recipe=recipe_card_text(task, model_args, data_args, training_args),
+        base_model=base if task == "finetune" else None,
+        summary=lora_summary(run.lora.rank, run.lora.target_modules, base) if run.lora.rank else None,
+        recipe=recipe_card_text(
+            training_recipe_text(task, training_args),
+            run.recipe,
+            run.augmentation,
+            run.model,
+            run.sizes,
+            training_args.per_device_train_batch_size,
+            run.values,
+        ),  # fmt: skip
         compute_dial=dial.name if dial else None,
     )
     if training_args.push_to_hub:
@@ -227,10 +300,5 @@ def main(task: str, argv: list[str] | None = None, parsed: tuple | None = None) 
     this module."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     torch.set_float32_matmul_precision("high")
-    try:
+    with exit_on_error():
         return train(task, *(parsed or parse_args(task, argv)))
-    except (ValueError, OSError) as error:
-        if os.environ.get("HF_VIT_TRACEBACK"):
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from error

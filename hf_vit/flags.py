@@ -1,0 +1,55 @@
+"""Checks of flag values shared by every stage and command, and the commands' one way of ending on bad input.
+
+A value a user typed is refused where it is first read, by its flag's name, with the same words everywhere: one
+positive-integer check (`positive_int`), one reader of size lists (`parse_sizes`), and one way (`error_status`,
+`exit_on_error`) to turn a refusal into one `error:` line and exit status 2. Imports nothing of hf-vit, so that every
+layer may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+
+def positive_int(value: object, flag: str, what: str = "int") -> int:
+    """`value` when it is an int of at least 1 (not a bool); else a `ValueError` saying `"{flag} must be a positive
+    {what}, got {value!r}."`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{flag} must be a positive {what}, got {value!r}.")
+    return value
+
+
+def parse_sizes(text: str | None, flag: str) -> list[int] | None:
+    """`"64,144,256"` as `[64, 144, 256]`; a clear error naming `flag` for anything but distinct positive ints."""
+    if text is None:
+        return None
+    try:
+        sizes = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(size < 1 for size in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(
+            f"{flag} takes distinct positive whole numbers separated by commas (e.g. 8,16,32), got {text!r}."
+        )
+    return sizes
+
+
+def error_status(error: Exception) -> int:
+    """How a command ends on bad input: one `error: <message>` line on stderr, and the exit status 2 returned
+    (`HF_VIT_TRACEBACK=1`: the error is raised again, with its whole traceback)."""
+    if os.environ.get("HF_VIT_TRACEBACK"):
+        raise error
+    print(f"error: {error}", file=sys.stderr)
+    return 2
+
+
+@contextlib.contextmanager
+def exit_on_error(errors: tuple[type[Exception], ...] = (ValueError, OSError)) -> Iterator[None]:
+    """Inside the block, `errors` end the program as `error_status` says (exit status 2)."""
+    try:
+        yield
+    except errors as error:
+        raise SystemExit(error_status(error)) from error
