@@ -106,7 +106,7 @@ def make_resolution_variant(
         return model, processor
     metrics = {}
     if data_source is not None:
-        from .infer.inference import measure_model  # loads the data set libraries: imported only to measure
+        from .infer.evaluate import measure_model  # loads the data set libraries: imported only to measure
 
         split, measured = measure_model(model, processor, data_source)  # test, else validation, as a run reports
         metrics = {f"eval_{name}": value for name, value in measured.items()}

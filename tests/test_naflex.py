@@ -365,7 +365,7 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
     import json
 
     from hf_vit.data.datasets import DataSource
-    from hf_vit.infer.inference import measure_model
+    from hf_vit.infer.evaluate import measure_model
 
     rows = json.loads((tmp_path / "fine" / "compute_dial.json").read_text())
     assert [(row["series"], row["max_num_patches"]) for row in rows] == [("tokens", 1), ("tokens", 4), ("tokens", 6)]

@@ -895,7 +895,7 @@ def test_measuring_a_train_split_sees_no_augmentation():
     measures the processor's pixels, as a plain evaluation of that split does: the same accuracy, twice."""
     from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
     from hf_vit.data.datasets import DataSource
-    from hf_vit.infer.inference import evaluate_model
+    from hf_vit.infer.evaluate import evaluate_model
     from hf_vit.train.arguments import DataArguments
 
     torch.manual_seed(0)

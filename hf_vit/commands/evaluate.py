@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from hf_vit.data.datasets import DataSource
     from hf_vit.flags import parse_sizes
     from hf_vit.infer.compute_dial import evaluate_dial
-    from hf_vit.infer.inference import evaluate_saved_model
+    from hf_vit.infer.evaluate import evaluate_saved_model
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     import datasets

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers.utils import logging as transformers_logging
 
-    from hf_vit.infer.inference import predict_files, write_predictions
+    from hf_vit.infer.predict import predict_files, write_predictions
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     transformers_logging.disable_progress_bar()  # stderr keeps the warnings and errors

@@ -21,15 +21,8 @@ from typing import Any
 from ..data.datasets import DataSource
 from ..data.transforms import BatchSizes, decode_rgb
 from ..flags import parse_sizes
-from .inference import (
-    EvaluationSplit,
-    check_native_model,
-    check_serving_sizes,
-    evaluation_split,
-    load_model,
-    measure_split,
-    serving_processor,
-)
+from .evaluate import EvaluationSplit, evaluation_split, measure_split
+from .loading import check_native_model, check_serving_sizes, load_model, serving_processor
 
 logger = logging.getLogger(__name__)
 

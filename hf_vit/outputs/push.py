@@ -1,6 +1,6 @@
 """Pushing a folder to the Hub: an explicit list of the files this project writes (`hf_vit.outputs.files`), checked
-for symlinks and local paths before anything is sent, in one commit; and the `Trainer` mix-in that sends every push
-of a run through the same plan.
+for symlinks and local paths before anything is sent, in one commit. A run's Trainer (`hf_vit.train.trainer`) sends
+every push of a run through the same plan.
 """
 
 from __future__ import annotations

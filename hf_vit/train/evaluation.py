@@ -7,7 +7,7 @@ from typing import Any
 
 from transformers import Trainer
 
-from ..infer.inference import final_split
+from ..infer.evaluate import final_split
 
 
 def evaluate_split(

@@ -24,7 +24,7 @@ from ..data.datasets import DataSource, load_datasets
 from ..data.transforms import Augmentation, BatchSizes, check_image_channels, decode_rgb, rows_and_transform
 from ..flags import exit_on_error, parse_sizes
 from ..infer.compute_dial import compute_dial_after_training
-from ..infer.inference import evaluate_checkpoint
+from ..infer.evaluate import evaluate_checkpoint
 from ..outputs.cards import training_recipe_text, write_model_card
 from ..outputs.output_folders import claim_output_dir, release, remove_earlier_checkpoints
 from ..tasks.model_setup import ModelSettings, processor_for

@@ -1,21 +1,16 @@
-"""A saved model at work without training: its metrics on a data set's split (`evaluate_saved_model`, with a
-confusion matrix and a results file) and its top classes for image files (`predict_files`).
+"""A saved model's metrics on a data set's split without training (`evaluate_saved_model`, with a confusion matrix
+and a results file; `evaluate_checkpoint` for `--do_train False`; `measure_model` for a loaded model).
 
-Both take what a run or a user has: an hf-vit folder, a foreign checkpoint by Hub id or folder (converted on load),
-or a LoRA run's folder (merged on load, see `hf_vit.lora`). The evaluation is the run's: the objective's
-transforms, collator, metrics and loss (`hf_vit.tasks.objectives`), on the splits the run would see
-(`hf_vit.data.datasets`); the checkpoint's head is used as it is, so its classes must be the data set's.
+The evaluation is the run's: the objective's transforms, collator, metrics and loss (`hf_vit.tasks.objectives`), on
+the splits the run would see (`hf_vit.data.datasets`); the checkpoint's head is used as it is, so its classes must be
+the data set's.
 """
 
 from __future__ import annotations
 
-import copy
-import csv
-import io
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,185 +19,16 @@ import numpy as np
 import torch
 
 from ..data.datasets import DataSource, label_names, load_datasets
-from ..data.transforms import Augmentation, apply_transforms, decode_image, make_eval_transform
-from ..flags import positive_int
-from ..lora import is_lora_folder, load_lora_model
+from ..data.transforms import Augmentation, apply_transforms, make_eval_transform
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
-from ..model.modeling_vit import VisionTransformerForImageClassification
-from ..model.resolution import MAX_PATCH_POSITIONS
 from ..tasks.objectives import select_objective
+from .loading import load_model, model_inputs, tokens_per_image
 
 logger = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
 
-
-def load_model(
-    model: str | os.PathLike, patch_size: int | None = None, max_num_patches: int | None = None
-) -> tuple[VisionTransformerForImageClassification, Any]:
-    """The classifier and image processor saved at `model` (an hf-vit folder, a foreign checkpoint by Hub id or
-    folder, or a LoRA run's folder, merged), in eval mode. `patch_size`: the checkpoint loaded at another patch size
-    (FlexiViT: `from_pretrained(..., patch_size=)`, the patch embedding resampled by the pseudo-inverse of the
-    resize). `max_num_patches`: the processor returns native-aspect batches of at most that many patches per image
-    (see `serving_processor`)."""
-    check_serving_sizes(patch_size, max_num_patches)
-    source = model_source(model)
-    try:
-        if is_lora_folder(source):
-            classifier = load_lora_model(source)
-            if patch_size is not None:
-                classifier.set_input_size(patch_size=patch_size)
-        else:
-            resize = {} if patch_size is None else {"patch_size": patch_size}
-            classifier = VisionTransformerForImageClassification.from_pretrained(source, **resize)
-    except ValueError as error:
-        if patch_size is None:
-            raise
-        raise ValueError(f"--patch_size {patch_size}: {error}") from error
-    processor = VisionTransformerImageProcessor.from_pretrained(source)
-    return classifier.eval(), serving_processor(processor, classifier.config, max_num_patches)
-
-
-def check_serving_sizes(patch_size: int | None = None, max_num_patches: int | None = None) -> None:
-    """Refuse, by flag, a patch size or a number of patches that is not a positive int."""
-    for flag, value in (("--patch_size", patch_size), ("--max_num_patches", max_num_patches)):
-        if value is not None:
-            positive_int(value, flag)
-    if max_num_patches is not None and max_num_patches > MAX_PATCH_POSITIONS:
-        raise ValueError(
-            f"--max_num_patches {max_num_patches} is over the {MAX_PATCH_POSITIONS} patch positions hf-vit takes."
-        )
-
-
-def check_native_model(config: Any) -> None:
-    """Refuse, naming `--max_num_patches`, a model that cannot take native-aspect batches."""
-    if config.resnet_layers is not None or config.classifier not in ("token", "gap"):
-        raise ValueError(
-            "--max_num_patches: native-aspect batches need a model without a ResNet stem whose classifier is 'token' "
-            f"or 'gap'; this one has resnet_layers={config.resnet_layers}, classifier={config.classifier!r}. Leave "
-            "--max_num_patches out: its images are resized to the model's size."
-        )
-
-
-def serving_processor(processor: Any, config: Any, max_num_patches: int | None = None) -> Any:
-    """A copy of `processor` that serves `config`'s model: with `max_num_patches` (or the processor's own saved
-    field), native-aspect batches of at most that many patches of the model's patch size, each image kept whole (no
-    centre crop); else the processor as saved."""
-    processor = copy.deepcopy(processor)
-    if max_num_patches is not None:
-        check_native_model(config)
-        processor.max_num_patches, processor.do_center_crop = max_num_patches, False
-    if processor.max_num_patches is not None:
-        check_native_model(config)
-        processor.patch_size = config.patch_size
-    return processor
-
-
-def model_inputs(batch: dict[str, Any], device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """The model's inputs in a processed batch: `pixel_values`, and a native-aspect batch's mask and grids."""
-    inputs = {key: batch[key] for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes") if key in batch}
-    return {key: value.to(device) for key, value in inputs.items()} if device is not None else inputs
-
-
-def tokens_per_image(inputs: dict[str, torch.Tensor], patch_size: int) -> torch.Tensor:
-    """The patches each image of a batch is seen as: its grid's in a native-aspect batch, else the image's."""
-    if "spatial_shapes" in inputs:
-        return inputs["spatial_shapes"].prod(-1).float().cpu()
-    height, width = inputs["pixel_values"].shape[-2:]
-    return torch.full((len(inputs["pixel_values"]),), float((height // patch_size) * (width // patch_size)))
-
-
-def model_source(model: str | os.PathLike) -> str:
-    """`model` as a local folder or a Hub id; a path that is neither is refused before anything loads."""
-    source = os.fspath(model)
-    local = os.path.expanduser(source)
-    if os.path.exists(local):
-        if not os.path.isdir(local):
-            raise ValueError(f"--model {model}: a file, not a model folder (pass the folder holding config.json).")
-        return local
-    if source.startswith((".", "/", "~")) or source.count("/") > 1:
-        raise ValueError(f"--model {model}: no such folder (and not a Hugging Face Hub id).")
-    return source
-
-
-def image_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Every image named in `paths`, a folder standing for the images under it (sorted, recursively)."""
-    found: list[Path] = []
-    for path in map(Path, paths):
-        if path.is_dir():
-            inside = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-            if not inside:
-                raise ValueError(f"{path} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}).")
-            found.extend(inside)
-        elif path.is_file():
-            found.append(path)
-        else:
-            raise ValueError(f"{path}: no such image file or folder.")
-    return found
-
-
-def scores(model, logits: torch.Tensor) -> torch.Tensor:
-    """The model's class scores: independent sigmoids for multi-label models, a softmax otherwise (as
-    `pipeline("image-classification")` gives them)."""
-    if model.config.problem_type == "multi_label_classification":
-        return logits.float().sigmoid()
-    return logits.float().softmax(-1)
-
-
-@torch.no_grad()
-def predict_files(
-    model: str | os.PathLike,
-    images: Sequence[str | os.PathLike],
-    top_k: int = 5,
-    batch_size: int = 32,
-    max_num_patches: int | None = None,
-    patch_size: int | None = None,
-) -> list[dict[str, Any]]:
-    """Each image's `top_k` classes with their scores, best first: `{"image", "predictions": [{"label", "score"}]}`;
-    `max_num_patches` and `patch_size` as for `load_model`."""
-    if top_k < 1:
-        raise ValueError(f"--top_k must be at least 1, got {top_k}.")
-    model_source(model)
-    check_serving_sizes(patch_size, max_num_patches)
-    files = image_files(images)
-    classifier, processor = load_model(model, patch_size, max_num_patches)
-    names = classifier.config.id2label
-    top_k = min(top_k, classifier.config.num_labels)
-    rows = []
-    for start in range(0, len(files), batch_size):
-        batch = files[start : start + batch_size]
-        inputs = model_inputs(processor([decode_image(str(path)) for path in batch], return_tensors="pt"))
-        probabilities = scores(classifier, classifier(**inputs).logits)
-        best = probabilities.topk(top_k, dim=-1)
-        for path, values, indices in zip(batch, best.values.tolist(), best.indices.tolist()):
-            labels = [{"label": names[index], "score": value} for value, index in zip(values, indices)]
-            rows.append({"image": str(path), "predictions": labels})
-    return rows
-
-
-def write_predictions(rows: list[dict[str, Any]], output: str | os.PathLike | None = None) -> str:
-    """`rows` as JSON lines (one image a line), or as CSV (image, rank, label, score) for a `.csv` `output`; written
-    to `output` (a new file: an existing one is refused) and returned."""
-    if output is not None and Path(output).suffix.lower() == ".csv":
-        buffer = io.StringIO()
-        writer = csv.writer(buffer, lineterminator="\n")
-        writer.writerow(["image", "rank", "label", "score"])
-        for row in rows:
-            for rank, item in enumerate(row["predictions"], 1):
-                writer.writerow([row["image"], rank, item["label"], f"{item['score']:.6g}"])
-        text = buffer.getvalue()
-    else:
-        text = "".join(json.dumps(row) + "\n" for row in rows)
-    if output is not None:
-        path = Path(output)
-        if path.suffix.lower() not in (".csv", ".jsonl", ".json"):
-            raise ValueError(f"--output {output}: name a .jsonl or .csv file.")
-        if path.exists():
-            raise ValueError(f"--output {output} exists: name a new file (it is never overwritten).")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return text
+logger = logging.getLogger(__name__)
 
 
 def final_split(ds) -> str:
