@@ -14,7 +14,7 @@ from .model.image_processing_vit import VisionTransformerImageProcessor
 from .model.modeling_vit import VisionTransformerForImageClassification, VisionTransformerModel
 from .model.resolution import grid_for
 from .outputs.cards import write_card
-from .outputs.output_folders import check_output_dir, write_converted_folder
+from .outputs.output_folders import check_output_dir, check_outside_data_set, write_converted_folder
 
 POSITION_KEY = "embeddings.position_embedding"
 
@@ -72,6 +72,8 @@ def make_resolution_variant(
             "run or `save_pretrained` wrote; to start from a Hub model, download it first (`hf download <id> "
             "--local-dir <folder>`)."
         )
+    if output_dir is not None and data_args is not None:
+        check_outside_data_set(output_dir, data_args.dataset_name, "--output")
     target = check_output_dir(output_dir, overwrite, [source]) if output_dir is not None else None
     config = VisionTransformerConfig.from_pretrained(folder)
     image_size = config.image_hw if image_size is None else image_size

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers.utils import logging as transformers_logging
 
+    from hf_vit.outputs.output_folders import check_outside_data_set
     from hf_vit.run.arguments import DataArguments
     from hf_vit.run.compute_dial import evaluate_dial
     from hf_vit.run.flexible import parse_sizes
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         validation_fraction=args.validation_fraction,
     )
     try:
+        if args.output_dir is not None:
+            check_outside_data_set(args.output_dir, args.dataset_name)
         counts = parse_sizes(args.max_num_patches, "--max_num_patches") or []
         patch_sizes = parse_sizes(args.patch_size, "--patch_size") or []
         if len(counts) > 1 or len(patch_sizes) > 1:

@@ -20,7 +20,12 @@ import transformers
 from transformers import TrainingArguments
 
 from ..outputs.cards import write_model_card
-from ..outputs.output_folders import claim_output_dir, release, remove_earlier_checkpoints
+from ..outputs.output_folders import (
+    check_outside_data_set,
+    claim_output_dir,
+    release,
+    remove_earlier_checkpoints,
+)
 from .arguments import DataArguments, ModelArguments, parse_args
 from .checkpoints import resolve_resume
 from .compute_dial import compute_dial_after_training
@@ -68,6 +73,7 @@ def train(
     saved before that final evaluation, so an error there loses no training.
     """
     transformers.set_seed(training_args.seed)
+    check_outside_data_set(training_args.output_dir, data_args.dataset_name)
     if not training_args.do_train:  # --do_train False: measure the checkpoint as it is, write no model
         return evaluate_checkpoint(task, model_args, data_args, training_args)
     if data_args.streaming and training_args.max_steps <= 0:
