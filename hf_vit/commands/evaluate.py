@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers_logging.disable_progress_bar()  # stderr keeps the warnings and errors
     datasets.disable_progress_bars()
+    datasets.utils.logging.disable_propagation()  # datasets prints through its own handler: not twice
     data_args = DataArguments(
         dataset_name=args.dataset_name,
         image_column_name=args.image_column_name,

@@ -77,7 +77,8 @@ def summarize_run(
     dataset_name: str | None = None,
     validation_fraction: float = 0.1,
 ) -> list[str]:
-    """Log (INFO) and print the run's summary; log the chance-level WARNING when it applies. Returns the lines."""
+    """Print the run's summary, with the chance-level warning when it applies (and log it at DEBUG). Returns the
+    lines."""
     output_dir = os.path.abspath(os.fspath(output_dir))
     lines = [f"hf-vit {task}: the model is in {output_dir}"]
     found = headline(metrics)
@@ -93,10 +94,10 @@ def summarize_run(
     problem_type = getattr(config, "problem_type", None)
     num_classes = len(getattr(config, "id2label", None) or {})
     warning = chance_warning(final_training_loss(log_history, metrics), num_classes, problem_type, training_args)
-    for line in lines:
-        logger.info("%s", line)
     if warning:
-        logger.warning("%s", warning)
         lines.append(f"  WARNING: {warning}")
+    # Printed once, on standard output; the log keeps it at DEBUG only, since a terminal shows both streams.
+    for line in lines:
+        logger.debug("%s", line)
     print("\n".join(lines), flush=True)
     return lines

@@ -98,6 +98,14 @@ def train(
                 os.rmdir(training_args.output_dir)
 
 
+def shown_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics the run prints: each once. `eval_*` repeats the final split's `<split>_*` (for the card and the
+    Hub), so it is left out of the printed table; `all_results.json` keeps both."""
+    split = metrics.get("eval_split")
+    repeated = {f"eval_{key.removeprefix(f'{split}_')}" for key in metrics if split and key.startswith(f"{split}_")}
+    return {k: v for k, v in metrics.items() if not isinstance(v, str) and k not in repeated}
+
+
 def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[str, Any]:
     raw = load_datasets(data_args, training_args.seed)
     objective = select_objective(task, model_args, data_args, raw)
@@ -126,7 +134,7 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     trainer.save_model(_internal_call=True)
     trainer.save_state()
     metrics = {**train_result.metrics, **final_evaluation(trainer, ds, objective.loss), "train_task": task}
-    trainer.log_metrics("all", {k: v for k, v in metrics.items() if not isinstance(v, str)})
+    trainer.log_metrics("all", shown_metrics(metrics))
     trainer.save_metrics("all", metrics, combined=False)
     trainer.save_state()
     if trainer.is_world_process_zero():
@@ -232,6 +240,7 @@ def main(task: str, argv: list[str] | None = None, parsed: tuple | None = None) 
     the whole traceback). `parsed`: the flags already parsed (`parse_args`), as the commands do before importing
     this module."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    datasets.utils.logging.disable_propagation()  # datasets prints through its own handler: not twice
     torch.set_float32_matmul_precision("high")
     try:
         return train(task, *(parsed or parse_args(task, argv)))

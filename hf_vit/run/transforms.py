@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import io
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -405,6 +406,19 @@ def _with_labels(pixel_values: torch.Tensor, batch: Mapping[str, Sequence[Any]])
     return output
 
 
+@contextlib.contextmanager
+def unhashable_transform_allowed() -> Iterator[None]:
+    """Quiets datasets' "couldn't be hashed properly" warning: a lazy `with_transform` caches nothing, so the random
+    fingerprint it warns about changes nothing for the user, who saw it in every run."""
+    fingerprint = logging.getLogger("datasets.fingerprint")
+    level = fingerprint.level
+    fingerprint.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        fingerprint.setLevel(level)
+
+
 def apply_transforms(
     ds: DatasetDict | IterableDatasetDict,
     train_transform: Transform,
@@ -427,7 +441,8 @@ def apply_transforms(
             data = data.decode(False)
             data = data.map(transform, batched=True, batch_size=stream_batch_size, remove_columns=columns)
         else:
-            data = data.cast_column("image", datasets.Image(decode=False)).with_transform(transform)
+            with unhashable_transform_allowed():
+                data = data.cast_column("image", datasets.Image(decode=False)).with_transform(transform)
         transformed[split] = data
     return type(ds)(transformed)
 
