@@ -87,15 +87,23 @@ def test_a_run_ends_with_its_summary_and_a_run_at_chance_says_so(tmp_path, capsy
     assert "the model is in" not in caplog.text  # printed once: the log keeps it at DEBUG
 
 
-def test_the_chance_warning_is_for_losses_within_5_percent_of_ln_c(tmp_path):
-    args = parse_args("finetune", ["--output_dir", str(tmp_path)])[2]
+def test_the_chance_warning_is_for_losses_within_5_percent_of_ln_c():
     chance = math.log(4)
-    assert chance_warning(1.3856, 4, "single_label_classification", args)  # the reported run: 4 classes, 1.3856
-    assert chance_warning(chance * 1.049, 4, "single_label_classification", args)
-    assert chance_warning(chance * 0.951, 4, "single_label_classification", args)
-    assert chance_warning(chance * 1.06, 4, "single_label_classification", args) is None
-    assert chance_warning(chance * 0.5, 4, "single_label_classification", args) is None
-    assert chance_warning(chance, 4, "multi_label_classification", args) is None  # ln C is not its chance level
+    single = "single_label_classification"
+    assert chance_warning(1.3856, 4, single, 0.1)  # the reported run: 4 classes, 1.3856
+    assert chance_warning(chance * 1.049, 4, single, 0.1)
+    assert chance_warning(chance * 0.951, 4, single, 0.1)
+    assert chance_warning(chance * 1.06, 4, single, 0.1) is None
+    assert chance_warning(chance * 0.5, 4, single, 0.1) is None
+    assert chance_warning(chance, 4, "multi_label_classification", 0.1) is None  # ln C is not its chance level
+
+
+def test_the_chance_advice_names_the_flag_that_set_the_runs_length():
+    chance = math.log(3)
+    by_steps = chance_warning(chance, 3, "single_label_classification", 0.05, max_steps=40, epochs_done=2.5)
+    assert "more --max_steps (this run: 40)" in by_steps and "--num_train_epochs" not in by_steps
+    by_epochs = chance_warning(chance, 3, "single_label_classification", 0.05, max_steps=-1, epochs_done=2)
+    assert "more --num_train_epochs (this run: 2)" in by_epochs and "--learning_rate (this run: 0.05)" in by_epochs
 
 
 def test_help_says_what_a_no_twin_of_a_flag_on_by_default_does(capsys):

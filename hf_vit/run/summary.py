@@ -25,20 +25,32 @@ def final_training_loss(log_history: list[dict[str, Any]], metrics: dict[str, An
     return float(value) if value is not None else None
 
 
-def chance_warning(loss: float | None, num_classes: int, problem_type: str | None, training_args: Any) -> str | None:
+def chance_warning(
+    loss: float | None,
+    num_classes: int,
+    problem_type: str | None,
+    learning_rate: float,
+    max_steps: int = -1,
+    epochs_done: float | None = None,
+) -> str | None:
     """The warning for a single-label run whose final training loss is within 5% of chance, ln C for C classes (a
-    model answering every class at 1/C); None otherwise."""
+    model answering every class at 1/C); None otherwise. Its advice names the flag that set the run's length:
+    `--max_steps` when it was given (> 0), else `--num_train_epochs` with the epochs the run did."""
     if loss is None or problem_type != "single_label_classification" or num_classes < 2:
         return None
     chance = math.log(num_classes)
     if abs(loss - chance) > CHANCE_MARGIN * chance:
         return None
+    if max_steps > 0:
+        longer = f"more --max_steps (this run: {max_steps})"
+    else:
+        longer = "more --num_train_epochs" + (f" (this run: {epochs_done:g})" if epochs_done is not None else "")
     return (
         f"The final training loss {loss:.4f} is at chance level: ln {num_classes} = {chance:.4f} for {num_classes} "
-        "classes, the loss of a model that answers every class at 1/{0} whatever the image. It has learned nothing "
-        "yet. Try a higher --learning_rate (this run: {1:g}), more --num_train_epochs (this run: {2:g}), or the "
+        f"classes, the loss of a model that answers every class at 1/{num_classes} whatever the image. It has "
+        f"learned nothing yet. Try a higher --learning_rate (this run: {learning_rate:g}), {longer}, or the "
         "README's quick-start recipe for an image folder."
-    ).format(num_classes, training_args.learning_rate, training_args.num_train_epochs)
+    )
 
 
 def headline(metrics: dict[str, Any]) -> tuple[str, float] | None:
@@ -93,7 +105,11 @@ def summarize_run(
     )
     problem_type = getattr(config, "problem_type", None)
     num_classes = len(getattr(config, "id2label", None) or {})
-    warning = chance_warning(final_training_loss(log_history, metrics), num_classes, problem_type, training_args)
+    epochs = metrics.get("epoch")  # the epochs done (a fraction when --max_steps ended the run)
+    warning = chance_warning(
+        final_training_loss(log_history, metrics), num_classes, problem_type, training_args.learning_rate,
+        training_args.max_steps, round(epochs, 2) if isinstance(epochs, (int, float)) else None,
+    )  # fmt: skip
     if warning:
         lines.append(f"  WARNING: {warning}")
     # Printed once, on standard output; the log keeps it at DEBUG only, since a terminal shows both streams.
