@@ -376,3 +376,18 @@ def test_a_runs_validation_figures_are_those_evaluate_measures_on_its_folder(tmp
     assert measured["validation_samples"] == 6
     assert measured["validation_accuracy"] == metrics["validation_accuracy"]
     assert measured["validation_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-7)
+
+
+def test_evaluate_maps_the_data_sets_classes_to_the_models_ids_by_name(tmp_path, capsys):
+    """A head trained with the classes in another id order (dog 0, cat 1) is measured by class name, as a forward
+    computed here from the files' folder names measures it."""
+    data = split_image_folder(tmp_path / "data")
+    for seed in range(20):  # a head whose two orders give different accuracies, so the mapping shows
+        model = classifier_folder(tmp_path / f"model{seed}", {0: "dog", 1: "cat"}, seed=seed)
+        accuracy, loss, count = expected_metrics(model, data)
+        if accuracy not in (0.5,):
+            break
+    assert evaluate_command.main(["--model", str(model), "--dataset_name", str(data)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["test_samples"] == count and printed["test_accuracy"] == pytest.approx(accuracy)
+    assert printed["test_loss"] == pytest.approx(loss, abs=1e-5)

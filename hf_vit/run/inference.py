@@ -28,7 +28,7 @@ from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..model.modeling_vit import VisionTransformerForImageClassification
 from ..model.resolution import MAX_PATCH_POSITIONS
 from .arguments import DataArguments
-from .datasets import load_datasets
+from .datasets import label_names, load_datasets, reorder_classes
 from .evaluation import final_split
 from .lora import is_lora_folder, load_lora_model
 from .objectives import select_objective
@@ -223,6 +223,10 @@ def evaluation_split(config: Any, data_args: Any, split: str | None = None, seed
     split = split or final_split(raw)
     if split not in raw:
         raise ValueError(f"--split {split}: the data set {data_args.dataset_name!r} has {', '.join(raw)}.")
+    model_names = [config.id2label[i] for i in range(config.num_labels)] if config.id2label else []
+    data_names = label_names(raw)
+    if data_names != model_names and sorted(data_names) == sorted(model_names):
+        raw = reorder_classes(raw, model_names)  # the same classes, numbered as the model numbers them
     wanted = SimpleNamespace(objective="classification", problem_type=None)
     objective = select_objective("finetune", wanted, data_args, raw)
     raw, labels = objective.labels(raw, data_args)
@@ -273,7 +277,8 @@ def evaluate_loaded(
 
 
 def check_classes(config: Any, id2label: dict[int, str], dataset_name: str) -> None:
-    """A checkpoint's head is evaluated as it is: its classes must be the data set's, in the same order."""
+    """A checkpoint's head is evaluated as it is: its classes must be the data set's (numbered alike: see
+    `evaluation_split`, which maps the data set's labels to the model's ids by name)."""
     model_names = [config.id2label[i] for i in range(config.num_labels)]
     data_names = [id2label[i] for i in range(len(id2label))]
     if model_names != data_names:
