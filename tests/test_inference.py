@@ -391,3 +391,37 @@ def test_evaluate_maps_the_data_sets_classes_to_the_models_ids_by_name(tmp_path,
     printed = json.loads(capsys.readouterr().out)
     assert printed["test_samples"] == count and printed["test_accuracy"] == pytest.approx(accuracy)
     assert printed["test_loss"] == pytest.approx(loss, abs=1e-5)
+
+
+def test_predict_and_evaluate_refuse_a_model_without_a_classification_head(tmp_path, capsys):
+    """An encoder folder (hf-vit's VisionTransformerModel) and a DINOv2 backbone hold no head: predicting with a
+    fresh random head, or with the features as logits, would print scores that mean nothing."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    from hf_vit import VisionTransformerModel
+
+    encoder = tmp_path / "encoder"
+    VisionTransformerModel(VisionTransformerConfig.from_pretrained(classifier_folder(tmp_path / "c"))).save_pretrained(
+        encoder
+    )
+    VisionTransformerImageProcessor(size=8).save_pretrained(encoder)
+    dino = tmp_path / "dino"
+    Dinov2Model(Dinov2Config(image_size=8, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=64)).save_pretrained(dino)  # fmt: skip
+    ViTImageProcessor(size={"height": 8, "width": 8}).save_pretrained(dino)
+    data = split_image_folder(tmp_path / "data")
+    for folder in (encoder, dino):
+        for command, argv in (
+            (predict_command, ["--model", str(folder), str(data / "test")]),
+            (evaluate_command, ["--model", str(folder), "--dataset_name", str(data)]),
+        ):
+            capsys.readouterr()
+            assert command.main(argv) == 2
+            captured = capsys.readouterr()
+            err = captured.err.strip().splitlines()
+            assert len(err) == 1 and "has no classification head" in err[0], err
+            assert captured.out == ""
+    model = classifier_folder(tmp_path / "model")
+    for size in ("0", "-1"):
+        assert predict_command.main(["--model", str(model), str(data / "test"), "--batch_size", size]) == 2
+        assert "--batch_size must be a positive number of images" in capsys.readouterr().err
