@@ -103,10 +103,13 @@ def make_resolution_variant(
         return model, processor
     metrics = {}
     if data_args is not None:
-        from .run.evaluation import measure_model  # loads the data set libraries: imported only to measure
+        from .run.inference import evaluate_loaded  # loads the data set libraries: imported only to measure
 
-        split, measured = measure_model(model, processor, data_args)  # test, else validation, as a run reports
-        metrics = {f"eval_{name}": value for name, value in measured.items()}
+        # As hf-vit-evaluate measures it, with the objective of the model's own problem type (single- or multi-label),
+        # on test, else validation, as a run reports.
+        measured, _ = evaluate_loaded(model.eval(), processor, data_args)
+        split = next(key for key in measured if key.endswith("_samples")).removesuffix("_samples")
+        metrics = {f"eval_{key.removeprefix(split + '_')}": value for key, value in measured.items()}
         metrics["eval_split"] = split
     base_model = base_model or folder.expanduser().resolve().name
     (old_h, old_w), (rows, cols), old_patch = config.image_hw, grid, config.patch_size

@@ -300,10 +300,12 @@ def evaluate_loaded(
 
 def check_classes(config: Any, id2label: dict[int, str], dataset_name: str) -> None:
     """A checkpoint's head is evaluated as it is: its classes must be the data set's (numbered alike: see
-    `evaluation_split`, which maps the data set's labels to the model's ids by name)."""
+    `evaluation_split`, which maps the data set's labels to the model's ids by name). A head saved without class
+    names (transformers' LABEL_0, LABEL_1, ...) is taken by id when it has as many classes as the data set."""
     model_names = [config.id2label[i] for i in range(config.num_labels)]
     data_names = [id2label[i] for i in range(len(id2label))]
-    if model_names != data_names:
+    unnamed = model_names == [f"LABEL_{i}" for i in range(config.num_labels)]  # transformers' default: no names saved
+    if model_names != data_names and not (unnamed and len(model_names) == len(data_names)):
         raise ValueError(
             f"The model's classes {model_names} are not those of {dataset_name!r} ({data_names}): its head can only "
             "be evaluated on the classes it was trained for. Fine-tune it on this data set first (hf-vit-finetune)."
