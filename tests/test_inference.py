@@ -203,9 +203,28 @@ def test_do_train_false_evaluates_the_checkpoint_as_it_is_and_writes_no_model(tm
     args = ["--model_name_or_path", str(other), "--dataset_name", str(data), "--output_dir", str(tmp_path / "o")]
     with pytest.raises(ValueError, match=r"\['bird', 'fish'\] are not those of .*\['cat', 'dog'\]"):
         train("finetune", *parse_args("finetune", args + ["--do_train", "False", *QUIET]))
-    for flag, value in (("--image_size", "16"), ("--learning_rate", "0.1"), ("--lora_rank", "2")):
+    for flag, value in (("--image_size", "16"), ("--lora_rank", "2"), ("--config_overrides", "qkv_bias=False")):
         with pytest.raises(ValueError, match=f"--do_train False measures the checkpoint as it is, so {flag} would"):
             parse_args("finetune", args + ["--do_train", "False", flag, value, *QUIET])
+
+
+def test_do_train_false_warns_once_about_training_flags_and_measures(tmp_path, caplog):
+    """A training command re-run with --do_train False evaluates: the flags that shape training only get one warning
+    line naming them, not a refusal."""
+    model = classifier_folder(tmp_path / "model")
+    data = split_image_folder(tmp_path / "data")
+    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out")]
+    args += ["--per_device_train_batch_size", "4", "--save_strategy", "epoch", "--learning_rate", "0.1"]
+    with caplog.at_level("WARNING", logger="hf_vit"):
+        parsed = parse_args(
+            "finetune", args + ["--do_train", "False", "--do_predict", "--rand_augment", "rand-m9-n2", *QUIET]
+        )
+    warned = [r.getMessage() for r in caplog.records if "--do_train False" in r.getMessage()]
+    assert len(warned) == 1
+    for flag in ("--per_device_train_batch_size", "--save_strategy", "--learning_rate", "--rand_augment"):
+        assert flag in warned[0]
+    metrics = train("finetune", *parsed)
+    assert metrics["test_accuracy"] == pytest.approx(expected_metrics(model, data)[0])
 
 
 def test_a_lora_runs_folder_predicts_and_loads_without_base(tmp_path, capsys):

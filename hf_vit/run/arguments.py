@@ -6,6 +6,8 @@ stage of it), so that every stage can read it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -48,6 +50,8 @@ RECIPES: dict[str, dict[str, Any]] = {
     ),
 }
 # Defaults the image pipeline needs, whatever the task.
+logger = logging.getLogger(__name__)
+
 COMMON_DEFAULTS: dict[str, Any] = dict(
     remove_unused_columns=False,  # the transforms read the raw `image` and `label` columns
     label_names=["labels"],
@@ -426,16 +430,27 @@ EVALUATION_FLAGS = frozenset(
 )  # fmt: skip
 
 
-def check_evaluation_flags(passed: set[str]) -> None:
-    """Refuse, by name, flags that `--do_train False` (measure the checkpoint as it is) would accept and ignore."""
+def check_evaluation_flags(passed: set[str]) -> list[str]:
+    """What `--do_train False` (measure the checkpoint as it is) does with the other flags given: those that would
+    change the measured model (the model's flags: its size, patch size, adapters, architecture) are refused by name;
+    those that shape training only (the training batch, the schedule, checkpoints, augmentation) have no effect and
+    get one warning line naming them, so that a training command re-run with --do_train False evaluates. Returns the
+    flags warned about."""
     ignored = sorted(passed - EVALUATION_FLAGS)
-    if ignored:
-        named = ", ".join(f"--{name}" for name in ignored)
+    model_flags = {item.name for item in dataclasses.fields(ModelArguments)}
+    changing = [name for name in ignored if name in model_flags]
+    if changing:
+        named = ", ".join(f"--{name}" for name in changing)
         raise ValueError(
-            f"--do_train False measures the checkpoint as it is, so {named} would have no effect (nothing is trained, "
-            "resized or adapted). Drop them, or fine-tune with them (without --do_train False); hf-vit-evaluate "
-            "measures a saved model too."
+            f"--do_train False measures the checkpoint as it is, so {named} would change the model measured "
+            "(nothing is trained, resized or adapted). Drop them, or fine-tune with them (without --do_train "
+            "False); hf-vit-evaluate measures a saved model too (--max_num_patches, --patch_size)."
         )
+    if ignored:
+        logger.warning(
+            "--do_train False: %s shape training only and have no effect here.", ", ".join(f"--{n}" for n in ignored)
+        )
+    return ignored
 
 
 def check_flexible_flags(data_args: DataArguments, training_args: TrainingArguments) -> None:
