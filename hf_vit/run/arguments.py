@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
+from ..model.resolution import MAX_PATCH_POSITIONS
 from .ema import check_ema_decay
 from .flexible import parse_sizes
 from .mixing import Mixing
@@ -457,6 +458,12 @@ def check_flexible_flags(data_args: DataArguments, training_args: TrainingArgume
     """Refuse, by name, sizes drawn per batch that cannot be trained or would be ignored; `--seq_lens` without
     `--max_num_patches` evaluates (and saves its processor) at its longest length."""
     seq_lens = parse_sizes(data_args.seq_lens, "--seq_lens")
+    for flag, counts in (("--max_num_patches", [data_args.max_num_patches or 0]), ("--seq_lens", seq_lens or [0])):
+        if max(counts) > MAX_PATCH_POSITIONS:  # a step at 100,000 patches took minutes before failing for memory
+            raise ValueError(
+                f"{flag} {max(counts)} is over the {MAX_PATCH_POSITIONS} patch positions hf-vit takes (a 256x256 "
+                "grid); native-aspect images are usually trained at 256 to 1024 patches."
+            )
     if data_args.max_tokens_per_batch is not None and seq_lens is None:
         raise ValueError("--max_tokens_per_batch sizes the batches of --seq_lens: give --seq_lens, or drop it.")
     if seq_lens is not None:
