@@ -294,3 +294,14 @@ def test_an_output_folder_inside_the_data_set_is_refused_and_the_data_set_untouc
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"{flag} {inside} lies inside the data set" in err[0], err
     assert sorted(str(path.relative_to(data)) for path in data.rglob("*")) == before
+
+
+def test_an_output_dir_under_a_file_is_named_not_errno(tmp_path):
+    from hf_vit.outputs.output_folders import OutputDirError, claim_output_dir
+
+    (tmp_path / "notes.txt").write_text("mine")
+    for output in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "run" / "deeper"):
+        with pytest.raises(OutputDirError, match=r"notes.txt.* is a file") as refused:
+            claim_output_dir(output, resuming=False, overwrite=False, main_process=True)
+        assert "Errno" not in str(refused.value)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
