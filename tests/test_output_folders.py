@@ -305,3 +305,21 @@ def test_an_output_dir_under_a_file_is_named_not_errno(tmp_path):
             claim_output_dir(output, resuming=False, overwrite=False, main_process=True)
         assert "Errno" not in str(refused.value)
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_evaluate_names_a_file_in_the_way_of_its_output_dir(tmp_path, capsys):
+    from test_inference import classifier_folder
+    from test_training import split_image_folder
+
+    from hf_vit.commands import evaluate as evaluate_command
+
+    model, data = classifier_folder(tmp_path / "model"), split_image_folder(tmp_path / "data")
+    (tmp_path / "notes.txt").write_text("mine")
+    for output in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "eval"):
+        capsys.readouterr()
+        assert (
+            evaluate_command.main(["--model", str(model), "--dataset_name", str(data), "--output_dir", str(output)])
+            == 2
+        )
+        err = capsys.readouterr().err
+        assert "notes.txt is a file" in err and "Errno" not in err, err

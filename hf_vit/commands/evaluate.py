@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers.utils import logging as transformers_logging
 
-    from hf_vit.outputs.output_folders import check_outside_data_set
+    from hf_vit.outputs.output_folders import check_no_file_in_the_way, check_outside_data_set
     from hf_vit.run.arguments import DataArguments
     from hf_vit.run.compute_dial import evaluate_dial
     from hf_vit.run.flexible import parse_sizes
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.output_dir is not None:
+            check_no_file_in_the_way(args.output_dir)
             check_outside_data_set(args.output_dir, args.dataset_name)
         counts = parse_sizes(args.max_num_patches, "--max_num_patches") or []
         patch_sizes = parse_sizes(args.patch_size, "--patch_size") or []

@@ -282,6 +282,18 @@ def _blocking_entries(folder: Path) -> list[str]:
     return problems
 
 
+def check_no_file_in_the_way(folder: str | os.PathLike, flag: str = "--output_dir") -> None:
+    """Refuse, naming it, a file where the output folder `folder` (or a folder above it) would have to be."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise OutputDirError(f"{flag} {folder} is a file; pass a folder.")
+    above = folder.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if above.exists() and not above.is_dir():
+        raise OutputDirError(f"{flag} {folder}: {above} is a file, so no folder can be made there; pass a folder.")
+
+
 def claim_output_dir(
     output_dir: str | os.PathLike, *, resuming: bool, overwrite: bool, main_process: bool
 ) -> IO[Any] | None:
