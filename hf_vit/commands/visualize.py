@@ -98,6 +98,10 @@ def _visualize(args: VisualizeArguments) -> list[Path]:
             f"--model {args.model}: not an hf-vit model folder (or Hub id) with config.json and "
             f"preprocessor_config.json ({str(error).splitlines()[0]})"
         ) from error
+    if processor.max_num_patches is not None:
+        # The figures are maps over the model's square grid of patches (rollout, attention distance): a folder saved
+        # by a native-aspect run is drawn from whole images at its size, as --image_size draws them at another.
+        processor.max_num_patches = None
     if args.image_size is not None:
         height, width = (args.image_size * 2)[:2]
         if height % config.patch_size or width % config.patch_size:
