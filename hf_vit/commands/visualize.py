@@ -15,6 +15,7 @@ interpolated). Without --image, --num_images digits of the test split are used.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +62,9 @@ def load_inputs(args: VisualizeArguments) -> tuple[list, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = HfArgumentParser(VisualizeArguments, description=__doc__)
+    parser = HfArgumentParser(
+        VisualizeArguments, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     if args.image_size is not None and len(args.image_size) not in (1, 2):
         parser.error("--image_size takes one size (square) or two (height width)")
