@@ -197,8 +197,25 @@ def _crash_point(step: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back: there is no other portable way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_umask_modes(folder: Path) -> None:
+    """The modes a plain `open`/`mkdir` would have given `folder` and what it holds, under the user's umask: a
+    staging folder is made private (mkdtemp's 0700) while it is written, and that privacy must not outlive it."""
+    mask = current_umask()
+    for path in (folder, *folder.rglob("*")):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def _install(staging: Path, target: Path) -> None:
     """Put the complete folder `staging` at `target` so that one complete result exists at every instant."""
+    give_umask_modes(staging)
     if not target.exists():
         os.rename(staging, target)
         return
