@@ -246,6 +246,25 @@ def test_corrupt_image_raises_naming_the_file(tmp_path, processor, damage):
             transform({"image": [b"this is not an image"], "label": [0]})
 
 
+def test_an_image_of_nan_values_or_no_pixels_is_named(tmp_path, processor):
+    """A float image holding NaN, in a folder a run reads, is refused naming its file (the processor named only its
+    place in a batch); an image without pixels is refused as such, not by a parameter the user never passed."""
+    from hf_vit.data.transforms import decode_image
+
+    root = _write_image_folder(tmp_path / "images")
+    PIL.Image.fromarray(np.full((6, 6), np.nan, dtype=np.float32), mode="F").save(root / "cat" / "nan.tiff")
+    for transform in (make_train_transform(processor), make_eval_transform(processor)):
+        batch = {"image": [{"path": str(root / "cat" / "0.png"), "bytes": None}, str(root / "cat" / "nan.tiff")]}
+        with pytest.raises(CorruptImageError, match=r"nan.tiff \(image 1 of the batch\) contains NaN"):
+            transform(batch)
+    with pytest.raises(CorruptImageError, match="nan.tiff .*contains NaN or infinite"):
+        decode_image(str(root / "cat" / "nan.tiff"))
+    for empty in (np.zeros((0, 8, 3), dtype=np.uint8), torch.zeros(3, 8, 0)):
+        with pytest.raises(CorruptImageError, match=r"image 2 of the batch\) has no pixels \(shape"):
+            decode_image(empty, 2)
+    assert decode_image(np.zeros((2, 2, 3), dtype=np.float32)).shape == (2, 2, 3)  # finite floats pass
+
+
 def _paths(ds):
     return [image["path"] for image in ds.cast_column("image", datasets.Image(decode=False))["image"]]
 

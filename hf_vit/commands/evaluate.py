@@ -57,12 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     from hf_vit.flags import parse_sizes
     from hf_vit.infer.compute_dial import evaluate_dial
     from hf_vit.infer.evaluate import evaluate_saved_model
+    from hf_vit.outputs.output_folders import check_no_file_in_the_way, check_outside_data_set
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     import datasets
 
     transformers_logging.disable_progress_bar()  # stderr keeps the warnings and errors
     datasets.disable_progress_bars()
+    datasets.utils.logging.disable_propagation()  # datasets prints through its own handler: not twice
     source = DataSource(
         dataset_name=args.dataset_name,
         image_column_name=args.image_column_name,
@@ -70,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         validation_fraction=args.validation_fraction,
     )
     try:
+        if args.output_dir is not None:
+            check_no_file_in_the_way(args.output_dir)
+            check_outside_data_set(args.output_dir, args.dataset_name)
         counts = parse_sizes(args.max_num_patches, "--max_num_patches") or []
         patch_sizes = parse_sizes(args.patch_size, "--patch_size") or []
         if len(counts) > 1 or len(patch_sizes) > 1:

@@ -254,6 +254,27 @@ def is_multi_label(ds: Dataset | IterableDataset | DatasetDict | IterableDataset
     return isinstance((ds.features or {}).get("label"), (datasets.List, datasets.Sequence, datasets.LargeList))
 
 
+def reorder_classes(ds, names: list[str]):
+    """`ds` with its classes numbered as `names` orders them (the same classes in another order, e.g. a model's
+    `id2label`): each `label` (or each element of a multi-label list) is mapped by its class name."""
+    current = label_names(ds)
+    if sorted(current) != sorted(names):
+        raise ValueError(f"The classes {current} are not {names} in another order.")
+    position = {name: index for index, name in enumerate(names)}
+    new_id = [position[name] for name in current]
+
+    def remap(batch):
+        return {"label": [[new_id[c] for c in x] if isinstance(x, list) else new_id[x] for x in batch["label"]]}
+
+    reordered = {}
+    for split, data in ds.items():
+        features = data.features.copy()
+        multi = isinstance(features["label"], (datasets.List, datasets.Sequence, datasets.LargeList))
+        features["label"] = datasets.List(ClassLabel(names=names)) if multi else ClassLabel(names=names)
+        reordered[split] = data.map(remap, batched=True, features=features)
+    return type(ds)(reordered)
+
+
 def to_multi_hot(ds: DatasetDict, num_classes: int) -> DatasetDict:
     """`ds` with each image's list of class ids as a multi-hot float vector of `num_classes` (the model's targets for
     multi-label classification)."""

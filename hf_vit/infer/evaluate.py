@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data.datasets import DataSource, label_names, load_datasets
+from ..data.datasets import DataSource, label_names, load_datasets, reorder_classes
 from ..data.transforms import Augmentation, apply_transforms, make_eval_transform
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
@@ -54,6 +54,10 @@ def evaluation_split(config: Any, source: DataSource, split: str | None = None, 
     split = split or final_split(raw)
     if split not in raw:
         raise ValueError(f"--split {split}: the data set {source.dataset_name!r} has {', '.join(raw)}.")
+    model_names = [config.id2label[i] for i in range(config.num_labels)] if config.id2label else []
+    data_names = label_names(raw)
+    if data_names != model_names and sorted(data_names) == sorted(model_names):
+        raw = reorder_classes(raw, model_names)  # the same classes, numbered as the model numbers them
     objective = select_objective("finetune", raw, source.dataset_name, streaming=source.streaming)
     raw, labels = objective.labels(raw)
     check_classes(config, labels.id2label, source.dataset_name)
@@ -104,10 +108,13 @@ def evaluate_loaded(
 
 
 def check_classes(config: Any, id2label: dict[int, str], dataset_name: str) -> None:
-    """A checkpoint's head is evaluated as it is: its classes must be the data set's, in the same order."""
+    """A checkpoint's head is evaluated as it is: its classes must be the data set's (numbered alike: see
+    `evaluation_split`, which maps the data set's labels to the model's ids by name). A head saved without class
+    names (transformers' LABEL_0, LABEL_1, ...) is taken by id when it has as many classes as the data set."""
     model_names = [config.id2label[i] for i in range(config.num_labels)]
     data_names = [id2label[i] for i in range(len(id2label))]
-    if model_names != data_names:
+    unnamed = model_names == [f"LABEL_{i}" for i in range(config.num_labels)]  # transformers' default: no names saved
+    if model_names != data_names and not (unnamed and len(model_names) == len(data_names)):
         raise ValueError(
             f"The model's classes {model_names} are not those of {dataset_name!r} ({data_names}): its head can only "
             "be evaluated on the classes it was trained for. Fine-tune it on this data set first (hf-vit-finetune)."

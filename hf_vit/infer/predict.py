@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..data.transforms import decode_image
+from ..flags import positive_int
 from .loading import check_serving_sizes, load_model, model_inputs, model_source
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -55,6 +56,7 @@ def predict_files(
     `max_num_patches` and `patch_size` as for `load_model`."""
     if top_k < 1:
         raise ValueError(f"--top_k must be at least 1, got {top_k}.")
+    positive_int(batch_size, "--batch_size", "number of images")
     model_source(model)
     check_serving_sizes(patch_size, max_num_patches)
     files = image_files(images)

@@ -26,21 +26,31 @@ def final_training_loss(log_history: list[dict[str, Any]], metrics: dict[str, An
 
 
 def chance_warning(
-    loss: float | None, num_classes: int, problem_type: str | None, learning_rate: float, num_train_epochs: float
+    loss: float | None,
+    num_classes: int,
+    problem_type: str | None,
+    learning_rate: float,
+    max_steps: int = -1,
+    epochs_done: float | None = None,
 ) -> str | None:
     """The warning for a single-label run whose final training loss is within 5% of chance, ln C for C classes (a
-    model answering every class at 1/C); None otherwise."""
+    model answering every class at 1/C); None otherwise. Its advice names the flag that set the run's length:
+    `--max_steps` when it was given (> 0), else `--num_train_epochs` with the epochs the run did."""
     if loss is None or problem_type != "single_label_classification" or num_classes < 2:
         return None
     chance = math.log(num_classes)
     if abs(loss - chance) > CHANCE_MARGIN * chance:
         return None
+    if max_steps > 0:
+        longer = f"more --max_steps (this run: {max_steps})"
+    else:
+        longer = "more --num_train_epochs" + (f" (this run: {epochs_done:g})" if epochs_done is not None else "")
     return (
         f"The final training loss {loss:.4f} is at chance level: ln {num_classes} = {chance:.4f} for {num_classes} "
-        "classes, the loss of a model that answers every class at 1/{0} whatever the image. It has learned nothing "
-        "yet. Try a higher --learning_rate (this run: {1:g}), more --num_train_epochs (this run: {2:g}), or the "
+        f"classes, the loss of a model that answers every class at 1/{num_classes} whatever the image. It has "
+        f"learned nothing yet. Try a higher --learning_rate (this run: {learning_rate:g}), {longer}, or the "
         "README's quick-start recipe for an image folder."
-    ).format(num_classes, learning_rate, num_train_epochs)
+    )
 
 
 def headline(metrics: dict[str, Any]) -> tuple[str, float] | None:
@@ -76,11 +86,12 @@ def summarize_run(
     log_history: list[dict[str, Any]],
     config: Any,
     learning_rate: float,
-    num_train_epochs: float,
+    max_steps: int,
     dataset_name: str | None = None,
     validation_fraction: float = 0.1,
 ) -> list[str]:
-    """Log (INFO) and print the run's summary; log the chance-level WARNING when it applies. Returns the lines."""
+    """Print the run's summary, with the chance-level warning when it applies (and log it at DEBUG). Returns the
+    lines."""
     output_dir = os.path.abspath(os.fspath(output_dir))
     lines = [f"hf-vit {task}: the model is in {output_dir}"]
     found = headline(metrics)
@@ -95,12 +106,15 @@ def summarize_run(
     )
     problem_type = getattr(config, "problem_type", None)
     num_classes = len(getattr(config, "id2label", None) or {})
-    loss = final_training_loss(log_history, metrics)
-    warning = chance_warning(loss, num_classes, problem_type, learning_rate, num_train_epochs)
-    for line in lines:
-        logger.info("%s", line)
+    epochs = metrics.get("epoch")  # the epochs done (a fraction when --max_steps ended the run)
+    warning = chance_warning(
+        final_training_loss(log_history, metrics), num_classes, problem_type, learning_rate, max_steps,
+        round(epochs, 2) if isinstance(epochs, (int, float)) else None,
+    )  # fmt: skip
     if warning:
-        logger.warning("%s", warning)
         lines.append(f"  WARNING: {warning}")
+    # Printed once, on standard output; the log keeps it at DEBUG only, since a terminal shows both streams.
+    for line in lines:
+        logger.debug("%s", line)
     print("\n".join(lines), flush=True)
     return lines

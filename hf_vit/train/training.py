@@ -26,7 +26,7 @@ from ..flags import exit_on_error, parse_sizes
 from ..infer.compute_dial import compute_dial_after_training
 from ..infer.evaluate import evaluate_checkpoint
 from ..outputs.cards import training_recipe_text, write_model_card
-from ..outputs.output_folders import claim_output_dir, release, remove_earlier_checkpoints
+from ..outputs.output_folders import check_outside_data_set, claim_output_dir, release, remove_earlier_checkpoints
 from ..tasks.model_setup import ModelSettings, processor_for
 from ..tasks.objectives import Objective, select_objective
 from .arguments import DataArguments, ModelArguments, VisionTransformerTrainingArguments, flag_values, parse_args
@@ -79,6 +79,7 @@ def train(
     This is the run's edge: the parsed flags are unpacked here into the settings each stage takes.
     """
     transformers.set_seed(training_args.seed)
+    check_outside_data_set(training_args.output_dir, data_args.dataset_name)
     source = data_args.source()
     if not training_args.do_train:  # --do_train False: measure the checkpoint as it is, write no model
         return evaluate_checkpoint(
@@ -137,6 +138,14 @@ class Run:
     values: dict[str, Any]  # every flag's value, for a named recipe's summary
 
 
+def shown_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics the run prints: each once. `eval_*` repeats the final split's `<split>_*` (for the card and the
+    Hub), so it is left out of the printed table; `all_results.json` keeps both."""
+    split = metrics.get("eval_split")
+    repeated = {f"eval_{key.removeprefix(f'{split}_')}" for key in metrics if split and key.startswith(f"{split}_")}
+    return {k: v for k, v in metrics.items() if not isinstance(v, str) and k not in repeated}
+
+
 def _run(run: Run, training_args: VisionTransformerTrainingArguments, callbacks, resume) -> dict[str, Any]:
     task = run.task
     raw = load_datasets(run.source, training_args.seed)
@@ -170,13 +179,13 @@ def _run(run: Run, training_args: VisionTransformerTrainingArguments, callbacks,
     trainer.save_model(_internal_call=True)
     trainer.save_state()
     metrics = {**train_result.metrics, **final_evaluation(trainer, ds, objective.loss), "train_task": task}
-    trainer.log_metrics("all", {k: v for k, v in metrics.items() if not isinstance(v, str)})
+    trainer.log_metrics("all", shown_metrics(metrics))
     trainer.save_metrics("all", metrics, combined=False)
     trainer.save_state()
     if trainer.is_world_process_zero():
         write_outputs(trainer, run, training_args, metrics)
         summarize_run(task, training_args.output_dir, metrics, trainer.state.log_history, model.config,
-                      training_args.learning_rate, training_args.num_train_epochs, run.source.dataset_name,
+                      training_args.learning_rate, training_args.max_steps, run.source.dataset_name,
                       run.source.validation_fraction)  # fmt: skip
     return metrics
 
@@ -299,6 +308,7 @@ def main(task: str, argv: list[str] | None = None, parsed: tuple | None = None) 
     the whole traceback). `parsed`: the flags already parsed (`parse_args`), as the commands do before importing
     this module."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    datasets.utils.logging.disable_propagation()  # datasets prints through its own handler: not twice
     torch.set_float32_matmul_precision("high")
     with exit_on_error():
         return train(task, *(parsed or parse_args(task, argv)))
