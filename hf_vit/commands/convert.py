@@ -32,6 +32,7 @@ from hf_vit.convert import (
     convert_timm_checkpoint,
     convert_transformers_checkpoint,
 )
+from hf_vit.flags import error_status
 
 CONVERTERS = {
     "jax": convert_jax_checkpoint,
@@ -81,8 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = CONVERTERS[args.source](args.input, output, **kwargs)
     except (ConversionError, OSError) as error:  # OSError: output refusals, unreadable or unwritable files
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error_status(error)
     params = sum(p.numel() for p in model.parameters())
     print(f"wrote {output}: {type(model).__name__}, {params / 1e6:.2f}M parameters")
     return 0

@@ -22,6 +22,7 @@ import torch
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerModel
 from hf_vit.commands import CommandParser
 from hf_vit.export import FORMATS, check_export_output, check_native_onnx, check_onnx, export
+from hf_vit.flags import error_status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before anything is loaded: the file's name and place
         check_export_output(args.output, args.format, args.model)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error_status(error)
     if Path(args.output).exists() and not args.overwrite:
         print(
             f"error: {args.output} exists; choose another --output or pass --overwrite to replace it.", file=sys.stderr
@@ -90,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--check_sizes {', '.join(bad)}: sizes must be multiples of the patch size {patch}.")
         path = export(model, args.output, args.format, overwrite=args.overwrite, max_num_patches=args.max_num_patches)
     except (OSError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error_status(error)
     if args.max_num_patches is not None:
         print(f"wrote {path}: {type(model).__name__} as {args.format} on native-aspect batches, dynamic batch and "
               "number of patches")  # fmt: skip

@@ -9,9 +9,9 @@ hf-vit-push --model outputs/main --hub_model_id my-org/vit-digits-24
 from __future__ import annotations
 
 import logging
-import sys
 
 from hf_vit.commands import CommandParser
+from hf_vit.flags import error_status
 from hf_vit.outputs.push import plan_upload, push_folder_to_hub
 
 
@@ -49,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
             extra_files=args.include,
         )
     except (ValueError, OSError) as error:  # OSError: missing files, and a Hub that cannot be reached
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error_status(error)
     print(f"pushed {args.model} to {args.hub_model_id}: {url}")
     return 0

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from hf_vit.commands import CommandParser
+from hf_vit.flags import error_status
 from hf_vit.model.resolution import MODES
 from hf_vit.outputs.push import push_folder_to_hub
 from hf_vit.variants import make_resolution_variant
@@ -69,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             base_model=args.base_model, repo_id=args.hub_model_id, data_source=data_source, patch_size=args.patch_size,
         )  # fmt: skip
     except (ValueError, OSError) as error:  # OSError: output refusals, missing or unwritable folders
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error_status(error)
     height, width = model.config.image_hw
     print(f"wrote {output}: {type(model).__name__} at {height}x{width}, patch {model.config.patch_size}")
     if data_source is not None:

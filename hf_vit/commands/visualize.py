@@ -24,6 +24,7 @@ from transformers import HfArgumentParser
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.analysis import HEAD_FUSIONS, write_analysis_figures
+from hf_vit.flags import error_status
 
 
 @dataclass
@@ -84,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         written = _visualize(args)
     except (OSError, ValueError) as error:  # a missing model or image, a corrupt image, a size the patch cannot tile
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error_status(error)
     print(f"wrote {len(written)} figures to {args.output}: " + ", ".join(path.name for path in written[:4]))
     return 0
 
