@@ -17,13 +17,14 @@ def test_a_deit_runs_recipe_reads_as_written_on_the_command_line(tmp_path):
     # The fine-tuning default's "momentum=0.9" is SGD's: AdamW never reads it.
     assert "momentum" not in text and "optimizer adamw_torch (betas 0.9, 0.999)" in text, text
     assert "cosine schedule with warmup over the first 1.67% of the steps" in text, text
-    assert "0.016666" not in text
+    assert "0.016666" not in text and "no gradient clipping" in text, text  # DeiT clips nothing
 
 
 def test_the_paper_recipes_name_the_settings_their_optimizer_reads(tmp_path):
     _, _, finetune = parse_args("finetune", ["--output_dir", str(tmp_path / "fine"), "--warmup_steps", "100"])
     text = cards.training_recipe_text("finetune", finetune)
     assert "optimizer sgd (momentum=0.9)" in text and "warmup over the first 100 steps" in text, text
+    assert "gradient clipping at global norm 1," in text and "3 epochs" in text, text
     _, _, pretrain = parse_args("pretrain", ["--output_dir", str(tmp_path / "pre"), "--warmup_steps", "0"])
     text = cards.training_recipe_text("pretrain", pretrain)
     assert "optimizer adamw_torch (betas 0.9, 0.999)" in text and "linear schedule with no warmup" in text, text
@@ -36,6 +37,7 @@ def test_card_values():
     value = cards.card_value
     assert value(OptimizerNames.ADAMW_TORCH) == "adamw_torch" and value(SchedulerType.COSINE) == "cosine"
     assert value(5 / 300) == "0.01667" and value(3.125e-05) == "3.125e-05" and value(0.1) == "0.1"
+    assert value(7.8125e-06) == "7.8125e-06" and value(3.0) == "3" and value(0.0) == "0"
     assert value(3) == "3" and value("momentum=0.9") == "momentum=0.9"
 
 

@@ -95,10 +95,14 @@ OPTIMIZERS_IGNORING_OPTIM_ARGS = {
 
 def card_value(value: Any) -> str:
     """A setting as a card (or a log line) spells it: an enum member by its value (`OptimizerNames.SGD` -> `sgd`), a
-    float with at most 4 significant digits (`0.016666666666666666` -> `0.01667`), anything else as `str` does."""
+    whole float as an integer (3.0 epochs -> 3), a float whose shortest spelling is long with 4 significant digits
+    (`0.016666666666666666` -> `0.01667`), anything else as `str` does."""
     value = getattr(value, "value", value)
     if isinstance(value, float):
-        return f"{value:.4g}"
+        if value.is_integer():
+            return str(int(value))
+        text = repr(value)
+        return text if len(text) <= 10 else f"{value:.4g}"
     return str(value)
 
 
@@ -109,6 +113,13 @@ def warmup_text(warmup_steps: float) -> str:
     if warmup_steps < 1:
         return f"warmup over the first {100 * warmup_steps:.3g}% of the steps"
     return f"warmup over the first {int(warmup_steps)} steps"
+
+
+def clipping_text(max_grad_norm: float | None) -> str:
+    """Trainer's `max_grad_norm` in words: 0 or None turns clipping off."""
+    if not max_grad_norm:
+        return "no gradient clipping"
+    return f"gradient clipping at global norm {card_value(max_grad_norm)}"
 
 
 def optimizer_text(args: Any) -> str:
@@ -129,8 +140,8 @@ def training_recipe_text(task: str, args: Any) -> str:
     schedule = f"{card_value(args.lr_scheduler_type)} schedule with {warmup_text(args.warmup_steps)}"
     return (
         f"{task}: optimizer {optimizer_text(args)}, learning rate {card_value(args.learning_rate)}, weight decay "
-        f"{card_value(args.weight_decay)}, {schedule}, gradient clipping at global norm "
-        f"{card_value(args.max_grad_norm)}, batch {args.per_device_train_batch_size} per device, "
+        f"{card_value(args.weight_decay)}, {schedule}, {clipping_text(args.max_grad_norm)}, batch "
+        f"{args.per_device_train_batch_size} per device, "
         f"{card_value(args.num_train_epochs)} epochs (max_steps {args.max_steps}), seed {args.seed}."
     )
 
