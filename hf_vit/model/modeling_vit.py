@@ -215,6 +215,83 @@ def lecun_normal_(tensor: torch.Tensor) -> None:
     init.trunc_normal_(tensor, mean=0.0, std=std, a=-2 * std, b=2 * std)
 
 
+def init_embeddings(module: VisionTransformerEmbeddings, config: VisionTransformerConfig) -> None:
+    """Equation (1): a LeCun-normal patch embedding E (as a Flax Conv's default), normal positions, a zero class token
+    (the authors' `cls` parameter), normal distillation, register and [mask] embeddings."""
+    lecun_normal_(module.patch_embedding.weight)
+    if module.patch_embedding.bias is not None:
+        init.zeros_(module.patch_embedding.bias)
+    init.normal_(module.position_embedding, std=config.initializer_range)
+    if module.cls_token is not None:
+        init.zeros_(module.cls_token)
+    for token in (module.distillation_token, module.register_tokens, module.mask_token):
+        if token is not None:
+            init.normal_(token, std=config.initializer_range)
+
+
+def init_attention(module: VisionTransformerAttention, config: VisionTransformerConfig) -> None:
+    """Query, key and value are three D x D maps, each Xavier-uniform: one draw with a D x D matrix's bound (not the
+    fused D x 3D matrix's); zero biases."""
+    bound = math.sqrt(6.0 / (2 * module.qkv.in_features))
+    init.uniform_(module.qkv.weight, -bound, bound)
+    init.xavier_uniform_(module.proj.weight)
+    if module.qkv.bias is not None:
+        init.zeros_(module.qkv.bias)
+    init.zeros_(module.proj.bias)
+
+
+def init_mlp(module: VisionTransformerMLP, config: VisionTransformerConfig) -> None:
+    """Xavier-uniform kernels and normal(1e-6) biases, as vit_jax's MlpBlock."""
+    for layer in (module.fc1, module.fc2):
+        init.xavier_uniform_(layer.weight)
+        init.normal_(layer.bias, std=1e-6)
+
+
+def init_norm(module: nn.LayerNorm | nn.GroupNorm, config: VisionTransformerConfig) -> None:
+    init.ones_(module.weight)
+    init.zeros_(module.bias)
+
+
+def init_layer_scale(module: LayerScale, config: VisionTransformerConfig) -> None:
+    init.constant_(module.gamma, module.init_value)
+
+
+def init_attention_pooling(module: MultiheadAttentionPooling, config: VisionTransformerConfig) -> None:
+    """A normal probe; query, key and value each Xavier-uniform (as `init_attention`), zero biases."""
+    init.normal_(module.probe, std=config.initializer_range)
+    bound = math.sqrt(6.0 / (2 * module.attention.embed_dim))
+    init.uniform_(module.attention.in_proj_weight, -bound, bound)
+    init.zeros_(module.attention.in_proj_bias)
+    init.xavier_uniform_(module.attention.out_proj.weight)
+    init.zeros_(module.attention.out_proj.bias)
+
+
+def init_std_conv(module: StdConv2d, config: VisionTransformerConfig) -> None:
+    """flax.linen.Conv's default kernel initialiser."""
+    lecun_normal_(module.weight)
+
+
+def init_resnet_unit(module: ResNetUnit, config: VisionTransformerConfig) -> None:
+    """The last GroupNorm of a unit starts at zero scale (after its children's initialisation), so that each unit
+    starts as its shortcut."""
+    init.zeros_(module.gn3.weight)
+
+
+def init_classification_head(module: VisionTransformerForImageClassification, config: VisionTransformerConfig) -> None:
+    """A LeCun-normal pre-logits layer with a zero bias; the classifiers zero (the paper's fine-tuning,
+    `zero_init_head`) or LeCun-normal, with zero biases."""
+    if module.pre_logits is not None:
+        lecun_normal_(module.pre_logits.weight)
+        init.zeros_(module.pre_logits.bias)
+    for head in (module.classifier, module.distillation_classifier):
+        if isinstance(head, nn.Linear):
+            if config.zero_init_head:
+                init.zeros_(head.weight)
+            else:
+                lecun_normal_(head.weight)
+            init.zeros_(head.bias)
+
+
 class VisionTransformerPreTrainedModel(PreTrainedModel):
     """Weight initialisation and the conventions shared by the hf-vit models."""
 
@@ -299,65 +376,13 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """The initialisation of the authors' code (vit_jax): Xavier-uniform kernels, near-zero MLP biases,
-        LeCun-normal patch embedding, normal(0.02) positions, zero class token and zero classifier."""
-        std = self.config.initializer_range
-        if isinstance(module, VisionTransformerEmbeddings):
-            lecun_normal_(module.patch_embedding.weight)
-            if module.patch_embedding.bias is not None:
-                init.zeros_(module.patch_embedding.bias)
-            init.normal_(module.position_embedding, std=std)
-            if module.cls_token is not None:
-                init.zeros_(module.cls_token)
-            for token in (module.distillation_token, module.register_tokens):
-                if token is not None:
-                    init.normal_(token, std=std)
-            if module.mask_token is not None:
-                init.normal_(module.mask_token, std=std)
-        elif isinstance(module, StdConv2d):  # flax.linen.Conv's default kernel initialiser
-            lecun_normal_(module.weight)
-        elif isinstance(module, nn.GroupNorm):
-            init.ones_(module.weight)
-            init.zeros_(module.bias)
-        elif isinstance(module, ResNetUnit):
-            # The last GroupNorm of a unit starts at zero scale (applied after its children's initialisation), so
-            # that each unit starts as its shortcut.
-            init.zeros_(module.gn3.weight)
-        elif isinstance(module, VisionTransformerAttention):
-            # Query, key and value are three D x D maps, each Xavier-uniform: one draw with a D x D matrix's bound.
-            bound = math.sqrt(6.0 / (2 * module.qkv.in_features))
-            init.uniform_(module.qkv.weight, -bound, bound)
-            init.xavier_uniform_(module.proj.weight)
-            if module.qkv.bias is not None:
-                init.zeros_(module.qkv.bias)
-            init.zeros_(module.proj.bias)
-        elif isinstance(module, LayerScale):
-            init.constant_(module.gamma, module.init_value)
-        elif isinstance(module, MultiheadAttentionPooling):
-            init.normal_(module.probe, std=std)
-            bound = math.sqrt(6.0 / (2 * module.attention.embed_dim))  # query, key, value: each Xavier-uniform
-            init.uniform_(module.attention.in_proj_weight, -bound, bound)
-            init.zeros_(module.attention.in_proj_bias)
-            init.xavier_uniform_(module.attention.out_proj.weight)
-            init.zeros_(module.attention.out_proj.bias)
-        elif isinstance(module, VisionTransformerMLP):
-            for layer in (module.fc1, module.fc2):
-                init.xavier_uniform_(layer.weight)
-                init.normal_(layer.bias, std=1e-6)
-        elif isinstance(module, nn.LayerNorm):
-            init.ones_(module.weight)
-            init.zeros_(module.bias)
-        elif isinstance(module, VisionTransformerForImageClassification):
-            if module.pre_logits is not None:
-                lecun_normal_(module.pre_logits.weight)
-                init.zeros_(module.pre_logits.bias)
-            for head in (module.classifier, module.distillation_classifier):
-                if isinstance(head, nn.Linear):
-                    if self.config.zero_init_head:
-                        init.zeros_(head.weight)
-                    else:
-                        lecun_normal_(head.weight)
-                    init.zeros_(head.bias)
+        """The initialisation of the authors' code (vit_jax), one named function per kind of module
+        (`INITIALISERS`): Xavier-uniform kernels, near-zero MLP biases, LeCun-normal patch embedding, normal(0.02)
+        positions, zero class token and zero classifier."""
+        for kind in type(module).__mro__:  # the most specific kind that has an initialiser
+            if kind in INITIALISERS:
+                INITIALISERS[kind](module, self.config)
+                return
 
 
 class VisionTransformerModel(VisionTransformerPreTrainedModel):
@@ -589,3 +614,19 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
         return ImageClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
+
+
+# The initialiser of each kind of module (`VisionTransformerPreTrainedModel._init_weights`); the modules' own
+# parameter-less containers are listed because the roles of their layers are known there.
+INITIALISERS: dict[type[nn.Module], Callable[[nn.Module, VisionTransformerConfig], None]] = {
+    VisionTransformerEmbeddings: init_embeddings,
+    StdConv2d: init_std_conv,
+    nn.GroupNorm: init_norm,
+    ResNetUnit: init_resnet_unit,
+    VisionTransformerAttention: init_attention,
+    LayerScale: init_layer_scale,
+    MultiheadAttentionPooling: init_attention_pooling,
+    VisionTransformerMLP: init_mlp,
+    nn.LayerNorm: init_norm,
+    VisionTransformerForImageClassification: init_classification_head,
+}
