@@ -386,54 +386,22 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
 
 @pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
 @pytest.mark.parametrize("antialias", [False, True])
-def test_exported_position_embeddings_equal_the_resampling_per_grid(mode, antialias):
-    # what an exported graph computes from the grids as data: the same embeddings as F.interpolate per grid
-    from hf_vit.model.naflex import exported_position_embeddings, native_position_embeddings
+def test_exported_position_embeddings_equal_the_resampling_per_grid(mode, antialias, monkeypatch):
+    # what an exported graph computes from the grids as data (the interpolation as weights): the same embeddings as
+    # F.interpolate to each grid, and zero on the padding
     from hf_vit.model.resolution import resample_position_embeddings
 
     torch.manual_seed(0)
     config = tiny_config(interpolation_mode=mode, interpolation_antialias=antialias, use_distillation_token=True)
-    table = VisionTransformerModel(config).embeddings.position_embedding  # a 4x4 grid and two prefix tokens
-    shapes = torch.tensor([[4, 4], [1, 12], [3, 5], [7, 2], [2, 1], [9, 1]])  # same, up, down, both, padded
+    table = VisionTransformerModel(config).embeddings.position_embedding.detach()  # a 4x4 grid, two prefix tokens
+    shapes = torch.tensor([[4, 4], [1, 12], [3, 5], [7, 2], [2, 1], [9, 1], [1, 1]])  # same, up, down, both, padded
     prefix = config.num_position_prefix_tokens
-
-    def per_grid(grid):
-        return resample_position_embeddings(table, config.grid_size, grid, prefix, mode, antialias)
-
-    expected = native_position_embeddings(per_grid, shapes, prefix, 16)
-    torch.testing.assert_close(exported_position_embeddings(table, config, shapes, 16), expected, atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
-@pytest.mark.parametrize("antialias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_one_resampler_gives_naflex_s_numbers_exactly(mode, antialias, dtype, monkeypatch):
-    # resolution.py's resampler with a tensor of grids, eager and while exporting, against naflex.py's own code
-    from hf_vit.model import naflex
-    from hf_vit.model.resolution import interpolation_weights, resample_position_embeddings
-
-    torch.manual_seed(0)
-    config = tiny_config(interpolation_mode=mode, interpolation_antialias=antialias, use_distillation_token=True)
-    table = VisionTransformerModel(config).embeddings.position_embedding.detach().to(dtype)
-    shapes = torch.tensor([[4, 4], [1, 12], [3, 5], [7, 2], [2, 1], [9, 1], [3, 5], [1, 1], [16, 1]])
-    prefix = config.num_position_prefix_tokens
-
-    def per_grid(grid):
-        return resample_position_embeddings(table, config.grid_size, grid, prefix, mode, antialias)
-
     args = (table, config.grid_size, shapes, prefix, mode, antialias)
-    old = naflex.native_position_embeddings(per_grid, shapes, prefix, 20)
-    assert torch.equal(resample_position_embeddings(*args, num_patches=20), old)
-    old = naflex.exported_position_embeddings(table, config, shapes, 20)
+    per_image = resample_position_embeddings(*args, num_patches=16)
+    for row, (rows, cols) in enumerate(shapes.tolist()):
+        alone = resample_position_embeddings(table, config.grid_size, (rows, cols), prefix, mode, antialias)
+        assert torch.equal(per_image[row, : prefix + rows * cols], alone[0])
+        assert (per_image[row, prefix + rows * cols :] == 0).all()
     monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
-    new = resample_position_embeddings(*args, num_patches=20)
-    assert new.dtype == old.dtype and torch.equal(new, old)
-    index = torch.arange(20.0)[None].expand(3, -1)
-    for size in (1, 3, 7, 16):
-        out = torch.full_like(index, float(size))
-        for in_size in (1, 4, 5):
-            for aa in (False, True):
-                old, new = (
-                    f(index, out, in_size, mode, aa) for f in (naflex.resampling_weights, interpolation_weights)
-                )
-                torch.testing.assert_close(new, old, rtol=0, atol=0, equal_nan=True)
+    exported = resample_position_embeddings(*args, num_patches=16)
+    torch.testing.assert_close(exported, per_image, atol=1e-6, rtol=0)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -42,7 +43,7 @@ from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .layer_scale import LayerScale
 from .loading import load_strictly, resize_asked_by_config, save_sibling_code
-from .naflex import embed_native, masked_mean, native_masks, patch_grid_maps
+from .naflex import masked_mean, native_masks, patch_grid_maps
 from .pooling import MultiheadAttentionPooling
 from .resolution import (
     check_pixel_values,
@@ -95,29 +96,40 @@ class VisionTransformerEmbeddings(nn.Module):
         spatial_shapes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         pixel_values = pixel_values.to(self.patch_embedding.weight.dtype)
-        if spatial_shapes is not None:  # a native-aspect batch: x_p given flattened, a grid per image (naflex.py)
-            return self.dropout(embed_native(self, pixel_values, spatial_shapes, corrupt_embeddings))
-        # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
-        features = pixel_values if self.stem is None else self.stem(pixel_values)
-        patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
-        tokens = patches.flatten(2).transpose(1, 2)  # (B, N, D): x_p^i E
+        tokens, grid = self.embed_patches(pixel_values, spatial_shapes)  # (B, N, D): x_p^i E
         if corrupt_embeddings is not None:
             tokens = corrupt_embeddings(tokens, self.mask_token)
-        batch, config = tokens.shape[0], self.config
+        batch, config, positioned = tokens.shape[0], self.config, self.config.num_position_prefix_tokens
         prefix = [
             token.expand(batch, -1, -1) for token in (self.cls_token, self.distillation_token) if token is not None
         ]
         tokens = torch.cat([*prefix, tokens], dim=1)  # [x_class; x_dist; x_p^1 E; ...]
-        # E_pos, resampled in 2D when the grid is not the one the model was trained on
+        # E_pos, resampled in 2D when the grid is not the one the model was trained on: in a native-aspect batch to
+        # each image's grid, zero on the padding after its patches (masked as keys)
         position_embedding = resample_position_embeddings(
-            self.position_embedding, config.grid_size, patches.shape[2:], config.num_position_prefix_tokens,
-            config.interpolation_mode, config.interpolation_antialias,
+            self.position_embedding, config.grid_size, grid, positioned, config.interpolation_mode,
+            config.interpolation_antialias, num_patches=tokens.shape[1] - positioned,
         )  # fmt: skip
         tokens = tokens + position_embedding
         if self.register_tokens is not None:  # registers follow the prefix tokens and have no position
-            registers, split = self.register_tokens.expand(batch, -1, -1), config.num_position_prefix_tokens
-            tokens = torch.cat([tokens[:, :split], registers, tokens[:, split:]], dim=1)
+            registers = self.register_tokens.expand(batch, -1, -1)
+            tokens = torch.cat([tokens[:, :positioned], registers, tokens[:, positioned:]], dim=1)
         return self.dropout(tokens)
+
+    def embed_patches(
+        self, pixel_values: torch.Tensor, spatial_shapes: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[int, int] | torch.Tensor]:
+        """x_p^i E `(B, N, D)` and the grid of the patches: `(rows, cols)`, or `spatial_shapes` for a native-aspect
+        batch, whose patches come flattened `(B, K, P * P * C)` (see `naflex.py`)."""
+        if spatial_shapes is not None:
+            # The convolution's kernel `(D, C, P, P)` is the linear map it applies to each patch, its inputs laid out
+            # in the processor's (patch row, patch column, channel) order.
+            weight = self.patch_embedding.weight.permute(0, 2, 3, 1).flatten(1)
+            return F.linear(pixel_values, weight, self.patch_embedding.bias), spatial_shapes
+        # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
+        features = pixel_values if self.stem is None else self.stem(pixel_values)
+        patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
+        return patches.flatten(2).transpose(1, 2), tuple(patches.shape[2:])
 
 
 class VisionTransformerAttention(nn.Module):
