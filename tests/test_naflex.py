@@ -18,7 +18,7 @@ from hf_vit import (
     VisionTransformerModel,
 )
 from hf_vit.model.image_processing_vit import grid_for_max_patches
-from hf_vit.model.modeling_mpp import PATCH_CLEAN, PATCH_MASKED, draw_patch_corruption
+from hf_vit.model.modeling_mpp import PATCH_CLEAN, PATCH_MASKED, PatchCorruption, draw_patch_corruption
 
 # (height, width) of images of several aspect ratios: square, wide, tall, extreme both ways, tiny
 SIZES = [(40, 40), (20, 80), (90, 30), (7, 200), (300, 5), (2, 5), (64, 48)]
@@ -207,9 +207,10 @@ def test_masked_patch_prediction_on_a_native_batch():
     batch = images([(40, 40), (20, 80)])
     inputs = processor(batch, return_tensors="pt")
     # the corruption drawn for a native batch: a share of each image's own patches, padding clean
-    draws = draw_patch_corruption(2, 12, config, patch_mask=inputs["pixel_attention_mask"])
+    shares = PatchCorruption(corrupt_ratio=0.3)
+    draws = draw_patch_corruption(2, 12, shares, patch_mask=inputs["pixel_attention_mask"])
     counts = inputs["pixel_attention_mask"].sum(1)
-    assert ((draws != PATCH_CLEAN).sum(1) == (config.mpp_corrupt_ratio * counts + 0.5).long()).all()
+    assert ((draws != PATCH_CLEAN).sum(1) == (0.3 * counts + 0.5).long()).all()
     assert torch.all(draws[inputs["pixel_attention_mask"] == 0] == PATCH_CLEAN)
     # with the same [mask] corruption, each row's valid logits equal the image alone
     codes = torch.zeros(2, 12, dtype=torch.long)

@@ -50,6 +50,9 @@ HYBRID_PRESET_NAMES = (
     "r26-vit-base-patch32-224",
 )
 RESNET_GROUPS = 32  # GroupNorm groups of every stem layer (the authors' flax.linen.GroupNorm default)
+# Masked patch prediction's shares of corrupted patches, fields of the config before they became the run's
+# (`modeling_mpp.PatchCorruption`): saved configs that have them load without them.
+RUN_FIELDS = ("mpp_corrupt_ratio", "mpp_mask_ratio", "mpp_random_ratio")
 AUTO_MAP = {
     "AutoConfig": "configuration_vit.VisionTransformerConfig",
     "AutoModel": "modeling_vit.VisionTransformerModel",
@@ -130,10 +133,10 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             list is the root alone (stride 4).
         resnet_width: channels of the stem's root (64 times the authors' width factor); stage `i` (from 0) has
             bottlenecks of `resnet_width * 2**i` channels and outputs four times that.
-        mpp_corrupt_ratio: masked patch prediction (section 4.6): the share of patches corrupted per image.
-        mpp_mask_ratio: the share of corrupted patches replaced by the learnable [mask] embedding.
-        mpp_random_ratio: the share of corrupted patches replaced by another patch's embedding (the rest are kept).
-        mpp_color_bits: bits per channel of the mean colour the model predicts (3: 512 classes for RGB).
+        mpp_color_bits: masked patch prediction (section 4.6): bits per channel of the mean colour the model
+            predicts (3: 512 classes for RGB). How many patches a run corrupts, and how, is the run's
+            (`modeling_mpp.PatchCorruption`); configs saved with those shares (`mpp_corrupt_ratio`, `mpp_mask_ratio`,
+            `mpp_random_ratio`) load, without them.
 
     The blocks of the family that followed the paper, each off by default (the paper's model):
 
@@ -186,9 +189,6 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     zero_init_head: bool = True
     resnet_layers: list[int] | None = None
     resnet_width: int = 64
-    mpp_corrupt_ratio: float = 0.5
-    mpp_mask_ratio: float = 0.8
-    mpp_random_ratio: float = 0.1
     mpp_color_bits: int = 3
     use_class_token: bool | None = None
     use_distillation_token: bool = False
@@ -206,6 +206,8 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     _out_indices: list[int] | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
+        for name in RUN_FIELDS:  # settings of a run that older configs held: they shape no weight
+            kwargs.pop(name, None)
         if isinstance(self.image_size, (tuple, list)):
             self.image_size = list(height_width(self.image_size, "image_size"))
         if isinstance(self.resnet_layers, tuple):
@@ -283,15 +285,6 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
                 raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
         if self.layer_norm_eps <= 0:
             raise ValueError(f"`layer_norm_eps` must be positive, got {self.layer_norm_eps!r}.")
-        for name in ("mpp_corrupt_ratio", "mpp_mask_ratio", "mpp_random_ratio"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"`{name}` must be in [0, 1], got {value!r}.")
-        if self.mpp_mask_ratio + self.mpp_random_ratio > 1.0:
-            raise ValueError(
-                f"`mpp_mask_ratio` + `mpp_random_ratio` ({self.mpp_mask_ratio} + {self.mpp_random_ratio}) must be at "
-                "most 1: they are shares of the same corrupted patches."
-            )
         if not isinstance(self.mpp_color_bits, int) or not 1 <= self.mpp_color_bits <= 8:
             raise ValueError(f"`mpp_color_bits` must be an int in 1..8, got {self.mpp_color_bits!r}.")
 

@@ -14,7 +14,8 @@ attention pooling (`pooling.py`) instead of the class token, with the LayerNorm 
 
 The hybrid architecture (section 3.1) takes the patches x_p from the feature map of a ResNet stem (`hybrid.py`)
 instead of the image; masked patch prediction (section 4.6, `modeling_mpp.py`) corrupts some of the x_p^i E before the
-positions are added, through the `corrupt_embeddings` argument of the encoder.
+positions are added, given as data: `bool_masked_pos` (the patches replaced by the [mask] embedding, as in
+transformers' `ViTForMaskedImageModeling`) and `patch_sources` (the patches replaced by another one's embedding).
 
 This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
 transformers and the code files beside it.
@@ -67,8 +68,8 @@ class VisionTransformerEmbeddings(nn.Module):
     distillation token after the class token (with a position), register tokens after both (without one).
 
     In a hybrid the patches come from the ResNet stem's feature map. `use_mask_token` adds the learned [mask]
-    embedding of masked patch prediction, which `corrupt_embeddings(x_p^i E, mask_token)` may put in place of some
-    patch embeddings before the positions are added (as BERT's [MASK]; see `modeling_mpp.py`)."""
+    embedding of masked patch prediction, put in place of the patch embeddings `bool_masked_pos` marks before the
+    positions are added (as BERT's [MASK]; see `modeling_mpp.py`)."""
 
     def __init__(self, config: VisionTransformerConfig, use_mask_token: bool = False) -> None:
         super().__init__()
@@ -92,13 +93,14 @@ class VisionTransformerEmbeddings(nn.Module):
     def forward(
         self,
         pixel_values: torch.Tensor,
-        corrupt_embeddings: Callable | None = None,
+        bool_masked_pos: torch.Tensor | None = None,
         spatial_shapes: torch.Tensor | None = None,
+        patch_sources: torch.Tensor | None = None,
     ) -> torch.Tensor:
         pixel_values = pixel_values.to(self.patch_embedding.weight.dtype)
         tokens, grid = self.embed_patches(pixel_values, spatial_shapes)  # (B, N, D): x_p^i E
-        if corrupt_embeddings is not None:
-            tokens = corrupt_embeddings(tokens, self.mask_token)
+        if bool_masked_pos is not None or patch_sources is not None:
+            tokens = self.corrupt(tokens, bool_masked_pos, patch_sources)
         batch, config, positioned = tokens.shape[0], self.config, self.config.num_position_prefix_tokens
         prefix = [
             token.expand(batch, -1, -1) for token in (self.cls_token, self.distillation_token) if token is not None
@@ -130,6 +132,32 @@ class VisionTransformerEmbeddings(nn.Module):
         features = pixel_values if self.stem is None else self.stem(pixel_values)
         patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
         return patches.flatten(2).transpose(1, 2), tuple(patches.shape[2:])
+
+    def corrupt(
+        self, tokens: torch.Tensor, bool_masked_pos: torch.Tensor | None, patch_sources: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Masked patch prediction's corruption of the patch embeddings `(B, N, D)`: those `patch_sources` `(B, N)`
+        points elsewhere (an index into the batch's B * N patches, -1 for none) take that patch's embedding, then
+        those `bool_masked_pos` `(B, N)` marks take the [mask] embedding."""
+        batch, count, dim = tokens.shape
+        for name, value in (("bool_masked_pos", bool_masked_pos), ("patch_sources", patch_sources)):
+            if value is not None and tuple(value.shape) != (batch, count):
+                raise ValueError(
+                    f"`{name}` has shape {tuple(value.shape)} but the images have {count} patches each (expected "
+                    f"({batch}, {count}))."
+                )
+        if patch_sources is not None:
+            others = tokens.reshape(batch * count, dim)[patch_sources.clamp(min=0)]
+            tokens = torch.where((patch_sources >= 0)[..., None], others, tokens)
+        if bool_masked_pos is not None:
+            if self.mask_token is None:
+                raise ValueError(
+                    "This model has no [mask] embedding for `bool_masked_pos`: use "
+                    "VisionTransformerForMaskedPatchPrediction (or a VisionTransformerModel built with "
+                    "use_mask_token=True)."
+                )
+            tokens = torch.where(bool_masked_pos.bool()[..., None], self.mask_token.to(tokens.dtype), tokens)
+        return tokens
 
 
 class VisionTransformerAttention(nn.Module):
@@ -425,14 +453,17 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         pixel_values: torch.Tensor | None = None,
         interpolate_pos_encoding: bool | None = None,
         output_attentions: bool | None = None,
-        corrupt_embeddings: Callable | None = None,
+        bool_masked_pos: torch.Tensor | None = None,
         pixel_attention_mask: torch.Tensor | None = None,
         spatial_shapes: torch.Tensor | None = None,
+        patch_sources: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
-        """`corrupt_embeddings(tokens, mask_token)`: masked patch prediction's corruption of the patch embeddings
-        (see `VisionTransformerEmbeddings` and `modeling_mpp.py`). `spatial_shapes` (with `pixel_attention_mask`):
-        a native-aspect batch of flattened patches, each image on its own grid (see `naflex.py`)."""
+        """`bool_masked_pos` `(B, N)`: the patches whose embeddings the [mask] embedding replaces (a model built
+        with `use_mask_token=True`); `patch_sources` `(B, N)`: the patches that take another's embedding instead
+        (masked patch prediction, see `VisionTransformerEmbeddings.corrupt` and `modeling_mpp.py`).
+        `spatial_shapes` (with `pixel_attention_mask`): a native-aspect batch of flattened patches, each image on its
+        own grid (see `naflex.py`)."""
         if pixel_values is None:
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
@@ -444,7 +475,8 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
             token_mask, attention_mask = native_masks(
                 self.config, pixel_values, pixel_attention_mask, spatial_shapes, output_attentions, self.dtype
             )
-        hidden_states = self.pre_norm(self.embeddings(pixel_values, corrupt_embeddings, spatial_shapes))  # (1)
+        embeddings = self.embeddings(pixel_values, bool_masked_pos, spatial_shapes, patch_sources)  # (1)
+        hidden_states = self.pre_norm(embeddings)
         for block in self.layers:
             hidden_states, _ = block(hidden_states, output_attentions, attention_mask)  # (2), (3)
         # (4): LN of the class token's final state (or of the patch tokens' average, or of attention pooling); with
