@@ -50,6 +50,13 @@ HYBRID_PRESET_NAMES = (
     "r26-vit-base-patch32-224",
 )
 RESNET_GROUPS = 32  # GroupNorm groups of every stem layer (the authors' flax.linen.GroupNorm default)
+# The fields that are True or False. A string spelling one ("True", "false", "1", "0": what a command line gives) is
+# read as it; anything else is refused by name, rather than counted as true.
+BOOLEAN_FIELDS = (
+    "qkv_bias", "zero_init_head", "use_class_token", "use_distillation_token", "distillation_head", "pre_norm",
+    "fc_norm", "patch_embedding_bias", "interpolation_antialias",
+)  # fmt: skip
+_BOOLEAN_WORDS = {"true": True, "1": True, "false": False, "0": False}
 # Masked patch prediction's shares of corrupted patches, fields of the config before they became the run's
 # (`modeling_mpp.PatchCorruption`): saved configs that have them load without them.
 RUN_FIELDS = ("mpp_corrupt_ratio", "mpp_mask_ratio", "mpp_random_ratio")
@@ -92,6 +99,10 @@ _PRESET_NAME = re.compile(
     rf"(?:(?P<resnet>r26|r50)-)?vit-(?P<size>{'|'.join(MODEL_SIZES)})-patch(?P<patch>\d+)-(?P<resolution>\d+)"
 )
 PRESETS: dict[str, dict[str, Any]] = _preset_table()
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def resnet_stride(resnet_layers: list[int] | None) -> int:
@@ -208,6 +219,16 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     def __post_init__(self, **kwargs: Any) -> None:
         for name in RUN_FIELDS:  # settings of a run that older configs held: they shape no weight
             kwargs.pop(name, None)
+        for name in BOOLEAN_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().lower() in _BOOLEAN_WORDS:
+                setattr(self, name, _BOOLEAN_WORDS[value.strip().lower()])
+        labels = kwargs.get("num_labels")
+        if labels is not None and (isinstance(labels, bool) or not isinstance(labels, int) or labels < 0):
+            raise ValueError(
+                f"`num_labels` must be an int >= 0 (0: no classification head, the features are the output), got "
+                f"{labels!r}."
+            )
         if isinstance(self.image_size, (tuple, list)):
             self.image_size = list(height_width(self.image_size, "image_size"))
         if isinstance(self.resnet_layers, tuple):
@@ -281,19 +302,19 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             )
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"):
             value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
-        if self.layer_norm_eps <= 0:
-            raise ValueError(f"`layer_norm_eps` must be positive, got {self.layer_norm_eps!r}.")
-        if not isinstance(self.mpp_color_bits, int) or not 1 <= self.mpp_color_bits <= 8:
+            if not _is_number(value) or not 0.0 <= value < 1.0:
+                raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}.")
+        for name in ("layer_norm_eps", "initializer_range"):
+            value = getattr(self, name)
+            if not _is_number(value) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+        bits = self.mpp_color_bits
+        if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 8:
             raise ValueError(f"`mpp_color_bits` must be an int in 1..8, got {self.mpp_color_bits!r}.")
 
     def validate_family_blocks(self) -> None:
         """The fields of the blocks that followed the paper (see the class docstring), each named when invalid."""
-        for name in (
-            "use_class_token", "use_distillation_token", "distillation_head", "pre_norm", "fc_norm",
-            "patch_embedding_bias", "interpolation_antialias",
-        ):  # fmt: skip
+        for name in BOOLEAN_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.classifier == "token" and not self.use_class_token:
