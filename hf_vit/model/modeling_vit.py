@@ -43,7 +43,7 @@ from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .layer_scale import LayerScale
-from .loading import load_strictly, resize_asked_by_config, save_sibling_code
+from .loading import load_strictly, open_foreign, resize_asked_by_config, save_sibling_code
 from .naflex import masked_mean, native_masks, patch_grid_maps
 from .pooling import MultiheadAttentionPooling
 from .resolution import (
@@ -363,11 +363,15 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         """transformers' `from_pretrained`, taking also the checkpoints users have (transformers' and timm's ViT as Hub
         ids or folders, the authors' `.npz` files; converted in memory by the reader `hf_vit.convert` registers), and
         strict: weights that leave part of the encoder randomly initialised are an error (only a classification head
-        may be new), and unreadable weights or folders are named: see `loading.py`. `patch_size=P` (with `image_size`,
-        optionally) loads the checkpoint as it is, then resamples it to P with `set_input_size` (FlexiViT), also when
-        the Auto classes pass it written onto the config."""
-        resize = [kwargs.pop(name, None) for name in ("image_size", "patch_size")] if "patch_size" in kwargs else None
-        resize = resize or resize_asked_by_config(pretrained_model_name_or_path, kwargs)  # the Auto classes' way
+        may be new), and unreadable weights or folders are named: see `loading.py`. `patch_size=P` or `image_size=N`
+        (of an hf-vit checkpoint; foreign ones are resampled as their conversion reads them) loads the checkpoint as it
+        is, then resamples it to that size with `set_input_size` (the position embeddings as the config says, the
+        patch embedding as FlexiViT does), also when the Auto classes pass the sizes written onto the config."""
+        source = pretrained_model_name_or_path
+        resize = None
+        if "patch_size" in kwargs or ("image_size" in kwargs and open_foreign(source, dict(kwargs)) is None):
+            resize = [kwargs.pop("image_size", None), kwargs.pop("patch_size", None)]
+        resize = resize or resize_asked_by_config(source, kwargs)  # the Auto classes' way
         loaded = load_strictly(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs)
         if resize is not None:
             (loaded[0] if isinstance(loaded, tuple) else loaded).set_input_size(resize[0], patch_size=resize[1])
