@@ -259,6 +259,46 @@ def test_native_batches_that_cannot_be_embedded_are_refused():
         torch.testing.assert_close(left_out, model(**inputs).pooler_output, atol=0, rtol=0)
 
 
+def test_a_native_batch_without_spatial_shapes_is_told_to_pass_them():
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(tiny_config()).eval()
+    inputs = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)(images(SIZES[:2]), return_tensors="pt")
+    for call in (
+        lambda: model(inputs["pixel_values"]),
+        lambda: model(inputs["pixel_values"], pixel_attention_mask=inputs["pixel_attention_mask"]),
+        lambda: model.vit.forward_intermediates(inputs["pixel_values"]),
+        lambda: VisionTransformerForMaskedPatchPrediction(tiny_config()).train()(inputs["pixel_values"]),
+    ):
+        with pytest.raises(ValueError, match="without `spatial_shapes`") as info:
+            call()
+        assert "batch dimension" not in str(info.value)
+    with pytest.raises(ValueError, match="Add a batch dimension"):  # one image is still told what it lacks
+        model(torch.randn(3, 32, 32))
+
+
+@pytest.mark.parametrize("family", [{}, {"num_register_tokens": 2, "classifier": "gap"}])
+def test_forward_intermediates_of_a_native_batch(family):
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(**family)).eval()
+    inputs, native, alone = native_and_alone(model, 12)
+    prefix = model.config.num_prefix_tokens
+    with torch.no_grad():
+        tokens = model.forward_intermediates(**inputs, indices=[0, -1], norm=True, output_fmt="NLC")
+        maps = model.forward_intermediates(**inputs, indices=1, norm=True)
+    # the last block's features, normed, are forward's tokens (padding included), and its prefix tokens forward's
+    assert torch.equal(tokens.features[-1], native.last_hidden_state[:, prefix:])
+    assert torch.equal(tokens.prefix_tokens[-1], native.last_hidden_state[:, :prefix])
+    grids = inputs["spatial_shapes"].tolist()
+    rows, cols = max(grid[0] for grid in grids), max(grid[1] for grid in grids)
+    assert maps.features[0].shape == (4, 32, rows, cols)
+    for row, ((height, width), one) in enumerate(zip(grids, alone)):
+        expected = one.last_hidden_state[0, prefix:].reshape(height, width, -1).permute(2, 0, 1)
+        torch.testing.assert_close(maps.features[0][row, :, :height, :width], expected, atol=1e-4, rtol=0)
+        assert (
+            maps.features[0][row, :, height:].abs().sum() == 0 and maps.features[0][row, :, :, width:].abs().sum() == 0
+        )
+
+
 def test_flex_attention_masks_the_padding_as_sdpa_does():
     torch.manual_seed(0)
     model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()

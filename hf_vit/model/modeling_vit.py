@@ -472,13 +472,9 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        token_mask = attention_mask = None
-        if spatial_shapes is None:
-            check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
-        else:  # padded patches are masked as keys and left out of the pooling
-            token_mask, attention_mask = native_masks(
-                self.config, pixel_values, pixel_attention_mask, spatial_shapes, output_attentions, self.dtype
-            )
+        token_mask, attention_mask = self.input_masks(
+            pixel_values, interpolate_pos_encoding, pixel_attention_mask, spatial_shapes, output_attentions
+        )
         embeddings = self.embeddings(pixel_values, bool_masked_pos, spatial_shapes, patch_sources)  # (1)
         hidden_states = self.pre_norm(embeddings)
         for block in self.layers:
@@ -490,6 +486,28 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         pooled_output = self.pool(sequence_output, token_mask)
         pooled_output = self.norm(pooled_output) if fc_norm else pooled_output
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
+
+    def input_masks(
+        self,
+        pixel_values: torch.Tensor,
+        interpolate_pos_encoding: bool | None,
+        pixel_attention_mask: torch.Tensor | None,
+        spatial_shapes: torch.Tensor | None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Check the inputs; for a native-aspect batch (`spatial_shapes`), return the valid tokens `(B, N)` and the
+        attention mask that hides the padding from every query (`naflex.native_masks`), else `(None, None)`."""
+        if spatial_shapes is not None:
+            return native_masks(
+                self.config, pixel_values, pixel_attention_mask, spatial_shapes, output_attentions, self.dtype
+            )
+        if pixel_attention_mask is not None:
+            raise ValueError(
+                "`pixel_attention_mask` was given without `spatial_shapes`: a native-aspect batch (the image "
+                "processor's `max_num_patches`) needs both, as the processor returns them."
+            )
+        check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
+        return None, None
 
     def pool(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The image representation of equation (4) from the final tokens, by `config.classifier`: the class token,
@@ -512,13 +530,17 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         norm: bool = False,
         output_fmt: str = "NCHW",
         interpolate_pos_encoding: bool = False,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
     ) -> VisionTransformerIntermediates:
         """The outputs of chosen blocks, for dense prediction and feature extraction.
 
         `indices` is the last n blocks (an int) or block indices (0-based, negative from the end); the forward stops
         after the last block asked for. `norm` applies the final LayerNorm to each output. `output_fmt` is "NCHW"
         (maps on the patch grid, any patch-divisible size, non-square included) or "NLC" (patch tokens); the prefix
-        (class) tokens come apart, in `prefix_tokens`.
+        (class) tokens come apart, in `prefix_tokens`. A native-aspect batch (`spatial_shapes`, with
+        `pixel_attention_mask`; see `naflex.py`) gives "NLC" tokens padded as its patches are, or "NCHW" maps on its
+        largest grid, each image's at the top left and zero beyond its own grid.
         """
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}.")
@@ -527,13 +549,14 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         if not wanted or any(not -depth <= index < depth for index in wanted):
             raise ValueError(f"indices must name blocks 0..{depth - 1} (or -{depth}..-1), got {indices!r}.")
         wanted = [index % depth for index in wanted]
-        check_pixel_values(pixel_values, self.config, interpolate_pos_encoding)
-        grid = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
+        _, attention_mask = self.input_masks(
+            pixel_values, interpolate_pos_encoding, pixel_attention_mask, spatial_shapes
+        )
         prefix = self.config.num_prefix_tokens
-        hidden_states = self.pre_norm(self.embeddings(pixel_values))
+        hidden_states = self.pre_norm(self.embeddings(pixel_values, spatial_shapes=spatial_shapes))
         outputs = {}
         for index, block in enumerate(self.layers[: max(wanted) + 1]):
-            hidden_states, _ = block(hidden_states)
+            hidden_states, _ = block(hidden_states, False, attention_mask)
             if index in wanted:
                 outputs[index] = self.norm(hidden_states) if norm else hidden_states
         features, prefix_tokens = [], []
@@ -541,8 +564,11 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
             tokens = outputs[index]
             prefix_tokens.append(tokens[:, :prefix])
             patches = tokens[:, prefix:]
-            if output_fmt == "NCHW":
-                patches = patches.reshape(patches.shape[0], grid[0], grid[1], -1).permute(0, 3, 1, 2).contiguous()
+            if output_fmt == "NCHW" and spatial_shapes is not None:
+                patches = patch_grid_maps(patches, spatial_shapes)
+            elif output_fmt == "NCHW":
+                rows, cols = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
+                patches = patches.reshape(patches.shape[0], rows, cols, -1).permute(0, 3, 1, 2).contiguous()
             features.append(patches)
         return VisionTransformerIntermediates(features=tuple(features), prefix_tokens=tuple(prefix_tokens))
 

@@ -262,6 +262,20 @@ def check_pixel_values(pixel_values: torch.Tensor, config, interpolate_pos_encod
     """Reject inputs the model cannot embed, with a message that says how to fix them."""
     if not isinstance(pixel_values, torch.Tensor):
         raise TypeError(f"`pixel_values` must be a torch.Tensor, got {type(pixel_values).__name__}.")
+    patch_width = config.patch_size**2 * config.num_channels
+    if pixel_values.ndim == 3 and pixel_values.shape[-1] == patch_width:
+        one_image = pixel_values.shape[0] == config.num_channels
+        raise ValueError(
+            f"`pixel_values` of shape {tuple(pixel_values.shape)} is a native-aspect batch of flattened patches "
+            f"(batch, patches, {config.patch_size} * {config.patch_size} * {config.num_channels}), given without "
+            "`spatial_shapes`: pass each image's patch grid as `spatial_shapes` (batch, 2), with "
+            "`pixel_attention_mask`, as the image processor returns them with `max_num_patches`."
+            + (
+                " If it is one image (channels, height, width), add a batch dimension with `pixel_values[None]`."
+                if one_image
+                else ""
+            )
+        )
     if pixel_values.ndim != 4:
         raise ValueError(
             "`pixel_values` must have 4 dimensions (batch, channels, height, width), got shape "
