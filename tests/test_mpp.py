@@ -65,7 +65,8 @@ def test_corruption_shares_are_checked_by_name(fields, named):
 
 def test_corrupted_embeddings():
     torch.manual_seed(0)
-    embeddings = VisionTransformerForMaskedPatchPrediction(tiny_config(image_size=12, patch_size=4)).vit.embeddings.eval()
+    model = VisionTransformerForMaskedPatchPrediction(tiny_config(image_size=12, patch_size=4))
+    embeddings = model.vit.embeddings.eval()
     tokens = torch.arange(2 * 9 * 32, dtype=torch.float32).reshape(2, 9, 32)
     codes = torch.tensor([[0, 1, 2, 3, 2, 0, 0, 0, 1], [2, 2, 2, 1, 0, 3, 0, 0, 0]])
     sources = draw_patch_sources(codes)
