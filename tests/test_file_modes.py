@@ -9,22 +9,14 @@ from conftest import tiny_config
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
-NOT_YET = (
-    "model.safetensors keeps safetensors' 0600 and a converted or resized folder mkdtemp's 0700: the fix belongs in "
-    "the model's save_pretrained (hf_vit/model/modeling_vit.py) and the staging folder (outputs/output_folders.py)"
-)
-
 
 def modes(folder) -> dict[str, int]:
     entries = {".": folder, **{path.name: path for path in folder.iterdir()}}
     return {name: stat.S_IMODE(path.stat().st_mode) for name, path in entries.items()}
 
 
-# Under 022 the weights' 0600 and the staging folder's 0700 show; under 077 they are what the umask gives anyway.
-@pytest.fixture(
-    params=[pytest.param(0o022, marks=pytest.mark.xfail(strict=True, reason=NOT_YET)), 0o077],
-    ids=["umask-022", "umask-077"],
-)
+# Under 022 the weights' 0600 and the staging folder's 0700 would show; under 077 they are what the umask gives.
+@pytest.fixture(params=[0o022, 0o077], ids=["umask-022", "umask-077"])
 def umask(request):
     previous = os.umask(request.param)
     yield request.param
@@ -50,3 +42,21 @@ def test_a_resized_folder_gets_the_umask_mode(tmp_path, umask):
     found = modes(tmp_path / "resized")
     expected = {name: (0o777 if name == "." else 0o666) & ~umask for name in found}
     assert found == expected, {k: oct(v) for k, v in found.items()}
+
+
+def test_a_runs_folder_and_checkpoints_get_the_umask_mode(tmp_path, umask):
+    """A run with LoRA and the weights' EMA: the model, the adapter, the average and the checkpoint's weights."""
+    from test_training import QUIET, pretrained_folder
+
+    from hf_vit.run.arguments import parse_args
+    from hf_vit.run.training import train
+
+    source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
+    args = ["--model_name_or_path", str(source), "--output_dir", str(out), "--image_size", "8", "--max_steps", "2"]
+    args += ["--max_train_samples", "16", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "2"]
+    train("finetune", *parse_args("finetune", args + ["--lora_rank", "2", "--ema_decay", "0.5", *QUIET]))
+    weights = sorted(out.rglob("*.safetensors"))
+    names = {str(path.relative_to(out)) for path in weights}
+    assert {"adapter_model.safetensors", "checkpoint-2/adapter_model.safetensors"} <= names
+    assert "checkpoint-2/ema_state.safetensors" in names
+    assert {oct(stat.S_IMODE(path.stat().st_mode)) for path in weights} == {oct(0o666 & ~umask)}

@@ -140,3 +140,13 @@ def save_sibling_code(model: Any, folder: str | os.PathLike) -> None:
     for name in SIBLING_CODE_FILES:
         if (here / name).is_file() and not (folder / name).exists():
             shutil.copyfile(here / name, folder / name)
+
+
+def give_weights_the_umask_mode(folder: str | os.PathLike) -> None:
+    """safetensors writes a weights file as a private temporary file (mode 0600) renamed into place; the other files of
+    a saved folder get the modes the user's umask gives, and so do the weights here."""
+    mask = os.umask(0o022)  # read by setting it and putting it back: there is no other portable way
+    os.umask(mask)
+    for path in Path(folder).glob("*.safetensors"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~mask)

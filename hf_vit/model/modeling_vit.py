@@ -43,7 +43,13 @@ from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .layer_scale import LayerScale
-from .loading import load_strictly, open_foreign, resize_asked_by_config, save_sibling_code
+from .loading import (
+    give_weights_the_umask_mode,
+    load_strictly,
+    open_foreign,
+    resize_asked_by_config,
+    save_sibling_code,
+)
 from .naflex import masked_mean, native_masks, patch_grid_maps
 from .pooling import MultiheadAttentionPooling
 from .resolution import (
@@ -378,9 +384,11 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """transformers' `save_pretrained`, with every code file the config's `auto_map` names."""
+        """transformers' `save_pretrained`, with every code file the config's `auto_map` names, and the weights with
+        the user's umask mode (as the folder's other files)."""
         super().save_pretrained(save_directory, *args, **kwargs)
         save_sibling_code(self, save_directory)
+        give_weights_the_umask_mode(save_directory)
 
     @torch.no_grad()
     def set_input_size(

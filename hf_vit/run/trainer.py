@@ -19,6 +19,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
+from ..model.loading import give_weights_the_umask_mode
 from ..outputs.files import CARD_FILE
 from ..outputs.push import PlannedHubPushes
 from .flexible import PatchSizeDraw, SeqLenBatchSampler, at_patch_size
@@ -171,6 +172,8 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         super()._save(output_dir, state_dict)
+        if self.args.should_save:  # peft's adapter file too, written as safetensors' private 0600
+            give_weights_the_umask_mode(output_dir or self.args.output_dir)
         if self.args.should_save and hasattr(self.model, "peft_config"):
             # A LoRA checkpoint holds peft's adapter and, as the run's folder does, the fine-tuning model's config
             # (classes, size, head) it applies to: loadable and pushable on its own. peft's template card is no card
