@@ -60,3 +60,14 @@ def test_a_native_aspect_models_card_gives_its_patch_budget(tmp_path):
     VisionTransformerImageProcessor(size=height).save_pretrained(tmp_path / "square")
     card = card_text(tmp_path / "square", model)
     assert f"Resolution: {height}x{width}." in card
+
+
+def test_the_card_gives_the_runs_length_by_the_flag_that_set_it(tmp_path):
+    by_steps = cards.training_recipe_text("finetune", flags(tmp_path, "--max_steps", "300", "--num_train_epochs", "3"))
+    assert "300 optimisation steps" in by_steps and "epochs" not in by_steps
+    by_epochs = cards.training_recipe_text("finetune", flags(tmp_path, "--num_train_epochs", "3"))
+    assert "3 epochs" in by_epochs and "max_steps" not in by_epochs
+
+
+def flags(tmp_path, *more):
+    return parse_args("finetune", ["--output_dir", str(tmp_path / "run"), *more])[2]

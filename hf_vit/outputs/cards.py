@@ -141,9 +141,16 @@ def training_recipe_text(task: str, args: Any) -> str:
     return (
         f"{task}: optimizer {optimizer_text(args)}, learning rate {card_value(args.learning_rate)}, weight decay "
         f"{card_value(args.weight_decay)}, {schedule}, {clipping_text(args.max_grad_norm)}, batch "
-        f"{args.per_device_train_batch_size} per device, "
-        f"{card_value(args.num_train_epochs)} epochs (max_steps {args.max_steps}), seed {args.seed}."
+        f"{args.per_device_train_batch_size} per device, {length_text(args)}, seed {args.seed}."
     )
+
+
+def length_text(args: Any) -> str:
+    """How long the run trained, by the flag that decided it: --max_steps when given (--num_train_epochs is then
+    ignored by Trainer), else the epochs."""
+    if args.max_steps is not None and args.max_steps > 0:
+        return f"{args.max_steps} optimisation steps"
+    return f"{card_value(args.num_train_epochs)} epochs"
 
 
 def saved_max_num_patches(folder: str | os.PathLike) -> int | None:
