@@ -8,7 +8,7 @@ With `native=True` the graph takes the image processor's native-aspect batches (
 `pixel_values` (batch, patches, patch * patch * channels) float32, `pixel_attention_mask` (batch, patches) int32 and
 `spatial_shapes` (batch, 2) int64, the batch and the number of patches free and each image's grid read from
 `spatial_shapes` as data (the position embeddings are resampled per patch by weights computed from it: see
-`hf_vit.model.naflex.exported_position_embeddings`).
+`hf_vit.model.resolution.resample_position_embeddings`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ The order, lowest first (a module may import its own package and any package of 
     0  model, metrics       the core (copied beside checkpoints as remote code) and the offline metric modules
     0  flags                the checks of flag values and the commands' error line, shared by every layer
     1  outputs              what the project writes: file lists, output folders, cards, pushes, plots
+    1  hub_access           asking the Hub once (and going offline when it does not answer)
     2  convert, lora        readers of foreign checkpoints and of LoRA run folders, registered with the core's
                             loading hook by `hf_vit/__init__.py`, which sits on top of them (`import hf_vit` loads
                             exactly this much)
@@ -36,6 +37,7 @@ LAYERS = {
     "metrics": 0,
     "flags": 0,
     "outputs": 1,
+    "hub_access": 1,
     "convert": 2,
     "lora": 2,
     "__init__": 2,

@@ -216,6 +216,7 @@ LAYERS = {
     "hf_vit.metrics": 0,
     "hf_vit.flags": 0,
     "hf_vit.outputs": 1,
+    "hf_vit.hub_access": 1,
     "hf_vit.convert": 2,
     "hf_vit.lora": 2,
     "hf_vit": 2,

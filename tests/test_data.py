@@ -214,11 +214,14 @@ def test_unknown_data_set_name_error(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     start = time.perf_counter()
-    with pytest.raises(FileNotFoundError) as info:
+    from hf_vit.hub_access import HubLookupError
+
+    with pytest.raises(HubLookupError) as info:  # offline: one message, no retries
         load_image_dataset("nobody-here/no_such_image_dataset")
     assert time.perf_counter() - start < 10
     message = str(info.value)
     assert "'nobody-here/no_such_image_dataset'" in message and "'digits'" in message and "local" in message
+    assert "HF_HUB_OFFLINE=1" in message
     assert info.value.__cause__ is not None
 
 

@@ -31,6 +31,8 @@ import PIL.Image
 from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from huggingface_hub.errors import HFValidationError
 
+from ..hub_access import hub_unreachable_reason, lookup_error, offline_mode
+
 # The draw of the validation split carved out of a train split (`_carve_validation`): fixed, so that a run, its
 # evaluation and a resized variant's measurement hold out the same images.
 HELD_OUT_SEED = 0
@@ -189,9 +191,12 @@ def _is_saved_dataset(path: str) -> bool:
 
 
 def _load_from_hub(name: str, *, streaming: bool, cache_dir: str | None) -> DatasetDict | IterableDatasetDict:
+    reason = hub_unreachable_reason()  # asked once: an unreachable Hub puts the process offline, with no retries
     try:
         return datasets.load_dataset(name, streaming=streaming, cache_dir=cache_dir)
     except (OSError, HFValidationError) as err:  # OSError: ConnectionError, DatasetNotFoundError, HTTP errors...
+        if reason is not None or offline_mode():
+            raise lookup_error("data set", name, reason) from err
         raise FileNotFoundError(
             f"Cannot load data set {name!r}: it is not 'digits', not an existing local directory (an image folder "
             "or a save_to_disk output), and could not be loaded from the Hugging Face Hub "

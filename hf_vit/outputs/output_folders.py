@@ -324,15 +324,7 @@ def claim_output_dir(
     folder = Path(output_dir)
     if folder.is_symlink() and not folder.is_dir():
         raise OutputDirError(f"--output_dir {folder} is a broken symlink; pass a folder.")
-    if folder.exists() and not folder.is_dir():
-        raise OutputDirError(f"--output_dir {folder} is a file; pass a folder.")
-    above = folder.parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
-    if above.exists() and not above.is_dir():
-        raise OutputDirError(
-            f"--output_dir {folder}: {above} is a file, so no folder can be made there; pass a folder."
-        )
+    check_no_file_in_the_way(folder)
     if not main_process:
         return None
     entries = sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE) if folder.is_dir() else []

@@ -32,7 +32,12 @@ from torch.nn import functional as F
 from ..data.transforms import Augmentation, Transform, apply_transforms, make_eval_transform, make_train_transform
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.image_processing_vit import VisionTransformerImageProcessor
-from ..model.modeling_mpp import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
+from ..model.modeling_mpp import (
+    PATCH_CLEAN,
+    PatchCorruption,
+    VisionTransformerForMaskedPatchPrediction,
+    draw_patch_corruption,
+)
 from .model_setup import ModelSettings, config_from_preset, load_checkpoint, split_requested
 
 __all__ = [
@@ -74,16 +79,22 @@ def unnormalized(processor: VisionTransformerImageProcessor) -> VisionTransforme
 
 class MaskedPatchPredictionTransform:
     """`transform` (un-normalised pixels, see `unnormalized`) -> `pixel_values` normalised by `processor`, mean-colour
-    `labels` (-100 on clean patches) and `patch_corruption` codes drawn from torch's generator, per example."""
+    `labels` (-100 on clean patches) and `patch_corruption` codes drawn from torch's generator (with `corruption`'s
+    shares), per example."""
 
     def __init__(
-        self, transform: Transform, processor: VisionTransformerImageProcessor, config: VisionTransformerConfig
+        self,
+        transform: Transform,
+        processor: VisionTransformerImageProcessor,
+        config: VisionTransformerConfig,
+        corruption: PatchCorruption | None = None,
     ) -> None:
         if processor.do_rescale is False and processor.do_normalize is False:
             raise ValueError("`processor` is the one that normalises (the model's); `transform` is built on a copy.")
         self.transform = transform
         self.processor = processor
         self.config = config
+        self.corruption = corruption or PatchCorruption()
 
     def __call__(self, batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
         raw = self.transform(batch)["pixel_values"]
@@ -92,7 +103,7 @@ class MaskedPatchPredictionTransform:
         targets = mean_color_classes(raw.double() * scale, patch, self.config.mpp_color_bits)
         count = targets.shape[1]
         # One draw per example: under SeededAugmentation each example's draw comes from its own seeded generator.
-        plan = torch.cat([draw_patch_corruption(1, count, self.config) for _ in range(raw.shape[0])])
+        plan = torch.cat([draw_patch_corruption(1, count, self.corruption) for _ in range(raw.shape[0])])
         return {
             "pixel_values": self.processor.normalize_batch(raw),
             "labels": targets.masked_fill(plan == PATCH_CLEAN, -100),
@@ -116,10 +127,17 @@ def refuse_drawn_sizes(max_num_patches: int | None, seq_lens: str | None, patch_
         )
 
 
-def with_mpp_transforms(raw, augmentation: Augmentation, processor: VisionTransformerImageProcessor, config):
+def with_mpp_transforms(
+    raw,
+    augmentation: Augmentation,
+    processor: VisionTransformerImageProcessor,
+    config,
+    corruption: PatchCorruption | None = None,
+):
     """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
     (`augmentation`'s crop and flip; the rest of it changes colours and is refused for this objective), the other
-    splits resized by the processor only."""
+    splits resized by the processor only; the patches corrupted with `corruption`'s shares (the paper's by
+    default)."""
     pixels = unnormalized(processor)
     train = make_train_transform(
         pixels,
@@ -129,8 +147,8 @@ def with_mpp_transforms(raw, augmentation: Augmentation, processor: VisionTransf
     )
     return apply_transforms(
         raw,
-        MaskedPatchPredictionTransform(train, processor, config),
-        MaskedPatchPredictionTransform(make_eval_transform(pixels), processor, config),
+        MaskedPatchPredictionTransform(train, processor, config, corruption),
+        MaskedPatchPredictionTransform(make_eval_transform(pixels), processor, config, corruption),
     )
 
 

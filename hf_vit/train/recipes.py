@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..data.augment.mixing import Mixing
+from ..outputs.cards import card_value
 from .ema import EmaCallback
 
 if TYPE_CHECKING:  # the settings' modules load the data set libraries, which parsing the flags does without
@@ -291,7 +292,7 @@ def recipe_summary(recipe: Recipe, values: dict[str, Any], passed: set[str]) -> 
     for name in recipe.flags:
         value = values.get(name, recipe.flags[name])
         note = " (given on the command line)" if name in passed else ""
-        shown.append(f"{name}={value}{note}")
+        shown.append(f"{name}={card_value(value)}{note}")
     if recipe.base_batch is not None and "learning_rate" not in passed:
         shown.append(f"learning rate scaled from {recipe.flags['learning_rate']:g} at batch {recipe.base_batch}")
     text = f"recipe {recipe.name} ({recipe.source}): " + ", ".join(shown)

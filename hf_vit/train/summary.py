@@ -49,7 +49,7 @@ def chance_warning(
         f"The final training loss {loss:.4f} is at chance level: ln {num_classes} = {chance:.4f} for {num_classes} "
         f"classes, the loss of a model that answers every class at 1/{num_classes} whatever the image. It has "
         f"learned nothing yet. Try a higher --learning_rate (this run: {learning_rate:g}), {longer}, or the "
-        "README's quick-start recipe for an image folder."
+        'README\'s "Your own image folder" commands.'
     )
 
 

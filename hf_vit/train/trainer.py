@@ -26,6 +26,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import HubStrategy, seed_worker
 
 from ..data.augment.mixing import Mixing, mix_batch, mixing_seed, soft_target_cross_entropy
+from ..model.loading import give_weights_the_umask_mode
 from ..outputs.files import CARD_FILE
 from ..outputs.push import HubPushError, commit_plan, create_repo, plan_checkpoint_upload, plan_upload
 from .ema import EmaCallback
@@ -284,6 +285,8 @@ class VisionTransformerTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         # Private: the one place every save of the model passes (final, checkpoint, push) on the saving process.
         super()._save(output_dir, state_dict)
+        if self.args.should_save:  # peft's adapter file too, written as safetensors' private 0600
+            give_weights_the_umask_mode(output_dir or self.args.output_dir)
         if self.args.should_save and hasattr(self.model, "peft_config"):
             # A LoRA checkpoint holds peft's adapter and, as the run's folder does, the fine-tuning model's config
             # (classes, size, head) it applies to: loadable and pushable on its own. peft's template card is no card
