@@ -315,4 +315,9 @@ def test_the_paths_users_were_given_still_import():
 
 
 def test_the_packages_top_level_holds_few_modules():
-    assert len([p for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]) <= 6
+    # Exactly these, each for a reason: the tools used after training (analysis, export, variants), the public paths
+    # users were given (lora: LoRA run folders; hub: pushing, kept for earlier releases) and the two small modules
+    # every layer shares (flags: the checks of flag values and the commands' error line; hub_access: the Hub asked
+    # once). Anything else belongs in a package.
+    top = {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
+    assert top == {"analysis", "export", "variants", "lora", "hub", "flags", "hub_access"}
