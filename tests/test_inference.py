@@ -443,4 +443,4 @@ def test_predict_and_evaluate_refuse_a_model_without_a_classification_head(tmp_p
     model = classifier_folder(tmp_path / "model")
     for size in ("0", "-1"):
         assert predict_command.main(["--model", str(model), str(data / "test"), "--batch_size", size]) == 2
-        assert "--batch_size must be a positive number of images" in capsys.readouterr().err
+        assert "--batch_size must be at least 1" in capsys.readouterr().err
