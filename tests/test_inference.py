@@ -440,11 +440,13 @@ def test_predict_and_evaluate_refuse_a_model_without_a_classification_head(tmp_p
             err = captured.err.strip().splitlines()
             assert len(err) == 1 and "has no classification head" in err[0], err
             assert captured.out == ""
-    # the library refuses a batch size below 1 by its flag's name (the command's own flag check answers first:
-    # tests/test_command_flags.py)
+    # a batch size below 1: the command's flag check answers first; the library refuses it by the flag's name too
     from hf_vit.infer.predict import predict_files
 
     model = classifier_folder(tmp_path / "model")
-    for size in (0, -1):
+    for size in ("0", "-1"):
+        with pytest.raises(SystemExit) as refused:
+            predict_command.main(["--model", str(model), str(data / "test"), "--batch_size", size])
+        assert refused.value.code == 2 and "--batch_size must be at least 1" in capsys.readouterr().err
         with pytest.raises(ValueError, match="--batch_size must be a positive number of images"):
-            predict_files(model, [data / "test"], batch_size=size)
+            predict_files(model, [data / "test"], batch_size=int(size))
