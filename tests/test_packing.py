@@ -1,0 +1,203 @@
+"""No padding tax: attention restricted to runs of tokens (each image of a padded or packed batch), and the
+processor's packing of several images into rows of a fixed number of patch slots."""
+
+import logging
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import hf_vit.model.attention as attention
+from hf_vit.model.attention import (
+    ALL_ATTENTION_FUNCTIONS,
+    AttentionSegments,
+    attention_segments,
+    eager_attention_forward,
+    segment_attention_forward,
+    segment_attention_path,
+)
+
+# rows of runs (an image's tokens each) in rows of ROW tokens, the rest of each row padding
+RUNS = [[5, 3], [7], [2, 2, 2, 2], [9]]
+ROW = 9
+
+
+class Attention(torch.nn.Module):
+    """What the attention functions read from the model's attention module."""
+
+    is_causal = False
+
+
+def qkv(rows=4, tokens=ROW, heads=2, head_dim=4, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    buffer = torch.randn(rows, tokens, 3, heads, head_dim, dtype=dtype, generator=generator).requires_grad_()
+    return buffer, [part.transpose(1, 2) for part in buffer.unbind(2)]  # (B, heads, N, d_h) views, as the model's
+
+
+def each_run_alone(query, key, value, runs=RUNS):
+    """The reference: SDPA of every run by itself, `(B, N, heads, d_h)`, padding left at zero."""
+    output = torch.zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)
+    for row, lengths in enumerate(runs):
+        start = 0
+        for length in lengths:
+            part = slice(start, start + length)
+            alone = F.scaled_dot_product_attention(query[row : row + 1, :, part], key[row : row + 1, :, part],
+                                                   value[row : row + 1, :, part])  # fmt: skip
+            output[row, part] = alone[0].transpose(0, 1)
+            start += length
+    return output
+
+
+def valid(runs=RUNS, tokens=ROW):
+    return torch.tensor([[position < sum(row) for position in range(tokens)] for row in runs])
+
+
+def test_segments_are_the_cumulative_lengths_with_each_rows_padding_its_own_run():
+    segments = attention_segments(RUNS, ROW)
+    assert segments.lengths == (5, 3, 1, 7, 2, 2, 2, 2, 2, 1, 9)
+    assert segments.cu_seqlens.dtype == torch.int32
+    assert segments.cu_seqlens.tolist() == [0, 5, 8, 9, 16, 18, 20, 22, 24, 26, 27, 36]
+    assert segments.max_seqlen == 9 and type(segments.max_seqlen) is int
+    run_of = segments.token_segments()
+    assert run_of.shape == (4, ROW) and run_of[0].tolist() == [0] * 5 + [1] * 3 + [2]
+    assert run_of[3].tolist() == [10] * 9
+
+
+def test_a_batch_without_padding_gets_no_segments_and_bad_rows_are_refused():
+    assert attention_segments([[ROW], [ROW]], ROW) is None
+    assert attention_segments([[4, 5]], ROW) is not None  # two images in one row: runs even without padding
+    with pytest.raises(ValueError, match="row_length"):
+        attention_segments([[3]], 0)
+    with pytest.raises(ValueError, match="Row 1 of `rows`.*at most `row_length` = 9"):
+        attention_segments([[3], [5, 5]], ROW)
+    with pytest.raises(ValueError, match="at least 1 token"):
+        attention_segments([[3, 0]], ROW)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
+def test_each_run_attends_only_to_itself_and_gradients_match(implementation):
+    buffer, (query, key, value) = qkv()
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    output, probs = function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=4**-0.5)
+    reference = each_run_alone(query, key, value)
+    keep = valid()
+    tolerance = 1e-6 if implementation == "eager" else 1e-12  # eager's softmax runs in fp32
+    torch.testing.assert_close(output[keep], reference[keep], atol=tolerance, rtol=tolerance)
+    grad = torch.randn_like(output) * keep[..., None, None]  # the padding's outputs feed nothing
+    (ours,) = torch.autograd.grad(output, buffer, grad)
+    (theirs,) = torch.autograd.grad(reference, buffer, grad)
+    torch.testing.assert_close(ours, theirs, atol=tolerance, rtol=tolerance)
+    if implementation == "eager":  # the probabilities are zero across runs
+        same_run = attention_segments(RUNS, ROW).block_diagonal_mask()
+        assert torch.all(probs.masked_select(~same_run) == 0)
+        torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)))
+
+
+def test_the_per_length_path_gathers_runs_without_waste_and_keeps_cpu_training_on_matmuls(monkeypatch):
+    calls = []
+    sdpa = attention.sdpa_or_matmul_attention_forward
+    monkeypatch.setattr(
+        attention, "sdpa_or_matmul_attention_forward", lambda *a, **k: calls.append(a[1].shape) or sdpa(*a, **k)
+    )
+    _, (query, key, value) = qkv()
+    segment_attention_forward("sdpa", None, Attention(), query, key, value, attention_segments(RUNS, ROW), 0.5)
+    # one call per distinct run length, the runs of that length as its batch
+    assert sorted(shape[0] * 1000 + shape[2] for shape in calls) == sorted(
+        [2 * 1000 + 1, 1 * 1000 + 3, 1 * 1000 + 5, 1 * 1000 + 7, 5 * 1000 + 2, 1 * 1000 + 9]
+    )
+
+
+def test_cpu_bf16_training_on_runs_matches_fp32():
+    buffer, (query, key, value) = qkv(dtype=torch.float32)
+    module = Attention().train()
+    segments = attention_segments(RUNS, ROW)
+    low = [part.to(torch.bfloat16) for part in (query, key, value)]
+    output, _ = segment_attention_forward("sdpa", None, module, *low, segments, 0.5)
+    reference, _ = segment_attention_forward("sdpa", None, module, query, key, value, segments, 0.5)
+    keep = valid()
+    torch.testing.assert_close(output[keep].float(), reference[keep], atol=3e-2, rtol=3e-2)
+
+
+def test_the_path_follows_the_implementation_device_and_dtype(monkeypatch):
+    monkeypatch.setattr(attention, "_flash_capable", lambda index: True)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    path = segment_attention_path
+    if attention.varlen_attn is not None:  # torch >= 2.10
+        assert path("sdpa", cuda, torch.bfloat16, 0.0, 64) == "varlen"
+        assert path("sdpa", cuda, torch.float16, 0.0, 64) == "varlen"
+        assert path("flex_attention", cuda, torch.bfloat16, 0.0, 64) == "varlen"
+    assert path("sdpa", cuda, torch.float32, 0.0, 64) == "segments"  # flash kernels are half precision only
+    assert path("sdpa", cuda, torch.bfloat16, 0.1, 64) == "segments"  # varlen_attn has no dropout
+    assert path("sdpa", cuda, torch.bfloat16, 0.0, 6) == "segments"  # a head size flash kernels refuse
+    assert path("sdpa", cpu, torch.bfloat16, 0.0, 64) == "segments"
+    assert path("flex_attention", cpu, torch.float32, 0.0, 64) == "segments"
+    assert path("flash_attention_2", cuda, torch.bfloat16, 0.0, 64) == "flash"
+    assert path("flash_attention_3", cuda, torch.bfloat16, 0.0, 64) == "flash"
+    assert path("eager", cuda, torch.bfloat16, 0.0, 64) == "mask"
+    monkeypatch.setattr(attention, "_flash_capable", lambda index: False)  # pre-Ampere
+    assert path("sdpa", cuda, torch.bfloat16, 0.0, 64) == "segments"
+
+
+def test_varlen_gets_the_flattened_tokens_cumulative_lengths_and_host_maxima(monkeypatch):
+    seen = {}
+
+    def fake_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None):
+        seen.update(shape=query.shape, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, scale=scale)
+        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+        return attention._per_run_length(Attention(), [query, key, value], lengths, scale, 0.0)
+
+    monkeypatch.setattr(attention, "varlen_attn", fake_varlen)
+    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "varlen")
+    _, (query, key, value) = qkv()
+    segments = attention_segments(RUNS, ROW)
+    output, _ = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)(
+        Attention(), query, key, value, segments, scaling=0.5
+    )
+    assert seen["shape"] == (len(RUNS) * ROW, 2, 4)  # (total tokens, heads, head size)
+    assert seen["cu_q"] is segments.cu_seqlens and seen["cu_k"] is segments.cu_seqlens
+    assert (seen["max_q"], seen["max_k"]) == (9, 9) and type(seen["max_q"]) is int
+    assert seen["scale"] == 0.5
+    keep = valid()
+    torch.testing.assert_close(output[keep], each_run_alone(query, key, value)[keep])
+
+
+def test_flash_attention_gets_transformers_variable_length_arguments():
+    seen = {}
+
+    def fake_flash(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        seen.update(kwargs, mask=attention_mask)
+        return query.transpose(1, 2), None
+
+    _, (query, key, value) = qkv()
+    segments = attention_segments(RUNS, ROW)
+    segment_attention_forward("flash_attention_2", fake_flash, Attention(), query, key, value, segments, 0.5)
+    assert seen["mask"] is None
+    assert seen["cu_seq_lens_q"] is segments.cu_seqlens and seen["cu_seq_lens_k"] is segments.cu_seqlens
+    assert seen["max_length_q"] == seen["max_length_k"] == 9
+
+
+def test_segments_must_describe_the_batch_and_the_choice_is_logged_once(monkeypatch):
+    _, (query, key, value) = qkv()
+    with pytest.raises(ValueError, match="4 rows of 8 tokens, but the queries are 4 rows of 9"):
+        segment_attention_forward("sdpa", None, Attention(), query, key, value, attention_segments([[3]] * 4, 8), 0.5)
+    logged = {"warning": [], "info": []}
+    for level in logged:
+        monkeypatch.setattr(attention.logger, level, lambda message, level=level: logged[level].append(message))
+    logging.Logger.warning_once.cache_clear()  # transformers' once-per-process caches (shared by all loggers)
+    logging.Logger.info_once.cache_clear()
+    function = ALL_ATTENTION_FUNCTIONS.get_interface("flex_attention", None)
+    for _ in range(3):
+        function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=0.5)
+    assert len(logged["warning"]) == 1 and "flex_attention" in logged["warning"][0]
+    assert logged["info"] == ["Attention restricted to each image: flex_attention runs it as 'segments'."]
+
+
+def test_plain_masks_still_reach_the_implementation_unchanged():
+    _, (query, key, value) = qkv()
+    mask = torch.zeros(len(RUNS), 1, ROW, ROW, dtype=query.dtype)
+    mask[..., -2:] = torch.finfo(query.dtype).min
+    function = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
+    output, _ = function(Attention(), query, key, value, mask, scaling=4**-0.5)
+    reference = F.scaled_dot_product_attention(query, key, value, attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(output, reference)
+    assert isinstance(attention_segments(RUNS, ROW), AttentionSegments)
