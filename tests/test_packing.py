@@ -1,13 +1,16 @@
 """No padding tax: attention restricted to runs of tokens (each image of a padded or packed batch), and the
 processor's packing of several images into rows of a fixed number of patch slots."""
 
+import json
 import logging
 
+import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
 
 import hf_vit.model.attention as attention
+from hf_vit import VisionTransformerImageProcessor
 from hf_vit.model.attention import (
     ALL_ATTENTION_FUNCTIONS,
     AttentionSegments,
@@ -16,6 +19,7 @@ from hf_vit.model.attention import (
     segment_attention_forward,
     segment_attention_path,
 )
+from hf_vit.model.image_processing_vit import first_fit_decreasing
 
 # rows of runs (an image's tokens each) in rows of ROW tokens, the rest of each row padding
 RUNS = [[5, 3], [7], [2, 2, 2, 2], [9]]
@@ -201,3 +205,139 @@ def test_plain_masks_still_reach_the_implementation_unchanged():
     reference = F.scaled_dot_product_attention(query, key, value, attn_mask=mask).transpose(1, 2)
     torch.testing.assert_close(output, reference)
     assert isinstance(attention_segments(RUNS, ROW), AttentionSegments)
+
+
+# ---- packing in the processor ----
+
+# (height, width) of images of several aspect ratios and sizes
+SIZES = [(40, 40), (20, 80), (90, 30), (7, 200), (300, 5), (2, 5), (64, 48), (33, 33), (16, 120)]
+
+
+def images(sizes=SIZES, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for height, width in sizes]
+
+
+def check_packing(packed, native, capacity):
+    """The packing invariants, against the unpacked native-aspect batch of the same images."""
+    index, mask = packed["patch_image_index"], packed["pixel_attention_mask"]
+    grids = native["spatial_shapes"]
+    assert torch.equal(packed["spatial_shapes"], grids)  # in the order given
+    assert index.shape == mask.shape == packed["pixel_values"].shape[:2] and index.shape[1] == capacity
+    assert torch.equal(mask, (index >= 0).int())
+    sizes = grids.prod(1).tolist()
+    for image, size in enumerate(sizes):  # every image exactly once, whole, in one row, consecutive
+        row, slots = (index == image).nonzero(as_tuple=True)
+        assert len(slots) == size and len(set(row.tolist())) == 1, image
+        assert torch.equal(slots, torch.arange(slots[0], slots[0] + size)), image
+        # its patches are the unpacked native-aspect patches of the image
+        assert torch.equal(packed["pixel_values"][row[0], slots], native["pixel_values"][image, :size]), image
+    for row in range(index.shape[0]):  # images first, the padding after them, zeros
+        count = int(mask[row].sum())
+        assert mask[row].tolist() == [1] * count + [0] * (capacity - count)
+        assert torch.all(packed["pixel_values"][row, count:] == 0)
+    return sizes
+
+
+def rows_of(packed):
+    """Each row's images in their order in the row."""
+    return [list(dict.fromkeys(i for i in row if i >= 0)) for row in packed["patch_image_index"].tolist()]
+
+
+@pytest.mark.parametrize("capacity", [16, 23, 40, 200])
+def test_packed_rows_hold_each_image_whole_as_the_unpacked_batch_does(capacity):
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
+    native = processor(images(), return_tensors="pt")
+    packed = processor(images(), packed_sequence_length=capacity, return_tensors="pt")
+    assert set(packed) == {"pixel_values", "pixel_attention_mask", "spatial_shapes", "patch_image_index"}
+    sizes = check_packing(packed, native, capacity)
+    assert packed["pixel_values"].shape[0] >= -(-sum(sizes) // capacity)
+    if capacity >= sum(sizes):
+        assert packed["pixel_values"].shape[0] == 1
+
+
+def first_fit_decreasing_by_hand(sizes, capacity):
+    """The rule written out: largest first (ties in the order given), each into the first row with room."""
+    rows, room = [], []
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        for row, left in enumerate(room):
+            if left >= sizes[index]:
+                rows[row].append(index)
+                room[row] -= sizes[index]
+                break
+        else:
+            rows.append([index])
+            room.append(capacity - sizes[index])
+    return rows
+
+
+def test_rows_follow_first_fit_decreasing_deterministically():
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8, packed_sequence_length=24)
+    packed = processor(images(), return_tensors="pt")
+    sizes = packed["spatial_shapes"].prod(1).tolist()
+    assert rows_of(packed) == first_fit_decreasing_by_hand(sizes, 24)
+    assert all(torch.equal(packed[name], value) for name, value in processor(images(), return_tensors="pt").items())
+    # the rows do not depend on the images' order, only which image sits where does
+    order = [3, 0, 8, 1, 7, 2, 6, 4, 5]
+    shuffled = processor([images()[i] for i in order], return_tensors="pt")
+    assert torch.equal(shuffled["spatial_shapes"], packed["spatial_shapes"][order])
+    assert sorted(sorted(sizes[order[i]] for i in row) for row in rows_of(shuffled)) == sorted(
+        sorted(sizes[i] for i in row) for row in rows_of(packed)
+    )
+
+
+def test_first_fit_decreasing_on_random_sizes():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        capacity = int(rng.integers(1, 50))
+        sizes = rng.integers(1, capacity + 1, int(rng.integers(1, 30))).tolist()
+        rows = first_fit_decreasing(sizes, capacity)
+        assert rows == first_fit_decreasing_by_hand(sizes, capacity)
+        assert sorted(i for row in rows for i in row) == list(range(len(sizes)))
+        assert all(sum(sizes[i] for i in row) <= capacity for row in rows)
+        # no two rows could have been one: first fit leaves at most one row half empty
+        loads = sorted(sum(sizes[i] for i in row) for row in rows)
+        assert len(loads) < 2 or loads[0] + loads[1] > capacity
+    with pytest.raises(ValueError, match="Item 1 has size 9"):
+        first_fit_decreasing([3, 9], 8)
+    with pytest.raises(ValueError, match="capacity"):
+        first_fit_decreasing([3], 0)
+
+
+def test_packing_returns_numpy_and_lists_as_the_unpacked_batch_does():
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8, packed_sequence_length=32)
+    as_tensors = processor(images(), return_tensors="pt")
+    as_numpy = processor(images(), return_tensors="np")
+    as_lists = processor(images())
+    for name, value in as_tensors.items():
+        np.testing.assert_array_equal(as_numpy[name], value.numpy())
+        assert len(as_lists[name]) == len(value)
+        np.testing.assert_array_equal(np.stack(as_lists[name]), value.numpy())
+    assert as_tensors["patch_image_index"].dtype == torch.long
+
+
+def test_packing_is_saved_reloaded_and_overridden_per_call(tmp_path):
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8, packed_sequence_length=40)
+    processor.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "preprocessor_config.json").read_text())["packed_sequence_length"] == 40
+    reloaded = VisionTransformerImageProcessor.from_pretrained(tmp_path)
+    assert (reloaded.max_num_patches, reloaded.packed_sequence_length) == (16, 40)
+    first, again = processor(images(), return_tensors="pt"), reloaded(images(), return_tensors="pt")
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert reloaded(images(), packed_sequence_length=20, return_tensors="pt")["pixel_values"].shape[1] == 20
+    unpacked = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
+    unpacked.save_pretrained(tmp_path / "unpacked")
+    assert VisionTransformerImageProcessor.from_pretrained(tmp_path / "unpacked").packed_sequence_length is None
+    assert set(unpacked(images(), return_tensors="pt")) == {"pixel_values", "pixel_attention_mask", "spatial_shapes"}
+
+
+def test_packing_refuses_what_it_cannot_honour():
+    with pytest.raises(ValueError, match=r"`packed_sequence_length` \(12\) must be at least `max_num_patches` \(16\)"):
+        VisionTransformerImageProcessor(max_num_patches=16, packed_sequence_length=12)
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
+    with pytest.raises(ValueError, match=r"`packed_sequence_length` \(8\) must be at least `max_num_patches` \(16\)"):
+        processor(images(), packed_sequence_length=8)
+    with pytest.raises(ValueError, match="give `max_num_patches`"):
+        VisionTransformerImageProcessor(packed_sequence_length=64)
+    with pytest.raises(ValueError, match="`packed_sequence_length` must be a positive int"):
+        processor(images(), packed_sequence_length=20.5)
