@@ -97,18 +97,19 @@ def test_each_run_attends_only_to_itself_and_gradients_match(implementation):
         torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)))
 
 
-def test_the_per_length_path_gathers_runs_without_waste_and_keeps_cpu_training_on_matmuls(monkeypatch):
+def test_the_per_length_path_batches_runs_of_one_length_and_skips_the_padding(monkeypatch):
     calls = []
     sdpa = attention.sdpa_or_matmul_attention_forward
     monkeypatch.setattr(
         attention, "sdpa_or_matmul_attention_forward", lambda *a, **k: calls.append(a[1].shape) or sdpa(*a, **k)
     )
     _, (query, key, value) = qkv()
-    segment_attention_forward("sdpa", None, Attention(), query, key, value, attention_segments(RUNS, ROW), 0.5)
-    # one call per distinct run length, the runs of that length as its batch
-    assert sorted(shape[0] * 1000 + shape[2] for shape in calls) == sorted(
-        [2 * 1000 + 1, 1 * 1000 + 3, 1 * 1000 + 5, 1 * 1000 + 7, 5 * 1000 + 2, 1 * 1000 + 9]
-    )
+    segments = attention_segments(RUNS, ROW)
+    assert segments.padding == (False, False, True, False, True, False, False, False, False, True, False)
+    output, _ = segment_attention_forward("sdpa", None, Attention(), query, key, value, segments, 0.5)
+    # one call per distinct run length of the images, the runs of that length as its batch
+    assert sorted((shape[0], shape[2]) for shape in calls) == [(1, 3), (1, 5), (1, 7), (1, 9), (4, 2)]
+    assert torch.all(output[~valid()] == 0)  # the padding is not computed
 
 
 def test_cpu_bf16_training_on_runs_matches_fp32():

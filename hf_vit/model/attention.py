@@ -15,7 +15,6 @@ Saved next to checkpoints as remote code with the model, so it imports only torc
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -137,13 +136,15 @@ class AttentionSegments:
     """Runs of consecutive tokens of a `(batch, tokens)` batch that attend only among themselves, as the kernels of
     variable-length attention take them: `cu_seqlens` `(runs + 1,)` int32, the runs' boundaries in the batch's tokens
     flattened row after row, on the tokens' device; `max_seqlen`, the longest run, and `lengths`, every run's, as
-    Python ints (known on the host, so no kernel waits for the device to tell them)."""
+    Python ints (known on the host, so no kernel waits for the device to tell them); `padding`, which runs are a
+    row's padding."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     lengths: tuple[int, ...]
     batch_size: int
     row_length: int
+    padding: tuple[bool, ...]  # which runs are a row's padding
 
     def token_segments(self) -> torch.Tensor:
         """`(batch, tokens)`: the run each token belongs to."""
@@ -165,7 +166,7 @@ def attention_segments(
     no image. None when every row is one run that fills it: such a batch needs no mask at all."""
     if isinstance(row_length, bool) or not isinstance(row_length, int) or row_length < 1:
         raise ValueError(f"`row_length` must be a positive int, got {row_length!r}.")
-    lengths = []
+    lengths, padding_runs = [], []
     for index, row in enumerate(rows):
         row = [int(length) for length in row]
         if any(length < 1 for length in row) or sum(row) > row_length:
@@ -175,6 +176,7 @@ def attention_segments(
             )
         padding = row_length - sum(row)
         lengths.extend(row + [padding] if padding else row)
+        padding_runs.extend([False] * len(row) + ([True] if padding else []))
     if not lengths:
         raise ValueError("`rows` is empty: a batch has at least one row.")
     if len(lengths) == len(rows):
@@ -182,7 +184,7 @@ def attention_segments(
     # transformers' cumulative lengths of per-image grids, each run a 1 x length x 1 grid
     grids = torch.tensor([(1, length, 1) for length in lengths])
     cu_seqlens = get_vision_cu_seqlens(grids).to(device)
-    return AttentionSegments(cu_seqlens, max(lengths), tuple(lengths), len(rows), row_length)
+    return AttentionSegments(cu_seqlens, max(lengths), tuple(lengths), len(rows), row_length, tuple(padding_runs))
 
 
 @functools.lru_cache(maxsize=8)
@@ -268,29 +270,44 @@ def segment_attention_forward(
         cu_seqlens = segments.cu_seqlens.to(query.device)
         output = varlen_attn(*flat, cu_seqlens, cu_seqlens, longest, longest, scale=scaling)
         return output.view(batch, tokens, heads, head_dim), None
-    return _per_run_length(module, flat, segments.lengths, scaling, dropout).view(batch, tokens, heads, head_dim), None
+    output = _per_run_length(module, flat, segments.lengths, scaling, dropout, segments.padding)
+    return output.view(batch, tokens, heads, head_dim), None
 
 
 def _per_run_length(
-    module: nn.Module, flat: list[torch.Tensor], lengths: Sequence[int], scaling: float, dropout: float
+    module: nn.Module,
+    flat: list[torch.Tensor],
+    lengths: Sequence[int],
+    scaling: float,
+    dropout: float,
+    padding: Sequence[bool] | None = None,
 ) -> torch.Tensor:
     """Attention within runs of the flattened `(T, heads, d_h)` tokens, one SDPA (or matmul) call per distinct run
-    length on the runs of that length gathered into a batch: `(T, heads, d_h)`."""
-    starts_of: dict[int, list[int]] = {}
-    for start, length in zip(itertools.accumulate(lengths, initial=0), lengths):
-        starts_of.setdefault(length, []).append(start)
-    device, heads, head_dim = flat[0].device, flat[0].shape[1], flat[0].shape[2]
-    order, outputs = [], []
-    for length, starts in starts_of.items():
-        index = (torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)).flatten()
+    length, the runs of that length stacked into its batch; runs marked `padding` are not computed (their outputs are
+    zero: nothing reads them). Returns `(T, heads, d_h)`.
+
+    The runs are `split` views and the outputs one `cat`, whose backwards are one `cat` and views: gathering with an
+    index instead made every group's backward fill a zero tensor of all T tokens (a training step 2x slower than the
+    masked batch on CPU)."""
+    padding = padding or (False,) * len(lengths)
+    runs = [tensor.split(list(lengths)) for tensor in flat]
+    outputs: list[torch.Tensor | None] = [None] * len(lengths)
+    runs_of: dict[int, list[int]] = {}
+    for index, length in enumerate(lengths):
+        if padding[index]:
+            outputs[index] = flat[0].new_zeros(length, *flat[0].shape[1:])
+        else:
+            runs_of.setdefault(length, []).append(index)
+    for indices in runs_of.values():
+        # (runs, heads, length, d_h): a view where the length has one run, else one stacked copy
         query, key, value = (
-            tensor.index_select(0, index).view(len(starts), length, heads, head_dim).transpose(1, 2) for tensor in flat
+            (part[indices[0]][None] if len(indices) == 1 else torch.stack([part[i] for i in indices])).transpose(1, 2)
+            for part in runs
         )
         output, _ = sdpa_or_matmul_attention_forward(module, query, key, value, None, scaling, dropout)
-        order.append(index)
-        outputs.append(output.reshape(-1, heads, head_dim))
-    order, output = torch.cat(order), torch.cat(outputs)
-    return torch.empty_like(output).index_copy(0, order, output)
+        for index, run in zip(indices, output.unbind(0)):  # (length, heads, d_h) each
+            outputs[index] = run
+    return torch.cat(outputs)
 
 
 class _SegmentAwareAttentionInterface(AttentionInterface):
