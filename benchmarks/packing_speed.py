@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 r"""Packing rows of the benchmark: what padding costs on CPU, and what attention restricted to each image saves.
 
-The batch is images at their native resolution (NaViT's setting: each a grid of between `--min_share` x K and K
-patches, so a padded batch's rows are a quarter to a third padding), through hf-vit's processor twice: padded, one
-image per row of K patches (`max_num_patches`), and packed, whole images first-fit-decreasing into rows of L patch
-slots (`packed_sequence_length`). The same images' attention is timed in one process, in alternating rounds
-(`timing.time_alternating`), as the model runs it, in the model's attention function (`ALL_ATTENTION_FUNCTIONS`):
+The images are at their native resolution (NaViT's setting: each a grid of between `--min_share` x K and K patches,
+so a padded batch's rows are a quarter to a third padding), through hf-vit's processor at equal patch slots: padded,
+B images one per row of K patches (`max_num_patches`), and packed, whole images first-fit-decreasing into B * K / L
+rows of L patch slots (`packed_sequence_length`), the same images and the next ones, as many as fit. Their attention
+is timed in one process, in alternating rounds (`timing.time_alternating`), as the model runs it, through the model's
+attention function (`ALL_ATTENTION_FUNCTIONS`):
 
     padded + mask       one image per row, the padding masked as keys (an additive (B, 1, N, N) mask, as today)
     padded + segments   the same tensors, attention restricted to each image (`AttentionSegments`)
@@ -37,6 +38,7 @@ import torch
 from benchmarks.timing import median_seconds, time_alternating
 from hf_vit import VisionTransformerImageProcessor
 from hf_vit.model.attention import ALL_ATTENTION_FUNCTIONS, attention_segments
+from hf_vit.model.image_processing_vit import first_fit_decreasing
 
 PATCH = 16
 ROWS = ("padded + mask", "padded + segments", "packed + mask", "packed + segments")
@@ -48,12 +50,13 @@ class _Attention(torch.nn.Module):
     is_causal = False
 
 
-def native_images(args) -> list[np.ndarray]:
-    """Images of random aspect ratio and resolution, each a whole grid of between min_share * K and K patches."""
+def native_images(args, count: int) -> list[np.ndarray]:
+    """`count` images of random aspect ratio and resolution, each a whole grid of between min_share * K and K
+    patches (the first ones the same for any count)."""
     rng = np.random.default_rng(args.seed)
     low = max(1, math.ceil(args.min_share * args.max_num_patches))
     images = []
-    while len(images) < args.batch_size:
+    while len(images) < count:
         rows = int(rng.integers(1, args.max_num_patches + 1))
         cols = int(rng.integers(1, args.max_num_patches // rows + 1))
         if low <= rows * cols <= args.max_num_patches:
@@ -61,33 +64,46 @@ def native_images(args) -> list[np.ndarray]:
     return images
 
 
+def packed_count(args, sizes: list[int]) -> int:
+    """How many of the images (of `sizes` patches, in order) first-fit-decreasing packs into the padded batch's
+    patch slots: B * K / L rows of L."""
+    rows = args.batch_size * args.max_num_patches // args.packed_sequence_length
+    count = args.batch_size
+    while count < len(sizes) and len(first_fit_decreasing(sizes[: count + 1], args.packed_sequence_length)) <= rows:
+        count += 1
+    return count
+
+
 def layouts(args) -> dict[str, dict]:
     """Per layout ("padded", "packed"): each row's images, its runs of tokens (class token + patches per image) and
-    the rows' length in tokens, from hf-vit's processor on the same images."""
+    the rows' length in tokens, from hf-vit's processor. At equal patch slots: the padded batch is B images in B rows
+    of K slots, the packed one the same images and the next ones, as many as fill B * K / L rows of L."""
     processor = VisionTransformerImageProcessor(
         max_num_patches=args.max_num_patches, patch_size=PATCH, do_resize=False
     )
-    images = native_images(args)
-    padded = processor(images, return_tensors="pt")
-    packed = processor(images, packed_sequence_length=args.packed_sequence_length, return_tensors="pt")
-    sizes = padded["spatial_shapes"].prod(1).tolist()
+    images = native_images(args, 4 * args.batch_size)
+    sizes = processor(images, return_tensors="pt")["spatial_shapes"].prod(1).tolist()
+    count = packed_count(args, sizes)
+    padded = processor(images[: args.batch_size], return_tensors="pt")
+    packed = processor(images[:count], packed_sequence_length=args.packed_sequence_length, return_tensors="pt")
     packed_rows = [list(dict.fromkeys(i for i in row if i >= 0)) for row in packed["patch_image_index"].tolist()]
     most = max(len(row) for row in packed_rows)
     return {
         "padded": {
-            "images": [[index] for index in range(len(sizes))],
-            "runs": [[1 + size] for size in sizes],
+            "images": [[index] for index in range(args.batch_size)],
+            "runs": [[1 + size] for size in sizes[: args.batch_size]],
             "length": 1 + args.max_num_patches,
             "slots": padded["pixel_attention_mask"].numel(),
+            "padding": 1 - sum(sizes[: args.batch_size]) / padded["pixel_attention_mask"].numel(),
         },
         "packed": {
             "images": packed_rows,
             "runs": [[1 + sizes[i] for i in row] for row in packed_rows],
             "length": args.packed_sequence_length + most,  # a class token per image of the fullest row
             "slots": packed["pixel_attention_mask"].numel(),
+            "padding": 1 - sum(sizes[:count]) / packed["pixel_attention_mask"].numel(),
         },
-        "patches": sum(sizes),
-        "sizes": sizes,
+        "sizes": sizes[:count],
     }
 
 
@@ -143,13 +159,12 @@ def measure(args) -> dict:
     head_dim = args.width // args.heads
     tokens = [torch.randn(1 + size, 3, args.heads, head_dim, generator=generator) for size in shapes["sizes"]]
     inputs = {name: inputs_for(shapes[name.split()[0]], tokens) for name in ROWS}
-    # The rows compute the same function: every image's outputs agree before anything is timed.
+    # The rows compute the same function: the images they share have the same outputs before anything is timed.
     reference, difference = None, 0.0
     for name in ROWS:
         output, _ = sdpa(module, *inputs[name][1], masks[name], scaling=scaling)
-        per_image = [
-            output[row, start : start + length] for _, row, start, length in placements(shapes[name.split()[0]])
-        ]
+        placed = placements(shapes[name.split()[0]])[: args.batch_size]
+        per_image = [output[row, start : start + length] for _, row, start, length in placed]
         reference = reference or per_image
         difference = max([difference] + [(a - b).abs().max().item() for a, b in zip(per_image, reference)])
     if difference > 1e-4:
@@ -178,12 +193,11 @@ def measure(args) -> dict:
     load_after = os.getloadavg()
     seconds = {name: median_seconds(sample) for name, sample in samples.items()}
     padded, packed = shapes["padded"], shapes["packed"]
+    count = {"padded": args.batch_size, "packed": len(shapes["sizes"])}
     return {
-        "images_per_s": {name: args.batch_size / value for name, value in seconds.items()},
-        "padding_share": {
-            "padded": 1 - shapes["patches"] / padded["slots"],
-            "packed": 1 - shapes["patches"] / packed["slots"],
-        },
+        "images_per_s": {name: count[name.split()[0]] / value for name, value in seconds.items()},
+        "images": count,
+        "padding_share": {"padded": padded["padding"], "packed": packed["padding"]},
         "rows": {"padded": len(padded["runs"]), "packed": len(packed["runs"])},
         "max_difference": difference,
         "load_average": [load_before[0], load_after[0]],
@@ -204,14 +218,16 @@ def format_rows(result: dict, args) -> str:
             cells += [f"{value:.1f}", f"{value / base:.2f}x"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     share, rows, load = result["padding_share"], result["rows"], result["load_average"]
+    images = result["images"]
     lines += [
         "",
-        f"Attention of {args.batch_size} images of {math.ceil(args.min_share * args.max_num_patches)} to "
-        f"{args.max_num_patches} patches (native resolution) and a class token each, width {args.width}, "
-        f"{args.heads} heads, fp32, {result['threads']} threads: padded into {rows['padded']} rows of K = "
-        f"{args.max_num_patches} patch slots ({share['padded']:.0%} padding), packed into {rows['packed']} rows of "
-        f"L = {args.packed_sequence_length} ({share['packed']:.0%} padding); the images' outputs agree across the "
-        f"rows to {result['max_difference']:.1e}. 1-minute load average {load[0]:.2f} before, {load[1]:.2f} after.",
+        f"Attention of images of {math.ceil(args.min_share * args.max_num_patches)} to {args.max_num_patches} "
+        f"patches (native resolution) and a class token each, at equal patch slots: {images['padded']} images "
+        f"padded into {rows['padded']} rows of K = {args.max_num_patches} ({share['padded']:.0%} padding), "
+        f"{images['packed']} packed into {rows['packed']} rows of L = {args.packed_sequence_length} "
+        f"({share['packed']:.0%} padding). Width {args.width}, {args.heads} heads, fp32, {result['threads']} "
+        f"threads; the images the rows share have the same outputs to {result['max_difference']:.1e}. 1-minute load "
+        f"average {load[0]:.2f} before, {load[1]:.2f} after.",
     ]
     return "\n".join(lines)
 
@@ -221,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_num_patches", type=int, default=256, help="K, the most patches of one image")
     parser.add_argument("--packed_sequence_length", type=int, default=1024, help="L, patch slots per packed row")
     parser.add_argument("--min_share", type=float, default=0.4, help="the fewest patches of an image, as a share of K")
-    parser.add_argument("--batch_size", type=int, default=32, help="images")
+    parser.add_argument("--batch_size", type=int, default=32, help="images of the padded batch")
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--steps", type=int, default=2, help="calls per timed sample")
@@ -231,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tiny batch and one sample per row: seconds")
     args = parser.parse_args(argv)
     if args.quick:
-        args.max_num_patches, args.packed_sequence_length, args.batch_size = 16, 48, 6
+        args.max_num_patches, args.packed_sequence_length, args.batch_size = 16, 32, 6
         args.width, args.heads, args.steps, args.repeats = 32, 2, 1, 1
+    if args.batch_size * args.max_num_patches < args.packed_sequence_length:
+        parser.error("--batch_size x --max_num_patches must be at least --packed_sequence_length (one packed row)")
     if args.packed_sequence_length < args.max_num_patches:
         parser.error(
             f"--packed_sequence_length ({args.packed_sequence_length}) must be at least --max_num_patches "

@@ -518,7 +518,7 @@ def test_packing_rows_quick_mode_prints_every_row_and_ratio(capsys):
     assert [row.split(" | ")[0] for row in rows] == ["| padded + mask", "| padded + segments", "| packed + mask",
                                                      "| packed + segments"]  # fmt: skip
     assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in rows)
-    assert "padding" in out and "agree across the rows" in out
+    assert "padding" in out and "have the same outputs" in out
     with pytest.raises(SystemExit):
         packing_speed.main(["--max_num_patches", "64", "--packed_sequence_length", "32"])
     assert "--packed_sequence_length (32) must be at least --max_num_patches (64)" in capsys.readouterr().err
