@@ -62,7 +62,7 @@ def test_segments_are_the_cumulative_lengths_with_each_rows_padding_its_own_run(
     assert segments.cu_seqlens.dtype == torch.int32
     assert segments.cu_seqlens.tolist() == [0, 5, 8, 9, 16, 18, 20, 22, 24, 26, 27, 36]
     assert segments.max_seqlen == 9 and type(segments.max_seqlen) is int
-    run_of = segments.token_segments()
+    run_of = segments.token_runs
     assert run_of.shape == (4, ROW) and run_of[0].tolist() == [0] * 5 + [1] * 3 + [2]
     assert run_of[3].tolist() == [10] * 9
 
@@ -342,3 +342,21 @@ def test_packing_refuses_what_it_cannot_honour():
         VisionTransformerImageProcessor(packed_sequence_length=64)
     with pytest.raises(ValueError, match="`packed_sequence_length` must be a positive int"):
         processor(images(), packed_sequence_length=20.5)
+
+
+def test_compiled_attention_takes_every_batch_of_one_shape_in_one_graph():
+    from torch._dynamo.utils import counters
+
+    function = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
+
+    def attend(query, segments):
+        return function(Attention(), query, query, query, segments, scaling=0.5)[0]
+
+    counters.clear()
+    compiled = torch.compile(attend, backend="eager", fullgraph=True)
+    for runs in (RUNS, [[4, 4], [6, 3], [1], [9]], [[9], [8], [2, 7], [3]]):
+        query = torch.randn(4, 2, ROW, 4)
+        segments = attention_segments(runs, ROW)
+        keep = valid(runs)
+        torch.testing.assert_close(compiled(query, segments)[keep], attend(query, segments)[keep])
+    assert counters["stats"]["unique_graphs"] == 1

@@ -136,7 +136,7 @@ class AttentionSegments:
     variable-length attention take them: `cu_seqlens` `(runs + 1,)` int32, the runs' boundaries in the batch's tokens
     flattened row after row, on the tokens' device; `max_seqlen`, the longest run, and `lengths`, every run's, as
     Python ints (known on the host, so no kernel waits for the device to tell them); `padding`, which runs are a
-    row's padding."""
+    row's padding; `token_runs`, the run of each token."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
@@ -144,17 +144,13 @@ class AttentionSegments:
     batch_size: int
     row_length: int
     padding: tuple[bool, ...]  # which runs are a row's padding
-
-    def token_segments(self) -> torch.Tensor:
-        """`(batch, tokens)`: the run each token belongs to."""
-        cu_seqlens = self.cu_seqlens.to(torch.long)
-        tokens = torch.arange(self.batch_size * self.row_length, device=cu_seqlens.device)
-        return torch.searchsorted(cu_seqlens[1:], tokens, right=True).view(self.batch_size, self.row_length)
+    token_runs: torch.Tensor  # (batch, tokens) int32: the run of each token
 
     def block_diagonal_mask(self) -> torch.Tensor:
-        """`(batch, 1, tokens, tokens)` bool: True where query and key are in one run."""
-        segments = self.token_segments()
-        return (segments[:, :, None] == segments[:, None, :])[:, None]
+        """`(batch, 1, tokens, tokens)` bool: True where query and key are in one run. Built from `token_runs`, whose
+        shape is the batch's, so a compiled model takes every batch of one shape in one graph."""
+        runs = self.token_runs
+        return (runs[:, :, None] == runs[:, None, :])[:, None]
 
 
 def attention_segments(
@@ -183,7 +179,11 @@ def attention_segments(
     # transformers' cumulative lengths of per-image grids, each run a 1 x length x 1 grid
     grids = torch.tensor([(1, length, 1) for length in lengths])
     cu_seqlens = get_vision_cu_seqlens(grids).to(device)
-    return AttentionSegments(cu_seqlens, max(lengths), tuple(lengths), len(rows), row_length, tuple(padding_runs))
+    token_runs = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
+    return AttentionSegments(
+        cu_seqlens, max(lengths), tuple(lengths), len(rows), row_length, tuple(padding_runs),
+        token_runs.view(len(rows), row_length).to(device),
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)
@@ -243,14 +243,16 @@ def segment_attention_forward(
             f"queries are {batch} rows of {tokens}."
         )
     path = segment_attention_path(implementation, query.device, query.dtype, dropout, head_dim)
-    if path in ("varlen", "segments") and torch.compiler.is_compiling():
-        path = "mask"  # one graph for every batch of these shapes: a mask is data, the run lengths are not
-    if implementation == "flex_attention" and path != "mask":
-        logger.warning_once(
-            "flex_attention builds a block mask per batch; batches with padding or packed images run through the "
-            f"SDPA path instead ({path})."
-        )
-    logger.info_once(f"Attention restricted to each image: {implementation} runs it as {path!r}.")
+    if torch.compiler.is_compiling():
+        if path in ("varlen", "segments"):
+            path = "mask"  # one graph for every batch of these shapes: a mask is data, the run lengths are not
+    else:  # the logs are printed before compiling, at the first call
+        if implementation == "flex_attention" and path != "mask":
+            logger.warning_once(
+                "flex_attention builds a block mask per batch; batches with padding or packed images run through "
+                f"the SDPA path instead ({path})."
+            )
+        logger.info_once(f"Attention restricted to each image: {implementation} runs it as {path!r}.")
     if path == "flash":
         cu_seqlens, longest = segments.cu_seqlens, segments.max_seqlen
         return function(
