@@ -16,6 +16,7 @@ from hf_vit.model.attention import (
     AttentionSegments,
     attention_segments,
     eager_attention_forward,
+    padded_batch_segments,
     segment_attention_forward,
     segment_attention_path,
 )
@@ -360,3 +361,18 @@ def test_compiled_attention_takes_every_batch_of_one_shape_in_one_graph():
         keep = valid(runs)
         torch.testing.assert_close(compiled(query, segments)[keep], attend(query, segments)[keep])
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_padded_batches_take_segments_where_they_pay_off(monkeypatch):
+    mask = valid([[5], [9], [2], [7]])  # a third of the slots padding
+    segments = padded_batch_segments(mask, "sdpa", torch.float32, 0.0, 64)
+    assert segments.lengths == (5, 4, 9, 2, 7, 7, 2)
+    assert segments.padding == (False, True, False, False, True, False, True)
+    assert padded_batch_segments(valid([[9], [9]]), "sdpa", torch.float32, 0.0, 64) is None  # no padding: no mask
+    little = valid([[9]] * 10 + [[8]])  # 1% padding: one fused SDPA over the batch is faster on CPU
+    assert padded_batch_segments(little, "sdpa", torch.float32, 0.0, 64) is None
+    assert padded_batch_segments(little, "flex_attention", torch.float32, 0.0, 64) is not None  # handed to SDPA
+    assert padded_batch_segments(mask, "eager", torch.float32, 0.0, 64) is None  # the probabilities need the mask
+    assert padded_batch_segments(mask, "flash_attention_2", torch.float16, 0.0, 64) is None  # it unpads the mask
+    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "varlen")
+    assert padded_batch_segments(little, "sdpa", torch.bfloat16, 0.0, 64) is not None  # any padding, on a GPU
