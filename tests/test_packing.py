@@ -100,10 +100,8 @@ def test_each_run_attends_only_to_itself_and_gradients_match(implementation):
 
 def test_the_per_length_path_batches_runs_of_one_length_and_skips_the_padding(monkeypatch):
     calls = []
-    sdpa = attention.sdpa_or_matmul_attention_forward
-    monkeypatch.setattr(
-        attention, "sdpa_or_matmul_attention_forward", lambda *a, **k: calls.append(a[1].shape) or sdpa(*a, **k)
-    )
+    attend = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda *a, **k: calls.append(a[1].shape) or attend(*a, **k))
     _, (query, key, value) = qkv()
     segments = attention_segments(RUNS, ROW)
     assert segments.padding == (False, False, True, False, True, False, False, False, False, True, False)

@@ -339,10 +339,20 @@ def _per_run_length(
             (part[indices[0]][None] if len(indices) == 1 else torch.stack([part[i] for i in indices])).transpose(1, 2)
             for part in runs
         )
-        output, _ = sdpa_or_matmul_attention_forward(module, query, key, value, None, scaling, dropout)
-        for index, run in zip(indices, output.unbind(0)):  # (length, heads, d_h) each
-            outputs[index] = run
+        for index, run in zip(indices, _attend(module, query, key, value, scaling, dropout).unbind(0)):
+            outputs[index] = run  # (length, heads, d_h)
     return torch.cat(outputs)
+
+
+def _attend(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, dropout: float
+) -> torch.Tensor:
+    """`sdpa_or_matmul_attention_forward` without a mask, `(B, N, heads, d_h)`, left a transposed view: the caller's
+    `cat` is the one copy (transformers' SDPA function would copy it first)."""
+    if prefers_matmul_attention(query, module.training):
+        return matmul_attention_forward(module, query, key, value, None, scaling, dropout)[0]
+    dropout = dropout if module.training else 0.0
+    return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, scale=scaling).transpose(1, 2)
 
 
 class _SegmentAwareAttentionInterface(AttentionInterface):
