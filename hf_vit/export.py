@@ -8,7 +8,7 @@ With `native=True` the graph takes the image processor's native-aspect batches (
 `pixel_values` (batch, patches, patch * patch * channels) float32, `pixel_attention_mask` (batch, patches) int32 and
 `spatial_shapes` (batch, 2) int64, the batch and the number of patches free and each image's grid read from
 `spatial_shapes` as data (the position embeddings are resampled per patch by weights computed from it: see
-`hf_vit.model.naflex.exported_position_embeddings`).
+`hf_vit.model.resolution.resample_position_embeddings`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ from torch import nn
 from .model.image_processing_vit import grid_for_max_patches
 from .model.modeling_vit import VisionTransformerForImageClassification, VisionTransformerPreTrainedModel
 from .model.resolution import MAX_PATCH_POSITIONS
+from .outputs.output_folders import overlap
 
 FORMATS = ("onnx", "torch_export")
+EXTENSIONS = {"onnx": ".onnx", "torch_export": ".pt2"}  # the one extension a file of each format is written with
 NATIVE_INPUTS = ["pixel_values", "pixel_attention_mask", "spatial_shapes"]
 
 
@@ -141,6 +143,27 @@ def export_program(
     return torch.export.export(graph, example, dynamic_shapes=native_dynamic_shapes())
 
 
+def check_export_output(output: str | os.PathLike, format: str, source: str | os.PathLike | None = None) -> Path:
+    """`output` as a Path, refused before any work when its extension is not `format`'s (`EXTENSIONS`), or when it
+    is, or lies inside, the model folder `source` it is exported from (an export never writes into its input)."""
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
+    output = Path(output)
+    if output.suffix.lower() != EXTENSIONS[format]:
+        raise ValueError(
+            f"--output {output}: a {format} file is named *{EXTENSIONS[format]}, not *{output.suffix or '(none)'}; "
+            f"name the file to write, e.g. {output.with_suffix(EXTENSIONS[format]).name}."
+        )
+    if source is not None and os.path.isdir(source):
+        problem = overlap(Path(source).expanduser().resolve(), output.expanduser().resolve())
+        if problem:
+            raise ValueError(
+                f"--output {output} {problem} ({source}): exporting there could destroy the model. Choose an "
+                "--output outside the model folder."
+            )
+    return output
+
+
 def export(
     model: VisionTransformerPreTrainedModel,
     output: str | os.PathLike,
@@ -154,13 +177,11 @@ def export(
     An existing `output` is kept unless `overwrite`; the file is written beside it and renamed over it, so a failed
     export leaves the old file (or none), never a half-written one.
     """
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
-    output = Path(output)
-    if output.is_dir():
+    if Path(output).is_dir():
         raise IsADirectoryError(
-            f"--output {output} is a folder; name the file to write, e.g. {output / 'model.onnx'}."
+            f"--output {output} is a folder; name the file to write, e.g. {Path(output) / 'model.onnx'}."
         )
+    output = check_export_output(output, format)
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} exists; choose another --output or pass --overwrite to replace it.")
     output.parent.mkdir(parents=True, exist_ok=True)

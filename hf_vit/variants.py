@@ -14,7 +14,7 @@ from .model.image_processing_vit import VisionTransformerImageProcessor
 from .model.modeling_vit import VisionTransformerForImageClassification, VisionTransformerModel
 from .model.resolution import grid_for
 from .outputs.cards import write_card
-from .outputs.output_folders import check_output_dir, write_converted_folder
+from .outputs.output_folders import check_output_dir, check_outside_data_set, write_converted_folder
 
 POSITION_KEY = "embeddings.position_embedding"
 
@@ -72,6 +72,8 @@ def make_resolution_variant(
             "run or `save_pretrained` wrote; to start from a Hub model, download it first (`hf download <id> "
             "--local-dir <folder>`)."
         )
+    if output_dir is not None and data_args is not None:
+        check_outside_data_set(output_dir, data_args.dataset_name, "--output")
     target = check_output_dir(output_dir, overwrite, [source]) if output_dir is not None else None
     config = VisionTransformerConfig.from_pretrained(folder)
     image_size = config.image_hw if image_size is None else image_size
@@ -101,10 +103,13 @@ def make_resolution_variant(
         return model, processor
     metrics = {}
     if data_args is not None:
-        from .run.evaluation import measure_model  # loads the data set libraries: imported only to measure
+        from .run.inference import evaluate_loaded  # loads the data set libraries: imported only to measure
 
-        split, measured = measure_model(model, processor, data_args)  # test, else validation, as a run reports
-        metrics = {f"eval_{name}": value for name, value in measured.items()}
+        # As hf-vit-evaluate measures it, with the objective of the model's own problem type (single- or multi-label),
+        # on test, else validation, as a run reports.
+        measured, _ = evaluate_loaded(model.eval(), processor, data_args)
+        split = next(key for key in measured if key.endswith("_samples")).removesuffix("_samples")
+        metrics = {f"eval_{key.removeprefix(split + '_')}": value for key, value in measured.items()}
         metrics["eval_split"] = split
     base_model = base_model or folder.expanduser().resolve().name
     (old_h, old_w), (rows, cols), old_patch = config.image_hw, grid, config.patch_size

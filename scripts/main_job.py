@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+import datasets
 import torch
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
@@ -92,6 +93,7 @@ def main() -> None:
         if getattr(args, name) is None:
             setattr(args, name, value)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    datasets.utils.logging.disable_propagation()  # datasets prints through its own handler: not twice
     common = ["--seed", str(args.seed), "--dataset_name", "digits", "--per_device_eval_batch_size", "256"]
     common += ["--save_strategy", "no", "--crop_scale_min", "0.7", "--logging_steps", "20"]
     common += ["--overwrite_output_dir", "True"]  # the main job's own output folders, rewritten by every run

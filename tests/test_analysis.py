@@ -391,3 +391,25 @@ def test_visualize_bad_input_is_one_error_line(saved_model, tmp_path, capsys, ca
     errors = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(errors) == 1 and re.search(named, errors[0]), errors
     assert not (tmp_path / "figures").exists()
+
+
+def test_visualize_draws_a_native_aspect_runs_folder_from_whole_images(saved_model, tmp_path, monkeypatch):
+    """A folder whose processor serves native-aspect patches (saved by a --max_num_patches run) is drawn on the
+    model's square grid: the analysis gets whole images at the model's size, not flattened patches."""
+    import PIL.Image
+
+    import hf_vit.commands.visualize as visualize
+    from hf_vit import VisionTransformerImageProcessor
+
+    VisionTransformerImageProcessor(size=16, max_num_patches=12, patch_size=4).save_pretrained(saved_model)
+    seen = {}
+
+    def analysis(model, processor, images, output, **kwargs):
+        seen["pixels"] = processor(images, return_tensors="pt")["pixel_values"]
+        return []
+
+    monkeypatch.setattr(visualize, "write_analysis_figures", analysis)
+    image = tmp_path / "wide.png"
+    PIL.Image.fromarray(np.zeros((10, 30, 3), dtype=np.uint8)).save(image)
+    assert visualize.main(["--model", str(saved_model), "--output", str(tmp_path / "f"), "--image", str(image)]) == 0
+    assert tuple(seen["pixels"].shape) == (1, 3, 16, 16)

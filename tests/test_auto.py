@@ -213,6 +213,7 @@ LAYERS = {
     "hf_vit.model": 0,
     "hf_vit.metrics": 0,
     "hf_vit.outputs": 1,
+    "hf_vit.hub_access": 1,
     "hf_vit.convert": 2,
     "hf_vit.run": 3,
     "hf_vit.variants": 3,

@@ -64,11 +64,49 @@ def test_save_load_round_trip(tmp_path):
         (dict(interpolation_mode="nearest"), "interpolation_mode"),
         (dict(interpolation_antialias=None), "interpolation_antialias"),
         (dict(hidden_act="quick_gleu"), "hidden_act"),
+        (dict(qkv_bias="no"), "qkv_bias"),
+        (dict(zero_init_head="no"), "zero_init_head"),
+        (dict(qkv_bias=None), "qkv_bias"),
+        (dict(use_class_token="yes"), "use_class_token"),
+        (dict(num_labels=-1), "num_labels"),
+        (dict(num_labels="3"), "num_labels"),
+        (dict(layer_norm_eps="1e-6"), "layer_norm_eps"),
+        (dict(layer_norm_eps=0), "layer_norm_eps"),
+        (dict(hidden_dropout_prob="0.1"), "hidden_dropout_prob"),
+        (dict(initializer_range=-0.02), "initializer_range"),
+        (dict(mpp_color_bits=True), "mpp_color_bits"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):
     with pytest.raises(ValueError, match=f"`{field}`"):
         tiny_config(**overrides)
+
+
+@pytest.mark.parametrize(
+    "value, expected", [(True, True), (False, False), ("False", False), ("false", False), ("0", False), ("TRUE", True),
+                        (" 1 ", True)],
+)  # fmt: skip
+def test_booleans_are_read_as_booleans(value, expected):
+    config = tiny_config(qkv_bias=value, zero_init_head=value, pre_norm=value)
+    assert config.qkv_bias is config.zero_init_head is config.pre_norm is expected
+
+
+def test_config_overrides_give_booleans_and_numbers(tmp_path):
+    # the command line's "qkv_bias=False" is the string "False": a model without qkv biases, not one with them
+    from hf_vit import VisionTransformerForImageClassification
+    from hf_vit.run.arguments import parse_args
+    from hf_vit.run.model_setup import config_from_preset
+
+    overrides = "hidden_size=32,num_hidden_layers=1,num_attention_heads=2,intermediate_size=64,qkv_bias=False,"
+    overrides += "zero_init_head=False,layer_norm_eps=1e-5"
+    flags = ["--output_dir", str(tmp_path), "--image_size", "8", "--patch_size", "4", "--config_overrides", overrides]
+    config = config_from_preset(parse_args("pretrain", flags)[0])
+    assert config.qkv_bias is False and config.zero_init_head is False and config.layer_norm_eps == 1e-5
+    model = VisionTransformerForImageClassification(config)
+    assert model.vit.layers[0].attention.qkv.bias is None
+    assert '"qkv_bias": false' in config.to_json_string()
+    with pytest.raises(ValueError, match="`qkv_bias` must be True or False, got 'no'"):
+        config_from_preset(parse_args("pretrain", flags[:-1] + [overrides.replace("=False", "=no", 1)])[0])
 
 
 def test_unknown_preset_fields_are_named_with_a_suggestion():

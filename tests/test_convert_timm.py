@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_config
 from safetensors.torch import save_file
 from transformers import ViTConfig, ViTForImageClassification, ViTModel
@@ -205,14 +206,50 @@ def test_config_inference_and_the_number_of_heads(tmp_path):
     assert (avg.classifier, avg.use_class_token, avg.num_prefix_tokens) == ("gap", True, 1)
 
 
-def test_position_embeddings_resized_at_load(tmp_path):
+def timm_resampled(pos_embed, old_grid, new_grid, prefix=1):
+    """The position table as timm's `layers/pos_embed.py` `resample_abs_pos_embed` resamples it with its defaults
+    (`interpolation="bicubic", antialias=True`, in float32; what `checkpoint_filter_fn` and `dynamic_img_size` use),
+    computed with torch alone."""
+    grid = pos_embed[:, prefix:].float().reshape(1, *old_grid, -1).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid, size=new_grid, mode="bicubic", antialias=True)
+    patches = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], -1).to(pos_embed.dtype)
+    return torch.cat([pos_embed[:, :prefix], patches], dim=1)
+
+
+def test_position_embeddings_resized_at_load_as_timm_resamples_them(tmp_path):
     sd = random_timm(**SPECS["tiny"])  # 4x4 grid
     save_file(sd, tmp_path / "model.safetensors")
     model = convert_timm_checkpoint(tmp_path / "model.safetensors", tmp_path / "out", image_size=48, preset=None,
                                     num_attention_heads=4)  # fmt: skip
     pos = model.vit.embeddings.position_embedding.detach()
     assert model.config.grid_size == (6, 6) and pos.shape == (1, 37, 32)
-    assert torch.equal(pos, resample_position_embeddings(sd["pos_embed"], (4, 4), (6, 6), 1, mode="bicubic"))
+    torch.testing.assert_close(pos, timm_resampled(sd["pos_embed"], (4, 4), (6, 6)), atol=1e-7, rtol=0)
+    assert not torch.allclose(pos, resample_position_embeddings(sd["pos_embed"], (4, 4), (6, 6)), atol=1e-4)
+    # downsampling too, where antialiasing widens the filter
+    small = convert_timm_checkpoint(tmp_path / "model.safetensors", tmp_path / "small", image_size=24, preset=None,
+                                    num_attention_heads=4)  # fmt: skip
+    expected = timm_resampled(sd["pos_embed"], (4, 4), (3, 3))
+    torch.testing.assert_close(small.vit.embeddings.position_embedding.detach(), expected, atol=1e-7, rtol=0)
+
+
+def test_a_timm_vit_at_another_size_resamples_as_timm_does(tmp_path):
+    # loaded at another size, or run at one (timm's dynamic_img_size): the positions timm's resampling gives
+    sd = random_timm(**SPECS["tiny"])  # 4x4 grid of 8-pixel patches
+    folder = tmp_path / "timm-folder"
+    folder.mkdir()
+    save_file(sd, folder / "model.safetensors")
+    timm_cfg = {"architecture": "vit_tiny_patch8", "num_classes": 5, "model_args": {"num_heads": 4}}
+    (folder / "config.json").write_text(json.dumps({**timm_cfg, "pretrained_cfg": {"input_size": [3, 32, 32]}}))
+    native = VisionTransformerForImageClassification.from_pretrained(folder).eval()
+    assert native.config.interpolation_mode == "bicubic" and native.config.interpolation_antialias is True
+    at_48 = VisionTransformerForImageClassification.from_pretrained(folder, image_size=48).eval()
+    expected = timm_resampled(sd["pos_embed"], (4, 4), (6, 6))
+    torch.testing.assert_close(at_48.vit.embeddings.position_embedding.detach(), expected, atol=1e-7, rtol=0)
+    reference = transformers_vit({**sd, "pos_embed": expected}, 4, 48, 8)
+    x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert max_diff(at_48(x).logits, reference(x).logits) < 1e-5
+        assert max_diff(native(x, interpolate_pos_encoding=True).logits, reference(x).logits) < 1e-5
 
 
 def test_unsupported_timm_layouts(tmp_path):

@@ -135,6 +135,23 @@ def test_image_folder_with_string_labels_mixed_sizes_and_modes(tmp_path, process
         assert [_color_name(pixels, processor) for pixels in batch["pixel_values"]] == names  # labels match images
 
 
+def test_the_carved_validation_split_does_not_depend_on_the_runs_seed(tmp_path):
+    """The held-out images are the same whatever seed trains: evaluate and resize carve the run's validation split."""
+    root = tmp_path / "images"
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True)
+        for i in range(15):
+            PIL.Image.new("RGB", (4, 4), (label == "a") * 200 + i).save(root / label / f"{i}.png")
+    held_out = [
+        sorted(
+            _key(example["image"], example["label"])
+            for example in load_image_dataset(str(root), seed=seed)["validation"]
+        )
+        for seed in (0, 1, 42)
+    ]
+    assert len(held_out[0]) == 3 and held_out[0] == held_out[1] == held_out[2]
+
+
 def test_image_folder_with_split_directories(tmp_path):
     root = tmp_path / "images"
     _write_image_folder(root / "train")
@@ -197,11 +214,14 @@ def test_unknown_data_set_name_error(monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     start = time.perf_counter()
-    with pytest.raises(FileNotFoundError) as info:
+    from hf_vit.hub_access import HubLookupError
+
+    with pytest.raises(HubLookupError) as info:  # offline: one message, no retries
         load_image_dataset("nobody-here/no_such_image_dataset")
     assert time.perf_counter() - start < 10
     message = str(info.value)
     assert "'nobody-here/no_such_image_dataset'" in message and "'digits'" in message and "local" in message
+    assert "HF_HUB_OFFLINE=1" in message
     assert info.value.__cause__ is not None
 
 
@@ -227,6 +247,25 @@ def test_corrupt_image_raises_naming_the_file(tmp_path, processor, damage):
             transform(batch)
         with pytest.raises(CorruptImageError, match="20 bytes of image data"):
             transform({"image": [b"this is not an image"], "label": [0]})
+
+
+def test_an_image_of_nan_values_or_no_pixels_is_named(tmp_path, processor):
+    """A float image holding NaN, in a folder a run reads, is refused naming its file (the processor named only its
+    place in a batch); an image without pixels is refused as such, not by a parameter the user never passed."""
+    from hf_vit.run.transforms import decode_image
+
+    root = _write_image_folder(tmp_path / "images")
+    PIL.Image.fromarray(np.full((6, 6), np.nan, dtype=np.float32), mode="F").save(root / "cat" / "nan.tiff")
+    for transform in (make_train_transform(processor), make_eval_transform(processor)):
+        batch = {"image": [{"path": str(root / "cat" / "0.png"), "bytes": None}, str(root / "cat" / "nan.tiff")]}
+        with pytest.raises(CorruptImageError, match=r"nan.tiff \(image 1 of the batch\) contains NaN"):
+            transform(batch)
+    with pytest.raises(CorruptImageError, match="nan.tiff .*contains NaN or infinite"):
+        decode_image(str(root / "cat" / "nan.tiff"))
+    for empty in (np.zeros((0, 8, 3), dtype=np.uint8), torch.zeros(3, 8, 0)):
+        with pytest.raises(CorruptImageError, match=r"image 2 of the batch\) has no pixels \(shape"):
+            decode_image(empty, 2)
+    assert decode_image(np.zeros((2, 2, 3), dtype=np.float32)).shape == (2, 2, 3)  # finite floats pass
 
 
 def _paths(ds):

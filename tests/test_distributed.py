@@ -82,7 +82,7 @@ def test_trainer_fsdp_on_cpu_is_refused_with_the_reason(tmp_path):
 
 
 def node_launch(launcher: str, node_rank: int, port: int) -> list[str]:
-    """The README's multi-node command for node `node_rank` of 2, one worker each, master on 127.0.0.1."""
+    """docs/distributed.md's multi-node command for node `node_rank` of 2, one worker each, master on 127.0.0.1."""
     if launcher == "torchrun":
         launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank)]
         return launch + ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]

@@ -94,6 +94,32 @@ def test_export_script(tmp_path, capsys):
     assert "Loading" not in again and again.startswith("error:") and "--overwrite" in again
 
 
+@pytest.mark.parametrize(
+    "output, fmt, named",
+    [
+        ("{model}/model.safetensors", "onnx", "*.onnx, not *.safetensors"),  # the weights it reads
+        ("{model}/vit.onnx", "onnx", "lies inside the input folder"),
+        ("{model}", "onnx", "*.onnx"),
+        ("{tmp}/vit.pt2", "onnx", "*.onnx, not *.pt2"),
+        ("{tmp}/vit.onnx", "torch_export", "*.pt2, not *.onnx"),
+        ("{tmp}/vit", "torch_export", "*.pt2, not *(none)"),
+    ],
+)
+def test_export_never_writes_into_its_model_nor_a_file_of_another_format(tmp_path, capsys, output, fmt, named):
+    from hf_vit.commands.export import main
+
+    model_dir = tmp_path / "model"
+    classifier().save_pretrained(model_dir)
+    before = {path.name: path.read_bytes() for path in model_dir.iterdir()}
+    argv = ["--model", str(model_dir), "--format", fmt, "--output", output.format(model=model_dir, tmp=tmp_path)]
+    capsys.readouterr()
+    assert main(argv + ["--overwrite"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and named in err[0], err
+    assert {path.name: path.read_bytes() for path in model_dir.iterdir()} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model"]
+
+
 def test_export_script_checks_its_sizes_before_writing(tmp_path, capsys):
     from hf_vit.commands.export import main
 

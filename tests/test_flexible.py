@@ -131,3 +131,6 @@ def test_fine_tuning_with_patch_sizes_saves_the_base_patch_and_loads_at_each(tmp
             parse_args("finetune", flags + more)
     with pytest.raises(ValueError, match="--seq_lens with --streaming"):
         parse_args("finetune", flags[:6] + ["--seq_lens", "4,16", "--streaming", "True", "--max_steps", "2"])
+    for flag, value in (("--max_num_patches", "100000"), ("--seq_lens", "16,70000")):  # over the 65,536 positions
+        with pytest.raises(ValueError, match=f"{flag} {value.split(',')[-1]} is over the 65536 patch positions"):
+            parse_args("finetune", flags[:6] + [flag, value])

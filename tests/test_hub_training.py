@@ -131,6 +131,7 @@ def test_the_output_folder_is_never_written_through_a_link(tmp_path):
 def test_a_users_folder_named_like_a_checkpoint_is_never_deleted(tmp_path):
     out = tmp_path / "run"
     flags = ["--output_dir", str(out), *RUN, "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "1"]
+    flags += ["--save_total_limit", "2"]
     train("pretrain", *parse_args("pretrain", flags))
     assert (out / "checkpoint-1" / "optimizer.pt").exists()
     mine = out / "checkpoint-7"

@@ -203,9 +203,28 @@ def test_do_train_false_evaluates_the_checkpoint_as_it_is_and_writes_no_model(tm
     args = ["--model_name_or_path", str(other), "--dataset_name", str(data), "--output_dir", str(tmp_path / "o")]
     with pytest.raises(ValueError, match=r"\['bird', 'fish'\] are not those of .*\['cat', 'dog'\]"):
         train("finetune", *parse_args("finetune", args + ["--do_train", "False", *QUIET]))
-    for flag, value in (("--image_size", "16"), ("--learning_rate", "0.1"), ("--lora_rank", "2")):
+    for flag, value in (("--image_size", "16"), ("--lora_rank", "2"), ("--config_overrides", "qkv_bias=False")):
         with pytest.raises(ValueError, match=f"--do_train False measures the checkpoint as it is, so {flag} would"):
             parse_args("finetune", args + ["--do_train", "False", flag, value, *QUIET])
+
+
+def test_do_train_false_warns_once_about_training_flags_and_measures(tmp_path, caplog):
+    """A training command re-run with --do_train False evaluates: the flags that shape training only get one warning
+    line naming them, not a refusal."""
+    model = classifier_folder(tmp_path / "model")
+    data = split_image_folder(tmp_path / "data")
+    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out")]
+    args += ["--per_device_train_batch_size", "4", "--save_strategy", "epoch", "--learning_rate", "0.1"]
+    with caplog.at_level("WARNING", logger="hf_vit"):
+        parsed = parse_args(
+            "finetune", args + ["--do_train", "False", "--do_predict", "--rand_augment", "rand-m9-n2", *QUIET]
+        )
+    warned = [r.getMessage() for r in caplog.records if "--do_train False" in r.getMessage()]
+    assert len(warned) == 1
+    for flag in ("--per_device_train_batch_size", "--save_strategy", "--learning_rate", "--rand_augment"):
+        assert flag in warned[0]
+    metrics = train("finetune", *parsed)
+    assert metrics["test_accuracy"] == pytest.approx(expected_metrics(model, data)[0])
 
 
 def test_a_lora_runs_folder_predicts_and_loads_without_base(tmp_path, capsys):
@@ -353,3 +372,75 @@ def test_evaluate_at_native_aspect_and_the_compute_dial(tmp_path, capsys):
         assert row["loss"] == pytest.approx(float(F.nll_loss(scores.log(), labels)), abs=1e-5)
     assert evaluate_command.main(argv + ["--max_num_patches", "1,4", "--output_dir", str(out)]) == 2
     assert "exists" in capsys.readouterr().err  # the dial is never overwritten
+
+
+def test_a_runs_validation_figures_are_those_evaluate_measures_on_its_folder(tmp_path, capsys):
+    """A folder without a validation split: the run holds out images whatever its --seed, and `hf-vit-evaluate
+    --split validation` (what the run's summary suggests) measures exactly those images."""
+    rng = np.random.default_rng(3)
+    data = tmp_path / "data"
+    for label in ("cat", "dog", "fox"):
+        (data / label).mkdir(parents=True)
+        for i in range(20):
+            pixels = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(data / label / f"{i}.png")
+    source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
+    args = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--output_dir", str(out)]
+    args += ["--image_size", "8", "--max_steps", "3", "--eval_strategy", "no", "--save_strategy", "no"]
+    metrics = train("finetune", *parse_args("finetune", args + ["--seed", "42", "--learning_rate", "0.05", *QUIET]))
+    assert metrics["eval_split"] == "validation" and metrics["validation_accuracy"] not in (0, 1)
+    capsys.readouterr()
+    assert evaluate_command.main(["--model", str(out), "--dataset_name", str(data), "--split", "validation"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["validation_samples"] == 6
+    assert measured["validation_accuracy"] == metrics["validation_accuracy"]
+    assert measured["validation_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-7)
+
+
+def test_evaluate_maps_the_data_sets_classes_to_the_models_ids_by_name(tmp_path, capsys):
+    """A head trained with the classes in another id order (dog 0, cat 1) is measured by class name, as a forward
+    computed here from the files' folder names measures it."""
+    data = split_image_folder(tmp_path / "data")
+    for seed in range(20):  # a head whose two orders give different accuracies, so the mapping shows
+        model = classifier_folder(tmp_path / f"model{seed}", {0: "dog", 1: "cat"}, seed=seed)
+        accuracy, loss, count = expected_metrics(model, data)
+        if accuracy not in (0.5,):
+            break
+    assert evaluate_command.main(["--model", str(model), "--dataset_name", str(data)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["test_samples"] == count and printed["test_accuracy"] == pytest.approx(accuracy)
+    assert printed["test_loss"] == pytest.approx(loss, abs=1e-5)
+
+
+def test_predict_and_evaluate_refuse_a_model_without_a_classification_head(tmp_path, capsys):
+    """An encoder folder (hf-vit's VisionTransformerModel) and a DINOv2 backbone hold no head: predicting with a
+    fresh random head, or with the features as logits, would print scores that mean nothing."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    from hf_vit import VisionTransformerModel
+
+    encoder = tmp_path / "encoder"
+    VisionTransformerModel(VisionTransformerConfig.from_pretrained(classifier_folder(tmp_path / "c"))).save_pretrained(
+        encoder
+    )
+    VisionTransformerImageProcessor(size=8).save_pretrained(encoder)
+    dino = tmp_path / "dino"
+    Dinov2Model(Dinov2Config(image_size=8, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=64)).save_pretrained(dino)  # fmt: skip
+    ViTImageProcessor(size={"height": 8, "width": 8}).save_pretrained(dino)
+    data = split_image_folder(tmp_path / "data")
+    for folder in (encoder, dino):
+        for command, argv in (
+            (predict_command, ["--model", str(folder), str(data / "test")]),
+            (evaluate_command, ["--model", str(folder), "--dataset_name", str(data)]),
+        ):
+            capsys.readouterr()
+            assert command.main(argv) == 2
+            captured = capsys.readouterr()
+            err = captured.err.strip().splitlines()
+            assert len(err) == 1 and "has no classification head" in err[0], err
+            assert captured.out == ""
+    model = classifier_folder(tmp_path / "model")
+    for size in ("0", "-1"):
+        assert predict_command.main(["--model", str(model), str(data / "test"), "--batch_size", size]) == 2
+        assert "--batch_size must be a positive number of images" in capsys.readouterr().err

@@ -2,10 +2,13 @@
 loop over the pixels, the loss over corrupted patches only, the data pipeline's pixels equal to the supervised one's,
 a short Trainer run, and checkpoints loading into the classifier for fine-tuning."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
 from conftest import tiny_config
+from torch.nn import functional as F
 from transformers import Trainer, TrainingArguments
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
@@ -14,9 +17,10 @@ from hf_vit.model.modeling_mpp import (
     PATCH_KEPT,
     PATCH_MASKED,
     PATCH_RANDOM,
+    PatchCorruption,
     VisionTransformerForMaskedPatchPrediction,
-    corrupt_patches,
     draw_patch_corruption,
+    draw_patch_sources,
 )
 from hf_vit.run.arguments import DataArguments
 from hf_vit.run.datasets import load_digits_dataset
@@ -36,29 +40,54 @@ def mpp_config(**overrides):
     return tiny_config(image_size=16, patch_size=4, **overrides)
 
 
-def test_corruption_draws_the_papers_proportions():
-    config = mpp_config()
-    codes = draw_patch_corruption(4000, 16, config, generator=torch.Generator().manual_seed(0))
+def test_corruption_draws_the_papers_proportions_or_a_runs_own():
+    codes = draw_patch_corruption(4000, 16, generator=torch.Generator().manual_seed(0))
     assert ((codes != PATCH_CLEAN).sum(1) == 8).all()  # 50% of every image's patches
     corrupted = codes[codes != PATCH_CLEAN]
     shares = [(corrupted == code).float().mean().item() for code in (PATCH_MASKED, PATCH_RANDOM, PATCH_KEPT)]
     np.testing.assert_allclose(shares, [0.8, 0.1, 0.1], atol=0.01)
-    assert (draw_patch_corruption(3, 49, config) != PATCH_CLEAN).sum(1).tolist() == [25] * 3  # rounded half up
+    assert (draw_patch_corruption(3, 49) != PATCH_CLEAN).sum(1).tolist() == [25] * 3  # rounded half up
+    own = PatchCorruption(corrupt_ratio=0.25, mask_ratio=0.5, random_ratio=0.5)
+    codes = draw_patch_corruption(4000, 16, own, generator=torch.Generator().manual_seed(0))
+    assert ((codes != PATCH_CLEAN).sum(1) == 4).all() and not (codes == PATCH_KEPT).any()
+    np.testing.assert_allclose((codes[codes != PATCH_CLEAN] == PATCH_MASKED).float().mean().item(), 0.5, atol=0.02)
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [({"corrupt_ratio": 1.5}, "corrupt_ratio"), ({"mask_ratio": "0.8"}, "mask_ratio"),
+     ({"mask_ratio": 0.8, "random_ratio": 0.3}, "`mask_ratio` \\+ `random_ratio`")],
+)  # fmt: skip
+def test_corruption_shares_are_checked_by_name(fields, named):
+    with pytest.raises(ValueError, match=named):
+        PatchCorruption(**fields)
 
 
 def test_corrupted_embeddings():
-    tokens = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
-    mask = torch.full((1, 1, 3), -1.0)
-    codes = torch.tensor([[0, 1, 2, 3, 2, 0], [2, 2, 2, 1, 0, 3]])
     torch.manual_seed(0)
-    out = corrupt_patches(tokens, mask, codes)
+    model = VisionTransformerForMaskedPatchPrediction(tiny_config(image_size=12, patch_size=4))
+    embeddings = model.vit.embeddings.eval()
+    tokens = torch.arange(2 * 9 * 32, dtype=torch.float32).reshape(2, 9, 32)
+    codes = torch.tensor([[0, 1, 2, 3, 2, 0, 0, 0, 1], [2, 2, 2, 1, 0, 3, 0, 0, 0]])
+    sources = draw_patch_sources(codes)
+    assert (sources[codes != PATCH_RANDOM] == -1).all()
+    out = embeddings.corrupt(tokens, codes == PATCH_MASKED, sources)
     keep = (codes == PATCH_CLEAN) | (codes == PATCH_KEPT)
     assert torch.equal(out[keep], tokens[keep])
-    assert (out[codes == PATCH_MASKED] == -1).all()
-    flat = tokens.reshape(-1, 3)
+    assert torch.equal(out[codes == PATCH_MASKED], embeddings.mask_token[0].expand(3, -1))
+    flat = tokens.reshape(-1, 32)
     for b, n in zip(*torch.nonzero(codes == PATCH_RANDOM, as_tuple=True)):
-        source = [i for i in range(12) if torch.equal(flat[i], out[b, n])]
-        assert len(source) == 1 and source[0] != b * 6 + n  # another patch of the batch, never itself
+        source = [i for i in range(18) if torch.equal(flat[i], out[b, n])]
+        assert source == [sources[b, n]] and source[0] != b * 9 + n  # another patch of the batch, never itself
+    # in equation (1): a masked patch is the [mask] embedding at that patch's position
+    pixels = torch.randn(2, 3, 12, 12)
+    masked = codes == PATCH_MASKED
+    z0 = embeddings(pixels, bool_masked_pos=masked)
+    positions = embeddings.position_embedding[0, 1:].expand(2, -1, -1)
+    torch.testing.assert_close(z0[:, 1:][masked], (embeddings.mask_token[0] + positions)[masked])
+    assert torch.equal(z0[:, 1:][~masked], embeddings(pixels)[:, 1:][~masked])
+    with pytest.raises(ValueError, match=r"`bool_masked_pos` has shape \(2, 4\) but the images have 9 patches"):
+        embeddings(pixels, bool_masked_pos=masked[:, :4])
 
 
 def test_mean_colour_classes_against_a_loop():
@@ -86,7 +115,7 @@ def test_loss_is_over_corrupted_patches_and_eval_corrupts_only_when_asked():
     clean = model(x, labels=labels)
     assert clean.patch_corruption is None
     torch.testing.assert_close(model(x).logits, clean.logits)  # nothing random without a corruption in eval
-    codes = draw_patch_corruption(3, 16, model.config, generator=torch.Generator().manual_seed(1))
+    codes = draw_patch_corruption(3, 16, generator=torch.Generator().manual_seed(1))
     out = model(x, labels=labels, patch_corruption=codes)
     chosen = codes != PATCH_CLEAN
     expected = torch.nn.functional.cross_entropy(out.logits[chosen], labels[chosen])
@@ -97,6 +126,42 @@ def test_loss_is_over_corrupted_patches_and_eval_corrupts_only_when_asked():
     assert ((drawn.patch_corruption != PATCH_CLEAN).sum(1) == 8).all()
     drawn.loss.backward()
     assert model.vit.embeddings.mask_token.grad.abs().sum() > 0
+
+
+def test_bool_masked_pos_as_transformers_takes_it():
+    # transformers' ViTForMaskedImageModeling's argument: the [mask] patches, the only ones predicted
+    torch.manual_seed(0)
+    model = VisionTransformerForMaskedPatchPrediction(mpp_config()).eval()
+    x, labels = torch.randn(2, 3, 16, 16), torch.randint(0, 512, (2, 16))
+    bool_masked_pos = torch.rand(2, 16) < 0.5
+    codes = torch.where(bool_masked_pos, PATCH_MASKED, PATCH_CLEAN)
+    out = model(x, labels=labels, bool_masked_pos=bool_masked_pos)
+    same = model(x, labels=labels, patch_corruption=codes)
+    assert torch.equal(out.logits, same.logits) and torch.equal(out.loss, same.loss)
+    torch.testing.assert_close(out.loss, F.cross_entropy(out.logits[bool_masked_pos], labels[bool_masked_pos]))
+    with pytest.raises(ValueError, match="`bool_masked_pos` has shape"):
+        model(x, bool_masked_pos=bool_masked_pos[:, :9])
+    with pytest.raises(ValueError, match="not both"):
+        model(x, bool_masked_pos=bool_masked_pos, patch_corruption=codes)
+    with pytest.raises(ValueError, match=r"no \[mask\] embedding"):  # a plain encoder has none
+        VisionTransformerForImageClassification(mpp_config()).vit(x, bool_masked_pos=bool_masked_pos)
+
+
+def test_configs_saved_with_the_corruption_shares_still_load(tmp_path):
+    # before the shares became the run's, config.json held them
+    torch.manual_seed(0)
+    model = VisionTransformerForMaskedPatchPrediction(mpp_config())
+    model.save_pretrained(tmp_path / "old")
+    path = tmp_path / "old" / "config.json"
+    saved = json.loads(path.read_text())
+    saved.update(mpp_corrupt_ratio=0.4, mpp_mask_ratio=0.9, mpp_random_ratio=0.05)
+    path.write_text(json.dumps(saved))
+    loaded = VisionTransformerForMaskedPatchPrediction.from_pretrained(tmp_path / "old")
+    assert not hasattr(loaded.config, "mpp_mask_ratio") and loaded.config.mpp_num_classes == 512
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value)
+    loaded.save_pretrained(tmp_path / "new")
+    assert "mpp_mask_ratio" not in (tmp_path / "new" / "config.json").read_text()
 
 
 def test_pipeline_pixels_are_the_supervised_ones_and_labels_follow_the_corruption():

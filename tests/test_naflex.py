@@ -18,7 +18,7 @@ from hf_vit import (
     VisionTransformerModel,
 )
 from hf_vit.model.image_processing_vit import grid_for_max_patches
-from hf_vit.model.modeling_mpp import PATCH_CLEAN, PATCH_MASKED, draw_patch_corruption
+from hf_vit.model.modeling_mpp import PATCH_CLEAN, PATCH_MASKED, PatchCorruption, draw_patch_corruption
 
 # (height, width) of images of several aspect ratios: square, wide, tall, extreme both ways, tiny
 SIZES = [(40, 40), (20, 80), (90, 30), (7, 200), (300, 5), (2, 5), (64, 48)]
@@ -207,9 +207,10 @@ def test_masked_patch_prediction_on_a_native_batch():
     batch = images([(40, 40), (20, 80)])
     inputs = processor(batch, return_tensors="pt")
     # the corruption drawn for a native batch: a share of each image's own patches, padding clean
-    draws = draw_patch_corruption(2, 12, config, patch_mask=inputs["pixel_attention_mask"])
+    shares = PatchCorruption(corrupt_ratio=0.3)
+    draws = draw_patch_corruption(2, 12, shares, patch_mask=inputs["pixel_attention_mask"])
     counts = inputs["pixel_attention_mask"].sum(1)
-    assert ((draws != PATCH_CLEAN).sum(1) == (config.mpp_corrupt_ratio * counts + 0.5).long()).all()
+    assert ((draws != PATCH_CLEAN).sum(1) == (0.3 * counts + 0.5).long()).all()
     assert torch.all(draws[inputs["pixel_attention_mask"] == 0] == PATCH_CLEAN)
     # with the same [mask] corruption, each row's valid logits equal the image alone
     codes = torch.zeros(2, 12, dtype=torch.long)
@@ -256,6 +257,46 @@ def test_native_batches_that_cannot_be_embedded_are_refused():
     with torch.no_grad():
         left_out = model(inputs["pixel_values"], spatial_shapes=inputs["spatial_shapes"]).pooler_output
         torch.testing.assert_close(left_out, model(**inputs).pooler_output, atol=0, rtol=0)
+
+
+def test_a_native_batch_without_spatial_shapes_is_told_to_pass_them():
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(tiny_config()).eval()
+    inputs = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)(images(SIZES[:2]), return_tensors="pt")
+    for call in (
+        lambda: model(inputs["pixel_values"]),
+        lambda: model(inputs["pixel_values"], pixel_attention_mask=inputs["pixel_attention_mask"]),
+        lambda: model.vit.forward_intermediates(inputs["pixel_values"]),
+        lambda: VisionTransformerForMaskedPatchPrediction(tiny_config()).train()(inputs["pixel_values"]),
+    ):
+        with pytest.raises(ValueError, match="without `spatial_shapes`") as info:
+            call()
+        assert "batch dimension" not in str(info.value)
+    with pytest.raises(ValueError, match="Add a batch dimension"):  # one image is still told what it lacks
+        model(torch.randn(3, 32, 32))
+
+
+@pytest.mark.parametrize("family", [{}, {"num_register_tokens": 2, "classifier": "gap"}])
+def test_forward_intermediates_of_a_native_batch(family):
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(**family)).eval()
+    inputs, native, alone = native_and_alone(model, 12)
+    prefix = model.config.num_prefix_tokens
+    with torch.no_grad():
+        tokens = model.forward_intermediates(**inputs, indices=[0, -1], norm=True, output_fmt="NLC")
+        maps = model.forward_intermediates(**inputs, indices=1, norm=True)
+    # the last block's features, normed, are forward's tokens (padding included), and its prefix tokens forward's
+    assert torch.equal(tokens.features[-1], native.last_hidden_state[:, prefix:])
+    assert torch.equal(tokens.prefix_tokens[-1], native.last_hidden_state[:, :prefix])
+    grids = inputs["spatial_shapes"].tolist()
+    rows, cols = max(grid[0] for grid in grids), max(grid[1] for grid in grids)
+    assert maps.features[0].shape == (4, 32, rows, cols)
+    for row, ((height, width), one) in enumerate(zip(grids, alone)):
+        expected = one.last_hidden_state[0, prefix:].reshape(height, width, -1).permute(2, 0, 1)
+        torch.testing.assert_close(maps.features[0][row, :, :height, :width], expected, atol=1e-4, rtol=0)
+        assert (
+            maps.features[0][row, :, height:].abs().sum() == 0 and maps.features[0][row, :, :, width:].abs().sum() == 0
+        )
 
 
 def test_flex_attention_masks_the_padding_as_sdpa_does():
@@ -386,19 +427,22 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
 
 @pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
 @pytest.mark.parametrize("antialias", [False, True])
-def test_exported_position_embeddings_equal_the_resampling_per_grid(mode, antialias):
-    # what an exported graph computes from the grids as data: the same embeddings as F.interpolate per grid
-    from hf_vit.model.naflex import exported_position_embeddings, native_position_embeddings
+def test_exported_position_embeddings_equal_the_resampling_per_grid(mode, antialias, monkeypatch):
+    # what an exported graph computes from the grids as data (the interpolation as weights): the same embeddings as
+    # F.interpolate to each grid, and zero on the padding
     from hf_vit.model.resolution import resample_position_embeddings
 
     torch.manual_seed(0)
     config = tiny_config(interpolation_mode=mode, interpolation_antialias=antialias, use_distillation_token=True)
-    table = VisionTransformerModel(config).embeddings.position_embedding  # a 4x4 grid and two prefix tokens
-    shapes = torch.tensor([[4, 4], [1, 12], [3, 5], [7, 2], [2, 1], [9, 1]])  # same, up, down, both, padded
+    table = VisionTransformerModel(config).embeddings.position_embedding.detach()  # a 4x4 grid, two prefix tokens
+    shapes = torch.tensor([[4, 4], [1, 12], [3, 5], [7, 2], [2, 1], [9, 1], [1, 1]])  # same, up, down, both, padded
     prefix = config.num_position_prefix_tokens
-
-    def per_grid(grid):
-        return resample_position_embeddings(table, config.grid_size, grid, prefix, mode, antialias)
-
-    expected = native_position_embeddings(per_grid, shapes, prefix, 16)
-    torch.testing.assert_close(exported_position_embeddings(table, config, shapes, 16), expected, atol=1e-6, rtol=0)
+    args = (table, config.grid_size, shapes, prefix, mode, antialias)
+    per_image = resample_position_embeddings(*args, num_patches=16)
+    for row, (rows, cols) in enumerate(shapes.tolist()):
+        alone = resample_position_embeddings(table, config.grid_size, (rows, cols), prefix, mode, antialias)
+        assert torch.equal(per_image[row, : prefix + rows * cols], alone[0])
+        assert (per_image[row, prefix + rows * cols :] == 0).all()
+    monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
+    exported = resample_position_embeddings(*args, num_patches=16)
+    torch.testing.assert_close(exported, per_image, atol=1e-6, rtol=0)

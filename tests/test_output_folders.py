@@ -263,3 +263,63 @@ def test_overwrite_refuses_a_users_module_named_like_an_hf_vit_one(tmp_path):
     (folder / "data.py").write_text("# the user's own loader")
     with pytest.raises(ValueError, match="data.py"):
         check_replaceable(folder)
+
+
+@pytest.mark.parametrize("where", ["run", "evaluate", "resize"])
+def test_an_output_folder_inside_the_data_set_is_refused_and_the_data_set_untouched(tmp_path, capsys, where):
+    """A data set is the user's: nothing hf-vit writes may land in it (an image folder holding a model folder, or a
+    results file, no longer loads as it did)."""
+    from test_inference import classifier_folder
+    from test_training import QUIET, split_image_folder
+
+    from hf_vit.commands import evaluate as evaluate_command
+    from hf_vit.commands import resize as resize_command
+    from hf_vit.run.arguments import parse_args
+    from hf_vit.run.training import train
+
+    data = split_image_folder(tmp_path / "imgs")
+    model = classifier_folder(tmp_path / "model")
+    before = sorted(str(path.relative_to(data)) for path in data.rglob("*"))
+    inside = data / "out"
+    if where == "run":
+        args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(inside)]
+        with pytest.raises(ValueError, match="--output_dir .*/out lies inside the data set --dataset_name"):
+            train("finetune", *parse_args("finetune", args + ["--max_steps", "1", *QUIET]))
+    else:
+        command, flag = (evaluate_command, "--output_dir") if where == "evaluate" else (resize_command, "--output")
+        argv = ["--model", str(model), "--dataset_name", str(data), flag, str(inside)]
+        argv += ["--image_size", "16"] if where == "resize" else []
+        capsys.readouterr()
+        assert command.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{flag} {inside} lies inside the data set" in err[0], err
+    assert sorted(str(path.relative_to(data)) for path in data.rglob("*")) == before
+
+
+def test_an_output_dir_under_a_file_is_named_not_errno(tmp_path):
+    from hf_vit.outputs.output_folders import OutputDirError, claim_output_dir
+
+    (tmp_path / "notes.txt").write_text("mine")
+    for output in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "run" / "deeper"):
+        with pytest.raises(OutputDirError, match=r"notes.txt.* is a file") as refused:
+            claim_output_dir(output, resuming=False, overwrite=False, main_process=True)
+        assert "Errno" not in str(refused.value)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_evaluate_names_a_file_in_the_way_of_its_output_dir(tmp_path, capsys):
+    from test_inference import classifier_folder
+    from test_training import split_image_folder
+
+    from hf_vit.commands import evaluate as evaluate_command
+
+    model, data = classifier_folder(tmp_path / "model"), split_image_folder(tmp_path / "data")
+    (tmp_path / "notes.txt").write_text("mine")
+    for output in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "eval"):
+        capsys.readouterr()
+        assert (
+            evaluate_command.main(["--model", str(model), "--dataset_name", str(data), "--output_dir", str(output)])
+            == 2
+        )
+        err = capsys.readouterr().err
+        assert "notes.txt is a file" in err and "Errno" not in err, err

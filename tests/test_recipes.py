@@ -948,3 +948,36 @@ def test_recipe_run_saves_the_average_and_resumes_bit_for_bit(tmp_path, caplog):
     evaluated = [{e["step"]: e["eval_loss"] for e in h if "eval_loss" in e} for h in history]
     assert {3, 6} <= set(evaluated[0])
     assert all(evaluated[0][step] == evaluated[1][step] for step in evaluated[1] if step > 4)  # after resuming
+
+
+@pytest.mark.parametrize("ema", [True, False])
+def test_a_run_resumed_at_its_last_step_saves_the_uninterrupted_model(tmp_path, ema):
+    """Resuming the checkpoint of the last step, which ends mid-epoch (3 steps of 2 per epoch), trains no step more:
+    a killed run resumed there, and a finished run re-run with --resume_from_checkpoint True, save the same model."""
+    import shutil
+
+    from test_training import deterministic_finetune_args, pretrained_folder
+
+    from hf_vit.run.arguments import parse_args
+    from hf_vit.run.training import train
+
+    source = pretrained_folder(tmp_path / "pre")
+    extra = ["--save_strategy", "steps", "--save_steps", "1", "--learning_rate", "0.01"]
+    extra += ["--ema_decay", "0.8"] if ema else []
+
+    def run_into(output_dir, *more):
+        flags = deterministic_finetune_args(source, output_dir, 8, max_steps=3, extra=extra + list(more))
+        train(flags[0], *parse_args(flags[0], flags[1:]))
+
+    out, cut = tmp_path / "straight", tmp_path / "cut"
+    run_into(out)
+    first = load_file(out / "model.safetensors")
+    cut.mkdir()  # killed after its last checkpoint, before the final save
+    shutil.copytree(out / "checkpoint-3", cut / "checkpoint-3")
+    run_into(cut, "--resume_from_checkpoint", "True")
+    run_into(out, "--resume_from_checkpoint", "True")  # the finished run, re-run
+    for folder in (cut, out):
+        again = load_file(folder / "model.safetensors")
+        assert all(torch.equal(first[k], again[k]) for k in first), folder.name
+        state = json.loads((folder / "trainer_state.json").read_text())
+        assert state["global_step"] == 3

@@ -170,6 +170,32 @@ def test_from_pretrained_at_another_patch_size(folder):
     assert json.loads((path / "config.json").read_text())["patch_size"] == 8  # the folder is left as it was
 
 
+def test_from_pretrained_at_another_image_size_resamples_the_positions(folder, tmp_path):
+    # as the patch_size= path and the foreign layouts: the positions resampled, never a size-mismatch error or random
+    # positions
+    path, model = folder
+    expected = VisionTransformerForImageClassification.from_pretrained(path).eval()
+    expected.set_input_size(48)
+    x = torch.randn(2, 3, 48, 48)
+    with torch.no_grad():
+        reference = expected(x).logits
+        torch.testing.assert_close(reference, model(x, interpolate_pos_encoding=True).logits)
+        for loaded in (
+            VisionTransformerForImageClassification.from_pretrained(path, image_size=48),
+            AutoModelForImageClassification.from_pretrained(path, image_size=48),
+            AutoModelForImageClassification.from_pretrained(path, image_size=[48, 48], ignore_mismatched_sizes=True),
+        ):
+            assert loaded.config.image_size == 48 and loaded.config.grid_size == (6, 6)
+            assert torch.equal(loaded.eval()(x).logits, reference)
+        encoder = AutoModel.from_pretrained(path, image_size=(48, 40)).eval()
+        assert encoder.config.image_hw == (48, 40)
+        wide = torch.randn(1, 3, 48, 40)
+        torch.testing.assert_close(
+            encoder(wide).pooler_output, model.vit(wide, interpolate_pos_encoding=True).pooler_output
+        )
+    assert json.loads((path / "config.json").read_text())["image_size"] == 32  # the folder is left as it was
+
+
 def test_reset_classifier_gives_the_papers_fine_tuning_head(folder):
     _, model = folder
     model.reset_classifier({0: "cat", 1: "dog"})

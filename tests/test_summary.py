@@ -82,20 +82,28 @@ def test_a_run_ends_with_its_summary_and_a_run_at_chance_says_so(tmp_path, capsy
     assert f"hf-vit-predict --model {out} " in printed
     assert f"hf-vit-evaluate --model {out} --dataset_name {data.resolve()} --split test" in printed
     assert f"hf-vit-export --model {out} --format onnx" in printed and f"hf-vit-push --model {out} " in printed
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "chance" in r.getMessage()]
+    warnings = [line for line in printed.splitlines() if "WARNING" in line and "chance" in line]
     assert len(warnings) == 1 and f"ln 2 = {math.log(2):.4f}" in warnings[0] and "--learning_rate" in warnings[0]
-    assert "the model is in" in caplog.text  # logged as well as printed
+    assert "the model is in" not in caplog.text  # printed once: the log keeps it at DEBUG
 
 
-def test_the_chance_warning_is_for_losses_within_5_percent_of_ln_c(tmp_path):
-    args = parse_args("finetune", ["--output_dir", str(tmp_path)])[2]
+def test_the_chance_warning_is_for_losses_within_5_percent_of_ln_c():
     chance = math.log(4)
-    assert chance_warning(1.3856, 4, "single_label_classification", args)  # the reported run: 4 classes, 1.3856
-    assert chance_warning(chance * 1.049, 4, "single_label_classification", args)
-    assert chance_warning(chance * 0.951, 4, "single_label_classification", args)
-    assert chance_warning(chance * 1.06, 4, "single_label_classification", args) is None
-    assert chance_warning(chance * 0.5, 4, "single_label_classification", args) is None
-    assert chance_warning(chance, 4, "multi_label_classification", args) is None  # ln C is not its chance level
+    single = "single_label_classification"
+    assert chance_warning(1.3856, 4, single, 0.1)  # the reported run: 4 classes, 1.3856
+    assert chance_warning(chance * 1.049, 4, single, 0.1)
+    assert chance_warning(chance * 0.951, 4, single, 0.1)
+    assert chance_warning(chance * 1.06, 4, single, 0.1) is None
+    assert chance_warning(chance * 0.5, 4, single, 0.1) is None
+    assert chance_warning(chance, 4, "multi_label_classification", 0.1) is None  # ln C is not its chance level
+
+
+def test_the_chance_advice_names_the_flag_that_set_the_runs_length():
+    chance = math.log(3)
+    by_steps = chance_warning(chance, 3, "single_label_classification", 0.05, max_steps=40, epochs_done=2.5)
+    assert "more --max_steps (this run: 40)" in by_steps and "--num_train_epochs" not in by_steps
+    by_epochs = chance_warning(chance, 3, "single_label_classification", 0.05, max_steps=-1, epochs_done=2)
+    assert "more --num_train_epochs (this run: 2)" in by_epochs and "--learning_rate (this run: 0.05)" in by_epochs
 
 
 def test_help_says_what_a_no_twin_of_a_flag_on_by_default_does(capsys):
@@ -106,3 +114,32 @@ def test_help_says_what_a_no_twin_of_a_flag_on_by_default_does(capsys):
     assert "Turn --check_eval_images off (it is on by default)." in twin and "default: False" not in twin
     assert not parse_args("finetune", ["--output_dir", "x", "--no_check_eval_images"])[2].check_eval_images
     assert parse_args("finetune", ["--output_dir", "x"])[2].check_eval_images
+
+
+def test_the_suggested_evaluation_names_the_runs_held_out_share():
+    from hf_vit.run.summary import next_commands
+
+    default = next_commands("out", "digits", "finetune", "validation")
+    assert any(c.endswith("--split validation") for c in default)
+    other = next_commands("out", "digits", "finetune", "validation", validation_fraction=0.25)
+    assert any(c.endswith("--split validation --validation_fraction 0.25") for c in other)
+    assert not any("--validation_fraction" in c for c in next_commands("out", "d", "finetune", "test", 0.25))
+
+
+def test_a_run_prints_each_line_once_and_no_noise(tmp_path):
+    """The script as users run it: the summary, the warnings and the final metrics appear once each across stdout
+    and stderr, and datasets' "couldn't be hashed" warning about the lazy transforms is not shown."""
+    data = split_image_folder(tmp_path / "data")
+    args = ["--output_dir", str(tmp_path / "out"), "--dataset_name", str(data), *TINY_RUN, "--max_steps", "2"]
+    args += ["--learning_rate", "0", "--eval_strategy", "no", "--save_strategy", "no", *QUIET]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "pretrain.py"), *args], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    both = done.stdout + done.stderr
+    assert both.count("the model is in") == 1 and both.count("is at chance level") == 1, both
+    assert both.count("hf-vit-evaluate --model") == 1
+    assert "couldn't be hashed" not in both
+    table = both[both.index("***** all metrics *****") :].splitlines()[1:]
+    shown = [line.split("=")[0].strip() for line in table if line.startswith("  ") and "=" in line]
+    assert "test_accuracy" in shown and "eval_accuracy" not in shown and len(shown) == len(set(shown))

@@ -681,7 +681,7 @@ def test_multi_label_fine_tuning_metrics_and_sigmoid_pipeline(tmp_path):
 
 def test_overwrite_output_dir_keeps_the_starting_checkpoint_and_deletes_nothing_when_the_run_fails(tmp_path):
     out = tmp_path / "out"
-    train("pretrain", *tiny_pretrain(out, "--save_strategy", "steps", "--save_steps", "1"))
+    train("pretrain", *tiny_pretrain(out, "--save_strategy", "steps", "--save_steps", "1", "--save_total_limit", "2"))
     assert {p.name for p in out.glob("checkpoint-*")} == {"checkpoint-1", "checkpoint-2"}
     with pytest.raises(Exception, match="typo_dataset"):  # a run that fails to start...
         train("pretrain", *tiny_pretrain(out, "--overwrite_output_dir", "True", "--dataset_name", "typo_dataset"))
@@ -859,3 +859,11 @@ def test_the_runs_modules_form_no_import_cycle_and_share_no_private_names():
         if module != "objectives":
             source = (ROOT / "hf_vit" / "run" / f"{module}.py").read_text()
             assert ".objective ==" not in source and '"mpp" if' not in source, module
+
+
+def test_a_run_keeps_only_its_last_checkpoint_unless_asked(tmp_path):
+    """A checkpoint per epoch on a tiny data set filled a disk (three times the model each, optimiser included): by
+    default a run keeps its last one, enough to resume."""
+    out = tmp_path / "out"
+    train("pretrain", *tiny_pretrain(out, "--save_strategy", "steps", "--save_steps", "1", "--max_steps", "3"))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]

@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
         "--dataset_name", required=True, help="'digits', an image folder, a save_to_disk folder or a Hub data set"
     )
     parser.add_argument("--split", default=None, help="split to measure (default: test, or validation without one)")
+    parser.add_argument(
+        "--validation_fraction",
+        type=float,
+        default=0.1,
+        help="share of train a run held out as validation when the data set has none (the run's own value)",
+    )
     parser.add_argument("--image_column_name", default="image")
     parser.add_argument("--label_column_name", default="label")
     parser.add_argument(
@@ -48,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers.utils import logging as transformers_logging
 
+    from hf_vit.outputs.output_folders import check_no_file_in_the_way, check_outside_data_set
     from hf_vit.run.arguments import DataArguments
     from hf_vit.run.compute_dial import evaluate_dial
     from hf_vit.run.flexible import parse_sizes
@@ -58,12 +65,17 @@ def main(argv: list[str] | None = None) -> int:
 
     transformers_logging.disable_progress_bar()  # stderr keeps the warnings and errors
     datasets.disable_progress_bars()
+    datasets.utils.logging.disable_propagation()  # datasets prints through its own handler: not twice
     data_args = DataArguments(
         dataset_name=args.dataset_name,
         image_column_name=args.image_column_name,
         label_column_name=args.label_column_name,
+        validation_fraction=args.validation_fraction,
     )
     try:
+        if args.output_dir is not None:
+            check_no_file_in_the_way(args.output_dir)
+            check_outside_data_set(args.output_dir, args.dataset_name)
         counts = parse_sizes(args.max_num_patches, "--max_num_patches") or []
         patch_sizes = parse_sizes(args.patch_size, "--patch_size") or []
         if len(counts) > 1 or len(patch_sizes) > 1:

@@ -21,7 +21,7 @@ import torch
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerModel
 from hf_vit.commands import CommandParser
-from hf_vit.export import FORMATS, check_native_onnx, check_onnx, export
+from hf_vit.export import FORMATS, check_export_output, check_native_onnx, check_onnx, export
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    try:  # before anything is loaded: the file's name and place
+        check_export_output(args.output, args.format, args.model)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if Path(args.output).exists() and not args.overwrite:
         print(
             f"error: {args.output} exists; choose another --output or pass --overwrite to replace it.", file=sys.stderr

@@ -9,8 +9,10 @@ so it runs there without `interpolate_pos_encoding`.
 
 The variant carries a model card naming its base model (--base_model, a Hub id; default: the folder's name) and what
 was changed; with --dataset_name its accuracy is measured (no training) on the test split, else the validation split
-(the source's, or the part of train a run holds out), and reported in the card and in all_results.json. --overwrite
-replaces only a folder hf-vit wrote (see scripts/convert_checkpoint.py).
+(the source's, or the part of train a run holds out), and reported in the card and in all_results.json.
+
+--output is refused when it is, contains, or lies inside --model. --overwrite replaces only a folder hf-vit wrote (an
+hf-vit config.json and nothing but the files hf-vit writes), as hf-vit-convert does (see `hf-vit-convert --help`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ interpolated). Without --image, --num_images digits of the test split are used.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +62,9 @@ def load_inputs(args: VisualizeArguments) -> tuple[list, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = HfArgumentParser(VisualizeArguments, description=__doc__)
+    parser = HfArgumentParser(
+        VisualizeArguments, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     (args,) = parser.parse_args_into_dataclasses(args=argv)
     if args.image_size is not None and len(args.image_size) not in (1, 2):
         parser.error("--image_size takes one size (square) or two (height width)")
@@ -98,6 +101,10 @@ def _visualize(args: VisualizeArguments) -> list[Path]:
             f"--model {args.model}: not an hf-vit model folder (or Hub id) with config.json and "
             f"preprocessor_config.json ({str(error).splitlines()[0]})"
         ) from error
+    if processor.max_num_patches is not None:
+        # The figures are maps over the model's square grid of patches (rollout, attention distance): a folder saved
+        # by a native-aspect run is drawn from whole images at its size, as --image_size draws them at another.
+        processor.max_num_patches = None
     if args.image_size is not None:
         height, width = (args.image_size * 2)[:2]
         if height % config.patch_size or width % config.patch_size:

@@ -297,16 +297,18 @@ def check_state_dict(
 
 
 def resample_positions(
-    source: Mapping[str, torch.Tensor], key: str, config: VisionTransformerConfig, mode: str
+    source: Mapping[str, torch.Tensor], key: str, config: VisionTransformerConfig, mode: str, antialias: bool = False
 ) -> dict[str, torch.Tensor]:
     """`source` with its position embeddings `source[key]` (a renamed, `(1, prefix + n*n, D)` array) resampled to
-    `config`'s grid when the checkpoint was trained at another square grid; anything else is left for the check."""
+    `config`'s grid (`mode`, `antialias`: as the source's own code resamples) when the checkpoint was trained at
+    another square grid; anything else is left for the check."""
     out = dict(source)
     pos, prefix = out.get(key), config.num_position_prefix_tokens
     if isinstance(pos, torch.Tensor) and pos.ndim == 3 and pos.shape[0] == 1 and pos.shape[2] == config.hidden_size:
         side = square_side(pos.shape[1] - prefix)
         if side and pos.shape[1] != prefix + config.num_patches:
-            out[key] = resample_position_embeddings(pos, (side, side), config.grid_size, prefix, mode).contiguous()
+            grid = config.grid_size
+            out[key] = resample_position_embeddings(pos, (side, side), grid, prefix, mode, antialias).contiguous()
     return out
 
 

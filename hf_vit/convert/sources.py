@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..hub_access import HubLookupError, hub_file
 from ..model.configuration_vit import VisionTransformerConfig
 from .common import ConversionError, check_grid_size, image_size_field
 from .transformers_families import FAMILIES
@@ -75,25 +76,24 @@ def is_npz(source: str | os.PathLike) -> bool:
 
 
 def _fetch(source: str, filename: str, hub: dict[str, Any], required: bool = True) -> Path | None:
-    """`filename` of the folder or Hub repository `source`, downloaded into (or found in) the Hub cache."""
+    """`filename` of the folder or Hub repository `source`, downloaded into (or found in) the Hub cache. A Hub
+    repository that can be neither reached nor found in the cache fails at once (`hf_vit.hub_access`)."""
     folder = Path(source).expanduser()
     if folder.is_dir():
         path = folder / filename
         if path.is_file() or not required:
             return path if path.is_file() else None
         raise ConversionError(f"{folder} has no {filename}.")
-    from huggingface_hub import constants, hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
-
-    options = {k: v for k, v in hub.items() if v is not None}
-    if constants.HF_HUB_OFFLINE:  # straight to the cache, as transformers' own loading does: no HTTP client is built
-        options["local_files_only"] = True
     try:
-        return Path(hf_hub_download(source, filename, **options))
-    except (EntryNotFoundError, LocalEntryNotFoundError):
-        if not required:
-            return None
-        raise ConversionError(f"The Hub repository {source} has no {filename} (or it is not in the cache).") from None
+        found = hub_file(source, filename, hub)
+    except HubLookupError:
+        if required:
+            raise
+        # A file the cache lacks offline may be one the repository lacks: the caller looks for the alternatives.
+        return None
+    if found is None and required:
+        raise ConversionError(f"The Hub repository {source} has no {filename}.")
+    return found
 
 
 def _safetensors_files(source: str, hub: dict[str, Any]) -> list[Path] | None:
@@ -397,6 +397,8 @@ def read_source(source: str, kwargs: dict[str, Any]) -> ForeignCheckpoint | None
     try:
         path = _fetch(source, "config.json", hub)
         layout = layout_of(json.loads(path.read_text()))
+    except HubLookupError:  # transformers' loading would only try again, retrying the network for as long
+        raise
     except Exception:  # noqa: BLE001 - any failure to read means: not ours to convert, let from_pretrained say why
         return None
     if layout in (None, "hf_vit"):

@@ -41,7 +41,15 @@ from .common import (
 )
 from .timm_layout import _BLOCK_KEY, TIMM_LAYOUT, _timm_problems
 
-TIMM_DEFAULTS = {"layer_norm_eps": 1e-6, "hidden_act": "gelu"}
+# timm resamples position grids with `resample_abs_pos_embed`, bicubic and antialiased by default, both in the forward
+# pass (`dynamic_img_size`) and when loading weights at another size (`checkpoint_filter_fn`): so does the converted
+# model, at load and with `interpolate_pos_encoding`.
+TIMM_DEFAULTS = {
+    "layer_norm_eps": 1e-6,
+    "hidden_act": "gelu",
+    "interpolation_mode": "bicubic",
+    "interpolation_antialias": True,
+}
 _STANDARD_HEADS = {dims["hidden_size"]: dims["num_attention_heads"] for dims in MODEL_SIZES.values()}
 
 
@@ -119,13 +127,14 @@ def timm_to_hf_vit_state_dict(
 
     With `config`, the state dict is also checked against `config`'s classification model (every weight present, with
     its shape) and the position embeddings are resampled in 2D when the checkpoint's square grid differs from
-    `config`'s (`resize_mode`, timm's default "bicubic"). Raises `ConversionError` listing every problem at once.
+    `config`'s (`resize_mode`, timm's default "bicubic", antialiased as timm's `resample_abs_pos_embed`). Raises
+    `ConversionError` listing every problem at once.
     """
     problems, explained = _timm_problems(state_dict)
     source = {key: value for key, value in state_dict.items() if key not in explained}
     source = timm_canonical(source, config.num_patches if config is not None else None)
     if config is not None:
-        source = resample_positions(source, "pos_embed", config, resize_mode)
+        source = resample_positions(source, "pos_embed", config, resize_mode, antialias=True)
     return TIMM_LAYOUT.to_hf(source, config, problems)
 
 

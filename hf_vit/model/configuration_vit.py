@@ -50,6 +50,16 @@ HYBRID_PRESET_NAMES = (
     "r26-vit-base-patch32-224",
 )
 RESNET_GROUPS = 32  # GroupNorm groups of every stem layer (the authors' flax.linen.GroupNorm default)
+# The fields that are True or False. A string spelling one ("True", "false", "1", "0": what a command line gives) is
+# read as it; anything else is refused by name, rather than counted as true.
+BOOLEAN_FIELDS = (
+    "qkv_bias", "zero_init_head", "use_class_token", "use_distillation_token", "distillation_head", "pre_norm",
+    "fc_norm", "patch_embedding_bias", "interpolation_antialias",
+)  # fmt: skip
+_BOOLEAN_WORDS = {"true": True, "1": True, "false": False, "0": False}
+# Masked patch prediction's shares of corrupted patches, fields of the config before they became the run's
+# (`modeling_mpp.PatchCorruption`): saved configs that have them load without them.
+RUN_FIELDS = ("mpp_corrupt_ratio", "mpp_mask_ratio", "mpp_random_ratio")
 AUTO_MAP = {
     "AutoConfig": "configuration_vit.VisionTransformerConfig",
     "AutoModel": "modeling_vit.VisionTransformerModel",
@@ -91,6 +101,10 @@ _PRESET_NAME = re.compile(
 PRESETS: dict[str, dict[str, Any]] = _preset_table()
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def resnet_stride(resnet_layers: list[int] | None) -> int:
     """Downsampling of a ResNet stem of these stage depths: 4 for the root, 2 for each stage after the first; 1
     without a stem (`None`)."""
@@ -130,10 +144,10 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             list is the root alone (stride 4).
         resnet_width: channels of the stem's root (64 times the authors' width factor); stage `i` (from 0) has
             bottlenecks of `resnet_width * 2**i` channels and outputs four times that.
-        mpp_corrupt_ratio: masked patch prediction (section 4.6): the share of patches corrupted per image.
-        mpp_mask_ratio: the share of corrupted patches replaced by the learnable [mask] embedding.
-        mpp_random_ratio: the share of corrupted patches replaced by another patch's embedding (the rest are kept).
-        mpp_color_bits: bits per channel of the mean colour the model predicts (3: 512 classes for RGB).
+        mpp_color_bits: masked patch prediction (section 4.6): bits per channel of the mean colour the model
+            predicts (3: 512 classes for RGB). How many patches a run corrupts, and how, is the run's
+            (`modeling_mpp.PatchCorruption`); configs saved with those shares (`mpp_corrupt_ratio`, `mpp_mask_ratio`,
+            `mpp_random_ratio`) load, without them.
 
     The blocks of the family that followed the paper, each off by default (the paper's model):
 
@@ -186,9 +200,6 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     zero_init_head: bool = True
     resnet_layers: list[int] | None = None
     resnet_width: int = 64
-    mpp_corrupt_ratio: float = 0.5
-    mpp_mask_ratio: float = 0.8
-    mpp_random_ratio: float = 0.1
     mpp_color_bits: int = 3
     use_class_token: bool | None = None
     use_distillation_token: bool = False
@@ -206,6 +217,18 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     _out_indices: list[int] | None = None
 
     def __post_init__(self, **kwargs: Any) -> None:
+        for name in RUN_FIELDS:  # settings of a run that older configs held: they shape no weight
+            kwargs.pop(name, None)
+        for name in BOOLEAN_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, str) and value.strip().lower() in _BOOLEAN_WORDS:
+                setattr(self, name, _BOOLEAN_WORDS[value.strip().lower()])
+        labels = kwargs.get("num_labels")
+        if labels is not None and (isinstance(labels, bool) or not isinstance(labels, int) or labels < 0):
+            raise ValueError(
+                f"`num_labels` must be an int >= 0 (0: no classification head, the features are the output), got "
+                f"{labels!r}."
+            )
         if isinstance(self.image_size, (tuple, list)):
             self.image_size = list(height_width(self.image_size, "image_size"))
         if isinstance(self.resnet_layers, tuple):
@@ -279,28 +302,19 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             )
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"):
             value = getattr(self, name)
-            if not 0.0 <= value < 1.0:
-                raise ValueError(f"`{name}` must be in [0, 1), got {value!r}.")
-        if self.layer_norm_eps <= 0:
-            raise ValueError(f"`layer_norm_eps` must be positive, got {self.layer_norm_eps!r}.")
-        for name in ("mpp_corrupt_ratio", "mpp_mask_ratio", "mpp_random_ratio"):
+            if not _is_number(value) or not 0.0 <= value < 1.0:
+                raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}.")
+        for name in ("layer_norm_eps", "initializer_range"):
             value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"`{name}` must be in [0, 1], got {value!r}.")
-        if self.mpp_mask_ratio + self.mpp_random_ratio > 1.0:
-            raise ValueError(
-                f"`mpp_mask_ratio` + `mpp_random_ratio` ({self.mpp_mask_ratio} + {self.mpp_random_ratio}) must be at "
-                "most 1: they are shares of the same corrupted patches."
-            )
-        if not isinstance(self.mpp_color_bits, int) or not 1 <= self.mpp_color_bits <= 8:
+            if not _is_number(value) or value <= 0:
+                raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+        bits = self.mpp_color_bits
+        if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 8:
             raise ValueError(f"`mpp_color_bits` must be an int in 1..8, got {self.mpp_color_bits!r}.")
 
     def validate_family_blocks(self) -> None:
         """The fields of the blocks that followed the paper (see the class docstring), each named when invalid."""
-        for name in (
-            "use_class_token", "use_distillation_token", "distillation_head", "pre_norm", "fc_norm",
-            "patch_embedding_bias", "interpolation_antialias",
-        ):  # fmt: skip
+        for name in BOOLEAN_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.classifier == "token" and not self.use_class_token:

@@ -93,13 +93,14 @@ _LOCATION_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", 
 
 def resize_asked_by_config(source: Any, kwargs: dict[str, Any]) -> list[Any] | None:
     """`[image_size, patch_size]` when `kwargs["config"]` asks for another patch size than the checkpoint at `source`
-    was saved with, else None.
+    was saved with, or (an hf-vit checkpoint) another image size, else None.
 
     `AutoModel.from_pretrained(folder, patch_size=P)` loads the config first and writes `patch_size=P` onto it, then
     hands the model class that config: loading the saved weights into it would fail on the kernel's and the positions'
     shapes. `kwargs["config"]` is then replaced by a copy with the checkpoint's own sizes, so the weights load as they
     were saved, and the caller resamples the model to the sizes returned (`set_input_size`), as with `patch_size=P`
-    given to the model class itself."""
+    given to the model class itself. A foreign checkpoint's positions are resampled to the config's image size by its
+    conversion, as its own code does."""
     config = kwargs.get("config")
     if not isinstance(source, (str, os.PathLike)) or not hasattr(config, "patch_size"):
         return None
@@ -108,14 +109,22 @@ def resize_asked_by_config(source: Any, kwargs: dict[str, Any]) -> list[Any] | N
         stored, _ = type(config).get_config_dict(os.fspath(source), **location)
     except (OSError, ValueError):
         return None  # not a readable hf-vit checkpoint: the loading itself reports it
+    if stored.get("model_type") != config.model_type:
+        return None
     saved_patch = stored.get("patch_size", config.patch_size)
-    if stored.get("model_type") != config.model_type or saved_patch == config.patch_size:
+    saved_size = stored.get("image_size", config.image_size)
+    other_size = _as_list(saved_size) != _as_list(config.image_size) and open_foreign(source, dict(location)) is None
+    if saved_patch == config.patch_size and not other_size:
         return None
     wanted = [config.image_size, config.patch_size]
     as_saved = copy.deepcopy(config)
-    as_saved.patch_size, as_saved.image_size = saved_patch, stored.get("image_size", config.image_size)
+    as_saved.patch_size, as_saved.image_size = saved_patch, saved_size
     kwargs["config"] = as_saved
     return wanted
+
+
+def _as_list(size: Any) -> list[Any]:
+    return [size, size] if isinstance(size, int) else list(size)
 
 
 # Code files every hf-vit checkpoint carries though the saved class's module does not import them: the config's
@@ -131,3 +140,13 @@ def save_sibling_code(model: Any, folder: str | os.PathLike) -> None:
     for name in SIBLING_CODE_FILES:
         if (here / name).is_file() and not (folder / name).exists():
             shutil.copyfile(here / name, folder / name)
+
+
+def give_weights_the_umask_mode(folder: str | os.PathLike) -> None:
+    """safetensors writes a weights file as a private temporary file (mode 0600) renamed into place; the other files of
+    a saved folder get the modes the user's umask gives, and so do the weights here."""
+    mask = os.umask(0o022)  # read by setting it and putting it back: there is no other portable way
+    os.umask(mask)
+    for path in Path(folder).glob("*.safetensors"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~mask)

@@ -2,7 +2,8 @@
 corrupting some patch embeddings and predicting the mean colour of each corrupted patch.
 
 The encoder is `modeling_vit`'s, built with the [mask] embedding; the corruption is applied to the patch embeddings
-x_p^i E before the position embeddings are added, through the encoder's `corrupt_embeddings` argument.
+x_p^i E before the position embeddings are added, given to the encoder as data: `bool_masked_pos` (the patches the
+[mask] embedding replaces) and `patch_sources` (the patches another patch's embedding replaces).
 
 This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
 transformers and the code files beside it.
@@ -11,7 +12,6 @@ transformers and the code files beside it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
@@ -30,8 +30,9 @@ __all__ = [
     "PATCH_RANDOM",
     "MaskedPatchPredictionOutput",
     "VisionTransformerForMaskedPatchPrediction",
-    "corrupt_patches",
+    "PatchCorruption",
     "draw_patch_corruption",
+    "draw_patch_sources",
 ]
 
 # What masked patch prediction does to each patch embedding (a `patch_corruption` tensor holds these codes): left
@@ -39,72 +40,77 @@ __all__ = [
 PATCH_CLEAN, PATCH_MASKED, PATCH_RANDOM, PATCH_KEPT = 0, 1, 2, 3
 
 
+@dataclass(frozen=True)
+class PatchCorruption:
+    """How masked patch prediction corrupts the patches, B.1.2 of the paper by default: `corrupt_ratio` of each
+    image's patches are corrupted, each replaced by the [mask] embedding with probability `mask_ratio`, by another
+    patch's embedding with probability `random_ratio`, and kept otherwise. Settings of a run (what it draws), not of
+    the architecture: the model's config does not hold them."""
+
+    corrupt_ratio: float = 0.5
+    mask_ratio: float = 0.8
+    random_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("corrupt_ratio", "mask_ratio", "random_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"`{name}` must be a number in [0, 1], got {value!r}.")
+        if self.mask_ratio + self.random_ratio > 1.0:
+            raise ValueError(
+                f"`mask_ratio` + `random_ratio` ({self.mask_ratio} + {self.random_ratio}) must be at most 1: they are "
+                "shares of the same corrupted patches."
+            )
+
+
 def draw_patch_corruption(
     batch_size: int,
     num_patches: int,
-    config: VisionTransformerConfig,
+    corruption: PatchCorruption = PatchCorruption(),
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
     patch_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Masked patch prediction's corruption of `batch_size` images of `num_patches` patches, as B.1.2 of the paper
-    describes it: `config.mpp_corrupt_ratio` of each image's patches (rounded half up) are corrupted, each of them
-    replaced by the [mask] embedding with probability `mpp_mask_ratio`, by another patch's embedding with probability
-    `mpp_random_ratio`, and kept otherwise. Returns `(batch_size, num_patches)` int64 codes (`PATCH_CLEAN`,
+    """Masked patch prediction's corruption of `batch_size` images of `num_patches` patches (`corruption`'s shares;
+    the count per image rounded half up). Returns `(batch_size, num_patches)` int64 codes (`PATCH_CLEAN`,
     `PATCH_MASKED`, `PATCH_RANDOM`, `PATCH_KEPT`). `patch_mask` `(batch_size, num_patches)` marks each image's
     patches in a padded native-aspect batch: the share is of those, and the padding stays clean."""
-    count = int(config.mpp_corrupt_ratio * num_patches + 0.5)
+    count = int(corruption.corrupt_ratio * num_patches + 0.5)
     draws = torch.rand(batch_size, num_patches, generator=generator, device=device)
     if patch_mask is not None:  # padding draws last, and each image corrupts its share of its own patches
         patch_mask = patch_mask.to(draws.device).bool()
         draws = draws.masked_fill(~patch_mask, 2.0)
-        count = (config.mpp_corrupt_ratio * patch_mask.sum(dim=1, keepdim=True) + 0.5).long()
+        count = (corruption.corrupt_ratio * patch_mask.sum(dim=1, keepdim=True) + 0.5).long()
     # The ranks of uniform draws are a uniform random permutation: the `count` lowest are corrupted.
     ranks = draws.argsort(dim=1).argsort(dim=1)
     kind = torch.rand(batch_size, num_patches, generator=generator, device=device)
+    mask_ratio, random_ratio = corruption.mask_ratio, corruption.random_ratio
     codes = torch.where(
-        kind < config.mpp_mask_ratio,
-        PATCH_MASKED,
-        torch.where(kind < config.mpp_mask_ratio + config.mpp_random_ratio, PATCH_RANDOM, PATCH_KEPT),
+        kind < mask_ratio, PATCH_MASKED, torch.where(kind < mask_ratio + random_ratio, PATCH_RANDOM, PATCH_KEPT)
     )
     return torch.where(ranks < count, codes, PATCH_CLEAN)
 
 
-def corrupt_patches(
-    tokens: torch.Tensor,
-    mask_token: torch.Tensor | None,
-    patch_corruption: torch.Tensor,
-    patch_mask: torch.Tensor | None = None,
+def draw_patch_sources(
+    patch_corruption: torch.Tensor, patch_mask: torch.Tensor | None = None, device: torch.device | None = None
 ) -> torch.Tensor:
-    """Apply `patch_corruption` codes `(B, N)` to patch embeddings `(B, N, D)`. A `PATCH_RANDOM` patch takes the
-    embedding of another patch drawn uniformly from the whole batch (as BERT's random token is drawn from the
-    vocabulary rather than from its own sentence); of another image patch, not padding, where `patch_mask` `(B, N)`
-    marks them in a native-aspect batch."""
-    batch, count, dim = tokens.shape
-    if tuple(patch_corruption.shape) != (batch, count):
-        raise ValueError(
-            f"`patch_corruption` has shape {tuple(patch_corruption.shape)} but the images have {count} patches each "
-            f"(expected ({batch}, {count}))."
-        )
-    if mask_token is None:
-        raise ValueError(
-            "This model has no [mask] embedding: corrupt patches with VisionTransformerForMaskedPatchPrediction (or "
-            "a VisionTransformerModel built with use_mask_token=True)."
-        )
-    flat = tokens.reshape(batch * count, dim)
-    # The patches a random replacement is drawn from (all, or the images' own without padding) and each patch's
-    # place among them.
-    candidates = place = torch.arange(batch * count, device=tokens.device)
+    """The encoder's `patch_sources` for `patch_corruption` codes `(B, N)`: for each `PATCH_RANDOM` patch, another
+    patch drawn uniformly from the whole batch (as BERT's random token is drawn from the vocabulary rather than from
+    its own sentence), of the images' own patches where `patch_mask` `(B, N)` marks them in a native-aspect batch, as
+    an index into the batch's B * N patches; -1 elsewhere. Drawn from torch's generator on `device`."""
+    batch, count = patch_corruption.shape
+    # The patches a replacement is drawn from (all, or the images' own without padding) and each patch's place among
+    # them.
+    candidates = place = torch.arange(batch * count, device=device)
     if patch_mask is not None:
-        valid = patch_mask.to(tokens.device).flatten().bool()
+        valid = patch_mask.to(device).flatten().bool()
         candidates, place = candidates[valid], (valid.long().cumsum(0) - 1).clamp(min=0)
     total = len(candidates)
     # Draw among the total - 1 other patches: values at or above a patch's own place move up by one.
-    source = torch.randint(0, max(total - 1, 1), (batch * count,), device=tokens.device)
+    source = torch.randint(0, max(total - 1, 1), (batch * count,), device=device)
     source = source + (source >= place).long() if total > 1 else source
-    others = flat[candidates[source]].view(batch, count, dim)
-    tokens = torch.where((patch_corruption == PATCH_RANDOM)[..., None], others, tokens)
-    return torch.where((patch_corruption == PATCH_MASKED)[..., None], mask_token.to(tokens.dtype), tokens)
+    sources = candidates[source].view(batch, count)
+    return torch.where(patch_corruption.to(sources.device) == PATCH_RANDOM, sources, -1)
 
 
 @dataclass
@@ -124,8 +130,9 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
     corrupted (see `draw_patch_corruption`) and a linear head predicts, from each corrupted patch's final
     representation, its mean colour at `config.mpp_color_bits` bits per channel (512 classes for RGB at 3 bits).
 
-    The corruption is drawn here while training unless `patch_corruption` is given (the data pipeline of
-    `hf_vit.run.mpp` draws it per example); outside training, only a given `patch_corruption` corrupts anything.
+    The corruption is drawn here while training, with the paper's shares (`PatchCorruption()`), unless
+    `patch_corruption` (or `bool_masked_pos`) is given (the data pipeline of `hf_vit.run.mpp` draws it per example,
+    with its run's shares); outside training, only a given corruption corrupts anything.
     `labels` are the colour classes `(B, N)` of the patches (`hf_vit.run.mpp.mean_color_classes`), -100 where
     none; the loss is their cross-entropy over the corrupted patches, or over every labelled patch when nothing is
     corrupted. The encoder's weights are a plain ViT's, so a checkpoint fine-tunes with
@@ -155,29 +162,40 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
         labels: torch.Tensor | None = None,
         patch_corruption: torch.Tensor | None = None,
         interpolate_pos_encoding: bool | None = None,
+        bool_masked_pos: torch.Tensor | None = None,
         **kwargs,
     ) -> MaskedPatchPredictionOutput:
+        """`patch_corruption`: the corruption codes `(B, N)` (`draw_patch_corruption`); or `bool_masked_pos` `(B, N)`,
+        as transformers' `ViTForMaskedImageModeling` takes it: the patches the [mask] embedding replaces, and the
+        only ones predicted."""
         spatial_shapes, patch_mask = kwargs.get("spatial_shapes"), None
         if spatial_shapes is not None:  # a native-aspect batch: the padding is neither corrupted nor predicted
             mask = kwargs.get("pixel_attention_mask")
             patch_mask = check_native_batch(pixel_values, mask, spatial_shapes, self.config)
-        drawable = isinstance(pixel_values, torch.Tensor) and pixel_values.ndim == (4 if patch_mask is None else 3)
-        if patch_corruption is None and self.training and drawable:
-            # the encoder checks the pixels; a grid they do not tile is refused there, before these codes are used
+        given = "patch_corruption" if bool_masked_pos is None else "bool_masked_pos"
+        if bool_masked_pos is not None:
+            if patch_corruption is not None:
+                raise ValueError("Pass `patch_corruption` or `bool_masked_pos`, not both.")
+            patch_corruption = torch.where(bool_masked_pos.bool(), PATCH_MASKED, PATCH_CLEAN)
+        # the encoder checks the pixels; a grid they do not tile is refused there, before the codes are used
+        if isinstance(pixel_values, torch.Tensor) and pixel_values.ndim == (4 if patch_mask is None else 3):
             rows, cols = (size // self.config.patch_size for size in pixel_values.shape[-2:])
-            patch_corruption = draw_patch_corruption(
-                pixel_values.shape[0],
-                rows * cols if patch_mask is None else pixel_values.shape[1],
-                self.config,
-                device=pixel_values.device,
-                patch_mask=patch_mask,
-            )
-        corrupt = None
+            shape = (pixel_values.shape[0], rows * cols if patch_mask is None else pixel_values.shape[1])
+            if patch_corruption is None and self.training:  # the paper's shares
+                patch_corruption = draw_patch_corruption(*shape, device=pixel_values.device, patch_mask=patch_mask)
+            elif patch_corruption is not None and tuple(patch_corruption.shape) != shape:
+                raise ValueError(
+                    f"`{given}` has shape {tuple(patch_corruption.shape)} but the images have {shape[1]} patches "
+                    f"each (expected {shape})."
+                )
+        masked = sources = None
         if patch_corruption is not None:
-            corrupt = partial(corrupt_patches, patch_corruption=patch_corruption, patch_mask=patch_mask)
+            masked = patch_corruption == PATCH_MASKED
+            sources = draw_patch_sources(patch_corruption, patch_mask, self.vit.embeddings.position_embedding.device)
         outputs = self.vit(
-            pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, corrupt_embeddings=corrupt, **kwargs
-        )
+            pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, bool_masked_pos=masked,
+            patch_sources=sources, **kwargs,
+        )  # fmt: skip
         logits = self.mpp_head(outputs.last_hidden_state[:, self.config.num_prefix_tokens :])
         loss = None
         if labels is not None:

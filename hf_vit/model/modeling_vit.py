@@ -14,7 +14,8 @@ attention pooling (`pooling.py`) instead of the class token, with the LayerNorm 
 
 The hybrid architecture (section 3.1) takes the patches x_p from the feature map of a ResNet stem (`hybrid.py`)
 instead of the image; masked patch prediction (section 4.6, `modeling_mpp.py`) corrupts some of the x_p^i E before the
-positions are added, through the `corrupt_embeddings` argument of the encoder.
+positions are added, given as data: `bool_masked_pos` (the patches replaced by the [mask] embedding, as in
+transformers' `ViTForMaskedImageModeling`) and `patch_sources` (the patches replaced by another one's embedding).
 
 This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
 transformers and the code files beside it.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -41,8 +43,14 @@ from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .layer_scale import LayerScale
-from .loading import load_strictly, resize_asked_by_config, save_sibling_code
-from .naflex import embed_native, masked_mean, native_masks, patch_grid_maps
+from .loading import (
+    give_weights_the_umask_mode,
+    load_strictly,
+    open_foreign,
+    resize_asked_by_config,
+    save_sibling_code,
+)
+from .naflex import masked_mean, native_masks, patch_grid_maps
 from .pooling import MultiheadAttentionPooling
 from .resolution import (
     check_pixel_values,
@@ -66,8 +74,8 @@ class VisionTransformerEmbeddings(nn.Module):
     distillation token after the class token (with a position), register tokens after both (without one).
 
     In a hybrid the patches come from the ResNet stem's feature map. `use_mask_token` adds the learned [mask]
-    embedding of masked patch prediction, which `corrupt_embeddings(x_p^i E, mask_token)` may put in place of some
-    patch embeddings before the positions are added (as BERT's [MASK]; see `modeling_mpp.py`)."""
+    embedding of masked patch prediction, put in place of the patch embeddings `bool_masked_pos` marks before the
+    positions are added (as BERT's [MASK]; see `modeling_mpp.py`)."""
 
     def __init__(self, config: VisionTransformerConfig, use_mask_token: bool = False) -> None:
         super().__init__()
@@ -91,33 +99,71 @@ class VisionTransformerEmbeddings(nn.Module):
     def forward(
         self,
         pixel_values: torch.Tensor,
-        corrupt_embeddings: Callable | None = None,
+        bool_masked_pos: torch.Tensor | None = None,
         spatial_shapes: torch.Tensor | None = None,
+        patch_sources: torch.Tensor | None = None,
     ) -> torch.Tensor:
         pixel_values = pixel_values.to(self.patch_embedding.weight.dtype)
-        if spatial_shapes is not None:  # a native-aspect batch: x_p given flattened, a grid per image (naflex.py)
-            return self.dropout(embed_native(self, pixel_values, spatial_shapes, corrupt_embeddings))
-        # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
-        features = pixel_values if self.stem is None else self.stem(pixel_values)
-        patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
-        tokens = patches.flatten(2).transpose(1, 2)  # (B, N, D): x_p^i E
-        if corrupt_embeddings is not None:
-            tokens = corrupt_embeddings(tokens, self.mask_token)
-        batch, config = tokens.shape[0], self.config
+        tokens, grid = self.embed_patches(pixel_values, spatial_shapes)  # (B, N, D): x_p^i E
+        if bool_masked_pos is not None or patch_sources is not None:
+            tokens = self.corrupt(tokens, bool_masked_pos, patch_sources)
+        batch, config, positioned = tokens.shape[0], self.config, self.config.num_position_prefix_tokens
         prefix = [
             token.expand(batch, -1, -1) for token in (self.cls_token, self.distillation_token) if token is not None
         ]
         tokens = torch.cat([*prefix, tokens], dim=1)  # [x_class; x_dist; x_p^1 E; ...]
-        # E_pos, resampled in 2D when the grid is not the one the model was trained on
+        # E_pos, resampled in 2D when the grid is not the one the model was trained on: in a native-aspect batch to
+        # each image's grid, zero on the padding after its patches (masked as keys)
         position_embedding = resample_position_embeddings(
-            self.position_embedding, config.grid_size, patches.shape[2:], config.num_position_prefix_tokens,
-            config.interpolation_mode, config.interpolation_antialias,
+            self.position_embedding, config.grid_size, grid, positioned, config.interpolation_mode,
+            config.interpolation_antialias, num_patches=tokens.shape[1] - positioned,
         )  # fmt: skip
         tokens = tokens + position_embedding
         if self.register_tokens is not None:  # registers follow the prefix tokens and have no position
-            registers, split = self.register_tokens.expand(batch, -1, -1), config.num_position_prefix_tokens
-            tokens = torch.cat([tokens[:, :split], registers, tokens[:, split:]], dim=1)
+            registers = self.register_tokens.expand(batch, -1, -1)
+            tokens = torch.cat([tokens[:, :positioned], registers, tokens[:, positioned:]], dim=1)
         return self.dropout(tokens)
+
+    def embed_patches(
+        self, pixel_values: torch.Tensor, spatial_shapes: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, tuple[int, int] | torch.Tensor]:
+        """x_p^i E `(B, N, D)` and the grid of the patches: `(rows, cols)`, or `spatial_shapes` for a native-aspect
+        batch, whose patches come flattened `(B, K, P * P * C)` (see `naflex.py`)."""
+        if spatial_shapes is not None:
+            # The convolution's kernel `(D, C, P, P)` is the linear map it applies to each patch, its inputs laid out
+            # in the processor's (patch row, patch column, channel) order.
+            weight = self.patch_embedding.weight.permute(0, 2, 3, 1).flatten(1)
+            return F.linear(pixel_values, weight, self.patch_embedding.bias), spatial_shapes
+        # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
+        features = pixel_values if self.stem is None else self.stem(pixel_values)
+        patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
+        return patches.flatten(2).transpose(1, 2), tuple(patches.shape[2:])
+
+    def corrupt(
+        self, tokens: torch.Tensor, bool_masked_pos: torch.Tensor | None, patch_sources: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Masked patch prediction's corruption of the patch embeddings `(B, N, D)`: those `patch_sources` `(B, N)`
+        points elsewhere (an index into the batch's B * N patches, -1 for none) take that patch's embedding, then
+        those `bool_masked_pos` `(B, N)` marks take the [mask] embedding."""
+        batch, count, dim = tokens.shape
+        for name, value in (("bool_masked_pos", bool_masked_pos), ("patch_sources", patch_sources)):
+            if value is not None and tuple(value.shape) != (batch, count):
+                raise ValueError(
+                    f"`{name}` has shape {tuple(value.shape)} but the images have {count} patches each (expected "
+                    f"({batch}, {count}))."
+                )
+        if patch_sources is not None:
+            others = tokens.reshape(batch * count, dim)[patch_sources.clamp(min=0)]
+            tokens = torch.where((patch_sources >= 0)[..., None], others, tokens)
+        if bool_masked_pos is not None:
+            if self.mask_token is None:
+                raise ValueError(
+                    "This model has no [mask] embedding for `bool_masked_pos`: use "
+                    "VisionTransformerForMaskedPatchPrediction (or a VisionTransformerModel built with "
+                    "use_mask_token=True)."
+                )
+            tokens = torch.where(bool_masked_pos.bool()[..., None], self.mask_token.to(tokens.dtype), tokens)
+        return tokens
 
 
 class VisionTransformerAttention(nn.Module):
@@ -215,6 +261,83 @@ def lecun_normal_(tensor: torch.Tensor) -> None:
     init.trunc_normal_(tensor, mean=0.0, std=std, a=-2 * std, b=2 * std)
 
 
+def init_embeddings(module: VisionTransformerEmbeddings, config: VisionTransformerConfig) -> None:
+    """Equation (1): a LeCun-normal patch embedding E (as a Flax Conv's default), normal positions, a zero class token
+    (the authors' `cls` parameter), normal distillation, register and [mask] embeddings."""
+    lecun_normal_(module.patch_embedding.weight)
+    if module.patch_embedding.bias is not None:
+        init.zeros_(module.patch_embedding.bias)
+    init.normal_(module.position_embedding, std=config.initializer_range)
+    if module.cls_token is not None:
+        init.zeros_(module.cls_token)
+    for token in (module.distillation_token, module.register_tokens, module.mask_token):
+        if token is not None:
+            init.normal_(token, std=config.initializer_range)
+
+
+def init_attention(module: VisionTransformerAttention, config: VisionTransformerConfig) -> None:
+    """Query, key and value are three D x D maps, each Xavier-uniform: one draw with a D x D matrix's bound (not the
+    fused D x 3D matrix's); zero biases."""
+    bound = math.sqrt(6.0 / (2 * module.qkv.in_features))
+    init.uniform_(module.qkv.weight, -bound, bound)
+    init.xavier_uniform_(module.proj.weight)
+    if module.qkv.bias is not None:
+        init.zeros_(module.qkv.bias)
+    init.zeros_(module.proj.bias)
+
+
+def init_mlp(module: VisionTransformerMLP, config: VisionTransformerConfig) -> None:
+    """Xavier-uniform kernels and normal(1e-6) biases, as vit_jax's MlpBlock."""
+    for layer in (module.fc1, module.fc2):
+        init.xavier_uniform_(layer.weight)
+        init.normal_(layer.bias, std=1e-6)
+
+
+def init_norm(module: nn.LayerNorm | nn.GroupNorm, config: VisionTransformerConfig) -> None:
+    init.ones_(module.weight)
+    init.zeros_(module.bias)
+
+
+def init_layer_scale(module: LayerScale, config: VisionTransformerConfig) -> None:
+    init.constant_(module.gamma, module.init_value)
+
+
+def init_attention_pooling(module: MultiheadAttentionPooling, config: VisionTransformerConfig) -> None:
+    """A normal probe; query, key and value each Xavier-uniform (as `init_attention`), zero biases."""
+    init.normal_(module.probe, std=config.initializer_range)
+    bound = math.sqrt(6.0 / (2 * module.attention.embed_dim))
+    init.uniform_(module.attention.in_proj_weight, -bound, bound)
+    init.zeros_(module.attention.in_proj_bias)
+    init.xavier_uniform_(module.attention.out_proj.weight)
+    init.zeros_(module.attention.out_proj.bias)
+
+
+def init_std_conv(module: StdConv2d, config: VisionTransformerConfig) -> None:
+    """flax.linen.Conv's default kernel initialiser."""
+    lecun_normal_(module.weight)
+
+
+def init_resnet_unit(module: ResNetUnit, config: VisionTransformerConfig) -> None:
+    """The last GroupNorm of a unit starts at zero scale (after its children's initialisation), so that each unit
+    starts as its shortcut."""
+    init.zeros_(module.gn3.weight)
+
+
+def init_classification_head(module: VisionTransformerForImageClassification, config: VisionTransformerConfig) -> None:
+    """A LeCun-normal pre-logits layer with a zero bias; the classifiers zero (the paper's fine-tuning,
+    `zero_init_head`) or LeCun-normal, with zero biases."""
+    if module.pre_logits is not None:
+        lecun_normal_(module.pre_logits.weight)
+        init.zeros_(module.pre_logits.bias)
+    for head in (module.classifier, module.distillation_classifier):
+        if isinstance(head, nn.Linear):
+            if config.zero_init_head:
+                init.zeros_(head.weight)
+            else:
+                lecun_normal_(head.weight)
+            init.zeros_(head.bias)
+
+
 class VisionTransformerPreTrainedModel(PreTrainedModel):
     """Weight initialisation and the conventions shared by the hf-vit models."""
 
@@ -246,20 +369,26 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         """transformers' `from_pretrained`, taking also the checkpoints users have (transformers' and timm's ViT as Hub
         ids or folders, the authors' `.npz` files; converted in memory by the reader `hf_vit.convert` registers), and
         strict: weights that leave part of the encoder randomly initialised are an error (only a classification head
-        may be new), and unreadable weights or folders are named: see `loading.py`. `patch_size=P` (with `image_size`,
-        optionally) loads the checkpoint as it is, then resamples it to P with `set_input_size` (FlexiViT), also when
-        the Auto classes pass it written onto the config."""
-        resize = [kwargs.pop(name, None) for name in ("image_size", "patch_size")] if "patch_size" in kwargs else None
-        resize = resize or resize_asked_by_config(pretrained_model_name_or_path, kwargs)  # the Auto classes' way
+        may be new), and unreadable weights or folders are named: see `loading.py`. `patch_size=P` or `image_size=N`
+        (of an hf-vit checkpoint; foreign ones are resampled as their conversion reads them) loads the checkpoint as it
+        is, then resamples it to that size with `set_input_size` (the position embeddings as the config says, the
+        patch embedding as FlexiViT does), also when the Auto classes pass the sizes written onto the config."""
+        source = pretrained_model_name_or_path
+        resize = None
+        if "patch_size" in kwargs or ("image_size" in kwargs and open_foreign(source, dict(kwargs)) is None):
+            resize = [kwargs.pop("image_size", None), kwargs.pop("patch_size", None)]
+        resize = resize or resize_asked_by_config(source, kwargs)  # the Auto classes' way
         loaded = load_strictly(cls, super().from_pretrained, pretrained_model_name_or_path, args, kwargs)
         if resize is not None:
             (loaded[0] if isinstance(loaded, tuple) else loaded).set_input_size(resize[0], patch_size=resize[1])
         return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """transformers' `save_pretrained`, with every code file the config's `auto_map` names."""
+        """transformers' `save_pretrained`, with every code file the config's `auto_map` names, and the weights with
+        the user's umask mode (as the folder's other files)."""
         super().save_pretrained(save_directory, *args, **kwargs)
         save_sibling_code(self, save_directory)
+        give_weights_the_umask_mode(save_directory)
 
     @torch.no_grad()
     def set_input_size(
@@ -299,65 +428,13 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """The initialisation of the authors' code (vit_jax): Xavier-uniform kernels, near-zero MLP biases,
-        LeCun-normal patch embedding, normal(0.02) positions, zero class token and zero classifier."""
-        std = self.config.initializer_range
-        if isinstance(module, VisionTransformerEmbeddings):
-            lecun_normal_(module.patch_embedding.weight)
-            if module.patch_embedding.bias is not None:
-                init.zeros_(module.patch_embedding.bias)
-            init.normal_(module.position_embedding, std=std)
-            if module.cls_token is not None:
-                init.zeros_(module.cls_token)
-            for token in (module.distillation_token, module.register_tokens):
-                if token is not None:
-                    init.normal_(token, std=std)
-            if module.mask_token is not None:
-                init.normal_(module.mask_token, std=std)
-        elif isinstance(module, StdConv2d):  # flax.linen.Conv's default kernel initialiser
-            lecun_normal_(module.weight)
-        elif isinstance(module, nn.GroupNorm):
-            init.ones_(module.weight)
-            init.zeros_(module.bias)
-        elif isinstance(module, ResNetUnit):
-            # The last GroupNorm of a unit starts at zero scale (applied after its children's initialisation), so
-            # that each unit starts as its shortcut.
-            init.zeros_(module.gn3.weight)
-        elif isinstance(module, VisionTransformerAttention):
-            # Query, key and value are three D x D maps, each Xavier-uniform: one draw with a D x D matrix's bound.
-            bound = math.sqrt(6.0 / (2 * module.qkv.in_features))
-            init.uniform_(module.qkv.weight, -bound, bound)
-            init.xavier_uniform_(module.proj.weight)
-            if module.qkv.bias is not None:
-                init.zeros_(module.qkv.bias)
-            init.zeros_(module.proj.bias)
-        elif isinstance(module, LayerScale):
-            init.constant_(module.gamma, module.init_value)
-        elif isinstance(module, MultiheadAttentionPooling):
-            init.normal_(module.probe, std=std)
-            bound = math.sqrt(6.0 / (2 * module.attention.embed_dim))  # query, key, value: each Xavier-uniform
-            init.uniform_(module.attention.in_proj_weight, -bound, bound)
-            init.zeros_(module.attention.in_proj_bias)
-            init.xavier_uniform_(module.attention.out_proj.weight)
-            init.zeros_(module.attention.out_proj.bias)
-        elif isinstance(module, VisionTransformerMLP):
-            for layer in (module.fc1, module.fc2):
-                init.xavier_uniform_(layer.weight)
-                init.normal_(layer.bias, std=1e-6)
-        elif isinstance(module, nn.LayerNorm):
-            init.ones_(module.weight)
-            init.zeros_(module.bias)
-        elif isinstance(module, VisionTransformerForImageClassification):
-            if module.pre_logits is not None:
-                lecun_normal_(module.pre_logits.weight)
-                init.zeros_(module.pre_logits.bias)
-            for head in (module.classifier, module.distillation_classifier):
-                if isinstance(head, nn.Linear):
-                    if self.config.zero_init_head:
-                        init.zeros_(head.weight)
-                    else:
-                        lecun_normal_(head.weight)
-                    init.zeros_(head.bias)
+        """The initialisation of the authors' code (vit_jax), one named function per kind of module
+        (`INITIALISERS`): Xavier-uniform kernels, near-zero MLP biases, LeCun-normal patch embedding, normal(0.02)
+        positions, zero class token and zero classifier."""
+        for kind in type(module).__mro__:  # the most specific kind that has an initialiser
+            if kind in INITIALISERS:
+                INITIALISERS[kind](module, self.config)
+                return
 
 
 class VisionTransformerModel(VisionTransformerPreTrainedModel):
@@ -388,26 +465,26 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         pixel_values: torch.Tensor | None = None,
         interpolate_pos_encoding: bool | None = None,
         output_attentions: bool | None = None,
-        corrupt_embeddings: Callable | None = None,
+        bool_masked_pos: torch.Tensor | None = None,
         pixel_attention_mask: torch.Tensor | None = None,
         spatial_shapes: torch.Tensor | None = None,
+        patch_sources: torch.Tensor | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
-        """`corrupt_embeddings(tokens, mask_token)`: masked patch prediction's corruption of the patch embeddings
-        (see `VisionTransformerEmbeddings` and `modeling_mpp.py`). `spatial_shapes` (with `pixel_attention_mask`):
-        a native-aspect batch of flattened patches, each image on its own grid (see `naflex.py`)."""
+        """`bool_masked_pos` `(B, N)`: the patches whose embeddings the [mask] embedding replaces (a model built
+        with `use_mask_token=True`); `patch_sources` `(B, N)`: the patches that take another's embedding instead
+        (masked patch prediction, see `VisionTransformerEmbeddings.corrupt` and `modeling_mpp.py`).
+        `spatial_shapes` (with `pixel_attention_mask`): a native-aspect batch of flattened patches, each image on its
+        own grid (see `naflex.py`)."""
         if pixel_values is None:
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        token_mask = attention_mask = None
-        if spatial_shapes is None:
-            check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
-        else:  # padded patches are masked as keys and left out of the pooling
-            token_mask, attention_mask = native_masks(
-                self.config, pixel_values, pixel_attention_mask, spatial_shapes, output_attentions, self.dtype
-            )
-        hidden_states = self.pre_norm(self.embeddings(pixel_values, corrupt_embeddings, spatial_shapes))  # (1)
+        token_mask, attention_mask = self.input_masks(
+            pixel_values, interpolate_pos_encoding, pixel_attention_mask, spatial_shapes, output_attentions
+        )
+        embeddings = self.embeddings(pixel_values, bool_masked_pos, spatial_shapes, patch_sources)  # (1)
+        hidden_states = self.pre_norm(embeddings)
         for block in self.layers:
             hidden_states, _ = block(hidden_states, output_attentions, attention_mask)  # (2), (3)
         # (4): LN of the class token's final state (or of the patch tokens' average, or of attention pooling); with
@@ -417,6 +494,28 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         pooled_output = self.pool(sequence_output, token_mask)
         pooled_output = self.norm(pooled_output) if fc_norm else pooled_output
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
+
+    def input_masks(
+        self,
+        pixel_values: torch.Tensor,
+        interpolate_pos_encoding: bool | None,
+        pixel_attention_mask: torch.Tensor | None,
+        spatial_shapes: torch.Tensor | None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Check the inputs; for a native-aspect batch (`spatial_shapes`), return the valid tokens `(B, N)` and the
+        attention mask that hides the padding from every query (`naflex.native_masks`), else `(None, None)`."""
+        if spatial_shapes is not None:
+            return native_masks(
+                self.config, pixel_values, pixel_attention_mask, spatial_shapes, output_attentions, self.dtype
+            )
+        if pixel_attention_mask is not None:
+            raise ValueError(
+                "`pixel_attention_mask` was given without `spatial_shapes`: a native-aspect batch (the image "
+                "processor's `max_num_patches`) needs both, as the processor returns them."
+            )
+        check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
+        return None, None
 
     def pool(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The image representation of equation (4) from the final tokens, by `config.classifier`: the class token,
@@ -439,13 +538,17 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         norm: bool = False,
         output_fmt: str = "NCHW",
         interpolate_pos_encoding: bool = False,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
     ) -> VisionTransformerIntermediates:
         """The outputs of chosen blocks, for dense prediction and feature extraction.
 
         `indices` is the last n blocks (an int) or block indices (0-based, negative from the end); the forward stops
         after the last block asked for. `norm` applies the final LayerNorm to each output. `output_fmt` is "NCHW"
         (maps on the patch grid, any patch-divisible size, non-square included) or "NLC" (patch tokens); the prefix
-        (class) tokens come apart, in `prefix_tokens`.
+        (class) tokens come apart, in `prefix_tokens`. A native-aspect batch (`spatial_shapes`, with
+        `pixel_attention_mask`; see `naflex.py`) gives "NLC" tokens padded as its patches are, or "NCHW" maps on its
+        largest grid, each image's at the top left and zero beyond its own grid.
         """
         if output_fmt not in ("NCHW", "NLC"):
             raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}.")
@@ -454,13 +557,14 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         if not wanted or any(not -depth <= index < depth for index in wanted):
             raise ValueError(f"indices must name blocks 0..{depth - 1} (or -{depth}..-1), got {indices!r}.")
         wanted = [index % depth for index in wanted]
-        check_pixel_values(pixel_values, self.config, interpolate_pos_encoding)
-        grid = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
+        _, attention_mask = self.input_masks(
+            pixel_values, interpolate_pos_encoding, pixel_attention_mask, spatial_shapes
+        )
         prefix = self.config.num_prefix_tokens
-        hidden_states = self.pre_norm(self.embeddings(pixel_values))
+        hidden_states = self.pre_norm(self.embeddings(pixel_values, spatial_shapes=spatial_shapes))
         outputs = {}
         for index, block in enumerate(self.layers[: max(wanted) + 1]):
-            hidden_states, _ = block(hidden_states)
+            hidden_states, _ = block(hidden_states, False, attention_mask)
             if index in wanted:
                 outputs[index] = self.norm(hidden_states) if norm else hidden_states
         features, prefix_tokens = [], []
@@ -468,8 +572,11 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
             tokens = outputs[index]
             prefix_tokens.append(tokens[:, :prefix])
             patches = tokens[:, prefix:]
-            if output_fmt == "NCHW":
-                patches = patches.reshape(patches.shape[0], grid[0], grid[1], -1).permute(0, 3, 1, 2).contiguous()
+            if output_fmt == "NCHW" and spatial_shapes is not None:
+                patches = patch_grid_maps(patches, spatial_shapes)
+            elif output_fmt == "NCHW":
+                rows, cols = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
+                patches = patches.reshape(patches.shape[0], rows, cols, -1).permute(0, 3, 1, 2).contiguous()
             features.append(patches)
         return VisionTransformerIntermediates(features=tuple(features), prefix_tokens=tuple(prefix_tokens))
 
@@ -589,3 +696,19 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
         return ImageClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
+
+
+# The initialiser of each kind of module (`VisionTransformerPreTrainedModel._init_weights`); the modules' own
+# parameter-less containers are listed because the roles of their layers are known there.
+INITIALISERS: dict[type[nn.Module], Callable[[nn.Module, VisionTransformerConfig], None]] = {
+    VisionTransformerEmbeddings: init_embeddings,
+    StdConv2d: init_std_conv,
+    nn.GroupNorm: init_norm,
+    ResNetUnit: init_resnet_unit,
+    VisionTransformerAttention: init_attention,
+    LayerScale: init_layer_scale,
+    MultiheadAttentionPooling: init_attention_pooling,
+    VisionTransformerMLP: init_mlp,
+    nn.LayerNorm: init_norm,
+    VisionTransformerForImageClassification: init_classification_head,
+}

@@ -8,38 +8,26 @@ transformers' SigLIP 2 processor:
     pixel_attention_mask  (B, K)              1 for an image's patches, 0 for the padding after them
     spatial_shapes        (B, 2)              each image's grid (rows, columns)
 
-The model embeds the flattened patches with the same linear map E as the convolution of the ordinary path, resamples
-the position embeddings once per distinct grid of the batch, masks the padded patches as attention keys and leaves
-them out of the pooling: each image's outputs are those it has alone at its own size (`interpolate_pos_encoding`).
-
-While a graph is exported (`torch.export`, ONNX), the grids are data, not shapes: the position embeddings of each
-patch are then the same resampling written as weights over the trained grid (`resampling_weights`), so the graph
-takes any number of patches and any grids.
+The model's embeddings (equation 1, `VisionTransformerEmbeddings`) apply to the flattened patches the same linear map
+E as the convolution of the ordinary path and resample the position embeddings to each image's grid
+(`resolution.resample_position_embeddings`, once per distinct grid; while a graph is exported, where the grids are
+data and not shapes, as weights computed from them, so the graph takes any number of patches and any grids). This
+module checks such a batch, masks the padded patches as attention keys and leaves them out of the pooling: each
+image's outputs are those it has alone at its own size (`interpolate_pos_encoding`).
 
 Saved next to checkpoints as remote code with the model, so it imports only torch and its siblings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-from torch import nn
-from torch.nn import functional as F
-
-from .resolution import resample_position_embeddings
 
 __all__ = [
     "attention_mask_for",
     "check_native_batch",
-    "exported_position_embeddings",
-    "embed_flat_patches",
-    "embed_native",
     "masked_mean",
     "native_masks",
-    "native_position_embeddings",
     "patch_grid_maps",
-    "resampling_weights",
 ]
 
 
@@ -100,138 +88,6 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return type(value).__name__
-
-
-def embed_flat_patches(patch_embedding: nn.Conv2d, pixel_values: torch.Tensor) -> torch.Tensor:
-    """x_p^i E for flattened patches `(B, K, P * P * C)`: the convolution's kernel `(D, C, P, P)` as the linear map
-    it applies to each patch, its inputs laid out in (patch row, patch column, channel) order."""
-    weight = patch_embedding.weight
-    return F.linear(pixel_values, weight.permute(0, 2, 3, 1).flatten(1), patch_embedding.bias)
-
-
-def embed_native(
-    embeddings: nn.Module,
-    pixel_values: torch.Tensor,
-    spatial_shapes: torch.Tensor,
-    corrupt_embeddings: Callable | None = None,
-) -> torch.Tensor:
-    """Equation (1) of `embeddings` (the model's `VisionTransformerEmbeddings`) for flattened patches
-    `(B, K, P * P * C)`: the same E, prefix tokens, E_pos and registers as its `forward`, E_pos resampled once per
-    distinct grid of the batch; padded patches get no position (they are masked as keys). Before dropout."""
-    config = embeddings.config
-    tokens = embed_flat_patches(embeddings.patch_embedding, pixel_values)  # (B, K, D): x_p^i E
-    if corrupt_embeddings is not None:
-        tokens = corrupt_embeddings(tokens, embeddings.mask_token)
-    batch, positioned = tokens.shape[0], config.num_position_prefix_tokens
-    prefix = [token for token in (embeddings.cls_token, embeddings.distillation_token) if token is not None]
-    tokens = torch.cat([*(token.expand(batch, -1, -1) for token in prefix), tokens], dim=1)  # [x_class; x_dist; ...]
-
-    def position_embeddings_for(grid: tuple[int, int]) -> torch.Tensor:  # as `forward` resamples them
-        return resample_position_embeddings(
-            embeddings.position_embedding, config.grid_size, grid, positioned,
-            config.interpolation_mode, config.interpolation_antialias,
-        )  # fmt: skip
-
-    count = tokens.shape[1] - positioned
-    if torch.compiler.is_exporting():
-        tokens = tokens + exported_position_embeddings(embeddings.position_embedding, config, spatial_shapes, count)
-    else:
-        tokens = tokens + native_position_embeddings(position_embeddings_for, spatial_shapes, positioned, count)
-    if embeddings.register_tokens is not None:  # registers follow the prefix tokens and have no position
-        registers = embeddings.register_tokens.expand(batch, -1, -1)
-        tokens = torch.cat([tokens[:, :positioned], registers, tokens[:, positioned:]], dim=1)
-    return tokens
-
-
-def native_position_embeddings(
-    position_embeddings_for: Callable[[tuple[int, int]], torch.Tensor],
-    spatial_shapes: torch.Tensor,
-    num_prefix_tokens: int,
-    num_patches: int,
-) -> torch.Tensor:
-    """E_pos for each image of a native-aspect batch, `(B, prefix + K, D)`: `position_embeddings_for(grid)` (the
-    model's own resampling, `(1, prefix + rows * cols, D)`) called once per distinct grid; zero on the padding."""
-    grids = [tuple(grid) for grid in spatial_shapes.tolist()]
-    rows_of: dict[tuple[int, int], list[int]] = {}
-    for index, grid in enumerate(grids):
-        rows_of.setdefault(grid, []).append(index)
-    output = None
-    for grid, indices in rows_of.items():
-        table = position_embeddings_for(grid)
-        if output is None:
-            output = table.new_zeros(len(grids), num_prefix_tokens + num_patches, table.shape[-1])
-        output[indices, : table.shape[1]] = table.expand(len(indices), -1, -1)
-    return output
-
-
-def resampling_weights(
-    index: torch.Tensor, out_size: torch.Tensor, in_size: int, mode: str, antialias: bool
-) -> torch.Tensor:
-    """The weights `(..., in_size)` that `F.interpolate(mode=mode, antialias=antialias, align_corners=False)` gives
-    the `in_size` inputs of one axis for output `index` of an axis resized to `out_size` (float tensors of one shape):
-    the resize as data, for grids that are not shapes. Bicubic is Keys' cubic (a = -0.75) on 4 taps with the edges
-    repeated; with antialias, PIL's filters (a = -0.5 for bicubic) widened by the scale when downsampling and
-    normalised over their window, as torch computes them."""
-    scale = in_size / out_size
-    inputs = torch.arange(in_size, dtype=index.dtype, device=index.device)
-    if antialias:
-        half_width = 2.0 if mode == "bicubic" else 1.0
-        down = scale >= 1
-        support = torch.where(down, half_width * scale, torch.full_like(scale, half_width))
-        stretch = torch.where(down, 1 / scale, torch.ones_like(scale))
-        center = scale * (index + 0.5)
-        first = torch.clamp(torch.trunc(center - support + 0.5), min=0)
-        last = torch.clamp(torch.trunc(center + support + 0.5), max=in_size)
-        distance = (inputs - center[..., None] + 0.5) * stretch[..., None]
-        weights = _cubic(distance, -0.5) if mode == "bicubic" else torch.clamp(1 - distance.abs(), min=0)
-        window = (inputs >= first[..., None]) & (inputs < last[..., None])
-        weights = torch.where(window, weights, torch.zeros_like(weights))
-        return weights / weights.sum(-1, keepdim=True)
-    source = (index + 0.5) * scale - 0.5
-    if mode == "bilinear":
-        source = torch.clamp(source, min=0)
-        low = torch.floor(source)
-        high = torch.clamp(low + 1, max=in_size - 1)
-        fraction = (source - low)[..., None]
-        return (inputs == low[..., None]) * (1 - fraction) + (inputs == high[..., None]) * fraction
-    low = torch.floor(source)
-    fraction = source - low
-    weights = torch.zeros_like(inputs).expand(*index.shape, in_size)
-    for tap in range(-1, 3):
-        position = torch.clamp(low + tap, 0, in_size - 1)
-        weights = weights + (inputs == position[..., None]) * _cubic(fraction - tap, -0.75)[..., None]
-    return weights
-
-
-def _cubic(distance: torch.Tensor, a: float) -> torch.Tensor:
-    distance = distance.abs()
-    near = ((a + 2) * distance - (a + 3)) * distance * distance + 1
-    far = (((distance - 5) * distance + 8) * distance - 4) * a
-    return torch.where(distance < 1, near, torch.where(distance < 2, far, torch.zeros_like(distance)))
-
-
-def exported_position_embeddings(
-    position_embedding: torch.Tensor, config, spatial_shapes: torch.Tensor, num_patches: int
-) -> torch.Tensor:
-    """`native_position_embeddings` for a graph, `(B, prefix + K, D)`: each patch's position embedding as the
-    weighted sum of the trained grid's that the model's resampling (`config.interpolation_mode`, `antialias`) gives
-    it on its image's grid (`resampling_weights` per axis), computed from the grids as data; zero on the padding."""
-    prefix = config.num_position_prefix_tokens
-    in_rows, in_cols = config.grid_size
-    table = position_embedding[0, prefix:].float()  # (in_rows * in_cols, D)
-    grids = spatial_shapes.to(table.device, torch.float32)
-    rows, cols = grids[:, 0:1], grids[:, 1:2]  # (B, 1)
-    index = torch.arange(num_patches, device=table.device, dtype=torch.float32)[None, :]  # (1, K)
-    row = torch.minimum(torch.floor(index / cols), rows - 1)  # the padding's rows clamped (zeroed below)
-    col = torch.remainder(index, cols)
-    mode, antialias = config.interpolation_mode, config.interpolation_antialias
-    row_weights = resampling_weights(row, rows.expand_as(row), in_rows, mode, antialias)  # (B, K, in_rows)
-    col_weights = resampling_weights(col, cols.expand_as(col), in_cols, mode, antialias)  # (B, K, in_cols)
-    weights = (row_weights[..., :, None] * col_weights[..., None, :]).flatten(-2)  # (B, K, in_rows * in_cols)
-    valid = (index < rows * cols).to(table.dtype)[..., None]
-    patches = (weights @ table) * valid
-    prefixes = position_embedding[:, :prefix].float().expand(patches.shape[0], -1, -1)
-    return torch.cat([prefixes, patches], dim=1).to(position_embedding.dtype)
 
 
 def native_masks(

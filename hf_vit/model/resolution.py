@@ -65,10 +65,11 @@ def grid_for(image_size: int | Sequence[int], patch_size: int) -> tuple[int, int
 def resample_position_embeddings(
     position_embedding: torch.Tensor,
     old_grid: tuple[int, int],
-    new_grid: tuple[int, int],
+    new_grid: tuple[int, int] | torch.Tensor,
     num_prefix_tokens: int = 1,
     mode: str = "bicubic",
     antialias: bool = False,
+    num_patches: int | None = None,
 ) -> torch.Tensor:
     """Resample `(1, prefix + old_h * old_w, D)` position embeddings to `new_grid`, keeping the prefix tokens'.
 
@@ -77,6 +78,11 @@ def resample_position_embeddings(
     resamples (DINOv2 with registers antialiases, DINOv2, CLIP, SigLIP and DeiT do not). Interpolation runs in
     float32 so that bf16/fp16 models resample as accurately as fp32 ones; the same grid
     returns the input itself (except while exporting a graph: see below).
+
+    `new_grid` may also be a `(B, 2)` tensor of grids, one per image of a native-aspect batch: the result is then
+    `(B, prefix + num_patches, D)`, each image's table (row-major) followed by zeros up to `num_patches`, resampled
+    once per distinct grid. While a graph is exported the grids are its data, not shapes, so each patch's embedding
+    is the same interpolation written as weights over the old grid (`interpolation_weights`), computed from them.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
@@ -87,6 +93,16 @@ def resample_position_embeddings(
             f"{old_grid[1]} grid with {num_prefix_tokens} prefix token(s) (expected (1, {expected}, D)); the "
             "checkpoint's config does not describe its weights."
         )
+    if isinstance(new_grid, torch.Tensor):
+        if num_patches is None:
+            raise ValueError(
+                "`num_patches` (the patches per image, padding included) is needed with a tensor of grids."
+            )
+        if torch.compiler.is_exporting():
+            return _weighted_per_patch(
+                position_embedding, old_grid, new_grid, num_prefix_tokens, mode, antialias, num_patches
+            )
+        return _per_image(position_embedding, old_grid, new_grid, num_prefix_tokens, mode, antialias, num_patches)
     # The same grid needs no resampling; an exported graph resamples always (a bicubic or bilinear resize to the same
     # size is the identity), since the shortcut would freeze the grid it was traced at into the graph.
     if not torch.compiler.is_exporting() and tuple(old_grid) == tuple(new_grid):
@@ -97,6 +113,100 @@ def resample_position_embeddings(
     grid = F.interpolate(grid, size=tuple(new_grid), mode=mode, align_corners=False, antialias=antialias)
     patches = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(position_embedding.dtype)
     return torch.cat([prefix, patches], dim=1)
+
+
+def _per_image(
+    position_embedding: torch.Tensor,
+    old_grid: tuple[int, int],
+    grids: torch.Tensor,
+    num_prefix_tokens: int,
+    mode: str,
+    antialias: bool,
+    num_patches: int,
+) -> torch.Tensor:
+    """`resample_position_embeddings` to each image's grid `grids` `(B, 2)`, once per distinct grid."""
+    rows_of: dict[tuple[int, int], list[int]] = {}
+    for index, grid in enumerate(grids.tolist()):
+        rows_of.setdefault(tuple(grid), []).append(index)
+    output = position_embedding.new_zeros(len(grids), num_prefix_tokens + num_patches, position_embedding.shape[-1])
+    for grid, indices in rows_of.items():
+        table = resample_position_embeddings(position_embedding, old_grid, grid, num_prefix_tokens, mode, antialias)
+        output[indices, : table.shape[1]] = table.expand(len(indices), -1, -1)
+    return output
+
+
+def _weighted_per_patch(
+    position_embedding: torch.Tensor,
+    old_grid: tuple[int, int],
+    grids: torch.Tensor,
+    num_prefix_tokens: int,
+    mode: str,
+    antialias: bool,
+    num_patches: int,
+) -> torch.Tensor:
+    """`_per_image` with the grids as data: each patch's embedding as the weighted sum of the old grid's that the
+    interpolation gives it on its image's grid (`interpolation_weights` per axis); zero on the padding."""
+    prefix = num_prefix_tokens
+    in_rows, in_cols = old_grid
+    table = position_embedding[0, prefix:].float()  # (in_rows * in_cols, D)
+    grids = grids.to(table.device, torch.float32)
+    rows, cols = grids[:, 0:1], grids[:, 1:2]  # (B, 1)
+    index = torch.arange(num_patches, device=table.device, dtype=torch.float32)[None, :]  # (1, K)
+    row = torch.minimum(torch.floor(index / cols), rows - 1)  # the padding's rows clamped (zeroed below)
+    col = torch.remainder(index, cols)
+    row_weights = interpolation_weights(row, rows.expand_as(row), in_rows, mode, antialias)  # (B, K, in_rows)
+    col_weights = interpolation_weights(col, cols.expand_as(col), in_cols, mode, antialias)  # (B, K, in_cols)
+    weights = (row_weights[..., :, None] * col_weights[..., None, :]).flatten(-2)  # (B, K, in_rows * in_cols)
+    valid = (index < rows * cols).to(table.dtype)[..., None]
+    patches = (weights @ table) * valid
+    prefixes = position_embedding[:, :prefix].float().expand(patches.shape[0], -1, -1)
+    return torch.cat([prefixes, patches], dim=1).to(position_embedding.dtype)
+
+
+def interpolation_weights(
+    index: torch.Tensor, out_size: torch.Tensor, in_size: int, mode: str, antialias: bool
+) -> torch.Tensor:
+    """The weights `(..., in_size)` that `F.interpolate(mode=mode, antialias=antialias, align_corners=False)` gives
+    the `in_size` inputs of one axis for output `index` of an axis resized to `out_size` (float tensors of one shape):
+    the resize as data, for sizes that are not shapes. Bicubic is Keys' cubic (a = -0.75) on 4 taps with the edges
+    repeated; with antialias, PIL's filters (a = -0.5 for bicubic) widened by the scale when downsampling and
+    normalised over their window, as torch computes them."""
+    scale = in_size / out_size
+    inputs = torch.arange(in_size, dtype=index.dtype, device=index.device)
+    if antialias:
+        half_width = 2.0 if mode == "bicubic" else 1.0
+        down = scale >= 1
+        support = torch.where(down, half_width * scale, torch.full_like(scale, half_width))
+        stretch = torch.where(down, 1 / scale, torch.ones_like(scale))
+        center = scale * (index + 0.5)
+        first = torch.clamp(torch.trunc(center - support + 0.5), min=0)
+        last = torch.clamp(torch.trunc(center + support + 0.5), max=in_size)
+        distance = (inputs - center[..., None] + 0.5) * stretch[..., None]
+        weights = _cubic(distance, -0.5) if mode == "bicubic" else torch.clamp(1 - distance.abs(), min=0)
+        window = (inputs >= first[..., None]) & (inputs < last[..., None])
+        weights = torch.where(window, weights, torch.zeros_like(weights))
+        return weights / weights.sum(-1, keepdim=True)
+    source = (index + 0.5) * scale - 0.5
+    if mode == "bilinear":
+        source = torch.clamp(source, min=0)
+        low = torch.floor(source)
+        high = torch.clamp(low + 1, max=in_size - 1)
+        fraction = (source - low)[..., None]
+        return (inputs == low[..., None]) * (1 - fraction) + (inputs == high[..., None]) * fraction
+    low = torch.floor(source)
+    fraction = source - low
+    weights = torch.zeros_like(inputs).expand(*index.shape, in_size)
+    for tap in range(-1, 3):
+        position = torch.clamp(low + tap, 0, in_size - 1)
+        weights = weights + (inputs == position[..., None]) * _cubic(fraction - tap, -0.75)[..., None]
+    return weights
+
+
+def _cubic(distance: torch.Tensor, a: float) -> torch.Tensor:
+    distance = distance.abs()
+    near = ((a + 2) * distance - (a + 3)) * distance * distance + 1
+    far = (((distance - 5) * distance + 8) * distance - 4) * a
+    return torch.where(distance < 1, near, torch.where(distance < 2, far, torch.zeros_like(distance)))
 
 
 def resample_patch_embedding(
@@ -152,6 +262,20 @@ def check_pixel_values(pixel_values: torch.Tensor, config, interpolate_pos_encod
     """Reject inputs the model cannot embed, with a message that says how to fix them."""
     if not isinstance(pixel_values, torch.Tensor):
         raise TypeError(f"`pixel_values` must be a torch.Tensor, got {type(pixel_values).__name__}.")
+    patch_width = config.patch_size**2 * config.num_channels
+    if pixel_values.ndim == 3 and pixel_values.shape[-1] == patch_width:
+        one_image = pixel_values.shape[0] == config.num_channels
+        raise ValueError(
+            f"`pixel_values` of shape {tuple(pixel_values.shape)} is a native-aspect batch of flattened patches "
+            f"(batch, patches, {config.patch_size} * {config.patch_size} * {config.num_channels}), given without "
+            "`spatial_shapes`: pass each image's patch grid as `spatial_shapes` (batch, 2), with "
+            "`pixel_attention_mask`, as the image processor returns them with `max_num_patches`."
+            + (
+                " If it is one image (channels, height, width), add a batch dimension with `pixel_values[None]`."
+                if one_image
+                else ""
+            )
+        )
     if pixel_values.ndim != 4:
         raise ValueError(
             "`pixel_values` must have 4 dimensions (batch, channels, height, width), got shape "

@@ -3,6 +3,7 @@ for a run's folder (`write_model_card`) and for a folder the project made from a
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -84,19 +85,96 @@ def _without_local_paths(text: str | None, references: Iterable[str | os.PathLik
     return text
 
 
+# Trainer's optimizers that ignore `--optim_args` (transformers' `trainer_optimizer.py`): a card naming them for these
+# would describe an optimizer that did not run (e.g. the fine-tuning default "momentum=0.9" kept by a recipe that
+# switches to AdamW).
+OPTIMIZERS_IGNORING_OPTIM_ARGS = {
+    "adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused", "adafactor", "lomo", "adalomo",
+}  # fmt: skip
+
+
+def card_value(value: Any) -> str:
+    """A setting as a card (or a log line) spells it: an enum member by its value (`OptimizerNames.SGD` -> `sgd`), a
+    whole float as an integer (3.0 epochs -> 3), a float whose shortest spelling is long with 4 significant digits
+    (`0.016666666666666666` -> `0.01667`), anything else as `str` does."""
+    value = getattr(value, "value", value)
+    if isinstance(value, float):
+        if value.is_integer():
+            return str(int(value))
+        text = repr(value)
+        return text if len(text) <= 10 else f"{value:.4g}"
+    return str(value)
+
+
+def warmup_text(warmup_steps: float) -> str:
+    """Trainer's `warmup_steps`, in words: below 1 it is a fraction of the training steps, from 1 a number of steps."""
+    if not warmup_steps:
+        return "no warmup"
+    if warmup_steps < 1:
+        return f"warmup over the first {100 * warmup_steps:.3g}% of the steps"
+    return f"warmup over the first {int(warmup_steps)} steps"
+
+
+def clipping_text(max_grad_norm: float | None) -> str:
+    """Trainer's `max_grad_norm` in words: 0 or None turns clipping off."""
+    if not max_grad_norm:
+        return "no gradient clipping"
+    return f"gradient clipping at global norm {card_value(max_grad_norm)}"
+
+
+def optimizer_text(args: Any) -> str:
+    """The optimizer with the settings it ran with: Adam's betas for the Adam family, `--optim_args` for those that
+    read them."""
+    name = card_value(args.optim)
+    details = []
+    if "adam" in name:
+        details.append(f"betas {card_value(args.adam_beta1)}, {card_value(args.adam_beta2)}")
+    if args.optim_args and name not in OPTIMIZERS_IGNORING_OPTIM_ARGS:
+        details.append(args.optim_args)
+    return name + (f" ({'; '.join(details)})" if details else "")
+
+
 def training_recipe_text(task: str, args: Any) -> str:
     if args is None:
         return "not recorded."
-
-    def plain(value: Any) -> Any:  # enum members (OptimizerNames.SGD) by their value ("sgd")
-        return getattr(value, "value", value)
-
-    schedule = f"{plain(args.lr_scheduler_type)} schedule with warmup {args.warmup_steps}"
+    schedule = f"{card_value(args.lr_scheduler_type)} schedule with {warmup_text(args.warmup_steps)}"
     return (
-        f"{task}: optimizer {plain(args.optim)}{f' ({args.optim_args})' if args.optim_args else ''}, learning rate "
-        f"{args.learning_rate}, weight decay {args.weight_decay}, {schedule}, gradient clipping at global norm "
-        f"{args.max_grad_norm}, batch {args.per_device_train_batch_size} per device, {args.num_train_epochs} epochs "
-        f"(max_steps {args.max_steps}), seed {args.seed}."
+        f"{task}: optimizer {optimizer_text(args)}, learning rate {card_value(args.learning_rate)}, weight decay "
+        f"{card_value(args.weight_decay)}, {schedule}, {clipping_text(args.max_grad_norm)}, batch "
+        f"{args.per_device_train_batch_size} per device, {length_text(args)}, seed {args.seed}."
+    )
+
+
+def length_text(args: Any) -> str:
+    """How long the run trained, by the flag that decided it: --max_steps when given (--num_train_epochs is then
+    ignored by Trainer), else the epochs."""
+    if args.max_steps is not None and args.max_steps > 0:
+        return f"{args.max_steps} optimisation steps"
+    return f"{card_value(args.num_train_epochs)} epochs"
+
+
+def saved_max_num_patches(folder: str | os.PathLike) -> int | None:
+    """The `max_num_patches` of the processor saved in `folder` (None without one, or without that setting)."""
+    path = Path(folder) / "preprocessor_config.json"
+    try:
+        value = json.loads(path.read_text()).get("max_num_patches")
+    except (OSError, ValueError, AttributeError):  # no processor, or not a JSON object: the card keeps the config's
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def resolution_text(config: Any, max_num_patches: int | None = None) -> str:
+    """The card's resolution: the config's height x width, or, for a model fed native-aspect batches, its budget of
+    patches (the config's size then only sets the stored position grid, resampled to each image's grid)."""
+    height, width = config.image_hw
+    if not max_num_patches:
+        return f"{height}x{width}"
+    patch = config.patch_size
+    rows, columns = height // patch, width // patch
+    return (
+        f"native aspect ratio, at most {max_num_patches} patches of {patch}x{patch} pixels per image (each image "
+        f"resized to the largest such grid; `max_num_patches={max_num_patches}` in the processor); position "
+        f"embeddings stored for a {rows}x{columns} grid ({height}x{width} pixels) and resampled to each image's grid"
     )
 
 
@@ -121,6 +199,7 @@ def render_model_card(
     results_note: str = "Measured by the training run that produced these weights.",
     license: str = "apache-2.0",
     compute_dial: str | None = None,
+    max_num_patches: int | None = None,
 ) -> ModelCard:
     """A `ModelCard` for `model` with Hub metadata and the `metrics` measured for it (keys like `eval_accuracy`).
 
@@ -136,7 +215,6 @@ def render_model_card(
     # A masked patch prediction model has no classes and no pipeline: the card says how to fine-tune or embed with it.
     mpp = isinstance(model, VisionTransformerForMaskedPatchPrediction)
     config = model.config
-    height, width = config.image_hw
     output_dir = getattr(training_args, "output_dir", None)
     repo_id = repo_id or (card_reference(Path(output_dir)).text if output_dir else "model")
     base = card_reference(base_model) if base_model else None
@@ -211,7 +289,7 @@ def render_model_card(
         classifier=POOLING_NAMES.get(config.classifier, config.classifier),
         representation_size=config.representation_size,
         num_parameters=f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M",
-        resolution=f"{height}x{width}",
+        resolution=resolution_text(config, max_num_patches),
         resolution_note=_without_local_paths(resolution_note, local_refs),
         num_labels=len(labels),
         labels=", ".join(labels[:20]) + (", ..." if len(labels) > 20 else ""),
@@ -234,10 +312,13 @@ def write_model_card(output_dir: str | os.PathLike, model, metrics: dict[str, An
     """Render the card (see `render_model_card`) to `output_dir/README.md`.
 
     Without `repo_id`, the card names the folder by its plain name; pushing replaces it by the repository pushed to.
+    Without `max_num_patches`, the folder's saved processor says whether the model takes native-aspect batches.
     """
     path = Path(output_dir) / "README.md"
     if not kwargs.get("repo_id"):
         kwargs["repo_id"] = card_reference(Path(output_dir)).text
+    if kwargs.get("max_num_patches") is None:
+        kwargs["max_num_patches"] = saved_max_num_patches(output_dir)
     render_model_card(model, metrics, **kwargs).save(path)
     return path
 

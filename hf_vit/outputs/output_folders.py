@@ -123,7 +123,8 @@ def _check_writable(target: Path) -> None:
             ) from error
 
 
-def _overlap(source: Path, target: Path) -> str | None:
+def overlap(source: Path, target: Path) -> str | None:
+    """How the resolved path `target` overlaps the resolved input `source` ("is the input", ...), or None."""
     if source == target:
         return "is the input"
     if target in source.parents:
@@ -131,6 +132,31 @@ def _overlap(source: Path, target: Path) -> str | None:
     if source in target.parents:
         return "lies inside the input folder"
     return None
+
+
+def local_data_folder(dataset_name: str | os.PathLike | None) -> Path | None:
+    """The resolved folder of a local data set (an image folder or a saved one); None for digits or a Hub id."""
+    if not dataset_name:
+        return None
+    folder = Path(dataset_name).expanduser()
+    return folder.resolve() if folder.is_dir() else None
+
+
+def check_outside_data_set(
+    output: str | os.PathLike, dataset_name: str | os.PathLike | None, flag: str = "--output_dir"
+) -> None:
+    """Refuse an output folder that is, or lies inside, the local data set `dataset_name`, before any work: its files
+    would join the user's data (an image folder holding them no longer loads)."""
+    data = local_data_folder(dataset_name)
+    if data is None:
+        return
+    target = Path(output).expanduser().resolve()
+    if target == data or data in target.parents:
+        where = "is" if target == data else "lies inside"
+        raise OutputFolderError(
+            f"{flag} {output} {where} the data set --dataset_name {dataset_name}: what hf-vit writes there would "
+            f"be added to your data. Choose an {flag} outside {data}."
+        )
 
 
 def check_output_dir(
@@ -146,7 +172,7 @@ def check_output_dir(
     if target == target.parent:
         raise OutputFolderError(f"{output_dir} is the filesystem root; choose a folder for the output.")
     for source in inputs:
-        problem = _overlap(Path(source).expanduser().resolve(), target)
+        problem = overlap(Path(source).expanduser().resolve(), target)
         if problem:
             raise OutputFolderError(
                 f"The output folder {target} {problem} ({source}); writing there could destroy the input. Choose an "
@@ -171,8 +197,25 @@ def _crash_point(step: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back: there is no other portable way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_umask_modes(folder: Path) -> None:
+    """The modes a plain `open`/`mkdir` would have given `folder` and what it holds, under the user's umask: a
+    staging folder is made private (mkdtemp's 0700) while it is written, and that privacy must not outlive it."""
+    mask = current_umask()
+    for path in (folder, *folder.rglob("*")):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def _install(staging: Path, target: Path) -> None:
     """Put the complete folder `staging` at `target` so that one complete result exists at every instant."""
+    give_umask_modes(staging)
     if not target.exists():
         os.rename(staging, target)
         return
@@ -256,6 +299,18 @@ def _blocking_entries(folder: Path) -> list[str]:
     return problems
 
 
+def check_no_file_in_the_way(folder: str | os.PathLike, flag: str = "--output_dir") -> None:
+    """Refuse, naming it, a file where the output folder `folder` (or a folder above it) would have to be."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise OutputDirError(f"{flag} {folder} is a file; pass a folder.")
+    above = folder.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if above.exists() and not above.is_dir():
+        raise OutputDirError(f"{flag} {folder}: {above} is a file, so no folder can be made there; pass a folder.")
+
+
 def claim_output_dir(
     output_dir: str | os.PathLike, *, resuming: bool, overwrite: bool, main_process: bool
 ) -> IO[Any] | None:
@@ -269,8 +324,7 @@ def claim_output_dir(
     folder = Path(output_dir)
     if folder.is_symlink() and not folder.is_dir():
         raise OutputDirError(f"--output_dir {folder} is a broken symlink; pass a folder.")
-    if folder.exists() and not folder.is_dir():
-        raise OutputDirError(f"--output_dir {folder} is a file; pass a folder.")
+    check_no_file_in_the_way(folder)
     if not main_process:
         return None
     entries = sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE) if folder.is_dir() else []

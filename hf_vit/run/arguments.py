@@ -6,6 +6,8 @@ stage of it), so that every stage can read it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
+from ..model.resolution import MAX_PATCH_POSITIONS
 from .ema import check_ema_decay
 from .flexible import parse_sizes
 from .mixing import Mixing
@@ -48,12 +51,14 @@ RECIPES: dict[str, dict[str, Any]] = {
     ),
 }
 # Defaults the image pipeline needs, whatever the task.
+logger = logging.getLogger(__name__)
+
 COMMON_DEFAULTS: dict[str, Any] = dict(
     remove_unused_columns=False,  # the transforms read the raw `image` and `label` columns
     label_names=["labels"],
     eval_strategy="epoch",
     save_strategy="epoch",
-    save_total_limit=2,
+    save_total_limit=1,  # the last checkpoint only (a tiny data set's epochs would fill a disk); a flag asks for more
     logging_strategy="steps",
     logging_steps=10,
     report_to="none",
@@ -426,22 +431,39 @@ EVALUATION_FLAGS = frozenset(
 )  # fmt: skip
 
 
-def check_evaluation_flags(passed: set[str]) -> None:
-    """Refuse, by name, flags that `--do_train False` (measure the checkpoint as it is) would accept and ignore."""
+def check_evaluation_flags(passed: set[str]) -> list[str]:
+    """What `--do_train False` (measure the checkpoint as it is) does with the other flags given: those that would
+    change the measured model (the model's flags: its size, patch size, adapters, architecture) are refused by name;
+    those that shape training only (the training batch, the schedule, checkpoints, augmentation) have no effect and
+    get one warning line naming them, so that a training command re-run with --do_train False evaluates. Returns the
+    flags warned about."""
     ignored = sorted(passed - EVALUATION_FLAGS)
-    if ignored:
-        named = ", ".join(f"--{name}" for name in ignored)
+    model_flags = {item.name for item in dataclasses.fields(ModelArguments)}
+    changing = [name for name in ignored if name in model_flags]
+    if changing:
+        named = ", ".join(f"--{name}" for name in changing)
         raise ValueError(
-            f"--do_train False measures the checkpoint as it is, so {named} would have no effect (nothing is trained, "
-            "resized or adapted). Drop them, or fine-tune with them (without --do_train False); hf-vit-evaluate "
-            "measures a saved model too."
+            f"--do_train False measures the checkpoint as it is, so {named} would change the model measured "
+            "(nothing is trained, resized or adapted). Drop them, or fine-tune with them (without --do_train "
+            "False); hf-vit-evaluate measures a saved model too (--max_num_patches, --patch_size)."
         )
+    if ignored:
+        logger.warning(
+            "--do_train False: %s shape training only and have no effect here.", ", ".join(f"--{n}" for n in ignored)
+        )
+    return ignored
 
 
 def check_flexible_flags(data_args: DataArguments, training_args: TrainingArguments) -> None:
     """Refuse, by name, sizes drawn per batch that cannot be trained or would be ignored; `--seq_lens` without
     `--max_num_patches` evaluates (and saves its processor) at its longest length."""
     seq_lens = parse_sizes(data_args.seq_lens, "--seq_lens")
+    for flag, counts in (("--max_num_patches", [data_args.max_num_patches or 0]), ("--seq_lens", seq_lens or [0])):
+        if max(counts) > MAX_PATCH_POSITIONS:  # a step at 100,000 patches took minutes before failing for memory
+            raise ValueError(
+                f"{flag} {max(counts)} is over the {MAX_PATCH_POSITIONS} patch positions hf-vit takes (a 256x256 "
+                "grid); native-aspect images are usually trained at 256 to 1024 patches."
+            )
     if data_args.max_tokens_per_batch is not None and seq_lens is None:
         raise ValueError("--max_tokens_per_batch sizes the batches of --seq_lens: give --seq_lens, or drop it.")
     if seq_lens is not None:

@@ -10,10 +10,11 @@ the splits `train`, `validation` and, when the source has one, `test`. Every spl
   datasets' `imagefolder` builder (labels are the folder names);
 * otherwise a data set on the Hugging Face Hub (`datasets.load_dataset(name)`, needs network or the local cache).
 
-A missing validation split is carved out of train: `validation_fraction` of it, stratified by label with `seed`
-(in-memory data), or every `1 / validation_fraction`-th example (streaming). A streamed train split is shuffled
-through a buffer of `shuffle_buffer_size` examples (and its shards' order), seeded by `seed` and reseeded each epoch
-(`set_epoch`, which Trainer calls): an image folder is otherwise read class after class.
+A missing validation split is carved out of train: `validation_fraction` of it, stratified by label with the fixed
+`HELD_OUT_SEED` whatever the run's seed (in-memory data), or every `1 / validation_fraction`-th example (streaming).
+A streamed train split is shuffled through a buffer of `shuffle_buffer_size` examples (and its shards' order), seeded
+by `seed` and reseeded each epoch (`set_epoch`, which Trainer calls): an image folder is otherwise read class after
+class.
 
 Their images become model inputs in `hf_vit.run.transforms`.
 """
@@ -30,6 +31,11 @@ import PIL.Image
 from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from huggingface_hub.errors import HFValidationError
 
+from ..hub_access import hub_unreachable_reason, lookup_error, offline_mode
+
+# The draw of the validation split carved out of a train split (`_carve_validation`): fixed, so that a run, its
+# evaluation and a resized variant's measurement hold out the same images.
+HELD_OUT_SEED = 0
 DIGITS_SPLIT_SIZES = {"train": 1257, "validation": 180, "test": 360}
 """Sizes of the fixed, stratified digits splits (70/10/20 % of 1797)."""
 
@@ -113,7 +119,7 @@ def load_image_dataset(
     ds = type(ds)({new: ds[old] for new, old in splits.items() if old in ds})
     ds = _standardize_columns(ds, name, image_column, label_column)
     if "validation" not in ds:
-        ds = _carve_validation(ds, validation_fraction, seed)
+        ds = _carve_validation(ds, validation_fraction)
     ds = type(ds)({split: ds[split] for split in splits if split in ds})
     if streaming and isinstance(ds, DatasetDict):
         ds = IterableDatasetDict({split: d.to_iterable_dataset() for split, d in ds.items()})
@@ -168,9 +174,12 @@ def _is_saved_dataset(path: str) -> bool:
 
 
 def _load_from_hub(name: str, *, streaming: bool, cache_dir: str | None) -> DatasetDict | IterableDatasetDict:
+    reason = hub_unreachable_reason()  # asked once: an unreachable Hub puts the process offline, with no retries
     try:
         return datasets.load_dataset(name, streaming=streaming, cache_dir=cache_dir)
     except (OSError, HFValidationError) as err:  # OSError: ConnectionError, DatasetNotFoundError, HTTP errors...
+        if reason is not None or offline_mode():
+            raise lookup_error("data set", name, reason) from err
         raise FileNotFoundError(
             f"Cannot load data set {name!r}: it is not 'digits', not an existing local directory (an image folder "
             "or a save_to_disk output), and could not be loaded from the Hugging Face Hub "
@@ -233,6 +242,27 @@ def is_multi_label(ds: Dataset | IterableDataset | DatasetDict | IterableDataset
     return isinstance((ds.features or {}).get("label"), (datasets.List, datasets.Sequence, datasets.LargeList))
 
 
+def reorder_classes(ds, names: list[str]):
+    """`ds` with its classes numbered as `names` orders them (the same classes in another order, e.g. a model's
+    `id2label`): each `label` (or each element of a multi-label list) is mapped by its class name."""
+    current = label_names(ds)
+    if sorted(current) != sorted(names):
+        raise ValueError(f"The classes {current} are not {names} in another order.")
+    position = {name: index for index, name in enumerate(names)}
+    new_id = [position[name] for name in current]
+
+    def remap(batch):
+        return {"label": [[new_id[c] for c in x] if isinstance(x, list) else new_id[x] for x in batch["label"]]}
+
+    reordered = {}
+    for split, data in ds.items():
+        features = data.features.copy()
+        multi = isinstance(features["label"], (datasets.List, datasets.Sequence, datasets.LargeList))
+        features["label"] = datasets.List(ClassLabel(names=names)) if multi else ClassLabel(names=names)
+        reordered[split] = data.map(remap, batched=True, features=features)
+    return type(ds)(reordered)
+
+
 def to_multi_hot(ds: DatasetDict, num_classes: int) -> DatasetDict:
     """`ds` with each image's list of class ids as a multi-hot float vector of `num_classes` (the model's targets for
     multi-label classification)."""
@@ -255,8 +285,11 @@ def to_multi_hot(ds: DatasetDict, num_classes: int) -> DatasetDict:
     return DatasetDict({split: data.map(encode, batched=True, features=features) for split, data in ds.items()})
 
 
-def _carve_validation(ds, fraction: float, seed: int):
-    """Split `fraction` of train off as validation (stratified by label where possible)."""
+def _carve_validation(ds, fraction: float):
+    """Split `fraction` of train off as validation (stratified by label where possible).
+
+    The carve is drawn from `HELD_OUT_SEED`, never from a run's `--seed`: the images a run holds out must be the ones
+    every later command (evaluate, resize) measures as "validation", whatever seed trained the model."""
     if not 0 < fraction < 1:
         raise ValueError(
             f"There is no validation split to use; validation_fraction must be in (0, 1), not {fraction}."
@@ -271,9 +304,9 @@ def _carve_validation(ds, fraction: float, seed: int):
         ds["train"] = train.filter(lambda *args: not in_validation(*args), with_indices=True, input_columns="label")
         return ds
     try:
-        parts = train.train_test_split(test_size=fraction, seed=seed, stratify_by_column="label")
+        parts = train.train_test_split(test_size=fraction, seed=HELD_OUT_SEED, stratify_by_column="label")
     except ValueError:  # a class with fewer than 2 examples, or fewer validation examples than classes
-        parts = train.train_test_split(test_size=fraction, seed=seed)
+        parts = train.train_test_split(test_size=fraction, seed=HELD_OUT_SEED)
     ds["train"], ds["validation"] = parts["train"], parts["test"]
     return ds
 

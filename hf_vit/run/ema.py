@@ -23,6 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import TrainerCallback
 
+from ..model.loading import give_weights_the_umask_mode
+
 EMA_FILE = "ema_state.safetensors"
 """The averaged weights in a `checkpoint-N` folder (safetensors, keyed by parameter name)."""
 
@@ -107,6 +109,7 @@ class WeightAverage:
 
     def save(self, folder: str | os.PathLike) -> None:
         save_file(self.state_dict(), os.path.join(folder, EMA_FILE))
+        give_weights_the_umask_mode(folder)
 
     def load(self, folder: str | os.PathLike) -> None:
         path = os.path.join(folder, EMA_FILE)

@@ -23,12 +23,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.utils import logging as transformers_logging
 
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..model.modeling_vit import VisionTransformerForImageClassification
 from ..model.resolution import MAX_PATCH_POSITIONS
 from .arguments import DataArguments
-from .datasets import load_datasets
+from .datasets import label_names, load_datasets, reorder_classes
 from .evaluation import final_split
 from .lora import is_lora_folder, load_lora_model
 from .objectives import select_objective
@@ -56,13 +57,32 @@ def load_model(
                 classifier.set_input_size(patch_size=patch_size)
         else:
             resize = {} if patch_size is None else {"patch_size": patch_size}
-            classifier = VisionTransformerForImageClassification.from_pretrained(source, **resize)
+            verbosity = transformers_logging.get_verbosity()
+            transformers_logging.set_verbosity_error()  # a missing head is refused below, in one line
+            try:
+                classifier, loading = VisionTransformerForImageClassification.from_pretrained(
+                    source, output_loading_info=True, **resize
+                )
+            finally:
+                transformers_logging.set_verbosity(verbosity)
+            check_has_head(model, classifier.config.num_labels, loading["missing_keys"])
     except ValueError as error:
         if patch_size is None:
             raise
         raise ValueError(f"--patch_size {patch_size}: {error}") from error
     processor = VisionTransformerImageProcessor.from_pretrained(source)
     return classifier.eval(), serving_processor(processor, classifier.config, max_num_patches)
+
+
+def check_has_head(model: str | os.PathLike, num_labels: int, missing_keys: Iterable[str]) -> None:
+    """Refuse a checkpoint without a classification head: loaded as a classifier it would get a fresh random head
+    (or, with no classes, give its features as "logits"), whose scores and metrics mean nothing."""
+    if num_labels < 1 or any(key.startswith("classifier.") for key in missing_keys):
+        raise ValueError(
+            f"--model {model} has no classification head (an encoder or backbone checkpoint): predicting or "
+            "measuring classes needs a model trained to classify. Fine-tune it on your classes first: "
+            f"hf-vit-finetune --model_name_or_path {model} --dataset_name YOUR_IMAGES --output_dir ..."
+        )
 
 
 def check_serving_sizes(patch_size: int | None = None, max_num_patches: int | None = None) -> None:
@@ -164,6 +184,8 @@ def predict_files(
     `max_num_patches` and `patch_size` as for `load_model`."""
     if top_k < 1:
         raise ValueError(f"--top_k must be at least 1, got {top_k}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"--batch_size must be a positive number of images, got {batch_size!r}.")
     model_source(model)
     check_serving_sizes(patch_size, max_num_patches)
     files = image_files(images)
@@ -223,6 +245,10 @@ def evaluation_split(config: Any, data_args: Any, split: str | None = None, seed
     split = split or final_split(raw)
     if split not in raw:
         raise ValueError(f"--split {split}: the data set {data_args.dataset_name!r} has {', '.join(raw)}.")
+    model_names = [config.id2label[i] for i in range(config.num_labels)] if config.id2label else []
+    data_names = label_names(raw)
+    if data_names != model_names and sorted(data_names) == sorted(model_names):
+        raw = reorder_classes(raw, model_names)  # the same classes, numbered as the model numbers them
     wanted = SimpleNamespace(objective="classification", problem_type=None)
     objective = select_objective("finetune", wanted, data_args, raw)
     raw, labels = objective.labels(raw, data_args)
@@ -273,10 +299,13 @@ def evaluate_loaded(
 
 
 def check_classes(config: Any, id2label: dict[int, str], dataset_name: str) -> None:
-    """A checkpoint's head is evaluated as it is: its classes must be the data set's, in the same order."""
+    """A checkpoint's head is evaluated as it is: its classes must be the data set's (numbered alike: see
+    `evaluation_split`, which maps the data set's labels to the model's ids by name). A head saved without class
+    names (transformers' LABEL_0, LABEL_1, ...) is taken by id when it has as many classes as the data set."""
     model_names = [config.id2label[i] for i in range(config.num_labels)]
     data_names = [id2label[i] for i in range(len(id2label))]
-    if model_names != data_names:
+    unnamed = model_names == [f"LABEL_{i}" for i in range(config.num_labels)]  # transformers' default: no names saved
+    if model_names != data_names and not (unnamed and len(model_names) == len(data_names)):
         raise ValueError(
             f"The model's classes {model_names} are not those of {dataset_name!r} ({data_names}): its head can only "
             "be evaluated on the classes it was trained for. Fine-tune it on this data set first (hf-vit-finetune)."

@@ -25,9 +25,6 @@ TRAINING_FIELDS = (
     "hidden_dropout_prob",
     "attention_probs_dropout_prob",
     "drop_path_rate",
-    "mpp_corrupt_ratio",
-    "mpp_mask_ratio",
-    "mpp_random_ratio",
 )
 
 

@@ -31,7 +31,12 @@ from torch.nn import functional as F
 
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.image_processing_vit import VisionTransformerImageProcessor
-from ..model.modeling_mpp import PATCH_CLEAN, VisionTransformerForMaskedPatchPrediction, draw_patch_corruption
+from ..model.modeling_mpp import (
+    PATCH_CLEAN,
+    PatchCorruption,
+    VisionTransformerForMaskedPatchPrediction,
+    draw_patch_corruption,
+)
 from .arguments import default_hflip
 from .model_setup import config_from_preset, load_checkpoint, split_requested
 from .transforms import Transform, apply_transforms, make_eval_transform, make_train_transform
@@ -75,16 +80,22 @@ def unnormalized(processor: VisionTransformerImageProcessor) -> VisionTransforme
 
 class MaskedPatchPredictionTransform:
     """`transform` (un-normalised pixels, see `unnormalized`) -> `pixel_values` normalised by `processor`, mean-colour
-    `labels` (-100 on clean patches) and `patch_corruption` codes drawn from torch's generator, per example."""
+    `labels` (-100 on clean patches) and `patch_corruption` codes drawn from torch's generator (with `corruption`'s
+    shares), per example."""
 
     def __init__(
-        self, transform: Transform, processor: VisionTransformerImageProcessor, config: VisionTransformerConfig
+        self,
+        transform: Transform,
+        processor: VisionTransformerImageProcessor,
+        config: VisionTransformerConfig,
+        corruption: PatchCorruption | None = None,
     ) -> None:
         if processor.do_rescale is False and processor.do_normalize is False:
             raise ValueError("`processor` is the one that normalises (the model's); `transform` is built on a copy.")
         self.transform = transform
         self.processor = processor
         self.config = config
+        self.corruption = corruption or PatchCorruption()
 
     def __call__(self, batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
         raw = self.transform(batch)["pixel_values"]
@@ -93,7 +104,7 @@ class MaskedPatchPredictionTransform:
         targets = mean_color_classes(raw.double() * scale, patch, self.config.mpp_color_bits)
         count = targets.shape[1]
         # One draw per example: under SeededAugmentation each example's draw comes from its own seeded generator.
-        plan = torch.cat([draw_patch_corruption(1, count, self.config) for _ in range(raw.shape[0])])
+        plan = torch.cat([draw_patch_corruption(1, count, self.corruption) for _ in range(raw.shape[0])])
         return {
             "pixel_values": self.processor.normalize_batch(raw),
             "labels": targets.masked_fill(plan == PATCH_CLEAN, -100),
@@ -101,9 +112,16 @@ class MaskedPatchPredictionTransform:
         }
 
 
-def with_mpp_transforms(raw, data_args: Any, processor: VisionTransformerImageProcessor, config):
+def with_mpp_transforms(
+    raw,
+    data_args: Any,
+    processor: VisionTransformerImageProcessor,
+    config,
+    corruption: PatchCorruption | None = None,
+):
     """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
-    (`data_args`' crop and flip settings), the other splits resized by the processor only."""
+    (`data_args`' crop and flip settings), the other splits resized by the processor only; the patches corrupted with
+    `corruption`'s shares (the paper's by default)."""
     for flag in ("seq_lens", "patch_sizes"):
         if getattr(data_args, flag, None) is not None:
             raise ValueError(
@@ -124,8 +142,8 @@ def with_mpp_transforms(raw, data_args: Any, processor: VisionTransformerImagePr
     )
     return apply_transforms(
         raw,
-        MaskedPatchPredictionTransform(train, processor, config),
-        MaskedPatchPredictionTransform(make_eval_transform(pixels), processor, config),
+        MaskedPatchPredictionTransform(train, processor, config, corruption),
+        MaskedPatchPredictionTransform(make_eval_transform(pixels), processor, config, corruption),
     )
 
 

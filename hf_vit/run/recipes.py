@@ -25,6 +25,7 @@ import numpy as np
 from torch import nn
 from torch.nn import functional as F
 
+from ..outputs.cards import card_value
 from .ema import EmaCallback
 from .mixing import Mixing, mix_batch, mixing_seed, soft_target_cross_entropy
 
@@ -246,7 +247,7 @@ def recipe_summary(recipe: Recipe, values: dict[str, Any], passed: set[str]) -> 
     for name in recipe.flags:
         value = values.get(name, recipe.flags[name])
         note = " (given on the command line)" if name in passed else ""
-        shown.append(f"{name}={value}{note}")
+        shown.append(f"{name}={card_value(value)}{note}")
     if recipe.base_batch is not None and "learning_rate" not in passed:
         shown.append(f"learning rate scaled from {recipe.flags['learning_rate']:g} at batch {recipe.base_batch}")
     text = f"recipe {recipe.name} ({recipe.source}): " + ", ".join(shown)

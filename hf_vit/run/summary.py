@@ -25,20 +25,32 @@ def final_training_loss(log_history: list[dict[str, Any]], metrics: dict[str, An
     return float(value) if value is not None else None
 
 
-def chance_warning(loss: float | None, num_classes: int, problem_type: str | None, training_args: Any) -> str | None:
+def chance_warning(
+    loss: float | None,
+    num_classes: int,
+    problem_type: str | None,
+    learning_rate: float,
+    max_steps: int = -1,
+    epochs_done: float | None = None,
+) -> str | None:
     """The warning for a single-label run whose final training loss is within 5% of chance, ln C for C classes (a
-    model answering every class at 1/C); None otherwise."""
+    model answering every class at 1/C); None otherwise. Its advice names the flag that set the run's length:
+    `--max_steps` when it was given (> 0), else `--num_train_epochs` with the epochs the run did."""
     if loss is None or problem_type != "single_label_classification" or num_classes < 2:
         return None
     chance = math.log(num_classes)
     if abs(loss - chance) > CHANCE_MARGIN * chance:
         return None
+    if max_steps > 0:
+        longer = f"more --max_steps (this run: {max_steps})"
+    else:
+        longer = "more --num_train_epochs" + (f" (this run: {epochs_done:g})" if epochs_done is not None else "")
     return (
         f"The final training loss {loss:.4f} is at chance level: ln {num_classes} = {chance:.4f} for {num_classes} "
-        "classes, the loss of a model that answers every class at 1/{0} whatever the image. It has learned nothing "
-        "yet. Try a higher --learning_rate (this run: {1:g}), more --num_train_epochs (this run: {2:g}), or the "
-        "README's quick-start recipe for an image folder."
-    ).format(num_classes, training_args.learning_rate, training_args.num_train_epochs)
+        f"classes, the loss of a model that answers every class at 1/{num_classes} whatever the image. It has "
+        f"learned nothing yet. Try a higher --learning_rate (this run: {learning_rate:g}), {longer}, or the "
+        'README\'s "Your own image folder" commands.'
+    )
 
 
 def headline(metrics: dict[str, Any]) -> tuple[str, float] | None:
@@ -49,13 +61,19 @@ def headline(metrics: dict[str, Any]) -> tuple[str, float] | None:
     return None
 
 
-def next_commands(output_dir: str, dataset_name: str | None, task: str, split: str = "test") -> list[str]:
-    """What to run on the saved model next, with its path (and the data set's, a local one made absolute)."""
+def next_commands(
+    output_dir: str, dataset_name: str | None, task: str, split: str = "test", validation_fraction: float = 0.1
+) -> list[str]:
+    """What to run on the saved model next, with its path (and the data set's, a local one made absolute); a run that
+    held out another share than the default passes it on, so that "validation" names the same images."""
     model = shlex.quote(output_dir)
     commands = [f"hf-vit-predict --model {model} IMAGE_OR_FOLDER..."]
     if dataset_name:
         data = os.path.abspath(dataset_name) if os.path.exists(dataset_name) else dataset_name
-        commands.append(f"hf-vit-evaluate --model {model} --dataset_name {shlex.quote(data)} --split {split}")
+        evaluate = f"hf-vit-evaluate --model {model} --dataset_name {shlex.quote(data)} --split {split}"
+        if split == "validation" and validation_fraction != 0.1:
+            evaluate += f" --validation_fraction {validation_fraction:g}"
+        commands.append(evaluate)
     commands.append(f"hf-vit-export --model {model} --format onnx --output {shlex.quote(output_dir + '.onnx')}")
     commands.append(f"hf-vit-push --model {model} --hub_model_id YOUR_NAME/{os.path.basename(output_dir) or task}")
     return commands
@@ -69,8 +87,10 @@ def summarize_run(
     config: Any,
     training_args: Any,
     dataset_name: str | None = None,
+    validation_fraction: float = 0.1,
 ) -> list[str]:
-    """Log (INFO) and print the run's summary; log the chance-level WARNING when it applies. Returns the lines."""
+    """Print the run's summary, with the chance-level warning when it applies (and log it at DEBUG). Returns the
+    lines."""
     output_dir = os.path.abspath(os.fspath(output_dir))
     lines = [f"hf-vit {task}: the model is in {output_dir}"]
     found = headline(metrics)
@@ -80,14 +100,20 @@ def summarize_run(
         lines.append(f"  {name} on the {split} split: {value:.4f}")
     lines.append("  next:")
     split = metrics.get("eval_split", "validation")
-    lines.extend(f"    {command}" for command in next_commands(output_dir, dataset_name, task, split))
+    lines.extend(
+        f"    {command}" for command in next_commands(output_dir, dataset_name, task, split, validation_fraction)
+    )
     problem_type = getattr(config, "problem_type", None)
     num_classes = len(getattr(config, "id2label", None) or {})
-    warning = chance_warning(final_training_loss(log_history, metrics), num_classes, problem_type, training_args)
-    for line in lines:
-        logger.info("%s", line)
+    epochs = metrics.get("epoch")  # the epochs done (a fraction when --max_steps ended the run)
+    warning = chance_warning(
+        final_training_loss(log_history, metrics), num_classes, problem_type, training_args.learning_rate,
+        training_args.max_steps, round(epochs, 2) if isinstance(epochs, (int, float)) else None,
+    )  # fmt: skip
     if warning:
-        logger.warning("%s", warning)
         lines.append(f"  WARNING: {warning}")
+    # Printed once, on standard output; the log keeps it at DEBUG only, since a terminal shows both streams.
+    for line in lines:
+        logger.debug("%s", line)
     print("\n".join(lines), flush=True)
     return lines

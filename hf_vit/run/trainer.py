@@ -19,6 +19,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import seed_worker
 
+from ..model.loading import give_weights_the_umask_mode
 from ..outputs.files import CARD_FILE
 from ..outputs.push import PlannedHubPushes
 from .flexible import PatchSizeDraw, SeqLenBatchSampler, at_patch_size
@@ -109,6 +110,19 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
         # batch of every num_processes: the sampler yields those together, at one length.
         return self.accelerator.prepare(loader)
 
+    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint,
+                             trial):  # fmt: skip
+        # Private, because no public hook runs between restoring a checkpoint's state and the first step. Trainer
+        # resumes a checkpoint of the run's last step that ends mid-epoch by finishing that epoch's loop: it trains
+        # one step past --max_steps (and moves the EMA once more), so a finished run resumed, or re-run with
+        # --resume_from_checkpoint True, saved another model. A finished state has no epoch left to run.
+        epochs_trained, steps_trained = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        if resume_from_checkpoint is not None and self.state.global_step >= max_steps:
+            return num_train_epochs, 0
+        return epochs_trained, steps_trained
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         # A data loader's first pass draws from torch's global generator (accelerate's loader, for its workers'
         # seed), which dropout and stochastic depth draw from too. An uninterrupted run makes that pass at step 0; a
@@ -158,6 +172,8 @@ class VisionTransformerTrainer(RecipeTrainerMixin, PlannedHubPushes, Trainer):
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         super()._save(output_dir, state_dict)
+        if self.args.should_save:  # peft's adapter file too, written as safetensors' private 0600
+            give_weights_the_umask_mode(output_dir or self.args.output_dir)
         if self.args.should_save and hasattr(self.model, "peft_config"):
             # A LoRA checkpoint holds peft's adapter and, as the run's folder does, the fine-tuning model's config
             # (classes, size, head) it applies to: loadable and pushable on its own. peft's template card is no card

@@ -20,7 +20,12 @@ import transformers
 from transformers import TrainingArguments
 
 from ..outputs.cards import write_model_card
-from ..outputs.output_folders import claim_output_dir, release, remove_earlier_checkpoints
+from ..outputs.output_folders import (
+    check_outside_data_set,
+    claim_output_dir,
+    release,
+    remove_earlier_checkpoints,
+)
 from .arguments import DataArguments, ModelArguments, parse_args
 from .checkpoints import resolve_resume
 from .compute_dial import compute_dial_after_training
@@ -68,6 +73,7 @@ def train(
     saved before that final evaluation, so an error there loses no training.
     """
     transformers.set_seed(training_args.seed)
+    check_outside_data_set(training_args.output_dir, data_args.dataset_name)
     if not training_args.do_train:  # --do_train False: measure the checkpoint as it is, write no model
         return evaluate_checkpoint(task, model_args, data_args, training_args)
     if data_args.streaming and training_args.max_steps <= 0:
@@ -90,6 +96,14 @@ def train(
         if created and training_args.process_index == 0:
             with contextlib.suppress(OSError):  # a start refused before writing anything leaves no empty folder
                 os.rmdir(training_args.output_dir)
+
+
+def shown_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The metrics the run prints: each once. `eval_*` repeats the final split's `<split>_*` (for the card and the
+    Hub), so it is left out of the printed table; `all_results.json` keeps both."""
+    split = metrics.get("eval_split")
+    repeated = {f"eval_{key.removeprefix(f'{split}_')}" for key in metrics if split and key.startswith(f"{split}_")}
+    return {k: v for k, v in metrics.items() if not isinstance(v, str) and k not in repeated}
 
 
 def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[str, Any]:
@@ -120,13 +134,13 @@ def _run(task, model_args, data_args, training_args, callbacks, resume) -> dict[
     trainer.save_model(_internal_call=True)
     trainer.save_state()
     metrics = {**train_result.metrics, **final_evaluation(trainer, ds, objective.loss), "train_task": task}
-    trainer.log_metrics("all", {k: v for k, v in metrics.items() if not isinstance(v, str)})
+    trainer.log_metrics("all", shown_metrics(metrics))
     trainer.save_metrics("all", metrics, combined=False)
     trainer.save_state()
     if trainer.is_world_process_zero():
         write_outputs(trainer, task, model_args, data_args, training_args, metrics)
         summarize_run(task, training_args.output_dir, metrics, trainer.state.log_history, model.config,
-                      training_args, data_args.dataset_name)  # fmt: skip
+                      training_args, data_args.dataset_name, data_args.validation_fraction)  # fmt: skip
     return metrics
 
 
@@ -226,6 +240,7 @@ def main(task: str, argv: list[str] | None = None, parsed: tuple | None = None) 
     the whole traceback). `parsed`: the flags already parsed (`parse_args`), as the commands do before importing
     this module."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    datasets.utils.logging.disable_propagation()  # datasets prints through its own handler: not twice
     torch.set_float32_matmul_precision("high")
     try:
         return train(task, *(parsed or parse_args(task, argv)))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import io
+import logging
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -72,8 +73,9 @@ def decode_image(image: Any, index: int | None = None) -> PIL.Image.Image | np.n
     PIL images, numpy arrays and tensors are returned as they are: the processor's `load_images` converts them.
     Raises `CorruptImageError` naming the file (and `index`, its position in the batch), chaining PIL's error.
     """
+    where = "" if index is None else f" (image {index} of the batch)"
     if isinstance(image, (PIL.Image.Image, np.ndarray, torch.Tensor)):
-        return image
+        return _checked_pixels(image, f"{type(image).__name__}{where}")
     if isinstance(image, (str, os.PathLike)):
         image = {"path": os.fspath(image), "bytes": None}
     elif isinstance(image, (bytes, bytearray, memoryview)):
@@ -84,12 +86,30 @@ def decode_image(image: Any, index: int | None = None) -> PIL.Image.Image | np.n
     source = path or f"{len(data or b'')} bytes of image data"
     try:
         if data is None and path is not None and "://" in path:
-            return _IMAGE_DECODER.decode_example(image)  # remote files (hf://, s3://) are read by datasets
-        return open_image(data if data is not None else path)
+            decoded = _IMAGE_DECODER.decode_example(image)  # remote files (hf://, s3://) are read by datasets
+        else:
+            decoded = open_image(data if data is not None else path)
     except (ValueError, OSError) as err:
         cause = err.__cause__ if isinstance(err.__cause__, Exception) else err  # PIL's own error, not our wrapper
-        where = "" if index is None else f" (image {index} of the batch)"
         raise CorruptImageError(f"Cannot decode image {source}{where}: {cause}") from cause
+    return _checked_pixels(decoded, f"{source}{where}")
+
+
+def _checked_pixels(image: Any, source: str) -> Any:
+    """`image`, refused by name (`source`: its file) when it has no pixels or holds NaN or infinite values: the
+    processor would refuse it later without saying which file it was."""
+    if isinstance(image, PIL.Image.Image):
+        empty, values = image.width == 0 or image.height == 0, image.mode in ("F", "I;16F")
+    else:
+        empty, values = 0 in tuple(image.shape), np.issubdtype(np.asarray(image).dtype, np.floating)
+    if empty:
+        size = f"{image.width}x{image.height}" if isinstance(image, PIL.Image.Image) else f"shape {tuple(image.shape)}"
+        raise CorruptImageError(f"Image {source} has no pixels ({size}): remove it from the data set.")
+    if values and not np.isfinite(np.asarray(image, dtype=np.float32)).all():
+        raise CorruptImageError(
+            f"Image {source} contains NaN or infinite values: fix or remove it (e.g. numpy.nan_to_num) first."
+        )
+    return image
 
 
 def decode_rgb(image: Any, index: int | None = None) -> PIL.Image.Image:
@@ -405,6 +425,19 @@ def _with_labels(pixel_values: torch.Tensor, batch: Mapping[str, Sequence[Any]])
     return output
 
 
+@contextlib.contextmanager
+def unhashable_transform_allowed() -> Iterator[None]:
+    """Quiets datasets' "couldn't be hashed properly" warning: a lazy `with_transform` caches nothing, so the random
+    fingerprint it warns about changes nothing for the user, who saw it in every run."""
+    fingerprint = logging.getLogger("datasets.fingerprint")
+    level = fingerprint.level
+    fingerprint.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        fingerprint.setLevel(level)
+
+
 def apply_transforms(
     ds: DatasetDict | IterableDatasetDict,
     train_transform: Transform,
@@ -427,7 +460,8 @@ def apply_transforms(
             data = data.decode(False)
             data = data.map(transform, batched=True, batch_size=stream_batch_size, remove_columns=columns)
         else:
-            data = data.cast_column("image", datasets.Image(decode=False)).with_transform(transform)
+            with unhashable_transform_allowed():
+                data = data.cast_column("image", datasets.Image(decode=False)).with_transform(transform)
         transformed[split] = data
     return type(ds)(transformed)
 

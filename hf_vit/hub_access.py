@@ -1,0 +1,116 @@
+"""Hub look-ups that fail fast, once, and say what to do offline.
+
+huggingface_hub retries a download whose file is not in the local cache for about 25 seconds when the network is
+down (five retries with backoff, each logged), and loading a model looks up several files, some of which a repository
+does not have: a model id typed on a machine without a network took 100 seconds to fail. Here the Hub is asked once
+per process whether it answers at all (one request, no retries). When it does not, the process continues in
+huggingface_hub's offline mode, as `HF_HUB_OFFLINE=1` would have it (one warning says so): files come from the local
+cache at once, and a model the cache lacks is a `HubLookupError` whose message suggests `HF_HUB_OFFLINE=1` and local
+folders. With `HF_HUB_OFFLINE=1` nothing is asked, and a model the cache lacks is the same error.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LOCAL_ALTERNATIVES = (
+    "pass local folders instead: a model folder (an hf-vit, transformers or timm folder, e.g. outputs/main, which "
+    "`make train` writes) and, for --dataset_name, an image folder (root/<label>/*.jpg), a save_to_disk folder or "
+    "'digits'"
+)
+# Why the Hub did not answer, by endpoint: asked once per process.
+_UNREACHABLE: dict[str, str] = {}
+
+
+class HubLookupError(OSError):
+    """A model or data set named by Hub id that can neither be downloaded nor found in the local cache. An `OSError`,
+    as transformers' own loading errors are, so the commands print it as one `error:` line."""
+
+
+def offline_mode() -> bool:
+    """Whether huggingface_hub is in offline mode (`HF_HUB_OFFLINE=1`, or a Hub found unreachable)."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _probe(endpoint: str, timeout: float) -> str | None:
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(endpoint, timeout=timeout, follow_redirects=False)
+    except Exception as error:  # noqa: BLE001 - the client's transport errors (httpx's or httpx2's, by version)
+        return f"{endpoint}: {type(error).__name__}: {error}"
+    return None  # any HTTP answer, even an error status, means the Hub can be reached
+
+
+def hub_unreachable_reason() -> str | None:
+    """Why the Hugging Face Hub cannot be reached (the endpoint and the error), or None when it answers or when
+    `HF_HUB_OFFLINE=1` was set. Asked once per process, with one request of huggingface_hub's own client (its proxies,
+    endpoint and metadata timeout, `HF_HUB_ETAG_TIMEOUT`), never retried; a Hub that does not answer puts the process
+    in huggingface_hub's offline mode."""
+    from huggingface_hub import constants
+
+    endpoint = constants.ENDPOINT
+    if endpoint in _UNREACHABLE:
+        return _UNREACHABLE[endpoint]
+    if constants.HF_HUB_OFFLINE:
+        return None
+    reason = _probe(endpoint, float(constants.HF_HUB_ETAG_TIMEOUT))
+    if reason is not None:
+        _UNREACHABLE[endpoint] = reason
+        # Every later look-up of this process (transformers' included, which asks for files a repository may not
+        # have) would otherwise retry the network for about 25 seconds before trying the cache.
+        constants.HF_HUB_OFFLINE = True
+        logger.warning(
+            "The Hugging Face Hub cannot be reached (%s): continuing offline, as with HF_HUB_OFFLINE=1 (Hub ids "
+            "resolve from the local cache).",
+            reason,
+        )
+    return reason
+
+
+def lookup_error(kind: str, name: str, reason: str | None) -> HubLookupError:
+    """The error for `name`, a `kind` ("model", "data set") Hub id found neither on the Hub nor in the local cache:
+    `reason` is why the Hub could not be reached (`hub_unreachable_reason`), None in offline mode."""
+    if reason is None:
+        cause = f"{kind} {name!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 forbids downloading it"
+        advice = f"Download it where the Hub can be reached (the same cache serves it then), or {LOCAL_ALTERNATIVES}"
+    else:
+        cause = (
+            f"cannot reach the Hugging Face Hub ({reason}) to look up {kind} {name!r}, and it is not in the local "
+            "cache"
+        )
+        advice = (
+            "Without a network, set HF_HUB_OFFLINE=1 (Hub ids then resolve from the local cache at once, with no "
+            f"retries) and {LOCAL_ALTERNATIVES}"
+        )
+    return HubLookupError(f"{cause[0].upper()}{cause[1:]} (there is no local folder {name!r} either). {advice}.")
+
+
+def hub_file(repo_id: str, filename: str, options: dict[str, Any], kind: str = "model") -> Path | None:
+    """`filename` of the Hub repository `repo_id`, downloaded into (or found in) the Hub cache; None when the
+    repository has no such file. `options` are `hf_hub_download`'s (`cache_dir`, `revision`, `token`...).
+
+    Offline, or when the Hub does not answer, the file comes from the cache at once, and one the cache lacks is a
+    `HubLookupError`."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    options = {k: v for k, v in options.items() if v is not None}
+    reason = hub_unreachable_reason()
+    if offline_mode():
+        options["local_files_only"] = True  # straight to the cache: no HTTP client, no retries
+    try:
+        path = Path(hf_hub_download(repo_id, filename, **options))
+    except LocalEntryNotFoundError as error:  # (a subclass of EntryNotFoundError) not in the cache, no download
+        if reason is None and not options.get("local_files_only"):  # the Hub answered the probe, then failed
+            reason = f"{type(error).__name__}: {error}"
+        raise lookup_error(kind, repo_id, reason) from error
+    except EntryNotFoundError:
+        return None
+    return path
