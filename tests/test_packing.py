@@ -7,10 +7,17 @@ import logging
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_config
 from torch.nn import functional as F
 
 import hf_vit.model.attention as attention
-from hf_vit import VisionTransformerImageProcessor
+from hf_vit import (
+    VisionTransformerBackbone,
+    VisionTransformerForImageClassification,
+    VisionTransformerForMaskedPatchPrediction,
+    VisionTransformerImageProcessor,
+    VisionTransformerModel,
+)
 from hf_vit.model.attention import (
     ALL_ATTENTION_FUNCTIONS,
     AttentionSegments,
@@ -21,6 +28,8 @@ from hf_vit.model.attention import (
     segment_attention_path,
 )
 from hf_vit.model.image_processing_vit import first_fit_decreasing
+from hf_vit.model.modeling_mpp import PATCH_CLEAN
+from hf_vit.model.packing import packed_layout
 
 # rows of runs (an image's tokens each) in rows of ROW tokens, the rest of each row padding
 RUNS = [[5, 3], [7], [2, 2, 2, 2], [9]]
@@ -374,3 +383,216 @@ def test_padded_batches_take_segments_where_they_pay_off(monkeypatch):
     assert padded_batch_segments(mask, "flash_attention_2", torch.float16, 0.0, 64) is None  # it unpads the mask
     monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "varlen")
     assert padded_batch_segments(little, "sdpa", torch.bfloat16, 0.0, 64) is not None  # any padding, on a GPU
+
+
+# ---- the packed layout in the model ----
+
+
+def test_packed_layout_moves_tokens_between_one_image_per_row_and_packed_rows():
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
+    native = processor(images(), return_tensors="pt")
+    packed = processor(images(), packed_sequence_length=24, return_tensors="pt")
+    layout = packed_layout(packed["patch_image_index"], packed["spatial_shapes"], 2, packed["pixel_attention_mask"])
+    sizes = native["spatial_shapes"].prod(1)
+    most = int(sizes.max())
+    assert torch.equal(layout.unpack_patches(packed["pixel_values"]), native["pixel_values"][:, :most])
+    assert torch.equal(layout.patch_mask, native["pixel_attention_mask"][:, :most].bool())
+    assert layout.row_tokens == 24 + 2 * max(len(row) for row in rows_of(packed))
+    # tokens of one image per row (2 prefix tokens + patches, zero beyond) -> packed rows -> back, unchanged
+    tokens = torch.randn(len(SIZES), 2 + most, 5)
+    tokens[:, 2:][~layout.patch_mask] = 0
+    moved = layout.pack(tokens)
+    assert moved.shape == (layout.rows, layout.row_tokens, 5)
+    assert torch.equal(layout.unpack(moved), tokens)
+    # each image's tokens are consecutive in its packed row, in the order of the rows' images: the runs of attention
+    expected = [[2 + int(sizes[i]) for i in row] for row in rows_of(packed)]
+    assert layout.segments.lengths == attention_segments(expected, layout.row_tokens).lengths
+    for row, images_of_row in enumerate(rows_of(packed)):
+        start = 0
+        for image in images_of_row:
+            count = 2 + int(sizes[image])
+            assert torch.equal(moved[row, start : start + count], tokens[image, :count])
+            start += count
+        assert torch.all(moved[row, start:] == 0)
+
+
+def test_packed_layouts_that_do_not_describe_the_images_are_refused():
+    grids = torch.tensor([[1, 2], [1, 1]])
+    good = torch.tensor([[0, 0, 1, -1]])
+    assert packed_layout(good, grids, 1).rows == 1
+    with pytest.raises(ValueError, match="`patch_image_index` must be a"):
+        packed_layout(good[0], grids, 1)
+    with pytest.raises(ValueError, match="`spatial_shapes` must be an"):
+        packed_layout(good, grids[:, 0], 1)
+    with pytest.raises(ValueError, match="not as one run of its 2 patches"):
+        packed_layout(torch.tensor([[0, 1, 0, -1]]), grids, 1)
+    with pytest.raises(ValueError, match="must fill one run of consecutive slots, once"):
+        packed_layout(torch.tensor([[0, 0, 1, -1], [1, -1, -1, -1]]), grids, 1)
+    with pytest.raises(ValueError, match=r"Images \[1\] of `spatial_shapes` have no patches"):
+        packed_layout(torch.tensor([[0, 0, -1, -1]]), grids, 1)
+    with pytest.raises(ValueError, match="`pixel_attention_mask` must mark exactly"):
+        packed_layout(good, grids, 1, torch.tensor([[1, 1, 1, 1]]))
+    with pytest.raises(
+        ValueError, match=r"are \(1, 4, ...\) per patch slot, as its `patch_image_index`; got \(1, 5, 3\)"
+    ):
+        packed_layout(good, grids, 1).unpack_patches(torch.zeros(1, 5, 3))
+
+
+# ---- the model on packed batches ----
+
+PACKED_SIZES = [(40, 40), (20, 80), (90, 30), (7, 200), (64, 48), (33, 33)]
+
+
+def packed_and_alone(model, sizes=PACKED_SIZES, **call):
+    """A packed batch of `sizes` (grids of at most 12 patches in rows of 24), the model on it, and on each image
+    alone at its own size through the ordinary path."""
+    patch = model.config.patch_size
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=patch)
+    batch = images(sizes)
+    inputs = processor(batch, packed_sequence_length=24, return_tensors="pt")
+    assert max(len(row) for row in rows_of(inputs)) > 1  # images share rows
+    with torch.no_grad():
+        packed = model(**inputs, **call)
+        alone = []
+        for image, (rows, cols) in zip(batch, inputs["spatial_shapes"].tolist()):
+            pixels = VisionTransformerImageProcessor(size=(rows * patch, cols * patch))(image, return_tensors="pt")
+            alone.append(model(pixels["pixel_values"], interpolate_pos_encoding=True, **call))
+    return inputs, packed, alone
+
+
+def assert_each_image_alone(model, **call):
+    inputs, packed, alone = packed_and_alone(model, **call)
+    prefix = model.config.num_prefix_tokens
+    sizes = inputs["spatial_shapes"].prod(1).tolist()
+    assert packed.last_hidden_state.shape[:2] == (len(sizes), prefix + max(sizes))
+    for image, (one, size) in enumerate(zip(alone, sizes)):
+        tokens = packed.last_hidden_state[image, : prefix + size]
+        torch.testing.assert_close(tokens, one.last_hidden_state[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(packed.pooler_output[image], one.pooler_output[0], atol=1e-4, rtol=0)
+    return inputs, packed
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap", "map"])
+@pytest.mark.parametrize("implementation", ["eager", "sdpa", "flex_attention"])
+def test_each_packed_image_equals_the_image_alone(classifier, implementation):
+    torch.manual_seed(0)
+    config = tiny_config(classifier=classifier, attn_implementation=implementation)
+    model = VisionTransformerForImageClassification(config).eval()
+    with torch.no_grad():  # a non-zero head, so the logits say something
+        model.classifier.weight.normal_()
+    assert_each_image_alone(model.vit)
+    inputs, packed, alone = packed_and_alone(model)
+    assert packed.logits.shape == (len(PACKED_SIZES), config.num_labels) and packed.logits.std() > 0.1
+    torch.testing.assert_close(packed.logits, torch.cat([one.logits for one in alone]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        dict(use_distillation_token=True, num_register_tokens=2, layer_scale_init_value=0.1, pre_norm=True),
+        dict(classifier="gap", num_register_tokens=3, fc_norm=True, interpolation_mode="bilinear"),
+        dict(classifier="map", use_class_token=False, num_register_tokens=1),
+    ],
+)
+def test_the_family_blocks_on_packed_batches(family):
+    # class, distillation and register tokens per image, LayerScale, pre-norm, fc_norm, pooling per image
+    torch.manual_seed(0)
+    assert_each_image_alone(VisionTransformerModel(tiny_config(attn_implementation="sdpa", **family)).eval())
+
+
+def test_packed_gradients_equal_the_images_alone():
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(tiny_config(zero_init_head=False, attn_implementation="sdpa"))
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
+    batch, labels = images(PACKED_SIZES), torch.tensor([0, 1, 2, 3, 4, 0])
+    inputs = processor(batch, packed_sequence_length=24, return_tensors="pt")
+    model.train()
+    model(**inputs, labels=labels).loss.backward()
+    packed = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+    model.zero_grad()
+    for image, label, (rows, cols) in zip(batch, labels, inputs["spatial_shapes"].tolist()):
+        pixels = VisionTransformerImageProcessor(size=(rows * 8, cols * 8))(image, return_tensors="pt")
+        loss = model(pixels["pixel_values"], labels=label[None], interpolate_pos_encoding=True).loss
+        (loss / len(batch)).backward()  # the packed loss is the mean over the images
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(packed[name], parameter.grad, atol=1e-4, rtol=1e-4, msg=name)
+    assert packed["vit.embeddings.position_embedding"].abs().sum() > 0
+
+
+def test_changing_one_packed_image_changes_no_other_and_order_does_not_matter():
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8, packed_sequence_length=24)
+    batch = images(PACKED_SIZES)
+    with torch.no_grad():
+        before = model(**processor(batch, return_tensors="pt")).pooler_output
+        changed = list(batch)
+        changed[2] = 255 - changed[2]
+        after = model(**processor(changed, return_tensors="pt")).pooler_output
+        order = [5, 2, 0, 4, 1, 3]
+        shuffled = model(**processor([batch[i] for i in order], return_tensors="pt")).pooler_output
+    others = [image for image in range(len(batch)) if image != 2]
+    torch.testing.assert_close(after[others], before[others], atol=1e-6, rtol=0)
+    assert (after[2] - before[2]).abs().max() > 1e-2
+    torch.testing.assert_close(shuffled, before[order], atol=1e-5, rtol=0)
+
+
+def test_attentions_of_a_packed_batch_stay_within_each_image():
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()
+    inputs, packed, _ = packed_and_alone(model, output_attentions=True)  # each image alone: checked by the eager case
+    layout = packed_layout(inputs["patch_image_index"], inputs["spatial_shapes"], 1)
+    same_image = layout.segments.block_diagonal_mask()
+    assert len(packed.attentions) == model.config.num_hidden_layers
+    for probs in packed.attentions:  # of the packed rows
+        assert probs.shape == (layout.rows, 4, layout.row_tokens, layout.row_tokens)
+        assert torch.all(probs.masked_select(~same_image) == 0)
+
+
+def test_backbone_maps_each_packed_image_as_the_native_batch_does():
+    torch.manual_seed(0)
+    backbone = VisionTransformerBackbone(tiny_config(out_indices=[1, 2])).eval()
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
+    batch = images(PACKED_SIZES)
+    with torch.no_grad():
+        native = backbone(**processor(batch, return_tensors="pt"), output_hidden_states=True)
+        packed = backbone(
+            **processor(batch, packed_sequence_length=24, return_tensors="pt"), output_hidden_states=True
+        )
+    for ours, theirs in zip(packed.feature_maps, native.feature_maps):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert packed.hidden_states[-1].shape[0] == len(batch)  # one image per row
+
+
+def test_masked_patch_prediction_on_a_packed_batch():
+    torch.manual_seed(0)
+    config = tiny_config()
+    model = VisionTransformerForMaskedPatchPrediction(config).eval()
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
+    batch = images(PACKED_SIZES)
+    native = processor(batch, return_tensors="pt")
+    packed = processor(batch, packed_sequence_length=24, return_tensors="pt")
+    generator = torch.Generator().manual_seed(0)
+    # a [mask] and labels per patch slot of the packed rows, and the same per image for the native batch
+    masked = (torch.rand(packed["patch_image_index"].shape, generator=generator) < 0.4) & (
+        packed["patch_image_index"] >= 0
+    )
+    labels = torch.randint(0, config.mpp_num_classes, masked.shape, generator=generator)
+    layout = packed_layout(packed["patch_image_index"], packed["spatial_shapes"], config.num_prefix_tokens)
+    with torch.no_grad():
+        ours = model(**packed, bool_masked_pos=masked, labels=labels)
+        patches = layout.patch_mask.shape[1]  # the most patches of an image: the native batch's padding beyond it
+        theirs = model(
+            native["pixel_values"][:, :patches], pixel_attention_mask=native["pixel_attention_mask"][:, :patches],
+            spatial_shapes=native["spatial_shapes"], bool_masked_pos=layout.unpack_patches(masked),
+            labels=layout.unpack_patches(labels),
+        )  # fmt: skip
+    assert ours.logits.shape == (len(batch), layout.patch_mask.shape[1], config.mpp_num_classes)
+    keep = layout.patch_mask
+    torch.testing.assert_close(ours.logits[keep], theirs.logits[keep], atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=0)
+    # training draws the corruption per image, never on the padding
+    model.train()
+    out = model(**packed, labels=labels)
+    out.loss.backward()
+    assert out.patch_corruption.shape == keep.shape and torch.all(out.patch_corruption[~keep] == PATCH_CLEAN)
