@@ -16,6 +16,10 @@ attention function (`ALL_ATTENTION_FUNCTIONS`):
 for inference and for a training step (forward and backward), and prints images/s and the ratios against
 `padded + mask`. Each row's tokens are its images' patches and one class token per image, the padding after them.
 
+Then the whole model (a classifier, `--model_width`, `--model_depth`) on the same two batches: the padded batch with
+the padding masked as keys and with a run per image (what the model chooses on CPU from 10% padding), and the packed
+batch; the images both batches hold get the same logits before anything is timed.
+
     PYTHONPATH=. python benchmarks/packing_speed.py --threads 1
     PYTHONPATH=. python benchmarks/packing_speed.py --quick   # seconds: a tiny batch, one sample per row
 """
@@ -23,6 +27,7 @@ for inference and for a training step (forward and backward), and prints images/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -36,12 +41,14 @@ import numpy as np
 import torch
 
 from benchmarks.timing import median_seconds, time_alternating
-from hf_vit import VisionTransformerImageProcessor
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.model import attention
 from hf_vit.model.attention import ALL_ATTENTION_FUNCTIONS, attention_segments
 from hf_vit.model.image_processing_vit import first_fit_decreasing
 
 PATCH = 16
 ROWS = ("padded + mask", "padded + segments", "packed + mask", "packed + segments")
+MODEL_ROWS = ("padded + mask", "padded + segments", "packed + segments")
 
 
 class _Attention(torch.nn.Module):
@@ -84,8 +91,8 @@ def layouts(args) -> dict[str, dict]:
     images = native_images(args, 4 * args.batch_size)
     sizes = processor(images, return_tensors="pt")["spatial_shapes"].prod(1).tolist()
     count = packed_count(args, sizes)
-    padded = processor(images[: args.batch_size], return_tensors="pt")
-    packed = processor(images[:count], packed_sequence_length=args.packed_sequence_length, return_tensors="pt")
+    padded = dict(processor(images[: args.batch_size], return_tensors="pt"))
+    packed = dict(processor(images[:count], packed_sequence_length=args.packed_sequence_length, return_tensors="pt"))
     packed_rows = [list(dict.fromkeys(i for i in row if i >= 0)) for row in packed["patch_image_index"].tolist()]
     most = max(len(row) for row in packed_rows)
     return {
@@ -104,6 +111,7 @@ def layouts(args) -> dict[str, dict]:
             "padding": 1 - sum(sizes[:count]) / packed["pixel_attention_mask"].numel(),
         },
         "sizes": sizes[:count],
+        "inputs": {"padded": padded, "packed": packed},
     }
 
 
@@ -194,8 +202,12 @@ def measure(args) -> dict:
     seconds = {name: median_seconds(sample) for name, sample in samples.items()}
     padded, packed = shapes["padded"], shapes["packed"]
     count = {"padded": args.batch_size, "packed": len(shapes["sizes"])}
+    if args.model_depth:
+        seconds.update(measure_model(args, shapes))
     return {
-        "images_per_s": {name: count[name.split()[0]] / value for name, value in seconds.items()},
+        "images_per_s": {
+            name: count[name.removeprefix("model: ").split()[0]] / value for name, value in seconds.items()
+        },
         "images": count,
         "padding_share": {"padded": padded["padding"], "packed": packed["padding"]},
         "rows": {"padded": len(padded["runs"]), "packed": len(packed["runs"])},
@@ -205,18 +217,71 @@ def measure(args) -> dict:
     }
 
 
+class _PaddingMasked:
+    """Within it, the model masks a padded batch's padding as keys whatever the padding's share."""
+
+    def __enter__(self) -> None:
+        self.share, attention.SEGMENTS_MIN_PADDING_SHARE = attention.SEGMENTS_MIN_PADDING_SHARE, 2.0
+
+    def __exit__(self, *exc) -> None:
+        attention.SEGMENTS_MIN_PADDING_SHARE = self.share
+
+
+def measure_model(args, shapes: dict) -> dict[str, float]:
+    """Seconds per call of the whole classifier on the padded and the packed batch ("model: <row> | <mode>")."""
+    torch.manual_seed(args.seed)
+    config = VisionTransformerConfig(
+        image_size=math.isqrt(args.max_num_patches) * PATCH, patch_size=PATCH, hidden_size=args.model_width,
+        num_hidden_layers=args.model_depth, num_attention_heads=args.model_heads,
+        intermediate_size=4 * args.model_width, num_labels=10, zero_init_head=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = VisionTransformerForImageClassification(config).train()
+    inputs = shapes["inputs"]
+    labels = {name: torch.zeros(len(value["spatial_shapes"]), dtype=torch.long) for name, value in inputs.items()}
+    masked = {"padded + mask": _PaddingMasked}
+    with torch.no_grad():
+        logits = {}
+        for name in MODEL_ROWS:
+            with masked.get(name, contextlib.nullcontext)():
+                logits[name] = model.eval()(**inputs[name.split()[0]]).logits[: args.batch_size]
+        difference = max((value - logits["padded + mask"]).abs().max().item() for value in logits.values())
+    if difference > 1e-4:
+        raise SystemExit(f"The model rows disagree on the images' logits: {difference:.2e}")
+    fns = {}
+    for name in MODEL_ROWS:
+        layout = name.split()[0]
+        batch, context, targets = inputs[layout], masked.get(name, contextlib.nullcontext), labels[layout]
+
+        def infer(batch=batch, context=context):
+            with torch.no_grad(), context():
+                model.eval()(**batch)
+
+        def train(batch=batch, context=context, labels=targets):
+            with context():
+                model.train()(**batch, labels=labels).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        fns[f"model: {name} | inference"], fns[f"model: {name} | training"] = infer, train
+    for fn in fns.values():  # warm-up
+        fn()
+    samples = time_alternating(fns, args.steps, args.repeats, torch.device("cpu"))
+    return {name: median_seconds(sample) for name, sample in samples.items()}
+
+
 def format_rows(result: dict, args) -> str:
     rate = result["images_per_s"]
     lines = [
-        "| attention | inference (images/s) | vs padded + mask | training step (images/s) | vs padded + mask |",
+        "| row | inference (images/s) | vs padded + mask | training step (images/s) | vs padded + mask |",
         "|---|---|---|---|---|",
     ]
-    for name in ROWS:
-        cells = []
-        for mode in ("inference", "training"):
-            value, base = rate[f"{name} | {mode}"], rate[f"padded + mask | {mode}"]
-            cells += [f"{value:.1f}", f"{value / base:.2f}x"]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    tables = [("", ROWS)] + ([("model: ", MODEL_ROWS)] if args.model_depth else [])
+    for prefix, rows in tables:
+        for name in rows:
+            cells = []
+            for mode in ("inference", "training"):
+                value, base = rate[f"{prefix}{name} | {mode}"], rate[f"{prefix}padded + mask | {mode}"]
+                cells += [f"{value:.1f}", f"{value / base:.2f}x"]
+            lines.append(f"| {prefix}{name} | " + " | ".join(cells) + " |")
     share, rows, load = result["padding_share"], result["rows"], result["load_average"]
     images = result["images"]
     lines += [
@@ -229,6 +294,11 @@ def format_rows(result: dict, args) -> str:
         f"threads; the images the rows share have the same outputs to {result['max_difference']:.1e}. 1-minute load "
         f"average {load[0]:.2f} before, {load[1]:.2f} after.",
     ]
+    if args.model_depth:
+        lines[-1] += (
+            f" Model rows: a classifier of width {args.model_width}, {args.model_depth} blocks, {args.model_heads} "
+            "heads, SDPA, fp32, on the same batches (a training step: forward, loss, backward)."
+        )
     return "\n".join(lines)
 
 
@@ -242,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--steps", type=int, default=2, help="calls per timed sample")
     parser.add_argument("--repeats", type=int, default=5, help="undisturbed samples per row")
+    parser.add_argument("--model_width", type=int, default=192)
+    parser.add_argument("--model_depth", type=int, default=2, help="blocks of the model rows (0: no model rows)")
+    parser.add_argument("--model_heads", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a tiny batch and one sample per row: seconds")
@@ -249,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.max_num_patches, args.packed_sequence_length, args.batch_size = 16, 32, 6
         args.width, args.heads, args.steps, args.repeats = 32, 2, 1, 1
+        args.model_width, args.model_depth, args.model_heads = 32, 1, 2
     if args.batch_size * args.max_num_patches < args.packed_sequence_length:
         parser.error("--batch_size x --max_num_patches must be at least --packed_sequence_length (one packed row)")
     if args.packed_sequence_length < args.max_num_patches:

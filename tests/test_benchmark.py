@@ -517,6 +517,8 @@ def test_packing_rows_quick_mode_prints_every_row_and_ratio(capsys):
     rows = [line for line in out.splitlines() if line.startswith(("| padded", "| packed"))]
     assert [row.split(" | ")[0] for row in rows] == ["| padded + mask", "| padded + segments", "| packed + mask",
                                                      "| packed + segments"]  # fmt: skip
+    model_rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| model:")]
+    assert model_rows == ["| model: padded + mask", "| model: padded + segments", "| model: packed + segments"]
     assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in rows)
     assert "padding" in out and "have the same outputs" in out
     with pytest.raises(SystemExit):
