@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="calls per timed sample")
     parser.add_argument("--repeats", type=int, default=5, help="undisturbed samples per row")
     parser.add_argument("--model_width", type=int, default=192)
-    parser.add_argument("--model_depth", type=int, default=2, help="blocks of the model rows (0: no model rows)")
+    parser.add_argument("--model_depth", type=int, default=4, help="blocks of the model rows (0: no model rows)")
     parser.add_argument("--model_heads", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
