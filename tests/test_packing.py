@@ -596,3 +596,24 @@ def test_masked_patch_prediction_on_a_packed_batch():
     out = model(**packed, labels=labels)
     out.loss.backward()
     assert out.patch_corruption.shape == keep.shape and torch.all(out.patch_corruption[~keep] == PATCH_CLEAN)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_packed_batches_train_with_activation_checkpointing_and_bf16_autocast(use_reentrant):
+    torch.manual_seed(0)
+    config = tiny_config(zero_init_head=False, attn_implementation="sdpa")
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8, packed_sequence_length=24)
+    inputs, labels = processor(images(PACKED_SIZES), return_tensors="pt"), torch.tensor([0, 1, 2, 3, 4, 0])
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = VisionTransformerForImageClassification(config).train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model(**inputs, labels=labels).loss.backward()
+        grads.append([parameter.grad for parameter in model.parameters()])
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the runs through the matmul attention of CPU training
+            low = model(**inputs, labels=labels)
+        assert low.logits.shape == (len(PACKED_SIZES), config.num_labels) and torch.isfinite(low.loss)
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-5)
