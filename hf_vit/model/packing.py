@@ -105,27 +105,25 @@ def packed_layout(
         )
     placed: list[tuple[int, int] | None] = [None] * len(grids)  # (row, first slot) of each image
     row_images: list[list[int]] = []
-    for row, values in enumerate(index.tolist()):
+    for row in range(rows):
         images, slot = [], 0
-        while slot < slots:
-            image = values[slot]
-            if image < 0:
-                slot += 1
-                continue
-            if image >= len(grids) or placed[image] is not None:
-                raise ValueError(
-                    f"`patch_image_index` row {row} names image {image} at slot {slot}: each of the "
-                    f"{len(grids)} images of `spatial_shapes` must fill one run of consecutive slots, once."
-                )
-            end = slot + sizes[image]
-            if values[slot:end] != [image] * sizes[image] or (end < slots and values[end] == image):
-                raise ValueError(
-                    f"`patch_image_index` row {row} holds image {image} from slot {slot}, but not as one run of its "
-                    f"{sizes[image]} patches (its grid {grids[image]} in `spatial_shapes`)."
-                )
-            placed[image] = (row, slot)
-            images.append(image)
-            slot = end
+        # runs of one value: an image's patches are one run of as many slots as its grid has patches
+        values, counts = torch.unique_consecutive(index[row], return_counts=True)
+        for image, count in zip(values.tolist(), counts.tolist()):
+            if image >= 0:
+                if image >= len(grids) or placed[image] is not None:
+                    raise ValueError(
+                        f"`patch_image_index` row {row} names image {image} at slot {slot}: each of the "
+                        f"{len(grids)} images of `spatial_shapes` must fill one run of consecutive slots, once."
+                    )
+                if count != sizes[image]:
+                    raise ValueError(
+                        f"`patch_image_index` row {row} holds image {image} from slot {slot}, but not as one run of "
+                        f"its {sizes[image]} patches (its grid {grids[image]} in `spatial_shapes`)."
+                    )
+                placed[image] = (row, slot)
+                images.append(image)
+            slot += count
         row_images.append(images)
     missing = [image for image, where in enumerate(placed) if where is None]
     if missing:
