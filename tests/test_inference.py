@@ -442,5 +442,6 @@ def test_predict_and_evaluate_refuse_a_model_without_a_classification_head(tmp_p
             assert captured.out == ""
     model = classifier_folder(tmp_path / "model")
     for size in ("0", "-1"):
-        assert predict_command.main(["--model", str(model), str(data / "test"), "--batch_size", size]) == 2
-        assert "--batch_size must be a positive number of images" in capsys.readouterr().err
+        with pytest.raises(SystemExit) as refused:
+            predict_command.main(["--model", str(model), str(data / "test"), "--batch_size", size])
+        assert refused.value.code == 2 and "--batch_size must be at least 1" in capsys.readouterr().err

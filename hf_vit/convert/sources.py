@@ -394,6 +394,8 @@ def read_source(source: str, kwargs: dict[str, Any]) -> ForeignCheckpoint | None
     hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}
     if is_npz(source):
         return ForeignCheckpoint(source, "jax", hub)
+    if os.path.isfile(source):
+        return None  # a local file that is no checkpoint: from_pretrained names it, no Hub id is looked up
     try:
         path = _fetch(source, "config.json", hub)
         layout = layout_of(json.loads(path.read_text()))
