@@ -617,3 +617,23 @@ def test_packed_batches_train_with_activation_checkpointing_and_bf16_autocast(us
         assert low.logits.shape == (len(PACKED_SIZES), config.num_labels) and torch.isfinite(low.loss)
     for plain, recomputed in zip(*grads):
         torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-5)
+
+
+def test_the_model_through_the_varlen_branch_equals_the_images_alone(monkeypatch):
+    # The CUDA branch's data flow on CPU: the model's qkv views flattened to (tokens, heads, d_h), the runs' cumulative
+    # lengths and host maxima handed to varlen_attn (here a reference computing attention per run), the output viewed
+    # back: each packed image still equals the image alone.
+    calls = []
+
+    def fake_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None):
+        assert cu_q.dtype == torch.int32 and type(max_q) is int and query.shape == key.shape == value.shape
+        calls.append(cu_q)
+        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+        return attention._per_run_length(Attention(), [query, key, value], lengths, scale, 0.0)
+
+    monkeypatch.setattr(attention, "varlen_attn", fake_varlen)
+    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "varlen")
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(attn_implementation="sdpa", num_register_tokens=1)).eval()
+    assert_each_image_alone(model)
+    assert len(calls) >= model.config.num_hidden_layers
