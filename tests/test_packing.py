@@ -139,16 +139,18 @@ def test_the_path_follows_the_implementation_device_and_dtype(monkeypatch):
         assert path("sdpa", cuda, torch.bfloat16, 0.0, 64) == "varlen"
         assert path("sdpa", cuda, torch.float16, 0.0, 64) == "varlen"
         assert path("flex_attention", cuda, torch.bfloat16, 0.0, 64) == "varlen"
-    assert path("sdpa", cuda, torch.float32, 0.0, 64) == "segments"  # flash kernels are half precision only
-    assert path("sdpa", cuda, torch.bfloat16, 0.1, 64) == "segments"  # varlen_attn has no dropout
-    assert path("sdpa", cuda, torch.bfloat16, 0.0, 6) == "segments"  # a head size flash kernels refuse
+    # where varlen_attn does not apply, a GPU runs one fused kernel with a block-diagonal mask
+    assert path("sdpa", cuda, torch.float32, 0.0, 64) == "mask"  # flash kernels are half precision only
+    assert path("sdpa", cuda, torch.bfloat16, 0.1, 64) == "mask"  # varlen_attn has no dropout
+    assert path("sdpa", cuda, torch.bfloat16, 0.0, 6) == "mask"  # a head size flash kernels refuse
+    assert path("flex_attention", cuda, torch.float32, 0.0, 64) == "mask"
     assert path("sdpa", cpu, torch.bfloat16, 0.0, 64) == "segments"
     assert path("flex_attention", cpu, torch.float32, 0.0, 64) == "segments"
     assert path("flash_attention_2", cuda, torch.bfloat16, 0.0, 64) == "flash"
     assert path("flash_attention_3", cuda, torch.bfloat16, 0.0, 64) == "flash"
     assert path("eager", cuda, torch.bfloat16, 0.0, 64) == "mask"
     monkeypatch.setattr(attention, "_flash_capable", lambda index: False)  # pre-Ampere
-    assert path("sdpa", cuda, torch.bfloat16, 0.0, 64) == "segments"
+    assert path("sdpa", cuda, torch.bfloat16, 0.0, 64) == "mask"
 
 
 def test_varlen_gets_the_flattened_tokens_cumulative_lengths_and_host_maxima(monkeypatch):
@@ -637,3 +639,13 @@ def test_the_model_through_the_varlen_branch_equals_the_images_alone(monkeypatch
     model = VisionTransformerModel(tiny_config(attn_implementation="sdpa", num_register_tokens=1)).eval()
     assert_each_image_alone(model)
     assert len(calls) >= model.config.num_hidden_layers
+
+
+def test_flex_attention_with_a_block_diagonal_mask_is_handed_to_sdpa(monkeypatch):
+    # the GPU's fp32 path and the compiled one: the block-diagonal mask goes to SDPA, not to flex attention's kernels
+    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "mask")
+    buffer, (query, key, value) = qkv()
+    function = ALL_ATTENTION_FUNCTIONS.get_interface("flex_attention", None)
+    output, _ = function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=4**-0.5)
+    keep = valid()
+    torch.testing.assert_close(output[keep], each_run_alone(query, key, value)[keep], atol=1e-12, rtol=1e-12)

@@ -210,12 +210,10 @@ def padded_batch_segments(
     if padding_share == 0:
         return None
     path = segment_attention_path(implementation, token_mask.device, dtype, dropout, head_dim)
-    worth_it = path == "varlen" or (
-        path == "segments"
-        and (
-            implementation == "flex_attention"
-            or (token_mask.device.type == "cpu" and padding_share >= SEGMENTS_MIN_PADDING_SHARE)
-        )
+    worth_it = (
+        path == "varlen"
+        or implementation == "flex_attention"
+        or (path == "segments" and padding_share >= SEGMENTS_MIN_PADDING_SHARE)
     )
     return attention_segments([[length] for length in lengths], tokens, token_mask.device) if worth_it else None
 
@@ -234,10 +232,11 @@ def segment_attention_path(
     - "flash": transformers' flash attention over the runs (`cu_seq_lens_q/k`, `max_length_q/k`);
     - "varlen": torch's `varlen_attn` (SDPA or flex attention asked for; CUDA, half precision, no dropout, a head
       size flash kernels take);
-    - "segments": one SDPA call per distinct run length, on the gathered runs (the exact path everywhere else: CPU,
-      fp32, dropout; no work spent on tokens of other images or on the padding);
+    - "segments": one SDPA call per distinct run length, on the gathered runs (SDPA or flex attention on CPU: no work
+      spent on tokens of other images or on the padding);
     - "mask": the implementation itself with a block-diagonal mask (eager, which returns the probabilities, and
-      attention functions registered by others).
+      attention functions registered by others), SDPA with it on a GPU where `varlen_attn` does not apply (fp32,
+      dropout): there one fused kernel beats a kernel launch per run length.
     """
     if "flash" in implementation:  # transformers' test for its flash implementations, kernels from the Hub included
         return "flash"
@@ -253,7 +252,7 @@ def segment_attention_path(
         and _flash_capable(device.index)
     ):
         return "varlen"
-    return "segments"
+    return "segments" if device.type == "cpu" else "mask"
 
 
 def segment_attention_forward(
@@ -281,7 +280,7 @@ def segment_attention_forward(
         if path in ("varlen", "segments"):
             path = "mask"  # one graph for every batch of these shapes: a mask is data, the run lengths are not
     else:  # the logs are printed before compiling, at the first call
-        if implementation == "flex_attention" and path != "mask":
+        if implementation == "flex_attention":
             logger.warning_once(
                 "flex_attention builds a block mask per batch; batches with padding or packed images run through "
                 f"the SDPA path instead ({path})."
@@ -297,6 +296,8 @@ def segment_attention_forward(
         same_run, dtype = segments.block_diagonal_mask(), query.dtype
         mask = torch.zeros(same_run.shape, dtype=dtype, device=query.device)
         mask = mask.masked_fill(~same_run.to(query.device), torch.finfo(dtype).min)  # additive: every function adds it
+        if implementation == "flex_attention":  # handed to SDPA: a block mask would be built for every batch
+            function = sdpa_or_matmul_attention_forward
         return function(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
     # (B, heads, N, d_h) -> (B * N, heads, d_h): the tokens flattened, a view of the qkv projection's output
     flat = [tensor.transpose(1, 2).reshape(batch * tokens, heads, head_dim) for tensor in (query, key, value)]
