@@ -6,8 +6,9 @@ Every function it returns also takes, in place of a mask, `AttentionSegments`: r
 only among themselves (the images of a padded or packed batch, each row's padding its own run), as cumulative sequence
 lengths over the flattened tokens. Each implementation runs them its own way (`segment_attention_path`): flash
 attention through transformers' variable-length path (`cu_seq_lens_q/k`), SDPA on a CUDA GPU in half precision through
-torch's `varlen_attn`, SDPA elsewhere (CPU, fp32, dropout) one SDPA call per run length, the eager implementation (the
-one that returns probabilities) with a block-diagonal mask; flex attention hands such batches to the SDPA path.
+torch's `varlen_attn`, SDPA on CPU one call per run length, SDPA on a GPU in fp32 or with dropout and the eager
+implementation (the one that returns probabilities) with a block-diagonal mask; flex attention hands such batches to
+the SDPA path.
 
 Saved next to checkpoints as remote code with the model, so it imports only torch and transformers.
 """
