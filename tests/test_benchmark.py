@@ -507,3 +507,20 @@ def test_naflex_rows_fill_their_doc_block(tmp_path, capsys):
     with pytest.raises(SystemExit):
         naflex_speed.main(["--max_num_patches", "5"])  # not a square: refused by name
     assert "--max_num_patches must be a square number" in capsys.readouterr().err
+
+
+def test_packing_rows_quick_mode_prints_every_row_and_ratio(capsys):
+    from benchmarks import packing_speed
+
+    assert packing_speed.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("| padded", "| packed"))]
+    assert [row.split(" | ")[0] for row in rows] == ["| padded + mask", "| padded + segments", "| packed + mask",
+                                                     "| packed + segments"]  # fmt: skip
+    model_rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| model:")]
+    assert model_rows == ["| model: padded + mask", "| model: padded + segments", "| model: packed + segments"]
+    assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in rows)
+    assert "padding" in out and "have the same outputs" in out
+    with pytest.raises(SystemExit):
+        packing_speed.main(["--max_num_patches", "64", "--packed_sequence_length", "32"])
+    assert "--packed_sequence_length (32) must be at least --max_num_patches (64)" in capsys.readouterr().err

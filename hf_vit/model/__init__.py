@@ -10,6 +10,8 @@ only its siblings (relatively), torch, transformers and the standard library.
 * `attention`: the attention implementations; `hybrid`: the ResNet stem of the hybrid models;
 * `resolution`: image sizes, patch grids and resampling the position embeddings and the patch embedding;
 * `naflex`: native-aspect batches (flattened patches, a padding mask and a grid per image) in the model;
+* `packing`: packed batches (several whole images per row, NaViT) in the model: their layout, checked, and the
+  moves of tokens between packed rows and one image per row;
 * `image_processing_vit`: `VisionTransformerImageProcessor`, the pixels of training and inference;
 * `loading`: strict loading, the hook through which foreign checkpoints load, and the code copied beside a save.
 

@@ -363,6 +363,16 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             default): whole images of `size`.
         patch_size (`int`, *optional*, defaults to 16):
             The model's patch size, which the patches of `max_num_patches` are cut with.
+        packed_sequence_length (`int`, *optional*):
+            With `max_num_patches`, pack several images into each row of this many patch slots (NaViT's "Patch n'
+            Pack"), whole images, first-fit-decreasing (the images with the most patches placed first, each in the
+            first row with room for it), instead of one image per row padded to `max_num_patches`; at least
+            `max_num_patches`. Returns `pixel_values` `(rows, packed_sequence_length, patch_size**2 * C)`,
+            `pixel_attention_mask` `(rows, packed_sequence_length)` (1 on every image's patches),
+            `spatial_shapes` `(N, 2)` (each image's grid, in the order given) and `patch_image_index`
+            `(rows, packed_sequence_length)` (the image each slot holds a patch of, -1 on the padding). Each image's
+            patches are consecutive in its row, in row-major order. The number of rows depends on the images; their
+            length never does.
 
     Every option can also be overridden per call, e.g. `processor(images, size=384, return_tensors="pt")`.
     """
@@ -399,6 +409,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         image_std: float | Sequence[float] | None = None,
         max_num_patches: int | None = None,
         patch_size: int = 16,
+        packed_sequence_length: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -416,7 +427,9 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         _check_rescale_and_normalization(self.rescale_factor, self.image_mean, self.image_std)
         self.max_num_patches = max_num_patches
         self.patch_size = patch_size
+        self.packed_sequence_length = packed_sequence_length
         _check_native(max_num_patches, patch_size, do_center_crop)
+        _check_packing(max_num_patches, packed_sequence_length)
 
     def preprocess(
         self,
@@ -434,6 +447,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         image_std: float | Sequence[float] | None = None,
         max_num_patches: int | None = None,
         patch_size: int | None = None,
+        packed_sequence_length: int | None = None,
         return_tensors: str | TensorType | None = None,
         input_data_format: str | ChannelDimension | None = None,
         device: str | torch.device | None = None,
@@ -472,6 +486,9 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         max_num_patches = self.max_num_patches if max_num_patches is None else max_num_patches
         patch_size = self.patch_size if patch_size is None else patch_size
         _check_native(max_num_patches, patch_size, do_center_crop)
+        if packed_sequence_length is None:
+            packed_sequence_length = self.packed_sequence_length
+        _check_packing(max_num_patches, packed_sequence_length)
 
         tensors = load_images(images, do_convert_rgb, input_data_format)
         # Same-size images are processed as one batch: one interpolate call per group.
@@ -510,6 +527,8 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                 for position, index in enumerate(indices):
                     processed[index] = batch[position]
 
+        if packed_sequence_length is not None:
+            return packed_patch_batch(processed, patch_size, max_num_patches, packed_sequence_length, return_tensors)
         if max_num_patches is not None:
             return native_patch_batch(processed, patch_size, max_num_patches, return_tensors)
         if return_tensors is None:
@@ -553,16 +572,25 @@ def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: 
         )
 
 
-def native_patch_batch(
-    images: torch.Tensor | list[torch.Tensor],
-    patch_size: int,
-    max_num_patches: int,
-    return_tensors: str | TensorType | None = "pt",
-) -> BatchFeature:
-    """Normalised `[C, H, W]` images, each a whole number of patches, as the processor's native-aspect batch: each
-    image's flattened patches padded to `max_num_patches` (`pixel_values`), the padding mask and each grid (see
-    `max_num_patches` in the class docstring). Training transforms that resize images themselves batch them here."""
-    return_tensors = None if return_tensors is None else TensorType(return_tensors)
+def _check_packing(max_num_patches: int | None, packed_sequence_length: int | None) -> None:
+    if packed_sequence_length is None:
+        return
+    if not isinstance(packed_sequence_length, int) or isinstance(packed_sequence_length, bool):
+        raise ValueError(f"`packed_sequence_length` must be a positive int, got {packed_sequence_length!r}.")
+    if max_num_patches is None:
+        raise ValueError(
+            "`packed_sequence_length` packs images on their native-aspect grids: give `max_num_patches` (the most "
+            "patches of one image) with it."
+        )
+    if packed_sequence_length < max_num_patches:
+        raise ValueError(
+            f"`packed_sequence_length` ({packed_sequence_length}) must be at least `max_num_patches` "
+            f"({max_num_patches}): a row must hold the largest image."
+        )
+
+
+def _native_grids(images: Sequence[torch.Tensor], patch_size: int, max_num_patches: int) -> list[tuple[int, int]]:
+    """Each image's patch grid, refusing an image that is not a grid of at most `max_num_patches` patches."""
     grids = []
     for index, image in enumerate(images):
         height, width = image.shape[-2:]
@@ -573,18 +601,19 @@ def native_patch_batch(
                 f"{patch_size}x{patch_size} patches: leave do_resize on with max_num_patches (it chooses the grid)."
             )
         grids.append((rows, cols))
-    channels, device = images[0].shape[0], images[0].device
-    # One strided copy per image straight into the padded batch, each patch in (row, column, channel) order.
-    pixel_values = torch.zeros(len(grids), max_num_patches, patch_size * patch_size * channels, device=device)
-    for row, (image, (rows, cols)) in enumerate(zip(images, grids)):
-        target = pixel_values[row, : rows * cols].view(rows, cols, patch_size, patch_size, channels)
-        target.copy_(image.view(channels, rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0))
-    shapes = torch.tensor(grids, device=device)
-    data = {
-        "pixel_values": pixel_values,
-        "pixel_attention_mask": (torch.arange(max_num_patches, device=device) < shapes.prod(1)[:, None]).int(),
-        "spatial_shapes": shapes,
-    }
+    return grids
+
+
+def _copy_patches(target: torch.Tensor, image: torch.Tensor, grid: tuple[int, int], patch_size: int) -> None:
+    """One strided copy of `image`'s patches into `target` `(rows * cols, P * P * C)`, each patch in (patch row,
+    patch column, channel) order."""
+    (rows, cols), channels = grid, image.shape[0]
+    patches = image.view(channels, rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0)
+    target.view(rows, cols, patch_size, patch_size, channels).copy_(patches)
+
+
+def _batch_feature(data: dict[str, torch.Tensor], return_tensors: str | TensorType | None) -> BatchFeature:
+    return_tensors = None if return_tensors is None else TensorType(return_tensors)
     if return_tensors is None:
         return BatchFeature({name: list(value.cpu().numpy()) for name, value in data.items()})
     if return_tensors == TensorType.NUMPY:
@@ -592,14 +621,93 @@ def native_patch_batch(
     return BatchFeature(data, tensor_type=return_tensors)
 
 
+def native_patch_batch(
+    images: torch.Tensor | list[torch.Tensor],
+    patch_size: int,
+    max_num_patches: int,
+    return_tensors: str | TensorType | None = "pt",
+) -> BatchFeature:
+    """Normalised `[C, H, W]` images, each a whole number of patches, as the processor's native-aspect batch: each
+    image's flattened patches padded to `max_num_patches` (`pixel_values`), the padding mask and each grid (see
+    `max_num_patches` in the class docstring). Training transforms that resize images themselves batch them here."""
+    grids = _native_grids(images, patch_size, max_num_patches)
+    channels, device = images[0].shape[0], images[0].device
+    pixel_values = torch.zeros(len(grids), max_num_patches, patch_size * patch_size * channels, device=device)
+    for row, (image, (rows, cols)) in enumerate(zip(images, grids)):
+        _copy_patches(pixel_values[row, : rows * cols], image, (rows, cols), patch_size)
+    shapes = torch.tensor(grids, device=device)
+    data = {
+        "pixel_values": pixel_values,
+        "pixel_attention_mask": (torch.arange(max_num_patches, device=device) < shapes.prod(1)[:, None]).int(),
+        "spatial_shapes": shapes,
+    }
+    return _batch_feature(data, return_tensors)
+
+
+def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of at most `capacity` for items of `sizes`, as lists of item indices: the items taken largest first
+    (ties in the order given), each put in the first bin with room for it, a new bin when none has. Deterministic;
+    it never uses more than 11/9 of the fewest bins possible, plus one."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"`capacity` must be a positive int, got {capacity!r}.")
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        size = sizes[index]
+        if not 1 <= size <= capacity:
+            raise ValueError(f"Item {index} has size {size}, which is not between 1 and the capacity {capacity}.")
+        row = next((row for row, left in enumerate(room) if left >= size), len(bins))
+        if row == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[row].append(index)
+        room[row] -= size
+    return bins
+
+
+def packed_patch_batch(
+    images: torch.Tensor | list[torch.Tensor],
+    patch_size: int,
+    max_num_patches: int,
+    packed_sequence_length: int,
+    return_tensors: str | TensorType | None = "pt",
+) -> BatchFeature:
+    """Normalised `[C, H, W]` images, each a grid of at most `max_num_patches` patches, packed whole into rows of
+    `packed_sequence_length` patch slots by `first_fit_decreasing` (see `packed_sequence_length` in the class
+    docstring). Training transforms that resize images themselves pack them here."""
+    _check_packing(max_num_patches, packed_sequence_length)
+    grids = _native_grids(images, patch_size, max_num_patches)
+    rows_of_images = first_fit_decreasing([rows * cols for rows, cols in grids], packed_sequence_length)
+    channels, device = images[0].shape[0], images[0].device
+    shape = (len(rows_of_images), packed_sequence_length)
+    pixel_values = torch.zeros(*shape, patch_size * patch_size * channels, device=device)
+    patch_image_index = torch.full(shape, -1, dtype=torch.long, device=device)
+    for row, indices in enumerate(rows_of_images):
+        start = 0
+        for index in indices:
+            count = grids[index][0] * grids[index][1]
+            _copy_patches(pixel_values[row, start : start + count], images[index], grids[index], patch_size)
+            patch_image_index[row, start : start + count] = index
+            start += count
+    data = {
+        "pixel_values": pixel_values,
+        "pixel_attention_mask": (patch_image_index >= 0).int(),
+        "spatial_shapes": torch.tensor(grids, device=device),
+        "patch_image_index": patch_image_index,
+    }
+    return _batch_feature(data, return_tensors)
+
+
 __all__ = [
     "VisionTransformerImageProcessor",
     "center_crop_images",
     "exif_transpose",
+    "first_fit_decreasing",
     "grid_for_max_patches",
     "load_images",
     "native_patch_batch",
     "open_image",
+    "packed_patch_batch",
     "rescale_and_normalize",
     "resize_images",
     "sixteen_to_eight_bit",

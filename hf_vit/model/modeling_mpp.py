@@ -22,6 +22,7 @@ from transformers.utils import ModelOutput, can_return_tuple
 from .configuration_vit import VisionTransformerConfig
 from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel, lecun_normal_
 from .naflex import check_native_batch
+from .packing import packed_layout
 
 __all__ = [
     "PATCH_CLEAN",
@@ -163,11 +164,24 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
         patch_corruption: torch.Tensor | None = None,
         interpolate_pos_encoding: bool | None = None,
         bool_masked_pos: torch.Tensor | None = None,
+        patch_image_index: torch.Tensor | None = None,
         **kwargs,
     ) -> MaskedPatchPredictionOutput:
         """`patch_corruption`: the corruption codes `(B, N)` (`draw_patch_corruption`); or `bool_masked_pos` `(B, N)`,
         as transformers' `ViTForMaskedImageModeling` takes it: the patches the [mask] embedding replaces, and the
-        only ones predicted."""
+        only ones predicted. A packed batch (`patch_image_index`, see `packing.py`) gives `labels`, `patch_corruption`
+        and `bool_masked_pos` per patch slot `(rows, L)` and gets its outputs per image, as the native-aspect batch of
+        the same images: `logits` and `patch_corruption` `(images, patches, ...)`."""
+        if patch_image_index is not None:  # the images one per row here; the encoder runs their tokens packed
+            packed = packed_layout(
+                patch_image_index, kwargs.get("spatial_shapes"), self.config.num_prefix_tokens,
+                kwargs.get("pixel_attention_mask"),
+            )  # fmt: skip
+            pixel_values, labels, patch_corruption, bool_masked_pos = (
+                None if value is None else packed.unpack_patches(value)
+                for value in (pixel_values, labels, patch_corruption, bool_masked_pos)
+            )
+            kwargs.update(pixel_attention_mask=packed.patch_mask, packed=packed)
         spatial_shapes, patch_mask = kwargs.get("spatial_shapes"), None
         if spatial_shapes is not None:  # a native-aspect batch: the padding is neither corrupted nor predicted
             mask = kwargs.get("pixel_attention_mask")

@@ -51,6 +51,7 @@ from .loading import (
     save_sibling_code,
 )
 from .naflex import masked_mean, native_masks, patch_grid_maps
+from .packing import PackedLayout, packed_layout
 from .pooling import MultiheadAttentionPooling
 from .resolution import (
     check_pixel_values,
@@ -469,24 +470,38 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         pixel_attention_mask: torch.Tensor | None = None,
         spatial_shapes: torch.Tensor | None = None,
         patch_sources: torch.Tensor | None = None,
+        patch_image_index: torch.Tensor | None = None,
+        packed: PackedLayout | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
         """`bool_masked_pos` `(B, N)`: the patches whose embeddings the [mask] embedding replaces (a model built
         with `use_mask_token=True`); `patch_sources` `(B, N)`: the patches that take another's embedding instead
         (masked patch prediction, see `VisionTransformerEmbeddings.corrupt` and `modeling_mpp.py`).
         `spatial_shapes` (with `pixel_attention_mask`): a native-aspect batch of flattened patches, each image on its
-        own grid (see `naflex.py`)."""
+        own grid (see `naflex.py`); with `patch_image_index`, a packed batch, several whole images per row (see
+        `packing.py`): the outputs are per image (in the order of `spatial_shapes`), as for the native-aspect batch of
+        the same images, which is also the layout `bool_masked_pos` and `patch_sources` are given in; `hidden_states`
+        and `attentions` are of the packed rows. `packed`: the layout of a packed batch whose patches a head has
+        already moved to one image per row (`PackedLayout.unpack_patches`)."""
         if pixel_values is None:
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        if patch_image_index is not None:  # the images one per row for (1) and (4); the blocks run them packed
+            prefix = self.config.num_prefix_tokens
+            packed = packed_layout(patch_image_index, spatial_shapes, prefix, pixel_attention_mask)
+            pixel_values, pixel_attention_mask = packed.unpack_patches(pixel_values), packed.patch_mask
         token_mask, attention_mask = self.input_masks(
             pixel_values, interpolate_pos_encoding, pixel_attention_mask, spatial_shapes, output_attentions
         )
         embeddings = self.embeddings(pixel_values, bool_masked_pos, spatial_shapes, patch_sources)  # (1)
         hidden_states = self.pre_norm(embeddings)
+        if packed is not None:  # each image's tokens consecutive in a packed row, attending only to each other
+            hidden_states, attention_mask = packed.pack(hidden_states), packed.segments
         for block in self.layers:
             hidden_states, _ = block(hidden_states, output_attentions, attention_mask)  # (2), (3)
+        if packed is not None:
+            hidden_states = packed.unpack(hidden_states)
         # (4): LN of the class token's final state (or of the patch tokens' average, or of attention pooling); with
         # fc_norm the LayerNorm follows the pooling, and the tokens are returned as the last block left them.
         fc_norm = self.config.fc_norm
@@ -503,12 +518,14 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         spatial_shapes: torch.Tensor | None,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Check the inputs; for a native-aspect batch (`spatial_shapes`), return the valid tokens `(B, N)` and the
-        attention mask that hides the padding from every query (`naflex.native_masks`), else `(None, None)`."""
+        """Check the inputs; for a native-aspect batch (`spatial_shapes`), return the valid tokens `(B, N)` and what
+        keeps the padding out of attention (`naflex.native_masks`: a run per image, a mask, or nothing without
+        padding), else `(None, None)`."""
         if spatial_shapes is not None:
             return native_masks(
-                self.config, pixel_values, pixel_attention_mask, spatial_shapes, output_attentions, self.dtype
-            )
+                self.config, pixel_values, pixel_attention_mask, spatial_shapes, output_attentions, self.dtype,
+                self.training,
+            )  # fmt: skip
         if pixel_attention_mask is not None:
             raise ValueError(
                 "`pixel_attention_mask` was given without `spatial_shapes`: a native-aspect batch (the image "
@@ -607,25 +624,35 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
         interpolate_pos_encoding: bool = True,
         pixel_attention_mask: torch.Tensor | None = None,
         spatial_shapes: torch.Tensor | None = None,
+        patch_image_index: torch.Tensor | None = None,
         **kwargs,
     ) -> BackboneOutput:
         """A native-aspect batch (`spatial_shapes`, see `naflex.py`) gives maps on its largest grid, each image's at
-        the top left and zero beyond its own grid."""
+        the top left and zero beyond its own grid; so does a packed batch (`patch_image_index`, see `packing.py`),
+        one map per image, whose `hidden_states` are then one image per row too."""
+        packed = None
+        if patch_image_index is not None:
+            prefix = self.config.num_prefix_tokens
+            packed = packed_layout(patch_image_index, spatial_shapes, prefix, pixel_attention_mask)
+            pixel_values, pixel_attention_mask = packed.unpack_patches(pixel_values), packed.patch_mask
         # dense prediction runs at any patch-divisible size: the position embeddings follow it
         outputs = VisionTransformerModel.forward(  # not super(): BackboneMixin defines a forward of its own
             self, pixel_values, interpolate_pos_encoding=interpolate_pos_encoding,
             output_attentions=output_attentions, output_hidden_states=True,
-            pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes,
+            pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes, packed=packed,
         )  # fmt: skip
+        states = outputs.hidden_states
+        if packed is not None:  # the blocks' outputs are of the packed rows
+            states = tuple(packed.unpack(state) for state in states)
         if spatial_shapes is None:
             grid = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
             spatial_shapes = torch.tensor([grid] * pixel_values.shape[0])
         feature_maps = tuple(
             patch_grid_maps(self.norm(state)[:, self.config.num_prefix_tokens :], spatial_shapes)
-            for stage, state in zip(self.stage_names, outputs.hidden_states)
+            for stage, state in zip(self.stage_names, states)
             if stage in self.out_features
         )
-        hidden_states = outputs.hidden_states if output_hidden_states else None
+        hidden_states = states if output_hidden_states else None
         return BackboneOutput(feature_maps=feature_maps, hidden_states=hidden_states, attentions=outputs.attentions)
 
 

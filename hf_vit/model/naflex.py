@@ -12,8 +12,9 @@ The model's embeddings (equation 1, `VisionTransformerEmbeddings`) apply to the 
 E as the convolution of the ordinary path and resample the position embeddings to each image's grid
 (`resolution.resample_position_embeddings`, once per distinct grid; while a graph is exported, where the grids are
 data and not shapes, as weights computed from them, so the graph takes any number of patches and any grids). This
-module checks such a batch, masks the padded patches as attention keys and leaves them out of the pooling: each
-image's outputs are those it has alone at its own size (`interpolate_pos_encoding`).
+module checks such a batch, keeps the padded patches out of attention (each image's tokens a run of their own,
+`AttentionSegments`, where variable-length attention is the faster way; else masked as keys; nothing without padding)
+and out of the pooling: each image's outputs are those it has alone at its own size (`interpolate_pos_encoding`).
 
 Saved next to checkpoints as remote code with the model, so it imports only torch and its siblings.
 """
@@ -21,6 +22,8 @@ Saved next to checkpoints as remote code with the model, so it imports only torc
 from __future__ import annotations
 
 import torch
+
+from .attention import AttentionSegments, padded_batch_segments
 
 __all__ = [
     "attention_mask_for",
@@ -97,15 +100,31 @@ def native_masks(
     spatial_shapes: torch.Tensor,
     output_attentions: bool,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The valid tokens `(B, prefix + K)` of a native-aspect batch (checked first: see `check_native_batch`) and the
-    attention mask hiding the others from every query, in the form the model's attention takes (`attention_mask_for`;
-    eager's when the probabilities are asked for), in the dtype of its weights."""
+    training: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | AttentionSegments | None]:
+    """The valid tokens `(B, prefix + K)` of a native-aspect batch (checked first: see `check_native_batch`) and what
+    keeps the others out of attention: each image's tokens as a run of their own where that is faster
+    (`padded_batch_segments`: variable-length attention on a GPU, and CPU batches with enough padding), else the
+    attention mask hiding them from every query, in the form the model's attention takes (`attention_mask_for`;
+    eager's when the probabilities are asked for) in the dtype of its weights; None for a batch without padding."""
     patch_mask = check_native_batch(pixel_values, pixel_attention_mask, spatial_shapes, config)
     prefix = patch_mask.new_ones(patch_mask.shape[0], config.num_prefix_tokens)
     token_mask = torch.cat([prefix, patch_mask], dim=1)
     implementation = "eager" if output_attentions else config._attn_implementation
-    return token_mask, attention_mask_for(token_mask, implementation, dtype)
+    if torch.compiler.is_exporting():  # the graph's mask is computed from its data
+        return token_mask, attention_mask_for(token_mask, implementation, dtype)
+    if bool(token_mask.all()):
+        return token_mask, None
+    dropout = config.attention_probs_dropout_prob if training else 0.0
+    head_dim = config.hidden_size // config.num_attention_heads
+    segments = padded_batch_segments(token_mask, implementation, _query_dtype(token_mask, dtype), dropout, head_dim)
+    return token_mask, segments if segments is not None else attention_mask_for(token_mask, implementation, dtype)
+
+
+def _query_dtype(token_mask: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the attention's queries have: the weights' `dtype`, or autocast's."""
+    device = token_mask.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else dtype
 
 
 def attention_mask_for(token_mask: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
@@ -123,8 +142,7 @@ def attention_mask_for(token_mask: torch.Tensor, implementation: str, dtype: tor
 
         batch, tokens = token_mask.shape
         return create_block_mask(valid_key, batch, None, tokens, tokens, device=token_mask.device)
-    device = token_mask.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else dtype
+    dtype = _query_dtype(token_mask, dtype)
     batch, tokens = token_mask.shape
     additive = torch.zeros(token_mask.shape, dtype=dtype, device=token_mask.device)
     additive = additive.masked_fill(~token_mask, torch.finfo(dtype).min)

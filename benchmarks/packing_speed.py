@@ -1,0 +1,340 @@
+#!/usr/bin/env python
+r"""Packing rows of the benchmark: what padding costs on CPU, and what attention restricted to each image saves.
+
+The images are at their native resolution (NaViT's setting: each a grid of between `--min_share` x K and K patches,
+so a padded batch's rows are a quarter to a third padding), through hf-vit's processor at equal patch slots: padded,
+B images one per row of K patches (`max_num_patches`), and packed, whole images first-fit-decreasing into B * K / L
+rows of L patch slots (`packed_sequence_length`), the same images and the next ones, as many as fit. Their attention
+is timed in one process, in alternating rounds (`timing.time_alternating`), as the model runs it, through the model's
+attention function (`ALL_ATTENTION_FUNCTIONS`):
+
+    padded + mask       one image per row, the padding masked as keys (an additive (B, 1, N, N) mask, as today)
+    padded + segments   the same tensors, attention restricted to each image (`AttentionSegments`)
+    packed + mask       packed rows with a block-diagonal mask (packing without variable-length attention)
+    packed + segments   packed rows, attention restricted to each image
+
+for inference and for a training step (forward and backward), and prints images/s and the ratios against
+`padded + mask`. Each row's tokens are its images' patches and one class token per image, the padding after them.
+
+Then the whole model (a classifier, `--model_width`, `--model_depth`) on the same two batches: the padded batch with
+the padding masked as keys and with a run per image (what the model chooses on CPU from 10% padding), and the packed
+batch; the images both batches hold get the same logits before anything is timed.
+
+    PYTHONPATH=. python benchmarks/packing_speed.py --threads 1
+    PYTHONPATH=. python benchmarks/packing_speed.py --quick   # seconds: a tiny batch, one sample per row
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import torch
+
+from benchmarks.timing import median_seconds, time_alternating
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.model import attention
+from hf_vit.model.attention import ALL_ATTENTION_FUNCTIONS, attention_segments
+from hf_vit.model.image_processing_vit import first_fit_decreasing
+
+PATCH = 16
+ROWS = ("padded + mask", "padded + segments", "packed + mask", "packed + segments")
+MODEL_ROWS = ("padded + mask", "padded + segments", "packed + segments")
+
+
+class _Attention(torch.nn.Module):
+    """What the attention functions read from the model's attention module."""
+
+    is_causal = False
+
+
+def native_images(args, count: int) -> list[np.ndarray]:
+    """`count` images of random aspect ratio and resolution, each a whole grid of between min_share * K and K
+    patches (the first ones the same for any count)."""
+    rng = np.random.default_rng(args.seed)
+    low = max(1, math.ceil(args.min_share * args.max_num_patches))
+    images = []
+    while len(images) < count:
+        rows = int(rng.integers(1, args.max_num_patches + 1))
+        cols = int(rng.integers(1, args.max_num_patches // rows + 1))
+        if low <= rows * cols <= args.max_num_patches:
+            images.append(rng.integers(0, 256, (rows * PATCH, cols * PATCH, 3), dtype=np.uint8))
+    return images
+
+
+def packed_count(args, sizes: list[int]) -> int:
+    """How many of the images (of `sizes` patches, in order) first-fit-decreasing packs into the padded batch's
+    patch slots: B * K / L rows of L."""
+    rows = args.batch_size * args.max_num_patches // args.packed_sequence_length
+    count = args.batch_size
+    while count < len(sizes) and len(first_fit_decreasing(sizes[: count + 1], args.packed_sequence_length)) <= rows:
+        count += 1
+    return count
+
+
+def layouts(args) -> dict[str, dict]:
+    """Per layout ("padded", "packed"): each row's images, its runs of tokens (class token + patches per image) and
+    the rows' length in tokens, from hf-vit's processor. At equal patch slots: the padded batch is B images in B rows
+    of K slots, the packed one the same images and the next ones, as many as fill B * K / L rows of L."""
+    processor = VisionTransformerImageProcessor(
+        max_num_patches=args.max_num_patches, patch_size=PATCH, do_resize=False
+    )
+    images = native_images(args, 4 * args.batch_size)
+    sizes = processor(images, return_tensors="pt")["spatial_shapes"].prod(1).tolist()
+    count = packed_count(args, sizes)
+    padded = dict(processor(images[: args.batch_size], return_tensors="pt"))
+    packed = dict(processor(images[:count], packed_sequence_length=args.packed_sequence_length, return_tensors="pt"))
+    packed_rows = [list(dict.fromkeys(i for i in row if i >= 0)) for row in packed["patch_image_index"].tolist()]
+    most = max(len(row) for row in packed_rows)
+    return {
+        "padded": {
+            "images": [[index] for index in range(args.batch_size)],
+            "runs": [[1 + size] for size in sizes[: args.batch_size]],
+            "length": 1 + args.max_num_patches,
+            "slots": padded["pixel_attention_mask"].numel(),
+            "padding": 1 - sum(sizes[: args.batch_size]) / padded["pixel_attention_mask"].numel(),
+        },
+        "packed": {
+            "images": packed_rows,
+            "runs": [[1 + sizes[i] for i in row] for row in packed_rows],
+            "length": args.packed_sequence_length + most,  # a class token per image of the fullest row
+            "slots": packed["pixel_attention_mask"].numel(),
+            "padding": 1 - sum(sizes[:count]) / packed["pixel_attention_mask"].numel(),
+        },
+        "sizes": sizes[:count],
+        "inputs": {"padded": padded, "packed": packed},
+    }
+
+
+def placements(layout: dict) -> list[tuple[int, int, int, int]]:
+    """(image, row, first token, tokens) of every image of a layout."""
+    placed = []
+    for row, (images, runs) in enumerate(zip(layout["images"], layout["runs"])):
+        start = 0
+        for image, length in zip(images, runs):
+            placed.append((image, row, start, length))
+            start += length
+    return sorted(placed)
+
+
+def inputs_for(layout: dict, tokens: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A (B, N, 3, heads, d_h) buffer, as the model's qkv projection leaves it, holding each image's `tokens` where
+    the layout puts them (zeros on the padding), and its (B, heads, N, d_h) views."""
+    buffer = tokens[0].new_zeros(len(layout["runs"]), layout["length"], *tokens[0].shape[1:])
+    for image, row, start, length in placements(layout):
+        buffer[row, start : start + length] = tokens[image]
+    return buffer, [part.transpose(1, 2) for part in buffer.unbind(2)]
+
+
+def block_mask(layout: dict) -> torch.Tensor:
+    """The additive mask of a layout: each run's tokens see their run (the padding sees itself), as a model without
+    variable-length attention masks it; for one image per row this is the padding masked as keys."""
+    segments = attention_segments(layout["runs"], layout["length"])
+    same = segments.block_diagonal_mask()
+    return torch.zeros(same.shape).masked_fill(~same, torch.finfo(torch.float32).min)
+
+
+def padding_mask(layout: dict) -> torch.Tensor:
+    """The padded batch's mask as the model builds it today: padded keys hidden from every query, a broadcast view."""
+    lengths = torch.tensor([sum(row) for row in layout["runs"]])
+    tokens = layout["length"]
+    valid = torch.arange(tokens) < lengths[:, None]
+    additive = torch.zeros(valid.shape).masked_fill(~valid, torch.finfo(torch.float32).min)
+    return additive[:, None, None, :].expand(len(lengths), 1, tokens, tokens)
+
+
+def measure(args) -> dict:
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    shapes = layouts(args)
+    sdpa = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
+    module, scaling = _Attention().eval(), (args.width // args.heads) ** -0.5
+    generator = torch.Generator().manual_seed(args.seed)
+    masks = {
+        "padded + mask": padding_mask(shapes["padded"]),
+        "padded + segments": attention_segments(shapes["padded"]["runs"], shapes["padded"]["length"]),
+        "packed + mask": block_mask(shapes["packed"]),
+        "packed + segments": attention_segments(shapes["packed"]["runs"], shapes["packed"]["length"]),
+    }
+    head_dim = args.width // args.heads
+    tokens = [torch.randn(1 + size, 3, args.heads, head_dim, generator=generator) for size in shapes["sizes"]]
+    inputs = {name: inputs_for(shapes[name.split()[0]], tokens) for name in ROWS}
+    # The rows compute the same function: the images they share have the same outputs before anything is timed.
+    reference, difference = None, 0.0
+    for name in ROWS:
+        output, _ = sdpa(module, *inputs[name][1], masks[name], scaling=scaling)
+        placed = placements(shapes[name.split()[0]])[: args.batch_size]
+        per_image = [output[row, start : start + length] for _, row, start, length in placed]
+        reference = reference or per_image
+        difference = max([difference] + [(a - b).abs().max().item() for a, b in zip(per_image, reference)])
+    if difference > 1e-4:
+        raise SystemExit(f"The attention rows disagree on the images' outputs: {difference:.2e}")
+    fns = {}
+    for name in ROWS:
+        buffer, (query, key, value) = inputs[name]
+        trainable = buffer.clone().requires_grad_()
+        parts = [part.transpose(1, 2) for part in trainable.unbind(2)]
+
+        def infer(q=query, k=key, v=value, mask=masks[name]):
+            with torch.no_grad():
+                sdpa(module, q, k, v, mask, scaling=scaling)
+
+        def train(parts=parts, mask=masks[name], buffer=trainable):
+            output, _ = sdpa(module, *parts, mask, scaling=scaling)
+            output.sum().backward()
+            buffer.grad = None
+
+        fns[f"{name} | inference"] = infer
+        fns[f"{name} | training"] = train
+    for fn in fns.values():  # warm-up
+        fn()
+    load_before = os.getloadavg()
+    samples = time_alternating(fns, args.steps, args.repeats, torch.device("cpu"))
+    load_after = os.getloadavg()
+    seconds = {name: median_seconds(sample) for name, sample in samples.items()}
+    padded, packed = shapes["padded"], shapes["packed"]
+    count = {"padded": args.batch_size, "packed": len(shapes["sizes"])}
+    if args.model_depth:
+        seconds.update(measure_model(args, shapes))
+    return {
+        "images_per_s": {
+            name: count[name.removeprefix("model: ").split()[0]] / value for name, value in seconds.items()
+        },
+        "images": count,
+        "padding_share": {"padded": padded["padding"], "packed": packed["padding"]},
+        "rows": {"padded": len(padded["runs"]), "packed": len(packed["runs"])},
+        "max_difference": difference,
+        "load_average": [load_before[0], load_after[0]],
+        "threads": torch.get_num_threads(),
+    }
+
+
+class _PaddingMasked:
+    """Within it, the model masks a padded batch's padding as keys whatever the padding's share."""
+
+    def __enter__(self) -> None:
+        self.share, attention.SEGMENTS_MIN_PADDING_SHARE = attention.SEGMENTS_MIN_PADDING_SHARE, 2.0
+
+    def __exit__(self, *exc) -> None:
+        attention.SEGMENTS_MIN_PADDING_SHARE = self.share
+
+
+def measure_model(args, shapes: dict) -> dict[str, float]:
+    """Seconds per call of the whole classifier on the padded and the packed batch ("model: <row> | <mode>")."""
+    torch.manual_seed(args.seed)
+    config = VisionTransformerConfig(
+        image_size=math.isqrt(args.max_num_patches) * PATCH, patch_size=PATCH, hidden_size=args.model_width,
+        num_hidden_layers=args.model_depth, num_attention_heads=args.model_heads,
+        intermediate_size=4 * args.model_width, num_labels=10, zero_init_head=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = VisionTransformerForImageClassification(config).train()
+    inputs = shapes["inputs"]
+    labels = {name: torch.zeros(len(value["spatial_shapes"]), dtype=torch.long) for name, value in inputs.items()}
+    masked = {"padded + mask": _PaddingMasked}
+    with torch.no_grad():
+        logits = {}
+        for name in MODEL_ROWS:
+            with masked.get(name, contextlib.nullcontext)():
+                logits[name] = model.eval()(**inputs[name.split()[0]]).logits[: args.batch_size]
+        difference = max((value - logits["padded + mask"]).abs().max().item() for value in logits.values())
+    if difference > 1e-4:
+        raise SystemExit(f"The model rows disagree on the images' logits: {difference:.2e}")
+    fns = {}
+    for name in MODEL_ROWS:
+        layout = name.split()[0]
+        batch, context, targets = inputs[layout], masked.get(name, contextlib.nullcontext), labels[layout]
+
+        def infer(batch=batch, context=context):
+            with torch.no_grad(), context():
+                model.eval()(**batch)
+
+        def train(batch=batch, context=context, labels=targets):
+            with context():
+                model.train()(**batch, labels=labels).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        fns[f"model: {name} | inference"], fns[f"model: {name} | training"] = infer, train
+    for fn in fns.values():  # warm-up
+        fn()
+    samples = time_alternating(fns, args.steps, args.repeats, torch.device("cpu"))
+    return {name: median_seconds(sample) for name, sample in samples.items()}
+
+
+def format_rows(result: dict, args) -> str:
+    rate = result["images_per_s"]
+    lines = [
+        "| row | inference (images/s) | vs padded + mask | training step (images/s) | vs padded + mask |",
+        "|---|---|---|---|---|",
+    ]
+    tables = [("", ROWS)] + ([("model: ", MODEL_ROWS)] if args.model_depth else [])
+    for prefix, rows in tables:
+        for name in rows:
+            cells = []
+            for mode in ("inference", "training"):
+                value, base = rate[f"{prefix}{name} | {mode}"], rate[f"{prefix}padded + mask | {mode}"]
+                cells += [f"{value:.1f}", f"{value / base:.2f}x"]
+            lines.append(f"| {prefix}{name} | " + " | ".join(cells) + " |")
+    share, rows, load = result["padding_share"], result["rows"], result["load_average"]
+    images = result["images"]
+    lines += [
+        "",
+        f"Attention of images of {math.ceil(args.min_share * args.max_num_patches)} to {args.max_num_patches} "
+        f"patches (native resolution) and a class token each, at equal patch slots: {images['padded']} images "
+        f"padded into {rows['padded']} rows of K = {args.max_num_patches} ({share['padded']:.0%} padding), "
+        f"{images['packed']} packed into {rows['packed']} rows of L = {args.packed_sequence_length} "
+        f"({share['packed']:.0%} padding). Width {args.width}, {args.heads} heads, fp32, {result['threads']} "
+        f"threads; the images the rows share have the same outputs to {result['max_difference']:.1e}. 1-minute load "
+        f"average {load[0]:.2f} before, {load[1]:.2f} after.",
+    ]
+    if args.model_depth:
+        lines[-1] += (
+            f" Model rows: a classifier of width {args.model_width}, {args.model_depth} blocks, {args.model_heads} "
+            "heads, SDPA, fp32, on the same batches (a training step: forward, loss, backward)."
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max_num_patches", type=int, default=256, help="K, the most patches of one image")
+    parser.add_argument("--packed_sequence_length", type=int, default=1024, help="L, patch slots per packed row")
+    parser.add_argument("--min_share", type=float, default=0.4, help="the fewest patches of an image, as a share of K")
+    parser.add_argument("--batch_size", type=int, default=32, help="images of the padded batch")
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=2, help="calls per timed sample")
+    parser.add_argument("--repeats", type=int, default=5, help="undisturbed samples per row")
+    parser.add_argument("--model_width", type=int, default=192)
+    parser.add_argument("--model_depth", type=int, default=4, help="blocks of the model rows (0: no model rows)")
+    parser.add_argument("--model_heads", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a tiny batch and one sample per row: seconds")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_num_patches, args.packed_sequence_length, args.batch_size = 16, 32, 6
+        args.width, args.heads, args.steps, args.repeats = 32, 2, 1, 1
+        args.model_width, args.model_depth, args.model_heads = 32, 1, 2
+    if args.batch_size * args.max_num_patches < args.packed_sequence_length:
+        parser.error("--batch_size x --max_num_patches must be at least --packed_sequence_length (one packed row)")
+    if args.packed_sequence_length < args.max_num_patches:
+        parser.error(
+            f"--packed_sequence_length ({args.packed_sequence_length}) must be at least --max_num_patches "
+            f"({args.max_num_patches})"
+        )
+    if not 0 < args.min_share <= 1:
+        parser.error(f"--min_share must be in (0, 1], got {args.min_share}")
+    print(format_rows(measure(args), args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Packed batches (NaViT's "Patch n' Pack"): several whole images in each row of a fixed number of patch slots.
+
+The image processor (`packed_sequence_length=L`; its `packed_patch_batch`) returns
+
+    pixel_values          (R, L, P * P * C)   every image's patches, consecutive in its row, the padding after them
+    pixel_attention_mask  (R, L)              1 on the images' patches
+    spatial_shapes        (N, 2)              each image's grid (rows, columns), in the order the images were given
+    patch_image_index     (R, L)              the image each slot holds a patch of, -1 on the padding
+
+and the model runs it as the native-aspect batch of the same images (`naflex.py`) with the tokens moved: equation (1)
+embeds each image on its own grid, with its own class and register tokens, as that batch does; the encoder's blocks
+run on packed rows, each image's tokens (prefix tokens, then patches) consecutive, attention restricted to each image
+(`AttentionSegments`); the final tokens go back to one image per row for the pooling and the heads. Moving tokens is
+exact, and the blocks act on each token alone except in attention, so each image's outputs are those it has alone.
+
+Saved next to checkpoints as remote code with the model, so it imports only torch and its siblings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionSegments, attention_segments
+
+__all__ = ["PackedLayout", "packed_layout"]
+
+
+@dataclass(frozen=True, eq=False)
+class PackedLayout:
+    """Where each image's tokens sit in a packed batch, and the moves between the two layouts.
+
+    The native layout is one image per row, `image_tokens` = prefix tokens + the most patches of an image; the packed
+    layout is `rows` rows of `row_tokens` = L patch slots + the prefix tokens of the row with the most images. Indices
+    of -1 take zeros."""
+
+    rows: int
+    slots: int
+    row_tokens: int
+    image_tokens: int
+    patch_mask: torch.Tensor  # (N, image_tokens - prefix) bool: each image's patches in the native layout
+    segments: AttentionSegments | None  # each image's tokens in the packed rows
+    patch_source: torch.Tensor  # (N * patches,) the packed slot of each native patch
+    pack_source: torch.Tensor  # (rows * row_tokens,) the native token of each packed token
+    unpack_source: torch.Tensor  # (N * image_tokens,) the packed token of each native token
+
+    def unpack_patches(self, values: torch.Tensor) -> torch.Tensor:
+        """`(R, L, ...)` per patch slot (pixels, a mask) -> `(N, patches, ...)`, one image per row."""
+        if not isinstance(values, torch.Tensor) or tuple(values.shape[:2]) != (self.rows, self.slots):
+            shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ValueError(
+                f"A packed batch's `pixel_values` (and any labels or masks per patch) are ({self.rows}, "
+                f"{self.slots}, ...) per patch slot, as its `patch_image_index`; got {shape}."
+            )
+        patches = self.patch_mask.shape[1]
+        return _take(values.flatten(0, 1), self.patch_source).unflatten(0, (-1, patches))
+
+    def pack(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`(N, image_tokens, D)` -> `(rows, row_tokens, D)`."""
+        return _take(tokens.flatten(0, 1), self.pack_source).unflatten(0, (self.rows, self.row_tokens))
+
+    def unpack(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`(rows, row_tokens, D)` -> `(N, image_tokens, D)`, zero beyond each image's tokens."""
+        return _take(tokens.flatten(0, 1), self.unpack_source).unflatten(0, (-1, self.image_tokens))
+
+
+def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`values[index]` along the first dimension, zeros where `index` is -1 (the appended zero row)."""
+    padded = torch.cat([values, values.new_zeros(1, *values.shape[1:])])
+    return padded.index_select(0, torch.where(index < 0, len(values), index).to(values.device))
+
+
+def packed_layout(
+    patch_image_index: torch.Tensor,
+    spatial_shapes: torch.Tensor,
+    num_prefix_tokens: int,
+    pixel_attention_mask: torch.Tensor | None = None,
+) -> PackedLayout:
+    """The layout of a packed batch, checked: every image of `spatial_shapes` in exactly one row, its `rows * cols`
+    patches consecutive; `pixel_attention_mask`, when given, marks exactly the images' slots. Read on the host
+    (one copy from the device per batch)."""
+    if not isinstance(patch_image_index, torch.Tensor) or patch_image_index.ndim != 2:
+        raise ValueError(
+            "`patch_image_index` must be a (rows, packed_sequence_length) tensor of the image each patch slot holds "
+            f"(-1 on the padding), as the image processor returns it; got {_describe(patch_image_index)}."
+        )
+    if not isinstance(spatial_shapes, torch.Tensor) or spatial_shapes.ndim != 2 or spatial_shapes.shape[1] != 2:
+        raise ValueError(
+            f"`spatial_shapes` must be an (images, 2) tensor of each image's grid; got {_describe(spatial_shapes)}."
+        )
+    index = patch_image_index.detach().cpu().long()
+    grids = [tuple(grid) for grid in spatial_shapes.detach().cpu().tolist()]
+    rows, slots = index.shape
+    sizes = [height * width for height, width in grids]
+    if any(height < 1 or width < 1 for height, width in grids):
+        raise ValueError(f"`spatial_shapes` {grids} must be grids of at least 1x1.")
+    if pixel_attention_mask is not None and (
+        tuple(pixel_attention_mask.shape) != (rows, slots)
+        or not torch.equal(pixel_attention_mask.detach().cpu().bool(), index >= 0)
+    ):
+        raise ValueError(
+            "`pixel_attention_mask` must mark exactly the slots `patch_image_index` gives an image (>= 0), as the "
+            "image processor returns it."
+        )
+    placed: list[tuple[int, int] | None] = [None] * len(grids)  # (row, first slot) of each image
+    row_images: list[list[int]] = []
+    for row in range(rows):
+        images, slot = [], 0
+        # runs of one value: an image's patches are one run of as many slots as its grid has patches
+        values, counts = torch.unique_consecutive(index[row], return_counts=True)
+        for image, count in zip(values.tolist(), counts.tolist()):
+            if image >= 0:
+                if image >= len(grids) or placed[image] is not None:
+                    raise ValueError(
+                        f"`patch_image_index` row {row} names image {image} at slot {slot}: each of the "
+                        f"{len(grids)} images of `spatial_shapes` must fill one run of consecutive slots, once."
+                    )
+                if count != sizes[image]:
+                    raise ValueError(
+                        f"`patch_image_index` row {row} holds image {image} from slot {slot}, but not as one run of "
+                        f"its {sizes[image]} patches (its grid {grids[image]} in `spatial_shapes`)."
+                    )
+                placed[image] = (row, slot)
+                images.append(image)
+            slot += count
+        row_images.append(images)
+    missing = [image for image, where in enumerate(placed) if where is None]
+    if missing:
+        raise ValueError(f"Images {missing} of `spatial_shapes` have no patches in `patch_image_index`.")
+
+    prefix, patches = num_prefix_tokens, max(sizes)
+    image_tokens = prefix + patches
+    row_tokens = slots + prefix * max(len(images) for images in row_images)
+    patch_source = torch.full((len(grids), patches), -1, dtype=torch.long)
+    pack_source = torch.full((rows, row_tokens), -1, dtype=torch.long)
+    unpack_source = torch.full((len(grids), image_tokens), -1, dtype=torch.long)
+    runs = []
+    for row, images in enumerate(row_images):
+        start = 0
+        for image in images:
+            count = prefix + sizes[image]
+            patch_source[image, : sizes[image]] = row * slots + placed[image][1] + torch.arange(sizes[image])
+            pack_source[row, start : start + count] = image * image_tokens + torch.arange(count)
+            unpack_source[image, :count] = row * row_tokens + start + torch.arange(count)
+            start += count
+        runs.append([prefix + sizes[image] for image in images])
+    device = patch_image_index.device
+    return PackedLayout(
+        rows=rows,
+        slots=slots,
+        row_tokens=row_tokens,
+        image_tokens=image_tokens,
+        patch_mask=(torch.arange(patches) < torch.tensor(sizes)[:, None]).to(device),
+        segments=attention_segments(runs, row_tokens, device),
+        patch_source=patch_source.flatten().to(device),
+        pack_source=pack_source.flatten().to(device),
+        unpack_source=unpack_source.flatten().to(device),
+    )
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

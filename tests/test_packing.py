@@ -1,0 +1,651 @@
+"""No padding tax: attention restricted to runs of tokens (each image of a padded or packed batch), and the
+processor's packing of several images into rows of a fixed number of patch slots."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from torch.nn import functional as F
+
+import hf_vit.model.attention as attention
+from hf_vit import (
+    VisionTransformerBackbone,
+    VisionTransformerForImageClassification,
+    VisionTransformerForMaskedPatchPrediction,
+    VisionTransformerImageProcessor,
+    VisionTransformerModel,
+)
+from hf_vit.model.attention import (
+    ALL_ATTENTION_FUNCTIONS,
+    AttentionSegments,
+    attention_segments,
+    eager_attention_forward,
+    padded_batch_segments,
+    segment_attention_forward,
+    segment_attention_path,
+)
+from hf_vit.model.image_processing_vit import first_fit_decreasing
+from hf_vit.model.modeling_mpp import PATCH_CLEAN
+from hf_vit.model.packing import packed_layout
+
+# rows of runs (an image's tokens each) in rows of ROW tokens, the rest of each row padding
+RUNS = [[5, 3], [7], [2, 2, 2, 2], [9]]
+ROW = 9
+
+
+class Attention(torch.nn.Module):
+    """What the attention functions read from the model's attention module."""
+
+    is_causal = False
+
+
+def qkv(rows=4, tokens=ROW, heads=2, head_dim=4, dtype=torch.float64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    buffer = torch.randn(rows, tokens, 3, heads, head_dim, dtype=dtype, generator=generator).requires_grad_()
+    return buffer, [part.transpose(1, 2) for part in buffer.unbind(2)]  # (B, heads, N, d_h) views, as the model's
+
+
+def each_run_alone(query, key, value, runs=RUNS):
+    """The reference: SDPA of every run by itself, `(B, N, heads, d_h)`, padding left at zero."""
+    output = torch.zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)
+    for row, lengths in enumerate(runs):
+        start = 0
+        for length in lengths:
+            part = slice(start, start + length)
+            alone = F.scaled_dot_product_attention(query[row : row + 1, :, part], key[row : row + 1, :, part],
+                                                   value[row : row + 1, :, part])  # fmt: skip
+            output[row, part] = alone[0].transpose(0, 1)
+            start += length
+    return output
+
+
+def valid(runs=RUNS, tokens=ROW):
+    return torch.tensor([[position < sum(row) for position in range(tokens)] for row in runs])
+
+
+def test_segments_are_the_cumulative_lengths_with_each_rows_padding_its_own_run():
+    segments = attention_segments(RUNS, ROW)
+    assert segments.lengths == (5, 3, 1, 7, 2, 2, 2, 2, 2, 1, 9)
+    assert segments.cu_seqlens.dtype == torch.int32
+    assert segments.cu_seqlens.tolist() == [0, 5, 8, 9, 16, 18, 20, 22, 24, 26, 27, 36]
+    assert segments.max_seqlen == 9 and type(segments.max_seqlen) is int
+    run_of = segments.token_runs
+    assert run_of.shape == (4, ROW) and run_of[0].tolist() == [0] * 5 + [1] * 3 + [2]
+    assert run_of[3].tolist() == [10] * 9
+
+
+def test_a_batch_without_padding_gets_no_segments_and_bad_rows_are_refused():
+    assert attention_segments([[ROW], [ROW]], ROW) is None
+    assert attention_segments([[4, 5]], ROW) is not None  # two images in one row: runs even without padding
+    with pytest.raises(ValueError, match="row_length"):
+        attention_segments([[3]], 0)
+    with pytest.raises(ValueError, match="Row 1 of `rows`.*at most `row_length` = 9"):
+        attention_segments([[3], [5, 5]], ROW)
+    with pytest.raises(ValueError, match="at least 1 token"):
+        attention_segments([[3, 0]], ROW)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
+def test_each_run_attends_only_to_itself_and_gradients_match(implementation):
+    buffer, (query, key, value) = qkv()
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    output, probs = function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=4**-0.5)
+    reference = each_run_alone(query, key, value)
+    keep = valid()
+    tolerance = 1e-6 if implementation == "eager" else 1e-12  # eager's softmax runs in fp32
+    torch.testing.assert_close(output[keep], reference[keep], atol=tolerance, rtol=tolerance)
+    grad = torch.randn_like(output) * keep[..., None, None]  # the padding's outputs feed nothing
+    (ours,) = torch.autograd.grad(output, buffer, grad)
+    (theirs,) = torch.autograd.grad(reference, buffer, grad)
+    torch.testing.assert_close(ours, theirs, atol=tolerance, rtol=tolerance)
+    if implementation == "eager":  # the probabilities are zero across runs
+        same_run = attention_segments(RUNS, ROW).block_diagonal_mask()
+        assert torch.all(probs.masked_select(~same_run) == 0)
+        torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)))
+
+
+def test_the_per_length_path_batches_runs_of_one_length_and_skips_the_padding(monkeypatch):
+    calls = []
+    attend = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda *a, **k: calls.append(a[1].shape) or attend(*a, **k))
+    _, (query, key, value) = qkv()
+    segments = attention_segments(RUNS, ROW)
+    assert segments.padding == (False, False, True, False, True, False, False, False, False, True, False)
+    output, _ = segment_attention_forward("sdpa", None, Attention(), query, key, value, segments, 0.5)
+    # one call per distinct run length of the images, the runs of that length as its batch
+    assert sorted((shape[0], shape[2]) for shape in calls) == [(1, 3), (1, 5), (1, 7), (1, 9), (4, 2)]
+    assert torch.all(output[~valid()] == 0)  # the padding is not computed
+
+
+def test_cpu_bf16_training_on_runs_matches_fp32():
+    buffer, (query, key, value) = qkv(dtype=torch.float32)
+    module = Attention().train()
+    segments = attention_segments(RUNS, ROW)
+    low = [part.to(torch.bfloat16) for part in (query, key, value)]
+    output, _ = segment_attention_forward("sdpa", None, module, *low, segments, 0.5)
+    reference, _ = segment_attention_forward("sdpa", None, module, query, key, value, segments, 0.5)
+    keep = valid()
+    torch.testing.assert_close(output[keep].float(), reference[keep], atol=3e-2, rtol=3e-2)
+
+
+def test_the_path_follows_the_implementation_device_and_dtype(monkeypatch):
+    monkeypatch.setattr(attention, "_flash_capable", lambda index: True)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    path = segment_attention_path
+    if attention.varlen_attn is not None:  # torch >= 2.10
+        assert path("sdpa", cuda, torch.bfloat16, 0.0, 64) == "varlen"
+        assert path("sdpa", cuda, torch.float16, 0.0, 64) == "varlen"
+        assert path("flex_attention", cuda, torch.bfloat16, 0.0, 64) == "varlen"
+    # where varlen_attn does not apply, a GPU runs one fused kernel with a block-diagonal mask
+    assert path("sdpa", cuda, torch.float32, 0.0, 64) == "mask"  # flash kernels are half precision only
+    assert path("sdpa", cuda, torch.bfloat16, 0.1, 64) == "mask"  # varlen_attn has no dropout
+    assert path("sdpa", cuda, torch.bfloat16, 0.0, 6) == "mask"  # a head size flash kernels refuse
+    assert path("flex_attention", cuda, torch.float32, 0.0, 64) == "mask"
+    assert path("sdpa", cpu, torch.bfloat16, 0.0, 64) == "segments"
+    assert path("flex_attention", cpu, torch.float32, 0.0, 64) == "segments"
+    assert path("flash_attention_2", cuda, torch.bfloat16, 0.0, 64) == "flash"
+    assert path("flash_attention_3", cuda, torch.bfloat16, 0.0, 64) == "flash"
+    assert path("eager", cuda, torch.bfloat16, 0.0, 64) == "mask"
+    monkeypatch.setattr(attention, "_flash_capable", lambda index: False)  # pre-Ampere
+    assert path("sdpa", cuda, torch.bfloat16, 0.0, 64) == "mask"
+
+
+def test_varlen_gets_the_flattened_tokens_cumulative_lengths_and_host_maxima(monkeypatch):
+    seen = {}
+
+    def fake_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None):
+        seen.update(shape=query.shape, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, scale=scale)
+        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+        return attention._per_run_length(Attention(), [query, key, value], lengths, scale, 0.0)
+
+    monkeypatch.setattr(attention, "varlen_attn", fake_varlen)
+    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "varlen")
+    _, (query, key, value) = qkv()
+    segments = attention_segments(RUNS, ROW)
+    output, _ = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)(
+        Attention(), query, key, value, segments, scaling=0.5
+    )
+    assert seen["shape"] == (len(RUNS) * ROW, 2, 4)  # (total tokens, heads, head size)
+    assert seen["cu_q"] is segments.cu_seqlens and seen["cu_k"] is segments.cu_seqlens
+    assert (seen["max_q"], seen["max_k"]) == (9, 9) and type(seen["max_q"]) is int
+    assert seen["scale"] == 0.5
+    keep = valid()
+    torch.testing.assert_close(output[keep], each_run_alone(query, key, value)[keep])
+
+
+def test_flash_attention_gets_transformers_variable_length_arguments():
+    seen = {}
+
+    def fake_flash(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        seen.update(kwargs, mask=attention_mask)
+        return query.transpose(1, 2), None
+
+    _, (query, key, value) = qkv()
+    segments = attention_segments(RUNS, ROW)
+    segment_attention_forward("flash_attention_2", fake_flash, Attention(), query, key, value, segments, 0.5)
+    assert seen["mask"] is None
+    assert seen["cu_seq_lens_q"] is segments.cu_seqlens and seen["cu_seq_lens_k"] is segments.cu_seqlens
+    assert seen["max_length_q"] == seen["max_length_k"] == 9
+
+
+def test_segments_must_describe_the_batch_and_the_choice_is_logged_once(monkeypatch):
+    _, (query, key, value) = qkv()
+    with pytest.raises(ValueError, match="4 rows of 8 tokens, but the queries are 4 rows of 9"):
+        segment_attention_forward("sdpa", None, Attention(), query, key, value, attention_segments([[3]] * 4, 8), 0.5)
+    logged = {"warning": [], "info": []}
+    for level in logged:
+        monkeypatch.setattr(attention.logger, level, lambda message, level=level: logged[level].append(message))
+    logging.Logger.warning_once.cache_clear()  # transformers' once-per-process caches (shared by all loggers)
+    logging.Logger.info_once.cache_clear()
+    function = ALL_ATTENTION_FUNCTIONS.get_interface("flex_attention", None)
+    for _ in range(3):
+        function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=0.5)
+    assert len(logged["warning"]) == 1 and "flex_attention" in logged["warning"][0]
+    assert logged["info"] == ["Attention restricted to each image: flex_attention runs it as 'segments'."]
+
+
+def test_plain_masks_still_reach_the_implementation_unchanged():
+    _, (query, key, value) = qkv()
+    mask = torch.zeros(len(RUNS), 1, ROW, ROW, dtype=query.dtype)
+    mask[..., -2:] = torch.finfo(query.dtype).min
+    function = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
+    output, _ = function(Attention(), query, key, value, mask, scaling=4**-0.5)
+    reference = F.scaled_dot_product_attention(query, key, value, attn_mask=mask).transpose(1, 2)
+    torch.testing.assert_close(output, reference)
+    assert isinstance(attention_segments(RUNS, ROW), AttentionSegments)
+
+
+# ---- packing in the processor ----
+
+# (height, width) of images of several aspect ratios and sizes
+SIZES = [(40, 40), (20, 80), (90, 30), (7, 200), (300, 5), (2, 5), (64, 48), (33, 33), (16, 120)]
+
+
+def images(sizes=SIZES, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for height, width in sizes]
+
+
+def check_packing(packed, native, capacity):
+    """The packing invariants, against the unpacked native-aspect batch of the same images."""
+    index, mask = packed["patch_image_index"], packed["pixel_attention_mask"]
+    grids = native["spatial_shapes"]
+    assert torch.equal(packed["spatial_shapes"], grids)  # in the order given
+    assert index.shape == mask.shape == packed["pixel_values"].shape[:2] and index.shape[1] == capacity
+    assert torch.equal(mask, (index >= 0).int())
+    sizes = grids.prod(1).tolist()
+    for image, size in enumerate(sizes):  # every image exactly once, whole, in one row, consecutive
+        row, slots = (index == image).nonzero(as_tuple=True)
+        assert len(slots) == size and len(set(row.tolist())) == 1, image
+        assert torch.equal(slots, torch.arange(slots[0], slots[0] + size)), image
+        # its patches are the unpacked native-aspect patches of the image
+        assert torch.equal(packed["pixel_values"][row[0], slots], native["pixel_values"][image, :size]), image
+    for row in range(index.shape[0]):  # images first, the padding after them, zeros
+        count = int(mask[row].sum())
+        assert mask[row].tolist() == [1] * count + [0] * (capacity - count)
+        assert torch.all(packed["pixel_values"][row, count:] == 0)
+    return sizes
+
+
+def rows_of(packed):
+    """Each row's images in their order in the row."""
+    return [list(dict.fromkeys(i for i in row if i >= 0)) for row in packed["patch_image_index"].tolist()]
+
+
+@pytest.mark.parametrize("capacity", [16, 23, 40, 200])
+def test_packed_rows_hold_each_image_whole_as_the_unpacked_batch_does(capacity):
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
+    native = processor(images(), return_tensors="pt")
+    packed = processor(images(), packed_sequence_length=capacity, return_tensors="pt")
+    assert set(packed) == {"pixel_values", "pixel_attention_mask", "spatial_shapes", "patch_image_index"}
+    sizes = check_packing(packed, native, capacity)
+    assert packed["pixel_values"].shape[0] >= -(-sum(sizes) // capacity)
+    if capacity >= sum(sizes):
+        assert packed["pixel_values"].shape[0] == 1
+
+
+def first_fit_decreasing_by_hand(sizes, capacity):
+    """The rule written out: largest first (ties in the order given), each into the first row with room."""
+    rows, room = [], []
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        for row, left in enumerate(room):
+            if left >= sizes[index]:
+                rows[row].append(index)
+                room[row] -= sizes[index]
+                break
+        else:
+            rows.append([index])
+            room.append(capacity - sizes[index])
+    return rows
+
+
+def test_rows_follow_first_fit_decreasing_deterministically():
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8, packed_sequence_length=24)
+    packed = processor(images(), return_tensors="pt")
+    sizes = packed["spatial_shapes"].prod(1).tolist()
+    assert rows_of(packed) == first_fit_decreasing_by_hand(sizes, 24)
+    assert all(torch.equal(packed[name], value) for name, value in processor(images(), return_tensors="pt").items())
+    # the rows do not depend on the images' order, only which image sits where does
+    order = [3, 0, 8, 1, 7, 2, 6, 4, 5]
+    shuffled = processor([images()[i] for i in order], return_tensors="pt")
+    assert torch.equal(shuffled["spatial_shapes"], packed["spatial_shapes"][order])
+    assert sorted(sorted(sizes[order[i]] for i in row) for row in rows_of(shuffled)) == sorted(
+        sorted(sizes[i] for i in row) for row in rows_of(packed)
+    )
+
+
+def test_first_fit_decreasing_on_random_sizes():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        capacity = int(rng.integers(1, 50))
+        sizes = rng.integers(1, capacity + 1, int(rng.integers(1, 30))).tolist()
+        rows = first_fit_decreasing(sizes, capacity)
+        assert rows == first_fit_decreasing_by_hand(sizes, capacity)
+        assert sorted(i for row in rows for i in row) == list(range(len(sizes)))
+        assert all(sum(sizes[i] for i in row) <= capacity for row in rows)
+        # no two rows could have been one: first fit leaves at most one row half empty
+        loads = sorted(sum(sizes[i] for i in row) for row in rows)
+        assert len(loads) < 2 or loads[0] + loads[1] > capacity
+    with pytest.raises(ValueError, match="Item 1 has size 9"):
+        first_fit_decreasing([3, 9], 8)
+    with pytest.raises(ValueError, match="capacity"):
+        first_fit_decreasing([3], 0)
+
+
+def test_packing_returns_numpy_and_lists_as_the_unpacked_batch_does():
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8, packed_sequence_length=32)
+    as_tensors = processor(images(), return_tensors="pt")
+    as_numpy = processor(images(), return_tensors="np")
+    as_lists = processor(images())
+    for name, value in as_tensors.items():
+        np.testing.assert_array_equal(as_numpy[name], value.numpy())
+        assert len(as_lists[name]) == len(value)
+        np.testing.assert_array_equal(np.stack(as_lists[name]), value.numpy())
+    assert as_tensors["patch_image_index"].dtype == torch.long
+
+
+def test_packing_is_saved_reloaded_and_overridden_per_call(tmp_path):
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8, packed_sequence_length=40)
+    processor.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "preprocessor_config.json").read_text())["packed_sequence_length"] == 40
+    reloaded = VisionTransformerImageProcessor.from_pretrained(tmp_path)
+    assert (reloaded.max_num_patches, reloaded.packed_sequence_length) == (16, 40)
+    first, again = processor(images(), return_tensors="pt"), reloaded(images(), return_tensors="pt")
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert reloaded(images(), packed_sequence_length=20, return_tensors="pt")["pixel_values"].shape[1] == 20
+    unpacked = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
+    unpacked.save_pretrained(tmp_path / "unpacked")
+    assert VisionTransformerImageProcessor.from_pretrained(tmp_path / "unpacked").packed_sequence_length is None
+    assert set(unpacked(images(), return_tensors="pt")) == {"pixel_values", "pixel_attention_mask", "spatial_shapes"}
+
+
+def test_packing_refuses_what_it_cannot_honour():
+    with pytest.raises(ValueError, match=r"`packed_sequence_length` \(12\) must be at least `max_num_patches` \(16\)"):
+        VisionTransformerImageProcessor(max_num_patches=16, packed_sequence_length=12)
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
+    with pytest.raises(ValueError, match=r"`packed_sequence_length` \(8\) must be at least `max_num_patches` \(16\)"):
+        processor(images(), packed_sequence_length=8)
+    with pytest.raises(ValueError, match="give `max_num_patches`"):
+        VisionTransformerImageProcessor(packed_sequence_length=64)
+    with pytest.raises(ValueError, match="`packed_sequence_length` must be a positive int"):
+        processor(images(), packed_sequence_length=20.5)
+
+
+def test_compiled_attention_takes_every_batch_of_one_shape_in_one_graph():
+    from torch._dynamo.utils import counters
+
+    function = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
+
+    def attend(query, segments):
+        return function(Attention(), query, query, query, segments, scaling=0.5)[0]
+
+    counters.clear()
+    compiled = torch.compile(attend, backend="eager", fullgraph=True)
+    for runs in (RUNS, [[4, 4], [6, 3], [1], [9]], [[9], [8], [2, 7], [3]]):
+        query = torch.randn(4, 2, ROW, 4)
+        segments = attention_segments(runs, ROW)
+        keep = valid(runs)
+        torch.testing.assert_close(compiled(query, segments)[keep], attend(query, segments)[keep])
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_padded_batches_take_segments_where_they_pay_off(monkeypatch):
+    mask = valid([[5], [9], [2], [7]])  # a third of the slots padding
+    segments = padded_batch_segments(mask, "sdpa", torch.float32, 0.0, 64)
+    assert segments.lengths == (5, 4, 9, 2, 7, 7, 2)
+    assert segments.padding == (False, True, False, False, True, False, True)
+    assert padded_batch_segments(valid([[9], [9]]), "sdpa", torch.float32, 0.0, 64) is None  # no padding: no mask
+    little = valid([[9]] * 10 + [[8]])  # 1% padding: one fused SDPA over the batch is faster on CPU
+    assert padded_batch_segments(little, "sdpa", torch.float32, 0.0, 64) is None
+    assert padded_batch_segments(little, "flex_attention", torch.float32, 0.0, 64) is not None  # handed to SDPA
+    assert padded_batch_segments(mask, "eager", torch.float32, 0.0, 64) is None  # the probabilities need the mask
+    assert padded_batch_segments(mask, "flash_attention_2", torch.float16, 0.0, 64) is None  # it unpads the mask
+    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "varlen")
+    assert padded_batch_segments(little, "sdpa", torch.bfloat16, 0.0, 64) is not None  # any padding, on a GPU
+
+
+# ---- the packed layout in the model ----
+
+
+def test_packed_layout_moves_tokens_between_one_image_per_row_and_packed_rows():
+    processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
+    native = processor(images(), return_tensors="pt")
+    packed = processor(images(), packed_sequence_length=24, return_tensors="pt")
+    layout = packed_layout(packed["patch_image_index"], packed["spatial_shapes"], 2, packed["pixel_attention_mask"])
+    sizes = native["spatial_shapes"].prod(1)
+    most = int(sizes.max())
+    assert torch.equal(layout.unpack_patches(packed["pixel_values"]), native["pixel_values"][:, :most])
+    assert torch.equal(layout.patch_mask, native["pixel_attention_mask"][:, :most].bool())
+    assert layout.row_tokens == 24 + 2 * max(len(row) for row in rows_of(packed))
+    # tokens of one image per row (2 prefix tokens + patches, zero beyond) -> packed rows -> back, unchanged
+    tokens = torch.randn(len(SIZES), 2 + most, 5)
+    tokens[:, 2:][~layout.patch_mask] = 0
+    moved = layout.pack(tokens)
+    assert moved.shape == (layout.rows, layout.row_tokens, 5)
+    assert torch.equal(layout.unpack(moved), tokens)
+    # each image's tokens are consecutive in its packed row, in the order of the rows' images: the runs of attention
+    expected = [[2 + int(sizes[i]) for i in row] for row in rows_of(packed)]
+    assert layout.segments.lengths == attention_segments(expected, layout.row_tokens).lengths
+    for row, images_of_row in enumerate(rows_of(packed)):
+        start = 0
+        for image in images_of_row:
+            count = 2 + int(sizes[image])
+            assert torch.equal(moved[row, start : start + count], tokens[image, :count])
+            start += count
+        assert torch.all(moved[row, start:] == 0)
+
+
+def test_packed_layouts_that_do_not_describe_the_images_are_refused():
+    grids = torch.tensor([[1, 2], [1, 1]])
+    good = torch.tensor([[0, 0, 1, -1]])
+    assert packed_layout(good, grids, 1).rows == 1
+    with pytest.raises(ValueError, match="`patch_image_index` must be a"):
+        packed_layout(good[0], grids, 1)
+    with pytest.raises(ValueError, match="`spatial_shapes` must be an"):
+        packed_layout(good, grids[:, 0], 1)
+    with pytest.raises(ValueError, match="not as one run of its 2 patches"):
+        packed_layout(torch.tensor([[0, 1, 0, -1]]), grids, 1)
+    with pytest.raises(ValueError, match="must fill one run of consecutive slots, once"):
+        packed_layout(torch.tensor([[0, 0, 1, -1], [1, -1, -1, -1]]), grids, 1)
+    with pytest.raises(ValueError, match=r"Images \[1\] of `spatial_shapes` have no patches"):
+        packed_layout(torch.tensor([[0, 0, -1, -1]]), grids, 1)
+    with pytest.raises(ValueError, match="`pixel_attention_mask` must mark exactly"):
+        packed_layout(good, grids, 1, torch.tensor([[1, 1, 1, 1]]))
+    with pytest.raises(
+        ValueError, match=r"are \(1, 4, ...\) per patch slot, as its `patch_image_index`; got \(1, 5, 3\)"
+    ):
+        packed_layout(good, grids, 1).unpack_patches(torch.zeros(1, 5, 3))
+
+
+# ---- the model on packed batches ----
+
+PACKED_SIZES = [(40, 40), (20, 80), (90, 30), (7, 200), (64, 48), (33, 33)]
+
+
+def packed_and_alone(model, sizes=PACKED_SIZES, **call):
+    """A packed batch of `sizes` (grids of at most 12 patches in rows of 24), the model on it, and on each image
+    alone at its own size through the ordinary path."""
+    patch = model.config.patch_size
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=patch)
+    batch = images(sizes)
+    inputs = processor(batch, packed_sequence_length=24, return_tensors="pt")
+    assert max(len(row) for row in rows_of(inputs)) > 1  # images share rows
+    with torch.no_grad():
+        packed = model(**inputs, **call)
+        alone = []
+        for image, (rows, cols) in zip(batch, inputs["spatial_shapes"].tolist()):
+            pixels = VisionTransformerImageProcessor(size=(rows * patch, cols * patch))(image, return_tensors="pt")
+            alone.append(model(pixels["pixel_values"], interpolate_pos_encoding=True, **call))
+    return inputs, packed, alone
+
+
+def assert_each_image_alone(model, **call):
+    inputs, packed, alone = packed_and_alone(model, **call)
+    prefix = model.config.num_prefix_tokens
+    sizes = inputs["spatial_shapes"].prod(1).tolist()
+    assert packed.last_hidden_state.shape[:2] == (len(sizes), prefix + max(sizes))
+    for image, (one, size) in enumerate(zip(alone, sizes)):
+        tokens = packed.last_hidden_state[image, : prefix + size]
+        torch.testing.assert_close(tokens, one.last_hidden_state[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(packed.pooler_output[image], one.pooler_output[0], atol=1e-4, rtol=0)
+    return inputs, packed
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap", "map"])
+@pytest.mark.parametrize("implementation", ["eager", "sdpa", "flex_attention"])
+def test_each_packed_image_equals_the_image_alone(classifier, implementation):
+    torch.manual_seed(0)
+    config = tiny_config(classifier=classifier, attn_implementation=implementation)
+    model = VisionTransformerForImageClassification(config).eval()
+    with torch.no_grad():  # a non-zero head, so the logits say something
+        model.classifier.weight.normal_()
+    assert_each_image_alone(model.vit)
+    inputs, packed, alone = packed_and_alone(model)
+    assert packed.logits.shape == (len(PACKED_SIZES), config.num_labels) and packed.logits.std() > 0.1
+    torch.testing.assert_close(packed.logits, torch.cat([one.logits for one in alone]), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        dict(use_distillation_token=True, num_register_tokens=2, layer_scale_init_value=0.1, pre_norm=True),
+        dict(classifier="gap", num_register_tokens=3, fc_norm=True, interpolation_mode="bilinear"),
+        dict(classifier="map", use_class_token=False, num_register_tokens=1),
+    ],
+)
+def test_the_family_blocks_on_packed_batches(family):
+    # class, distillation and register tokens per image, LayerScale, pre-norm, fc_norm, pooling per image
+    torch.manual_seed(0)
+    assert_each_image_alone(VisionTransformerModel(tiny_config(attn_implementation="sdpa", **family)).eval())
+
+
+def test_packed_gradients_equal_the_images_alone():
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(tiny_config(zero_init_head=False, attn_implementation="sdpa"))
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
+    batch, labels = images(PACKED_SIZES), torch.tensor([0, 1, 2, 3, 4, 0])
+    inputs = processor(batch, packed_sequence_length=24, return_tensors="pt")
+    model.train()
+    model(**inputs, labels=labels).loss.backward()
+    packed = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+    model.zero_grad()
+    for image, label, (rows, cols) in zip(batch, labels, inputs["spatial_shapes"].tolist()):
+        pixels = VisionTransformerImageProcessor(size=(rows * 8, cols * 8))(image, return_tensors="pt")
+        loss = model(pixels["pixel_values"], labels=label[None], interpolate_pos_encoding=True).loss
+        (loss / len(batch)).backward()  # the packed loss is the mean over the images
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(packed[name], parameter.grad, atol=1e-4, rtol=1e-4, msg=name)
+    assert packed["vit.embeddings.position_embedding"].abs().sum() > 0
+
+
+def test_changing_one_packed_image_changes_no_other_and_order_does_not_matter():
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8, packed_sequence_length=24)
+    batch = images(PACKED_SIZES)
+    with torch.no_grad():
+        before = model(**processor(batch, return_tensors="pt")).pooler_output
+        changed = list(batch)
+        changed[2] = 255 - changed[2]
+        after = model(**processor(changed, return_tensors="pt")).pooler_output
+        order = [5, 2, 0, 4, 1, 3]
+        shuffled = model(**processor([batch[i] for i in order], return_tensors="pt")).pooler_output
+    others = [image for image in range(len(batch)) if image != 2]
+    torch.testing.assert_close(after[others], before[others], atol=1e-6, rtol=0)
+    assert (after[2] - before[2]).abs().max() > 1e-2
+    torch.testing.assert_close(shuffled, before[order], atol=1e-5, rtol=0)
+
+
+def test_attentions_of_a_packed_batch_stay_within_each_image():
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()
+    inputs, packed, _ = packed_and_alone(model, output_attentions=True)  # each image alone: checked by the eager case
+    layout = packed_layout(inputs["patch_image_index"], inputs["spatial_shapes"], 1)
+    same_image = layout.segments.block_diagonal_mask()
+    assert len(packed.attentions) == model.config.num_hidden_layers
+    for probs in packed.attentions:  # of the packed rows
+        assert probs.shape == (layout.rows, 4, layout.row_tokens, layout.row_tokens)
+        assert torch.all(probs.masked_select(~same_image) == 0)
+
+
+def test_backbone_maps_each_packed_image_as_the_native_batch_does():
+    torch.manual_seed(0)
+    backbone = VisionTransformerBackbone(tiny_config(out_indices=[1, 2])).eval()
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
+    batch = images(PACKED_SIZES)
+    with torch.no_grad():
+        native = backbone(**processor(batch, return_tensors="pt"), output_hidden_states=True)
+        packed = backbone(
+            **processor(batch, packed_sequence_length=24, return_tensors="pt"), output_hidden_states=True
+        )
+    for ours, theirs in zip(packed.feature_maps, native.feature_maps):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert packed.hidden_states[-1].shape[0] == len(batch)  # one image per row
+
+
+def test_masked_patch_prediction_on_a_packed_batch():
+    torch.manual_seed(0)
+    config = tiny_config()
+    model = VisionTransformerForMaskedPatchPrediction(config).eval()
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
+    batch = images(PACKED_SIZES)
+    native = processor(batch, return_tensors="pt")
+    packed = processor(batch, packed_sequence_length=24, return_tensors="pt")
+    generator = torch.Generator().manual_seed(0)
+    # a [mask] and labels per patch slot of the packed rows, and the same per image for the native batch
+    masked = (torch.rand(packed["patch_image_index"].shape, generator=generator) < 0.4) & (
+        packed["patch_image_index"] >= 0
+    )
+    labels = torch.randint(0, config.mpp_num_classes, masked.shape, generator=generator)
+    layout = packed_layout(packed["patch_image_index"], packed["spatial_shapes"], config.num_prefix_tokens)
+    with torch.no_grad():
+        ours = model(**packed, bool_masked_pos=masked, labels=labels)
+        patches = layout.patch_mask.shape[1]  # the most patches of an image: the native batch's padding beyond it
+        theirs = model(
+            native["pixel_values"][:, :patches], pixel_attention_mask=native["pixel_attention_mask"][:, :patches],
+            spatial_shapes=native["spatial_shapes"], bool_masked_pos=layout.unpack_patches(masked),
+            labels=layout.unpack_patches(labels),
+        )  # fmt: skip
+    assert ours.logits.shape == (len(batch), layout.patch_mask.shape[1], config.mpp_num_classes)
+    keep = layout.patch_mask
+    torch.testing.assert_close(ours.logits[keep], theirs.logits[keep], atol=1e-4, rtol=0)
+    torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=0)
+    # training draws the corruption per image, never on the padding
+    model.train()
+    out = model(**packed, labels=labels)
+    out.loss.backward()
+    assert out.patch_corruption.shape == keep.shape and torch.all(out.patch_corruption[~keep] == PATCH_CLEAN)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_packed_batches_train_with_activation_checkpointing_and_bf16_autocast(use_reentrant):
+    torch.manual_seed(0)
+    config = tiny_config(zero_init_head=False, attn_implementation="sdpa")
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8, packed_sequence_length=24)
+    inputs, labels = processor(images(PACKED_SIZES), return_tensors="pt"), torch.tensor([0, 1, 2, 3, 4, 0])
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = VisionTransformerForImageClassification(config).train()
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model(**inputs, labels=labels).loss.backward()
+        grads.append([parameter.grad for parameter in model.parameters()])
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the runs through the matmul attention of CPU training
+            low = model(**inputs, labels=labels)
+        assert low.logits.shape == (len(PACKED_SIZES), config.num_labels) and torch.isfinite(low.loss)
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-5)
+
+
+def test_the_model_through_the_varlen_branch_equals_the_images_alone(monkeypatch):
+    # The CUDA branch's data flow on CPU: the model's qkv views flattened to (tokens, heads, d_h), the runs' cumulative
+    # lengths and host maxima handed to varlen_attn (here a reference computing attention per run), the output viewed
+    # back: each packed image still equals the image alone.
+    calls = []
+
+    def fake_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None):
+        assert cu_q.dtype == torch.int32 and type(max_q) is int and query.shape == key.shape == value.shape
+        calls.append(cu_q)
+        lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+        return attention._per_run_length(Attention(), [query, key, value], lengths, scale, 0.0)
+
+    monkeypatch.setattr(attention, "varlen_attn", fake_varlen)
+    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "varlen")
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(attn_implementation="sdpa", num_register_tokens=1)).eval()
+    assert_each_image_alone(model)
+    assert len(calls) >= model.config.num_hidden_layers
+
+
+def test_flex_attention_with_a_block_diagonal_mask_is_handed_to_sdpa(monkeypatch):
+    # the GPU's fp32 path and the compiled one: the block-diagonal mask goes to SDPA, not to flex attention's kernels
+    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "mask")
+    buffer, (query, key, value) = qkv()
+    function = ALL_ATTENTION_FUNCTIONS.get_interface("flex_attention", None)
+    output, _ = function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=4**-0.5)
+    keep = valid()
+    torch.testing.assert_close(output[keep], each_run_alone(query, key, value)[keep], atol=1e-12, rtol=1e-12)
