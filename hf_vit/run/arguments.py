@@ -359,10 +359,8 @@ class VisionTransformerTrainingArguments(TrainingArguments):
     )
 
 
-def parse_args(
-    task: str, argv: list[str] | None = None
-) -> tuple[ModelArguments, DataArguments, VisionTransformerTrainingArguments]:
-    """Parse command-line flags for `task`, with the paper's recipe as defaults for the Trainer flags."""
+def build_parser(task: str) -> HfArgumentParser:
+    """The parser of `task`'s flags, with the paper's recipe for it as the Trainer flags' defaults."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}.")
     parser = HfArgumentParser((ModelArguments, DataArguments, VisionTransformerTrainingArguments))
@@ -378,6 +376,14 @@ def parse_args(
     )
     refuse_unknown_flags(parser)
     describe_negations(parser)
+    return parser
+
+
+def parse_args(
+    task: str, argv: list[str] | None = None
+) -> tuple[ModelArguments, DataArguments, VisionTransformerTrainingArguments]:
+    """Parse command-line flags for `task`, with the paper's recipe as defaults for the Trainer flags."""
+    parser = build_parser(task)
     argv = sys.argv[1:] if argv is None else list(argv)
     model_args, data_args, training_args, unknown = parser.parse_args_into_dataclasses(
         args=argv, return_remaining_strings=True
@@ -599,6 +605,15 @@ def parse_args_or_exit(task: str, argv: list[str] | None = None):
     Imports nothing of the run beyond the flags', so that `--help` and argument errors come before the heavy part."""
     import sys
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help_trainer" in argv:  # every flag, Trainer's ~110 included, as argparse lists them
+        build_parser(task).print_help()
+        raise SystemExit(0)
+    if any(flag in ("-h", "--help") for flag in argv):  # hf-vit's own flags and examples first
+        from ..commands.help import command_help
+
+        print(command_help(f"hf-vit-{task}"), end="")
+        raise SystemExit(0)
     try:
         return parse_args(task, argv)
     except ValueError as error:
