@@ -38,9 +38,9 @@ TRAINING = {
     ),
     "hf-vit-finetune": (
         "finetune",
-        "Fine-tune a pretrained model (an hf-vit folder, or a transformers, timm or big_vision checkpoint by folder or\n"
-        "Hub id) with the paper's recipe (SGD momentum 0.9, cosine decay, clipping at 1, a new zero-initialised head),\n"
-        "optionally at another resolution, at native aspect ratios, with LoRA or with a named recipe.",
+        "Fine-tune a pretrained model (an hf-vit folder, or a transformers, timm or big_vision checkpoint by folder\n"
+        "or Hub id) with the paper's recipe (SGD momentum 0.9, cosine decay, clipping at 1, a new zero-initialised\n"
+        "head), optionally at another resolution, at native aspect ratios, with LoRA or with a named recipe.",
         [
             "hf-vit-finetune --model_name_or_path outputs/main --dataset_name images --image_size 64 \\\n"
             "    --output_dir out/my-model --learning_rate 0.03 --num_train_epochs 20",
@@ -109,7 +109,7 @@ def training_help(command: str) -> str:
     trainer = ["learning_rate", "num_train_epochs", "per_device_train_batch_size", "weight_decay", "lr_scheduler_type",
                "warmup_steps", "max_grad_norm", "optim", "eval_strategy", "save_strategy", "save_total_limit"]  # fmt: skip
     shown = ", ".join(f"--{name} {getattr(defaults[name], 'value', defaults[name])}" for name in trainer)
-    usage = f"usage: {command} [--model_name_or_path MODEL | --preset NAME] --dataset_name DATA --output_dir DIR [...]"
+    usage = f"usage: {command} [--model_name_or_path MODEL | --preset NAME] --dataset_name DATA --output_dir DIR ..."
     lines = [usage, "", description, "", "examples:", *(f"  {example}" for example in examples), ""]
     tail = [
         "",
