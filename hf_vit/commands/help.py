@@ -106,8 +106,19 @@ def training_help(command: str) -> str:
             formatter.end_section()
         text = formatter.format_help()
     defaults = {action.dest: action.default for action in parser._actions}
-    trainer = ["learning_rate", "num_train_epochs", "per_device_train_batch_size", "weight_decay", "lr_scheduler_type",
-               "warmup_steps", "max_grad_norm", "optim", "eval_strategy", "save_strategy", "save_total_limit"]  # fmt: skip
+    trainer = (
+        "learning_rate",
+        "num_train_epochs",
+        "per_device_train_batch_size",
+        "weight_decay",
+        "lr_scheduler_type",
+        "warmup_steps",
+        "max_grad_norm",
+        "optim",
+        "eval_strategy",
+        "save_strategy",
+        "save_total_limit",
+    )
     shown = ", ".join(f"--{name} {getattr(defaults[name], 'value', defaults[name])}" for name in trainer)
     usage = f"usage: {command} [--model_name_or_path MODEL | --preset NAME] --dataset_name DATA --output_dir DIR ..."
     lines = [usage, "", description, "", "examples:", *(f"  {example}" for example in examples), ""]
