@@ -82,7 +82,8 @@ def test_the_wheel_holds_every_file_the_package_reads(installed):
         assert local and local <= names, package
     assert {"hf_vit/metrics/accuracy/accuracy.py", "hf_vit/metrics/multilabel/multilabel.py"} <= names
     entry_points = zipfile.ZipFile(wheel).read("hf_vit-0.1.0.dist-info/entry_points.txt").decode()
-    assert all(f"{command} = hf_vit.commands" in entry_points for command in COMMANDS)
+    assert all(f"{command} = hf_vit_cli:" in entry_points for command in COMMANDS)
+    assert {f"hf_vit/commands/help/{command}.txt" for command in COMMANDS} <= names  # --help without the imports
 
 
 def test_the_installed_commands_pretrain_and_the_folder_loads_with_the_auto_classes(installed, tmp_path):
@@ -92,6 +93,8 @@ def test_the_installed_commands_pretrain_and_the_folder_loads_with_the_auto_clas
     elsewhere.mkdir()
     env = outside_env()
     assert all((bin_dir / command).is_file() for command in COMMANDS)
+    helped = run([str(bin_dir / "hf-vit-finetune"), "--help"], cwd=elsewhere, env=env).stdout
+    assert helped.startswith("usage: hf-vit-finetune") and "hf-vit's flags: the model" in helped
     flags = ["--output_dir", "run", "--image_size", "8", "--patch_size", "4", "--config_overrides", TINY]
     flags += ["--max_steps", "2", "--per_device_train_batch_size", "8", "--max_train_samples", "16"]
     flags += ["--eval_strategy", "no", "--save_strategy", "no", "--disable_tqdm", "True"]

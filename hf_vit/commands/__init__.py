@@ -40,8 +40,16 @@ def finetune() -> int:
 
 def _train(task: str) -> int:
     """The flags first (`--help` and a bad flag answer at once), then the run's imports (datasets, Trainer...)."""
-    from ..train.arguments import parse_args_or_exit
+    from ..train.arguments import build_parser, parse_args_or_exit
 
+    if "--help_trainer" in sys.argv[1:]:  # every flag, Trainer's ~110 included, as argparse lists them
+        build_parser(task).print_help()
+        return 0
+    if any(flag in ("-h", "--help") for flag in sys.argv[1:]):  # hf-vit's own flags and examples first
+        from .help import command_help
+
+        print(command_help(f"hf-vit-{task}"), end="")
+        return 0
     parsed = parse_args_or_exit(task)
     from ..train.training import main
 

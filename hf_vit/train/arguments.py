@@ -432,10 +432,8 @@ class VisionTransformerTrainingArguments(TrainingArguments):
         )
 
 
-def parse_args(
-    task: str, argv: list[str] | None = None
-) -> tuple[ModelArguments, DataArguments, VisionTransformerTrainingArguments]:
-    """Parse command-line flags for `task`, with the paper's recipe as defaults for the Trainer flags."""
+def build_parser(task: str) -> HfArgumentParser:
+    """The parser of `task`'s flags, with the paper's recipe for it as the Trainer flags' defaults."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}.")
     parser = HfArgumentParser((ModelArguments, DataArguments, VisionTransformerTrainingArguments))
@@ -451,6 +449,14 @@ def parse_args(
     )
     refuse_unknown_flags(parser)
     describe_negations(parser)
+    return parser
+
+
+def parse_args(
+    task: str, argv: list[str] | None = None
+) -> tuple[ModelArguments, DataArguments, VisionTransformerTrainingArguments]:
+    """Parse command-line flags for `task`, with the paper's recipe as defaults for the Trainer flags."""
+    parser = build_parser(task)
     argv = sys.argv[1:] if argv is None else list(argv)
     given = given_flags(parser, argv)
     # A named recipe's values become the flags' defaults before the one parse: what the command line gives still

@@ -1,0 +1,48 @@
+"""Each command's --help: saved as text that says what the flags say now, printed by the console commands without
+importing the package, hf-vit's own flags and examples first, Trainer's ~110 behind --help_trainer."""
+
+import subprocess
+import sys
+
+import pytest
+
+from hf_vit.commands.help import HELP_FOLDER, command_help
+from hf_vit_cli import COMMANDS
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_the_saved_help_is_what_the_flags_say(command):
+    saved = (HELP_FOLDER / f"{command}.txt").read_text(encoding="utf-8")
+    assert saved == command_help(command), f"run `python -m hf_vit.commands.help` to write {command}'s help again"
+
+
+def test_the_console_command_answers_help_without_importing_the_package():
+    probe = (
+        "import sys, hf_vit_cli\n"
+        "sys.argv = ['hf-vit-finetune', '--help']\n"
+        "code = hf_vit_cli.finetune()\n"
+        "print('imported:', sorted(m for m in ('torch', 'transformers', 'hf_vit') if m in sys.modules), code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("imported: [] 0\n")
+    assert done.stdout.startswith("usage: hf-vit-finetune") and "hf-vit's flags: the model" in done.stdout
+
+
+def test_hf_vits_flags_and_examples_come_first_and_trainers_behind_a_flag(capsys, monkeypatch):
+    """What `python scripts/finetune.py --help` prints (the command's function, the package imported): the same."""
+    from hf_vit.commands import finetune
+
+    for flag in ("--help", "-h"):
+        monkeypatch.setattr(sys, "argv", ["finetune.py", "--output_dir", "x", flag])
+        assert finetune() == 0
+        shown = capsys.readouterr().out
+        assert shown == (HELP_FOLDER / "hf-vit-finetune.txt").read_text(encoding="utf-8")
+    assert shown.index("examples:") < shown.index("\n  --model_name_or_path") < shown.index("\n  --recipe")
+    assert "--gradient_accumulation_steps" not in shown and "--help_trainer" in shown
+    assert "--learning_rate 0.01" in shown and "--optim sgd" in shown  # the paper's fine-tuning defaults
+    assert len(shown.splitlines()) < 250
+    monkeypatch.setattr(sys, "argv", ["finetune.py", "--help_trainer"])
+    assert finetune() == 0
+    everything = capsys.readouterr().out
+    assert "--gradient_accumulation_steps" in everything and "--recipe" in everything
