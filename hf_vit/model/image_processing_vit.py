@@ -318,7 +318,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     files, or a (nested) list of these, of any mix of sizes.
 
     Decoding and colour conversion are `load_images`, which the training and evaluation transforms of
-    `hf_vit.run.transforms` call too, so a model sees the same pixels in training and inference:
+    `hf_vit.data.transforms` call too, so a model sees the same pixels in training and inference:
 
     * EXIF orientation is applied to every PIL image, whether this processor opened it or you did, so photos are
       seen upright as in any viewer.

@@ -132,9 +132,9 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
     representation, its mean colour at `config.mpp_color_bits` bits per channel (512 classes for RGB at 3 bits).
 
     The corruption is drawn here while training, with the paper's shares (`PatchCorruption()`), unless
-    `patch_corruption` (or `bool_masked_pos`) is given (the data pipeline of `hf_vit.run.mpp` draws it per example,
+    `patch_corruption` (or `bool_masked_pos`) is given (the data pipeline of `hf_vit.tasks.mpp` draws it per example,
     with its run's shares); outside training, only a given corruption corrupts anything.
-    `labels` are the colour classes `(B, N)` of the patches (`hf_vit.run.mpp.mean_color_classes`), -100 where
+    `labels` are the colour classes `(B, N)` of the patches (`hf_vit.tasks.mpp.mean_color_classes`), -100 where
     none; the loss is their cross-entropy over the corrupted patches, or over every labelled patch when nothing is
     corrupted. The encoder's weights are a plain ViT's, so a checkpoint fine-tunes with
     `VisionTransformerForImageClassification.from_pretrained` like any other (the [mask] embedding and this head are
