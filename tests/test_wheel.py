@@ -31,7 +31,8 @@ def installed(tmp_path_factory):
     source.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, source / name)
-    shutil.copytree(ROOT / "hf_vit", source / "hf_vit", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("hf_vit", "hf_vit_cli"):  # the package, and the console commands' entry points
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     isolation = [] if _has_setuptools() else ["--use-pep517"]
     flags = ["--no-build-isolation"] if not isolation else isolation
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *flags, "-w", str(base / "dist"), str(source)])
