@@ -29,8 +29,8 @@ test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: setup
-	$(VENV)/bin/ruff check hf_vit scripts tests benchmarks
-	$(VENV)/bin/ruff format --check hf_vit scripts tests benchmarks
+	$(VENV)/bin/ruff check hf_vit hf_vit_cli scripts tests benchmarks
+	$(VENV)/bin/ruff format --check hf_vit hf_vit_cli scripts tests benchmarks
 
 # The default run (no compiled rows, no size sweep) takes under 15 minutes on 2 CPU cores. timm's and torchvision's
 # columns need an environment that has them: `bash benchmarks/peer_env.sh` builds one, then
