@@ -635,7 +635,7 @@ def refuse_unknown_flags(parser: HfArgumentParser) -> None:
     parser.allow_abbrev = False
 
     def error(message: str):
-        raise ValueError(f"{message} (--help lists every flag).")
+        raise ValueError(f"{message} (--help lists hf-vit's flags, --help_trainer every flag).")
 
     parser.error = error
 
@@ -670,7 +670,7 @@ def unknown_flags_message(parser: HfArgumentParser, unknown: list[str]) -> str:
         hints.append(f"{flag}: did you mean --{close[0]}?" if close else f"{flag}: no such flag")
     if not flags:
         return f"Unexpected argument(s) {' '.join(unknown)}: every value follows its flag (--flag value)."
-    return f"Unknown flag(s): {'; '.join(hints)}. --help lists every flag."
+    return f"Unknown flag(s): {'; '.join(hints)}. --help lists hf-vit's flags, --help_trainer every flag."
 
 
 def parse_args_or_exit(task: str, argv: list[str] | None = None):
