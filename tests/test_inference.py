@@ -391,7 +391,9 @@ def test_a_runs_validation_figures_are_those_evaluate_measures_on_its_folder(tmp
     assert metrics["eval_split"] == "validation" and metrics["validation_accuracy"] not in (0, 1)
     capsys.readouterr()
     assert evaluate_command.main(["--model", str(out), "--dataset_name", str(data), "--split", "validation"]) == 0
-    measured = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    measured = json.loads(captured.out)
+    assert "pass --output_dir to write validation_results.json and the confusion matrix" in captured.err
     assert measured["validation_samples"] == 6
     assert measured["validation_accuracy"] == metrics["validation_accuracy"]
     assert measured["validation_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-7)

@@ -18,6 +18,7 @@ images, or with --max_num_patches K at K), printed as JSON and written with its 
 from __future__ import annotations
 
 import json
+import sys
 
 from hf_vit.commands import CommandParser
 from hf_vit.flags import error_status
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image_column_name", default="image")
     parser.add_argument("--label_column_name", default="label")
     parser.add_argument(
-        "--output_dir", default=None, help="where the results JSON and confusion matrix go (default: none written)"
+        "--output_dir",
+        default=None,
+        help="where the results JSON and the confusion matrix are written; without it they are only printed (JSON)",
     )
     parser.add_argument(
         "--max_num_patches", default=None, metavar="K[,K...]", help="native aspect ratio: at most K patches an image"
@@ -88,4 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         return error_status(error)
     print(json.dumps(metrics, indent=2))
+    if args.output_dir is None:  # on stderr: standard output stays the JSON
+        print(
+            f"(printed only: pass --output_dir to write {metrics['split']}_results.json and the confusion matrix)",
+            file=sys.stderr,
+        )
     return 0
