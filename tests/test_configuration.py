@@ -131,3 +131,9 @@ def test_the_family_blocks_are_off_by_default_and_round_trip(tmp_path):
     config.save_pretrained(tmp_path)
     loaded = VisionTransformerConfig.from_pretrained(tmp_path)
     assert {name: getattr(loaded, name) for name in blocks} == blocks
+
+
+def test_an_image_size_beyond_the_position_limit_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"`image_size` \(100000x100000\) at `patch_size` 16 gives 39062500 patch"):
+        VisionTransformerConfig(image_size=100000, patch_size=16)
+    assert VisionTransformerConfig(image_size=4096, patch_size=16).grid_size == (256, 256)  # exactly the limit

@@ -17,7 +17,7 @@ from transformers.activations import ACT2FN
 from transformers.backbone_utils import BackboneConfigMixin
 
 from .loading import open_foreign
-from .resolution import height_width
+from .resolution import MAX_PATCH_POSITIONS, height_width
 
 # Width, depth, MLP size and heads of the paper's Table 1 (Base, Large, Huge) and of the DeiT/AugReg Tiny and Small.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -290,6 +290,13 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             raise ValueError(
                 f"`image_size` ({height}x{width}) must be divisible by `patch_size` ({self.patch_size}) "
                 "in both height and width."
+            )
+        rows, cols = height // self.patch_size, width // self.patch_size
+        if rows * cols > MAX_PATCH_POSITIONS:  # a step at 100,000 patches took minutes before running out of memory
+            raise ValueError(
+                f"`image_size` ({height}x{width}) at `patch_size` {self.patch_size} gives {rows * cols} patch "
+                f"positions; hf-vit takes at most {MAX_PATCH_POSITIONS} (a 256x256 grid). Choose a smaller image_size "
+                "or a larger patch_size."
             )
         if self.classifier not in CLASSIFIERS:
             raise ValueError(f"`classifier` must be one of {CLASSIFIERS}, got {self.classifier!r}.")
