@@ -295,8 +295,8 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         if rows * cols > MAX_PATCH_POSITIONS:  # a step at 100,000 patches took minutes before running out of memory
             raise ValueError(
                 f"`image_size` ({height}x{width}) at `patch_size` {self.patch_size} gives {rows * cols} patch "
-                f"positions; hf-vit takes at most {MAX_PATCH_POSITIONS} (a 256x256 grid). Choose a smaller image_size "
-                "or a larger patch_size."
+                f"positions; hf-vit accepts at most {MAX_PATCH_POSITIONS} patch positions (a 256x256 grid). Choose a "
+                "smaller image_size or a larger patch_size."
             )
         if self.classifier not in CLASSIFIERS:
             raise ValueError(f"`classifier` must be one of {CLASSIFIERS}, got {self.classifier!r}.")
