@@ -19,6 +19,7 @@ with decoding left on (plain `set_transform`), datasets raises PIL's error befor
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import math
@@ -44,6 +45,7 @@ from ..model.image_processing_vit import (
     load_images,
     native_patch_batch,
     open_image,
+    pack_patches,
     resize_images,
     to_resampling,
 )
@@ -76,10 +78,12 @@ class Augmentation:
 @dataclass(frozen=True)
 class BatchSizes:
     """The sizes of a run's training batches, as their flags give them: `--max_num_patches` (native aspect ratio),
-    `--seq_lens` with `--max_tokens_per_batch` (a sequence length drawn per step), `--patch_sizes` with
-    `--patch_size_probs` (a patch size drawn per step)."""
+    `--packed_sequence_length` (those images packed into rows of that many patch slots), `--seq_lens` with
+    `--max_tokens_per_batch` (a sequence length drawn per step), `--patch_sizes` with `--patch_size_probs` (a patch
+    size drawn per step)."""
 
     max_num_patches: int | None = None
+    packed_sequence_length: int | None = None
     seq_lens: str | None = None
     max_tokens_per_batch: int | None = None
     patch_sizes: str | None = None
@@ -158,6 +162,11 @@ def _load_batch(batch: Mapping[str, Sequence[Any]], do_convert_rgb: bool) -> lis
 
 def make_eval_transform(processor: VisionTransformerImageProcessor) -> Transform:
     """Batch transform for evaluation: decode the images, then `processor` does everything else (as at inference)."""
+
+    if getattr(processor, "packed_sequence_length", None) is not None:
+        # One example per image: rows are a batch's, packed by the collator (`collate_fn`) or the caller.
+        processor = copy.copy(processor)
+        processor.packed_sequence_length = None
 
     def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
         images = [decode_image(image, i) for i, image in enumerate(batch["image"])]
@@ -489,18 +498,46 @@ def rows_and_transform(data: Dataset) -> tuple[Dataset, Transform]:
     return data.with_format(None), data.format["format_kwargs"]["transform"]
 
 
-def collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+def collate_fn(
+    examples: Sequence[Mapping[str, Any]], packed_sequence_length: int | None = None
+) -> dict[str, torch.Tensor]:
     """Stack transformed examples into a batch: `pixel_values` [N, 3, H, W] and, when present, `labels` [N] (class
     ids) or [N, C] (multi-hot). Native-aspect examples (with `spatial_shapes`) are flattened patches [K_i, P*P*C]:
-    they are padded to the longest with zeros, and `pixel_attention_mask` [N, K] marks each one's own patches."""
+    they are padded to the longest with zeros, and `pixel_attention_mask` [N, K] marks each one's own patches; with
+    `packed_sequence_length`, they are packed whole into rows of that many patch slots instead (the image processor's
+    `pack_patches`: `pixel_values` [rows, L, P*P*C], `patch_image_index` [rows, L]), the labels still one per image.
+    A packed batch holds the examples given (a fixed number of images); its number of rows varies."""
     if "spatial_shapes" in examples[0]:
-        batch = _pad_native([{key: torch.as_tensor(value) for key, value in example.items()} for example in examples])
+        native = [{key: torch.as_tensor(value) for key, value in example.items()} for example in examples]
+        batch = _pad_native(native) if packed_sequence_length is None else _pack_native(native, packed_sequence_length)
     else:
+        if packed_sequence_length is not None:
+            raise ValueError("`packed_sequence_length` packs native-aspect examples (with `spatial_shapes`).")
         batch = {"pixel_values": torch.stack([torch.as_tensor(example["pixel_values"]) for example in examples])}
     if "labels" in examples[0]:
         labels = [torch.as_tensor(example["labels"]) for example in examples]
         batch["labels"] = torch.stack(labels) if labels[0].ndim else torch.stack(labels).long()
     return batch
+
+
+def _pack_native(examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence_length: int) -> dict:
+    grids = [tuple(example["spatial_shapes"].tolist()) for example in examples]
+    patches = [example["pixel_values"][: rows * cols].float() for example, (rows, cols) in zip(examples, grids)]
+    packed = pack_patches(patches, grids, packed_sequence_length)
+    # `spatial_shapes` first: Trainer counts a batch's examples by its first tensor, which is one row per image.
+    return {"spatial_shapes": packed.pop("spatial_shapes"), **packed}
+
+
+def pack_native_batch(batch: Mapping[str, torch.Tensor], packed_sequence_length: int) -> dict[str, torch.Tensor]:
+    """A padded native-aspect batch (`pixel_values` [N, K, P*P*C], `spatial_shapes`; what `collate_fn` or the
+    evaluation transform gives) packed into rows of `packed_sequence_length` slots, as `collate_fn` packs; any
+    other entries (`labels`) kept."""
+    examples = [
+        {"pixel_values": values, "spatial_shapes": grid}
+        for values, grid in zip(batch["pixel_values"], batch["spatial_shapes"])
+    ]
+    others = {key: value for key, value in batch.items() if key not in ("pixel_values", "pixel_attention_mask")}
+    return {**others, **_pack_native(examples, packed_sequence_length)}
 
 
 def _pad_native(examples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

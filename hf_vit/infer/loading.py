@@ -95,6 +95,10 @@ def serving_processor(processor: Any, config: Any, max_num_patches: int | None =
     if max_num_patches is not None:
         check_native_model(config)
         processor.max_num_patches, processor.do_center_crop = max_num_patches, False
+        if (
+            getattr(processor, "packed_sequence_length", None) is not None
+        ):  # a packed processor's rows hold the largest image
+            processor.packed_sequence_length = max(processor.packed_sequence_length, max_num_patches)
     if processor.max_num_patches is not None:
         check_native_model(config)
         processor.patch_size = config.patch_size
@@ -102,8 +106,10 @@ def serving_processor(processor: Any, config: Any, max_num_patches: int | None =
 
 
 def model_inputs(batch: dict[str, Any], device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """The model's inputs in a processed batch: `pixel_values`, and a native-aspect batch's mask and grids."""
-    inputs = {key: batch[key] for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes") if key in batch}
+    """The model's inputs in a processed batch: `pixel_values`, a native-aspect batch's mask and grids, and a packed
+    batch's `patch_image_index`."""
+    names = ("pixel_values", "pixel_attention_mask", "spatial_shapes", "patch_image_index")
+    inputs = {key: batch[key] for key in names if key in batch}
     return {key: value.to(device) for key, value in inputs.items()} if device is not None else inputs
 
 

@@ -1,0 +1,130 @@
+"""Training and serving with packed sequences (`--packed_sequence_length`): the collator packs each batch's
+native-aspect images as the processor does, a packed step is the padded step, and a run's folder serves packed
+batches with the predictions of unpacked ones."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from PIL import Image
+from test_inference import aspect_image_folder, native_scores
+from test_training import QUIET, pretrained_folder
+from torch.nn import functional as F
+
+from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.commands import evaluate as evaluate_command
+from hf_vit.data.transforms import collate_fn, make_eval_transform, make_train_transform
+from hf_vit.infer.predict import predict_files
+from hf_vit.train.arguments import parse_args
+from hf_vit.train.training import train
+
+SIZES = [(8, 8), (8, 24), (30, 10), (12, 20), (5, 40), (16, 12), (20, 20)]
+
+
+def pixels(sizes=SIZES, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for height, width in sizes]
+
+
+def examples(transform, images, labels):
+    """The transform's examples one at a time, as Trainer's data loader fetches them."""
+    fetched = []
+    for image, label in zip(images, labels):
+        batch = transform({"image": [image], "label": [label]})
+        fetched.append({name: value[0] for name, value in batch.items()})
+    return fetched
+
+
+def test_the_collator_packs_a_batch_as_the_processor_does():
+    processor = VisionTransformerImageProcessor(size=8, max_num_patches=6, patch_size=4, packed_sequence_length=9)
+    images = pixels()
+    # the evaluation transform gives one image per example (rows are a batch's), the collator packs them
+    batch = collate_fn(examples(make_eval_transform(processor), images, range(len(images))), packed_sequence_length=9)
+    expected = processor(images, return_tensors="pt")
+    assert set(batch) == {*expected, "labels"}
+    for name, value in expected.items():
+        torch.testing.assert_close(batch[name], value, rtol=0, atol=0)
+    assert batch["labels"].tolist() == list(range(len(images)))  # one label per image, in the images' order
+    assert next(iter(batch)) == "spatial_shapes"  # Trainer counts a batch's examples by its first tensor
+    assert batch["pixel_values"].shape[0] < len(images)  # several images to a row
+    with pytest.raises(ValueError, match="packed_sequence_length"):
+        collate_fn([{"pixel_values": torch.zeros(3, 8, 8)}], packed_sequence_length=9)
+
+
+def test_a_packed_training_step_is_the_padded_step():
+    # the classifier's own loss on per-image logits, and its gradients: packing moves tokens, nothing else
+    config = tiny_config(image_size=8, patch_size=4, num_labels=3, zero_init_head=False)
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(config)
+    processor = VisionTransformerImageProcessor(size=8, max_num_patches=6, patch_size=4)
+    transform = make_train_transform(processor, scale=(0.5, 1.0), seed=0)
+    fetched = examples(transform, pixels(), [0, 1, 2, 0, 1, 2, 0])
+    losses, grads = [], []
+    for length in (None, 6, 13):
+        model.zero_grad()
+        loss = model(**collate_fn(fetched, packed_sequence_length=length)).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    for loss, grad in zip(losses[1:], grads[1:]):
+        torch.testing.assert_close(loss, losses[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(grad, grads[0], rtol=1e-4, atol=1e-5)
+
+
+def run_flags(source, data, out, *more):
+    flags = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--output_dir", str(out)]
+    flags += ["--max_num_patches", "6", "--max_steps", "3", "--learning_rate", "0.05", "--eval_strategy", "no"]
+    flags += ["--save_strategy", "no", "--per_device_train_batch_size", "4", "--check_eval_images", "False"]
+    return [*flags, *QUIET, *more]
+
+
+def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys):
+    data = aspect_image_folder(tmp_path / "data")
+    source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
+    metrics = train("finetune", *parse_args("finetune", run_flags(source, data, out, "--packed_sequence_length", "9")))
+    assert np.isfinite(metrics["train_loss"]) and np.isfinite(metrics["eval_loss"])
+    before = VisionTransformerForImageClassification.from_pretrained(source).vit.state_dict()
+    model = VisionTransformerForImageClassification.from_pretrained(out).eval()
+    moved = [name for name, value in model.vit.state_dict().items() if not torch.equal(value, before[name])]
+    assert len(moved) > len(before) // 2  # the backbone trained (the head is new)
+    saved = VisionTransformerImageProcessor.from_pretrained(out)
+    assert (saved.max_num_patches, saved.packed_sequence_length, saved.patch_size) == (6, 9, 4)
+    # predictions on packed batches (the saved processor's) are those of unpacked native-aspect batches
+    files = sorted((data / "test").rglob("*.png"))
+    served = saved([Image.open(path).convert("RGB") for path in files], return_tensors="pt")
+    assert served["pixel_values"].shape[0] < len(files)  # several images to a row
+    expected, _ = native_scores(model, files, 6)
+    rows = predict_files(out, [data / "test"], top_k=2, batch_size=5)
+    assert [row["image"] for row in rows] == [str(path) for path in files]
+    for row, scores in zip(rows, expected):
+        best = scores.topk(2)
+        names = [model.config.id2label[int(index)] for index in best.indices]
+        assert [item["label"] for item in row["predictions"]] == names
+        np.testing.assert_allclose([item["score"] for item in row["predictions"]], best.values, atol=1e-4)
+    # evaluating the folder (packed batches) measures what the unpacked scores here give, and what the run reported
+    capsys.readouterr()
+    assert evaluate_command.main(["--model", str(out), "--dataset_name", str(data)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    labels = torch.tensor([model.config.label2id[path.parent.name] for path in files])
+    assert printed["test_accuracy"] == pytest.approx(float((expected.argmax(-1) == labels).float().mean()))
+    assert printed["test_loss"] == pytest.approx(float(F.nll_loss(expected.log(), labels)), abs=1e-4)
+    assert printed["test_loss"] == pytest.approx(metrics["test_loss"], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--packed_sequence_length", "9"], "--max_num_patches"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "4"], "below --max_num_patches"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "0"], "--packed_sequence_length must be a positive"),
+        (["--seq_lens", "4,6", "--packed_sequence_length", "9"], "--seq_lens"),
+        (["--patch_sizes", "2,4", "--packed_sequence_length", "9"], "--patch_sizes"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "9", "--mixup_alpha", "0.8"], "--mixup_alpha"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "9", "--objective", "mpp"], "--objective mpp"),
+    ],
+)
+def test_packing_is_refused_by_name_where_it_cannot_train(tmp_path, flags, named):
+    with pytest.raises(ValueError, match=named):
+        parse_args("pretrain", ["--output_dir", str(tmp_path / "run"), *flags])
