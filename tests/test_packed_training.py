@@ -89,6 +89,8 @@ def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys)
     model = VisionTransformerForImageClassification.from_pretrained(out).eval()
     moved = [name for name, value in model.vit.state_dict().items() if not torch.equal(value, before[name])]
     assert len(moved) > len(before) // 2  # the backbone trained (the head is new)
+    card = (out / "README.md").read_text()
+    assert "NaViT sequence packing: each batch's 4 images per device" in card and "rows of 9 patch slots" in card
     saved = VisionTransformerImageProcessor.from_pretrained(out)
     assert (saved.max_num_patches, saved.packed_sequence_length, saved.patch_size) == (6, 9, 4)
     # predictions on packed batches (the saved processor's) are those of unpacked native-aspect batches
