@@ -3,6 +3,7 @@ native-aspect images as the processor does, a packed step is the padded step, an
 batches with the predictions of unpacked ones."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -130,3 +131,28 @@ def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys)
 def test_packing_is_refused_by_name_where_it_cannot_train(tmp_path, flags, named):
     with pytest.raises(ValueError, match=named):
         parse_args("pretrain", ["--output_dir", str(tmp_path / "run"), *flags])
+
+
+def test_a_killed_packed_run_resumes_to_the_uninterrupted_runs_weights(tmp_path):
+    # augmentation (crops of several aspect ratios: several grids to pack) and dropout, a checkpoint every 2 steps
+    from safetensors.torch import load_file
+    from test_training import WORKER, deterministic_finetune_args, run
+
+    source = pretrained_folder(tmp_path / "pre")
+    extra = ["--max_num_patches", "6", "--packed_sequence_length", "12", "--save_strategy", "steps"]
+    extra += ["--save_steps", "2", "--random_resized_crop", "True", "--crop_scale_min", "0.3"]
+    extra += ["--hidden_dropout_prob", "0.1"]
+
+    def flags(output_dir, *more):
+        return deterministic_finetune_args(source, output_dir, 8, max_steps=6, extra=extra + list(more))
+
+    run([sys.executable, str(WORKER)] + flags(tmp_path / "straight"))
+    batches = json.loads((tmp_path / "straight" / "rank0.json").read_text())["batches"]
+    assert len(batches) == 6 and all(rows < 8 for rows, _ in batches)  # 8 images a batch, packed into fewer rows
+    killed = tmp_path / "killed"
+    run([sys.executable, str(WORKER)] + flags(killed, "--kill_at_step", "5"), expect=17)
+    assert (killed / "checkpoint-4").is_dir() and not (killed / "rank0.safetensors").exists()
+    run([sys.executable, str(WORKER)] + flags(killed, "--resume_from_checkpoint", "True"))
+    straight, resumed = load_file(tmp_path / "straight" / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
