@@ -10,7 +10,8 @@ row for each of the family that followed, by Hub id (DINOv2 with registers, SigL
 distillation head), together covering every adaptation. Sizes drawn per batch ride on rows as extra flags: `--seq_lens`
 with two processes, multi-label and native-aspect batches (each step's length alike on both processes, checked from
 each one's batches) and across a kill (exact resumption); `--patch_sizes` with LoRA and with a stream; packed
-sequences (`--max_num_patches` with `--packed_sequence_length`) with LoRA.
+sequences (`--max_num_patches` with `--packed_sequence_length`) with LoRA, with a stream, and with two processes and
+multi-label data.
 
 Invariants on every run:
 1. the run's folder (for LoRA: the merged model, saved) reloads with the Auto classes and predicts what the trained
@@ -90,6 +91,8 @@ COMBINATIONS = [
     Combination("folder", "qkv", "single", "stream", processes=2),
     Combination("folder", "query_value", "single", "memory", flags=("--patch_sizes", "4,8,16")),
     Combination("folder", "qkv", "single", "memory", flags=PACKED),
+    Combination("npz", "full", "single", "stream", flags=PACKED),
+    Combination("timm", "full", "multi", "memory", processes=2, flags=PACKED),
     Combination("transformers", "full", "single", "stream"),
     Combination("transformers", "qkv", "multi", "memory"),
     Combination("transformers", "query_value", "single", "memory", processes=2),

@@ -133,6 +133,18 @@ def test_packing_is_refused_by_name_where_it_cannot_train(tmp_path, flags, named
         parse_args("pretrain", ["--output_dir", str(tmp_path / "run"), *flags])
 
 
+def test_a_stream_on_several_processes_is_refused(tmp_path, monkeypatch):
+    # accelerate deals a stream's batches out cut along their first dimension, which a packed batch's rows are not
+    from transformers import TrainingArguments
+
+    flags = ["--output_dir", str(tmp_path / "run"), "--max_num_patches", "6", "--packed_sequence_length", "9"]
+    flags += ["--streaming", "True", "--max_steps", "2"]
+    parse_args("pretrain", flags)  # one process: each batch packed where it is made
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="--streaming on several processes"):
+        parse_args("pretrain", flags)
+
+
 def test_a_killed_packed_run_resumes_to_the_uninterrupted_runs_weights(tmp_path):
     # augmentation (crops of several aspect ratios: several grids to pack) and dropout, a checkpoint every 2 steps
     from safetensors.torch import load_file

@@ -259,7 +259,7 @@ class DataArguments:
             "slots (at least --max_num_patches), attention and pooling per image, instead of one image per row padded "
             "to --max_num_patches; the loss and metrics stay per image, and the number of rows varies per batch. "
             "The saved processor packs the same way at inference. Not with --seq_lens, --patch_sizes, "
-            "Mixup/CutMix or --objective mpp."
+            "Mixup/CutMix, --objective mpp, or --streaming on several processes."
         },
     )
     seq_lens: str | None = field(
@@ -576,6 +576,12 @@ def check_packing_flags(objective: str, data_args: DataArguments, training_args:
         raise ValueError(
             "--packed_sequence_length with --objective mpp: masked patch prediction pretrains on whole images of "
             "--image_size. Drop --packed_sequence_length, or use --objective classification."
+        )
+    if data_args.streaming and training_args.world_size > 1:
+        raise ValueError(
+            "--packed_sequence_length with --streaming on several processes: accelerate deals a stream's batches out "
+            "from the first process, cut along their first dimension, and a packed batch's rows are not its images. "
+            "Load the data set (drop --streaming), or train on one process."
         )
     if training_args.mixup_alpha > 0 or training_args.cutmix_alpha > 0:
         flag = "--mixup_alpha" if training_args.mixup_alpha > 0 else "--cutmix_alpha"
