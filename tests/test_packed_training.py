@@ -106,6 +106,13 @@ def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys)
         names = [model.config.id2label[int(index)] for index in best.indices]
         assert [item["label"] for item in row["predictions"]] == names
         np.testing.assert_allclose([item["score"] for item in row["predictions"]], best.values, atol=1e-4)
+    from transformers import pipeline
+
+    classify = pipeline("image-classification", model=str(out), trust_remote_code=False)
+    for path, scores in zip(files, expected):
+        (best,) = classify(str(path), top_k=1)
+        assert best["label"] == model.config.id2label[int(scores.argmax())]
+        assert best["score"] == pytest.approx(float(scores.max()), abs=1e-4)
     # evaluating the folder (packed batches) measures what the unpacked scores here give, and what the run reported
     capsys.readouterr()
     assert evaluate_command.main(["--model", str(out), "--dataset_name", str(data)]) == 0
