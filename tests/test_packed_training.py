@@ -81,10 +81,14 @@ def run_flags(source, data, out, *more):
     return [*flags, *QUIET, *more]
 
 
-def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys):
+def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys, caplog):
     data = aspect_image_folder(tmp_path / "data")
     source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
-    metrics = train("finetune", *parse_args("finetune", run_flags(source, data, out, "--packed_sequence_length", "9")))
+    with caplog.at_level("INFO", logger="hf_vit"):
+        metrics = train(
+            "finetune", *parse_args("finetune", run_flags(source, data, out, "--packed_sequence_length", "9"))
+        )
+    assert caplog.text.count("packed whole into rows of 9 patch slots") == 1
     assert np.isfinite(metrics["train_loss"]) and np.isfinite(metrics["eval_loss"])
     before = VisionTransformerForImageClassification.from_pretrained(source).vit.state_dict()
     model = VisionTransformerForImageClassification.from_pretrained(out).eval()
@@ -133,6 +137,7 @@ def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys)
         (["--patch_sizes", "2,4", "--packed_sequence_length", "9"], "--patch_sizes"),
         (["--max_num_patches", "6", "--packed_sequence_length", "9", "--mixup_alpha", "0.8"], "--mixup_alpha"),
         (["--max_num_patches", "6", "--packed_sequence_length", "9", "--objective", "mpp"], "--objective mpp"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "9", "--recipe", "deit"], "set by --recipe deit"),
     ],
 )
 def test_packing_is_refused_by_name_where_it_cannot_train(tmp_path, flags, named):

@@ -585,9 +585,11 @@ def check_packing_flags(objective: str, data_args: DataArguments, training_args:
         )
     if training_args.mixup_alpha > 0 or training_args.cutmix_alpha > 0:
         flag = "--mixup_alpha" if training_args.mixup_alpha > 0 else "--cutmix_alpha"
+        recipe = training_args.recipe
+        given = f" (set by --recipe {recipe}; --mixup_alpha 0 --cutmix_alpha 0 keep the rest of it)" if recipe else ""
         raise ValueError(
-            f"--packed_sequence_length with {flag}: Mixup and CutMix mix whole images of one size, not packed rows "
-            "of images. Drop one of them."
+            f"--packed_sequence_length with {flag}{given}: Mixup and CutMix mix whole images of one size, not packed "
+            "rows of images. Drop one of them."
         )
 
 

@@ -220,6 +220,11 @@ def build_trainer(
     collator = objective.collator
     if sizes.packed_sequence_length is not None:  # the batch's images packed into rows (`collate_fn`)
         collator = partial(collator, packed_sequence_length=sizes.packed_sequence_length)
+        if training_args.process_index == 0:
+            logger.info(
+                "Packed sequences: each batch's images (at most %d patches each) packed whole into rows of %d patch "
+                "slots; the number of rows varies per batch.", sizes.max_num_patches, sizes.packed_sequence_length,
+            )  # fmt: skip
     # The average goes into the model at the end of training before the caller's callbacks see it.
     ema = ema_callback(recipe)
     return VisionTransformerTrainer(
