@@ -161,10 +161,10 @@ def _load_batch(batch: Mapping[str, Sequence[Any]], do_convert_rgb: bool) -> lis
 
 
 def make_eval_transform(processor: VisionTransformerImageProcessor) -> Transform:
-    """Batch transform for evaluation: decode the images, then `processor` does everything else (as at inference)."""
-
+    """Batch transform for evaluation: decode the images, then `processor` does everything else (as at inference);
+    one example per image, also for a processor that packs (`packed_sequence_length`): a batch's rows are made where
+    the batch is, by `collate_fn` or `pack_native_batch`."""
     if getattr(processor, "packed_sequence_length", None) is not None:
-        # One example per image: rows are a batch's, packed by the collator (`collate_fn`) or the caller.
         processor = copy.copy(processor)
         processor.packed_sequence_length = None
 
@@ -521,6 +521,7 @@ def collate_fn(
 
 
 def _pack_native(examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence_length: int) -> dict:
+    """Native-aspect examples (patches, grid) packed by the image processor's `pack_patches`."""
     grids = [tuple(example["spatial_shapes"].tolist()) for example in examples]
     patches = [example["pixel_values"][: rows * cols].float() for example, (rows, cols) in zip(examples, grids)]
     packed = pack_patches(patches, grids, packed_sequence_length)

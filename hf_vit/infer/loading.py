@@ -90,15 +90,15 @@ def check_native_model(config: Any) -> None:
 def serving_processor(processor: Any, config: Any, max_num_patches: int | None = None) -> Any:
     """A copy of `processor` that serves `config`'s model: with `max_num_patches` (or the processor's own saved
     field), native-aspect batches of at most that many patches of the model's patch size, each image kept whole (no
-    centre crop); else the processor as saved."""
+    centre crop; packed into rows of at least that many slots when the processor packs); else the processor as
+    saved."""
     processor = copy.deepcopy(processor)
     if max_num_patches is not None:
         check_native_model(config)
         processor.max_num_patches, processor.do_center_crop = max_num_patches, False
-        if (
-            getattr(processor, "packed_sequence_length", None) is not None
-        ):  # a packed processor's rows hold the largest image
-            processor.packed_sequence_length = max(processor.packed_sequence_length, max_num_patches)
+        packed = getattr(processor, "packed_sequence_length", None)
+        if packed is not None:  # a packed processor's rows hold the largest image
+            processor.packed_sequence_length = max(packed, max_num_patches)
     if processor.max_num_patches is not None:
         check_native_model(config)
         processor.patch_size = config.patch_size
