@@ -74,6 +74,30 @@ def test_a_packed_training_step_is_the_padded_step():
         torch.testing.assert_close(grad, grads[0], rtol=1e-4, atol=1e-5)
 
 
+def test_token_dropping_keeps_a_share_of_each_images_patches_and_packs_only_those():
+    processor = VisionTransformerImageProcessor(size=8, max_num_patches=12, patch_size=4)
+    transform = make_train_transform(processor, scale=(0.5, 1.0), seed=0, token_drop_rate=0.5)
+    fetched = examples(transform, pixels(), [0, 1, 2, 0, 1, 2, 0])
+    for example in fetched:
+        rows, cols = example["spatial_shapes"].tolist()
+        kept = example["patch_positions"][example["patch_positions"] >= 0]
+        assert len(kept) == rows * cols - (rows * cols) // 2 and torch.equal(kept, kept.sort().values)
+        assert example["pixel_attention_mask"].sum() == len(kept)
+    batch = collate_fn(fetched, packed_sequence_length=12)
+    assert int(batch["pixel_attention_mask"].sum()) == sum(int((e["patch_positions"] >= 0).sum()) for e in fetched)
+    for index, example in enumerate(fetched):  # each image's kept patches, with their places
+        slots = batch["patch_image_index"] == index
+        count = int((example["patch_positions"] >= 0).sum())
+        torch.testing.assert_close(batch["pixel_values"][slots], example["pixel_values"][:count], rtol=0, atol=0)
+        assert batch["patch_positions"][slots].tolist() == example["patch_positions"][:count].tolist()
+    model = VisionTransformerForImageClassification(tiny_config(image_size=8, patch_size=4, num_labels=3))
+    assert torch.isfinite(model(**batch).loss)
+    with pytest.raises(ValueError, match="packed_sequence_length"):
+        collate_fn(fetched)  # dropped patches are packed, never padded
+    with pytest.raises(ValueError, match="token_drop_rate"):
+        make_train_transform(VisionTransformerImageProcessor(size=8), token_drop_rate=0.5)
+
+
 def run_flags(source, data, out, *more):
     flags = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--output_dir", str(out)]
     flags += ["--max_num_patches", "6", "--max_steps", "3", "--learning_rate", "0.05", "--eval_strategy", "no"]
@@ -81,13 +105,13 @@ def run_flags(source, data, out, *more):
     return [*flags, *QUIET, *more]
 
 
-def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys, caplog):
+@pytest.mark.parametrize("drop", ["0", "0.5"])  # with NaViT's token dropping in training (evaluation keeps all)
+def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys, caplog, drop):
     data = aspect_image_folder(tmp_path / "data")
     source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
+    flags = run_flags(source, data, out, "--packed_sequence_length", "9", "--token_drop_rate", drop)
     with caplog.at_level("INFO", logger="hf_vit"):
-        metrics = train(
-            "finetune", *parse_args("finetune", run_flags(source, data, out, "--packed_sequence_length", "9"))
-        )
+        metrics = train("finetune", *parse_args("finetune", flags))
     assert caplog.text.count("packed whole into rows of 9 patch slots") == 1
     assert np.isfinite(metrics["train_loss"]) and np.isfinite(metrics["eval_loss"])
     before = VisionTransformerForImageClassification.from_pretrained(source).vit.state_dict()
@@ -96,6 +120,7 @@ def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys,
     assert len(moved) > len(before) // 2  # the backbone trained (the head is new)
     card = (out / "README.md").read_text()
     assert "NaViT sequence packing: each batch's 4 images per device" in card and "rows of 9 patch slots" in card
+    assert ("NaViT token dropping: each training image kept a random 0.5 of its patches" in card) == (drop == "0.5")
     saved = VisionTransformerImageProcessor.from_pretrained(out)
     assert (saved.max_num_patches, saved.packed_sequence_length, saved.patch_size) == (6, 9, 4)
     # predictions on packed batches (the saved processor's) are those of unpacked native-aspect batches
@@ -138,6 +163,8 @@ def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys,
         (["--max_num_patches", "6", "--packed_sequence_length", "9", "--mixup_alpha", "0.8"], "--mixup_alpha"),
         (["--max_num_patches", "6", "--packed_sequence_length", "9", "--objective", "mpp"], "--objective mpp"),
         (["--max_num_patches", "6", "--packed_sequence_length", "9", "--recipe", "deit"], "set by --recipe deit"),
+        (["--max_num_patches", "6", "--token_drop_rate", "0.5"], "--token_drop_rate drops patches of packed"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "9", "--token_drop_rate", "1"], r"in \[0, 1\)"),
     ],
 )
 def test_packing_is_refused_by_name_where_it_cannot_train(tmp_path, flags, named):
@@ -165,7 +192,7 @@ def test_a_killed_packed_run_resumes_to_the_uninterrupted_runs_weights(tmp_path)
     source = pretrained_folder(tmp_path / "pre")
     extra = ["--max_num_patches", "6", "--packed_sequence_length", "12", "--save_strategy", "steps"]
     extra += ["--save_steps", "2", "--random_resized_crop", "True", "--crop_scale_min", "0.3"]
-    extra += ["--hidden_dropout_prob", "0.1"]
+    extra += ["--hidden_dropout_prob", "0.1", "--token_drop_rate", "0.3"]  # and the patches each image drops
 
     def flags(output_dir, *more):
         return deterministic_finetune_args(source, output_dir, 8, max_steps=6, extra=extra + list(more))

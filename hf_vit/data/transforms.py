@@ -64,7 +64,8 @@ Transform = Callable[[Mapping[str, Sequence[Any]]], dict[str, torch.Tensor]]
 @dataclass(frozen=True)
 class Augmentation:
     """How a run augments its training images: the values of the augmentation flags (`--random_resized_crop`,
-    `--crop_scale_min`, `--hflip` resolved to on or off, `--rand_augment`, `--reprob`, `--remode`, `--recount`)."""
+    `--crop_scale_min`, `--hflip` resolved to on or off, `--rand_augment`, `--reprob`, `--remode`, `--recount`,
+    `--token_drop_rate`)."""
 
     random_resized_crop: bool = True
     crop_scale_min: float = 0.08
@@ -73,6 +74,7 @@ class Augmentation:
     reprob: float = 0.0
     remode: str = "pixel"
     recount: int = 1
+    token_drop_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,7 @@ def make_train_transform(
     reprob: float = 0.0,
     remode: str = "pixel",
     recount: int = 1,
+    token_drop_rate: float = 0.0,
 ) -> Transform:
     """Batch transform for training: random resized crop, random horizontal flip, then the processor's normalisation.
 
@@ -203,7 +206,9 @@ def make_train_transform(
     notation (`rand_augment.RandAugment`: on the uint8 image, areas it uncovers filled with the processor's mean
     colour), and the processor's `normalize_batch`, once per batch; last, with `reprob` > 0, random erasing
     (`random_erasing.RandomErasing` with `remode` and `recount`) of each normalised image in turn, a native-aspect
-    image within its own size before it is cut into patches. With
+    image within its own size before it is cut into patches. With `token_drop_rate` (native-aspect batches, to be
+    packed: `collate_fn`), NaViT's token dropping: each image keeps a random `1 - token_drop_rate` of its patches (at
+    least one), first in its row of `pixel_values`, their places in its grid in `patch_positions` (-1 after). With
     `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
     (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
 
@@ -235,6 +240,11 @@ def make_train_transform(
         fill = tuple(round(255 * float(m)) for m in processor.image_mean)
         augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
     check_random_erasing(reprob, remode, recount)
+    if token_drop_rate and (native is None or not 0 <= token_drop_rate < 1):
+        raise ValueError(
+            f"token_drop_rate {token_drop_rate} drops patches of native-aspect images (a processor with "
+            "max_num_patches), a share in [0, 1)."
+        )
     erasing = RandomErasing(reprob, remode, recount) if reprob else None
     if erasing is not None and not processor.do_normalize:
         raise ValueError(
@@ -304,6 +314,8 @@ def make_train_transform(
             if erasing is not None:
                 normalised = [erasing(image, generator) for image in normalised]
             patches = native_patch_batch(normalised, patch, budget)
+            if token_drop_rate:
+                patches = drop_tokens(patches, token_drop_rate, generator)
             return {**patches, **_with_labels(patches["pixel_values"], batch)}
         # Stacked channels-last (the layout PIL and the uint8 resize give), so that normalising converts to float and
         # to channels-first in one pass over the batch.
@@ -315,6 +327,23 @@ def make_train_transform(
         return _with_labels(normalised, batch)
 
     return transform
+
+
+def drop_tokens(
+    patches: Mapping[str, torch.Tensor], rate: float, generator: torch.Generator | None = None
+) -> dict[str, torch.Tensor]:
+    """A native-aspect batch (`native_patch_batch`'s) with NaViT's token dropping: each image keeps
+    `n - floor(rate * n)` of its `n` patches, drawn at random, in the order of its grid, first in its row (zeros
+    after); `patch_positions` (N, K) gives their places in the grid, -1 after; `pixel_attention_mask` marks them."""
+    pixel_values = torch.zeros_like(patches["pixel_values"])
+    positions = torch.full(pixel_values.shape[:2], -1, dtype=torch.long)
+    for index, (rows, cols) in enumerate(patches["spatial_shapes"].tolist()):
+        count = rows * cols
+        kept = torch.randperm(count, generator=generator)[: count - math.floor(rate * count)].sort().values
+        pixel_values[index, : len(kept)] = patches["pixel_values"][index, kept]
+        positions[index, : len(kept)] = kept
+    mask = (positions >= 0).int()
+    return {**patches, "pixel_values": pixel_values, "pixel_attention_mask": mask, "patch_positions": positions}
 
 
 def _open_jpeg(image: Any) -> PIL.Image.Image | None:
@@ -521,10 +550,17 @@ def collate_fn(
 
 
 def _pack_native(examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence_length: int) -> dict:
-    """Native-aspect examples (patches, grid) packed by the image processor's `pack_patches`."""
+    """Native-aspect examples (patches, grid; the places kept after token dropping) packed by the image processor's
+    `pack_patches`."""
     grids = [tuple(example["spatial_shapes"].tolist()) for example in examples]
-    patches = [example["pixel_values"][: rows * cols].float() for example, (rows, cols) in zip(examples, grids)]
-    packed = pack_patches(patches, grids, packed_sequence_length)
+    positions = None
+    if "patch_positions" in examples[0]:  # token dropping: only the kept patches, with their places
+        positions = [example["patch_positions"][example["patch_positions"] >= 0] for example in examples]
+        counts = [len(kept) for kept in positions]
+    else:
+        counts = [rows * cols for rows, cols in grids]
+    patches = [example["pixel_values"][:count].float() for example, count in zip(examples, counts)]
+    packed = pack_patches(patches, grids, packed_sequence_length, positions)
     # `spatial_shapes` first: Trainer counts a batch's examples by its first tensor, which is one row per image.
     return {"spatial_shapes": packed.pop("spatial_shapes"), **packed}
 
@@ -543,6 +579,10 @@ def pack_native_batch(batch: Mapping[str, torch.Tensor], packed_sequence_length:
 
 def _pad_native(examples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Native-aspect examples padded to the longest: each one's patches (its grid's rows * cols) first, then zeros."""
+    if "patch_positions" in examples[0]:
+        raise ValueError(
+            "Examples with dropped patches (`patch_positions`) are packed: give `packed_sequence_length`."
+        )
     length = max(len(example["pixel_values"]) for example in examples)
     pixel_values, masks = [], []
     for example in examples:

@@ -686,32 +686,44 @@ def packed_patch_batch(
 
 
 def pack_patches(
-    patches: Sequence[torch.Tensor], grids: Sequence[tuple[int, int]], packed_sequence_length: int
+    patches: Sequence[torch.Tensor],
+    grids: Sequence[tuple[int, int]],
+    packed_sequence_length: int,
+    positions: Sequence[torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Each image's flattened patches (`(rows * cols, D)`, its grid's in `grids`) packed whole by
     `first_fit_decreasing` into rows of `packed_sequence_length` slots: the packed batch's `pixel_values`,
     `pixel_attention_mask`, `spatial_shapes` and `patch_image_index` (see `packed_sequence_length` in the class
-    docstring). The processor and the training collator both pack here."""
+    docstring). The processor and the training collator both pack here. With `positions` (each image's kept places
+    of its grid, row-major, one per patch given: NaViT's token dropping), `patches` are only those kept, and the batch
+    has their `patch_positions` (rows, L) too, -1 on the padding."""
     sizes = [len(image) for image in patches]
-    if sizes != [rows * cols for rows, cols in grids]:
+    if positions is None and sizes != [rows * cols for rows, cols in grids]:
         raise ValueError(f"Each image's patches must be its grid's rows * cols: {sizes} patches for grids {grids}.")
+    if positions is not None and [len(kept) for kept in positions] != sizes:
+        raise ValueError(f"`positions` must give one place per patch given: {sizes} patches.")
     rows_of_images = first_fit_decreasing(sizes, packed_sequence_length)
     device = patches[0].device
     shape = (len(rows_of_images), packed_sequence_length)
     pixel_values = torch.zeros(*shape, patches[0].shape[-1], device=device)
     patch_image_index = torch.full(shape, -1, dtype=torch.long, device=device)
+    patch_positions = torch.full(shape, -1, dtype=torch.long, device=device)
     for row, indices in enumerate(rows_of_images):
         start = 0
         for index in indices:
             count = sizes[index]
             pixel_values[row, start : start + count] = patches[index]
             patch_image_index[row, start : start + count] = index
+            if positions is not None:
+                patch_positions[row, start : start + count] = torch.as_tensor(positions[index], device=device)
             start += count
+    extra = {} if positions is None else {"patch_positions": patch_positions}
     return {
         "pixel_values": pixel_values,
         "pixel_attention_mask": (patch_image_index >= 0).int(),
         "spatial_shapes": torch.tensor([list(grid) for grid in grids], dtype=torch.long, device=device),
         "patch_image_index": patch_image_index,
+        **extra,
     }
 
 

@@ -262,6 +262,14 @@ class DataArguments:
             "Mixup/CutMix, --objective mpp, or --streaming on several processes."
         },
     )
+    token_drop_rate: float = field(
+        default=0.0,
+        metadata={
+            "help": "With --packed_sequence_length: NaViT's token dropping. Each training image keeps a random "
+            "(1 - this) of its patches (at least one), drawn per image and epoch, and only those take a row's slots; "
+            "evaluation and inference keep every patch. 0 is off."
+        },
+    )
     seq_lens: str | None = field(
         default=None,
         metadata={
@@ -329,6 +337,7 @@ class DataArguments:
             reprob=self.reprob,
             remode=self.remode,
             recount=self.recount,
+            token_drop_rate=self.token_drop_rate,
         )
 
     def sizes(self) -> BatchSizes:
@@ -549,7 +558,15 @@ def check_evaluation_flags(passed: set[str]) -> list[str]:
 def check_packing_flags(objective: str, data_args: DataArguments, training_args: TrainingArguments) -> None:
     """Refuse, by name, `--packed_sequence_length` where packed batches cannot be trained."""
     length = data_args.packed_sequence_length
+    rate = data_args.token_drop_rate
+    if not 0 <= rate < 1:
+        raise ValueError(f"--token_drop_rate is the share of each image's patches dropped, in [0, 1); got {rate}.")
     if length is None:
+        if rate:
+            raise ValueError(
+                "--token_drop_rate drops patches of packed images: give --packed_sequence_length (with "
+                "--max_num_patches), or drop it."
+            )
         return
     positive_int(length, "--packed_sequence_length", "number of patch slots per row")
     if data_args.seq_lens is not None:

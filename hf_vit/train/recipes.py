@@ -391,6 +391,11 @@ def recipe_card_text(
     per step, and the named recipe with the values it ran with (`values`: every flag's), if any."""
     text = " ".join(filter(None, [optimiser_text, regularisation_text(recipe, augmentation, model)]))
     text += drawn_sizes_text(sizes, per_device_batch)
+    if augmentation.token_drop_rate:
+        text += (
+            f" NaViT token dropping: each training image kept a random {1 - augmentation.token_drop_rate:g} of its "
+            "patches (drawn per image and epoch); evaluation kept all."
+        )
     if recipe.name is not None:
         text += " Named " + recipe_summary(get_recipe(recipe.name), values, set(recipe.given))
     return text
