@@ -9,7 +9,9 @@ both data kinds, from a preset, an hf-vit folder and a Hub id converted on load 
 row for each of the family that followed, by Hub id (DINOv2 with registers, SigLIP's vision tower, DeiT with its
 distillation head), together covering every adaptation. Sizes drawn per batch ride on rows as extra flags: `--seq_lens`
 with two processes, multi-label and native-aspect batches (each step's length alike on both processes, checked from
-each one's batches) and across a kill (exact resumption); `--patch_sizes` with LoRA and with a stream.
+each one's batches) and across a kill (exact resumption); `--patch_sizes` with LoRA and with a stream; packed
+sequences (`--max_num_patches` with `--packed_sequence_length`) with LoRA, with a stream, and with two processes and
+multi-label data.
 
 Invariants on every run:
 1. the run's folder (for LoRA: the merged model, saved) reloads with the Auto classes and predicts what the trained
@@ -78,6 +80,7 @@ class Combination:
 
 
 SEQ_LENS = ("--seq_lens", "4,16")  # native-aspect batches of 32 images at 4 patches or 8 at 16 (the 8 x 16 budget)
+PACKED = ("--max_num_patches", "16", "--packed_sequence_length", "40")  # the 8 images of a batch in 4 rows of 2
 
 
 COMBINATIONS = [
@@ -87,6 +90,9 @@ COMBINATIONS = [
     Combination("folder", "full", "multi", "memory"),
     Combination("folder", "qkv", "single", "stream", processes=2),
     Combination("folder", "query_value", "single", "memory", flags=("--patch_sizes", "4,8,16")),
+    Combination("folder", "qkv", "single", "memory", flags=PACKED),
+    Combination("npz", "full", "single", "stream", flags=PACKED),
+    Combination("timm", "full", "multi", "memory", processes=2, flags=PACKED),
     Combination("transformers", "full", "single", "stream"),
     Combination("transformers", "qkv", "multi", "memory"),
     Combination("transformers", "query_value", "single", "memory", processes=2),
@@ -327,8 +333,10 @@ def test_combination(world, combination, tmp_path, caplog):
     reloaded = AutoModelForImageClassification.from_pretrained(folder).eval()
     processor = AutoImageProcessor.from_pretrained(folder)
     test = load_digits_dataset()["test"].select(range(24))  # the test split of both data sets
-    inputs = processor(list(test["image"]), return_tensors="pt")  # native-aspect batches after --seq_lens
-    assert ("spatial_shapes" in inputs) == ("--seq_lens" in combination.flags)
+    # native-aspect batches after --seq_lens or --max_num_patches, packed after --packed_sequence_length
+    inputs = processor(list(test["image"]), return_tensors="pt")
+    assert ("spatial_shapes" in inputs) == bool({"--seq_lens", "--max_num_patches"} & set(combination.flags))
+    assert ("patch_image_index" in inputs) == ("--packed_sequence_length" in combination.flags)
     with torch.no_grad():
         logits = reloaded(**inputs).logits
         torch.testing.assert_close(logits, in_memory(**inputs).logits, atol=1e-4, rtol=1e-4)

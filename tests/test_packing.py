@@ -649,3 +649,39 @@ def test_flex_attention_with_a_block_diagonal_mask_is_handed_to_sdpa(monkeypatch
     output, _ = function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=4**-0.5)
     keep = valid()
     torch.testing.assert_close(output[keep], each_run_alone(query, key, value)[keep], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("classifier", ["token", "gap", "map"])
+def test_dropped_tokens_take_no_part_and_the_kept_ones_keep_their_places(classifier):
+    # NaViT's token dropping: each image keeps some places of its grid; its pooled output is that of its kept tokens
+    # alone (embedded on the whole grid, then the others removed), whatever the rows and the other images hold
+    from hf_vit.model.image_processing_vit import pack_patches
+
+    torch.manual_seed(0)
+    config = tiny_config(image_size=8, patch_size=4, classifier=classifier, num_register_tokens=1)
+    model = VisionTransformerModel(config).eval()
+    grids = [(2, 3), (3, 3), (1, 2), (2, 2)]
+    width, prefix = 4 * 4 * 3, config.num_prefix_tokens
+    images = [torch.randn(rows * cols, width) for rows, cols in grids]
+    generator = torch.Generator().manual_seed(1)
+    kept = [torch.randperm(len(image), generator=generator)[: max(1, len(image) // 2)] for image in images]
+    batch = pack_patches([image[places] for image, places in zip(images, kept)], grids, 8, positions=kept)
+    assert batch["pixel_values"].shape[0] < len(images)  # the kept patches of several images share a row
+    with torch.no_grad():
+        pooled = model(**batch).pooler_output
+        for index, (image, grid, places) in enumerate(zip(images, grids, kept)):
+            shapes = torch.tensor([grid])
+            tokens = model.embeddings(image[None], None, shapes, None)
+            tokens = model.pre_norm(tokens[:, torch.cat([torch.arange(prefix), prefix + places])])
+            for block in model.layers:
+                tokens, _ = block(tokens, False, None)
+            alone = model.pool(model.norm(tokens), torch.ones(tokens.shape[:2], dtype=torch.bool))
+            torch.testing.assert_close(pooled[index], alone[0], atol=1e-5, rtol=1e-4)
+        # keeping every place (in any order) is the packed batch of the whole images
+        every = [torch.randperm(len(image), generator=generator) for image in images]
+        shuffled = pack_patches([image[places] for image, places in zip(images, every)], grids, 9, positions=every)
+        whole = pack_patches(images, grids, 9)
+        torch.testing.assert_close(model(**shuffled).pooler_output, model(**whole).pooler_output, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="patch_positions"):
+        wrong = dict(batch, patch_positions=batch["patch_positions"].clamp(min=0) * 0)
+        model(**wrong)

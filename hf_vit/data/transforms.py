@@ -19,6 +19,7 @@ with decoding left on (plain `set_transform`), datasets raises PIL's error befor
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import math
@@ -44,6 +45,7 @@ from ..model.image_processing_vit import (
     load_images,
     native_patch_batch,
     open_image,
+    pack_patches,
     resize_images,
     to_resampling,
 )
@@ -62,7 +64,8 @@ Transform = Callable[[Mapping[str, Sequence[Any]]], dict[str, torch.Tensor]]
 @dataclass(frozen=True)
 class Augmentation:
     """How a run augments its training images: the values of the augmentation flags (`--random_resized_crop`,
-    `--crop_scale_min`, `--hflip` resolved to on or off, `--rand_augment`, `--reprob`, `--remode`, `--recount`)."""
+    `--crop_scale_min`, `--hflip` resolved to on or off, `--rand_augment`, `--reprob`, `--remode`, `--recount`,
+    `--token_drop_rate`)."""
 
     random_resized_crop: bool = True
     crop_scale_min: float = 0.08
@@ -71,15 +74,18 @@ class Augmentation:
     reprob: float = 0.0
     remode: str = "pixel"
     recount: int = 1
+    token_drop_rate: float = 0.0
 
 
 @dataclass(frozen=True)
 class BatchSizes:
     """The sizes of a run's training batches, as their flags give them: `--max_num_patches` (native aspect ratio),
-    `--seq_lens` with `--max_tokens_per_batch` (a sequence length drawn per step), `--patch_sizes` with
-    `--patch_size_probs` (a patch size drawn per step)."""
+    `--packed_sequence_length` (those images packed into rows of that many patch slots), `--seq_lens` with
+    `--max_tokens_per_batch` (a sequence length drawn per step), `--patch_sizes` with `--patch_size_probs` (a patch
+    size drawn per step)."""
 
     max_num_patches: int | None = None
+    packed_sequence_length: int | None = None
     seq_lens: str | None = None
     max_tokens_per_batch: int | None = None
     patch_sizes: str | None = None
@@ -157,7 +163,12 @@ def _load_batch(batch: Mapping[str, Sequence[Any]], do_convert_rgb: bool) -> lis
 
 
 def make_eval_transform(processor: VisionTransformerImageProcessor) -> Transform:
-    """Batch transform for evaluation: decode the images, then `processor` does everything else (as at inference)."""
+    """Batch transform for evaluation: decode the images, then `processor` does everything else (as at inference);
+    one example per image, also for a processor that packs (`packed_sequence_length`): a batch's rows are made where
+    the batch is, by `collate_fn` or `pack_native_batch`."""
+    if getattr(processor, "packed_sequence_length", None) is not None:
+        processor = copy.copy(processor)
+        processor.packed_sequence_length = None
 
     def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
         images = [decode_image(image, i) for i, image in enumerate(batch["image"])]
@@ -180,6 +191,7 @@ def make_train_transform(
     reprob: float = 0.0,
     remode: str = "pixel",
     recount: int = 1,
+    token_drop_rate: float = 0.0,
 ) -> Transform:
     """Batch transform for training: random resized crop, random horizontal flip, then the processor's normalisation.
 
@@ -194,7 +206,9 @@ def make_train_transform(
     notation (`rand_augment.RandAugment`: on the uint8 image, areas it uncovers filled with the processor's mean
     colour), and the processor's `normalize_batch`, once per batch; last, with `reprob` > 0, random erasing
     (`random_erasing.RandomErasing` with `remode` and `recount`) of each normalised image in turn, a native-aspect
-    image within its own size before it is cut into patches. With
+    image within its own size before it is cut into patches. With `token_drop_rate` (native-aspect batches, to be
+    packed: `collate_fn`), NaViT's token dropping: each image keeps a random `1 - token_drop_rate` of its patches (at
+    least one), first in its row of `pixel_values`, their places in its grid in `patch_positions` (-1 after). With
     `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
     (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
 
@@ -226,6 +240,11 @@ def make_train_transform(
         fill = tuple(round(255 * float(m)) for m in processor.image_mean)
         augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
     check_random_erasing(reprob, remode, recount)
+    if token_drop_rate and (native is None or not 0 <= token_drop_rate < 1):
+        raise ValueError(
+            f"token_drop_rate {token_drop_rate} drops patches of native-aspect images (a processor with "
+            "max_num_patches), a share in [0, 1)."
+        )
     erasing = RandomErasing(reprob, remode, recount) if reprob else None
     if erasing is not None and not processor.do_normalize:
         raise ValueError(
@@ -295,6 +314,8 @@ def make_train_transform(
             if erasing is not None:
                 normalised = [erasing(image, generator) for image in normalised]
             patches = native_patch_batch(normalised, patch, budget)
+            if token_drop_rate:
+                patches = drop_tokens(patches, token_drop_rate, generator)
             return {**patches, **_with_labels(patches["pixel_values"], batch)}
         # Stacked channels-last (the layout PIL and the uint8 resize give), so that normalising converts to float and
         # to channels-first in one pass over the batch.
@@ -306,6 +327,23 @@ def make_train_transform(
         return _with_labels(normalised, batch)
 
     return transform
+
+
+def drop_tokens(
+    patches: Mapping[str, torch.Tensor], rate: float, generator: torch.Generator | None = None
+) -> dict[str, torch.Tensor]:
+    """A native-aspect batch (`native_patch_batch`'s) with NaViT's token dropping: each image keeps
+    `n - floor(rate * n)` of its `n` patches, drawn at random, in the order of its grid, first in its row (zeros
+    after); `patch_positions` (N, K) gives their places in the grid, -1 after; `pixel_attention_mask` marks them."""
+    pixel_values = torch.zeros_like(patches["pixel_values"])
+    positions = torch.full(pixel_values.shape[:2], -1, dtype=torch.long)
+    for index, (rows, cols) in enumerate(patches["spatial_shapes"].tolist()):
+        count = rows * cols
+        kept = torch.randperm(count, generator=generator)[: count - math.floor(rate * count)].sort().values
+        pixel_values[index, : len(kept)] = patches["pixel_values"][index, kept]
+        positions[index, : len(kept)] = kept
+    mask = (positions >= 0).int()
+    return {**patches, "pixel_values": pixel_values, "pixel_attention_mask": mask, "patch_positions": positions}
 
 
 def _open_jpeg(image: Any) -> PIL.Image.Image | None:
@@ -489,13 +527,21 @@ def rows_and_transform(data: Dataset) -> tuple[Dataset, Transform]:
     return data.with_format(None), data.format["format_kwargs"]["transform"]
 
 
-def collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+def collate_fn(
+    examples: Sequence[Mapping[str, Any]], packed_sequence_length: int | None = None
+) -> dict[str, torch.Tensor]:
     """Stack transformed examples into a batch: `pixel_values` [N, 3, H, W] and, when present, `labels` [N] (class
     ids) or [N, C] (multi-hot). Native-aspect examples (with `spatial_shapes`) are flattened patches [K_i, P*P*C]:
-    they are padded to the longest with zeros, and `pixel_attention_mask` [N, K] marks each one's own patches."""
+    they are padded to the longest with zeros, and `pixel_attention_mask` [N, K] marks each one's own patches; with
+    `packed_sequence_length`, they are packed whole into rows of that many patch slots instead (the image processor's
+    `pack_patches`: `pixel_values` [rows, L, P*P*C], `patch_image_index` [rows, L]), the labels still one per image.
+    A packed batch holds the examples given (a fixed number of images); its number of rows varies."""
     if "spatial_shapes" in examples[0]:
-        batch = _pad_native([{key: torch.as_tensor(value) for key, value in example.items()} for example in examples])
+        native = [{key: torch.as_tensor(value) for key, value in example.items()} for example in examples]
+        batch = _pad_native(native) if packed_sequence_length is None else _pack_native(native, packed_sequence_length)
     else:
+        if packed_sequence_length is not None:
+            raise ValueError("`packed_sequence_length` packs native-aspect examples (with `spatial_shapes`).")
         batch = {"pixel_values": torch.stack([torch.as_tensor(example["pixel_values"]) for example in examples])}
     if "labels" in examples[0]:
         labels = [torch.as_tensor(example["labels"]) for example in examples]
@@ -503,8 +549,40 @@ def collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]
     return batch
 
 
+def _pack_native(examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence_length: int) -> dict:
+    """Native-aspect examples (patches, grid; the places kept after token dropping) packed by the image processor's
+    `pack_patches`."""
+    grids = [tuple(example["spatial_shapes"].tolist()) for example in examples]
+    positions = None
+    if "patch_positions" in examples[0]:  # token dropping: only the kept patches, with their places
+        positions = [example["patch_positions"][example["patch_positions"] >= 0] for example in examples]
+        counts = [len(kept) for kept in positions]
+    else:
+        counts = [rows * cols for rows, cols in grids]
+    patches = [example["pixel_values"][:count].float() for example, count in zip(examples, counts)]
+    packed = pack_patches(patches, grids, packed_sequence_length, positions)
+    # `spatial_shapes` first: Trainer counts a batch's examples by its first tensor, which is one row per image.
+    return {"spatial_shapes": packed.pop("spatial_shapes"), **packed}
+
+
+def pack_native_batch(batch: Mapping[str, torch.Tensor], packed_sequence_length: int) -> dict[str, torch.Tensor]:
+    """A padded native-aspect batch (`pixel_values` [N, K, P*P*C], `spatial_shapes`; what `collate_fn` or the
+    evaluation transform gives) packed into rows of `packed_sequence_length` slots, as `collate_fn` packs; any
+    other entries (`labels`) kept."""
+    examples = [
+        {"pixel_values": values, "spatial_shapes": grid}
+        for values, grid in zip(batch["pixel_values"], batch["spatial_shapes"])
+    ]
+    others = {key: value for key, value in batch.items() if key not in ("pixel_values", "pixel_attention_mask")}
+    return {**others, **_pack_native(examples, packed_sequence_length)}
+
+
 def _pad_native(examples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Native-aspect examples padded to the longest: each one's patches (its grid's rows * cols) first, then zeros."""
+    if "patch_positions" in examples[0]:
+        raise ValueError(
+            "Examples with dropped patches (`patch_positions`) are packed: give `packed_sequence_length`."
+        )
     length = max(len(example["pixel_values"]) for example in examples)
     pixel_values, masks = [], []
     for example in examples:

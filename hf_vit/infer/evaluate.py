@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..data.datasets import DataSource, label_names, load_datasets, reorder_classes
-from ..data.transforms import Augmentation, apply_transforms, make_eval_transform
+from ..data.transforms import Augmentation, apply_transforms, make_eval_transform, pack_native_batch
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..tasks.objectives import select_objective
@@ -70,15 +70,18 @@ def measure_split(
     classifier, processor, prepared: EvaluationSplit, batch_size: int = 64
 ) -> tuple[dict[str, Any], np.ndarray | None]:
     """The objective's metrics of `classifier` on the prepared split through `processor` (whole images, or
-    native-aspect batches when it has `max_num_patches`), as `<split>_*` with `<split>_loss`,
-    `<split>_tokens_per_image` (the mean number of patches an image was seen as) and the confusion matrix (rows: true
-    class, columns: predicted; None for multi-label data)."""
+    native-aspect batches when it has `max_num_patches`, packed when it has `packed_sequence_length`), as `<split>_*`
+    with `<split>_loss`, `<split>_tokens_per_image` (the mean number of patches an image was seen as) and the
+    confusion matrix (rows: true class, columns: predicted; None for multi-label data)."""
     split, objective = prepared.name, prepared.objective
     data = objective.transforms(prepared.raw, prepared.augmentation, processor, classifier.config)[split]
     device = next(classifier.parameters()).device
+    packed = getattr(processor, "packed_sequence_length", None)  # one example per image, packed here as in training
     logits, targets, tokens = [], [], []
     for start in range(0, len(data), batch_size):
         batch = data[start : start + batch_size]  # the processor runs once per batch (`with_transform`)
+        if packed is not None:
+            batch = pack_native_batch(batch, packed)
         inputs = model_inputs(batch, device)
         logits.append(classifier(**inputs).logits.float().cpu())
         targets.append(batch["labels"])

@@ -90,11 +90,15 @@ def check_native_model(config: Any) -> None:
 def serving_processor(processor: Any, config: Any, max_num_patches: int | None = None) -> Any:
     """A copy of `processor` that serves `config`'s model: with `max_num_patches` (or the processor's own saved
     field), native-aspect batches of at most that many patches of the model's patch size, each image kept whole (no
-    centre crop); else the processor as saved."""
+    centre crop; packed into rows of at least that many slots when the processor packs); else the processor as
+    saved."""
     processor = copy.deepcopy(processor)
     if max_num_patches is not None:
         check_native_model(config)
         processor.max_num_patches, processor.do_center_crop = max_num_patches, False
+        packed = getattr(processor, "packed_sequence_length", None)
+        if packed is not None:  # a packed processor's rows hold the largest image
+            processor.packed_sequence_length = max(packed, max_num_patches)
     if processor.max_num_patches is not None:
         check_native_model(config)
         processor.patch_size = config.patch_size
@@ -102,8 +106,10 @@ def serving_processor(processor: Any, config: Any, max_num_patches: int | None =
 
 
 def model_inputs(batch: dict[str, Any], device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """The model's inputs in a processed batch: `pixel_values`, and a native-aspect batch's mask and grids."""
-    inputs = {key: batch[key] for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes") if key in batch}
+    """The model's inputs in a processed batch: `pixel_values`, a native-aspect batch's mask and grids, and a packed
+    batch's `patch_image_index`."""
+    names = ("pixel_values", "pixel_attention_mask", "spatial_shapes", "patch_image_index")
+    inputs = {key: batch[key] for key in names if key in batch}
     return {key: value.to(device) for key, value in inputs.items()} if device is not None else inputs
 
 

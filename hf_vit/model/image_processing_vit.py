@@ -677,25 +677,54 @@ def packed_patch_batch(
     docstring). Training transforms that resize images themselves pack them here."""
     _check_packing(max_num_patches, packed_sequence_length)
     grids = _native_grids(images, patch_size, max_num_patches)
-    rows_of_images = first_fit_decreasing([rows * cols for rows, cols in grids], packed_sequence_length)
     channels, device = images[0].shape[0], images[0].device
+    patches = []
+    for image, (rows, cols) in zip(images, grids):
+        patches.append(torch.empty(rows * cols, patch_size * patch_size * channels, device=device))
+        _copy_patches(patches[-1], image, (rows, cols), patch_size)
+    return _batch_feature(pack_patches(patches, grids, packed_sequence_length), return_tensors)
+
+
+def pack_patches(
+    patches: Sequence[torch.Tensor],
+    grids: Sequence[tuple[int, int]],
+    packed_sequence_length: int,
+    positions: Sequence[torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Each image's flattened patches (`(rows * cols, D)`, its grid's in `grids`) packed whole by
+    `first_fit_decreasing` into rows of `packed_sequence_length` slots: the packed batch's `pixel_values`,
+    `pixel_attention_mask`, `spatial_shapes` and `patch_image_index` (see `packed_sequence_length` in the class
+    docstring). The processor and the training collator both pack here. With `positions` (each image's kept places
+    of its grid, row-major, one per patch given: NaViT's token dropping), `patches` are only those kept, and the batch
+    has their `patch_positions` (rows, L) too, -1 on the padding."""
+    sizes = [len(image) for image in patches]
+    if positions is None and sizes != [rows * cols for rows, cols in grids]:
+        raise ValueError(f"Each image's patches must be its grid's rows * cols: {sizes} patches for grids {grids}.")
+    if positions is not None and [len(kept) for kept in positions] != sizes:
+        raise ValueError(f"`positions` must give one place per patch given: {sizes} patches.")
+    rows_of_images = first_fit_decreasing(sizes, packed_sequence_length)
+    device = patches[0].device
     shape = (len(rows_of_images), packed_sequence_length)
-    pixel_values = torch.zeros(*shape, patch_size * patch_size * channels, device=device)
+    pixel_values = torch.zeros(*shape, patches[0].shape[-1], device=device)
     patch_image_index = torch.full(shape, -1, dtype=torch.long, device=device)
+    patch_positions = torch.full(shape, -1, dtype=torch.long, device=device)
     for row, indices in enumerate(rows_of_images):
         start = 0
         for index in indices:
-            count = grids[index][0] * grids[index][1]
-            _copy_patches(pixel_values[row, start : start + count], images[index], grids[index], patch_size)
+            count = sizes[index]
+            pixel_values[row, start : start + count] = patches[index]
             patch_image_index[row, start : start + count] = index
+            if positions is not None:
+                patch_positions[row, start : start + count] = torch.as_tensor(positions[index], device=device)
             start += count
-    data = {
+    extra = {} if positions is None else {"patch_positions": patch_positions}
+    return {
         "pixel_values": pixel_values,
         "pixel_attention_mask": (patch_image_index >= 0).int(),
-        "spatial_shapes": torch.tensor(grids, device=device),
+        "spatial_shapes": torch.tensor([list(grid) for grid in grids], dtype=torch.long, device=device),
         "patch_image_index": patch_image_index,
+        **extra,
     }
-    return _batch_feature(data, return_tensors)
 
 
 __all__ = [
@@ -707,6 +736,7 @@ __all__ = [
     "load_images",
     "native_patch_batch",
     "open_image",
+    "pack_patches",
     "packed_patch_batch",
     "rescale_and_normalize",
     "resize_images",

@@ -471,6 +471,7 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         spatial_shapes: torch.Tensor | None = None,
         patch_sources: torch.Tensor | None = None,
         patch_image_index: torch.Tensor | None = None,
+        patch_positions: torch.Tensor | None = None,
         packed: PackedLayout | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
@@ -481,16 +482,20 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         own grid (see `naflex.py`); with `patch_image_index`, a packed batch, several whole images per row (see
         `packing.py`): the outputs are per image (in the order of `spatial_shapes`), as for the native-aspect batch of
         the same images, which is also the layout `bool_masked_pos` and `patch_sources` are given in; `hidden_states`
-        and `attentions` are of the packed rows. `packed`: the layout of a packed batch whose patches a head has
-        already moved to one image per row (`PackedLayout.unpack_patches`)."""
+        and `attentions` are of the packed rows; `patch_positions` (with `patch_image_index`): each slot's place in its
+        image's grid, the slots holding only the patches each image keeps (NaViT's token dropping). `packed`: the
+        layout of a packed batch whose patches a head has already moved to one image per row
+        (`PackedLayout.unpack_patches`)."""
         if pixel_values is None:
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         if patch_image_index is not None:  # the images one per row for (1) and (4); the blocks run them packed
             prefix = self.config.num_prefix_tokens
-            packed = packed_layout(patch_image_index, spatial_shapes, prefix, pixel_attention_mask)
+            packed = packed_layout(patch_image_index, spatial_shapes, prefix, pixel_attention_mask, patch_positions)
             pixel_values, pixel_attention_mask = packed.unpack_patches(pixel_values), packed.patch_mask
+        elif patch_positions is not None:
+            raise ValueError("`patch_positions` places the patches of a packed batch: give `patch_image_index` too.")
         token_mask, attention_mask = self.input_masks(
             pixel_values, interpolate_pos_encoding, pixel_attention_mask, spatial_shapes, output_attentions
         )
@@ -502,6 +507,7 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
             hidden_states, _ = block(hidden_states, output_attentions, attention_mask)  # (2), (3)
         if packed is not None:
             hidden_states = packed.unpack(hidden_states)
+            token_mask = token_mask if packed.kept is None else packed.kept  # dropped tokens are pooled by none
         # (4): LN of the class token's final state (or of the patch tokens' average, or of attention pooling); with
         # fc_norm the LayerNorm follows the pooling, and the tokens are returned as the last block left them.
         fc_norm = self.config.fc_norm

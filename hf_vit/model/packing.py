@@ -7,6 +7,10 @@ The image processor (`packed_sequence_length=L`; its `packed_patch_batch`) retur
     spatial_shapes        (N, 2)              each image's grid (rows, columns), in the order the images were given
     patch_image_index     (R, L)              the image each slot holds a patch of, -1 on the padding
 
+and, for NaViT's token dropping in training, `patch_positions` (R, L): the place of each slot's patch in its image's
+grid (row-major, -1 on the padding), each image's run then holding only the patches it keeps, in any order. The
+embedding (1) is that of the whole grid; the dropped patches' tokens take no part in the blocks or the pooling.
+
 and the model runs it as the native-aspect batch of the same images (`naflex.py`) with the tokens moved: equation (1)
 embeds each image on its own grid, with its own class and register tokens, as that batch does; the encoder's blocks
 run on packed rows, each image's tokens (prefix tokens, then patches) consecutive, attention restricted to each image
@@ -44,6 +48,7 @@ class PackedLayout:
     patch_source: torch.Tensor  # (N * patches,) the packed slot of each native patch
     pack_source: torch.Tensor  # (rows * row_tokens,) the native token of each packed token
     unpack_source: torch.Tensor  # (N * image_tokens,) the packed token of each native token
+    kept: torch.Tensor | None = None  # (N, image_tokens) bool: the tokens not dropped (None: none dropped)
 
     def unpack_patches(self, values: torch.Tensor) -> torch.Tensor:
         """`(R, L, ...)` per patch slot (pixels, a mask) -> `(N, patches, ...)`, one image per row."""
@@ -76,10 +81,12 @@ def packed_layout(
     spatial_shapes: torch.Tensor,
     num_prefix_tokens: int,
     pixel_attention_mask: torch.Tensor | None = None,
+    patch_positions: torch.Tensor | None = None,
 ) -> PackedLayout:
     """The layout of a packed batch, checked: every image of `spatial_shapes` in exactly one row, its `rows * cols`
-    patches consecutive; `pixel_attention_mask`, when given, marks exactly the images' slots. Read on the host
-    (one copy from the device per batch)."""
+    patches consecutive (with `patch_positions`, the patches it keeps, each place of its grid at most once);
+    `pixel_attention_mask`, when given, marks exactly the images' slots. Read on the host (one copy from the device
+    per batch)."""
     if not isinstance(patch_image_index, torch.Tensor) or patch_image_index.ndim != 2:
         raise ValueError(
             "`patch_image_index` must be a (rows, packed_sequence_length) tensor of the image each patch slot holds "
@@ -103,7 +110,16 @@ def packed_layout(
             "`pixel_attention_mask` must mark exactly the slots `patch_image_index` gives an image (>= 0), as the "
             "image processor returns it."
         )
+    if patch_positions is not None and (
+        not isinstance(patch_positions, torch.Tensor) or tuple(patch_positions.shape) != (rows, slots)
+    ):
+        raise ValueError(
+            f"`patch_positions` must be a ({rows}, {slots}) tensor, as `patch_image_index`; got "
+            f"{_describe(patch_positions)}."
+        )
+    where = None if patch_positions is None else patch_positions.detach().cpu().long()
     placed: list[tuple[int, int] | None] = [None] * len(grids)  # (row, first slot) of each image
+    kept: list[torch.Tensor | None] = [None] * len(grids)  # the places of the grid each image keeps
     row_images: list[list[int]] = []
     for row in range(rows):
         images, slot = [], 0
@@ -116,12 +132,24 @@ def packed_layout(
                         f"`patch_image_index` row {row} names image {image} at slot {slot}: each of the "
                         f"{len(grids)} images of `spatial_shapes` must fill one run of consecutive slots, once."
                     )
-                if count != sizes[image]:
+                if where is None:
+                    positions = torch.arange(sizes[image])
+                else:
+                    positions = where[row, slot : slot + count]
+                    if (
+                        bool((positions < 0).any() or (positions >= sizes[image]).any())
+                        or len(positions.unique()) != count
+                    ):
+                        raise ValueError(
+                            f"`patch_positions` of image {image} (row {row}) must be distinct places of its grid "
+                            f"{grids[image]}, from 0 to {sizes[image] - 1}; got {positions.tolist()}."
+                        )
+                if count != len(positions):
                     raise ValueError(
                         f"`patch_image_index` row {row} holds image {image} from slot {slot}, but not as one run of "
                         f"its {sizes[image]} patches (its grid {grids[image]} in `spatial_shapes`)."
                     )
-                placed[image] = (row, slot)
+                placed[image], kept[image] = (row, slot), positions
                 images.append(image)
             slot += count
         row_images.append(images)
@@ -139,13 +167,16 @@ def packed_layout(
     for row, images in enumerate(row_images):
         start = 0
         for image in images:
-            count = prefix + sizes[image]
-            patch_source[image, : sizes[image]] = row * slots + placed[image][1] + torch.arange(sizes[image])
-            pack_source[row, start : start + count] = image * image_tokens + torch.arange(count)
-            unpack_source[image, :count] = row * row_tokens + start + torch.arange(count)
+            positions = kept[image]
+            count = prefix + len(positions)
+            tokens = torch.cat([torch.arange(prefix), prefix + positions])  # its prefix, then the patches it keeps
+            patch_source[image, positions] = row * slots + placed[image][1] + torch.arange(len(positions))
+            pack_source[row, start : start + count] = image * image_tokens + tokens
+            unpack_source[image, tokens] = row * row_tokens + start + torch.arange(count)
             start += count
-        runs.append([prefix + sizes[image] for image in images])
+        runs.append([prefix + len(kept[image]) for image in images])
     device = patch_image_index.device
+    dropped = any(len(positions) < size for positions, size in zip(kept, sizes))
     return PackedLayout(
         rows=rows,
         slots=slots,
@@ -156,6 +187,7 @@ def packed_layout(
         patch_source=patch_source.flatten().to(device),
         pack_source=pack_source.flatten().to(device),
         unpack_source=unpack_source.flatten().to(device),
+        kept=(unpack_source >= 0).to(device) if dropped else None,
     )
 
 

@@ -94,6 +94,7 @@ def classification_transforms(
         reprob=augmentation.reprob,
         remode=augmentation.remode,
         recount=augmentation.recount,
+        token_drop_rate=augmentation.token_drop_rate,
     )
     return apply_transforms(raw, train_transform, make_eval_transform(processor))
 

@@ -21,7 +21,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from ..data.augment.mixing import Mixing
 from ..data.augment.rand_augment import parse_rand_augment
 from ..data.augment.random_erasing import check_random_erasing
-from ..flags import exit_on_error, parse_sizes
+from ..flags import exit_on_error, parse_sizes, positive_int
 from ..model.resolution import MAX_PATCH_POSITIONS
 from ..tasks.model_setup import ModelSettings
 from .ema import check_ema_decay
@@ -251,6 +251,25 @@ class DataArguments:
             "number; the saved processor does the same at inference. Classification objectives only."
         },
     )
+    packed_sequence_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "With --max_num_patches: NaViT's sequence packing. Each batch's native-aspect images (still "
+            "--per_device_train_batch_size of them) are packed whole, largest first, into rows of this many patch "
+            "slots (at least --max_num_patches), attention and pooling per image, instead of one image per row padded "
+            "to --max_num_patches; the loss and metrics stay per image, and the number of rows varies per batch. "
+            "The saved processor packs the same way at inference. Not with --seq_lens, --patch_sizes, "
+            "Mixup/CutMix, --objective mpp, or --streaming on several processes."
+        },
+    )
+    token_drop_rate: float = field(
+        default=0.0,
+        metadata={
+            "help": "With --packed_sequence_length: NaViT's token dropping. Each training image keeps a random "
+            "(1 - this) of its patches (at least one), drawn per image and epoch, and only those take a row's slots; "
+            "evaluation and inference keep every patch. 0 is off."
+        },
+    )
     seq_lens: str | None = field(
         default=None,
         metadata={
@@ -318,6 +337,7 @@ class DataArguments:
             reprob=self.reprob,
             remode=self.remode,
             recount=self.recount,
+            token_drop_rate=self.token_drop_rate,
         )
 
     def sizes(self) -> BatchSizes:
@@ -326,6 +346,7 @@ class DataArguments:
 
         return BatchSizes(
             max_num_patches=self.max_num_patches,
+            packed_sequence_length=self.packed_sequence_length,
             seq_lens=self.seq_lens,
             max_tokens_per_batch=self.max_tokens_per_batch,
             patch_sizes=self.patch_sizes,
@@ -475,6 +496,7 @@ def parse_args(
         batch = training_args.per_device_train_batch_size * training_args.world_size
         training_args.learning_rate = scaled_learning_rate(recipe, batch * training_args.gradient_accumulation_steps)
     check_recipe_flags(model_args, data_args, training_args, passed)
+    check_packing_flags(model_args.objective, data_args, training_args)
     check_flexible_flags(data_args, training_args)
     if not training_args.do_train:
         check_evaluation_flags(passed)
@@ -531,6 +553,61 @@ def check_evaluation_flags(passed: set[str]) -> list[str]:
             "--do_train False: %s shape training only and have no effect here.", ", ".join(f"--{n}" for n in ignored)
         )
     return ignored
+
+
+def check_packing_flags(objective: str, data_args: DataArguments, training_args: TrainingArguments) -> None:
+    """Refuse, by name, `--packed_sequence_length` where packed batches cannot be trained."""
+    length = data_args.packed_sequence_length
+    rate = data_args.token_drop_rate
+    if not 0 <= rate < 1:
+        raise ValueError(f"--token_drop_rate is the share of each image's patches dropped, in [0, 1); got {rate}.")
+    if length is None:
+        if rate:
+            raise ValueError(
+                "--token_drop_rate drops patches of packed images: give --packed_sequence_length (with "
+                "--max_num_patches), or drop it."
+            )
+        return
+    positive_int(length, "--packed_sequence_length", "number of patch slots per row")
+    if data_args.seq_lens is not None:
+        raise ValueError(
+            "--packed_sequence_length with --seq_lens: packing keeps one --max_num_patches per run, a length drawn "
+            "per step would change it. Drop one of them."
+        )
+    if data_args.patch_sizes is not None:
+        raise ValueError(
+            "--packed_sequence_length with --patch_sizes: packed batches are native-aspect patches of one size. Drop "
+            "one of them."
+        )
+    if data_args.max_num_patches is None:
+        raise ValueError(
+            "--packed_sequence_length packs native-aspect images: give --max_num_patches (the most patches of one "
+            "image, at most --packed_sequence_length)."
+        )
+    if length < data_args.max_num_patches:
+        raise ValueError(
+            f"--packed_sequence_length {length} is below --max_num_patches {data_args.max_num_patches}: a row must "
+            "hold the largest image. Raise it."
+        )
+    if objective == "mpp":
+        raise ValueError(
+            "--packed_sequence_length with --objective mpp: masked patch prediction pretrains on whole images of "
+            "--image_size. Drop --packed_sequence_length, or use --objective classification."
+        )
+    if data_args.streaming and training_args.world_size > 1:
+        raise ValueError(
+            "--packed_sequence_length with --streaming on several processes: accelerate deals a stream's batches out "
+            "from the first process, cut along their first dimension, and a packed batch's rows are not its images. "
+            "Load the data set (drop --streaming), or train on one process."
+        )
+    if training_args.mixup_alpha > 0 or training_args.cutmix_alpha > 0:
+        flag = "--mixup_alpha" if training_args.mixup_alpha > 0 else "--cutmix_alpha"
+        recipe = training_args.recipe
+        given = f" (set by --recipe {recipe}; --mixup_alpha 0 --cutmix_alpha 0 keep the rest of it)" if recipe else ""
+        raise ValueError(
+            f"--packed_sequence_length with {flag}{given}: Mixup and CutMix mix whole images of one size, not packed "
+            "rows of images. Drop one of them."
+        )
 
 
 def check_flexible_flags(data_args: DataArguments, training_args: TrainingArguments) -> None:

@@ -391,14 +391,26 @@ def recipe_card_text(
     per step, and the named recipe with the values it ran with (`values`: every flag's), if any."""
     text = " ".join(filter(None, [optimiser_text, regularisation_text(recipe, augmentation, model)]))
     text += drawn_sizes_text(sizes, per_device_batch)
+    if augmentation.token_drop_rate:
+        text += (
+            f" NaViT token dropping: each training image kept a random {1 - augmentation.token_drop_rate:g} of its "
+            "patches (drawn per image and epoch); evaluation kept all."
+        )
     if recipe.name is not None:
         text += " Named " + recipe_summary(get_recipe(recipe.name), values, set(recipe.given))
     return text
 
 
 def drawn_sizes_text(sizes: BatchSizes, per_device_batch: int) -> str:
-    """The card's words for sizes drawn per step (`--seq_lens`, `--patch_sizes`), or nothing."""
+    """The card's words for packed sequences (`--packed_sequence_length`) and sizes drawn per step (`--seq_lens`,
+    `--patch_sizes`), or nothing."""
     text = ""
+    if sizes.packed_sequence_length:
+        text += (
+            f" NaViT sequence packing: each batch's {per_device_batch} images per device, at their own aspect ratio "
+            f"on at most {sizes.max_num_patches} patches each, packed whole into rows of "
+            f"{sizes.packed_sequence_length} patch slots (attention and pooling per image)."
+        )
     if sizes.seq_lens:
         longest = max(int(length) for length in sizes.seq_lens.split(","))
         budget = sizes.max_tokens_per_batch or per_device_batch * longest

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,8 @@ def _run(run: Run, training_args: VisionTransformerTrainingArguments, callbacks,
         "--num_channels" if run.model.num_channels else f"--model_name_or_path {run.model.model_name_or_path}"
     )
     check_image_channels(raw, processor, model.config.num_channels, channels_from)
+    # Saved with the model: the folder serves packed batches (its predictions are those of unpacked ones).
+    processor.packed_sequence_length = run.sizes.packed_sequence_length
     model = adapt(model, run.lora, task, training_args.output_dir)
     if objective.check_sizes is not None:
         objective.check_sizes(run.sizes.max_num_patches, run.sizes.seq_lens, run.sizes.patch_sizes)
@@ -200,8 +203,9 @@ def build_trainer(
     sizes: BatchSizes | None = None,
     recipe: RecipeSettings | None = None,
 ) -> VisionTransformerTrainer:
-    """The run's Trainer: the objective's collator and metrics; an in-memory training split augmented
-    reproducibly (`SeededAugmentation`, told each epoch); the recipe's parts and the sizes drawn per step."""
+    """The run's Trainer: the objective's collator (packing each batch's images into rows with
+    `--packed_sequence_length`) and metrics; an in-memory training split augmented reproducibly
+    (`SeededAugmentation`, told each epoch); the recipe's parts and the sizes drawn per step."""
     sizes, recipe = sizes or BatchSizes(), recipe or RecipeSettings()
     callbacks = list(callbacks)
     num_examples = None
@@ -213,6 +217,14 @@ def build_trainer(
         callbacks.append(EpochToDataset(ds["train"]))
         num_examples = len(ds["train"])
     seq_len_sampler, patch_size_draw = flexible_sizes(ds["train"], model, sizes, training_args)
+    collator = objective.collator
+    if sizes.packed_sequence_length is not None:  # the batch's images packed into rows (`collate_fn`)
+        collator = partial(collator, packed_sequence_length=sizes.packed_sequence_length)
+        if training_args.process_index == 0:
+            logger.info(
+                "Packed sequences: each batch's images (at most %d patches each) packed whole into rows of %d patch "
+                "slots; the number of rows varies per batch.", sizes.max_num_patches, sizes.packed_sequence_length,
+            )  # fmt: skip
     # The average goes into the model at the end of training before the caller's callbacks see it.
     ema = ema_callback(recipe)
     return VisionTransformerTrainer(
@@ -220,7 +232,7 @@ def build_trainer(
         args=training_args,
         train_dataset=ds["train"],
         eval_dataset=ds["validation"],
-        data_collator=objective.collator,
+        data_collator=collator,
         compute_metrics=objective.compute_metrics,
         preprocess_logits_for_metrics=objective.preprocess_logits,
         processing_class=processor,

@@ -1,0 +1,209 @@
+"""Training and serving with packed sequences (`--packed_sequence_length`): the collator packs each batch's
+native-aspect images as the processor does, a packed step is the padded step, and a run's folder serves packed
+batches with the predictions of unpacked ones."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_config
+from PIL import Image
+from test_inference import aspect_image_folder, native_scores
+from test_training import QUIET, pretrained_folder
+from torch.nn import functional as F
+
+from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.commands import evaluate as evaluate_command
+from hf_vit.data.transforms import collate_fn, make_eval_transform, make_train_transform
+from hf_vit.infer.predict import predict_files
+from hf_vit.train.arguments import parse_args
+from hf_vit.train.training import train
+
+SIZES = [(8, 8), (8, 24), (30, 10), (12, 20), (5, 40), (16, 12), (20, 20)]
+
+
+def pixels(sizes=SIZES, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for height, width in sizes]
+
+
+def examples(transform, images, labels):
+    """The transform's examples one at a time, as Trainer's data loader fetches them."""
+    fetched = []
+    for image, label in zip(images, labels):
+        batch = transform({"image": [image], "label": [label]})
+        fetched.append({name: value[0] for name, value in batch.items()})
+    return fetched
+
+
+def test_the_collator_packs_a_batch_as_the_processor_does():
+    processor = VisionTransformerImageProcessor(size=8, max_num_patches=6, patch_size=4, packed_sequence_length=9)
+    images = pixels()
+    # the evaluation transform gives one image per example (rows are a batch's), the collator packs them
+    batch = collate_fn(examples(make_eval_transform(processor), images, range(len(images))), packed_sequence_length=9)
+    expected = processor(images, return_tensors="pt")
+    assert set(batch) == {*expected, "labels"}
+    for name, value in expected.items():
+        torch.testing.assert_close(batch[name], value, rtol=0, atol=0)
+    assert batch["labels"].tolist() == list(range(len(images)))  # one label per image, in the images' order
+    assert next(iter(batch)) == "spatial_shapes"  # Trainer counts a batch's examples by its first tensor
+    assert batch["pixel_values"].shape[0] < len(images)  # several images to a row
+    with pytest.raises(ValueError, match="packed_sequence_length"):
+        collate_fn([{"pixel_values": torch.zeros(3, 8, 8)}], packed_sequence_length=9)
+
+
+def test_a_packed_training_step_is_the_padded_step():
+    # the classifier's own loss on per-image logits, and its gradients: packing moves tokens, nothing else
+    config = tiny_config(image_size=8, patch_size=4, num_labels=3, zero_init_head=False)
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(config)
+    processor = VisionTransformerImageProcessor(size=8, max_num_patches=6, patch_size=4)
+    transform = make_train_transform(processor, scale=(0.5, 1.0), seed=0)
+    fetched = examples(transform, pixels(), [0, 1, 2, 0, 1, 2, 0])
+    losses, grads = [], []
+    for length in (None, 6, 13):
+        model.zero_grad()
+        loss = model(**collate_fn(fetched, packed_sequence_length=length)).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    for loss, grad in zip(losses[1:], grads[1:]):
+        torch.testing.assert_close(loss, losses[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(grad, grads[0], rtol=1e-4, atol=1e-5)
+
+
+def test_token_dropping_keeps_a_share_of_each_images_patches_and_packs_only_those():
+    processor = VisionTransformerImageProcessor(size=8, max_num_patches=12, patch_size=4)
+    transform = make_train_transform(processor, scale=(0.5, 1.0), seed=0, token_drop_rate=0.5)
+    fetched = examples(transform, pixels(), [0, 1, 2, 0, 1, 2, 0])
+    for example in fetched:
+        rows, cols = example["spatial_shapes"].tolist()
+        kept = example["patch_positions"][example["patch_positions"] >= 0]
+        assert len(kept) == rows * cols - (rows * cols) // 2 and torch.equal(kept, kept.sort().values)
+        assert example["pixel_attention_mask"].sum() == len(kept)
+    batch = collate_fn(fetched, packed_sequence_length=12)
+    assert int(batch["pixel_attention_mask"].sum()) == sum(int((e["patch_positions"] >= 0).sum()) for e in fetched)
+    for index, example in enumerate(fetched):  # each image's kept patches, with their places
+        slots = batch["patch_image_index"] == index
+        count = int((example["patch_positions"] >= 0).sum())
+        torch.testing.assert_close(batch["pixel_values"][slots], example["pixel_values"][:count], rtol=0, atol=0)
+        assert batch["patch_positions"][slots].tolist() == example["patch_positions"][:count].tolist()
+    model = VisionTransformerForImageClassification(tiny_config(image_size=8, patch_size=4, num_labels=3))
+    assert torch.isfinite(model(**batch).loss)
+    with pytest.raises(ValueError, match="packed_sequence_length"):
+        collate_fn(fetched)  # dropped patches are packed, never padded
+    with pytest.raises(ValueError, match="token_drop_rate"):
+        make_train_transform(VisionTransformerImageProcessor(size=8), token_drop_rate=0.5)
+
+
+def run_flags(source, data, out, *more):
+    flags = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--output_dir", str(out)]
+    flags += ["--max_num_patches", "6", "--max_steps", "3", "--learning_rate", "0.05", "--eval_strategy", "no"]
+    flags += ["--save_strategy", "no", "--per_device_train_batch_size", "4", "--check_eval_images", "False"]
+    return [*flags, *QUIET, *more]
+
+
+@pytest.mark.parametrize("drop", ["0", "0.5"])  # with NaViT's token dropping in training (evaluation keeps all)
+def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys, caplog, drop):
+    data = aspect_image_folder(tmp_path / "data")
+    source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
+    flags = run_flags(source, data, out, "--packed_sequence_length", "9", "--token_drop_rate", drop)
+    with caplog.at_level("INFO", logger="hf_vit"):
+        metrics = train("finetune", *parse_args("finetune", flags))
+    assert caplog.text.count("packed whole into rows of 9 patch slots") == 1
+    assert np.isfinite(metrics["train_loss"]) and np.isfinite(metrics["eval_loss"])
+    before = VisionTransformerForImageClassification.from_pretrained(source).vit.state_dict()
+    model = VisionTransformerForImageClassification.from_pretrained(out).eval()
+    moved = [name for name, value in model.vit.state_dict().items() if not torch.equal(value, before[name])]
+    assert len(moved) > len(before) // 2  # the backbone trained (the head is new)
+    card = (out / "README.md").read_text()
+    assert "NaViT sequence packing: each batch's 4 images per device" in card and "rows of 9 patch slots" in card
+    assert ("NaViT token dropping: each training image kept a random 0.5 of its patches" in card) == (drop == "0.5")
+    saved = VisionTransformerImageProcessor.from_pretrained(out)
+    assert (saved.max_num_patches, saved.packed_sequence_length, saved.patch_size) == (6, 9, 4)
+    # predictions on packed batches (the saved processor's) are those of unpacked native-aspect batches
+    files = sorted((data / "test").rglob("*.png"))
+    served = saved([Image.open(path).convert("RGB") for path in files], return_tensors="pt")
+    assert served["pixel_values"].shape[0] < len(files)  # several images to a row
+    expected, _ = native_scores(model, files, 6)
+    rows = predict_files(out, [data / "test"], top_k=2, batch_size=5)
+    assert [row["image"] for row in rows] == [str(path) for path in files]
+    for row, scores in zip(rows, expected):
+        best = scores.topk(2)
+        names = [model.config.id2label[int(index)] for index in best.indices]
+        assert [item["label"] for item in row["predictions"]] == names
+        np.testing.assert_allclose([item["score"] for item in row["predictions"]], best.values, atol=1e-4)
+    from transformers import pipeline
+
+    classify = pipeline("image-classification", model=str(out), trust_remote_code=False)
+    for path, scores in zip(files, expected):
+        (best,) = classify(str(path), top_k=1)
+        assert best["label"] == model.config.id2label[int(scores.argmax())]
+        assert best["score"] == pytest.approx(float(scores.max()), abs=1e-4)
+    # evaluating the folder (packed batches) measures what the unpacked scores here give, and what the run reported
+    capsys.readouterr()
+    assert evaluate_command.main(["--model", str(out), "--dataset_name", str(data)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    labels = torch.tensor([model.config.label2id[path.parent.name] for path in files])
+    assert printed["test_accuracy"] == pytest.approx(float((expected.argmax(-1) == labels).float().mean()))
+    assert printed["test_loss"] == pytest.approx(float(F.nll_loss(expected.log(), labels)), abs=1e-4)
+    assert printed["test_loss"] == pytest.approx(metrics["test_loss"], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--packed_sequence_length", "9"], "--max_num_patches"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "4"], "below --max_num_patches"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "0"], "--packed_sequence_length must be a positive"),
+        (["--seq_lens", "4,6", "--packed_sequence_length", "9"], "--seq_lens"),
+        (["--patch_sizes", "2,4", "--packed_sequence_length", "9"], "--patch_sizes"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "9", "--mixup_alpha", "0.8"], "--mixup_alpha"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "9", "--objective", "mpp"], "--objective mpp"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "9", "--recipe", "deit"], "set by --recipe deit"),
+        (["--max_num_patches", "6", "--token_drop_rate", "0.5"], "--token_drop_rate drops patches of packed"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "9", "--token_drop_rate", "1"], r"in \[0, 1\)"),
+    ],
+)
+def test_packing_is_refused_by_name_where_it_cannot_train(tmp_path, flags, named):
+    with pytest.raises(ValueError, match=named):
+        parse_args("pretrain", ["--output_dir", str(tmp_path / "run"), *flags])
+
+
+def test_a_stream_on_several_processes_is_refused(tmp_path, monkeypatch):
+    # accelerate deals a stream's batches out cut along their first dimension, which a packed batch's rows are not
+    from transformers import TrainingArguments
+
+    flags = ["--output_dir", str(tmp_path / "run"), "--max_num_patches", "6", "--packed_sequence_length", "9"]
+    flags += ["--streaming", "True", "--max_steps", "2"]
+    parse_args("pretrain", flags)  # one process: each batch packed where it is made
+    monkeypatch.setattr(TrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="--streaming on several processes"):
+        parse_args("pretrain", flags)
+
+
+def test_a_killed_packed_run_resumes_to_the_uninterrupted_runs_weights(tmp_path):
+    # augmentation (crops of several aspect ratios: several grids to pack) and dropout, a checkpoint every 2 steps
+    from safetensors.torch import load_file
+    from test_training import WORKER, deterministic_finetune_args, run
+
+    source = pretrained_folder(tmp_path / "pre")
+    extra = ["--max_num_patches", "6", "--packed_sequence_length", "12", "--save_strategy", "steps"]
+    extra += ["--save_steps", "2", "--random_resized_crop", "True", "--crop_scale_min", "0.3"]
+    extra += ["--hidden_dropout_prob", "0.1", "--token_drop_rate", "0.3"]  # and the patches each image drops
+
+    def flags(output_dir, *more):
+        return deterministic_finetune_args(source, output_dir, 8, max_steps=6, extra=extra + list(more))
+
+    run([sys.executable, str(WORKER)] + flags(tmp_path / "straight"))
+    batches = json.loads((tmp_path / "straight" / "rank0.json").read_text())["batches"]
+    assert len(batches) == 6 and all(rows < 8 for rows, _ in batches)  # 8 images a batch, packed into fewer rows
+    killed = tmp_path / "killed"
+    run([sys.executable, str(WORKER)] + flags(killed, "--kill_at_step", "5"), expect=17)
+    assert (killed / "checkpoint-4").is_dir() and not (killed / "rank0.safetensors").exists()
+    run([sys.executable, str(WORKER)] + flags(killed, "--resume_from_checkpoint", "True"))
+    straight, resumed = load_file(tmp_path / "straight" / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
