@@ -10,6 +10,11 @@ MFU (model FLOPs utilisation) = images/s * analytic FLOPs per image / the GPU's 
 
     python benchmarks/gpu.py --json docs/benchmarks_gpu.json --doc docs/benchmarks.md   # on the GPU machine
     python benchmarks/gpu.py --quick --json /tmp/gpu.json      # the same path on a tiny model, seconds on a CPU
+    python benchmarks/gpu.py --packing_only --json docs/benchmarks_gpu.json --merge_json   # the packing rows alone
+
+`--packing` adds the packing rows (`gpu_packing.py`: square, padded with a mask, padded through variable-length
+attention, packed; eager and compiled, inference and a training step; ViT-B width, 12 blocks, batch 128, K = 256;
+the attention path and kernels of each); `--quick` runs them on its tiny model too (`--no_packing` leaves them out).
 
 The JSON is written after every model, so a run stopped by a time limit keeps what it measured; `--time_budget_s`
 skips the models that would start after it.
@@ -282,14 +287,16 @@ def main(argv: list[str] | None = None) -> int:
             report["skipped"]["packing"] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
             print(f"packing: skipped, {report['skipped']['packing']}", file=sys.stderr)
         else:
-            packing = measure_packing(
-                args, log=lambda message: print(message, file=sys.stderr, flush=True), start=start
-            )
-            report["packing"] = merge_packing(report.get("packing"), packing)
+            previous_packing = report.get("packing")
             report.setdefault("machine", machine_info(torch.device(args.device)))
             report.setdefault("summary", [])
-            if args.json:
-                write_json(report, args.json)
+
+            def save(packing: dict) -> None:  # after each variant, as after every model
+                report["packing"] = merge_packing(previous_packing, packing)
+                if args.json:
+                    write_json(report, args.json)
+
+            save(measure_packing(args, lambda message: print(message, file=sys.stderr, flush=True), start, save))
     if not report["models"] and not report.get("packing"):
         print("error: no model was measured (the time budget was spent before the first)", file=sys.stderr)
         return 1

@@ -126,9 +126,10 @@ def _to(batch: dict, device: torch.device) -> dict:
     return {key: value.to(device) for key, value in batch.items()}
 
 
-def measure_packing(args: argparse.Namespace, log=print, start: float | None = None) -> dict:
+def measure_packing(args: argparse.Namespace, log=print, start: float | None = None, save=None) -> dict:
     """The packing rows: per layout, mode and variant, images/s and real patches/s, the attention path and kernels.
-    Compiled rows are skipped once `args.time_budget_s` is spent (counted from `start`)."""
+    No compilation starts once `args.time_budget_s` is spent (counted from `start`); `save` gets the result so far
+    after each variant."""
     start = time.perf_counter() if start is None else start
     device = torch.device(args.device)
     shape = packing_settings(args.quick)
@@ -206,6 +207,10 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     variants = ([] if args.no_eager else ["eager"]) + ([] if args.no_compile else ["compiled"])
     rows: dict[str, dict] = {}
     skipped: dict[str, str] = {}
+
+    def result() -> dict:
+        return _packing_result(args, shape, shapes, images, patches, difference, device, rows, skipped)
+
     for variant in variants:
         elapsed = time.perf_counter() - start
         if variant == "compiled" and args.time_budget_s is not None and elapsed > args.time_budget_s:
@@ -216,10 +221,16 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
         if variant == "compiled":
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             runner = torch.compile(model, backend=args.compile_backend, mode=args.compile_mode)
-        fns = calls(runner)
-        for (layout, mode), fn in fns.items():
+        fns = {}
+        for (layout, mode), fn in calls(runner).items():
+            elapsed = time.perf_counter() - start
+            if variant == "compiled" and args.time_budget_s is not None and elapsed > args.time_budget_s:
+                # no compilation starts after the budget: the rows compiled so far are still timed
+                skipped[f"{layout} | {mode} | {variant}"] = f"time budget of {args.time_budget_s:.0f} s spent"
+                continue
             fn()  # warm-up (compiled: the compilation)
             fn()
+            fns[(layout, mode)] = fn
             log(f"packing {variant}: {layout} | {mode} ready ({time.perf_counter() - start:.0f} s)")
         samples = time_alternating({f"{layout} | {mode}": fn for (layout, mode), fn in fns.items()}, args.steps,
                                    args.repeats, device)  # fmt: skip
@@ -237,6 +248,12 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
             }
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if save is not None:  # after each variant: a run stopped by a time limit keeps the rows measured
+            save(result())
+    return result()
+
+
+def _packing_result(args, shape, shapes, images, patches, difference, device, rows, skipped) -> dict:
     return {
         "settings": {
             **vars(shape), "dtype": "bf16 autocast", "device": str(device), "steps": args.steps,
