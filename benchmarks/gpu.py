@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             previous_packing = report.get("packing")
             report.setdefault("machine", machine_info(torch.device(args.device)))
-            report.setdefault("summary", [])
+            report["summary"] = summary_rows(report)  # the models' rows, kept when merged from an earlier run
 
             def save(packing: dict) -> None:  # after each variant, as after every model
                 report["packing"] = merge_packing(previous_packing, packing)

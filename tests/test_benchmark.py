@@ -404,6 +404,21 @@ def test_gpu_benchmark_quick_run_has_the_packing_rows(gpu_quick):
     assert "| packed | training | compiled |" in section and "| padded + varlen | inference | eager |" in section
 
 
+def test_gpu_benchmark_packing_only_merges_into_an_earlier_run(gpu_quick, tmp_path):
+    data, _ = gpu_quick
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(data))
+    argv = ["--quick", "--device", "cpu", "--packing_only", "--no_compile", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert gpu.main(argv + ["--merge_json", "--json", str(path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    merged = json.loads(path.read_text())
+    assert merged["models"] == data["models"] and merged["summary"] == data["summary"]
+    assert set(merged["packing"]["rows"]) == set(data["packing"]["rows"]) and "--packing_only" in merged["runs"][-1]
+
+
 def test_gpu_benchmark_fills_only_its_own_doc_blocks(gpu_quick, tmp_path):
     data, text = gpu_quick
     assert "stale" not in text and "| vit-tiny-patch16-224 | 2 | train | compiled |" in text
