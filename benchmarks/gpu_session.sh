@@ -97,8 +97,8 @@ smoke)  # SMOKE_ONLY="check ..." runs some of the checks (a rerun of those that 
     ;;
 packing)
     # ViT-B width, 12 blocks, batch 128, K = 256, L = 1024, bf16 autocast: the eager rows, then the compiled ones (eight
-    # compilations: no compilation starts after 330 s, the rows compiled by then are timed). Not yet run on a GPU:
-    # the budget and the step's limit keep it under 8 minutes whatever the compilations take.
+    # compilations: none starts after 330 s, the rows compiled by then are timed). Not yet run on a GPU; the step's
+    # limit keeps the call under 8 minutes, and the eager rows are in the JSON before the first compilation.
     cp "$JSON" "$OUT/benchmarks_gpu.json" 2>/dev/null
     step 470 gpu_packing "$PY" benchmarks/gpu.py --packing_only --merge_json --time_budget_s 330 \
         --json "$OUT/benchmarks_gpu.json"
