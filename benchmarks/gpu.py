@@ -10,6 +10,11 @@ MFU (model FLOPs utilisation) = images/s * analytic FLOPs per image / the GPU's 
 
     python benchmarks/gpu.py --json docs/benchmarks_gpu.json --doc docs/benchmarks.md   # on the GPU machine
     python benchmarks/gpu.py --quick --json /tmp/gpu.json      # the same path on a tiny model, seconds on a CPU
+    python benchmarks/gpu.py --packing_only --json docs/benchmarks_gpu.json --merge_json   # the packing rows alone
+
+`--packing` adds the packing rows (`gpu_packing.py`: square, padded with a mask, padded through variable-length
+attention, packed; eager and compiled, inference and a training step; ViT-B width, 12 blocks, batch 128, K = 256;
+the attention path and kernels of each); `--quick` runs them on its tiny model too (`--no_packing` leaves them out).
 
 The JSON is written after every model, so a run stopped by a time limit keeps what it measured; `--time_budget_s`
 skips the models that would start after it.
@@ -31,8 +36,10 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder imp
 
 import torch
 
+from benchmarks.gpu_packing import format_packing, measure_packing, merge_packing
 from benchmarks.measure import run_benchmark
 from benchmarks.report import _markdown_table, fill_markdown, merge_reports, write_json
+from benchmarks.runners import machine_info
 from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings
 
 # The presets and the training batch sizes practitioners use on one 80 GB GPU (inference uses the same batch).
@@ -82,7 +89,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="the same path on a tiny model (2-block ViT-Ti/16 at 32, batch 2)"
     )
+    parser.add_argument(
+        "--packing",
+        action="store_true",
+        help="also the packing rows (square, padded with a mask, padded through variable-length attention, packed; "
+        "ViT-B width, 12 blocks, batch 128, K = 256); on by default with --quick",
+    )
+    parser.add_argument("--no_packing", action="store_true", help="--quick without the packing rows")
+    parser.add_argument("--packing_only", action="store_true", help="the packing rows alone, no model comparison")
     args = parser.parse_args(argv)
+    args.packing = (args.packing or args.packing_only or args.quick) and not args.no_packing
+    if args.packing_only and args.no_packing:
+        parser.error("--packing_only with --no_packing leaves nothing to time")
     if args.quick and args.models:
         parser.error("--quick runs its own tiny model: drop --models")
     if args.batch_sizes and len(args.batch_sizes) != len(args.models or GPU_PRESETS):
@@ -210,14 +228,19 @@ def format_machine(report: dict) -> str:
          + (f", timm {machine['timm']}" if machine.get("timm") else ", timm not installed")],
         ["dense bf16 peak", "unknown" if peak is None else f"{peak['flops_per_s'] / 1e12:g} TFLOP/s "
          f"({peak['source']})"],
-        ["FLOPs", report["flops_formula"]],
+        ["FLOPs", report.get("flops_formula", "-")],
         *[[f"command {i}", f"`{command}`"] for i, command in enumerate(report.get("runs", [report["command"]]), 1)],
     ]  # fmt: skip
     return _markdown_table(["", ""], rows)
 
 
 def markdown_sections(report: dict) -> dict[str, str]:
-    return {"machine": format_machine(report), "summary": format_summary(report), "targets": format_targets(report)}
+    sections = {
+        "machine": format_machine(report),
+        "summary": format_summary(report),
+        "targets": format_targets(report),
+    }
+    return {**sections, "packing": format_packing(report)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     if previous is not None:  # models measured before keep their figures; a model measured again is merged
         report["models"] = previous["models"]
         report["runs"] = previous.get("runs", [previous["command"]]) + [report["command"]]
-        for key in ("machine", "flops_formula", "bf16_dense_peak"):
-            report[key] = previous[key]
-    for settings in settings_for(args):
+        for key in ("machine", "flops_formula", "bf16_dense_peak", "packing"):
+            if key in previous:
+                report[key] = previous[key]
+    for settings in [] if args.packing_only else settings_for(args):
         elapsed = time.perf_counter() - start
         if args.time_budget_s is not None and elapsed > args.time_budget_s:
             report["skipped"][settings.model] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
@@ -257,7 +281,23 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         if args.json:  # after every model: a run cut short keeps what it measured
             write_json(report, args.json)
-    if not report["models"]:
+    if args.packing:
+        elapsed = time.perf_counter() - start
+        if args.time_budget_s is not None and elapsed > args.time_budget_s:
+            report["skipped"]["packing"] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
+            print(f"packing: skipped, {report['skipped']['packing']}", file=sys.stderr)
+        else:
+            previous_packing = report.get("packing")
+            report.setdefault("machine", machine_info(torch.device(args.device)))
+            report["summary"] = summary_rows(report)  # the models' rows, kept when merged from an earlier run
+
+            def save(packing: dict) -> None:  # after each variant, as after every model
+                report["packing"] = merge_packing(previous_packing, packing)
+                if args.json:
+                    write_json(report, args.json)
+
+            save(measure_packing(args, lambda message: print(message, file=sys.stderr, flush=True), start, save))
+    if not report["models"] and not report.get("packing"):
         print("error: no model was measured (the time budget was spent before the first)", file=sys.stderr)
         return 1
     report["seconds"] = time.perf_counter() - start
@@ -266,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_summary(report))
     print()
     print(format_targets(report))
+    if report.get("packing"):
+        print()
+        print(format_packing(report))
     if args.doc:
         print(f"doc: {write_doc(report, args.doc)}")
     return 0

@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed with hf_vit
 
-from benchmarks import benchmark, gpu  # noqa: E402
+from benchmarks import benchmark, gpu, gpu_packing  # noqa: E402
 from benchmarks.models import (  # noqa: E402
     build_hf_vit,
     build_models,
@@ -333,7 +333,8 @@ def gpu_quick(tmp_path_factory):
     doc = folder / "gpu.md"
     doc.write_text("# GPU\n\n<!-- benchmark-gpu:summary -->\nstale\n<!-- /benchmark-gpu:summary -->\n\n"
                    "<!-- benchmark-gpu:targets -->\n<!-- /benchmark-gpu:targets -->\n<!-- benchmark:table -->\nCPU\n"
-                   "<!-- /benchmark:table -->\n")  # fmt: skip
+                   "<!-- /benchmark:table -->\n<!-- benchmark-gpu:packing -->\n<!-- /benchmark-gpu:packing -->\n"
+                   )  # fmt: skip
     argv = ["--quick", "--device", "cpu", "--peak_tflops", "0.5", "--compile_backend", "aot_eager", "--threads", "1"]
     threads = torch.get_num_threads()
     try:
@@ -370,6 +371,52 @@ def test_gpu_benchmark_quick_run_has_every_row_with_mfu(gpu_quick):
     assert "2 * multiply-adds" in data["flops_formula"] and "3 * forward" in data["flops_formula"]
     assert len(data["runs"]) == 2 and "--no_eager" in data["runs"][1] and "--no_eager" not in data["runs"][0]
     assert [entry["settings"]["sdpa_backend"] for entry in run["runs"]] == [None, "math"]
+
+
+def test_gpu_benchmark_quick_run_has_the_packing_rows(gpu_quick):
+    # square, padded with a mask, padded through variable-length attention, packed: eager (first run) and compiled
+    # (merged in), inference and a training step, each with images/s and the attention path hf-vit chose
+    data, text = gpu_quick
+    packing = data["packing"]
+    layouts = ("square", "padded + mask", "padded + varlen", "packed")
+    assert gpu_packing.LAYOUTS == layouts
+    assert set(packing["rows"]) == {
+        f"{layout} | {mode} | {variant}"
+        for layout in layouts for mode in ("inference", "training") for variant in ("eager", "compiled")
+    }  # fmt: skip
+    for row in packing["rows"].values():
+        assert row["images_per_s"] > 0 and row["patches_per_s"] > 0 and row["attention_path"]
+        assert (row["attention_kernels"] is None) == (row["mode"] == "training")
+        if row["mode"] == "inference":  # what the profile shows: SDPA's CPU kernel, or (math backend) its matmuls
+            assert row["attention_kernels"], row
+            if row["variant"] == "eager":
+                assert any("scaled_dot_product" in name for name in row["attention_kernels"]), row
+    paths = {key: row["attention_path"] for key, row in packing["rows"].items()}
+    assert paths["square | training | eager"] == "sdpa, no mask"
+    assert paths["padded + mask | inference | compiled"] == "sdpa, padding mask"
+    assert paths["padded + varlen | training | eager"] == paths["packed | inference | eager"] == "segments"  # CPU
+    assert paths["packed | training | compiled"] == "block-diagonal mask (compiled; eager: segments)"
+    # the padded and packed batches gave the images they share the same logits before anything was timed
+    assert packing["max_logits_difference"] <= 1e-4 and packing["skipped"] == {}
+    assert packing["padding_share"]["padded"] > 0 and packing["images"]["packed"] >= packing["images"]["padded"]
+    assert packing["sdpa"] == {"cudnn": None} and packing["settings"]["dtype"] == "bf16 autocast"
+    section = text.split("<!-- benchmark-gpu:packing -->\n")[1].split("<!-- /benchmark-gpu:packing -->")[0]
+    assert "| packed | training | compiled |" in section and "| padded + varlen | inference | eager |" in section
+
+
+def test_gpu_benchmark_packing_only_merges_into_an_earlier_run(gpu_quick, tmp_path):
+    data, _ = gpu_quick
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(data))
+    argv = ["--quick", "--device", "cpu", "--packing_only", "--no_compile", "--threads", "1"]
+    threads = torch.get_num_threads()
+    try:
+        assert gpu.main(argv + ["--merge_json", "--json", str(path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    merged = json.loads(path.read_text())
+    assert merged["models"] == data["models"] and merged["summary"] == data["summary"]
+    assert set(merged["packing"]["rows"]) == set(data["packing"]["rows"]) and "--packing_only" in merged["runs"][-1]
 
 
 def test_gpu_benchmark_fills_only_its_own_doc_blocks(gpu_quick, tmp_path):

@@ -1,0 +1,368 @@
+"""The packing rows of the GPU benchmark (`gpu.py --packing`): what padding costs the whole classifier, and what
+attention restricted to each image saves, at equal patch slots, in bf16 autocast, eager and compiled, inference and a
+training step (forward, loss, backward, AdamW; fused on CUDA).
+
+    square            B square images of K patches each: no padding, no mask
+    padded + mask     B native-resolution images, one per row of K slots, the padding masked as keys (SDPA with a mask)
+    padded + varlen   the same batch, attention restricted to each image (one run per image: `varlen_attn` on CUDA in
+                      half precision, one SDPA call per run length on CPU)
+    packed            the same images and the next ones, whole, first-fit-decreasing into B * K / L rows of L slots
+
+The batches are `packing_speed.layouts`' (hf-vit's processor with `max_num_patches` / `packed_sequence_length`).
+Before anything is timed, the padded and packed batches give the same logits for the images they share (fp32,
+eager). Each row records the attention path hf-vit's dispatch chose (`segment_attention_path`, observed in the eager
+call; a compiled graph runs a block-diagonal mask in place of variable-length runs), the attention kernels a profile
+of one inference call shows, and `torch.backends.cudnn.version()` and the enabled SDPA backends on CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import re
+import time
+from unittest import mock
+
+import numpy as np
+import torch
+
+from benchmarks.packing_speed import PATCH, layouts
+from benchmarks.timing import median_seconds, time_alternating
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.model import attention, naflex
+
+LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed")
+MODES = ("inference", "training")
+# The full run: ViT-B width, 12 blocks, batch 128, K = 256 patches per image, packed rows of L = 1024.
+FULL = dict(max_num_patches=256, packed_sequence_length=1024, batch_size=128, width=768, depth=12, heads=12)
+QUICK = dict(max_num_patches=16, packed_sequence_length=32, batch_size=6, width=32, depth=1, heads=2)
+# fp32 logits of the images the padded and packed batches share: equal to this (a GPU's kernels differ with the
+# batch's shape more than CPU ones), before anything is timed.
+LOGITS_TOLERANCE = {True: 1e-4, False: 1e-3}
+KERNEL_NAMES = re.compile(r"attention|attn|fmha|flash|cudnn|softmax|bmm", re.IGNORECASE)
+
+
+def packing_settings(quick: bool) -> argparse.Namespace:
+    """What `packing_speed.layouts` reads, and the model's size."""
+    return argparse.Namespace(**(QUICK if quick else FULL), min_share=0.4, seed=0)
+
+
+def square_batch(shape: argparse.Namespace) -> dict:
+    """B square images of exactly K patches (side sqrt(K) patches; K a square), through the same processor."""
+    side = math.isqrt(shape.max_num_patches)
+    rng = np.random.default_rng(shape.seed)
+    images = [rng.integers(0, 256, (side * PATCH, side * PATCH, 3), dtype=np.uint8) for _ in range(shape.batch_size)]
+    processor = VisionTransformerImageProcessor(max_num_patches=side * side, patch_size=PATCH, do_resize=False)
+    return dict(processor(images, return_tensors="pt"))
+
+
+@contextlib.contextmanager
+def _padding_masked():
+    """The padded batch's padding masked as keys (an additive mask through SDPA), on any device."""
+    with mock.patch.object(naflex, "padded_batch_segments", lambda *args, **kwargs: None):
+        yield
+
+
+@contextlib.contextmanager
+def _one_run_per_image():
+    """The padded batch's images as runs of their own whatever the padding's share."""
+    with mock.patch.object(attention, "SEGMENTS_MIN_PADDING_SHARE", 0.0):
+        yield
+
+
+CONTEXTS = {"padded + mask": _padding_masked, "padded + varlen": _one_run_per_image}
+
+
+@contextlib.contextmanager
+def _recording_paths(paths: list[str]):
+    """Records every attention path `segment_attention_path` returns (eager calls only)."""
+    original = attention.segment_attention_path
+
+    def record(*args, **kwargs):
+        paths.append(original(*args, **kwargs))
+        return paths[-1]
+
+    with mock.patch.object(attention, "segment_attention_path", record):
+        yield
+
+
+def attention_path(layout: str, observed: list[str], compiled: bool) -> str:
+    """The attention path hf-vit ran: no mask, a padding mask, or the runs' path (a mask when compiled)."""
+    if layout == "square":
+        return "sdpa, no mask"
+    if layout == "padded + mask":
+        return "sdpa, padding mask"
+    path = sorted(set(observed))[0] if observed else "mask"
+    if compiled and path in ("varlen", "segments"):
+        return f"block-diagonal mask (compiled; eager: {path})"
+    return path
+
+
+def sdpa_backends(device: torch.device) -> dict:
+    """cuDNN's version and which SDPA backends are enabled, on CUDA; None on CPU."""
+    if device.type != "cuda":
+        return {"cudnn": None}
+    cuda = torch.backends.cuda
+    return {
+        "cudnn": torch.backends.cudnn.version(),
+        "flash": cuda.flash_sdp_enabled(),
+        "mem_efficient": cuda.mem_efficient_sdp_enabled(),
+        "cudnn_sdp": cuda.cudnn_sdp_enabled(),
+        "math": cuda.math_sdp_enabled(),
+    }
+
+
+def attention_kernels(fn, device: torch.device) -> list[str]:
+    """The attention-related ops and kernels a profile of one call of `fn` shows."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as profile:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return sorted({event.key for event in profile.key_averages() if KERNEL_NAMES.search(event.key)})[:20]
+
+
+@contextlib.contextmanager
+def _full_fp32():
+    """fp32 without TF32 (cuDNN's convolutions default to it) for the logits check."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _error(exc: Exception) -> str:
+    return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+def measure_packing(args: argparse.Namespace, log=print, start: float | None = None, save=None) -> dict:
+    """The packing rows: per layout, mode and variant, images/s and real patches/s, the attention path and kernels.
+    No compilation starts once `args.time_budget_s` is spent (counted from `start`); `save` gets the result so far
+    after each variant."""
+    start = time.perf_counter() if start is None else start
+    device = torch.device(args.device)
+    shape = packing_settings(args.quick)
+    shapes = layouts(shape)
+    sizes = shapes["sizes"]
+    batches = {
+        "square": square_batch(shape),
+        "padded": shapes["inputs"]["padded"],
+        "packed": shapes["inputs"]["packed"],
+    }
+    images = {"square": shape.batch_size, "padded": shape.batch_size, "packed": len(sizes)}
+    patches = {
+        "square": shape.batch_size * shape.max_num_patches,
+        "padded": sum(sizes[: shape.batch_size]),
+        "packed": sum(sizes),
+    }
+    torch.manual_seed(shape.seed)
+    config = VisionTransformerConfig(
+        image_size=math.isqrt(shape.max_num_patches) * PATCH, patch_size=PATCH, hidden_size=shape.width,
+        num_hidden_layers=shape.depth, num_attention_heads=shape.heads, intermediate_size=4 * shape.width,
+        num_labels=10, zero_init_head=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = VisionTransformerForImageClassification(config).to(device)
+    batches = {name: _to(batch, device) for name, batch in batches.items()}
+    labels = {name: torch.zeros(count, dtype=torch.long, device=device) for name, count in images.items()}
+
+    # The padded rows and the packed batch give the images they share the same logits, before anything is timed.
+    with torch.no_grad(), _full_fp32():
+        logits = {}
+        for layout in LAYOUTS[1:]:
+            with CONTEXTS.get(layout, contextlib.nullcontext)():
+                logits[layout] = model.eval()(**batches[layout.split()[0]]).logits[: shape.batch_size].float()
+    difference = max((value - logits["padded + mask"]).abs().max().item() for value in logits.values())
+    tolerance = LOGITS_TOLERANCE[device.type == "cpu"]
+    if difference > tolerance:
+        raise RuntimeError(
+            f"The padded and packed batches disagree on the images' logits: {difference:.2e} > {tolerance:g}"
+        )
+
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
+    def backend():
+        if args.sdpa_backend:
+            return torch.nn.attention.sdpa_kernel(_SDPA_BACKENDS[args.sdpa_backend])
+        return contextlib.nullcontext()
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def calls(runner) -> dict[tuple[str, str], object]:
+        """(layout, mode) -> one call of `runner` on that layout: inference, or a training step."""
+        fns = {}
+        for layout in LAYOUTS:
+            name = layout.split()[0]
+            context = CONTEXTS.get(layout, contextlib.nullcontext)
+            batch, target = batches[name], labels[name]
+
+            def infer(batch=batch, context=context):
+                with torch.no_grad(), autocast, context(), backend():
+                    runner.eval()(**batch)
+
+            def train(batch=batch, target=target, context=context):
+                with autocast, context(), backend():
+                    loss = runner.train()(**batch, labels=target).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            fns[(layout, "inference")], fns[(layout, "training")] = infer, train
+        return fns
+
+    # The path hf-vit's dispatch chooses for each call, observed in one eager call (a compiled graph takes the same
+    # decision and then runs variable-length runs as a block-diagonal mask).
+    observed: dict[tuple[str, str], list[str]] = {}
+    for key, fn in calls(model).items():
+        observed[key] = []
+        try:  # a call that fails is reported with its error below, and the other rows still run
+            with _recording_paths(observed[key]):
+                fn()
+        except Exception as exc:  # noqa: BLE001
+            log(f"packing: {key[0]} | {key[1]}: {_error(exc)}")
+    variants = ([] if args.no_eager else ["eager"]) + ([] if args.no_compile else ["compiled"])
+    rows: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+
+    def result() -> dict:
+        return _packing_result(args, shape, shapes, images, patches, difference, device, rows, skipped)
+
+    for variant in variants:
+        elapsed = time.perf_counter() - start
+        if variant == "compiled" and args.time_budget_s is not None and elapsed > args.time_budget_s:
+            skipped[variant] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
+            log(f"packing {variant}: skipped, {skipped[variant]}")
+            continue
+        runner = model
+        if variant == "compiled":
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            runner = torch.compile(model, backend=args.compile_backend, mode=args.compile_mode)
+        fns = {}
+        for (layout, mode), fn in calls(runner).items():
+            elapsed = time.perf_counter() - start
+            if variant == "compiled" and args.time_budget_s is not None and elapsed > args.time_budget_s:
+                # no compilation starts after the budget: the rows compiled so far are still timed
+                skipped[f"{layout} | {mode} | {variant}"] = f"time budget of {args.time_budget_s:.0f} s spent"
+                continue
+            try:
+                fn()  # warm-up (compiled: the compilation)
+                fn()
+            except Exception as exc:  # noqa: BLE001  (one failing row leaves the others measured)
+                skipped[f"{layout} | {mode} | {variant}"] = _error(exc)
+                log(f"packing {variant}: {layout} | {mode}: {_error(exc)}")
+                continue
+            fns[(layout, mode)] = fn
+            log(f"packing {variant}: {layout} | {mode} ready ({time.perf_counter() - start:.0f} s)")
+        samples = time_alternating({f"{layout} | {mode}": fn for (layout, mode), fn in fns.items()}, args.steps,
+                                   args.repeats, device)  # fmt: skip
+        for (layout, mode), fn in fns.items():
+            seconds = median_seconds(samples[f"{layout} | {mode}"])
+            name = layout.split()[0]
+            rows[f"{layout} | {mode} | {variant}"] = {
+                "layout": layout,
+                "mode": mode,
+                "variant": variant,
+                "images_per_s": images[name] / seconds,
+                "patches_per_s": patches[name] / seconds,
+                "attention_path": attention_path(layout, observed[(layout, mode)], variant == "compiled"),
+                "attention_kernels": attention_kernels(fn, device) if mode == "inference" else None,
+            }
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if save is not None:  # after each variant: a run stopped by a time limit keeps the rows measured
+            save(result())
+    return result()
+
+
+def _packing_result(args, shape, shapes, images, patches, difference, device, rows, skipped) -> dict:
+    return {
+        "settings": {
+            **vars(shape), "dtype": "bf16 autocast", "device": str(device), "steps": args.steps,
+            "repeats": args.repeats, "compile_backend": args.compile_backend, "compile_mode": args.compile_mode,
+            "sdpa_backend": args.sdpa_backend,
+        },
+        "images": images,
+        "patches": patches,
+        "padding_share": {
+            "square": 0.0, "padded": shapes["padded"]["padding"], "packed": shapes["packed"]["padding"]
+        },
+        "rows_per_batch": {
+            "square": shape.batch_size, "padded": shape.batch_size, "packed": len(shapes["packed"]["runs"])
+        },
+        "max_logits_difference": difference,
+        "logits_tolerance": LOGITS_TOLERANCE[device.type == "cpu"],
+        "sdpa": sdpa_backends(device),
+        "rows": rows,
+        "skipped": skipped,
+    }  # fmt: skip
+
+
+_SDPA_BACKENDS = {
+    "flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
+    "efficient": torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
+    "math": torch.nn.attention.SDPBackend.MATH,
+}
+
+
+def merge_packing(previous: dict | None, current: dict) -> dict:
+    """A later run's rows replace the earlier ones of the same key; the rest are kept."""
+    if not previous:
+        return current
+    merged = dict(current)
+    merged["rows"] = {**previous.get("rows", {}), **current["rows"]}
+    return merged
+
+
+def format_packing(report: dict) -> str:
+    """The packing table: images/s and real patches/s per layout, mode and variant, against the square batch and
+    the padded batch with its mask, and the attention path and kernels of each."""
+    packing = report.get("packing")
+    if not packing:
+        return "Not measured (`gpu.py --packing`)."
+    rows = packing["rows"]
+    lines = [
+        "| layout | mode | variant | images/s | real patches/s | patches/s vs square | images/s vs padded + mask "
+        "| attention path | attention kernels (inference) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for variant in ("eager", "compiled"):
+        for mode in MODES:
+            for layout in LAYOUTS:
+                row = rows.get(f"{layout} | {mode} | {variant}")
+                if row is None:
+                    continue
+                square = rows.get(f"square | {mode} | {variant}")
+                padded = rows.get(f"padded + mask | {mode} | {variant}")
+                versus_square = f"{row['patches_per_s'] / square['patches_per_s']:.3f}x" if square else "-"
+                versus_padded = f"{row['images_per_s'] / padded['images_per_s']:.3f}x" if padded else "-"
+                kernels = ", ".join(f"`{name}`" for name in row["attention_kernels"] or []) or "-"
+                lines.append(
+                    f"| {layout} | {mode} | {variant} | {row['images_per_s']:,.1f} | {row['patches_per_s']:,.0f} | "
+                    f"{versus_square} | {versus_padded} | {row['attention_path']} | {kernels} |"
+                )
+    settings, share, images = packing["settings"], packing["padding_share"], packing["images"]
+    sdpa = packing["sdpa"]
+    lines += [
+        "",
+        f"Width {settings['width']}, {settings['depth']} blocks, {settings['heads']} heads, {settings['dtype']} on "
+        f"{settings['device']}; K = {settings['max_num_patches']} patches per image, {settings['batch_size']} "
+        f"images per padded batch ({share['padded']:.0%} padding), {images['packed']} packed into "
+        f"{packing['rows_per_batch']['packed']} rows of L = {settings['packed_sequence_length']} "
+        f"({share['packed']:.0%} "
+        f"padding); the padded and packed batches' logits agree to {packing['max_logits_difference']:.1e} (fp32, "
+        f"eager). cuDNN {sdpa.get('cudnn')}; SDPA backends enabled: "
+        + (", ".join(name for name, on in sdpa.items() if name != "cudnn" and on) or "-")
+        + ".",
+    ]
+    for key, reason in packing.get("skipped", {}).items():
+        lines.append(f"Not measured: {key} ({reason}).")
+    return "\n".join(lines)
