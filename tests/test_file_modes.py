@@ -60,3 +60,17 @@ def test_a_runs_folder_and_checkpoints_get_the_umask_mode(tmp_path, umask):
     assert {"adapter_model.safetensors", "checkpoint-2/adapter_model.safetensors"} <= names
     assert "checkpoint-2/ema_state.safetensors" in names
     assert {oct(stat.S_IMODE(path.stat().st_mode)) for path in weights} == {oct(0o666 & ~umask)}
+
+
+def test_only_the_weights_a_save_writes_change_mode(tmp_path):
+    """A file of the user's beside the weights keeps its mode: only what the save wrote is given the umask's."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    theirs = folder / "mine.safetensors"
+    theirs.write_bytes(b"x")
+    theirs.chmod(0o600)
+    VisionTransformerForImageClassification(tiny_config()).save_pretrained(folder)
+    assert stat.S_IMODE(theirs.stat().st_mode) == 0o600
+    from hf_vit.model.loading import current_umask
+
+    assert stat.S_IMODE((folder / "model.safetensors").stat().st_mode) == 0o666 & ~current_umask()

@@ -16,6 +16,7 @@ import importlib
 import io
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from hf_vit_cli import COMMANDS
@@ -132,8 +133,6 @@ def training_help(command: str) -> str:
 
 
 def _wrap(line: str) -> str:
-    import textwrap
-
     return "\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="    ")) if len(line) > WIDTH else line
 
 

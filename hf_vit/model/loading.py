@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -142,11 +143,22 @@ def save_sibling_code(model: Any, folder: str | os.PathLike) -> None:
             shutil.copyfile(here / name, folder / name)
 
 
+# The weights files this project's saves write: the model (one file or its shards), a LoRA adapter, the EMA state.
+WEIGHTS_WRITTEN = re.compile(r"(model(-\d{5}-of-\d{5})?|adapter_model|ema_state)\.safetensors")
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting it and putting it back: there is no other portable way)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def give_weights_the_umask_mode(folder: str | os.PathLike) -> None:
     """safetensors writes a weights file as a private temporary file (mode 0600) renamed into place; the other files of
-    a saved folder get the modes the user's umask gives, and so do the weights here."""
-    mask = os.umask(0o022)  # read by setting it and putting it back: there is no other portable way
-    os.umask(mask)
+    a saved folder get the modes the user's umask gives, and so do the weights written here (`WEIGHTS_WRITTEN`; any
+    other file of the folder is left as it is)."""
+    mode = 0o666 & ~current_umask()
     for path in Path(folder).glob("*.safetensors"):
-        if path.is_file() and not path.is_symlink():
-            path.chmod(0o666 & ~mask)
+        if WEIGHTS_WRITTEN.fullmatch(path.name) and path.is_file() and not path.is_symlink():
+            path.chmod(mode)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..model.configuration_vit import VisionTransformerConfig
+from ..model.loading import current_umask
 from .files import CHECKPOINT_FOLDER, LOCK_FILE, checkpoint_foreign_entries, is_run_file
 
 logger = logging.getLogger(__name__)
@@ -195,13 +196,6 @@ def check_output_dir(
 def _crash_point(step: str) -> None:
     if os.environ.get(CRASH_ENV) == step:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def current_umask() -> int:
-    """The process's umask (read by setting it and putting it back: there is no other portable way)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def give_umask_modes(folder: Path) -> None:
