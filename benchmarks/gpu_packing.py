@@ -6,13 +6,19 @@ training step (forward, loss, backward, AdamW; fused on CUDA).
     padded + mask     B native-resolution images, one per row of K slots, the padding masked as keys (SDPA with a mask)
     padded + varlen   the same batch, attention restricted to each image (one run per image: `varlen_attn` on CUDA in
                       half precision, one SDPA call per run length on CPU)
-    packed            the same images and the next ones, whole, first-fit-decreasing into B * K / L rows of L slots
+    packed            the same images and the next ones, whole, first-fit-decreasing into B * K / L rows of L slots,
+                      attention restricted to each image (`varlen_attn` on CUDA in half precision, compiled too)
+    packed + mask     the same packed rows with a block-diagonal mask through SDPA (packing without variable-length
+                      attention: what `varlen_attn` saves over it)
 
 The batches are `packing_speed.layouts`' (hf-vit's processor with `max_num_patches` / `packed_sequence_length`).
 Before anything is timed, the padded and packed batches give the same logits for the images they share (fp32,
-eager). Each row records the attention path hf-vit's dispatch chose (`segment_attention_path`, observed in the eager
-call; a compiled graph runs a block-diagonal mask in place of variable-length runs), the attention kernels a profile
-of one inference call shows, and `torch.backends.cudnn.version()` and the enabled SDPA backends on CUDA.
+eager); and in bf16 autocast, each layout's logits and gradients are measured against fp32 (`bf16_accuracy`: the
+variable-length kernels must be as close as the masked ones). Each row records the attention path hf-vit's dispatch
+chose (`segment_attention_path`, observed in the eager call; compiled, `varlen_attn` stays and the CPU's per-length
+calls become a block-diagonal mask), the attention kernels a profile of one inference call shows, and
+`torch.backends.cudnn.version()` and the enabled SDPA backends on CUDA. `--compile_blocks` compiles each transformer
+block (one graph shared by the twelve) instead of the whole model: minutes less of compilation.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ from benchmarks.packing_speed import PATCH, layouts
 from benchmarks.timing import median_seconds, time_alternating
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.model import attention, naflex
+from hf_vit.model.modeling_vit import VisionTransformerBlock
 
-LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed")
+LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed", "packed + mask")
 MODES = ("inference", "training")
 # The full run: ViT-B width, 12 blocks, batch 128, K = 256 patches per image, packed rows of L = 1024.
 FULL = dict(max_num_patches=256, packed_sequence_length=1024, batch_size=128, width=768, depth=12, heads=12)
@@ -71,7 +78,16 @@ def _one_run_per_image():
         yield
 
 
-CONTEXTS = {"padded + mask": _padding_masked, "padded + varlen": _one_run_per_image}
+@contextlib.contextmanager
+def _block_diagonal_mask():
+    """Attention restricted to each image through a block-diagonal mask (SDPA with it), on any device."""
+    with mock.patch.object(attention, "segment_attention_path", lambda *args, **kwargs: "mask"):
+        yield
+
+
+CONTEXTS = {
+    "padded + mask": _padding_masked, "padded + varlen": _one_run_per_image, "packed + mask": _block_diagonal_mask
+}  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -94,9 +110,11 @@ def attention_path(layout: str, observed: list[str], compiled: bool) -> str:
     if layout == "padded + mask":
         return "sdpa, padding mask"
     path = sorted(set(observed))[0] if observed else "mask"
-    if compiled and path in ("varlen", "segments"):
+    if compiled and path == "segments":
         return f"block-diagonal mask (compiled; eager: {path})"
-    return path
+    if path == "varlen":
+        return "varlen (compiled: longest run bounded by the row)" if compiled else "varlen"
+    return "block-diagonal mask" if path == "mask" else path
 
 
 def sdpa_backends(device: torch.device) -> dict:
@@ -134,6 +152,50 @@ def _full_fp32():
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def bf16_accuracy(model, batches: dict, shape: argparse.Namespace, device: torch.device) -> dict:
+    """Per layout (but square), in bf16 autocast against the padded batch in fp32 (no TF32): the largest difference of
+    the logits of the images the batches share, and the relative difference (L2) of the gradients of a fixed linear
+    loss on those logits. The kernels of attention restricted to each image must be as close as the masked ones."""
+    generator = torch.Generator().manual_seed(shape.seed)
+    weights = torch.randn(shape.batch_size, model.config.num_labels, generator=generator).to(device)
+
+    def run(layout: str, precision) -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with CONTEXTS.get(layout, contextlib.nullcontext)(), precision:
+            logits = model.eval()(**batches[layout.split()[0]]).logits[: shape.batch_size].float()
+        (logits * weights).sum().backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        return logits.detach(), grads
+
+    with _full_fp32():
+        logits, grads = run("padded + mask", contextlib.nullcontext())
+    result = {}
+    for layout in LAYOUTS[1:]:
+        try:
+            low_logits, low_grads = run(layout, torch.autocast(device.type, dtype=torch.bfloat16))
+        except Exception as exc:  # noqa: BLE001  (reported; the rows are still measured)
+            result[layout] = {"error": _error(exc)}
+            continue
+        result[layout] = {
+            "logits_max_difference": (low_logits - logits).abs().max().item(),
+            "gradients_relative_difference": ((low_grads - grads).norm() / grads.norm()).item(),
+        }
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+def compiled_runner(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    """The model compiled whole, or (`--compile_blocks`) each transformer block compiled in place (fullgraph)."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    options = dict(backend=args.compile_backend, mode=args.compile_mode)
+    if not getattr(args, "compile_blocks", False):
+        return torch.compile(model, **options)
+    for block in model.modules():
+        if isinstance(block, VisionTransformerBlock):
+            block.compile(fullgraph=True, **options)
+    return model
 
 
 def _error(exc: Exception) -> str:
@@ -186,6 +248,9 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
         raise RuntimeError(
             f"The padded and packed batches disagree on the images' logits: {difference:.2e} > {tolerance:g}"
         )
+    accuracy = bf16_accuracy(model, batches, shape, device)
+    for layout, figures in accuracy.items():
+        log(f"packing bf16 against fp32: {layout}: {figures}")
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -233,7 +298,7 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     skipped: dict[str, str] = {}
 
     def result() -> dict:
-        return _packing_result(args, shape, shapes, images, patches, difference, device, rows, skipped)
+        return _packing_result(args, shape, shapes, images, patches, difference, accuracy, device, rows, skipped)
 
     for variant in variants:
         elapsed = time.perf_counter() - start
@@ -241,10 +306,7 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
             skipped[variant] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
             log(f"packing {variant}: skipped, {skipped[variant]}")
             continue
-        runner = model
-        if variant == "compiled":
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            runner = torch.compile(model, backend=args.compile_backend, mode=args.compile_mode)
+        runner = compiled_runner(model, args) if variant == "compiled" else model
         fns = {}
         for (layout, mode), fn in calls(runner).items():
             elapsed = time.perf_counter() - start
@@ -282,12 +344,12 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     return result()
 
 
-def _packing_result(args, shape, shapes, images, patches, difference, device, rows, skipped) -> dict:
+def _packing_result(args, shape, shapes, images, patches, difference, accuracy, device, rows, skipped) -> dict:
     return {
         "settings": {
             **vars(shape), "dtype": "bf16 autocast", "device": str(device), "steps": args.steps,
             "repeats": args.repeats, "compile_backend": args.compile_backend, "compile_mode": args.compile_mode,
-            "sdpa_backend": args.sdpa_backend,
+            "sdpa_backend": args.sdpa_backend, "compile_blocks": getattr(args, "compile_blocks", False),
         },
         "images": images,
         "patches": patches,
@@ -299,6 +361,7 @@ def _packing_result(args, shape, shapes, images, patches, difference, device, ro
         },
         "max_logits_difference": difference,
         "logits_tolerance": LOGITS_TOLERANCE[device.type == "cpu"],
+        "bf16_accuracy": accuracy,
         "sdpa": sdpa_backends(device),
         "rows": rows,
         "skipped": skipped,
@@ -363,6 +426,20 @@ def format_packing(report: dict) -> str:
         + (", ".join(name for name, on in sdpa.items() if name != "cudnn" and on) or "-")
         + ".",
     ]
+    accuracy = packing.get("bf16_accuracy", {})
+    if accuracy:
+        lines.append(
+            "bf16 autocast against fp32, the images the batches share (largest logits difference; relative difference "
+            "of the gradients): "
+            + "; ".join(
+                f"{layout}: {figures['error']}" if "error" in figures else
+                f"{layout}: {figures['logits_max_difference']:.1e}; {figures['gradients_relative_difference']:.1e}"
+                for layout, figures in accuracy.items()
+            )
+            + "."
+        )  # fmt: skip
+    if settings.get("compile_blocks"):
+        lines.append("Compiled: each transformer block (fullgraph), the embeddings and heads eager.")
     for key, reason in packing.get("skipped", {}).items():
         lines.append(f"Not measured: {key} ({reason}).")
     return "\n".join(lines)

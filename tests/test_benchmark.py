@@ -378,7 +378,7 @@ def test_gpu_benchmark_quick_run_has_the_packing_rows(gpu_quick):
     # (merged in), inference and a training step, each with images/s and the attention path hf-vit chose
     data, text = gpu_quick
     packing = data["packing"]
-    layouts = ("square", "padded + mask", "padded + varlen", "packed")
+    layouts = ("square", "padded + mask", "padded + varlen", "packed", "packed + mask")
     assert gpu_packing.LAYOUTS == layouts
     assert set(packing["rows"]) == {
         f"{layout} | {mode} | {variant}"
@@ -396,6 +396,13 @@ def test_gpu_benchmark_quick_run_has_the_packing_rows(gpu_quick):
     assert paths["padded + mask | inference | compiled"] == "sdpa, padding mask"
     assert paths["padded + varlen | training | eager"] == paths["packed | inference | eager"] == "segments"  # CPU
     assert paths["packed | training | compiled"] == "block-diagonal mask (compiled; eager: segments)"
+    assert paths["packed + mask | inference | eager"] == "block-diagonal mask"
+    # bf16 against fp32 on the images the batches share: every layout as close as the masked padded batch
+    accuracy = packing["bf16_accuracy"]
+    assert set(accuracy) == set(layouts[1:])
+    for figures in accuracy.values():
+        assert 0 < figures["logits_max_difference"] < 0.1 and 0 < figures["gradients_relative_difference"] < 0.1
+    assert "bf16 autocast against fp32" in text
     # the padded and packed batches gave the images they share the same logits before anything was timed
     assert packing["max_logits_difference"] <= 1e-4 and packing["skipped"] == {}
     assert packing["padding_share"]["padded"] > 0 and packing["images"]["packed"] >= packing["images"]["padded"]

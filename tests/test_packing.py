@@ -372,6 +372,59 @@ def test_compiled_attention_takes_every_batch_of_one_shape_in_one_graph():
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@torch.library.custom_op("hf_vit_tests::varlen_reference", mutates_args=())
+def _varlen_reference(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor, max_q: int, scale: float
+) -> torch.Tensor:
+    """A CPU stand-in for torch's `varlen_attn` custom op: attention per run, the runs given as data."""
+    lengths = (cu_q[1:] - cu_q[:-1]).tolist()
+    assert max(lengths) <= max_q  # the kernels take a bound on the longest run
+    VARLEN_MAXIMA.append(max_q)
+    return attention._per_run_length(Attention(), [query, key, value], lengths, scale, 0.0)
+
+
+@_varlen_reference.register_fake
+def _(query, key, value, cu_q, max_q, scale):
+    return torch.empty_like(query)
+
+
+VARLEN_MAXIMA: list[int] = []
+
+
+def test_compiled_varlen_takes_the_runs_as_data_and_the_rows_length_as_its_bound(monkeypatch):
+    # On a GPU in half precision a compiled model keeps varlen_attn (a custom op): the runs travel as data, the longest
+    # bounded by the row's length (a shape), so batches of other runs need no new graph once the number of runs is
+    # dynamic; eager calls pass the exact longest run.
+    from torch._dynamo.utils import counters
+
+    def varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None):
+        return torch.ops.hf_vit_tests.varlen_reference(query, key, value, cu_q, max_q, scale)
+
+    monkeypatch.setattr(attention, "varlen_attn", varlen)
+    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "varlen")
+    function = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
+
+    def attend(query, segments):
+        return function(Attention(), query, query, query, segments, scaling=0.5)[0]
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(attend, backend="eager", fullgraph=True)
+    batches = (RUNS, [[4, 4], [6, 3], [1], [9]], [[9], [8], [2, 7], [3]], [[2, 2, 2], [1, 1], [3], [4, 5]])
+    for runs in batches:
+        query = torch.randn(4, 2, ROW, 4, dtype=torch.float64)
+        segments = attention_segments(runs, ROW)
+        keep = valid(runs)
+        VARLEN_MAXIMA.clear()
+        expected = each_run_alone(query, query, query, runs)[keep]
+        torch.testing.assert_close(compiled(query, segments)[keep], expected)
+        assert VARLEN_MAXIMA == [ROW]
+        torch.testing.assert_close(attend(query, segments)[keep], expected)
+        assert VARLEN_MAXIMA == [ROW, max(segments.lengths)]
+    # the first batch's graph, then one whose number of runs is dynamic: no graph per batch
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
 def test_padded_batches_take_segments_where_they_pay_off(monkeypatch):
     mask = valid([[5], [9], [2], [7]])  # a third of the slots padding
     segments = padded_batch_segments(mask, "sdpa", torch.float32, 0.0, 64)

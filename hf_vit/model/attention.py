@@ -8,7 +8,8 @@ lengths over the flattened tokens. Each implementation runs them its own way (`s
 attention through transformers' variable-length path (`cu_seq_lens_q/k`), SDPA on a CUDA GPU in half precision through
 torch's `varlen_attn`, SDPA on CPU one call per run length, SDPA on a GPU in fp32 or with dropout and the eager
 implementation (the one that returns probabilities) with a block-diagonal mask; flex attention hands such batches to
-the SDPA path.
+the SDPA path. Under torch.compile `varlen_attn` stays (the runs are data, the longest bounded by the row's length),
+and the per-length CPU calls become the block-diagonal mask: one graph for every batch of one shape.
 
 Saved next to checkpoints as remote code with the model, so it imports only torch and transformers.
 """
@@ -277,8 +278,9 @@ def segment_attention_forward(
             f"queries are {batch} rows of {tokens}."
         )
     path = segment_attention_path(implementation, query.device, query.dtype, dropout, head_dim)
-    if torch.compiler.is_compiling():
-        if path in ("varlen", "segments"):
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        if path == "segments":
             path = "mask"  # one graph for every batch of these shapes: a mask is data, the run lengths are not
     else:  # the logs are printed before compiling, at the first call
         if implementation == "flex_attention":
@@ -303,7 +305,9 @@ def segment_attention_forward(
     # (B, heads, N, d_h) -> (B * N, heads, d_h): the tokens flattened, a view of the qkv projection's output
     flat = [tensor.transpose(1, 2).reshape(batch * tokens, heads, head_dim) for tensor in (query, key, value)]
     if path == "varlen":
-        longest = segments.max_seqlen
+        # Compiled, the longest run is bounded by the row's length, a shape: the graph holds for any runs of these
+        # rows (varlen_attn is a custom op that takes the runs as data; its kernels take a larger bound).
+        longest = segments.row_length if compiling else segments.max_seqlen
         cu_seqlens = segments.cu_seqlens.to(query.device)
         output = varlen_attn(*flat, cu_seqlens, cu_seqlens, longest, longest, scale=scaling)
         return output.view(batch, tokens, heads, head_dim), None
