@@ -425,6 +425,21 @@ def test_compiled_varlen_takes_the_runs_as_data_and_the_rows_length_as_its_bound
     assert counters["stats"]["unique_graphs"] <= 2
 
 
+def test_a_compiled_block_asks_the_gpus_capability_without_tracing_it(monkeypatch):
+    # segment_attention_path runs inside each compiled block (fullgraph on the GPU): the capability is a constant there
+    def capability(index=None):
+        torch._dynamo.graph_break()  # what tracing torch.cuda's query would meet
+        return (9, 0)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    attention._device_capability.cache_clear()
+    try:
+        doubled = torch.compile(lambda x: x * 2 if attention._flash_capable(0) else x, backend="eager", fullgraph=True)
+        assert torch.equal(doubled(torch.ones(2)), torch.full((2,), 2.0))
+    finally:
+        attention._device_capability.cache_clear()
+
+
 def test_padded_batches_take_segments_where_they_pay_off(monkeypatch):
     mask = valid([[5], [9], [2], [7]])  # a third of the slots padding
     segments = padded_batch_segments(mask, "sdpa", torch.float32, 0.0, 64)

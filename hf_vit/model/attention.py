@@ -221,9 +221,14 @@ def padded_batch_segments(
 
 
 @functools.lru_cache(maxsize=8)
+def _device_capability(device_index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+@torch.compiler.assume_constant_result  # a compiled block (fullgraph) asks it too: a constant, not traced
 def _flash_capable(device_index: int | None) -> bool:
     """Whether the GPU runs torch's flash attention kernels (Ampere or newer)."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+    return _device_capability(device_index) >= (8, 0)
 
 
 def segment_attention_path(
