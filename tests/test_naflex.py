@@ -446,3 +446,56 @@ def test_exported_position_embeddings_equal_the_resampling_per_grid(mode, antial
     monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
     exported = resample_position_embeddings(*args, num_patches=16)
     torch.testing.assert_close(exported, per_image, atol=1e-6, rtol=0)
+
+
+def test_on_an_accelerator_the_grids_are_data_and_each_row_still_equals_the_image_alone(monkeypatch):
+    # On a GPU a batch's position embeddings are one product of interpolation weights (`grids_as_data`), not a resize
+    # and an index copy per distinct grid: the same embeddings (each row equals the image alone), and the same
+    # gradient of the position table as the per-grid path
+    from hf_vit.model import resolution
+
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(num_register_tokens=1)).eval()
+    inputs, per_grid, alone = native_and_alone(model, 12)
+    chosen = []
+    monkeypatch.setattr(resolution, "grids_as_data", lambda device: chosen.append(device.type) or True)
+    inputs, as_data, alone = native_and_alone(model, 12)
+    assert chosen  # the accelerator's path ran
+    torch.testing.assert_close(as_data.last_hidden_state, per_grid.last_hidden_state, atol=1e-5, rtol=0)
+    for row, one in enumerate(alone):
+        torch.testing.assert_close(as_data.pooler_output[row], one.pooler_output[0], atol=1e-4, rtol=0)
+    grads, weights = [], torch.randn(per_grid.last_hidden_state.shape)
+    for data in (True, False):
+        monkeypatch.setattr(resolution, "grids_as_data", lambda device, data=data: data)
+        model.zero_grad()
+        (model(**inputs).last_hidden_state * weights).sum().backward()
+        grads.append(model.embeddings.position_embedding.grad.clone())
+    scale = grads[1].abs().max().item()
+    assert scale > 0
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5 * scale, rtol=0)
+
+
+def test_a_compiled_model_takes_native_batches_of_other_grids_without_recompiling():
+    # compiled, the grids are data: batches of other grids (and other images) of one K reuse the graphs
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config()).eval()
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=model.config.patch_size)
+    # three batches of other grids, each with a fifth of its slots padding (one attention path on CPU)
+    batches = [((33, 70), (80, 80), (12, 30), (45, 90)), ((40, 40), (30, 30), (50, 50), (20, 80)),
+               ((64, 64), (33, 70), (80, 80), (45, 90))]  # fmt: skip
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    graphs = []
+    for sizes in batches:
+        inputs = processor(images(sizes), return_tensors="pt")
+        with torch.no_grad():
+            torch.testing.assert_close(
+                compiled(**inputs).pooler_output, model(**inputs).pooler_output, atol=1e-5, rtol=0
+            )
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert len({tuple(map(tuple, processor(images(s), return_tensors="pt")["spatial_shapes"].tolist()))
+                for s in batches}) == 3  # fmt: skip
+    assert graphs[2] == graphs[1], graphs  # the third batch of new grids compiled nothing new

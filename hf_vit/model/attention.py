@@ -157,6 +157,7 @@ class AttentionSegments:
         return (runs[:, :, None] == runs[:, None, :])[:, None]
 
 
+@torch.compiler.disable  # host bookkeeping: compiled, it would guard on every run length and recompile per batch
 def attention_segments(
     rows: Sequence[Sequence[int]], row_length: int, device: torch.device | str | None = None
 ) -> AttentionSegments | None:
@@ -196,6 +197,7 @@ def attention_segments(
 SEGMENTS_MIN_PADDING_SHARE = 0.1
 
 
+@torch.compiler.disable  # reads the row lengths on the host: compiled, it would recompile for each batch's lengths
 def padded_batch_segments(
     token_mask: torch.Tensor, implementation: str, dtype: torch.dtype, dropout: float, head_dim: int
 ) -> AttentionSegments | None:

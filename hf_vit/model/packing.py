@@ -76,6 +76,7 @@ def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return padded.index_select(0, torch.where(index < 0, len(values), index).to(values.device))
 
 
+@torch.compiler.disable  # host bookkeeping, per batch: compiled, it would guard on every image's place
 def packed_layout(
     patch_image_index: torch.Tensor,
     spatial_shapes: torch.Tensor,

@@ -81,8 +81,9 @@ def resample_position_embeddings(
 
     `new_grid` may also be a `(B, 2)` tensor of grids, one per image of a native-aspect batch: the result is then
     `(B, prefix + num_patches, D)`, each image's table (row-major) followed by zeros up to `num_patches`, resampled
-    once per distinct grid. While a graph is exported the grids are its data, not shapes, so each patch's embedding
-    is the same interpolation written as weights over the old grid (`interpolation_weights`), computed from them.
+    once per distinct grid on CPU. While a graph is exported or compiled the grids are its data, not shapes, and on
+    an accelerator one product beats a resize per grid (`grids_as_data`): there each patch's embedding is the same
+    interpolation written as weights over the old grid (`interpolation_weights`), computed from the grids.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
@@ -98,7 +99,7 @@ def resample_position_embeddings(
             raise ValueError(
                 "`num_patches` (the patches per image, padding included) is needed with a tensor of grids."
             )
-        if torch.compiler.is_exporting():
+        if grids_as_data(position_embedding.device):
             return _weighted_per_patch(
                 position_embedding, old_grid, new_grid, num_prefix_tokens, mode, antialias, num_patches
             )
@@ -113,6 +114,15 @@ def resample_position_embeddings(
     grid = F.interpolate(grid, size=tuple(new_grid), mode=mode, align_corners=False, antialias=antialias)
     patches = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], dim).to(position_embedding.dtype)
     return torch.cat([prefix, patches], dim=1)
+
+
+def grids_as_data(device: torch.device) -> bool:
+    """Whether a native-aspect batch's position embeddings are computed with its grids as data (one matrix product
+    of interpolation weights, `_weighted_per_patch`) rather than resampled once per distinct grid: while a graph is
+    exported or compiled (the grids are data there, not shapes) and on accelerators, where one product costs less than
+    a dozen small kernels and a copy of the indices from the host per grid (measured on an H200: a batch of 128
+    images of 100 grids ran at 0.18x the square batch's images/s that way). On CPU the per-grid resize costs less."""
+    return torch.compiler.is_exporting() or torch.compiler.is_compiling() or device.type != "cpu"
 
 
 def _per_image(
