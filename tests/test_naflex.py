@@ -499,3 +499,16 @@ def test_a_compiled_model_takes_native_batches_of_other_grids_without_recompilin
     assert len({tuple(map(tuple, processor(images(s), return_tensors="pt")["spatial_shapes"].tolist()))
                 for s in batches}) == 3  # fmt: skip
     assert graphs[2] == graphs[1], graphs  # the third batch of new grids compiled nothing new
+
+
+def test_the_grids_as_data_resample_in_float32_under_autocast(monkeypatch):
+    # bf16 autocast would round the interpolation's product to bf16: the table is computed in float32 as per grid
+    from hf_vit.model import resolution
+
+    table = torch.randn(1, 17, 8)
+    grids = torch.tensor([[3, 5], [2, 2]])
+    exact = resolution._weighted_per_patch(table, (4, 4), grids, 1, "bicubic", False, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = resolution._weighted_per_patch(table, (4, 4), grids, 1, "bicubic", False, 16)
+    assert under_autocast.dtype == torch.float32
+    torch.testing.assert_close(under_autocast, exact, atol=1e-6, rtol=0)

@@ -753,3 +753,69 @@ def test_dropped_tokens_take_no_part_and_the_kept_ones_keep_their_places(classif
     with pytest.raises(ValueError, match="patch_positions"):
         wrong = dict(batch, patch_positions=batch["patch_positions"].clamp(min=0) * 0)
         model(**wrong)
+
+
+def reference_layout(index: torch.Tensor, grids: list, prefix: int, where: torch.Tensor | None = None) -> dict:
+    """The packed layout's moves computed image by image (the reference for `packed_layout`'s tensor bookkeeping)."""
+    rows, slots = index.shape
+    sizes = [height * width for height, width in grids]
+    placed, kept, row_images = [None] * len(grids), [None] * len(grids), []
+    for row in range(rows):
+        images, slot = [], 0
+        values, counts = torch.unique_consecutive(index[row], return_counts=True)
+        for image, count in zip(values.tolist(), counts.tolist()):
+            if image >= 0:
+                placed[image] = (row, slot)
+                kept[image] = torch.arange(sizes[image]) if where is None else where[row, slot : slot + count]
+                images.append(image)
+            slot += count
+        row_images.append(images)
+    patches = max(sizes)
+    image_tokens, row_tokens = prefix + patches, slots + prefix * max(len(images) for images in row_images)
+    patch_source = torch.full((len(grids), patches), -1, dtype=torch.long)
+    pack_source = torch.full((rows, row_tokens), -1, dtype=torch.long)
+    unpack_source = torch.full((len(grids), image_tokens), -1, dtype=torch.long)
+    runs = []
+    for row, images in enumerate(row_images):
+        start = 0
+        for image in images:
+            positions = kept[image]
+            count = prefix + len(positions)
+            tokens = torch.cat([torch.arange(prefix), prefix + positions])
+            patch_source[image, positions] = row * slots + placed[image][1] + torch.arange(len(positions))
+            pack_source[row, start : start + count] = image * image_tokens + tokens
+            unpack_source[image, tokens] = row * row_tokens + start + torch.arange(count)
+            start += count
+        runs.append([prefix + len(kept[image]) for image in images])
+    return dict(row_tokens=row_tokens, image_tokens=image_tokens, patch_source=patch_source.flatten(),
+                pack_source=pack_source.flatten(), unpack_source=unpack_source.flatten(), runs=runs)  # fmt: skip
+
+
+@pytest.mark.parametrize("prefix", [0, 1, 3])
+@pytest.mark.parametrize("dropping", [False, True])
+def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping):
+    # random batches: images of random grids first-fit-decreasing into rows; with token dropping each image keeps a
+    # random subset of its places in a random order
+    from hf_vit.model.image_processing_vit import pack_patches
+
+    generator = torch.Generator().manual_seed(prefix + 10 * dropping)
+    for trial in range(6):
+        count = int(torch.randint(1, 30, (), generator=generator))
+        grids = [tuple(int(v) for v in torch.randint(1, 5, (2,), generator=generator)) for _ in range(count)]
+        images = [torch.zeros(rows * cols, 3) for rows, cols in grids]
+        positions = None
+        if dropping:
+            positions = [torch.randperm(len(image), generator=generator) for image in images]
+            positions = [places[: max(1, int(len(places) * 0.6))] for places in positions]
+            images = [image[: len(places)] for image, places in zip(images, positions)]
+        batch = pack_patches(images, grids, 20, positions)
+        index, where = batch["patch_image_index"], batch.get("patch_positions")
+        layout = packed_layout(index, batch["spatial_shapes"], prefix, batch["pixel_attention_mask"], where)
+        expected = reference_layout(index, grids, prefix, where)
+        assert (layout.row_tokens, layout.image_tokens) == (expected["row_tokens"], expected["image_tokens"])
+        for name in ("patch_source", "pack_source", "unpack_source"):
+            assert torch.equal(getattr(layout, name), expected[name]), (trial, name)
+        lengths = [length for row in expected["runs"] for length in row]
+        assert [length for length, padding in zip(layout.segments.lengths, layout.segments.padding)
+                if not padding] == lengths  # fmt: skip
+        assert (layout.kept is not None) == (dropping and any(len(p) < r * c for p, (r, c) in zip(positions, grids)))

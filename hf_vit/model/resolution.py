@@ -168,7 +168,12 @@ def _weighted_per_patch(
     col_weights = interpolation_weights(col, cols.expand_as(col), in_cols, mode, antialias)  # (B, K, in_cols)
     weights = (row_weights[..., :, None] * col_weights[..., None, :]).flatten(-2)  # (B, K, in_rows * in_cols)
     valid = (index < rows * cols).to(table.dtype)[..., None]
-    patches = (weights @ table) * valid
+    device = table.device.type
+    if torch.is_autocast_enabled(device):  # the product in float32, as the per-grid resize computes it
+        with torch.autocast(device, enabled=False):
+            patches = (weights @ table) * valid
+    else:
+        patches = (weights @ table) * valid
     prefixes = position_embedding[:, :prefix].float().expand(patches.shape[0], -1, -1)
     return torch.cat([prefixes, patches], dim=1).to(position_embedding.dtype)
 
