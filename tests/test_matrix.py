@@ -11,7 +11,8 @@ distillation head), together covering every adaptation. Sizes drawn per batch ri
 with two processes, multi-label and native-aspect batches (each step's length alike on both processes, checked from
 each one's batches) and across a kill (exact resumption); `--patch_sizes` with LoRA and with a stream; packed
 sequences (`--max_num_patches` with `--packed_sequence_length`) with LoRA, with a stream, and with two processes and
-multi-label data.
+multi-label data (in memory, each batch a fixed number of rows of patch slots holding as many images as fill them; on
+a stream, a fixed number of images).
 
 Invariants on every run:
 1. the run's folder (for LoRA: the merged model, saved) reloads with the Auto classes and predicts what the trained
@@ -80,7 +81,7 @@ class Combination:
 
 
 SEQ_LENS = ("--seq_lens", "4,16")  # native-aspect batches of 32 images at 4 patches or 8 at 16 (the 8 x 16 budget)
-PACKED = ("--max_num_patches", "16", "--packed_sequence_length", "40")  # the 8 images of a batch in 4 rows of 2
+PACKED = ("--max_num_patches", "16", "--packed_sequence_length", "40")  # 8 rows of 2 digits (or a stream's 8 in 4)
 
 
 COMBINATIONS = [
@@ -278,11 +279,21 @@ def run_flags(world: World, combination: Combination, output_dir: Path) -> tuple
     return task, flags
 
 
-def trained_in_memory(world, combination, output_dir, task, flags, caplog):
-    """Run the combination; returns the model as training left it, and the run's log."""
+def trained_in_memory(world, combination, output_dir, task, flags, caplog, batches):
+    """Run the combination; returns the model as training left it, and the run's log. `batches` receives each
+    training batch's (rows, patch slots, images) of packed runs (rank 0's on two processes)."""
     if combination.processes == 1:
-        keep = KeepModel()
-        with caplog.at_level("INFO", logger="hf_vit"):
+        from hf_vit.train.trainer import VisionTransformerTrainer
+
+        keep, step = KeepModel(), VisionTransformerTrainer.training_step
+
+        def recording(self, model, inputs, num_items_in_batch=None):
+            if "patch_image_index" in inputs:
+                batches.append((*inputs["pixel_values"].shape[:2], len(inputs["spatial_shapes"])))
+            return step(self, model, inputs, num_items_in_batch)
+
+        with caplog.at_level("INFO", logger="hf_vit"), pytest.MonkeyPatch.context() as patch:
+            patch.setattr(VisionTransformerTrainer, "training_step", recording)
             train(task, *parse_args(task, flags), callbacks=[keep])
         return keep.model.eval(), caplog.text
     torchrun = torchrun_command()
@@ -290,11 +301,14 @@ def trained_in_memory(world, combination, output_dir, task, flags, caplog):
     done = subprocess.run(torchrun + [str(WORKER), task, *flags], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     weights = load_file(output_dir / "rank0.safetensors")
+    records = [json.loads((output_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     if "--seq_lens" in flags:  # every step drew one length for both processes: the same batch size, within it
-        batches = [json.loads((output_dir / f"rank{rank}.json").read_text())["batches"] for rank in (0, 1)]
-        assert len(batches[0]) == len(batches[1]) == 3
-        for (images, patches), (other_images, other_patches) in zip(*batches):
+        assert len(records[0]["batches"]) == len(records[1]["batches"]) == 3
+        for (images, patches), (other_images, other_patches) in zip(*(record["batches"] for record in records)):
             assert images == other_images and max(patches, other_patches) <= BATCH * 16 // images
+    if "--packed_sequence_length" in flags:
+        slots = int(flags[flags.index("--packed_sequence_length") + 1])
+        batches += [(rows, slots, images) for (rows, _), images in zip(records[0]["batches"], records[0]["images"])]
     for rank in (0, 1):
         (output_dir / f"rank{rank}.safetensors").unlink()
         (output_dir / f"rank{rank}.json").unlink()
@@ -323,7 +337,8 @@ def test_pairs_that_cannot_go_together_are_refused(world, tmp_path):
 def test_combination(world, combination, tmp_path, caplog):
     out = tmp_path / "run"
     task, flags = run_flags(world, combination, out)
-    in_memory, log = trained_in_memory(world, combination, out, task, flags, caplog)
+    batches = []
+    in_memory, log = trained_in_memory(world, combination, out, task, flags, caplog, batches)
 
     # 1. the saved run reloads with the Auto classes and predicts what the trained model predicted
     folder = out
@@ -375,14 +390,29 @@ def test_combination(world, combination, tmp_path, caplog):
     assert planned <= allowed and weights <= planned and {"config.json", "README.md"} <= planned
     assert not planned & {"training_args.bin", "trainer_state.json", LOCAL_BASE_FILE} and set(RESULT_FILES) & planned
 
-    # 5. the logged global batch (with --seq_lens, each length's batch within the 8 x 16 patches' budget)
+    # 5. the logged global batch (with --seq_lens, each length's batch within the 8 x 16 patches' budget; packed in
+    # memory, rows of patch slots)
     processes = combination.processes
-    assert (
-        f"batches of 32 at 4 patches, 8 at 16 patches per device (128 patches each) x {processes} process(es)"
-        if "--seq_lens" in combination.flags
-        else f"batch {BATCH} per device x {processes} process(es) x 1 accumulation step(s) = global batch "
-        f"{BATCH * processes}"
-    ) in log
+    packed = "--packed_sequence_length" in combination.flags
+    if "--seq_lens" in combination.flags:
+        words = f"batches of 32 at 4 patches, 8 at 16 patches per device (128 patches each) x {processes} process(es)"
+    elif packed and combination.data == "memory":
+        words = f"batch {BATCH} rows of 40 patch slots per device (16.0 images on average) x {processes} process(es)"
+        words += f" x 1 accumulation step(s) = global batch {BATCH * processes} rows"
+    else:
+        words = f"batch {BATCH} per device x {processes} process(es) x 1 accumulation step(s) = global batch "
+        words += f"{BATCH * processes}"
+    assert words in log
+
+    # and what the packed runs trained on: in memory, a fixed number of tokens (8 rows of 40 slots, as many images as
+    # fill them: 16 digits of 16 patches, 2 a row); on a stream, a fixed number of images (8, in rows as they need)
+    if packed:
+        assert len(batches) == 3
+        if combination.data == "memory":
+            assert set(batches) == {(BATCH, 40, 16)}
+        else:
+            assert all(rows <= BATCH and slots == 40 and images == BATCH for rows, slots, images in batches)
+            assert "Packed sequences on a stream (whose images' sizes are not known ahead)" in log
 
     # 6. the recipe that ran, in the log and on the card (the learning rate given here overrides the recipe's)
     if combination.recipe:

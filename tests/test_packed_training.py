@@ -3,6 +3,7 @@ native-aspect images as the processor does, a packed step is the padded step, an
 batches with the predictions of unpacked ones."""
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -105,21 +106,44 @@ def run_flags(source, data, out, *more):
     return [*flags, *QUIET, *more]
 
 
+def recorded_batches(monkeypatch):
+    """The shapes of the training batches a run trains on, as they reach `training_step`: (rows, slots, images)."""
+    from hf_vit.train.trainer import VisionTransformerTrainer
+
+    batches, step = [], VisionTransformerTrainer.training_step
+
+    def recording(self, model, inputs, num_items_in_batch=None):
+        batches.append((*inputs["pixel_values"].shape[:2], len(inputs["spatial_shapes"])))
+        return step(self, model, inputs, num_items_in_batch)
+
+    monkeypatch.setattr(VisionTransformerTrainer, "training_step", recording)
+    return batches
+
+
 @pytest.mark.parametrize("drop", ["0", "0.5"])  # with NaViT's token dropping in training (evaluation keeps all)
-def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys, caplog, drop):
+def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys, caplog, monkeypatch, drop):
     data = aspect_image_folder(tmp_path / "data")
     source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
     flags = run_flags(source, data, out, "--packed_sequence_length", "9", "--token_drop_rate", drop)
+    flags[flags.index("--per_device_train_batch_size") + 1] = "2"  # rows of 9 slots
+    batches = recorded_batches(monkeypatch)
     with caplog.at_level("INFO", logger="hf_vit"):
         metrics = train("finetune", *parse_args("finetune", flags))
-    assert caplog.text.count("packed whole into rows of 9 patch slots") == 1
+    assert caplog.text.count("Packed sequences: each batch is 2 rows of 9 patch slots per device") == 1
+    assert "global batch 2 rows" in caplog.text
     assert np.isfinite(metrics["train_loss"]) and np.isfinite(metrics["eval_loss"])
+    # the tokens are fixed, the images vary: every batch is 2 rows of 9, holding the epoch's 7 images between them
+    per_epoch = int(re.search(r"(\d+) batch\(es\) per epoch", caplog.text).group(1))
+    assert per_epoch == (1 if drop == "0.5" else 2)  # the kept patches take fewer rows
+    assert len(batches) == 3 and {(rows, slots) for rows, slots, _ in batches} == {(2, 9)}
+    assert sum(images for _, _, images in batches[:per_epoch]) == 7
+    assert max(images for _, _, images in batches) > 2 * (9 // 6)  # more images than rows of the largest fit
     before = VisionTransformerForImageClassification.from_pretrained(source).vit.state_dict()
     model = VisionTransformerForImageClassification.from_pretrained(out).eval()
     moved = [name for name, value in model.vit.state_dict().items() if not torch.equal(value, before[name])]
     assert len(moved) > len(before) // 2  # the backbone trained (the head is new)
     card = (out / "README.md").read_text()
-    assert "NaViT sequence packing: each batch's 4 images per device" in card and "rows of 9 patch slots" in card
+    assert "NaViT sequence packing: each batch 2 rows of 9 patch slots per device, filled with as many whole" in card
     assert ("NaViT token dropping: each training image kept a random 0.5 of its patches" in card) == (drop == "0.5")
     saved = VisionTransformerImageProcessor.from_pretrained(out)
     assert (saved.max_num_patches, saved.packed_sequence_length, saved.patch_size) == (6, 9, 4)
@@ -184,26 +208,33 @@ def test_a_stream_on_several_processes_is_refused(tmp_path, monkeypatch):
         parse_args("pretrain", flags)
 
 
-def test_a_killed_packed_run_resumes_to_the_uninterrupted_runs_weights(tmp_path):
-    # augmentation (crops of several aspect ratios: several grids to pack) and dropout, a checkpoint every 2 steps
+def test_a_killed_packed_run_resumes_mid_epoch_to_the_uninterrupted_runs_weights(tmp_path):
+    # images of several aspect ratios (several grids to plan and pack), random crops, dropout and token dropping; a
+    # checkpoint every 2 steps of epochs of 3 batches of 1 row: the run is killed after step 5 and resumes from step 4,
+    # in its second epoch
     from safetensors.torch import load_file
     from test_training import WORKER, deterministic_finetune_args, run
 
-    source = pretrained_folder(tmp_path / "pre")
+    source, data = pretrained_folder(tmp_path / "pre"), aspect_image_folder(tmp_path / "data")
     extra = ["--max_num_patches", "6", "--packed_sequence_length", "12", "--save_strategy", "steps"]
     extra += ["--save_steps", "2", "--random_resized_crop", "True", "--crop_scale_min", "0.3"]
     extra += ["--hidden_dropout_prob", "0.1", "--token_drop_rate", "0.3"]  # and the patches each image drops
+    extra += ["--dataset_name", str(data)]
 
     def flags(output_dir, *more):
-        return deterministic_finetune_args(source, output_dir, 8, max_steps=6, extra=extra + list(more))
+        return deterministic_finetune_args(source, output_dir, 1, max_steps=7, extra=extra + list(more))
 
     run([sys.executable, str(WORKER)] + flags(tmp_path / "straight"))
-    batches = json.loads((tmp_path / "straight" / "rank0.json").read_text())["batches"]
-    assert len(batches) == 6 and all(rows < 8 for rows, _ in batches)  # 8 images a batch, packed into fewer rows
+    record = json.loads((tmp_path / "straight" / "rank0.json").read_text())
+    # one row of 12 slots a batch, whole images of 3 to 5 kept patches in it: 3 batches hold an epoch's 7 images
+    assert [rows for rows, _ in record["batches"]] == [1] * 7 and sum(record["images"][:3]) == 7
+    assert max(record["images"]) > 1  # --per_device_train_batch_size 1 counts rows, not images
     killed = tmp_path / "killed"
     run([sys.executable, str(WORKER)] + flags(killed, "--kill_at_step", "5"), expect=17)
     assert (killed / "checkpoint-4").is_dir() and not (killed / "rank0.safetensors").exists()
     run([sys.executable, str(WORKER)] + flags(killed, "--resume_from_checkpoint", "True"))
+    resumed_record = json.loads((killed / "rank0.json").read_text())
+    assert resumed_record["images"] == record["images"][4:]  # the same batches after the checkpoint
     straight, resumed = load_file(tmp_path / "straight" / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)

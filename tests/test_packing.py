@@ -589,6 +589,53 @@ def test_packed_gradients_equal_the_images_alone():
     assert packed["vit.embeddings.position_embedding"].abs().sum() > 0
 
 
+def with_empty_rows(inputs, where):
+    """`inputs` (a packed batch) with an empty row (all padding: `patch_image_index` -1) before each row of
+    `where`, and one after the last: the rows a training batch of fixed rows is padded with."""
+    rows = inputs["patch_image_index"].shape[0]
+    order = [row for place in range(rows) for row in ([-1] if place in where else []) + [place]] + [-1]
+    padded = dict(inputs)
+    for name in ("pixel_values", "pixel_attention_mask", "patch_image_index", "patch_positions"):
+        if name in inputs:
+            value = inputs[name]
+            empty = torch.full_like(value[:1], -1 if name in ("patch_image_index", "patch_positions") else 0)
+            padded[name] = torch.cat([empty if row < 0 else value[row : row + 1] for row in order])
+    return padded
+
+
+@pytest.mark.parametrize("drop", [False, True])  # with token dropping's places too
+def test_empty_rows_change_no_output_and_no_gradient(drop):
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(tiny_config(zero_init_head=False, attn_implementation="sdpa"))
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
+    inputs = dict(processor(images(PACKED_SIZES), packed_sequence_length=24, return_tensors="pt"))
+    if drop:  # each image keeps its patches but its first, in their places
+        inputs["patch_positions"] = inputs["patch_image_index"].clone()
+        for image, size in enumerate(inputs["spatial_shapes"].prod(1).tolist()):
+            slots = inputs["patch_image_index"] == image
+            kept = torch.arange(size)
+            kept[0] = -1
+            inputs["patch_positions"][slots] = kept
+            inputs["patch_image_index"][inputs["patch_positions"] < 0] = -1
+        inputs["pixel_attention_mask"] = (inputs["patch_image_index"] >= 0).int()
+    padded = with_empty_rows(inputs, where={0, 2})
+    assert padded["pixel_values"].shape[0] == inputs["pixel_values"].shape[0] + 3
+    labels = torch.tensor([0, 1, 2, 3, 4, 0])
+    results = []
+    for batch in (inputs, padded):
+        model.zero_grad()
+        output = model(**batch, labels=labels, output_hidden_states=True)
+        output.loss.backward()
+        grads = {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+        results.append((output, grads))
+    (plain, plain_grads), (empty, empty_grads) = results
+    torch.testing.assert_close(empty.logits, plain.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(empty.loss, plain.loss, atol=1e-6, rtol=0)
+    for name, grad in plain_grads.items():
+        assert torch.isfinite(empty_grads[name]).all(), name
+        torch.testing.assert_close(empty_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_changing_one_packed_image_changes_no_other_and_order_does_not_matter():
     torch.manual_seed(0)
     model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()

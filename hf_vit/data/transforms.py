@@ -57,6 +57,8 @@ _EXIF_ORIENTATION = 0x0112
 _TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 DRAFT_SCALES = (8, 4, 2)
 """The JPEG reductions the training transform decodes at (libjpeg's scaled IDCT), largest first."""
+PACKED_ROW = "packed_row"
+"""An example's row in its packed batch, where a sampler planned it (`packed_batches.PackedBatchSampler`)."""
 
 Transform = Callable[[Mapping[str, Sequence[Any]]], dict[str, torch.Tensor]]
 
@@ -329,6 +331,12 @@ def make_train_transform(
     return transform
 
 
+def kept_patch_count(count: int, rate: float) -> int:
+    """How many of an image's `count` patches token dropping at `rate` keeps: `count - floor(rate * count)`, at least
+    one. Only which patches is drawn; the number is fixed, and never larger for a smaller `count`."""
+    return count - math.floor(rate * count)
+
+
 def drop_tokens(
     patches: Mapping[str, torch.Tensor], rate: float, generator: torch.Generator | None = None
 ) -> dict[str, torch.Tensor]:
@@ -339,7 +347,7 @@ def drop_tokens(
     positions = torch.full(pixel_values.shape[:2], -1, dtype=torch.long)
     for index, (rows, cols) in enumerate(patches["spatial_shapes"].tolist()):
         count = rows * cols
-        kept = torch.randperm(count, generator=generator)[: count - math.floor(rate * count)].sort().values
+        kept = torch.randperm(count, generator=generator)[: kept_patch_count(count, rate)].sort().values
         pixel_values[index, : len(kept)] = patches["pixel_values"][index, kept]
         positions[index, : len(kept)] = kept
     mask = (positions >= 0).int()
@@ -528,17 +536,26 @@ def rows_and_transform(data: Dataset) -> tuple[Dataset, Transform]:
 
 
 def collate_fn(
-    examples: Sequence[Mapping[str, Any]], packed_sequence_length: int | None = None
+    examples: Sequence[Mapping[str, Any]],
+    packed_sequence_length: int | None = None,
+    packed_rows: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Stack transformed examples into a batch: `pixel_values` [N, 3, H, W] and, when present, `labels` [N] (class
     ids) or [N, C] (multi-hot). Native-aspect examples (with `spatial_shapes`) are flattened patches [K_i, P*P*C]:
     they are padded to the longest with zeros, and `pixel_attention_mask` [N, K] marks each one's own patches; with
     `packed_sequence_length`, they are packed whole into rows of that many patch slots instead (the image processor's
     `pack_patches`: `pixel_values` [rows, L, P*P*C], `patch_image_index` [rows, L]), the labels still one per image.
-    A packed batch holds the examples given (a fixed number of images); its number of rows varies."""
+
+    Examples that carry their row (`PACKED_ROW`, from a planned batch: `packed_batches.PackedBatchSampler`) go into
+    that row, and with `packed_rows` the batch is padded with empty rows (all padding, `patch_image_index` -1) to
+    exactly that many: every such batch is `[packed_rows, L]`. Others are packed largest first
+    (`first_fit_decreasing`), into as many rows as they need."""
     if "spatial_shapes" in examples[0]:
         native = [{key: torch.as_tensor(value) for key, value in example.items()} for example in examples]
-        batch = _pad_native(native) if packed_sequence_length is None else _pack_native(native, packed_sequence_length)
+        if packed_sequence_length is None:
+            batch = _pad_native(native)
+        else:
+            batch = _pack_native(native, packed_sequence_length, packed_rows)
     else:
         if packed_sequence_length is not None:
             raise ValueError("`packed_sequence_length` packs native-aspect examples (with `spatial_shapes`).")
@@ -549,9 +566,11 @@ def collate_fn(
     return batch
 
 
-def _pack_native(examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence_length: int) -> dict:
+def _pack_native(
+    examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence_length: int, packed_rows: int | None = None
+) -> dict:
     """Native-aspect examples (patches, grid; the places kept after token dropping) packed by the image processor's
-    `pack_patches`."""
+    `pack_patches`: into the rows they carry (`PACKED_ROW`), padded to `packed_rows`, or largest first."""
     grids = [tuple(example["spatial_shapes"].tolist()) for example in examples]
     positions = None
     if "patch_positions" in examples[0]:  # token dropping: only the kept patches, with their places
@@ -560,7 +579,14 @@ def _pack_native(examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence
     else:
         counts = [rows * cols for rows, cols in grids]
     patches = [example["pixel_values"][:count].float() for example, count in zip(examples, counts)]
-    packed = pack_patches(patches, grids, packed_sequence_length, positions)
+    rows = None
+    if PACKED_ROW in examples[0]:
+        planned = [int(example[PACKED_ROW]) for example in examples]
+        total = max(planned) + 1 if packed_rows is None else packed_rows
+        if max(planned) >= total:
+            raise ValueError(f"Examples planned in rows up to {max(planned)}, but the batch has {total} rows.")
+        rows = [[index for index, row in enumerate(planned) if row == number] for number in range(total)]
+    packed = pack_patches(patches, grids, packed_sequence_length, positions, rows)
     # `spatial_shapes` first: Trainer counts a batch's examples by its first tensor, which is one row per image.
     return {"spatial_shapes": packed.pop("spatial_shapes"), **packed}
 

@@ -690,19 +690,32 @@ def pack_patches(
     grids: Sequence[tuple[int, int]],
     packed_sequence_length: int,
     positions: Sequence[torch.Tensor] | None = None,
+    rows: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Each image's flattened patches (`(rows * cols, D)`, its grid's in `grids`) packed whole by
     `first_fit_decreasing` into rows of `packed_sequence_length` slots: the packed batch's `pixel_values`,
     `pixel_attention_mask`, `spatial_shapes` and `patch_image_index` (see `packed_sequence_length` in the class
     docstring). The processor and the training collator both pack here. With `positions` (each image's kept places
     of its grid, row-major, one per patch given: NaViT's token dropping), `patches` are only those kept, and the batch
-    has their `patch_positions` (rows, L) too, -1 on the padding."""
+    has their `patch_positions` (rows, L) too, -1 on the padding. With `rows` (the images of each row, every image
+    once, e.g. a training sampler's plan), the batch has exactly those rows, in that order (an empty one is all
+    padding), instead of `first_fit_decreasing`'s."""
     sizes = [len(image) for image in patches]
     if positions is None and sizes != [rows * cols for rows, cols in grids]:
         raise ValueError(f"Each image's patches must be its grid's rows * cols: {sizes} patches for grids {grids}.")
     if positions is not None and [len(kept) for kept in positions] != sizes:
         raise ValueError(f"`positions` must give one place per patch given: {sizes} patches.")
-    rows_of_images = first_fit_decreasing(sizes, packed_sequence_length)
+    if rows is None:
+        rows_of_images = first_fit_decreasing(sizes, packed_sequence_length)
+    else:
+        rows_of_images = [list(row) for row in rows]
+        if sorted(index for row in rows_of_images for index in row) != list(range(len(sizes))) or any(
+            sum(sizes[index] for index in row) > packed_sequence_length for row in rows_of_images
+        ):
+            raise ValueError(
+                f"`rows` {rows_of_images} must hold each of the {len(sizes)} images once, each row at most "
+                f"`packed_sequence_length` = {packed_sequence_length} patches (the images' {sizes})."
+            )
     device = patches[0].device
     shape = (len(rows_of_images), packed_sequence_length)
     pixel_values = torch.zeros(*shape, patches[0].shape[-1], device=device)

@@ -254,20 +254,26 @@ class DataArguments:
     packed_sequence_length: int | None = field(
         default=None,
         metadata={
-            "help": "With --max_num_patches: NaViT's sequence packing. Each batch's native-aspect images (still "
-            "--per_device_train_batch_size of them) are packed whole, largest first, into rows of this many patch "
-            "slots (at least --max_num_patches), attention and pooling per image, instead of one image per row padded "
-            "to --max_num_patches; the loss and metrics stay per image, and the number of rows varies per batch. "
-            "The saved processor packs the same way at inference. Not with --seq_lens, --patch_sizes, "
-            "Mixup/CutMix, --objective mpp, or --streaming on several processes."
+            "help": "With --max_num_patches: NaViT's sequence packing, a fixed number of tokens per batch. Native-"
+            "aspect images are packed whole into rows of this many patch slots (at least --max_num_patches), "
+            "attention and pooling per image, instead of one image per row padded to --max_num_patches; "
+            "--per_device_train_batch_size then counts rows (as TRL's packing counts packed sequences), and each "
+            "batch holds as many images as fill them, a number that varies. Each epoch packs every training image "
+            "once, in an order drawn from --seed and the epoch, into the same number of batches (planned from the "
+            "images' sizes, read before training; a training crop gets at most its image's own grid's patches); "
+            "every batch is that many rows, the epoch's last padded with empty ones where it has fewer (left out "
+            "with --dataloader_drop_last). A --streaming data set's sizes are not "
+            "known ahead: its batches keep --per_device_train_batch_size images, packed into as many rows as they "
+            "need. The loss and metrics stay per image; the saved processor packs at inference. Not with "
+            "--seq_lens, --patch_sizes, Mixup/CutMix, --objective mpp, or --streaming on several processes."
         },
     )
     token_drop_rate: float = field(
         default=0.0,
         metadata={
             "help": "With --packed_sequence_length: NaViT's token dropping. Each training image keeps a random "
-            "(1 - this) of its patches (at least one), drawn per image and epoch, and only those take a row's slots; "
-            "evaluation and inference keep every patch. 0 is off."
+            "(1 - this) of its patches (at least one), drawn per image and epoch, and only those take a row's slots "
+            "(so more images fill a batch); evaluation and inference keep every patch. 0 is off."
         },
     )
     seq_lens: str | None = field(

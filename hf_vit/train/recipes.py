@@ -386,11 +386,13 @@ def recipe_card_text(
     sizes: BatchSizes,
     per_device_batch: int,
     values: dict[str, Any],
+    streaming: bool = False,
 ) -> str:
     """The card's recipe line: the optimiser and schedule (`optimiser_text`), the regularisation, the sizes drawn
-    per step, and the named recipe with the values it ran with (`values`: every flag's), if any."""
+    per step (`streaming`: whether the training split was streamed, which packs fixed numbers of images), and the
+    named recipe with the values it ran with (`values`: every flag's), if any."""
     text = " ".join(filter(None, [optimiser_text, regularisation_text(recipe, augmentation, model)]))
-    text += drawn_sizes_text(sizes, per_device_batch)
+    text += drawn_sizes_text(sizes, per_device_batch, streaming)
     if augmentation.token_drop_rate:
         text += (
             f" NaViT token dropping: each training image kept a random {1 - augmentation.token_drop_rate:g} of its "
@@ -401,15 +403,22 @@ def recipe_card_text(
     return text
 
 
-def drawn_sizes_text(sizes: BatchSizes, per_device_batch: int) -> str:
-    """The card's words for packed sequences (`--packed_sequence_length`) and sizes drawn per step (`--seq_lens`,
-    `--patch_sizes`), or nothing."""
+def drawn_sizes_text(sizes: BatchSizes, per_device_batch: int, streaming: bool = False) -> str:
+    """The card's words for packed sequences (`--packed_sequence_length`: a fixed number of rows per batch, or on a
+    stream of images) and sizes drawn per step (`--seq_lens`, `--patch_sizes`), or nothing."""
     text = ""
-    if sizes.packed_sequence_length:
+    if sizes.packed_sequence_length and streaming:
         text += (
-            f" NaViT sequence packing: each batch's {per_device_batch} images per device, at their own aspect ratio "
-            f"on at most {sizes.max_num_patches} patches each, packed whole into rows of "
+            f" NaViT sequence packing: each batch's {per_device_batch} images per device (a stream), at their own "
+            f"aspect ratio on at most {sizes.max_num_patches} patches each, packed whole into rows of "
             f"{sizes.packed_sequence_length} patch slots (attention and pooling per image)."
+        )
+    elif sizes.packed_sequence_length:
+        text += (
+            f" NaViT sequence packing: each batch {per_device_batch} rows of {sizes.packed_sequence_length} patch "
+            f"slots per device, filled with as many whole images as they hold (a number that varies per batch), at "
+            f"their own aspect ratio on at most {sizes.max_num_patches} patches each (attention and pooling per "
+            "image)."
         )
     if sizes.seq_lens:
         longest = max(int(length) for length in sizes.seq_lens.split(","))

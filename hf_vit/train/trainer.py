@@ -26,6 +26,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import HubStrategy, seed_worker
 
 from ..data.augment.mixing import Mixing, mix_batch, mixing_seed, soft_target_cross_entropy
+from ..data.packed_batches import PackedBatchSampler
+from ..data.transforms import PACKED_ROW
 from ..model.loading import give_weights_the_umask_mode
 from ..outputs.files import CARD_FILE
 from ..outputs.push import HubPushError, commit_plan, create_repo, plan_checkpoint_upload, plan_upload
@@ -44,7 +46,9 @@ class SeededAugmentation(torch.utils.data.Dataset):
     several), so with the global stream an interrupted and an uninterrupted run augment the batches after the
     checkpoint with different numbers. The epoch lives in shared memory so that persistent workers see it change.
     An `(index, max_num_patches)` key (from `flexible.SeqLenBatchSampler`) fetches example `index` at that number of
-    patches: the number travels with the key to the transform, which takes it as an argument.
+    patches: the number travels with the key to the transform, which takes it as an argument. An `(index,
+    max_num_patches, row)` key (from `packed_batches.PackedBatchSampler`) also marks the example with the row of its
+    packed batch it was planned in (`transforms.PACKED_ROW`), for the collator.
 
     With `transform` (a batch transform), `data` holds the raw rows and each is transformed here, as a batch of one
     (as datasets' `with_transform` applies it), so that the transform can be given the key's number of patches;
@@ -63,8 +67,12 @@ class SeededAugmentation(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, index: int | tuple[int, int]):
-        index, max_num_patches = index if isinstance(index, tuple) else (index, None)
+    def __getitem__(self, index: int | tuple[int, int] | tuple[int, int, int]):
+        index, max_num_patches, *row = index if isinstance(index, tuple) else (index, None)
+        example = self._fetch(index, max_num_patches)
+        return {**example, PACKED_ROW: row[0]} if row else example
+
+    def _fetch(self, index: int, max_num_patches: int | None):
         key = hashlib.blake2b(f"{self.seed}:{int(self.epoch)}:{index}".encode(), digest_size=8).digest()
         with torch.random.fork_rng(devices=[]):
             # The CPU generator only, as fork_rng restores: `torch.manual_seed` would also queue (or, where CUDA is
@@ -105,7 +113,9 @@ class VisionTransformerTrainer(Trainer):
       is skipped) to resume it;
     - `seq_len_sampler` (`flexible.SeqLenBatchSampler`): the training batches come from it, a length and a batch size
       per step; `patch_size_draw` (`flexible.PatchSizeDraw`): each optimisation step trains at the patch size it
-      draws.
+      draws;
+    - `packed_sampler` (`packed_batches.PackedBatchSampler`): the training batches come from it, a fixed number of
+      rows of patch slots each, filled with as many whole images as they hold.
 
     And always: every push sends exactly the files the project's upload plan lists (`hf_vit.outputs.push`), in one
     commit each, and the token never reaches disk (it is taken out of the arguments Trainer pickles into every
@@ -124,6 +134,7 @@ class VisionTransformerTrainer(Trainer):
         ema: EmaCallback | None = None,
         seq_len_sampler: SeqLenBatchSampler | None = None,
         patch_size_draw: PatchSizeDraw | None = None,
+        packed_sampler: PackedBatchSampler | None = None,
         **kwargs: Any,
     ) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -132,6 +143,7 @@ class VisionTransformerTrainer(Trainer):
             training_args.hub_token = None
         self.layer_decay, self.mixing, self.ema = layer_decay, mixing, ema
         self.seq_len_sampler, self.patch_size_draw = seq_len_sampler, patch_size_draw
+        self.packed_sampler = packed_sampler
         self._mixing_step: tuple[int, int] = (-1, 0)  # (optimisation step, batch within it) of the last mixing
         self._saving_checkpoint = False
         super().__init__(*args, **kwargs)
@@ -152,11 +164,12 @@ class VisionTransformerTrainer(Trainer):
             self.ema.resume_from = resume_from_checkpoint
 
     def get_train_dataloader(self):
-        if self.seq_len_sampler is None:
+        batch_sampler = self.seq_len_sampler or self.packed_sampler
+        if batch_sampler is None:
             return super().get_train_dataloader()
         loader = torch.utils.data.DataLoader(
             self.train_dataset,
-            batch_sampler=self.seq_len_sampler,
+            batch_sampler=batch_sampler,
             collate_fn=self.data_collator,
             num_workers=self.args.dataloader_num_workers,
             pin_memory=self.args.dataloader_pin_memory,
@@ -167,9 +180,12 @@ class VisionTransformerTrainer(Trainer):
             worker_init_fn=partial(
                 seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
             ),
-        )  # every batch is full (an epoch's last step is filled from its first examples): no --dataloader_drop_last
+        )  # --seq_lens: every batch is full (an epoch's last step is filled from its first examples), so no
+        # --dataloader_drop_last; packed batches take it from the arguments (see `build_trainer`).
         # accelerate wraps a batch sampler without a batch size in BatchSamplerShard, which gives process r the r-th
-        # batch of every num_processes: the sampler yields those together, at one length.
+        # batch of every num_processes (the samplers yield a multiple of them), the batches whole; it forwards no
+        # epoch to it, which both samplers read from the training split (`EpochToDataset`), also when Trainer resumes
+        # mid-epoch through skip_first_batches (a SkipBatchSampler over the same sampler).
         return self.accelerator.prepare(loader)
 
     def create_optimizer(self, model=None):
@@ -401,9 +417,15 @@ def _save_error(folder: str | os.PathLike, what: str, error: Exception) -> Check
 class RunSetupCallback(TrainerCallback):
     """Logs the run's set-up once it is known, as transformers' example scripts do: how a user checks a launch."""
 
-    def __init__(self, num_examples: int | None, seq_len_sampler: SeqLenBatchSampler | None = None) -> None:
+    def __init__(
+        self,
+        num_examples: int | None,
+        seq_len_sampler: SeqLenBatchSampler | None = None,
+        packed_sampler: PackedBatchSampler | None = None,
+    ) -> None:
         self.num_examples = num_examples
         self.seq_len_sampler = seq_len_sampler  # batches sized per drawn length (--seq_lens)
+        self.packed_sampler = packed_sampler  # batches of fixed rows of patch slots (--packed_sequence_length)
 
     def on_train_begin(self, args: TrainingArguments, state, control, **kwargs: Any) -> None:
         if not state.is_world_process_zero:
@@ -419,6 +441,18 @@ class RunSetupCallback(TrainerCallback):
                 "steps.",
                 self.num_examples, state.num_train_epochs, len(sampler.schedule), sizes,
                 sampler.max_tokens_per_batch, args.world_size, accumulation, state.max_steps,
+            )  # fmt: skip
+            return
+        packed = self.packed_sampler
+        if packed is not None:
+            mean = packed.images_per_batch()
+            logger.info(
+                "Run set-up: %d training examples, %g epochs of %d steps, batch %d rows of %d patch slots per device "
+                "(%s) x %d process(es) x %d accumulation step(s) = global batch %d rows, %d optimisation steps.",
+                self.num_examples, state.num_train_epochs, -(-len(packed) // args.world_size // accumulation),
+                per_device, packed.packed_sequence_length,
+                "a varying number of images" if mean is None else f"{mean:.1f} images on average",
+                args.world_size, accumulation, per_device * args.world_size * accumulation, state.max_steps,
             )  # fmt: skip
             return
         logger.info(

@@ -22,6 +22,7 @@ import transformers
 from transformers import TrainingArguments
 
 from ..data.datasets import DataSource, load_datasets
+from ..data.packed_batches import PackedBatchSampler, planned_patches
 from ..data.transforms import Augmentation, BatchSizes, check_image_channels, decode_rgb, rows_and_transform
 from ..flags import exit_on_error, parse_sizes
 from ..infer.compute_dial import compute_dial_after_training
@@ -169,7 +170,10 @@ def _run(run: Run, training_args: VisionTransformerTrainingArguments, callbacks,
     if objective.check_sizes is not None:
         objective.check_sizes(run.sizes.max_num_patches, run.sizes.seq_lens, run.sizes.patch_sizes)
     ds = objective.transforms(raw, run.augmentation, processor, model.config)
-    trainer = build_trainer(objective, model, processor, ds, training_args, callbacks, run.sizes, run.recipe)
+    trainer = build_trainer(
+        objective, model, processor, ds, training_args, callbacks, run.sizes, run.recipe,
+        run.augmentation.token_drop_rate,
+    )  # fmt: skip
     if training_args.overwrite_output_dir and resume is None and trainer.is_world_process_zero():
         remove_earlier_checkpoints(training_args.output_dir, keep=run.model.model_name_or_path)
 
@@ -202,10 +206,14 @@ def build_trainer(
     callbacks: list,
     sizes: BatchSizes | None = None,
     recipe: RecipeSettings | None = None,
+    token_drop_rate: float = 0.0,
 ) -> VisionTransformerTrainer:
-    """The run's Trainer: the objective's collator (packing each batch's images into rows with
-    `--packed_sequence_length`) and metrics; an in-memory training split augmented reproducibly
-    (`SeededAugmentation`, told each epoch); the recipe's parts and the sizes drawn per step."""
+    """The run's Trainer: the objective's collator and metrics; an in-memory training split augmented reproducibly
+    (`SeededAugmentation`, told each epoch); the recipe's parts and the sizes drawn per step. With
+    `--packed_sequence_length`, the batches of an in-memory split are planned by `PackedBatchSampler`
+    (`--per_device_train_batch_size` rows of patch slots, as many whole images as fill them; `token_drop_rate`: the
+    share of each image's patches the training transform drops, planned for); a stream's batches of
+    `--per_device_train_batch_size` images are packed into as many rows as they need."""
     sizes, recipe = sizes or BatchSizes(), recipe or RecipeSettings()
     callbacks = list(callbacks)
     num_examples = None
@@ -217,14 +225,27 @@ def build_trainer(
         callbacks.append(EpochToDataset(ds["train"]))
         num_examples = len(ds["train"])
     seq_len_sampler, patch_size_draw = flexible_sizes(ds["train"], model, sizes, training_args)
-    collator = objective.collator
+    collator, packed_sampler = objective.collator, None
     if sizes.packed_sequence_length is not None:  # the batch's images packed into rows (`collate_fn`)
-        collator = partial(collator, packed_sequence_length=sizes.packed_sequence_length)
-        if training_args.process_index == 0:
-            logger.info(
-                "Packed sequences: each batch's images (at most %d patches each) packed whole into rows of %d patch "
-                "slots; the number of rows varies per batch.", sizes.max_num_patches, sizes.packed_sequence_length,
+        length, rows = sizes.packed_sequence_length, training_args.per_device_train_batch_size
+        if num_examples is None:
+            collator = partial(collator, packed_sequence_length=length)
+            message = (
+                "Packed sequences on a stream (whose images' sizes are not known ahead): each batch's %d images (at "
+                "most %d patches each) packed whole into rows of %d patch slots; the number of rows varies per batch.",
+                rows, sizes.max_num_patches, length,
             )  # fmt: skip
+        else:
+            packed_sampler = packed_batches(ds["train"], processor, sizes, token_drop_rate, training_args)
+            collator = partial(collator, packed_sequence_length=length, packed_rows=rows)
+            message = (
+                "Packed sequences: each batch is %d rows of %d patch slots per device, holding as many whole images "
+                "(at most %d patches each%s) as fill them: %s, %d batch(es) per epoch.",
+                rows, length, sizes.max_num_patches, ", fewer kept by token dropping" if token_drop_rate else "",
+                _mean_images(packed_sampler), len(packed_sampler),
+            )  # fmt: skip
+        if training_args.process_index == 0:
+            logger.info(*message)
     # The average goes into the model at the end of training before the caller's callbacks see it.
     ema = ema_callback(recipe)
     return VisionTransformerTrainer(
@@ -236,13 +257,48 @@ def build_trainer(
         compute_metrics=objective.compute_metrics,
         preprocess_logits_for_metrics=objective.preprocess_logits,
         processing_class=processor,
-        callbacks=[RunSetupCallback(num_examples, seq_len_sampler), *([ema] if ema else []), *callbacks],
+        callbacks=[
+            RunSetupCallback(num_examples, seq_len_sampler, packed_sampler),
+            *([ema] if ema else []),
+            *callbacks,
+        ],
         layer_decay=recipe.layer_decay,
         mixing=mixing_for(recipe, model.config),
         ema=ema,
         seq_len_sampler=seq_len_sampler,
         patch_size_draw=patch_size_draw,
+        packed_sampler=packed_sampler,
     )
+
+
+def packed_batches(
+    train: SeededAugmentation, processor, sizes: BatchSizes, token_drop_rate: float, training_args: TrainingArguments
+) -> PackedBatchSampler:
+    """The batch sampler of a packed run on an in-memory split: each training image's patches read from its size
+    (`planned_patches`: the header of an encoded image), planned into batches of `--per_device_train_batch_size`
+    rows of `--packed_sequence_length` slots, dealt out to the run's processes."""
+    images = train.data.select_columns(["image"])
+    chunks = (images[start : start + 1024]["image"] for start in range(0, len(images), 1024))
+    budgets, counts = planned_patches(
+        (image for chunk in chunks for image in chunk), processor.patch_size, sizes.max_num_patches, token_drop_rate
+    )
+    return PackedBatchSampler(
+        counts,
+        training_args.per_device_train_batch_size,
+        sizes.packed_sequence_length,
+        training_args.seed,
+        training_args.world_size,
+        budgets=budgets,
+        dataset=train,
+        drop_partial=training_args.dataloader_drop_last,
+    )
+
+
+def _mean_images(sampler: PackedBatchSampler) -> str:
+    mean = sampler.images_per_batch()
+    if mean is None:
+        return "a number of images per batch that varies"
+    return f"{mean:.1f} images per batch on average, in every epoch"
 
 
 def flexible_sizes(
@@ -296,6 +352,7 @@ def write_outputs(trainer, run: Run, training_args: TrainingArguments, metrics: 
             run.sizes,
             training_args.per_device_train_batch_size,
             run.values,
+            run.source.streaming,
         ),  # fmt: skip
         compute_dial=dial.name if dial else None,
     )

@@ -18,13 +18,15 @@ from hf_vit.train.arguments import parse_args
 from hf_vit.train.trainer import VisionTransformerTrainer
 from hf_vit.train.training import train
 
-BATCHES = []  # each training batch this process trained: [images, most patches of one image (native batches)]
+BATCHES = []  # each training batch this process trained: [images (rows, packed), most patches of one image]
+IMAGES = []  # the images of each (one per grid of `spatial_shapes`, packed or not)
 _training_step = VisionTransformerTrainer.training_step
 
 
 def recording_training_step(self, model, inputs, num_items_in_batch=None):
     shapes = inputs.get("spatial_shapes")
     BATCHES.append([len(inputs["pixel_values"]), None if shapes is None else int(shapes.prod(-1).max())])
+    IMAGES.append(len(inputs["pixel_values"] if shapes is None else shapes))
     return _training_step(self, model, inputs, num_items_in_batch)
 
 
@@ -38,7 +40,8 @@ class DumpWeights(TrainerCallback):
         weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         save_file(weights, os.path.join(args.output_dir, f"rank{rank}.safetensors"))
         with open(os.path.join(args.output_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "world_size": world, "args_world_size": args.world_size, "batches": BATCHES}, f)
+            json.dump({"rank": rank, "world_size": world, "args_world_size": args.world_size, "batches": BATCHES,
+                       "images": IMAGES}, f)  # fmt: skip
 
 
 class KillAt(TrainerCallback):

@@ -1,0 +1,216 @@
+"""Packed training batches with a fixed number of tokens (NaViT's "Patch n' Pack", TRL's `packing=True`): every batch
+is `rows` rows of `L` patch slots and holds as many whole images as fill them, so the number of images per batch
+varies, not its shape.
+
+`planned_patches` reads each training image's size cheaply (an encoded image's header, its pixels undecoded; a
+decoded one's shape) and gives its number of patches: its native-aspect grid at `max_num_patches`
+(`grid_for_max_patches`, the processor's choice) and, with token dropping, the number kept (`kept_patch_count`: fixed
+by the grid, only which patches is drawn). `PackedBatchSampler` plans each epoch from those numbers:
+
+1. the images in an order drawn from `(seed, epoch)`;
+2. packed into rows of `L` slots by best-fit decreasing (largest first, ties in that order; each into the row it
+   leaves the least room in): close to the fewest rows, and how many depends on the images' patch counts only, so it
+   is the same every epoch (filling batches in the drawn order until the next image does not fit would make the
+   number of batches depend on the order, and Trainer counts epochs, schedules and resumption in batches);
+3. the rows in an order drawn from `(seed, epoch)`, dealt `rows` to a batch; the epoch's last batch may hold fewer
+   rows (on `P` processes, the last `P` batches share what is left, each at least one row).
+
+So every image is in exactly one batch per epoch, each full batch is `rows` rows, and the number of batches per epoch
+(`len`) is known before training. Each key the sampler yields is `(index, budget, row)`: the training split
+(`SeededAugmentation`) fetches image `index` at a patch budget of `budget` (its planned grid's patches: a random crop
+of it is resized to at most that many at the crop's own aspect ratio, so no image takes more slots than planned) and
+marks the example with its `row` in the batch, where the collator (`transforms.collate_fn` with `packed_rows`) packs
+it, padding the batch with empty rows to `rows`.
+
+Batches are dealt out whole, as accelerate's `BatchSamplerShard` does with a batch sampler without a batch size:
+process `r` trains the `r`-th of every `P` consecutive batches, so the sampler yields a multiple of `P` batches.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import io
+import math
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import PIL.Image
+import torch
+
+from ..model.image_processing_vit import grid_for_max_patches, load_images
+from .transforms import CorruptImageError, decode_image, kept_patch_count
+
+__all__ = ["PackedBatchSampler", "best_fit_decreasing", "image_size", "planned_patches"]
+
+
+def image_size(image: Any) -> tuple[int, int]:
+    """`(height, width)` of a data set image, read cheaply: an encoded image (`{"path", "bytes"}` dict, path or bytes)
+    by its header, without decoding its pixels; a PIL image, array or tensor by converting it as the processor does.
+    An encoded image's EXIF orientation is not applied (a PNG's may sit after its pixels): turning an image swaps its
+    grid's rows and columns, not its number of patches. Raises `CorruptImageError` naming the file when it cannot be
+    opened."""
+    if isinstance(image, (str, os.PathLike)):
+        image = {"path": os.fspath(image), "bytes": None}
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        image = {"path": None, "bytes": bytes(image)}
+    data, path = (image.get("bytes"), image.get("path")) if isinstance(image, Mapping) else (None, None)
+    if data is not None or (path is not None and "://" not in path):
+        try:
+            with PIL.Image.open(io.BytesIO(data) if data is not None else path) as opened:
+                return opened.height, opened.width
+        except (OSError, ValueError) as error:
+            source = path or f"{len(data)} bytes of image data"
+            raise CorruptImageError(f"Cannot read the size of image {source}: {error}") from error
+    (pixels,) = load_images(decode_image(image), do_convert_rgb=False)  # decoded images, and remote files
+    return int(pixels.shape[1]), int(pixels.shape[2])
+
+
+def planned_patches(
+    images: Iterable[Any], patch_size: int, max_num_patches: int, token_drop_rate: float = 0.0
+) -> tuple[list[int], list[int]]:
+    """For each image (`image_size`'s input): its patch budget (its native-aspect grid's patches at
+    `max_num_patches`) and the slots it takes in a packed row (that many, or with `token_drop_rate` the number token
+    dropping keeps of them)."""
+    budgets, counts = [], []
+    for image in images:
+        rows, cols = grid_for_max_patches(*image_size(image), patch_size, max_num_patches)
+        budgets.append(rows * cols)
+        counts.append(kept_patch_count(rows * cols, token_drop_rate))
+    return budgets, counts
+
+
+def best_fit_decreasing(sizes: Sequence[int], order: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of at most `capacity` for the items `order` lists (indices into `sizes`), as lists of item indices: the
+    items taken largest first (ties in `order`'s order), each put in the open bin it leaves the least room in (the
+    newest of those), a new bin when none has room. Which bins there are and how full depends on `sizes` only, not on
+    `order`. O(n log capacity): one binary search among the distinct rooms left per item."""
+    rooms: list[int] = []  # the distinct rooms left in open bins, ascending
+    bins_with_room: dict[int, list[int]] = {}  # room -> the bins with that room left
+    bins: list[list[int]] = []
+    for index in sorted(order, key=sizes.__getitem__, reverse=True):  # stable: ties stay in `order`'s order
+        size = sizes[index]
+        if not 1 <= size <= capacity:
+            raise ValueError(f"Item {index} has size {size}, which is not between 1 and the capacity {capacity}.")
+        place = bisect.bisect_left(rooms, size)
+        if place == len(rooms):
+            number, room = len(bins), capacity
+            bins.append([])
+        else:
+            room = rooms[place]
+            number = bins_with_room[room].pop()
+            if not bins_with_room[room]:
+                del bins_with_room[room], rooms[place]
+        bins[number].append(index)
+        room -= size
+        if room:
+            if room not in bins_with_room:
+                bisect.insort(rooms, room)
+                bins_with_room[room] = []
+            bins_with_room[room].append(number)
+    return bins
+
+
+def _generator(seed: int, *key: Any) -> torch.Generator:
+    text = ":".join(str(part) for part in (seed, *key))
+    number = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return torch.Generator().manual_seed(number % 2**63)
+
+
+class PackedBatchSampler:
+    """Batches of `rows` rows of `packed_sequence_length` patch slots, each holding as many whole images as fill it
+    (see the module docstring): keys `(index, budget, row)` for a training split that takes them
+    (`SeededAugmentation`).
+
+    `counts`: the slots each image takes; `budgets`: the patch budget each is fetched at (default: `counts`);
+    `dataset`: the training split, whose `epoch` (shared with its workers, set as each epoch begins) chooses the
+    epoch's plan; `num_processes`: the processes the batches are dealt to; `drop_partial`: leave out the epoch's last
+    batches when they are not full (their images then wait for another epoch) instead of training them partial."""
+
+    batch_size = None  # the images per batch vary: accelerate deals such batches out whole, one per process
+    drop_last = True  # the number of batches is a multiple of the processes: nothing for accelerate to cycle in
+
+    def __init__(
+        self,
+        counts: Sequence[int],
+        rows: int,
+        packed_sequence_length: int,
+        seed: int,
+        num_processes: int = 1,
+        *,
+        budgets: Sequence[int] | None = None,
+        dataset: Any = None,
+        drop_partial: bool = False,
+    ) -> None:
+        if not counts:
+            raise ValueError("Packed batches need at least one training image.")
+        if rows < 1 or num_processes < 1:
+            raise ValueError(f"Need at least one row per batch and one process, got {rows} and {num_processes}.")
+        self.counts, self.budgets = list(counts), list(counts if budgets is None else budgets)
+        if len(self.budgets) != len(self.counts) or any(c > b for c, b in zip(self.counts, self.budgets)):
+            raise ValueError("`budgets` must give each image at least the slots it takes (`counts`).")
+        self.rows, self.packed_sequence_length, self.seed = rows, packed_sequence_length, seed
+        self.num_processes, self.dataset, self.drop_partial = num_processes, dataset, drop_partial
+        # The rows' number depends on the counts only: one packing tells every epoch's.
+        self.num_rows = len(best_fit_decreasing(self.counts, range(len(self.counts)), packed_sequence_length))
+        self.rows_per_batch = self._rows_per_batch()
+        # With full batches only, which images the rows left out hold varies per epoch, and so their number.
+        whole = not drop_partial or sum(self.rows_per_batch) == self.num_rows
+        self.num_images = len(self.counts) if whole else None
+
+    def _rows_per_batch(self) -> list[int]:
+        """How many rows each batch of an epoch holds: `rows` each, but for the last round of `num_processes`
+        batches, which share what is left as evenly as they can (taking from the rounds before when a batch would
+        be empty)."""
+        processes, full = self.num_processes, self.rows
+        if self.drop_partial:
+            rounds = self.num_rows // (full * processes)
+            if rounds == 0:
+                raise ValueError(
+                    f"--dataloader_drop_last: the training images fill {self.num_rows} rows of "
+                    f"{self.packed_sequence_length} slots, not one batch of {full} rows per process ({processes})."
+                )
+            return [full] * (rounds * processes)
+        batches = processes * math.ceil(self.num_rows / (full * processes))
+        if batches > len(self.counts):  # a row of each image is the most rows there can be
+            raise ValueError(
+                f"The {len(self.counts)} training images cannot fill {batches} batches, one per process ({processes}) "
+                "in each round: use fewer processes or more images."
+            )
+        sizes, excess = [full] * batches, batches * full - max(self.num_rows, batches)
+        for start in range(batches - processes, -1, -processes):  # the last round first
+            take = min(excess, processes * (full - 1))
+            for offset in range(processes):
+                sizes[start + offset] -= take // processes + (offset < take % processes)
+            excess -= take
+        return sizes
+
+    def __len__(self) -> int:
+        return len(self.rows_per_batch)
+
+    def plan(self, epoch: int) -> list[list[list[int]]]:
+        """The batches of `epoch`, each a list of rows, each the list of its images' indices."""
+        order = torch.randperm(len(self.counts), generator=_generator(self.seed, "packed images", epoch)).tolist()
+        rows = best_fit_decreasing(self.counts, order, self.packed_sequence_length)
+        shuffled = torch.randperm(len(rows), generator=_generator(self.seed, "packed rows", epoch)).tolist()
+        rows = [rows[number] for number in shuffled]
+        # Fewer rows than batches (a handful of images on several processes): rows of several images give one away.
+        while len(rows) < len(self.rows_per_batch):
+            splittable = next(number for number in range(len(rows) - 1, -1, -1) if len(rows[number]) > 1)
+            rows.append([rows[splittable].pop()])
+        batches, start = [], 0
+        for size in self.rows_per_batch:
+            batches.append(rows[start : start + size])
+            start += size
+        return batches
+
+    def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
+        epoch = int(getattr(self.dataset, "epoch", 0))
+        for batch in self.plan(epoch):
+            yield [(index, self.budgets[index], row) for row, images in enumerate(batch) for index in images]
+
+    def images_per_batch(self) -> float | None:
+        """The mean number of images per batch, the same every epoch (None where it varies: `drop_partial` leaving out
+        rows)."""
+        return None if self.num_images is None else self.num_images / len(self)
