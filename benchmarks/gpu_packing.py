@@ -16,7 +16,8 @@ Before anything is timed, the padded and packed batches give the same logits for
 eager); and in bf16 autocast, each layout's logits and gradients are measured against fp32 (`bf16_accuracy`: the
 variable-length kernels must be as close as the masked ones). Each row records the attention path hf-vit's dispatch
 chose (`segment_attention_path`, observed in the eager call; compiled, `varlen_attn` stays and the CPU's per-length
-calls become a block-diagonal mask), the attention kernels a profile of one inference call shows, and
+calls become a block-diagonal mask), the attention kernels a profile of one inference call shows, how busy the GPU
+was in a profiled call (its kernels' time over the call's) with its five longest kernels, and
 `torch.backends.cudnn.version()` and the enabled SDPA backends on CUDA. `--compile_blocks` compiles each transformer
 block (one graph shared by the twelve) instead of the whole model: minutes less of compilation.
 """
@@ -131,8 +132,10 @@ def sdpa_backends(device: torch.device) -> dict:
     }
 
 
-def attention_kernels(fn, device: torch.device) -> list[str]:
-    """The attention-related ops and kernels a profile of one call of `fn` shows."""
+def profile_call(fn, device: torch.device) -> dict:
+    """A profile of one call of `fn`: the attention-related ops and kernels it shows, and on CUDA the kernels' total
+    time (seconds; divided by the call's timed seconds, how busy the GPU was: the rest is time it waited for the
+    host) and the five longest kernels."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -140,7 +143,16 @@ def attention_kernels(fn, device: torch.device) -> list[str]:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return sorted({event.key for event in profile.key_averages() if KERNEL_NAMES.search(event.key)})[:20]
+    events = profile.key_averages()
+    kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
+    longest = sorted(kernels, key=lambda event: -event.self_device_time_total)[:5]
+    return {
+        "attention_kernels": sorted({event.key for event in events if KERNEL_NAMES.search(event.key)})[:20],
+        "kernel_seconds": sum(event.self_device_time_total for event in kernels) / 1e6 if kernels else None,
+        "longest_kernels": [
+            (event.key[:90], round(event.self_device_time_total / 1e3, 3)) for event in longest
+        ],  # (name, milliseconds)
+    }
 
 
 @contextlib.contextmanager
@@ -328,6 +340,8 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
         for (layout, mode), fn in fns.items():
             seconds = median_seconds(samples[f"{layout} | {mode}"])
             name = layout.split()[0]
+            profiled = profile_call(fn, device)
+            busy = profiled["kernel_seconds"] / seconds if profiled["kernel_seconds"] is not None else None
             rows[f"{layout} | {mode} | {variant}"] = {
                 "layout": layout,
                 "mode": mode,
@@ -335,7 +349,9 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
                 "images_per_s": images[name] / seconds,
                 "patches_per_s": patches[name] / seconds,
                 "attention_path": attention_path(layout, observed[(layout, mode)], variant == "compiled"),
-                "attention_kernels": attention_kernels(fn, device) if mode == "inference" else None,
+                "attention_kernels": profiled["attention_kernels"] if mode == "inference" else None,
+                "gpu_busy": busy,  # the kernels' time over the call's: below 1, the GPU waited for the host
+                "longest_kernels": profiled["longest_kernels"],
             }
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -394,8 +410,8 @@ def format_packing(report: dict) -> str:
     rows = packing["rows"]
     lines = [
         "| layout | mode | variant | images/s | real patches/s | patches/s vs square | images/s vs padded + mask "
-        "| attention path | attention kernels (inference) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| GPU busy | attention path | attention kernels (inference) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for variant in ("eager", "compiled"):
         for mode in MODES:
@@ -408,9 +424,10 @@ def format_packing(report: dict) -> str:
                 versus_square = f"{row['patches_per_s'] / square['patches_per_s']:.3f}x" if square else "-"
                 versus_padded = f"{row['images_per_s'] / padded['images_per_s']:.3f}x" if padded else "-"
                 kernels = ", ".join(f"`{name}`" for name in row["attention_kernels"] or []) or "-"
+                busy = f"{row['gpu_busy']:.0%}" if row.get("gpu_busy") is not None else "-"
                 lines.append(
                     f"| {layout} | {mode} | {variant} | {row['images_per_s']:,.1f} | {row['patches_per_s']:,.0f} | "
-                    f"{versus_square} | {versus_padded} | {row['attention_path']} | {kernels} |"
+                    f"{versus_square} | {versus_padded} | {busy} | {row['attention_path']} | {kernels} |"
                 )
     settings, share, images = packing["settings"], packing["padding_share"], packing["images"]
     sdpa = packing["sdpa"]

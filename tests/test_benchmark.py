@@ -387,6 +387,7 @@ def test_gpu_benchmark_quick_run_has_the_packing_rows(gpu_quick):
     for row in packing["rows"].values():
         assert row["images_per_s"] > 0 and row["patches_per_s"] > 0 and row["attention_path"]
         assert (row["attention_kernels"] is None) == (row["mode"] == "training")
+        assert row["gpu_busy"] is None and row["longest_kernels"] == []  # CPU: no device kernels to count
         if row["mode"] == "inference":  # what the profile shows: SDPA's CPU kernel, or (math backend) its matmuls
             assert row["attention_kernels"], row
             if row["variant"] == "eager":
