@@ -866,3 +866,15 @@ def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping):
         assert [length for length, padding in zip(layout.segments.lengths, layout.segments.padding)
                 if not padding] == lengths  # fmt: skip
         assert (layout.kept is not None) == (dropping and any(len(p) < r * c for p, (r, c) in zip(positions, grids)))
+
+
+def test_a_packed_batch_builds_no_attention_runs_for_its_images_one_per_row(monkeypatch):
+    # the blocks take the packed layout's runs: the one-per-row layout only checks the inputs and masks the pooling
+    from hf_vit.model import naflex
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("runs of the one-per-row layout were built for a packed batch")
+
+    monkeypatch.setattr(naflex, "padded_batch_segments", refuse)
+    torch.manual_seed(0)
+    assert_each_image_alone(VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval())

@@ -183,11 +183,12 @@ def attention_segments(
         return None
     # transformers' cumulative lengths of per-image grids, each run a 1 x length x 1 grid
     grids = torch.tensor([(1, length, 1) for length in lengths])
-    cu_seqlens = get_vision_cu_seqlens(grids).to(device)
+    # host to device without waiting for the device's queue (a pageable copy is staged at once)
+    cu_seqlens = get_vision_cu_seqlens(grids).to(device, non_blocking=True)
     token_runs = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
     return AttentionSegments(
         cu_seqlens, max(lengths), tuple(lengths), len(rows), row_length, tuple(padding_runs),
-        token_runs.view(len(rows), row_length).to(device),
+        token_runs.view(len(rows), row_length).to(device, non_blocking=True),
     )  # fmt: skip
 
 

@@ -497,8 +497,9 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         elif patch_positions is not None:
             raise ValueError("`patch_positions` places the patches of a packed batch: give `patch_image_index` too.")
         token_mask, attention_mask = self.input_masks(
-            pixel_values, interpolate_pos_encoding, pixel_attention_mask, spatial_shapes, output_attentions
-        )
+            pixel_values, interpolate_pos_encoding, pixel_attention_mask, spatial_shapes, output_attentions,
+            attention=packed is None,  # a packed batch's blocks take its layout's runs instead
+        )  # fmt: skip
         embeddings = self.embeddings(pixel_values, bool_masked_pos, spatial_shapes, patch_sources)  # (1)
         hidden_states = self.pre_norm(embeddings)
         if packed is not None:  # each image's tokens consecutive in a packed row, attending only to each other
@@ -523,14 +524,15 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         pixel_attention_mask: torch.Tensor | None,
         spatial_shapes: torch.Tensor | None,
         output_attentions: bool = False,
+        attention: bool = True,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Check the inputs; for a native-aspect batch (`spatial_shapes`), return the valid tokens `(B, N)` and what
         keeps the padding out of attention (`naflex.native_masks`: a run per image, a mask, or nothing without
-        padding), else `(None, None)`."""
+        padding; None where `attention` is False), else `(None, None)`."""
         if spatial_shapes is not None:
             return native_masks(
                 self.config, pixel_values, pixel_attention_mask, spatial_shapes, output_attentions, self.dtype,
-                self.training,
+                self.training, attention,
             )  # fmt: skip
         if pixel_attention_mask is not None:
             raise ValueError(

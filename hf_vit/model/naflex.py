@@ -101,15 +101,19 @@ def native_masks(
     output_attentions: bool,
     dtype: torch.dtype,
     training: bool = False,
+    attention: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | AttentionSegments | None]:
     """The valid tokens `(B, prefix + K)` of a native-aspect batch (checked first: see `check_native_batch`) and what
     keeps the others out of attention: each image's tokens as a run of their own where that is faster
     (`padded_batch_segments`: variable-length attention on a GPU, and CPU batches with enough padding), else the
     attention mask hiding them from every query, in the form the model's attention takes (`attention_mask_for`;
-    eager's when the probabilities are asked for) in the dtype of its weights; None for a batch without padding."""
+    eager's when the probabilities are asked for) in the dtype of its weights; None for a batch without padding, and
+    where `attention` is False (a packed batch's blocks take its layout's runs)."""
     patch_mask = check_native_batch(pixel_values, pixel_attention_mask, spatial_shapes, config)
     prefix = patch_mask.new_ones(patch_mask.shape[0], config.num_prefix_tokens)
     token_mask = torch.cat([prefix, patch_mask], dim=1)
+    if not attention:
+        return token_mask, None
     implementation = "eager" if output_attentions else config._attn_implementation
     if torch.compiler.is_exporting():  # the graph's mask is computed from its data
         return token_mask, attention_mask_for(token_mask, implementation, dtype)

@@ -173,12 +173,12 @@ def packed_layout(
         slots=slots,
         row_tokens=row_tokens,
         image_tokens=image_tokens,
-        patch_mask=(torch.arange(patches) < torch.tensor(sizes)[:, None]).to(device),
+        patch_mask=(torch.arange(patches) < torch.tensor(sizes)[:, None]).to(device, non_blocking=True),
         segments=attention_segments(runs, row_tokens, device),
-        patch_source=patch_source.to(device),
-        pack_source=pack_source.to(device),
-        unpack_source=unpack_source.to(device),
-        kept=(unpack_source >= 0).view(count, image_tokens).to(device) if dropped else None,
+        patch_source=patch_source.to(device, non_blocking=True),
+        pack_source=pack_source.to(device, non_blocking=True),
+        unpack_source=unpack_source.to(device, non_blocking=True),
+        kept=(unpack_source >= 0).view(count, image_tokens).to(device, non_blocking=True) if dropped else None,
     )
 
 
