@@ -564,10 +564,24 @@ def test_packing_rows_quick_mode_prints_every_row_and_ratio(capsys):
     rows = [line for line in out.splitlines() if line.startswith(("| padded", "| packed"))]
     assert [row.split(" | ")[0] for row in rows] == ["| padded + mask", "| padded + segments", "| packed + mask",
                                                      "| packed + segments"]  # fmt: skip
-    model_rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| model:")]
-    assert model_rows == ["| model: padded + mask", "| model: padded + segments", "| model: packed + segments"]
     assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in rows)
     assert "padding" in out and "have the same outputs" in out
+    # the model rows: square, padded and packed, eager and compiled (quick: Dynamo's eager backend), each with its
+    # padding share, images/s, real patches/s and the ratio against padded + mask, for inference and training
+    model_rows = [line for line in out.splitlines() if line.startswith("| model:")]
+    assert [row.split(" | ")[0] for row in model_rows] == [
+        "| model: square (eager)", "| model: padded + mask (eager)", "| model: padded + segments (eager)",
+        "| model: packed + segments (eager)", "| model: square (compiled)", "| model: padded + mask (compiled)",
+        "| model: packed + segments (compiled)",
+    ]  # fmt: skip
+    assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in model_rows)
+    assert [row.split(" | ")[2] for row in model_rows][:2] == ["0%", "19%"]  # the square batch has no padding
+    assert "dense block-diagonal mask" in model_rows[-1] and "per image length" in model_rows[3]
+    assert "torch.compile(backend='eager'), logits within" in out and "Compiled / eager speed:" in out
+    assert re.search(r"Recompiles: .* batch 2 \(\d+ images, rows of \d+ tokens\): \d+ frames recompiled", out)
     with pytest.raises(SystemExit):
         packing_speed.main(["--max_num_patches", "64", "--packed_sequence_length", "32"])
     assert "--packed_sequence_length (32) must be at least --max_num_patches (64)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        packing_speed.main(["--max_num_patches", "12", "--packed_sequence_length", "24"])
+    assert "--max_num_patches (12) must be a square number" in capsys.readouterr().err
