@@ -19,7 +19,8 @@ for inference and for a training step (forward and backward), and prints images/
 Then the whole model (a classifier, `--model_width`, `--model_depth`) at the same patch slots: a square batch (B
 square images of exactly K patches: no padding, no mask), the padded batch with the padding masked as keys and with a
 run per image (what the model chooses on CPU from 10% padding), and the packed batch; eager, and under `torch.compile`
-(inductor; `--no_compile` leaves these rows out) for the square, padded + mask and packed batches. A compiled graph
+(inductor; `--no_compile` leaves these rows out; no compiled row starts compiling once `--compile_budget_s` of
+compilation is spent, the square rows coming last) for the square, padded + mask and packed batches. A compiled graph
 runs the runs of a packed batch as one dense block-diagonal mask (`segment_attention_forward`: no call per image
 length, every slot of a row against every slot). The images the padded and packed batches hold get the same logits,
 eager and compiled, before anything is timed; each row prints its batch's padding share and its real (image) patches
@@ -27,7 +28,7 @@ per second, the fair measure at equal slots. Last, whether packed batches of the
 the compiled model: frames and graphs Dynamo compiles anew for each of `--recompile_batches` such batches (Dynamo's
 guards decide it whatever the backend, so this check compiles with the eager backend and costs no inductor time).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/packing_speed.py --threads 1   # ~10 minutes on 2 cores
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/packing_speed.py --threads 1
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/packing_speed.py --threads 1 --no_compile   # eager rows only
     PYTHONPATH=. python benchmarks/packing_speed.py --quick   # seconds: a tiny batch, one sample per row, the
                                                               # compiled rows with Dynamo's eager backend
@@ -289,46 +290,49 @@ def measure_model(args, shapes: dict) -> dict:
     if difference > 1e-4:
         raise SystemExit(f"The model rows disagree on the images' logits: {difference:.2e}")
     fns, first_call, skipped, compiled_difference = {}, {}, {}, 0.0
-    compile_started = time.perf_counter()
+    calls = []  # the compiled rows square last: a compile budget spent leaves out the square rows first
     for variant, (runner, rows) in variants.items():
-        for mode in MODES:
-            for name in rows:
-                key = f"{name} | {variant} | {mode}"
-                layout, context = name.split()[0], masked.get(name, contextlib.nullcontext)
-                spent = time.perf_counter() - compile_started
-                if variant == "compiled" and args.compile_budget_s is not None and spent > args.compile_budget_s:
-                    skipped[key] = f"not compiled: {spent:.0f} s of compilation spent (--compile_budget_s)"
-                    continue
+        for group in ([name for name in rows if name != "square"], [name for name in rows if name == "square"]):
+            calls += [(variant, runner, mode, name) for mode in MODES for name in group]
+    for variant, runner, mode, name in calls:
+        key = f"{name} | {variant} | {mode}"
+        layout, context = name.split()[0], masked.get(name, contextlib.nullcontext)
+        spent = sum(seconds for call, seconds in first_call.items() if " | compiled | " in call)
+        if variant == "compiled" and spent > args.compile_budget_s:
+            skipped[key] = f"not compiled, {spent:.0f} s of compilation spent (--compile_budget_s)"
+            continue
 
-                def infer(runner=runner, batch=inputs[layout], context=context):
-                    with torch.no_grad(), context():
-                        runner.eval()(**batch)
+        def infer(runner=runner, batch=inputs[layout], context=context):
+            with torch.no_grad(), context():
+                runner.eval()(**batch)
 
-                def train(runner=runner, batch=inputs[layout], context=context, labels=labels[layout]):
-                    with context():
-                        runner.train()(**batch, labels=labels).loss.backward()
-                    model.zero_grad(set_to_none=True)
+        def train(runner=runner, batch=inputs[layout], context=context, labels=labels[layout]):
+            with context():
+                runner.train()(**batch, labels=labels).loss.backward()
+            model.zero_grad(set_to_none=True)
 
-                fn = infer if mode == "inference" else train
-                begin = time.perf_counter()
-                fn()  # warm-up; compiled: the compilation
-                first_call[key] = time.perf_counter() - begin
-                if variant == "compiled" and mode == "inference":
-                    difference_here = (logits_of(runner, name) - eager[name]).abs().max().item()
-                    compiled_difference = max(compiled_difference, difference_here)
-                fns[key] = fn
+        fn = infer if mode == "inference" else train
+        begin = time.perf_counter()
+        fn()  # warm-up; compiled: the compilation
+        first_call[key] = time.perf_counter() - begin
+        if variant == "compiled" and mode == "inference":
+            difference_here = (logits_of(runner, name) - eager[name]).abs().max().item()
+            compiled_difference = max(compiled_difference, difference_here)
+        fns[key] = fn
     if compiled_difference > 1e-3:
         raise SystemExit(f"The compiled model's logits differ from the eager model's by {compiled_difference:.2e}")
     samples = time_alternating(fns, args.model_steps, args.repeats, torch.device("cpu"))
     rows = {}
-    for key, sample in samples.items():
-        name, variant, mode = key.split(" | ")
-        images, patches, padding = batch[name.split()[0]]
-        path = COMPILED_PATH if variant == "compiled" and name.endswith("segments") else PATHS[name]
-        row = rows.setdefault(f"{name} | {variant}", {"path": path, "padding": padding, "images": images,
-                                                      "patches": patches, "first_call_s": {}})  # fmt: skip
-        row[f"{mode}_s"] = median_seconds(sample)
-        row["first_call_s"][mode] = first_call[key]
+    for variant, (_, names) in variants.items():
+        for name in names:
+            images, patches, padding = batch[name.split()[0]]
+            path = COMPILED_PATH if variant == "compiled" and name.endswith("segments") else PATHS[name]
+            row = {"path": path, "padding": padding, "images": images, "patches": patches, "first_call_s": {}}
+            for mode in MODES:
+                key = f"{name} | {variant} | {mode}"
+                if key in samples:
+                    row[f"{mode}_s"], row["first_call_s"][mode] = median_seconds(samples[key]), first_call[key]
+            rows[f"{name} | {variant}"] = row
     return {
         "rows": rows,
         "skipped": skipped,
@@ -343,6 +347,7 @@ def recompile_check(args, model: torch.nn.Module) -> list[dict]:
     the model compiled with the eager backend (Dynamo's guards decide recompilation whatever the backend), one
     inference call on each of `--recompile_batches` packed batches (`layouts` with seeds seed, seed + 1, ...); per
     batch after the first, the frames Dynamo compiled again (by file) and the graphs it added."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
     from torch._dynamo.utils import counters, guard_failures
 
     torch._dynamo.reset()
@@ -359,10 +364,16 @@ def recompile_check(args, model: torch.nn.Module) -> list[dict]:
         by_file: dict[str, int] = {}
         for code in recompiled:
             by_file[Path(code.co_filename).name] = by_file.get(Path(code.co_filename).name, 0) + 1
+        limit = torch._dynamo.config.recompile_limit  # a frame with this many graphs runs eagerly from then on
+        at_limit = sorted(
+            f"{Path(code.co_filename).name}:{code.co_name}"
+            for code in guard_failures
+            if len(cache_entries(code)) >= limit
+        )
         results.append({
             "images": len(batch["spatial_shapes"]), "rows": len(batch["pixel_values"]),
             "row_tokens": shape["packed"]["length"], "new_graphs": counters["stats"]["unique_graphs"] - graphs_before,
-            "recompiled_frames": len(recompiled), "by_file": by_file,
+            "recompiled_frames": len(recompiled), "by_file": by_file, "frames_at_recompile_limit": at_limit,
         })  # fmt: skip
     torch._dynamo.reset()
     return results
@@ -453,15 +464,19 @@ def format_model_rows(model: dict, args) -> str:
                 f"batch {index} ({check['images']} images, rows of {check['row_tokens']} tokens): "
                 f"{check['recompiled_frames']} frames recompiled, {check['new_graphs']} new graphs"
                 + (f" ({files})" if files and index == 2 else "")
+                + (f", {len(check['frames_at_recompile_limit'])} frames at the limit" if index > 2 else "")
             )
         recompiled = sum(check["recompiled_frames"] for check in others)
         lines.append(
             f"Recompiles: packed batches of L = {args.packed_sequence_length} holding other images, one after another "
-            f"through one compiled model (inference; Dynamo's eager backend, cache_size_limit "
-            f"{torch._dynamo.config.cache_size_limit}): batch 1 ({first['images']} images, rows of "
+            f"through one compiled model (inference; Dynamo's eager backend, recompile_limit "
+            f"{torch._dynamo.config.recompile_limit}): batch 1 ({first['images']} images, rows of "
             f"{first['row_tokens']} tokens) compiled {first['new_graphs']} graphs; {'; '.join(described)}. "
             + ("No recompiles." if recompiled == 0 else f"{recompiled} recompiled frames in all.")
         )
+        at_limit = model["recompiles"][-1]["frames_at_recompile_limit"]
+        if at_limit:
+            lines[-1] += f" Frames at Dynamo's recompile limit, run uncompiled from then on: {', '.join(at_limit)}."
     return "\n".join(lines)
 
 
@@ -482,10 +497,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_compile", action="store_true", help="leave the compiled model rows out")
     parser.add_argument("--compile_backend", default=None, help="torch.compile's backend (default inductor)")
     parser.add_argument(
-        "--compile_budget_s", type=float, default=600, help="no compiled row starts compiling after this many seconds"
+        "--compile_budget_s",
+        type=float,
+        default=600,
+        help="no compiled row starts compiling after this many seconds of compilation",
     )
     parser.add_argument(
-        "--recompile_batches", type=int, default=6, help="packed batches of the recompile check (0: no check)"
+        "--recompile_batches", type=int, default=10, help="packed batches of the recompile check (0: no check)"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
