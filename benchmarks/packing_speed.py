@@ -432,7 +432,7 @@ def format_model_rows(model: dict, args) -> str:
             cells += [f"{row['images'] / seconds:.1f}", f"{patches:.0f}", ratio]
         first = row["first_call_s"]
         compiled = variant == "compiled"
-        cells.append(" / ".join(f"{first[mode]:.1f}" for mode in MODES if mode in first) if compiled else "-")
+        cells.append(" / ".join(f"{first[mode]:.1f}" if mode in first else "-" for mode in MODES) if compiled else "-")
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile_budget_s",
         type=float,
-        default=600,
+        default=300,
         help="no compiled row starts compiling after this many seconds of compilation",
     )
     parser.add_argument(
