@@ -16,12 +16,22 @@ attention function (`ALL_ATTENTION_FUNCTIONS`):
 for inference and for a training step (forward and backward), and prints images/s and the ratios against
 `padded + mask`. Each row's tokens are its images' patches and one class token per image, the padding after them.
 
-Then the whole model (a classifier, `--model_width`, `--model_depth`) on the same two batches: the padded batch with
-the padding masked as keys and with a run per image (what the model chooses on CPU from 10% padding), and the packed
-batch; the images both batches hold get the same logits before anything is timed.
+Then the whole model (a classifier, `--model_width`, `--model_depth`) at the same patch slots: a square batch (B
+square images of exactly K patches: no padding, no mask), the padded batch with the padding masked as keys and with a
+run per image (what the model chooses on CPU from 10% padding), and the packed batch; eager, and under `torch.compile`
+(inductor; `--no_compile` leaves these rows out; no compiled row starts compiling once `--compile_budget_s` of
+compilation is spent, the square rows coming last) for the square, padded + mask and packed batches. A compiled graph
+runs the runs of a packed batch as one dense block-diagonal mask (`segment_attention_forward`: no call per image
+length, every slot of a row against every slot). The images the padded and packed batches hold get the same logits,
+eager and compiled, before anything is timed; each row prints its batch's padding share and its real (image) patches
+per second, the fair measure at equal slots. Last, whether packed batches of the same L with other images recompile
+the compiled model: frames and graphs Dynamo compiles anew for each of `--recompile_batches` such batches (Dynamo's
+guards decide it whatever the backend, so this check compiles with the eager backend and costs no inductor time).
 
-    PYTHONPATH=. python benchmarks/packing_speed.py --threads 1
-    PYTHONPATH=. python benchmarks/packing_speed.py --quick   # seconds: a tiny batch, one sample per row
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/packing_speed.py --threads 1
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/packing_speed.py --threads 1 --no_compile   # eager rows only
+    PYTHONPATH=. python benchmarks/packing_speed.py --quick   # seconds: a tiny batch, one sample per row, the
+                                                              # compiled rows with Dynamo's eager backend
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ import contextlib
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -48,7 +59,18 @@ from hf_vit.model.image_processing_vit import first_fit_decreasing
 
 PATCH = 16
 ROWS = ("padded + mask", "padded + segments", "packed + mask", "packed + segments")
-MODEL_ROWS = ("padded + mask", "padded + segments", "packed + segments")
+MODEL_ROWS = ("square", "padded + mask", "padded + segments", "packed + segments")
+# Under torch.compile a padded batch's run per image is a block-diagonal mask (the same dense call as its padding
+# mask), so the compiled rows leave "padded + segments" out; a packed batch's runs are one too (`COMPILED_PATH`).
+COMPILED_ROWS = ("square", "padded + mask", "packed + segments")
+MODES = ("inference", "training")
+PATHS = {
+    "square": "no mask (no padding)",
+    "padded + mask": "padding masked as keys: one SDPA call",
+    "padded + segments": "one SDPA call per image length",
+    "packed + segments": "one SDPA call per image length",
+}
+COMPILED_PATH = "dense block-diagonal mask: one SDPA call, no call per image length"
 
 
 class _Attention(torch.nn.Module):
@@ -202,12 +224,9 @@ def measure(args) -> dict:
     seconds = {name: median_seconds(sample) for name, sample in samples.items()}
     padded, packed = shapes["padded"], shapes["packed"]
     count = {"padded": args.batch_size, "packed": len(shapes["sizes"])}
-    if args.model_depth:
-        seconds.update(measure_model(args, shapes))
     return {
-        "images_per_s": {
-            name: count[name.removeprefix("model: ").split()[0]] / value for name, value in seconds.items()
-        },
+        "images_per_s": {name: count[name.split()[0]] / value for name, value in seconds.items()},
+        "model": measure_model(args, shapes) if args.model_depth else None,
         "images": count,
         "padding_share": {"padded": padded["padding"], "packed": packed["padding"]},
         "rows": {"padded": len(padded["runs"]), "packed": len(packed["runs"])},
@@ -227,8 +246,19 @@ class _PaddingMasked:
         attention.SEGMENTS_MIN_PADDING_SHARE = self.share
 
 
-def measure_model(args, shapes: dict) -> dict[str, float]:
-    """Seconds per call of the whole classifier on the padded and the packed batch ("model: <row> | <mode>")."""
+def square_batch(args) -> dict:
+    """B square images of exactly K patches each (K a square number), through the same processor: no padding."""
+    side = math.isqrt(args.max_num_patches)
+    rng = np.random.default_rng(args.seed)
+    images = [rng.integers(0, 256, (side * PATCH, side * PATCH, 3), dtype=np.uint8) for _ in range(args.batch_size)]
+    processor = VisionTransformerImageProcessor(max_num_patches=side * side, patch_size=PATCH, do_resize=False)
+    return dict(processor(images, return_tensors="pt"))
+
+
+def measure_model(args, shapes: dict) -> dict:
+    """The whole classifier on the square, padded and packed batches, eager and compiled, timed in alternating rounds
+    (one call per sample): per row its attention path, padding share, images and real patches per call, seconds per
+    inference call and per training step (forward, loss, backward), and the first (compiling) call's seconds."""
     torch.manual_seed(args.seed)
     config = VisionTransformerConfig(
         image_size=math.isqrt(args.max_num_patches) * PATCH, patch_size=PATCH, hidden_size=args.model_width,
@@ -236,36 +266,117 @@ def measure_model(args, shapes: dict) -> dict[str, float]:
         intermediate_size=4 * args.model_width, num_labels=10, zero_init_head=False, attn_implementation="sdpa",
     )  # fmt: skip
     model = VisionTransformerForImageClassification(config).train()
-    inputs = shapes["inputs"]
+    inputs = {"square": square_batch(args), **shapes["inputs"]}
+    sizes = shapes["sizes"]
+    batch = {  # per layout: images, real patches, the share of the patch slots that is padding
+        "square": (args.batch_size, args.batch_size * args.max_num_patches, 0.0),
+        "padded": (args.batch_size, sum(sizes[: args.batch_size]), shapes["padded"]["padding"]),
+        "packed": (len(sizes), sum(sizes), shapes["packed"]["padding"]),
+    }
     labels = {name: torch.zeros(len(value["spatial_shapes"]), dtype=torch.long) for name, value in inputs.items()}
     masked = {"padded + mask": _PaddingMasked}
-    with torch.no_grad():
-        logits = {}
-        for name in MODEL_ROWS:
-            with masked.get(name, contextlib.nullcontext)():
-                logits[name] = model.eval()(**inputs[name.split()[0]]).logits[: args.batch_size]
-        difference = max((value - logits["padded + mask"]).abs().max().item() for value in logits.values())
+    variants = {"eager": (model, MODEL_ROWS)}
+    if not args.no_compile:
+        variants["compiled"] = (torch.compile(model, backend=args.compile_backend), COMPILED_ROWS)
+
+    def logits_of(runner, name: str) -> torch.Tensor:
+        with torch.no_grad(), masked.get(name, contextlib.nullcontext)():
+            return runner.eval()(**inputs[name.split()[0]]).logits
+
+    # The padded and packed rows give the images they share the same logits; eager and compiled agree on every batch.
+    eager = {name: logits_of(model, name) for name in MODEL_ROWS}
+    shared = [eager[name][: args.batch_size] for name in MODEL_ROWS[1:]]
+    difference = max((value - shared[0]).abs().max().item() for value in shared)
     if difference > 1e-4:
         raise SystemExit(f"The model rows disagree on the images' logits: {difference:.2e}")
-    fns = {}
-    for name in MODEL_ROWS:
-        layout = name.split()[0]
-        batch, context, targets = inputs[layout], masked.get(name, contextlib.nullcontext), labels[layout]
+    fns, first_call, skipped, compiled_difference = {}, {}, {}, 0.0
+    calls = []  # the compiled rows square last: a compile budget spent leaves out the square rows first
+    for variant, (runner, rows) in variants.items():
+        for group in ([name for name in rows if name != "square"], [name for name in rows if name == "square"]):
+            calls += [(variant, runner, mode, name) for mode in MODES for name in group]
+    for variant, runner, mode, name in calls:
+        key = f"{name} | {variant} | {mode}"
+        layout, context = name.split()[0], masked.get(name, contextlib.nullcontext)
+        spent = sum(seconds for call, seconds in first_call.items() if " | compiled | " in call)
+        if variant == "compiled" and spent > args.compile_budget_s:
+            skipped[key] = f"not compiled, {spent:.0f} s of compilation spent (--compile_budget_s)"
+            continue
 
-        def infer(batch=batch, context=context):
+        def infer(runner=runner, batch=inputs[layout], context=context):
             with torch.no_grad(), context():
-                model.eval()(**batch)
+                runner.eval()(**batch)
 
-        def train(batch=batch, context=context, labels=targets):
+        def train(runner=runner, batch=inputs[layout], context=context, labels=labels[layout]):
             with context():
-                model.train()(**batch, labels=labels).loss.backward()
+                runner.train()(**batch, labels=labels).loss.backward()
             model.zero_grad(set_to_none=True)
 
-        fns[f"model: {name} | inference"], fns[f"model: {name} | training"] = infer, train
-    for fn in fns.values():  # warm-up
-        fn()
-    samples = time_alternating(fns, args.steps, args.repeats, torch.device("cpu"))
-    return {name: median_seconds(sample) for name, sample in samples.items()}
+        fn = infer if mode == "inference" else train
+        begin = time.perf_counter()
+        fn()  # warm-up; compiled: the compilation
+        first_call[key] = time.perf_counter() - begin
+        if variant == "compiled" and mode == "inference":
+            difference_here = (logits_of(runner, name) - eager[name]).abs().max().item()
+            compiled_difference = max(compiled_difference, difference_here)
+        fns[key] = fn
+    if compiled_difference > 1e-3:
+        raise SystemExit(f"The compiled model's logits differ from the eager model's by {compiled_difference:.2e}")
+    samples = time_alternating(fns, args.model_steps, args.repeats, torch.device("cpu"))
+    rows = {}
+    for variant, (_, names) in variants.items():
+        for name in names:
+            images, patches, padding = batch[name.split()[0]]
+            path = COMPILED_PATH if variant == "compiled" and name.endswith("segments") else PATHS[name]
+            row = {"path": path, "padding": padding, "images": images, "patches": patches, "first_call_s": {}}
+            for mode in MODES:
+                key = f"{name} | {variant} | {mode}"
+                if key in samples:
+                    row[f"{mode}_s"], row["first_call_s"][mode] = median_seconds(samples[key]), first_call[key]
+            rows[f"{name} | {variant}"] = row
+    return {
+        "rows": rows,
+        "skipped": skipped,
+        "max_difference": difference,
+        "compiled_difference": compiled_difference if "compiled" in variants else None,
+        "recompiles": recompile_check(args, model) if "compiled" in variants and args.recompile_batches > 1 else None,
+    }
+
+
+def recompile_check(args, model: torch.nn.Module) -> list[dict]:
+    """Whether packed batches of the same L holding other images recompile the compiled model: a fresh Dynamo cache,
+    the model compiled with the eager backend (Dynamo's guards decide recompilation whatever the backend), one
+    inference call on each of `--recompile_batches` packed batches (`layouts` with seeds seed, seed + 1, ...); per
+    batch after the first, the frames Dynamo compiled again (by file) and the graphs it added."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
+    from torch._dynamo.utils import counters, guard_failures
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager")
+    results = []
+    for index in range(args.recompile_batches):
+        shape = layouts(argparse.Namespace(**{**vars(args), "seed": args.seed + index}))
+        batch = shape["inputs"]["packed"]
+        failures_before = {code: len(failures) for code, failures in guard_failures.items()}
+        graphs_before = counters["stats"]["unique_graphs"]
+        with torch.no_grad():
+            compiled.eval()(**batch)
+        recompiled = [code for code, seen in guard_failures.items() if len(seen) > failures_before.get(code, 0)]
+        by_file: dict[str, int] = {}
+        for code in recompiled:
+            by_file[Path(code.co_filename).name] = by_file.get(Path(code.co_filename).name, 0) + 1
+        limit = torch._dynamo.config.recompile_limit  # a frame with this many graphs runs eagerly from then on
+        at_limit = sorted(
+            f"{Path(code.co_filename).name}:{code.co_name}"
+            for code in guard_failures
+            if len(cache_entries(code)) >= limit
+        )
+        results.append({
+            "images": len(batch["spatial_shapes"]), "rows": len(batch["pixel_values"]),
+            "row_tokens": shape["packed"]["length"], "new_graphs": counters["stats"]["unique_graphs"] - graphs_before,
+            "recompiled_frames": len(recompiled), "by_file": by_file, "frames_at_recompile_limit": at_limit,
+        })  # fmt: skip
+    torch._dynamo.reset()
+    return results
 
 
 def format_rows(result: dict, args) -> str:
@@ -274,14 +385,12 @@ def format_rows(result: dict, args) -> str:
         "| row | inference (images/s) | vs padded + mask | training step (images/s) | vs padded + mask |",
         "|---|---|---|---|---|",
     ]
-    tables = [("", ROWS)] + ([("model: ", MODEL_ROWS)] if args.model_depth else [])
-    for prefix, rows in tables:
-        for name in rows:
-            cells = []
-            for mode in ("inference", "training"):
-                value, base = rate[f"{prefix}{name} | {mode}"], rate[f"{prefix}padded + mask | {mode}"]
-                cells += [f"{value:.1f}", f"{value / base:.2f}x"]
-            lines.append(f"| {prefix}{name} | " + " | ".join(cells) + " |")
+    for name in ROWS:
+        cells = []
+        for mode in MODES:
+            value, base = rate[f"{name} | {mode}"], rate[f"padded + mask | {mode}"]
+            cells += [f"{value:.1f}", f"{value / base:.2f}x"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     share, rows, load = result["padding_share"], result["rows"], result["load_average"]
     images = result["images"]
     lines += [
@@ -294,11 +403,80 @@ def format_rows(result: dict, args) -> str:
         f"threads; the images the rows share have the same outputs to {result['max_difference']:.1e}. 1-minute load "
         f"average {load[0]:.2f} before, {load[1]:.2f} after.",
     ]
-    if args.model_depth:
-        lines[-1] += (
-            f" Model rows: a classifier of width {args.model_width}, {args.model_depth} blocks, {args.model_heads} "
-            "heads, SDPA, fp32, on the same batches (a training step: forward, loss, backward)."
+    if result["model"] is not None:
+        lines += ["", format_model_rows(result["model"], args)]
+    return "\n".join(lines)
+
+
+def format_model_rows(model: dict, args) -> str:
+    """The model rows: images/s and real patches/s (the ratio is of real patches/s against padded + mask of the same
+    variant, eager or compiled), the padding share, the first call's seconds; compiled against eager; recompiles."""
+    rows = model["rows"]
+    lines = [
+        "| model row | attention | padding | inference images/s | patches/s | vs padded + mask | training step "
+        "images/s | patches/s | vs padded + mask | first call (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, row in rows.items():
+        name, variant = key.split(" | ")
+        base = rows.get(f"padded + mask | {variant}")
+        cells = [f"model: {name} ({variant})", row["path"], f"{row['padding']:.0%}"]
+        for mode in MODES:
+            seconds = row.get(f"{mode}_s")
+            if seconds is None:
+                cells += ["-", "-", "-"]
+                continue
+            patches = row["patches"] / seconds
+            base_seconds = None if base is None else base.get(f"{mode}_s")
+            ratio = "-" if base_seconds is None else f"{patches / (base['patches'] / base_seconds):.2f}x"
+            cells += [f"{row['images'] / seconds:.1f}", f"{patches:.0f}", ratio]
+        first = row["first_call_s"]
+        compiled = variant == "compiled"
+        cells.append(" / ".join(f"{first[mode]:.1f}" if mode in first else "-" for mode in MODES) if compiled else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Model rows: a classifier of width {args.model_width}, {args.model_depth} blocks, {args.model_heads} heads, "
+        f"SDPA, fp32, at equal patch slots (square: {args.batch_size} images of exactly K = {args.max_num_patches} "
+        "patches); a training step is forward, loss, backward; one call per timed sample, all rows alternating. "
+        '"vs padded + mask" is of real patches/s, against the same variant\'s padded + mask row; "first call" is a '
+        "compiled row's inference / training (the compilation). The padded and packed rows' shared images have the "
+        f"same logits to {model['max_difference']:.1e}.",
+    ]
+    if model["compiled_difference"] is not None:
+        backend = args.compile_backend
+        lines[-1] += f" Compiled: torch.compile(backend={backend!r}), logits within {model['compiled_difference']:.1e}"
+        ratios = [
+            f"{name} {mode} {rows[f'{name} | eager'][f'{mode}_s'] / rows[f'{name} | compiled'][f'{mode}_s']:.2f}x"
+            for name in COMPILED_ROWS
+            for mode in MODES
+            if f"{mode}_s" in rows.get(f"{name} | compiled", {})
+        ]
+        lines[-1] += f" of eager. Compiled / eager speed: {', '.join(ratios)}."
+    for key, reason in model["skipped"].items():
+        lines.append(f"Skipped {key}: {reason}.")
+    if model["recompiles"]:
+        first, *others = model["recompiles"]
+        described = []
+        for index, check in enumerate(others, start=2):
+            files = ", ".join(f"{file} {count}" for file, count in sorted(check["by_file"].items()))
+            described.append(
+                f"batch {index} ({check['images']} images, rows of {check['row_tokens']} tokens): "
+                f"{check['recompiled_frames']} frames recompiled, {check['new_graphs']} new graphs"
+                + (f" ({files})" if files and index == 2 else "")
+                + (f", {len(check['frames_at_recompile_limit'])} frames at the limit" if index > 2 else "")
+            )
+        recompiled = sum(check["recompiled_frames"] for check in others)
+        lines.append(
+            f"Recompiles: packed batches of L = {args.packed_sequence_length} holding other images, one after another "
+            f"through one compiled model (inference; Dynamo's eager backend, recompile_limit "
+            f"{torch._dynamo.config.recompile_limit}): batch 1 ({first['images']} images, rows of "
+            f"{first['row_tokens']} tokens) compiled {first['new_graphs']} graphs; {'; '.join(described)}. "
+            + ("No recompiles." if recompiled == 0 else f"{recompiled} recompiled frames in all.")
         )
+        at_limit = model["recompiles"][-1]["frames_at_recompile_limit"]
+        if at_limit:
+            lines[-1] += f" Frames at Dynamo's recompile limit, run uncompiled from then on: {', '.join(at_limit)}."
     return "\n".join(lines)
 
 
@@ -315,14 +493,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model_width", type=int, default=192)
     parser.add_argument("--model_depth", type=int, default=4, help="blocks of the model rows (0: no model rows)")
     parser.add_argument("--model_heads", type=int, default=3)
+    parser.add_argument("--model_steps", type=int, default=1, help="calls per timed sample of the model rows")
+    parser.add_argument("--no_compile", action="store_true", help="leave the compiled model rows out")
+    parser.add_argument("--compile_backend", default=None, help="torch.compile's backend (default inductor)")
+    parser.add_argument(
+        "--compile_budget_s",
+        type=float,
+        default=300,
+        help="no compiled row starts compiling after this many seconds of compilation",
+    )
+    parser.add_argument(
+        "--recompile_batches", type=int, default=10, help="packed batches of the recompile check (0: no check)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a tiny batch and one sample per row: seconds")
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny batch, one sample per row, compiled with Dynamo's eager backend"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.max_num_patches, args.packed_sequence_length, args.batch_size = 16, 32, 6
         args.width, args.heads, args.steps, args.repeats = 32, 2, 1, 1
         args.model_width, args.model_depth, args.model_heads = 32, 1, 2
+        args.compile_backend, args.recompile_batches = args.compile_backend or "eager", min(args.recompile_batches, 2)
+    args.compile_backend = args.compile_backend or "inductor"
     if args.batch_size * args.max_num_patches < args.packed_sequence_length:
         parser.error("--batch_size x --max_num_patches must be at least --packed_sequence_length (one packed row)")
     if args.packed_sequence_length < args.max_num_patches:
@@ -330,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
             f"--packed_sequence_length ({args.packed_sequence_length}) must be at least --max_num_patches "
             f"({args.max_num_patches})"
         )
+    if args.model_depth and math.isqrt(args.max_num_patches) ** 2 != args.max_num_patches:
+        parser.error(f"--max_num_patches ({args.max_num_patches}) must be a square number (the model's square batch)")
     if not 0 < args.min_share <= 1:
         parser.error(f"--min_share must be in (0, 1], got {args.min_share}")
     print(format_rows(measure(args), args))

@@ -4,12 +4,14 @@ the models agreed.
 No timing assertions: this machine's speed says nothing about the code.
 """
 
+import argparse
 import json
 import math
 import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -572,10 +574,79 @@ def test_packing_rows_quick_mode_prints_every_row_and_ratio(capsys):
     rows = [line for line in out.splitlines() if line.startswith(("| padded", "| packed"))]
     assert [row.split(" | ")[0] for row in rows] == ["| padded + mask", "| padded + segments", "| packed + mask",
                                                      "| packed + segments"]  # fmt: skip
-    model_rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| model:")]
-    assert model_rows == ["| model: padded + mask", "| model: padded + segments", "| model: packed + segments"]
     assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in rows)
     assert "padding" in out and "have the same outputs" in out
+    # the model rows: square, padded and packed, eager and compiled (quick: Dynamo's eager backend), each with its
+    # padding share, images/s, real patches/s and the ratio against padded + mask, for inference and training
+    model_rows = [line for line in out.splitlines() if line.startswith("| model:")]
+    assert [row.split(" | ")[0] for row in model_rows] == [
+        "| model: square (eager)", "| model: padded + mask (eager)", "| model: padded + segments (eager)",
+        "| model: packed + segments (eager)", "| model: square (compiled)", "| model: padded + mask (compiled)",
+        "| model: packed + segments (compiled)",
+    ]  # fmt: skip
+    assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in model_rows)
+    assert [row.split(" | ")[2] for row in model_rows][:2] == ["0%", "19%"]  # the square batch has no padding
+    assert "dense block-diagonal mask" in model_rows[-1] and "per image length" in model_rows[3]
+    assert "torch.compile(backend='eager'), logits within" in out and "Compiled / eager speed:" in out
+    assert re.search(r"Recompiles: .* batch 2 \(\d+ images, rows of \d+ tokens\): \d+ frames recompiled", out)
     with pytest.raises(SystemExit):
         packing_speed.main(["--max_num_patches", "64", "--packed_sequence_length", "32"])
     assert "--packed_sequence_length (32) must be at least --max_num_patches (64)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        packing_speed.main(["--max_num_patches", "12", "--packed_sequence_length", "24"])
+    assert "--max_num_patches (12) must be a square number" in capsys.readouterr().err
+
+
+def test_packing_accuracy_quick_mode_trains_both_layouts_on_the_same_slots(tmp_path, capsys):
+    """benchmarks/packing_accuracy.py --quick: padded and packed runs from the same weights on the same patch slots
+    per step, the packed steps holding more images; the accuracy is of the held-out digits only."""
+    from benchmarks import packing_accuracy
+
+    path = tmp_path / "accuracy.json"
+    assert packing_accuracy.main(["--quick", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(path.read_text())
+    assert [point["step"] for point in result["curve"]] == [0, 3, 6]
+    start = result["curve"][0]
+    assert start["padded"]["accuracy"] == start["packed"]["accuracy"]  # the same initial weights
+    totals = result["totals"]
+    assert totals["padded"]["images"] == 6 * 8 and totals["packed"]["images"] > totals["padded"]["images"]
+    assert totals["padded"]["slots"] == 6 * 8 * 16 and totals["packed"]["slots"] <= 6 * 8 * 16
+    assert result["train_images"] + result["test_images"] == 1797 and result["test_images"] == 100
+    assert all(0 <= point[name]["accuracy"] <= 1 for point in result["curve"] for name in ("padded", "packed"))
+    assert "| step | padded: training s |" in out and "| training time |" in out and "images seen per second" in out
+    assert re.search(r"Packed / padded: images seen per second \d+\.\d\dx", out)
+
+
+def test_packing_accuracy_holds_out_its_test_digits_and_counts_them():
+    from benchmarks import packing_accuracy
+
+    split = packing_accuracy.load_digits_split(360, seed=0)
+    assert not set(split["train"][2]) & set(split["test"][2]) and len(split["test"][2]) == 360
+    args = argparse.Namespace(
+        max_num_patches=64, packed_sequence_length=256, batch_size=32, patch_size=4, min_share=0.3, max_aspect=3.0,
+        seed=0,
+    )  # fmt: skip
+    image = packing_accuracy.mixed_aspect_image(split["test"][0][0], np.random.default_rng(0), args)
+    rows, cols = image.shape[0] // 4, image.shape[1] // 4
+    assert image.shape[0] % 4 == image.shape[1] % 4 == 0 and 20 <= rows * cols <= 64 and image.shape[2] == 3
+
+    class Constant(torch.nn.Module):  # predicts digit 3 for every image
+        def forward(self, pixel_values, **kwargs):
+            logits = torch.zeros(len(kwargs["spatial_shapes"]), 10)
+            logits[:, 3] = 1
+            return type("Output", (), {"logits": logits})
+
+    labels = torch.tensor(split["test"][1])
+    batches = [{"inputs": {"pixel_values": None, "spatial_shapes": labels[i : i + 100]}, "labels": labels[i : i + 100]}
+               for i in range(0, 360, 100)]  # fmt: skip
+    assert packing_accuracy.evaluate(Constant(), batches) == pytest.approx(float((labels == 3).float().mean()))
+    # a packed step holds whole images in at most B x K / L rows, the next image waiting when it does not fit
+    processor = packing_accuracy.VisionTransformerImageProcessor(max_num_patches=64, patch_size=4, do_resize=False)
+    stream = packing_accuracy.Stream(split["train"][0], split["train"][1], args)
+    packed = packing_accuracy.next_batch(stream, "packed", processor, args)
+    assert len(packed["inputs"]["pixel_values"]) <= 8 and packed["images"] > 32
+    assert packed["patches"] == int(packed["inputs"]["pixel_attention_mask"].sum())
+    waiting = stream.peek()[2]
+    sizes = packed["inputs"]["spatial_shapes"].prod(1).tolist()
+    assert len(packing_accuracy.first_fit_decreasing([*sizes, waiting], 256)) > 8

@@ -1,0 +1,393 @@
+#!/usr/bin/env python
+r"""Packing against padding in training: held-out accuracy against training time, at the same patch slots per step.
+
+The data are scikit-learn's 1797 handwritten digits (8x8, shipped with the package: no download) made into a
+mixed-aspect set: each digit, scaled to the short side, sits at a random place of a canvas of random aspect ratio and
+resolution, a whole grid of between `--min_share` x K and K patches of `--patch_size` pixels (the training images
+drawn anew each epoch, the same draw for both runs). A fixed, stratified `--test_images` of the digits are held out:
+the accuracy is measured on them only (their canvases fixed), and no training batch holds one of them.
+
+One small hf-vit classifier, trained twice from the same initial weights, on the same stream of training images, with
+the same optimiser (AdamW, linear warm-up then cosine decay, gradient clipping) and step count; each step's batch has
+the same patch slots, B x K:
+
+    padded   B images, one per row of K slots (the image processor's `max_num_patches`)
+    packed   rows of L slots (`packed_sequence_length`), B x K / L of them, holding the next images of the stream, as
+             many as first-fit-decreasing packs into them: the same slots hold more images
+
+Both are timed in one process, interleaved step by step (a packed step, a padded step, the order alternating; each
+run sums its own steps' seconds: forward, loss, backward, optimiser step; the batches are made before the clock
+starts), so a machine shared with other work slows both alike. Held-out accuracy is measured every `--eval_every`
+steps. Printed: accuracy at equal steps and at equal training time, images seen per second, the padding share of
+each layout, and the training time packing needs to reach the padded run's final accuracy. Before training, the
+padded and packed batches of the same images get the same logits (the two layouts compute the same function).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/packing_accuracy.py --threads 1   # a few minutes on CPU
+    PYTHONPATH=. python benchmarks/packing_accuracy.py --quick                         # seconds: a tiny run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+import PIL.Image
+import torch
+
+from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit.model.image_processing_vit import first_fit_decreasing
+
+RUNS = ("padded", "packed")
+TRAIN_SEED, TEST_SEED = 1, 2  # the canvases' draws: training images per (epoch, image), test images once
+
+
+def load_digits_split(test_images: int, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """scikit-learn's digits as 0..255 uint8 8x8 images, split stratified into "train" and "test": per split (images,
+    labels, indices into the whole set)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    pixels = np.rint(digits.images * (255 / 16)).astype(np.uint8)
+    labels = digits.target.astype(np.int64)
+    train, test = train_test_split(np.arange(len(labels)), test_size=test_images, stratify=labels, random_state=seed)
+    return {name: (pixels[index], labels[index], index) for name, index in (("train", train), ("test", test))}
+
+
+def canvas_grid(rng: np.random.Generator, args) -> tuple[int, int]:
+    """A grid (rows, cols) of between min_share * K and K patches, at least 3 patches a side, aspect at most
+    `--max_aspect`."""
+    low = max(1, math.ceil(args.min_share * args.max_num_patches))
+    while True:
+        rows, cols = (int(value) for value in rng.integers(3, args.max_num_patches // 3 + 1, size=2))
+        if low <= rows * cols <= args.max_num_patches and max(rows / cols, cols / rows) <= args.max_aspect:
+            return rows, cols
+
+
+def mixed_aspect_image(digit: np.ndarray, rng: np.random.Generator, args) -> np.ndarray:
+    """The 8x8 `digit` scaled (bilinear) to the short side of a canvas of a random grid and placed at a random place
+    along its long side: (rows * P, cols * P, 3) uint8, black around it as the digits' own background."""
+    rows, cols = canvas_grid(rng, args)
+    height, width = rows * args.patch_size, cols * args.patch_size
+    side = min(height, width)
+    scaled = np.asarray(PIL.Image.fromarray(digit).resize((side, side), PIL.Image.BILINEAR))
+    canvas = np.zeros((height, width), dtype=np.uint8)
+    top, left = int(rng.integers(0, height - side + 1)), int(rng.integers(0, width - side + 1))
+    canvas[top : top + side, left : left + side] = scaled
+    return np.repeat(canvas[:, :, None], 3, axis=2)
+
+
+class Stream:
+    """The training images in epochs, each epoch a permutation of the training set (the same for every stream of one
+    seed), each image's canvas drawn anew per (epoch, image) (the same for every stream)."""
+
+    def __init__(self, digits: np.ndarray, labels: np.ndarray, args) -> None:
+        self.digits, self.labels, self.args = digits, labels, args
+        self.epoch, self.position, self.order = 0, 0, self._order(0)
+        self.lookahead: tuple[np.ndarray, int, int] | None = None
+        self.seen: set[int] = set()  # the training set's positions this stream has given
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng((self.args.seed, epoch)).permutation(len(self.labels))
+
+    def peek(self) -> tuple[np.ndarray, int, int]:
+        """The next (image, label, patches) without taking it."""
+        if self.lookahead is None:
+            if self.position == len(self.order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self.order = self._order(self.epoch)
+            index = int(self.order[self.position])
+            self.position += 1
+            rng = np.random.default_rng((self.args.seed, TRAIN_SEED, self.epoch, index))
+            image = mixed_aspect_image(self.digits[index], rng, self.args)
+            patches = (image.shape[0] // self.args.patch_size) * (image.shape[1] // self.args.patch_size)
+            self.lookahead = (image, int(self.labels[index]), patches)
+            self.seen.add(index)
+        return self.lookahead
+
+    def take(self) -> tuple[np.ndarray, int, int]:
+        item = self.peek()
+        self.lookahead = None
+        return item
+
+
+def next_batch(stream: Stream, run: str, processor: VisionTransformerImageProcessor, args) -> dict:
+    """A step's batch of B x K patch slots: B images padded to K each, or as many images as first-fit-decreasing
+    packs into B x K / L rows of L (the stream's next image that does not fit waits for the next step)."""
+    images, labels, sizes = [], [], []
+    if run == "padded":
+        for _ in range(args.batch_size):
+            image, label, patches = stream.take()
+            images.append(image)
+            labels.append(label)
+            sizes.append(patches)
+        batch = dict(processor(images, return_tensors="pt"))
+    else:
+        rows = args.batch_size * args.max_num_patches // args.packed_sequence_length
+        while not images or len(first_fit_decreasing([*sizes, stream.peek()[2]], args.packed_sequence_length)) <= rows:
+            image, label, patches = stream.take()
+            images.append(image)
+            labels.append(label)
+            sizes.append(patches)
+        batch = dict(processor(images, packed_sequence_length=args.packed_sequence_length, return_tensors="pt"))
+    slots = batch["pixel_attention_mask"].numel()
+    return {"inputs": batch, "labels": torch.tensor(labels), "images": len(images), "patches": sum(sizes),
+            "slots": slots}  # fmt: skip
+
+
+def build_model(args) -> VisionTransformerForImageClassification:
+    torch.manual_seed(args.seed)
+    config = VisionTransformerConfig(
+        image_size=math.isqrt(args.max_num_patches) * args.patch_size, patch_size=args.patch_size,
+        hidden_size=args.width, num_hidden_layers=args.depth, num_attention_heads=args.heads,
+        intermediate_size=4 * args.width, num_labels=10, zero_init_head=False, attn_implementation="sdpa",
+    )  # fmt: skip
+    return VisionTransformerForImageClassification(config)
+
+
+def schedule(steps: int, warmup: int):
+    """Linear warm-up over `warmup` steps, then cosine decay to zero at `steps`: the learning rate's factor."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    return factor
+
+
+def evaluate(model: torch.nn.Module, test: list[dict]) -> float:
+    """Accuracy on the held-out images (their fixed padded batches)."""
+    correct = total = 0
+    model.eval()
+    with torch.no_grad():
+        for batch in test:
+            predictions = model(**batch["inputs"]).logits.argmax(-1)
+            correct += int((predictions == batch["labels"]).sum())
+            total += len(batch["labels"])
+    return correct / total
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    split = load_digits_split(args.test_images, args.seed)
+    (train_digits, train_labels, train_index), (test_digits, test_labels, test_index) = split["train"], split["test"]
+    if set(train_index.tolist()) & set(test_index.tolist()):
+        raise SystemExit("The held-out digits overlap the training digits.")
+    # Digits that scikit-learn's set holds twice (the same 8x8 pixels under two indices) can fall on both sides
+    train_pixels = {digit.tobytes() for digit in train_digits}
+    duplicates = sum(digit.tobytes() in train_pixels for digit in test_digits)
+    processor = VisionTransformerImageProcessor(
+        max_num_patches=args.max_num_patches, patch_size=args.patch_size, do_resize=False
+    )
+    rng = np.random.default_rng((args.seed, TEST_SEED))
+    test_images = [mixed_aspect_image(digit, rng, args) for digit in test_digits]
+    test = []
+    for start in range(0, len(test_images), args.eval_batch_size):
+        images = test_images[start : start + args.eval_batch_size]
+        test.append({"inputs": dict(processor(images, return_tensors="pt")),
+                     "labels": torch.tensor(test_labels[start : start + args.eval_batch_size])})  # fmt: skip
+    if args.save_images:
+        save_images(Path(args.save_images), train_digits, train_labels, test_images, test_labels, args)
+
+    models = {"padded": build_model(args)}
+    models["packed"] = copy.deepcopy(models["padded"])  # the same initial weights
+    # The two layouts compute the same function: the same images padded and packed get the same logits.
+    images = test_images[: args.batch_size]
+    padded = dict(processor(images, return_tensors="pt"))
+    packed = dict(processor(images, packed_sequence_length=args.packed_sequence_length, return_tensors="pt"))
+    with torch.no_grad():
+        difference = (models["padded"].eval()(**padded).logits - models["packed"].eval()(**packed).logits).abs().max()
+    if difference > 1e-4:
+        raise SystemExit(
+            f"The padded and packed batches of the same images disagree on their logits: {difference:.2e}"
+        )
+
+    streams = {name: Stream(train_digits, train_labels, args) for name in RUNS}
+    optimizers, schedulers = {}, {}
+    for name, model in models.items():
+        optimizers[name] = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+        warmup = max(1, round(args.warmup * args.steps))
+        schedulers[name] = torch.optim.lr_scheduler.LambdaLR(optimizers[name], schedule(args.steps, warmup))
+    totals = {name: {"seconds": 0.0, "images": 0, "patches": 0, "slots": 0} for name in RUNS}
+    curve = [{"step": 0, **{name: {"seconds": 0.0, "images": 0, "accuracy": evaluate(models[name], test)}
+                            for name in RUNS}}]  # fmt: skip
+    load_before = os.getloadavg()
+    for step in range(args.steps):
+        for name in RUNS if step % 2 == 0 else RUNS[::-1]:
+            batch = next_batch(streams[name], name, processor, args)  # made before the clock starts
+            model, optimizer = models[name], optimizers[name]
+            start = time.perf_counter()
+            model.train()
+            loss = model(**batch["inputs"], labels=batch["labels"]).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            schedulers[name].step()
+            totals[name]["seconds"] += time.perf_counter() - start
+            for key in ("images", "patches", "slots"):
+                totals[name][key] += batch[key]
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            curve.append({"step": step + 1, **{
+                name: {"seconds": totals[name]["seconds"], "images": totals[name]["images"],
+                       "accuracy": evaluate(models[name], test)} for name in RUNS}})  # fmt: skip
+    load_after = os.getloadavg()
+    if any(set(train_index[sorted(streams[name].seen)].tolist()) & set(test_index.tolist()) for name in RUNS):
+        raise SystemExit("A training batch held a held-out digit.")
+    return {
+        "curve": curve,
+        "totals": totals,
+        "train_images": len(train_labels),
+        "test_images": len(test_labels),
+        "test_duplicates_of_train_digits": duplicates,
+        "epochs": {name: totals[name]["images"] / len(train_labels) for name in RUNS},
+        "max_difference": float(difference),
+        "load_average": [load_before[0], load_after[0]],
+        "threads": torch.get_num_threads(),
+    }
+
+
+def save_images(folder: Path, train_digits, train_labels, test_images, test_labels, args) -> None:
+    """The mixed-aspect set as an image folder (`train/<label>/`, the first epoch's draw, and `test/<label>/`)."""
+    train_images = []
+    for index, digit in enumerate(train_digits):
+        train_images.append(mixed_aspect_image(digit, np.random.default_rng((args.seed, TRAIN_SEED, 0, index)), args))
+    for split, images, labels in (("train", train_images, train_labels), ("test", test_images, test_labels)):
+        for index, (image, label) in enumerate(zip(images, labels)):
+            path = folder / split / str(label) / f"{index:04d}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            PIL.Image.fromarray(image).save(path)
+
+
+def accuracy_at(curve: list[dict], name: str, seconds: float) -> tuple[float, int]:
+    """A run's accuracy at its last evaluation within `seconds` of training, and that evaluation's step."""
+    point = max((point for point in curve if point[name]["seconds"] <= seconds), key=lambda point: point["step"])
+    return point[name]["accuracy"], point["step"]
+
+
+def format_result(result: dict, args) -> str:
+    curve, totals = result["curve"], result["totals"]
+    lines = [
+        "| step | padded: training s | images seen | held-out accuracy | packed: training s | images seen | "
+        "held-out accuracy |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for point in curve:
+        cells = [str(point["step"])]
+        for name in RUNS:
+            cells += [f"{point[name]['seconds']:.1f}", str(point[name]["images"]), f"{point[name]['accuracy']:.1%}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    horizon = min(totals[name]["seconds"] for name in RUNS)
+    lines += ["", "| training time | padded: held-out accuracy (step) | packed: held-out accuracy (step) |",
+              "|---|---|---|"]  # fmt: skip
+    for share in (0.25, 0.5, 0.75, 1.0):
+        cells = [f"{share * horizon:.1f} s"]
+        for name in RUNS:
+            accuracy, step = accuracy_at(curve, name, share * horizon)
+            cells.append(f"{accuracy:.1%} ({step})")
+        lines.append("| " + " | ".join(cells) + " |")
+    rate = {name: totals[name]["images"] / totals[name]["seconds"] for name in RUNS}
+    padding = {name: 1 - totals[name]["patches"] / totals[name]["slots"] for name in RUNS}
+    step_seconds = {name: totals[name]["seconds"] / args.steps for name in RUNS}
+    final = curve[-1]
+    target = final["padded"]["accuracy"]
+    reached = next((point for point in curve if point["packed"]["accuracy"] >= target), None)
+    if reached is None:
+        reached_line = "Packing did not reach the padded run's final accuracy."
+    else:
+        seconds, padded_seconds = reached["packed"]["seconds"], totals["padded"]["seconds"]
+        reached_line = (
+            f"Packing reached the padded run's final accuracy at step {reached['step']}, after {seconds:.1f} s of "
+            f"training ({seconds / padded_seconds:.2f}x the padded run's {padded_seconds:.1f} s)."
+        )
+    lines += [
+        "",
+        "| run | images per step | padding share | seconds per step | images seen per second | epochs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in RUNS:
+        lines.append(
+            f"| {name} | {totals[name]['images'] / args.steps:.1f} | {padding[name]:.1%} | {step_seconds[name]:.3f} | "
+            f"{rate[name]:.1f} | {result['epochs'][name]:.1f} |"
+        )
+    load = result["load_average"]
+    lines += [
+        "",
+        f"Packed / padded: images seen per second {rate['packed'] / rate['padded']:.2f}x, seconds per step "
+        f"{step_seconds['packed'] / step_seconds['padded']:.2f}x; final held-out accuracy "
+        f"{final['packed']['accuracy']:.1%} packed, {target:.1%} padded (after {args.steps} steps each). "
+        + reached_line,
+        f"Digits on canvases of {math.ceil(args.min_share * args.max_num_patches)} to {args.max_num_patches} patches "
+        f"of {args.patch_size}x{args.patch_size} pixels (aspect up to {args.max_aspect:g}); {result['train_images']} "
+        f"training digits, {result['test_images']} held out ({result['test_duplicates_of_train_digits']} of them with "
+        f"the same 8x8 pixels as a training digit). Each step B x K = {args.batch_size} x {args.max_num_patches} "
+        f"patch slots: padded, {args.batch_size} rows of K; packed, "
+        f"{args.batch_size * args.max_num_patches // args.packed_sequence_length} rows of L = "
+        f"{args.packed_sequence_length}. A classifier of width {args.width}, {args.depth} blocks, {args.heads} heads, "
+        f"SDPA, fp32, the same initial weights; AdamW (lr {args.learning_rate:g}, weight decay {args.weight_decay:g}, "
+        f"{args.warmup:.0%} warm-up, cosine), gradient clipping {args.clip:g}; seed {args.seed}; {result['threads']} "
+        f"threads; the two runs interleaved step by step. Padded and packed logits of the same images agree to "
+        f"{result['max_difference']:.1e}. 1-minute load average {load[0]:.2f} before, {load[1]:.2f} after.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--patch_size", type=int, default=4)
+    parser.add_argument("--max_num_patches", type=int, default=64, help="K, the most patches of one image")
+    parser.add_argument("--packed_sequence_length", type=int, default=256, help="L, patch slots per packed row")
+    parser.add_argument("--min_share", type=float, default=0.3, help="the fewest patches of an image, as a share of K")
+    parser.add_argument("--max_aspect", type=float, default=3.0, help="the longest side over the shortest, at most")
+    parser.add_argument("--batch_size", type=int, default=32, help="B: images of a padded step")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--eval_every", type=int, default=50)
+    parser.add_argument("--test_images", type=int, default=360, help="digits held out for the accuracy")
+    parser.add_argument("--eval_batch_size", type=int, default=128)
+    parser.add_argument("--width", type=int, default=96)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=3)
+    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--weight_decay", type=float, default=0.05)
+    parser.add_argument("--warmup", type=float, default=0.1, help="warm-up, as a share of the steps")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the result here")
+    parser.add_argument("--save_images", default=None, help="also write the mixed-aspect set here as an image folder")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, a few steps: seconds")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.max_num_patches, args.packed_sequence_length, args.batch_size = 16, 32, 8
+        args.steps, args.eval_every, args.test_images = 6, 3, 100
+        args.width, args.depth, args.heads = 32, 1, 2
+    if args.packed_sequence_length < args.max_num_patches:
+        parser.error(
+            f"--packed_sequence_length ({args.packed_sequence_length}) must be at least --max_num_patches "
+            f"({args.max_num_patches})"
+        )
+    if args.batch_size * args.max_num_patches % args.packed_sequence_length:
+        parser.error("--batch_size x --max_num_patches must be a multiple of --packed_sequence_length (whole rows)")
+    if math.isqrt(args.max_num_patches) < 3 or not 0 < args.min_share <= 1 or args.max_aspect < 1:
+        parser.error("--max_num_patches must be at least 9, --min_share in (0, 1], --max_aspect at least 1")
+    result = run(args)
+    print(format_result(result, args))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": vars(args), **result}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
