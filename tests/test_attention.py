@@ -111,3 +111,20 @@ def test_reentrant_checkpointing_recomputes_with_the_same_attention_path(matmul_
         grads.append([p.grad for p in model.parameters()])
     for plain, recomputed in zip(*grads):
         torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-5)
+
+
+def test_compiling_the_model_warns_nothing():
+    # the attention lookup runs in every forward: a compiled model traces it without a warning (an lru_cache there made
+    # Dynamo warn at every compilation)
+    import warnings
+
+    from hf_vit import VisionTransformerModel
+
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()
+    pixels = torch.randn(2, 3, model.config.image_size, model.config.image_size)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        torch.testing.assert_close(compiled(pixels).last_hidden_state, model(pixels).last_hidden_state)
+    assert [str(warning.message) for warning in caught] == []

@@ -377,8 +377,19 @@ class _SegmentAwareAttentionInterface(AttentionInterface):
         return _taking_segments(attn_implementation or "eager", function)
 
 
-@functools.lru_cache(maxsize=32)
+# One wrapper per (implementation, function), in a plain dict: torch.compile traces a dict lookup, where it warns at
+# every compilation about an lru_cache it cannot see through.
+_SEGMENT_AWARE: dict[tuple[str, Callable], Callable] = {}
+
+
 def _taking_segments(implementation: str, function: Callable) -> Callable:
+    key = (implementation, function)
+    if key not in _SEGMENT_AWARE:
+        _SEGMENT_AWARE[key] = _segment_aware(implementation, function)
+    return _SEGMENT_AWARE[key]
+
+
+def _segment_aware(implementation: str, function: Callable) -> Callable:
     @functools.wraps(function)
     def forward(module, query, key, value, attention_mask, *args, scaling=None, dropout=0.0, **kwargs):
         if isinstance(attention_mask, AttentionSegments):
