@@ -2,6 +2,7 @@
 
 import importlib
 import io
+import logging
 
 import numpy as np
 import pytest
@@ -476,7 +477,8 @@ def test_on_an_accelerator_the_grids_are_data_and_each_row_still_equals_the_imag
 
 
 def test_a_compiled_model_takes_native_batches_of_other_grids_without_recompiling():
-    # compiled, the grids are data: batches of other grids (and other images) of one K reuse the graphs
+    # compiled, the grids are data: batches of other grids (and other images) of one K reuse the graphs; the checks
+    # that read the grids run outside the graphs, without Dynamo's graph-break warning
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -485,6 +487,14 @@ def test_a_compiled_model_takes_native_batches_of_other_grids_without_recompilin
     # three batches of other grids, each with a fifth of its slots padding (one attention path on CPU)
     batches = [((33, 70), (80, 80), (12, 30), (45, 90)), ((40, 40), (30, 30), (50, 50), (20, 80)),
                ((64, 64), (33, 70), (80, 80), (45, 90))]  # fmt: skip
+    records = []
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Record(logging.WARNING)
+    logging.getLogger("torch._dynamo").addHandler(handler)
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model, backend="eager")
@@ -499,6 +509,8 @@ def test_a_compiled_model_takes_native_batches_of_other_grids_without_recompilin
     assert len({tuple(map(tuple, processor(images(s), return_tensors="pt")["spatial_shapes"].tolist()))
                 for s in batches}) == 3  # fmt: skip
     assert graphs[2] == graphs[1], graphs  # the third batch of new grids compiled nothing new
+    logging.getLogger("torch._dynamo").removeHandler(handler)
+    assert not [message for message in records if "Graph break" in message]
 
 
 def test_the_grids_as_data_resample_in_float32_under_autocast(monkeypatch):

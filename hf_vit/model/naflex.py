@@ -70,6 +70,18 @@ def check_native_batch(
     patch_mask = torch.arange(count, device=pixel_values.device) < sizes.to(pixel_values.device)[:, None]
     if torch.compiler.is_exporting():  # the grids are the graph's data: their values are not known while tracing
         return patch_mask
+    _check_grids(spatial_shapes, sizes, pixel_attention_mask, patch_mask)
+    return patch_mask
+
+
+@torch.compiler.disable  # reads values on the host: outside compiled graphs, where it would break one with a warning
+def _check_grids(
+    spatial_shapes: torch.Tensor,
+    sizes: torch.Tensor,
+    pixel_attention_mask: torch.Tensor | None,
+    patch_mask: torch.Tensor,
+) -> None:
+    batch, count = patch_mask.shape
     if bool((spatial_shapes < 1).any()) or bool((sizes > count).any()):
         raise ValueError(
             f"`spatial_shapes` {spatial_shapes.tolist()} must be grids of at least 1x1 and at most {count} patches "
@@ -84,7 +96,11 @@ def check_native_batch(
                 f"of each image's {count} patches (its grid in `spatial_shapes`) and nothing else, as the image "
                 "processor returns it."
             )
-    return patch_mask
+
+
+@torch.compiler.disable  # as `_check_grids`
+def _no_padding(token_mask: torch.Tensor) -> bool:
+    return bool(token_mask.all())
 
 
 def _describe(value) -> str:
@@ -117,7 +133,7 @@ def native_masks(
     implementation = "eager" if output_attentions else config._attn_implementation
     if torch.compiler.is_exporting():  # the graph's mask is computed from its data
         return token_mask, attention_mask_for(token_mask, implementation, dtype)
-    if bool(token_mask.all()):
+    if _no_padding(token_mask):
         return token_mask, None
     dropout = config.attention_probs_dropout_prob if training else 0.0
     head_dim = config.hidden_size // config.num_attention_heads
