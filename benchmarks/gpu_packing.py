@@ -202,7 +202,7 @@ def compiled_runner(model: torch.nn.Module, args: argparse.Namespace) -> torch.n
     """The model compiled whole, or (`--compile_blocks`) each transformer block compiled in place (fullgraph)."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     options = dict(backend=args.compile_backend, mode=args.compile_mode)
-    if not getattr(args, "compile_blocks", False):
+    if not args.compile_blocks:
         return torch.compile(model, **options)
     for block in model.modules():
         if isinstance(block, VisionTransformerBlock):
@@ -365,7 +365,7 @@ def _packing_result(args, shape, shapes, images, patches, difference, accuracy, 
         "settings": {
             **vars(shape), "dtype": "bf16 autocast", "device": str(device), "steps": args.steps,
             "repeats": args.repeats, "compile_backend": args.compile_backend, "compile_mode": args.compile_mode,
-            "sdpa_backend": args.sdpa_backend, "compile_blocks": getattr(args, "compile_blocks", False),
+            "sdpa_backend": args.sdpa_backend, "compile_blocks": args.compile_blocks,
         },
         "images": images,
         "patches": patches,

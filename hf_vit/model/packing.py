@@ -128,7 +128,8 @@ def packed_layout(
     length = torch.diff(first, append=torch.tensor([len(flat)]))
     image_runs = flat[first] >= 0
     images, first, length = flat[first][image_runs], first[image_runs], length[image_runs]
-    places_ok = where is None or _places_are_distinct_and_inside(flat, where.flatten(), sizes)
+    size_of = torch.tensor(sizes)  # each image's patches
+    places_ok = where is None or _places_are_distinct_and_inside(flat, where.flatten(), size_of)
     found = images.tolist(), first.tolist(), length.tolist()
     _check_runs(*found, slots, grids, sizes, where is not None, None if places_ok else where)
     count = len(grids)
@@ -167,13 +168,13 @@ def packed_layout(
     for at, kept_tokens in zip(row.tolist(), tokens.tolist()):
         runs[at].append(kept_tokens)
     device = patch_image_index.device
-    dropped = bool((length < torch.tensor(sizes)[images]).any())
+    dropped = bool((length < size_of[images]).any())
     return PackedLayout(
         rows=rows,
         slots=slots,
         row_tokens=row_tokens,
         image_tokens=image_tokens,
-        patch_mask=(torch.arange(patches) < torch.tensor(sizes)[:, None]).to(device, non_blocking=True),
+        patch_mask=(torch.arange(patches) < size_of[:, None]).to(device, non_blocking=True),
         segments=attention_segments(runs, row_tokens, device),
         patch_source=patch_source.to(device, non_blocking=True),
         pack_source=pack_source.to(device, non_blocking=True),
@@ -182,14 +183,14 @@ def packed_layout(
     )
 
 
-def _places_are_distinct_and_inside(flat: torch.Tensor, places: torch.Tensor, sizes: list[int]) -> bool:
+def _places_are_distinct_and_inside(flat: torch.Tensor, places: torch.Tensor, sizes: torch.Tensor) -> bool:
     """Whether every image slot's place (`patch_positions`) is inside its image's grid and no place is taken twice."""
     filled = flat >= 0
     image, place = flat[filled], places[filled]
-    size = torch.tensor(sizes)[image.clamp(max=len(sizes) - 1)]
+    size = sizes[image.clamp(max=len(sizes) - 1)]
     if not bool(((place >= 0) & (place < size)).all()):
         return False
-    return len(torch.unique(image * max(sizes) + place)) == len(place)
+    return len(torch.unique(image * int(sizes.max()) + place)) == len(place)
 
 
 def _check_runs(

@@ -12,6 +12,7 @@ Saved next to checkpoints as remote code with the model, so it imports only torc
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -168,11 +169,10 @@ def _weighted_per_patch(
     col_weights = interpolation_weights(col, cols.expand_as(col), in_cols, mode, antialias)  # (B, K, in_cols)
     weights = (row_weights[..., :, None] * col_weights[..., None, :]).flatten(-2)  # (B, K, in_rows * in_cols)
     valid = (index < rows * cols).to(table.dtype)[..., None]
+    # the product in float32, as the per-grid resize computes it (no autocast context entered where none is on)
     device = table.device.type
-    if torch.is_autocast_enabled(device):  # the product in float32, as the per-grid resize computes it
-        with torch.autocast(device, enabled=False):
-            patches = (weights @ table) * valid
-    else:
+    autocast = torch.is_autocast_enabled(device)
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         patches = (weights @ table) * valid
     prefixes = position_embedding[:, :prefix].float().expand(patches.shape[0], -1, -1)
     return torch.cat([prefixes, patches], dim=1).to(position_embedding.dtype)
