@@ -20,16 +20,13 @@ from hf_vit import (
 )
 from hf_vit.model.attention import (
     ALL_ATTENTION_FUNCTIONS,
-    AttentionSegments,
-    attention_segments,
     eager_attention_forward,
-    padded_batch_segments,
     segment_attention_forward,
     segment_attention_path,
 )
 from hf_vit.model.image_processing_vit import first_fit_decreasing
+from hf_vit.model.layout import PACKED_INDEX_FIELDS, AttentionSegments, BatchLayout, _segments, packed_index_fields
 from hf_vit.model.modeling_mpp import PATCH_CLEAN
-from hf_vit.model.packing import packed_layout
 
 # rows of runs (an image's tokens each) in rows of ROW tokens, the rest of each row padding
 RUNS = [[5, 3], [7], [2, 2, 2, 2], [9]]
@@ -62,30 +59,31 @@ def each_run_alone(query, key, value, runs=RUNS):
     return output
 
 
+def attention_segments(rows, row_length):
+    """The runs of rows holding runs of `rows[i]` tokens, then their padding (a run of its own, empty where none)."""
+    lengths, token_runs = [], []
+    for number, row in enumerate(rows):
+        padding = row_length - sum(row)
+        lengths += list(row) + [padding]
+        token_runs.append([100 * number + run for run, length in enumerate(row) for _ in range(length)])
+        token_runs[-1] += [-1 - number] * padding
+    return _segments(torch.tensor(lengths), torch.tensor(token_runs))
+
+
+def per_run(flat, lengths, scale):
+    """Attention within runs of the flattened `(T, heads, d_h)` tokens, each run alone (the empty ones skipped)."""
+    outputs = []
+    for query, key, value in zip(*(tensor.split(lengths) for tensor in flat)):
+        if len(query):
+            alone = F.scaled_dot_product_attention(
+                *(part.transpose(0, 1) for part in (query, key, value)), scale=scale
+            )
+            outputs.append(alone.transpose(0, 1))
+    return torch.cat(outputs)
+
+
 def valid(runs=RUNS, tokens=ROW):
     return torch.tensor([[position < sum(row) for position in range(tokens)] for row in runs])
-
-
-def test_segments_are_the_cumulative_lengths_with_each_rows_padding_its_own_run():
-    segments = attention_segments(RUNS, ROW)
-    assert segments.lengths == (5, 3, 1, 7, 2, 2, 2, 2, 2, 1, 9)
-    assert segments.cu_seqlens.dtype == torch.int32
-    assert segments.cu_seqlens.tolist() == [0, 5, 8, 9, 16, 18, 20, 22, 24, 26, 27, 36]
-    assert segments.max_seqlen == 9 and type(segments.max_seqlen) is int
-    run_of = segments.token_runs
-    assert run_of.shape == (4, ROW) and run_of[0].tolist() == [0] * 5 + [1] * 3 + [2]
-    assert run_of[3].tolist() == [10] * 9
-
-
-def test_a_batch_without_padding_gets_no_segments_and_bad_rows_are_refused():
-    assert attention_segments([[ROW], [ROW]], ROW) is None
-    assert attention_segments([[4, 5]], ROW) is not None  # two images in one row: runs even without padding
-    with pytest.raises(ValueError, match="row_length"):
-        attention_segments([[3]], 0)
-    with pytest.raises(ValueError, match="Row 1 of `rows`.*at most `row_length` = 9"):
-        attention_segments([[3], [5, 5]], ROW)
-    with pytest.raises(ValueError, match="at least 1 token"):
-        attention_segments([[3, 0]], ROW)
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
@@ -107,26 +105,17 @@ def test_each_run_attends_only_to_itself_and_gradients_match(implementation):
         torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)))
 
 
-def test_the_per_length_path_batches_runs_of_one_length_and_skips_the_padding(monkeypatch):
-    calls = []
-    attend = attention._attend
-    monkeypatch.setattr(attention, "_attend", lambda *a, **k: calls.append(a[1].shape) or attend(*a, **k))
-    _, (query, key, value) = qkv()
-    segments = attention_segments(RUNS, ROW)
-    assert segments.padding == (False, False, True, False, True, False, False, False, False, True, False)
-    output, _ = segment_attention_forward("sdpa", None, Attention(), query, key, value, segments, 0.5)
-    # one call per distinct run length of the images, the runs of that length as its batch
-    assert sorted((shape[0], shape[2]) for shape in calls) == [(1, 3), (1, 5), (1, 7), (1, 9), (4, 2)]
-    assert torch.all(output[~valid()] == 0)  # the padding is not computed
-
-
 def test_cpu_bf16_training_on_runs_matches_fp32():
     buffer, (query, key, value) = qkv(dtype=torch.float32)
     module = Attention().train()
     segments = attention_segments(RUNS, ROW)
     low = [part.to(torch.bfloat16) for part in (query, key, value)]
-    output, _ = segment_attention_forward("sdpa", None, module, *low, segments, 0.5)
-    reference, _ = segment_attention_forward("sdpa", None, module, query, key, value, segments, 0.5)
+    output, _ = segment_attention_forward(
+        "sdpa", attention.sdpa_or_matmul_attention_forward, module, *low, segments, 0.5
+    )
+    reference, _ = segment_attention_forward(
+        "sdpa", attention.sdpa_or_matmul_attention_forward, module, query, key, value, segments, 0.5
+    )
     keep = valid()
     torch.testing.assert_close(output[keep].float(), reference[keep], atol=3e-2, rtol=3e-2)
 
@@ -144,8 +133,8 @@ def test_the_path_follows_the_implementation_device_and_dtype(monkeypatch):
     assert path("sdpa", cuda, torch.bfloat16, 0.1, 64) == "mask"  # varlen_attn has no dropout
     assert path("sdpa", cuda, torch.bfloat16, 0.0, 6) == "mask"  # a head size flash kernels refuse
     assert path("flex_attention", cuda, torch.float32, 0.0, 64) == "mask"
-    assert path("sdpa", cpu, torch.bfloat16, 0.0, 64) == "segments"
-    assert path("flex_attention", cpu, torch.float32, 0.0, 64) == "segments"
+    assert path("sdpa", cpu, torch.bfloat16, 0.0, 64) == "mask"  # CPU: a mask (its runs are data, not read)
+    assert path("flex_attention", cpu, torch.float32, 0.0, 64) == "mask"
     assert path("flash_attention_2", cuda, torch.bfloat16, 0.0, 64) == "flash"
     assert path("flash_attention_3", cuda, torch.bfloat16, 0.0, 64) == "flash"
     assert path("eager", cuda, torch.bfloat16, 0.0, 64) == "mask"
@@ -159,7 +148,7 @@ def test_varlen_gets_the_flattened_tokens_cumulative_lengths_and_host_maxima(mon
     def fake_varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None):
         seen.update(shape=query.shape, cu_q=cu_q, cu_k=cu_k, max_q=max_q, max_k=max_k, scale=scale)
         lengths = (cu_q[1:] - cu_q[:-1]).tolist()
-        return attention._per_run_length(Attention(), [query, key, value], lengths, scale, 0.0)
+        return per_run([query, key, value], lengths, scale)
 
     monkeypatch.setattr(attention, "varlen_attn", fake_varlen)
     monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "varlen")
@@ -170,7 +159,7 @@ def test_varlen_gets_the_flattened_tokens_cumulative_lengths_and_host_maxima(mon
     )
     assert seen["shape"] == (len(RUNS) * ROW, 2, 4)  # (total tokens, heads, head size)
     assert seen["cu_q"] is segments.cu_seqlens and seen["cu_k"] is segments.cu_seqlens
-    assert (seen["max_q"], seen["max_k"]) == (9, 9) and type(seen["max_q"]) is int
+    assert (seen["max_q"], seen["max_k"]) == (9, 9) and type(seen["max_q"]) is int  # the rows' length: no read
     assert seen["scale"] == 0.5
     keep = valid()
     torch.testing.assert_close(output[keep], each_run_alone(query, key, value)[keep])
@@ -204,7 +193,7 @@ def test_segments_must_describe_the_batch_and_the_choice_is_logged_once(monkeypa
     for _ in range(3):
         function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=0.5)
     assert len(logged["warning"]) == 1 and "flex_attention" in logged["warning"][0]
-    assert logged["info"] == ["Attention restricted to each image: flex_attention runs it as 'segments'."]
+    assert logged["info"] == ["Attention restricted to each image: flex_attention runs it as 'mask'."]
 
 
 def test_plain_masks_still_reach_the_implementation_unchanged():
@@ -247,6 +236,13 @@ def check_packing(packed, native, capacity):
         count = int(mask[row].sum())
         assert mask[row].tolist() == [1] * count + [0] * (capacity - count)
         assert torch.all(packed["pixel_values"][row, count:] == 0)
+    # the packing the model reads: each row's images in order, each image's slots (row * L + slot) in its grid's order
+    rows, most = rows_of(packed), packed["row_image_index"].shape[1]
+    assert packed["row_image_index"].tolist() == [row + [-1] * (most - len(row)) for row in rows]
+    assert packed["image_slot_index"].shape == (len(sizes), max(sizes))
+    for image, size in enumerate(sizes):
+        slots = (index.flatten() == image).nonzero().squeeze(1).tolist()
+        assert packed["image_slot_index"][image].tolist() == slots + [-1] * (max(sizes) - size)
     return sizes
 
 
@@ -260,7 +256,8 @@ def test_packed_rows_hold_each_image_whole_as_the_unpacked_batch_does(capacity):
     processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
     native = processor(images(), return_tensors="pt")
     packed = processor(images(), packed_sequence_length=capacity, return_tensors="pt")
-    assert set(packed) == {"pixel_values", "pixel_attention_mask", "spatial_shapes", "patch_image_index"}
+    assert set(packed) == {"pixel_values", "pixel_attention_mask", "spatial_shapes", "patch_image_index",
+                           "row_image_index", "image_slot_index"}  # fmt: skip
     sizes = check_packing(packed, native, capacity)
     assert packed["pixel_values"].shape[0] >= -(-sum(sizes) // capacity)
     if capacity >= sum(sizes):
@@ -380,7 +377,7 @@ def _varlen_reference(
     lengths = (cu_q[1:] - cu_q[:-1]).tolist()
     assert max(lengths) <= max_q  # the kernels take a bound on the longest run
     VARLEN_MAXIMA.append(max_q)
-    return attention._per_run_length(Attention(), [query, key, value], lengths, scale, 0.0)
+    return per_run([query, key, value], lengths, scale)
 
 
 @_varlen_reference.register_fake
@@ -392,9 +389,9 @@ VARLEN_MAXIMA: list[int] = []
 
 
 def test_compiled_varlen_takes_the_runs_as_data_and_the_rows_length_as_its_bound(monkeypatch):
-    # On a GPU in half precision a compiled model keeps varlen_attn (a custom op): the runs travel as data, the longest
-    # bounded by the row's length (a shape), so batches of other runs need no new graph once the number of runs is
-    # dynamic; eager calls pass the exact longest run.
+    # On a GPU in half precision a model keeps varlen_attn (a custom op) compiled too: the runs travel as data, the
+    # longest bounded by the row's length (a shape), so batches of other runs need no new graph once the number of runs
+    # is dynamic, and no call reads the longest run back.
     from torch._dynamo.utils import counters
 
     def varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None):
@@ -420,7 +417,7 @@ def test_compiled_varlen_takes_the_runs_as_data_and_the_rows_length_as_its_bound
         torch.testing.assert_close(compiled(query, segments)[keep], expected)
         assert VARLEN_MAXIMA == [ROW]
         torch.testing.assert_close(attend(query, segments)[keep], expected)
-        assert VARLEN_MAXIMA == [ROW, max(segments.lengths)]
+        assert VARLEN_MAXIMA == [ROW, ROW]
     # the first batch's graph, then one whose number of runs is dynamic: no graph per batch
     assert counters["stats"]["unique_graphs"] <= 2
 
@@ -440,21 +437,6 @@ def test_a_compiled_block_asks_the_gpus_capability_without_tracing_it(monkeypatc
         attention._device_capability.cache_clear()
 
 
-def test_padded_batches_take_segments_where_they_pay_off(monkeypatch):
-    mask = valid([[5], [9], [2], [7]])  # a third of the slots padding
-    segments = padded_batch_segments(mask, "sdpa", torch.float32, 0.0, 64)
-    assert segments.lengths == (5, 4, 9, 2, 7, 7, 2)
-    assert segments.padding == (False, True, False, False, True, False, True)
-    assert padded_batch_segments(valid([[9], [9]]), "sdpa", torch.float32, 0.0, 64) is None  # no padding: no mask
-    little = valid([[9]] * 10 + [[8]])  # 1% padding: one fused SDPA over the batch is faster on CPU
-    assert padded_batch_segments(little, "sdpa", torch.float32, 0.0, 64) is None
-    assert padded_batch_segments(little, "flex_attention", torch.float32, 0.0, 64) is not None  # handed to SDPA
-    assert padded_batch_segments(mask, "eager", torch.float32, 0.0, 64) is None  # the probabilities need the mask
-    assert padded_batch_segments(mask, "flash_attention_2", torch.float16, 0.0, 64) is None  # it unpads the mask
-    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "varlen")
-    assert padded_batch_segments(little, "sdpa", torch.bfloat16, 0.0, 64) is not None  # any padding, on a GPU
-
-
 # ---- the packed layout in the model ----
 
 
@@ -462,21 +444,27 @@ def test_packed_layout_moves_tokens_between_one_image_per_row_and_packed_rows():
     processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
     native = processor(images(), return_tensors="pt")
     packed = processor(images(), packed_sequence_length=24, return_tensors="pt")
-    layout = packed_layout(packed["patch_image_index"], packed["spatial_shapes"], 2, packed["pixel_attention_mask"])
+    layout = layout_of(packed, 2)
     sizes = native["spatial_shapes"].prod(1)
     most = int(sizes.max())
     assert torch.equal(layout.unpack_patches(packed["pixel_values"]), native["pixel_values"][:, :most])
     assert torch.equal(layout.patch_mask, native["pixel_attention_mask"][:, :most].bool())
-    assert layout.row_tokens == 24 + 2 * max(len(row) for row in rows_of(packed))
+    rows, row_tokens = layout.segments.token_runs.shape
+    assert row_tokens == 24 + 2 * max(len(row) for row in rows_of(packed))
     # tokens of one image per row (2 prefix tokens + patches, zero beyond) -> packed rows -> back, unchanged
     tokens = torch.randn(len(SIZES), 2 + most, 5)
     tokens[:, 2:][~layout.patch_mask] = 0
     moved = layout.pack(tokens)
-    assert moved.shape == (layout.rows, layout.row_tokens, 5)
+    assert moved.shape == (rows, row_tokens, 5)
     assert torch.equal(layout.unpack(moved), tokens)
-    # each image's tokens are consecutive in its packed row, in the order of the rows' images: the runs of attention
-    expected = [[2 + int(sizes[i]) for i in row] for row in rows_of(packed)]
-    assert layout.segments.lengths == attention_segments(expected, layout.row_tokens).lengths
+    # each image's tokens are consecutive in its packed row, in the order of the rows' images: the runs of attention,
+    # each row's M entries (empty past its images), then its padding
+    most_images = max(len(row) for row in rows_of(packed))
+    expected = []
+    for row in rows_of(packed):
+        images_of_row = [2 + int(sizes[i]) for i in row]
+        expected += images_of_row + [0] * (most_images - len(row)) + [row_tokens - sum(images_of_row)]
+    assert torch.diff(layout.segments.cu_seqlens).tolist() == expected
     for row, images_of_row in enumerate(rows_of(packed)):
         start = 0
         for image in images_of_row:
@@ -487,25 +475,33 @@ def test_packed_layout_moves_tokens_between_one_image_per_row_and_packed_rows():
 
 
 def test_packed_layouts_that_do_not_describe_the_images_are_refused():
+    # where the layout is made from `patch_image_index` (the processor, the collator, the model's slow path)
     grids = torch.tensor([[1, 2], [1, 1]])
     good = torch.tensor([[0, 0, 1, -1]])
-    assert packed_layout(good, grids, 1).rows == 1
+    assert packed_index_fields(good, grids)["row_image_index"].tolist() == [[0, 1]]
     with pytest.raises(ValueError, match="`patch_image_index` must be a"):
-        packed_layout(good[0], grids, 1)
+        packed_index_fields(good[0], grids)
     with pytest.raises(ValueError, match="`spatial_shapes` must be an"):
-        packed_layout(good, grids[:, 0], 1)
+        packed_index_fields(good, grids[:, 0])
     with pytest.raises(ValueError, match="not as one run of its 2 patches"):
-        packed_layout(torch.tensor([[0, 1, 0, -1]]), grids, 1)
+        packed_index_fields(torch.tensor([[0, 1, 0, -1]]), grids)
     with pytest.raises(ValueError, match="must fill one run of consecutive slots, once"):
-        packed_layout(torch.tensor([[0, 0, 1, -1], [1, -1, -1, -1]]), grids, 1)
+        packed_index_fields(torch.tensor([[0, 0, 1, -1], [1, -1, -1, -1]]), grids)
     with pytest.raises(ValueError, match=r"Images \[1\] of `spatial_shapes` have no patches"):
-        packed_layout(torch.tensor([[0, 0, -1, -1]]), grids, 1)
+        packed_index_fields(torch.tensor([[0, 0, -1, -1]]), grids)
     with pytest.raises(ValueError, match="`pixel_attention_mask` must mark exactly"):
-        packed_layout(good, grids, 1, torch.tensor([[1, 1, 1, 1]]))
+        packed_index_fields(good, grids, torch.tensor([[1, 1, 1, 1]]))
+    layout = BatchLayout.of(torch.zeros(1, 4, 3), grids, 1, patch_image_index=good)
     with pytest.raises(
         ValueError, match=r"are \(1, 4, ...\) per patch slot, as its `patch_image_index`; got \(1, 5, 3\)"
     ):
-        packed_layout(good, grids, 1).unpack_patches(torch.zeros(1, 5, 3))
+        layout.unpack_patches(torch.zeros(1, 5, 3))
+
+
+def layout_of(batch, prefix):
+    """The model's layout of a processor's packed batch."""
+    names = ("pixel_attention_mask", "patch_image_index", "patch_positions", *PACKED_INDEX_FIELDS)
+    return BatchLayout.of(batch["pixel_values"], batch["spatial_shapes"], prefix, **{n: batch.get(n) for n in names})
 
 
 # ---- the model on packed batches ----
@@ -600,7 +596,13 @@ def with_empty_rows(inputs, where):
             value = inputs[name]
             empty = torch.full_like(value[:1], -1 if name in ("patch_image_index", "patch_positions") else 0)
             padded[name] = torch.cat([empty if row < 0 else value[row : row + 1] for row in order])
-    return padded
+    return with_its_packing(padded)
+
+
+def with_its_packing(inputs):
+    """`inputs` with the packing fields of its `patch_image_index` (and `patch_positions`), as collators make them."""
+    return {**inputs, **packed_index_fields(inputs["patch_image_index"], inputs["spatial_shapes"],
+                                            patch_positions=inputs.get("patch_positions"))}  # fmt: skip
 
 
 @pytest.mark.parametrize("drop", [False, True])  # with token dropping's places too
@@ -618,6 +620,7 @@ def test_empty_rows_change_no_output_and_no_gradient(drop):
             inputs["patch_positions"][slots] = kept
             inputs["patch_image_index"][inputs["patch_positions"] < 0] = -1
         inputs["pixel_attention_mask"] = (inputs["patch_image_index"] >= 0).int()
+        inputs = with_its_packing(inputs)
     padded = with_empty_rows(inputs, where={0, 2})
     assert padded["pixel_values"].shape[0] == inputs["pixel_values"].shape[0] + 3
     labels = torch.tensor([0, 1, 2, 3, 4, 0])
@@ -658,11 +661,12 @@ def test_attentions_of_a_packed_batch_stay_within_each_image():
     torch.manual_seed(0)
     model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()
     inputs, packed, _ = packed_and_alone(model, output_attentions=True)  # each image alone: checked by the eager case
-    layout = packed_layout(inputs["patch_image_index"], inputs["spatial_shapes"], 1)
+    layout = layout_of(inputs, 1)
     same_image = layout.segments.block_diagonal_mask()
+    rows, row_tokens = layout.segments.token_runs.shape
     assert len(packed.attentions) == model.config.num_hidden_layers
     for probs in packed.attentions:  # of the packed rows
-        assert probs.shape == (layout.rows, 4, layout.row_tokens, layout.row_tokens)
+        assert probs.shape == (rows, 4, row_tokens, row_tokens)
         assert torch.all(probs.masked_select(~same_image) == 0)
 
 
@@ -695,7 +699,7 @@ def test_masked_patch_prediction_on_a_packed_batch():
         packed["patch_image_index"] >= 0
     )
     labels = torch.randint(0, config.mpp_num_classes, masked.shape, generator=generator)
-    layout = packed_layout(packed["patch_image_index"], packed["spatial_shapes"], config.num_prefix_tokens)
+    layout = layout_of(packed, config.num_prefix_tokens)
     with torch.no_grad():
         ours = model(**packed, bool_masked_pos=masked, labels=labels)
         patches = layout.patch_mask.shape[1]  # the most patches of an image: the native batch's padding beyond it
@@ -746,7 +750,7 @@ def test_the_model_through_the_varlen_branch_equals_the_images_alone(monkeypatch
         assert cu_q.dtype == torch.int32 and type(max_q) is int and query.shape == key.shape == value.shape
         calls.append(cu_q)
         lengths = (cu_q[1:] - cu_q[:-1]).tolist()
-        return attention._per_run_length(Attention(), [query, key, value], lengths, scale, 0.0)
+        return per_run([query, key, value], lengths, scale)
 
     monkeypatch.setattr(attention, "varlen_attn", fake_varlen)
     monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "varlen")
@@ -797,9 +801,9 @@ def test_dropped_tokens_take_no_part_and_the_kept_ones_keep_their_places(classif
         shuffled = pack_patches([image[places] for image, places in zip(images, every)], grids, 9, positions=every)
         whole = pack_patches(images, grids, 9)
         torch.testing.assert_close(model(**shuffled).pooler_output, model(**whole).pooler_output, atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="patch_positions"):
+    with pytest.raises(ValueError, match="patch_positions"):  # refused where the layout is made from them
         wrong = dict(batch, patch_positions=batch["patch_positions"].clamp(min=0) * 0)
-        model(**wrong)
+        model(**{name: value for name, value in wrong.items() if name not in PACKED_INDEX_FIELDS})
 
 
 def reference_layout(index: torch.Tensor, grids: list, prefix: int, where: torch.Tensor | None = None) -> dict:
@@ -857,24 +861,14 @@ def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping):
             images = [image[: len(places)] for image, places in zip(images, positions)]
         batch = pack_patches(images, grids, 20, positions)
         index, where = batch["patch_image_index"], batch.get("patch_positions")
-        layout = packed_layout(index, batch["spatial_shapes"], prefix, batch["pixel_attention_mask"], where)
+        layout = layout_of(batch, prefix)
         expected = reference_layout(index, grids, prefix, where)
-        assert (layout.row_tokens, layout.image_tokens) == (expected["row_tokens"], expected["image_tokens"])
+        assert (layout.segments.row_length, layout.token_mask.shape[1]) == (
+            expected["row_tokens"], expected["image_tokens"]
+        )  # fmt: skip
         for name in ("patch_source", "pack_source", "unpack_source"):
             assert torch.equal(getattr(layout, name), expected[name]), (trial, name)
-        lengths = [length for row in expected["runs"] for length in row]
-        assert [length for length, padding in zip(layout.segments.lengths, layout.segments.padding)
-                if not padding] == lengths  # fmt: skip
-        assert (layout.kept is not None) == (dropping and any(len(p) < r * c for p, (r, c) in zip(positions, grids)))
-
-
-def test_a_packed_batch_builds_no_attention_runs_for_its_images_one_per_row(monkeypatch):
-    # the blocks take the packed layout's runs: the one-per-row layout only checks the inputs and masks the pooling
-    from hf_vit.model import naflex
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("runs of the one-per-row layout were built for a packed batch")
-
-    monkeypatch.setattr(naflex, "padded_batch_segments", refuse)
-    torch.manual_seed(0)
-    assert_each_image_alone(VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval())
+        assert torch.equal(layout.token_mask.flatten(), expected["unpack_source"] >= 0)  # the tokens each image keeps
+        # the runs: each row's images in order (its empty entries and its padding aside)
+        lengths = torch.diff(layout.segments.cu_seqlens).view(index.shape[0], -1)[:, :-1]
+        assert [[n for n in row if n] for row in lengths.tolist()] == expected["runs"]

@@ -9,9 +9,10 @@ only its siblings (relatively), torch, transformers and the standard library.
 * `modeling_vit`: the encoder, the classifier, the backbone; `modeling_mpp`: masked patch prediction's model;
 * `attention`: the attention implementations; `hybrid`: the ResNet stem of the hybrid models;
 * `resolution`: image sizes, patch grids and resampling the position embeddings and the patch embedding;
-* `naflex`: native-aspect batches (flattened patches, a padding mask and a grid per image) in the model;
-* `packing`: packed batches (several whole images per row, NaViT) in the model: their layout, checked, and the
-  moves of tokens between packed rows and one image per row;
+* `layout`: a variable-shape batch's layout (native-aspect batches, padded or packed several whole images per row as
+  NaViT): each image's tokens, the runs attention is restricted to, the moves between packed rows and one image per
+  row, made from data without reading values back from the device;
+* `layer_scale`, `pooling`: LayerScale and attention pooling, blocks of the family that followed the paper;
 * `image_processing_vit`: `VisionTransformerImageProcessor`, the pixels of training and inference;
 * `loading`: strict loading, the hook through which foreign checkpoints load, and the code copied beside a save.
 

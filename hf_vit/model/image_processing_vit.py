@@ -28,6 +28,7 @@ from .image_geometry import (
     size_dict,
     to_resampling,
 )
+from .layout import packed_index_fields
 
 logger = logging.get_logger(__name__)
 
@@ -370,9 +371,13 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             `max_num_patches`. Returns `pixel_values` `(rows, packed_sequence_length, patch_size**2 * C)`,
             `pixel_attention_mask` `(rows, packed_sequence_length)` (1 on every image's patches),
             `spatial_shapes` `(N, 2)` (each image's grid, in the order given) and `patch_image_index`
-            `(rows, packed_sequence_length)` (the image each slot holds a patch of, -1 on the padding). Each image's
-            patches are consecutive in its row, in row-major order. The number of rows depends on the images; their
-            length never does.
+            `(rows, packed_sequence_length)` (the image each slot holds a patch of, -1 on the padding), with the
+            packing the model reads instead of working it out: `row_image_index` `(rows, M)` (the images of each
+            row in order, -1 after them) and `image_slot_index` `(N, K)` (the slot, row * packed_sequence_length +
+            slot, of each image's patch k; -1 beyond its grid). Each image's patches are consecutive in its row, in
+            row-major order. The number of rows depends on the images; their length never does. One image alone
+            comes back as the native-aspect batch of one (as without packing): packing it gains nothing, and the
+            outputs of such calls concatenate into a valid batch, as transformers' pipelines batch them.
 
     Every option can also be overridden per call, e.g. `processor(images, size=384, return_tensors="pt")`.
     """
@@ -527,9 +532,9 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                 for position, index in enumerate(indices):
                     processed[index] = batch[position]
 
-        if packed_sequence_length is not None:
+        if packed_sequence_length is not None and len(processed) > 1:
             return packed_patch_batch(processed, patch_size, max_num_patches, packed_sequence_length, return_tensors)
-        if max_num_patches is not None:
+        if max_num_patches is not None:  # one image alone is the native-aspect batch of one, packed or not
             return native_patch_batch(processed, patch_size, max_num_patches, return_tensors)
         if return_tensors is None:
             return BatchFeature({"pixel_values": [image.cpu().numpy() for image in processed]})
@@ -694,12 +699,12 @@ def pack_patches(
 ) -> dict[str, torch.Tensor]:
     """Each image's flattened patches (`(rows * cols, D)`, its grid's in `grids`) packed whole by
     `first_fit_decreasing` into rows of `packed_sequence_length` slots: the packed batch's `pixel_values`,
-    `pixel_attention_mask`, `spatial_shapes` and `patch_image_index` (see `packed_sequence_length` in the class
-    docstring). The processor and the training collator both pack here. With `positions` (each image's kept places
-    of its grid, row-major, one per patch given: NaViT's token dropping), `patches` are only those kept, and the batch
-    has their `patch_positions` (rows, L) too, -1 on the padding. With `rows` (the images of each row, every image
-    once, e.g. a training sampler's plan), the batch has exactly those rows, in that order (an empty one is all
-    padding), instead of `first_fit_decreasing`'s."""
+    `pixel_attention_mask`, `spatial_shapes`, `patch_image_index`, `row_image_index` and `image_slot_index` (see
+    `packed_sequence_length` in the class docstring). The processor and the training collator both pack here. With
+    `positions` (each image's kept places of its grid, row-major, one per patch given: NaViT's token dropping),
+    `patches` are only those kept, and the batch has their `patch_positions` (rows, L) too, -1 on the padding. With
+    `rows` (the images of each row, every image once, e.g. a training sampler's plan), the batch has exactly those
+    rows, in that order (an empty one is all padding), instead of `first_fit_decreasing`'s."""
     sizes = [len(image) for image in patches]
     if positions is None and sizes != [rows * cols for rows, cols in grids]:
         raise ValueError(f"Each image's patches must be its grid's rows * cols: {sizes} patches for grids {grids}.")
@@ -731,12 +736,15 @@ def pack_patches(
                 patch_positions[row, start : start + count] = torch.as_tensor(positions[index], device=device)
             start += count
     extra = {} if positions is None else {"patch_positions": patch_positions}
+    spatial_shapes = torch.tensor([list(grid) for grid in grids], dtype=torch.long, device=device)
+    layout = packed_index_fields(patch_image_index, spatial_shapes, patch_positions=extra.get("patch_positions"))
     return {
         "pixel_values": pixel_values,
         "pixel_attention_mask": (patch_image_index >= 0).int(),
-        "spatial_shapes": torch.tensor([list(grid) for grid in grids], dtype=torch.long, device=device),
+        "spatial_shapes": spatial_shapes,
         "patch_image_index": patch_image_index,
         **extra,
+        **{name: value.to(device) for name, value in layout.items()},
     }
 
 

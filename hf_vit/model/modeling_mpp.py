@@ -21,8 +21,6 @@ from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_vit import VisionTransformerConfig
 from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel, lecun_normal_
-from .naflex import check_native_batch
-from .packing import packed_layout
 
 __all__ = [
     "PATCH_CLEAN",
@@ -100,17 +98,21 @@ def draw_patch_sources(
     its own sentence), of the images' own patches where `patch_mask` `(B, N)` marks them in a native-aspect batch, as
     an index into the batch's B * N patches; -1 elsewhere. Drawn from torch's generator on `device`."""
     batch, count = patch_corruption.shape
-    # The patches a replacement is drawn from (all, or the images' own without padding) and each patch's place among
-    # them.
-    candidates = place = torch.arange(batch * count, device=device)
-    if patch_mask is not None:
-        valid = patch_mask.to(device).flatten().bool()
-        candidates, place = candidates[valid], (valid.long().cumsum(0) - 1).clamp(min=0)
-    total = len(candidates)
-    # Draw among the total - 1 other patches: values at or above a patch's own place move up by one.
-    source = torch.randint(0, max(total - 1, 1), (batch * count,), device=device)
-    source = source + (source >= place).long() if total > 1 else source
-    sources = candidates[source].view(batch, count)
+    if patch_mask is None:
+        total = batch * count
+        place = torch.arange(total, device=device)  # each patch's place among the candidates: all of them
+        # Draw among the total - 1 other patches: values at or above a patch's own place move up by one.
+        source = torch.randint(0, max(total - 1, 1), (total,), device=device)
+        sources = source + (source >= place).long() if total > 1 else source
+    else:  # the images' own patches, counted on the device (no read: their number is a tensor)
+        ranks = patch_mask.to(device).flatten().long().cumsum(0)  # each valid patch's place among them, from 1
+        total = ranks[-1]
+        place = (ranks - 1).clamp(min=0)
+        draw = torch.rand(batch * count, device=device) * (total - 1).clamp(min=1)
+        source = torch.minimum(draw.long(), (total - 2).clamp(min=0))
+        source = torch.where(total > 1, source + (source >= place).long(), source)
+        sources = torch.searchsorted(ranks, source + 1)  # the patch that is that valid one
+    sources = sources.view(batch, count)
     return torch.where(patch_corruption.to(sources.device) == PATCH_RANDOM, sources, -1)
 
 
@@ -169,23 +171,22 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
     ) -> MaskedPatchPredictionOutput:
         """`patch_corruption`: the corruption codes `(B, N)` (`draw_patch_corruption`); or `bool_masked_pos` `(B, N)`,
         as transformers' `ViTForMaskedImageModeling` takes it: the patches the [mask] embedding replaces, and the
-        only ones predicted. A packed batch (`patch_image_index`, see `packing.py`) gives `labels`, `patch_corruption`
+        only ones predicted. A packed batch (`patch_image_index`, see `layout.py`) gives `labels`, `patch_corruption`
         and `bool_masked_pos` per patch slot `(rows, L)` and gets its outputs per image, as the native-aspect batch of
         the same images: `logits` and `patch_corruption` `(images, patches, ...)`."""
-        if patch_image_index is not None:  # the images one per row here; the encoder runs their tokens packed
-            packed = packed_layout(
-                patch_image_index, kwargs.get("spatial_shapes"), self.config.num_prefix_tokens,
-                kwargs.get("pixel_attention_mask"),
-            )  # fmt: skip
-            pixel_values, labels, patch_corruption, bool_masked_pos = (
-                None if value is None else packed.unpack_patches(value)
-                for value in (pixel_values, labels, patch_corruption, bool_masked_pos)
-            )
-            kwargs.update(pixel_attention_mask=packed.patch_mask, packed=packed)
         spatial_shapes, patch_mask = kwargs.get("spatial_shapes"), None
         if spatial_shapes is not None:  # a native-aspect batch: the padding is neither corrupted nor predicted
-            mask = kwargs.get("pixel_attention_mask")
-            patch_mask = check_native_batch(pixel_values, mask, spatial_shapes, self.config)
+            layout = self.vit.batch_layout(
+                pixel_values, spatial_shapes, kwargs.get("pixel_attention_mask"), patch_image_index,
+                kwargs.get("patch_positions"), kwargs.get("row_image_index"), kwargs.get("image_slot_index"),
+            )  # fmt: skip
+            # packed: the images one per row here (the encoder runs their tokens packed)
+            pixel_values, labels, patch_corruption, bool_masked_pos = (
+                None if value is None else layout.unpack_patches(value)
+                for value in (pixel_values, labels, patch_corruption, bool_masked_pos)
+            )
+            kwargs.update(layout=layout)
+            patch_mask = layout.patch_mask
         given = "patch_corruption" if bool_masked_pos is None else "bool_masked_pos"
         if bool_masked_pos is not None:
             if patch_corruption is not None:

@@ -43,6 +43,7 @@ from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .layer_scale import LayerScale
+from .layout import BatchLayout, check_native_batch, masked_mean, patch_grid_maps
 from .loading import (
     give_weights_the_umask_mode,
     load_strictly,
@@ -50,8 +51,6 @@ from .loading import (
     resize_asked_by_config,
     save_sibling_code,
 )
-from .naflex import masked_mean, native_masks, patch_grid_maps
-from .packing import PackedLayout, packed_layout
 from .pooling import MultiheadAttentionPooling
 from .resolution import (
     check_pixel_values,
@@ -129,7 +128,7 @@ class VisionTransformerEmbeddings(nn.Module):
         self, pixel_values: torch.Tensor, spatial_shapes: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, tuple[int, int] | torch.Tensor]:
         """x_p^i E `(B, N, D)` and the grid of the patches: `(rows, cols)`, or `spatial_shapes` for a native-aspect
-        batch, whose patches come flattened `(B, K, P * P * C)` (see `naflex.py`)."""
+        batch, whose patches come flattened `(B, K, P * P * C)` (see `layout.py`)."""
         if spatial_shapes is not None:
             # The convolution's kernel `(D, C, P, P)` is the linear map it applies to each patch, its inputs laid out
             # in the processor's (patch row, patch column, channel) order.
@@ -472,43 +471,44 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         patch_sources: torch.Tensor | None = None,
         patch_image_index: torch.Tensor | None = None,
         patch_positions: torch.Tensor | None = None,
-        packed: PackedLayout | None = None,
+        row_image_index: torch.Tensor | None = None,
+        image_slot_index: torch.Tensor | None = None,
+        layout: BatchLayout | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
         """`bool_masked_pos` `(B, N)`: the patches whose embeddings the [mask] embedding replaces (a model built
         with `use_mask_token=True`); `patch_sources` `(B, N)`: the patches that take another's embedding instead
         (masked patch prediction, see `VisionTransformerEmbeddings.corrupt` and `modeling_mpp.py`).
         `spatial_shapes` (with `pixel_attention_mask`): a native-aspect batch of flattened patches, each image on its
-        own grid (see `naflex.py`); with `patch_image_index`, a packed batch, several whole images per row (see
-        `packing.py`): the outputs are per image (in the order of `spatial_shapes`), as for the native-aspect batch of
-        the same images, which is also the layout `bool_masked_pos` and `patch_sources` are given in; `hidden_states`
-        and `attentions` are of the packed rows; `patch_positions` (with `patch_image_index`): each slot's place in its
-        image's grid, the slots holding only the patches each image keeps (NaViT's token dropping). `packed`: the
-        layout of a packed batch whose patches a head has already moved to one image per row
-        (`PackedLayout.unpack_patches`)."""
+        own grid; with `patch_image_index` (and the processor's `row_image_index`, `image_slot_index`; optionally
+        `patch_positions`, NaViT's token dropping), a packed batch, several whole images per row (see `layout.py`):
+        the outputs are per image (in the order of `spatial_shapes`), as for the native-aspect batch of the same
+        images, which is also the layout `bool_masked_pos` and `patch_sources` are given in; `hidden_states` and
+        `attentions` are of the packed rows. `layout`: the batch's layout (`batch_layout`), where a head has made it
+        and already moved the patches to one image per row (`BatchLayout.unpack_patches`)."""
         if pixel_values is None:
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        if patch_image_index is not None:  # the images one per row for (1) and (4); the blocks run them packed
-            prefix = self.config.num_prefix_tokens
-            packed = packed_layout(patch_image_index, spatial_shapes, prefix, pixel_attention_mask, patch_positions)
-            pixel_values, pixel_attention_mask = packed.unpack_patches(pixel_values), packed.patch_mask
-        elif patch_positions is not None:
-            raise ValueError("`patch_positions` places the patches of a packed batch: give `patch_image_index` too.")
-        token_mask, attention_mask = self.input_masks(
-            pixel_values, interpolate_pos_encoding, pixel_attention_mask, spatial_shapes, output_attentions,
-            attention=packed is None,  # a packed batch's blocks take its layout's runs instead
-        )  # fmt: skip
+        if layout is None and spatial_shapes is not None:
+            layout = self.batch_layout(
+                pixel_values, spatial_shapes, pixel_attention_mask, patch_image_index, patch_positions,
+                row_image_index, image_slot_index,
+            )  # fmt: skip
+            pixel_values = layout.unpack_patches(pixel_values)  # packed: the images one per row for (1) and (4)
+        elif layout is None:
+            self.check_whole_images(pixel_values, interpolate_pos_encoding, pixel_attention_mask, patch_image_index)
         embeddings = self.embeddings(pixel_values, bool_masked_pos, spatial_shapes, patch_sources)  # (1)
         hidden_states = self.pre_norm(embeddings)
-        if packed is not None:  # each image's tokens consecutive in a packed row, attending only to each other
-            hidden_states, attention_mask = packed.pack(hidden_states), packed.segments
+        attention_mask = None
+        if layout is not None:  # each image's tokens in the blocks' rows (packed: several per row), attending only
+            hidden_states, attention_mask = layout.pack(hidden_states), layout.segments  # to each other
         for block in self.layers:
             hidden_states, _ = block(hidden_states, output_attentions, attention_mask)  # (2), (3)
-        if packed is not None:
-            hidden_states = packed.unpack(hidden_states)
-            token_mask = token_mask if packed.kept is None else packed.kept  # dropped tokens are pooled by none
+        token_mask = None
+        if layout is not None:
+            # one image per row again; the tokens token dropping left out are pooled by none
+            hidden_states, token_mask = layout.unpack(hidden_states), layout.token_mask
         # (4): LN of the class token's final state (or of the patch tokens' average, or of attention pooling); with
         # fc_norm the LayerNorm follows the pooling, and the tokens are returned as the last block left them.
         fc_norm = self.config.fc_norm
@@ -517,30 +517,43 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         pooled_output = self.norm(pooled_output) if fc_norm else pooled_output
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
 
-    def input_masks(
+    def batch_layout(
+        self,
+        pixel_values: torch.Tensor,
+        spatial_shapes: torch.Tensor,
+        pixel_attention_mask: torch.Tensor | None = None,
+        patch_image_index: torch.Tensor | None = None,
+        patch_positions: torch.Tensor | None = None,
+        row_image_index: torch.Tensor | None = None,
+        image_slot_index: torch.Tensor | None = None,
+    ) -> BatchLayout:
+        """The layout of a native-aspect batch, padded or packed (`patch_image_index`), for this model's prefix
+        tokens, its inputs' shapes checked (see `layout.py`)."""
+        packed = patch_image_index is not None
+        one_per_image = spatial_shapes if packed else pixel_values
+        images = one_per_image.shape[0] if isinstance(one_per_image, torch.Tensor) else len(one_per_image)
+        check_native_batch(pixel_values, spatial_shapes, self.config, images)
+        return BatchLayout.of(
+            pixel_values, spatial_shapes, self.config.num_prefix_tokens, pixel_attention_mask, patch_image_index,
+            patch_positions, row_image_index, image_slot_index,
+        )  # fmt: skip
+
+    def check_whole_images(
         self,
         pixel_values: torch.Tensor,
         interpolate_pos_encoding: bool | None,
-        pixel_attention_mask: torch.Tensor | None,
-        spatial_shapes: torch.Tensor | None,
-        output_attentions: bool = False,
-        attention: bool = True,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Check the inputs; for a native-aspect batch (`spatial_shapes`), return the valid tokens `(B, N)` and what
-        keeps the padding out of attention (`naflex.native_masks`: a run per image, a mask, or nothing without
-        padding; None where `attention` is False), else `(None, None)`."""
-        if spatial_shapes is not None:
-            return native_masks(
-                self.config, pixel_values, pixel_attention_mask, spatial_shapes, output_attentions, self.dtype,
-                self.training, attention,
-            )  # fmt: skip
-        if pixel_attention_mask is not None:
-            raise ValueError(
-                "`pixel_attention_mask` was given without `spatial_shapes`: a native-aspect batch (the image "
-                "processor's `max_num_patches`) needs both, as the processor returns them."
-            )
+        pixel_attention_mask: torch.Tensor | None = None,
+        patch_image_index: torch.Tensor | None = None,
+    ) -> None:
+        """Refuse a batch of whole images the model cannot embed, and a native-aspect batch's fields without
+        `spatial_shapes`."""
+        for name, value in (("pixel_attention_mask", pixel_attention_mask), ("patch_image_index", patch_image_index)):
+            if value is not None:
+                raise ValueError(
+                    f"`{name}` was given without `spatial_shapes`: a native-aspect batch (the image processor's "
+                    "`max_num_patches`) needs both, as the processor returns them."
+                )
         check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
-        return None, None
 
     def pool(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The image representation of equation (4) from the final tokens, by `config.classifier`: the class token,
@@ -572,7 +585,7 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         after the last block asked for. `norm` applies the final LayerNorm to each output. `output_fmt` is "NCHW"
         (maps on the patch grid, any patch-divisible size, non-square included) or "NLC" (patch tokens); the prefix
         (class) tokens come apart, in `prefix_tokens`. A native-aspect batch (`spatial_shapes`, with
-        `pixel_attention_mask`; see `naflex.py`) gives "NLC" tokens padded as its patches are, or "NCHW" maps on its
+        `pixel_attention_mask`; see `layout.py`) gives "NLC" tokens padded as its patches are, or "NCHW" maps on its
         largest grid, each image's at the top left and zero beyond its own grid.
         """
         if output_fmt not in ("NCHW", "NLC"):
@@ -582,9 +595,11 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         if not wanted or any(not -depth <= index < depth for index in wanted):
             raise ValueError(f"indices must name blocks 0..{depth - 1} (or -{depth}..-1), got {indices!r}.")
         wanted = [index % depth for index in wanted]
-        _, attention_mask = self.input_masks(
-            pixel_values, interpolate_pos_encoding, pixel_attention_mask, spatial_shapes
-        )
+        attention_mask = None
+        if spatial_shapes is not None:
+            attention_mask = self.batch_layout(pixel_values, spatial_shapes, pixel_attention_mask).segments
+        else:
+            self.check_whole_images(pixel_values, interpolate_pos_encoding, pixel_attention_mask)
         prefix = self.config.num_prefix_tokens
         hidden_states = self.pre_norm(self.embeddings(pixel_values, spatial_shapes=spatial_shapes))
         outputs = {}
@@ -635,23 +650,25 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
         patch_image_index: torch.Tensor | None = None,
         **kwargs,
     ) -> BackboneOutput:
-        """A native-aspect batch (`spatial_shapes`, see `naflex.py`) gives maps on its largest grid, each image's at
-        the top left and zero beyond its own grid; so does a packed batch (`patch_image_index`, see `packing.py`),
-        one map per image, whose `hidden_states` are then one image per row too."""
-        packed = None
-        if patch_image_index is not None:
-            prefix = self.config.num_prefix_tokens
-            packed = packed_layout(patch_image_index, spatial_shapes, prefix, pixel_attention_mask)
-            pixel_values, pixel_attention_mask = packed.unpack_patches(pixel_values), packed.patch_mask
+        """A native-aspect batch (`spatial_shapes`, see `layout.py`) gives maps on its largest grid, each image's at
+        the top left and zero beyond its own grid; so does a packed batch (`patch_image_index`), one map per image,
+        whose `hidden_states` are then one image per row too."""
+        layout = None
+        if spatial_shapes is not None:
+            layout = self.batch_layout(
+                pixel_values, spatial_shapes, pixel_attention_mask, patch_image_index, kwargs.get("patch_positions"),
+                kwargs.get("row_image_index"), kwargs.get("image_slot_index"),
+            )  # fmt: skip
+            pixel_values = layout.unpack_patches(pixel_values)
         # dense prediction runs at any patch-divisible size: the position embeddings follow it
         outputs = VisionTransformerModel.forward(  # not super(): BackboneMixin defines a forward of its own
             self, pixel_values, interpolate_pos_encoding=interpolate_pos_encoding,
-            output_attentions=output_attentions, output_hidden_states=True,
-            pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes, packed=packed,
+            output_attentions=output_attentions, output_hidden_states=True, pixel_attention_mask=pixel_attention_mask,
+            spatial_shapes=spatial_shapes, patch_image_index=patch_image_index, layout=layout,
         )  # fmt: skip
         states = outputs.hidden_states
-        if packed is not None:  # the blocks' outputs are of the packed rows
-            states = tuple(packed.unpack(state) for state in states)
+        if layout is not None:  # the blocks' outputs are of the blocks' rows (packed: several images per row)
+            states = tuple(layout.unpack(state) for state in states)
         if spatial_shapes is None:
             grid = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)
             spatial_shapes = torch.tensor([grid] * pixel_values.shape[0])

@@ -81,10 +81,10 @@ def resample_position_embeddings(
     returns the input itself (except while exporting a graph: see below).
 
     `new_grid` may also be a `(B, 2)` tensor of grids, one per image of a native-aspect batch: the result is then
-    `(B, prefix + num_patches, D)`, each image's table (row-major) followed by zeros up to `num_patches`, resampled
-    once per distinct grid on CPU. While a graph is exported or compiled the grids are its data, not shapes, and on
-    an accelerator one product beats a resize per grid (`grids_as_data`): there each patch's embedding is the same
-    interpolation written as weights over the old grid (`interpolation_weights`), computed from the grids.
+    `(B, prefix + num_patches, D)`, each image's table (row-major) followed by zeros up to `num_patches`: each patch's
+    embedding the same interpolation as a weighted sum of the old grid's embeddings at a few taps
+    (`position_taps`), computed from the grids as data, so no value is read back from the device and a graph takes
+    any grids.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
@@ -100,11 +100,7 @@ def resample_position_embeddings(
             raise ValueError(
                 "`num_patches` (the patches per image, padding included) is needed with a tensor of grids."
             )
-        if grids_as_data(position_embedding.device):
-            return _weighted_per_patch(
-                position_embedding, old_grid, new_grid, num_prefix_tokens, mode, antialias, num_patches
-            )
-        return _per_image(position_embedding, old_grid, new_grid, num_prefix_tokens, mode, antialias, num_patches)
+        return _by_taps(position_embedding, old_grid, new_grid, num_prefix_tokens, mode, antialias, num_patches)
     # The same grid needs no resampling; an exported graph resamples always (a bicubic or bilinear resize to the same
     # size is the identity), since the shortcut would freeze the grid it was traced at into the graph.
     if not torch.compiler.is_exporting() and tuple(old_grid) == tuple(new_grid):
@@ -117,16 +113,7 @@ def resample_position_embeddings(
     return torch.cat([prefix, patches], dim=1)
 
 
-def grids_as_data(device: torch.device) -> bool:
-    """Whether a native-aspect batch's position embeddings are computed with its grids as data (one matrix product
-    of interpolation weights, `_weighted_per_patch`) rather than resampled once per distinct grid: while a graph is
-    exported or compiled (the grids are data there, not shapes) and on accelerators, where one product costs less than
-    a dozen small kernels and a copy of the indices from the host per grid (measured on an H200: a batch of 128
-    images of 100 grids ran at 0.18x the square batch's images/s that way). On CPU the per-grid resize costs less."""
-    return torch.compiler.is_exporting() or torch.compiler.is_compiling() or device.type != "cpu"
-
-
-def _per_image(
+def _by_taps(
     position_embedding: torch.Tensor,
     old_grid: tuple[int, int],
     grids: torch.Tensor,
@@ -135,47 +122,68 @@ def _per_image(
     antialias: bool,
     num_patches: int,
 ) -> torch.Tensor:
-    """`resample_position_embeddings` to each image's grid `grids` `(B, 2)`, once per distinct grid."""
-    rows_of: dict[tuple[int, int], list[int]] = {}
-    for index, grid in enumerate(grids.tolist()):
-        rows_of.setdefault(tuple(grid), []).append(index)
-    output = position_embedding.new_zeros(len(grids), num_prefix_tokens + num_patches, position_embedding.shape[-1])
-    for grid, indices in rows_of.items():
-        table = resample_position_embeddings(position_embedding, old_grid, grid, num_prefix_tokens, mode, antialias)
-        output[indices, : table.shape[1]] = table.expand(len(indices), -1, -1)
-    return output
-
-
-def _weighted_per_patch(
-    position_embedding: torch.Tensor,
-    old_grid: tuple[int, int],
-    grids: torch.Tensor,
-    num_prefix_tokens: int,
-    mode: str,
-    antialias: bool,
-    num_patches: int,
-) -> torch.Tensor:
-    """`_per_image` with the grids as data: each patch's embedding as the weighted sum of the old grid's that the
-    interpolation gives it on its image's grid (`interpolation_weights` per axis); zero on the padding."""
+    """`resample_position_embeddings` to each image's grid `grids` `(B, 2)`: every patch's embedding the weighted sum
+    of the old grid's at its taps (`position_taps`), one `embedding_bag`; zero on the padding. In float32, as a
+    resize computes it (no autocast context entered where none is on)."""
     prefix = num_prefix_tokens
-    in_rows, in_cols = old_grid
     table = position_embedding[0, prefix:].float()  # (in_rows * in_cols, D)
-    grids = grids.to(table.device, torch.float32)
-    rows, cols = grids[:, 0:1], grids[:, 1:2]  # (B, 1)
-    index = torch.arange(num_patches, device=table.device, dtype=torch.float32)[None, :]  # (1, K)
-    row = torch.minimum(torch.floor(index / cols), rows - 1)  # the padding's rows clamped (zeroed below)
-    col = torch.remainder(index, cols)
-    row_weights = interpolation_weights(row, rows.expand_as(row), in_rows, mode, antialias)  # (B, K, in_rows)
-    col_weights = interpolation_weights(col, cols.expand_as(col), in_cols, mode, antialias)  # (B, K, in_cols)
-    weights = (row_weights[..., :, None] * col_weights[..., None, :]).flatten(-2)  # (B, K, in_rows * in_cols)
-    valid = (index < rows * cols).to(table.dtype)[..., None]
-    # the product in float32, as the per-grid resize computes it (no autocast context entered where none is on)
+    index, weight = position_taps(grids.to(table.device), num_patches, old_grid, mode, antialias)
     device = table.device.type
     autocast = torch.is_autocast_enabled(device)
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-        patches = (weights @ table) * valid
+        taps = index.shape[-1]
+        patches = F.embedding_bag(
+            index.reshape(-1, taps), table, per_sample_weights=weight.reshape(-1, taps), mode="sum"
+        ).view(*index.shape[:2], -1)
     prefixes = position_embedding[:, :prefix].float().expand(patches.shape[0], -1, -1)
     return torch.cat([prefixes, patches], dim=1).to(position_embedding.dtype)
+
+
+def position_taps(
+    grids: torch.Tensor, num_patches: int, old_grid: tuple[int, int], mode: str, antialias: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The taps of each patch `k < num_patches` (row-major) of each image's grid `grids` `(B, 2)` on the stored
+    `old_grid`: indices `(B, K, T)` into its `in_rows * in_cols` positions and their weights `(B, K, T)` (float32)
+    such that the weighted sums are `F.interpolate(mode=mode, antialias=antialias, align_corners=False)` of the grid
+    to each image's. T is the product of the taps per axis: 2 (bilinear) or 4 (bicubic) with the edges repeated;
+    with antialias, the whole axis, the taps outside each filter's window weighted 0 (a downsampled axis widens the
+    filter by the scale, up to the whole axis for a grid one patch wide). The padding's weights are 0. The weights
+    are computed in float64 (float32 on MPS, which has none), so the sums are the resize up to float32's rounding."""
+    in_rows, in_cols = old_grid
+    grids = grids.to(torch.float32 if grids.device.type == "mps" else torch.float64)
+    rows, cols = grids[:, 0:1], grids[:, 1:2]  # (B, 1)
+    place = torch.arange(num_patches, device=grids.device, dtype=grids.dtype)[None, :]  # (1, K)
+    row = torch.minimum(torch.floor(place / cols), rows - 1)  # the padding's rows clamped (weighted 0 below)
+    col = torch.remainder(place, cols)
+    row_index, row_weight = _axis_taps(row, rows.expand_as(row), in_rows, mode, antialias)
+    col_index, col_weight = _axis_taps(col, cols.expand_as(col), in_cols, mode, antialias)
+    index = (row_index[..., :, None] * in_cols + col_index[..., None, :]).flatten(-2)
+    valid = (place < rows * cols).to(grids.dtype)[..., None]
+    weight = (row_weight[..., :, None] * col_weight[..., None, :]).flatten(-2) * valid
+    return index, weight.to(torch.float32)
+
+
+def _axis_taps(
+    index: torch.Tensor, out_size: torch.Tensor, in_size: int, mode: str, antialias: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input indices `(..., A)` and weights `(..., A)` that one axis's interpolation gives output `index` of an
+    axis resized from `in_size` to `out_size` (as `interpolation_weights`, at its nonzero taps)."""
+    if antialias:  # the filter's window depends on the scale: every input, weighted 0 outside the window
+        weights = interpolation_weights(index, out_size, in_size, mode, antialias)
+        inputs = torch.arange(in_size, device=index.device).expand(weights.shape)
+        return inputs, weights
+    source = (index + 0.5) * (in_size / out_size) - 0.5
+    if mode == "bilinear":
+        source = torch.clamp(source, min=0)
+        low = torch.floor(source)
+        fraction = source - low
+        high = torch.clamp(low + 1, max=in_size - 1)
+        return torch.stack([low, high], -1).long(), torch.stack([1 - fraction, fraction], -1)
+    low = torch.floor(source)
+    fraction = source - low
+    taps = torch.arange(-1, 3, device=index.device, dtype=index.dtype)
+    inputs = torch.clamp(low[..., None] + taps, 0, in_size - 1).long()
+    return inputs, _cubic(fraction[..., None] - taps, -0.75)
 
 
 def interpolation_weights(

@@ -1,0 +1,308 @@
+"""A variable-shape batch's layout as data: the processor packs once, the forward and backward of every head read no
+value back (no synchronisation on a GPU), a whole compiled model takes batches of other images in one graph, and the
+position embeddings are taps equal to the per-grid resize."""
+
+import contextlib
+
+import pytest
+import torch
+from conftest import tiny_config
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_vit import (
+    VisionTransformerForImageClassification,
+    VisionTransformerForMaskedPatchPrediction,
+    VisionTransformerImageProcessor,
+    VisionTransformerModel,
+)
+from hf_vit.model.image_processing_vit import first_fit_decreasing, native_patch_batch, pack_patches
+from hf_vit.model.layout import PACKED_INDEX_FIELDS, packed_index_fields
+from hf_vit.model.modeling_mpp import PATCH_MASKED, PATCH_RANDOM
+from hf_vit.model.resolution import position_taps, resample_position_embeddings
+
+# ops that copy a value from a tensor to the host: on a GPU each waits for the device
+HOST_READ_OPS = ("_local_scalar_dense", "nonzero", "equal", "is_nonzero")
+HOST_READ_METHODS = ("cpu", "tolist", "item", "numpy")
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads of tensor values by the host: the aten ops above (dispatched) and the Tensor methods."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in HOST_READ_OPS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting_host_reads():
+    counter = HostReads()
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READ_METHODS}
+
+    def counted(name):
+        def method(self, *args, **kwargs):
+            counter.reads.append(name)
+            return originals[name](self, *args, **kwargs)
+
+        return method
+
+    try:
+        for name in HOST_READ_METHODS:
+            setattr(torch.Tensor, name, counted(name))
+        with counter:
+            yield counter.reads
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+
+
+def images(count, seed=0, patch=4, largest=24):
+    """`count` random images of patch-divisible sizes of at most `largest` patches."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = []
+    while len(shapes) < count:
+        rows, cols = (int(value) for value in torch.randint(1, 9, (2,), generator=generator))
+        if rows * cols <= largest:
+            shapes.append((rows, cols))
+    return [torch.randn(3, rows * patch, cols * patch, generator=generator) for rows, cols in shapes]
+
+
+def padded_batch(count, seed=0):
+    return dict(native_patch_batch(images(count, seed), 4, 24))
+
+
+def packed_batch(count, seed=0, length=48, drop=False, rows=None):
+    padded = padded_batch(count, seed)
+    grids = [tuple(grid) for grid in padded["spatial_shapes"].tolist()]
+    patches = [values[: rows * cols] for values, (rows, cols) in zip(padded["pixel_values"], grids)]
+    positions = None
+    if drop:  # NaViT's token dropping: each image keeps a random two thirds of its patches, in any order
+        generator = torch.Generator().manual_seed(seed + 1)
+        positions = [torch.randperm(len(p), generator=generator)[: max(1, 2 * len(p) // 3)] for p in patches]
+        patches = [p[kept] for p, kept in zip(patches, positions)]
+    planned = None
+    if rows is not None:  # exactly `rows` rows, as the training collator's fixed-token batches (empty ones padding)
+        planned = first_fit_decreasing([len(p) for p in patches], length)
+        planned += [[] for _ in range(rows - len(planned))]
+    return pack_patches(patches, grids, length, positions, planned)
+
+
+def model_of(kind, **fields):
+    torch.manual_seed(0)
+    config = tiny_config(image_size=16, patch_size=4, num_labels=3, **fields)
+    model = {
+        "classifier": VisionTransformerForImageClassification,
+        "mpp": VisionTransformerForMaskedPatchPrediction,
+        "base": VisionTransformerModel,
+    }[kind](config)
+    return model.train()  # dropout is 0 in the tiny config: training mode is deterministic but takes its paths
+
+
+def forward_backward(model, batch):
+    kind = type(model).__name__
+    inputs = dict(batch)
+    if "MaskedPatch" in kind:  # some patches masked, some replaced by others', the labels per patch slot
+        slots = inputs["pixel_values"].shape[:2]
+        codes = torch.arange(slots[0] * slots[1]).view(slots) % 4
+        inputs["patch_corruption"] = torch.where(codes == 1, PATCH_MASKED, torch.where(codes == 2, PATCH_RANDOM, 0))
+        inputs["labels"] = torch.arange(slots[0] * slots[1]).view(slots) % 8
+    elif "Classification" in kind:
+        inputs["labels"] = torch.arange(len(inputs["spatial_shapes"])) % 3
+    outputs = model(**inputs)
+    loss = outputs.loss if getattr(outputs, "loss", None) is not None else outputs.pooler_output.square().mean()
+    loss.backward()
+    return outputs
+
+
+@pytest.mark.parametrize("kind", ["classifier", "mpp", "base"])
+@pytest.mark.parametrize("form", ["padded", "packed", "packed, dropping"])
+@pytest.mark.parametrize("family", ["plain", "registers + map"])
+def test_forward_and_backward_read_no_value_back(kind, form, family):
+    fields = {} if family == "plain" else dict(num_register_tokens=2, classifier="map", use_class_token=False)
+    if kind == "mpp" and family != "plain":
+        fields["classifier"] = "gap"
+    model = model_of(kind, **fields)
+    batch = padded_batch(5) if form == "padded" else packed_batch(5, drop="dropping" in form)
+    batch = {name: value for name, value in batch.items()}
+    forward_backward(model, batch)  # the first call: one-time work (logs) aside
+    with counting_host_reads() as reads:
+        forward_backward(model, batch)
+    assert reads == []
+    # the counter sees the reads a forward would make: the same batch without the processor's packing reads back
+    if form != "padded":
+        without = {name: value for name, value in batch.items() if name not in PACKED_INDEX_FIELDS}
+        with counting_host_reads() as reads:
+            forward_backward(model, without)
+        assert reads
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_the_layout_the_model_makes_equals_the_processors(drop):
+    """Another library's batch (without the processor's packing fields) runs the slow path: the same outputs."""
+    model = model_of("classifier", num_register_tokens=1).eval()
+    batch = packed_batch(7, seed=3, drop=drop)
+    fast = model(**batch).logits
+    slow = model(**{name: value for name, value in batch.items() if name not in PACKED_INDEX_FIELDS}).logits
+    torch.testing.assert_close(fast, slow, rtol=0, atol=0)
+
+
+def test_packed_index_fields_name_each_rows_images_and_each_images_slots():
+    # rows of 6 slots: [image 2 (2x2), image 0 (1x2)], [image 1 (1x3), padding]
+    index = torch.tensor([[2, 2, 2, 2, 0, 0], [1, 1, 1, -1, -1, -1]])
+    fields = packed_index_fields(index, torch.tensor([[1, 2], [1, 3], [2, 2]]))
+    assert fields["row_image_index"].tolist() == [[2, 0], [1, -1]]
+    assert fields["image_slot_index"].tolist() == [[4, 5, -1, -1], [6, 7, 8, -1], [0, 1, 2, 3]]
+    positions = torch.tensor([[3, 0, 2, 1, 1, 0], [0, 2, 1, -1, -1, -1]])  # each image's places in any order
+    dropped = packed_index_fields(index, torch.tensor([[1, 2], [1, 3], [2, 2]]), patch_positions=positions)
+    assert dropped["image_slot_index"].tolist() == [[5, 4, -1, -1], [6, 8, 7, -1], [1, 3, 2, 0]]
+    with pytest.raises(ValueError, match="image 0 at slot 4"):
+        packed_index_fields(torch.tensor([[0, 0, 1, 1, 0, 0]]), torch.tensor([[1, 2], [1, 2]]))
+
+
+def test_wrong_packing_fields_are_refused_by_their_shapes():
+    model = model_of("classifier").eval()
+    batch = packed_batch(4)
+    wrong = {
+        "row_image_index": torch.cat([batch["row_image_index"]] * 2),  # more rows than the pixels have
+        "patch_image_index": batch["patch_image_index"][:, :3],
+    }
+    for name, value in wrong.items():
+        with pytest.raises(ValueError, match=name):
+            model(**{**batch, name: value})
+    with pytest.raises(ValueError, match="`row_image_index` describes a packed batch"):
+        model(**padded_batch(4), row_image_index=batch["row_image_index"])
+
+
+def test_a_padded_batchs_wrong_values_are_refused_on_the_device():
+    model = model_of("classifier").eval()
+    batch = padded_batch(3)
+    mask = batch["pixel_attention_mask"].clone()
+    mask[0, -1] = 1 - mask[0, -1]
+    with pytest.raises(RuntimeError, match="pixel_attention_mask"):
+        model(**{**batch, "pixel_attention_mask": mask})
+    with pytest.raises(RuntimeError, match="spatial_shapes"):
+        model(**{**batch, "spatial_shapes": batch["spatial_shapes"] * 5})
+
+
+def compiled_graphs(model, batches):
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    for batch in batches:
+        eager = model(**batch).logits
+        torch.testing.assert_close(compiled(**batch).logits, eager, rtol=1e-5, atol=1e-5)
+    return counter.frame_count
+
+
+@pytest.mark.parametrize("form", ["padded", "packed"])
+def test_the_whole_model_compiles_in_one_graph_for_batches_of_other_images(form):
+    model = model_of("classifier", num_register_tokens=1).eval()
+    if form == "padded":  # one K, other images and image counts
+        batches = [padded_batch(count, seed=count) for count in (3, 5, 4, 6, 7, 2)]
+    else:  # R rows of one L (the training collator's batches), other images and image counts
+        batches = [packed_batch(count, seed=count, rows=3) for count in (4, 6, 5, 8, 7, 9)]
+    with torch.no_grad():
+        assert compiled_graphs(model, batches) <= 2
+
+
+def resized_per_grid(table, old_grid, grid, mode, antialias, dtype):
+    """The reference: the patch positions of `table` `(1, 1 + rows * cols, D)` resized to `grid` by F.interpolate."""
+    patches = table[0, 1:].to(dtype).reshape(1, *old_grid, -1).permute(0, 3, 1, 2)
+    resized = F.interpolate(patches, size=grid, mode=mode, antialias=antialias, align_corners=False)
+    return resized.permute(0, 2, 3, 1).reshape(grid[0] * grid[1], -1)
+
+
+@pytest.mark.parametrize("mode", ["bicubic", "bilinear"])
+@pytest.mark.parametrize("antialias", [False, True])
+def test_position_taps_equal_the_resize_per_grid_with_gradients(mode, antialias):
+    torch.manual_seed(0)
+    table = torch.randn(1, 1 + 7 * 6, 8, dtype=torch.float32, requires_grad=True)
+    grids = torch.tensor([[1, 1], [2, 9], [7, 6], [12, 3], [4, 4], [1, 20], [14, 1], [3, 2]])  # up and down, each axis
+    count = 42  # the largest grid's patches
+    by_taps = resample_position_embeddings(table, (7, 6), grids, 1, mode, antialias, num_patches=count)
+    assert by_taps.dtype == torch.float32
+    weights = torch.randn_like(by_taps)
+    (gradient,) = torch.autograd.grad((by_taps * weights).sum(), table)
+    for dtype, tolerance in ((torch.float64, 1e-6), (torch.float32, 3e-6)):  # float32's resize rounds too
+        reference = torch.zeros(len(grids), 1 + count, 8, dtype=dtype)
+        reference[:, 0] = table[0, 0].to(dtype)
+        for index, grid in enumerate(grids.tolist()):
+            reference[index, 1 : 1 + grid[0] * grid[1]] = resized_per_grid(table, (7, 6), grid, mode, antialias, dtype)
+        torch.testing.assert_close(by_taps.to(dtype), reference.detach(), rtol=0, atol=tolerance)
+    (expected,) = torch.autograd.grad((reference * weights.to(dtype)).sum(), table)
+    torch.testing.assert_close(gradient, expected, rtol=0, atol=1e-5)
+    # the per-grid path of whole images is the same function
+    for index, grid in enumerate(grids.tolist()):
+        whole = resample_position_embeddings(table, (7, 6), tuple(grid), 1, mode, antialias)[0]
+        torch.testing.assert_close(by_taps[index, : whole.shape[0]], whole, rtol=0, atol=3e-6)
+
+
+def test_each_patch_has_a_few_taps_without_antialias():
+    grids = torch.tensor([[3, 5], [16, 16]])
+    assert position_taps(grids, 256, (14, 14), "bicubic", False)[0].shape == (2, 256, 16)
+    assert position_taps(grids, 256, (14, 14), "bilinear", False)[0].shape == (2, 256, 4)
+    index, weight = position_taps(grids, 256, (14, 14), "bicubic", False)
+    assert (weight[0, 15:] == 0).all()  # the padding after the first image's 15 patches
+    torch.testing.assert_close(weight[1].sum(-1), torch.ones(256))
+
+
+def test_one_image_from_a_packing_processor_is_a_batch_of_one_and_such_batches_concatenate():
+    processor = VisionTransformerImageProcessor(max_num_patches=24, patch_size=4, packed_sequence_length=48)
+    photos = [(torch.rand(3, 30, 50) * 255).to(torch.uint8) for _ in range(3)]
+    one = processor(photos[0], return_tensors="pt")
+    assert "patch_image_index" not in one and one["pixel_values"].shape == (1, 24, 48)
+    model = model_of("classifier").eval()
+    each = torch.cat([model(**processor(photo, return_tensors="pt")).logits for photo in photos])
+    rows = [processor(photo, return_tensors="pt") for photo in photos]
+    concatenated = {name: torch.cat([row[name] for row in rows]) for name in rows[0]}
+    together = processor(photos, return_tensors="pt")
+    assert "patch_image_index" in together
+    torch.testing.assert_close(model(**concatenated).logits, each, rtol=0, atol=1e-5)
+    torch.testing.assert_close(model(**together).logits, each, rtol=0, atol=1e-5)
+
+
+def test_the_batch_pipeline_serves_a_packing_folder_as_one_image_at_a_time(tmp_path):
+    from transformers import pipeline
+
+    model = model_of("classifier").eval()
+    model.save_pretrained(tmp_path)
+    VisionTransformerImageProcessor(max_num_patches=24, patch_size=4, packed_sequence_length=48).save_pretrained(
+        tmp_path
+    )
+    classify = pipeline("image-classification", model=str(tmp_path), device="cpu")
+    from PIL import Image
+
+    photos = [Image.fromarray((torch.rand(20 + 8 * i, 40, 3) * 255).to(torch.uint8).numpy()) for i in range(4)]
+    one_at_a_time = [classify(photo, top_k=3) for photo in photos]
+    batched = classify(photos, batch_size=3, top_k=3)
+    for alone, together in zip(one_at_a_time, batched):
+        assert [entry["label"] for entry in alone] == [entry["label"] for entry in together]
+        for a, b in zip(alone, together):
+            assert b["score"] == pytest.approx(a["score"], abs=1e-5)
+
+
+def test_cross_entropy_of_a_packed_batch_is_that_of_the_images_alone():
+    """A training step's loss on a packed batch with the processor's layout equals the loss of each image alone."""
+    model = model_of("classifier", num_register_tokens=1).eval()
+    batch = packed_batch(6, seed=5)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    packed = model(**batch, labels=labels).loss
+    padded = padded_batch(6, seed=5)
+    alone = []
+    for index in range(6):
+        rows, cols = padded["spatial_shapes"][index].tolist()
+        one = {
+            "pixel_values": padded["pixel_values"][index : index + 1, : rows * cols],
+            "spatial_shapes": padded["spatial_shapes"][index : index + 1],
+        }
+        alone.append(model(**one).logits)
+    expected = F.cross_entropy(torch.cat(alone), labels)
+    torch.testing.assert_close(packed, expected, rtol=0, atol=1e-5)
