@@ -26,6 +26,7 @@ from hf_vit.model.image_processing_vit import (
 
 MODULE_PATH = pathlib.Path(image_processing_vit.__file__)
 GEOMETRY_PATH = MODULE_PATH.with_name("image_geometry.py")
+LAYOUT_PATH = MODULE_PATH.with_name("layout.py")
 
 
 @pytest.fixture(scope="module")
@@ -316,10 +317,11 @@ def test_defaults_and_save_load_round_trip(tmp_path, photo):
 
 
 def test_module_is_self_contained_remote_code(photo, tmp_path):
-    """The file ships beside checkpoints with its sibling `image_geometry.py`, so they may import only each other, the
-    stdlib, numpy, PIL, torch and transformers; the two alone, in a package of their own, process as hf_vit does."""
+    """The file ships beside checkpoints with its siblings `image_geometry.py` and `layout.py` (the packing it returns),
+    so they may import only each other, the stdlib, numpy, PIL, torch and transformers; the three alone, in a package
+    of their own, process as hf_vit does."""
     allowed = {"numpy", "PIL", "torch", "transformers"} | set(sys.stdlib_module_names)
-    for path in (MODULE_PATH, GEOMETRY_PATH):
+    for path in (MODULE_PATH, GEOMETRY_PATH, LAYOUT_PATH):
         tree = ast.parse(path.read_text())
         # an import guarded by `except ImportError` is optional: where hf-vit is installed, its converters are used
         optional = {
@@ -333,7 +335,7 @@ def test_module_is_self_contained_remote_code(photo, tmp_path):
             if id(node) in optional:
                 continue
             if isinstance(node, ast.ImportFrom) and node.level:
-                assert node.level == 1 and node.module == "image_geometry", (path.name, node.module)
+                assert node.level == 1 and node.module in ("image_geometry", "layout"), (path.name, node.module)
             elif isinstance(node, ast.ImportFrom):
                 assert node.module.split(".")[0] in allowed, node.module
             elif isinstance(node, ast.Import):
@@ -341,7 +343,7 @@ def test_module_is_self_contained_remote_code(photo, tmp_path):
                     assert alias.name.split(".")[0] in allowed, alias.name
     package = tmp_path / "standalone_processor"
     package.mkdir()
-    for path in (MODULE_PATH, GEOMETRY_PATH):
+    for path in (MODULE_PATH, GEOMETRY_PATH, LAYOUT_PATH):
         (package / path.name).write_text(path.read_text())
     (package / "__init__.py").write_text("")
     sys.path.insert(0, str(tmp_path))

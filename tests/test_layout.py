@@ -107,13 +107,14 @@ def model_of(kind, **fields):
 def forward_backward(model, batch):
     kind = type(model).__name__
     inputs = dict(batch)
+    device = inputs["pixel_values"].device
     if "MaskedPatch" in kind:  # some patches masked, some replaced by others', the labels per patch slot
         slots = inputs["pixel_values"].shape[:2]
-        codes = torch.arange(slots[0] * slots[1]).view(slots) % 4
+        codes = torch.arange(slots[0] * slots[1], device=device).view(slots) % 4
         inputs["patch_corruption"] = torch.where(codes == 1, PATCH_MASKED, torch.where(codes == 2, PATCH_RANDOM, 0))
-        inputs["labels"] = torch.arange(slots[0] * slots[1]).view(slots) % 8
+        inputs["labels"] = torch.arange(slots[0] * slots[1], device=device).view(slots) % 8
     elif "Classification" in kind:
-        inputs["labels"] = torch.arange(len(inputs["spatial_shapes"])) % 3
+        inputs["labels"] = torch.arange(len(inputs["spatial_shapes"]), device=device) % 3
     outputs = model(**inputs)
     loss = outputs.loss if getattr(outputs, "loss", None) is not None else outputs.pooler_output.square().mean()
     loss.backward()
@@ -306,3 +307,38 @@ def test_cross_entropy_of_a_packed_batch_is_that_of_the_images_alone():
         alone.append(model(**one).logits)
     expected = F.cross_entropy(torch.cat(alone), labels)
     torch.testing.assert_close(packed, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a synchronisation exists only between a host and a GPU")
+@pytest.mark.parametrize("form", ["padded", "packed"])
+def test_on_a_gpu_forward_and_backward_never_synchronise(form):
+    model = model_of("classifier", num_register_tokens=1).cuda()
+    batch = padded_batch(5) if form == "padded" else packed_batch(5, rows=3)
+    batch = {name: value.cuda() for name, value in batch.items()}
+    forward_backward(model, batch)  # one-time work (the first kernels, the logs) aside
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            forward_backward(model, batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_processors_own_options_load_as_options_and_a_row_too_short_is_refused_at_once(tmp_path, caplog):
+    from transformers import AutoImageProcessor
+    from transformers.utils import logging as transformers_logging
+
+    VisionTransformerImageProcessor(max_num_patches=16, patch_size=8, packed_sequence_length=32).save_pretrained(
+        tmp_path
+    )
+    transformers_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            loaded = AutoImageProcessor.from_pretrained(tmp_path, max_num_patches=24, patch_size=8)
+    finally:
+        transformers_logging.disable_propagation()
+    assert (loaded.max_num_patches, loaded.packed_sequence_length) == (24, 32)
+    assert not [record for record in caplog.records if "backward compatibility" in record.getMessage()]
+    with pytest.raises(ValueError, match=r"`packed_sequence_length` \(32\) must be at least `max_num_patches` \(64\)"):
+        VisionTransformerImageProcessor.from_pretrained(tmp_path, max_num_patches=64)

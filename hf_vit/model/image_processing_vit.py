@@ -18,6 +18,7 @@ import PIL.ImageOps
 import torch
 from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 from transformers.image_utils import ChannelDimension, PILImageResampling
+from transformers.processing_utils import ImagesKwargs
 from transformers.utils import TensorType, logging
 
 from .image_geometry import (
@@ -307,6 +308,15 @@ def _composite_on_white(images: torch.Tensor) -> torch.Tensor:
     return rgb.round_().to(torch.uint8) if images.dtype == torch.uint8 else rgb
 
 
+class VisionTransformerImagesKwargs(ImagesKwargs, total=False):
+    """The options of this processor beyond transformers' own, declared so that `from_pretrained(...,
+    max_num_patches=...)` builds the processor with them (and checks them) like any other option."""
+
+    max_num_patches: int | None
+    patch_size: int
+    packed_sequence_length: int | None
+
+
 class VisionTransformerImageProcessor(BaseImageProcessor):
     r"""Image processor for the Vision Transformer, processing batches with torch (CPU or GPU).
 
@@ -383,6 +393,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     """
 
     model_input_names = ["pixel_values"]
+    valid_kwargs = VisionTransformerImagesKwargs
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
