@@ -317,9 +317,9 @@ def test_defaults_and_save_load_round_trip(tmp_path, photo):
 
 
 def test_module_is_self_contained_remote_code(photo, tmp_path):
-    """The file ships beside checkpoints with its siblings `image_geometry.py` and `layout.py` (the packing it returns),
-    so they may import only each other, the stdlib, numpy, PIL, torch and transformers; the three alone, in a package
-    of their own, process as hf_vit does."""
+    """The file ships beside checkpoints with its siblings `image_geometry.py` and `layout.py` (the packing it
+    returns), so they may import only each other, the stdlib, numpy, PIL, torch and transformers; the three alone, in
+    a package of their own, process as hf_vit does."""
     allowed = {"numpy", "PIL", "torch", "transformers"} | set(sys.stdlib_module_names)
     for path in (MODULE_PATH, GEOMETRY_PATH, LAYOUT_PATH):
         tree = ast.parse(path.read_text())
