@@ -52,7 +52,6 @@ __all__ = [
     "PACKED_INDEX_FIELDS",
     "AttentionSegments",
     "BatchLayout",
-    "attention_mask_for",
     "check_native_batch",
     "masked_mean",
     "packed_index_fields",
@@ -447,24 +446,6 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return type(value).__name__
-
-
-def _query_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """The dtype the attention's queries have: the weights' `dtype`, or autocast's."""
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else dtype
-
-
-def attention_mask_for(token_mask: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """The attention mask that keeps padded tokens (`token_mask` `(B, N)` False) out of every token's keys, in the
-    form `implementation` takes: the `(B, N)` padding mask for flash attention, else an additive `(B, 1, N, N)` mask (a
-    broadcast view: eager and SDPA read it per query and key) in the dtype the queries have: `dtype`, or autocast's."""
-    if "flash" in implementation:
-        return token_mask.int()
-    dtype = _query_dtype(token_mask.device, dtype)
-    batch, tokens = token_mask.shape
-    additive = torch.zeros(token_mask.shape, dtype=dtype, device=token_mask.device)
-    additive = additive.masked_fill(~token_mask, torch.finfo(dtype).min)
-    return additive[:, None, None, :].expand(batch, 1, tokens, tokens)
 
 
 def masked_mean(hidden_states: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
