@@ -57,12 +57,15 @@ def image_size(image: Any) -> tuple[int, int]:
         image = {"path": None, "bytes": bytes(image)}
     data, path = (image.get("bytes"), image.get("path")) if isinstance(image, Mapping) else (None, None)
     if data is not None or (path is not None and "://" not in path):
+        source = path or f"{len(data)} bytes of image data"
         try:
             with PIL.Image.open(io.BytesIO(data) if data is not None else path) as opened:
-                return opened.height, opened.width
+                height, width = opened.height, opened.width
         except (OSError, ValueError) as error:
-            source = path or f"{len(data)} bytes of image data"
             raise CorruptImageError(f"Cannot read the size of image {source}: {error}") from error
+        if height == 0 or width == 0:
+            raise CorruptImageError(f"Image {source} has no pixels ({width}x{height}): remove it from the data set.")
+        return height, width
     (pixels,) = load_images(decode_image(image), do_convert_rgb=False)  # decoded images, and remote files
     return int(pixels.shape[1]), int(pixels.shape[2])
 

@@ -370,7 +370,7 @@ def _open_jpeg(image: Any) -> PIL.Image.Image | None:
         opened = PIL.Image.open(io.BytesIO(data) if data is not None else path)
     except (OSError, ValueError):
         return None  # decode_image names the file and the error
-    if opened.format != "JPEG" or opened.mode not in ("RGB", "L"):
+    if opened.format != "JPEG" or opened.mode not in ("RGB", "L") or 0 in opened.size:  # no pixels: decode_image says
         opened.close()
         return None
     return opened
