@@ -16,8 +16,8 @@ from pathlib import Path
 
 # Command name -> (module of hf_vit.commands, function): the same table as [project.scripts].
 COMMANDS = {
-    "hf-vit-pretrain": ("hf_vit.commands", "pretrain"),
-    "hf-vit-finetune": ("hf_vit.commands", "finetune"),
+    "hf-vit-pretrain": ("hf_vit.commands.train", "pretrain"),
+    "hf-vit-finetune": ("hf_vit.commands.train", "finetune"),
     "hf-vit-convert": ("hf_vit.commands.convert", "main"),
     "hf-vit-resize": ("hf_vit.commands.resize", "main"),
     "hf-vit-export": ("hf_vit.commands.export", "main"),

@@ -131,6 +131,26 @@ def test_serving_never_reaches_training():
     assert not sorted(m for m in served if stage(m) == "train")
 
 
+TRAINING_ONLY = {
+    "hf_vit.data.augment.rand_augment": "RandAugment",
+    "hf_vit.data.augment.random_erasing": "random erasing",
+    "hf_vit.data.augment.mixing": "Mixup/CutMix",
+    "hf_vit.data.augment.train_transform": "the training transform",
+    "hf_vit.train.ema": "EMA",
+    "hf_vit.train.arguments": "the training flags",
+    "hf_vit.commands.train": "the training commands",
+}
+
+
+@pytest.mark.parametrize("command", ["hf_vit.commands.predict", "hf_vit.commands.evaluate"])
+def test_serving_commands_reach_no_training_part(command):
+    """Every import statement predict's and evaluate's modules hold (in functions too) reaches no augmentation, EMA or
+    training entry: the eval pixel path and the training augmentation live apart."""
+    served = reached_from([command])
+    reached = {module: what for module, what in TRAINING_ONLY.items() if module in served}
+    assert not reached and not sorted(m for m in served if stage(m) == "train" or ".augment" in m), reached
+
+
 def test_import_hf_vit_reaches_neither_training_nor_serving():
     reached = reached_from(["hf_vit"])
     assert not sorted(m for m in reached if stage(m) in ("train", "infer"))

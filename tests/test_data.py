@@ -10,18 +10,10 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
+from hf_vit.data.augment.train_transform import draft_scale, make_train_transform, random_resized_crop_box
 from hf_vit.data.datasets import DIGITS_SPLIT_SIZES, load_digits_dataset, load_image_dataset
 from hf_vit.data.datasets import label_names as get_label_names
-from hf_vit.data.transforms import (
-    CorruptImageError,
-    apply_transforms,
-    collate_fn,
-    decode_rgb,
-    draft_scale,
-    make_eval_transform,
-    make_train_transform,
-    random_resized_crop_box,
-)
+from hf_vit.data.transforms import CorruptImageError, apply_transforms, collate_fn, decode_rgb, make_eval_transform
 from hf_vit.model.image_processing_vit import VisionTransformerImageProcessor, load_images, resize_images
 
 SIZE = 16

@@ -31,7 +31,7 @@ def test_the_console_command_answers_help_without_importing_the_package():
 
 def test_hf_vits_flags_and_examples_come_first_and_trainers_behind_a_flag(capsys, monkeypatch):
     """What `python scripts/finetune.py --help` prints (the command's function, the package imported): the same."""
-    from hf_vit.commands import finetune
+    from hf_vit.commands.train import finetune
 
     for flag in ("--help", "-h"):
         monkeypatch.setattr(sys, "argv", ["finetune.py", "--output_dir", "x", flag])

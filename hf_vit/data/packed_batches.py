@@ -40,7 +40,8 @@ import PIL.Image
 import torch
 
 from ..model.image_processing_vit import grid_for_max_patches, load_images
-from .transforms import CorruptImageError, decode_image, kept_patch_count
+from .augment.train_transform import kept_patch_count
+from .transforms import CorruptImageError, decode_image
 
 __all__ = ["PackedBatchSampler", "best_fit_decreasing", "image_size", "planned_patches"]
 
