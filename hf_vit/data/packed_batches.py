@@ -29,7 +29,6 @@ process `r` trains the `r`-th of every `P` consecutive batches, so the sampler y
 from __future__ import annotations
 
 import bisect
-import hashlib
 import io
 import math
 import os
@@ -41,6 +40,7 @@ import torch
 
 from ..model.image_processing_vit import grid_for_max_patches, load_images
 from .augment.train_transform import kept_patch_count
+from .seeding import seeded_generator
 from .transforms import CorruptImageError, decode_image
 
 __all__ = ["PackedBatchSampler", "best_fit_decreasing", "image_size", "planned_patches"]
@@ -116,12 +116,6 @@ def best_fit_decreasing(sizes: Sequence[int], order: Sequence[int], capacity: in
     return bins
 
 
-def _generator(seed: int, *key: Any) -> torch.Generator:
-    text = ":".join(str(part) for part in (seed, *key))
-    number = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-    return torch.Generator().manual_seed(number % 2**63)
-
-
 class PackedBatchSampler:
     """Batches of `rows` rows of `packed_sequence_length` patch slots, each holding as many whole images as fill it
     (see the module docstring): keys `(index, budget, row)` for a training split that takes them
@@ -195,9 +189,10 @@ class PackedBatchSampler:
 
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """The batches of `epoch`, each a list of rows, each the list of its images' indices."""
-        order = torch.randperm(len(self.counts), generator=_generator(self.seed, "packed images", epoch)).tolist()
+        images = seeded_generator(self.seed, "packed images", epoch)
+        order = torch.randperm(len(self.counts), generator=images).tolist()
         rows = best_fit_decreasing(self.counts, order, self.packed_sequence_length)
-        shuffled = torch.randperm(len(rows), generator=_generator(self.seed, "packed rows", epoch)).tolist()
+        shuffled = torch.randperm(len(rows), generator=seeded_generator(self.seed, "packed rows", epoch)).tolist()
         rows = [rows[number] for number in shuffled]
         # Fewer rows than batches (a handful of images on several processes): rows of several images give one away.
         while len(rows) < len(self.rows_per_batch):

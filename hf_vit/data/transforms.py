@@ -142,11 +142,6 @@ def decode_rgb(image: Any, index: int | None = None) -> PIL.Image.Image:
     return PIL.Image.fromarray(pixels.expand(3, -1, -1).permute(1, 2, 0).numpy())
 
 
-def _load_batch(batch: Mapping[str, Sequence[Any]], do_convert_rgb: bool) -> list[torch.Tensor]:
-    """The batch's images as `[C, H, W]` tensors (uint8 unless given as floats) through the processor's path."""
-    return load_images([decode_image(image, i) for i, image in enumerate(batch["image"])], do_convert_rgb)
-
-
 def make_eval_transform(processor: VisionTransformerImageProcessor) -> Transform:
     """Batch transform for evaluation: decode the images, then `processor` does everything else (as at inference);
     one example per image, also for a processor that packs (`packed_sequence_length`): a batch's rows are made where

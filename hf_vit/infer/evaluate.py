@@ -28,9 +28,6 @@ from .loading import load_model, model_inputs, tokens_per_image
 logger = logging.getLogger(__name__)
 
 
-logger = logging.getLogger(__name__)
-
-
 def final_split(ds) -> str:
     """The split a run's final metrics are measured on: test when the data set has one, else validation."""
     return "test" if "test" in ds else "validation"
