@@ -184,6 +184,16 @@ def test_errors_are_one_line_and_exit_status_2(tmp_path, capsys, command, argv, 
     assert len(err) == 1 and err[0].startswith("error:") and named in err[0], err
 
 
+def test_do_train_false_prints_its_summary_once(tmp_path, capsys, caplog):
+    model = classifier_folder(tmp_path / "model")
+    data = split_image_folder(tmp_path / "data")
+    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out")]
+    with caplog.at_level("INFO"):
+        train("finetune", *parse_args("finetune", args + ["--do_train", "False", "--do_eval", *QUIET]))
+    said = capsys.readouterr().out + caplog.text
+    assert said.count("as it is (no training, no model written)") == 1, said
+
+
 def test_do_train_false_evaluates_the_checkpoint_as_it_is_and_writes_no_model(tmp_path):
     model = classifier_folder(tmp_path / "model")
     data = split_image_folder(tmp_path / "data")

@@ -214,8 +214,7 @@ def evaluate_checkpoint(
         f"Evaluated {model_name_or_path} as it is (no training, no model written) on "
         f"{source.dataset_name}: {shown}. Results in {os.path.abspath(output_dir)}."
     )
-    logger.info("%s", message)
-    print(message, flush=True)
+    print(message, flush=True)  # once: the summary is not logged as well
     return results
 
 
