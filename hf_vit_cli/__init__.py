@@ -14,6 +14,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
+TRAINING = ("hf-vit-pretrain", "hf-vit-finetune")
 # Command name -> (module of hf_vit.commands, function): the same table as [project.scripts].
 COMMANDS = {
     "hf-vit-pretrain": ("hf_vit.commands.train", "pretrain"),
@@ -27,22 +28,24 @@ COMMANDS = {
     "hf-vit-predict": ("hf_vit.commands.predict", "main"),
 }
 HELP_FLAGS = ("-h", "--help")
+PRESETS_FILE = "presets.txt"  # what `--list_presets` prints, saved beside the help texts
 
 
-def saved_help(command: str) -> str | None:
-    """The help text saved for `command`, read without importing `hf_vit` (None when the file is missing)."""
+def saved_help(command: str, name: str | None = None) -> str | None:
+    """The help text saved for `command` (or the saved file `name`), read without importing `hf_vit` (None when the
+    file is missing)."""
     spec = importlib.util.find_spec("hf_vit")  # a top-level package is located, not imported
     if spec is None or spec.origin is None:
         return None
-    path = Path(spec.origin).parent / "commands" / "help" / f"{command}.txt"
+    path = Path(spec.origin).parent / "commands" / "help" / (name or f"{command}.txt")
     return path.read_text(encoding="utf-8") if path.is_file() else None
 
 
 def run(command: str, argv: list[str] | None = None) -> int:
     """`command` with `argv` (default: the process's): its saved help for `-h`/`--help`, else the command itself."""
     argv = sys.argv[1:] if argv is None else argv
-    if any(flag in HELP_FLAGS for flag in argv):
-        text = saved_help(command)
+    if any(flag in HELP_FLAGS for flag in argv) or (command in TRAINING and "--list_presets" in argv):
+        text = saved_help(command, PRESETS_FILE if "--list_presets" in argv and command in TRAINING else None)
         if text is not None:
             sys.stdout.write(text)
             return 0

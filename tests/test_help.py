@@ -46,3 +46,36 @@ def test_hf_vits_flags_and_examples_come_first_and_trainers_behind_a_flag(capsys
     assert finetune() == 0
     everything = capsys.readouterr().out
     assert "--gradient_accumulation_steps" in everything and "--recipe" in everything
+
+
+def test_list_presets_names_every_preset_without_importing_the_package():
+    from hf_vit import VisionTransformerConfig
+    from hf_vit.commands.help import presets_text
+    from hf_vit_cli import PRESETS_FILE
+
+    saved = (HELP_FOLDER / PRESETS_FILE).read_text(encoding="utf-8")
+    assert saved == presets_text(), "run `python -m hf_vit.commands.help` to write the presets again"
+    assert all(f"  {name} " in saved for name in VisionTransformerConfig.preset_names())
+    probe = (
+        "import sys, hf_vit_cli\n"
+        "sys.argv = ['hf-vit-pretrain', '--list_presets']\n"
+        "code = hf_vit_cli.pretrain()\n"
+        "print('imported:', sorted(m for m in ('torch', 'transformers', 'hf_vit') if m in sys.modules), code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == saved + "imported: [] 0\n"
+
+
+def test_the_training_helps_say_where_presets_and_image_folders_are_described(capsys, monkeypatch):
+    from hf_vit.commands.train import pretrain
+
+    pretraining = (HELP_FOLDER / "hf-vit-pretrain.txt").read_text(encoding="utf-8")
+    finetuning = (HELP_FOLDER / "hf-vit-finetune.txt").read_text(encoding="utf-8")
+    assert "--list_presets" in pretraining and "PRESETS" not in pretraining + finetuning
+    assert "--preset" not in finetuning  # fine-tuning starts from --model_name_or_path only
+    for text in (pretraining, finetuning):
+        assert "root/<class>/*.jpg" in text  # --dataset_name says the image folder's layout
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", "--list_presets"])  # scripts/pretrain.py, the package imported
+    assert pretrain() == 0
+    assert "vit-base-patch16-224" in capsys.readouterr().out

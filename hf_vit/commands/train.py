@@ -21,6 +21,11 @@ def _train(task: str) -> int:
     """The flags first (`--help` and a bad flag answer at once), then the run's imports (datasets, Trainer...)."""
     from ..train.arguments import build_parser, parse_args_or_exit
 
+    if "--list_presets" in sys.argv[1:]:
+        from .help import presets_text
+
+        print(presets_text(), end="")
+        return 0
     if "--help_trainer" in sys.argv[1:]:  # every flag, Trainer's ~110 included, as argparse lists them
         build_parser(task).print_help()
         return 0
