@@ -79,3 +79,37 @@ def test_the_training_helps_say_where_presets_and_image_folders_are_described(ca
     monkeypatch.setattr(sys, "argv", ["pretrain.py", "--list_presets"])  # scripts/pretrain.py, the package imported
     assert pretrain() == 0
     assert "vit-base-patch16-224" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "command, argv, said",
+    [
+        ("finetune", ["--lerning_rate", "0.1"], "--lerning_rate: did you mean --learning_rate?"),
+        ("finetune", ["--data", "images"], "--data: the data set is --dataset_name"),
+        ("pretrain", ["--dataset_name", "./no-such-images"], "--dataset_name ./no-such-images: no such folder"),
+        ("finetune", ["--model_name_or_path", "outputs/quick/typo"], "--model_name_or_path outputs/quick/typo: no"),
+        ("predict", ["--model", "~/no-such-model", "cat.jpg"], "--model ~/no-such-model: no such folder"),
+        ("evaluate", ["--model", "m", "--dataset_nme", "x"], "--dataset_nme: did you mean --dataset_name?"),
+    ],
+)
+def test_a_typo_in_a_flag_or_a_path_is_told_before_the_package_loads(command, argv, said):
+    probe = (
+        "import sys, hf_vit_cli\n"
+        f"sys.argv = ['hf-vit-{command}', *{argv!r}]\n"
+        f"code = hf_vit_cli.{command}()\n"
+        "print('imported:', sorted(m for m in ('torch', 'transformers', 'hf_vit') if m in sys.modules), code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "imported: [] 2\n", done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: ") and said in line, line
+
+
+@pytest.mark.parametrize("command", ["hf-vit-pretrain", "hf-vit-finetune"])
+def test_the_saved_flag_lists_are_every_flag_the_training_commands_take(command):
+    from hf_vit.commands.help import all_flags
+    from hf_vit_cli import flags_file
+
+    saved = (HELP_FOLDER / flags_file(command)).read_text(encoding="utf-8")
+    assert saved == all_flags(command), "run `python -m hf_vit.commands.help` to write the flag lists again"
+    assert {"--learning_rate", "--local-rank", "--dataset_name", "--hflip"} <= set(saved.split())

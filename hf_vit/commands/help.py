@@ -19,7 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from hf_vit_cli import COMMANDS, PRESETS_FILE
+from hf_vit_cli import COMMANDS, PRESETS_FILE, flags_file
 
 HELP_FOLDER = Path(__file__).parent / "help"
 WIDTH = 119  # the help is saved, so its lines are wrapped at one width, not at the terminal's
@@ -140,6 +140,15 @@ def _wrap(line: str) -> str:
     return "\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="    ")) if len(line) > WIDTH else line
 
 
+def all_flags(command: str) -> str:
+    """Every flag a training command takes (Trainer's among them), one a line: what `hf_vit_cli` checks the command
+    line against before the package is imported."""
+    from ..train.arguments import build_parser
+
+    parser = build_parser(TRAINING[command][0])
+    return "".join(f"{option}\n" for option in sorted({o for a in parser._actions for o in a.option_strings}))
+
+
 def presets_text() -> str:
     """What `--list_presets` prints: each architecture `--preset` names, with its size."""
     from ..model.configuration_vit import VisionTransformerConfig
@@ -178,6 +187,9 @@ def main() -> int:
         print(f"wrote {HELP_FOLDER / f'{command}.txt'}")
     (HELP_FOLDER / PRESETS_FILE).write_text(presets_text(), encoding="utf-8")
     print(f"wrote {HELP_FOLDER / PRESETS_FILE}")
+    for command in TRAINING:
+        (HELP_FOLDER / flags_file(command)).write_text(all_flags(command), encoding="utf-8")
+        print(f"wrote {HELP_FOLDER / flags_file(command)}")
     return 0
 
 
