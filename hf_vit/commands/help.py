@@ -45,7 +45,8 @@ TRAINING = {
         "head), optionally at another resolution, at native aspect ratios, with LoRA or with a named recipe.",
         [
             "hf-vit-finetune --model_name_or_path outputs/main --dataset_name images --image_size 64 \\\n"
-            "    --output_dir out/my-model --learning_rate 0.03 --num_train_epochs 20",
+            "    --output_dir out/my-model --learning_rate 0.03 --num_train_epochs 20   # or outputs/quick "
+            "(make train QUICK=1)",
             "hf-vit-finetune --model_name_or_path google/vit-base-patch16-224-in21k --dataset_name images \\\n"
             "    --recipe finetune --output_dir out/vit-b",
             "hf-vit-finetune --model_name_or_path out/vit-b --dataset_name images --do_train False --do_eval \\\n"
