@@ -10,12 +10,15 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup train test lint bench clean
 
+# make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu: torch's CPU build (a plain install is CUDA's on Linux).
+TORCH_INDEX ?=
+
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 

@@ -104,7 +104,7 @@ def input_pipelines(output_size: int) -> tuple[dict[str, Callable[[list[bytes]],
 
     import PIL.Image
 
-    from hf_vit.data.transforms import make_train_transform
+    from hf_vit.data.augment.train_transform import make_train_transform
 
     processor = VisionTransformerImageProcessor(size=output_size)
     mean, std = list(processor.image_mean), list(processor.image_std)

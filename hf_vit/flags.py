@@ -42,8 +42,24 @@ def error_status(error: Exception) -> int:
     (`HF_VIT_TRACEBACK=1`: the error is raised again, with its whole traceback)."""
     if os.environ.get("HF_VIT_TRACEBACK"):
         raise error
-    print(f"error: {error}", file=sys.stderr)
+    print(f"error: {error_message(error)}", file=sys.stderr)
     return 2
+
+
+def error_message(error: Exception) -> str:
+    """`error`'s message; for an error a DataLoader worker raised, the worker's own message. torch raises it again in
+    the main process with the worker's whole traceback as its message ("Caught ... in DataLoader worker process
+    0. Original Traceback ..."), which would bury the one line that names the file."""
+    text = str(error)
+    if not (text.startswith("Caught ") and " in DataLoader worker process " in text.split("\n", 1)[0]):
+        return text
+    lines = text.rstrip().splitlines()
+    name = type(error).__name__
+    for index in range(len(lines) - 1, 0, -1):  # the traceback's last line that is the error itself
+        head, colon, message = lines[index].partition(": ")
+        if colon and head.split(".")[-1] == name and not lines[index].startswith(" "):
+            return " ".join([message, *(line.strip() for line in lines[index + 1 :])]).strip()
+    return text
 
 
 @contextlib.contextmanager

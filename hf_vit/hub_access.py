@@ -19,8 +19,8 @@ logger = logging.getLogger(__name__)
 
 LOCAL_ALTERNATIVES = (
     "pass local folders instead: a model folder (an hf-vit, transformers or timm folder, e.g. outputs/main, which "
-    "`make train` writes) and, for --dataset_name, an image folder (root/<label>/*.jpg), a save_to_disk folder or "
-    "'digits'"
+    "`make train` writes, or outputs/quick from `make train QUICK=1`) and, for --dataset_name, an image folder "
+    "(root/<label>/*.jpg), a save_to_disk folder or 'digits'"
 )
 # Why the Hub did not answer, by endpoint: asked once per process.
 _UNREACHABLE: dict[str, str] = {}

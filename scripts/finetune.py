@@ -8,7 +8,7 @@ a new zero-initialised head), optionally at a higher resolution than pretraining
 Every `transformers.TrainingArguments` flag works; see `--help`.
 """
 
-from hf_vit.commands import finetune
+from hf_vit.commands.train import finetune
 
 if __name__ == "__main__":
     finetune()

@@ -7,7 +7,7 @@
 Every `transformers.TrainingArguments` flag works; see `--help`.
 """
 
-from hf_vit.commands import pretrain
+from hf_vit.commands.train import pretrain
 
 if __name__ == "__main__":
     pretrain()

@@ -393,15 +393,16 @@ def test_visualize_bad_input_is_one_error_line(saved_model, tmp_path, capsys, ca
     assert not (tmp_path / "figures").exists()
 
 
-def test_visualize_draws_a_native_aspect_runs_folder_from_whole_images(saved_model, tmp_path, monkeypatch):
-    """A folder whose processor serves native-aspect patches (saved by a --max_num_patches run) is drawn on the
-    model's square grid: the analysis gets whole images at the model's size, not flattened patches."""
+@pytest.mark.parametrize("packing", [{}, {"packed_sequence_length": 24}], ids=["native", "packed"])
+def test_visualize_draws_a_native_aspect_runs_folder_from_whole_images(saved_model, tmp_path, monkeypatch, packing):
+    """A folder whose processor serves native-aspect patches (saved by a --max_num_patches run, packed or not) is
+    drawn on the model's square grid: the analysis gets whole images at the model's size, not flattened patches."""
     import PIL.Image
 
     import hf_vit.commands.visualize as visualize
     from hf_vit import VisionTransformerImageProcessor
 
-    VisionTransformerImageProcessor(size=16, max_num_patches=12, patch_size=4).save_pretrained(saved_model)
+    VisionTransformerImageProcessor(size=16, max_num_patches=12, patch_size=4, **packing).save_pretrained(saved_model)
     seen = {}
 
     def analysis(model, processor, images, output, **kwargs):

@@ -15,7 +15,7 @@ The order, lowest first (a module may import its own package and any package of 
     4  tasks                what a run learns (labels, model builders, collators, metrics, losses)
     5  infer                a saved folder at work: loading, predict, evaluate, the compute dial
     6  train                the Trainer run (uses infer for `--do_train False` and the compute dial after training)
-    6  variants, export, analysis, hub    tools used after training (beside train: they never import it)
+    6  variants, export, analysis    tools used after training (beside train: they never import it)
     7  commands             console entry points: parse flags, then one library call
 """
 
@@ -48,7 +48,6 @@ LAYERS = {
     "variants": 6,
     "export": 6,
     "analysis": 6,
-    "hub": 6,
     "commands": 7,
 }
 
@@ -131,6 +130,26 @@ def test_serving_never_reaches_training():
     assert not sorted(m for m in served if stage(m) == "train")
 
 
+TRAINING_ONLY = {
+    "hf_vit.data.augment.rand_augment": "RandAugment",
+    "hf_vit.data.augment.random_erasing": "random erasing",
+    "hf_vit.data.augment.mixing": "Mixup/CutMix",
+    "hf_vit.data.augment.train_transform": "the training transform",
+    "hf_vit.train.ema": "EMA",
+    "hf_vit.train.arguments": "the training flags",
+    "hf_vit.commands.train": "the training commands",
+}
+
+
+@pytest.mark.parametrize("command", ["hf_vit.commands.predict", "hf_vit.commands.evaluate"])
+def test_serving_commands_reach_no_training_part(command):
+    """Every import statement predict's and evaluate's modules hold (in functions too) reaches no augmentation, EMA or
+    training entry: the eval pixel path and the training augmentation live apart."""
+    served = reached_from([command])
+    reached = {module: what for module, what in TRAINING_ONLY.items() if module in served}
+    assert not reached and not sorted(m for m in served if stage(m) == "train" or ".augment" in m), reached
+
+
 def test_import_hf_vit_reaches_neither_training_nor_serving():
     reached = reached_from(["hf_vit"])
     assert not sorted(m for m in reached if stage(m) in ("train", "infer"))
@@ -204,3 +223,17 @@ def test_one_trainer_subclass_overrides_each_trainer_method_once():
     bases, methods = overriding["hf_vit.train.trainer.VisionTransformerTrainer"]
     assert bases == ["Trainer"]  # no mix-ins deciding the order of the overrides
     assert len(methods) == len(set(methods))
+
+
+def test_one_helper_makes_the_seeded_numbers():
+    """Every seeded shuffle, draw and augmentation takes its numbers from `hf_vit.data.seeding` (one hash, in one
+    place), and they are those earlier runs drew, so that resuming one reproduces it."""
+    from hf_vit.data.augment.mixing import mixing_seed
+    from hf_vit.data.seeding import seeded_generator, seeded_int
+
+    hashing = sorted(module for module, path in MODULES.items() if "blake2b" in path.read_text())
+    assert hashing == ["hf_vit.data.seeding"]
+    assert seeded_int(3, "seq_len", 2) == 5370997803009878425 and seeded_int(3, 1, 7) == 14611834967996484535
+    assert seeded_generator(3, "order", 1).initial_seed() == 1656595375284765039
+    assert seeded_generator(3, "packed rows", 2).initial_seed() == 6323678348051828269
+    assert mixing_seed(3, 5, 1) == 9293102001733139489

@@ -3,6 +3,7 @@
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -227,7 +228,6 @@ LAYERS = {
     "hf_vit.variants": 6,
     "hf_vit.export": 6,
     "hf_vit.analysis": 6,
-    "hf_vit.hub": 6,
     "hf_vit.commands": 7,
 }
 
@@ -297,18 +297,19 @@ def test_the_core_folder_is_exactly_the_code_a_checkpoint_carries(tmp_path):
 def test_the_paths_users_were_given_still_import():
     from importlib import import_module
 
-    import tomllib
-
     import hf_vit
     from hf_vit.analysis import HEAD_FUSIONS, write_analysis_figures  # noqa: F401
-    from hf_vit.hub import push_folder_to_hub  # noqa: F401
     from hf_vit.lora import load_lora_model, save_merged_model  # noqa: F401
+    from hf_vit.outputs.push import push_folder_to_hub  # noqa: F401
 
     for name in ("VisionTransformerConfig", "VisionTransformerModel", "VisionTransformerForImageClassification",
                  "VisionTransformerForMaskedPatchPrediction", "VisionTransformerImageProcessor",
                  "VisionTransformerBackbone"):  # fmt: skip
         assert hasattr(hf_vit, name), name
-    scripts = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    # [project.scripts], read without tomllib (Python 3.10, the oldest supported, has none)
+    section = (PACKAGE.parent / "pyproject.toml").read_text().split("[project.scripts]\n", 1)[1].split("\n[", 1)[0]
+    scripts = dict(line.replace('"', "").split(" = ") for line in section.strip().splitlines())
+    assert len(scripts) == 9, scripts
     for command, target in scripts.items():
         module, _, function = target.partition(":")
         assert callable(getattr(import_module(module), function)), command
@@ -316,8 +317,17 @@ def test_the_paths_users_were_given_still_import():
 
 def test_the_packages_top_level_holds_few_modules():
     # Exactly these, each for a reason: the tools used after training (analysis, export, variants), the public paths
-    # users were given (lora: LoRA run folders; hub: pushing, kept for earlier releases) and the two small modules
-    # every layer shares (flags: the checks of flag values and the commands' error line; hub_access: the Hub asked
-    # once). Anything else belongs in a package.
+    # users were given (lora: LoRA run folders) and the two small modules every layer shares (flags: the checks of
+    # flag values and the commands' error line; hub_access: the Hub asked once). Anything else belongs in a package.
     top = {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"}
-    assert top == {"analysis", "export", "variants", "lora", "hub", "flags", "hub_access"}
+    assert top == {"analysis", "export", "variants", "lora", "flags", "hub_access"}
+
+
+def test_the_tests_import_nothing_the_oldest_supported_python_lacks():
+    # requires-python says 3.10, which has no tomllib (3.11)
+    assert 'requires-python = ">=3.10"' in (PACKAGE.parent / "pyproject.toml").read_text()
+    tests = Path(__file__).parent
+    importing = [
+        path.name for path in sorted(tests.glob("*.py")) if re.search(r"^\s*import tomllib", path.read_text(), re.M)
+    ]
+    assert importing == []

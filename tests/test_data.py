@@ -10,18 +10,10 @@ import pytest
 import torch
 from sklearn.datasets import load_digits
 
+from hf_vit.data.augment.train_transform import draft_scale, make_train_transform, random_resized_crop_box
 from hf_vit.data.datasets import DIGITS_SPLIT_SIZES, load_digits_dataset, load_image_dataset
 from hf_vit.data.datasets import label_names as get_label_names
-from hf_vit.data.transforms import (
-    CorruptImageError,
-    apply_transforms,
-    collate_fn,
-    decode_rgb,
-    draft_scale,
-    make_eval_transform,
-    make_train_transform,
-    random_resized_crop_box,
-)
+from hf_vit.data.transforms import CorruptImageError, apply_transforms, collate_fn, decode_rgb, make_eval_transform
 from hf_vit.model.image_processing_vit import VisionTransformerImageProcessor, load_images, resize_images
 
 SIZE = 16
@@ -266,6 +258,53 @@ def test_an_image_of_nan_values_or_no_pixels_is_named(tmp_path, processor):
         with pytest.raises(CorruptImageError, match=r"image 2 of the batch\) has no pixels \(shape"):
             decode_image(empty, 2)
     assert decode_image(np.zeros((2, 2, 3), dtype=np.float32)).shape == (2, 2, 3)  # finite floats pass
+
+
+def test_an_image_refused_in_a_dataloader_worker_is_one_error_line(tmp_path, processor, capsys):
+    """A worker's error comes back with the worker's traceback as its message: the command prints the one line."""
+    from hf_vit.flags import error_status
+
+    root = _write_image_folder(tmp_path / "images")
+    PIL.Image.fromarray(np.full((6, 6), np.nan, dtype=np.float32), mode="F").save(root / "cat" / "nan.tiff")
+    ds = apply_transforms(
+        load_image_dataset(str(root)), make_eval_transform(processor), make_eval_transform(processor)
+    )
+    loader = torch.utils.data.DataLoader(ds["train"], batch_size=16, num_workers=1, collate_fn=collate_fn)
+    with pytest.raises(CorruptImageError) as info:
+        next(iter(loader))
+    assert "DataLoader worker" in str(info.value)
+    capsys.readouterr()
+    assert error_status(info.value) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert (
+        line.startswith("error: Image ") and "nan.tiff (image " in line and line.endswith("numpy.nan_to_num) first.")
+    )
+
+
+def test_an_image_without_pixels_in_its_header_is_named(tmp_path, processor, monkeypatch):
+    """A file whose header says 0 pixels wide is refused naming it, by the packing plan and by the training
+    transform's JPEG road (not by a grid or a resize that never says which file it was)."""
+    from hf_vit.data.packed_batches import planned_patches
+
+    path = tmp_path / "empty.jpg"
+    path.write_bytes(b"a JPEG header of 0x8 pixels")
+    real_open = PIL.Image.open
+
+    def open_empty(source, *args, **kwargs):
+        name = getattr(source, "name", source)
+        if str(name) != str(path) and not isinstance(source, io.BytesIO):
+            return real_open(source, *args, **kwargs)
+        image = PIL.Image.new("RGB", (0, 8))
+        image.format = "JPEG"
+        return image
+
+    monkeypatch.setattr(PIL.Image, "open", open_empty)
+    with pytest.raises(CorruptImageError, match=r"empty.jpg has no pixels \(0x8\)"):
+        planned_patches([str(path)], 4, 16)
+    native = VisionTransformerImageProcessor(size=16, max_num_patches=16, patch_size=4, do_center_crop=False)
+    for transform in (make_train_transform(processor), make_train_transform(native)):
+        with pytest.raises(CorruptImageError, match=r"empty.jpg \(image 0 of the batch\) has no pixels"):
+            transform({"image": [str(path)], "label": [0]})
 
 
 def _paths(ds):

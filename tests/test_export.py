@@ -199,9 +199,33 @@ def test_torch_export_of_native_batches_and_what_the_command_refuses(tmp_path, c
     with pytest.raises(SystemExit):
         main(argv + ["--max_num_patches", "1"])
     assert "--max_num_patches must be at least 2" in capsys.readouterr().err
-    VisionTransformerForImageClassification(tiny_config(classifier="map")).save_pretrained(tmp_path / "map")
-    code = main(["--model", str(tmp_path / "map"), "--output", str(tmp_path / "map.pt2"), "--format", "torch_export",
-                 "--max_num_patches", "12"])  # fmt: skip
+    hybrid = tiny_config(resnet_layers=[1, 1], resnet_width=32, patch_size=8)
+    VisionTransformerForImageClassification(hybrid).save_pretrained(tmp_path / "hybrid")
+    code = main(["--model", str(tmp_path / "hybrid"), "--output", str(tmp_path / "hybrid.pt2"), "--format",
+                 "torch_export", "--max_num_patches", "12"])  # fmt: skip
     error = capsys.readouterr().err
-    assert code == 2 and "--max_num_patches" in error and "classifier='map'" in error
-    assert not (tmp_path / "one.pt2").exists() and not (tmp_path / "map.pt2").exists()
+    assert code == 2 and "--max_num_patches" in error and "ResNet stem" in error
+    assert not (tmp_path / "one.pt2").exists() and not (tmp_path / "hybrid.pt2").exists()
+
+
+def test_torch_export_of_native_batches_with_attention_pooling(tmp_path, capsys):
+    from hf_vit.commands.export import main
+
+    model = classifier(classifier="map", num_hidden_layers=1)
+    model.save_pretrained(tmp_path / "map")
+    output = tmp_path / "map.pt2"
+    argv = ["--model", str(tmp_path / "map"), "--output", str(output), "--format", "torch_export"]
+    assert main(argv + ["--max_num_patches", "12"]) == 0
+    program = torch.export.load(output).module()
+    rng = np.random.default_rng(0)
+    images = [
+        rng.integers(0, 256, (height, width, 3), dtype=np.uint8) for height, width in ((40, 40), (20, 80), (90, 30))
+    ]
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=model.config.patch_size)
+    inputs = processor(images, return_tensors="pt")
+    assert not bool(inputs["pixel_attention_mask"].all())  # padded rows among them
+    arguments = [inputs[name] for name in ("pixel_values", "pixel_attention_mask", "spatial_shapes")]
+    with torch.no_grad():  # each image in a batch of its own
+        alone = torch.cat([model(**processor([image], return_tensors="pt")).logits for image in images])
+    assert alone.std() > 0.1
+    torch.testing.assert_close(program(*arguments), alone, atol=1e-4, rtol=0)

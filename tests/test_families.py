@@ -274,7 +274,8 @@ def test_a_run_at_another_image_size_keeps_the_sources_geometry(hub, repo_id, re
     transform is that processor, equal to transformers' own processor with those settings (within the 8-bit levels
     the resize filters differ by, see above); the training transform resizes its random crops to 56x56, and without
     them it is the evaluation transform exactly."""
-    from hf_vit.data.transforms import make_eval_transform, make_train_transform
+    from hf_vit.data.augment.train_transform import make_train_transform
+    from hf_vit.data.transforms import make_eval_transform
     from hf_vit.tasks.model_setup import processor_for
 
     side = crop or resize["height"]

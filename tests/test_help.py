@@ -31,7 +31,7 @@ def test_the_console_command_answers_help_without_importing_the_package():
 
 def test_hf_vits_flags_and_examples_come_first_and_trainers_behind_a_flag(capsys, monkeypatch):
     """What `python scripts/finetune.py --help` prints (the command's function, the package imported): the same."""
-    from hf_vit.commands import finetune
+    from hf_vit.commands.train import finetune
 
     for flag in ("--help", "-h"):
         monkeypatch.setattr(sys, "argv", ["finetune.py", "--output_dir", "x", flag])
@@ -46,3 +46,70 @@ def test_hf_vits_flags_and_examples_come_first_and_trainers_behind_a_flag(capsys
     assert finetune() == 0
     everything = capsys.readouterr().out
     assert "--gradient_accumulation_steps" in everything and "--recipe" in everything
+
+
+def test_list_presets_names_every_preset_without_importing_the_package():
+    from hf_vit import VisionTransformerConfig
+    from hf_vit.commands.help import presets_text
+    from hf_vit_cli import PRESETS_FILE
+
+    saved = (HELP_FOLDER / PRESETS_FILE).read_text(encoding="utf-8")
+    assert saved == presets_text(), "run `python -m hf_vit.commands.help` to write the presets again"
+    assert all(f"  {name} " in saved for name in VisionTransformerConfig.preset_names())
+    probe = (
+        "import sys, hf_vit_cli\n"
+        "sys.argv = ['hf-vit-pretrain', '--list_presets']\n"
+        "code = hf_vit_cli.pretrain()\n"
+        "print('imported:', sorted(m for m in ('torch', 'transformers', 'hf_vit') if m in sys.modules), code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == saved + "imported: [] 0\n"
+
+
+def test_the_training_helps_say_where_presets_and_image_folders_are_described(capsys, monkeypatch):
+    from hf_vit.commands.train import pretrain
+
+    pretraining = (HELP_FOLDER / "hf-vit-pretrain.txt").read_text(encoding="utf-8")
+    finetuning = (HELP_FOLDER / "hf-vit-finetune.txt").read_text(encoding="utf-8")
+    assert "--list_presets" in pretraining and "PRESETS" not in pretraining + finetuning
+    assert "--preset" not in finetuning  # fine-tuning starts from --model_name_or_path only
+    for text in (pretraining, finetuning):
+        assert "root/<class>/*.jpg" in text  # --dataset_name says the image folder's layout
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", "--list_presets"])  # scripts/pretrain.py, the package imported
+    assert pretrain() == 0
+    assert "vit-base-patch16-224" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "command, argv, said",
+    [
+        ("finetune", ["--lerning_rate", "0.1"], "--lerning_rate: did you mean --learning_rate?"),
+        ("finetune", ["--data", "images"], "--data: the data set is --dataset_name"),
+        ("pretrain", ["--dataset_name", "./no-such-images"], "--dataset_name ./no-such-images: no such folder"),
+        ("finetune", ["--model_name_or_path", "outputs/quick/typo"], "--model_name_or_path outputs/quick/typo: no"),
+        ("predict", ["--model", "~/no-such-model", "cat.jpg"], "--model ~/no-such-model: no such folder"),
+        ("evaluate", ["--model", "m", "--dataset_nme", "x"], "--dataset_nme: did you mean --dataset_name?"),
+    ],
+)
+def test_a_typo_in_a_flag_or_a_path_is_told_before_the_package_loads(command, argv, said):
+    probe = (
+        "import sys, hf_vit_cli\n"
+        f"sys.argv = ['hf-vit-{command}', *{argv!r}]\n"
+        f"code = hf_vit_cli.{command}()\n"
+        "print('imported:', sorted(m for m in ('torch', 'transformers', 'hf_vit') if m in sys.modules), code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "imported: [] 2\n", done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: ") and said in line, line
+
+
+@pytest.mark.parametrize("command", ["hf-vit-pretrain", "hf-vit-finetune"])
+def test_the_saved_flag_lists_are_every_flag_the_training_commands_take(command):
+    from hf_vit.commands.help import all_flags
+    from hf_vit_cli import flags_file
+
+    saved = (HELP_FOLDER / flags_file(command)).read_text(encoding="utf-8")
+    assert saved == all_flags(command), "run `python -m hf_vit.commands.help` to write the flag lists again"
+    assert {"--learning_rate", "--local-rank", "--dataset_name", "--hflip"} <= set(saved.split())

@@ -89,7 +89,7 @@ def test_the_training_command_fails_in_seconds_without_a_network(tmp_path):
             Image.new("RGB", (12, 10), (40 * index, 90, 200)).save(images / label / f"{index}.png")
     env = {**os.environ, "HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "PYTHONPATH": str(ROOT)}
     env.update(HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HUB_CACHE=str(tmp_path / "cache"))
-    command = "from hf_vit.commands import finetune; raise SystemExit(finetune())"
+    command = "from hf_vit.commands.train import finetune; raise SystemExit(finetune())"
     argv = ["--model_name_or_path", "google/vit-base-patch16-224-in21k", "--dataset_name", str(images)]
     argv += ["--output_dir", str(tmp_path / "out"), "--use_cpu", "True"]
     started = time.perf_counter()

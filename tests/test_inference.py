@@ -150,7 +150,7 @@ def test_evaluate_without_matplotlib_says_so_and_skips_the_plot(tmp_path, monkey
         (evaluate_command, ["--model", "{model}"], "--dataset_name"),
         (predict_command, ["--model", "{model}", "{tmp}/x.png", "--max_num_patches", "0"], "--max_num_patches"),
         (predict_command, ["--model", "{model}", "{tmp}/x.png", "--patch_size", "3"], "--patch_size 3"),
-        (predict_command, ["--model", "{map}", "{tmp}/x.png", "--max_num_patches", "4"], "classifier='map'"),
+        (predict_command, ["--model", "{hybrid}", "{tmp}/x.png", "--max_num_patches", "4"], "ResNet stem"),
         (
             evaluate_command,
             ["--model", "{model}", "--dataset_name", "{data}", "--max_num_patches", "4,x"],
@@ -168,12 +168,12 @@ def test_errors_are_one_line_and_exit_status_2(tmp_path, capsys, command, argv, 
     model = classifier_folder(tmp_path / "model")
     data = split_image_folder(tmp_path / "data")
     Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
-    attention_pooling = tmp_path / "map"  # a model that cannot take native-aspect batches
+    hybrid = tmp_path / "hybrid"  # a model that cannot take native-aspect batches (a ResNet stem)
     VisionTransformerForImageClassification(
-        VisionTransformerConfig.from_pretrained(model, classifier="map")
-    ).save_pretrained(attention_pooling)
-    VisionTransformerImageProcessor(size=8).save_pretrained(attention_pooling)
-    argv = [word.format(tmp=tmp_path, model=model, data=data, map=attention_pooling) for word in argv]
+        VisionTransformerConfig.from_pretrained(model, resnet_layers=[1], resnet_width=32)
+    ).save_pretrained(hybrid)
+    VisionTransformerImageProcessor(size=8).save_pretrained(hybrid)
+    argv = [word.format(tmp=tmp_path, model=model, data=data, hybrid=hybrid) for word in argv]
     capsys.readouterr()
     try:
         code = command.main(argv)
@@ -182,6 +182,16 @@ def test_errors_are_one_line_and_exit_status_2(tmp_path, capsys, command, argv, 
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and named in err[0], err
+
+
+def test_do_train_false_prints_its_summary_once(tmp_path, capsys, caplog):
+    model = classifier_folder(tmp_path / "model")
+    data = split_image_folder(tmp_path / "data")
+    args = ["--model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir", str(tmp_path / "out")]
+    with caplog.at_level("INFO"):
+        train("finetune", *parse_args("finetune", args + ["--do_train", "False", "--do_eval", *QUIET]))
+    said = capsys.readouterr().out + caplog.text
+    assert said.count("as it is (no training, no model written)") == 1, said
 
 
 def test_do_train_false_evaluates_the_checkpoint_as_it_is_and_writes_no_model(tmp_path):
@@ -324,6 +334,24 @@ def test_predict_at_native_aspect_and_another_patch_size_as_a_forward_does(tmp_p
     # at patch size 2 on whole images of the processor's size (8x8: 16 patches)
     rows = predicted(capsys, ["--model", str(model_folder), *map(str, files), "--patch_size", "2"])
     check_rows(rows, files, direct_scores(model, VisionTransformerImageProcessor(size=8), files), names, 3)
+
+
+def test_attention_pooling_serves_native_and_packed_batches_each_image_as_alone(tmp_path, capsys):
+    config = VisionTransformerConfig.from_pretrained(classifier_folder(tmp_path / "token"), classifier="map")
+    torch.manual_seed(1)
+    model = VisionTransformerForImageClassification(config).eval()
+    model.save_pretrained(tmp_path / "map")
+    VisionTransformerImageProcessor(size=8).save_pretrained(tmp_path / "map")
+    files = sorted(aspect_image_folder(tmp_path / "data").rglob("test/*/*.png"))
+    alone = torch.cat([native_scores(model, [path], 6)[0] for path in files])  # each image in a batch of its own
+    rows = predicted(capsys, ["--model", str(tmp_path / "map"), *map(str, files), "--max_num_patches", "6"])
+    check_rows(rows, files, alone, CLASSES, 2)
+    # a packed run's folder: several images per row, attention and pooling per image
+    VisionTransformerImageProcessor(
+        size=8, max_num_patches=6, patch_size=4, packed_sequence_length=12
+    ).save_pretrained(tmp_path / "map")
+    rows = predicted(capsys, ["--model", str(tmp_path / "map"), *map(str, files)])
+    check_rows(rows, files, alone, CLASSES, 2)
 
 
 def expected_native_metrics(model, data, max_patches):

@@ -31,8 +31,8 @@ from hf_vit.tasks.mpp import (
     mpp_compute_metrics,
     mpp_preprocess_logits,
     unnormalized,
-    with_mpp_transforms,
 )
+from hf_vit.tasks.training_transforms import with_mpp_transforms
 
 
 def mpp_config(**overrides):

@@ -338,7 +338,8 @@ def test_native_batches_run_in_half_precision_and_under_autocast(implementation)
 
 
 def test_training_transform_crops_at_their_own_aspect_ratio_and_the_collator_pads():
-    from hf_vit.data.transforms import collate_fn, make_eval_transform, make_train_transform
+    from hf_vit.data.augment.train_transform import make_train_transform
+    from hf_vit.data.transforms import collate_fn, make_eval_transform
 
     processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
     batch = {"image": images([(40, 40), (20, 80), (90, 30)]), "label": [0, 1, 2]}

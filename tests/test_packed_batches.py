@@ -11,8 +11,9 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 
 from hf_vit import VisionTransformerImageProcessor
+from hf_vit.data.augment.train_transform import make_train_transform
 from hf_vit.data.packed_batches import PackedBatchSampler, best_fit_decreasing, image_size, planned_patches
-from hf_vit.data.transforms import collate_fn, make_train_transform
+from hf_vit.data.transforms import collate_fn
 from hf_vit.train.trainer import SeededAugmentation
 
 # Heights and widths of several aspect ratios: grids of 3 to 6 patches of 4 pixels at 6 patches an image.

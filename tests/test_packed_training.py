@@ -17,7 +17,8 @@ from torch.nn import functional as F
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.commands import evaluate as evaluate_command
-from hf_vit.data.transforms import collate_fn, make_eval_transform, make_train_transform
+from hf_vit.data.augment.train_transform import make_train_transform
+from hf_vit.data.transforms import collate_fn, make_eval_transform
 from hf_vit.infer.predict import predict_files
 from hf_vit.train.arguments import parse_args
 from hf_vit.train.training import train

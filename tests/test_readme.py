@@ -78,3 +78,19 @@ def test_every_readme_python_block_without_hub_access_runs(tmp_path, monkeypatch
     assert session["pixel_values"].shape == (1, 3, 224, 224)  # the processor's output at the preset's size
     assert session["distances"].shape == (12, 2)  # (layers, heads) of the tiny vit-base
     assert "merged" in locals()
+
+
+def test_the_first_hour_after_the_quick_job():
+    """After `make train QUICK=1` only outputs/quick exists: the README says it serves where outputs/main is named,
+    what accuracy it reaches, how `make setup` installs torch (a CUDA build on Linux unless told otherwise)."""
+    readme = (ROOT / "README.md").read_text()
+    own_folder = readme[readme.index("### Your own image folder") : readme.index("```bash\n# From the main job")]
+    assert "outputs/quick" in own_folder and "--list_presets" in own_folder
+    start_here = readme[readme.index("## Start here") : readme.index("### Your own image folder")]
+    assert (
+        "0.63" in start_here
+        and "dev" in start_here
+        and "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in start_here
+    )
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+    assert "TORCH_INDEX" in (ROOT / "Makefile").read_text()

@@ -578,7 +578,7 @@ def test_random_erasing_in_the_training_transform():
     (torch's global generator, seeded per worker and epoch) likewise. Native-aspect images are erased within their
     own size, before they are cut into patches: the padding stays zeros."""
     from hf_vit import VisionTransformerImageProcessor
-    from hf_vit.data.transforms import make_train_transform
+    from hf_vit.data.augment.train_transform import make_train_transform
     from hf_vit.model.image_processing_vit import native_patch_batch
 
     images = [PIL.Image.fromarray(np.asarray(_image(24).permute(1, 2, 0))) for _ in range(4)]
@@ -866,7 +866,7 @@ def test_named_recipes_set_the_flags_and_given_flags_win(tmp_path, capsys):
 
 def test_rand_augment_in_the_training_transform_is_seeded_per_example():
     from hf_vit import VisionTransformerImageProcessor
-    from hf_vit.data.transforms import make_train_transform
+    from hf_vit.data.augment.train_transform import make_train_transform
 
     processor = VisionTransformerImageProcessor(size={"height": 16, "width": 16})
     images = [PIL.Image.fromarray(np.asarray(_image(24).permute(1, 2, 0))) for _ in range(4)]

@@ -33,7 +33,7 @@ def test_unknown_flags_are_answered_with_the_flag_meant(tmp_path, flags, named):
 def test_a_guessed_flag_is_one_error_line_with_exit_status_2(tmp_path, monkeypatch, capsys):
     """The script as users run it (all its process prints is the line); a flag's bad value through the same command's
     function in this process (each script start imports torch and transformers anew)."""
-    from hf_vit.commands import finetune
+    from hf_vit.commands.train import finetune
 
     script = [sys.executable, str(ROOT / "scripts" / "finetune.py"), "--output_dir", str(tmp_path / "out")]
     done = subprocess.run(script + ["--train_dir", "shapes"], capture_output=True, text=True)

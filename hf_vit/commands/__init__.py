@@ -1,7 +1,7 @@
 """The command-line programs `pip install hf-vit` puts on the PATH (`[project.scripts]` in pyproject.toml); the files
 in the repository's `scripts/` folder are thin wrappers over the same functions.
 
-    hf-vit-pretrain, hf-vit-finetune   training (every TrainingArguments flag; torchrun, accelerate launch)
+    hf-vit-pretrain, hf-vit-finetune   training (`train.py`: every TrainingArguments flag; torchrun, accelerate)
     hf-vit-evaluate, hf-vit-predict    a saved model's metrics on a split; its top classes for image files
     hf-vit-convert                     foreign checkpoints (.npz, timm, transformers) to hf-vit folders
     hf-vit-resize                      resolution variants (position embeddings resampled)
@@ -26,32 +26,3 @@ class CommandParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"error: {message} (--help lists the flags)", file=sys.stderr)
         raise SystemExit(2)
-
-
-def pretrain() -> int:
-    """`hf-vit-pretrain`: the paper's pretraining recipe (see `hf_vit.train.training.main`)."""
-    return _train("pretrain")
-
-
-def finetune() -> int:
-    """`hf-vit-finetune`: the paper's fine-tuning recipe (see `hf_vit.train.training.main`)."""
-    return _train("finetune")
-
-
-def _train(task: str) -> int:
-    """The flags first (`--help` and a bad flag answer at once), then the run's imports (datasets, Trainer...)."""
-    from ..train.arguments import build_parser, parse_args_or_exit
-
-    if "--help_trainer" in sys.argv[1:]:  # every flag, Trainer's ~110 included, as argparse lists them
-        build_parser(task).print_help()
-        return 0
-    if any(flag in ("-h", "--help") for flag in sys.argv[1:]):  # hf-vit's own flags and examples first
-        from .help import command_help
-
-        print(command_help(f"hf-vit-{task}"), end="")
-        return 0
-    parsed = parse_args_or_exit(task)
-    from ..train.training import main
-
-    main(task, parsed=parsed)
-    return 0

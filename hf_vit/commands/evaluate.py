@@ -6,6 +6,7 @@ hf-vit-evaluate --model outputs/main --dataset_name digits --split test
 hf-vit-evaluate --model out/lora-run --dataset_name path/to/images --output_dir out/lora-run/evaluation
 hf-vit-evaluate --model outputs/main --dataset_name digits --max_num_patches 4,16,64 --output_dir outputs/dial
 
+outputs/main is the model `make train` writes; after `make train QUICK=1`, outputs/quick serves the same way.
 --model takes an hf-vit folder, a LoRA run's folder or a transformers/timm checkpoint by Hub id; its head is used as
 it is, so its classes must be the data set's. --max_num_patches K measures it on native-aspect batches (each image at
 its own aspect ratio on the largest grid of at most K patches, no centre crop); --patch_size P at another patch size,

@@ -19,7 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from hf_vit_cli import COMMANDS
+from hf_vit_cli import COMMANDS, PRESETS_FILE, flags_file
 
 HELP_FOLDER = Path(__file__).parent / "help"
 WIDTH = 119  # the help is saved, so its lines are wrapped at one width, not at the terminal's
@@ -31,6 +31,7 @@ TRAINING = {
         "pre-logits layer), or masked patch prediction (--objective mpp), on an image folder, a saved data set, the\n"
         "bundled digits or a Hub data set.",
         [
+            "hf-vit-pretrain --list_presets                               # the architectures --preset names",
             "hf-vit-pretrain --preset vit-tiny-patch16-224 --image_size 64 --patch_size 8 --dataset_name images \\\n"
             "    --output_dir out/scratch --num_train_epochs 50",
             "hf-vit-pretrain --preset vit-base-patch16-224 --dataset_name images --objective mpp --output_dir out/mpp",
@@ -44,7 +45,8 @@ TRAINING = {
         "head), optionally at another resolution, at native aspect ratios, with LoRA or with a named recipe.",
         [
             "hf-vit-finetune --model_name_or_path outputs/main --dataset_name images --image_size 64 \\\n"
-            "    --output_dir out/my-model --learning_rate 0.03 --num_train_epochs 20",
+            "    --output_dir out/my-model --learning_rate 0.03 --num_train_epochs 20   # or outputs/quick "
+            "(make train QUICK=1)",
             "hf-vit-finetune --model_name_or_path google/vit-base-patch16-224-in21k --dataset_name images \\\n"
             "    --recipe finetune --output_dir out/vit-b",
             "hf-vit-finetune --model_name_or_path out/vit-b --dataset_name images --do_train False --do_eval \\\n"
@@ -93,6 +95,8 @@ def training_help(command: str) -> str:
 
     task, description, examples = TRAINING[command]
     parser = build_parser(task)
+    # Fine-tuning starts from --model_name_or_path: an architecture to build from scratch is pretraining's flag.
+    left_out = {"preset"} if task == "finetune" else set()
     sections = (
         ("the model", ModelArguments),
         ("the data", DataArguments),
@@ -101,7 +105,7 @@ def training_help(command: str) -> str:
     with _wrapped_at(WIDTH):
         formatter = parser.formatter_class(prog=command)
         for title, cls in sections:
-            names = set(own_flags(cls))
+            names = set(own_flags(cls)) - left_out
             formatter.start_section(f"hf-vit's flags: {title}")
             formatter.add_arguments([_one_spelling(a) for a in parser._actions if a.dest in names])
             formatter.end_section()
@@ -121,7 +125,8 @@ def training_help(command: str) -> str:
         "save_total_limit",
     )
     shown = ", ".join(f"--{name} {getattr(defaults[name], 'value', defaults[name])}" for name in trainer)
-    usage = f"usage: {command} [--model_name_or_path MODEL | --preset NAME] --dataset_name DATA --output_dir DIR ..."
+    start = "--model_name_or_path MODEL" if task == "finetune" else "[--model_name_or_path MODEL | --preset NAME]"
+    usage = f"usage: {command} {start} --dataset_name DATA --output_dir DIR ..."
     lines = [usage, "", description, "", "examples:", *(f"  {example}" for example in examples), ""]
     tail = [
         "",
@@ -134,6 +139,30 @@ def training_help(command: str) -> str:
 
 def _wrap(line: str) -> str:
     return "\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="    ")) if len(line) > WIDTH else line
+
+
+def all_flags(command: str) -> str:
+    """Every flag a training command takes (Trainer's among them), one a line: what `hf_vit_cli` checks the command
+    line against before the package is imported."""
+    from ..train.arguments import build_parser
+
+    parser = build_parser(TRAINING[command][0])
+    return "".join(f"{option}\n" for option in sorted({o for a in parser._actions for o in a.option_strings}))
+
+
+def presets_text() -> str:
+    """What `--list_presets` prints: each architecture `--preset` names, with its size."""
+    from ..model.configuration_vit import VisionTransformerConfig
+
+    lines = ["The architectures --preset names (hf-vit-pretrain --preset NAME builds one from scratch):"]
+    for name in VisionTransformerConfig.preset_names():
+        config = VisionTransformerConfig.from_preset(name)
+        stem = f", ResNet stem {'-'.join(map(str, config.resnet_layers))}" if config.resnet_layers else ""
+        lines.append(
+            f"  {name:<28} width {config.hidden_size}, depth {config.num_hidden_layers}, heads "
+            f"{config.num_attention_heads}, patch {config.patch_size}, image {config.image_size}{stem}"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def command_help(command: str) -> str:
@@ -157,6 +186,11 @@ def main() -> int:
     for command in COMMANDS:
         (HELP_FOLDER / f"{command}.txt").write_text(command_help(command), encoding="utf-8")
         print(f"wrote {HELP_FOLDER / f'{command}.txt'}")
+    (HELP_FOLDER / PRESETS_FILE).write_text(presets_text(), encoding="utf-8")
+    print(f"wrote {HELP_FOLDER / PRESETS_FILE}")
+    for command in TRAINING:
+        (HELP_FOLDER / flags_file(command)).write_text(all_flags(command), encoding="utf-8")
+        print(f"wrote {HELP_FOLDER / flags_file(command)}")
     return 0
 
 

@@ -5,6 +5,7 @@ hf-vit-predict --model outputs/main photo.jpg more/photos/
 hf-vit-predict --model out/lora-run images/ --top_k 3 --output predictions.csv
 hf-vit-predict --model outputs/main photo.jpg --max_num_patches 256 --patch_size 8
 
+outputs/main is the model `make train` writes; after `make train QUICK=1`, outputs/quick serves the same way.
 --model takes an hf-vit folder, a LoRA run's folder or a transformers/timm checkpoint by Hub id; a folder among the
 images stands for every image file under it. --max_num_patches K keeps each image's aspect ratio: it is resized to the
 largest grid of at most K patches (no centre crop) and the model takes the padded patches (native-aspect batches).

@@ -107,11 +107,6 @@ _POOLS = {"avg": "gap", "token": "token", "map": "map"}
 _BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
 
 
-def is_naflex_architecture(config: Mapping) -> bool:
-    """Whether timm's `config.json` (as a dict) is a NaFlexViT's."""
-    return str(config.get("architecture", "")).startswith("naflexvit")
-
-
 def naflex_settings(timm_config: Mapping) -> dict[str, Any]:
     """The NaFlexViT settings of timm's `config.json`: `NaFlexVitCfg`'s defaults, the registered architecture's,
     `global_pool` at the top level and `model_args`, in that order."""

@@ -29,7 +29,6 @@ process `r` trains the `r`-th of every `P` consecutive batches, so the sampler y
 from __future__ import annotations
 
 import bisect
-import hashlib
 import io
 import math
 import os
@@ -40,7 +39,9 @@ import PIL.Image
 import torch
 
 from ..model.image_processing_vit import grid_for_max_patches, load_images
-from .transforms import CorruptImageError, decode_image, kept_patch_count
+from .augment.train_transform import kept_patch_count
+from .seeding import seeded_generator
+from .transforms import CorruptImageError, decode_image
 
 __all__ = ["PackedBatchSampler", "best_fit_decreasing", "image_size", "planned_patches"]
 
@@ -57,12 +58,15 @@ def image_size(image: Any) -> tuple[int, int]:
         image = {"path": None, "bytes": bytes(image)}
     data, path = (image.get("bytes"), image.get("path")) if isinstance(image, Mapping) else (None, None)
     if data is not None or (path is not None and "://" not in path):
+        source = path or f"{len(data)} bytes of image data"
         try:
             with PIL.Image.open(io.BytesIO(data) if data is not None else path) as opened:
-                return opened.height, opened.width
+                height, width = opened.height, opened.width
         except (OSError, ValueError) as error:
-            source = path or f"{len(data)} bytes of image data"
             raise CorruptImageError(f"Cannot read the size of image {source}: {error}") from error
+        if height == 0 or width == 0:
+            raise CorruptImageError(f"Image {source} has no pixels ({width}x{height}): remove it from the data set.")
+        return height, width
     (pixels,) = load_images(decode_image(image), do_convert_rgb=False)  # decoded images, and remote files
     return int(pixels.shape[1]), int(pixels.shape[2])
 
@@ -110,12 +114,6 @@ def best_fit_decreasing(sizes: Sequence[int], order: Sequence[int], capacity: in
                 bins_with_room[room] = []
             bins_with_room[room].append(number)
     return bins
-
-
-def _generator(seed: int, *key: Any) -> torch.Generator:
-    text = ":".join(str(part) for part in (seed, *key))
-    number = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-    return torch.Generator().manual_seed(number % 2**63)
 
 
 class PackedBatchSampler:
@@ -191,9 +189,10 @@ class PackedBatchSampler:
 
     def plan(self, epoch: int) -> list[list[list[int]]]:
         """The batches of `epoch`, each a list of rows, each the list of its images' indices."""
-        order = torch.randperm(len(self.counts), generator=_generator(self.seed, "packed images", epoch)).tolist()
+        images = seeded_generator(self.seed, "packed images", epoch)
+        order = torch.randperm(len(self.counts), generator=images).tolist()
         rows = best_fit_decreasing(self.counts, order, self.packed_sequence_length)
-        shuffled = torch.randperm(len(rows), generator=_generator(self.seed, "packed rows", epoch)).tolist()
+        shuffled = torch.randperm(len(rows), generator=seeded_generator(self.seed, "packed rows", epoch)).tolist()
         rows = [rows[number] for number in shuffled]
         # Fewer rows than batches (a handful of images on several processes): rows of several images give one away.
         while len(rows) < len(self.rows_per_batch):

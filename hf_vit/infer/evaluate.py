@@ -19,14 +19,11 @@ import numpy as np
 import torch
 
 from ..data.datasets import DataSource, label_names, load_datasets, reorder_classes
-from ..data.transforms import Augmentation, apply_transforms, make_eval_transform, pack_native_batch
+from ..data.transforms import apply_transforms, make_eval_transform, pack_native_batch
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..tasks.objectives import select_objective
 from .loading import load_model, model_inputs, tokens_per_image
-
-logger = logging.getLogger(__name__)
-
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +35,11 @@ def final_split(ds) -> str:
 
 @dataclass
 class EvaluationSplit:
-    """A data set's split ready to be measured with any processor: its name, raw examples and objective, and the
-    augmentation its transforms give a training split (measured as a run would see it)."""
+    """A data set's split ready to be measured with any processor: its name, raw examples and objective."""
 
     name: str
     raw: Any
     objective: Any
-    augmentation: Augmentation
 
 
 def evaluation_split(config: Any, source: DataSource, split: str | None = None, seed: int = 0) -> EvaluationSplit:
@@ -61,8 +56,7 @@ def evaluation_split(config: Any, source: DataSource, split: str | None = None, 
     objective = select_objective("finetune", raw, source.dataset_name, streaming=source.streaming)
     raw, labels = objective.labels(raw)
     check_classes(config, labels.id2label, source.dataset_name)
-    # The augmentation flags' defaults (flips off for digits), as a run without augmentation flags has them.
-    return EvaluationSplit(split, raw, objective, Augmentation(hflip=source.dataset_name != "digits"))
+    return EvaluationSplit(split, raw, objective)
 
 
 @torch.no_grad()
@@ -74,7 +68,8 @@ def measure_split(
     with `<split>_loss`, `<split>_tokens_per_image` (the mean number of patches an image was seen as) and the
     confusion matrix (rows: true class, columns: predicted; None for multi-label data)."""
     split, objective = prepared.name, prepared.objective
-    data = objective.transforms(prepared.raw, prepared.augmentation, processor, classifier.config)[split]
+    evaluation = objective.eval_transform(processor, classifier.config)  # on train too: no augmentation is measured
+    data = apply_transforms(prepared.raw, evaluation, evaluation)[split]
     device = next(classifier.parameters()).device
     packed = getattr(processor, "packed_sequence_length", None)  # one example per image, packed here as in training
     logits, targets, tokens = [], [], []
@@ -219,8 +214,7 @@ def evaluate_checkpoint(
         f"Evaluated {model_name_or_path} as it is (no training, no model written) on "
         f"{source.dataset_name}: {shown}. Results in {os.path.abspath(output_dir)}."
     )
-    logger.info("%s", message)
-    print(message, flush=True)
+    print(message, flush=True)  # once: the summary is not logged as well
     return results
 
 

@@ -80,11 +80,11 @@ def check_serving_sizes(patch_size: int | None = None, max_num_patches: int | No
 
 def check_native_model(config: Any) -> None:
     """Refuse, naming `--max_num_patches`, a model that cannot take native-aspect batches."""
-    if config.resnet_layers is not None or config.classifier not in ("token", "gap"):
+    if config.resnet_layers is not None:
         raise ValueError(
-            "--max_num_patches: native-aspect batches need a model without a ResNet stem whose classifier is 'token' "
-            f"or 'gap'; this one has resnet_layers={config.resnet_layers}, classifier={config.classifier!r}. Leave "
-            "--max_num_patches out: its images are resized to the model's size."
+            "--max_num_patches: native-aspect batches need a model without a ResNet stem; this one has "
+            f"resnet_layers={config.resnet_layers}. Leave --max_num_patches out: its images are resized to the "
+            "model's size."
         )
 
 

@@ -152,7 +152,7 @@ def _checked(folder: Path, name: str, path_in_repo: str, text: str | None = None
             raise ValueError(
                 f"{source} contains the local path {found!r}; nothing naming a path of this machine is uploaded. "
                 "Remove it from the file (a card names Hub ids or plain names: re-render it with "
-                "hf_vit.hub.write_model_card) or leave the file out."
+                "hf_vit.outputs.cards.write_model_card) or leave the file out."
             )
     return UploadFile(path_in_repo, source, content)
 

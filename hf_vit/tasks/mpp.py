@@ -14,9 +14,10 @@ patch's embedding, 10% kept) and predicts the 3-bit mean colour (512 classes) of
   supervised transforms give), the colour `labels` (-100 where a patch is not corrupted) and the `patch_corruption`
   codes, drawn per example so that `SeededAugmentation` makes them reproducible and resumable. The image labels of
   the data set are not used.
-* `with_mpp_transforms`, `mpp_collate_fn`, `build_mpp_model`, `mpp_compute_metrics`, `mpp_preprocess_logits`: what
-  `Trainer` needs; its logs then carry the masked-patch cross-entropy as `loss` / `eval_loss` and the colour accuracy
-  on corrupted patches as `eval_mpp_accuracy`.
+* `mpp_eval_transform`, `mpp_collate_fn`, `build_mpp_model`, `mpp_compute_metrics`, `mpp_preprocess_logits`: what
+  `Trainer` needs (the training transform: `training_transforms.with_mpp_transforms`); its logs then carry the
+  masked-patch cross-entropy as `loss` / `eval_loss` and the colour accuracy on corrupted patches as
+  `eval_mpp_accuracy`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from ..data.transforms import Augmentation, Transform, apply_transforms, make_eval_transform, make_train_transform
+from ..data.transforms import Transform, make_eval_transform
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..model.modeling_mpp import (
@@ -46,9 +47,9 @@ __all__ = [
     "mean_color_classes",
     "mpp_collate_fn",
     "mpp_compute_metrics",
+    "mpp_eval_transform",
     "mpp_preprocess_logits",
     "unnormalized",
-    "with_mpp_transforms",
 ]
 
 # Float error allowance when binning a mean colour: a mean on a bin edge (k / 2**bits) goes to the upper bin as exact
@@ -127,29 +128,10 @@ def refuse_drawn_sizes(max_num_patches: int | None, seq_lens: str | None, patch_
         )
 
 
-def with_mpp_transforms(
-    raw,
-    augmentation: Augmentation,
-    processor: VisionTransformerImageProcessor,
-    config,
-    corruption: PatchCorruption | None = None,
-):
-    """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
-    (`augmentation`'s crop and flip; the rest of it changes colours and is refused for this objective), the other
-    splits resized by the processor only; the patches corrupted with `corruption`'s shares (the paper's by
-    default)."""
-    pixels = unnormalized(processor)
-    train = make_train_transform(
-        pixels,
-        random_resized_crop=augmentation.random_resized_crop,
-        scale=(augmentation.crop_scale_min, 1.0),
-        hflip=augmentation.hflip,
-    )
-    return apply_transforms(
-        raw,
-        MaskedPatchPredictionTransform(train, processor, config, corruption),
-        MaskedPatchPredictionTransform(make_eval_transform(pixels), processor, config, corruption),
-    )
+def mpp_eval_transform(processor: VisionTransformerImageProcessor, config) -> Transform:
+    """Masked patch prediction's inputs from images resized by the processor only (no augmentation), the patches
+    corrupted with the paper's shares."""
+    return MaskedPatchPredictionTransform(make_eval_transform(unnormalized(processor)), processor, config)
 
 
 def mpp_collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""What a run learns, as a table: each objective gives its labels, model builder, transforms, collator and metrics.
+"""What a run learns, as a table: each objective gives its labels, model builder, evaluation transform, collator and
+metrics (its training transform, which loads the augmentations, is looked up by its name in `training_transforms`).
 
 A run looks its objective up in `OBJECTIVES` (by `select_objective`) and calls these parts; it never branches on
 which objective it trains, as big_vision's trainer loads its model module by name. The objectives:
@@ -23,7 +24,7 @@ import torch
 from torch.nn import functional as F
 
 from ..data.datasets import is_multi_label, label_names, to_multi_hot
-from ..data.transforms import Augmentation, apply_transforms, collate_fn, make_eval_transform, make_train_transform
+from ..data.transforms import Transform, collate_fn, make_eval_transform
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from .model_setup import ModelSettings, build_classifier
@@ -31,9 +32,9 @@ from .mpp import (
     build_mpp_model,
     mpp_collate_fn,
     mpp_compute_metrics,
+    mpp_eval_transform,
     mpp_preprocess_logits,
     refuse_drawn_sizes,
-    with_mpp_transforms,
 )
 
 logger = logging.getLogger(__name__)
@@ -55,8 +56,9 @@ class Objective:
     tasks: tuple[str, ...]  # the scripts that train it
     labels: Callable[[Any], tuple[Any, Labels]]  # raw splits -> (splits with targets, Labels)
     build_model: Callable[[str, ModelSettings, Labels], Any]  # (task, model settings, labels) -> model
-    # (raw, augmentation, processor, config) -> splits of model inputs
-    transforms: Callable[[Any, Augmentation, VisionTransformerImageProcessor, Any], Any]
+    # (processor, config) -> the transform of the splits it is evaluated on (its training transform, which loads the
+    # augmentations: `training_transforms.TRAINING_TRANSFORMS`, by its name)
+    eval_transform: Callable[[VisionTransformerImageProcessor, Any], Transform]
     collator: Callable
     compute_metrics: Callable
     preprocess_logits: Callable | None = None
@@ -80,23 +82,9 @@ def binary_cross_entropy(logits, labels) -> float:
     return float(F.binary_cross_entropy_with_logits(torch.as_tensor(logits).float(), torch.as_tensor(labels).float()))
 
 
-def classification_transforms(
-    raw, augmentation: Augmentation, processor: VisionTransformerImageProcessor, config: Any = None
-):
-    """`raw` with on-the-fly augmentation (crop, flip, RandAugment, random erasing) on train, the processor alone on
-    the other splits."""
-    train_transform = make_train_transform(
-        processor,
-        random_resized_crop=augmentation.random_resized_crop,
-        scale=(augmentation.crop_scale_min, 1.0),
-        hflip=augmentation.hflip,
-        rand_augment=augmentation.rand_augment,
-        reprob=augmentation.reprob,
-        remode=augmentation.remode,
-        recount=augmentation.recount,
-        token_drop_rate=augmentation.token_drop_rate,
-    )
-    return apply_transforms(raw, train_transform, make_eval_transform(processor))
+def classification_eval_transform(processor: VisionTransformerImageProcessor, config: Any = None) -> Transform:
+    """The processor alone (as at inference)."""
+    return make_eval_transform(processor)
 
 
 def _class_labels(raw) -> tuple[Any, Labels]:
@@ -126,7 +114,7 @@ OBJECTIVES: dict[str, Objective] = {
         tasks=("pretrain", "finetune"),
         labels=_class_labels,
         build_model=build_classifier,
-        transforms=classification_transforms,
+        eval_transform=classification_eval_transform,
         collator=collate_fn,
         compute_metrics=compute_metrics,
         loss=cross_entropy,
@@ -136,7 +124,7 @@ OBJECTIVES: dict[str, Objective] = {
         tasks=("pretrain", "finetune"),
         labels=_multi_hot_labels,
         build_model=build_classifier,
-        transforms=classification_transforms,
+        eval_transform=classification_eval_transform,
         collator=collate_fn,
         compute_metrics=compute_metrics,
         streaming=False,
@@ -147,7 +135,7 @@ OBJECTIVES: dict[str, Objective] = {
         tasks=("pretrain",),
         labels=_no_labels,
         build_model=_mpp_model,
-        transforms=with_mpp_transforms,
+        eval_transform=mpp_eval_transform,
         collator=mpp_collate_fn,
         compute_metrics=mpp_compute_metrics,
         preprocess_logits=mpp_preprocess_logits,

@@ -74,7 +74,10 @@ class ModelArguments:
     )
     preset: str = field(
         default="vit-tiny-patch16-224",
-        metadata={"help": "Architecture to pretrain from scratch, e.g. vit-base-patch16-224 (see PRESETS)."},
+        metadata={
+            "help": "Architecture to pretrain from scratch, e.g. vit-base-patch16-224 (--list_presets lists them); "
+            "pretraining with --model_name_or_path continues from that checkpoint instead."
+        },
     )
     image_size: list[int] | None = field(
         default=None,
@@ -189,8 +192,10 @@ class DataArguments:
     dataset_name: str = field(
         default="digits",
         metadata={
-            "help": "'digits' (scikit-learn's bundled handwritten digits), a local image folder, a folder saved "
-            "with Dataset.save_to_disk, or a Hub data set name."
+            "help": "'digits' (scikit-learn's bundled handwritten digits), a local image folder (one subfolder per "
+            "class, root/<class>/*.jpg, any sizes, 10%% of each class held out for validation; or root/train/<class>/ "
+            "and root/test/<class>/, ... for splits of its own), a folder saved with Dataset.save_to_disk, or a Hub "
+            "data set name."
         },
     )
     image_column_name: str = field(default="image", metadata={"help": "Column holding the images."})

@@ -84,10 +84,6 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     return None
 
 
-def is_complete_checkpoint(path: str | os.PathLike) -> bool:
-    return not checkpoint_problems(path)
-
-
 def resolve_resume(
     resume: str | bool | None, output_dir: str | os.PathLike, overwrite_output_dir: bool = False
 ) -> str | None:

@@ -20,7 +20,6 @@ resumed run draws the sizes the uninterrupted run would have.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,19 +27,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..data.seeding import seeded_generator, seeded_int
 from ..model.resolution import grid_for, resample_patch_embedding
 
-__all__ = ["PatchSizeDraw", "SeqLenBatchSampler", "at_patch_size", "seeded_int"]
-
-
-def seeded_int(seed: int, *key: Any) -> int:
-    """A 64-bit number fixed by `seed` and `key` (no random stream is read or advanced)."""
-    text = ":".join(str(part) for part in (seed, *key))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-
-
-def _generator(seed: int, *key: Any) -> torch.Generator:
-    return torch.Generator().manual_seed(seeded_int(seed, *key) % 2**63)
+__all__ = ["PatchSizeDraw", "SeqLenBatchSampler", "at_patch_size"]
 
 
 class SeqLenBatchSampler:
@@ -81,7 +71,7 @@ class SeqLenBatchSampler:
 
     def seq_lens_of_epoch(self, epoch: int) -> list[int]:
         """The sequence length of each step of `epoch`: the schedule permuted by `(seed, epoch)`."""
-        order = torch.randperm(len(self.schedule), generator=_generator(self.seed, "schedule", epoch))
+        order = torch.randperm(len(self.schedule), generator=seeded_generator(self.seed, "schedule", epoch))
         return [self.schedule[i] for i in order.tolist()]
 
     def __len__(self) -> int:
@@ -89,7 +79,7 @@ class SeqLenBatchSampler:
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         epoch = int(getattr(self.dataset, "epoch", 0))
-        order = torch.randperm(self.num_examples, generator=_generator(self.seed, "order", epoch)).tolist()
+        order = torch.randperm(self.num_examples, generator=seeded_generator(self.seed, "order", epoch)).tolist()
         position = 0
         for seq_len in self.seq_lens_of_epoch(epoch):
             for _ in range(self.num_processes):  # process r trains the r-th of these (BatchSamplerShard)

@@ -6,7 +6,6 @@ checkpoint cannot be written, and the run's set-up line."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import math
 import os
@@ -27,6 +26,7 @@ from transformers.trainer_utils import HubStrategy, seed_worker
 
 from ..data.augment.mixing import Mixing, mix_batch, mixing_seed, soft_target_cross_entropy
 from ..data.packed_batches import PackedBatchSampler
+from ..data.seeding import seeded_int
 from ..data.transforms import PACKED_ROW
 from ..model.loading import give_weights_the_umask_mode
 from ..outputs.files import CARD_FILE
@@ -73,11 +73,10 @@ class SeededAugmentation(torch.utils.data.Dataset):
         return {**example, PACKED_ROW: row[0]} if row else example
 
     def _fetch(self, index: int, max_num_patches: int | None):
-        key = hashlib.blake2b(f"{self.seed}:{int(self.epoch)}:{index}".encode(), digest_size=8).digest()
         with torch.random.fork_rng(devices=[]):
             # The CPU generator only, as fork_rng restores: `torch.manual_seed` would also queue (or, where CUDA is
             # up, do) a reseeding of every accelerator's generator per example, each call formatting a stack.
-            torch.default_generator.manual_seed(int.from_bytes(key, "little"))
+            torch.default_generator.manual_seed(seeded_int(self.seed, int(self.epoch), index))
             if self.transform is None:
                 return self.data[index]
             batch = {name: [value] for name, value in self.data[index].items()}

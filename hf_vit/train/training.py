@@ -31,6 +31,7 @@ from ..outputs.cards import training_recipe_text, write_model_card
 from ..outputs.output_folders import check_outside_data_set, claim_output_dir, release, remove_earlier_checkpoints
 from ..tasks.model_setup import ModelSettings, processor_for
 from ..tasks.objectives import Objective, select_objective
+from ..tasks.training_transforms import training_splits
 from .arguments import DataArguments, ModelArguments, VisionTransformerTrainingArguments, flag_values, parse_args
 from .checkpoints import resolve_resume
 from .evaluation import final_evaluation
@@ -169,7 +170,7 @@ def _run(run: Run, training_args: VisionTransformerTrainingArguments, callbacks,
     model = adapt(model, run.lora, task, training_args.output_dir)
     if objective.check_sizes is not None:
         objective.check_sizes(run.sizes.max_num_patches, run.sizes.seq_lens, run.sizes.patch_sizes)
-    ds = objective.transforms(raw, run.augmentation, processor, model.config)
+    ds = training_splits(objective, raw, run.augmentation, processor, model.config)
     trainer = build_trainer(
         objective, model, processor, ds, training_args, callbacks, run.sizes, run.recipe,
         run.augmentation.token_drop_rate,

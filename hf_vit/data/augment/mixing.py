@@ -19,12 +19,13 @@ a run draws the same `lam` and box for the same step, and a resumed run draws wh
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from ..seeding import seeded_int
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,7 @@ class Mixing:
 
 def mixing_seed(seed: int, step: int, micro_batch: int = 0) -> int:
     """The seed of the mixing of optimiser step `step`'s `micro_batch`-th batch in a run with `seed`."""
-    key = hashlib.blake2b(f"mix:{seed}:{step}:{micro_batch}".encode(), digest_size=8).digest()
-    return int.from_bytes(key, "little")
+    return seeded_int("mix", seed, step, micro_batch)
 
 
 def draw_lambda(mixing: Mixing, rng: np.random.Generator) -> tuple[float, bool]:

@@ -1,0 +1,72 @@
+"""Each objective's training splits: its training images augmented (`hf_vit.data.augment`), the other splits through
+the objective's evaluation transform. Only training imports this module (serving evaluates with
+`Objective.eval_transform` and never loads the augmentations); `TRAINING_TRANSFORMS` has a row per objective of
+`objectives.OBJECTIVES`, by its name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..data.augment.train_transform import make_train_transform
+from ..data.transforms import Augmentation, apply_transforms, make_eval_transform
+from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..model.modeling_mpp import PatchCorruption
+from .mpp import MaskedPatchPredictionTransform, unnormalized
+from .objectives import Objective
+
+
+def classification_transforms(
+    raw, augmentation: Augmentation, processor: VisionTransformerImageProcessor, config: Any = None
+):
+    """`raw` with on-the-fly augmentation (crop, flip, RandAugment, random erasing) on train, the processor alone on
+    the other splits."""
+    train_transform = make_train_transform(
+        processor,
+        random_resized_crop=augmentation.random_resized_crop,
+        scale=(augmentation.crop_scale_min, 1.0),
+        hflip=augmentation.hflip,
+        rand_augment=augmentation.rand_augment,
+        reprob=augmentation.reprob,
+        remode=augmentation.remode,
+        recount=augmentation.recount,
+        token_drop_rate=augmentation.token_drop_rate,
+    )
+    return apply_transforms(raw, train_transform, make_eval_transform(processor))
+
+
+def with_mpp_transforms(
+    raw,
+    augmentation: Augmentation,
+    processor: VisionTransformerImageProcessor,
+    config,
+    corruption: PatchCorruption | None = None,
+):
+    """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
+    (`augmentation`'s crop and flip; the rest of it changes colours and is refused for this objective), the other
+    splits resized by the processor only; the patches corrupted with `corruption`'s shares (the paper's by
+    default)."""
+    pixels = unnormalized(processor)
+    train = make_train_transform(
+        pixels,
+        random_resized_crop=augmentation.random_resized_crop,
+        scale=(augmentation.crop_scale_min, 1.0),
+        hflip=augmentation.hflip,
+    )
+    return apply_transforms(
+        raw,
+        MaskedPatchPredictionTransform(train, processor, config, corruption),
+        MaskedPatchPredictionTransform(make_eval_transform(pixels), processor, config, corruption),
+    )
+
+
+TRAINING_TRANSFORMS: dict[str, Callable[[Any, Augmentation, VisionTransformerImageProcessor, Any], Any]] = {
+    "classification": classification_transforms,
+    "multi_label_classification": classification_transforms,
+    "mpp": with_mpp_transforms,
+}
+
+
+def training_splits(objective: Objective, raw, augmentation: Augmentation, processor, config):
+    """`raw`'s splits as `objective` trains on them: see `TRAINING_TRANSFORMS`."""
+    return TRAINING_TRANSFORMS[objective.name](raw, augmentation, processor, config)

@@ -1,0 +1,60 @@
+"""The main job's script (`make train`), its stages stood in for: what it prints and writes about itself."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Clock:
+    """A clock that moves a minute each time it is read."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 60.0
+        return self.now
+
+
+def test_the_job_prints_one_total_time_that_counts_every_stage(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("main_job_script", ROOT / "scripts" / "main_job.py")
+    job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(job)
+
+    def train(task, model_args, data_args, training_args):
+        Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(training_args.output_dir) / "training_curves.png").write_bytes(b"")
+        return {"eval_accuracy": 0.5}
+
+    class Loaded:
+        @staticmethod
+        def from_pretrained(path):
+            return Loaded()
+
+        def eval(self):
+            return self
+
+    class Digits:
+        def select(self, indices):
+            return {"image": [], "label": []}
+
+    monkeypatch.setattr(job, "time", Clock())
+    monkeypatch.setattr(job, "train", train)
+    monkeypatch.setattr(job, "estimate_minutes", lambda args: 1.0)
+    monkeypatch.setattr(job, "write_model_card", lambda *args, **kwargs: None)
+    monkeypatch.setattr(job, "write_analysis_figures", lambda *args, **kwargs: None)
+    monkeypatch.setattr(job, "make_evaluated_variant", lambda *args, **kwargs: {"eval_accuracy": 0.4})
+    monkeypatch.setattr(job, "load_digits_dataset", lambda: {"test": Digits()})
+    monkeypatch.setattr(job, "VisionTransformerForImageClassification", Loaded)
+    monkeypatch.setattr(job, "VisionTransformerImageProcessor", Loaded)
+    out = tmp_path / "quick"
+    monkeypatch.setattr(sys, "argv", ["main_job.py", "--quick", "--output_dir", str(out),
+                                      "--pretrain_dir", str(tmp_path / "pretrain")])  # fmt: skip
+    job.main()
+    recorded = json.loads((out / "main_job.json").read_text())
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.endswith(f"in {recorded['total_minutes']:.1f} minutes"), (last, recorded)
+    assert recorded["total_minutes"] > recorded["pretrain_minutes"] + recorded["finetune_minutes"]  # stage 3 too
