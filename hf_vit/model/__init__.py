@@ -13,7 +13,8 @@ only its siblings (relatively), torch, transformers and the standard library.
   NaViT): each image's tokens, the runs attention is restricted to, the moves between packed rows and one image per
   row, made from data without reading values back from the device;
 * `layer_scale`, `pooling`: LayerScale and attention pooling, blocks of the family that followed the paper;
-* `image_processing_vit`: `VisionTransformerImageProcessor`, the pixels of training and inference;
+* `image_processing_vit`: `VisionTransformerImageProcessor`, the pixels of training and inference, with
+  `image_geometry`, its sizes and resizes;
 * `loading`: strict loading, the hook through which foreign checkpoints load, and the code copied beside a save.
 
 A new module of the model (e.g. another pooling) goes here and ships with every checkpoint; anything a checkpoint does
