@@ -345,6 +345,17 @@ def test_overwrite_output_dir_refuses_a_users_model_folder_named_like_a_checkpoi
     assert sorted(p.name for p in (out / "checkpoint-7").iterdir()) == kept
 
 
+def test_a_run_into_the_folder_of_its_own_base_model_is_refused(tmp_path):
+    base = pretrained_folder(tmp_path / "base")
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    fine = ["--output_dir", str(base), "--model_name_or_path", str(base), "--image_size", "8", "--max_steps", "1"]
+    fine += ["--eval_strategy", "no", "--save_strategy", "no", "--max_train_samples", "16", *QUIET]
+    for extra in (["--overwrite_output_dir", "True"], ["--overwrite_output_dir", "True", "--lora_rank", "2"]):
+        with pytest.raises(FileExistsError, match=r"--output_dir .*base is the folder of --model_name_or_path"):
+            train("finetune", *parse_args("finetune", fine + extra))
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+
+
 def test_a_folder_another_run_is_writing_to_is_refused(tmp_path):
     from hf_vit.outputs.output_folders import claim_output_dir
 

@@ -160,6 +160,59 @@ def check_outside_data_set(
         )
 
 
+def check_not_the_base(output_dir: str | os.PathLike, model_name_or_path: str | os.PathLike | None) -> None:
+    """Refuse, before any work, a training run's `--output_dir` that is the local folder of the model it starts from:
+    the new model would replace the one it was made from (as hf-vit-convert, -resize and -export refuse)."""
+    if not model_name_or_path or not Path(model_name_or_path).expanduser().is_dir():
+        return
+    base = Path(model_name_or_path).expanduser().resolve()
+    if Path(output_dir).expanduser().resolve() == base:
+        raise OutputDirError(
+            f"--output_dir {output_dir} is the folder of --model_name_or_path {model_name_or_path}: the run would "
+            "replace the model it starts from. Choose another --output_dir."
+        )
+
+
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+def _image_folder_of(image: Path, target: Path) -> Path | None:
+    """The image folder (`root/<label>/<file>`) `image` belongs to, or None: the folder above its own holds nothing
+    but folders of image files (hidden entries and the branch `target` is on aside), as an image folder's root."""
+    root = image.parent.parent
+    if root == image.parent:
+        return None
+
+    def entries(folder: Path) -> list[Path]:
+        return [p for p in folder.iterdir() if not p.name.startswith(".") and p != target and p not in target.parents]
+
+    def is_class(folder: Path) -> bool:
+        files = entries(folder)
+        return bool(files) and all(p.is_file() and p.suffix.lower() in _IMAGE_SUFFIXES for p in files)
+
+    try:
+        if is_class(image.parent) and all(p.is_dir() and is_class(p) for p in entries(root)):
+            return root
+    except OSError:
+        pass
+    return None
+
+
+def check_outside_image_folders(
+    output: str | os.PathLike, images: Iterable[str | os.PathLike], flag: str = "--output"
+) -> None:
+    """Refuse, before any work, an output folder that is or lies inside the image folder (`root/<label>/<file>`) of
+    one of `images`: the images written there would join the data set, as a class of their own."""
+    target = Path(output).expanduser().resolve()
+    for image in images:
+        root = _image_folder_of(Path(image).expanduser().resolve(), target)
+        if root is not None and (target == root or root in target.parents):
+            raise OutputFolderError(
+                f"{flag} {output} lies inside the image folder {root} (the classes' folders of {image}): the figures "
+                f"written there would join that data set as images of another class. Choose an {flag} outside {root}."
+            )
+
+
 def check_output_dir(
     output_dir: str | os.PathLike, overwrite: bool = False, inputs: Iterable[str | os.PathLike] = ()
 ) -> Path:

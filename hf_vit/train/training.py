@@ -28,7 +28,13 @@ from ..flags import exit_on_error, parse_sizes
 from ..infer.compute_dial import compute_dial_after_training
 from ..infer.evaluate import evaluate_checkpoint
 from ..outputs.cards import training_recipe_text, write_model_card
-from ..outputs.output_folders import check_outside_data_set, claim_output_dir, release, remove_earlier_checkpoints
+from ..outputs.output_folders import (
+    check_not_the_base,
+    check_outside_data_set,
+    claim_output_dir,
+    release,
+    remove_earlier_checkpoints,
+)
 from ..tasks.model_setup import ModelSettings, processor_for
 from ..tasks.objectives import Objective, select_objective
 from .arguments import DataArguments, ModelArguments, VisionTransformerTrainingArguments, flag_values, parse_args
@@ -103,6 +109,7 @@ def train(
         values=flag_values(model_args, data_args, training_args),
     )
     check_lora_arguments(run.lora, task)  # before anything is written
+    check_not_the_base(training_args.output_dir, model_args.model_name_or_path)
     resume = resolve_resume(
         training_args.resume_from_checkpoint, training_args.output_dir, training_args.overwrite_output_dir
     )
