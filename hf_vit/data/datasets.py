@@ -152,6 +152,27 @@ class DataSource:
     max_train_samples: int | None = None
 
 
+# The fields of a `DataSource` that decide which images fall in which split (what a run records, `split_record`).
+SPLIT_FIELDS = (
+    "dataset_name", "image_column_name", "label_column_name", "train_split", "validation_split", "test_split",
+    "validation_fraction", "streaming",
+)  # fmt: skip
+
+
+def split_record(source: DataSource, seed: int) -> dict:
+    """How `source`'s splits are made, as a run records it beside its model: the `SPLIT_FIELDS`, the run's seed, and
+    the rule by which a validation split missing from the data set is carved out of train."""
+    if source.streaming:
+        every = f"1/{source.validation_fraction:g}"
+        rule = f"each example of the streamed train split whose index crosses a multiple of {every}, in order"
+    else:
+        rule = f"{source.validation_fraction:g} of train, stratified by label, drawn with seed {HELD_OUT_SEED}"
+    record = {field: getattr(source, field) for field in SPLIT_FIELDS}
+    local = os.path.expanduser(source.dataset_name or "")
+    record["dataset_path"] = os.path.abspath(local) if os.path.isdir(local) else None
+    return {**record, "seed": seed, "held_out_seed": HELD_OUT_SEED, "carved_validation": rule}
+
+
 def load_datasets(source: DataSource, seed: int):
     """The raw splits `source` names (columns `image` and `label`)."""
     ds = load_image_dataset(

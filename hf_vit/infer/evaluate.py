@@ -8,6 +8,7 @@ the data set's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,18 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import datasets
 import numpy as np
 import torch
 
-from ..data.datasets import DataSource, label_names, load_datasets, reorder_classes
+from ..data.datasets import SPLIT_FIELDS, DataSource, label_names, load_datasets, reorder_classes
 from ..data.transforms import Augmentation, apply_transforms, make_eval_transform, pack_native_batch
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..outputs.files import RUN_RECORD_FILE
+from ..outputs.run_record import read_record
 from ..tasks.objectives import select_objective
 from .loading import load_model, model_inputs, tokens_per_image
-
-logger = logging.getLogger(__name__)
-
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +48,59 @@ class EvaluationSplit:
     augmentation: Augmentation
 
 
+def _same_data_set(splits: dict[str, Any], dataset_name: str) -> bool:
+    if splits.get("dataset_name") == dataset_name:
+        return True
+    local = Path(dataset_name).expanduser()
+    return bool(splits.get("dataset_path")) and local.is_dir() and str(local.resolve()) == splits["dataset_path"]
+
+
+def recorded_source(model: str | os.PathLike, source: DataSource, given: dict[str, Any] | None = None) -> DataSource:
+    """`source` with its splits made as the run that trained `model` made them (the run's record in its folder,
+    `hf_vit.outputs.run_record`), when `source` names the data set of that run: "validation" is then the images the
+    run held out (its `--validation_split`, or the share of train it carved out, in memory or from a stream), never
+    images it trained on. `given`: the split flags a user passed (name -> value, None for not passed); one that
+    contradicts the record is refused by name. Without a record, or for another data set, `source` as it is."""
+    record = read_record(model) if Path(model).is_dir() else None
+    splits = record.get("splits") if record else None
+    if not isinstance(splits, dict) or not _same_data_set(splits, source.dataset_name):
+        return source
+    fields = {field: splits[field] for field in SPLIT_FIELDS if field != "dataset_name" and field in splits}
+    for flag, value in (given or {}).items():
+        if value is not None and flag in fields and value != fields[flag]:
+            raise ValueError(
+                f"--{flag} {value}: the run that trained {model} made the splits of {source.dataset_name} with "
+                f"--{flag} {fields[flag]} (its record {RUN_RECORD_FILE}), so another value would measure images it "
+                f"did not hold out. Leave --{flag} out: the run's splits are used."
+            )
+    if fields.get("streaming"):
+        logger.warning(
+            "%s trained on a stream of %s: its splits are read as the run read them (validation: %s).",
+            model, source.dataset_name, splits.get("carved_validation"),
+        )  # fmt: skip
+    return dataclasses.replace(source, **fields)
+
+
+def _in_memory(raw, split: str):
+    """A streamed data set with its `split` read into memory in the stream's order (the images' encoded bytes as
+    they are: nothing re-encoded); the train split, which labels the classes, stays a stream, unread."""
+    stream = raw[split].cast_column("image", datasets.Image(decode=False))
+    rows = list(stream)
+    data = datasets.Dataset.from_list(rows, features=stream.features).cast_column("image", datasets.Image())
+    return datasets.DatasetDict({"train": raw["train"], split: data})
+
+
 def evaluation_split(config: Any, source: DataSource, split: str | None = None, seed: int = 0) -> EvaluationSplit:
     """`split` (default: the run's final split, test or else validation) of `source`'s data set, labelled as the
-    classification objective labels it; its classes checked against `config`'s."""
+    classification objective labels it; its classes checked against `config`'s. A streamed source (a run's record
+    says so, `recorded_source`) is read as a stream, its split then held in memory."""
     raw = load_datasets(source, seed)
     split = split or final_split(raw)
     if split not in raw:
         raise ValueError(f"--split {split}: the data set {source.dataset_name!r} has {', '.join(raw)}.")
+    if source.streaming:
+        raw = _in_memory(raw, split)
+        source = dataclasses.replace(source, streaming=False)
     model_names = [config.id2label[i] for i in range(config.num_labels)] if config.id2label else []
     data_names = label_names(raw)
     if data_names != model_names and sorted(data_names) == sorted(model_names):
@@ -137,8 +184,8 @@ def evaluate_saved_model(
     `patch_size` as for `load_model`); with `output_dir`, write `<split>_results.json` and, for single-label data,
     `<split>_confusion_matrix.png` there (matplotlib needed: without it the plot is skipped and said so). Existing
     files of those names are refused, never overwritten. `source`: the data set's columns and splits, when not the
-    defaults."""
-    source = source or DataSource(dataset_name=dataset_name)
+    defaults; a run's folder on its own data set is measured on the run's splits (`recorded_source`)."""
+    source = recorded_source(model, source or DataSource(dataset_name=dataset_name))
     classifier, processor = load_model(model, patch_size, max_num_patches)
     metrics, confusion = evaluate_loaded(classifier, processor, source, split)
     split = next(key for key in metrics if key.endswith("_samples")).removesuffix("_samples")

@@ -19,6 +19,7 @@ from typing import IO, Any
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.loading import current_umask
 from .files import CHECKPOINT_FOLDER, LOCK_FILE, checkpoint_foreign_entries, is_run_file
+from .run_record import unrecorded_files_problem
 
 logger = logging.getLogger(__name__)
 
@@ -366,7 +367,8 @@ def claim_output_dir(
 
     A folder holding files is refused unless resuming or `overwrite` says what to do with them, as transformers'
     example scripts refuse it; even then, symlinks the run would write through and `checkpoint-N` folders that are not
-    checkpoints are refused by name.
+    checkpoints are refused by name, and `overwrite` is refused for files under names hf-vit writes that no run's
+    record lists (`hf_vit.outputs.run_record`): the new run removes an earlier run's files, and only those.
     """
     folder = Path(output_dir)
     if folder.is_symlink() and not folder.is_dir():
@@ -379,14 +381,16 @@ def claim_output_dir(
         shown = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "")
         raise OutputDirError(
             f"--output_dir {folder} is not empty (it holds {shown}). Pass --resume_from_checkpoint True to continue "
-            "the run whose checkpoints it holds, --overwrite_output_dir True to train a new model there (replacing "
-            "the files of the same names), or choose another folder."
+            "the run whose checkpoints it holds, --overwrite_output_dir True to train a new model there (removing "
+            "the earlier run's files), or choose another folder."
         )
     if entries and (problems := _blocking_entries(folder)):
         raise OutputDirError(
             f"--output_dir {folder} cannot be written safely: " + "; ".join(problems) + ". Move it away, or choose "
             "another folder."
         )
+    if entries and overwrite and not resuming and (problem := unrecorded_files_problem(folder)):
+        raise OutputDirError(problem)
     folder.mkdir(parents=True, exist_ok=True)
     lock = open(folder / LOCK_FILE, "a")
     try:
