@@ -122,6 +122,52 @@ def test_evaluate_measures_the_split_as_a_forward_does_and_draws_the_confusion_m
     assert "exists" in capsys.readouterr().err
 
 
+def test_evaluate_reports_each_classs_precision_recall_f1_and_the_confusion_matrix(tmp_path, capsys):
+    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+
+    names = {0: "bird", 1: "cat", 2: "dog"}
+    rng = np.random.default_rng(1)
+    for split in ("train", "test"):
+        for label in names.values():
+            (tmp_path / "data" / split / label).mkdir(parents=True)
+            for i in range(6):
+                pixels = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / "data" / split / label / f"{i}.png")
+    for seed in range(20):  # a head whose answers are mixed, so every count shows
+        model = classifier_folder(tmp_path / f"model{seed}", names, seed=seed)
+        files = sorted((tmp_path / "data" / "test").rglob("*.png"))
+        classifier = VisionTransformerForImageClassification.from_pretrained(model).eval()
+        scores = direct_scores(classifier, VisionTransformerImageProcessor.from_pretrained(model), files)
+        predicted = scores.argmax(-1).numpy()
+        if len(set(predicted)) == 3:
+            break
+    truth = np.array([classifier.config.label2id[path.parent.name] for path in files])
+    precision, recall, f1, support = precision_recall_fscore_support(
+        truth, predicted, labels=[0, 1, 2], zero_division=0
+    )
+    matrix = confusion_matrix(truth, predicted, labels=[0, 1, 2])  # computed here, by scikit-learn
+
+    argv = ["--model", str(model), "--dataset_name", str(tmp_path / "data"), "--output_dir", str(tmp_path / "e")]
+    assert evaluate_command.main(argv) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    assert printed["test_classes"] == ["bird", "cat", "dog"]
+    assert printed["test_confusion_matrix"] == matrix.tolist()
+    for index, name in names.items():
+        row = printed["test_per_class"][name]
+        assert row["support"] == support[index]
+        assert [row["precision"], row["recall"], row["f1"]] == pytest.approx(
+            [precision[index], recall[index], f1[index]]
+        )
+    assert json.loads((tmp_path / "e" / "test_results.json").read_text()) == printed
+    # the compact table: a row per class, then the matrix's rows
+    table = captured.err.splitlines()
+    assert any(
+        line.split() == ["cat", f"{precision[1]:.4f}", f"{recall[1]:.4f}", f"{f1[1]:.4f}", "6"] for line in table
+    )
+    assert ["dog", *map(str, matrix[2])] in [line.split() for line in table]
+
+
 def test_evaluate_without_matplotlib_says_so_and_skips_the_plot(tmp_path, monkeypatch, caplog):
     import sys
 

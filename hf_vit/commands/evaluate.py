@@ -1,6 +1,8 @@
 """Evaluate a saved model on a data set's split, without training: the metrics of its objective (accuracy and top-5
-accuracy, or mean average precision and F1 for multi-label data, and the loss), `<split>_results.json` and, for
-single-label data, a confusion matrix (`<split>_confusion_matrix.png`, with matplotlib) in --output_dir.
+accuracy, or mean average precision and F1 for multi-label data, and the loss) and, for single-label data, each
+class's precision, recall and F1 and the confusion matrix (rows: true class, columns: predicted), printed as JSON
+(the per-class table and the matrix also as text, on standard error); in --output_dir `<split>_results.json` and the
+confusion matrix's plot (`<split>_confusion_matrix.png`, with matplotlib).
 
 hf-vit-evaluate --model outputs/main --dataset_name digits --split test
 hf-vit-evaluate --model out/lora-run --dataset_name path/to/images --output_dir out/lora-run/evaluation
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from hf_vit.data.datasets import DataSource
     from hf_vit.flags import parse_sizes
     from hf_vit.infer.compute_dial import evaluate_dial
-    from hf_vit.infer.evaluate import evaluate_saved_model, recorded_source
+    from hf_vit.infer.evaluate import evaluate_saved_model, per_class_table, recorded_source
     from hf_vit.outputs.output_folders import check_no_file_in_the_way, check_outside_data_set
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
@@ -105,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         return error_status(error)
     print(json.dumps(metrics, indent=2))
+    table = per_class_table(metrics, metrics["split"])
+    if table:  # on stderr, as the note below: standard output stays the JSON
+        print(table, file=sys.stderr)
     if args.output_dir is None:  # on stderr: standard output stays the JSON
         print(
             f"(printed only: pass --output_dir to write {metrics['split']}_results.json and the confusion matrix)",

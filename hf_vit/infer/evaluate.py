@@ -1,5 +1,6 @@
-"""A saved model's metrics on a data set's split without training (`evaluate_saved_model`, with a confusion matrix
-and a results file; `evaluate_checkpoint` for `--do_train False`; `measure_model` for a loaded model).
+"""A saved model's metrics on a data set's split without training (`evaluate_saved_model`, with per-class precision,
+recall and F1, a confusion matrix and a results file; `evaluate_checkpoint` for `--do_train False`; `measure_model`
+for a loaded model).
 
 The evaluation is the run's: the objective's transforms, collator, metrics and loss (`hf_vit.tasks.objectives`), on
 the splits the run would see (`hf_vit.data.datasets`); the checkpoint's head is used as it is, so its classes must be
@@ -191,9 +192,64 @@ def evaluate_saved_model(
     split = next(key for key in metrics if key.endswith("_samples")).removesuffix("_samples")
     served = {"patch_size": classifier.config.patch_size, "max_num_patches": processor.max_num_patches}
     metrics = {"model": os.fspath(model), "dataset_name": dataset_name, "split": split, **served, **metrics}
+    metrics = with_per_class(metrics, split, confusion, classifier.config.id2label)
     if output_dir is not None:
         write_evaluation(Path(output_dir), split, metrics, confusion, classifier.config.id2label)
     return metrics
+
+
+def per_class_metrics(confusion: np.ndarray, names: list[str]) -> dict[str, dict[str, float | int]]:
+    """Each class's precision, recall, F1 and support (its true images) from the confusion matrix (rows: true class,
+    columns: predicted); a ratio with nothing to divide by is 0, as scikit-learn's `zero_division=0` gives it."""
+    hits = np.diag(confusion).astype(np.float64)
+    predicted, support = confusion.sum(0), confusion.sum(1)
+    precision = np.divide(hits, predicted, out=np.zeros_like(hits), where=predicted > 0)
+    recall = np.divide(hits, support, out=np.zeros_like(hits), where=support > 0)
+    both = precision + recall
+    f1 = np.divide(2 * precision * recall, both, out=np.zeros_like(hits), where=both > 0)
+    return {
+        name: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(n)}
+        for name, p, r, f, n in zip(names, precision, recall, f1, support)
+    }
+
+
+def with_per_class(metrics: dict[str, Any], split: str, confusion: np.ndarray | None, id2label: dict) -> dict:
+    """`metrics` with `<split>_per_class` (`per_class_metrics`) and `<split>_confusion_matrix` (rows: true class,
+    columns: predicted, in the order of `<split>_classes`) for single-label data."""
+    if confusion is None:
+        return metrics
+    names = [id2label[i] for i in range(len(confusion))]
+    return {
+        **metrics,
+        f"{split}_classes": names,
+        f"{split}_per_class": per_class_metrics(confusion, names),
+        f"{split}_confusion_matrix": confusion.tolist(),
+    }
+
+
+def per_class_table(metrics: dict[str, Any], split: str, max_matrix_classes: int = 20) -> str | None:
+    """The per-class metrics and the confusion matrix of `with_per_class` as a compact text table (the matrix up to
+    `max_matrix_classes` classes; beyond, in the JSON only); None for data without them."""
+    per_class = metrics.get(f"{split}_per_class")
+    if not per_class:
+        return None
+    names = list(per_class)
+    width = max(5, *(len(name) for name in names))
+    lines = [f"{'class':<{width}}  precision  recall      f1  support"]
+    for name, row in per_class.items():
+        lines.append(
+            f"{name:<{width}}  {row['precision']:9.4f}  {row['recall']:6.4f}  {row['f1']:6.4f}  {row['support']:7d}"
+        )
+    matrix = metrics[f"{split}_confusion_matrix"]
+    if len(names) > max_matrix_classes:
+        lines.append(f"confusion matrix ({len(names)} classes): in the JSON, {split}_confusion_matrix")
+        return "\n".join(lines)
+    cell = max(width, *(len(str(count)) for row in matrix for count in row))
+    lines.append("confusion matrix (rows: true class, columns: predicted):")
+    lines.append(" " * width + "".join(f"  {name:>{cell}}" for name in names))
+    for name, row in zip(names, matrix):
+        lines.append(f"{name:<{width}}" + "".join(f"  {count:>{cell}}" for count in row))
+    return "\n".join(lines)
 
 
 def write_evaluation(folder: Path, split: str, metrics: dict, confusion, id2label: dict[int, str]) -> list[Path]:
@@ -258,6 +314,7 @@ def evaluate_checkpoint(
     results: dict[str, Any] = {"model": model_name_or_path, "dataset_name": source.dataset_name}
     for split in splits:
         metrics, confusion = evaluate_loaded(classifier, processor, source, split, batch_size, seed)
+        metrics = with_per_class(metrics, split, confusion, classifier.config.id2label)
         write_evaluation(Path(output_dir), split, {**results, "split": split, **metrics}, confusion,
                          classifier.config.id2label)  # fmt: skip
         results.update(metrics)
