@@ -492,6 +492,7 @@ def test_evaluate_measures_a_named_validation_split_as_the_run_did(tmp_path, cap
     args += ["--image_size", "8", "--max_steps", "2", "--eval_strategy", "no", "--save_strategy", "no"]
     metrics = train("finetune", *parse_args("finetune", args + ["--validation_split", "val", *QUIET]))
     assert metrics["eval_split"] == "validation"
+    assert str(tmp_path) not in (out / "hf_vit_run.json").read_text()  # the record knows the folder by a digest
     capsys.readouterr()
     assert evaluate_command.main(["--model", str(out), "--dataset_name", str(data), "--split", "validation"]) == 0
     measured = json.loads(capsys.readouterr().out)

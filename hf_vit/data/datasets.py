@@ -21,6 +21,7 @@ Their images become model inputs in `hf_vit.data.transforms`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -168,9 +169,20 @@ def split_record(source: DataSource, seed: int) -> dict:
     else:
         rule = f"{source.validation_fraction:g} of train, stratified by label, drawn with seed {HELD_OUT_SEED}"
     record = {field: getattr(source, field) for field in SPLIT_FIELDS}
-    local = os.path.expanduser(source.dataset_name or "")
-    record["dataset_path"] = os.path.abspath(local) if os.path.isdir(local) else None
+    fingerprint = local_data_set_fingerprint(source.dataset_name)
+    if fingerprint is not None:  # a local folder: named by its last part, known by its path's digest (no path here)
+        record["dataset_name"] = os.path.basename(os.path.realpath(os.path.expanduser(source.dataset_name)))
+    record["dataset_path_sha256"] = fingerprint
     return {**record, "seed": seed, "held_out_seed": HELD_OUT_SEED, "carved_validation": rule}
+
+
+def local_data_set_fingerprint(dataset_name: str | None) -> str | None:
+    """The SHA-256 of a local data set folder's resolved path (None for digits or a Hub id): how a record written
+    beside a model knows the data set again without naming a path of this machine."""
+    local = os.path.expanduser(dataset_name or "")
+    if dataset_name == "digits" or not os.path.isdir(local):
+        return None
+    return hashlib.sha256(os.path.realpath(local).encode()).hexdigest()
 
 
 def load_datasets(source: DataSource, seed: int):

@@ -21,7 +21,14 @@ import datasets
 import numpy as np
 import torch
 
-from ..data.datasets import SPLIT_FIELDS, DataSource, label_names, load_datasets, reorder_classes
+from ..data.datasets import (
+    SPLIT_FIELDS,
+    DataSource,
+    label_names,
+    load_datasets,
+    local_data_set_fingerprint,
+    reorder_classes,
+)
 from ..data.transforms import Augmentation, apply_transforms, make_eval_transform, pack_native_batch
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
@@ -50,10 +57,12 @@ class EvaluationSplit:
 
 
 def _same_data_set(splits: dict[str, Any], dataset_name: str) -> bool:
-    if splits.get("dataset_name") == dataset_name:
-        return True
-    local = Path(dataset_name).expanduser()
-    return bool(splits.get("dataset_path")) and local.is_dir() and str(local.resolve()) == splits["dataset_path"]
+    """Whether `dataset_name` is the data set a run's record describes: the same local folder (by its path's digest),
+    or the same name of digits or a Hub data set."""
+    fingerprint = local_data_set_fingerprint(dataset_name)
+    if splits.get("dataset_path_sha256") or fingerprint:
+        return fingerprint == splits.get("dataset_path_sha256")
+    return splits.get("dataset_name") == dataset_name
 
 
 def recorded_source(model: str | os.PathLike, source: DataSource, given: dict[str, Any] | None = None) -> DataSource:
