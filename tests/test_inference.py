@@ -499,6 +499,14 @@ def test_evaluate_measures_a_named_validation_split_as_the_run_did(tmp_path, cap
     assert measured["validation_samples"] == 6
     assert measured["validation_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-6)
     assert _measured_images(out, data) == held_out
+    # hf-vit-resize measures its variant (here at the same size: the same model) on the same images
+    from hf_vit.data.datasets import DataSource
+    from hf_vit.variants import make_resolution_variant
+
+    make_resolution_variant(out, 8, tmp_path / "variant", data_source=DataSource(dataset_name=str(data)))
+    variant = json.loads((tmp_path / "variant" / "all_results.json").read_text())
+    assert variant["eval_split"] == "validation" and variant["eval_samples"] == 6
+    assert variant["eval_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-6)
     flags = ["--model", str(out), "--dataset_name", str(data), "--validation_split", "validation"]
     assert evaluate_command.main(flags) == 2  # contradicts the run's record: refused by name
     assert "--validation_split validation" in capsys.readouterr().err
