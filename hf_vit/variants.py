@@ -108,10 +108,11 @@ def make_resolution_variant(
         return model, processor
     metrics = {}
     if data_source is not None:
-        from .infer.evaluate import evaluate_loaded  # loads the data set libraries: imported only to measure
+        from .infer.evaluate import evaluate_loaded, recorded_source  # loads the data set libraries: only to measure
 
         # As hf-vit-evaluate measures it, with the objective of the model's own problem type (single- or multi-label),
-        # on test, else validation, as a run reports.
+        # on test, else validation, as a run reports: on the splits of the run that trained the source, by its record.
+        data_source = recorded_source(folder, data_source)
         measured, _ = evaluate_loaded(model.eval(), processor, data_source)
         split = next(key for key in measured if key.endswith("_samples")).removesuffix("_samples")
         metrics = {f"eval_{key.removeprefix(split + '_')}": value for key, value in measured.items()}

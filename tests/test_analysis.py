@@ -414,3 +414,30 @@ def test_visualize_draws_a_native_aspect_runs_folder_from_whole_images(saved_mod
     PIL.Image.fromarray(np.zeros((10, 30, 3), dtype=np.uint8)).save(image)
     assert visualize.main(["--model", str(saved_model), "--output", str(tmp_path / "f"), "--image", str(image)]) == 0
     assert tuple(seen["pixels"].shape) == (1, 3, 16, 16)
+
+
+@pytest.mark.parametrize("where", ["beside the classes", "inside a class", "the image folder"])
+def test_visualize_refuses_an_output_inside_the_image_folder_of_its_images(
+    saved_model, tmp_path, capsys, monkeypatch, where
+):
+    """Figures written into an image folder would join the data set as a class of their own."""
+    import PIL.Image
+
+    import hf_vit.commands.visualize as visualize
+
+    data = tmp_path / "data"
+    for label in ("cat", "dog"):
+        (data / label).mkdir(parents=True)
+        for i in range(2):
+            PIL.Image.fromarray(np.full((8, 8, 3), 40 * i, dtype=np.uint8)).save(data / label / f"{i}.png")
+    before = sorted(data.rglob("*"))
+    output = {"beside the classes": data / "figures", "inside a class": data / "cat" / "f", "the image folder": data}
+    argv = ["--model", str(saved_model), "--image", str(data / "cat" / "0.png")]
+    code = visualize.main([*argv, "--output", str(output[where])])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert (
+        code == 2 and len(errors) == 1 and f"--output {output[where]} lies inside the image folder {data}" in errors[0]
+    )
+    assert sorted(data.rglob("*")) == before
+    monkeypatch.setattr(visualize, "write_analysis_figures", lambda *args, **kwargs: [])
+    assert visualize.main([*argv, "--output", str(tmp_path / "figures")]) == 0  # outside it: drawn

@@ -182,3 +182,36 @@ def test_hf_vit_push_without_network_ends_in_one_error_line(tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "me/vit" in errors[0], done.stderr[-2000:]
+
+
+def test_an_overwritten_runs_folder_holds_and_pushes_only_what_the_new_run_wrote(tmp_path, hub):
+    from test_training import pretrained_folder
+
+    from hf_vit.outputs.files import TRAINER_FILES
+
+    base = pretrained_folder(tmp_path / "base")
+    out = tmp_path / "run"
+    flags = ["--model_name_or_path", str(base), "--output_dir", str(out), "--image_size", "8", "--max_steps", "1"]
+    flags += ["--per_device_train_batch_size", "8", "--max_train_samples", "16", "--eval_strategy", "no"]
+    flags += ["--save_strategy", "no", "--disable_tqdm", "True", "--report_to", "none"]
+    flags += ["--dataloader_num_workers", "0"]
+    # a full fine-tune on native-aspect batches: its weights and its compute dial
+    train("finetune", *parse_args("finetune", flags + ["--max_num_patches", "4"]))
+    assert {"model.safetensors", "compute_dial.json", "compute_dial.png"} <= {p.name for p in out.iterdir()}
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir() if p.is_file()}
+
+    # a LoRA run over it, pushed
+    lora = ["--lora_rank", "2", "--overwrite_output_dir", "True", "--push_to_hub", "True", "--hub_model_id", "me/lora"]
+    train("finetune", *parse_args("finetune", flags + lora))
+    after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.iterdir() if p.is_file()}
+    wrote = {name for name, signature in after.items() if before.get(name) != signature}
+    # the folder holds what this run wrote, and the user's file; nothing of the earlier run
+    assert set(after) == wrote | {"notes.txt"} and after["notes.txt"] == before["notes.txt"]
+    assert not {"model.safetensors", "compute_dial.json", "compute_dial.png"} & set(after)
+    # the push sent what this run wrote (but the files never shared), byte for byte
+    (final,) = hub.commits
+    assert set(final.files) == wrote - set(TRAINER_FILES)
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md"} <= set(final.files)
+    for name, data in final.files.items():
+        assert name == "README.md" or data == after[name][1], name

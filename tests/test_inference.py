@@ -122,6 +122,52 @@ def test_evaluate_measures_the_split_as_a_forward_does_and_draws_the_confusion_m
     assert "exists" in capsys.readouterr().err
 
 
+def test_evaluate_reports_each_classs_precision_recall_f1_and_the_confusion_matrix(tmp_path, capsys):
+    from sklearn.metrics import confusion_matrix, precision_recall_fscore_support
+
+    names = {0: "bird", 1: "cat", 2: "dog"}
+    rng = np.random.default_rng(1)
+    for split in ("train", "test"):
+        for label in names.values():
+            (tmp_path / "data" / split / label).mkdir(parents=True)
+            for i in range(6):
+                pixels = rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(tmp_path / "data" / split / label / f"{i}.png")
+    for seed in range(20):  # a head whose answers are mixed, so every count shows
+        model = classifier_folder(tmp_path / f"model{seed}", names, seed=seed)
+        files = sorted((tmp_path / "data" / "test").rglob("*.png"))
+        classifier = VisionTransformerForImageClassification.from_pretrained(model).eval()
+        scores = direct_scores(classifier, VisionTransformerImageProcessor.from_pretrained(model), files)
+        predicted = scores.argmax(-1).numpy()
+        if len(set(predicted)) == 3:
+            break
+    truth = np.array([classifier.config.label2id[path.parent.name] for path in files])
+    precision, recall, f1, support = precision_recall_fscore_support(
+        truth, predicted, labels=[0, 1, 2], zero_division=0
+    )
+    matrix = confusion_matrix(truth, predicted, labels=[0, 1, 2])  # computed here, by scikit-learn
+
+    argv = ["--model", str(model), "--dataset_name", str(tmp_path / "data"), "--output_dir", str(tmp_path / "e")]
+    assert evaluate_command.main(argv) == 0
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out)
+    assert printed["test_classes"] == ["bird", "cat", "dog"]
+    assert printed["test_confusion_matrix"] == matrix.tolist()
+    for index, name in names.items():
+        row = printed["test_per_class"][name]
+        assert row["support"] == support[index]
+        assert [row["precision"], row["recall"], row["f1"]] == pytest.approx(
+            [precision[index], recall[index], f1[index]]
+        )
+    assert json.loads((tmp_path / "e" / "test_results.json").read_text()) == printed
+    # the compact table: a row per class, then the matrix's rows
+    table = captured.err.splitlines()
+    assert any(
+        line.split() == ["cat", f"{precision[1]:.4f}", f"{recall[1]:.4f}", f"{f1[1]:.4f}", "6"] for line in table
+    )
+    assert ["dog", *map(str, matrix[2])] in [line.split() for line in table]
+
+
 def test_evaluate_without_matplotlib_says_so_and_skips_the_plot(tmp_path, monkeypatch, caplog):
     import sys
 
@@ -425,6 +471,100 @@ def test_a_runs_validation_figures_are_those_evaluate_measures_on_its_folder(tmp
     assert measured["validation_samples"] == 6
     assert measured["validation_accuracy"] == metrics["validation_accuracy"]
     assert measured["validation_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-7)
+
+
+def _noise_folder(root, counts, seed=5):
+    """root/<split>/<label>/<i>.png (or root/<label>/<i>.png for the split None) of random pixels: every image its
+    own, told apart by its pixels."""
+    rng = np.random.default_rng(seed)
+    for split, per_label in counts.items():
+        for label in ("cat", "dog"):
+            folder = root / split / label if split else root / label
+            folder.mkdir(parents=True)
+            for i in range(per_label):
+                Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+def _pixels(images):
+    return sorted(np.asarray(image.convert("RGB")).tobytes() for image in images)
+
+
+def _measured_images(out, data):
+    """The images hf-vit-evaluate measures as "validation" of the run folder `out` on `data`."""
+    from hf_vit.data.datasets import DataSource
+    from hf_vit.infer.evaluate import evaluation_split, recorded_source
+
+    config = VisionTransformerConfig.from_pretrained(out)
+    prepared = evaluation_split(config, recorded_source(out, DataSource(dataset_name=str(data))), "validation")
+    return _pixels(prepared.raw["validation"]["image"])
+
+
+def test_evaluate_measures_a_named_validation_split_as_the_run_did(tmp_path, capsys):
+    """--validation_split val: the run is measured on `val`, and so is `hf-vit-evaluate --split validation` on its
+    folder (by the run's record), not on images carved out of train."""
+    import datasets
+
+    rng = np.random.default_rng(5)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["cat", "dog"])})
+    held_out = []
+    splits = {}
+    for split, count in (("train", 20), ("val", 6)):
+        images = [Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)) for _ in range(count)]
+        splits[split] = datasets.Dataset.from_dict({"image": images, "label": [i % 2 for i in range(count)]}, features)
+        held_out = _pixels(images)  # the val split's images, computed here
+    data = tmp_path / "data"
+    datasets.DatasetDict(splits).save_to_disk(data)
+    source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
+    args = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--output_dir", str(out)]
+    args += ["--image_size", "8", "--max_steps", "2", "--eval_strategy", "no", "--save_strategy", "no"]
+    metrics = train("finetune", *parse_args("finetune", args + ["--validation_split", "val", *QUIET]))
+    assert metrics["eval_split"] == "validation"
+    assert str(tmp_path) not in (out / "hf_vit_run.json").read_text()  # the record knows the folder by a digest
+    capsys.readouterr()
+    assert evaluate_command.main(["--model", str(out), "--dataset_name", str(data), "--split", "validation"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["validation_samples"] == 6
+    assert measured["validation_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-6)
+    assert _measured_images(out, data) == held_out
+    # hf-vit-resize measures its variant (here at the same size: the same model) on the same images
+    from hf_vit.data.datasets import DataSource
+    from hf_vit.variants import make_resolution_variant
+
+    make_resolution_variant(out, 8, tmp_path / "variant", data_source=DataSource(dataset_name=str(data)))
+    variant = json.loads((tmp_path / "variant" / "all_results.json").read_text())
+    assert variant["eval_split"] == "validation" and variant["eval_samples"] == 6
+    assert variant["eval_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-6)
+    flags = ["--model", str(out), "--dataset_name", str(data), "--validation_split", "validation"]
+    assert evaluate_command.main(flags) == 2  # contradicts the run's record: refused by name
+    assert "--validation_split validation" in capsys.readouterr().err
+
+
+def test_evaluate_measures_a_streamed_runs_held_out_images(tmp_path, capsys):
+    """A --streaming run holds out every 10th image of the stream; evaluate measures those, not a random 10%."""
+    import datasets
+
+    data = _noise_folder(tmp_path / "data", {None: 15})
+    source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
+    args = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--output_dir", str(out)]
+    args += ["--image_size", "8", "--max_steps", "2", "--eval_strategy", "no", "--save_strategy", "no"]
+    train("finetune", *parse_args("finetune", args + ["--streaming", "True", "--dataloader_num_workers", "0", *QUIET]))
+    stream = datasets.load_dataset("imagefolder", data_dir=str(data), streaming=True)["train"]
+    rows = [row for index, row in enumerate(stream) if (index + 1) % 10 == 0]  # held out by the run, computed here
+    model = VisionTransformerForImageClassification.from_pretrained(out).eval()
+    processor = VisionTransformerImageProcessor.from_pretrained(out)
+    labels = torch.tensor([model.config.label2id[stream.features["label"].int2str(row["label"])] for row in rows])
+    with torch.no_grad():
+        logits = model(pixel_values=processor([row["image"] for row in rows], return_tensors="pt").pixel_values).logits
+    capsys.readouterr()
+    assert evaluate_command.main(["--model", str(out), "--dataset_name", str(data), "--split", "validation"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["validation_samples"] == len(rows) == 3
+    assert measured["validation_loss"] == pytest.approx(float(F.cross_entropy(logits, labels)), abs=1e-5)
+    assert _measured_images(out, data) == _pixels(row["image"] for row in rows)
+    flags = ["--model", str(out), "--dataset_name", str(data), "--validation_fraction", "0.2"]
+    assert evaluate_command.main(flags) == 2
+    assert "--validation_fraction 0.2" in capsys.readouterr().err
 
 
 def test_evaluate_maps_the_data_sets_classes_to_the_models_ids_by_name(tmp_path, capsys):

@@ -345,6 +345,44 @@ def test_overwrite_output_dir_refuses_a_users_model_folder_named_like_a_checkpoi
     assert sorted(p.name for p in (out / "checkpoint-7").iterdir()) == kept
 
 
+def test_a_run_into_the_folder_of_its_own_base_model_is_refused(tmp_path):
+    base = pretrained_folder(tmp_path / "base")
+    before = {p.name: p.read_bytes() for p in base.iterdir()}
+    fine = ["--output_dir", str(base), "--model_name_or_path", str(base), "--image_size", "8", "--max_steps", "1"]
+    fine += ["--eval_strategy", "no", "--save_strategy", "no", "--max_train_samples", "16", *QUIET]
+    for extra in (["--overwrite_output_dir", "True"], ["--overwrite_output_dir", "True", "--lora_rank", "2"]):
+        with pytest.raises(FileExistsError, match=r"--output_dir .*base is the folder of --model_name_or_path"):
+            train("finetune", *parse_args("finetune", fine + extra))
+    assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+
+
+def test_overwrite_output_dir_removes_only_what_a_run_recorded(tmp_path):
+    from hf_vit.outputs.files import RUN_RECORD_FILE
+
+    # model files no run recorded (a `save_pretrained` output): whose they are cannot be told, so nothing is removed
+    out = pretrained_folder(tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(FileExistsError, match=rf"out holds .*config.json.* but no {RUN_RECORD_FILE}"):
+        train("pretrain", *tiny_pretrain(out, "--overwrite_output_dir", "True"))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # a run's folder: its files are replaced by the new run's; a file the earlier run did not write stays
+    run = tmp_path / "run"
+    train("pretrain", *tiny_pretrain(run))
+    (run / "eval_results.json").write_text("{}")  # the user's, written after the run, under a name hf-vit uses
+    record = json.loads((run / RUN_RECORD_FILE).read_text())
+    assert "model.safetensors" in record["files"] and "eval_results.json" not in record["files"]
+    record["found"] = ["eval_results.json"]  # as if it had been there before the run
+    (run / RUN_RECORD_FILE).write_text(json.dumps(record))
+    train("pretrain", *tiny_pretrain(run, "--overwrite_output_dir", "True", "--seed", "1"))
+    assert (run / "eval_results.json").read_text() == "{}"
+    # a run killed before it recorded its files: what appeared after it started is its own
+    record = json.loads((run / RUN_RECORD_FILE).read_text())
+    (run / RUN_RECORD_FILE).write_text(json.dumps({**record, "files": []}))
+    (run / "compute_dial.json").write_text("{}")  # written by the killed run
+    train("pretrain", *tiny_pretrain(run, "--overwrite_output_dir", "True", "--seed", "2"))
+    assert not (run / "compute_dial.json").exists() and (run / "eval_results.json").read_text() == "{}"
+
+
 def test_a_folder_another_run_is_writing_to_is_refused(tmp_path):
     from hf_vit.outputs.output_folders import claim_output_dir
 

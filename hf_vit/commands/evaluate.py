@@ -1,6 +1,8 @@
 """Evaluate a saved model on a data set's split, without training: the metrics of its objective (accuracy and top-5
-accuracy, or mean average precision and F1 for multi-label data, and the loss), `<split>_results.json` and, for
-single-label data, a confusion matrix (`<split>_confusion_matrix.png`, with matplotlib) in --output_dir.
+accuracy, or mean average precision and F1 for multi-label data, and the loss) and, for single-label data, each
+class's precision, recall and F1 and the confusion matrix (rows: true class, columns: predicted), printed as JSON
+(the per-class table and the matrix also as text, on standard error); in --output_dir `<split>_results.json` and the
+confusion matrix's plot (`<split>_confusion_matrix.png`, with matplotlib).
 
 hf-vit-evaluate --model outputs/main --dataset_name digits --split test
 hf-vit-evaluate --model out/lora-run --dataset_name path/to/images --output_dir out/lora-run/evaluation
@@ -8,12 +10,15 @@ hf-vit-evaluate --model outputs/main --dataset_name digits --max_num_patches 4,1
 
 outputs/main is the model `make train` writes; after `make train QUICK=1`, outputs/quick serves the same way.
 --model takes an hf-vit folder, a LoRA run's folder or a transformers/timm checkpoint by Hub id; its head is used as
-it is, so its classes must be the data set's. --max_num_patches K measures it on native-aspect batches (each image at
-its own aspect ratio on the largest grid of at most K patches, no centre crop); --patch_size P at another patch size,
-its patch embedding resampled (FlexiViT). A list of either (16,64,144 or 8,16,32) measures the compute dial: one row
-per value (the numbers of patches at the model's patch size, or with --patch_size P at P; the patch sizes on whole
-images, or with --max_num_patches K at K), printed as JSON and written with its plot to --output_dir
-(compute_dial.json, compute_dial.png).
+it is, so its classes must be the data set's. A run's folder on the data set it trained on is measured on the run's
+splits (its record, hf_vit_run.json: split names, the share held out, a stream's rule), so "validation" is the images
+the run held out; a split flag that contradicts the record is refused.
+
+--max_num_patches K measures it on native-aspect batches (each image at its own aspect ratio on the largest grid of at
+most K patches, no centre crop); --patch_size P at another patch size, its patch embedding resampled (FlexiViT). A
+list of either (16,64,144 or 8,16,32) measures the compute dial: one row per value (the numbers of patches at the
+model's patch size, or with --patch_size P at P; the patch sizes on whole images, or with --max_num_patches K at K),
+printed as JSON and written with its plot to --output_dir (compute_dial.json, compute_dial.png).
 """
 
 from __future__ import annotations
@@ -35,9 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--validation_fraction",
         type=float,
-        default=0.1,
-        help="share of train a run held out as validation when the data set has none (the run's own value)",
+        default=None,
+        help="share of train held out as validation when the data set has none (default: the run's, else 0.1)",
     )
+    for split in ("train", "validation", "test"):
+        parser.add_argument(
+            f"--{split}_split", default=None, help=f"the data set's {split} split (default: the run's, else {split})"
+        )
     parser.add_argument("--image_column_name", default="image")
     parser.add_argument("--label_column_name", default="label")
     parser.add_argument(
@@ -60,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from hf_vit.data.datasets import DataSource
     from hf_vit.flags import parse_sizes
     from hf_vit.infer.compute_dial import evaluate_dial
-    from hf_vit.infer.evaluate import evaluate_saved_model
+    from hf_vit.infer.evaluate import evaluate_saved_model, per_class_table, recorded_source
     from hf_vit.outputs.output_folders import check_no_file_in_the_way, check_outside_data_set
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
@@ -69,13 +78,20 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()  # stderr keeps the warnings and errors
     datasets.disable_progress_bars()
     datasets.utils.logging.disable_propagation()  # datasets prints through its own handler: not twice
+    given = {
+        "train_split": args.train_split,
+        "validation_split": args.validation_split,
+        "test_split": args.test_split,
+        "validation_fraction": args.validation_fraction,
+    }
     source = DataSource(
         dataset_name=args.dataset_name,
         image_column_name=args.image_column_name,
         label_column_name=args.label_column_name,
-        validation_fraction=args.validation_fraction,
+        **{flag: value for flag, value in given.items() if value is not None},
     )
     try:
+        source = recorded_source(args.model, source, given)  # the splits as the run that trained --model made them
         if args.output_dir is not None:
             check_no_file_in_the_way(args.output_dir)
             check_outside_data_set(args.output_dir, args.dataset_name)
@@ -92,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         return error_status(error)
     print(json.dumps(metrics, indent=2))
+    table = per_class_table(metrics, metrics["split"])
+    if table:  # on stderr, as the note below: standard output stays the JSON
+        print(table, file=sys.stderr)
     if args.output_dir is None:  # on stderr: standard output stays the JSON
         print(
             f"(printed only: pass --output_dir to write {metrics['split']}_results.json and the confusion matrix)",

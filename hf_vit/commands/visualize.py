@@ -25,6 +25,7 @@ from transformers import HfArgumentParser
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.analysis import HEAD_FUSIONS, write_analysis_figures
 from hf_vit.flags import error_status
+from hf_vit.outputs.output_folders import check_outside_image_folders
 
 
 @dataclass
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
               "(or: pip install matplotlib).", file=sys.stderr)  # fmt: skip
         return 2
     try:
+        check_outside_image_folders(args.output, args.image or ())
         written = _visualize(args)
     except (OSError, ValueError) as error:  # a missing model or image, a corrupt image, a size the patch cannot tile
         return error_status(error)

@@ -21,6 +21,7 @@ Their images become model inputs in `hf_vit.data.transforms`.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -150,6 +151,38 @@ class DataSource:
     streaming: bool = False
     shuffle_buffer_size: int = 1000
     max_train_samples: int | None = None
+
+
+# The fields of a `DataSource` that decide which images fall in which split (what a run records, `split_record`).
+SPLIT_FIELDS = (
+    "dataset_name", "image_column_name", "label_column_name", "train_split", "validation_split", "test_split",
+    "validation_fraction", "streaming",
+)  # fmt: skip
+
+
+def split_record(source: DataSource, seed: int) -> dict:
+    """How `source`'s splits are made, as a run records it beside its model: the `SPLIT_FIELDS`, the run's seed, and
+    the rule by which a validation split missing from the data set is carved out of train."""
+    if source.streaming:
+        every = f"1/{source.validation_fraction:g}"
+        rule = f"each example of the streamed train split whose index crosses a multiple of {every}, in order"
+    else:
+        rule = f"{source.validation_fraction:g} of train, stratified by label, drawn with seed {HELD_OUT_SEED}"
+    record = {field: getattr(source, field) for field in SPLIT_FIELDS}
+    fingerprint = local_data_set_fingerprint(source.dataset_name)
+    if fingerprint is not None:  # a local folder: named by its last part, known by its path's digest (no path here)
+        record["dataset_name"] = os.path.basename(os.path.realpath(os.path.expanduser(source.dataset_name)))
+    record["dataset_path_sha256"] = fingerprint
+    return {**record, "seed": seed, "held_out_seed": HELD_OUT_SEED, "carved_validation": rule}
+
+
+def local_data_set_fingerprint(dataset_name: str | None) -> str | None:
+    """The SHA-256 of a local data set folder's resolved path (None for digits or a Hub id): how a record written
+    beside a model knows the data set again without naming a path of this machine."""
+    local = os.path.expanduser(dataset_name or "")
+    if dataset_name == "digits" or not os.path.isdir(local):
+        return None
+    return hashlib.sha256(os.path.realpath(local).encode()).hexdigest()
 
 
 def load_datasets(source: DataSource, seed: int):

@@ -1,5 +1,6 @@
-"""A saved model's metrics on a data set's split without training (`evaluate_saved_model`, with a confusion matrix
-and a results file; `evaluate_checkpoint` for `--do_train False`; `measure_model` for a loaded model).
+"""A saved model's metrics on a data set's split without training (`evaluate_saved_model`, with per-class precision,
+recall and F1, a confusion matrix and a results file; `evaluate_checkpoint` for `--do_train False`; `measure_model`
+for a loaded model).
 
 The evaluation is the run's: the objective's transforms, collator, metrics and loss (`hf_vit.tasks.objectives`), on
 the splits the run would see (`hf_vit.data.datasets`); the checkpoint's head is used as it is, so its classes must be
@@ -8,6 +9,7 @@ the data set's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,13 +17,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import datasets
 import numpy as np
 import torch
 
-from ..data.datasets import DataSource, label_names, load_datasets, reorder_classes
+from ..data.datasets import (
+    SPLIT_FIELDS,
+    DataSource,
+    label_names,
+    load_datasets,
+    local_data_set_fingerprint,
+    reorder_classes,
+)
 from ..data.transforms import apply_transforms, make_eval_transform, pack_native_batch
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..outputs.files import RUN_RECORD_FILE
+from ..outputs.run_record import read_record
 from ..tasks.objectives import select_objective
 from .loading import load_model, model_inputs, tokens_per_image
 
@@ -42,13 +54,61 @@ class EvaluationSplit:
     objective: Any
 
 
+def _same_data_set(splits: dict[str, Any], dataset_name: str) -> bool:
+    """Whether `dataset_name` is the data set a run's record describes: the same local folder (by its path's digest),
+    or the same name of digits or a Hub data set."""
+    fingerprint = local_data_set_fingerprint(dataset_name)
+    if splits.get("dataset_path_sha256") or fingerprint:
+        return fingerprint == splits.get("dataset_path_sha256")
+    return splits.get("dataset_name") == dataset_name
+
+
+def recorded_source(model: str | os.PathLike, source: DataSource, given: dict[str, Any] | None = None) -> DataSource:
+    """`source` with its splits made as the run that trained `model` made them (the run's record in its folder,
+    `hf_vit.outputs.run_record`), when `source` names the data set of that run: "validation" is then the images the
+    run held out (its `--validation_split`, or the share of train it carved out, in memory or from a stream), never
+    images it trained on. `given`: the split flags a user passed (name -> value, None for not passed); one that
+    contradicts the record is refused by name. Without a record, or for another data set, `source` as it is."""
+    record = read_record(model) if Path(model).is_dir() else None
+    splits = record.get("splits") if record else None
+    if not isinstance(splits, dict) or not _same_data_set(splits, source.dataset_name):
+        return source
+    fields = {field: splits[field] for field in SPLIT_FIELDS if field != "dataset_name" and field in splits}
+    for flag, value in (given or {}).items():
+        if value is not None and flag in fields and value != fields[flag]:
+            raise ValueError(
+                f"--{flag} {value}: the run that trained {model} made the splits of {source.dataset_name} with "
+                f"--{flag} {fields[flag]} (its record {RUN_RECORD_FILE}), so another value would measure images it "
+                f"did not hold out. Leave --{flag} out: the run's splits are used."
+            )
+    if fields.get("streaming"):
+        logger.warning(
+            "%s trained on a stream of %s: its splits are read as the run read them (validation: %s).",
+            model, source.dataset_name, splits.get("carved_validation"),
+        )  # fmt: skip
+    return dataclasses.replace(source, **fields)
+
+
+def _in_memory(raw, split: str):
+    """A streamed data set with its `split` read into memory in the stream's order (the images' encoded bytes as
+    they are: nothing re-encoded); the train split, which labels the classes, stays a stream, unread."""
+    stream = raw[split].cast_column("image", datasets.Image(decode=False))
+    rows = list(stream)
+    data = datasets.Dataset.from_list(rows, features=stream.features).cast_column("image", datasets.Image())
+    return datasets.DatasetDict({"train": raw["train"], split: data})
+
+
 def evaluation_split(config: Any, source: DataSource, split: str | None = None, seed: int = 0) -> EvaluationSplit:
     """`split` (default: the run's final split, test or else validation) of `source`'s data set, labelled as the
-    classification objective labels it; its classes checked against `config`'s."""
+    classification objective labels it; its classes checked against `config`'s. A streamed source (a run's record
+    says so, `recorded_source`) is read as a stream, its split then held in memory."""
     raw = load_datasets(source, seed)
     split = split or final_split(raw)
     if split not in raw:
         raise ValueError(f"--split {split}: the data set {source.dataset_name!r} has {', '.join(raw)}.")
+    if source.streaming:
+        raw = _in_memory(raw, split)
+        source = dataclasses.replace(source, streaming=False)
     model_names = [config.id2label[i] for i in range(config.num_labels)] if config.id2label else []
     data_names = label_names(raw)
     if data_names != model_names and sorted(data_names) == sorted(model_names):
@@ -132,16 +192,71 @@ def evaluate_saved_model(
     `patch_size` as for `load_model`); with `output_dir`, write `<split>_results.json` and, for single-label data,
     `<split>_confusion_matrix.png` there (matplotlib needed: without it the plot is skipped and said so). Existing
     files of those names are refused, never overwritten. `source`: the data set's columns and splits, when not the
-    defaults."""
-    source = source or DataSource(dataset_name=dataset_name)
+    defaults; a run's folder on its own data set is measured on the run's splits (`recorded_source`)."""
+    source = recorded_source(model, source or DataSource(dataset_name=dataset_name))
     classifier, processor = load_model(model, patch_size, max_num_patches)
     metrics, confusion = evaluate_loaded(classifier, processor, source, split)
     split = next(key for key in metrics if key.endswith("_samples")).removesuffix("_samples")
     served = {"patch_size": classifier.config.patch_size, "max_num_patches": processor.max_num_patches}
     metrics = {"model": os.fspath(model), "dataset_name": dataset_name, "split": split, **served, **metrics}
+    metrics = with_per_class(metrics, split, confusion, classifier.config.id2label)
     if output_dir is not None:
         write_evaluation(Path(output_dir), split, metrics, confusion, classifier.config.id2label)
     return metrics
+
+
+def per_class_metrics(confusion: np.ndarray, names: list[str]) -> dict[str, dict[str, float | int]]:
+    """Each class's precision, recall, F1 and support (its true images) from the confusion matrix (rows: true class,
+    columns: predicted); a ratio with nothing to divide by is 0, as scikit-learn's `zero_division=0` gives it."""
+    hits = np.diag(confusion).astype(np.float64)
+    predicted, support = confusion.sum(0), confusion.sum(1)
+    precision = np.divide(hits, predicted, out=np.zeros_like(hits), where=predicted > 0)
+    recall = np.divide(hits, support, out=np.zeros_like(hits), where=support > 0)
+    both = precision + recall
+    f1 = np.divide(2 * precision * recall, both, out=np.zeros_like(hits), where=both > 0)
+    return {
+        name: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(n)}
+        for name, p, r, f, n in zip(names, precision, recall, f1, support)
+    }
+
+
+def with_per_class(metrics: dict[str, Any], split: str, confusion: np.ndarray | None, id2label: dict) -> dict:
+    """`metrics` with `<split>_per_class` (`per_class_metrics`) and `<split>_confusion_matrix` (rows: true class,
+    columns: predicted, in the order of `<split>_classes`) for single-label data."""
+    if confusion is None:
+        return metrics
+    names = [id2label[i] for i in range(len(confusion))]
+    return {
+        **metrics,
+        f"{split}_classes": names,
+        f"{split}_per_class": per_class_metrics(confusion, names),
+        f"{split}_confusion_matrix": confusion.tolist(),
+    }
+
+
+def per_class_table(metrics: dict[str, Any], split: str, max_matrix_classes: int = 20) -> str | None:
+    """The per-class metrics and the confusion matrix of `with_per_class` as a compact text table (the matrix up to
+    `max_matrix_classes` classes; beyond, in the JSON only); None for data without them."""
+    per_class = metrics.get(f"{split}_per_class")
+    if not per_class:
+        return None
+    names = list(per_class)
+    width = max(5, *(len(name) for name in names))
+    lines = [f"{'class':<{width}}  precision  recall      f1  support"]
+    for name, row in per_class.items():
+        lines.append(
+            f"{name:<{width}}  {row['precision']:9.4f}  {row['recall']:6.4f}  {row['f1']:6.4f}  {row['support']:7d}"
+        )
+    matrix = metrics[f"{split}_confusion_matrix"]
+    if len(names) > max_matrix_classes:
+        lines.append(f"confusion matrix ({len(names)} classes): in the JSON, {split}_confusion_matrix")
+        return "\n".join(lines)
+    cell = max(width, *(len(str(count)) for row in matrix for count in row))
+    lines.append("confusion matrix (rows: true class, columns: predicted):")
+    lines.append(" " * width + "".join(f"  {name:>{cell}}" for name in names))
+    for name, row in zip(names, matrix):
+        lines.append(f"{name:<{width}}" + "".join(f"  {count:>{cell}}" for count in row))
+    return "\n".join(lines)
 
 
 def write_evaluation(folder: Path, split: str, metrics: dict, confusion, id2label: dict[int, str]) -> list[Path]:
@@ -206,6 +321,7 @@ def evaluate_checkpoint(
     results: dict[str, Any] = {"model": model_name_or_path, "dataset_name": source.dataset_name}
     for split in splits:
         metrics, confusion = evaluate_loaded(classifier, processor, source, split, batch_size, seed)
+        metrics = with_per_class(metrics, split, confusion, classifier.config.id2label)
         write_evaluation(Path(output_dir), split, {**results, "split": split, **metrics}, confusion,
                          classifier.config.id2label)  # fmt: skip
         results.update(metrics)

@@ -24,6 +24,7 @@ TRAINING_ARGS_FILE = "training_args.bin"
 TRAINER_STATE_FILE = "trainer_state.json"
 LOCK_FILE = ".hf-vit-run.lock"
 LOCAL_BASE_FILE = "lora_base_path.json"  # a LoRA run's local base folder on this machine
+RUN_RECORD_FILE = "hf_vit_run.json"  # a run's record: the files it wrote, how its splits were made (`run_record`)
 CARD_TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 
 # What a run reports beside its model: metrics, curves, the card. Shareable.
@@ -39,9 +40,9 @@ RESULT_FILES = (
     "compute_dial.json",
     "compute_dial.png",
 )
-# What Trainer writes beside a model and a checkpoint to resume it. Never shared from a run's folder: the arguments
-# are a pickle naming local paths, the state names checkpoint paths.
-TRAINER_FILES = (TRAINER_STATE_FILE, TRAINING_ARGS_FILE, LOCAL_BASE_FILE)
+# What Trainer writes beside a model and a checkpoint to resume it, and the run's record. Never shared from a run's
+# folder: the arguments are a pickle naming local paths, the state names checkpoint paths, the record the data set's.
+TRAINER_FILES = (TRAINER_STATE_FILE, TRAINING_ARGS_FILE, LOCAL_BASE_FILE, RUN_RECORD_FILE)
 # A checkpoint's resume state on top of the model files (rng_state_<rank>.pth for each process of a multi-process run;
 # optimizer_0 / pytorch_model_fsdp_0 are the sharded folders of FSDP's torch.distributed.checkpoint).
 # ema_state.safetensors: the weights' moving average of a run with --ema_decay (`hf_vit.train.ema.EMA_FILE`).

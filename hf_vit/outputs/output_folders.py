@@ -19,6 +19,7 @@ from typing import IO, Any
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.loading import current_umask
 from .files import CHECKPOINT_FOLDER, LOCK_FILE, checkpoint_foreign_entries, is_run_file
+from .run_record import unrecorded_files_problem
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,59 @@ def check_outside_data_set(
             f"{flag} {output} {where} the data set --dataset_name {dataset_name}: what hf-vit writes there would "
             f"be added to your data. Choose an {flag} outside {data}."
         )
+
+
+def check_not_the_base(output_dir: str | os.PathLike, model_name_or_path: str | os.PathLike | None) -> None:
+    """Refuse, before any work, a training run's `--output_dir` that is the local folder of the model it starts from:
+    the new model would replace the one it was made from (as hf-vit-convert, -resize and -export refuse)."""
+    if not model_name_or_path or not Path(model_name_or_path).expanduser().is_dir():
+        return
+    base = Path(model_name_or_path).expanduser().resolve()
+    if Path(output_dir).expanduser().resolve() == base:
+        raise OutputDirError(
+            f"--output_dir {output_dir} is the folder of --model_name_or_path {model_name_or_path}: the run would "
+            "replace the model it starts from. Choose another --output_dir."
+        )
+
+
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+
+def _image_folder_of(image: Path, target: Path) -> Path | None:
+    """The image folder (`root/<label>/<file>`) `image` belongs to, or None: the folder above its own holds nothing
+    but folders of image files (hidden entries and the branch `target` is on aside), as an image folder's root."""
+    root = image.parent.parent
+    if root == image.parent:
+        return None
+
+    def entries(folder: Path) -> list[Path]:
+        return [p for p in folder.iterdir() if not p.name.startswith(".") and p != target and p not in target.parents]
+
+    def is_class(folder: Path) -> bool:
+        files = entries(folder)
+        return bool(files) and all(p.is_file() and p.suffix.lower() in _IMAGE_SUFFIXES for p in files)
+
+    try:
+        if is_class(image.parent) and all(p.is_dir() and is_class(p) for p in entries(root)):
+            return root
+    except OSError:
+        pass
+    return None
+
+
+def check_outside_image_folders(
+    output: str | os.PathLike, images: Iterable[str | os.PathLike], flag: str = "--output"
+) -> None:
+    """Refuse, before any work, an output folder that is or lies inside the image folder (`root/<label>/<file>`) of
+    one of `images`: the images written there would join the data set, as a class of their own."""
+    target = Path(output).expanduser().resolve()
+    for image in images:
+        root = _image_folder_of(Path(image).expanduser().resolve(), target)
+        if root is not None and (target == root or root in target.parents):
+            raise OutputFolderError(
+                f"{flag} {output} lies inside the image folder {root} (the classes' folders of {image}): the figures "
+                f"written there would join that data set as images of another class. Choose an {flag} outside {root}."
+            )
 
 
 def check_output_dir(
@@ -313,7 +367,8 @@ def claim_output_dir(
 
     A folder holding files is refused unless resuming or `overwrite` says what to do with them, as transformers'
     example scripts refuse it; even then, symlinks the run would write through and `checkpoint-N` folders that are not
-    checkpoints are refused by name.
+    checkpoints are refused by name, and `overwrite` is refused for files under names hf-vit writes that no run's
+    record lists (`hf_vit.outputs.run_record`): the new run removes an earlier run's files, and only those.
     """
     folder = Path(output_dir)
     if folder.is_symlink() and not folder.is_dir():
@@ -326,14 +381,16 @@ def claim_output_dir(
         shown = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "")
         raise OutputDirError(
             f"--output_dir {folder} is not empty (it holds {shown}). Pass --resume_from_checkpoint True to continue "
-            "the run whose checkpoints it holds, --overwrite_output_dir True to train a new model there (replacing "
-            "the files of the same names), or choose another folder."
+            "the run whose checkpoints it holds, --overwrite_output_dir True to train a new model there (removing "
+            "the earlier run's files), or choose another folder."
         )
     if entries and (problems := _blocking_entries(folder)):
         raise OutputDirError(
             f"--output_dir {folder} cannot be written safely: " + "; ".join(problems) + ". Move it away, or choose "
             "another folder."
         )
+    if entries and overwrite and not resuming and (problem := unrecorded_files_problem(folder)):
+        raise OutputDirError(problem)
     folder.mkdir(parents=True, exist_ok=True)
     lock = open(folder / LOCK_FILE, "a")
     try:

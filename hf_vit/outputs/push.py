@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,10 +67,15 @@ def _plain_file(path: Path, name: str) -> bool:
     return path.is_file()
 
 
-def _weights(folder: Path) -> list[str]:
-    """The safetensors weights: `model.safetensors`, or the shards named by its index and the index itself."""
+def _weights(folder: Path, only: Collection[str] | None = None) -> list[str]:
+    """The safetensors weights: `model.safetensors`, or the shards named by its index and the index itself, or a
+    LoRA adapter; with `only`, among the files it names."""
+
+    def available(path: Path, name: str) -> bool:
+        return (only is None or name in only) and _plain_file(path, name)
+
     index = folder / WEIGHTS_INDEX_FILE
-    if _plain_file(index, WEIGHTS_INDEX_FILE):
+    if available(index, WEIGHTS_INDEX_FILE):
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, AttributeError, TypeError) as error:
@@ -78,14 +83,14 @@ def _weights(folder: Path) -> list[str]:
         for shard in shards:
             if not isinstance(shard, str) or Path(shard).name != shard or not shard.endswith(".safetensors"):
                 raise ValueError(f"{index} names {shard!r}, not a .safetensors file beside it.")
-            if not _plain_file(folder / shard, shard):
+            if not available(folder / shard, shard):
                 raise FileNotFoundError(f"{index} names the shard {shard}, which is not in {folder}.")
         return [*shards, WEIGHTS_INDEX_FILE]
-    if _plain_file(folder / WEIGHTS_FILE, WEIGHTS_FILE):
+    if available(folder / WEIGHTS_FILE, WEIGHTS_FILE):
         return [WEIGHTS_FILE]
-    if _plain_file(folder / ADAPTER_FILE, ADAPTER_FILE) and _plain_file(folder / ADAPTER_CONFIG, ADAPTER_CONFIG):
+    if available(folder / ADAPTER_FILE, ADAPTER_FILE) and available(folder / ADAPTER_CONFIG, ADAPTER_CONFIG):
         return [ADAPTER_FILE, ADAPTER_CONFIG]  # a LoRA run's folder: peft's adapter, loaded onto its base model
-    found = sorted(p.name for p in folder.glob("*.safetensors"))
+    found = sorted(p.name for p in folder.glob("*.safetensors") if only is None or p.name in only)
     hint = f" (found {found}: name other files with extra_files / --include)" if found else ""
     raise FileNotFoundError(
         f"{folder} has no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX_FILE}); hf-vit only publishes safetensors weights "
@@ -163,11 +168,13 @@ def plan_upload(
     extra_files: Iterable[str | os.PathLike] = (),
     *,
     card: bool = True,
+    only: Collection[str] | None = None,
 ) -> list[UploadFile]:
     """Exactly what pushing `folder` sends, checked, without touching the network.
 
-    The project's files (`upload_file_names()` and the safetensors weights) at the top level of `folder`, plus the
-    files the user names in `extra_files`. A symlink among them is an error, since the bytes sent would be its
+    The project's files (`upload_file_names()` and the safetensors weights) at the top level of `folder` (with
+    `only`, those it names: what a run wrote, so that nothing an earlier run left is published), plus the files the
+    user names in `extra_files`. A symlink among them is an error, since the bytes sent would be its
     target's. The card goes as a copy naming `repo_id`. Any text file naming an absolute path is an error naming the
     file and the path. The user's files are never modified. `card=False` (a checkpoint's model files) expects no card.
     """
@@ -176,7 +183,8 @@ def plan_upload(
         raise FileNotFoundError(f"{folder} is not a folder: pass the folder that a training run or script wrote.")
     if not _plain_file(folder / CONFIG_FILE, CONFIG_FILE):
         raise FileNotFoundError(f"{folder} has no config.json: save the model there before pushing it.")
-    names = _weights(folder) + [name for name in upload_file_names() if _plain_file(folder / name, name)]
+    shared = [name for name in upload_file_names() if only is None or name in only]
+    names = _weights(folder, only) + [name for name in shared if _plain_file(folder / name, name)]
     names += [_extra_file(folder, name) for name in extra_files]
     if card and CARD_FILE not in names:
         logger.warning("%s has no model card (README.md): the repository will have none.", folder)

@@ -31,6 +31,7 @@ from ..data.transforms import PACKED_ROW
 from ..model.loading import give_weights_the_umask_mode
 from ..outputs.files import CARD_FILE
 from ..outputs.push import HubPushError, commit_plan, create_repo, plan_checkpoint_upload, plan_upload
+from ..outputs.run_record import RunRecord
 from .ema import EmaCallback
 from .flexible import PatchSizeDraw, SeqLenBatchSampler, at_patch_size
 from .recipes import describe_param_groups, layer_decay_param_groups
@@ -114,7 +115,9 @@ class VisionTransformerTrainer(Trainer):
       per step; `patch_size_draw` (`flexible.PatchSizeDraw`): each optimisation step trains at the patch size it
       draws;
     - `packed_sampler` (`packed_batches.PackedBatchSampler`): the training batches come from it, a fixed number of
-      rows of patch slots each, filled with as many whole images as they hold.
+      rows of patch slots each, filled with as many whole images as they hold;
+    - `run_record` (`hf_vit.outputs.run_record.RunRecord`, the run's main process): the push of the output folder
+      sends only what this run wrote there.
 
     And always: every push sends exactly the files the project's upload plan lists (`hf_vit.outputs.push`), in one
     commit each, and the token never reaches disk (it is taken out of the arguments Trainer pickles into every
@@ -134,6 +137,7 @@ class VisionTransformerTrainer(Trainer):
         seq_len_sampler: SeqLenBatchSampler | None = None,
         patch_size_draw: PatchSizeDraw | None = None,
         packed_sampler: PackedBatchSampler | None = None,
+        run_record: RunRecord | None = None,
         **kwargs: Any,
     ) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -143,6 +147,7 @@ class VisionTransformerTrainer(Trainer):
         self.layer_decay, self.mixing, self.ema = layer_decay, mixing, ema
         self.seq_len_sampler, self.patch_size_draw = seq_len_sampler, patch_size_draw
         self.packed_sampler = packed_sampler
+        self.run_record = run_record
         self._mixing_step: tuple[int, int] = (-1, 0)  # (optimisation step, batch within it) of the last mixing
         self._saving_checkpoint = False
         super().__init__(*args, **kwargs)
@@ -351,13 +356,14 @@ class VisionTransformerTrainer(Trainer):
         return self.push_output_dir(commit_message or "End of training", token=token, revision=revision)
 
     def push_output_dir(self, commit_message: str, token: str | None = None, revision: str | None = None) -> str:
-        """Push the output folder as `plan_upload` lists it (the saved model, its card and results), in one commit;
-        a failed final push is an error."""
+        """Push the output folder as `plan_upload` lists it (the saved model, its card and results; of a run's
+        folder, only the files the run wrote), in one commit; a failed final push is an error."""
         if self.hub_model_id is None:
             self.init_hf_repo(token=token)
+        written = self.run_record.written() if self.run_record is not None else None
         return commit_plan(
             self.hub_model_id,
-            plan_upload(self.args.output_dir, self.hub_model_id),
+            plan_upload(self.args.output_dir, self.hub_model_id, only=written),
             token=token or self.hub_token,
             commit_message=commit_message,
             revision=revision or self.args.hub_revision,

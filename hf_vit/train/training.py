@@ -21,14 +21,21 @@ import torch
 import transformers
 from transformers import TrainingArguments
 
-from ..data.datasets import DataSource, load_datasets
+from ..data.datasets import DataSource, load_datasets, split_record
 from ..data.packed_batches import PackedBatchSampler, planned_patches
 from ..data.transforms import Augmentation, BatchSizes, check_image_channels, decode_rgb, rows_and_transform
 from ..flags import exit_on_error, parse_sizes
 from ..infer.compute_dial import compute_dial_after_training
 from ..infer.evaluate import evaluate_checkpoint
 from ..outputs.cards import training_recipe_text, write_model_card
-from ..outputs.output_folders import check_outside_data_set, claim_output_dir, release, remove_earlier_checkpoints
+from ..outputs.output_folders import (
+    check_not_the_base,
+    check_outside_data_set,
+    claim_output_dir,
+    release,
+    remove_earlier_checkpoints,
+)
+from ..outputs.run_record import RunRecord, remove_earlier_run_files
 from ..tasks.model_setup import ModelSettings, processor_for
 from ..tasks.objectives import Objective, select_objective
 from ..tasks.training_transforms import training_splits
@@ -104,6 +111,7 @@ def train(
         values=flag_values(model_args, data_args, training_args),
     )
     check_lora_arguments(run.lora, task)  # before anything is written
+    check_not_the_base(training_args.output_dir, model_args.model_name_or_path)
     resume = resolve_resume(
         training_args.resume_from_checkpoint, training_args.output_dir, training_args.overwrite_output_dir
     )
@@ -114,10 +122,13 @@ def train(
         overwrite=training_args.overwrite_output_dir,
         main_process=training_args.process_index == 0,
     )
+    record = None
     if training_args.process_index == 0:
         log_recipe(run.recipe, run.values)
+        splits = split_record(source, training_args.seed)
+        record = RunRecord(training_args.output_dir, splits, resuming=resume is not None)
     try:
-        return _run(run, training_args, callbacks or [], resume)
+        return _run(run, training_args, callbacks or [], resume, record)
     finally:
         release(lock)
         if created and training_args.process_index == 0:
@@ -149,7 +160,9 @@ def shown_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if not isinstance(v, str) and k not in repeated}
 
 
-def _run(run: Run, training_args: VisionTransformerTrainingArguments, callbacks, resume) -> dict[str, Any]:
+def _run(
+    run: Run, training_args: VisionTransformerTrainingArguments, callbacks, resume, record: RunRecord | None
+) -> dict[str, Any]:
     task = run.task
     raw = load_datasets(run.source, training_args.seed)
     objective = select_objective(
@@ -177,6 +190,10 @@ def _run(run: Run, training_args: VisionTransformerTrainingArguments, callbacks,
     )  # fmt: skip
     if training_args.overwrite_output_dir and resume is None and trainer.is_world_process_zero():
         remove_earlier_checkpoints(training_args.output_dir, keep=run.model.model_name_or_path)
+        remove_earlier_run_files(training_args.output_dir)  # the folder holds only what this run writes
+    if record is not None:
+        record.start()
+        trainer.run_record = record
 
     if resume is not None:
         logger.info("Resuming from %s: its weights, optimizer, schedule and random states.", resume)
@@ -357,6 +374,8 @@ def write_outputs(trainer, run: Run, training_args: TrainingArguments, metrics: 
         ),  # fmt: skip
         compute_dial=dial.name if dial else None,
     )
+    if trainer.run_record is not None:
+        trainer.run_record.finish()
     if training_args.push_to_hub:
         trainer.push_output_dir(f"hf-vit {task}: final model, card and metrics")
 
