@@ -14,6 +14,7 @@ from PIL import Image
 from test_inference import aspect_image_folder, native_scores
 from test_training import QUIET, pretrained_folder
 from torch.nn import functional as F
+from transformers import TrainerCallback
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.commands import evaluate as evaluate_command
@@ -239,3 +240,43 @@ def test_a_killed_packed_run_resumes_mid_epoch_to_the_uninterrupted_runs_weights
     straight, resumed = load_file(tmp_path / "straight" / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_packed_batches_count_images_in_the_step_the_speed_and_the_learning_rate(tmp_path, caplog, monkeypatch):
+    # one optimisation step accumulates the epoch's batches of one row each (their images vary): its update is the
+    # update of one padded batch of all 7 images, each image weighing the same
+    data = aspect_image_folder(tmp_path / "data")
+    source = pretrained_folder(tmp_path / "pre")
+    plain = ["--max_steps", "1", "--random_resized_crop", "False", "--hflip", "False", "--max_grad_norm", "0"]
+    plain += ["--warmup_steps", "0", "--lr_scheduler_type", "constant"]
+    padded = run_flags(source, data, tmp_path / "padded", *plain)
+    padded[padded.index("--per_device_train_batch_size") + 1] = "7"
+    train("finetune", *parse_args("finetune", padded))
+    packed = run_flags(source, data, tmp_path / "packed", *plain, "--packed_sequence_length", "9")
+    packed[packed.index("--per_device_train_batch_size") + 1] = "1"
+    packed += ["--gradient_accumulation_steps", "8"]  # at least the epoch's batches: one step takes them all
+    batches = recorded_batches(monkeypatch)
+    metrics = train("finetune", *parse_args("finetune", packed))
+    assert sum(images for _, _, images in batches) == 7 and len({images for _, _, images in batches}) > 1
+    expected = VisionTransformerForImageClassification.from_pretrained(tmp_path / "padded").state_dict()
+    trained = VisionTransformerForImageClassification.from_pretrained(tmp_path / "packed").state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    # the speed counts the 7 images trained, not the 8 rows of the global batch
+    assert metrics["train_samples_per_second"] * metrics["train_runtime"] == pytest.approx(7, rel=2e-3)
+
+    # a recipe's learning rate scales with the images of the global batch, not its rows
+    class FirstLearningRate(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.value = args.learning_rate
+
+    seen = FirstLearningRate()
+    recipe = run_flags(source, data, tmp_path / "recipe", "--packed_sequence_length", "9", "--max_steps", "1")
+    recipe += ["--recipe", "finetune", "--mixup_alpha", "0", "--cutmix_alpha", "0"]
+    recipe.remove("--learning_rate"), recipe.remove("0.05")
+    recipe[recipe.index("--per_device_train_batch_size") + 1] = "1"
+    with caplog.at_level("INFO", logger="hf_vit"):
+        train("finetune", *parse_args("finetune", recipe), callbacks=[seen])
+    per_epoch = int(re.search(r"(\d+) batch\(es\) per epoch", caplog.text).group(1))
+    assert seen.value == pytest.approx(5e-4 * (7 / per_epoch) / 256)  # MAE's rule: 5e-4 at a batch of 256 images
+    assert f"global batch 1 rows ({7 / per_epoch:.1f} images)" in caplog.text

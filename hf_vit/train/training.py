@@ -39,10 +39,12 @@ from .lora import LoraSettings, adapt, check_lora_arguments, lora_summary
 from .recipes import (
     RecipeSettings,
     ema_callback,
+    get_recipe,
     log_recipe,
     mixing_for,
     recipe_card_text,
     refuse_augmentation,
+    scaled_learning_rate,
 )
 from .summary import summarize_run
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
@@ -113,8 +115,6 @@ def train(
         overwrite=training_args.overwrite_output_dir,
         main_process=training_args.process_index == 0,
     )
-    if training_args.process_index == 0:
-        log_recipe(run.recipe, run.values)
     try:
         return _run(run, training_args, callbacks or [], resume)
     finally:
@@ -174,6 +174,9 @@ def _run(run: Run, training_args: VisionTransformerTrainingArguments, callbacks,
         objective, model, processor, ds, training_args, callbacks, run.sizes, run.recipe,
         run.augmentation.token_drop_rate,
     )  # fmt: skip
+    run.values["learning_rate"] = training_args.learning_rate  # packed batches: scaled by their images
+    if training_args.process_index == 0:
+        log_recipe(run.recipe, run.values)
     if training_args.overwrite_output_dir and resume is None and trainer.is_world_process_zero():
         remove_earlier_checkpoints(training_args.output_dir, keep=run.model.model_name_or_path)
 
@@ -237,6 +240,7 @@ def build_trainer(
             )  # fmt: skip
         else:
             packed_sampler = packed_batches(ds["train"], processor, sizes, token_drop_rate, training_args)
+            scale_learning_rate_by_images(training_args, recipe, packed_sampler)
             collator = partial(collator, packed_sequence_length=length, packed_rows=rows)
             message = (
                 "Packed sequences: each batch is %d rows of %d patch slots per device, holding as many whole images "
@@ -292,6 +296,28 @@ def packed_batches(
         dataset=train,
         drop_partial=training_args.dataloader_drop_last,
     )
+
+
+def scale_learning_rate_by_images(
+    training_args: TrainingArguments, recipe: RecipeSettings, sampler: PackedBatchSampler
+) -> None:
+    """A named recipe's learning rate scales with the global batch (`scaled_learning_rate`), which the flags count in
+    rows when batches are packed: with packed batches it scales with the images they hold on average (per device
+    batch, times processes, times accumulation steps) instead. Unless `--learning_rate` is given."""
+    named = get_recipe(recipe.name) if recipe.name is not None else None
+    if named is None or named.base_batch is None or "learning_rate" in recipe.given:
+        return
+    per_batch = sampler.images_per_batch()
+    if per_batch is None:  # --dataloader_drop_last leaves rows out: the mean image per row, in full batches
+        per_batch = len(sampler.counts) / sampler.num_rows * sampler.rows
+    images = per_batch * training_args.world_size * training_args.gradient_accumulation_steps
+    training_args.learning_rate = scaled_learning_rate(named, images)
+    if training_args.process_index == 0:
+        logger.info(
+            "Learning rate %.4g: the %s recipe's %g at a global batch of %d images, scaled to this run's %.1f images "
+            "on average (packed batches: the images their rows hold, not the rows).",
+            training_args.learning_rate, named.name, named.flags["learning_rate"], named.base_batch, images,
+        )  # fmt: skip
 
 
 def _mean_images(sampler: PackedBatchSampler) -> str:
