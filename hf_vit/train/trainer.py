@@ -254,7 +254,9 @@ class VisionTransformerTrainer(Trainer):
             micro = self._mixing_step[1] + 1 if self._mixing_step[0] == step else 0
             self._mixing_step = (step, micro)
             rng = np.random.default_rng(mixing_seed(self.args.seed, step, micro))
-            pixel_values, targets, _ = mix_batch(inputs["pixel_values"], inputs["labels"], self.mixing, rng)
+            pixel_values, targets, _ = mix_batch(
+                inputs["pixel_values"], inputs["labels"], self.mixing, rng, inputs.get("spatial_shapes")
+            )
             inputs = {**inputs, "pixel_values": pixel_values, "labels": targets}
         if self.patch_size_draw is None:
             return super().training_step(model, inputs, num_items_in_batch)
