@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..flags import positive_int
+from ..flags import positive_int, warn_idle
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.image_geometry import scaled_geometry
 from ..model.image_processing_vit import VisionTransformerImageProcessor
@@ -239,6 +239,9 @@ def build_pretraining_model(
                 source,
             )
         return model
+    if settings.keep_head:
+        warn_idle(["keep_head"], "{flags} keeps a checkpoint's head, but this run pretrains --preset from scratch (no "
+                  "--model_name_or_path): it has no effect.")  # fmt: skip
     config = config_from_preset(settings, **names)
     representation = settings.representation_size
     config.representation_size = config.hidden_size if representation is None else (representation or None)

@@ -21,7 +21,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from ..data.augment.mixing import Mixing
 from ..data.augment.rand_augment import parse_rand_augment
 from ..data.augment.random_erasing import check_random_erasing
-from ..flags import exit_on_error, parse_sizes, positive_int
+from ..flags import exit_on_error, parse_sizes, positive_int, warn_idle
 from ..model.resolution import MAX_PATCH_POSITIONS
 from ..tasks.model_setup import ModelSettings
 from .ema import check_ema_decay
@@ -507,7 +507,7 @@ def parse_args(
     if not training_args.do_train:
         check_evaluation_flags(passed)
     else:
-        check_idle_flags(task, model_args, data_args, passed)
+        check_idle_flags(model_args, data_args, passed)
     if training_args.dataloader_num_workers == 0:
         training_args.dataloader_persistent_workers = False  # the default, meaningful with workers only
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -561,16 +561,11 @@ def check_evaluation_flags(passed: set[str]) -> list[str]:
     return ignored
 
 
-def warn_idle(names: list[str], message: str) -> None:
-    """The one way a run says that flags it was given have no effect on it: one warning line, `message` with
-    `{flags}` replaced by the flags' names (`--name`, comma-separated)."""
-    logger.warning(message.format(flags=", ".join(f"--{name}" for name in names)))
-
-
-def check_idle_flags(task: str, model_args: ModelArguments, data_args: DataArguments, passed: set[str]) -> list[str]:
+def check_idle_flags(model_args: ModelArguments, data_args: DataArguments, passed: set[str]) -> list[str]:
     """Warn, one line each, about the flags given that this run's other flags leave without effect (a flag that would
     change nothing is said, not refused: a command line reused with one flag changed still runs). Returns the flags
-    warned about."""
+    warned about. (Those the objective has no use for, and `--keep_head` from scratch, are said where the model is
+    built.)"""
     idle: list[str] = []
 
     def warn(names: set[str], message: str) -> None:
@@ -596,18 +591,6 @@ def check_idle_flags(task: str, model_args: ModelArguments, data_args: DataArgum
             {"crop_scale_min"},
             "{flags} sets the smallest area of a random resized crop, which --no_random_resized_crop turns off: it "
             "has no effect.",
-        )
-    if task == "pretrain" and model_args.objective == "mpp":
-        warn(
-            {"representation_size", "problem_type", "keep_head"},
-            "{flags}: --objective mpp predicts masked patches' colours and has no classification head, so these "
-            "have no effect.",
-        )
-    elif task == "pretrain" and not model_args.model_name_or_path:
-        warn(
-            {"keep_head"},
-            "{flags} keeps a checkpoint's head, but this run pretrains --preset from scratch (no "
-            "--model_name_or_path): it has no effect.",
         )
     return idle
 

@@ -24,7 +24,7 @@ from transformers import TrainingArguments
 from ..data.datasets import DataSource, load_datasets
 from ..data.packed_batches import PackedBatchSampler, planned_patches
 from ..data.transforms import Augmentation, BatchSizes, check_image_channels, decode_rgb, rows_and_transform
-from ..flags import exit_on_error, parse_sizes
+from ..flags import exit_on_error, parse_sizes, warn_idle
 from ..infer.compute_dial import compute_dial_after_training
 from ..infer.evaluate import evaluate_checkpoint
 from ..outputs.cards import training_recipe_text, write_model_card
@@ -39,12 +39,11 @@ from .lora import LoraSettings, adapt, check_lora_arguments, lora_summary
 from .recipes import (
     RecipeSettings,
     ema_callback,
-    get_recipe,
+    learning_rate_for_images,
     log_recipe,
     mixing_for,
     recipe_card_text,
     refuse_augmentation,
-    scaled_learning_rate,
 )
 from .summary import summarize_run
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
@@ -155,6 +154,8 @@ def _run(run: Run, training_args: VisionTransformerTrainingArguments, callbacks,
         task, raw, run.source.dataset_name, run.objective, run.problem_type, run.source.streaming
     )
     refuse_augmentation(objective.name, objective.augmentable, run.augmentation, run.recipe)
+    if idle := sorted(set(objective.idle_flags) & run.recipe.given):
+        warn_idle(idle, f"{{flags}}: --objective {objective.name} has no classification head: no effect here.")
     raw, labels = objective.labels(raw)
     if training_args.check_eval_images:
         check_eval_images(raw)
@@ -240,7 +241,12 @@ def build_trainer(
             )  # fmt: skip
         else:
             packed_sampler = packed_batches(ds["train"], processor, sizes, token_drop_rate, training_args)
-            scale_learning_rate_by_images(training_args, recipe, packed_sampler)
+            # A recipe's learning rate scales with a global batch's images (their mean; with --dataloader_drop_last
+            # leaving rows out, the mean per row's times the rows)
+            per_batch = packed_sampler.images_per_batch() or packed_sampler.num_images_per_row() * rows
+            images = per_batch * training_args.world_size * training_args.gradient_accumulation_steps
+            rate = learning_rate_for_images(recipe, images, log=training_args.process_index == 0)
+            training_args.learning_rate = training_args.learning_rate if rate is None else rate
             collator = partial(collator, packed_sequence_length=length, packed_rows=rows)
             message = (
                 "Packed sequences: each batch is %d rows of %d patch slots per device, holding as many whole images "
@@ -296,28 +302,6 @@ def packed_batches(
         dataset=train,
         drop_partial=training_args.dataloader_drop_last,
     )
-
-
-def scale_learning_rate_by_images(
-    training_args: TrainingArguments, recipe: RecipeSettings, sampler: PackedBatchSampler
-) -> None:
-    """A named recipe's learning rate scales with the global batch (`scaled_learning_rate`), which the flags count in
-    rows when batches are packed: with packed batches it scales with the images they hold on average (per device
-    batch, times processes, times accumulation steps) instead. Unless `--learning_rate` is given."""
-    named = get_recipe(recipe.name) if recipe.name is not None else None
-    if named is None or named.base_batch is None or "learning_rate" in recipe.given:
-        return
-    per_batch = sampler.images_per_batch()
-    if per_batch is None:  # --dataloader_drop_last leaves rows out: the mean image per row, in full batches
-        per_batch = len(sampler.counts) / sampler.num_rows * sampler.rows
-    images = per_batch * training_args.world_size * training_args.gradient_accumulation_steps
-    training_args.learning_rate = scaled_learning_rate(named, images)
-    if training_args.process_index == 0:
-        logger.info(
-            "Learning rate %.4g: the %s recipe's %g at a global batch of %d images, scaled to this run's %.1f images "
-            "on average (packed batches: the images their rows hold, not the rows).",
-            training_args.learning_rate, named.name, named.flags["learning_rate"], named.base_batch, images,
-        )  # fmt: skip
 
 
 def _mean_images(sampler: PackedBatchSampler) -> str:
