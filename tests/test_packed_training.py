@@ -280,3 +280,28 @@ def test_packed_batches_count_images_in_the_step_the_speed_and_the_learning_rate
     per_epoch = int(re.search(r"(\d+) batch\(es\) per epoch", caplog.text).group(1))
     assert seen.value == pytest.approx(5e-4 * (7 / per_epoch) / 256)  # MAE's rule: 5e-4 at a batch of 256 images
     assert f"global batch 1 rows ({7 / per_epoch:.1f} images)" in caplog.text
+
+
+def test_two_processes_weigh_each_image_of_a_packed_step_as_one_process_accumulating(tmp_path):
+    # one process accumulating the epoch's first 2 batches (of 1 row each) and two processes training one each take
+    # the same step over the same images: the same update when each image weighs the same across the processes
+    from conftest import torchrun_command
+    from safetensors.torch import load_file
+    from test_training import WORKER, run
+
+    data, source = aspect_image_folder(tmp_path / "data"), pretrained_folder(tmp_path / "pre")
+    flags = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--max_num_patches", "6"]
+    flags += ["--packed_sequence_length", "9", "--per_device_train_batch_size", "1", "--max_steps", "1"]
+    flags += ["--random_resized_crop", "False", "--hflip", "False", "--learning_rate", "0.05", "--seed", "1"]
+    flags += ["--warmup_steps", "0", "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--use_cpu", "True"]
+    flags += ["--eval_strategy", "no", "--save_strategy", "no", "--check_eval_images", "False", *QUIET]
+    one, two = tmp_path / "one", tmp_path / "two"
+    accumulating = ["--output_dir", str(one), "--gradient_accumulation_steps", "2", *flags]
+    run([sys.executable, str(WORKER), "finetune", *accumulating])
+    run([*torchrun_command(), str(WORKER), "finetune", "--output_dir", str(two), *flags])
+    images = [json.loads((two / f"rank{rank}.json").read_text())["images"] for rank in (0, 1)]
+    assert json.loads((one / "rank0.json").read_text())["images"] == [images[0][0], images[1][0]]
+    assert images[0] != images[1]  # batches of different numbers of images
+    expected, trained = load_file(one / "rank0.safetensors"), load_file(two / "rank0.safetensors")
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6, msg=name)

@@ -145,8 +145,9 @@ class VisionTransformerTrainer(Trainer):
         self.seq_len_sampler, self.patch_size_draw = seq_len_sampler, patch_size_draw
         self.packed_sampler = packed_sampler
         self._mixing_step: tuple[int, int] = (-1, 0)  # (optimisation step, batch within it) of the last mixing
-        # Packed batches: (images, batches) of the optimisation step's accumulated batches, and the images trained.
-        self._step_images: tuple[int, int] | None = None
+        # Packed batches: (images per process, batches) of the optimisation step's accumulated batches (the images
+        # the mean of all processes'), and the images trained.
+        self._step_images: tuple[float, int] | None = None
         self._images_trained = 0
         self._saving_checkpoint = False
         super().__init__(*args, **kwargs)
@@ -242,8 +243,11 @@ class VisionTransformerTrainer(Trainer):
             with torch.random.fork_rng(devices=[]):
                 fetched = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.packed_sampler is not None:
-            batches = fetched[0]
-            self._step_images = (sum(_images_in(batch) for batch in batches), len(batches))
+            batches, images = fetched[0], sum(_images_in(batch) for batch in fetched[0])
+            if self.args.world_size > 1:  # DDP averages the processes' gradients: count every process's images
+                images = self.accelerator.reduce(torch.tensor(images, device=device), reduction="sum")
+                images = int(images) / self.args.world_size
+            self._step_images = (images, len(batches))
         return fetched
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -268,8 +272,9 @@ class VisionTransformerTrainer(Trainer):
         loss_and_outputs = self._batch_loss(model, inputs, return_outputs, num_items_in_batch)
         if self._step_images is None or not model.training:
             return loss_and_outputs
-        # A packed batch's loss is the mean over its images, and Trainer averages the step's batches: weighed by the
-        # batch's share of the step's images instead, every image of the step counts the same.
+        # A packed batch's loss is the mean over its images, and Trainer averages the step's batches (DDP the
+        # processes'): weighed by the batch's share of the step's images instead, every image of the step counts the
+        # same, on every process.
         images, batches = self._step_images
         weight = _images_in(inputs) * batches / max(images, 1)
         if return_outputs:
