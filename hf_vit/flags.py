@@ -1,17 +1,26 @@
 """Checks of flag values shared by every stage and command, and the commands' one way of ending on bad input.
 
 A value a user typed is refused where it is first read, by its flag's name, with the same words everywhere: one
-positive-integer check (`positive_int`), one reader of size lists (`parse_sizes`), and one way (`error_status`,
-`exit_on_error`) to turn a refusal into one `error:` line and exit status 2. Imports nothing of hf-vit, so that every
-layer may use it.
+positive-integer check (`positive_int`), one reader of size lists (`parse_sizes`), one way (`error_status`,
+`exit_on_error`) to turn a refusal into one `error:` line and exit status 2, and one way (`warn_idle`) to say that
+flags given have no effect on a run. Imports nothing of hf-vit, so that every layer may use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
+
+logger = logging.getLogger(__name__)
+
+
+def warn_idle(names: list[str], message: str) -> None:
+    """Say that flags given have no effect on this run: one warning line, `message` with `{flags}` replaced by their
+    names (`--name`, comma-separated)."""
+    logger.warning(message.format(flags=", ".join(f"--{name}" for name in names)))
 
 
 def positive_int(value: object, flag: str, what: str = "int") -> int:

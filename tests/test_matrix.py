@@ -12,7 +12,8 @@ with two processes, multi-label and native-aspect batches (each step's length al
 each one's batches) and across a kill (exact resumption); `--patch_sizes` with LoRA and with a stream; packed
 sequences (`--max_num_patches` with `--packed_sequence_length`) with LoRA, with a stream, and with two processes and
 multi-label data (in memory, each batch a fixed number of rows of patch slots holding as many images as fill them; on
-a stream, a fixed number of images).
+a stream, a fixed number of images); native-aspect batches (`--max_num_patches`) with DeiT's recipe (Mixup and
+CutMix of patches on the images' grids).
 
 Invariants on every run:
 1. the run's folder (for LoRA: the merged model, saved) reloads with the Auto classes and predicts what the trained
@@ -107,6 +108,8 @@ COMBINATIONS = [
     # (Mixup/CutMix, RandAugment, label smoothing, EMA); a stream with MAE fine-tuning's (layer-wise lr decay too).
     Combination("transformers", "qkv", "multi", "memory", processes=2, recipe="deit"),
     Combination("timm", "full", "single", "stream", recipe="finetune"),
+    # DeiT's Mixup/CutMix on native-aspect batches (CutMix cuts whole patches on each image's grid).
+    Combination("folder", "full", "single", "memory", recipe="deit", flags=("--max_num_patches", "16")),
 ]
 FAMILY_ROWS = [
     Combination("dinov2", "full", "single", "memory"),

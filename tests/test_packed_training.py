@@ -14,6 +14,7 @@ from PIL import Image
 from test_inference import aspect_image_folder, native_scores
 from test_training import QUIET, pretrained_folder
 from torch.nn import functional as F
+from transformers import TrainerCallback
 
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.commands import evaluate as evaluate_command
@@ -186,6 +187,7 @@ def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys,
         (["--seq_lens", "4,6", "--packed_sequence_length", "9"], "--seq_lens"),
         (["--patch_sizes", "2,4", "--packed_sequence_length", "9"], "--patch_sizes"),
         (["--max_num_patches", "6", "--packed_sequence_length", "9", "--mixup_alpha", "0.8"], "--mixup_alpha"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "9", "--cutmix_minmax", "0.2", "0.8"], "minmax"),
         (["--max_num_patches", "6", "--packed_sequence_length", "9", "--objective", "mpp"], "--objective mpp"),
         (["--max_num_patches", "6", "--packed_sequence_length", "9", "--recipe", "deit"], "set by --recipe deit"),
         (["--max_num_patches", "6", "--token_drop_rate", "0.5"], "--token_drop_rate drops patches of packed"),
@@ -239,3 +241,68 @@ def test_a_killed_packed_run_resumes_mid_epoch_to_the_uninterrupted_runs_weights
     straight, resumed = load_file(tmp_path / "straight" / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_packed_batches_count_images_in_the_step_the_speed_and_the_learning_rate(tmp_path, caplog, monkeypatch):
+    # one optimisation step accumulates the epoch's batches of one row each (their images vary): its update is the
+    # update of one padded batch of all 7 images, each image weighing the same
+    data = aspect_image_folder(tmp_path / "data")
+    source = pretrained_folder(tmp_path / "pre")
+    plain = ["--max_steps", "1", "--random_resized_crop", "False", "--hflip", "False", "--max_grad_norm", "0"]
+    plain += ["--warmup_steps", "0", "--lr_scheduler_type", "constant"]
+    padded = run_flags(source, data, tmp_path / "padded", *plain)
+    padded[padded.index("--per_device_train_batch_size") + 1] = "7"
+    train("finetune", *parse_args("finetune", padded))
+    packed = run_flags(source, data, tmp_path / "packed", *plain, "--packed_sequence_length", "9")
+    packed[packed.index("--per_device_train_batch_size") + 1] = "1"
+    packed += ["--gradient_accumulation_steps", "8"]  # at least the epoch's batches: one step takes them all
+    batches = recorded_batches(monkeypatch)
+    metrics = train("finetune", *parse_args("finetune", packed))
+    assert sum(images for _, _, images in batches) == 7 and len({images for _, _, images in batches}) > 1
+    expected = VisionTransformerForImageClassification.from_pretrained(tmp_path / "padded").state_dict()
+    trained = VisionTransformerForImageClassification.from_pretrained(tmp_path / "packed").state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    # the speed counts the 7 images trained, not the 8 rows of the global batch
+    assert metrics["train_samples_per_second"] * metrics["train_runtime"] == pytest.approx(7, rel=2e-3)
+
+    # a recipe's learning rate scales with the images of the global batch, not its rows
+    class FirstLearningRate(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.value = args.learning_rate
+
+    seen = FirstLearningRate()
+    recipe = run_flags(source, data, tmp_path / "recipe", "--packed_sequence_length", "9", "--max_steps", "1")
+    recipe += ["--recipe", "finetune", "--mixup_alpha", "0", "--cutmix_alpha", "0"]
+    recipe.remove("--learning_rate"), recipe.remove("0.05")
+    recipe[recipe.index("--per_device_train_batch_size") + 1] = "1"
+    with caplog.at_level("INFO", logger="hf_vit"):
+        train("finetune", *parse_args("finetune", recipe), callbacks=[seen])
+    per_epoch = int(re.search(r"(\d+) batch\(es\) per epoch", caplog.text).group(1))
+    assert seen.value == pytest.approx(5e-4 * (7 / per_epoch) / 256)  # MAE's rule: 5e-4 at a batch of 256 images
+    assert f"global batch 1 rows ({7 / per_epoch:.1f} images)" in caplog.text
+
+
+def test_two_processes_weigh_each_image_of_a_packed_step_as_one_process_accumulating(tmp_path):
+    # one process accumulating the epoch's first 2 batches (of 1 row each) and two processes training one each take
+    # the same step over the same images: the same update when each image weighs the same across the processes
+    from conftest import torchrun_command
+    from safetensors.torch import load_file
+    from test_training import WORKER, run
+
+    data, source = aspect_image_folder(tmp_path / "data"), pretrained_folder(tmp_path / "pre")
+    flags = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--max_num_patches", "6"]
+    flags += ["--packed_sequence_length", "9", "--per_device_train_batch_size", "1", "--max_steps", "1"]
+    flags += ["--random_resized_crop", "False", "--hflip", "False", "--learning_rate", "0.05", "--seed", "1"]
+    flags += ["--warmup_steps", "0", "--lr_scheduler_type", "constant", "--max_grad_norm", "0", "--use_cpu", "True"]
+    flags += ["--eval_strategy", "no", "--save_strategy", "no", "--check_eval_images", "False", *QUIET]
+    one, two = tmp_path / "one", tmp_path / "two"
+    accumulating = ["--output_dir", str(one), "--gradient_accumulation_steps", "2", *flags]
+    run([sys.executable, str(WORKER), "finetune", *accumulating])
+    run([*torchrun_command(), str(WORKER), "finetune", "--output_dir", str(two), *flags])
+    images = [json.loads((two / f"rank{rank}.json").read_text())["images"] for rank in (0, 1)]
+    assert json.loads((one / "rank0.json").read_text())["images"] == [images[0][0], images[1][0]]
+    assert images[0] != images[1]  # batches of different numbers of images
+    expected, trained = load_file(one / "rank0.safetensors"), load_file(two / "rank0.safetensors")
+    for name, value in expected.items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6, msg=name)

@@ -80,3 +80,54 @@ def test_continuing_on_other_classes_gives_a_new_head_and_says_so(tmp_path, clas
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # learning rate 0: the encoder is the checkpoint's
         torch.testing.assert_close(model.vit(x).last_hidden_state, source.vit(x).last_hidden_state)
+
+
+@pytest.fixture(scope="module")
+def named_classifier(tmp_path_factory):
+    """A supervised checkpoint of the classes ant, bee, cow (numbered so), its head not zero."""
+    from hf_vit import VisionTransformerConfig
+
+    config = VisionTransformerConfig(
+        image_size=8, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        representation_size=32, id2label={0: "ant", 1: "bee", 2: "cow"}, zero_init_head=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("named") / "classifier"
+    VisionTransformerForImageClassification(config).save_pretrained(path)
+    return path
+
+
+def test_continuing_on_the_same_classes_numbered_otherwise_reorders_the_heads_rows(tmp_path, named_classifier, caplog):
+    from test_training import labelled_dataset
+
+    names = ["cow", "ant", "bee"]  # the checkpoint's classes, numbered in another order
+    data = labelled_dataset(tmp_path / "data", names, {"train": [0, 1, 2] * 4, "validation": [0, 1, 2]})
+    with caplog.at_level("INFO", logger="hf_vit"):
+        pretrain(tmp_path, named_classifier, "--dataset_name", str(data), "--learning_rate", "0")
+    model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "out").eval()
+    source = VisionTransformerForImageClassification.from_pretrained(named_classifier).eval()
+    assert model.config.id2label == dict(enumerate(names))
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # learning rate 0: each class name's logit is the checkpoint's for that name
+        logits, expected = model(x).logits, source(x).logits
+    source_ids = {name: index for index, name in source.config.id2label.items()}
+    for name in names:
+        torch.testing.assert_close(logits[:, model.config.label2id[name]], expected[:, source_ids[name]])
+    assert "its head's rows are reordered by class name" in caplog.text
+
+
+def test_a_kept_head_of_other_classes_is_refused_and_shared_names_get_a_new_head(tmp_path, named_classifier, caplog):
+    from test_training import labelled_dataset
+
+    splits = {"train": [0, 1, 2] * 4, "validation": [0, 1, 2]}
+    data = labelled_dataset(tmp_path / "data", ["bee", "ant", "dog"], splits)  # two shared names, moved; one new
+    with pytest.raises(ValueError, match=r"^--keep_head keeps the head of .*'dog'.*drop --keep_head") as info:
+        pretrain(tmp_path, named_classifier, "--dataset_name", str(data), "--keep_head", name="kept")
+    assert "\n" not in str(info.value)
+    with caplog.at_level("INFO", logger="hf_vit"):
+        pretrain(tmp_path, named_classifier, "--dataset_name", str(data), "--learning_rate", "0")
+    assert "on a data set of 3 of other classes: its head (pre-logits and classifier) is replaced" in caplog.text
+    model = VisionTransformerForImageClassification.from_pretrained(tmp_path / "out")
+    source = VisionTransformerForImageClassification.from_pretrained(named_classifier)
+    assert model.config.id2label == {0: "bee", 1: "ant", 2: "dog"}
+    assert not torch.allclose(model.classifier.weight[:2], source.classifier.weight[[1, 0]])

@@ -252,6 +252,44 @@ def test_cutmix_lambda_is_corrected_to_the_box_area():
     assert corrected == pytest.approx(1 - (bottom - top) * (right - left) / 8000)
 
 
+@pytest.mark.parametrize("minmax", [None, (0.3, 0.9)])
+def test_cutmix_of_native_aspect_batches_cuts_whole_patches_on_each_images_grid(minmax):
+    # images of grids 1x8, 2x3, 3x2 and 2x4 patches (of 2x2x3 values), padded to 8 patch slots with zeros
+    grids = [(1, 8), (2, 3), (3, 2), (2, 4)]
+    patches = torch.zeros(len(grids), 8, 12)
+    for image, (rows, cols) in enumerate(grids):
+        patches[image, : rows * cols] = torch.rand(rows * cols, 12, generator=torch.Generator().manual_seed(image))
+    labels = torch.arange(len(grids))
+    mixing = Mixing(num_classes=4, cutmix_alpha=1.0, cutmix_minmax=minmax)
+    cut = 0
+    for seed in range(30):
+        mixed, targets, _ = mix_batch(patches, labels, mixing, np.random.default_rng(seed), torch.tensor(grids))
+        for image, (rows, cols) in enumerate(grids):
+            partner = len(grids) - 1 - image
+            other_rows, other_cols = grids[partner]
+            replaced_values = (mixed[image] != patches[image]).sum().item()
+            slots = (mixed[image] != patches[image]).any(-1).nonzero().flatten().tolist()
+            # whole patches of the image's own grid, in the part of it its partner's grid has too, each the partner's
+            # patch at the same grid place, together one box
+            assert replaced_values == len(slots) * 12 and all(slot < rows * cols for slot in slots)
+            places = [divmod(slot, cols) for slot in slots]
+            assert all(row < other_rows and col < other_cols for row, col in places)
+            for slot, (row, col) in zip(slots, places):
+                assert torch.equal(mixed[image, slot], patches[partner, row * other_cols + col])
+            if places:
+                box_rows = {row for row, _ in places}
+                box_cols = {col for _, col in places}
+                assert len(places) == len(box_rows) * len(box_cols)
+                assert max(box_rows) - min(box_rows) + 1 == len(box_rows)
+                assert max(box_cols) - min(box_cols) + 1 == len(box_cols)
+                cut += 1
+            # the target's share of the other class is the share of the image's pixel values replaced
+            share = replaced_values / (rows * cols * 12)
+            assert targets[image, labels[partner]].item() == pytest.approx(share)
+            assert targets[image, labels[image]].item() == pytest.approx(1 - share)
+    assert cut > 20  # most draws cut something
+
+
 def test_mixing_is_reproducible_per_seed_and_switches():
     pixels, labels = _batch()
     mixing = Mixing(num_classes=5, mixup_alpha=0.8, cutmix_alpha=1.0, switch_prob=0.5, prob=0.7)

@@ -910,3 +910,48 @@ def test_a_run_keeps_only_its_last_checkpoint_unless_asked(tmp_path):
     out = tmp_path / "out"
     train("pretrain", *tiny_pretrain(out, "--save_strategy", "steps", "--save_steps", "1", "--max_steps", "3"))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--lora_alpha", "16"], ["--lora_alpha"]),
+        (["--lora_dropout", "0.1", "--lora_target_modules", "fc1"], ["--lora_dropout", "--lora_target_modules"]),
+        (["--shuffle_buffer_size", "10"], ["--shuffle_buffer_size"]),
+        (["--no_random_resized_crop", "--crop_scale_min", "0.5"], ["--crop_scale_min"]),
+    ],
+)
+def test_flags_without_effect_get_one_warning_line_naming_them(tmp_path, caplog, flags, named):
+    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tmp_path / "pre"), *flags, *QUIET]
+    with caplog.at_level("WARNING", logger="hf_vit"):
+        parse_args("finetune", args)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "\n" not in warned[0] and "no effect" in warned[0], warned
+    assert all(flag in warned[0] for flag in named)
+
+
+def test_flags_with_effect_are_not_warned_about(tmp_path, caplog):
+    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tmp_path / "pre"), *QUIET]
+    with caplog.at_level("WARNING", logger="hf_vit"):
+        parse_args("finetune", args + ["--lora_rank", "2", "--lora_alpha", "4", "--crop_scale_min", "0.5"])
+        parse_args("finetune", args + ["--streaming", "True", "--max_steps", "2", "--shuffle_buffer_size", "10"])
+        parse_args("pretrain", args + ["--keep_head", "--representation_size", "16"])
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--objective", "mpp", "--representation_size", "16", "--problem_type", "multi_label_classification"],
+         ["--representation_size", "--problem_type"]),
+        (["--objective", "mpp", "--keep_head"], ["--keep_head"]),
+        (["--keep_head"], ["--keep_head"]),  # from scratch: no checkpoint's head to keep
+    ],
+)  # fmt: skip
+def test_pretraining_flags_without_effect_get_one_warning_line_naming_them(tmp_path, caplog, flags, named):
+    with caplog.at_level("WARNING", logger="hf_vit"):
+        train("pretrain", *tiny_pretrain(tmp_path / "out", *flags))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "no effect" in r.getMessage()]
+    assert len(warned) == 1 and "\n" not in warned[0] and all(flag in warned[0] for flag in named), warned
+    if "mpp" in flags:  # saved without a pre-logits layer whatever --representation_size said
+        assert json.loads((tmp_path / "out" / "config.json").read_text())["representation_size"] is None

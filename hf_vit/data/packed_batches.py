@@ -209,6 +209,10 @@ class PackedBatchSampler:
         for batch in self.plan(epoch):
             yield [(index, self.budgets[index], row) for row, images in enumerate(batch) for index in images]
 
+    def num_images_per_row(self) -> float:
+        """The mean number of images per row (every image is planned into one)."""
+        return len(self.counts) / self.num_rows
+
     def images_per_batch(self) -> float | None:
         """The mean number of images per batch, the same every epoch (None where it varies: `drop_partial` leaving out
         rows)."""

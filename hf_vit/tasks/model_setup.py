@@ -10,7 +10,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..flags import positive_int
+import torch
+
+from ..flags import positive_int, warn_idle
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.image_geometry import scaled_geometry
 from ..model.image_processing_vit import VisionTransformerImageProcessor
@@ -186,36 +188,82 @@ def build_pretraining_model(
     settings: ModelSettings, id2label: dict[int, str]
 ) -> VisionTransformerForImageClassification:
     """A model to pretrain: `preset` from scratch (the paper's initialisation) or `model_name_or_path` to continue
-    (with the flags applied or refused, see `load_checkpoint`)."""
+    (with the flags applied or refused, see `load_checkpoint`). A continued checkpoint keeps its head for the same
+    classes (its rows reordered by class name where the data set numbers them otherwise) and for as many classes of
+    other names (renamed); other classes (another number, or names shared at other places) get a new head, which
+    `--keep_head` refuses."""
     names = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
     if settings.model_name_or_path:
         settable, image_size, shapes = split_requested(settings)
         representation = settings.representation_size or None
         new_head = settings.representation_size is not None  # a new head for a new pre-logits layer
-        checkpoint = VisionTransformerConfig.from_pretrained(settings.model_name_or_path)
-        if not new_head and checkpoint.num_labels != len(id2label):
-            new_head, representation = True, checkpoint.representation_size  # a head of the same form, new
+        source = settings.model_name_or_path
+        checkpoint = VisionTransformerConfig.from_pretrained(source)
+        own = [str(checkpoint.id2label[index]) for index in range(checkpoint.num_labels)]
+        wanted = [str(id2label[index]) for index in range(len(id2label))]
+        reorder = not new_head and own != wanted and sorted(own) == sorted(wanted)
+        # Some names shared at other places, or another number of classes: a kept head would give a class another
+        # class's row. (Other names altogether, as many: the head is continued under the data set's names.)
+        other_classes = len(own) != len(wanted) or (own != wanted and not reorder and bool(set(own) & set(wanted)))
+        if settings.keep_head and (new_head or sorted(own) != sorted(wanted)):
+            raise ValueError(
+                f"--keep_head keeps the head of {source}, whose classes are {own}, but "
+                + ("--representation_size asks for a new one" if new_head else f"the data set's are {wanted}")
+                + ": drop --keep_head to train a new head, or train on the checkpoint's classes."
+            )
+        if not new_head and other_classes:  # a head of the same form, new
+            new_head, representation = True, checkpoint.representation_size
             logger.info(
-                "Continuing %s, whose head has %d classes, on a data set of %d: its head (pre-logits and classifier) "
-                "is replaced by a new one; the encoder is kept.",
-                settings.model_name_or_path, checkpoint.num_labels, len(id2label),
+                "Continuing %s, whose head has %d classes, on a data set of %d%s: its head (pre-logits and "
+                "classifier) is replaced by a new one; the encoder is kept.",
+                source, checkpoint.num_labels, len(id2label),
+                "" if len(own) != len(wanted) else " of other classes",
             )  # fmt: skip
-        return load_checkpoint(
-            settings.model_name_or_path,
+        model = load_checkpoint(
+            source,
             id2label if new_head else None,
             image_size=image_size,
             representation_size=representation,
             interpolation=settings.interpolation,
             attn_implementation=settings.attn_implementation,
             refuse=shapes,
-            names=None if new_head else id2label,  # a kept head takes the data set's names; a new one has them
+            # a kept head takes the data set's names (its rows reordered to them first); a new one has them
+            names=None if new_head or reorder else id2label,
             **settable,
         )
+        if reorder:
+            reorder_head(model, wanted)
+            logger.info(
+                "Continuing %s on the same classes numbered in another order: its head's rows are reordered by "
+                "class name to the data set's numbering.",
+                source,
+            )
+        return model
+    if settings.keep_head:
+        warn_idle(["keep_head"], "{flags} keeps a checkpoint's head, but this run pretrains --preset from scratch (no "
+                  "--model_name_or_path): it has no effect.")  # fmt: skip
     config = config_from_preset(settings, **names)
     representation = settings.representation_size
     config.representation_size = config.hidden_size if representation is None else (representation or None)
     config.validate_architecture()
     return VisionTransformerForImageClassification(config)
+
+
+@torch.no_grad()
+def reorder_head(model: VisionTransformerForImageClassification, names: list[str]) -> None:
+    """Renumber the classes of `model`'s head to `names` (the same class names in another order): each output row of
+    its classifier (and distillation classifier) moves to its name's new number, and the config's `id2label` and
+    `label2id` become `names`'."""
+    label2id = {str(name): int(index) for index, name in model.config.id2label.items()}
+    order = torch.tensor([label2id[name] for name in names])
+    for layer in (model.classifier, model.distillation_classifier):
+        if layer is None:
+            continue
+        layer.weight.copy_(layer.weight[order])
+        if layer.bias is not None:
+            layer.bias.copy_(layer.bias[order])
+    model.config.id2label = dict(enumerate(names))
+    model.config.label2id = {name: index for index, name in enumerate(names)}
 
 
 def load_checkpoint(

@@ -70,6 +70,9 @@ class Objective:
     loss: Callable[[Any, Any], float] | None = None
     # Refuses, by flag, the native-aspect and drawn sizes it cannot train: (max_num_patches, seq_lens, patch_sizes).
     check_sizes: Callable[[int | None, str | None, str | None], None] | None = None
+    # Model flags it has no use for (masked patch prediction has no classification head): given, each is said to
+    # have no effect, in one warning line.
+    idle_flags: tuple[str, ...] = ()
 
 
 def cross_entropy(logits, labels) -> float:
@@ -141,6 +144,7 @@ OBJECTIVES: dict[str, Objective] = {
         preprocess_logits=mpp_preprocess_logits,
         augmentable=False,
         check_sizes=refuse_drawn_sizes,
+        idle_flags=("representation_size", "problem_type", "keep_head"),
     ),
 }
 

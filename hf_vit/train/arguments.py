@@ -21,7 +21,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from ..data.augment.mixing import Mixing
 from ..data.augment.rand_augment import parse_rand_augment
 from ..data.augment.random_erasing import check_random_erasing
-from ..flags import exit_on_error, parse_sizes, positive_int
+from ..flags import exit_on_error, parse_sizes, positive_int, warn_idle
 from ..model.resolution import MAX_PATCH_POSITIONS
 from ..tasks.model_setup import ModelSettings
 from .ema import check_ema_decay
@@ -511,6 +511,8 @@ def parse_args(
     check_flexible_flags(data_args, training_args)
     if not training_args.do_train:
         check_evaluation_flags(passed)
+    else:
+        check_idle_flags(model_args, data_args, passed)
     if training_args.dataloader_num_workers == 0:
         training_args.dataloader_persistent_workers = False  # the default, meaningful with workers only
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -560,10 +562,42 @@ def check_evaluation_flags(passed: set[str]) -> list[str]:
             "False); hf-vit-evaluate measures a saved model too (--max_num_patches, --patch_size)."
         )
     if ignored:
-        logger.warning(
-            "--do_train False: %s shape training only and have no effect here.", ", ".join(f"--{n}" for n in ignored)
-        )
+        warn_idle(ignored, "--do_train False: {flags} shape training only and have no effect here.")
     return ignored
+
+
+def check_idle_flags(model_args: ModelArguments, data_args: DataArguments, passed: set[str]) -> list[str]:
+    """Warn, one line each, about the flags given that this run's other flags leave without effect (a flag that would
+    change nothing is said, not refused: a command line reused with one flag changed still runs). Returns the flags
+    warned about. (Those the objective has no use for, and `--keep_head` from scratch, are said where the model is
+    built.)"""
+    idle: list[str] = []
+
+    def warn(names: set[str], message: str) -> None:
+        given = sorted(names & passed)
+        if given:
+            warn_idle(given, message)
+            idle.extend(given)
+
+    if not model_args.lora_rank:
+        warn(
+            {"lora_alpha", "lora_dropout", "lora_target_modules"},
+            "{flags} shape LoRA adapters, but --lora_rank is 0 (none): every weight is trained and the full model "
+            "saved; these have no effect (pass --lora_rank, e.g. 8, to train adapters).",
+        )
+    if not data_args.streaming:
+        warn(
+            {"shuffle_buffer_size"},
+            "{flags} shuffles a streamed data set (--streaming); this run loads it and shuffles it whole, so it has "
+            "no effect.",
+        )
+    if not data_args.random_resized_crop:
+        warn(
+            {"crop_scale_min"},
+            "{flags} sets the smallest area of a random resized crop, which --no_random_resized_crop turns off: it "
+            "has no effect.",
+        )
+    return idle
 
 
 def check_packing_flags(objective: str, data_args: DataArguments, training_args: TrainingArguments) -> None:
@@ -611,13 +645,18 @@ def check_packing_flags(objective: str, data_args: DataArguments, training_args:
             "from the first process, cut along their first dimension, and a packed batch's rows are not its images. "
             "Load the data set (drop --streaming), or train on one process."
         )
-    if training_args.mixup_alpha > 0 or training_args.cutmix_alpha > 0:
-        flag = "--mixup_alpha" if training_args.mixup_alpha > 0 else "--cutmix_alpha"
+    mixing = {
+        "--mixup_alpha": training_args.mixup_alpha > 0,
+        "--cutmix_alpha": training_args.cutmix_alpha > 0,
+        "--cutmix_minmax": bool(training_args.cutmix_minmax),  # turns CutMix on by itself
+    }
+    if any(mixing.values()):
+        flag = ", ".join(name for name, on in mixing.items() if on)
         recipe = training_args.recipe
         given = f" (set by --recipe {recipe}; --mixup_alpha 0 --cutmix_alpha 0 keep the rest of it)" if recipe else ""
         raise ValueError(
             f"--packed_sequence_length with {flag}{given}: Mixup and CutMix mix whole images of one size, not packed "
-            "rows of images. Drop one of them."
+            "rows of images. Drop them, or drop --packed_sequence_length."
         )
 
 

@@ -322,6 +322,23 @@ class RecipeSettings:
     label_smoothing: float = 0.0
 
 
+def learning_rate_for_images(recipe: RecipeSettings, images: float, log: bool = True) -> float | None:
+    """A named recipe's learning rate for a global batch of `images` images, where the flags counted the batch in
+    something else (packed batches: rows; `images` is the mean a global batch holds); None where the run's rate is
+    not the recipe's scaled one (no named recipe, one without scaling, or `--learning_rate` given). `log`: say so."""
+    named = get_recipe(recipe.name) if recipe.name is not None else None
+    if named is None or named.base_batch is None or "learning_rate" in recipe.given:
+        return None
+    rate = scaled_learning_rate(named, images)
+    if log:
+        logger.info(
+            "Learning rate %.4g: the %s recipe's %g at a global batch of %d images, scaled to this run's %.1f images "
+            "on average (packed batches: the images their rows hold, not the rows).",
+            rate, named.name, named.flags["learning_rate"], named.base_batch, images,
+        )  # fmt: skip
+    return rate
+
+
 def ema_callback(recipe: RecipeSettings) -> EmaCallback | None:
     return None if recipe.ema_decay is None else EmaCallback(recipe.ema_decay, recipe.ema_warmup)
 

@@ -149,6 +149,10 @@ class VisionTransformerTrainer(Trainer):
         self.packed_sampler = packed_sampler
         self.run_record = run_record
         self._mixing_step: tuple[int, int] = (-1, 0)  # (optimisation step, batch within it) of the last mixing
+        # Packed batches: (images per process, batches) of the optimisation step's accumulated batches (the images
+        # the mean of all processes'), and the images trained.
+        self._step_images: tuple[float, int] | None = None
+        self._images_trained = 0
         self._saving_checkpoint = False
         super().__init__(*args, **kwargs)
 
@@ -234,18 +238,33 @@ class VisionTransformerTrainer(Trainer):
         # draw would shift every later dropout mask. So every fetch after step 0 leaves the generator as it was:
         # the uninterrupted run's stream is unchanged, and a resumed run's equals it. (Augmentation is seeded per
         # example; the sampler's order per epoch.)
+        #
+        # Packed batches hold a number of images that varies: the step's images are counted here, so that each image
+        # weighs the same in the step's gradient whatever its batch holds (`compute_loss`).
         if self.state.global_step == 0:
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
-        with torch.random.fork_rng(devices=[]):
-            return super().get_batch_samples(epoch_iterator, num_batches, device)
+            fetched = super().get_batch_samples(epoch_iterator, num_batches, device)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                fetched = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self.packed_sampler is not None:
+            batches, images = fetched[0], sum(_images_in(batch) for batch in fetched[0])
+            if self.args.world_size > 1:  # DDP averages the processes' gradients: count every process's images
+                images = self.accelerator.reduce(torch.tensor(images, device=device), reduction="sum")
+                images = int(images) / self.args.world_size
+            self._step_images = (images, len(batches))
+        return fetched
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.packed_sampler is not None:
+            self._images_trained += _images_in(inputs)
         if self.mixing is not None and "labels" in inputs:
             step = self.state.global_step
             micro = self._mixing_step[1] + 1 if self._mixing_step[0] == step else 0
             self._mixing_step = (step, micro)
             rng = np.random.default_rng(mixing_seed(self.args.seed, step, micro))
-            pixel_values, targets, _ = mix_batch(inputs["pixel_values"], inputs["labels"], self.mixing, rng)
+            pixel_values, targets, _ = mix_batch(
+                inputs["pixel_values"], inputs["labels"], self.mixing, rng, inputs.get("spatial_shapes")
+            )
             inputs = {**inputs, "pixel_values": pixel_values, "labels": targets}
         if self.patch_size_draw is None:
             return super().training_step(model, inputs, num_items_in_batch)
@@ -254,6 +273,19 @@ class VisionTransformerTrainer(Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss_and_outputs = self._batch_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self._step_images is None or not model.training:
+            return loss_and_outputs
+        # A packed batch's loss is the mean over its images, and Trainer averages the step's batches (DDP the
+        # processes'): weighed by the batch's share of the step's images instead, every image of the step counts the
+        # same, on every process.
+        images, batches = self._step_images
+        weight = _images_in(inputs) * batches / max(images, 1)
+        if return_outputs:
+            return loss_and_outputs[0] * weight, loss_and_outputs[1]
+        return loss_and_outputs * weight
+
+    def _batch_loss(self, model, inputs, return_outputs, num_items_in_batch):
         labels = inputs.get("labels")
         if self.mixing is None or not model.training or labels is None or not labels.is_floating_point():
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -268,6 +300,15 @@ class VisionTransformerTrainer(Trainer):
         if self.args.average_tokens_across_devices and by_items:
             loss = loss * self.accelerator.num_processes  # as Trainer scales the model's own loss
         return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        # Trainer counts a packed run's samples as rows (its batch size) under --max_steps: its speed is said in the
+        # images trained (all processes'), in the dict Trainer also returns as the training's metrics.
+        if self.packed_sampler is not None and "train_samples_per_second" in logs and logs.get("train_runtime"):
+            images = torch.tensor(self._images_trained, device=self.args.device)
+            images = int(self.accelerator.reduce(images, reduction="sum")) if self.args.world_size > 1 else int(images)
+            logs["train_samples_per_second"] = round(images / logs["train_runtime"], 3)
+        super().log(logs, *args, **kwargs)
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         python_state, numpy_state = random.getstate(), np.random.get_state()
@@ -370,6 +411,12 @@ class VisionTransformerTrainer(Trainer):
         )
 
 
+def _images_in(batch: dict[str, Any]) -> int:
+    """The images of a batch: its labels' first dimension (one label, or one multi-hot row, per image)."""
+    labels = batch.get("labels")
+    return int(labels.shape[0]) if labels is not None else 0
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint or model could not be written; the message names the folder, the cause and what to do."""
 
@@ -453,11 +500,13 @@ class RunSetupCallback(TrainerCallback):
             mean = packed.images_per_batch()
             logger.info(
                 "Run set-up: %d training examples, %g epochs of %d steps, batch %d rows of %d patch slots per device "
-                "(%s) x %d process(es) x %d accumulation step(s) = global batch %d rows, %d optimisation steps.",
+                "(%s) x %d process(es) x %d accumulation step(s) = global batch %d rows (%s), %d optimisation steps.",
                 self.num_examples, state.num_train_epochs, -(-len(packed) // args.world_size // accumulation),
                 per_device, packed.packed_sequence_length,
                 "a varying number of images" if mean is None else f"{mean:.1f} images on average",
-                args.world_size, accumulation, per_device * args.world_size * accumulation, state.max_steps,
+                args.world_size, accumulation, per_device * args.world_size * accumulation,
+                "images that vary" if mean is None else f"{mean * args.world_size * accumulation:.1f} images",
+                state.max_steps,
             )  # fmt: skip
             return
         logger.info(

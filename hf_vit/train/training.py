@@ -24,7 +24,7 @@ from transformers import TrainingArguments
 from ..data.datasets import DataSource, load_datasets, split_record
 from ..data.packed_batches import PackedBatchSampler, planned_patches
 from ..data.transforms import Augmentation, BatchSizes, check_image_channels, decode_rgb, rows_and_transform
-from ..flags import exit_on_error, parse_sizes
+from ..flags import exit_on_error, parse_sizes, warn_idle
 from ..infer.compute_dial import compute_dial_after_training
 from ..infer.evaluate import evaluate_checkpoint
 from ..outputs.cards import training_recipe_text, write_model_card
@@ -47,6 +47,7 @@ from .lora import LoraSettings, adapt, check_lora_arguments, lora_summary
 from .recipes import (
     RecipeSettings,
     ema_callback,
+    learning_rate_for_images,
     log_recipe,
     mixing_for,
     recipe_card_text,
@@ -124,7 +125,6 @@ def train(
     )
     record = None
     if training_args.process_index == 0:
-        log_recipe(run.recipe, run.values)
         splits = split_record(source, training_args.seed)
         record = RunRecord(training_args.output_dir, splits, resuming=resume is not None)
     try:
@@ -169,6 +169,8 @@ def _run(
         task, raw, run.source.dataset_name, run.objective, run.problem_type, run.source.streaming
     )
     refuse_augmentation(objective.name, objective.augmentable, run.augmentation, run.recipe)
+    if idle := sorted(set(objective.idle_flags) & run.recipe.given):
+        warn_idle(idle, f"{{flags}}: --objective {objective.name} has no classification head: no effect here.")
     raw, labels = objective.labels(raw)
     if training_args.check_eval_images:
         check_eval_images(raw)
@@ -188,6 +190,9 @@ def _run(
         objective, model, processor, ds, training_args, callbacks, run.sizes, run.recipe,
         run.augmentation.token_drop_rate,
     )  # fmt: skip
+    run.values["learning_rate"] = training_args.learning_rate  # packed batches: scaled by their images
+    if training_args.process_index == 0:
+        log_recipe(run.recipe, run.values)
     if training_args.overwrite_output_dir and resume is None and trainer.is_world_process_zero():
         remove_earlier_checkpoints(training_args.output_dir, keep=run.model.model_name_or_path)
         remove_earlier_run_files(training_args.output_dir)  # the folder holds only what this run writes
@@ -255,6 +260,12 @@ def build_trainer(
             )  # fmt: skip
         else:
             packed_sampler = packed_batches(ds["train"], processor, sizes, token_drop_rate, training_args)
+            # A recipe's learning rate scales with a global batch's images (their mean; with --dataloader_drop_last
+            # leaving rows out, the mean per row's times the rows)
+            per_batch = packed_sampler.images_per_batch() or packed_sampler.num_images_per_row() * rows
+            images = per_batch * training_args.world_size * training_args.gradient_accumulation_steps
+            rate = learning_rate_for_images(recipe, images, log=training_args.process_index == 0)
+            training_args.learning_rate = training_args.learning_rate if rate is None else rate
             collator = partial(collator, packed_sequence_length=length, packed_rows=rows)
             message = (
                 "Packed sequences: each batch is %d rows of %d patch slots per device, holding as many whole images "

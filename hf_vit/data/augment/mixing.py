@@ -9,6 +9,14 @@ For each batch, with probability `prob`, the batch is mixed with itself reversed
   the image's); `lam` is then corrected to the share of the image the box leaves, `1 - box area / image area`;
 * both: CutMix with probability `switch_prob`, Mixup otherwise.
 
+A native-aspect batch (`spatial_shapes` given: `pixel_values` (N, K, P*P*C), each image's patches first, row by row
+of its grid) is cut in patches, on the images' grids: image `i`'s box is a box of whole patches of the grid that it
+and image `N-1-i` share (the smaller rows and columns of the two, from the top left), its sides from `lam` (or
+`cutmix_minmax`) as above but rounded to whole patches (a grid has few: flooring would leave most boxes empty), the
+box of `lam` centred on a random patch; the partner's patches at the same grid places replace `i`'s, and `i`'s `lam`
+is corrected to the share of its own patches the box leaves. Each image draws its own box, so the targets are mixed
+per image.
+
 The targets are mixed with the same `lam`: `lam * y + (1 - lam) * y.flip(0)`, where `y` is the one-hot (or for
 multi-label data the multi-hot) target with label smoothing `s`: `1 - s + s / C` for a class of the image, `s / C`
 for the others. A batch that is not mixed keeps its images and gets the smoothed targets (`lam = 1`).
@@ -124,14 +132,24 @@ def smooth_targets(labels: torch.Tensor, num_classes: int, smoothing: float) -> 
 
 @torch.no_grad()
 def mix_batch(
-    pixel_values: torch.Tensor, labels: torch.Tensor, mixing: Mixing, rng: np.random.Generator
+    pixel_values: torch.Tensor,
+    labels: torch.Tensor,
+    mixing: Mixing,
+    rng: np.random.Generator,
+    spatial_shapes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The batch mixed as `mixing` says: (images [N, C, H, W], soft targets [N, classes], lam)."""
+    """The batch mixed as `mixing` says: (images [N, C, H, W], or a native-aspect batch's patches [N, K, P*P*C] with
+    its grids `spatial_shapes` [N, 2]; soft targets [N, classes]; lam, the images' mean where CutMix cut each its own
+    box)."""
     targets = smooth_targets(labels, mixing.num_classes, mixing.label_smoothing)
     lam, use_cutmix = draw_lambda(mixing, rng)
     if lam == 1.0:
         return pixel_values, targets, 1.0
     flipped = pixel_values.flip(0)
+    if use_cutmix and spatial_shapes is not None:
+        pixel_values, lams = cutmix_patches(pixel_values, spatial_shapes, lam, rng, mixing.cutmix_minmax)
+        lams = lams.to(targets.device)[:, None]
+        return pixel_values, targets * lams + targets.flip(0) * (1.0 - lams), float(lams.mean())
     if use_cutmix:
         (top, bottom, left, right), lam = cutmix_box(*pixel_values.shape[-2:], lam, rng, mixing.cutmix_minmax)
         pixel_values = pixel_values.clone()
@@ -139,6 +157,49 @@ def mix_batch(
     else:
         pixel_values = pixel_values * lam + flipped * (1.0 - lam)
     return pixel_values, targets * lam + targets.flip(0) * (1.0 - lam), lam
+
+
+def patch_box(
+    rows: int, cols: int, lam: float, rng: np.random.Generator, minmax: tuple[float, float] | None = None
+) -> tuple[int, int, int, int]:
+    """A CutMix box `(top, bottom, left, right)` of whole patches in a grid of `rows` x `cols`: sides
+    `round(rows * sqrt(1 - lam))` x `round(cols * sqrt(1 - lam))` centred on a random patch and clipped to the grid,
+    or with `minmax` sides drawn uniformly between those fractions of the grid's (rounded), placed inside it."""
+    if minmax is not None:
+        side_h = int(rng.integers(round(rows * minmax[0]), round(rows * minmax[1]) + 1))
+        side_w = int(rng.integers(round(cols * minmax[0]), round(cols * minmax[1]) + 1))
+        top, left = int(rng.integers(0, rows - side_h + 1)), int(rng.integers(0, cols - side_w + 1))
+        return top, top + side_h, left, left + side_w
+    ratio = math.sqrt(1.0 - lam)
+    side_h, side_w = round(rows * ratio), round(cols * ratio)
+    centre_y, centre_x = int(rng.integers(0, rows)), int(rng.integers(0, cols))
+    top, left = centre_y - side_h // 2, centre_x - side_w // 2
+    return max(top, 0), min(top + side_h, rows), max(left, 0), min(left + side_w, cols)
+
+
+def cutmix_patches(
+    patches: torch.Tensor,
+    spatial_shapes: torch.Tensor,
+    lam: float,
+    rng: np.random.Generator,
+    minmax: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CutMix of a native-aspect batch (see the module docstring): (the patches [N, K, P*P*C] with each image's box
+    of whole patches replaced by image `N-1-i`'s at the same grid places, each image's corrected lam [N])."""
+    grids = [(int(rows), int(cols)) for rows, cols in spatial_shapes.tolist()]
+    mixed, partner = patches.clone(), patches.flip(0)
+    lams = torch.ones(len(grids))
+    for image, (rows, cols) in enumerate(grids):
+        other_rows, other_cols = grids[len(grids) - 1 - image]
+        top, bottom, left, right = patch_box(min(rows, other_rows), min(cols, other_cols), lam, rng, minmax)
+        if bottom <= top or right <= left:
+            continue
+        places = torch.arange(top, bottom)[:, None], torch.arange(left, right)[None, :]
+        own = (places[0] * cols + places[1]).flatten().to(patches.device)
+        theirs = (places[0] * other_cols + places[1]).flatten().to(patches.device)
+        mixed[image, own] = partner[image, theirs]
+        lams[image] = 1.0 - own.numel() / (rows * cols)
+    return mixed, lams
 
 
 def soft_target_cross_entropy(
