@@ -342,3 +342,31 @@ def test_the_processors_own_options_load_as_options_and_a_row_too_short_is_refus
     assert not [record for record in caplog.records if "backward compatibility" in record.getMessage()]
     with pytest.raises(ValueError, match=r"`packed_sequence_length` \(32\) must be at least `max_num_patches` \(64\)"):
         VisionTransformerImageProcessor.from_pretrained(tmp_path, max_num_patches=64)
+
+
+def test_on_cpu_each_packed_image_attends_in_a_row_of_its_own(monkeypatch):
+    """SDPA on CPU gathers packed rows to one image per row (no score between two images), equal to the
+    block-diagonal mask over the packed rows, forward and backward."""
+    import hf_vit.model.attention as attention
+
+    batch = packed_batch(7, seed=2, drop=True)
+    results = []
+    for path in ("images", "mask"):
+        monkeypatch.setattr(attention, "segment_attention_path", lambda *args, path=path: path)
+        model = model_of("classifier", num_register_tokens=1)
+        shapes, sdpa = [], F.scaled_dot_product_attention
+
+        def recorded(query, *args, shapes=shapes, sdpa=sdpa, **kwargs):
+            shapes.append(query.shape)
+            return sdpa(query, *args, **kwargs)
+
+        monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+        outputs = forward_backward(model, batch)
+        monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+        results.append((outputs.logits, [p.grad for p in model.parameters()], shapes))
+    (images, image_grads, image_shapes), (masked, masked_grads, masked_shapes) = results
+    assert {shape[0] for shape in image_shapes} == {7}  # a row per image
+    assert {shape[0] for shape in masked_shapes} == {len(batch["pixel_values"])}  # the packed rows
+    torch.testing.assert_close(images, masked, rtol=0, atol=1e-5)
+    for ours, theirs in zip(image_grads, masked_grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

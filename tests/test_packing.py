@@ -133,8 +133,8 @@ def test_the_path_follows_the_implementation_device_and_dtype(monkeypatch):
     assert path("sdpa", cuda, torch.bfloat16, 0.1, 64) == "mask"  # varlen_attn has no dropout
     assert path("sdpa", cuda, torch.bfloat16, 0.0, 6) == "mask"  # a head size flash kernels refuse
     assert path("flex_attention", cuda, torch.float32, 0.0, 64) == "mask"
-    assert path("sdpa", cpu, torch.bfloat16, 0.0, 64) == "mask"  # CPU: a mask (its runs are data, not read)
-    assert path("flex_attention", cpu, torch.float32, 0.0, 64) == "mask"
+    assert path("sdpa", cpu, torch.bfloat16, 0.0, 64) == "images"  # CPU: each image in a row of its own
+    assert path("flex_attention", cpu, torch.float32, 0.0, 64) == "images"
     assert path("flash_attention_2", cuda, torch.bfloat16, 0.0, 64) == "flash"
     assert path("flash_attention_3", cuda, torch.bfloat16, 0.0, 64) == "flash"
     assert path("eager", cuda, torch.bfloat16, 0.0, 64) == "mask"
@@ -193,7 +193,7 @@ def test_segments_must_describe_the_batch_and_the_choice_is_logged_once(monkeypa
     for _ in range(3):
         function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=0.5)
     assert len(logged["warning"]) == 1 and "flex_attention" in logged["warning"][0]
-    assert logged["info"] == ["Attention restricted to each image: flex_attention runs it as 'mask'."]
+    assert logged["info"] == ["Attention restricted to each image: flex_attention runs it as 'images'."]
 
 
 def test_plain_masks_still_reach_the_implementation_unchanged():

@@ -5,10 +5,11 @@ batched matmuls where they beat torch's SDPA kernels (CPU training in half preci
 Every function it returns also takes, in place of a mask, `AttentionSegments` (`layout.py`): runs of consecutive
 tokens that attend only among themselves (the images of a padded or packed batch, each row's padding its own run).
 Each implementation runs them its own way (`segment_attention_path`): flash attention through transformers'
-variable-length path (`cu_seq_lens_q/k`), SDPA on a CUDA GPU in half precision through torch's `varlen_attn`, and
-everything else (SDPA on CPU, in fp32 or with dropout; eager, the implementation that returns probabilities) with a
-mask: the padding masked as keys where each row is one image, else block-diagonal. flex attention hands such batches
-to the SDPA path. The runs are data and the longest is bounded by the row's length, a shape: nothing here reads a
+variable-length path (`cu_seq_lens_q/k`), SDPA on a CUDA GPU in half precision through torch's `varlen_attn`, SDPA
+on CPU with each image's tokens in a row of their own (packed rows gathered there and back) and its padding masked as
+keys, and everything else (SDPA on a GPU in fp32 or with dropout; eager, the implementation that returns
+probabilities) with a mask: the padding masked as keys where each row is one image, else block-diagonal. flex
+attention hands such batches to the SDPA path. The runs are data and the longest is bounded by the row's length, a shape: nothing here reads a
 value back from the device, and a compiled model takes every batch of one shape in one graph.
 
 Saved next to checkpoints as remote code with the model, so it imports only torch, transformers and its siblings.
@@ -26,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 from transformers.utils import logging
 
-from .layout import AttentionSegments
+from .layout import AttentionSegments, take_rows
 
 try:  # torch >= 2.10: flash attention over cumulative sequence lengths, CUDA only
     from torch.nn.attention.varlen import varlen_attn
@@ -150,9 +151,13 @@ def segment_attention_path(
     - "flash": transformers' flash attention over the runs (`cu_seq_lens_q/k`, `max_length_q/k`);
     - "varlen": torch's `varlen_attn` (SDPA or flex attention asked for; CUDA, half precision, no dropout, a head
       size flash kernels take);
-    - "mask": the implementation itself with a mask (eager, which returns the probabilities, and attention
-      functions registered by others), SDPA with it on CPU and where `varlen_attn` does not apply (fp32, dropout):
-      the padding masked as keys where each row holds one image, else a block-diagonal mask.
+    - "images": SDPA (or flex attention) on CPU: each image's tokens in a row of their own (packed rows gathered to
+      one image per row and back), the padding masked as keys: no score is computed between two images, as a
+      block-diagonal mask over packed rows would (four times the scores of rows of four images);
+    - "mask": the implementation itself with a mask (eager, which returns the probabilities of the rows it is given,
+      and attention functions registered by others), SDPA with it on a GPU where `varlen_attn` does not apply (fp32,
+      dropout: one fused kernel): the padding masked as keys where each row holds one image, else a block-diagonal
+      mask.
     """
     if "flash" in implementation:  # transformers' test for its flash implementations, kernels from the Hub included
         return "flash"
@@ -168,7 +173,7 @@ def segment_attention_path(
         and _flash_capable(device.index)
     ):
         return "varlen"
-    return "mask"
+    return "images" if device.type == "cpu" else "mask"
 
 
 def segment_attention_forward(
@@ -212,17 +217,33 @@ def segment_attention_forward(
         cu_seqlens, longest = segments.cu_seqlens.to(query.device), segments.max_seqlen
         output = varlen_attn(*flat, cu_seqlens, cu_seqlens, longest, longest, scale=scaling)
         return output.view(batch, tokens, heads, head_dim), None
-    dtype = query.dtype
-    if segments.token_mask is not None:  # one image per row: its padding masked as keys
-        visible = segments.token_mask.to(query.device)[:, None, None, :]
-    else:
-        visible = segments.block_diagonal_mask().to(query.device)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=query.device)
-    mask = mask.masked_fill(~visible, torch.finfo(dtype).min)  # additive: every function adds it
-    mask = mask.expand(batch, 1, tokens, tokens)
     if implementation == "flex_attention":  # handed to SDPA: a block mask would be built for every batch
         function = sdpa_or_matmul_attention_forward
+    if path == "images" and segments.image_source is not None:  # packed rows: each image in a row of its own
+        flat = [tensor.transpose(1, 2).reshape(batch * tokens, heads, head_dim) for tensor in (query, key, value)]
+        images, image_tokens = segments.image_mask.shape
+        per_image = [
+            take_rows(tensor, segments.image_source).view(images, image_tokens, heads, head_dim).transpose(1, 2)
+            for tensor in flat
+        ]
+        mask = _key_mask(segments.image_mask, query.dtype)
+        output, _ = function(module, *per_image, mask, scaling=scaling, dropout=dropout, **kwargs)
+        output = take_rows(output.reshape(images * image_tokens, heads, head_dim), segments.row_source)
+        return output.view(batch, tokens, heads, head_dim), None  # zero on the rows' padding, which feeds nothing
+    if segments.token_mask is not None:  # one image per row: its padding masked as keys
+        mask = _key_mask(segments.token_mask.to(query.device), query.dtype)
+    else:
+        visible = segments.block_diagonal_mask().to(query.device)
+        mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+        mask = mask.masked_fill(~visible, torch.finfo(query.dtype).min)  # additive: every function adds it
     return function(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def _key_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive `(B, 1, N, N)` mask (a broadcast view) that hides the keys `valid` `(B, N)` does not mark."""
+    rows, tokens = valid.shape
+    mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill(~valid, torch.finfo(dtype).min)
+    return mask[:, None, None, :].expand(rows, 1, tokens, tokens)
 
 
 class _SegmentAwareAttentionInterface(AttentionInterface):

@@ -55,6 +55,7 @@ __all__ = [
     "check_native_batch",
     "masked_mean",
     "packed_index_fields",
+    "take_rows",
     "patch_grid_maps",
 ]
 
@@ -73,12 +74,18 @@ class AttentionSegments:
     - `token_runs` `(rows, tokens)`: a number per token, equal within a run and different between runs, for a
       block-diagonal mask;
     - `token_mask` `(rows, tokens)` bool, for one image per row: its valid tokens, the padding after them (a key mask
-      is then enough and cheaper than the block-diagonal one)."""
+      is then enough and cheaper than the block-diagonal one);
+    - for packed rows, the gathers to one image per row and back (`image_source`, `row_source`) and that layout's
+      valid tokens (`image_mask` `(N, prefix + K)`): attention within each image's own row, where a kernel over
+      the runs is not at hand, computes no score between two images."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     token_runs: torch.Tensor
     token_mask: torch.Tensor | None = None
+    image_source: torch.Tensor | None = None  # (N * (prefix + K),) the packed token of each image token, -1 for none
+    row_source: torch.Tensor | None = None  # (rows * tokens,) the image token of each packed token, -1 for none
+    image_mask: torch.Tensor | None = None  # (N, prefix + K) bool
 
     @property
     def batch_size(self) -> int:
@@ -94,10 +101,10 @@ class AttentionSegments:
         return (runs[:, :, None] == runs[:, None, :])[:, None]
 
 
-def _segments(lengths: torch.Tensor, token_runs: torch.Tensor, token_mask: torch.Tensor | None = None):
+def _segments(lengths: torch.Tensor, token_runs: torch.Tensor, token_mask: torch.Tensor | None = None, **gathers):
     """`AttentionSegments` of runs of `lengths` tokens (flattened, row after row)."""
     cu_seqlens = F.pad(lengths.flatten().cumsum(0), (1, 0)).to(torch.int32)
-    return AttentionSegments(cu_seqlens, token_runs.shape[1], token_runs, token_mask)
+    return AttentionSegments(cu_seqlens, token_runs.shape[1], token_runs, token_mask, **gathers)
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,23 +172,23 @@ class BatchLayout:
                 f"{self.slots[1]}, ...) per patch slot, as its `patch_image_index`; got {shape}."
             )
         images = self.grids.shape[0]
-        return _take(values.flatten(0, 1), self.patch_source).unflatten(0, (images, -1))
+        return take_rows(values.flatten(0, 1), self.patch_source).unflatten(0, (images, -1))
 
     def pack(self, tokens: torch.Tensor) -> torch.Tensor:
         """`(N, prefix + K, D)` -> the blocks' rows (the same for a padded batch)."""
         if not self.packed:
             return tokens
         rows, length = self.segments.token_runs.shape
-        return _take(tokens.flatten(0, 1), self.pack_source).unflatten(0, (rows, length))
+        return take_rows(tokens.flatten(0, 1), self.pack_source).unflatten(0, (rows, length))
 
     def unpack(self, tokens: torch.Tensor) -> torch.Tensor:
         """The blocks' rows -> `(N, prefix + K, D)`, zero beyond each image's tokens."""
         if not self.packed:
             return tokens
-        return _take(tokens.flatten(0, 1), self.unpack_source).unflatten(0, tuple(self.token_mask.shape))
+        return take_rows(tokens.flatten(0, 1), self.unpack_source).unflatten(0, tuple(self.token_mask.shape))
 
 
-def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def take_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`values[index]` along the first dimension, zeros where `index` is -1 (an appended zero row)."""
     padded = torch.cat([values, values.new_zeros(1, *values.shape[1:])])
     return padded.index_select(0, torch.where(index < 0, values.shape[0], index).to(values.device))
@@ -311,7 +318,9 @@ def _packed(
         grids=spatial_shapes.to(device),
         prefix=prefix,
         token_mask=token_mask,
-        segments=_segments(lengths, runs),
+        segments=_segments(
+            lengths, runs, image_source=packed_at.flatten(), row_source=pack_source, image_mask=token_mask
+        ),
         slots=(rows, slots),
         patch_source=image_slot_index.flatten(),
         pack_source=pack_source,
