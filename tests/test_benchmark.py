@@ -572,21 +572,20 @@ def test_packing_rows_quick_mode_prints_every_row_and_ratio(capsys):
     assert packing_speed.main(["--quick"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(("| padded", "| packed"))]
-    assert [row.split(" | ")[0] for row in rows] == ["| padded + mask", "| padded + segments", "| packed + mask",
-                                                     "| packed + segments"]  # fmt: skip
+    assert [row.split(" | ")[0] for row in rows] == ["| padded + mask", "| packed + mask"]
     assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in rows)
     assert "padding" in out and "have the same outputs" in out
     # the model rows: square, padded and packed, eager and compiled (quick: Dynamo's eager backend), each with its
     # padding share, images/s, real patches/s and the ratio against padded + mask, for inference and training
     model_rows = [line for line in out.splitlines() if line.startswith("| model:")]
     assert [row.split(" | ")[0] for row in model_rows] == [
-        "| model: square (eager)", "| model: padded + mask (eager)", "| model: padded + segments (eager)",
-        "| model: packed + segments (eager)", "| model: square (compiled)", "| model: padded + mask (compiled)",
-        "| model: packed + segments (compiled)",
+        "| model: square (eager)", "| model: padded + mask (eager)", "| model: packed + mask (eager)",
+        "| model: square (compiled)", "| model: padded + mask (compiled)", "| model: packed + mask (compiled)",
     ]  # fmt: skip
     assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in model_rows)
     assert [row.split(" | ")[2] for row in model_rows][:2] == ["0%", "19%"]  # the square batch has no padding
-    assert "dense block-diagonal mask" in model_rows[-1] and "per image length" in model_rows[3]
+    # on CPU the model masks: the padding as keys, a packed batch block-diagonal (compiled the same)
+    assert "padding masked as keys" in model_rows[1] and "block-diagonal mask" in model_rows[-1]
     assert "torch.compile(backend='eager'), logits within" in out and "Compiled / eager speed:" in out
     assert re.search(r"Recompiles: .* batch 2 \(\d+ images, rows of \d+ tokens\): \d+ frames recompiled", out)
     with pytest.raises(SystemExit):
