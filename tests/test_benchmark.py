@@ -397,8 +397,10 @@ def test_gpu_benchmark_quick_run_has_the_packing_rows(gpu_quick):
     paths = {key: row["attention_path"] for key, row in packing["rows"].items()}
     assert paths["square | training | eager"] == "sdpa, no mask"
     assert paths["padded + mask | inference | compiled"] == "sdpa, padding mask"
-    assert paths["padded + varlen | training | eager"] == paths["packed | inference | eager"] == "segments"  # CPU
-    assert paths["packed | training | compiled"] == "block-diagonal mask (compiled; eager: segments)"
+    # CPU: the model's own path masks (varlen_attn is CUDA's), the padding as keys, packed rows block-diagonal
+    assert paths["padded + varlen | training | eager"] == paths["padded + varlen | inference | compiled"]
+    assert paths["padded + varlen | training | eager"] == "sdpa, padding mask"
+    assert paths["packed | inference | eager"] == paths["packed | training | compiled"] == "block-diagonal mask"
     assert paths["packed + mask | inference | eager"] == "block-diagonal mask"
     # bf16 against fp32 on the images the batches share: every layout as close as the masked padded batch
     accuracy = packing["bf16_accuracy"]
@@ -410,6 +412,9 @@ def test_gpu_benchmark_quick_run_has_the_packing_rows(gpu_quick):
     assert packing["max_logits_difference"] <= 1e-4 and packing["skipped"] == {}
     assert packing["padding_share"]["padded"] > 0 and packing["images"]["packed"] >= packing["images"]["padded"]
     assert packing["sdpa"] == {"cudnn": None} and packing["settings"]["dtype"] == "bf16 autocast"
+    # the host synchronisation check is CUDA's: skipped on CPU, and said so
+    assert set(packing["host_sync"]) == {"skipped"} and "cpu" in packing["host_sync"]["skipped"]
+    assert "Host synchronisation check (forward + backward): skipped, cpu" in text
     section = text.split("<!-- benchmark-gpu:packing -->\n")[1].split("<!-- /benchmark-gpu:packing -->")[0]
     assert "| packed | training | compiled |" in section and "| padded + varlen | inference | eager |" in section
 
