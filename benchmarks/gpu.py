@@ -13,8 +13,10 @@ MFU (model FLOPs utilisation) = images/s * analytic FLOPs per image / the GPU's 
     python benchmarks/gpu.py --packing_only --json docs/benchmarks_gpu.json --merge_json   # the packing rows alone
 
 `--packing` adds the packing rows (`gpu_packing.py`: square, padded with a mask, padded through variable-length
-attention, packed; eager and compiled, inference and a training step; ViT-B width, 12 blocks, batch 128, K = 256;
-the attention path and kernels of each); `--quick` runs them on its tiny model too (`--no_packing` leaves them out).
+attention, packed, packed with a block-diagonal mask; eager and compiled, inference and a training step; ViT-B width,
+12 blocks, batch 128, K = 256; the attention path and kernels of each; on CUDA, whether a forward and backward of the
+padded and packed batches synchronise with the host, under `torch.cuda.set_sync_debug_mode("error")`); `--quick` runs
+them on its tiny model too (`--no_packing` leaves them out).
 
 The JSON is written after every model, so a run stopped by a time limit keeps what it measured; `--time_budget_s`
 skips the models that would start after it.

@@ -3,23 +3,29 @@ attention restricted to each image saves, at equal patch slots, in bf16 autocast
 training step (forward, loss, backward, AdamW; fused on CUDA).
 
     square            B square images of K patches each: no padding, no mask
-    padded + mask     B native-resolution images, one per row of K slots, the padding masked as keys (SDPA with a mask)
-    padded + varlen   the same batch, attention restricted to each image (one run per image: `varlen_attn` on CUDA in
-                      half precision, one SDPA call per run length on CPU)
-    packed            the same images and the next ones, whole, first-fit-decreasing into B * K / L rows of L slots,
-                      attention restricted to each image (`varlen_attn` on CUDA in half precision, compiled too)
-    packed + mask     the same packed rows with a block-diagonal mask through SDPA (packing without variable-length
-                      attention: what `varlen_attn` saves over it)
+    padded + mask     B native-resolution images, one per row of K slots, the padding masked as keys (SDPA with a mask;
+                      `segment_attention_path` patched to "mask")
+    padded + varlen   the same batch as the model runs it: attention restricted to each image (one run per image,
+                      `varlen_attn`) on CUDA in half precision; elsewhere (CPU, fp32) the model masks the padding as
+                      keys, the same path as `padded + mask`
+    packed            the same images and the next ones, whole, first-fit-decreasing into B * K / L rows of L slots, as
+                      the model runs them: `varlen_attn` on CUDA in half precision (compiled too), else a
+                      block-diagonal mask
+    packed + mask     the same packed rows with a block-diagonal mask through SDPA (`segment_attention_path` patched to
+                      "mask": packing without variable-length attention, what `varlen_attn` saves over it)
 
-The batches are `packing_speed.layouts`' (hf-vit's processor with `max_num_patches` / `packed_sequence_length`).
-Before anything is timed, the padded and packed batches give the same logits for the images they share (fp32,
-eager); and in bf16 autocast, each layout's logits and gradients are measured against fp32 (`bf16_accuracy`: the
-variable-length kernels must be as close as the masked ones). Each row records the attention path hf-vit's dispatch
-chose (`segment_attention_path`, observed in the eager call; compiled, `varlen_attn` stays and the CPU's per-length
-calls become a block-diagonal mask), the attention kernels a profile of one inference call shows, how busy the GPU
-was in a profiled call (its kernels' time over the call's) with its five longest kernels, and
-`torch.backends.cudnn.version()` and the enabled SDPA backends on CUDA. `--compile_blocks` compiles each transformer
-block (one graph shared by the twelve) instead of the whole model: minutes less of compilation.
+The batches are `packing_speed.layouts`' (hf-vit's processor with `max_num_patches` / `packed_sequence_length`: the
+batches carry their layout, `row_image_index` and `image_slot_index`). Before anything is timed, the padded and packed
+batches give the same logits for the images they share (fp32, eager); and in bf16 autocast, each layout's logits and
+gradients are measured against fp32 (`bf16_accuracy`: the variable-length kernels must be as close as the masked
+ones). Each row records the attention path hf-vit's dispatch chose (`segment_attention_path`, observed in the eager
+call; a compiled graph takes the same path: the forward reads no value back), the attention kernels a profile of one
+inference call shows, how busy the GPU was in a profiled call (its kernels' time over the call's) with its five
+longest kernels, and `torch.backends.cudnn.version()` and the enabled SDPA backends on CUDA. `host_sync_check`: on
+CUDA, a forward and backward of the padded and the packed batch (the model's own paths, bf16 autocast) under
+`torch.cuda.set_sync_debug_mode("error")`, which raises at any synchronisation with the host (a value read back);
+skipped on CPU, where there is no device to wait for. `--compile_blocks` compiles each transformer block (one graph
+shared by the twelve) instead of the whole model: minutes less of compilation.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import torch
 from benchmarks.packing_speed import PATCH, layouts
 from benchmarks.timing import median_seconds, time_alternating
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.model import attention, naflex
+from hf_vit.model import attention
 from hf_vit.model.modeling_vit import VisionTransformerBlock
 
 LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed", "packed + mask")
@@ -66,29 +72,15 @@ def square_batch(shape: argparse.Namespace) -> dict:
 
 
 @contextlib.contextmanager
-def _padding_masked():
-    """The padded batch's padding masked as keys (an additive mask through SDPA), on any device."""
-    with mock.patch.object(naflex, "padded_batch_segments", lambda *args, **kwargs: None):
-        yield
-
-
-@contextlib.contextmanager
-def _one_run_per_image():
-    """The padded batch's images as runs of their own whatever the padding's share."""
-    with mock.patch.object(attention, "SEGMENTS_MIN_PADDING_SHARE", 0.0):
-        yield
-
-
-@contextlib.contextmanager
-def _block_diagonal_mask():
-    """Attention restricted to each image through a block-diagonal mask (SDPA with it), on any device."""
+def _masked():
+    """Attention with a mask whatever the device and dtype (SDPA with it): the padding masked as keys where each row
+    holds one image, else block-diagonal; no variable-length attention."""
     with mock.patch.object(attention, "segment_attention_path", lambda *args, **kwargs: "mask"):
         yield
 
 
-CONTEXTS = {
-    "padded + mask": _padding_masked, "padded + varlen": _one_run_per_image, "packed + mask": _block_diagonal_mask
-}  # fmt: skip
+# The model's own path (`varlen_attn` where it applies) for "padded + varlen" and "packed".
+CONTEXTS = {"padded + mask": _masked, "packed + mask": _masked}
 
 
 @contextlib.contextmanager
@@ -104,18 +96,45 @@ def _recording_paths(paths: list[str]):
         yield
 
 
-def attention_path(layout: str, observed: list[str], compiled: bool) -> str:
-    """The attention path hf-vit ran: no mask, a padding mask, or the runs' path (a mask when compiled)."""
+def attention_path(layout: str, observed: list[str]) -> str:
+    """The attention path hf-vit ran (observed eager; a compiled graph takes the same one): no mask, the padding
+    masked as keys, a block-diagonal mask, or the runs' kernel ("varlen", "flash")."""
     if layout == "square":
         return "sdpa, no mask"
-    if layout == "padded + mask":
-        return "sdpa, padding mask"
     path = sorted(set(observed))[0] if observed else "mask"
-    if compiled and path == "segments":
-        return f"block-diagonal mask (compiled; eager: {path})"
-    if path == "varlen":
-        return "varlen (compiled: longest run bounded by the row)" if compiled else "varlen"
-    return "block-diagonal mask" if path == "mask" else path
+    if path == "mask":
+        return "sdpa, padding mask" if layout.startswith("padded") else "block-diagonal mask"
+    return path
+
+
+def host_sync_check(model: torch.nn.Module, batches: dict, labels: dict, device: torch.device) -> dict:
+    """Per layout ("padded", "packed"): whether a forward and backward (bf16 autocast, the model's own attention path)
+    runs under `torch.cuda.set_sync_debug_mode("error")` without synchronising with the host ("ok", or the error
+    naming the operation), after one unchecked warm-up call. CUDA only: on another device, the reason it is skipped."""
+    if device.type != "cuda":
+        return {"skipped": f"{device.type}: no device to synchronise with (set_sync_debug_mode is CUDA's)"}
+    result = {}
+    for layout in ("padded", "packed"):
+
+        def step(batch=batches[layout], target=labels[layout]):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model.train()(**batch, labels=target).loss
+            loss.backward()
+
+        try:
+            step()  # warm-up: lazy initialisation (cuBLAS handles, kernels) is not the forward's
+            torch.cuda.synchronize(device)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            result[layout] = "ok"
+        except Exception as exc:  # noqa: BLE001  (reported: the synchronising operation is the finding)
+            result[layout] = _error(exc)
+        finally:
+            model.zero_grad(set_to_none=True)
+    return result
 
 
 def sdpa_backends(device: torch.device) -> dict:
@@ -295,8 +314,10 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
             fns[(layout, "inference")], fns[(layout, "training")] = infer, train
         return fns
 
-    # The path hf-vit's dispatch chooses for each call, observed in one eager call (a compiled graph takes the same
-    # decision and then runs variable-length runs as a block-diagonal mask).
+    host_sync = host_sync_check(model, batches, labels, device)
+    log(f"packing host synchronisation check: {host_sync}")
+
+    # The path hf-vit's dispatch chooses for each call, observed in one eager call (a compiled graph takes the same).
     observed: dict[tuple[str, str], list[str]] = {}
     for key, fn in calls(model).items():
         observed[key] = []
@@ -310,7 +331,9 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     skipped: dict[str, str] = {}
 
     def result() -> dict:
-        return _packing_result(args, shape, shapes, images, patches, difference, accuracy, device, rows, skipped)
+        return _packing_result(
+            args, shape, shapes, images, patches, difference, accuracy, host_sync, device, rows, skipped
+        )
 
     for variant in variants:
         elapsed = time.perf_counter() - start
@@ -348,7 +371,7 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
                 "variant": variant,
                 "images_per_s": images[name] / seconds,
                 "patches_per_s": patches[name] / seconds,
-                "attention_path": attention_path(layout, observed[(layout, mode)], variant == "compiled"),
+                "attention_path": attention_path(layout, observed[(layout, mode)]),
                 "attention_kernels": profiled["attention_kernels"] if mode == "inference" else None,
                 "gpu_busy": busy,  # the kernels' time over the call's: below 1, the GPU waited for the host
                 "longest_kernels": profiled["longest_kernels"],
@@ -360,7 +383,9 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     return result()
 
 
-def _packing_result(args, shape, shapes, images, patches, difference, accuracy, device, rows, skipped) -> dict:
+def _packing_result(
+    args, shape, shapes, images, patches, difference, accuracy, host_sync, device, rows, skipped
+) -> dict:
     return {
         "settings": {
             **vars(shape), "dtype": "bf16 autocast", "device": str(device), "steps": args.steps,
@@ -378,6 +403,7 @@ def _packing_result(args, shape, shapes, images, patches, difference, accuracy, 
         "max_logits_difference": difference,
         "logits_tolerance": LOGITS_TOLERANCE[device.type == "cpu"],
         "bf16_accuracy": accuracy,
+        "host_sync": host_sync,
         "sdpa": sdpa_backends(device),
         "rows": rows,
         "skipped": skipped,
@@ -455,6 +481,16 @@ def format_packing(report: dict) -> str:
             )
             + "."
         )  # fmt: skip
+    host_sync = packing.get("host_sync")
+    if host_sync:
+        if "skipped" in host_sync:
+            lines.append(f"Host synchronisation check (forward + backward): skipped, {host_sync['skipped']}.")
+        else:
+            lines.append(
+                'Host synchronisation check (forward + backward, bf16 autocast, `set_sync_debug_mode("error")`): '
+                + "; ".join(f"{layout}: {outcome}" for layout, outcome in host_sync.items())
+                + "."
+            )
     if settings.get("compile_blocks"):
         lines.append("Compiled: each transformer block (fullgraph), the embeddings and heads eager.")
     for key, reason in packing.get("skipped", {}).items():

@@ -1,35 +1,37 @@
 #!/usr/bin/env python
-r"""Packing rows of the benchmark: what padding costs on CPU, and what attention restricted to each image saves.
+r"""Packing rows of the benchmark: what padding costs on CPU, and what packing the images saves.
 
-The images are at their native resolution (NaViT's setting: each a grid of between `--min_share` x K and K patches,
-so a padded batch's rows are a quarter to a third padding), through hf-vit's processor at equal patch slots: padded,
-B images one per row of K patches (`max_num_patches`), and packed, whole images first-fit-decreasing into B * K / L
-rows of L patch slots (`packed_sequence_length`), the same images and the next ones, as many as fit. Their attention
-is timed in one process, in alternating rounds (`timing.time_alternating`), as the model runs it, through the model's
-attention function (`ALL_ATTENTION_FUNCTIONS`):
+The images are at their native resolution (NaViT's setting: each a grid of between `--min_share` x K and K patches;
+`--min_share` sets the padded batch's padding share: at 0.4 a quarter of its slots, at 0.95 a few percent), through
+hf-vit's processor at equal patch slots: padded, B images one per row of K patches (`max_num_patches`), and packed,
+whole images first-fit-decreasing into B * K / L rows of L patch slots (`packed_sequence_length`), the same images and
+the next ones, as many as fit. Their attention is timed in one process, in alternating rounds
+(`timing.time_alternating`), as the model runs it on CPU: through the model's attention function
+(`ALL_ATTENTION_FUNCTIONS`) with each batch's `AttentionSegments`, made by the model's layout (`BatchLayout.of`, one
+class token per image) from the processor's fields:
 
-    padded + mask       one image per row, the padding masked as keys (an additive (B, 1, N, N) mask, as today)
-    padded + segments   the same tensors, attention restricted to each image (`AttentionSegments`)
-    packed + mask       packed rows with a block-diagonal mask (packing without variable-length attention)
-    packed + segments   packed rows, attention restricted to each image
+    padded + mask       one image per row, the padding masked as keys (an additive (B, 1, N, N) key mask)
+    packed + mask       packed rows, a block-diagonal mask (each image's tokens see their image, the padding itself)
 
 for inference and for a training step (forward and backward), and prints images/s and the ratios against
-`padded + mask`. Each row's tokens are its images' patches and one class token per image, the padding after them.
+`padded + mask`. On CPU these are the only paths the model takes for such batches (`segment_attention_path` gives
+"mask" there; variable-length attention, `varlen_attn`, is CUDA's: `gpu_packing.py`).
 
 Then the whole model (a classifier, `--model_width`, `--model_depth`) at the same patch slots: a square batch (B
-square images of exactly K patches: no padding, no mask), the padded batch with the padding masked as keys and with a
-run per image (what the model chooses on CPU from 10% padding), and the packed batch; eager, and under `torch.compile`
-(inductor; `--no_compile` leaves these rows out; no compiled row starts compiling once `--compile_budget_s` of
-compilation is spent, the square rows coming last) for the square, padded + mask and packed batches. A compiled graph
-runs the runs of a packed batch as one dense block-diagonal mask (`segment_attention_forward`: no call per image
-length, every slot of a row against every slot). The images the padded and packed batches hold get the same logits,
-eager and compiled, before anything is timed; each row prints its batch's padding share and its real (image) patches
-per second, the fair measure at equal slots. Last, whether packed batches of the same L with other images recompile
-the compiled model: frames and graphs Dynamo compiles anew for each of `--recompile_batches` such batches (Dynamo's
-guards decide it whatever the backend, so this check compiles with the eager backend and costs no inductor time).
+square images of exactly K patches: no padding, no mask), the padded batch (its padding masked as keys) and the packed
+batch (a block-diagonal mask); eager, and under `torch.compile` (inductor; `--no_compile` leaves these rows out; no
+compiled row starts compiling once `--compile_budget_s` of compilation is spent, the square rows coming last). The
+layout is the processor's (`row_image_index`, `image_slot_index`) and the forward reads nothing back, so compiled and
+eager take the same attention path. The images the padded and packed batches hold get the same logits, eager and
+compiled, before anything is timed; each row prints its batch's padding share and its real (image) patches per
+second, the fair measure at equal slots. Last, whether packed batches of the same L with other images recompile the
+compiled model: frames and graphs Dynamo compiles anew for each of `--recompile_batches` such batches (Dynamo's guards
+decide it whatever the backend, so this check compiles with the eager backend and costs no inductor time).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/packing_speed.py --threads 1
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/packing_speed.py --threads 1 --no_compile   # eager rows only
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/packing_speed.py --threads 1 --no_compile --min_share 0.95
+                                                              # a padded batch of a few percent padding
     PYTHONPATH=. python benchmarks/packing_speed.py --quick   # seconds: a tiny batch, one sample per row, the
                                                               # compiled rows with Dynamo's eager backend
 """
@@ -37,7 +39,6 @@ guards decide it whatever the backend, so this check compiles with the eager bac
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import sys
@@ -53,24 +54,19 @@ import torch
 
 from benchmarks.timing import median_seconds, time_alternating
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.model import attention
-from hf_vit.model.attention import ALL_ATTENTION_FUNCTIONS, attention_segments
+from hf_vit.model.attention import ALL_ATTENTION_FUNCTIONS
 from hf_vit.model.image_processing_vit import first_fit_decreasing
+from hf_vit.model.layout import AttentionSegments, BatchLayout
 
 PATCH = 16
-ROWS = ("padded + mask", "padded + segments", "packed + mask", "packed + segments")
-MODEL_ROWS = ("square", "padded + mask", "padded + segments", "packed + segments")
-# Under torch.compile a padded batch's run per image is a block-diagonal mask (the same dense call as its padding
-# mask), so the compiled rows leave "padded + segments" out; a packed batch's runs are one too (`COMPILED_PATH`).
-COMPILED_ROWS = ("square", "padded + mask", "packed + segments")
+ROWS = ("padded + mask", "packed + mask")
+MODEL_ROWS = ("square", "padded + mask", "packed + mask")
 MODES = ("inference", "training")
 PATHS = {
     "square": "no mask (no padding)",
     "padded + mask": "padding masked as keys: one SDPA call",
-    "padded + segments": "one SDPA call per image length",
-    "packed + segments": "one SDPA call per image length",
+    "packed + mask": "block-diagonal mask: one SDPA call",
 }
-COMPILED_PATH = "dense block-diagonal mask: one SDPA call, no call per image length"
 
 
 class _Attention(torch.nn.Module):
@@ -103,10 +99,19 @@ def packed_count(args, sizes: list[int]) -> int:
     return count
 
 
+def segments_of(batch: dict, prefix: int = 1) -> AttentionSegments:
+    """The attention runs the model gives a processed batch (`BatchLayout.of` with `prefix` tokens per image: the
+    class token): the blocks' rows, each image's tokens a run, each row's padding its own."""
+    fields = ("pixel_attention_mask", "patch_image_index", "patch_positions", "row_image_index", "image_slot_index")
+    extra = {name: batch.get(name) for name in fields}
+    return BatchLayout.of(batch["pixel_values"], batch["spatial_shapes"], prefix, **extra).segments
+
+
 def layouts(args) -> dict[str, dict]:
-    """Per layout ("padded", "packed"): each row's images, its runs of tokens (class token + patches per image) and
-    the rows' length in tokens, from hf-vit's processor. At equal patch slots: the padded batch is B images in B rows
-    of K slots, the packed one the same images and the next ones, as many as fill B * K / L rows of L."""
+    """Per layout ("padded", "packed"): each row's images, its runs of tokens (class token + patches per image), the
+    rows' length in tokens and the attention segments the model makes of it, from hf-vit's processor. At equal patch
+    slots: the padded batch is B images in B rows of K slots, the packed one the same images and the next ones, as
+    many as fill B * K / L rows of L."""
     processor = VisionTransformerImageProcessor(
         max_num_patches=args.max_num_patches, patch_size=PATCH, do_resize=False
     )
@@ -115,26 +120,28 @@ def layouts(args) -> dict[str, dict]:
     count = packed_count(args, sizes)
     padded = dict(processor(images[: args.batch_size], return_tensors="pt"))
     packed = dict(processor(images[:count], packed_sequence_length=args.packed_sequence_length, return_tensors="pt"))
-    packed_rows = [list(dict.fromkeys(i for i in row if i >= 0)) for row in packed["patch_image_index"].tolist()]
-    most = max(len(row) for row in packed_rows)
-    return {
+    packed_rows = [[i for i in row if i >= 0] for row in packed["row_image_index"].tolist()]
+    result = {
         "padded": {
             "images": [[index] for index in range(args.batch_size)],
             "runs": [[1 + size] for size in sizes[: args.batch_size]],
-            "length": 1 + args.max_num_patches,
+            "segments": segments_of(padded),
             "slots": padded["pixel_attention_mask"].numel(),
             "padding": 1 - sum(sizes[: args.batch_size]) / padded["pixel_attention_mask"].numel(),
         },
         "packed": {
             "images": packed_rows,
             "runs": [[1 + sizes[i] for i in row] for row in packed_rows],
-            "length": args.packed_sequence_length + most,  # a class token per image of the fullest row
+            "segments": segments_of(packed),
             "slots": packed["pixel_attention_mask"].numel(),
             "padding": 1 - sum(sizes[:count]) / packed["pixel_attention_mask"].numel(),
         },
         "sizes": sizes[:count],
         "inputs": {"padded": padded, "packed": packed},
     }
+    for name in ("padded", "packed"):  # the rows' tokens: K + 1 padded, L + a class token per image of the fullest
+        result[name]["length"] = result[name]["segments"].row_length
+    return result
 
 
 def placements(layout: dict) -> list[tuple[int, int, int, int]]:
@@ -157,35 +164,14 @@ def inputs_for(layout: dict, tokens: list[torch.Tensor]) -> tuple[torch.Tensor, 
     return buffer, [part.transpose(1, 2) for part in buffer.unbind(2)]
 
 
-def block_mask(layout: dict) -> torch.Tensor:
-    """The additive mask of a layout: each run's tokens see their run (the padding sees itself), as a model without
-    variable-length attention masks it; for one image per row this is the padding masked as keys."""
-    segments = attention_segments(layout["runs"], layout["length"])
-    same = segments.block_diagonal_mask()
-    return torch.zeros(same.shape).masked_fill(~same, torch.finfo(torch.float32).min)
-
-
-def padding_mask(layout: dict) -> torch.Tensor:
-    """The padded batch's mask as the model builds it today: padded keys hidden from every query, a broadcast view."""
-    lengths = torch.tensor([sum(row) for row in layout["runs"]])
-    tokens = layout["length"]
-    valid = torch.arange(tokens) < lengths[:, None]
-    additive = torch.zeros(valid.shape).masked_fill(~valid, torch.finfo(torch.float32).min)
-    return additive[:, None, None, :].expand(len(lengths), 1, tokens, tokens)
-
-
 def measure(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     shapes = layouts(args)
     sdpa = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
     module, scaling = _Attention().eval(), (args.width // args.heads) ** -0.5
     generator = torch.Generator().manual_seed(args.seed)
-    masks = {
-        "padded + mask": padding_mask(shapes["padded"]),
-        "padded + segments": attention_segments(shapes["padded"]["runs"], shapes["padded"]["length"]),
-        "packed + mask": block_mask(shapes["packed"]),
-        "packed + segments": attention_segments(shapes["packed"]["runs"], shapes["packed"]["length"]),
-    }
+    # the model's attention function takes the segments in place of a mask and masks them as the model does on CPU
+    masks = {name: shapes[name.split()[0]]["segments"] for name in ROWS}
     head_dim = args.width // args.heads
     tokens = [torch.randn(1 + size, 3, args.heads, head_dim, generator=generator) for size in shapes["sizes"]]
     inputs = {name: inputs_for(shapes[name.split()[0]], tokens) for name in ROWS}
@@ -236,16 +222,6 @@ def measure(args) -> dict:
     }
 
 
-class _PaddingMasked:
-    """Within it, the model masks a padded batch's padding as keys whatever the padding's share."""
-
-    def __enter__(self) -> None:
-        self.share, attention.SEGMENTS_MIN_PADDING_SHARE = attention.SEGMENTS_MIN_PADDING_SHARE, 2.0
-
-    def __exit__(self, *exc) -> None:
-        attention.SEGMENTS_MIN_PADDING_SHARE = self.share
-
-
 def square_batch(args) -> dict:
     """B square images of exactly K patches each (K a square number), through the same processor: no padding."""
     side = math.isqrt(args.max_num_patches)
@@ -274,13 +250,12 @@ def measure_model(args, shapes: dict) -> dict:
         "packed": (len(sizes), sum(sizes), shapes["packed"]["padding"]),
     }
     labels = {name: torch.zeros(len(value["spatial_shapes"]), dtype=torch.long) for name, value in inputs.items()}
-    masked = {"padded + mask": _PaddingMasked}
     variants = {"eager": (model, MODEL_ROWS)}
     if not args.no_compile:
-        variants["compiled"] = (torch.compile(model, backend=args.compile_backend), COMPILED_ROWS)
+        variants["compiled"] = (torch.compile(model, backend=args.compile_backend), MODEL_ROWS)
 
     def logits_of(runner, name: str) -> torch.Tensor:
-        with torch.no_grad(), masked.get(name, contextlib.nullcontext)():
+        with torch.no_grad():
             return runner.eval()(**inputs[name.split()[0]]).logits
 
     # The padded and packed rows give the images they share the same logits; eager and compiled agree on every batch.
@@ -296,19 +271,18 @@ def measure_model(args, shapes: dict) -> dict:
             calls += [(variant, runner, mode, name) for mode in MODES for name in group]
     for variant, runner, mode, name in calls:
         key = f"{name} | {variant} | {mode}"
-        layout, context = name.split()[0], masked.get(name, contextlib.nullcontext)
+        layout = name.split()[0]
         spent = sum(seconds for call, seconds in first_call.items() if " | compiled | " in call)
         if variant == "compiled" and spent > args.compile_budget_s:
             skipped[key] = f"not compiled, {spent:.0f} s of compilation spent (--compile_budget_s)"
             continue
 
-        def infer(runner=runner, batch=inputs[layout], context=context):
-            with torch.no_grad(), context():
+        def infer(runner=runner, batch=inputs[layout]):
+            with torch.no_grad():
                 runner.eval()(**batch)
 
-        def train(runner=runner, batch=inputs[layout], context=context, labels=labels[layout]):
-            with context():
-                runner.train()(**batch, labels=labels).loss.backward()
+        def train(runner=runner, batch=inputs[layout], labels=labels[layout]):
+            runner.train()(**batch, labels=labels).loss.backward()
             model.zero_grad(set_to_none=True)
 
         fn = infer if mode == "inference" else train
@@ -326,8 +300,7 @@ def measure_model(args, shapes: dict) -> dict:
     for variant, (_, names) in variants.items():
         for name in names:
             images, patches, padding = batch[name.split()[0]]
-            path = COMPILED_PATH if variant == "compiled" and name.endswith("segments") else PATHS[name]
-            row = {"path": path, "padding": padding, "images": images, "patches": patches, "first_call_s": {}}
+            row = {"path": PATHS[name], "padding": padding, "images": images, "patches": patches, "first_call_s": {}}
             for mode in MODES:
                 key = f"{name} | {variant} | {mode}"
                 if key in samples:
@@ -448,7 +421,7 @@ def format_model_rows(model: dict, args) -> str:
         lines[-1] += f" Compiled: torch.compile(backend={backend!r}), logits within {model['compiled_difference']:.1e}"
         ratios = [
             f"{name} {mode} {rows[f'{name} | eager'][f'{mode}_s'] / rows[f'{name} | compiled'][f'{mode}_s']:.2f}x"
-            for name in COMPILED_ROWS
+            for name in MODEL_ROWS
             for mode in MODES
             if f"{mode}_s" in rows.get(f"{name} | compiled", {})
         ]

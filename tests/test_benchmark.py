@@ -397,8 +397,10 @@ def test_gpu_benchmark_quick_run_has_the_packing_rows(gpu_quick):
     paths = {key: row["attention_path"] for key, row in packing["rows"].items()}
     assert paths["square | training | eager"] == "sdpa, no mask"
     assert paths["padded + mask | inference | compiled"] == "sdpa, padding mask"
-    assert paths["padded + varlen | training | eager"] == paths["packed | inference | eager"] == "segments"  # CPU
-    assert paths["packed | training | compiled"] == "block-diagonal mask (compiled; eager: segments)"
+    # CPU: the model's own path masks (varlen_attn is CUDA's), the padding as keys, packed rows block-diagonal
+    assert paths["padded + varlen | training | eager"] == paths["padded + varlen | inference | compiled"]
+    assert paths["padded + varlen | training | eager"] == "sdpa, padding mask"
+    assert paths["packed | inference | eager"] == paths["packed | training | compiled"] == "block-diagonal mask"
     assert paths["packed + mask | inference | eager"] == "block-diagonal mask"
     # bf16 against fp32 on the images the batches share: every layout as close as the masked padded batch
     accuracy = packing["bf16_accuracy"]
@@ -410,6 +412,9 @@ def test_gpu_benchmark_quick_run_has_the_packing_rows(gpu_quick):
     assert packing["max_logits_difference"] <= 1e-4 and packing["skipped"] == {}
     assert packing["padding_share"]["padded"] > 0 and packing["images"]["packed"] >= packing["images"]["padded"]
     assert packing["sdpa"] == {"cudnn": None} and packing["settings"]["dtype"] == "bf16 autocast"
+    # the host synchronisation check is CUDA's: skipped on CPU, and said so
+    assert set(packing["host_sync"]) == {"skipped"} and "cpu" in packing["host_sync"]["skipped"]
+    assert "Host synchronisation check (forward + backward): skipped, cpu" in text
     section = text.split("<!-- benchmark-gpu:packing -->\n")[1].split("<!-- /benchmark-gpu:packing -->")[0]
     assert "| packed | training | compiled |" in section and "| padded + varlen | inference | eager |" in section
 
@@ -572,21 +577,20 @@ def test_packing_rows_quick_mode_prints_every_row_and_ratio(capsys):
     assert packing_speed.main(["--quick"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith(("| padded", "| packed"))]
-    assert [row.split(" | ")[0] for row in rows] == ["| padded + mask", "| padded + segments", "| packed + mask",
-                                                     "| packed + segments"]  # fmt: skip
+    assert [row.split(" | ")[0] for row in rows] == ["| padded + mask", "| packed + mask"]
     assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in rows)
     assert "padding" in out and "have the same outputs" in out
     # the model rows: square, padded and packed, eager and compiled (quick: Dynamo's eager backend), each with its
     # padding share, images/s, real patches/s and the ratio against padded + mask, for inference and training
     model_rows = [line for line in out.splitlines() if line.startswith("| model:")]
     assert [row.split(" | ")[0] for row in model_rows] == [
-        "| model: square (eager)", "| model: padded + mask (eager)", "| model: padded + segments (eager)",
-        "| model: packed + segments (eager)", "| model: square (compiled)", "| model: padded + mask (compiled)",
-        "| model: packed + segments (compiled)",
+        "| model: square (eager)", "| model: padded + mask (eager)", "| model: packed + mask (eager)",
+        "| model: square (compiled)", "| model: padded + mask (compiled)", "| model: packed + mask (compiled)",
     ]  # fmt: skip
     assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in model_rows)
     assert [row.split(" | ")[2] for row in model_rows][:2] == ["0%", "19%"]  # the square batch has no padding
-    assert "dense block-diagonal mask" in model_rows[-1] and "per image length" in model_rows[3]
+    # on CPU the model masks: the padding as keys, a packed batch block-diagonal (compiled the same)
+    assert "padding masked as keys" in model_rows[1] and "block-diagonal mask" in model_rows[-1]
     assert "torch.compile(backend='eager'), logits within" in out and "Compiled / eager speed:" in out
     assert re.search(r"Recompiles: .* batch 2 \(\d+ images, rows of \d+ tokens\): \d+ frames recompiled", out)
     with pytest.raises(SystemExit):
