@@ -9,8 +9,9 @@ variable-length path (`cu_seq_lens_q/k`), SDPA on a CUDA GPU in half precision t
 on CPU with each image's tokens in a row of their own (packed rows gathered there and back) and its padding masked as
 keys, and everything else (SDPA on a GPU in fp32 or with dropout; eager, the implementation that returns
 probabilities) with a mask: the padding masked as keys where each row is one image, else block-diagonal. flex
-attention hands such batches to the SDPA path. The runs are data and the longest is bounded by the row's length, a shape: nothing here reads a
-value back from the device, and a compiled model takes every batch of one shape in one graph.
+attention hands such batches to the SDPA path. The runs are data and the longest is bounded by the row's length, a
+shape: nothing here reads a value back from the device, and a compiled model takes every batch of one shape in one
+graph.
 
 Saved next to checkpoints as remote code with the model, so it imports only torch, transformers and its siblings.
 """
