@@ -65,7 +65,7 @@ MODES = ("inference", "training")
 PATHS = {
     "square": "no mask (no padding)",
     "padded + mask": "padding masked as keys: one SDPA call",
-    "packed + mask": "block-diagonal mask: one SDPA call",
+    "packed + mask": "the model's path (CPU: each image gathered into a row of its own, padding masked as keys)",
 }
 
 

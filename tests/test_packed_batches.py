@@ -153,3 +153,33 @@ def test_the_collator_packs_planned_rows_and_pads_the_batch_to_its_rows():
     assert batch["labels"].tolist() == [0, 1, 2, 0]  # one per image, in the order given
     with pytest.raises(ValueError, match="each row at most `packed_sequence_length` = 12"):
         collate_fn([data[(index, 6, 0)] for index in (3, 4, 5)], packed_sequence_length=LENGTH, packed_rows=2)
+
+
+def test_the_padding_shares_are_those_of_the_batches_the_run_builds():
+    from hf_vit.data.packed_batches import padding_shares
+
+    counts = [10, 4, 7, 16, 16, 3, 9]
+    padded, packed = padding_shares(counts, 16, 3, 32, seed=0)
+    order = torch.randperm(len(counts), generator=torch.Generator().manual_seed(0)).tolist()
+    batches = [order[start : start + 3] for start in range(0, len(order), 3)]
+    slots = sum(len(batch) * max(counts[i] for i in batch) for batch in batches)  # each batch padded to its largest
+    assert padded == pytest.approx(1 - sum(counts) / slots)
+    rows = best_fit_decreasing(counts, range(len(counts)), 32)
+    assert packed == pytest.approx(1 - sum(counts) / (32 * len(rows)))
+    assert padding_shares(counts, 16, 3, None)[1] is None
+
+
+@pytest.mark.parametrize("packed_length", [None, 64])
+def test_the_runs_padding_line_says_whether_packing_pays(packed_length):
+    from hf_vit.data.transforms import BatchSizes
+    from hf_vit.train.training import padding_line
+
+    sizes = BatchSizes(max_num_patches=16, packed_sequence_length=packed_length)
+    full, sparse = padding_line([16, 15, 16, 16], sizes, 4, 0), padding_line([16, 4, 6, 2], sizes, 4, 0)
+    assert "would leave 2% of their patch slots empty" in full
+    assert "would leave 56% of their patch slots empty" in sparse
+    if packed_length is None:
+        assert "packing would not pay" in full and "--packed_sequence_length would pay" in sparse
+    else:
+        assert "leave out --packed_sequence_length" in full and "packing pays" in sparse
+    assert "15% padding" in full and "When packing pays" in full

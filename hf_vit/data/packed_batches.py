@@ -43,7 +43,18 @@ from .augment.train_transform import kept_patch_count
 from .seeding import seeded_generator
 from .transforms import CorruptImageError, decode_image
 
-__all__ = ["PackedBatchSampler", "best_fit_decreasing", "image_size", "planned_patches"]
+__all__ = [
+    "CPU_PACKING_BREAK_EVEN",
+    "PackedBatchSampler",
+    "best_fit_decreasing",
+    "image_size",
+    "padding_shares",
+    "planned_patches",
+]
+
+# The padding share of padded native-aspect batches from which packed rows trained faster on CPU (measured with
+# benchmarks/packing_speed.py: docs/training.md, "When packing pays").
+CPU_PACKING_BREAK_EVEN = 0.15
 
 
 def image_size(image: Any) -> tuple[int, int]:
@@ -83,6 +94,27 @@ def planned_patches(
         budgets.append(rows * cols)
         counts.append(kept_patch_count(rows * cols, token_drop_rate))
     return budgets, counts
+
+
+def padding_shares(
+    counts: Sequence[int], max_num_patches: int, batch_size: int, packed_sequence_length: int | None, seed: int = 0
+) -> tuple[float, float | None]:
+    """The share of patch slots that hold no patch, for images of `counts` patches: in padded native-aspect batches of
+    `batch_size` images in an order drawn from `seed` (each batch padded to its largest image, as the collator pads),
+    and, with `packed_sequence_length`, in rows of that many slots packed best-fit decreasing (as
+    `PackedBatchSampler` packs them; None without)."""
+    if not counts:
+        return 0.0, None
+    order = torch.randperm(len(counts), generator=torch.Generator().manual_seed(seed)).tolist()
+    slots = sum(
+        len(chunk) * max(counts[i] for i in chunk)
+        for chunk in (order[start : start + batch_size] for start in range(0, len(order), batch_size))
+    )
+    padded = 1 - sum(counts) / slots
+    if packed_sequence_length is None:
+        return padded, None
+    rows = len(best_fit_decreasing(counts, range(len(counts)), packed_sequence_length))
+    return padded, 1 - sum(counts) / (rows * packed_sequence_length)
 
 
 def best_fit_decreasing(sizes: Sequence[int], order: Sequence[int], capacity: int) -> list[list[int]]:

@@ -22,7 +22,7 @@ import transformers
 from transformers import TrainingArguments
 
 from ..data.datasets import DataSource, load_datasets, split_record
-from ..data.packed_batches import PackedBatchSampler, planned_patches
+from ..data.packed_batches import CPU_PACKING_BREAK_EVEN, PackedBatchSampler, padding_shares, planned_patches
 from ..data.transforms import Augmentation, BatchSizes, check_image_channels, decode_rgb, rows_and_transform
 from ..flags import exit_on_error, parse_sizes, warn_idle
 from ..infer.compute_dial import compute_dial_after_training
@@ -275,6 +275,14 @@ def build_trainer(
             )  # fmt: skip
         if training_args.process_index == 0:
             logger.info(*message)
+    native = sizes.max_num_patches is not None and sizes.seq_lens is None and sizes.patch_sizes is None
+    if native and num_examples is not None and training_args.process_index == 0:
+        images = training_args.per_device_train_batch_size  # a padded batch's; a packed one's, on average
+        if packed_sampler is not None:
+            counts, images = packed_sampler.counts, round(packed_sampler.images_per_batch() or images)
+        else:
+            counts = training_patches(ds["train"], processor, sizes, token_drop_rate)[1]
+        logger.info(padding_line(counts, sizes, max(1, images), training_args.seed))
     # The average goes into the model at the end of training before the caller's callbacks see it.
     ema = ema_callback(recipe)
     return VisionTransformerTrainer(
@@ -306,11 +314,7 @@ def packed_batches(
     """The batch sampler of a packed run on an in-memory split: each training image's patches read from its size
     (`planned_patches`: the header of an encoded image), planned into batches of `--per_device_train_batch_size`
     rows of `--packed_sequence_length` slots, dealt out to the run's processes."""
-    images = train.data.select_columns(["image"])
-    chunks = (images[start : start + 1024]["image"] for start in range(0, len(images), 1024))
-    budgets, counts = planned_patches(
-        (image for chunk in chunks for image in chunk), processor.patch_size, sizes.max_num_patches, token_drop_rate
-    )
+    budgets, counts = training_patches(train, processor, sizes, token_drop_rate)
     return PackedBatchSampler(
         counts,
         training_args.per_device_train_batch_size,
@@ -320,6 +324,37 @@ def packed_batches(
         budgets=budgets,
         dataset=train,
         drop_partial=training_args.dataloader_drop_last,
+    )
+
+
+def training_patches(
+    train: SeededAugmentation, processor, sizes: BatchSizes, token_drop_rate: float
+) -> tuple[list[int], list[int]]:
+    """Each training image's patch budget and the patch slots it takes (`planned_patches`, from its size)."""
+    images = train.data.select_columns(["image"])
+    chunks = (images[start : start + 1024]["image"] for start in range(0, len(images), 1024))
+    return planned_patches(
+        (image for chunk in chunks for image in chunk), processor.patch_size, sizes.max_num_patches, token_drop_rate
+    )
+
+
+def padding_line(counts: list[int], sizes: BatchSizes, batch_size: int, seed: int) -> str:
+    """The log line that says how much of a native-aspect run's patch slots are padding, padded and packed, and
+    whether packing pays at that share by the measured break-even (on CPU; docs/training.md)."""
+    packed_length = sizes.packed_sequence_length or 4 * sizes.max_num_patches  # what packing would give, unpacked
+    padded, packed = padding_shares(counts, sizes.max_num_patches, batch_size, packed_length, seed)
+    shares = (
+        f"Padding: padded native-aspect batches of {batch_size} images would leave {padded:.0%} of their patch slots "
+        f"empty, rows of {packed_length} packed slots {packed:.0%}"
+    )
+    pays = padded >= CPU_PACKING_BREAK_EVEN
+    if sizes.packed_sequence_length is None:
+        advice = "--packed_sequence_length would pay" if pays else "packing would not pay"
+    else:
+        advice = "packing pays" if pays else "packing does not pay: leave out --packed_sequence_length"
+    return (
+        f"{shares}; on CPU {advice} here (it trained faster from about {CPU_PACKING_BREAK_EVEN:.0%} padding; on a GPU "
+        "through variable-length attention: docs/training.md, 'When packing pays')."
     )
 
 
