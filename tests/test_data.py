@@ -155,6 +155,20 @@ def test_image_folder_with_split_directories(tmp_path):
     assert again["validation"]["label"] == ds["validation"]["label"]
 
 
+def test_a_named_validation_split_the_data_set_lacks_is_refused_never_carved(tmp_path):
+    # datasets names an image folder's `val` folder "validation": `--validation_split val` would find nothing, and
+    # carving "validation" out of train instead would measure images unlike the ones the user held out
+    root = tmp_path / "images"
+    _write_image_folder(root / "train")
+    _write_image_folder(root / "val", sizes=[(9, 9)] * 2)
+    with pytest.raises(ValueError, match=r"no split 'val' .*names an image folder's `val` folder `validation`"):
+        load_image_dataset(str(root), validation_split="val", cache_dir=str(tmp_path / "cache"))
+    ds = load_image_dataset(str(root), cache_dir=str(tmp_path / "cache"))  # the default name finds it
+    assert {split: len(d) for split, d in ds.items()} == {"train": 12, "validation": 6}
+    with pytest.raises(ValueError, match="no split 'holdout'.*--test_split"):
+        load_image_dataset(str(root), test_split="holdout", cache_dir=str(tmp_path / "cache"))
+
+
 def test_save_to_disk_round_trip(tmp_path, digits):
     digits.save_to_disk(str(tmp_path / "digits"))
     loaded = load_image_dataset(str(tmp_path / "digits"))
