@@ -98,10 +98,15 @@ def _recording_paths(paths: list[str]):
 
 def attention_path(layout: str, observed: list[str]) -> str:
     """The attention path hf-vit ran (observed eager; a compiled graph takes the same one): no mask, the padding
-    masked as keys, a block-diagonal mask, or the runs' kernel ("varlen", "flash")."""
+    masked as keys, each image in a row of its own (CPU), a block-diagonal mask, or the runs' kernel ("varlen",
+    "flash")."""
     if layout == "square":
         return "sdpa, no mask"
     path = sorted(set(observed))[0] if observed else "mask"
+    if path == "images" and layout.startswith("padded"):  # one image per row already: its padding masked as keys
+        return "sdpa, padding mask"
+    if path == "images":
+        return "sdpa, each image in a row of its own"
     if path == "mask":
         return "sdpa, padding mask" if layout.startswith("padded") else "block-diagonal mask"
     return path
