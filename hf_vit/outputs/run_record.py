@@ -120,4 +120,12 @@ class RunRecord:
 
     def _write(self, files: Iterable[str], found: Iterable[str]) -> None:
         record = {"files": list(files), "found": list(found), "splits": self.splits}
-        (self.folder / RUN_RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        # written beside and renamed over: a run killed while writing leaves the earlier record whole, not a torn one
+        # (which would read as no record, and leave the folder's files unclaimed)
+        path = self.folder / RUN_RECORD_FILE
+        partial = path.with_name(f".{RUN_RECORD_FILE}.partial")
+        try:
+            partial.write_text(json.dumps(record, indent=2) + "\n")
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
