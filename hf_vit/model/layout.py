@@ -121,12 +121,20 @@ class BatchLayout:
     segments: AttentionSegments  # the runs of the blocks' rows
     slots: tuple[int, int] | None = None  # (R, L): the packed batch's rows of patch slots
     patch_source: torch.Tensor | None = None  # (N * K,) the packed slot of each image's patch k
-    pack_source: torch.Tensor | None = None  # (R * (L + prefix * M),) the image token of each packed token
-    unpack_source: torch.Tensor | None = None  # (N * (prefix + K),) the packed token of each image token
 
     @property
     def packed(self) -> bool:
-        return self.pack_source is not None
+        return self.segments.row_source is not None
+
+    @property
+    def pack_source(self) -> torch.Tensor | None:
+        """`(R * (L + prefix * M),)`: the image token of each packed token (the segments' gather)."""
+        return self.segments.row_source
+
+    @property
+    def unpack_source(self) -> torch.Tensor | None:
+        """`(N * (prefix + K),)`: the packed token of each image token (the segments' gather)."""
+        return self.segments.image_source
 
     @property
     def patch_mask(self) -> torch.Tensor:
@@ -323,8 +331,6 @@ def _packed(
         ),
         slots=(rows, slots),
         patch_source=image_slot_index.flatten(),
-        pack_source=pack_source,
-        unpack_source=packed_at.flatten(),
     )
 
 
