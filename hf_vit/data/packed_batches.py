@@ -97,12 +97,17 @@ def planned_patches(
 
 
 def padding_shares(
-    counts: Sequence[int], max_num_patches: int, batch_size: int, packed_sequence_length: int | None, seed: int = 0
+    counts: Sequence[int],
+    max_num_patches: int,
+    batch_size: int,
+    packed_sequence_length: int | None,
+    seed: int = 0,
+    rows: int | None = None,
 ) -> tuple[float, float | None]:
     """The share of patch slots that hold no patch, for images of `counts` patches: in padded native-aspect batches of
     `batch_size` images in an order drawn from `seed` (each batch padded to its largest image, as the collator pads),
     and, with `packed_sequence_length`, in rows of that many slots packed best-fit decreasing (as
-    `PackedBatchSampler` packs them; None without)."""
+    `PackedBatchSampler` packs them, or into `rows` rows where a plan has counted them already; None without)."""
     if not counts:
         return 0.0, None
     order = torch.randperm(len(counts), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -113,7 +118,7 @@ def padding_shares(
     padded = 1 - sum(counts) / slots
     if packed_sequence_length is None:
         return padded, None
-    rows = len(best_fit_decreasing(counts, range(len(counts)), packed_sequence_length))
+    rows = rows or len(best_fit_decreasing(counts, range(len(counts)), packed_sequence_length))
     return padded, 1 - sum(counts) / (rows * packed_sequence_length)
 
 

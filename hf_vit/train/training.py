@@ -277,12 +277,14 @@ def build_trainer(
             logger.info(*message)
     native = sizes.max_num_patches is not None and sizes.seq_lens is None and sizes.patch_sizes is None
     if native and num_examples is not None and training_args.process_index == 0:
-        images = training_args.per_device_train_batch_size  # a padded batch's; a packed one's, on average
-        if packed_sampler is not None:
-            counts, images = packed_sampler.counts, round(packed_sampler.images_per_batch() or images)
-        else:
-            counts = training_patches(ds["train"], processor, sizes, token_drop_rate)[1]
-        logger.info(padding_line(counts, sizes, max(1, images), training_args.seed))
+        images, rows = training_args.per_device_train_batch_size, None  # a padded batch's images
+        if packed_sampler is not None:  # its images and rows, planned already
+            counts, rows = packed_sampler.counts, packed_sampler.num_rows
+            images = round(packed_sampler.images_per_batch() or images)
+        else:  # a share is a mean: the sizes of a seeded sample of the images tell it, not every file's header
+            sample = PADDING_SAMPLE_IMAGES
+            counts = training_patches(ds["train"], processor, sizes, token_drop_rate, sample, training_args.seed)[1]
+        logger.info(padding_line(counts, sizes, max(1, images), training_args.seed, rows))
     # The average goes into the model at the end of training before the caller's callbacks see it.
     ema = ema_callback(recipe)
     return VisionTransformerTrainer(
@@ -327,22 +329,37 @@ def packed_batches(
     )
 
 
+# The training images whose sizes estimate a padded run's padding share (reading every header of a large data set
+# would add a minute to the start of a run for one log line).
+PADDING_SAMPLE_IMAGES = 4096
+
+
 def training_patches(
-    train: SeededAugmentation, processor, sizes: BatchSizes, token_drop_rate: float
+    train: SeededAugmentation,
+    processor,
+    sizes: BatchSizes,
+    token_drop_rate: float,
+    sample: int | None = None,
+    seed: int = 0,
 ) -> tuple[list[int], list[int]]:
-    """Each training image's patch budget and the patch slots it takes (`planned_patches`, from its size)."""
+    """Each training image's patch budget and the patch slots it takes (`planned_patches`, from its size); of
+    `sample` images drawn from `seed` where the split has more."""
     images = train.data.select_columns(["image"])
+    if sample is not None and len(images) > sample:
+        images = images.select(
+            torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))[:sample].tolist()
+        )
     chunks = (images[start : start + 1024]["image"] for start in range(0, len(images), 1024))
     return planned_patches(
         (image for chunk in chunks for image in chunk), processor.patch_size, sizes.max_num_patches, token_drop_rate
     )
 
 
-def padding_line(counts: list[int], sizes: BatchSizes, batch_size: int, seed: int) -> str:
+def padding_line(counts: list[int], sizes: BatchSizes, batch_size: int, seed: int, rows: int | None = None) -> str:
     """The log line that says how much of a native-aspect run's patch slots are padding, padded and packed, and
     whether packing pays at that share by the measured break-even (on CPU; docs/training.md)."""
     packed_length = sizes.packed_sequence_length or 4 * sizes.max_num_patches  # what packing would give, unpacked
-    padded, packed = padding_shares(counts, sizes.max_num_patches, batch_size, packed_length, seed)
+    padded, packed = padding_shares(counts, sizes.max_num_patches, batch_size, packed_length, seed, rows)
     shares = (
         f"Padding: padded native-aspect batches of {batch_size} images would leave {padded:.0%} of their patch slots "
         f"empty, rows of {packed_length} packed slots {packed:.0%}"
