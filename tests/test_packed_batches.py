@@ -171,8 +171,8 @@ def test_the_padding_shares_are_those_of_the_batches_the_run_builds():
 
 @pytest.mark.parametrize("packed_length", [None, 64])
 def test_the_runs_padding_line_says_whether_packing_pays(packed_length):
+    from hf_vit.data.packed_batches import padding_line
     from hf_vit.data.transforms import BatchSizes
-    from hf_vit.train.training import padding_line
 
     sizes = BatchSizes(max_num_patches=16, packed_sequence_length=packed_length)
     full, sparse = padding_line([16, 15, 16, 16], sizes, 4, 0), padding_line([16, 4, 6, 2], sizes, 4, 0)

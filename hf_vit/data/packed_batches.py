@@ -41,15 +41,18 @@ import torch
 from ..model.image_processing_vit import grid_for_max_patches, load_images
 from .augment.train_transform import kept_patch_count
 from .seeding import seeded_generator
-from .transforms import CorruptImageError, decode_image
+from .transforms import BatchSizes, CorruptImageError, decode_image
 
 __all__ = [
     "CPU_PACKING_BREAK_EVEN",
     "PackedBatchSampler",
     "best_fit_decreasing",
     "image_size",
+    "PADDING_SAMPLE_IMAGES",
+    "padding_line",
     "padding_shares",
     "planned_patches",
+    "training_patches",
 ]
 
 # The padding share of padded native-aspect batches from which packed rows trained faster on CPU (measured with
@@ -254,3 +257,50 @@ class PackedBatchSampler:
         """The mean number of images per batch, the same every epoch (None where it varies: `drop_partial` leaving out
         rows)."""
         return None if self.num_images is None else self.num_images / len(self)
+
+
+# The training images whose sizes estimate a padded run's padding share (reading every header of a large data set
+# would add a minute to the start of a run for one log line).
+PADDING_SAMPLE_IMAGES = 4096
+
+
+def training_patches(
+    train,
+    processor,
+    sizes: BatchSizes,
+    token_drop_rate: float,
+    sample: int | None = None,
+    seed: int = 0,
+) -> tuple[list[int], list[int]]:
+    """Each training image's patch budget and the patch slots it takes (`planned_patches`, from its size), for a
+    training split whose examples' `image` column `train.data` holds; of `sample` images drawn from `seed` where the
+    split has more."""
+    images = train.data.select_columns(["image"])
+    if sample is not None and len(images) > sample:
+        images = images.select(
+            torch.randperm(len(images), generator=torch.Generator().manual_seed(seed))[:sample].tolist()
+        )
+    chunks = (images[start : start + 1024]["image"] for start in range(0, len(images), 1024))
+    return planned_patches(
+        (image for chunk in chunks for image in chunk), processor.patch_size, sizes.max_num_patches, token_drop_rate
+    )
+
+
+def padding_line(counts: list[int], sizes: BatchSizes, batch_size: int, seed: int, rows: int | None = None) -> str:
+    """The log line that says how much of a native-aspect run's patch slots are padding, padded and packed, and
+    whether packing pays at that share by the measured break-even (on CPU; docs/training.md)."""
+    packed_length = sizes.packed_sequence_length or 4 * sizes.max_num_patches  # what packing would give, unpacked
+    padded, packed = padding_shares(counts, sizes.max_num_patches, batch_size, packed_length, seed, rows)
+    shares = (
+        f"Padding: padded native-aspect batches of {batch_size} images would leave {padded:.0%} of their patch slots "
+        f"empty, rows of {packed_length} packed slots {packed:.0%}"
+    )
+    pays = padded >= CPU_PACKING_BREAK_EVEN
+    if sizes.packed_sequence_length is None:
+        advice = "--packed_sequence_length would pay" if pays else "packing would not pay"
+    else:
+        advice = "packing pays" if pays else "packing does not pay: leave out --packed_sequence_length"
+    return (
+        f"{shares}; on CPU {advice} here (it trained faster from about {CPU_PACKING_BREAK_EVEN:.0%} padding; on a GPU "
+        "through variable-length attention: docs/training.md, 'When packing pays')."
+    )
