@@ -31,7 +31,7 @@ batch of one shape in one graph. It needs the number of prefix tokens (class, di
 model knows and the processor does not: each image's tokens are its prefix tokens, then its patches. A packed batch
 without the two index fields (built by other code) gets them from `packed_index_fields` on the host: the one slow
 path, which also checks the batch. The values of a padded batch are checked on the device, without a
-synchronisation (`torch._assert_async`).
+synchronisation (`_check_on_device`).
 
 What the layout holds, for the embeddings (equation 1: each image on its own grid, its own prefix tokens), the blocks
 (attention within each image: `AttentionSegments`), the pooling and every head (the valid tokens of each image):
@@ -241,14 +241,13 @@ def _padded(
     grids = spatial_shapes.to(device)
     sizes = grids[:, 0] * grids[:, 1]
     patch_mask = torch.arange(patches, device=device) < sizes[:, None]
-    # Checked on the device: a failed check stops the run where the device reports it, no read waits for it.
-    torch._assert_async(
+    _check_on_device(
         (grids >= 1).all() & (sizes <= patches).all(),
         f"`spatial_shapes` must be grids of at least 1x1 and at most {patches} patches (the patches per image in "
         "`pixel_values`).",
     )
     if pixel_attention_mask is not None:
-        torch._assert_async(
+        _check_on_device(
             (pixel_attention_mask.to(device).bool() == patch_mask).all(),
             "`pixel_attention_mask` must mark the first rows * cols of each image's patches (its grid in "
             "`spatial_shapes`) and nothing else, as the image processor returns it.",
@@ -259,6 +258,16 @@ def _padded(
     number = torch.arange(batch, device=device)[:, None]
     runs = torch.where(token_mask, number, -1 - number)
     return BatchLayout(grids, prefix, token_mask, _segments(lengths, runs, token_mask))
+
+
+def _check_on_device(condition: torch.Tensor, message: str) -> None:
+    """Refuse the batch with `message` where `condition` (a one-value bool tensor) is False, checked on its device:
+    a failed check stops the run where the device reports it, and no read waits for it. torch has no public
+    asynchronous assert: where its `_assert_async` is missing (a later torch), the processor's checks are the only
+    ones, and the forward runs on."""
+    assert_async = getattr(torch, "_assert_async", None)
+    if assert_async is not None:
+        assert_async(condition, message)
 
 
 def _packed(
