@@ -5,6 +5,7 @@ erasing and NaViT's token dropping. Only training imports it: serving never load
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -60,22 +61,18 @@ def make_train_transform(
     centre-crops, else `size`; a shorter-side `size` needs the crop, which gives the one output size). Without
     `random_resized_crop`, the image goes through the processor's own resize and centre crop, so with `hflip=False`
     the output equals `processor(images)`. The flip (probability 1/2, when `hflip`; keep it off for digits and text)
-    comes next, then RandAugment when `rand_augment` gives its policy in timm's
-    notation (`rand_augment.RandAugment`: on the uint8 image, areas it uncovers filled with the processor's mean
-    colour), and the processor's `normalize_batch`, once per batch; last, with `reprob` > 0, random erasing
-    (`random_erasing.RandomErasing` with `remode` and `recount`) of each normalised image in turn, a native-aspect
-    image within its own size before it is cut into patches. With `token_drop_rate` (native-aspect batches, to be
+    comes next, then RandAugment when `rand_augment` gives its policy in timm's notation (`rand_augment.RandAugment`:
+    on the uint8 image, areas it uncovers filled with the processor's mean colour), and the processor's
+    `normalize_batch`, once per batch; last, with `reprob` > 0, random erasing (`random_erasing.RandomErasing` with
+    `remode` and `recount`) of each normalised image in turn, a native-aspect image within its own size before it is
+    cut into patches. With `token_drop_rate` (native-aspect batches, to be
     packed: `collate_fn`), NaViT's token dropping: each image keeps a random `1 - token_drop_rate` of its patches (at
     least one), first in its row of `pixel_values`, their places in its grid in `patch_positions` (-1 after). With
     `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
     (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
 
-    Encoded RGB and grey JPEGs (bytes, paths, `{"path", "bytes"}` dicts) take a faster road to the same crop: the
-    crop is drawn from the header's size, and when it is at least 2, 4 or 8 times the output size in both directions
-    the JPEG is decoded at that reduction in the DCT domain (`decode_jpeg_crop`), and PIL resizes the crop's exact
-    (fractional) box of the reduced image. The crop box and the random draws are the same as on the full image; the
-    pixels differ from resizing the full-size crop by the DCT-domain downscaling only (see `decode_jpeg_crop`). When
-    no reduction applies, the pixels are exactly the processor's full-size crop, resized by `resize_images`.
+    Encoded RGB and grey JPEGs (bytes, paths, `{"path", "bytes"}` dicts) draw the same crop from the header's size
+    and are decoded at a reduction in the DCT domain where the crop allows (`decode_jpeg_crop`).
     """
     if not (0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
         raise ValueError(f"Need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}.")
@@ -84,10 +81,8 @@ def make_train_transform(
             f"make_train_transform needs a VisionTransformerImageProcessor (it reuses its pixel path), got "
             f"{type(processor).__name__}."
         )
-    crop_size = (int(processor.crop_size["height"]), int(processor.crop_size["width"]))
     output_size = fixed_output_size(processor.size, processor.crop_size, processor.do_center_crop)
-    native, patch = processor.max_num_patches, processor.patch_size
-    if output_size is None and native is None:
+    if output_size is None and processor.max_num_patches is None:
         raise ValueError(
             f"The processor's size={processor.size} without do_center_crop keeps each image's aspect ratio, so "
             "training crops have no one size to be resized to: set do_center_crop with crop_size, or size to a "
@@ -98,82 +93,110 @@ def make_train_transform(
         fill = tuple(round(255 * float(m)) for m in processor.image_mean)
         augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
     check_random_erasing(reprob, remode, recount)
-    if token_drop_rate and (native is None or not 0 <= token_drop_rate < 1):
+    if token_drop_rate and (processor.max_num_patches is None or not 0 <= token_drop_rate < 1):
         raise ValueError(
             f"token_drop_rate {token_drop_rate} drops patches of native-aspect images (a processor with "
             "max_num_patches), a share in [0, 1)."
         )
-    erasing = RandomErasing(reprob, remode, recount) if reprob else None
-    if erasing is not None and not processor.do_normalize:
+    if reprob and not processor.do_normalize:
         raise ValueError(
             "--reprob fills the erased rectangles with the noise of normalised pixels (mean 0, std 1), but the "
             "processor does not normalise (do_normalize=False): normalise, or drop --reprob."
         )
+    erasing = RandomErasing(reprob, remode, recount) if reprob else None
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    return _TrainTransform(
+        processor,
+        output_size,
+        scale,
+        ratio,
+        random_resized_crop,
+        hflip,
+        augment_more,
+        erasing,
+        token_drop_rate,
+        generator,
+    )
 
-    def size_for(height: int, width: int, budget: int) -> tuple[int, int]:
+
+@dataclasses.dataclass
+class _TrainTransform:
+    """`make_train_transform`'s transform: its settings, checked, and the steps it takes per image and per batch."""
+
+    processor: VisionTransformerImageProcessor
+    output_size: tuple[int, int] | None
+    scale: tuple[float, float]
+    ratio: tuple[float, float]
+    random_resized_crop: bool
+    hflip: bool
+    rand_augment: RandAugment | None
+    erasing: RandomErasing | None
+    token_drop_rate: float
+    generator: torch.Generator | None
+
+    def size_for(self, height: int, width: int, budget: int) -> tuple[int, int]:
         """The size a crop (or image) of `height` x `width` is resized to: the processor's, or with `max_num_patches`
         the largest grid of at most `budget` patches at the crop's own aspect ratio."""
-        if native is None:
-            return output_size
+        if self.processor.max_num_patches is None:
+            return self.output_size
+        patch = self.processor.patch_size
         rows, cols = grid_for_max_patches(height, width, patch, budget)
         return rows * patch, cols * patch
 
-    own_generator = None if seed is None else torch.Generator().manual_seed(seed)
-    # Only RGB output has a fast road: without conversion the processor keeps modes the JPEG decoder would change.
-    fast_jpegs = random_resized_crop and processor.do_convert_rgb
-
-    def draw_box(height: int, width: int, generator: torch.Generator | None) -> tuple[int, int, int, int]:
-        return random_resized_crop_box(height, width, scale, ratio, generator)
-
-    def crop_and_resize(
-        pixels: torch.Tensor, box: tuple[int, int, int, int] | None, generator, budget: int
-    ) -> torch.Tensor:
-        if random_resized_crop:
+    def crop_and_resize(self, pixels: torch.Tensor, box: tuple[int, int, int, int] | None, generator, budget: int):
+        processor = self.processor
+        if self.random_resized_crop:
             # Cropping the uint8 image first means only the crop is resized.
-            top, left, height, width = box or draw_box(*pixels.shape[1:], generator)
-            size = size_for(height, width, budget)
+            top, left, height, width = box or random_resized_crop_box(
+                *pixels.shape[1:], self.scale, self.ratio, generator
+            )
+            size = self.size_for(height, width, budget)
             return resize_images(pixels[None, :, top : top + height, left : left + width], size, processor.resample)[0]
         if processor.do_resize:
             height, width = pixels.shape[1:]
-            target = (
-                resize_target(height, width, processor.size) if native is None else size_for(height, width, budget)
-            )
+            if processor.max_num_patches is None:
+                target = resize_target(height, width, processor.size)
+            else:
+                target = self.size_for(height, width, budget)
             pixels = resize_images(pixels[None], target, processor.resample)[0]
         if processor.do_center_crop:
+            crop_size = (int(processor.crop_size["height"]), int(processor.crop_size["width"]))
             pixels = center_crop_images(pixels, crop_size)
         return pixels
 
-    def augment(image: Any, index: int, generator: torch.Generator | None, budget: int) -> torch.Tensor:
-        box, pixels = None, None
-        jpeg = _open_jpeg(image) if fast_jpegs else None
+    def augment(self, image: Any, index: int, generator: torch.Generator | None, budget: int) -> torch.Tensor:
+        box, pixels, rgb = None, None, self.processor.do_convert_rgb
+        # Only RGB output has a fast road: without conversion the processor keeps modes the JPEG decoder would change.
+        jpeg = _open_jpeg(image) if self.random_resized_crop and rgb else None
         if jpeg is not None:
-            box = draw_box(*_upright_size(jpeg), generator)
-            pixels = decode_jpeg_crop(jpeg, box, size_for(box[2], box[3], budget), processor.resample)
+            box = random_resized_crop_box(*_upright_size(jpeg), self.scale, self.ratio, generator)
+            pixels = decode_jpeg_crop(jpeg, box, self.size_for(box[2], box[3], budget), self.processor.resample)
         if pixels is None:  # not a JPEG, or one the fast road cannot decode: the processor's own path reports it
-            (pixels,) = load_images(decode_image(image, index), processor.do_convert_rgb)
-            pixels = crop_and_resize(pixels, box, generator, budget)
-        if hflip and torch.rand((), generator=generator) < 0.5:
+            (pixels,) = load_images(decode_image(image, index), rgb)
+            pixels = self.crop_and_resize(pixels, box, generator, budget)
+        if self.hflip and torch.rand((), generator=generator) < 0.5:
             # Flipped as [H, W, C], so that the copy stays channels-last like the resized image.
             pixels = pixels.permute(1, 2, 0).flip(1).permute(2, 0, 1)
-        if augment_more is not None:
-            pixels = augment_more(pixels, generator)
-        return pixels.expand(3, -1, -1) if processor.do_convert_rgb and pixels.shape[0] == 1 else pixels
+        if self.rand_augment is not None:
+            pixels = self.rand_augment(pixels, generator)
+        return pixels.expand(3, -1, -1) if rgb and pixels.shape[0] == 1 else pixels
 
-    def transform(batch: Mapping[str, Sequence[Any]], max_num_patches: int | None = None) -> dict[str, torch.Tensor]:
+    def __call__(self, batch: Mapping[str, Sequence[Any]], max_num_patches: int | None = None) -> dict:
         # `max_num_patches`: this batch's own number of patches per image (drawn per step with --seq_lens), in place
         # of the processor's.
-        budget = max_num_patches or native
-        generator = own_generator if torch.utils.data.get_worker_info() is None else None
-        images = [augment(image, i, generator, budget) for i, image in enumerate(batch["image"])]
+        processor, erasing = self.processor, self.erasing
+        budget = max_num_patches or processor.max_num_patches
+        generator = self.generator if torch.utils.data.get_worker_info() is None else None
+        images = [self.augment(image, i, generator, budget) for i, image in enumerate(batch["image"])]
         if len({image.dtype for image in images}) > 1:  # float images among uint8 ones: stack them all as floats
             images = [image.float() for image in images]
-        if native is not None:  # images of their own sizes: normalised one by one, as the processor's patches
+        if processor.max_num_patches is not None:  # images of their own sizes: normalised one by one, as patches
             normalised = [processor.normalize_batch(image[None])[0] for image in images]
             if erasing is not None:
                 normalised = [erasing(image, generator) for image in normalised]
-            patches = native_patch_batch(normalised, patch, budget)
-            if token_drop_rate:
-                patches = drop_tokens(patches, token_drop_rate, generator)
+            patches = native_patch_batch(normalised, processor.patch_size, budget)
+            if self.token_drop_rate:
+                patches = drop_tokens(patches, self.token_drop_rate, generator)
             return {**patches, **with_labels(patches["pixel_values"], batch)}
         # Stacked channels-last (the layout PIL and the uint8 resize give), so that normalising converts to float and
         # to channels-first in one pass over the batch.
@@ -183,8 +206,6 @@ def make_train_transform(
             for image in normalised:
                 erasing(image, generator)
         return with_labels(normalised, batch)
-
-    return transform
 
 
 def kept_patch_count(count: int, rate: float) -> int:
