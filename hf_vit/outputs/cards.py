@@ -15,10 +15,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
-from .files import (
-    CARD_TEMPLATE,
-    remote_code_files,
-)
+from .files import CARD_TEMPLATE, remote_code_files
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +181,70 @@ def _is_quality_metric(name: str) -> bool:
     return any(key in name for key in ("accuracy", "mean_average_precision", "f1_"))
 
 
+def _card_data(repo_id, license, adapter, mpp, base, data, split, results) -> ModelCardData:
+    """The card's Hub metadata: library, task, tags, data set, base model and the model-index of `results`."""
+    eval_results = [
+        EvalResult(
+            task_type="image-classification",
+            # The model-index needs a data set type; a local data set is named by its plain folder name.
+            dataset_type=data.hub_id or data.text if data else "unknown",
+            dataset_name=data.text if data else "unknown",
+            dataset_split=split,
+            metric_type=row["metric"],
+            metric_name=row["metric"],
+            metric_value=float(row["value"]),
+        )
+        for row in results
+        if not mpp  # the model-index names an image classification task; masked patch prediction is none
+    ]
+    return ModelCardData(
+        library_name="peft" if adapter else "transformers",
+        pipeline_tag="image-feature-extraction" if mpp else "image-classification",
+        license=license,
+        tags=[
+            "hf-vit",
+            "vision-transformer",
+            *(["masked-patch-prediction", "self-supervised"] if mpp else ["image-classification"]),
+            "safetensors",
+        ],
+        datasets=[data.hub_id] if data and data.hub_id else None,
+        metrics=sorted({row["metric"] for row in results}) or ["accuracy"],
+        base_model=base.hub_id if base else None,
+        model_name=repo_id,
+        eval_results=eval_results or None,
+    )
+
+
+def _dataset_description(data: CardReference | None) -> str:
+    if data is None:
+        return "as for the base model (this folder was not trained)."
+    return DATASET_DESCRIPTIONS.get(data.text, f"`{data.text}`{'' if data.hub_id else ' (a local data set)'}.")
+
+
+def _limitations(data: CardReference | None, results: list) -> str:
+    if data and data.text == "digits":
+        return DIGITS_LIMITATIONS
+    if results:
+        return "Evaluated only on the data named above."
+    return "Not evaluated by hf-vit: see the base model's results and limitations."
+
+
+def _architecture_fields(model, max_num_patches: int | None) -> dict[str, Any]:
+    """The template's fields that describe the architecture: sizes, pooling, parameters, resolution."""
+    config = model.config
+    return {
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "num_heads": config.num_attention_heads,
+        "mlp_size": config.intermediate_size,
+        "patch_size": config.patch_size,
+        "classifier": POOLING_NAMES.get(config.classifier, config.classifier),
+        "representation_size": config.representation_size,
+        "num_parameters": f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M",
+        "resolution": resolution_text(config, max_num_patches),
+    }
+
+
 def render_model_card(
     model,
     metrics: dict[str, Any],
@@ -226,43 +287,8 @@ def render_model_card(
         for name, value in metrics.items()
         if name.startswith("eval_") and isinstance(value, float) and _is_quality_metric(name)
     ]
-    eval_results = [
-        EvalResult(
-            task_type="image-classification",
-            # The model-index needs a data set type; a local data set is named by its plain folder name.
-            dataset_type=data.hub_id or data.text if data else "unknown",
-            dataset_name=data.text if data else "unknown",
-            dataset_split=split,
-            metric_type=row["metric"],
-            metric_name=row["metric"],
-            metric_value=float(row["value"]),
-        )
-        for row in results
-        if not mpp  # the model-index names an image classification task; masked patch prediction is none
-    ]
-    card_data = ModelCardData(
-        library_name="peft" if adapter else "transformers",
-        pipeline_tag="image-feature-extraction" if mpp else "image-classification",
-        license=license,
-        tags=[
-            "hf-vit",
-            "vision-transformer",
-            *(["masked-patch-prediction", "self-supervised"] if mpp else ["image-classification"]),
-            "safetensors",
-        ],
-        datasets=[data.hub_id] if data and data.hub_id else None,
-        metrics=sorted({row["metric"] for row in results}) or ["accuracy"],
-        base_model=base.hub_id if base else None,
-        model_name=repo_id,
-        eval_results=eval_results or None,
-    )
+    card_data = _card_data(repo_id, license, adapter, mpp, base, data, split, results)
     labels = list(config.id2label.values())
-    if data is None:
-        dataset_description = "as for the base model (this folder was not trained)."
-    elif data.text in DATASET_DESCRIPTIONS:
-        dataset_description = DATASET_DESCRIPTIONS[data.text]
-    else:
-        dataset_description = f"`{data.text}`{'' if data.hub_id else ' (a local data set)'}."
     return ModelCard.from_template(
         card_data,
         template_path=str(CARD_TEMPLATE),
@@ -281,30 +307,18 @@ def render_model_card(
         ),
         homepage=HOMEPAGE,
         code_files=", ".join(f"`{name}`" for name in remote_code_files()),
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        mlp_size=config.intermediate_size,
-        patch_size=config.patch_size,
-        classifier=POOLING_NAMES.get(config.classifier, config.classifier),
-        representation_size=config.representation_size,
-        num_parameters=f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M",
-        resolution=resolution_text(config, max_num_patches),
+        **_architecture_fields(model, max_num_patches),
         resolution_note=_without_local_paths(resolution_note, local_refs),
         num_labels=len(labels),
         labels=", ".join(labels[:20]) + (", ..." if len(labels) > 20 else ""),
         base_model=base.text if base else None,
-        dataset_description=dataset_description,
+        dataset_description=_dataset_description(data),
         recipe=_without_local_paths(recipe, local_refs) or training_recipe_text(task, training_args),
         results=results,
         results_note=_without_local_paths(results_note, local_refs),
         compute_dial=compute_dial,
         compute_dial_data=Path(compute_dial).with_suffix(".json").name if compute_dial else None,
-        limitations=DIGITS_LIMITATIONS
-        if data and data.text == "digits"
-        else "Evaluated only on the data named above."
-        if results
-        else "Not evaluated by hf-vit: see the base model's results and limitations.",
+        limitations=_limitations(data, results),
     )
 
 
