@@ -3,6 +3,7 @@ by folder (against timm's own logits, recorded by benchmarks/peer_checks.py), an
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -15,15 +16,49 @@ from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassificat
 from hf_vit.convert import (
     ConversionError,
     convert_timm_checkpoint,
-    hf_vit_to_big_vision_arrays,
-    hf_vit_to_naflex_state_dict,
     hf_vit_to_npz_arrays,
     is_big_vision,
     naflex_config,
     naflex_to_hf_vit_state_dict,
 )
+from hf_vit.convert.big_vision_npz import BIG_VISION_LAYOUT
+from hf_vit.convert.common import check_state_dict
+from hf_vit.convert.timm_naflex import NAFLEX_LAYOUT
 
 FIXTURES = Path(__file__).parent / "data" / "timm_naflex"
+
+
+def hf_vit_to_naflex_state_dict(
+    state_dict: Mapping[str, torch.Tensor], config: VisionTransformerConfig
+) -> dict[str, torch.Tensor]:
+    """hf-vit weights under timm NaFlexViT's names (the inverse of `naflex_to_hf_vit_state_dict`): the kernel as the
+    linear map on (row, column, channel) patches, the table as the grid. The class token's position must be zero, as
+    NaFlexViT's class token has none."""
+    out = NAFLEX_LAYOUT.from_hf(state_dict, config)
+    table, prefix = out["embeds.pos_embed"], config.num_position_prefix_tokens
+    if bool(table[:, :prefix].detach().ne(0).any()):
+        raise ConversionError("NaFlexViT's class token has no position: the class token's position must be zero.")
+    out["embeds.pos_embed"] = table[:, prefix:].reshape(1, *config.grid_size, table.shape[-1]).clone()
+    out["embeds.proj.weight"] = out["embeds.proj.weight"].permute(0, 2, 3, 1).flatten(1).contiguous()
+    if config.fc_norm:
+        for name in ("weight", "bias"):
+            out[f"fc_norm.{name}"] = out.pop(f"norm.{name}")
+    return out
+
+
+def hf_vit_to_big_vision_arrays(
+    state_dict: Mapping[str, torch.Tensor], config: VisionTransformerConfig
+) -> dict[str, np.ndarray]:
+    """The inverse: an hf-vit classification state dict as big_vision's arrays (save them with `np.savez`). The class
+    token's position must be zero, as big_vision's class token has none."""
+    check_state_dict(state_dict, config)
+    arrays = BIG_VISION_LAYOUT.from_hf({k: v.detach().cpu().float() for k, v in state_dict.items()}, config)
+    prefix = config.num_position_prefix_tokens
+    if prefix:
+        if bool(arrays["pos_embedding"][:, :prefix].ne(0).any()):
+            raise ConversionError("big_vision's class token has no position: the class token's position must be zero.")
+        arrays["pos_embedding"] = arrays["pos_embedding"][:, prefix:]
+    return {k: v.contiguous().numpy() for k, v in arrays.items()}
 
 
 def timm_naflex_repo(cache: Path, name: str) -> str:

@@ -6,7 +6,6 @@ from ..outputs.output_folders import write_converted_folder
 from .big_vision_npz import (
     BIG_VISION_LAYOUT,
     big_vision_to_hf_vit_state_dict,
-    hf_vit_to_big_vision_arrays,
     infer_config_from_big_vision,
     is_big_vision,
 )
@@ -23,7 +22,6 @@ from .sources import read_source
 from .timm_naflex import (
     NAFLEX_ARCHITECTURES,
     NAFLEX_LAYOUT,
-    hf_vit_to_naflex_state_dict,
     naflex_config,
     naflex_to_hf_vit_state_dict,
 )
@@ -56,7 +54,6 @@ from .transformers_vit import (
 __all__ = [
     "BIG_VISION_LAYOUT",
     "big_vision_to_hf_vit_state_dict",
-    "hf_vit_to_big_vision_arrays",
     "infer_config_from_big_vision",
     "is_big_vision",
     "CLIP_LAYOUT",
@@ -80,7 +77,6 @@ __all__ = [
     "convert_jax_checkpoint",
     "convert_timm_checkpoint",
     "convert_transformers_checkpoint",
-    "hf_vit_to_naflex_state_dict",
     "hf_vit_to_npz_arrays",
     "hf_vit_to_timm_state_dict",
     "hf_vit_to_transformers_module_state_dict",

@@ -41,7 +41,6 @@ from .common import (
     ConversionError,
     Layout,
     build_config,
-    check_state_dict,
     count_blocks,
     image_size_field,
     load_preset,
@@ -218,18 +217,3 @@ def big_vision_to_hf_vit_state_dict(
                 resize_mode or config.interpolation_mode, config.interpolation_antialias,
             ).contiguous()  # fmt: skip
     return BIG_VISION_LAYOUT.to_hf(source, config)
-
-
-def hf_vit_to_big_vision_arrays(
-    state_dict: Mapping[str, torch.Tensor], config: VisionTransformerConfig
-) -> dict[str, np.ndarray]:
-    """The inverse: an hf-vit classification state dict as big_vision's arrays (save them with `np.savez`). The class
-    token's position must be zero, as big_vision's class token has none."""
-    check_state_dict(state_dict, config)
-    arrays = BIG_VISION_LAYOUT.from_hf({k: v.detach().cpu().float() for k, v in state_dict.items()}, config)
-    prefix = config.num_position_prefix_tokens
-    if prefix:
-        if bool(arrays["pos_embedding"][:, :prefix].ne(0).any()):
-            raise ConversionError("big_vision's class token has no position: the class token's position must be zero.")
-        arrays["pos_embedding"] = arrays["pos_embedding"][:, prefix:]
-    return {k: v.contiguous().numpy() for k, v in arrays.items()}

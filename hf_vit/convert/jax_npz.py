@@ -223,6 +223,44 @@ def hf_vit_to_npz_arrays(
     return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in arrays.items()}
 
 
+def _shape_of(source: Mapping[str, np.ndarray], key: str, ndim: int, problems: list[str]) -> tuple[int, ...] | None:
+    """The shape of `source[key]` when it is an array of `ndim` dimensions, else None and a problem saying why."""
+    value = source.get(key)
+    if value is None:
+        problems.append(f"{key} is missing")
+        return None
+    if not isinstance(value, np.ndarray) or value.ndim != ndim:
+        got = value.shape if isinstance(value, np.ndarray) else type(value).__name__
+        problems.append(f"{key} should have {ndim} dimensions, got {got}")
+        return None
+    return tuple(value.shape)
+
+
+def _hybrid_fields(source: Mapping[str, np.ndarray], kernel: tuple[int, ...] | None, problems: list[str]) -> dict:
+    """A hybrid's ResNet stem: its stage depths from the `block{s}/unit{u}` names, channels and width from
+    `conv_root/kernel`, and the patch size in input pixels (the embedding's times the stem's stride)."""
+    root = _shape_of(source, "conv_root/kernel", 4, problems)
+    units: dict[int, set[int]] = {}
+    for key in source:
+        if match := _UNIT_KEY.match(key):
+            units.setdefault(int(match.group(1)), set()).add(int(match.group(2)))
+    stages = sorted(units)
+    if stages != list(range(1, len(stages) + 1)):
+        problems.append(f"the ResNet stages are not numbered block1..block<n>: found {stages}")
+    layers = []
+    for stage in stages:
+        numbers = sorted(units[stage])
+        if numbers != list(range(1, len(numbers) + 1)):
+            problems.append(f"the units of block{stage} are not numbered unit1..unit<n>: found {numbers}")
+        layers.append(len(numbers))
+    fields = {"resnet_layers": layers}
+    if root is not None:
+        fields.update(num_channels=root[2], resnet_width=root[3])
+    if kernel is not None:
+        fields["patch_size"] = kernel[0] * resnet_stride(layers)
+    return fields
+
+
 def infer_config_from_npz(
     arrays: Mapping[str, np.ndarray],
     preset: str | None = None,
@@ -248,15 +286,7 @@ def infer_config_from_npz(
     problems = []
 
     def shape_of(key: str, ndim: int) -> tuple[int, ...] | None:
-        value = source.get(key)
-        if value is None:
-            problems.append(f"{key} is missing")
-            return None
-        if not isinstance(value, np.ndarray) or value.ndim != ndim:
-            got = value.shape if isinstance(value, np.ndarray) else type(value).__name__
-            problems.append(f"{key} should have {ndim} dimensions, got {got}")
-            return None
-        return tuple(value.shape)
+        return _shape_of(source, key, ndim, problems)
 
     fields = {}
     kernel = shape_of("embedding/kernel", 4)
@@ -265,25 +295,7 @@ def infer_config_from_npz(
             problems.append(f"embedding/kernel {kernel}: non-square {kernel[0]}x{kernel[1]} patches are not supported")
         fields.update(patch_size=kernel[0], num_channels=kernel[2], hidden_size=kernel[3])
     if "conv_root/kernel" in source:  # a hybrid: the embedding reads the ResNet stem's feature map
-        root = shape_of("conv_root/kernel", 4)
-        units: dict[int, set[int]] = {}
-        for key in source:
-            if match := _UNIT_KEY.match(key):
-                units.setdefault(int(match.group(1)), set()).add(int(match.group(2)))
-        stages = sorted(units)
-        if stages != list(range(1, len(stages) + 1)):
-            problems.append(f"the ResNet stages are not numbered block1..block<n>: found {stages}")
-        layers = []
-        for stage in stages:
-            numbers = sorted(units[stage])
-            if numbers != list(range(1, len(numbers) + 1)):
-                problems.append(f"the units of block{stage} are not numbered unit1..unit<n>: found {numbers}")
-            layers.append(len(numbers))
-        fields["resnet_layers"] = layers
-        if root is not None:
-            fields.update(num_channels=root[2], resnet_width=root[3])
-        if kernel is not None:
-            fields["patch_size"] = kernel[0] * resnet_stride(layers)
+        fields.update(_hybrid_fields(source, kernel, problems))
     fields["num_hidden_layers"] = count_blocks(source, _BLOCK_KEY, problems)
     attention, mlp = _ATTN.format(i=0), _MLP.format(i=0)
     query = shape_of(attention + "query/kernel", 3)

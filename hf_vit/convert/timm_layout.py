@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .common import Layout, Transform
+from .common import ConversionError, Layout, Transform, count_blocks
 
 _B, _H = "blocks.{i}.", "vit.layers.{i}."
 # timm's attention pooling projects the latent (q) and the tokens (kv: rows [k; v]) apart; torch's
@@ -79,3 +79,28 @@ def _timm_problems(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[str], s
     if found:
         problems.append("timm features hf-vit does not have: " + "; ".join(found))
     return problems, explained
+
+
+def timm_block_fields(arrays: Mapping[str, torch.Tensor], embedding: str, what: str, problems: list[str]) -> dict:
+    """The sizes a timm-style state dict's patch embedding (`embedding`: its 4-D weight) and blocks give, and which
+    optional parts it has; `what` names the checkpoint in the errors."""
+    weight = arrays.get(embedding)
+    if weight is None or weight.ndim != 4:
+        raise ConversionError(
+            f"This is not a {what} state dict: it has no 4-D '{embedding}'. First keys: {sorted(arrays)[:6]}"
+        )
+    width, channels, patch, patch_w = weight.shape
+    if patch != patch_w:
+        problems.append(f"{embedding} {tuple(weight.shape)}: non-square patches are not supported")
+    fields = dict(hidden_size=width, num_channels=channels, patch_size=patch)
+    fields["num_hidden_layers"] = count_blocks(arrays, _BLOCK_KEY, problems)
+    if not fields["num_hidden_layers"]:
+        raise ConversionError(f"This {what} state dict has no Transformer blocks ('blocks.<i>.*').")
+    fc1 = arrays.get("blocks.0.mlp.fc1.weight")
+    if fc1 is None:
+        problems.append("blocks.0.mlp.fc1.weight is missing")
+    else:
+        fields["intermediate_size"] = fc1.shape[0]
+    fields["qkv_bias"] = "blocks.0.attn.qkv.bias" in arrays
+    fields["pre_norm"] = "norm_pre.weight" in arrays
+    return fields

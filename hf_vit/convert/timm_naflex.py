@@ -28,7 +28,6 @@ blocks (SwiGLU, gated attention), QK-norm, a missing final norm, pooling other t
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,8 +35,8 @@ import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.resolution import grid_for, resample_position_embeddings
-from .common import ConversionError, Layout, build_config, count_blocks, image_size_field
-from .timm_layout import TIMM_LAYOUT, _timm_problems
+from .common import ConversionError, Layout, build_config, image_size_field
+from .timm_layout import TIMM_LAYOUT, _timm_problems, timm_block_fields
 
 # What `models/naflexvit.py`'s registered architectures set beyond `NaFlexVitCfg`'s defaults and the weights do not
 # show. Architectures not listed are refused unless `model_args` in config.json gives `num_heads` and `global_pool`.
@@ -104,7 +103,6 @@ _REQUIRED = (
     ("final_norm", True, "no final LayerNorm (hf-vit always has one, on the tokens or after the pooling)"),
 )  # fmt: skip
 _POOLS = {"avg": "gap", "token": "token", "map": "map"}
-_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.")
 
 
 def naflex_settings(timm_config: Mapping) -> dict[str, Any]:
@@ -239,27 +237,12 @@ def naflex_config(
     size is the position grid's times the patch size unless `image_size` is given (the grid is then resampled at
     load, as timm resamples it)."""
     arrays, settings, problems, grid = naflex_canonical(state_dict, timm_config)
-    weight = arrays.get("embeds.proj.weight")
-    if weight is None or weight.ndim != 4:
-        raise ConversionError("This is not a timm NaFlexViT state dict: it has no 'embeds.proj.weight'.")
-    width, channels, patch, patch_w = weight.shape
-    if patch != patch_w:
-        problems.append(f"embeds.proj.weight: non-square {patch}x{patch_w} patches are not supported")
-    fields: dict[str, Any] = dict(hidden_size=width, num_channels=channels, patch_size=patch)
-    fields["num_hidden_layers"] = count_blocks(arrays, _BLOCK_KEY, problems)
-    if not fields["num_hidden_layers"]:
-        raise ConversionError("This NaFlexViT state dict has no Transformer blocks ('blocks.<i>.*').")
-    fc1 = arrays.get("blocks.0.mlp.fc1.weight")
-    if fc1 is None:
-        problems.append("blocks.0.mlp.fc1.weight is missing")
-    else:
-        fields["intermediate_size"] = fc1.shape[0]
-    fields["qkv_bias"] = "blocks.0.attn.qkv.bias" in arrays
+    fields: dict[str, Any] = timm_block_fields(arrays, "embeds.proj.weight", "timm NaFlexViT", problems)
+    patch = fields["patch_size"]
     fields["patch_embedding_bias"] = "embeds.proj.bias" in arrays
     fields["use_class_token"] = "embeds.cls_token" in arrays
     registers = arrays.get("embeds.reg_token")
     fields["num_register_tokens"] = int(registers.shape[1]) if registers is not None and registers.ndim == 3 else 0
-    fields["pre_norm"] = "norm_pre.weight" in arrays
     fields["fc_norm"] = "fc_norm.weight" in state_dict and "norm.weight" not in state_dict
     if "blocks.0.ls1.gamma" in arrays:
         fields["layer_scale_init_value"] = settings.get("init_values") or 1e-5
@@ -313,21 +296,3 @@ NAFLEX_LAYOUT = Layout(
         ],
     ],
 )
-
-
-def hf_vit_to_naflex_state_dict(
-    state_dict: Mapping[str, torch.Tensor], config: VisionTransformerConfig
-) -> dict[str, torch.Tensor]:
-    """hf-vit weights under timm NaFlexViT's names (the inverse of `naflex_to_hf_vit_state_dict`): the kernel as the
-    linear map on (row, column, channel) patches, the table as the grid. The class token's position must be zero, as
-    NaFlexViT's class token has none."""
-    out = NAFLEX_LAYOUT.from_hf(state_dict, config)
-    table, prefix = out["embeds.pos_embed"], config.num_position_prefix_tokens
-    if bool(table[:, :prefix].detach().ne(0).any()):
-        raise ConversionError("NaFlexViT's class token has no position: the class token's position must be zero.")
-    out["embeds.pos_embed"] = table[:, prefix:].reshape(1, *config.grid_size, table.shape[-1]).clone()
-    out["embeds.proj.weight"] = out["embeds.proj.weight"].permute(0, 2, 3, 1).flatten(1).contiguous()
-    if config.fc_norm:
-        for name in ("weight", "bias"):
-            out[f"fc_norm.{name}"] = out.pop(f"norm.{name}")
-    return out

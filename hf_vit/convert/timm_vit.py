@@ -31,7 +31,6 @@ from .common import (
     ConversionError,
     build_config,
     check_output_dir,
-    count_blocks,
     image_size_field,
     load_preset,
     preset_mismatches,
@@ -39,7 +38,7 @@ from .common import (
     save_converted_model,
     square_side,
 )
-from .timm_layout import _BLOCK_KEY, TIMM_LAYOUT, _timm_problems
+from .timm_layout import TIMM_LAYOUT, _timm_problems, timm_block_fields
 
 # timm resamples position grids with `resample_abs_pos_embed`, bicubic and antialiased by default, both in the forward
 # pass (`dynamic_img_size`) and when loading weights at another size (`checkpoint_filter_fn`): so does the converted
@@ -152,6 +151,29 @@ def _global_pool(timm_config: Mapping | None) -> str | None:
     return model_args.get("global_pool", timm_config.get("global_pool"))
 
 
+def _timm_classifier(state_dict: Mapping[str, torch.Tensor], pool: str | None, problems: list[str]) -> str | None:
+    """hf-vit's `classifier` for timm's attention pooling weights or its `global_pool` (None: read from the tokens)."""
+    has_class_token = "cls_token" in state_dict
+    if "attn_pool.latent" in state_dict:
+        return "map"
+    if pool == "avg" or (pool is None and not has_class_token):
+        return "gap"
+    if pool in (None, "token") and has_class_token:
+        return "token"
+    if pool == "":
+        problems.append(
+            "config.json says global_pool='': timm then pools nothing and its head classifies every token "
+            "separately, while hf-vit classifies one image representation (the class token, the average of the "
+            "patch tokens or attention pooling); set global_pool to 'token', 'avg' or 'map'"
+        )
+    else:
+        problems.append(
+            f"config.json says global_pool={pool!r}: hf-vit pools with the class token ('token'), the average of the "
+            "patch tokens ('avg') or attention pooling ('map')"
+        )
+    return None
+
+
 def infer_config_from_timm(
     state_dict: Mapping[str, torch.Tensor],
     preset: str | None = None,
@@ -169,54 +191,17 @@ def infer_config_from_timm(
     fc_norm = "fc_norm.weight" in state_dict and "norm.weight" not in state_dict
     num_patches = _known_num_patches(state_dict, image_size, timm_config)  # the grid, when the size is known
     state_dict = timm_canonical(state_dict, num_patches)
-    fields = {}
-    weight = state_dict.get("patch_embed.proj.weight")
-    if weight is None or weight.ndim != 4:
-        keys = sorted(state_dict)[:6]
-        raise ConversionError(
-            f"This is not a timm ViT state dict: it has no 4-D 'patch_embed.proj.weight'. First keys: {keys}"
-        )
-    width, channels, patch, patch_w = weight.shape
-    if patch != patch_w:
-        problems.append(f"patch_embed.proj.weight {tuple(weight.shape)}: non-square patches are not supported")
-    fields.update(hidden_size=width, num_channels=channels, patch_size=patch)
-    fields["num_hidden_layers"] = count_blocks(state_dict, _BLOCK_KEY, problems)
-    if not fields["num_hidden_layers"]:
-        raise ConversionError("This timm state dict has no Transformer blocks ('blocks.<i>.*').")
-    fc1 = state_dict.get("blocks.0.mlp.fc1.weight")
-    if fc1 is None:
-        problems.append("blocks.0.mlp.fc1.weight is missing")
-    else:
-        fields["intermediate_size"] = fc1.shape[0]
-    fields["qkv_bias"] = "blocks.0.attn.qkv.bias" in state_dict
+    fields = timm_block_fields(state_dict, "patch_embed.proj.weight", "timm ViT", problems)
+    width, patch = fields["hidden_size"], fields["patch_size"]
     model_args = (timm_config or {}).get("model_args") or {}
-    has_class_token = "cls_token" in state_dict
-    fields["use_class_token"] = has_class_token
+    fields["use_class_token"] = "cls_token" in state_dict
     fields["use_distillation_token"] = "dist_token" in state_dict
     fields["distillation_head"] = "head_dist.weight" in state_dict or "head.weight" not in state_dict
     fields["num_register_tokens"] = _prefix_counts(state_dict)[1]
-    fields["pre_norm"] = "norm_pre.weight" in state_dict
     fields["fc_norm"] = fc_norm
     if "blocks.0.ls1.gamma" in state_dict:  # the values are loaded; the initial value matters for a re-initialisation
         fields["layer_scale_init_value"] = model_args.get("init_values") or 1e-5
-    pool = _global_pool(timm_config)
-    if "attn_pool.latent" in state_dict:
-        fields["classifier"] = "map"
-    elif pool == "avg" or (pool is None and not has_class_token):
-        fields["classifier"] = "gap"
-    elif pool in (None, "token") and has_class_token:
-        fields["classifier"] = "token"
-    elif pool == "":
-        problems.append(
-            "config.json says global_pool='': timm then pools nothing and its head classifies every token "
-            "separately, while hf-vit classifies one image representation (the class token, the average of the "
-            "patch tokens or attention pooling); set global_pool to 'token', 'avg' or 'map'"
-        )
-    else:
-        problems.append(
-            f"config.json says global_pool={pool!r}: hf-vit pools with the class token ('token'), the average of the "
-            "patch tokens ('avg') or attention pooling ('map')"
-        )
+    fields["classifier"] = _timm_classifier(state_dict, _global_pool(timm_config), problems)
     pre_logits = state_dict.get("pre_logits.fc.weight")
     fields["representation_size"] = pre_logits.shape[0] if pre_logits is not None else None
     head = state_dict.get("head.weight")
