@@ -53,22 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_patches is not None and args.max_num_patches < 2:
         parser.error(f"--max_num_patches must be at least 2 patches (the count the graph is traced at), got "
                      f"{args.max_num_patches}")  # fmt: skip
-    if args.format == "onnx":  # torch.onnx imports onnxscript deep inside the export: checked before any work
-        import importlib
-
-        missing = []
-        for name in ("onnx", "onnxscript", "onnxruntime"):
-            try:
-                importlib.import_module(name)
-            except ImportError:
-                missing.append(name)
-        if missing:
-            print(
-                f'error: --format onnx needs {", ".join(missing)}, not installed: pip install "hf-vit[export]" '
-                "(or --format torch_export, which needs nothing more).",
-                file=sys.stderr,
-            )
-            return 2
+    if args.format == "onnx" and (missing := _missing_onnx_packages()):
+        print(
+            f'error: --format onnx needs {", ".join(missing)}, not installed: pip install "hf-vit[export]" '
+            "(or --format torch_export, which needs nothing more).",
+            file=sys.stderr,
+        )
+        return 2
     try:  # before anything is loaded: the file's name and place
         check_export_output(args.output, args.format, args.model)
     except ValueError as error:
@@ -91,25 +82,43 @@ def main(argv: list[str] | None = None) -> int:
         path = export(model, args.output, args.format, overwrite=args.overwrite, max_num_patches=args.max_num_patches)
     except (OSError, ValueError) as error:
         return error_status(error)
+    _report(path, model, args)
+    return 0
+
+
+def _missing_onnx_packages() -> list[str]:
+    """The ONNX packages that are not installed (torch.onnx imports onnxscript deep inside the export: checked before
+    any work)."""
+    import importlib
+
+    missing = []
+    for name in ("onnx", "onnxscript", "onnxruntime"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def _report(path: Path, model, args) -> None:
+    """Say what was written and, for ONNX, how far onnxruntime is from PyTorch on the sizes checked."""
+    config, patch = model.config, model.config.patch_size
     if args.max_num_patches is not None:
         print(f"wrote {path}: {type(model).__name__} as {args.format} on native-aspect batches, dynamic batch and "
               "number of patches")  # fmt: skip
-        if args.format == "onnx":
-            counts = [args.max_num_patches, max(2, args.max_num_patches // 3), args.max_num_patches * 2]
-            with torch.no_grad():
-                differences = check_native_onnx(path, model, counts)
-            print("onnxruntime vs PyTorch, largest absolute difference: "
-                  + ", ".join(f"{k}: {v:.1e}" for k, v in differences.items()))  # fmt: skip
-        return 0
-    print(f"wrote {path}: {type(model).__name__} as {args.format}, dynamic batch, height and width")
-    if args.format == "onnx":
+        if args.format != "onnx":
+            return
+        counts = [args.max_num_patches, max(2, args.max_num_patches // 3), args.max_num_patches * 2]
+        with torch.no_grad():
+            differences = check_native_onnx(path, model, counts)
+    else:
+        print(f"wrote {path}: {type(model).__name__} as {args.format}, dynamic batch, height and width")
+        if args.format != "onnx":
+            return
         height, width = config.image_hw
         sizes = list(zip(args.check_sizes[::2], args.check_sizes[1::2])) if args.check_sizes else None
         sizes = sizes or [(height, width), (height + 2 * patch, max(patch, width - patch))]
         with torch.no_grad():
             differences = check_onnx(path, model, sizes)
-        print(
-            "onnxruntime vs PyTorch, largest absolute difference: "
-            + ", ".join(f"{k}: {v:.1e}" for k, v in differences.items())
-        )
-    return 0
+    print("onnxruntime vs PyTorch, largest absolute difference: "
+          + ", ".join(f"{k}: {v:.1e}" for k, v in differences.items()))  # fmt: skip

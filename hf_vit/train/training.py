@@ -238,8 +238,7 @@ def build_trainer(
     share of each image's patches the training transform drops, planned for); a stream's batches of
     `--per_device_train_batch_size` images are packed into as many rows as they need."""
     sizes, recipe = sizes or BatchSizes(), recipe or RecipeSettings()
-    callbacks = list(callbacks)
-    num_examples = None
+    callbacks, num_examples = list(callbacks), None
     if not isinstance(ds["train"], datasets.IterableDataset):
         # The split's transform is applied by `SeededAugmentation`, which gives it each batch's own number of
         # patches (drawn per step with --seq_lens).
@@ -277,14 +276,7 @@ def build_trainer(
             logger.info(*message)
     native = sizes.max_num_patches is not None and sizes.seq_lens is None and sizes.patch_sizes is None
     if native and num_examples is not None and training_args.process_index == 0:
-        images, rows = training_args.per_device_train_batch_size, None  # a padded batch's images
-        if packed_sampler is not None:  # its images and rows, planned already
-            counts, rows = packed_sampler.counts, packed_sampler.num_rows
-            images = round(packed_sampler.images_per_batch() or images)
-        else:  # a share is a mean: the sizes of a seeded sample of the images tell it, not every file's header
-            sample = PADDING_SAMPLE_IMAGES
-            counts = training_patches(ds["train"], processor, sizes, token_drop_rate, sample, training_args.seed)[1]
-        logger.info(padding_line(counts, sizes, max(1, images), training_args.seed, rows))
+        _log_padding(ds["train"], processor, sizes, token_drop_rate, packed_sampler, training_args)
     # The average goes into the model at the end of training before the caller's callbacks see it.
     ema = ema_callback(recipe)
     return VisionTransformerTrainer(
@@ -308,6 +300,18 @@ def build_trainer(
         patch_size_draw=patch_size_draw,
         packed_sampler=packed_sampler,
     )
+
+
+def _log_padding(train, processor, sizes: BatchSizes, token_drop_rate: float, packed_sampler, training_args) -> None:
+    """Log the share of a native-aspect run's patch slots that padding takes."""
+    images, rows = training_args.per_device_train_batch_size, None  # a padded batch's images
+    if packed_sampler is not None:  # its images and rows, planned already
+        counts, rows = packed_sampler.counts, packed_sampler.num_rows
+        images = round(packed_sampler.images_per_batch() or images)
+    else:  # a share is a mean: the sizes of a seeded sample of the images tell it, not every file's header
+        sample = PADDING_SAMPLE_IMAGES
+        counts = training_patches(train, processor, sizes, token_drop_rate, sample, training_args.seed)[1]
+    logger.info(padding_line(counts, sizes, max(1, images), training_args.seed, rows))
 
 
 def packed_batches(
