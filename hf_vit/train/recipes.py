@@ -122,6 +122,22 @@ class Recipe:
     selectable: bool = True  # chosen with --recipe; the paper's own two are the tasks' defaults (`TASK_RECIPES`)
 
 
+_ADAMW = dict(optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999)
+# DeiT's regularisation and augmentation, which MAE's fine-tuning takes over.
+_DEIT_REGULARISATION = dict(
+    max_grad_norm=0.0,
+    label_smoothing_factor=0.1,
+    hidden_dropout_prob=0.0,
+    drop_path_rate=0.1,
+    mixup_alpha=0.8,
+    cutmix_alpha=1.0,
+    mixup_prob=1.0,
+    mixup_switch_prob=0.5,
+    rand_augment="rand-m9-mstd0.5-inc1",
+    reprob=0.25,
+    remode="pixel",
+    recount=1,
+)
 RECIPES: dict[str, Recipe] = {
     # The paper's section 4.1 and appendix B.1: Adam (beta1 0.9, beta2 0.999), weight decay 0.1, linear warmup then
     # linear decay, clipping at global norm 1. Every value is only a default: any Trainer flag overrides it.
@@ -162,9 +178,7 @@ RECIPES: dict[str, Recipe] = {
         name="augreg",
         source="Steiner et al. 2021, How to train your ViT? (AugReg), medium1 augmentation with regularisation 0.1",
         flags=dict(
-            optim="adamw_torch",
-            adam_beta1=0.9,
-            adam_beta2=0.999,
+            **_ADAMW,
             learning_rate=1e-3,
             weight_decay=0.1,
             lr_scheduler_type="cosine",
@@ -186,25 +200,12 @@ RECIPES: dict[str, Recipe] = {
         name="deit",
         source="Touvron et al. 2021, Training data-efficient image transformers (DeiT), table 9",
         flags=dict(
-            optim="adamw_torch",
-            adam_beta1=0.9,
-            adam_beta2=0.999,
+            **_ADAMW,
             learning_rate=5e-4,
             weight_decay=0.05,
             lr_scheduler_type="cosine",
             warmup_steps=5 / 300,
-            max_grad_norm=0.0,
-            label_smoothing_factor=0.1,
-            hidden_dropout_prob=0.0,
-            drop_path_rate=0.1,
-            mixup_alpha=0.8,
-            cutmix_alpha=1.0,
-            mixup_prob=1.0,
-            mixup_switch_prob=0.5,
-            rand_augment="rand-m9-mstd0.5-inc1",
-            reprob=0.25,
-            remode="pixel",
-            recount=1,
+            **_DEIT_REGULARISATION,
             ema_decay=0.99996,
             ema_warmup=True,
         ),
@@ -220,26 +221,13 @@ RECIPES: dict[str, Recipe] = {
         name="finetune",
         source="He et al. 2021, Masked Autoencoders Are Scalable Vision Learners, appendix A.2 (fine-tuning, ViT-B)",
         flags=dict(
-            optim="adamw_torch",
-            adam_beta1=0.9,
-            adam_beta2=0.999,
+            **_ADAMW,
             learning_rate=5e-4,
             weight_decay=0.05,
             layer_decay=0.65,
             lr_scheduler_type="cosine",
             warmup_steps=0.05,
-            max_grad_norm=0.0,
-            label_smoothing_factor=0.1,
-            hidden_dropout_prob=0.0,
-            drop_path_rate=0.1,
-            mixup_alpha=0.8,
-            cutmix_alpha=1.0,
-            mixup_prob=1.0,
-            mixup_switch_prob=0.5,
-            rand_augment="rand-m9-mstd0.5-inc1",
-            reprob=0.25,
-            remode="pixel",
-            recount=1,
+            **_DEIT_REGULARISATION,
         ),
         base_batch=256,
     ),
@@ -264,13 +252,9 @@ def scaled_learning_rate(recipe: Recipe, global_batch: int) -> float:
     return lr if recipe.base_batch is None else lr * global_batch / recipe.base_batch
 
 
-def passed_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """The destinations of the flags `argv` gives explicitly (however spelled: `--x v`, `--x=v`, `--no_x`)."""
-    return set(given_flags(parser, argv))
-
-
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> dict[str, Any]:
-    """The flags `argv` gives explicitly, with their values (what `passed_flags` names)."""
+    """The flags `argv` gives explicitly (however spelled: `--x v`, `--x=v`, `--no_x`), by destination, with their
+    values."""
     # argparse fills in defaults (the actions' and set_defaults') for flags not given: suppress them for one parse.
     saved = [(action, action.default, action.required) for action in parser._actions], parser._defaults
     parser._defaults = {}

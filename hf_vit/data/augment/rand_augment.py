@@ -505,20 +505,6 @@ OPERATIONS: dict[str, tuple[Callable | None, str]] = {
 }
 
 
-def to_pil(pixels: torch.Tensor) -> PIL.Image.Image:
-    """A uint8 [C, H, W] tensor (C = 1 or 3) as a PIL image (mode L or RGB). Each channel plane is wrapped as it lies
-    (no copy) and PIL interleaves them: several times faster than transposing the tensor to [H, W, C] first."""
-    planes = np.ascontiguousarray(pixels.numpy())
-    height, width = planes.shape[1:]
-    bands = [PIL.Image.frombuffer("L", (width, height), plane, "raw", "L", 0, 1) for plane in planes]
-    return bands[0] if len(bands) == 1 else PIL.Image.merge("RGB", bands)
-
-
-def from_pil(image: PIL.Image.Image) -> torch.Tensor:
-    array = np.array(image)
-    return torch.from_numpy(array[..., None] if array.ndim == 2 else array).permute(2, 0, 1)
-
-
 def _resampling(value: Any) -> PIL.Image.Resampling:
     """PIL's filter for `value` (a name or PIL's number); PIL's rotations and affine maps take nearest, bilinear and
     bicubic only, so others (e.g. lanczos, a processor's resize filter) become bilinear."""
