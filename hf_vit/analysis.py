@@ -241,18 +241,28 @@ def rollout_maps(
 
     The product is accumulated layer by layer during the forward, so only one `(B, N, N)` matrix is held.
     """
+    return _rollout_and_distances(model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding)[0]
+
+
+def _rollout_and_distances(
+    model, pixel_values, head_fusion: str, discard_ratio: float, interpolate_pos_encoding, distances: bool = False
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The rollout maps of one forward and, with `distances`, each layer's per-image mean attention distances."""
     _fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)  # reject a bad fusion name before running the model
+    config = _encoder(model).config
+    grid = _grid(model, pixel_values)
     state: dict[str, torch.Tensor] = {}
+    found: list[torch.Tensor] = []
 
     def accumulate(index: int, probs: torch.Tensor) -> None:
+        if distances:
+            found.append(mean_attention_distance(probs, grid, config.patch_size, config.num_prefix_tokens).cpu())
         layer = _rollout_layer(probs, head_fusion, discard_ratio)
         state["rollout"] = layer if "rollout" not in state else torch.bmm(layer, state["rollout"])
 
     with _attention_hooks(model, None, accumulate):
         _forward(model, pixel_values, interpolate_pos_encoding)
-    config = _encoder(model).config
-    pooled_by_class_token = config.classifier == "token"
-    return rollout_map(state["rollout"], _grid(model, pixel_values), config.num_prefix_tokens, pooled_by_class_token)
+    return rollout_map(state["rollout"], grid, config.num_prefix_tokens, config.classifier == "token"), found
 
 
 def upsample_maps(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -331,21 +341,10 @@ def attention_summary(
     interpolate_pos_encoding: bool | None = None,
 ) -> AttentionSummary:
     """`rollout_maps` and the per-image `mean_attention_distance` of every layer from a single forward."""
-    _fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)
-    config = _encoder(model).config
-    grid = _grid(model, pixel_values)
-    state: dict[str, torch.Tensor] = {}
-    distances: list[torch.Tensor] = []
-
-    def both(index: int, probs: torch.Tensor) -> None:
-        distances.append(mean_attention_distance(probs, grid, config.patch_size, config.num_prefix_tokens).cpu())
-        layer = _rollout_layer(probs, head_fusion, discard_ratio)
-        state["rollout"] = layer if "rollout" not in state else torch.bmm(layer, state["rollout"])
-
-    with _attention_hooks(model, None, both):
-        _forward(model, pixel_values, interpolate_pos_encoding)
-    maps = rollout_map(state["rollout"], grid, config.num_prefix_tokens, config.classifier == "token").cpu()
-    return AttentionSummary(maps, torch.stack(distances, dim=1))
+    maps, distances = _rollout_and_distances(
+        model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding, distances=True
+    )
+    return AttentionSummary(maps.cpu(), torch.stack(distances, dim=1))
 
 
 # Position embeddings and patch-embedding filters
