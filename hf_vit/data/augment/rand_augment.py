@@ -53,23 +53,9 @@ RAND_OPS = (
     "TranslateXRel",
     "TranslateYRel",
 )
-RAND_INCREASING_OPS = (
-    "AutoContrast",
-    "Equalize",
-    "Invert",
-    "Rotate",
-    "PosterizeIncreasing",
-    "SolarizeIncreasing",
-    "SolarizeAdd",
-    "ColorIncreasing",
-    "ContrastIncreasing",
-    "BrightnessIncreasing",
-    "SharpnessIncreasing",
-    "ShearX",
-    "ShearY",
-    "TranslateXRel",
-    "TranslateYRel",
-)
+# The operations whose strength timm's increasing variants turn around (`inc1`).
+_INCREASING = ("Posterize", "Solarize", "Color", "Contrast", "Brightness", "Sharpness")
+RAND_INCREASING_OPS = tuple(f"{name}Increasing" if name in _INCREASING else name for name in RAND_OPS)
 
 RESAMPLING = {
     "nearest": PIL.Image.Resampling.NEAREST,
@@ -138,17 +124,9 @@ def _signed(value: float, draw: float | torch.Generator | None) -> float:
     return -value if (draw if isinstance(draw, float) else _uniform(draw)) > 0.5 else value
 
 
-# Each level function maps (magnitude, sign draw) to the operation's argument, as timm's LEVEL_TO_ARG.
-def _rotate_level(m, g):
-    return _signed(m / LEVEL_DENOM * 30.0, g)
-
-
-def _shear_level(m, g):
-    return _signed(m / LEVEL_DENOM * 0.3, g)
-
-
-def _translate_level(m, g):
-    return _signed(m / LEVEL_DENOM * 0.45, g)
+def _signed_level(largest: float) -> Callable:
+    """The level of the operations whose argument is +-`largest` at magnitude 10, its sign drawn."""
+    return lambda m, g: _signed(m / LEVEL_DENOM * largest, g)
 
 
 def _enhance_level(m, g):
@@ -157,26 +135,6 @@ def _enhance_level(m, g):
 
 def _enhance_increasing_level(m, g):
     return max(0.1, 1.0 + _signed(m / LEVEL_DENOM * 0.9, g))
-
-
-def _posterize_level(m, g):
-    return int(m / LEVEL_DENOM * 4)
-
-
-def _posterize_increasing_level(m, g):
-    return 4 - int(m / LEVEL_DENOM * 4)
-
-
-def _solarize_level(m, g):
-    return int(m / LEVEL_DENOM * 256)
-
-
-def _solarize_increasing_level(m, g):
-    return 256 - int(m / LEVEL_DENOM * 256)
-
-
-def _solarize_add_level(m, g):
-    return int(m / LEVEL_DENOM * 110)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -475,28 +433,23 @@ _ARRAY_OPERATIONS: dict[str, Callable] = {
     "TranslateYRel": _geometric("TranslateYRel"),
 }
 
+# Each level function maps (magnitude, sign draw) to the operation's argument, as timm's LEVEL_TO_ARG.
 _LEVELS: dict[str, Callable | None] = {
     "AutoContrast": None,
     "Equalize": None,
     "Invert": None,
-    "Rotate": _rotate_level,
-    "Posterize": _posterize_level,
-    "PosterizeIncreasing": _posterize_increasing_level,
-    "Solarize": _solarize_level,
-    "SolarizeIncreasing": _solarize_increasing_level,
-    "SolarizeAdd": _solarize_add_level,
-    "Color": _enhance_level,
-    "ColorIncreasing": _enhance_increasing_level,
-    "Contrast": _enhance_level,
-    "ContrastIncreasing": _enhance_increasing_level,
-    "Brightness": _enhance_level,
-    "BrightnessIncreasing": _enhance_increasing_level,
-    "Sharpness": _enhance_level,
-    "SharpnessIncreasing": _enhance_increasing_level,
-    "ShearX": _shear_level,
-    "ShearY": _shear_level,
-    "TranslateXRel": _translate_level,
-    "TranslateYRel": _translate_level,
+    "Rotate": _signed_level(30.0),
+    "Posterize": lambda m, g: int(m / LEVEL_DENOM * 4),
+    "PosterizeIncreasing": lambda m, g: 4 - int(m / LEVEL_DENOM * 4),
+    "Solarize": lambda m, g: int(m / LEVEL_DENOM * 256),
+    "SolarizeIncreasing": lambda m, g: 256 - int(m / LEVEL_DENOM * 256),
+    "SolarizeAdd": lambda m, g: int(m / LEVEL_DENOM * 110),
+    **{name: _enhance_level for name in _INCREASING[2:]},
+    **{f"{name}Increasing": _enhance_increasing_level for name in _INCREASING[2:]},
+    "ShearX": _signed_level(0.3),
+    "ShearY": _signed_level(0.3),
+    "TranslateXRel": _signed_level(0.45),
+    "TranslateYRel": _signed_level(0.45),
 }
 
 # name (timm's, the increasing variants included): (level function or None, the operation it applies)
