@@ -47,7 +47,7 @@ from .common import (
     preset_mismatches,
     square_side,
 )
-from .flax_layout import CONV, DENSE, OUT_KERNEL, QKV_BIAS, QKV_KERNEL, _tensor
+from .flax_layout import CONV, DENSE, _tensor, array_shape, attention_rows, mlp_rows, norm_rows
 
 _B, _H = "Transformer/encoderblock_{i}/", "vit.layers.{i}."
 _MAP, _HMAP = "MAPHead_0/", "vit.attention_pool."
@@ -64,31 +64,17 @@ BIG_VISION_LAYOUT = Layout(
         ("embedding/bias", "vit.embeddings.patch_embedding.bias"),
         ("cls", "vit.embeddings.cls_token"),
         ("pos_embedding", "vit.embeddings.position_embedding"),
-        (_B + "LayerNorm_0/scale", _H + "norm1.weight"),
-        (_B + "LayerNorm_0/bias", _H + "norm1.bias"),
-        (_qkv(_B, "kernel"), _H + "attention.qkv.weight", QKV_KERNEL),
-        (_qkv(_B, "bias"), _H + "attention.qkv.bias", QKV_BIAS),
-        (_B + "MultiHeadDotProductAttention_0/out/kernel", _H + "attention.proj.weight", OUT_KERNEL),
-        (_B + "MultiHeadDotProductAttention_0/out/bias", _H + "attention.proj.bias"),
-        (_B + "LayerNorm_1/scale", _H + "norm2.weight"),
-        (_B + "LayerNorm_1/bias", _H + "norm2.bias"),
-        (_B + "MlpBlock_0/Dense_0/kernel", _H + "mlp.fc1.weight", DENSE),
-        (_B + "MlpBlock_0/Dense_0/bias", _H + "mlp.fc1.bias"),
-        (_B + "MlpBlock_0/Dense_1/kernel", _H + "mlp.fc2.weight", DENSE),
-        (_B + "MlpBlock_0/Dense_1/bias", _H + "mlp.fc2.bias"),
-        ("Transformer/encoder_norm/scale", "vit.norm.weight"),
-        ("Transformer/encoder_norm/bias", "vit.norm.bias"),
+        *norm_rows(_B + "LayerNorm_0/", _H + "norm1."),
+        *attention_rows(_B + "MultiHeadDotProductAttention_0/", _H + "attention.qkv.", _H + "attention.proj."),
+        *norm_rows(_B + "LayerNorm_1/", _H + "norm2."),
+        *mlp_rows(_B + "MlpBlock_0/", _H + "mlp."),
+        *norm_rows("Transformer/encoder_norm/", "vit.norm."),
         (_MAP + "probe", _HMAP + "probe"),
-        (_qkv(_MAP, "kernel"), _HMAP + "attention.in_proj_weight", QKV_KERNEL),
-        (_qkv(_MAP, "bias"), _HMAP + "attention.in_proj_bias", QKV_BIAS),
-        (_MAP + "MultiHeadDotProductAttention_0/out/kernel", _HMAP + "attention.out_proj.weight", OUT_KERNEL),
-        (_MAP + "MultiHeadDotProductAttention_0/out/bias", _HMAP + "attention.out_proj.bias"),
-        (_MAP + "LayerNorm_0/scale", _HMAP + "layernorm.weight"),
-        (_MAP + "LayerNorm_0/bias", _HMAP + "layernorm.bias"),
-        (_MAP + "MlpBlock_0/Dense_0/kernel", _HMAP + "mlp.fc1.weight", DENSE),
-        (_MAP + "MlpBlock_0/Dense_0/bias", _HMAP + "mlp.fc1.bias"),
-        (_MAP + "MlpBlock_0/Dense_1/kernel", _HMAP + "mlp.fc2.weight", DENSE),
-        (_MAP + "MlpBlock_0/Dense_1/bias", _HMAP + "mlp.fc2.bias"),
+        *attention_rows(
+            _MAP + "MultiHeadDotProductAttention_0/", _HMAP + "attention.in_proj_", _HMAP + "attention.out_proj."
+        ),
+        *norm_rows(_MAP + "LayerNorm_0/", _HMAP + "layernorm."),
+        *mlp_rows(_MAP + "MlpBlock_0/", _HMAP + "mlp."),
         ("pre_logits/kernel", "pre_logits.weight", DENSE),
         ("pre_logits/bias", "pre_logits.bias"),
         ("head/kernel", "classifier.weight", DENSE),
@@ -159,11 +145,7 @@ def infer_config_from_big_vision(
     problems: list[str] = []
 
     def shape_of(key: str, ndim: int) -> tuple[int, ...] | None:
-        value = source.get(key)
-        if not isinstance(value, np.ndarray) or value.ndim != ndim:
-            problems.append(f"{key} is missing or not {ndim}-D")
-            return None
-        return tuple(value.shape)
+        return array_shape(source, key, ndim, problems)
 
     fields: dict = {}
     kernel = shape_of("embedding/kernel", 4)

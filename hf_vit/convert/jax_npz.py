@@ -79,7 +79,7 @@ from .common import (
     save_converted_model,
     square_side,
 )
-from .flax_layout import CONV, DENSE, OUT_KERNEL, QKV_BIAS, QKV_KERNEL, _tensor
+from .flax_layout import CONV, DENSE, _tensor, array_shape, attention_rows, mlp_rows, norm_rows
 
 POS_KEY = "Transformer/posembed_input/pos_embedding"
 
@@ -91,10 +91,6 @@ _UNIT, _HF_UNIT = "block{s}/unit{u}/", _STEM + "block{s}.unit{u}."
 _UNIT_KEY = re.compile(r"^block(\d+)/unit(\d+)/")
 
 
-def _qkv(name: str) -> tuple[str, str, str]:
-    return tuple(f"{_ATTN}{part}/{name}" for part in ("query", "key", "value"))
-
-
 JAX_LAYOUT = Layout(
     "JAX .npz checkpoint",
     [
@@ -102,34 +98,22 @@ JAX_LAYOUT = Layout(
         ("embedding/bias", "vit.embeddings.patch_embedding.bias"),
         ("cls", "vit.embeddings.cls_token"),
         (POS_KEY, "vit.embeddings.position_embedding"),
-        (_B + "LayerNorm_0/scale", _H + "norm1.weight"),
-        (_B + "LayerNorm_0/bias", _H + "norm1.bias"),
-        (_qkv("kernel"), _H + "attention.qkv.weight", QKV_KERNEL),
-        (_qkv("bias"), _H + "attention.qkv.bias", QKV_BIAS),
-        (_ATTN + "out/kernel", _H + "attention.proj.weight", OUT_KERNEL),
-        (_ATTN + "out/bias", _H + "attention.proj.bias"),
-        (_B + "LayerNorm_2/scale", _H + "norm2.weight"),
-        (_B + "LayerNorm_2/bias", _H + "norm2.bias"),
-        (_MLP + "Dense_0/kernel", _H + "mlp.fc1.weight", DENSE),
-        (_MLP + "Dense_0/bias", _H + "mlp.fc1.bias"),
-        (_MLP + "Dense_1/kernel", _H + "mlp.fc2.weight", DENSE),
-        (_MLP + "Dense_1/bias", _H + "mlp.fc2.bias"),
-        ("Transformer/encoder_norm/scale", "vit.norm.weight"),
-        ("Transformer/encoder_norm/bias", "vit.norm.bias"),
+        *norm_rows(_B + "LayerNorm_0/", _H + "norm1."),
+        *attention_rows(_ATTN, _H + "attention.qkv.", _H + "attention.proj."),
+        *norm_rows(_B + "LayerNorm_2/", _H + "norm2."),
+        *mlp_rows(_MLP, _H + "mlp."),
+        *norm_rows("Transformer/encoder_norm/", "vit.norm."),
         ("pre_logits/kernel", "pre_logits.weight", DENSE),
         ("pre_logits/bias", "pre_logits.bias"),
         ("head/kernel", "classifier.weight", DENSE),
         ("head/bias", "classifier.bias"),
         # The hybrids' ResNet stem; stage and unit numbers are the authors' (from 1) on both sides.
         ("conv_root/kernel", _STEM + "conv_root.weight", CONV),
-        ("gn_root/scale", _STEM + "gn_root.weight"),
-        ("gn_root/bias", _STEM + "gn_root.bias"),
+        *norm_rows("gn_root/", _STEM + "gn_root."),
         (_UNIT + "conv{c}/kernel", _HF_UNIT + "conv{c}.weight", CONV),
-        (_UNIT + "gn{c}/scale", _HF_UNIT + "gn{c}.weight"),
-        (_UNIT + "gn{c}/bias", _HF_UNIT + "gn{c}.bias"),
+        *norm_rows(_UNIT + "gn{c}/", _HF_UNIT + "gn{c}."),
         (_UNIT + "conv_proj/kernel", _HF_UNIT + "conv_proj.weight", CONV),
-        (_UNIT + "gn_proj/scale", _HF_UNIT + "gn_proj.weight"),
-        (_UNIT + "gn_proj/bias", _HF_UNIT + "gn_proj.bias"),
+        *norm_rows(_UNIT + "gn_proj/", _HF_UNIT + "gn_proj."),
     ],
 )
 
@@ -223,23 +207,10 @@ def hf_vit_to_npz_arrays(
     return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in arrays.items()}
 
 
-def _shape_of(source: Mapping[str, np.ndarray], key: str, ndim: int, problems: list[str]) -> tuple[int, ...] | None:
-    """The shape of `source[key]` when it is an array of `ndim` dimensions, else None and a problem saying why."""
-    value = source.get(key)
-    if value is None:
-        problems.append(f"{key} is missing")
-        return None
-    if not isinstance(value, np.ndarray) or value.ndim != ndim:
-        got = value.shape if isinstance(value, np.ndarray) else type(value).__name__
-        problems.append(f"{key} should have {ndim} dimensions, got {got}")
-        return None
-    return tuple(value.shape)
-
-
 def _hybrid_fields(source: Mapping[str, np.ndarray], kernel: tuple[int, ...] | None, problems: list[str]) -> dict:
     """A hybrid's ResNet stem: its stage depths from the `block{s}/unit{u}` names, channels and width from
     `conv_root/kernel`, and the patch size in input pixels (the embedding's times the stem's stride)."""
-    root = _shape_of(source, "conv_root/kernel", 4, problems)
+    root = array_shape(source, "conv_root/kernel", 4, problems)
     units: dict[int, set[int]] = {}
     for key in source:
         if match := _UNIT_KEY.match(key):
@@ -286,7 +257,7 @@ def infer_config_from_npz(
     problems = []
 
     def shape_of(key: str, ndim: int) -> tuple[int, ...] | None:
-        return _shape_of(source, key, ndim, problems)
+        return array_shape(source, key, ndim, problems)
 
     fields = {}
     kernel = shape_of("embedding/kernel", 4)
