@@ -25,6 +25,7 @@ from torch import nn
 from .model.image_processing_vit import grid_for_max_patches
 from .model.modeling_vit import VisionTransformerForImageClassification, VisionTransformerPreTrainedModel
 from .model.resolution import MAX_PATCH_POSITIONS
+from .outputs.files import check_not_a_link
 from .outputs.output_folders import overlap
 
 FORMATS = ("onnx", "torch_export")
@@ -180,7 +181,7 @@ def export(
         raise IsADirectoryError(
             f"--output {output} is a folder; name the file to write, e.g. {Path(output) / 'model.onnx'}."
         )
-    output = check_export_output(output, format)
+    output = check_not_a_link(check_export_output(output, format))
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} exists; choose another --output or pass --overwrite to replace it.")
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from .model.image_processing_vit import VisionTransformerImageProcessor
 from .model.modeling_vit import VisionTransformerForImageClassification, VisionTransformerModel
 from .model.resolution import grid_for
 from .outputs.cards import write_card
+from .outputs.files import write_beside
 from .outputs.output_folders import check_output_dir, check_outside_data_set, write_converted_folder
 
 if TYPE_CHECKING:  # the data set libraries load only when a variant is measured
@@ -153,7 +154,7 @@ def make_resolution_variant(
             recipe=f"no training after the interpolation; see `{base_model}` for how its weights were trained.",
         )
         if metrics:
-            (path / "all_results.json").write_text(json.dumps(metrics, indent=2) + "\n")
+            write_beside(path / "all_results.json", json.dumps(metrics, indent=2) + "\n")
 
     write_converted_folder(save, target, overwrite=overwrite, inputs=[source])
     return model, processor

@@ -24,9 +24,8 @@ def test_a_failed_write_leaves_the_old_figure_not_a_truncated_one(tmp_path, monk
     path = plot_training_curves(history, tmp_path / "curves.png")
     before = path.read_bytes()
 
-    def disk_full(self, fname, **kwargs):
-        with open(fname, "wb") as f:
-            f.write(b"\x89PNG")  # what a full disk leaves: the first bytes
+    def disk_full(self, file, **kwargs):
+        file.write(b"\x89PNG")  # what a full disk leaves: the first bytes
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(Figure, "savefig", disk_full)

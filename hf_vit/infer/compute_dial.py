@@ -21,6 +21,7 @@ from typing import Any
 from ..data.datasets import DataSource
 from ..data.transforms import BatchSizes, decode_rgb
 from ..flags import parse_sizes
+from ..outputs.files import write_beside
 from .evaluate import EvaluationSplit, evaluation_split, measure_split
 from .loading import check_native_model, check_serving_sizes, load_model, serving_processor
 
@@ -110,11 +111,10 @@ def write_compute_dial(
     folder = Path(folder)
     results, plot = folder / DIAL_JSON, folder / DIAL_PNG
     for path in (results, plot):
-        if path.exists() and not overwrite:
+        if os.path.lexists(path) and not overwrite:
             raise ValueError(f"{path} exists: pass another output folder (files are never overwritten).")
     folder.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps(rows, indent=2) + "\n")
-    written = [results]
+    written = [write_beside(results, json.dumps(rows, indent=2) + "\n")]
     try:
         from ..outputs.plotting import plot_compute_dial
 

@@ -32,7 +32,7 @@ from ..data.datasets import (
 from ..data.transforms import apply_transforms, make_eval_transform, pack_native_batch
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
-from ..outputs.files import RUN_RECORD_FILE
+from ..outputs.files import RUN_RECORD_FILE, write_beside
 from ..outputs.run_record import read_record
 from ..tasks.objectives import select_objective
 from .loading import load_model, model_inputs, tokens_per_image
@@ -264,11 +264,10 @@ def write_evaluation(folder: Path, split: str, metrics: dict, confusion, id2labe
     results = folder / f"{split}_results.json"
     plot = folder / f"{split}_confusion_matrix.png"
     for path in (results, plot):
-        if path.exists():
+        if os.path.lexists(path):
             raise ValueError(f"{path} exists: pass another output folder (files are never overwritten).")
     folder.mkdir(parents=True, exist_ok=True)
-    written = [results]
-    results.write_text(json.dumps(metrics, indent=2) + "\n")
+    written = [write_beside(results, json.dumps(metrics, indent=2) + "\n")]
     if confusion is not None:
         try:
             written.append(plot_confusion_matrix(confusion, [id2label[i] for i in range(len(confusion))], plot))

@@ -14,6 +14,7 @@ import torch
 
 from ..data.transforms import decode_image
 from ..flags import positive_int
+from ..outputs.files import write_beside
 from .loading import check_serving_sizes, load_model, model_inputs, model_source
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
@@ -92,8 +93,8 @@ def write_predictions(rows: list[dict[str, Any]], output: str | os.PathLike | No
         path = Path(output)
         if path.suffix.lower() not in (".csv", ".jsonl", ".json"):
             raise ValueError(f"--output {output}: name a .jsonl or .csv file.")
-        if path.exists():
+        if os.path.lexists(path):
             raise ValueError(f"--output {output} exists: name a new file (it is never overwritten).")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        write_beside(path, text)
     return text

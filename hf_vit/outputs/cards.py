@@ -15,7 +15,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
-from .files import CARD_TEMPLATE, remote_code_files
+from .files import CARD_TEMPLATE, remote_code_files, write_beside
 
 logger = logging.getLogger(__name__)
 
@@ -333,8 +333,7 @@ def write_model_card(output_dir: str | os.PathLike, model, metrics: dict[str, An
         kwargs["repo_id"] = card_reference(Path(output_dir)).text
     if kwargs.get("max_num_patches") is None:
         kwargs["max_num_patches"] = saved_max_num_patches(output_dir)
-    render_model_card(model, metrics, **kwargs).save(path)
-    return path
+    return write_beside(path, str(render_model_card(model, metrics, **kwargs)))
 
 
 def write_card(

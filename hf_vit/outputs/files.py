@@ -7,9 +7,15 @@ exactly the code files `save_pretrained` copies beside the weights.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import IO
+
+logger = logging.getLogger(__name__)
 
 MODEL_CODE = Path(__file__).parents[1] / "model"  # the core: exactly the code a checkpoint carries
 
@@ -119,3 +125,48 @@ def checkpoint_foreign_entries(folder: Path) -> list[str]:
     if not foreign and not state:
         foreign.append("(no training state: trainer_state.json, optimizer.pt, scheduler.pt or rng_state*.pth)")
     return foreign
+
+
+class LinkInTheWayError(FileExistsError):
+    """A file the project writes would go through a symlink; the message names the link."""
+
+
+def check_not_a_link(path: str | os.PathLike) -> Path:
+    """`path` as a Path; `LinkInTheWayError` naming it where it is a symlink (a dangling one too)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise LinkInTheWayError(
+            f"{path} is a symlink (to {os.readlink(path)}): hf-vit never writes through a link, which would put its "
+            "file where the link points. Remove the link or choose another output."
+        )
+    return path
+
+
+def write_beside(path: str | os.PathLike, write: Callable[[IO[bytes]], None] | str | bytes) -> Path:
+    """Write the file `path` through the one route every writer of the project takes: into `.<name>.partial` beside
+    it, then renamed over it, so a failed or killed write leaves the old file (or none), never a torn one.
+
+    `write` is the content (text or bytes) or a function writing it to the open file. Nothing is written through a
+    link: a symlink at `path` is refused by name (the bytes would land in its target), and whatever lies under the
+    partial name (a planted symlink or hard link, a killed write's leftover) is replaced, never written into. Returns
+    `path`.
+    """
+    path = check_not_a_link(path)
+    partial = path.with_name(f".{path.name}.partial")
+    if partial.is_symlink() or partial.is_file():
+        logger.warning("Replacing %s (a link or a leftover of a killed write) with a new file.", partial)
+        partial.unlink()
+    # O_EXCL never follows a link; O_NOFOLLOW says so again where the platform has it.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    handle = os.fdopen(os.open(partial, flags, 0o666), "wb")
+    try:
+        with handle:
+            if callable(write):
+                write(handle)
+            else:
+                handle.write(write.encode() if isinstance(write, str) else write)
+        os.replace(partial, path)
+    finally:
+        if partial.is_file() and not partial.is_symlink():
+            partial.unlink()
+    return path

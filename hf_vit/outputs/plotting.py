@@ -8,6 +8,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from .files import write_beside
+
 logger = logging.getLogger(__name__)
 
 
@@ -24,22 +26,18 @@ def pyplot():
 def save_figure(fig, path: str | os.PathLike, title: str | None = None, dpi: int = 100) -> Path:
     """Title, lay out and write `fig` to `path` (parent folders created), then close it.
 
-    The figure is written beside `path` and renamed over it: a failed write (a full disk) leaves the old file or
-    none, never a truncated one.
+    The figure is written beside `path` and renamed over it (`write_beside`): a failed write (a full disk) leaves the
+    old file or none, never a truncated one.
     """
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
     try:
-        fig.savefig(partial, dpi=dpi, format=path.suffix.lstrip(".") or "png")
-        os.replace(partial, path)
+        return write_beside(path, lambda file: fig.savefig(file, dpi=dpi, format=path.suffix.lstrip(".") or "png"))
     finally:
-        partial.unlink(missing_ok=True)
         pyplot().close(fig)
-    return path
 
 
 def plot_training_curves(

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .files import LOCK_FILE, RUN_RECORD_FILE, is_run_file
+from .files import LOCK_FILE, RUN_RECORD_FILE, is_run_file, write_beside
 
 logger = logging.getLogger(__name__)
 
@@ -120,12 +120,6 @@ class RunRecord:
 
     def _write(self, files: Iterable[str], found: Iterable[str]) -> None:
         record = {"files": list(files), "found": list(found), "splits": self.splits}
-        # written beside and renamed over: a run killed while writing leaves the earlier record whole, not a torn one
-        # (which would read as no record, and leave the folder's files unclaimed)
-        path = self.folder / RUN_RECORD_FILE
-        partial = path.with_name(f".{RUN_RECORD_FILE}.partial")
-        try:
-            partial.write_text(json.dumps(record, indent=2) + "\n")
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+        # beside and renamed over: a run killed while writing leaves the earlier record whole, not a torn one (which
+        # would read as no record, and leave the folder's files unclaimed)
+        write_beside(self.folder / RUN_RECORD_FILE, json.dumps(record, indent=2) + "\n")

@@ -29,6 +29,7 @@ from ..flags import positive_int
 from ..lora import base_model_name
 from ..outputs.files import (
     LOCAL_BASE_FILE,  # where a local base lives on this machine: written by the run, never pushed
+    write_beside,
 )
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ def adapt(model: nn.Module, lora: LoraSettings, task: str, output_dir: str | os.
     base = os.path.expanduser(lora.base)
     if os.path.isdir(base):  # the adapter names it by its plain name: say where it is on this machine
         record = {"base_model_name_or_path": os.path.abspath(base)}
-        (Path(output_dir) / LOCAL_BASE_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        write_beside(Path(output_dir) / LOCAL_BASE_FILE, json.dumps(record, indent=2) + "\n")
     model = apply_lora(
         model,
         lora.rank,
