@@ -302,7 +302,7 @@ def test_an_output_dir_under_a_file_is_named_not_errno(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     for output in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "run" / "deeper"):
         with pytest.raises(OutputDirError, match=r"notes.txt.* is a file") as refused:
-            claim_output_dir(output, resuming=False, overwrite=False, main_process=True)
+            claim_output_dir(output, resume_from=None, overwrite=False, main_process=True)
         assert "Errno" not in str(refused.value)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
@@ -323,3 +323,26 @@ def test_evaluate_names_a_file_in_the_way_of_its_output_dir(tmp_path, capsys):
         )
         err = capsys.readouterr().err
         assert "notes.txt is a file" in err and "Errno" not in err, err
+
+
+def test_the_one_writer_never_writes_through_a_link_and_never_leaves_a_torn_file(tmp_path):
+    from hf_vit.infer.evaluate import write_evaluation
+    from hf_vit.outputs.files import LinkInTheWayError, write_beside
+
+    target, link = tmp_path / "user.txt", tmp_path / "out" / "eval_results.json"
+    link.parent.mkdir()
+    link.symlink_to(target)  # dangling: a plain open would create the user's file
+    with pytest.raises(LinkInTheWayError, match=rf"{link} is a symlink \(to {target}\)"):
+        write_beside(link, "{}")
+    with pytest.raises(ValueError, match="eval_results.json exists"):  # evaluate refuses it as any file there
+        write_evaluation(link.parent, "eval", {"accuracy": 1.0}, None, {})
+    assert not target.exists() and link.is_symlink()
+    path = write_beside(tmp_path / "out" / "a.json", b"old")
+
+    def torn(file):
+        file.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        write_beside(path, torn)
+    assert path.read_bytes() == b"old" and sorted(p.name for p in path.parent.iterdir()) == [path.name, link.name]

@@ -324,8 +324,9 @@ def test_a_second_run_into_a_finished_runs_folder_is_refused(tmp_path, caplog):
     assert "batch 8 per device x 1 process(es) x 1 accumulation step(s) = global batch 8, 2 optim" in caplog.text
     first = (out / "model.safetensors").read_bytes()
     assert not (out / ".hf-vit-run.lock").exists()  # the lock goes with the run
-    with pytest.raises(FileExistsError, match="is not empty.*--resume_from_checkpoint True.*--overwrite_output_dir"):
+    with pytest.raises(FileExistsError, match="is not empty.*--overwrite_output_dir True") as refused:
         train("pretrain", *tiny_pretrain(out, "--seed", "1"))
+    assert "--resume_from_checkpoint" not in str(refused.value)  # no checkpoint to resume: not advised
     assert (out / "model.safetensors").read_bytes() == first
     (out / "checkpoint-1").mkdir()
     (out / "checkpoint-1" / "trainer_state.json").write_text("{}")  # what a run leaves there
@@ -383,17 +384,80 @@ def test_overwrite_output_dir_removes_only_what_a_run_recorded(tmp_path):
     assert not (run / "compute_dial.json").exists() and (run / "eval_results.json").read_text() == "{}"
 
 
+def test_a_resume_from_another_runs_checkpoint_is_a_new_run_in_its_folder(tmp_path, caplog):
+    other, project = tmp_path / "other-run", tmp_path / "project"
+    checkpoints = ["--save_strategy", "steps", "--save_steps", "1", "--save_total_limit", "2"]
+    train("pretrain", *tiny_pretrain(other, *checkpoints))
+    project.mkdir()
+    (project / "README.md").write_text("my project")
+    mine = '{"mine": true}'
+    (project / "config.json").write_text(mine)
+    resume = ["--resume_from_checkpoint", str(other / "checkpoint-1")]
+    with pytest.raises(FileExistsError, match=r"project is not empty \(it holds README.md, config.json\)") as refused:
+        train("pretrain", *tiny_pretrain(project, *resume))
+    assert "checkpoint-1 is another folder's" in str(refused.value)
+    assert "--resume_from_checkpoint True" not in str(refused.value)  # the project holds no checkpoint to resume
+    assert "--overwrite_output_dir" not in str(refused.value)  # it would refuse a config.json no run recorded
+    assert {p.name: p.read_text() for p in project.iterdir()} == {"README.md": "my project", "config.json": mine}
+    # into an empty folder it continues the other run's state
+    with caplog.at_level("INFO", logger="hf_vit"):
+        train("pretrain", *tiny_pretrain(tmp_path / "fresh", *resume))
+    assert f"Resuming from {other / 'checkpoint-1'}" in caplog.text
+    assert json.loads((tmp_path / "fresh" / "trainer_state.json").read_text())["global_step"] == 2
+
+
+def test_a_folder_holding_only_the_record_of_a_run_that_wrote_nothing_is_the_reruns(tmp_path):
+    from transformers import TrainerCallback
+
+    class Stop(TrainerCallback):  # a run stopped at its first batch (a corrupt image, Ctrl-C) before writing anything
+        def on_step_begin(self, args, state, control, **kwargs):
+            raise CorruptImageError("train image 3 (broken.png) cannot be decoded")
+
+    out = tmp_path / "out"
+    with pytest.raises(CorruptImageError):
+        train("pretrain", *tiny_pretrain(out), callbacks=[Stop()])
+    assert sorted(p.name for p in out.iterdir()) == ["hf_vit_run.json"]
+    train("pretrain", *tiny_pretrain(out))  # the same command, taken as it was: no flag needed
+    assert (out / "model.safetensors").is_file()
+    # a record beside anything else is not all there is: that folder is refused, with advice that works there
+    with pytest.raises(FileExistsError, match="is not empty") as refused:
+        train("pretrain", *tiny_pretrain(out))
+    assert "--overwrite_output_dir True" in str(refused.value) and "--resume_from_checkpoint" not in str(refused.value)
+
+
+def test_no_file_a_run_writes_goes_through_a_link_planted_in_its_folder(tmp_path):
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    train("pretrain", *tiny_pretrain(run))
+    elsewhere.mkdir()
+    users = ("hf_vit_run.json", "training_curves.png", "README.md", "lock")
+    for name in users:
+        (elsewhere / name).write_text("the user's own file")
+    (run / ".hf_vit_run.json.partial").symlink_to(elsewhere / "hf_vit_run.json")
+    (run / ".training_curves.png.partial").symlink_to(elsewhere / "training_curves.png")
+    os.link(elsewhere / "README.md", run / ".README.md.partial")  # a hard link is written through as well
+    train("pretrain", *tiny_pretrain(run, "--overwrite_output_dir", "True", "--seed", "1"))
+    assert {p.name: p.read_bytes() for p in elsewhere.iterdir()} == dict.fromkeys(users, b"the user's own file")
+    assert "model.safetensors" in json.loads((run / "hf_vit_run.json").read_text())["files"]
+    assert (run / "training_curves.png").read_bytes()[:4] == b"\x89PNG" and "hf-vit" in (run / "README.md").read_text()
+    assert not list(run.glob(".*.partial"))  # each link replaced by the run's own file, renamed into place
+    (elsewhere / "lock").unlink()
+    (run / ".hf-vit-run.lock").symlink_to(elsewhere / "lock")  # the lock is opened, never through a link
+    with pytest.raises(FileExistsError, match=r"\.hf-vit-run\.lock is a symlink"):
+        train("pretrain", *tiny_pretrain(run, "--overwrite_output_dir", "True"))
+    assert not (elsewhere / "lock").exists()
+
+
 def test_a_folder_another_run_is_writing_to_is_refused(tmp_path):
     from hf_vit.outputs.output_folders import claim_output_dir
 
     out = tmp_path / "out"
-    lock = claim_output_dir(out, resuming=False, overwrite=False, main_process=True)
+    lock = claim_output_dir(out, resume_from=None, overwrite=False, main_process=True)
     try:
         with pytest.raises(FileExistsError, match="Another run is writing to --output_dir"):
-            claim_output_dir(out, resuming=False, overwrite=False, main_process=True)
+            claim_output_dir(out, resume_from=None, overwrite=False, main_process=True)
     finally:
         lock.close()
-    claim_output_dir(out, resuming=False, overwrite=False, main_process=True).close()  # released with the first run
+    claim_output_dir(out, resume_from=None, overwrite=False, main_process=True).close()  # released with the first run
 
 
 def test_a_forked_data_loader_worker_does_not_keep_the_folder_locked(tmp_path):
@@ -403,7 +467,7 @@ def test_a_forked_data_loader_worker_does_not_keep_the_folder_locked(tmp_path):
     from hf_vit.outputs.output_folders import claim_output_dir
 
     out = tmp_path / "out"
-    lock = claim_output_dir(out, resuming=False, overwrite=False, main_process=True)
+    lock = claim_output_dir(out, resume_from=None, overwrite=False, main_process=True)
     ready, tell = os.pipe()
     child = os.fork()
     if child == 0:  # a worker: alive, holding whatever it inherited
@@ -413,7 +477,7 @@ def test_a_forked_data_loader_worker_does_not_keep_the_folder_locked(tmp_path):
     try:
         assert os.read(ready, 1) == b"1"
         lock.close()  # the run's process is killed: its files close, its workers live on
-        claim_output_dir(out, resuming=True, overwrite=False, main_process=True).close()
+        claim_output_dir(out, resume_from=None, overwrite=False, main_process=True).close()
     finally:
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
@@ -593,13 +657,16 @@ def test_resuming_a_folder_without_checkpoints_says_there_is_none(tmp_path):
     assert (
         resolve_resume(args.resume_from_checkpoint, args.output_dir, args.overwrite_output_dir) is None
     )  # no folder yet: a first run, started with the flag it will resume with
-    out.mkdir()
-    (out / "model.safetensors").write_bytes(b"")  # a finished run's folder, no checkpoint-N
+    train("pretrain", *tiny_pretrain(out))  # a finished run's folder, no checkpoint-N
     with pytest.raises(ValueError) as error:
         resolve_resume(args.resume_from_checkpoint, args.output_dir, args.overwrite_output_dir)
     message = str(error.value)
-    assert f"{out} holds no complete checkpoint-N folder" in message and "model.safetensors" in message
+    assert f"{out} holds no complete checkpoint-N folder" in message and "config.json" in message
     assert "--overwrite_output_dir True" in message and "Pass --resume_from_checkpoint True" not in message
+    (out / "hf_vit_run.json").unlink()  # model files no record claims: --overwrite_output_dir would refuse them too
+    with pytest.raises(ValueError) as error:
+        resolve_resume(args.resume_from_checkpoint, args.output_dir, args.overwrite_output_dir)
+    assert "--overwrite_output_dir" not in str(error.value) and "Choose another --output_dir." in str(error.value)
 
 
 def test_config_overrides_take_lists_and_json_values():

@@ -18,8 +18,8 @@ from typing import IO, Any
 
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.loading import current_umask
-from .files import CHECKPOINT_FOLDER, LOCK_FILE, checkpoint_foreign_entries, is_run_file
-from .run_record import unrecorded_files_problem
+from .files import CHECKPOINT_FOLDER, LOCK_FILE, RUN_RECORD_FILE, checkpoint_foreign_entries, is_run_file
+from .run_record import read_record, unrecorded_files_problem
 
 logger = logging.getLogger(__name__)
 
@@ -359,16 +359,51 @@ def check_no_file_in_the_way(folder: str | os.PathLike, flag: str = "--output_di
         raise OutputDirError(f"{flag} {folder}: {above} is a file, so no folder can be made there; pass a folder.")
 
 
+def held_entries(output_dir: str | os.PathLike) -> list[str]:
+    """The names of what the folder `output_dir` holds that a run must not write over unasked: every entry but a run's
+    lock, and but the record of an earlier run when it is all there is (a run stopped before it wrote anything, by a
+    corrupt image say: its folder is its rerun's)."""
+    folder = Path(output_dir)
+    entries = sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE) if folder.is_dir() else []
+    return [] if entries == [RUN_RECORD_FILE] and read_record(folder) is not None else entries
+
+
+def resumes_in_place(output_dir: str | os.PathLike, checkpoint: str | os.PathLike | None) -> bool:
+    """Whether `checkpoint` (what `--resume_from_checkpoint` names) lies in `output_dir`: the run continues there.
+    From anywhere else, the run is a new one in `output_dir`, and the folder is checked as for any new run."""
+    return checkpoint is not None and Path(output_dir).resolve() in Path(checkpoint).resolve().parents
+
+
+def output_dir_advice(folder: str | os.PathLike, resumable: bool) -> str:
+    """What lets a run use the non-empty `folder`, naming only what would work there: `resumable` says whether it
+    holds a complete checkpoint to resume."""
+    ways = ["pass --resume_from_checkpoint True to continue the run whose checkpoints it holds"] if resumable else []
+    if not _blocking_entries(Path(folder)) and unrecorded_files_problem(folder) is None:
+        ways.append(
+            "pass --overwrite_output_dir True to train a new model there (it removes only what an earlier hf-vit run "
+            "recorded writing)"
+        )
+    advice = "; or ".join([*ways, "choose another --output_dir"]) + "."
+    return advice[0].upper() + advice[1:]
+
+
 def claim_output_dir(
-    output_dir: str | os.PathLike, *, resuming: bool, overwrite: bool, main_process: bool
+    output_dir: str | os.PathLike,
+    *,
+    resume_from: str | os.PathLike | None,
+    overwrite: bool,
+    main_process: bool,
+    latest_checkpoint: Callable[[str | os.PathLike], str | None] | None = None,
 ) -> IO[Any] | None:
     """Check that a run may write into `output_dir` and lock it against a second run; returns the lock's file
     (close it and remove it to release, see `release`) or None on processes other than the main one.
 
-    A folder holding files is refused unless resuming or `overwrite` says what to do with them, as transformers'
-    example scripts refuse it; even then, symlinks the run would write through and `checkpoint-N` folders that are not
-    checkpoints are refused by name, and `overwrite` is refused for files under names hf-vit writes that no run's
-    record lists (`hf_vit.outputs.run_record`): the new run removes an earlier run's files, and only those.
+    A folder holding files (`held_entries`) is refused unless the run resumes a checkpoint of its own (in the folder:
+    `resume_from` elsewhere makes a new run there) or `overwrite` says what to do with them, as transformers' example
+    scripts refuse it; the refusal's advice asks `latest_checkpoint` (`last_complete_checkpoint`) whether resuming
+    would work. Even then, symlinks the run would write through and `checkpoint-N` folders that are not checkpoints
+    are refused by name, and `overwrite` is refused for files under names hf-vit writes that no run's record lists
+    (`hf_vit.outputs.run_record`): the new run removes an earlier run's files, and only those.
     """
     folder = Path(output_dir)
     if folder.is_symlink() and not folder.is_dir():
@@ -376,23 +411,37 @@ def claim_output_dir(
     check_no_file_in_the_way(folder)
     if not main_process:
         return None
-    entries = sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE) if folder.is_dir() else []
-    if entries and not resuming and not overwrite:
-        shown = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "")
-        raise OutputDirError(
-            f"--output_dir {folder} is not empty (it holds {shown}). Pass --resume_from_checkpoint True to continue "
-            "the run whose checkpoints it holds, --overwrite_output_dir True to train a new model there (removing "
-            "the earlier run's files), or choose another folder."
-        )
+    entries, in_place = held_entries(folder), resumes_in_place(folder, resume_from)
     if entries and (problems := _blocking_entries(folder)):
         raise OutputDirError(
             f"--output_dir {folder} cannot be written safely: " + "; ".join(problems) + ". Move it away, or choose "
             "another folder."
         )
-    if entries and overwrite and not resuming and (problem := unrecorded_files_problem(folder)):
+    if entries and not in_place and not overwrite:
+        shown = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "")
+        elsewhere = (
+            f"; the checkpoint --resume_from_checkpoint {resume_from} is another folder's, so this is a new run there"
+            if resume_from is not None
+            else ""
+        )
+        resumable = latest_checkpoint is not None and latest_checkpoint(folder) is not None
+        advice = output_dir_advice(folder, resumable)
+        raise OutputDirError(f"--output_dir {folder} is not empty (it holds {shown}){elsewhere}. {advice}")
+    if entries and overwrite and not in_place and (problem := unrecorded_files_problem(folder)):
         raise OutputDirError(problem)
     folder.mkdir(parents=True, exist_ok=True)
-    lock = open(folder / LOCK_FILE, "a")
+    return _lock(folder)
+
+
+def _lock(folder: Path) -> IO[Any]:
+    """The run's lock in `folder`, held: opened without following a link planted under its name."""
+    path = folder / LOCK_FILE
+    try:
+        lock = open(path, "a", opener=lambda name, flags: os.open(name, flags | getattr(os, "O_NOFOLLOW", 0), 0o666))
+    except OSError as error:
+        if not path.is_symlink():
+            raise
+        raise OutputDirError(f"--output_dir {folder}: {path} is a symlink; the run would write through it.") from error
     try:
         import fcntl
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from ..outputs.files import LOCK_FILE
+from ..outputs.output_folders import held_entries, output_dir_advice
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +93,12 @@ def resolve_resume(
     if resume in (True, "True", "true"):
         checkpoint = last_complete_checkpoint(output_dir)
         if checkpoint is None:
-            folder = Path(output_dir)
-            held = sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE) if folder.is_dir() else []
+            held = held_entries(output_dir)
             if held and not overwrite_output_dir:
                 shown = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "")
                 raise ValueError(
-                    f"--resume_from_checkpoint True: --output_dir {folder} holds no complete checkpoint-N folder to "
-                    f"resume from (it holds {shown}). Name a checkpoint folder with --resume_from_checkpoint <path>, "
-                    "start a new run there with --overwrite_output_dir True (instead of --resume_from_checkpoint), "
-                    "or choose another --output_dir."
+                    f"--resume_from_checkpoint True: --output_dir {output_dir} holds no complete checkpoint-N folder "
+                    f"to resume from (it holds {shown}). {output_dir_advice(output_dir, resumable=False)}"
                 )
             logger.warning("No complete checkpoint in %s: training from the start.", output_dir)
             return None

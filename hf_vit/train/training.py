@@ -34,13 +34,14 @@ from ..outputs.output_folders import (
     claim_output_dir,
     release,
     remove_earlier_checkpoints,
+    resumes_in_place,
 )
 from ..outputs.run_record import RunRecord, remove_earlier_run_files
 from ..tasks.model_setup import ModelSettings, processor_for
 from ..tasks.objectives import Objective, select_objective
 from ..tasks.training_transforms import training_splits
 from .arguments import DataArguments, ModelArguments, VisionTransformerTrainingArguments, flag_values, parse_args
-from .checkpoints import resolve_resume
+from .checkpoints import last_complete_checkpoint, resolve_resume
 from .evaluation import final_evaluation
 from .flexible import PatchSizeDraw, SeqLenBatchSampler, check_patch_sizes
 from .lora import LoraSettings, adapt, check_lora_arguments, lora_summary
@@ -119,14 +120,16 @@ def train(
     created = not os.path.lexists(training_args.output_dir)
     lock = claim_output_dir(
         training_args.output_dir,
-        resuming=resume is not None,
+        resume_from=resume,
         overwrite=training_args.overwrite_output_dir,
         main_process=training_args.process_index == 0,
+        latest_checkpoint=last_complete_checkpoint,
     )
     record = None
     if training_args.process_index == 0:
         splits = split_record(source, training_args.seed)
-        record = RunRecord(training_args.output_dir, splits, resuming=resume is not None)
+        in_place = resumes_in_place(training_args.output_dir, resume)
+        record = RunRecord(training_args.output_dir, splits, resuming=in_place)
     try:
         return _run(run, training_args, callbacks or [], resume, record)
     finally:
@@ -193,7 +196,8 @@ def _run(
     run.values["learning_rate"] = training_args.learning_rate  # packed batches: scaled by their images
     if training_args.process_index == 0:
         log_recipe(run.recipe, run.values)
-    if training_args.overwrite_output_dir and resume is None and trainer.is_world_process_zero():
+    in_place = resumes_in_place(training_args.output_dir, resume)  # else a new run, from another run's checkpoint
+    if training_args.overwrite_output_dir and not in_place and trainer.is_world_process_zero():
         remove_earlier_checkpoints(training_args.output_dir, keep=run.model.model_name_or_path)
         remove_earlier_run_files(training_args.output_dir)  # the folder holds only what this run writes
     if record is not None:
