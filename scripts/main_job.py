@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import math
-import shutil
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassificat
 from hf_vit.analysis import write_analysis_figures
 from hf_vit.data.datasets import load_digits_dataset
 from hf_vit.outputs.cards import write_model_card
+from hf_vit.outputs.files import write_beside
 from hf_vit.train.arguments import parse_args
 from hf_vit.train.training import train
 from hf_vit.variants import make_evaluated_variant
@@ -124,7 +124,7 @@ def main() -> None:
     minutes = (time.perf_counter() - started) / 60
 
     output = Path(args.output_dir)
-    shutil.copy(Path(args.pretrain_dir) / "training_curves.png", output / "pretraining_curves.png")
+    write_beside(output / "pretraining_curves.png", (Path(args.pretrain_dir) / "training_curves.png").read_bytes())
     summary = {
         "estimated_minutes": round(estimate, 2),
         "pretrain_test_accuracy_16x16": pretrained["eval_accuracy"],
@@ -132,7 +132,7 @@ def main() -> None:
         "pretrain_minutes": round(pretrain_minutes, 2),
         "finetune_minutes": round(minutes - pretrain_minutes, 2),
     }
-    (output / "main_job.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_beside(output / "main_job.json", json.dumps(summary, indent=2) + "\n")
     write_model_card(
         output,
         model=VisionTransformerForImageClassification.from_pretrained(output),
@@ -189,7 +189,7 @@ def main() -> None:
         variant_finetune_steps=args.variant_steps,
         total_minutes=round((time.perf_counter() - started) / 60, 2),
     )
-    (output / "main_job.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_beside(output / "main_job.json", json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     # One total: the three stages, as main_job.json has it.
     print(f"wrote {output}: test accuracy {finetuned['eval_accuracy']:.4f} in {summary['total_minutes']:.1f} minutes")
