@@ -398,6 +398,8 @@ def test_a_resume_from_another_runs_checkpoint_is_a_new_run_in_its_folder(tmp_pa
     assert "checkpoint-1 is another folder's" in str(refused.value)
     assert "--resume_from_checkpoint True" not in str(refused.value)  # the project holds no checkpoint to resume
     assert "--overwrite_output_dir" not in str(refused.value)  # it would refuse a config.json no run recorded
+    with pytest.raises(FileExistsError, match=r"project holds README.md, config.json but no hf_vit_run.json"):
+        train("pretrain", *tiny_pretrain(project, *resume, "--overwrite_output_dir", "True"))
     assert {p.name: p.read_text() for p in project.iterdir()} == {"README.md": "my project", "config.json": mine}
     # into an empty folder it continues the other run's state
     with caplog.at_level("INFO", logger="hf_vit"):
