@@ -411,6 +411,8 @@ def test_a_resume_from_another_runs_checkpoint_is_a_new_run_in_its_folder(tmp_pa
 def test_a_folder_holding_only_the_record_of_a_run_that_wrote_nothing_is_the_reruns(tmp_path):
     from transformers import TrainerCallback
 
+    from hf_vit.train.checkpoints import resolve_resume
+
     class Stop(TrainerCallback):  # a run stopped at its first batch (a corrupt image, Ctrl-C) before writing anything
         def on_step_begin(self, args, state, control, **kwargs):
             raise CorruptImageError("train image 3 (broken.png) cannot be decoded")
@@ -419,6 +421,7 @@ def test_a_folder_holding_only_the_record_of_a_run_that_wrote_nothing_is_the_rer
     with pytest.raises(CorruptImageError):
         train("pretrain", *tiny_pretrain(out), callbacks=[Stop()])
     assert sorted(p.name for p in out.iterdir()) == ["hf_vit_run.json"]
+    assert resolve_resume(True, out) is None  # --resume_from_checkpoint True: nothing to resume, trains from the start
     train("pretrain", *tiny_pretrain(out))  # the same command, taken as it was: no flag needed
     assert (out / "model.safetensors").is_file()
     # a record beside anything else is not all there is: that folder is refused, with advice that works there
