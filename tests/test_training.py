@@ -930,6 +930,31 @@ def test_flags_without_effect_get_one_warning_line_naming_them(tmp_path, caplog,
     assert all(flag in warned[0] for flag in named)
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--keep_head", "True", "--representation_size", "16"], "--representation_size asks for a new one"),
+        (["--preset", "vit-base-patch16-224"], "--preset vit-base-patch16-224 names an architecture to pretrain"),
+    ],
+)
+def test_finetuning_refuses_model_flags_it_cannot_honour(tmp_path, flags, message):
+    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tmp_path / "pre"), *flags, *QUIET]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_args("finetune", args)
+
+
+def test_interpolation_without_a_resampling_gets_one_warning_line(tmp_path, caplog):
+    source = str(pretrained_folder(tmp_path / "pre"))
+    with caplog.at_level("WARNING", logger="hf_vit"):
+        load_for_finetuning(source, {0: "a", 1: "b"}, interpolation="bilinear")  # the checkpoint's own size
+        load_for_finetuning(source, {0: "a", 1: "b"}, image_size=16, interpolation="bilinear")  # resampled
+        load_for_finetuning(source, {0: "a", 1: "b"})  # not given
+        parse_args("pretrain", ["--output_dir", str(tmp_path / "out"), "--interpolation", "bilinear", *QUIET])
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and all("--interpolation" in line and "no effect" in line for line in warned), warned
+    assert "keeps" in warned[0] and "(8x8, patch 4)" in warned[0] and "from scratch" in warned[1]
+
+
 def test_flags_with_effect_are_not_warned_about(tmp_path, caplog):
     args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tmp_path / "pre"), *QUIET]
     with caplog.at_level("WARNING", logger="hf_vit"):
