@@ -955,6 +955,17 @@ def test_interpolation_without_a_resampling_gets_one_warning_line(tmp_path, capl
     assert "keeps" in warned[0] and "(8x8, patch 4)" in warned[0] and "from scratch" in warned[1]
 
 
+def test_a_preset_at_a_resolution_the_paper_does_not_use_gets_one_warning_line(caplog):
+    from hf_vit.tasks.model_setup import ModelSettings, config_from_preset
+
+    with caplog.at_level("WARNING", logger="hf_vit"):
+        assert config_from_preset(ModelSettings(preset="vit-tiny-patch16-32")).image_size == 32  # a typo of 320?
+        config_from_preset(ModelSettings(preset="vit-tiny-patch16-384"))
+        config_from_preset(ModelSettings(preset="vit-tiny-patch16-32", image_size=[64]))  # a size given on purpose
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "--preset vit-tiny-patch16-32 builds the model at 32x32, a resolution the paper does not use" in line
+
+
 def test_flags_with_effect_are_not_warned_about(tmp_path, caplog):
     args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tmp_path / "pre"), *QUIET]
     with caplog.at_level("WARNING", logger="hf_vit"):

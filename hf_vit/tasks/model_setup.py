@@ -21,6 +21,8 @@ from ..model.resolution import image_size_field
 
 logger = logging.getLogger(__name__)
 
+# The resolutions the paper trains at: 224 (pre-training), 384, 512 and 518 (fine-tuning, Table 2).
+PAPER_RESOLUTIONS = (224, 384, 512, 518)
 # Fields a checkpoint takes as they are given: they change how it trains, not the shapes of its weights.
 TRAINING_FIELDS = (
     "hidden_dropout_prob",
@@ -129,6 +131,13 @@ def config_from_preset(model: ModelSettings, **fields: Any) -> VisionTransformer
     fields = {**requested_fields(model), **fields}
     attention = model.attn_implementation or "sdpa"
     config = VisionTransformerConfig.from_preset(model.preset, attn_implementation=attention, **fields)
+    resolution = int(model.preset.rsplit("-", 1)[-1])
+    if "image_size" not in fields and resolution not in PAPER_RESOLUTIONS:
+        logger.warning(
+            "--preset %s builds the model at %dx%d, a resolution the paper does not use (%s): if that is a typo, fix "
+            "it; --image_size sets a resolution without this warning.",
+            model.preset, resolution, resolution, ", ".join(map(str, PAPER_RESOLUTIONS)),
+        )  # fmt: skip
     config.validate_architecture()
     return config
 
