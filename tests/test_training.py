@@ -440,6 +440,21 @@ def test_a_corrupt_evaluation_image_stops_the_run_before_training(tmp_path):
     assert not (out / "model.safetensors").exists() and not list(out.glob("checkpoint-*"))
 
 
+def test_every_unreadable_training_image_is_named_before_training_one_line_each(tmp_path):
+    data = split_image_folder(tmp_path / "data", broken_split="train")
+    (data / "train" / "cat" / "notes.jpg").write_text("not an image")
+    (data / "train" / "cat" / "empty.png").write_bytes(b"")
+    out = tmp_path / "out"
+    with pytest.raises(CorruptImageError) as info:
+        train("pretrain", *tiny_pretrain(out, "--dataset_name", str(data)))
+    head, *lines = str(info.value).splitlines()
+    assert head.startswith("3 image(s) cannot be read") and "--no_check_eval_images" in head
+    expected = {data / "train" / name for name in ("dog/broken.png", "cat/notes.jpg", "cat/empty.png")}
+    assert {Path(line.strip().removeprefix("train: ").split(": ")[0]) for line in lines} == expected
+    assert all(line.endswith(": not an image file PIL can read") for line in lines), lines
+    assert " object at 0x" not in str(info.value) and not (out / "model.safetensors").exists()
+
+
 def test_the_model_is_saved_before_the_final_evaluation(tmp_path):
     data = split_image_folder(tmp_path / "data", broken_split="test")
     out = tmp_path / "out"

@@ -381,8 +381,9 @@ class VisionTransformerTrainingArguments(TrainingArguments):
     check_eval_images: bool = field(
         default=True,
         metadata={
-            "help": "Decode every validation and test image once before training, so that a corrupt one stops the "
-            "run in seconds instead of at the first evaluation."
+            "help": "Decode every validation and test image once and read every training image's header before "
+            "training, so that unreadable files stop the run in seconds, all named at once, instead of when their "
+            "batch comes."
         },
     )
     recipe: str | None = field(
