@@ -157,8 +157,10 @@ def one_class_problem(given: dict[str, list[str]]) -> str | None:
     objective = (given.get("objective") or ["classification"])[0]
     if objective != "classification" or {"label_column_name", "train_split"} & set(given):
         return None
-    root = Path((given.get("dataset_name") or ["digits"])[0]).expanduser()
-    if not root.is_dir() or any((root / name).is_file() for name in ("dataset_dict.json", "state.json")):
+    name = (given.get("dataset_name") or ["digits"])[0]
+    root = Path(name).expanduser()
+    saved = ("dataset_dict.json", "state.json")  # a save_to_disk folder
+    if name == "digits" or not root.is_dir() or any((root / file).is_file() for file in saved):
         return None
     train = root / "train" if (root / "train").is_dir() else root
     entries = [entry for entry in train.iterdir() if not entry.name.startswith(".")]

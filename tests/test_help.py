@@ -182,3 +182,19 @@ def test_the_saved_flag_lists_are_every_flag_the_training_commands_take(command)
     saved = (HELP_FOLDER / flags_file(command)).read_text(encoding="utf-8")
     assert saved == all_flags(command), "run `python -m hf_vit.commands.help` to write the flag lists again"
     assert {"--learning_rate", "--local-rank", "--dataset_name", "--hflip"} <= set(saved.split())
+
+
+def test_a_hub_id_the_offline_cache_lacks_is_told_before_the_package_loads(tmp_path, monkeypatch):
+    from hf_vit_cli import early_problem
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "hub" / "models--google--vit-base-patch16-224").mkdir(parents=True)
+    said = early_problem("hf-vit-finetune", ["--model_name_or_path", "my-run"])
+    assert said.startswith("--model_name_or_path my-run: no such folder, and with HF_HUB_OFFLINE=1 a Hub model"), said
+    assert "datasets--" not in said and early_problem("hf-vit-pretrain", ["--dataset_name", "digits"]) is None
+    assert "Hub dataset" in early_problem("hf-vit-pretrain", ["--dataset_name", "someone/images"])
+    assert early_problem("hf-vit-finetune", ["--model_name_or_path", "google/vit-base-patch16-224"]) is None  # cached
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online: the Hub answers for it
+    assert early_problem("hf-vit-finetune", ["--model_name_or_path", "my-run"]) is None
