@@ -78,8 +78,9 @@ def preset_problem(name: str, presets: str) -> str | None:
     stems = {(m["stem"], m["patch"]) for m in listed if m["stem"]}
     sizes = {size for size, _ in plain}
     match = PRESET_NAME.fullmatch(name)
-    if match and ((match["size"], match["patch"]) in plain if not match["stem"] else
-                  match["size"] in sizes and (match["stem"], match["patch"]) in stems):  # fmt: skip
+    if match and not match["stem"] and (match["size"], match["patch"]) in plain:
+        return None
+    if match and match["stem"] and match["size"] in sizes and (match["stem"], match["patch"]) in stems:
         return None
     close = difflib.get_close_matches(name, [m.string for m in listed], n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}? " if close else ""
