@@ -11,6 +11,8 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: setup train test lint bench clean
 
 # make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu: torch's CPU build (a plain install is CUDA's on Linux).
+# torch alone comes from that index, asked once (an index that does not answer fails in seconds, not minutes of
+# retries); its dependencies come from PyPI with the package's.
 TORCH_INDEX ?=
 
 setup: $(VENV)/.installed
@@ -18,7 +20,8 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0 \
+		$(if $(TORCH_INDEX),--no-deps --retries 0 --timeout 30 --index-url $(TORCH_INDEX))
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
@@ -27,9 +30,12 @@ train: setup
 	$(PY) scripts/main_job.py $(if $(QUICK),--quick,--output_dir outputs/main)
 
 # The test files run in TEST_WORKERS processes side by side (pytest-xdist), each file whole in one of them.
+# make test TESTS=tests/test_data.py PYTEST_ARGS="-k corrupt -x": some files, and pytest's own arguments.
 TEST_WORKERS ?= 2
+TESTS ?= tests
+PYTEST_ARGS ?=
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) $(TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check hf_vit hf_vit_cli scripts tests benchmarks

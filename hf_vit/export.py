@@ -13,9 +13,12 @@ With `native=True` the graph takes the image processor's native-aspect batches (
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +167,21 @@ def check_export_output(output: str | os.PathLike, format: str, source: str | os
     return output
 
 
+@contextlib.contextmanager
+def quiet_exporters() -> Iterator[None]:
+    """torch's exporters' chatter kept from the user's screen: the ONNX exporter's warnings that torchvision's
+    operators are skipped (hf-vit uses none of them) and a FutureWarning torch raises inside its own pytree code."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+            yield
+    finally:
+        registration.setLevel(level)
+
+
 def export(
     model: VisionTransformerPreTrainedModel,
     output: str | os.PathLike,
@@ -185,8 +203,8 @@ def export(
     if output.exists() and not overwrite:
         raise FileExistsError(f"{output} exists; choose another --output or pass --overwrite to replace it.")
     output.parent.mkdir(parents=True, exist_ok=True)
-    program = export_program(model, max_num_patches)
-    with tempfile.TemporaryDirectory(prefix=f".{output.name}.", dir=output.parent) as staging:
+    with quiet_exporters(), tempfile.TemporaryDirectory(prefix=f".{output.name}.", dir=output.parent) as staging:
+        program = export_program(model, max_num_patches)
         partial = Path(staging) / output.name
         if format == "onnx":
             onnx_program = torch.onnx.export(
@@ -195,6 +213,7 @@ def export(
                 input_names=NATIVE_INPUTS if max_num_patches is not None else ["pixel_values"],
                 output_names=output_names(model),
                 external_data=False,
+                verbose=False,  # no progress lines of its own
             )
             onnx_program.save(str(partial))
         else:

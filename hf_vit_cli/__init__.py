@@ -17,6 +17,8 @@ import sys
 from functools import partial
 from pathlib import Path
 
+from . import early
+
 TRAINING = ("hf-vit-pretrain", "hf-vit-finetune")
 # Command name -> (module of hf_vit.commands, function): the same table as [project.scripts].
 COMMANDS = {
@@ -85,7 +87,8 @@ def known_flags(command: str) -> set[str] | None:
 
 def early_problem(command: str, argv: list[str]) -> str | None:
     """What can be told of `argv` without importing the package: a flag `command` does not take (with the nearest
-    one), or a local-looking path given to a path flag that does not exist. None when nothing is wrong here."""
+    one), a local-looking path given to a path flag that does not exist, and what `early` checks (values, presets,
+    sizes, output folders, image files). None when nothing is wrong here."""
     known = known_flags(command)
     if known is not None:
         hints = []
@@ -110,9 +113,14 @@ def early_problem(command: str, argv: list[str]) -> str | None:
         if word in PATH_FLAGS and word in (known or PATH_FLAGS):
             value = argv[index + 1]
             local = value.startswith((".", "/", "~")) or value.count("/") > 1
+            local = local or ("/" in value and os.path.isdir(value.split("/")[0]))  # a run's folder, a typo below
             if local and not os.path.exists(os.path.expanduser(value)):
                 return f"{word} {value}: {PATH_FLAGS[word]}."
-    return None
+    if command in TRAINING and known is not None:
+        return early.training_problem(
+            argv, saved_help(command, flags_file(command)), saved_help(command, PRESETS_FILE)
+        )
+    return early.missing_images(argv) if command == "hf-vit-predict" else None
 
 
 # One function per command: `hf_vit_cli:finetune` and the others are what [project.scripts] names.

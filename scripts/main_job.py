@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -65,6 +66,20 @@ def estimate_minutes(args: argparse.Namespace) -> float:
     return FIXED_MINUTES + OVERHEAD * sum(step_seconds(size, batch) * steps for size, batch, steps in stages) / 60
 
 
+def machine_load() -> tuple[float | None, int]:
+    """(the machine's load, its 1-minute average of runnable processes: None where the system does not say; the
+    cores this process may use): what the estimate assumes stays as it is while the job runs."""
+    try:
+        load = round(os.getloadavg()[0], 1)
+    except (AttributeError, OSError):  # not on Unix
+        load = None
+    return load, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _load_text(load: float | None, cores: int) -> str:
+    return f"load {load} on {cores} cores" if load is not None else f"{cores} cores"
+
+
 def _duration(minutes: float) -> str:
     return f"{minutes * 60:.0f} seconds" if minutes < 2 else f"{minutes:.0f} minutes"
 
@@ -98,11 +113,11 @@ def main() -> None:
     common += ["--save_strategy", "no", "--crop_scale_min", "0.7", "--logging_steps", "20"]
     common += ["--overwrite_output_dir", "True"]  # the main job's own output folders, rewritten by every run
     common += ["--dataloader_num_workers", "0"]  # as measured for the README; the scripts default to workers
-    estimate = estimate_minutes(args)
+    estimate, load_before = estimate_minutes(args), machine_load()
     print(
         f"The main job{' (quick version)' if quick else ''}: about {_duration(estimate)} on this machine now "
-        f"({torch.get_num_threads()} threads; measured from a few training steps, so a loaded machine gives a "
-        "longer estimate). `make train QUICK=1` runs a short version.",
+        f"({torch.get_num_threads()} threads, {_load_text(*load_before)}; measured from a few training steps at this "
+        "load: other work starting or stopping on the machine changes it). `make train QUICK=1` runs a short version.",
         flush=True,
     )
     started = time.perf_counter()
@@ -127,6 +142,7 @@ def main() -> None:
     write_beside(output / "pretraining_curves.png", (Path(args.pretrain_dir) / "training_curves.png").read_bytes())
     summary = {
         "estimated_minutes": round(estimate, 2),
+        "load_at_estimate": load_before[0],
         "pretrain_test_accuracy_16x16": pretrained["eval_accuracy"],
         "finetune_test_accuracy_24x24": finetuned["eval_accuracy"],
         "pretrain_minutes": round(pretrain_minutes, 2),
@@ -188,11 +204,16 @@ def main() -> None:
         variant_36_test_accuracy_after_short_finetune=variant_ft["eval_accuracy"],
         variant_finetune_steps=args.variant_steps,
         total_minutes=round((time.perf_counter() - started) / 60, 2),
+        load_at_end=machine_load()[0],
     )
     write_beside(output / "main_job.json", json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     # One total: the three stages, as main_job.json has it.
-    print(f"wrote {output}: test accuracy {finetuned['eval_accuracy']:.4f} in {summary['total_minutes']:.1f} minutes")
+    load_after = _load_text(summary["load_at_end"], load_before[1])
+    print(
+        f"wrote {output}: test accuracy {finetuned['eval_accuracy']:.4f} in {summary['total_minutes']:.1f} minutes "
+        f"(estimated {estimate:.1f} at {_load_text(*load_before)}; {load_after} at the end)"
+    )
 
 
 if __name__ == "__main__":

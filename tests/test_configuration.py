@@ -137,3 +137,21 @@ def test_an_image_size_beyond_the_position_limit_is_refused_by_name():
     with pytest.raises(ValueError, match=r"`image_size` \(100000x100000\) at `patch_size` 16 gives 39062500 patch"):
         VisionTransformerConfig(image_size=100000, patch_size=16)
     assert VisionTransformerConfig(image_size=4096, patch_size=16).grid_size == (256, 256)  # exactly the limit
+
+
+def test_config_json_holds_distillation_head_only_with_a_distillation_token(tmp_path):
+    import json
+
+    for token, head in ((False, True), (True, False), (True, True)):
+        folder = tmp_path / f"{token}-{head}"
+        tiny_config(use_distillation_token=token, distillation_head=head).save_pretrained(folder)
+        saved = json.loads((folder / "config.json").read_text())
+        assert ("distillation_head" in saved) == token and saved.get("distillation_head", head) == head
+        loaded = VisionTransformerConfig.from_pretrained(folder)
+        assert (loaded.use_distillation_token, loaded.distillation_head) == (token, head)
+        assert loaded.to_dict() == tiny_config(use_distillation_token=token, distillation_head=head).to_dict()
+    # a config.json written before (with the idle field) still loads, and is written again without it
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps({**saved, "use_distillation_token": False, "distillation_head": True}))
+    assert "distillation_head" not in VisionTransformerConfig.from_pretrained(old).to_dict()

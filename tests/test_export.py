@@ -82,6 +82,9 @@ def test_export_script(tmp_path, capsys):
     done = subprocess.run(script + ["--output", str(tmp_path / "vit.onnx")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "onnxruntime vs PyTorch" in done.stdout and "32x32" in done.stdout and "48x24" in done.stdout
+    # only the command's own lines: no progress of torch's exporter or the weights' loading, no torchvision warnings
+    assert [line.split(" ")[0] for line in done.stdout.splitlines()] == ["wrote", "onnxruntime"], done.stdout
+    assert done.stderr == "", done.stderr
     flags = ["--model", str(tmp_path / "model")]
     assert main(flags + ["--format", "torch_export", "--output", str(tmp_path / "vit.pt2")]) == 0
     loaded = torch.export.load(tmp_path / "vit.pt2").module()

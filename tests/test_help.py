@@ -105,6 +105,75 @@ def test_a_typo_in_a_flag_or_a_path_is_told_before_the_package_loads(command, ar
     assert line.startswith("error: ") and said in line, line
 
 
+@pytest.mark.parametrize(
+    "command, argv, said",
+    [
+        ("pretrain", ["--preset", "vit-tny-patch16-224"], "--preset vit-tny-patch16-224: no such preset; did you mean "
+         "vit-tiny-patch16-224?"),
+        ("pretrain", ["--preset", "vit-tiny-patch16-22"], "its resolution 22 is not a multiple of its patch size 16; "
+         "did you mean vit-tiny-patch16-224?"),
+        ("finetune", ["--model_name_or_path", "run/checkpoint-9"], "--model_name_or_path run/checkpoint-9: no such"),
+        ("pretrain", ["--learning_rate", "3e"], "--learning_rate 3e: not a number"),
+        ("pretrain", ["--keep_head", "maybe"], "--keep_head maybe: not True or False"),
+        ("pretrain", ["--optim", "adamw"], "--optim adamw: did you mean adamw_torch?"),
+        ("predict", ["--model", "run", "cat.jpg", "photos"], "no such image file or folder: cat.jpg."),
+        ("pretrain", ["--packed_sequence_length", "64"], "--packed_sequence_length packs native-aspect images: give "
+         "--max_num_patches"),
+        ("pretrain", ["--output_dir", "notes"], "--output_dir notes is not empty (it holds todo.txt). Pass "
+         "--overwrite_output_dir True"),
+        ("finetune", ["--model_name_or_path", "run", "--image_size", "63"], "--image_size 63 is not a multiple of the "
+         "patch size 4 (--model_name_or_path run)"),
+        ("pretrain", ["--image_size", "63"], "(--preset vit-tiny-patch16-224) in both height and width: use e.g. "
+         "--image_size 64"),
+        ("pretrain", ["--preset", "r50-vit-small-patch16-224", "--patch_size", "8", "--image_size", "20"],
+         "patch size 8 (--patch_size)"),
+        ("pretrain", ["--dataset_name", "cats"], "--dataset_name cats: cats holds one class folder (tabby)"),
+    ],
+)  # fmt: skip
+def test_what_needs_no_torch_is_told_before_torch_loads(tmp_path, command, argv, said):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text('{"patch_size": 4}')
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    (tmp_path / "cats" / "tabby").mkdir(parents=True)
+    (tmp_path / "cats" / "tabby" / "a.png").write_bytes(b"")
+    probe = (
+        "import sys, hf_vit_cli\n"
+        "sys.modules['torch'] = None  # importing torch fails\n"
+        f"sys.argv = ['hf-vit-{command}', *{argv!r}]\n"
+        f"code = hf_vit_cli.{command}()\n"
+        "print('imported:', sorted(m for m in ('transformers', 'hf_vit') if m in sys.modules), code)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.stdout == "imported: [] 2\n", done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: ") and said in line, line
+
+
+def test_what_is_right_is_not_refused_before_the_package_loads(tmp_path, monkeypatch):
+    from hf_vit_cli import early_problem
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "config.json").write_text("{}")
+    (tmp_path / "out" / "checkpoint-2").mkdir()
+    (tmp_path / "images" / "a").mkdir(parents=True)
+    (tmp_path / "images" / "b").mkdir()
+    for argv in (
+        ["--preset", "vit-base-patch16-384", "--image_size", "64", "32", "--learning_rate", "3e-4", "--keep_head"],
+        ["--preset", "r50-vit-small-patch16-224", "--keep_head", "no", "--optim", "sgd", "--cutmix_minmax", ".2", "1"],
+        ["--output_dir", "out", "--overwrite_output_dir"],
+        ["--output_dir", "out", "--resume_from_checkpoint", "True", "--dataset_name", "images"],
+        ["--preset", "vit-tiny-patch16-22", "--image_size", "32", "--max_num_patches", "4", "--packed_sequence_length",
+         "8"],
+    ):  # fmt: skip
+        assert early_problem("hf-vit-pretrain", argv) is None, argv
+    assert "--overwrite_output_dir True" in early_problem("hf-vit-pretrain", ["--output_dir", "out"])
+    assert "--resume_from_checkpoint True" in early_problem("hf-vit-pretrain", ["--output_dir", "out"])
+    assert early_problem("hf-vit-predict", ["--model", "out", "images", "--top_k", "3"]) is None
+
+
 @pytest.mark.parametrize("command", ["hf-vit-pretrain", "hf-vit-finetune"])
 def test_the_saved_flag_lists_are_every_flag_the_training_commands_take(command):
     from hf_vit.commands.help import all_flags
@@ -113,3 +182,19 @@ def test_the_saved_flag_lists_are_every_flag_the_training_commands_take(command)
     saved = (HELP_FOLDER / flags_file(command)).read_text(encoding="utf-8")
     assert saved == all_flags(command), "run `python -m hf_vit.commands.help` to write the flag lists again"
     assert {"--learning_rate", "--local-rank", "--dataset_name", "--hflip"} <= set(saved.split())
+
+
+def test_a_hub_id_the_offline_cache_lacks_is_told_before_the_package_loads(tmp_path, monkeypatch):
+    from hf_vit_cli import early_problem
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    (tmp_path / "hub" / "models--google--vit-base-patch16-224").mkdir(parents=True)
+    said = early_problem("hf-vit-finetune", ["--model_name_or_path", "my-run"])
+    assert said.startswith("--model_name_or_path my-run: no such folder, and with HF_HUB_OFFLINE=1 a Hub model"), said
+    assert "datasets--" not in said and early_problem("hf-vit-pretrain", ["--dataset_name", "digits"]) is None
+    assert "Hub dataset" in early_problem("hf-vit-pretrain", ["--dataset_name", "someone/images"])
+    assert early_problem("hf-vit-finetune", ["--model_name_or_path", "google/vit-base-patch16-224"]) is None  # cached
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online: the Hub answers for it
+    assert early_problem("hf-vit-finetune", ["--model_name_or_path", "my-run"]) is None

@@ -44,6 +44,8 @@ def test_the_job_prints_one_total_time_that_counts_every_stage(tmp_path, monkeyp
     monkeypatch.setattr(job, "time", Clock())
     monkeypatch.setattr(job, "train", train)
     monkeypatch.setattr(job, "estimate_minutes", lambda args: 1.0)
+    loads = iter([(0.5, 2), (3.4, 2)])  # the load when the estimate is made, and at the end
+    monkeypatch.setattr(job, "machine_load", lambda: next(loads))
     monkeypatch.setattr(job, "write_model_card", lambda *args, **kwargs: None)
     monkeypatch.setattr(job, "write_analysis_figures", lambda *args, **kwargs: None)
     monkeypatch.setattr(job, "make_evaluated_variant", lambda *args, **kwargs: {"eval_accuracy": 0.4})
@@ -55,6 +57,9 @@ def test_the_job_prints_one_total_time_that_counts_every_stage(tmp_path, monkeyp
                                       "--pretrain_dir", str(tmp_path / "pretrain")])  # fmt: skip
     job.main()
     recorded = json.loads((out / "main_job.json").read_text())
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.endswith(f"in {recorded['total_minutes']:.1f} minutes"), (last, recorded)
+    printed = capsys.readouterr().out.strip().splitlines()
+    first, last = printed[0], printed[-1]
+    assert "about 60 seconds on this machine now" in first and "load 0.5 on 2 cores; measured" in first, first
+    assert f"in {recorded['total_minutes']:.1f} minutes (estimated 1.0 at load 0.5 on 2 cores; load 3.4" in last
+    assert (recorded["load_at_estimate"], recorded["load_at_end"]) == (0.5, 3.4)
     assert recorded["total_minutes"] > recorded["pretrain_minutes"] + recorded["finetune_minutes"]  # stage 3 too

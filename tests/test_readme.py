@@ -3,6 +3,7 @@ that needs no Hub access, with tiny stand-ins for the files they name (a photo, 
 and tiny widths for the presets they build."""
 
 import re
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -94,3 +95,17 @@ def test_the_first_hour_after_the_quick_job():
     )
     assert "--index-url https://download.pytorch.org/whl/cpu" in readme
     assert "TORCH_INDEX" in (ROOT / "Makefile").read_text()
+
+
+def test_make_test_takes_files_and_pytest_arguments_and_setup_asks_a_torch_index_once():
+    readme, constraints = (ROOT / "README.md").read_text(), (ROOT / "constraints.txt").read_text()
+    make = ["make", "--no-print-directory", "-n", "-B"]
+    run = subprocess.run([*make, "test", "TESTS=tests/test_x.py", "PYTEST_ARGS=-k name"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert run.stdout.strip().splitlines()[-1].endswith("-m pytest -q -n 2 --dist loadfile -k name tests/test_x.py")
+    assert 'make test TESTS=tests/test_data.py PYTEST_ARGS="-k corrupt"' in readme
+    # torch alone from TORCH_INDEX, asked once; the README and constraints.txt say the same of the pin
+    setup = subprocess.run([*make, "setup", "TORCH_INDEX=https://example.invalid/whl"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "--no-deps --retries 0 --timeout 30 --index-url https://example.invalid/whl" in setup
+    assert "pins the version, not\n# the build" in constraints and "pins torch's version,\nnot its build" in readme

@@ -18,6 +18,7 @@ from transformers import TrainerCallback
 from hf_vit.data.augment.mixing import (
     Mixing,
     cutmix_box,
+    draw_lambda,
     mix_batch,
     mixing_seed,
     smooth_targets,
@@ -300,6 +301,40 @@ def test_cutmix_of_native_aspect_batches_cuts_whole_patches_on_each_images_grid(
             assert targets[image, labels[partner]].item() == pytest.approx(share)
             assert targets[image, labels[image]].item() == pytest.approx(1 - share)
     assert cut > 20  # most draws cut something
+
+
+def test_mixup_of_native_aspect_batches_blends_each_pixel_with_a_pixel_of_the_partner_never_padding():
+    # the issue's case: a 4x4 grid of ones mixed with a 2x4 grid of twos (padded to 16 slots), and two more images
+    grids = [(4, 4), (1, 5), (3, 2), (2, 4)]
+    images = [torch.rand(rows, cols, 12, generator=torch.Generator().manual_seed(i)) for i, (rows, cols) in
+              enumerate(grids)]  # fmt: skip
+    images[0], images[3] = torch.ones(4, 4, 12), torch.full((2, 4, 12), 2.0)
+    patches = torch.zeros(len(grids), 16, 12)
+    for index, image in enumerate(images):
+        patches[index, : image.shape[0] * image.shape[1]] = image.flatten(0, 1)
+    labels = torch.arange(len(grids))
+    mixing = Mixing(num_classes=4, mixup_alpha=0.8, label_smoothing=0.0)
+    mixed, targets, lam_mean = mix_batch(patches, labels, mixing, np.random.default_rng(5), torch.tensor(grids))
+    lam, _ = draw_lambda(mixing, np.random.default_rng(5))
+    assert 0 < lam < 1
+    lams = []
+    for index, (rows, cols) in enumerate(grids):
+        partner = images[len(grids) - 1 - index]
+        expected = images[index].clone()  # each grid place: blended where the partner has that place, else its own
+        for row in range(rows):
+            for col in range(cols):
+                if row < partner.shape[0] and col < partner.shape[1]:
+                    expected[row, col] = lam * images[index][row, col] + (1 - lam) * partner[row, col]
+        torch.testing.assert_close(mixed[index, : rows * cols], expected.flatten(0, 1))
+        assert torch.equal(mixed[index, rows * cols :], patches[index, rows * cols :])  # the padding stays padding
+        blended = min(rows, partner.shape[0]) * min(cols, partner.shape[1])
+        lams.append(1 - (1 - lam) * blended / (rows * cols))
+        assert targets[index, index].item() == pytest.approx(lams[-1])
+        assert targets[index, len(grids) - 1 - index].item() == pytest.approx(1 - lams[-1])
+    # 8 of image 0's 16 patches blended (ones with twos: 1 * lam + 2 * (1 - lam)), 8 kept; none with padding (lam)
+    values = mixed[0, :16, 0]
+    assert (values == 1.0).sum() == 8 and torch.allclose(values[:8], torch.tensor(2 - lam))
+    assert targets[0, 3].item() == pytest.approx((1 - lam) / 2) and lam_mean == pytest.approx(sum(lams) / 4)
 
 
 def test_mixing_is_reproducible_per_seed_and_switches():

@@ -509,6 +509,21 @@ def test_a_corrupt_evaluation_image_stops_the_run_before_training(tmp_path):
     assert not (out / "model.safetensors").exists() and not list(out.glob("checkpoint-*"))
 
 
+def test_every_unreadable_training_image_is_named_before_training_one_line_each(tmp_path):
+    data = split_image_folder(tmp_path / "data", broken_split="train")
+    (data / "train" / "cat" / "notes.jpg").write_text("not an image")
+    (data / "train" / "cat" / "empty.png").write_bytes(b"")
+    out = tmp_path / "out"
+    with pytest.raises(CorruptImageError) as info:
+        train("pretrain", *tiny_pretrain(out, "--dataset_name", str(data)))
+    head, *lines = str(info.value).splitlines()
+    assert head.startswith("3 image(s) cannot be read") and "--no_check_eval_images" in head
+    expected = {data / "train" / name for name in ("dog/broken.png", "cat/notes.jpg", "cat/empty.png")}
+    assert {Path(line.strip().removeprefix("train: ").split(": ")[0]) for line in lines} == expected
+    assert all(line.endswith(": not an image file PIL can read") for line in lines), lines
+    assert " object at 0x" not in str(info.value) and not (out / "model.safetensors").exists()
+
+
 def test_the_model_is_saved_before_the_final_evaluation(tmp_path):
     data = split_image_folder(tmp_path / "data", broken_split="test")
     out = tmp_path / "out"
@@ -1000,6 +1015,42 @@ def test_flags_without_effect_get_one_warning_line_naming_them(tmp_path, caplog,
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and "\n" not in warned[0] and "no effect" in warned[0], warned
     assert all(flag in warned[0] for flag in named)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--keep_head", "True", "--representation_size", "16"], "--representation_size asks for a new one"),
+        (["--preset", "vit-base-patch16-224"], "--preset vit-base-patch16-224 names an architecture to pretrain"),
+    ],
+)
+def test_finetuning_refuses_model_flags_it_cannot_honour(tmp_path, flags, message):
+    args = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(tmp_path / "pre"), *flags, *QUIET]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_args("finetune", args)
+
+
+def test_interpolation_without_a_resampling_gets_one_warning_line(tmp_path, caplog):
+    source = str(pretrained_folder(tmp_path / "pre"))
+    with caplog.at_level("WARNING", logger="hf_vit"):
+        load_for_finetuning(source, {0: "a", 1: "b"}, interpolation="bilinear")  # the checkpoint's own size
+        load_for_finetuning(source, {0: "a", 1: "b"}, image_size=16, interpolation="bilinear")  # resampled
+        load_for_finetuning(source, {0: "a", 1: "b"})  # not given
+        parse_args("pretrain", ["--output_dir", str(tmp_path / "out"), "--interpolation", "bilinear", *QUIET])
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and all("--interpolation" in line and "no effect" in line for line in warned), warned
+    assert "keeps" in warned[0] and "(8x8, patch 4)" in warned[0] and "from scratch" in warned[1]
+
+
+def test_a_preset_at_a_resolution_the_paper_does_not_use_gets_one_warning_line(caplog):
+    from hf_vit.tasks.model_setup import ModelSettings, config_from_preset
+
+    with caplog.at_level("WARNING", logger="hf_vit"):
+        assert config_from_preset(ModelSettings(preset="vit-tiny-patch16-32")).image_size == 32  # a typo of 320?
+        config_from_preset(ModelSettings(preset="vit-tiny-patch16-384"))
+        config_from_preset(ModelSettings(preset="vit-tiny-patch16-32", image_size=[64]))  # a size given on purpose
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "--preset vit-tiny-patch16-32 builds the model at 32x32, a resolution the paper does not use" in line
 
 
 def test_flags_with_effect_are_not_warned_about(tmp_path, caplog):

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as transformers_logging
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerModel
 from hf_vit.commands import CommandParser
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             f"error: {args.output} exists; choose another --output or pass --overwrite to replace it.", file=sys.stderr
         )
         return 2
+    transformers_logging.disable_progress_bar()  # the weights' loading bar: the command prints only its own lines
     try:
         config = VisionTransformerConfig.from_pretrained(args.model)
         is_classifier = any("ForImageClassification" in name for name in (config.architectures or []))

@@ -142,19 +142,38 @@ def _wrap(line: str) -> str:
 
 
 def all_flags(command: str) -> str:
-    """Every flag a training command takes (Trainer's among them), one a line: what `hf_vit_cli` checks the command
-    line against before the package is imported."""
+    """Every flag a training command takes (Trainer's among them), one a line with the kind of value it takes
+    (`value_kind`): what `hf_vit_cli` checks the command line against before the package is imported."""
     from ..train.arguments import build_parser
 
     parser = build_parser(TRAINING[command][0])
-    return "".join(f"{option}\n" for option in sorted({o for a in parser._actions for o in a.option_strings}))
+    kinds = {option: value_kind(action) for action in parser._actions for option in action.option_strings}
+    return "".join(f"{option} {kinds[option]}\n".rstrip() + "\n" for option in sorted(kinds))
+
+
+def value_kind(action: argparse.Action) -> str:
+    """The values a flag takes, as the flag lists write it: `int`, `float`, `bool` (a word such as True or no),
+    `choice:a|b|c`, or nothing (any text, or no value); `+` after it for a flag that takes several."""
+    from transformers.hf_argparser import string_to_bool
+
+    if action.nargs == 0:
+        return ""
+    if action.choices:
+        kind = "choice:" + "|".join(str(choice) for choice in action.choices)
+    else:
+        kind = {int: "int", float: "float", string_to_bool: "bool"}.get(action.type, "")
+    return kind + ("+" if kind and action.nargs not in (None, "?") else "")
 
 
 def presets_text() -> str:
     """What `--list_presets` prints: each architecture `--preset` names, with its size."""
     from ..model.configuration_vit import VisionTransformerConfig
+    from ..train.arguments import ModelArguments
 
-    lines = ["The architectures --preset names (hf-vit-pretrain --preset NAME builds one from scratch):"]
+    default = ModelArguments.__dataclass_fields__["preset"].default
+    lines = [
+        f"The architectures --preset names (hf-vit-pretrain --preset NAME builds one from scratch; default {default}):"
+    ]
     for name in VisionTransformerConfig.preset_names():
         config = VisionTransformerConfig.from_preset(name)
         stem = f", ResNet stem {'-'.join(map(str, config.resnet_layers))}" if config.resnet_layers else ""

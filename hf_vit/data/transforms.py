@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,8 +111,26 @@ def decode_image(image: Any, index: int | None = None) -> PIL.Image.Image | np.n
             decoded = open_image(data if data is not None else path)
     except (ValueError, OSError) as err:
         cause = err.__cause__ if isinstance(err.__cause__, Exception) else err  # PIL's own error, not our wrapper
-        raise CorruptImageError(f"Cannot decode image {source}{where}: {cause}") from cause
+        reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(cause))  # PIL names its buffer
+        raise CorruptImageError(f"Cannot decode image {source}{where}: {reason}") from cause
     return _checked_pixels(decoded, f"{source}{where}")
+
+
+def header_problem(image: Any) -> str | None:
+    """What is wrong with a data set image (`{"path", "bytes"}` dict) that its header tells, its pixels undecoded:
+    one line naming the file, or None (also for images the header cannot tell about: remote files, decoded pixels)."""
+    if not isinstance(image, Mapping) or (image.get("bytes") is None and "://" in str(image.get("path"))):
+        return None
+    path, data = image.get("path"), image.get("bytes")
+    source = path or f"{len(data or b'')} bytes of image data"
+    try:
+        with PIL.Image.open(io.BytesIO(data) if data is not None else path) as opened:
+            width, height = opened.size
+    except PIL.UnidentifiedImageError:
+        return f"{source}: not an image file PIL can read"
+    except (OSError, ValueError) as error:
+        return f"{source}: {getattr(error, 'strerror', None) or error}"
+    return f"{source}: has no pixels ({width}x{height})" if not width or not height else None
 
 
 def _checked_pixels(image: Any, source: str) -> Any:

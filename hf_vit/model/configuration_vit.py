@@ -348,6 +348,15 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
                 + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ".")
             )
 
+    def to_dict(self) -> dict[str, Any]:
+        """transformers' dict of the config (what config.json holds), less `distillation_head` where there is no
+        distillation token for it to act on: a plain ViT's file names only what the model uses (read back, the field
+        takes its default)."""
+        output = super().to_dict()
+        if not self.use_distillation_token:
+            output.pop("distillation_head", None)
+        return output
+
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """transformers' reading of `config.json`, with the checkpoints users have converted on the way (transformers'

@@ -21,6 +21,8 @@ from ..model.resolution import image_size_field
 
 logger = logging.getLogger(__name__)
 
+# The resolutions the paper trains at: 224 (pre-training), 384, 512 and 518 (fine-tuning, Table 2).
+PAPER_RESOLUTIONS = (224, 384, 512, 518)
 # Fields a checkpoint takes as they are given: they change how it trains, not the shapes of its weights.
 TRAINING_FIELDS = (
     "hidden_dropout_prob",
@@ -43,7 +45,7 @@ class ModelSettings:
     representation_size: int | None = None
     drop_path_rate: float | None = None
     hidden_dropout_prob: float | None = None
-    interpolation: str = "bicubic"
+    interpolation: str | None = None  # None: not given (bicubic)
     keep_head: bool = False
     attn_implementation: str = "sdpa"
 
@@ -129,6 +131,13 @@ def config_from_preset(model: ModelSettings, **fields: Any) -> VisionTransformer
     fields = {**requested_fields(model), **fields}
     attention = model.attn_implementation or "sdpa"
     config = VisionTransformerConfig.from_preset(model.preset, attn_implementation=attention, **fields)
+    resolution = int(model.preset.rsplit("-", 1)[-1])
+    if "image_size" not in fields and resolution not in PAPER_RESOLUTIONS:
+        logger.warning(
+            "--preset %s builds the model at %dx%d, a resolution the paper does not use (%s): if that is a typo, fix "
+            "it; --image_size sets a resolution without this warning.",
+            model.preset, resolution, resolution, ", ".join(map(str, PAPER_RESOLUTIONS)),
+        )  # fmt: skip
     config.validate_architecture()
     return config
 
@@ -274,7 +283,7 @@ def load_checkpoint(
     keep_head: bool = False,
     image_size: int | list[int] | None = None,
     representation_size: int | None = None,
-    interpolation: str = "bicubic",
+    interpolation: str | None = None,
     attn_implementation: str = "sdpa",
     refuse: dict[str, Any] | None = None,
     names: dict[int, str] | None = None,
@@ -287,7 +296,8 @@ def load_checkpoint(
       linear layer for those classes, as the paper fine-tunes (after a new pre-logits layer of `representation_size`,
       if given); `keep_head=True` keeps the checkpoint's head instead, and then the classes must be the checkpoint's.
       Without `id2label` the model is the checkpoint's as it is (masked patch prediction, a classifier continued);
-    * `image_size`: another size resamples the position embeddings in 2D (`interpolation`) from the checkpoint's;
+    * `image_size`: another size resamples the position embeddings in 2D (`interpolation`, default bicubic) from the
+      checkpoint's; an `interpolation` given where nothing is resampled gets one warning line;
     * `refuse`: fields the flags ask for that would change the shapes of the weights (a width, a depth...); any that
       differs from the checkpoint's is refused in one line that names it, rather than ignored. Its `patch_size` (the
       `--patch_size` flag) is taken instead: the patch embedding is resampled to it (FlexiViT's pseudo-inverse resize)
@@ -313,6 +323,11 @@ def load_checkpoint(
         )
     new_size = image_size is not None and image_size_field(image_size) != image_size_field(config.image_size)
     new_patch = patch_size is not None and patch_size != config.patch_size
+    if not (new_size or new_patch) and interpolation is not None:
+        warn_idle(["interpolation"], f"{{flags}} resamples position embeddings to another --image_size or "
+                  f"--patch_size, but this run keeps {path}'s ({'x'.join(map(str, config.image_hw))}, patch "
+                  f"{config.patch_size}): it has no effect.")  # fmt: skip
+    interpolation = interpolation or "bicubic"
     if new_size or new_patch:
         old_size, old_grid, old_patch = tuple(config.image_hw), config.grid_size, config.patch_size
         try:

@@ -117,9 +117,11 @@ class ModelArguments:
     )
     drop_path_rate: float | None = field(default=None, metadata={"help": "Stochastic depth rate."})
     hidden_dropout_prob: float | None = field(default=None, metadata={"help": "Dropout rate."})
-    interpolation: str = field(
-        default="bicubic", metadata={"help": "Resampling of position embeddings: bicubic or bilinear."}
-    )
+    interpolation: str | None = field(
+        default=None,
+        metadata={"help": "Resampling of a checkpoint's position embeddings to another size: bicubic or bilinear "
+                  "(None: bicubic)."},
+    )  # fmt: skip
     keep_head: bool = field(
         default=False,
         metadata={"help": "Keep the checkpoint's head (same classes) instead of a new zero-initialised head."},
@@ -181,7 +183,7 @@ class ModelArguments:
             dropout=self.lora_dropout,
             target_modules=self.lora_target_modules,
             base=self.model_name_or_path,
-            interpolation=self.interpolation,
+            interpolation=self.interpolation or "bicubic",
         )
 
 
@@ -379,8 +381,9 @@ class VisionTransformerTrainingArguments(TrainingArguments):
     check_eval_images: bool = field(
         default=True,
         metadata={
-            "help": "Decode every validation and test image once before training, so that a corrupt one stops the "
-            "run in seconds instead of at the first evaluation."
+            "help": "Decode every validation and test image once and read every training image's header before "
+            "training, so that unreadable files stop the run in seconds, all named at once, instead of when their "
+            "batch comes."
         },
     )
     recipe: str | None = field(
@@ -507,6 +510,7 @@ def parse_args(
         batch = training_args.per_device_train_batch_size * training_args.world_size
         training_args.learning_rate = scaled_learning_rate(recipe, batch * training_args.gradient_accumulation_steps)
     check_recipe_flags(model_args, data_args, training_args, passed)
+    check_model_flags(task, model_args, passed)
     check_packing_flags(model_args.objective, data_args, training_args)
     check_flexible_flags(data_args, training_args)
     if not training_args.do_train:
@@ -598,6 +602,29 @@ def check_idle_flags(model_args: ModelArguments, data_args: DataArguments, passe
             "has no effect.",
         )
     return idle
+
+
+def check_model_flags(task: str, model_args: ModelArguments, passed: set[str]) -> None:
+    """Refuse, by name, model flags a run cannot honour; warn (one line) about those without effect on it. (A
+    checkpoint's size, where `--interpolation` matters, is known when it loads: `load_checkpoint` says it there.)"""
+    checkpoint = model_args.model_name_or_path
+    if task == "finetune" and "preset" in passed:
+        raise ValueError(
+            f"--preset {model_args.preset} names an architecture to pretrain from scratch (hf-vit-pretrain); "
+            "fine-tuning keeps --model_name_or_path's architecture. Drop --preset (--image_size and --patch_size "
+            "resample a checkpoint)."
+        )
+    if task == "finetune" and model_args.keep_head and "representation_size" in passed:
+        raise ValueError(
+            "--keep_head keeps the checkpoint's head, but --representation_size asks for a new one: drop --keep_head "
+            "to train a new head, or drop --representation_size."
+        )
+    if checkpoint and "preset" in passed:
+        warn_idle(["preset"], f"{{flags}}: this run continues --model_name_or_path {checkpoint} (its architecture), "
+                  "so it has no effect.")  # fmt: skip
+    if not checkpoint and "interpolation" in passed:
+        warn_idle(["interpolation"], "{flags} resamples a checkpoint's position embeddings, but this run builds "
+                  "--preset from scratch: it has no effect.")  # fmt: skip
 
 
 def check_packing_flags(objective: str, data_args: DataArguments, training_args: TrainingArguments) -> None:

@@ -23,7 +23,15 @@ from transformers import TrainingArguments
 
 from ..data.datasets import DataSource, load_datasets, split_record
 from ..data.packed_batches import PADDING_SAMPLE_IMAGES, PackedBatchSampler, padding_line, training_patches
-from ..data.transforms import Augmentation, BatchSizes, check_image_channels, decode_rgb, rows_and_transform
+from ..data.transforms import (
+    Augmentation,
+    BatchSizes,
+    CorruptImageError,
+    check_image_channels,
+    decode_rgb,
+    header_problem,
+    rows_and_transform,
+)
 from ..flags import exit_on_error, parse_sizes, warn_idle
 from ..infer.compute_dial import compute_dial_after_training
 from ..infer.evaluate import evaluate_checkpoint
@@ -406,15 +414,33 @@ def write_outputs(trainer, run: Run, training_args: TrainingArguments, metrics: 
 
 
 def check_eval_images(raw) -> None:
-    """Decode every image of the evaluation splits once, so a corrupt file stops the run before training."""
-    for split in ("validation", "test"):
+    """Before training, decode every image of the evaluation splits once and read every training image's header (its
+    pixels are decoded when its batches come), so that unreadable files stop the run at once, all of them named, one
+    line each."""
+    problems = []
+    for split in ("train", "validation", "test"):
         data = raw.get(split)
         if data is None or isinstance(data, datasets.IterableDataset):
             continue
         undecoded = data.cast_column("image", datasets.Image(decode=False))
         for start in range(0, len(undecoded), 256):
-            for offset, image in enumerate(undecoded[start : start + 256]["image"]):
-                decode_rgb(image, start + offset)
+            for image in undecoded[start : start + 256]["image"]:
+                problem = header_problem(image) if split == "train" else decoding_problem(image)
+                problems += [f"{split}: {problem}"] if problem else []
+    if problems:
+        raise CorruptImageError(
+            f"{len(problems)} image(s) cannot be read; fix or remove them (--no_check_eval_images skips this "
+            "check):\n  " + "\n  ".join(problems)
+        )
+
+
+def decoding_problem(image) -> str | None:
+    """`decode_rgb`'s error for `image` as one line, or None when it decodes."""
+    try:
+        decode_rgb(image)
+    except CorruptImageError as error:
+        return str(error).replace("\n", " ")
+    return None
 
 
 def main(task: str, argv: list[str] | None = None, parsed: tuple | None = None) -> dict[str, Any]:

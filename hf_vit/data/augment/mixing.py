@@ -15,7 +15,9 @@ and image `N-1-i` share (the smaller rows and columns of the two, from the top l
 `cutmix_minmax`) as above but rounded to whole patches (a grid has few: flooring would leave most boxes empty), the
 box of `lam` centred on a random patch; the partner's patches at the same grid places replace `i`'s, and `i`'s `lam`
 is corrected to the share of its own patches the box leaves. Each image draws its own box, so the targets are mixed
-per image.
+per image. Mixup there blends, on the same shared grid, image `i`'s patches with the partner's at the same grid places
+(`lam * x + (1 - lam) * partner`); `i`'s patches outside it and its padding are kept, so no pixel is blended with
+padding, and `i`'s `lam` becomes `1 - (1 - lam) * shared patches / its patches`, the share of it that stayed its own.
 
 The targets are mixed with the same `lam`: `lam * y + (1 - lam) * y.flip(0)`, where `y` is the one-hot (or for
 multi-label data the multi-hot) target with label smoothing `s`: `1 - s + s / C` for a class of the image, `s / C`
@@ -145,11 +147,14 @@ def mix_batch(
     lam, use_cutmix = draw_lambda(mixing, rng)
     if lam == 1.0:
         return pixel_values, targets, 1.0
-    flipped = pixel_values.flip(0)
-    if use_cutmix and spatial_shapes is not None:
-        pixel_values, lams = cutmix_patches(pixel_values, spatial_shapes, lam, rng, mixing.cutmix_minmax)
+    if spatial_shapes is not None:
+        if use_cutmix:
+            pixel_values, lams = cutmix_patches(pixel_values, spatial_shapes, lam, rng, mixing.cutmix_minmax)
+        else:
+            pixel_values, lams = mixup_patches(pixel_values, spatial_shapes, lam)
         lams = lams.to(targets.device)[:, None]
         return pixel_values, targets * lams + targets.flip(0) * (1.0 - lams), float(lams.mean())
+    flipped = pixel_values.flip(0)
     if use_cutmix:
         (top, bottom, left, right), lam = cutmix_box(*pixel_values.shape[-2:], lam, rng, mixing.cutmix_minmax)
         pixel_values = pixel_values.clone()
@@ -177,6 +182,16 @@ def patch_box(
     return max(top, 0), min(top + side_h, rows), max(left, 0), min(left + side_w, cols)
 
 
+def grid_slots(
+    box: tuple[int, int, int, int], cols: int, other_cols: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The patch slots of the grid places in `box` (top, bottom, left, right) in an image `cols` wide and in its
+    partner, `other_cols` wide (each image's patches are laid out row by row of its own grid)."""
+    top, bottom, left, right = box
+    rows, columns = torch.arange(top, bottom)[:, None], torch.arange(left, right)[None, :]
+    return (rows * cols + columns).flatten().to(device), (rows * other_cols + columns).flatten().to(device)
+
+
 def cutmix_patches(
     patches: torch.Tensor,
     spatial_shapes: torch.Tensor,
@@ -194,11 +209,28 @@ def cutmix_patches(
         top, bottom, left, right = patch_box(min(rows, other_rows), min(cols, other_cols), lam, rng, minmax)
         if bottom <= top or right <= left:
             continue
-        places = torch.arange(top, bottom)[:, None], torch.arange(left, right)[None, :]
-        own = (places[0] * cols + places[1]).flatten().to(patches.device)
-        theirs = (places[0] * other_cols + places[1]).flatten().to(patches.device)
+        own, theirs = grid_slots((top, bottom, left, right), cols, other_cols, patches.device)
         mixed[image, own] = partner[image, theirs]
         lams[image] = 1.0 - own.numel() / (rows * cols)
+    return mixed, lams
+
+
+def mixup_patches(
+    patches: torch.Tensor, spatial_shapes: torch.Tensor, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixup of a native-aspect batch (see the module docstring): (the patches [N, K, P*P*C], each image's patches on
+    the grid it shares with image `N-1-i` blended with the partner's at the same grid places, each image's lam [N])."""
+    grids = [(int(rows), int(cols)) for rows, cols in spatial_shapes.tolist()]
+    mixed, partner = patches.clone(), patches.flip(0)
+    lams = torch.ones(len(grids))
+    for image, (rows, cols) in enumerate(grids):
+        other_rows, other_cols = grids[len(grids) - 1 - image]
+        shared_rows, shared_cols = min(rows, other_rows), min(cols, other_cols)
+        if shared_rows * shared_cols == 0:
+            continue
+        own, theirs = grid_slots((0, shared_rows, 0, shared_cols), cols, other_cols, patches.device)
+        mixed[image, own] = lam * patches[image, own] + (1.0 - lam) * partner[image, theirs]
+        lams[image] = 1.0 - (1.0 - lam) * own.numel() / (rows * cols)
     return mixed, lams
 
 
