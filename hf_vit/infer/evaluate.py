@@ -24,6 +24,8 @@ import torch
 from ..data.datasets import (
     SPLIT_FIELDS,
     DataSource,
+    file_digest,
+    image_folder_root,
     label_names,
     load_datasets,
     local_data_set_fingerprint,
@@ -55,9 +57,16 @@ class EvaluationSplit:
 
 
 def _same_data_set(splits: dict[str, Any], dataset_name: str) -> bool:
-    """Whether `dataset_name` is the data set a run's record describes: the same local folder (by its path's digest),
-    or the same name of digits or a Hub data set."""
-    fingerprint = local_data_set_fingerprint(dataset_name)
+    """Whether `dataset_name` is the data set a run's record describes: an image folder holding one of the images the
+    run held out (by its path in the folder and its bytes, wherever the folder is now), the same `save_to_disk` folder
+    (by its path's digest), or the same name of digits or a Hub data set."""
+    root, images = image_folder_root(dataset_name), splits.get("images")
+    if isinstance(images, dict):
+        held_out = [item for split, names in images.items() if split != "train" for item in names.items()]
+        return root is not None and any(
+            (root / name).is_file() and file_digest(root / name) == digest for name, digest in held_out
+        )
+    fingerprint = local_data_set_fingerprint(dataset_name)  # (an image folder's too, in records written before)
     if splits.get("dataset_path_sha256") or fingerprint:
         return fingerprint == splits.get("dataset_path_sha256")
     return splits.get("dataset_name") == dataset_name
@@ -66,9 +75,10 @@ def _same_data_set(splits: dict[str, Any], dataset_name: str) -> bool:
 def recorded_source(model: str | os.PathLike, source: DataSource, given: dict[str, Any] | None = None) -> DataSource:
     """`source` with its splits made as the run that trained `model` made them (the run's record in its folder,
     `hf_vit.outputs.run_record`), when `source` names the data set of that run: "validation" is then the images the
-    run held out (its `--validation_split`, or the share of train it carved out, in memory or from a stream), never
-    images it trained on. `given`: the split flags a user passed (name -> value, None for not passed); one that
-    contradicts the record is refused by name. Without a record, or for another data set, `source` as it is."""
+    run held out (an image folder's by their paths and bytes, wherever it moved; else its `--validation_split`, or the
+    share of train it carved out, in memory or from a stream), never images it trained on. `given`: the split flags a
+    user passed (name -> value, None for not passed); one that contradicts the record is refused by name. Without a
+    record, or for another data set, `source` as it is."""
     record = read_record(model) if Path(model).is_dir() else None
     splits = record.get("splits") if record else None
     if not isinstance(splits, dict) or not _same_data_set(splits, source.dataset_name):
@@ -81,6 +91,8 @@ def recorded_source(model: str | os.PathLike, source: DataSource, given: dict[st
                 f"--{flag} {fields[flag]} (its record {RUN_RECORD_FILE}), so another value would measure images it "
                 f"did not hold out. Leave --{flag} out: the run's splits are used."
             )
+    if "images" in splits:  # the run's images themselves, read in memory
+        return dataclasses.replace(source, **{**fields, "streaming": False}, recorded_images=splits["images"])
     if fields.get("streaming"):
         logger.warning(
             "%s trained on a stream of %s: its splits are read as the run read them (validation: %s).",
