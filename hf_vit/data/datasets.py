@@ -221,9 +221,10 @@ def file_digest(path: str | os.PathLike) -> str:
 
 def image_names(data: Dataset | IterableDataset, root: Path) -> list[str]:
     """The paths of `data`'s image files relative to `root` (an image folder's, as its rows name them), in order;
-    nothing is decoded."""
-    files = data.select_columns(["image"]).cast_column("image", datasets.Image(decode=False))
-    return [Path(os.path.relpath(os.path.realpath(row["image"]["path"]), root)).as_posix() for row in files]
+    nothing is decoded, but by a stream's filter (the carved splits'), whose images then name their files."""
+    files = (row["image"] for row in data.select_columns(["image"]).cast_column("image", datasets.Image(decode=False)))
+    paths = (file["path"] if isinstance(file, dict) else file.filename for file in files)
+    return [Path(os.path.relpath(os.path.realpath(path), root)).as_posix() for path in paths]
 
 
 def recorded_images(raw: DatasetDict | IterableDatasetDict, root: Path) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from ..data.datasets import (
     reorder_classes,
 )
 from ..data.transforms import apply_transforms, make_eval_transform, pack_native_batch
-from ..metrics import compute_metrics
+from ..metrics import compute_metrics, few_images_warning, images_text
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..outputs.files import RUN_RECORD_FILE
 from ..outputs.run_record import read_record
@@ -338,10 +338,14 @@ def evaluate_checkpoint(
                          classifier.config.id2label)  # fmt: skip
         results.update(metrics)
     shown = ", ".join(f"{key} {value:.4f}" for key, value in results.items() if isinstance(value, float))
+    counts = [results.get(f"{split}_samples") for split in splits]
+    measured = ", ".join(f"{split} on {images_text(count)}" for split, count in zip(splits, counts))
     message = (
         f"Evaluated {model_name_or_path} as it is (no training, no model written) on "
-        f"{source.dataset_name}: {shown}. Results in {os.path.abspath(output_dir)}."
+        f"{source.dataset_name}: {shown} ({measured}). Results in {os.path.abspath(output_dir)}."
     )
+    if few := few_images_warning(min(counts)):
+        message += f"\nWARNING: {few}"
     print(message, flush=True)  # once: the summary is not logged as well
     return results
 
