@@ -469,7 +469,10 @@ def test_a_runs_validation_figures_are_those_evaluate_measures_on_its_folder(tmp
     captured = capsys.readouterr()
     measured = json.loads(captured.out)
     assert "pass --output_dir to write validation_results.json and the confusion matrix" in captured.err
-    assert measured["validation_samples"] == 6
+    assert measured["validation_samples"] == 6 and metrics["validation_samples"] == 6  # 0.1 of 20 a class
+    figure = f"validation accuracy {measured['validation_accuracy']:.4f} of {data}, on 6 images"
+    assert figure in captured.err.splitlines()
+    assert len([line for line in captured.err.splitlines() if "measured on only 6 images" in line]) == 1
     assert measured["validation_accuracy"] == metrics["validation_accuracy"]
     assert measured["validation_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-7)
 
@@ -568,20 +571,25 @@ def test_evaluate_measures_a_streamed_runs_held_out_images(tmp_path, capsys):
     assert "--validation_fraction 0.2" in capsys.readouterr().err
 
 
+def carved_images(data, fraction):
+    """The images a run holds out of the image folder `data` (no validation folder), listed here by the documented
+    rule: `fraction` of train, stratified by label, drawn with seed 0; as paths relative to `data`."""
+    import datasets
+
+    folder = datasets.load_dataset("imagefolder", data_dir=str(data))["train"]
+    carved = folder.train_test_split(test_size=fraction, seed=0, stratify_by_column="label")["test"]
+    files = carved.cast_column("image", datasets.Image(decode=False))["image"]
+    return sorted(Path(file["path"]).relative_to(data).as_posix() for file in files)
+
+
 def test_a_moved_and_changed_image_folder_keeps_the_runs_held_out_images(tmp_path, capsys, caplog):
     """The run's record names the images it held out by their paths in the folder (and their bytes): after the folder
     moved and an image was added, evaluate measures exactly those images and names the added one; a held-out image
     removed is named and left out."""
     import shutil
 
-    import datasets
-
     data = _noise_folder(tmp_path / "data1" / "imgs", {None: 20})
-    # the images the run holds out, listed here by the documented rule: 0.1 of train, stratified by label, seed 0
-    folder = datasets.load_dataset("imagefolder", data_dir=str(data))["train"]
-    carved = folder.train_test_split(test_size=0.1, seed=0, stratify_by_column="label")["test"]
-    files = carved.cast_column("image", datasets.Image(decode=False))["image"]
-    held_out = sorted(Path(file["path"]).relative_to(data).as_posix() for file in files)
+    held_out = carved_images(data, 0.1)
     assert len(held_out) == 4
     source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
     args = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--output_dir", str(out)]
