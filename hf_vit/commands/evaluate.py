@@ -11,8 +11,10 @@ hf-vit-evaluate --model outputs/main --dataset_name digits --max_num_patches 4,1
 outputs/main is the model `make train` writes; after `make train QUICK=1`, outputs/quick serves the same way.
 --model takes an hf-vit folder, a LoRA run's folder or a transformers/timm checkpoint by Hub id; its head is used as
 it is, so its classes must be the data set's. A run's folder on the data set it trained on is measured on the run's
-splits (its record, hf_vit_run.json: split names, the share held out, a stream's rule), so "validation" is the images
-the run held out; a split flag that contradicts the record is refused.
+splits (its record, hf_vit_run.json: split names, the share held out, a stream's rule; an image folder's images by
+their paths in it), so "validation" is the images the run held out, wherever the folder moved (images added, removed
+or changed since are named, and only the run's are measured); a split flag that contradicts the record is refused.
+Every figure is said with its number of images, with a warning under 50.
 
 --max_num_patches K measures it on native-aspect batches (each image at its own aspect ratio on the largest grid of at
 most K patches, no centre crop); --patch_size P at another patch size, its patch embedding resampled (FlexiViT). A
