@@ -97,17 +97,7 @@ def make_resolution_variant(
     processor = _resized_processor(processor, model.config, max_num_patches)
     if target is None:
         return model, processor
-    metrics = {}
-    if data_source is not None:
-        from .infer.evaluate import evaluate_loaded, recorded_source  # loads the data set libraries: only to measure
-
-        # As hf-vit-evaluate measures it, with the objective of the model's own problem type (single- or multi-label),
-        # on test, else validation, as a run reports: on the splits of the run that trained the source, by its record.
-        data_source = recorded_source(folder, data_source)
-        measured, _ = evaluate_loaded(model.eval(), processor, data_source)
-        split = next(key for key in measured if key.endswith("_samples")).removesuffix("_samples")
-        metrics = {f"eval_{key.removeprefix(split + '_')}": value for key, value in measured.items()}
-        metrics["eval_split"] = split
+    metrics = _measured(folder, model, processor, data_source) if data_source is not None else {}
     base_model = base_model or folder.expanduser().resolve().name
     what, note = _changes(before, model.config, processor, mode)
     splits = (read_record(folder) or {}).get("splits")
@@ -132,6 +122,17 @@ def make_resolution_variant(
 
     write_converted_folder(save, target, overwrite=overwrite, inputs=[source])
     return model, processor
+
+
+def _measured(folder: Path, model, processor, data_source: DataSource) -> dict:
+    """The variant's metrics as `eval_*`, as hf-vit-evaluate measures it, with the objective of the model's own
+    problem type (single- or multi-label), on test, else validation, as a run reports: on the splits of the run that
+    trained the source, by its record."""
+    from .infer.evaluate import evaluate_loaded, recorded_source  # loads the data set libraries: only to measure
+
+    measured, _ = evaluate_loaded(model.eval(), processor, recorded_source(folder, data_source))
+    split = next(key for key in measured if key.endswith("_samples")).removesuffix("_samples")
+    return {**{f"eval_{key.removeprefix(split + '_')}": value for key, value in measured.items()}, "eval_split": split}
 
 
 def _check_sizes(folder: Path, config, processor, image_size, patch_size, max_num_patches) -> None:
