@@ -612,6 +612,11 @@ def test_a_moved_and_changed_image_folder_keeps_the_runs_held_out_images(tmp_pat
     (moved / held_out[0]).unlink()
     assert _measured_images(out, moved) == _pixels(Image.open(moved / name) for name in held_out[1:])
     assert f"the run's images no longer there: {held_out[0]}" in caplog.text
+    for name in held_out[1:]:
+        (moved / name).write_bytes((moved / "cat" / "new.png").read_bytes())  # changed: not the image held out
+    caplog.clear()
+    assert evaluate_command.main(flags) == 0  # no image the run held out: another data set, and said so
+    assert f"{moved} holds none of the images the run that trained {out} held out" in caplog.text
 
 
 def test_evaluate_maps_the_data_sets_classes_to_the_models_ids_by_name(tmp_path, capsys):

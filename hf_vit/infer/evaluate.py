@@ -82,6 +82,11 @@ def recorded_source(model: str | os.PathLike, source: DataSource, given: dict[st
     record = read_record(model) if Path(model).is_dir() else None
     splits = record.get("splits") if record else None
     if not isinstance(splits, dict) or not _same_data_set(splits, source.dataset_name):
+        if isinstance(splits, dict) and "images" in splits and image_folder_root(source.dataset_name) is not None:
+            logger.warning(
+                "%s holds none of the images the run that trained %s held out (by their paths and bytes): it is "
+                "measured as a data set of its own, on its own splits.", source.dataset_name, model,
+            )  # fmt: skip
         return source
     fields = {field: splits[field] for field in SPLIT_FIELDS if field != "dataset_name" and field in splits}
     for flag, value in (given or {}).items():
@@ -118,6 +123,8 @@ def evaluation_split(config: Any, source: DataSource, split: str | None = None, 
     split = split or final_split(raw)
     if split not in raw:
         raise ValueError(f"--split {split}: the data set {source.dataset_name!r} has {', '.join(raw)}.")
+    if isinstance(raw[split], datasets.Dataset) and len(raw[split]) == 0:  # the run's images all gone from the folder
+        raise ValueError(f"--split {split}: {source.dataset_name!r} holds none of the images of that split.")
     if source.streaming:
         raw = _in_memory(raw, split)
         source = dataclasses.replace(source, streaming=False)
