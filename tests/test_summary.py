@@ -82,6 +82,9 @@ def test_a_run_ends_with_its_summary_and_a_run_at_chance_says_so(tmp_path, capsy
     assert f"accuracy on the test split: {metrics['eval_accuracy']:.4f} (8 images)" in printed  # 4 cats, 4 dogs
     few = [line for line in printed.splitlines() if "measured on only 8 images" in line]
     assert len(few) == 1 and few[0].startswith("  WARNING: ")
+    card = (out / "README.md").read_text()
+    assert f"| test | accuracy | {metrics['eval_accuracy']:.4f} | 8 images |" in card
+    assert "**Few images:** measured on only 8 images" in card
     assert f"hf-vit-predict --model {out} " in printed
     assert f"hf-vit-evaluate --model {out} --dataset_name {data.resolve()} --split test" in printed
     assert f"hf-vit-export --model {out} --format onnx" in printed and f"hf-vit-push --model {out} " in printed
