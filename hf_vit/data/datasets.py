@@ -254,9 +254,10 @@ def recorded_splits(source: DataSource) -> DatasetDict:
     read. What was added to the folder, removed from it, or changed is said in one warning line."""
     root, recorded = image_folder_root(source.dataset_name), source.recorded_images or {}
     loaded = load_image_dataset(
-        source.dataset_name, image_column=source.image_column_name, label_column=source.label_column_name
-    )
-    every = datasets.concatenate_datasets(list(loaded.values()))
+        source.dataset_name, image_column=source.image_column_name, label_column=source.label_column_name,
+        train_split=source.train_split, validation_split=source.validation_split, test_split=source.test_split,
+    )  # fmt: skip
+    every = datasets.concatenate_datasets(list(loaded.values()))  # whichever split the folder now holds them in
     names = image_names(every, root)
     rows: dict[str, list[int]] = {split: [] for split in recorded}
     position = {name: split for split, wanted in recorded.items() for name in wanted}
