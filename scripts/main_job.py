@@ -22,6 +22,7 @@ import torch
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.analysis import write_analysis_figures
 from hf_vit.data.datasets import load_digits_dataset
+from hf_vit.metrics import images_text
 from hf_vit.outputs.cards import write_model_card
 from hf_vit.train.arguments import parse_args
 from hf_vit.train.training import train
@@ -129,6 +130,7 @@ def main() -> None:
         "estimated_minutes": round(estimate, 2),
         "pretrain_test_accuracy_16x16": pretrained["eval_accuracy"],
         "finetune_test_accuracy_24x24": finetuned["eval_accuracy"],
+        "test_images": finetuned.get("eval_samples"),
         "pretrain_minutes": round(pretrain_minutes, 2),
         "finetune_minutes": round(minutes - pretrain_minutes, 2),
     }
@@ -192,7 +194,8 @@ def main() -> None:
     (output / "main_job.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     # One total: the three stages, as main_job.json has it.
-    print(f"wrote {output}: test accuracy {finetuned['eval_accuracy']:.4f} in {summary['total_minutes']:.1f} minutes")
+    figure = f"test accuracy {finetuned['eval_accuracy']:.4f} on {images_text(summary['test_images'])}"
+    print(f"wrote {output}: {figure} in {summary['total_minutes']:.1f} minutes")
 
 
 if __name__ == "__main__":

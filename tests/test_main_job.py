@@ -27,7 +27,7 @@ def test_the_job_prints_one_total_time_that_counts_every_stage(tmp_path, monkeyp
     def train(task, model_args, data_args, training_args):
         Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(training_args.output_dir) / "training_curves.png").write_bytes(b"")
-        return {"eval_accuracy": 0.5}
+        return {"eval_accuracy": 0.5, "eval_samples": 360}
 
     class Loaded:
         @staticmethod
@@ -57,4 +57,5 @@ def test_the_job_prints_one_total_time_that_counts_every_stage(tmp_path, monkeyp
     recorded = json.loads((out / "main_job.json").read_text())
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.endswith(f"in {recorded['total_minutes']:.1f} minutes"), (last, recorded)
+    assert "test accuracy 0.5000 on 360 images" in last and recorded["test_images"] == 360
     assert recorded["total_minutes"] > recorded["pretrain_minutes"] + recorded["finetune_minutes"]  # stage 3 too
