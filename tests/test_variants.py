@@ -179,7 +179,7 @@ def test_a_variant_carries_its_runs_splits(tmp_path, capsys):
     train("finetune", *parse_args("finetune", args + ["--save_strategy", "no", "--validation_fraction", "0.2"]))
     resized = ["--model", str(out), "--image_size", "12", "--output", str(variant)]
     assert resize_command.main(resized + ["--dataset_name", str(data)]) == 0
-    assert "validation accuracy on" in capsys.readouterr().out
+    printed = capsys.readouterr()
     model = VisionTransformerForImageClassification.from_pretrained(variant).eval()
     processor = VisionTransformerImageProcessor.from_pretrained(variant)
     labels = torch.tensor([model.config.label2id[name.split("/")[0]] for name in held_out])
@@ -192,6 +192,8 @@ def test_a_variant_carries_its_runs_splits(tmp_path, capsys):
     assert results["eval_accuracy"] == pytest.approx(accuracy)
     assert results["eval_loss"] == pytest.approx(loss, abs=1e-5)
     assert f"| validation | accuracy | {accuracy:.4f} | 8 images |" in (variant / "README.md").read_text()
+    assert f"validation accuracy on {data} as interpolated: {accuracy:.4f}, on 8 images" in printed.out
+    assert "warning: measured on only 8 images" in printed.err
     assert evaluate_command.main(["--model", str(variant), "--dataset_name", str(data), "--split", "validation"]) == 0
     measured = json.loads(capsys.readouterr().out)
     assert measured["validation_samples"] == 8 and measured["validation_loss"] == pytest.approx(loss, abs=1e-5)
