@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .flags import positive_int
+from .infer.loading import serving_processor
 from .model.configuration_vit import VisionTransformerConfig
 from .model.image_geometry import scaled_geometry
 from .model.image_processing_vit import VisionTransformerImageProcessor
@@ -18,6 +19,7 @@ from .model.resolution import grid_for
 from .outputs.cards import write_card
 from .outputs.files import write_beside
 from .outputs.output_folders import check_output_dir, check_outside_data_set, write_converted_folder
+from .outputs.run_record import RunRecord, read_record
 
 if TYPE_CHECKING:  # the data set libraries load only when a variant is measured
     from .data.datasets import DataSource
@@ -58,18 +60,22 @@ def make_resolution_variant(
     repo_id: str | None = None,
     data_source: DataSource | None = None,
     patch_size: int | None = None,
+    max_num_patches: int | None = None,
 ):
     """Turn the hf-vit folder `source` into a variant at `image_size` (None: the source's) and `patch_size` (None:
     the source's): position embeddings resampled in 2D to the new grid, the patch embedding resampled by FlexiViT's
     pseudo-inverse resize when the patch size changes, and the config and processor saying the new sizes, so it runs
-    without `interpolate_pos_encoding`.
+    without `interpolate_pos_encoding`. `max_num_patches`: the variant serves native-aspect batches of at most that
+    many patches per image (a native-aspect model is resized by this budget: its images are never resized to
+    `image_size`, which is refused there).
 
     Returns `(model, processor)`; with `output_dir`, also writes the variant there with a model card (only if
     everything succeeded; see `hf_vit.outputs.output_folders.write_converted_folder` for what `overwrite` may
-    replace). The card names `base_model` (a Hub id; default: the source folder's name, never a local path) and
-    `repo_id`. With `data_source` (a `hf_vit.data.datasets.DataSource`), the variant's accuracy is measured with no
-    further training (on the test split, else validation, as a run reports) and goes into the card and
-    `all_results.json`.
+    replace) and the splits of the run that trained `source` (its record), so that the variant's "validation" is
+    that run's held-out images. The card names `base_model` (a Hub id; default: the source folder's name, never a
+    local path) and `repo_id`. With `data_source` (a `hf_vit.data.datasets.DataSource`), the variant's accuracy is
+    measured with no further training (on the test split, else validation, as a run reports, by the run's splits)
+    and goes into the card and `all_results.json`.
     """
     folder = Path(source)
     if not (folder / "config.json").is_file():
@@ -82,82 +88,132 @@ def make_resolution_variant(
         check_outside_data_set(output_dir, data_source.dataset_name, "--output")
     target = check_output_dir(output_dir, overwrite, [source]) if output_dir is not None else None
     config = VisionTransformerConfig.from_pretrained(folder)
-    image_size = config.image_hw if image_size is None else image_size
-    new_patch = config.patch_size if patch_size is None else patch_size
-    if patch_size is not None:
-        positive_int(patch_size, "--patch_size", "number of pixels")
-    grid = grid_for(image_size, new_patch)  # validate before loading anything big
-    _check_checkpoint_positions(folder, config)
-    is_classifier = any("ForImageClassification" in name for name in (config.architectures or []))
-    model_class = VisionTransformerForImageClassification if is_classifier else VisionTransformerModel
-    model = model_class.from_pretrained(folder)
-    model.set_input_size(image_size, mode, patch_size=new_patch)
     try:
         processor = VisionTransformerImageProcessor.from_pretrained(folder)
     except OSError:
         processor = VisionTransformerImageProcessor()
-    height, width = grid[0] * new_patch, grid[1] * new_patch
-    if getattr(processor, "max_num_patches", None) is None:  # the source's resize and crop, scaled to the new size
-        processor.size, processor.crop_size = scaled_geometry(
-            processor.size, processor.crop_size, processor.do_center_crop, (height, width)
-        )
-    else:
-        processor.size = {"height": height, "width": width}
-    if getattr(processor, "patch_size", None) is not None or getattr(processor, "max_num_patches", None) is not None:
-        processor.patch_size = new_patch  # native-aspect patches are cut at the model's patch size
+    _check_sizes(folder, config, processor, image_size, patch_size, max_num_patches)
+    before = (config.image_hw, config.grid_size, config.patch_size, processor.max_num_patches)
+    model = _resized_model(folder, config, image_size, mode, patch_size)
+    processor = _resized_processor(processor, model.config, max_num_patches)
     if target is None:
         return model, processor
-    metrics = {}
-    if data_source is not None:
-        from .infer.evaluate import evaluate_loaded, recorded_source  # loads the data set libraries: only to measure
-
-        # As hf-vit-evaluate measures it, with the objective of the model's own problem type (single- or multi-label),
-        # on test, else validation, as a run reports: on the splits of the run that trained the source, by its record.
-        data_source = recorded_source(folder, data_source)
-        measured, _ = evaluate_loaded(model.eval(), processor, data_source)
-        split = next(key for key in measured if key.endswith("_samples")).removesuffix("_samples")
-        metrics = {f"eval_{key.removeprefix(split + '_')}": value for key, value in measured.items()}
-        metrics["eval_split"] = split
+    metrics = _measured(folder, model, processor, data_source) if data_source is not None else {}
     base_model = base_model or folder.expanduser().resolve().name
-    (old_h, old_w), (rows, cols), old_patch = config.image_hw, grid, config.patch_size
-    what = f"position embeddings resampled ({mode}) from {old_h}x{old_w} to {height}x{width}"
-    patch_note = ""
-    if new_patch != old_patch:
-        what = (
-            f"patch embedding resampled from {old_patch}x{old_patch} to {new_patch}x{new_patch} pixels (FlexiViT's "
-            f"pseudo-inverse resize) and the {what}"
-        )
-        patch_note = (
-            f" The patch size changed from {old_patch} to {new_patch}: the patch embedding kernel was resampled by "
-            "FlexiViT's pseudo-inverse resize (a patch resized up is embedded as before; shrunk, the least-squares "
-            "fit)."
-        )
+    what, note = _changes(before, model.config, processor, mode)
+    splits = (read_record(folder) or {}).get("splits")
 
     def save(path: Path) -> None:
+        record = RunRecord(path, splits) if splits else None  # the source run's splits travel with its variants
+        if record is not None:
+            record.start()
         model.save_pretrained(path)
         processor.save_pretrained(path)
         write_card(
-            path,
-            model,
-            base_model=base_model,
-            repo_id=repo_id,
-            output_name=target.name,
-            metrics=metrics,
+            path, model, base_model=base_model, repo_id=repo_id, output_name=target.name, metrics=metrics,
             dataset_name=data_source.dataset_name if data_source is not None else None,
-            summary=(f"A resolution variant of `{base_model}`: the same weights with the {what}, not trained after."),
-            resolution_note=(
-                f"Interpolated from {old_h}x{old_w} ({config.grid_size[0]}x{config.grid_size[1]} patches of "
-                f"{old_patch}x{old_patch}) to {height}x{width} ({rows}x{cols} patches of {new_patch}x{new_patch}) "
-                f"with {mode} resampling of the position embeddings; not fine-tuned after the interpolation."
-                + patch_note
-            ),
+            summary=f"A resolution variant of `{base_model}`: the same weights with the {what}, not trained after.",
+            resolution_note=note,
             recipe=f"no training after the interpolation; see `{base_model}` for how its weights were trained.",
-        )
+        )  # fmt: skip
         if metrics:
             write_beside(path / "all_results.json", json.dumps(metrics, indent=2) + "\n")
+        if record is not None:
+            record.finish()
 
     write_converted_folder(save, target, overwrite=overwrite, inputs=[source])
     return model, processor
+
+
+def _measured(folder: Path, model, processor, data_source: DataSource) -> dict:
+    """The variant's metrics as `eval_*`, as hf-vit-evaluate measures it, with the objective of the model's own
+    problem type (single- or multi-label), on test, else validation, as a run reports: on the splits of the run that
+    trained the source, by its record."""
+    from .infer.evaluate import evaluate_loaded, recorded_source  # loads the data set libraries: only to measure
+
+    measured, _ = evaluate_loaded(model.eval(), processor, recorded_source(folder, data_source))
+    split = next(key for key in measured if key.endswith("_samples")).removesuffix("_samples")
+    return {**{f"eval_{key.removeprefix(split + '_')}": value for key, value in measured.items()}, "eval_split": split}
+
+
+def _check_sizes(folder: Path, config, processor, image_size, patch_size, max_num_patches) -> None:
+    """Refuse sizes the variant cannot honour before anything big loads: a native-aspect model's images are never
+    resized to an image size (its patch budget is what changes their size)."""
+    if patch_size is not None:
+        positive_int(patch_size, "--patch_size", "number of pixels")
+    if max_num_patches is not None:
+        positive_int(max_num_patches, "--max_num_patches", "number of patches")
+    budget = processor.max_num_patches
+    if image_size is not None and budget is not None:
+        size = "x".join(map(str, image_size)) if isinstance(image_size, Sequence) else image_size
+        raise ValueError(
+            f"--image_size {size}: {folder} serves native-aspect batches (its processor's max_num_patches is "
+            f"{budget}): each image is resized to the largest grid of at most {budget} patches whatever the image "
+            f"size, so --image_size would change nothing it sees. Resize it by its patch budget: --max_num_patches N "
+            f"(e.g. {4 * budget} for images seen at twice the side)."
+        )
+    grid_for(config.image_hw if image_size is None else image_size, patch_size or config.patch_size)
+    _check_checkpoint_positions(folder, config)
+
+
+def _resized_model(folder: Path, config, image_size, mode: str, patch_size: int | None):
+    """The model of `folder` with its position grid (and patch embedding) resampled to the new sizes."""
+    is_classifier = any("ForImageClassification" in name for name in (config.architectures or []))
+    model_class = VisionTransformerForImageClassification if is_classifier else VisionTransformerModel
+    model = model_class.from_pretrained(folder)
+    new_patch = config.patch_size if patch_size is None else patch_size
+    model.set_input_size(config.image_hw if image_size is None else image_size, mode, patch_size=new_patch)
+    return model
+
+
+def _resized_processor(processor, config, max_num_patches: int | None):
+    """`processor` serving the resized model: the source's resize and crop scaled to the new image size, or
+    native-aspect patches at its patch size (at most `max_num_patches` of them, when given)."""
+    height, width = config.image_hw
+    if processor.max_num_patches is None and max_num_patches is None:  # the source's resize and crop, scaled
+        processor.size, processor.crop_size = scaled_geometry(
+            processor.size, processor.crop_size, processor.do_center_crop, (height, width)
+        )
+        processor.patch_size = config.patch_size
+        return processor
+    processor.size = {"height": height, "width": width}
+    return serving_processor(processor, config, max_num_patches)
+
+
+def _changes(before, config, processor, mode: str) -> tuple[str, str]:
+    """What the variant changed, for its card's summary and its resolution note (only what changed)."""
+    (old_h, old_w), (old_rows, old_cols), old_patch, old_budget = before
+    (height, width), (rows, cols), patch = config.image_hw, config.grid_size, config.patch_size
+    what, notes = [], []
+    if patch != old_patch:
+        what.append(
+            f"patch embedding resampled from {old_patch}x{old_patch} to {patch}x{patch} pixels (FlexiViT's "
+            "pseudo-inverse resize)"
+        )
+        notes.append(
+            f" The patch size changed from {old_patch} to {patch}: the patch embedding kernel was resampled by "
+            "FlexiViT's pseudo-inverse resize (a patch resized up is embedded as before; shrunk, the least-squares "
+            "fit)."
+        )
+    if (rows, cols) != (old_rows, old_cols) or (height, width) != (old_h, old_w):
+        what.append(f"position embeddings resampled ({mode}) from {old_h}x{old_w} to {height}x{width}")
+        notes.insert(
+            0,
+            f"Interpolated from {old_h}x{old_w} ({old_rows}x{old_cols} patches of {old_patch}x{old_patch}) to "
+            f"{height}x{width} ({rows}x{cols} patches of {patch}x{patch}) with {mode} resampling of the position "
+            "embeddings; not fine-tuned after the interpolation.",
+        )
+    budget = processor.max_num_patches
+    if budget != old_budget:
+        was = f"{old_budget} patches" if old_budget else f"whole images at {old_h}x{old_w}"
+        what.append(f"images served at their native aspect ratio, at most {budget} patches each (was: {was})")
+        notes.append(
+            f" Each image is resized to the largest grid of at most {budget} patches of {patch}x{patch} (was: "
+            f"{was}); the weights are not fine-tuned for it."
+        )
+    if not what:
+        what, notes = ["sizes unchanged"], ["The sizes are the base model's; not fine-tuned after."]
+    return " and the ".join(what), "".join(notes).strip()
 
 
 def make_evaluated_variant(

@@ -22,6 +22,7 @@ import torch
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.analysis import write_analysis_figures
 from hf_vit.data.datasets import load_digits_dataset
+from hf_vit.metrics import images_text
 from hf_vit.outputs.cards import write_model_card
 from hf_vit.outputs.files import write_beside
 from hf_vit.train.arguments import parse_args
@@ -145,6 +146,7 @@ def main() -> None:
         "load_at_estimate": load_before[0],
         "pretrain_test_accuracy_16x16": pretrained["eval_accuracy"],
         "finetune_test_accuracy_24x24": finetuned["eval_accuracy"],
+        "test_images": finetuned.get("eval_samples"),
         "pretrain_minutes": round(pretrain_minutes, 2),
         "finetune_minutes": round(minutes - pretrain_minutes, 2),
     }
@@ -210,8 +212,9 @@ def main() -> None:
     print(json.dumps(summary, indent=2))
     # One total: the three stages, as main_job.json has it.
     load_after = _load_text(summary["load_at_end"], load_before[1])
+    figure = f"test accuracy {finetuned['eval_accuracy']:.4f} on {images_text(summary['test_images'])}"
     print(
-        f"wrote {output}: test accuracy {finetuned['eval_accuracy']:.4f} in {summary['total_minutes']:.1f} minutes "
+        f"wrote {output}: {figure} in {summary['total_minutes']:.1f} minutes "
         f"(estimated {estimate:.1f} at {_load_text(*load_before)}; {load_after} at the end)"
     )
 

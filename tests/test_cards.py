@@ -45,6 +45,15 @@ def card_text(folder, model) -> str:
     return cards.write_model_card(folder, model, METRICS, task="finetune", dataset_name="digits").read_text()
 
 
+def test_the_cards_figures_say_how_many_images_they_were_measured_on(tmp_path):
+    model = VisionTransformerForImageClassification(tiny_config())
+    for count, warned in ((7, True), (50, False)):
+        metrics = {**METRICS, "eval_samples": count}
+        card = cards.write_model_card(tmp_path, model, metrics, task="finetune", dataset_name="digits").read_text()
+        assert f"| validation | accuracy | 0.5000 | {count} images |" in card
+        assert ("**Few images:** measured on only 7 images" in card) is warned
+
+
 def test_a_native_aspect_models_card_gives_its_patch_budget(tmp_path):
     model = VisionTransformerForImageClassification(tiny_config())
     model.save_pretrained(tmp_path / "native")

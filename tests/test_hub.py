@@ -279,7 +279,7 @@ def test_cards_say_how_to_install_and_carry_no_placeholder_rows(tmp_path):
     model = VisionTransformerForImageClassification(tiny_config())
     write_card(tmp_path, model, base_model="google/vit-base-patch16-224", summary="Converted.", recipe="none.")
     card = (tmp_path / "README.md").read_text()
-    assert "not measured" not in card and "| split | metric | value |" not in card
+    assert "not measured" not in card and "| split | metric | value | measured on |" not in card
     assert "No metrics were measured for this folder" in card and "as for the base model" in card
     assert "`pip install hf-vit`" not in card and "git+https://github.com/hf-vit/hf-vit" in card
     assert ModelCard.load(tmp_path / "README.md").data.to_dict().get("datasets") is None

@@ -2,6 +2,7 @@
 folders, Hub ids of transformers' checkpoints and LoRA run folders; each checked against a forward computed here."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -468,7 +469,10 @@ def test_a_runs_validation_figures_are_those_evaluate_measures_on_its_folder(tmp
     captured = capsys.readouterr()
     measured = json.loads(captured.out)
     assert "pass --output_dir to write validation_results.json and the confusion matrix" in captured.err
-    assert measured["validation_samples"] == 6
+    assert measured["validation_samples"] == 6 and metrics["validation_samples"] == 6  # 0.1 of 20 a class
+    figure = f"validation accuracy {measured['validation_accuracy']:.4f} of {data}, on 6 images"
+    assert figure in captured.err.splitlines()
+    assert len([line for line in captured.err.splitlines() if "measured on only 6 images" in line]) == 1
     assert measured["validation_accuracy"] == metrics["validation_accuracy"]
     assert measured["validation_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-7)
 
@@ -565,6 +569,54 @@ def test_evaluate_measures_a_streamed_runs_held_out_images(tmp_path, capsys):
     flags = ["--model", str(out), "--dataset_name", str(data), "--validation_fraction", "0.2"]
     assert evaluate_command.main(flags) == 2
     assert "--validation_fraction 0.2" in capsys.readouterr().err
+
+
+def carved_images(data, fraction):
+    """The images a run holds out of the image folder `data` (no validation folder), listed here by the documented
+    rule: `fraction` of train, stratified by label, drawn with seed 0; as paths relative to `data`."""
+    import datasets
+
+    folder = datasets.load_dataset("imagefolder", data_dir=str(data))["train"]
+    carved = folder.train_test_split(test_size=fraction, seed=0, stratify_by_column="label")["test"]
+    files = carved.cast_column("image", datasets.Image(decode=False))["image"]
+    return sorted(Path(file["path"]).relative_to(data).as_posix() for file in files)
+
+
+def test_a_moved_and_changed_image_folder_keeps_the_runs_held_out_images(tmp_path, capsys, caplog):
+    """The run's record names the images it held out by their paths in the folder (and their bytes): after the folder
+    moved and an image was added, evaluate measures exactly those images and names the added one; a held-out image
+    removed is named and left out."""
+    import shutil
+
+    data = _noise_folder(tmp_path / "data1" / "imgs", {None: 20})
+    held_out = carved_images(data, 0.1)
+    assert len(held_out) == 4
+    source, out = pretrained_folder(tmp_path / "pre"), tmp_path / "run"
+    args = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--output_dir", str(out)]
+    args += ["--image_size", "8", "--max_steps", "2", "--eval_strategy", "no", "--save_strategy", "no"]
+    metrics = train("finetune", *parse_args("finetune", args + ["--learning_rate", "0.05", *QUIET]))
+    record = json.loads((out / "hf_vit_run.json").read_text())["splits"]
+    assert sorted(record["images"]["validation"]) == held_out and str(tmp_path) not in json.dumps(record)
+    moved = tmp_path / "data2" / "imgs"
+    shutil.move(data, moved)
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(moved / "cat" / "new.png")
+    capsys.readouterr()
+    flags = ["--model", str(out), "--dataset_name", str(moved), "--split", "validation"]
+    assert evaluate_command.main(flags) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["validation_samples"] == 4
+    assert measured["validation_loss"] == pytest.approx(metrics["validation_loss"], abs=1e-6)
+    assert _measured_images(out, moved) == _pixels(Image.open(moved / name) for name in held_out)
+    assert "images the run did not read (added since, or left out by it): cat/new.png" in caplog.text
+    caplog.clear()
+    (moved / held_out[0]).unlink()
+    assert _measured_images(out, moved) == _pixels(Image.open(moved / name) for name in held_out[1:])
+    assert f"the run's images no longer there: {held_out[0]}" in caplog.text
+    for name in held_out[1:]:
+        (moved / name).write_bytes((moved / "cat" / "new.png").read_bytes())  # changed: not the image held out
+    caplog.clear()
+    assert evaluate_command.main(flags) == 0  # no image the run held out: another data set, and said so
+    assert f"{moved} holds none of the images the run that trained {out} held out" in caplog.text
 
 
 def test_evaluate_maps_the_data_sets_classes_to_the_models_ids_by_name(tmp_path, capsys):

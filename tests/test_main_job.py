@@ -27,7 +27,7 @@ def test_the_job_prints_one_total_time_that_counts_every_stage(tmp_path, monkeyp
     def train(task, model_args, data_args, training_args):
         Path(training_args.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(training_args.output_dir) / "training_curves.png").write_bytes(b"")
-        return {"eval_accuracy": 0.5}
+        return {"eval_accuracy": 0.5, "eval_samples": 360}
 
     class Loaded:
         @staticmethod
@@ -62,4 +62,5 @@ def test_the_job_prints_one_total_time_that_counts_every_stage(tmp_path, monkeyp
     assert "about 60 seconds on this machine now" in first and "load 0.5 on 2 cores; measured" in first, first
     assert f"in {recorded['total_minutes']:.1f} minutes (estimated 1.0 at load 0.5 on 2 cores; load 3.4" in last
     assert (recorded["load_at_estimate"], recorded["load_at_end"]) == (0.5, 3.4)
+    assert "test accuracy 0.5000 on 360 images" in last and recorded["test_images"] == 360
     assert recorded["total_minutes"] > recorded["pretrain_minutes"] + recorded["finetune_minutes"]  # stage 3 too

@@ -285,4 +285,4 @@ def test_patch_size_variant_on_the_command_line(folder, tmp_path, capsys):
     assert "not divisible by the patch size 12" in capsys.readouterr().err and not (tmp_path / "p12").exists()
     with pytest.raises(SystemExit):
         main(["--model", str(path), "--output", str(tmp_path / "none")])
-    assert "--image_size, --patch_size or both" in capsys.readouterr().err
+    assert "--image_size, --patch_size or --max_num_patches" in capsys.readouterr().err

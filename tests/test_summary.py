@@ -9,6 +9,7 @@ import sys
 import pytest
 from test_training import QUIET, ROOT, TINY_RUN, split_image_folder
 
+from hf_vit import VisionTransformerConfig
 from hf_vit.train.arguments import parse_args
 from hf_vit.train.summary import chance_warning
 from hf_vit.train.training import train
@@ -78,13 +79,29 @@ def test_a_run_ends_with_its_summary_and_a_run_at_chance_says_so(tmp_path, capsy
     printed = capsys.readouterr().out
     out = (tmp_path / "out").resolve()
     assert f"the model is in {out}" in printed
-    assert f"accuracy on the test split: {metrics['eval_accuracy']:.4f}" in printed
+    assert f"accuracy on the test split: {metrics['eval_accuracy']:.4f} (8 images)" in printed  # 4 cats, 4 dogs
+    few = [line for line in printed.splitlines() if "measured on only 8 images" in line]
+    assert len(few) == 1 and few[0].startswith("  WARNING: ")
+    card = (out / "README.md").read_text()
+    assert f"| test | accuracy | {metrics['eval_accuracy']:.4f} | 8 images |" in card
+    assert "**Few images:** measured on only 8 images" in card
     assert f"hf-vit-predict --model {out} " in printed
     assert f"hf-vit-evaluate --model {out} --dataset_name {data.resolve()} --split test" in printed
     assert f"hf-vit-export --model {out} --format onnx" in printed and f"hf-vit-push --model {out} " in printed
     warnings = [line for line in printed.splitlines() if "WARNING" in line and "chance" in line]
     assert len(warnings) == 1 and f"ln 2 = {math.log(2):.4f}" in warnings[0] and "--learning_rate" in warnings[0]
     assert "the model is in" not in caplog.text  # printed once: the log keeps it at DEBUG
+
+
+def test_a_figure_on_50_images_or_more_is_said_without_the_warning(tmp_path, capsys):
+    from hf_vit.train.summary import summarize_run
+
+    config = VisionTransformerConfig(id2label={0: "a", 1: "b"})
+    for count, warned in ((49, True), (50, False)):
+        metrics = {"eval_accuracy": 0.5, "eval_split": "validation", "eval_samples": count}
+        lines = summarize_run("finetune", tmp_path, metrics, [], config, 0.1, 10)
+        assert f"  accuracy on the validation split: 0.5000 ({count} images)" in lines
+        assert any(f"WARNING: measured on only {count} images" in line for line in lines) is warned
 
 
 def test_the_chance_warning_is_for_losses_within_5_percent_of_ln_c():

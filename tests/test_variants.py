@@ -157,3 +157,77 @@ def test_a_multi_label_variant_is_measured_as_evaluate_measures_it(tmp_path, cap
     assert results["eval_split"] == "test" and 0 < results["eval_mean_average_precision"] <= 1
     for name in ("mean_average_precision", "f1_micro", "f1_macro", "loss"):
         assert results[f"eval_{name}"] == pytest.approx(measured[f"test_{name}"], abs=1e-6), name
+
+
+def test_a_variant_carries_its_runs_splits(tmp_path, capsys):
+    """A run that held out 0.2 of an image folder: its variant's card figure and `hf-vit-evaluate --split validation`
+    on the variant measure the run's held-out images (listed here), as a forward computed here measures them."""
+    from PIL import Image
+    from test_inference import _noise_folder, carved_images
+    from test_training import QUIET, pretrained_folder
+    from torch.nn import functional as F
+
+    from hf_vit.commands import evaluate as evaluate_command
+    from hf_vit.commands import resize as resize_command
+
+    data = _noise_folder(tmp_path / "data", {None: 20})
+    held_out = carved_images(data, 0.2)
+    assert len(held_out) == 8
+    out, variant = tmp_path / "run", tmp_path / "variant"
+    args = ["--model_name_or_path", str(pretrained_folder(tmp_path / "pre")), "--dataset_name", str(data)]
+    args += ["--output_dir", str(out), "--image_size", "8", "--max_steps", "2", "--eval_strategy", "no", *QUIET]
+    train("finetune", *parse_args("finetune", args + ["--save_strategy", "no", "--validation_fraction", "0.2"]))
+    resized = ["--model", str(out), "--image_size", "12", "--output", str(variant)]
+    assert resize_command.main(resized + ["--dataset_name", str(data)]) == 0
+    printed = capsys.readouterr()
+    model = VisionTransformerForImageClassification.from_pretrained(variant).eval()
+    processor = VisionTransformerImageProcessor.from_pretrained(variant)
+    labels = torch.tensor([model.config.label2id[name.split("/")[0]] for name in held_out])
+    with torch.no_grad():
+        images = [Image.open(data / name) for name in held_out]
+        logits = model(processor(images, return_tensors="pt").pixel_values).logits
+    accuracy, loss = float((logits.argmax(-1) == labels).float().mean()), float(F.cross_entropy(logits, labels))
+    results = json.loads((variant / "all_results.json").read_text())
+    assert results["eval_split"] == "validation" and results["eval_samples"] == 8
+    assert results["eval_accuracy"] == pytest.approx(accuracy)
+    assert results["eval_loss"] == pytest.approx(loss, abs=1e-5)
+    assert f"| validation | accuracy | {accuracy:.4f} | 8 images |" in (variant / "README.md").read_text()
+    assert f"validation accuracy on {data} as interpolated: {accuracy:.4f}, on 8 images" in printed.out
+    assert "warning: measured on only 8 images" in printed.err
+    assert evaluate_command.main(["--model", str(variant), "--dataset_name", str(data), "--split", "validation"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["validation_samples"] == 8 and measured["validation_loss"] == pytest.approx(loss, abs=1e-5)
+
+
+def test_a_native_aspect_model_is_resized_by_its_patch_budget(tmp_path, capsys):
+    """A native-aspect folder (max_num_patches 16): --image_size would change nothing its images are seen at, so it
+    is refused naming --max_num_patches; --max_num_patches 64 serves a 64x64 image as an 8x8 grid, as the source
+    model given 64 patches does."""
+    from conftest import tiny_config
+    from PIL import Image
+
+    from hf_vit.commands import resize as resize_command
+
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(tiny_config(num_labels=3, zero_init_head=False)).eval()
+    model.save_pretrained(tmp_path / "native")
+    patch = model.config.patch_size
+    VisionTransformerImageProcessor(max_num_patches=16, patch_size=patch).save_pretrained(tmp_path / "native")
+    argv = ["--model", str(tmp_path / "native"), "--output", str(tmp_path / "variant")]
+    assert resize_command.main(argv + ["--image_size", "64"]) == 2
+    error = capsys.readouterr().err
+    assert "--image_size 64" in error and "--max_num_patches N" in error and "max_num_patches is 16" in error
+    assert not (tmp_path / "variant").exists()
+    assert resize_command.main(argv + ["--max_num_patches", "64"]) == 0
+    assert f"at most 64 patches of {patch}x{patch} per image" in capsys.readouterr().out
+    processor = VisionTransformerImageProcessor.from_pretrained(tmp_path / "variant")
+    image = Image.fromarray((torch.rand(8 * patch, 8 * patch, 3) * 255).byte().numpy())
+    batch = processor([image], return_tensors="pt")
+    assert processor.max_num_patches == 64 and batch["spatial_shapes"].tolist() == [[8, 8]]
+    given = VisionTransformerImageProcessor(max_num_patches=64, patch_size=patch)([image], return_tensors="pt")
+    variant = VisionTransformerForImageClassification.from_pretrained(tmp_path / "variant").eval()
+    with torch.no_grad():
+        expected = model(**{key: given[key] for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes")})
+        served = variant(**{key: batch[key] for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes")})
+    torch.testing.assert_close(served.logits, expected.logits)
+    assert "at most 64 patches" in (tmp_path / "variant" / "README.md").read_text()

@@ -11,8 +11,10 @@ hf-vit-evaluate --model outputs/main --dataset_name digits --max_num_patches 4,1
 outputs/main is the model `make train` writes; after `make train QUICK=1`, outputs/quick serves the same way.
 --model takes an hf-vit folder, a LoRA run's folder or a transformers/timm checkpoint by Hub id; its head is used as
 it is, so its classes must be the data set's. A run's folder on the data set it trained on is measured on the run's
-splits (its record, hf_vit_run.json: split names, the share held out, a stream's rule), so "validation" is the images
-the run held out; a split flag that contradicts the record is refused.
+splits (its record, hf_vit_run.json: split names, the share held out, a stream's rule; an image folder's images by
+their paths in it), so "validation" is the images the run held out, wherever the folder moved (images added, removed
+or changed since are named, and only the run's are measured); a split flag that contradicts the record is refused.
+Every figure is said with its number of images, with a warning under 50.
 
 --max_num_patches K measures it on native-aspect batches (each image at its own aspect ratio on the largest grid of at
 most K patches, no centre crop); --patch_size P at another patch size, its patch embedding resampled (FlexiViT). A
@@ -30,7 +32,7 @@ from hf_vit.commands import CommandParser
 from hf_vit.flags import error_status
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> CommandParser:
     parser = CommandParser("hf-vit-evaluate", __doc__)
     parser.add_argument("--model", required=True, help="hf-vit folder, LoRA run folder or Hub id")
     parser.add_argument(
@@ -60,7 +62,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--patch_size", default=None, metavar="P[,P...]", help="the checkpoint resampled to P-pixel patches"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _report(metrics: dict, printed_only: bool) -> None:
+    """The metrics as JSON on standard output; on standard error the headline figure with its number of images (and
+    a warning when they are few), the per-class table, and where the files would go."""
+    from hf_vit.infer.evaluate import per_class_table
+    from hf_vit.metrics import few_images_warning, images_text
+
+    split = metrics["split"]
+    print(json.dumps(metrics, indent=2))
+    name = next((key for key in ("accuracy", "mean_average_precision", "loss") if f"{split}_{key}" in metrics), None)
+    count = metrics.get(f"{split}_samples")
+    if name is not None:
+        figure = f"{name} {metrics[f'{split}_{name}']:.4f}"
+        print(f"{split} {figure} of {metrics['dataset_name']}, on {images_text(count)}", file=sys.stderr)
+    if few := few_images_warning(count):
+        print(f"warning: {few}", file=sys.stderr)
+    table = per_class_table(metrics, split)
+    if table:  # on stderr, as the note below: standard output stays the JSON
+        print(table, file=sys.stderr)
+    if printed_only:
+        print(
+            f"(printed only: pass --output_dir to write {split}_results.json and the confusion matrix)",
+            file=sys.stderr,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     # The heavy imports (torch, transformers' models, datasets) come after the flags are read.
     import logging
 
@@ -69,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from hf_vit.data.datasets import DataSource
     from hf_vit.flags import parse_sizes
     from hf_vit.infer.compute_dial import evaluate_dial
-    from hf_vit.infer.evaluate import evaluate_saved_model, per_class_table, recorded_source
+    from hf_vit.infer.evaluate import evaluate_saved_model, recorded_source
     from hf_vit.outputs.output_folders import check_no_file_in_the_way, check_outside_data_set
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
@@ -107,13 +138,5 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (ValueError, OSError) as error:
         return error_status(error)
-    print(json.dumps(metrics, indent=2))
-    table = per_class_table(metrics, metrics["split"])
-    if table:  # on stderr, as the note below: standard output stays the JSON
-        print(table, file=sys.stderr)
-    if args.output_dir is None:  # on stderr: standard output stays the JSON
-        print(
-            f"(printed only: pass --output_dir to write {metrics['split']}_results.json and the confusion matrix)",
-            file=sys.stderr,
-        )
+    _report(metrics, printed_only=args.output_dir is None)
     return 0

@@ -22,9 +22,12 @@ Their images become model inputs in `hf_vit.data.transforms`.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
@@ -33,6 +36,8 @@ from datasets import ClassLabel, Dataset, DatasetDict, IterableDataset, Iterable
 from huggingface_hub.errors import HFValidationError
 
 from ..hub_access import hub_unreachable_reason, lookup_error, offline_mode
+
+logger = logging.getLogger(__name__)
 
 # The draw of the validation split carved out of a train split (`_carve_validation`): fixed, so that a run, its
 # evaluation and a resized variant's measurement hold out the same images.
@@ -162,6 +167,9 @@ class DataSource:
     streaming: bool = False
     shuffle_buffer_size: int = 1000
     max_train_samples: int | None = None
+    # The images of each split as a run recorded them (`recorded_images`): the splits are then those images, found by
+    # their paths in the image folder (`recorded_splits`), however the folder moved or changed since.
+    recorded_images: dict[str, Any] | None = None
 
 
 # The fields of a `DataSource` that decide which images fall in which split (what a run records, `split_record`).
@@ -173,7 +181,8 @@ SPLIT_FIELDS = (
 
 def split_record(source: DataSource, seed: int) -> dict:
     """How `source`'s splits are made, as a run records it beside its model: the `SPLIT_FIELDS`, the run's seed, and
-    the rule by which a validation split missing from the data set is carved out of train."""
+    the rule by which a validation split missing from the data set is carved out of train. A local folder is named by
+    its last part (no path of this machine); an image folder's images are added by the run (`recorded_images`)."""
     if source.streaming:
         every = f"1/{source.validation_fraction:g}"
         rule = f"each example of the streamed train split whose index crosses a multiple of {every}, in order"
@@ -181,23 +190,112 @@ def split_record(source: DataSource, seed: int) -> dict:
         rule = f"{source.validation_fraction:g} of train, stratified by label, drawn with seed {HELD_OUT_SEED}"
     record = {field: getattr(source, field) for field in SPLIT_FIELDS}
     fingerprint = local_data_set_fingerprint(source.dataset_name)
-    if fingerprint is not None:  # a local folder: named by its last part, known by its path's digest (no path here)
+    if fingerprint is not None:  # a local folder: named by its last part (no path of this machine)
         record["dataset_name"] = os.path.basename(os.path.realpath(os.path.expanduser(source.dataset_name)))
-    record["dataset_path_sha256"] = fingerprint
+    if image_folder_root(source.dataset_name) is None:  # an image folder is known by its images, not its path
+        record["dataset_path_sha256"] = fingerprint
     return {**record, "seed": seed, "held_out_seed": HELD_OUT_SEED, "carved_validation": rule}
 
 
 def local_data_set_fingerprint(dataset_name: str | None) -> str | None:
     """The SHA-256 of a local data set folder's resolved path (None for digits or a Hub id): how a record written
-    beside a model knows the data set again without naming a path of this machine."""
+    beside a model knows a `save_to_disk` folder again (its rows have no file names) without naming a path."""
     local = os.path.expanduser(dataset_name or "")
     if dataset_name == "digits" or not os.path.isdir(local):
         return None
     return hashlib.sha256(os.path.realpath(local).encode()).hexdigest()
 
 
+def image_folder_root(dataset_name: str | None) -> Path | None:
+    """The resolved root of a local image folder data set; None for digits, a `save_to_disk` folder or a Hub id."""
+    local = os.path.expanduser(dataset_name or "")
+    if dataset_name == "digits" or not os.path.isdir(local) or _is_saved_dataset(local):
+        return None
+    return Path(os.path.realpath(local))
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes: an image the run held out, known again wherever its folder went."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def image_names(data: Dataset | IterableDataset, root: Path) -> list[str]:
+    """The paths of `data`'s image files relative to `root` (an image folder's, as its rows name them), in order;
+    nothing is decoded, but by a stream's filter (the carved splits'), whose images then name their files."""
+    files = data.select_columns(["image"]).cast_column("image", datasets.Image(decode=False))
+    if isinstance(files, Dataset):  # read as one Arrow column: a row at a time costs seconds per 10,000 images
+        paths = files.with_format("arrow")[:].column("image").combine_chunks().field("path").to_pylist()
+    else:
+        paths = [row["image"]["path"] if isinstance(row["image"], dict) else row["image"].filename for row in files]
+    prefix = os.path.join(root, "")
+    resolved = (path if path.startswith(prefix) else os.path.realpath(path) for path in paths)
+    return [Path(os.path.relpath(path, root) if not path.startswith(prefix) else path[len(prefix) :]).as_posix()
+            for path in resolved]  # fmt: skip
+
+
+def recorded_images(raw: DatasetDict | IterableDatasetDict, root: Path) -> dict[str, Any]:
+    """The images of each split of `raw` (read from the image folder at `root`), as a run records them: the training
+    images by their paths relative to `root`, each held-out image (validation, test) by its path with its file's
+    SHA-256, so that a moved folder still finds them and a changed one is told."""
+    images: dict[str, Any] = {}
+    for split, data in raw.items():
+        names = image_names(data, root)
+        images[split] = names if split == "train" else {name: file_digest(root / name) for name in names}
+    return images
+
+
+def _named(names: list[str], limit: int = 10) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def recorded_splits(source: DataSource) -> DatasetDict:
+    """The splits of the run that recorded `source.recorded_images`, read from the image folder `source` names (moved
+    or not): each split holds exactly the recorded images still there, a held-out one only with the bytes the run
+    read. What was added to the folder, removed from it, or changed is said in one warning line."""
+    root, recorded = image_folder_root(source.dataset_name), source.recorded_images or {}
+    loaded = load_image_dataset(
+        source.dataset_name, image_column=source.image_column_name, label_column=source.label_column_name,
+        train_split=source.train_split, validation_split=source.validation_split, test_split=source.test_split,
+    )  # fmt: skip
+    every = datasets.concatenate_datasets(list(loaded.values()))  # whichever split the folder now holds them in
+    names = image_names(every, root)
+    rows: dict[str, list[int]] = {split: [] for split in recorded}
+    position = {name: split for split, wanted in recorded.items() for name in wanted}
+    changed = []
+    for row, name in enumerate(names):
+        split = position.get(name)
+        if split is None:
+            continue
+        held_out = recorded[split]
+        if isinstance(held_out, dict) and file_digest(root / name) != held_out[name]:
+            changed.append(name)
+        else:
+            rows[split].append(row)
+    removed = sorted(set(position) - set(names))
+    added = sorted(set(names) - set(position))
+    problems = [
+        f"{what}: {_named(found)}"
+        for what, found in (
+            ("the run's images no longer there", removed),
+            ("held-out images changed since the run read them (left out)", changed),
+            ("images the run did not read (added since, or left out by it)", added),
+        )
+        if found
+    ]
+    if problems:
+        counts = ", ".join(f"{split} {len(rows[split])} of {len(wanted)}" for split, wanted in recorded.items())
+        logger.warning(
+            "%s is not the folder the run read: %s. Its splits hold only the run's images still there (%s).",
+            source.dataset_name, "; ".join(problems), counts,
+        )  # fmt: skip
+    return DatasetDict({split: every.select(chosen) for split, chosen in rows.items()})
+
+
 def load_datasets(source: DataSource, seed: int):
-    """The raw splits `source` names (columns `image` and `label`)."""
+    """The raw splits `source` names (columns `image` and `label`): those a run recorded, when `source` carries
+    them (`recorded_splits`)."""
+    if source.recorded_images is not None:
+        return recorded_splits(source)
     ds = load_image_dataset(
         source.dataset_name,
         image_column=source.image_column_name,

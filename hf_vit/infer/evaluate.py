@@ -24,13 +24,15 @@ import torch
 from ..data.datasets import (
     SPLIT_FIELDS,
     DataSource,
+    file_digest,
+    image_folder_root,
     label_names,
     load_datasets,
     local_data_set_fingerprint,
     reorder_classes,
 )
 from ..data.transforms import apply_transforms, make_eval_transform, pack_native_batch
-from ..metrics import compute_metrics
+from ..metrics import compute_metrics, few_images_warning, images_text
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..outputs.files import RUN_RECORD_FILE, write_beside
 from ..outputs.run_record import read_record
@@ -55,9 +57,16 @@ class EvaluationSplit:
 
 
 def _same_data_set(splits: dict[str, Any], dataset_name: str) -> bool:
-    """Whether `dataset_name` is the data set a run's record describes: the same local folder (by its path's digest),
-    or the same name of digits or a Hub data set."""
-    fingerprint = local_data_set_fingerprint(dataset_name)
+    """Whether `dataset_name` is the data set a run's record describes: an image folder holding one of the images the
+    run held out (by its path in the folder and its bytes, wherever the folder is now), the same `save_to_disk` folder
+    (by its path's digest), or the same name of digits or a Hub data set."""
+    root, images = image_folder_root(dataset_name), splits.get("images")
+    if isinstance(images, dict):
+        held_out = [item for split, names in images.items() if split != "train" for item in names.items()]
+        return root is not None and any(
+            (root / name).is_file() and file_digest(root / name) == digest for name, digest in held_out
+        )
+    fingerprint = local_data_set_fingerprint(dataset_name)  # (an image folder's too, in records written before)
     if splits.get("dataset_path_sha256") or fingerprint:
         return fingerprint == splits.get("dataset_path_sha256")
     return splits.get("dataset_name") == dataset_name
@@ -66,12 +75,18 @@ def _same_data_set(splits: dict[str, Any], dataset_name: str) -> bool:
 def recorded_source(model: str | os.PathLike, source: DataSource, given: dict[str, Any] | None = None) -> DataSource:
     """`source` with its splits made as the run that trained `model` made them (the run's record in its folder,
     `hf_vit.outputs.run_record`), when `source` names the data set of that run: "validation" is then the images the
-    run held out (its `--validation_split`, or the share of train it carved out, in memory or from a stream), never
-    images it trained on. `given`: the split flags a user passed (name -> value, None for not passed); one that
-    contradicts the record is refused by name. Without a record, or for another data set, `source` as it is."""
+    run held out (an image folder's by their paths and bytes, wherever it moved; else its `--validation_split`, or the
+    share of train it carved out, in memory or from a stream), never images it trained on. `given`: the split flags a
+    user passed (name -> value, None for not passed); one that contradicts the record is refused by name. Without a
+    record, or for another data set, `source` as it is."""
     record = read_record(model) if Path(model).is_dir() else None
     splits = record.get("splits") if record else None
     if not isinstance(splits, dict) or not _same_data_set(splits, source.dataset_name):
+        if isinstance(splits, dict) and "images" in splits and image_folder_root(source.dataset_name) is not None:
+            logger.warning(
+                "%s holds none of the images the run that trained %s held out (by their paths and bytes): it is "
+                "measured as a data set of its own, on its own splits.", source.dataset_name, model,
+            )  # fmt: skip
         return source
     fields = {field: splits[field] for field in SPLIT_FIELDS if field != "dataset_name" and field in splits}
     for flag, value in (given or {}).items():
@@ -81,6 +96,8 @@ def recorded_source(model: str | os.PathLike, source: DataSource, given: dict[st
                 f"--{flag} {fields[flag]} (its record {RUN_RECORD_FILE}), so another value would measure images it "
                 f"did not hold out. Leave --{flag} out: the run's splits are used."
             )
+    if "images" in splits:  # the run's images themselves, read in memory
+        return dataclasses.replace(source, **{**fields, "streaming": False}, recorded_images=splits["images"])
     if fields.get("streaming"):
         logger.warning(
             "%s trained on a stream of %s: its splits are read as the run read them (validation: %s).",
@@ -106,6 +123,8 @@ def evaluation_split(config: Any, source: DataSource, split: str | None = None, 
     split = split or final_split(raw)
     if split not in raw:
         raise ValueError(f"--split {split}: the data set {source.dataset_name!r} has {', '.join(raw)}.")
+    if isinstance(raw[split], datasets.Dataset) and len(raw[split]) == 0:  # the run's images all gone from the folder
+        raise ValueError(f"--split {split}: {source.dataset_name!r} holds none of the images of that split.")
     if source.streaming:
         raw = _in_memory(raw, split)
         source = dataclasses.replace(source, streaming=False)
@@ -325,10 +344,14 @@ def evaluate_checkpoint(
                          classifier.config.id2label)  # fmt: skip
         results.update(metrics)
     shown = ", ".join(f"{key} {value:.4f}" for key, value in results.items() if isinstance(value, float))
+    counts = [results.get(f"{split}_samples") for split in splits]
+    measured = ", ".join(f"{split} on {images_text(count)}" for split, count in zip(splits, counts))
     message = (
         f"Evaluated {model_name_or_path} as it is (no training, no model written) on "
-        f"{source.dataset_name}: {shown}. Results in {os.path.abspath(output_dir)}."
+        f"{source.dataset_name}: {shown} ({measured}). Results in {os.path.abspath(output_dir)}."
     )
+    if few := few_images_warning(min(counts)):
+        message += f"\nWARNING: {few}"
     print(message, flush=True)  # once: the summary is not logged as well
     return results
 

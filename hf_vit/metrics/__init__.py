@@ -19,6 +19,9 @@ ACCURACY_PATH = str(Path(__file__).resolve().parent / "accuracy")
 MULTILABEL_PATH = str(Path(__file__).resolve().parent / "multilabel")
 """Local path of the multi-label metric module (mean average precision, F1)."""
 
+FEW_IMAGES = 50
+"""Below this many images a measured figure is said with a warning: one image moves an accuracy by over 2 points."""
+
 _accuracy: evaluate.EvaluationModule | None = None
 _multilabel: evaluate.EvaluationModule | None = None
 
@@ -76,3 +79,18 @@ def _keep_top_classes(logits: np.ndarray, labels: np.ndarray, k: int) -> tuple[n
     kept[missed, k] = labels[missed]
     kept.sort(axis=1)
     return np.take_along_axis(logits, kept, axis=1), (kept == labels[:, None]).argmax(axis=1)
+
+
+def images_text(count: int | None) -> str:
+    """The number of images a figure was measured on, as the summary, the card and evaluate say it."""
+    return "images not counted" if count is None else f"{count} image{'' if count == 1 else 's'}"
+
+
+def few_images_warning(count: int | None) -> str | None:
+    """One line for a figure measured on fewer than `FEW_IMAGES` images; None otherwise."""
+    if count is None or count >= FEW_IMAGES:
+        return None
+    return (
+        f"measured on only {count} images: one image more or less right moves an accuracy by {100 / count:.1f} "
+        f"points, so it tells little; hold out {FEW_IMAGES} or more images for a figure to compare models by."
+    )

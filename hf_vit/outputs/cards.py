@@ -14,6 +14,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..metrics import few_images_warning, images_text
 from ..model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .files import CARD_TEMPLATE, remote_code_files, write_beside
 
@@ -281,9 +282,9 @@ def render_model_card(
     base = card_reference(base_model) if base_model else None
     data = card_reference(dataset_name) if dataset_name else None
     local_refs = [base_model, dataset_name, output_dir]
-    split = metrics.get("eval_split", "test")
+    split, count = metrics.get("eval_split", "test"), metrics.get("eval_samples")
     results = [
-        {"split": split, "metric": name.removeprefix("eval_"), "value": f"{value:.4f}"}
+        {"split": split, "metric": name.removeprefix("eval_"), "value": f"{value:.4f}", "images": images_text(count)}
         for name, value in metrics.items()
         if name.startswith("eval_") and isinstance(value, float) and _is_quality_metric(name)
     ]
@@ -315,6 +316,7 @@ def render_model_card(
         dataset_description=_dataset_description(data),
         recipe=_without_local_paths(recipe, local_refs) or training_recipe_text(task, training_args),
         results=results,
+        few_images=few_images_warning(count) if results else None,
         results_note=_without_local_paths(results_note, local_refs),
         compute_dial=compute_dial,
         compute_dial_data=Path(compute_dial).with_suffix(".json").name if compute_dial else None,

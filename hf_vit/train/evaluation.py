@@ -23,8 +23,10 @@ def evaluate_split(
     examples that pad a streamed split's last batch across processes."""
     output = trainer.predict(dataset, metric_key_prefix=split)
     metrics = dict(output.metrics)
-    if loss is not None and output.predictions is not None and output.label_ids is not None:
-        predictions = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+    predictions = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
+    if predictions is not None:
+        metrics[f"{split}_samples"] = len(predictions)  # the images measured, said beside every figure
+    if loss is not None and predictions is not None and output.label_ids is not None:
         metrics[f"{split}_loss"] = loss(predictions, output.label_ids)
     trainer.log(metrics)
     return metrics

@@ -9,6 +9,8 @@ import os
 import shlex
 from typing import Any
 
+from ..metrics import few_images_warning, images_text
+
 logger = logging.getLogger(__name__)
 
 # The metric a run is judged by, per objective, as the final evaluation reports it (`eval_*`).
@@ -97,8 +99,10 @@ def summarize_run(
     found = headline(metrics)
     if found is not None:
         name, value = found
-        split = metrics.get("eval_split", "validation")
-        lines.append(f"  {name} on the {split} split: {value:.4f}")
+        split, count = metrics.get("eval_split", "validation"), metrics.get("eval_samples")
+        lines.append(f"  {name} on the {split} split: {value:.4f} ({images_text(count)})")
+        if few := few_images_warning(count):
+            lines.append(f"  WARNING: {few}")
     lines.append("  next:")
     split = metrics.get("eval_split", "validation")
     lines.extend(

@@ -21,7 +21,7 @@ import torch
 import transformers
 from transformers import TrainingArguments
 
-from ..data.datasets import DataSource, load_datasets, split_record
+from ..data.datasets import DataSource, image_folder_root, load_datasets, recorded_images, split_record
 from ..data.packed_batches import PADDING_SAMPLE_IMAGES, PackedBatchSampler, padding_line, training_patches
 from ..data.transforms import (
     Augmentation,
@@ -176,6 +176,8 @@ def _run(
 ) -> dict[str, Any]:
     task = run.task
     raw = load_datasets(run.source, training_args.seed)
+    if record is not None and (root := image_folder_root(run.source.dataset_name)) is not None:
+        record.splits["images"] = recorded_images(raw, root)  # the held-out images themselves, found where they go
     objective = select_objective(
         task, raw, run.source.dataset_name, run.objective, run.problem_type, run.source.streaming
     )
