@@ -370,3 +370,47 @@ def test_on_cpu_each_packed_image_attends_in_a_row_of_its_own(monkeypatch):
     torch.testing.assert_close(images, masked, rtol=0, atol=1e-5)
     for ours, theirs in zip(image_grads, masked_grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def concatenated(first, second):
+    """Two packed batches put one after the other along every field, as a user may mistake for one batch."""
+    joined = {}
+    for name in first:
+        a, b = first[name], second[name]
+        width = max(a.shape[1], b.shape[1])
+        if a.ndim == 2 and name != "spatial_shapes":
+            a, b = (F.pad(value, (0, width - value.shape[1]), value=-1) for value in (a, b))
+        joined[name] = torch.cat([a, b])
+    return joined
+
+
+def edited(batch, name, change):
+    value = batch[name].clone()
+    change(value)
+    return {**batch, name: value}
+
+
+def test_a_packed_batchs_fields_that_disagree_are_refused_naming_the_field():
+    """Each would run silently, its logits wrong or another image's, where the fields were taken on trust."""
+    model = model_of("classifier").eval()
+    batch = packed_batch(3, seed=1)
+    slot = int(batch["image_slot_index"][0, 0])
+    wrong = {
+        "row_image_index": concatenated(batch, packed_batch(3, seed=2)),
+        "spatial_shapes": edited(batch, "spatial_shapes", lambda v: v[0].add_(torch.tensor([1, 0]))),
+        "patch_image_index": edited(batch, "patch_image_index", lambda v: v.view(-1)[slot].fill_(2)),
+        "pixel_attention_mask": edited(batch, "pixel_attention_mask", lambda v: v.zero_()),
+        "image_slot_index": edited(batch, "image_slot_index", lambda v: v[0, 0].fill_(10_000)),
+    }
+    for name, inputs in wrong.items():
+        with pytest.raises(RuntimeError, match=f"`{name}` must"):
+            model(**inputs)
+    for name in ("patch_image_index", "row_image_index", "image_slot_index"):
+        with pytest.raises(ValueError, match=f"`{name}` must be an integer tensor"):
+            model(**{**batch, name: batch[name].float()})
+    dropped = packed_batch(3, seed=1, drop=True)
+    with pytest.raises(RuntimeError, match="`patch_positions` must"):
+        model(
+            **edited(dropped, "patch_positions", lambda v: v.view(-1)[int(dropped["image_slot_index"][0, 0])].add_(1))
+        )
+    model(**batch)  # the batch as the processor made it runs

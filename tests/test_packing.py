@@ -24,7 +24,7 @@ from hf_vit.model.attention import (
     segment_attention_forward,
     segment_attention_path,
 )
-from hf_vit.model.image_processing_vit import first_fit_decreasing
+from hf_vit.model.image_processing_vit import first_fit_decreasing, pack_patches
 from hf_vit.model.layout import PACKED_INDEX_FIELDS, AttentionSegments, BatchLayout, _segments, packed_index_fields
 from hf_vit.model.modeling_mpp import PATCH_CLEAN
 
@@ -611,16 +611,11 @@ def test_empty_rows_change_no_output_and_no_gradient(drop):
     model = VisionTransformerForImageClassification(tiny_config(zero_init_head=False, attn_implementation="sdpa"))
     processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
     inputs = dict(processor(images(PACKED_SIZES), packed_sequence_length=24, return_tensors="pt"))
-    if drop:  # each image keeps its patches but its first, in their places
-        inputs["patch_positions"] = inputs["patch_image_index"].clone()
-        for image, size in enumerate(inputs["spatial_shapes"].prod(1).tolist()):
-            slots = inputs["patch_image_index"] == image
-            kept = torch.arange(size)
-            kept[0] = -1
-            inputs["patch_positions"][slots] = kept
-            inputs["patch_image_index"][inputs["patch_positions"] < 0] = -1
-        inputs["pixel_attention_mask"] = (inputs["patch_image_index"] >= 0).int()
-        inputs = with_its_packing(inputs)
+    if drop:  # each image keeps its patches but its first, in their places, packed again
+        grids = [tuple(grid) for grid in inputs["spatial_shapes"].tolist()]
+        slots, flat = inputs["image_slot_index"], inputs["pixel_values"].flatten(0, 1)
+        kept = [torch.arange(1, rows * cols) for rows, cols in grids]
+        inputs = pack_patches([flat[slots[image, places]] for image, places in enumerate(kept)], grids, 24, kept)
     padded = with_empty_rows(inputs, where={0, 2})
     assert padded["pixel_values"].shape[0] == inputs["pixel_values"].shape[0] + 3
     labels = torch.tensor([0, 1, 2, 3, 4, 0])
@@ -774,7 +769,6 @@ def test_flex_attention_with_a_block_diagonal_mask_is_handed_to_sdpa(monkeypatch
 def test_dropped_tokens_take_no_part_and_the_kept_ones_keep_their_places(classifier):
     # NaViT's token dropping: each image keeps some places of its grid; its pooled output is that of its kept tokens
     # alone (embedded on the whole grid, then the others removed), whatever the rows and the other images hold
-    from hf_vit.model.image_processing_vit import pack_patches
 
     torch.manual_seed(0)
     config = tiny_config(image_size=8, patch_size=4, classifier=classifier, num_register_tokens=1)
@@ -847,7 +841,6 @@ def reference_layout(index: torch.Tensor, grids: list, prefix: int, where: torch
 def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping):
     # random batches: images of random grids first-fit-decreasing into rows; with token dropping each image keeps a
     # random subset of its places in a random order
-    from hf_vit.model.image_processing_vit import pack_patches
 
     generator = torch.Generator().manual_seed(prefix + 10 * dropping)
     for trial in range(6):
