@@ -516,6 +516,18 @@ def test_sixteen_bit_images_and_uint16_arrays_share_one_scaling_rule(photo):
         process([photo, np.full((8, 8), 467, np.int32)])
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"max_num_patches": 16}, {"max_num_patches": 16, "packed_sequence_length": 32}]
+)
+def test_an_image_without_pixels_is_refused_naming_it(options):
+    """Where torch's resize error (and a grid error with `max_num_patches`) named neither the image nor the cause."""
+    processor = VisionTransformerImageProcessor(patch_size=4, **options)
+    whole = PIL.Image.new("RGB", (8, 8))
+    for empty in (PIL.Image.new("RGB", (0, 10)), np.zeros((10, 0, 3), np.uint8), torch.zeros(3, 0, 0)):
+        with pytest.raises(ValueError, match=r"^Image 1 is empty \(0x\d+ pixels, 3 channels\): remove it\.$"):
+            processor([whole, empty, whole], return_tensors="pt")
+
+
 def test_non_finite_pixels_are_refused_naming_the_image(photo):
     good = photo.astype(np.float32)
     for bad_value in (np.nan, np.inf, -np.inf):

@@ -198,6 +198,9 @@ def _to_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 def _check_values(tensor: torch.Tensor, index: int) -> torch.Tensor:
     """Return one `[C, H, W]` image as uint8 or float32, refusing values that would silently give wrong pixels."""
+    if 0 in tensor.shape:
+        height, width = tensor.shape[-2:]
+        raise ValueError(f"Image {index} is empty ({width}x{height} pixels, {tensor.shape[0]} channels): remove it.")
     if tensor.dtype == torch.uint8:
         return tensor
     if not tensor.is_floating_point() and tensor.numel():
