@@ -18,7 +18,6 @@ with decoding left on (plain `set_transform`), datasets raises PIL's error befor
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -147,8 +146,7 @@ def make_eval_transform(processor: VisionTransformerImageProcessor) -> Transform
     one example per image, also for a processor that packs (`packed_sequence_length`): a batch's rows are made where
     the batch is, by `collate_fn` or `pack_native_batch`."""
     if getattr(processor, "packed_sequence_length", None) is not None:
-        processor = copy.copy(processor)
-        processor.packed_sequence_length = None
+        processor = processor.with_options(packed_sequence_length=None)
 
     def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
         images = [decode_image(image, i) for i, image in enumerate(batch["image"])]

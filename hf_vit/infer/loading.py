@@ -6,7 +6,6 @@ the model inputs of a processed batch.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -93,17 +92,17 @@ def serving_processor(processor: Any, config: Any, max_num_patches: int | None =
     field), native-aspect batches of at most that many patches of the model's patch size, each image kept whole (no
     centre crop; packed into rows of at least that many slots when the processor packs); else the processor as
     saved."""
-    processor = copy.deepcopy(processor)
+    changes = {}
     if max_num_patches is not None:
         check_native_model(config)
-        processor.max_num_patches, processor.do_center_crop = max_num_patches, False
-        packed = getattr(processor, "packed_sequence_length", None)
+        changes = dict(max_num_patches=max_num_patches, do_center_crop=False)
+        packed = processor.packed_sequence_length
         if packed is not None:  # a packed processor's rows hold the largest image
-            processor.packed_sequence_length = max(packed, max_num_patches)
-    if processor.max_num_patches is not None:
+            changes["packed_sequence_length"] = max(packed, max_num_patches)
+    if changes.get("max_num_patches", processor.max_num_patches) is not None:
         check_native_model(config)
-        processor.patch_size = config.patch_size
-    return processor
+        changes["patch_size"] = config.patch_size
+    return processor.with_options(**changes)
 
 
 def model_inputs(batch: dict[str, Any], device: torch.device | None = None) -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@ installed), so it may import only its siblings, the standard library, numpy, PIL
 geometry (sizes, resizing, the centre crop, native-aspect grids) is its sibling `image_geometry.py`.
 """
 
+import copy
+import inspect
 import io
 import math
 import numbers
@@ -449,6 +451,21 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         self.packed_sequence_length = packed_sequence_length
         _check_native(max_num_patches, patch_size, do_center_crop)
         _check_packing(max_num_patches, packed_sequence_length)
+
+    def with_options(self, **options: Any) -> "VisionTransformerImageProcessor":
+        """A new processor: this one with `options` (its constructor's) changed, checked as the constructor checks
+        them, e.g. `with_options(max_num_patches=None, packed_sequence_length=None)` for whole images at its size.
+        This one is left as it is."""
+        names = inspect.signature(type(self).__init__).parameters
+        unknown = sorted(name for name in options if name not in names or name in ("self", "kwargs"))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no option(s) {unknown}.")
+        changed = copy.deepcopy(self)
+        for name, value in options.items():
+            setattr(changed, name, value)
+        _check_native(changed.max_num_patches, changed.patch_size, changed.do_center_crop)
+        _check_packing(changed.max_num_patches, changed.packed_sequence_length)
+        return changed
 
     def preprocess(
         self,
