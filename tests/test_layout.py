@@ -16,7 +16,7 @@ from hf_vit import (
     VisionTransformerImageProcessor,
     VisionTransformerModel,
 )
-from hf_vit.model.image_processing_vit import first_fit_decreasing, native_patch_batch, pack_patches
+from hf_vit.model.image_processing_vit import best_fit_decreasing, native_patch_batch, pack_patches
 from hf_vit.model.layout import PACKED_INDEX_FIELDS, packed_index_fields
 from hf_vit.model.modeling_mpp import PATCH_MASKED, PATCH_RANDOM
 from hf_vit.model.resolution import position_taps, resample_position_embeddings
@@ -88,7 +88,7 @@ def packed_batch(count, seed=0, length=48, drop=False, rows=None):
         patches = [p[kept] for p, kept in zip(patches, positions)]
     planned = None
     if rows is not None:  # exactly `rows` rows, as the training collator's fixed-token batches (empty ones padding)
-        planned = first_fit_decreasing([len(p) for p in patches], length)
+        planned = best_fit_decreasing([len(p) for p in patches], length)
         planned += [[] for _ in range(rows - len(planned))]
     return pack_patches(patches, grids, length, positions, planned)
 

@@ -24,7 +24,7 @@ from hf_vit.model.attention import (
     segment_attention_forward,
     segment_attention_path,
 )
-from hf_vit.model.image_processing_vit import first_fit_decreasing, pack_patches
+from hf_vit.model.image_processing_vit import best_fit_decreasing, pack_patches
 from hf_vit.model.layout import PACKED_INDEX_FIELDS, AttentionSegments, BatchLayout, _segments, packed_index_fields
 from hf_vit.model.modeling_mpp import PATCH_CLEAN
 
@@ -264,26 +264,29 @@ def test_packed_rows_hold_each_image_whole_as_the_unpacked_batch_does(capacity):
         assert packed["pixel_values"].shape[0] == 1
 
 
-def first_fit_decreasing_by_hand(sizes, capacity):
-    """The rule written out: largest first (ties in the order given), each into the first row with room."""
-    rows, room = [], []
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        for row, left in enumerate(room):
-            if left >= sizes[index]:
-                rows[row].append(index)
-                room[row] -= sizes[index]
-                break
+def best_fit_decreasing_by_hand(sizes, capacity):
+    """The rule written out: largest first (ties in the order given), each into the row it leaves the least room in
+    (of those, the one that came to that room last), a new row when none has room."""
+    rows, room, since = [], [], []
+    for step, index in enumerate(sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))):
+        fitting = [row for row, left in enumerate(room) if left >= sizes[index]]
+        if fitting:
+            row = min(fitting, key=lambda row: (room[row], -since[row]))
+            rows[row].append(index)
+            room[row] -= sizes[index]
+            since[row] = step
         else:
             rows.append([index])
             room.append(capacity - sizes[index])
+            since.append(step)
     return rows
 
 
-def test_rows_follow_first_fit_decreasing_deterministically():
+def test_rows_follow_best_fit_decreasing_deterministically():
     processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8, packed_sequence_length=24)
     packed = processor(images(), return_tensors="pt")
     sizes = packed["spatial_shapes"].prod(1).tolist()
-    assert rows_of(packed) == first_fit_decreasing_by_hand(sizes, 24)
+    assert rows_of(packed) == best_fit_decreasing_by_hand(sizes, 24)
     assert all(torch.equal(packed[name], value) for name, value in processor(images(), return_tensors="pt").items())
     # the rows do not depend on the images' order, only which image sits where does
     order = [3, 0, 8, 1, 7, 2, 6, 4, 5]
@@ -294,22 +297,22 @@ def test_rows_follow_first_fit_decreasing_deterministically():
     )
 
 
-def test_first_fit_decreasing_on_random_sizes():
+def test_best_fit_decreasing_on_random_sizes():
     rng = np.random.default_rng(0)
     for _ in range(200):
         capacity = int(rng.integers(1, 50))
         sizes = rng.integers(1, capacity + 1, int(rng.integers(1, 30))).tolist()
-        rows = first_fit_decreasing(sizes, capacity)
-        assert rows == first_fit_decreasing_by_hand(sizes, capacity)
+        rows = best_fit_decreasing(sizes, capacity)
+        assert rows == best_fit_decreasing_by_hand(sizes, capacity)
         assert sorted(i for row in rows for i in row) == list(range(len(sizes)))
         assert all(sum(sizes[i] for i in row) <= capacity for row in rows)
-        # no two rows could have been one: first fit leaves at most one row half empty
+        # no two rows could have been one: a row is opened only for an image no row had room for
         loads = sorted(sum(sizes[i] for i in row) for row in rows)
         assert len(loads) < 2 or loads[0] + loads[1] > capacity
     with pytest.raises(ValueError, match="Item 1 has size 9"):
-        first_fit_decreasing([3, 9], 8)
+        best_fit_decreasing([3, 9], 8)
     with pytest.raises(ValueError, match="capacity"):
-        first_fit_decreasing([3], 0)
+        best_fit_decreasing([3], 0)
 
 
 def test_packing_returns_numpy_and_lists_as_the_unpacked_batch_does():
