@@ -414,3 +414,22 @@ def test_a_packed_batchs_fields_that_disagree_are_refused_naming_the_field():
             **edited(dropped, "patch_positions", lambda v: v.view(-1)[int(dropped["image_slot_index"][0, 0])].add_(1))
         )
     model(**batch)  # the batch as the processor made it runs
+
+
+def test_the_batch_fields_are_listed_once_and_every_forward_takes_them_as_given():
+    """`BatchLayout.of` names the fields; the forwards hand them over in their kwargs, none lists them again."""
+    import inspect
+
+    from hf_vit import VisionTransformerBackbone
+    from hf_vit.model.layout import BATCH_FIELDS, BatchLayout
+
+    named = [name for name in inspect.signature(BatchLayout.of).parameters if name not in ("pixel_values", "prefix")]
+    assert sorted(named) == sorted(BATCH_FIELDS)
+    heads = (
+        VisionTransformerModel,
+        VisionTransformerForImageClassification,
+        VisionTransformerForMaskedPatchPrediction,
+    )
+    for head in (*heads, VisionTransformerBackbone):
+        assert not set(inspect.signature(head.forward).parameters) & set(BATCH_FIELDS), head.__name__
+    assert len(inspect.signature(VisionTransformerModel.forward).parameters) == 8  # self, 5 inputs, layout, kwargs

@@ -16,7 +16,7 @@ from transformers.utils import logging as transformers_logging
 from ..flags import positive_int
 from ..lora import is_lora_folder, load_lora_model
 from ..model.image_processing_vit import VisionTransformerImageProcessor
-from ..model.layout import PACKED_INDEX_FIELDS
+from ..model.layout import BATCH_FIELDS
 from ..model.modeling_vit import VisionTransformerForImageClassification
 from ..model.resolution import MAX_PATCH_POSITIONS
 
@@ -106,10 +106,9 @@ def serving_processor(processor: Any, config: Any, max_num_patches: int | None =
 
 
 def model_inputs(batch: dict[str, Any], device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """The model's inputs in a processed batch: `pixel_values`, a native-aspect batch's mask and grids, and a packed
-    batch's `patch_image_index` with its packing (`row_image_index`, `image_slot_index`: see `hf_vit.model.layout`)."""
-    names = ("pixel_values", "pixel_attention_mask", "spatial_shapes", "patch_image_index", *PACKED_INDEX_FIELDS)
-    inputs = {key: batch[key] for key in names if key in batch}
+    """The model's inputs in a processed batch: `pixel_values` and a native-aspect batch's fields (its mask and
+    grids; a packed batch's packing: `BATCH_FIELDS`, see `hf_vit.model.layout`)."""
+    inputs = {key: batch[key] for key in ("pixel_values", *BATCH_FIELDS) if key in batch}
     return {key: value.to(device) for key, value in inputs.items()} if device is not None else inputs
 
 

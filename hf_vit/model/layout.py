@@ -50,9 +50,11 @@ import torch
 from torch.nn import functional as F
 
 __all__ = [
+    "BATCH_FIELDS",
     "PACKED_INDEX_FIELDS",
     "AttentionSegments",
     "BatchLayout",
+    "batch_fields",
     "check_native_batch",
     "masked_mean",
     "packed_index_fields",
@@ -62,6 +64,17 @@ __all__ = [
 
 # The fields of a packed batch made by `packed_index_fields`, beside `patch_image_index`.
 PACKED_INDEX_FIELDS = ("row_image_index", "image_slot_index")
+# A native-aspect batch's fields beside `pixel_values`, as the image processor returns them: the parameters of
+# `BatchLayout.of`, handed over by every forward in its `**kwargs` (`batch_fields`).
+BATCH_FIELDS = (
+    "spatial_shapes", "pixel_attention_mask", "patch_image_index", "patch_positions", *PACKED_INDEX_FIELDS
+)  # fmt: skip
+
+
+def batch_fields(kwargs: dict) -> dict[str, torch.Tensor]:
+    """The batch's layout fields given in a forward's `kwargs` (not None), taken out of them."""
+    fields = {name: kwargs.pop(name) for name in BATCH_FIELDS if name in kwargs}
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 @dataclass(frozen=True, eq=False)

@@ -43,7 +43,7 @@ from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem, ResNetUnit, StdConv2d
 from .layer_scale import LayerScale
-from .layout import BatchLayout, check_native_batch, masked_mean, patch_grid_maps
+from .layout import BatchLayout, batch_fields, check_native_batch, masked_mean, patch_grid_maps
 from .loading import (
     give_weights_the_umask_mode,
     load_strictly,
@@ -466,19 +466,14 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         interpolate_pos_encoding: bool | None = None,
         output_attentions: bool | None = None,
         bool_masked_pos: torch.Tensor | None = None,
-        pixel_attention_mask: torch.Tensor | None = None,
-        spatial_shapes: torch.Tensor | None = None,
         patch_sources: torch.Tensor | None = None,
-        patch_image_index: torch.Tensor | None = None,
-        patch_positions: torch.Tensor | None = None,
-        row_image_index: torch.Tensor | None = None,
-        image_slot_index: torch.Tensor | None = None,
         layout: BatchLayout | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
         """`bool_masked_pos` `(B, N)`: the patches whose embeddings the [mask] embedding replaces (a model built
         with `use_mask_token=True`); `patch_sources` `(B, N)`: the patches that take another's embedding instead
         (masked patch prediction, see `VisionTransformerEmbeddings.corrupt` and `modeling_mpp.py`).
+        The batch's layout fields come in `kwargs` as the image processor returns them (`layout.BATCH_FIELDS`):
         `spatial_shapes` (with `pixel_attention_mask`): a native-aspect batch of flattened patches, each image on its
         own grid; with `patch_image_index` (and the processor's `row_image_index`, `image_slot_index`; optionally
         `patch_positions`, NaViT's token dropping), a packed batch, several whole images per row (see `layout.py`):
@@ -490,15 +485,14 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        if layout is None and spatial_shapes is not None:
-            layout = self.batch_layout(
-                pixel_values, spatial_shapes, pixel_attention_mask, patch_image_index, patch_positions,
-                row_image_index, image_slot_index,
-            )  # fmt: skip
+        fields = batch_fields(kwargs)
+        if layout is None and "spatial_shapes" in fields:
+            layout = self.batch_layout(pixel_values, **fields)
             pixel_values = layout.unpack_patches(pixel_values)  # packed: the images one per row for (1) and (4)
         elif layout is None:
-            self.check_whole_images(pixel_values, interpolate_pos_encoding, pixel_attention_mask, patch_image_index)
-        embeddings = self.embeddings(pixel_values, bool_masked_pos, spatial_shapes, patch_sources)  # (1)
+            self.check_whole_images(pixel_values, interpolate_pos_encoding, fields)
+        grids = None if layout is None else layout.grids
+        embeddings = self.embeddings(pixel_values, bool_masked_pos, grids, patch_sources)  # (1)
         hidden_states = self.pre_norm(embeddings)
         attention_mask = None
         if layout is not None:  # each image's tokens in the blocks' rows (packed: several per row), attending only
@@ -517,42 +511,26 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         pooled_output = self.norm(pooled_output) if fc_norm else pooled_output
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
 
-    def batch_layout(
-        self,
-        pixel_values: torch.Tensor,
-        spatial_shapes: torch.Tensor,
-        pixel_attention_mask: torch.Tensor | None = None,
-        patch_image_index: torch.Tensor | None = None,
-        patch_positions: torch.Tensor | None = None,
-        row_image_index: torch.Tensor | None = None,
-        image_slot_index: torch.Tensor | None = None,
-    ) -> BatchLayout:
+    def batch_layout(self, pixel_values: torch.Tensor, **fields: torch.Tensor) -> BatchLayout:
         """The layout of a native-aspect batch, padded or packed (`patch_image_index`), for this model's prefix
-        tokens, its inputs' shapes checked (see `layout.py`)."""
-        packed = patch_image_index is not None
-        one_per_image = spatial_shapes if packed else pixel_values
+        tokens, its inputs' shapes checked: `fields` are the batch's (`layout.BATCH_FIELDS`, `spatial_shapes` among
+        them; see `layout.py`)."""
+        spatial_shapes = fields.get("spatial_shapes")
+        one_per_image = spatial_shapes if "patch_image_index" in fields else pixel_values
         images = one_per_image.shape[0] if isinstance(one_per_image, torch.Tensor) else len(one_per_image)
         check_native_batch(pixel_values, spatial_shapes, self.config, images)
-        return BatchLayout.of(
-            pixel_values, spatial_shapes, self.config.num_prefix_tokens, pixel_attention_mask, patch_image_index,
-            patch_positions, row_image_index, image_slot_index,
-        )  # fmt: skip
+        return BatchLayout.of(pixel_values, prefix=self.config.num_prefix_tokens, **fields)
 
     def check_whole_images(
-        self,
-        pixel_values: torch.Tensor,
-        interpolate_pos_encoding: bool | None,
-        pixel_attention_mask: torch.Tensor | None = None,
-        patch_image_index: torch.Tensor | None = None,
+        self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool | None, fields: dict | None = None
     ) -> None:
-        """Refuse a batch of whole images the model cannot embed, and a native-aspect batch's fields without
+        """Refuse a batch of whole images the model cannot embed, and a native-aspect batch's `fields` without
         `spatial_shapes`."""
-        for name, value in (("pixel_attention_mask", pixel_attention_mask), ("patch_image_index", patch_image_index)):
-            if value is not None:
-                raise ValueError(
-                    f"`{name}` was given without `spatial_shapes`: a native-aspect batch (the image processor's "
-                    "`max_num_patches`) needs both, as the processor returns them."
-                )
+        for name in fields or {}:
+            raise ValueError(
+                f"`{name}` was given without `spatial_shapes`: a native-aspect batch (the image processor's "
+                "`max_num_patches`) needs both, as the processor returns them."
+            )
         check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
 
     def pool(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -596,10 +574,11 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
             raise ValueError(f"indices must name blocks 0..{depth - 1} (or -{depth}..-1), got {indices!r}.")
         wanted = [index % depth for index in wanted]
         attention_mask = None
+        fields = batch_fields(dict(spatial_shapes=spatial_shapes, pixel_attention_mask=pixel_attention_mask))
         if spatial_shapes is not None:
-            attention_mask = self.batch_layout(pixel_values, spatial_shapes, pixel_attention_mask).segments
+            attention_mask = self.batch_layout(pixel_values, **fields).segments
         else:
-            self.check_whole_images(pixel_values, interpolate_pos_encoding, pixel_attention_mask)
+            self.check_whole_images(pixel_values, interpolate_pos_encoding, fields)
         prefix = self.config.num_prefix_tokens
         hidden_states = self.pre_norm(self.embeddings(pixel_values, spatial_shapes=spatial_shapes))
         outputs = {}
@@ -645,26 +624,20 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         interpolate_pos_encoding: bool = True,
-        pixel_attention_mask: torch.Tensor | None = None,
-        spatial_shapes: torch.Tensor | None = None,
-        patch_image_index: torch.Tensor | None = None,
         **kwargs,
     ) -> BackboneOutput:
         """A native-aspect batch (`spatial_shapes`, see `layout.py`) gives maps on its largest grid, each image's at
         the top left and zero beyond its own grid; so does a packed batch (`patch_image_index`), one map per image,
         whose `hidden_states` are then one image per row too."""
-        layout = None
+        layout, fields = None, batch_fields(kwargs)
+        spatial_shapes = fields.get("spatial_shapes")
         if spatial_shapes is not None:
-            layout = self.batch_layout(
-                pixel_values, spatial_shapes, pixel_attention_mask, patch_image_index, kwargs.get("patch_positions"),
-                kwargs.get("row_image_index"), kwargs.get("image_slot_index"),
-            )  # fmt: skip
+            layout = self.batch_layout(pixel_values, **fields)
             pixel_values = layout.unpack_patches(pixel_values)
         # dense prediction runs at any patch-divisible size: the position embeddings follow it
         outputs = VisionTransformerModel.forward(  # not super(): BackboneMixin defines a forward of its own
             self, pixel_values, interpolate_pos_encoding=interpolate_pos_encoding,
-            output_attentions=output_attentions, output_hidden_states=True, pixel_attention_mask=pixel_attention_mask,
-            spatial_shapes=spatial_shapes, patch_image_index=patch_image_index, layout=layout,
+            output_attentions=output_attentions, output_hidden_states=True, layout=layout, **fields,
         )  # fmt: skip
         states = outputs.hidden_states
         if layout is not None:  # the blocks' outputs are of the blocks' rows (packed: several images per row)
