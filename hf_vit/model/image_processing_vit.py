@@ -382,7 +382,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         packed_sequence_length (`int`, *optional*):
             With `max_num_patches`, pack several images into each row of this many patch slots (NaViT's "Patch n'
             Pack"), whole images, best-fit-decreasing (the images with the most patches placed first, each in the
-            first row with room for it), instead of one image per row padded to `max_num_patches`; at least
+            row it leaves the least room in), instead of one image per row padded to `max_num_patches`; at least
             `max_num_patches`. Returns `pixel_values` `(rows, packed_sequence_length, patch_size**2 * C)`,
             `pixel_attention_mask` `(rows, packed_sequence_length)` (1 on every image's patches),
             `spatial_shapes` `(N, 2)` (each image's grid, in the order given) and `patch_image_index`

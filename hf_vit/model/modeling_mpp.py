@@ -21,7 +21,8 @@ from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_vit import VisionTransformerConfig
 from .layout import batch_fields
-from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel, lecun_normal_
+from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel
+from .weight_init import lecun_normal_
 
 __all__ = [
     "PATCH_CLEAN",
