@@ -433,3 +433,16 @@ def test_the_batch_fields_are_listed_once_and_every_forward_takes_them_as_given(
     for head in (*heads, VisionTransformerBackbone):
         assert not set(inspect.signature(head.forward).parameters) & set(BATCH_FIELDS), head.__name__
     assert len(inspect.signature(VisionTransformerModel.forward).parameters) == 8  # self, 5 inputs, layout, kwargs
+
+
+def test_packed_batches_of_other_rows_and_images_per_row_compile_in_two_graphs_marked_dynamic():
+    """The rows and the most images in a row change between these batches: their sizes marked dynamic from the first
+    batch, the compiled model takes them all in at most two graphs (three without the marks)."""
+    model = model_of("classifier", num_register_tokens=1).eval()
+    batches = [packed_batch(count, seed=count, length=32) for count in (4, 6, 5, 8, 7, 9)]
+    assert len({(len(batch["pixel_values"]), batch["row_image_index"].shape[1]) for batch in batches}) > 3
+    first = {name: value.clone() for name, value in batches[0].items()}
+    for name, value in first.items():  # rows (R), images (N), and the images of one row (M)
+        torch._dynamo.mark_dynamic(value, [0, 1] if name == "row_image_index" else 0)
+    with torch.no_grad():
+        assert compiled_graphs(model, [first, *batches[1:]]) <= 2
