@@ -21,9 +21,10 @@ channel order), each image at its own aspect ratio, a grid of at most K patches 
                                                   grid, -1 on the padding; each image's run holds only the patches it
                                                   keeps, in any order
 
-`row_image_index` and `image_slot_index` are the packing itself, computed once on the CPU by whoever packs (the
-image processor, the training collator: `packed_index_fields`); their shapes carry M (the most images in one row) and
-K (the most patches of one image), so nothing in the forward reads a value back from the device to know them.
+`row_image_index` and `image_slot_index` are the packing itself, written on the CPU from its plan by the one packer
+(`image_processing_vit.pack_patches`, for the processor and the training collator); their shapes carry M (the most
+images in one row) and K (the most patches of one image), so nothing in the forward reads a value back from the
+device to know them.
 
 `BatchLayout.of` turns a batch into the layout the model runs, with tensor operations only: no `.item()`, `.tolist()`,
 `nonzero` or branch on a value, so a forward on a GPU never waits for the device, and a compiled model takes every
