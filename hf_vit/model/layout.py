@@ -308,6 +308,41 @@ def _check_index_types(**fields: torch.Tensor | None) -> None:
             )
 
 
+def _check_packed_shapes_and_ranges(
+    slots: tuple[int, int],
+    image_slot_index: torch.Tensor,
+    patch_image_index: torch.Tensor,
+    row_image_index: torch.Tensor,
+    grids: torch.Tensor,
+    pixel_attention_mask: torch.Tensor | None,
+    patch_positions: torch.Tensor | None,
+) -> None:
+    """Refuse a packed batch's fields of the wrong shapes (at once) or with indices out of range (on the device)."""
+    rows, length = slots
+    images = image_slot_index.shape[0]
+    for name, value, shape in (
+        ("patch_image_index", patch_image_index, slots),
+        ("row_image_index", row_image_index, (rows, row_image_index.shape[-1])),
+        ("spatial_shapes", grids, (images, 2)),
+        ("pixel_attention_mask", pixel_attention_mask, slots),
+        ("patch_positions", patch_positions, slots),
+    ):
+        if value is not None and (value.ndim != 2 or tuple(value.shape) != shape):
+            raise ValueError(
+                f"`{name}` has shape {tuple(value.shape)}, but `pixel_values` holds {rows} rows of {length} patch "
+                f"slots and `image_slot_index` {images} images: {shape}, as the image processor returns it."
+            )
+    # the messages name no size: a compiled model would take each size as a constant
+    for name, value, bound, what in (
+        ("patch_image_index", patch_image_index, images, "images of `spatial_shapes`"),
+        ("row_image_index", row_image_index, images, "images of `spatial_shapes`"),
+        ("image_slot_index", image_slot_index, rows * length, "patch slots of `pixel_values` (row * length + slot)"),
+    ):
+        _check_on_device(
+            ((value >= -1) & (value < bound)).all(), f"`{name}` must hold -1 or one of the batch's {what}."
+        )
+
+
 def _check_packed_values(
     slots: tuple[int, int],
     grids: torch.Tensor,
@@ -325,28 +360,9 @@ def _check_packed_values(
     names its field. Indices out of range are clamped for the checks themselves."""
     rows, length = slots
     images, patches = image_slot_index.shape
-    for name, value, shape in (
-        ("patch_image_index", patch_image_index, slots),
-        ("row_image_index", row_image_index, (rows, row_image_index.shape[-1])),
-        ("spatial_shapes", grids, (images, 2)),
-        ("pixel_attention_mask", pixel_attention_mask, slots),
-        ("patch_positions", patch_positions, slots),
-    ):
-        if value is not None and (value.ndim != 2 or tuple(value.shape) != shape):
-            raise ValueError(
-                f"`{name}` has shape {tuple(value.shape)}, but `pixel_values` holds {rows} rows of {length} patch "
-                f"slots and `image_slot_index` {images} images: {shape}, as the image processor returns it."
-            )
     total, device = rows * length, image_slot_index.device
-    # the messages name no size: a compiled model would take each size as a constant
-    for name, value, bound, what in (
-        ("patch_image_index", patch_image_index, images, "images of `spatial_shapes`"),
-        ("row_image_index", row_image_index, images, "images of `spatial_shapes`"),
-        ("image_slot_index", image_slot_index, total, "patch slots of `pixel_values` (row * length + slot)"),
-    ):
-        _check_on_device(
-            ((value >= -1) & (value < bound)).all(), f"`{name}` must hold -1 or one of the batch's {what}."
-        )
+    fields = (patch_image_index, row_image_index, grids, pixel_attention_mask, patch_positions)
+    _check_packed_shapes_and_ranges(slots, image_slot_index, *fields)
     listed = row_image_index >= 0
     entry_image = torch.where(listed, row_image_index, images).clamp(max=images)
     times = torch.zeros(images + 1, dtype=torch.long, device=device).scatter_add(
