@@ -8,7 +8,7 @@ training step (forward, loss, backward, AdamW; fused on CUDA).
     padded + varlen   the same batch as the model runs it: attention restricted to each image (one run per image,
                       `varlen_attn`) on CUDA in half precision; elsewhere (CPU, fp32) the model masks the padding as
                       keys, the same path as `padded + mask`
-    packed            the same images and the next ones, whole, first-fit-decreasing into B * K / L rows of L slots, as
+    packed            the same images and the next ones, whole, best-fit-decreasing into B * K / L rows of L slots, as
                       the model runs them: `varlen_attn` on CUDA in half precision (compiled too), else a
                       block-diagonal mask
     packed + mask     the same packed rows with a block-diagonal mask through SDPA (`segment_attention_path` patched to

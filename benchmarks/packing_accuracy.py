@@ -13,7 +13,7 @@ the same patch slots, B x K:
 
     padded   B images, one per row of K slots (the image processor's `max_num_patches`)
     packed   rows of L slots (`packed_sequence_length`), B x K / L of them, holding the next images of the stream, as
-             many as first-fit-decreasing packs into them: the same slots hold more images
+             many as best-fit-decreasing packs into them: the same slots hold more images
 
 Both are timed in one process, interleaved step by step (a packed step, a padded step, the order alternating; each
 run sums its own steps' seconds: forward, loss, backward, optimiser step; the batches are made before the clock
@@ -46,7 +46,7 @@ import PIL.Image
 import torch
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
-from hf_vit.model.image_processing_vit import first_fit_decreasing
+from hf_vit.model.image_processing_vit import best_fit_decreasing
 
 RUNS = ("padded", "packed")
 TRAIN_SEED, TEST_SEED = 1, 2  # the canvases' draws: training images per (epoch, image), test images once
@@ -123,7 +123,7 @@ class Stream:
 
 
 def next_batch(stream: Stream, run: str, processor: VisionTransformerImageProcessor, args) -> dict:
-    """A step's batch of B x K patch slots: B images padded to K each, or as many images as first-fit-decreasing
+    """A step's batch of B x K patch slots: B images padded to K each, or as many images as best-fit-decreasing
     packs into B x K / L rows of L (the stream's next image that does not fit waits for the next step)."""
     images, labels, sizes = [], [], []
     if run == "padded":
@@ -135,7 +135,7 @@ def next_batch(stream: Stream, run: str, processor: VisionTransformerImageProces
         batch = dict(processor(images, return_tensors="pt"))
     else:
         rows = args.batch_size * args.max_num_patches // args.packed_sequence_length
-        while not images or len(first_fit_decreasing([*sizes, stream.peek()[2]], args.packed_sequence_length)) <= rows:
+        while not images or len(best_fit_decreasing([*sizes, stream.peek()[2]], args.packed_sequence_length)) <= rows:
             image, label, patches = stream.take()
             images.append(image)
             labels.append(label)

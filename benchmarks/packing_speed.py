@@ -4,7 +4,7 @@ r"""Packing rows of the benchmark: what padding costs on CPU, and what packing t
 The images are at their native resolution (NaViT's setting: each a grid of between `--min_share` x K and K patches;
 `--min_share` sets the padded batch's padding share: at 0.4 a quarter of its slots, at 0.95 a few percent), through
 hf-vit's processor at equal patch slots: padded, B images one per row of K patches (`max_num_patches`), and packed,
-whole images first-fit-decreasing into B * K / L rows of L patch slots (`packed_sequence_length`), the same images and
+whole images best-fit-decreasing into B * K / L rows of L patch slots (`packed_sequence_length`), the same images and
 the next ones, as many as fit. Their attention is timed in one process, in alternating rounds
 (`timing.time_alternating`), as the model runs it on CPU: through the model's attention function
 (`ALL_ATTENTION_FUNCTIONS`) with each batch's `AttentionSegments`, made by the model's layout (`BatchLayout.of`, one
@@ -55,7 +55,7 @@ import torch
 from benchmarks.timing import median_seconds, time_alternating
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.model.attention import ALL_ATTENTION_FUNCTIONS
-from hf_vit.model.image_processing_vit import first_fit_decreasing
+from hf_vit.model.image_processing_vit import best_fit_decreasing
 from hf_vit.model.layout import AttentionSegments, BatchLayout
 
 PATCH = 16
@@ -90,11 +90,11 @@ def native_images(args, count: int) -> list[np.ndarray]:
 
 
 def packed_count(args, sizes: list[int]) -> int:
-    """How many of the images (of `sizes` patches, in order) first-fit-decreasing packs into the padded batch's
+    """How many of the images (of `sizes` patches, in order) best-fit-decreasing packs into the padded batch's
     patch slots: B * K / L rows of L."""
     rows = args.batch_size * args.max_num_patches // args.packed_sequence_length
     count = args.batch_size
-    while count < len(sizes) and len(first_fit_decreasing(sizes[: count + 1], args.packed_sequence_length)) <= rows:
+    while count < len(sizes) and len(best_fit_decreasing(sizes[: count + 1], args.packed_sequence_length)) <= rows:
         count += 1
     return count
 

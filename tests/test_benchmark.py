@@ -655,4 +655,4 @@ def test_packing_accuracy_holds_out_its_test_digits_and_counts_them():
     assert packed["patches"] == int(packed["inputs"]["pixel_attention_mask"].sum())
     waiting = stream.peek()[2]
     sizes = packed["inputs"]["spatial_shapes"].prod(1).tolist()
-    assert len(packing_accuracy.first_fit_decreasing([*sizes, waiting], 256)) > 8
+    assert len(packing_accuracy.best_fit_decreasing([*sizes, waiting], 256)) > 8

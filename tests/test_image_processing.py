@@ -516,6 +516,18 @@ def test_sixteen_bit_images_and_uint16_arrays_share_one_scaling_rule(photo):
         process([photo, np.full((8, 8), 467, np.int32)])
 
 
+@pytest.mark.parametrize(
+    "options", [{}, {"max_num_patches": 16}, {"max_num_patches": 16, "packed_sequence_length": 32}]
+)
+def test_an_image_without_pixels_is_refused_naming_it(options):
+    """Where torch's resize error (and a grid error with `max_num_patches`) named neither the image nor the cause."""
+    processor = VisionTransformerImageProcessor(patch_size=4, **options)
+    whole = PIL.Image.new("RGB", (8, 8))
+    for empty in (PIL.Image.new("RGB", (0, 10)), np.zeros((10, 0, 3), np.uint8), torch.zeros(3, 0, 0)):
+        with pytest.raises(ValueError, match=r"^Image 1 is empty \(0x\d+ pixels, 3 channels\): remove it\.$"):
+            processor([whole, empty, whole], return_tensors="pt")
+
+
 def test_non_finite_pixels_are_refused_naming_the_image(photo):
     good = photo.astype(np.float32)
     for bad_value in (np.nan, np.inf, -np.inf):
@@ -555,3 +567,30 @@ def test_invalid_numeric_options_are_refused_naming_the_argument(photo, option, 
         processor(photo, **{option: value})
     with pytest.raises(ValueError, match=f"`{option}` must"):  # also where the option is switched off
         processor(photo, do_center_crop=False, do_normalize=False, do_rescale=False, **{option: value})
+
+
+def test_a_processor_with_other_sizes_is_a_new_checked_value_and_no_caller_sets_its_sizes():
+    packing = VisionTransformerImageProcessor(patch_size=4, max_num_patches=16, packed_sequence_length=32)
+    whole = packing.with_options(max_num_patches=None, packed_sequence_length=None)
+    assert (packing.max_num_patches, packing.packed_sequence_length) == (16, 32)  # the original is left as it is
+    image = PIL.Image.new("RGB", (12, 8))
+    assert whole(image, return_tensors="pt")["pixel_values"].shape == (1, 3, 224, 224)
+    assert packing([image, image], return_tensors="pt")["patch_image_index"].shape == (1, 32)
+    with pytest.raises(ValueError, match="packed_sequence_length"):
+        packing.with_options(packed_sequence_length=8)  # a row shorter than the largest image
+    with pytest.raises(TypeError, match=r"no option\(s\) \['max_patches'\]"):
+        packing.with_options(max_patches=4)
+    # no code of the package changes a processor's sizes in place: it makes a new one
+    package = pathlib.Path(image_processing_vit.__file__).parents[1]
+    assigned = [
+        f"{path.name}:{node.lineno}"
+        for path in package.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign | ast.AugAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for element in (target.elts if isinstance(target, ast.Tuple) else [target])
+        if isinstance(element, ast.Attribute)
+        and element.attr in ("max_num_patches", "packed_sequence_length")
+        and not (isinstance(element.value, ast.Name) and element.value.id in ("self", "changed", "data_args"))
+    ]
+    assert assigned == []

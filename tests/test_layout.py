@@ -16,7 +16,7 @@ from hf_vit import (
     VisionTransformerImageProcessor,
     VisionTransformerModel,
 )
-from hf_vit.model.image_processing_vit import first_fit_decreasing, native_patch_batch, pack_patches
+from hf_vit.model.image_processing_vit import best_fit_decreasing, native_patch_batch, pack_patches
 from hf_vit.model.layout import PACKED_INDEX_FIELDS, packed_index_fields
 from hf_vit.model.modeling_mpp import PATCH_MASKED, PATCH_RANDOM
 from hf_vit.model.resolution import position_taps, resample_position_embeddings
@@ -88,7 +88,7 @@ def packed_batch(count, seed=0, length=48, drop=False, rows=None):
         patches = [p[kept] for p, kept in zip(patches, positions)]
     planned = None
     if rows is not None:  # exactly `rows` rows, as the training collator's fixed-token batches (empty ones padding)
-        planned = first_fit_decreasing([len(p) for p in patches], length)
+        planned = best_fit_decreasing([len(p) for p in patches], length)
         planned += [[] for _ in range(rows - len(planned))]
     return pack_patches(patches, grids, length, positions, planned)
 
@@ -370,3 +370,79 @@ def test_on_cpu_each_packed_image_attends_in_a_row_of_its_own(monkeypatch):
     torch.testing.assert_close(images, masked, rtol=0, atol=1e-5)
     for ours, theirs in zip(image_grads, masked_grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def concatenated(first, second):
+    """Two packed batches put one after the other along every field, as a user may mistake for one batch."""
+    joined = {}
+    for name in first:
+        a, b = first[name], second[name]
+        width = max(a.shape[1], b.shape[1])
+        if a.ndim == 2 and name != "spatial_shapes":
+            a, b = (F.pad(value, (0, width - value.shape[1]), value=-1) for value in (a, b))
+        joined[name] = torch.cat([a, b])
+    return joined
+
+
+def edited(batch, name, change):
+    value = batch[name].clone()
+    change(value)
+    return {**batch, name: value}
+
+
+def test_a_packed_batchs_fields_that_disagree_are_refused_naming_the_field():
+    """Each would run silently, its logits wrong or another image's, where the fields were taken on trust."""
+    model = model_of("classifier").eval()
+    batch = packed_batch(3, seed=1)
+    slot = int(batch["image_slot_index"][0, 0])
+    wrong = {
+        "row_image_index": concatenated(batch, packed_batch(3, seed=2)),
+        "spatial_shapes": edited(batch, "spatial_shapes", lambda v: v[0].add_(torch.tensor([1, 0]))),
+        "patch_image_index": edited(batch, "patch_image_index", lambda v: v.view(-1)[slot].fill_(2)),
+        "pixel_attention_mask": edited(batch, "pixel_attention_mask", lambda v: v.zero_()),
+        "image_slot_index": edited(batch, "image_slot_index", lambda v: v[0, 0].fill_(10_000)),
+    }
+    for name, inputs in wrong.items():
+        with pytest.raises(RuntimeError, match=f"`{name}` must"):
+            model(**inputs)
+    for name in ("patch_image_index", "row_image_index", "image_slot_index"):
+        with pytest.raises(ValueError, match=f"`{name}` must be an integer tensor"):
+            model(**{**batch, name: batch[name].float()})
+    dropped = packed_batch(3, seed=1, drop=True)
+    with pytest.raises(RuntimeError, match="`patch_positions` must"):
+        model(
+            **edited(dropped, "patch_positions", lambda v: v.view(-1)[int(dropped["image_slot_index"][0, 0])].add_(1))
+        )
+    model(**batch)  # the batch as the processor made it runs
+
+
+def test_the_batch_fields_are_listed_once_and_every_forward_takes_them_as_given():
+    """`BatchLayout.of` names the fields; the forwards hand them over in their kwargs, none lists them again."""
+    import inspect
+
+    from hf_vit import VisionTransformerBackbone
+    from hf_vit.model.layout import BATCH_FIELDS, BatchLayout
+
+    named = [name for name in inspect.signature(BatchLayout.of).parameters if name not in ("pixel_values", "prefix")]
+    assert sorted(named) == sorted(BATCH_FIELDS)
+    heads = (
+        VisionTransformerModel,
+        VisionTransformerForImageClassification,
+        VisionTransformerForMaskedPatchPrediction,
+    )
+    for head in (*heads, VisionTransformerBackbone):
+        assert not set(inspect.signature(head.forward).parameters) & set(BATCH_FIELDS), head.__name__
+    assert len(inspect.signature(VisionTransformerModel.forward).parameters) == 8  # self, 5 inputs, layout, kwargs
+
+
+def test_packed_batches_of_other_rows_and_images_per_row_compile_in_two_graphs_marked_dynamic():
+    """The rows and the most images in a row change between these batches: their sizes marked dynamic from the first
+    batch, the compiled model takes them all in at most two graphs (three without the marks)."""
+    model = model_of("classifier", num_register_tokens=1).eval()
+    batches = [packed_batch(count, seed=count, length=32) for count in (4, 6, 5, 8, 7, 9)]
+    assert len({(len(batch["pixel_values"]), batch["row_image_index"].shape[1]) for batch in batches}) > 3
+    first = {name: value.clone() for name, value in batches[0].items()}
+    for name, value in first.items():  # rows (R), images (N), and the images of one row (M)
+        torch._dynamo.mark_dynamic(value, [0, 1] if name == "row_image_index" else 0)
+    with torch.no_grad():
+        assert compiled_graphs(model, [first, *batches[1:]]) <= 2

@@ -45,7 +45,7 @@ def test_every_batch_is_its_rows_of_slots_holding_each_image_of_the_epoch_once()
     rows, data = training_split()
     budgets, counts = planned_patches([row["image"] for row in rows], 4, MOST, token_drop_rate=0.25)
     sampler = PackedBatchSampler(counts, ROWS, LENGTH, seed=0, budgets=budgets, dataset=data)
-    assert len(sampler) == -(-len(best_fit_decreasing(counts, range(len(counts)), LENGTH)) // ROWS) > 1
+    assert len(sampler) == -(-len(best_fit_decreasing(counts, LENGTH)) // ROWS) > 1
     plans = {}
     for epoch in (0, 1):
         batches = epoch_batches(sampler, data, epoch)
@@ -110,8 +110,8 @@ def test_processes_train_disjoint_whole_batches_that_cover_the_epoch(processes, 
 
 def test_best_fit_decreasing_fills_the_same_bins_in_any_order():
     sizes = np.random.default_rng(1).integers(1, 13, 200).tolist()
-    first = best_fit_decreasing(sizes, range(200), 12)
-    again = best_fit_decreasing(sizes, torch.randperm(200).tolist(), 12)
+    first = best_fit_decreasing(sizes, 12, range(200))
+    again = best_fit_decreasing(sizes, 12, torch.randperm(200).tolist())
     assert sorted(index for row in first for index in row) == list(range(200))
     assert all(sum(sizes[i] for i in row) <= 12 for row in first)
     assert sorted(sorted(sizes[i] for i in row) for row in first) == sorted(sorted(sizes[i] for i in r) for r in again)
@@ -164,7 +164,7 @@ def test_the_padding_shares_are_those_of_the_batches_the_run_builds():
     batches = [order[start : start + 3] for start in range(0, len(order), 3)]
     slots = sum(len(batch) * max(counts[i] for i in batch) for batch in batches)  # each batch padded to its largest
     assert padded == pytest.approx(1 - sum(counts) / slots)
-    rows = best_fit_decreasing(counts, range(len(counts)), 32)
+    rows = best_fit_decreasing(counts, 32)
     assert packed == pytest.approx(1 - sum(counts) / (32 * len(rows)))
     assert padding_shares(counts, 16, 3, None)[1] is None
 

@@ -107,7 +107,7 @@ def _visualize(args: VisualizeArguments) -> list[Path]:
         # The figures are maps over the model's square grid of patches (rollout, attention distance): a folder saved
         # by a native-aspect run (packed or not) is drawn from whole images at its size, as --image_size draws them
         # at another.
-        processor.max_num_patches = processor.packed_sequence_length = None
+        processor = processor.with_options(max_num_patches=None, packed_sequence_length=None)
     if args.image_size is not None:
         height, width = (args.image_size * 2)[:2]
         if height % config.patch_size or width % config.patch_size:

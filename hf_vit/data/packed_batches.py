@@ -28,7 +28,6 @@ process `r` trains the `r`-th of every `P` consecutive batches, so the sampler y
 
 from __future__ import annotations
 
-import bisect
 import io
 import math
 import os
@@ -38,7 +37,7 @@ from typing import Any
 import PIL.Image
 import torch
 
-from ..model.image_processing_vit import grid_for_max_patches, load_images
+from ..model.image_processing_vit import best_fit_decreasing, grid_for_max_patches, load_images
 from .augment.train_transform import kept_patch_count
 from .seeding import seeded_generator
 from .transforms import BatchSizes, CorruptImageError, decode_image
@@ -121,39 +120,8 @@ def padding_shares(
     padded = 1 - sum(counts) / slots
     if packed_sequence_length is None:
         return padded, None
-    rows = rows or len(best_fit_decreasing(counts, range(len(counts)), packed_sequence_length))
+    rows = rows or len(best_fit_decreasing(counts, packed_sequence_length))
     return padded, 1 - sum(counts) / (rows * packed_sequence_length)
-
-
-def best_fit_decreasing(sizes: Sequence[int], order: Sequence[int], capacity: int) -> list[list[int]]:
-    """Bins of at most `capacity` for the items `order` lists (indices into `sizes`), as lists of item indices: the
-    items taken largest first (ties in `order`'s order), each put in the open bin it leaves the least room in (the
-    newest of those), a new bin when none has room. Which bins there are and how full depends on `sizes` only, not on
-    `order`. O(n log capacity): one binary search among the distinct rooms left per item."""
-    rooms: list[int] = []  # the distinct rooms left in open bins, ascending
-    bins_with_room: dict[int, list[int]] = {}  # room -> the bins with that room left
-    bins: list[list[int]] = []
-    for index in sorted(order, key=sizes.__getitem__, reverse=True):  # stable: ties stay in `order`'s order
-        size = sizes[index]
-        if not 1 <= size <= capacity:
-            raise ValueError(f"Item {index} has size {size}, which is not between 1 and the capacity {capacity}.")
-        place = bisect.bisect_left(rooms, size)
-        if place == len(rooms):
-            number, room = len(bins), capacity
-            bins.append([])
-        else:
-            room = rooms[place]
-            number = bins_with_room[room].pop()
-            if not bins_with_room[room]:
-                del bins_with_room[room], rooms[place]
-        bins[number].append(index)
-        room -= size
-        if room:
-            if room not in bins_with_room:
-                bisect.insort(rooms, room)
-                bins_with_room[room] = []
-            bins_with_room[room].append(number)
-    return bins
 
 
 class PackedBatchSampler:
@@ -191,7 +159,7 @@ class PackedBatchSampler:
         self.rows, self.packed_sequence_length, self.seed = rows, packed_sequence_length, seed
         self.num_processes, self.dataset, self.drop_partial = num_processes, dataset, drop_partial
         # The rows' number depends on the counts only: one packing tells every epoch's.
-        self.num_rows = len(best_fit_decreasing(self.counts, range(len(self.counts)), packed_sequence_length))
+        self.num_rows = len(best_fit_decreasing(self.counts, packed_sequence_length))
         self.rows_per_batch = self._rows_per_batch()
         # With full batches only, which images the rows left out hold varies per epoch, and so their number.
         whole = not drop_partial or sum(self.rows_per_batch) == self.num_rows
@@ -231,7 +199,7 @@ class PackedBatchSampler:
         """The batches of `epoch`, each a list of rows, each the list of its images' indices."""
         images = seeded_generator(self.seed, "packed images", epoch)
         order = torch.randperm(len(self.counts), generator=images).tolist()
-        rows = best_fit_decreasing(self.counts, order, self.packed_sequence_length)
+        rows = best_fit_decreasing(self.counts, self.packed_sequence_length, order)
         shuffled = torch.randperm(len(rows), generator=seeded_generator(self.seed, "packed rows", epoch)).tolist()
         rows = [rows[number] for number in shuffled]
         # Fewer rows than batches (a handful of images on several processes): rows of several images give one away.

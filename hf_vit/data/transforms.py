@@ -18,7 +18,6 @@ with decoding left on (plain `set_transform`), datasets raises PIL's error befor
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import logging
 import os
@@ -32,13 +31,13 @@ import numpy as np
 import PIL.Image
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
-from torch.nn import functional as F
 
 from ..model.image_processing_vit import (
     VisionTransformerImageProcessor,
     load_images,
     open_image,
     pack_patches,
+    pad_patches,
 )
 
 _IMAGE_DECODER = datasets.Image()
@@ -167,8 +166,7 @@ def make_eval_transform(processor: VisionTransformerImageProcessor) -> Transform
     one example per image, also for a processor that packs (`packed_sequence_length`): a batch's rows are made where
     the batch is, by `collate_fn` or `pack_native_batch`."""
     if getattr(processor, "packed_sequence_length", None) is not None:
-        processor = copy.copy(processor)
-        processor.packed_sequence_length = None
+        processor = processor.with_options(packed_sequence_length=None)
 
     def transform(batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
         images = [decode_image(image, i) for i, image in enumerate(batch["image"])]
@@ -249,7 +247,7 @@ def collate_fn(
     Examples that carry their row (`PACKED_ROW`, from a planned batch: `packed_batches.PackedBatchSampler`) go into
     that row, and with `packed_rows` the batch is padded with empty rows (all padding, `patch_image_index` -1) to
     exactly that many: every such batch is `[packed_rows, L]`. Others are packed largest first
-    (`first_fit_decreasing`), into as many rows as they need."""
+    (`best_fit_decreasing`), into as many rows as they need."""
     if "spatial_shapes" in examples[0]:
         native = [{key: torch.as_tensor(value) for key, value in example.items()} for example in examples]
         if packed_sequence_length is None:
@@ -309,17 +307,9 @@ def _pad_native(examples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, tor
         raise ValueError(
             "Examples with dropped patches (`patch_positions`) are packed: give `packed_sequence_length`."
         )
-    length = max(len(example["pixel_values"]) for example in examples)
-    pixel_values, masks = [], []
-    for example in examples:
-        patches, (rows, cols) = example["pixel_values"], example["spatial_shapes"].tolist()
-        pixel_values.append(F.pad(patches[: rows * cols].float(), (0, 0, 0, length - rows * cols)))
-        masks.append((torch.arange(length) < rows * cols).int())
-    return {
-        "pixel_values": torch.stack(pixel_values),
-        "pixel_attention_mask": torch.stack(masks),
-        "spatial_shapes": torch.stack([example["spatial_shapes"].long() for example in examples]),
-    }
+    grids = [tuple(example["spatial_shapes"].tolist()) for example in examples]
+    patches = [example["pixel_values"][: rows * cols].float() for example, (rows, cols) in zip(examples, grids)]
+    return pad_patches(patches, grids, max(len(example["pixel_values"]) for example in examples))
 
 
 def check_image_channels(raw, processor: VisionTransformerImageProcessor, num_channels: int, source: str) -> None:

@@ -87,9 +87,8 @@ def measure_dial(
     for count in token_counts:
         metrics, _ = measure_split(classifier, serving_processor(processor, config, count), prepared, batch_size)
         rows.append(_row("tokens", config.patch_size, count, prepared.name, metrics))
-    whole = copy.deepcopy(processor)
     # whole images of the processor's size (not packed), unless a number of patches is given
-    whole.max_num_patches = whole.packed_sequence_length = None
+    whole = processor.with_options(max_num_patches=None, packed_sequence_length=None)
     for size in patch_sizes:
         resized = classifier if size == config.patch_size else resized_copy(classifier, size)
         served = serving_processor(whole, resized.config, max_num_patches)

@@ -6,7 +6,6 @@ the model inputs of a processed batch.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -17,7 +16,7 @@ from transformers.utils import logging as transformers_logging
 from ..flags import positive_int
 from ..lora import is_lora_folder, load_lora_model
 from ..model.image_processing_vit import VisionTransformerImageProcessor
-from ..model.layout import PACKED_INDEX_FIELDS
+from ..model.layout import BATCH_FIELDS
 from ..model.modeling_vit import VisionTransformerForImageClassification
 from ..model.resolution import MAX_PATCH_POSITIONS
 
@@ -93,24 +92,23 @@ def serving_processor(processor: Any, config: Any, max_num_patches: int | None =
     field), native-aspect batches of at most that many patches of the model's patch size, each image kept whole (no
     centre crop; packed into rows of at least that many slots when the processor packs); else the processor as
     saved."""
-    processor = copy.deepcopy(processor)
+    changes = {}
     if max_num_patches is not None:
         check_native_model(config)
-        processor.max_num_patches, processor.do_center_crop = max_num_patches, False
-        packed = getattr(processor, "packed_sequence_length", None)
+        changes = dict(max_num_patches=max_num_patches, do_center_crop=False)
+        packed = processor.packed_sequence_length
         if packed is not None:  # a packed processor's rows hold the largest image
-            processor.packed_sequence_length = max(packed, max_num_patches)
-    if processor.max_num_patches is not None:
+            changes["packed_sequence_length"] = max(packed, max_num_patches)
+    if changes.get("max_num_patches", processor.max_num_patches) is not None:
         check_native_model(config)
-        processor.patch_size = config.patch_size
-    return processor
+        changes["patch_size"] = config.patch_size
+    return processor.with_options(**changes)
 
 
 def model_inputs(batch: dict[str, Any], device: torch.device | None = None) -> dict[str, torch.Tensor]:
-    """The model's inputs in a processed batch: `pixel_values`, a native-aspect batch's mask and grids, and a packed
-    batch's `patch_image_index` with its packing (`row_image_index`, `image_slot_index`: see `hf_vit.model.layout`)."""
-    names = ("pixel_values", "pixel_attention_mask", "spatial_shapes", "patch_image_index", *PACKED_INDEX_FIELDS)
-    inputs = {key: batch[key] for key in names if key in batch}
+    """The model's inputs in a processed batch: `pixel_values` and a native-aspect batch's fields (its mask and
+    grids; a packed batch's packing: `BATCH_FIELDS`, see `hf_vit.model.layout`)."""
+    inputs = {key: batch[key] for key in ("pixel_values", *BATCH_FIELDS) if key in batch}
     return {key: value.to(device) for key, value in inputs.items()} if device is not None else inputs
 
 

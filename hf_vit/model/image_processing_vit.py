@@ -5,6 +5,9 @@ installed), so it may import only its siblings, the standard library, numpy, PIL
 geometry (sizes, resizing, the centre crop, native-aspect grids) is its sibling `image_geometry.py`.
 """
 
+import bisect
+import copy
+import inspect
 import io
 import math
 import numbers
@@ -29,7 +32,6 @@ from .image_geometry import (
     size_dict,
     to_resampling,
 )
-from .layout import packed_index_fields
 
 logger = logging.get_logger(__name__)
 
@@ -198,6 +200,9 @@ def _to_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 def _check_values(tensor: torch.Tensor, index: int) -> torch.Tensor:
     """Return one `[C, H, W]` image as uint8 or float32, refusing values that would silently give wrong pixels."""
+    if 0 in tensor.shape:
+        height, width = tensor.shape[-2:]
+        raise ValueError(f"Image {index} is empty ({width}x{height} pixels, {tensor.shape[0]} channels): remove it.")
     if tensor.dtype == torch.uint8:
         return tensor
     if not tensor.is_floating_point() and tensor.numel():
@@ -376,8 +381,8 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             The model's patch size, which the patches of `max_num_patches` are cut with.
         packed_sequence_length (`int`, *optional*):
             With `max_num_patches`, pack several images into each row of this many patch slots (NaViT's "Patch n'
-            Pack"), whole images, first-fit-decreasing (the images with the most patches placed first, each in the
-            first row with room for it), instead of one image per row padded to `max_num_patches`; at least
+            Pack"), whole images, best-fit-decreasing (the images with the most patches placed first, each in the
+            row it leaves the least room in), instead of one image per row padded to `max_num_patches`; at least
             `max_num_patches`. Returns `pixel_values` `(rows, packed_sequence_length, patch_size**2 * C)`,
             `pixel_attention_mask` `(rows, packed_sequence_length)` (1 on every image's patches),
             `spatial_shapes` `(N, 2)` (each image's grid, in the order given) and `patch_image_index`
@@ -446,6 +451,21 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         self.packed_sequence_length = packed_sequence_length
         _check_native(max_num_patches, patch_size, do_center_crop)
         _check_packing(max_num_patches, packed_sequence_length)
+
+    def with_options(self, **options: Any) -> "VisionTransformerImageProcessor":
+        """A new processor: this one with `options` (its constructor's) changed, checked as the constructor checks
+        them, e.g. `with_options(max_num_patches=None, packed_sequence_length=None)` for whole images at its size.
+        This one is left as it is."""
+        names = inspect.signature(type(self).__init__).parameters
+        unknown = sorted(name for name in options if name not in names or name in ("self", "kwargs"))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no option(s) {unknown}.")
+        changed = copy.deepcopy(self)
+        for name, value in options.items():
+            setattr(changed, name, value)
+        _check_native(changed.max_num_patches, changed.patch_size, changed.do_center_crop)
+        _check_packing(changed.max_num_patches, changed.packed_sequence_length)
+        return changed
 
     def preprocess(
         self,
@@ -647,37 +667,73 @@ def native_patch_batch(
     image's flattened patches padded to `max_num_patches` (`pixel_values`), the padding mask and each grid (see
     `max_num_patches` in the class docstring). Training transforms that resize images themselves batch them here."""
     grids = _native_grids(images, patch_size, max_num_patches)
-    channels, device = images[0].shape[0], images[0].device
-    pixel_values = torch.zeros(len(grids), max_num_patches, patch_size * patch_size * channels, device=device)
-    for row, (image, (rows, cols)) in enumerate(zip(images, grids)):
-        _copy_patches(pixel_values[row, : rows * cols], image, (rows, cols), patch_size)
-    shapes = torch.tensor(grids, device=device)
-    data = {
+    patches = _flat_patches(images, grids, patch_size)
+    return _batch_feature(pad_patches(patches, grids, max_num_patches), return_tensors)
+
+
+def _flat_patches(images: Sequence[torch.Tensor], grids: list[tuple[int, int]], patch_size: int) -> list[torch.Tensor]:
+    """Each `[C, H, W]` image's patches `(rows * cols, P * P * C)`, in (patch row, patch column, channel) order."""
+    patches = []
+    for image, (rows, cols) in zip(images, grids):
+        patches.append(torch.empty(rows * cols, patch_size * patch_size * image.shape[0], device=image.device))
+        _copy_patches(patches[-1], image, (rows, cols), patch_size)
+    return patches
+
+
+def pad_patches(
+    patches: Sequence[torch.Tensor], grids: Sequence[tuple[int, int]], length: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Each image's flattened patches (`(rows * cols, D)`, its grid's in `grids`) padded with zeros to `length` (by
+    default the longest): the padded native-aspect batch's `pixel_values`, `pixel_attention_mask` and
+    `spatial_shapes`. The processor and the training collator both pad here."""
+    sizes = [len(values) for values in patches]
+    if sizes != [rows * cols for rows, cols in grids]:
+        raise ValueError(f"Each image's patches must be its grid's rows * cols: {sizes} patches for grids {grids}.")
+    length = max(sizes) if length is None else length
+    device = patches[0].device
+    pixel_values = torch.zeros(len(sizes), length, patches[0].shape[-1], device=device)
+    for row, values in enumerate(patches):
+        pixel_values[row, : len(values)] = values
+    shapes = torch.tensor([list(grid) for grid in grids], dtype=torch.long, device=device)
+    return {
         "pixel_values": pixel_values,
-        "pixel_attention_mask": (torch.arange(max_num_patches, device=device) < shapes.prod(1)[:, None]).int(),
+        "pixel_attention_mask": (torch.arange(length, device=device) < shapes.prod(1)[:, None]).int(),
         "spatial_shapes": shapes,
     }
-    return _batch_feature(data, return_tensors)
 
 
-def first_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
-    """Bins of at most `capacity` for items of `sizes`, as lists of item indices: the items taken largest first
-    (ties in the order given), each put in the first bin with room for it, a new bin when none has. Deterministic;
-    it never uses more than 11/9 of the fewest bins possible, plus one."""
+def best_fit_decreasing(sizes: Sequence[int], capacity: int, order: Sequence[int] | None = None) -> list[list[int]]:
+    """Bins of at most `capacity` for the items `order` lists (indices into `sizes`; by default all, in their order),
+    as lists of item indices: the items taken largest first (ties in `order`'s order), each put in the open bin it
+    leaves the least room in (the newest of those), a new bin when none has room. Which bins there are and how full
+    depends on `sizes` only, not on `order`. O(n log capacity): one binary search among the distinct rooms left per
+    item. The one packer of the processor and of training's planned batches."""
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"`capacity` must be a positive int, got {capacity!r}.")
+    rooms: list[int] = []  # the distinct rooms left in open bins, ascending
+    bins_with_room: dict[int, list[int]] = {}  # room -> the bins with that room left
     bins: list[list[int]] = []
-    room: list[int] = []
-    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+    order = range(len(sizes)) if order is None else order
+    for index in sorted(order, key=sizes.__getitem__, reverse=True):  # stable: ties stay in `order`'s order
         size = sizes[index]
         if not 1 <= size <= capacity:
             raise ValueError(f"Item {index} has size {size}, which is not between 1 and the capacity {capacity}.")
-        row = next((row for row, left in enumerate(room) if left >= size), len(bins))
-        if row == len(bins):
+        place = bisect.bisect_left(rooms, size)
+        if place == len(rooms):
+            number, room = len(bins), capacity
             bins.append([])
-            room.append(capacity)
-        bins[row].append(index)
-        room[row] -= size
+        else:
+            room = rooms[place]
+            number = bins_with_room[room].pop()
+            if not bins_with_room[room]:
+                del bins_with_room[room], rooms[place]
+        bins[number].append(index)
+        room -= size
+        if room:
+            if room not in bins_with_room:
+                bisect.insort(rooms, room)
+                bins_with_room[room] = []
+            bins_with_room[room].append(number)
     return bins
 
 
@@ -689,15 +745,11 @@ def packed_patch_batch(
     return_tensors: str | TensorType | None = "pt",
 ) -> BatchFeature:
     """Normalised `[C, H, W]` images, each a grid of at most `max_num_patches` patches, packed whole into rows of
-    `packed_sequence_length` patch slots by `first_fit_decreasing` (see `packed_sequence_length` in the class
+    `packed_sequence_length` patch slots by `best_fit_decreasing` (see `packed_sequence_length` in the class
     docstring). Training transforms that resize images themselves pack them here."""
     _check_packing(max_num_patches, packed_sequence_length)
     grids = _native_grids(images, patch_size, max_num_patches)
-    channels, device = images[0].shape[0], images[0].device
-    patches = []
-    for image, (rows, cols) in zip(images, grids):
-        patches.append(torch.empty(rows * cols, patch_size * patch_size * channels, device=device))
-        _copy_patches(patches[-1], image, (rows, cols), patch_size)
+    patches = _flat_patches(images, grids, patch_size)
     return _batch_feature(pack_patches(patches, grids, packed_sequence_length), return_tensors)
 
 
@@ -709,66 +761,78 @@ def pack_patches(
     rows: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Each image's flattened patches (`(rows * cols, D)`, its grid's in `grids`) packed whole by
-    `first_fit_decreasing` into rows of `packed_sequence_length` slots: the packed batch's `pixel_values`,
+    `best_fit_decreasing` into rows of `packed_sequence_length` slots: the packed batch's `pixel_values`,
     `pixel_attention_mask`, `spatial_shapes`, `patch_image_index`, `row_image_index` and `image_slot_index` (see
-    `packed_sequence_length` in the class docstring). The processor and the training collator both pack here. With
-    `positions` (each image's kept places of its grid, row-major, one per patch given: NaViT's token dropping),
-    `patches` are only those kept, and the batch has their `patch_positions` (rows, L) too, -1 on the padding. With
-    `rows` (the images of each row, every image once, e.g. a training sampler's plan), the batch has exactly those
-    rows, in that order (an empty one is all padding), instead of `first_fit_decreasing`'s."""
+    `packed_sequence_length` in the class docstring), written from the plan as the patches are placed. The processor
+    and the training collator both pack here. With `positions` (each image's kept places of its grid, row-major,
+    one per patch given, each at most once: NaViT's token dropping), `patches` are only those kept, and the batch has
+    their `patch_positions` (rows, L) too, -1 on the padding. With `rows` (the images of each row, every image once,
+    e.g. a training sampler's plan), the batch has exactly those rows, in that order (an empty one is all padding)."""
     sizes = [len(image) for image in patches]
-    if positions is None and sizes != [rows * cols for rows, cols in grids]:
-        raise ValueError(f"Each image's patches must be its grid's rows * cols: {sizes} patches for grids {grids}.")
-    if positions is not None and [len(kept) for kept in positions] != sizes:
-        raise ValueError(f"`positions` must give one place per patch given: {sizes} patches.")
-    if rows is None:
-        rows_of_images = first_fit_decreasing(sizes, packed_sequence_length)
-    else:
-        rows_of_images = [list(row) for row in rows]
-        if sorted(index for row in rows_of_images for index in row) != list(range(len(sizes))) or any(
-            sum(sizes[index] for index in row) > packed_sequence_length for row in rows_of_images
-        ):
-            raise ValueError(
-                f"`rows` {rows_of_images} must hold each of the {len(sizes)} images once, each row at most "
-                f"`packed_sequence_length` = {packed_sequence_length} patches (the images' {sizes})."
-            )
-    device = patches[0].device
-    shape = (len(rows_of_images), packed_sequence_length)
+    places = [torch.arange(rows * cols) for rows, cols in grids] if positions is None else positions
+    places = [torch.as_tensor(kept, dtype=torch.long).cpu() for kept in places]
+    if [len(kept) for kept in places] != sizes:
+        what = "their grid's rows * cols" if positions is None else "one place per patch given (`positions`)"
+        raise ValueError(f"Each image's patches must be {what}: {sizes} patches for grids {list(grids)}.")
+    for index, (kept, (height, width)) in enumerate(zip(places, grids)):
+        if len(kept) and (int(kept.min()) < 0 or int(kept.max()) >= height * width or len(kept.unique()) < len(kept)):
+            raise ValueError(f"`positions` of image {index} must be distinct places of its {height}x{width} grid.")
+    plan = _rows_of_images(sizes, packed_sequence_length, rows)
+    device, length = patches[0].device, packed_sequence_length
+    shape = (len(plan), length)
     pixel_values = torch.zeros(*shape, patches[0].shape[-1], device=device)
-    patch_image_index = torch.full(shape, -1, dtype=torch.long, device=device)
-    patch_positions = torch.full(shape, -1, dtype=torch.long, device=device)
-    for row, indices in enumerate(rows_of_images):
+    patch_image_index = torch.full(shape, -1, dtype=torch.long)
+    patch_positions = torch.full(shape, -1, dtype=torch.long)
+    row_image_index = torch.full((len(plan), max(1, *map(len, plan))), -1, dtype=torch.long)
+    image_slot_index = torch.full((len(sizes), max(height * width for height, width in grids)), -1, dtype=torch.long)
+    for row, indices in enumerate(plan):
         start = 0
-        for index in indices:
-            count = sizes[index]
-            pixel_values[row, start : start + count] = patches[index]
-            patch_image_index[row, start : start + count] = index
-            if positions is not None:
-                patch_positions[row, start : start + count] = torch.as_tensor(positions[index], device=device)
-            start += count
-    extra = {} if positions is None else {"patch_positions": patch_positions}
-    spatial_shapes = torch.tensor([list(grid) for grid in grids], dtype=torch.long, device=device)
-    layout = packed_index_fields(patch_image_index, spatial_shapes, patch_positions=extra.get("patch_positions"))
+        for rank, index in enumerate(indices):
+            end = start + sizes[index]
+            pixel_values[row, start:end] = patches[index]
+            patch_image_index[row, start:end] = index
+            patch_positions[row, start:end] = places[index]
+            row_image_index[row, rank] = index
+            image_slot_index[index, places[index]] = torch.arange(row * length + start, row * length + end)
+            start = end
     return {
         "pixel_values": pixel_values,
-        "pixel_attention_mask": (patch_image_index >= 0).int(),
-        "spatial_shapes": spatial_shapes,
-        "patch_image_index": patch_image_index,
-        **extra,
-        **{name: value.to(device) for name, value in layout.items()},
+        "pixel_attention_mask": (patch_image_index >= 0).int().to(device),
+        "spatial_shapes": torch.tensor([list(grid) for grid in grids], dtype=torch.long, device=device),
+        "patch_image_index": patch_image_index.to(device),
+        **({} if positions is None else {"patch_positions": patch_positions.to(device)}),
+        "row_image_index": row_image_index.to(device),
+        "image_slot_index": image_slot_index.to(device),
     }
+
+
+def _rows_of_images(sizes: list[int], length: int, rows: Sequence[Sequence[int]] | None) -> list[list[int]]:
+    """The images of each packed row: `rows` checked (each image once, each row at most `length` patches), or
+    `best_fit_decreasing`'s."""
+    if rows is None:
+        return best_fit_decreasing(sizes, length)
+    plan = [list(row) for row in rows]
+    if sorted(index for row in plan for index in row) != list(range(len(sizes))) or any(
+        sum(sizes[index] for index in row) > length for row in plan
+    ):
+        raise ValueError(
+            f"`rows` {plan} must hold each of the {len(sizes)} images once, each row at most "
+            f"`packed_sequence_length` = {length} patches (the images' {sizes})."
+        )
+    return plan
 
 
 __all__ = [
     "VisionTransformerImageProcessor",
     "center_crop_images",
     "exif_transpose",
-    "first_fit_decreasing",
+    "best_fit_decreasing",
     "grid_for_max_patches",
     "load_images",
     "native_patch_batch",
     "open_image",
     "pack_patches",
+    "pad_patches",
     "packed_patch_batch",
     "rescale_and_normalize",
     "resize_images",

@@ -21,17 +21,19 @@ channel order), each image at its own aspect ratio, a grid of at most K patches 
                                                   grid, -1 on the padding; each image's run holds only the patches it
                                                   keeps, in any order
 
-`row_image_index` and `image_slot_index` are the packing itself, computed once on the CPU by whoever packs (the
-image processor, the training collator: `packed_index_fields`); their shapes carry M (the most images in one row) and
-K (the most patches of one image), so nothing in the forward reads a value back from the device to know them.
+`row_image_index` and `image_slot_index` are the packing itself, written on the CPU from its plan by the one packer
+(`image_processing_vit.pack_patches`, for the processor and the training collator); their shapes carry M (the most
+images in one row) and K (the most patches of one image), so nothing in the forward reads a value back from the
+device to know them.
 
 `BatchLayout.of` turns a batch into the layout the model runs, with tensor operations only: no `.item()`, `.tolist()`,
 `nonzero` or branch on a value, so a forward on a GPU never waits for the device, and a compiled model takes every
 batch of one shape in one graph. It needs the number of prefix tokens (class, distillation, registers), which the
 model knows and the processor does not: each image's tokens are its prefix tokens, then its patches. A packed batch
 without the two index fields (built by other code) gets them from `packed_index_fields` on the host: the one slow
-path, which also checks the batch. The values of a padded batch are checked on the device, without a
-synchronisation (`_check_on_device`).
+path, which also checks the batch. The values of every batch are checked on the device, without a synchronisation
+(`_check_on_device`): a packed batch whose fields disagree with each other or with the pixels (batches concatenated
+along their rows, an edited field) is refused, the message naming the field.
 
 What the layout holds, for the embeddings (equation 1: each image on its own grid, its own prefix tokens), the blocks
 (attention within each image: `AttentionSegments`), the pooling and every head (the valid tokens of each image):
@@ -49,9 +51,11 @@ import torch
 from torch.nn import functional as F
 
 __all__ = [
+    "BATCH_FIELDS",
     "PACKED_INDEX_FIELDS",
     "AttentionSegments",
     "BatchLayout",
+    "batch_fields",
     "check_native_batch",
     "masked_mean",
     "packed_index_fields",
@@ -61,6 +65,17 @@ __all__ = [
 
 # The fields of a packed batch made by `packed_index_fields`, beside `patch_image_index`.
 PACKED_INDEX_FIELDS = ("row_image_index", "image_slot_index")
+# A native-aspect batch's fields beside `pixel_values`, as the image processor returns them: the parameters of
+# `BatchLayout.of`, handed over by every forward in its `**kwargs` (`batch_fields`).
+BATCH_FIELDS = (
+    "spatial_shapes", "pixel_attention_mask", "patch_image_index", "patch_positions", *PACKED_INDEX_FIELDS
+)  # fmt: skip
+
+
+def batch_fields(kwargs: dict) -> dict[str, torch.Tensor]:
+    """The batch's layout fields given in a forward's `kwargs` (not None), taken out of them."""
+    fields = {name: kwargs.pop(name) for name in BATCH_FIELDS if name in kwargs}
+    return {name: value for name, value in fields.items() if value is not None}
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,10 +178,21 @@ class BatchLayout:
                 if value is not None:
                     raise ValueError(f"`{name}` describes a packed batch: give `patch_image_index` too.")
             return _padded(pixel_values, spatial_shapes, prefix, pixel_attention_mask)
+        _check_index_types(
+            patch_image_index=patch_image_index, patch_positions=patch_positions, row_image_index=row_image_index,
+            image_slot_index=image_slot_index, spatial_shapes=spatial_shapes,
+        )  # fmt: skip
         if row_image_index is None or image_slot_index is None:  # built by other code: the host makes them
             fields = packed_index_fields(patch_image_index, spatial_shapes, pixel_attention_mask, patch_positions)
             device = patch_image_index.device
             row_image_index, image_slot_index = (fields[name].to(device, non_blocking=True) for name in fields)
+            pixel_attention_mask = None  # checked on the host
+        fields = (spatial_shapes, patch_image_index, row_image_index, image_slot_index, pixel_attention_mask)
+        device = pixel_values.device
+        _check_packed_values(
+            pixel_values.shape[:2],
+            *(None if value is None else value.to(device) for value in (*fields, patch_positions)),
+        )
         return _packed(pixel_values, spatial_shapes, prefix, patch_image_index, row_image_index, image_slot_index)
 
     def unpack_patches(self, values: torch.Tensor) -> torch.Tensor:
@@ -270,6 +296,129 @@ def _check_on_device(condition: torch.Tensor, message: str) -> None:
         assert_async(condition, message)
 
 
+def _check_index_types(**fields: torch.Tensor | None) -> None:
+    """Refuse a packed batch's index fields that are not integer tensors (a property of the tensor: no read)."""
+    for name, value in fields.items():
+        if value is not None and (
+            not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex()
+            or value.dtype == torch.bool
+        ):  # fmt: skip
+            raise ValueError(
+                f"`{name}` must be an integer tensor, as the image processor returns it; got {_describe(value)}."
+            )
+
+
+def _check_packed_shapes_and_ranges(
+    slots: tuple[int, int],
+    image_slot_index: torch.Tensor,
+    patch_image_index: torch.Tensor,
+    row_image_index: torch.Tensor,
+    grids: torch.Tensor,
+    pixel_attention_mask: torch.Tensor | None,
+    patch_positions: torch.Tensor | None,
+) -> None:
+    """Refuse a packed batch's fields of the wrong shapes (at once) or with indices out of range (on the device)."""
+    rows, length = slots
+    images = image_slot_index.shape[0]
+    for name, value, shape in (
+        ("patch_image_index", patch_image_index, slots),
+        ("row_image_index", row_image_index, (rows, row_image_index.shape[-1])),
+        ("spatial_shapes", grids, (images, 2)),
+        ("pixel_attention_mask", pixel_attention_mask, slots),
+        ("patch_positions", patch_positions, slots),
+    ):
+        if value is not None and (value.ndim != 2 or tuple(value.shape) != shape):
+            raise ValueError(
+                f"`{name}` has shape {tuple(value.shape)}, but `pixel_values` holds {rows} rows of {length} patch "
+                f"slots and `image_slot_index` {images} images: {shape}, as the image processor returns it."
+            )
+    # the messages name no size: a compiled model would take each size as a constant
+    for name, value, bound, what in (
+        ("patch_image_index", patch_image_index, images, "images of `spatial_shapes`"),
+        ("row_image_index", row_image_index, images, "images of `spatial_shapes`"),
+        ("image_slot_index", image_slot_index, rows * length, "patch slots of `pixel_values` (row * length + slot)"),
+    ):
+        _check_on_device(
+            ((value >= -1) & (value < bound)).all(), f"`{name}` must hold -1 or one of the batch's {what}."
+        )
+
+
+def _check_packed_values(
+    slots: tuple[int, int],
+    grids: torch.Tensor,
+    patch_image_index: torch.Tensor,
+    row_image_index: torch.Tensor,
+    image_slot_index: torch.Tensor,
+    pixel_attention_mask: torch.Tensor | None,
+    patch_positions: torch.Tensor | None,
+) -> None:
+    """Refuse, on the device (`_check_on_device`), a packed batch whose fields disagree with each other or with the
+    pixels' rows (`slots`: R rows of L patch slots): every image of `grids` listed once in `row_image_index`, its
+    patches (its grid's first rows * cols places, or those `patch_positions` keeps) in the slots `image_slot_index`
+    gives, one run from where the row's images before it end, each of those slots holding it in `patch_image_index`
+    and no other slot holding an image; `pixel_attention_mask` marks exactly those slots. The first failed check
+    names its field. Indices out of range are clamped for the checks themselves."""
+    rows, length = slots
+    images, patches = image_slot_index.shape
+    total, device = rows * length, image_slot_index.device
+    fields = (patch_image_index, row_image_index, grids, pixel_attention_mask, patch_positions)
+    _check_packed_shapes_and_ranges(slots, image_slot_index, *fields)
+    listed = row_image_index >= 0
+    entry_image = torch.where(listed, row_image_index, images).clamp(max=images)
+    times = torch.zeros(images + 1, dtype=torch.long, device=device).scatter_add(
+        0, entry_image.flatten(), torch.ones_like(entry_image.flatten())
+    )
+    _check_on_device(
+        (times[:images] == 1).all(),
+        "`row_image_index` must list each image of `spatial_shapes` once, in the row holding it "
+        "(batches concatenated along their rows are not one batch: process the images together).",
+    )
+    present = image_slot_index >= 0
+    sizes = grids[:, 0] * grids[:, 1]
+    inside = torch.arange(patches, device=device) < sizes[:, None]
+    fits = (present <= inside) if patch_positions is not None else (present == inside)
+    _check_on_device(
+        (grids >= 1).all() & (sizes <= patches).all() & fits.all(),
+        "`spatial_shapes` must give each image's grid (rows, columns): its rows * cols patches are the places "
+        "`image_slot_index` gives a slot.",
+    )
+    slot = image_slot_index.clamp(0, total - 1)
+    holder = patch_image_index.flatten().clamp(-1, images - 1)[slot]
+    taken = torch.zeros(total + 1, dtype=torch.long, device=device).scatter_add(
+        0, torch.where(present, slot, total).flatten(), torch.ones_like(slot.flatten())
+    )[:total]
+    filled = (patch_image_index >= 0).flatten()
+    owner = torch.arange(images, device=device)[:, None]
+    _check_on_device(
+        (~present | (holder == owner)).all() & (taken == filled.long()).all(),
+        "`patch_image_index` must give each patch slot the image whose patch `image_slot_index` puts there, and -1 "
+        "on every other slot.",
+    )
+    kept = F.pad(present.sum(dim=1), (0, 1))[entry_image]
+    start = kept.cumsum(dim=1) - kept
+    first = torch.arange(rows, device=device)[:, None] * length + start
+    image_first = torch.zeros(images + 1, dtype=torch.long, device=device).scatter(
+        0, entry_image.flatten(), first.flatten()
+    )[:images, None]
+    in_run = (image_slot_index >= image_first) & (image_slot_index < image_first + present.sum(1, keepdim=True))
+    _check_on_device(
+        (~present | in_run).all() & ((start + kept)[:, -1:] <= length).all(),
+        "`row_image_index` must list each row's images in the order their patches lie in the row, one run each "
+        "from the row's first slot (as the image processor packs them).",
+    )
+    if pixel_attention_mask is not None:
+        _check_on_device(
+            (pixel_attention_mask.bool().flatten() == filled).all(),
+            "`pixel_attention_mask` must mark exactly the patch slots `patch_image_index` gives an image.",
+        )
+    if patch_positions is not None:
+        place = patch_positions.flatten()[slot]
+        _check_on_device(
+            (~present | (place == torch.arange(patches, device=device))).all(),
+            "`patch_positions` must give each slot the place of its image's grid `image_slot_index` gives it.",
+        )
+
+
 def _packed(
     pixel_values: torch.Tensor,
     spatial_shapes: torch.Tensor,
@@ -281,20 +430,6 @@ def _packed(
     rows, slots = pixel_values.shape[:2]
     images, patches = image_slot_index.shape
     most = row_image_index.shape[1]  # M: the most images in one row
-    for name, value, shape in (
-        ("patch_image_index", patch_image_index, (rows, slots)),
-        ("row_image_index", row_image_index, (rows, most)),
-    ):
-        if tuple(value.shape) != shape:
-            raise ValueError(
-                f"`{name}` has shape {tuple(value.shape)}, but `pixel_values` holds {rows} rows of {slots} patch "
-                f"slots: ({rows}, {shape[1]}), as the image processor returns it."
-            )
-    if tuple(spatial_shapes.shape) != (images, 2):
-        raise ValueError(
-            f"`spatial_shapes` (shape {tuple(spatial_shapes.shape)}) must give the grid of each of the {images} "
-            "images of `image_slot_index`."
-        )
     device = pixel_values.device
     row_image_index, image_slot_index = row_image_index.to(device), image_slot_index.to(device)
     row_tokens, image_tokens = slots + prefix * most, prefix + patches

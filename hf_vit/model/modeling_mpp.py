@@ -20,7 +20,9 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_vit import VisionTransformerConfig
-from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel, lecun_normal_
+from .layout import batch_fields
+from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel
+from .weight_init import lecun_normal_
 
 __all__ = [
     "PATCH_CLEAN",
@@ -166,7 +168,6 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
         patch_corruption: torch.Tensor | None = None,
         interpolate_pos_encoding: bool | None = None,
         bool_masked_pos: torch.Tensor | None = None,
-        patch_image_index: torch.Tensor | None = None,
         **kwargs,
     ) -> MaskedPatchPredictionOutput:
         """`patch_corruption`: the corruption codes `(B, N)` (`draw_patch_corruption`); or `bool_masked_pos` `(B, N)`,
@@ -174,12 +175,9 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
         only ones predicted. A packed batch (`patch_image_index`, see `layout.py`) gives `labels`, `patch_corruption`
         and `bool_masked_pos` per patch slot `(rows, L)` and gets its outputs per image, as the native-aspect batch of
         the same images: `logits` and `patch_corruption` `(images, patches, ...)`."""
-        spatial_shapes, patch_mask = kwargs.get("spatial_shapes"), None
-        if spatial_shapes is not None:  # a native-aspect batch: the padding is neither corrupted nor predicted
-            layout = self.vit.batch_layout(
-                pixel_values, spatial_shapes, kwargs.get("pixel_attention_mask"), patch_image_index,
-                kwargs.get("patch_positions"), kwargs.get("row_image_index"), kwargs.get("image_slot_index"),
-            )  # fmt: skip
+        patch_mask = None
+        if kwargs.get("spatial_shapes") is not None:  # a native-aspect batch: the padding is neither corrupted nor
+            layout = self.vit.batch_layout(pixel_values, **batch_fields(kwargs))  # predicted
             # packed: the images one per row here (the encoder runs their tokens packed)
             pixel_values, labels, patch_corruption, bool_masked_pos = (
                 None if value is None else layout.unpack_patches(value)

@@ -23,15 +23,12 @@ transformers and the code files beside it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import PreTrainedModel
-from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.backbone_utils import BackboneMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -41,9 +38,10 @@ from transformers.utils.output_capturing import capture_outputs
 
 from .attention import ALL_ATTENTION_FUNCTIONS, eager_attention_forward
 from .configuration_vit import VisionTransformerConfig
-from .hybrid import ResNetStem, ResNetUnit, StdConv2d
+from .embeddings import VisionTransformerEmbeddings
+from .hybrid import ResNetUnit, StdConv2d
 from .layer_scale import LayerScale
-from .layout import BatchLayout, check_native_batch, masked_mean, patch_grid_maps
+from .layout import BatchLayout, batch_fields, check_native_batch, masked_mean, patch_grid_maps
 from .loading import (
     give_weights_the_umask_mode,
     load_strictly,
@@ -59,6 +57,18 @@ from .resolution import (
     resample_patch_embedding_layer,
     resample_position_embeddings,
 )
+from .weight_init import (
+    init_attention,
+    init_attention_pooling,
+    init_classification_head,
+    init_embeddings,
+    init_layer_scale,
+    init_mlp,
+    init_norm,
+    init_resnet_unit,
+    init_std_conv,
+    lecun_normal_,  # noqa: F401  (heads beside this file import it from here too)
+)
 
 __all__ = [
     "VisionTransformerBackbone",
@@ -67,103 +77,6 @@ __all__ = [
     "VisionTransformerModel",
     "VisionTransformerPreTrainedModel",
 ]
-
-
-class VisionTransformerEmbeddings(nn.Module):
-    """Equation (1): linear patch embedding `E`, the class token, and learned 1D position embeddings `E_pos`; DeiT's
-    distillation token after the class token (with a position), register tokens after both (without one).
-
-    In a hybrid the patches come from the ResNet stem's feature map. `use_mask_token` adds the learned [mask]
-    embedding of masked patch prediction, put in place of the patch embeddings `bool_masked_pos` marks before the
-    positions are added (as BERT's [MASK]; see `modeling_mpp.py`)."""
-
-    def __init__(self, config: VisionTransformerConfig, use_mask_token: bool = False) -> None:
-        super().__init__()
-        self.config = config
-        self.stem = ResNetStem(config) if config.resnet_layers is not None else None
-        # A stride-P convolution is the linear map E applied to every flattened P x P patch (of the stem's feature
-        # map in a hybrid, where P is `embedding_patch_size`, e.g. 1).
-        patch = config.embedding_patch_size
-        self.patch_embedding = nn.Conv2d(
-            config.stem_channels, config.hidden_size, patch, stride=patch, bias=config.patch_embedding_bias
-        )
-        width, registers = config.hidden_size, config.num_register_tokens
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, width)) if config.use_class_token else None
-        self.distillation_token = nn.Parameter(torch.zeros(1, 1, width)) if config.use_distillation_token else None
-        self.register_tokens = nn.Parameter(torch.zeros(1, registers, width)) if registers else None
-        self.mask_token = nn.Parameter(torch.zeros(1, 1, config.hidden_size)) if use_mask_token else None
-        num_positions = config.num_patches + config.num_position_prefix_tokens
-        self.position_embedding = nn.Parameter(torch.zeros(1, num_positions, config.hidden_size))
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-    def forward(
-        self,
-        pixel_values: torch.Tensor,
-        bool_masked_pos: torch.Tensor | None = None,
-        spatial_shapes: torch.Tensor | None = None,
-        patch_sources: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        pixel_values = pixel_values.to(self.patch_embedding.weight.dtype)
-        tokens, grid = self.embed_patches(pixel_values, spatial_shapes)  # (B, N, D): x_p^i E
-        if bool_masked_pos is not None or patch_sources is not None:
-            tokens = self.corrupt(tokens, bool_masked_pos, patch_sources)
-        batch, config, positioned = tokens.shape[0], self.config, self.config.num_position_prefix_tokens
-        prefix = [
-            token.expand(batch, -1, -1) for token in (self.cls_token, self.distillation_token) if token is not None
-        ]
-        tokens = torch.cat([*prefix, tokens], dim=1)  # [x_class; x_dist; x_p^1 E; ...]
-        # E_pos, resampled in 2D when the grid is not the one the model was trained on: in a native-aspect batch to
-        # each image's grid, zero on the padding after its patches (masked as keys)
-        position_embedding = resample_position_embeddings(
-            self.position_embedding, config.grid_size, grid, positioned, config.interpolation_mode,
-            config.interpolation_antialias, num_patches=tokens.shape[1] - positioned,
-        )  # fmt: skip
-        tokens = tokens + position_embedding
-        if self.register_tokens is not None:  # registers follow the prefix tokens and have no position
-            registers = self.register_tokens.expand(batch, -1, -1)
-            tokens = torch.cat([tokens[:, :positioned], registers, tokens[:, positioned:]], dim=1)
-        return self.dropout(tokens)
-
-    def embed_patches(
-        self, pixel_values: torch.Tensor, spatial_shapes: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, tuple[int, int] | torch.Tensor]:
-        """x_p^i E `(B, N, D)` and the grid of the patches: `(rows, cols)`, or `spatial_shapes` for a native-aspect
-        batch, whose patches come flattened `(B, K, P * P * C)` (see `layout.py`)."""
-        if spatial_shapes is not None:
-            # The convolution's kernel `(D, C, P, P)` is the linear map it applies to each patch, its inputs laid out
-            # in the processor's (patch row, patch column, channel) order.
-            weight = self.patch_embedding.weight.permute(0, 2, 3, 1).flatten(1)
-            return F.linear(pixel_values, weight, self.patch_embedding.bias), spatial_shapes
-        # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
-        features = pixel_values if self.stem is None else self.stem(pixel_values)
-        patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
-        return patches.flatten(2).transpose(1, 2), tuple(patches.shape[2:])
-
-    def corrupt(
-        self, tokens: torch.Tensor, bool_masked_pos: torch.Tensor | None, patch_sources: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Masked patch prediction's corruption of the patch embeddings `(B, N, D)`: those `patch_sources` `(B, N)`
-        points elsewhere (an index into the batch's B * N patches, -1 for none) take that patch's embedding, then
-        those `bool_masked_pos` `(B, N)` marks take the [mask] embedding."""
-        batch, count, dim = tokens.shape
-        for name, value in (("bool_masked_pos", bool_masked_pos), ("patch_sources", patch_sources)):
-            if value is not None and tuple(value.shape) != (batch, count):
-                raise ValueError(
-                    f"`{name}` has shape {tuple(value.shape)} but the images have {count} patches each (expected "
-                    f"({batch}, {count}))."
-                )
-        if patch_sources is not None:
-            others = tokens.reshape(batch * count, dim)[patch_sources.clamp(min=0)]
-            tokens = torch.where((patch_sources >= 0)[..., None], others, tokens)
-        if bool_masked_pos is not None:
-            if self.mask_token is None:
-                raise ValueError(
-                    "This model has no [mask] embedding for `bool_masked_pos`: use "
-                    "VisionTransformerForMaskedPatchPrediction (or a VisionTransformerModel built with "
-                    "use_mask_token=True)."
-                )
-            tokens = torch.where(bool_masked_pos.bool()[..., None], self.mask_token.to(tokens.dtype), tokens)
-        return tokens
 
 
 class VisionTransformerAttention(nn.Module):
@@ -252,90 +165,6 @@ class VisionTransformerBlock(GradientCheckpointingLayer):
         hidden_states = hidden_states + self.drop_path(self.layer_scale1(self.dropout(attended)))  # (2)
         hidden_states = hidden_states + self.drop_path(self.layer_scale2(self.mlp(self.norm2(hidden_states))))  # (3)
         return hidden_states, probs
-
-
-def lecun_normal_(tensor: torch.Tensor) -> None:
-    """Flax's lecun_normal: a normal of variance 1/fan_in truncated at two standard deviations."""
-    fan_in = tensor[0].numel()  # (out, in, ...) layouts: everything but the first dimension feeds one output
-    std = math.sqrt(1.0 / fan_in) / 0.87962566103423978  # rescaled so the truncated values have variance 1/fan_in
-    init.trunc_normal_(tensor, mean=0.0, std=std, a=-2 * std, b=2 * std)
-
-
-def init_embeddings(module: VisionTransformerEmbeddings, config: VisionTransformerConfig) -> None:
-    """Equation (1): a LeCun-normal patch embedding E (as a Flax Conv's default), normal positions, a zero class token
-    (the authors' `cls` parameter), normal distillation, register and [mask] embeddings."""
-    lecun_normal_(module.patch_embedding.weight)
-    if module.patch_embedding.bias is not None:
-        init.zeros_(module.patch_embedding.bias)
-    init.normal_(module.position_embedding, std=config.initializer_range)
-    if module.cls_token is not None:
-        init.zeros_(module.cls_token)
-    for token in (module.distillation_token, module.register_tokens, module.mask_token):
-        if token is not None:
-            init.normal_(token, std=config.initializer_range)
-
-
-def init_attention(module: VisionTransformerAttention, config: VisionTransformerConfig) -> None:
-    """Query, key and value are three D x D maps, each Xavier-uniform: one draw with a D x D matrix's bound (not the
-    fused D x 3D matrix's); zero biases."""
-    bound = math.sqrt(6.0 / (2 * module.qkv.in_features))
-    init.uniform_(module.qkv.weight, -bound, bound)
-    init.xavier_uniform_(module.proj.weight)
-    if module.qkv.bias is not None:
-        init.zeros_(module.qkv.bias)
-    init.zeros_(module.proj.bias)
-
-
-def init_mlp(module: VisionTransformerMLP, config: VisionTransformerConfig) -> None:
-    """Xavier-uniform kernels and normal(1e-6) biases, as vit_jax's MlpBlock."""
-    for layer in (module.fc1, module.fc2):
-        init.xavier_uniform_(layer.weight)
-        init.normal_(layer.bias, std=1e-6)
-
-
-def init_norm(module: nn.LayerNorm | nn.GroupNorm, config: VisionTransformerConfig) -> None:
-    init.ones_(module.weight)
-    init.zeros_(module.bias)
-
-
-def init_layer_scale(module: LayerScale, config: VisionTransformerConfig) -> None:
-    init.constant_(module.gamma, module.init_value)
-
-
-def init_attention_pooling(module: MultiheadAttentionPooling, config: VisionTransformerConfig) -> None:
-    """A normal probe; query, key and value each Xavier-uniform (as `init_attention`), zero biases."""
-    init.normal_(module.probe, std=config.initializer_range)
-    bound = math.sqrt(6.0 / (2 * module.attention.embed_dim))
-    init.uniform_(module.attention.in_proj_weight, -bound, bound)
-    init.zeros_(module.attention.in_proj_bias)
-    init.xavier_uniform_(module.attention.out_proj.weight)
-    init.zeros_(module.attention.out_proj.bias)
-
-
-def init_std_conv(module: StdConv2d, config: VisionTransformerConfig) -> None:
-    """flax.linen.Conv's default kernel initialiser."""
-    lecun_normal_(module.weight)
-
-
-def init_resnet_unit(module: ResNetUnit, config: VisionTransformerConfig) -> None:
-    """The last GroupNorm of a unit starts at zero scale (after its children's initialisation), so that each unit
-    starts as its shortcut."""
-    init.zeros_(module.gn3.weight)
-
-
-def init_classification_head(module: VisionTransformerForImageClassification, config: VisionTransformerConfig) -> None:
-    """A LeCun-normal pre-logits layer with a zero bias; the classifiers zero (the paper's fine-tuning,
-    `zero_init_head`) or LeCun-normal, with zero biases."""
-    if module.pre_logits is not None:
-        lecun_normal_(module.pre_logits.weight)
-        init.zeros_(module.pre_logits.bias)
-    for head in (module.classifier, module.distillation_classifier):
-        if isinstance(head, nn.Linear):
-            if config.zero_init_head:
-                init.zeros_(head.weight)
-            else:
-                lecun_normal_(head.weight)
-            init.zeros_(head.bias)
 
 
 class VisionTransformerPreTrainedModel(PreTrainedModel):
@@ -466,19 +295,14 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         interpolate_pos_encoding: bool | None = None,
         output_attentions: bool | None = None,
         bool_masked_pos: torch.Tensor | None = None,
-        pixel_attention_mask: torch.Tensor | None = None,
-        spatial_shapes: torch.Tensor | None = None,
         patch_sources: torch.Tensor | None = None,
-        patch_image_index: torch.Tensor | None = None,
-        patch_positions: torch.Tensor | None = None,
-        row_image_index: torch.Tensor | None = None,
-        image_slot_index: torch.Tensor | None = None,
         layout: BatchLayout | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
         """`bool_masked_pos` `(B, N)`: the patches whose embeddings the [mask] embedding replaces (a model built
         with `use_mask_token=True`); `patch_sources` `(B, N)`: the patches that take another's embedding instead
         (masked patch prediction, see `VisionTransformerEmbeddings.corrupt` and `modeling_mpp.py`).
+        The batch's layout fields come in `kwargs` as the image processor returns them (`layout.BATCH_FIELDS`):
         `spatial_shapes` (with `pixel_attention_mask`): a native-aspect batch of flattened patches, each image on its
         own grid; with `patch_image_index` (and the processor's `row_image_index`, `image_slot_index`; optionally
         `patch_positions`, NaViT's token dropping), a packed batch, several whole images per row (see `layout.py`):
@@ -490,15 +314,14 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
-        if layout is None and spatial_shapes is not None:
-            layout = self.batch_layout(
-                pixel_values, spatial_shapes, pixel_attention_mask, patch_image_index, patch_positions,
-                row_image_index, image_slot_index,
-            )  # fmt: skip
+        fields = batch_fields(kwargs)
+        if layout is None and "spatial_shapes" in fields:
+            layout = self.batch_layout(pixel_values, **fields)
             pixel_values = layout.unpack_patches(pixel_values)  # packed: the images one per row for (1) and (4)
         elif layout is None:
-            self.check_whole_images(pixel_values, interpolate_pos_encoding, pixel_attention_mask, patch_image_index)
-        embeddings = self.embeddings(pixel_values, bool_masked_pos, spatial_shapes, patch_sources)  # (1)
+            self.check_whole_images(pixel_values, interpolate_pos_encoding, fields)
+        grids = None if layout is None else layout.grids
+        embeddings = self.embeddings(pixel_values, bool_masked_pos, grids, patch_sources)  # (1)
         hidden_states = self.pre_norm(embeddings)
         attention_mask = None
         if layout is not None:  # each image's tokens in the blocks' rows (packed: several per row), attending only
@@ -517,42 +340,26 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         pooled_output = self.norm(pooled_output) if fc_norm else pooled_output
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
 
-    def batch_layout(
-        self,
-        pixel_values: torch.Tensor,
-        spatial_shapes: torch.Tensor,
-        pixel_attention_mask: torch.Tensor | None = None,
-        patch_image_index: torch.Tensor | None = None,
-        patch_positions: torch.Tensor | None = None,
-        row_image_index: torch.Tensor | None = None,
-        image_slot_index: torch.Tensor | None = None,
-    ) -> BatchLayout:
+    def batch_layout(self, pixel_values: torch.Tensor, **fields: torch.Tensor) -> BatchLayout:
         """The layout of a native-aspect batch, padded or packed (`patch_image_index`), for this model's prefix
-        tokens, its inputs' shapes checked (see `layout.py`)."""
-        packed = patch_image_index is not None
-        one_per_image = spatial_shapes if packed else pixel_values
+        tokens, its inputs' shapes checked: `fields` are the batch's (`layout.BATCH_FIELDS`, `spatial_shapes` among
+        them; see `layout.py`)."""
+        spatial_shapes = fields.get("spatial_shapes")
+        one_per_image = spatial_shapes if "patch_image_index" in fields else pixel_values
         images = one_per_image.shape[0] if isinstance(one_per_image, torch.Tensor) else len(one_per_image)
         check_native_batch(pixel_values, spatial_shapes, self.config, images)
-        return BatchLayout.of(
-            pixel_values, spatial_shapes, self.config.num_prefix_tokens, pixel_attention_mask, patch_image_index,
-            patch_positions, row_image_index, image_slot_index,
-        )  # fmt: skip
+        return BatchLayout.of(pixel_values, prefix=self.config.num_prefix_tokens, **fields)
 
     def check_whole_images(
-        self,
-        pixel_values: torch.Tensor,
-        interpolate_pos_encoding: bool | None,
-        pixel_attention_mask: torch.Tensor | None = None,
-        patch_image_index: torch.Tensor | None = None,
+        self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool | None, fields: dict | None = None
     ) -> None:
-        """Refuse a batch of whole images the model cannot embed, and a native-aspect batch's fields without
+        """Refuse a batch of whole images the model cannot embed, and a native-aspect batch's `fields` without
         `spatial_shapes`."""
-        for name, value in (("pixel_attention_mask", pixel_attention_mask), ("patch_image_index", patch_image_index)):
-            if value is not None:
-                raise ValueError(
-                    f"`{name}` was given without `spatial_shapes`: a native-aspect batch (the image processor's "
-                    "`max_num_patches`) needs both, as the processor returns them."
-                )
+        for name in fields or {}:
+            raise ValueError(
+                f"`{name}` was given without `spatial_shapes`: a native-aspect batch (the image processor's "
+                "`max_num_patches`) needs both, as the processor returns them."
+            )
         check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
 
     def pool(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -596,10 +403,11 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
             raise ValueError(f"indices must name blocks 0..{depth - 1} (or -{depth}..-1), got {indices!r}.")
         wanted = [index % depth for index in wanted]
         attention_mask = None
+        fields = batch_fields(dict(spatial_shapes=spatial_shapes, pixel_attention_mask=pixel_attention_mask))
         if spatial_shapes is not None:
-            attention_mask = self.batch_layout(pixel_values, spatial_shapes, pixel_attention_mask).segments
+            attention_mask = self.batch_layout(pixel_values, **fields).segments
         else:
-            self.check_whole_images(pixel_values, interpolate_pos_encoding, pixel_attention_mask)
+            self.check_whole_images(pixel_values, interpolate_pos_encoding, fields)
         prefix = self.config.num_prefix_tokens
         hidden_states = self.pre_norm(self.embeddings(pixel_values, spatial_shapes=spatial_shapes))
         outputs = {}
@@ -645,26 +453,20 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         interpolate_pos_encoding: bool = True,
-        pixel_attention_mask: torch.Tensor | None = None,
-        spatial_shapes: torch.Tensor | None = None,
-        patch_image_index: torch.Tensor | None = None,
         **kwargs,
     ) -> BackboneOutput:
         """A native-aspect batch (`spatial_shapes`, see `layout.py`) gives maps on its largest grid, each image's at
         the top left and zero beyond its own grid; so does a packed batch (`patch_image_index`), one map per image,
         whose `hidden_states` are then one image per row too."""
-        layout = None
+        layout, fields = None, batch_fields(kwargs)
+        spatial_shapes = fields.get("spatial_shapes")
         if spatial_shapes is not None:
-            layout = self.batch_layout(
-                pixel_values, spatial_shapes, pixel_attention_mask, patch_image_index, kwargs.get("patch_positions"),
-                kwargs.get("row_image_index"), kwargs.get("image_slot_index"),
-            )  # fmt: skip
+            layout = self.batch_layout(pixel_values, **fields)
             pixel_values = layout.unpack_patches(pixel_values)
         # dense prediction runs at any patch-divisible size: the position embeddings follow it
         outputs = VisionTransformerModel.forward(  # not super(): BackboneMixin defines a forward of its own
             self, pixel_values, interpolate_pos_encoding=interpolate_pos_encoding,
-            output_attentions=output_attentions, output_hidden_states=True, pixel_attention_mask=pixel_attention_mask,
-            spatial_shapes=spatial_shapes, patch_image_index=patch_image_index, layout=layout,
+            output_attentions=output_attentions, output_hidden_states=True, layout=layout, **fields,
         )  # fmt: skip
         states = outputs.hidden_states
         if layout is not None:  # the blocks' outputs are of the blocks' rows (packed: several images per row)

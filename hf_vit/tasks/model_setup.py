@@ -355,12 +355,16 @@ def _foreign_layout(path: str | os.PathLike) -> str | None:
 
 
 def processor_for(
-    model_name_or_path: str | None, config: VisionTransformerConfig, max_num_patches: int | None = None
+    model_name_or_path: str | None,
+    config: VisionTransformerConfig,
+    max_num_patches: int | None = None,
+    packed_sequence_length: int | None = None,
 ) -> VisionTransformerImageProcessor:
     """The image processor of a run: the checkpoint's (its normalisation and geometry) or the default, making images
     of the model's image size, converting to RGB only for 3-channel models (1-channel and 4-channel models get their
     images' own channels, the mean and standard deviation repeated per channel); native aspect ratio with
-    `max_num_patches` patches of the model's patch size, whole images of that size without.
+    `max_num_patches` patches of the model's patch size (packed into rows of `packed_sequence_length` slots, when
+    given: the folder then serves packed batches), whole images of that size without.
 
     A checkpoint whose processor resizes then crops the centre (DINOv2's and CLIP's shorter side to 256 then 224,
     DeiT's 256x256 then 224) keeps that geometry at the model's size: the crop becomes the model's size and the resize
@@ -376,11 +380,11 @@ def processor_for(
     processor = processor or VisionTransformerImageProcessor()
     if max_num_patches is not None:
         positive_int(max_num_patches, "--max_num_patches", "number of patches per image")
-    processor.max_num_patches, processor.patch_size = max_num_patches, config.patch_size
-    if max_num_patches is not None:
-        processor.do_center_crop = False  # a native-aspect image is kept whole
-        processor.size = dict(zip(("height", "width"), config.image_hw))
-    else:
+    sizes = dict(max_num_patches=max_num_patches, patch_size=config.patch_size)
+    if max_num_patches is not None:  # a native-aspect image is kept whole
+        sizes.update(do_center_crop=False, size=dict(zip(("height", "width"), config.image_hw)))
+    processor = processor.with_options(**sizes, packed_sequence_length=packed_sequence_length)
+    if max_num_patches is None:
         try:
             processor.size, processor.crop_size = scaled_geometry(
                 processor.size, processor.crop_size, processor.do_center_crop, config.image_hw

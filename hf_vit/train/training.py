@@ -188,13 +188,14 @@ def _run(
     if training_args.check_eval_images:
         check_eval_images(raw)
     model = objective.build_model(task, run.model, labels)
-    processor = processor_for(run.model.model_name_or_path, model.config, run.sizes.max_num_patches)
+    sizes = run.sizes
+    processor = processor_for(
+        run.model.model_name_or_path, model.config, sizes.max_num_patches, sizes.packed_sequence_length
+    )
     channels_from = (
         "--num_channels" if run.model.num_channels else f"--model_name_or_path {run.model.model_name_or_path}"
     )
     check_image_channels(raw, processor, model.config.num_channels, channels_from)
-    # Saved with the model: the folder serves packed batches (its predictions are those of unpacked ones).
-    processor.packed_sequence_length = run.sizes.packed_sequence_length
     model = adapt(model, run.lora, task, training_args.output_dir)
     if objective.check_sizes is not None:
         objective.check_sizes(run.sizes.max_num_patches, run.sizes.seq_lens, run.sizes.patch_sizes)

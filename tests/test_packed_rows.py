@@ -24,7 +24,7 @@ from hf_vit.model.attention import (
     segment_attention_forward,
     segment_attention_path,
 )
-from hf_vit.model.image_processing_vit import first_fit_decreasing
+from hf_vit.model.image_processing_vit import best_fit_decreasing, pack_patches
 from hf_vit.model.layout import PACKED_INDEX_FIELDS, AttentionSegments, BatchLayout, _segments, packed_index_fields
 from hf_vit.model.modeling_mpp import PATCH_CLEAN
 
@@ -264,26 +264,29 @@ def test_packed_rows_hold_each_image_whole_as_the_unpacked_batch_does(capacity):
         assert packed["pixel_values"].shape[0] == 1
 
 
-def first_fit_decreasing_by_hand(sizes, capacity):
-    """The rule written out: largest first (ties in the order given), each into the first row with room."""
-    rows, room = [], []
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        for row, left in enumerate(room):
-            if left >= sizes[index]:
-                rows[row].append(index)
-                room[row] -= sizes[index]
-                break
+def best_fit_decreasing_by_hand(sizes, capacity):
+    """The rule written out: largest first (ties in the order given), each into the row it leaves the least room in
+    (of those, the one that came to that room last), a new row when none has room."""
+    rows, room, since = [], [], []
+    for step, index in enumerate(sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))):
+        fitting = [row for row, left in enumerate(room) if left >= sizes[index]]
+        if fitting:
+            row = min(fitting, key=lambda row: (room[row], -since[row]))
+            rows[row].append(index)
+            room[row] -= sizes[index]
+            since[row] = step
         else:
             rows.append([index])
             room.append(capacity - sizes[index])
+            since.append(step)
     return rows
 
 
-def test_rows_follow_first_fit_decreasing_deterministically():
+def test_rows_follow_best_fit_decreasing_deterministically():
     processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8, packed_sequence_length=24)
     packed = processor(images(), return_tensors="pt")
     sizes = packed["spatial_shapes"].prod(1).tolist()
-    assert rows_of(packed) == first_fit_decreasing_by_hand(sizes, 24)
+    assert rows_of(packed) == best_fit_decreasing_by_hand(sizes, 24)
     assert all(torch.equal(packed[name], value) for name, value in processor(images(), return_tensors="pt").items())
     # the rows do not depend on the images' order, only which image sits where does
     order = [3, 0, 8, 1, 7, 2, 6, 4, 5]
@@ -294,22 +297,22 @@ def test_rows_follow_first_fit_decreasing_deterministically():
     )
 
 
-def test_first_fit_decreasing_on_random_sizes():
+def test_best_fit_decreasing_on_random_sizes():
     rng = np.random.default_rng(0)
     for _ in range(200):
         capacity = int(rng.integers(1, 50))
         sizes = rng.integers(1, capacity + 1, int(rng.integers(1, 30))).tolist()
-        rows = first_fit_decreasing(sizes, capacity)
-        assert rows == first_fit_decreasing_by_hand(sizes, capacity)
+        rows = best_fit_decreasing(sizes, capacity)
+        assert rows == best_fit_decreasing_by_hand(sizes, capacity)
         assert sorted(i for row in rows for i in row) == list(range(len(sizes)))
         assert all(sum(sizes[i] for i in row) <= capacity for row in rows)
-        # no two rows could have been one: first fit leaves at most one row half empty
+        # no two rows could have been one: a row is opened only for an image no row had room for
         loads = sorted(sum(sizes[i] for i in row) for row in rows)
         assert len(loads) < 2 or loads[0] + loads[1] > capacity
     with pytest.raises(ValueError, match="Item 1 has size 9"):
-        first_fit_decreasing([3, 9], 8)
+        best_fit_decreasing([3, 9], 8)
     with pytest.raises(ValueError, match="capacity"):
-        first_fit_decreasing([3], 0)
+        best_fit_decreasing([3], 0)
 
 
 def test_packing_returns_numpy_and_lists_as_the_unpacked_batch_does():
@@ -611,16 +614,11 @@ def test_empty_rows_change_no_output_and_no_gradient(drop):
     model = VisionTransformerForImageClassification(tiny_config(zero_init_head=False, attn_implementation="sdpa"))
     processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8)
     inputs = dict(processor(images(PACKED_SIZES), packed_sequence_length=24, return_tensors="pt"))
-    if drop:  # each image keeps its patches but its first, in their places
-        inputs["patch_positions"] = inputs["patch_image_index"].clone()
-        for image, size in enumerate(inputs["spatial_shapes"].prod(1).tolist()):
-            slots = inputs["patch_image_index"] == image
-            kept = torch.arange(size)
-            kept[0] = -1
-            inputs["patch_positions"][slots] = kept
-            inputs["patch_image_index"][inputs["patch_positions"] < 0] = -1
-        inputs["pixel_attention_mask"] = (inputs["patch_image_index"] >= 0).int()
-        inputs = with_its_packing(inputs)
+    if drop:  # each image keeps its patches but its first, in their places, packed again
+        grids = [tuple(grid) for grid in inputs["spatial_shapes"].tolist()]
+        slots, flat = inputs["image_slot_index"], inputs["pixel_values"].flatten(0, 1)
+        kept = [torch.arange(1, rows * cols) for rows, cols in grids]
+        inputs = pack_patches([flat[slots[image, places]] for image, places in enumerate(kept)], grids, 24, kept)
     padded = with_empty_rows(inputs, where={0, 2})
     assert padded["pixel_values"].shape[0] == inputs["pixel_values"].shape[0] + 3
     labels = torch.tensor([0, 1, 2, 3, 4, 0])
@@ -774,7 +772,6 @@ def test_flex_attention_with_a_block_diagonal_mask_is_handed_to_sdpa(monkeypatch
 def test_dropped_tokens_take_no_part_and_the_kept_ones_keep_their_places(classifier):
     # NaViT's token dropping: each image keeps some places of its grid; its pooled output is that of its kept tokens
     # alone (embedded on the whole grid, then the others removed), whatever the rows and the other images hold
-    from hf_vit.model.image_processing_vit import pack_patches
 
     torch.manual_seed(0)
     config = tiny_config(image_size=8, patch_size=4, classifier=classifier, num_register_tokens=1)
@@ -847,7 +844,6 @@ def reference_layout(index: torch.Tensor, grids: list, prefix: int, where: torch
 def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping):
     # random batches: images of random grids first-fit-decreasing into rows; with token dropping each image keeps a
     # random subset of its places in a random order
-    from hf_vit.model.image_processing_vit import pack_patches
 
     generator = torch.Generator().manual_seed(prefix + 10 * dropping)
     for trial in range(6):
