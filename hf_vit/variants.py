@@ -171,13 +171,11 @@ def _resized_processor(processor, config, max_num_patches: int | None):
     native-aspect patches at its patch size (at most `max_num_patches` of them, when given)."""
     height, width = config.image_hw
     if processor.max_num_patches is None and max_num_patches is None:  # the source's resize and crop, scaled
-        processor.size, processor.crop_size = scaled_geometry(
+        size, crop_size = scaled_geometry(
             processor.size, processor.crop_size, processor.do_center_crop, (height, width)
         )
-        processor.patch_size = config.patch_size
-        return processor
-    processor.size = {"height": height, "width": width}
-    return serving_processor(processor, config, max_num_patches)
+        return processor.with_options(size=size, crop_size=crop_size, patch_size=config.patch_size)
+    return serving_processor(processor.with_options(size={"height": height, "width": width}), config, max_num_patches)
 
 
 def _changes(before, config, processor, mode: str) -> tuple[str, str]:
