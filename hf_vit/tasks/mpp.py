@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
 from ..data.transforms import Transform, make_eval_transform
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..model.modeling_mim import mean_color_classes
 from ..model.modeling_mpp import (
     PATCH_CLEAN,
     PatchCorruption,
@@ -51,22 +51,6 @@ __all__ = [
     "mpp_preprocess_logits",
     "unnormalized",
 ]
-
-# Float error allowance when binning a mean colour: a mean on a bin edge (k / 2**bits) goes to the upper bin as exact
-# arithmetic puts it. For 8-bit images a mean is at least 1 / (255 * pixels) away from an edge otherwise, far more.
-_EDGE_TOLERANCE = 1e-6
-
-
-def mean_color_classes(pixels: torch.Tensor, patch_size: int, bits: int = 3) -> torch.Tensor:
-    """The mean-colour class `(B, N)` of every `patch_size` patch of `pixels` `(B, C, H, W)` with values in [0, 1],
-    in the model's token order (rows of patches, left to right): `2 ** (bits * C)` classes."""
-    if pixels.ndim != 4:
-        raise ValueError(f"`pixels` must be (batch, channels, height, width), got shape {tuple(pixels.shape)}.")
-    levels = 2**bits
-    means = F.avg_pool2d(pixels.double(), patch_size)  # (B, C, H/P, W/P)
-    bins = torch.floor(means * levels + _EDGE_TOLERANCE).clamp_(0, levels - 1).long()
-    weights = levels ** torch.arange(pixels.shape[1] - 1, -1, -1, device=bins.device)
-    return (bins * weights[None, :, None, None]).sum(dim=1).flatten(1)
 
 
 def unnormalized(processor: VisionTransformerImageProcessor) -> VisionTransformerImageProcessor:
