@@ -152,7 +152,8 @@ def test_masked_patch_prediction_without_labels_computes_its_targets_from_the_pi
 
 def test_the_config_field_chooses_the_auto_classes_model(tmp_path):
     x, mask = torch.randn(2, 3, 32, 32), torch.rand(2, 16) < 0.5
-    for name, kind in (("simmim", VisionTransformerForMaskedImageModeling), ("mpp", VisionTransformerForMaskedPatchPrediction)):  # fmt: skip
+    kinds = {"simmim": VisionTransformerForMaskedImageModeling, "mpp": VisionTransformerForMaskedPatchPrediction}
+    for name, kind in kinds.items():
         config = mim_config(masked_image_modeling=name)
         model = AutoModelForMaskedImageModeling.from_config(config)
         assert type(model) is kind
