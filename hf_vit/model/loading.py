@@ -129,20 +129,26 @@ def _as_list(size: Any) -> list[Any]:
     return [size, size] if isinstance(size, int) else list(size)
 
 
+# transformers fetches a remote-code module with the files it imports, which it reads from the module's text with a
+# pattern that also matches the lines below. The config's module imports this one, so loading any hf-vit class as
+# remote code (from a folder or the Hub) brings every model file into the module cache, and a folder saved from there
+# carries them all, as one saved from the package does. (A string, not imports: nothing here depends on the models.)
+FETCHED_TOGETHER = """
+    from .modeling_mim import VisionTransformerForMaskedImageModeling
+    from .modeling_mpp import VisionTransformerForMaskedPatchPrediction
+"""
+
+
 def save_sibling_code(model: Any, folder: str | os.PathLike) -> None:
     """Copy beside the code `save_pretrained` wrote into `folder` (when it wrote code) every code file the config's
     `auto_map` names, with the files they import, from where this file was loaded: the package, or transformers'
-    module cache for remote code, which holds them all because of the imports below."""
-    # transformers fetches a remote module's relative imports, read from its text, with it: these lines (whichever
-    # file is fetched, the config's and every model's import this one) bring every model's file into the cache.
-    from .modeling_mim import VisionTransformerForMaskedImageModeling  # noqa: F401
-    from .modeling_mpp import VisionTransformerForMaskedPatchPrediction  # noqa: F401
-
+    module cache for remote code, which holds them all (`FETCHED_TOGETHER`)."""
     folder, here = Path(folder), Path(__file__).parent
     if not (folder / Path(type(model).__module__.rpartition(".")[2]).with_suffix(".py")).is_file():
         return  # no remote code was written (the class is not registered for an Auto class)
-    named = {reference.partition(".")[0] for reference in (getattr(model.config, "auto_map", None) or {}).values()}
-    wanted = [here / f"{name}.py" for name in sorted(named) if isinstance(name, str)]
+    references = (getattr(model.config, "auto_map", None) or {}).values()
+    named = {reference.partition(".")[0] for reference in references if isinstance(reference, str)}
+    wanted = [here / f"{name}.py" for name in sorted(named)]
     imported = [Path(found) for path in wanted for found in get_relative_import_files(path)]
     for path in dict.fromkeys([*wanted, *imported]):
         if not (folder / path.name).exists():

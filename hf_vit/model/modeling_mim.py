@@ -7,7 +7,7 @@ pixels, and the loss is the L1 distance on the masked patches' pixels. The model
 non-square grids and on native-aspect batches (the processor's `max_num_patches`), each image as it runs alone.
 
 `config.masked_image_modeling` chooses what `AutoModelForMaskedImageModeling` builds: this model, or the paper's
-masked patch prediction (`modeling_mpp.py`), which computes its targets (`mean_color_classes`) from the same
+masked patch prediction (`modeling_mpp.py`), which computes its targets (`pixel_targets.py`) from the same
 `pixel_values` when no `labels` are given, so transformers' `run_mim.py` trains either.
 
 This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
@@ -24,53 +24,11 @@ from transformers.modeling_outputs import MaskedImageModelingOutput
 from transformers.utils import can_return_tuple
 
 from .configuration_vit import VisionTransformerConfig
+from .modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel
+from .pixel_targets import patches_of
 
-__all__ = ["VisionTransformerForMaskedImageModeling", "mean_color_classes", "patches_of"]
-
-# Float error allowance when binning a mean colour: a mean on a bin edge (k / 2**bits) goes to the upper bin as exact
-# arithmetic puts it. For 8-bit images a mean is at least 1 / (255 * pixels) away from an edge otherwise, far more.
-_EDGE_TOLERANCE = 1e-6
-
-
-def patches_of(pixels: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """The `(B, N, C, P, P)` patches of images `(B, C, H, W)`, in the model's token order (rows of patches)."""
-    batch, channels, height, width = pixels.shape
-    rows, cols = height // patch_size, width // patch_size
-    grid = pixels[..., : rows * patch_size, : cols * patch_size]
-    grid = grid.reshape(batch, channels, rows, patch_size, cols, patch_size)
-    return grid.permute(0, 2, 4, 1, 3, 5).reshape(batch, rows * cols, channels, patch_size, patch_size)
-
-
-def mean_color_classes(pixels: torch.Tensor, patch_size: int, bits: int = 3) -> torch.Tensor:
-    """Masked patch prediction's targets: the mean-colour class `(B, N)` of every patch of `pixels` with values in
-    [0, 1], images `(B, C, H, W)` cut into `patch_size` patches, or a native-aspect batch's flattened patches
-    `(B, K, P * P * C)` (channels last, as the processor lays them out): each channel's mean over the patch quantised
-    to `bits` bits (`floor(mean * 2**bits)`, 1.0 in the top bin), the channels' bins combined as one class, red most
-    significant: `2 ** (bits * C)` classes."""
-    if pixels.ndim == 4:
-        means = patches_of(pixels.double(), patch_size).flatten(3).mean(dim=3)  # (B, N, C)
-    elif pixels.ndim == 3 and pixels.shape[-1] % (patch_size * patch_size) == 0:
-        means = pixels.double().unflatten(-1, (patch_size * patch_size, -1)).mean(dim=2)
-    else:
-        raise ValueError(
-            "`pixels` must be images (batch, channels, height, width) or flattened patches (batch, patches, "
-            f"{patch_size}*{patch_size}*channels), got shape {tuple(pixels.shape)}."
-        )
-    levels = 2**bits
-    bins = torch.floor(means * levels + _EDGE_TOLERANCE).clamp_(0, levels - 1).long()
-    weights = levels ** torch.arange(bins.shape[-1] - 1, -1, -1, device=bins.device)
-    return (bins * weights).sum(dim=-1)
-
-
-def unnormalized_pixels(pixel_values: torch.Tensor, config: VisionTransformerConfig) -> torch.Tensor:
-    """`pixel_values` normalised with the config's `mpp_pixel_mean` and `mpp_pixel_std`, back in [0, 1]."""
-    shape = [-1, 1, 1] if pixel_values.ndim == 4 else [-1]  # channels first, or last in flattened patches
-    mean, std = (
-        torch.as_tensor(value, dtype=torch.float64, device=pixel_values.device).reshape(shape)
-        for value in (config.mpp_pixel_mean, config.mpp_pixel_std)
-    )
-    return pixel_values.double() * std + mean
+__all__ = ["VisionTransformerForMaskedImageModeling"]
 
 
 class VisionTransformerForMaskedImageModeling(VisionTransformerPreTrainedModel):
@@ -95,8 +53,6 @@ class VisionTransformerForMaskedImageModeling(VisionTransformerPreTrainedModel):
     @classmethod
     def _chosen_class(cls, config: object) -> type:
         if cls is VisionTransformerForMaskedImageModeling and getattr(config, "masked_image_modeling", None) == "mpp":
-            from .modeling_mpp import VisionTransformerForMaskedPatchPrediction
-
             if VisionTransformerForMaskedPatchPrediction._auto_class is None:  # its saves carry the code too
                 VisionTransformerForMaskedPatchPrediction.register_for_auto_class("AutoModelForPreTraining")
             return VisionTransformerForMaskedPatchPrediction
@@ -131,12 +87,14 @@ class VisionTransformerForMaskedImageModeling(VisionTransformerPreTrainedModel):
         pixel_values: torch.Tensor | None = None,
         bool_masked_pos: torch.Tensor | None = None,
         interpolate_pos_encoding: bool | None = None,
+        return_loss: bool = True,
         **kwargs,
     ) -> MaskedImageModelingOutput:
         """`pixel_values`: images `(B, C, H, W)` of any size the patches tile, or a native-aspect batch's flattened
         patches `(B, K, P * P * C)` with `spatial_shapes` and `pixel_attention_mask`. `bool_masked_pos` `(B, N)` (or
-        `(B, K)`): the patches the [mask] embedding replaces, whose pixels the loss scores. Returns the `loss` and the
-        `reconstruction`, in the layout of `pixel_values`."""
+        `(B, K)`): the patches the [mask] embedding replaces, whose pixels the loss scores. Returns the `loss` (unless
+        `return_loss=False`; its default tells `Trainer` that the model computes a loss without labels, so evaluation
+        reports it) and the `reconstruction`, in the layout of `pixel_values`."""
         if kwargs.get("patch_image_index") is not None:
             raise ValueError(
                 "SimMIM takes whole images or a padded native-aspect batch, not a packed one (`patch_image_index`): "
@@ -157,7 +115,7 @@ class VisionTransformerForMaskedImageModeling(VisionTransformerPreTrainedModel):
         blocks = self.decoder(tokens).unflatten(-1, (self.config.num_channels, stride, stride))  # (B, N, C, s, s)
         flat = pixel_values.ndim == 3  # a native-aspect batch: flattened patches, channels last
         loss = None
-        if bool_masked_pos is not None:
+        if bool_masked_pos is not None and return_loss:
             target = pixel_values.unflatten(-1, (stride, stride, -1)).permute(0, 1, 4, 2, 3) if flat else None
             target = patches_of(pixel_values, stride) if target is None else target
             masked = bool_masked_pos.to(blocks.device)

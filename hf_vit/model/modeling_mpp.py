@@ -20,8 +20,8 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput, can_return_tuple
 
 from .configuration_vit import VisionTransformerConfig
-from .modeling_mim import mean_color_classes, unnormalized_pixels
 from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel, lecun_normal_
+from .pixel_targets import mean_color_classes, unnormalized_pixels
 
 __all__ = [
     "PATCH_CLEAN",
@@ -137,7 +137,7 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
     The corruption is drawn here while training, with the paper's shares (`PatchCorruption()`), unless
     `patch_corruption` (or `bool_masked_pos`) is given (the data pipeline of `hf_vit.tasks.mpp` draws it per example,
     with its run's shares); outside training, only a given corruption corrupts anything.
-    `labels` are the colour classes `(B, N)` of the patches (`modeling_mim.mean_color_classes`), -100 where
+    `labels` are the colour classes `(B, N)` of the patches (`pixel_targets.mean_color_classes`), -100 where
     none; where a corruption is given or drawn without them, they are computed from `pixel_values` (normalised with
     the config's `mpp_pixel_mean` and `mpp_pixel_std`). The loss is their cross-entropy over the corrupted patches,
     or over every labelled patch when nothing is corrupted. The encoder's weights are a plain ViT's, so a checkpoint

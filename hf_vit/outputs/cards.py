@@ -14,6 +14,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
 from ..model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .files import (
     CARD_TEMPLATE,
@@ -213,7 +214,9 @@ def render_model_card(
     adapter = hasattr(model, "peft_config")
     architecture = type(model.get_base_model() if adapter else model).__name__
     # A masked patch prediction model has no classes and no pipeline: the card says how to fine-tune or embed with it.
-    mpp = isinstance(model, VisionTransformerForMaskedPatchPrediction)
+    # So has a SimMIM model.
+    mpp = isinstance(model, (VisionTransformerForMaskedPatchPrediction, VisionTransformerForMaskedImageModeling))
+    simmim = isinstance(model, VisionTransformerForMaskedImageModeling)
     config = model.config
     output_dir = training_args.output_dir if training_args is not None else None
     repo_id = repo_id or (card_reference(Path(output_dir)).text if output_dir else "model")
@@ -247,7 +250,11 @@ def render_model_card(
         tags=[
             "hf-vit",
             "vision-transformer",
-            *(["masked-patch-prediction", "self-supervised"] if mpp else ["image-classification"]),
+            *(
+                [("simmim" if simmim else "masked-patch-prediction"), "self-supervised"]
+                if mpp
+                else ["image-classification"]
+            ),
             "safetensors",
         ],
         datasets=[data.hub_id] if data and data.hub_id else None,
@@ -273,6 +280,7 @@ def render_model_card(
         architecture=architecture + (" with a LoRA adapter" if adapter else ""),
         adapter=adapter,
         masked_patch_prediction=mpp,
+        simmim=simmim,
         color_bits=getattr(config, "mpp_color_bits", None),
         base_model_note=(
             "a local model when the adapter was trained: pass where it is"

@@ -32,13 +32,13 @@ import torch
 from ..data.transforms import Transform, make_eval_transform
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.image_processing_vit import VisionTransformerImageProcessor
-from ..model.modeling_mim import mean_color_classes
 from ..model.modeling_mpp import (
     PATCH_CLEAN,
     PatchCorruption,
     VisionTransformerForMaskedPatchPrediction,
     draw_patch_corruption,
 )
+from ..model.pixel_targets import mean_color_classes
 from .model_setup import ModelSettings, config_from_preset, load_checkpoint, split_requested
 
 __all__ = [
@@ -97,18 +97,19 @@ class MaskedPatchPredictionTransform:
 
 
 def refuse_drawn_sizes(max_num_patches: int | None, seq_lens: str | None, patch_sizes: str | None) -> None:
-    """Refuse, by flag, native-aspect batches and sizes drawn per step: masked patch prediction predicts the colour of
-    patches of one size on whole images."""
+    """Refuse, by flag, native-aspect batches and sizes drawn per step: the self-supervised objectives (masked patch
+    prediction, SimMIM) pretrain on patches of one size on whole images."""
     for flag, value in (("seq_lens", seq_lens), ("patch_sizes", patch_sizes)):
         if value is not None:
             raise ValueError(
-                f"--{flag} trains the classification objectives; masked patch prediction predicts the colour of "
+                f"--{flag} trains the classification objectives; the self-supervised ones (mpp, simmim) learn the "
                 "patches of one size on whole images of --image_size: drop it, or use --objective classification."
             )
     if max_num_patches is not None:
         raise ValueError(
-            "--max_num_patches (native aspect ratio) trains the classification objectives; masked patch prediction "
-            "pretrains on whole images of --image_size: drop --max_num_patches, or use --objective classification."
+            "--max_num_patches (native aspect ratio) trains the classification objectives; the self-supervised ones "
+            "(mpp, simmim) pretrain on whole images of --image_size: drop --max_num_patches, or use --objective "
+            "classification."
         )
 
 
@@ -126,7 +127,7 @@ def mpp_collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Ten
     }
 
 
-def build_mpp_model(settings: ModelSettings) -> VisionTransformerForMaskedPatchPrediction:
+def build_mpp_model(settings: ModelSettings, model_class: type = VisionTransformerForMaskedPatchPrediction):
     """The model to pretrain by masked patch prediction, from the model flags' values: `preset` with `patch_size`,
     `image_size`, `config_overrides`, `drop_path_rate` and `hidden_dropout_prob` from scratch (the paper's
     initialisation), or `model_name_or_path` to continue from an hf-vit checkpoint (its head and [mask] embedding are
@@ -136,15 +137,14 @@ def build_mpp_model(settings: ModelSettings) -> VisionTransformerForMaskedPatchP
         settable, image_size, shapes = split_requested(settings)
         return load_checkpoint(
             settings.model_name_or_path,
-            model_class=VisionTransformerForMaskedPatchPrediction,
+            model_class=model_class,
             image_size=image_size,
             interpolation=settings.interpolation,
             attn_implementation=settings.attn_implementation,
             refuse=shapes,
             **settable,
         )
-    config = config_from_preset(settings)
-    return VisionTransformerForMaskedPatchPrediction(config)
+    return model_class(config_from_preset(settings))
 
 
 def mpp_preprocess_logits(logits: torch.Tensor | tuple, labels: torch.Tensor) -> torch.Tensor:
