@@ -81,6 +81,9 @@ class Objective:
     # Model flags it has no use for (masked patch prediction has no classification head): given, each is said to
     # have no effect, in one warning line.
     idle_flags: tuple[str, ...] = ()
+    # The inputs Trainer takes as labels (`TrainingArguments.label_names`); none where the model computes its loss
+    # from the inputs alone (SimMIM), which Trainer then asks for in evaluation too.
+    label_names: tuple[str, ...] = ("labels",)
 
 
 def cross_entropy(logits, labels) -> float:
@@ -171,6 +174,7 @@ OBJECTIVES: dict[str, Objective] = {
         collator=simmim_collate_fn,
         compute_metrics=simmim_compute_metrics,
         preprocess_logits=simmim_preprocess_logits,
+        label_names=(),
         augmentable=False,
         check_sizes=refuse_drawn_sizes,
         idle_flags=("representation_size", "problem_type", "keep_head"),

@@ -287,6 +287,7 @@ def build_trainer(
         logger.info(padding_line(counts, sizes, max(1, images), training_args.seed, rows))
     # The average goes into the model at the end of training before the caller's callbacks see it.
     ema = ema_callback(recipe)
+    training_args.label_names = list(objective.label_names)
     return VisionTransformerTrainer(
         model=model,
         args=training_args,
