@@ -576,7 +576,8 @@ def test_what_simmim_cannot_train_is_refused_by_name(world, more, refusal, tmp_p
 def test_a_simmim_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(world, tmp_path):
     import shutil
 
-    extra = ("--save_strategy", "steps", "--save_steps", "2", "--dataloader_num_workers", "0")
+    extra = ("--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "5")
+    extra += ("--dataloader_num_workers", "0")
     combination = Combination("preset", "full", "single", "memory")
 
     def train_here(output_dir, *more):
