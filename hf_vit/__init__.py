@@ -1,8 +1,8 @@
 """hf-vit: the Vision Transformer of "An Image is Worth 16x16 Words" for the Hugging Face stack.
 
 Importing the package registers its classes with transformers' Auto classes, so `AutoConfig`, `AutoModel`,
-`AutoModelForImageClassification`, `AutoBackbone`, `AutoImageProcessor` and `pipeline("image-classification")` load
-hf-vit folders.
+`AutoModelForImageClassification`, `AutoModelForMaskedImageModeling`, `AutoBackbone`, `AutoImageProcessor` and
+`pipeline("image-classification")` load hf-vit folders.
 """
 
 from transformers import (
@@ -11,6 +11,7 @@ from transformers import (
     AutoImageProcessor,
     AutoModel,
     AutoModelForImageClassification,
+    AutoModelForMaskedImageModeling,
     AutoModelForPreTraining,
 )
 
@@ -21,6 +22,7 @@ from .lora import read_lora_folder
 from .model.configuration_vit import PRESETS, VisionTransformerConfig
 from .model.image_processing_vit import VisionTransformerImageProcessor
 from .model.loading import register_foreign_reader
+from .model.modeling_mim import VisionTransformerForMaskedImageModeling
 from .model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .model.modeling_vit import (
     VisionTransformerBackbone,
@@ -39,6 +41,7 @@ __all__ = [
     "VisionTransformerBackbone",
     "VisionTransformerConfig",
     "VisionTransformerForImageClassification",
+    "VisionTransformerForMaskedImageModeling",
     "VisionTransformerForMaskedPatchPrediction",
     "VisionTransformerImageProcessor",
     "VisionTransformerModel",
@@ -52,6 +55,10 @@ AutoModelForImageClassification.register(
 )
 AutoBackbone.register(VisionTransformerConfig, VisionTransformerBackbone, exist_ok=True)
 AutoModelForPreTraining.register(VisionTransformerConfig, VisionTransformerForMaskedPatchPrediction, exist_ok=True)
+# SimMIM, or masked patch prediction where the config's `masked_image_modeling` says so (the class chooses)
+AutoModelForMaskedImageModeling.register(
+    VisionTransformerConfig, VisionTransformerForMaskedImageModeling, exist_ok=True
+)
 # One torch implementation serves both of transformers' backend slots, so no "backend unavailable" fallback happens.
 AutoImageProcessor.register(
     VisionTransformerConfig,
@@ -65,4 +72,5 @@ VisionTransformerModel.register_for_auto_class("AutoModel")
 VisionTransformerForImageClassification.register_for_auto_class("AutoModelForImageClassification")
 VisionTransformerBackbone.register_for_auto_class("AutoBackbone")
 VisionTransformerForMaskedPatchPrediction.register_for_auto_class("AutoModelForPreTraining")
+VisionTransformerForMaskedImageModeling.register_for_auto_class("AutoModelForMaskedImageModeling")
 VisionTransformerImageProcessor.register_for_auto_class("AutoImageProcessor")

@@ -82,6 +82,7 @@ def test_saved_folder_carries_auto_map(saved):
         "AutoModelForImageClassification": "modeling_vit.VisionTransformerForImageClassification",
         "AutoBackbone": "modeling_vit.VisionTransformerBackbone",
         "AutoModelForPreTraining": "modeling_mpp.VisionTransformerForMaskedPatchPrediction",
+        "AutoModelForMaskedImageModeling": "modeling_mim.VisionTransformerForMaskedImageModeling",
     }
     processor = json.loads((path / "preprocessor_config.json").read_text())
     assert processor["auto_map"]["AutoImageProcessor"] == "image_processing_vit.VisionTransformerImageProcessor"

@@ -573,6 +573,23 @@ def test_naflex_rows_fill_their_doc_block(tmp_path, capsys):
     assert "--max_num_patches must be a square number" in capsys.readouterr().err
 
 
+def test_simmim_rows_time_both_models_with_the_same_weights(tmp_path, capsys):
+    from benchmarks import simmim_speed
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("before\n<!-- simmim:table -->\nold\n<!-- /simmim:table -->\nafter\n")
+    tiny = ["--image_size", "32", "--patch_size", "8", "--batch_size", "2", "--width", "32", "--depth", "1"]
+    assert simmim_speed.main([*tiny, "--heads", "2", "--steps", "1", "--repeats", "1", "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("before\n<!-- simmim:table -->\n| attention |") and text.endswith("after\n")
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith(("| eager", "| sdpa"))]
+    assert len(rows) == 2 and all(float(row[3].removesuffix("x |")) > 0 for row in rows) and "old" not in text
+    assert "max |difference| loss 0.0e+00, reconstruction 0.0e+00" in text  # the same weights, the same function
+    with pytest.raises(SystemExit):
+        simmim_speed.main(["--image_size", "30"])
+    assert "--image_size 30 must be a multiple of --patch_size 16" in capsys.readouterr().err
+
+
 def test_packing_rows_quick_mode_prints_every_row_and_ratio(capsys):
     from benchmarks import packing_speed
 

@@ -505,3 +505,90 @@ def test_lora_run_pushes_its_checkpoints_and_final_model(world, strategy, hub, t
             (pushed / name).write_bytes(data)
     model = load_lora_model(pushed, base=world.sources["folder"])
     assert model.config.id2label == VisionTransformerConfig.from_pretrained(out).id2label
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The self-supervised objectives (--objective mpp, simmim): from a preset and from an hf-vit folder, in memory and on a
+# stream; what they cannot train (LoRA, native-aspect and packed batches, colour augmentations) refused by name, and a
+# SimMIM run resumed from its checkpoint ending as the uninterrupted run.
+
+SELF_SUPERVISED_ROWS = [
+    ("simmim", Combination("preset", "full", "single", "memory")),
+    ("simmim", Combination("folder", "full", "single", "stream")),
+    ("mpp", Combination("folder", "full", "single", "memory")),
+]
+
+
+def self_supervised_flags(world, objective, combination, output_dir, *more):
+    _, flags = run_flags(world, combination, output_dir)
+    return [*flags, "--objective", objective, *more]
+
+
+@pytest.mark.parametrize("objective,combination", SELF_SUPERVISED_ROWS, ids=lambda row: str(row))
+def test_self_supervised_objective(world, objective, combination, tmp_path):
+    from transformers import AutoModelForMaskedImageModeling
+
+    from hf_vit import VisionTransformerForMaskedImageModeling, VisionTransformerForMaskedPatchPrediction
+
+    out, keep = tmp_path / "run", KeepModel()
+    train("pretrain", *parse_args("pretrain", self_supervised_flags(world, objective, combination, out)), [keep])
+    # 1. the folder reloads with AutoModelForMaskedImageModeling as this objective's model, computing what training
+    # left in memory on the test images with a mask of its own
+    reloaded = AutoModelForMaskedImageModeling.from_pretrained(out).eval()
+    kind = (
+        VisionTransformerForMaskedImageModeling if objective == "simmim" else VisionTransformerForMaskedPatchPrediction
+    )
+    assert type(reloaded) is kind and type(keep.model) is kind
+    test = load_digits_dataset()["test"].select(range(8))
+    pixels = AutoImageProcessor.from_pretrained(out)(list(test["image"]), return_tensors="pt")["pixel_values"]
+    mask = torch.rand(8, (SIZE // PATCH) ** 2, generator=torch.Generator().manual_seed(0)) < 0.5
+    with torch.no_grad():
+        expected = keep.model.eval()(pixels, bool_masked_pos=mask).loss
+        torch.testing.assert_close(reloaded(pixels, bool_masked_pos=mask).loss, expected)
+    # 2. the test split's loss is reported
+    results = json.loads((out / "all_results.json").read_text())
+    assert results["eval_split"] == "test" and np.isfinite(results["test_loss"]) and results["test_loss"] > 0
+    # 3. no local path in a text file written; 4. the push plan holds the project's files only
+    for path in out.rglob("*"):
+        if path.is_file() and not path.name.endswith(BINARY):
+            assert str(tmp_path) not in path.read_text(errors="replace"), path.name
+    planned = {item.path_in_repo for item in plan_upload(out, repo_id="someone/matrix")}
+    assert planned <= set(upload_file_names()) | {"model.safetensors"} and {"config.json", "README.md"} <= planned
+    card = (out / "README.md").read_text()
+    assert ("SimMIM" if objective == "simmim" else "masked patch prediction") in card and "Classes:" not in card
+
+
+@pytest.mark.parametrize(
+    "more,refusal",
+    [
+        (("--lora_rank", "2"), "--lora_rank adapts a pretrained model"),
+        (("--max_num_patches", "16"), "--max_num_patches .* trains the classification objectives"),
+        (PACKED, "--packed_sequence_length with --objective simmim"),
+        (("--mixup_alpha", "0.8"), "--mixup_alpha"),
+    ],
+)
+def test_what_simmim_cannot_train_is_refused_by_name(world, more, refusal, tmp_path):
+    flags = self_supervised_flags(world, "simmim", Combination("preset", "full", "single", "memory"), tmp_path, *more)
+    with pytest.raises(ValueError, match=refusal):
+        train("pretrain", *parse_args("pretrain", flags))
+
+
+def test_a_simmim_run_resumed_from_its_checkpoint_ends_as_the_uninterrupted_run(world, tmp_path):
+    import shutil
+
+    extra = ("--save_strategy", "steps", "--save_steps", "2", "--save_total_limit", "5")
+    extra += ("--dataloader_num_workers", "0")
+    combination = Combination("preset", "full", "single", "memory")
+
+    def train_here(output_dir, *more):
+        flags = self_supervised_flags(world, "simmim", combination, output_dir, *extra, *more)
+        flags[flags.index("--max_steps") + 1] = "4"
+        train("pretrain", *parse_args("pretrain", flags))
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train_here(straight)
+    resumed.mkdir()
+    shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
+    train_here(resumed, "--resume_from_checkpoint", "True")
+    first, again = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)

@@ -72,6 +72,8 @@ RENAME = Transform(lambda x: x, lambda x, config: (x,))
 FUSED_QKV = Transform(
     lambda q, k, v: torch.cat([q, k, v]), lambda qkv, config: tuple(part.clone() for part in qkv.chunk(3)), True
 )
+# A 1x1 convolution's kernel `(out, in, 1, 1)` <-> the linear map's weight `(out, in)` it applies at every position.
+POINTWISE_CONV = Transform(lambda kernel: kernel.flatten(1), lambda weight, config: (weight[:, :, None, None],))
 # `{p}` is a parameter's name; any other placeholder an index (a block, or a stage and unit of a ResNet stem).
 _PLACEHOLDERS = {"p": "weight|bias"}
 
@@ -271,7 +273,8 @@ def check_state_dict(
     problems: Sequence[str] = (),
 ) -> None:
     """Raise one `ConversionError` unless `state_dict` holds exactly the floating-point arrays, with their shapes, of
-    `config`'s classification model (built on the meta device, so nothing is allocated).
+    `config`'s classification model (SimMIM's, for a state dict with its decoder), built on the meta device, so
+    nothing is allocated.
 
     `state_dict` is in `layout`'s names (hf-vit's own without one), and so is every problem reported: arrays no row
     places, arrays the model lacks or has no place for as configured, non-float arrays and shape mismatches. The
@@ -279,10 +282,8 @@ def check_state_dict(
     """
     from transformers.initialization import no_init_weights
 
-    from ..model.modeling_vit import VisionTransformerForImageClassification
-
     with torch.device("meta"), no_init_weights():  # shapes only: nothing allocated, no initialiser run
-        expected = VisionTransformerForImageClassification(config).state_dict()
+        expected = converted_model_class(state_dict, layout)(config).state_dict()
     if layout is not None:
         expected = layout.from_hf(expected, config)
     placed = {key for key in state_dict if layout is None or layout.places(key)}
@@ -294,6 +295,21 @@ def check_state_dict(
         elif tuple(value.shape) != shape:
             lines.append(f"{key}: shape {tuple(value.shape)} does not fit the model's {shape}")
     raise_problems(layout.name if layout is not None else "state dict", lines)
+
+
+def converted_model_class(state_dict: Mapping[str, Any], layout: Layout | None = None) -> type:
+    """The hf-vit class a state dict (in `layout`'s names) is of: SimMIM's where it holds the decoder (transformers'
+    `ViTForMaskedImageModeling`), else the classification model."""
+    from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
+    from ..model.modeling_vit import VisionTransformerForImageClassification
+
+    probe = {"decoder.weight": torch.empty(1, 1, device="meta")}
+    try:
+        names = set(layout.from_hf(probe) if layout is not None else probe)
+    except ConversionError:  # a layout without SimMIM's decoder
+        names = set()
+    simmim = bool(names & set(state_dict))
+    return VisionTransformerForMaskedImageModeling if simmim else VisionTransformerForImageClassification
 
 
 def resample_positions(
@@ -391,19 +407,18 @@ def save_converted_model(
     source_format: str = "another layout",
     base_model: str | None = None,
 ):
-    """Build the classification model of `config`, load `state_dict` into it (exact keys and shapes, else
-    `ConversionError`), and write it with `processor` and a model card to `output_dir` only if all of that succeeded.
+    """Build the classification model of `config` (SimMIM's, for a state dict with its decoder), load `state_dict`
+    into it (exact keys and shapes, else `ConversionError`), and write it with `processor` and a model card to
+    `output_dir` only if all of that succeeded.
     Returns the model, in eval mode.
 
     `source` is the converted file or folder: the output may not overlap it, and its plain name is the card's base
     model unless `base_model` (e.g. its Hub id) is given.
     """
-    from ..model.modeling_vit import VisionTransformerForImageClassification
-
     inputs = [source] if source is not None else []
     target = check_output_dir(output_dir, overwrite, inputs)  # fail before building anything
     check_state_dict(state_dict, config)
-    model = VisionTransformerForImageClassification(config)
+    model = converted_model_class(state_dict)(config)
     model.load_state_dict(state_dict, strict=True)
     model.eval()
     base_model = base_model or (Path(source).expanduser().resolve().name if source is not None else None)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from ..model.configuration_vit import VisionTransformerConfig
 from .common import (
     FUSED_QKV,
+    POINTWISE_CONV,
     ConversionError,
     Layout,
     check_grid_size,
@@ -48,6 +49,10 @@ TRANSFORMERS_LAYOUT = Layout(  # the saved layout
         ("vit.layernorm.{p}", "vit.norm.{p}"),
         ("vit.pooler.dense.{p}", "pre_logits.{p}"),
         ("classifier.{p}", "classifier.{p}"),
+        # ViTForMaskedImageModeling (SimMIM): the [mask] embedding, and the decoder's 1x1 convolution as a linear map
+        ("vit.embeddings.mask_token", "vit.embeddings.mask_token"),
+        ("decoder.0.weight", "decoder.weight", POINTWISE_CONV),
+        ("decoder.0.bias", "decoder.bias"),
     ],
 )
 # transformers v5 renames these fragments of the saved names in memory (`ViTForImageClassification.state_dict()`);
@@ -67,7 +72,7 @@ def _saved_layout(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     """A transformers ViT state dict under the saved layout's names, whichever names it came with."""
     out = {}
     for key, value in state_dict.items():
-        if not key.startswith(("vit.", "classifier.")):
+        if not key.startswith(("vit.", "classifier.", "decoder.")):
             key = f"vit.{key}"  # a bare ViTModel saves without the prefix
         for saved, in_memory in _IN_MEMORY_NAMES:
             key = key.replace(in_memory, saved)

@@ -7,6 +7,8 @@ only its siblings (relatively), torch, transformers and the standard library.
 
 * `configuration_vit`: `VisionTransformerConfig` and the paper's presets;
 * `modeling_vit`: the encoder, the classifier, the backbone; `modeling_mpp`: masked patch prediction's model;
+  `modeling_mim`: SimMIM's, the one `AutoModelForMaskedImageModeling` builds (or masked patch prediction's, as the
+  config says); `pixel_targets`: what those heads predict, from the pixels;
 * `embeddings`: equation (1), the patch, prefix and position embeddings; `weight_init`: the authors' initialisation;
 * `attention`: the attention implementations; `hybrid`: the ResNet stem of the hybrid models;
 * `resolution`: image sizes, patch grids and resampling the position embeddings and the patch embedding;

@@ -66,7 +66,11 @@ AUTO_MAP = {
     "AutoModelForImageClassification": "modeling_vit.VisionTransformerForImageClassification",
     "AutoBackbone": "modeling_vit.VisionTransformerBackbone",
     "AutoModelForPreTraining": "modeling_mpp.VisionTransformerForMaskedPatchPrediction",
+    "AutoModelForMaskedImageModeling": "modeling_mim.VisionTransformerForMaskedImageModeling",
 }
+# What `AutoModelForMaskedImageModeling` builds (`masked_image_modeling`): SimMIM's pixel reconstruction, or the
+# paper's masked patch prediction (section 4.6), both driven by `pixel_values` and `bool_masked_pos` alone.
+MASKED_IMAGE_MODELING = ("simmim", "mpp")
 
 
 def _preset_table() -> dict[str, dict[str, Any]]:
@@ -148,6 +152,14 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             predicts (3: 512 classes for RGB). How many patches a run corrupts, and how, is the run's
             (`modeling_mpp.PatchCorruption`); configs saved with those shares (`mpp_corrupt_ratio`, `mpp_mask_ratio`,
             `mpp_random_ratio`) load, without them.
+        mpp_pixel_mean, mpp_pixel_std: the normalisation of the `pixel_values` masked patch prediction is given
+            without `labels` (a number, or one per channel; the hf-vit processor's 0.5 by default): the model undoes
+            it to compute the mean-colour targets from the pixels.
+        encoder_stride: masked image modeling (SimMIM): the side of the pixel block each patch token reconstructs;
+            `None` (the default) means `patch_size`, the only value that reconstructs the whole image.
+        masked_image_modeling: which model `AutoModelForMaskedImageModeling` builds: `"simmim"` (SimMIM's
+            reconstruction of the masked pixels, L1 loss) or `"mpp"` (masked patch prediction, its targets computed
+            from the pixels).
 
     The blocks of the family that followed the paper, each off by default (the paper's model):
 
@@ -201,6 +213,10 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     resnet_layers: list[int] | None = None
     resnet_width: int = 64
     mpp_color_bits: int = 3
+    mpp_pixel_mean: float | list[float] = 0.5
+    mpp_pixel_std: float | list[float] = 0.5
+    encoder_stride: int | None = None
+    masked_image_modeling: str = "simmim"
     use_class_token: bool | None = None
     use_distillation_token: bool = False
     distillation_head: bool = True
@@ -243,6 +259,8 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         if getattr(self, "auto_map", None) is None:
             # Saved folders name the classes to load with `trust_remote_code=True` where hf_vit is not installed.
             self.auto_map = dict(AUTO_MAP)
+        for auto_class, reference in AUTO_MAP.items():  # configs saved before a class was added name it too
+            self.auto_map.setdefault(auto_class, reference)
         self.validate_architecture()
 
     def validate_architecture(self) -> None:
@@ -318,6 +336,29 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         bits = self.mpp_color_bits
         if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 8:
             raise ValueError(f"`mpp_color_bits` must be an int in 1..8, got {self.mpp_color_bits!r}.")
+        self.validate_masked_image_modeling()
+
+    def validate_masked_image_modeling(self) -> None:
+        """The fields of the masked image modeling heads, each named when invalid."""
+        stride = self.encoder_stride
+        if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride <= 0):
+            raise ValueError(f"`encoder_stride` must be a positive int or None (the patch size), got {stride!r}.")
+        if self.masked_image_modeling not in MASKED_IMAGE_MODELING:
+            raise ValueError(
+                f"`masked_image_modeling` must be one of {MASKED_IMAGE_MODELING}, got {self.masked_image_modeling!r}."
+            )
+        for name, least in (("mpp_pixel_mean", None), ("mpp_pixel_std", 0.0)):
+            value = getattr(self, name)
+            values = value if isinstance(value, list) else [value]
+            if (
+                (isinstance(value, list) and len(value) != self.num_channels)
+                or not all(_is_number(number) for number in values)
+                or (least is not None and min(values) <= least)
+            ):
+                kind = "positive number" if least is not None else "number"
+                raise ValueError(
+                    f"`{name}` must be a {kind} or a list of {self.num_channels} (one per channel), got {value!r}."
+                )
 
     def validate_family_blocks(self) -> None:
         """The fields of the blocks that followed the paper (see the class docstring), each named when invalid."""
@@ -413,6 +454,11 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     def embedding_patch_size(self) -> int:
         """Side of the patches the embedding `E` cuts, in the pixels it reads (the stem's feature map in a hybrid)."""
         return self.patch_size // self.stem_stride
+
+    @property
+    def reconstruction_stride(self) -> int:
+        """The side of the pixel block each patch token reconstructs (SimMIM): `encoder_stride`, or the patch size."""
+        return self.patch_size if self.encoder_stride is None else self.encoder_stride
 
     @property
     def mpp_num_classes(self) -> int:

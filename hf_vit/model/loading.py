@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError
+from transformers.dynamic_module_utils import get_relative_import_files
 
 _READERS: list[Callable[[str, dict[str, Any]], Any]] = []
 
@@ -128,19 +129,30 @@ def _as_list(size: Any) -> list[Any]:
     return [size, size] if isinstance(size, int) else list(size)
 
 
-# Code files every hf-vit checkpoint carries though the saved class's module does not import them: the config's
-# `auto_map` names the masked patch prediction model of `modeling_mpp.py` for every checkpoint.
-SIBLING_CODE_FILES = ("modeling_mpp.py",)
+# transformers fetches a remote-code module with the files it imports, which it reads from the module's text with a
+# pattern that also matches the lines below. The config's module imports this one, so loading any hf-vit class as
+# remote code (from a folder or the Hub) brings every model file into the module cache, and a folder saved from there
+# carries them all, as one saved from the package does. (A string, not imports: nothing here depends on the models.)
+FETCHED_TOGETHER = """
+    from .modeling_mim import VisionTransformerForMaskedImageModeling
+    from .modeling_mpp import VisionTransformerForMaskedPatchPrediction
+"""
 
 
 def save_sibling_code(model: Any, folder: str | os.PathLike) -> None:
-    """Copy `SIBLING_CODE_FILES` beside the code `save_pretrained` wrote into `folder` (when it wrote code)."""
+    """Copy beside the code `save_pretrained` wrote into `folder` (when it wrote code) every code file the config's
+    `auto_map` names, with the files they import, from where this file was loaded: the package, or transformers'
+    module cache for remote code, which holds them all (`FETCHED_TOGETHER`)."""
     folder, here = Path(folder), Path(__file__).parent
     if not (folder / Path(type(model).__module__.rpartition(".")[2]).with_suffix(".py")).is_file():
         return  # no remote code was written (the class is not registered for an Auto class)
-    for name in SIBLING_CODE_FILES:
-        if (here / name).is_file() and not (folder / name).exists():
-            shutil.copyfile(here / name, folder / name)
+    references = (getattr(model.config, "auto_map", None) or {}).values()
+    named = {reference.partition(".")[0] for reference in references if isinstance(reference, str)}
+    wanted = [here / f"{name}.py" for name in sorted(named)]
+    imported = [Path(found) for path in wanted for found in get_relative_import_files(path)]
+    for path in dict.fromkeys([*wanted, *imported]):
+        if not (folder / path.name).exists():
+            shutil.copyfile(path, folder / path.name)
 
 
 # The weights files this project's saves write: the model (one file or its shards), a LoRA adapter, the EMA state.

@@ -22,6 +22,7 @@ from transformers.utils import ModelOutput, can_return_tuple
 from .configuration_vit import VisionTransformerConfig
 from .layout import batch_fields
 from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel
+from .pixel_targets import mean_color_classes, unnormalized_pixels
 from .weight_init import lecun_normal_
 
 __all__ = [
@@ -138,11 +139,12 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
     The corruption is drawn here while training, with the paper's shares (`PatchCorruption()`), unless
     `patch_corruption` (or `bool_masked_pos`) is given (the data pipeline of `hf_vit.tasks.mpp` draws it per example,
     with its run's shares); outside training, only a given corruption corrupts anything.
-    `labels` are the colour classes `(B, N)` of the patches (`hf_vit.tasks.mpp.mean_color_classes`), -100 where
-    none; the loss is their cross-entropy over the corrupted patches, or over every labelled patch when nothing is
-    corrupted. The encoder's weights are a plain ViT's, so a checkpoint fine-tunes with
-    `VisionTransformerForImageClassification.from_pretrained` like any other (the [mask] embedding and this head are
-    left out).
+    `labels` are the colour classes `(B, N)` of the patches (`pixel_targets.mean_color_classes`), -100 where
+    none; where a corruption is given or drawn without them, they are computed from `pixel_values` (normalised with
+    the config's `mpp_pixel_mean` and `mpp_pixel_std`). The loss is their cross-entropy over the corrupted patches,
+    or over every labelled patch when nothing is corrupted. The encoder's weights are a plain ViT's, so a checkpoint
+    fine-tunes with `VisionTransformerForImageClassification.from_pretrained` like any other (the [mask] embedding
+    and this head are left out).
     """
 
     _new_weight_prefixes = ("mpp_head.", "vit.embeddings.mask_token")
@@ -201,6 +203,11 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
                     f"`{given}` has shape {tuple(patch_corruption.shape)} but the images have {shape[1]} patches "
                     f"each (expected {shape})."
                 )
+        if labels is None and patch_corruption is not None and isinstance(pixel_values, torch.Tensor):
+            # no labels: the targets are the corrupted patches' mean colours, from the pixels (as SimMIM's collator
+            # gives only the pixels and the mask)
+            pixels = unnormalized_pixels(pixel_values, self.config)
+            labels = mean_color_classes(pixels, self.config.patch_size, self.config.mpp_color_bits)
         masked = sources = None
         if patch_corruption is not None:
             masked = patch_corruption == PATCH_MASKED

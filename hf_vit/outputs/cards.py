@@ -15,6 +15,7 @@ from typing import Any
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..metrics import few_images_warning, images_text
+from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
 from ..model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .files import CARD_TEMPLATE, remote_code_files, write_beside
 
@@ -182,8 +183,10 @@ def _is_quality_metric(name: str) -> bool:
     return any(key in name for key in ("accuracy", "mean_average_precision", "f1_"))
 
 
-def _card_data(repo_id, license, adapter, mpp, base, data, split, results) -> ModelCardData:
-    """The card's Hub metadata: library, task, tags, data set, base model and the model-index of `results`."""
+def _card_data(repo_id, license, adapter, pretraining, base, data, split, results) -> ModelCardData:
+    """The card's Hub metadata: library, task, tags, data set, base model and the model-index of `results`
+    (`pretraining`: the self-supervised objective's tag, None for a classifier)."""
+    mpp = pretraining is not None
     eval_results = [
         EvalResult(
             task_type="image-classification",
@@ -205,7 +208,7 @@ def _card_data(repo_id, license, adapter, mpp, base, data, split, results) -> Mo
         tags=[
             "hf-vit",
             "vision-transformer",
-            *(["masked-patch-prediction", "self-supervised"] if mpp else ["image-classification"]),
+            *([pretraining, "self-supervised"] if mpp else ["image-classification"]),
             "safetensors",
         ],
         datasets=[data.hub_id] if data and data.hub_id else None,
@@ -275,7 +278,9 @@ def render_model_card(
     adapter = hasattr(model, "peft_config")
     architecture = type(model.get_base_model() if adapter else model).__name__
     # A masked patch prediction model has no classes and no pipeline: the card says how to fine-tune or embed with it.
-    mpp = isinstance(model, VisionTransformerForMaskedPatchPrediction)
+    # So has a SimMIM model.
+    mpp = isinstance(model, (VisionTransformerForMaskedPatchPrediction, VisionTransformerForMaskedImageModeling))
+    simmim = isinstance(model, VisionTransformerForMaskedImageModeling)
     config = model.config
     output_dir = training_args.output_dir if training_args is not None else None
     repo_id = repo_id or (card_reference(Path(output_dir)).text if output_dir else "model")
@@ -288,7 +293,8 @@ def render_model_card(
         for name, value in metrics.items()
         if name.startswith("eval_") and isinstance(value, float) and _is_quality_metric(name)
     ]
-    card_data = _card_data(repo_id, license, adapter, mpp, base, data, split, results)
+    pretraining = "simmim" if simmim else "masked-patch-prediction" if mpp else None
+    card_data = _card_data(repo_id, license, adapter, pretraining, base, data, split, results)
     labels = list(config.id2label.values())
     return ModelCard.from_template(
         card_data,
@@ -300,6 +306,7 @@ def render_model_card(
         architecture=architecture + (" with a LoRA adapter" if adapter else ""),
         adapter=adapter,
         masked_patch_prediction=mpp,
+        simmim=simmim,
         color_bits=getattr(config, "mpp_color_bits", None),
         base_model_note=(
             "a local model when the adapter was trained: pass where it is"

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
 from ..data.transforms import Transform, make_eval_transform
 from ..model.configuration_vit import VisionTransformerConfig
@@ -39,6 +38,7 @@ from ..model.modeling_mpp import (
     VisionTransformerForMaskedPatchPrediction,
     draw_patch_corruption,
 )
+from ..model.pixel_targets import mean_color_classes
 from .model_setup import ModelSettings, config_from_preset, load_checkpoint, split_requested
 
 __all__ = [
@@ -51,22 +51,6 @@ __all__ = [
     "mpp_preprocess_logits",
     "unnormalized",
 ]
-
-# Float error allowance when binning a mean colour: a mean on a bin edge (k / 2**bits) goes to the upper bin as exact
-# arithmetic puts it. For 8-bit images a mean is at least 1 / (255 * pixels) away from an edge otherwise, far more.
-_EDGE_TOLERANCE = 1e-6
-
-
-def mean_color_classes(pixels: torch.Tensor, patch_size: int, bits: int = 3) -> torch.Tensor:
-    """The mean-colour class `(B, N)` of every `patch_size` patch of `pixels` `(B, C, H, W)` with values in [0, 1],
-    in the model's token order (rows of patches, left to right): `2 ** (bits * C)` classes."""
-    if pixels.ndim != 4:
-        raise ValueError(f"`pixels` must be (batch, channels, height, width), got shape {tuple(pixels.shape)}.")
-    levels = 2**bits
-    means = F.avg_pool2d(pixels.double(), patch_size)  # (B, C, H/P, W/P)
-    bins = torch.floor(means * levels + _EDGE_TOLERANCE).clamp_(0, levels - 1).long()
-    weights = levels ** torch.arange(pixels.shape[1] - 1, -1, -1, device=bins.device)
-    return (bins * weights[None, :, None, None]).sum(dim=1).flatten(1)
 
 
 def unnormalized(processor: VisionTransformerImageProcessor) -> VisionTransformerImageProcessor:
@@ -113,18 +97,19 @@ class MaskedPatchPredictionTransform:
 
 
 def refuse_drawn_sizes(max_num_patches: int | None, seq_lens: str | None, patch_sizes: str | None) -> None:
-    """Refuse, by flag, native-aspect batches and sizes drawn per step: masked patch prediction predicts the colour of
-    patches of one size on whole images."""
+    """Refuse, by flag, native-aspect batches and sizes drawn per step: the self-supervised objectives (masked patch
+    prediction, SimMIM) pretrain on patches of one size on whole images."""
     for flag, value in (("seq_lens", seq_lens), ("patch_sizes", patch_sizes)):
         if value is not None:
             raise ValueError(
-                f"--{flag} trains the classification objectives; masked patch prediction predicts the colour of "
+                f"--{flag} trains the classification objectives; the self-supervised ones (mpp, simmim) learn the "
                 "patches of one size on whole images of --image_size: drop it, or use --objective classification."
             )
     if max_num_patches is not None:
         raise ValueError(
-            "--max_num_patches (native aspect ratio) trains the classification objectives; masked patch prediction "
-            "pretrains on whole images of --image_size: drop --max_num_patches, or use --objective classification."
+            "--max_num_patches (native aspect ratio) trains the classification objectives; the self-supervised ones "
+            "(mpp, simmim) pretrain on whole images of --image_size: drop --max_num_patches, or use --objective "
+            "classification."
         )
 
 
@@ -142,7 +127,7 @@ def mpp_collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Ten
     }
 
 
-def build_mpp_model(settings: ModelSettings) -> VisionTransformerForMaskedPatchPrediction:
+def build_mpp_model(settings: ModelSettings, model_class: type = VisionTransformerForMaskedPatchPrediction):
     """The model to pretrain by masked patch prediction, from the model flags' values: `preset` with `patch_size`,
     `image_size`, `config_overrides`, `drop_path_rate` and `hidden_dropout_prob` from scratch (the paper's
     initialisation), or `model_name_or_path` to continue from an hf-vit checkpoint (its head and [mask] embedding are
@@ -152,15 +137,14 @@ def build_mpp_model(settings: ModelSettings) -> VisionTransformerForMaskedPatchP
         settable, image_size, shapes = split_requested(settings)
         return load_checkpoint(
             settings.model_name_or_path,
-            model_class=VisionTransformerForMaskedPatchPrediction,
+            model_class=model_class,
             image_size=image_size,
             interpolation=settings.interpolation,
             attn_implementation=settings.attn_implementation,
             refuse=shapes,
             **settable,
         )
-    config = config_from_preset(settings)
-    return VisionTransformerForMaskedPatchPrediction(config)
+    return model_class(config_from_preset(settings))
 
 
 def mpp_preprocess_logits(logits: torch.Tensor | tuple, labels: torch.Tensor) -> torch.Tensor:

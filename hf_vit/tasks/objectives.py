@@ -7,7 +7,8 @@ which objective it trains, as big_vision's trainer loads its model module by nam
 * `classification`: one class per image (softmax, cross-entropy, top-1/top-5 accuracy);
 * `multi_label_classification`: a list of classes per image (multi-hot targets, sigmoid, BCE, mean average
   precision and F1); chosen when the label column holds lists;
-* `mpp`: masked patch prediction (section 4.6), self-supervised pretraining: the image labels are not used.
+* `mpp`: masked patch prediction (section 4.6), self-supervised pretraining: the image labels are not used;
+* `simmim`: SimMIM's masked image modeling (the masked patches' pixels reconstructed), self-supervised likewise.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ from .mpp import (
     mpp_eval_transform,
     mpp_preprocess_logits,
     refuse_drawn_sizes,
+)
+from .simmim import (
+    build_simmim_model,
+    simmim_collate_fn,
+    simmim_compute_metrics,
+    simmim_eval_transform,
+    simmim_preprocess_logits,
 )
 
 logger = logging.getLogger(__name__)
@@ -73,6 +81,9 @@ class Objective:
     # Model flags it has no use for (masked patch prediction has no classification head): given, each is said to
     # have no effect, in one warning line.
     idle_flags: tuple[str, ...] = ()
+    # The inputs Trainer takes as labels (`TrainingArguments.label_names`); none where the model computes its loss
+    # from the inputs alone (SimMIM), which Trainer then asks for in evaluation too.
+    label_names: tuple[str, ...] = ("labels",)
 
 
 def cross_entropy(logits, labels) -> float:
@@ -107,8 +118,16 @@ def _no_labels(raw) -> tuple[Any, Labels]:
     return raw, Labels()
 
 
-def _mpp_model(task: str, settings: ModelSettings, labels: Labels):
-    return build_mpp_model(settings)
+def _masked_model(build: Callable[[ModelSettings], Any], name: str) -> Callable[[str, ModelSettings, Labels], Any]:
+    """A self-supervised objective's builder; the model's config names it, so `AutoModelForMaskedImageModeling` loads
+    the saved folder as this objective's model."""
+
+    def build_model(task: str, settings: ModelSettings, labels: Labels):
+        model = build(settings)
+        model.config.masked_image_modeling = name
+        return model
+
+    return build_model
 
 
 OBJECTIVES: dict[str, Objective] = {
@@ -137,11 +156,25 @@ OBJECTIVES: dict[str, Objective] = {
         name="mpp",
         tasks=("pretrain",),
         labels=_no_labels,
-        build_model=_mpp_model,
+        build_model=_masked_model(build_mpp_model, "mpp"),
         eval_transform=mpp_eval_transform,
         collator=mpp_collate_fn,
         compute_metrics=mpp_compute_metrics,
         preprocess_logits=mpp_preprocess_logits,
+        augmentable=False,
+        check_sizes=refuse_drawn_sizes,
+        idle_flags=("representation_size", "problem_type", "keep_head"),
+    ),
+    "simmim": Objective(
+        name="simmim",
+        tasks=("pretrain",),
+        labels=_no_labels,
+        build_model=_masked_model(build_simmim_model, "simmim"),
+        eval_transform=simmim_eval_transform,
+        collator=simmim_collate_fn,
+        compute_metrics=simmim_compute_metrics,
+        preprocess_logits=simmim_preprocess_logits,
+        label_names=(),
         augmentable=False,
         check_sizes=refuse_drawn_sizes,
         idle_flags=("representation_size", "problem_type", "keep_head"),
@@ -159,11 +192,11 @@ def select_objective(
     problem_type: str | None = None,
     streaming: bool = False,
 ) -> Objective:
-    """The objective of a run: `objective` (`--objective`: classification or mpp), a classification being multi-label
-    when the label column of `raw` (the data set `dataset_name`) holds lists of classes (checked against
+    """The objective of a run: `objective` (`--objective`: classification, mpp or simmim), a classification being
+    multi-label when the label column of `raw` (the data set `dataset_name`) holds lists of classes (checked against
     `problem_type`, `--problem_type`, when given)."""
-    if objective not in ("classification", "mpp"):
-        raise ValueError(f"--objective must be classification or mpp, got {objective!r}.")
+    if objective not in ("classification", "mpp", "simmim"):
+        raise ValueError(f"--objective must be classification, mpp or simmim, got {objective!r}.")
     name = objective
     if name == "classification":
         name = _problem_type(problem_type, is_multi_label(raw), dataset_name)

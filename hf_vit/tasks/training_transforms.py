@@ -14,6 +14,7 @@ from ..model.image_processing_vit import VisionTransformerImageProcessor
 from ..model.modeling_mpp import PatchCorruption
 from .mpp import MaskedPatchPredictionTransform, unnormalized
 from .objectives import Objective
+from .simmim import SimMIMTransform
 
 
 def classification_transforms(
@@ -60,10 +61,26 @@ def with_mpp_transforms(
     )
 
 
+def with_simmim_transforms(raw, augmentation: Augmentation, processor: VisionTransformerImageProcessor, config):
+    """`raw`'s splits with SimMIM's inputs: training images cropped and flipped as `augmentation` says (its colour
+    changes are refused for this objective), the other splits resized by the processor only; a mask per example."""
+    train = make_train_transform(
+        processor,
+        random_resized_crop=augmentation.random_resized_crop,
+        scale=(augmentation.crop_scale_min, 1.0),
+        hflip=augmentation.hflip,
+    )
+    evaluation = make_eval_transform(processor)
+    return apply_transforms(
+        raw, SimMIMTransform(train, config.patch_size), SimMIMTransform(evaluation, config.patch_size)
+    )
+
+
 TRAINING_TRANSFORMS: dict[str, Callable[[Any, Augmentation, VisionTransformerImageProcessor, Any], Any]] = {
     "classification": classification_transforms,
     "multi_label_classification": classification_transforms,
     "mpp": with_mpp_transforms,
+    "simmim": with_simmim_transforms,
 }
 
 

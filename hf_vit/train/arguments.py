@@ -137,8 +137,9 @@ class ModelArguments:
     objective: str = field(
         default="classification",
         metadata={
-            "help": "Pretraining objective: classification (supervised, the paper's main recipe) or mpp (masked patch "
-            "prediction, section 4.6: the data set's labels are not used)."
+            "help": "Pretraining objective: classification (supervised, the paper's main recipe), mpp (masked patch "
+            "prediction, section 4.6) or simmim (SimMIM's masked image modeling): for mpp and simmim the data set's "
+            "labels are not used."
         },
     )
     lora_rank: int = field(
@@ -661,9 +662,9 @@ def check_packing_flags(objective: str, data_args: DataArguments, training_args:
             f"--packed_sequence_length {length} is below --max_num_patches {data_args.max_num_patches}: a row must "
             "hold the largest image. Raise it."
         )
-    if objective == "mpp":
+    if objective in ("mpp", "simmim"):
         raise ValueError(
-            "--packed_sequence_length with --objective mpp: masked patch prediction pretrains on whole images of "
+            f"--packed_sequence_length with --objective {objective}: it pretrains on whole images of "
             "--image_size. Drop --packed_sequence_length, or use --objective classification."
         )
     if data_args.streaming and training_args.world_size > 1:

@@ -294,6 +294,7 @@ def build_trainer(
         _log_padding(ds["train"], processor, sizes, token_drop_rate, packed_sampler, training_args)
     # The average goes into the model at the end of training before the caller's callbacks see it.
     ema = ema_callback(recipe)
+    training_args.label_names = list(objective.label_names)
     return VisionTransformerTrainer(
         model=model,
         args=training_args,

@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+r"""SimMIM row of the benchmark: a training step (forward, L1 loss on the masked pixels, backward, AdamW step) of
+hf-vit's `VisionTransformerForMaskedImageModeling` against transformers' `ViTForMaskedImageModeling` of the same size
+with the same weights (hf-vit's converted from transformers' by `from_pretrained`, and checked to give its loss and
+reconstruction first), on the same batch and mask, eager and SDPA attention, timed in one process in alternating
+rounds (`timing.time_alternating`). Prints the rows and ratios; `--doc` rewrites the `<!-- simmim:table -->` block of
+docs/benchmarks.md.
+
+    python benchmarks/simmim_speed.py --doc docs/benchmarks.md
+    python benchmarks/simmim_speed.py --image_size 32 --depth 1 --batch_size 2 --repeats 1   # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from transformers import ViTConfig, ViTForMaskedImageModeling
+
+from benchmarks.report import fill_markdown
+from benchmarks.timing import median_seconds, time_alternating
+from hf_vit import VisionTransformerForMaskedImageModeling
+
+
+def the_two_models(args) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """transformers' SimMIM model at random, and hf-vit's converted from its saved folder."""
+    config = ViTConfig(
+        image_size=args.image_size, patch_size=args.patch_size, encoder_stride=args.patch_size, hidden_size=args.width,
+        num_hidden_layers=args.depth, num_attention_heads=args.heads, intermediate_size=4 * args.width,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    theirs = ViTForMaskedImageModeling(config)
+    with tempfile.TemporaryDirectory() as folder:
+        theirs.save_pretrained(folder)
+        ours = VisionTransformerForMaskedImageModeling.from_pretrained(folder)
+    return theirs.train(), ours.train()
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict):
+    def step() -> float:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def measure(args) -> dict:
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    theirs, ours = the_two_models(args)
+    generator = torch.Generator().manual_seed(1)
+    grid = (args.image_size // args.patch_size) ** 2
+    batch = {
+        "pixel_values": torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator),
+        "bool_masked_pos": torch.rand(args.batch_size, grid, generator=generator) < 0.6,
+    }
+    with torch.no_grad():
+        expected, found = theirs(**batch), ours(**batch)
+    difference = {
+        "loss": abs(expected.loss.item() - found.loss.item()),
+        "reconstruction": (expected.reconstruction - found.reconstruction).abs().max().item(),
+    }
+    steps = {}
+    for implementation in ("eager", "sdpa"):
+        for name, model in (("transformers", theirs), ("hf-vit", ours)):
+            copied = copy.deepcopy(model)
+            copied.set_attn_implementation(implementation)
+            optimizer = torch.optim.AdamW(copied.parameters(), lr=1e-4)
+            steps[f"{name} {implementation}"] = training_step(copied, optimizer, batch)
+    for step in steps.values():  # warm-up: the optimizer's state, the kernels' first calls
+        step()
+    load_before = os.getloadavg()[0]
+    samples = time_alternating(steps, args.steps, args.repeats, torch.device("cpu"))
+    seconds = {name: median_seconds(sample) for name, sample in samples.items()}
+    return {
+        "steps_per_s": {name: 1.0 / value for name, value in seconds.items()},
+        "difference": difference,
+        "load_average": (load_before, os.getloadavg()[0]),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def format_rows(result: dict, args) -> str:
+    rate = result["steps_per_s"]
+    lines = [
+        "| attention | transformers ViTForMaskedImageModeling (steps/s) | hf-vit SimMIM (steps/s) "
+        "| hf-vit / transformers (target >= 1.0) |",
+        "|---|---|---|---|",
+    ]
+    for implementation in ("eager", "sdpa"):
+        theirs, ours = rate[f"transformers {implementation}"], rate[f"hf-vit {implementation}"]
+        lines.append(f"| {implementation} | {theirs:.2f} | {ours:.2f} | {ours / theirs:.2f}x |")
+    load, difference = result["load_average"], result["difference"]
+    lines += [
+        "",
+        f"Width {args.width}, depth {args.depth}, {args.heads} heads, {args.image_size}px images, patch "
+        f"{args.patch_size}, batch {args.batch_size}, 60% of the patches masked; fp32 training step (forward, loss, "
+        f"backward, AdamW), {result['threads']} threads. 1-minute load average {load[0]:.2f} before, {load[1]:.2f} "
+        f"after. Same weights: max |difference| loss {difference['loss']:.1e}, reconstruction "
+        f"{difference['reconstruction']:.1e}.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--image_size", type=int, default=224)
+    parser.add_argument("--patch_size", type=int, default=16)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--width", type=int, default=192)
+    parser.add_argument("--depth", type=int, default=12)
+    parser.add_argument("--heads", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--steps", type=int, default=2, help="training steps per timed sample")
+    parser.add_argument("--repeats", type=int, default=5, help="undisturbed samples per row")
+    parser.add_argument("--doc", type=Path, help="markdown file whose <!-- simmim:table --> block is rewritten")
+    args = parser.parse_args(argv)
+    if args.image_size % args.patch_size:
+        parser.error(f"--image_size {args.image_size} must be a multiple of --patch_size {args.patch_size}")
+    result = measure(args)
+    table = format_rows(result, args)
+    print(table)
+    if args.doc:
+        command = "python benchmarks/simmim_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+        args.doc.write_text(fill_markdown(args.doc.read_text(), {"table": f"{table}\n\n`{command}`"}, tag="simmim"))
+        print(f"doc: {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Masked image modeling as transformers' `AutoModelForMaskedImageModeling` runs it: SimMIM (Xie et al., 2022).
+
+The encoder is `modeling_vit`'s, built with the [mask] embedding, which replaces the patch embeddings
+`bool_masked_pos` marks before the positions are added; a light decoder, one linear map per patch token (the 1x1
+convolution of transformers' `ViTForMaskedImageModeling`), predicts the token's `encoder_stride` x `encoder_stride`
+pixels, and the loss is the L1 distance on the masked patches' pixels. The model runs at any image size, on
+non-square grids and on native-aspect batches (the processor's `max_num_patches`), each image as it runs alone.
+
+`config.masked_image_modeling` chooses what `AutoModelForMaskedImageModeling` builds: this model, or the paper's
+masked patch prediction (`modeling_mpp.py`), which computes its targets (`pixel_targets.py`) from the same
+`pixel_values` when no `labels` are given, so transformers' `run_mim.py` trains either.
+
+This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
+transformers and the code files beside it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import initialization as init
+from transformers.modeling_outputs import MaskedImageModelingOutput
+from transformers.utils import can_return_tuple
+
+from .configuration_vit import VisionTransformerConfig
+from .modeling_mpp import VisionTransformerForMaskedPatchPrediction
+from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel
+from .pixel_targets import patches_of
+
+__all__ = ["VisionTransformerForMaskedImageModeling"]
+
+
+class VisionTransformerForMaskedImageModeling(VisionTransformerPreTrainedModel):
+    """ViT pretrained by SimMIM: the patches `bool_masked_pos` marks are replaced by the [mask] embedding, a linear
+    decoder predicts every patch token's pixels, and the loss is the mean absolute error on the masked pixels (as
+    transformers' `ViTForMaskedImageModeling`, whose weights `hf_vit.convert` reads). The encoder's weights are a
+    plain ViT's, so a checkpoint fine-tunes with `VisionTransformerForImageClassification.from_pretrained`.
+
+    With `config.masked_image_modeling == "mpp"`, `AutoModelForMaskedImageModeling` (and this class's
+    `from_pretrained` and `from_config`, given such a config) build `VisionTransformerForMaskedPatchPrediction`."""
+
+    _new_weight_prefixes = ("decoder.", "vit.embeddings.mask_token")
+
+    def __init__(self, config: VisionTransformerConfig) -> None:
+        super().__init__(config)
+        self.vit = VisionTransformerModel(config, use_mask_token=True)
+        stride = config.reconstruction_stride
+        # a 1x1 convolution then a pixel shuffle: each token's outputs are its block's pixels, channel-major
+        self.decoder = nn.Linear(config.hidden_size, stride * stride * config.num_channels)
+        self.post_init()
+
+    @classmethod
+    def _chosen_class(cls, config: object) -> type:
+        if cls is VisionTransformerForMaskedImageModeling and getattr(config, "masked_image_modeling", None) == "mpp":
+            if VisionTransformerForMaskedPatchPrediction._auto_class is None:  # its saves carry the code too
+                VisionTransformerForMaskedPatchPrediction.register_for_auto_class("AutoModelForPreTraining")
+            return VisionTransformerForMaskedPatchPrediction
+        return cls
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """`VisionTransformerPreTrainedModel.from_pretrained`; masked patch prediction's model where the `config`
+        given (as the Auto classes give it) chooses it."""
+        chosen = cls._chosen_class(kwargs.get("config"))
+        if chosen is not cls:
+            return chosen.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        chosen = cls._chosen_class(config)
+        if chosen is not cls:
+            return chosen._from_config(config, **kwargs)
+        return super()._from_config(config, **kwargs)
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if module is self:
+            init.trunc_normal_(self.decoder.weight, std=self.config.initializer_range)
+            init.zeros_(self.decoder.bias)
+
+    @can_return_tuple
+    def forward(
+        self,
+        pixel_values: torch.Tensor | None = None,
+        bool_masked_pos: torch.Tensor | None = None,
+        interpolate_pos_encoding: bool | None = None,
+        return_loss: bool = True,
+        **kwargs,
+    ) -> MaskedImageModelingOutput:
+        """`pixel_values`: images `(B, C, H, W)` of any size the patches tile, or a native-aspect batch's flattened
+        patches `(B, K, P * P * C)` with `spatial_shapes` and `pixel_attention_mask`. `bool_masked_pos` `(B, N)` (or
+        `(B, K)`): the patches the [mask] embedding replaces, whose pixels the loss scores. Returns the `loss` (unless
+        `return_loss=False`; its default tells `Trainer` that the model computes a loss without labels, so evaluation
+        reports it) and the `reconstruction`, in the layout of `pixel_values`."""
+        if kwargs.get("patch_image_index") is not None:
+            raise ValueError(
+                "SimMIM takes whole images or a padded native-aspect batch, not a packed one (`patch_image_index`): "
+                "run the processor without packing."
+            )
+        stride, patch_size = self.config.reconstruction_stride, self.config.patch_size
+        if bool_masked_pos is not None and stride != patch_size:
+            raise ValueError(
+                f"`encoder_stride` ({stride}) must equal `patch_size` ({patch_size}) when `bool_masked_pos` is given: "
+                "each token reconstructs its own patch. Set encoder_stride to the patch size (or leave it None)."
+            )
+        if bool_masked_pos is not None:
+            bool_masked_pos = bool_masked_pos.bool()
+        outputs = self.vit(
+            pixel_values, interpolate_pos_encoding=interpolate_pos_encoding, bool_masked_pos=bool_masked_pos, **kwargs
+        )
+        tokens = outputs.last_hidden_state[:, self.config.num_prefix_tokens :]
+        blocks = self.decoder(tokens).unflatten(-1, (self.config.num_channels, stride, stride))  # (B, N, C, s, s)
+        flat = pixel_values.ndim == 3  # a native-aspect batch: flattened patches, channels last
+        loss = None
+        if bool_masked_pos is not None and return_loss:
+            target = pixel_values.unflatten(-1, (stride, stride, -1)).permute(0, 1, 4, 2, 3) if flat else None
+            target = patches_of(pixel_values, stride) if target is None else target
+            masked = bool_masked_pos.to(blocks.device)
+            if kwargs.get("pixel_attention_mask") is not None:  # the padding is never scored
+                masked = masked & kwargs["pixel_attention_mask"].to(blocks.device).bool()
+            errors = F.l1_loss(blocks.float(), target.to(blocks.device).float(), reduction="none").flatten(2)
+            scored = masked.sum() * errors.shape[-1]
+            loss = (errors.sum(-1) * masked).sum() / scored.clamp(min=1)
+        if flat:
+            reconstruction = blocks.permute(0, 1, 3, 4, 2).flatten(2)
+        else:
+            rows, cols = (size // patch_size for size in pixel_values.shape[-2:])
+            channels = self.config.num_channels
+            reconstruction = blocks.reshape(blocks.shape[0], rows, cols, channels, stride, stride)
+            reconstruction = reconstruction.permute(0, 3, 1, 4, 2, 5).reshape(
+                -1, channels, rows * stride, cols * stride
+            )
+        return MaskedImageModelingOutput(
+            loss=loss,
+            reconstruction=reconstruction,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )

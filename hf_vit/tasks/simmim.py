@@ -1,0 +1,90 @@
+"""SimMIM (Xie et al., 2022): the data side of masked image modeling and its run's pieces for `Trainer`.
+
+The model (`VisionTransformerForMaskedImageModeling`) replaces the masked patches by its [mask] embedding and
+reconstructs their pixels; this module makes its inputs as transformers' `run_mim.py` does: the normalised
+`pixel_values` of the (cropped, flipped) images, and `bool_masked_pos`, a random mask drawn per example in square
+blocks of patches (`SimMIMMasking`: SimMIM's 32-pixel blocks, 60% of them). The image labels are not used; the logs
+carry the L1 loss on the masked pixels as `loss` / `eval_loss`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..data.transforms import Transform, make_eval_transform
+from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
+from .model_setup import ModelSettings
+from .mpp import build_mpp_model
+
+__all__ = ["SimMIMMasking", "SimMIMTransform", "build_simmim_model", "simmim_collate_fn", "simmim_eval_transform"]
+
+
+@dataclass(frozen=True)
+class SimMIMMasking:
+    """SimMIM's random masking: the patch grid is cut into square blocks of `mask_patch_size` pixels (at least one
+    patch), and `mask_ratio` of the blocks (rounded up) are masked, drawn from torch's generator."""
+
+    mask_patch_size: int = 32
+    mask_ratio: float = 0.6
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.mask_ratio <= 1.0:
+            raise ValueError(f"`mask_ratio` must be in [0, 1], got {self.mask_ratio!r}.")
+
+    def __call__(self, rows: int, cols: int, patch_size: int) -> torch.Tensor:
+        """A mask `(rows * cols,)` of a `rows` x `cols` patch grid: True on the masked patches."""
+        block = max(self.mask_patch_size // patch_size, 1)
+        block_rows, block_cols = math.ceil(rows / block), math.ceil(cols / block)
+        count = math.ceil(block_rows * block_cols * self.mask_ratio)
+        chosen = torch.zeros(block_rows * block_cols, dtype=torch.bool)
+        chosen[torch.randperm(block_rows * block_cols)[:count]] = True
+        grid = chosen.view(block_rows, block_cols).repeat_interleave(block, 0).repeat_interleave(block, 1)
+        return grid[:rows, :cols].flatten()
+
+
+class SimMIMTransform:
+    """`transform` (normalised `pixel_values`) with a `bool_masked_pos` per example, drawn by `masking`."""
+
+    def __init__(self, transform: Transform, patch_size: int, masking: SimMIMMasking | None = None) -> None:
+        self.transform, self.patch_size, self.masking = transform, patch_size, masking or SimMIMMasking()
+
+    def __call__(self, batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
+        pixel_values = self.transform(batch)["pixel_values"]
+        rows, cols = (size // self.patch_size for size in pixel_values.shape[-2:])
+        # One draw per example: under SeededAugmentation each example's draw comes from its own seeded generator.
+        masks = torch.stack([self.masking(rows, cols, self.patch_size) for _ in range(pixel_values.shape[0])])
+        return {"pixel_values": pixel_values, "bool_masked_pos": masks}
+
+
+def simmim_eval_transform(processor: VisionTransformerImageProcessor, config) -> Transform:
+    """SimMIM's inputs from images resized by the processor only (no augmentation)."""
+    return SimMIMTransform(make_eval_transform(processor), config.patch_size)
+
+
+def simmim_collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack transformed examples: `pixel_values` (B, C, H, W) and `bool_masked_pos` (B, N), as `run_mim.py`."""
+    return {
+        key: torch.stack([torch.as_tensor(e[key]) for e in examples]) for key in ("pixel_values", "bool_masked_pos")
+    }
+
+
+def simmim_compute_metrics(eval_pred) -> dict[str, float]:
+    """Nothing beyond the loss: `Trainer` reports the L1 reconstruction loss as `eval_loss`."""
+    return {}
+
+
+def simmim_preprocess_logits(outputs, labels) -> torch.Tensor:
+    """Keep no reconstruction (a whole image per example) among the gathered predictions: the loss is the metric."""
+    return torch.zeros(0)
+
+
+def build_simmim_model(settings: ModelSettings) -> VisionTransformerForMaskedImageModeling:
+    """The model to pretrain by SimMIM, from the model flags, as `build_mpp_model` builds masked patch prediction's
+    (from scratch, or continuing from an hf-vit checkpoint, its decoder and [mask] embedding new if it has none)."""
+    return build_mpp_model(settings, VisionTransformerForMaskedImageModeling)
