@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -322,6 +323,13 @@ class VisionTransformerImagesKwargs(ImagesKwargs, total=False):
     packed_sequence_length: int | None
 
 
+# The options of a `preprocess` call that default to the processor's own (None: its value).
+_CALL_OPTIONS = (
+    "do_convert_rgb", "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
+    "do_normalize", "image_mean", "image_std", "max_num_patches", "patch_size", "packed_sequence_length",
+)  # fmt: skip
+
+
 class VisionTransformerImageProcessor(BaseImageProcessor):
     r"""Image processor for the Vision Transformer, processing batches with torch (CPU or GPU).
 
@@ -507,55 +515,31 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         return_tensors = None if return_tensors is None else TensorType(return_tensors)
         if return_tensors not in (None, TensorType.PYTORCH, TensorType.NUMPY):
             raise ValueError(f"return_tensors must be 'pt', 'np' or None, got {return_tensors!r}.")
-        do_convert_rgb = self.do_convert_rgb if do_convert_rgb is None else do_convert_rgb
-        do_resize = self.do_resize if do_resize is None else do_resize
-        size = size_dict(self.size if size is None else size, "size", shortest_edge=True)
-        resample = to_resampling(self.resample if resample is None else resample)
-        do_center_crop = self.do_center_crop if do_center_crop is None else do_center_crop
-        crop_size = size_dict(self.crop_size if crop_size is None else crop_size, "crop_size")
-        do_rescale = self.do_rescale if do_rescale is None else do_rescale
-        rescale_factor = self.rescale_factor if rescale_factor is None else rescale_factor
-        do_normalize = self.do_normalize if do_normalize is None else do_normalize
-        image_mean = self.image_mean if image_mean is None else image_mean
-        image_std = self.image_std if image_std is None else image_std
-        _check_rescale_and_normalization(rescale_factor, image_mean, image_std)
-        max_num_patches = self.max_num_patches if max_num_patches is None else max_num_patches
-        patch_size = self.patch_size if patch_size is None else patch_size
-        _check_native(max_num_patches, patch_size, do_center_crop)
-        if packed_sequence_length is None:
-            packed_sequence_length = self.packed_sequence_length
-        _check_packing(max_num_patches, packed_sequence_length)
-
-        tensors = load_images(images, do_convert_rgb, input_data_format)
-        # Same-size images are processed as one batch: one interpolate call per group.
-        groups: dict[tuple, list[int]] = {}
-        for index, tensor in enumerate(tensors):
-            groups.setdefault((tuple(tensor.shape), tensor.dtype, tensor.device), []).append(index)
+        o = self._call_options({name: value for name, value in locals().items() if name in _CALL_OPTIONS})
+        tensors = load_images(images, o.do_convert_rgb, input_data_format)
+        groups = _same_size_groups(tensors)  # processed as one batch each: one interpolate call per group
         processed = [None] * len(tensors)
         for indices in groups.values():
             batch = _stack_channels_last([tensors[i] for i in indices])
             if device is not None:
                 batch = batch.to(device)
-            if do_rescale and batch.is_floating_point() and batch.min() >= 0 and batch.max() <= 1:
-                logger.warning_once(
-                    "It looks like you are trying to rescale already rescaled images. If the input images have pixel "
-                    "values between 0 and 1, set `do_rescale=False` to avoid rescaling them again."
-                )
-            if do_resize:
-                target = resize_target(*batch.shape[-2:], size)
-                if max_num_patches is not None:  # the image's own aspect ratio, on the largest grid that fits
-                    rows, cols = grid_for_max_patches(*batch.shape[-2:], patch_size, max_num_patches)
-                    target = (rows * patch_size, cols * patch_size)
-                batch = resize_images(batch, target, resample)
-            if do_center_crop:
-                batch = center_crop_images(batch, (crop_size["height"], crop_size["width"]))
-            if do_convert_rgb and batch.shape[1] == 1:
+            if o.do_rescale:
+                _warn_if_rescaled(batch)
+            if o.do_resize:
+                target = resize_target(*batch.shape[-2:], o.size)
+                if o.max_num_patches is not None:  # the image's own aspect ratio, on the largest grid that fits
+                    rows, cols = grid_for_max_patches(*batch.shape[-2:], o.patch_size, o.max_num_patches)
+                    target = (rows * o.patch_size, cols * o.patch_size)
+                batch = resize_images(batch, target, o.resample)
+            if o.do_center_crop:
+                batch = center_crop_images(batch, (o.crop_size["height"], o.crop_size["width"]))
+            if o.do_convert_rgb and batch.shape[1] == 1:
                 batch = batch.expand(-1, 3, -1, -1)
             batch = rescale_and_normalize(
                 batch,
-                rescale_factor if do_rescale else None,
-                image_mean if do_normalize else None,
-                image_std if do_normalize else None,
+                o.rescale_factor if o.do_rescale else None,
+                o.image_mean if o.do_normalize else None,
+                o.image_std if o.do_normalize else None,
             )
             if len(groups) == 1:
                 processed = batch
@@ -563,24 +547,24 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                 for position, index in enumerate(indices):
                     processed[index] = batch[position]
 
-        if packed_sequence_length is not None and len(processed) > 1:
-            return packed_patch_batch(processed, patch_size, max_num_patches, packed_sequence_length, return_tensors)
-        if max_num_patches is not None:  # one image alone is the native-aspect batch of one, packed or not
-            return native_patch_batch(processed, patch_size, max_num_patches, return_tensors)
-        if return_tensors is None:
-            return BatchFeature({"pixel_values": [image.cpu().numpy() for image in processed]})
-        if not isinstance(processed, torch.Tensor):
-            shapes = {tuple(image.shape) for image in processed}
-            if len(shapes) > 1:
-                raise ValueError(
-                    f"Cannot batch images of different shapes {sorted(shapes)}: enable do_center_crop (or do_resize "
-                    "to a height and width) so all images get the same size, or pass return_tensors=None to get a "
-                    "list."
-                )
-            processed = torch.stack(processed)
-        if return_tensors == TensorType.NUMPY:
-            processed = processed.cpu().numpy()
-        return BatchFeature({"pixel_values": processed}, tensor_type=return_tensors)
+        if o.packed_sequence_length is not None and len(processed) > 1:
+            return packed_patch_batch(
+                processed, o.patch_size, o.max_num_patches, o.packed_sequence_length, return_tensors
+            )
+        if o.max_num_patches is not None:  # one image alone is the native-aspect batch of one, packed or not
+            return native_patch_batch(processed, o.patch_size, o.max_num_patches, return_tensors)
+        return _whole_image_batch(processed, return_tensors)
+
+    def _call_options(self, given: dict[str, Any]) -> SimpleNamespace:
+        """A `preprocess` call's options: those given, this processor's where None; normalised and checked."""
+        o = SimpleNamespace(**{name: getattr(self, name) if value is None else value for name, value in given.items()})
+        o.size = size_dict(o.size, "size", shortest_edge=True)
+        o.resample = to_resampling(o.resample)
+        o.crop_size = size_dict(o.crop_size, "crop_size")
+        _check_rescale_and_normalization(o.rescale_factor, o.image_mean, o.image_std)
+        _check_native(o.max_num_patches, o.patch_size, o.do_center_crop)
+        _check_packing(o.max_num_patches, o.packed_sequence_length)
+        return o
 
     def normalize_batch(self, images: torch.Tensor) -> torch.Tensor:
         """Rescale and normalise a `[N, C, H, W]` batch with this processor's settings (no resizing).
@@ -593,6 +577,41 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             self.image_mean if self.do_normalize else None,
             self.image_std if self.do_normalize else None,
         )
+
+
+def _same_size_groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
+    """The positions of the images of each size, type and device."""
+    groups: dict[tuple, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault((tuple(tensor.shape), tensor.dtype, tensor.device), []).append(index)
+    return groups
+
+
+def _warn_if_rescaled(batch: torch.Tensor) -> None:
+    if batch.is_floating_point() and batch.min() >= 0 and batch.max() <= 1:
+        logger.warning_once(
+            "It looks like you are trying to rescale already rescaled images. If the input images have pixel values "
+            "between 0 and 1, set `do_rescale=False` to avoid rescaling them again."
+        )
+
+
+def _whole_image_batch(
+    processed: torch.Tensor | list[torch.Tensor], return_tensors: TensorType | None
+) -> BatchFeature:
+    """Whole images as `pixel_values`: a list of `[C, H, W]` arrays (`return_tensors` None), or one stacked batch."""
+    if return_tensors is None:
+        return BatchFeature({"pixel_values": [image.cpu().numpy() for image in processed]})
+    if not isinstance(processed, torch.Tensor):
+        shapes = {tuple(image.shape) for image in processed}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"Cannot batch images of different shapes {sorted(shapes)}: enable do_center_crop (or do_resize to a "
+                "height and width) so all images get the same size, or pass return_tensors=None to get a list."
+            )
+        processed = torch.stack(processed)
+    if return_tensors == TensorType.NUMPY:
+        processed = processed.cpu().numpy()
+    return BatchFeature({"pixel_values": processed}, tensor_type=return_tensors)
 
 
 def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: bool) -> None:

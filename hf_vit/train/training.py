@@ -294,6 +294,7 @@ def build_trainer(
         _log_padding(ds["train"], processor, sizes, token_drop_rate, packed_sampler, training_args)
     # The average goes into the model at the end of training before the caller's callbacks see it.
     ema = ema_callback(recipe)
+    ema_list = [ema] if ema else []
     training_args.label_names = list(objective.label_names)
     return VisionTransformerTrainer(
         model=model,
@@ -304,11 +305,7 @@ def build_trainer(
         compute_metrics=objective.compute_metrics,
         preprocess_logits_for_metrics=objective.preprocess_logits,
         processing_class=processor,
-        callbacks=[
-            RunSetupCallback(num_examples, seq_len_sampler, packed_sampler),
-            *([ema] if ema else []),
-            *callbacks,
-        ],
+        callbacks=[RunSetupCallback(num_examples, seq_len_sampler, packed_sampler), *ema_list, *callbacks],
         layer_decay=recipe.layer_decay,
         mixing=mixing_for(recipe, model.config),
         ema=ema,
