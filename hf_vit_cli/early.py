@@ -131,8 +131,10 @@ def image_size_problem(given: dict[str, list[str]], presets: str) -> str | None:
 
 def output_dir_problem(given: dict[str, list[str]]) -> str | None:
     """A non-empty `--output_dir` given without `--overwrite_output_dir` or `--resume_from_checkpoint`."""
-    overwrite = given.get("overwrite_output_dir")
+    overwrite, train = given.get("overwrite_output_dir"), given.get("do_train")
     if not given.get("output_dir") or "resume_from_checkpoint" in given:
+        return None
+    if train and train[0].lower() not in TRUE_WORDS:  # --do_train False writes its results only, each refused if there
         return None
     if overwrite is not None and (not overwrite or overwrite[0].lower() in TRUE_WORDS):
         return None
