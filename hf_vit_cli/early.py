@@ -6,6 +6,7 @@ seconds torch and transformers take to load. The command itself checks everythin
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import os
 import re
@@ -146,13 +147,62 @@ def output_dir_problem(given: dict[str, list[str]]) -> str | None:
     if not [name for name in entries if not BOOKKEEPING.fullmatch(name)]:
         return None
     shown = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "")
-    resume = any(re.fullmatch(r"checkpoint-\d+", name) for name in entries)
-    return (
-        f"--output_dir {folder} is not empty (it holds {shown}). Pass "
-        + ("--resume_from_checkpoint True to continue the run whose checkpoints it holds, " if resume else "")
-        + "--overwrite_output_dir True to train a new model there (removing the earlier run's files), or choose "
-        "another folder."
+    ways = run_folder_ways(folder)
+    if ways is None:  # entries the run would write through or delete: the run names each of them
+        return None
+    advice = "; or ".join([*ways, "choose another folder"]) + "."
+    return f"--output_dir {folder} is not empty (it holds {shown}). {advice[0].upper()}{advice[1:]}"
+
+
+def run_folder_ways(folder: Path) -> list[str] | None:
+    """What lets a run use the non-empty `folder`, as the run itself decides it (`hf_vit.outputs.output_folders`),
+    by the project's list of the files it writes (`hf_vit/outputs/files.py`, standard library only, read by its
+    path): resuming where a checkpoint finished saving (its weights there, its trainer_state.json, written last,
+    readable), overwriting
+    where an earlier run's record claims the files under hf-vit's names (or there are none). None where an entry
+    blocks the run (a link under a name it writes, a checkpoint-N that is not one)."""
+    spec = importlib.util.find_spec("hf_vit")
+    path = Path(spec.origin).parent / "outputs" / "files.py" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        return []
+    loader = importlib.util.spec_from_file_location("hf_vit_cli._files", path)
+    files = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(files)
+    named, checkpoints = [], []
+    for entry in folder.iterdir():
+        checkpoint = files.CHECKPOINT_FOLDER.fullmatch(entry.name)
+        if entry.is_symlink() and (checkpoint or files.is_run_file(entry.name)):
+            return None
+        if checkpoint and (not entry.is_dir() or files.checkpoint_foreign_entries(entry)):
+            return None
+        checkpoints += [entry] if checkpoint else []
+        named += [entry.name] if entry.is_file() and files.is_run_file(entry.name) else []
+    try:
+        record = json.loads((folder / files.RUN_RECORD_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        record = None
+    recorded = isinstance(record, dict) and isinstance(record.get("files"), list)
+    weights = ("model.safetensors", "adapter_model.safetensors", "model-*-of-*.safetensors", "pytorch_model_fsdp_*")
+    ways = ["pass --resume_from_checkpoint True to continue the run whose checkpoints it holds"] * any(
+        _reads(checkpoint / files.TRAINER_STATE_FILE) and any(any(checkpoint.glob(name)) for name in weights)
+        for checkpoint in checkpoints
     )
+    unclaimed = sorted(set(named) - {files.RUN_RECORD_FILE})
+    if recorded or not unclaimed:
+        ways.append("pass --overwrite_output_dir True to train a new model there (it removes only what an earlier "
+                    "hf-vit run recorded writing)")  # fmt: skip
+    else:
+        ways.append(f"move {', '.join(unclaimed)} away (no {files.RUN_RECORD_FILE} says an hf-vit run wrote them, so "
+                    "--overwrite_output_dir keeps them and refuses)")  # fmt: skip
+    return ways
+
+
+def _reads(path: Path) -> bool:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def one_class_problem(given: dict[str, list[str]]) -> str | None:

@@ -157,7 +157,10 @@ def test_what_is_right_is_not_refused_before_the_package_loads(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "config.json").write_text("{}")
+    (tmp_path / "out" / "hf_vit_run.json").write_text('{"files": ["config.json"]}')
     (tmp_path / "out" / "checkpoint-2").mkdir()
+    (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (tmp_path / "out" / "checkpoint-2" / "model.safetensors").write_bytes(b"")
     (tmp_path / "images" / "a").mkdir(parents=True)
     (tmp_path / "images" / "b").mkdir()
     for argv in (
@@ -173,6 +176,42 @@ def test_what_is_right_is_not_refused_before_the_package_loads(tmp_path, monkeyp
     assert "--overwrite_output_dir True" in early_problem("hf-vit-pretrain", ["--output_dir", "out"])
     assert "--resume_from_checkpoint True" in early_problem("hf-vit-pretrain", ["--output_dir", "out"])
     assert early_problem("hf-vit-predict", ["--model", "out", "images", "--top_k", "3"]) is None
+
+
+def test_a_non_empty_output_dir_is_told_only_the_ways_the_run_would_take(tmp_path):
+    from hf_vit.outputs.output_folders import OutputDirError, claim_output_dir, release
+    from hf_vit.train.checkpoints import last_complete_checkpoint
+    from hf_vit_cli import early_problem
+
+    def ways(folder):  # what the run itself does: claim the folder with --overwrite_output_dir, resume from it
+        said = early_problem("hf-vit-finetune", ["--output_dir", str(folder)])
+        try:
+            release(claim_output_dir(folder, resume_from=None, overwrite=True, main_process=True))
+            overwrites = True
+        except OutputDirError:
+            overwrites = False
+        return said, overwrites, last_complete_checkpoint(folder) is not None
+
+    mine = tmp_path / "project"  # a user's own README and config: --overwrite_output_dir refuses them
+    mine.mkdir()
+    (mine / "README.md").write_text("my notes")
+    (mine / "config.json").write_text("{}")
+    said, overwrites, resumes = ways(mine)
+    assert not overwrites and not resumes and "--overwrite_output_dir True" not in said, said
+    assert "Move README.md, config.json away (no hf_vit_run.json says an hf-vit run wrote them" in said, said
+    cut = mine / "checkpoint-4"  # killed while saving: no weights, no trainer_state.json
+    cut.mkdir()
+    (cut / "optimizer.pt").write_bytes(b"")
+    said, overwrites, resumes = ways(mine)
+    assert not resumes and "--resume_from_checkpoint" not in said, said
+    (mine / "hf_vit_run.json").write_text('{"files": ["README.md", "config.json"]}')  # an earlier run wrote them
+    said, overwrites, resumes = ways(mine)
+    assert overwrites and "Pass --overwrite_output_dir True to train a new model there" in said, said
+    assert (mine / "README.md").exists()  # the check itself removes nothing
+    (mine / "checkpoint-2").symlink_to(cut)  # a link the run would write through: the run names it, not told here
+    assert early_problem("hf-vit-finetune", ["--output_dir", str(mine)]) is None
+    with pytest.raises(OutputDirError, match="checkpoint-2 is a symlink"):
+        claim_output_dir(mine, resume_from=None, overwrite=True, main_process=True)
 
 
 @pytest.mark.parametrize("command", ["hf-vit-pretrain", "hf-vit-finetune"])
