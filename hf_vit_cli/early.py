@@ -229,13 +229,19 @@ def one_class_problem(given: dict[str, list[str]]) -> str | None:
 
 
 def hub_cache_problem(flag: str, value: str, repo_type: str) -> str | None:
-    """A name that is no local path, given with `HF_HUB_OFFLINE=1`, that the Hub cache does not hold."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() not in TRUE_WORDS or os.path.exists(value):
-        return None
+    """A name that is no local path, given with `HF_HUB_OFFLINE=1`, that the Hub cache does not hold (nor, for a data
+    set, the datasets library's own cache, which `load_dataset` reads offline: `<owner>___<name>`, snake-cased)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() not in ("1", "ON", "YES", "TRUE") or os.path.exists(value):
+        return None  # (huggingface_hub's reading of the variable)
     home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
-    cache = Path(os.environ.get("HF_HUB_CACHE", os.path.join(home, "hub")))
+    cache = Path(os.environ.get("HF_HUB_CACHE", os.environ.get("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub"))))
     if (cache / f"{repo_type}s--{value.replace('/', '--')}").is_dir():
         return None
+    prepared = Path(os.environ.get("HF_DATASETS_CACHE", os.path.join(home, "datasets")))
+    folded = value.replace("/", "___").replace("_", "").lower()
+    if repo_type == "dataset" and prepared.is_dir():
+        if any(entry.name.replace("_", "").lower() == folded for entry in prepared.iterdir() if entry.is_dir()):
+            return None
     return (
         f"{flag} {value}: no such folder, and with HF_HUB_OFFLINE=1 a Hub {repo_type} must be in the cache ({cache}), "
         "which does not hold it."

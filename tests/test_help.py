@@ -236,5 +236,9 @@ def test_a_hub_id_the_offline_cache_lacks_is_told_before_the_package_loads(tmp_p
     assert "datasets--" not in said and early_problem("hf-vit-pretrain", ["--dataset_name", "digits"]) is None
     assert "Hub dataset" in early_problem("hf-vit-pretrain", ["--dataset_name", "someone/images"])
     assert early_problem("hf-vit-finetune", ["--model_name_or_path", "google/vit-base-patch16-224"]) is None  # cached
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "prepared"))  # load_dataset offline reads its own cache
+    (tmp_path / "prepared" / "someone___cat_photos" / "default" / "0.0.0" / "abc").mkdir(parents=True)
+    assert early_problem("hf-vit-pretrain", ["--dataset_name", "someone/cat_photos"]) is None
+    assert "Hub dataset" in early_problem("hf-vit-pretrain", ["--dataset_name", "someone/dog_photos"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online: the Hub answers for it
     assert early_problem("hf-vit-finetune", ["--model_name_or_path", "my-run"]) is None
