@@ -53,13 +53,12 @@ def value_problem(flag: str, values: list[str], kind: str) -> str | None:
     several = kind.endswith("+")
     kind = kind.rstrip("+")
     for value in values if several else values[:1]:
-        if kind == "int" and not re.fullmatch(r"\s*[-+]?\d+\s*", value):
-            return f"--{flag} {value}: not a whole number."
-        if kind == "float":
-            try:
-                float(value)
-            except ValueError:
-                return f"--{flag} {value}: not a number (e.g. 0.001, 1e-3)."
+        try:  # what argparse's type=int and type=float take
+            int(value) if kind == "int" else float(value) if kind == "float" else None
+        except ValueError:
+            return f"--{flag} {value}: " + (
+                "not a whole number." if kind == "int" else "not a number (e.g. 0.001, 1e-3)."
+            )
         if kind == "bool" and value.lower() not in BOOL_WORDS:
             return f"--{flag} {value}: not True or False."
         if kind.startswith("choice:") and value not in (choices := kind[len("choice:") :].split("|")):
