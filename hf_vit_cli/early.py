@@ -221,6 +221,9 @@ def one_class_problem(given: dict[str, list[str]]) -> str | None:
     inside = list(entries[0].iterdir())
     if not inside or any(entry.is_dir() for entry in inside):
         return None
+    # A metadata file (metadata.csv, .jsonl, .parquet) gives the labels, not the folders: one folder may hold many.
+    if any(entry.name.startswith("metadata.") for folder in (root, train, entries[0]) for entry in folder.iterdir()):
+        return None
     return (
         f"--dataset_name {root}: {train} holds one class folder ({entries[0].name}): classification needs at least "
         "two (root/<class>/*.jpg, a folder per class); --objective mpp pretrains without classes."

@@ -163,11 +163,15 @@ def test_what_is_right_is_not_refused_before_the_package_loads(tmp_path, monkeyp
     (tmp_path / "out" / "checkpoint-2" / "model.safetensors").write_bytes(b"")
     (tmp_path / "images" / "a").mkdir(parents=True)
     (tmp_path / "images" / "b").mkdir()
+    (tmp_path / "labelled" / "images").mkdir(parents=True)  # one folder, its labels in the metadata file
+    (tmp_path / "labelled" / "images" / "a.png").write_bytes(b"")
+    (tmp_path / "labelled" / "images" / "metadata.jsonl").write_text('{"file_name": "a.png", "label": "cat"}\n')
     for argv in (
         ["--preset", "vit-base-patch16-384", "--image_size", "64", "32", "--learning_rate", "3e-4", "--keep_head"],
         ["--preset", "r50-vit-small-patch16-224", "--keep_head", "no", "--optim", "sgd", "--cutmix_minmax", ".2", "1"],
         ["--output_dir", "out", "--overwrite_output_dir"],
         ["--output_dir", "out", "--resume_from_checkpoint", "True", "--dataset_name", "images"],
+        ["--dataset_name", "labelled"],
         ["--max_steps", "1_000", "--seed", " 7", "--learning_rate", "1_0e-3"],  # as int() and float() read them
         ["--output_dir", "out", "--do_train", "False", "--do_eval"],  # measures a checkpoint: writes its results only
         ["--preset", "vit-tiny-patch16-22", "--image_size", "32", "--max_num_patches", "4", "--packed_sequence_length",
