@@ -181,6 +181,9 @@ def test_what_is_right_is_not_refused_before_the_package_loads(tmp_path, monkeyp
     assert "--overwrite_output_dir True" in early_problem("hf-vit-pretrain", ["--output_dir", "out"])
     assert "--resume_from_checkpoint True" in early_problem("hf-vit-pretrain", ["--output_dir", "out"])
     assert early_problem("hf-vit-predict", ["--model", "out", "images", "--top_k", "3"]) is None
+    (tmp_path / "google" / "vit-base-patch16-224").mkdir(parents=True)  # one model of an owner downloaded here
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online: the Hub answers for it
+    assert early_problem("hf-vit-finetune", ["--model_name_or_path", "google/vit-large-patch16-224"]) is None
 
 
 def test_a_non_empty_output_dir_is_told_only_the_ways_the_run_would_take(tmp_path):
