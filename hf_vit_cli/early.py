@@ -141,14 +141,12 @@ def output_dir_problem(given: dict[str, list[str]]) -> str | None:
     folder = Path(given["output_dir"][0]).expanduser()
     try:
         entries = sorted(entry.name for entry in folder.iterdir()) if folder.is_dir() else []
-    except OSError:
+        ways = run_folder_ways(folder) if [name for name in entries if not BOOKKEEPING.fullmatch(name)] else None
+    except OSError:  # unreadable: the run says what
         return None
-    if not [name for name in entries if not BOOKKEEPING.fullmatch(name)]:
+    if ways is None:  # empty but for bookkeeping, or entries the run would write through or delete: it names them
         return None
     shown = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "")
-    ways = run_folder_ways(folder)
-    if ways is None:  # entries the run would write through or delete: the run names each of them
-        return None
     advice = "; or ".join([*ways, "choose another folder"]) + "."
     return f"--output_dir {folder} is not empty (it holds {shown}). {advice[0].upper()}{advice[1:]}"
 

@@ -3,6 +3,7 @@ importing the package, hf-vit's own flags and examples first, Trainer's ~110 beh
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -216,6 +217,16 @@ def test_a_non_empty_output_dir_is_told_only_the_ways_the_run_would_take(tmp_pat
     said, overwrites, resumes = ways(mine)
     assert overwrites and "Pass --overwrite_output_dir True to train a new model there" in said, said
     assert (mine / "README.md").exists()  # the check itself removes nothing
+    real_iterdir = Path.iterdir
+
+    def unreadable(path):  # a checkpoint folder this user may not list
+        if path.name == "checkpoint-4":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_iterdir(path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "iterdir", unreadable)
+        assert early_problem("hf-vit-finetune", ["--output_dir", str(mine)]) is None  # the run says what, no traceback
     (mine / "checkpoint-2").symlink_to(cut)  # a link the run would write through: the run names it, not told here
     assert early_problem("hf-vit-finetune", ["--output_dir", str(mine)]) is None
     with pytest.raises(OutputDirError, match="checkpoint-2 is a symlink"):
