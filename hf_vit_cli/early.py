@@ -154,8 +154,8 @@ def output_dir_problem(given: dict[str, list[str]]) -> str | None:
 def run_folder_ways(folder: Path) -> list[str] | None:
     """What lets a run use the non-empty `folder`, as the run itself decides it (`hf_vit.outputs.output_folders`),
     by the project's list of the files it writes (`hf_vit/outputs/files.py`, standard library only, read by its
-    path): resuming where a checkpoint finished saving (its weights there, its trainer_state.json, written last,
-    readable), overwriting
+    path): resuming where the newest checkpoint that finished saving (its weights there, its trainer_state.json,
+    written last, readable) holds its optimizer's state, overwriting
     where an earlier run's record claims the files under hf-vit's names (or there are none). None where an entry
     blocks the run (a link under a name it writes, a checkpoint-N that is not one)."""
     spec = importlib.util.find_spec("hf_vit")
@@ -180,10 +180,13 @@ def run_folder_ways(folder: Path) -> list[str] | None:
         record = None
     recorded = isinstance(record, dict) and isinstance(record.get("files"), list)
     weights = ("model.safetensors", "adapter_model.safetensors", "model-*-of-*.safetensors", "pytorch_model_fsdp_*")
-    ways = ["pass --resume_from_checkpoint True to continue the run whose checkpoints it holds"] * any(
-        _reads(checkpoint / files.TRAINER_STATE_FILE) and any(any(checkpoint.glob(name)) for name in weights)
-        for checkpoint in checkpoints
-    )
+    complete = [
+        checkpoint
+        for checkpoint in sorted(checkpoints, key=lambda path: int(path.name.split("-")[1]))
+        if _reads(checkpoint / files.TRAINER_STATE_FILE) and any(any(checkpoint.glob(name)) for name in weights)
+    ]  # the newest is resumed, where it has its optimizer's state (not saved with --save_only_model)
+    resumable = complete and any(any(complete[-1].glob(name)) for name in ("optimizer.pt", "optimizer_0"))
+    ways = ["pass --resume_from_checkpoint True to continue the run whose checkpoints it holds"] * bool(resumable)
     unclaimed = sorted(set(named) - {files.RUN_RECORD_FILE})
     if recorded or not unclaimed:
         ways.append("pass --overwrite_output_dir True to train a new model there (it removes only what an earlier "

@@ -162,6 +162,7 @@ def test_what_is_right_is_not_refused_before_the_package_loads(tmp_path, monkeyp
     (tmp_path / "out" / "checkpoint-2").mkdir()
     (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").write_text("{}")
     (tmp_path / "out" / "checkpoint-2" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "out" / "checkpoint-2" / "optimizer.pt").write_bytes(b"")
     (tmp_path / "images" / "a").mkdir(parents=True)
     (tmp_path / "images" / "b").mkdir()
     (tmp_path / "labelled" / "images").mkdir(parents=True)  # one folder, its labels in the metadata file
@@ -188,8 +189,11 @@ def test_what_is_right_is_not_refused_before_the_package_loads(tmp_path, monkeyp
 
 
 def test_a_non_empty_output_dir_is_told_only_the_ways_the_run_would_take(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
     from hf_vit.outputs.output_folders import OutputDirError, claim_output_dir, release
-    from hf_vit.train.checkpoints import last_complete_checkpoint
+    from hf_vit.train.checkpoints import last_complete_checkpoint, resolve_resume
     from hf_vit_cli import early_problem
 
     def ways(folder):  # what the run itself does: claim the folder with --overwrite_output_dir, resume from it
@@ -213,6 +217,13 @@ def test_a_non_empty_output_dir_is_told_only_the_ways_the_run_would_take(tmp_pat
     (cut / "optimizer.pt").write_bytes(b"")
     said, overwrites, resumes = ways(mine)
     assert not resumes and "--resume_from_checkpoint" not in said, said
+    weights_only = mine / "checkpoint-6"  # saved with --save_only_model: resuming it is refused
+    weights_only.mkdir()
+    (weights_only / "trainer_state.json").write_text("{}")
+    save_file({"weight": torch.zeros(1)}, weights_only / "model.safetensors")
+    assert "--resume_from_checkpoint" not in ways(mine)[0]
+    with pytest.raises(ValueError, match="holds the weights only"):
+        resolve_resume(True, mine)
     (mine / "hf_vit_run.json").write_text('{"files": ["README.md", "config.json"]}')  # an earlier run wrote them
     said, overwrites, resumes = ways(mine)
     assert overwrites and "Pass --overwrite_output_dir True to train a new model there" in said, said
