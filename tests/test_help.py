@@ -193,7 +193,7 @@ def test_a_non_empty_output_dir_is_told_only_the_ways_the_run_would_take(tmp_pat
     from safetensors.torch import save_file
 
     from hf_vit.outputs.output_folders import OutputDirError, claim_output_dir, release
-    from hf_vit.train.checkpoints import last_complete_checkpoint, resolve_resume
+    from hf_vit.train.checkpoints import resolve_resume, resumable_checkpoint
     from hf_vit_cli import early_problem
 
     def ways(folder):  # what the run itself does: claim the folder with --overwrite_output_dir, resume from it
@@ -203,7 +203,7 @@ def test_a_non_empty_output_dir_is_told_only_the_ways_the_run_would_take(tmp_pat
             overwrites = True
         except OutputDirError:
             overwrites = False
-        return said, overwrites, last_complete_checkpoint(folder) is not None
+        return said, overwrites, resumable_checkpoint(folder) is not None
 
     mine = tmp_path / "project"  # a user's own README and config: --overwrite_output_dir refuses them
     mine.mkdir()
