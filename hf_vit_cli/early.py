@@ -155,9 +155,9 @@ def run_folder_ways(folder: Path) -> list[str] | None:
     """What lets a run use the non-empty `folder`, as the run itself decides it (`hf_vit.outputs.output_folders`),
     by the project's list of the files it writes (`hf_vit/outputs/files.py`, standard library only, read by its
     path): resuming where the newest checkpoint that finished saving (its weights there, its trainer_state.json,
-    written last, readable) holds its optimizer's state, overwriting
-    where an earlier run's record claims the files under hf-vit's names (or there are none). None where an entry
-    blocks the run (a link under a name it writes, a checkpoint-N that is not one)."""
+    written last, readable) holds its optimizer's state, overwriting where an earlier run's record claims the files
+    under hf-vit's names (or there are none). None where an entry blocks the run (a link under a name it writes, a
+    checkpoint-N that is not one)."""
     spec = importlib.util.find_spec("hf_vit")
     path = Path(spec.origin).parent / "outputs" / "files.py" if spec and spec.origin else None
     if path is None or not path.is_file():
