@@ -216,19 +216,27 @@ def one_class_problem(given: dict[str, list[str]]) -> str | None:
     if name == "digits" or not root.is_dir() or any((root / file).is_file() for file in saved):
         return None
     train = root / "train" if (root / "train").is_dir() else root
-    entries = [entry for entry in train.iterdir() if not entry.name.startswith(".")]
+    entries = [entry for entry in _listed(train) if not entry.name.startswith(".")]
     if len(entries) != 1 or not entries[0].is_dir():
         return None
-    inside = list(entries[0].iterdir())
+    inside = _listed(entries[0])
     if not inside or any(entry.is_dir() for entry in inside):
         return None
     # A metadata file (metadata.csv, .jsonl, .parquet) gives the labels, not the folders: one folder may hold many.
-    if any(entry.name.startswith("metadata.") for folder in (root, train, entries[0]) for entry in folder.iterdir()):
+    if any(entry.name.startswith("metadata.") for folder in (root, train, entries[0]) for entry in _listed(folder)):
         return None
     return (
         f"--dataset_name {root}: {train} holds one class folder ({entries[0].name}): classification needs at least "
         "two (root/<class>/*.jpg, a folder per class); --objective mpp pretrains without classes."
     )
+
+
+def _listed(folder: Path) -> list[Path]:
+    """What `folder` holds; nothing where it cannot be read (the command says what then)."""
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []
 
 
 def hub_cache_problem(flag: str, value: str, repo_type: str) -> str | None:

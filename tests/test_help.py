@@ -235,9 +235,11 @@ def test_a_non_empty_output_dir_is_told_only_the_ways_the_run_would_take(tmp_pat
             raise PermissionError(13, "Permission denied", str(path))
         return real_iterdir(path)
 
+    (tmp_path / "cats" / "checkpoint-4").mkdir(parents=True)  # a data set's one folder this user may not list
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Path, "iterdir", unreadable)
         assert early_problem("hf-vit-finetune", ["--output_dir", str(mine)]) is None  # the run says what, no traceback
+        assert early_problem("hf-vit-finetune", ["--dataset_name", str(tmp_path / "cats")]) is None
     (mine / "checkpoint-2").symlink_to(cut)  # a link the run would write through: the run names it, not told here
     assert early_problem("hf-vit-finetune", ["--output_dir", str(mine)]) is None
     with pytest.raises(OutputDirError, match="checkpoint-2 is a symlink"):
