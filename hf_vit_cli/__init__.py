@@ -37,6 +37,7 @@ PRESETS_FILE = "presets.txt"  # what `--list_presets` prints, saved beside the h
 # Flags a user guesses for the data, all of them `--dataset_name` here.
 DATA_LIKE_FLAGS = ("train_dir", "data_dir", "dataset", "data", "dataset_dir", "image_dir", "images", "train_data",
                    "data_path", "dataset_path", "train_folder", "folder", "root")  # fmt: skip
+RUN_FILES = ("config.json", "hf_vit_run.json")  # a model's folder, a run's folder
 # Flags naming a local folder or a Hub id: a local-looking path that does not exist is a typo, told at once.
 PATH_FLAGS = {
     "--model": "no such folder (and not a Hugging Face Hub id)",
@@ -113,7 +114,9 @@ def early_problem(command: str, argv: list[str]) -> str | None:
         if word in PATH_FLAGS and word in (known or PATH_FLAGS):
             value = argv[index + 1]
             local = value.startswith((".", "/", "~")) or value.count("/") > 1
-            local = local or ("/" in value and os.path.isdir(value.split("/")[0]))  # a run's folder, a typo below
+            # below a model's or a run's folder (run/checkpoint-9), not a Hub id whose owner is a folder here too
+            above = value.split("/")[0]
+            local = local or ("/" in value and any(os.path.isfile(os.path.join(above, name)) for name in RUN_FILES))
             if local and not os.path.exists(os.path.expanduser(value)):
                 return f"{word} {value}: {PATH_FLAGS[word]}."
     if command in TRAINING and known is not None:

@@ -6,6 +6,7 @@ seconds torch and transformers take to load. The command itself checks everythin
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import os
 import re
@@ -52,13 +53,12 @@ def value_problem(flag: str, values: list[str], kind: str) -> str | None:
     several = kind.endswith("+")
     kind = kind.rstrip("+")
     for value in values if several else values[:1]:
-        if kind == "int" and not re.fullmatch(r"\s*[-+]?\d+\s*", value):
-            return f"--{flag} {value}: not a whole number."
-        if kind == "float":
-            try:
-                float(value)
-            except ValueError:
-                return f"--{flag} {value}: not a number (e.g. 0.001, 1e-3)."
+        try:  # what argparse's type=int and type=float take
+            int(value) if kind == "int" else float(value) if kind == "float" else None
+        except ValueError:
+            return f"--{flag} {value}: " + (
+                "not a whole number." if kind == "int" else "not a number (e.g. 0.001, 1e-3)."
+            )
         if kind == "bool" and value.lower() not in BOOL_WORDS:
             return f"--{flag} {value}: not True or False."
         if kind.startswith("choice:") and value not in (choices := kind[len("choice:") :].split("|")):
@@ -131,26 +131,78 @@ def image_size_problem(given: dict[str, list[str]], presets: str) -> str | None:
 
 def output_dir_problem(given: dict[str, list[str]]) -> str | None:
     """A non-empty `--output_dir` given without `--overwrite_output_dir` or `--resume_from_checkpoint`."""
-    overwrite = given.get("overwrite_output_dir")
+    overwrite, train = given.get("overwrite_output_dir"), given.get("do_train")
     if not given.get("output_dir") or "resume_from_checkpoint" in given:
+        return None
+    if train and train[0].lower() not in TRUE_WORDS:  # --do_train False writes its results only, each refused if there
         return None
     if overwrite is not None and (not overwrite or overwrite[0].lower() in TRUE_WORDS):
         return None
     folder = Path(given["output_dir"][0]).expanduser()
     try:
         entries = sorted(entry.name for entry in folder.iterdir()) if folder.is_dir() else []
-    except OSError:
+        ways = run_folder_ways(folder) if [name for name in entries if not BOOKKEEPING.fullmatch(name)] else None
+    except OSError:  # unreadable: the run says what
         return None
-    if not [name for name in entries if not BOOKKEEPING.fullmatch(name)]:
+    if ways is None:  # empty but for bookkeeping, or entries the run would write through or delete: it names them
         return None
     shown = ", ".join(entries[:6]) + (", ..." if len(entries) > 6 else "")
-    resume = any(re.fullmatch(r"checkpoint-\d+", name) for name in entries)
-    return (
-        f"--output_dir {folder} is not empty (it holds {shown}). Pass "
-        + ("--resume_from_checkpoint True to continue the run whose checkpoints it holds, " if resume else "")
-        + "--overwrite_output_dir True to train a new model there (removing the earlier run's files), or choose "
-        "another folder."
-    )
+    advice = "; or ".join([*ways, "choose another folder"]) + "."
+    return f"--output_dir {folder} is not empty (it holds {shown}). {advice[0].upper()}{advice[1:]}"
+
+
+def run_folder_ways(folder: Path) -> list[str] | None:
+    """What lets a run use the non-empty `folder`, as the run itself decides it (`hf_vit.outputs.output_folders`),
+    by the project's list of the files it writes (`hf_vit/outputs/files.py`, standard library only, read by its
+    path): resuming where the newest checkpoint that finished saving (its weights there, its trainer_state.json,
+    written last, readable) holds its optimizer's state, overwriting where an earlier run's record claims the files
+    under hf-vit's names (or there are none). None where an entry blocks the run (a link under a name it writes, a
+    checkpoint-N that is not one)."""
+    spec = importlib.util.find_spec("hf_vit")
+    path = Path(spec.origin).parent / "outputs" / "files.py" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        return []
+    loader = importlib.util.spec_from_file_location("hf_vit_cli._files", path)
+    files = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(files)
+    named, checkpoints = [], []
+    for entry in folder.iterdir():
+        checkpoint = files.CHECKPOINT_FOLDER.fullmatch(entry.name)
+        if entry.is_symlink() and (checkpoint or files.is_run_file(entry.name)):
+            return None
+        if checkpoint and (not entry.is_dir() or files.checkpoint_foreign_entries(entry)):
+            return None
+        checkpoints += [entry] if checkpoint else []
+        named += [entry.name] if entry.is_file() and files.is_run_file(entry.name) else []
+    try:
+        record = json.loads((folder / files.RUN_RECORD_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        record = None
+    recorded = isinstance(record, dict) and isinstance(record.get("files"), list)
+    weights = ("model.safetensors", "adapter_model.safetensors", "model-*-of-*.safetensors", "pytorch_model_fsdp_*")
+    complete = [
+        checkpoint
+        for checkpoint in sorted(checkpoints, key=lambda path: int(path.name.split("-")[1]))
+        if _reads(checkpoint / files.TRAINER_STATE_FILE) and any(any(checkpoint.glob(name)) for name in weights)
+    ]  # the newest is resumed, where it has its optimizer's state (not saved with --save_only_model)
+    resumable = complete and any(any(complete[-1].glob(name)) for name in ("optimizer.pt", "optimizer_0"))
+    ways = ["pass --resume_from_checkpoint True to continue the run whose checkpoints it holds"] * bool(resumable)
+    unclaimed = sorted(set(named) - {files.RUN_RECORD_FILE})
+    if recorded or not unclaimed:
+        ways.append("pass --overwrite_output_dir True to train a new model there (it removes only what an earlier "
+                    "hf-vit run recorded writing)")  # fmt: skip
+    else:
+        ways.append(f"move {', '.join(unclaimed)} away (no {files.RUN_RECORD_FILE} says an hf-vit run wrote them, so "
+                    "--overwrite_output_dir keeps them and refuses)")  # fmt: skip
+    return ways
+
+
+def _reads(path: Path) -> bool:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def one_class_problem(given: dict[str, list[str]]) -> str | None:
@@ -164,11 +216,14 @@ def one_class_problem(given: dict[str, list[str]]) -> str | None:
     if name == "digits" or not root.is_dir() or any((root / file).is_file() for file in saved):
         return None
     train = root / "train" if (root / "train").is_dir() else root
-    entries = [entry for entry in train.iterdir() if not entry.name.startswith(".")]
+    entries = [entry for entry in _listed(train) if not entry.name.startswith(".")]
     if len(entries) != 1 or not entries[0].is_dir():
         return None
-    inside = list(entries[0].iterdir())
+    inside = _listed(entries[0])
     if not inside or any(entry.is_dir() for entry in inside):
+        return None
+    # A metadata file (metadata.csv, .jsonl, .parquet) gives the labels, not the folders: one folder may hold many.
+    if any(entry.name.startswith("metadata.") for folder in (root, train, entries[0]) for entry in _listed(folder)):
         return None
     return (
         f"--dataset_name {root}: {train} holds one class folder ({entries[0].name}): classification needs at least "
@@ -176,14 +231,28 @@ def one_class_problem(given: dict[str, list[str]]) -> str | None:
     )
 
 
+def _listed(folder: Path) -> list[Path]:
+    """What `folder` holds; nothing where it cannot be read (the command says what then)."""
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []
+
+
 def hub_cache_problem(flag: str, value: str, repo_type: str) -> str | None:
-    """A name that is no local path, given with `HF_HUB_OFFLINE=1`, that the Hub cache does not hold."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() not in TRUE_WORDS or os.path.exists(value):
-        return None
+    """A name that is no local path, given with `HF_HUB_OFFLINE=1`, that the Hub cache does not hold (nor, for a data
+    set, the datasets library's own cache, which `load_dataset` reads offline: `<owner>___<name>`, snake-cased)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() not in ("1", "ON", "YES", "TRUE") or os.path.exists(value):
+        return None  # (huggingface_hub's reading of the variable)
     home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
-    cache = Path(os.environ.get("HF_HUB_CACHE", os.path.join(home, "hub")))
+    cache = Path(os.environ.get("HF_HUB_CACHE", os.environ.get("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub"))))
     if (cache / f"{repo_type}s--{value.replace('/', '--')}").is_dir():
         return None
+    prepared = Path(os.environ.get("HF_DATASETS_CACHE", os.path.join(home, "datasets")))
+    folded = value.replace("/", "___").replace("_", "").lower()
+    if repo_type == "dataset" and prepared.is_dir():
+        if any(entry.name.replace("_", "").lower() == folded for entry in prepared.iterdir() if entry.is_dir()):
+            return None
     return (
         f"{flag} {value}: no such folder, and with HF_HUB_OFFLINE=1 a Hub {repo_type} must be in the cache ({cache}), "
         "which does not hold it."

@@ -3,6 +3,7 @@ importing the package, hf-vit's own flags and examples first, Trainer's ~110 beh
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -157,14 +158,24 @@ def test_what_is_right_is_not_refused_before_the_package_loads(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "config.json").write_text("{}")
+    (tmp_path / "out" / "hf_vit_run.json").write_text('{"files": ["config.json"]}')
     (tmp_path / "out" / "checkpoint-2").mkdir()
+    (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (tmp_path / "out" / "checkpoint-2" / "model.safetensors").write_bytes(b"")
+    (tmp_path / "out" / "checkpoint-2" / "optimizer.pt").write_bytes(b"")
     (tmp_path / "images" / "a").mkdir(parents=True)
     (tmp_path / "images" / "b").mkdir()
+    (tmp_path / "labelled" / "images").mkdir(parents=True)  # one folder, its labels in the metadata file
+    (tmp_path / "labelled" / "images" / "a.png").write_bytes(b"")
+    (tmp_path / "labelled" / "images" / "metadata.jsonl").write_text('{"file_name": "a.png", "label": "cat"}\n')
     for argv in (
         ["--preset", "vit-base-patch16-384", "--image_size", "64", "32", "--learning_rate", "3e-4", "--keep_head"],
         ["--preset", "r50-vit-small-patch16-224", "--keep_head", "no", "--optim", "sgd", "--cutmix_minmax", ".2", "1"],
         ["--output_dir", "out", "--overwrite_output_dir"],
         ["--output_dir", "out", "--resume_from_checkpoint", "True", "--dataset_name", "images"],
+        ["--dataset_name", "labelled"],
+        ["--max_steps", "1_000", "--seed", " 7", "--learning_rate", "1_0e-3"],  # as int() and float() read them
+        ["--output_dir", "out", "--do_train", "False", "--do_eval"],  # measures a checkpoint: writes its results only
         ["--preset", "vit-tiny-patch16-22", "--image_size", "32", "--max_num_patches", "4", "--packed_sequence_length",
          "8"],
     ):  # fmt: skip
@@ -172,6 +183,67 @@ def test_what_is_right_is_not_refused_before_the_package_loads(tmp_path, monkeyp
     assert "--overwrite_output_dir True" in early_problem("hf-vit-pretrain", ["--output_dir", "out"])
     assert "--resume_from_checkpoint True" in early_problem("hf-vit-pretrain", ["--output_dir", "out"])
     assert early_problem("hf-vit-predict", ["--model", "out", "images", "--top_k", "3"]) is None
+    (tmp_path / "google" / "vit-base-patch16-224").mkdir(parents=True)  # one model of an owner downloaded here
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # online: the Hub answers for it
+    assert early_problem("hf-vit-finetune", ["--model_name_or_path", "google/vit-large-patch16-224"]) is None
+
+
+def test_a_non_empty_output_dir_is_told_only_the_ways_the_run_would_take(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from hf_vit.outputs.output_folders import OutputDirError, claim_output_dir, release
+    from hf_vit.train.checkpoints import resolve_resume, resumable_checkpoint
+    from hf_vit_cli import early_problem
+
+    def ways(folder):  # what the run itself does: claim the folder with --overwrite_output_dir, resume from it
+        said = early_problem("hf-vit-finetune", ["--output_dir", str(folder)])
+        try:
+            release(claim_output_dir(folder, resume_from=None, overwrite=True, main_process=True))
+            overwrites = True
+        except OutputDirError:
+            overwrites = False
+        return said, overwrites, resumable_checkpoint(folder) is not None
+
+    mine = tmp_path / "project"  # a user's own README and config: --overwrite_output_dir refuses them
+    mine.mkdir()
+    (mine / "README.md").write_text("my notes")
+    (mine / "config.json").write_text("{}")
+    said, overwrites, resumes = ways(mine)
+    assert not overwrites and not resumes and "--overwrite_output_dir True" not in said, said
+    assert "Move README.md, config.json away (no hf_vit_run.json says an hf-vit run wrote them" in said, said
+    cut = mine / "checkpoint-4"  # killed while saving: no weights, no trainer_state.json
+    cut.mkdir()
+    (cut / "optimizer.pt").write_bytes(b"")
+    said, overwrites, resumes = ways(mine)
+    assert not resumes and "--resume_from_checkpoint" not in said, said
+    weights_only = mine / "checkpoint-6"  # saved with --save_only_model: resuming it is refused
+    weights_only.mkdir()
+    (weights_only / "trainer_state.json").write_text("{}")
+    save_file({"weight": torch.zeros(1)}, weights_only / "model.safetensors")
+    assert "--resume_from_checkpoint" not in ways(mine)[0]
+    with pytest.raises(ValueError, match="holds the weights only"):
+        resolve_resume(True, mine)
+    (mine / "hf_vit_run.json").write_text('{"files": ["README.md", "config.json"]}')  # an earlier run wrote them
+    said, overwrites, resumes = ways(mine)
+    assert overwrites and "Pass --overwrite_output_dir True to train a new model there" in said, said
+    assert (mine / "README.md").exists()  # the check itself removes nothing
+    real_iterdir = Path.iterdir
+
+    def unreadable(path):  # a checkpoint folder this user may not list
+        if path.name == "checkpoint-4":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_iterdir(path)
+
+    (tmp_path / "cats" / "checkpoint-4").mkdir(parents=True)  # a data set's one folder this user may not list
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "iterdir", unreadable)
+        assert early_problem("hf-vit-finetune", ["--output_dir", str(mine)]) is None  # the run says what, no traceback
+        assert early_problem("hf-vit-finetune", ["--dataset_name", str(tmp_path / "cats")]) is None
+    (mine / "checkpoint-2").symlink_to(cut)  # a link the run would write through: the run names it, not told here
+    assert early_problem("hf-vit-finetune", ["--output_dir", str(mine)]) is None
+    with pytest.raises(OutputDirError, match="checkpoint-2 is a symlink"):
+        claim_output_dir(mine, resume_from=None, overwrite=True, main_process=True)
 
 
 @pytest.mark.parametrize("command", ["hf-vit-pretrain", "hf-vit-finetune"])
@@ -196,5 +268,9 @@ def test_a_hub_id_the_offline_cache_lacks_is_told_before_the_package_loads(tmp_p
     assert "datasets--" not in said and early_problem("hf-vit-pretrain", ["--dataset_name", "digits"]) is None
     assert "Hub dataset" in early_problem("hf-vit-pretrain", ["--dataset_name", "someone/images"])
     assert early_problem("hf-vit-finetune", ["--model_name_or_path", "google/vit-base-patch16-224"]) is None  # cached
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "prepared"))  # load_dataset offline reads its own cache
+    (tmp_path / "prepared" / "someone___cat_photos" / "default" / "0.0.0" / "abc").mkdir(parents=True)
+    assert early_problem("hf-vit-pretrain", ["--dataset_name", "someone/cat_photos"]) is None
+    assert "Hub dataset" in early_problem("hf-vit-pretrain", ["--dataset_name", "someone/dog_photos"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online: the Hub answers for it
     assert early_problem("hf-vit-finetune", ["--model_name_or_path", "my-run"]) is None

@@ -430,6 +430,19 @@ def test_a_folder_holding_only_the_record_of_a_run_that_wrote_nothing_is_the_rer
     assert "--overwrite_output_dir True" in str(refused.value) and "--resume_from_checkpoint" not in str(refused.value)
 
 
+def test_a_refusal_advises_no_resume_from_checkpoints_saved_with_the_model_only(tmp_path):
+    from hf_vit.train.checkpoints import resolve_resume
+
+    out = tmp_path / "out"
+    weights_only = ["--save_strategy", "steps", "--save_steps", "1", "--save_only_model", "True"]
+    train("pretrain", *tiny_pretrain(out, *weights_only))
+    with pytest.raises(ValueError, match="holds the weights only"):  # what the advice would lead to
+        resolve_resume(True, out)
+    with pytest.raises(FileExistsError, match="is not empty") as refused:
+        train("pretrain", *tiny_pretrain(out, *weights_only))
+    assert "--overwrite_output_dir True" in str(refused.value) and "--resume_from_checkpoint" not in str(refused.value)
+
+
 def test_no_file_a_run_writes_goes_through_a_link_planted_in_its_folder(tmp_path):
     run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
     train("pretrain", *tiny_pretrain(run))

@@ -400,7 +400,7 @@ def claim_output_dir(
 
     A folder holding files (`held_entries`) is refused unless the run resumes a checkpoint of its own (in the folder:
     `resume_from` elsewhere makes a new run there) or `overwrite` says what to do with them, as transformers' example
-    scripts refuse it; the refusal's advice asks `latest_checkpoint` (`last_complete_checkpoint`) whether resuming
+    scripts refuse it; the refusal's advice asks `latest_checkpoint` (`resumable_checkpoint`) whether resuming
     would work. Even then, symlinks the run would write through and `checkpoint-N` folders that are not checkpoints
     are refused by name, and `overwrite` is refused for files under names hf-vit writes that no run's record lists
     (`hf_vit.outputs.run_record`): the new run removes an earlier run's files, and only those.

@@ -84,6 +84,17 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     return None
 
 
+def resumable_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The checkpoint `--resume_from_checkpoint True` resumes in `output_dir`: the newest complete one, where it holds
+    its optimizer's state (one saved with --save_only_model is refused, `resolve_resume`); else None."""
+    checkpoint = last_complete_checkpoint(output_dir)
+    return checkpoint if checkpoint is not None and _has_optimizer_state(checkpoint) else None
+
+
+def _has_optimizer_state(checkpoint: str | os.PathLike) -> bool:
+    return any((Path(checkpoint) / name).exists() for name in ("optimizer.pt", "optimizer_0"))
+
+
 def resolve_resume(
     resume: str | bool | None, output_dir: str | os.PathLike, overwrite_output_dir: bool = False
 ) -> str | None:
@@ -112,7 +123,7 @@ def resolve_resume(
                 f"Cannot resume from {checkpoint}: " + "; ".join(problems) + ". It was probably cut off while saving: "
                 "pass --resume_from_checkpoint True to take the last complete checkpoint."
             )
-    if not any((Path(checkpoint) / name).exists() for name in ("optimizer.pt", "optimizer_0")):
+    if not _has_optimizer_state(checkpoint):
         raise ValueError(
             f"{checkpoint} holds the weights only (it was saved with --save_only_model): resuming from it would "
             "restart the optimizer state and the learning-rate schedule, which is not the run it came from. To "

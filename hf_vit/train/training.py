@@ -49,7 +49,7 @@ from ..tasks.model_setup import ModelSettings, processor_for
 from ..tasks.objectives import Objective, select_objective
 from ..tasks.training_transforms import training_splits
 from .arguments import DataArguments, ModelArguments, VisionTransformerTrainingArguments, flag_values, parse_args
-from .checkpoints import last_complete_checkpoint, resolve_resume
+from .checkpoints import resolve_resume, resumable_checkpoint
 from .evaluation import final_evaluation
 from .flexible import PatchSizeDraw, SeqLenBatchSampler, check_patch_sizes
 from .lora import LoraSettings, adapt, check_lora_arguments, lora_summary
@@ -131,7 +131,7 @@ def train(
         resume_from=resume,
         overwrite=training_args.overwrite_output_dir,
         main_process=training_args.process_index == 0,
-        latest_checkpoint=last_complete_checkpoint,
+        latest_checkpoint=resumable_checkpoint,
     )
     record = None
     if training_args.process_index == 0:
