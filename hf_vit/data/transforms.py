@@ -336,3 +336,33 @@ def check_image_channels(raw, processor: VisionTransformerImageProcessor, num_ch
             f"{source} {num_channels}: the model takes {num_channels} channel(s), but the data set's images are "
             f"{names.get(found, f'{found} channels')}. {fix}"
         )
+
+
+def check_eval_images(raw) -> None:
+    """Before training, decode every image of the evaluation splits once and read every training image's header (its
+    pixels are decoded when its batches come), so that unreadable files stop the run at once, all of them named, one
+    line each."""
+    problems = []
+    for split in ("train", "validation", "test"):
+        data = raw.get(split)
+        if data is None or isinstance(data, datasets.IterableDataset):
+            continue
+        undecoded = data.cast_column("image", datasets.Image(decode=False))
+        for start in range(0, len(undecoded), 256):
+            for image in undecoded[start : start + 256]["image"]:
+                problem = header_problem(image) if split == "train" else decoding_problem(image)
+                problems += [f"{split}: {problem}"] if problem else []
+    if problems:
+        raise CorruptImageError(
+            f"{len(problems)} image(s) cannot be read; fix or remove them (--no_check_eval_images skips this "
+            "check):\n  " + "\n  ".join(problems)
+        )
+
+
+def decoding_problem(image) -> str | None:
+    """`decode_rgb`'s error for `image` as one line, or None when it decodes."""
+    try:
+        decode_rgb(image)
+    except CorruptImageError as error:
+        return str(error).replace("\n", " ")
+    return None

@@ -88,7 +88,7 @@ def images_text(count: int | None) -> str:
 
 def few_images_warning(count: int | None) -> str | None:
     """One line for a figure measured on fewer than `FEW_IMAGES` images; None otherwise."""
-    if count is None or count >= FEW_IMAGES:
+    if not count or count >= FEW_IMAGES:  # none counted, or enough
         return None
     return (
         f"measured on only {count} images: one image more or less right moves an accuracy by {100 / count:.1f} "

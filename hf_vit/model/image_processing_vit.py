@@ -13,7 +13,6 @@ import math
 import numbers
 import os
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -516,30 +515,30 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         if return_tensors not in (None, TensorType.PYTORCH, TensorType.NUMPY):
             raise ValueError(f"return_tensors must be 'pt', 'np' or None, got {return_tensors!r}.")
         o = self._call_options({name: value for name, value in locals().items() if name in _CALL_OPTIONS})
-        tensors = load_images(images, o.do_convert_rgb, input_data_format)
+        tensors = load_images(images, o["do_convert_rgb"], input_data_format)
         groups = _same_size_groups(tensors)  # processed as one batch each: one interpolate call per group
         processed = [None] * len(tensors)
         for indices in groups.values():
             batch = _stack_channels_last([tensors[i] for i in indices])
             if device is not None:
                 batch = batch.to(device)
-            if o.do_rescale:
+            if o["do_rescale"]:
                 _warn_if_rescaled(batch)
-            if o.do_resize:
-                target = resize_target(*batch.shape[-2:], o.size)
-                if o.max_num_patches is not None:  # the image's own aspect ratio, on the largest grid that fits
-                    rows, cols = grid_for_max_patches(*batch.shape[-2:], o.patch_size, o.max_num_patches)
-                    target = (rows * o.patch_size, cols * o.patch_size)
-                batch = resize_images(batch, target, o.resample)
-            if o.do_center_crop:
-                batch = center_crop_images(batch, (o.crop_size["height"], o.crop_size["width"]))
-            if o.do_convert_rgb and batch.shape[1] == 1:
+            if o["do_resize"]:
+                target = resize_target(*batch.shape[-2:], o["size"])
+                if o["max_num_patches"] is not None:  # the image's own aspect ratio, on the largest grid that fits
+                    rows, cols = grid_for_max_patches(*batch.shape[-2:], o["patch_size"], o["max_num_patches"])
+                    target = (rows * o["patch_size"], cols * o["patch_size"])
+                batch = resize_images(batch, target, o["resample"])
+            if o["do_center_crop"]:
+                batch = center_crop_images(batch, (o["crop_size"]["height"], o["crop_size"]["width"]))
+            if o["do_convert_rgb"] and batch.shape[1] == 1:
                 batch = batch.expand(-1, 3, -1, -1)
             batch = rescale_and_normalize(
                 batch,
-                o.rescale_factor if o.do_rescale else None,
-                o.image_mean if o.do_normalize else None,
-                o.image_std if o.do_normalize else None,
+                o["rescale_factor"] if o["do_rescale"] else None,
+                o["image_mean"] if o["do_normalize"] else None,
+                o["image_std"] if o["do_normalize"] else None,
             )
             if len(groups) == 1:
                 processed = batch
@@ -547,23 +546,23 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                 for position, index in enumerate(indices):
                     processed[index] = batch[position]
 
-        if o.packed_sequence_length is not None and len(processed) > 1:
+        if o["packed_sequence_length"] is not None and len(processed) > 1:
             return packed_patch_batch(
-                processed, o.patch_size, o.max_num_patches, o.packed_sequence_length, return_tensors
+                processed, o["patch_size"], o["max_num_patches"], o["packed_sequence_length"], return_tensors
             )
-        if o.max_num_patches is not None:  # one image alone is the native-aspect batch of one, packed or not
-            return native_patch_batch(processed, o.patch_size, o.max_num_patches, return_tensors)
+        if o["max_num_patches"] is not None:  # one image alone is the native-aspect batch of one, packed or not
+            return native_patch_batch(processed, o["patch_size"], o["max_num_patches"], return_tensors)
         return _whole_image_batch(processed, return_tensors)
 
-    def _call_options(self, given: dict[str, Any]) -> SimpleNamespace:
+    def _call_options(self, given: dict[str, Any]) -> dict[str, Any]:
         """A `preprocess` call's options: those given, this processor's where None; normalised and checked."""
-        o = SimpleNamespace(**{name: getattr(self, name) if value is None else value for name, value in given.items()})
-        o.size = size_dict(o.size, "size", shortest_edge=True)
-        o.resample = to_resampling(o.resample)
-        o.crop_size = size_dict(o.crop_size, "crop_size")
-        _check_rescale_and_normalization(o.rescale_factor, o.image_mean, o.image_std)
-        _check_native(o.max_num_patches, o.patch_size, o.do_center_crop)
-        _check_packing(o.max_num_patches, o.packed_sequence_length)
+        o = {name: getattr(self, name) if value is None else value for name, value in given.items()}
+        o["size"] = size_dict(o["size"], "size", shortest_edge=True)
+        o["resample"] = to_resampling(o["resample"])
+        o["crop_size"] = size_dict(o["crop_size"], "crop_size")
+        _check_rescale_and_normalization(o["rescale_factor"], o["image_mean"], o["image_std"])
+        _check_native(o["max_num_patches"], o["patch_size"], o["do_center_crop"])
+        _check_packing(o["max_num_patches"], o["packed_sequence_length"])
         return o
 
     def normalize_batch(self, images: torch.Tensor) -> torch.Tensor:

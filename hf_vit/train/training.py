@@ -23,15 +23,7 @@ from transformers import TrainingArguments
 
 from ..data.datasets import DataSource, image_folder_root, load_datasets, recorded_images, split_record
 from ..data.packed_batches import PADDING_SAMPLE_IMAGES, PackedBatchSampler, padding_line, training_patches
-from ..data.transforms import (
-    Augmentation,
-    BatchSizes,
-    CorruptImageError,
-    check_image_channels,
-    decode_rgb,
-    header_problem,
-    rows_and_transform,
-)
+from ..data.transforms import Augmentation, BatchSizes, check_eval_images, check_image_channels, rows_and_transform
 from ..flags import exit_on_error, parse_sizes, warn_idle
 from ..infer.compute_dial import compute_dial_after_training
 from ..infer.evaluate import evaluate_checkpoint
@@ -65,7 +57,7 @@ from .recipes import (
 from .summary import summarize_run
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
 
-__all__ = ["check_eval_images", "main", "train"]
+__all__ = ["main", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -412,36 +404,6 @@ def write_outputs(trainer, run: Run, training_args: TrainingArguments, metrics: 
         trainer.run_record.finish()
     if training_args.push_to_hub:
         trainer.push_output_dir(f"hf-vit {task}: final model, card and metrics")
-
-
-def check_eval_images(raw) -> None:
-    """Before training, decode every image of the evaluation splits once and read every training image's header (its
-    pixels are decoded when its batches come), so that unreadable files stop the run at once, all of them named, one
-    line each."""
-    problems = []
-    for split in ("train", "validation", "test"):
-        data = raw.get(split)
-        if data is None or isinstance(data, datasets.IterableDataset):
-            continue
-        undecoded = data.cast_column("image", datasets.Image(decode=False))
-        for start in range(0, len(undecoded), 256):
-            for image in undecoded[start : start + 256]["image"]:
-                problem = header_problem(image) if split == "train" else decoding_problem(image)
-                problems += [f"{split}: {problem}"] if problem else []
-    if problems:
-        raise CorruptImageError(
-            f"{len(problems)} image(s) cannot be read; fix or remove them (--no_check_eval_images skips this "
-            "check):\n  " + "\n  ".join(problems)
-        )
-
-
-def decoding_problem(image) -> str | None:
-    """`decode_rgb`'s error for `image` as one line, or None when it decodes."""
-    try:
-        decode_rgb(image)
-    except CorruptImageError as error:
-        return str(error).replace("\n", " ")
-    return None
 
 
 def main(task: str, argv: list[str] | None = None, parsed: tuple | None = None) -> dict[str, Any]:
