@@ -421,6 +421,7 @@ def test_a_folder_holding_only_the_record_of_a_run_that_wrote_nothing_is_the_rer
     with pytest.raises(CorruptImageError):
         train("pretrain", *tiny_pretrain(out), callbacks=[Stop()])
     assert sorted(p.name for p in out.iterdir()) == ["hf_vit_run.json"]
+    (out / ".hf_vit_run.json.partial").write_text('{"files": [')  # and a later write of the record, killed half way
     assert resolve_resume(True, out) is None  # --resume_from_checkpoint True: nothing to resume, trains from the start
     train("pretrain", *tiny_pretrain(out))  # the same command, taken as it was: no flag needed
     assert (out / "model.safetensors").is_file()

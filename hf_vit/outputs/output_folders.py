@@ -362,9 +362,9 @@ def check_no_file_in_the_way(folder: str | os.PathLike, flag: str = "--output_di
 def held_entries(output_dir: str | os.PathLike) -> list[str]:
     """The names of what the folder `output_dir` holds that a run must not write over unasked: every entry but a run's
     lock, and but the record of an earlier run when it is all there is (a run stopped before it wrote anything, by a
-    corrupt image say: its folder is its rerun's)."""
-    folder = Path(output_dir)
-    entries = sorted(p.name for p in folder.iterdir() if p.name != LOCK_FILE) if folder.is_dir() else []
+    corrupt image say: its folder is its rerun's), with what a killed write of that record left beside it."""
+    folder, own = Path(output_dir), (LOCK_FILE, f".{RUN_RECORD_FILE}.partial")
+    entries = sorted(p.name for p in folder.iterdir() if p.name not in own) if folder.is_dir() else []
     return [] if entries == [RUN_RECORD_FILE] and read_record(folder) is not None else entries
 
 
