@@ -5,11 +5,10 @@ batched matmuls where they beat torch's SDPA kernels (CPU training in half preci
 Every function it returns also takes, in place of a mask, `AttentionSegments` (`layout.py`): runs of consecutive
 tokens that attend only among themselves (the images of a padded or packed batch, each row's padding its own run).
 Each implementation runs them its own way (`segment_attention_path`): flash attention through transformers'
-variable-length path (`cu_seq_lens_q/k`), SDPA on a CUDA GPU in half precision through torch's `varlen_attn`, SDPA
-on CPU with each image's tokens in a row of their own (packed rows gathered there and back) and its padding masked as
-keys, and everything else (SDPA on a GPU in fp32 or with dropout; eager, the implementation that returns
-probabilities) with a mask: the padding masked as keys where each row is one image, else block-diagonal. flex
-attention hands such batches to the SDPA path. The runs are data and the longest is bounded by the row's length, a
+variable-length path (`cu_seq_lens_q/k`), SDPA on a CUDA GPU in half precision through torch's `varlen_attn`, and
+everything else (SDPA on CPU, or on a GPU in fp32 or with dropout; eager, the implementation that returns
+probabilities) with each image's tokens in a row of its own (a packed batch's gathered there and back) and the rest
+masked as keys. flex attention hands such batches to the SDPA path. The runs are data and the longest is bounded by a
 shape: nothing here reads a value back from the device, and a compiled model takes every batch of one shape in one
 graph.
 
@@ -28,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 from transformers.utils import logging
 
-from .layout import AttentionSegments, take_rows
+from .layout import AttentionSegments
 
 try:  # torch >= 2.10: flash attention over cumulative sequence lengths, CUDA only
     from torch.nn.attention.varlen import varlen_attn
@@ -152,20 +151,16 @@ def segment_attention_path(
     - "flash": transformers' flash attention over the runs (`cu_seq_lens_q/k`, `max_length_q/k`);
     - "varlen": torch's `varlen_attn` (SDPA or flex attention asked for; CUDA, half precision, no dropout, a head
       size flash kernels take);
-    - "images": SDPA (or flex attention) on CPU: each image's tokens in a row of their own (packed rows gathered to
-      one image per row and back), the padding masked as keys: no score is computed between two images, as a
-      block-diagonal mask over packed rows would (four times the scores of rows of four images);
-    - "mask": the implementation itself with a mask (eager, which returns the probabilities of the rows it is given,
-      and attention functions registered by others), SDPA with it on a GPU where `varlen_attn` does not apply (fp32,
-      dropout: one fused kernel): the padding masked as keys where each row holds one image, else a block-diagonal
-      mask.
+    - "images": everything else (SDPA on CPU, or on a GPU in fp32 or with dropout; flex attention by SDPA; eager,
+      which returns the probabilities; attention functions registered by others): each image's tokens in a row of
+      their own (a packed batch's gathered there and back), the rest masked as keys: no score is computed between
+      two images.
     """
     if "flash" in implementation:  # transformers' test for its flash implementations, kernels from the Hub included
         return "flash"
-    if implementation not in ("sdpa", "flex_attention"):
-        return "mask"
     if (
-        varlen_attn is not None
+        implementation in ("sdpa", "flex_attention")
+        and varlen_attn is not None
         and device.type == "cuda"
         and dtype in (torch.float16, torch.bfloat16)
         and dropout == 0.0
@@ -174,7 +169,7 @@ def segment_attention_path(
         and _flash_capable(device.index)
     ):
         return "varlen"
-    return "images" if device.type == "cpu" else "mask"
+    return "images"
 
 
 def segment_attention_forward(
@@ -192,10 +187,11 @@ def segment_attention_forward(
     """Attention of `(B, heads, N, d_h)` inputs restricted to `segments`, by `segment_attention_path`; output
     `(B, N, heads, d_h)` and the probabilities where the implementation gives them."""
     batch, heads, tokens, head_dim = query.shape
-    if (batch, tokens) != (segments.batch_size, segments.row_length):
+    blocks = segments.blocks_shape
+    if (batch, tokens) != blocks:
         raise ValueError(
-            f"The attention segments describe {segments.batch_size} rows of {segments.row_length} tokens, but the "
-            f"queries are {batch} rows of {tokens}."
+            f"The attention segments describe {blocks[0]} rows of {blocks[1]} tokens, but the queries are {batch} "
+            f"rows of {tokens}."
         )
     path = segment_attention_path(implementation, query.device, query.dtype, dropout, head_dim)
     if not torch.compiler.is_compiling():  # the logs are printed before compiling, at the first call
@@ -205,39 +201,25 @@ def segment_attention_forward(
                 f"the SDPA path instead ({path})."
             )
         logger.info_once(f"Attention restricted to each image: {implementation} runs it as {path!r}.")
+    cu_seqlens, longest = segments.cu_seqlens.to(query.device), segments.max_seqlen
     if path == "flash":
-        cu_seqlens, longest = segments.cu_seqlens.to(query.device), segments.max_seqlen
         return function(
             module, query, key, value, None, scaling=scaling, dropout=dropout, cu_seq_lens_q=cu_seqlens,
             cu_seq_lens_k=cu_seqlens, max_length_q=longest, max_length_k=longest, **kwargs,
         )  # fmt: skip
     if path == "varlen":
         # (B, heads, N, d_h) -> (B * N, heads, d_h): the tokens flattened, a view of the qkv projection's output.
-        # The longest run is bounded by the row's length: the kernels take a larger bound, and the runs stay data.
+        # The longest run is bounded by a shape: the kernels take a larger bound, and the runs stay data.
         flat = [tensor.transpose(1, 2).reshape(batch * tokens, heads, head_dim) for tensor in (query, key, value)]
-        cu_seqlens, longest = segments.cu_seqlens.to(query.device), segments.max_seqlen
         output = varlen_attn(*flat, cu_seqlens, cu_seqlens, longest, longest, scale=scaling)
         return output.view(batch, tokens, heads, head_dim), None
     if implementation == "flex_attention":  # handed to SDPA: a block mask would be built for every batch
         function = sdpa_or_matmul_attention_forward
-    if path == "images" and segments.image_source is not None:  # packed rows: each image in a row of its own
-        flat = [tensor.transpose(1, 2).reshape(batch * tokens, heads, head_dim) for tensor in (query, key, value)]
-        images, image_tokens = segments.image_mask.shape
-        per_image = [
-            take_rows(tensor, segments.image_source).view(images, image_tokens, heads, head_dim).transpose(1, 2)
-            for tensor in flat
-        ]
-        mask = _key_mask(segments.image_mask, query.dtype)
-        output, _ = function(module, *per_image, mask, scaling=scaling, dropout=dropout, **kwargs)
-        output = take_rows(output.reshape(images * image_tokens, heads, head_dim), segments.row_source)
-        return output.view(batch, tokens, heads, head_dim), None  # zero on the rows' padding, which feeds nothing
-    if segments.token_mask is not None:  # one image per row: its padding masked as keys
-        mask = _key_mask(segments.token_mask.to(query.device), query.dtype)
-    else:
-        visible = segments.block_diagonal_mask().to(query.device)
-        mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
-        mask = mask.masked_fill(~visible, torch.finfo(query.dtype).min)  # additive: every function adds it
-    return function(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
+    # each image's tokens in a row of their own (a view where the rows are the images), the rest masked as keys
+    per_image = [segments.to_images(tensor.transpose(1, 2)).transpose(1, 2) for tensor in (query, key, value)]
+    mask = _key_mask(segments.token_mask.to(query.device), query.dtype)
+    output, probs = function(module, *per_image, mask, scaling=scaling, dropout=dropout, **kwargs)
+    return segments.to_blocks(output, blocks), probs  # zero on a packed batch's padding, which feeds nothing
 
 
 def _key_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

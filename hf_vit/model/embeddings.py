@@ -11,7 +11,8 @@ from torch.nn import functional as F
 
 from .configuration_vit import VisionTransformerConfig
 from .hybrid import ResNetStem
-from .resolution import resample_position_embeddings
+from .layout import BatchLayout
+from .resolution import position_embeddings_at, resample_position_embeddings
 
 __all__ = ["VisionTransformerEmbeddings"]
 
@@ -47,40 +48,63 @@ class VisionTransformerEmbeddings(nn.Module):
         self,
         pixel_values: torch.Tensor,
         bool_masked_pos: torch.Tensor | None = None,
-        spatial_shapes: torch.Tensor | None = None,
+        layout: BatchLayout | None = None,
         patch_sources: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The blocks' input: `(B, prefix + N, D)` for whole images; for a native-aspect batch of flattened patches
+        (`layout`, see `layout.py`), each slot embedded where it lies, at its own grid's place."""
         pixel_values = pixel_values.to(self.patch_embedding.weight.dtype)
-        tokens, grid = self.embed_patches(pixel_values, spatial_shapes)  # (B, N, D): x_p^i E
-        if bool_masked_pos is not None or patch_sources is not None:
-            tokens = self.corrupt(tokens, bool_masked_pos, patch_sources)
-        batch, config, positioned = tokens.shape[0], self.config, self.config.num_position_prefix_tokens
-        prefix = [
-            token.expand(batch, -1, -1) for token in (self.cls_token, self.distillation_token) if token is not None
-        ]
-        tokens = torch.cat([*prefix, tokens], dim=1)  # [x_class; x_dist; x_p^1 E; ...]
-        # E_pos, resampled in 2D when the grid is not the one the model was trained on: in a native-aspect batch to
-        # each image's grid, zero on the padding after its patches (masked as keys)
+        if layout is not None:
+            return self.dropout(self.embed_slots(pixel_values, layout, bool_masked_pos, patch_sources))
+        tokens, grid = self.embed_patches(pixel_values)  # (B, N, D): x_p^i E
+        tokens = self.corrupt(tokens, bool_masked_pos, patch_sources)
+        config, positioned = self.config, self.config.num_position_prefix_tokens
+        # E_pos, resampled in 2D when the grid is not the one the model was trained on
         position_embedding = resample_position_embeddings(
             self.position_embedding, config.grid_size, grid, positioned, config.interpolation_mode,
-            config.interpolation_antialias, num_patches=tokens.shape[1] - positioned,
+            config.interpolation_antialias,
         )  # fmt: skip
-        tokens = tokens + position_embedding
-        if self.register_tokens is not None:  # registers follow the prefix tokens and have no position
-            registers = self.register_tokens.expand(batch, -1, -1)
-            tokens = torch.cat([tokens[:, :positioned], registers, tokens[:, positioned:]], dim=1)
-        return self.dropout(tokens)
+        prefix = self.prefix_tokens(position_embedding[:, :positioned])
+        tokens = tokens + position_embedding[:, positioned:]
+        return self.dropout(torch.cat([prefix.expand(tokens.shape[0], -1, -1), tokens], dim=1))
 
-    def embed_patches(
-        self, pixel_values: torch.Tensor, spatial_shapes: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, tuple[int, int] | torch.Tensor]:
-        """x_p^i E `(B, N, D)` and the grid of the patches: `(rows, cols)`, or `spatial_shapes` for a native-aspect
-        batch, whose patches come flattened `(B, K, P * P * C)` (see `layout.py`)."""
-        if spatial_shapes is not None:
-            # The convolution's kernel `(D, C, P, P)` is the linear map it applies to each patch, its inputs laid out
-            # in the processor's (patch row, patch column, channel) order.
-            weight = self.patch_embedding.weight.permute(0, 2, 3, 1).flatten(1)
-            return F.linear(pixel_values, weight, self.patch_embedding.bias), spatial_shapes
+    def prefix_tokens(self, positions: torch.Tensor) -> torch.Tensor:
+        """`(1, prefix, D)`: [x_class; x_dist] with their `positions`, then the registers (which have none)."""
+        positioned = [token for token in (self.cls_token, self.distillation_token) if token is not None]
+        parts = [torch.cat(positioned, dim=1) + positions] if positioned else []
+        if self.register_tokens is not None:
+            parts.append(self.register_tokens)
+        return torch.cat(parts, dim=1) if parts else positions[:, :0]
+
+    def embed_slots(
+        self,
+        pixel_values: torch.Tensor,
+        layout: BatchLayout,
+        bool_masked_pos: torch.Tensor | None,
+        patch_sources: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A native-aspect batch's slots `(R, L, P * P * C)` embedded where they lie: x_p^i E, the corruption, each
+        slot's position embedding at its place of its own grid; then each image's prefix tokens placed before its
+        patches (`BatchLayout.blocks_input`)."""
+        # The convolution's kernel `(D, C, P, P)` is the linear map it applies to each patch, its inputs laid out in
+        # the processor's (patch row, patch column, channel) order.
+        weight = self.patch_embedding.weight.permute(0, 2, 3, 1).flatten(1)
+        tokens = F.linear(pixel_values, weight, self.patch_embedding.bias)
+        if bool_masked_pos is not None:  # given per image patch, as the outputs: moved to the slots
+            bool_masked_pos = layout.to_slots(bool_masked_pos.bool(), False)
+        if patch_sources is not None:
+            patch_sources = layout.to_slots(patch_sources, -1, patch_index=True)
+        tokens = self.corrupt(tokens, bool_masked_pos, patch_sources)
+        config, positioned = self.config, self.config.num_position_prefix_tokens
+        positions = position_embeddings_at(
+            self.position_embedding, config.grid_size, layout.slot_grids, layout.slot_places, positioned,
+            config.interpolation_mode, config.interpolation_antialias,
+        )  # fmt: skip
+        tokens = tokens + positions.view_as(tokens)
+        return layout.blocks_input(self.prefix_tokens(self.position_embedding[:, :positioned]), tokens)
+
+    def embed_patches(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+        """x_p^i E `(B, N, D)` of whole images and the grid of the patches `(rows, cols)`."""
         # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
         features = pixel_values if self.stem is None else self.stem(pixel_values)
         patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
@@ -92,6 +116,8 @@ class VisionTransformerEmbeddings(nn.Module):
         """Masked patch prediction's corruption of the patch embeddings `(B, N, D)`: those `patch_sources` `(B, N)`
         points elsewhere (an index into the batch's B * N patches, -1 for none) take that patch's embedding, then
         those `bool_masked_pos` `(B, N)` marks take the [mask] embedding."""
+        if bool_masked_pos is None and patch_sources is None:
+            return tokens
         batch, count, dim = tokens.shape
         for name, value in (("bool_masked_pos", bool_masked_pos), ("patch_sources", patch_sources)):
             if value is not None and tuple(value.shape) != (batch, count):

@@ -391,15 +391,13 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             Pack"), whole images, best-fit-decreasing (the images with the most patches placed first, each in the
             row it leaves the least room in), instead of one image per row padded to `max_num_patches`; at least
             `max_num_patches`. Returns `pixel_values` `(rows, packed_sequence_length, patch_size**2 * C)`,
-            `pixel_attention_mask` `(rows, packed_sequence_length)` (1 on every image's patches),
-            `spatial_shapes` `(N, 2)` (each image's grid, in the order given) and `patch_image_index`
-            `(rows, packed_sequence_length)` (the image each slot holds a patch of, -1 on the padding), with the
-            packing the model reads instead of working it out: `row_image_index` `(rows, M)` (the images of each
-            row in order, -1 after them) and `image_slot_index` `(N, K)` (the slot, row * packed_sequence_length +
-            slot, of each image's patch k; -1 beyond its grid). Each image's patches are consecutive in its row, in
-            row-major order. The number of rows depends on the images; their length never does. One image alone
-            comes back as the native-aspect batch of one (as without packing): packing it gains nothing, and the
-            outputs of such calls concatenate into a valid batch, as transformers' pipelines batch them.
+            `spatial_shapes` `(N, 2)` (each image's grid, in the order given) and `image_slot_index` `(N, K)` (the
+            slot, row * packed_sequence_length + slot, of each image's patch k, -1 beyond its grid): the packing,
+            which the model reads instead of working it out. Each image's patches are consecutive in its row, in
+            row-major order; the slots no image holds are padding, at the end of each row. The number of rows
+            depends on the images; their length never does. One image alone comes back as the native-aspect batch
+            of one (as without packing): packing it gains nothing, and the outputs of such calls concatenate into a
+            valid batch, as transformers' pipelines batch them.
 
     Every option can also be overridden per call, e.g. `processor(images, size=384, return_tensors="pt")`.
     """
@@ -780,11 +778,11 @@ def pack_patches(
 ) -> dict[str, torch.Tensor]:
     """Each image's flattened patches (`(rows * cols, D)`, its grid's in `grids`) packed whole by
     `best_fit_decreasing` into rows of `packed_sequence_length` slots: the packed batch's `pixel_values`,
-    `pixel_attention_mask`, `spatial_shapes`, `patch_image_index`, `row_image_index` and `image_slot_index` (see
-    `packed_sequence_length` in the class docstring), written from the plan as the patches are placed. The processor
-    and the training collator both pack here. With `positions` (each image's kept places of its grid, row-major,
-    one per patch given, each at most once: NaViT's token dropping), `patches` are only those kept, and the batch has
-    their `patch_positions` (rows, L) too, -1 on the padding. With `rows` (the images of each row, every image once,
+    `spatial_shapes` and `image_slot_index` (see `packed_sequence_length` in the class docstring), written from the
+    plan as the patches are placed. The processor and the training collator both pack here. With `positions` (each
+    image's kept places of its grid, row-major, one per patch given, each at most once: NaViT's token dropping),
+    `patches` are only those kept, in their slots in that order, and `image_slot_index` is -1 at the places left
+    out. With `rows` (the images of each row, every image once,
     e.g. a training sampler's plan), the batch has exactly those rows, in that order (an empty one is all padding)."""
     sizes = [len(image) for image in patches]
     places = [torch.arange(rows * cols) for rows, cols in grids] if positions is None else positions
@@ -797,29 +795,18 @@ def pack_patches(
             raise ValueError(f"`positions` of image {index} must be distinct places of its {height}x{width} grid.")
     plan = _rows_of_images(sizes, packed_sequence_length, rows)
     device, length = patches[0].device, packed_sequence_length
-    shape = (len(plan), length)
-    pixel_values = torch.zeros(*shape, patches[0].shape[-1], device=device)
-    patch_image_index = torch.full(shape, -1, dtype=torch.long)
-    patch_positions = torch.full(shape, -1, dtype=torch.long)
-    row_image_index = torch.full((len(plan), max(1, *map(len, plan))), -1, dtype=torch.long)
+    pixel_values = torch.zeros(len(plan), length, patches[0].shape[-1], device=device)
     image_slot_index = torch.full((len(sizes), max(height * width for height, width in grids)), -1, dtype=torch.long)
     for row, indices in enumerate(plan):
-        start = 0
-        for rank, index in enumerate(indices):
+        start = row * length
+        for index in indices:
             end = start + sizes[index]
-            pixel_values[row, start:end] = patches[index]
-            patch_image_index[row, start:end] = index
-            patch_positions[row, start:end] = places[index]
-            row_image_index[row, rank] = index
-            image_slot_index[index, places[index]] = torch.arange(row * length + start, row * length + end)
+            pixel_values.view(-1, pixel_values.shape[-1])[start:end] = patches[index]
+            image_slot_index[index, places[index]] = torch.arange(start, end)
             start = end
     return {
         "pixel_values": pixel_values,
-        "pixel_attention_mask": (patch_image_index >= 0).int().to(device),
         "spatial_shapes": torch.tensor([list(grid) for grid in grids], dtype=torch.long, device=device),
-        "patch_image_index": patch_image_index.to(device),
-        **({} if positions is None else {"patch_positions": patch_positions.to(device)}),
-        "row_image_index": row_image_index.to(device),
         "image_slot_index": image_slot_index.to(device),
     }
 

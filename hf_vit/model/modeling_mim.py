@@ -95,9 +95,9 @@ class VisionTransformerForMaskedImageModeling(VisionTransformerPreTrainedModel):
         `(B, K)`): the patches the [mask] embedding replaces, whose pixels the loss scores. Returns the `loss` (unless
         `return_loss=False`; its default tells `Trainer` that the model computes a loss without labels, so evaluation
         reports it) and the `reconstruction`, in the layout of `pixel_values`."""
-        if kwargs.get("patch_image_index") is not None:
+        if kwargs.get("image_slot_index") is not None:
             raise ValueError(
-                "SimMIM takes whole images or a padded native-aspect batch, not a packed one (`patch_image_index`): "
+                "SimMIM takes whole images or a padded native-aspect batch, not a packed one (`image_slot_index`): "
                 "run the processor without packing."
             )
         stride, patch_size = self.config.reconstruction_stride, self.config.patch_size

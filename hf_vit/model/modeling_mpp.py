@@ -174,16 +174,16 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
     ) -> MaskedPatchPredictionOutput:
         """`patch_corruption`: the corruption codes `(B, N)` (`draw_patch_corruption`); or `bool_masked_pos` `(B, N)`,
         as transformers' `ViTForMaskedImageModeling` takes it: the patches the [mask] embedding replaces, and the
-        only ones predicted. A packed batch (`patch_image_index`, see `layout.py`) gives `labels`, `patch_corruption`
+        only ones predicted. A packed batch (`image_slot_index`, see `layout.py`) gives `labels`, `patch_corruption`
         and `bool_masked_pos` per patch slot `(rows, L)` and gets its outputs per image, as the native-aspect batch of
         the same images: `logits` and `patch_corruption` `(images, patches, ...)`."""
-        patch_mask = None
+        patch_mask, per_image = None, None
         if kwargs.get("spatial_shapes") is not None:  # a native-aspect batch: the padding is neither corrupted nor
             layout = self.vit.batch_layout(pixel_values, **batch_fields(kwargs))  # predicted
-            # packed: the images one per row here (the encoder runs their tokens packed)
-            pixel_values, labels, patch_corruption, bool_masked_pos = (
-                None if value is None else layout.unpack_patches(value)
-                for value in (pixel_values, labels, patch_corruption, bool_masked_pos)
+            # packed: what is given per slot goes one image per row, as the outputs (the encoder embeds the slots)
+            per_image = layout.unpack_patches
+            labels, patch_corruption, bool_masked_pos = (
+                None if value is None else per_image(value) for value in (labels, patch_corruption, bool_masked_pos)
             )
             kwargs.update(layout=layout)
             patch_mask = layout.patch_mask
@@ -195,7 +195,7 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
         # the encoder checks the pixels; a grid they do not tile is refused there, before the codes are used
         if isinstance(pixel_values, torch.Tensor) and pixel_values.ndim == (4 if patch_mask is None else 3):
             rows, cols = (size // self.config.patch_size for size in pixel_values.shape[-2:])
-            shape = (pixel_values.shape[0], rows * cols if patch_mask is None else pixel_values.shape[1])
+            shape = (pixel_values.shape[0], rows * cols) if patch_mask is None else tuple(patch_mask.shape)
             if patch_corruption is None and self.training:  # the paper's shares
                 patch_corruption = draw_patch_corruption(*shape, device=pixel_values.device, patch_mask=patch_mask)
             elif patch_corruption is not None and tuple(patch_corruption.shape) != shape:
@@ -208,6 +208,7 @@ class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel
             # gives only the pixels and the mask)
             pixels = unnormalized_pixels(pixel_values, self.config)
             labels = mean_color_classes(pixels, self.config.patch_size, self.config.mpp_color_bits)
+            labels = labels if per_image is None else per_image(labels)
         masked = sources = None
         if patch_corruption is not None:
             masked = patch_corruption == PATCH_MASKED

@@ -41,7 +41,15 @@ from .configuration_vit import VisionTransformerConfig
 from .embeddings import VisionTransformerEmbeddings
 from .hybrid import ResNetUnit, StdConv2d
 from .layer_scale import LayerScale
-from .layout import BatchLayout, batch_fields, check_native_batch, masked_mean, patch_grid_maps
+from .layout import (
+    AttentionSegments,
+    BatchLayout,
+    batch_fields,
+    check_native_batch,
+    check_slot_index,
+    masked_mean,
+    patch_grid_maps,
+)
 from .loading import (
     give_weights_the_umask_mode,
     load_strictly,
@@ -131,11 +139,16 @@ class DropPath(nn.Module):
         super().__init__()
         self.rate = rate
 
-    def forward(self, branch: torch.Tensor) -> torch.Tensor:
+    def forward(self, branch: torch.Tensor, segments: AttentionSegments | None = None) -> torch.Tensor:
+        """`branch` `(B, N, D)`, one draw per image: per row, or per image of a packed batch's tokens (`segments`)."""
         if self.rate == 0.0 or not self.training:
             return branch
         keep = 1.0 - self.rate
-        mask = branch.new_empty((branch.shape[0],) + (1,) * (branch.ndim - 1)).bernoulli_(keep)
+        images = None if segments is None else segments.token_images()
+        if images is None:
+            mask = branch.new_empty((branch.shape[0],) + (1,) * (branch.ndim - 1)).bernoulli_(keep)
+        else:
+            mask = branch.new_empty(segments.token_mask.shape[0] + 1).bernoulli_(keep)[images].view(1, -1, 1)
         return branch * mask / keep
 
     def extra_repr(self) -> str:
@@ -162,8 +175,10 @@ class VisionTransformerBlock(GradientCheckpointingLayer):
         self, hidden_states: torch.Tensor, output_attentions: bool = False, attention_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         attended, probs = self.attention(self.norm1(hidden_states), output_attentions, attention_mask)
-        hidden_states = hidden_states + self.drop_path(self.layer_scale1(self.dropout(attended)))  # (2)
-        hidden_states = hidden_states + self.drop_path(self.layer_scale2(self.mlp(self.norm2(hidden_states))))  # (3)
+        segments = attention_mask if isinstance(attention_mask, AttentionSegments) else None
+        hidden_states = hidden_states + self.drop_path(self.layer_scale1(self.dropout(attended)), segments)  # (2)
+        branch = self.layer_scale2(self.mlp(self.norm2(hidden_states)))
+        hidden_states = hidden_states + self.drop_path(branch, segments)  # (3)
         return hidden_states, probs
 
 
@@ -304,12 +319,11 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         (masked patch prediction, see `VisionTransformerEmbeddings.corrupt` and `modeling_mpp.py`).
         The batch's layout fields come in `kwargs` as the image processor returns them (`layout.BATCH_FIELDS`):
         `spatial_shapes` (with `pixel_attention_mask`): a native-aspect batch of flattened patches, each image on its
-        own grid; with `patch_image_index` (and the processor's `row_image_index`, `image_slot_index`; optionally
-        `patch_positions`, NaViT's token dropping), a packed batch, several whole images per row (see `layout.py`):
-        the outputs are per image (in the order of `spatial_shapes`), as for the native-aspect batch of the same
-        images, which is also the layout `bool_masked_pos` and `patch_sources` are given in; `hidden_states` and
-        `attentions` are of the packed rows. `layout`: the batch's layout (`batch_layout`), where a head has made it
-        and already moved the patches to one image per row (`BatchLayout.unpack_patches`)."""
+        own grid; with `image_slot_index`, a packed batch, several whole images per row (see `layout.py`): the
+        outputs are per image (in the order of `spatial_shapes`), as for the native-aspect batch of the same images,
+        which is also the layout `bool_masked_pos` and `patch_sources` are given in; `hidden_states` are of the
+        blocks' tokens (`BatchLayout.unpack` gives them per image), `attentions` per image. `layout`: the batch's
+        layout (`batch_layout`), where a head has already made it."""
         if pixel_values is None:
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
@@ -317,20 +331,16 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         fields = batch_fields(kwargs)
         if layout is None and "spatial_shapes" in fields:
             layout = self.batch_layout(pixel_values, **fields)
-            pixel_values = layout.unpack_patches(pixel_values)  # packed: the images one per row for (1) and (4)
         elif layout is None:
             self.check_whole_images(pixel_values, interpolate_pos_encoding, fields)
-        grids = None if layout is None else layout.grids
-        embeddings = self.embeddings(pixel_values, bool_masked_pos, grids, patch_sources)  # (1)
-        hidden_states = self.pre_norm(embeddings)
-        attention_mask = None
-        if layout is not None:  # each image's tokens in the blocks' rows (packed: several per row), attending only
-            hidden_states, attention_mask = layout.pack(hidden_states), layout.segments  # to each other
+        # (1): each patch embedded where it lies (packed: the slots, each image's prefix tokens before its patches)
+        hidden_states = self.pre_norm(self.embeddings(pixel_values, bool_masked_pos, layout, patch_sources))
+        segments = None if layout is None else layout.segments  # each image's tokens attend only to each other
         for block in self.layers:
-            hidden_states, _ = block(hidden_states, output_attentions, attention_mask)  # (2), (3)
+            hidden_states, _ = block(hidden_states, output_attentions, segments)  # (2), (3)
         token_mask = None
         if layout is not None:
-            # one image per row again; the tokens token dropping left out are pooled by none
+            # one image per row; the tokens token dropping left out are pooled by none
             hidden_states, token_mask = layout.unpack(hidden_states), layout.token_mask
         # (4): LN of the class token's final state (or of the patch tokens' average, or of attention pooling); with
         # fc_norm the LayerNorm follows the pooling, and the tokens are returned as the last block left them.
@@ -341,12 +351,13 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
 
     def batch_layout(self, pixel_values: torch.Tensor, **fields: torch.Tensor) -> BatchLayout:
-        """The layout of a native-aspect batch, padded or packed (`patch_image_index`), for this model's prefix
+        """The layout of a native-aspect batch, padded or packed (`image_slot_index`), for this model's prefix
         tokens, its inputs' shapes checked: `fields` are the batch's (`layout.BATCH_FIELDS`, `spatial_shapes` among
         them; see `layout.py`)."""
-        spatial_shapes = fields.get("spatial_shapes")
-        one_per_image = spatial_shapes if "patch_image_index" in fields else pixel_values
-        images = one_per_image.shape[0] if isinstance(one_per_image, torch.Tensor) else len(one_per_image)
+        spatial_shapes, slots = fields.get("spatial_shapes"), fields.get("image_slot_index")
+        images = len(pixel_values) if slots is None else len(spatial_shapes)
+        if slots is not None:
+            check_slot_index(slots, images)
         check_native_batch(pixel_values, spatial_shapes, self.config, images)
         return BatchLayout.of(pixel_values, prefix=self.config.num_prefix_tokens, **fields)
 
@@ -402,14 +413,15 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         if not wanted or any(not -depth <= index < depth for index in wanted):
             raise ValueError(f"indices must name blocks 0..{depth - 1} (or -{depth}..-1), got {indices!r}.")
         wanted = [index % depth for index in wanted]
-        attention_mask = None
+        layout = None
         fields = batch_fields(dict(spatial_shapes=spatial_shapes, pixel_attention_mask=pixel_attention_mask))
         if spatial_shapes is not None:
-            attention_mask = self.batch_layout(pixel_values, **fields).segments
+            layout = self.batch_layout(pixel_values, **fields)
         else:
             self.check_whole_images(pixel_values, interpolate_pos_encoding, fields)
+        attention_mask = None if layout is None else layout.segments
         prefix = self.config.num_prefix_tokens
-        hidden_states = self.pre_norm(self.embeddings(pixel_values, spatial_shapes=spatial_shapes))
+        hidden_states = self.pre_norm(self.embeddings(pixel_values, layout=layout))
         outputs = {}
         for index, block in enumerate(self.layers[: max(wanted) + 1]):
             hidden_states, _ = block(hidden_states, False, attention_mask)
@@ -462,14 +474,13 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
         spatial_shapes = fields.get("spatial_shapes")
         if spatial_shapes is not None:
             layout = self.batch_layout(pixel_values, **fields)
-            pixel_values = layout.unpack_patches(pixel_values)
         # dense prediction runs at any patch-divisible size: the position embeddings follow it
         outputs = VisionTransformerModel.forward(  # not super(): BackboneMixin defines a forward of its own
             self, pixel_values, interpolate_pos_encoding=interpolate_pos_encoding,
             output_attentions=output_attentions, output_hidden_states=True, layout=layout, **fields,
         )  # fmt: skip
         states = outputs.hidden_states
-        if layout is not None:  # the blocks' outputs are of the blocks' rows (packed: several images per row)
+        if layout is not None:  # the blocks' outputs are of the blocks' tokens (packed: the slots)
             states = tuple(layout.unpack(state) for state in states)
         if spatial_shapes is None:
             grid = grid_for(tuple(pixel_values.shape[-2:]), self.config.patch_size)

@@ -66,11 +66,10 @@ def grid_for(image_size: int | Sequence[int], patch_size: int) -> tuple[int, int
 def resample_position_embeddings(
     position_embedding: torch.Tensor,
     old_grid: tuple[int, int],
-    new_grid: tuple[int, int] | torch.Tensor,
+    new_grid: tuple[int, int],
     num_prefix_tokens: int = 1,
     mode: str = "bicubic",
     antialias: bool = False,
-    num_patches: int | None = None,
 ) -> torch.Tensor:
     """Resample `(1, prefix + old_h * old_w, D)` position embeddings to `new_grid`, keeping the prefix tokens'.
 
@@ -78,29 +77,10 @@ def resample_position_embeddings(
     the config's `interpolation_mode` and `interpolation_antialias` choose them as each checkpoint's own code
     resamples (DINOv2 with registers antialiases, DINOv2, CLIP, SigLIP and DeiT do not). Interpolation runs in
     float32 so that bf16/fp16 models resample as accurately as fp32 ones; the same grid
-    returns the input itself (except while exporting a graph: see below).
-
-    `new_grid` may also be a `(B, 2)` tensor of grids, one per image of a native-aspect batch: the result is then
-    `(B, prefix + num_patches, D)`, each image's table (row-major) followed by zeros up to `num_patches`: each patch's
-    embedding the same interpolation as a weighted sum of the old grid's embeddings at a few taps
-    (`position_taps`), computed from the grids as data, so no value is read back from the device and a graph takes
-    any grids.
+    returns the input itself (except while exporting a graph: see below). A native-aspect batch's patches, each on
+    its own grid, take theirs from `position_embeddings_at`.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-    expected = num_prefix_tokens + old_grid[0] * old_grid[1]
-    if position_embedding.ndim != 3 or position_embedding.shape[1] != expected:
-        raise ValueError(
-            f"Position embeddings of shape {tuple(position_embedding.shape)} do not match a {old_grid[0]}x"
-            f"{old_grid[1]} grid with {num_prefix_tokens} prefix token(s) (expected (1, {expected}, D)); the "
-            "checkpoint's config does not describe its weights."
-        )
-    if isinstance(new_grid, torch.Tensor):
-        if num_patches is None:
-            raise ValueError(
-                "`num_patches` (the patches per image, padding included) is needed with a tensor of grids."
-            )
-        return _by_taps(position_embedding, old_grid, new_grid, num_prefix_tokens, mode, antialias, num_patches)
+    _check_table(position_embedding, old_grid, num_prefix_tokens, mode)
     # The same grid needs no resampling; an exported graph resamples always (a bicubic or bilinear resize to the same
     # size is the identity), since the shortcut would freeze the grid it was traced at into the graph.
     if not torch.compiler.is_exporting() and tuple(old_grid) == tuple(new_grid):
@@ -113,52 +93,68 @@ def resample_position_embeddings(
     return torch.cat([prefix, patches], dim=1)
 
 
-def _by_taps(
+def _check_table(position_embedding: torch.Tensor, old_grid: tuple[int, int], num_prefix_tokens: int, mode: str):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    expected = num_prefix_tokens + old_grid[0] * old_grid[1]
+    if position_embedding.ndim != 3 or position_embedding.shape[1] != expected:
+        raise ValueError(
+            f"Position embeddings of shape {tuple(position_embedding.shape)} do not match a {old_grid[0]}x"
+            f"{old_grid[1]} grid with {num_prefix_tokens} prefix token(s) (expected (1, {expected}, D)); the "
+            "checkpoint's config does not describe its weights."
+        )
+
+
+def position_embeddings_at(
     position_embedding: torch.Tensor,
     old_grid: tuple[int, int],
     grids: torch.Tensor,
-    num_prefix_tokens: int,
-    mode: str,
-    antialias: bool,
-    num_patches: int,
+    places: torch.Tensor,
+    num_prefix_tokens: int = 1,
+    mode: str = "bicubic",
+    antialias: bool = False,
 ) -> torch.Tensor:
-    """`resample_position_embeddings` to each image's grid `grids` `(B, 2)`: every patch's embedding the weighted sum
-    of the old grid's at its taps (`position_taps`), one `embedding_bag`; zero on the padding. In float32, as a
-    resize computes it (no autocast context entered where none is on)."""
-    prefix = num_prefix_tokens
-    table = position_embedding[0, prefix:].float()  # (in_rows * in_cols, D)
-    index, weight = position_taps(grids.to(table.device), num_patches, old_grid, mode, antialias)
+    """The patch position embeddings `(..., D)` of patches at `places` `(...)` (row-major) of their grids `grids`
+    `(..., 2)` (broadcast together: each patch of a native-aspect batch on its image's grid), as
+    `resample_position_embeddings` to each grid gives them; zero where a place is outside its grid (-1: padding).
+    Each is the weighted sum of the stored grid's embeddings at a few taps (`position_taps`), one `embedding_bag`,
+    computed from the grids as data: no value is read back from the device, and a graph takes any grids. In float32,
+    as a resize computes it (no autocast context entered where none is on)."""
+    _check_table(position_embedding, old_grid, num_prefix_tokens, mode)
+    table = position_embedding[0, num_prefix_tokens:].float()  # (in_rows * in_cols, D)
+    index, weight = position_taps(grids.to(table.device), places.to(table.device), old_grid, mode, antialias)
     device = table.device.type
     autocast = torch.is_autocast_enabled(device)
     with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         taps = index.shape[-1]
         patches = F.embedding_bag(
             index.reshape(-1, taps), table, per_sample_weights=weight.reshape(-1, taps), mode="sum"
-        ).view(*index.shape[:2], -1)
-    prefixes = position_embedding[:, :prefix].float().expand(patches.shape[0], -1, -1)
-    return torch.cat([prefixes, patches], dim=1).to(position_embedding.dtype)
+        ).view(*index.shape[:-1], -1)
+    return patches.to(position_embedding.dtype)
 
 
 def position_taps(
-    grids: torch.Tensor, num_patches: int, old_grid: tuple[int, int], mode: str, antialias: bool
+    grids: torch.Tensor, places: torch.Tensor, old_grid: tuple[int, int], mode: str, antialias: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The taps of each patch `k < num_patches` (row-major) of each image's grid `grids` `(B, 2)` on the stored
-    `old_grid`: indices `(B, K, T)` into its `in_rows * in_cols` positions and their weights `(B, K, T)` (float32)
-    such that the weighted sums are `F.interpolate(mode=mode, antialias=antialias, align_corners=False)` of the grid
-    to each image's. T is the product of the taps per axis: 2 (bilinear) or 4 (bicubic) with the edges repeated;
-    with antialias, the whole axis, the taps outside each filter's window weighted 0 (a downsampled axis widens the
-    filter by the scale, up to the whole axis for a grid one patch wide). The padding's weights are 0. The weights
-    are computed in float64 (float32 on MPS, which has none), so the sums are the resize up to float32's rounding."""
+    """The taps of patches at `places` `(...)` (row-major) of their grids `grids` `(..., 2)` (broadcast together) on
+    the stored `old_grid`: indices `(..., T)` into its `in_rows * in_cols` positions and their weights `(..., T)`
+    (float32) such that the weighted sums are `F.interpolate(mode=mode, antialias=antialias, align_corners=False)` of
+    the grid to each patch's. T is the product of the taps per axis: 2 (bilinear) or 4 (bicubic) with the edges
+    repeated; with antialias, the whole axis, the taps outside each filter's window weighted 0 (a downsampled axis
+    widens the filter by the scale, up to the whole axis for a grid one patch wide). A place outside its grid (the
+    padding) weighs 0. The weights are computed in float64 (float32 on MPS, which has none), so the sums are the
+    resize up to float32's rounding."""
     in_rows, in_cols = old_grid
     grids = grids.to(torch.float32 if grids.device.type == "mps" else torch.float64)
-    rows, cols = grids[:, 0:1], grids[:, 1:2]  # (B, 1)
-    place = torch.arange(num_patches, device=grids.device, dtype=grids.dtype)[None, :]  # (1, K)
-    row = torch.minimum(torch.floor(place / cols), rows - 1)  # the padding's rows clamped (weighted 0 below)
-    col = torch.remainder(place, cols)
-    row_index, row_weight = _axis_taps(row, rows.expand_as(row), in_rows, mode, antialias)
-    col_index, col_weight = _axis_taps(col, cols.expand_as(col), in_cols, mode, antialias)
+    rows, cols = grids[..., 0], grids[..., 1]
+    place = places.to(grids.dtype)
+    rows, cols, place = torch.broadcast_tensors(rows, cols, place)
+    row = torch.minimum(torch.floor(place.clamp(min=0) / cols), rows - 1)  # the padding clamped (weighted 0 below)
+    col = torch.remainder(place.clamp(min=0), cols)
+    row_index, row_weight = _axis_taps(row, rows, in_rows, mode, antialias)
+    col_index, col_weight = _axis_taps(col, cols, in_cols, mode, antialias)
     index = (row_index[..., :, None] * in_cols + col_index[..., None, :]).flatten(-2)
-    valid = (place < rows * cols).to(grids.dtype)[..., None]
+    valid = ((place >= 0) & (place < rows * cols)).to(grids.dtype)[..., None]
     weight = (row_weight[..., :, None] * col_weight[..., None, :]).flatten(-2) * valid
     return index, weight.to(torch.float32)
 
