@@ -17,9 +17,9 @@ from hf_vit import (
     VisionTransformerModel,
 )
 from hf_vit.model.image_processing_vit import best_fit_decreasing, native_patch_batch, pack_patches
-from hf_vit.model.layout import PACKED_INDEX_FIELDS, packed_index_fields
+from hf_vit.model.layout import patch_grid_maps
 from hf_vit.model.modeling_mpp import PATCH_MASKED, PATCH_RANDOM
-from hf_vit.model.resolution import position_taps, resample_position_embeddings
+from hf_vit.model.resolution import position_embeddings_at, position_taps, resample_position_embeddings
 
 # ops that copy a value from a tensor to the host: on a GPU each waits for the device
 HOST_READ_OPS = ("_local_scalar_dense", "nonzero", "equal", "is_nonzero")
@@ -135,49 +135,46 @@ def test_forward_and_backward_read_no_value_back(kind, form, family):
     with counting_host_reads() as reads:
         forward_backward(model, batch)
     assert reads == []
-    # the counter sees the reads a forward would make: the same batch without the processor's packing reads back
-    if form != "padded":
-        without = {name: value for name, value in batch.items() if name not in PACKED_INDEX_FIELDS}
-        with counting_host_reads() as reads:
-            forward_backward(model, without)
-        assert reads
+    # the counter sees a read: the backbone's maps read the largest grid, once
+    with counting_host_reads() as reads:
+        patch_grid_maps(torch.zeros(2, 6, 4), torch.tensor([[2, 3], [1, 5]]))
+    assert reads == ["cpu", "tolist"]
 
 
-@pytest.mark.parametrize("drop", [False, True])
-def test_the_layout_the_model_makes_equals_the_processors(drop):
-    """Another library's batch (without the processor's packing fields) runs the slow path: the same outputs."""
-    model = model_of("classifier", num_register_tokens=1).eval()
-    batch = packed_batch(7, seed=3, drop=drop)
-    fast = model(**batch).logits
-    slow = model(**{name: value for name, value in batch.items() if name not in PACKED_INDEX_FIELDS}).logits
-    torch.testing.assert_close(fast, slow, rtol=0, atol=0)
+def test_the_packer_writes_each_images_slots_from_its_plan():
+    # rows of 6 slots, planned [image 2 (2x2), image 0 (1x2)], [image 1 (1x3), padding]
+    patches = [torch.full((size, 3), float(index)) for index, size in enumerate((2, 3, 4))]
+    grids = [(1, 2), (1, 3), (2, 2)]
+    batch = pack_patches(patches, grids, 6, rows=[[2, 0], [1]])
+    assert sorted(batch) == ["image_slot_index", "pixel_values", "spatial_shapes"]
+    assert batch["image_slot_index"].tolist() == [[4, 5, -1, -1], [6, 7, 8, -1], [0, 1, 2, 3]]
+    assert batch["pixel_values"][..., 0].tolist() == [[2, 2, 2, 2, 0, 0], [1, 1, 1, 0, 0, 0]]
+    # token dropping: the kept places, in the order given, fill each image's run
+    kept = [torch.tensor([1]), torch.tensor([2, 0]), torch.tensor([3, 0, 2])]
+    dropped = pack_patches([p[: len(k)] for p, k in zip(patches, kept)], grids, 6, kept, rows=[[2, 0], [1]])
+    assert dropped["image_slot_index"].tolist() == [[-1, 3, -1, -1], [7, -1, 6, -1], [1, -1, 2, 0]]
 
 
-def test_packed_index_fields_name_each_rows_images_and_each_images_slots():
-    # rows of 6 slots: [image 2 (2x2), image 0 (1x2)], [image 1 (1x3), padding]
-    index = torch.tensor([[2, 2, 2, 2, 0, 0], [1, 1, 1, -1, -1, -1]])
-    fields = packed_index_fields(index, torch.tensor([[1, 2], [1, 3], [2, 2]]))
-    assert fields["row_image_index"].tolist() == [[2, 0], [1, -1]]
-    assert fields["image_slot_index"].tolist() == [[4, 5, -1, -1], [6, 7, 8, -1], [0, 1, 2, 3]]
-    positions = torch.tensor([[3, 0, 2, 1, 1, 0], [0, 2, 1, -1, -1, -1]])  # each image's places in any order
-    dropped = packed_index_fields(index, torch.tensor([[1, 2], [1, 3], [2, 2]]), patch_positions=positions)
-    assert dropped["image_slot_index"].tolist() == [[5, 4, -1, -1], [6, 8, 7, -1], [1, 3, 2, 0]]
-    with pytest.raises(ValueError, match="image 0 at slot 4"):
-        packed_index_fields(torch.tensor([[0, 0, 1, 1, 0, 0]]), torch.tensor([[1, 2], [1, 2]]))
+def test_a_batch_in_the_fields_of_earlier_versions_is_refused_naming_the_one_that_describes_it():
+    model = model_of("classifier").eval()
+    batch = packed_batch(4)
+    for name in ("patch_image_index", "row_image_index", "patch_positions"):
+        with pytest.raises(ValueError, match=f"`{name}` no longer describes a packed batch: `image_slot_index`"):
+            model(**batch, **{name: torch.zeros(2, 2, dtype=torch.long)})
 
 
 def test_wrong_packing_fields_are_refused_by_their_shapes():
     model = model_of("classifier").eval()
     batch = packed_batch(4)
     wrong = {
-        "row_image_index": torch.cat([batch["row_image_index"]] * 2),  # more rows than the pixels have
-        "patch_image_index": batch["patch_image_index"][:, :3],
+        "image_slot_index": torch.cat([batch["image_slot_index"]] * 2),  # more images than `spatial_shapes` has
+        "pixel_attention_mask": torch.ones(len(batch["pixel_values"]), 3, dtype=torch.long),
     }
     for name, value in wrong.items():
         with pytest.raises(ValueError, match=name):
             model(**{**batch, name: value})
-    with pytest.raises(ValueError, match="`row_image_index` describes a packed batch"):
-        model(**padded_batch(4), row_image_index=batch["row_image_index"])
+    with pytest.raises(ValueError, match="`image_slot_index` must be an \\(4, K\\) integer tensor"):
+        model(**{**batch, "image_slot_index": batch["image_slot_index"].float()})
 
 
 def test_a_padded_batchs_wrong_values_are_refused_on_the_device():
@@ -228,7 +225,8 @@ def test_position_taps_equal_the_resize_per_grid_with_gradients(mode, antialias)
     table = torch.randn(1, 1 + 7 * 6, 8, dtype=torch.float32, requires_grad=True)
     grids = torch.tensor([[1, 1], [2, 9], [7, 6], [12, 3], [4, 4], [1, 20], [14, 1], [3, 2]])  # up and down, each axis
     count = 42  # the largest grid's patches
-    by_taps = resample_position_embeddings(table, (7, 6), grids, 1, mode, antialias, num_patches=count)
+    by_taps = position_embeddings_at(table, (7, 6), grids[:, None], torch.arange(count)[None], 1, mode, antialias)
+    by_taps = torch.cat([table[:, :1].expand(len(grids), -1, -1), by_taps], dim=1)  # with the class token's
     assert by_taps.dtype == torch.float32
     weights = torch.randn_like(by_taps)
     (gradient,) = torch.autograd.grad((by_taps * weights).sum(), table)
@@ -247,10 +245,10 @@ def test_position_taps_equal_the_resize_per_grid_with_gradients(mode, antialias)
 
 
 def test_each_patch_has_a_few_taps_without_antialias():
-    grids = torch.tensor([[3, 5], [16, 16]])
-    assert position_taps(grids, 256, (14, 14), "bicubic", False)[0].shape == (2, 256, 16)
-    assert position_taps(grids, 256, (14, 14), "bilinear", False)[0].shape == (2, 256, 4)
-    index, weight = position_taps(grids, 256, (14, 14), "bicubic", False)
+    grids, places = torch.tensor([[[3, 5]], [[16, 16]]]), torch.arange(256)[None]
+    assert position_taps(grids, places, (14, 14), "bicubic", False)[0].shape == (2, 256, 16)
+    assert position_taps(grids, places, (14, 14), "bilinear", False)[0].shape == (2, 256, 4)
+    index, weight = position_taps(grids, places, (14, 14), "bicubic", False)
     assert (weight[0, 15:] == 0).all()  # the padding after the first image's 15 patches
     torch.testing.assert_close(weight[1].sum(-1), torch.ones(256))
 
@@ -259,13 +257,13 @@ def test_one_image_from_a_packing_processor_is_a_batch_of_one_and_such_batches_c
     processor = VisionTransformerImageProcessor(max_num_patches=24, patch_size=4, packed_sequence_length=48)
     photos = [(torch.rand(3, 30, 50) * 255).to(torch.uint8) for _ in range(3)]
     one = processor(photos[0], return_tensors="pt")
-    assert "patch_image_index" not in one and one["pixel_values"].shape == (1, 24, 48)
+    assert "image_slot_index" not in one and one["pixel_values"].shape == (1, 24, 48)
     model = model_of("classifier").eval()
     each = torch.cat([model(**processor(photo, return_tensors="pt")).logits for photo in photos])
     rows = [processor(photo, return_tensors="pt") for photo in photos]
     concatenated = {name: torch.cat([row[name] for row in rows]) for name in rows[0]}
     together = processor(photos, return_tensors="pt")
-    assert "patch_image_index" in together
+    assert "image_slot_index" in together
     torch.testing.assert_close(model(**concatenated).logits, each, rtol=0, atol=1e-5)
     torch.testing.assert_close(model(**together).logits, each, rtol=0, atol=1e-5)
 
@@ -345,14 +343,10 @@ def test_the_processors_own_options_load_as_options_and_a_row_too_short_is_refus
 
 
 def test_on_cpu_each_packed_image_attends_in_a_row_of_its_own(monkeypatch):
-    """SDPA on CPU gathers packed rows to one image per row (no score between two images), equal to the
-    block-diagonal mask over the packed rows, forward and backward."""
-    import hf_vit.model.attention as attention
-
-    batch = packed_batch(7, seed=2, drop=True)
+    """SDPA on CPU gathers a packed batch's tokens to one image per row (no score between two images): the outputs
+    and gradients of the padded batch of the same images, whose rows are the images."""
     results = []
-    for path in ("images", "mask"):
-        monkeypatch.setattr(attention, "segment_attention_path", lambda *args, path=path: path)
+    for batch in (packed_batch(7, seed=2), padded_batch(7, seed=2)):
         model = model_of("classifier", num_register_tokens=1)
         shapes, sdpa = [], F.scaled_dot_product_attention
 
@@ -364,11 +358,11 @@ def test_on_cpu_each_packed_image_attends_in_a_row_of_its_own(monkeypatch):
         outputs = forward_backward(model, batch)
         monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
         results.append((outputs.logits, [p.grad for p in model.parameters()], shapes))
-    (images, image_grads, image_shapes), (masked, masked_grads, masked_shapes) = results
-    assert {shape[0] for shape in image_shapes} == {7}  # a row per image
-    assert {shape[0] for shape in masked_shapes} == {len(batch["pixel_values"])}  # the packed rows
-    torch.testing.assert_close(images, masked, rtol=0, atol=1e-5)
-    for ours, theirs in zip(image_grads, masked_grads):
+    (packed, packed_grads, packed_shapes), (padded, padded_grads, padded_shapes) = results
+    assert {shape[0] for shape in packed_shapes} == {7}  # a row per image
+    assert {shape[2] for shape in packed_shapes} == {shape[2] for shape in padded_shapes}  # prefix + K tokens
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+    for ours, theirs in zip(packed_grads, padded_grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
@@ -377,43 +371,37 @@ def concatenated(first, second):
     joined = {}
     for name in first:
         a, b = first[name], second[name]
-        width = max(a.shape[1], b.shape[1])
-        if a.ndim == 2 and name != "spatial_shapes":
-            a, b = (F.pad(value, (0, width - value.shape[1]), value=-1) for value in (a, b))
+        if name == "image_slot_index":
+            a, b = (F.pad(value, (0, max(a.shape[1], b.shape[1]) - value.shape[1]), value=-1) for value in (a, b))
         joined[name] = torch.cat([a, b])
     return joined
-
-
-def edited(batch, name, change):
-    value = batch[name].clone()
-    change(value)
-    return {**batch, name: value}
 
 
 def test_a_packed_batchs_fields_that_disagree_are_refused_naming_the_field():
     """Each would run silently, its logits wrong or another image's, where the fields were taken on trust."""
     model = model_of("classifier").eval()
     batch = packed_batch(3, seed=1)
-    slot = int(batch["image_slot_index"][0, 0])
+    rows, length = batch["pixel_values"].shape[:2]
+    slots = batch["image_slot_index"]
+    gap = slots.clone()
+    gap[0, int((gap[0] >= 0).sum()) - 1] = rows * length - 1  # the first image's last patch in the last slot
+    mask = torch.zeros(rows * length, dtype=torch.long).index_fill(0, slots[slots >= 0], 1).view(rows, length)
+    small = batch["spatial_shapes"].clone()
+    small[0] = 1
+    out_of_range = slots.clone()
+    out_of_range[0, 0] = 10**4
     wrong = {
-        "row_image_index": concatenated(batch, packed_batch(3, seed=2)),
-        "spatial_shapes": edited(batch, "spatial_shapes", lambda v: v[0].add_(torch.tensor([1, 0]))),
-        "patch_image_index": edited(batch, "patch_image_index", lambda v: v.view(-1)[slot].fill_(2)),
-        "pixel_attention_mask": edited(batch, "pixel_attention_mask", lambda v: v.zero_()),
-        "image_slot_index": edited(batch, "image_slot_index", lambda v: v[0, 0].fill_(10_000)),
+        "two patches in a slot": ("image_slot_index", concatenated(batch, packed_batch(3, seed=2))),
+        "a grid too small": ("spatial_shapes", {**batch, "spatial_shapes": small}),
+        "a slot out of range": ("image_slot_index", {**batch, "image_slot_index": out_of_range}),
+        "a run with a gap": ("image_slot_index", {**batch, "image_slot_index": gap}),
+        "a mask of no slot": ("pixel_attention_mask", {**batch, "pixel_attention_mask": torch.zeros_like(mask)}),
     }
-    for name, inputs in wrong.items():
+    for what, (name, inputs) in wrong.items():
         with pytest.raises(RuntimeError, match=f"`{name}` must"):
             model(**inputs)
-    for name in ("patch_image_index", "row_image_index", "image_slot_index"):
-        with pytest.raises(ValueError, match=f"`{name}` must be an integer tensor"):
-            model(**{**batch, name: batch[name].float()})
-    dropped = packed_batch(3, seed=1, drop=True)
-    with pytest.raises(RuntimeError, match="`patch_positions` must"):
-        model(
-            **edited(dropped, "patch_positions", lambda v: v.view(-1)[int(dropped["image_slot_index"][0, 0])].add_(1))
-        )
-    model(**batch)  # the batch as the processor made it runs
+    model(**batch)  # the batch as the processor made it runs, with and without a mask of its slots
+    model(**batch, pixel_attention_mask=mask)
 
 
 def test_the_batch_fields_are_listed_once_and_every_forward_takes_them_as_given():
@@ -435,14 +423,20 @@ def test_the_batch_fields_are_listed_once_and_every_forward_takes_them_as_given(
     assert len(inspect.signature(VisionTransformerModel.forward).parameters) == 8  # self, 5 inputs, layout, kwargs
 
 
+def images_per_row(batch):
+    """The most images in one row of a packed batch."""
+    rows = batch["image_slot_index"].clamp(min=0).amin(1) // batch["pixel_values"].shape[1]
+    return int(torch.bincount(rows).max())
+
+
 def test_packed_batches_of_other_rows_and_images_per_row_compile_in_two_graphs_marked_dynamic():
     """The rows and the most images in a row change between these batches: their sizes marked dynamic from the first
     batch, the compiled model takes them all in at most two graphs (three without the marks)."""
     model = model_of("classifier", num_register_tokens=1).eval()
     batches = [packed_batch(count, seed=count, length=32) for count in (4, 6, 5, 8, 7, 9)]
-    assert len({(len(batch["pixel_values"]), batch["row_image_index"].shape[1]) for batch in batches}) > 3
+    assert len({(len(batch["pixel_values"]), images_per_row(batch)) for batch in batches}) > 3
     first = {name: value.clone() for name, value in batches[0].items()}
-    for name, value in first.items():  # rows (R), images (N), and the images of one row (M)
-        torch._dynamo.mark_dynamic(value, [0, 1] if name == "row_image_index" else 0)
+    for name, value in first.items():  # rows (R), images (N), and the most patches of one image (K)
+        torch._dynamo.mark_dynamic(value, [0, 1] if name == "image_slot_index" else 0)
     with torch.no_grad():
         assert compiled_graphs(model, [first, *batches[1:]]) <= 2

@@ -435,21 +435,21 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
 def test_exported_position_embeddings_equal_the_resampling_per_grid(mode, antialias, monkeypatch):
     # what the model and an exported graph compute from the grids as data (the interpolation's taps): the same
     # embeddings as F.interpolate to each grid, and zero on the padding
-    from hf_vit.model.resolution import resample_position_embeddings
+    from hf_vit.model.resolution import position_embeddings_at, resample_position_embeddings
 
     torch.manual_seed(0)
     config = tiny_config(interpolation_mode=mode, interpolation_antialias=antialias, use_distillation_token=True)
     table = VisionTransformerModel(config).embeddings.position_embedding.detach()  # a 4x4 grid, two prefix tokens
     shapes = torch.tensor([[4, 4], [1, 12], [3, 5], [7, 2], [2, 1], [9, 1], [1, 1]])  # same, up, down, both, padded
     prefix = config.num_position_prefix_tokens
-    args = (table, config.grid_size, shapes, prefix, mode, antialias)
-    per_image = resample_position_embeddings(*args, num_patches=16)
+    args = (table, config.grid_size, shapes[:, None], torch.arange(16)[None], prefix, mode, antialias)
+    per_image = position_embeddings_at(*args)
     for row, (rows, cols) in enumerate(shapes.tolist()):
         alone = resample_position_embeddings(table, config.grid_size, (rows, cols), prefix, mode, antialias)
-        torch.testing.assert_close(per_image[row, : prefix + rows * cols], alone[0], atol=1e-6, rtol=0)
-        assert (per_image[row, prefix + rows * cols :] == 0).all()
+        torch.testing.assert_close(per_image[row, : rows * cols], alone[0, prefix:], atol=1e-6, rtol=0)
+        assert (per_image[row, rows * cols :] == 0).all()
     monkeypatch.setattr(torch.compiler, "is_exporting", lambda: True)
-    exported = resample_position_embeddings(*args, num_patches=16)
+    exported = position_embeddings_at(*args)
     torch.testing.assert_close(exported, per_image, atol=1e-6, rtol=0)
 
 
@@ -492,12 +492,12 @@ def test_a_compiled_model_takes_native_batches_of_other_grids_without_recompilin
 
 def test_the_grids_as_data_resample_in_float32_under_autocast():
     # bf16 autocast would round the taps' weighted sums to bf16: the table is computed in float32 as per grid
-    from hf_vit.model.resolution import resample_position_embeddings
+    from hf_vit.model.resolution import position_embeddings_at
 
     table = torch.randn(1, 17, 8)
-    grids = torch.tensor([[3, 5], [2, 2]])
-    exact = resample_position_embeddings(table, (4, 4), grids, 1, "bicubic", False, num_patches=16)
+    args = (table, (4, 4), torch.tensor([[[3, 5]], [[2, 2]]]), torch.arange(16)[None], 1, "bicubic", False)
+    exact = position_embeddings_at(*args)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        under_autocast = resample_position_embeddings(table, (4, 4), grids, 1, "bicubic", False, num_patches=16)
+        under_autocast = position_embeddings_at(*args)
     assert under_autocast.dtype == torch.float32
     torch.testing.assert_close(under_autocast, exact, atol=1e-6, rtol=0)

@@ -259,7 +259,7 @@ def _padded(
 ) -> BatchLayout:
     batch, patches = pixel_values.shape[:2]
     device = pixel_values.device
-    _check_mask_shape(pixel_attention_mask, (batch, patches), f"holds {batch} images of {patches} patches")
+    _check_mask_shape(pixel_attention_mask, (batch, patches), "images of", "patches")
     grids = spatial_shapes.to(device)
     sizes = grids[:, 0] * grids[:, 1]
     places = torch.arange(patches, device=device)
@@ -292,7 +292,7 @@ def _packed(
     rows, length = pixel_values.shape[:2]
     images, patches = image_slot_index.shape
     total, device = rows * length, pixel_values.device
-    _check_mask_shape(pixel_attention_mask, (rows, length), f"holds {rows} rows of {length} patch slots")
+    _check_mask_shape(pixel_attention_mask, (rows, length), "rows of", "patch slots")
     index, grids = image_slot_index.to(device), spatial_shapes.to(device)
     present = index >= 0  # (N, K)
     kept = present.sum(dim=1)  # (N,): each image's patches
@@ -330,11 +330,12 @@ def _packed(
     )  # fmt: skip
 
 
-def _check_mask_shape(mask: torch.Tensor | None, shape: tuple[int, int], what: str) -> None:
+def _check_mask_shape(mask: torch.Tensor | None, shape: tuple[int, int], rows: str, slots: str) -> None:
+    """(The message is formatted only where it is raised: a compiled size stays symbolic.)"""
     if mask is not None and tuple(mask.shape) != shape:
         raise ValueError(
-            f"`pixel_attention_mask` has shape {tuple(mask.shape)}, but `pixel_values` {what}: {shape}, as the image "
-            "processor returns it."
+            f"`pixel_attention_mask` has shape {tuple(mask.shape)}, but `pixel_values` holds {shape[0]} {rows} "
+            f"{shape[1]} {slots}: {shape}, as the image processor returns it."
         )
 
 

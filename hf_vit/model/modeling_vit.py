@@ -355,7 +355,8 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         tokens, its inputs' shapes checked: `fields` are the batch's (`layout.BATCH_FIELDS`, `spatial_shapes` among
         them; see `layout.py`)."""
         spatial_shapes, slots = fields.get("spatial_shapes"), fields.get("image_slot_index")
-        images = len(pixel_values) if slots is None else len(spatial_shapes)
+        one_per_image = pixel_values if slots is None else slots  # `.shape`, not `len`: a compiled size stays symbolic
+        images = one_per_image.shape[0] if isinstance(one_per_image, torch.Tensor) else len(one_per_image)
         if slots is not None:
             check_slot_index(slots, images)
         check_native_batch(pixel_values, spatial_shapes, self.config, images)
