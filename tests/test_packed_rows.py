@@ -25,7 +25,7 @@ from hf_vit.model.attention import (
     segment_attention_path,
 )
 from hf_vit.model.image_processing_vit import best_fit_decreasing, pack_patches
-from hf_vit.model.layout import PACKED_INDEX_FIELDS, AttentionSegments, BatchLayout, _segments, packed_index_fields
+from hf_vit.model.layout import AttentionSegments, BatchLayout
 from hf_vit.model.modeling_mpp import PATCH_CLEAN
 
 # rows of runs (an image's tokens each) in rows of ROW tokens, the rest of each row padding
@@ -39,35 +39,38 @@ class Attention(torch.nn.Module):
     is_causal = False
 
 
-def qkv(rows=4, tokens=ROW, heads=2, head_dim=4, dtype=torch.float64, seed=0):
+def qkv(rows=1, tokens=36, heads=2, head_dim=4, dtype=torch.float64, seed=0):
     generator = torch.Generator().manual_seed(seed)
     buffer = torch.randn(rows, tokens, 3, heads, head_dim, dtype=dtype, generator=generator).requires_grad_()
     return buffer, [part.transpose(1, 2) for part in buffer.unbind(2)]  # (B, heads, N, d_h) views, as the model's
 
 
-def each_run_alone(query, key, value, runs=RUNS):
-    """The reference: SDPA of every run by itself, `(B, N, heads, d_h)`, padding left at zero."""
-    output = torch.zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)
+def each_run_alone(query, key, value, runs=RUNS, row_length=ROW):
+    """The reference: SDPA of every run by itself over the `(1, heads, rows * ROW, d_h)` tokens (a packed batch's
+    slots without prefix tokens), `(1, N, heads, d_h)`, padding left at zero."""
+    output = torch.zeros(1, query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)
     for row, lengths in enumerate(runs):
-        start = 0
+        start = row * row_length
         for length in lengths:
             part = slice(start, start + length)
-            alone = F.scaled_dot_product_attention(query[row : row + 1, :, part], key[row : row + 1, :, part],
-                                                   value[row : row + 1, :, part])  # fmt: skip
-            output[row, part] = alone[0].transpose(0, 1)
+            alone = F.scaled_dot_product_attention(query[:, :, part], key[:, :, part], value[:, :, part])
+            output[0, part] = alone[0].transpose(0, 1)
             start += length
     return output
 
 
-def attention_segments(rows, row_length):
-    """The runs of rows holding runs of `rows[i]` tokens, then their padding (a run of its own, empty where none)."""
-    lengths, token_runs = [], []
-    for number, row in enumerate(rows):
-        padding = row_length - sum(row)
-        lengths += list(row) + [padding]
-        token_runs.append([100 * number + run for run, length in enumerate(row) for _ in range(length)])
-        token_runs[-1] += [-1 - number] * padding
-    return _segments(torch.tensor(lengths), torch.tensor(token_runs))
+def attention_segments(runs=RUNS, row_length=ROW, prefix=0):
+    """The segments of a packed batch of rows of `row_length` slots holding images of `runs[row]` patches (1 x n
+    grids), in that order."""
+    sizes = [size for row in runs for size in row]
+    plan, first = [], 0
+    for row in runs:
+        plan.append(list(range(first, first + len(row))))
+        first += len(row)
+    batch = pack_patches(
+        [torch.zeros(size, 3) for size in sizes], [(1, size) for size in sizes], row_length, rows=plan
+    )
+    return layout_of(batch, prefix).segments
 
 
 def per_run(flat, lengths, scale):
@@ -82,8 +85,9 @@ def per_run(flat, lengths, scale):
     return torch.cat(outputs)
 
 
-def valid(runs=RUNS, tokens=ROW):
-    return torch.tensor([[position < sum(row) for position in range(tokens)] for row in runs])
+def valid(runs=RUNS, row_length=ROW):
+    """`(1, rows * row_length)`: the slots that hold an image's patch."""
+    return torch.tensor([[slot < sum(row) for row in runs for slot in range(row_length)]])
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
@@ -99,9 +103,10 @@ def test_each_run_attends_only_to_itself_and_gradients_match(implementation):
     (ours,) = torch.autograd.grad(output, buffer, grad)
     (theirs,) = torch.autograd.grad(reference, buffer, grad)
     torch.testing.assert_close(ours, theirs, atol=tolerance, rtol=tolerance)
-    if implementation == "eager":  # the probabilities are zero across runs
-        same_run = attention_segments(RUNS, ROW).block_diagonal_mask()
-        assert torch.all(probs.masked_select(~same_run) == 0)
+    if implementation == "eager":  # the probabilities of each image's row: zero on the keys of none of its tokens
+        images = attention_segments(RUNS, ROW).token_mask
+        assert probs.shape == (len(images), 2, images.shape[1], images.shape[1])
+        assert torch.all(probs.masked_select(~images[:, None, None, :]) == 0)
         torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)))
 
 
@@ -128,18 +133,18 @@ def test_the_path_follows_the_implementation_device_and_dtype(monkeypatch):
         assert path("sdpa", cuda, torch.bfloat16, 0.0, 64) == "varlen"
         assert path("sdpa", cuda, torch.float16, 0.0, 64) == "varlen"
         assert path("flex_attention", cuda, torch.bfloat16, 0.0, 64) == "varlen"
-    # where varlen_attn does not apply, a GPU runs one fused kernel with a block-diagonal mask
-    assert path("sdpa", cuda, torch.float32, 0.0, 64) == "mask"  # flash kernels are half precision only
-    assert path("sdpa", cuda, torch.bfloat16, 0.1, 64) == "mask"  # varlen_attn has no dropout
-    assert path("sdpa", cuda, torch.bfloat16, 0.0, 6) == "mask"  # a head size flash kernels refuse
-    assert path("flex_attention", cuda, torch.float32, 0.0, 64) == "mask"
+    # where varlen_attn does not apply, a GPU runs each image in a row of its own, as a CPU does
+    assert path("sdpa", cuda, torch.float32, 0.0, 64) == "images"  # flash kernels are half precision only
+    assert path("sdpa", cuda, torch.bfloat16, 0.1, 64) == "images"  # varlen_attn has no dropout
+    assert path("sdpa", cuda, torch.bfloat16, 0.0, 6) == "images"  # a head size flash kernels refuse
+    assert path("flex_attention", cuda, torch.float32, 0.0, 64) == "images"
     assert path("sdpa", cpu, torch.bfloat16, 0.0, 64) == "images"  # CPU: each image in a row of its own
     assert path("flex_attention", cpu, torch.float32, 0.0, 64) == "images"
     assert path("flash_attention_2", cuda, torch.bfloat16, 0.0, 64) == "flash"
     assert path("flash_attention_3", cuda, torch.bfloat16, 0.0, 64) == "flash"
-    assert path("eager", cuda, torch.bfloat16, 0.0, 64) == "mask"
+    assert path("eager", cuda, torch.bfloat16, 0.0, 64) == "images"
     monkeypatch.setattr(attention, "_flash_capable", lambda index: False)  # pre-Ampere
-    assert path("sdpa", cuda, torch.bfloat16, 0.0, 64) == "mask"
+    assert path("sdpa", cuda, torch.bfloat16, 0.0, 64) == "images"
 
 
 def test_varlen_gets_the_flattened_tokens_cumulative_lengths_and_host_maxima(monkeypatch):
@@ -160,6 +165,9 @@ def test_varlen_gets_the_flattened_tokens_cumulative_lengths_and_host_maxima(mon
     assert seen["shape"] == (len(RUNS) * ROW, 2, 4)  # (total tokens, heads, head size)
     assert seen["cu_q"] is segments.cu_seqlens and seen["cu_k"] is segments.cu_seqlens
     assert (seen["max_q"], seen["max_k"]) == (9, 9) and type(seen["max_q"]) is int  # the rows' length: no read
+    # each image's run, and each row's padding after its images (empty runs where boundaries meet)
+    expected = [n for row in RUNS for n in [*row, ROW - sum(row)]]
+    assert [n for n in torch.diff(segments.cu_seqlens).tolist() if n] == [n for n in expected if n]
     assert seen["scale"] == 0.5
     keep = valid()
     torch.testing.assert_close(output[keep], each_run_alone(query, key, value)[keep])
@@ -182,7 +190,7 @@ def test_flash_attention_gets_transformers_variable_length_arguments():
 
 def test_segments_must_describe_the_batch_and_the_choice_is_logged_once(monkeypatch):
     _, (query, key, value) = qkv()
-    with pytest.raises(ValueError, match="4 rows of 8 tokens, but the queries are 4 rows of 9"):
+    with pytest.raises(ValueError, match="1 rows of 32 tokens, but the queries are 1 rows of 36"):
         segment_attention_forward("sdpa", None, Attention(), query, key, value, attention_segments([[3]] * 4, 8), 0.5)
     logged = {"warning": [], "info": []}
     for level in logged:
@@ -198,7 +206,7 @@ def test_segments_must_describe_the_batch_and_the_choice_is_logged_once(monkeypa
 
 def test_plain_masks_still_reach_the_implementation_unchanged():
     _, (query, key, value) = qkv()
-    mask = torch.zeros(len(RUNS), 1, ROW, ROW, dtype=query.dtype)
+    mask = torch.zeros(1, 1, len(RUNS) * ROW, len(RUNS) * ROW, dtype=query.dtype)
     mask[..., -2:] = torch.finfo(query.dtype).min
     function = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
     output, _ = function(Attention(), query, key, value, mask, scaling=4**-0.5)
@@ -220,35 +228,35 @@ def images(sizes=SIZES, seed=0):
 
 def check_packing(packed, native, capacity):
     """The packing invariants, against the unpacked native-aspect batch of the same images."""
-    index, mask = packed["patch_image_index"], packed["pixel_attention_mask"]
-    grids = native["spatial_shapes"]
+    slots, grids = packed["image_slot_index"], native["spatial_shapes"]
     assert torch.equal(packed["spatial_shapes"], grids)  # in the order given
-    assert index.shape == mask.shape == packed["pixel_values"].shape[:2] and index.shape[1] == capacity
-    assert torch.equal(mask, (index >= 0).int())
+    assert packed["pixel_values"].shape[1] == capacity
     sizes = grids.prod(1).tolist()
-    for image, size in enumerate(sizes):  # every image exactly once, whole, in one row, consecutive
-        row, slots = (index == image).nonzero(as_tuple=True)
-        assert len(slots) == size and len(set(row.tolist())) == 1, image
-        assert torch.equal(slots, torch.arange(slots[0], slots[0] + size)), image
+    assert slots.shape == (len(sizes), max(sizes))
+    flat = packed["pixel_values"].flatten(0, 1)
+    held = torch.zeros(len(flat), dtype=torch.bool)
+    for image, size in enumerate(sizes):  # every image exactly once, whole, in one row, consecutive, in grid order
+        first = int(slots[image, 0])
+        assert slots[image].tolist() == list(range(first, first + size)) + [-1] * (max(sizes) - size), image
+        assert first // capacity == (first + size - 1) // capacity, image
         # its patches are the unpacked native-aspect patches of the image
-        assert torch.equal(packed["pixel_values"][row[0], slots], native["pixel_values"][image, :size]), image
-    for row in range(index.shape[0]):  # images first, the padding after them, zeros
-        count = int(mask[row].sum())
-        assert mask[row].tolist() == [1] * count + [0] * (capacity - count)
-        assert torch.all(packed["pixel_values"][row, count:] == 0)
-    # the packing the model reads: each row's images in order, each image's slots (row * L + slot) in its grid's order
-    rows, most = rows_of(packed), packed["row_image_index"].shape[1]
-    assert packed["row_image_index"].tolist() == [row + [-1] * (most - len(row)) for row in rows]
-    assert packed["image_slot_index"].shape == (len(sizes), max(sizes))
-    for image, size in enumerate(sizes):
-        slots = (index.flatten() == image).nonzero().squeeze(1).tolist()
-        assert packed["image_slot_index"][image].tolist() == slots + [-1] * (max(sizes) - size)
+        assert torch.equal(flat[first : first + size], native["pixel_values"][image, :size]), image
+        held[first : first + size] = True
+    for row in held.view(-1, capacity):  # images first, the padding after them, zeros
+        count = int(row.sum())
+        assert row.tolist() == [True] * count + [False] * (capacity - count)
+    assert torch.all(flat[~held] == 0)
     return sizes
 
 
 def rows_of(packed):
     """Each row's images in their order in the row."""
-    return [list(dict.fromkeys(i for i in row if i >= 0)) for row in packed["patch_image_index"].tolist()]
+    slots, length = packed["image_slot_index"], packed["pixel_values"].shape[1]
+    first = slots[:, 0].tolist()
+    rows = [[] for _ in range(packed["pixel_values"].shape[0])]
+    for image in sorted(range(len(first)), key=first.__getitem__):
+        rows[first[image] // length].append(image)
+    return rows
 
 
 @pytest.mark.parametrize("capacity", [16, 23, 40, 200])
@@ -256,8 +264,7 @@ def test_packed_rows_hold_each_image_whole_as_the_unpacked_batch_does(capacity):
     processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
     native = processor(images(), return_tensors="pt")
     packed = processor(images(), packed_sequence_length=capacity, return_tensors="pt")
-    assert set(packed) == {"pixel_values", "pixel_attention_mask", "spatial_shapes", "patch_image_index",
-                           "row_image_index", "image_slot_index"}  # fmt: skip
+    assert set(packed) == {"pixel_values", "spatial_shapes", "image_slot_index"}
     sizes = check_packing(packed, native, capacity)
     assert packed["pixel_values"].shape[0] >= -(-sum(sizes) // capacity)
     if capacity >= sum(sizes):
@@ -324,7 +331,7 @@ def test_packing_returns_numpy_and_lists_as_the_unpacked_batch_does():
         np.testing.assert_array_equal(as_numpy[name], value.numpy())
         assert len(as_lists[name]) == len(value)
         np.testing.assert_array_equal(np.stack(as_lists[name]), value.numpy())
-    assert as_tensors["patch_image_index"].dtype == torch.long
+    assert as_tensors["image_slot_index"].dtype == torch.long
 
 
 def test_packing_is_saved_reloaded_and_overridden_per_call(tmp_path):
@@ -354,7 +361,7 @@ def test_packing_refuses_what_it_cannot_honour():
         processor(images(), packed_sequence_length=20.5)
 
 
-def test_compiled_attention_takes_every_batch_of_one_shape_in_one_graph():
+def test_compiled_attention_takes_batches_of_other_runs_in_two_graphs():
     from torch._dynamo.utils import counters
 
     function = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
@@ -365,11 +372,11 @@ def test_compiled_attention_takes_every_batch_of_one_shape_in_one_graph():
     counters.clear()
     compiled = torch.compile(attend, backend="eager", fullgraph=True)
     for runs in (RUNS, [[4, 4], [6, 3], [1], [9]], [[9], [8], [2, 7], [3]]):
-        query = torch.randn(4, 2, ROW, 4)
+        query = torch.randn(1, 2, len(runs) * ROW, 4)
         segments = attention_segments(runs, ROW)
         keep = valid(runs)
         torch.testing.assert_close(compiled(query, segments)[keep], attend(query, segments)[keep])
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] <= 2  # the first, then one whose number of images is dynamic
 
 
 @torch.library.custom_op("hf_vit_tests::varlen_reference", mutates_args=())
@@ -393,8 +400,8 @@ VARLEN_MAXIMA: list[int] = []
 
 def test_compiled_varlen_takes_the_runs_as_data_and_the_rows_length_as_its_bound(monkeypatch):
     # On a GPU in half precision a model keeps varlen_attn (a custom op) compiled too: the runs travel as data, the
-    # longest bounded by the row's length (a shape), so batches of other runs need no new graph once the number of runs
-    # is dynamic, and no call reads the longest run back.
+    # longest bounded by the row's length (a shape), so batches of other runs need no new graph once the number of
+    # images is dynamic, and no call reads the longest run back.
     from torch._dynamo.utils import counters
 
     def varlen(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None):
@@ -412,7 +419,7 @@ def test_compiled_varlen_takes_the_runs_as_data_and_the_rows_length_as_its_bound
     compiled = torch.compile(attend, backend="eager", fullgraph=True)
     batches = (RUNS, [[4, 4], [6, 3], [1], [9]], [[9], [8], [2, 7], [3]], [[2, 2, 2], [1, 1], [3], [4, 5]])
     for runs in batches:
-        query = torch.randn(4, 2, ROW, 4, dtype=torch.float64)
+        query = torch.randn(1, 2, len(runs) * ROW, 4, dtype=torch.float64)
         segments = attention_segments(runs, ROW)
         keep = valid(runs)
         VARLEN_MAXIMA.clear()
@@ -443,7 +450,7 @@ def test_a_compiled_block_asks_the_gpus_capability_without_tracing_it(monkeypatc
 # ---- the packed layout in the model ----
 
 
-def test_packed_layout_moves_tokens_between_one_image_per_row_and_packed_rows():
+def test_packed_layout_moves_tokens_between_one_image_per_row_and_the_stream_of_slots():
     processor = VisionTransformerImageProcessor(max_num_patches=16, patch_size=8)
     native = processor(images(), return_tensors="pt")
     packed = processor(images(), packed_sequence_length=24, return_tensors="pt")
@@ -452,59 +459,49 @@ def test_packed_layout_moves_tokens_between_one_image_per_row_and_packed_rows():
     most = int(sizes.max())
     assert torch.equal(layout.unpack_patches(packed["pixel_values"]), native["pixel_values"][:, :most])
     assert torch.equal(layout.patch_mask, native["pixel_attention_mask"][:, :most].bool())
-    rows, row_tokens = layout.segments.token_runs.shape
-    assert row_tokens == 24 + 2 * max(len(row) for row in rows_of(packed))
-    # tokens of one image per row (2 prefix tokens + patches, zero beyond) -> packed rows -> back, unchanged
-    tokens = torch.randn(len(SIZES), 2 + most, 5)
-    tokens[:, 2:][~layout.patch_mask] = 0
-    moved = layout.pack(tokens)
-    assert moved.shape == (rows, row_tokens, 5)
-    assert torch.equal(layout.unpack(moved), tokens)
-    # each image's tokens are consecutive in its packed row, in the order of the rows' images: the runs of attention,
-    # each row's M entries (empty past its images), then its padding
-    most_images = max(len(row) for row in rows_of(packed))
-    expected = []
-    for row in rows_of(packed):
-        images_of_row = [2 + int(sizes[i]) for i in row]
-        expected += images_of_row + [0] * (most_images - len(row)) + [row_tokens - sum(images_of_row)]
-    assert torch.diff(layout.segments.cu_seqlens).tolist() == expected
-    for row, images_of_row in enumerate(rows_of(packed)):
-        start = 0
+    rows = rows_of(packed)
+    stream = len(rows) * 24 + 2 * len(SIZES)  # every slot, and each image's 2 prefix tokens
+    assert layout.segments.blocks_shape == (1, stream)
+    # the stream: row after row, each image's prefix tokens then its patches, the row's padding after its images
+    prefix = torch.randn(1, 2, 5)
+    slots = torch.randn(len(rows), 24, 5)
+    blocks = layout.blocks_input(prefix, slots)[0]
+    expected, runs = [], []
+    for row, images_of_row in enumerate(rows):
+        used = 0
         for image in images_of_row:
-            count = 2 + int(sizes[image])
-            assert torch.equal(moved[row, start : start + count], tokens[image, :count])
-            start += count
-        assert torch.all(moved[row, start:] == 0)
+            expected += [prefix[0], slots[row, used : used + int(sizes[image])]]
+            runs.append(2 + int(sizes[image]))
+            used += int(sizes[image])
+        expected.append(slots[row, used:])
+        runs.append(24 - used)
+    assert torch.equal(blocks, torch.cat(expected))
+    assert [n for n in torch.diff(layout.segments.cu_seqlens).tolist() if n] == [n for n in runs if n]
+    # the stream -> one image per row (2 prefix tokens + patches, zero beyond) -> the stream's tokens of images
+    per_image = layout.unpack(blocks[None])
+    for image in range(len(SIZES)):
+        count = int(sizes[image])
+        row, first = divmod(int(packed["image_slot_index"][image, 0]), 24)
+        assert torch.equal(per_image[image, :2], prefix[0]) and torch.all(per_image[image, 2 + count :] == 0)
+        assert torch.equal(per_image[image, 2 : 2 + count], slots[row, first : first + count])
+    back = layout.segments.to_blocks(per_image, (1, stream))[0]
+    held = layout.segments.block_tokens >= 0
+    assert torch.equal(back[held], blocks[held]) and torch.all(back[~held] == 0)
 
 
-def test_packed_layouts_that_do_not_describe_the_images_are_refused():
-    # where the layout is made from `patch_image_index` (the processor, the collator, the model's slow path)
-    grids = torch.tensor([[1, 2], [1, 1]])
-    good = torch.tensor([[0, 0, 1, -1]])
-    assert packed_index_fields(good, grids)["row_image_index"].tolist() == [[0, 1]]
-    with pytest.raises(ValueError, match="`patch_image_index` must be a"):
-        packed_index_fields(good[0], grids)
-    with pytest.raises(ValueError, match="`spatial_shapes` must be an"):
-        packed_index_fields(good, grids[:, 0])
-    with pytest.raises(ValueError, match="not as one run of its 2 patches"):
-        packed_index_fields(torch.tensor([[0, 1, 0, -1]]), grids)
-    with pytest.raises(ValueError, match="must fill one run of consecutive slots, once"):
-        packed_index_fields(torch.tensor([[0, 0, 1, -1], [1, -1, -1, -1]]), grids)
-    with pytest.raises(ValueError, match=r"Images \[1\] of `spatial_shapes` have no patches"):
-        packed_index_fields(torch.tensor([[0, 0, -1, -1]]), grids)
-    with pytest.raises(ValueError, match="`pixel_attention_mask` must mark exactly"):
-        packed_index_fields(good, grids, torch.tensor([[1, 1, 1, 1]]))
-    layout = BatchLayout.of(torch.zeros(1, 4, 3), grids, 1, patch_image_index=good)
-    with pytest.raises(
-        ValueError, match=r"are \(1, 4, ...\) per patch slot, as its `patch_image_index`; got \(1, 5, 3\)"
-    ):
+def test_a_packed_layouts_slots_must_match_the_pixels():
+    batch = pack_patches([torch.zeros(2, 3), torch.zeros(1, 3)], [(1, 2), (1, 1)], 4)
+    layout = layout_of(batch, 1)
+    with pytest.raises(ValueError, match=r"are \(1, 4, ...\) per patch slot; got \(1, 5, 3\)"):
         layout.unpack_patches(torch.zeros(1, 5, 3))
+    with pytest.raises(ValueError, match=r"one per image patch \(2, 2\), as the outputs; got \(1, 4\)"):
+        layout.to_slots(torch.zeros(1, 4, dtype=torch.bool), False)
 
 
 def layout_of(batch, prefix):
     """The model's layout of a processor's packed batch."""
-    names = ("pixel_attention_mask", "patch_image_index", "patch_positions", *PACKED_INDEX_FIELDS)
-    return BatchLayout.of(batch["pixel_values"], batch["spatial_shapes"], prefix, **{n: batch.get(n) for n in names})
+    return BatchLayout.of(batch["pixel_values"], batch["spatial_shapes"], prefix, batch.get("pixel_attention_mask"),
+                          batch.get("image_slot_index"))  # fmt: skip
 
 
 # ---- the model on packed batches ----
@@ -589,23 +586,16 @@ def test_packed_gradients_equal_the_images_alone():
 
 
 def with_empty_rows(inputs, where):
-    """`inputs` (a packed batch) with an empty row (all padding: `patch_image_index` -1) before each row of
-    `where`, and one after the last: the rows a training batch of fixed rows is padded with."""
-    rows = inputs["patch_image_index"].shape[0]
+    """`inputs` (a packed batch) with an empty row (all padding) before each row of `where`, and one after the
+    last: the rows a training batch of fixed rows is padded with."""
+    rows, length = inputs["pixel_values"].shape[:2]
     order = [row for place in range(rows) for row in ([-1] if place in where else []) + [place]] + [-1]
-    padded = dict(inputs)
-    for name in ("pixel_values", "pixel_attention_mask", "patch_image_index", "patch_positions"):
-        if name in inputs:
-            value = inputs[name]
-            empty = torch.full_like(value[:1], -1 if name in ("patch_image_index", "patch_positions") else 0)
-            padded[name] = torch.cat([empty if row < 0 else value[row : row + 1] for row in order])
-    return with_its_packing(padded)
-
-
-def with_its_packing(inputs):
-    """`inputs` with the packing fields of its `patch_image_index` (and `patch_positions`), as collators make them."""
-    return {**inputs, **packed_index_fields(inputs["patch_image_index"], inputs["spatial_shapes"],
-                                            patch_positions=inputs.get("patch_positions"))}  # fmt: skip
+    moved = torch.tensor([order.index(row) for row in range(rows)])  # each row's new place
+    slots = inputs["image_slot_index"]
+    new_slots = torch.where(slots >= 0, moved[slots.clamp(min=0) // length] * length + slots % length, -1)
+    empty = torch.zeros_like(inputs["pixel_values"][:1])
+    pixels = torch.cat([empty if row < 0 else inputs["pixel_values"][row : row + 1] for row in order])
+    return {**inputs, "pixel_values": pixels, "image_slot_index": new_slots}
 
 
 @pytest.mark.parametrize("drop", [False, True])  # with token dropping's places too
@@ -659,13 +649,11 @@ def test_attentions_of_a_packed_batch_stay_within_each_image():
     torch.manual_seed(0)
     model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()
     inputs, packed, _ = packed_and_alone(model, output_attentions=True)  # each image alone: checked by the eager case
-    layout = layout_of(inputs, 1)
-    same_image = layout.segments.block_diagonal_mask()
-    rows, row_tokens = layout.segments.token_runs.shape
+    tokens = layout_of(inputs, 1).token_mask
     assert len(packed.attentions) == model.config.num_hidden_layers
-    for probs in packed.attentions:  # of the packed rows
-        assert probs.shape == (rows, 4, row_tokens, row_tokens)
-        assert torch.all(probs.masked_select(~same_image) == 0)
+    for probs in packed.attentions:  # each image's, in a row of its own: none on another's tokens or the padding
+        assert probs.shape == (len(tokens), 4, tokens.shape[1], tokens.shape[1])
+        assert torch.all(probs.masked_select(~tokens[:, None, None, :]) == 0)
 
 
 def test_backbone_maps_each_packed_image_as_the_native_batch_does():
@@ -693,9 +681,9 @@ def test_masked_patch_prediction_on_a_packed_batch():
     packed = processor(batch, packed_sequence_length=24, return_tensors="pt")
     generator = torch.Generator().manual_seed(0)
     # a [mask] and labels per patch slot of the packed rows, and the same per image for the native batch
-    masked = (torch.rand(packed["patch_image_index"].shape, generator=generator) < 0.4) & (
-        packed["patch_image_index"] >= 0
-    )
+    held = torch.zeros(packed["pixel_values"].shape[:2], dtype=torch.bool).view(-1)
+    held[packed["image_slot_index"][packed["image_slot_index"] >= 0]] = True
+    masked = (torch.rand(held.shape, generator=generator) < 0.4).view(-1, 24) & held.view(-1, 24)
     labels = torch.randint(0, config.mpp_num_classes, masked.shape, generator=generator)
     layout = layout_of(packed, config.num_prefix_tokens)
     with torch.no_grad():
@@ -758,9 +746,9 @@ def test_the_model_through_the_varlen_branch_equals_the_images_alone(monkeypatch
     assert len(calls) >= model.config.num_hidden_layers
 
 
-def test_flex_attention_with_a_block_diagonal_mask_is_handed_to_sdpa(monkeypatch):
-    # the GPU's fp32 path and the compiled one: the block-diagonal mask goes to SDPA, not to flex attention's kernels
-    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "mask")
+def test_flex_attention_without_a_varlen_kernel_is_handed_to_sdpa(monkeypatch):
+    # the GPU's fp32 path and the compiled one: each image's row goes to SDPA, not to flex attention's kernels
+    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: "images")
     buffer, (query, key, value) = qkv()
     function = ALL_ATTENTION_FUNCTIONS.get_interface("flex_attention", None)
     output, _ = function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=4**-0.5)
@@ -786,8 +774,8 @@ def test_dropped_tokens_take_no_part_and_the_kept_ones_keep_their_places(classif
     with torch.no_grad():
         pooled = model(**batch).pooler_output
         for index, (image, grid, places) in enumerate(zip(images, grids, kept)):
-            shapes = torch.tensor([grid])
-            tokens = model.embeddings(image[None], None, shapes, None)
+            layout = model.batch_layout(image[None], spatial_shapes=torch.tensor([grid]))
+            tokens = model.embeddings(image[None], None, layout, None)
             tokens = model.pre_norm(tokens[:, torch.cat([torch.arange(prefix), prefix + places])])
             for block in model.layers:
                 tokens, _ = block(tokens, False, None)
@@ -798,51 +786,35 @@ def test_dropped_tokens_take_no_part_and_the_kept_ones_keep_their_places(classif
         shuffled = pack_patches([image[places] for image, places in zip(images, every)], grids, 9, positions=every)
         whole = pack_patches(images, grids, 9)
         torch.testing.assert_close(model(**shuffled).pooler_output, model(**whole).pooler_output, atol=1e-5, rtol=1e-4)
-    with pytest.raises(ValueError, match="patch_positions"):  # refused where the layout is made from them
-        wrong = dict(batch, patch_positions=batch["patch_positions"].clamp(min=0) * 0)
-        model(**{name: value for name, value in wrong.items() if name not in PACKED_INDEX_FIELDS})
 
 
-def reference_layout(index: torch.Tensor, grids: list, prefix: int, where: torch.Tensor | None = None) -> dict:
-    """The packed layout's moves computed image by image (the reference for `packed_layout`'s tensor bookkeeping)."""
-    rows, slots = index.shape
-    sizes = [height * width for height, width in grids]
-    placed, kept, row_images = [None] * len(grids), [None] * len(grids), []
-    for row in range(rows):
-        images, slot = [], 0
-        values, counts = torch.unique_consecutive(index[row], return_counts=True)
-        for image, count in zip(values.tolist(), counts.tolist()):
-            if image >= 0:
-                placed[image] = (row, slot)
-                kept[image] = torch.arange(sizes[image]) if where is None else where[row, slot : slot + count]
-                images.append(image)
-            slot += count
-        row_images.append(images)
-    patches = max(sizes)
-    image_tokens, row_tokens = prefix + patches, slots + prefix * max(len(images) for images in row_images)
-    patch_source = torch.full((len(grids), patches), -1, dtype=torch.long)
-    pack_source = torch.full((rows, row_tokens), -1, dtype=torch.long)
-    unpack_source = torch.full((len(grids), image_tokens), -1, dtype=torch.long)
-    runs = []
-    for row, images in enumerate(row_images):
-        start = 0
-        for image in images:
-            positions = kept[image]
-            count = prefix + len(positions)
-            tokens = torch.cat([torch.arange(prefix), prefix + positions])
-            patch_source[image, positions] = row * slots + placed[image][1] + torch.arange(len(positions))
-            pack_source[row, start : start + count] = image * image_tokens + tokens
-            unpack_source[image, tokens] = row * row_tokens + start + torch.arange(count)
-            start += count
-        runs.append([prefix + len(kept[image]) for image in images])
-    return dict(row_tokens=row_tokens, image_tokens=image_tokens, patch_source=patch_source.flatten(),
-                pack_source=pack_source.flatten(), unpack_source=unpack_source.flatten(), runs=runs)  # fmt: skip
+def reference_layout(slots: torch.Tensor, length: int, grids: list, prefix: int) -> dict:
+    """The packed layout's stream computed image by image (the reference for `BatchLayout`'s tensor bookkeeping)."""
+    rows = -(-int(slots.max()) // length) if len(slots) else 0
+    first = {image: int(row[row >= 0].min()) for image, row in enumerate(slots)}
+    order = sorted(first, key=first.__getitem__)
+    stream, image_tokens, runs, position = [], {}, [], 0
+    for row in range(max(rows, max(value // length for value in first.values()) + 1)):
+        slot = row * length
+        for image in [image for image in order if first[image] // length == row]:
+            kept = int((slots[image] >= 0).sum())
+            stream += [("prefix", image, j) for j in range(prefix)] + [("slot", s) for s in range(slot, slot + kept)]
+            runs.append(prefix + kept)
+            image_tokens[image] = list(range(position, position + prefix)) + [
+                position + prefix + int(s) - slot if s >= 0 else -1 for s in slots[image].tolist()
+            ]
+            position += prefix + kept
+            slot += kept
+        stream += [("slot", s) for s in range(slot, (row + 1) * length)]
+        runs.append((row + 1) * length - slot)
+        position += (row + 1) * length - slot
+    return dict(stream=stream, image_tokens=[image_tokens[image] for image in range(len(slots))], runs=runs)
 
 
 @pytest.mark.parametrize("prefix", [0, 1, 3])
 @pytest.mark.parametrize("dropping", [False, True])
 def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping):
-    # random batches: images of random grids first-fit-decreasing into rows; with token dropping each image keeps a
+    # random batches: images of random grids best-fit-decreasing into rows; with token dropping each image keeps a
     # random subset of its places in a random order
 
     generator = torch.Generator().manual_seed(prefix + 10 * dropping)
@@ -856,15 +828,14 @@ def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping):
             positions = [places[: max(1, int(len(places) * 0.6))] for places in positions]
             images = [image[: len(places)] for image, places in zip(images, positions)]
         batch = pack_patches(images, grids, 20, positions)
-        index, where = batch["patch_image_index"], batch.get("patch_positions")
         layout = layout_of(batch, prefix)
-        expected = reference_layout(index, grids, prefix, where)
-        assert (layout.segments.row_length, layout.token_mask.shape[1]) == (
-            expected["row_tokens"], expected["image_tokens"]
-        )  # fmt: skip
-        for name in ("patch_source", "pack_source", "unpack_source"):
-            assert torch.equal(getattr(layout, name), expected[name]), (trial, name)
-        assert torch.equal(layout.token_mask.flatten(), expected["unpack_source"] >= 0)  # the tokens each image keeps
-        # the runs: each row's images in order (its empty entries and its padding aside)
-        lengths = torch.diff(layout.segments.cu_seqlens).view(index.shape[0], -1)[:, :-1]
-        assert [[n for n in row if n] for row in lengths.tolist()] == expected["runs"]
+        expected = reference_layout(batch["image_slot_index"], 20, grids, prefix)
+        every = [("prefix", image, j) for image in range(count) for j in range(prefix)]
+        every += [("slot", s) for s in range(batch["pixel_values"].shape[0] * 20)]
+        assert [every[i] for i in layout.block_source.tolist()] == expected["stream"], trial
+        image_tokens = layout.segments.image_tokens.view(count, -1)
+        assert image_tokens.tolist() == expected["image_tokens"], trial
+        assert torch.equal(layout.token_mask, image_tokens >= 0)  # the tokens each image keeps
+        # the runs: each row's images in order, then its padding (the empty runs aside)
+        runs = torch.diff(layout.segments.cu_seqlens).tolist()
+        assert [n for n in runs if n] == [n for n in expected["runs"] if n], trial

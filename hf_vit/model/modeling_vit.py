@@ -355,11 +355,13 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         tokens, its inputs' shapes checked: `fields` are the batch's (`layout.BATCH_FIELDS`, `spatial_shapes` among
         them; see `layout.py`)."""
         spatial_shapes, slots = fields.get("spatial_shapes"), fields.get("image_slot_index")
-        one_per_image = pixel_values if slots is None else slots  # `.shape`, not `len`: a compiled size stays symbolic
-        images = one_per_image.shape[0] if isinstance(one_per_image, torch.Tensor) else len(one_per_image)
+        # the images, by `.shape` (never `len`: a compiled batch's size stays symbolic)
+        counted = pixel_values if slots is None else spatial_shapes
+        counted = counted if isinstance(counted, torch.Tensor) and counted.ndim else slots
+        images = counted.shape[0] if isinstance(counted, torch.Tensor) and counted.ndim else 0
+        check_native_batch(pixel_values, spatial_shapes, self.config, images)
         if slots is not None:
             check_slot_index(slots, images)
-        check_native_batch(pixel_values, spatial_shapes, self.config, images)
         return BatchLayout.of(pixel_values, prefix=self.config.num_prefix_tokens, **fields)
 
     def check_whole_images(
