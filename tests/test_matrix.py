@@ -291,7 +291,7 @@ def trained_in_memory(world, combination, output_dir, task, flags, caplog, batch
         keep, step = KeepModel(), VisionTransformerTrainer.training_step
 
         def recording(self, model, inputs, num_items_in_batch=None):
-            if "patch_image_index" in inputs:
+            if "image_slot_index" in inputs:
                 batches.append((*inputs["pixel_values"].shape[:2], len(inputs["spatial_shapes"])))
             return step(self, model, inputs, num_items_in_batch)
 
@@ -354,7 +354,7 @@ def test_combination(world, combination, tmp_path, caplog):
     # native-aspect batches after --seq_lens or --max_num_patches, packed after --packed_sequence_length
     inputs = processor(list(test["image"]), return_tensors="pt")
     assert ("spatial_shapes" in inputs) == bool({"--seq_lens", "--max_num_patches"} & set(combination.flags))
-    assert ("patch_image_index" in inputs) == ("--packed_sequence_length" in combination.flags)
+    assert ("image_slot_index" in inputs) == ("--packed_sequence_length" in combination.flags)
     with torch.no_grad():
         logits = reloaded(**inputs).logits
         torch.testing.assert_close(logits, in_memory(**inputs).logits, atol=1e-4, rtol=1e-4)

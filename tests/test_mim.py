@@ -120,7 +120,7 @@ def test_native_aspect_batch_each_image_equals_itself_alone():
     # the batch's loss: every masked patch of both images weighs the same, the padding none
     assert together.loss.item() == pytest.approx(sum(errors) / sum(counts), rel=1e-5)
     with pytest.raises(ValueError, match="packed"):
-        model(**batch, bool_masked_pos=mask, patch_image_index=torch.zeros_like(mask, dtype=torch.long))
+        model(**batch, bool_masked_pos=mask, image_slot_index=torch.zeros_like(mask, dtype=torch.long))
 
 
 def test_masked_patch_prediction_without_labels_computes_its_targets_from_the_pixels():

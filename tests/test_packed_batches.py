@@ -14,6 +14,7 @@ from hf_vit import VisionTransformerImageProcessor
 from hf_vit.data.augment.train_transform import make_train_transform
 from hf_vit.data.packed_batches import PackedBatchSampler, best_fit_decreasing, image_size, planned_patches
 from hf_vit.data.transforms import collate_fn
+from hf_vit.model.layout import slot_image_index
 from hf_vit.train.trainer import SeededAugmentation
 
 # Heights and widths of several aspect ratios: grids of 3 to 6 patches of 4 pixels at 6 patches an image.
@@ -57,9 +58,9 @@ def test_every_batch_is_its_rows_of_slots_holding_each_image_of_the_epoch_once()
         for batch in batches:
             collated = collate_fn([data[key] for key in batch], packed_sequence_length=LENGTH, packed_rows=ROWS)
             # every batch is ROWS x LENGTH, the partial last one padded with empty rows (all -1)
-            assert collated["pixel_values"].shape[:2] == collated["patch_image_index"].shape == (ROWS, LENGTH)
+            assert collated["pixel_values"].shape[:2] == (ROWS, LENGTH)
             assert len(collated["labels"]) == len(collated["spatial_shapes"]) == len(batch)
-            used = (collated["patch_image_index"] >= 0).sum(1)
+            used = (slot_image_index(collated["image_slot_index"], ROWS, LENGTH) >= 0).sum(1)
             assert used.max() <= LENGTH and (used > 0).sum() == len({key[2] for key in batch})
             images.append(len(batch))
         assert len(set(images)) > 1  # the number of images varies
@@ -144,12 +145,10 @@ def test_the_collator_packs_planned_rows_and_pads_the_batch_to_its_rows():
     rows, data = training_split(copies=1)
     keys = [(0, 4, 2), (1, 3, 0), (2, 3, 2), (3, 6, 0)]  # rows 0 and 2 planned, row 1 and 3 empty
     batch = collate_fn([data[key] for key in keys], packed_sequence_length=LENGTH, packed_rows=4)
-    index = batch["patch_image_index"]
-    assert index.shape == (4, LENGTH) and (index[1] == -1).all() and (index[3] == -1).all()
+    index = slot_image_index(batch["image_slot_index"], 4, LENGTH)
+    assert batch["pixel_values"].shape[:2] == (4, LENGTH) and (index[1] == -1).all() and (index[3] == -1).all()
     assert [sorted(set(row.tolist()) - {-1}) for row in index] == [[1, 3], [], [0, 2], []]
-    assert (batch["pixel_values"][index < 0] == 0).all() and torch.equal(
-        batch["pixel_attention_mask"], (index >= 0).int()
-    )
+    assert (batch["pixel_values"][index < 0] == 0).all()
     assert batch["labels"].tolist() == [0, 1, 2, 0]  # one per image, in the order given
     with pytest.raises(ValueError, match="each row at most `packed_sequence_length` = 12"):
         collate_fn([data[(index, 6, 0)] for index in (3, 4, 5)], packed_sequence_length=LENGTH, packed_rows=2)

@@ -242,10 +242,10 @@ def collate_fn(
     ids) or [N, C] (multi-hot). Native-aspect examples (with `spatial_shapes`) are flattened patches [K_i, P*P*C]:
     they are padded to the longest with zeros, and `pixel_attention_mask` [N, K] marks each one's own patches; with
     `packed_sequence_length`, they are packed whole into rows of that many patch slots instead (the image processor's
-    `pack_patches`: `pixel_values` [rows, L, P*P*C], `patch_image_index` [rows, L]), the labels still one per image.
+    `pack_patches`: `pixel_values` [rows, L, P*P*C], `image_slot_index` [N, K]), the labels still one per image.
 
     Examples that carry their row (`PACKED_ROW`, from a planned batch: `packed_batches.PackedBatchSampler`) go into
-    that row, and with `packed_rows` the batch is padded with empty rows (all padding, `patch_image_index` -1) to
+    that row, and with `packed_rows` the batch is padded with empty rows (all padding, no image's slots) to
     exactly that many: every such batch is `[packed_rows, L]`. Others are packed largest first
     (`best_fit_decreasing`), into as many rows as they need."""
     if "spatial_shapes" in examples[0]:

@@ -57,6 +57,7 @@ __all__ = [
     "masked_mean",
     "take_rows",
     "patch_grid_maps",
+    "slot_image_index",
 ]
 
 # A native-aspect batch's fields beside `pixel_values`, as the image processor returns them: the parameters of
@@ -320,14 +321,24 @@ def _packed(
         bounds.sort().values.to(torch.int32), length + prefix, F.pad(present, (prefix, 0), value=True),
         image_tokens=image_tokens.flatten(), block_tokens=block_tokens,
     )  # fmt: skip
-    slot_images = torch.full((total + 1,), -1, dtype=torch.long, device=device)
     held, patch = torch.where(present, index, total).flatten(), torch.arange(images * patches, device=device)
-    slot_images = slot_images.scatter(0, held, patch // patches)[:total]
+    slot_images = slot_image_index(index, rows, length).flatten()
     slot_places = torch.full((total + 1,), -1, dtype=torch.long, device=device).scatter(0, held, patch % patches)
     return BatchLayout(
         grids, prefix, segments, slot_grids=grids[slot_images.clamp(min=0)], slot_places=slot_places[:total],
         image_slot_index=index, slots=(rows, length), block_source=block_source,
     )  # fmt: skip
+
+
+def slot_image_index(image_slot_index: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """`(rows, length)`: the image each slot of a packed batch holds a patch of, -1 on the padding (the inverse of
+    `image_slot_index`, e.g. to give labels per slot)."""
+    images, patches = image_slot_index.shape
+    total = rows * length
+    held = torch.where(image_slot_index >= 0, image_slot_index, total).flatten()
+    owner = torch.arange(images, device=held.device)[:, None].expand(images, patches).flatten()
+    spare = torch.full((total + 1,), -1, dtype=torch.long, device=held.device)
+    return spare.scatter(0, held, owner)[:total].view(rows, length)
 
 
 def _check_mask_shape(mask: torch.Tensor | None, shape: tuple[int, int], rows: str, slots: str) -> None:

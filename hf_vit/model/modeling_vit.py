@@ -471,7 +471,7 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
         **kwargs,
     ) -> BackboneOutput:
         """A native-aspect batch (`spatial_shapes`, see `layout.py`) gives maps on its largest grid, each image's at
-        the top left and zero beyond its own grid; so does a packed batch (`patch_image_index`), one map per image,
+        the top left and zero beyond its own grid; so does a packed batch (`image_slot_index`), one map per image,
         whose `hidden_states` are then one image per row too."""
         layout, fields = None, batch_fields(kwargs)
         spatial_shapes = fields.get("spatial_shapes")
