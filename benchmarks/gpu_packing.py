@@ -1,50 +1,33 @@
-"""The packing rows of the GPU benchmark (`gpu.py --packing`): what padding costs the whole classifier, and what
-attention restricted to each image saves, at equal patch slots, in bf16 autocast, eager and compiled, inference and a
-training step (forward, loss, backward, AdamW; fused on CUDA).
+"""The packing rows of the GPU benchmark (`gpu.py --packing`): the whole classifier at equal patch slots (the batches
+of `packing_speed.layouts`), bf16 autocast, eager and compiled, inference and a training step (AdamW):
 
     square            B square images of K patches each: no padding, no mask
-    padded + mask     B native-resolution images, one per row of K slots, the padding masked as keys (SDPA with a mask;
-                      `segment_attention_path` patched to "mask")
-    padded + varlen   the same batch as the model runs it: attention restricted to each image (one run per image,
-                      `varlen_attn`) on CUDA in half precision; elsewhere (CPU, fp32) the model masks the padding as
-                      keys, the same path as `padded + mask`
-    packed            the same images and the next ones, whole, best-fit-decreasing into B * K / L rows of L slots, as
-                      the model runs them: `varlen_attn` on CUDA in half precision (compiled too), else a
-                      block-diagonal mask
-    packed + mask     the same packed rows with a block-diagonal mask through SDPA (`segment_attention_path` patched to
-                      "mask": packing without variable-length attention, what `varlen_attn` saves over it)
+    padded + mask     B native-resolution images, one per row of K slots, the padding masked as keys
+                      (`segment_attention_path` patched to "mask")
+    padded + varlen   the same batch as the model runs it (`varlen_attn` on CUDA in half precision, else a key mask)
+    packed            the same images and the next ones, whole, in B * K / L rows of L slots, as the model runs them
+    packed + mask     the same packed rows with a block-diagonal mask (what `varlen_attn` saves over it)
 
-The batches are `packing_speed.layouts`' (hf-vit's processor with `max_num_patches` / `packed_sequence_length`: the
-batches carry their layout, `row_image_index` and `image_slot_index`). Before anything is timed, the padded and packed
-batches give the same logits for the images they share (fp32, eager); and in bf16 autocast, each layout's logits and
-gradients are measured against fp32 (`bf16_accuracy`: the variable-length kernels must be as close as the masked
-ones). Each row records the attention path hf-vit's dispatch chose (`segment_attention_path`, observed in the eager
-call; a compiled graph takes the same path: the forward reads no value back), the attention kernels a profile of one
-inference call shows, how busy the GPU was in a profiled call (its kernels' time over the call's) with its five
-longest kernels, and `torch.backends.cudnn.version()` and the enabled SDPA backends on CUDA. `host_sync_check`: on
-CUDA, a forward and backward of the padded and the packed batch (the model's own paths, bf16 autocast) under
-`torch.cuda.set_sync_debug_mode("error")`, which raises at any synchronisation with the host (a value read back);
-skipped on CPU, where there is no device to wait for. `--compile_blocks` compiles each transformer block (one graph
-shared by the twelve) instead of the whole model: minutes less of compilation.
+Checked first: the padded and packed batches' shared images get the same logits (fp32), and each layout's bf16
+logits and gradients against fp32 (`bf16_accuracy`). Each row records the attention path hf-vit chose, the kernels a
+profile of one call shows and how busy the GPU was; `host_sync_check` runs a forward and backward under
+`torch.cuda.set_sync_debug_mode("error")` (CUDA only). `--compile_blocks` compiles each block instead of the model.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import re
 import time
 from unittest import mock
 
-import numpy as np
 import torch
 
-from benchmarks.packing_speed import PATCH, layouts
-from benchmarks.timing import median_seconds, time_alternating
-from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from benchmarks.packing_speed import layouts, small_classifier, square_batch
+from benchmarks.runners import compile_models
+from benchmarks.timing import median_seconds, sdpa_backend, time_alternating
 from hf_vit.model import attention
-from hf_vit.model.modeling_vit import VisionTransformerBlock
 
 LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed", "packed + mask")
 MODES = ("inference", "training")
@@ -60,15 +43,6 @@ KERNEL_NAMES = re.compile(r"attention|attn|fmha|flash|cudnn|softmax|bmm", re.IGN
 def packing_settings(quick: bool) -> argparse.Namespace:
     """What `packing_speed.layouts` reads, and the model's size."""
     return argparse.Namespace(**(QUICK if quick else FULL), min_share=0.4, seed=0)
-
-
-def square_batch(shape: argparse.Namespace) -> dict:
-    """B square images of exactly K patches (side sqrt(K) patches; K a square), through the same processor."""
-    side = math.isqrt(shape.max_num_patches)
-    rng = np.random.default_rng(shape.seed)
-    images = [rng.integers(0, 256, (side * PATCH, side * PATCH, 3), dtype=np.uint8) for _ in range(shape.batch_size)]
-    processor = VisionTransformerImageProcessor(max_num_patches=side * side, patch_size=PATCH, do_resize=False)
-    return dict(processor(images, return_tensors="pt"))
 
 
 @contextlib.contextmanager
@@ -222,18 +196,6 @@ def bf16_accuracy(model, batches: dict, shape: argparse.Namespace, device: torch
     return result
 
 
-def compiled_runner(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
-    """The model compiled whole, or (`--compile_blocks`) each transformer block compiled in place (fullgraph)."""
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    options = dict(backend=args.compile_backend, mode=args.compile_mode)
-    if not args.compile_blocks:
-        return torch.compile(model, **options)
-    for block in model.modules():
-        if isinstance(block, VisionTransformerBlock):
-            block.compile(fullgraph=True, **options)
-    return model
-
-
 def _error(exc: Exception) -> str:
     return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
@@ -253,8 +215,8 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     sizes = shapes["sizes"]
     batches = {
         "square": square_batch(shape),
-        "padded": shapes["inputs"]["padded"],
-        "packed": shapes["inputs"]["packed"],
+        "padded": shapes["padded"]["batch"],
+        "packed": shapes["packed"]["batch"],
     }
     images = {"square": shape.batch_size, "padded": shape.batch_size, "packed": len(sizes)}
     patches = {
@@ -262,13 +224,7 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
         "padded": sum(sizes[: shape.batch_size]),
         "packed": sum(sizes),
     }
-    torch.manual_seed(shape.seed)
-    config = VisionTransformerConfig(
-        image_size=math.isqrt(shape.max_num_patches) * PATCH, patch_size=PATCH, hidden_size=shape.width,
-        num_hidden_layers=shape.depth, num_attention_heads=shape.heads, intermediate_size=4 * shape.width,
-        num_labels=10, zero_init_head=False, attn_implementation="sdpa",
-    )  # fmt: skip
-    model = VisionTransformerForImageClassification(config).to(device)
+    model = small_classifier(shape.max_num_patches, shape.width, shape.depth, shape.heads, shape.seed).to(device)
     batches = {name: _to(batch, device) for name, batch in batches.items()}
     labels = {name: torch.zeros(count, dtype=torch.long, device=device) for name, count in images.items()}
 
@@ -290,11 +246,6 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
-    def backend():
-        if args.sdpa_backend:
-            return torch.nn.attention.sdpa_kernel(_SDPA_BACKENDS[args.sdpa_backend])
-        return contextlib.nullcontext()
-
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
     def calls(runner) -> dict[tuple[str, str], object]:
@@ -306,11 +257,11 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
             batch, target = batches[name], labels[name]
 
             def infer(batch=batch, context=context):
-                with torch.no_grad(), autocast, context(), backend():
+                with torch.no_grad(), autocast, context(), sdpa_backend(args.sdpa_backend):
                     runner.eval()(**batch)
 
             def train(batch=batch, target=target, context=context):
-                with autocast, context(), backend():
+                with autocast, context(), sdpa_backend(args.sdpa_backend):
                     loss = runner.train()(**batch, labels=target).loss
                 loss.backward()
                 optimizer.step()
@@ -346,7 +297,7 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
             skipped[variant] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
             log(f"packing {variant}: skipped, {skipped[variant]}")
             continue
-        runner = compiled_runner(model, args) if variant == "compiled" else model
+        runner = compile_models({"model": model}, args)[0]["model"] if variant == "compiled" else model
         fns = {}
         for (layout, mode), fn in calls(runner).items():
             elapsed = time.perf_counter() - start
@@ -403,7 +354,7 @@ def _packing_result(
             "square": 0.0, "padded": shapes["padded"]["padding"], "packed": shapes["packed"]["padding"]
         },
         "rows_per_batch": {
-            "square": shape.batch_size, "padded": shape.batch_size, "packed": len(shapes["packed"]["runs"])
+            "square": shape.batch_size, "padded": shape.batch_size, "packed": shapes["packed"]["rows"]
         },
         "max_logits_difference": difference,
         "logits_tolerance": LOGITS_TOLERANCE[device.type == "cpu"],
@@ -413,14 +364,6 @@ def _packing_result(
         "rows": rows,
         "skipped": skipped,
     }  # fmt: skip
-
-
-_SDPA_BACKENDS = {
-    "flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-    "efficient": torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
-    "math": torch.nn.attention.SDPBackend.MATH,
-}
 
 
 def merge_packing(previous: dict | None, current: dict) -> dict:

@@ -327,7 +327,7 @@ def compile_models(
     place with fullgraph=True (a graph break fails loudly instead of splitting the block), and the undo function
     restores the eager blocks.
     """
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     options = dict(mode=settings.compile_mode, backend=settings.compile_backend)
     if not settings.compile_blocks:
         return {name: torch.compile(model, **options) for name, model in models.items()}, lambda: None

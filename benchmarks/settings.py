@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,16 @@ def _default_device() -> str:
 
 def _help(text: str, **extra) -> dict:
     return {"help": text, **extra}
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: dict) -> None:
+    """`--name` for each of `flags` (name: (default, help)), typed as its default; `False`: a switch."""
+    for name, (default, text) in flags.items():
+        if default is False:
+            parser.add_argument(f"--{name}", action="store_true", help=text)
+        else:
+            kind = None if default is None else type(default)
+            parser.add_argument(f"--{name}", type=kind, default=default, help=text)
 
 
 @dataclass
