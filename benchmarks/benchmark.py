@@ -36,7 +36,6 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder imp
 import torch
 from transformers import HfArgumentParser
 
-from benchmarks.measure import run_benchmark
 from benchmarks.report import (
     format_input_pipeline,
     format_onnxruntime,
@@ -48,6 +47,7 @@ from benchmarks.report import (
     write_doc,
     write_json,
 )
+from benchmarks.runners import run_benchmark
 from benchmarks.settings import BenchmarkSettings
 
 

@@ -1,25 +1,15 @@
 #!/usr/bin/env python
-r"""The GPU benchmark: ViT-S/16, ViT-B/16 and ViT-L/16 at 224 in bf16 autocast, training (forward, loss, backward,
-fused AdamW) and inference, eager and torch.compile'd, hf-vit against transformers' and timm's ViT with identical
-weights in one process, through the same sections as `benchmark.py` (logits checked first, alternating rounds,
-medians, CUDA-synchronised timing, `torch.cuda.max_memory_allocated`).
-
-MFU (model FLOPs utilisation) = images/s * analytic FLOPs per image / the GPU's dense bf16 peak (data sheet, e.g.
-989 TFLOP/s for an H100 SXM or H200). FLOPs per image: forward = 2 * multiply-adds of the matrix products
-(`benchmarks.models.vit_forward_flops`; ViT-B/16 at 224: 35.1 GFLOP), a training step = 3 * forward.
+r"""The GPU benchmark: ViT-S/16, ViT-B/16 and ViT-L/16 at 224 in bf16 autocast, training and inference, eager and
+compiled, hf-vit against transformers' and timm's ViT with identical weights in one process, through the sections of
+`benchmark.py`. MFU = images/s * analytic FLOPs per image (`models.vit_forward_flops`; a training step 3 * forward)
+/ the GPU's dense bf16 peak (data sheet, e.g. 989 TFLOP/s for an H100 SXM or H200).
 
     python benchmarks/gpu.py --json docs/benchmarks_gpu.json --doc docs/benchmarks.md   # on the GPU machine
     python benchmarks/gpu.py --quick --json /tmp/gpu.json      # the same path on a tiny model, seconds on a CPU
     python benchmarks/gpu.py --packing_only --json docs/benchmarks_gpu.json --merge_json   # the packing rows alone
 
-`--packing` adds the packing rows (`gpu_packing.py`: square, padded with a mask, padded through variable-length
-attention, packed, packed with a block-diagonal mask; eager and compiled, inference and a training step; ViT-B width,
-12 blocks, batch 128, K = 256; the attention path and kernels of each; on CUDA, whether a forward and backward of the
-padded and packed batches synchronise with the host, under `torch.cuda.set_sync_debug_mode("error")`); `--quick` runs
-them on its tiny model too (`--no_packing` leaves them out).
-
-The JSON is written after every model, so a run stopped by a time limit keeps what it measured; `--time_budget_s`
-skips the models that would start after it.
+`--packing` adds the packing rows of `gpu_packing.py` (on by default with `--quick`). The JSON is written after every
+model, so a run stopped by a time limit keeps what it measured; `--time_budget_s` skips what would start after it.
 """
 
 from __future__ import annotations
@@ -39,10 +29,9 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder imp
 import torch
 
 from benchmarks.gpu_packing import format_packing, measure_packing, merge_packing
-from benchmarks.measure import run_benchmark
 from benchmarks.report import _markdown_table, fill_markdown, merge_reports, write_json
-from benchmarks.runners import machine_info
-from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings
+from benchmarks.runners import machine_info, run_benchmark
+from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags
 
 # The presets and the training batch sizes practitioners use on one 80 GB GPU (inference uses the same batch).
 GPU_PRESETS = {"vit-small-patch16-224": 256, "vit-base-patch16-224": 256, "vit-large-patch16-224": 128}
@@ -57,48 +46,37 @@ PEERS = (TRANSFORMERS, TIMM)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", default=None, help="write the figures here (e.g. docs/benchmarks_gpu.json)")
-    parser.add_argument("--doc", default=None, help="markdown file whose <!-- benchmark-gpu:NAME --> blocks to fill")
+    add_flags(parser, {
+        "json": (None, "write the figures here (e.g. docs/benchmarks_gpu.json)"),
+        "doc": (None, "markdown file whose <!-- benchmark-gpu:NAME --> blocks to fill"),
+    })  # fmt: skip
     parser.add_argument("--models", nargs="+", default=None, help=f"presets (default: {', '.join(GPU_PRESETS)})")
     parser.add_argument("--batch_sizes", nargs="+", type=int, default=None, help="one per --models")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no_compile", action="store_true", help="eager rows only")
     parser.add_argument(
-        "--sdpa_backend", default=None, choices=["flash", "efficient", "cudnn", "math"], help="one SDPA backend only"
+        "--sdpa_backend", choices=["flash", "efficient", "cudnn", "math"], help="one SDPA backend only"
     )
-    parser.add_argument("--no_eager", action="store_true", help="compiled rows only (e.g. a second run, merged)")
-    parser.add_argument(
-        "--doc_only", action="store_true", help="measure nothing: fill --doc's blocks from the existing --json file"
-    )
-    parser.add_argument(
-        "--merge_json",
-        action="store_true",
-        help="merge this run into the existing --json file (figures replaced by key, other models kept)",
-    )
-    parser.add_argument("--compile_mode", default=None, help="torch.compile mode (default: torch's default)")
-    parser.add_argument(
-        "--compile_blocks", action="store_true", help="compile each transformer block (fullgraph) instead of the model"
-    )
-    parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds per model; the figures are their medians")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model (compiled: at least 2)")
-    parser.add_argument("--profile", action="store_true", help="also profile one training step of each model")
-    parser.add_argument("--no_timm", action="store_true", help="leave timm's column out")
-    parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
-    parser.add_argument("--time_budget_s", type=float, default=None, help="start no model after this many seconds")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument(
-        "--quick", action="store_true", help="the same path on a tiny model (2-block ViT-Ti/16 at 32, batch 2)"
-    )
-    parser.add_argument(
-        "--packing",
-        action="store_true",
-        help="also the packing rows (square, padded with a mask, padded through variable-length attention, packed; "
-        "ViT-B width, 12 blocks, batch 128, K = 256); on by default with --quick",
-    )
-    parser.add_argument("--no_packing", action="store_true", help="--quick without the packing rows")
-    parser.add_argument("--packing_only", action="store_true", help="the packing rows alone, no model comparison")
+    add_flags(parser, {
+        "no_compile": (False, "eager rows only"),
+        "no_eager": (False, "compiled rows only (e.g. a second run, merged)"),
+        "doc_only": (False, "measure nothing: fill --doc's blocks from the existing --json file"),
+        "merge_json": (False, "merge this run into the existing --json file (figures replaced by key, others kept)"),
+        "compile_mode": (None, "torch.compile mode (default: torch's default)"),
+        "compile_blocks": (False, "compile each transformer block (fullgraph) instead of the model"),
+        "compile_backend": ("inductor", "torch.compile backend"),
+        "steps": (10, "timed steps per round"),
+        "repeats": (3, "rounds per model; the figures are their medians"),
+        "warmup": (3, "untimed steps per model (compiled: at least 2)"),
+        "profile": (False, "also profile one training step of each model"),
+        "no_timm": (False, "leave timm's column out"),
+        "peak_tflops": (None, "dense bf16 peak (default: by GPU name)", float),
+        "time_budget_s": (None, "start no model after this many seconds", float),
+        "threads": (0, "torch.set_num_threads"),
+        "quick": (False, "the same path on a tiny model (2-block ViT-Ti/16 at 32, batch 2)"),
+        "packing": (False, "also the packing rows (gpu_packing.py); on by default with --quick"),
+        "no_packing": (False, "--quick without the packing rows"),
+        "packing_only": (False, "the packing rows alone, no model comparison"),
+    })  # fmt: skip
     args = parser.parse_args(argv)
     args.packing = (args.packing or args.packing_only or args.quick) and not args.no_packing
     if args.packing_only and args.no_packing:

@@ -5,19 +5,10 @@ r"""Every path of hf-vit on the GPU, one line per check: passed, failed, or skip
     python benchmarks/gpu_checks.py --device cpu     # the checks that can run on CPU, with tiny models (seconds)
     python benchmarks/gpu_checks.py --only attention_implementations onnx_export_of_a_trained_model
 
-Checks: each attention implementation that loads gives eager's logits within bf16 tolerance; gradient checkpointing
-gives the same gradients; `interpolate_pos_encoding` at a non-square size; the hybrid (ResNet stem) trains; masked
-patch prediction trains; attention capture matches `output_attentions`; ONNX export of a model trained on the device
-matches it in onnxruntime; a padded native-aspect batch gives eager's logits in every attention implementation that
-loads (flash and flex attention included). On CUDA only (printed as skipped elsewhere, with the reason):
-`scripts/finetune.py --bf16 --torch_compile` from a Hub id whose checkpoint is in an offline Hub cache; resuming
-after the run was killed; the DeiT recipe (`--recipe deit --layer_decay 0.75 --bf16`: RandAugment, random erasing,
-Mixup/CutMix, label smoothing, EMA) saving the EMA as its model and resuming after a kill bit for bit; the EMA
-update's kernels (the multi-tensor path) and its cost against a ViT-S/16 bf16 training step; FSDP through `accelerate
-launch --config_file configs/accelerate/fsdp.yaml` on one GPU (the checkpoints are FSDP's sharded ones, the saved
-model is consolidated). `--trainer_on_cpu` runs all but FSDP on CPU too (minutes).
-
-Exit status 1 when any check failed. Not run in CI: the test suite runs the CPU part (tests/test_gpu_checks.py).
+The checks are the functions marked `@check` below (their docstrings say what each asserts); those marked CUDA-only
+(the Trainer runs: a Hub id from an offline cache, resuming after a kill, the DeiT recipe bit for bit, the EMA
+update's cost, FSDP through `accelerate launch`) are skipped elsewhere with the reason, and `--trainer_on_cpu` runs
+all but FSDP on CPU too (minutes). Exit status 1 when any check failed; tests/test_gpu_checks.py runs the CPU part.
 """
 
 from __future__ import annotations
@@ -83,20 +74,11 @@ class Smoke:
     def config(self, **overrides) -> VisionTransformerConfig:
         """ViT-S/16 cut to 4 blocks at 224 on a GPU (real kernel shapes); 2 tiny blocks at 32x32 on CPU."""
         if self.cuda:
-            fields = dict(num_hidden_layers=4, num_labels=10)
-            fields.update(overrides)
-            return VisionTransformerConfig.from_preset("vit-small-patch16-224", **fields)
-        fields = dict(
-            image_size=32,
-            patch_size=8,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            num_labels=10,
-        )
-        fields.update(overrides)
-        return VisionTransformerConfig(**fields)
+            return VisionTransformerConfig.from_preset(
+                "vit-small-patch16-224", **{"num_hidden_layers": 4, "num_labels": 10, **overrides}
+            )
+        tiny = dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+        return VisionTransformerConfig(**{**tiny, "intermediate_size": 128, "num_labels": 10, **overrides})
 
     def classifier(self, config: VisionTransformerConfig) -> VisionTransformerForImageClassification:
         """`config`'s classification model on the device, seeded and `randomised`."""
@@ -348,7 +330,7 @@ def native_aspect_batches(smoke: Smoke) -> str:
     ]
     processor = VisionTransformerImageProcessor(max_num_patches=config.num_patches, patch_size=config.patch_size)
     inputs = {name: value.to(smoke.device) for name, value in processor(images, return_tensors="pt").items()}
-    if bool(inputs["pixel_attention_mask"].all()):
+    if bool((inputs["spatial_shapes"].prod(-1) == inputs["pixel_values"].shape[1]).all()):
         raise AssertionError("the batch has no padding: the check would not test the mask")
     shown = against_eager(smoke, folder, inputs, "native_aspect_batches", "native-batch logits")
     return f"grids {inputs['spatial_shapes'].tolist()}, against eager: {shown}"

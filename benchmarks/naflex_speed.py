@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -30,8 +29,8 @@ if __package__ in (None, ""):
 import numpy as np
 import torch
 
-from benchmarks.report import fill_markdown
-from benchmarks.timing import median_seconds, time_alternating
+from benchmarks.report import print_table
+from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
 # (height, width) of the mixed batch's images: square, wide, tall, panoramic, portrait, ...
@@ -94,7 +93,7 @@ def batches(args) -> tuple[dict, torch.Tensor, dict]:
     timm_batch = {
         "patches": native["pixel_values"],
         "patch_coord": coords,
-        "patch_valid": native["pixel_attention_mask"].bool(),
+        "patch_valid": torch.arange(args.max_num_patches) < native["spatial_shapes"].prod(-1)[:, None],
     }
     return dict(native), square, timm_batch
 
@@ -135,16 +134,12 @@ def measure(args) -> dict:
 
             fns[f"timm {implementation} mixed"] = timm_mixed
     with torch.no_grad():
-        for fn in fns.values():  # warm-up
-            fn()
-        samples = time_alternating(fns, args.steps, args.repeats, torch.device("cpu"))
-    load_after = os.getloadavg()
-    images_per_s = {name: args.batch_size / median_seconds(sample) for name, sample in samples.items()}
-    valid = int(native["pixel_attention_mask"].sum())
+        seconds, load = timed_rounds(fns, args.steps, args.repeats)
+    valid = int(native["spatial_shapes"].prod(-1).sum())
     return {
-        "images_per_s": images_per_s,
+        "images_per_s": {name: args.batch_size / value for name, value in seconds.items()},
         "logits_difference": checks,
-        "load_average": [load_before[0], load_after[0]],
+        "load_average": [load_before[0], load[1]],
         "valid_share": valid / (args.batch_size * args.max_num_patches),
         "grids": native["spatial_shapes"].tolist(),
         "threads": torch.get_num_threads(),
@@ -189,13 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if math.isqrt(args.max_num_patches) ** 2 != args.max_num_patches:
         parser.error(f"--max_num_patches must be a square number (a square grid), not {args.max_num_patches}")
-    result = measure(args)
-    table = format_rows(result, args)
-    print(table)
-    if args.doc:
-        command = "python benchmarks/naflex_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-        args.doc.write_text(fill_markdown(args.doc.read_text(), {"table": f"{table}\n\n`{command}`"}, tag="naflex"))
-        print(f"doc: {args.doc}")
+    print_table(format_rows(measure(args), args), args.doc, "naflex_speed.py", argv, "naflex")
     return 0
 
 

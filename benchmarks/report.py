@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -386,3 +388,12 @@ def plot_sweep(rows: list[dict], path: str | os.PathLike, title: str = "") -> Pa
     axes[2].axhline(1.0, color="grey", lw=0.8)
     axes[2].set_ylabel("throughput ratio (higher: hf-vit faster)")
     return save_figure(fig, path, title, dpi=110)
+
+
+def print_table(table: str, doc: Path | None, script: str, argv: list[str] | None, tag: str) -> None:
+    """Print a table and, with `doc`, rewrite that file's `<!-- TAG:table -->` block with it and the command."""
+    print(table)
+    if doc:
+        command = f"python benchmarks/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
+        doc.write_text(fill_markdown(doc.read_text(), {"table": f"{table}\n\n`{command}`"}, tag=tag))
+        print(f"doc: {doc}")

@@ -1,4 +1,4 @@
-"""The benchmark's sections, run one after another by `measure.run_benchmark` over a shared `Run`.
+"""The benchmark's sections, run one after another by `run_benchmark` over a shared `Run`.
 
 Like timm's benchmark runners (inference, training, profile), each section measures one thing the same way on CPU and
 CUDA, only the device differs: `LogitsCheck` (the models agree, before anything is timed), `MatmulPeak`, `Throughput`
@@ -9,6 +9,7 @@ CUDA, only the device differs: `LogitsCheck` (the models agree, before anything 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import platform
 import time
@@ -24,30 +25,17 @@ from .models import build_models, compare_logits, dense_bf16_peak, step_flops, v
 from .onnx_runtime import compare_onnxruntime
 from .profiling import profile_training_step
 from .settings import HF_VIT, LOGITS_TOLERANCE, TIMM, TORCHVISION, TRANSFORMERS, BenchmarkSettings
-from .timing import benchmark_models, make_optimizer, matmul_flops_per_s, median_seconds, sdpa_backend
+from .timing import MODES, benchmark_models, make_optimizer, matmul_flops_per_s, median_seconds, sdpa_backend
 
 
 def machine_info(device: torch.device) -> dict:
-    info = {
-        "device": str(device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-    }
+    info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version()}
+    info.update(platform=platform.platform(), torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count())
     with contextlib.suppress(OSError, AttributeError):
         info["load_average_at_start"] = os.getloadavg()
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    with contextlib.suppress(ImportError):
-        import timm
-
-        info["timm"] = timm.__version__
+    for name in ("transformers", "timm"):
+        with contextlib.suppress(ImportError):
+            info[name] = importlib.import_module(name).__version__
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
@@ -65,16 +53,11 @@ def figure(metric, dtype, compiled, unit, higher_is_better, values, samples=None
     """One row of the report: every model's value, hf-vit's ratios, and for timed figures the samples."""
     present = {name: value for name, value in values.items() if value is not None}
     ours, theirs = present.get(HF_VIT), present.get(TRANSFORMERS)
-    row = {
-        "key": f"{metric}/{dtype}/{'compiled' if compiled else 'eager'}" if dtype else metric,
-        "metric": metric,
-        "dtype": dtype,
-        "compiled": compiled,
-        "unit": unit,
-        "higher_is_better": higher_is_better,
-        "values": values,
-        "ratio": ours / theirs if ours is not None and theirs else None,
-    }
+    key = f"{metric}/{dtype}/{'compiled' if compiled else 'eager'}" if dtype else metric
+    row = {"key": key, "metric": metric, "dtype": dtype, "compiled": compiled, "unit": unit}
+    row.update(
+        higher_is_better=higher_is_better, values=values, ratio=ours / theirs if ours is not None and theirs else None
+    )
     if TIMM in present and ours is not None and present[TIMM]:
         row["ratio_timm"] = ours / present[TIMM]
     if samples is None or HF_VIT not in samples or TRANSFORMERS not in samples:
@@ -93,7 +76,7 @@ def model_figures(results, dtype, compiled, batch_size, flops, matmul, peak) -> 
     """Images/s, the fractions of the measured matmul peak and (where known) of the dense bf16 peak, and peak memory,
     for training and inference."""
     figures = []
-    for mode in ("train", "infer"):
+    for mode in MODES:
         if not any(f"{mode}_seconds" in result for result in results.values()):
             continue
         seconds = {name: result[f"{mode}_seconds"] for name, result in results.items()}
@@ -167,6 +150,9 @@ class Section:
     """One part of the benchmark: `wanted` says whether the settings ask for it, `run` adds it to the report."""
 
     name = ""
+
+    def __init__(self, name: str = "", run: Callable[[Run], None] | None = None) -> None:
+        self.name, self.run = name or self.name, run or self.run
 
     def wanted(self, run: Run) -> bool:
         return True
@@ -243,15 +229,10 @@ class Throughput(Section):
 
     def run(self, run: Run) -> None:
         settings, report = run.settings, run.report
-        report["compile"] = {
-            "requested": settings.compile,
-            "mode": settings.compile_mode,
-            "backend": settings.compile_backend,
-            "modes": list(settings.compile_modes),
-            "errors": {},
-            "first_call_s": {},  # includes compiling; the first model compiled pays for shared work
-        }
-        report["compile"]["blocks"] = settings.compile_blocks
+        report["compile"] = {  # first_call_s includes compiling; the first model compiled pays for shared work
+            "requested": settings.compile, "mode": settings.compile_mode, "backend": settings.compile_backend,
+            "modes": list(settings.compile_modes), "errors": {}, "first_call_s": {}, "blocks": settings.compile_blocks,
+        }  # fmt: skip
         self.results = []
         for compiled in ([False] if settings.eager else []) + ([True] if settings.compile else []):
             models, undo = compile_models(run.models, settings) if compiled else (run.models, lambda: None)
@@ -268,18 +249,11 @@ class Throughput(Section):
         start = time.perf_counter()
         try:
             with sdpa_backend(settings.sdpa_backend):  # compiled models trace under it too
-                results = benchmark_models(
-                    models,
-                    run.pixel_values,
-                    run.labels,
-                    dtype,
-                    settings.steps,
-                    max(settings.warmup, 2) if compiled else settings.warmup,
-                    settings.repeats,
-                    settings.memory,
-                    run.optimizers,
-                    settings.compile_modes if compiled else ("train", "infer"),
+                warmup, modes = (
+                    (max(settings.warmup, 2), settings.compile_modes) if compiled else (settings.warmup, MODES)
                 )
+                inputs = (run.pixel_values, run.labels, dtype, settings.steps, warmup, settings.repeats)
+                results = benchmark_models(models, *inputs, settings.memory, run.optimizers, modes)
         except Exception as error:  # noqa: BLE001 - a failed compile drops its rows, not the whole benchmark
             if not compiled:
                 raise
@@ -290,7 +264,7 @@ class Throughput(Section):
         self.results.append((results, dtype, compiled))
         variant = "compiled" if compiled else "eager"
         for name, result in results.items():
-            for mode in ("train", "infer"):
+            for mode in MODES:
                 if compiled and f"{mode}_first_call_s" in result:
                     first_calls = report["compile"]["first_call_s"].setdefault(f"{mode}/{dtype}", {})
                     first_calls[name] = result[f"{mode}_first_call_s"]
@@ -301,17 +275,8 @@ class Throughput(Section):
     def add_figures(self, run: Run) -> None:
         flops = run.report["flops_per_image"]["forward"]
         for results, dtype, compiled in getattr(self, "results", []):
-            run.figures.extend(
-                model_figures(
-                    results,
-                    dtype,
-                    compiled,
-                    run.settings.batch_size,
-                    flops,
-                    run.report["matmul"],
-                    run.report["bf16_dense_peak"],
-                )
-            )
+            figures = (run.settings.batch_size, flops, run.report["matmul"], run.report["bf16_dense_peak"])
+            run.figures.extend(model_figures(results, dtype, compiled, *figures))
 
 
 # The transformer blocks of hf-vit, transformers' ViT and timm's ViT, by class name (for --compile_blocks).
@@ -347,18 +312,6 @@ def compile_models(
     return dict(models), undo
 
 
-class ThroughputFigures(Section):
-    """The throughput rows, computed against the matmul peak measured before and after the models."""
-
-    name = "throughput figures"
-
-    def __init__(self, throughput: Throughput) -> None:
-        self.throughput = throughput
-
-    def run(self, run: Run) -> None:
-        self.throughput.add_figures(run)
-
-
 class Processors(Section):
     name = "image processors"
 
@@ -369,17 +322,8 @@ class Processors(Section):
         settings = run.settings
         processor = compare_processors(run.image_size, settings.processor_images, settings.processor_repeats)
         run.report["processor"] = processor
-        run.figures.append(
-            figure(
-                "processor_images_per_s",
-                None,
-                False,
-                "images/s",
-                True,
-                processor["images_per_s"],
-                processor["seconds"],
-            )
-        )
+        values = (processor["images_per_s"], processor["seconds"])
+        run.figures.append(figure("processor_images_per_s", None, False, "images/s", True, *values))
 
 
 class InputPipelines(Section):
@@ -400,17 +344,11 @@ class InputPipelines(Section):
         names = {HF_VIT: HF_VIT, TRANSFORMERS: TORCHVISION, TIMM: TIMM}
         for kind in PHOTO_SIZES:
             per_s, seconds = pipeline[kind]["images_per_s"], pipeline[kind]["seconds"]
-            run.figures.append(
-                figure(
-                    f"input_pipeline_{kind}_images_per_s",
-                    None,
-                    False,
-                    "images/s per core",
-                    True,
-                    {ours: per_s[theirs] for ours, theirs in names.items() if theirs in per_s},
-                    {ours: seconds[theirs] for ours, theirs in names.items() if theirs in seconds},
-                )
-            )
+            values = [
+                {ours: got[theirs] for ours, theirs in names.items() if theirs in got} for got in (per_s, seconds)
+            ]
+            metric = f"input_pipeline_{kind}_images_per_s"
+            run.figures.append(figure(metric, None, False, "images/s per core", True, *values))
 
 
 class OnnxRuntime(Section):
@@ -477,9 +415,10 @@ def size_sweep(settings: BenchmarkSettings, device: torch.device) -> list[dict]:
             results = benchmark_models(
                 models, pixel_values, labels, dtype, steps, max(settings.warmup, 1), repeats, False, optimizers
             )
+            tokens = config.num_patches + config.num_prefix_tokens
             row = {
                 "image_size": size,
-                "tokens": config.num_patches + config.num_prefix_tokens,
+                "tokens": tokens,
                 "dtype": dtype,
                 "batch_size": batch,
                 "max_abs_logits_diff": diffs,
@@ -507,10 +446,23 @@ def sections(settings: BenchmarkSettings) -> list[Section]:
         MatmulPeak(),
         throughput,
         MatmulPeak(after=True),
-        ThroughputFigures(throughput),
+        Section("throughput figures", run=throughput.add_figures),  # against the matmul peak before and after
         Processors(),
         InputPipelines(),
         OnnxRuntime(),
         Profile(),
         SizeSweep(),
     ]
+
+
+def run_benchmark(settings: BenchmarkSettings, log: Callable[[str], None] = print) -> dict:
+    """Measure everything `settings` asks for, section by section, as one JSON-able dict (see `report.format_table`).
+    The models share the input batch, settings and optimiser; their logits agree before anything is timed, and their
+    order alternates between rounds; figures are medians over the rounds."""
+    run = Run(settings, log)
+    for section in sections(settings):
+        if section.wanted(run):
+            if section.name:
+                log(f"{section.name} ...")
+            section.run(run)
+    return run.finish()

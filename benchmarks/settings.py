@@ -27,12 +27,12 @@ def _help(text: str, **extra) -> dict:
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: dict) -> None:
-    """`--name` for each of `flags` (name: (default, help)), typed as its default; `False`: a switch."""
-    for name, (default, text) in flags.items():
+    """`--name` for each of `flags` (name: (default, help[, type])), typed as its default; `False`: a switch."""
+    for name, (default, text, *kind) in flags.items():
         if default is False:
             parser.add_argument(f"--{name}", action="store_true", help=text)
         else:
-            kind = None if default is None else type(default)
+            kind = kind[0] if kind else None if default is None else type(default)
             parser.add_argument(f"--{name}", type=kind, default=default, help=text)
 
 

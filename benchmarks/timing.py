@@ -32,6 +32,7 @@ def autocast(device: torch.device, dtype: str):
     return torch.autocast(device_type=device.type, dtype=target)
 
 
+MODES = ("train", "infer")
 CONTENTION_LIMIT = 0.15  # CPU cores used by other processes during a sample above which it counts as disturbed
 
 
@@ -112,13 +113,8 @@ def matmul_flops_per_s(device: torch.device, dtype: str, size: int, repeats: int
 
     sample = time_alternating({"matmul": product}, 1, repeats, device)["matmul"]
     seconds = median_seconds(sample) / calls
-    return {
-        "size": size,
-        "dtype": dtype,
-        "flops_per_s": 2 * size**3 / seconds,
-        "seconds": seconds,
-        "disturbed_samples": len(sample["clean"]) - sum(sample["clean"]),
-    }
+    result = dict(size=size, dtype=dtype, flops_per_s=2 * size**3 / seconds, seconds=seconds)
+    return {**result, "disturbed_samples": len(sample["clean"]) - sum(sample["clean"])}
 
 
 SDPA_BACKENDS = {
@@ -187,20 +183,18 @@ def benchmark_models(
     repeats: int,
     memory: bool,
     optimizers: dict[str, torch.optim.Optimizer],
-    modes: Sequence[str] = ("train", "infer"),
+    modes: Sequence[str] = MODES,
 ) -> dict[str, dict]:
     """Training-step and inference seconds (samples per repeat) and optionally peak memory of every model."""
     device = pixel_values.device
     results: dict[str, dict] = {name: {} for name in models}
     for mode in modes:
-        steps_fns = {}
-        for name, model in models.items():
-            if mode == "train":
-                model.train()
-                steps_fns[name] = make_train_step(model, optimizers[name], pixel_values, labels, dtype)
-            else:
-                model.eval()
-                steps_fns[name] = make_infer_step(model, pixel_values, dtype)
+        steps_fns = {
+            name: make_train_step(model.train(), optimizers[name], pixel_values, labels, dtype)
+            if mode == "train"
+            else make_infer_step(model.eval(), pixel_values, dtype)
+            for name, model in models.items()
+        }
         for name, step in steps_fns.items():
             for index in range(warmup):
                 synchronize(device)
@@ -216,3 +210,13 @@ def benchmark_models(
                 for key, value in measure_memory(steps_fns[name], device).items():
                     results[name][f"{mode}_{key}"] = value
     return results
+
+
+def timed_rounds(fns: dict[str, Callable[[], object]], steps: int, repeats: int) -> tuple[dict[str, float], list]:
+    """One warm-up call each, then `time_alternating` on CPU: the median seconds per call of each function, and the
+    1-minute load average before and after."""
+    for fn in fns.values():
+        fn()
+    before = os.getloadavg()[0]
+    samples = time_alternating(fns, steps, repeats, torch.device("cpu"))
+    return {name: median_seconds(sample) for name, sample in samples.items()}, [before, os.getloadavg()[0]]
