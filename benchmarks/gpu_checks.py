@@ -325,9 +325,7 @@ def native_aspect_batches(smoke: Smoke) -> str:
     smoke.classifier(config).save_pretrained(folder)
     generator = torch.Generator().manual_seed(0)
     shapes = [(224, 224), (120, 400), (500, 90), (64, 64)] if smoke.cuda else [(40, 40), (20, 80), (90, 30)]
-    images = [
-        torch.randint(0, 256, (3, height, width), generator=generator, dtype=torch.uint8) for height, width in shapes
-    ]
+    images = [torch.randint(0, 256, (3, *shape), generator=generator, dtype=torch.uint8) for shape in shapes]
     processor = VisionTransformerImageProcessor(max_num_patches=config.num_patches, patch_size=config.patch_size)
     inputs = {name: value.to(smoke.device) for name, value in processor(images, return_tensors="pt").items()}
     if bool((inputs["spatial_shapes"].prod(-1) == inputs["pixel_values"].shape[1]).all()):
@@ -352,13 +350,8 @@ def hub_cache_with(smoke: Smoke, repo_id: str) -> Path:
 
 
 def trainer_env(smoke: Smoke) -> dict[str, str]:
-    return {
-        **os.environ,
-        "HF_HUB_CACHE": str(hub_cache_with(smoke, HUB_REPO_ID)),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
+    offline = dict.fromkeys(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"), "1")
+    return {**os.environ, "HF_HUB_CACHE": str(hub_cache_with(smoke, HUB_REPO_ID)), **offline}
 
 
 def finetune_args(output_dir: Path, max_steps: int, extra=(), learning_rate: float = 0.03) -> list[str]:
@@ -378,12 +371,8 @@ def finetune_args(output_dir: Path, max_steps: int, extra=(), learning_rate: flo
 
 
 def _trainer_skip(smoke: Smoke, cpu_ok: bool) -> None:
-    if smoke.cuda:
-        return
-    if cpu_ok and smoke.trainer_on_cpu:
-        return
-    reason = "needs CUDA (no GPU here)" + ("; --trainer_on_cpu runs it on CPU" if cpu_ok else "")
-    raise Skipped(reason)
+    if not smoke.cuda and not (cpu_ok and smoke.trainer_on_cpu):
+        raise Skipped("needs CUDA (no GPU here)" + ("; --trainer_on_cpu runs it on CPU" if cpu_ok else ""))
 
 
 def _run(command: list[str], env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
@@ -540,34 +529,24 @@ def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
         raise AssertionError("the saved model.safetensors is not the EMA state of the last checkpoint")
     if not _differing({k: raw[k] for k in average}, average):
         raise AssertionError("the EMA equals the raw weights: the average did not average (or was never updated)")
-    killed_at = kill_after_a_checkpoint(
-        smoke, finetune_args(killed, RECIPE_STEPS, extra, learning_rate=5e-4), env, "deit"
-    )
-    resume_to_the_end(smoke, finetune_args(killed, RECIPE_STEPS, extra, learning_rate=5e-4), env, killed_at, "deit")
+    again = finetune_args(killed, RECIPE_STEPS, extra, learning_rate=5e-4)
+    killed_at = kill_after_a_checkpoint(smoke, again, env, "deit")
+    resume_to_the_end(smoke, again, env, killed_at, "deit")
     differing = {}
     for name in (
         "model.safetensors",
-        f"checkpoint-{RECIPE_STEPS}/model.safetensors",
-        f"checkpoint-{RECIPE_STEPS}/{EMA_FILE}",
+        *(f"checkpoint-{RECIPE_STEPS}/{file}" for file in ("model.safetensors", EMA_FILE)),
     ):
         first, again = _tensors(straight / name), _tensors(killed / name)
-        names = _differing(first, again)
-        if names:
-            differing[name] = {
-                "tensors": len(names),
-                "largest": max(
-                    float((first[n].float() - again[n].float()).abs().max())
-                    for n in names
-                    if n in first and n in again
-                ),
-            }
+        if names := _differing(first, again):
+            gaps = [
+                float((first[n].float() - again[n].float()).abs().max()) for n in names if n in first and n in again
+            ]
+            differing[name] = {"tensors": len(names), "largest": max(gaps)}
     smoke.details["recipe_deit_resumes_bit_for_bit"] = {
-        "straight_seconds": seconds,
-        "killed_after": killed_at,
-        "differing": differing,
-        "train_loss": metrics["train_loss"],
-        "eval_accuracy": metrics["eval_accuracy"],
-    }
+        "straight_seconds": seconds, "killed_after": killed_at, "differing": differing,
+        "train_loss": metrics["train_loss"], "eval_accuracy": metrics["eval_accuracy"],
+    }  # fmt: skip
     if differing:
         raise AssertionError(f"the resumed run differs from the uninterrupted one: {differing}")
     return (
@@ -613,16 +592,9 @@ def ema_update_cost(smoke: Smoke) -> str:
         raise AssertionError(f"the averages are on {on}, the weights on {[str(p.device) for p in average.params][:1]}")
     del model, average
     batch = 256 if smoke.cuda else 2
-    cost = ema_cost(
-        batch,
-        repeats=5 if smoke.cuda else 2,
-        steps=5 if smoke.cuda else 1,
-        device=str(smoke.device),
-        dtype="bf16" if smoke.cuda else "fp32",
-    )
-    cost["kernels_per_update"] = len(kernels)
-    cost["tensors"] = tensors
-    smoke.details["ema_update_cost"] = cost
+    dtype, rounds = ("bf16", 5) if smoke.cuda else ("fp32", 2)
+    cost = ema_cost(batch, repeats=rounds, steps=rounds if smoke.cuda else 1, device=str(smoke.device), dtype=dtype)
+    smoke.details["ema_update_cost"] = cost = {**cost, "kernels_per_update": len(kernels), "tensors": tensors}
     seconds = cost["seconds"]
     return (
         f"{tensors} tensors, {len(kernels)} kernels per update on {sorted(on)}; "
