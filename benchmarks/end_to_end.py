@@ -1,19 +1,14 @@
 #!/usr/bin/env python
-r"""End to end: `scripts/finetune.py` on a folder of generated ImageNet-sized JPEGs, with the project's data loader
-(decoding and augmenting in its worker processes), against the model-only throughput of the same training step on
-a batch already on the device.
+r"""End to end: `scripts/finetune.py` on a folder of generated ImageNet-sized JPEGs, with the project's data loader,
+against the model-only throughput of the same training step (SGD momentum 0.9, clipping 1, dtype and compile as given)
+on one batch kept on the device. The end-to-end figure is the difference of two finetune.py runs' `train_runtime`
+(`--warmup_steps` and `--warmup_steps + --steps`): steady steps without start-up or compiling. Flags after `--` go to
+finetune.py (and, for `--bf16` / `--torch_compile`, to the model-only step).
 
     python benchmarks/end_to_end.py --folder /tmp/jpegs --images 4096 --preset vit-base-patch16-224 \
         --batch_size 256 --steps 40 --json e2e.json -- --bf16 --torch_compile      # on the GPU machine
     python benchmarks/end_to_end.py --folder /tmp/jpegs --images 48 --preset vit-tiny-patch16-224 \
         --num_hidden_layers 2 --image_size 64 --batch_size 8 --steps 2 --warmup_steps 1   # proves the path on CPU
-
-End-to-end images/s come from two finetune.py runs that differ only in --max_steps (`warmup_steps` and
-`warmup_steps + steps`): the difference of their `train_runtime` (all_results.json) is the time of `steps` steady
-steps, without the start-up, the workers' spin-up or compiling. The model-only figure times the same model, batch,
-optimiser (SGD with momentum 0.9, gradient clipping at 1, as finetune.py's recipe), dtype and compile setting on one
-batch of random pixels that stays on the device. Flags after `--` go to both: finetune.py (e.g. `--bf16
---torch_compile --dataloader_num_workers 12`) and, where they name bf16 / torch_compile, the model-only step.
 """
 
 from __future__ import annotations

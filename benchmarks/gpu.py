@@ -15,6 +15,7 @@ model, so a run stopped by a time limit keeps what it measured; `--time_budget_s
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -32,6 +33,7 @@ from benchmarks.gpu_packing import format_packing, measure_packing, merge_packin
 from benchmarks.report import _markdown_table, fill_markdown, merge_reports, write_json
 from benchmarks.runners import machine_info, run_benchmark
 from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags
+from benchmarks.timing import budget_spent
 
 # The presets and the training batch sizes practitioners use on one 80 GB GPU (inference uses the same batch).
 GPU_PRESETS = {"vit-small-patch16-224": 256, "vit-base-patch16-224": 256, "vit-large-patch16-224": 128}
@@ -99,29 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def settings_for(args: argparse.Namespace) -> list[BenchmarkSettings]:
     """One `BenchmarkSettings` per model: bf16 only, training and inference, eager and (unless --no_compile)
     compiled, no image processors, input pipelines or onnxruntime (those are CPU figures)."""
-    common = dict(
-        device=args.device,
-        dtypes=["bf16"],
-        compile=not args.no_compile,
-        eager=not args.no_eager,
-        sdpa_backend=args.sdpa_backend,
-        compile_mode=args.compile_mode,
-        compile_backend=args.compile_backend,
-        compile_blocks=args.compile_blocks,
-        steps=args.steps,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        processor=False,
-        pipeline=False,
-        onnx=False,
-        profile=args.profile,
-        timm=not args.no_timm,
-        peak_tflops=args.peak_tflops,
-    )
+    same = ("device", "sdpa_backend", "compile_mode", "compile_backend", "compile_blocks", "steps", "repeats")
+    common = {name: getattr(args, name) for name in (*same, "warmup", "profile", "peak_tflops")}
+    common.update(dtypes=["bf16"], compile=not args.no_compile, eager=not args.no_eager, timm=not args.no_timm)
+    common.update(processor=False, pipeline=False, onnx=False)
     if args.quick:
-        quick = dict(
-            common, steps=1, repeats=1, warmup=0, matmul_size=128, matmul_repeats=1, num_hidden_layers=2, image_size=32
-        )
+        quick = dict(common, steps=1, repeats=1, warmup=0, matmul_size=128, matmul_repeats=1)
+        quick.update(num_hidden_layers=2, image_size=32)
         return [BenchmarkSettings(model=QUICK_PRESET, batch_size=2, **quick)]
     models = args.models or list(GPU_PRESETS)
     batch_sizes = args.batch_sizes or [GPU_PRESETS.get(model, 128) for model in models]
@@ -134,27 +120,20 @@ def summary_rows(report: dict) -> list[dict]:
     rows = []
     for model, run in report["models"].items():
         figures = {row["key"]: row for row in run["figures"]}
-        for variant in ("eager", "compiled"):
-            for mode in ("train", "infer"):
-                speed = figures.get(f"{mode}_images_per_s/bf16/{variant}")
-                if speed is None:
-                    continue
-                mfu = figures.get(f"{mode}_mfu/bf16/{variant}", {}).get("values", {})
-                memory = figures.get(f"{mode}_peak_mem_mb/bf16/{variant}", {}).get("values", {})
-                row = {
-                    "model": model,
-                    "batch_size": run["settings"]["batch_size"],
-                    "mode": mode,
-                    "variant": variant,
-                    "images_per_s": speed["values"],
-                    "ratio": {TRANSFORMERS: speed.get("ratio"), TIMM: speed.get("ratio_timm")},
-                    "mfu": mfu,
-                    "peak_mem_mb": memory,
-                }
-                target = MFU_TARGETS.get((model, mode)) if variant == "compiled" else None
-                if target is not None:
-                    row["mfu_target"] = target
-                rows.append(row)
+        for variant, mode in itertools.product(("eager", "compiled"), ("train", "infer")):
+            speed = figures.get(f"{mode}_images_per_s/bf16/{variant}")
+            if speed is None:
+                continue
+            row = dict(model=model, batch_size=run["settings"]["batch_size"], mode=mode, variant=variant)
+            row.update(
+                images_per_s=speed["values"], ratio={TRANSFORMERS: speed.get("ratio"), TIMM: speed.get("ratio_timm")}
+            )
+            for name in ("mfu", "peak_mem_mb"):
+                row[name] = figures.get(f"{mode}_{name}/bf16/{variant}", {}).get("values", {})
+            target = MFU_TARGETS.get((model, mode)) if variant == "compiled" else None
+            if target is not None:
+                row["mfu_target"] = target
+            rows.append(row)
     return rows
 
 
@@ -215,12 +194,8 @@ def format_machine(report: dict) -> str:
 
 
 def markdown_sections(report: dict) -> dict[str, str]:
-    sections = {
-        "machine": format_machine(report),
-        "summary": format_summary(report),
-        "targets": format_targets(report),
-    }
-    return {**sections, "packing": format_packing(report)}
+    sections = {"machine": format_machine(report), "summary": format_summary(report)}
+    return {**sections, "targets": format_targets(report), "packing": format_packing(report)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,23 +206,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    report: dict = {
-        "command": "python benchmarks/gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "models": {},
-        "skipped": {},
-    }
+    command = "python benchmarks/gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    report: dict = {"command": command, "models": {}, "skipped": {}}
     previous = json.loads(Path(args.json).read_text()) if args.merge_json and Path(args.json).is_file() else None
     if previous is not None:  # models measured before keep their figures; a model measured again is merged
         report["models"] = previous["models"]
         report["runs"] = previous.get("runs", [previous["command"]]) + [report["command"]]
-        for key in ("machine", "flops_formula", "bf16_dense_peak", "packing"):
-            if key in previous:
-                report[key] = previous[key]
+        report.update(
+            {
+                key: previous[key]
+                for key in ("machine", "flops_formula", "bf16_dense_peak", "packing")
+                if key in previous
+            }
+        )
     for settings in [] if args.packing_only else settings_for(args):
         elapsed = time.perf_counter() - start
-        if args.time_budget_s is not None and elapsed > args.time_budget_s:
-            report["skipped"][settings.model] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
-            print(f"{settings.model}: skipped, {report['skipped'][settings.model]}", file=sys.stderr)
+        if spent := budget_spent(args.time_budget_s, start):
+            report["skipped"][settings.model] = spent
+            print(f"{settings.model}: skipped, {spent}", file=sys.stderr)
             continue
         run = run_benchmark(settings, log=lambda message: print(message, file=sys.stderr, flush=True))
         run["seconds"] = time.perf_counter() - start - elapsed
@@ -262,10 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:  # after every model: a run cut short keeps what it measured
             write_json(report, args.json)
     if args.packing:
-        elapsed = time.perf_counter() - start
-        if args.time_budget_s is not None and elapsed > args.time_budget_s:
-            report["skipped"]["packing"] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
-            print(f"packing: skipped, {report['skipped']['packing']}", file=sys.stderr)
+        if spent := budget_spent(args.time_budget_s, start):
+            report["skipped"]["packing"] = spent
+            print(f"packing: skipped, {spent}", file=sys.stderr)
         else:
             previous_packing = report.get("packing")
             report.setdefault("machine", machine_info(torch.device(args.device)))
@@ -283,12 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = time.perf_counter() - start
     if args.json:
         print(f"json: {write_json(report, args.json)}")
-    print(format_summary(report))
-    print()
-    print(format_targets(report))
+    print(format_summary(report) + "\n\n" + format_targets(report))
     if report.get("packing"):
-        print()
-        print(format_packing(report))
+        print("\n" + format_packing(report))
     if args.doc:
         print(f"doc: {write_doc(report, args.doc)}")
     return 0

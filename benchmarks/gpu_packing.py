@@ -28,7 +28,7 @@ import torch
 from benchmarks.packing_speed import layouts, small_classifier, square_batch
 from benchmarks.report import _markdown_table
 from benchmarks.runners import compile_models
-from benchmarks.timing import median_seconds, sdpa_backend, time_alternating
+from benchmarks.timing import budget_spent, median_seconds, sdpa_backend, time_alternating
 from hf_vit.model import attention
 
 LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed", "packed + mask")
@@ -274,9 +274,7 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     figures.update(host_sync=host_sync, rows=rows, skipped=skipped)
 
     def spent() -> str | None:  # no compilation starts after the budget: the rows compiled so far are still timed
-        elapsed = time.perf_counter() - start
-        over = args.time_budget_s is not None and elapsed > args.time_budget_s
-        return f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)" if over else None
+        return budget_spent(args.time_budget_s, start)
 
     for variant in ([] if args.no_eager else ["eager"]) + ([] if args.no_compile else ["compiled"]):
         if variant == "compiled" and spent():

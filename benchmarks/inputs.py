@@ -24,8 +24,7 @@ def sample_photos(count: int = 32) -> list:
 
     photos = load_sample_images().images
     sizes = [(427, 640), (384, 576), (320, 480), (256, 384)]
-    images = []
-    index = 0
+    images, index = [], 0
     while len(images) < count:
         photo = photos[index % len(photos)]
         crop_h, crop_w = sizes[(index // len(photos)) % len(sizes)]
@@ -120,14 +119,8 @@ def input_pipelines(output_size: int) -> tuple[dict[str, Callable[[list[bytes]],
     try:
         from torchvision import transforms
 
-        example = transforms.Compose(
-            [
-                transforms.RandomResizedCrop(output_size),
-                transforms.RandomHorizontalFlip(),
-                transforms.ToTensor(),
-                transforms.Normalize(mean, std),
-            ]
-        )
+        crop = [transforms.RandomResizedCrop(output_size), transforms.RandomHorizontalFlip()]
+        example = transforms.Compose([*crop, transforms.ToTensor(), transforms.Normalize(mean, std)])
         pipelines[TORCHVISION] = lambda files: torch.stack([example(decode(data)) for data in files])
     except Exception as error:  # noqa: BLE001 - torchvision is optional (the peer environment has it)
         skipped[TORCHVISION] = f"{type(error).__name__}: {error}"
@@ -200,15 +193,8 @@ def profile_input_pipeline(output_size: int, count: int = 48, top: int = 12) -> 
     stats = pstats.Stats(profiler)
     total = stats.total_tt
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # by own (self) time
-    return {
-        "images": count,
-        "total_ms_per_image": 1e3 * total / count,
-        "top_functions": [
-            {
-                "function": f"{Path(filename).name}:{line}({name})" if filename != "~" else name,
-                "self_ms_per_image": 1e3 * own / count,
-                "pct": 100 * own / total,
-            }
-            for (filename, line, name), (_, _, own, _, _) in rows
-        ],
-    }
+    functions = []
+    for (file, line, name), (_, _, own, _, _) in rows:
+        where = f"{Path(file).name}:{line}({name})" if file != "~" else name
+        functions.append({"function": where, "self_ms_per_image": 1e3 * own / count, "pct": 100 * own / total})
+    return {"images": count, "total_ms_per_image": 1e3 * total / count, "top_functions": functions}

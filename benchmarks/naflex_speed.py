@@ -1,14 +1,9 @@
 #!/usr/bin/env python
 r"""NaFlex rows of the benchmark: inference on a native-aspect batch of K patches per image (mixed aspect ratios,
-padded) against a square batch of the same token count (each image a sqrt(K) x sqrt(K) grid, the ordinary path), and
-against timm's NaFlexVit on the same batch with the same weights (its column only where timm imports), eager and SDPA,
-timed in one process in alternating rounds (`timing.time_alternating`). Prints the rows and ratios; `--doc` rewrites
-the `<!-- naflex:table -->` block of docs/benchmarks.md.
-
-The model is timm's `naflexvit_base_patch16_gap` architecture (4 registers, LayerScale, fc_norm, average pooling) at
-ViT-Ti width by default; hf-vit's copy is converted from timm's weights by `hf_vit.convert.timm_naflex` and checked
-against timm's logits on the batch before anything is timed. Without timm, hf-vit's model is built from the same
-config at random and only the square-batch ratio is measured.
+padded) against a square batch of the same K (the ordinary path), and against timm's NaFlexVit on the same batch with
+the same weights (where timm imports; hf-vit's copy converted by `hf_vit.convert.timm_naflex` and checked against its
+logits first), eager and SDPA, in alternating rounds. The model is timm's `naflexvit_base_patch16_gap` at ViT-Ti
+width. `--doc` rewrites the `<!-- naflex:table -->` block of docs/benchmarks.md.
 
     PYTHONPATH=. $PEER/bin/python benchmarks/naflex_speed.py --doc docs/benchmarks.md
     python benchmarks/naflex_speed.py --max_num_patches 16 --batch_size 2 --repeats 1 --depth 1   # seconds

@@ -1,15 +1,8 @@
-"""The named recipes against no recipe on real images (scikit-learn's handwritten digits): test accuracy at a fixed
-budget, over several seeds, fine-tuning and from scratch.
-
-* fine-tuning: a small ViT is pretrained (supervised) on the embedded digits 0-4, then fine-tuned on `--images`
-  training images of the digits 5-9 (which it never saw) and tested on the digits 5-9 of the test split; without a
-  recipe it takes the paper's fine-tuning defaults (SGD with momentum, cosine);
-* from scratch: the same ViT, randomly initialised, trained on `--scratch_images` images of the training split (all
-  ten digits) and tested on the test split; without a recipe it takes the paper's pretraining defaults (Adam,
-  linear decay).
-
-Every row runs for the same epochs at the same batch; each (row, set-up) runs its seeds in one child process with
-one torch thread, one process at a time.
+"""The named recipes against no recipe on real images (scikit-learn's digits): test accuracy at a fixed budget over
+several seeds. Fine-tuning: a small ViT pretrained on the digits 0-4, fine-tuned on `--images` of the digits 5-9
+(without a recipe: the paper's fine-tuning defaults); from scratch: the same ViT trained on `--scratch_images` of all
+ten digits (without a recipe: the paper's pretraining defaults). Every row runs the same epochs at the same batch;
+each (row, set-up) runs its seeds in one child process with one torch thread, one process at a time.
 
     python benchmarks/recipes_digits.py --output_dir /tmp/recipes-digits --seeds 0 1 2
 """

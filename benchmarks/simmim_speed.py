@@ -1,10 +1,7 @@
 #!/usr/bin/env python
-r"""SimMIM row of the benchmark: a training step (forward, L1 loss on the masked pixels, backward, AdamW step) of
-hf-vit's `VisionTransformerForMaskedImageModeling` against transformers' `ViTForMaskedImageModeling` of the same size
-with the same weights (hf-vit's converted from transformers' by `from_pretrained`, and checked to give its loss and
-reconstruction first), on the same batch and mask, eager and SDPA attention, timed in one process in alternating
-rounds (`timing.time_alternating`). Prints the rows and ratios; `--doc` rewrites the `<!-- simmim:table -->` block of
-docs/benchmarks.md.
+r"""SimMIM row of the benchmark: a training step of hf-vit's `VisionTransformerForMaskedImageModeling` against
+transformers' `ViTForMaskedImageModeling` with the same weights (checked to give its loss and reconstruction first),
+on the same batch and mask, eager and SDPA, in alternating rounds. `--doc` rewrites the `<!-- simmim:table -->` block.
 
     python benchmarks/simmim_speed.py --doc docs/benchmarks.md
     python benchmarks/simmim_speed.py --image_size 32 --depth 1 --batch_size 2 --repeats 1   # seconds

@@ -220,3 +220,13 @@ def timed_rounds(fns: dict[str, Callable[[], object]], steps: int, repeats: int)
     before = os.getloadavg()[0]
     samples = time_alternating(fns, steps, repeats, torch.device("cpu"))
     return {name: median_seconds(sample) for name, sample in samples.items()}, [before, os.getloadavg()[0]]
+
+
+def budget_spent(budget_s: float | None, start: float) -> str | None:
+    """Why nothing more starts (`budget_s` seconds since `start` spent), or None."""
+    elapsed = time.perf_counter() - start
+    return (
+        f"time budget of {budget_s:.0f} s spent ({elapsed:.0f} s)"
+        if budget_s is not None and elapsed > budget_s
+        else None
+    )
