@@ -61,11 +61,7 @@ def compare_onnxruntime(
         }
         samples = time_alternating(fns, steps, repeats, torch.device("cpu"))
         per_s = {name: batch / median_seconds(sample) for name, sample in samples.items()}
-        result[f"batch_{batch}"] = {
-            "batch_size": batch,
-            "max_abs_logits_diff": difference,
-            "seconds": samples,
-            "images_per_s": per_s,
-            "ratio_onnxruntime_to_eager": per_s["onnxruntime"] / per_s[HF_VIT],
-        }
+        ratio = per_s["onnxruntime"] / per_s[HF_VIT]
+        row = dict(batch_size=batch, max_abs_logits_diff=difference, seconds=samples, images_per_s=per_s)
+        result[f"batch_{batch}"] = {**row, "ratio_onnxruntime_to_eager": ratio}
     return result
