@@ -28,7 +28,7 @@ import torch
 from benchmarks.packing_speed import layouts, small_classifier, square_batch
 from benchmarks.report import _markdown_table
 from benchmarks.runners import compile_models
-from benchmarks.timing import budget_spent, median_seconds, sdpa_backend, time_alternating
+from benchmarks.timing import budget_spent, median_seconds, sdpa_backend, synchronize, time_alternating
 from hf_vit.model import attention
 
 LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed", "packed + mask")
@@ -122,37 +122,27 @@ def sdpa_backends(device: torch.device) -> dict:
     """cuDNN's version and which SDPA backends are enabled, on CUDA; None on CPU."""
     if device.type != "cuda":
         return {"cudnn": None}
-    cuda = torch.backends.cuda
-    return {
-        "cudnn": torch.backends.cudnn.version(),
-        "flash": cuda.flash_sdp_enabled(),
-        "mem_efficient": cuda.mem_efficient_sdp_enabled(),
-        "cudnn_sdp": cuda.cudnn_sdp_enabled(),
-        "math": cuda.math_sdp_enabled(),
-    }
+    names = {"flash": "flash", "mem_efficient": "mem_efficient", "cudnn_sdp": "cudnn", "math": "math"}
+    enabled = {key: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for key, name in names.items()}
+    return {"cudnn": torch.backends.cudnn.version(), **enabled}
 
 
 def profile_call(fn, device: torch.device) -> dict:
     """A profile of one call of `fn`: the attention-related ops and kernels it shows, and on CUDA the kernels' total
     time (seconds; divided by the call's timed seconds, how busy the GPU was: the rest is time it waited for the
     host) and the five longest kernels."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.ProfilerActivity
+    activities = [profiler.CPU] + ([profiler.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as profile:
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
     events = profile.key_averages()
     kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
     longest = sorted(kernels, key=lambda event: -event.self_device_time_total)[:5]
-    return {
-        "attention_kernels": sorted({event.key for event in events if KERNEL_NAMES.search(event.key)})[:20],
-        "kernel_seconds": sum(event.self_device_time_total for event in kernels) / 1e6 if kernels else None,
-        "longest_kernels": [
-            (event.key[:90], round(event.self_device_time_total / 1e3, 3)) for event in longest
-        ],  # (name, milliseconds)
-    }
+    longest = [(event.key[:90], round(event.self_device_time_total / 1e3, 3)) for event in longest]  # (name, ms)
+    seconds = sum(event.self_device_time_total for event in kernels) / 1e6 if kernels else None
+    attention_kernels = sorted({event.key for event in events if KERNEL_NAMES.search(event.key)})[:20]
+    return {"attention_kernels": attention_kernels, "kernel_seconds": seconds, "longest_kernels": longest}
 
 
 @contextlib.contextmanager

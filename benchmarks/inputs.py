@@ -92,13 +92,8 @@ def jpeg_photos(count: int, sizes: Sequence[tuple[int, int]], quality: int = 90)
 
 
 def input_pipelines(output_size: int) -> tuple[dict[str, Callable[[list[bytes]], object]], dict[str, str]]:
-    """Training input pipelines from JPEG bytes to a normalised float batch (crop, flip), and why any is missing.
-
-    hf-vit's training transform; torchvision's pipeline of transformers' image classification example
-    (RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize on the decoded image converted to RGB, then
-    stacked like its collate function); timm's `create_transform(is_training=True)` without colour jitter; and PIL's
-    decoding alone as the floor. All normalise with the same mean and std.
-    """
+    """Training input pipelines from JPEG bytes to a normalised float batch (crop, flip), and why any is missing:
+    hf-vit's, transformers' example's (torchvision), timm's without colour jitter, and PIL's decoding alone."""
     import io
 
     import PIL.Image
@@ -136,10 +131,8 @@ def input_pipelines(output_size: int) -> tuple[dict[str, Callable[[list[bytes]],
 
 
 def compare_input_pipelines(output_size: int, count: int = 48, repeats: int = 5) -> dict:
-    """Images/s per core of the training input pipelines on JPEG photos of the sizes in `PHOTO_SIZES`.
-
-    One torch thread (as in a DataLoader worker), the pipelines alternating round by round like the models.
-    """
+    """Images/s per core of the training input pipelines on JPEG photos of the sizes in `PHOTO_SIZES`: one torch
+    thread (as in a DataLoader worker), the pipelines alternating round by round like the models."""
     pipelines, skipped = input_pipelines(output_size)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

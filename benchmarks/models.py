@@ -82,10 +82,8 @@ def timm_from_hf_vit(model: VisionTransformerForImageClassification) -> nn.Modul
 def build_models(
     settings: BenchmarkSettings, device: torch.device, image_size: int | None = None
 ) -> tuple[dict[str, nn.Module], dict[str, str]]:
-    """hf-vit, transformers' ViT and (when asked for and importable) timm's ViT, with identical weights, on `device`.
-
-    Returns the models and, for those left out, why.
-    """
+    """hf-vit, transformers' ViT and (when asked for and importable) timm's ViT, with identical weights, on `device`;
+    and for those left out, why."""
     ours = build_hf_vit(hf_vit_config(settings, image_size), settings.seed)
     models = {HF_VIT: ours.to(device), TRANSFORMERS: transformers_from_hf_vit(ours)}
     skipped = {}
@@ -115,11 +113,8 @@ def compare_logits(models: dict[str, nn.Module], pixel_values: torch.Tensor, dty
 
 
 def vit_forward_flops(config: VisionTransformerConfig, image_size: int | None = None) -> dict[str, int]:
-    """Forward FLOPs of one image (a multiply-add is 2 FLOPs), counted analytically per part of the model.
-
-    Counts the matrix products only: patch embedding, qkv, attention scores and weighted sum, output projection, MLP
-    and head; LayerNorm, GELU, softmax and residual adds are left out (they are a few percent of the total).
-    """
+    """Forward FLOPs of one image (a multiply-add is 2 FLOPs) of the matrix products, per part of the model; LayerNorm,
+    GELU, softmax and residual adds are left out (a few percent of the total)."""
     height, width = (image_size, image_size) if image_size else config.image_hw
     patch = config.patch_size
     patches = (height // patch) * (width // patch)

@@ -22,11 +22,8 @@ ONNX_TOLERANCE = 1e-3
 def compare_onnxruntime(
     model: VisionTransformerForImageClassification, batch_sizes: Sequence[int], steps: int, repeats: int, seed: int
 ) -> dict:
-    """onnxruntime (CPU) on `hf_vit.export`'s ONNX file against eager PyTorch fp32 inference, same weights.
-
-    The outputs are compared first (max |logits difference| <= `ONNX_TOLERANCE`); onnxruntime gets as many
-    intra-op threads as torch uses.
-    """
+    """onnxruntime (CPU, as many threads as torch) on `hf_vit.export`'s ONNX file against eager PyTorch fp32
+    inference, the outputs compared first (max |logits difference| <= `ONNX_TOLERANCE`)."""
     import tempfile
 
     import onnxruntime

@@ -243,12 +243,8 @@ BLOCK_CLASSES = ("VisionTransformerBlock", "ViTLayer", "Block")
 def compile_models(
     models: dict[str, nn.Module], settings: BenchmarkSettings
 ) -> tuple[dict[str, nn.Module], Callable[[], None]]:
-    """The models torch.compile'd as `settings` says, and a function that undoes it.
-
-    Whole models are wrapped (the originals stay eager); with `compile_blocks` each transformer block is compiled in
-    place with fullgraph=True (a graph break fails loudly instead of splitting the block), and the undo function
-    restores the eager blocks.
-    """
+    """The models torch.compile'd as `settings` says (whole, the originals staying eager; or with `compile_blocks` each
+    transformer block in place with fullgraph=True, a graph break failing loudly), and a function that undoes it."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     options = dict(mode=settings.compile_mode, backend=settings.compile_backend)
     if not settings.compile_blocks:

@@ -146,10 +146,8 @@ def make_optimizer(model: nn.Module, fused: bool = False) -> torch.optim.Optimiz
 def make_train_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, pixel_values: torch.Tensor, labels: torch.Tensor, dtype: str
 ) -> Callable[[], None]:
-    """Forward, cross-entropy (in fp32, outside the model, the same for every model), backward, AdamW step.
-
-    Nothing in the step reads a value back to the host (no `.item()`, no logging), so on a GPU the steps queue up
-    without a synchronisation; the timer synchronises once per sample."""
+    """Forward, cross-entropy (fp32, outside the model), backward, AdamW step; nothing read back to the host, so on a
+    GPU the steps queue up and the timer synchronises once per sample."""
     device = pixel_values.device
 
     def step() -> None:
