@@ -92,9 +92,8 @@ def merge_reports(old: dict, new: dict) -> dict:
     if new.get("sweep"):
         redone = {(row["image_size"], row["dtype"]) for row in new["sweep"]}
         kept = [row for row in old.get("sweep", []) if (row["image_size"], row["dtype"]) not in redone]
-        merged["sweep"] = sorted(
-            kept + new["sweep"], key=lambda row: (row["image_size"], list(DTYPES).index(row["dtype"]))
-        )
+        order = list(DTYPES)
+        merged["sweep"] = sorted(kept + new["sweep"], key=lambda row: (row["image_size"], order.index(row["dtype"])))
     for section in ("processor", "flops_per_image", "memory_metrics", "skipped_models"):
         if new.get(section):
             merged[section] = new[section]
@@ -205,10 +204,9 @@ def format_sweep(report: dict) -> str:
 def format_machine(report: dict) -> str:
     """Where and with what the figures were measured."""
     machine = report["machine"]
-    peaks = ", ".join(
-        f"{dtype} {entry['flops_per_s'] / 1e12:.3f} TFLOP/s" for dtype, entry in report.get("matmul", {}).items()
-    )
+    peaks = [f"{dtype} {entry['flops_per_s'] / 1e12:.3f} TFLOP/s" for dtype, entry in report.get("matmul", {}).items()]
     size = next((entry.get("size") for entry in report.get("matmul", {}).values()), None) or "?"
+    timm = f"timm {machine['timm']}" if machine.get("timm") else "timm not installed"
     loads = [machine.get(f"load_average_at_{when}") for when in ("start", "end")]
     loads = [", ".join(f"{value:.2f}" for value in load) if load else "?" for load in loads]
     rows = [
@@ -216,11 +214,9 @@ def format_machine(report: dict) -> str:
         ["cores, torch threads", f"{machine.get('cpu_count')}, {machine.get('torch_threads')}"],
         [
             "software",
-            f"torch {machine['torch']}, transformers {machine['transformers']}"
-            + (f", timm {machine['timm']}" if machine.get("timm") else ", timm not installed")
-            + f", Python {machine['python']}",
+            f"torch {machine['torch']}, transformers {machine['transformers']}, {timm}, Python {machine['python']}",
         ],
-        [f"matmul peak ({size}², best of before and after the models)", peaks],
+        [f"matmul peak ({size}², best of before and after the models)", ", ".join(peaks)],
         ["load average (1, 5, 15 min) at start / end", f"{loads[0]} / {loads[1]}"],
     ]
     commands = [run["command"] for run in report.get("runs", [])] or [report.get("command", "")]
