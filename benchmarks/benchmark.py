@@ -1,15 +1,9 @@
 #!/usr/bin/env python
 r"""Benchmark hf-vit's VisionTransformerForImageClassification against transformers' ViTForImageClassification
-(and timm's VisionTransformer where timm is installed) with identical weights, in one process.
-
-Measures training-step and inference throughput, peak memory and the fraction of the machine's matmul throughput
-achieved, in fp32 and bf16 autocast (eager; torch.compile'd with --compile); the image processors' throughput on real
-photos; the training input pipelines per core (hf-vit, torchvision as in transformers' example, timm); onnxruntime
-against eager inference; and optionally a sweep of throughput against image size and a profile of one training step.
-The default run takes under 15 minutes on 2 CPU cores.
-
-timm and torchvision are not dependencies: their columns appear where they import, e.g. in the environment that
-`bash benchmarks/peer_env.sh` builds (`$PEER/bin/python benchmarks/benchmark.py ...`), and are absent otherwise.
+(and timm's VisionTransformer where it imports, e.g. in `bash benchmarks/peer_env.sh`'s environment) with identical
+weights, in one process: training-step and inference throughput, peak memory and the fraction of the machine's matmul
+peak, in fp32 and bf16 autocast, eager (and compiled with --compile); the image processors on real photos; the
+training input pipelines per core; onnxruntime; optionally a size sweep and a profile. Under 15 minutes on 2 cores.
 
     python benchmarks/benchmark.py                                # ViT-S/16, 224, batch 16, fp32 + bf16
     python benchmarks/benchmark.py --json docs/benchmarks.json --profile --compile \
@@ -24,7 +18,7 @@ import argparse
 import json
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder importable as a package
@@ -36,7 +30,6 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder imp
 import torch
 from transformers import HfArgumentParser
 
-from benchmarks.measure import run_benchmark
 from benchmarks.report import (
     format_input_pipeline,
     format_onnxruntime,
@@ -48,27 +41,23 @@ from benchmarks.report import (
     write_doc,
     write_json,
 )
-from benchmarks.settings import BenchmarkSettings
+from benchmarks.runners import run_benchmark
+from benchmarks.settings import BenchmarkSettings, flag
 
 
 @dataclass
 class OutputArguments:
     """Where the figures go."""
 
-    json: str | None = field(default=None, metadata={"help": "write every figure and ratio here"})
-    doc: str | None = field(
-        default=None,
-        metadata={
-            "help": "markdown file whose <!-- benchmark:NAME --> blocks (machine, table, targets, sweep, profile) are "
-            "rewritten from this run's figures (after --merge_json)"
-        },
+    json: str | None = flag(None, "write every figure and ratio here")
+    doc: str | None = flag(
+        None,
+        "markdown file whose <!-- benchmark:NAME --> blocks (machine, table, targets, sweep, profile) are rewritten "
+        "from this run's figures (after --merge_json)",
     )
-    doc_only: bool = field(default=False, metadata={"help": "measure nothing: rewrite --doc from the --json figures"})
-    merge_json: bool = field(
-        default=False,
-        metadata={"help": "update an existing --json file with this run's figures instead of replacing it"},
-    )
-    plot: str | None = field(default=None, metadata={"help": "PNG of the size sweep"})
+    doc_only: bool = flag(False, "measure nothing: rewrite --doc from the --json figures")
+    merge_json: bool = flag(False, "update an existing --json file with this run's figures instead of replacing it")
+    plot: str | None = flag(None, "PNG of the size sweep")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkSettings, OutputArguments]:

@@ -52,9 +52,7 @@ def timed(command: list[str]) -> tuple[float, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--bin", action="append", default=None, help="a bin/ folder holding the hf-vit-* commands (repeatable)"
-    )
+    parser.add_argument("--bin", action="append", help="a bin/ folder holding the hf-vit-* commands (repeatable)")
     args = parser.parse_args()
     bins = [Path(b).absolute() for b in (args.bin or [Path(sys.executable).parent])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -69,14 +67,9 @@ def main() -> None:
             )
         ]
         for bin_dir in bins:
-            label = f" ({bin_dir})" if len(bins) > 1 else ""
-            cases += [
-                (f"hf-vit-finetune --help{label}", [str(bin_dir / "hf-vit-finetune"), "--help"]),
-                (
-                    f"hf-vit-finetune --train_dir x (argument error){label}",
-                    [str(bin_dir / "hf-vit-finetune"), "--train_dir", "x"],
-                ),
-            ]
+            label, finetune = f" ({bin_dir})" if len(bins) > 1 else "", str(bin_dir / "hf-vit-finetune")
+            cases.append((f"hf-vit-finetune --help{label}", [finetune, "--help"]))
+            cases.append((f"hf-vit-finetune --train_dir x (argument error){label}", [finetune, "--train_dir", "x"]))
             for name in ("hf-vit-predict", "hf-vit-evaluate"):
                 if (bin_dir / name).exists():
                     cases.append((f"{name} --help{label}", [str(bin_dir / name), "--help"]))

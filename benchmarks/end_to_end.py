@@ -1,19 +1,14 @@
 #!/usr/bin/env python
-r"""End to end: `scripts/finetune.py` on a folder of generated ImageNet-sized JPEGs, with the project's data loader
-(decoding and augmenting in its worker processes), against the model-only throughput of the same training step on
-a batch already on the device.
+r"""End to end: `scripts/finetune.py` on a folder of generated ImageNet-sized JPEGs, with the project's data loader,
+against the model-only throughput of the same training step (SGD momentum 0.9, clipping 1, dtype and compile as given)
+on one batch kept on the device. The end-to-end figure is the difference of two finetune.py runs' `train_runtime`
+(`--warmup_steps` and `--warmup_steps + --steps`): steady steps without start-up or compiling. Flags after `--` go to
+finetune.py (and, for `--bf16` / `--torch_compile`, to the model-only step).
 
     python benchmarks/end_to_end.py --folder /tmp/jpegs --images 4096 --preset vit-base-patch16-224 \
         --batch_size 256 --steps 40 --json e2e.json -- --bf16 --torch_compile      # on the GPU machine
     python benchmarks/end_to_end.py --folder /tmp/jpegs --images 48 --preset vit-tiny-patch16-224 \
         --num_hidden_layers 2 --image_size 64 --batch_size 8 --steps 2 --warmup_steps 1   # proves the path on CPU
-
-End-to-end images/s come from two finetune.py runs that differ only in --max_steps (`warmup_steps` and
-`warmup_steps + steps`): the difference of their `train_runtime` (all_results.json) is the time of `steps` steady
-steps, without the start-up, the workers' spin-up or compiling. The model-only figure times the same model, batch,
-optimiser (SGD with momentum 0.9, gradient clipping at 1, as finetune.py's recipe), dtype and compile setting on one
-batch of random pixels that stays on the device. Flags after `--` go to both: finetune.py (e.g. `--bf16
---torch_compile --dataloader_num_workers 12`) and, where they name bf16 / torch_compile, the model-only step.
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder imp
 
 import torch
 
+from benchmarks.settings import add_flags
 from benchmarks.timing import synchronize
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
@@ -68,18 +64,12 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
             return written
     if folder.exists() and any(folder.iterdir()):
         if not marker.is_file():
-            raise FileExistsError(
-                f"--folder {folder} exists and holds files this benchmark did not write; give an empty or new folder."
-            )
-        raise FileExistsError(
-            f"--folder {folder} holds JPEGs generated with other settings ({marker}); give another folder or delete "
-            "that one."
-        )
+            raise FileExistsError(f"--folder {folder} holds files this benchmark did not write; give an empty one.")
+        raise FileExistsError(f"--folder {folder} holds JPEGs generated with other settings ({marker}); give another.")
     rng = random.Random(seed)
     photos = [PIL.Image.fromarray(photo) for photo in load_sample_images().images]
     total_bytes = 0
-    counts = {"train": images, "validation": classes}
-    for split, count in counts.items():
+    for split, count in {"train": images, "validation": classes}.items():
         for index in range(count):
             label = index % classes
             photo = photos[rng.randrange(len(photos))]
@@ -87,9 +77,8 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
             scale = rng.uniform(0.5, 1.0)
             crop_w, crop_h = int(photo.width * scale), int(photo.height * scale)
             left, top = rng.randrange(photo.width - crop_w + 1), rng.randrange(photo.height - crop_h + 1)
-            image = photo.crop((left, top, left + crop_w, top + crop_h)).resize(
-                (width, height), PIL.Image.Resampling.BICUBIC
-            )
+            image = photo.crop((left, top, left + crop_w, top + crop_h))
+            image = image.resize((width, height), PIL.Image.Resampling.BICUBIC)
             if rng.random() < 0.5:
                 image = image.transpose(PIL.Image.Transpose.FLIP_LEFT_RIGHT)
             pixels = np.asarray(image, dtype=np.float32) * rng.uniform(0.7, 1.3)
@@ -99,19 +88,15 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
             path = folder / "images" / split / f"class_{label:02d}" / f"{index:07d}.jpg"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(buffer.getvalue())
-            if split == "train":
-                total_bytes += len(buffer.getvalue())
+            total_bytes += len(buffer.getvalue()) if split == "train" else 0
     written = dict(spec, mean_jpeg_kib=total_bytes / images / 1024, dataset=str(folder / "images"))
     marker.write_text(json.dumps(written, indent=2) + "\n")
     return json.loads(marker.read_text())  # as a later call that reuses the folder returns it
 
 
 def make_model(preset: str, classes: int, image_size: int | None, num_hidden_layers: int | None):
-    fields = {"num_labels": classes}
-    if image_size:
-        fields["image_size"] = image_size
-    if num_hidden_layers:
-        fields["num_hidden_layers"] = num_hidden_layers
+    fields = {"num_labels": classes, "image_size": image_size, "num_hidden_layers": num_hidden_layers}
+    fields = {key: value for key, value in fields.items() if value}
     torch.manual_seed(0)
     return VisionTransformerForImageClassification(VisionTransformerConfig.from_preset(preset, **fields))
 
@@ -180,17 +165,14 @@ def finetune_runtime(command: list[str], log) -> float:
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--folder", required=True, help="where the JPEGs are generated (or were, by this script)")
-    parser.add_argument("--images", type=int, default=4096, help="training JPEGs to generate")
-    parser.add_argument("--classes", type=int, default=10)
-    parser.add_argument("--preset", default="vit-base-patch16-224")
-    parser.add_argument("--image_size", type=int, default=None)
-    parser.add_argument("--num_hidden_layers", type=int, default=None)
-    parser.add_argument("--batch_size", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=40, help="steady steps timed")
-    parser.add_argument("--warmup_steps", type=int, default=10, help="steps of the shorter run (start-up, compile)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads of the model-only timing")
+    add_flags(parser, {
+        "images": (4096, "training JPEGs to generate"), "classes": (10, None),
+        "preset": ("vit-base-patch16-224", None),
+        "image_size": (None, None, int), "num_hidden_layers": (None, None, int), "batch_size": (256, None),
+        "steps": (40, "steady steps timed"), "warmup_steps": (10, "steps of the shorter run (start-up, compile)"),
+        "device": ("cuda" if torch.cuda.is_available() else "cpu", None), "json": (None, None),
+        "threads": (None, "torch threads of the model-only timing", int),
+    })  # fmt: skip
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
@@ -212,31 +194,24 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     log(f"{args.images} JPEGs in {data['dataset']} (mean {data['mean_jpeg_kib']:.0f} KiB): {seconds:.0f} s")
     bf16, compile = "--bf16" in extra, "--torch_compile" in extra
-    result = {
-        "preset": args.preset,
-        "batch_size": args.batch_size,
-        "device": args.device,
-        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
-        "cpu_count": os.cpu_count(),
-        "finetune_flags": extra,
-        "data": data,
-    }
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
+    result = dict(preset=args.preset, batch_size=args.batch_size, device=args.device, gpu=gpu)
+    result.update(cpu_count=os.cpu_count(), finetune_flags=extra, data=data)
     with tempfile.TemporaryDirectory() as scratch:
         model = make_model(args.preset, args.classes, args.image_size, args.num_hidden_layers)
         model_dir = Path(scratch) / "model"
         model.save_pretrained(model_dir)
         VisionTransformerImageProcessor(size=model.config.image_hw[0]).save_pretrained(model_dir)
-        result["model_only_images_per_s"] = model_only_images_per_s(
-            model, args.batch_size, args.steps, args.device, bf16, compile
-        )
+        speed = model_only_images_per_s(model, args.batch_size, args.steps, args.device, bf16, compile)
+        result["model_only_images_per_s"] = speed
         log(f"model only: {result['model_only_images_per_s']:.1f} images/s")
         del model
         runtimes = {}
         for steps in (args.warmup_steps, args.warmup_steps + args.steps):
-            command = finetune_command(
-                model_dir, data["dataset"], Path(scratch) / f"run{steps}", args.batch_size, steps, extra
+            output_dir = Path(scratch) / f"run{steps}"
+            runtimes[steps] = finetune_runtime(
+                finetune_command(model_dir, data["dataset"], output_dir, args.batch_size, steps, extra), log
             )
-            runtimes[steps] = finetune_runtime(command, log)
     result["finetune_train_runtime_s"] = {str(steps): value for steps, value in runtimes.items()}
     steady = runtimes[args.warmup_steps + args.steps] - runtimes[args.warmup_steps]
     if steady <= 0:

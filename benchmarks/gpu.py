@@ -1,30 +1,21 @@
 #!/usr/bin/env python
-r"""The GPU benchmark: ViT-S/16, ViT-B/16 and ViT-L/16 at 224 in bf16 autocast, training (forward, loss, backward,
-fused AdamW) and inference, eager and torch.compile'd, hf-vit against transformers' and timm's ViT with identical
-weights in one process, through the same sections as `benchmark.py` (logits checked first, alternating rounds,
-medians, CUDA-synchronised timing, `torch.cuda.max_memory_allocated`).
-
-MFU (model FLOPs utilisation) = images/s * analytic FLOPs per image / the GPU's dense bf16 peak (data sheet, e.g.
-989 TFLOP/s for an H100 SXM or H200). FLOPs per image: forward = 2 * multiply-adds of the matrix products
-(`benchmarks.models.vit_forward_flops`; ViT-B/16 at 224: 35.1 GFLOP), a training step = 3 * forward.
+r"""The GPU benchmark: ViT-S/16, ViT-B/16 and ViT-L/16 at 224 in bf16 autocast, training and inference, eager and
+compiled, hf-vit against transformers' and timm's ViT with identical weights in one process, through the sections of
+`benchmark.py`. MFU = images/s * analytic FLOPs per image (`models.vit_forward_flops`; a training step 3 * forward)
+/ the GPU's dense bf16 peak (data sheet, e.g. 989 TFLOP/s for an H100 SXM or H200).
 
     python benchmarks/gpu.py --json docs/benchmarks_gpu.json --doc docs/benchmarks.md   # on the GPU machine
     python benchmarks/gpu.py --quick --json /tmp/gpu.json      # the same path on a tiny model, seconds on a CPU
     python benchmarks/gpu.py --packing_only --json docs/benchmarks_gpu.json --merge_json   # the packing rows alone
 
-`--packing` adds the packing rows (`gpu_packing.py`: square, padded with a mask, padded through variable-length
-attention, packed, packed with a block-diagonal mask; eager and compiled, inference and a training step; ViT-B width,
-12 blocks, batch 128, K = 256; the attention path and kernels of each; on CUDA, whether a forward and backward of the
-padded and packed batches synchronise with the host, under `torch.cuda.set_sync_debug_mode("error")`); `--quick` runs
-them on its tiny model too (`--no_packing` leaves them out).
-
-The JSON is written after every model, so a run stopped by a time limit keeps what it measured; `--time_budget_s`
-skips the models that would start after it.
+`--packing` adds the packing rows of `gpu_packing.py` (on by default with `--quick`). The JSON is written after every
+model, so a run stopped by a time limit keeps what it measured; `--time_budget_s` skips what would start after it.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shlex
@@ -39,10 +30,10 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder imp
 import torch
 
 from benchmarks.gpu_packing import format_packing, measure_packing, merge_packing
-from benchmarks.measure import run_benchmark
 from benchmarks.report import _markdown_table, fill_markdown, merge_reports, write_json
-from benchmarks.runners import machine_info
-from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings
+from benchmarks.runners import machine_info, run_benchmark
+from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags
+from benchmarks.timing import budget_spent
 
 # The presets and the training batch sizes practitioners use on one 80 GB GPU (inference uses the same batch).
 GPU_PRESETS = {"vit-small-patch16-224": 256, "vit-base-patch16-224": 256, "vit-large-patch16-224": 128}
@@ -57,48 +48,37 @@ PEERS = (TRANSFORMERS, TIMM)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", default=None, help="write the figures here (e.g. docs/benchmarks_gpu.json)")
-    parser.add_argument("--doc", default=None, help="markdown file whose <!-- benchmark-gpu:NAME --> blocks to fill")
+    add_flags(parser, {
+        "json": (None, "write the figures here (e.g. docs/benchmarks_gpu.json)"),
+        "doc": (None, "markdown file whose <!-- benchmark-gpu:NAME --> blocks to fill"),
+    })  # fmt: skip
     parser.add_argument("--models", nargs="+", default=None, help=f"presets (default: {', '.join(GPU_PRESETS)})")
     parser.add_argument("--batch_sizes", nargs="+", type=int, default=None, help="one per --models")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no_compile", action="store_true", help="eager rows only")
     parser.add_argument(
-        "--sdpa_backend", default=None, choices=["flash", "efficient", "cudnn", "math"], help="one SDPA backend only"
+        "--sdpa_backend", choices=["flash", "efficient", "cudnn", "math"], help="one SDPA backend only"
     )
-    parser.add_argument("--no_eager", action="store_true", help="compiled rows only (e.g. a second run, merged)")
-    parser.add_argument(
-        "--doc_only", action="store_true", help="measure nothing: fill --doc's blocks from the existing --json file"
-    )
-    parser.add_argument(
-        "--merge_json",
-        action="store_true",
-        help="merge this run into the existing --json file (figures replaced by key, other models kept)",
-    )
-    parser.add_argument("--compile_mode", default=None, help="torch.compile mode (default: torch's default)")
-    parser.add_argument(
-        "--compile_blocks", action="store_true", help="compile each transformer block (fullgraph) instead of the model"
-    )
-    parser.add_argument("--compile_backend", default="inductor", help="torch.compile backend")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds per model; the figures are their medians")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model (compiled: at least 2)")
-    parser.add_argument("--profile", action="store_true", help="also profile one training step of each model")
-    parser.add_argument("--no_timm", action="store_true", help="leave timm's column out")
-    parser.add_argument("--peak_tflops", type=float, default=None, help="dense bf16 peak (default: by GPU name)")
-    parser.add_argument("--time_budget_s", type=float, default=None, help="start no model after this many seconds")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument(
-        "--quick", action="store_true", help="the same path on a tiny model (2-block ViT-Ti/16 at 32, batch 2)"
-    )
-    parser.add_argument(
-        "--packing",
-        action="store_true",
-        help="also the packing rows (square, padded with a mask, padded through variable-length attention, packed; "
-        "ViT-B width, 12 blocks, batch 128, K = 256); on by default with --quick",
-    )
-    parser.add_argument("--no_packing", action="store_true", help="--quick without the packing rows")
-    parser.add_argument("--packing_only", action="store_true", help="the packing rows alone, no model comparison")
+    add_flags(parser, {
+        "no_compile": (False, "eager rows only"),
+        "no_eager": (False, "compiled rows only (e.g. a second run, merged)"),
+        "doc_only": (False, "measure nothing: fill --doc's blocks from the existing --json file"),
+        "merge_json": (False, "merge this run into the existing --json file (figures replaced by key, others kept)"),
+        "compile_mode": (None, "torch.compile mode (default: torch's default)"),
+        "compile_blocks": (False, "compile each transformer block (fullgraph) instead of the model"),
+        "compile_backend": ("inductor", "torch.compile backend"),
+        "steps": (10, "timed steps per round"),
+        "repeats": (3, "rounds per model; the figures are their medians"),
+        "warmup": (3, "untimed steps per model (compiled: at least 2)"),
+        "profile": (False, "also profile one training step of each model"),
+        "no_timm": (False, "leave timm's column out"),
+        "peak_tflops": (None, "dense bf16 peak (default: by GPU name)", float),
+        "time_budget_s": (None, "start no model after this many seconds", float),
+        "threads": (0, "torch.set_num_threads"),
+        "quick": (False, "the same path on a tiny model (2-block ViT-Ti/16 at 32, batch 2)"),
+        "packing": (False, "also the packing rows (gpu_packing.py); on by default with --quick"),
+        "no_packing": (False, "--quick without the packing rows"),
+        "packing_only": (False, "the packing rows alone, no model comparison"),
+    })  # fmt: skip
     args = parser.parse_args(argv)
     args.packing = (args.packing or args.packing_only or args.quick) and not args.no_packing
     if args.packing_only and args.no_packing:
@@ -121,29 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def settings_for(args: argparse.Namespace) -> list[BenchmarkSettings]:
     """One `BenchmarkSettings` per model: bf16 only, training and inference, eager and (unless --no_compile)
     compiled, no image processors, input pipelines or onnxruntime (those are CPU figures)."""
-    common = dict(
-        device=args.device,
-        dtypes=["bf16"],
-        compile=not args.no_compile,
-        eager=not args.no_eager,
-        sdpa_backend=args.sdpa_backend,
-        compile_mode=args.compile_mode,
-        compile_backend=args.compile_backend,
-        compile_blocks=args.compile_blocks,
-        steps=args.steps,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        processor=False,
-        pipeline=False,
-        onnx=False,
-        profile=args.profile,
-        timm=not args.no_timm,
-        peak_tflops=args.peak_tflops,
-    )
+    same = ("device", "sdpa_backend", "compile_mode", "compile_backend", "compile_blocks", "steps", "repeats")
+    common = {name: getattr(args, name) for name in (*same, "warmup", "profile", "peak_tflops")}
+    common.update(dtypes=["bf16"], compile=not args.no_compile, eager=not args.no_eager, timm=not args.no_timm)
+    common.update(processor=False, pipeline=False, onnx=False)
     if args.quick:
-        quick = dict(
-            common, steps=1, repeats=1, warmup=0, matmul_size=128, matmul_repeats=1, num_hidden_layers=2, image_size=32
-        )
+        quick = dict(common, steps=1, repeats=1, warmup=0, matmul_size=128, matmul_repeats=1)
+        quick.update(num_hidden_layers=2, image_size=32)
         return [BenchmarkSettings(model=QUICK_PRESET, batch_size=2, **quick)]
     models = args.models or list(GPU_PRESETS)
     batch_sizes = args.batch_sizes or [GPU_PRESETS.get(model, 128) for model in models]
@@ -156,27 +120,20 @@ def summary_rows(report: dict) -> list[dict]:
     rows = []
     for model, run in report["models"].items():
         figures = {row["key"]: row for row in run["figures"]}
-        for variant in ("eager", "compiled"):
-            for mode in ("train", "infer"):
-                speed = figures.get(f"{mode}_images_per_s/bf16/{variant}")
-                if speed is None:
-                    continue
-                mfu = figures.get(f"{mode}_mfu/bf16/{variant}", {}).get("values", {})
-                memory = figures.get(f"{mode}_peak_mem_mb/bf16/{variant}", {}).get("values", {})
-                row = {
-                    "model": model,
-                    "batch_size": run["settings"]["batch_size"],
-                    "mode": mode,
-                    "variant": variant,
-                    "images_per_s": speed["values"],
-                    "ratio": {TRANSFORMERS: speed.get("ratio"), TIMM: speed.get("ratio_timm")},
-                    "mfu": mfu,
-                    "peak_mem_mb": memory,
-                }
-                target = MFU_TARGETS.get((model, mode)) if variant == "compiled" else None
-                if target is not None:
-                    row["mfu_target"] = target
-                rows.append(row)
+        for variant, mode in itertools.product(("eager", "compiled"), ("train", "infer")):
+            speed = figures.get(f"{mode}_images_per_s/bf16/{variant}")
+            if speed is None:
+                continue
+            row = dict(model=model, batch_size=run["settings"]["batch_size"], mode=mode, variant=variant)
+            row.update(
+                images_per_s=speed["values"], ratio={TRANSFORMERS: speed.get("ratio"), TIMM: speed.get("ratio_timm")}
+            )
+            for name in ("mfu", "peak_mem_mb"):
+                row[name] = figures.get(f"{mode}_{name}/bf16/{variant}", {}).get("values", {})
+            target = MFU_TARGETS.get((model, mode)) if variant == "compiled" else None
+            if target is not None:
+                row["mfu_target"] = target
+            rows.append(row)
     return rows
 
 
@@ -237,12 +194,8 @@ def format_machine(report: dict) -> str:
 
 
 def markdown_sections(report: dict) -> dict[str, str]:
-    sections = {
-        "machine": format_machine(report),
-        "summary": format_summary(report),
-        "targets": format_targets(report),
-    }
-    return {**sections, "packing": format_packing(report)}
+    sections = {"machine": format_machine(report), "summary": format_summary(report)}
+    return {**sections, "targets": format_targets(report), "packing": format_packing(report)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,23 +206,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    report: dict = {
-        "command": "python benchmarks/gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "models": {},
-        "skipped": {},
-    }
+    command = "python benchmarks/gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    report: dict = {"command": command, "models": {}, "skipped": {}}
     previous = json.loads(Path(args.json).read_text()) if args.merge_json and Path(args.json).is_file() else None
     if previous is not None:  # models measured before keep their figures; a model measured again is merged
         report["models"] = previous["models"]
         report["runs"] = previous.get("runs", [previous["command"]]) + [report["command"]]
-        for key in ("machine", "flops_formula", "bf16_dense_peak", "packing"):
-            if key in previous:
-                report[key] = previous[key]
+        report.update(
+            {
+                key: previous[key]
+                for key in ("machine", "flops_formula", "bf16_dense_peak", "packing")
+                if key in previous
+            }
+        )
     for settings in [] if args.packing_only else settings_for(args):
         elapsed = time.perf_counter() - start
-        if args.time_budget_s is not None and elapsed > args.time_budget_s:
-            report["skipped"][settings.model] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
-            print(f"{settings.model}: skipped, {report['skipped'][settings.model]}", file=sys.stderr)
+        if spent := budget_spent(args.time_budget_s, start):
+            report["skipped"][settings.model] = spent
+            print(f"{settings.model}: skipped, {spent}", file=sys.stderr)
             continue
         run = run_benchmark(settings, log=lambda message: print(message, file=sys.stderr, flush=True))
         run["seconds"] = time.perf_counter() - start - elapsed
@@ -284,10 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:  # after every model: a run cut short keeps what it measured
             write_json(report, args.json)
     if args.packing:
-        elapsed = time.perf_counter() - start
-        if args.time_budget_s is not None and elapsed > args.time_budget_s:
-            report["skipped"]["packing"] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
-            print(f"packing: skipped, {report['skipped']['packing']}", file=sys.stderr)
+        if spent := budget_spent(args.time_budget_s, start):
+            report["skipped"]["packing"] = spent
+            print(f"packing: skipped, {spent}", file=sys.stderr)
         else:
             previous_packing = report.get("packing")
             report.setdefault("machine", machine_info(torch.device(args.device)))
@@ -305,12 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     report["seconds"] = time.perf_counter() - start
     if args.json:
         print(f"json: {write_json(report, args.json)}")
-    print(format_summary(report))
-    print()
-    print(format_targets(report))
+    print(format_summary(report) + "\n\n" + format_targets(report))
     if report.get("packing"):
-        print()
-        print(format_packing(report))
+        print("\n" + format_packing(report))
     if args.doc:
         print(f"doc: {write_doc(report, args.doc)}")
     return 0

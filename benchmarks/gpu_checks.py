@@ -5,19 +5,10 @@ r"""Every path of hf-vit on the GPU, one line per check: passed, failed, or skip
     python benchmarks/gpu_checks.py --device cpu     # the checks that can run on CPU, with tiny models (seconds)
     python benchmarks/gpu_checks.py --only attention_implementations onnx_export_of_a_trained_model
 
-Checks: each attention implementation that loads gives eager's logits within bf16 tolerance; gradient checkpointing
-gives the same gradients; `interpolate_pos_encoding` at a non-square size; the hybrid (ResNet stem) trains; masked
-patch prediction trains; attention capture matches `output_attentions`; ONNX export of a model trained on the device
-matches it in onnxruntime; a padded native-aspect batch gives eager's logits in every attention implementation that
-loads (flash and flex attention included). On CUDA only (printed as skipped elsewhere, with the reason):
-`scripts/finetune.py --bf16 --torch_compile` from a Hub id whose checkpoint is in an offline Hub cache; resuming
-after the run was killed; the DeiT recipe (`--recipe deit --layer_decay 0.75 --bf16`: RandAugment, random erasing,
-Mixup/CutMix, label smoothing, EMA) saving the EMA as its model and resuming after a kill bit for bit; the EMA
-update's kernels (the multi-tensor path) and its cost against a ViT-S/16 bf16 training step; FSDP through `accelerate
-launch --config_file configs/accelerate/fsdp.yaml` on one GPU (the checkpoints are FSDP's sharded ones, the saved
-model is consolidated). `--trainer_on_cpu` runs all but FSDP on CPU too (minutes).
-
-Exit status 1 when any check failed. Not run in CI: the test suite runs the CPU part (tests/test_gpu_checks.py).
+The checks are the functions marked `@check` below (their docstrings say what each asserts); those marked CUDA-only
+(the Trainer runs: a Hub id from an offline cache, resuming after a kill, the DeiT recipe bit for bit, the EMA
+update's cost, FSDP through `accelerate launch`) are skipped elsewhere with the reason, and `--trainer_on_cpu` runs
+all but FSDP on CPU too (minutes). Exit status 1 when any check failed; tests/test_gpu_checks.py runs the CPU part.
 """
 
 from __future__ import annotations
@@ -83,20 +74,11 @@ class Smoke:
     def config(self, **overrides) -> VisionTransformerConfig:
         """ViT-S/16 cut to 4 blocks at 224 on a GPU (real kernel shapes); 2 tiny blocks at 32x32 on CPU."""
         if self.cuda:
-            fields = dict(num_hidden_layers=4, num_labels=10)
-            fields.update(overrides)
-            return VisionTransformerConfig.from_preset("vit-small-patch16-224", **fields)
-        fields = dict(
-            image_size=32,
-            patch_size=8,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            num_labels=10,
-        )
-        fields.update(overrides)
-        return VisionTransformerConfig(**fields)
+            return VisionTransformerConfig.from_preset(
+                "vit-small-patch16-224", **{"num_hidden_layers": 4, "num_labels": 10, **overrides}
+            )
+        tiny = dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+        return VisionTransformerConfig(**{**tiny, "intermediate_size": 128, "num_labels": 10, **overrides})
 
     def classifier(self, config: VisionTransformerConfig) -> VisionTransformerForImageClassification:
         """`config`'s classification model on the device, seeded and `randomised`."""
@@ -343,12 +325,10 @@ def native_aspect_batches(smoke: Smoke) -> str:
     smoke.classifier(config).save_pretrained(folder)
     generator = torch.Generator().manual_seed(0)
     shapes = [(224, 224), (120, 400), (500, 90), (64, 64)] if smoke.cuda else [(40, 40), (20, 80), (90, 30)]
-    images = [
-        torch.randint(0, 256, (3, height, width), generator=generator, dtype=torch.uint8) for height, width in shapes
-    ]
+    images = [torch.randint(0, 256, (3, *shape), generator=generator, dtype=torch.uint8) for shape in shapes]
     processor = VisionTransformerImageProcessor(max_num_patches=config.num_patches, patch_size=config.patch_size)
     inputs = {name: value.to(smoke.device) for name, value in processor(images, return_tensors="pt").items()}
-    if bool(inputs["pixel_attention_mask"].all()):
+    if bool((inputs["spatial_shapes"].prod(-1) == inputs["pixel_values"].shape[1]).all()):
         raise AssertionError("the batch has no padding: the check would not test the mask")
     shown = against_eager(smoke, folder, inputs, "native_aspect_batches", "native-batch logits")
     return f"grids {inputs['spatial_shapes'].tolist()}, against eager: {shown}"
@@ -370,13 +350,8 @@ def hub_cache_with(smoke: Smoke, repo_id: str) -> Path:
 
 
 def trainer_env(smoke: Smoke) -> dict[str, str]:
-    return {
-        **os.environ,
-        "HF_HUB_CACHE": str(hub_cache_with(smoke, HUB_REPO_ID)),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
+    offline = dict.fromkeys(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"), "1")
+    return {**os.environ, "HF_HUB_CACHE": str(hub_cache_with(smoke, HUB_REPO_ID)), **offline}
 
 
 def finetune_args(output_dir: Path, max_steps: int, extra=(), learning_rate: float = 0.03) -> list[str]:
@@ -396,12 +371,8 @@ def finetune_args(output_dir: Path, max_steps: int, extra=(), learning_rate: flo
 
 
 def _trainer_skip(smoke: Smoke, cpu_ok: bool) -> None:
-    if smoke.cuda:
-        return
-    if cpu_ok and smoke.trainer_on_cpu:
-        return
-    reason = "needs CUDA (no GPU here)" + ("; --trainer_on_cpu runs it on CPU" if cpu_ok else "")
-    raise Skipped(reason)
+    if not smoke.cuda and not (cpu_ok and smoke.trainer_on_cpu):
+        raise Skipped("needs CUDA (no GPU here)" + ("; --trainer_on_cpu runs it on CPU" if cpu_ok else ""))
 
 
 def _run(command: list[str], env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
@@ -558,34 +529,24 @@ def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
         raise AssertionError("the saved model.safetensors is not the EMA state of the last checkpoint")
     if not _differing({k: raw[k] for k in average}, average):
         raise AssertionError("the EMA equals the raw weights: the average did not average (or was never updated)")
-    killed_at = kill_after_a_checkpoint(
-        smoke, finetune_args(killed, RECIPE_STEPS, extra, learning_rate=5e-4), env, "deit"
-    )
-    resume_to_the_end(smoke, finetune_args(killed, RECIPE_STEPS, extra, learning_rate=5e-4), env, killed_at, "deit")
+    again = finetune_args(killed, RECIPE_STEPS, extra, learning_rate=5e-4)
+    killed_at = kill_after_a_checkpoint(smoke, again, env, "deit")
+    resume_to_the_end(smoke, again, env, killed_at, "deit")
     differing = {}
     for name in (
         "model.safetensors",
-        f"checkpoint-{RECIPE_STEPS}/model.safetensors",
-        f"checkpoint-{RECIPE_STEPS}/{EMA_FILE}",
+        *(f"checkpoint-{RECIPE_STEPS}/{file}" for file in ("model.safetensors", EMA_FILE)),
     ):
         first, again = _tensors(straight / name), _tensors(killed / name)
-        names = _differing(first, again)
-        if names:
-            differing[name] = {
-                "tensors": len(names),
-                "largest": max(
-                    float((first[n].float() - again[n].float()).abs().max())
-                    for n in names
-                    if n in first and n in again
-                ),
-            }
+        if names := _differing(first, again):
+            gaps = [
+                float((first[n].float() - again[n].float()).abs().max()) for n in names if n in first and n in again
+            ]
+            differing[name] = {"tensors": len(names), "largest": max(gaps)}
     smoke.details["recipe_deit_resumes_bit_for_bit"] = {
-        "straight_seconds": seconds,
-        "killed_after": killed_at,
-        "differing": differing,
-        "train_loss": metrics["train_loss"],
-        "eval_accuracy": metrics["eval_accuracy"],
-    }
+        "straight_seconds": seconds, "killed_after": killed_at, "differing": differing,
+        "train_loss": metrics["train_loss"], "eval_accuracy": metrics["eval_accuracy"],
+    }  # fmt: skip
     if differing:
         raise AssertionError(f"the resumed run differs from the uninterrupted one: {differing}")
     return (
@@ -631,16 +592,9 @@ def ema_update_cost(smoke: Smoke) -> str:
         raise AssertionError(f"the averages are on {on}, the weights on {[str(p.device) for p in average.params][:1]}")
     del model, average
     batch = 256 if smoke.cuda else 2
-    cost = ema_cost(
-        batch,
-        repeats=5 if smoke.cuda else 2,
-        steps=5 if smoke.cuda else 1,
-        device=str(smoke.device),
-        dtype="bf16" if smoke.cuda else "fp32",
-    )
-    cost["kernels_per_update"] = len(kernels)
-    cost["tensors"] = tensors
-    smoke.details["ema_update_cost"] = cost
+    dtype, rounds = ("bf16", 5) if smoke.cuda else ("fp32", 2)
+    cost = ema_cost(batch, repeats=rounds, steps=rounds if smoke.cuda else 1, device=str(smoke.device), dtype=dtype)
+    smoke.details["ema_update_cost"] = cost = {**cost, "kernels_per_update": len(kernels), "tensors": tensors}
     seconds = cost["seconds"]
     return (
         f"{tensors} tensors, {len(kernels)} kernels per update on {sorted(on)}; "

@@ -1,50 +1,35 @@
-"""The packing rows of the GPU benchmark (`gpu.py --packing`): what padding costs the whole classifier, and what
-attention restricted to each image saves, at equal patch slots, in bf16 autocast, eager and compiled, inference and a
-training step (forward, loss, backward, AdamW; fused on CUDA).
+"""The packing rows of the GPU benchmark (`gpu.py --packing`): the whole classifier at equal patch slots (the batches
+of `packing_speed.layouts`), bf16 autocast, eager and compiled, inference and a training step (AdamW):
 
     square            B square images of K patches each: no padding, no mask
-    padded + mask     B native-resolution images, one per row of K slots, the padding masked as keys (SDPA with a mask;
-                      `segment_attention_path` patched to "mask")
-    padded + varlen   the same batch as the model runs it: attention restricted to each image (one run per image,
-                      `varlen_attn`) on CUDA in half precision; elsewhere (CPU, fp32) the model masks the padding as
-                      keys, the same path as `padded + mask`
-    packed            the same images and the next ones, whole, best-fit-decreasing into B * K / L rows of L slots, as
-                      the model runs them: `varlen_attn` on CUDA in half precision (compiled too), else a
-                      block-diagonal mask
-    packed + mask     the same packed rows with a block-diagonal mask through SDPA (`segment_attention_path` patched to
-                      "mask": packing without variable-length attention, what `varlen_attn` saves over it)
+    padded + mask     B native-resolution images, one per row of K slots, the padding masked as keys
+                      (`segment_attention_path` patched to "mask")
+    padded + varlen   the same batch as the model runs it (`varlen_attn` on CUDA in half precision, else a key mask)
+    packed            the same images and the next ones, whole, in B * K / L rows of L slots, as the model runs them
+    packed + mask     the same packed rows with a block-diagonal mask (what `varlen_attn` saves over it)
 
-The batches are `packing_speed.layouts`' (hf-vit's processor with `max_num_patches` / `packed_sequence_length`: the
-batches carry their layout, `row_image_index` and `image_slot_index`). Before anything is timed, the padded and packed
-batches give the same logits for the images they share (fp32, eager); and in bf16 autocast, each layout's logits and
-gradients are measured against fp32 (`bf16_accuracy`: the variable-length kernels must be as close as the masked
-ones). Each row records the attention path hf-vit's dispatch chose (`segment_attention_path`, observed in the eager
-call; a compiled graph takes the same path: the forward reads no value back), the attention kernels a profile of one
-inference call shows, how busy the GPU was in a profiled call (its kernels' time over the call's) with its five
-longest kernels, and `torch.backends.cudnn.version()` and the enabled SDPA backends on CUDA. `host_sync_check`: on
-CUDA, a forward and backward of the padded and the packed batch (the model's own paths, bf16 autocast) under
-`torch.cuda.set_sync_debug_mode("error")`, which raises at any synchronisation with the host (a value read back);
-skipped on CPU, where there is no device to wait for. `--compile_blocks` compiles each transformer block (one graph
-shared by the twelve) instead of the whole model: minutes less of compilation.
+Checked first: the padded and packed batches' shared images get the same logits (fp32), and each layout's bf16
+logits and gradients against fp32 (`bf16_accuracy`). Each row records the attention path hf-vit chose, the kernels a
+profile of one call shows and how busy the GPU was; `host_sync_check` runs a forward and backward under
+`torch.cuda.set_sync_debug_mode("error")` (CUDA only). `--compile_blocks` compiles each block instead of the model.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import math
+import itertools
 import re
 import time
 from unittest import mock
 
-import numpy as np
 import torch
 
-from benchmarks.packing_speed import PATCH, layouts
-from benchmarks.timing import median_seconds, time_alternating
-from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from benchmarks.packing_speed import layouts, small_classifier, square_batch
+from benchmarks.report import _markdown_table
+from benchmarks.runners import compile_models
+from benchmarks.timing import budget_spent, median_seconds, sdpa_backend, synchronize, time_alternating
 from hf_vit.model import attention
-from hf_vit.model.modeling_vit import VisionTransformerBlock
 
 LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed", "packed + mask")
 MODES = ("inference", "training")
@@ -60,15 +45,6 @@ KERNEL_NAMES = re.compile(r"attention|attn|fmha|flash|cudnn|softmax|bmm", re.IGN
 def packing_settings(quick: bool) -> argparse.Namespace:
     """What `packing_speed.layouts` reads, and the model's size."""
     return argparse.Namespace(**(QUICK if quick else FULL), min_share=0.4, seed=0)
-
-
-def square_batch(shape: argparse.Namespace) -> dict:
-    """B square images of exactly K patches (side sqrt(K) patches; K a square), through the same processor."""
-    side = math.isqrt(shape.max_num_patches)
-    rng = np.random.default_rng(shape.seed)
-    images = [rng.integers(0, 256, (side * PATCH, side * PATCH, 3), dtype=np.uint8) for _ in range(shape.batch_size)]
-    processor = VisionTransformerImageProcessor(max_num_patches=side * side, patch_size=PATCH, do_resize=False)
-    return dict(processor(images, return_tensors="pt"))
 
 
 @contextlib.contextmanager
@@ -146,37 +122,27 @@ def sdpa_backends(device: torch.device) -> dict:
     """cuDNN's version and which SDPA backends are enabled, on CUDA; None on CPU."""
     if device.type != "cuda":
         return {"cudnn": None}
-    cuda = torch.backends.cuda
-    return {
-        "cudnn": torch.backends.cudnn.version(),
-        "flash": cuda.flash_sdp_enabled(),
-        "mem_efficient": cuda.mem_efficient_sdp_enabled(),
-        "cudnn_sdp": cuda.cudnn_sdp_enabled(),
-        "math": cuda.math_sdp_enabled(),
-    }
+    names = {"flash": "flash", "mem_efficient": "mem_efficient", "cudnn_sdp": "cudnn", "math": "math"}
+    enabled = {key: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for key, name in names.items()}
+    return {"cudnn": torch.backends.cudnn.version(), **enabled}
 
 
 def profile_call(fn, device: torch.device) -> dict:
     """A profile of one call of `fn`: the attention-related ops and kernels it shows, and on CUDA the kernels' total
     time (seconds; divided by the call's timed seconds, how busy the GPU was: the rest is time it waited for the
     host) and the five longest kernels."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.ProfilerActivity
+    activities = [profiler.CPU] + ([profiler.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as profile:
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        synchronize(device)
     events = profile.key_averages()
     kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
     longest = sorted(kernels, key=lambda event: -event.self_device_time_total)[:5]
-    return {
-        "attention_kernels": sorted({event.key for event in events if KERNEL_NAMES.search(event.key)})[:20],
-        "kernel_seconds": sum(event.self_device_time_total for event in kernels) / 1e6 if kernels else None,
-        "longest_kernels": [
-            (event.key[:90], round(event.self_device_time_total / 1e3, 3)) for event in longest
-        ],  # (name, milliseconds)
-    }
+    longest = [(event.key[:90], round(event.self_device_time_total / 1e3, 3)) for event in longest]  # (name, ms)
+    seconds = sum(event.self_device_time_total for event in kernels) / 1e6 if kernels else None
+    attention_kernels = sorted({event.key for event in events if KERNEL_NAMES.search(event.key)})[:20]
+    return {"attention_kernels": attention_kernels, "kernel_seconds": seconds, "longest_kernels": longest}
 
 
 @contextlib.contextmanager
@@ -222,24 +188,8 @@ def bf16_accuracy(model, batches: dict, shape: argparse.Namespace, device: torch
     return result
 
 
-def compiled_runner(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
-    """The model compiled whole, or (`--compile_blocks`) each transformer block compiled in place (fullgraph)."""
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    options = dict(backend=args.compile_backend, mode=args.compile_mode)
-    if not args.compile_blocks:
-        return torch.compile(model, **options)
-    for block in model.modules():
-        if isinstance(block, VisionTransformerBlock):
-            block.compile(fullgraph=True, **options)
-    return model
-
-
 def _error(exc: Exception) -> str:
     return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-
-
-def _to(batch: dict, device: torch.device) -> dict:
-    return {key: value.to(device) for key, value in batch.items()}
 
 
 def measure_packing(args: argparse.Namespace, log=print, start: float | None = None, save=None) -> dict:
@@ -247,37 +197,21 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     No compilation starts once `args.time_budget_s` is spent (counted from `start`); `save` gets the result so far
     after each variant."""
     start = time.perf_counter() if start is None else start
-    device = torch.device(args.device)
-    shape = packing_settings(args.quick)
+    device, shape = torch.device(args.device), packing_settings(args.quick)
     shapes = layouts(shape)
-    sizes = shapes["sizes"]
-    batches = {
-        "square": square_batch(shape),
-        "padded": shapes["inputs"]["padded"],
-        "packed": shapes["inputs"]["packed"],
-    }
-    images = {"square": shape.batch_size, "padded": shape.batch_size, "packed": len(sizes)}
-    patches = {
-        "square": shape.batch_size * shape.max_num_patches,
-        "padded": sum(sizes[: shape.batch_size]),
-        "packed": sum(sizes),
-    }
-    torch.manual_seed(shape.seed)
-    config = VisionTransformerConfig(
-        image_size=math.isqrt(shape.max_num_patches) * PATCH, patch_size=PATCH, hidden_size=shape.width,
-        num_hidden_layers=shape.depth, num_attention_heads=shape.heads, intermediate_size=4 * shape.width,
-        num_labels=10, zero_init_head=False, attn_implementation="sdpa",
-    )  # fmt: skip
-    model = VisionTransformerForImageClassification(config).to(device)
-    batches = {name: _to(batch, device) for name, batch in batches.items()}
+    sizes, first = shapes["sizes"], shape.batch_size
+    batches = {"square": square_batch(shape), "padded": shapes["padded"]["batch"], "packed": shapes["packed"]["batch"]}
+    batches = {name: {key: value.to(device) for key, value in batch.items()} for name, batch in batches.items()}
+    images = {"square": first, "padded": first, "packed": len(sizes)}
+    patches = {"square": first * shape.max_num_patches, "padded": sum(sizes[:first]), "packed": sum(sizes)}
+    model = small_classifier(shape.max_num_patches, shape.width, shape.depth, shape.heads, shape.seed).to(device)
     labels = {name: torch.zeros(count, dtype=torch.long, device=device) for name, count in images.items()}
-
     # The padded rows and the packed batch give the images they share the same logits, before anything is timed.
     with torch.no_grad(), _full_fp32():
         logits = {}
         for layout in LAYOUTS[1:]:
             with CONTEXTS.get(layout, contextlib.nullcontext)():
-                logits[layout] = model.eval()(**batches[layout.split()[0]]).logits[: shape.batch_size].float()
+                logits[layout] = model.eval()(**batches[layout.split()[0]]).logits[:first].float()
     difference = max((value - logits["padded + mask"]).abs().max().item() for value in logits.values())
     tolerance = LOGITS_TOLERANCE[device.type == "cpu"]
     if difference > tolerance:
@@ -287,140 +221,113 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     accuracy = bf16_accuracy(model, batches, shape, device)
     for layout, figures in accuracy.items():
         log(f"packing bf16 against fp32: {layout}: {figures}")
-
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-
-    def backend():
-        if args.sdpa_backend:
-            return torch.nn.attention.sdpa_kernel(_SDPA_BACKENDS[args.sdpa_backend])
-        return contextlib.nullcontext()
-
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
-    def calls(runner) -> dict[tuple[str, str], object]:
-        """(layout, mode) -> one call of `runner` on that layout: inference, or a training step."""
+    def calls(runner) -> dict[str, object]:
+        """ "layout | mode" -> one call of `runner` on that layout: inference, or a training step."""
         fns = {}
         for layout in LAYOUTS:
-            name = layout.split()[0]
-            context = CONTEXTS.get(layout, contextlib.nullcontext)
-            batch, target = batches[name], labels[name]
+            context, batch, target = (
+                CONTEXTS.get(layout, contextlib.nullcontext),
+                batches[layout.split()[0]],
+                labels[layout.split()[0]],
+            )
 
             def infer(batch=batch, context=context):
-                with torch.no_grad(), autocast, context(), backend():
+                with torch.no_grad(), autocast, context(), sdpa_backend(args.sdpa_backend):
                     runner.eval()(**batch)
 
             def train(batch=batch, target=target, context=context):
-                with autocast, context(), backend():
+                with autocast, context(), sdpa_backend(args.sdpa_backend):
                     loss = runner.train()(**batch, labels=target).loss
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            fns[(layout, "inference")], fns[(layout, "training")] = infer, train
+            fns[f"{layout} | inference"], fns[f"{layout} | training"] = infer, train
         return fns
 
     host_sync = host_sync_check(model, batches, labels, device)
     log(f"packing host synchronisation check: {host_sync}")
-
     # The path hf-vit's dispatch chooses for each call, observed in one eager call (a compiled graph takes the same).
-    observed: dict[tuple[str, str], list[str]] = {}
+    observed: dict[str, list[str]] = {}
     for key, fn in calls(model).items():
         observed[key] = []
         try:  # a call that fails is reported with its error below, and the other rows still run
             with _recording_paths(observed[key]):
                 fn()
         except Exception as exc:  # noqa: BLE001
-            log(f"packing: {key[0]} | {key[1]}: {_error(exc)}")
-    variants = ([] if args.no_eager else ["eager"]) + ([] if args.no_compile else ["compiled"])
-    rows: dict[str, dict] = {}
-    skipped: dict[str, str] = {}
+            log(f"packing: {key}: {_error(exc)}")
+    rows, skipped = {}, {}
+    figures = dict(images=images, patches=patches, max_logits_difference=difference, bf16_accuracy=accuracy)
+    figures.update(host_sync=host_sync, rows=rows, skipped=skipped)
 
-    def result() -> dict:
-        return _packing_result(
-            args, shape, shapes, images, patches, difference, accuracy, host_sync, device, rows, skipped
-        )
+    def spent() -> str | None:  # no compilation starts after the budget: the rows compiled so far are still timed
+        return budget_spent(args.time_budget_s, start)
 
-    for variant in variants:
-        elapsed = time.perf_counter() - start
-        if variant == "compiled" and args.time_budget_s is not None and elapsed > args.time_budget_s:
-            skipped[variant] = f"time budget of {args.time_budget_s:.0f} s spent ({elapsed:.0f} s)"
+    for variant in ([] if args.no_eager else ["eager"]) + ([] if args.no_compile else ["compiled"]):
+        if variant == "compiled" and spent():
+            skipped[variant] = spent()
             log(f"packing {variant}: skipped, {skipped[variant]}")
             continue
-        runner = compiled_runner(model, args) if variant == "compiled" else model
+        runner = compile_models({"model": model}, args)[0]["model"] if variant == "compiled" else model
         fns = {}
-        for (layout, mode), fn in calls(runner).items():
-            elapsed = time.perf_counter() - start
-            if variant == "compiled" and args.time_budget_s is not None and elapsed > args.time_budget_s:
-                # no compilation starts after the budget: the rows compiled so far are still timed
-                skipped[f"{layout} | {mode} | {variant}"] = f"time budget of {args.time_budget_s:.0f} s spent"
+        for key, fn in calls(runner).items():
+            if variant == "compiled" and spent():
+                skipped[f"{key} | {variant}"] = spent().split(" (")[0]
                 continue
             try:
                 fn()  # warm-up (compiled: the compilation)
                 fn()
             except Exception as exc:  # noqa: BLE001  (one failing row leaves the others measured)
-                skipped[f"{layout} | {mode} | {variant}"] = _error(exc)
-                log(f"packing {variant}: {layout} | {mode}: {_error(exc)}")
+                skipped[f"{key} | {variant}"] = _error(exc)
+                log(f"packing {variant}: {key}: {_error(exc)}")
                 continue
-            fns[(layout, mode)] = fn
-            log(f"packing {variant}: {layout} | {mode} ready ({time.perf_counter() - start:.0f} s)")
-        samples = time_alternating({f"{layout} | {mode}": fn for (layout, mode), fn in fns.items()}, args.steps,
-                                   args.repeats, device)  # fmt: skip
-        for (layout, mode), fn in fns.items():
-            seconds = median_seconds(samples[f"{layout} | {mode}"])
+            fns[key] = fn
+            log(f"packing {variant}: {key} ready ({time.perf_counter() - start:.0f} s)")
+        samples = time_alternating(fns, args.steps, args.repeats, device)
+        for key, fn in fns.items():
+            seconds, (layout, mode), profiled = (
+                median_seconds(samples[key]),
+                key.split(" | "),
+                profile_call(fn, device),
+            )
             name = layout.split()[0]
-            profiled = profile_call(fn, device)
-            busy = profiled["kernel_seconds"] / seconds if profiled["kernel_seconds"] is not None else None
-            rows[f"{layout} | {mode} | {variant}"] = {
-                "layout": layout,
-                "mode": mode,
-                "variant": variant,
-                "images_per_s": images[name] / seconds,
-                "patches_per_s": patches[name] / seconds,
-                "attention_path": attention_path(layout, observed[(layout, mode)]),
+            rows[f"{key} | {variant}"] = {
+                "layout": layout, "mode": mode, "variant": variant, "images_per_s": images[name] / seconds,
+                "patches_per_s": patches[name] / seconds, "attention_path": attention_path(layout, observed[key]),
                 "attention_kernels": profiled["attention_kernels"] if mode == "inference" else None,
-                "gpu_busy": busy,  # the kernels' time over the call's: below 1, the GPU waited for the host
+                # the kernels' time over the call's: below 1, the GPU waited for the host
+                "gpu_busy": None if profiled["kernel_seconds"] is None else profiled["kernel_seconds"] / seconds,
                 "longest_kernels": profiled["longest_kernels"],
-            }
+            }  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if save is not None:  # after each variant: a run stopped by a time limit keeps the rows measured
-            save(result())
-    return result()
+            save(_packing_result(args, shape, shapes, device, figures))
+    return _packing_result(args, shape, shapes, device, figures)
 
 
-def _packing_result(
-    args, shape, shapes, images, patches, difference, accuracy, host_sync, device, rows, skipped
-) -> dict:
+def _packing_result(args, shape, shapes, device, figures: dict) -> dict:
+    settings = dict(dtype="bf16 autocast", device=str(device), steps=args.steps, repeats=args.repeats)
+    settings.update(
+        {key: getattr(args, key) for key in ("compile_backend", "compile_mode", "sdpa_backend", "compile_blocks")}
+    )
     return {
-        "settings": {
-            **vars(shape), "dtype": "bf16 autocast", "device": str(device), "steps": args.steps,
-            "repeats": args.repeats, "compile_backend": args.compile_backend, "compile_mode": args.compile_mode,
-            "sdpa_backend": args.sdpa_backend, "compile_blocks": args.compile_blocks,
-        },
-        "images": images,
-        "patches": patches,
-        "padding_share": {
-            "square": 0.0, "padded": shapes["padded"]["padding"], "packed": shapes["packed"]["padding"]
-        },
-        "rows_per_batch": {
-            "square": shape.batch_size, "padded": shape.batch_size, "packed": len(shapes["packed"]["runs"])
-        },
-        "max_logits_difference": difference,
+        "settings": {**vars(shape), **settings},
+        "images": figures["images"],
+        "patches": figures["patches"],
+        "padding_share": {"square": 0.0, "padded": shapes["padded"]["padding"], "packed": shapes["packed"]["padding"]},
+        "rows_per_batch": {"square": shape.batch_size, "padded": shape.batch_size, "packed": shapes["packed"]["rows"]},
+        "max_logits_difference": figures["max_logits_difference"],
         "logits_tolerance": LOGITS_TOLERANCE[device.type == "cpu"],
-        "bf16_accuracy": accuracy,
-        "host_sync": host_sync,
+        "bf16_accuracy": figures["bf16_accuracy"],
+        "host_sync": figures["host_sync"],
         "sdpa": sdpa_backends(device),
-        "rows": rows,
-        "skipped": skipped,
-    }  # fmt: skip
-
-
-_SDPA_BACKENDS = {
-    "flash": torch.nn.attention.SDPBackend.FLASH_ATTENTION,
-    "efficient": torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
-    "cudnn": torch.nn.attention.SDPBackend.CUDNN_ATTENTION,
-    "math": torch.nn.attention.SDPBackend.MATH,
-}
+        "rows": figures["rows"],
+        "skipped": figures["skipped"],
+    }
 
 
 def merge_packing(previous: dict | None, current: dict) -> dict:
@@ -438,39 +345,31 @@ def format_packing(report: dict) -> str:
     packing = report.get("packing")
     if not packing:
         return "Not measured (`gpu.py --packing`)."
-    rows = packing["rows"]
+    rows, table = packing["rows"], []
+    for variant, mode, layout in itertools.product(("eager", "compiled"), MODES, LAYOUTS):
+        row = rows.get(f"{layout} | {mode} | {variant}")
+        if row is None:
+            continue
+        square, padded = (rows.get(f"{name} | {mode} | {variant}") for name in ("square", "padded + mask"))
+        table.append([
+            layout, mode, variant, f"{row['images_per_s']:,.1f}", f"{row['patches_per_s']:,.0f}",
+            f"{row['patches_per_s'] / square['patches_per_s']:.3f}x" if square else "-",
+            f"{row['images_per_s'] / padded['images_per_s']:.3f}x" if padded else "-",
+            f"{row['gpu_busy']:.0%}" if row.get("gpu_busy") is not None else "-", row["attention_path"],
+            ", ".join(f"`{name}`" for name in row["attention_kernels"] or []) or "-",
+        ])  # fmt: skip
+    header = ["layout", "mode", "variant", "images/s", "real patches/s", "patches/s vs square"]
+    header += ["images/s vs padded + mask", "GPU busy", "attention path", "attention kernels (inference)"]
+    settings, share, images, sdpa = packing["settings"], packing["padding_share"], packing["images"], packing["sdpa"]
     lines = [
-        "| layout | mode | variant | images/s | real patches/s | patches/s vs square | images/s vs padded + mask "
-        "| GPU busy | attention path | attention kernels (inference) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for variant in ("eager", "compiled"):
-        for mode in MODES:
-            for layout in LAYOUTS:
-                row = rows.get(f"{layout} | {mode} | {variant}")
-                if row is None:
-                    continue
-                square = rows.get(f"square | {mode} | {variant}")
-                padded = rows.get(f"padded + mask | {mode} | {variant}")
-                versus_square = f"{row['patches_per_s'] / square['patches_per_s']:.3f}x" if square else "-"
-                versus_padded = f"{row['images_per_s'] / padded['images_per_s']:.3f}x" if padded else "-"
-                kernels = ", ".join(f"`{name}`" for name in row["attention_kernels"] or []) or "-"
-                busy = f"{row['gpu_busy']:.0%}" if row.get("gpu_busy") is not None else "-"
-                lines.append(
-                    f"| {layout} | {mode} | {variant} | {row['images_per_s']:,.1f} | {row['patches_per_s']:,.0f} | "
-                    f"{versus_square} | {versus_padded} | {busy} | {row['attention_path']} | {kernels} |"
-                )
-    settings, share, images = packing["settings"], packing["padding_share"], packing["images"]
-    sdpa = packing["sdpa"]
-    lines += [
+        _markdown_table(header, table),
         "",
         f"Width {settings['width']}, {settings['depth']} blocks, {settings['heads']} heads, {settings['dtype']} on "
         f"{settings['device']}; K = {settings['max_num_patches']} patches per image, {settings['batch_size']} "
         f"images per padded batch ({share['padded']:.0%} padding), {images['packed']} packed into "
         f"{packing['rows_per_batch']['packed']} rows of L = {settings['packed_sequence_length']} "
-        f"({share['packed']:.0%} "
-        f"padding); the padded and packed batches' logits agree to {packing['max_logits_difference']:.1e} (fp32, "
-        f"eager). cuDNN {sdpa.get('cudnn')}; SDPA backends enabled: "
+        f"({share['packed']:.0%} padding); the padded and packed batches' logits agree to "
+        f"{packing['max_logits_difference']:.1e} (fp32, eager). cuDNN {sdpa.get('cudnn')}; SDPA backends enabled: "
         + (", ".join(name for name, on in sdpa.items() if name != "cudnn" and on) or "-")
         + ".",
     ]
@@ -487,17 +386,13 @@ def format_packing(report: dict) -> str:
             + "."
         )  # fmt: skip
     host_sync = packing.get("host_sync")
-    if host_sync:
-        if "skipped" in host_sync:
-            lines.append(f"Host synchronisation check (forward + backward): skipped, {host_sync['skipped']}.")
-        else:
-            lines.append(
-                'Host synchronisation check (forward + backward, bf16 autocast, `set_sync_debug_mode("error")`): '
-                + "; ".join(f"{layout}: {outcome}" for layout, outcome in host_sync.items())
-                + "."
-            )
+    if host_sync and "skipped" in host_sync:
+        lines.append(f"Host synchronisation check (forward + backward): skipped, {host_sync['skipped']}.")
+    elif host_sync:
+        outcomes = "; ".join(f"{layout}: {outcome}" for layout, outcome in host_sync.items())
+        said = 'Host synchronisation check (forward + backward, bf16 autocast, `set_sync_debug_mode("error")`)'
+        lines.append(f"{said}: {outcomes}.")
     if settings.get("compile_blocks"):
         lines.append("Compiled: each transformer block (fullgraph), the embeddings and heads eager.")
-    for key, reason in packing.get("skipped", {}).items():
-        lines.append(f"Not measured: {key} ({reason}).")
+    lines += [f"Not measured: {key} ({reason})." for key, reason in packing.get("skipped", {}).items()]
     return "\n".join(lines)

@@ -24,8 +24,7 @@ def sample_photos(count: int = 32) -> list:
 
     photos = load_sample_images().images
     sizes = [(427, 640), (384, 576), (320, 480), (256, 384)]
-    images = []
-    index = 0
+    images, index = [], 0
     while len(images) < count:
         photo = photos[index % len(photos)]
         crop_h, crop_w = sizes[(index // len(photos)) % len(sizes)]
@@ -93,13 +92,8 @@ def jpeg_photos(count: int, sizes: Sequence[tuple[int, int]], quality: int = 90)
 
 
 def input_pipelines(output_size: int) -> tuple[dict[str, Callable[[list[bytes]], object]], dict[str, str]]:
-    """Training input pipelines from JPEG bytes to a normalised float batch (crop, flip), and why any is missing.
-
-    hf-vit's training transform; torchvision's pipeline of transformers' image classification example
-    (RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize on the decoded image converted to RGB, then
-    stacked like its collate function); timm's `create_transform(is_training=True)` without colour jitter; and PIL's
-    decoding alone as the floor. All normalise with the same mean and std.
-    """
+    """Training input pipelines from JPEG bytes to a normalised float batch (crop, flip), and why any is missing:
+    hf-vit's, transformers' example's (torchvision), timm's without colour jitter, and PIL's decoding alone."""
     import io
 
     import PIL.Image
@@ -120,14 +114,8 @@ def input_pipelines(output_size: int) -> tuple[dict[str, Callable[[list[bytes]],
     try:
         from torchvision import transforms
 
-        example = transforms.Compose(
-            [
-                transforms.RandomResizedCrop(output_size),
-                transforms.RandomHorizontalFlip(),
-                transforms.ToTensor(),
-                transforms.Normalize(mean, std),
-            ]
-        )
+        crop = [transforms.RandomResizedCrop(output_size), transforms.RandomHorizontalFlip()]
+        example = transforms.Compose([*crop, transforms.ToTensor(), transforms.Normalize(mean, std)])
         pipelines[TORCHVISION] = lambda files: torch.stack([example(decode(data)) for data in files])
     except Exception as error:  # noqa: BLE001 - torchvision is optional (the peer environment has it)
         skipped[TORCHVISION] = f"{type(error).__name__}: {error}"
@@ -143,10 +131,8 @@ def input_pipelines(output_size: int) -> tuple[dict[str, Callable[[list[bytes]],
 
 
 def compare_input_pipelines(output_size: int, count: int = 48, repeats: int = 5) -> dict:
-    """Images/s per core of the training input pipelines on JPEG photos of the sizes in `PHOTO_SIZES`.
-
-    One torch thread (as in a DataLoader worker), the pipelines alternating round by round like the models.
-    """
+    """Images/s per core of the training input pipelines on JPEG photos of the sizes in `PHOTO_SIZES`: one torch
+    thread (as in a DataLoader worker), the pipelines alternating round by round like the models."""
     pipelines, skipped = input_pipelines(output_size)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -200,15 +186,8 @@ def profile_input_pipeline(output_size: int, count: int = 48, top: int = 12) -> 
     stats = pstats.Stats(profiler)
     total = stats.total_tt
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # by own (self) time
-    return {
-        "images": count,
-        "total_ms_per_image": 1e3 * total / count,
-        "top_functions": [
-            {
-                "function": f"{Path(filename).name}:{line}({name})" if filename != "~" else name,
-                "self_ms_per_image": 1e3 * own / count,
-                "pct": 100 * own / total,
-            }
-            for (filename, line, name), (_, _, own, _, _) in rows
-        ],
-    }
+    functions = []
+    for (file, line, name), (_, _, own, _, _) in rows:
+        where = f"{Path(file).name}:{line}({name})" if file != "~" else name
+        functions.append({"function": where, "self_ms_per_image": 1e3 * own / count, "pct": 100 * own / total})
+    return {"images": count, "total_ms_per_image": 1e3 * total / count, "top_functions": functions}

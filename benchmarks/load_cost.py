@@ -1,15 +1,9 @@
 """Loading a checkpoint in transformers' ViT layout by Hub id: hf-vit's converting `from_pretrained` against
-transformers' own `ViTForImageClassification.from_pretrained` of the same snapshot; with `--models DINOv2-B/14`,
-transformers' `Dinov2Model` against hf-vit's `VisionTransformerModel` (LayerScale, 518x518 position table resampled
-to the 224x224 image in both).
-
-The benchmark writes ViT-B/16 and ViT-L/16 with random weights, in transformers' layout, into an offline Hugging Face
-cache of its own (`google/vit-base-patch16-224`, `google/vit-large-patch16-224`), then loads each one in a fresh
-process per load (`--worker`), alternating the two loaders for `--rounds` rounds. A load is `from_pretrained` plus
-one forward of one image; its time and its peak resident memory are measured above the imports. The figures are
-medians over the rounds, with the time of `from_pretrained` alone beside them (transformers' mapped weights are read
-from the file during the first forward; hf-vit reads its fused query, key and value weights during the load) and the
-range of the times over the rounds, and the machine's load average at the start and the end.
+transformers' own, for ViT-B/16 and ViT-L/16 with random weights written into an offline Hub cache of its own (with
+`--models DINOv2-B/14`: transformers' `Dinov2Model` against hf-vit's `VisionTransformerModel`). Each load
+(from_pretrained and one forward) runs in a fresh process (`--worker`), the loaders alternating for `--rounds`;
+printed: the medians of its time and peak resident memory above the imports, from_pretrained's time alone, the range
+over the rounds.
 
     .venv/bin/python benchmarks/load_cost.py --cache /tmp/load-cost-hub --rounds 3
 

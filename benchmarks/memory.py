@@ -3,28 +3,21 @@ allocations (from the profiler's memory events) and, as a lower bound, the growt
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 
 
 def _proc_status_kib(field_name: str) -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        return next((int(line.split()[1]) for line in status if line.startswith(field_name + ":")), None)
     return None
 
 
 def peak_rss_growth_mb(step: Callable[[], None]) -> float | None:
-    """Growth of the process's resident set (VmHWM - VmRSS before) over one call, in MiB; None where unsupported.
-
-    The high-water mark is reset first (`/proc/self/clear_refs`). This counts pages newly taken from the OS only:
-    memory that malloc kept from earlier steps and reuses does not show, so it is a lower bound after warm-up.
-    """
+    """Growth of the resident set (VmHWM, reset first via /proc/self/clear_refs, - VmRSS before) over one call, in MiB,
+    None where unsupported: pages newly taken from the OS only, so a lower bound after warm-up."""
     try:
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")
@@ -39,11 +32,8 @@ def peak_rss_growth_mb(step: Callable[[], None]) -> float | None:
 
 
 def peak_tensor_memory_cpu_mb(step: Callable[[], None]) -> float | None:
-    """Peak of the CPU tensor bytes live during one call above those live before it, in MiB.
-
-    Read from torch.profiler's allocation events: every allocation and free of torch's CPU allocator in order, so it
-    is the CPU counterpart of `torch.cuda.max_memory_allocated` (minus what was allocated before the step).
-    """
+    """Peak of the CPU tensor bytes live during one call above those live before it, in MiB, from torch.profiler's
+    allocation events: the CPU counterpart of `torch.cuda.max_memory_allocated` (less what was live before)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -18,13 +18,8 @@ from .timing import autocast, logits_of
 
 def hf_vit_config(settings: BenchmarkSettings, image_size: int | None = None) -> VisionTransformerConfig:
     """The preset's config with dropout off and a non-zero head (a zero head would make the logits check trivial)."""
-    fields = dict(
-        num_labels=settings.num_labels,
-        zero_init_head=False,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        drop_path_rate=0.0,
-    )
+    fields = dict(num_labels=settings.num_labels, zero_init_head=False, hidden_dropout_prob=0.0)
+    fields.update(attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
     if settings.num_hidden_layers is not None:
         fields["num_hidden_layers"] = settings.num_hidden_layers
     if image_size or settings.image_size:
@@ -53,20 +48,11 @@ def transformers_from_hf_vit(model: VisionTransformerForImageClassification) -> 
         raise ValueError("transformers' ViT benchmark needs a square image size.")
     if config.classifier != "token" or config.representation_size is not None:
         raise ValueError("transformers' ViTForImageClassification has a class-token head and no pre-logits layer.")
+    same = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act")
+    same += ("layer_norm_eps", "patch_size", "num_channels", "qkv_bias", "num_labels")
+    fields = {name: getattr(config, name) for name in same}
     reference_config = ViTConfig(
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        intermediate_size=config.intermediate_size,
-        hidden_act=config.hidden_act,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        layer_norm_eps=config.layer_norm_eps,
-        image_size=height,
-        patch_size=config.patch_size,
-        num_channels=config.num_channels,
-        qkv_bias=config.qkv_bias,
-        num_labels=config.num_labels,
+        **fields, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, image_size=height
     )
     reference = ViTForImageClassification._from_config(reference_config, attn_implementation="sdpa")
     state = hf_vit_to_transformers_module_state_dict(model.state_dict())
@@ -84,20 +70,10 @@ def timm_from_hf_vit(model: VisionTransformerForImageClassification) -> nn.Modul
     kwargs = {}
     if config.layer_norm_eps != TIMM_DEFAULTS["layer_norm_eps"]:
         kwargs["norm_layer"] = functools.partial(nn.LayerNorm, eps=config.layer_norm_eps)
-    reference = VisionTransformer(
-        img_size=config.image_hw,
-        patch_size=config.patch_size,
-        in_chans=config.num_channels,
-        num_classes=config.num_labels,
-        global_pool="token",
-        embed_dim=config.hidden_size,
-        depth=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        mlp_ratio=config.intermediate_size / config.hidden_size,
-        qkv_bias=config.qkv_bias,
-        class_token=True,
-        **kwargs,
-    )
+    kwargs.update(img_size=config.image_hw, patch_size=config.patch_size, in_chans=config.num_channels)
+    kwargs.update(num_classes=config.num_labels, embed_dim=config.hidden_size, depth=config.num_hidden_layers)
+    kwargs.update(num_heads=config.num_attention_heads, mlp_ratio=config.intermediate_size / config.hidden_size)
+    reference = VisionTransformer(**kwargs, qkv_bias=config.qkv_bias, global_pool="token", class_token=True)
     state = hf_vit_to_timm_state_dict(model.state_dict())
     reference.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=True)
     return reference.to(next(model.parameters()).device)
@@ -106,10 +82,8 @@ def timm_from_hf_vit(model: VisionTransformerForImageClassification) -> nn.Modul
 def build_models(
     settings: BenchmarkSettings, device: torch.device, image_size: int | None = None
 ) -> tuple[dict[str, nn.Module], dict[str, str]]:
-    """hf-vit, transformers' ViT and (when asked for and importable) timm's ViT, with identical weights, on `device`.
-
-    Returns the models and, for those left out, why.
-    """
+    """hf-vit, transformers' ViT and (when asked for and importable) timm's ViT, with identical weights, on `device`;
+    and for those left out, why."""
     ours = build_hf_vit(hf_vit_config(settings, image_size), settings.seed)
     models = {HF_VIT: ours.to(device), TRANSFORMERS: transformers_from_hf_vit(ours)}
     skipped = {}
@@ -139,11 +113,8 @@ def compare_logits(models: dict[str, nn.Module], pixel_values: torch.Tensor, dty
 
 
 def vit_forward_flops(config: VisionTransformerConfig, image_size: int | None = None) -> dict[str, int]:
-    """Forward FLOPs of one image (a multiply-add is 2 FLOPs), counted analytically per part of the model.
-
-    Counts the matrix products only: patch embedding, qkv, attention scores and weighted sum, output projection, MLP
-    and head; LayerNorm, GELU, softmax and residual adds are left out (they are a few percent of the total).
-    """
+    """Forward FLOPs of one image (a multiply-add is 2 FLOPs) of the matrix products, per part of the model; LayerNorm,
+    GELU, softmax and residual adds are left out (a few percent of the total)."""
     height, width = (image_size, image_size) if image_size else config.image_hw
     patch = config.patch_size
     patches = (height // patch) * (width // patch)
@@ -170,16 +141,8 @@ TRAIN_STEP_FORWARD_MULTIPLE = 3
 
 # Dense (not 2:4 sparse) bf16 tensor-core peaks from the vendors' data sheets, in TFLOP/s, by a substring of
 # `torch.cuda.get_device_name()`; the first match wins, so the more specific names come first.
-BF16_DENSE_PEAK_TFLOPS = {
-    "H100 PCIe": 756.0,
-    "H100 NVL": 835.0,
-    "H100": 989.0,  # SXM
-    "H200": 989.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "A10G": 70.0,
-}
+BF16_DENSE_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "B200": 2250.0}
+BF16_DENSE_PEAK_TFLOPS.update({"A100": 312.0, "L40S": 362.0, "A10G": 70.0})  # "H100" alone: the SXM
 
 
 def step_flops(forward_flops_total: int, mode: str) -> int:

@@ -1,14 +1,9 @@
 #!/usr/bin/env python
 r"""NaFlex rows of the benchmark: inference on a native-aspect batch of K patches per image (mixed aspect ratios,
-padded) against a square batch of the same token count (each image a sqrt(K) x sqrt(K) grid, the ordinary path), and
-against timm's NaFlexVit on the same batch with the same weights (its column only where timm imports), eager and SDPA,
-timed in one process in alternating rounds (`timing.time_alternating`). Prints the rows and ratios; `--doc` rewrites
-the `<!-- naflex:table -->` block of docs/benchmarks.md.
-
-The model is timm's `naflexvit_base_patch16_gap` architecture (4 registers, LayerScale, fc_norm, average pooling) at
-ViT-Ti width by default; hf-vit's copy is converted from timm's weights by `hf_vit.convert.timm_naflex` and checked
-against timm's logits on the batch before anything is timed. Without timm, hf-vit's model is built from the same
-config at random and only the square-batch ratio is measured.
+padded) against a square batch of the same K (the ordinary path), and against timm's NaFlexVit on the same batch with
+the same weights (where timm imports; hf-vit's copy converted by `hf_vit.convert.timm_naflex` and checked against its
+logits first), eager and SDPA, in alternating rounds. The model is timm's `naflexvit_base_patch16_gap` at ViT-Ti
+width. `--doc` rewrites the `<!-- naflex:table -->` block of docs/benchmarks.md.
 
     PYTHONPATH=. $PEER/bin/python benchmarks/naflex_speed.py --doc docs/benchmarks.md
     python benchmarks/naflex_speed.py --max_num_patches 16 --batch_size 2 --repeats 1 --depth 1   # seconds
@@ -19,7 +14,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shlex
 import sys
 from pathlib import Path
 
@@ -30,8 +24,8 @@ if __package__ in (None, ""):
 import numpy as np
 import torch
 
-from benchmarks.report import fill_markdown
-from benchmarks.timing import median_seconds, time_alternating
+from benchmarks.report import print_table
+from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
 # (height, width) of the mixed batch's images: square, wide, tall, panoramic, portrait, ...
@@ -94,7 +88,7 @@ def batches(args) -> tuple[dict, torch.Tensor, dict]:
     timm_batch = {
         "patches": native["pixel_values"],
         "patch_coord": coords,
-        "patch_valid": native["pixel_attention_mask"].bool(),
+        "patch_valid": torch.arange(args.max_num_patches) < native["spatial_shapes"].prod(-1)[:, None],
     }
     return dict(native), square, timm_batch
 
@@ -135,16 +129,12 @@ def measure(args) -> dict:
 
             fns[f"timm {implementation} mixed"] = timm_mixed
     with torch.no_grad():
-        for fn in fns.values():  # warm-up
-            fn()
-        samples = time_alternating(fns, args.steps, args.repeats, torch.device("cpu"))
-    load_after = os.getloadavg()
-    images_per_s = {name: args.batch_size / median_seconds(sample) for name, sample in samples.items()}
-    valid = int(native["pixel_attention_mask"].sum())
+        seconds, load = timed_rounds(fns, args.steps, args.repeats)
+    valid = int(native["spatial_shapes"].prod(-1).sum())
     return {
-        "images_per_s": images_per_s,
+        "images_per_s": {name: args.batch_size / value for name, value in seconds.items()},
         "logits_difference": checks,
-        "load_average": [load_before[0], load_after[0]],
+        "load_average": [load_before[0], load[1]],
         "valid_share": valid / (args.batch_size * args.max_num_patches),
         "grids": native["spatial_shapes"].tolist(),
         "threads": torch.get_num_threads(),
@@ -189,13 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if math.isqrt(args.max_num_patches) ** 2 != args.max_num_patches:
         parser.error(f"--max_num_patches must be a square number (a square grid), not {args.max_num_patches}")
-    result = measure(args)
-    table = format_rows(result, args)
-    print(table)
-    if args.doc:
-        command = "python benchmarks/naflex_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-        args.doc.write_text(fill_markdown(args.doc.read_text(), {"table": f"{table}\n\n`{command}`"}, tag="naflex"))
-        print(f"doc: {args.doc}")
+    print_table(format_rows(measure(args), args), args.doc, "naflex_speed.py", argv, "naflex")
     return 0
 
 

@@ -1,26 +1,15 @@
 #!/usr/bin/env python
 r"""Packing against padding in training: held-out accuracy against training time, at the same patch slots per step.
 
-The data are scikit-learn's 1797 handwritten digits (8x8, shipped with the package: no download) made into a
-mixed-aspect set: each digit, scaled to the short side, sits at a random place of a canvas of random aspect ratio and
-resolution, a whole grid of between `--min_share` x K and K patches of `--patch_size` pixels (the training images
-drawn anew each epoch, the same draw for both runs). A fixed, stratified `--test_images` of the digits are held out:
-the accuracy is measured on them only (their canvases fixed), and no training batch holds one of them.
-
-One small hf-vit classifier, trained twice from the same initial weights, on the same stream of training images, with
-the same optimiser (AdamW, linear warm-up then cosine decay, gradient clipping) and step count; each step's batch has
-the same patch slots, B x K:
-
-    padded   B images, one per row of K slots (the image processor's `max_num_patches`)
-    packed   rows of L slots (`packed_sequence_length`), B x K / L of them, holding the next images of the stream, as
-             many as best-fit-decreasing packs into them: the same slots hold more images
-
-Both are timed in one process, interleaved step by step (a packed step, a padded step, the order alternating; each
-run sums its own steps' seconds: forward, loss, backward, optimiser step; the batches are made before the clock
-starts), so a machine shared with other work slows both alike. Held-out accuracy is measured every `--eval_every`
-steps. Printed: accuracy at equal steps and at equal training time, images seen per second, the padding share of
-each layout, and the training time packing needs to reach the padded run's final accuracy. Before training, the
-padded and packed batches of the same images get the same logits (the two layouts compute the same function).
+scikit-learn's 1797 digits (no download) made mixed-aspect: each digit, scaled to the short side, at a random place of
+a canvas of between `--min_share` x K and K patches (drawn anew per epoch, the same draw for both runs); a stratified
+`--test_images` of them held out (fixed canvases, never in a training batch). One small classifier trained twice from
+the same weights on the same image stream, optimiser (AdamW, warm-up, cosine, clipping) and steps, each step B x K
+patch slots: "padded" (B images, one per row of K) and "packed" (B x K / L rows of L holding the next images, as many
+as best-fit-decreasing packs). The runs are interleaved step by step, each timing its own steps (the batches made
+before the clock starts). Printed: accuracy at equal steps and equal training time, images seen per second, the
+padding shares, and the time packing needs to reach the padded run's final accuracy; the two layouts' logits of the
+same images are checked equal first.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/packing_accuracy.py --threads 1   # a few minutes on CPU
     PYTHONPATH=. python benchmarks/packing_accuracy.py --quick                         # seconds: a tiny run
@@ -45,10 +34,14 @@ import numpy as np
 import PIL.Image
 import torch
 
-from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from benchmarks.packing_speed import check_packing_flags, small_classifier
+from benchmarks.report import _markdown_table
+from benchmarks.settings import add_flags
+from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.model.image_processing_vit import best_fit_decreasing
 
 RUNS = ("padded", "packed")
+COLUMNS = ("s", "images seen", "held-out accuracy")
 TRAIN_SEED, TEST_SEED = 1, 2  # the canvases' draws: training images per (epoch, image), test images once
 
 
@@ -141,19 +134,13 @@ def next_batch(stream: Stream, run: str, processor: VisionTransformerImageProces
             labels.append(label)
             sizes.append(patches)
         batch = dict(processor(images, packed_sequence_length=args.packed_sequence_length, return_tensors="pt"))
-    slots = batch["pixel_attention_mask"].numel()
+    slots = batch["pixel_values"].shape[:2].numel()
     return {"inputs": batch, "labels": torch.tensor(labels), "images": len(images), "patches": sum(sizes),
             "slots": slots}  # fmt: skip
 
 
 def build_model(args) -> VisionTransformerForImageClassification:
-    torch.manual_seed(args.seed)
-    config = VisionTransformerConfig(
-        image_size=math.isqrt(args.max_num_patches) * args.patch_size, patch_size=args.patch_size,
-        hidden_size=args.width, num_hidden_layers=args.depth, num_attention_heads=args.heads,
-        intermediate_size=4 * args.width, num_labels=10, zero_init_head=False, attn_implementation="sdpa",
-    )  # fmt: skip
-    return VisionTransformerForImageClassification(config)
+    return small_classifier(args.max_num_patches, args.width, args.depth, args.heads, args.seed, args.patch_size)
 
 
 def schedule(steps: int, warmup: int):
@@ -279,25 +266,21 @@ def accuracy_at(curve: list[dict], name: str, seconds: float) -> tuple[float, in
 
 def format_result(result: dict, args) -> str:
     curve, totals = result["curve"], result["totals"]
-    lines = [
-        "| step | padded: training s | images seen | held-out accuracy | packed: training s | images seen | "
-        "held-out accuracy |",
-        "|---|---|---|---|---|---|---|",
+    header = ["step"] + [f"{name}: training s" if key == "s" else key for name in RUNS for key in COLUMNS]
+    table = [
+        [point["step"]]
+        + [f"{point[n]['seconds']:.1f} | {point[n]['images']} | {point[n]['accuracy']:.1%}" for n in RUNS]
+        for point in curve
     ]
-    for point in curve:
-        cells = [str(point["step"])]
-        for name in RUNS:
-            cells += [f"{point[name]['seconds']:.1f}", str(point[name]["images"]), f"{point[name]['accuracy']:.1%}"]
-        lines.append("| " + " | ".join(cells) + " |")
     horizon = min(totals[name]["seconds"] for name in RUNS)
-    lines += ["", "| training time | padded: held-out accuracy (step) | packed: held-out accuracy (step) |",
-              "|---|---|---|"]  # fmt: skip
+    times = []
     for share in (0.25, 0.5, 0.75, 1.0):
-        cells = [f"{share * horizon:.1f} s"]
+        times.append([f"{share * horizon:.1f} s"])
         for name in RUNS:
             accuracy, step = accuracy_at(curve, name, share * horizon)
-            cells.append(f"{accuracy:.1%} ({step})")
-        lines.append("| " + " | ".join(cells) + " |")
+            times[-1].append(f"{accuracy:.1%} ({step})")
+    header_times = ["training time"] + [f"{name}: held-out accuracy (step)" for name in RUNS]
+    lines = [_markdown_table(header, table), "", _markdown_table(header_times, times)]
     rate = {name: totals[name]["images"] / totals[name]["seconds"] for name in RUNS}
     padding = {name: 1 - totals[name]["patches"] / totals[name]["slots"] for name in RUNS}
     step_seconds = {name: totals[name]["seconds"] / args.steps for name in RUNS}
@@ -312,16 +295,13 @@ def format_result(result: dict, args) -> str:
             f"Packing reached the padded run's final accuracy at step {reached['step']}, after {seconds:.1f} s of "
             f"training ({seconds / padded_seconds:.2f}x the padded run's {padded_seconds:.1f} s)."
         )
-    lines += [
-        "",
-        "| run | images per step | padding share | seconds per step | images seen per second | epochs |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name in RUNS:
-        lines.append(
-            f"| {name} | {totals[name]['images'] / args.steps:.1f} | {padding[name]:.1%} | {step_seconds[name]:.3f} | "
-            f"{rate[name]:.1f} | {result['epochs'][name]:.1f} |"
-        )
+    header = ["run", "images per step", "padding share", "seconds per step", "images seen per second", "epochs"]
+    runs = [
+        [name, f"{totals[name]['images'] / args.steps:.1f}", f"{padding[name]:.1%}", f"{step_seconds[name]:.3f}",
+         f"{rate[name]:.1f}", f"{result['epochs'][name]:.1f}"]
+        for name in RUNS
+    ]  # fmt: skip
+    lines += ["", _markdown_table(header, runs)]
     load = result["load_average"]
     lines += [
         "",
@@ -346,42 +326,30 @@ def format_result(result: dict, args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--patch_size", type=int, default=4)
-    parser.add_argument("--max_num_patches", type=int, default=64, help="K, the most patches of one image")
-    parser.add_argument("--packed_sequence_length", type=int, default=256, help="L, patch slots per packed row")
-    parser.add_argument("--min_share", type=float, default=0.3, help="the fewest patches of an image, as a share of K")
-    parser.add_argument("--max_aspect", type=float, default=3.0, help="the longest side over the shortest, at most")
-    parser.add_argument("--batch_size", type=int, default=32, help="B: images of a padded step")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--eval_every", type=int, default=50)
-    parser.add_argument("--test_images", type=int, default=360, help="digits held out for the accuracy")
-    parser.add_argument("--eval_batch_size", type=int, default=128)
-    parser.add_argument("--width", type=int, default=96)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=3)
-    parser.add_argument("--learning_rate", type=float, default=1e-3)
-    parser.add_argument("--weight_decay", type=float, default=0.05)
-    parser.add_argument("--warmup", type=float, default=0.1, help="warm-up, as a share of the steps")
-    parser.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, help="also write the result here")
-    parser.add_argument("--save_images", default=None, help="also write the mixed-aspect set here as an image folder")
-    parser.add_argument("--quick", action="store_true", help="a tiny model, a few steps: seconds")
+    add_flags(parser, {
+        "patch_size": (4, None), "max_num_patches": (64, "K, the most patches of one image"),
+        "packed_sequence_length": (256, "L, patch slots per packed row"),
+        "min_share": (0.3, "the fewest patches of an image, as a share of K"),
+        "max_aspect": (3.0, "the longest side over the shortest, at most"),
+        "batch_size": (32, "B: images of a padded step"), "steps": (600, None), "eval_every": (50, None),
+        "test_images": (360, "digits held out for the accuracy"), "eval_batch_size": (128, None), "width": (96, None),
+        "depth": (4, None), "heads": (3, None), "learning_rate": (1e-3, None), "weight_decay": (0.05, None),
+        "warmup": (0.1, "warm-up, as a share of the steps"), "clip": (1.0, "gradient norm clipping"),
+        "threads": (0, "torch threads (0: torch's default)"), "seed": (0, None),
+        "json": (None, "also write the result here"),
+        "save_images": (None, "also write the mixed-aspect set here as an image folder"),
+        "quick": (False, "a tiny model, a few steps: seconds"),
+    })  # fmt: skip
     args = parser.parse_args(argv)
     if args.quick:
         args.max_num_patches, args.packed_sequence_length, args.batch_size = 16, 32, 8
         args.steps, args.eval_every, args.test_images = 6, 3, 100
         args.width, args.depth, args.heads = 32, 1, 2
-    if args.packed_sequence_length < args.max_num_patches:
-        parser.error(
-            f"--packed_sequence_length ({args.packed_sequence_length}) must be at least --max_num_patches "
-            f"({args.max_num_patches})"
-        )
+    check_packing_flags(parser, args)
     if args.batch_size * args.max_num_patches % args.packed_sequence_length:
         parser.error("--batch_size x --max_num_patches must be a multiple of --packed_sequence_length (whole rows)")
-    if math.isqrt(args.max_num_patches) < 3 or not 0 < args.min_share <= 1 or args.max_aspect < 1:
-        parser.error("--max_num_patches must be at least 9, --min_share in (0, 1], --max_aspect at least 1")
+    if math.isqrt(args.max_num_patches) < 3 or args.max_aspect < 1:
+        parser.error("--max_num_patches must be at least 9, --max_aspect at least 1")
     result = run(args)
     print(format_result(result, args))
     if args.json:

@@ -1,18 +1,13 @@
 #!/usr/bin/env python
-r"""Checks against timm, run in the comparison environment (`bash benchmarks/peer_env.sh`): timm is the other
-implementation, and what it computes is recorded for the tests, which cannot import it.
+r"""Checks against timm, run in the comparison environment (`bash benchmarks/peer_env.sh`); what timm computes is
+recorded for the tests, which cannot import it.
 
-1. `--fixtures DIR`: tiny random timm NaFlexViT models written in timm's Hub layout (`timm.models.save_for_hf`:
-   config.json with `architecture` and `model_args`, model.safetensors), one folder each, with `outputs.safetensors`:
-   images at two sizes and timm's logits for them (the image path, positions resampled by timm), and a NaFlex batch
-   built by timm's own transforms and collator (`ResizeToSequence`, `Patchify`, `NaFlexCollator`) with timm's logits
-   on it. tests/test_naflex_checkpoints.py loads each folder by Hub id and compares hf-vit's logits with these.
-2. `--resample`: hf-vit's `resample_patch_embedding` against timm's `resample_patch_embed` (bicubic, with and without
-   antialiasing, up and down), the largest difference printed (docs/benchmarks.md records them).
-3. `--erasing`: hf-vit's `RandomErasing` against timm's, in distribution (their random streams differ: timm draws
-   from Python's `random` and torch's global generator): over 2000 draws on a 32x32 image at probability 0.5, the
-   share of images erased, the erased rectangles' area and aspect ratio (two-sample Kolmogorov-Smirnov distance
-   against its 0.1% critical value), their position, and the fill's mean and spread; also with up to 3 rectangles.
+1. `--fixtures DIR`: tiny random timm NaFlexViT models in timm's Hub layout, each with `outputs.safetensors`: timm's
+   logits on images at two sizes and on a NaFlex batch built by timm's own transforms and collator
+   (tests/test_naflex_checkpoints.py compares hf-vit's logits with them).
+2. `--resample`: hf-vit's `resample_patch_embedding` against timm's `resample_patch_embed`, the largest difference.
+3. `--erasing`: hf-vit's `RandomErasing` against timm's in distribution over 2000 draws: share erased, area and
+   aspect (Kolmogorov-Smirnov distance against its 0.1% critical value), position, fill; also with 3 rectangles.
 
     PYTHONPATH=. $PEER/bin/python benchmarks/peer_checks.py --fixtures tests/data/timm_naflex --resample
     PYTHONPATH=. $PEER/bin/python benchmarks/peer_checks.py --erasing
@@ -81,14 +76,9 @@ def naflex_batch(patch_size: int, max_seq_len: int, seed: int) -> dict[str, torc
     from torchvision import transforms
 
     rng = np.random.default_rng(seed)
-    transform = transforms.Compose(
-        [
-            transforms.ToTensor(),
-            ResizeToSequence(patch_size, max_seq_len=max_seq_len, interpolation="bicubic"),
-            transforms.Normalize([0.5] * 3, [0.5] * 3),
-            Patchify(patch_size),
-        ]
-    )
+    resize = ResizeToSequence(patch_size, max_seq_len=max_seq_len, interpolation="bicubic")
+    steps = [transforms.ToTensor(), resize, transforms.Normalize([0.5] * 3, [0.5] * 3), Patchify(patch_size)]
+    transform = transforms.Compose(steps)
     samples = [(transform(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)), 0) for h, w in RAW_SIZES]
     batch, _ = NaFlexCollator(max_seq_len=max_seq_len)(samples)
     return {name: batch[name] for name in ("patches", "patch_coord", "patch_valid")}
@@ -123,15 +113,10 @@ def write_fixture(folder: Path, name: str, seed: int) -> dict:
     grids = [(int(c[v][:, 0].max()) + 1, int(c[v][:, 1].max()) + 1) for c, v in zip(batch["patch_coord"], valid)]
     outputs["spatial_shapes"] = torch.tensor(grids)
     save_file({k: v.contiguous() for k, v in outputs.items()}, folder / "outputs.safetensors")
-    record = {
-        "architecture": architecture,
-        "model_args": model_args,
-        "timm": timm.__version__,
-        "torch": torch.__version__,
-        "image_sizes": [list(size) for size in sizes],
-        "naflex_grids": [list(grid) for grid in grids],
-        "command": COMMAND,
-    }
+    record = dict(architecture=architecture, model_args=model_args, timm=timm.__version__, torch=torch.__version__)
+    record.update(
+        image_sizes=[list(size) for size in sizes], naflex_grids=[list(grid) for grid in grids], command=COMMAND
+    )
     (folder / "outputs.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
 
@@ -189,15 +174,9 @@ def _erasing_statistics(images: list[torch.Tensor]) -> dict:
         lefts.append(int(cols[0]))
         fills.append(image[:, mask])
     fill = torch.cat(fills, 1) if fills else torch.zeros(3, 0)
-    return dict(
-        erased=len(erased) / len(images),
-        areas=np.array(areas),
-        log_aspects=np.array(aspects),
-        mean_top=float(np.mean(tops)),
-        mean_left=float(np.mean(lefts)),
-        fill_mean=fill.mean().item(),
-        fill_std=fill.std().item(),
-    )
+    statistics = dict(erased=len(erased) / len(images), areas=np.array(areas), log_aspects=np.array(aspects))
+    statistics.update(mean_top=float(np.mean(tops)), mean_left=float(np.mean(lefts)))
+    return dict(statistics, fill_mean=fill.mean().item(), fill_std=fill.std().item())
 
 
 def compare_random_erasing(draws: int = 2000, size: int = 32, probability: float = 0.5) -> list[dict]:
@@ -221,20 +200,14 @@ def compare_random_erasing(draws: int = 2000, size: int = 32, probability: float
         n, m = len(ours["areas"]), len(theirs["areas"])
         critical = 1.95 * math.sqrt((n + m) / (n * m))  # the KS distance's critical value at the 0.1% level
         share_sd = math.sqrt(probability * (1 - probability) * 2 / draws)
-        row = dict(
-            mode=mode,
-            count=count,
-            erased=(ours["erased"], theirs["erased"]),
-            mean_area=(float(ours["areas"].mean()), float(theirs["areas"].mean())),
-            ks_area=_ks_distance(ours["areas"], theirs["areas"]),
-            # with several rectangles the bounding box of their union says little about one rectangle's aspect
-            ks_log_aspect=_ks_distance(ours["log_aspects"], theirs["log_aspects"]) if count == 1 else None,
-            mean_top=(ours["mean_top"], theirs["mean_top"]),
-            mean_left=(ours["mean_left"], theirs["mean_left"]),
-            fill_mean=(ours["fill_mean"], theirs["fill_mean"]),
-            fill_std=(ours["fill_std"], theirs["fill_std"]),
-            ks_critical=critical,
+        row = dict(mode=mode, count=count, mean_area=(float(ours["areas"].mean()), float(theirs["areas"].mean())))
+        row.update(
+            {key: (ours[key], theirs[key]) for key in ("erased", "mean_top", "mean_left", "fill_mean", "fill_std")}
         )
+        row["ks_area"] = _ks_distance(ours["areas"], theirs["areas"])
+        # with several rectangles the bounding box of their union says little about one rectangle's aspect
+        row["ks_log_aspect"] = _ks_distance(ours["log_aspects"], theirs["log_aspects"]) if count == 1 else None
+        row["ks_critical"] = critical
         row["within"] = bool(
             abs(ours["erased"] - theirs["erased"]) < 4 * share_sd
             and row["ks_area"] < critical

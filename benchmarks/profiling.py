@@ -65,14 +65,7 @@ def _categorise(event) -> str:
     return PROFILE_CATEGORIES[8]
 
 
-def profile_training_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    pixel_values: torch.Tensor,
-    labels: torch.Tensor,
-    dtype: str,
-    top: int = 12,
-) -> dict:
+def profile_training_step(model: nn.Module, optimizer, pixel_values: torch.Tensor, labels, dtype: str, top: int = 12):
     """Where one training step's time goes, by category (self CPU time of every op; on a GPU, self device time) and
     the top ops."""
     from torch.profiler import ProfilerActivity, profile
@@ -80,9 +73,7 @@ def profile_training_step(
     model.train()
     step = make_train_step(model, optimizer, pixel_values, labels, dtype)
     step()  # warm-up: optimiser state, allocator, kernels
-    activities = [ProfilerActivity.CPU]
-    if pixel_values.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pixel_values.device.type == "cuda" else [])
     for _attempt in range(3):  # profile again when another process took CPU time during the step
         ticks, start = _cpu_ticks(), time.perf_counter()
         with profile(activities=activities) as prof:
@@ -99,11 +90,8 @@ def profile_training_step(
     for event in prof.events():
         if event.name == "[memory]":
             continue
-        self_us = (
-            getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
-            if on_gpu
-            else event.self_cpu_time_total
-        )
+        device_us = getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0))
+        self_us = device_us if on_gpu else event.self_cpu_time_total
         totals[_categorise(event)] += self_us
         per_op[event.name] += self_us
         calls[event.name] += 1

@@ -25,7 +25,7 @@ from hf_vit.data.augment.rand_augment import RandAugment, posterize  # noqa: E40
 from hf_vit.train.ema import WeightAverage  # noqa: E402
 
 from .models import build_hf_vit, hf_vit_config  # noqa: E402
-from .settings import BenchmarkSettings  # noqa: E402
+from .settings import BenchmarkSettings, add_flags  # noqa: E402
 from .timing import make_optimizer, make_train_step, median_seconds, time_alternating  # noqa: E402
 
 RAND_AUGMENT = "rand-m9-mstd0.5-inc1"
@@ -57,17 +57,12 @@ def ema_cost(batch_size: int, repeats: int, steps: int, device: str = "cpu", dty
     samples = time_alternating(fns, steps, repeats, torch.device(device))
     seconds = {name: median_seconds(sample) for name, sample in samples.items()}
     values = sum(p.numel() for p in average.params)
-    return {
-        "model": "vit-small-patch16-224",
-        "device": device,
-        "dtype": dtype,
-        "batch_size": batch_size,
-        "averaged_values": values,
-        "seconds": seconds,
-        "update_over_step": seconds["EMA update"] / seconds["training step"],
-        "with_over_without": seconds["training step + EMA update"] / seconds["training step"],
-        "clean_samples": {name: sum(sample["clean"]) for name, sample in samples.items()},
-    }
+    result = dict(model="vit-small-patch16-224", device=device, dtype=dtype, batch_size=batch_size)
+    result.update(
+        averaged_values=values, seconds=seconds, update_over_step=seconds["EMA update"] / seconds["training step"]
+    )
+    result["with_over_without"] = seconds["training step + EMA update"] / seconds["training step"]
+    return {**result, "clean_samples": {name: sum(sample["clean"]) for name, sample in samples.items()}}
 
 
 def sample_images(count: int, size: int) -> list:
@@ -108,7 +103,7 @@ def rand_augment_throughput(count: int, size: int, repeats: int, policy: str) ->
         for name in ("Posterize", "PosterizeIncreasing"):
             auto_augment.NAME_TO_OP[name] = lambda image, bits, **_: posterize(image, bits)
         theirs = rand_augment_transform(
-            policy, {"img_mean": (128, 128, 128), "interpolation": PIL.Image.Resampling.BILINEAR}
+            policy, {"img_mean": (128,) * 3, "interpolation": PIL.Image.Resampling.BILINEAR}
         )
         fns["timm"] = lambda: [theirs(image) for image in images]
     except ImportError as error:
@@ -157,12 +152,10 @@ def rand_augment_parity(count: int, size: int, policy: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["ema", "rand_augment"], default=None)
-    parser.add_argument("--batch_size", type=int, default=16, help="ViT-S/16 training batch (the benchmark's 16)")
-    parser.add_argument("--steps", type=int, default=1, help="training steps per timed sample")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--images", type=int, default=64)
-    parser.add_argument("--image_size", type=int, default=224)
-    parser.add_argument("--policy", default=RAND_AUGMENT)
+    add_flags(parser, {
+        "batch_size": (16, "ViT-S/16 training batch (the benchmark's 16)"), "repeats": (5, None), "images": (64, None),
+        "steps": (1, "training steps per timed sample"), "image_size": (224, None), "policy": (RAND_AUGMENT, None),
+    })  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = {"torch_threads": torch.get_num_threads()}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,39 +32,23 @@ def _format_value(value, unit: str) -> str:
 
 def format_table(report: dict, markdown: bool = False) -> str:
     """Every figure with the hf-vit / transformers ratio (and hf-vit / timm where timm ran)."""
-    with_timm = any(TIMM in row["values"] for row in report["figures"])
-    header = ["figure", "dtype", "mode", "hf-vit", "transformers"]
-    if with_timm:
-        header.append("timm")
-    header += ["hf-vit / transformers", "(best runs)"]
-    if with_timm:
-        header.append("hf-vit / timm")
-    header.append("better")
+    timm = [TIMM] if any(TIMM in row["values"] for row in report["figures"]) else []
+    header = ["figure", "dtype", "mode", "hf-vit", "transformers", *timm, "hf-vit / transformers", "(best runs)"]
+    header += ["hf-vit / timm"] * len(timm) + ["better"]
     lines = []
     for row in report["figures"]:
-        cells = [
-            row["metric"],
-            row["dtype"] or "",
-            ("compiled" if row["compiled"] else "eager") if row["dtype"] else "",
-            _format_value(row["values"].get(HF_VIT), row["unit"]),
-            _format_value(row["values"].get(TRANSFORMERS), row["unit"]),
-        ]
-        if with_timm:
-            cells.append(_format_value(row["values"].get(TIMM), row["unit"]))
+        mode = ("compiled" if row["compiled"] else "eager") if row["dtype"] else ""
+        cells = [row["metric"], row["dtype"] or "", mode]
+        cells += [_format_value(row["values"].get(name), row["unit"]) for name in (HF_VIT, TRANSFORMERS, *timm)]
         cells.append("-" if row["ratio"] is None else f"{row['ratio']:.3f}")
         cells.append(f"{row['ratio_best']:.3f}" if row.get("ratio_best") is not None else "")
-        if with_timm:
-            cells.append("-" if row.get("ratio_timm") is None else f"{row['ratio_timm']:.3f}")
-        cells.append("higher" if row["higher_is_better"] else "lower")
-        lines.append(cells)
+        cells += ["-" if row.get("ratio_timm") is None else f"{row['ratio_timm']:.3f}" for _ in timm]
+        lines.append(cells + ["higher" if row["higher_is_better"] else "lower"])
     if "processor" in report:
-        processor = report["processor"]
+        difference = f"{report['processor']['mean_abs_diff_01']:.2e}"
+        blank = [""] * len(timm)
         lines.append(
-            ["processor_mean_abs_diff_01", "", "", f"{processor['mean_abs_diff_01']:.2e}", "(reference)"]
-            + ([""] if with_timm else [])
-            + ["-", ""]
-            + ([""] if with_timm else [])
-            + ["lower"]
+            ["processor_mean_abs_diff_01", "", "", difference, "(reference)", *blank, "-", "", *blank, "lower"]
         )
     if markdown:
         return _markdown_table(header, lines)
@@ -106,9 +92,8 @@ def merge_reports(old: dict, new: dict) -> dict:
     if new.get("sweep"):
         redone = {(row["image_size"], row["dtype"]) for row in new["sweep"]}
         kept = [row for row in old.get("sweep", []) if (row["image_size"], row["dtype"]) not in redone]
-        merged["sweep"] = sorted(
-            kept + new["sweep"], key=lambda row: (row["image_size"], list(DTYPES).index(row["dtype"]))
-        )
+        order = list(DTYPES)
+        merged["sweep"] = sorted(kept + new["sweep"], key=lambda row: (row["image_size"], order.index(row["dtype"])))
     for section in ("processor", "flops_per_image", "memory_metrics", "skipped_models"):
         if new.get(section):
             merged[section] = new[section]
@@ -219,10 +204,9 @@ def format_sweep(report: dict) -> str:
 def format_machine(report: dict) -> str:
     """Where and with what the figures were measured."""
     machine = report["machine"]
-    peaks = ", ".join(
-        f"{dtype} {entry['flops_per_s'] / 1e12:.3f} TFLOP/s" for dtype, entry in report.get("matmul", {}).items()
-    )
+    peaks = [f"{dtype} {entry['flops_per_s'] / 1e12:.3f} TFLOP/s" for dtype, entry in report.get("matmul", {}).items()]
     size = next((entry.get("size") for entry in report.get("matmul", {}).values()), None) or "?"
+    timm = f"timm {machine['timm']}" if machine.get("timm") else "timm not installed"
     loads = [machine.get(f"load_average_at_{when}") for when in ("start", "end")]
     loads = [", ".join(f"{value:.2f}" for value in load) if load else "?" for load in loads]
     rows = [
@@ -230,11 +214,9 @@ def format_machine(report: dict) -> str:
         ["cores, torch threads", f"{machine.get('cpu_count')}, {machine.get('torch_threads')}"],
         [
             "software",
-            f"torch {machine['torch']}, transformers {machine['transformers']}"
-            + (f", timm {machine['timm']}" if machine.get("timm") else ", timm not installed")
-            + f", Python {machine['python']}",
+            f"torch {machine['torch']}, transformers {machine['transformers']}, {timm}, Python {machine['python']}",
         ],
-        [f"matmul peak ({size}², best of before and after the models)", peaks],
+        [f"matmul peak ({size}², best of before and after the models)", ", ".join(peaks)],
         ["load average (1, 5, 15 min) at start / end", f"{loads[0]} / {loads[1]}"],
     ]
     commands = [run["command"] for run in report.get("runs", [])] or [report.get("command", "")]
@@ -271,13 +253,11 @@ def format_input_pipeline(report: dict) -> str:
             f"\n\nWhere hf-vit's transform spends its time on the photos (cProfile, self time, "
             f"{profile['total_ms_per_image']:.2f} ms per image in all under the profiler):\n\n"
         )
-        table += _markdown_table(
-            ["function", "ms per image", "share"],
-            [
-                [f"`{row['function']}`", f"{row['self_ms_per_image']:.3f}", f"{row['pct']:.1f}%"]
-                for row in profile["top_functions"]
-            ],
-        )
+        functions = [
+            [f"`{row['function']}`", f"{row['self_ms_per_image']:.3f}", f"{row['pct']:.1f}%"]
+            for row in profile["top_functions"]
+        ]
+        table += _markdown_table(["function", "ms per image", "share"], functions)
     return table
 
 
@@ -288,18 +268,12 @@ def format_onnxruntime(report: dict) -> str:
         return "Not measured in this run (`--no_onnx`, or not on CPU)."
     if "error" in section:
         return f"Not timed: {section['error']}"
-    rows = []
-    for key, row in section.items():
-        if key.startswith("batch_"):
-            rows.append(
-                [
-                    row["batch_size"],
-                    f"{row['images_per_s'][HF_VIT]:.1f}",
-                    f"{row['images_per_s']['onnxruntime']:.1f}",
-                    f"{row['ratio_onnxruntime_to_eager']:.3f}",
-                    f"{row['max_abs_logits_diff']:.1e}",
-                ]
-            )
+    rows = [
+        [row["batch_size"], f"{row['images_per_s'][HF_VIT]:.1f}", f"{row['images_per_s']['onnxruntime']:.1f}",
+         f"{row['ratio_onnxruntime_to_eager']:.3f}", f"{row['max_abs_logits_diff']:.1e}"]
+        for key, row in section.items()
+        if key.startswith("batch_")
+    ]  # fmt: skip
     header = ["batch", "hf-vit eager fp32 (images/s)", "onnxruntime (images/s)", "onnxruntime / eager"]
     return _markdown_table(header + ["max abs logits difference"], rows)
 
@@ -370,19 +344,23 @@ def plot_sweep(rows: list[dict], path: str | os.PathLike, title: str = "") -> Pa
         for mode, marker in (("train", "-o"), ("infer", "--s")):
             axes[2].plot(tokens, [row[f"{mode}_ratio"] for row in selected], marker, label=f"{mode} {dtype}")
     sizes = sorted({(row["tokens"], row["image_size"]) for row in rows})
-    for ax, label in zip(axes, ("training step", "inference", "hf-vit / transformers")):
-        ax.set_xscale("log")
-        ax.set_xticks([t for t, _ in sizes])
+    titles = ("training step", "inference", "hf-vit / transformers")
+    for ax, label, y in zip(axes, titles, ("images / s", "images / s", "throughput ratio (higher: hf-vit faster)")):
+        ax.set(xscale="log", xticks=[t for t, _ in sizes], xlabel="tokens (image size)", title=label, ylabel=y)
         ax.set_xticklabels([f"{t}\n({s}px)" for t, s in sizes], fontsize=8)
         ax.minorticks_off()
-        ax.set_xlabel("tokens (image size)")
-        ax.set_title(label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0].set_ylabel("images / s")
-    axes[1].set_ylabel("images / s")
     axes[0].set_yscale("log")
     axes[1].set_yscale("log")
     axes[2].axhline(1.0, color="grey", lw=0.8)
-    axes[2].set_ylabel("throughput ratio (higher: hf-vit faster)")
     return save_figure(fig, path, title, dpi=110)
+
+
+def print_table(table: str, doc: Path | None, script: str, argv: list[str] | None, tag: str) -> None:
+    """Print a table and, with `doc`, rewrite that file's `<!-- TAG:table -->` block with it and the command."""
+    print(table)
+    if doc:
+        command = f"python benchmarks/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
+        doc.write_text(fill_markdown(doc.read_text(), {"table": f"{table}\n\n`{command}`"}, tag=tag))
+        print(f"doc: {doc}")

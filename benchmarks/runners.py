@@ -1,14 +1,12 @@
-"""The benchmark's sections, run one after another by `measure.run_benchmark` over a shared `Run`.
-
-Like timm's benchmark runners (inference, training, profile), each section measures one thing the same way on CPU and
-CUDA, only the device differs: `LogitsCheck` (the models agree, before anything is timed), `MatmulPeak`, `Throughput`
-(training and inference steps, eager and compiled, with memory and the fractions of the matmul and bf16 peaks),
-`Processors`, `InputPipelines`, `OnnxRuntime`, `Profile` and `SizeSweep`.
-"""
+"""The benchmark's sections, run one after another by `run_benchmark` over a shared `Run`: like timm's benchmark
+runners, each measures one thing the same way on CPU and CUDA (logits check, matmul peak, throughput with memory and
+the fractions of the matmul and bf16 peaks, image processors, input pipelines, onnxruntime, profile, size sweep)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import os
 import platform
 import time
@@ -24,30 +22,17 @@ from .models import build_models, compare_logits, dense_bf16_peak, step_flops, v
 from .onnx_runtime import compare_onnxruntime
 from .profiling import profile_training_step
 from .settings import HF_VIT, LOGITS_TOLERANCE, TIMM, TORCHVISION, TRANSFORMERS, BenchmarkSettings
-from .timing import benchmark_models, make_optimizer, matmul_flops_per_s, median_seconds, sdpa_backend
+from .timing import MODES, benchmark_models, make_optimizer, matmul_flops_per_s, median_seconds, sdpa_backend
 
 
 def machine_info(device: torch.device) -> dict:
-    info = {
-        "device": str(device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-    }
+    info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version()}
+    info.update(platform=platform.platform(), torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count())
     with contextlib.suppress(OSError, AttributeError):
         info["load_average_at_start"] = os.getloadavg()
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    with contextlib.suppress(ImportError):
-        import timm
-
-        info["timm"] = timm.__version__
+    for name in ("transformers", "timm"):
+        with contextlib.suppress(ImportError):
+            info[name] = importlib.import_module(name).__version__
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
@@ -65,16 +50,11 @@ def figure(metric, dtype, compiled, unit, higher_is_better, values, samples=None
     """One row of the report: every model's value, hf-vit's ratios, and for timed figures the samples."""
     present = {name: value for name, value in values.items() if value is not None}
     ours, theirs = present.get(HF_VIT), present.get(TRANSFORMERS)
-    row = {
-        "key": f"{metric}/{dtype}/{'compiled' if compiled else 'eager'}" if dtype else metric,
-        "metric": metric,
-        "dtype": dtype,
-        "compiled": compiled,
-        "unit": unit,
-        "higher_is_better": higher_is_better,
-        "values": values,
-        "ratio": ours / theirs if ours is not None and theirs else None,
-    }
+    key = f"{metric}/{dtype}/{'compiled' if compiled else 'eager'}" if dtype else metric
+    row = {"key": key, "metric": metric, "dtype": dtype, "compiled": compiled, "unit": unit}
+    row.update(
+        higher_is_better=higher_is_better, values=values, ratio=ours / theirs if ours is not None and theirs else None
+    )
     if TIMM in present and ours is not None and present[TIMM]:
         row["ratio_timm"] = ours / present[TIMM]
     if samples is None or HF_VIT not in samples or TRANSFORMERS not in samples:
@@ -93,7 +73,7 @@ def model_figures(results, dtype, compiled, batch_size, flops, matmul, peak) -> 
     """Images/s, the fractions of the measured matmul peak and (where known) of the dense bf16 peak, and peak memory,
     for training and inference."""
     figures = []
-    for mode in ("train", "infer"):
+    for mode in MODES:
         if not any(f"{mode}_seconds" in result for result in results.values()):
             continue
         seconds = {name: result[f"{mode}_seconds"] for name, result in results.items()}
@@ -125,6 +105,7 @@ class Run:
     pixel_values: torch.Tensor = field(init=False)
     labels: torch.Tensor = field(init=False)
     figures: list[dict] = field(default_factory=list, init=False)
+    timed: list[tuple] = field(default_factory=list, init=False)  # (results, dtype, compiled) of `throughput`
 
     def __post_init__(self) -> None:
         settings = self.settings
@@ -139,10 +120,7 @@ class Run:
             f"models: {', '.join(self.models)} ({settings.model} at {self.image_size}, batch {settings.batch_size}, "
             f"{self.device})"
         )
-        generator = torch.Generator().manual_seed(settings.seed + 2)
-        pixel_values = torch.randn(settings.batch_size, config.num_channels, *config.image_hw, generator=generator)
-        labels = torch.randint(0, settings.num_labels, (settings.batch_size,), generator=generator)
-        self.pixel_values, self.labels = pixel_values.to(self.device), labels.to(self.device)
+        self.pixel_values, self.labels = random_batch(settings, config, settings.batch_size, self.device)
         self.optimizers = {
             name: make_optimizer(model, settings.fused_optimizer) for name, model in self.models.items()
         }
@@ -163,155 +141,99 @@ class Run:
         return self.report
 
 
-class Section:
-    """One part of the benchmark: `wanted` says whether the settings ask for it, `run` adds it to the report."""
-
-    name = ""
-
-    def wanted(self, run: Run) -> bool:
-        return True
-
-    def run(self, run: Run) -> None:
-        raise NotImplementedError
-
-
-class LogitsCheck(Section):
+def logits_check(run: Run) -> None:
     """The models must compute the same function before their speed is compared."""
-
-    name = "logits check"
-
-    def run(self, run: Run) -> None:
-        verification = {"tolerance": LOGITS_TOLERANCE, "max_abs_logits_diff": {}}
-        for dtype in run.settings.dtypes:
-            verification["max_abs_logits_diff"][dtype] = compare_logits(run.models, run.pixel_values, dtype)
-        worst = max(verification["max_abs_logits_diff"].get("fp32", {TRANSFORMERS: 0.0}).values())
-        verification["passed"] = worst <= LOGITS_TOLERANCE
-        run.report["verification"] = verification
-        run.log(f"max |logits difference| against hf-vit: {verification['max_abs_logits_diff']}")
-        if not verification["passed"]:
-            raise AssertionError(
-                f"The models' fp32 logits differ by {worst:.2e} > {LOGITS_TOLERANCE}; not timing them."
-            )
+    verification = {"tolerance": LOGITS_TOLERANCE, "max_abs_logits_diff": {}}
+    for dtype in run.settings.dtypes:
+        verification["max_abs_logits_diff"][dtype] = compare_logits(run.models, run.pixel_values, dtype)
+    worst = max(verification["max_abs_logits_diff"].get("fp32", {TRANSFORMERS: 0.0}).values())
+    verification["passed"] = worst <= LOGITS_TOLERANCE
+    run.report["verification"] = verification
+    run.log(f"max |logits difference| against hf-vit: {verification['max_abs_logits_diff']}")
+    if not verification["passed"]:
+        raise AssertionError(f"The models' fp32 logits differ by {worst:.2e} > {LOGITS_TOLERANCE}; not timing them.")
 
 
-class MatmulPeak(Section):
+def matmul_peak(run: Run, after: bool = False) -> None:
     """The machine's throughput on one large matmul per dtype, the denominator of the matmul fractions. Measured
     before and after the models; the better of the two counts (a neighbour's job can only slow it down). Also the
     analytic FLOPs per image and the dense bf16 peak of the MFU rows."""
-
-    name = "matmul peak"
-
-    def __init__(self, after: bool = False) -> None:
-        self.after = after
-
-    def size(self, run: Run) -> int:
-        return run.settings.matmul_size or (8192 if run.device.type == "cuda" else 2048)
-
-    def run(self, run: Run) -> None:
-        size, report = self.size(run), run.report
-        if not self.after:
-            flops = vit_forward_flops(run.config)
-            report["flops_per_image"] = {"forward": flops, "train_step": step_flops(flops["total"], "train")}
-            report["flops_formula"] = (
-                "forward FLOPs per image = 2 * multiply-adds of the matrix products (patch embedding, qkv, attention "
-                "scores and weighted sum, projection, MLP, head); a training step = 3 * forward; MFU = images/s * "
-                "FLOPs per image / dense bf16 peak"
-            )
-            report["bf16_dense_peak"] = dense_bf16_peak(report["machine"].get("gpu"), run.settings.peak_tflops)
-            report["matmul"] = {}
-            for dtype in run.settings.dtypes:
-                report["matmul"][dtype] = matmul_flops_per_s(run.device, dtype, size, run.settings.matmul_repeats)
-                run.log(f"matmul {size}^2 {dtype}: {report['matmul'][dtype]['flops_per_s'] / 1e12:.3f} TFLOP/s")
-            report["memory_metrics"] = memory_metric_description(run.device)
-            return
+    size, report = run.settings.matmul_size or (8192 if run.device.type == "cuda" else 2048), run.report
+    if not after:
+        flops = vit_forward_flops(run.config)
+        report["flops_per_image"] = {"forward": flops, "train_step": step_flops(flops["total"], "train")}
+        report["flops_formula"] = (
+            "forward FLOPs per image = 2 * multiply-adds of the matrix products (patch embedding, qkv, attention "
+            "scores and weighted sum, projection, MLP, head); a training step = 3 * forward; MFU = images/s * "
+            "FLOPs per image / dense bf16 peak"
+        )
+        report["bf16_dense_peak"] = dense_bf16_peak(report["machine"].get("gpu"), run.settings.peak_tflops)
+        report["matmul"] = {}
         for dtype in run.settings.dtypes:
-            again = matmul_flops_per_s(run.device, dtype, size, run.settings.matmul_repeats)
-            first = report["matmul"][dtype]
-            run.log(f"matmul {size}^2 {dtype} after the models: {again['flops_per_s'] / 1e12:.3f} TFLOP/s")
-            report["matmul"][dtype] = max(first, again, key=lambda entry: entry["flops_per_s"])
-            report["matmul"][dtype]["samples_flops_per_s"] = [first["flops_per_s"], again["flops_per_s"]]
+            report["matmul"][dtype] = matmul_flops_per_s(run.device, dtype, size, run.settings.matmul_repeats)
+            run.log(f"matmul {size}^2 {dtype}: {report['matmul'][dtype]['flops_per_s'] / 1e12:.3f} TFLOP/s")
+        report["memory_metrics"] = memory_metric_description(run.device)
+        return
+    for dtype in run.settings.dtypes:
+        again = matmul_flops_per_s(run.device, dtype, size, run.settings.matmul_repeats)
+        first = report["matmul"][dtype]
+        run.log(f"matmul {size}^2 {dtype} after the models: {again['flops_per_s'] / 1e12:.3f} TFLOP/s")
+        report["matmul"][dtype] = max(first, again, key=lambda entry: entry["flops_per_s"])
+        report["matmul"][dtype]["samples_flops_per_s"] = [first["flops_per_s"], again["flops_per_s"]]
 
 
-class Throughput(Section):
+def throughput(run: Run) -> None:
     """Training steps (forward, loss, backward, AdamW) and inference of every model, in every dtype, eager and (with
-    --compile) torch.compile'd; the figures are added once the matmul peak has been measured again (`add_figures`)."""
-
-    name = "throughput"
-
-    def wanted(self, run: Run) -> bool:
-        return run.settings.main_rows
-
-    def run(self, run: Run) -> None:
-        settings, report = run.settings, run.report
-        report["compile"] = {
-            "requested": settings.compile,
-            "mode": settings.compile_mode,
-            "backend": settings.compile_backend,
-            "modes": list(settings.compile_modes),
-            "errors": {},
-            "first_call_s": {},  # includes compiling; the first model compiled pays for shared work
-        }
-        report["compile"]["blocks"] = settings.compile_blocks
-        self.results = []
-        for compiled in ([False] if settings.eager else []) + ([True] if settings.compile else []):
-            models, undo = compile_models(run.models, settings) if compiled else (run.models, lambda: None)
-            try:
-                for dtype in settings.dtypes:
-                    self._time(run, models, dtype, compiled)
-            finally:
-                undo()  # the sections after this one (profile, sweep) see the eager models
-            del models
-
-    def _time(self, run: Run, models: dict[str, nn.Module], dtype: str, compiled: bool) -> None:
-        settings, report = run.settings, run.report
-        run.log(f"timing {dtype} {'compiled' if compiled else 'eager'} ...")
-        start = time.perf_counter()
+    --compile) torch.compile'd; the figures are added once the matmul peak has been measured again."""
+    settings = run.settings
+    run.report["compile"] = {  # first_call_s includes compiling; the first model compiled pays for shared work
+        "requested": settings.compile, "mode": settings.compile_mode, "backend": settings.compile_backend,
+        "modes": list(settings.compile_modes), "errors": {}, "first_call_s": {}, "blocks": settings.compile_blocks,
+    }  # fmt: skip
+    for compiled in ([False] if settings.eager else []) + ([True] if settings.compile else []):
+        models, undo = compile_models(run.models, settings) if compiled else (run.models, lambda: None)
         try:
-            with sdpa_backend(settings.sdpa_backend):  # compiled models trace under it too
-                results = benchmark_models(
-                    models,
-                    run.pixel_values,
-                    run.labels,
-                    dtype,
-                    settings.steps,
-                    max(settings.warmup, 2) if compiled else settings.warmup,
-                    settings.repeats,
-                    settings.memory,
-                    run.optimizers,
-                    settings.compile_modes if compiled else ("train", "infer"),
-                )
-        except Exception as error:  # noqa: BLE001 - a failed compile drops its rows, not the whole benchmark
-            if not compiled:
-                raise
-            report["compile"]["errors"][dtype] = f"{type(error).__name__}: {error}"[:2000]
-            run.log(f"  compile failed: {report['compile']['errors'][dtype][:300]}")
-            return
-        run.log(f"  done in {time.perf_counter() - start:.0f} s")
-        self.results.append((results, dtype, compiled))
-        variant = "compiled" if compiled else "eager"
-        for name, result in results.items():
-            for mode in ("train", "infer"):
-                if compiled and f"{mode}_first_call_s" in result:
-                    first_calls = report["compile"]["first_call_s"].setdefault(f"{mode}/{dtype}", {})
-                    first_calls[name] = result[f"{mode}_first_call_s"]
-                if f"{mode}_peak_rss_growth_mb" in result:
-                    growth = report.setdefault("rss_growth_lower_bound_mb", {})
-                    growth.setdefault(f"{mode}/{dtype}/{variant}", {})[name] = result[f"{mode}_peak_rss_growth_mb"]
+            for dtype in settings.dtypes:
+                _time_models(run, models, dtype, compiled)
+        finally:
+            undo()  # the sections after this one (profile, sweep) see the eager models
+        del models
 
-    def add_figures(self, run: Run) -> None:
-        flops = run.report["flops_per_image"]["forward"]
-        for results, dtype, compiled in getattr(self, "results", []):
-            run.figures.extend(
-                model_figures(
-                    results,
-                    dtype,
-                    compiled,
-                    run.settings.batch_size,
-                    flops,
-                    run.report["matmul"],
-                    run.report["bf16_dense_peak"],
-                )
-            )
+
+def _time_models(run: Run, models: dict[str, nn.Module], dtype: str, compiled: bool) -> None:
+    settings, report = run.settings, run.report
+    run.log(f"timing {dtype} {'compiled' if compiled else 'eager'} ...")
+    start = time.perf_counter()
+    try:
+        with sdpa_backend(settings.sdpa_backend):  # compiled models trace under it too
+            warmup, modes = (max(settings.warmup, 2), settings.compile_modes) if compiled else (settings.warmup, MODES)
+            inputs = (run.pixel_values, run.labels, dtype, settings.steps, warmup, settings.repeats)
+            results = benchmark_models(models, *inputs, settings.memory, run.optimizers, modes)
+    except Exception as error:  # noqa: BLE001 - a failed compile drops its rows, not the whole benchmark
+        if not compiled:
+            raise
+        report["compile"]["errors"][dtype] = f"{type(error).__name__}: {error}"[:2000]
+        run.log(f"  compile failed: {report['compile']['errors'][dtype][:300]}")
+        return
+    run.log(f"  done in {time.perf_counter() - start:.0f} s")
+    run.timed.append((results, dtype, compiled))
+    variant = "compiled" if compiled else "eager"
+    for name, result in results.items():
+        for mode in MODES:
+            if compiled and f"{mode}_first_call_s" in result:
+                first_calls = report["compile"]["first_call_s"].setdefault(f"{mode}/{dtype}", {})
+                first_calls[name] = result[f"{mode}_first_call_s"]
+            if f"{mode}_peak_rss_growth_mb" in result:
+                growth = report.setdefault("rss_growth_lower_bound_mb", {})
+                growth.setdefault(f"{mode}/{dtype}/{variant}", {})[name] = result[f"{mode}_peak_rss_growth_mb"]
+
+
+def throughput_figures(run: Run) -> None:
+    """The throughput rows, against the matmul peak measured before and after the models."""
+    flops = run.report["flops_per_image"]["forward"]
+    for results, dtype, compiled in run.timed:
+        figures = (run.settings.batch_size, flops, run.report["matmul"], run.report["bf16_dense_peak"])
+        run.figures.extend(model_figures(results, dtype, compiled, *figures))
 
 
 # The transformer blocks of hf-vit, transformers' ViT and timm's ViT, by class name (for --compile_blocks).
@@ -321,13 +243,9 @@ BLOCK_CLASSES = ("VisionTransformerBlock", "ViTLayer", "Block")
 def compile_models(
     models: dict[str, nn.Module], settings: BenchmarkSettings
 ) -> tuple[dict[str, nn.Module], Callable[[], None]]:
-    """The models torch.compile'd as `settings` says, and a function that undoes it.
-
-    Whole models are wrapped (the originals stay eager); with `compile_blocks` each transformer block is compiled in
-    place with fullgraph=True (a graph break fails loudly instead of splitting the block), and the undo function
-    restores the eager blocks.
-    """
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    """The models torch.compile'd as `settings` says (whole, the originals staying eager; or with `compile_blocks` each
+    transformer block in place with fullgraph=True, a graph break failing loudly), and a function that undoes it."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     options = dict(mode=settings.compile_mode, backend=settings.compile_backend)
     if not settings.compile_blocks:
         return {name: torch.compile(model, **options) for name, model in models.items()}, lambda: None
@@ -347,170 +265,109 @@ def compile_models(
     return dict(models), undo
 
 
-class ThroughputFigures(Section):
-    """The throughput rows, computed against the matmul peak measured before and after the models."""
-
-    name = "throughput figures"
-
-    def __init__(self, throughput: Throughput) -> None:
-        self.throughput = throughput
-
-    def run(self, run: Run) -> None:
-        self.throughput.add_figures(run)
+def processors(run: Run) -> None:
+    settings = run.settings
+    processor = compare_processors(run.image_size, settings.processor_images, settings.processor_repeats)
+    run.report["processor"] = processor
+    values = (processor["images_per_s"], processor["seconds"])
+    run.figures.append(figure("processor_images_per_s", None, False, "images/s", True, *values))
 
 
-class Processors(Section):
-    name = "image processors"
+def input_pipelines(run: Run) -> None:
+    settings = run.settings
+    pipeline = compare_input_pipelines(run.image_size, settings.pipeline_images, settings.pipeline_repeats)
+    if settings.profile:
+        pipeline["profile"] = profile_input_pipeline(run.image_size, settings.pipeline_images)
+    run.report["input_pipeline"] = pipeline
+    run.log(f"  skipped: {pipeline['skipped']}" if pipeline["skipped"] else "  done")
+    if TORCHVISION not in pipeline["photo"]["images_per_s"]:  # the transformers column is its example's pipeline
+        return
+    names = {HF_VIT: HF_VIT, TRANSFORMERS: TORCHVISION, TIMM: TIMM}
+    for kind in PHOTO_SIZES:
+        per_s, seconds = pipeline[kind]["images_per_s"], pipeline[kind]["seconds"]
+        values = [{ours: got[theirs] for ours, theirs in names.items() if theirs in got} for got in (per_s, seconds)]
+        metric = f"input_pipeline_{kind}_images_per_s"
+        run.figures.append(figure(metric, None, False, "images/s per core", True, *values))
 
-    def wanted(self, run: Run) -> bool:
-        return run.settings.processor and run.settings.main_rows
 
-    def run(self, run: Run) -> None:
-        settings = run.settings
-        processor = compare_processors(run.image_size, settings.processor_images, settings.processor_repeats)
-        run.report["processor"] = processor
-        run.figures.append(
-            figure(
-                "processor_images_per_s",
-                None,
-                False,
-                "images/s",
-                True,
-                processor["images_per_s"],
-                processor["seconds"],
-            )
+def onnx_runtime(run: Run) -> None:
+    settings = run.settings
+    try:
+        run.report["onnxruntime"] = compare_onnxruntime(
+            run.models[HF_VIT], settings.onnx_batch_sizes, settings.steps, settings.repeats, settings.seed
         )
+    except Exception as error:  # noqa: BLE001 - an export or session failure drops the rows, not the run
+        run.report["onnxruntime"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+        run.log(f"  onnxruntime failed: {run.report['onnxruntime']['error'][:300]}")
 
 
-class InputPipelines(Section):
-    name = "input pipelines (one thread)"
-
-    def wanted(self, run: Run) -> bool:
-        return run.settings.pipeline and run.settings.main_rows
-
-    def run(self, run: Run) -> None:
-        settings = run.settings
-        pipeline = compare_input_pipelines(run.image_size, settings.pipeline_images, settings.pipeline_repeats)
-        if settings.profile:
-            pipeline["profile"] = profile_input_pipeline(run.image_size, settings.pipeline_images)
-        run.report["input_pipeline"] = pipeline
-        run.log(f"  skipped: {pipeline['skipped']}" if pipeline["skipped"] else "  done")
-        if TORCHVISION not in pipeline["photo"]["images_per_s"]:  # the transformers column is its example's pipeline
-            return
-        names = {HF_VIT: HF_VIT, TRANSFORMERS: TORCHVISION, TIMM: TIMM}
-        for kind in PHOTO_SIZES:
-            per_s, seconds = pipeline[kind]["images_per_s"], pipeline[kind]["seconds"]
-            run.figures.append(
-                figure(
-                    f"input_pipeline_{kind}_images_per_s",
-                    None,
-                    False,
-                    "images/s per core",
-                    True,
-                    {ours: per_s[theirs] for ours, theirs in names.items() if theirs in per_s},
-                    {ours: seconds[theirs] for ours, theirs in names.items() if theirs in seconds},
-                )
+def profile(run: Run) -> None:
+    run.report["profile"] = {}
+    for dtype in run.settings.dtypes:
+        for name in (HF_VIT, TRANSFORMERS):
+            run.log(f"  {name} {dtype} ...")
+            run.report["profile"].setdefault(dtype, {})[name] = profile_training_step(
+                run.models[name], run.optimizers[name], run.pixel_values, run.labels, dtype
             )
 
 
-class OnnxRuntime(Section):
-    name = "onnxruntime"
-
-    def wanted(self, run: Run) -> bool:
-        return run.settings.onnx and run.settings.main_rows and run.device.type == "cpu"
-
-    def run(self, run: Run) -> None:
-        settings = run.settings
-        try:
-            run.report["onnxruntime"] = compare_onnxruntime(
-                run.models[HF_VIT], settings.onnx_batch_sizes, settings.steps, settings.repeats, settings.seed
-            )
-        except Exception as error:  # noqa: BLE001 - an export or session failure drops the rows, not the run
-            run.report["onnxruntime"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
-            run.log(f"  onnxruntime failed: {run.report['onnxruntime']['error'][:300]}")
-
-
-class Profile(Section):
-    name = "profile of one training step"
-
-    def wanted(self, run: Run) -> bool:
-        return run.settings.profile_only or (run.settings.profile and not run.settings.sweep_only)
-
-    def run(self, run: Run) -> None:
-        run.report["profile"] = {}
-        for dtype in run.settings.dtypes:
-            for name in (HF_VIT, TRANSFORMERS):
-                run.log(f"  {name} {dtype} ...")
-                run.report["profile"].setdefault(dtype, {})[name] = profile_training_step(
-                    run.models[name], run.optimizers[name], run.pixel_values, run.labels, dtype
-                )
-
-
-class SizeSweep(Section):
+def size_sweep(run: Run) -> None:
     """Training and inference throughput of the models (eager) at each of --sizes, fresh models per size."""
-
-    name = "size sweep"
-
-    def wanted(self, run: Run) -> bool:
-        return bool(run.settings.sizes)
-
-    def run(self, run: Run) -> None:
-        run.optimizers.clear()  # the main models' optimiser state is no longer needed
-        run.report["sweep"] = size_sweep(run.settings, run.device)
-
-
-def size_sweep(settings: BenchmarkSettings, device: torch.device) -> list[dict]:
-    """Training and inference throughput of the models at each of `settings.sizes` (eager)."""
+    run.optimizers.clear()  # the main models' optimiser state is no longer needed
+    settings, device = run.settings, run.device
     batch = settings.sweep_batch_size or settings.batch_size
     steps = settings.sweep_steps or settings.steps
     repeats = settings.sweep_repeats or settings.repeats
-    rows = []
+    run.report["sweep"] = rows = []
     for size in settings.sizes:
         models, _ = build_models(settings, device, size)
         config = models[HF_VIT].config
-        generator = torch.Generator().manual_seed(settings.seed + 2)
-        pixel_values = torch.randn(batch, config.num_channels, size, size, generator=generator).to(device)
-        labels = torch.randint(0, settings.num_labels, (batch,), generator=generator).to(device)
+        pixel_values, labels = random_batch(settings, config, batch, device)
         diffs = compare_logits(models, pixel_values[:2])
         optimizers = {name: make_optimizer(model, settings.fused_optimizer) for name, model in models.items()}
         for dtype in settings.sweep_dtypes or settings.dtypes:
-            results = benchmark_models(
-                models, pixel_values, labels, dtype, steps, max(settings.warmup, 1), repeats, False, optimizers
-            )
-            row = {
-                "image_size": size,
-                "tokens": config.num_patches + config.num_prefix_tokens,
-                "dtype": dtype,
-                "batch_size": batch,
-                "max_abs_logits_diff": diffs,
-            }
-            for mode in ("train", "infer"):
-                row[f"{mode}_images_per_s"] = {
-                    name: batch / median_seconds(result[f"{mode}_seconds"]) for name, result in results.items()
-                }
-                values = row[f"{mode}_images_per_s"]
+            inputs = (pixel_values, labels, dtype, steps, max(settings.warmup, 1), repeats)
+            results = benchmark_models(models, *inputs, False, optimizers)
+            tokens = config.num_patches + config.num_prefix_tokens
+            row = {"image_size": size, "tokens": tokens, "dtype": dtype, "batch_size": batch}
+            row["max_abs_logits_diff"] = diffs
+            for mode in MODES:
+                samples = {name: result[f"{mode}_seconds"] for name, result in results.items()}
+                values = row[f"{mode}_images_per_s"] = {n: batch / median_seconds(s) for n, s in samples.items()}
                 row[f"{mode}_ratio"] = values[HF_VIT] / values[TRANSFORMERS]
-                row[f"{mode}_disturbed_samples"] = {
-                    name: len(result[f"{mode}_seconds"]["clean"]) - sum(result[f"{mode}_seconds"]["clean"])
-                    for name, result in results.items()
-                }
+                row[f"{mode}_disturbed_samples"] = {n: len(s["clean"]) - sum(s["clean"]) for n, s in samples.items()}
             rows.append(row)
         del models, optimizers
-    return rows
 
 
-def sections(settings: BenchmarkSettings) -> list[Section]:
-    """The sections of a run, in order."""
-    throughput = Throughput()
-    return [
-        LogitsCheck(),
-        MatmulPeak(),
-        throughput,
-        MatmulPeak(after=True),
-        ThroughputFigures(throughput),
-        Processors(),
-        InputPipelines(),
-        OnnxRuntime(),
-        Profile(),
-        SizeSweep(),
+def random_batch(settings: BenchmarkSettings, config, batch: int, device: torch.device):
+    """`batch` random images of `config`'s size and random labels, on `device` (the same for the same seed)."""
+    generator = torch.Generator().manual_seed(settings.seed + 2)
+    pixel_values = torch.randn(batch, config.num_channels, *config.image_hw, generator=generator)
+    labels = torch.randint(0, settings.num_labels, (batch,), generator=generator)
+    return pixel_values.to(device), labels.to(device)
+
+
+def run_benchmark(settings: BenchmarkSettings, log: Callable[[str], None] = print) -> dict:
+    """Measure everything `settings` asks for, section by section, as one JSON-able dict (see `report.format_table`).
+    The models share the input batch, settings and optimiser; their logits agree before anything is timed, and their
+    order alternates between rounds; figures are medians over the rounds."""
+    s, main = settings, settings.main_rows
+    sections = [  # (name, wanted, section), in order
+        ("logits check", True, logits_check),
+        ("matmul peak", True, matmul_peak),
+        ("throughput", main, throughput),
+        ("matmul peak", True, functools.partial(matmul_peak, after=True)),
+        ("throughput figures", True, throughput_figures),
+        ("image processors", s.processor and main, processors),
+        ("input pipelines (one thread)", s.pipeline and main, input_pipelines),
+        ("onnxruntime", s.onnx and main and torch.device(s.device).type == "cpu", onnx_runtime),
+        ("profile of one training step", s.profile_only or (s.profile and not s.sweep_only), profile),
+        ("size sweep", bool(s.sizes), size_sweep),
     ]
+    run = Run(settings, log)
+    for name, wanted, section in sections:
+        if wanted:
+            log(f"{name} ...")
+            section(run)
+    return run.finish()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 import torch
@@ -21,89 +22,83 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _help(text: str, **extra) -> dict:
-    return {"help": text, **extra}
+def add_flags(parser: argparse.ArgumentParser, flags: dict) -> None:
+    """`--name` for each of `flags` (name: (default, help[, type])), typed as its default; `False`: a switch."""
+    for name, (default, text, *kind) in flags.items():
+        if default is False:
+            parser.add_argument(f"--{name}", action="store_true", help=text)
+        else:
+            kind = kind[0] if kind else None if default is None else type(default)
+            parser.add_argument(f"--{name}", type=kind, default=default, help=text)
+
+
+def flag(default, text: str = "", **extra):
+    """A dataclass field with its flag's help (a list default is copied for each instance)."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": text, **extra})
+    return field(default=default, metadata={"help": text, **extra})
 
 
 @dataclass
 class BenchmarkSettings:
     """What to measure; every field is a flag of `benchmarks/benchmark.py`. The defaults: ViT-S/16, 224, batch 16."""
 
-    model: str = field(default="vit-small-patch16-224", metadata=_help("hf-vit preset name"))
-    image_size: int | None = field(default=None, metadata=_help("default: the preset's resolution"))
+    model: str = flag("vit-small-patch16-224", "hf-vit preset name")
+    image_size: int | None = flag(None, "default: the preset's resolution")
     batch_size: int = 16
     num_labels: int = 1000
-    num_hidden_layers: int | None = field(default=None, metadata=_help("override the preset's depth"))
+    num_hidden_layers: int | None = flag(None, "override the preset's depth")
     device: str = field(default_factory=_default_device)
-    dtypes: list[str] = field(default_factory=lambda: ["fp32", "bf16"], metadata=_help("", choices=list(DTYPES)))
-    steps: int | None = field(default=None, metadata=_help("timed steps per round (default 3 CPU, 20 GPU)"))
-    warmup: int | None = field(
-        default=None, metadata=_help("untimed steps per model (default 1 CPU, 5 GPU; compiled models at least 2)")
+    dtypes: list[str] = flag(["fp32", "bf16"], choices=list(DTYPES))
+    steps: int | None = flag(None, "timed steps per round (default 3 CPU, 20 GPU)")
+    warmup: int | None = flag(None, "untimed steps per model (default 1 CPU, 5 GPU; compiled models at least 2)")
+    repeats: int = flag(3, "undisturbed rounds per model; figures are their medians")
+    compile: bool = flag(False, "also time torch.compile'd models (on 2 CPU cores this adds many minutes)")
+    sdpa_backend: str | None = flag(
+        None,
+        "restrict scaled_dot_product_attention to one backend for every model (default: torch's choice)",
+        choices=["flash", "efficient", "cudnn", "math"],
     )
-    repeats: int = field(default=3, metadata=_help("undisturbed rounds per model; figures are their medians"))
-    compile: bool = field(
-        default=False, metadata=_help("also time torch.compile'd models (on 2 CPU cores this adds many minutes)")
+    eager: bool = flag(True, "time the eager models (--no_eager: the compiled rows only)")
+    compile_mode: str | None = flag(None, "torch.compile mode for every model")
+    compile_blocks: bool = flag(
+        False,
+        "compile each transformer block (fullgraph=True) instead of the whole model: identical blocks share one "
+        "compilation, so compiling takes a fraction of the time",
     )
-    sdpa_backend: str | None = field(
-        default=None,
-        metadata=_help(
-            "restrict scaled_dot_product_attention to one backend for every model (default: torch's choice)",
-            choices=["flash", "efficient", "cudnn", "math"],
-        ),
+    compile_backend: str = flag("inductor", "torch.compile backend (aot_eager: traces without generating kernels)")
+    compile_modes: list[str] = flag(
+        ["train", "infer"],
+        "which rows to compile (on CPU compiling the backward takes minutes)",
+        choices=["train", "infer"],
     )
-    eager: bool = field(default=True, metadata=_help("time the eager models (--no_eager: the compiled rows only)"))
-    compile_mode: str | None = field(default=None, metadata=_help("torch.compile mode for every model"))
-    compile_blocks: bool = field(
-        default=False,
-        metadata=_help(
-            "compile each transformer block (fullgraph=True) instead of the whole model: identical blocks share one "
-            "compilation, so compiling takes a fraction of the time"
-        ),
-    )
-    compile_backend: str = field(
-        default="inductor", metadata=_help("torch.compile backend (aot_eager: traces without generating kernels)")
-    )
-    compile_modes: list[str] = field(
-        default_factory=lambda: ["train", "infer"],
-        metadata=_help(
-            "which rows to compile (on CPU compiling the backward takes minutes)", choices=["train", "infer"]
-        ),
-    )
-    memory: bool = field(default=True, metadata=_help("measure peak memory"))
-    matmul_size: int | None = field(default=None, metadata=_help("default 2048 on CPU, 8192 on GPU"))
-    matmul_repeats: int = field(default=5, metadata=_help("rounds of at least 0.25 s each for the matmul peak"))
-    processor: bool = field(default=True, metadata=_help("compare the image processors on real photos"))
+    memory: bool = flag(True, "measure peak memory")
+    matmul_size: int | None = flag(None, "default 2048 on CPU, 8192 on GPU")
+    matmul_repeats: int = flag(5, "rounds of at least 0.25 s each for the matmul peak")
+    processor: bool = flag(True, "compare the image processors on real photos")
     processor_images: int = 32
     processor_repeats: int = 5
-    pipeline: bool = field(
-        default=True, metadata=_help("compare the training input pipelines (hf-vit, torchvision, timm) per core")
-    )
+    pipeline: bool = flag(True, "compare the training input pipelines (hf-vit, torchvision, timm) per core")
     pipeline_images: int = 48
     pipeline_repeats: int = 5
-    onnx: bool = field(default=True, metadata=_help("time onnxruntime (CPU) against eager fp32 inference"))
-    onnx_batch_sizes: list[int] = field(default_factory=lambda: [1, 16])
-    profile: bool = field(
-        default=False, metadata=_help("profile one training step of each model, and the hf-vit input pipeline")
+    onnx: bool = flag(True, "time onnxruntime (CPU) against eager fp32 inference")
+    onnx_batch_sizes: list[int] = flag([1, 16])
+    profile: bool = flag(False, "profile one training step of each model, and the hf-vit input pipeline")
+    sizes: list[int] = flag([], "image sizes of a throughput sweep")
+    sweep_batch_size: int | None = flag(None, "default: --batch_size")
+    sweep_steps: int | None = flag(None, "default: --steps")
+    sweep_repeats: int | None = flag(None, "default: --repeats")
+    sweep_dtypes: list[str] | None = flag(None, "default: --dtypes", choices=list(DTYPES))
+    sweep_only: bool = flag(False, "only the size sweep (with --sizes)")
+    profile_only: bool = flag(False, "only the training-step profile, e.g. to redo one")
+    timm: bool = flag(True, "add timm's ViT where timm is installed")
+    peak_tflops: float | None = flag(
+        None,
+        "the device's dense bf16 peak in TFLOP/s for the MFU rows (default: looked up by GPU name, e.g. 989 for an "
+        "H100 or H200; no MFU rows where unknown, e.g. on CPU)",
     )
-    sizes: list[int] = field(default_factory=list, metadata=_help("image sizes of a throughput sweep"))
-    sweep_batch_size: int | None = field(default=None, metadata=_help("default: --batch_size"))
-    sweep_steps: int | None = field(default=None, metadata=_help("default: --steps"))
-    sweep_repeats: int | None = field(default=None, metadata=_help("default: --repeats"))
-    sweep_dtypes: list[str] | None = field(default=None, metadata=_help("default: --dtypes", choices=list(DTYPES)))
-    sweep_only: bool = field(default=False, metadata=_help("only the size sweep (with --sizes)"))
-    profile_only: bool = field(default=False, metadata=_help("only the training-step profile, e.g. to redo one"))
-    timm: bool = field(default=True, metadata=_help("add timm's ViT where timm is installed"))
-    peak_tflops: float | None = field(
-        default=None,
-        metadata=_help(
-            "the device's dense bf16 peak in TFLOP/s for the MFU rows (default: looked up by GPU name, e.g. 989 for "
-            "an H100 or H200; no MFU rows where unknown, e.g. on CPU)"
-        ),
-    )
-    fused_optimizer: bool | None = field(
-        default=None, metadata=_help("AdamW's fused implementation (default: on for CUDA, off on CPU)")
-    )
-    threads: int | None = field(default=None, metadata=_help("torch.set_num_threads"))
+    fused_optimizer: bool | None = flag(None, "AdamW's fused implementation (default: on for CUDA, off on CPU)")
+    threads: int | None = flag(None, "torch.set_num_threads")
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -1,10 +1,7 @@
 #!/usr/bin/env python
-r"""SimMIM row of the benchmark: a training step (forward, L1 loss on the masked pixels, backward, AdamW step) of
-hf-vit's `VisionTransformerForMaskedImageModeling` against transformers' `ViTForMaskedImageModeling` of the same size
-with the same weights (hf-vit's converted from transformers' by `from_pretrained`, and checked to give its loss and
-reconstruction first), on the same batch and mask, eager and SDPA attention, timed in one process in alternating
-rounds (`timing.time_alternating`). Prints the rows and ratios; `--doc` rewrites the `<!-- simmim:table -->` block of
-docs/benchmarks.md.
+r"""SimMIM row of the benchmark: a training step of hf-vit's `VisionTransformerForMaskedImageModeling` against
+transformers' `ViTForMaskedImageModeling` with the same weights (checked to give its loss and reconstruction first),
+on the same batch and mask, eager and SDPA, in alternating rounds. `--doc` rewrites the `<!-- simmim:table -->` block.
 
     python benchmarks/simmim_speed.py --doc docs/benchmarks.md
     python benchmarks/simmim_speed.py --image_size 32 --depth 1 --batch_size 2 --repeats 1   # seconds
@@ -14,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -27,8 +22,8 @@ if __package__ in (None, ""):
 import torch
 from transformers import ViTConfig, ViTForMaskedImageModeling
 
-from benchmarks.report import fill_markdown
-from benchmarks.timing import median_seconds, time_alternating
+from benchmarks.report import print_table
+from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerForMaskedImageModeling
 
 
@@ -79,15 +74,11 @@ def measure(args) -> dict:
             copied.set_attn_implementation(implementation)
             optimizer = torch.optim.AdamW(copied.parameters(), lr=1e-4)
             steps[f"{name} {implementation}"] = training_step(copied, optimizer, batch)
-    for step in steps.values():  # warm-up: the optimizer's state, the kernels' first calls
-        step()
-    load_before = os.getloadavg()[0]
-    samples = time_alternating(steps, args.steps, args.repeats, torch.device("cpu"))
-    seconds = {name: median_seconds(sample) for name, sample in samples.items()}
+    seconds, load = timed_rounds(steps, args.steps, args.repeats)  # after a warm-up: the optimizer's state
     return {
         "steps_per_s": {name: 1.0 / value for name, value in seconds.items()},
         "difference": difference,
-        "load_average": (load_before, os.getloadavg()[0]),
+        "load_average": load,
         "threads": torch.get_num_threads(),
     }
 
@@ -129,13 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.image_size % args.patch_size:
         parser.error(f"--image_size {args.image_size} must be a multiple of --patch_size {args.patch_size}")
-    result = measure(args)
-    table = format_rows(result, args)
-    print(table)
-    if args.doc:
-        command = "python benchmarks/simmim_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-        args.doc.write_text(fill_markdown(args.doc.read_text(), {"table": f"{table}\n\n`{command}`"}, tag="simmim"))
-        print(f"doc: {args.doc}")
+    print_table(format_rows(measure(args), args), args.doc, "simmim_speed.py", argv, "simmim")
     return 0
 
 

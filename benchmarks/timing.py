@@ -32,6 +32,7 @@ def autocast(device: torch.device, dtype: str):
     return torch.autocast(device_type=device.type, dtype=target)
 
 
+MODES = ("train", "infer")
 CONTENTION_LIMIT = 0.15  # CPU cores used by other processes during a sample above which it counts as disturbed
 
 
@@ -112,13 +113,8 @@ def matmul_flops_per_s(device: torch.device, dtype: str, size: int, repeats: int
 
     sample = time_alternating({"matmul": product}, 1, repeats, device)["matmul"]
     seconds = median_seconds(sample) / calls
-    return {
-        "size": size,
-        "dtype": dtype,
-        "flops_per_s": 2 * size**3 / seconds,
-        "seconds": seconds,
-        "disturbed_samples": len(sample["clean"]) - sum(sample["clean"]),
-    }
+    result = dict(size=size, dtype=dtype, flops_per_s=2 * size**3 / seconds, seconds=seconds)
+    return {**result, "disturbed_samples": len(sample["clean"]) - sum(sample["clean"])}
 
 
 SDPA_BACKENDS = {
@@ -150,10 +146,8 @@ def make_optimizer(model: nn.Module, fused: bool = False) -> torch.optim.Optimiz
 def make_train_step(
     model: nn.Module, optimizer: torch.optim.Optimizer, pixel_values: torch.Tensor, labels: torch.Tensor, dtype: str
 ) -> Callable[[], None]:
-    """Forward, cross-entropy (in fp32, outside the model, the same for every model), backward, AdamW step.
-
-    Nothing in the step reads a value back to the host (no `.item()`, no logging), so on a GPU the steps queue up
-    without a synchronisation; the timer synchronises once per sample."""
+    """Forward, cross-entropy (fp32, outside the model), backward, AdamW step; nothing read back to the host, so on a
+    GPU the steps queue up and the timer synchronises once per sample."""
     device = pixel_values.device
 
     def step() -> None:
@@ -187,20 +181,18 @@ def benchmark_models(
     repeats: int,
     memory: bool,
     optimizers: dict[str, torch.optim.Optimizer],
-    modes: Sequence[str] = ("train", "infer"),
+    modes: Sequence[str] = MODES,
 ) -> dict[str, dict]:
     """Training-step and inference seconds (samples per repeat) and optionally peak memory of every model."""
     device = pixel_values.device
     results: dict[str, dict] = {name: {} for name in models}
     for mode in modes:
-        steps_fns = {}
-        for name, model in models.items():
-            if mode == "train":
-                model.train()
-                steps_fns[name] = make_train_step(model, optimizers[name], pixel_values, labels, dtype)
-            else:
-                model.eval()
-                steps_fns[name] = make_infer_step(model, pixel_values, dtype)
+        steps_fns = {
+            name: make_train_step(model.train(), optimizers[name], pixel_values, labels, dtype)
+            if mode == "train"
+            else make_infer_step(model.eval(), pixel_values, dtype)
+            for name, model in models.items()
+        }
         for name, step in steps_fns.items():
             for index in range(warmup):
                 synchronize(device)
@@ -216,3 +208,23 @@ def benchmark_models(
                 for key, value in measure_memory(steps_fns[name], device).items():
                     results[name][f"{mode}_{key}"] = value
     return results
+
+
+def timed_rounds(fns: dict[str, Callable[[], object]], steps: int, repeats: int) -> tuple[dict[str, float], list]:
+    """One warm-up call each, then `time_alternating` on CPU: the median seconds per call of each function, and the
+    1-minute load average before and after."""
+    for fn in fns.values():
+        fn()
+    before = os.getloadavg()[0]
+    samples = time_alternating(fns, steps, repeats, torch.device("cpu"))
+    return {name: median_seconds(sample) for name, sample in samples.items()}, [before, os.getloadavg()[0]]
+
+
+def budget_spent(budget_s: float | None, start: float) -> str | None:
+    """Why nothing more starts (`budget_s` seconds since `start` spent), or None."""
+    elapsed = time.perf_counter() - start
+    return (
+        f"time budget of {budget_s:.0f} s spent ({elapsed:.0f} s)"
+        if budget_s is not None and elapsed > budget_s
+        else None
+    )
