@@ -108,7 +108,7 @@ def layouts(args) -> dict[str, dict]:
         batch = dict(processor(images[:images_in], return_tensors="pt", **extra))
         layout = BatchLayout.of(prefix=1, **batch)
         padding = 1 - sum(sizes[:images_in]) / batch["pixel_values"].shape[:2].numel()
-        rows, length = layout.segments.batch_size, layout.segments.row_length
+        rows, length = batch["pixel_values"].shape[:2]  # rows of patch slots
         result[name] = {"batch": batch, "layout": layout, "rows": rows, "length": length, "padding": padding}
     return result
 
@@ -143,7 +143,7 @@ def measure(args) -> dict:
         per_image = tokens[0].new_zeros(layout.token_mask.shape[0], layout.token_mask.shape[1], *tokens[0].shape[1:])
         for index in range(len(per_image)):
             per_image[index, : len(tokens[index])] = tokens[index]
-        buffer = layout.pack(per_image)
+        buffer = layout.segments.to_blocks(per_image, layout.segments.blocks_shape)
         inputs[name] = (layout, buffer)
         # The rows compute the same function: the images they share have the same outputs before anything is timed.
         output, _ = sdpa(
