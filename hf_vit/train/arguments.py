@@ -161,20 +161,7 @@ class ModelArguments:
 
     def settings(self) -> ModelSettings:
         """The model stage's settings: which model, and how it is built or loaded."""
-        return ModelSettings(
-            model_name_or_path=self.model_name_or_path,
-            preset=self.preset,
-            image_size=self.image_size,
-            patch_size=self.patch_size,
-            num_channels=self.num_channels,
-            config_overrides=self.config_overrides,
-            representation_size=self.representation_size,
-            drop_path_rate=self.drop_path_rate,
-            hidden_dropout_prob=self.hidden_dropout_prob,
-            interpolation=self.interpolation,
-            keep_head=self.keep_head,
-            attn_implementation=self.attn_implementation,
-        )
+        return settings_of(ModelSettings, self)
 
     def lora(self) -> LoraSettings:
         """The adapter stage's settings (`--lora_rank` 0: none)."""
@@ -326,46 +313,19 @@ class DataArguments:
         """Where the images come from and how the splits are cut."""
         from ..data.datasets import DataSource
 
-        return DataSource(
-            dataset_name=self.dataset_name,
-            image_column_name=self.image_column_name,
-            label_column_name=self.label_column_name,
-            train_split=self.train_split,
-            validation_split=self.validation_split,
-            test_split=self.test_split,
-            validation_fraction=self.validation_fraction,
-            streaming=self.streaming,
-            shuffle_buffer_size=self.shuffle_buffer_size,
-            max_train_samples=self.max_train_samples,
-        )
+        return settings_of(DataSource, self)
 
     def augmentation(self) -> Augmentation:
         """How the training images are augmented (`--hflip` resolved: on, except for digits)."""
         from ..data.transforms import Augmentation
 
-        return Augmentation(
-            random_resized_crop=self.random_resized_crop,
-            crop_scale_min=self.crop_scale_min,
-            hflip=default_hflip(self),
-            rand_augment=self.rand_augment,
-            reprob=self.reprob,
-            remode=self.remode,
-            recount=self.recount,
-            token_drop_rate=self.token_drop_rate,
-        )
+        return settings_of(Augmentation, self, hflip=default_hflip(self))
 
     def sizes(self) -> BatchSizes:
         """The sizes of the training batches: native aspect ratio and the sizes drawn per step."""
         from ..data.transforms import BatchSizes
 
-        return BatchSizes(
-            max_num_patches=self.max_num_patches,
-            packed_sequence_length=self.packed_sequence_length,
-            seq_lens=self.seq_lens,
-            max_tokens_per_batch=self.max_tokens_per_batch,
-            patch_sizes=self.patch_sizes,
-            patch_size_probs=self.patch_size_probs,
-        )
+        return settings_of(BatchSizes, self)
 
 
 @dataclass
@@ -453,19 +413,19 @@ class VisionTransformerTrainingArguments(TrainingArguments):
 
     def recipe_settings(self) -> RecipeSettings:
         """The recipe's settings: the named recipe, layer decay, EMA, Mixup/CutMix and label smoothing."""
-        return RecipeSettings(
-            name=self.recipe,
-            given=frozenset(self.recipe_flags_given),
-            layer_decay=self.layer_decay,
-            ema_decay=self.ema_decay,
-            ema_warmup=self.ema_warmup,
-            mixup_alpha=self.mixup_alpha,
-            cutmix_alpha=self.cutmix_alpha,
-            cutmix_minmax=tuple(self.cutmix_minmax) if self.cutmix_minmax else None,
-            mixup_prob=self.mixup_prob,
-            mixup_switch_prob=self.mixup_switch_prob,
-            label_smoothing=self.label_smoothing_factor,
+        minmax = tuple(self.cutmix_minmax) if self.cutmix_minmax else None
+        given = frozenset(self.recipe_flags_given)
+        smoothing = self.label_smoothing_factor
+        return settings_of(
+            RecipeSettings, self, name=self.recipe, given=given, cutmix_minmax=minmax, label_smoothing=smoothing
         )
+
+
+def settings_of(settings: type, parsed: Any, **values: Any) -> Any:
+    """The settings dataclass `settings` with each field the parsed flags' dataclass `parsed` has of the same name,
+    and `values` for the others."""
+    names = {item.name for item in dataclasses.fields(settings)} - set(values)
+    return settings(**{name: getattr(parsed, name) for name in names if hasattr(parsed, name)}, **values)
 
 
 def build_parser(task: str) -> HfArgumentParser:
