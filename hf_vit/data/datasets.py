@@ -313,12 +313,20 @@ def load_datasets(source: DataSource, seed: int):
     return ds
 
 
-def label_names(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> list[str]:
-    """Class names of the `label` column (index = label id), e.g. for `id2label = dict(enumerate(names))`."""
+_LISTS = (datasets.List, datasets.Sequence, datasets.LargeList)  # a list of classes per image (multi-label)
+
+
+def _label_feature(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> Any:
+    """The `label` column's feature (of the train split, or else the first)."""
     if isinstance(ds, (DatasetDict, IterableDatasetDict)):
         ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    feature = (ds.features or {}).get("label")
-    if isinstance(feature, (datasets.List, datasets.Sequence, datasets.LargeList)):
+    return (ds.features or {}).get("label")
+
+
+def label_names(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> list[str]:
+    """Class names of the `label` column (index = label id), e.g. for `id2label = dict(enumerate(names))`."""
+    feature = _label_feature(ds)
+    if isinstance(feature, _LISTS):
         feature = feature.feature  # multi-label: the classes of the lists' elements
     if not isinstance(feature, ClassLabel):
         raise ValueError(f"The 'label' column must be a ClassLabel to have names, got {feature!r}.")
@@ -368,7 +376,7 @@ def _standardize_columns(ds, name: str, image_column: str, label_column: str):
         ds = ds.cast_column("image", datasets.Image())
     label = features["label"]
     # a list of classes per image (multi-label classification): the same rules for its elements
-    is_list = isinstance(label, (datasets.List, datasets.Sequence, datasets.LargeList))
+    is_list = isinstance(label, _LISTS)
     element = label.feature if is_list else label
     if isinstance(element, ClassLabel):
         return ds
@@ -396,9 +404,7 @@ def _standardize_columns(ds, name: str, image_column: str, label_column: str):
 
 def is_multi_label(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> bool:
     """Whether the `label` column holds a list of classes per image (multi-label classification)."""
-    if isinstance(ds, (DatasetDict, IterableDatasetDict)):
-        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    return isinstance((ds.features or {}).get("label"), (datasets.List, datasets.Sequence, datasets.LargeList))
+    return isinstance(_label_feature(ds), _LISTS)
 
 
 def reorder_classes(ds, names: list[str]):
@@ -416,7 +422,7 @@ def reorder_classes(ds, names: list[str]):
     reordered = {}
     for split, data in ds.items():
         features = data.features.copy()
-        multi = isinstance(features["label"], (datasets.List, datasets.Sequence, datasets.LargeList))
+        multi = isinstance(features["label"], _LISTS)
         features["label"] = datasets.List(ClassLabel(names=names)) if multi else ClassLabel(names=names)
         reordered[split] = data.map(remap, batched=True, features=features)
     return type(ds)(reordered)
@@ -468,7 +474,3 @@ def _carve_validation(ds, fraction: float):
         parts = train.train_test_split(test_size=fraction, seed=HELD_OUT_SEED)
     ds["train"], ds["validation"] = parts["train"], parts["test"]
     return ds
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Transforms

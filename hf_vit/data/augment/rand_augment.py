@@ -36,27 +36,6 @@ from PIL import ImageEnhance, ImageOps
 
 LEVEL_DENOM = 10.0
 
-RAND_OPS = (
-    "AutoContrast",
-    "Equalize",
-    "Invert",
-    "Rotate",
-    "Posterize",
-    "Solarize",
-    "SolarizeAdd",
-    "Color",
-    "Contrast",
-    "Brightness",
-    "Sharpness",
-    "ShearX",
-    "ShearY",
-    "TranslateXRel",
-    "TranslateYRel",
-)
-# The operations whose strength timm's increasing variants turn around (`inc1`).
-_INCREASING = ("Posterize", "Solarize", "Color", "Contrast", "Brightness", "Sharpness")
-RAND_INCREASING_OPS = tuple(f"{name}Increasing" if name in _INCREASING else name for name in RAND_OPS)
-
 RESAMPLING = {
     "nearest": PIL.Image.Resampling.NEAREST,
     "bilinear": PIL.Image.Resampling.BILINEAR,
@@ -182,6 +161,10 @@ PIL_OPERATIONS: dict[str, Callable] = {
     "TranslateXRel": lambda im, a, f, r: _pil_affine(im, _matrix("TranslateXRel", a, *im.size), f, r),
     "TranslateYRel": lambda im, a, f, r: _pil_affine(im, _matrix("TranslateYRel", a, *im.size), f, r),
 }
+RAND_OPS = tuple(PIL_OPERATIONS)
+# The operations whose strength timm's increasing variants turn around (`inc1`).
+_INCREASING = ("Posterize", "Solarize", "Color", "Contrast", "Brightness", "Sharpness")
+RAND_INCREASING_OPS = tuple(f"{name}Increasing" if name in _INCREASING else name for name in RAND_OPS)
 
 
 def _matrix(name: str, argument: float, width: int, height: int) -> tuple[float, ...]:
@@ -401,9 +384,7 @@ def _geometric(name: str) -> Callable:
     def operation(image: np.ndarray, argument: float, fill, resample) -> np.ndarray:
         # Bilinear shears and translations are computed here; rotations and the other filters by Pillow.
         if resample != PIL.Image.Resampling.BILINEAR or name == "Rotate":
-            return _via_pil(
-                image, name, argument, tuple(int(v) for v in fill) if fill.size > 1 else int(fill[0]), resample
-            )
+            return _via_pil(image, name, argument, _pil_fill(fill), resample)
         height, width = image.shape[:2]
         if name == "TranslateXRel":
             return _translate_bilinear(image, argument * width, 1, fill)
