@@ -130,54 +130,48 @@ def _masked_model(build: Callable[[ModelSettings], Any], name: str) -> Callable[
     return build_model
 
 
+# What the classification objectives share, and what the self-supervised ones (which learn the pixels) share.
+_CLASSIFYING = dict(
+    tasks=("pretrain", "finetune"),
+    build_model=build_classifier,
+    eval_transform=classification_eval_transform,
+    collator=collate_fn,
+    compute_metrics=compute_metrics,
+)
+_SELF_SUPERVISED = dict(
+    tasks=("pretrain",),
+    labels=_no_labels,
+    augmentable=False,
+    check_sizes=refuse_drawn_sizes,
+    idle_flags=("representation_size", "problem_type", "keep_head"),
+)
 OBJECTIVES: dict[str, Objective] = {
-    "classification": Objective(
-        name="classification",
-        tasks=("pretrain", "finetune"),
-        labels=_class_labels,
-        build_model=build_classifier,
-        eval_transform=classification_eval_transform,
-        collator=collate_fn,
-        compute_metrics=compute_metrics,
-        loss=cross_entropy,
-    ),
+    "classification": Objective(name="classification", labels=_class_labels, loss=cross_entropy, **_CLASSIFYING),
     "multi_label_classification": Objective(
         name="multi_label_classification",
-        tasks=("pretrain", "finetune"),
         labels=_multi_hot_labels,
-        build_model=build_classifier,
-        eval_transform=classification_eval_transform,
-        collator=collate_fn,
-        compute_metrics=compute_metrics,
         streaming=False,
         loss=binary_cross_entropy,
+        **_CLASSIFYING,
     ),
     "mpp": Objective(
         name="mpp",
-        tasks=("pretrain",),
-        labels=_no_labels,
         build_model=_masked_model(build_mpp_model, "mpp"),
         eval_transform=mpp_eval_transform,
         collator=mpp_collate_fn,
         compute_metrics=mpp_compute_metrics,
         preprocess_logits=mpp_preprocess_logits,
-        augmentable=False,
-        check_sizes=refuse_drawn_sizes,
-        idle_flags=("representation_size", "problem_type", "keep_head"),
+        **_SELF_SUPERVISED,
     ),
     "simmim": Objective(
         name="simmim",
-        tasks=("pretrain",),
-        labels=_no_labels,
         build_model=_masked_model(build_simmim_model, "simmim"),
         eval_transform=simmim_eval_transform,
         collator=simmim_collate_fn,
         compute_metrics=simmim_compute_metrics,
         preprocess_logits=simmim_preprocess_logits,
         label_names=(),
-        augmentable=False,
-        check_sizes=refuse_drawn_sizes,
-        idle_flags=("representation_size", "problem_type", "keep_head"),
+        **_SELF_SUPERVISED,
     ),
 }
 
