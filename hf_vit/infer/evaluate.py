@@ -280,18 +280,24 @@ def per_class_table(metrics: dict[str, Any], split: str, max_matrix_classes: int
 
 def write_evaluation(folder: Path, split: str, metrics: dict, confusion, id2label: dict[int, str]) -> list[Path]:
     """The results JSON (and the confusion matrix's PNG when there is one and matplotlib is installed) in `folder`."""
-    results = folder / f"{split}_results.json"
     plot = folder / f"{split}_confusion_matrix.png"
+    names = [id2label[i] for i in range(len(confusion))] if confusion is not None else []
+    draw = None if confusion is None else (lambda: plot_confusion_matrix(confusion, names, plot))
+    return write_results(folder / f"{split}_results.json", metrics, plot, draw)
+
+
+def write_results(results: Path, data: Any, plot: Path, draw: Any = None, overwrite: bool = False) -> list[Path]:
+    """`data` as JSON at `results`, and the PNG `draw()` writes at `plot` (without matplotlib it is skipped and said
+    so); existing files of those names are refused unless `overwrite` (a run rewriting its own results)."""
     for path in (results, plot):
-        if os.path.lexists(path):
+        if os.path.lexists(path) and not overwrite:
             raise ValueError(f"{path} exists: pass another output folder (files are never overwritten).")
-    folder.mkdir(parents=True, exist_ok=True)
-    written = [write_beside(results, json.dumps(metrics, indent=2) + "\n")]
-    if confusion is not None:
-        try:
-            written.append(plot_confusion_matrix(confusion, [id2label[i] for i in range(len(confusion))], plot))
-        except ImportError:
-            logger.warning("matplotlib is not installed: no %s (pip install 'hf-vit[plot]').", plot.name)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    written = [write_beside(results, json.dumps(data, indent=2) + "\n")]
+    try:
+        written += [draw()] if draw is not None else []
+    except ImportError:
+        logger.warning("matplotlib is not installed: no %s (pip install 'hf-vit[plot]').", plot.name)
     return written
 
 
@@ -356,18 +362,6 @@ def evaluate_checkpoint(
     return results
 
 
-def evaluate_model(
-    model: Any,
-    processor: VisionTransformerImageProcessor,
-    source: DataSource | None = None,
-    split: str | None = "test",
-    batch_size: int = 256,
-) -> dict[str, float]:
-    """Top-1/top-5 accuracy of `model` on a split of `source`'s data set (digits by default), no training; `split`
-    None: the split a run's final metrics are measured on (`final_split`)."""
-    return measure_model(model, processor, source, split, batch_size)[1]
-
-
 @torch.no_grad()
 def measure_model(
     model: Any,
@@ -376,8 +370,9 @@ def measure_model(
     split: str | None = None,
     batch_size: int = 256,
 ) -> tuple[str, dict[str, float]]:
-    """`(split, metrics)`: `evaluate_model`'s metrics on `split`, by default the one a run would report: test when
-    the data set has one, else validation (the source's, or the part of train a run holds out)."""
+    """`(split, metrics)`: top-1/top-5 accuracy of `model` on `split` of `source`'s data set (digits by default), no
+    training; by default the split a run would report: test when the data set has one, else validation (the
+    source's, or the part of train a run holds out)."""
     source = source or DataSource()
     raw = load_datasets(source, seed=0)
     split = split or final_split(raw)
