@@ -39,7 +39,7 @@ from ..model.modeling_mpp import (
     draw_patch_corruption,
 )
 from ..model.pixel_targets import mean_color_classes
-from .model_setup import ModelSettings, config_from_preset, load_checkpoint, split_requested
+from .model_setup import ModelSettings, config_from_preset, load_requested
 
 __all__ = [
     "MaskedPatchPredictionTransform",
@@ -134,16 +134,7 @@ def build_mpp_model(settings: ModelSettings, model_class: type = VisionTransform
     new if it has none) with the flags applied (`--image_size` resamples its position embeddings) or, where they would
     change its weights' shapes, refused."""
     if settings.model_name_or_path:
-        settable, image_size, shapes = split_requested(settings)
-        return load_checkpoint(
-            settings.model_name_or_path,
-            model_class=model_class,
-            image_size=image_size,
-            interpolation=settings.interpolation,
-            attn_implementation=settings.attn_implementation,
-            refuse=shapes,
-            **settable,
-        )
+        return load_requested(settings, model_class=model_class)
     return model_class(config_from_preset(settings))
 
 
