@@ -94,13 +94,7 @@ class PatchSizeDraw:
     `(seed, step)`."""
 
     def __init__(self, patch_sizes: Sequence[int], probabilities: Sequence[float] | None, seed: int) -> None:
-        if probabilities is not None and (
-            len(probabilities) != len(patch_sizes) or any(p < 0 for p in probabilities) or sum(probabilities) <= 0
-        ):
-            raise ValueError(
-                f"--patch_size_probs {list(probabilities)} must give one non-negative weight per size of "
-                f"--patch_sizes {list(patch_sizes)}, not all zero."
-            )
+        # `--patch_size_probs` is checked with the flags (`arguments.check_flexible_flags`)
         self.patch_sizes, self.seed = list(patch_sizes), seed
         weights = torch.tensor(
             probabilities if probabilities is not None else [1.0] * len(patch_sizes), dtype=torch.float64
