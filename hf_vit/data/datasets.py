@@ -141,15 +141,10 @@ def load_image_dataset(
     if streaming and isinstance(ds, DatasetDict):
         ds = IterableDatasetDict({split: d.to_iterable_dataset() for split, d in ds.items()})
     if isinstance(ds, IterableDatasetDict) and shuffle_buffer_size:
-        ds["train"] = shuffle_stream(ds["train"], seed, shuffle_buffer_size)
+        # its shards in a random order, then each example drawn from the buffer; the order drawn from `seed + epoch`
+        # (datasets' `set_epoch`, which Trainer calls): another each epoch, the same for every run with `seed`
+        ds["train"] = ds["train"].shuffle(seed=seed, buffer_size=shuffle_buffer_size)
     return ds
-
-
-def shuffle_stream(data: IterableDataset, seed: int, buffer_size: int) -> IterableDataset:
-    """`data` read in a shuffled order: its shards in a random order, then each example drawn at random from a buffer
-    of `buffer_size`. The order is drawn from `seed + epoch` (datasets' `set_epoch`, called by Trainer at each
-    epoch's start), so every epoch is read in another order, the same one for every run with `seed`."""
-    return data.shuffle(seed=seed, buffer_size=buffer_size)
 
 
 @dataclass(frozen=True)

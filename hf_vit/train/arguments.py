@@ -319,7 +319,8 @@ class DataArguments:
         """How the training images are augmented (`--hflip` resolved: on, except for digits)."""
         from ..data.transforms import Augmentation
 
-        return settings_of(Augmentation, self, hflip=default_hflip(self))
+        hflip = self.hflip if self.hflip is not None else self.dataset_name != "digits"
+        return settings_of(Augmentation, self, hflip=hflip)
 
     def sizes(self) -> BatchSizes:
         """The sizes of the training batches: native aspect ratio and the sizes drawn per step."""
@@ -793,11 +794,6 @@ def parse_args_or_exit(task: str, argv: list[str] | None = None):
     Imports nothing of the run beyond the flags', so that `--help` and argument errors come before the heavy part."""
     with exit_on_error((ValueError,)):
         return parse_args(task, argv)
-
-
-def default_hflip(data_args: DataArguments) -> bool:  # the edge: reads the flags' dataclass
-    """`--hflip`, or by default on, except for digits (a flipped digit is another shape)."""
-    return data_args.hflip if data_args.hflip is not None else data_args.dataset_name != "digits"
 
 
 def flag_values(*arguments: Any) -> dict[str, Any]:

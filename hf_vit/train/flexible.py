@@ -127,11 +127,6 @@ class _ResampledPatchEmbedding(nn.Module):
         return F.conv2d(pixels, self.weight, self.bias, stride=self.patch_size)
 
 
-def _vision_transformer(model: nn.Module) -> nn.Module:
-    """The hf-vit model inside `model` (a LoRA adapter's, or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 @contextlib.contextmanager
 def at_patch_size(model: nn.Module, patch_size: int) -> Iterator[None]:
     """Inside the block, `model` (an hf-vit model, or a LoRA adapter of one) runs on `patch_size` patches: its config
@@ -139,7 +134,7 @@ def at_patch_size(model: nn.Module, patch_size: int) -> Iterator[None]:
     `interpolate_pos_encoding=True` resamples the stored positions to each image's grid, and the patch embedding is
     the stored kernel resampled by `resample_patch_embedding` on every call. Everything is restored on leaving; the
     stored parameters are the ones trained."""
-    inner = _vision_transformer(model)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a LoRA adapter's model
     config = inner.config
     if patch_size == config.patch_size:
         yield
