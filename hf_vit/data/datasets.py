@@ -248,10 +248,7 @@ def recorded_splits(source: DataSource) -> DatasetDict:
     or not): each split holds exactly the recorded images still there, a held-out one only with the bytes the run
     read. What was added to the folder, removed from it, or changed is said in one warning line."""
     root, recorded = image_folder_root(source.dataset_name), source.recorded_images or {}
-    loaded = load_image_dataset(
-        source.dataset_name, image_column=source.image_column_name, label_column=source.label_column_name,
-        train_split=source.train_split, validation_split=source.validation_split, test_split=source.test_split,
-    )  # fmt: skip
+    loaded = _load_source(source)
     every = datasets.concatenate_datasets(list(loaded.values()))  # whichever split the folder now holds them in
     names = image_names(every, root)
     rows: dict[str, list[int]] = {split: [] for split in recorded}
@@ -291,14 +288,9 @@ def load_datasets(source: DataSource, seed: int):
     them (`recorded_splits`)."""
     if source.recorded_images is not None:
         return recorded_splits(source)
-    ds = load_image_dataset(
-        source.dataset_name,
-        image_column=source.image_column_name,
-        label_column=source.label_column_name,
+    ds = _load_source(
+        source,
         streaming=source.streaming,
-        train_split=source.train_split,
-        validation_split=source.validation_split,
-        test_split=source.test_split,
         validation_fraction=source.validation_fraction,
         seed=seed,
         shuffle_buffer_size=source.shuffle_buffer_size,
@@ -316,6 +308,13 @@ def _label_feature(ds: Dataset | IterableDataset | DatasetDict | IterableDataset
     if isinstance(ds, (DatasetDict, IterableDatasetDict)):
         ds = ds["train"] if "train" in ds else next(iter(ds.values()))
     return (ds.features or {}).get("label")
+
+
+def _load_source(source: DataSource, **options: Any) -> DatasetDict | IterableDatasetDict:
+    """`load_image_dataset` of `source`'s data set, columns and splits, with `options`."""
+    columns = dict(image_column=source.image_column_name, label_column=source.label_column_name)
+    splits = dict(train_split=source.train_split, validation_split=source.validation_split)
+    return load_image_dataset(source.dataset_name, **columns, **splits, test_split=source.test_split, **options)
 
 
 def label_names(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> list[str]:

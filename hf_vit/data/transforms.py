@@ -95,14 +95,10 @@ def decode_image(image: Any, index: int | None = None) -> PIL.Image.Image | np.n
     where = "" if index is None else f" (image {index} of the batch)"
     if isinstance(image, (PIL.Image.Image, np.ndarray, torch.Tensor)):
         return _checked_pixels(image, f"{type(image).__name__}{where}")
-    if isinstance(image, (str, os.PathLike)):
-        image = {"path": os.fspath(image), "bytes": None}
-    elif isinstance(image, (bytes, bytearray, memoryview)):
-        image = {"path": None, "bytes": bytes(image)}
-    if not isinstance(image, Mapping):
+    path, data = encoded_image(image)
+    if path is None and data is None and not isinstance(image, Mapping):
         raise TypeError(f"Unsupported image type {type(image).__name__}: expected a PIL image, a path or bytes.")
-    path, data = image.get("path"), image.get("bytes")
-    source = path or f"{len(data or b'')} bytes of image data"
+    image, source = {"path": path, "bytes": data}, path or f"{len(data or b'')} bytes of image data"
     try:
         if data is None and path is not None and "://" in path:
             decoded = _IMAGE_DECODER.decode_example(image)  # remote files (hf://, s3://) are read by datasets
@@ -113,6 +109,16 @@ def decode_image(image: Any, index: int | None = None) -> PIL.Image.Image | np.n
         reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(cause))  # PIL names its buffer
         raise CorruptImageError(f"Cannot decode image {source}{where}: {reason}") from cause
     return _checked_pixels(decoded, f"{source}{where}")
+
+
+def encoded_image(image: Any) -> tuple[str | None, bytes | None]:
+    """(path, bytes) of an encoded image: a path, bytes, or a data set's `{"path", "bytes"}` dict; (None, None) for
+    anything else."""
+    if isinstance(image, (str, os.PathLike)):
+        return os.fspath(image), None
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return None, bytes(image)
+    return (image.get("path"), image.get("bytes")) if isinstance(image, Mapping) else (None, None)
 
 
 def header_problem(image: Any) -> str | None:

@@ -74,8 +74,7 @@ def measure_dial(
     "tokens", the model at its own patch size on native-aspect batches of each of `token_counts` patches; series
     "patch_size", the model at each of `patch_sizes` on whole images of the processor's size (on native-aspect
     batches of `max_num_patches` when given)."""
-    check_serving_sizes(None, max_num_patches)
-    for count in token_counts:
+    for count in (max_num_patches, *token_counts):
         check_serving_sizes(None, count)
     for size in patch_sizes:
         check_serving_sizes(size, None)

@@ -145,9 +145,7 @@ RECIPES: dict[str, Recipe] = {
         name="vit-pretrain",
         source="Dosovitskiy et al. 2021, An Image is Worth 16x16 Words, section 4.1 and appendix B.1 (pretraining)",
         flags=dict(
-            optim="adamw_torch",
-            adam_beta1=0.9,
-            adam_beta2=0.999,
+            **_ADAMW,
             weight_decay=0.1,
             learning_rate=1e-3,
             lr_scheduler_type="linear",
