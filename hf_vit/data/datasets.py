@@ -10,13 +10,8 @@ the splits `train`, `validation` and, when the source has one, `test`. Every spl
   datasets' `imagefolder` builder (labels are the folder names);
 * otherwise a data set on the Hugging Face Hub (`datasets.load_dataset(name)`, needs network or the local cache).
 
-A missing validation split is carved out of train: `validation_fraction` of it, stratified by label with the fixed
-`HELD_OUT_SEED` whatever the run's seed (in-memory data), or every `1 / validation_fraction`-th example (streaming).
-A streamed train split is shuffled through a buffer of `shuffle_buffer_size` examples (and its shards' order), seeded
-by `seed` and reseeded each epoch (`set_epoch`, which Trainer calls): an image folder is otherwise read class after
-class.
-
-Their images become model inputs in `hf_vit.data.transforms`.
+A missing validation split is carved out of train (`_carve_validation`); a streamed train split is shuffled through a
+buffer (an image folder is otherwise read class after class).
 """
 
 from __future__ import annotations

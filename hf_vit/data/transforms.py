@@ -1,18 +1,11 @@
-"""Torch-only transforms from a data set's images to model inputs, for `hf_vit` models with `transformers.Trainer`:
-the evaluation pixel path, which serving uses too.
+"""Torch-only transforms from a data set's images to model inputs: the evaluation pixel path, which serving uses too.
 
-`make_eval_transform` (the image processor alone) maps a batch `{"image": [...], "label": [...]}` to `{"pixel_values":
-float32 [N, 3, H, W], "labels": int64 [N]}`, its pixels from the image processor's own path (`load_images` for
-decoding, EXIF orientation, RGB conversion with transparency on white and 16-bit scaling; `resize_images`;
-`normalize_batch`). The training transform (`hf_vit.data.augment.train_transform.make_train_transform`) takes the
-same path and adds its augmentations; it lives apart, so that serving never loads them. Use the transforms through
-`apply_transforms(ds, train_transform, eval_transform)` and `collate_fn` as the Trainer's `data_collator` (with
-`remove_unused_columns=False`, since the transforms read the `image` and `label` columns).
-
-Corrupt images fail loudly: an image that cannot be decoded raises `CorruptImageError` naming its file (or its size
-in bytes) and its position in the batch, chaining PIL's error. Nothing is dropped silently, because that would
-change the data set. `apply_transforms` turns off datasets' own decoding so the transforms decode and report it;
-with decoding left on (plain `set_transform`), datasets raises PIL's error before the transform runs.
+`make_eval_transform(processor)` maps a batch `{"image": [...], "label": [...]}` to `{"pixel_values": float32 [N, 3, H,
+W], "labels": int64 [N]}` by the image processor's own pixel path; the training transform
+(`hf_vit.data.augment.train_transform`) adds its augmentations to the same path, apart, so that serving never loads
+them. Use them through `apply_transforms` and `collate_fn` (the Trainer's `data_collator`, with
+`remove_unused_columns=False`). A corrupt image is never dropped silently (that would change the data set): it raises
+`CorruptImageError` naming its file and its place in the batch, chaining PIL's error.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""What a run learns, as a table: each objective gives its labels, model builder, evaluation transform, collator and
-metrics (its training transform, which loads the augmentations, is looked up by its name in `training_transforms`).
-
-A run looks its objective up in `OBJECTIVES` (by `select_objective`) and calls these parts; it never branches on
-which objective it trains, as big_vision's trainer loads its model module by name. The objectives:
-
-* `classification`: one class per image (softmax, cross-entropy, top-1/top-5 accuracy);
-* `multi_label_classification`: a list of classes per image (multi-hot targets, sigmoid, BCE, mean average
-  precision and F1); chosen when the label column holds lists;
-* `mpp`: masked patch prediction (section 4.6), self-supervised pretraining: the image labels are not used;
-* `simmim`: SimMIM's masked image modeling (the masked patches' pixels reconstructed), self-supervised likewise.
+"""What a run learns, as a table (`OBJECTIVES`, looked up by `select_objective`): each objective gives its labels,
+model builder, evaluation transform, collator and metrics (its training transform, which loads the augmentations, is
+looked up by its name in `training_transforms`). A run calls these parts; it never branches on which objective it
+trains, as big_vision's trainer loads its model module by name.
 """
 
 from __future__ import annotations

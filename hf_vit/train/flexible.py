@@ -1,20 +1,7 @@
 """Training with a size drawn per batch: a sequence length for native-aspect batches (`--seq_lens`, as timm's NaFlex
-loader) or a patch size (`--patch_sizes`, as FlexiViT trains). Every draw is a function of the run's seed and the
-batch's place in the run, never of a random stream: every process draws the same size for the same step, and a
-resumed run draws the sizes the uninterrupted run would have.
-
-* `SeqLenBatchSampler`: each step draws a sequence length `s` of `--seq_lens`; the batch holds
-  `max_tokens_per_batch // s` images per process, each resized to at most `s` patches at its own aspect ratio
-  (`--max_num_patches` semantics per batch). As in timm's `naflex_dataset`, the lengths of an epoch's steps are a
-  schedule drawn once from the seed (so every epoch has the same number of steps, which Trainer's resumption counts
-  on) and permuted each epoch. It is a batch sampler with no fixed `batch_size`: accelerate's `BatchSamplerShard` then
-  hands process `r` the `r`-th of every `num_processes` consecutive batches, and the sampler yields those batches
-  together, all of one length, so every process trains the step at the same length.
-* `PatchSizeDraw` and `at_patch_size`: each optimisation step draws a patch size; inside `at_patch_size(model, p)` the
-  model embeds `p x p` patches with the stored kernel resampled on every forward by `resample_patch_embedding`
-  (FlexiViT's pseudo-inverse resize, differentiable: the gradient reaches the stored kernel) and resamples its stored
-  position grid to the image's grid at `p`, as `set_input_size(patch_size=p)` does. Outside it the model is as
-  stored: checkpoints keep the base patch size and its kernel.
+loader: `SeqLenBatchSampler`) or a patch size (`--patch_sizes`, as FlexiViT trains: `PatchSizeDraw`, `at_patch_size`).
+Every draw is a function of the run's seed and the batch's place in the run, never of a random stream: every process
+draws the same size for the same step, and a resumed run draws the sizes the uninterrupted run would have.
 """
 
 from __future__ import annotations

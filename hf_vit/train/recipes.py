@@ -1,14 +1,8 @@
-"""The training recipes that make ViTs learn from mid-sized data: layer-wise learning-rate decay (as parameter groups)
-and the named recipes (`--recipe`), each a table of flags from its paper.
-
-Layer-wise decay numbers the model's parameters as timm's `param_groups_layer_decay` does for a ViT of L blocks:
-the embeddings (patch embedding, class and mask tokens, positions, the hybrid's ResNet stem) are layer 0, block `i`
-(0-based) is layer `i + 1`, and everything after the blocks (the final norm, the pre-logits layer and the classifier,
-or masked patch prediction's head) is layer `L + 1`. Layer `k` learns at `lr * D ** (L + 1 - k)`: block `i` at
-`lr * D ** (L - i)`, the embeddings at `lr * D ** (L + 1)`, the head at `lr`. Biases, norms (every parameter of one
-dimension), position embeddings and special tokens get no weight decay. The names are matched inside any wrapper
-(peft's `base_model.model.`, DDP's `module.`), so the same function serves the plain model, a LoRA-wrapped model and
-the masked patch prediction model; frozen parameters are left out.
+"""The training recipes that make ViTs learn from mid-sized data: layer-wise learning-rate decay (as parameter groups,
+numbered as timm's `param_groups_layer_decay` numbers a ViT's: `layer_of`) and the named recipes (`--recipe`), each a
+table of flags from its paper. The parameters' names are matched inside any wrapper (peft's `base_model.model.`,
+DDP's `module.`), so the same groups serve the plain model, a LoRA-wrapped model and the masked patch prediction
+model; frozen parameters are left out.
 """
 
 from __future__ import annotations
