@@ -72,18 +72,14 @@ def parse_config_overrides(text: str | None) -> dict[str, Any]:
         key, raw = (part.strip() for part in item.split("=", 1))
         if not key:
             raise ValueError(f"--config_overrides: {item!r} names no field before '='.")
-        if raw and raw[0] in '[{"':
-            try:
-                fields[key] = json.loads(raw)
-            except json.JSONDecodeError as error:
+        try:
+            fields[key] = json.loads(raw)
+        except json.JSONDecodeError as error:
+            if raw and raw[0] in '[{"':  # meant as JSON
                 raise ValueError(
                     f"--config_overrides {key}={raw} is not a valid JSON value ({error.msg}); write lists as "
                     "[1,2,3] and quote strings inside them."
                 ) from error
-            continue
-        try:
-            fields[key] = json.loads(raw)
-        except json.JSONDecodeError:
             fields[key] = raw
     return fields
 
