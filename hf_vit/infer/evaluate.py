@@ -390,9 +390,6 @@ def measure_model(
     logits, labels = [], []
     for start in range(0, len(ds), batch_size):
         batch = ds[start : start + batch_size]
-        inputs = {
-            key: batch[key] for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes") if key in batch
-        }
-        logits.append(model(**inputs).logits.float())
+        logits.append(model(**model_inputs(batch)).logits.float())
         labels.append(batch["labels"])
     return split, compute_metrics((torch.cat(logits).numpy(), torch.cat(labels).numpy()))

@@ -31,10 +31,7 @@ def classification_transforms(
     train_transform = make_train_transform(
         processor,
         **_crop_and_flip(augmentation),
-        rand_augment=augmentation.rand_augment,
-        reprob=augmentation.reprob,
-        remode=augmentation.remode,
-        recount=augmentation.recount,
+        **{name: getattr(augmentation, name) for name in ("rand_augment", "reprob", "remode", "recount")},
         token_drop_rate=augmentation.token_drop_rate,
     )
     return apply_transforms(raw, train_transform, make_eval_transform(processor))

@@ -81,10 +81,8 @@ class SeededAugmentation(torch.utils.data.Dataset):
             if self.transform is None:
                 return self.data[index]
             batch = {name: [value] for name, value in self.data[index].items()}
-            if max_num_patches is None:
-                batch = self.transform(batch)
-            else:
-                batch = self.transform(batch, max_num_patches=max_num_patches)
+            sizes = {} if max_num_patches is None else {"max_num_patches": max_num_patches}
+            batch = self.transform(batch, **sizes)
             return {name: values[0] for name, values in batch.items()}
 
 
