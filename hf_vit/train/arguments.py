@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from ..data.augment.mixing import Mixing
 from ..data.augment.rand_augment import parse_rand_augment
 from ..data.augment.random_erasing import check_random_erasing
 from ..flags import exit_on_error, parse_sizes, positive_int, warn_idle
@@ -26,7 +25,15 @@ from ..model.resolution import MAX_PATCH_POSITIONS
 from ..tasks.model_setup import ModelSettings
 from .ema import check_ema_decay
 from .lora import LoraSettings
-from .recipes import NAMED_RECIPES, TASK_RECIPES, RecipeSettings, get_recipe, given_flags, scaled_learning_rate
+from .recipes import (
+    NAMED_RECIPES,
+    TASK_RECIPES,
+    RecipeSettings,
+    get_recipe,
+    given_flags,
+    mixing_for,
+    scaled_learning_rate,
+)
 
 if TYPE_CHECKING:  # the data settings' modules load the data set libraries: not before the flags are read
     from ..data.datasets import DataSource
@@ -631,16 +638,7 @@ def check_recipe_flags(model_args, data_args, training_args, passed: set[str]) -
             )
         if training_args.fsdp:
             raise ValueError("--ema_decay averages whole parameters: it is not supported with --fsdp (use DDP).")
-    minmax = training_args.cutmix_minmax
-    mixing = Mixing(
-        num_classes=2,
-        mixup_alpha=training_args.mixup_alpha,
-        cutmix_alpha=training_args.cutmix_alpha,
-        cutmix_minmax=tuple(minmax) if minmax else None,
-        prob=training_args.mixup_prob,
-        switch_prob=training_args.mixup_switch_prob,
-        label_smoothing=training_args.label_smoothing_factor,
-    )
+    mixing = mixing_for(training_args.recipe_settings(), enabled_only=False)
     if not mixing.enabled:
         idle = sorted({"mixup_prob", "mixup_switch_prob"} & passed)
         if idle and mixing.prob > 0:

@@ -319,8 +319,9 @@ def ema_callback(recipe: RecipeSettings) -> EmaCallback | None:
     return None if recipe.ema_decay is None else EmaCallback(recipe.ema_decay, recipe.ema_warmup)
 
 
-def mixing_for(recipe: RecipeSettings, config: Any) -> Mixing | None:
-    """The run's `Mixing` of its training batches (None when off), for a classifier with `config`."""
+def mixing_for(recipe: RecipeSettings, config: Any = None, enabled_only: bool = True) -> Mixing | None:
+    """The run's `Mixing` of its training batches for a classifier with `config` (None when off, with
+    `enabled_only`)."""
     mixing = Mixing(
         num_classes=max(int(getattr(config, "num_labels", 0)), 2),
         mixup_alpha=recipe.mixup_alpha,
@@ -331,7 +332,7 @@ def mixing_for(recipe: RecipeSettings, config: Any) -> Mixing | None:
         label_smoothing=recipe.label_smoothing,
         multi_label=getattr(config, "problem_type", None) == "multi_label_classification",
     )
-    return mixing if mixing.enabled else None
+    return mixing if mixing.enabled or not enabled_only else None
 
 
 def log_recipe(recipe: RecipeSettings, values: dict[str, Any]) -> None:
