@@ -400,7 +400,6 @@ _ARRAY_OPERATIONS: dict[str, Callable] = {
     "AutoContrast": lambda im, a, f, r: _via_pil(im, "AutoContrast", a, None, r),  # a histogram and a table each:
     "Equalize": lambda im, a, f, r: _via_pil(im, "Equalize", a, None, r),  # numpy's are no faster than Pillow's
     "Invert": lambda im, a, f, r: np.uint8(255) - im,
-    "Rotate": _geometric("Rotate"),
     "Posterize": lambda im, a, f, r: _posterize(im, a),
     "Solarize": lambda im, a, f, r: _solarize(im, a),
     "SolarizeAdd": lambda im, a, f, r: _solarize_add(im, a),
@@ -408,10 +407,7 @@ _ARRAY_OPERATIONS: dict[str, Callable] = {
     "Contrast": lambda im, a, f, r: _contrast(im, a),
     "Brightness": lambda im, a, f, r: _blend(np.float32(0), im, a),
     "Sharpness": lambda im, a, f, r: _sharpness(im, a),
-    "ShearX": _geometric("ShearX"),
-    "ShearY": _geometric("ShearY"),
-    "TranslateXRel": _geometric("TranslateXRel"),
-    "TranslateYRel": _geometric("TranslateYRel"),
+    **{name: _geometric(name) for name in ("Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")},
 }
 
 # Each level function maps (magnitude, sign draw) to the operation's argument, as timm's LEVEL_TO_ARG.
