@@ -978,9 +978,10 @@ def test_rand_augment_in_the_training_transform_is_seeded_per_example():
 def test_measuring_a_train_split_sees_no_augmentation():
     """`measure_model` on the train split of data flags that carry the recipes' augmentations (their data source)
     measures the processor's pixels, as a plain evaluation of that split does: the same accuracy, twice."""
+    from conftest import measure_model
+
     from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
     from hf_vit.data.datasets import DataSource
-    from hf_vit.infer.evaluate import measure_model
     from hf_vit.train.arguments import DataArguments
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """A saved model's metrics on a data set's split without training (`evaluate_saved_model`, with per-class precision,
-recall and F1, a confusion matrix and a results file; `evaluate_checkpoint` for `--do_train False`; `measure_model`
+recall and F1, a confusion matrix and a results file; `evaluate_checkpoint` for `--do_train False`; `evaluate_loaded`
 for a loaded model).
 
 The evaluation is the run's: the objective's transforms, collator, metrics and loss (`hf_vit.tasks.objectives`), on
@@ -31,9 +31,8 @@ from ..data.datasets import (
     local_data_set_fingerprint,
     reorder_classes,
 )
-from ..data.transforms import apply_transforms, make_eval_transform, pack_native_batch
-from ..metrics import compute_metrics, few_images_warning, images_text
-from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..data.transforms import apply_transforms, pack_native_batch
+from ..metrics import few_images_warning, images_text
 from ..outputs.files import RUN_RECORD_FILE, write_beside
 from ..outputs.run_record import read_record
 from ..tasks.objectives import select_objective
@@ -360,36 +359,3 @@ def evaluate_checkpoint(
         message += f"\nWARNING: {few}"
     print(message, flush=True)  # once: the summary is not logged as well
     return results
-
-
-@torch.no_grad()
-def measure_model(
-    model: Any,
-    processor: VisionTransformerImageProcessor,
-    source: DataSource | None = None,
-    split: str | None = None,
-    batch_size: int = 256,
-) -> tuple[str, dict[str, float]]:
-    """`(split, metrics)`: top-1/top-5 accuracy of `model` on `split` of `source`'s data set (digits by default), no
-    training; by default the split a run would report: test when the data set has one, else validation (the
-    source's, or the part of train a run holds out)."""
-    source = source or DataSource()
-    raw = load_datasets(source, seed=0)
-    split = split or final_split(raw)
-    if split not in raw:
-        raise ValueError(f"The data set {source.dataset_name!r} has no {split} split (it has {', '.join(raw)}).")
-    classes = label_names(raw)
-    if len(classes) > model.config.num_labels:
-        raise ValueError(
-            f"The data set {source.dataset_name!r} has {len(classes)} classes but the model predicts "
-            f"{model.config.num_labels}: evaluate it on the data set it was trained for, or fine-tune it first."
-        )
-    evaluation = make_eval_transform(processor)  # the processor alone, on train too: no augmentation is measured
-    ds = apply_transforms(raw, evaluation, evaluation)[split]
-    model.eval()
-    logits, labels = [], []
-    for start in range(0, len(ds), batch_size):
-        batch = ds[start : start + batch_size]
-        logits.append(model(**model_inputs(batch)).logits.float())
-        labels.append(batch["labels"])
-    return split, compute_metrics((torch.cat(logits).numpy(), torch.cat(labels).numpy()))
