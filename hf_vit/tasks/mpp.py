@@ -28,17 +28,6 @@ from ..model.modeling_mpp import (
 from ..model.pixel_targets import mean_color_classes
 from .model_setup import ModelSettings, config_from_preset, load_requested
 
-__all__ = [
-    "MaskedPatchPredictionTransform",
-    "build_mpp_model",
-    "mean_color_classes",
-    "mpp_collate_fn",
-    "mpp_compute_metrics",
-    "mpp_eval_transform",
-    "mpp_preprocess_logits",
-    "unnormalized",
-]
-
 
 def unnormalized(processor: VisionTransformerImageProcessor) -> VisionTransformerImageProcessor:
     """A copy of `processor` that stops before rescaling and normalising, for transforms whose pixels give the

@@ -17,8 +17,6 @@ from torch.nn import functional as F
 from ..data.seeding import seeded_generator, seeded_int
 from ..model.resolution import grid_for, resample_patch_embedding
 
-__all__ = ["PatchSizeDraw", "SeqLenBatchSampler", "at_patch_size"]
-
 
 class SeqLenBatchSampler:
     """Batches of `(index, seq_len)` keys for a `SeededAugmentation` split (see the module docstring).

@@ -57,8 +57,6 @@ from .recipes import (
 from .summary import summarize_run
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
 
-__all__ = ["main", "train"]
-
 logger = logging.getLogger(__name__)
 
 
