@@ -149,10 +149,7 @@ def adapt(model: nn.Module, lora: LoraSettings, task: str, output_dir: str | os.
     )
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    logger.info(
-        "LoRA rank %d on %s: %d of %d parameters trained.", lora.rank, lora.target_modules,
-        trained, total,
-    )  # fmt: skip
+    logger.info("LoRA rank %d on %s: %d of %d parameters trained.", lora.rank, lora.target_modules, trained, total)
     return model
 
 
