@@ -42,9 +42,7 @@ Transform = Callable[[Mapping[str, Sequence[Any]]], dict[str, torch.Tensor]]
 
 @dataclass(frozen=True)
 class Augmentation:
-    """How a run augments its training images: the values of the augmentation flags (`--random_resized_crop`,
-    `--crop_scale_min`, `--hflip` resolved to on or off, `--rand_augment`, `--reprob`, `--remode`, `--recount`,
-    `--token_drop_rate`)."""
+    """How a run augments its training images: the augmentation flags' values (`--hflip` resolved)."""
 
     random_resized_crop: bool = True
     crop_scale_min: float = 0.08
@@ -58,10 +56,7 @@ class Augmentation:
 
 @dataclass(frozen=True)
 class BatchSizes:
-    """The sizes of a run's training batches, as their flags give them: `--max_num_patches` (native aspect ratio),
-    `--packed_sequence_length` (those images packed into rows of that many patch slots), `--seq_lens` with
-    `--max_tokens_per_batch` (a sequence length drawn per step), `--patch_sizes` with `--patch_size_probs` (a patch
-    size drawn per step)."""
+    """The sizes of a run's training batches: the values of their flags, under their names."""
 
     max_num_patches: int | None = None
     packed_sequence_length: int | None = None

@@ -281,9 +281,8 @@ def recipe_summary(recipe: Recipe, values: dict[str, Any], passed: set[str]) -> 
 
 @dataclass(frozen=True)
 class RecipeSettings:
-    """The recipe flags' values a run's Trainer, log and card need: `--recipe` and which flags the command line gave,
-    `--layer_decay`, `--ema_decay`/`--ema_warmup`, Mixup/CutMix (`--mixup_alpha`, `--cutmix_alpha`,
-    `--cutmix_minmax`, `--mixup_prob`, `--mixup_switch_prob`) and `--label_smoothing_factor`."""
+    """The recipe flags' values a run's Trainer, log and card need (`name`: `--recipe`; `given`: the flags the command
+    line gave)."""
 
     name: str | None = None
     given: frozenset[str] = frozenset()
