@@ -144,3 +144,29 @@ def hub_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     assert huggingface_hub.constants.HF_HUB_OFFLINE  # set above: the Hub is never reached
     return cache
+
+
+@torch.no_grad()
+def measure_model(model, processor, source=None, split=None, batch_size=256):
+    """`(split, metrics)`: top-1/top-5 accuracy of `model` on `split` of `source`'s data set (digits by default),
+    measured here apart from the library's evaluation (the processor on the raw split, the plain metrics); by default
+    the split a run would report: test when the data set has one, else validation."""
+    from hf_vit.data.datasets import DataSource, label_names, load_datasets
+    from hf_vit.data.transforms import apply_transforms, make_eval_transform
+    from hf_vit.infer.evaluate import final_split
+    from hf_vit.infer.loading import model_inputs
+    from hf_vit.metrics import compute_metrics
+
+    source = source or DataSource()
+    raw = load_datasets(source, seed=0)
+    split = split or final_split(raw)
+    assert split in raw and len(label_names(raw)) <= model.config.num_labels
+    evaluation = make_eval_transform(processor)  # the processor alone, on train too: no augmentation is measured
+    ds = apply_transforms(raw, evaluation, evaluation)[split]
+    model.eval()
+    logits, labels = [], []
+    for start in range(0, len(ds), batch_size):
+        batch = ds[start : start + batch_size]
+        logits.append(model(**model_inputs(batch)).logits.float())
+        labels.append(batch["labels"])
+    return split, compute_metrics((torch.cat(logits).numpy(), torch.cat(labels).numpy()))

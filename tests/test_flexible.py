@@ -108,9 +108,10 @@ def test_fine_tuning_with_patch_sizes_saves_the_base_patch_and_loads_at_each(tmp
     # evaluation here of the folder loaded at that patch size measures it; the plot linked in the card
     import json
 
+    from conftest import measure_model
+
     from hf_vit import VisionTransformerImageProcessor
     from hf_vit.data.datasets import DataSource
-    from hf_vit.infer.evaluate import measure_model
 
     rows = json.loads((tmp_path / "out" / "compute_dial.json").read_text())
     assert [(row["series"], row["patch_size"], row["tokens_per_image"]) for row in rows] == [

@@ -410,8 +410,9 @@ def test_fine_tuning_with_max_num_patches(tmp_path):
     # 8x8 digits have at patch 4, and at the 6 trained; each row as an evaluation here measures it; linked in the card
     import json
 
+    from conftest import measure_model
+
     from hf_vit.data.datasets import DataSource
-    from hf_vit.infer.evaluate import measure_model
 
     rows = json.loads((tmp_path / "fine" / "compute_dial.json").read_text())
     assert [(row["series"], row["max_num_patches"]) for row in rows] == [("tokens", 1), ("tokens", 4), ("tokens", 6)]

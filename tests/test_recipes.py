@@ -976,11 +976,12 @@ def test_rand_augment_in_the_training_transform_is_seeded_per_example():
 
 
 def test_measuring_a_train_split_sees_no_augmentation():
-    """`evaluate_model` on the train split of data flags that carry the recipes' augmentations (their data source)
+    """`measure_model` on the train split of data flags that carry the recipes' augmentations (their data source)
     measures the processor's pixels, as a plain evaluation of that split does: the same accuracy, twice."""
+    from conftest import measure_model
+
     from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
     from hf_vit.data.datasets import DataSource
-    from hf_vit.infer.evaluate import evaluate_model
     from hf_vit.train.arguments import DataArguments
 
     torch.manual_seed(0)
@@ -989,8 +990,8 @@ def test_measuring_a_train_split_sees_no_augmentation():
         model.classifier.weight.normal_(0, 1.0)  # a head that is not zero, so that the pixels decide the predictions
     processor = VisionTransformerImageProcessor(size={"height": 16, "width": 16})
     augmented = DataArguments(rand_augment="rand-m9-n3-mstd0.5", reprob=1.0, max_train_samples=96).source()
-    plain = evaluate_model(model, processor, DataSource(max_train_samples=96), split="train")
-    measured = [evaluate_model(model, processor, augmented, split="train") for _ in range(2)]
+    plain = measure_model(model, processor, DataSource(max_train_samples=96), split="train")
+    measured = [measure_model(model, processor, augmented, split="train") for _ in range(2)]
     assert measured[0] == measured[1] == plain
 
 

@@ -10,13 +10,8 @@ the splits `train`, `validation` and, when the source has one, `test`. Every spl
   datasets' `imagefolder` builder (labels are the folder names);
 * otherwise a data set on the Hugging Face Hub (`datasets.load_dataset(name)`, needs network or the local cache).
 
-A missing validation split is carved out of train: `validation_fraction` of it, stratified by label with the fixed
-`HELD_OUT_SEED` whatever the run's seed (in-memory data), or every `1 / validation_fraction`-th example (streaming).
-A streamed train split is shuffled through a buffer of `shuffle_buffer_size` examples (and its shards' order), seeded
-by `seed` and reseeded each epoch (`set_epoch`, which Trainer calls): an image folder is otherwise read class after
-class.
-
-Their images become model inputs in `hf_vit.data.transforms`.
+A missing validation split is carved out of train (`_carve_validation`); a streamed train split is shuffled through a
+buffer (an image folder is otherwise read class after class).
 """
 
 from __future__ import annotations
@@ -141,15 +136,10 @@ def load_image_dataset(
     if streaming and isinstance(ds, DatasetDict):
         ds = IterableDatasetDict({split: d.to_iterable_dataset() for split, d in ds.items()})
     if isinstance(ds, IterableDatasetDict) and shuffle_buffer_size:
-        ds["train"] = shuffle_stream(ds["train"], seed, shuffle_buffer_size)
+        # its shards in a random order, then each example drawn from the buffer; the order drawn from `seed + epoch`
+        # (datasets' `set_epoch`, which Trainer calls): another each epoch, the same for every run with `seed`
+        ds["train"] = ds["train"].shuffle(seed=seed, buffer_size=shuffle_buffer_size)
     return ds
-
-
-def shuffle_stream(data: IterableDataset, seed: int, buffer_size: int) -> IterableDataset:
-    """`data` read in a shuffled order: its shards in a random order, then each example drawn at random from a buffer
-    of `buffer_size`. The order is drawn from `seed + epoch` (datasets' `set_epoch`, called by Trainer at each
-    epoch's start), so every epoch is read in another order, the same one for every run with `seed`."""
-    return data.shuffle(seed=seed, buffer_size=buffer_size)
 
 
 @dataclass(frozen=True)
@@ -253,10 +243,7 @@ def recorded_splits(source: DataSource) -> DatasetDict:
     or not): each split holds exactly the recorded images still there, a held-out one only with the bytes the run
     read. What was added to the folder, removed from it, or changed is said in one warning line."""
     root, recorded = image_folder_root(source.dataset_name), source.recorded_images or {}
-    loaded = load_image_dataset(
-        source.dataset_name, image_column=source.image_column_name, label_column=source.label_column_name,
-        train_split=source.train_split, validation_split=source.validation_split, test_split=source.test_split,
-    )  # fmt: skip
+    loaded = _load_source(source)
     every = datasets.concatenate_datasets(list(loaded.values()))  # whichever split the folder now holds them in
     names = image_names(every, root)
     rows: dict[str, list[int]] = {split: [] for split in recorded}
@@ -296,14 +283,9 @@ def load_datasets(source: DataSource, seed: int):
     them (`recorded_splits`)."""
     if source.recorded_images is not None:
         return recorded_splits(source)
-    ds = load_image_dataset(
-        source.dataset_name,
-        image_column=source.image_column_name,
-        label_column=source.label_column_name,
+    ds = _load_source(
+        source,
         streaming=source.streaming,
-        train_split=source.train_split,
-        validation_split=source.validation_split,
-        test_split=source.test_split,
         validation_fraction=source.validation_fraction,
         seed=seed,
         shuffle_buffer_size=source.shuffle_buffer_size,
@@ -313,12 +295,27 @@ def load_datasets(source: DataSource, seed: int):
     return ds
 
 
-def label_names(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> list[str]:
-    """Class names of the `label` column (index = label id), e.g. for `id2label = dict(enumerate(names))`."""
+_LISTS = (datasets.List, datasets.Sequence, datasets.LargeList)  # a list of classes per image (multi-label)
+
+
+def _label_feature(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> Any:
+    """The `label` column's feature (of the train split, or else the first)."""
     if isinstance(ds, (DatasetDict, IterableDatasetDict)):
         ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    feature = (ds.features or {}).get("label")
-    if isinstance(feature, (datasets.List, datasets.Sequence, datasets.LargeList)):
+    return (ds.features or {}).get("label")
+
+
+def _load_source(source: DataSource, **options: Any) -> DatasetDict | IterableDatasetDict:
+    """`load_image_dataset` of `source`'s data set, columns and splits, with `options`."""
+    columns = dict(image_column=source.image_column_name, label_column=source.label_column_name)
+    splits = dict(train_split=source.train_split, validation_split=source.validation_split)
+    return load_image_dataset(source.dataset_name, **columns, **splits, test_split=source.test_split, **options)
+
+
+def label_names(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> list[str]:
+    """Class names of the `label` column (index = label id), e.g. for `id2label = dict(enumerate(names))`."""
+    feature = _label_feature(ds)
+    if isinstance(feature, _LISTS):
         feature = feature.feature  # multi-label: the classes of the lists' elements
     if not isinstance(feature, ClassLabel):
         raise ValueError(f"The 'label' column must be a ClassLabel to have names, got {feature!r}.")
@@ -368,7 +365,7 @@ def _standardize_columns(ds, name: str, image_column: str, label_column: str):
         ds = ds.cast_column("image", datasets.Image())
     label = features["label"]
     # a list of classes per image (multi-label classification): the same rules for its elements
-    is_list = isinstance(label, (datasets.List, datasets.Sequence, datasets.LargeList))
+    is_list = isinstance(label, _LISTS)
     element = label.feature if is_list else label
     if isinstance(element, ClassLabel):
         return ds
@@ -396,9 +393,7 @@ def _standardize_columns(ds, name: str, image_column: str, label_column: str):
 
 def is_multi_label(ds: Dataset | IterableDataset | DatasetDict | IterableDatasetDict) -> bool:
     """Whether the `label` column holds a list of classes per image (multi-label classification)."""
-    if isinstance(ds, (DatasetDict, IterableDatasetDict)):
-        ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    return isinstance((ds.features or {}).get("label"), (datasets.List, datasets.Sequence, datasets.LargeList))
+    return isinstance(_label_feature(ds), _LISTS)
 
 
 def reorder_classes(ds, names: list[str]):
@@ -416,7 +411,7 @@ def reorder_classes(ds, names: list[str]):
     reordered = {}
     for split, data in ds.items():
         features = data.features.copy()
-        multi = isinstance(features["label"], (datasets.List, datasets.Sequence, datasets.LargeList))
+        multi = isinstance(features["label"], _LISTS)
         features["label"] = datasets.List(ClassLabel(names=names)) if multi else ClassLabel(names=names)
         reordered[split] = data.map(remap, batched=True, features=features)
     return type(ds)(reordered)
@@ -468,7 +463,3 @@ def _carve_validation(ds, fraction: float):
         parts = train.train_test_split(test_size=fraction, seed=HELD_OUT_SEED)
     ds["train"], ds["validation"] = parts["train"], parts["test"]
     return ds
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Transforms

@@ -1,18 +1,11 @@
-"""Torch-only transforms from a data set's images to model inputs, for `hf_vit` models with `transformers.Trainer`:
-the evaluation pixel path, which serving uses too.
+"""Torch-only transforms from a data set's images to model inputs: the evaluation pixel path, which serving uses too.
 
-`make_eval_transform` (the image processor alone) maps a batch `{"image": [...], "label": [...]}` to `{"pixel_values":
-float32 [N, 3, H, W], "labels": int64 [N]}`, its pixels from the image processor's own path (`load_images` for
-decoding, EXIF orientation, RGB conversion with transparency on white and 16-bit scaling; `resize_images`;
-`normalize_batch`). The training transform (`hf_vit.data.augment.train_transform.make_train_transform`) takes the
-same path and adds its augmentations; it lives apart, so that serving never loads them. Use the transforms through
-`apply_transforms(ds, train_transform, eval_transform)` and `collate_fn` as the Trainer's `data_collator` (with
-`remove_unused_columns=False`, since the transforms read the `image` and `label` columns).
-
-Corrupt images fail loudly: an image that cannot be decoded raises `CorruptImageError` naming its file (or its size
-in bytes) and its position in the batch, chaining PIL's error. Nothing is dropped silently, because that would
-change the data set. `apply_transforms` turns off datasets' own decoding so the transforms decode and report it;
-with decoding left on (plain `set_transform`), datasets raises PIL's error before the transform runs.
+`make_eval_transform(processor)` maps a batch `{"image": [...], "label": [...]}` to `{"pixel_values": float32 [N, 3, H,
+W], "labels": int64 [N]}` by the image processor's own pixel path; the training transform
+(`hf_vit.data.augment.train_transform`) adds its augmentations to the same path, apart, so that serving never loads
+them. Use them through `apply_transforms` and `collate_fn` (the Trainer's `data_collator`, with
+`remove_unused_columns=False`). A corrupt image is never dropped silently (that would change the data set): it raises
+`CorruptImageError` naming its file and its place in the batch, chaining PIL's error.
 """
 
 from __future__ import annotations
@@ -49,9 +42,7 @@ Transform = Callable[[Mapping[str, Sequence[Any]]], dict[str, torch.Tensor]]
 
 @dataclass(frozen=True)
 class Augmentation:
-    """How a run augments its training images: the values of the augmentation flags (`--random_resized_crop`,
-    `--crop_scale_min`, `--hflip` resolved to on or off, `--rand_augment`, `--reprob`, `--remode`, `--recount`,
-    `--token_drop_rate`)."""
+    """How a run augments its training images: the augmentation flags' values (`--hflip` resolved)."""
 
     random_resized_crop: bool = True
     crop_scale_min: float = 0.08
@@ -65,10 +56,7 @@ class Augmentation:
 
 @dataclass(frozen=True)
 class BatchSizes:
-    """The sizes of a run's training batches, as their flags give them: `--max_num_patches` (native aspect ratio),
-    `--packed_sequence_length` (those images packed into rows of that many patch slots), `--seq_lens` with
-    `--max_tokens_per_batch` (a sequence length drawn per step), `--patch_sizes` with `--patch_size_probs` (a patch
-    size drawn per step)."""
+    """The sizes of a run's training batches: the values of their flags, under their names."""
 
     max_num_patches: int | None = None
     packed_sequence_length: int | None = None
@@ -95,14 +83,10 @@ def decode_image(image: Any, index: int | None = None) -> PIL.Image.Image | np.n
     where = "" if index is None else f" (image {index} of the batch)"
     if isinstance(image, (PIL.Image.Image, np.ndarray, torch.Tensor)):
         return _checked_pixels(image, f"{type(image).__name__}{where}")
-    if isinstance(image, (str, os.PathLike)):
-        image = {"path": os.fspath(image), "bytes": None}
-    elif isinstance(image, (bytes, bytearray, memoryview)):
-        image = {"path": None, "bytes": bytes(image)}
-    if not isinstance(image, Mapping):
+    path, data = encoded_image(image)
+    if path is None and data is None and not isinstance(image, Mapping):
         raise TypeError(f"Unsupported image type {type(image).__name__}: expected a PIL image, a path or bytes.")
-    path, data = image.get("path"), image.get("bytes")
-    source = path or f"{len(data or b'')} bytes of image data"
+    image, source = {"path": path, "bytes": data}, path or f"{len(data or b'')} bytes of image data"
     try:
         if data is None and path is not None and "://" in path:
             decoded = _IMAGE_DECODER.decode_example(image)  # remote files (hf://, s3://) are read by datasets
@@ -113,6 +97,16 @@ def decode_image(image: Any, index: int | None = None) -> PIL.Image.Image | np.n
         reason = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "", str(cause))  # PIL names its buffer
         raise CorruptImageError(f"Cannot decode image {source}{where}: {reason}") from cause
     return _checked_pixels(decoded, f"{source}{where}")
+
+
+def encoded_image(image: Any) -> tuple[str | None, bytes | None]:
+    """(path, bytes) of an encoded image: a path, bytes, or a data set's `{"path", "bytes"}` dict; (None, None) for
+    anything else."""
+    if isinstance(image, (str, os.PathLike)):
+        return os.fspath(image), None
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return None, bytes(image)
+    return (image.get("path"), image.get("bytes")) if isinstance(image, Mapping) else (None, None)
 
 
 def header_problem(image: Any) -> str | None:

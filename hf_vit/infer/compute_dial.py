@@ -10,7 +10,6 @@ in the model card; `hf-vit-evaluate --max_num_patches 16,64,144` (or `--patch_si
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import os
@@ -21,8 +20,7 @@ from typing import Any
 from ..data.datasets import DataSource
 from ..data.transforms import BatchSizes, decode_rgb
 from ..flags import parse_sizes
-from ..outputs.files import write_beside
-from .evaluate import EvaluationSplit, evaluation_split, measure_split
+from .evaluate import EvaluationSplit, evaluation_split, measure_split, write_results
 from .loading import check_native_model, check_serving_sizes, load_model, serving_processor
 
 logger = logging.getLogger(__name__)
@@ -76,8 +74,7 @@ def measure_dial(
     "tokens", the model at its own patch size on native-aspect batches of each of `token_counts` patches; series
     "patch_size", the model at each of `patch_sizes` on whole images of the processor's size (on native-aspect
     batches of `max_num_patches` when given)."""
-    check_serving_sizes(None, max_num_patches)
-    for count in token_counts:
+    for count in (max_num_patches, *token_counts):
         check_serving_sizes(None, count)
     for size in patch_sizes:
         check_serving_sizes(size, None)
@@ -108,19 +105,13 @@ def write_compute_dial(
     """`compute_dial.json` (the rows) and `compute_dial.png` (with matplotlib; without it the plot is skipped and said
     so) in `folder`; existing files are refused unless `overwrite` (a run rewriting its own results)."""
     folder = Path(folder)
-    results, plot = folder / DIAL_JSON, folder / DIAL_PNG
-    for path in (results, plot):
-        if os.path.lexists(path) and not overwrite:
-            raise ValueError(f"{path} exists: pass another output folder (files are never overwritten).")
-    folder.mkdir(parents=True, exist_ok=True)
-    written = [write_beside(results, json.dumps(rows, indent=2) + "\n")]
-    try:
+
+    def draw() -> Path:
         from ..outputs.plotting import plot_compute_dial
 
-        written.append(plot_compute_dial(rows, plot, quality_metric(rows[0]) if rows else "accuracy", title))
-    except ImportError:
-        logger.warning("matplotlib is not installed: no %s (pip install 'hf-vit[plot]').", plot.name)
-    return written
+        return plot_compute_dial(rows, folder / DIAL_PNG, quality_metric(rows[0]) if rows else "accuracy", title)
+
+    return write_results(folder / DIAL_JSON, rows, folder / DIAL_PNG, draw, overwrite)
 
 
 def evaluate_dial(

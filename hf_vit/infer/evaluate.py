@@ -1,5 +1,5 @@
 """A saved model's metrics on a data set's split without training (`evaluate_saved_model`, with per-class precision,
-recall and F1, a confusion matrix and a results file; `evaluate_checkpoint` for `--do_train False`; `measure_model`
+recall and F1, a confusion matrix and a results file; `evaluate_checkpoint` for `--do_train False`; `evaluate_loaded`
 for a loaded model).
 
 The evaluation is the run's: the objective's transforms, collator, metrics and loss (`hf_vit.tasks.objectives`), on
@@ -31,9 +31,8 @@ from ..data.datasets import (
     local_data_set_fingerprint,
     reorder_classes,
 )
-from ..data.transforms import apply_transforms, make_eval_transform, pack_native_batch
-from ..metrics import compute_metrics, few_images_warning, images_text
-from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..data.transforms import apply_transforms, pack_native_batch
+from ..metrics import few_images_warning, images_text
 from ..outputs.files import RUN_RECORD_FILE, write_beside
 from ..outputs.run_record import read_record
 from ..tasks.objectives import select_objective
@@ -280,18 +279,24 @@ def per_class_table(metrics: dict[str, Any], split: str, max_matrix_classes: int
 
 def write_evaluation(folder: Path, split: str, metrics: dict, confusion, id2label: dict[int, str]) -> list[Path]:
     """The results JSON (and the confusion matrix's PNG when there is one and matplotlib is installed) in `folder`."""
-    results = folder / f"{split}_results.json"
     plot = folder / f"{split}_confusion_matrix.png"
+    names = [id2label[i] for i in range(len(confusion))] if confusion is not None else []
+    draw = None if confusion is None else (lambda: plot_confusion_matrix(confusion, names, plot))
+    return write_results(folder / f"{split}_results.json", metrics, plot, draw)
+
+
+def write_results(results: Path, data: Any, plot: Path, draw: Any = None, overwrite: bool = False) -> list[Path]:
+    """`data` as JSON at `results`, and the PNG `draw()` writes at `plot` (without matplotlib it is skipped and said
+    so); existing files of those names are refused unless `overwrite` (a run rewriting its own results)."""
     for path in (results, plot):
-        if os.path.lexists(path):
+        if os.path.lexists(path) and not overwrite:
             raise ValueError(f"{path} exists: pass another output folder (files are never overwritten).")
-    folder.mkdir(parents=True, exist_ok=True)
-    written = [write_beside(results, json.dumps(metrics, indent=2) + "\n")]
-    if confusion is not None:
-        try:
-            written.append(plot_confusion_matrix(confusion, [id2label[i] for i in range(len(confusion))], plot))
-        except ImportError:
-            logger.warning("matplotlib is not installed: no %s (pip install 'hf-vit[plot]').", plot.name)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    written = [write_beside(results, json.dumps(data, indent=2) + "\n")]
+    try:
+        written += [draw()] if draw is not None else []
+    except ImportError:
+        logger.warning("matplotlib is not installed: no %s (pip install 'hf-vit[plot]').", plot.name)
     return written
 
 
@@ -354,50 +359,3 @@ def evaluate_checkpoint(
         message += f"\nWARNING: {few}"
     print(message, flush=True)  # once: the summary is not logged as well
     return results
-
-
-def evaluate_model(
-    model: Any,
-    processor: VisionTransformerImageProcessor,
-    source: DataSource | None = None,
-    split: str | None = "test",
-    batch_size: int = 256,
-) -> dict[str, float]:
-    """Top-1/top-5 accuracy of `model` on a split of `source`'s data set (digits by default), no training; `split`
-    None: the split a run's final metrics are measured on (`final_split`)."""
-    return measure_model(model, processor, source, split, batch_size)[1]
-
-
-@torch.no_grad()
-def measure_model(
-    model: Any,
-    processor: VisionTransformerImageProcessor,
-    source: DataSource | None = None,
-    split: str | None = None,
-    batch_size: int = 256,
-) -> tuple[str, dict[str, float]]:
-    """`(split, metrics)`: `evaluate_model`'s metrics on `split`, by default the one a run would report: test when
-    the data set has one, else validation (the source's, or the part of train a run holds out)."""
-    source = source or DataSource()
-    raw = load_datasets(source, seed=0)
-    split = split or final_split(raw)
-    if split not in raw:
-        raise ValueError(f"The data set {source.dataset_name!r} has no {split} split (it has {', '.join(raw)}).")
-    classes = label_names(raw)
-    if len(classes) > model.config.num_labels:
-        raise ValueError(
-            f"The data set {source.dataset_name!r} has {len(classes)} classes but the model predicts "
-            f"{model.config.num_labels}: evaluate it on the data set it was trained for, or fine-tune it first."
-        )
-    evaluation = make_eval_transform(processor)  # the processor alone, on train too: no augmentation is measured
-    ds = apply_transforms(raw, evaluation, evaluation)[split]
-    model.eval()
-    logits, labels = [], []
-    for start in range(0, len(ds), batch_size):
-        batch = ds[start : start + batch_size]
-        inputs = {
-            key: batch[key] for key in ("pixel_values", "pixel_attention_mask", "spatial_shapes") if key in batch
-        }
-        logits.append(model(**inputs).logits.float())
-        labels.append(batch["labels"])
-    return split, compute_metrics((torch.cat(logits).numpy(), torch.cat(labels).numpy()))

@@ -94,7 +94,6 @@ def serving_processor(processor: Any, config: Any, max_num_patches: int | None =
     saved."""
     changes = {}
     if max_num_patches is not None:
-        check_native_model(config)
         changes = dict(max_num_patches=max_num_patches, do_center_crop=False)
         packed = processor.packed_sequence_length
         if packed is not None:  # a packed processor's rows hold the largest image

@@ -72,18 +72,14 @@ def parse_config_overrides(text: str | None) -> dict[str, Any]:
         key, raw = (part.strip() for part in item.split("=", 1))
         if not key:
             raise ValueError(f"--config_overrides: {item!r} names no field before '='.")
-        if raw and raw[0] in '[{"':
-            try:
-                fields[key] = json.loads(raw)
-            except json.JSONDecodeError as error:
+        try:
+            fields[key] = json.loads(raw)
+        except json.JSONDecodeError as error:
+            if raw and raw[0] in '[{"':  # meant as JSON
                 raise ValueError(
                     f"--config_overrides {key}={raw} is not a valid JSON value ({error.msg}); write lists as "
                     "[1,2,3] and quote strings inside them."
                 ) from error
-            continue
-        try:
-            fields[key] = json.loads(raw)
-        except json.JSONDecodeError:
             fields[key] = raw
     return fields
 
@@ -142,11 +138,21 @@ def config_from_preset(model: ModelSettings, **fields: Any) -> VisionTransformer
     return config
 
 
-def split_requested(model: ModelSettings) -> tuple[dict[str, Any], Any, dict[str, Any]]:
-    """The flags' fields for a checkpoint: (those it takes as given, `--image_size`, those that shape its weights)."""
+def load_requested(model: ModelSettings, id2label: dict[int, str] | None = None, **options: Any):
+    """`load_checkpoint` of `--model_name_or_path` with the flags' fields (those it takes as given, `--image_size`,
+    and those that shape its weights, refused where they differ), `--interpolation` and `--attn_implementation`."""
     requested = requested_fields(model)
     settable = {name: requested.pop(name) for name in TRAINING_FIELDS if name in requested}
-    return settable, requested.pop("image_size", None), requested
+    return load_checkpoint(
+        model.model_name_or_path,
+        id2label,
+        image_size=requested.pop("image_size", None),
+        interpolation=model.interpolation,
+        attn_implementation=model.attn_implementation,
+        refuse=requested,
+        **settable,
+        **options,
+    )
 
 
 def refuse_shape_changes(config: VisionTransformerConfig, fields: dict[str, Any], source: str) -> None:
@@ -175,17 +181,9 @@ def build_classifier(task: str, settings: ModelSettings, labels: Any) -> VisionT
     if task == "finetune":
         if not settings.model_name_or_path:
             raise ValueError("Fine-tuning needs --model_name_or_path: the pretrained hf-vit folder to start from.")
-        settable, image_size, shapes = split_requested(settings)
-        model = load_checkpoint(
-            settings.model_name_or_path,
-            labels.id2label,
-            keep_head=settings.keep_head,
-            image_size=image_size,
-            representation_size=settings.representation_size,
-            interpolation=settings.interpolation,
-            attn_implementation=settings.attn_implementation,
-            refuse=shapes,
-            **settable,
+        keep = settings.keep_head
+        model = load_requested(
+            settings, labels.id2label, keep_head=keep, representation_size=settings.representation_size
         )
     else:
         model = build_pretraining_model(settings, labels.id2label)
@@ -203,7 +201,6 @@ def build_pretraining_model(
     `--keep_head` refuses."""
     names = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
     if settings.model_name_or_path:
-        settable, image_size, shapes = split_requested(settings)
         representation = settings.representation_size or None
         new_head = settings.representation_size is not None  # a new head for a new pre-logits layer
         source = settings.model_name_or_path
@@ -228,17 +225,12 @@ def build_pretraining_model(
                 source, checkpoint.num_labels, len(id2label),
                 "" if len(own) != len(wanted) else " of other classes",
             )  # fmt: skip
-        model = load_checkpoint(
-            source,
+        model = load_requested(
+            settings,
             id2label if new_head else None,
-            image_size=image_size,
             representation_size=representation,
-            interpolation=settings.interpolation,
-            attn_implementation=settings.attn_implementation,
-            refuse=shapes,
             # a kept head takes the data set's names (its rows reordered to them first); a new one has them
             names=None if new_head or reorder else id2label,
-            **settable,
         )
         if reorder:
             reorder_head(model, wanted)

@@ -1,23 +1,10 @@
 """Masked patch prediction (section 4.6, appendix B.1.2): the data side of self-supervised pretraining and its run's
-pieces for `Trainer`.
-
-The paper corrupts 50% of the patch embeddings (80% of them replaced by a learnable [mask] embedding, 10% by another
-patch's embedding, 10% kept) and predicts the 3-bit mean colour (512 classes) of every corrupted patch. The model
-(`VisionTransformerForMaskedPatchPrediction`) applies the corruption in its embeddings; this module makes its inputs:
-
-* `mean_color_classes`: the targets, from the pixels *before* normalisation (values in [0, 1]): each channel's mean
-  over a patch quantised to `bits` bits (`floor(mean * 2**bits)`, 1.0 in the top bin), the channels' bins combined
-  as one class, red most significant. A patch is `config.patch_size` input pixels, so hybrids predict the colour of
-  the image region each token covers.
-* `MaskedPatchPredictionTransform`: wraps a batch transform that yields un-normalised pixels (the library's own
-  transforms built on `unnormalized(processor)`) into one that yields the normalised `pixel_values` (bitwise what the
-  supervised transforms give), the colour `labels` (-100 where a patch is not corrupted) and the `patch_corruption`
-  codes, drawn per example so that `SeededAugmentation` makes them reproducible and resumable. The image labels of
-  the data set are not used.
-* `mpp_eval_transform`, `mpp_collate_fn`, `build_mpp_model`, `mpp_compute_metrics`, `mpp_preprocess_logits`: what
-  `Trainer` needs (the training transform: `training_transforms.with_mpp_transforms`); its logs then carry the
-  masked-patch cross-entropy as `loss` / `eval_loss` and the colour accuracy on corrupted patches as
-  `eval_mpp_accuracy`.
+pieces for `Trainer`. The paper corrupts 50% of the patch embeddings (80% of them replaced by a learnable [mask]
+embedding, 10% by another patch's embedding, 10% kept) and predicts the 3-bit mean colour (512 classes) of every
+corrupted patch (`mean_color_classes`, from the pixels before normalisation). The model
+(`VisionTransformerForMaskedPatchPrediction`) applies the corruption in its embeddings; this module makes its inputs
+(`MaskedPatchPredictionTransform`) and what `Trainer` needs (the training transform:
+`training_transforms.with_mpp_transforms`); the image labels of the data set are not used.
 """
 
 from __future__ import annotations
@@ -39,18 +26,7 @@ from ..model.modeling_mpp import (
     draw_patch_corruption,
 )
 from ..model.pixel_targets import mean_color_classes
-from .model_setup import ModelSettings, config_from_preset, load_checkpoint, split_requested
-
-__all__ = [
-    "MaskedPatchPredictionTransform",
-    "build_mpp_model",
-    "mean_color_classes",
-    "mpp_collate_fn",
-    "mpp_compute_metrics",
-    "mpp_eval_transform",
-    "mpp_preprocess_logits",
-    "unnormalized",
-]
+from .model_setup import ModelSettings, config_from_preset, load_requested
 
 
 def unnormalized(processor: VisionTransformerImageProcessor) -> VisionTransformerImageProcessor:
@@ -134,16 +110,7 @@ def build_mpp_model(settings: ModelSettings, model_class: type = VisionTransform
     new if it has none) with the flags applied (`--image_size` resamples its position embeddings) or, where they would
     change its weights' shapes, refused."""
     if settings.model_name_or_path:
-        settable, image_size, shapes = split_requested(settings)
-        return load_checkpoint(
-            settings.model_name_or_path,
-            model_class=model_class,
-            image_size=image_size,
-            interpolation=settings.interpolation,
-            attn_implementation=settings.attn_implementation,
-            refuse=shapes,
-            **settable,
-        )
+        return load_requested(settings, model_class=model_class)
     return model_class(config_from_preset(settings))
 
 

@@ -1,14 +1,7 @@
-"""What a run learns, as a table: each objective gives its labels, model builder, evaluation transform, collator and
-metrics (its training transform, which loads the augmentations, is looked up by its name in `training_transforms`).
-
-A run looks its objective up in `OBJECTIVES` (by `select_objective`) and calls these parts; it never branches on
-which objective it trains, as big_vision's trainer loads its model module by name. The objectives:
-
-* `classification`: one class per image (softmax, cross-entropy, top-1/top-5 accuracy);
-* `multi_label_classification`: a list of classes per image (multi-hot targets, sigmoid, BCE, mean average
-  precision and F1); chosen when the label column holds lists;
-* `mpp`: masked patch prediction (section 4.6), self-supervised pretraining: the image labels are not used;
-* `simmim`: SimMIM's masked image modeling (the masked patches' pixels reconstructed), self-supervised likewise.
+"""What a run learns, as a table (`OBJECTIVES`, looked up by `select_objective`): each objective gives its labels,
+model builder, evaluation transform, collator and metrics (its training transform, which loads the augmentations, is
+looked up by its name in `training_transforms`). A run calls these parts; it never branches on which objective it
+trains, as big_vision's trainer loads its model module by name.
 """
 
 from __future__ import annotations
@@ -130,54 +123,48 @@ def _masked_model(build: Callable[[ModelSettings], Any], name: str) -> Callable[
     return build_model
 
 
+# What the classification objectives share, and what the self-supervised ones (which learn the pixels) share.
+_CLASSIFYING = dict(
+    tasks=("pretrain", "finetune"),
+    build_model=build_classifier,
+    eval_transform=classification_eval_transform,
+    collator=collate_fn,
+    compute_metrics=compute_metrics,
+)
+_SELF_SUPERVISED = dict(
+    tasks=("pretrain",),
+    labels=_no_labels,
+    augmentable=False,
+    check_sizes=refuse_drawn_sizes,
+    idle_flags=("representation_size", "problem_type", "keep_head"),
+)
 OBJECTIVES: dict[str, Objective] = {
-    "classification": Objective(
-        name="classification",
-        tasks=("pretrain", "finetune"),
-        labels=_class_labels,
-        build_model=build_classifier,
-        eval_transform=classification_eval_transform,
-        collator=collate_fn,
-        compute_metrics=compute_metrics,
-        loss=cross_entropy,
-    ),
+    "classification": Objective(name="classification", labels=_class_labels, loss=cross_entropy, **_CLASSIFYING),
     "multi_label_classification": Objective(
         name="multi_label_classification",
-        tasks=("pretrain", "finetune"),
         labels=_multi_hot_labels,
-        build_model=build_classifier,
-        eval_transform=classification_eval_transform,
-        collator=collate_fn,
-        compute_metrics=compute_metrics,
         streaming=False,
         loss=binary_cross_entropy,
+        **_CLASSIFYING,
     ),
     "mpp": Objective(
         name="mpp",
-        tasks=("pretrain",),
-        labels=_no_labels,
         build_model=_masked_model(build_mpp_model, "mpp"),
         eval_transform=mpp_eval_transform,
         collator=mpp_collate_fn,
         compute_metrics=mpp_compute_metrics,
         preprocess_logits=mpp_preprocess_logits,
-        augmentable=False,
-        check_sizes=refuse_drawn_sizes,
-        idle_flags=("representation_size", "problem_type", "keep_head"),
+        **_SELF_SUPERVISED,
     ),
     "simmim": Objective(
         name="simmim",
-        tasks=("pretrain",),
-        labels=_no_labels,
         build_model=_masked_model(build_simmim_model, "simmim"),
         eval_transform=simmim_eval_transform,
         collator=simmim_collate_fn,
         compute_metrics=simmim_compute_metrics,
         preprocess_logits=simmim_preprocess_logits,
         label_names=(),
-        augmentable=False,
-        check_sizes=refuse_drawn_sizes,
-        idle_flags=("representation_size", "problem_type", "keep_head"),
+        **_SELF_SUPERVISED,
     ),
 }
 

@@ -22,8 +22,6 @@ from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
 from .model_setup import ModelSettings
 from .mpp import build_mpp_model
 
-__all__ = ["SimMIMMasking", "SimMIMTransform", "build_simmim_model", "simmim_collate_fn", "simmim_eval_transform"]
-
 
 @dataclass(frozen=True)
 class SimMIMMasking:

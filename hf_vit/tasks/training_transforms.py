@@ -17,6 +17,12 @@ from .objectives import Objective
 from .simmim import SimMIMTransform
 
 
+def _crop_and_flip(augmentation: Augmentation) -> dict[str, Any]:
+    """`make_train_transform`'s arguments for `augmentation`'s random resized crop and flip."""
+    scale = (augmentation.crop_scale_min, 1.0)
+    return dict(random_resized_crop=augmentation.random_resized_crop, scale=scale, hflip=augmentation.hflip)
+
+
 def classification_transforms(
     raw, augmentation: Augmentation, processor: VisionTransformerImageProcessor, config: Any = None
 ):
@@ -24,13 +30,8 @@ def classification_transforms(
     the other splits."""
     train_transform = make_train_transform(
         processor,
-        random_resized_crop=augmentation.random_resized_crop,
-        scale=(augmentation.crop_scale_min, 1.0),
-        hflip=augmentation.hflip,
-        rand_augment=augmentation.rand_augment,
-        reprob=augmentation.reprob,
-        remode=augmentation.remode,
-        recount=augmentation.recount,
+        **_crop_and_flip(augmentation),
+        **{name: getattr(augmentation, name) for name in ("rand_augment", "reprob", "remode", "recount")},
         token_drop_rate=augmentation.token_drop_rate,
     )
     return apply_transforms(raw, train_transform, make_eval_transform(processor))
@@ -48,12 +49,7 @@ def with_mpp_transforms(
     splits resized by the processor only; the patches corrupted with `corruption`'s shares (the paper's by
     default)."""
     pixels = unnormalized(processor)
-    train = make_train_transform(
-        pixels,
-        random_resized_crop=augmentation.random_resized_crop,
-        scale=(augmentation.crop_scale_min, 1.0),
-        hflip=augmentation.hflip,
-    )
+    train = make_train_transform(pixels, **_crop_and_flip(augmentation))
     return apply_transforms(
         raw,
         MaskedPatchPredictionTransform(train, processor, config, corruption),
@@ -64,12 +60,7 @@ def with_mpp_transforms(
 def with_simmim_transforms(raw, augmentation: Augmentation, processor: VisionTransformerImageProcessor, config):
     """`raw`'s splits with SimMIM's inputs: training images cropped and flipped as `augmentation` says (its colour
     changes are refused for this objective), the other splits resized by the processor only; a mask per example."""
-    train = make_train_transform(
-        processor,
-        random_resized_crop=augmentation.random_resized_crop,
-        scale=(augmentation.crop_scale_min, 1.0),
-        hflip=augmentation.hflip,
-    )
+    train = make_train_transform(processor, **_crop_and_flip(augmentation))
     evaluation = make_eval_transform(processor)
     return apply_transforms(
         raw, SimMIMTransform(train, config.patch_size), SimMIMTransform(evaluation, config.patch_size)

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from ..data.augment.mixing import Mixing
 from ..data.augment.rand_augment import parse_rand_augment
 from ..data.augment.random_erasing import check_random_erasing
 from ..flags import exit_on_error, parse_sizes, positive_int, warn_idle
@@ -26,7 +25,15 @@ from ..model.resolution import MAX_PATCH_POSITIONS
 from ..tasks.model_setup import ModelSettings
 from .ema import check_ema_decay
 from .lora import LoraSettings
-from .recipes import NAMED_RECIPES, TASK_RECIPES, RecipeSettings, get_recipe, given_flags, scaled_learning_rate
+from .recipes import (
+    NAMED_RECIPES,
+    TASK_RECIPES,
+    RecipeSettings,
+    get_recipe,
+    given_flags,
+    mixing_for,
+    scaled_learning_rate,
+)
 
 if TYPE_CHECKING:  # the data settings' modules load the data set libraries: not before the flags are read
     from ..data.datasets import DataSource
@@ -65,116 +72,78 @@ def default_num_workers() -> int:
     return min(8, max(1, cores // processes - 1))
 
 
+def flag(default: Any, text: str, **metadata: Any) -> Any:
+    """A flag's dataclass field: its default and its help `text` (and `metadata` such as `nargs`)."""
+    return field(default=default, metadata={"help": text, **metadata})
+
+
 @dataclass
 class ModelArguments:
     """Which model to train. Fine-tuning needs `model_name_or_path`; pretraining builds `preset` from scratch."""
 
-    model_name_or_path: str | None = field(
-        default=None, metadata={"help": "hf-vit folder (or Hub id) to start from; required for fine-tuning."}
+    model_name_or_path: str | None = flag(None, "hf-vit folder (or Hub id) to start from; required for fine-tuning.")
+    preset: str = flag(
+        "vit-tiny-patch16-224",
+        "Architecture to pretrain from scratch, e.g. vit-base-patch16-224 (--list_presets lists them); "
+        "pretraining with --model_name_or_path continues from that checkpoint instead.",
     )
-    preset: str = field(
-        default="vit-tiny-patch16-224",
-        metadata={
-            "help": "Architecture to pretrain from scratch, e.g. vit-base-patch16-224 (--list_presets lists them); "
-            "pretraining with --model_name_or_path continues from that checkpoint instead."
-        },
+    image_size: list[int] | None = flag(
+        None,
+        "Training resolution: N or H W. Fine-tuning at another size than the checkpoint's resamples "
+        "its position embeddings in 2D when it is loaded.",
+        nargs="+",
     )
-    image_size: list[int] | None = field(
-        default=None,
-        metadata={
-            "help": "Training resolution: N or H W. Fine-tuning at another size than the checkpoint's resamples "
-            "its position embeddings in 2D when it is loaded.",
-            "nargs": "+",
-        },
+    patch_size: int | None = flag(
+        None,
+        "Patch size, overriding the preset's. From a checkpoint (--model_name_or_path) its patch "
+        "embedding is resampled to it (FlexiViT's pseudo-inverse resize) and the position grid follows.",
     )
-    patch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Patch size, overriding the preset's. From a checkpoint (--model_name_or_path) its patch "
-            "embedding is resampled to it (FlexiViT's pseudo-inverse resize) and the position grid follows."
-        },
+    num_channels: int | None = flag(
+        None,
+        "Image channels of a model trained from scratch (default 3, RGB). With 1 (grey) or 4 (e.g. RGBA, "
+        "RGB + infrared), images are not converted to RGB: the model sees their own channels. A checkpoint's "
+        "models keep the channels they were trained with.",
     )
-    num_channels: int | None = field(
-        default=None,
-        metadata={
-            "help": "Image channels of a model trained from scratch (default 3, RGB). With 1 (grey) or 4 (e.g. RGBA, "
-            "RGB + infrared), images are not converted to RGB: the model sees their own channels. A checkpoint's "
-            "models keep the channels they were trained with."
-        },
+    config_overrides: str | None = flag(
+        None, "Config fields to override, e.g. 'hidden_size=96,num_hidden_layers=4,num_attention_heads=3'."
     )
-    config_overrides: str | None = field(
-        default=None,
-        metadata={
-            "help": "Config fields to override, e.g. 'hidden_size=96,num_hidden_layers=4,num_attention_heads=3'."
-        },
+    representation_size: int | None = flag(
+        None,
+        "Size of the pre-logits (dense + tanh) layer. Default: the hidden size when pretraining (as the "
+        "paper does), none when fine-tuning (the paper replaces the whole head). 0 turns it off.",
     )
-    representation_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Size of the pre-logits (dense + tanh) layer. Default: the hidden size when pretraining (as the "
-            "paper does), none when fine-tuning (the paper replaces the whole head). 0 turns it off."
-        },
+    drop_path_rate: float | None = flag(None, "Stochastic depth rate.")
+    hidden_dropout_prob: float | None = flag(None, "Dropout rate.")
+    interpolation: str | None = flag(
+        None, "Resampling of a checkpoint's position embeddings to another size: bicubic or bilinear (None: bicubic)."
     )
-    drop_path_rate: float | None = field(default=None, metadata={"help": "Stochastic depth rate."})
-    hidden_dropout_prob: float | None = field(default=None, metadata={"help": "Dropout rate."})
-    interpolation: str | None = field(
-        default=None,
-        metadata={"help": "Resampling of a checkpoint's position embeddings to another size: bicubic or bilinear "
-                  "(None: bicubic)."},
-    )  # fmt: skip
-    keep_head: bool = field(
-        default=False,
-        metadata={"help": "Keep the checkpoint's head (same classes) instead of a new zero-initialised head."},
+    keep_head: bool = flag(False, "Keep the checkpoint's head (same classes) instead of a new zero-initialised head.")
+    attn_implementation: str = flag("sdpa", "eager, sdpa, flash_attention_2, flex...")
+    problem_type: str | None = flag(
+        None,
+        "single_label_classification or multi_label_classification (sigmoid outputs, a list of classes "
+        "per image in the label column). Default: multi-label when the label column holds lists.",
     )
-    attn_implementation: str = field(default="sdpa", metadata={"help": "eager, sdpa, flash_attention_2, flex..."})
-    problem_type: str | None = field(
-        default=None,
-        metadata={
-            "help": "single_label_classification or multi_label_classification (sigmoid outputs, a list of classes "
-            "per image in the label column). Default: multi-label when the label column holds lists."
-        },
+    objective: str = flag(
+        "classification",
+        "Pretraining objective: classification (supervised, the paper's main recipe), mpp (masked patch "
+        "prediction, section 4.6) or simmim (SimMIM's masked image modeling): for mpp and simmim the data set's "
+        "labels are not used.",
     )
-    objective: str = field(
-        default="classification",
-        metadata={
-            "help": "Pretraining objective: classification (supervised, the paper's main recipe), mpp (masked patch "
-            "prediction, section 4.6) or simmim (SimMIM's masked image modeling): for mpp and simmim the data set's "
-            "labels are not used."
-        },
+    lora_rank: int = flag(
+        0, "Fine-tune LoRA adapters of this rank (peft) instead of every weight; the new head is trained in full."
     )
-    lora_rank: int = field(
-        default=0,
-        metadata={
-            "help": "Fine-tune LoRA adapters of this rank (peft) instead of every weight; the new head is trained in "
-            "full."
-        },
-    )
-    lora_alpha: float | None = field(default=None, metadata={"help": "LoRA scaling alpha (default: the rank)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA adapters' input."})
-    lora_target_modules: str = field(
-        default="qkv",
-        metadata={
-            "help": "Comma-separated layers to adapt: qkv (the fused query/key/value), or its parts query, key, value "
-            "(e.g. query,value as in PEFT's ViT guide), proj, fc1, fc2."
-        },
+    lora_alpha: float | None = flag(None, "LoRA scaling alpha (default: the rank).")
+    lora_dropout: float = flag(0.0, "Dropout on the LoRA adapters' input.")
+    lora_target_modules: str = flag(
+        "qkv",
+        "Comma-separated layers to adapt: qkv (the fused query/key/value), or its parts query, key, value "
+        "(e.g. query,value as in PEFT's ViT guide), proj, fc1, fc2.",
     )
 
     def settings(self) -> ModelSettings:
         """The model stage's settings: which model, and how it is built or loaded."""
-        return ModelSettings(
-            model_name_or_path=self.model_name_or_path,
-            preset=self.preset,
-            image_size=self.image_size,
-            patch_size=self.patch_size,
-            num_channels=self.num_channels,
-            config_overrides=self.config_overrides,
-            representation_size=self.representation_size,
-            drop_path_rate=self.drop_path_rate,
-            hidden_dropout_prob=self.hidden_dropout_prob,
-            interpolation=self.interpolation,
-            keep_head=self.keep_head,
-            attn_implementation=self.attn_implementation,
-        )
+        return settings_of(ModelSettings, self)
 
     def lora(self) -> LoraSettings:
         """The adapter stage's settings (`--lora_rank` 0: none)."""
@@ -192,280 +161,202 @@ class ModelArguments:
 class DataArguments:
     """Where the images come from and how they are augmented."""
 
-    dataset_name: str = field(
-        default="digits",
-        metadata={
-            "help": "'digits' (scikit-learn's bundled handwritten digits), a local image folder (one subfolder per "
-            "class, root/<class>/*.jpg, any sizes, 10%% of each class held out for validation; or root/train/<class>/ "
-            "and root/test/<class>/, ... for splits of its own), a folder saved with Dataset.save_to_disk, or a Hub "
-            "data set name."
-        },
+    dataset_name: str = flag(
+        "digits",
+        "'digits' (scikit-learn's bundled handwritten digits), a local image folder (one subfolder per "
+        "class, root/<class>/*.jpg, any sizes, 10%% of each class held out for validation; or root/train/<class>/ "
+        "and root/test/<class>/, ... for splits of its own), a folder saved with Dataset.save_to_disk, or a Hub "
+        "data set name.",
     )
-    image_column_name: str = field(default="image", metadata={"help": "Column holding the images."})
-    label_column_name: str = field(default="label", metadata={"help": "Column holding the labels."})
-    train_split: str = field(default="train", metadata={"help": "Source split used for training."})
-    validation_split: str = field(default="validation", metadata={"help": "Source split used for validation."})
-    test_split: str = field(default="test", metadata={"help": "Source split for the final evaluation, if any."})
-    validation_fraction: float = field(
-        default=0.1, metadata={"help": "Share of train held out for validation when there is no validation split."}
+    image_column_name: str = flag("image", "Column holding the images.")
+    label_column_name: str = flag("label", "Column holding the labels.")
+    train_split: str = flag("train", "Source split used for training.")
+    validation_split: str = flag("validation", "Source split used for validation.")
+    test_split: str = flag("test", "Source split for the final evaluation, if any.")
+    validation_fraction: float = flag(0.1, "Share of train held out for validation when there is no validation split.")
+    streaming: bool = flag(False, "Stream the data set (needs --max_steps).")
+    shuffle_buffer_size: int = flag(
+        1000,
+        "With --streaming: examples in the buffer the training stream is shuffled through (reseeded each "
+        "epoch); 0 reads it in the source's order.",
     )
-    streaming: bool = field(default=False, metadata={"help": "Stream the data set (needs --max_steps)."})
-    shuffle_buffer_size: int = field(
-        default=1000,
-        metadata={
-            "help": "With --streaming: examples in the buffer the training stream is shuffled through (reseeded each "
-            "epoch); 0 reads it in the source's order."
-        },
+    random_resized_crop: bool = flag(True, "Inception-style random resized crop.")
+    crop_scale_min: float = flag(0.08, "Smallest image area fraction a crop covers.")
+    hflip: bool | None = flag(None, "Random horizontal flips. Default: on, except for digits (flips change them).")
+    rand_augment: str | None = flag(
+        None,
+        "RandAugment in timm's notation, e.g. rand-m9-mstd0.5-inc1: n (default 2) operations per image of "
+        "timm's 15, each applied with probability 1/2 at magnitude m of 10 (mstd: its noise; mmax: its largest "
+        "value; inc1: the variants that strengthen with m), after the crop and flip, seeded per image and epoch.",
     )
-    random_resized_crop: bool = field(default=True, metadata={"help": "Inception-style random resized crop."})
-    crop_scale_min: float = field(default=0.08, metadata={"help": "Smallest image area fraction a crop covers."})
-    hflip: bool | None = field(
-        default=None, metadata={"help": "Random horizontal flips. Default: on, except for digits (flips change them)."}
+    reprob: float = flag(
+        0.0,
+        "Random erasing (timm's --reprob): the probability that a training image, once normalised, has "
+        "rectangles erased, each of 0.02 to 1/3 of its area (divided by their count) at an aspect ratio in "
+        "0.3-3.3, seeded per image and epoch. Default 0: off. Classification only: refused with --objective "
+        "mpp, whose targets are the pixels it would erase.",
     )
-    rand_augment: str | None = field(
-        default=None,
-        metadata={
-            "help": "RandAugment in timm's notation, e.g. rand-m9-mstd0.5-inc1: n (default 2) operations per image of "
-            "timm's 15, each applied with probability 1/2 at magnitude m of 10 (mstd: its noise; mmax: its largest "
-            "value; inc1: the variants that strengthen with m), after the crop and flip, seeded per image and epoch."
-        },
+    remode: str = flag(
+        "pixel",
+        "With --reprob: what fills an erased rectangle: pixel (per-pixel normal noise), rand (one normal "
+        "colour per rectangle) or const (zeros, the mean colour).",
     )
-    reprob: float = field(
-        default=0.0,
-        metadata={
-            "help": "Random erasing (timm's --reprob): the probability that a training image, once normalised, has "
-            "rectangles erased, each of 0.02 to 1/3 of its area (divided by their count) at an aspect ratio in "
-            "0.3-3.3, seeded per image and epoch. Default 0: off. Classification only: refused with --objective "
-            "mpp, whose targets are the pixels it would erase."
-        },
+    recount: int = flag(1, "With --reprob: at most this many rectangles per erased image (the count uniform in 1..N).")
+    max_train_samples: int | None = flag(None, "Use only this many training images.")
+    max_num_patches: int | None = flag(
+        None,
+        "Native aspect ratio (NaFlex): each image (each crop, in training) is resized to the largest grid "
+        "of at most this many patches that keeps its aspect ratio, and batches are its patches padded to this "
+        "number; the saved processor does the same at inference. Classification objectives only.",
     )
-    remode: str = field(
-        default="pixel",
-        metadata={
-            "help": "With --reprob: what fills an erased rectangle: pixel (per-pixel normal noise), rand (one normal "
-            "colour per rectangle) or const (zeros, the mean colour)."
-        },
+    packed_sequence_length: int | None = flag(
+        None,
+        "With --max_num_patches: NaViT's sequence packing, a fixed number of tokens per batch. Native-"
+        "aspect images are packed whole into rows of this many patch slots (at least --max_num_patches), "
+        "attention and pooling per image, instead of one image per row padded to --max_num_patches; "
+        "--per_device_train_batch_size then counts rows (as TRL's packing counts packed sequences), and each "
+        "batch holds as many images as fill them, a number that varies. Each epoch packs every training image "
+        "once, in an order drawn from --seed and the epoch, into the same number of batches (planned from the "
+        "images' sizes, read before training; a training crop gets at most its image's own grid's patches); "
+        "every batch is that many rows, the epoch's last padded with empty ones where it has fewer (left out "
+        "with --dataloader_drop_last). A --streaming data set's sizes are not "
+        "known ahead: its batches keep --per_device_train_batch_size images, packed into as many rows as they "
+        "need. The loss and metrics stay per image; the saved processor packs at inference. Not with "
+        "--seq_lens, --patch_sizes, Mixup/CutMix, --objective mpp, or --streaming on several processes.",
     )
-    recount: int = field(
-        default=1,
-        metadata={"help": "With --reprob: at most this many rectangles per erased image (the count uniform in 1..N)."},
+    token_drop_rate: float = flag(
+        0.0,
+        "With --packed_sequence_length: NaViT's token dropping. Each training image keeps a random "
+        "(1 - this) of its patches (at least one), drawn per image and epoch, and only those take a row's slots "
+        "(so more images fill a batch); evaluation and inference keep every patch. 0 is off.",
     )
-    max_train_samples: int | None = field(default=None, metadata={"help": "Use only this many training images."})
-    max_num_patches: int | None = field(
-        default=None,
-        metadata={
-            "help": "Native aspect ratio (NaFlex): each image (each crop, in training) is resized to the largest grid "
-            "of at most this many patches that keeps its aspect ratio, and batches are its patches padded to this "
-            "number; the saved processor does the same at inference. Classification objectives only."
-        },
+    seq_lens: str | None = flag(
+        None,
+        "Native aspect ratio with a sequence length drawn per training batch (timm's NaFlex loader), e.g. "
+        "64,144,256: each step's images are resized to the largest grid of at most the drawn number of patches "
+        "at their own aspect ratio, and the batch holds --max_tokens_per_batch // length images per process. "
+        "The draw is fixed by --seed and the step (every process trains the step at the same length; a resumed "
+        "run draws what the uninterrupted one did); every epoch has the same steps, in another order. "
+        "Evaluation and the saved processor use --max_num_patches (default: the longest length). Not with "
+        "--streaming (accelerate deals a stream out in batches of one size).",
     )
-    packed_sequence_length: int | None = field(
-        default=None,
-        metadata={
-            "help": "With --max_num_patches: NaViT's sequence packing, a fixed number of tokens per batch. Native-"
-            "aspect images are packed whole into rows of this many patch slots (at least --max_num_patches), "
-            "attention and pooling per image, instead of one image per row padded to --max_num_patches; "
-            "--per_device_train_batch_size then counts rows (as TRL's packing counts packed sequences), and each "
-            "batch holds as many images as fill them, a number that varies. Each epoch packs every training image "
-            "once, in an order drawn from --seed and the epoch, into the same number of batches (planned from the "
-            "images' sizes, read before training; a training crop gets at most its image's own grid's patches); "
-            "every batch is that many rows, the epoch's last padded with empty ones where it has fewer (left out "
-            "with --dataloader_drop_last). A --streaming data set's sizes are not "
-            "known ahead: its batches keep --per_device_train_batch_size images, packed into as many rows as they "
-            "need. The loss and metrics stay per image; the saved processor packs at inference. Not with "
-            "--seq_lens, --patch_sizes, Mixup/CutMix, --objective mpp, or --streaming on several processes."
-        },
+    max_tokens_per_batch: int | None = flag(
+        None,
+        "With --seq_lens: the patches one process's batch may hold; its batch size at length L is this // "
+        "L. Default: --per_device_train_batch_size x the longest of --seq_lens (that length trains at "
+        "--per_device_train_batch_size images, shorter ones at more).",
     )
-    token_drop_rate: float = field(
-        default=0.0,
-        metadata={
-            "help": "With --packed_sequence_length: NaViT's token dropping. Each training image keeps a random "
-            "(1 - this) of its patches (at least one), drawn per image and epoch, and only those take a row's slots "
-            "(so more images fill a batch); evaluation and inference keep every patch. 0 is off."
-        },
+    patch_sizes: str | None = flag(
+        None,
+        "FlexiViT: a patch size drawn per optimisation step from these, e.g. 8,16,32 (fixed by --seed and "
+        "the step: alike on every process and on resumption). The step embeds its patches with the stored patch "
+        "embedding resampled by FlexiViT's pseudo-inverse resize (its gradient trains the stored kernel) and "
+        "resamples the position grid to the image's grid at that size. The saved model keeps its own patch size "
+        "and kernel: from_pretrained(folder, patch_size=P) gives it at P. Each size must divide --image_size; "
+        "whole images only (not with --max_num_patches or --seq_lens).",
     )
-    seq_lens: str | None = field(
-        default=None,
-        metadata={
-            "help": "Native aspect ratio with a sequence length drawn per training batch (timm's NaFlex loader), e.g. "
-            "64,144,256: each step's images are resized to the largest grid of at most the drawn number of patches "
-            "at their own aspect ratio, and the batch holds --max_tokens_per_batch // length images per process. "
-            "The draw is fixed by --seed and the step (every process trains the step at the same length; a resumed "
-            "run draws what the uninterrupted one did); every epoch has the same steps, in another order. "
-            "Evaluation and the saved processor use --max_num_patches (default: the longest length). Not with "
-            "--streaming (accelerate deals a stream out in batches of one size)."
-        },
-    )
-    max_tokens_per_batch: int | None = field(
-        default=None,
-        metadata={
-            "help": "With --seq_lens: the patches one process's batch may hold; its batch size at length L is this // "
-            "L. Default: --per_device_train_batch_size x the longest of --seq_lens (that length trains at "
-            "--per_device_train_batch_size images, shorter ones at more)."
-        },
-    )
-    patch_sizes: str | None = field(
-        default=None,
-        metadata={
-            "help": "FlexiViT: a patch size drawn per optimisation step from these, e.g. 8,16,32 (fixed by --seed and "
-            "the step: alike on every process and on resumption). The step embeds its patches with the stored patch "
-            "embedding resampled by FlexiViT's pseudo-inverse resize (its gradient trains the stored kernel) and "
-            "resamples the position grid to the image's grid at that size. The saved model keeps its own patch size "
-            "and kernel: from_pretrained(folder, patch_size=P) gives it at P. Each size must divide --image_size; "
-            "whole images only (not with --max_num_patches or --seq_lens)."
-        },
-    )
-    patch_size_probs: str | None = field(
-        default=None,
-        metadata={
-            "help": "With --patch_sizes: the weight of each size, e.g. 0.2,0.3,0.5 (normalised). Default: equal."
-        },
+    patch_size_probs: str | None = flag(
+        None, "With --patch_sizes: the weight of each size, e.g. 0.2,0.3,0.5 (normalised). Default: equal."
     )
 
     def source(self) -> DataSource:
         """Where the images come from and how the splits are cut."""
         from ..data.datasets import DataSource
 
-        return DataSource(
-            dataset_name=self.dataset_name,
-            image_column_name=self.image_column_name,
-            label_column_name=self.label_column_name,
-            train_split=self.train_split,
-            validation_split=self.validation_split,
-            test_split=self.test_split,
-            validation_fraction=self.validation_fraction,
-            streaming=self.streaming,
-            shuffle_buffer_size=self.shuffle_buffer_size,
-            max_train_samples=self.max_train_samples,
-        )
+        return settings_of(DataSource, self)
 
     def augmentation(self) -> Augmentation:
         """How the training images are augmented (`--hflip` resolved: on, except for digits)."""
         from ..data.transforms import Augmentation
 
-        return Augmentation(
-            random_resized_crop=self.random_resized_crop,
-            crop_scale_min=self.crop_scale_min,
-            hflip=default_hflip(self),
-            rand_augment=self.rand_augment,
-            reprob=self.reprob,
-            remode=self.remode,
-            recount=self.recount,
-            token_drop_rate=self.token_drop_rate,
-        )
+        hflip = self.hflip if self.hflip is not None else self.dataset_name != "digits"
+        return settings_of(Augmentation, self, hflip=hflip)
 
     def sizes(self) -> BatchSizes:
         """The sizes of the training batches: native aspect ratio and the sizes drawn per step."""
         from ..data.transforms import BatchSizes
 
-        return BatchSizes(
-            max_num_patches=self.max_num_patches,
-            packed_sequence_length=self.packed_sequence_length,
-            seq_lens=self.seq_lens,
-            max_tokens_per_batch=self.max_tokens_per_batch,
-            patch_sizes=self.patch_sizes,
-            patch_size_probs=self.patch_size_probs,
-        )
+        return settings_of(BatchSizes, self)
 
 
 @dataclass
 class VisionTransformerTrainingArguments(TrainingArguments):
     """Every `TrainingArguments` flag, plus what a run into an existing folder needs said."""
 
-    overwrite_output_dir: bool = field(
-        default=False,
-        metadata={
-            "help": "Train into an --output_dir that is not empty: files of the same names (the final model, "
-            "results, card) are replaced and the earlier run's checkpoint-* folders removed; other files are kept."
-        },
+    overwrite_output_dir: bool = flag(
+        False,
+        "Train into an --output_dir that is not empty: files of the same names (the final model, "
+        "results, card) are replaced and the earlier run's checkpoint-* folders removed; other files are kept.",
     )
-    check_eval_images: bool = field(
-        default=True,
-        metadata={
-            "help": "Decode every validation and test image once and read every training image's header before "
-            "training, so that unreadable files stop the run in seconds, all named at once, instead of when their "
-            "batch comes."
-        },
+    check_eval_images: bool = flag(
+        True,
+        "Decode every validation and test image once and read every training image's header before "
+        "training, so that unreadable files stop the run in seconds, all named at once, instead of when their "
+        "batch comes.",
     )
-    recipe: str | None = field(
-        default=None,
-        metadata={
-            "help": "A paper's recipe as the defaults of its flags: augreg (Steiner et al. 2021: Adam, Mixup 0.2, "
-            "RandAugment 2x15, dropout and stochastic depth 0.1), deit (Touvron et al. 2021: AdamW, Mixup 0.8 / "
-            "CutMix 1.0, RandAugment m9-mstd0.5-inc1, label smoothing 0.1, stochastic depth 0.1, EMA), finetune (He "
-            "et al. 2021, MAE fine-tuning: AdamW, layer-wise lr decay 0.65, Mixup/CutMix, RandAugment, label "
-            "smoothing, drop path 0.1). Flags given on the command line override it; deit's and finetune's learning "
-            "rate scales with the global batch (from 512 and 256) unless --learning_rate is given. The card says what "
-            "ran."
-        },
+    recipe: str | None = flag(
+        None,
+        "A paper's recipe as the defaults of its flags: augreg (Steiner et al. 2021: Adam, Mixup 0.2, "
+        "RandAugment 2x15, dropout and stochastic depth 0.1), deit (Touvron et al. 2021: AdamW, Mixup 0.8 / "
+        "CutMix 1.0, RandAugment m9-mstd0.5-inc1, label smoothing 0.1, stochastic depth 0.1, EMA), finetune (He "
+        "et al. 2021, MAE fine-tuning: AdamW, layer-wise lr decay 0.65, Mixup/CutMix, RandAugment, label "
+        "smoothing, drop path 0.1). Flags given on the command line override it; deit's and finetune's learning "
+        "rate scales with the global batch (from 512 and 256) unless --learning_rate is given. The card says what "
+        "ran.",
     )
-    layer_decay: float | None = field(
-        default=None,
-        metadata={
-            "help": "Layer-wise learning-rate decay D (timm's): block i of L learns at lr * D^(L-i), the embeddings "
-            "at lr * D^(L+1), the final norm and head at lr; biases, norms, position embeddings and the class token "
-            "get no weight decay. E.g. 0.65 for ViT-B, 0.75 for ViT-L. 1.0: those weight-decay groups only."
-        },
+    layer_decay: float | None = flag(
+        None,
+        "Layer-wise learning-rate decay D (timm's): block i of L learns at lr * D^(L-i), the embeddings "
+        "at lr * D^(L+1), the final norm and head at lr; biases, norms, position embeddings and the class token "
+        "get no weight decay. E.g. 0.65 for ViT-B, 0.75 for ViT-L. 1.0: those weight-decay groups only.",
     )
-    ema_decay: float | None = field(
-        default=None,
-        metadata={
-            "help": "Keep an exponential moving average of the trained weights with this decay (e.g. 0.9998), updated "
-            "after each optimiser step (the first copies the weights): evaluation uses it and the saved model is it; "
-            "checkpoints keep the raw weights and the average. With LoRA, the adapters and head are averaged."
-        },
+    ema_decay: float | None = flag(
+        None,
+        "Keep an exponential moving average of the trained weights with this decay (e.g. 0.9998), updated "
+        "after each optimiser step (the first copies the weights): evaluation uses it and the saved model is it; "
+        "checkpoints keep the raw weights and the average. With LoRA, the adapters and head are averaged.",
     )
-    ema_warmup: bool = field(
-        default=False,
-        metadata={
-            "help": "Warm the EMA's decay up as timm's ModelEmaV3 does: min(--ema_decay, 1 - (1 + t)^(-2/3)) after "
-            "step t + 1, so short runs average over a window that grows with them."
-        },
+    ema_warmup: bool = flag(
+        False,
+        "Warm the EMA's decay up as timm's ModelEmaV3 does: min(--ema_decay, 1 - (1 + t)^(-2/3)) after "
+        "step t + 1, so short runs average over a window that grows with them.",
     )
-    mixup_alpha: float = field(
-        default=0.0,
-        metadata={"help": "Mixup: mix each training batch with itself reversed, lam ~ Beta(alpha, alpha); 0 is off."},
+    mixup_alpha: float = flag(
+        0.0, "Mixup: mix each training batch with itself reversed, lam ~ Beta(alpha, alpha); 0 is off."
     )
-    cutmix_alpha: float = field(
-        default=0.0,
-        metadata={
-            "help": "CutMix: paste a box of the reversed batch, lam ~ Beta(alpha, alpha) then corrected to the box's "
-            "area; 0 is off. With --mixup_alpha, each batch does one or the other (--mixup_switch_prob)."
-        },
+    cutmix_alpha: float = flag(
+        0.0,
+        "CutMix: paste a box of the reversed batch, lam ~ Beta(alpha, alpha) then corrected to the box's "
+        "area; 0 is off. With --mixup_alpha, each batch does one or the other (--mixup_switch_prob).",
     )
-    cutmix_minmax: list[float] | None = field(
-        default=None,
-        metadata={
-            "help": "CutMix box sides drawn uniformly between these fractions of the image's (min max), instead of "
-            "from lam; turns CutMix on.",
-            "nargs": 2,
-        },
+    cutmix_minmax: list[float] | None = flag(
+        None,
+        "CutMix box sides drawn uniformly between these fractions of the image's (min max), instead of "
+        "from lam; turns CutMix on.",
+        nargs=2,
     )
-    mixup_prob: float = field(
-        default=1.0, metadata={"help": "Probability that a batch is mixed (Mixup or CutMix) at all."}
-    )
-    mixup_switch_prob: float = field(
-        default=0.5,
-        metadata={"help": "With both --mixup_alpha and --cutmix_alpha: probability of CutMix for a batch."},
+    mixup_prob: float = flag(1.0, "Probability that a batch is mixed (Mixup or CutMix) at all.")
+    mixup_switch_prob: float = flag(
+        0.5, "With both --mixup_alpha and --cutmix_alpha: probability of CutMix for a batch."
     )
     # Not a flag: the flags the command line gave, which `parse_args` records for the run's log and card.
     recipe_flags_given: list[str] = field(default_factory=list, init=False)
 
     def recipe_settings(self) -> RecipeSettings:
         """The recipe's settings: the named recipe, layer decay, EMA, Mixup/CutMix and label smoothing."""
-        return RecipeSettings(
-            name=self.recipe,
-            given=frozenset(self.recipe_flags_given),
-            layer_decay=self.layer_decay,
-            ema_decay=self.ema_decay,
-            ema_warmup=self.ema_warmup,
-            mixup_alpha=self.mixup_alpha,
-            cutmix_alpha=self.cutmix_alpha,
-            cutmix_minmax=tuple(self.cutmix_minmax) if self.cutmix_minmax else None,
-            mixup_prob=self.mixup_prob,
-            mixup_switch_prob=self.mixup_switch_prob,
-            label_smoothing=self.label_smoothing_factor,
+        minmax = tuple(self.cutmix_minmax) if self.cutmix_minmax else None
+        given = frozenset(self.recipe_flags_given)
+        smoothing = self.label_smoothing_factor
+        return settings_of(
+            RecipeSettings, self, name=self.recipe, given=given, cutmix_minmax=minmax, label_smoothing=smoothing
         )
+
+
+def settings_of(settings: type, parsed: Any, **values: Any) -> Any:
+    """The settings dataclass `settings` with each field the parsed flags' dataclass `parsed` has of the same name,
+    and `values` for the others."""
+    names = {item.name for item in dataclasses.fields(settings)} - set(values)
+    return settings(**{name: getattr(parsed, name) for name in names if hasattr(parsed, name)}, **values)
 
 
 def build_parser(task: str) -> HfArgumentParser:
@@ -747,16 +638,7 @@ def check_recipe_flags(model_args, data_args, training_args, passed: set[str]) -
             )
         if training_args.fsdp:
             raise ValueError("--ema_decay averages whole parameters: it is not supported with --fsdp (use DDP).")
-    minmax = training_args.cutmix_minmax
-    mixing = Mixing(
-        num_classes=2,
-        mixup_alpha=training_args.mixup_alpha,
-        cutmix_alpha=training_args.cutmix_alpha,
-        cutmix_minmax=tuple(minmax) if minmax else None,
-        prob=training_args.mixup_prob,
-        switch_prob=training_args.mixup_switch_prob,
-        label_smoothing=training_args.label_smoothing_factor,
-    )
+    mixing = mixing_for(training_args.recipe_settings(), enabled_only=False)
     if not mixing.enabled:
         idle = sorted({"mixup_prob", "mixup_switch_prob"} & passed)
         if idle and mixing.prob > 0:
@@ -833,11 +715,6 @@ def parse_args_or_exit(task: str, argv: list[str] | None = None):
     Imports nothing of the run beyond the flags', so that `--help` and argument errors come before the heavy part."""
     with exit_on_error((ValueError,)):
         return parse_args(task, argv)
-
-
-def default_hflip(data_args: DataArguments) -> bool:  # the edge: reads the flags' dataclass
-    """`--hflip`, or by default on, except for digits (a flipped digit is another shape)."""
-    return data_args.hflip if data_args.hflip is not None else data_args.dataset_name != "digits"
 
 
 def flag_values(*arguments: Any) -> dict[str, Any]:

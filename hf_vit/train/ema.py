@@ -1,14 +1,8 @@
-"""An exponential moving average (EMA) of the weights a run trains, with timm's meanings (`ModelEmaV3`).
-
-After every optimiser step `t` (1, 2, ...), each trained parameter's average moves towards the parameter:
-`ema = decay_t * ema + (1 - decay_t) * weight`, in place on the weights' device (`torch._foreach_lerp_`). As in
-timm, the first update copies the weights (`decay_1 = 0`); after it, `decay_t` is `--ema_decay`, or with
-`--ema_warmup` `min(--ema_decay, 1 - (1 + (t - 1)) ** (-2/3))` (timm's warmup with gamma 1 and power 2/3), which lets
-short runs average over a window that grows with them.
-
-Only parameters that train are averaged: with LoRA, the adapters and the new head (the frozen weights do not move).
-The averaged weights are what a run evaluates and saves as its model; `state_dict` / `load_state_dict` keep them in
-every checkpoint (`EMA_FILE`), so a resumed run continues the same average bit for bit.
+"""An exponential moving average (EMA) of the weights a run trains, with timm's meanings (`ModelEmaV3`): after every
+optimiser step, each trained parameter's average moves towards the parameter, in place on the weights' device, with
+the decay of `ema_decay_at`. Only parameters that train are averaged: with LoRA, the adapters and the new head. The
+averaged weights are what a run evaluates and saves as its model; every checkpoint keeps them (`EMA_FILE`), so a
+resumed run continues the same average bit for bit.
 """
 
 from __future__ import annotations

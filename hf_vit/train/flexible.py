@@ -1,20 +1,7 @@
 """Training with a size drawn per batch: a sequence length for native-aspect batches (`--seq_lens`, as timm's NaFlex
-loader) or a patch size (`--patch_sizes`, as FlexiViT trains). Every draw is a function of the run's seed and the
-batch's place in the run, never of a random stream: every process draws the same size for the same step, and a
-resumed run draws the sizes the uninterrupted run would have.
-
-* `SeqLenBatchSampler`: each step draws a sequence length `s` of `--seq_lens`; the batch holds
-  `max_tokens_per_batch // s` images per process, each resized to at most `s` patches at its own aspect ratio
-  (`--max_num_patches` semantics per batch). As in timm's `naflex_dataset`, the lengths of an epoch's steps are a
-  schedule drawn once from the seed (so every epoch has the same number of steps, which Trainer's resumption counts
-  on) and permuted each epoch. It is a batch sampler with no fixed `batch_size`: accelerate's `BatchSamplerShard` then
-  hands process `r` the `r`-th of every `num_processes` consecutive batches, and the sampler yields those batches
-  together, all of one length, so every process trains the step at the same length.
-* `PatchSizeDraw` and `at_patch_size`: each optimisation step draws a patch size; inside `at_patch_size(model, p)` the
-  model embeds `p x p` patches with the stored kernel resampled on every forward by `resample_patch_embedding`
-  (FlexiViT's pseudo-inverse resize, differentiable: the gradient reaches the stored kernel) and resamples its stored
-  position grid to the image's grid at `p`, as `set_input_size(patch_size=p)` does. Outside it the model is as
-  stored: checkpoints keep the base patch size and its kernel.
+loader: `SeqLenBatchSampler`) or a patch size (`--patch_sizes`, as FlexiViT trains: `PatchSizeDraw`, `at_patch_size`).
+Every draw is a function of the run's seed and the batch's place in the run, never of a random stream: every process
+draws the same size for the same step, and a resumed run draws the sizes the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -29,8 +16,6 @@ from torch.nn import functional as F
 
 from ..data.seeding import seeded_generator, seeded_int
 from ..model.resolution import grid_for, resample_patch_embedding
-
-__all__ = ["PatchSizeDraw", "SeqLenBatchSampler", "at_patch_size"]
 
 
 class SeqLenBatchSampler:
@@ -94,13 +79,7 @@ class PatchSizeDraw:
     `(seed, step)`."""
 
     def __init__(self, patch_sizes: Sequence[int], probabilities: Sequence[float] | None, seed: int) -> None:
-        if probabilities is not None and (
-            len(probabilities) != len(patch_sizes) or any(p < 0 for p in probabilities) or sum(probabilities) <= 0
-        ):
-            raise ValueError(
-                f"--patch_size_probs {list(probabilities)} must give one non-negative weight per size of "
-                f"--patch_sizes {list(patch_sizes)}, not all zero."
-            )
+        # `--patch_size_probs` is checked with the flags (`arguments.check_flexible_flags`)
         self.patch_sizes, self.seed = list(patch_sizes), seed
         weights = torch.tensor(
             probabilities if probabilities is not None else [1.0] * len(patch_sizes), dtype=torch.float64
@@ -133,11 +112,6 @@ class _ResampledPatchEmbedding(nn.Module):
         return F.conv2d(pixels, self.weight, self.bias, stride=self.patch_size)
 
 
-def _vision_transformer(model: nn.Module) -> nn.Module:
-    """The hf-vit model inside `model` (a LoRA adapter's, or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 @contextlib.contextmanager
 def at_patch_size(model: nn.Module, patch_size: int) -> Iterator[None]:
     """Inside the block, `model` (an hf-vit model, or a LoRA adapter of one) runs on `patch_size` patches: its config
@@ -145,7 +119,7 @@ def at_patch_size(model: nn.Module, patch_size: int) -> Iterator[None]:
     `interpolate_pos_encoding=True` resamples the stored positions to each image's grid, and the patch embedding is
     the stored kernel resampled by `resample_patch_embedding` on every call. Everything is restored on leaving; the
     stored parameters are the ones trained."""
-    inner = _vision_transformer(model)
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a LoRA adapter's model
     config = inner.config
     if patch_size == config.patch_size:
         yield

@@ -147,11 +147,9 @@ def adapt(model: nn.Module, lora: LoraSettings, task: str, output_dir: str | os.
         lora.target_modules.split(","),
         base_model_name_or_path=lora.base,
     )
-    trained, total = trainable_parameters(model)
-    logger.info(
-        "LoRA rank %d on %s: %d of %d parameters trained.", lora.rank, lora.target_modules,
-        trained, total,
-    )  # fmt: skip
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("LoRA rank %d on %s: %d of %d parameters trained.", lora.rank, lora.target_modules, trained, total)
     return model
 
 
@@ -169,13 +167,6 @@ def _restrict_to_parts(peft_model: nn.Module, parts: list[int]) -> None:
             with torch.no_grad():
                 weight.mul_(keep)
             weight.register_hook(lambda grad, keep=keep: grad * keep)
-
-
-def trainable_parameters(model: nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, total
 
 
 def lora_summary(rank: int, target_modules: str, model_name_or_path: str) -> str:

@@ -1,14 +1,8 @@
-"""The training recipes that make ViTs learn from mid-sized data: layer-wise learning-rate decay (as parameter groups)
-and the named recipes (`--recipe`), each a table of flags from its paper.
-
-Layer-wise decay numbers the model's parameters as timm's `param_groups_layer_decay` does for a ViT of L blocks:
-the embeddings (patch embedding, class and mask tokens, positions, the hybrid's ResNet stem) are layer 0, block `i`
-(0-based) is layer `i + 1`, and everything after the blocks (the final norm, the pre-logits layer and the classifier,
-or masked patch prediction's head) is layer `L + 1`. Layer `k` learns at `lr * D ** (L + 1 - k)`: block `i` at
-`lr * D ** (L - i)`, the embeddings at `lr * D ** (L + 1)`, the head at `lr`. Biases, norms (every parameter of one
-dimension), position embeddings and special tokens get no weight decay. The names are matched inside any wrapper
-(peft's `base_model.model.`, DDP's `module.`), so the same function serves the plain model, a LoRA-wrapped model and
-the masked patch prediction model; frozen parameters are left out.
+"""The training recipes that make ViTs learn from mid-sized data: layer-wise learning-rate decay (as parameter groups,
+numbered as timm's `param_groups_layer_decay` numbers a ViT's: `layer_of`) and the named recipes (`--recipe`), each a
+table of flags from its paper. The parameters' names are matched inside any wrapper (peft's `base_model.model.`,
+DDP's `module.`), so the same groups serve the plain model, a LoRA-wrapped model and the masked patch prediction
+model; frozen parameters are left out.
 """
 
 from __future__ import annotations
@@ -145,9 +139,7 @@ RECIPES: dict[str, Recipe] = {
         name="vit-pretrain",
         source="Dosovitskiy et al. 2021, An Image is Worth 16x16 Words, section 4.1 and appendix B.1 (pretraining)",
         flags=dict(
-            optim="adamw_torch",
-            adam_beta1=0.9,
-            adam_beta2=0.999,
+            **_ADAMW,
             weight_decay=0.1,
             learning_rate=1e-3,
             lr_scheduler_type="linear",
@@ -289,9 +281,8 @@ def recipe_summary(recipe: Recipe, values: dict[str, Any], passed: set[str]) -> 
 
 @dataclass(frozen=True)
 class RecipeSettings:
-    """The recipe flags' values a run's Trainer, log and card need: `--recipe` and which flags the command line gave,
-    `--layer_decay`, `--ema_decay`/`--ema_warmup`, Mixup/CutMix (`--mixup_alpha`, `--cutmix_alpha`,
-    `--cutmix_minmax`, `--mixup_prob`, `--mixup_switch_prob`) and `--label_smoothing_factor`."""
+    """The recipe flags' values a run's Trainer, log and card need (`name`: `--recipe`; `given`: the flags the command
+    line gave)."""
 
     name: str | None = None
     given: frozenset[str] = frozenset()
@@ -327,8 +318,9 @@ def ema_callback(recipe: RecipeSettings) -> EmaCallback | None:
     return None if recipe.ema_decay is None else EmaCallback(recipe.ema_decay, recipe.ema_warmup)
 
 
-def mixing_for(recipe: RecipeSettings, config: Any) -> Mixing | None:
-    """The run's `Mixing` of its training batches (None when off), for a classifier with `config`."""
+def mixing_for(recipe: RecipeSettings, config: Any = None, enabled_only: bool = True) -> Mixing | None:
+    """The run's `Mixing` of its training batches for a classifier with `config` (None when off, with
+    `enabled_only`)."""
     mixing = Mixing(
         num_classes=max(int(getattr(config, "num_labels", 0)), 2),
         mixup_alpha=recipe.mixup_alpha,
@@ -339,7 +331,7 @@ def mixing_for(recipe: RecipeSettings, config: Any) -> Mixing | None:
         label_smoothing=recipe.label_smoothing,
         multi_label=getattr(config, "problem_type", None) == "multi_label_classification",
     )
-    return mixing if mixing.enabled else None
+    return mixing if mixing.enabled or not enabled_only else None
 
 
 def log_recipe(recipe: RecipeSettings, values: dict[str, Any]) -> None:

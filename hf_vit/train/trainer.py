@@ -81,10 +81,8 @@ class SeededAugmentation(torch.utils.data.Dataset):
             if self.transform is None:
                 return self.data[index]
             batch = {name: [value] for name, value in self.data[index].items()}
-            if max_num_patches is None:
-                batch = self.transform(batch)
-            else:
-                batch = self.transform(batch, max_num_patches=max_num_patches)
+            sizes = {} if max_num_patches is None else {"max_num_patches": max_num_patches}
+            batch = self.transform(batch, **sizes)
             return {name: values[0] for name, values in batch.items()}
 
 
@@ -101,31 +99,19 @@ class EpochToDataset(TrainerCallback):
 
 class VisionTransformerTrainer(Trainer):
     """`Trainer` with the guarantees the scripts promise and the recipes' parts, each Trainer method overridden once,
-    here, in the order a run calls them. What a run adds is given to the constructor:
-
-    - `layer_decay`: the optimiser gets `recipes.layer_decay_param_groups` (logged) instead of Trainer's two groups;
-    - `mixing` (a `Mixing`): each training batch is mixed on its way into `training_step`, seeded by the run's seed,
-      the optimiser step and the batch's place in it (the same on every process, and again after resuming), and its
-      soft targets are learnt with soft-target cross-entropy (single-label) or the sigmoid cross-entropy the model
-      uses (multi-label); evaluation is unchanged;
-    - `ema` (an `ema.EmaCallback`, also among the callbacks): evaluation during training sees the averaged weights,
-      and every checkpoint holds the average (`ema.EMA_FILE`, written before Trainer's state so that a cut checkpoint
-      is skipped) to resume it;
-    - `seq_len_sampler` (`flexible.SeqLenBatchSampler`): the training batches come from it, a length and a batch size
-      per step; `patch_size_draw` (`flexible.PatchSizeDraw`): each optimisation step trains at the patch size it
-      draws;
-    - `packed_sampler` (`packed_batches.PackedBatchSampler`): the training batches come from it, a fixed number of
-      rows of patch slots each, filled with as many whole images as they hold;
-    - `run_record` (`hf_vit.outputs.run_record.RunRecord`, the run's main process): the push of the output folder
-      sends only what this run wrote there.
+    here, in the order a run calls them. What a run adds is given to the constructor: `layer_decay` (the optimiser's
+    groups from `recipes.layer_decay_param_groups`), `mixing` (each training batch mixed on its way into
+    `training_step`, seeded by the run's seed, the step and the batch's place in it, and learnt with soft-target
+    cross-entropy, or the sigmoid cross-entropy of multi-label models), `ema` (an `ema.EmaCallback`: evaluation during
+    training sees the average, and every checkpoint holds it, written before Trainer's state), `seq_len_sampler` and
+    `packed_sampler` (the training batches come from them), `patch_size_draw` (each step trains at the patch size it
+    draws) and `run_record` (the push of the output folder sends only what this run wrote there).
 
     And always: every push sends exactly the files the project's upload plan lists (`hf_vit.outputs.push`), in one
     commit each, and the token never reaches disk (it is taken out of the arguments Trainer pickles into every
     checkpoint); evaluation does not consume the training's random numbers, so a checkpoint saved right before an
-    evaluation resumes to the same weights (with `SeededAugmentation` for the training split); a checkpoint that
-    cannot be written (a full disk) stops the run with the folder and the free space named.
-
-    Private Trainer methods are overridden only where Trainer has no public hook; each says so.
+    evaluation resumes to the same weights; a checkpoint that cannot be written (a full disk) stops the run with the
+    folder and the free space named. Private Trainer methods are overridden only where Trainer has no public hook.
     """
 
     def __init__(

@@ -57,8 +57,6 @@ from .recipes import (
 from .summary import summarize_run
 from .trainer import EpochToDataset, RunSetupCallback, SeededAugmentation, VisionTransformerTrainer
 
-__all__ = ["main", "train"]
-
 logger = logging.getLogger(__name__)
 
 
@@ -277,7 +275,8 @@ def build_trainer(
                 "Packed sequences: each batch is %d rows of %d patch slots per device, holding as many whole images "
                 "(at most %d patches each%s) as fill them: %s, %d batch(es) per epoch.",
                 rows, length, sizes.max_num_patches, ", fewer kept by token dropping" if token_drop_rate else "",
-                _mean_images(packed_sampler), len(packed_sampler),
+                "a number of images per batch that varies" if (mean := packed_sampler.images_per_batch()) is None
+                else f"{mean:.1f} images per batch on average, in every epoch", len(packed_sampler),
             )  # fmt: skip
         if training_args.process_index == 0:
             logger.info(*message)
@@ -336,13 +335,6 @@ def packed_batches(
         dataset=train,
         drop_partial=training_args.dataloader_drop_last,
     )
-
-
-def _mean_images(sampler: PackedBatchSampler) -> str:
-    mean = sampler.images_per_batch()
-    if mean is None:
-        return "a number of images per batch that varies"
-    return f"{mean:.1f} images per batch on average, in every epoch"
 
 
 def flexible_sizes(

@@ -148,10 +148,7 @@ def mix_batch(
     if lam == 1.0:
         return pixel_values, targets, 1.0
     if spatial_shapes is not None:
-        if use_cutmix:
-            pixel_values, lams = cutmix_patches(pixel_values, spatial_shapes, lam, rng, mixing.cutmix_minmax)
-        else:
-            pixel_values, lams = mixup_patches(pixel_values, spatial_shapes, lam)
+        pixel_values, lams = mix_patches(pixel_values, spatial_shapes, lam, rng, mixing.cutmix_minmax, use_cutmix)
         lams = lams.to(targets.device)[:, None]
         return pixel_values, targets * lams + targets.flip(0) * (1.0 - lams), float(lams.mean())
     flipped = pixel_values.flip(0)
@@ -192,45 +189,33 @@ def grid_slots(
     return (rows * cols + columns).flatten().to(device), (rows * other_cols + columns).flatten().to(device)
 
 
-def cutmix_patches(
+def mix_patches(
     patches: torch.Tensor,
     spatial_shapes: torch.Tensor,
     lam: float,
     rng: np.random.Generator,
     minmax: tuple[float, float] | None = None,
+    cutmix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CutMix of a native-aspect batch (see the module docstring): (the patches [N, K, P*P*C] with each image's box
-    of whole patches replaced by image `N-1-i`'s at the same grid places, each image's corrected lam [N])."""
+    """CutMix (`cutmix`) or Mixup of a native-aspect batch (see the module docstring): (the patches [N, K, P*P*C],
+    each image's box of whole patches replaced by image `N-1-i`'s at the same grid places, or its patches on the grid
+    it shares with image `N-1-i` blended with the partner's there; each image's corrected lam [N])."""
     grids = [(int(rows), int(cols)) for rows, cols in spatial_shapes.tolist()]
     mixed, partner = patches.clone(), patches.flip(0)
     lams = torch.ones(len(grids))
     for image, (rows, cols) in enumerate(grids):
         other_rows, other_cols = grids[len(grids) - 1 - image]
-        top, bottom, left, right = patch_box(min(rows, other_rows), min(cols, other_cols), lam, rng, minmax)
+        shared = (min(rows, other_rows), min(cols, other_cols))
+        top, bottom, left, right = patch_box(*shared, lam, rng, minmax) if cutmix else (0, shared[0], 0, shared[1])
         if bottom <= top or right <= left:
             continue
         own, theirs = grid_slots((top, bottom, left, right), cols, other_cols, patches.device)
-        mixed[image, own] = partner[image, theirs]
-        lams[image] = 1.0 - own.numel() / (rows * cols)
-    return mixed, lams
-
-
-def mixup_patches(
-    patches: torch.Tensor, spatial_shapes: torch.Tensor, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixup of a native-aspect batch (see the module docstring): (the patches [N, K, P*P*C], each image's patches on
-    the grid it shares with image `N-1-i` blended with the partner's at the same grid places, each image's lam [N])."""
-    grids = [(int(rows), int(cols)) for rows, cols in spatial_shapes.tolist()]
-    mixed, partner = patches.clone(), patches.flip(0)
-    lams = torch.ones(len(grids))
-    for image, (rows, cols) in enumerate(grids):
-        other_rows, other_cols = grids[len(grids) - 1 - image]
-        shared_rows, shared_cols = min(rows, other_rows), min(cols, other_cols)
-        if shared_rows * shared_cols == 0:
-            continue
-        own, theirs = grid_slots((0, shared_rows, 0, shared_cols), cols, other_cols, patches.device)
-        mixed[image, own] = lam * patches[image, own] + (1.0 - lam) * partner[image, theirs]
-        lams[image] = 1.0 - (1.0 - lam) * own.numel() / (rows * cols)
+        if cutmix:
+            mixed[image, own] = partner[image, theirs]
+            lams[image] = 1.0 - own.numel() / (rows * cols)
+        else:
+            mixed[image, own] = lam * patches[image, own] + (1.0 - lam) * partner[image, theirs]
+            lams[image] = 1.0 - (1.0 - lam) * own.numel() / (rows * cols)
     return mixed, lams
 
 

@@ -36,27 +36,6 @@ from PIL import ImageEnhance, ImageOps
 
 LEVEL_DENOM = 10.0
 
-RAND_OPS = (
-    "AutoContrast",
-    "Equalize",
-    "Invert",
-    "Rotate",
-    "Posterize",
-    "Solarize",
-    "SolarizeAdd",
-    "Color",
-    "Contrast",
-    "Brightness",
-    "Sharpness",
-    "ShearX",
-    "ShearY",
-    "TranslateXRel",
-    "TranslateYRel",
-)
-# The operations whose strength timm's increasing variants turn around (`inc1`).
-_INCREASING = ("Posterize", "Solarize", "Color", "Contrast", "Brightness", "Sharpness")
-RAND_INCREASING_OPS = tuple(f"{name}Increasing" if name in _INCREASING else name for name in RAND_OPS)
-
 RESAMPLING = {
     "nearest": PIL.Image.Resampling.NEAREST,
     "bilinear": PIL.Image.Resampling.BILINEAR,
@@ -182,6 +161,10 @@ PIL_OPERATIONS: dict[str, Callable] = {
     "TranslateXRel": lambda im, a, f, r: _pil_affine(im, _matrix("TranslateXRel", a, *im.size), f, r),
     "TranslateYRel": lambda im, a, f, r: _pil_affine(im, _matrix("TranslateYRel", a, *im.size), f, r),
 }
+RAND_OPS = tuple(PIL_OPERATIONS)
+# The operations whose strength timm's increasing variants turn around (`inc1`).
+_INCREASING = ("Posterize", "Solarize", "Color", "Contrast", "Brightness", "Sharpness")
+RAND_INCREASING_OPS = tuple(f"{name}Increasing" if name in _INCREASING else name for name in RAND_OPS)
 
 
 def _matrix(name: str, argument: float, width: int, height: int) -> tuple[float, ...]:
@@ -401,9 +384,7 @@ def _geometric(name: str) -> Callable:
     def operation(image: np.ndarray, argument: float, fill, resample) -> np.ndarray:
         # Bilinear shears and translations are computed here; rotations and the other filters by Pillow.
         if resample != PIL.Image.Resampling.BILINEAR or name == "Rotate":
-            return _via_pil(
-                image, name, argument, tuple(int(v) for v in fill) if fill.size > 1 else int(fill[0]), resample
-            )
+            return _via_pil(image, name, argument, _pil_fill(fill), resample)
         height, width = image.shape[:2]
         if name == "TranslateXRel":
             return _translate_bilinear(image, argument * width, 1, fill)
@@ -419,7 +400,6 @@ _ARRAY_OPERATIONS: dict[str, Callable] = {
     "AutoContrast": lambda im, a, f, r: _via_pil(im, "AutoContrast", a, None, r),  # a histogram and a table each:
     "Equalize": lambda im, a, f, r: _via_pil(im, "Equalize", a, None, r),  # numpy's are no faster than Pillow's
     "Invert": lambda im, a, f, r: np.uint8(255) - im,
-    "Rotate": _geometric("Rotate"),
     "Posterize": lambda im, a, f, r: _posterize(im, a),
     "Solarize": lambda im, a, f, r: _solarize(im, a),
     "SolarizeAdd": lambda im, a, f, r: _solarize_add(im, a),
@@ -427,10 +407,7 @@ _ARRAY_OPERATIONS: dict[str, Callable] = {
     "Contrast": lambda im, a, f, r: _contrast(im, a),
     "Brightness": lambda im, a, f, r: _blend(np.float32(0), im, a),
     "Sharpness": lambda im, a, f, r: _sharpness(im, a),
-    "ShearX": _geometric("ShearX"),
-    "ShearY": _geometric("ShearY"),
-    "TranslateXRel": _geometric("TranslateXRel"),
-    "TranslateYRel": _geometric("TranslateYRel"),
+    **{name: _geometric(name) for name in ("Rotate", "ShearX", "ShearY", "TranslateXRel", "TranslateYRel")},
 }
 
 # Each level function maps (magnitude, sign draw) to the operation's argument, as timm's LEVEL_TO_ARG.

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,7 +27,7 @@ from ...model.image_processing_vit import (
     resize_images,
     to_resampling,
 )
-from ..transforms import Transform, decode_image, with_labels
+from ..transforms import Transform, decode_image, encoded_image, with_labels
 from .rand_augment import RandAugment
 from .random_erasing import RandomErasing, check_random_erasing
 
@@ -233,14 +232,7 @@ def drop_tokens(
 
 def _open_jpeg(image: Any) -> PIL.Image.Image | None:
     """`image` opened lazily (header read, pixels not decoded) when it is an encoded RGB or grey JPEG, else None."""
-    if isinstance(image, (str, os.PathLike)):
-        path, data = os.fspath(image), None
-    elif isinstance(image, (bytes, bytearray, memoryview)):
-        path, data = None, bytes(image)
-    elif isinstance(image, Mapping):
-        path, data = image.get("path"), image.get("bytes")
-    else:
-        return None
+    path, data = encoded_image(image)
     if data is None and (path is None or "://" in path):
         return None
     try:
