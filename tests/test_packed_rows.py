@@ -839,3 +839,17 @@ def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping):
         # the runs: each row's images in order, then its padding (the empty runs aside)
         runs = torch.diff(layout.segments.cu_seqlens).tolist()
         assert [n for n in runs if n] == [n for n in expected["runs"] if n], trial
+
+
+def test_stochastic_depth_drops_each_packed_image_whole_and_never_a_row_of_images_together():
+    from hf_vit.model.modeling_vit import DropPath
+
+    segments = attention_segments([[2, 3, 1], [4, 4], [1] * 9, [9]], prefix=1)
+    images = segments.token_images()
+    drop = DropPath(0.5).train()
+    torch.manual_seed(0)
+    kept = drop(torch.ones(1, len(images), 2), segments)[0, :, 0]
+    per_image = [set(kept[images == image].tolist()) for image in range(int(images.max()))]
+    assert all(len(values) == 1 for values in per_image)  # each image's tokens kept or dropped together
+    assert {value for values in per_image for value in values} == {0.0, 2.0}  # some kept (scaled), some dropped
+    assert not drop.eval()(torch.ones(1, len(images), 2), segments).eq(1).logical_not().any()
