@@ -46,23 +46,6 @@ def keep_weights():
     return KeepWeights()
 
 
-@pytest.fixture(scope="session")
-def one_process_run(tmp_path_factory):
-    """The one-process side of the distributed comparisons (here and in test_distributed.py): a pretrained folder and
-    the weights of one process fine-tuning from it on a batch of 16, trained once per test process, in it."""
-    from test_training import deterministic_finetune_args, pretrained_folder
-
-    from hf_vit.train.arguments import parse_args
-    from hf_vit.train.training import train
-
-    root = tmp_path_factory.mktemp("one-process")
-    source = pretrained_folder(root / "pre")
-    keep = keep_weights()
-    task, *argv = deterministic_finetune_args(source, root / "one", 16, extra=["--save_strategy", "no"])
-    train(task, *parse_args(task, argv), callbacks=[keep])
-    return source, keep.weights
-
-
 def tiny_config(**overrides):
     from hf_vit import VisionTransformerConfig
 
