@@ -18,6 +18,28 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
 
+# The files that take longest, longest first. `make test` hands whole files to its workers (--dist loadfile) in
+# collection order, the next file to whichever worker is almost done: with the long files first and the short ones
+# last, the workers finish together. (pytest-xdist's own order, by number of tests, left a few slow files of few tests
+# for the end, run by one worker while the other had nothing left.)
+SLOWEST_FILES = (
+    "test_benchmark.py", "test_matrix.py", "test_families.py", "test_training.py", "test_training_edges.py",
+    "test_analysis.py", "test_distributed.py", "test_recipes.py", "test_inference.py", "test_wheel.py",
+    "test_export.py", "test_packed_training.py", "test_output_folders.py", "test_native_aspect.py",
+    "test_hub_training.py", "test_examples.py", "test_layout.py", "test_image_processing.py", "test_data.py",
+    "test_packed_rows.py",
+)  # fmt: skip
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # keep the order below
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
+
 
 def free_port() -> int:
     """A TCP port nothing listens on now, for a launcher's rendezvous: fixed ports collide when test files run side
