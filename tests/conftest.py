@@ -41,6 +41,28 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
 
 
+@pytest.fixture(scope="session", autouse=True)
+def digits_built_once():
+    """`load_digits_dataset` builds the digits' splits anew on each call (1,797 images encoded), which a run on
+    digits paid every time: in a test process each seed's splits are built once, and each call gets its own copy (the
+    formats and transforms a run sets stay its own)."""
+    import copy
+    import functools
+
+    from datasets import DatasetDict
+
+    from hf_vit.data import datasets as module
+
+    build = functools.cache(module.load_digits_dataset)
+
+    def load_digits_dataset(seed: int = 0) -> DatasetDict:
+        return DatasetDict({split: copy.deepcopy(rows) for split, rows in build(seed).items()})
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "load_digits_dataset", load_digits_dataset)
+        yield
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now, for a launcher's rendezvous: fixed ports collide when test files run side
     by side (pytest-xdist) or beside another run on the machine."""
