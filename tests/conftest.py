@@ -13,7 +13,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # Under pytest-xdist each worker process takes one core's share, and so do the processes a test starts (scripts,
 # launchers): a child at the machine's thread count beside the other worker oversubscribes the cores, and torch's
-# spinning threads then run several times slower (the visualize script's test: 42 s against 25 s on a loaded machine).
+# spinning threads then run several times slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
