@@ -13,10 +13,54 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # Under pytest-xdist each worker process takes one core's share, and so do the processes a test starts (scripts,
 # launchers): a child at the machine's thread count beside the other worker oversubscribes the cores, and torch's
-# spinning threads then run several times slower (the visualize script's test: 42 s against 25 s on a loaded machine).
+# spinning threads then run several times slower.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, torch.get_num_threads()))
+
+# The files that take longest, longest first. `make test` hands whole files to its workers (--dist loadfile) in
+# collection order, the next file to whichever worker is almost done: with the long files first and the short ones
+# last, the workers finish together. (pytest-xdist's own order, by number of tests, left a few slow files of few tests
+# for the end, run by one worker while the other had nothing left.)
+SLOWEST_FILES = (
+    "test_benchmark.py", "test_matrix.py", "test_families.py", "test_training.py", "test_training_edges.py",
+    "test_analysis.py", "test_distributed.py", "test_recipes.py", "test_inference.py", "test_wheel.py",
+    "test_export.py", "test_packed_training.py", "test_output_folders.py", "test_native_aspect.py",
+    "test_hub_training.py", "test_examples.py", "test_layout.py", "test_image_processing.py", "test_data.py",
+    "test_packed_rows.py",
+)  # fmt: skip
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # keep the order below
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
+
+
+@pytest.fixture(scope="session", autouse=True)
+def digits_built_once():
+    """`load_digits_dataset` builds the digits' splits anew on each call (1,797 images encoded), which a run on
+    digits paid every time: in a test process each seed's splits are built once, and each call gets its own copy (the
+    formats and transforms a run sets stay its own)."""
+    import copy
+    import functools
+
+    from datasets import DatasetDict
+
+    from hf_vit.data import datasets as module
+
+    build = functools.cache(module.load_digits_dataset)
+
+    def load_digits_dataset(seed: int = 0) -> DatasetDict:
+        return DatasetDict({split: copy.deepcopy(rows) for split, rows in build(seed).items()})
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "load_digits_dataset", load_digits_dataset)
+        yield
 
 
 def free_port() -> int:
@@ -44,23 +88,6 @@ def keep_weights():
             self.weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
     return KeepWeights()
-
-
-@pytest.fixture(scope="session")
-def one_process_run(tmp_path_factory):
-    """The one-process side of the distributed comparisons (here and in test_distributed.py): a pretrained folder and
-    the weights of one process fine-tuning from it on a batch of 16, trained once per test process, in it."""
-    from test_training import deterministic_finetune_args, pretrained_folder
-
-    from hf_vit.train.arguments import parse_args
-    from hf_vit.train.training import train
-
-    root = tmp_path_factory.mktemp("one-process")
-    source = pretrained_folder(root / "pre")
-    keep = keep_weights()
-    task, *argv = deterministic_finetune_args(source, root / "one", 16, extra=["--save_strategy", "no"])
-    train(task, *parse_args(task, argv), callbacks=[keep])
-    return source, keep.weights
 
 
 def tiny_config(**overrides):

@@ -73,18 +73,17 @@ def test_captured_probabilities_equal_eager_attention_for_the_chosen_layers(dtyp
 
 
 def test_captured_probabilities_of_a_converted_checkpoint_equal_transformers_own(tmp_path):
-    import subprocess
-
     from transformers import ViTConfig, ViTForImageClassification
+
+    from hf_vit.commands import convert
 
     torch.manual_seed(0)
     fields = dict(hidden_size=48, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96, num_labels=3)
     theirs = ViTForImageClassification(ViTConfig(image_size=32, patch_size=8, **fields)).eval()
     theirs.save_pretrained(tmp_path / "transformers")
-    command = [sys.executable, str(ROOT / "scripts" / "convert_checkpoint.py"), "--source", "transformers"]
-    command += ["--input", str(tmp_path / "transformers"), "--output", str(tmp_path / "converted")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
+    # the converter's command (scripts/convert_checkpoint.py), run in this process
+    arguments = ["--source", "transformers", "--input", str(tmp_path / "transformers")]
+    assert convert.main([*arguments, "--output", str(tmp_path / "converted")]) == 0
     ours = VisionTransformerForImageClassification.from_pretrained(tmp_path / "converted").eval()
     theirs.set_attn_implementation("eager")
     x = pixels()
@@ -297,17 +296,15 @@ def test_filter_components_match_numpy_pca():
 
 
 def test_visualize_writes_the_figures_for_a_saved_model(tmp_path):
-    import subprocess
-
     from hf_vit import VisionTransformerImageProcessor
+    from hf_vit.commands import visualize
 
     config = tiny_config(image_size=16, patch_size=4, num_labels=10)
     model_for(config).save_pretrained(tmp_path / "model")
     VisionTransformerImageProcessor(size=16, crop_size=16, do_center_crop=False).save_pretrained(tmp_path / "model")
-    command = [sys.executable, str(ROOT / "scripts" / "visualize.py"), "--model", str(tmp_path / "model")]
-    command += ["--output", str(tmp_path / "figures"), "--num_images", "3", "--image_size", "24", "20", "--bf16"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
+    # the command of scripts/visualize.py, run in this process
+    argv = ["--model", str(tmp_path / "model"), "--output", str(tmp_path / "figures"), "--num_images", "3"]
+    assert visualize.main([*argv, "--image_size", "24", "20", "--bf16"]) == 0
     written = sorted(p.name for p in (tmp_path / "figures").iterdir())
     assert written == ["embedding_and_attention_distance.png", "rollout.png"]
     assert (tmp_path / "figures" / "rollout.png").stat().st_size > 1000

@@ -4,8 +4,6 @@ the paper's equations that reads the npz arrays directly (independent of hf-vit'
 import importlib.util
 import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -428,13 +426,8 @@ def test_command_line(tmp_path, capsys):
     spec = SPECS["token-pre-logits-patch4"]
     arrays = random_npz(**spec)
     path = save_npz(tmp_path / "c.npz", arrays)
-    script = [sys.executable, str(ROOT / "scripts" / "convert_checkpoint.py")]
-    done = subprocess.run(
-        script + ["--source", "jax", "--input", str(path), "--output", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
+    # the script in this process (test_convert_transformers.py runs it in its own)
+    assert run_cli("--source", "jax", "--input", path, "--output", tmp_path / "out") == 0
     model = AutoModelForImageClassification.from_pretrained(tmp_path / "out").eval()
     assert isinstance(model, VisionTransformerForImageClassification)
     processor = AutoImageProcessor.from_pretrained(tmp_path / "out")

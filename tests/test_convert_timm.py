@@ -3,8 +3,6 @@ transformers' own ViT holding the same weights (an implementation hf-vit did not
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -318,17 +316,13 @@ def test_loading_files_and_folders(tmp_path):
 def test_command_line(tmp_path):
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-    import hf_vit  # noqa: F401 - registers the Auto classes
+    from hf_vit.commands import convert
 
     sd = random_timm(width=192, depth=1, mlp=768, patch=16, image=32, classes=4)  # standard Ti width: 3 heads
     save_file(sd, tmp_path / "model.safetensors")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "convert_checkpoint.py"), "--source", "timm"]
-        + ["--input", str(tmp_path / "model.safetensors"), "--output", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
+    # the command in this process (test_convert_transformers.py runs the script in its own)
+    arguments = ["--source", "timm", "--input", str(tmp_path / "model.safetensors")]
+    assert convert.main([*arguments, "--output", str(tmp_path / "out")]) == 0
     model = AutoModelForImageClassification.from_pretrained(tmp_path / "out").eval()
     assert isinstance(model, VisionTransformerForImageClassification) and model.config.num_attention_heads == 3
     assert list(AutoImageProcessor.from_pretrained(tmp_path / "out").image_mean) == [0.5] * 3

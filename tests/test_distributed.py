@@ -1,6 +1,6 @@
 """Scale-out rehearsed on one machine with CPU processes and gloo: FSDP2 sharding of hf-vit (torch's fully_shard;
 Trainer's --fsdp is refused on CPU, where accelerate does not enable it), and a two-node torchrun launch as two node
-processes on 127.0.0.1."""
+processes on 127.0.0.1, each matching one process; DDP on two processes matching one."""
 
 import json
 import os
@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, torchrun_command
+from conftest import free_port, keep_weights, torchrun_command
 from safetensors.torch import load_file
-from test_training import WORKER, deterministic_finetune_args
+from test_training import WORKER, deterministic_finetune_args, pretrained_folder
 
 from hf_vit import VisionTransformerForImageClassification
+from hf_vit.tasks.model_setup import load_checkpoint as load_for_finetuning
 from hf_vit.train.arguments import parse_args
+from hf_vit.train.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 FSDP_WORKER = ROOT / "tests" / "workers" / "fsdp_worker.py"
@@ -79,6 +81,36 @@ def test_trainer_fsdp_on_cpu_is_refused_with_the_reason(tmp_path):
     args = ["--output_dir", str(tmp_path), "--fsdp", "full_shard auto_wrap", "--use_cpu", "True"]
     with pytest.raises(ValueError, match="accelerate does not enable FSDP.*DistributedDataParallel"):
         parse_args("pretrain", args)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """The one-process side of the distributed comparisons: a pretrained folder and the weights of one process
+    fine-tuning from it on a batch of 16, trained once, in this process."""
+    root = tmp_path_factory.mktemp("one-process")
+    source = pretrained_folder(root / "pre")
+    keep = keep_weights()
+    task, *argv = deterministic_finetune_args(source, root / "one", 16, extra=["--save_strategy", "no"])
+    train(task, *parse_args(task, argv), callbacks=[keep])
+    return source, keep.weights
+
+
+def test_distributed_two_processes_match_one(tmp_path, one_process_run):
+    source, single = one_process_run
+    two = tmp_path / "two"
+    torchrun = torchrun_command()
+    done = run(torchrun + [str(WORKER)] + deterministic_finetune_args(source, two, 8, extra=["--save_strategy", "no"]))
+    assert "find_unused_parameters=True was specified" not in done.stderr  # DDP does not search for unused params
+    info = [json.loads((two / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [i["world_size"] for i in info] == [2, 2] and [i["rank"] for i in info] == [0, 1]
+    rank0, rank1 = load_file(two / "rank0.safetensors"), load_file(two / "rank1.safetensors")
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)  # DDP keeps the replicas identical
+
+    start = load_for_finetuning(str(source), {i: str(i) for i in range(10)}, image_size=8).state_dict()
+    moved = max((single[k] - start[k]).abs().max().item() for k in single)
+    worst = max((single[k] - rank0[k]).abs().max().item() for k in single)
+    print(f"2 processes x 8 vs 1 x 16: max weight difference {worst:.2e} (weights moved up to {moved:.2e})")
+    assert moved > 1e-3 and worst < 1e-4
 
 
 def node_launch(launcher: str, node_rank: int, port: int) -> list[str]:
