@@ -216,7 +216,9 @@ def segment_attention_forward(
     if implementation == "flex_attention":  # handed to SDPA: a block mask would be built for every batch
         function = sdpa_or_matmul_attention_forward
     # each image's tokens in a row of their own (a view where the rows are the images), the rest masked as keys
-    per_image = [segments.to_images(tensor.transpose(1, 2)).transpose(1, 2) for tensor in (query, key, value)]
+    per_image = [
+        segments.to_images(tensor.transpose(1, 2), masked=True).transpose(1, 2) for tensor in (query, key, value)
+    ]
     mask = _key_mask(segments.token_mask.to(query.device), query.dtype)
     output, probs = function(module, *per_image, mask, scaling=scaling, dropout=dropout, **kwargs)
     return segments.to_blocks(output, blocks), probs  # zero on a packed batch's padding, which feeds nothing

@@ -107,17 +107,24 @@ class AttentionSegments:
             return tuple(self.token_mask.shape)
         return 1, self.block_tokens.shape[0]
 
-    def to_images(self, values: torch.Tensor) -> torch.Tensor:
-        """The blocks' `(rows, tokens, ...)` -> `(N, prefix + K, ...)` one image per row, zero beyond its tokens."""
+    def to_images(self, values: torch.Tensor, masked: bool = False) -> torch.Tensor:
+        """The blocks' `(rows, tokens, ...)` -> `(N, prefix + K, ...)` one image per row, zero beyond its tokens;
+        `masked` (attention's inputs, whose places beyond each image's tokens are masked): anything finite there, in
+        one gather."""
         if self.image_tokens is None:
             return values
-        return take_rows(values.flatten(0, 1), self.image_tokens).unflatten(0, tuple(self.token_mask.shape))
+        shape, flat = tuple(self.token_mask.shape), values.flatten(0, 1)
+        if masked:
+            return flat.index_select(0, self.image_tokens.clamp(min=0)).unflatten(0, shape)
+        return take_rows(flat, self.image_tokens).unflatten(0, shape)
 
     def to_blocks(self, values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
         """`(N, prefix + K, ...)` -> the blocks' `shape` `(rows, tokens, ...)`, zero on their padding."""
-        if self.block_tokens is None:
+        if self.image_tokens is None:
             return values
-        return take_rows(values.flatten(0, 1), self.block_tokens).unflatten(0, shape)
+        total, flat = shape[0] * shape[1], values.reshape(-1, *values.shape[2:])
+        places = torch.where(self.image_tokens >= 0, self.image_tokens, total)  # the spare row takes the rest
+        return flat.new_zeros(total + 1, *flat.shape[1:]).index_copy(0, places, flat)[:total].unflatten(0, shape)
 
     def token_images(self) -> torch.Tensor | None:
         """`(tokens,)`: the image of each of a packed batch's blocks' tokens, N (one past the last) on the padding."""
