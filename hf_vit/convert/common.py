@@ -323,7 +323,7 @@ def resample_positions(
     if isinstance(pos, torch.Tensor) and pos.ndim == 3 and pos.shape[0] == 1 and pos.shape[2] == config.hidden_size:
         side = square_side(pos.shape[1] - prefix)
         if side and pos.shape[1] != prefix + config.num_patches:
-            grid = config.grid_size
+            grid = grid_for(config.image_size, config.patch_size)
             out[key] = resample_position_embeddings(pos, (side, side), grid, prefix, mode, antialias).contiguous()
     return out
 
