@@ -1,13 +1,9 @@
-"""What every converter shares: a rename table per foreign layout with one engine for both directions, one check of a
-state dict against the model built on the meta device, one error listing every problem, and config helpers.
+"""What every converter shares: a rename table per foreign layout (`Layout(name, table)`) read in both directions,
+one check of a state dict against the model built on the meta device, one error listing every problem, and config
+helpers.
 
-A layout is a `Layout(name, table)`. Each row of the table is `(source, target)` or `(source, target, transform)`:
-`source` is a key pattern of the foreign layout (or a tuple of them, for arrays fused into one hf-vit weight),
-`target` the hf-vit key pattern, and `transform` a `Transform` turning the source arrays into the hf-vit tensor and
-back (a plain rename without one). In patterns `{p}` is "weight" or "bias" and any other `{name}` an index (digits),
-e.g. `{i}` for the block. `Layout.to_hf` and `Layout.from_hf` read the same table in opposite directions, so a new
-layout is one table.
-"""
+A row is `(source, target)` or `(source, target, transform)`: `source` a foreign key pattern (or a tuple, for arrays
+fused into one hf-vit weight), `target` the hf-vit one; `{p}` is "weight" or "bias", any other `{name}` an index."""
 
 from __future__ import annotations
 
@@ -51,14 +47,10 @@ def _listing(leftovers: Iterable[str] = (), missing: Iterable[str] = (), extra: 
     return lines
 
 
-# --- Rename tables ---------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Transform:
-    """How the source arrays of one table row become the hf-vit tensor (`to_hf(*arrays)`) and back
-    (`from_hf(tensor, config)`, a tuple in the row's source order; `config` gives what the tensor does not record,
-    e.g. the number of heads, and may be None where nothing is needed)."""
+    """How one row's source arrays become the hf-vit tensor (`to_hf(*arrays)`) and back (`from_hf(tensor, config)`,
+    a tuple in the row's source order)."""
 
     to_hf: Callable[..., torch.Tensor]
     from_hf: Callable[[torch.Tensor, Any], tuple[torch.Tensor, ...]]
@@ -129,9 +121,9 @@ class Layout:
         config: VisionTransformerConfig | None = None,
         problems: Sequence[str] = (),
     ) -> dict[str, torch.Tensor]:
-        """`source` under hf-vit's names. With `config`, `source` must first pass `check_state_dict`; without it, only
-        arrays no row places and incomplete fused groups are reported. `problems` (the format's own findings) are
-        reported with them, in one `ConversionError`."""
+        """`source` under hf-vit's names. With `config`, checked first (`check_state_dict`); without it, only
+        unplaced arrays and incomplete fused groups are reported, with the format's own `problems`, in one
+        `ConversionError`."""
         if config is not None:
             check_state_dict(source, config, self, problems)
         groups: dict[tuple[int, tuple], dict[int, torch.Tensor]] = {}
@@ -161,15 +153,9 @@ class Layout:
         config: VisionTransformerConfig,
         problems: Sequence[str] = (),
     ) -> LazyStateDict:
-        """`to_hf` computed tensor by tensor as transformers' loading reads it: `source` holds safetensors slices
-        (or tensors), `shapes` the same arrays as meta tensors. Only one weight's source arrays are in memory at a
-        time.
-
-        What needs no model is checked now: arrays no row places, incomplete fused groups, arrays that are not
-        floating point, the format's own `problems` (any of them: the whole check, one report). The check against
-        `config`'s model, built on the meta device, is the result's `verify()`, for the caller to run when
-        transformers' loading reports a missing, unexpected or mismatched weight (built up front, that model was a
-        noticeable share of every load; measured: docs/benchmarks.md, "Measurements behind choices in the code")."""
+        """`to_hf` computed tensor by tensor as transformers' loading reads it (`source`: safetensors slices or
+        tensors, `shapes`: them as meta tensors). What needs no model is checked now; the check against `config`'s
+        model is the result's `verify()`, run when loading reports a problem (measured: docs/benchmarks.md)."""
         snapshot = copy.deepcopy(config)  # the caller may change `config` before it loads (a new head, labels)
 
         def verify() -> None:
@@ -216,8 +202,7 @@ class Layout:
 
 
 class LazyStateDict(dict):
-    """The weights of `Layout.to_hf_lazy`, with `verify()`: the check against the config's model, raising one
-    `ConversionError` that names every problem in the checkpoint's own names."""
+    """The weights of `Layout.to_hf_lazy`, with `verify()`: the check against the config's model."""
 
     def __init__(self, weights: Mapping[str, Any], verify: Callable[[], None]) -> None:
         super().__init__(weights)
@@ -225,8 +210,7 @@ class LazyStateDict(dict):
 
 
 class LazyTensor:
-    """A weight computed when transformers' loading reads it (`value[...]`, as it reads a safetensors slice): the
-    transform of a layout's row applied to its source arrays, read only then."""
+    """A weight computed from its row's source arrays when transformers' loading reads it (`value[...]`)."""
 
     def __init__(self, transform: Transform, parts: Sequence[Any]) -> None:
         self.transform, self.parts = transform, parts
@@ -272,14 +256,9 @@ def check_state_dict(
     layout: Layout | None = None,
     problems: Sequence[str] = (),
 ) -> None:
-    """Raise one `ConversionError` unless `state_dict` holds exactly the floating-point arrays, with their shapes, of
-    `config`'s classification model (SimMIM's, for a state dict with its decoder), built on the meta device, so
-    nothing is allocated.
-
-    `state_dict` is in `layout`'s names (hf-vit's own without one), and so is every problem reported: arrays no row
-    places, arrays the model lacks or has no place for as configured, non-float arrays and shape mismatches. The
-    format's own `problems` come first in the same report.
-    """
+    """Raise one `ConversionError` unless `state_dict` (in `layout`'s names, hf-vit's without one) holds exactly the
+    floating-point arrays, with their shapes, of `config`'s model built on the meta device; the format's own
+    `problems` come first."""
     from transformers.initialization import no_init_weights
 
     with torch.device("meta"), no_init_weights():  # shapes only: nothing allocated, no initialiser run
@@ -298,8 +277,7 @@ def check_state_dict(
 
 
 def converted_model_class(state_dict: Mapping[str, Any], layout: Layout | None = None) -> type:
-    """The hf-vit class a state dict (in `layout`'s names) is of: SimMIM's where it holds the decoder (transformers'
-    `ViTForMaskedImageModeling`), else the classification model."""
+    """SimMIM's class for a state dict (in `layout`'s names) holding its decoder, else the classification model."""
     from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
     from ..model.modeling_vit import VisionTransformerForImageClassification
 
@@ -315,9 +293,8 @@ def converted_model_class(state_dict: Mapping[str, Any], layout: Layout | None =
 def resample_positions(
     source: Mapping[str, torch.Tensor], key: str, config: VisionTransformerConfig, mode: str, antialias: bool = False
 ) -> dict[str, torch.Tensor]:
-    """`source` with its position embeddings `source[key]` (a renamed, `(1, prefix + n*n, D)` array) resampled to
-    `config`'s grid (`mode`, `antialias`: as the source's own code resamples) when the checkpoint was trained at
-    another square grid; anything else is left for the check."""
+    """`source` with its position embeddings `source[key]` (`(1, prefix + n*n, D)`) resampled to `config`'s grid
+    (`mode`, `antialias`) when trained at another square grid; anything else is left for the check."""
     out = dict(source)
     pos, prefix = out.get(key), config.num_position_prefix_tokens
     if isinstance(pos, torch.Tensor) and pos.ndim == 3 and pos.shape[0] == 1 and pos.shape[2] == config.hidden_size:
@@ -328,9 +305,6 @@ def resample_positions(
     return out
 
 
-# --- Config inference helpers ----------------------------------------------------------------------------------------
-
-
 def square_side(n: int) -> int | None:
     """The side of a square grid of `n` positions, or None when `n` is not a positive square."""
     side = math.isqrt(n) if n > 0 else 0
@@ -338,13 +312,19 @@ def square_side(n: int) -> int | None:
 
 
 def count_blocks(keys: Iterable[str], pattern: re.Pattern, problems: list[str]) -> int:
-    """The number of Transformer blocks among `keys` (`pattern`'s first group is the index); gaps in 0..L-1 are added
-    to `problems`."""
+    """The number of blocks among `keys` (`pattern`'s first group is the index); gaps go to `problems`."""
     indices = sorted({int(m.group(1)) for key in keys if (m := pattern.match(key))})
     gaps = sorted(set(range(indices[-1] + 1)) - set(indices)) if indices else []
     if gaps:
         problems.append(f"the encoder blocks are not numbered 0..L-1: blocks {gaps} are missing")
     return len(indices)
+
+
+def set_label_names(config: VisionTransformerConfig, labels: Any) -> None:
+    """Name `config`'s classes after `labels` when it is a list of one name per class (of at least one)."""
+    if isinstance(labels, list) and len(labels) == config.num_labels and config.num_labels > 0:
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {name: i for i, name in enumerate(labels)}
 
 
 def load_preset(preset: str) -> VisionTransformerConfig:
@@ -356,8 +336,7 @@ def load_preset(preset: str) -> VisionTransformerConfig:
 
 
 def image_size_field(image_size: int | Sequence[int]) -> int | list[int]:
-    """`image_size` as a config field (an int for a square size, else `[height, width]`), errors as
-    `ConversionError`."""
+    """`image_size` as a config field, errors as `ConversionError`."""
     try:
         return config_image_size(image_size)
     except ValueError as error:
@@ -374,8 +353,7 @@ def preset_mismatches(fields: Mapping[str, object], preset_config: VisionTransfo
 
 
 def check_grid_size(config: VisionTransformerConfig, where: str | None = None) -> None:
-    """Refuse a patch grid `resolution.grid_for` refuses (beyond its bound of positions) before anything of
-    that size is allocated; `where` names the file the size came from."""
+    """Refuse a patch grid `grid_for` refuses before anything of that size is allocated (`where`: the file)."""
     try:
         grid_for(config.image_size, config.patch_size)
     except ValueError as error:
@@ -407,14 +385,9 @@ def save_converted_model(
     source_format: str = "another layout",
     base_model: str | None = None,
 ):
-    """Build the classification model of `config` (SimMIM's, for a state dict with its decoder), load `state_dict`
-    into it (exact keys and shapes, else `ConversionError`), and write it with `processor` and a model card to
-    `output_dir` only if all of that succeeded.
-    Returns the model, in eval mode.
-
-    `source` is the converted file or folder: the output may not overlap it, and its plain name is the card's base
-    model unless `base_model` (e.g. its Hub id) is given.
-    """
+    """Build `config`'s model (SimMIM's with a decoder), load `state_dict` strictly and write it with `processor`
+    and a card to `output_dir` only if all of that succeeded; returns the model in eval mode. The output may not
+    overlap `source`, whose name is the card's base model unless `base_model` is given."""
     inputs = [source] if source is not None else []
     target = check_output_dir(output_dir, overwrite, inputs)  # fail before building anything
     check_state_dict(state_dict, config)

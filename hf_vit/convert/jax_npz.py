@@ -35,6 +35,7 @@ from .common import (
     preset_mismatches,
     resample_positions,
     save_converted_model,
+    set_label_names,
     square_side,
 )
 from .flax_layout import (
@@ -115,9 +116,8 @@ def _not_a_vit(keys: Sequence[str]) -> ConversionError:
 
 
 def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`arrays` under the `vit_jax` names of the module docstring: prefixes stripped, and a zero class position added
-    where the class token has none (big_vision's names have a table of their own: `big_vision_npz.py`). Raises
-    `ConversionError` for non-ViT checkpoints."""
+    """`arrays` under the `vit_jax` names: prefixes stripped, a zero class position added where the class token has
+    none. Raises `ConversionError` for non-ViT checkpoints."""
     prefix = next((p for p in ("", "opt/target/", "params/") if f"{p}embedding/kernel" in arrays), None)
     if prefix is None:
         raise _not_a_vit(list(arrays))
@@ -145,13 +145,9 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 def npz_to_hf_vit_state_dict(
     arrays: Mapping[str, np.ndarray], config: VisionTransformerConfig, resize_mode: str = "bilinear"
 ) -> dict[str, torch.Tensor]:
-    """Map the arrays of an authors' `.npz` checkpoint to the state dict of a `VisionTransformerForImageClassification`
-    built from `config`.
-
-    Every array must find its place and every weight must be found, with the shape `config` implies; otherwise a
-    `ConversionError` lists all the problems at once. When `config`'s patch grid differs from the checkpoint's (square)
-    grid, the position embeddings are resampled in 2D (`resize_mode`, see the module docstring).
-    """
+    """The arrays of an authors' `.npz` checkpoint as the state dict of `config`'s classification model (every
+    array placed, every weight found with its shape, else one `ConversionError`); the position grid resampled to
+    `config`'s with `resize_mode`."""
     from .big_vision_npz import big_vision_to_hf_vit_state_dict, is_big_vision
 
     if is_big_vision(arrays):
@@ -174,8 +170,8 @@ def hf_vit_to_npz_arrays(
 
 
 def _hybrid_fields(source: Mapping[str, np.ndarray], kernel: tuple[int, ...] | None, problems: list[str]) -> dict:
-    """A hybrid's ResNet stem: its stage depths from the `block{s}/unit{u}` names, channels and width from
-    `conv_root/kernel`, and the patch size in input pixels (the embedding's times the stem's stride)."""
+    """A hybrid's stem: stage depths from the `block{s}/unit{u}` names, channels and width from `conv_root/kernel`,
+    the patch size in input pixels (the embedding's times the stem's stride)."""
     root = array_shape(source, "conv_root/kernel", 4, problems)
     units: dict[int, set[int]] = {}
     for key in source:
@@ -279,11 +275,7 @@ def read_jax_checkpoint(
     resize_mode: str = "bilinear",
 ):
     """`(config, state_dict, processor)` of an authors' `.npz` checkpoint, without writing: the processor resizes to
-    the model's size and normalises with mean = std = 0.5 (the authors' [-1, 1] inputs).
-
-    `hidden_act` defaults to the tanh approximation of GELU, `flax.linen.gelu`'s default, so the model computes what
-    the authors' code computes; "gelu" gives the exact GELU that transformers' and timm's ports use.
-    """
+    the model's size and normalises with mean = std = 0.5 (the authors' [-1, 1] inputs)."""
     from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     arrays = load_npz(input_path)
@@ -292,8 +284,7 @@ def read_jax_checkpoint(
         labels = list(labels)
         if len(labels) != config.num_labels:
             raise ConversionError(f"{len(labels)} labels given for a head of {config.num_labels} classes.")
-        config.id2label = dict(enumerate(labels))
-        config.label2id = {name: i for i, name in enumerate(labels)}
+        set_label_names(config, labels)
     state_dict = npz_to_hf_vit_state_dict(arrays, config, resize_mode=resize_mode)
     height, width = config.image_hw
     half = [0.5] * config.num_channels
@@ -314,12 +305,9 @@ def convert_jax_checkpoint(
     resize_mode: str = "bilinear",
     base_model: str | None = None,
 ):
-    """Convert an authors' `.npz` checkpoint into a complete hf-vit folder (see `read_jax_checkpoint`): weights
-    (safetensors), config, code, processor and card.
-
-    `labels` names the classes in order (default "LABEL_<i>"). The folder's model card names `base_model` (default:
-    the file's name) as its origin. Returns the converted model; nothing is written unless everything succeeded.
-    """
+    """Convert an authors' `.npz` checkpoint into a complete hf-vit folder (see `read_jax_checkpoint`); `labels`
+    names the classes in order, the card names `base_model` (default: the file's name). Returns the model; nothing is
+    written unless everything succeeded."""
     check_output_dir(output_dir, overwrite, [input_path])  # before any loading
     config, state_dict, processor = read_jax_checkpoint(
         input_path, preset, image_size, labels, hidden_act, resize_mode

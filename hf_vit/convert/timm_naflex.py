@@ -1,29 +1,11 @@
 """timm's NaFlexViT checkpoints (`timm/naflexvit_*`, `models/naflexvit.py`) -> hf-vit.
 
-timm's Hub layout is `config.json` (`architecture` "naflexvit_...", `pretrained_cfg`, optionally `model_args`) beside
-`model.safetensors`. The weights differ from timm's `VisionTransformer` in the embedding only:
-
-    embeds.proj.weight      (D, P * P * C)    a linear patch embedding on flattened patches, each in (patch row,
-                                              patch column, channel) order (`patchify_channels_last`, the default;
-                                              (channel, row, column) without it); `embed_proj_type="conv"` holds
-                                              the (D, C, P, P) kernel instead
-    embeds.pos_embed        (1, h, w, D)      a learned position GRID, for the patches only: the class token has no
-                                              position (hf-vit gives it a zero one, which adds nothing)
-    embeds.cls_token, embeds.reg_token        the class token and the register tokens (without positions)
-
-and the blocks, `norm`/`fc_norm`, `attn_pool` and `head` are `VisionTransformer`'s (`TIMM_LAYOUT`'s rows).
-
-timm resamples the grid with `F.interpolate(mode=pos_embed_interp_mode, align_corners=False, antialias=True)` (in the
-image path and per grid of a NaFlex batch): the converted config records it as `interpolation_mode` and
-`interpolation_antialias=True`, so `interpolate_pos_encoding`, native-aspect batches and `image_size=` at load resample
-as timm does.
-
-`config.json` records the architecture's name, not its settings: those the weights do not show (heads, pooling, the
-activation, how positions are resampled) come from `NAFLEX_ARCHITECTURES` (timm's registered architectures),
-overridden by `config.json`'s `global_pool` and `model_args`. Refused by name, because hf-vit computes another function
-for them: factorized or rotary position embeddings, aspect-preserving or `grid_sample` position resampling, pooling
-over the prefix tokens where hf-vit leaves them out (or the reverse), a norm on the patches or the embeddings, EVA
-blocks (SwiGLU, gated attention), QK-norm, a missing final norm, pooling other than token/avg/map.
+The weights differ from timm's `VisionTransformer` (`TIMM_LAYOUT`) in the embedding only: `embeds.proj.weight`, a
+linear map of flattened patches (`patchify_channels_last` order) or a conv kernel; `embeds.pos_embed`, a `(1, h, w,
+D)` grid for the patches only (the class token gets a zero position); `embeds.cls_token`, `embeds.reg_token`. The
+config records timm's antialiased resampling (`interpolation_mode`, `interpolation_antialias=True`). Settings the
+weights do not show come from `NAFLEX_ARCHITECTURES`, overridden by `config.json`'s `global_pool` and `model_args`;
+those for which hf-vit computes another function are refused by name (`_REQUIRED`, `_naflex_problems`).
 """
 
 from __future__ import annotations
@@ -147,9 +129,8 @@ def _setting_problems(settings: Mapping[str, Any]) -> list[str]:
 def _canonical(
     state_dict: Mapping[str, torch.Tensor], settings: Mapping[str, Any], channels: int
 ) -> tuple[dict[str, torch.Tensor], list[str], tuple[int, int] | None]:
-    """`state_dict` as `NAFLEX_LAYOUT` reads it: the linear patch embedding as a convolution kernel, the position grid
-    as a `(1, prefix + h * w, D)` table with zero rows for the class token (which has no position), `fc_norm` as
-    `norm` (hf-vit's `fc_norm` uses `norm`); the problems found and the position grid `(h, w)`."""
+    """`state_dict` as `NAFLEX_LAYOUT` reads it (a conv kernel, a `(1, prefix + h * w, D)` table, `fc_norm` as
+    `norm`), the problems found and the position grid `(h, w)`."""
     problems, out, grid = [], {}, None
     positioned = int("embeds.cls_token" in state_dict)
     for key, value in state_dict.items():
@@ -190,8 +171,7 @@ def _canonical(
 
 
 def _naflex_problems(state_dict: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> list[str]:
-    """The settings hf-vit cannot compute, with the prefix tokens' pooling (timm leaves them out or takes them in by
-    `pool_include_prefix`; hf-vit averages the patch tokens only and attention-pools every token)."""
+    """The settings hf-vit cannot compute, the prefix tokens' pooling (`pool_include_prefix`) among them."""
     problems = _setting_problems(settings)
     prefix = int("embeds.cls_token" in state_dict)
     reg = state_dict.get("embeds.reg_token")
@@ -233,9 +213,8 @@ def naflex_config(
     image_size: int | list[int] | tuple[int, int] | None = None,
     num_attention_heads: int | None = None,
 ) -> VisionTransformerConfig:
-    """The hf-vit config of a NaFlexViT checkpoint (shapes and names are all it reads: meta tensors do). The image
-    size is the position grid's times the patch size unless `image_size` is given (the grid is then resampled at
-    load, as timm resamples it)."""
+    """The hf-vit config of a NaFlexViT checkpoint (meta tensors do); the image size is the position grid's unless
+    given."""
     arrays, settings, problems, grid = naflex_canonical(state_dict, timm_config)
     fields: dict[str, Any] = timm_block_fields(arrays, "embeds.proj.weight", "timm NaFlexViT", problems)
     patch = fields["patch_size"]
@@ -267,8 +246,7 @@ def naflex_config(
 def naflex_to_hf_vit_state_dict(
     state_dict: Mapping[str, torch.Tensor], timm_config: Mapping, config: VisionTransformerConfig
 ) -> dict[str, torch.Tensor]:
-    """A NaFlexViT state dict in hf-vit's names, checked against `config`'s model; the position grid resampled to
-    `config`'s grid with timm's resampling when they differ."""
+    """A NaFlexViT state dict in hf-vit's names, checked against `config`'s model, its grid resampled to `config`'s."""
     arrays, _, problems, grid = naflex_canonical(state_dict, timm_config)
     pos = arrays.get("embeds.pos_embed")
     if grid is not None and pos is not None and tuple(grid) != config.grid_size:

@@ -1,7 +1,6 @@
-"""Output folders, in one place: a converter's or resolution variant's folder is checked before any work, written to a
-staging folder and swapped in whole; a training run's `--output_dir` (written in place by Trainer) is claimed and
-locked, never written through a symlink, and cleared of an earlier run's checkpoints only where they are checkpoints.
-Either way, only what hf-vit wrote (`hf_vit.outputs.files`) is ever replaced or removed."""
+"""Output folders, in one place: a converter's or variant's folder is checked before any work, staged and swapped in
+whole; a training run's `--output_dir` is claimed and locked, never written through a symlink. Only what hf-vit
+wrote (`hf_vit.outputs.files`) is ever replaced or removed."""
 
 from __future__ import annotations
 
@@ -36,8 +35,8 @@ class OutputFolderError(FileExistsError, ValueError):
 
 
 def check_replaceable(folder: Path) -> None:
-    """Raise `OutputFolderError` unless `folder` is one hf-vit wrote: an hf-vit config.json and only the files hf-vit
-    writes (`hf_vit.outputs.files.is_run_file`), no sub-folders, no symlinks."""
+    """Raise `OutputFolderError` unless `folder` is one hf-vit wrote: an hf-vit config.json and only files hf-vit
+    writes, no sub-folders, no symlinks."""
     config = folder / "config.json"
     hint = "Move it away, delete it yourself, or choose another --output."
     if not config.is_file() or config.is_symlink():
@@ -78,12 +77,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def clean_leftovers(target: Path) -> list[str]:
-    """Tidy what a killed run left beside `target`; returns what was done, one line each.
-
-    An aside folder (`.<name>.hf-vit-old-<pid>`) of a dead process is the complete old result: it is moved back when
-    the target is missing (the run died between its two renames), else deleted (the new result is in place). Staging
-    folders of dead processes are deleted. Folders of live processes are left to them.
-    """
+    """Tidy what a killed run left beside `target` (one line per thing done): a dead process's aside folder is moved
+    back when the target is missing, else deleted, as are its staging folders; live processes' are left alone."""
     pattern = re.compile(rf"\.{re.escape(target.name)}\.({_STAGING}|{_ASIDE})-(\d+)(-[A-Za-z0-9_]+)?")
     if not target.parent.is_dir():
         return []
@@ -147,8 +142,7 @@ def local_data_folder(dataset_name: str | os.PathLike | None) -> Path | None:
 def check_outside_data_set(
     output: str | os.PathLike, dataset_name: str | os.PathLike | None, flag: str = "--output_dir"
 ) -> None:
-    """Refuse an output folder that is, or lies inside, the local data set `dataset_name`, before any work: its files
-    would join the user's data (an image folder holding them no longer loads)."""
+    """Refuse an output folder that is, or lies inside, the local data set `dataset_name`, before any work."""
     data = local_data_folder(dataset_name)
     if data is None:
         return
@@ -162,8 +156,7 @@ def check_outside_data_set(
 
 
 def check_not_the_base(output_dir: str | os.PathLike, model_name_or_path: str | os.PathLike | None) -> None:
-    """Refuse, before any work, a training run's `--output_dir` that is the local folder of the model it starts from:
-    the new model would replace the one it was made from (as hf-vit-convert, -resize and -export refuse)."""
+    """Refuse, before any work, a `--output_dir` that is the local folder of the model the run starts from."""
     if not model_name_or_path or not Path(model_name_or_path).expanduser().is_dir():
         return
     base = Path(model_name_or_path).expanduser().resolve()
@@ -178,8 +171,8 @@ _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".t
 
 
 def _image_folder_of(image: Path, target: Path) -> Path | None:
-    """The image folder (`root/<label>/<file>`) `image` belongs to, or None: the folder above its own holds nothing
-    but folders of image files (hidden entries and the branch `target` is on aside), as an image folder's root."""
+    """The image folder (`root/<label>/<file>`) `image` belongs to, or None (hidden entries and the branch `target`
+    is on aside)."""
     root = image.parent.parent
     if root == image.parent:
         return None
@@ -202,8 +195,7 @@ def _image_folder_of(image: Path, target: Path) -> Path | None:
 def check_outside_image_folders(
     output: str | os.PathLike, images: Iterable[str | os.PathLike], flag: str = "--output"
 ) -> None:
-    """Refuse, before any work, an output folder that is or lies inside the image folder (`root/<label>/<file>`) of
-    one of `images`: the images written there would join the data set, as a class of their own."""
+    """Refuse, before any work, an output folder that is or lies inside the image folder of one of `images`."""
     target = Path(output).expanduser().resolve()
     for image in images:
         root = _image_folder_of(Path(image).expanduser().resolve(), target)
@@ -217,12 +209,9 @@ def check_outside_image_folders(
 def check_output_dir(
     output_dir: str | os.PathLike, overwrite: bool = False, inputs: Iterable[str | os.PathLike] = ()
 ) -> Path:
-    """`output_dir` as an absolute Path, checked before any work is done; else `OutputFolderError`.
-
-    It must not be, contain, or lie inside any of `inputs`; it must be a folder (or not exist yet) in a writable
-    place; a non-empty folder needs `overwrite` and must be one hf-vit wrote (see `check_replaceable`). Leftovers of
-    a killed earlier run beside it are cleaned first (see `clean_leftovers`).
-    """
+    """`output_dir` as an absolute Path, checked before any work (else `OutputFolderError`): not overlapping any of
+    `inputs`, a folder or nothing in a writable place, non-empty only with `overwrite` and if hf-vit wrote it; a
+    killed run's leftovers beside it are cleaned first."""
     target = Path(output_dir).expanduser().resolve()
     if target == target.parent:
         raise OutputFolderError(f"{output_dir} is the filesystem root; choose a folder for the output.")
@@ -253,8 +242,7 @@ def _crash_point(step: str) -> None:
 
 
 def give_umask_modes(folder: Path) -> None:
-    """The modes a plain `open`/`mkdir` would have given `folder` and what it holds, under the user's umask: a
-    staging folder is made private (mkdtemp's 0700) while it is written, and that privacy must not outlive it."""
+    """Give `folder` and what it holds the modes the user's umask gives (a staging folder is made private)."""
     mask = current_umask()
     for path in (folder, *folder.rglob("*")):
         if not path.is_symlink():
@@ -297,13 +285,9 @@ def write_converted_folder(
     overwrite: bool = False,
     inputs: Iterable[str | os.PathLike] = (),
 ) -> Path:
-    """Call `save(staging_dir)` and move the result to `output_dir` only if it returns without error; returns the
-    absolute output path.
-
-    The output is checked first (`check_output_dir`). The new folder is written to a staging folder beside the target;
-    an existing target is renamed aside, the new one renamed in, then the old one deleted: at every instant one
-    complete result is at or beside the target, and a failed conversion leaves the target as it was.
-    """
+    """Call `save(staging_dir)` and move the result to `output_dir` (checked first) only if it succeeds; returns the
+    absolute path. An existing target is renamed aside, the new one renamed in, the old one deleted: one complete
+    result exists at every instant."""
     inputs = list(inputs)
     target = check_output_dir(output_dir, overwrite, inputs)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -328,8 +312,7 @@ class OutputDirError(FileExistsError):
 
 def _blocking_entries(folder: Path) -> list[str]:
     """Entries a run would write through or delete without having written them: a symlink under a name the run
-    writes (the card, results, model files: the bytes would land in the link's target), and a `checkpoint-N`
-    entry that is a symlink or holds anything a checkpoint does not (Trainer's rotation deletes old checkpoints)."""
+    writes, a `checkpoint-N` entry that is a symlink or holds what no checkpoint does."""
     problems = []
     for entry in sorted(folder.iterdir()):
         if entry.is_symlink() and (is_run_file(entry.name) or CHECKPOINT_FOLDER.fullmatch(entry.name)):
@@ -360,23 +343,20 @@ def check_no_file_in_the_way(folder: str | os.PathLike, flag: str = "--output_di
 
 
 def held_entries(output_dir: str | os.PathLike) -> list[str]:
-    """The names of what the folder `output_dir` holds that a run must not write over unasked: every entry but a run's
-    lock, and but the record of an earlier run when it is all there is (a run stopped before it wrote anything, by a
-    corrupt image say: its folder is its rerun's), with what a killed write of that record left beside it."""
+    """What `output_dir` holds that a run must not write over unasked: every entry but a run's lock, and but an
+    earlier run's record when it is all there is (a run stopped before it wrote anything)."""
     folder, own = Path(output_dir), (LOCK_FILE, f".{RUN_RECORD_FILE}.partial")
     entries = sorted(p.name for p in folder.iterdir() if p.name not in own) if folder.is_dir() else []
     return [] if entries == [RUN_RECORD_FILE] and read_record(folder) is not None else entries
 
 
 def resumes_in_place(output_dir: str | os.PathLike, checkpoint: str | os.PathLike | None) -> bool:
-    """Whether `checkpoint` (what `--resume_from_checkpoint` names) lies in `output_dir`: the run continues there.
-    From anywhere else, the run is a new one in `output_dir`, and the folder is checked as for any new run."""
+    """Whether `checkpoint` (`--resume_from_checkpoint`) lies in `output_dir`, so the run continues there."""
     return checkpoint is not None and Path(output_dir).resolve() in Path(checkpoint).resolve().parents
 
 
 def output_dir_advice(folder: str | os.PathLike, resumable: bool) -> str:
-    """What lets a run use the non-empty `folder`, naming only what would work there: `resumable` says whether it
-    holds a complete checkpoint to resume."""
+    """What lets a run use the non-empty `folder` (`resumable`: it holds a complete checkpoint)."""
     ways = ["pass --resume_from_checkpoint True to continue the run whose checkpoints it holds"] if resumable else []
     if not _blocking_entries(Path(folder)) and unrecorded_files_problem(folder) is None:
         ways.append(
@@ -395,16 +375,10 @@ def claim_output_dir(
     main_process: bool,
     latest_checkpoint: Callable[[str | os.PathLike], str | None] | None = None,
 ) -> IO[Any] | None:
-    """Check that a run may write into `output_dir` and lock it against a second run; returns the lock's file
-    (close it and remove it to release, see `release`) or None on processes other than the main one.
-
-    A folder holding files (`held_entries`) is refused unless the run resumes a checkpoint of its own (in the folder:
-    `resume_from` elsewhere makes a new run there) or `overwrite` says what to do with them, as transformers' example
-    scripts refuse it; the refusal's advice asks `latest_checkpoint` (`resumable_checkpoint`) whether resuming
-    would work. Even then, symlinks the run would write through and `checkpoint-N` folders that are not checkpoints
-    are refused by name, and `overwrite` is refused for files under names hf-vit writes that no run's record lists
-    (`hf_vit.outputs.run_record`): the new run removes an earlier run's files, and only those.
-    """
+    """Check that a run may write into `output_dir` and lock it; returns the lock's file (see `release`), None on
+    processes other than the main one. A folder holding files is refused unless the run resumes its own checkpoint
+    or `overwrite` is given (`latest_checkpoint` tells the advice whether resuming would work); symlinks and foreign
+    `checkpoint-N` folders are refused by name, and `overwrite` for files no run's record lists."""
     folder = Path(output_dir)
     if folder.is_symlink() and not folder.is_dir():
         raise OutputDirError(f"--output_dir {folder} is a broken symlink; pass a folder.")
@@ -482,10 +456,8 @@ if hasattr(os, "register_at_fork"):
 
 
 def remove_earlier_checkpoints(output_dir: str | os.PathLike, keep: str | os.PathLike | None = None) -> None:
-    """`--overwrite_output_dir`: remove the earlier run's `checkpoint-N` folders (left there, a later one would be
-    what `--resume_from_checkpoint True` picks), once the new run has loaded its data and model, so that a run that
-    fails to start deletes nothing. Only real checkpoints are removed (see `claim_output_dir`); the checkpoint the
-    model was loaded from (`keep`) stays."""
+    """`--overwrite_output_dir`: remove the earlier run's real `checkpoint-N` folders once the new run has started
+    (but the one it loaded, `keep`)."""
     keep = Path(keep).resolve() if keep is not None and Path(keep).exists() else None
     for path in Path(output_dir).iterdir():
         if not CHECKPOINT_FOLDER.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
