@@ -1,15 +1,7 @@
-"""Deployment: `torch.export` and ONNX graphs of an hf-vit model that take any batch size and any patch-divisible
-image size, the position embeddings resampled inside the graph.
-
-The graph's input is `pixel_values` (batch, channels, height, width), normalised as the model's image processor
-does; its outputs are `logits` for a classifier, `last_hidden_state` and `pooler_output` for the encoder.
-
-With `native=True` the graph takes the image processor's native-aspect batches (`max_num_patches`) instead:
-`pixel_values` (batch, patches, patch * patch * channels) float32, `pixel_attention_mask` (batch, patches) int32 and
-`spatial_shapes` (batch, 2) int64, the batch and the number of patches free and each image's grid read from
-`spatial_shapes` as data (the position embeddings are resampled per patch by weights computed from it: see
-`hf_vit.model.resolution.resample_position_embeddings`).
-"""
+"""Deployment: `torch.export` and ONNX graphs of an hf-vit model taking `pixel_values` of any batch and any
+patch-divisible size (positions resampled in the graph), giving `logits` or `last_hidden_state` and `pooler_output`.
+With `native=True` they take the processor's native-aspect batches instead (`pixel_values` (batch, patches, P*P*C),
+`pixel_attention_mask`, `spatial_shapes`), each grid read from `spatial_shapes` as data."""
 
 from __future__ import annotations
 
@@ -189,12 +181,9 @@ def export(
     overwrite: bool = False,
     max_num_patches: int | None = None,
 ) -> Path:
-    """Write `model` as an ONNX file or a `torch.export` program (`.pt2`) to `output`; with `max_num_patches`, the
-    graph of native-aspect batches (see the module's docstring), traced at that many patches.
-
-    An existing `output` is kept unless `overwrite`; the file is written beside it and renamed over it, so a failed
-    export leaves the old file (or none), never a half-written one.
-    """
+    """Write `model` as ONNX or a `torch.export` program (`.pt2`) to `output` (with `max_num_patches`: the
+    native-aspect graph, traced at that many patches), beside it and renamed over it; an existing file needs
+    `overwrite`."""
     if Path(output).is_dir():
         raise IsADirectoryError(
             f"--output {output} is a folder; name the file to write, e.g. {Path(output) / 'model.onnx'}."
@@ -247,9 +236,8 @@ def check_onnx(
 def check_native_onnx(
     path: str | os.PathLike, model: VisionTransformerPreTrainedModel, patch_counts: Sequence[int], batch: int = 3
 ) -> dict[str, float]:
-    """Run a native-aspect ONNX file with onnxruntime and `model` with PyTorch on the same batches of each number of
-    patches (images of several aspect ratios, padded); returns the largest absolute difference of the first output
-    per count ("K patches")."""
+    """The largest absolute difference of the first output between onnxruntime and PyTorch on native-aspect batches
+    of each patch count (images of several aspect ratios)."""
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])

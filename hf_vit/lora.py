@@ -1,20 +1,9 @@
 """LoRA run folders as models: a peft adapter beside the fine-tuning config, loaded as the merged classifier.
 
-A LoRA run (`hf_vit.train.lora`) saves peft's adapter (`adapter_model.safetensors`, `adapter_config.json`) beside the
-run's `config.json` (the fine-tuning model: classes, image size, pre-logits size, problem type, and
-`position_interpolation` when the base's position embeddings were resampled) and its processor.
-`load_lora_model(folder)` rebuilds that fine-tuning model from the base the adapter names, applies the adapter and
-merges it; `save_merged_model` writes it as a plain hf-vit folder with its processor; `read_lora_folder` is the
-reader `import hf_vit` registers with the core's loading hook, so that `from_pretrained(folder)` and
-`pipeline(model=folder)` load such a folder.
-
-The adapter names its base by what the user gave (`base_model_name`): a Hub id as it is, a local folder by its plain
-name only, since an absolute path in `adapter_config.json` would publish the user's file system with the adapter. On
-the machine that trained it, the run also records the base's local path in `LOCAL_BASE_FILE` (a file no push
-carries); elsewhere `load_lora_model(folder, base=...)` says where it is.
-
-Serving (`hf_vit.infer`) and training both read folders through this module; it imports neither.
-"""
+`load_lora_model(folder)` rebuilds the run's fine-tuning model from the base the adapter names (a Hub id, or a local
+folder by its plain name, its path kept in `LOCAL_BASE_FILE`, never pushed; elsewhere pass `base=`), applies the
+adapter and merges it; `save_merged_model` writes it as a plain folder; `read_lora_folder` is the loading hook that
+makes `from_pretrained(folder)` and `pipeline(model=folder)` work. Imports neither serving nor training."""
 
 from __future__ import annotations
 
@@ -40,12 +29,8 @@ def base_model_name(model_name_or_path: str) -> str:
 
 
 def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = None):
-    """The fine-tuned model of a LoRA run's `folder`, merged, in eval mode.
-
-    The base checkpoint (`base`, default: the one named in `adapter_config.json`) is loaded as the run's fine-tuning
-    model, with the settings its `config.json` records: the classes, image size (position embeddings resampled with
-    the run's interpolation), pre-logits size and problem type; then the adapter is applied and merged.
-    """
+    """The fine-tuned model of a LoRA run's `folder`, merged, in eval mode: the base (`base`, default:
+    `adapter_config.json`'s) with the settings its `config.json` records, then the adapter applied and merged."""
     from peft import PeftModel
 
     from .model.configuration_vit import VisionTransformerConfig
@@ -96,9 +81,8 @@ def is_lora_folder(folder: str | os.PathLike) -> bool:
 
 
 class LoraFolder:
-    """A LoRA run's folder as the core's loading hook sees a foreign checkpoint (`hf_vit.model.loading`): its config
-    and processor are the folder's own, its model the base with the adapter merged (`load_lora_model`). This is what
-    makes `AutoModelForImageClassification.from_pretrained(folder)` and `pipeline(model=folder)` load it."""
+    """A LoRA run's folder as the loading hook sees a foreign checkpoint: its own config and processor, the base
+    with the adapter merged as its model."""
 
     def __init__(self, folder: str) -> None:
         self.folder = Path(folder)

@@ -62,21 +62,14 @@ def make_resolution_variant(
     patch_size: int | None = None,
     max_num_patches: int | None = None,
 ):
-    """Turn the hf-vit folder `source` into a variant at `image_size` (None: the source's) and `patch_size` (None:
-    the source's): position embeddings resampled in 2D to the new grid, the patch embedding resampled by FlexiViT's
-    pseudo-inverse resize when the patch size changes, and the config and processor saying the new sizes, so it runs
-    without `interpolate_pos_encoding`. `max_num_patches`: the variant serves native-aspect batches of at most that
-    many patches per image (a native-aspect model is resized by this budget: its images are never resized to
-    `image_size`, which is refused there).
+    """The hf-vit folder `source` at `image_size` and `patch_size` (None: the source's): positions resampled to the
+    new grid, the patch embedding by FlexiViT's pseudo-inverse resize, config and processor set to the new sizes;
+    `max_num_patches`: native-aspect batches of at most that many patches (`image_size` is refused for such a
+    model).
 
-    Returns `(model, processor)`; with `output_dir`, also writes the variant there with a model card (only if
-    everything succeeded; see `hf_vit.outputs.output_folders.write_converted_folder` for what `overwrite` may
-    replace) and the splits of the run that trained `source` (its record), so that the variant's "validation" is
-    that run's held-out images. The card names `base_model` (a Hub id; default: the source folder's name, never a
-    local path) and `repo_id`. With `data_source` (a `hf_vit.data.datasets.DataSource`), the variant's accuracy is
-    measured with no further training (on the test split, else validation, as a run reports, by the run's splits)
-    and goes into the card and `all_results.json`.
-    """
+    Returns `(model, processor)`; with `output_dir`, writes the variant with a card (naming `base_model` and
+    `repo_id`) and the source run's splits; with `data_source`, its accuracy measured untrained (test, else
+    validation) goes into the card and `all_results.json`."""
     folder = Path(source)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
@@ -126,9 +119,8 @@ def make_resolution_variant(
 
 
 def _measured(folder: Path, model, processor, data_source: DataSource) -> dict:
-    """The variant's metrics as `eval_*`, as hf-vit-evaluate measures it, with the objective of the model's own
-    problem type (single- or multi-label), on test, else validation, as a run reports: on the splits of the run that
-    trained the source, by its record."""
+    """The variant's metrics as `eval_*`, as hf-vit-evaluate measures them (test, else validation, by the source
+    run's splits)."""
     from .infer.evaluate import evaluate_loaded, recorded_source  # loads the data set libraries: only to measure
 
     measured, _ = evaluate_loaded(model.eval(), processor, recorded_source(folder, data_source))

@@ -50,11 +50,8 @@ POOLING_NAMES = {"token": "class-token", "gap": "global-average-pooling", "map":
 
 
 def card_reference(reference: str | os.PathLike) -> CardReference:
-    """Turn a user-given model or data set reference into what a card may say, never a local path.
-
-    A Hub id (`org/name`) or a plain name (`digits`) stays as it is; a local path (absolute, relative, `~`, or an
-    existing file or folder) becomes its final folder name in the text and is left out of the metadata.
-    """
+    """A user-given model or data set reference as a card may say it: a Hub id or plain name as it is, a local path
+    as its final folder name in the text and left out of the metadata."""
     raw = os.fspath(reference)
     is_local = (
         isinstance(reference, os.PathLike)
@@ -93,9 +90,8 @@ OPTIMIZERS_IGNORING_OPTIM_ARGS = {
 
 
 def card_value(value: Any) -> str:
-    """A setting as a card (or a log line) spells it: an enum member by its value (`OptimizerNames.SGD` -> `sgd`), a
-    whole float as an integer (3.0 epochs -> 3), a float whose shortest spelling is long with 4 significant digits
-    (`0.016666666666666666` -> `0.01667`), anything else as `str` does."""
+    """A setting as a card or log line spells it: an enum by its value, a whole float as an integer, a long float
+    with 4 significant digits, anything else as `str`."""
     value = getattr(value, "value", value)
     if isinstance(value, float):
         if value.is_integer():
@@ -266,15 +262,10 @@ def render_model_card(
     compute_dial: str | None = None,
     max_num_patches: int | None = None,
 ) -> ModelCard:
-    """A `ModelCard` for `model` with Hub metadata and the `metrics` measured for it (keys like `eval_accuracy`).
-
-    `repo_id` is the Hub repository the card will be pushed to; without it the card names the output folder by its
-    plain name (no invented organisation). `base_model` and `dataset_name` may be Hub ids, plain names or local
-    paths: local paths appear as their final folder name in the text and are left out of the metadata. Without
-    `dataset_name` (a converted or resized folder) no data set is claimed. A peft model gets an adapter's card: how
-    to apply it to its base model, which the card names. `compute_dial`: the name of the compute dial's PNG beside
-    the card (`hf_vit.infer.compute_dial`), shown in the results with its JSON named.
-    """
+    """A `ModelCard` for `model` with Hub metadata and its `metrics` (`eval_accuracy`, ...): named by `repo_id`,
+    else by the folder's plain name; local paths in `base_model` and `dataset_name` shown by their final name and
+    left out of the metadata; no data set claimed without one; an adapter's card for a peft model; `compute_dial`:
+    the PNG beside the card."""
     adapter = hasattr(model, "peft_config")
     architecture = type(model.get_base_model() if adapter else model).__name__
     # A masked patch prediction model has no classes and no pipeline: the card says how to fine-tune or embed with it.
@@ -332,11 +323,8 @@ def render_model_card(
 
 
 def write_model_card(output_dir: str | os.PathLike, model, metrics: dict[str, Any], **kwargs: Any) -> Path:
-    """Render the card (see `render_model_card`) to `output_dir/README.md`.
-
-    Without `repo_id`, the card names the folder by its plain name; pushing replaces it by the repository pushed to.
-    Without `max_num_patches`, the folder's saved processor says whether the model takes native-aspect batches.
-    """
+    """Render the card (`render_model_card`) to `output_dir/README.md`; without `max_num_patches`, the folder's
+    saved processor says whether the model takes native-aspect batches."""
     path = Path(output_dir) / "README.md"
     if not kwargs.get("repo_id"):
         kwargs["repo_id"] = card_reference(Path(output_dir)).text
@@ -358,9 +346,8 @@ def write_card(
     dataset_name: str | None = None,
     output_name: str | None = None,
 ) -> Path:
-    """Write the model card of a folder the project made from `base_model` (a Hub id or a plain name, never a local
-    path). Without `dataset_name` no data set is claimed in the metadata; `output_name` is the folder's final name
-    (`folder` may be a staging folder), used for the repo id when none is given."""
+    """Write the card of a folder the project made from `base_model`; `output_name` is the folder's final name
+    (`folder` may be a staging folder)."""
     measured = dict(metrics or {})
     return write_model_card(
         folder,

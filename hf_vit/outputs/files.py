@@ -1,9 +1,5 @@
-"""The files this project writes, in one place: what a model folder, a training run's folder and a checkpoint hold.
-
-Saving, uploading, overwriting and converting all read these lists, so that "what hf-vit wrote" means one thing:
-`--overwrite` replaces only such files, a push sends only the shareable ones, and the card's security note lists
-exactly the code files `save_pretrained` copies beside the weights.
-"""
+"""The files this project writes, in one place (a model folder, a run's folder, a checkpoint): `--overwrite`
+replaces only these, a push sends only the shareable ones, the card lists the code files shipped beside the weights."""
 
 from __future__ import annotations
 
@@ -60,9 +56,8 @@ CHECKPOINT_FOLDER = re.compile(r"checkpoint-(\d+)")
 
 @lru_cache(maxsize=1)
 def remote_code_files() -> tuple[str, ...]:
-    """The modules `save_pretrained` copies beside a checkpoint for `trust_remote_code=True`, sorted: every module of
-    `hf_vit/model/` (its `__init__.py` aside), by decision rather than by a filename pattern. A module placed there
-    ships with every checkpoint and executes on `trust_remote_code=True`; nothing outside that folder does."""
+    """The modules `save_pretrained` copies beside a checkpoint for `trust_remote_code=True`, sorted: every module
+    of `hf_vit/model/` but its `__init__.py`."""
     return tuple(sorted(path.name for path in MODEL_CODE.glob("*.py") if path.name != "__init__.py"))
 
 
@@ -106,9 +101,8 @@ def is_checkpoint_entry(name: str, is_dir: bool) -> bool:
 
 
 def checkpoint_foreign_entries(folder: Path) -> list[str]:
-    """What in a `checkpoint-N` folder is not something a run writes there (symlinks included); empty for a real
-    checkpoint. A folder with none of a checkpoint's training state (trainer state, optimizer, scheduler, random
-    states) is foreign as a whole: model files alone are what `save_pretrained` writes, a user's model."""
+    """What in a `checkpoint-N` folder a run does not write there (symlinks included); a folder with none of a
+    checkpoint's training state is foreign as a whole."""
     entries = sorted(folder.iterdir())
     foreign = [
         entry.name + ("/" if entry.is_dir() else "")
@@ -143,14 +137,9 @@ def check_not_a_link(path: str | os.PathLike) -> Path:
 
 
 def write_beside(path: str | os.PathLike, write: Callable[[IO[bytes]], None] | str | bytes) -> Path:
-    """Write the file `path` through the one route every writer of the project takes: into `.<name>.partial` beside
-    it, then renamed over it, so a failed or killed write leaves the old file (or none), never a torn one.
-
-    `write` is the content (text or bytes) or a function writing it to the open file. Nothing is written through a
-    link: a symlink at `path` is refused by name (the bytes would land in its target), and whatever lies under the
-    partial name (a planted symlink or hard link, a killed write's leftover) is replaced, never written into. Returns
-    `path`.
-    """
+    """Write `path` (`write`: text, bytes or a function of the open file) into `.<name>.partial` beside it, then
+    rename it over, so a failed write leaves the old file or none. A symlink at `path` is refused by name; whatever
+    lies under the partial name is replaced, never written into. Returns `path`."""
     path = check_not_a_link(path)
     partial = path.with_name(f".{path.name}.partial")
     if partial.is_symlink() or partial.is_file():

@@ -1,7 +1,5 @@
 """Pushing a folder to the Hub: an explicit list of the files this project writes (`hf_vit.outputs.files`), checked
-for symlinks and local paths before anything is sent, in one commit. A run's Trainer (`hf_vit.train.trainer`) sends
-every push of a run through the same plan.
-"""
+for symlinks and local paths before anything is sent, in one commit; a run's pushes go through the same plan."""
 
 from __future__ import annotations
 
@@ -170,14 +168,9 @@ def plan_upload(
     card: bool = True,
     only: Collection[str] | None = None,
 ) -> list[UploadFile]:
-    """Exactly what pushing `folder` sends, checked, without touching the network.
-
-    The project's files (`upload_file_names()` and the safetensors weights) at the top level of `folder` (with
-    `only`, those it names: what a run wrote, so that nothing an earlier run left is published), plus the files the
-    user names in `extra_files`. A symlink among them is an error, since the bytes sent would be its
-    target's. The card goes as a copy naming `repo_id`. Any text file naming an absolute path is an error naming the
-    file and the path. The user's files are never modified. `card=False` (a checkpoint's model files) expects no card.
-    """
+    """Exactly what pushing `folder` sends, checked, offline: the project's files at its top level (with `only`,
+    those named), plus the user's `extra_files`; the card as a copy naming `repo_id` (`card=False`: none expected).
+    A symlink, or a text file naming an absolute path, is an error; the user's files are never modified."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder: pass the folder that a training run or script wrote.")
@@ -200,9 +193,8 @@ def plan_upload(
 
 
 def plan_checkpoint_upload(checkpoint: str | os.PathLike, path_in_repo: str) -> list[UploadFile]:
-    """What a checkpoint push (`--hub_strategy checkpoint` or `all_checkpoints`) sends under `path_in_repo`: the
-    checkpoint's model files and the state a run resumes from (optimizer, scheduler, random states, trainer state
-    with checkpoint paths reduced to their folder names). Never `training_args.bin`."""
+    """What a checkpoint push sends under `path_in_repo`: the model files and the state a run resumes from (its
+    checkpoint paths reduced to folder names), never `training_args.bin`."""
     folder = Path(checkpoint)
     plan = [
         UploadFile(f"{path_in_repo}/{item.path_in_repo}", item.source, item.content)

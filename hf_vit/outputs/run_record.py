@@ -1,10 +1,6 @@
-"""A training run's record in its `--output_dir` (`hf_vit_run.json`, never pushed): the files the run wrote there,
-the files it found there and left alone, and how its splits were made.
-
-Three things read it: `--overwrite_output_dir` removes exactly the files an earlier run wrote (never a file it did
-not write), the run's push sends exactly what this run wrote, and evaluate and resize measure "validation" on the
-images the run held out (`hf_vit.infer.evaluate.recorded_source`).
-"""
+"""A training run's record in its `--output_dir` (`hf_vit_run.json`, never pushed): the files the run wrote, those
+it found and left, and how its splits were made; read by `--overwrite_output_dir`, by the run's push and by evaluate
+and resize ("validation" on the images the run held out)."""
 
 from __future__ import annotations
 
@@ -50,9 +46,8 @@ def _project_files(folder: Path) -> dict[str, _Signature]:
 
 
 def earlier_run_files(folder: str | os.PathLike) -> list[str] | None:
-    """The files of `folder` an earlier run wrote, by its record: those it listed as written, and those under names
-    hf-vit writes that appeared after it started (a run that was killed before it could list them). None when
-    `folder` holds files under names hf-vit writes but no record: who wrote them cannot be told."""
+    """The files of `folder` an earlier run wrote, by its record (listed, or under hf-vit's names and newer than its
+    start); None when such names exist without a record."""
     folder = Path(folder)
     present = _project_files(folder)
     record = read_record(folder)
@@ -90,9 +85,8 @@ def remove_earlier_run_files(folder: str | os.PathLike) -> list[str]:
 
 
 class RunRecord:
-    """What one run writes into its folder, recorded as it goes: `start` (once the earlier run's files are gone)
-    notes what the folder holds and how the splits were made; `written` is what the run has written since; `finish`
-    records it. A resumed run keeps the files its earlier part recorded."""
+    """What one run writes into its folder: `start` notes what the folder holds and the splits, `written` grows,
+    `finish` records it; a resumed run keeps its earlier part's files."""
 
     def __init__(self, folder: str | os.PathLike, splits: dict[str, Any], resuming: bool = False) -> None:
         self.folder = Path(folder)
