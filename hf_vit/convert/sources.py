@@ -1,22 +1,11 @@
-"""The checkpoints users already have, loaded as they are: transformers' ViT and timm's ViT, as Hub ids or folders,
-the family that followed (DINOv2, DeiT, the vision towers of CLIP and SigLIP, `transformers_families.py`) and the
-authors' `.npz` files. Registered with the core's `loading` when `hf_vit` is imported, so `from_pretrained` of
-the hf-vit classes converts them on load with the same tables the folder converters use.
+"""The checkpoints users already have, loaded as they are: transformers' and timm's ViTs (Hub ids or folders), the
+families of `transformers_families.py` and the authors' `.npz` files. Registered with the core's `loading` on
+`import hf_vit`, so `from_pretrained` of the hf-vit classes converts them on load, with the converters' tables.
 
-A source is recognised by its `config.json`: `model_type` "hf_vit" (nothing to convert), "vit" (transformers'
-layout), a family's model type (`FAMILIES`: "dinov2", "deit", "clip", "siglip_vision_model", ...), or timm's Hub
-layout (`architecture` with `pretrained_cfg` or `num_classes`; a "naflexvit..." architecture is timm's NaFlexViT,
-`timm_naflex.py`); a path ending in `.npz` (any
-case) is the authors' layout. Hub ids resolve through huggingface_hub's cache, so `HF_HUB_OFFLINE=1` works on cached
-repositories.
-
-Conversion happens in memory: the foreign config becomes an hf-vit config, the weights are read (memory-mapped from
-safetensors), renamed and fused, and handed to transformers' own `from_pretrained(None, config=..., state_dict=...)`,
-so `dtype` (with "auto": the source's), `device_map` and the attention arguments work as for any folder. No model is
-initialised at random and nothing is written. A config-only load reads the source's config (and the names and shapes
-in a safetensors header for timm, whose config does not describe the architecture); a processor-only load reads the
-config and processor files.
-"""
+A source is recognised by its `config.json` (`layout_of`) or an `.npz` suffix. Conversion happens in memory: the
+config becomes an hf-vit config, the weights (memory-mapped) are renamed and fused and handed to transformers'
+`from_pretrained(None, config=..., state_dict=...)`, so `dtype`, `device_map` and attention arguments work as for
+any folder; nothing is initialised at random or written."""
 
 from __future__ import annotations
 
@@ -151,10 +140,8 @@ def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
 
 
 class FilePart:
-    """One array of a safetensors file: `part[...]` maps it from the file (as transformers' loading reads weights
-    that load as they are); `read_into(out)` and `read()` copy it into memory through a mapping of its own bytes that
-    is closed at once, for arrays that are only the sources of a fused weight (so their pages do not stay mapped
-    beside the fused copy)."""
+    """One array of a safetensors file: `part[...]` maps it from the file; `read_into(out)` and `read()` copy it
+    through a short-lived mapping, for the parts of a fused weight (their pages do not stay mapped)."""
 
     def __init__(self, path: Path, part: Any, start: int, end: int) -> None:
         self.path, self.part, self.start, self.end = path, part, start, end
@@ -171,9 +158,8 @@ class FilePart:
         return _SAFETENSORS_DTYPES[self.part.get_dtype()]
 
     def read_into(self, out: torch.Tensor) -> None:
-        """Copy the array's bytes into `out` (contiguous, of its shape and dtype), from a short-lived mapping:
-        faster than a `readinto` of the same bytes (measured: docs/benchmarks.md, "Measurements behind choices in
-        the code")."""
+        """Copy the array's bytes into `out` from a short-lived mapping (faster than `readinto`:
+        docs/benchmarks.md)."""
         if tuple(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
             raise ValueError(f"{self.path}: cannot read an array of {self.shape} {self.dtype} into {tuple(out.shape)}")
         if self.end == self.start:
@@ -388,9 +374,8 @@ class ForeignCheckpoint:
 
 
 def read_source(source: str, kwargs: dict[str, Any]) -> ForeignCheckpoint | None:
-    """The reader registered with the core's `loading`: a `ForeignCheckpoint` for an `.npz` path or a folder or Hub id
-    whose `config.json` is transformers' or timm's; None for anything else (hf-vit checkpoints, unreadable sources:
-    transformers' loading reports those)."""
+    """The reader registered with the core's `loading`: a `ForeignCheckpoint` for an `.npz` path or a folder or Hub
+    id of a foreign layout; None for anything else (transformers' loading reports those)."""
     hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}
     if is_npz(source):
         return ForeignCheckpoint(source, "jax", hub)

@@ -1,30 +1,14 @@
-"""The ViTs that followed the paper, as transformers saves them: DINOv2 (with and without registers), DeiT, and the
-vision towers of CLIP and SigLIP (read out of the full two-tower checkpoint or a vision-only one) -> hf-vit.
+"""The ViTs that followed the paper, as transformers saves them -> hf-vit: DINOv2 (with registers too), DeiT, and
+the vision towers of CLIP and SigLIP. Each family is one rename table and one reading of its `config.json` into
+hf-vit's fields; the weights convert in memory while transformers loads them (`sources.py`). What hf-vit lacks is
+refused by name (DINOv2's SwiGLU and classification head, the text towers).
 
-Each family is one rename table (`Layout`) and one reading of its `config.json` into hf-vit's fields (the blocks of
-`VisionTransformerConfig`: register tokens, LayerScale, the distillation token, the norm before the encoder,
-attention pooling, fc_norm). The weights convert in memory while transformers loads them, as transformers' ViT does
-(`sources.py`). What a family has and hf-vit lacks is refused by name: DINOv2's SwiGLU feed-forward network, DINOv2's
-classification head (class token concatenated with the patch tokens' mean), the text-only towers of CLIP and SigLIP.
+* DINOv2: LayerScale, final norm on every token; registers without positions. * DeiT: class and distillation tokens
+with positions, one or two heads, the pooler as pre-logits layer. * CLIP: no patch bias, `pre_layrnorm`, quick GELU,
+`post_layernorm` on the pooled class token only (`fc_norm`). * SigLIP: no class token, `post_layernorm` on every
+token, attention pooling (or averaging without the head).
 
-What each family computes, in hf-vit's terms:
-
-* DINOv2: class token, LayerScale on both branches (`layerscale_value`), final LayerNorm on every token; with
-  registers, `num_register_tokens` tokens after the class token without positions (its resampling antialiases).
-* DeiT: class and distillation tokens, both with positions; `DeiTForImageClassificationWithTeacher`'s two heads
-  (logits: their average), `DeiTForImageClassification`'s one head on the class token, `DeiTModel`'s pooler as the
-  pre-logits layer (dense + tanh), as transformers' ViT.
-* CLIP: no patch-embedding bias, a LayerNorm before the encoder (`pre_layrnorm`), quick GELU, and `post_layernorm`
-  on the pooled class token only (`fc_norm`): `last_hidden_state` is the last block's output, as CLIP returns it.
-  The projection into the joint space (`visual_projection`) and the text tower are not part of the vision tower.
-* SigLIP: no class token, `post_layernorm` on every token, then the attention-pooling head (`classifier="map"`); a
-  tower without the head (`vision_use_head=False`) pools by averaging the tokens (transformers returns no pooled
-  output for it).
-
-The processor (`family_processor`) is the source's `preprocessor_config.json` in hf-vit's processor: DINOv2's and
-CLIP's resize the shorter side (`{"shortest_edge": 256}`, or a bare number in older CLIP files) then crop the centre,
-DeiT's resize to a square then crop, SigLIP's resize to a square; each with its resampling, mean and std.
-"""
+`family_processor` reads the source's `preprocessor_config.json` (shorter-side resize and crop for DINOv2 and CLIP)."""
 
 from __future__ import annotations
 
@@ -319,9 +303,8 @@ FAMILIES: dict[str, Family] = {
 def family_config(
     config_json: dict, keys: Collection[str], image_size: Any = None, check_only: bool = False
 ) -> VisionTransformerConfig | None:
-    """The hf-vit config of a family checkpoint whose `config.json` is `config_json` and whose arrays are named `keys`
-    (as saved); `image_size` (from the caller) replaces the checkpoint's. `check_only`: refuse what `config.json`
-    alone shows hf-vit cannot load (a text tower, DINOv2's SwiGLU), before any weights are fetched."""
+    """The hf-vit config of a family checkpoint (`config_json`, arrays named `keys`); `image_size` replaces the
+    checkpoint's. `check_only`: refuse what `config.json` alone rules out, before any weights are fetched."""
     family = FAMILIES[config_json["model_type"]]
     if check_only:
         family.config_fields(config_json, ())
@@ -348,11 +331,8 @@ def family_state_dict(
     shapes: Mapping[str, torch.Tensor],
     resample: bool = False,
 ):
-    """The weights of a family checkpoint converted for `config`, computed weight by weight as transformers' loading
-    reads them (`Layout.to_hf_lazy`; `source` holds safetensors slices or tensors, `shapes` meta tensors).
-    `resample`: the caller asked for `config`'s image size, so positions of another grid are resampled to it (as the
-    family's own code resamples: `interpolation_mode`, `interpolation_antialias`); otherwise another grid is refused
-    with the size to pass."""
+    """A family checkpoint's weights converted for `config`, lazily (`Layout.to_hf_lazy`). `resample`: positions of
+    another grid are resampled to `config`'s as the family's code does; otherwise refused with the size to pass."""
     family = FAMILIES[model_type]
     source, shapes = family.names(source), family.names(shapes)
     key, problems, prefix = family.positions, [], config.num_position_prefix_tokens
@@ -380,9 +360,7 @@ def family_state_dict(
 
 
 def family_processor(folder: Path, config_json: dict, keys: Collection[str]):
-    """The hf-vit processor of a family checkpoint in `folder` (its `config.json` is `config_json`, its arrays are
-    named `keys`): what the source's `preprocessor_config.json` does, the shorter-side resize and centre crop of
-    DINOv2's and CLIP's processors included, the model's image size without one."""
+    """The hf-vit processor of a family checkpoint in `folder`, as its `preprocessor_config.json` says."""
     from .transformers_vit import transformers_processor
 
     family = FAMILIES[config_json["model_type"]]

@@ -83,12 +83,9 @@ def _saved_layout(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 def transformers_to_hf_vit_state_dict(
     state_dict: dict[str, torch.Tensor], config: VisionTransformerConfig | None = None
 ) -> dict[str, torch.Tensor]:
-    """Map a transformers ViT state dict (saved or v5 in-memory names) to hf-vit names; query, key and value are
-    fused into one `qkv` projection.
-
-    Raises `ConversionError` listing every array it cannot place and every part of a fused weight that is missing;
-    with `config`, also every weight `config`'s model needs that is missing or has another shape.
-    """
+    """A transformers ViT state dict (saved or v5 in-memory names) under hf-vit names, `qkv` fused; one
+    `ConversionError` lists every unplaced array and missing part (with `config`: every missing or misshapen
+    weight)."""
     return TRANSFORMERS_LAYOUT.to_hf(_saved_layout(state_dict), config)
 
 
@@ -125,10 +122,8 @@ _SHARED_CONFIG_FIELDS = (
 
 
 def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) -> VisionTransformerConfig:
-    """An hf-vit config computing the same function as a transformers `ViTConfig` (given as its dict).
-
-    Kept: the architecture, the labels and `problem_type`, the dtype; the pooler (dense + `pooler_act`) becomes the
-    pre-logits layer when `with_pooler`, which hf-vit computes with tanh only, so another `pooler_act` is refused."""
+    """An hf-vit config computing what a transformers `ViTConfig` (a dict) computes: the architecture, labels,
+    `problem_type` and dtype; the pooler as pre-logits layer when `with_pooler` (tanh only)."""
     if config.get("model_type") not in (None, "vit"):
         raise ConversionError(
             f"Expected a transformers ViT config (model_type 'vit'), got {config.get('model_type')!r}."
@@ -188,13 +183,9 @@ def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def transformers_processor(folder: Path, image_size: tuple[int, int], default_to_square: bool = True):
-    """The hf-vit processor of a transformers folder's `preprocessor_config.json` (the model's size and the defaults
-    without one): its resize (a height and width, or the shorter side as `{"shortest_edge": N}`), centre crop,
-    rescaling and normalisation are kept; settings hf-vit's processor does not have are refused by name.
-
-    `default_to_square`: how the source's processor reads a `size` saved as one number, as transformers' processor
-    classes do: a square (ViT's, DeiT's, SigLIP's), or the shorter side (`False`: DINOv2's `BitImageProcessor`, CLIP's
-    processor, which older files save as `"size": 224`)."""
+    """The hf-vit processor of a folder's `preprocessor_config.json` (the model's size without one): its resize,
+    centre crop, rescaling and normalisation; other settings are refused by name. `default_to_square`: whether a
+    `size` saved as one number is a square or the shorter side (DINOv2's, CLIP's)."""
     from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     path = folder / "preprocessor_config.json"
@@ -242,11 +233,9 @@ def transformers_state_dict(
     shapes: dict[str, torch.Tensor] | None = None,
     resample: bool = False,
 ) -> dict:
-    """A transformers ViT folder's weights converted for `config` (see `transformers_config`). With `shapes` (the
-    same arrays as meta tensors), `source` may hold safetensors slices, and the result is computed weight by weight
-    as transformers' loading reads it (`Layout.to_hf_lazy`). `resample`: the caller asked for `config`'s image size
-    (`from_pretrained(..., image_size=384)`), so position embeddings of another grid are resampled to it; otherwise a
-    grid that differs from `config.json`'s is refused, as transformers refuses it."""
+    """A transformers ViT folder's weights converted for `config`; with `shapes` (meta tensors) lazily as loading
+    reads them (`Layout.to_hf_lazy`). `resample`: positions of another grid are resampled to `config`'s, else
+    refused as transformers refuses them."""
     source = _saved_layout(source)
     shapes = _saved_layout(shapes) if shapes is not None else None
     if config.representation_size is None:
@@ -293,12 +282,9 @@ def convert_transformers_checkpoint(
     overwrite: bool = False,
     base_model: str | None = None,
 ):
-    """Convert a saved transformers ViT folder into a complete hf-vit folder (weights, config, processor, code).
-
-    Returns the converted model. A `ViTForImageClassification` becomes `VisionTransformerForImageClassification`; a
-    `ViTModel` with its pooler becomes a classification model with the pooler as pre-logits layer and no classes.
-    The model card names `base_model` (e.g. the Hub id; default: the folder's name) as its origin.
-    """
+    """Convert a saved transformers ViT folder into a complete hf-vit folder; a `ViTModel`'s pooler becomes the
+    pre-logits layer of a model without classes. The card names `base_model` (default: the folder's name). Returns
+    the model."""
     check_output_dir(output_dir, overwrite, [input_dir])  # before any loading
     config, state_dict, processor = read_transformers_checkpoint(input_dir)
     return save_converted_model(
