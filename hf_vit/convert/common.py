@@ -311,6 +311,18 @@ def square_side(n: int) -> int | None:
     return side if side and side * side == n else None
 
 
+def grid_mismatch(found: int, config: VisionTransformerConfig) -> list[str]:
+    """The problem of a position table of `found` patch positions that is not `config`'s grid (none when it is)."""
+    if found == config.num_patches:
+        return []
+    side, (rows, cols) = square_side(found), config.grid_size
+    hint = f": pass image_size={side * config.patch_size} for their own grid, or a size to resample to" if side else ""
+    return [
+        f"the position embeddings hold {found} positions, but config.json's image_size {config.image_size} "
+        f"with patch_size {config.patch_size} makes a {rows}x{cols} grid{hint}"
+    ]
+
+
 def count_blocks(keys: Iterable[str], pattern: re.Pattern, problems: list[str]) -> int:
     """The number of blocks among `keys` (`pattern`'s first group is the index); gaps go to `problems`."""
     indices = sorted({int(m.group(1)) for key in keys if (m := pattern.match(key))})

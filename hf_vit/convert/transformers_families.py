@@ -22,7 +22,7 @@ import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.resolution import resample_position_embeddings
-from .common import FUSED_QKV, ConversionError, Layout, Transform, check_grid_size, square_side
+from .common import FUSED_QKV, ConversionError, Layout, Transform, check_grid_size, grid_mismatch, square_side
 from .transformers_vit import read_json
 
 _H = "vit.layers.{i}."
@@ -349,13 +349,8 @@ def family_state_dict(
             ).contiguous()  # fmt: skip
             source[key] = table if array.ndim == 3 else table[0]
             shapes[key] = source[key].to("meta")
-        elif found != config.num_patches:
-            rows, cols = config.grid_size
-            hint = f": pass image_size={side * config.patch_size} for their own grid, or a size to resample to"
-            problems.append(
-                f"the position embeddings hold {found} positions, but config.json's image_size {config.image_size} "
-                f"with patch_size {config.patch_size} makes a {rows}x{cols} grid{hint if side else ''}"
-            )
+        else:
+            problems += grid_mismatch(found, config)
     return family.layout.to_hf_lazy(source, shapes, config, problems)
 
 

@@ -25,9 +25,9 @@ from .common import (
     Layout,
     check_grid_size,
     check_output_dir,
+    grid_mismatch,
     resample_positions,
     save_converted_model,
-    square_side,
 )
 
 logger = logging.getLogger(__name__)
@@ -250,16 +250,7 @@ def transformers_state_dict(
         if shapes is not None:
             shapes[key] = source[key].to("meta")
     elif positions is not None and positions.ndim == 3:
-        found = positions.shape[1] - config.num_position_prefix_tokens
-        if found != config.num_patches:
-            side, (rows, cols) = square_side(found), config.grid_size
-            hint = ""
-            if side:
-                hint = f": pass image_size={side * config.patch_size} for their own grid, or a size to resample to"
-            problems.append(
-                f"the position embeddings hold {found} positions, but config.json's image_size {config.image_size} "
-                f"with patch_size {config.patch_size} makes a {rows}x{cols} grid{hint}"
-            )
+        problems += grid_mismatch(positions.shape[1] - config.num_position_prefix_tokens, config)
     if shapes is None:
         return TRANSFORMERS_LAYOUT.to_hf(source, config, problems)
     return TRANSFORMERS_LAYOUT.to_hf_lazy(source, shapes, config, problems)
