@@ -67,8 +67,7 @@ def _layer_indices(num_layers: int, layers: int | Sequence[int] | None) -> list[
 
 
 def _probabilities(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T * scaling) of one attention module for its input, `(B, heads, N, N)` float32: q and k from its
-    own `qkv` in the model's dtype, the scores in float32 so bf16 models give accurate maps."""
+    """softmax(q k^T * scaling) of one attention module, `(B, heads, N, N)`, scores in float32."""
     batch, tokens, _ = hidden_states.shape
     qkv = module.qkv(hidden_states).view(batch, tokens, 3, module.num_heads, module.head_dim)
     query, key = (qkv[:, :, i].transpose(1, 2).float() for i in (0, 1))
@@ -171,8 +170,7 @@ def _rollout_layer(probs: torch.Tensor, head_fusion: str, discard_ratio: float) 
 def attention_rollout(
     attentions: Sequence[torch.Tensor], head_fusion: str = "mean", discard_ratio: float = 0.0
 ) -> torch.Tensor:
-    """Attention rollout (Abnar & Zuidema, 2020) of per-layer probabilities `(B, heads, N, N)`, first layer first:
-    heads fused, the weakest `discard_ratio` dropped, 0.5 A + 0.5 I renormalised, then R = A_L ... A_1, `(B, N, N)`."""
+    """Attention rollout (Abnar & Zuidema, 2020) of per-layer probabilities, `(B, N, N)`."""
     if not attentions:
         raise ValueError("`attentions` is empty: pass at least one layer's probabilities.")
     rollout = None
@@ -206,8 +204,7 @@ def rollout_maps(
     discard_ratio: float = 0.0,
     interpolate_pos_encoding: bool | None = None,
 ) -> torch.Tensor:
-    """Attention rollout of `model` on `pixel_values` as `(B, rows, cols)` maps (Figure 6), accumulated layer by
-    layer during the forward."""
+    """Attention rollout of `model` on `pixel_values` as `(B, rows, cols)` maps (Figure 6)."""
     return _rollout_and_distances(model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding)[0]
 
 
@@ -268,8 +265,7 @@ def mean_attention_distances(
     layers: int | Sequence[int] | None = None,
     interpolate_pos_encoding: bool | None = None,
 ) -> torch.Tensor:
-    """Mean attention distance in pixels per chosen layer (increasing order) and head, averaged over the images:
-    `(layers, heads)`; one layer's probabilities are held at a time."""
+    """Mean attention distance in pixels per chosen layer and head: `(layers, heads)`."""
     config = _encoder(model).config
     grid = _grid(model, pixel_values)
     results: dict[int, torch.Tensor] = {}
@@ -307,8 +303,7 @@ def attention_summary(
 def position_embedding_similarity(
     model_or_embeddings: nn.Module | torch.Tensor, grid_size: tuple[int, int] | None = None
 ) -> torch.Tensor:
-    """Cosine similarity of each patch's position embedding with every patch's, `(rows, cols, rows, cols)` (Figure
-    7, centre), of a model or of patch embeddings `(N, D)` / `(1, N, D)` with their `grid_size`."""
+    """Cosine similarity of the patches' position embeddings, `(rows, cols, rows, cols)`."""
     if isinstance(model_or_embeddings, nn.Module):
         encoder = _encoder(model_or_embeddings)
         prefix = encoder.config.num_position_prefix_tokens  # register tokens have no position
@@ -335,8 +330,7 @@ class PrincipalComponents(NamedTuple):
 def patch_embedding_components(
     model_or_weight: nn.Module | torch.Tensor, num_components: int = 28
 ) -> PrincipalComponents:
-    """The top principal components of the patch-embedding filters `(D, C, P, P)` (the paper shows 28), each signed
-    so that its largest-magnitude entry is positive."""
+    """The top principal components of the patch-embedding filters, signed."""
     if isinstance(model_or_weight, nn.Module):
         weight = _encoder(model_or_weight).embeddings.patch_embedding.weight
     else:

@@ -69,8 +69,7 @@ def check_native_export(model: VisionTransformerPreTrainedModel, max_num_patches
 
 
 def native_example(model: VisionTransformerPreTrainedModel, max_num_patches: int, batch: int = 2, seed: int = 0):
-    """A native-aspect batch of `max_num_patches` patches: random patches, images of several aspect ratios on the
-    grids the image processor would choose, the mask and the grids (the dtypes the processor returns)."""
+    """A native-aspect batch of `max_num_patches` patches, as the image processor gives them."""
     config = model.config
     generator = torch.Generator().manual_seed(seed)
     aspects = [(1, 1), (1, 3), (3, 1), (2, 5), (4, 3)]
@@ -93,8 +92,7 @@ def output_names(model: VisionTransformerPreTrainedModel) -> list[str]:
 
 
 def dynamic_shapes(model: VisionTransformerPreTrainedModel) -> dict:
-    """Batch, height and width free; height and width multiples of the patch size (a symbolic grid of patches), so
-    the graph holds no check that could fail and no size frozen at tracing."""
+    """Batch, height and width free, height and width multiples of the patch size."""
     patch = model.config.patch_size
     side = int(MAX_PATCH_POSITIONS**0.5)
     rows = torch.export.Dim("patch_rows", min=1, max=side)
@@ -127,8 +125,7 @@ def native_dynamic_shapes() -> dict:
 def export_program(
     model: VisionTransformerPreTrainedModel, max_num_patches: int | None = None
 ) -> torch.export.ExportedProgram:
-    """`torch.export` of `model` (in eval mode) with dynamic batch, height and width; with `max_num_patches`, of the
-    model on native-aspect batches (traced at that many patches), with dynamic batch and number of patches."""
+    """`torch.export` of `model` with dynamic sizes (native-aspect with `max_num_patches`)."""
     if max_num_patches is None:
         graph = _GraphModel(model.eval())
         return torch.export.export(graph, (example_input(model),), dynamic_shapes=dynamic_shapes(model))
@@ -139,8 +136,7 @@ def export_program(
 
 
 def check_export_output(output: str | os.PathLike, format: str, source: str | os.PathLike | None = None) -> Path:
-    """`output` as a Path, refused before any work when its extension is not `format`'s (`EXTENSIONS`), or when it
-    is, or lies inside, the model folder `source` it is exported from (an export never writes into its input)."""
+    """`output` as a Path; refused for another extension or a place inside `source`."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
     output = Path(output)
@@ -161,8 +157,7 @@ def check_export_output(output: str | os.PathLike, format: str, source: str | os
 
 @contextlib.contextmanager
 def quiet_exporters() -> Iterator[None]:
-    """torch's exporters' chatter kept from the user's screen: the ONNX exporter's warnings that torchvision's
-    operators are skipped (hf-vit uses none of them) and a FutureWarning torch raises inside its own pytree code."""
+    """torch's exporters' warnings about torchvision operators and pytree kept quiet."""
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = registration.level
     registration.setLevel(logging.ERROR)
@@ -215,8 +210,7 @@ def export(
 def check_onnx(
     path: str | os.PathLike, model: VisionTransformerPreTrainedModel, sizes: Sequence[tuple[int, int]], batch: int = 2
 ) -> dict[str, float]:
-    """Run the ONNX file with onnxruntime and `model` with PyTorch on the same random inputs at each (height, width);
-    returns the largest absolute difference of the first output per size ("HxW")."""
+    """The largest difference of the first output, onnxruntime vs PyTorch, per size ("HxW")."""
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -236,8 +230,7 @@ def check_onnx(
 def check_native_onnx(
     path: str | os.PathLike, model: VisionTransformerPreTrainedModel, patch_counts: Sequence[int], batch: int = 3
 ) -> dict[str, float]:
-    """The largest absolute difference of the first output between onnxruntime and PyTorch on native-aspect batches
-    of each patch count (images of several aspect ratios)."""
+    """The largest difference of the first output, onnxruntime vs PyTorch, per patch count."""
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])

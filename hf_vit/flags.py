@@ -14,14 +14,12 @@ logger = logging.getLogger(__name__)
 
 
 def warn_idle(names: list[str], message: str) -> None:
-    """Say that flags given have no effect on this run: one warning line, `message` with `{flags}` replaced by their
-    names (`--name`, comma-separated)."""
+    """Say in one warning line that `flags` have no effect on this run (`{flags}` in `message`)."""
     logger.warning(message.format(flags=", ".join(f"--{name}" for name in names)))
 
 
 def positive_int(value: object, flag: str, what: str = "int") -> int:
-    """`value` when it is an int of at least 1 (not a bool); else a `ValueError` saying `"{flag} must be a positive
-    {what}, got {value!r}."`."""
+    """`value` when it is an int of at least 1 (not a bool); else a `ValueError` naming `flag`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{flag} must be a positive {what}, got {value!r}.")
     return value
@@ -43,8 +41,7 @@ def parse_sizes(text: str | None, flag: str) -> list[int] | None:
 
 
 def error_status(error: Exception) -> int:
-    """How a command ends on bad input: one `error: <message>` line on stderr, and the exit status 2 returned
-    (`HF_VIT_TRACEBACK=1`: the error is raised again, with its whole traceback)."""
+    """One `error:` line on stderr and the exit status 2 (`HF_VIT_TRACEBACK=1`: raised again)."""
     if os.environ.get("HF_VIT_TRACEBACK"):
         raise error
     print(f"error: {error_message(error)}", file=sys.stderr)

@@ -21,8 +21,7 @@ _UNREACHABLE: dict[str, str] = {}
 
 
 class HubLookupError(OSError):
-    """A model or data set named by Hub id that can neither be downloaded nor found in the local cache. An `OSError`,
-    as transformers' own loading errors are, so the commands print it as one `error:` line."""
+    """A Hub id neither downloadable nor cached (an `OSError`, as transformers' loading errors)."""
 
 
 def offline_mode() -> bool:
@@ -43,8 +42,7 @@ def _probe(endpoint: str, timeout: float) -> str | None:
 
 
 def hub_unreachable_reason() -> str | None:
-    """Why the Hub cannot be reached (endpoint and error), or None when it answers or `HF_HUB_OFFLINE=1` is set;
-    asked once per process with one request of huggingface_hub's client."""
+    """Why the Hub cannot be reached, or None; asked once per process, one request."""
     from huggingface_hub import constants
 
     endpoint = constants.ENDPOINT
@@ -67,8 +65,7 @@ def hub_unreachable_reason() -> str | None:
 
 
 def lookup_error(kind: str, name: str, reason: str | None) -> HubLookupError:
-    """The error for `name`, a `kind` ("model", "data set") Hub id found neither on the Hub nor in the local cache:
-    `reason` is why the Hub could not be reached (`hub_unreachable_reason`), None in offline mode."""
+    """The error for the `kind` Hub id `name` found neither on the Hub nor in the cache."""
     if reason is None:
         cause = f"{kind} {name!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 forbids downloading it"
         advice = f"Download it where the Hub can be reached (the same cache serves it then), or {LOCAL_ALTERNATIVES}"
@@ -85,8 +82,7 @@ def lookup_error(kind: str, name: str, reason: str | None) -> HubLookupError:
 
 
 def hub_file(repo_id: str, filename: str, options: dict[str, Any], kind: str = "model") -> Path | None:
-    """`filename` of the Hub repository `repo_id` (`options`: `hf_hub_download`'s) from the Hub cache; None when the
-    repository lacks it. Offline, one the cache lacks is a `HubLookupError`."""
+    """`filename` of the Hub repository `repo_id` from the cache, None when it lacks it."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 

@@ -20,8 +20,7 @@ __all__ = ["base_model_name", "is_lora_folder", "load_lora_model", "read_lora_fo
 
 
 def base_model_name(model_name_or_path: str) -> str:
-    """How an adapter names its base: a Hub id as it is; a local folder by its plain name (the last part of its
-    path), so that no local path is saved or published with the adapter."""
+    """How an adapter names its base: a Hub id as it is, a local folder by its plain name."""
     path = os.path.expanduser(model_name_or_path)
     if os.path.exists(path) or os.path.isabs(path) or model_name_or_path.startswith((".", "~")):
         return Path(os.path.abspath(path)).name
@@ -29,8 +28,7 @@ def base_model_name(model_name_or_path: str) -> str:
 
 
 def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = None):
-    """The fine-tuned model of a LoRA run's `folder`, merged, in eval mode: the base (`base`, default:
-    `adapter_config.json`'s) with the settings its `config.json` records, then the adapter applied and merged."""
+    """The fine-tuned model of a LoRA run's `folder` (its base: `base` or the adapter's), merged."""
     from peft import PeftModel
 
     from .model.configuration_vit import VisionTransformerConfig
@@ -58,8 +56,7 @@ def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = 
 
 
 def local_base(folder: str | os.PathLike) -> str | None:
-    """The local folder of a LoRA run's base, as the run recorded it on this machine (None: not recorded, or no
-    longer there)."""
+    """The local folder of a LoRA run's base as recorded on this machine, or None."""
     path = Path(folder) / LOCAL_BASE_FILE
     if not path.is_file():
         return None
@@ -81,8 +78,7 @@ def is_lora_folder(folder: str | os.PathLike) -> bool:
 
 
 class LoraFolder:
-    """A LoRA run's folder as the loading hook sees a foreign checkpoint: its own config and processor, the base
-    with the adapter merged as its model."""
+    """A LoRA run's folder as the loading hook sees a foreign checkpoint."""
 
     def __init__(self, folder: str) -> None:
         self.folder = Path(folder)
@@ -126,8 +122,7 @@ def run_settings(config: Any) -> dict[str, Any]:
 def save_merged_model(
     folder: str | os.PathLike, output_dir: str | os.PathLike, base: str | os.PathLike | None = None
 ) -> None:
-    """Write the merged model of the LoRA run in `folder` to `output_dir` as a plain hf-vit folder (weights, config,
-    code) with the run's image processor, loadable with the Auto classes and without peft."""
+    """Write the merged model of a LoRA run as a plain hf-vit folder with its processor."""
     from .model.image_processing_vit import VisionTransformerImageProcessor
 
     model = load_lora_model(folder, base)

@@ -119,8 +119,7 @@ def make_resolution_variant(
 
 
 def _measured(folder: Path, model, processor, data_source: DataSource) -> dict:
-    """The variant's metrics as `eval_*`, as hf-vit-evaluate measures them (test, else validation, by the source
-    run's splits)."""
+    """The variant's metrics as `eval_*`, as hf-vit-evaluate measures them."""
     from .infer.evaluate import evaluate_loaded, recorded_source  # loads the data set libraries: only to measure
 
     measured, _ = evaluate_loaded(model.eval(), processor, recorded_source(folder, data_source))
@@ -129,8 +128,7 @@ def _measured(folder: Path, model, processor, data_source: DataSource) -> dict:
 
 
 def _check_sizes(folder: Path, config, processor, image_size, patch_size, max_num_patches) -> None:
-    """Refuse sizes the variant cannot honour before anything big loads: a native-aspect model's images are never
-    resized to an image size (its patch budget is what changes their size)."""
+    """Refuse sizes the variant cannot honour before anything big loads."""
     if patch_size is not None:
         positive_int(patch_size, "--patch_size", "number of pixels")
     if max_num_patches is not None:
@@ -159,8 +157,7 @@ def _resized_model(folder: Path, config, image_size, mode: str, patch_size: int 
 
 
 def _resized_processor(processor, config, max_num_patches: int | None):
-    """`processor` serving the resized model: the source's resize and crop scaled to the new image size, or
-    native-aspect patches at its patch size (at most `max_num_patches` of them, when given)."""
+    """`processor` serving the resized model (its geometry scaled, or native-aspect)."""
     height, width = config.image_hw
     if processor.max_num_patches is None and max_num_patches is None:  # the source's resize and crop, scaled
         size, crop_size = scaled_geometry(
@@ -216,8 +213,7 @@ def make_evaluated_variant(
     mode: str = "bicubic",
     overwrite: bool = False,
 ) -> dict[str, float]:
-    """`make_resolution_variant` with the test accuracy measured (on the digits unless `data_source` names another data
-    set) and written to its card and `all_results.json`. Returns the measured metrics (`eval_*`)."""
+    """`make_resolution_variant` with its accuracy measured; returns the metrics."""
     from .data.datasets import DataSource
 
     make_resolution_variant(

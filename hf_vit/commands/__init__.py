@@ -17,8 +17,7 @@ import sys
 
 
 class CommandParser(argparse.ArgumentParser):
-    """The parser of every command that is not a training run: `--help` shows the module's docstring as written, and
-    a bad flag is one `error:` line (exit 2), as every other error of the commands."""
+    """The non-training commands' parser: `--help` as written, a bad flag one `error:` line (exit 2)."""
 
     def __init__(self, prog: str, description: str | None) -> None:
         super().__init__(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -66,8 +66,7 @@ def _parser() -> CommandParser:
 
 
 def _report(metrics: dict, printed_only: bool) -> None:
-    """The metrics as JSON on standard output; on standard error the headline figure with its number of images (and
-    a warning when they are few), the per-class table, and where the files would go."""
+    """The metrics as JSON on stdout; the headline, warnings and per-class table on stderr."""
     from hf_vit.infer.evaluate import per_class_table
     from hf_vit.metrics import few_images_warning, images_text
 

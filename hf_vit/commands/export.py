@@ -89,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _missing_onnx_packages() -> list[str]:
-    """The ONNX packages that are not installed (torch.onnx imports onnxscript deep inside the export: checked before
-    any work)."""
+    """The ONNX packages not installed (torch.onnx needs them deep inside the export)."""
     import importlib
 
     missing = []

@@ -94,8 +94,7 @@ def is_big_vision(arrays: Mapping[str, np.ndarray]) -> bool:
 
 
 def big_vision_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`arrays` as `BIG_VISION_LAYOUT` reads them: the prefix stripped, a zero class position prepended to the
-    position table where there is a class token (big_vision adds the positions before prepending it)."""
+    """`arrays` as `BIG_VISION_LAYOUT` reads them: unprefixed, a zero class position prepended."""
     out = _strip(arrays)
     if "Transformer/pos_embedding" in out and "pos_embedding" not in out:  # its place before 2022
         out["pos_embedding"] = out.pop("Transformer/pos_embedding")
@@ -139,8 +138,7 @@ def infer_config_from_big_vision(
 def big_vision_to_hf_vit_state_dict(
     arrays: Mapping[str, np.ndarray], config: VisionTransformerConfig, resize_mode: str | None = None
 ) -> dict[str, torch.Tensor]:
-    """The arrays of a big_vision `.npz` checkpoint under hf-vit's names, checked against `config`'s model; the
-    position grid resampled to `config`'s with `resize_mode` (default: the config's) and the config's antialiasing."""
+    """A big_vision checkpoint's arrays under hf-vit's names, checked, the grid resampled."""
     source = {key: _tensor(value) for key, value in big_vision_arrays(arrays).items()}
     mode = resize_mode or config.interpolation_mode
     source = resample_positions(source, "pos_embedding", config, mode, config.interpolation_antialias)

@@ -49,8 +49,7 @@ def _listing(leftovers: Iterable[str] = (), missing: Iterable[str] = (), extra: 
 
 @dataclass(frozen=True)
 class Transform:
-    """How one row's source arrays become the hf-vit tensor (`to_hf(*arrays)`) and back (`from_hf(tensor, config)`,
-    a tuple in the row's source order)."""
+    """How one row's source arrays become the hf-vit tensor (`to_hf`) and back (`from_hf(tensor, config)`)."""
 
     to_hf: Callable[..., torch.Tensor]
     from_hf: Callable[[torch.Tensor, Any], tuple[torch.Tensor, ...]]
@@ -293,8 +292,7 @@ def converted_model_class(state_dict: Mapping[str, Any], layout: Layout | None =
 def resample_positions(
     source: Mapping[str, torch.Tensor], key: str, config: VisionTransformerConfig, mode: str, antialias: bool = False
 ) -> dict[str, torch.Tensor]:
-    """`source` with its position embeddings `source[key]` (`(1, prefix + n*n, D)`) resampled to `config`'s grid
-    (`mode`, `antialias`) when trained at another square grid; anything else is left for the check."""
+    """`source` with its positions `source[key]` resampled to `config`'s grid from another square one."""
     out = dict(source)
     pos, prefix = out.get(key), config.num_position_prefix_tokens
     if isinstance(pos, torch.Tensor) and pos.ndim == 3 and pos.shape[0] == 1 and pos.shape[2] == config.hidden_size:

@@ -47,8 +47,7 @@ def norm_rows(source: str, target: str) -> list[tuple]:
 
 
 def attention_rows(source: str, qkv: str, out: str) -> list[tuple]:
-    """Flax attention's query, key and value (split by head) <-> the fused projection `qkv` (`weight`, `bias`
-    appended), and its output projection <-> `out`."""
+    """Flax attention's query, key, value <-> the fused `qkv`, and its `out` projection <-> `out`."""
     parts = [tuple(f"{source}{part}/{name}" for part in ("query", "key", "value")) for name in ("kernel", "bias")]
     return [
         (parts[0], qkv + "weight", QKV_KERNEL),

@@ -116,8 +116,7 @@ def _not_a_vit(keys: Sequence[str]) -> ConversionError:
 
 
 def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`arrays` under the `vit_jax` names: prefixes stripped, a zero class position added where the class token has
-    none. Raises `ConversionError` for non-ViT checkpoints."""
+    """`arrays` under the `vit_jax` names, a zero class position added where needed; non-ViTs refused."""
     prefix = next((p for p in ("", "opt/target/", "params/") if f"{p}embedding/kernel" in arrays), None)
     if prefix is None:
         raise _not_a_vit(list(arrays))
@@ -162,16 +161,14 @@ def npz_to_hf_vit_state_dict(
 def hf_vit_to_npz_arrays(
     state_dict: Mapping[str, torch.Tensor], config: VisionTransformerConfig
 ) -> dict[str, np.ndarray]:
-    """The inverse of `npz_to_hf_vit_state_dict` (at the checkpoint's own resolution): an hf-vit classification state
-    dict as the arrays of a `vit_jax` `.npz` file (save them with `np.savez(path, **arrays)`)."""
+    """The inverse of `npz_to_hf_vit_state_dict`: the arrays of a `vit_jax` `.npz` file."""
     check_state_dict(state_dict, config)
     arrays = JAX_LAYOUT.from_hf({k: v.detach().cpu() for k, v in state_dict.items()}, config)
     return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in arrays.items()}
 
 
 def _hybrid_fields(source: Mapping[str, np.ndarray], kernel: tuple[int, ...] | None, problems: list[str]) -> dict:
-    """A hybrid's stem: stage depths from the `block{s}/unit{u}` names, channels and width from `conv_root/kernel`,
-    the patch size in input pixels (the embedding's times the stem's stride)."""
+    """A hybrid's stem sizes: stage depths, channels, width, and the patch size in input pixels."""
     root = array_shape(source, "conv_root/kernel", 4, problems)
     units: dict[int, set[int]] = {}
     for key in source:
@@ -274,8 +271,7 @@ def read_jax_checkpoint(
     hidden_act: str = "gelu_pytorch_tanh",
     resize_mode: str = "bilinear",
 ):
-    """`(config, state_dict, processor)` of an authors' `.npz` checkpoint, without writing: the processor resizes to
-    the model's size and normalises with mean = std = 0.5 (the authors' [-1, 1] inputs)."""
+    """`(config, state_dict, processor)` of an authors' `.npz` checkpoint (mean = std = 0.5)."""
     from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     arrays = load_npz(input_path)

@@ -46,8 +46,7 @@ _SAFETENSORS_DTYPES = {
 
 
 def layout_of(config: dict) -> str | None:
-    """ "hf_vit", "transformers", a family's model type, "timm" or "timm_naflex" for a `config.json`'s contents; None
-    when it is none of them."""
+    """The layout a `config.json`'s contents name (see `DESCRIPTIONS`), "hf_vit", or None."""
     model_type = config.get("model_type")
     if model_type == "hf_vit":
         return "hf_vit"
@@ -65,8 +64,7 @@ def is_npz(source: str | os.PathLike) -> bool:
 
 
 def _fetch(source: str, filename: str, hub: dict[str, Any], required: bool = True) -> Path | None:
-    """`filename` of the folder or Hub repository `source`, downloaded into (or found in) the Hub cache. A Hub
-    repository that can be neither reached nor found in the cache fails at once (`hf_vit.hub_access`)."""
+    """`filename` of the folder or Hub repository `source` (a Hub that cannot be reached fails at once)."""
     folder = Path(source).expanduser()
     if folder.is_dir():
         path = folder / filename
@@ -140,8 +138,7 @@ def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
 
 
 class FilePart:
-    """One array of a safetensors file: `part[...]` maps it from the file; `read_into(out)` and `read()` copy it
-    through a short-lived mapping, for the parts of a fused weight (their pages do not stay mapped)."""
+    """One array of a safetensors file: mapped by `part[...]`, copied by `read_into(out)` and `read()`."""
 
     def __init__(self, path: Path, part: Any, start: int, end: int) -> None:
         self.path, self.part, self.start, self.end = path, part, start, end
@@ -158,8 +155,7 @@ class FilePart:
         return _SAFETENSORS_DTYPES[self.part.get_dtype()]
 
     def read_into(self, out: torch.Tensor) -> None:
-        """Copy the array's bytes into `out` from a short-lived mapping (faster than `readinto`:
-        docs/benchmarks.md)."""
+        """Copy the array's bytes into `out` from a short-lived mapping (faster: docs/benchmarks.md)."""
         if tuple(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
             raise ValueError(f"{self.path}: cannot read an array of {self.shape} {self.dtype} into {tuple(out.shape)}")
         if self.end == self.start:
@@ -209,8 +205,7 @@ class ForeignCheckpoint:
         )
 
     def _slices(self, files: list[Path]) -> dict[str, Any]:
-        """The arrays of safetensors `files` as slices, read (memory-mapped) only when transformers' loading indexes
-        them; the files stay open until `load_model` returns."""
+        """The arrays of safetensors `files` as slices, memory-mapped only when loading indexes them."""
         from safetensors import safe_open
 
         out = {}
@@ -230,8 +225,7 @@ class ForeignCheckpoint:
         return load_timm_state_dict(files[0])
 
     def convert(self, options: dict[str, Any], weights: bool = True):
-        """`(config, state_dict or None, processor or None)` in hf-vit's terms; `options` are the conversion
-        arguments (`CONVERSION_ARGUMENTS`) the caller gave. Errors name the source."""
+        """`(config, state_dict or None, processor or None)` in hf-vit's terms; errors name the source."""
         image_size, hidden_act = options.get("image_size"), options.get("hidden_act")
         try:
             if self.layout == "jax":
@@ -330,16 +324,14 @@ class ForeignCheckpoint:
         return self.convert({})[2]
 
     def _verify(self, state_dict: Any) -> None:
-        """Raise the report of what in the checkpoint does not fit the model, when the weights were read lazily and
-        something does (`LazyStateDict.verify`)."""
+        """Raise the report of what does not fit the model, for weights read lazily (`LazyStateDict.verify`)."""
         try:
             getattr(state_dict, "verify", lambda: None)()
         except ConversionError as error:
             raise self._fail(error) from error
 
     def load_model(self, load: Any, args: tuple, kwargs: dict[str, Any]):
-        """The converted model, as transformers' `load(None, *args, config=..., state_dict=..., **kwargs)` (the
-        classes' own `from_pretrained`) builds it from the converted weights; returns what `load` returns."""
+        """The converted model, built by transformers' `load(None, ..., config=..., state_dict=...)`."""
         kwargs = dict(kwargs)
         options = {name: kwargs.pop(name) for name in CONVERSION_ARGUMENTS if name in kwargs}
         for name in HUB_ARGUMENTS:
@@ -374,8 +366,7 @@ class ForeignCheckpoint:
 
 
 def read_source(source: str, kwargs: dict[str, Any]) -> ForeignCheckpoint | None:
-    """The reader registered with the core's `loading`: a `ForeignCheckpoint` for an `.npz` path or a folder or Hub
-    id of a foreign layout; None for anything else (transformers' loading reports those)."""
+    """The core's loading hook: a `ForeignCheckpoint` for a foreign source, None for anything else."""
     hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}
     if is_npz(source):
         return ForeignCheckpoint(source, "jax", hub)

@@ -88,8 +88,7 @@ _POOLS = {"avg": "gap", "token": "token", "map": "map"}
 
 
 def naflex_settings(timm_config: Mapping) -> dict[str, Any]:
-    """The NaFlexViT settings of timm's `config.json`: `NaFlexVitCfg`'s defaults, the registered architecture's,
-    `global_pool` at the top level and `model_args`, in that order."""
+    """NaFlexVitCfg's defaults, the architecture's, `config.json`'s `global_pool` and `model_args`."""
     architecture = str(timm_config.get("architecture"))
     model_args = dict(timm_config.get("model_args") or {})
     if architecture not in NAFLEX_ARCHITECTURES and not {"num_heads", "global_pool"} <= set(model_args):
@@ -129,8 +128,7 @@ def _setting_problems(settings: Mapping[str, Any]) -> list[str]:
 def _canonical(
     state_dict: Mapping[str, torch.Tensor], settings: Mapping[str, Any], channels: int
 ) -> tuple[dict[str, torch.Tensor], list[str], tuple[int, int] | None]:
-    """`state_dict` as `NAFLEX_LAYOUT` reads it (a conv kernel, a `(1, prefix + h * w, D)` table, `fc_norm` as
-    `norm`), the problems found and the position grid `(h, w)`."""
+    """`state_dict` as `NAFLEX_LAYOUT` reads it, the problems found and the position grid `(h, w)`."""
     problems, out, grid = [], {}, None
     positioned = int("embeds.cls_token" in state_dict)
     for key, value in state_dict.items():
@@ -213,8 +211,7 @@ def naflex_config(
     image_size: int | list[int] | tuple[int, int] | None = None,
     num_attention_heads: int | None = None,
 ) -> VisionTransformerConfig:
-    """The hf-vit config of a NaFlexViT checkpoint (meta tensors do); the image size is the position grid's unless
-    given."""
+    """The hf-vit config of a NaFlexViT checkpoint; the image size the position grid's unless given."""
     arrays, settings, problems, grid = naflex_canonical(state_dict, timm_config)
     fields: dict[str, Any] = timm_block_fields(arrays, "embeds.proj.weight", "timm NaFlexViT", problems)
     patch = fields["patch_size"]

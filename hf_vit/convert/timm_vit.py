@@ -51,8 +51,7 @@ def _prefix_counts(state_dict: Mapping[str, torch.Tensor]) -> tuple[int, int]:
 
 
 def timm_canonical(state_dict: Mapping[str, torch.Tensor], num_patches: int | None = None) -> dict[str, torch.Tensor]:
-    """`state_dict` as `TIMM_LAYOUT` reads it: `fc_norm` named `norm`, and the position table with one row per class
-    and distillation token (zero ones for `no_embed_class=True`), none for registers (added to the tokens)."""
+    """`state_dict` as `TIMM_LAYOUT` reads it: `fc_norm` as `norm`, a position row per positioned token."""
     out = dict(state_dict)
     if "fc_norm.weight" in out and "norm.weight" not in out:
         for name in ("weight", "bias"):
@@ -74,8 +73,7 @@ def timm_canonical(state_dict: Mapping[str, torch.Tensor], num_patches: int | No
 
 
 def _without_token_positions(rows: int, positioned: int, num_patches: int | None) -> bool:
-    """Whether a position table of `rows` has no rows for its `positioned` tokens: a known grid (`num_patches`)
-    decides, else a square count of rows does."""
+    """Whether a position table of `rows` has no rows for its `positioned` tokens."""
     if num_patches in (rows, rows - positioned):
         return rows == num_patches
     return bool(square_side(rows)) and not square_side(rows - positioned)
@@ -94,8 +92,7 @@ def _known_num_patches(
 
 
 def _timm_input_size(timm_config: Mapping | None) -> int | list[int] | None:
-    """The image size timm's `config.json` says the weights were trained at (`pretrained_cfg.input_size` or
-    `input_size`, as [C, H, W]), as the config's `image_size` field; None when it says none."""
+    """The image size timm's `config.json` gives (`input_size` as [C, H, W]), or None."""
     if not timm_config:
         return None
     pretrained = timm_config.get("pretrained_cfg") or {}
@@ -110,8 +107,7 @@ def timm_to_hf_vit_state_dict(
     config: VisionTransformerConfig | None = None,
     resize_mode: str = "bicubic",
 ) -> dict[str, torch.Tensor]:
-    """A timm ViT state dict under hf-vit names; with `config`, checked against its model and the position grid
-    resampled to it (`resize_mode`, antialiased as timm's `resample_abs_pos_embed`)."""
+    """A timm ViT state dict under hf-vit names; with `config`, checked and its grid resampled."""
     problems, explained = _timm_problems(state_dict)
     source = {key: value for key, value in state_dict.items() if key not in explained}
     source = timm_canonical(source, config.num_patches if config is not None else None)
@@ -164,8 +160,7 @@ def infer_config_from_timm(
     num_attention_heads: int | None = None,
     timm_config: Mapping | None = None,
 ) -> VisionTransformerConfig:
-    """The hf-vit config of a timm ViT state dict from its shapes and timm's `config.json` (`timm_config`); the image
-    size from the position grid unless given; a preset's sizes must match."""
+    """The hf-vit config of a timm ViT state dict and its `config.json` (`timm_config`)."""
     timm_problems, _ = _timm_problems(state_dict)
     problems = list(timm_problems)
     fc_norm = "fc_norm.weight" in state_dict and "norm.weight" not in state_dict
@@ -222,8 +217,7 @@ def infer_config_from_timm(
 
 
 def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read timm weights: a `.safetensors` file, a torch file (read with `weights_only=True`; a dict holding them under
-    "state_dict" or "model" is unwrapped), or a folder holding `model.safetensors` or `pytorch_model.bin`."""
+    """timm weights from a `.safetensors` or torch file (`weights_only=True`) or their folder."""
     path = Path(path)
     if path.is_dir():
         candidates = [
@@ -320,8 +314,7 @@ def read_timm_checkpoint(
     num_attention_heads: int | None = None,
     resize_mode: str = "bicubic",
 ):
-    """`(config, state_dict, processor)` of timm ViT weights (a file, or a folder as on the Hub), without writing; a
-    NaFlexViT's through `timm_naflex.py`. Mean and std: given, else timm's `config.json`'s, else 0.5."""
+    """`(config, state_dict, processor)` of timm ViT weights (a file or folder), without writing."""
     input_path = Path(input_path)
     state_dict = load_timm_state_dict(input_path)
     settings = read_timm_config(input_path if input_path.is_dir() else input_path.parent)
@@ -334,8 +327,7 @@ def read_timm_checkpoint(
 
 
 def _read_naflex(state_dict, settings, preset, image_size, image_mean, image_std, num_attention_heads, resize_mode):
-    """`read_timm_checkpoint` of a NaFlexViT: its config.json gives the architecture and resampling, so a preset or
-    another resampling mode is refused rather than ignored."""
+    """`read_timm_checkpoint` of a NaFlexViT: a preset or another resampling mode is refused."""
     from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
 
     if preset is not None:
@@ -367,8 +359,7 @@ def convert_timm_checkpoint(
     resize_mode: str = "bicubic",
     base_model: str | None = None,
 ):
-    """Convert timm ViT weights into a complete hf-vit folder (see `read_timm_checkpoint`); the card names
-    `base_model` (default: the file's name). Returns the model; nothing is written unless everything succeeded."""
+    """Convert timm ViT weights into a complete hf-vit folder; returns the model."""
     check_output_dir(output_dir, overwrite, [input_path])  # before any loading
     config, converted, processor = read_timm_checkpoint(
         input_path, preset, image_size, image_mean, image_std, num_attention_heads, resize_mode

@@ -116,8 +116,7 @@ SIGLIP_LAYOUT = Layout(
 
 
 def _transformers_config(model_type: str, config: dict) -> Any:
-    """transformers' own config class of `model_type` read from `config`, so that fields `save_pretrained` left out
-    (equal to their defaults) take transformers' defaults."""
+    """transformers' own config class of `model_type` read from `config` (its defaults filled in)."""
     from transformers import CONFIG_MAPPING
 
     try:
@@ -244,8 +243,7 @@ def _deit_name(key: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One family: its table, how its keys read under the table's names (`rename`; `dropped`: what is not part of
-    the vision encoder, e.g. the text tower), its config reading, and the source key of the position table."""
+    """One family: its table, key renaming (`dropped`: not the vision encoder), config reading, position key."""
 
     name: str
     layout: Layout
@@ -303,8 +301,7 @@ FAMILIES: dict[str, Family] = {
 def family_config(
     config_json: dict, keys: Collection[str], image_size: Any = None, check_only: bool = False
 ) -> VisionTransformerConfig | None:
-    """The hf-vit config of a family checkpoint (`config_json`, arrays named `keys`); `image_size` replaces the
-    checkpoint's. `check_only`: refuse what `config.json` alone rules out, before any weights are fetched."""
+    """The hf-vit config of a family checkpoint; `check_only`: refuse what `config.json` alone rules out."""
     family = FAMILIES[config_json["model_type"]]
     if check_only:
         family.config_fields(config_json, ())
@@ -331,8 +328,7 @@ def family_state_dict(
     shapes: Mapping[str, torch.Tensor],
     resample: bool = False,
 ):
-    """A family checkpoint's weights converted for `config`, lazily (`Layout.to_hf_lazy`). `resample`: positions of
-    another grid are resampled to `config`'s as the family's code does; otherwise refused with the size to pass."""
+    """A family checkpoint's weights for `config`, lazily; `resample`: another grid resampled, else refused."""
     family = FAMILIES[model_type]
     source, shapes = family.names(source), family.names(shapes)
     key, problems, prefix = family.positions, [], config.num_position_prefix_tokens

@@ -122,8 +122,7 @@ _SHARED_CONFIG_FIELDS = (
 
 
 def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) -> VisionTransformerConfig:
-    """An hf-vit config computing what a transformers `ViTConfig` (a dict) computes: the architecture, labels,
-    `problem_type` and dtype; the pooler as pre-logits layer when `with_pooler` (tanh only)."""
+    """An hf-vit config computing what a transformers `ViTConfig` (a dict) computes."""
     if config.get("model_type") not in (None, "vit"):
         raise ConversionError(
             f"Expected a transformers ViT config (model_type 'vit'), got {config.get('model_type')!r}."
@@ -205,8 +204,7 @@ def transformers_processor(folder: Path, image_size: tuple[int, int], default_to
 
 
 def transformers_config(folder: Path, keys: Collection[str]) -> VisionTransformerConfig:
-    """The hf-vit config of a transformers ViT folder whose weights are named `keys` (saved or in-memory names):
-    `config.json` says the architecture, the weights whether there is a classifier and a pooler."""
+    """The hf-vit config of a transformers ViT folder whose weights are named `keys`."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ConversionError(f"{folder} has no config.json; pass the folder of a saved transformers ViT model.")

@@ -50,8 +50,7 @@ POOLING_NAMES = {"token": "class-token", "gap": "global-average-pooling", "map":
 
 
 def card_reference(reference: str | os.PathLike) -> CardReference:
-    """A user-given model or data set reference as a card may say it: a Hub id or plain name as it is, a local path
-    as its final folder name in the text and left out of the metadata."""
+    """A user's model or data set reference as a card may say it: a local path by its final name."""
     raw = os.fspath(reference)
     is_local = (
         isinstance(reference, os.PathLike)
@@ -90,8 +89,7 @@ OPTIMIZERS_IGNORING_OPTIM_ARGS = {
 
 
 def card_value(value: Any) -> str:
-    """A setting as a card or log line spells it: an enum by its value, a whole float as an integer, a long float
-    with 4 significant digits, anything else as `str`."""
+    """A setting as a card spells it: an enum's value, a whole float as int, 4 significant digits."""
     value = getattr(value, "value", value)
     if isinstance(value, float):
         if value.is_integer():
@@ -118,8 +116,7 @@ def clipping_text(max_grad_norm: float | None) -> str:
 
 
 def optimizer_text(args: Any) -> str:
-    """The optimizer with the settings it ran with: Adam's betas for the Adam family, `--optim_args` for those that
-    read them."""
+    """The optimizer with the settings it ran with (Adam's betas, `--optim_args` where read)."""
     name = card_value(args.optim)
     details = []
     if "adam" in name:
@@ -141,8 +138,7 @@ def training_recipe_text(task: str, args: Any) -> str:
 
 
 def length_text(args: Any) -> str:
-    """How long the run trained, by the flag that decided it: --max_steps when given (--num_train_epochs is then
-    ignored by Trainer), else the epochs."""
+    """How long the run trained: --max_steps when given (Trainer then ignores epochs), else epochs."""
     if args.max_steps is not None and args.max_steps > 0:
         return f"{args.max_steps} optimisation steps"
     return f"{card_value(args.num_train_epochs)} epochs"
@@ -159,8 +155,7 @@ def saved_max_num_patches(folder: str | os.PathLike) -> int | None:
 
 
 def resolution_text(config: Any, max_num_patches: int | None = None) -> str:
-    """The card's resolution: the config's height x width, or, for a model fed native-aspect batches, its budget of
-    patches (the config's size then only sets the stored position grid, resampled to each image's grid)."""
+    """The card's resolution: height x width, or a native-aspect model's budget of patches."""
     height, width = config.image_hw
     if not max_num_patches:
         return f"{height}x{width}"
@@ -174,14 +169,12 @@ def resolution_text(config: Any, max_num_patches: int | None = None) -> str:
 
 
 def _is_quality_metric(name: str) -> bool:
-    """The measured qualities a card reports (accuracies; mean average precision and F1 for multi-label models),
-    not the run's loss, runtime or throughput."""
+    """Whether `name` is a quality a card reports (accuracy, mAP, F1), not loss or speed."""
     return any(key in name for key in ("accuracy", "mean_average_precision", "f1_"))
 
 
 def _card_data(repo_id, license, adapter, pretraining, base, data, split, results) -> ModelCardData:
-    """The card's Hub metadata: library, task, tags, data set, base model and the model-index of `results`
-    (`pretraining`: the self-supervised objective's tag, None for a classifier)."""
+    """The card's Hub metadata (`pretraining`: the self-supervised objective's tag, or None)."""
     mpp = pretraining is not None
     eval_results = [
         EvalResult(
@@ -323,8 +316,7 @@ def render_model_card(
 
 
 def write_model_card(output_dir: str | os.PathLike, model, metrics: dict[str, Any], **kwargs: Any) -> Path:
-    """Render the card (`render_model_card`) to `output_dir/README.md`; without `max_num_patches`, the folder's
-    saved processor says whether the model takes native-aspect batches."""
+    """Render the card (`render_model_card`) to `output_dir/README.md`."""
     path = Path(output_dir) / "README.md"
     if not kwargs.get("repo_id"):
         kwargs["repo_id"] = card_reference(Path(output_dir)).text
@@ -346,8 +338,7 @@ def write_card(
     dataset_name: str | None = None,
     output_name: str | None = None,
 ) -> Path:
-    """Write the card of a folder the project made from `base_model`; `output_name` is the folder's final name
-    (`folder` may be a staging folder)."""
+    """Write the card of a folder the project made from `base_model` (`output_name`: its final name)."""
     measured = dict(metrics or {})
     return write_model_card(
         folder,

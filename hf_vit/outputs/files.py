@@ -56,8 +56,7 @@ CHECKPOINT_FOLDER = re.compile(r"checkpoint-(\d+)")
 
 @lru_cache(maxsize=1)
 def remote_code_files() -> tuple[str, ...]:
-    """The modules `save_pretrained` copies beside a checkpoint for `trust_remote_code=True`, sorted: every module
-    of `hf_vit/model/` but its `__init__.py`."""
+    """The modules copied beside a checkpoint for `trust_remote_code=True`: `hf_vit/model/`'s."""
     return tuple(sorted(path.name for path in MODEL_CODE.glob("*.py") if path.name != "__init__.py"))
 
 
@@ -101,8 +100,7 @@ def is_checkpoint_entry(name: str, is_dir: bool) -> bool:
 
 
 def checkpoint_foreign_entries(folder: Path) -> list[str]:
-    """What in a `checkpoint-N` folder a run does not write there (symlinks included); a folder with none of a
-    checkpoint's training state is foreign as a whole."""
+    """What in a `checkpoint-N` folder a run does not write there (all, for no run's)."""
     entries = sorted(folder.iterdir())
     foreign = [
         entry.name + ("/" if entry.is_dir() else "")

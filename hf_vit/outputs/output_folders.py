@@ -35,8 +35,7 @@ class OutputFolderError(FileExistsError, ValueError):
 
 
 def check_replaceable(folder: Path) -> None:
-    """Raise `OutputFolderError` unless `folder` is one hf-vit wrote: an hf-vit config.json and only files hf-vit
-    writes, no sub-folders, no symlinks."""
+    """Raise `OutputFolderError` unless hf-vit wrote `folder` (its config, its files only)."""
     config = folder / "config.json"
     hint = "Move it away, delete it yourself, or choose another --output."
     if not config.is_file() or config.is_symlink():
@@ -77,8 +76,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def clean_leftovers(target: Path) -> list[str]:
-    """Tidy what a killed run left beside `target` (one line per thing done): a dead process's aside folder is moved
-    back when the target is missing, else deleted, as are its staging folders; live processes' are left alone."""
+    """Tidy what dead runs left beside `target` (an aside folder restored or removed); lines done."""
     pattern = re.compile(rf"\.{re.escape(target.name)}\.({_STAGING}|{_ASIDE})-(\d+)(-[A-Za-z0-9_]+)?")
     if not target.parent.is_dir():
         return []
@@ -171,8 +169,7 @@ _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".t
 
 
 def _image_folder_of(image: Path, target: Path) -> Path | None:
-    """The image folder (`root/<label>/<file>`) `image` belongs to, or None (hidden entries and the branch `target`
-    is on aside)."""
+    """The image folder (`root/<label>/<file>`) `image` belongs to, or None."""
     root = image.parent.parent
     if root == image.parent:
         return None
@@ -311,8 +308,7 @@ class OutputDirError(FileExistsError):
 
 
 def _blocking_entries(folder: Path) -> list[str]:
-    """Entries a run would write through or delete without having written them: a symlink under a name the run
-    writes, a `checkpoint-N` entry that is a symlink or holds what no checkpoint does."""
+    """Entries a run would write through or delete unwritten: symlinks, foreign `checkpoint-N`."""
     problems = []
     for entry in sorted(folder.iterdir()):
         if entry.is_symlink() and (is_run_file(entry.name) or CHECKPOINT_FOLDER.fullmatch(entry.name)):
@@ -343,8 +339,7 @@ def check_no_file_in_the_way(folder: str | os.PathLike, flag: str = "--output_di
 
 
 def held_entries(output_dir: str | os.PathLike) -> list[str]:
-    """What `output_dir` holds that a run must not write over unasked: every entry but a run's lock, and but an
-    earlier run's record when it is all there is (a run stopped before it wrote anything)."""
+    """What `output_dir` holds that a run must not write over unasked (its lock and lone record aside)."""
     folder, own = Path(output_dir), (LOCK_FILE, f".{RUN_RECORD_FILE}.partial")
     entries = sorted(p.name for p in folder.iterdir() if p.name not in own) if folder.is_dir() else []
     return [] if entries == [RUN_RECORD_FILE] and read_record(folder) is not None else entries
@@ -456,8 +451,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def remove_earlier_checkpoints(output_dir: str | os.PathLike, keep: str | os.PathLike | None = None) -> None:
-    """`--overwrite_output_dir`: remove the earlier run's real `checkpoint-N` folders once the new run has started
-    (but the one it loaded, `keep`)."""
+    """`--overwrite_output_dir`: remove an earlier run's real checkpoints (but `keep`)."""
     keep = Path(keep).resolve() if keep is not None and Path(keep).exists() else None
     for path in Path(output_dir).iterdir():
         if not CHECKPOINT_FOLDER.fullmatch(path.name) or path.is_symlink() or not path.is_dir():

@@ -39,8 +39,7 @@ def save_figure(fig, path: str | os.PathLike, title: str | None = None, dpi: int
 def plot_training_curves(
     log_history: Sequence[dict], path: str | os.PathLike, title: str | None = None
 ) -> Path | None:
-    """Write a PNG with the training and validation loss (left) and the validation accuracy (right) per step; without
-    matplotlib (the `plot` extra), log one line and draw nothing."""
+    """A PNG of losses and validation accuracy per step; without matplotlib, one log line."""
     try:
         plt = pyplot()
     except ModuleNotFoundError:
@@ -98,8 +97,7 @@ def plot_embedding_analysis(
     patch_size: int | None = None,
     title: str | None = None,
 ) -> Path:
-    """The paper's Figure 7: filters' principal components `(K, P, P, 3)`, position-embedding similarity `(rows,
-    cols, rows, cols)` and mean attention distance `(layers, heads)` against depth."""
+    """The paper's Figure 7: filters' components, position similarity, attention distances."""
     import numpy as np
 
     plt = pyplot()
@@ -144,8 +142,7 @@ def plot_attention_rollout(
     captions: Sequence[str] | None = None,
     title: str | None = None,
 ) -> Path:
-    """The paper's Figure 6 for images `(N, H, W, 3)` and rollout maps `(N, H, W)`: per image the input, the map and
-    the input weighted by it."""
+    """The paper's Figure 6: each image, its rollout map and the image weighted by it."""
     import numpy as np
 
     plt = pyplot()
@@ -173,8 +170,7 @@ def plot_attention_rollout(
 def plot_compute_dial(
     rows: Sequence[dict], path: str | os.PathLike, metric: str = "accuracy", title: str | None = None
 ) -> Path:
-    """The compute dial of one checkpoint: `metric` against tokens per image (series "tokens", labelled K) and
-    against the patch size (series "patch_size"); an empty panel says so."""
+    """The compute dial: `metric` against tokens per image and against the patch size."""
     plt = pyplot()
     fig, (tokens_ax, patch_ax) = plt.subplots(1, 2, figsize=(10, 4))
     tokens = sorted((row for row in rows if row["series"] == "tokens"), key=lambda row: row["tokens_per_image"])

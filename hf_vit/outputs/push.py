@@ -46,8 +46,7 @@ class HubPushError(OSError):
 
 @dataclass(frozen=True)
 class UploadFile:
-    """One file of an upload: where it goes in the repository, where it comes from, and the bytes sent instead of
-    the file's own when the project corrects a copy (the card's repository id, a checkpoint's state)."""
+    """One file of an upload: its place in the repository, its source, corrected bytes if any."""
 
     path_in_repo: str
     source: Path
@@ -66,8 +65,7 @@ def _plain_file(path: Path, name: str) -> bool:
 
 
 def _weights(folder: Path, only: Collection[str] | None = None) -> list[str]:
-    """The safetensors weights: `model.safetensors`, or the shards named by its index and the index itself, or a
-    LoRA adapter; with `only`, among the files it names."""
+    """The safetensors weights (single, sharded with index, or a LoRA adapter); with `only`, named."""
 
     def available(path: Path, name: str) -> bool:
         return (only is None or name in only) and _plain_file(path, name)
@@ -193,8 +191,7 @@ def plan_upload(
 
 
 def plan_checkpoint_upload(checkpoint: str | os.PathLike, path_in_repo: str) -> list[UploadFile]:
-    """What a checkpoint push sends under `path_in_repo`: the model files and the state a run resumes from (its
-    checkpoint paths reduced to folder names), never `training_args.bin`."""
+    """What a checkpoint push sends under `path_in_repo` (never `training_args.bin`)."""
     folder = Path(checkpoint)
     plan = [
         UploadFile(f"{path_in_repo}/{item.path_in_repo}", item.source, item.content)
@@ -236,8 +233,7 @@ def _hub_call(what: str, repo_id: str, call):
 
 
 def create_repo(repo_id: str, *, token: str | None = None, private: bool | None = None) -> str:
-    """Create (or find) the model repository; returns its full id (a bare name lands in the token owner's
-    namespace)."""
+    """Create (or find) the model repository; returns its full id."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
@@ -296,8 +292,7 @@ def push_folder_to_hub(
     revision: str | None = None,
     extra_files: Iterable[str | os.PathLike] = (),
 ) -> str:
-    """Push an hf-vit folder to the Hub in one commit of exactly the files `plan_upload` lists (logged at INFO);
-    returns the commit URL. Everything is checked before anything reaches the network."""
+    """Push an hf-vit folder in one commit of exactly `plan_upload`'s files; the commit URL."""
     if not repo_id:
         raise ValueError("Pushing needs a repository id: pass --hub_model_id <user or org>/<name>.")
     plan = plan_upload(folder, repo_id, extra_files)

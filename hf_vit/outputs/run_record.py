@@ -33,8 +33,7 @@ def read_record(folder: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def _project_files(folder: Path) -> dict[str, _Signature]:
-    """The plain files at the top of `folder` under names hf-vit writes (the lock and the record aside), each with a
-    signature that changes when the file is written again."""
+    """The plain files of `folder` under names hf-vit writes, each with a signature."""
     found = {}
     for entry in folder.iterdir() if folder.is_dir() else ():
         if entry.name in (LOCK_FILE, RUN_RECORD_FILE) or not is_run_file(entry.name) or entry.is_symlink():
@@ -46,8 +45,7 @@ def _project_files(folder: Path) -> dict[str, _Signature]:
 
 
 def earlier_run_files(folder: str | os.PathLike) -> list[str] | None:
-    """The files of `folder` an earlier run wrote, by its record (listed, or under hf-vit's names and newer than its
-    start); None when such names exist without a record."""
+    """The files of `folder` an earlier run wrote, by its record; None without a record."""
     folder = Path(folder)
     present = _project_files(folder)
     record = read_record(folder)
@@ -58,8 +56,7 @@ def earlier_run_files(folder: str | os.PathLike) -> list[str] | None:
 
 
 def unrecorded_files_problem(folder: str | os.PathLike) -> str | None:
-    """Why `--overwrite_output_dir` cannot clear `folder` safely (files hf-vit might have written, with no record
-    saying so), or None."""
+    """Why `--overwrite_output_dir` cannot clear `folder` safely, or None."""
     folder = Path(folder)
     if earlier_run_files(folder) is not None:
         return None
@@ -73,8 +70,7 @@ def unrecorded_files_problem(folder: str | os.PathLike) -> str | None:
 
 
 def remove_earlier_run_files(folder: str | os.PathLike) -> list[str]:
-    """`--overwrite_output_dir`: remove the files an earlier run wrote (`earlier_run_files`), so that the folder
-    holds only what the new run writes; returns their names. Nothing without a record is removed."""
+    """`--overwrite_output_dir`: remove what an earlier run recorded writing; their names."""
     folder = Path(folder)
     names = earlier_run_files(folder) or []
     for name in names:
@@ -85,8 +81,7 @@ def remove_earlier_run_files(folder: str | os.PathLike) -> list[str]:
 
 
 class RunRecord:
-    """What one run writes into its folder: `start` notes what the folder holds and the splits, `written` grows,
-    `finish` records it; a resumed run keeps its earlier part's files."""
+    """What one run writes into its folder: `start`, `written` as it goes, then `finish`."""
 
     def __init__(self, folder: str | os.PathLike, splits: dict[str, Any], resuming: bool = False) -> None:
         self.folder = Path(folder)
