@@ -29,25 +29,17 @@ NATIVE_INPUTS = ["pixel_values", "pixel_attention_mask", "spatial_shapes"]
 
 
 class _GraphModel(nn.Module):
-    """The model as a function of `pixel_values` alone, at any size, returning plain tensors."""
+    """The model as a function of `pixel_values` at any size, or of a native-aspect batch, returning plain tensors."""
 
     def __init__(self, model: VisionTransformerPreTrainedModel) -> None:
         super().__init__()
         self.model = model
         self.is_classifier = isinstance(model, VisionTransformerForImageClassification)
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        outputs = self.model(pixel_values, interpolate_pos_encoding=True, return_dict=True)
-        return outputs.logits if self.is_classifier else (outputs.last_hidden_state, outputs.pooler_output)
-
-
-class _NativeGraphModel(_GraphModel):
-    """The model as a function of a native-aspect batch (flattened patches, their mask, each image's grid)."""
-
-    def forward(self, pixel_values, pixel_attention_mask, spatial_shapes):
-        outputs = self.model(
-            pixel_values, pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes, return_dict=True
-        )
+    def forward(self, pixel_values, pixel_attention_mask=None, spatial_shapes=None):
+        native = {"pixel_attention_mask": pixel_attention_mask, "spatial_shapes": spatial_shapes}
+        options = native if spatial_shapes is not None else {"interpolate_pos_encoding": True}
+        outputs = self.model(pixel_values, return_dict=True, **options)
         return outputs.logits if self.is_classifier else (outputs.last_hidden_state, outputs.pooler_output)
 
 
@@ -130,9 +122,8 @@ def export_program(
         graph = _GraphModel(model.eval())
         return torch.export.export(graph, (example_input(model),), dynamic_shapes=dynamic_shapes(model))
     check_native_export(model, max_num_patches)
-    graph = _NativeGraphModel(model.eval())
     example = native_example(model, max_num_patches)
-    return torch.export.export(graph, example, dynamic_shapes=native_dynamic_shapes())
+    return torch.export.export(_GraphModel(model.eval()), example, dynamic_shapes=native_dynamic_shapes())
 
 
 def check_export_output(output: str | os.PathLike, format: str, source: str | os.PathLike | None = None) -> Path:
@@ -207,39 +198,35 @@ def export(
 
 
 @torch.no_grad()
+def _onnx_differences(
+    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, cases: dict
+) -> dict[str, float]:
+    """The largest difference of the first output, onnxruntime vs PyTorch, for each case's inputs."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    graph, differences = _GraphModel(model.eval()), {}
+    for label, inputs in cases.items():
+        expected = graph(*inputs)
+        expected = expected[0] if isinstance(expected, tuple) else expected
+        got = session.run(None, dict(zip(NATIVE_INPUTS, (tensor.cpu().numpy() for tensor in inputs))))[0]
+        differences[label] = float(np.abs(got - expected.float().cpu().numpy()).max())
+    return differences
+
+
 def check_onnx(
     path: str | os.PathLike, model: VisionTransformerPreTrainedModel, sizes: Sequence[tuple[int, int]], batch: int = 2
 ) -> dict[str, float]:
     """The largest difference of the first output, onnxruntime vs PyTorch, per size ("HxW")."""
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     generator = torch.Generator().manual_seed(0)
-    graph = _GraphModel(model.eval())
-    differences = {}
-    for height, width in sizes:
-        pixels = torch.randn(batch, model.config.num_channels, height, width, generator=generator)
-        expected = graph(pixels)
-        expected = expected[0] if isinstance(expected, tuple) else expected
-        got = session.run(None, {"pixel_values": pixels.numpy()})[0]
-        differences[f"{height}x{width}"] = float(np.abs(got - expected.float().numpy()).max())
-    return differences
+    channels = model.config.num_channels
+    cases = {f"{h}x{w}": (torch.randn(batch, channels, h, w, generator=generator),) for h, w in sizes}
+    return _onnx_differences(path, model, cases)
 
 
-@torch.no_grad()
 def check_native_onnx(
     path: str | os.PathLike, model: VisionTransformerPreTrainedModel, patch_counts: Sequence[int], batch: int = 3
 ) -> dict[str, float]:
     """The largest difference of the first output, onnxruntime vs PyTorch, per patch count."""
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    graph = _NativeGraphModel(model.eval())
-    differences = {}
-    for seed, count in enumerate(patch_counts):
-        inputs = native_example(model, count, batch, seed)
-        expected = graph(*inputs)
-        expected = expected[0] if isinstance(expected, tuple) else expected
-        got = session.run(None, dict(zip(NATIVE_INPUTS, (tensor.cpu().numpy() for tensor in inputs))))[0]
-        differences[f"{count} patches"] = float(np.abs(got - expected.float().cpu().numpy()).max())
-    return differences
+    cases = {f"{n} patches": native_example(model, n, batch, seed) for seed, n in enumerate(patch_counts)}
+    return _onnx_differences(path, model, cases)

@@ -95,31 +95,22 @@ def _safetensors_files(source: str, hub: dict[str, Any]) -> list[Path] | None:
     return [_fetch(source, shard, hub) for shard in shards]
 
 
-def _header(files: list[Path]) -> dict[str, torch.Tensor]:
-    """The arrays of safetensors `files` as meta tensors: names, shapes and dtypes, read from the headers only."""
+def _header(files: list[Path], header_only: bool = True) -> dict[str, torch.Tensor]:
+    """The arrays of safetensors `files`; with `header_only`, as meta tensors read from the headers only."""
     from safetensors import SafetensorError, safe_open
-
-    out = {}
-    for path in files:
-        try:
-            with safe_open(path, framework="pt") as handle:
-                for key in handle.keys():
-                    part = handle.get_slice(key)
-                    dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8)
-                    out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
-        except SafetensorError as error:
-            raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
-    return out
-
-
-def _read(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     out = {}
     for path in files:
         try:
-            out.update(load_file(path))
+            if not header_only:
+                out.update(load_file(path))
+                continue
+            with safe_open(path, framework="pt") as handle:
+                for key in handle.keys():
+                    part = handle.get_slice(key)
+                    dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8)
+                    out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
         except SafetensorError as error:
             raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
     return out
@@ -221,7 +212,7 @@ class ForeignCheckpoint:
 
         files = self._weight_files()
         if files[0].suffix == ".safetensors":
-            return _header(files) if header_only else _read(files)
+            return _header(files, header_only)
         return load_timm_state_dict(files[0])
 
     def convert(self, options: dict[str, Any], weights: bool = True):

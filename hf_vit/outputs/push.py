@@ -198,17 +198,14 @@ def plan_checkpoint_upload(checkpoint: str | os.PathLike, path_in_repo: str) -> 
         for item in plan_upload(folder, card=False)
     ]
     for entry in sorted(folder.iterdir()):
-        name = entry.name
-        if not (name in RESUME_FILES or RESUME_FILE_PATTERN.fullmatch(name) or name == TRAINER_STATE_FILE):
+        name, text = entry.name, None
+        resumed = name in RESUME_FILES or RESUME_FILE_PATTERN.fullmatch(name) or name == TRAINER_STATE_FILE
+        if not resumed or not _plain_file(entry, name):
             continue
-        if not _plain_file(entry, name):
-            continue
-        text = None
         if name == TRAINER_STATE_FILE:
             state = json.loads(entry.read_text())
-            for key in ("best_model_checkpoint",):
-                if isinstance(state.get(key), str):
-                    state[key] = Path(state[key]).name
+            if isinstance(state.get("best_model_checkpoint"), str):
+                state["best_model_checkpoint"] = Path(state["best_model_checkpoint"]).name
             text = json.dumps(state, indent=2, sort_keys=True) + "\n"
         plan.append(_checked(folder, name, f"{path_in_repo}/{name}", text))
     return plan
@@ -268,17 +265,8 @@ def commit_plan(
             )
             for item in plan
         ]
-        commit = _hub_call(
-            "push to",
-            repo_id,
-            lambda: api.create_commit(
-                repo_id=repo_id,
-                operations=operations,
-                commit_message=commit_message,
-                revision=revision,
-                repo_type="model",
-            ),
-        )
+        options = {"commit_message": commit_message, "revision": revision, "repo_type": "model"}
+        commit = _hub_call("push to", repo_id, lambda: api.create_commit(repo_id, operations, **options))
     return str(getattr(commit, "commit_url", commit))
 
 
