@@ -12,9 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .outputs.files import (
-    LOCAL_BASE_FILE,  # where a local base lives on this machine: written by the run, never pushed
-)
+from .outputs.files import LOCAL_BASE_FILE  # where a local base lives on this machine: never pushed
 
 __all__ = ["base_model_name", "is_lora_folder", "load_lora_model", "read_lora_folder", "save_merged_model"]
 
@@ -47,9 +45,8 @@ def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = 
             f"Cannot load the base model {base!r} of the LoRA adapter in {folder} ({error}). A base that was a local "
             "folder is named by its plain name only: pass load_lora_model(folder, base=<that folder>)."
         ) from error
-    settings = run_settings(config)
-    if tuple(model.config.image_hw) != tuple(config.image_hw):
-        model.set_input_size(config.image_size, settings["interpolation"])
+    if tuple(model.config.image_hw) != tuple(config.image_hw):  # resampled as the run did
+        model.set_input_size(config.image_size, getattr(config, "position_interpolation", None) or "bicubic")
     model.reset_classifier(config.id2label, config.representation_size)
     model.config.problem_type = config.problem_type
     return PeftModel.from_pretrained(model, folder).merge_and_unload().eval()
@@ -102,9 +99,8 @@ class LoraFolder:
                 f"{self.folder} is a LoRA run's image classifier: load it with AutoModelForImageClassification "
                 "(or hf_vit.lora.load_lora_model), or write it merged with hf_vit.lora.save_merged_model."
             )
-        model = load_lora_model(self.folder)
         info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
-        return model, info
+        return load_lora_model(self.folder), info
 
 
 def read_lora_folder(source: str, kwargs: dict[str, Any]) -> LoraFolder | None:
@@ -112,11 +108,6 @@ def read_lora_folder(source: str, kwargs: dict[str, Any]) -> LoraFolder | None:
     if kwargs.get("subfolder") or not os.path.isdir(source) or not is_lora_folder(source):
         return None
     return LoraFolder(source)
-
-
-def run_settings(config: Any) -> dict[str, Any]:
-    """The settings a LoRA run's fine-tuning model was made with, from its `config.json`."""
-    return {"interpolation": getattr(config, "position_interpolation", None) or "bicubic"}
 
 
 def save_merged_model(

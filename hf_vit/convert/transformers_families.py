@@ -202,8 +202,8 @@ def _deit(config: dict, keys: Collection[str]) -> dict[str, Any]:
     return fields
 
 
-def _tower(config: dict, family: str) -> Any:
-    """The vision tower's config of a two-tower checkpoint or a vision-only one; a text-only one is refused."""
+def _tower(config: dict, family: str) -> tuple[Any, dict[str, Any]]:
+    """The vision tower's config and fields, of a two-tower checkpoint or a vision-only one (not a text tower)."""
     model_type = config["model_type"]
     if model_type.endswith("_text_model"):
         raise ConversionError(
@@ -211,22 +211,21 @@ def _tower(config: dict, family: str) -> Any:
             f"{family} checkpoint or its vision model)"
         )
     source = _transformers_config(model_type, config)
-    return source.vision_config if hasattr(source, "vision_config") else source
+    source = source.vision_config if hasattr(source, "vision_config") else source
+    return source, _fields(
+        source, intermediate_size="intermediate_size", attention_probs_dropout_prob="attention_dropout"
+    )
 
 
 def _clip(config: dict, keys: Collection[str]) -> dict[str, Any]:
-    source = _tower(config, "CLIP")
-    fields = _fields(source, intermediate_size="intermediate_size", attention_probs_dropout_prob="attention_dropout")
-    fields.update(pre_norm=True, fc_norm=True, patch_embedding_bias=False, num_labels=0)
-    return fields
+    fields = _tower(config, "CLIP")[1]
+    return {**fields, "pre_norm": True, "fc_norm": True, "patch_embedding_bias": False, "num_labels": 0}
 
 
 def _siglip(config: dict, keys: Collection[str]) -> dict[str, Any]:
-    source = _tower(config, "SigLIP")
-    fields = _fields(source, intermediate_size="intermediate_size", attention_probs_dropout_prob="attention_dropout")
-    head = getattr(source, "vision_use_head", True)
-    fields.update(classifier="map" if head else "gap", use_class_token=False, num_labels=0)
-    return fields
+    source, fields = _tower(config, "SigLIP")
+    pool = "map" if getattr(source, "vision_use_head", True) else "gap"
+    return {**fields, "classifier": pool, "use_class_token": False, "num_labels": 0}
 
 
 def _strip(prefix: str) -> Callable[[str], str]:
@@ -266,35 +265,22 @@ _DINOV2 = Family(
     "embeddings.position_embeddings", square_size=False,
 )  # fmt: skip
 _CLIP_DROPPED = r"text_model\.|text_projection\.|visual_projection\.|logit_scale$|logit_bias$"
+_CLIP = Family(
+    "CLIP's layout", CLIP_LAYOUT, _clip, _strip("vision_model."), _CLIP_DROPPED,
+    "embeddings.position_embedding.weight", square_size=False,
+)  # fmt: skip
+_SIGLIP = Family(
+    "SigLIP's layout", SIGLIP_LAYOUT, _siglip, _strip("vision_model."), _CLIP_DROPPED,
+    "embeddings.position_embedding.weight",
+)  # fmt: skip
 FAMILIES: dict[str, Family] = {
     "dinov2": _DINOV2,
     "dinov2_with_registers": _DINOV2,
     "deit": Family(
         "transformers' DeiT layout", DEIT_LAYOUT, _deit, _deit_name, r"$^", "deit.embeddings.position_embeddings"
     ),
-    **dict.fromkeys(
-        ("clip", "clip_vision_model", "clip_text_model"),
-        Family(
-            "CLIP's layout",
-            CLIP_LAYOUT,
-            _clip,
-            _strip("vision_model."),
-            _CLIP_DROPPED,
-            "embeddings.position_embedding.weight",
-            square_size=False,
-        ),
-    ),  # fmt: skip
-    **dict.fromkeys(
-        ("siglip", "siglip_vision_model", "siglip_text_model"),
-        Family(
-            "SigLIP's layout",
-            SIGLIP_LAYOUT,
-            _siglip,
-            _strip("vision_model."),
-            _CLIP_DROPPED,
-            "embeddings.position_embedding.weight",
-        ),
-    ),  # fmt: skip
+    **dict.fromkeys(("clip", "clip_vision_model", "clip_text_model"), _CLIP),
+    **dict.fromkeys(("siglip", "siglip_vision_model", "siglip_text_model"), _SIGLIP),
 }
 
 
