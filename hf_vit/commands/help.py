@@ -111,18 +111,9 @@ def training_help(command: str) -> str:
         text = formatter.format_help()
     defaults = {action.dest: action.default for action in parser._actions}
     trainer = (
-        "learning_rate",
-        "num_train_epochs",
-        "per_device_train_batch_size",
-        "weight_decay",
-        "lr_scheduler_type",
-        "warmup_steps",
-        "max_grad_norm",
-        "optim",
-        "eval_strategy",
-        "save_strategy",
-        "save_total_limit",
-    )
+        "learning_rate", "num_train_epochs", "per_device_train_batch_size", "weight_decay", "lr_scheduler_type",
+        "warmup_steps", "max_grad_norm", "optim", "eval_strategy", "save_strategy", "save_total_limit",
+    )  # fmt: skip
     shown = ", ".join(f"--{name} {getattr(defaults[name], 'value', defaults[name])}" for name in trainer)
     start = "--model_name_or_path MODEL" if task == "finetune" else "[--model_name_or_path MODEL | --preset NAME]"
     usage = f"usage: {command} {start} --dataset_name DATA --output_dir DIR ..."

@@ -14,8 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from ..model.configuration_vit import VisionTransformerConfig
 from .common import (
@@ -105,20 +103,10 @@ def hf_vit_to_transformers_module_state_dict(state_dict: dict[str, torch.Tensor]
 
 
 _SHARED_CONFIG_FIELDS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "hidden_act",
-    "hidden_dropout_prob",
-    "attention_probs_dropout_prob",
-    "layer_norm_eps",
-    "image_size",
-    "patch_size",
-    "num_channels",
-    "qkv_bias",
-    "initializer_range",
-)
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+    "hidden_dropout_prob", "attention_probs_dropout_prob", "layer_norm_eps", "image_size", "patch_size",
+    "num_channels", "qkv_bias", "initializer_range",
+)  # fmt: skip
 
 
 def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) -> VisionTransformerConfig:
@@ -160,25 +148,15 @@ def read_json(path: Path) -> dict:
     return value
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(path)
-    except SafetensorError as error:
-        raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
-
-
 def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    single = folder / "model.safetensors"
-    index = folder / "model.safetensors.index.json"
-    if single.is_file():
-        return _read_weights(single)
-    if index.is_file():
-        shards = sorted(set(read_json(index)["weight_map"].values()))
-        state_dict = {}
-        for shard in shards:
-            state_dict.update(_read_weights(folder / shard))
-        return state_dict
-    raise ConversionError(f"{folder} has no model.safetensors (or sharded index); only safetensors weights are read.")
+    from .sources import _header, _safetensors_files
+
+    files = _safetensors_files(str(folder), {})
+    if files is None:
+        raise ConversionError(
+            f"{folder} has no model.safetensors (or sharded index); only safetensors weights are read."
+        )
+    return _header(files, header_only=False)
 
 
 def transformers_processor(folder: Path, image_size: tuple[int, int], default_to_square: bool = True):
