@@ -31,17 +31,9 @@ CARD_TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 
 # What a run reports beside its model: metrics, curves, the card. Shareable.
 RESULT_FILES = (
-    CARD_FILE,
-    "training_curves.png",
-    "pretraining_curves.png",
-    "all_results.json",
-    "train_results.json",
-    "eval_results.json",
-    "test_results.json",
-    "main_job.json",
-    "compute_dial.json",
-    "compute_dial.png",
-)
+    CARD_FILE, "training_curves.png", "pretraining_curves.png", "all_results.json", "train_results.json",
+    "eval_results.json", "test_results.json", "main_job.json", "compute_dial.json", "compute_dial.png",
+)  # fmt: skip
 # What Trainer writes beside a model and a checkpoint to resume it, and the run's record. Never shared from a run's
 # folder: the arguments are a pickle naming local paths, the state names checkpoint paths, the record the data set's.
 TRAINER_FILES = (TRAINER_STATE_FILE, TRAINING_ARGS_FILE, LOCAL_BASE_FILE, RUN_RECORD_FILE)
@@ -63,17 +55,8 @@ def remote_code_files() -> tuple[str, ...]:
 @lru_cache(maxsize=1)
 def model_file_names() -> frozenset[str]:
     """The fixed names of a saved model folder: config, weights (not shards, see `is_model_file`), processor, code."""
-    return frozenset(
-        {
-            CONFIG_FILE,
-            PROCESSOR_FILE,
-            WEIGHTS_FILE,
-            WEIGHTS_INDEX_FILE,
-            ADAPTER_FILE,
-            ADAPTER_CONFIG,
-            *remote_code_files(),
-        }
-    )
+    fixed = (CONFIG_FILE, PROCESSOR_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, ADAPTER_FILE, ADAPTER_CONFIG)
+    return frozenset((*fixed, *remote_code_files()))
 
 
 def is_model_file(name: str) -> bool:
@@ -89,14 +72,8 @@ def is_checkpoint_entry(name: str, is_dir: bool) -> bool:
     """Whether `Trainer` writes an entry called `name` into a `checkpoint-N` folder of an hf-vit run."""
     if is_dir:
         return bool(RESUME_FOLDER_PATTERN.fullmatch(name))
-    # peft writes its card (README.md) beside an adapter checkpoint.
-    return (
-        is_model_file(name)
-        or name in TRAINER_FILES
-        or name in RESUME_FILES
-        or name == CARD_FILE
-        or bool(RESUME_FILE_PATTERN.fullmatch(name))
-    )
+    listed = name in (*TRAINER_FILES, *RESUME_FILES, CARD_FILE)  # peft writes a card beside an adapter checkpoint
+    return is_model_file(name) or listed or bool(RESUME_FILE_PATTERN.fullmatch(name))
 
 
 def checkpoint_foreign_entries(folder: Path) -> list[str]:
