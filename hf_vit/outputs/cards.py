@@ -80,9 +80,8 @@ def _without_local_paths(text: str | None, references: Iterable[str | os.PathLik
     return text
 
 
-# Trainer's optimizers that ignore `--optim_args` (transformers' `trainer_optimizer.py`): a card naming them for these
-# would describe an optimizer that did not run (e.g. the fine-tuning default "momentum=0.9" kept by a recipe that
-# switches to AdamW).
+# Trainer's optimizers that ignore `--optim_args`: a card naming them for these would describe an optimizer that did
+# not run (e.g. the fine-tuning default "momentum=0.9" kept by a recipe that switches to AdamW).
 OPTIMIZERS_IGNORING_OPTIM_ARGS = {
     "adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused", "adafactor", "lomo", "adalomo",
 }  # fmt: skip
@@ -261,8 +260,7 @@ def render_model_card(
     the PNG beside the card."""
     adapter = hasattr(model, "peft_config")
     architecture = type(model.get_base_model() if adapter else model).__name__
-    # A masked patch prediction model has no classes and no pipeline: the card says how to fine-tune or embed with it.
-    # So has a SimMIM model.
+    # Masked patch prediction and SimMIM have no classes and no pipeline: the card says how to fine-tune or embed.
     mpp = isinstance(model, (VisionTransformerForMaskedPatchPrediction, VisionTransformerForMaskedImageModeling))
     simmim = isinstance(model, VisionTransformerForMaskedImageModeling)
     config = model.config
@@ -358,8 +356,3 @@ def write_card(
             else "No metrics were measured for this folder; see the base model for its results."
         ),
     )
-
-
-# What a published hf-vit folder holds, top level only: the model files and the run's results (`hf_vit.outputs.files`).
-# Anything else (optimizer states, checkpoints, logs, the lock, the user's own files, training_args.bin with its local
-# paths, trainer_state.json with its checkpoint paths) stays local unless the user names it (`extra_files`).

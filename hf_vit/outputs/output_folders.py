@@ -23,8 +23,7 @@ from .run_record import read_record, unrecorded_files_problem
 logger = logging.getLogger(__name__)
 
 
-# Sibling folders of a target `out`: `.out.hf-vit-staging-<pid>-<random>` (the new result being written) and
-# `.out.hf-vit-old-<pid>` (the old result moved aside while the new one is moved in).
+# Beside a target `out`: `.out.hf-vit-staging-<pid>-<random>` (the new result) and `.out.hf-vit-old-<pid>` (the old).
 _STAGING, _ASIDE = "hf-vit-staging", "hf-vit-old"
 # Test-only: the name of a step at which the process kills itself (SIGKILL), to check what a crash there leaves.
 CRASH_ENV = "HF_VIT_TEST_CRASH_AT"
@@ -299,12 +298,8 @@ def write_converted_folder(
     return target
 
 
-# A training run's --output_dir: Trainer writes into it in place (checkpoints, the final model), so it is claimed and
-# checked rather than staged.
-
-
 class OutputDirError(FileExistsError):
-    """`--output_dir` cannot be used as it is; the message names the entry that blocks it and what to do."""
+    """A run's `--output_dir` (written in place by Trainer, so claimed, not staged) cannot be used as it is."""
 
 
 def _blocking_entries(folder: Path) -> list[str]:
@@ -434,9 +429,8 @@ def release(lock: IO[Any] | None) -> None:
         lock.close()
 
 
-# A lock held by `flock` lasts while any process holds its file open, and forked processes (data loader workers)
-# inherit it: without this, a run killed while its workers were still exiting would keep its folder locked. The
-# run's own process alone holds it.
+# A `flock` lasts while any process holds its file open, forked data loader workers too: a run killed while they
+# exit would keep its folder locked. Only the run's own process holds it.
 _held_locks: set[IO[Any]] = set()
 
 
