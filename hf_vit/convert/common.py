@@ -384,6 +384,17 @@ def build_config(
     return config
 
 
+def convert_checkpoint(
+    read: Callable[[], tuple], source: str | os.PathLike, output_dir, overwrite: bool, what: str, base_model
+):
+    """Check `output_dir` before any loading, then write `read()`'s `(config, state_dict, processor)` there."""
+    check_output_dir(output_dir, overwrite, [source])
+    config, state_dict, processor = read()
+    return save_converted_model(
+        config, state_dict, processor, output_dir, overwrite, source=source, source_format=what, base_model=base_model
+    )
+
+
 def save_converted_model(
     config: VisionTransformerConfig,
     state_dict: Mapping[str, torch.Tensor],

@@ -19,6 +19,7 @@ import re
 import zipfile
 import zlib
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -29,12 +30,11 @@ from .common import (
     ConversionError,
     Layout,
     build_config,
-    check_output_dir,
     check_state_dict,
+    convert_checkpoint,
     load_preset,
     preset_mismatches,
     resample_positions,
-    save_converted_model,
     set_label_names,
     square_side,
 )
@@ -304,11 +304,5 @@ def convert_jax_checkpoint(
     """Convert an authors' `.npz` checkpoint into a complete hf-vit folder (see `read_jax_checkpoint`); `labels`
     names the classes in order, the card names `base_model` (default: the file's name). Returns the model; nothing is
     written unless everything succeeded."""
-    check_output_dir(output_dir, overwrite, [input_path])  # before any loading
-    config, state_dict, processor = read_jax_checkpoint(
-        input_path, preset, image_size, labels, hidden_act, resize_mode
-    )
-    return save_converted_model(
-        config, state_dict, processor, output_dir, overwrite,
-        source=input_path, source_format="the authors' JAX .npz layout", base_model=base_model,
-    )  # fmt: skip
+    read = partial(read_jax_checkpoint, input_path, preset, image_size, labels, hidden_act, resize_mode)
+    return convert_checkpoint(read, input_path, output_dir, overwrite, "the authors' JAX .npz layout", base_model)

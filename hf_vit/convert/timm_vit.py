@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,12 +23,11 @@ from ..model.configuration_vit import MODEL_SIZES, VisionTransformerConfig
 from .common import (
     ConversionError,
     build_config,
-    check_output_dir,
+    convert_checkpoint,
     image_size_field,
     load_preset,
     preset_mismatches,
     resample_positions,
-    save_converted_model,
     set_label_names,
     square_side,
 )
@@ -360,11 +360,6 @@ def convert_timm_checkpoint(
     base_model: str | None = None,
 ):
     """Convert timm ViT weights into a complete hf-vit folder; returns the model."""
-    check_output_dir(output_dir, overwrite, [input_path])  # before any loading
-    config, converted, processor = read_timm_checkpoint(
-        input_path, preset, image_size, image_mean, image_std, num_attention_heads, resize_mode
-    )
-    return save_converted_model(
-        config, converted, processor, output_dir, overwrite,
-        source=input_path, source_format="timm's layout", base_model=base_model,
-    )  # fmt: skip
+    options = (preset, image_size, image_mean, image_std, num_attention_heads, resize_mode)
+    read = partial(read_timm_checkpoint, input_path, *options)
+    return convert_checkpoint(read, input_path, output_dir, overwrite, "timm's layout", base_model)

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from collections.abc import Collection
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,9 @@ from .common import (
     ConversionError,
     Layout,
     check_grid_size,
-    check_output_dir,
+    convert_checkpoint,
     grid_mismatch,
     resample_positions,
-    save_converted_model,
 )
 
 logger = logging.getLogger(__name__)
@@ -252,9 +252,5 @@ def convert_transformers_checkpoint(
     """Convert a saved transformers ViT folder into a complete hf-vit folder; a `ViTModel`'s pooler becomes the
     pre-logits layer of a model without classes. The card names `base_model` (default: the folder's name). Returns
     the model."""
-    check_output_dir(output_dir, overwrite, [input_dir])  # before any loading
-    config, state_dict, processor = read_transformers_checkpoint(input_dir)
-    return save_converted_model(
-        config, state_dict, processor, output_dir, overwrite,
-        source=input_dir, source_format="transformers' ViT layout", base_model=base_model,
-    )  # fmt: skip
+    read = partial(read_transformers_checkpoint, input_dir)
+    return convert_checkpoint(read, input_dir, output_dir, overwrite, "transformers' ViT layout", base_model)

@@ -128,21 +128,13 @@ def overlap(source: Path, target: Path) -> str | None:
     return None
 
 
-def local_data_folder(dataset_name: str | os.PathLike | None) -> Path | None:
-    """The resolved folder of a local data set (an image folder or a saved one); None for digits or a Hub id."""
-    if not dataset_name:
-        return None
-    folder = Path(dataset_name).expanduser()
-    return folder.resolve() if folder.is_dir() else None
-
-
 def check_outside_data_set(
     output: str | os.PathLike, dataset_name: str | os.PathLike | None, flag: str = "--output_dir"
 ) -> None:
     """Refuse an output folder that is, or lies inside, the local data set `dataset_name`, before any work."""
-    data = local_data_folder(dataset_name)
-    if data is None:
+    if not dataset_name or not Path(dataset_name).expanduser().is_dir():  # digits or a Hub id
         return
+    data = Path(dataset_name).expanduser().resolve()
     target = Path(output).expanduser().resolve()
     if target == data or data in target.parents:
         where = "is" if target == data else "lies inside"
