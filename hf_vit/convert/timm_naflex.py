@@ -37,31 +37,6 @@ NAFLEX_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "naflexvit_base_patch16_siglip": {"num_heads": 12, "global_pool": "map", "act_layer": "gelu_tanh"},
     "naflexvit_so400m_patch16_siglip": {"num_heads": 16, "global_pool": "map", "act_layer": "gelu_tanh"},
 }  # fmt: skip
-# `NaFlexVitCfg`'s defaults for the settings read here.
-NAFLEX_DEFAULTS: dict[str, Any] = {
-    "global_pool": "map",
-    "pool_include_prefix": False,
-    "pos_embed": "learned",
-    "pos_embed_interp_mode": "bicubic",
-    "pos_embed_ar_preserving": False,
-    "pos_embed_use_grid_sample": False,
-    "patchify_channels_last": True,
-    "act_layer": None,
-    "final_norm": True,
-    "rope_type": "",
-    "attn_type": "standard",
-    "swiglu_mlp": False,
-    "attn_gated": False,
-    "qkv_fused": True,
-    "scale_mlp_norm": False,
-    "scale_attn_inner_norm": False,
-    "norm_layer": None,
-    "block_fn": None,
-    "mlp_layer": None,
-    "attn_layer": None,
-    "attn_pool_num_heads": None,
-    "attn_pool_mlp_ratio": None,
-}
 # timm's activation names -> transformers' (ACT2FN) for the same function.
 _ACTIVATIONS = {None: "gelu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}
 # What these settings must be for hf-vit to compute timm's function, and why not otherwise.
@@ -84,6 +59,12 @@ _REQUIRED = (
     ("attn_layer", None, "another attention implementation"),
     ("final_norm", True, "no final LayerNorm (hf-vit always has one, on the tokens or after the pooling)"),
 )  # fmt: skip
+# `NaFlexVitCfg`'s defaults for the settings read here: those of `_REQUIRED` are its allowed (first) values.
+NAFLEX_DEFAULTS: dict[str, Any] = {
+    **{name: allowed[0] if isinstance(allowed, tuple) else allowed for name, allowed, _ in _REQUIRED},
+    "global_pool": "map", "pool_include_prefix": False, "pos_embed_interp_mode": "bicubic",
+    "patchify_channels_last": True, "act_layer": None, "attn_pool_num_heads": None, "attn_pool_mlp_ratio": None,
+}  # fmt: skip
 _POOLS = {"avg": "gap", "token": "token", "map": "map"}
 
 
