@@ -107,13 +107,6 @@ def warmup_text(warmup_steps: float) -> str:
     return f"warmup over the first {int(warmup_steps)} steps"
 
 
-def clipping_text(max_grad_norm: float | None) -> str:
-    """Trainer's `max_grad_norm` in words: 0 or None turns clipping off."""
-    if not max_grad_norm:
-        return "no gradient clipping"
-    return f"gradient clipping at global norm {card_value(max_grad_norm)}"
-
-
 def optimizer_text(args: Any) -> str:
     """The optimizer with the settings it ran with (Adam's betas, `--optim_args` where read)."""
     name = card_value(args.optim)
@@ -129,18 +122,15 @@ def training_recipe_text(task: str, args: Any) -> str:
     if args is None:
         return "not recorded."
     schedule = f"{card_value(args.lr_scheduler_type)} schedule with {warmup_text(args.warmup_steps)}"
+    norm = args.max_grad_norm  # 0 or None: no clipping
+    clipping = f"gradient clipping at global norm {card_value(norm)}" if norm else "no gradient clipping"
+    steps = args.max_steps is not None and args.max_steps > 0  # then Trainer ignores the epochs
+    length = f"{args.max_steps} optimisation steps" if steps else f"{card_value(args.num_train_epochs)} epochs"
     return (
         f"{task}: optimizer {optimizer_text(args)}, learning rate {card_value(args.learning_rate)}, weight decay "
-        f"{card_value(args.weight_decay)}, {schedule}, {clipping_text(args.max_grad_norm)}, batch "
-        f"{args.per_device_train_batch_size} per device, {length_text(args)}, seed {args.seed}."
+        f"{card_value(args.weight_decay)}, {schedule}, {clipping}, batch {args.per_device_train_batch_size} per "
+        f"device, {length}, seed {args.seed}."
     )
-
-
-def length_text(args: Any) -> str:
-    """How long the run trained: --max_steps when given (Trainer then ignores epochs), else epochs."""
-    if args.max_steps is not None and args.max_steps > 0:
-        return f"{args.max_steps} optimisation steps"
-    return f"{card_value(args.num_train_epochs)} epochs"
 
 
 def saved_max_num_patches(folder: str | os.PathLike) -> int | None:
@@ -165,11 +155,6 @@ def resolution_text(config: Any, max_num_patches: int | None = None) -> str:
         f"resized to the largest such grid; `max_num_patches={max_num_patches}` in the processor); position "
         f"embeddings stored for a {rows}x{columns} grid ({height}x{width} pixels) and resampled to each image's grid"
     )
-
-
-def _is_quality_metric(name: str) -> bool:
-    """Whether `name` is a quality a card reports (accuracy, mAP, F1), not loss or speed."""
-    return any(key in name for key in ("accuracy", "mean_average_precision", "f1_"))
 
 
 def _card_data(repo_id, license, adapter, pretraining, base, data, split, results) -> ModelCardData:
@@ -273,7 +258,10 @@ def render_model_card(
     results = [
         {"split": split, "metric": name.removeprefix("eval_"), "value": f"{value:.4f}", "images": images_text(count)}
         for name, value in metrics.items()
-        if name.startswith("eval_") and isinstance(value, float) and _is_quality_metric(name)
+        # the qualities a card reports (accuracy, mAP, F1), not the loss or the speed
+        if name.startswith("eval_")
+        and isinstance(value, float)
+        and any(key in name for key in ("accuracy", "mean_average_precision", "f1_"))
     ]
     pretraining = "simmim" if simmim else "masked-patch-prediction" if mpp else None
     card_data = _card_data(repo_id, license, adapter, pretraining, base, data, split, results)
