@@ -62,14 +62,10 @@ def make_resolution_variant(
     patch_size: int | None = None,
     max_num_patches: int | None = None,
 ):
-    """The hf-vit folder `source` at `image_size` and `patch_size` (None: the source's): positions resampled to the
-    new grid, the patch embedding by FlexiViT's pseudo-inverse resize, config and processor set to the new sizes;
-    `max_num_patches`: native-aspect batches of at most that many patches (`image_size` is refused for such a
-    model).
-
-    Returns `(model, processor)`; with `output_dir`, writes the variant with a card (naming `base_model` and
-    `repo_id`) and the source run's splits; with `data_source`, its accuracy measured untrained (test, else
-    validation) goes into the card and `all_results.json`."""
+    """The hf-vit folder `source` at `image_size` and `patch_size` (None: the source's), positions and patch
+    embedding resampled, config and processor set to the new sizes (`max_num_patches`: native-aspect batches).
+    Returns `(model, processor)`; with `output_dir`, writes the variant with a card and the source run's splits, and
+    with `data_source` its accuracy measured untrained."""
     folder = Path(source)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(

@@ -222,10 +222,9 @@ class ForeignCheckpoint:
             if self.layout == "jax":
                 from .jax_npz import read_jax_checkpoint
 
-                config, state_dict, processor = read_jax_checkpoint(
+                return read_jax_checkpoint(
                     self.source, image_size=image_size, hidden_act=hidden_act or "gelu_pytorch_tanh"
                 )
-                return config, state_dict, processor
             if self.layout == "transformers":
                 from .transformers_vit import transformers_config, transformers_state_dict
 

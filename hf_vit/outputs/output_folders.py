@@ -357,10 +357,9 @@ def claim_output_dir(
     main_process: bool,
     latest_checkpoint: Callable[[str | os.PathLike], str | None] | None = None,
 ) -> IO[Any] | None:
-    """Check that a run may write into `output_dir` and lock it; returns the lock's file (see `release`), None on
-    processes other than the main one. A folder holding files is refused unless the run resumes its own checkpoint
-    or `overwrite` is given (`latest_checkpoint` tells the advice whether resuming would work); symlinks and foreign
-    `checkpoint-N` folders are refused by name, and `overwrite` for files no run's record lists."""
+    """Check that a run may write into `output_dir` and lock it (the lock's file, see `release`; None off the main
+    process): files in it need a resume of its own checkpoint or `overwrite` (of recorded files only), and symlinks
+    or foreign `checkpoint-N` folders are refused by name."""
     folder = Path(output_dir)
     if folder.is_symlink() and not folder.is_dir():
         raise OutputDirError(f"--output_dir {folder} is a broken symlink; pass a folder.")
