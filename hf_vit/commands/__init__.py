@@ -1,14 +1,6 @@
-"""The command-line programs `pip install hf-vit` puts on the PATH (`[project.scripts]` in pyproject.toml); the files
-in the repository's `scripts/` folder are thin wrappers over the same functions.
-
-    hf-vit-pretrain, hf-vit-finetune   training (`train.py`: every TrainingArguments flag; torchrun, accelerate)
-    hf-vit-evaluate, hf-vit-predict    a saved model's metrics on a split; its top classes for image files
-    hf-vit-convert                     foreign checkpoints (.npz, timm, transformers) to hf-vit folders
-    hf-vit-resize                      resolution variants (position embeddings resampled)
-    hf-vit-export                      ONNX / torch.export
-    hf-vit-visualize                   the section 4.5 figures
-    hf-vit-push                        a folder to the Hub, exactly the files the project writes
-"""
+"""The command-line programs `pip install hf-vit` puts on the PATH (`[project.scripts]` in pyproject.toml; the
+repository's `scripts/` wrap the same functions): training (`train.py`), evaluate, predict, convert, resize, export,
+visualize and push, each a module whose docstring is its `--help`."""
 
 from __future__ import annotations
 

@@ -108,12 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()  # stderr keeps the warnings and errors
     datasets.disable_progress_bars()
     datasets.utils.logging.disable_propagation()  # datasets prints through its own handler: not twice
-    given = {
-        "train_split": args.train_split,
-        "validation_split": args.validation_split,
-        "test_split": args.test_split,
-        "validation_fraction": args.validation_fraction,
-    }
+    given = {name: getattr(args, name) for name in ("train_split", "validation_split", "test_split")}
+    given["validation_fraction"] = args.validation_fraction
     source = DataSource(
         dataset_name=args.dataset_name,
         image_column_name=args.image_column_name,
