@@ -98,11 +98,16 @@ def clean_leftovers(target: Path) -> list[str]:
     return done
 
 
+def _existing_ancestor(path: Path) -> Path:
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    return above
+
+
 def _check_writable(target: Path) -> None:
     """Fail now, before any work, when the folder that will hold `target` cannot be written to."""
-    ancestor = target.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
+    ancestor = _existing_ancestor(target)
     if not ancestor.is_dir():
         raise OutputFolderError(f"{ancestor} is a file, so {target} cannot be created there; choose another --output.")
     # An existing empty target receives the files itself (see `_install`), so it must be writable too.
@@ -318,9 +323,7 @@ def check_no_file_in_the_way(folder: str | os.PathLike, flag: str = "--output_di
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise OutputDirError(f"{flag} {folder} is a file; pass a folder.")
-    above = folder.parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
+    above = _existing_ancestor(folder)
     if above.exists() and not above.is_dir():
         raise OutputDirError(f"{flag} {folder}: {above} is a file, so no folder can be made there; pass a folder.")
 
