@@ -240,9 +240,10 @@ class ForeignCheckpoint:
                         self._slices(files), config, shapes, resample=image_size is not None
                     )
             elif self.layout in FAMILIES:
-                from .transformers_families import family_config, family_state_dict, read_config_json
+                from .transformers_families import family_config, family_state_dict
+                from .transformers_vit import read_json
 
-                config_json = read_config_json(self.folder)
+                config_json = read_json(self.folder / "config.json")
                 family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
                 files = self._weight_files()
                 shapes = _header(files)
@@ -291,9 +292,11 @@ class ForeignCheckpoint:
                 image_hw = transformers_config_to_hf_vit(read_json(self.folder / "config.json")).image_hw
                 return transformers_processor(self.folder, image_hw)
             if self.layout in FAMILIES:
-                from .transformers_families import family_processor, read_config_json
+                from .transformers_families import family_processor
+                from .transformers_vit import read_json
 
-                return family_processor(self.folder, read_config_json(self.folder), _header(self._weight_files()))
+                config_json = read_json(self.folder / "config.json")
+                return family_processor(self.folder, config_json, _header(self._weight_files()))
             if self.layout == "timm":
                 from .timm_vit import read_timm_config, timm_config, timm_processor
 

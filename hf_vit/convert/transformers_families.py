@@ -23,7 +23,6 @@ import torch
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.resolution import resample_position_embeddings
 from .common import FUSED_QKV, ConversionError, Layout, Transform, check_grid_size, grid_mismatch, square_side
-from .transformers_vit import read_json
 
 _H = "vit.layers.{i}."
 # CLIP and SigLIP store the class token as (D,) and the positions as an nn.Embedding table (N, D).
@@ -343,8 +342,3 @@ def family_processor(folder: Path, config_json: dict, keys: Collection[str]):
     family = FAMILIES[config_json["model_type"]]
     config = family_config(config_json, keys)
     return transformers_processor(folder, config.image_hw, default_to_square=family.square_size)
-
-
-def read_config_json(folder: Path) -> dict:
-    """A family checkpoint's `config.json`, as a dict (errors name the file)."""
-    return read_json(folder / "config.json")
