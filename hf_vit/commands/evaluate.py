@@ -38,30 +38,26 @@ def _parser() -> CommandParser:
     parser.add_argument(
         "--dataset_name", required=True, help="'digits', an image folder, a save_to_disk folder or a Hub data set"
     )
-    parser.add_argument("--split", default=None, help="split to measure (default: test, or validation without one)")
+    parser.add_argument("--split", help="split to measure (default: test, or validation without one)")
     parser.add_argument(
         "--validation_fraction",
         type=float,
-        default=None,
         help="share of train held out as validation when the data set has none (default: the run's, else 0.1)",
     )
     for split in ("train", "validation", "test"):
         parser.add_argument(
-            f"--{split}_split", default=None, help=f"the data set's {split} split (default: the run's, else {split})"
+            f"--{split}_split", help=f"the data set's {split} split (default: the run's, else {split})"
         )
     parser.add_argument("--image_column_name", default="image")
     parser.add_argument("--label_column_name", default="label")
     parser.add_argument(
         "--output_dir",
-        default=None,
         help="where the results JSON and the confusion matrix are written; without it they are only printed (JSON)",
     )
     parser.add_argument(
-        "--max_num_patches", default=None, metavar="K[,K...]", help="native aspect ratio: at most K patches an image"
+        "--max_num_patches", metavar="K[,K...]", help="native aspect ratio: at most K patches an image"
     )
-    parser.add_argument(
-        "--patch_size", default=None, metavar="P[,P...]", help="the checkpoint resampled to P-pixel patches"
-    )
+    parser.add_argument("--patch_size", metavar="P[,P...]", help="the checkpoint resampled to P-pixel patches")
     return parser
 
 
