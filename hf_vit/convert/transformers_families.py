@@ -1,14 +1,12 @@
-"""The ViTs that followed the paper, as transformers saves them -> hf-vit: DINOv2 (with registers too), DeiT, and
-the vision towers of CLIP and SigLIP. Each family is one rename table and one reading of its `config.json` into
-hf-vit's fields; the weights convert in memory while transformers loads them (`sources.py`). What hf-vit lacks is
+"""The ViTs that followed the paper, as transformers saves them -> hf-vit: one rename table and one reading of its
+`config.json` per family, converted in memory while transformers loads them (`sources.py`); what hf-vit lacks is
 refused by name (DINOv2's SwiGLU and classification head, the text towers).
 
-* DINOv2: LayerScale, final norm on every token; registers without positions. * DeiT: class and distillation tokens
-with positions, one or two heads, the pooler as pre-logits layer. * CLIP: no patch bias, `pre_layrnorm`, quick GELU,
-`post_layernorm` on the pooled class token only (`fc_norm`). * SigLIP: no class token, `post_layernorm` on every
-token, attention pooling (or averaging without the head).
-
-`family_processor` reads the source's `preprocessor_config.json` (shorter-side resize and crop for DINOv2 and CLIP)."""
+* DINOv2: LayerScale, final norm on every token; registers without positions.
+* DeiT: class and distillation tokens with positions, one or two heads, the pooler as pre-logits layer.
+* CLIP: no patch bias, `pre_layrnorm`, quick GELU, `post_layernorm` on the pooled class token only (`fc_norm`).
+* SigLIP: no class token, `post_layernorm` on every token, attention pooling (or averaging without the head).
+"""
 
 from __future__ import annotations
 
