@@ -254,23 +254,18 @@ class ForeignCheckpoint:
                     state_dict = family_state_dict(
                         self.layout, config, self._slices(files), shapes, resample=image_size is not None
                     )
-            elif self.layout == "timm_naflex":
+            else:  # timm's ViT or NaFlexViT
                 from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
-                from .timm_vit import read_timm_config
-
-                settings = read_timm_config(self.folder) or {}
-                arrays = self._timm_arrays(header_only=not weights)
-                config = naflex_config(arrays, settings, image_size, options.get("num_attention_heads"))
-                state_dict = naflex_to_hf_vit_state_dict(arrays, settings, config) if weights else None
-            else:
                 from .timm_vit import read_timm_config, timm_config, timm_to_hf_vit_state_dict
 
-                settings = read_timm_config(self.folder)
+                settings, heads = read_timm_config(self.folder) or {}, options.get("num_attention_heads")
                 arrays = self._timm_arrays(header_only=not weights)
-                config = timm_config(
-                    arrays, settings, image_size=image_size, num_attention_heads=options.get("num_attention_heads")
-                )
-                state_dict = timm_to_hf_vit_state_dict(arrays, config) if weights else None
+                if self.layout == "timm_naflex":
+                    config = naflex_config(arrays, settings, image_size, heads)
+                    state_dict = naflex_to_hf_vit_state_dict(arrays, settings, config) if weights else None
+                else:
+                    config = timm_config(arrays, settings, image_size=image_size, num_attention_heads=heads)
+                    state_dict = timm_to_hf_vit_state_dict(arrays, config) if weights else None
         except ConversionError as error:
             raise self._fail(error) from error
         if hidden_act is not None:
@@ -297,20 +292,15 @@ class ForeignCheckpoint:
 
                 config_json = read_json(self.folder / "config.json")
                 return family_processor(self.folder, config_json, _header(self._weight_files()))
-            if self.layout == "timm":
+            if self.layout in ("timm", "timm_naflex"):
+                from .timm_naflex import naflex_config
                 from .timm_vit import read_timm_config, timm_config, timm_processor
 
-                settings = read_timm_config(self.folder)
+                settings = read_timm_config(self.folder) or {}
                 # The processor takes the image size and normalisation only: the heads, which a timm state dict does
                 # not record (and the model loading asks for), play no part in it.
-                config = timm_config(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
-                return timm_processor(config, settings)
-            if self.layout == "timm_naflex":
-                from .timm_naflex import naflex_config
-                from .timm_vit import read_timm_config, timm_processor
-
-                settings = read_timm_config(self.folder) or {}
-                config = naflex_config(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
+                read = naflex_config if self.layout == "timm_naflex" else timm_config
+                config = read(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
                 return timm_processor(config, settings)
         except ConversionError as error:
             raise self._fail(error) from error
