@@ -182,11 +182,8 @@ def infer_config_from_timm(
     head = state_dict.get("head.weight")
     fields["num_labels"] = head.shape[0] if head is not None else 0
 
-    heads = num_attention_heads or model_args.get("num_heads")
-    preset_config = None
-    if preset is not None:
-        preset_config = load_preset(preset)
-        heads = heads or preset_config.num_attention_heads
+    preset_config = load_preset(preset) if preset is not None else None
+    heads = num_attention_heads or model_args.get("num_heads") or getattr(preset_config, "num_attention_heads", None)
     heads = heads or _STANDARD_HEADS.get(width)
     if heads is None:
         problems.append(
@@ -220,10 +217,8 @@ def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """timm weights from a `.safetensors` or torch file (`weights_only=True`) or their folder."""
     path = Path(path)
     if path.is_dir():
-        candidates = [
-            path / name for name in ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
-        ]
-        found = next((c for c in candidates if c.is_file()), None)
+        names = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
+        found = next((path / name for name in names if (path / name).is_file()), None)
         if found is None:
             raise ConversionError(f"{path} holds neither model.safetensors nor pytorch_model.bin.")
         path = found
