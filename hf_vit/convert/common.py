@@ -8,6 +8,7 @@ fused into one hf-vit weight), `target` the hf-vit one; `{p}` is "weight" or "bi
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import re
@@ -217,10 +218,7 @@ class LazyTensor:
     @property
     def dtype(self) -> torch.dtype:
         """The weight's dtype, known without reading it (transformers' `dtype="auto"` asks): its parts', promoted."""
-        dtype = self.parts[0].dtype
-        for part in self.parts[1:]:
-            dtype = torch.promote_types(dtype, part.dtype)
-        return dtype
+        return functools.reduce(torch.promote_types, (part.dtype for part in self.parts))
 
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point
