@@ -25,9 +25,36 @@ from ..model.resolution import image_size_field as config_image_size
 from ..outputs.cards import write_card
 from ..outputs.output_folders import check_output_dir, write_converted_folder
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
 
 class ConversionError(ValueError):
     """A checkpoint cannot be converted; the message lists what is wrong."""
+
+
+def read_safetensors(files: list[Path], header_only: bool = True) -> dict[str, torch.Tensor]:
+    """The arrays of safetensors `files`; with `header_only`, as meta tensors read from the headers only."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in files:
+        try:
+            if not header_only:
+                out.update(load_file(path))
+                continue
+            with safe_open(path, framework="pt") as handle:
+                for key in handle.keys():
+                    part = handle.get_slice(key)
+                    dtype = SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8)
+                    out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+        except SafetensorError as error:
+            raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
+    return out
 
 
 def raise_problems(what: str, problems: Sequence[str]) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from ..hub_access import HubLookupError, hub_file
 from ..model.configuration_vit import VisionTransformerConfig
-from .common import ConversionError, check_grid_size, image_size_field
+from .common import SAFETENSORS_DTYPES, ConversionError, check_grid_size, image_size_field, read_safetensors
 from .transformers_families import FAMILIES
 
 logger = logging.getLogger(__name__)
@@ -38,11 +38,6 @@ DESCRIPTIONS = {
     "timm_naflex": "timm's NaFlexViT layout",
     **{model_type: family.name for model_type, family in FAMILIES.items()},
 }
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
 
 
 def layout_of(config: dict) -> str | None:
@@ -95,27 +90,6 @@ def _safetensors_files(source: str, hub: dict[str, Any]) -> list[Path] | None:
     return [_fetch(source, shard, hub) for shard in shards]
 
 
-def _header(files: list[Path], header_only: bool = True) -> dict[str, torch.Tensor]:
-    """The arrays of safetensors `files`; with `header_only`, as meta tensors read from the headers only."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
-
-    out = {}
-    for path in files:
-        try:
-            if not header_only:
-                out.update(load_file(path))
-                continue
-            with safe_open(path, framework="pt") as handle:
-                for key in handle.keys():
-                    part = handle.get_slice(key)
-                    dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8)
-                    out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
-        except SafetensorError as error:
-            raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
-    return out
-
-
 def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
     """Where each array's bytes lie in a safetensors file: `(start, end)` from the file's beginning."""
     with open(path, "rb") as handle:
@@ -143,7 +117,7 @@ class FilePart:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _SAFETENSORS_DTYPES[self.part.get_dtype()]
+        return SAFETENSORS_DTYPES[self.part.get_dtype()]
 
     def read_into(self, out: torch.Tensor) -> None:
         """Copy the array's bytes into `out` from a short-lived mapping (faster: docs/benchmarks.md)."""
@@ -212,7 +186,7 @@ class ForeignCheckpoint:
 
         files = self._weight_files()
         if files[0].suffix == ".safetensors":
-            return _header(files, header_only)
+            return read_safetensors(files, header_only)
         return load_timm_state_dict(files[0])
 
     def convert(self, options: dict[str, Any], weights: bool = True):
@@ -229,7 +203,7 @@ class ForeignCheckpoint:
                 from .transformers_vit import transformers_config, transformers_state_dict
 
                 files = self._weight_files()
-                shapes = _header(files)
+                shapes = read_safetensors(files)
                 config = transformers_config(self.folder, shapes)
                 state_dict = None
                 if image_size is not None:
@@ -246,7 +220,7 @@ class ForeignCheckpoint:
                 config_json = read_json(self.folder / "config.json")
                 family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
                 files = self._weight_files()
-                shapes = _header(files)
+                shapes = read_safetensors(files)
                 size = image_size_field(image_size) if image_size is not None else None
                 config = family_config(config_json, shapes, size)
                 state_dict = None
@@ -291,7 +265,7 @@ class ForeignCheckpoint:
                 from .transformers_vit import read_json
 
                 config_json = read_json(self.folder / "config.json")
-                return family_processor(self.folder, config_json, _header(self._weight_files()))
+                return family_processor(self.folder, config_json, read_safetensors(self._weight_files()))
             if self.layout in ("timm", "timm_naflex"):
                 from .timm_naflex import naflex_config
                 from .timm_vit import read_timm_config, timm_config, timm_processor

@@ -25,6 +25,7 @@ from .common import (
     check_grid_size,
     convert_checkpoint,
     grid_mismatch,
+    read_safetensors,
     resample_positions,
 )
 
@@ -149,14 +150,16 @@ def read_json(path: Path) -> dict:
 
 
 def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    from .sources import _header, _safetensors_files
-
-    files = _safetensors_files(str(folder), {})
-    if files is None:
+    index = folder / "model.safetensors.index.json"
+    if (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    elif index.is_file():
+        files = [folder / shard for shard in sorted(set(read_json(index)["weight_map"].values()))]
+    else:
         raise ConversionError(
             f"{folder} has no model.safetensors (or sharded index); only safetensors weights are read."
         )
-    return _header(files, header_only=False)
+    return read_safetensors(files, header_only=False)
 
 
 def transformers_processor(folder: Path, image_size: tuple[int, int], default_to_square: bool = True):
