@@ -1,9 +1,5 @@
-"""hf-vit: the Vision Transformer of "An Image is Worth 16x16 Words" for the Hugging Face stack.
-
-Importing the package registers its classes with transformers' Auto classes, so `AutoConfig`, `AutoModel`,
-`AutoModelForImageClassification`, `AutoModelForMaskedImageModeling`, `AutoBackbone`, `AutoImageProcessor` and
-`pipeline("image-classification")` load hf-vit folders.
-"""
+"""hf-vit: the Vision Transformer of "An Image is Worth 16x16 Words" for the Hugging Face stack. Importing it
+registers its classes with transformers' Auto classes and `pipeline("image-classification")`."""
 
 from transformers import (
     AutoBackbone,

@@ -1,17 +1,8 @@
-"""The paper's look inside the Vision Transformer (section 4.5, appendix D.7-D.8) as functions on any hf-vit model.
-
-- `capture_attention`: attention probabilities of chosen layers only. A hook on each chosen layer's attention
-  recomputes softmax(q k^T / sqrt(d_h)) from that layer's own input and `qkv` projection, in float32, while every
-  layer (the chosen ones included) keeps running its configured SDPA/flash attention. `output_attentions=True`
-  instead switches every layer to eager attention and holds all their probabilities at once.
-- `attention_rollout` / `rollout_maps`: attention rollout (Abnar & Zuidema, 2020; the paper's Figures 6 and 14).
-- `mean_attention_distance` / `mean_attention_distances`: the paper's Figure 7 (right), in pixels.
-- `position_embedding_similarity`: the paper's Figure 7 (centre).
-- `patch_embedding_components`: principal components of the patch-embedding filters, the paper's Figure 7 (left).
-
-Every model-level function accepts any input resolution the model accepts (pass `interpolate_pos_encoding=True` for
-other sizes, square or not) and fp32 or bf16 models; results are float32 tensors on the CPU-or-model device.
-"""
+"""The paper's look inside the Vision Transformer (section 4.5, appendix D.7-D.8) as functions on any hf-vit model:
+attention (`capture_attention`: chosen layers' probabilities recomputed in float32 by hooks, while every layer keeps
+its SDPA/flash attention), rollout (Figures 6 and 14), mean attention distance (Figure 7, right), position-embedding
+similarity (centre) and the patch-embedding filters' principal components (left). Any input size the model takes
+(`interpolate_pos_encoding=True` for others), fp32 or bf16 models; results are float32."""
 
 from __future__ import annotations
 
@@ -76,11 +67,7 @@ def _layer_indices(num_layers: int, layers: int | Sequence[int] | None) -> list[
 
 
 def _probabilities(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T * scaling) of one `VisionTransformerAttention` for its input, `(B, heads, N, N)` float32.
-
-    q and k come from the module's own `qkv` (so wrapped or quantised projections are honoured) in the model's
-    dtype, as the model computes them; the scores and softmax are float32 so bf16 models give accurate maps.
-    """
+    """softmax(q k^T * scaling) of one attention module, `(B, heads, N, N)`, scores in float32."""
     batch, tokens, _ = hidden_states.shape
     qkv = module.qkv(hidden_states).view(batch, tokens, 3, module.num_heads, module.head_dim)
     query, key = (qkv[:, :, i].transpose(1, 2).float() for i in (0, 1))
@@ -120,16 +107,9 @@ def _attention_hooks(
 def capture_attention(
     model: nn.Module, layers: int | Sequence[int] | None = None
 ) -> Iterator[dict[int, torch.Tensor]]:
-    """Capture the attention probabilities of the chosen `layers` (default: all) during forwards in the context.
-
-        with capture_attention(model, layers=[0, -1]) as probs:
-            model(pixel_values)
-        probs[0].shape  # (batch, heads, tokens, tokens), float32; keys are non-negative layer indices
-
-    The model's own attention path is untouched (SDPA or flash keeps running in every layer); the probabilities
-    are recomputed from each chosen layer's input, before attention dropout, like `output_attentions=True`
-    returns them. Each forward replaces the previous one's entries. Only the chosen layers' probabilities are held.
-    """
+    """Capture the attention probabilities of the chosen `layers` (default: all) during forwards in the context, as
+    `{layer: (B, heads, N, N)}` float32 (keys non-negative), as `output_attentions=True` returns them; the model's
+    own attention path is untouched. Each forward replaces the previous one's entries."""
     captured: dict[int, torch.Tensor] = {}
 
     def store(index: int, probs: torch.Tensor) -> None:
@@ -163,17 +143,10 @@ def _grid(model: nn.Module, pixel_values: torch.Tensor) -> tuple[int, int]:
     return grid_for(tuple(pixel_values.shape[-2:]), _encoder(model).config.patch_size)
 
 
-# Attention rollout
-
-
 def _fuse_heads(probs: torch.Tensor, head_fusion: str) -> torch.Tensor:
-    if head_fusion == "mean":
-        return probs.mean(dim=1)
-    if head_fusion == "max":
-        return probs.amax(dim=1)
-    if head_fusion == "min":
-        return probs.amin(dim=1)
-    raise ValueError(f"`head_fusion` must be one of {HEAD_FUSIONS}, got {head_fusion!r}.")
+    if head_fusion not in HEAD_FUSIONS:
+        raise ValueError(f"`head_fusion` must be one of {HEAD_FUSIONS}, got {head_fusion!r}.")
+    return {"mean": torch.mean, "max": torch.amax, "min": torch.amin}[head_fusion](probs, dim=1)
 
 
 def _rollout_layer(probs: torch.Tensor, head_fusion: str, discard_ratio: float) -> torch.Tensor:
@@ -197,12 +170,7 @@ def _rollout_layer(probs: torch.Tensor, head_fusion: str, discard_ratio: float) 
 def attention_rollout(
     attentions: Sequence[torch.Tensor], head_fusion: str = "mean", discard_ratio: float = 0.0
 ) -> torch.Tensor:
-    """Attention rollout (Abnar & Zuidema, 2020) of per-layer probabilities `(B, heads, N, N)`, first layer first.
-
-    Heads are fused (mean, max or min), optionally the weakest `discard_ratio` of entries dropped, the residual
-    identity added (0.5 A + 0.5 I) and rows renormalised, then the layers multiplied: R = A_L ... A_2 A_1.
-    Returns `R` `(B, N, N)`: row i says how much each input token flows into token i's output. Rows sum to 1.
-    """
+    """Attention rollout (Abnar & Zuidema, 2020) of per-layer probabilities, `(B, N, N)`."""
     if not attentions:
         raise ValueError("`attentions` is empty: pass at least one layer's probabilities.")
     rollout = None
@@ -215,10 +183,9 @@ def attention_rollout(
 def rollout_map(
     rollout: torch.Tensor, grid_size: tuple[int, int], num_prefix_tokens: int, class_token: bool | None = None
 ) -> torch.Tensor:
-    """The output's attention to the input patches as `(B, rows, cols)` maps: the class token's row of the
-    rollout (`class_token`, the model pools the class token), or else the mean of the patch tokens' rows, which is
-    what the pooled representation averages. The prefix tokens' columns (class, distillation and register tokens)
-    are dropped from the map; `class_token=None` means "when there are prefix tokens"."""
+    """The output's attention to the input patches as `(B, rows, cols)` maps: the class token's row of the rollout
+    (`class_token`; None: when there are prefix tokens), else the mean of the patch tokens' rows; the prefix tokens'
+    columns are dropped."""
     rows, cols = grid_size
     patches = rollout[:, :, num_prefix_tokens:]
     if patches.shape[-1] != rows * cols:
@@ -237,10 +204,7 @@ def rollout_maps(
     discard_ratio: float = 0.0,
     interpolate_pos_encoding: bool | None = None,
 ) -> torch.Tensor:
-    """Attention rollout of `model` on `pixel_values` as `(B, rows, cols)` maps over the patch grid (Figure 6).
-
-    The product is accumulated layer by layer during the forward, so only one `(B, N, N)` matrix is held.
-    """
+    """Attention rollout of `model` on `pixel_values` as `(B, rows, cols)` maps (Figure 6)."""
     return _rollout_and_distances(model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding)[0]
 
 
@@ -272,9 +236,6 @@ def upsample_maps(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     ]
 
 
-# Mean attention distance
-
-
 def patch_distances(grid_size: tuple[int, int], patch_size: int) -> torch.Tensor:
     """Euclidean distances in pixels between the centres of the patches of a row-major grid, `(N, N)` float32."""
     rows, cols = grid_size
@@ -286,13 +247,9 @@ def patch_distances(grid_size: tuple[int, int], patch_size: int) -> torch.Tensor
 def mean_attention_distance(
     probs: torch.Tensor, grid_size: tuple[int, int], patch_size: int, num_prefix_tokens: int
 ) -> torch.Tensor:
-    """Mean attention distance in pixels of one layer's probabilities `(B, heads, N, N)`, as `(B, heads)`.
-
-    For each query patch: the sum over key patches of attention weight times the distance between the two patch
-    centres; averaged over the query patches. Prefix tokens (the class token) have no place in the image, so, as in
-    the paper's Figure 7, they are left out: their rows are dropped, and each patch's weights over the patch keys
-    are renormalised to sum to 1 (its attention to the class token does not count as distance 0).
-    """
+    """Mean attention distance in pixels of one layer's probabilities `(B, heads, N, N)`, as `(B, heads)`: per query
+    patch, the attention-weighted distance to the key patches, averaged. As in Figure 7, prefix tokens are left out
+    and each patch's weights over the patches renormalised."""
     patches = probs[..., num_prefix_tokens:, num_prefix_tokens:].float()
     weights = patches / patches.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     distances = patch_distances(grid_size, patch_size).to(weights.device)
@@ -308,11 +265,7 @@ def mean_attention_distances(
     layers: int | Sequence[int] | None = None,
     interpolate_pos_encoding: bool | None = None,
 ) -> torch.Tensor:
-    """Mean attention distance in pixels for each layer and head, averaged over the images: `(layers, heads)`.
-
-    Each layer's probabilities are reduced as soon as they are computed, so one layer's are held at a time.
-    Rows follow the chosen `layers` in increasing order (all layers by default).
-    """
+    """Mean attention distance in pixels per chosen layer and head: `(layers, heads)`."""
     config = _encoder(model).config
     grid = _grid(model, pixel_values)
     results: dict[int, torch.Tensor] = {}
@@ -347,18 +300,10 @@ def attention_summary(
     return AttentionSummary(maps.cpu(), torch.stack(distances, dim=1))
 
 
-# Position embeddings and patch-embedding filters
-
-
 def position_embedding_similarity(
     model_or_embeddings: nn.Module | torch.Tensor, grid_size: tuple[int, int] | None = None
 ) -> torch.Tensor:
-    """Cosine similarity of each patch's position embedding with every patch's, `(rows, cols, rows, cols)`.
-
-    `[i, j]` is the map of patch (i, j)'s similarity to all patches (the paper's Figure 7, centre). Pass a model
-    (its learned embeddings at its configured grid, prefix tokens skipped) or patch embeddings `(N, D)` or
-    `(1, N, D)` without prefix tokens, with their `grid_size`.
-    """
+    """Cosine similarity of the patches' position embeddings, `(rows, cols, rows, cols)`."""
     if isinstance(model_or_embeddings, nn.Module):
         encoder = _encoder(model_or_embeddings)
         prefix = encoder.config.num_position_prefix_tokens  # register tokens have no position
@@ -385,11 +330,7 @@ class PrincipalComponents(NamedTuple):
 def patch_embedding_components(
     model_or_weight: nn.Module | torch.Tensor, num_components: int = 28
 ) -> PrincipalComponents:
-    """The top principal components of the D linear patch-embedding filters `E` (the paper shows 28).
-
-    Filters `(D, C, P, P)` are flattened and centred; the components are the right singular vectors. Each
-    component's sign is fixed so that its largest-magnitude entry is positive (PCA leaves it arbitrary).
-    """
+    """The top principal components of the patch-embedding filters, signed."""
     if isinstance(model_or_weight, nn.Module):
         weight = _encoder(model_or_weight).embeddings.patch_embedding.weight
     else:
@@ -408,10 +349,7 @@ def patch_embedding_components(
 
 
 def components_as_images(components: torch.Tensor) -> torch.Tensor:
-    """Components `(K, C, P, P)` as displayable images `(K, P, P, 3)` in [0, 1], each scaled on its own range.
-
-    Three channels are shown as RGB, one as grey; other channel counts show their first three (or first) channels.
-    """
+    """Components `(K, C, P, P)` as images `(K, P, P, 3)` in [0, 1], each on its own range (RGB or grey)."""
     images = components.float()
     if images.shape[1] != 3:
         images = images[:, :1].expand(-1, 3, -1, -1) if images.shape[1] < 3 else images[:, :3]
@@ -419,9 +357,6 @@ def components_as_images(components: torch.Tensor) -> torch.Tensor:
     high = images.flatten(1).amax(dim=1).view(-1, 1, 1, 1)
     scaled = (images - low) / (high - low).clamp_min(1e-12)
     return scaled.permute(0, 2, 3, 1)
-
-
-# Figures
 
 
 def _displayable(pixel_values: torch.Tensor, processor: Any) -> torch.Tensor:
@@ -449,12 +384,9 @@ def write_analysis_figures(
     batch_size: int = 32,
     name: str | None = None,
 ) -> list[Path]:
-    """Write the paper's Figure 7 (`embedding_and_attention_distance.png`, mean distances over all `images`) and
-    Figure 6 (`rollout.png`, or `rollout_1.png`, ... with 8 images each) for `model` to `output_dir`.
-
-    `images` are anything `processor` takes (files, PIL images, arrays); `image_size=(height, width)` runs them at
-    another size with interpolated position embeddings. Progress is shown per batch.
-    """
+    """Write the paper's Figure 7 (`embedding_and_attention_distance.png`) and Figure 6 (`rollout.png`, or
+    `rollout_1.png`, ... with 8 images each) for `model` and `images` (anything `processor` takes) to `output_dir`;
+    `image_size=(height, width)` runs them at another size."""
     from tqdm.auto import tqdm
 
     from .outputs.plotting import plot_attention_rollout, plot_embedding_analysis

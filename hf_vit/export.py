@@ -1,15 +1,7 @@
-"""Deployment: `torch.export` and ONNX graphs of an hf-vit model that take any batch size and any patch-divisible
-image size, the position embeddings resampled inside the graph.
-
-The graph's input is `pixel_values` (batch, channels, height, width), normalised as the model's image processor
-does; its outputs are `logits` for a classifier, `last_hidden_state` and `pooler_output` for the encoder.
-
-With `native=True` the graph takes the image processor's native-aspect batches (`max_num_patches`) instead:
-`pixel_values` (batch, patches, patch * patch * channels) float32, `pixel_attention_mask` (batch, patches) int32 and
-`spatial_shapes` (batch, 2) int64, the batch and the number of patches free and each image's grid read from
-`spatial_shapes` as data (the position embeddings are resampled per patch by weights computed from it: see
-`hf_vit.model.resolution.resample_position_embeddings`).
-"""
+"""Deployment: `torch.export` and ONNX graphs of an hf-vit model taking `pixel_values` of any batch and any
+patch-divisible size (positions resampled in the graph), giving `logits` or `last_hidden_state` and `pooler_output`.
+With `native=True` they take the processor's native-aspect batches instead (`pixel_values` (batch, patches, P*P*C),
+`pixel_attention_mask`, `spatial_shapes`), each grid read from `spatial_shapes` as data."""
 
 from __future__ import annotations
 
@@ -37,25 +29,17 @@ NATIVE_INPUTS = ["pixel_values", "pixel_attention_mask", "spatial_shapes"]
 
 
 class _GraphModel(nn.Module):
-    """The model as a function of `pixel_values` alone, at any size, returning plain tensors."""
+    """The model as a function of `pixel_values` at any size, or of a native-aspect batch, returning plain tensors."""
 
     def __init__(self, model: VisionTransformerPreTrainedModel) -> None:
         super().__init__()
         self.model = model
         self.is_classifier = isinstance(model, VisionTransformerForImageClassification)
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        outputs = self.model(pixel_values, interpolate_pos_encoding=True, return_dict=True)
-        return outputs.logits if self.is_classifier else (outputs.last_hidden_state, outputs.pooler_output)
-
-
-class _NativeGraphModel(_GraphModel):
-    """The model as a function of a native-aspect batch (flattened patches, their mask, each image's grid)."""
-
-    def forward(self, pixel_values, pixel_attention_mask, spatial_shapes):
-        outputs = self.model(
-            pixel_values, pixel_attention_mask=pixel_attention_mask, spatial_shapes=spatial_shapes, return_dict=True
-        )
+    def forward(self, pixel_values, pixel_attention_mask=None, spatial_shapes=None):
+        native = {"pixel_attention_mask": pixel_attention_mask, "spatial_shapes": spatial_shapes}
+        options = native if spatial_shapes is not None else {"interpolate_pos_encoding": True}
+        outputs = self.model(pixel_values, return_dict=True, **options)
         return outputs.logits if self.is_classifier else (outputs.last_hidden_state, outputs.pooler_output)
 
 
@@ -77,8 +61,7 @@ def check_native_export(model: VisionTransformerPreTrainedModel, max_num_patches
 
 
 def native_example(model: VisionTransformerPreTrainedModel, max_num_patches: int, batch: int = 2, seed: int = 0):
-    """A native-aspect batch of `max_num_patches` patches: random patches, images of several aspect ratios on the
-    grids the image processor would choose, the mask and the grids (the dtypes the processor returns)."""
+    """A native-aspect batch of `max_num_patches` patches, as the image processor gives them."""
     config = model.config
     generator = torch.Generator().manual_seed(seed)
     aspects = [(1, 1), (1, 3), (3, 1), (2, 5), (4, 3)]
@@ -101,8 +84,7 @@ def output_names(model: VisionTransformerPreTrainedModel) -> list[str]:
 
 
 def dynamic_shapes(model: VisionTransformerPreTrainedModel) -> dict:
-    """Batch, height and width free; height and width multiples of the patch size (a symbolic grid of patches), so
-    the graph holds no check that could fail and no size frozen at tracing."""
+    """Batch, height and width free, height and width multiples of the patch size."""
     patch = model.config.patch_size
     side = int(MAX_PATCH_POSITIONS**0.5)
     rows = torch.export.Dim("patch_rows", min=1, max=side)
@@ -135,20 +117,17 @@ def native_dynamic_shapes() -> dict:
 def export_program(
     model: VisionTransformerPreTrainedModel, max_num_patches: int | None = None
 ) -> torch.export.ExportedProgram:
-    """`torch.export` of `model` (in eval mode) with dynamic batch, height and width; with `max_num_patches`, of the
-    model on native-aspect batches (traced at that many patches), with dynamic batch and number of patches."""
+    """`torch.export` of `model` with dynamic sizes (native-aspect with `max_num_patches`)."""
     if max_num_patches is None:
         graph = _GraphModel(model.eval())
         return torch.export.export(graph, (example_input(model),), dynamic_shapes=dynamic_shapes(model))
     check_native_export(model, max_num_patches)
-    graph = _NativeGraphModel(model.eval())
     example = native_example(model, max_num_patches)
-    return torch.export.export(graph, example, dynamic_shapes=native_dynamic_shapes())
+    return torch.export.export(_GraphModel(model.eval()), example, dynamic_shapes=native_dynamic_shapes())
 
 
 def check_export_output(output: str | os.PathLike, format: str, source: str | os.PathLike | None = None) -> Path:
-    """`output` as a Path, refused before any work when its extension is not `format`'s (`EXTENSIONS`), or when it
-    is, or lies inside, the model folder `source` it is exported from (an export never writes into its input)."""
+    """`output` as a Path; refused for another extension or a place inside `source`."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
     output = Path(output)
@@ -169,8 +148,7 @@ def check_export_output(output: str | os.PathLike, format: str, source: str | os
 
 @contextlib.contextmanager
 def quiet_exporters() -> Iterator[None]:
-    """torch's exporters' chatter kept from the user's screen: the ONNX exporter's warnings that torchvision's
-    operators are skipped (hf-vit uses none of them) and a FutureWarning torch raises inside its own pytree code."""
+    """torch's exporters' warnings about torchvision operators and pytree kept quiet."""
     registration = logging.getLogger("torch.onnx._internal.exporter._registration")
     level = registration.level
     registration.setLevel(logging.ERROR)
@@ -189,12 +167,9 @@ def export(
     overwrite: bool = False,
     max_num_patches: int | None = None,
 ) -> Path:
-    """Write `model` as an ONNX file or a `torch.export` program (`.pt2`) to `output`; with `max_num_patches`, the
-    graph of native-aspect batches (see the module's docstring), traced at that many patches.
-
-    An existing `output` is kept unless `overwrite`; the file is written beside it and renamed over it, so a failed
-    export leaves the old file (or none), never a half-written one.
-    """
+    """Write `model` as ONNX or a `torch.export` program (`.pt2`) to `output` (with `max_num_patches`: the
+    native-aspect graph, traced at that many patches), beside it and renamed over it; an existing file needs
+    `overwrite`."""
     if Path(output).is_dir():
         raise IsADirectoryError(
             f"--output {output} is a folder; name the file to write, e.g. {Path(output) / 'model.onnx'}."
@@ -223,42 +198,35 @@ def export(
 
 
 @torch.no_grad()
-def check_onnx(
-    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, sizes: Sequence[tuple[int, int]], batch: int = 2
+def _onnx_differences(
+    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, cases: dict
 ) -> dict[str, float]:
-    """Run the ONNX file with onnxruntime and `model` with PyTorch on the same random inputs at each (height, width);
-    returns the largest absolute difference of the first output per size ("HxW")."""
+    """The largest difference of the first output, onnxruntime vs PyTorch, for each case's inputs."""
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    generator = torch.Generator().manual_seed(0)
-    graph = _GraphModel(model.eval())
-    differences = {}
-    for height, width in sizes:
-        pixels = torch.randn(batch, model.config.num_channels, height, width, generator=generator)
-        expected = graph(pixels)
-        expected = expected[0] if isinstance(expected, tuple) else expected
-        got = session.run(None, {"pixel_values": pixels.numpy()})[0]
-        differences[f"{height}x{width}"] = float(np.abs(got - expected.float().numpy()).max())
-    return differences
-
-
-@torch.no_grad()
-def check_native_onnx(
-    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, patch_counts: Sequence[int], batch: int = 3
-) -> dict[str, float]:
-    """Run a native-aspect ONNX file with onnxruntime and `model` with PyTorch on the same batches of each number of
-    patches (images of several aspect ratios, padded); returns the largest absolute difference of the first output
-    per count ("K patches")."""
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    graph = _NativeGraphModel(model.eval())
-    differences = {}
-    for seed, count in enumerate(patch_counts):
-        inputs = native_example(model, count, batch, seed)
+    graph, differences = _GraphModel(model.eval()), {}
+    for label, inputs in cases.items():
         expected = graph(*inputs)
         expected = expected[0] if isinstance(expected, tuple) else expected
         got = session.run(None, dict(zip(NATIVE_INPUTS, (tensor.cpu().numpy() for tensor in inputs))))[0]
-        differences[f"{count} patches"] = float(np.abs(got - expected.float().cpu().numpy()).max())
+        differences[label] = float(np.abs(got - expected.float().cpu().numpy()).max())
     return differences
+
+
+def check_onnx(
+    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, sizes: Sequence[tuple[int, int]], batch: int = 2
+) -> dict[str, float]:
+    """The largest difference of the first output, onnxruntime vs PyTorch, per size ("HxW")."""
+    generator = torch.Generator().manual_seed(0)
+    channels = model.config.num_channels
+    cases = {f"{h}x{w}": (torch.randn(batch, channels, h, w, generator=generator),) for h, w in sizes}
+    return _onnx_differences(path, model, cases)
+
+
+def check_native_onnx(
+    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, patch_counts: Sequence[int], batch: int = 3
+) -> dict[str, float]:
+    """The largest difference of the first output, onnxruntime vs PyTorch, per patch count."""
+    cases = {f"{n} patches": native_example(model, n, batch, seed) for seed, n in enumerate(patch_counts)}
+    return _onnx_differences(path, model, cases)

@@ -1,10 +1,6 @@
-"""Checks of flag values shared by every stage and command, and the commands' one way of ending on bad input.
-
-A value a user typed is refused where it is first read, by its flag's name, with the same words everywhere: one
-positive-integer check (`positive_int`), one reader of size lists (`parse_sizes`), one way (`error_status`,
-`exit_on_error`) to turn a refusal into one `error:` line and exit status 2, and one way (`warn_idle`) to say that
-flags given have no effect on a run. Imports nothing of hf-vit, so that every layer may use it.
-"""
+"""Checks of flag values shared by every stage and command (`positive_int`, `parse_sizes`), the commands' one way of
+ending on bad input (`error_status`, `exit_on_error`) and of saying flags have no effect (`warn_idle`). Imports
+nothing of hf-vit."""
 
 from __future__ import annotations
 
@@ -18,14 +14,12 @@ logger = logging.getLogger(__name__)
 
 
 def warn_idle(names: list[str], message: str) -> None:
-    """Say that flags given have no effect on this run: one warning line, `message` with `{flags}` replaced by their
-    names (`--name`, comma-separated)."""
+    """Say in one warning line that `flags` have no effect on this run (`{flags}` in `message`)."""
     logger.warning(message.format(flags=", ".join(f"--{name}" for name in names)))
 
 
 def positive_int(value: object, flag: str, what: str = "int") -> int:
-    """`value` when it is an int of at least 1 (not a bool); else a `ValueError` saying `"{flag} must be a positive
-    {what}, got {value!r}."`."""
+    """`value` when it is an int of at least 1 (not a bool); else a `ValueError` naming `flag`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{flag} must be a positive {what}, got {value!r}.")
     return value
@@ -47,8 +41,7 @@ def parse_sizes(text: str | None, flag: str) -> list[int] | None:
 
 
 def error_status(error: Exception) -> int:
-    """How a command ends on bad input: one `error: <message>` line on stderr, and the exit status 2 returned
-    (`HF_VIT_TRACEBACK=1`: the error is raised again, with its whole traceback)."""
+    """One `error:` line on stderr and the exit status 2 (`HF_VIT_TRACEBACK=1`: raised again)."""
     if os.environ.get("HF_VIT_TRACEBACK"):
         raise error
     print(f"error: {error_message(error)}", file=sys.stderr)
@@ -56,9 +49,7 @@ def error_status(error: Exception) -> int:
 
 
 def error_message(error: Exception) -> str:
-    """`error`'s message; for an error a DataLoader worker raised, the worker's own message. torch raises it again in
-    the main process with the worker's whole traceback as its message ("Caught ... in DataLoader worker process
-    0. Original Traceback ..."), which would bury the one line that names the file."""
+    """`error`'s message; for a DataLoader worker's error, the worker's own message, not its traceback."""
     text = str(error)
     if not (text.startswith("Caught ") and " in DataLoader worker process " in text.split("\n", 1)[0]):
         return text

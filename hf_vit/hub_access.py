@@ -1,13 +1,7 @@
-"""Hub look-ups that fail fast, once, and say what to do offline.
-
-huggingface_hub retries a download whose file is not in the local cache for about 25 seconds when the network is
-down (five retries with backoff, each logged), and loading a model looks up several files, some of which a repository
-does not have: a model id typed on a machine without a network took 100 seconds to fail. Here the Hub is asked once
-per process whether it answers at all (one request, no retries). When it does not, the process continues in
-huggingface_hub's offline mode, as `HF_HUB_OFFLINE=1` would have it (one warning says so): files come from the local
-cache at once, and a model the cache lacks is a `HubLookupError` whose message suggests `HF_HUB_OFFLINE=1` and local
-folders. With `HF_HUB_OFFLINE=1` nothing is asked, and a model the cache lacks is the same error.
-"""
+"""Hub look-ups that fail fast, once, and say what to do offline: the Hub is asked once per process whether it
+answers (no retries; huggingface_hub's retries took 100 seconds to fail offline). When it does not, the process goes
+on in huggingface_hub's offline mode (one warning), and a model the cache lacks is a `HubLookupError` suggesting
+`HF_HUB_OFFLINE=1` and local folders."""
 
 from __future__ import annotations
 
@@ -27,8 +21,7 @@ _UNREACHABLE: dict[str, str] = {}
 
 
 class HubLookupError(OSError):
-    """A model or data set named by Hub id that can neither be downloaded nor found in the local cache. An `OSError`,
-    as transformers' own loading errors are, so the commands print it as one `error:` line."""
+    """A Hub id neither downloadable nor cached (an `OSError`, as transformers' loading errors)."""
 
 
 def offline_mode() -> bool:
@@ -49,10 +42,7 @@ def _probe(endpoint: str, timeout: float) -> str | None:
 
 
 def hub_unreachable_reason() -> str | None:
-    """Why the Hugging Face Hub cannot be reached (the endpoint and the error), or None when it answers or when
-    `HF_HUB_OFFLINE=1` was set. Asked once per process, with one request of huggingface_hub's own client (its proxies,
-    endpoint and metadata timeout, `HF_HUB_ETAG_TIMEOUT`), never retried; a Hub that does not answer puts the process
-    in huggingface_hub's offline mode."""
+    """Why the Hub cannot be reached, or None; asked once per process, one request."""
     from huggingface_hub import constants
 
     endpoint = constants.ENDPOINT
@@ -75,8 +65,7 @@ def hub_unreachable_reason() -> str | None:
 
 
 def lookup_error(kind: str, name: str, reason: str | None) -> HubLookupError:
-    """The error for `name`, a `kind` ("model", "data set") Hub id found neither on the Hub nor in the local cache:
-    `reason` is why the Hub could not be reached (`hub_unreachable_reason`), None in offline mode."""
+    """The error for the `kind` Hub id `name` found neither on the Hub nor in the cache."""
     if reason is None:
         cause = f"{kind} {name!r} is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 forbids downloading it"
         advice = f"Download it where the Hub can be reached (the same cache serves it then), or {LOCAL_ALTERNATIVES}"
@@ -93,11 +82,7 @@ def lookup_error(kind: str, name: str, reason: str | None) -> HubLookupError:
 
 
 def hub_file(repo_id: str, filename: str, options: dict[str, Any], kind: str = "model") -> Path | None:
-    """`filename` of the Hub repository `repo_id`, downloaded into (or found in) the Hub cache; None when the
-    repository has no such file. `options` are `hf_hub_download`'s (`cache_dir`, `revision`, `token`...).
-
-    Offline, or when the Hub does not answer, the file comes from the cache at once, and one the cache lacks is a
-    `HubLookupError`."""
+    """`filename` of the Hub repository `repo_id` from the cache, None when it lacks it."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 

@@ -1,20 +1,9 @@
 """LoRA run folders as models: a peft adapter beside the fine-tuning config, loaded as the merged classifier.
 
-A LoRA run (`hf_vit.train.lora`) saves peft's adapter (`adapter_model.safetensors`, `adapter_config.json`) beside the
-run's `config.json` (the fine-tuning model: classes, image size, pre-logits size, problem type, and
-`position_interpolation` when the base's position embeddings were resampled) and its processor.
-`load_lora_model(folder)` rebuilds that fine-tuning model from the base the adapter names, applies the adapter and
-merges it; `save_merged_model` writes it as a plain hf-vit folder with its processor; `read_lora_folder` is the
-reader `import hf_vit` registers with the core's loading hook, so that `from_pretrained(folder)` and
-`pipeline(model=folder)` load such a folder.
-
-The adapter names its base by what the user gave (`base_model_name`): a Hub id as it is, a local folder by its plain
-name only, since an absolute path in `adapter_config.json` would publish the user's file system with the adapter. On
-the machine that trained it, the run also records the base's local path in `LOCAL_BASE_FILE` (a file no push
-carries); elsewhere `load_lora_model(folder, base=...)` says where it is.
-
-Serving (`hf_vit.infer`) and training both read folders through this module; it imports neither.
-"""
+`load_lora_model(folder)` rebuilds the run's fine-tuning model from the base the adapter names (a Hub id, or a local
+folder by its plain name, its path kept in `LOCAL_BASE_FILE`, never pushed; elsewhere pass `base=`), applies the
+adapter and merges it; `save_merged_model` writes it as a plain folder; `read_lora_folder` is the loading hook that
+makes `from_pretrained(folder)` and `pipeline(model=folder)` work. Imports neither serving nor training."""
 
 from __future__ import annotations
 
@@ -23,16 +12,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .outputs.files import (
-    LOCAL_BASE_FILE,  # where a local base lives on this machine: written by the run, never pushed
-)
+from .outputs.files import LOCAL_BASE_FILE  # where a local base lives on this machine: never pushed
 
 __all__ = ["base_model_name", "is_lora_folder", "load_lora_model", "read_lora_folder", "save_merged_model"]
 
 
 def base_model_name(model_name_or_path: str) -> str:
-    """How an adapter names its base: a Hub id as it is; a local folder by its plain name (the last part of its
-    path), so that no local path is saved or published with the adapter."""
+    """How an adapter names its base: a Hub id as it is, a local folder by its plain name."""
     path = os.path.expanduser(model_name_or_path)
     if os.path.exists(path) or os.path.isabs(path) or model_name_or_path.startswith((".", "~")):
         return Path(os.path.abspath(path)).name
@@ -40,12 +26,7 @@ def base_model_name(model_name_or_path: str) -> str:
 
 
 def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = None):
-    """The fine-tuned model of a LoRA run's `folder`, merged, in eval mode.
-
-    The base checkpoint (`base`, default: the one named in `adapter_config.json`) is loaded as the run's fine-tuning
-    model, with the settings its `config.json` records: the classes, image size (position embeddings resampled with
-    the run's interpolation), pre-logits size and problem type; then the adapter is applied and merged.
-    """
+    """The fine-tuned model of a LoRA run's `folder` (its base: `base` or the adapter's), merged."""
     from peft import PeftModel
 
     from .model.configuration_vit import VisionTransformerConfig
@@ -64,17 +45,15 @@ def load_lora_model(folder: str | os.PathLike, base: str | os.PathLike | None = 
             f"Cannot load the base model {base!r} of the LoRA adapter in {folder} ({error}). A base that was a local "
             "folder is named by its plain name only: pass load_lora_model(folder, base=<that folder>)."
         ) from error
-    settings = run_settings(config)
-    if tuple(model.config.image_hw) != tuple(config.image_hw):
-        model.set_input_size(config.image_size, settings["interpolation"])
+    if tuple(model.config.image_hw) != tuple(config.image_hw):  # resampled as the run did
+        model.set_input_size(config.image_size, getattr(config, "position_interpolation", None) or "bicubic")
     model.reset_classifier(config.id2label, config.representation_size)
     model.config.problem_type = config.problem_type
     return PeftModel.from_pretrained(model, folder).merge_and_unload().eval()
 
 
 def local_base(folder: str | os.PathLike) -> str | None:
-    """The local folder of a LoRA run's base, as the run recorded it on this machine (None: not recorded, or no
-    longer there)."""
+    """The local folder of a LoRA run's base as recorded on this machine, or None."""
     path = Path(folder) / LOCAL_BASE_FILE
     if not path.is_file():
         return None
@@ -96,9 +75,7 @@ def is_lora_folder(folder: str | os.PathLike) -> bool:
 
 
 class LoraFolder:
-    """A LoRA run's folder as the core's loading hook sees a foreign checkpoint (`hf_vit.model.loading`): its config
-    and processor are the folder's own, its model the base with the adapter merged (`load_lora_model`). This is what
-    makes `AutoModelForImageClassification.from_pretrained(folder)` and `pipeline(model=folder)` load it."""
+    """A LoRA run's folder as the loading hook sees a foreign checkpoint."""
 
     def __init__(self, folder: str) -> None:
         self.folder = Path(folder)
@@ -122,9 +99,8 @@ class LoraFolder:
                 f"{self.folder} is a LoRA run's image classifier: load it with AutoModelForImageClassification "
                 "(or hf_vit.lora.load_lora_model), or write it merged with hf_vit.lora.save_merged_model."
             )
-        model = load_lora_model(self.folder)
         info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
-        return model, info
+        return load_lora_model(self.folder), info
 
 
 def read_lora_folder(source: str, kwargs: dict[str, Any]) -> LoraFolder | None:
@@ -134,16 +110,10 @@ def read_lora_folder(source: str, kwargs: dict[str, Any]) -> LoraFolder | None:
     return LoraFolder(source)
 
 
-def run_settings(config: Any) -> dict[str, Any]:
-    """The settings a LoRA run's fine-tuning model was made with, from its `config.json`."""
-    return {"interpolation": getattr(config, "position_interpolation", None) or "bicubic"}
-
-
 def save_merged_model(
     folder: str | os.PathLike, output_dir: str | os.PathLike, base: str | os.PathLike | None = None
 ) -> None:
-    """Write the merged model of the LoRA run in `folder` to `output_dir` as a plain hf-vit folder (weights, config,
-    code) with the run's image processor, loadable with the Auto classes and without peft."""
+    """Write the merged model of a LoRA run as a plain hf-vit folder with its processor."""
     from .model.image_processing_vit import VisionTransformerImageProcessor
 
     model = load_lora_model(folder, base)

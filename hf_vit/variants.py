@@ -62,21 +62,10 @@ def make_resolution_variant(
     patch_size: int | None = None,
     max_num_patches: int | None = None,
 ):
-    """Turn the hf-vit folder `source` into a variant at `image_size` (None: the source's) and `patch_size` (None:
-    the source's): position embeddings resampled in 2D to the new grid, the patch embedding resampled by FlexiViT's
-    pseudo-inverse resize when the patch size changes, and the config and processor saying the new sizes, so it runs
-    without `interpolate_pos_encoding`. `max_num_patches`: the variant serves native-aspect batches of at most that
-    many patches per image (a native-aspect model is resized by this budget: its images are never resized to
-    `image_size`, which is refused there).
-
-    Returns `(model, processor)`; with `output_dir`, also writes the variant there with a model card (only if
-    everything succeeded; see `hf_vit.outputs.output_folders.write_converted_folder` for what `overwrite` may
-    replace) and the splits of the run that trained `source` (its record), so that the variant's "validation" is
-    that run's held-out images. The card names `base_model` (a Hub id; default: the source folder's name, never a
-    local path) and `repo_id`. With `data_source` (a `hf_vit.data.datasets.DataSource`), the variant's accuracy is
-    measured with no further training (on the test split, else validation, as a run reports, by the run's splits)
-    and goes into the card and `all_results.json`.
-    """
+    """The hf-vit folder `source` at `image_size` and `patch_size` (None: the source's), positions and patch
+    embedding resampled, config and processor set to the new sizes (`max_num_patches`: native-aspect batches).
+    Returns `(model, processor)`; with `output_dir`, writes the variant with a card and the source run's splits, and
+    with `data_source` its accuracy measured untrained."""
     folder = Path(source)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
@@ -126,9 +115,7 @@ def make_resolution_variant(
 
 
 def _measured(folder: Path, model, processor, data_source: DataSource) -> dict:
-    """The variant's metrics as `eval_*`, as hf-vit-evaluate measures it, with the objective of the model's own
-    problem type (single- or multi-label), on test, else validation, as a run reports: on the splits of the run that
-    trained the source, by its record."""
+    """The variant's metrics as `eval_*`, as hf-vit-evaluate measures them."""
     from .infer.evaluate import evaluate_loaded, recorded_source  # loads the data set libraries: only to measure
 
     measured, _ = evaluate_loaded(model.eval(), processor, recorded_source(folder, data_source))
@@ -137,8 +124,7 @@ def _measured(folder: Path, model, processor, data_source: DataSource) -> dict:
 
 
 def _check_sizes(folder: Path, config, processor, image_size, patch_size, max_num_patches) -> None:
-    """Refuse sizes the variant cannot honour before anything big loads: a native-aspect model's images are never
-    resized to an image size (its patch budget is what changes their size)."""
+    """Refuse sizes the variant cannot honour before anything big loads."""
     if patch_size is not None:
         positive_int(patch_size, "--patch_size", "number of pixels")
     if max_num_patches is not None:
@@ -167,8 +153,7 @@ def _resized_model(folder: Path, config, image_size, mode: str, patch_size: int 
 
 
 def _resized_processor(processor, config, max_num_patches: int | None):
-    """`processor` serving the resized model: the source's resize and crop scaled to the new image size, or
-    native-aspect patches at its patch size (at most `max_num_patches` of them, when given)."""
+    """`processor` serving the resized model (its geometry scaled, or native-aspect)."""
     height, width = config.image_hw
     if processor.max_num_patches is None and max_num_patches is None:  # the source's resize and crop, scaled
         size, crop_size = scaled_geometry(
@@ -224,8 +209,7 @@ def make_evaluated_variant(
     mode: str = "bicubic",
     overwrite: bool = False,
 ) -> dict[str, float]:
-    """`make_resolution_variant` with the test accuracy measured (on the digits unless `data_source` names another data
-    set) and written to its card and `all_results.json`. Returns the measured metrics (`eval_*`)."""
+    """`make_resolution_variant` with its accuracy measured; returns the metrics."""
     from .data.datasets import DataSource
 
     make_resolution_variant(

@@ -46,13 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", required=True, choices=sorted(CONVERTERS), help="layout of the input checkpoint")
     parser.add_argument("--input", required=True, help="file or folder of the checkpoint to convert")
     parser.add_argument("--output", required=True, help="folder to write the hf-vit checkpoint to")
-    parser.add_argument("--preset", default=None, help="named model the checkpoint must match (jax, timm)")
-    parser.add_argument("--image_size", type=int, default=None, help="resolution to convert at (jax, timm)")
+    parser.add_argument("--preset", help="named model the checkpoint must match (jax, timm)")
+    parser.add_argument("--image_size", type=int, help="resolution to convert at (jax, timm)")
     parser.add_argument("--overwrite", action="store_true", help="replace an output folder hf-vit wrote")
-    parser.add_argument("--base_model", default=None, help="the source's Hub id, named in the model card")
+    parser.add_argument("--base_model", help="the source's Hub id, named in the model card")
     parser.add_argument(
         "--hidden_act",
-        default=None,
         choices=["gelu_pytorch_tanh", "gelu"],
         help="jax: the MLP activation; default gelu_pytorch_tanh, the tanh GELU the authors' Flax code computes",
     )

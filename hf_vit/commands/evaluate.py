@@ -38,36 +38,31 @@ def _parser() -> CommandParser:
     parser.add_argument(
         "--dataset_name", required=True, help="'digits', an image folder, a save_to_disk folder or a Hub data set"
     )
-    parser.add_argument("--split", default=None, help="split to measure (default: test, or validation without one)")
+    parser.add_argument("--split", help="split to measure (default: test, or validation without one)")
     parser.add_argument(
         "--validation_fraction",
         type=float,
-        default=None,
         help="share of train held out as validation when the data set has none (default: the run's, else 0.1)",
     )
     for split in ("train", "validation", "test"):
         parser.add_argument(
-            f"--{split}_split", default=None, help=f"the data set's {split} split (default: the run's, else {split})"
+            f"--{split}_split", help=f"the data set's {split} split (default: the run's, else {split})"
         )
     parser.add_argument("--image_column_name", default="image")
     parser.add_argument("--label_column_name", default="label")
     parser.add_argument(
         "--output_dir",
-        default=None,
         help="where the results JSON and the confusion matrix are written; without it they are only printed (JSON)",
     )
     parser.add_argument(
-        "--max_num_patches", default=None, metavar="K[,K...]", help="native aspect ratio: at most K patches an image"
+        "--max_num_patches", metavar="K[,K...]", help="native aspect ratio: at most K patches an image"
     )
-    parser.add_argument(
-        "--patch_size", default=None, metavar="P[,P...]", help="the checkpoint resampled to P-pixel patches"
-    )
+    parser.add_argument("--patch_size", metavar="P[,P...]", help="the checkpoint resampled to P-pixel patches")
     return parser
 
 
 def _report(metrics: dict, printed_only: bool) -> None:
-    """The metrics as JSON on standard output; on standard error the headline figure with its number of images (and
-    a warning when they are few), the per-class table, and where the files would go."""
+    """The metrics as JSON on stdout; the headline, warnings and per-class table on stderr."""
     from hf_vit.infer.evaluate import per_class_table
     from hf_vit.metrics import few_images_warning, images_text
 
@@ -109,12 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()  # stderr keeps the warnings and errors
     datasets.disable_progress_bars()
     datasets.utils.logging.disable_propagation()  # datasets prints through its own handler: not twice
-    given = {
-        "train_split": args.train_split,
-        "validation_split": args.validation_split,
-        "test_split": args.test_split,
-        "validation_fraction": args.validation_fraction,
-    }
+    given = {name: getattr(args, name) for name in ("train_split", "validation_split", "test_split")}
+    given["validation_fraction"] = args.validation_fraction
     source = DataSource(
         dataset_name=args.dataset_name,
         image_column_name=args.image_column_name,

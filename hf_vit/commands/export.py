@@ -36,13 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         "--check_sizes",
         type=int,
         nargs="*",
-        default=None,
         help="H W pairs onnxruntime is checked at against PyTorch (default: the model's size and a non-square one)",
     )
     parser.add_argument(
         "--max_num_patches",
         type=int,
-        default=None,
         metavar="K",
         help="export for native-aspect batches (flattened patches, mask, grids), traced at K patches; any count after",
     )
@@ -89,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _missing_onnx_packages() -> list[str]:
-    """The ONNX packages that are not installed (torch.onnx imports onnxscript deep inside the export: checked before
-    any work)."""
+    """The ONNX packages not installed (torch.onnx needs them deep inside the export)."""
     import importlib
 
     missing = []

@@ -72,8 +72,7 @@ def _wrapped_at(width: int):
 
 
 def own_flags(cls: type) -> list[str]:
-    """The flags a dataclass of hf-vit's defines: its fields, and of a `TrainingArguments` subclass only those it
-    adds."""
+    """The flags a dataclass of hf-vit's adds (to `TrainingArguments`'s for its subclasses)."""
     from transformers import TrainingArguments
 
     inherited = (
@@ -112,18 +111,9 @@ def training_help(command: str) -> str:
         text = formatter.format_help()
     defaults = {action.dest: action.default for action in parser._actions}
     trainer = (
-        "learning_rate",
-        "num_train_epochs",
-        "per_device_train_batch_size",
-        "weight_decay",
-        "lr_scheduler_type",
-        "warmup_steps",
-        "max_grad_norm",
-        "optim",
-        "eval_strategy",
-        "save_strategy",
-        "save_total_limit",
-    )
+        "learning_rate", "num_train_epochs", "per_device_train_batch_size", "weight_decay", "lr_scheduler_type",
+        "warmup_steps", "max_grad_norm", "optim", "eval_strategy", "save_strategy", "save_total_limit",
+    )  # fmt: skip
     shown = ", ".join(f"--{name} {getattr(defaults[name], 'value', defaults[name])}" for name in trainer)
     start = "--model_name_or_path MODEL" if task == "finetune" else "[--model_name_or_path MODEL | --preset NAME]"
     usage = f"usage: {command} {start} --dataset_name DATA --output_dir DIR ..."
@@ -142,8 +132,7 @@ def _wrap(line: str) -> str:
 
 
 def all_flags(command: str) -> str:
-    """Every flag a training command takes (Trainer's among them), one a line with the kind of value it takes
-    (`value_kind`): what `hf_vit_cli` checks the command line against before the package is imported."""
+    """Every flag of a training command with its `value_kind`, one a line, for `hf_vit_cli`."""
     from ..train.arguments import build_parser
 
     parser = build_parser(TRAINING[command][0])
@@ -152,8 +141,7 @@ def all_flags(command: str) -> str:
 
 
 def value_kind(action: argparse.Action) -> str:
-    """The values a flag takes, as the flag lists write it: `int`, `float`, `bool` (a word such as True or no),
-    `choice:a|b|c`, or nothing (any text, or no value); `+` after it for a flag that takes several."""
+    """The values a flag takes: `int`, `float`, `bool`, `choice:a|b`, or nothing; `+` for several."""
     from transformers.hf_argparser import string_to_bool
 
     if action.nargs == 0:

@@ -25,16 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="hf-vit folder, LoRA run folder or Hub id")
     parser.add_argument("images", nargs="+", metavar="IMAGE_OR_FOLDER", help="image files, or folders of them")
     parser.add_argument("--top_k", type=int, default=5, help="classes per image (default 5, at most all)")
-    parser.add_argument("--output", default=None, help="a new .jsonl or .csv file (default: JSON lines on stdout)")
+    parser.add_argument("--output", help="a new .jsonl or .csv file (default: JSON lines on stdout)")
     parser.add_argument(
         "--batch_size", type=int, default=32, help="images per forward pass (default 32; lower it if memory runs out)"
     )
-    parser.add_argument(
-        "--max_num_patches", type=int, default=None, metavar="K", help="native aspect ratio: at most K patches each"
-    )
-    parser.add_argument(
-        "--patch_size", type=int, default=None, metavar="P", help="the checkpoint resampled to P-pixel patches"
-    )
+    parser.add_argument("--max_num_patches", type=int, metavar="K", help="native aspect ratio: at most K patches each")
+    parser.add_argument("--patch_size", type=int, metavar="P", help="the checkpoint resampled to P-pixel patches")
     args = parser.parse_args(argv)
     if args.batch_size < 1:
         parser.error(f"--batch_size must be at least 1, got {args.batch_size}")

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="the hf-vit folder to push")
     parser.add_argument("--hub_model_id", help="<user or org>/<name> of the Hub repository")
     parser.add_argument("--private", action="store_true", help="create the repository as private")
-    parser.add_argument("--hub_token", default=None, help="token (default: the one `hf auth login` stored)")
+    parser.add_argument("--hub_token", help="token (default: the one `hf auth login` stored)")
     parser.add_argument("--commit_message", default="Upload hf-vit model")
     parser.add_argument(
         "--include",

@@ -41,29 +41,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--patch_size",
         type=int,
-        default=None,
         help="a new patch size: the patch embedding is resampled by FlexiViT's pseudo-inverse resize, the position "
         "grid follows (default: the model's)",
     )
     parser.add_argument(
         "--max_num_patches",
         type=int,
-        default=None,
         help="serve native-aspect images of at most this many patches (a native-aspect model's size)",
     )
     parser.add_argument("--output", required=True, help="folder to write the variant to")
     parser.add_argument("--interpolation", default="bicubic", choices=MODES)
     parser.add_argument("--overwrite", action="store_true", help="replace an output folder hf-vit wrote")
-    parser.add_argument("--base_model", default=None, help="Hub id of --model, named in the card")
+    parser.add_argument("--base_model", help="Hub id of --model, named in the card")
     parser.add_argument(
         "--dataset_name",
-        default=None,
         help="measure accuracy on this data set (e.g. digits): test split, else validation",
     )
     parser.add_argument("--push_to_hub", action="store_true", help="push the variant to the Hub")
     parser.add_argument("--hub_model_id", help="<user or org>/<name> to push to")
     parser.add_argument("--hub_private_repo", action="store_true")
-    parser.add_argument("--hub_token", default=None)
+    parser.add_argument("--hub_token")
     args = parser.parse_args(argv)
     if args.image_size is None and args.patch_size is None and args.max_num_patches is None:
         parser.error("give --image_size, --patch_size or --max_num_patches: the size(s) of the variant")

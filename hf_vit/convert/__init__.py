@@ -1,15 +1,10 @@
 """Foreign checkpoint layouts <-> hf-vit: one rename table per layout (`Layout`), read in both directions by one
-engine, one check against the model (`check_state_dict`), and the folder converters built on them."""
+engine, one check against the model (`check_state_dict`), and the folder converters built on them. The layouts of
+big_vision, the transformers families and timm's NaFlexViT live in their modules."""
 
 from ..model.loading import register_foreign_reader
-from ..outputs.output_folders import write_converted_folder
-from .big_vision_npz import (
-    BIG_VISION_LAYOUT,
-    big_vision_to_hf_vit_state_dict,
-    infer_config_from_big_vision,
-    is_big_vision,
-)
-from .common import FUSED_QKV, RENAME, ConversionError, Layout, Transform, check_state_dict
+from .big_vision_npz import is_big_vision
+from .common import FUSED_QKV, ConversionError, Layout, Transform, check_state_dict
 from .jax_npz import (
     JAX_LAYOUT,
     convert_jax_checkpoint,
@@ -19,12 +14,7 @@ from .jax_npz import (
     npz_to_hf_vit_state_dict,
 )
 from .sources import read_source
-from .timm_naflex import (
-    NAFLEX_ARCHITECTURES,
-    NAFLEX_LAYOUT,
-    naflex_config,
-    naflex_to_hf_vit_state_dict,
-)
+from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
 from .timm_vit import (
     TIMM_LAYOUT,
     convert_timm_checkpoint,
@@ -33,66 +23,23 @@ from .timm_vit import (
     load_timm_state_dict,
     timm_to_hf_vit_state_dict,
 )
-from .transformers_families import (
-    CLIP_LAYOUT,
-    DEIT_LAYOUT,
-    DINOV2_LAYOUT,
-    FAMILIES,
-    SIGLIP_LAYOUT,
-    family_config,
-    family_state_dict,
-)
 from .transformers_vit import (
     TRANSFORMERS_LAYOUT,
     convert_transformers_checkpoint,
     hf_vit_to_transformers_module_state_dict,
     hf_vit_to_transformers_state_dict,
-    transformers_config_to_hf_vit,
     transformers_to_hf_vit_state_dict,
 )
 
 __all__ = [
-    "BIG_VISION_LAYOUT",
-    "big_vision_to_hf_vit_state_dict",
-    "infer_config_from_big_vision",
-    "is_big_vision",
-    "CLIP_LAYOUT",
-    "DEIT_LAYOUT",
-    "DINOV2_LAYOUT",
-    "FAMILIES",
-    "SIGLIP_LAYOUT",
-    "family_config",
-    "family_state_dict",
-    "FUSED_QKV",
-    "JAX_LAYOUT",
-    "NAFLEX_ARCHITECTURES",
-    "NAFLEX_LAYOUT",
-    "RENAME",
-    "TIMM_LAYOUT",
-    "TRANSFORMERS_LAYOUT",
-    "ConversionError",
-    "Layout",
-    "Transform",
-    "check_state_dict",
-    "convert_jax_checkpoint",
-    "convert_timm_checkpoint",
-    "convert_transformers_checkpoint",
-    "hf_vit_to_npz_arrays",
-    "hf_vit_to_timm_state_dict",
-    "hf_vit_to_transformers_module_state_dict",
-    "hf_vit_to_transformers_state_dict",
-    "infer_config_from_npz",
-    "infer_config_from_timm",
+    "FUSED_QKV", "JAX_LAYOUT", "TIMM_LAYOUT", "TRANSFORMERS_LAYOUT", "ConversionError", "Layout", "Transform",
+    "check_state_dict", "convert_jax_checkpoint", "convert_timm_checkpoint", "convert_transformers_checkpoint",
+    "hf_vit_to_npz_arrays", "hf_vit_to_timm_state_dict", "hf_vit_to_transformers_module_state_dict",
+    "hf_vit_to_transformers_state_dict", "infer_config_from_npz", "infer_config_from_timm", "is_big_vision",
     "load_npz",
-    "load_timm_state_dict",
-    "naflex_config",
-    "naflex_to_hf_vit_state_dict",
-    "npz_to_hf_vit_state_dict",
-    "timm_to_hf_vit_state_dict",
-    "transformers_config_to_hf_vit",
-    "transformers_to_hf_vit_state_dict",
-    "write_converted_folder",
-]
+    "load_timm_state_dict", "naflex_config", "naflex_to_hf_vit_state_dict", "npz_to_hf_vit_state_dict",
+    "timm_to_hf_vit_state_dict", "transformers_to_hf_vit_state_dict",
+]  # fmt: skip
 
 # from_pretrained of the hf-vit classes converts these checkpoints on load (see `sources`).
 register_foreign_reader(read_source)

@@ -1,17 +1,14 @@
-"""What every converter shares: a rename table per foreign layout with one engine for both directions, one check of a
-state dict against the model built on the meta device, one error listing every problem, and config helpers.
+"""What every converter shares: a rename table per foreign layout (`Layout(name, table)`) read in both directions,
+one check of a state dict against the model built on the meta device, one error listing every problem, and config
+helpers.
 
-A layout is a `Layout(name, table)`. Each row of the table is `(source, target)` or `(source, target, transform)`:
-`source` is a key pattern of the foreign layout (or a tuple of them, for arrays fused into one hf-vit weight),
-`target` the hf-vit key pattern, and `transform` a `Transform` turning the source arrays into the hf-vit tensor and
-back (a plain rename without one). In patterns `{p}` is "weight" or "bias" and any other `{name}` an index (digits),
-e.g. `{i}` for the block. `Layout.to_hf` and `Layout.from_hf` read the same table in opposite directions, so a new
-layout is one table.
-"""
+A row is `(source, target)` or `(source, target, transform)`: `source` a foreign key pattern (or a tuple, for arrays
+fused into one hf-vit weight), `target` the hf-vit one; `{p}` is "weight" or "bias", any other `{name}` an index."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import re
@@ -28,9 +25,36 @@ from ..model.resolution import image_size_field as config_image_size
 from ..outputs.cards import write_card
 from ..outputs.output_folders import check_output_dir, write_converted_folder
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
 
 class ConversionError(ValueError):
     """A checkpoint cannot be converted; the message lists what is wrong."""
+
+
+def read_safetensors(files: list[Path], header_only: bool = True) -> dict[str, torch.Tensor]:
+    """The arrays of safetensors `files`; with `header_only`, as meta tensors read from the headers only."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in files:
+        try:
+            if not header_only:
+                out.update(load_file(path))
+                continue
+            with safe_open(path, framework="pt") as handle:
+                for key in handle.keys():
+                    part = handle.get_slice(key)
+                    dtype = SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8)
+                    out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
+        except SafetensorError as error:
+            raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
+    return out
 
 
 def raise_problems(what: str, problems: Sequence[str]) -> None:
@@ -51,14 +75,9 @@ def _listing(leftovers: Iterable[str] = (), missing: Iterable[str] = (), extra: 
     return lines
 
 
-# --- Rename tables ---------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Transform:
-    """How the source arrays of one table row become the hf-vit tensor (`to_hf(*arrays)`) and back
-    (`from_hf(tensor, config)`, a tuple in the row's source order; `config` gives what the tensor does not record,
-    e.g. the number of heads, and may be None where nothing is needed)."""
+    """How one row's source arrays become the hf-vit tensor (`to_hf`) and back (`from_hf(tensor, config)`)."""
 
     to_hf: Callable[..., torch.Tensor]
     from_hf: Callable[[torch.Tensor, Any], tuple[torch.Tensor, ...]]
@@ -129,9 +148,9 @@ class Layout:
         config: VisionTransformerConfig | None = None,
         problems: Sequence[str] = (),
     ) -> dict[str, torch.Tensor]:
-        """`source` under hf-vit's names. With `config`, `source` must first pass `check_state_dict`; without it, only
-        arrays no row places and incomplete fused groups are reported. `problems` (the format's own findings) are
-        reported with them, in one `ConversionError`."""
+        """`source` under hf-vit's names. With `config`, checked first (`check_state_dict`); without it, only
+        unplaced arrays and incomplete fused groups are reported, with the format's own `problems`, in one
+        `ConversionError`."""
         if config is not None:
             check_state_dict(source, config, self, problems)
         groups: dict[tuple[int, tuple], dict[int, torch.Tensor]] = {}
@@ -161,15 +180,9 @@ class Layout:
         config: VisionTransformerConfig,
         problems: Sequence[str] = (),
     ) -> LazyStateDict:
-        """`to_hf` computed tensor by tensor as transformers' loading reads it: `source` holds safetensors slices
-        (or tensors), `shapes` the same arrays as meta tensors. Only one weight's source arrays are in memory at a
-        time.
-
-        What needs no model is checked now: arrays no row places, incomplete fused groups, arrays that are not
-        floating point, the format's own `problems` (any of them: the whole check, one report). The check against
-        `config`'s model, built on the meta device, is the result's `verify()`, for the caller to run when
-        transformers' loading reports a missing, unexpected or mismatched weight (built up front, that model was a
-        noticeable share of every load; measured: docs/benchmarks.md, "Measurements behind choices in the code")."""
+        """`to_hf` computed tensor by tensor as transformers' loading reads it (`source`: safetensors slices or
+        tensors, `shapes`: them as meta tensors). What needs no model is checked now; the check against `config`'s
+        model is the result's `verify()`, run when loading reports a problem (measured: docs/benchmarks.md)."""
         snapshot = copy.deepcopy(config)  # the caller may change `config` before it loads (a new head, labels)
 
         def verify() -> None:
@@ -216,8 +229,7 @@ class Layout:
 
 
 class LazyStateDict(dict):
-    """The weights of `Layout.to_hf_lazy`, with `verify()`: the check against the config's model, raising one
-    `ConversionError` that names every problem in the checkpoint's own names."""
+    """The weights of `Layout.to_hf_lazy`, with `verify()`: the check against the config's model."""
 
     def __init__(self, weights: Mapping[str, Any], verify: Callable[[], None]) -> None:
         super().__init__(weights)
@@ -225,8 +237,7 @@ class LazyStateDict(dict):
 
 
 class LazyTensor:
-    """A weight computed when transformers' loading reads it (`value[...]`, as it reads a safetensors slice): the
-    transform of a layout's row applied to its source arrays, read only then."""
+    """A weight computed from its row's source arrays when transformers' loading reads it (`value[...]`)."""
 
     def __init__(self, transform: Transform, parts: Sequence[Any]) -> None:
         self.transform, self.parts = transform, parts
@@ -234,10 +245,7 @@ class LazyTensor:
     @property
     def dtype(self) -> torch.dtype:
         """The weight's dtype, known without reading it (transformers' `dtype="auto"` asks): its parts', promoted."""
-        dtype = self.parts[0].dtype
-        for part in self.parts[1:]:
-            dtype = torch.promote_types(dtype, part.dtype)
-        return dtype
+        return functools.reduce(torch.promote_types, (part.dtype for part in self.parts))
 
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point
@@ -272,14 +280,9 @@ def check_state_dict(
     layout: Layout | None = None,
     problems: Sequence[str] = (),
 ) -> None:
-    """Raise one `ConversionError` unless `state_dict` holds exactly the floating-point arrays, with their shapes, of
-    `config`'s classification model (SimMIM's, for a state dict with its decoder), built on the meta device, so
-    nothing is allocated.
-
-    `state_dict` is in `layout`'s names (hf-vit's own without one), and so is every problem reported: arrays no row
-    places, arrays the model lacks or has no place for as configured, non-float arrays and shape mismatches. The
-    format's own `problems` come first in the same report.
-    """
+    """Raise one `ConversionError` unless `state_dict` (in `layout`'s names, hf-vit's without one) holds exactly the
+    floating-point arrays, with their shapes, of `config`'s model built on the meta device; the format's own
+    `problems` come first."""
     from transformers.initialization import no_init_weights
 
     with torch.device("meta"), no_init_weights():  # shapes only: nothing allocated, no initialiser run
@@ -298,8 +301,7 @@ def check_state_dict(
 
 
 def converted_model_class(state_dict: Mapping[str, Any], layout: Layout | None = None) -> type:
-    """The hf-vit class a state dict (in `layout`'s names) is of: SimMIM's where it holds the decoder (transformers'
-    `ViTForMaskedImageModeling`), else the classification model."""
+    """SimMIM's class for a state dict (in `layout`'s names) holding its decoder, else the classification model."""
     from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
     from ..model.modeling_vit import VisionTransformerForImageClassification
 
@@ -315,20 +317,15 @@ def converted_model_class(state_dict: Mapping[str, Any], layout: Layout | None =
 def resample_positions(
     source: Mapping[str, torch.Tensor], key: str, config: VisionTransformerConfig, mode: str, antialias: bool = False
 ) -> dict[str, torch.Tensor]:
-    """`source` with its position embeddings `source[key]` (a renamed, `(1, prefix + n*n, D)` array) resampled to
-    `config`'s grid (`mode`, `antialias`: as the source's own code resamples) when the checkpoint was trained at
-    another square grid; anything else is left for the check."""
+    """`source` with its positions `source[key]` resampled to `config`'s grid from another square one."""
     out = dict(source)
     pos, prefix = out.get(key), config.num_position_prefix_tokens
     if isinstance(pos, torch.Tensor) and pos.ndim == 3 and pos.shape[0] == 1 and pos.shape[2] == config.hidden_size:
         side = square_side(pos.shape[1] - prefix)
         if side and pos.shape[1] != prefix + config.num_patches:
-            grid = config.grid_size
+            grid = grid_for(config.image_size, config.patch_size)
             out[key] = resample_position_embeddings(pos, (side, side), grid, prefix, mode, antialias).contiguous()
     return out
-
-
-# --- Config inference helpers ----------------------------------------------------------------------------------------
 
 
 def square_side(n: int) -> int | None:
@@ -337,14 +334,32 @@ def square_side(n: int) -> int | None:
     return side if side and side * side == n else None
 
 
+def grid_mismatch(found: int, config: VisionTransformerConfig) -> list[str]:
+    """The problem of a position table of `found` patch positions that is not `config`'s grid (none when it is)."""
+    if found == config.num_patches:
+        return []
+    side, (rows, cols) = square_side(found), config.grid_size
+    hint = f": pass image_size={side * config.patch_size} for their own grid, or a size to resample to" if side else ""
+    return [
+        f"the position embeddings hold {found} positions, but config.json's image_size {config.image_size} "
+        f"with patch_size {config.patch_size} makes a {rows}x{cols} grid{hint}"
+    ]
+
+
 def count_blocks(keys: Iterable[str], pattern: re.Pattern, problems: list[str]) -> int:
-    """The number of Transformer blocks among `keys` (`pattern`'s first group is the index); gaps in 0..L-1 are added
-    to `problems`."""
+    """The number of blocks among `keys` (`pattern`'s first group is the index); gaps go to `problems`."""
     indices = sorted({int(m.group(1)) for key in keys if (m := pattern.match(key))})
     gaps = sorted(set(range(indices[-1] + 1)) - set(indices)) if indices else []
     if gaps:
         problems.append(f"the encoder blocks are not numbered 0..L-1: blocks {gaps} are missing")
     return len(indices)
+
+
+def set_label_names(config: VisionTransformerConfig, labels: Any) -> None:
+    """Name `config`'s classes after `labels` when it is a list of one name per class (of at least one)."""
+    if isinstance(labels, list) and len(labels) == config.num_labels and config.num_labels > 0:
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {name: i for i, name in enumerate(labels)}
 
 
 def load_preset(preset: str) -> VisionTransformerConfig:
@@ -356,8 +371,7 @@ def load_preset(preset: str) -> VisionTransformerConfig:
 
 
 def image_size_field(image_size: int | Sequence[int]) -> int | list[int]:
-    """`image_size` as a config field (an int for a square size, else `[height, width]`), errors as
-    `ConversionError`."""
+    """`image_size` as a config field, errors as `ConversionError`."""
     try:
         return config_image_size(image_size)
     except ValueError as error:
@@ -374,8 +388,7 @@ def preset_mismatches(fields: Mapping[str, object], preset_config: VisionTransfo
 
 
 def check_grid_size(config: VisionTransformerConfig, where: str | None = None) -> None:
-    """Refuse a patch grid `resolution.grid_for` refuses (beyond its bound of positions) before anything of
-    that size is allocated; `where` names the file the size came from."""
+    """Refuse a patch grid `grid_for` refuses before anything of that size is allocated (`where`: the file)."""
     try:
         grid_for(config.image_size, config.patch_size)
     except ValueError as error:
@@ -396,6 +409,17 @@ def build_config(
     return config
 
 
+def convert_checkpoint(
+    read: Callable[[], tuple], source: str | os.PathLike, output_dir, overwrite: bool, what: str, base_model
+):
+    """Check `output_dir` before any loading, then write `read()`'s `(config, state_dict, processor)` there."""
+    check_output_dir(output_dir, overwrite, [source])
+    config, state_dict, processor = read()
+    return save_converted_model(
+        config, state_dict, processor, output_dir, overwrite, source=source, source_format=what, base_model=base_model
+    )
+
+
 def save_converted_model(
     config: VisionTransformerConfig,
     state_dict: Mapping[str, torch.Tensor],
@@ -407,14 +431,9 @@ def save_converted_model(
     source_format: str = "another layout",
     base_model: str | None = None,
 ):
-    """Build the classification model of `config` (SimMIM's, for a state dict with its decoder), load `state_dict`
-    into it (exact keys and shapes, else `ConversionError`), and write it with `processor` and a model card to
-    `output_dir` only if all of that succeeded.
-    Returns the model, in eval mode.
-
-    `source` is the converted file or folder: the output may not overlap it, and its plain name is the card's base
-    model unless `base_model` (e.g. its Hub id) is given.
-    """
+    """Build `config`'s model (SimMIM's with a decoder), load `state_dict` strictly and write it with `processor`
+    and a card to `output_dir` only if all of that succeeded; returns the model in eval mode. The output may not
+    overlap `source`, whose name is the card's base model unless `base_model` is given."""
     inputs = [source] if source is not None else []
     target = check_output_dir(output_dir, overwrite, inputs)  # fail before building anything
     check_state_dict(state_dict, config)

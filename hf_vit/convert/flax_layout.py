@@ -1,16 +1,22 @@
-"""The array transforms of the Flax checkpoints (the authors' vit_jax and big_vision): Flax kernels are (in, out)
-and split by attention head; hf-vit's are torch's (out, in) with the heads flattened. Both `.npz` tables use them,
-and the rows of the norms, attention and MLP blocks they share, and one reading of an array's shape."""
+"""What the Flax `.npz` layouts (the authors' vit_jax and big_vision) share: the array transforms, the rows of the
+norms, attention and MLP blocks, and the sizes read from the arrays' shapes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
-from .common import ConversionError, Transform
+from .common import ConversionError, Transform, count_blocks, image_size_field, square_side
+
+BLOCK_KEY = re.compile(r"^Transformer/encoderblock_(\d+)/")
+SCAN_ERROR = (
+    "The Transformer blocks are stacked into one 'Transformer/encoderblock/...' set of arrays (big_vision "
+    "with scan=True); this layout is not supported. Unstack them into 'Transformer/encoderblock_<i>/'."
+)
 
 
 def _heads(config: VisionTransformerConfig | None) -> int:
@@ -41,8 +47,7 @@ def norm_rows(source: str, target: str) -> list[tuple]:
 
 
 def attention_rows(source: str, qkv: str, out: str) -> list[tuple]:
-    """Flax attention's query, key and value (split by head) <-> the fused projection `qkv` (`weight`, `bias`
-    appended), and its output projection <-> `out`."""
+    """Flax attention's query, key, value <-> the fused `qkv`, and its `out` projection <-> `out`."""
     parts = [tuple(f"{source}{part}/{name}" for part in ("query", "key", "value")) for name in ("kernel", "bias")]
     return [
         (parts[0], qkv + "weight", QKV_KERNEL),
@@ -75,6 +80,55 @@ def array_shape(source: Mapping[str, np.ndarray], key: str, ndim: int, problems:
         problems.append(f"{key} should have {ndim} dimensions, got {got}")
         return None
     return tuple(value.shape)
+
+
+def read_sizes(
+    source: Mapping[str, np.ndarray],
+    attention: str,
+    mlp: str,
+    problems: list[str],
+    stem: Callable[[tuple[int, ...] | None], dict] | None = None,
+) -> dict:
+    """The sizes of a Flax ViT from its arrays' shapes: width, patch size and channels from `embedding/kernel`
+    (`stem(kernel)` adds a hybrid's), depth from the blocks, heads from the first block's `attention` query kernel,
+    the MLP from `mlp`'s `Dense_0`, the representation size from `pre_logits`, the classes from `head` (0 without)."""
+    fields: dict = {}
+    kernel = array_shape(source, "embedding/kernel", 4, problems)
+    if kernel is not None:
+        if kernel[0] != kernel[1]:
+            problems.append(f"embedding/kernel {kernel}: non-square {kernel[0]}x{kernel[1]} patches are not supported")
+        fields.update(patch_size=kernel[0], num_channels=kernel[2], hidden_size=kernel[3])
+    if stem is not None:
+        fields.update(stem(kernel))
+    fields["num_hidden_layers"] = count_blocks(source, BLOCK_KEY, problems)
+    if (query := array_shape(source, attention + "query/kernel", 3, problems)) is not None:
+        fields["num_attention_heads"] = query[1]
+    if (dense := array_shape(source, mlp + "Dense_0/kernel", 2, problems)) is not None:
+        fields["intermediate_size"] = dense[1]
+    fields["qkv_bias"] = attention + "query/bias" in source
+    pre_logits = array_shape(source, "pre_logits/kernel", 2, problems) if "pre_logits/kernel" in source else None
+    fields["representation_size"] = pre_logits[1] if pre_logits else None
+    head = array_shape(source, "head/kernel", 2, problems) if "head/kernel" in source else None
+    fields["num_labels"] = head[1] if head else 0
+    return fields
+
+
+def read_image_size(
+    source: Mapping[str, np.ndarray],
+    pos_key: str,
+    fields: dict,
+    image_size: int | Sequence[int] | None,
+    problems: list[str],
+) -> None:
+    """`fields["image_size"]`: `image_size` when given, else the square position grid times the patch size."""
+    if image_size is not None:
+        fields["image_size"] = image_size_field(image_size)
+    elif (pos := array_shape(source, pos_key, 3, problems)) is not None and "patch_size" in fields:
+        patches = pos[1] - int("cls" in source)
+        if side := square_side(patches):
+            fields["image_size"] = side * fields["patch_size"]
+        else:
+            problems.append(f"{pos_key} {pos}: {patches} patch positions are not a square grid; pass image_size")
 
 
 def _tensor(value):

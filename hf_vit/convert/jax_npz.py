@@ -1,55 +1,15 @@
 """The authors' JAX/Flax `.npz` checkpoints (google-research/vision_transformer, AugReg, big_vision) <-> hf-vit.
 
-The files hold one flat array per Flax parameter, named by its path in the parameter tree (`checkpoint.py` writes
-them with `np.savez`):
+The files hold one flat array per Flax parameter, named by its path in the parameter tree (`JAX_LAYOUT` lists them;
+kernels are HWIO or (in, out), attention's split by head); hybrids add their ResNet stem (`conv_root`, `gn_root`,
+`block{s}/unit{u}/...`). Also accepted: an `opt/target/` prefix (the optimizer state under `opt/` is skipped), and
+big_vision's names (`params/`, `MultiHeadDotProductAttention_0`, `MAPHead_0`, ...), read by `big_vision_npz.py`.
+The transforms only permute, reshape and concatenate, so a round trip is bitwise exact.
 
-    embedding/kernel                                          (P, P, C, D)   HWIO convolution
-    embedding/bias                                            (D,)
-    cls                                                       (1, 1, D)      only with classifier "token"
-    Transformer/posembed_input/pos_embedding                  (1, [1 +] N, D)
-    Transformer/encoderblock_{i}/LayerNorm_0/{scale,bias}     (D,)
-    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/{query,key,value}/kernel   (D, heads, D / heads)
-    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/{query,key,value}/bias     (heads, D / heads)
-    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/out/kernel                 (heads, D / heads, D)
-    Transformer/encoderblock_{i}/MultiHeadDotProductAttention_1/out/bias                   (D,)
-    Transformer/encoderblock_{i}/LayerNorm_2/{scale,bias}     (D,)
-    Transformer/encoderblock_{i}/MlpBlock_3/Dense_0/{kernel,bias}   (D, M), (M,)
-    Transformer/encoderblock_{i}/MlpBlock_3/Dense_1/{kernel,bias}   (M, D), (D,)
-    Transformer/encoder_norm/{scale,bias}                     (D,)
-    pre_logits/{kernel,bias}                                  (D, R), (R,)   only with a representation layer
-    head/{kernel,bias}                                        (D or R, K), (K,)
-
-Hybrids (R50+ViT-B/16, R26+ViT-S/32, ...) add their ResNet stem at the top level, and their `embedding/kernel` reads
-its feature map (P is then 1 or 2, in feature-map pixels):
-
-    conv_root/kernel                                          (7, 7, C, W)   HWIO, weight-standardised at run time
-    gn_root/{scale,bias}                                      (W,)
-    block{s}/unit{u}/conv{1,2,3}/kernel, conv_proj/kernel     HWIO (1x1, 3x3, 1x1; projection 1x1), s and u from 1
-    block{s}/unit{u}/gn{1,2,3}/{scale,bias}, gn_proj/{scale,bias}
-
-This is the layout of the paper's release (ViT-B/16, B/32, L/16, L/32, H/14; ImageNet-21k and fine-tuned) and of the
-AugReg release ("How to train your ViT?", Ti/S/B/L), both written by `vit_jax`. Also accepted:
-
-* an `opt/target/` prefix (checkpoints saved with their optimizer; the optimizer state under `opt/` is skipped);
-* big_vision's names (`params/` prefix, `MultiHeadDotProductAttention_0`, `LayerNorm_1`, `MlpBlock_0`, the position
-  embedding at the top level as `pos_embedding`, `MAPHead_0`), FlexiViT's among them: recognised by those names and
-  read with a table of their own (`big_vision_npz.py`).
-
-`JAX_LAYOUT` maps these names to hf-vit's; its transforms only permute, reshape and concatenate, so a round trip
-(`npz_to_hf_vit_state_dict`, `hf_vit_to_npz_arrays`) is bitwise exact; `hf_vit_to_npz_arrays` always writes the
-`vit_jax` layout above.
-
-Two choices to know about:
-
-* GELU. The Flax code calls `flax.linen.gelu`, i.e. `jax.nn.gelu` with its default `approximate=True` (the tanh
-  approximation), so a converted `.npz` uses `hidden_act="gelu_pytorch_tanh"` and computes what the authors' code
-  computes. transformers' and timm's ports of these checkpoints use the exact erf form; the two differ by at most 5e-4
-  per activation. Pass `hidden_act="gelu"` for that.
-* Resolution. With an `image_size` other than the checkpoint's, the position embeddings are resampled at load as the
-  authors' `load_pretrained` does. They use `scipy.ndimage.zoom(order=1)` (bilinear through the grid corners, like
-  `align_corners=True`); this uses `hf_vit.model.resolution.resample_position_embeddings` with `mode="bilinear"`
-  (`align_corners=False`, what timm uses for these files), the closest mode it offers. Values differ slightly from
-  scipy's away from the corners; both are then fine-tuned in practice.
+* GELU: Flax's `gelu` is the tanh approximation, so a converted `.npz` uses `hidden_act="gelu_pytorch_tanh"`;
+  transformers' and timm's ports use the exact erf form (at most 5e-4 apart): pass `hidden_act="gelu"` for that.
+* Resolution: at another `image_size` the position embeddings are resampled with `mode="bilinear"`
+  (`align_corners=False`, as timm does), the closest to the authors' `scipy.ndimage.zoom(order=1)`.
 """
 
 from __future__ import annotations
@@ -59,6 +19,7 @@ import re
 import zipfile
 import zlib
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -69,17 +30,27 @@ from .common import (
     ConversionError,
     Layout,
     build_config,
-    check_output_dir,
     check_state_dict,
-    count_blocks,
-    image_size_field,
+    convert_checkpoint,
     load_preset,
     preset_mismatches,
     resample_positions,
-    save_converted_model,
+    set_label_names,
     square_side,
 )
-from .flax_layout import CONV, DENSE, _tensor, array_shape, attention_rows, mlp_rows, norm_rows
+from .flax_layout import (
+    BLOCK_KEY,
+    CONV,
+    DENSE,
+    SCAN_ERROR,
+    _tensor,
+    array_shape,
+    attention_rows,
+    mlp_rows,
+    norm_rows,
+    read_image_size,
+    read_sizes,
+)
 
 POS_KEY = "Transformer/posembed_input/pos_embedding"
 
@@ -117,7 +88,6 @@ JAX_LAYOUT = Layout(
     ],
 )
 
-_BLOCK_KEY = re.compile(r"^Transformer/encoderblock_(\d+)/")
 # The paper's defaults for what the arrays do not say.
 PAPER_DEFAULTS = {"layer_norm_eps": 1e-6, "hidden_act": "gelu", "hidden_dropout_prob": 0.0}
 # Hints for arrays of other models, shown when they are found.
@@ -146,9 +116,7 @@ def _not_a_vit(keys: Sequence[str]) -> ConversionError:
 
 
 def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`arrays` under the `vit_jax` names of the module docstring: prefixes stripped, and a zero class position added
-    where the class token has none (big_vision's names have a table of their own: `big_vision_npz.py`). Raises
-    `ConversionError` for non-ViT checkpoints."""
+    """`arrays` under the `vit_jax` names, a zero class position added where needed; non-ViTs refused."""
     prefix = next((p for p in ("", "opt/target/", "params/") if f"{p}embedding/kernel" in arrays), None)
     if prefix is None:
         raise _not_a_vit(list(arrays))
@@ -158,12 +126,9 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             out[key[len(prefix) :]] = value
         elif not key.startswith("opt/"):  # under a prefix, opt/ holds the optimizer state: not weights
             out[key] = value
-    if not any(_BLOCK_KEY.match(k) for k in out):
+    if not any(BLOCK_KEY.match(k) for k in out):
         if any(k.startswith("Transformer/encoderblock/") for k in out):
-            raise ConversionError(
-                "The Transformer blocks are stacked into one 'Transformer/encoderblock/...' set of arrays (big_vision "
-                "with scan=True); this layout is not supported. Unstack them into 'Transformer/encoderblock_<i>/'."
-            )
+            raise ConversionError(SCAN_ERROR)
         raise _not_a_vit(list(arrays))
     for old in ("pos_embedding", "Transformer/pos_embedding"):  # big_vision, and its pre-2022 place
         if old in out and POS_KEY not in out:
@@ -179,13 +144,9 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 def npz_to_hf_vit_state_dict(
     arrays: Mapping[str, np.ndarray], config: VisionTransformerConfig, resize_mode: str = "bilinear"
 ) -> dict[str, torch.Tensor]:
-    """Map the arrays of an authors' `.npz` checkpoint to the state dict of a `VisionTransformerForImageClassification`
-    built from `config`.
-
-    Every array must find its place and every weight must be found, with the shape `config` implies; otherwise a
-    `ConversionError` lists all the problems at once. When `config`'s patch grid differs from the checkpoint's (square)
-    grid, the position embeddings are resampled in 2D (`resize_mode`, see the module docstring).
-    """
+    """The arrays of an authors' `.npz` checkpoint as the state dict of `config`'s classification model (every
+    array placed, every weight found with its shape, else one `ConversionError`); the position grid resampled to
+    `config`'s with `resize_mode`."""
     from .big_vision_npz import big_vision_to_hf_vit_state_dict, is_big_vision
 
     if is_big_vision(arrays):
@@ -200,16 +161,14 @@ def npz_to_hf_vit_state_dict(
 def hf_vit_to_npz_arrays(
     state_dict: Mapping[str, torch.Tensor], config: VisionTransformerConfig
 ) -> dict[str, np.ndarray]:
-    """The inverse of `npz_to_hf_vit_state_dict` (at the checkpoint's own resolution): an hf-vit classification state
-    dict as the arrays of a `vit_jax` `.npz` file (save them with `np.savez(path, **arrays)`)."""
+    """The inverse of `npz_to_hf_vit_state_dict`: the arrays of a `vit_jax` `.npz` file."""
     check_state_dict(state_dict, config)
     arrays = JAX_LAYOUT.from_hf({k: v.detach().cpu() for k, v in state_dict.items()}, config)
     return {k: (v.float() if v.dtype == torch.bfloat16 else v).numpy() for k, v in arrays.items()}
 
 
 def _hybrid_fields(source: Mapping[str, np.ndarray], kernel: tuple[int, ...] | None, problems: list[str]) -> dict:
-    """A hybrid's ResNet stem: its stage depths from the `block{s}/unit{u}` names, channels and width from
-    `conv_root/kernel`, and the patch size in input pixels (the embedding's times the stem's stride)."""
+    """A hybrid's stem sizes: stage depths, channels, width, and the patch size in input pixels."""
     root = array_shape(source, "conv_root/kernel", 4, problems)
     units: dict[int, set[int]] = {}
     for key in source:
@@ -238,65 +197,20 @@ def infer_config_from_npz(
     image_size: int | Sequence[int] | None = None,
     hidden_act: str = "gelu_pytorch_tanh",
 ) -> VisionTransformerConfig:
-    """The hf-vit config of an `.npz` checkpoint, read from its array shapes.
-
-    Width, patch size and channels come from `embedding/kernel` (for a hybrid, the channels and the stem's width
-    from `conv_root/kernel`, its stage depths from the `block{s}/unit{u}` names, and the patch size in input pixels
-    is the embedding's times the stem's stride), depth from the `encoderblock_<i>` count, heads from
-    the query kernel's middle dimension, the MLP size from `Dense_0`, the classifier from the presence of `cls`
-    ("token") or not ("gap"), the representation size from `pre_logits`, the number of labels from `head` (0 without
-    one) and the image size from the position-embedding grid, unless `image_size` is given (the position embeddings
-    are then resampled at load). The rest comes from `preset` when given (its sizes must match the arrays; its
-    resolution is not used) or the paper's defaults (LayerNorm epsilon 1e-6, no dropout).
-    """
+    """The hf-vit config of an `.npz` checkpoint, read from its array shapes (`flax_layout.read_sizes`; a hybrid's
+    stem from `conv_root` and the `block{s}/unit{u}` names), the classifier "token" with `cls` else "gap", the image
+    size from the position grid unless `image_size` is given. The rest comes from `preset` (its sizes must match the
+    arrays; its resolution is not used) or the paper's defaults."""
     from .big_vision_npz import infer_config_from_big_vision, is_big_vision
 
     if is_big_vision(arrays):
         return infer_config_from_big_vision(arrays, preset, image_size, hidden_act)
     source = canonical_arrays(arrays)
     problems = []
-
-    def shape_of(key: str, ndim: int) -> tuple[int, ...] | None:
-        return array_shape(source, key, ndim, problems)
-
-    fields = {}
-    kernel = shape_of("embedding/kernel", 4)
-    if kernel is not None:
-        if kernel[0] != kernel[1]:
-            problems.append(f"embedding/kernel {kernel}: non-square {kernel[0]}x{kernel[1]} patches are not supported")
-        fields.update(patch_size=kernel[0], num_channels=kernel[2], hidden_size=kernel[3])
-    if "conv_root/kernel" in source:  # a hybrid: the embedding reads the ResNet stem's feature map
-        fields.update(_hybrid_fields(source, kernel, problems))
-    fields["num_hidden_layers"] = count_blocks(source, _BLOCK_KEY, problems)
-    attention, mlp = _ATTN.format(i=0), _MLP.format(i=0)
-    query = shape_of(attention + "query/kernel", 3)
-    if query is not None:
-        fields["num_attention_heads"] = query[1]
-    dense = shape_of(mlp + "Dense_0/kernel", 2)
-    if dense is not None:
-        fields["intermediate_size"] = dense[1]
-    fields["qkv_bias"] = attention + "query/bias" in source
+    hybrid = (lambda kernel: _hybrid_fields(source, kernel, problems)) if "conv_root/kernel" in source else None
+    fields = read_sizes(source, _ATTN.format(i=0), _MLP.format(i=0), problems, hybrid)
     fields["classifier"] = "token" if "cls" in source else "gap"
-    fields["representation_size"] = None
-    if "pre_logits/kernel" in source:
-        pre_logits = shape_of("pre_logits/kernel", 2)
-        fields["representation_size"] = pre_logits[1] if pre_logits else None
-    fields["num_labels"] = 0
-    if "head/kernel" in source:
-        head = shape_of("head/kernel", 2)
-        fields["num_labels"] = head[1] if head else 0
-
-    if image_size is None:
-        pos = shape_of(POS_KEY, 3)
-        if pos is not None and kernel is not None:
-            patches = pos[1] - (1 if fields["classifier"] == "token" else 0)
-            if side := square_side(patches):
-                fields["image_size"] = side * fields["patch_size"]
-            else:
-                problems.append(f"{POS_KEY} {pos}: {patches} patch positions are not a square grid; pass image_size")
-    else:
-        fields["image_size"] = image_size_field(image_size)
-
+    read_image_size(source, POS_KEY, fields, image_size, problems)
     base = dict(PAPER_DEFAULTS, hidden_act=hidden_act)
     if preset is not None:
         preset_config = load_preset(preset)
@@ -357,12 +271,7 @@ def read_jax_checkpoint(
     hidden_act: str = "gelu_pytorch_tanh",
     resize_mode: str = "bilinear",
 ):
-    """`(config, state_dict, processor)` of an authors' `.npz` checkpoint, without writing: the processor resizes to
-    the model's size and normalises with mean = std = 0.5 (the authors' [-1, 1] inputs).
-
-    `hidden_act` defaults to the tanh approximation of GELU, `flax.linen.gelu`'s default, so the model computes what
-    the authors' code computes; "gelu" gives the exact GELU that transformers' and timm's ports use.
-    """
+    """`(config, state_dict, processor)` of an authors' `.npz` checkpoint (mean = std = 0.5)."""
     from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     arrays = load_npz(input_path)
@@ -371,8 +280,7 @@ def read_jax_checkpoint(
         labels = list(labels)
         if len(labels) != config.num_labels:
             raise ConversionError(f"{len(labels)} labels given for a head of {config.num_labels} classes.")
-        config.id2label = dict(enumerate(labels))
-        config.label2id = {name: i for i, name in enumerate(labels)}
+        set_label_names(config, labels)
     state_dict = npz_to_hf_vit_state_dict(arrays, config, resize_mode=resize_mode)
     height, width = config.image_hw
     half = [0.5] * config.num_channels
@@ -393,17 +301,8 @@ def convert_jax_checkpoint(
     resize_mode: str = "bilinear",
     base_model: str | None = None,
 ):
-    """Convert an authors' `.npz` checkpoint into a complete hf-vit folder (see `read_jax_checkpoint`): weights
-    (safetensors), config, code, processor and card.
-
-    `labels` names the classes in order (default "LABEL_<i>"). The folder's model card names `base_model` (default:
-    the file's name) as its origin. Returns the converted model; nothing is written unless everything succeeded.
-    """
-    check_output_dir(output_dir, overwrite, [input_path])  # before any loading
-    config, state_dict, processor = read_jax_checkpoint(
-        input_path, preset, image_size, labels, hidden_act, resize_mode
-    )
-    return save_converted_model(
-        config, state_dict, processor, output_dir, overwrite,
-        source=input_path, source_format="the authors' JAX .npz layout", base_model=base_model,
-    )  # fmt: skip
+    """Convert an authors' `.npz` checkpoint into a complete hf-vit folder (see `read_jax_checkpoint`); `labels`
+    names the classes in order, the card names `base_model` (default: the file's name). Returns the model; nothing is
+    written unless everything succeeded."""
+    read = partial(read_jax_checkpoint, input_path, preset, image_size, labels, hidden_act, resize_mode)
+    return convert_checkpoint(read, input_path, output_dir, overwrite, "the authors' JAX .npz layout", base_model)

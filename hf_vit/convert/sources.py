@@ -1,22 +1,11 @@
-"""The checkpoints users already have, loaded as they are: transformers' ViT and timm's ViT, as Hub ids or folders,
-the family that followed (DINOv2, DeiT, the vision towers of CLIP and SigLIP, `transformers_families.py`) and the
-authors' `.npz` files. Registered with the core's `loading` when `hf_vit` is imported, so `from_pretrained` of
-the hf-vit classes converts them on load with the same tables the folder converters use.
+"""The checkpoints users already have, loaded as they are: transformers' and timm's ViTs (Hub ids or folders), the
+families of `transformers_families.py` and the authors' `.npz` files. Registered with the core's `loading` on
+`import hf_vit`, so `from_pretrained` of the hf-vit classes converts them on load, with the converters' tables.
 
-A source is recognised by its `config.json`: `model_type` "hf_vit" (nothing to convert), "vit" (transformers'
-layout), a family's model type (`FAMILIES`: "dinov2", "deit", "clip", "siglip_vision_model", ...), or timm's Hub
-layout (`architecture` with `pretrained_cfg` or `num_classes`; a "naflexvit..." architecture is timm's NaFlexViT,
-`timm_naflex.py`); a path ending in `.npz` (any
-case) is the authors' layout. Hub ids resolve through huggingface_hub's cache, so `HF_HUB_OFFLINE=1` works on cached
-repositories.
-
-Conversion happens in memory: the foreign config becomes an hf-vit config, the weights are read (memory-mapped from
-safetensors), renamed and fused, and handed to transformers' own `from_pretrained(None, config=..., state_dict=...)`,
-so `dtype` (with "auto": the source's), `device_map` and the attention arguments work as for any folder. No model is
-initialised at random and nothing is written. A config-only load reads the source's config (and the names and shapes
-in a safetensors header for timm, whose config does not describe the architecture); a processor-only load reads the
-config and processor files.
-"""
+A source is recognised by its `config.json` (`layout_of`) or an `.npz` suffix. Conversion happens in memory: the
+config becomes an hf-vit config, the weights (memory-mapped) are renamed and fused and handed to transformers'
+`from_pretrained(None, config=..., state_dict=...)`, so `dtype`, `device_map` and attention arguments work as for
+any folder; nothing is initialised at random or written."""
 
 from __future__ import annotations
 
@@ -32,7 +21,7 @@ import torch
 
 from ..hub_access import HubLookupError, hub_file
 from ..model.configuration_vit import VisionTransformerConfig
-from .common import ConversionError, check_grid_size, image_size_field
+from .common import SAFETENSORS_DTYPES, ConversionError, check_grid_size, image_size_field, read_safetensors
 from .transformers_families import FAMILIES
 
 logger = logging.getLogger(__name__)
@@ -49,16 +38,10 @@ DESCRIPTIONS = {
     "timm_naflex": "timm's NaFlexViT layout",
     **{model_type: family.name for model_type, family in FAMILIES.items()},
 }
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
 
 
 def layout_of(config: dict) -> str | None:
-    """ "hf_vit", "transformers", a family's model type, "timm" or "timm_naflex" for a `config.json`'s contents; None
-    when it is none of them."""
+    """The layout a `config.json`'s contents name (see `DESCRIPTIONS`), "hf_vit", or None."""
     model_type = config.get("model_type")
     if model_type == "hf_vit":
         return "hf_vit"
@@ -76,8 +59,7 @@ def is_npz(source: str | os.PathLike) -> bool:
 
 
 def _fetch(source: str, filename: str, hub: dict[str, Any], required: bool = True) -> Path | None:
-    """`filename` of the folder or Hub repository `source`, downloaded into (or found in) the Hub cache. A Hub
-    repository that can be neither reached nor found in the cache fails at once (`hf_vit.hub_access`)."""
+    """`filename` of the folder or Hub repository `source` (a Hub that cannot be reached fails at once)."""
     folder = Path(source).expanduser()
     if folder.is_dir():
         path = folder / filename
@@ -108,36 +90,6 @@ def _safetensors_files(source: str, hub: dict[str, Any]) -> list[Path] | None:
     return [_fetch(source, shard, hub) for shard in shards]
 
 
-def _header(files: list[Path]) -> dict[str, torch.Tensor]:
-    """The arrays of safetensors `files` as meta tensors: names, shapes and dtypes, read from the headers only."""
-    from safetensors import SafetensorError, safe_open
-
-    out = {}
-    for path in files:
-        try:
-            with safe_open(path, framework="pt") as handle:
-                for key in handle.keys():
-                    part = handle.get_slice(key)
-                    dtype = _SAFETENSORS_DTYPES.get(part.get_dtype(), torch.uint8)
-                    out[key] = torch.empty(part.get_shape(), dtype=dtype, device="meta")
-        except SafetensorError as error:
-            raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
-    return out
-
-
-def _read(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    out = {}
-    for path in files:
-        try:
-            out.update(load_file(path))
-        except SafetensorError as error:
-            raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
-    return out
-
-
 def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
     """Where each array's bytes lie in a safetensors file: `(start, end)` from the file's beginning."""
     with open(path, "rb") as handle:
@@ -151,10 +103,7 @@ def _data_offsets(path: Path) -> dict[str, tuple[int, int]]:
 
 
 class FilePart:
-    """One array of a safetensors file: `part[...]` maps it from the file (as transformers' loading reads weights
-    that load as they are); `read_into(out)` and `read()` copy it into memory through a mapping of its own bytes that
-    is closed at once, for arrays that are only the sources of a fused weight (so their pages do not stay mapped
-    beside the fused copy)."""
+    """One array of a safetensors file: mapped by `part[...]`, copied by `read_into(out)` and `read()`."""
 
     def __init__(self, path: Path, part: Any, start: int, end: int) -> None:
         self.path, self.part, self.start, self.end = path, part, start, end
@@ -168,12 +117,10 @@ class FilePart:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _SAFETENSORS_DTYPES[self.part.get_dtype()]
+        return SAFETENSORS_DTYPES[self.part.get_dtype()]
 
     def read_into(self, out: torch.Tensor) -> None:
-        """Copy the array's bytes into `out` (contiguous, of its shape and dtype), from a short-lived mapping:
-        faster than a `readinto` of the same bytes (measured: docs/benchmarks.md, "Measurements behind choices in
-        the code")."""
+        """Copy the array's bytes into `out` from a short-lived mapping (faster: docs/benchmarks.md)."""
         if tuple(out.shape) != self.shape or out.dtype != self.dtype or not out.is_contiguous():
             raise ValueError(f"{self.path}: cannot read an array of {self.shape} {self.dtype} into {tuple(out.shape)}")
         if self.end == self.start:
@@ -223,8 +170,7 @@ class ForeignCheckpoint:
         )
 
     def _slices(self, files: list[Path]) -> dict[str, Any]:
-        """The arrays of safetensors `files` as slices, read (memory-mapped) only when transformers' loading indexes
-        them; the files stay open until `load_model` returns."""
+        """The arrays of safetensors `files` as slices, memory-mapped only when loading indexes them."""
         from safetensors import safe_open
 
         out = {}
@@ -240,26 +186,24 @@ class ForeignCheckpoint:
 
         files = self._weight_files()
         if files[0].suffix == ".safetensors":
-            return _header(files) if header_only else _read(files)
+            return read_safetensors(files, header_only)
         return load_timm_state_dict(files[0])
 
     def convert(self, options: dict[str, Any], weights: bool = True):
-        """`(config, state_dict or None, processor or None)` in hf-vit's terms; `options` are the conversion
-        arguments (`CONVERSION_ARGUMENTS`) the caller gave. Errors name the source."""
+        """`(config, state_dict or None, processor or None)` in hf-vit's terms; errors name the source."""
         image_size, hidden_act = options.get("image_size"), options.get("hidden_act")
         try:
             if self.layout == "jax":
                 from .jax_npz import read_jax_checkpoint
 
-                config, state_dict, processor = read_jax_checkpoint(
+                return read_jax_checkpoint(
                     self.source, image_size=image_size, hidden_act=hidden_act or "gelu_pytorch_tanh"
                 )
-                return config, state_dict, processor
             if self.layout == "transformers":
                 from .transformers_vit import transformers_config, transformers_state_dict
 
                 files = self._weight_files()
-                shapes = _header(files)
+                shapes = read_safetensors(files)
                 config = transformers_config(self.folder, shapes)
                 state_dict = None
                 if image_size is not None:
@@ -270,12 +214,13 @@ class ForeignCheckpoint:
                         self._slices(files), config, shapes, resample=image_size is not None
                     )
             elif self.layout in FAMILIES:
-                from .transformers_families import family_config, family_state_dict, read_config_json
+                from .transformers_families import family_config, family_state_dict
+                from .transformers_vit import read_json
 
-                config_json = read_config_json(self.folder)
+                config_json = read_json(self.folder / "config.json")
                 family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
                 files = self._weight_files()
-                shapes = _header(files)
+                shapes = read_safetensors(files)
                 size = image_size_field(image_size) if image_size is not None else None
                 config = family_config(config_json, shapes, size)
                 state_dict = None
@@ -283,23 +228,18 @@ class ForeignCheckpoint:
                     state_dict = family_state_dict(
                         self.layout, config, self._slices(files), shapes, resample=image_size is not None
                     )
-            elif self.layout == "timm_naflex":
+            else:  # timm's ViT or NaFlexViT
                 from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
-                from .timm_vit import read_timm_config
-
-                settings = read_timm_config(self.folder) or {}
-                arrays = self._timm_arrays(header_only=not weights)
-                config = naflex_config(arrays, settings, image_size, options.get("num_attention_heads"))
-                state_dict = naflex_to_hf_vit_state_dict(arrays, settings, config) if weights else None
-            else:
                 from .timm_vit import read_timm_config, timm_config, timm_to_hf_vit_state_dict
 
-                settings = read_timm_config(self.folder)
+                settings, heads = read_timm_config(self.folder) or {}, options.get("num_attention_heads")
                 arrays = self._timm_arrays(header_only=not weights)
-                config = timm_config(
-                    arrays, settings, image_size=image_size, num_attention_heads=options.get("num_attention_heads")
-                )
-                state_dict = timm_to_hf_vit_state_dict(arrays, config) if weights else None
+                if self.layout == "timm_naflex":
+                    config = naflex_config(arrays, settings, image_size, heads)
+                    state_dict = naflex_to_hf_vit_state_dict(arrays, settings, config) if weights else None
+                else:
+                    config = timm_config(arrays, settings, image_size=image_size, num_attention_heads=heads)
+                    state_dict = timm_to_hf_vit_state_dict(arrays, config) if weights else None
         except ConversionError as error:
             raise self._fail(error) from error
         if hidden_act is not None:
@@ -321,39 +261,34 @@ class ForeignCheckpoint:
                 image_hw = transformers_config_to_hf_vit(read_json(self.folder / "config.json")).image_hw
                 return transformers_processor(self.folder, image_hw)
             if self.layout in FAMILIES:
-                from .transformers_families import family_processor, read_config_json
+                from .transformers_families import family_processor
+                from .transformers_vit import read_json
 
-                return family_processor(self.folder, read_config_json(self.folder), _header(self._weight_files()))
-            if self.layout == "timm":
+                config_json = read_json(self.folder / "config.json")
+                return family_processor(self.folder, config_json, read_safetensors(self._weight_files()))
+            if self.layout in ("timm", "timm_naflex"):
+                from .timm_naflex import naflex_config
                 from .timm_vit import read_timm_config, timm_config, timm_processor
 
-                settings = read_timm_config(self.folder)
+                settings = read_timm_config(self.folder) or {}
                 # The processor takes the image size and normalisation only: the heads, which a timm state dict does
                 # not record (and the model loading asks for), play no part in it.
-                config = timm_config(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
-                return timm_processor(config, settings)
-            if self.layout == "timm_naflex":
-                from .timm_naflex import naflex_config
-                from .timm_vit import read_timm_config, timm_processor
-
-                settings = read_timm_config(self.folder) or {}
-                config = naflex_config(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
+                read = naflex_config if self.layout == "timm_naflex" else timm_config
+                config = read(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
                 return timm_processor(config, settings)
         except ConversionError as error:
             raise self._fail(error) from error
         return self.convert({})[2]
 
     def _verify(self, state_dict: Any) -> None:
-        """Raise the report of what in the checkpoint does not fit the model, when the weights were read lazily and
-        something does (`LazyStateDict.verify`)."""
+        """Raise the report of what does not fit the model, for weights read lazily (`LazyStateDict.verify`)."""
         try:
             getattr(state_dict, "verify", lambda: None)()
         except ConversionError as error:
             raise self._fail(error) from error
 
     def load_model(self, load: Any, args: tuple, kwargs: dict[str, Any]):
-        """The converted model, as transformers' `load(None, *args, config=..., state_dict=..., **kwargs)` (the
-        classes' own `from_pretrained`) builds it from the converted weights; returns what `load` returns."""
+        """The converted model, built by transformers' `load(None, ..., config=..., state_dict=...)`."""
         kwargs = dict(kwargs)
         options = {name: kwargs.pop(name) for name in CONVERSION_ARGUMENTS if name in kwargs}
         for name in HUB_ARGUMENTS:
@@ -388,9 +323,7 @@ class ForeignCheckpoint:
 
 
 def read_source(source: str, kwargs: dict[str, Any]) -> ForeignCheckpoint | None:
-    """The reader registered with the core's `loading`: a `ForeignCheckpoint` for an `.npz` path or a folder or Hub id
-    whose `config.json` is transformers' or timm's; None for anything else (hf-vit checkpoints, unreadable sources:
-    transformers' loading reports those)."""
+    """The core's loading hook: a `ForeignCheckpoint` for a foreign source, None for anything else."""
     hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}
     if is_npz(source):
         return ForeignCheckpoint(source, "jax", hub)

@@ -82,8 +82,7 @@ def _timm_problems(state_dict: Mapping[str, torch.Tensor]) -> tuple[list[str], s
 
 
 def timm_block_fields(arrays: Mapping[str, torch.Tensor], embedding: str, what: str, problems: list[str]) -> dict:
-    """The sizes a timm-style state dict's patch embedding (`embedding`: its 4-D weight) and blocks give, and which
-    optional parts it has; `what` names the checkpoint in the errors."""
+    """The sizes a timm-style state dict's patch embedding and blocks give (`what`: for errors)."""
     weight = arrays.get(embedding)
     if weight is None or weight.ndim != 4:
         raise ConversionError(

@@ -1,29 +1,11 @@
 """timm's NaFlexViT checkpoints (`timm/naflexvit_*`, `models/naflexvit.py`) -> hf-vit.
 
-timm's Hub layout is `config.json` (`architecture` "naflexvit_...", `pretrained_cfg`, optionally `model_args`) beside
-`model.safetensors`. The weights differ from timm's `VisionTransformer` in the embedding only:
-
-    embeds.proj.weight      (D, P * P * C)    a linear patch embedding on flattened patches, each in (patch row,
-                                              patch column, channel) order (`patchify_channels_last`, the default;
-                                              (channel, row, column) without it); `embed_proj_type="conv"` holds
-                                              the (D, C, P, P) kernel instead
-    embeds.pos_embed        (1, h, w, D)      a learned position GRID, for the patches only: the class token has no
-                                              position (hf-vit gives it a zero one, which adds nothing)
-    embeds.cls_token, embeds.reg_token        the class token and the register tokens (without positions)
-
-and the blocks, `norm`/`fc_norm`, `attn_pool` and `head` are `VisionTransformer`'s (`TIMM_LAYOUT`'s rows).
-
-timm resamples the grid with `F.interpolate(mode=pos_embed_interp_mode, align_corners=False, antialias=True)` (in the
-image path and per grid of a NaFlex batch): the converted config records it as `interpolation_mode` and
-`interpolation_antialias=True`, so `interpolate_pos_encoding`, native-aspect batches and `image_size=` at load resample
-as timm does.
-
-`config.json` records the architecture's name, not its settings: those the weights do not show (heads, pooling, the
-activation, how positions are resampled) come from `NAFLEX_ARCHITECTURES` (timm's registered architectures),
-overridden by `config.json`'s `global_pool` and `model_args`. Refused by name, because hf-vit computes another function
-for them: factorized or rotary position embeddings, aspect-preserving or `grid_sample` position resampling, pooling
-over the prefix tokens where hf-vit leaves them out (or the reverse), a norm on the patches or the embeddings, EVA
-blocks (SwiGLU, gated attention), QK-norm, a missing final norm, pooling other than token/avg/map.
+The weights differ from timm's `VisionTransformer` (`TIMM_LAYOUT`) in the embedding only: `embeds.proj.weight`, a
+linear map of flattened patches (`patchify_channels_last` order) or a conv kernel; `embeds.pos_embed`, a `(1, h, w,
+D)` grid for the patches only (the class token gets a zero position); `embeds.cls_token`, `embeds.reg_token`. The
+config records timm's antialiased resampling (`interpolation_mode`, `interpolation_antialias=True`). Settings the
+weights do not show come from `NAFLEX_ARCHITECTURES`, overridden by `config.json`'s `global_pool` and `model_args`;
+those for which hf-vit computes another function are refused by name (`_REQUIRED`, `_naflex_problems`).
 """
 
 from __future__ import annotations
@@ -55,31 +37,6 @@ NAFLEX_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "naflexvit_base_patch16_siglip": {"num_heads": 12, "global_pool": "map", "act_layer": "gelu_tanh"},
     "naflexvit_so400m_patch16_siglip": {"num_heads": 16, "global_pool": "map", "act_layer": "gelu_tanh"},
 }  # fmt: skip
-# `NaFlexVitCfg`'s defaults for the settings read here.
-NAFLEX_DEFAULTS: dict[str, Any] = {
-    "global_pool": "map",
-    "pool_include_prefix": False,
-    "pos_embed": "learned",
-    "pos_embed_interp_mode": "bicubic",
-    "pos_embed_ar_preserving": False,
-    "pos_embed_use_grid_sample": False,
-    "patchify_channels_last": True,
-    "act_layer": None,
-    "final_norm": True,
-    "rope_type": "",
-    "attn_type": "standard",
-    "swiglu_mlp": False,
-    "attn_gated": False,
-    "qkv_fused": True,
-    "scale_mlp_norm": False,
-    "scale_attn_inner_norm": False,
-    "norm_layer": None,
-    "block_fn": None,
-    "mlp_layer": None,
-    "attn_layer": None,
-    "attn_pool_num_heads": None,
-    "attn_pool_mlp_ratio": None,
-}
 # timm's activation names -> transformers' (ACT2FN) for the same function.
 _ACTIVATIONS = {None: "gelu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}
 # What these settings must be for hf-vit to compute timm's function, and why not otherwise.
@@ -102,12 +59,17 @@ _REQUIRED = (
     ("attn_layer", None, "another attention implementation"),
     ("final_norm", True, "no final LayerNorm (hf-vit always has one, on the tokens or after the pooling)"),
 )  # fmt: skip
+# `NaFlexVitCfg`'s defaults for the settings read here: those of `_REQUIRED` are its allowed (first) values.
+NAFLEX_DEFAULTS: dict[str, Any] = {
+    **{name: allowed[0] if isinstance(allowed, tuple) else allowed for name, allowed, _ in _REQUIRED},
+    "global_pool": "map", "pool_include_prefix": False, "pos_embed_interp_mode": "bicubic",
+    "patchify_channels_last": True, "act_layer": None, "attn_pool_num_heads": None, "attn_pool_mlp_ratio": None,
+}  # fmt: skip
 _POOLS = {"avg": "gap", "token": "token", "map": "map"}
 
 
 def naflex_settings(timm_config: Mapping) -> dict[str, Any]:
-    """The NaFlexViT settings of timm's `config.json`: `NaFlexVitCfg`'s defaults, the registered architecture's,
-    `global_pool` at the top level and `model_args`, in that order."""
+    """NaFlexVitCfg's defaults, the architecture's, `config.json`'s `global_pool` and `model_args`."""
     architecture = str(timm_config.get("architecture"))
     model_args = dict(timm_config.get("model_args") or {})
     if architecture not in NAFLEX_ARCHITECTURES and not {"num_heads", "global_pool"} <= set(model_args):
@@ -147,9 +109,7 @@ def _setting_problems(settings: Mapping[str, Any]) -> list[str]:
 def _canonical(
     state_dict: Mapping[str, torch.Tensor], settings: Mapping[str, Any], channels: int
 ) -> tuple[dict[str, torch.Tensor], list[str], tuple[int, int] | None]:
-    """`state_dict` as `NAFLEX_LAYOUT` reads it: the linear patch embedding as a convolution kernel, the position grid
-    as a `(1, prefix + h * w, D)` table with zero rows for the class token (which has no position), `fc_norm` as
-    `norm` (hf-vit's `fc_norm` uses `norm`); the problems found and the position grid `(h, w)`."""
+    """`state_dict` as `NAFLEX_LAYOUT` reads it, the problems found and the position grid `(h, w)`."""
     problems, out, grid = [], {}, None
     positioned = int("embeds.cls_token" in state_dict)
     for key, value in state_dict.items():
@@ -190,8 +150,7 @@ def _canonical(
 
 
 def _naflex_problems(state_dict: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> list[str]:
-    """The settings hf-vit cannot compute, with the prefix tokens' pooling (timm leaves them out or takes them in by
-    `pool_include_prefix`; hf-vit averages the patch tokens only and attention-pools every token)."""
+    """The settings hf-vit cannot compute, the prefix tokens' pooling (`pool_include_prefix`) among them."""
     problems = _setting_problems(settings)
     prefix = int("embeds.cls_token" in state_dict)
     reg = state_dict.get("embeds.reg_token")
@@ -233,9 +192,7 @@ def naflex_config(
     image_size: int | list[int] | tuple[int, int] | None = None,
     num_attention_heads: int | None = None,
 ) -> VisionTransformerConfig:
-    """The hf-vit config of a NaFlexViT checkpoint (shapes and names are all it reads: meta tensors do). The image
-    size is the position grid's times the patch size unless `image_size` is given (the grid is then resampled at
-    load, as timm resamples it)."""
+    """The hf-vit config of a NaFlexViT checkpoint; the image size the position grid's unless given."""
     arrays, settings, problems, grid = naflex_canonical(state_dict, timm_config)
     fields: dict[str, Any] = timm_block_fields(arrays, "embeds.proj.weight", "timm NaFlexViT", problems)
     patch = fields["patch_size"]
@@ -267,8 +224,7 @@ def naflex_config(
 def naflex_to_hf_vit_state_dict(
     state_dict: Mapping[str, torch.Tensor], timm_config: Mapping, config: VisionTransformerConfig
 ) -> dict[str, torch.Tensor]:
-    """A NaFlexViT state dict in hf-vit's names, checked against `config`'s model; the position grid resampled to
-    `config`'s grid with timm's resampling when they differ."""
+    """A NaFlexViT state dict in hf-vit's names, checked against `config`'s model, its grid resampled to `config`'s."""
     arrays, _, problems, grid = naflex_canonical(state_dict, timm_config)
     pos = arrays.get("embeds.pos_embed")
     if grid is not None and pos is not None and tuple(grid) != config.grid_size:

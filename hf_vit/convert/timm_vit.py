@@ -1,20 +1,12 @@
-"""timm's `vision_transformer.VisionTransformer` state dicts <-> hf-vit.
+"""timm's `vision_transformer.VisionTransformer` state dicts <-> hf-vit: `TIMM_LAYOUT`, a rename (timm fuses
+`qkv` as hf-vit does).
 
-`TIMM_LAYOUT` is the whole mapping: a rename, since timm's attention already fuses query, key and value as rows
-[q; k; v] as hf-vit does. `pre_logits.fc` is older timm's representation layer (dense + tanh).
-
-Supported: token, average (`global_pool="avg"`, with or without a class token) and attention pooling
-(`global_pool="map"`, `attn_pool` with one latent), `fc_norm` (the LayerNorm after the pooling instead of on every
-token), register tokens (`reg_token`, e.g. `vit_*_reg4_*`), DeiT's distillation token and head (`dist_token`,
-`head_dist`), LayerScale (`ls1`/`ls2`), a LayerNorm before the blocks (`norm_pre`), and `no_embed_class=True`
-(prefix tokens without a position: the class and distillation tokens get a zero one, so hf-vit computes the same).
-Rejected with a `ConversionError`, because hf-vit computes a different function for them: QK-norm, a norm inside
-attention, a patch-embedding norm, a hybrid CNN backbone, a multi-layer head.
-
-A state dict does not record timm's `global_pool`: one with a class token is taken to pool with it ("token"), unless a
-`config.json` beside the weights says otherwise. It does not record the number of heads either (the fused `qkv` hides
-it): it comes from `preset`, `num_attention_heads`, `model_args.num_heads` in `config.json`, or, failing those, the
-standard heads of the width (Ti 192: 3, S 384: 6, B 768: 12, L 1024: 16, H 1280: 16).
+Supported: token, average and attention pooling, `fc_norm`, register tokens, DeiT's distillation token and head,
+LayerScale, `norm_pre` and `no_embed_class=True` (the prefix tokens get a zero position). Refused, since hf-vit
+computes another function for them: QK-norm, a norm inside attention or after the patch embedding, a hybrid CNN
+backbone, a multi-layer head. A state dict records neither `global_pool` (a class token means "token" unless a
+`config.json` beside it says otherwise) nor the heads: `num_attention_heads`, `preset`, `config.json`'s
+`model_args.num_heads`, else the standard heads of the width.
 """
 
 from __future__ import annotations
@@ -22,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,19 +23,17 @@ from ..model.configuration_vit import MODEL_SIZES, VisionTransformerConfig
 from .common import (
     ConversionError,
     build_config,
-    check_output_dir,
+    convert_checkpoint,
     image_size_field,
     load_preset,
     preset_mismatches,
     resample_positions,
-    save_converted_model,
+    set_label_names,
     square_side,
 )
 from .timm_layout import TIMM_LAYOUT, _timm_problems, timm_block_fields
 
-# timm resamples position grids with `resample_abs_pos_embed`, bicubic and antialiased by default, both in the forward
-# pass (`dynamic_img_size`) and when loading weights at another size (`checkpoint_filter_fn`): so does the converted
-# model, at load and with `interpolate_pos_encoding`.
+# timm resamples position grids bicubic and antialiased (`resample_abs_pos_embed`): so does the converted model.
 TIMM_DEFAULTS = {
     "layer_norm_eps": 1e-6,
     "hidden_act": "gelu",
@@ -60,10 +51,7 @@ def _prefix_counts(state_dict: Mapping[str, torch.Tensor]) -> tuple[int, int]:
 
 
 def timm_canonical(state_dict: Mapping[str, torch.Tensor], num_patches: int | None = None) -> dict[str, torch.Tensor]:
-    """`state_dict` as `TIMM_LAYOUT` reads it: `fc_norm` (timm's LayerNorm after the pooling, `norm` being an
-    identity) named `norm`, and the position table holding one row per class and distillation token before the patch
-    rows, none for register tokens: `no_embed_class=True` tables get zero rows for those tokens (adding zero is what
-    timm computes), and positions of register tokens are added to the tokens (a constant either way)."""
+    """`state_dict` as `TIMM_LAYOUT` reads it: `fc_norm` as `norm`, a position row per positioned token."""
     out = dict(state_dict)
     if "fc_norm.weight" in out and "norm.weight" not in out:
         for name in ("weight", "bias"):
@@ -85,9 +73,7 @@ def timm_canonical(state_dict: Mapping[str, torch.Tensor], num_patches: int | No
 
 
 def _without_token_positions(rows: int, positioned: int, num_patches: int | None) -> bool:
-    """Whether a position table of `rows` has no rows for its `positioned` class/distillation tokens. A known grid
-    (`num_patches`, from the image size) decides; else a square count of rows does (one of n x (n+2) patches and a
-    class token is square too: its image size tells them apart)."""
+    """Whether a position table of `rows` has no rows for its `positioned` tokens."""
     if num_patches in (rows, rows - positioned):
         return rows == num_patches
     return bool(square_side(rows)) and not square_side(rows - positioned)
@@ -106,8 +92,7 @@ def _known_num_patches(
 
 
 def _timm_input_size(timm_config: Mapping | None) -> int | list[int] | None:
-    """The image size timm's `config.json` says the weights were trained at (`pretrained_cfg.input_size` or
-    `input_size`, as [C, H, W]), as the config's `image_size` field; None when it says none."""
+    """The image size timm's `config.json` gives (`input_size` as [C, H, W]), or None."""
     if not timm_config:
         return None
     pretrained = timm_config.get("pretrained_cfg") or {}
@@ -122,13 +107,7 @@ def timm_to_hf_vit_state_dict(
     config: VisionTransformerConfig | None = None,
     resize_mode: str = "bicubic",
 ) -> dict[str, torch.Tensor]:
-    """Map a timm ViT state dict to hf-vit names.
-
-    With `config`, the state dict is also checked against `config`'s classification model (every weight present, with
-    its shape) and the position embeddings are resampled in 2D when the checkpoint's square grid differs from
-    `config`'s (`resize_mode`, timm's default "bicubic", antialiased as timm's `resample_abs_pos_embed`). Raises
-    `ConversionError` listing every problem at once.
-    """
+    """A timm ViT state dict under hf-vit names; with `config`, checked and its grid resampled."""
     problems, explained = _timm_problems(state_dict)
     source = {key: value for key, value in state_dict.items() if key not in explained}
     source = timm_canonical(source, config.num_patches if config is not None else None)
@@ -181,11 +160,7 @@ def infer_config_from_timm(
     num_attention_heads: int | None = None,
     timm_config: Mapping | None = None,
 ) -> VisionTransformerConfig:
-    """The hf-vit config of a timm ViT state dict, read from its shapes (see the module docstring for the heads).
-
-    `timm_config` is timm's `config.json` (as a dict), when there is one. The image size comes from the
-    position-embedding grid unless `image_size` is given; the preset's resolution is not used, its sizes must match.
-    """
+    """The hf-vit config of a timm ViT state dict and its `config.json` (`timm_config`)."""
     timm_problems, _ = _timm_problems(state_dict)
     problems = list(timm_problems)
     fc_norm = "fc_norm.weight" in state_dict and "norm.weight" not in state_dict
@@ -207,11 +182,8 @@ def infer_config_from_timm(
     head = state_dict.get("head.weight")
     fields["num_labels"] = head.shape[0] if head is not None else 0
 
-    heads = num_attention_heads or model_args.get("num_heads")
-    preset_config = None
-    if preset is not None:
-        preset_config = load_preset(preset)
-        heads = heads or preset_config.num_attention_heads
+    preset_config = load_preset(preset) if preset is not None else None
+    heads = num_attention_heads or model_args.get("num_heads") or getattr(preset_config, "num_attention_heads", None)
     heads = heads or _STANDARD_HEADS.get(width)
     if heads is None:
         problems.append(
@@ -242,14 +214,11 @@ def infer_config_from_timm(
 
 
 def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read timm weights: a `.safetensors` file, a torch file (read with `weights_only=True`; a dict holding them under
-    "state_dict" or "model" is unwrapped), or a folder holding `model.safetensors` or `pytorch_model.bin`."""
+    """timm weights from a `.safetensors` or torch file (`weights_only=True`) or their folder."""
     path = Path(path)
     if path.is_dir():
-        candidates = [
-            path / name for name in ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
-        ]
-        found = next((c for c in candidates if c.is_file()), None)
+        names = ("model.safetensors", "pytorch_model.bin", "open_clip_pytorch_model.bin")
+        found = next((path / name for name in names if (path / name).is_file()), None)
         if found is None:
             raise ConversionError(f"{path} holds neither model.safetensors nor pytorch_model.bin.")
         path = found
@@ -286,16 +255,9 @@ def timm_config(
     image_size: int | Sequence[int] | None = None,
     num_attention_heads: int | None = None,
 ) -> VisionTransformerConfig:
-    """`infer_config_from_timm` with the class names of timm's `config.json` (`label_names`, when it has one per
-    class). Shapes and names are all it reads of `state_dict`: meta tensors do."""
-    config = infer_config_from_timm(
-        state_dict, preset=preset, image_size=image_size, num_attention_heads=num_attention_heads,
-        timm_config=timm_config,
-    )  # fmt: skip
-    labels = (timm_config or {}).get("label_names")
-    if isinstance(labels, list) and len(labels) == config.num_labels and config.num_labels > 0:
-        config.id2label = dict(enumerate(labels))
-        config.label2id = {name: i for i, name in enumerate(labels)}
+    """`infer_config_from_timm` with the class names of timm's `config.json`; meta tensors do."""
+    config = infer_config_from_timm(state_dict, preset, image_size, num_attention_heads, timm_config)
+    set_label_names(config, (timm_config or {}).get("label_names"))
     return config
 
 
@@ -347,14 +309,7 @@ def read_timm_checkpoint(
     num_attention_heads: int | None = None,
     resize_mode: str = "bicubic",
 ):
-    """`(config, state_dict, processor)` of timm ViT weights (a file, or a folder as on the Hub), without writing; a
-    NaFlexViT's (a "naflexvit..." architecture in config.json) through `timm_naflex.py`.
-
-    Normalisation and resampling: `image_mean`/`image_std` when given, else `mean`/`std` (or `pretrained_cfg`'s) from
-    a timm `config.json` beside the weights, else 0.5, the value of timm's weights ported from the original ViT; the
-    processor resizes with `pretrained_cfg.interpolation` when it names one. Class names come from that config's
-    `label_names` when it has one per class.
-    """
+    """`(config, state_dict, processor)` of timm ViT weights (a file or folder), without writing."""
     input_path = Path(input_path)
     state_dict = load_timm_state_dict(input_path)
     settings = read_timm_config(input_path if input_path.is_dir() else input_path.parent)
@@ -367,9 +322,7 @@ def read_timm_checkpoint(
 
 
 def _read_naflex(state_dict, settings, preset, image_size, image_mean, image_std, num_attention_heads, resize_mode):
-    """`read_timm_checkpoint` of a NaFlexViT (`timm_naflex.py`): its config.json names the architecture, whose
-    settings and position resampling the conversion takes, so a preset, or a resampling mode other than the
-    checkpoint's own, is refused rather than ignored."""
+    """`read_timm_checkpoint` of a NaFlexViT: a preset or another resampling mode is refused."""
     from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
 
     if preset is not None:
@@ -384,10 +337,7 @@ def _read_naflex(state_dict, settings, preset, image_size, image_mean, image_std
             f"{config.interpolation_mode} (antialiased, as timm does in its forward pass): leave resize_mode out or "
             f"pass {config.interpolation_mode!r}."
         )
-    labels = settings.get("label_names")
-    if isinstance(labels, list) and len(labels) == config.num_labels and config.num_labels > 0:
-        config.id2label = dict(enumerate(labels))
-        config.label2id = {name: i for i, name in enumerate(labels)}
+    set_label_names(config, settings.get("label_names"))
     converted = naflex_to_hf_vit_state_dict(state_dict, settings, config)
     return config, converted, timm_processor(config, settings, image_mean, image_std)
 
@@ -404,15 +354,7 @@ def convert_timm_checkpoint(
     resize_mode: str = "bicubic",
     base_model: str | None = None,
 ):
-    """Convert timm ViT weights (a file, or a folder as on the Hub) into a complete hf-vit folder (see
-    `read_timm_checkpoint`). The model card names `base_model` (e.g. the timm Hub id; default: the file's or folder's
-    name) as its origin. Returns the converted model; nothing is written unless everything succeeded.
-    """
-    check_output_dir(output_dir, overwrite, [input_path])  # before any loading
-    config, converted, processor = read_timm_checkpoint(
-        input_path, preset, image_size, image_mean, image_std, num_attention_heads, resize_mode
-    )
-    return save_converted_model(
-        config, converted, processor, output_dir, overwrite,
-        source=input_path, source_format="timm's layout", base_model=base_model,
-    )  # fmt: skip
+    """Convert timm ViT weights into a complete hf-vit folder; returns the model."""
+    options = (preset, image_size, image_mean, image_std, num_attention_heads, resize_mode)
+    read = partial(read_timm_checkpoint, input_path, *options)
+    return convert_checkpoint(read, input_path, output_dir, overwrite, "timm's layout", base_model)

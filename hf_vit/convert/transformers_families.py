@@ -1,29 +1,11 @@
-"""The ViTs that followed the paper, as transformers saves them: DINOv2 (with and without registers), DeiT, and the
-vision towers of CLIP and SigLIP (read out of the full two-tower checkpoint or a vision-only one) -> hf-vit.
+"""The ViTs that followed the paper, as transformers saves them -> hf-vit: one rename table and one reading of its
+`config.json` per family, converted in memory while transformers loads them (`sources.py`); what hf-vit lacks is
+refused by name (DINOv2's SwiGLU and classification head, the text towers).
 
-Each family is one rename table (`Layout`) and one reading of its `config.json` into hf-vit's fields (the blocks of
-`VisionTransformerConfig`: register tokens, LayerScale, the distillation token, the norm before the encoder,
-attention pooling, fc_norm). The weights convert in memory while transformers loads them, as transformers' ViT does
-(`sources.py`). What a family has and hf-vit lacks is refused by name: DINOv2's SwiGLU feed-forward network, DINOv2's
-classification head (class token concatenated with the patch tokens' mean), the text-only towers of CLIP and SigLIP.
-
-What each family computes, in hf-vit's terms:
-
-* DINOv2: class token, LayerScale on both branches (`layerscale_value`), final LayerNorm on every token; with
-  registers, `num_register_tokens` tokens after the class token without positions (its resampling antialiases).
-* DeiT: class and distillation tokens, both with positions; `DeiTForImageClassificationWithTeacher`'s two heads
-  (logits: their average), `DeiTForImageClassification`'s one head on the class token, `DeiTModel`'s pooler as the
-  pre-logits layer (dense + tanh), as transformers' ViT.
-* CLIP: no patch-embedding bias, a LayerNorm before the encoder (`pre_layrnorm`), quick GELU, and `post_layernorm`
-  on the pooled class token only (`fc_norm`): `last_hidden_state` is the last block's output, as CLIP returns it.
-  The projection into the joint space (`visual_projection`) and the text tower are not part of the vision tower.
-* SigLIP: no class token, `post_layernorm` on every token, then the attention-pooling head (`classifier="map"`); a
-  tower without the head (`vision_use_head=False`) pools by averaging the tokens (transformers returns no pooled
-  output for it).
-
-The processor (`family_processor`) is the source's `preprocessor_config.json` in hf-vit's processor: DINOv2's and
-CLIP's resize the shorter side (`{"shortest_edge": 256}`, or a bare number in older CLIP files) then crop the centre,
-DeiT's resize to a square then crop, SigLIP's resize to a square; each with its resampling, mean and std.
+* DINOv2: LayerScale, final norm on every token; registers without positions.
+* DeiT: class and distillation tokens with positions, one or two heads, the pooler as pre-logits layer.
+* CLIP: no patch bias, `pre_layrnorm`, quick GELU, `post_layernorm` on the pooled class token only (`fc_norm`).
+* SigLIP: no class token, `post_layernorm` on every token, attention pooling (or averaging without the head).
 """
 
 from __future__ import annotations
@@ -38,8 +20,7 @@ import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.resolution import resample_position_embeddings
-from .common import FUSED_QKV, ConversionError, Layout, Transform, check_grid_size, square_side
-from .transformers_vit import read_json
+from .common import FUSED_QKV, ConversionError, Layout, Transform, check_grid_size, grid_mismatch, square_side
 
 _H = "vit.layers.{i}."
 # CLIP and SigLIP store the class token as (D,) and the positions as an nn.Embedding table (N, D).
@@ -132,8 +113,7 @@ SIGLIP_LAYOUT = Layout(
 
 
 def _transformers_config(model_type: str, config: dict) -> Any:
-    """transformers' own config class of `model_type` read from `config`, so that fields `save_pretrained` left out
-    (equal to their defaults) take transformers' defaults."""
+    """transformers' own config class of `model_type` read from `config` (its defaults filled in)."""
     from transformers import CONFIG_MAPPING
 
     try:
@@ -219,8 +199,8 @@ def _deit(config: dict, keys: Collection[str]) -> dict[str, Any]:
     return fields
 
 
-def _tower(config: dict, family: str) -> Any:
-    """The vision tower's config of a two-tower checkpoint or a vision-only one; a text-only one is refused."""
+def _tower(config: dict, family: str) -> tuple[Any, dict[str, Any]]:
+    """The vision tower's config and fields, of a two-tower checkpoint or a vision-only one (not a text tower)."""
     model_type = config["model_type"]
     if model_type.endswith("_text_model"):
         raise ConversionError(
@@ -228,22 +208,21 @@ def _tower(config: dict, family: str) -> Any:
             f"{family} checkpoint or its vision model)"
         )
     source = _transformers_config(model_type, config)
-    return source.vision_config if hasattr(source, "vision_config") else source
+    source = source.vision_config if hasattr(source, "vision_config") else source
+    return source, _fields(
+        source, intermediate_size="intermediate_size", attention_probs_dropout_prob="attention_dropout"
+    )
 
 
 def _clip(config: dict, keys: Collection[str]) -> dict[str, Any]:
-    source = _tower(config, "CLIP")
-    fields = _fields(source, intermediate_size="intermediate_size", attention_probs_dropout_prob="attention_dropout")
-    fields.update(pre_norm=True, fc_norm=True, patch_embedding_bias=False, num_labels=0)
-    return fields
+    fields = _tower(config, "CLIP")[1]
+    return {**fields, "pre_norm": True, "fc_norm": True, "patch_embedding_bias": False, "num_labels": 0}
 
 
 def _siglip(config: dict, keys: Collection[str]) -> dict[str, Any]:
-    source = _tower(config, "SigLIP")
-    fields = _fields(source, intermediate_size="intermediate_size", attention_probs_dropout_prob="attention_dropout")
-    head = getattr(source, "vision_use_head", True)
-    fields.update(classifier="map" if head else "gap", use_class_token=False, num_labels=0)
-    return fields
+    source, fields = _tower(config, "SigLIP")
+    pool = "map" if getattr(source, "vision_use_head", True) else "gap"
+    return {**fields, "classifier": pool, "use_class_token": False, "num_labels": 0}
 
 
 def _strip(prefix: str) -> Callable[[str], str]:
@@ -260,8 +239,7 @@ def _deit_name(key: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """One family: its table, how its keys read under the table's names (`rename`; `dropped`: what is not part of
-    the vision encoder, e.g. the text tower), its config reading, and the source key of the position table."""
+    """One family: its table, key renaming (`dropped`: not the vision encoder), config reading, position key."""
 
     name: str
     layout: Layout
@@ -284,44 +262,29 @@ _DINOV2 = Family(
     "embeddings.position_embeddings", square_size=False,
 )  # fmt: skip
 _CLIP_DROPPED = r"text_model\.|text_projection\.|visual_projection\.|logit_scale$|logit_bias$"
+_CLIP = Family(
+    "CLIP's layout", CLIP_LAYOUT, _clip, _strip("vision_model."), _CLIP_DROPPED,
+    "embeddings.position_embedding.weight", square_size=False,
+)  # fmt: skip
+_SIGLIP = Family(
+    "SigLIP's layout", SIGLIP_LAYOUT, _siglip, _strip("vision_model."), _CLIP_DROPPED,
+    "embeddings.position_embedding.weight",
+)  # fmt: skip
 FAMILIES: dict[str, Family] = {
     "dinov2": _DINOV2,
     "dinov2_with_registers": _DINOV2,
     "deit": Family(
         "transformers' DeiT layout", DEIT_LAYOUT, _deit, _deit_name, r"$^", "deit.embeddings.position_embeddings"
     ),
-    **dict.fromkeys(
-        ("clip", "clip_vision_model", "clip_text_model"),
-        Family(
-            "CLIP's layout",
-            CLIP_LAYOUT,
-            _clip,
-            _strip("vision_model."),
-            _CLIP_DROPPED,
-            "embeddings.position_embedding.weight",
-            square_size=False,
-        ),
-    ),  # fmt: skip
-    **dict.fromkeys(
-        ("siglip", "siglip_vision_model", "siglip_text_model"),
-        Family(
-            "SigLIP's layout",
-            SIGLIP_LAYOUT,
-            _siglip,
-            _strip("vision_model."),
-            _CLIP_DROPPED,
-            "embeddings.position_embedding.weight",
-        ),
-    ),  # fmt: skip
+    **dict.fromkeys(("clip", "clip_vision_model", "clip_text_model"), _CLIP),
+    **dict.fromkeys(("siglip", "siglip_vision_model", "siglip_text_model"), _SIGLIP),
 }
 
 
 def family_config(
     config_json: dict, keys: Collection[str], image_size: Any = None, check_only: bool = False
 ) -> VisionTransformerConfig | None:
-    """The hf-vit config of a family checkpoint whose `config.json` is `config_json` and whose arrays are named `keys`
-    (as saved); `image_size` (from the caller) replaces the checkpoint's. `check_only`: refuse what `config.json`
-    alone shows hf-vit cannot load (a text tower, DINOv2's SwiGLU), before any weights are fetched."""
+    """The hf-vit config of a family checkpoint; `check_only`: refuse what `config.json` alone rules out."""
     family = FAMILIES[config_json["model_type"]]
     if check_only:
         family.config_fields(config_json, ())
@@ -348,11 +311,7 @@ def family_state_dict(
     shapes: Mapping[str, torch.Tensor],
     resample: bool = False,
 ):
-    """The weights of a family checkpoint converted for `config`, computed weight by weight as transformers' loading
-    reads them (`Layout.to_hf_lazy`; `source` holds safetensors slices or tensors, `shapes` meta tensors).
-    `resample`: the caller asked for `config`'s image size, so positions of another grid are resampled to it (as the
-    family's own code resamples: `interpolation_mode`, `interpolation_antialias`); otherwise another grid is refused
-    with the size to pass."""
+    """A family checkpoint's weights for `config`, lazily; `resample`: another grid resampled, else refused."""
     family = FAMILIES[model_type]
     source, shapes = family.names(source), family.names(shapes)
     key, problems, prefix = family.positions, [], config.num_position_prefix_tokens
@@ -369,27 +328,15 @@ def family_state_dict(
             ).contiguous()  # fmt: skip
             source[key] = table if array.ndim == 3 else table[0]
             shapes[key] = source[key].to("meta")
-        elif found != config.num_patches:
-            rows, cols = config.grid_size
-            hint = f": pass image_size={side * config.patch_size} for their own grid, or a size to resample to"
-            problems.append(
-                f"the position embeddings hold {found} positions, but config.json's image_size {config.image_size} "
-                f"with patch_size {config.patch_size} makes a {rows}x{cols} grid{hint if side else ''}"
-            )
+        else:
+            problems += grid_mismatch(found, config)
     return family.layout.to_hf_lazy(source, shapes, config, problems)
 
 
 def family_processor(folder: Path, config_json: dict, keys: Collection[str]):
-    """The hf-vit processor of a family checkpoint in `folder` (its `config.json` is `config_json`, its arrays are
-    named `keys`): what the source's `preprocessor_config.json` does, the shorter-side resize and centre crop of
-    DINOv2's and CLIP's processors included, the model's image size without one."""
+    """The hf-vit processor of a family checkpoint in `folder`, as its `preprocessor_config.json` says."""
     from .transformers_vit import transformers_processor
 
     family = FAMILIES[config_json["model_type"]]
     config = family_config(config_json, keys)
     return transformers_processor(folder, config.image_hw, default_to_square=family.square_size)
-
-
-def read_config_json(folder: Path) -> dict:
-    """A family checkpoint's `config.json`, as a dict (errors name the file)."""
-    return read_json(folder / "config.json")

@@ -10,12 +10,11 @@ import json
 import logging
 import os
 from collections.abc import Collection
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from ..model.configuration_vit import VisionTransformerConfig
 from .common import (
@@ -24,10 +23,10 @@ from .common import (
     ConversionError,
     Layout,
     check_grid_size,
-    check_output_dir,
+    convert_checkpoint,
+    grid_mismatch,
+    read_safetensors,
     resample_positions,
-    save_converted_model,
-    square_side,
 )
 
 logger = logging.getLogger(__name__)
@@ -83,12 +82,9 @@ def _saved_layout(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 def transformers_to_hf_vit_state_dict(
     state_dict: dict[str, torch.Tensor], config: VisionTransformerConfig | None = None
 ) -> dict[str, torch.Tensor]:
-    """Map a transformers ViT state dict (saved or v5 in-memory names) to hf-vit names; query, key and value are
-    fused into one `qkv` projection.
-
-    Raises `ConversionError` listing every array it cannot place and every part of a fused weight that is missing;
-    with `config`, also every weight `config`'s model needs that is missing or has another shape.
-    """
+    """A transformers ViT state dict (saved or v5 in-memory names) under hf-vit names, `qkv` fused; one
+    `ConversionError` lists every unplaced array and missing part (with `config`: every missing or misshapen
+    weight)."""
     return TRANSFORMERS_LAYOUT.to_hf(_saved_layout(state_dict), config)
 
 
@@ -108,27 +104,14 @@ def hf_vit_to_transformers_module_state_dict(state_dict: dict[str, torch.Tensor]
 
 
 _SHARED_CONFIG_FIELDS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "hidden_act",
-    "hidden_dropout_prob",
-    "attention_probs_dropout_prob",
-    "layer_norm_eps",
-    "image_size",
-    "patch_size",
-    "num_channels",
-    "qkv_bias",
-    "initializer_range",
-)
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+    "hidden_dropout_prob", "attention_probs_dropout_prob", "layer_norm_eps", "image_size", "patch_size",
+    "num_channels", "qkv_bias", "initializer_range",
+)  # fmt: skip
 
 
 def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) -> VisionTransformerConfig:
-    """An hf-vit config computing the same function as a transformers `ViTConfig` (given as its dict).
-
-    Kept: the architecture, the labels and `problem_type`, the dtype; the pooler (dense + `pooler_act`) becomes the
-    pre-logits layer when `with_pooler`, which hf-vit computes with tanh only, so another `pooler_act` is refused."""
+    """An hf-vit config computing what a transformers `ViTConfig` (a dict) computes."""
     if config.get("model_type") not in (None, "vit"):
         raise ConversionError(
             f"Expected a transformers ViT config (model_type 'vit'), got {config.get('model_type')!r}."
@@ -166,35 +149,23 @@ def read_json(path: Path) -> dict:
     return value
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(path)
-    except SafetensorError as error:
-        raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
-
-
 def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
-    if single.is_file():
-        return _read_weights(single)
-    if index.is_file():
-        shards = sorted(set(read_json(index)["weight_map"].values()))
-        state_dict = {}
-        for shard in shards:
-            state_dict.update(_read_weights(folder / shard))
-        return state_dict
-    raise ConversionError(f"{folder} has no model.safetensors (or sharded index); only safetensors weights are read.")
+    if (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    elif index.is_file():
+        files = [folder / shard for shard in sorted(set(read_json(index)["weight_map"].values()))]
+    else:
+        raise ConversionError(
+            f"{folder} has no model.safetensors (or sharded index); only safetensors weights are read."
+        )
+    return read_safetensors(files, header_only=False)
 
 
 def transformers_processor(folder: Path, image_size: tuple[int, int], default_to_square: bool = True):
-    """The hf-vit processor of a transformers folder's `preprocessor_config.json` (the model's size and the defaults
-    without one): its resize (a height and width, or the shorter side as `{"shortest_edge": N}`), centre crop,
-    rescaling and normalisation are kept; settings hf-vit's processor does not have are refused by name.
-
-    `default_to_square`: how the source's processor reads a `size` saved as one number, as transformers' processor
-    classes do: a square (ViT's, DeiT's, SigLIP's), or the shorter side (`False`: DINOv2's `BitImageProcessor`, CLIP's
-    processor, which older files save as `"size": 224`)."""
+    """The hf-vit processor of a folder's `preprocessor_config.json` (the model's size without one): its resize,
+    centre crop, rescaling and normalisation; other settings are refused by name. `default_to_square`: whether a
+    `size` saved as one number is a square or the shorter side (DINOv2's, CLIP's)."""
     from ..model.image_processing_vit import VisionTransformerImageProcessor
 
     path = folder / "preprocessor_config.json"
@@ -214,8 +185,7 @@ def transformers_processor(folder: Path, image_size: tuple[int, int], default_to
 
 
 def transformers_config(folder: Path, keys: Collection[str]) -> VisionTransformerConfig:
-    """The hf-vit config of a transformers ViT folder whose weights are named `keys` (saved or in-memory names):
-    `config.json` says the architecture, the weights whether there is a classifier and a pooler."""
+    """The hf-vit config of a transformers ViT folder whose weights are named `keys`."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ConversionError(f"{folder} has no config.json; pass the folder of a saved transformers ViT model.")
@@ -242,11 +212,9 @@ def transformers_state_dict(
     shapes: dict[str, torch.Tensor] | None = None,
     resample: bool = False,
 ) -> dict:
-    """A transformers ViT folder's weights converted for `config` (see `transformers_config`). With `shapes` (the
-    same arrays as meta tensors), `source` may hold safetensors slices, and the result is computed weight by weight
-    as transformers' loading reads it (`Layout.to_hf_lazy`). `resample`: the caller asked for `config`'s image size
-    (`from_pretrained(..., image_size=384)`), so position embeddings of another grid are resampled to it; otherwise a
-    grid that differs from `config.json`'s is refused, as transformers refuses it."""
+    """A transformers ViT folder's weights converted for `config`; with `shapes` (meta tensors) lazily as loading
+    reads them (`Layout.to_hf_lazy`). `resample`: positions of another grid are resampled to `config`'s, else
+    refused as transformers refuses them."""
     source = _saved_layout(source)
     shapes = _saved_layout(shapes) if shapes is not None else None
     if config.representation_size is None:
@@ -261,16 +229,7 @@ def transformers_state_dict(
         if shapes is not None:
             shapes[key] = source[key].to("meta")
     elif positions is not None and positions.ndim == 3:
-        found = positions.shape[1] - config.num_position_prefix_tokens
-        if found != config.num_patches:
-            side, (rows, cols) = square_side(found), config.grid_size
-            hint = ""
-            if side:
-                hint = f": pass image_size={side * config.patch_size} for their own grid, or a size to resample to"
-            problems.append(
-                f"the position embeddings hold {found} positions, but config.json's image_size {config.image_size} "
-                f"with patch_size {config.patch_size} makes a {rows}x{cols} grid{hint}"
-            )
+        problems += grid_mismatch(positions.shape[1] - config.num_position_prefix_tokens, config)
     if shapes is None:
         return TRANSFORMERS_LAYOUT.to_hf(source, config, problems)
     return TRANSFORMERS_LAYOUT.to_hf_lazy(source, shapes, config, problems)
@@ -293,15 +252,8 @@ def convert_transformers_checkpoint(
     overwrite: bool = False,
     base_model: str | None = None,
 ):
-    """Convert a saved transformers ViT folder into a complete hf-vit folder (weights, config, processor, code).
-
-    Returns the converted model. A `ViTForImageClassification` becomes `VisionTransformerForImageClassification`; a
-    `ViTModel` with its pooler becomes a classification model with the pooler as pre-logits layer and no classes.
-    The model card names `base_model` (e.g. the Hub id; default: the folder's name) as its origin.
-    """
-    check_output_dir(output_dir, overwrite, [input_dir])  # before any loading
-    config, state_dict, processor = read_transformers_checkpoint(input_dir)
-    return save_converted_model(
-        config, state_dict, processor, output_dir, overwrite,
-        source=input_dir, source_format="transformers' ViT layout", base_model=base_model,
-    )  # fmt: skip
+    """Convert a saved transformers ViT folder into a complete hf-vit folder; a `ViTModel`'s pooler becomes the
+    pre-logits layer of a model without classes. The card names `base_model` (default: the folder's name). Returns
+    the model."""
+    read = partial(read_transformers_checkpoint, input_dir)
+    return convert_checkpoint(read, input_dir, output_dir, overwrite, "transformers' ViT layout", base_model)

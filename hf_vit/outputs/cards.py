@@ -50,11 +50,7 @@ POOLING_NAMES = {"token": "class-token", "gap": "global-average-pooling", "map":
 
 
 def card_reference(reference: str | os.PathLike) -> CardReference:
-    """Turn a user-given model or data set reference into what a card may say, never a local path.
-
-    A Hub id (`org/name`) or a plain name (`digits`) stays as it is; a local path (absolute, relative, `~`, or an
-    existing file or folder) becomes its final folder name in the text and is left out of the metadata.
-    """
+    """A user's model or data set reference as a card may say it: a local path by its final name."""
     raw = os.fspath(reference)
     is_local = (
         isinstance(reference, os.PathLike)
@@ -84,18 +80,15 @@ def _without_local_paths(text: str | None, references: Iterable[str | os.PathLik
     return text
 
 
-# Trainer's optimizers that ignore `--optim_args` (transformers' `trainer_optimizer.py`): a card naming them for these
-# would describe an optimizer that did not run (e.g. the fine-tuning default "momentum=0.9" kept by a recipe that
-# switches to AdamW).
+# Trainer's optimizers that ignore `--optim_args`: a card naming them for these would describe an optimizer that did
+# not run (e.g. the fine-tuning default "momentum=0.9" kept by a recipe that switches to AdamW).
 OPTIMIZERS_IGNORING_OPTIM_ARGS = {
     "adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused", "adafactor", "lomo", "adalomo",
 }  # fmt: skip
 
 
 def card_value(value: Any) -> str:
-    """A setting as a card (or a log line) spells it: an enum member by its value (`OptimizerNames.SGD` -> `sgd`), a
-    whole float as an integer (3.0 epochs -> 3), a float whose shortest spelling is long with 4 significant digits
-    (`0.016666666666666666` -> `0.01667`), anything else as `str` does."""
+    """A setting as a card spells it: an enum's value, a whole float as int, 4 significant digits."""
     value = getattr(value, "value", value)
     if isinstance(value, float):
         if value.is_integer():
@@ -114,16 +107,8 @@ def warmup_text(warmup_steps: float) -> str:
     return f"warmup over the first {int(warmup_steps)} steps"
 
 
-def clipping_text(max_grad_norm: float | None) -> str:
-    """Trainer's `max_grad_norm` in words: 0 or None turns clipping off."""
-    if not max_grad_norm:
-        return "no gradient clipping"
-    return f"gradient clipping at global norm {card_value(max_grad_norm)}"
-
-
 def optimizer_text(args: Any) -> str:
-    """The optimizer with the settings it ran with: Adam's betas for the Adam family, `--optim_args` for those that
-    read them."""
+    """The optimizer with the settings it ran with (Adam's betas, `--optim_args` where read)."""
     name = card_value(args.optim)
     details = []
     if "adam" in name:
@@ -137,19 +122,15 @@ def training_recipe_text(task: str, args: Any) -> str:
     if args is None:
         return "not recorded."
     schedule = f"{card_value(args.lr_scheduler_type)} schedule with {warmup_text(args.warmup_steps)}"
+    norm = args.max_grad_norm  # 0 or None: no clipping
+    clipping = f"gradient clipping at global norm {card_value(norm)}" if norm else "no gradient clipping"
+    steps = args.max_steps is not None and args.max_steps > 0  # then Trainer ignores the epochs
+    length = f"{args.max_steps} optimisation steps" if steps else f"{card_value(args.num_train_epochs)} epochs"
     return (
         f"{task}: optimizer {optimizer_text(args)}, learning rate {card_value(args.learning_rate)}, weight decay "
-        f"{card_value(args.weight_decay)}, {schedule}, {clipping_text(args.max_grad_norm)}, batch "
-        f"{args.per_device_train_batch_size} per device, {length_text(args)}, seed {args.seed}."
+        f"{card_value(args.weight_decay)}, {schedule}, {clipping}, batch {args.per_device_train_batch_size} per "
+        f"device, {length}, seed {args.seed}."
     )
-
-
-def length_text(args: Any) -> str:
-    """How long the run trained, by the flag that decided it: --max_steps when given (--num_train_epochs is then
-    ignored by Trainer), else the epochs."""
-    if args.max_steps is not None and args.max_steps > 0:
-        return f"{args.max_steps} optimisation steps"
-    return f"{card_value(args.num_train_epochs)} epochs"
 
 
 def saved_max_num_patches(folder: str | os.PathLike) -> int | None:
@@ -163,8 +144,7 @@ def saved_max_num_patches(folder: str | os.PathLike) -> int | None:
 
 
 def resolution_text(config: Any, max_num_patches: int | None = None) -> str:
-    """The card's resolution: the config's height x width, or, for a model fed native-aspect batches, its budget of
-    patches (the config's size then only sets the stored position grid, resampled to each image's grid)."""
+    """The card's resolution: height x width, or a native-aspect model's budget of patches."""
     height, width = config.image_hw
     if not max_num_patches:
         return f"{height}x{width}"
@@ -177,15 +157,8 @@ def resolution_text(config: Any, max_num_patches: int | None = None) -> str:
     )
 
 
-def _is_quality_metric(name: str) -> bool:
-    """The measured qualities a card reports (accuracies; mean average precision and F1 for multi-label models),
-    not the run's loss, runtime or throughput."""
-    return any(key in name for key in ("accuracy", "mean_average_precision", "f1_"))
-
-
 def _card_data(repo_id, license, adapter, pretraining, base, data, split, results) -> ModelCardData:
-    """The card's Hub metadata: library, task, tags, data set, base model and the model-index of `results`
-    (`pretraining`: the self-supervised objective's tag, None for a classifier)."""
+    """The card's Hub metadata (`pretraining`: the self-supervised objective's tag, or None)."""
     mpp = pretraining is not None
     eval_results = [
         EvalResult(
@@ -266,19 +239,13 @@ def render_model_card(
     compute_dial: str | None = None,
     max_num_patches: int | None = None,
 ) -> ModelCard:
-    """A `ModelCard` for `model` with Hub metadata and the `metrics` measured for it (keys like `eval_accuracy`).
-
-    `repo_id` is the Hub repository the card will be pushed to; without it the card names the output folder by its
-    plain name (no invented organisation). `base_model` and `dataset_name` may be Hub ids, plain names or local
-    paths: local paths appear as their final folder name in the text and are left out of the metadata. Without
-    `dataset_name` (a converted or resized folder) no data set is claimed. A peft model gets an adapter's card: how
-    to apply it to its base model, which the card names. `compute_dial`: the name of the compute dial's PNG beside
-    the card (`hf_vit.infer.compute_dial`), shown in the results with its JSON named.
-    """
+    """A `ModelCard` for `model` with Hub metadata and its `metrics` (`eval_accuracy`, ...): named by `repo_id`,
+    else by the folder's plain name; local paths in `base_model` and `dataset_name` shown by their final name and
+    left out of the metadata; no data set claimed without one; an adapter's card for a peft model; `compute_dial`:
+    the PNG beside the card."""
     adapter = hasattr(model, "peft_config")
     architecture = type(model.get_base_model() if adapter else model).__name__
-    # A masked patch prediction model has no classes and no pipeline: the card says how to fine-tune or embed with it.
-    # So has a SimMIM model.
+    # Masked patch prediction and SimMIM have no classes and no pipeline: the card says how to fine-tune or embed.
     mpp = isinstance(model, (VisionTransformerForMaskedPatchPrediction, VisionTransformerForMaskedImageModeling))
     simmim = isinstance(model, VisionTransformerForMaskedImageModeling)
     config = model.config
@@ -291,7 +258,10 @@ def render_model_card(
     results = [
         {"split": split, "metric": name.removeprefix("eval_"), "value": f"{value:.4f}", "images": images_text(count)}
         for name, value in metrics.items()
-        if name.startswith("eval_") and isinstance(value, float) and _is_quality_metric(name)
+        # the qualities a card reports (accuracy, mAP, F1), not the loss or the speed
+        if name.startswith("eval_")
+        and isinstance(value, float)
+        and any(key in name for key in ("accuracy", "mean_average_precision", "f1_"))
     ]
     pretraining = "simmim" if simmim else "masked-patch-prediction" if mpp else None
     card_data = _card_data(repo_id, license, adapter, pretraining, base, data, split, results)
@@ -332,11 +302,7 @@ def render_model_card(
 
 
 def write_model_card(output_dir: str | os.PathLike, model, metrics: dict[str, Any], **kwargs: Any) -> Path:
-    """Render the card (see `render_model_card`) to `output_dir/README.md`.
-
-    Without `repo_id`, the card names the folder by its plain name; pushing replaces it by the repository pushed to.
-    Without `max_num_patches`, the folder's saved processor says whether the model takes native-aspect batches.
-    """
+    """Render the card (`render_model_card`) to `output_dir/README.md`."""
     path = Path(output_dir) / "README.md"
     if not kwargs.get("repo_id"):
         kwargs["repo_id"] = card_reference(Path(output_dir)).text
@@ -358,9 +324,7 @@ def write_card(
     dataset_name: str | None = None,
     output_name: str | None = None,
 ) -> Path:
-    """Write the model card of a folder the project made from `base_model` (a Hub id or a plain name, never a local
-    path). Without `dataset_name` no data set is claimed in the metadata; `output_name` is the folder's final name
-    (`folder` may be a staging folder), used for the repo id when none is given."""
+    """Write the card of a folder the project made from `base_model` (`output_name`: its final name)."""
     measured = dict(metrics or {})
     return write_model_card(
         folder,
@@ -380,8 +344,3 @@ def write_card(
             else "No metrics were measured for this folder; see the base model for its results."
         ),
     )
-
-
-# What a published hf-vit folder holds, top level only: the model files and the run's results (`hf_vit.outputs.files`).
-# Anything else (optimizer states, checkpoints, logs, the lock, the user's own files, training_args.bin with its local
-# paths, trainer_state.json with its checkpoint paths) stays local unless the user names it (`extra_files`).

@@ -1,9 +1,5 @@
-"""The files this project writes, in one place: what a model folder, a training run's folder and a checkpoint hold.
-
-Saving, uploading, overwriting and converting all read these lists, so that "what hf-vit wrote" means one thing:
-`--overwrite` replaces only such files, a push sends only the shareable ones, and the card's security note lists
-exactly the code files `save_pretrained` copies beside the weights.
-"""
+"""The files this project writes, in one place (a model folder, a run's folder, a checkpoint): `--overwrite`
+replaces only these, a push sends only the shareable ones, the card lists the code files shipped beside the weights."""
 
 from __future__ import annotations
 
@@ -35,17 +31,9 @@ CARD_TEMPLATE = Path(__file__).parent / "templates" / "model_card.md"
 
 # What a run reports beside its model: metrics, curves, the card. Shareable.
 RESULT_FILES = (
-    CARD_FILE,
-    "training_curves.png",
-    "pretraining_curves.png",
-    "all_results.json",
-    "train_results.json",
-    "eval_results.json",
-    "test_results.json",
-    "main_job.json",
-    "compute_dial.json",
-    "compute_dial.png",
-)
+    CARD_FILE, "training_curves.png", "pretraining_curves.png", "all_results.json", "train_results.json",
+    "eval_results.json", "test_results.json", "main_job.json", "compute_dial.json", "compute_dial.png",
+)  # fmt: skip
 # What Trainer writes beside a model and a checkpoint to resume it, and the run's record. Never shared from a run's
 # folder: the arguments are a pickle naming local paths, the state names checkpoint paths, the record the data set's.
 TRAINER_FILES = (TRAINER_STATE_FILE, TRAINING_ARGS_FILE, LOCAL_BASE_FILE, RUN_RECORD_FILE)
@@ -60,26 +48,15 @@ CHECKPOINT_FOLDER = re.compile(r"checkpoint-(\d+)")
 
 @lru_cache(maxsize=1)
 def remote_code_files() -> tuple[str, ...]:
-    """The modules `save_pretrained` copies beside a checkpoint for `trust_remote_code=True`, sorted: every module of
-    `hf_vit/model/` (its `__init__.py` aside), by decision rather than by a filename pattern. A module placed there
-    ships with every checkpoint and executes on `trust_remote_code=True`; nothing outside that folder does."""
+    """The modules copied beside a checkpoint for `trust_remote_code=True`: `hf_vit/model/`'s."""
     return tuple(sorted(path.name for path in MODEL_CODE.glob("*.py") if path.name != "__init__.py"))
 
 
 @lru_cache(maxsize=1)
 def model_file_names() -> frozenset[str]:
     """The fixed names of a saved model folder: config, weights (not shards, see `is_model_file`), processor, code."""
-    return frozenset(
-        {
-            CONFIG_FILE,
-            PROCESSOR_FILE,
-            WEIGHTS_FILE,
-            WEIGHTS_INDEX_FILE,
-            ADAPTER_FILE,
-            ADAPTER_CONFIG,
-            *remote_code_files(),
-        }
-    )
+    fixed = (CONFIG_FILE, PROCESSOR_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, ADAPTER_FILE, ADAPTER_CONFIG)
+    return frozenset((*fixed, *remote_code_files()))
 
 
 def is_model_file(name: str) -> bool:
@@ -95,20 +72,12 @@ def is_checkpoint_entry(name: str, is_dir: bool) -> bool:
     """Whether `Trainer` writes an entry called `name` into a `checkpoint-N` folder of an hf-vit run."""
     if is_dir:
         return bool(RESUME_FOLDER_PATTERN.fullmatch(name))
-    # peft writes its card (README.md) beside an adapter checkpoint.
-    return (
-        is_model_file(name)
-        or name in TRAINER_FILES
-        or name in RESUME_FILES
-        or name == CARD_FILE
-        or bool(RESUME_FILE_PATTERN.fullmatch(name))
-    )
+    listed = name in (*TRAINER_FILES, *RESUME_FILES, CARD_FILE)  # peft writes a card beside an adapter checkpoint
+    return is_model_file(name) or listed or bool(RESUME_FILE_PATTERN.fullmatch(name))
 
 
 def checkpoint_foreign_entries(folder: Path) -> list[str]:
-    """What in a `checkpoint-N` folder is not something a run writes there (symlinks included); empty for a real
-    checkpoint. A folder with none of a checkpoint's training state (trainer state, optimizer, scheduler, random
-    states) is foreign as a whole: model files alone are what `save_pretrained` writes, a user's model."""
+    """What in a `checkpoint-N` folder a run does not write there (all, for no run's)."""
     entries = sorted(folder.iterdir())
     foreign = [
         entry.name + ("/" if entry.is_dir() else "")
@@ -143,14 +112,9 @@ def check_not_a_link(path: str | os.PathLike) -> Path:
 
 
 def write_beside(path: str | os.PathLike, write: Callable[[IO[bytes]], None] | str | bytes) -> Path:
-    """Write the file `path` through the one route every writer of the project takes: into `.<name>.partial` beside
-    it, then renamed over it, so a failed or killed write leaves the old file (or none), never a torn one.
-
-    `write` is the content (text or bytes) or a function writing it to the open file. Nothing is written through a
-    link: a symlink at `path` is refused by name (the bytes would land in its target), and whatever lies under the
-    partial name (a planted symlink or hard link, a killed write's leftover) is replaced, never written into. Returns
-    `path`.
-    """
+    """Write `path` (`write`: text, bytes or a function of the open file) into `.<name>.partial` beside it, then
+    rename it over, so a failed write leaves the old file or none. A symlink at `path` is refused by name; whatever
+    lies under the partial name is replaced, never written into. Returns `path`."""
     path = check_not_a_link(path)
     partial = path.with_name(f".{path.name}.partial")
     if partial.is_symlink() or partial.is_file():

@@ -1,7 +1,6 @@
-"""Output folders, in one place: a converter's or resolution variant's folder is checked before any work, written to a
-staging folder and swapped in whole; a training run's `--output_dir` (written in place by Trainer) is claimed and
-locked, never written through a symlink, and cleared of an earlier run's checkpoints only where they are checkpoints.
-Either way, only what hf-vit wrote (`hf_vit.outputs.files`) is ever replaced or removed."""
+"""Output folders, in one place: a converter's or variant's folder is checked before any work, staged and swapped in
+whole; a training run's `--output_dir` is claimed and locked, never written through a symlink. Only what hf-vit
+wrote (`hf_vit.outputs.files`) is ever replaced or removed."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ from .run_record import read_record, unrecorded_files_problem
 logger = logging.getLogger(__name__)
 
 
-# Sibling folders of a target `out`: `.out.hf-vit-staging-<pid>-<random>` (the new result being written) and
-# `.out.hf-vit-old-<pid>` (the old result moved aside while the new one is moved in).
+# Beside a target `out`: `.out.hf-vit-staging-<pid>-<random>` (the new result) and `.out.hf-vit-old-<pid>` (the old).
 _STAGING, _ASIDE = "hf-vit-staging", "hf-vit-old"
 # Test-only: the name of a step at which the process kills itself (SIGKILL), to check what a crash there leaves.
 CRASH_ENV = "HF_VIT_TEST_CRASH_AT"
@@ -36,8 +34,7 @@ class OutputFolderError(FileExistsError, ValueError):
 
 
 def check_replaceable(folder: Path) -> None:
-    """Raise `OutputFolderError` unless `folder` is one hf-vit wrote: an hf-vit config.json and only the files hf-vit
-    writes (`hf_vit.outputs.files.is_run_file`), no sub-folders, no symlinks."""
+    """Raise `OutputFolderError` unless hf-vit wrote `folder` (its config, its files only)."""
     config = folder / "config.json"
     hint = "Move it away, delete it yourself, or choose another --output."
     if not config.is_file() or config.is_symlink():
@@ -78,12 +75,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def clean_leftovers(target: Path) -> list[str]:
-    """Tidy what a killed run left beside `target`; returns what was done, one line each.
-
-    An aside folder (`.<name>.hf-vit-old-<pid>`) of a dead process is the complete old result: it is moved back when
-    the target is missing (the run died between its two renames), else deleted (the new result is in place). Staging
-    folders of dead processes are deleted. Folders of live processes are left to them.
-    """
+    """Tidy what dead runs left beside `target` (an aside folder restored or removed); lines done."""
     pattern = re.compile(rf"\.{re.escape(target.name)}\.({_STAGING}|{_ASIDE})-(\d+)(-[A-Za-z0-9_]+)?")
     if not target.parent.is_dir():
         return []
@@ -106,11 +98,16 @@ def clean_leftovers(target: Path) -> list[str]:
     return done
 
 
+def _existing_ancestor(path: Path) -> Path:
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    return above
+
+
 def _check_writable(target: Path) -> None:
     """Fail now, before any work, when the folder that will hold `target` cannot be written to."""
-    ancestor = target.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
+    ancestor = _existing_ancestor(target)
     if not ancestor.is_dir():
         raise OutputFolderError(f"{ancestor} is a file, so {target} cannot be created there; choose another --output.")
     # An existing empty target receives the files itself (see `_install`), so it must be writable too.
@@ -136,22 +133,13 @@ def overlap(source: Path, target: Path) -> str | None:
     return None
 
 
-def local_data_folder(dataset_name: str | os.PathLike | None) -> Path | None:
-    """The resolved folder of a local data set (an image folder or a saved one); None for digits or a Hub id."""
-    if not dataset_name:
-        return None
-    folder = Path(dataset_name).expanduser()
-    return folder.resolve() if folder.is_dir() else None
-
-
 def check_outside_data_set(
     output: str | os.PathLike, dataset_name: str | os.PathLike | None, flag: str = "--output_dir"
 ) -> None:
-    """Refuse an output folder that is, or lies inside, the local data set `dataset_name`, before any work: its files
-    would join the user's data (an image folder holding them no longer loads)."""
-    data = local_data_folder(dataset_name)
-    if data is None:
+    """Refuse an output folder that is, or lies inside, the local data set `dataset_name`, before any work."""
+    if not dataset_name or not Path(dataset_name).expanduser().is_dir():  # digits or a Hub id
         return
+    data = Path(dataset_name).expanduser().resolve()
     target = Path(output).expanduser().resolve()
     if target == data or data in target.parents:
         where = "is" if target == data else "lies inside"
@@ -162,8 +150,7 @@ def check_outside_data_set(
 
 
 def check_not_the_base(output_dir: str | os.PathLike, model_name_or_path: str | os.PathLike | None) -> None:
-    """Refuse, before any work, a training run's `--output_dir` that is the local folder of the model it starts from:
-    the new model would replace the one it was made from (as hf-vit-convert, -resize and -export refuse)."""
+    """Refuse, before any work, a `--output_dir` that is the local folder of the model the run starts from."""
     if not model_name_or_path or not Path(model_name_or_path).expanduser().is_dir():
         return
     base = Path(model_name_or_path).expanduser().resolve()
@@ -178,8 +165,7 @@ _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".t
 
 
 def _image_folder_of(image: Path, target: Path) -> Path | None:
-    """The image folder (`root/<label>/<file>`) `image` belongs to, or None: the folder above its own holds nothing
-    but folders of image files (hidden entries and the branch `target` is on aside), as an image folder's root."""
+    """The image folder (`root/<label>/<file>`) `image` belongs to, or None."""
     root = image.parent.parent
     if root == image.parent:
         return None
@@ -202,8 +188,7 @@ def _image_folder_of(image: Path, target: Path) -> Path | None:
 def check_outside_image_folders(
     output: str | os.PathLike, images: Iterable[str | os.PathLike], flag: str = "--output"
 ) -> None:
-    """Refuse, before any work, an output folder that is or lies inside the image folder (`root/<label>/<file>`) of
-    one of `images`: the images written there would join the data set, as a class of their own."""
+    """Refuse, before any work, an output folder that is or lies inside the image folder of one of `images`."""
     target = Path(output).expanduser().resolve()
     for image in images:
         root = _image_folder_of(Path(image).expanduser().resolve(), target)
@@ -217,12 +202,9 @@ def check_outside_image_folders(
 def check_output_dir(
     output_dir: str | os.PathLike, overwrite: bool = False, inputs: Iterable[str | os.PathLike] = ()
 ) -> Path:
-    """`output_dir` as an absolute Path, checked before any work is done; else `OutputFolderError`.
-
-    It must not be, contain, or lie inside any of `inputs`; it must be a folder (or not exist yet) in a writable
-    place; a non-empty folder needs `overwrite` and must be one hf-vit wrote (see `check_replaceable`). Leftovers of
-    a killed earlier run beside it are cleaned first (see `clean_leftovers`).
-    """
+    """`output_dir` as an absolute Path, checked before any work (else `OutputFolderError`): not overlapping any of
+    `inputs`, a folder or nothing in a writable place, non-empty only with `overwrite` and if hf-vit wrote it; a
+    killed run's leftovers beside it are cleaned first."""
     target = Path(output_dir).expanduser().resolve()
     if target == target.parent:
         raise OutputFolderError(f"{output_dir} is the filesystem root; choose a folder for the output.")
@@ -253,8 +235,7 @@ def _crash_point(step: str) -> None:
 
 
 def give_umask_modes(folder: Path) -> None:
-    """The modes a plain `open`/`mkdir` would have given `folder` and what it holds, under the user's umask: a
-    staging folder is made private (mkdtemp's 0700) while it is written, and that privacy must not outlive it."""
+    """Give `folder` and what it holds the modes the user's umask gives (a staging folder is made private)."""
     mask = current_umask()
     for path in (folder, *folder.rglob("*")):
         if not path.is_symlink():
@@ -297,13 +278,9 @@ def write_converted_folder(
     overwrite: bool = False,
     inputs: Iterable[str | os.PathLike] = (),
 ) -> Path:
-    """Call `save(staging_dir)` and move the result to `output_dir` only if it returns without error; returns the
-    absolute output path.
-
-    The output is checked first (`check_output_dir`). The new folder is written to a staging folder beside the target;
-    an existing target is renamed aside, the new one renamed in, then the old one deleted: at every instant one
-    complete result is at or beside the target, and a failed conversion leaves the target as it was.
-    """
+    """Call `save(staging_dir)` and move the result to `output_dir` (checked first) only if it succeeds; returns the
+    absolute path. An existing target is renamed aside, the new one renamed in, the old one deleted: one complete
+    result exists at every instant."""
     inputs = list(inputs)
     target = check_output_dir(output_dir, overwrite, inputs)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -318,18 +295,12 @@ def write_converted_folder(
     return target
 
 
-# A training run's --output_dir: Trainer writes into it in place (checkpoints, the final model), so it is claimed and
-# checked rather than staged.
-
-
 class OutputDirError(FileExistsError):
-    """`--output_dir` cannot be used as it is; the message names the entry that blocks it and what to do."""
+    """A run's `--output_dir` (written in place by Trainer, so claimed, not staged) cannot be used as it is."""
 
 
 def _blocking_entries(folder: Path) -> list[str]:
-    """Entries a run would write through or delete without having written them: a symlink under a name the run
-    writes (the card, results, model files: the bytes would land in the link's target), and a `checkpoint-N`
-    entry that is a symlink or holds anything a checkpoint does not (Trainer's rotation deletes old checkpoints)."""
+    """Entries a run would write through or delete unwritten: symlinks, foreign `checkpoint-N`."""
     problems = []
     for entry in sorted(folder.iterdir()):
         if entry.is_symlink() and (is_run_file(entry.name) or CHECKPOINT_FOLDER.fullmatch(entry.name)):
@@ -352,31 +323,25 @@ def check_no_file_in_the_way(folder: str | os.PathLike, flag: str = "--output_di
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise OutputDirError(f"{flag} {folder} is a file; pass a folder.")
-    above = folder.parent
-    while not above.exists() and above != above.parent:
-        above = above.parent
+    above = _existing_ancestor(folder)
     if above.exists() and not above.is_dir():
         raise OutputDirError(f"{flag} {folder}: {above} is a file, so no folder can be made there; pass a folder.")
 
 
 def held_entries(output_dir: str | os.PathLike) -> list[str]:
-    """The names of what the folder `output_dir` holds that a run must not write over unasked: every entry but a run's
-    lock, and but the record of an earlier run when it is all there is (a run stopped before it wrote anything, by a
-    corrupt image say: its folder is its rerun's), with what a killed write of that record left beside it."""
+    """What `output_dir` holds that a run must not write over unasked (its lock and lone record aside)."""
     folder, own = Path(output_dir), (LOCK_FILE, f".{RUN_RECORD_FILE}.partial")
     entries = sorted(p.name for p in folder.iterdir() if p.name not in own) if folder.is_dir() else []
     return [] if entries == [RUN_RECORD_FILE] and read_record(folder) is not None else entries
 
 
 def resumes_in_place(output_dir: str | os.PathLike, checkpoint: str | os.PathLike | None) -> bool:
-    """Whether `checkpoint` (what `--resume_from_checkpoint` names) lies in `output_dir`: the run continues there.
-    From anywhere else, the run is a new one in `output_dir`, and the folder is checked as for any new run."""
+    """Whether `checkpoint` (`--resume_from_checkpoint`) lies in `output_dir`, so the run continues there."""
     return checkpoint is not None and Path(output_dir).resolve() in Path(checkpoint).resolve().parents
 
 
 def output_dir_advice(folder: str | os.PathLike, resumable: bool) -> str:
-    """What lets a run use the non-empty `folder`, naming only what would work there: `resumable` says whether it
-    holds a complete checkpoint to resume."""
+    """What lets a run use the non-empty `folder` (`resumable`: it holds a complete checkpoint)."""
     ways = ["pass --resume_from_checkpoint True to continue the run whose checkpoints it holds"] if resumable else []
     if not _blocking_entries(Path(folder)) and unrecorded_files_problem(folder) is None:
         ways.append(
@@ -395,16 +360,9 @@ def claim_output_dir(
     main_process: bool,
     latest_checkpoint: Callable[[str | os.PathLike], str | None] | None = None,
 ) -> IO[Any] | None:
-    """Check that a run may write into `output_dir` and lock it against a second run; returns the lock's file
-    (close it and remove it to release, see `release`) or None on processes other than the main one.
-
-    A folder holding files (`held_entries`) is refused unless the run resumes a checkpoint of its own (in the folder:
-    `resume_from` elsewhere makes a new run there) or `overwrite` says what to do with them, as transformers' example
-    scripts refuse it; the refusal's advice asks `latest_checkpoint` (`resumable_checkpoint`) whether resuming
-    would work. Even then, symlinks the run would write through and `checkpoint-N` folders that are not checkpoints
-    are refused by name, and `overwrite` is refused for files under names hf-vit writes that no run's record lists
-    (`hf_vit.outputs.run_record`): the new run removes an earlier run's files, and only those.
-    """
+    """Check that a run may write into `output_dir` and lock it (the lock's file, see `release`; None off the main
+    process): files in it need a resume of its own checkpoint or `overwrite` (of recorded files only), and symlinks
+    or foreign `checkpoint-N` folders are refused by name."""
     folder = Path(output_dir)
     if folder.is_symlink() and not folder.is_dir():
         raise OutputDirError(f"--output_dir {folder} is a broken symlink; pass a folder.")
@@ -465,9 +423,8 @@ def release(lock: IO[Any] | None) -> None:
         lock.close()
 
 
-# A lock held by `flock` lasts while any process holds its file open, and forked processes (data loader workers)
-# inherit it: without this, a run killed while its workers were still exiting would keep its folder locked. The
-# run's own process alone holds it.
+# A `flock` lasts while any process holds its file open, forked data loader workers too: a run killed while they
+# exit would keep its folder locked. Only the run's own process holds it.
 _held_locks: set[IO[Any]] = set()
 
 
@@ -482,10 +439,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def remove_earlier_checkpoints(output_dir: str | os.PathLike, keep: str | os.PathLike | None = None) -> None:
-    """`--overwrite_output_dir`: remove the earlier run's `checkpoint-N` folders (left there, a later one would be
-    what `--resume_from_checkpoint True` picks), once the new run has loaded its data and model, so that a run that
-    fails to start deletes nothing. Only real checkpoints are removed (see `claim_output_dir`); the checkpoint the
-    model was loaded from (`keep`) stays."""
+    """`--overwrite_output_dir`: remove an earlier run's real checkpoints (but `keep`)."""
     keep = Path(keep).resolve() if keep is not None and Path(keep).exists() else None
     for path in Path(output_dir).iterdir():
         if not CHECKPOINT_FOLDER.fullmatch(path.name) or path.is_symlink() or not path.is_dir():

@@ -24,11 +24,7 @@ def pyplot():
 
 
 def save_figure(fig, path: str | os.PathLike, title: str | None = None, dpi: int = 100) -> Path:
-    """Title, lay out and write `fig` to `path` (parent folders created), then close it.
-
-    The figure is written beside `path` and renamed over it (`write_beside`): a failed write (a full disk) leaves the
-    old file or none, never a truncated one.
-    """
+    """Title, lay out and write `fig` to `path` through `write_beside` (parent folders created), then close it."""
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -43,8 +39,7 @@ def save_figure(fig, path: str | os.PathLike, title: str | None = None, dpi: int
 def plot_training_curves(
     log_history: Sequence[dict], path: str | os.PathLike, title: str | None = None
 ) -> Path | None:
-    """Write a PNG with the training and validation loss (left) and the validation accuracy (right) per step; without
-    matplotlib (the `plot` extra), log one line and draw nothing."""
+    """A PNG of losses and validation accuracy per step; without matplotlib, one log line."""
     try:
         plt = pyplot()
     except ModuleNotFoundError:
@@ -102,9 +97,7 @@ def plot_embedding_analysis(
     patch_size: int | None = None,
     title: str | None = None,
 ) -> Path:
-    """The paper's Figure 7 in three panels: principal components of the patch-embedding filters `(K, P, P, 3)` in
-    [0, 1] (left), position-embedding cosine similarity `(rows, cols, rows, cols)` (centre), and mean attention
-    distance in pixels `(layers, heads)` against depth, one dot per head (right)."""
+    """The paper's Figure 7: filters' components, position similarity, attention distances."""
     import numpy as np
 
     plt = pyplot()
@@ -149,9 +142,7 @@ def plot_attention_rollout(
     captions: Sequence[str] | None = None,
     title: str | None = None,
 ) -> Path:
-    """The paper's Figure 6 for `(N, H, W, 3)` images in [0, 1] and their attention rollout maps `(N, H, W)` (already
-    resized to the images), one column per image: the input, the map (scaled to a maximum of 1 per image), and the
-    input weighted by the map as the paper shows it."""
+    """The paper's Figure 6: each image, its rollout map and the image weighted by it."""
     import numpy as np
 
     plt = pyplot()
@@ -179,9 +170,7 @@ def plot_attention_rollout(
 def plot_compute_dial(
     rows: Sequence[dict], path: str | os.PathLike, metric: str = "accuracy", title: str | None = None
 ) -> Path:
-    """The compute dial of one checkpoint: `metric` against the tokens per image (left: rows of series "tokens",
-    native-aspect batches of at most K patches, each point labelled K) and against the patch size (right: series
-    "patch_size", each point labelled with its tokens per image). A panel without rows says so."""
+    """The compute dial: `metric` against tokens per image and against the patch size."""
     plt = pyplot()
     fig, (tokens_ax, patch_ax) = plt.subplots(1, 2, figsize=(10, 4))
     tokens = sorted((row for row in rows if row["series"] == "tokens"), key=lambda row: row["tokens_per_image"])

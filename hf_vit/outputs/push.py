@@ -1,7 +1,5 @@
 """Pushing a folder to the Hub: an explicit list of the files this project writes (`hf_vit.outputs.files`), checked
-for symlinks and local paths before anything is sent, in one commit. A run's Trainer (`hf_vit.train.trainer`) sends
-every push of a run through the same plan.
-"""
+for symlinks and local paths before anything is sent, in one commit; a run's pushes go through the same plan."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ class HubPushError(OSError):
 
 @dataclass(frozen=True)
 class UploadFile:
-    """One file of an upload: where it goes in the repository, where it comes from, and the bytes sent instead of
-    the file's own when the project corrects a copy (the card's repository id, a checkpoint's state)."""
+    """One file of an upload: its place in the repository, its source, corrected bytes if any."""
 
     path_in_repo: str
     source: Path
@@ -68,8 +65,7 @@ def _plain_file(path: Path, name: str) -> bool:
 
 
 def _weights(folder: Path, only: Collection[str] | None = None) -> list[str]:
-    """The safetensors weights: `model.safetensors`, or the shards named by its index and the index itself, or a
-    LoRA adapter; with `only`, among the files it names."""
+    """The safetensors weights (single, sharded with index, or a LoRA adapter); with `only`, named."""
 
     def available(path: Path, name: str) -> bool:
         return (only is None or name in only) and _plain_file(path, name)
@@ -170,14 +166,9 @@ def plan_upload(
     card: bool = True,
     only: Collection[str] | None = None,
 ) -> list[UploadFile]:
-    """Exactly what pushing `folder` sends, checked, without touching the network.
-
-    The project's files (`upload_file_names()` and the safetensors weights) at the top level of `folder` (with
-    `only`, those it names: what a run wrote, so that nothing an earlier run left is published), plus the files the
-    user names in `extra_files`. A symlink among them is an error, since the bytes sent would be its
-    target's. The card goes as a copy naming `repo_id`. Any text file naming an absolute path is an error naming the
-    file and the path. The user's files are never modified. `card=False` (a checkpoint's model files) expects no card.
-    """
+    """Exactly what pushing `folder` sends, checked, offline: the project's files at its top level (with `only`,
+    those named), plus the user's `extra_files`; the card as a copy naming `repo_id` (`card=False`: none expected).
+    A symlink, or a text file naming an absolute path, is an error; the user's files are never modified."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder: pass the folder that a training run or script wrote.")
@@ -200,26 +191,21 @@ def plan_upload(
 
 
 def plan_checkpoint_upload(checkpoint: str | os.PathLike, path_in_repo: str) -> list[UploadFile]:
-    """What a checkpoint push (`--hub_strategy checkpoint` or `all_checkpoints`) sends under `path_in_repo`: the
-    checkpoint's model files and the state a run resumes from (optimizer, scheduler, random states, trainer state
-    with checkpoint paths reduced to their folder names). Never `training_args.bin`."""
+    """What a checkpoint push sends under `path_in_repo` (never `training_args.bin`)."""
     folder = Path(checkpoint)
     plan = [
         UploadFile(f"{path_in_repo}/{item.path_in_repo}", item.source, item.content)
         for item in plan_upload(folder, card=False)
     ]
     for entry in sorted(folder.iterdir()):
-        name = entry.name
-        if not (name in RESUME_FILES or RESUME_FILE_PATTERN.fullmatch(name) or name == TRAINER_STATE_FILE):
+        name, text = entry.name, None
+        resumed = name in RESUME_FILES or RESUME_FILE_PATTERN.fullmatch(name) or name == TRAINER_STATE_FILE
+        if not resumed or not _plain_file(entry, name):
             continue
-        if not _plain_file(entry, name):
-            continue
-        text = None
         if name == TRAINER_STATE_FILE:
             state = json.loads(entry.read_text())
-            for key in ("best_model_checkpoint",):
-                if isinstance(state.get(key), str):
-                    state[key] = Path(state[key]).name
+            if isinstance(state.get("best_model_checkpoint"), str):
+                state["best_model_checkpoint"] = Path(state["best_model_checkpoint"]).name
             text = json.dumps(state, indent=2, sort_keys=True) + "\n"
         plan.append(_checked(folder, name, f"{path_in_repo}/{name}", text))
     return plan
@@ -244,8 +230,7 @@ def _hub_call(what: str, repo_id: str, call):
 
 
 def create_repo(repo_id: str, *, token: str | None = None, private: bool | None = None) -> str:
-    """Create (or find) the model repository; returns its full id (a bare name lands in the token owner's
-    namespace)."""
+    """Create (or find) the model repository; returns its full id."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
@@ -280,17 +265,8 @@ def commit_plan(
             )
             for item in plan
         ]
-        commit = _hub_call(
-            "push to",
-            repo_id,
-            lambda: api.create_commit(
-                repo_id=repo_id,
-                operations=operations,
-                commit_message=commit_message,
-                revision=revision,
-                repo_type="model",
-            ),
-        )
+        options = {"commit_message": commit_message, "revision": revision, "repo_type": "model"}
+        commit = _hub_call("push to", repo_id, lambda: api.create_commit(repo_id, operations, **options))
     return str(getattr(commit, "commit_url", commit))
 
 
@@ -304,8 +280,7 @@ def push_folder_to_hub(
     revision: str | None = None,
     extra_files: Iterable[str | os.PathLike] = (),
 ) -> str:
-    """Push an hf-vit folder to the Hub in one commit of exactly the files `plan_upload` lists (logged at INFO);
-    returns the commit URL. Everything is checked before anything reaches the network."""
+    """Push an hf-vit folder in one commit of exactly `plan_upload`'s files; the commit URL."""
     if not repo_id:
         raise ValueError("Pushing needs a repository id: pass --hub_model_id <user or org>/<name>.")
     plan = plan_upload(folder, repo_id, extra_files)

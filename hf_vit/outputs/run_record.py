@@ -1,10 +1,6 @@
-"""A training run's record in its `--output_dir` (`hf_vit_run.json`, never pushed): the files the run wrote there,
-the files it found there and left alone, and how its splits were made.
-
-Three things read it: `--overwrite_output_dir` removes exactly the files an earlier run wrote (never a file it did
-not write), the run's push sends exactly what this run wrote, and evaluate and resize measure "validation" on the
-images the run held out (`hf_vit.infer.evaluate.recorded_source`).
-"""
+"""A training run's record in its `--output_dir` (`hf_vit_run.json`, never pushed): the files the run wrote, those
+it found and left, and how its splits were made; read by `--overwrite_output_dir`, by the run's push and by evaluate
+and resize ("validation" on the images the run held out)."""
 
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ def read_record(folder: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def _project_files(folder: Path) -> dict[str, _Signature]:
-    """The plain files at the top of `folder` under names hf-vit writes (the lock and the record aside), each with a
-    signature that changes when the file is written again."""
+    """The plain files of `folder` under names hf-vit writes, each with a signature."""
     found = {}
     for entry in folder.iterdir() if folder.is_dir() else ():
         if entry.name in (LOCK_FILE, RUN_RECORD_FILE) or not is_run_file(entry.name) or entry.is_symlink():
@@ -50,9 +45,7 @@ def _project_files(folder: Path) -> dict[str, _Signature]:
 
 
 def earlier_run_files(folder: str | os.PathLike) -> list[str] | None:
-    """The files of `folder` an earlier run wrote, by its record: those it listed as written, and those under names
-    hf-vit writes that appeared after it started (a run that was killed before it could list them). None when
-    `folder` holds files under names hf-vit writes but no record: who wrote them cannot be told."""
+    """The files of `folder` an earlier run wrote, by its record; None without a record."""
     folder = Path(folder)
     present = _project_files(folder)
     record = read_record(folder)
@@ -63,8 +56,7 @@ def earlier_run_files(folder: str | os.PathLike) -> list[str] | None:
 
 
 def unrecorded_files_problem(folder: str | os.PathLike) -> str | None:
-    """Why `--overwrite_output_dir` cannot clear `folder` safely (files hf-vit might have written, with no record
-    saying so), or None."""
+    """Why `--overwrite_output_dir` cannot clear `folder` safely, or None."""
     folder = Path(folder)
     if earlier_run_files(folder) is not None:
         return None
@@ -78,8 +70,7 @@ def unrecorded_files_problem(folder: str | os.PathLike) -> str | None:
 
 
 def remove_earlier_run_files(folder: str | os.PathLike) -> list[str]:
-    """`--overwrite_output_dir`: remove the files an earlier run wrote (`earlier_run_files`), so that the folder
-    holds only what the new run writes; returns their names. Nothing without a record is removed."""
+    """`--overwrite_output_dir`: remove what an earlier run recorded writing; their names."""
     folder = Path(folder)
     names = earlier_run_files(folder) or []
     for name in names:
@@ -90,9 +81,7 @@ def remove_earlier_run_files(folder: str | os.PathLike) -> list[str]:
 
 
 class RunRecord:
-    """What one run writes into its folder, recorded as it goes: `start` (once the earlier run's files are gone)
-    notes what the folder holds and how the splits were made; `written` is what the run has written since; `finish`
-    records it. A resumed run keeps the files its earlier part recorded."""
+    """What one run writes into its folder: `start`, `written` as it goes, then `finish`."""
 
     def __init__(self, folder: str | os.PathLike, splits: dict[str, Any], resuming: bool = False) -> None:
         self.folder = Path(folder)
