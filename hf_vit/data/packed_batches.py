@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import io
 import math
-import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import PIL.Image
@@ -40,7 +39,7 @@ import torch
 from ..model.image_processing_vit import best_fit_decreasing, grid_for_max_patches, load_images
 from .augment.train_transform import kept_patch_count
 from .seeding import seeded_generator
-from .transforms import BatchSizes, CorruptImageError, decode_image
+from .transforms import BatchSizes, CorruptImageError, decode_image, encoded_image
 
 __all__ = [
     "CPU_PACKING_BREAK_EVEN",
@@ -65,11 +64,7 @@ def image_size(image: Any) -> tuple[int, int]:
     An encoded image's EXIF orientation is not applied (a PNG's may sit after its pixels): turning an image swaps its
     grid's rows and columns, not its number of patches. Raises `CorruptImageError` naming the file when it cannot be
     opened."""
-    if isinstance(image, (str, os.PathLike)):
-        image = {"path": os.fspath(image), "bytes": None}
-    elif isinstance(image, (bytes, bytearray, memoryview)):
-        image = {"path": None, "bytes": bytes(image)}
-    data, path = (image.get("bytes"), image.get("path")) if isinstance(image, Mapping) else (None, None)
+    path, data = encoded_image(image)
     if data is not None or (path is not None and "://" not in path):
         source = path or f"{len(data)} bytes of image data"
         try:
