@@ -7,7 +7,6 @@ geometry (sizes, resizing, the centre crop, native-aspect grids) is its sibling 
 
 import bisect
 import copy
-import inspect
 import io
 import math
 import numbers
@@ -103,6 +102,22 @@ def _check_rescale_and_normalization(
 
 def _float_or_list(value: float | Sequence[float]) -> float | list[float]:
     return float(value) if isinstance(value, numbers.Real) else [float(v) for v in value]
+
+
+def _checked_options(o: dict[str, Any]) -> dict[str, Any]:
+    """The processor's options `o` checked and normalised: sizes as dicts, `resample` as a filter, floats."""
+    sizes = {"size": size_dict(o["size"], "size", shortest_edge=True), "resample": to_resampling(o["resample"])}
+    sizes["crop_size"] = size_dict(o["crop_size"], "crop_size")
+    _check_rescale_and_normalization(o["rescale_factor"], o["image_mean"], o["image_std"])
+    _check_native(o["max_num_patches"], o["patch_size"], o["do_center_crop"])
+    _check_packing(o["max_num_patches"], o["packed_sequence_length"])
+    return {
+        **o,
+        **sizes,
+        "rescale_factor": float(o["rescale_factor"]),
+        "image_mean": _float_or_list(o["image_mean"]),
+        "image_std": _float_or_list(o["image_std"]),
+    }
 
 
 def open_image(source: bytes | bytearray | memoryview | str | os.PathLike) -> PIL.Image.Image:
@@ -439,56 +454,30 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.do_convert_rgb = do_convert_rgb
-        self.do_resize = do_resize
-        self.size = size_dict(224 if size is None else size, "size", shortest_edge=True)
-        self.resample = to_resampling(resample)
-        self.do_center_crop = do_center_crop
-        self.crop_size = size_dict(224 if crop_size is None else crop_size, "crop_size")
-        self.do_rescale = do_rescale
-        self.rescale_factor = float(rescale_factor)
-        self.do_normalize = do_normalize
-        self.image_mean = _float_or_list([0.5, 0.5, 0.5] if image_mean is None else image_mean)
-        self.image_std = _float_or_list([0.5, 0.5, 0.5] if image_std is None else image_std)
-        _check_rescale_and_normalization(self.rescale_factor, self.image_mean, self.image_std)
-        self.max_num_patches = max_num_patches
-        self.patch_size = patch_size
-        self.packed_sequence_length = packed_sequence_length
-        _check_native(max_num_patches, patch_size, do_center_crop)
-        _check_packing(max_num_patches, packed_sequence_length)
+        given = {name: value for name, value in locals().items() if name in _CALL_OPTIONS}
+        given["size"], given["crop_size"] = (224 if value is None else value for value in (size, crop_size))
+        for name in ("image_mean", "image_std"):
+            given[name] = [0.5, 0.5, 0.5] if given[name] is None else given[name]
+        for name, value in _checked_options(given).items():
+            setattr(self, name, value)
 
     def with_options(self, **options: Any) -> "VisionTransformerImageProcessor":
         """A new processor: this one with `options` (its constructor's) changed, checked as the constructor checks
         them, e.g. `with_options(max_num_patches=None, packed_sequence_length=None)` for whole images at its size.
         This one is left as it is."""
-        names = inspect.signature(type(self).__init__).parameters
-        unknown = sorted(name for name in options if name not in names or name in ("self", "kwargs"))
+        unknown = sorted(set(options) - set(_CALL_OPTIONS))
         if unknown:
             raise TypeError(f"{type(self).__name__} has no option(s) {unknown}.")
         changed = copy.deepcopy(self)
-        for name, value in options.items():
+        for name, value in _checked_options(
+            {**{name: getattr(self, name) for name in _CALL_OPTIONS}, **options}
+        ).items():
             setattr(changed, name, value)
-        _check_native(changed.max_num_patches, changed.patch_size, changed.do_center_crop)
-        _check_packing(changed.max_num_patches, changed.packed_sequence_length)
         return changed
 
     def preprocess(
         self,
         images: Any,
-        do_convert_rgb: bool | None = None,
-        do_resize: bool | None = None,
-        size: int | Sequence[int] | dict[str, int] | None = None,
-        resample: PILImageResampling | int | str | None = None,
-        do_center_crop: bool | None = None,
-        crop_size: int | Sequence[int] | dict[str, int] | None = None,
-        do_rescale: bool | None = None,
-        rescale_factor: float | None = None,
-        do_normalize: bool | None = None,
-        image_mean: float | Sequence[float] | None = None,
-        image_std: float | Sequence[float] | None = None,
-        max_num_patches: int | None = None,
-        patch_size: int | None = None,
-        packed_sequence_length: int | None = None,
         return_tensors: str | TensorType | None = None,
         input_data_format: str | ChannelDimension | None = None,
         device: str | torch.device | None = None,
@@ -496,7 +485,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     ) -> BatchFeature:
         """Preprocess an image or a batch of images into `pixel_values`.
 
-        Options left as None take this processor's values (see the class docstring). Besides them:
+        `kwargs` are this processor's options (see the class docstring); those left out or None take its values.
 
         Args:
             images: one image or a (nested) list of images, in any form listed in the class docstring.
@@ -506,13 +495,15 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                 inferred from where the 1, 3 or 4 channels are when None.
             device: process (and return "pt" tensors) on this device, e.g. "cuda".
         """
-        unsupported = sorted(key for key, value in kwargs.items() if value is not None)
+        unsupported = sorted(key for key, value in kwargs.items() if value is not None and key not in _CALL_OPTIONS)
         if unsupported:
             raise TypeError(f"{type(self).__name__} got unsupported argument(s) {unsupported}.")
         return_tensors = None if return_tensors is None else TensorType(return_tensors)
         if return_tensors not in (None, TensorType.PYTORCH, TensorType.NUMPY):
             raise ValueError(f"return_tensors must be 'pt', 'np' or None, got {return_tensors!r}.")
-        o = self._call_options({name: value for name, value in locals().items() if name in _CALL_OPTIONS})
+        o = _checked_options(
+            {name: getattr(self, name) if kwargs.get(name) is None else kwargs[name] for name in _CALL_OPTIONS}
+        )
         tensors = load_images(images, o["do_convert_rgb"], input_data_format)
         groups = _same_size_groups(tensors)  # processed as one batch each: one interpolate call per group
         processed = [None] * len(tensors)
@@ -551,17 +542,6 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         if o["max_num_patches"] is not None:  # one image alone is the native-aspect batch of one, packed or not
             return native_patch_batch(processed, o["patch_size"], o["max_num_patches"], return_tensors)
         return _whole_image_batch(processed, return_tensors)
-
-    def _call_options(self, given: dict[str, Any]) -> dict[str, Any]:
-        """A `preprocess` call's options: those given, this processor's where None; normalised and checked."""
-        o = {name: getattr(self, name) if value is None else value for name, value in given.items()}
-        o["size"] = size_dict(o["size"], "size", shortest_edge=True)
-        o["resample"] = to_resampling(o["resample"])
-        o["crop_size"] = size_dict(o["crop_size"], "crop_size")
-        _check_rescale_and_normalization(o["rescale_factor"], o["image_mean"], o["image_std"])
-        _check_native(o["max_num_patches"], o["patch_size"], o["do_center_crop"])
-        _check_packing(o["max_num_patches"], o["packed_sequence_length"])
-        return o
 
     def normalize_batch(self, images: torch.Tensor) -> torch.Tensor:
         """Rescale and normalise a `[N, C, H, W]` batch with this processor's settings (no resizing).
