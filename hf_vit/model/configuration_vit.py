@@ -18,6 +18,7 @@ from transformers.backbone_utils import BackboneConfigMixin
 
 from .loading import open_foreign
 from .resolution import MAX_PATCH_POSITIONS, height_width
+from .resolution import MODES as INTERPOLATION_MODES  # how position embeddings are resampled to another grid
 
 # Width, depth, MLP size and heads of the paper's Table 1 (Base, Large, Huge) and of the DeiT/AugReg Tiny and Small.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -31,8 +32,6 @@ PATCH_SIZES = (8, 14, 16, 32)
 # How the image representation `y` of equation (4) is pooled: the class token, the average of the patch tokens, or
 # multi-head attention pooling ("map", SigLIP's and big_vision's head, `pooling.py`).
 CLASSIFIERS = ("token", "gap", "map")
-# How position embeddings are resampled to another grid (`resolution.py`).
-INTERPOLATION_MODES = ("bicubic", "bilinear")
 # Stage depths of the hybrids' ResNet stems (section 3.1), by stem and effective patch size, as the authors' code
 # defines them: R50 with stage 4 removed and its units moved to stage 3 (stride 16), the full R50 (stride 32), and the
 # R26 of their later releases (four stages of two units, stride 32).
