@@ -196,20 +196,21 @@ def _pil_to_array(image: PIL.Image.Image, do_convert_rgb: bool, index: int) -> n
 
 def _to_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
     """Wrap an array as a tensor without copying when possible; 16-bit (uint16) data is scaled to uint8."""
+    dtype = array.dtype
+    if dtype in (bool, torch.bool) or not isinstance(dtype, torch.dtype) and not np.issubdtype(dtype, np.number):
+        raise TypeError(f"Unsupported image dtype {dtype}: use uint8 (0-255) or float pixel values.")
     if isinstance(array, np.ndarray):
-        if array.dtype == bool or not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array):
-            raise TypeError(f"Unsupported image dtype {array.dtype}: use uint8 (0-255) or float pixel values.")
-        if array.dtype == np.uint16:
+        if dtype == np.uint16:
             array = sixteen_to_eight_bit(array)
         if not (array.flags.writeable and array.dtype.isnative and all(s >= 0 for s in array.strides)):
             array = np.array(array, dtype=array.dtype.newbyteorder("="))  # layouts torch.from_numpy rejects
         tensor = torch.from_numpy(array)
     else:
         tensor = array.detach()
-        if tensor.dtype == torch.bool or tensor.is_complex():
-            raise TypeError(f"Unsupported image dtype {tensor.dtype}: use uint8 (0-255) or float pixel values.")
         if tensor.dtype == torch.uint16:
             tensor = torch.from_numpy(sixteen_to_eight_bit(tensor.cpu().to(torch.int32).numpy())).to(tensor.device)
+    if tensor.is_complex():
+        raise TypeError(f"Unsupported image dtype {dtype}: use uint8 (0-255) or float pixel values.")
     return tensor
 
 
@@ -355,16 +356,9 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     batches `[N, C, H, W]`/`[N, H, W, C]`; uint8 0-255 or floats), bytes of an encoded image file, paths to image
     files, or a (nested) list of these, of any mix of sizes.
 
-    Decoding and colour conversion are `load_images`, which the training and evaluation transforms of
-    `hf_vit.data.transforms` call too, so a model sees the same pixels in training and inference:
-
-    * EXIF orientation is applied to every PIL image, whether this processor opened it or you did, so photos are
-      seen upright as in any viewer.
-    * Transparency (RGBA, LA, P with a transparent colour, RGBA arrays) is composited onto white.
-    * 16-bit images (PIL modes `I;16*`, mode `I` holding 0..65535, uint16 arrays) are scaled to 8 bits by
-      rounding `value / 257` (65535 -> 255), so they come out with the brightness of their 8-bit versions. Other
-      integer arrays must hold 0..255.
-    * NaN or infinite values, and options that would produce them (`image_std` 0), raise a `ValueError`.
+    Decoding and colour conversion are `load_images` (EXIF orientation, transparency onto white, 16-bit data scaled
+    to 8 bits, NaN refused), which the training and evaluation transforms of `hf_vit.data.transforms` call too, so a
+    model sees the same pixels in training and inference.
 
     Args:
         do_convert_rgb (`bool`, *optional*, defaults to `True`):
@@ -523,12 +517,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                 batch = center_crop_images(batch, (o["crop_size"]["height"], o["crop_size"]["width"]))
             if o["do_convert_rgb"] and batch.shape[1] == 1:
                 batch = batch.expand(-1, 3, -1, -1)
-            batch = rescale_and_normalize(
-                batch,
-                o["rescale_factor"] if o["do_rescale"] else None,
-                o["image_mean"] if o["do_normalize"] else None,
-                o["image_std"] if o["do_normalize"] else None,
-            )
+            batch = _rescale_and_normalize_as(o, batch)
             if len(groups) == 1:
                 processed = batch
             else:
@@ -548,12 +537,16 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
 
         This is the last step of `preprocess`, for pipelines that resize and augment batches themselves.
         """
-        return rescale_and_normalize(
-            images,
-            self.rescale_factor if self.do_rescale else None,
-            self.image_mean if self.do_normalize else None,
-            self.image_std if self.do_normalize else None,
-        )
+        return _rescale_and_normalize_as(vars(self), images)
+
+
+def _rescale_and_normalize_as(o: dict[str, Any], images: torch.Tensor) -> torch.Tensor:
+    """`rescale_and_normalize` as the options `o` (`do_rescale`, `rescale_factor`, `do_normalize`, ...) say."""
+    normalize = o["do_normalize"]
+    rescale_factor = o["rescale_factor"] if o["do_rescale"] else None
+    return rescale_and_normalize(
+        images, rescale_factor, *(o[name] if normalize else None for name in ("image_mean", "image_std"))
+    )
 
 
 def _same_size_groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
@@ -576,9 +569,7 @@ def _whole_image_batch(
     processed: torch.Tensor | list[torch.Tensor], return_tensors: TensorType | None
 ) -> BatchFeature:
     """Whole images as `pixel_values`: a list of `[C, H, W]` arrays (`return_tensors` None), or one stacked batch."""
-    if return_tensors is None:
-        return BatchFeature({"pixel_values": [image.cpu().numpy() for image in processed]})
-    if not isinstance(processed, torch.Tensor):
+    if return_tensors is not None and not isinstance(processed, torch.Tensor):
         shapes = {tuple(image.shape) for image in processed}
         if len(shapes) > 1:
             raise ValueError(
@@ -586,9 +577,7 @@ def _whole_image_batch(
                 "height and width) so all images get the same size, or pass return_tensors=None to get a list."
             )
         processed = torch.stack(processed)
-    if return_tensors == TensorType.NUMPY:
-        processed = processed.cpu().numpy()
-    return BatchFeature({"pixel_values": processed}, tensor_type=return_tensors)
+    return _batch_feature({"pixel_values": processed}, return_tensors)
 
 
 def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: bool) -> None:
@@ -621,9 +610,12 @@ def _check_packing(max_num_patches: int | None, packed_sequence_length: int | No
         )
 
 
-def _native_grids(images: Sequence[torch.Tensor], patch_size: int, max_num_patches: int) -> list[tuple[int, int]]:
-    """Each image's patch grid, refusing an image that is not a grid of at most `max_num_patches` patches."""
-    grids = []
+def _native_patches(
+    images: Sequence[torch.Tensor], patch_size: int, max_num_patches: int
+) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+    """Each image's patch grid and its patches `(rows * cols, P * P * C)`, in (patch row, patch column, channel)
+    order, refusing an image that is not a grid of at most `max_num_patches` patches."""
+    grids, patches = [], []
     for index, image in enumerate(images):
         height, width = image.shape[-2:]
         rows, cols = height // patch_size, width // patch_size
@@ -633,21 +625,18 @@ def _native_grids(images: Sequence[torch.Tensor], patch_size: int, max_num_patch
                 f"{patch_size}x{patch_size} patches: leave do_resize on with max_num_patches (it chooses the grid)."
             )
         grids.append((rows, cols))
-    return grids
+        grid = image.view(image.shape[0], rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0)
+        patches.append(grid.reshape(rows * cols, -1).float())  # one strided copy
+    return grids, patches
 
 
-def _copy_patches(target: torch.Tensor, image: torch.Tensor, grid: tuple[int, int], patch_size: int) -> None:
-    """One strided copy of `image`'s patches into `target` `(rows * cols, P * P * C)`, each patch in (patch row,
-    patch column, channel) order."""
-    (rows, cols), channels = grid, image.shape[0]
-    patches = image.view(channels, rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0)
-    target.view(rows, cols, patch_size, patch_size, channels).copy_(patches)
-
-
-def _batch_feature(data: dict[str, torch.Tensor], return_tensors: str | TensorType | None) -> BatchFeature:
+def _batch_feature(
+    data: dict[str, torch.Tensor | list[torch.Tensor]], return_tensors: str | TensorType | None
+) -> BatchFeature:
+    """`data` as `return_tensors` asks: torch or numpy batches, or (None) lists of numpy arrays, one per image."""
     return_tensors = None if return_tensors is None else TensorType(return_tensors)
     if return_tensors is None:
-        return BatchFeature({name: list(value.cpu().numpy()) for name, value in data.items()})
+        return BatchFeature({name: [one.cpu().numpy() for one in value] for name, value in data.items()})
     if return_tensors == TensorType.NUMPY:
         data = {name: value.cpu().numpy() for name, value in data.items()}
     return BatchFeature(data, tensor_type=return_tensors)
@@ -662,18 +651,8 @@ def native_patch_batch(
     """Normalised `[C, H, W]` images, each a whole number of patches, as the processor's native-aspect batch: each
     image's flattened patches padded to `max_num_patches` (`pixel_values`), the padding mask and each grid (see
     `max_num_patches` in the class docstring). Training transforms that resize images themselves batch them here."""
-    grids = _native_grids(images, patch_size, max_num_patches)
-    patches = _flat_patches(images, grids, patch_size)
+    grids, patches = _native_patches(images, patch_size, max_num_patches)
     return _batch_feature(pad_patches(patches, grids, max_num_patches), return_tensors)
-
-
-def _flat_patches(images: Sequence[torch.Tensor], grids: list[tuple[int, int]], patch_size: int) -> list[torch.Tensor]:
-    """Each `[C, H, W]` image's patches `(rows * cols, P * P * C)`, in (patch row, patch column, channel) order."""
-    patches = []
-    for image, (rows, cols) in zip(images, grids):
-        patches.append(torch.empty(rows * cols, patch_size * patch_size * image.shape[0], device=image.device))
-        _copy_patches(patches[-1], image, (rows, cols), patch_size)
-    return patches
 
 
 def pad_patches(
@@ -744,8 +723,7 @@ def packed_patch_batch(
     `packed_sequence_length` patch slots by `best_fit_decreasing` (see `packed_sequence_length` in the class
     docstring). Training transforms that resize images themselves pack them here."""
     _check_packing(max_num_patches, packed_sequence_length)
-    grids = _native_grids(images, patch_size, max_num_patches)
-    patches = _flat_patches(images, grids, patch_size)
+    grids, patches = _native_patches(images, patch_size, max_num_patches)
     return _batch_feature(pack_patches(patches, grids, packed_sequence_length), return_tensors)
 
 
