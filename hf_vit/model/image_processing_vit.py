@@ -90,16 +90,6 @@ def _check_mean_std(
         raise ValueError(f"`{std_name}` must be positive (it divides the pixel values), got {std!r}.")
 
 
-def _check_rescale_and_normalization(
-    rescale_factor: float, image_mean: float | Sequence[float], image_std: float | Sequence[float]
-) -> None:
-    if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real):
-        raise ValueError(f"`rescale_factor` must be a number, got {rescale_factor!r}.")
-    if not (math.isfinite(rescale_factor) and rescale_factor > 0):
-        raise ValueError(f"`rescale_factor` must be a positive finite number, got {rescale_factor!r}.")
-    _check_mean_std(image_mean, image_std, "image_mean", "image_std")
-
-
 def _float_or_list(value: float | Sequence[float]) -> float | list[float]:
     return float(value) if isinstance(value, numbers.Real) else [float(v) for v in value]
 
@@ -108,7 +98,12 @@ def _checked_options(o: dict[str, Any]) -> dict[str, Any]:
     """The processor's options `o` checked and normalised: sizes as dicts, `resample` as a filter, floats."""
     sizes = {"size": size_dict(o["size"], "size", shortest_edge=True), "resample": to_resampling(o["resample"])}
     sizes["crop_size"] = size_dict(o["crop_size"], "crop_size")
-    _check_rescale_and_normalization(o["rescale_factor"], o["image_mean"], o["image_std"])
+    rescale_factor = o["rescale_factor"]
+    if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real):
+        raise ValueError(f"`rescale_factor` must be a number, got {rescale_factor!r}.")
+    if not (math.isfinite(rescale_factor) and rescale_factor > 0):
+        raise ValueError(f"`rescale_factor` must be a positive finite number, got {rescale_factor!r}.")
+    _check_mean_std(o["image_mean"], o["image_std"], "image_mean", "image_std")
     _check_native(o["max_num_patches"], o["patch_size"], o["do_center_crop"])
     _check_packing(o["max_num_patches"], o["packed_sequence_length"])
     return {
@@ -524,13 +519,12 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                 for position, index in enumerate(indices):
                     processed[index] = batch[position]
 
-        if o["packed_sequence_length"] is not None and len(processed) > 1:
-            return packed_patch_batch(
-                processed, o["patch_size"], o["max_num_patches"], o["packed_sequence_length"], return_tensors
-            )
-        if o["max_num_patches"] is not None:  # one image alone is the native-aspect batch of one, packed or not
-            return native_patch_batch(processed, o["patch_size"], o["max_num_patches"], return_tensors)
-        return _whole_image_batch(processed, return_tensors)
+        if o["max_num_patches"] is None:
+            return _whole_image_batch(processed, return_tensors)
+        grids, patches = _native_patches(processed, o["patch_size"], o["max_num_patches"])
+        if o["packed_sequence_length"] is not None and len(processed) > 1:  # one image alone is the padded batch
+            return _batch_feature(pack_patches(patches, grids, o["packed_sequence_length"]), return_tensors)
+        return _batch_feature(pad_patches(patches, grids, o["max_num_patches"]), return_tensors)
 
     def normalize_batch(self, images: torch.Tensor) -> torch.Tensor:
         """Rescale and normalise a `[N, C, H, W]` batch with this processor's settings (no resizing).
@@ -580,12 +574,16 @@ def _whole_image_batch(
     return _batch_feature({"pixel_values": processed}, return_tensors)
 
 
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+
+
 def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: bool) -> None:
     if max_num_patches is None:
         return
-    for name, value in (("max_num_patches", max_num_patches), ("patch_size", patch_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    _check_positive_int("max_num_patches", max_num_patches)
+    _check_positive_int("patch_size", patch_size)
     if do_center_crop:
         raise ValueError(
             "`max_num_patches` keeps each image whole at its own aspect ratio, which a centre crop to `crop_size` "
@@ -596,8 +594,7 @@ def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: 
 def _check_packing(max_num_patches: int | None, packed_sequence_length: int | None) -> None:
     if packed_sequence_length is None:
         return
-    if not isinstance(packed_sequence_length, int) or isinstance(packed_sequence_length, bool):
-        raise ValueError(f"`packed_sequence_length` must be a positive int, got {packed_sequence_length!r}.")
+    _check_positive_int("packed_sequence_length", packed_sequence_length)
     if max_num_patches is None:
         raise ValueError(
             "`packed_sequence_length` packs images on their native-aspect grids: give `max_num_patches` (the most "
@@ -683,8 +680,7 @@ def best_fit_decreasing(sizes: Sequence[int], capacity: int, order: Sequence[int
     leaves the least room in (the newest of those), a new bin when none has room. Which bins there are and how full
     depends on `sizes` only, not on `order`. O(n log capacity): one binary search among the distinct rooms left per
     item. The one packer of the processor and of training's planned batches."""
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"`capacity` must be a positive int, got {capacity!r}.")
+    _check_positive_int("capacity", capacity)
     rooms: list[int] = []  # the distinct rooms left in open bins, ascending
     bins_with_room: dict[int, list[int]] = {}  # room -> the bins with that room left
     bins: list[list[int]] = []
@@ -710,21 +706,6 @@ def best_fit_decreasing(sizes: Sequence[int], capacity: int, order: Sequence[int
                 bins_with_room[room] = []
             bins_with_room[room].append(number)
     return bins
-
-
-def packed_patch_batch(
-    images: torch.Tensor | list[torch.Tensor],
-    patch_size: int,
-    max_num_patches: int,
-    packed_sequence_length: int,
-    return_tensors: str | TensorType | None = "pt",
-) -> BatchFeature:
-    """Normalised `[C, H, W]` images, each a grid of at most `max_num_patches` patches, packed whole into rows of
-    `packed_sequence_length` patch slots by `best_fit_decreasing` (see `packed_sequence_length` in the class
-    docstring). Training transforms that resize images themselves pack them here."""
-    _check_packing(max_num_patches, packed_sequence_length)
-    grids, patches = _native_patches(images, patch_size, max_num_patches)
-    return _batch_feature(pack_patches(patches, grids, packed_sequence_length), return_tensors)
 
 
 def pack_patches(
@@ -796,7 +777,6 @@ __all__ = [
     "open_image",
     "pack_patches",
     "pad_patches",
-    "packed_patch_batch",
     "rescale_and_normalize",
     "resize_images",
     "sixteen_to_eight_bit",
