@@ -29,6 +29,7 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "huge": {"hidden_size": 1280, "num_hidden_layers": 32, "intermediate_size": 5120, "num_attention_heads": 16},
 }
 PATCH_SIZES = (8, 14, 16, 32)
+_PRESET_NAMES = [f"vit-{size}-patch{patch}-224" for size in MODEL_SIZES for patch in PATCH_SIZES]
 # How the image representation `y` of equation (4) is pooled: the class token, the average of the patch tokens, or
 # multi-head attention pooling ("map", SigLIP's and big_vision's head, `pooling.py`).
 CLASSIFIERS = ("token", "gap", "map")
@@ -72,15 +73,6 @@ AUTO_MAP = {
 MASKED_IMAGE_MODELING = ("simmim", "mpp")
 
 
-def _preset_table() -> dict[str, dict[str, Any]]:
-    presets = {}
-    for size_name, dims in MODEL_SIZES.items():
-        for patch in PATCH_SIZES:
-            # Patch 14 tiles 224 exactly; every other patch size does too. The paper's H/14 runs at 224.
-            presets[f"vit-{size_name}-patch{patch}-224"] = {**dims, "patch_size": patch, "image_size": 224}
-    return presets
-
-
 def _preset_fields(name: str) -> dict[str, Any] | None:
     """The architecture fields a preset name spells, or None when it is not one."""
     match = _PRESET_NAME.fullmatch(name)
@@ -101,7 +93,8 @@ def _preset_fields(name: str) -> dict[str, Any] | None:
 _PRESET_NAME = re.compile(
     rf"(?:(?P<resnet>r26|r50)-)?vit-(?P<size>{'|'.join(MODEL_SIZES)})-patch(?P<patch>\d+)-(?P<resolution>\d+)"
 )
-PRESETS: dict[str, dict[str, Any]] = _preset_table()
+# Every size at every patch size at 224, which each patch size tiles (the paper's H/14 runs at 224).
+PRESETS: dict[str, dict[str, Any]] = {name: _preset_fields(name) for name in _PRESET_NAMES}
 # The keyword arguments `from_preset` takes besides the fields.
 _PRESET_EXTRA_KWARGS = ("num_labels", "attn_implementation", "auto_map", "out_features", "out_indices")
 
