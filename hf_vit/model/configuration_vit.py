@@ -18,6 +18,7 @@ from transformers.backbone_utils import BackboneConfigMixin
 
 from .loading import open_foreign
 from .resolution import MAX_PATCH_POSITIONS, height_width
+from .resolution import MODES as INTERPOLATION_MODES  # how position embeddings are resampled to another grid
 
 # Width, depth, MLP size and heads of the paper's Table 1 (Base, Large, Huge) and of the DeiT/AugReg Tiny and Small.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -28,11 +29,10 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "huge": {"hidden_size": 1280, "num_hidden_layers": 32, "intermediate_size": 5120, "num_attention_heads": 16},
 }
 PATCH_SIZES = (8, 14, 16, 32)
+_PRESET_NAMES = [f"vit-{size}-patch{patch}-224" for size in MODEL_SIZES for patch in PATCH_SIZES]
 # How the image representation `y` of equation (4) is pooled: the class token, the average of the patch tokens, or
 # multi-head attention pooling ("map", SigLIP's and big_vision's head, `pooling.py`).
 CLASSIFIERS = ("token", "gap", "map")
-# How position embeddings are resampled to another grid (`resolution.py`).
-INTERPOLATION_MODES = ("bicubic", "bilinear")
 # Stage depths of the hybrids' ResNet stems (section 3.1), by stem and effective patch size, as the authors' code
 # defines them: R50 with stage 4 removed and its units moved to stage 3 (stride 16), the full R50 (stride 32), and the
 # R26 of their later releases (four stages of two units, stride 32).
@@ -73,15 +73,6 @@ AUTO_MAP = {
 MASKED_IMAGE_MODELING = ("simmim", "mpp")
 
 
-def _preset_table() -> dict[str, dict[str, Any]]:
-    presets = {}
-    for size_name, dims in MODEL_SIZES.items():
-        for patch in PATCH_SIZES:
-            # Patch 14 tiles 224 exactly; every other patch size does too. The paper's H/14 runs at 224.
-            presets[f"vit-{size_name}-patch{patch}-224"] = {**dims, "patch_size": patch, "image_size": 224}
-    return presets
-
-
 def _preset_fields(name: str) -> dict[str, Any] | None:
     """The architecture fields a preset name spells, or None when it is not one."""
     match = _PRESET_NAME.fullmatch(name)
@@ -102,11 +93,55 @@ def _preset_fields(name: str) -> dict[str, Any] | None:
 _PRESET_NAME = re.compile(
     rf"(?:(?P<resnet>r26|r50)-)?vit-(?P<size>{'|'.join(MODEL_SIZES)})-patch(?P<patch>\d+)-(?P<resolution>\d+)"
 )
-PRESETS: dict[str, dict[str, Any]] = _preset_table()
+# Every size at every patch size at 224, which each patch size tiles (the paper's H/14 runs at 224).
+PRESETS: dict[str, dict[str, Any]] = {name: _preset_fields(name) for name in _PRESET_NAMES}
+# The keyword arguments `from_preset` takes besides the fields.
+_PRESET_EXTRA_KWARGS = ("num_labels", "attn_implementation", "auto_map", "out_features", "out_indices")
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any, least: int = 1, most: float = float("inf")) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value <= most
+
+
+def _positive(value: Any) -> bool:
+    return _is_number(value) and value > 0
+
+
+_SIZE_FIELDS = (
+    "image_size", "patch_size", "num_channels", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "intermediate_size",
+)  # fmt: skip
+# What each field must be, in the order checked: its test, and the words of the error naming it (`resnet_width` is
+# checked only with a stem).
+FIELD_RULES: dict[str, tuple[Any, str]] = {
+    **dict.fromkeys(_SIZE_FIELDS, (_is_int, "a positive int")),
+    "resnet_layers": (
+        lambda v: v is None or (isinstance(v, list) and all(map(_is_int, v))),
+        "None or a list of positive ints",
+    ),
+    "resnet_width": (
+        lambda v: _is_int(v) and v % RESNET_GROUPS == 0,
+        f"a positive multiple of {RESNET_GROUPS} (the stem's GroupNorm groups)",
+    ),
+    "classifier": (lambda v: v in CLASSIFIERS, f"one of {CLASSIFIERS}"),
+    **dict.fromkeys(BOOLEAN_FIELDS, (lambda v: isinstance(v, bool), "True or False")),
+    "num_register_tokens": (lambda v: _is_int(v, 0), "an int >= 0"),
+    "layer_scale_init_value": (lambda v: v is None or _positive(v), "a positive number or None"),
+    "interpolation_mode": (lambda v: v in INTERPOLATION_MODES, f"one of {INTERPOLATION_MODES}"),
+    "representation_size": (lambda v: v is None or _is_int(v), "a positive int or None"),
+    **dict.fromkeys(
+        ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"),
+        (lambda v: _is_number(v) and 0 <= v < 1, "a number in [0, 1)"),
+    ),
+    **dict.fromkeys(("layer_norm_eps", "initializer_range"), (_positive, "a positive number")),
+    "mpp_color_bits": (lambda v: _is_int(v, 1, 8), "an int in 1..8"),
+    "encoder_stride": (lambda v: v is None or _is_int(v), "a positive int or None (the patch size)"),
+    "masked_image_modeling": (lambda v: v in MASKED_IMAGE_MODELING, f"one of {MASKED_IMAGE_MODELING}"),
+}
 
 
 def resnet_stride(resnet_layers: list[int] | None) -> int:
@@ -264,46 +299,27 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         self.validate_architecture()
 
     def validate_architecture(self) -> None:
-        """Raise a `ValueError` naming the first field whose value cannot build a model.
+        """Raise a `ValueError` naming the first field whose value cannot build a model (`FIELD_RULES`, then the
+        fields' agreement with each other).
 
         Called when the config is built; `validate()`, which `save_pretrained` calls, stays transformers' own and runs
         its checks (e.g. `validate_output_attentions`)."""
         height, width = height_width(self.image_size, "image_size")
-        positive = {
-            "image_size": min(height, width),
-            "patch_size": self.patch_size,
-            "num_channels": self.num_channels,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "intermediate_size": self.intermediate_size,
-        }
-        for name, value in positive.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        for name, (valid, wanted) in FIELD_RULES.items():
+            value = min(height, width) if name == "image_size" else getattr(self, name)
+            if not valid(value) and (name != "resnet_width" or self.resnet_layers is not None):
+                raise ValueError(f"`{name}` must be {wanted}, got {value!r}.")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"`hidden_size` ({self.hidden_size}) must be divisible by `num_attention_heads` "
                 f"({self.num_attention_heads})."
             )
-        if self.resnet_layers is not None:
-            layers = self.resnet_layers
-            if not isinstance(layers, list) or any(
-                not isinstance(depth, int) or isinstance(depth, bool) or depth <= 0 for depth in layers
-            ):
-                raise ValueError(f"`resnet_layers` must be None or a list of positive ints, got {layers!r}.")
-            width = self.resnet_width
-            if not isinstance(width, int) or isinstance(width, bool) or width <= 0 or width % RESNET_GROUPS:
-                raise ValueError(
-                    f"`resnet_width` must be a positive multiple of {RESNET_GROUPS} (the stem's GroupNorm groups), "
-                    f"got {width!r}."
-                )
-            if self.patch_size % self.stem_stride:
-                raise ValueError(
-                    f"`patch_size` ({self.patch_size}, in input pixels) must be a multiple of the ResNet stem's "
-                    f"stride ({self.stem_stride} for {len(layers)} stage(s)): the embedding cuts the stem's feature "
-                    "map into patch_size / stride patches."
-                )
+        if self.resnet_layers is not None and self.patch_size % self.stem_stride:
+            raise ValueError(
+                f"`patch_size` ({self.patch_size}, in input pixels) must be a multiple of the ResNet stem's "
+                f"stride ({self.stem_stride} for {len(self.resnet_layers)} stage(s)): the embedding cuts the stem's "
+                "feature map into patch_size / stride patches."
+            )
         if height % self.patch_size or width % self.patch_size:
             raise ValueError(
                 f"`image_size` ({height}x{width}) must be divisible by `patch_size` ({self.patch_size}) "
@@ -316,55 +332,6 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
                 f"positions; hf-vit accepts at most {MAX_PATCH_POSITIONS} patch positions (a 256x256 grid). Choose a "
                 "smaller image_size or a larger patch_size."
             )
-        if self.classifier not in CLASSIFIERS:
-            raise ValueError(f"`classifier` must be one of {CLASSIFIERS}, got {self.classifier!r}.")
-        self.validate_family_blocks()
-        if self.representation_size is not None and (
-            not isinstance(self.representation_size, int) or self.representation_size <= 0
-        ):
-            raise ValueError(
-                f"`representation_size` must be a positive int or None, got {self.representation_size!r}."
-            )
-        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate"):
-            value = getattr(self, name)
-            if not _is_number(value) or not 0.0 <= value < 1.0:
-                raise ValueError(f"`{name}` must be a number in [0, 1), got {value!r}.")
-        for name in ("layer_norm_eps", "initializer_range"):
-            value = getattr(self, name)
-            if not _is_number(value) or value <= 0:
-                raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
-        bits = self.mpp_color_bits
-        if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 8:
-            raise ValueError(f"`mpp_color_bits` must be an int in 1..8, got {self.mpp_color_bits!r}.")
-        self.validate_masked_image_modeling()
-
-    def validate_masked_image_modeling(self) -> None:
-        """The fields of the masked image modeling heads, each named when invalid."""
-        stride = self.encoder_stride
-        if stride is not None and (not isinstance(stride, int) or isinstance(stride, bool) or stride <= 0):
-            raise ValueError(f"`encoder_stride` must be a positive int or None (the patch size), got {stride!r}.")
-        if self.masked_image_modeling not in MASKED_IMAGE_MODELING:
-            raise ValueError(
-                f"`masked_image_modeling` must be one of {MASKED_IMAGE_MODELING}, got {self.masked_image_modeling!r}."
-            )
-        for name, least in (("mpp_pixel_mean", None), ("mpp_pixel_std", 0.0)):
-            value = getattr(self, name)
-            values = value if isinstance(value, list) else [value]
-            if (
-                (isinstance(value, list) and len(value) != self.num_channels)
-                or not all(_is_number(number) for number in values)
-                or (least is not None and min(values) <= least)
-            ):
-                kind = "positive number" if least is not None else "number"
-                raise ValueError(
-                    f"`{name}` must be a {kind} or a list of {self.num_channels} (one per channel), got {value!r}."
-                )
-
-    def validate_family_blocks(self) -> None:
-        """The fields of the blocks that followed the paper (see the class docstring), each named when invalid."""
-        for name in BOOLEAN_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
         if self.classifier == "token" and not self.use_class_token:
             raise ValueError(
                 "`use_class_token` is False but `classifier` is 'token', which pools the class token: choose "
@@ -372,22 +339,25 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             )
         if self.use_distillation_token and not self.use_class_token:
             raise ValueError("`use_distillation_token` needs the class token (`use_class_token=True`), as DeiT has.")
-        registers = self.num_register_tokens
-        if not isinstance(registers, int) or isinstance(registers, bool) or registers < 0:
-            raise ValueError(f"`num_register_tokens` must be an int >= 0, got {registers!r}.")
-        scale = self.layer_scale_init_value
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
-            raise ValueError(f"`layer_scale_init_value` must be a positive number or None, got {scale!r}.")
-        if self.interpolation_mode not in INTERPOLATION_MODES:
-            raise ValueError(
-                f"`interpolation_mode` must be one of {INTERPOLATION_MODES}, got {self.interpolation_mode!r}."
-            )
         if not isinstance(self.hidden_act, str) or self.hidden_act not in ACT2FN:
             close = difflib.get_close_matches(str(self.hidden_act), list(ACT2FN), n=3)
             raise ValueError(
                 f"`hidden_act` must name one of transformers' activations (ACT2FN), got {self.hidden_act!r}"
                 + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ".")
             )
+        for name in ("mpp_pixel_mean", "mpp_pixel_std"):
+            value = getattr(self, name)
+            values = value if isinstance(value, list) else [value]
+            positive = name == "mpp_pixel_std"
+            if (
+                (isinstance(value, list) and len(value) != self.num_channels)
+                or not all(_is_number(number) for number in values)
+                or (positive and min(values) <= 0)
+            ):
+                kind = "positive number" if positive else "number"
+                raise ValueError(
+                    f"`{name}` must be a {kind} or a list of {self.num_channels} (one per channel), got {value!r}."
+                )
 
     def to_dict(self) -> dict[str, Any]:
         """transformers' dict of the config (what config.json holds), less `distillation_head` where there is no
@@ -501,13 +471,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
                 f"{stems}, e.g. 'r50-vit-base-patch16-224'."
             )
         own = [name for name in cls.__annotations__ if not name.startswith("_") and name != "model_type"]
-        known = {field.name for field in dataclasses.fields(cls)} | {
-            "num_labels",
-            "attn_implementation",
-            "auto_map",
-            "out_features",
-            "out_indices",
-        }
+        known = {field.name for field in dataclasses.fields(cls)} | set(_PRESET_EXTRA_KWARGS)
         unknown = sorted(set(kwargs) - known)
         if unknown:
             hints = []

@@ -7,7 +7,6 @@ geometry (sizes, resizing, the centre crop, native-aspect grids) is its sibling 
 
 import bisect
 import copy
-import inspect
 import io
 import math
 import numbers
@@ -91,18 +90,29 @@ def _check_mean_std(
         raise ValueError(f"`{std_name}` must be positive (it divides the pixel values), got {std!r}.")
 
 
-def _check_rescale_and_normalization(
-    rescale_factor: float, image_mean: float | Sequence[float], image_std: float | Sequence[float]
-) -> None:
+def _float_or_list(value: float | Sequence[float]) -> float | list[float]:
+    return float(value) if isinstance(value, numbers.Real) else [float(v) for v in value]
+
+
+def _checked_options(o: dict[str, Any]) -> dict[str, Any]:
+    """The processor's options `o` checked and normalised: sizes as dicts, `resample` as a filter, floats."""
+    sizes = {"size": size_dict(o["size"], "size", shortest_edge=True), "resample": to_resampling(o["resample"])}
+    sizes["crop_size"] = size_dict(o["crop_size"], "crop_size")
+    rescale_factor = o["rescale_factor"]
     if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real):
         raise ValueError(f"`rescale_factor` must be a number, got {rescale_factor!r}.")
     if not (math.isfinite(rescale_factor) and rescale_factor > 0):
         raise ValueError(f"`rescale_factor` must be a positive finite number, got {rescale_factor!r}.")
-    _check_mean_std(image_mean, image_std, "image_mean", "image_std")
-
-
-def _float_or_list(value: float | Sequence[float]) -> float | list[float]:
-    return float(value) if isinstance(value, numbers.Real) else [float(v) for v in value]
+    _check_mean_std(o["image_mean"], o["image_std"], "image_mean", "image_std")
+    _check_native(o["max_num_patches"], o["patch_size"], o["do_center_crop"])
+    _check_packing(o["max_num_patches"], o["packed_sequence_length"])
+    return {
+        **o,
+        **sizes,
+        "rescale_factor": float(o["rescale_factor"]),
+        "image_mean": _float_or_list(o["image_mean"]),
+        "image_std": _float_or_list(o["image_std"]),
+    }
 
 
 def open_image(source: bytes | bytearray | memoryview | str | os.PathLike) -> PIL.Image.Image:
@@ -181,20 +191,21 @@ def _pil_to_array(image: PIL.Image.Image, do_convert_rgb: bool, index: int) -> n
 
 def _to_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
     """Wrap an array as a tensor without copying when possible; 16-bit (uint16) data is scaled to uint8."""
+    dtype = array.dtype
+    if dtype in (bool, torch.bool) or not isinstance(dtype, torch.dtype) and not np.issubdtype(dtype, np.number):
+        raise TypeError(f"Unsupported image dtype {dtype}: use uint8 (0-255) or float pixel values.")
     if isinstance(array, np.ndarray):
-        if array.dtype == bool or not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array):
-            raise TypeError(f"Unsupported image dtype {array.dtype}: use uint8 (0-255) or float pixel values.")
-        if array.dtype == np.uint16:
+        if dtype == np.uint16:
             array = sixteen_to_eight_bit(array)
         if not (array.flags.writeable and array.dtype.isnative and all(s >= 0 for s in array.strides)):
             array = np.array(array, dtype=array.dtype.newbyteorder("="))  # layouts torch.from_numpy rejects
         tensor = torch.from_numpy(array)
     else:
         tensor = array.detach()
-        if tensor.dtype == torch.bool or tensor.is_complex():
-            raise TypeError(f"Unsupported image dtype {tensor.dtype}: use uint8 (0-255) or float pixel values.")
         if tensor.dtype == torch.uint16:
             tensor = torch.from_numpy(sixteen_to_eight_bit(tensor.cpu().to(torch.int32).numpy())).to(tensor.device)
+    if tensor.is_complex():
+        raise TypeError(f"Unsupported image dtype {dtype}: use uint8 (0-255) or float pixel values.")
     return tensor
 
 
@@ -340,16 +351,9 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     batches `[N, C, H, W]`/`[N, H, W, C]`; uint8 0-255 or floats), bytes of an encoded image file, paths to image
     files, or a (nested) list of these, of any mix of sizes.
 
-    Decoding and colour conversion are `load_images`, which the training and evaluation transforms of
-    `hf_vit.data.transforms` call too, so a model sees the same pixels in training and inference:
-
-    * EXIF orientation is applied to every PIL image, whether this processor opened it or you did, so photos are
-      seen upright as in any viewer.
-    * Transparency (RGBA, LA, P with a transparent colour, RGBA arrays) is composited onto white.
-    * 16-bit images (PIL modes `I;16*`, mode `I` holding 0..65535, uint16 arrays) are scaled to 8 bits by
-      rounding `value / 257` (65535 -> 255), so they come out with the brightness of their 8-bit versions. Other
-      integer arrays must hold 0..255.
-    * NaN or infinite values, and options that would produce them (`image_std` 0), raise a `ValueError`.
+    Decoding and colour conversion are `load_images` (EXIF orientation, transparency onto white, 16-bit data scaled
+    to 8 bits, NaN refused), which the training and evaluation transforms of `hf_vit.data.transforms` call too, so a
+    model sees the same pixels in training and inference.
 
     Args:
         do_convert_rgb (`bool`, *optional*, defaults to `True`):
@@ -439,56 +443,30 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.do_convert_rgb = do_convert_rgb
-        self.do_resize = do_resize
-        self.size = size_dict(224 if size is None else size, "size", shortest_edge=True)
-        self.resample = to_resampling(resample)
-        self.do_center_crop = do_center_crop
-        self.crop_size = size_dict(224 if crop_size is None else crop_size, "crop_size")
-        self.do_rescale = do_rescale
-        self.rescale_factor = float(rescale_factor)
-        self.do_normalize = do_normalize
-        self.image_mean = _float_or_list([0.5, 0.5, 0.5] if image_mean is None else image_mean)
-        self.image_std = _float_or_list([0.5, 0.5, 0.5] if image_std is None else image_std)
-        _check_rescale_and_normalization(self.rescale_factor, self.image_mean, self.image_std)
-        self.max_num_patches = max_num_patches
-        self.patch_size = patch_size
-        self.packed_sequence_length = packed_sequence_length
-        _check_native(max_num_patches, patch_size, do_center_crop)
-        _check_packing(max_num_patches, packed_sequence_length)
+        given = {name: value for name, value in locals().items() if name in _CALL_OPTIONS}
+        given["size"], given["crop_size"] = (224 if value is None else value for value in (size, crop_size))
+        for name in ("image_mean", "image_std"):
+            given[name] = [0.5, 0.5, 0.5] if given[name] is None else given[name]
+        for name, value in _checked_options(given).items():
+            setattr(self, name, value)
 
     def with_options(self, **options: Any) -> "VisionTransformerImageProcessor":
         """A new processor: this one with `options` (its constructor's) changed, checked as the constructor checks
         them, e.g. `with_options(max_num_patches=None, packed_sequence_length=None)` for whole images at its size.
         This one is left as it is."""
-        names = inspect.signature(type(self).__init__).parameters
-        unknown = sorted(name for name in options if name not in names or name in ("self", "kwargs"))
+        unknown = sorted(set(options) - set(_CALL_OPTIONS))
         if unknown:
             raise TypeError(f"{type(self).__name__} has no option(s) {unknown}.")
         changed = copy.deepcopy(self)
-        for name, value in options.items():
+        for name, value in _checked_options(
+            {**{name: getattr(self, name) for name in _CALL_OPTIONS}, **options}
+        ).items():
             setattr(changed, name, value)
-        _check_native(changed.max_num_patches, changed.patch_size, changed.do_center_crop)
-        _check_packing(changed.max_num_patches, changed.packed_sequence_length)
         return changed
 
     def preprocess(
         self,
         images: Any,
-        do_convert_rgb: bool | None = None,
-        do_resize: bool | None = None,
-        size: int | Sequence[int] | dict[str, int] | None = None,
-        resample: PILImageResampling | int | str | None = None,
-        do_center_crop: bool | None = None,
-        crop_size: int | Sequence[int] | dict[str, int] | None = None,
-        do_rescale: bool | None = None,
-        rescale_factor: float | None = None,
-        do_normalize: bool | None = None,
-        image_mean: float | Sequence[float] | None = None,
-        image_std: float | Sequence[float] | None = None,
-        max_num_patches: int | None = None,
-        patch_size: int | None = None,
-        packed_sequence_length: int | None = None,
         return_tensors: str | TensorType | None = None,
         input_data_format: str | ChannelDimension | None = None,
         device: str | torch.device | None = None,
@@ -496,7 +474,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     ) -> BatchFeature:
         """Preprocess an image or a batch of images into `pixel_values`.
 
-        Options left as None take this processor's values (see the class docstring). Besides them:
+        `kwargs` are this processor's options (see the class docstring); those left out or None take its values.
 
         Args:
             images: one image or a (nested) list of images, in any form listed in the class docstring.
@@ -506,13 +484,15 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                 inferred from where the 1, 3 or 4 channels are when None.
             device: process (and return "pt" tensors) on this device, e.g. "cuda".
         """
-        unsupported = sorted(key for key, value in kwargs.items() if value is not None)
+        unsupported = sorted(key for key, value in kwargs.items() if value is not None and key not in _CALL_OPTIONS)
         if unsupported:
             raise TypeError(f"{type(self).__name__} got unsupported argument(s) {unsupported}.")
         return_tensors = None if return_tensors is None else TensorType(return_tensors)
         if return_tensors not in (None, TensorType.PYTORCH, TensorType.NUMPY):
             raise ValueError(f"return_tensors must be 'pt', 'np' or None, got {return_tensors!r}.")
-        o = self._call_options({name: value for name, value in locals().items() if name in _CALL_OPTIONS})
+        o = _checked_options(
+            {name: getattr(self, name) if kwargs.get(name) is None else kwargs[name] for name in _CALL_OPTIONS}
+        )
         tensors = load_images(images, o["do_convert_rgb"], input_data_format)
         groups = _same_size_groups(tensors)  # processed as one batch each: one interpolate call per group
         processed = [None] * len(tensors)
@@ -532,48 +512,35 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                 batch = center_crop_images(batch, (o["crop_size"]["height"], o["crop_size"]["width"]))
             if o["do_convert_rgb"] and batch.shape[1] == 1:
                 batch = batch.expand(-1, 3, -1, -1)
-            batch = rescale_and_normalize(
-                batch,
-                o["rescale_factor"] if o["do_rescale"] else None,
-                o["image_mean"] if o["do_normalize"] else None,
-                o["image_std"] if o["do_normalize"] else None,
-            )
+            batch = _rescale_and_normalize_as(o, batch)
             if len(groups) == 1:
                 processed = batch
             else:
                 for position, index in enumerate(indices):
                     processed[index] = batch[position]
 
-        if o["packed_sequence_length"] is not None and len(processed) > 1:
-            return packed_patch_batch(
-                processed, o["patch_size"], o["max_num_patches"], o["packed_sequence_length"], return_tensors
-            )
-        if o["max_num_patches"] is not None:  # one image alone is the native-aspect batch of one, packed or not
-            return native_patch_batch(processed, o["patch_size"], o["max_num_patches"], return_tensors)
-        return _whole_image_batch(processed, return_tensors)
-
-    def _call_options(self, given: dict[str, Any]) -> dict[str, Any]:
-        """A `preprocess` call's options: those given, this processor's where None; normalised and checked."""
-        o = {name: getattr(self, name) if value is None else value for name, value in given.items()}
-        o["size"] = size_dict(o["size"], "size", shortest_edge=True)
-        o["resample"] = to_resampling(o["resample"])
-        o["crop_size"] = size_dict(o["crop_size"], "crop_size")
-        _check_rescale_and_normalization(o["rescale_factor"], o["image_mean"], o["image_std"])
-        _check_native(o["max_num_patches"], o["patch_size"], o["do_center_crop"])
-        _check_packing(o["max_num_patches"], o["packed_sequence_length"])
-        return o
+        if o["max_num_patches"] is None:
+            return _whole_image_batch(processed, return_tensors)
+        grids, patches = _native_patches(processed, o["patch_size"], o["max_num_patches"])
+        if o["packed_sequence_length"] is not None and len(processed) > 1:  # one image alone is the padded batch
+            return _batch_feature(pack_patches(patches, grids, o["packed_sequence_length"]), return_tensors)
+        return _batch_feature(pad_patches(patches, grids, o["max_num_patches"]), return_tensors)
 
     def normalize_batch(self, images: torch.Tensor) -> torch.Tensor:
         """Rescale and normalise a `[N, C, H, W]` batch with this processor's settings (no resizing).
 
         This is the last step of `preprocess`, for pipelines that resize and augment batches themselves.
         """
-        return rescale_and_normalize(
-            images,
-            self.rescale_factor if self.do_rescale else None,
-            self.image_mean if self.do_normalize else None,
-            self.image_std if self.do_normalize else None,
-        )
+        return _rescale_and_normalize_as(vars(self), images)
+
+
+def _rescale_and_normalize_as(o: dict[str, Any], images: torch.Tensor) -> torch.Tensor:
+    """`rescale_and_normalize` as the options `o` (`do_rescale`, `rescale_factor`, `do_normalize`, ...) say."""
+    normalize = o["do_normalize"]
+    rescale_factor = o["rescale_factor"] if o["do_rescale"] else None
+    return rescale_and_normalize(
+        images, rescale_factor, *(o[name] if normalize else None for name in ("image_mean", "image_std"))
+    )
 
 
 def _same_size_groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
@@ -596,9 +563,7 @@ def _whole_image_batch(
     processed: torch.Tensor | list[torch.Tensor], return_tensors: TensorType | None
 ) -> BatchFeature:
     """Whole images as `pixel_values`: a list of `[C, H, W]` arrays (`return_tensors` None), or one stacked batch."""
-    if return_tensors is None:
-        return BatchFeature({"pixel_values": [image.cpu().numpy() for image in processed]})
-    if not isinstance(processed, torch.Tensor):
+    if return_tensors is not None and not isinstance(processed, torch.Tensor):
         shapes = {tuple(image.shape) for image in processed}
         if len(shapes) > 1:
             raise ValueError(
@@ -606,17 +571,19 @@ def _whole_image_batch(
                 "height and width) so all images get the same size, or pass return_tensors=None to get a list."
             )
         processed = torch.stack(processed)
-    if return_tensors == TensorType.NUMPY:
-        processed = processed.cpu().numpy()
-    return BatchFeature({"pixel_values": processed}, tensor_type=return_tensors)
+    return _batch_feature({"pixel_values": processed}, return_tensors)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
 
 
 def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: bool) -> None:
     if max_num_patches is None:
         return
-    for name, value in (("max_num_patches", max_num_patches), ("patch_size", patch_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    _check_positive_int("max_num_patches", max_num_patches)
+    _check_positive_int("patch_size", patch_size)
     if do_center_crop:
         raise ValueError(
             "`max_num_patches` keeps each image whole at its own aspect ratio, which a centre crop to `crop_size` "
@@ -627,8 +594,7 @@ def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: 
 def _check_packing(max_num_patches: int | None, packed_sequence_length: int | None) -> None:
     if packed_sequence_length is None:
         return
-    if not isinstance(packed_sequence_length, int) or isinstance(packed_sequence_length, bool):
-        raise ValueError(f"`packed_sequence_length` must be a positive int, got {packed_sequence_length!r}.")
+    _check_positive_int("packed_sequence_length", packed_sequence_length)
     if max_num_patches is None:
         raise ValueError(
             "`packed_sequence_length` packs images on their native-aspect grids: give `max_num_patches` (the most "
@@ -641,9 +607,12 @@ def _check_packing(max_num_patches: int | None, packed_sequence_length: int | No
         )
 
 
-def _native_grids(images: Sequence[torch.Tensor], patch_size: int, max_num_patches: int) -> list[tuple[int, int]]:
-    """Each image's patch grid, refusing an image that is not a grid of at most `max_num_patches` patches."""
-    grids = []
+def _native_patches(
+    images: Sequence[torch.Tensor], patch_size: int, max_num_patches: int
+) -> tuple[list[tuple[int, int]], list[torch.Tensor]]:
+    """Each image's patch grid and its patches `(rows * cols, P * P * C)`, in (patch row, patch column, channel)
+    order, refusing an image that is not a grid of at most `max_num_patches` patches."""
+    grids, patches = [], []
     for index, image in enumerate(images):
         height, width = image.shape[-2:]
         rows, cols = height // patch_size, width // patch_size
@@ -653,21 +622,18 @@ def _native_grids(images: Sequence[torch.Tensor], patch_size: int, max_num_patch
                 f"{patch_size}x{patch_size} patches: leave do_resize on with max_num_patches (it chooses the grid)."
             )
         grids.append((rows, cols))
-    return grids
+        grid = image.view(image.shape[0], rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0)
+        patches.append(grid.reshape(rows * cols, -1).float())  # one strided copy
+    return grids, patches
 
 
-def _copy_patches(target: torch.Tensor, image: torch.Tensor, grid: tuple[int, int], patch_size: int) -> None:
-    """One strided copy of `image`'s patches into `target` `(rows * cols, P * P * C)`, each patch in (patch row,
-    patch column, channel) order."""
-    (rows, cols), channels = grid, image.shape[0]
-    patches = image.view(channels, rows, patch_size, cols, patch_size).permute(1, 3, 2, 4, 0)
-    target.view(rows, cols, patch_size, patch_size, channels).copy_(patches)
-
-
-def _batch_feature(data: dict[str, torch.Tensor], return_tensors: str | TensorType | None) -> BatchFeature:
+def _batch_feature(
+    data: dict[str, torch.Tensor | list[torch.Tensor]], return_tensors: str | TensorType | None
+) -> BatchFeature:
+    """`data` as `return_tensors` asks: torch or numpy batches, or (None) lists of numpy arrays, one per image."""
     return_tensors = None if return_tensors is None else TensorType(return_tensors)
     if return_tensors is None:
-        return BatchFeature({name: list(value.cpu().numpy()) for name, value in data.items()})
+        return BatchFeature({name: [one.cpu().numpy() for one in value] for name, value in data.items()})
     if return_tensors == TensorType.NUMPY:
         data = {name: value.cpu().numpy() for name, value in data.items()}
     return BatchFeature(data, tensor_type=return_tensors)
@@ -682,18 +648,8 @@ def native_patch_batch(
     """Normalised `[C, H, W]` images, each a whole number of patches, as the processor's native-aspect batch: each
     image's flattened patches padded to `max_num_patches` (`pixel_values`), the padding mask and each grid (see
     `max_num_patches` in the class docstring). Training transforms that resize images themselves batch them here."""
-    grids = _native_grids(images, patch_size, max_num_patches)
-    patches = _flat_patches(images, grids, patch_size)
+    grids, patches = _native_patches(images, patch_size, max_num_patches)
     return _batch_feature(pad_patches(patches, grids, max_num_patches), return_tensors)
-
-
-def _flat_patches(images: Sequence[torch.Tensor], grids: list[tuple[int, int]], patch_size: int) -> list[torch.Tensor]:
-    """Each `[C, H, W]` image's patches `(rows * cols, P * P * C)`, in (patch row, patch column, channel) order."""
-    patches = []
-    for image, (rows, cols) in zip(images, grids):
-        patches.append(torch.empty(rows * cols, patch_size * patch_size * image.shape[0], device=image.device))
-        _copy_patches(patches[-1], image, (rows, cols), patch_size)
-    return patches
 
 
 def pad_patches(
@@ -724,8 +680,7 @@ def best_fit_decreasing(sizes: Sequence[int], capacity: int, order: Sequence[int
     leaves the least room in (the newest of those), a new bin when none has room. Which bins there are and how full
     depends on `sizes` only, not on `order`. O(n log capacity): one binary search among the distinct rooms left per
     item. The one packer of the processor and of training's planned batches."""
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"`capacity` must be a positive int, got {capacity!r}.")
+    _check_positive_int("capacity", capacity)
     rooms: list[int] = []  # the distinct rooms left in open bins, ascending
     bins_with_room: dict[int, list[int]] = {}  # room -> the bins with that room left
     bins: list[list[int]] = []
@@ -751,22 +706,6 @@ def best_fit_decreasing(sizes: Sequence[int], capacity: int, order: Sequence[int
                 bins_with_room[room] = []
             bins_with_room[room].append(number)
     return bins
-
-
-def packed_patch_batch(
-    images: torch.Tensor | list[torch.Tensor],
-    patch_size: int,
-    max_num_patches: int,
-    packed_sequence_length: int,
-    return_tensors: str | TensorType | None = "pt",
-) -> BatchFeature:
-    """Normalised `[C, H, W]` images, each a grid of at most `max_num_patches` patches, packed whole into rows of
-    `packed_sequence_length` patch slots by `best_fit_decreasing` (see `packed_sequence_length` in the class
-    docstring). Training transforms that resize images themselves pack them here."""
-    _check_packing(max_num_patches, packed_sequence_length)
-    grids = _native_grids(images, patch_size, max_num_patches)
-    patches = _flat_patches(images, grids, patch_size)
-    return _batch_feature(pack_patches(patches, grids, packed_sequence_length), return_tensors)
 
 
 def pack_patches(
@@ -838,7 +777,6 @@ __all__ = [
     "open_image",
     "pack_patches",
     "pad_patches",
-    "packed_patch_batch",
     "rescale_and_normalize",
     "resize_images",
     "sixteen_to_eight_bit",

@@ -63,16 +63,13 @@ class VisionTransformerForMaskedImageModeling(VisionTransformerPreTrainedModel):
         """`VisionTransformerPreTrainedModel.from_pretrained`; masked patch prediction's model where the `config`
         given (as the Auto classes give it) chooses it."""
         chosen = cls._chosen_class(kwargs.get("config"))
-        if chosen is not cls:
-            return chosen.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        load = super().from_pretrained if chosen is cls else chosen.from_pretrained
+        return load(pretrained_model_name_or_path, *args, **kwargs)
 
     @classmethod
     def _from_config(cls, config, **kwargs):
         chosen = cls._chosen_class(config)
-        if chosen is not cls:
-            return chosen._from_config(config, **kwargs)
-        return super()._from_config(config, **kwargs)
+        return (super()._from_config if chosen is cls else chosen._from_config)(config, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

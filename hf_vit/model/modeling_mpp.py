@@ -101,21 +101,16 @@ def draw_patch_sources(
     its own sentence), of the images' own patches where `patch_mask` `(B, N)` marks them in a native-aspect batch, as
     an index into the batch's B * N patches; -1 elsewhere. Drawn from torch's generator on `device`."""
     batch, count = patch_corruption.shape
-    if patch_mask is None:
-        total = batch * count
-        place = torch.arange(total, device=device)  # each patch's place among the candidates: all of them
-        # Draw among the total - 1 other patches: values at or above a patch's own place move up by one.
-        source = torch.randint(0, max(total - 1, 1), (total,), device=device)
-        sources = source + (source >= place).long() if total > 1 else source
-    else:  # the images' own patches, counted on the device (no read: their number is a tensor)
-        ranks = patch_mask.to(device).flatten().long().cumsum(0)  # each valid patch's place among them, from 1
-        total = ranks[-1]
-        place = (ranks - 1).clamp(min=0)
-        draw = torch.rand(batch * count, device=device) * (total - 1).clamp(min=1)
-        source = torch.minimum(draw.long(), (total - 2).clamp(min=0))
-        source = torch.where(total > 1, source + (source >= place).long(), source)
-        sources = torch.searchsorted(ranks, source + 1)  # the patch that is that valid one
-    sources = sources.view(batch, count)
+    patch_mask = torch.ones(batch, count, dtype=torch.bool) if patch_mask is None else patch_mask
+    # the images' own patches, counted on the device (no read: their number is a tensor)
+    ranks = patch_mask.to(device).flatten().long().cumsum(0)  # each valid patch's place among them, from 1
+    total = ranks[-1]
+    place = (ranks - 1).clamp(min=0)
+    # Draw among the total - 1 other patches: values at or above a patch's own place move up by one.
+    draw = torch.rand(batch * count, device=device) * (total - 1).clamp(min=1)
+    source = torch.minimum(draw.long(), (total - 2).clamp(min=0))
+    source = torch.where(total > 1, source + (source >= place).long(), source)
+    sources = torch.searchsorted(ranks, source + 1).view(batch, count)  # the patch that is that valid one
     return torch.where(patch_corruption.to(sources.device) == PATCH_RANDOM, sources, -1)
 
 

@@ -329,10 +329,8 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         fields = batch_fields(kwargs)
-        if layout is None and "spatial_shapes" in fields:
-            layout = self.batch_layout(pixel_values, **fields)
-        elif layout is None:
-            self.check_whole_images(pixel_values, interpolate_pos_encoding, fields)
+        if layout is None:
+            layout = self.batch_layout(pixel_values, interpolate_pos_encoding, **fields)
         # (1): each patch embedded where it lies (packed: the slots, each image's prefix tokens before its patches)
         hidden_states = self.pre_norm(self.embeddings(pixel_values, bool_masked_pos, layout, patch_sources))
         segments = None if layout is None else layout.segments  # each image's tokens attend only to each other
@@ -350,10 +348,21 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         pooled_output = self.norm(pooled_output) if fc_norm else pooled_output
         return BaseModelOutputWithPooling(last_hidden_state=sequence_output, pooler_output=pooled_output)
 
-    def batch_layout(self, pixel_values: torch.Tensor, **fields: torch.Tensor) -> BatchLayout:
+    def batch_layout(
+        self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool | None = None, **fields: torch.Tensor
+    ) -> BatchLayout | None:
         """The layout of a native-aspect batch, padded or packed (`image_slot_index`), for this model's prefix
         tokens, its inputs' shapes checked: `fields` are the batch's (`layout.BATCH_FIELDS`, `spatial_shapes` among
-        them; see `layout.py`)."""
+        them; see `layout.py`). None for a batch of whole images, refused when the model cannot embed it or when
+        `fields` come without `spatial_shapes`."""
+        if "spatial_shapes" not in fields:
+            for name in fields:
+                raise ValueError(
+                    f"`{name}` was given without `spatial_shapes`: a native-aspect batch (the image processor's "
+                    "`max_num_patches`) needs both, as the processor returns them."
+                )
+            check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
+            return None
         spatial_shapes, slots = fields.get("spatial_shapes"), fields.get("image_slot_index")
         # the images, by `.shape` (never `len`: a compiled batch's size stays symbolic)
         counted = pixel_values if slots is None else spatial_shapes
@@ -363,18 +372,6 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         if slots is not None:
             check_slot_index(slots, images)
         return BatchLayout.of(pixel_values, prefix=self.config.num_prefix_tokens, **fields)
-
-    def check_whole_images(
-        self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool | None, fields: dict | None = None
-    ) -> None:
-        """Refuse a batch of whole images the model cannot embed, and a native-aspect batch's `fields` without
-        `spatial_shapes`."""
-        for name in fields or {}:
-            raise ValueError(
-                f"`{name}` was given without `spatial_shapes`: a native-aspect batch (the image processor's "
-                "`max_num_patches`) needs both, as the processor returns them."
-            )
-        check_pixel_values(pixel_values, self.config, bool(interpolate_pos_encoding))
 
     def pool(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The image representation of equation (4) from the final tokens, by `config.classifier`: the class token,
@@ -416,12 +413,8 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         if not wanted or any(not -depth <= index < depth for index in wanted):
             raise ValueError(f"indices must name blocks 0..{depth - 1} (or -{depth}..-1), got {indices!r}.")
         wanted = [index % depth for index in wanted]
-        layout = None
         fields = batch_fields(dict(spatial_shapes=spatial_shapes, pixel_attention_mask=pixel_attention_mask))
-        if spatial_shapes is not None:
-            layout = self.batch_layout(pixel_values, **fields)
-        else:
-            self.check_whole_images(pixel_values, interpolate_pos_encoding, fields)
+        layout = self.batch_layout(pixel_values, interpolate_pos_encoding, **fields)
         attention_mask = None if layout is None else layout.segments
         prefix = self.config.num_prefix_tokens
         hidden_states = self.pre_norm(self.embeddings(pixel_values, layout=layout))
@@ -473,10 +466,9 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
         """A native-aspect batch (`spatial_shapes`, see `layout.py`) gives maps on its largest grid, each image's at
         the top left and zero beyond its own grid; so does a packed batch (`image_slot_index`), one map per image,
         whose `hidden_states` are then one image per row too."""
-        layout, fields = None, batch_fields(kwargs)
+        fields = batch_fields(kwargs)
         spatial_shapes = fields.get("spatial_shapes")
-        if spatial_shapes is not None:
-            layout = self.batch_layout(pixel_values, **fields)
+        layout = self.batch_layout(pixel_values, interpolate_pos_encoding, **fields)
         # dense prediction runs at any patch-divisible size: the position embeddings follow it
         outputs = VisionTransformerModel.forward(  # not super(): BackboneMixin defines a forward of its own
             self, pixel_values, interpolate_pos_encoding=interpolate_pos_encoding,

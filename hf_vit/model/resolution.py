@@ -163,9 +163,10 @@ def _axis_taps(
     index: torch.Tensor, out_size: torch.Tensor, in_size: int, mode: str, antialias: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The input indices `(..., A)` and weights `(..., A)` that one axis's interpolation gives output `index` of an
-    axis resized from `in_size` to `out_size` (as `interpolation_weights`, at its nonzero taps)."""
+    axis resized from `in_size` to `out_size`: 2 (bilinear) or 4 (bicubic, Keys' cubic with a = -0.75) taps with the
+    edges repeated; with antialias, every input (`_antialiased_weights`)."""
     if antialias:  # the filter's window depends on the scale: every input, weighted 0 outside the window
-        weights = interpolation_weights(index, out_size, in_size, mode, antialias)
+        weights = _antialiased_weights(index, out_size, in_size, mode)
         inputs = torch.arange(in_size, device=index.device).expand(weights.shape)
         return inputs, weights
     source = (index + 0.5) * (in_size / out_size) - 0.5
@@ -182,43 +183,25 @@ def _axis_taps(
     return inputs, _cubic(fraction[..., None] - taps, -0.75)
 
 
-def interpolation_weights(
-    index: torch.Tensor, out_size: torch.Tensor, in_size: int, mode: str, antialias: bool
-) -> torch.Tensor:
-    """The weights `(..., in_size)` that `F.interpolate(mode=mode, antialias=antialias, align_corners=False)` gives
-    the `in_size` inputs of one axis for output `index` of an axis resized to `out_size` (float tensors of one shape):
-    the resize as data, for sizes that are not shapes. Bicubic is Keys' cubic (a = -0.75) on 4 taps with the edges
-    repeated; with antialias, PIL's filters (a = -0.5 for bicubic) widened by the scale when downsampling and
-    normalised over their window, as torch computes them."""
+def _antialiased_weights(index: torch.Tensor, out_size: torch.Tensor, in_size: int, mode: str) -> torch.Tensor:
+    """The weights `(..., in_size)` that `F.interpolate(mode=mode, antialias=True, align_corners=False)` gives the
+    `in_size` inputs of one axis for output `index` of an axis resized to `out_size` (float tensors of one shape):
+    PIL's filters (a = -0.5 for bicubic) widened by the scale when downsampling and normalised over their window, as
+    torch computes them."""
     scale = in_size / out_size
     inputs = torch.arange(in_size, dtype=index.dtype, device=index.device)
-    if antialias:
-        half_width = 2.0 if mode == "bicubic" else 1.0
-        down = scale >= 1
-        support = torch.where(down, half_width * scale, torch.full_like(scale, half_width))
-        stretch = torch.where(down, 1 / scale, torch.ones_like(scale))
-        center = scale * (index + 0.5)
-        first = torch.clamp(torch.trunc(center - support + 0.5), min=0)
-        last = torch.clamp(torch.trunc(center + support + 0.5), max=in_size)
-        distance = (inputs - center[..., None] + 0.5) * stretch[..., None]
-        weights = _cubic(distance, -0.5) if mode == "bicubic" else torch.clamp(1 - distance.abs(), min=0)
-        window = (inputs >= first[..., None]) & (inputs < last[..., None])
-        weights = torch.where(window, weights, torch.zeros_like(weights))
-        return weights / weights.sum(-1, keepdim=True)
-    source = (index + 0.5) * scale - 0.5
-    if mode == "bilinear":
-        source = torch.clamp(source, min=0)
-        low = torch.floor(source)
-        high = torch.clamp(low + 1, max=in_size - 1)
-        fraction = (source - low)[..., None]
-        return (inputs == low[..., None]) * (1 - fraction) + (inputs == high[..., None]) * fraction
-    low = torch.floor(source)
-    fraction = source - low
-    weights = torch.zeros_like(inputs).expand(*index.shape, in_size)
-    for tap in range(-1, 3):
-        position = torch.clamp(low + tap, 0, in_size - 1)
-        weights = weights + (inputs == position[..., None]) * _cubic(fraction - tap, -0.75)[..., None]
-    return weights
+    half_width = 2.0 if mode == "bicubic" else 1.0
+    down = scale >= 1
+    support = torch.where(down, half_width * scale, torch.full_like(scale, half_width))
+    stretch = torch.where(down, 1 / scale, torch.ones_like(scale))
+    center = scale * (index + 0.5)
+    first = torch.clamp(torch.trunc(center - support + 0.5), min=0)
+    last = torch.clamp(torch.trunc(center + support + 0.5), max=in_size)
+    distance = (inputs - center[..., None] + 0.5) * stretch[..., None]
+    weights = _cubic(distance, -0.5) if mode == "bicubic" else torch.clamp(1 - distance.abs(), min=0)
+    window = (inputs >= first[..., None]) & (inputs < last[..., None])
+    weights = torch.where(window, weights, torch.zeros_like(weights))
+    return weights / weights.sum(-1, keepdim=True)
 
 
 def _cubic(distance: torch.Tensor, a: float) -> torch.Tensor:
