@@ -100,13 +100,12 @@ def randomised(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
     return model
 
 
-def autocast_steps(smoke: Smoke, model: torch.nn.Module, steps: int, seeded: bool = False, **inputs) -> list:
-    """`steps` AdamW steps (lr 1e-3) of `model(**inputs)`'s loss in bf16 autocast (each after `torch.manual_seed(step)`
-    with `seeded`); a `patch_corruption` the output returns goes into the next call. Returns the losses."""
+def autocast_steps(smoke: Smoke, model: torch.nn.Module, steps: int, **inputs) -> list:
+    """`steps` AdamW steps (lr 1e-3) of `model(**inputs)`'s loss in bf16 autocast, each after `manual_seed(step)`; a
+    `patch_corruption` the output returns goes into the next call. Returns the losses."""
     optimizer, losses = torch.optim.AdamW(model.parameters(), lr=1e-3), []
     for step in range(steps):
-        if seeded:
-            torch.manual_seed(step)
+        torch.manual_seed(step)
         with torch.autocast(smoke.device.type, dtype=torch.bfloat16):
             output = model(**inputs)
         if hasattr(output, "patch_corruption"):
@@ -266,7 +265,7 @@ def masked_patch_prediction(smoke: Smoke) -> str:
     patches = (config.image_hw[0] // config.patch_size) * (config.image_hw[1] // config.patch_size)
     generator = torch.Generator().manual_seed(1)
     labels = torch.randint(0, config.mpp_num_classes, (8, patches), generator=generator).to(smoke.device)
-    losses = autocast_steps(smoke, model, 6, seeded=True, pixel_values=pixels, labels=labels, patch_corruption=None)
+    losses = autocast_steps(smoke, model, 6, pixel_values=pixels, labels=labels, patch_corruption=None)
     if not all(torch.isfinite(torch.tensor(losses))) or not losses[-1] < losses[0]:
         raise AssertionError(f"losses {losses}")
     return f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps on one batch"

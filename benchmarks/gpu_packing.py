@@ -226,19 +226,11 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
         with autocast, CONTEXTS.get(layout, contextlib.nullcontext)(), sdpa_backend(args.sdpa_backend):
             yield
 
-    def step() -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    def calls(runner) -> dict[str, object]:
-        """ "layout | mode" -> one call of `runner` on that layout: inference, or a training step."""
-        return layout_calls(runner, batches, labels, LAYOUTS, context, step)
-
     host_sync = host_sync_check(model, batches, labels, device)
     log(f"packing host synchronisation check: {host_sync}")
     # The path hf-vit's dispatch chooses for each call, observed in one eager call (a compiled graph takes the same).
     observed: dict[str, list[str]] = {}
-    for key, fn in calls(model).items():
+    for key, fn in layout_calls(model, batches, labels, LAYOUTS, context, optimizer).items():
         observed[key] = []
         try:  # a call that fails is reported with its error below, and the other rows still run
             with _recording_paths(observed[key]):
@@ -259,7 +251,7 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
             continue
         runner = compile_models({"model": model}, args)[0]["model"] if variant == "compiled" else model
         fns = {}
-        for key, fn in calls(runner).items():
+        for key, fn in layout_calls(runner, batches, labels, LAYOUTS, context, optimizer).items():
             if variant == "compiled" and spent():
                 skipped[f"{key} | {variant}"] = spent().split(" (")[0]
                 continue
@@ -274,11 +266,8 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
             log(f"packing {variant}: {key} ready ({time.perf_counter() - start:.0f} s)")
         samples = time_alternating(fns, args.steps, args.repeats, device)
         for key, fn in fns.items():
-            seconds, (layout, mode), profiled = (
-                median_seconds(samples[key]),
-                key.split(" | "),
-                profile_call(fn, device),
-            )
+            seconds, profiled = median_seconds(samples[key]), profile_call(fn, device)
+            layout, mode = key.split(" | ")
             name = layout.split()[0]
             rows[f"{key} | {variant}"] = {
                 "layout": layout, "mode": mode, "variant": variant, "images_per_s": images[name] / seconds,

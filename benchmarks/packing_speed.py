@@ -131,9 +131,9 @@ def layout_batches(args, shapes: dict) -> tuple[dict, dict, dict]:
     return batches, {"square": first, "padded": first, "packed": len(sizes)}, patches
 
 
-def layout_calls(runner, batches: dict, labels: dict, rows, context=contextlib.nullcontext, after=lambda: None):
-    """ "row | mode" -> one call of `runner` on that row's batch (the row's first word): inference, or a training
-    step (forward and loss under `context(row)`, backward, then `after()`)."""
+def layout_calls(runner, batches: dict, labels: dict, rows, context=contextlib.nullcontext, optimizer=None):
+    """ "row | mode" -> one call of `runner` on that row's batch (the row's first word) under `context(row)`:
+    inference, or a training step (forward and loss, backward, the `optimizer`'s step if any, gradients zeroed)."""
     fns = {}
     for row in rows:
         batch, target = batches[row.split()[0]], labels[row.split()[0]]
@@ -146,7 +146,9 @@ def layout_calls(runner, batches: dict, labels: dict, rows, context=contextlib.n
             with context(row):
                 loss = runner.train()(**batch, labels=target).loss
             loss.backward()
-            after()
+            if optimizer is not None:
+                optimizer.step()
+            (optimizer or runner).zero_grad(set_to_none=True)
 
         fns[f"{row} | inference"], fns[f"{row} | training"] = infer, train
     return fns
@@ -243,7 +245,7 @@ def measure_model(args, shapes: dict) -> dict:
     fns, first_call, skipped, compiled_difference = {}, {}, {}, 0.0
     order = [(name, mode) for group in (MODEL_ROWS[1:], MODEL_ROWS[:1]) for mode in MODES for name in group]
     for variant, runner in variants.items():  # the square rows last: a spent compile budget leaves them out first
-        calls = layout_calls(runner, inputs, labels, MODEL_ROWS, after=lambda: model.zero_grad(set_to_none=True))
+        calls = layout_calls(runner, inputs, labels, MODEL_ROWS)
         for name, mode in order:
             key = f"{name} | {variant} | {mode}"
             spent = sum(seconds for call, seconds in first_call.items() if " | compiled | " in call)
