@@ -100,6 +100,23 @@ def randomised(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
     return model
 
 
+def autocast_steps(smoke: Smoke, model: torch.nn.Module, steps: int, **inputs) -> list:
+    """`steps` AdamW steps (lr 1e-3) of `model(**inputs)`'s loss in bf16 autocast, each after `manual_seed(step)`; a
+    `patch_corruption` the output returns goes into the next call. Returns the losses."""
+    optimizer, losses = torch.optim.AdamW(model.parameters(), lr=1e-3), []
+    for step in range(steps):
+        torch.manual_seed(step)
+        with torch.autocast(smoke.device.type, dtype=torch.bfloat16):
+            output = model(**inputs)
+        if hasattr(output, "patch_corruption"):
+            inputs["patch_corruption"] = output.patch_corruption
+        output.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(output.loss.item())
+    return losses
+
+
 def relative_difference(value: torch.Tensor, reference: torch.Tensor) -> float:
     reference = reference.float()
     return float((value.float() - reference).abs().max() / reference.abs().max().clamp(min=1e-6))
@@ -248,18 +265,7 @@ def masked_patch_prediction(smoke: Smoke) -> str:
     patches = (config.image_hw[0] // config.patch_size) * (config.image_hw[1] // config.patch_size)
     generator = torch.Generator().manual_seed(1)
     labels = torch.randint(0, config.mpp_num_classes, (8, patches), generator=generator).to(smoke.device)
-    corruption = None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(6):
-        torch.manual_seed(step)
-        with torch.autocast(smoke.device.type, dtype=torch.bfloat16):
-            output = model(pixels, labels=labels, patch_corruption=corruption)
-        corruption = output.patch_corruption if hasattr(output, "patch_corruption") else None
-        output.loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(output.loss.item())
+    losses = autocast_steps(smoke, model, 6, pixel_values=pixels, labels=labels, patch_corruption=None)
     if not all(torch.isfinite(torch.tensor(losses))) or not losses[-1] < losses[0]:
         raise AssertionError(f"losses {losses}")
     return f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps on one batch"
@@ -290,15 +296,8 @@ def onnx_export_of_a_trained_model(smoke: Smoke) -> str:
     config = smoke.config()
     torch.manual_seed(0)
     model = VisionTransformerForImageClassification(config).to(smoke.device).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    pixels = smoke.pixels(config, batch=8)
     labels = torch.arange(8, device=smoke.device) % config.num_labels
-    for _ in range(3):
-        with torch.autocast(smoke.device.type, dtype=torch.bfloat16):
-            loss = model(pixels, labels=labels).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    autocast_steps(smoke, model, 3, pixel_values=smoke.pixels(config, batch=8), labels=labels)
     if float(model.classifier.weight.abs().max()) == 0:
         raise AssertionError("training did not move the (zero-initialised) classifier")
     model.eval()
@@ -407,11 +406,15 @@ def finetune_bf16_compiled_from_hub_id(smoke: Smoke) -> str:
     )
 
 
+def _folder_and_steps(args: list[str]) -> tuple[Path, int]:
+    """The `--output_dir` and `--max_steps` of finetune.py's arguments."""
+    return Path(args[args.index("--output_dir") + 1]), int(args[args.index("--max_steps") + 1])
+
+
 def kill_after_a_checkpoint(smoke: Smoke, args: list[str], env: dict[str, str], name: str) -> int:
     """Start `finetune.py args` and SIGKILL it once it has saved a checkpoint; returns the last checkpoint's step
     (which must be before the run's end). Its output goes to `<scratch>/<name>-killed.log`."""
-    output_dir = Path(args[args.index("--output_dir") + 1])
-    max_steps = int(args[args.index("--max_steps") + 1])
+    output_dir, max_steps = _folder_and_steps(args)
     with open(smoke.scratch / f"{name}-killed.log", "w") as log:
         # Its own process group, killed whole as a scheduler kills a job: SIGKILL to the main process alone leaves
         # its DataLoader workers alive for a few seconds, holding the output folder's lock (inherited over fork).
@@ -441,8 +444,7 @@ def kill_after_a_checkpoint(smoke: Smoke, args: list[str], env: dict[str, str], 
 def resume_to_the_end(smoke: Smoke, args: list[str], env: dict[str, str], killed_at: int, name: str) -> int:
     """`finetune.py args --resume_from_checkpoint True`: it must say that it resumes from step `killed_at` and end
     at `--max_steps`. Returns the step it resumed from; its output goes to `<scratch>/<name>-resumed.log`."""
-    output_dir = Path(args[args.index("--output_dir") + 1])
-    max_steps = int(args[args.index("--max_steps") + 1])
+    output_dir, max_steps = _folder_and_steps(args)
     # --log_level info: Trainer then says from which step it resumes. The output goes to the log as it comes, so that
     # a run that stalls (a --recipe deit resume on an H200 did not end within 200 s) leaves where it stopped.
     log = smoke.scratch / f"{name}-resumed.log"

@@ -25,7 +25,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.packing_speed import layouts, small_classifier, square_batch
+from benchmarks.packing_speed import layout_batches, layout_calls, layouts, small_classifier
 from benchmarks.report import _markdown_table
 from benchmarks.runners import compile_models
 from benchmarks.timing import budget_spent, median_seconds, sdpa_backend, synchronize, time_alternating
@@ -198,12 +198,9 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     after each variant."""
     start = time.perf_counter() if start is None else start
     device, shape = torch.device(args.device), packing_settings(args.quick)
-    shapes = layouts(shape)
-    sizes, first = shapes["sizes"], shape.batch_size
-    batches = {"square": square_batch(shape), "padded": shapes["padded"]["batch"], "packed": shapes["packed"]["batch"]}
+    shapes, first = layouts(shape), shape.batch_size
+    batches, images, patches = layout_batches(shape, shapes)
     batches = {name: {key: value.to(device) for key, value in batch.items()} for name, batch in batches.items()}
-    images = {"square": first, "padded": first, "packed": len(sizes)}
-    patches = {"square": first * shape.max_num_patches, "padded": sum(sizes[:first]), "packed": sum(sizes)}
     model = small_classifier(shape.max_num_patches, shape.width, shape.depth, shape.heads, shape.seed).to(device)
     labels = {name: torch.zeros(count, dtype=torch.long, device=device) for name, count in images.items()}
     # The padded rows and the packed batch give the images they share the same logits, before anything is timed.
@@ -224,35 +221,16 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
-    def calls(runner) -> dict[str, object]:
-        """ "layout | mode" -> one call of `runner` on that layout: inference, or a training step."""
-        fns = {}
-        for layout in LAYOUTS:
-            context, batch, target = (
-                CONTEXTS.get(layout, contextlib.nullcontext),
-                batches[layout.split()[0]],
-                labels[layout.split()[0]],
-            )
-
-            def infer(batch=batch, context=context):
-                with torch.no_grad(), autocast, context(), sdpa_backend(args.sdpa_backend):
-                    runner.eval()(**batch)
-
-            def train(batch=batch, target=target, context=context):
-                with autocast, context(), sdpa_backend(args.sdpa_backend):
-                    loss = runner.train()(**batch, labels=target).loss
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
-            fns[f"{layout} | inference"], fns[f"{layout} | training"] = infer, train
-        return fns
+    @contextlib.contextmanager
+    def context(layout: str):  # bf16 autocast, the layout's attention path, the SDPA backend asked for
+        with autocast, CONTEXTS.get(layout, contextlib.nullcontext)(), sdpa_backend(args.sdpa_backend):
+            yield
 
     host_sync = host_sync_check(model, batches, labels, device)
     log(f"packing host synchronisation check: {host_sync}")
     # The path hf-vit's dispatch chooses for each call, observed in one eager call (a compiled graph takes the same).
     observed: dict[str, list[str]] = {}
-    for key, fn in calls(model).items():
+    for key, fn in layout_calls(model, batches, labels, LAYOUTS, context, optimizer).items():
         observed[key] = []
         try:  # a call that fails is reported with its error below, and the other rows still run
             with _recording_paths(observed[key]):
@@ -273,7 +251,7 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
             continue
         runner = compile_models({"model": model}, args)[0]["model"] if variant == "compiled" else model
         fns = {}
-        for key, fn in calls(runner).items():
+        for key, fn in layout_calls(runner, batches, labels, LAYOUTS, context, optimizer).items():
             if variant == "compiled" and spent():
                 skipped[f"{key} | {variant}"] = spent().split(" (")[0]
                 continue
@@ -288,11 +266,8 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
             log(f"packing {variant}: {key} ready ({time.perf_counter() - start:.0f} s)")
         samples = time_alternating(fns, args.steps, args.repeats, device)
         for key, fn in fns.items():
-            seconds, (layout, mode), profiled = (
-                median_seconds(samples[key]),
-                key.split(" | "),
-                profile_call(fn, device),
-            )
+            seconds, profiled = median_seconds(samples[key]), profile_call(fn, device)
+            layout, mode = key.split(" | ")
             name = layout.split()[0]
             rows[f"{key} | {variant}"] = {
                 "layout": layout, "mode": mode, "variant": variant, "images_per_s": images[name] / seconds,

@@ -19,6 +19,7 @@ compiles anew for each of `--recompile_batches` packed batches of other images (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -122,6 +123,37 @@ def square_batch(args) -> dict:
     return dict(processor(images, return_tensors="pt"))
 
 
+def layout_batches(args, shapes: dict) -> tuple[dict, dict, dict]:
+    """Per layout ("square", "padded", "packed"): its batch, its images and its real patches."""
+    sizes, first = shapes["sizes"], args.batch_size
+    batches = {"square": square_batch(args), "padded": shapes["padded"]["batch"], "packed": shapes["packed"]["batch"]}
+    patches = {"square": first * args.max_num_patches, "padded": sum(sizes[:first]), "packed": sum(sizes)}
+    return batches, {"square": first, "padded": first, "packed": len(sizes)}, patches
+
+
+def layout_calls(runner, batches: dict, labels: dict, rows, context=contextlib.nullcontext, optimizer=None):
+    """ "row | mode" -> one call of `runner` on that row's batch (the row's first word) under `context(row)`:
+    inference, or a training step (forward and loss, backward, the `optimizer`'s step if any, gradients zeroed)."""
+    fns = {}
+    for row in rows:
+        batch, target = batches[row.split()[0]], labels[row.split()[0]]
+
+        def infer(batch=batch, row=row):
+            with torch.no_grad(), context(row):
+                runner.eval()(**batch)
+
+        def train(batch=batch, target=target, row=row):
+            with context(row):
+                loss = runner.train()(**batch, labels=target).loss
+            loss.backward()
+            if optimizer is not None:
+                optimizer.step()
+            (optimizer or runner).zero_grad(set_to_none=True)
+
+        fns[f"{row} | inference"], fns[f"{row} | training"] = infer, train
+    return fns
+
+
 def views(buffer: torch.Tensor) -> list[torch.Tensor]:
     """The (rows, heads, tokens, d_h) query, key and value of a (rows, tokens, 3, heads, d_h) buffer."""
     return [part.transpose(1, 2) for part in buffer.unbind(2)]
@@ -193,14 +225,9 @@ def measure_model(args, shapes: dict) -> dict:
     inference call and per training step (forward, loss, backward), and the first (compiling) call's seconds."""
     model = small_classifier(args.max_num_patches, args.model_width, args.model_depth, args.model_heads, args.seed)
     model.train()
-    inputs = {"square": square_batch(args), "padded": shapes["padded"]["batch"], "packed": shapes["packed"]["batch"]}
-    sizes = shapes["sizes"]
-    batch = {  # per layout: images, real patches, the share of the patch slots that is padding
-        "square": (args.batch_size, args.batch_size * args.max_num_patches, 0.0),
-        "padded": (args.batch_size, sum(sizes[: args.batch_size]), shapes["padded"]["padding"]),
-        "packed": (len(sizes), sum(sizes), shapes["packed"]["padding"]),
-    }
-    labels = {name: torch.zeros(len(value["spatial_shapes"]), dtype=torch.long) for name, value in inputs.items()}
+    inputs, images, patches = layout_batches(args, shapes)
+    padding = {"square": 0.0, "padded": shapes["padded"]["padding"], "packed": shapes["packed"]["padding"]}
+    labels = {name: torch.zeros(count, dtype=torch.long) for name, count in images.items()}
     variants = {"eager": model}
     if not args.no_compile:
         variants["compiled"] = torch.compile(model, backend=args.compile_backend)
@@ -218,23 +245,14 @@ def measure_model(args, shapes: dict) -> dict:
     fns, first_call, skipped, compiled_difference = {}, {}, {}, 0.0
     order = [(name, mode) for group in (MODEL_ROWS[1:], MODEL_ROWS[:1]) for mode in MODES for name in group]
     for variant, runner in variants.items():  # the square rows last: a spent compile budget leaves them out first
+        calls = layout_calls(runner, inputs, labels, MODEL_ROWS)
         for name, mode in order:
             key = f"{name} | {variant} | {mode}"
             spent = sum(seconds for call, seconds in first_call.items() if " | compiled | " in call)
             if variant == "compiled" and spent > args.compile_budget_s:
                 skipped[key] = f"not compiled, {spent:.0f} s of compilation spent (--compile_budget_s)"
                 continue
-            layout = name.split()[0]
-
-            def infer(runner=runner, batch=inputs[layout]):
-                with torch.no_grad():
-                    runner.eval()(**batch)
-
-            def train(runner=runner, batch=inputs[layout], labels=labels[layout]):
-                runner.train()(**batch, labels=labels).loss.backward()
-                model.zero_grad(set_to_none=True)
-
-            fns[key] = infer if mode == "inference" else train
+            fns[key] = calls[f"{name} | {mode}"]
             begin = time.perf_counter()
             fns[key]()  # warm-up; compiled: the compilation
             first_call[key] = time.perf_counter() - begin
@@ -247,8 +265,9 @@ def measure_model(args, shapes: dict) -> dict:
     rows = {}
     for variant in variants:
         for name in MODEL_ROWS:
-            images, patches, padding = batch[name.split()[0]]
-            row = {"path": PATHS[name], "padding": padding, "images": images, "patches": patches, "first_call_s": {}}
+            layout = name.split()[0]
+            row = {"path": PATHS[name], "padding": padding[layout], "images": images[layout], "first_call_s": {}}
+            row["patches"] = patches[layout]
             for mode in MODES:
                 key = f"{name} | {variant} | {mode}"
                 if key in samples:
