@@ -213,12 +213,12 @@ def test_a_stream_on_several_processes_is_refused(tmp_path, monkeypatch):
         parse_args("pretrain", flags)
 
 
-def test_a_killed_packed_run_resumes_mid_epoch_to_the_uninterrupted_runs_weights(tmp_path):
+def test_a_killed_packed_run_resumes_mid_epoch_to_the_uninterrupted_runs_weights(tmp_path, monkeypatch):
     # images of several aspect ratios (several grids to plan and pack), random crops, dropout and token dropping; a
     # checkpoint every 2 steps of epochs of 3 batches of 1 row: the run is killed after step 5 and resumes from step 4,
-    # in its second epoch
-    from safetensors.torch import load_file
-    from test_training import WORKER, deterministic_finetune_args, run
+    # in its second epoch. The killed run dies in its own process; the uninterrupted and the resumed runs train in
+    # this one.
+    from test_training import WORKER, deterministic_finetune_args, run, train_in_one_thread
 
     source, data = pretrained_folder(tmp_path / "pre"), aspect_image_folder(tmp_path / "data")
     extra = ["--max_num_patches", "6", "--packed_sequence_length", "12", "--save_strategy", "steps"]
@@ -229,18 +229,18 @@ def test_a_killed_packed_run_resumes_mid_epoch_to_the_uninterrupted_runs_weights
     def flags(output_dir, *more):
         return deterministic_finetune_args(source, output_dir, 1, max_steps=7, extra=extra + list(more))
 
-    run([sys.executable, str(WORKER)] + flags(tmp_path / "straight"))
-    record = json.loads((tmp_path / "straight" / "rank0.json").read_text())
+    batches = recorded_batches(monkeypatch)
+    straight = train_in_one_thread(flags(tmp_path / "straight"))
+    images = [count for _, _, count in batches]
     # one row of 12 slots a batch, whole images of 3 to 5 kept patches in it: 3 batches hold an epoch's 7 images
-    assert [rows for rows, _ in record["batches"]] == [1] * 7 and sum(record["images"][:3]) == 7
-    assert max(record["images"]) > 1  # --per_device_train_batch_size 1 counts rows, not images
+    assert [(rows, slots) for rows, slots, _ in batches] == [(1, 12)] * 7 and sum(images[:3]) == 7
+    assert max(images) > 1  # --per_device_train_batch_size 1 counts rows, not images
     killed = tmp_path / "killed"
     run([sys.executable, str(WORKER)] + flags(killed, "--kill_at_step", "5"), expect=17)
     assert (killed / "checkpoint-4").is_dir() and not (killed / "rank0.safetensors").exists()
-    run([sys.executable, str(WORKER)] + flags(killed, "--resume_from_checkpoint", "True"))
-    resumed_record = json.loads((killed / "rank0.json").read_text())
-    assert resumed_record["images"] == record["images"][4:]  # the same batches after the checkpoint
-    straight, resumed = load_file(tmp_path / "straight" / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
+    batches.clear()
+    resumed = train_in_one_thread(flags(killed, "--resume_from_checkpoint", "True"))
+    assert [count for _, _, count in batches] == images[4:]  # the same batches after the checkpoint
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
@@ -285,12 +285,13 @@ def test_packed_batches_count_images_in_the_step_the_speed_and_the_learning_rate
     assert f"global batch 1 rows ({7 / per_epoch:.1f} images)" in caplog.text
 
 
-def test_two_processes_weigh_each_image_of_a_packed_step_as_one_process_accumulating(tmp_path):
+def test_two_processes_weigh_each_image_of_a_packed_step_as_one_process_accumulating(tmp_path, monkeypatch):
     # one process accumulating the epoch's first 2 batches (of 1 row each) and two processes training one each take
-    # the same step over the same images: the same update when each image weighs the same across the processes
+    # the same step over the same images: the same update when each image weighs the same across the processes (the
+    # one process is this one)
     from conftest import torchrun_command
     from safetensors.torch import load_file
-    from test_training import WORKER, run
+    from test_training import WORKER, run, train_in_one_thread
 
     data, source = aspect_image_folder(tmp_path / "data"), pretrained_folder(tmp_path / "pre")
     flags = ["--model_name_or_path", str(source), "--dataset_name", str(data), "--max_num_patches", "6"]
@@ -300,11 +301,12 @@ def test_two_processes_weigh_each_image_of_a_packed_step_as_one_process_accumula
     flags += ["--eval_strategy", "no", "--save_strategy", "no", "--check_eval_images", "False", *QUIET]
     one, two = tmp_path / "one", tmp_path / "two"
     accumulating = ["--output_dir", str(one), "--gradient_accumulation_steps", "2", *flags]
-    run([sys.executable, str(WORKER), "finetune", *accumulating])
+    batches = recorded_batches(monkeypatch)
+    expected = train_in_one_thread(["finetune", *accumulating])
     run([*torchrun_command(), str(WORKER), "finetune", "--output_dir", str(two), *flags])
     images = [json.loads((two / f"rank{rank}.json").read_text())["images"] for rank in (0, 1)]
-    assert json.loads((one / "rank0.json").read_text())["images"] == [images[0][0], images[1][0]]
+    assert [count for _, _, count in batches] == [images[0][0], images[1][0]]
     assert images[0] != images[1]  # batches of different numbers of images
-    expected, trained = load_file(one / "rank0.safetensors"), load_file(two / "rank0.safetensors")
+    trained = load_file(two / "rank0.safetensors")
     for name, value in expected.items():
         torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-6, msg=name)
