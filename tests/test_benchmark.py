@@ -669,7 +669,7 @@ def test_packing_accuracy_holds_out_its_test_digits_and_counts_them():
     stream = packing_accuracy.Stream(split["train"][0], split["train"][1], args)
     packed = packing_accuracy.next_batch(stream, "packed", processor, args)
     assert len(packed["inputs"]["pixel_values"]) <= 8 and packed["images"] > 32
-    assert packed["patches"] == int(packed["inputs"]["pixel_attention_mask"].sum())
+    assert packed["patches"] == int((packed["inputs"]["image_slot_index"] >= 0).sum())
     waiting = stream.peek()[2]
     sizes = packed["inputs"]["spatial_shapes"].prod(1).tolist()
     assert len(packing_accuracy.best_fit_decreasing([*sizes, waiting], 256)) > 8
