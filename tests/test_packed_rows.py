@@ -485,7 +485,7 @@ def test_packed_layout_moves_tokens_between_one_image_per_row_and_the_stream_of_
         assert torch.equal(per_image[image, :2], prefix[0]) and torch.all(per_image[image, 2 + count :] == 0)
         assert torch.equal(per_image[image, 2 : 2 + count], slots[row, first : first + count])
     back = layout.segments.to_blocks(per_image, (1, stream))[0]
-    held = layout.segments.block_tokens >= 0
+    held = layout.segments.token_images() < len(SIZES)  # the stream's tokens of images
     assert torch.equal(back[held], blocks[held]) and torch.all(back[~held] == 0)
 
 

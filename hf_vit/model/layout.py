@@ -90,22 +90,22 @@ class AttentionSegments:
     - `max_seqlen`: a bound on the longest run that needs no read from the device (a shape);
     - `token_mask` `(N, prefix + K)` bool: each image's tokens in a row of its own (the kept ones), for attention
       within each image's row with the rest masked as keys;
-    - for a packed batch, the gathers between the blocks' tokens and one image per row: `image_tokens`
-      `(N * (prefix + K),)` the blocks' token of each image token, `block_tokens` `(rows * tokens,)` the image token
-      of each of the blocks' tokens, -1 for none; without them the blocks' rows are the images."""
+    - for a packed batch, the gather from the blocks' `stream` tokens (one row) to one image per row: `image_tokens`
+      `(N * (prefix + K),)` the blocks' token of each image token, -1 for none; without it the blocks' rows are the
+      images."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     token_mask: torch.Tensor
     image_tokens: torch.Tensor | None = None
-    block_tokens: torch.Tensor | None = None
+    stream: int | None = None
 
     @property
     def blocks_shape(self) -> tuple[int, int]:
         """`(rows, tokens)` of the blocks' tokens."""
-        if self.block_tokens is None:
+        if self.image_tokens is None:
             return tuple(self.token_mask.shape)
-        return 1, self.block_tokens.shape[0]
+        return 1, self.stream
 
     def to_images(self, values: torch.Tensor, masked: bool = False) -> torch.Tensor:
         """The blocks' `(rows, tokens, ...)` -> `(N, prefix + K, ...)` one image per row, zero beyond its tokens;
@@ -128,10 +128,12 @@ class AttentionSegments:
 
     def token_images(self) -> torch.Tensor | None:
         """`(tokens,)`: the image of each of a packed batch's blocks' tokens, N (one past the last) on the padding."""
-        if self.block_tokens is None:
+        if self.image_tokens is None:
             return None
         images, width = self.token_mask.shape
-        return torch.where(self.block_tokens >= 0, self.block_tokens.div(width, rounding_mode="floor"), images)
+        owner = torch.arange(images, device=self.image_tokens.device).repeat_interleave(width)
+        places = torch.where(self.image_tokens >= 0, self.image_tokens, self.stream)  # the spare token takes the rest
+        return owner.new_full((self.stream + 1,), images).scatter(0, places, owner)[: self.stream]
 
 
 @dataclass(frozen=True, eq=False)
@@ -304,9 +306,10 @@ def _packed(
     index, grids = image_slot_index.to(device), spatial_shapes.to(device)
     present = index >= 0  # (N, K)
     kept = present.sum(dim=1)  # (N,): each image's patches
-    first = torch.where(present, index, total).amin(dim=1).clamp(0, total - 1)  # (N,): each image's first slot
+    held = torch.where(present, index, total)  # (N, K): each patch's slot, `total` (a spare slot) for none
+    first = held.amin(dim=1).clamp(max=total - 1)  # (N,): each image's first slot
     starts = torch.zeros(total, dtype=torch.long, device=device).index_add(0, first, torch.ones_like(first))
-    _check_packed(index, grids, present, kept, first, (rows, length), pixel_attention_mask)
+    _check_packed(index, grids, held, kept, first, (rows, length), pixel_attention_mask)
     # The blocks' stream: the slots in order, each image's prefix tokens before its first slot.
     slot_tokens = torch.arange(total, device=device) + prefix * starts.cumsum(0)  # (R * L,)
     image_first = slot_tokens[first] - prefix  # (N,): where each image's run starts
@@ -316,36 +319,38 @@ def _packed(
     block_source = torch.zeros(stream, dtype=torch.long, device=device).scatter(
         0, torch.cat([prefix_at.flatten(), slot_tokens]), torch.arange(stream, device=device)
     )  # (prefix tokens, then slots) -> the stream
-    numbers = torch.arange(image_tokens.numel(), device=device)
-    block_tokens = torch.full((stream + 1,), -1, dtype=torch.long, device=device).scatter(
-        0, torch.where(image_tokens >= 0, image_tokens, stream).flatten(), numbers
-    )[:stream]
     # the runs: each image's, and each row's padding after its images (empty runs where boundaries meet)
     row_slot = torch.arange(rows, device=device) * length
     row_first = slot_tokens[row_slot] - prefix * starts[row_slot]
     bounds = torch.cat([image_first, image_first + prefix + kept, row_first, row_first.new_full((1,), stream)])
     segments = AttentionSegments(
         bounds.sort().values.to(torch.int32), length + prefix, F.pad(present, (prefix, 0), value=True),
-        image_tokens=image_tokens.flatten(), block_tokens=block_tokens,
+        image_tokens=image_tokens.flatten(), stream=stream,
     )  # fmt: skip
-    held, patch = torch.where(present, index, total).flatten(), torch.arange(images * patches, device=device)
-    slot_images = slot_image_index(index, rows, length).flatten()
-    slot_places = torch.full((total + 1,), -1, dtype=torch.long, device=device).scatter(0, held, patch % patches)
+    slot_patches = _slot_patches(held, total)
+    slot_images, slot_places = slot_patches.div(patches, rounding_mode="floor"), slot_patches % patches
     return BatchLayout(
-        grids, prefix, segments, slot_grids=grids[slot_images.clamp(min=0)], slot_places=slot_places[:total],
-        image_slot_index=index, slots=(rows, length), block_source=block_source,
+        grids, prefix, segments, slot_grids=grids[slot_images.clamp(min=0)],
+        slot_places=torch.where(slot_patches >= 0, slot_places, -1), image_slot_index=index, slots=(rows, length),
+        block_source=block_source,
     )  # fmt: skip
+
+
+def _slot_patches(held: torch.Tensor, total: int) -> torch.Tensor:
+    """`(total,)`: the patch `image * K + k` each slot holds, -1 on the padding, from each patch's slot `held`
+    `(N, K)` (`total` for none)."""
+    spare = torch.full((total + 1,), -1, dtype=torch.long, device=held.device)  # the spare slot takes the rest
+    return spare.scatter(0, held.flatten(), torch.arange(held.numel(), device=held.device))[:total]
 
 
 def slot_image_index(image_slot_index: torch.Tensor, rows: int, length: int) -> torch.Tensor:
     """`(rows, length)`: the image each slot of a packed batch holds a patch of, -1 on the padding (the inverse of
     `image_slot_index`, e.g. to give labels per slot)."""
-    images, patches = image_slot_index.shape
     total = rows * length
-    held = torch.where(image_slot_index >= 0, image_slot_index, total).flatten()
-    owner = torch.arange(images, device=held.device)[:, None].expand(images, patches).flatten()
-    spare = torch.full((total + 1,), -1, dtype=torch.long, device=held.device)
-    return spare.scatter(0, held, owner)[:total].view(rows, length)
+    held = torch.where(image_slot_index >= 0, image_slot_index, total)
+    slot_patches = _slot_patches(held, total)
+    images = torch.where(slot_patches >= 0, slot_patches.div(image_slot_index.shape[1], rounding_mode="floor"), -1)
+    return images.view(rows, length)
 
 
 def _check_mask_shape(mask: torch.Tensor | None, shape: tuple[int, int], rows: str, slots: str) -> None:
@@ -374,7 +379,7 @@ def check_slot_index(image_slot_index, images: int) -> None:
 def _check_packed(
     index: torch.Tensor,
     grids: torch.Tensor,
-    present: torch.Tensor,
+    held: torch.Tensor,
     kept: torch.Tensor,
     first: torch.Tensor,
     slots: tuple[int, int],
@@ -394,13 +399,13 @@ def _check_packed(
     sizes = grids[:, 0] * grids[:, 1]
     inside = torch.arange(index.shape[1], device=index.device) < sizes[:, None]
     _check_on_device(
-        (grids >= 1).all() & (present <= inside).all() & (kept >= 1).all(),
+        (grids >= 1).all() & ((held == total) | inside).all() & (kept >= 1).all(),
         "`spatial_shapes` must give each image's grid (rows, columns): `image_slot_index` gives slots to places of "
         "its grid only, at least one.",
     )
-    held = torch.where(present, index, total).flatten()
-    taken = torch.zeros(total + 1, dtype=torch.long, device=index.device).index_add(0, held, torch.ones_like(held))
-    last = torch.where(present, index, -1).amax(dim=1)
+    flat = held.flatten()
+    taken = torch.zeros(total + 1, dtype=torch.long, device=index.device).index_add(0, flat, torch.ones_like(flat))
+    last = torch.where(held < total, held, -1).amax(dim=1)
     taken = taken[:total].view(rows, length)
     _check_on_device(
         (taken <= 1).all() & (last - first + 1 == kept).all() & (first // length == last // length).all()
