@@ -1,8 +1,4 @@
-"""Configuration of the Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., 2020).
-
-This file is also saved next to checkpoints as remote code, so it imports only transformers, the standard library and
-the code files beside it.
-"""
+"""Configuration of the Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., 2020)."""
 
 from __future__ import annotations
 
@@ -29,7 +25,6 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "huge": {"hidden_size": 1280, "num_hidden_layers": 32, "intermediate_size": 5120, "num_attention_heads": 16},
 }
 PATCH_SIZES = (8, 14, 16, 32)
-_PRESET_NAMES = [f"vit-{size}-patch{patch}-224" for size in MODEL_SIZES for patch in PATCH_SIZES]
 # How the image representation `y` of equation (4) is pooled: the class token, the average of the patch tokens, or
 # multi-head attention pooling ("map", SigLIP's and big_vision's head, `pooling.py`).
 CLASSIFIERS = ("token", "gap", "map")
@@ -94,7 +89,9 @@ _PRESET_NAME = re.compile(
     rf"(?:(?P<resnet>r26|r50)-)?vit-(?P<size>{'|'.join(MODEL_SIZES)})-patch(?P<patch>\d+)-(?P<resolution>\d+)"
 )
 # Every size at every patch size at 224, which each patch size tiles (the paper's H/14 runs at 224).
-PRESETS: dict[str, dict[str, Any]] = {name: _preset_fields(name) for name in _PRESET_NAMES}
+PRESETS: dict[str, dict[str, Any]] = {
+    name: _preset_fields(name) for name in (f"vit-{s}-patch{p}-224" for s in MODEL_SIZES for p in PATCH_SIZES)
+}
 # The keyword arguments `from_preset` takes besides the fields.
 _PRESET_EXTRA_KWARGS = ("num_labels", "attn_implementation", "auto_map", "out_features", "out_indices")
 
@@ -184,9 +181,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         resnet_width: channels of the stem's root (64 times the authors' width factor); stage `i` (from 0) has
             bottlenecks of `resnet_width * 2**i` channels and outputs four times that.
         mpp_color_bits: masked patch prediction (section 4.6): bits per channel of the mean colour the model
-            predicts (3: 512 classes for RGB). How many patches a run corrupts, and how, is the run's
-            (`modeling_mpp.PatchCorruption`); configs saved with those shares (`mpp_corrupt_ratio`, `mpp_mask_ratio`,
-            `mpp_random_ratio`) load, without them.
+            predicts (3: 512 classes for RGB). How patches are corrupted is the run's (`modeling_mpp.PatchCorruption`).
         mpp_pixel_mean, mpp_pixel_std: the normalisation of the `pixel_values` masked patch prediction is given
             without `labels` (a number, or one per channel; the hf-vit processor's 0.5 by default): the model undoes
             it to compute the mean-colour targets from the pixels.
@@ -300,10 +295,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     def validate_architecture(self) -> None:
         """Raise a `ValueError` naming the first field whose value cannot build a model (`FIELD_RULES`, then the
-        fields' agreement with each other).
-
-        Called when the config is built; `validate()`, which `save_pretrained` calls, stays transformers' own and runs
-        its checks (e.g. `validate_output_attentions`)."""
+        fields' agreement with each other); transformers' own `validate()` runs on `save_pretrained`."""
         height, width = height_width(self.image_size, "image_size")
         for name, (valid, wanted) in FIELD_RULES.items():
             value = min(height, width) if name == "image_size" else getattr(self, name)
@@ -345,24 +337,19 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
                 f"`hidden_act` must name one of transformers' activations (ACT2FN), got {self.hidden_act!r}"
                 + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ".")
             )
-        for name in ("mpp_pixel_mean", "mpp_pixel_std"):
+        for name, kind in (("mpp_pixel_mean", "number"), ("mpp_pixel_std", "positive number")):
             value = getattr(self, name)
             values = value if isinstance(value, list) else [value]
-            positive = name == "mpp_pixel_std"
-            if (
-                (isinstance(value, list) and len(value) != self.num_channels)
-                or not all(_is_number(number) for number in values)
-                or (positive and min(values) <= 0)
+            if (isinstance(value, list) and len(value) != self.num_channels) or not all(
+                _is_number(number) and (kind == "number" or number > 0) for number in values
             ):
-                kind = "positive number" if positive else "number"
                 raise ValueError(
                     f"`{name}` must be a {kind} or a list of {self.num_channels} (one per channel), got {value!r}."
                 )
 
     def to_dict(self) -> dict[str, Any]:
-        """transformers' dict of the config (what config.json holds), less `distillation_head` where there is no
-        distillation token for it to act on: a plain ViT's file names only what the model uses (read back, the field
-        takes its default)."""
+        """transformers' dict of the config (config.json), less `distillation_head` where there is no distillation
+        token for it to act on (read back, the field takes its default)."""
         output = super().to_dict()
         if not self.use_distillation_token:
             output.pop("distillation_head", None)
@@ -370,11 +357,9 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """transformers' reading of `config.json`, with the checkpoints users have converted on the way (transformers'
-        and timm's ViT, the authors' `.npz`, once `hf_vit.convert` has registered its reader with `loading.py`), and
+        """transformers' reading of `config.json`, foreign checkpoints converted on the way (`loading.open_foreign`),
         refusing what would silently build another model: a folder without `config.json` (transformers would use the
-        defaults) or the config of another model type (whose weights would not load, leaving the model randomly
-        initialised)."""
+        defaults) or the config of another model type (whose weights would not load)."""
         source = pretrained_model_name_or_path
         foreign = open_foreign(source, kwargs)
         if foreign is not None:
@@ -413,12 +398,10 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     @property
     def stem_channels(self) -> int:
-        """Channels of what the patch embedding reads: the image's, or the stem's last stage's output."""
+        """Channels of what the patch embedding reads: the image's, or the stem's (its stride times its width)."""
         if self.resnet_layers is None:
             return self.num_channels
-        if not self.resnet_layers:
-            return self.resnet_width
-        return self.resnet_width * 4 * 2 ** (len(self.resnet_layers) - 1)
+        return self.resnet_width * (self.stem_stride if self.resnet_layers else 1)
 
     @property
     def embedding_patch_size(self) -> int:
@@ -474,10 +457,10 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         known = {field.name for field in dataclasses.fields(cls)} | set(_PRESET_EXTRA_KWARGS)
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            hints = []
-            for field_name in unknown:
-                close = difflib.get_close_matches(field_name, own, n=1, cutoff=0.5)
-                hints.append(f"{field_name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            hints = [
+                f"{key!r}" + "".join(f" (did you mean {c!r}?)" for c in difflib.get_close_matches(key, own, 1, 0.5))
+                for key in unknown
+            ]
             raise ValueError(
                 f"Unknown config field(s) {', '.join(hints)} for preset {name!r}. The model's fields: "
                 f"{', '.join(own)}; also num_labels, id2label, label2id, problem_type."
