@@ -16,8 +16,6 @@ after, a 3x3 stride-2 one 0 and 1, where PyTorch's symmetric padding would shift
 padding is computed for sides divisible by the layer's stride, which every input the model accepts has (its sides are
 multiples of `patch_size`, itself a multiple of the stem's stride); it is then a constant, so exported graphs take
 any such size.
-
-Saved next to checkpoints as remote code with the model, so it imports only torch and the configuration file.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 `size` is a height and width, or (as transformers' DINOv2 and CLIP processors say it, `{"shortest_edge": N}`) the
 shorter side, the longer one following the image's aspect ratio; the centre crop then cuts `crop_size` out of the
-middle. The image is resized once, straight to its output size, antialiased like PIL. Also saved beside checkpoints
-as remote code (a sibling of `image_processing_vit.py`): it imports only the standard library, torch and transformers.
+middle. The image is resized once, straight to its output size, antialiased like PIL.
 """
 
 from collections.abc import Mapping, Sequence

@@ -9,9 +9,6 @@ non-square grids and on native-aspect batches (the processor's `max_num_patches`
 `config.masked_image_modeling` chooses what `AutoModelForMaskedImageModeling` builds: this model, or the paper's
 masked patch prediction (`modeling_mpp.py`), which computes its targets (`pixel_targets.py`) from the same
 `pixel_values` when no `labels` are given, so transformers' `run_mim.py` trains either.
-
-This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
-transformers and the code files beside it.
 """
 
 from __future__ import annotations

@@ -4,9 +4,6 @@ corrupting some patch embeddings and predicting the mean colour of each corrupte
 The encoder is `modeling_vit`'s, built with the [mask] embedding; the corruption is applied to the patch embeddings
 x_p^i E before the position embeddings are added, given to the encoder as data: `bool_masked_pos` (the patches the
 [mask] embedding replaces) and `patch_sources` (the patches another patch's embedding replaces).
-
-This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
-transformers and the code files beside it.
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@ A learned probe attends to every token (every valid one of a native-aspect batch
 an MLP with a residual follows, the head of big_vision's ViT and of SigLIP's vision tower. Its parameters are those of
 `torch.nn.MultiheadAttention` (`probe`, `attention.in_proj_weight` with rows [q; k; v], `attention.out_proj`), a
 LayerNorm and the model's MLP.
-
-Saved next to checkpoints as remote code with the model, so it imports only torch.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """The initialisation of the authors' code (vit_jax), one function per kind of module, each `(module, config)`:
 `modeling_vit.INITIALISERS` says which module each is for (the embeddings, attention, MLP and classifier modules are
 `modeling_vit`'s, which imports this file).
-
-Saved next to checkpoints as remote code with the model, so it imports only torch, transformers and its siblings.
 """
 
 from __future__ import annotations
