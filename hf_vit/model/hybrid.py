@@ -64,9 +64,7 @@ def _group_norm(channels: int) -> nn.GroupNorm:
 
 
 class ResNetUnit(nn.Module):
-    """A post-activation bottleneck unit: `relu(shortcut(x) + gn3(conv3(relu(gn2(conv2(relu(gn1(conv1(x)))))))))`.
-
-    `gn3` starts with a zero scale (`_init_weights`), so every unit starts as its shortcut, as in the authors' code."""
+    """A post-activation bottleneck unit: `relu(shortcut(x) + gn3(conv3(relu(gn2(conv2(relu(gn1(conv1(x)))))))))`."""
 
     def __init__(self, in_channels: int, features: int, stride: int) -> None:
         super().__init__()
@@ -90,7 +88,7 @@ class ResNetUnit(nn.Module):
         return F.relu(shortcut + residual)
 
 
-class ResNetStage(nn.Module):
+class ResNetStage(nn.Sequential):
     """`depth` units named `unit1`..`unit<depth>` (the authors' names); the first one carries the stride."""
 
     def __init__(self, in_channels: int, features: int, depth: int, stride: int) -> None:
@@ -98,11 +96,6 @@ class ResNetStage(nn.Module):
         for index in range(depth):
             self.add_module(f"unit{index + 1}", ResNetUnit(in_channels, features, stride if index == 0 else 1))
             in_channels = 4 * features
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        for unit in self.children():
-            hidden_states = unit(hidden_states)
-        return hidden_states
 
 
 class ResNetStem(nn.Module):
