@@ -163,15 +163,8 @@ def grid_for_max_patches(height: int, width: int, patch_size: int, max_num_patch
             raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
     if not isinstance(max_num_patches, int) or isinstance(max_num_patches, bool) or max_num_patches < 1:
         raise ValueError(f"`max_num_patches` must be a positive int (patches per image), got {max_num_patches!r}.")
-
-    def by_rows(k: int) -> tuple[int, int]:
-        return k, max(1, -(-k * width // height))
-
-    def by_cols(k: int) -> tuple[int, int]:
-        return max(1, -(-k * height // width)), k
-
-    best = (1, 1)
-    for grid_of in (by_rows, by_cols):
+    best = (1, 1)  # the grids with k rows, then those with k columns:
+    for grid_of in (lambda k: (k, max(1, -(-k * width // height))), lambda k: (max(1, -(-k * height // width)), k)):
         low, high = 1, max_num_patches  # the largest k whose grid fits: grid_of(1) may not (then none does)
         while low < high:
             middle = (low + high + 1) // 2
