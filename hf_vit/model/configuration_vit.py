@@ -173,11 +173,9 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         drop_path_rate: stochastic depth rate of the last block, growing linearly from 0 at the first block.
         initializer_range: standard deviation of the position embeddings at initialisation.
         zero_init_head: initialise the classifier's weights and bias to zero, as the paper does.
-        resnet_layers: stage depths of the hybrid's ResNet stem (section 3.1), e.g. `[3, 4, 9]` for the paper's R50
-            hybrid; `None` (the default) for the plain ViT. The stem is the authors': weight-standardised
-            convolutions and GroupNorm, a 7x7 stride-2 root convolution and 3x3 stride-2 max pooling, then bottleneck
-            stages (the first at stride 1, the others at stride 2), so its stride is `4 * 2 ** (stages - 1)`. An empty
-            list is the root alone (stride 4).
+        resnet_layers: stage depths of the hybrid's ResNet stem (section 3.1, `hybrid.py`), e.g. `[3, 4, 9]` for the
+            paper's R50 hybrid; `None` (the default) for the plain ViT. Its stride is `4 * 2 ** (stages - 1)`; an
+            empty list is the root alone (stride 4).
         resnet_width: channels of the stem's root (64 times the authors' width factor); stage `i` (from 0) has
             bottlenecks of `resnet_width * 2**i` channels and outputs four times that.
         mpp_color_bits: masked patch prediction (section 4.6): bits per channel of the mean colour the model
@@ -286,11 +284,9 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             out_features=kwargs.pop("out_features", None), out_indices=kwargs.pop("out_indices", None)
         )
         super().__post_init__(**kwargs)
-        if getattr(self, "auto_map", None) is None:
-            # Saved folders name the classes to load with `trust_remote_code=True` where hf_vit is not installed.
-            self.auto_map = dict(AUTO_MAP)
-        for auto_class, reference in AUTO_MAP.items():  # configs saved before a class was added name it too
-            self.auto_map.setdefault(auto_class, reference)
+        # Saved folders name the classes to load with `trust_remote_code=True` where hf_vit is not installed (configs
+        # saved before a class was added name it too).
+        self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         self.validate_architecture()
 
     def validate_architecture(self) -> None:
