@@ -58,9 +58,7 @@ def rescale_and_normalize(
     if rescale_factor is None and mean is None:
         return images
     # The constants are folded in float64, so the only float32 rounding is in the multiply-add itself.
-    shape = (num_channels, 1, 1)
-    scale = scale.float().view(shape).to(images.device)
-    shift = shift.float().view(shape).to(images.device)
+    scale, shift = (value.float().view(num_channels, 1, 1).to(images.device) for value in (scale, shift))
     return torch.addcmul(shift, images, scale, out=images)
 
 
