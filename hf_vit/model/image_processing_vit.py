@@ -668,8 +668,15 @@ def pack_patches(
     for index, (kept, (height, width)) in enumerate(zip(places, grids)):
         if len(kept) and (int(kept.min()) < 0 or int(kept.max()) >= height * width or len(kept.unique()) < len(kept)):
             raise ValueError(f"`positions` of image {index} must be distinct places of its {height}x{width} grid.")
-    plan = _rows_of_images(sizes, packed_sequence_length, rows)
     device, length = patches[0].device, packed_sequence_length
+    plan = best_fit_decreasing(sizes, length) if rows is None else [list(row) for row in rows]
+    if sorted(index for row in plan for index in row) != list(range(len(sizes))) or any(
+        sum(sizes[index] for index in row) > length for row in plan
+    ):
+        raise ValueError(
+            f"`rows` {plan} must hold each of the {len(sizes)} images once, each row at most "
+            f"`packed_sequence_length` = {length} patches (the images' {sizes})."
+        )
     pixel_values = torch.zeros(len(plan), length, patches[0].shape[-1], device=device)
     image_slot_index = torch.full((len(sizes), max(height * width for height, width in grids)), -1, dtype=torch.long)
     for row, indices in enumerate(plan):
@@ -684,21 +691,6 @@ def pack_patches(
         "spatial_shapes": torch.tensor([list(grid) for grid in grids], dtype=torch.long, device=device),
         "image_slot_index": image_slot_index.to(device),
     }
-
-
-def _rows_of_images(sizes: list[int], length: int, rows: Sequence[Sequence[int]] | None) -> list[list[int]]:
-    """The images of each packed row: `rows` checked, or `best_fit_decreasing`'s."""
-    if rows is None:
-        return best_fit_decreasing(sizes, length)
-    plan = [list(row) for row in rows]
-    if sorted(index for row in plan for index in row) != list(range(len(sizes))) or any(
-        sum(sizes[index] for index in row) > length for row in plan
-    ):
-        raise ValueError(
-            f"`rows` {plan} must hold each of the {len(sizes)} images once, each row at most "
-            f"`packed_sequence_length` = {length} patches (the images' {sizes})."
-        )
-    return plan
 
 
 __all__ = [
