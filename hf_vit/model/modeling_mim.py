@@ -115,11 +115,8 @@ class VisionTransformerForMaskedImageModeling(VisionTransformerPreTrainedModel):
             reconstruction = blocks.permute(0, 1, 3, 4, 2).flatten(2)
         else:
             rows, cols = (size // patch_size for size in pixel_values.shape[-2:])
-            channels = self.config.num_channels
-            reconstruction = blocks.reshape(blocks.shape[0], rows, cols, channels, stride, stride)
-            reconstruction = reconstruction.permute(0, 3, 1, 4, 2, 5).reshape(
-                -1, channels, rows * stride, cols * stride
-            )
+            # (B, rows, cols, C, s, s) -> (B, C, rows, s, cols, s) -> (B, C, rows * s, cols * s)
+            reconstruction = blocks.unflatten(1, (rows, cols)).permute(0, 3, 1, 4, 2, 5).flatten(4, 5).flatten(2, 3)
         return MaskedImageModelingOutput(
             loss=loss,
             reconstruction=reconstruction,
