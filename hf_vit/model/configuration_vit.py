@@ -25,8 +25,6 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "huge": {"hidden_size": 1280, "num_hidden_layers": 32, "intermediate_size": 5120, "num_attention_heads": 16},
 }
 PATCH_SIZES = (8, 14, 16, 32)
-# How the image representation `y` of equation (4) is pooled: the class token, the average of the patch tokens, or
-# multi-head attention pooling ("map", SigLIP's and big_vision's head, `pooling.py`).
 CLASSIFIERS = ("token", "gap", "map")
 # Stage depths of the hybrids' ResNet stems (section 3.1), by stem and effective patch size, as the authors' code
 # defines them: R50 with stage 4 removed and its units moved to stage 3 (stride 16), the full R50 (stride 32), and the
@@ -63,8 +61,6 @@ AUTO_MAP = {
     "AutoModelForPreTraining": "modeling_mpp.VisionTransformerForMaskedPatchPrediction",
     "AutoModelForMaskedImageModeling": "modeling_mim.VisionTransformerForMaskedImageModeling",
 }
-# What `AutoModelForMaskedImageModeling` builds (`masked_image_modeling`): SimMIM's pixel reconstruction, or the
-# paper's masked patch prediction (section 4.6), both driven by `pixel_values` and `bool_masked_pos` alone.
 MASKED_IMAGE_MODELING = ("simmim", "mpp")
 
 
@@ -167,8 +163,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         layer_norm_eps: epsilon of every LayerNorm.
         qkv_bias: whether the query, key and value projections have a bias.
         classifier: how `y` of equation (4) is pooled: `"token"` (the class token), `"gap"` (the average of the patch
-            tokens) or `"map"` (multi-head attention pooling: a learned probe attends to every token, then an MLP
-            with a residual, as SigLIP's head).
+            tokens) or `"map"` (multi-head attention pooling, SigLIP's head: `pooling.py`).
         representation_size: size of the pre-logits layer (a tanh dense layer used in pretraining); `None` for none.
         drop_path_rate: stochastic depth rate of the last block, growing linearly from 0 at the first block.
         initializer_range: standard deviation of the position embeddings at initialisation.
@@ -180,26 +175,22 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             bottlenecks of `resnet_width * 2**i` channels and outputs four times that.
         mpp_color_bits: masked patch prediction (section 4.6): bits per channel of the mean colour the model
             predicts (3: 512 classes for RGB). How patches are corrupted is the run's (`modeling_mpp.PatchCorruption`).
-        mpp_pixel_mean, mpp_pixel_std: the normalisation of the `pixel_values` masked patch prediction is given
-            without `labels` (a number, or one per channel; the hf-vit processor's 0.5 by default): the model undoes
-            it to compute the mean-colour targets from the pixels.
+        mpp_pixel_mean, mpp_pixel_std: the normalisation (a number, or one per channel) the model undoes to compute
+            masked patch prediction's mean-colour targets from `pixel_values` given without `labels`.
         encoder_stride: masked image modeling (SimMIM): the side of the pixel block each patch token reconstructs;
             `None` (the default) means `patch_size`, the only value that reconstructs the whole image.
         masked_image_modeling: which model `AutoModelForMaskedImageModeling` builds: `"simmim"` (SimMIM's
-            reconstruction of the masked pixels, L1 loss) or `"mpp"` (masked patch prediction, its targets computed
-            from the pixels).
+            reconstruction of the masked pixels) or `"mpp"` (masked patch prediction).
 
     The blocks of the family that followed the paper, each off by default (the paper's model):
 
         use_class_token: whether the sequence starts with the class token; `None` (the default) means "when
             `classifier` is `"token"`", the paper's two models. `False` with `"map"` is SigLIP's tower; `True` with
             `"gap"` averages the patch tokens beside a class token (timm's `global_pool="avg"`).
-        use_distillation_token: DeiT's distillation token after the class token (with a position embedding); the
-            classification model has a second head on it, `logits` are the average of the two heads, and
-            fine-tuning trains both against the labels.
-        distillation_head: with `use_distillation_token`, whether the classification model has that second head
-            (DeiT's distilled models) or classifies from the class token alone (transformers'
-            `DeiTForImageClassification`).
+        use_distillation_token: DeiT's distillation token after the class token (with a position embedding).
+        distillation_head: with `use_distillation_token`, whether the classification model has a second head on it
+            (DeiT's distilled models: `logits` average the two heads, fine-tuning trains both against the labels) or
+            classifies from the class token alone (transformers' `DeiTForImageClassification`).
         num_register_tokens: register tokens after the prefix tokens (DINOv2 with registers, timm's `reg_tokens`):
             learned, without a position embedding, dropped from every output that maps tokens to patches.
         layer_scale_init_value: LayerScale on both residual branches of every block (a learned per-channel scale,
@@ -209,14 +200,12 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         fc_norm: apply the final LayerNorm to the pooled representation instead of to every token (timm's
             `fc_norm`, CLIP's `post_layernorm`): `last_hidden_state` is then the last block's output.
         patch_embedding_bias: whether the patch embedding has a bias (CLIP's has none).
-        interpolation_mode, interpolation_antialias: how position embeddings are resampled to another grid
-            (`interpolate_pos_encoding`, `set_input_size`): `"bicubic"` or `"bilinear"`, with or without
-            antialiasing, as the checkpoint's own code resamples them.
+        interpolation_mode, interpolation_antialias: how position embeddings are resampled to another grid:
+            `"bicubic"` or `"bilinear"`, with or without antialiasing, as the checkpoint's own code resamples them.
 
     `patch_size` is always in input pixels: the side of the image region one token covers (16 for R50+ViT-B/16, whose
-    embedding takes 1x1 patches of the stem's stride-16 feature map). So `grid_size` is `image_size / patch_size` for
-    plain and hybrid models alike, and everything that maps tokens to pixels (resolution changes, dense features,
-    attention distances) holds for both; `stem_stride` and `embedding_patch_size` give the two factors.
+    embedding takes 1x1 patches of the stem's stride-16 feature map), so `grid_size` is `image_size / patch_size` for
+    plain and hybrid models alike; `stem_stride` and `embedding_patch_size` give the two factors.
     """
 
     model_type = "hf_vit"
