@@ -30,11 +30,8 @@ def to_resampling(resample: PILImageResampling | int | str) -> PILImageResamplin
 def resize_images(
     images: torch.Tensor, size: tuple[int, int], resample: PILImageResampling | int | str = "bilinear"
 ) -> torch.Tensor:
-    """Resize a `[N, C, H, W]` batch to `size=(height, width)` like PIL does, keeping its dtype.
-
-    Bilinear and bicubic use antialiased filters (PIL's kernels), so downscaling matches `PIL.Image.resize`.
-    uint8 batches stay uint8 and are rounded like PIL's output.
-    """
+    """Resize a `[N, C, H, W]` batch to `size=(height, width)` like `PIL.Image.resize` (bilinear and bicubic
+    antialiased, with PIL's kernels), keeping its dtype: uint8 batches are rounded like PIL's output."""
     if images.ndim != 4:
         raise ValueError(f"resize_images expects a [N, C, H, W] batch, got shape {tuple(images.shape)}.")
     if images.dtype != torch.uint8 and not images.is_floating_point():
@@ -62,10 +59,8 @@ def _has_uint8_kernel(device: torch.device) -> bool:
 
 
 def center_crop_images(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Crop the centre `size=(height, width)` of `[..., H, W]` images, zero-padding images smaller than `size`.
-
-    Offsets and padding match transformers' `image_transforms.center_crop`.
-    """
+    """Crop the centre `size=(height, width)` of `[..., H, W]` images, zero-padding images smaller than `size`, with
+    the offsets and padding of transformers' `image_transforms.center_crop`."""
     crop_height, crop_width = int(size[0]), int(size[1])
     pad_height = max(crop_height - images.shape[-2], 0)
     pad_width = max(crop_width - images.shape[-1], 0)
