@@ -6,6 +6,7 @@ middle. The image is resized once, straight to its output size, antialiased like
 """
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +146,11 @@ def scaled_geometry(
     return resized, {"height": height, "width": width}
 
 
+def check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+
+
 def grid_for_max_patches(height: int, width: int, patch_size: int, max_num_patches: int) -> tuple[int, int]:
     """The `(rows, cols)` grid a `height` x `width` image is resized to: the largest grid of at most
     `max_num_patches` patches among those of the image scaled by one factor (each side rounded up to whole patches,
@@ -153,11 +159,10 @@ def grid_for_max_patches(height: int, width: int, patch_size: int, max_num_patch
     The grid only changes where a side crosses a whole number of patches, so the largest one is at such a point:
     `rows = k` (and `cols = ceil(k * width / height)`) or `cols = k`; both families grow with `k` and are searched in
     exact integer arithmetic."""
-    for name, value in (("height", height), ("width", width), ("patch_size", patch_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
-    if not isinstance(max_num_patches, int) or isinstance(max_num_patches, bool) or max_num_patches < 1:
-        raise ValueError(f"`max_num_patches` must be a positive int (patches per image), got {max_num_patches!r}.")
+    for name, value in dict(
+        height=height, width=width, patch_size=patch_size, max_num_patches=max_num_patches
+    ).items():
+        check_positive_int(name, value)
     best = (1, 1)  # the grids with k rows, then those with k columns:
     for grid_of in (lambda k: (k, max(1, -(-k * width // height))), lambda k: (max(1, -(-k * height // width)), k)):
         low, high = 1, max_num_patches  # the largest k whose grid fits: grid_of(1) may not (then none does)

@@ -23,6 +23,7 @@ from transformers.utils import TensorType, logging
 
 from .image_geometry import (
     center_crop_images,
+    check_positive_int,
     grid_for_max_patches,
     resize_images,
     resize_target,
@@ -98,15 +99,15 @@ def _checked_options(o: dict[str, Any]) -> dict[str, Any]:
     _check_mean_std(o["image_mean"], o["image_std"], "image_mean", "image_std")
     native, packed = o["max_num_patches"], o["packed_sequence_length"]
     if native is not None:
-        _check_positive_int("max_num_patches", native)
-        _check_positive_int("patch_size", o["patch_size"])
+        check_positive_int("max_num_patches", native)
+        check_positive_int("patch_size", o["patch_size"])
         if o["do_center_crop"]:
             raise ValueError(
                 "`max_num_patches` keeps each image whole at its own aspect ratio, which a centre crop to `crop_size` "
                 "would undo: pass do_center_crop=False with it."
             )
     if packed is not None:
-        _check_positive_int("packed_sequence_length", packed)
+        check_positive_int("packed_sequence_length", packed)
         if native is None:
             raise ValueError(
                 "`packed_sequence_length` packs images on their native-aspect grids: give `max_num_patches` (the "
@@ -343,47 +344,34 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
     files, or a (nested) list of these, of any mix of sizes.
 
     Args:
-        do_convert_rgb (`bool`, *optional*, defaults to `True`):
-            Convert images to 3-channel RGB; transparency is composited onto white, like transformers does.
-        do_resize (`bool`, *optional*, defaults to `True`):
-            Resize images to `size`.
-        size (`int`, `(height, width)` or `dict[str, int]`, *optional*, defaults to `{"height": 224, "width": 224}`):
-            Output size of the resize: a height and width, or `{"shortest_edge": N}` to resize the shorter side to N
-            and the longer one by the same factor (rounded down), as transformers' DINOv2 (`BitImageProcessor`) and
-            CLIP processors do; a centre crop then usually makes the images one size.
-        resample (`PILImageResampling`, `int` or `str`, *optional*, defaults to `PILImageResampling.BILINEAR`):
-            Resampling filter: nearest, bilinear or bicubic.
-        do_center_crop (`bool`, *optional*, defaults to `False`):
-            Centre-crop images to `crop_size` after resizing.
-        crop_size (`int`, `(height, width)` or `dict[str, int]`, *optional*, defaults to 224x224):
-            Output size of the centre crop.
-        do_rescale (`bool`, *optional*, defaults to `True`):
-            Multiply pixel values by `rescale_factor`. Pass `False` for float images already in [0, 1].
-        rescale_factor (`float`, *optional*, defaults to `1/255`):
-            Factor used when rescaling.
-        do_normalize (`bool`, *optional*, defaults to `True`):
-            Normalise with `(x - image_mean) / image_std`.
-        image_mean (`float` or `list[float]`, *optional*, defaults to `[0.5, 0.5, 0.5]`):
-            Per-channel mean, as in the ViT paper.
-        image_std (`float` or `list[float]`, *optional*, defaults to `[0.5, 0.5, 0.5]`):
-            Per-channel standard deviation.
-        max_num_patches (`int`, *optional*):
-            Native aspect ratio (as transformers' SigLIP 2 processor): resize each image to the largest grid of at
-            most this many `patch_size` patches that keeps its aspect ratio (instead of `size`), and return its
-            patches flattened and padded to this number: `pixel_values` `(N, max_num_patches, patch_size**2 * C)`
-            (each patch in patch-row, patch-column, channel order), `pixel_attention_mask` `(N, max_num_patches)` (1
-            for the image's patches, which come first) and `spatial_shapes` `(N, 2)` (rows, columns). `None` (the
-            default): whole images of `size`.
-        patch_size (`int`, *optional*, defaults to 16):
-            The model's patch size, which the patches of `max_num_patches` are cut with.
-        packed_sequence_length (`int`, *optional*):
-            With `max_num_patches`, pack whole images into rows of this many patch slots (NaViT's "Patch n' Pack",
-            `best_fit_decreasing`) instead of one image per row; at least `max_num_patches`. Returns `pixel_values`
-            `(rows, packed_sequence_length, patch_size**2 * C)`, `spatial_shapes` `(N, 2)` (each image's grid, in
-            the order given) and `image_slot_index` `(N, K)` (the slot, row * packed_sequence_length + slot, of each
-            image's patch k, -1 beyond its grid). Each image's patches are consecutive in its row, row-major; the
-            padding is at the end of each row. One image alone comes back as the native-aspect batch of one, so
-            that the outputs of such calls concatenate into a valid batch, as transformers' pipelines batch them.
+        do_convert_rgb (`bool`, defaults to `True`): convert images to 3-channel RGB, transparency composited onto
+            white, as transformers does.
+        do_resize, size (`bool`, defaults to `True`; `int`, `(height, width)` or `dict`, defaults to 224x224): resize
+            images to a height and width, or with `{"shortest_edge": N}` their shorter side to N and the longer one
+            by the same factor (rounded down), as transformers' DINOv2 (`BitImageProcessor`) and CLIP processors do.
+        resample (`PILImageResampling`, `int` or `str`, defaults to bilinear): nearest, bilinear or bicubic.
+        do_center_crop, crop_size (`bool`, defaults to `False`; as `size`, defaults to 224x224): centre-crop images
+            to `crop_size` after resizing.
+        do_rescale, rescale_factor (`bool`, defaults to `True`; `float`, defaults to `1/255`): multiply pixel values
+            by `rescale_factor` (pass `do_rescale=False` for float images already in [0, 1]).
+        do_normalize, image_mean, image_std (`bool`, defaults to `True`; `float` or one per channel, defaults to 0.5
+            each, as in the ViT paper): normalise with `(x - image_mean) / image_std`.
+        max_num_patches (`int`, optional): native aspect ratio (as transformers' SigLIP 2 processor): resize each
+            image to the largest grid of at most this many `patch_size` patches that keeps its aspect ratio (instead
+            of `size`), and return its patches flattened and padded to this number: `pixel_values`
+            `(N, max_num_patches, patch_size**2 * C)` (each patch in patch-row, patch-column, channel order),
+            `pixel_attention_mask` `(N, max_num_patches)` (1 for the image's patches, which come first) and
+            `spatial_shapes` `(N, 2)` (rows, columns). `None` (the default): whole images of `size`.
+        patch_size (`int`, defaults to 16): the model's patch size, which the patches of `max_num_patches` are cut
+            with.
+        packed_sequence_length (`int`, optional): with `max_num_patches`, pack whole images into rows of this many
+            patch slots (NaViT's "Patch n' Pack", `best_fit_decreasing`) instead of one image per row; at least
+            `max_num_patches`. Returns `pixel_values` `(rows, packed_sequence_length, patch_size**2 * C)`,
+            `spatial_shapes` `(N, 2)` (each image's grid, in the order given) and `image_slot_index` `(N, K)` (the
+            slot, row * packed_sequence_length + slot, of each image's patch k, -1 beyond its grid). Each image's
+            patches are consecutive in its row, row-major; the padding is at the end of each row. One image alone
+            comes back as the native-aspect batch of one, so that the outputs of such calls concatenate into a valid
+            batch, as transformers' pipelines batch them.
 
     Every option can also be overridden per call, e.g. `processor(images, size=384, return_tensors="pt")`.
     """
@@ -449,9 +437,8 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> BatchFeature:
-        """Preprocess an image or a batch of images into `pixel_values`.
-
-        `kwargs` are this processor's options (see the class docstring); those left out or None take its values.
+        """Preprocess an image or a batch of images into `pixel_values`; `kwargs` are this processor's options (see the
+        class docstring), those left out or None taking its values.
 
         Args:
             images: one image or a (nested) list of images, in any form listed in the class docstring.
@@ -479,8 +466,11 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             batch = _stack_channels_last([tensors[i] for i in indices])
             if device is not None:
                 batch = batch.to(device)
-            if o["do_rescale"]:
-                _warn_if_rescaled(batch)
+            if o["do_rescale"] and batch.is_floating_point() and batch.min() >= 0 and batch.max() <= 1:
+                logger.warning_once(
+                    "It looks like you are trying to rescale already rescaled images. If the input images have pixel "
+                    "values between 0 and 1, set `do_rescale=False` to avoid rescaling them again."
+                )
             if o["do_resize"]:
                 target = resize_target(*batch.shape[-2:], o["size"])
                 if o["max_num_patches"] is not None:  # the image's own aspect ratio, on the largest grid that fits
@@ -520,14 +510,6 @@ def _rescale_and_normalize_as(o: dict[str, Any], images: torch.Tensor) -> torch.
     )
 
 
-def _warn_if_rescaled(batch: torch.Tensor) -> None:
-    if batch.is_floating_point() and batch.min() >= 0 and batch.max() <= 1:
-        logger.warning_once(
-            "It looks like you are trying to rescale already rescaled images. If the input images have pixel values "
-            "between 0 and 1, set `do_rescale=False` to avoid rescaling them again."
-        )
-
-
 def _whole_image_batch(
     processed: torch.Tensor | list[torch.Tensor], return_tensors: TensorType | None
 ) -> BatchFeature:
@@ -541,11 +523,6 @@ def _whole_image_batch(
             )
         processed = torch.stack(processed)
     return _batch_feature({"pixel_values": processed}, return_tensors)
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
 
 
 def _native_patches(
@@ -618,7 +595,7 @@ def best_fit_decreasing(sizes: Sequence[int], capacity: int, order: Sequence[int
     indices: the items taken largest first (ties in `order`'s order), each put in the open bin it leaves the least
     room in (the newest of those), a new bin when none has room; the bins' fullness depends on `sizes` only. One binary
     search among the distinct rooms left per item. The packer of the processor and of training's planned batches."""
-    _check_positive_int("capacity", capacity)
+    check_positive_int("capacity", capacity)
     rooms: list[int] = []  # the distinct rooms left in open bins, ascending
     bins_with_room: dict[int, list[int]] = {}  # room -> the bins with that room left
     bins: list[list[int]] = []
