@@ -122,8 +122,7 @@ class MaskedPatchPredictionOutput(ModelOutput):
 
 
 class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel):
-    """ViT pretrained by masked patch prediction (section 4.6, appendix B.1.2): a share of the patch embeddings is
-    corrupted (see `draw_patch_corruption`) and a linear head predicts, from each corrupted patch's final
+    """ViT pretrained by masked patch prediction: a linear head predicts, from each corrupted patch's final
     representation, its mean colour at `config.mpp_color_bits` bits per channel (512 classes for RGB at 3 bits).
 
     The corruption is drawn here while training, with the paper's shares (`PatchCorruption()`), unless
