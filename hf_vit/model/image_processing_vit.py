@@ -247,21 +247,18 @@ def load_images(
             continue
         if isinstance(image, _ENCODED_TYPES):
             image = open_image(image)
-        if isinstance(image, PIL.Image.Image):
-            array = _pil_to_array(exif_transpose(image), do_convert_rgb, len(tensors))
-            tensors.append(_check_values(_channels_first(_to_tensor(array), "channels_last"), len(tensors)))
-        elif isinstance(image, np.ndarray | torch.Tensor):
-            tensor = _channels_first(_to_tensor(image), input_data_format)
-            for one in tensor.unbind(0) if tensor.ndim == 4 else [tensor]:
-                one = _check_values(one, len(tensors))
-                if do_convert_rgb and one.shape[0] == 4:
-                    one = _composite_on_white(one)
-                tensors.append(one)
-        else:
+        layout = input_data_format
+        if isinstance(image, PIL.Image.Image):  # as an [H, W, C] array, RGB already with `do_convert_rgb`
+            image, layout = _pil_to_array(exif_transpose(image), do_convert_rgb, len(tensors)), "channels_last"
+        if not isinstance(image, np.ndarray | torch.Tensor):
             raise TypeError(
                 f"Unsupported image type {type(image).__name__}: expected a PIL image, a numpy array, a torch "
                 "tensor, the bytes of an image file, a path to an image file, or a list of these."
             )
+        tensor = _channels_first(_to_tensor(image), layout)
+        for one in tensor.unbind(0) if tensor.ndim == 4 else [tensor]:
+            one = _check_values(one, len(tensors))
+            tensors.append(_composite_on_white(one) if do_convert_rgb and one.shape[0] == 4 else one)
     if not tensors:
         raise ValueError("No images to process: got an empty list or batch. Pass at least one image.")
     return tensors
