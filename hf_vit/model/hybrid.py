@@ -3,13 +3,9 @@
 The stem is the one of the authors' code (`vit_jax`), so that their hybrid checkpoints (R50+ViT-B/16, R26+ViT-S/32,
 ...) compute here what they compute there:
 
-* convolutions without bias whose kernels are weight-standardised on every call (per output channel, over the input
-  channels and the window: `(w - mean) / (std + 1e-5)`, the population standard deviation);
-* GroupNorm with 32 groups and epsilon 1e-6 (flax's defaults) after every convolution;
+* bias-free convolutions whose kernels are weight-standardised on every call, each followed by GroupNorm;
 * a 7x7 stride-2 root convolution, GroupNorm, ReLU and a 3x3 stride-2 max pooling;
-* stages of post-activation bottleneck units (1x1, 3x3, 1x1 convolutions, four times wider output, the stride on the
-  3x3 one, a projection shortcut where the shape changes, ReLU after the sum); the first stage at stride 1, each
-  later one at stride 2.
+* stages of post-activation bottleneck units (`ResNetUnit`), the first stage at stride 1, each later one at stride 2.
 
 Padding is Flax's "SAME", which is asymmetric for strided layers: a 7x7 stride-2 convolution pads 2 before and 3
 after, a 3x3 stride-2 one 0 and 1, where PyTorch's symmetric padding would shift every feature map by a pixel. The
