@@ -1,8 +1,4 @@
-"""Configuration of the Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., 2020).
-
-This file is also saved next to checkpoints as remote code, so it imports only transformers, the standard library and
-the code files beside it.
-"""
+"""Configuration of the Vision Transformer of "An Image is Worth 16x16 Words" (Dosovitskiy et al., 2020)."""
 
 from __future__ import annotations
 
@@ -29,9 +25,6 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "huge": {"hidden_size": 1280, "num_hidden_layers": 32, "intermediate_size": 5120, "num_attention_heads": 16},
 }
 PATCH_SIZES = (8, 14, 16, 32)
-_PRESET_NAMES = [f"vit-{size}-patch{patch}-224" for size in MODEL_SIZES for patch in PATCH_SIZES]
-# How the image representation `y` of equation (4) is pooled: the class token, the average of the patch tokens, or
-# multi-head attention pooling ("map", SigLIP's and big_vision's head, `pooling.py`).
 CLASSIFIERS = ("token", "gap", "map")
 # Stage depths of the hybrids' ResNet stems (section 3.1), by stem and effective patch size, as the authors' code
 # defines them: R50 with stage 4 removed and its units moved to stage 3 (stride 16), the full R50 (stride 32), and the
@@ -68,8 +61,6 @@ AUTO_MAP = {
     "AutoModelForPreTraining": "modeling_mpp.VisionTransformerForMaskedPatchPrediction",
     "AutoModelForMaskedImageModeling": "modeling_mim.VisionTransformerForMaskedImageModeling",
 }
-# What `AutoModelForMaskedImageModeling` builds (`masked_image_modeling`): SimMIM's pixel reconstruction, or the
-# paper's masked patch prediction (section 4.6), both driven by `pixel_values` and `bool_masked_pos` alone.
 MASKED_IMAGE_MODELING = ("simmim", "mpp")
 
 
@@ -94,7 +85,9 @@ _PRESET_NAME = re.compile(
     rf"(?:(?P<resnet>r26|r50)-)?vit-(?P<size>{'|'.join(MODEL_SIZES)})-patch(?P<patch>\d+)-(?P<resolution>\d+)"
 )
 # Every size at every patch size at 224, which each patch size tiles (the paper's H/14 runs at 224).
-PRESETS: dict[str, dict[str, Any]] = {name: _preset_fields(name) for name in _PRESET_NAMES}
+PRESETS: dict[str, dict[str, Any]] = {
+    name: _preset_fields(name) for name in (f"vit-{s}-patch{p}-224" for s in MODEL_SIZES for p in PATCH_SIZES)
+}
 # The keyword arguments `from_preset` takes besides the fields.
 _PRESET_EXTRA_KWARGS = ("num_labels", "attn_implementation", "auto_map", "out_features", "out_indices")
 
@@ -170,43 +163,34 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         layer_norm_eps: epsilon of every LayerNorm.
         qkv_bias: whether the query, key and value projections have a bias.
         classifier: how `y` of equation (4) is pooled: `"token"` (the class token), `"gap"` (the average of the patch
-            tokens) or `"map"` (multi-head attention pooling: a learned probe attends to every token, then an MLP
-            with a residual, as SigLIP's head).
+            tokens) or `"map"` (multi-head attention pooling, SigLIP's head: `pooling.py`).
         representation_size: size of the pre-logits layer (a tanh dense layer used in pretraining); `None` for none.
         drop_path_rate: stochastic depth rate of the last block, growing linearly from 0 at the first block.
         initializer_range: standard deviation of the position embeddings at initialisation.
         zero_init_head: initialise the classifier's weights and bias to zero, as the paper does.
-        resnet_layers: stage depths of the hybrid's ResNet stem (section 3.1), e.g. `[3, 4, 9]` for the paper's R50
-            hybrid; `None` (the default) for the plain ViT. The stem is the authors': weight-standardised
-            convolutions and GroupNorm, a 7x7 stride-2 root convolution and 3x3 stride-2 max pooling, then bottleneck
-            stages (the first at stride 1, the others at stride 2), so its stride is `4 * 2 ** (stages - 1)`. An empty
-            list is the root alone (stride 4).
+        resnet_layers: stage depths of the hybrid's ResNet stem (section 3.1, `hybrid.py`), e.g. `[3, 4, 9]` for the
+            paper's R50 hybrid; `None` (the default) for the plain ViT. Its stride is `4 * 2 ** (stages - 1)`; an
+            empty list is the root alone (stride 4).
         resnet_width: channels of the stem's root (64 times the authors' width factor); stage `i` (from 0) has
             bottlenecks of `resnet_width * 2**i` channels and outputs four times that.
         mpp_color_bits: masked patch prediction (section 4.6): bits per channel of the mean colour the model
-            predicts (3: 512 classes for RGB). How many patches a run corrupts, and how, is the run's
-            (`modeling_mpp.PatchCorruption`); configs saved with those shares (`mpp_corrupt_ratio`, `mpp_mask_ratio`,
-            `mpp_random_ratio`) load, without them.
-        mpp_pixel_mean, mpp_pixel_std: the normalisation of the `pixel_values` masked patch prediction is given
-            without `labels` (a number, or one per channel; the hf-vit processor's 0.5 by default): the model undoes
-            it to compute the mean-colour targets from the pixels.
+            predicts (3: 512 classes for RGB). How patches are corrupted is the run's (`modeling_mpp.PatchCorruption`).
+        mpp_pixel_mean, mpp_pixel_std: the normalisation (a number, or one per channel) the model undoes to compute
+            masked patch prediction's mean-colour targets from `pixel_values` given without `labels`.
         encoder_stride: masked image modeling (SimMIM): the side of the pixel block each patch token reconstructs;
             `None` (the default) means `patch_size`, the only value that reconstructs the whole image.
         masked_image_modeling: which model `AutoModelForMaskedImageModeling` builds: `"simmim"` (SimMIM's
-            reconstruction of the masked pixels, L1 loss) or `"mpp"` (masked patch prediction, its targets computed
-            from the pixels).
+            reconstruction of the masked pixels) or `"mpp"` (masked patch prediction).
 
     The blocks of the family that followed the paper, each off by default (the paper's model):
 
         use_class_token: whether the sequence starts with the class token; `None` (the default) means "when
             `classifier` is `"token"`", the paper's two models. `False` with `"map"` is SigLIP's tower; `True` with
             `"gap"` averages the patch tokens beside a class token (timm's `global_pool="avg"`).
-        use_distillation_token: DeiT's distillation token after the class token (with a position embedding); the
-            classification model has a second head on it, `logits` are the average of the two heads, and
-            fine-tuning trains both against the labels.
-        distillation_head: with `use_distillation_token`, whether the classification model has that second head
-            (DeiT's distilled models) or classifies from the class token alone (transformers'
-            `DeiTForImageClassification`).
+        use_distillation_token: DeiT's distillation token after the class token (with a position embedding).
+        distillation_head: with `use_distillation_token`, whether the classification model has a second head on it
+            (DeiT's distilled models: `logits` average the two heads, fine-tuning trains both against the labels) or
+            classifies from the class token alone (transformers' `DeiTForImageClassification`).
         num_register_tokens: register tokens after the prefix tokens (DINOv2 with registers, timm's `reg_tokens`):
             learned, without a position embedding, dropped from every output that maps tokens to patches.
         layer_scale_init_value: LayerScale on both residual branches of every block (a learned per-channel scale,
@@ -216,14 +200,12 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         fc_norm: apply the final LayerNorm to the pooled representation instead of to every token (timm's
             `fc_norm`, CLIP's `post_layernorm`): `last_hidden_state` is then the last block's output.
         patch_embedding_bias: whether the patch embedding has a bias (CLIP's has none).
-        interpolation_mode, interpolation_antialias: how position embeddings are resampled to another grid
-            (`interpolate_pos_encoding`, `set_input_size`): `"bicubic"` or `"bilinear"`, with or without
-            antialiasing, as the checkpoint's own code resamples them.
+        interpolation_mode, interpolation_antialias: how position embeddings are resampled to another grid:
+            `"bicubic"` or `"bilinear"`, with or without antialiasing, as the checkpoint's own code resamples them.
 
     `patch_size` is always in input pixels: the side of the image region one token covers (16 for R50+ViT-B/16, whose
-    embedding takes 1x1 patches of the stem's stride-16 feature map). So `grid_size` is `image_size / patch_size` for
-    plain and hybrid models alike, and everything that maps tokens to pixels (resolution changes, dense features,
-    attention distances) holds for both; `stem_stride` and `embedding_patch_size` give the two factors.
+    embedding takes 1x1 patches of the stem's stride-16 feature map), so `grid_size` is `image_size / patch_size` for
+    plain and hybrid models alike; `stem_stride` and `embedding_patch_size` give the two factors.
     """
 
     model_type = "hf_vit"
@@ -291,19 +273,14 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
             out_features=kwargs.pop("out_features", None), out_indices=kwargs.pop("out_indices", None)
         )
         super().__post_init__(**kwargs)
-        if getattr(self, "auto_map", None) is None:
-            # Saved folders name the classes to load with `trust_remote_code=True` where hf_vit is not installed.
-            self.auto_map = dict(AUTO_MAP)
-        for auto_class, reference in AUTO_MAP.items():  # configs saved before a class was added name it too
-            self.auto_map.setdefault(auto_class, reference)
+        # Saved folders name the classes to load with `trust_remote_code=True` where hf_vit is not installed (configs
+        # saved before a class was added name it too).
+        self.auto_map = {**AUTO_MAP, **(getattr(self, "auto_map", None) or {})}
         self.validate_architecture()
 
     def validate_architecture(self) -> None:
         """Raise a `ValueError` naming the first field whose value cannot build a model (`FIELD_RULES`, then the
-        fields' agreement with each other).
-
-        Called when the config is built; `validate()`, which `save_pretrained` calls, stays transformers' own and runs
-        its checks (e.g. `validate_output_attentions`)."""
+        fields' agreement with each other); transformers' own `validate()` runs on `save_pretrained`."""
         height, width = height_width(self.image_size, "image_size")
         for name, (valid, wanted) in FIELD_RULES.items():
             value = min(height, width) if name == "image_size" else getattr(self, name)
@@ -345,24 +322,19 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
                 f"`hidden_act` must name one of transformers' activations (ACT2FN), got {self.hidden_act!r}"
                 + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ".")
             )
-        for name in ("mpp_pixel_mean", "mpp_pixel_std"):
+        for name, kind in (("mpp_pixel_mean", "number"), ("mpp_pixel_std", "positive number")):
             value = getattr(self, name)
             values = value if isinstance(value, list) else [value]
-            positive = name == "mpp_pixel_std"
-            if (
-                (isinstance(value, list) and len(value) != self.num_channels)
-                or not all(_is_number(number) for number in values)
-                or (positive and min(values) <= 0)
+            if (isinstance(value, list) and len(value) != self.num_channels) or not all(
+                _is_number(number) and (kind == "number" or number > 0) for number in values
             ):
-                kind = "positive number" if positive else "number"
                 raise ValueError(
                     f"`{name}` must be a {kind} or a list of {self.num_channels} (one per channel), got {value!r}."
                 )
 
     def to_dict(self) -> dict[str, Any]:
-        """transformers' dict of the config (what config.json holds), less `distillation_head` where there is no
-        distillation token for it to act on: a plain ViT's file names only what the model uses (read back, the field
-        takes its default)."""
+        """transformers' dict of the config (config.json), less `distillation_head` where there is no distillation
+        token for it to act on (read back, the field takes its default)."""
         output = super().to_dict()
         if not self.use_distillation_token:
             output.pop("distillation_head", None)
@@ -370,11 +342,9 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-        """transformers' reading of `config.json`, with the checkpoints users have converted on the way (transformers'
-        and timm's ViT, the authors' `.npz`, once `hf_vit.convert` has registered its reader with `loading.py`), and
+        """transformers' reading of `config.json`, foreign checkpoints converted on the way (`loading.open_foreign`),
         refusing what would silently build another model: a folder without `config.json` (transformers would use the
-        defaults) or the config of another model type (whose weights would not load, leaving the model randomly
-        initialised)."""
+        defaults) or the config of another model type (whose weights would not load)."""
         source = pretrained_model_name_or_path
         foreign = open_foreign(source, kwargs)
         if foreign is not None:
@@ -413,12 +383,10 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
 
     @property
     def stem_channels(self) -> int:
-        """Channels of what the patch embedding reads: the image's, or the stem's last stage's output."""
+        """Channels of what the patch embedding reads: the image's, or the stem's (its stride times its width)."""
         if self.resnet_layers is None:
             return self.num_channels
-        if not self.resnet_layers:
-            return self.resnet_width
-        return self.resnet_width * 4 * 2 ** (len(self.resnet_layers) - 1)
+        return self.resnet_width * (self.stem_stride if self.resnet_layers else 1)
 
     @property
     def embedding_patch_size(self) -> int:
@@ -474,10 +442,10 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         known = {field.name for field in dataclasses.fields(cls)} | set(_PRESET_EXTRA_KWARGS)
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            hints = []
-            for field_name in unknown:
-                close = difflib.get_close_matches(field_name, own, n=1, cutoff=0.5)
-                hints.append(f"{field_name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            hints = [
+                f"{key!r}" + "".join(f" (did you mean {c!r}?)" for c in difflib.get_close_matches(key, own, 1, 0.5))
+                for key in unknown
+            ]
             raise ValueError(
                 f"Unknown config field(s) {', '.join(hints)} for preset {name!r}. The model's fields: "
                 f"{', '.join(own)}; also num_labels, id2label, label2id, problem_type."

@@ -3,21 +3,15 @@
 The stem is the one of the authors' code (`vit_jax`), so that their hybrid checkpoints (R50+ViT-B/16, R26+ViT-S/32,
 ...) compute here what they compute there:
 
-* convolutions without bias whose kernels are weight-standardised on every call (per output channel, over the input
-  channels and the window: `(w - mean) / (std + 1e-5)`, the population standard deviation);
-* GroupNorm with 32 groups and epsilon 1e-6 (flax's defaults) after every convolution;
+* bias-free convolutions whose kernels are weight-standardised on every call, each followed by GroupNorm;
 * a 7x7 stride-2 root convolution, GroupNorm, ReLU and a 3x3 stride-2 max pooling;
-* stages of post-activation bottleneck units (1x1, 3x3, 1x1 convolutions, four times wider output, the stride on the
-  3x3 one, a projection shortcut where the shape changes, ReLU after the sum); the first stage at stride 1, each
-  later one at stride 2.
+* stages of post-activation bottleneck units (`ResNetUnit`), the first stage at stride 1, each later one at stride 2.
 
 Padding is Flax's "SAME", which is asymmetric for strided layers: a 7x7 stride-2 convolution pads 2 before and 3
 after, a 3x3 stride-2 one 0 and 1, where PyTorch's symmetric padding would shift every feature map by a pixel. The
 padding is computed for sides divisible by the layer's stride, which every input the model accepts has (its sides are
 multiples of `patch_size`, itself a multiple of the stem's stride); it is then a constant, so exported graphs take
 any such size.
-
-Saved next to checkpoints as remote code with the model, so it imports only torch and the configuration file.
 """
 
 from __future__ import annotations
@@ -66,9 +60,7 @@ def _group_norm(channels: int) -> nn.GroupNorm:
 
 
 class ResNetUnit(nn.Module):
-    """A post-activation bottleneck unit: `relu(shortcut(x) + gn3(conv3(relu(gn2(conv2(relu(gn1(conv1(x)))))))))`.
-
-    `gn3` starts with a zero scale (`_init_weights`), so every unit starts as its shortcut, as in the authors' code."""
+    """A post-activation bottleneck unit: `relu(shortcut(x) + gn3(conv3(relu(gn2(conv2(relu(gn1(conv1(x)))))))))`."""
 
     def __init__(self, in_channels: int, features: int, stride: int) -> None:
         super().__init__()
@@ -92,7 +84,7 @@ class ResNetUnit(nn.Module):
         return F.relu(shortcut + residual)
 
 
-class ResNetStage(nn.Module):
+class ResNetStage(nn.Sequential):
     """`depth` units named `unit1`..`unit<depth>` (the authors' names); the first one carries the stride."""
 
     def __init__(self, in_channels: int, features: int, depth: int, stride: int) -> None:
@@ -100,11 +92,6 @@ class ResNetStage(nn.Module):
         for index in range(depth):
             self.add_module(f"unit{index + 1}", ResNetUnit(in_channels, features, stride if index == 0 else 1))
             in_channels = 4 * features
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        for unit in self.children():
-            hidden_states = unit(hidden_states)
-        return hidden_states
 
 
 class ResNetStem(nn.Module):

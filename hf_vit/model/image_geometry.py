@@ -2,11 +2,11 @@
 
 `size` is a height and width, or (as transformers' DINOv2 and CLIP processors say it, `{"shortest_edge": N}`) the
 shorter side, the longer one following the image's aspect ratio; the centre crop then cuts `crop_size` out of the
-middle. The image is resized once, straight to its output size, antialiased like PIL. Also saved beside checkpoints
-as remote code (a sibling of `image_processing_vit.py`): it imports only the standard library, torch and transformers.
+middle. The image is resized once, straight to its output size, antialiased like PIL.
 """
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,11 +31,8 @@ def to_resampling(resample: PILImageResampling | int | str) -> PILImageResamplin
 def resize_images(
     images: torch.Tensor, size: tuple[int, int], resample: PILImageResampling | int | str = "bilinear"
 ) -> torch.Tensor:
-    """Resize a `[N, C, H, W]` batch to `size=(height, width)` like PIL does, keeping its dtype.
-
-    Bilinear and bicubic use antialiased filters (PIL's kernels), so downscaling matches `PIL.Image.resize`.
-    uint8 batches stay uint8 and are rounded like PIL's output.
-    """
+    """Resize a `[N, C, H, W]` batch to `size=(height, width)` like `PIL.Image.resize` (bilinear and bicubic
+    antialiased, with PIL's kernels), keeping its dtype: uint8 batches are rounded like PIL's output."""
     if images.ndim != 4:
         raise ValueError(f"resize_images expects a [N, C, H, W] batch, got shape {tuple(images.shape)}.")
     if images.dtype != torch.uint8 and not images.is_floating_point():
@@ -63,10 +60,8 @@ def _has_uint8_kernel(device: torch.device) -> bool:
 
 
 def center_crop_images(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Crop the centre `size=(height, width)` of `[..., H, W]` images, zero-padding images smaller than `size`.
-
-    Offsets and padding match transformers' `image_transforms.center_crop`.
-    """
+    """Crop the centre `size=(height, width)` of `[..., H, W]` images, zero-padding images smaller than `size`, with
+    the offsets and padding of transformers' `image_transforms.center_crop`."""
     crop_height, crop_width = int(size[0]), int(size[1])
     pad_height = max(crop_height - images.shape[-2], 0)
     pad_width = max(crop_width - images.shape[-1], 0)
@@ -151,6 +146,11 @@ def scaled_geometry(
     return resized, {"height": height, "width": width}
 
 
+def check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+
+
 def grid_for_max_patches(height: int, width: int, patch_size: int, max_num_patches: int) -> tuple[int, int]:
     """The `(rows, cols)` grid a `height` x `width` image is resized to: the largest grid of at most
     `max_num_patches` patches among those of the image scaled by one factor (each side rounded up to whole patches,
@@ -159,20 +159,12 @@ def grid_for_max_patches(height: int, width: int, patch_size: int, max_num_patch
     The grid only changes where a side crosses a whole number of patches, so the largest one is at such a point:
     `rows = k` (and `cols = ceil(k * width / height)`) or `cols = k`; both families grow with `k` and are searched in
     exact integer arithmetic."""
-    for name, value in (("height", height), ("width", width), ("patch_size", patch_size)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
-    if not isinstance(max_num_patches, int) or isinstance(max_num_patches, bool) or max_num_patches < 1:
-        raise ValueError(f"`max_num_patches` must be a positive int (patches per image), got {max_num_patches!r}.")
-
-    def by_rows(k: int) -> tuple[int, int]:
-        return k, max(1, -(-k * width // height))
-
-    def by_cols(k: int) -> tuple[int, int]:
-        return max(1, -(-k * height // width)), k
-
-    best = (1, 1)
-    for grid_of in (by_rows, by_cols):
+    for name, value in dict(
+        height=height, width=width, patch_size=patch_size, max_num_patches=max_num_patches
+    ).items():
+        check_positive_int(name, value)
+    best = (1, 1)  # the grids with k rows, then those with k columns:
+    for grid_of in (lambda k: (k, max(1, -(-k * width // height))), lambda k: (max(1, -(-k * height // width)), k)):
         low, high = 1, max_num_patches  # the largest k whose grid fits: grid_of(1) may not (then none does)
         while low < high:
             middle = (low + high + 1) // 2

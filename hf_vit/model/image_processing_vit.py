@@ -1,8 +1,6 @@
 """Image processor for the Vision Transformer: turns images into normalised `pixel_values` batches with torch.
 
-This file is also saved next to checkpoints as remote code (loaded with `trust_remote_code=True` where hf_vit is not
-installed), so it may import only its siblings, the standard library, numpy, PIL, torch and transformers. The
-geometry (sizes, resizing, the centre crop, native-aspect grids) is its sibling `image_geometry.py`.
+The geometry (sizes, resizing, the centre crop, native-aspect grids) is its sibling `image_geometry.py`.
 """
 
 import bisect
@@ -25,6 +23,7 @@ from transformers.utils import TensorType, logging
 
 from .image_geometry import (
     center_crop_images,
+    check_positive_int,
     grid_for_max_patches,
     resize_images,
     resize_target,
@@ -45,11 +44,8 @@ def rescale_and_normalize(
     mean: float | Sequence[float] | None = None,
     std: float | Sequence[float] | None = None,
 ) -> torch.Tensor:
-    """Return `(images * rescale_factor - mean) / std` as a new contiguous float32 `[..., C, H, W]` tensor.
-
-    Leave `rescale_factor` as None to skip rescaling, and `mean`/`std` as None to skip normalising. The affine map is
-    applied as one fused multiply-add.
-    """
+    """Return `(images * rescale_factor - mean) / std` as a new contiguous float32 `[..., C, H, W]` tensor, as one
+    fused multiply-add; a `rescale_factor` of None skips rescaling, a `mean` and `std` of None normalising."""
     images = images.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     num_channels = images.shape[-3]
     scale = torch.full((num_channels,), 1.0 if rescale_factor is None else float(rescale_factor), dtype=torch.float64)
@@ -63,9 +59,7 @@ def rescale_and_normalize(
     if rescale_factor is None and mean is None:
         return images
     # The constants are folded in float64, so the only float32 rounding is in the multiply-add itself.
-    shape = (num_channels, 1, 1)
-    scale = scale.float().view(shape).to(images.device)
-    shift = shift.float().view(shape).to(images.device)
+    scale, shift = (value.float().view(num_channels, 1, 1).to(images.device) for value in (scale, shift))
     return torch.addcmul(shift, images, scale, out=images)
 
 
@@ -81,7 +75,6 @@ def _per_channel(value: float | Sequence[float], num_channels: int, name: str) -
 def _check_mean_std(
     mean: float | Sequence[float], std: float | Sequence[float], mean_name: str, std_name: str
 ) -> None:
-    """Refuse a mean or std that is empty or not finite, and a std that is not positive (the output would be NaN)."""
     for name, value in ((mean_name, mean), (std_name, std)):
         values = torch.as_tensor(value, dtype=torch.float64).flatten()
         if values.numel() == 0 or not bool(torch.isfinite(values).all()):
@@ -104,8 +97,27 @@ def _checked_options(o: dict[str, Any]) -> dict[str, Any]:
     if not (math.isfinite(rescale_factor) and rescale_factor > 0):
         raise ValueError(f"`rescale_factor` must be a positive finite number, got {rescale_factor!r}.")
     _check_mean_std(o["image_mean"], o["image_std"], "image_mean", "image_std")
-    _check_native(o["max_num_patches"], o["patch_size"], o["do_center_crop"])
-    _check_packing(o["max_num_patches"], o["packed_sequence_length"])
+    native, packed = o["max_num_patches"], o["packed_sequence_length"]
+    if native is not None:
+        check_positive_int("max_num_patches", native)
+        check_positive_int("patch_size", o["patch_size"])
+        if o["do_center_crop"]:
+            raise ValueError(
+                "`max_num_patches` keeps each image whole at its own aspect ratio, which a centre crop to `crop_size` "
+                "would undo: pass do_center_crop=False with it."
+            )
+    if packed is not None:
+        check_positive_int("packed_sequence_length", packed)
+        if native is None:
+            raise ValueError(
+                "`packed_sequence_length` packs images on their native-aspect grids: give `max_num_patches` (the "
+                "most patches of one image) with it."
+            )
+        if packed < native:
+            raise ValueError(
+                f"`packed_sequence_length` ({packed}) must be at least `max_num_patches` ({native}): a row must hold "
+                "the largest image."
+            )
     return {
         **o,
         **sizes,
@@ -116,11 +128,7 @@ def _checked_options(o: dict[str, Any]) -> dict[str, Any]:
 
 
 def open_image(source: bytes | bytearray | memoryview | str | os.PathLike) -> PIL.Image.Image:
-    """Decode an encoded image given as bytes or as a path to a file, applying its EXIF orientation.
-
-    Raises `ValueError` (chaining PIL's error) when the data is not an image PIL can decode, and the usual `OSError`
-    when a file cannot be read.
-    """
+    """Decode an encoded image given as bytes or as a path to a file, applying its EXIF orientation."""
     if isinstance(source, bytes | bytearray | memoryview):
         data, what = bytes(source), f"The given bytes ({len(source)} bytes) are"
     elif str(source).startswith(("http://", "https://")):
@@ -137,43 +145,31 @@ def open_image(source: bytes | bytearray | memoryview | str | os.PathLike) -> PI
 
 
 def exif_transpose(image: PIL.Image.Image) -> PIL.Image.Image:
-    """Return `image` turned upright by its EXIF orientation tag (the image itself when it has none).
-
-    Applied to every PIL image, also those opened by the caller, because a photo shows upright in every viewer and
-    users expect the model to see it that way. Transposing removes the tag, so applying it twice is harmless.
-    """
+    """Return `image` turned upright by its EXIF orientation tag (the image itself when it has none), as every viewer
+    shows it; transposing removes the tag, so applying it twice is harmless."""
     if image.getexif().get(_EXIF_ORIENTATION, 1) == 1:
         return image  # PIL's exif_transpose would copy the pixels even then
     return PIL.ImageOps.exif_transpose(image)
 
 
 def sixteen_to_eight_bit(values: np.ndarray) -> np.ndarray:
-    """Map 16-bit values 0..65535 to uint8 0..255 by rounding `value / 257`.
-
-    65535 maps to 255 and an 8-bit image stored as 16 bits (`value * 257`) maps back to itself exactly. The result
-    is 8-bit like every other image, so the whole pipeline (cropping, resizing) runs on uint8 and the model sees 16-bit
-    files with the same brightness as their 8-bit versions; the precision lost is below what 8-bit-trained models use.
-    """
+    """Map 16-bit values 0..65535 to uint8 0..255 by rounding `value / 257`: an 8-bit image stored as 16 bits
+    (`value * 257`) maps back to itself, and 16-bit files get the brightness of their 8-bit versions."""
     return ((values.astype(np.uint32) + 128) // 257).astype(np.uint8)  # integer round(value / 257), never a tie
 
 
 def _pil_to_array(image: PIL.Image.Image, do_convert_rgb: bool, index: int) -> np.ndarray:
-    """Return the pixels of a PIL image as an `[H, W, C]` array; RGB (or 1-channel grey) if `do_convert_rgb`.
-
-    16-bit and float grey images are read the same way with or without `do_convert_rgb`.
-    """
-    if image.mode.startswith("I;16"):
-        # PIL's own conversion clips 16-bit values at 255, turning nearly every pixel white.
-        return sixteen_to_eight_bit(np.asarray(image))[..., None]
-    if image.mode == "I":
-        # 32-bit integers: what PIL gives 16-bit grey files (older PNG readers, TIFF) and `convert("I")` of them.
+    """The pixels of a PIL image as an `[H, W, C]` array; RGB (or 1-channel grey) if `do_convert_rgb` (16-bit and
+    float grey images either way)."""
+    if image.mode == "I" or image.mode.startswith("I;16"):
+        # 16-bit data, which PIL's own conversion clips at 255 (turning nearly every pixel white); mode "I" (32-bit
+        # integers) is what PIL gives 16-bit grey files (older PNG readers, TIFF) and `convert("I")` of them.
         values = np.asarray(image)
-        low, high = int(values.min()), int(values.max())
-        if low < 0 or high > 65535:
+        if values.size and (values.min() < 0 or values.max() > 65535):
             raise ValueError(
-                f"Image {index} is a PIL image in mode 'I' with values in [{low}, {high}]: 32-bit integer images are "
-                "read as 16-bit data (0..65535, scaled by 1/257). Rescale it to 0..65535, or convert it to 'L' or "
-                "'RGB' yourself."
+                f"Image {index} is a PIL image in mode 'I' with values in [{values.min()}, {values.max()}]: 32-bit "
+                "integer images are read as 16-bit data (0..65535, scaled by 1/257). Rescale it to 0..65535, or "
+                "convert it to 'L' or 'RGB' yourself."
             )
         return sixteen_to_eight_bit(values)[..., None]
     if image.mode == "F":
@@ -237,15 +233,11 @@ def _check_values(tensor: torch.Tensor, index: int) -> torch.Tensor:
 def load_images(
     images: Any, do_convert_rgb: bool = True, input_data_format: str | ChannelDimension | None = None
 ) -> list[torch.Tensor]:
-    """Decode and convert `images` into a flat list of `[C, H, W]` tensors: the first step of the one pixel path.
-
-    Training transforms use it too, so augmented and processed images see the same pixels. Encoded images (bytes,
-    paths) are decoded; every PIL image is turned upright by its EXIF orientation. With `do_convert_rgb`, images come
-    back with 3 channels, or 1 for grey (expand it to RGB after resizing, which is cheaper), and transparency
-    composited onto white. 8-bit data stays uint8; 16-bit data (PIL modes `I;16*` and `I`, uint16 arrays) is scaled
-    to uint8 by `sixteen_to_eight_bit`; other integer arrays must hold 0..255 and become uint8; floats become float32
-    and must be finite. Images are numbered in the flattened order in error messages.
-    """
+    """Decode and convert `images` into a flat list of `[C, H, W]` tensors: the first step of the one pixel path,
+    for training transforms too. PIL images are turned upright (EXIF). With `do_convert_rgb`, images come back with 3
+    channels, or 1 for grey (expand it after resizing, which is cheaper), transparency composited onto white. 16-bit
+    data is scaled to uint8 (`sixteen_to_eight_bit`); other integers must hold 0..255 (uint8); floats become float32
+    and must be finite. Error messages number the images in the flattened order."""
     tensors = []
     pending = [images]
     while pending:
@@ -255,21 +247,18 @@ def load_images(
             continue
         if isinstance(image, _ENCODED_TYPES):
             image = open_image(image)
-        if isinstance(image, PIL.Image.Image):
-            array = _pil_to_array(exif_transpose(image), do_convert_rgb, len(tensors))
-            tensors.append(_check_values(_channels_first(_to_tensor(array), "channels_last"), len(tensors)))
-        elif isinstance(image, np.ndarray | torch.Tensor):
-            tensor = _channels_first(_to_tensor(image), input_data_format)
-            for one in tensor.unbind(0) if tensor.ndim == 4 else [tensor]:
-                one = _check_values(one, len(tensors))
-                if do_convert_rgb and one.shape[0] == 4:
-                    one = _composite_on_white(one)
-                tensors.append(one)
-        else:
+        layout = input_data_format
+        if isinstance(image, PIL.Image.Image):  # as an [H, W, C] array, RGB already with `do_convert_rgb`
+            image, layout = _pil_to_array(exif_transpose(image), do_convert_rgb, len(tensors)), "channels_last"
+        if not isinstance(image, np.ndarray | torch.Tensor):
             raise TypeError(
                 f"Unsupported image type {type(image).__name__}: expected a PIL image, a numpy array, a torch "
                 "tensor, the bytes of an image file, a path to an image file, or a list of these."
             )
+        tensor = _channels_first(_to_tensor(image), layout)
+        for one in tensor.unbind(0) if tensor.ndim == 4 else [tensor]:
+            one = _check_values(one, len(tensors))
+            tensors.append(_composite_on_white(one) if do_convert_rgb and one.shape[0] == 4 else one)
     if not tensors:
         raise ValueError("No images to process: got an empty list or batch. Pass at least one image.")
     return tensors
@@ -304,7 +293,7 @@ def _channels_first(tensor: torch.Tensor, input_data_format: str | ChannelDimens
 
 
 def _stack_channels_last(images: list[torch.Tensor]) -> torch.Tensor:
-    """Stack same-shape `[C, H, W]` images into an `[N, C, H, W]` batch stored channels-last (what PIL gives)."""
+    """Same-shape `[C, H, W]` images as an `[N, C, H, W]` batch stored channels-last (what PIL gives)."""
     hwc = [image.movedim(0, -1) for image in images]
     if hwc[0].device.type == "cpu":
         # numpy backs large buffers with huge pages while torch takes a page fault per 4 KiB: on 32 photos
@@ -343,65 +332,43 @@ _CALL_OPTIONS = (
 class VisionTransformerImageProcessor(BaseImageProcessor):
     r"""Image processor for the Vision Transformer, processing batches with torch (CPU or GPU).
 
-    Images go through: convert to RGB -> resize (antialiased like PIL) -> optional centre crop -> rescale ->
-    normalise, and come out as float32 `pixel_values` of shape `[N, 3, H, W]`. Images of the same size are resized
-    together in one call, and rescaling and normalising are one fused multiply-add.
+    Images go through: decode and convert to RGB (`load_images`, which training transforms call too) -> resize
+    (antialiased like PIL; images of one size in one call) -> optional centre crop -> rescale and normalise (one fused
+    multiply-add), and come out as float32 `pixel_values` of shape `[N, 3, H, W]`.
 
     Accepted images: PIL images of any mode, numpy arrays and torch tensors (`[H, W]`, `[C, H, W]`, `[H, W, C]`, or
     batches `[N, C, H, W]`/`[N, H, W, C]`; uint8 0-255 or floats), bytes of an encoded image file, paths to image
     files, or a (nested) list of these, of any mix of sizes.
 
-    Decoding and colour conversion are `load_images` (EXIF orientation, transparency onto white, 16-bit data scaled
-    to 8 bits, NaN refused), which the training and evaluation transforms of `hf_vit.data.transforms` call too, so a
-    model sees the same pixels in training and inference.
-
     Args:
-        do_convert_rgb (`bool`, *optional*, defaults to `True`):
-            Convert images to 3-channel RGB; transparency is composited onto white, like transformers does.
-        do_resize (`bool`, *optional*, defaults to `True`):
-            Resize images to `size`.
-        size (`int`, `(height, width)` or `dict[str, int]`, *optional*, defaults to `{"height": 224, "width": 224}`):
-            Output size of the resize: a height and width, or `{"shortest_edge": N}` to resize the shorter side to N
-            and the longer one by the same factor (rounded down), keeping the aspect ratio, as transformers' DINOv2
-            (`BitImageProcessor`) and CLIP processors do; a centre crop then usually makes the images one size.
-            Each image is resized once, straight to that size.
-        resample (`PILImageResampling`, `int` or `str`, *optional*, defaults to `PILImageResampling.BILINEAR`):
-            Resampling filter: nearest, bilinear or bicubic.
-        do_center_crop (`bool`, *optional*, defaults to `False`):
-            Centre-crop images to `crop_size` after resizing.
-        crop_size (`int`, `(height, width)` or `dict[str, int]`, *optional*, defaults to 224x224):
-            Output size of the centre crop.
-        do_rescale (`bool`, *optional*, defaults to `True`):
-            Multiply pixel values by `rescale_factor`. Pass `False` for float images already in [0, 1].
-        rescale_factor (`float`, *optional*, defaults to `1/255`):
-            Factor used when rescaling.
-        do_normalize (`bool`, *optional*, defaults to `True`):
-            Normalise with `(x - image_mean) / image_std`.
-        image_mean (`float` or `list[float]`, *optional*, defaults to `[0.5, 0.5, 0.5]`):
-            Per-channel mean, as in the ViT paper.
-        image_std (`float` or `list[float]`, *optional*, defaults to `[0.5, 0.5, 0.5]`):
-            Per-channel standard deviation.
-        max_num_patches (`int`, *optional*):
-            Native aspect ratio (as transformers' SigLIP 2 processor): resize each image to the largest grid of at
-            most this many `patch_size` patches that keeps its aspect ratio (instead of `size`), and return its
-            patches flattened and padded to this number: `pixel_values` `(N, max_num_patches, patch_size**2 * C)`
-            (each patch in patch-row, patch-column, channel order), `pixel_attention_mask` `(N, max_num_patches)` (1
-            for the image's patches, which come first) and `spatial_shapes` `(N, 2)` (rows, columns). `None` (the
-            default): whole images of `size`.
-        patch_size (`int`, *optional*, defaults to 16):
-            The model's patch size, which the patches of `max_num_patches` are cut with.
-        packed_sequence_length (`int`, *optional*):
-            With `max_num_patches`, pack several images into each row of this many patch slots (NaViT's "Patch n'
-            Pack"), whole images, best-fit-decreasing (the images with the most patches placed first, each in the
-            row it leaves the least room in), instead of one image per row padded to `max_num_patches`; at least
+        do_convert_rgb (`bool`, defaults to `True`): convert images to 3-channel RGB, transparency composited onto
+            white, as transformers does.
+        do_resize, size (`bool`, defaults to `True`; `int`, `(height, width)` or `dict`, defaults to 224x224): resize
+            images to a height and width, or with `{"shortest_edge": N}` their shorter side to N and the longer one
+            by the same factor (rounded down), as transformers' DINOv2 (`BitImageProcessor`) and CLIP processors do.
+        resample (`PILImageResampling`, `int` or `str`, defaults to bilinear): nearest, bilinear or bicubic.
+        do_center_crop, crop_size (`bool`, defaults to `False`; as `size`, defaults to 224x224): centre-crop images
+            to `crop_size` after resizing.
+        do_rescale, rescale_factor (`bool`, defaults to `True`; `float`, defaults to `1/255`): multiply pixel values
+            by `rescale_factor` (pass `do_rescale=False` for float images already in [0, 1]).
+        do_normalize, image_mean, image_std (`bool`, defaults to `True`; `float` or one per channel, defaults to 0.5
+            each, as in the ViT paper): normalise with `(x - image_mean) / image_std`.
+        max_num_patches (`int`, optional): native aspect ratio (as transformers' SigLIP 2 processor): resize each
+            image to the largest grid of at most this many `patch_size` patches that keeps its aspect ratio (instead
+            of `size`), and return its patches flattened and padded to this number: `pixel_values`
+            `(N, max_num_patches, patch_size**2 * C)` (each patch in patch-row, patch-column, channel order),
+            `pixel_attention_mask` `(N, max_num_patches)` (1 for the image's patches, which come first) and
+            `spatial_shapes` `(N, 2)` (rows, columns). `None` (the default): whole images of `size`.
+        patch_size (`int`, defaults to 16): the model's patch size, which the patches of `max_num_patches` are cut
+            with.
+        packed_sequence_length (`int`, optional): with `max_num_patches`, pack whole images into rows of this many
+            patch slots (NaViT's "Patch n' Pack", `best_fit_decreasing`) instead of one image per row; at least
             `max_num_patches`. Returns `pixel_values` `(rows, packed_sequence_length, patch_size**2 * C)`,
             `spatial_shapes` `(N, 2)` (each image's grid, in the order given) and `image_slot_index` `(N, K)` (the
-            slot, row * packed_sequence_length + slot, of each image's patch k, -1 beyond its grid): the packing,
-            which the model reads instead of working it out. Each image's patches are consecutive in its row, in
-            row-major order; the slots no image holds are padding, at the end of each row. The number of rows
-            depends on the images; their length never does. One image alone comes back as the native-aspect batch
-            of one (as without packing): packing it gains nothing, and the outputs of such calls concatenate into a
-            valid batch, as transformers' pipelines batch them.
+            slot, row * packed_sequence_length + slot, of each image's patch k, -1 beyond its grid). Each image's
+            patches are consecutive in its row, row-major; the padding is at the end of each row. One image alone
+            comes back as the native-aspect batch of one, so that the outputs of such calls concatenate into a valid
+            batch, as transformers' pipelines batch them.
 
     Every option can also be overridden per call, e.g. `processor(images, size=384, return_tensors="pt")`.
     """
@@ -447,21 +414,16 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         given["size"], given["crop_size"] = (224 if value is None else value for value in (size, crop_size))
         for name in ("image_mean", "image_std"):
             given[name] = [0.5, 0.5, 0.5] if given[name] is None else given[name]
-        for name, value in _checked_options(given).items():
-            setattr(self, name, value)
+        vars(self).update(_checked_options(given))
 
     def with_options(self, **options: Any) -> "VisionTransformerImageProcessor":
-        """A new processor: this one with `options` (its constructor's) changed, checked as the constructor checks
-        them, e.g. `with_options(max_num_patches=None, packed_sequence_length=None)` for whole images at its size.
-        This one is left as it is."""
+        """A copy of this processor with `options` (its constructor's) changed and checked, e.g.
+        `with_options(max_num_patches=None, packed_sequence_length=None)` for whole images at its size."""
         unknown = sorted(set(options) - set(_CALL_OPTIONS))
         if unknown:
             raise TypeError(f"{type(self).__name__} has no option(s) {unknown}.")
         changed = copy.deepcopy(self)
-        for name, value in _checked_options(
-            {**{name: getattr(self, name) for name in _CALL_OPTIONS}, **options}
-        ).items():
-            setattr(changed, name, value)
+        vars(changed).update(_checked_options({**{name: getattr(self, name) for name in _CALL_OPTIONS}, **options}))
         return changed
 
     def preprocess(
@@ -472,9 +434,8 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> BatchFeature:
-        """Preprocess an image or a batch of images into `pixel_values`.
-
-        `kwargs` are this processor's options (see the class docstring); those left out or None take its values.
+        """Preprocess an image or a batch of images into `pixel_values`; `kwargs` are this processor's options (see the
+        class docstring), those left out or None taking its values.
 
         Args:
             images: one image or a (nested) list of images, in any form listed in the class docstring.
@@ -494,14 +455,19 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
             {name: getattr(self, name) if kwargs.get(name) is None else kwargs[name] for name in _CALL_OPTIONS}
         )
         tensors = load_images(images, o["do_convert_rgb"], input_data_format)
-        groups = _same_size_groups(tensors)  # processed as one batch each: one interpolate call per group
+        groups: dict[tuple, list[int]] = {}  # the images of one size, type and device: one batch (resize) each
+        for index, tensor in enumerate(tensors):
+            groups.setdefault((tuple(tensor.shape), tensor.dtype, tensor.device), []).append(index)
         processed = [None] * len(tensors)
         for indices in groups.values():
             batch = _stack_channels_last([tensors[i] for i in indices])
             if device is not None:
                 batch = batch.to(device)
-            if o["do_rescale"]:
-                _warn_if_rescaled(batch)
+            if o["do_rescale"] and batch.is_floating_point() and batch.min() >= 0 and batch.max() <= 1:
+                logger.warning_once(
+                    "It looks like you are trying to rescale already rescaled images. If the input images have pixel "
+                    "values between 0 and 1, set `do_rescale=False` to avoid rescaling them again."
+                )
             if o["do_resize"]:
                 target = resize_target(*batch.shape[-2:], o["size"])
                 if o["max_num_patches"] is not None:  # the image's own aspect ratio, on the largest grid that fits
@@ -527,10 +493,8 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         return _batch_feature(pad_patches(patches, grids, o["max_num_patches"]), return_tensors)
 
     def normalize_batch(self, images: torch.Tensor) -> torch.Tensor:
-        """Rescale and normalise a `[N, C, H, W]` batch with this processor's settings (no resizing).
-
-        This is the last step of `preprocess`, for pipelines that resize and augment batches themselves.
-        """
+        """Rescale and normalise a `[N, C, H, W]` batch with this processor's settings: the last step of `preprocess`,
+        for pipelines that resize and augment batches themselves."""
         return _rescale_and_normalize_as(vars(self), images)
 
 
@@ -541,22 +505,6 @@ def _rescale_and_normalize_as(o: dict[str, Any], images: torch.Tensor) -> torch.
     return rescale_and_normalize(
         images, rescale_factor, *(o[name] if normalize else None for name in ("image_mean", "image_std"))
     )
-
-
-def _same_size_groups(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
-    """The positions of the images of each size, type and device."""
-    groups: dict[tuple, list[int]] = {}
-    for index, tensor in enumerate(tensors):
-        groups.setdefault((tuple(tensor.shape), tensor.dtype, tensor.device), []).append(index)
-    return groups
-
-
-def _warn_if_rescaled(batch: torch.Tensor) -> None:
-    if batch.is_floating_point() and batch.min() >= 0 and batch.max() <= 1:
-        logger.warning_once(
-            "It looks like you are trying to rescale already rescaled images. If the input images have pixel values "
-            "between 0 and 1, set `do_rescale=False` to avoid rescaling them again."
-        )
 
 
 def _whole_image_batch(
@@ -572,39 +520,6 @@ def _whole_image_batch(
             )
         processed = torch.stack(processed)
     return _batch_feature({"pixel_values": processed}, return_tensors)
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
-
-
-def _check_native(max_num_patches: int | None, patch_size: int, do_center_crop: bool) -> None:
-    if max_num_patches is None:
-        return
-    _check_positive_int("max_num_patches", max_num_patches)
-    _check_positive_int("patch_size", patch_size)
-    if do_center_crop:
-        raise ValueError(
-            "`max_num_patches` keeps each image whole at its own aspect ratio, which a centre crop to `crop_size` "
-            "would undo: pass do_center_crop=False with it."
-        )
-
-
-def _check_packing(max_num_patches: int | None, packed_sequence_length: int | None) -> None:
-    if packed_sequence_length is None:
-        return
-    _check_positive_int("packed_sequence_length", packed_sequence_length)
-    if max_num_patches is None:
-        raise ValueError(
-            "`packed_sequence_length` packs images on their native-aspect grids: give `max_num_patches` (the most "
-            "patches of one image) with it."
-        )
-    if packed_sequence_length < max_num_patches:
-        raise ValueError(
-            f"`packed_sequence_length` ({packed_sequence_length}) must be at least `max_num_patches` "
-            f"({max_num_patches}): a row must hold the largest image."
-        )
 
 
 def _native_patches(
@@ -645,9 +560,8 @@ def native_patch_batch(
     max_num_patches: int,
     return_tensors: str | TensorType | None = "pt",
 ) -> BatchFeature:
-    """Normalised `[C, H, W]` images, each a whole number of patches, as the processor's native-aspect batch: each
-    image's flattened patches padded to `max_num_patches` (`pixel_values`), the padding mask and each grid (see
-    `max_num_patches` in the class docstring). Training transforms that resize images themselves batch them here."""
+    """Normalised `[C, H, W]` images, each a whole number of patches, as the processor's padded native-aspect batch
+    (see `max_num_patches` in the class docstring), for training transforms that resize images themselves."""
     grids, patches = _native_patches(images, patch_size, max_num_patches)
     return _batch_feature(pad_patches(patches, grids, max_num_patches), return_tensors)
 
@@ -656,8 +570,7 @@ def pad_patches(
     patches: Sequence[torch.Tensor], grids: Sequence[tuple[int, int]], length: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Each image's flattened patches (`(rows * cols, D)`, its grid's in `grids`) padded with zeros to `length` (by
-    default the longest): the padded native-aspect batch's `pixel_values`, `pixel_attention_mask` and
-    `spatial_shapes`. The processor and the training collator both pad here."""
+    default the longest) as a native-aspect batch; the processor's and the training collator's padder."""
     sizes = [len(values) for values in patches]
     if sizes != [rows * cols for rows, cols in grids]:
         raise ValueError(f"Each image's patches must be its grid's rows * cols: {sizes} patches for grids {grids}.")
@@ -675,12 +588,11 @@ def pad_patches(
 
 
 def best_fit_decreasing(sizes: Sequence[int], capacity: int, order: Sequence[int] | None = None) -> list[list[int]]:
-    """Bins of at most `capacity` for the items `order` lists (indices into `sizes`; by default all, in their order),
-    as lists of item indices: the items taken largest first (ties in `order`'s order), each put in the open bin it
-    leaves the least room in (the newest of those), a new bin when none has room. Which bins there are and how full
-    depends on `sizes` only, not on `order`. O(n log capacity): one binary search among the distinct rooms left per
-    item. The one packer of the processor and of training's planned batches."""
-    _check_positive_int("capacity", capacity)
+    """Bins of at most `capacity` for the items `order` lists (indices into `sizes`; by default all), as lists of item
+    indices: the items taken largest first (ties in `order`'s order), each put in the open bin it leaves the least
+    room in (the newest of those), a new bin when none has room; the bins' fullness depends on `sizes` only. One binary
+    search among the distinct rooms left per item. The packer of the processor and of training's planned batches."""
+    check_positive_int("capacity", capacity)
     rooms: list[int] = []  # the distinct rooms left in open bins, ascending
     bins_with_room: dict[int, list[int]] = {}  # room -> the bins with that room left
     bins: list[list[int]] = []
@@ -716,12 +628,10 @@ def pack_patches(
     rows: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Each image's flattened patches (`(rows * cols, D)`, its grid's in `grids`) packed whole by
-    `best_fit_decreasing` into rows of `packed_sequence_length` slots: the packed batch's `pixel_values`,
-    `spatial_shapes` and `image_slot_index` (see `packed_sequence_length` in the class docstring), written from the
-    plan as the patches are placed. The processor and the training collator both pack here. With `positions` (each
-    image's kept places of its grid, row-major, one per patch given, each at most once: NaViT's token dropping),
-    `patches` are only those kept, in their slots in that order, and `image_slot_index` is -1 at the places left
-    out. With `rows` (the images of each row, every image once,
+    `best_fit_decreasing` into rows of `packed_sequence_length` slots (see `packed_sequence_length` in the class
+    docstring), written from the plan; the processor's and the training collator's packer. With `positions` (each
+    image's kept places of its grid, row-major, one per patch given: NaViT's token dropping), `patches` are only those
+    kept, and `image_slot_index` is -1 at the places left out. With `rows` (the images of each row, every image once,
     e.g. a training sampler's plan), the batch has exactly those rows, in that order (an empty one is all padding)."""
     sizes = [len(image) for image in patches]
     places = [torch.arange(rows * cols) for rows, cols in grids] if positions is None else positions
@@ -732,8 +642,15 @@ def pack_patches(
     for index, (kept, (height, width)) in enumerate(zip(places, grids)):
         if len(kept) and (int(kept.min()) < 0 or int(kept.max()) >= height * width or len(kept.unique()) < len(kept)):
             raise ValueError(f"`positions` of image {index} must be distinct places of its {height}x{width} grid.")
-    plan = _rows_of_images(sizes, packed_sequence_length, rows)
     device, length = patches[0].device, packed_sequence_length
+    plan = best_fit_decreasing(sizes, length) if rows is None else [list(row) for row in rows]
+    if sorted(index for row in plan for index in row) != list(range(len(sizes))) or any(
+        sum(sizes[index] for index in row) > length for row in plan
+    ):
+        raise ValueError(
+            f"`rows` {plan} must hold each of the {len(sizes)} images once, each row at most "
+            f"`packed_sequence_length` = {length} patches (the images' {sizes})."
+        )
     pixel_values = torch.zeros(len(plan), length, patches[0].shape[-1], device=device)
     image_slot_index = torch.full((len(sizes), max(height * width for height, width in grids)), -1, dtype=torch.long)
     for row, indices in enumerate(plan):
@@ -748,22 +665,6 @@ def pack_patches(
         "spatial_shapes": torch.tensor([list(grid) for grid in grids], dtype=torch.long, device=device),
         "image_slot_index": image_slot_index.to(device),
     }
-
-
-def _rows_of_images(sizes: list[int], length: int, rows: Sequence[Sequence[int]] | None) -> list[list[int]]:
-    """The images of each packed row: `rows` checked (each image once, each row at most `length` patches), or
-    `best_fit_decreasing`'s."""
-    if rows is None:
-        return best_fit_decreasing(sizes, length)
-    plan = [list(row) for row in rows]
-    if sorted(index for row in plan for index in row) != list(range(len(sizes))) or any(
-        sum(sizes[index] for index in row) > length for row in plan
-    ):
-        raise ValueError(
-            f"`rows` {plan} must hold each of the {len(sizes)} images once, each row at most "
-            f"`packed_sequence_length` = {length} patches (the images' {sizes})."
-        )
-    return plan
 
 
 __all__ = [

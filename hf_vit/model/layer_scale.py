@@ -1,7 +1,5 @@
 """LayerScale (Touvron et al., 2021, "Going deeper with Image Transformers"): a learned per-channel scale of a
 residual branch, `layer_scale_init_value` at initialisation; DINOv2's and timm's `init_values`.
-
-Saved next to checkpoints as remote code with the model, so it imports only torch.
 """
 
 from __future__ import annotations

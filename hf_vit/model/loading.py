@@ -28,6 +28,8 @@ from typing import Any
 from safetensors import SafetensorError
 from transformers.dynamic_module_utils import get_relative_import_files
 
+from .resolution import height_width
+
 _READERS: list[Callable[[str, dict[str, Any]], Any]] = []
 
 
@@ -50,10 +52,9 @@ def open_foreign(source: Any, kwargs: dict[str, Any]) -> Any:
 
 
 def load_strictly(model_class: Any, load: Any, source: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-    """`model_class.from_pretrained(source, *args, **kwargs)` through transformers' `load` (the foreign reader's
-    conversion first, when `source` is a foreign checkpoint), refusing weights that would leave part of the model
-    randomly initialised (only the weights `model_class` declares new may be missing: a new head, the [mask]
-    embedding) and naming unreadable weights or folders."""
+    """`model_class.from_pretrained(source, *args, **kwargs)` through transformers' `load` (a foreign checkpoint
+    converted first), refusing weights that would leave part of the model randomly initialised (only the weights
+    `model_class` declares new may be missing) and naming unreadable weights or folders."""
     output_loading_info = kwargs.pop("output_loading_info", False)
     foreign = open_foreign(source, kwargs)
     if foreign is None and isinstance(source, (str, os.PathLike)) and os.path.isfile(source):
@@ -95,14 +96,10 @@ _LOCATION_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", 
 
 def resize_asked_by_config(source: Any, kwargs: dict[str, Any]) -> list[Any] | None:
     """`[image_size, patch_size]` when `kwargs["config"]` asks for another patch size than the checkpoint at `source`
-    was saved with, or (an hf-vit checkpoint) another image size, else None.
-
-    `AutoModel.from_pretrained(folder, patch_size=P)` loads the config first and writes `patch_size=P` onto it, then
-    hands the model class that config: loading the saved weights into it would fail on the kernel's and the positions'
-    shapes. `kwargs["config"]` is then replaced by a copy with the checkpoint's own sizes, so the weights load as they
-    were saved, and the caller resamples the model to the sizes returned (`set_input_size`), as with `patch_size=P`
-    given to the model class itself. A foreign checkpoint's positions are resampled to the config's image size by its
-    conversion, as its own code does."""
+    was saved with, or (an hf-vit checkpoint) another image size, else None; `kwargs["config"]` is then replaced by a
+    copy with the checkpoint's own sizes, so that the weights load, and the caller resamples the model to the sizes
+    returned (`set_input_size`). (`AutoModel.from_pretrained(folder, patch_size=P)` writes `patch_size=P` onto the
+    config it hands the model class; a foreign checkpoint's conversion resamples its positions itself.)"""
     config = kwargs.get("config")
     if not isinstance(source, (str, os.PathLike)) or not hasattr(config, "patch_size"):
         return None
@@ -115,7 +112,8 @@ def resize_asked_by_config(source: Any, kwargs: dict[str, Any]) -> list[Any] | N
         return None
     saved_patch = stored.get("patch_size", config.patch_size)
     saved_size = stored.get("image_size", config.image_size)
-    other_size = _as_list(saved_size) != _as_list(config.image_size) and open_foreign(source, dict(location)) is None
+    other_size = height_width(saved_size) != height_width(config.image_size)
+    other_size = other_size and open_foreign(source, dict(location)) is None
     if saved_patch == config.patch_size and not other_size:
         return None
     wanted = [config.image_size, config.patch_size]
@@ -123,10 +121,6 @@ def resize_asked_by_config(source: Any, kwargs: dict[str, Any]) -> list[Any] | N
     as_saved.patch_size, as_saved.image_size = saved_patch, saved_size
     kwargs["config"] = as_saved
     return wanted
-
-
-def _as_list(size: Any) -> list[Any]:
-    return [size, size] if isinstance(size, int) else list(size)
 
 
 # transformers fetches a remote-code module with the files it imports, which it reads from the module's text with a

@@ -1,17 +1,6 @@
-"""Masked image modeling as transformers' `AutoModelForMaskedImageModeling` runs it: SimMIM (Xie et al., 2022).
-
-The encoder is `modeling_vit`'s, built with the [mask] embedding, which replaces the patch embeddings
-`bool_masked_pos` marks before the positions are added; a light decoder, one linear map per patch token (the 1x1
-convolution of transformers' `ViTForMaskedImageModeling`), predicts the token's `encoder_stride` x `encoder_stride`
-pixels, and the loss is the L1 distance on the masked patches' pixels. The model runs at any image size, on
-non-square grids and on native-aspect batches (the processor's `max_num_patches`), each image as it runs alone.
-
-`config.masked_image_modeling` chooses what `AutoModelForMaskedImageModeling` builds: this model, or the paper's
-masked patch prediction (`modeling_mpp.py`), which computes its targets (`pixel_targets.py`) from the same
-`pixel_values` when no `labels` are given, so transformers' `run_mim.py` trains either.
-
-This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
-transformers and the code files beside it.
+"""Masked image modeling as transformers' `AutoModelForMaskedImageModeling` runs it: SimMIM (Xie et al., 2022), or
+the paper's masked patch prediction (`modeling_mpp.py`), as `config.masked_image_modeling` says; both compute their
+targets from `pixel_values` alone, so transformers' `run_mim.py` trains either.
 """
 
 from __future__ import annotations
@@ -33,8 +22,9 @@ __all__ = ["VisionTransformerForMaskedImageModeling"]
 
 class VisionTransformerForMaskedImageModeling(VisionTransformerPreTrainedModel):
     """ViT pretrained by SimMIM: the patches `bool_masked_pos` marks are replaced by the [mask] embedding, a linear
-    decoder predicts every patch token's pixels, and the loss is the mean absolute error on the masked pixels (as
-    transformers' `ViTForMaskedImageModeling`, whose weights `hf_vit.convert` reads). The encoder's weights are a
+    decoder (transformers' 1x1 convolution) predicts every patch token's `encoder_stride`-square block of pixels, and
+    the loss is the mean absolute error on the masked pixels (as transformers' `ViTForMaskedImageModeling`, whose
+    weights `hf_vit.convert` reads), at any image size and on native-aspect batches. The encoder's weights are a
     plain ViT's, so a checkpoint fine-tunes with `VisionTransformerForImageClassification.from_pretrained`.
 
     With `config.masked_image_modeling == "mpp"`, `AutoModelForMaskedImageModeling` (and this class's
@@ -125,11 +115,8 @@ class VisionTransformerForMaskedImageModeling(VisionTransformerPreTrainedModel):
             reconstruction = blocks.permute(0, 1, 3, 4, 2).flatten(2)
         else:
             rows, cols = (size // patch_size for size in pixel_values.shape[-2:])
-            channels = self.config.num_channels
-            reconstruction = blocks.reshape(blocks.shape[0], rows, cols, channels, stride, stride)
-            reconstruction = reconstruction.permute(0, 3, 1, 4, 2, 5).reshape(
-                -1, channels, rows * stride, cols * stride
-            )
+            # (B, rows, cols, C, s, s) -> (B, C, rows, s, cols, s) -> (B, C, rows * s, cols * s)
+            reconstruction = blocks.unflatten(1, (rows, cols)).permute(0, 3, 1, 4, 2, 5).flatten(4, 5).flatten(2, 3)
         return MaskedImageModelingOutput(
             loss=loss,
             reconstruction=reconstruction,

@@ -1,12 +1,7 @@
-"""Masked patch prediction (the paper's section 4.6 and appendix B.1.2): self-supervised pretraining of ViT by
-corrupting some patch embeddings and predicting the mean colour of each corrupted patch.
-
-The encoder is `modeling_vit`'s, built with the [mask] embedding; the corruption is applied to the patch embeddings
-x_p^i E before the position embeddings are added, given to the encoder as data: `bool_masked_pos` (the patches the
-[mask] embedding replaces) and `patch_sources` (the patches another patch's embedding replaces).
-
-This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
-transformers and the code files beside it.
+"""Masked patch prediction (the paper's section 4.6 and appendix B.1.2): some patch embeddings x_p^i E are corrupted
+before the position embeddings are added (given to the encoder as data: `bool_masked_pos`, the patches the [mask]
+embedding replaces, and `patch_sources`, those another patch's embedding replaces), and a head predicts the mean
+colour of each corrupted patch.
 """
 
 from __future__ import annotations
@@ -127,8 +122,7 @@ class MaskedPatchPredictionOutput(ModelOutput):
 
 
 class VisionTransformerForMaskedPatchPrediction(VisionTransformerPreTrainedModel):
-    """ViT pretrained by masked patch prediction (section 4.6, appendix B.1.2): a share of the patch embeddings is
-    corrupted (see `draw_patch_corruption`) and a linear head predicts, from each corrupted patch's final
+    """ViT pretrained by masked patch prediction: a linear head predicts, from each corrupted patch's final
     representation, its mean colour at `config.mpp_color_bits` bits per channel (512 classes for RGB at 3 bits).
 
     The corruption is drawn here while training, with the paper's shares (`PatchCorruption()`), unless

@@ -1,8 +1,5 @@
 """The pixels a masked image modeling head predicts, from the images it is given: each patch's pixels (SimMIM) and
 each patch's mean colour class (masked patch prediction, section 4.6).
-
-This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
-transformers and the code files beside it.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Multi-head attention pooling ("MAP"): the pooled representation `y` of equation (4) for `classifier="map"`.
-
-A learned probe attends to every token (every valid one of a native-aspect batch) with one multi-head attention, and
-an MLP with a residual follows, the head of big_vision's ViT and of SigLIP's vision tower. Its parameters are those of
-`torch.nn.MultiheadAttention` (`probe`, `attention.in_proj_weight` with rows [q; k; v], `attention.out_proj`), a
-LayerNorm and the model's MLP.
-
-Saved next to checkpoints as remote code with the model, so it imports only torch.
+"""Multi-head attention pooling ("MAP"), the head of big_vision's ViT and of SigLIP's vision tower: the pooled
+representation `y` of equation (4) for `classifier="map"`. Its parameters are those of `torch.nn.MultiheadAttention`
+(`attention.in_proj_weight` with rows [q; k; v], `attention.out_proj`), the `probe`, a LayerNorm and the model's MLP.
 """
 
 from __future__ import annotations

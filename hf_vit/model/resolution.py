@@ -1,13 +1,6 @@
-"""Resolution changes (the paper's section 3.2): the learned position embeddings resampled to a new patch grid; and
-patch size changes (FlexiViT): the patch embedding resampled to a new patch size.
-
-The prefix (class) token's position is kept as it is; the patch positions are treated as a 2D image of D channels and
-resampled (bicubic by default, bilinear available) to the new grid, which may be non-square. The model's
-`set_input_size` (in place), fine-tuning at another size, resolution variants, the converters and
-`interpolate_pos_encoding` all go through `resample_position_embeddings`.
-
-Image sizes and patch grids are read here only (`height_width`, `image_size_field`, `grid_for`, `check_pixel_values`).
-Saved next to checkpoints as remote code with the model, so it imports only torch.
+"""Resolution changes (the paper's section 3.2): the learned position embeddings resampled to a new patch grid (the
+prefix tokens' kept, the patch positions resampled as a 2D image of D channels); and patch size changes (FlexiViT):
+the patch embedding resampled to a new patch size. Image sizes and patch grids are read here only.
 """
 
 from __future__ import annotations
@@ -29,21 +22,21 @@ def height_width(value: int | tuple[int, int] | list[int], name: str = "image_si
     """A size given as N (square) or (height, width), as `(height, width)`; a `ValueError` naming `name` else."""
     if isinstance(value, int) and not isinstance(value, bool):
         return (value, value)
-    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+    if isinstance(value, Sequence) and len(value) == 2 and all(isinstance(v, int) for v in value):
         return (int(value[0]), int(value[1]))
     raise ValueError(f"`{name}` must be an int or a (height, width) pair of ints, got {value!r}.")
 
 
 def image_size_field(image_size: int | tuple[int, int] | list[int]) -> int | list[int]:
     """`image_size` as the config stores it: an int for a square size, else `[height, width]`."""
-    height, width = height_width(image_size if isinstance(image_size, int) else list(image_size), "image_size")
+    height, width = height_width(image_size)
     return height if height == width else [height, width]
 
 
 def grid_for(image_size: int | Sequence[int], patch_size: int) -> tuple[int, int]:
     """The `(rows, cols)` patch grid of `image_size` (N or (H, W)), with an error saying what to pass instead when
     the size cannot be tiled by `patch_size` or is beyond `MAX_PATCH_POSITIONS`."""
-    height, width = height_width(image_size if isinstance(image_size, int) else list(image_size), "image_size")
+    height, width = height_width(image_size)
     patch = patch_size
     if height < patch or width < patch:
         raise ValueError(f"image_size {height}x{width} is smaller than one {patch}x{patch} patch.")
@@ -73,12 +66,9 @@ def resample_position_embeddings(
 ) -> torch.Tensor:
     """Resample `(1, prefix + old_h * old_w, D)` position embeddings to `new_grid`, keeping the prefix tokens'.
 
-    `mode` and `antialias` are those of `torch.nn.functional.interpolate` (antialiasing changes a downsampling only);
-    the config's `interpolation_mode` and `interpolation_antialias` choose them as each checkpoint's own code
-    resamples (DINOv2 with registers antialiases, DINOv2, CLIP, SigLIP and DeiT do not). Interpolation runs in
-    float32 so that bf16/fp16 models resample as accurately as fp32 ones; the same grid
-    returns the input itself (except while exporting a graph: see below). A native-aspect batch's patches, each on
-    its own grid, take theirs from `position_embeddings_at`.
+    `mode` and `antialias` are those of `F.interpolate` (the config's `interpolation_mode` and
+    `interpolation_antialias`, as each checkpoint's own code resamples), computed in float32 so that bf16/fp16 models
+    resample as accurately as fp32 ones. A native-aspect batch's patches take theirs from `position_embeddings_at`.
     """
     _check_table(position_embedding, old_grid, num_prefix_tokens, mode)
     # The same grid needs no resampling; an exported graph resamples always (a bicubic or bilinear resize to the same
@@ -230,7 +220,7 @@ def resample_patch_embedding(
         raise ValueError(
             f"The patch embedding kernel must be (out, channels, height, width), got {tuple(weight.shape)}."
         )
-    new_hw = height_width(new_patch_size if isinstance(new_patch_size, int) else list(new_patch_size), "patch_size")
+    new_hw = height_width(new_patch_size, "patch_size")
     if min(new_hw) < 1:
         raise ValueError(f"`patch_size` must be positive, got {new_patch_size!r}.")
     old_hw = tuple(weight.shape[-2:])

@@ -1,8 +1,6 @@
 """The initialisation of the authors' code (vit_jax), one function per kind of module, each `(module, config)`:
 `modeling_vit.INITIALISERS` says which module each is for (the embeddings, attention, MLP and classifier modules are
 `modeling_vit`'s, which imports this file).
-
-Saved next to checkpoints as remote code with the model, so it imports only torch, transformers and its siblings.
 """
 
 from __future__ import annotations
@@ -40,15 +38,19 @@ def init_embeddings(module: nn.Module, config: VisionTransformerConfig) -> None:
             init.normal_(token, std=config.initializer_range)
 
 
-def init_attention(module: nn.Module, config: VisionTransformerConfig) -> None:
+def _attention_(qkv: torch.Tensor, qkv_bias: torch.Tensor | None, out: nn.Linear) -> None:
     """Query, key and value are three D x D maps, each Xavier-uniform: one draw with a D x D matrix's bound (not the
-    fused D x 3D matrix's); zero biases."""
-    bound = math.sqrt(6.0 / (2 * module.qkv.in_features))
-    init.uniform_(module.qkv.weight, -bound, bound)
-    init.xavier_uniform_(module.proj.weight)
-    if module.qkv.bias is not None:
-        init.zeros_(module.qkv.bias)
-    init.zeros_(module.proj.bias)
+    fused D x 3D matrix's); a Xavier-uniform output projection, zero biases."""
+    bound = math.sqrt(6.0 / (2 * qkv.shape[1]))
+    init.uniform_(qkv, -bound, bound)
+    init.xavier_uniform_(out.weight)
+    for bias in (qkv_bias, out.bias):
+        if bias is not None:
+            init.zeros_(bias)
+
+
+def init_attention(module: nn.Module, config: VisionTransformerConfig) -> None:
+    _attention_(module.qkv.weight, module.qkv.bias, module.proj)
 
 
 def init_mlp(module: nn.Module, config: VisionTransformerConfig) -> None:
@@ -68,13 +70,8 @@ def init_layer_scale(module: LayerScale, config: VisionTransformerConfig) -> Non
 
 
 def init_attention_pooling(module: MultiheadAttentionPooling, config: VisionTransformerConfig) -> None:
-    """A normal probe; query, key and value each Xavier-uniform (as `init_attention`), zero biases."""
     init.normal_(module.probe, std=config.initializer_range)
-    bound = math.sqrt(6.0 / (2 * module.attention.embed_dim))
-    init.uniform_(module.attention.in_proj_weight, -bound, bound)
-    init.zeros_(module.attention.in_proj_bias)
-    init.xavier_uniform_(module.attention.out_proj.weight)
-    init.zeros_(module.attention.out_proj.bias)
+    _attention_(module.attention.in_proj_weight, module.attention.in_proj_bias, module.attention.out_proj)
 
 
 def init_std_conv(module: StdConv2d, config: VisionTransformerConfig) -> None:
