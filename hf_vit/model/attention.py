@@ -11,8 +11,6 @@ probabilities) with each image's tokens in a row of its own (a packed batch's ga
 masked as keys. flex attention hands such batches to the SDPA path. The runs are data and the longest is bounded by a
 shape: nothing here reads a value back from the device, and a compiled model takes every batch of one shape in one
 graph.
-
-Saved next to checkpoints as remote code with the model, so it imports only torch, transformers and its siblings.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""Equation (1) of the Vision Transformer: the patch embedding, the prefix tokens and the position embeddings.
-
-Saved next to checkpoints as remote code with the model, so it imports only torch, transformers and its siblings.
-"""
+"""Equation (1) of the Vision Transformer: the patch embedding, the prefix tokens and the position embeddings."""
 
 from __future__ import annotations
 

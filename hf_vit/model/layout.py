@@ -36,8 +36,6 @@ What the layout holds, for the embeddings (equation 1: each image on its own gri
 (attention within each image: `AttentionSegments`), the pooling and every head (the valid tokens of each image, one
 image per row): moving tokens is exact, and the blocks act on each token alone except in attention, so each image's
 outputs are those it has alone at its own size.
-
-Saved next to checkpoints as remote code with the model, so it imports only torch.
 """
 
 from __future__ import annotations

@@ -16,9 +16,6 @@ The hybrid architecture (section 3.1) takes the patches x_p from the feature map
 instead of the image; masked patch prediction (section 4.6, `modeling_mpp.py`) corrupts some of the x_p^i E before the
 positions are added, given as data: `bool_masked_pos` (the patches replaced by the [mask] embedding, as in
 transformers' `ViTForMaskedImageModeling`) and `patch_sources` (the patches replaced by another one's embedding).
-
-This file is also saved next to checkpoints as remote code (`trust_remote_code=True`), so it imports only torch,
-transformers and the code files beside it.
 """
 
 from __future__ import annotations
