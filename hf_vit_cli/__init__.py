@@ -69,7 +69,11 @@ def run(command: str, argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     module, function = COMMANDS[command]
-    code = getattr(importlib.import_module(module), function)()
+    try:
+        code = getattr(importlib.import_module(module), function)()
+    except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever the run was
+        print(f"\ninterrupted. {early.resume_hint(argv) if command in TRAINING else ''}".rstrip(), file=sys.stderr)
+        return 130
     return 0 if code is None else code
 
 
@@ -123,7 +127,7 @@ def early_problem(command: str, argv: list[str]) -> str | None:
         return early.training_problem(
             argv, saved_help(command, flags_file(command)), saved_help(command, PRESETS_FILE)
         )
-    return early.missing_images(argv) if command == "hf-vit-predict" else None
+    return early.predict_problem(argv) if command == "hf-vit-predict" else None
 
 
 # One function per command: `hf_vit_cli:finetune` and the others are what [project.scripts] names.

@@ -259,6 +259,24 @@ def hub_cache_problem(flag: str, value: str, repo_type: str) -> str | None:
     )
 
 
+# The least value of each flag a run can take (the command checks them again).
+LEAST = {"learning_rate": 0, "weight_decay": 0, "warmup_ratio": 0, "warmup_steps": 0, "label_smoothing_factor": 0}
+LEAST |= dict.fromkeys(("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                        "image_size", "patch_size", "max_num_patches", "packed_sequence_length"), 1)  # fmt: skip
+
+
+def range_problem(given: dict[str, list[str]]) -> str | None:
+    """A value below what its flag takes, or a run left with nothing to train (no epoch and no step)."""
+    for flag, least in LEAST.items():
+        low = [value for value in given.get(flag, []) if float(value) < least]
+        if low:
+            return f"--{flag} {low[0]}: must be at least {least}."
+    train, epochs = (given.get("do_train") or ["true"])[0].lower() in TRUE_WORDS, given.get("num_train_epochs")
+    if train and epochs and float(epochs[0]) <= 0 and int((given.get("max_steps") or ["-1"])[0]) <= 0:
+        return f"--num_train_epochs {epochs[0]} trains nothing: give a positive number of epochs (or --max_steps N)."
+    return None
+
+
 def training_problem(argv: list[str], listed: str, presets: str) -> str | None:
     """The first thing wrong with a training command line (`listed`: its saved flag list; `presets`: the presets'
     text) that can be told here, or None."""
@@ -273,7 +291,9 @@ def training_problem(argv: list[str], listed: str, presets: str) -> str | None:
             "--packed_sequence_length packs native-aspect images: give --max_num_patches (the most patches of one "
             "image, at most --packed_sequence_length)."
         )
-    if problem := image_size_problem(given, presets) or output_dir_problem(given) or one_class_problem(given):
+    if problem := range_problem(given) or image_size_problem(given, presets) or output_dir_problem(given):
+        return problem
+    if problem := one_class_problem(given):
         return problem
     for flag, kind in (("model_name_or_path", "model"), ("dataset_name", "dataset")):
         value = (given.get(flag) or [""])[0]
@@ -282,8 +302,12 @@ def training_problem(argv: list[str], listed: str, presets: str) -> str | None:
     return None
 
 
-def missing_images(argv: list[str]) -> str | None:
-    """hf-vit-predict's image files or folders that do not exist (every one of its flags takes one value)."""
+def predict_problem(argv: list[str]) -> str | None:
+    """hf-vit-predict's image files or folders that do not exist, or an `--output` file that does (every one of its
+    flags takes one value)."""
+    output = (given_values(argv).get("output") or [None])[0]
+    if output and os.path.lexists(os.path.expanduser(output)):
+        return f"--output {output} exists: name a new file (it is never overwritten)."
     images, value_next = [], False
     for word in argv:
         if value_next or word.startswith("--"):
@@ -294,3 +318,15 @@ def missing_images(argv: list[str]) -> str | None:
     if not missing:
         return None
     return f"no such image file or folder: {', '.join(missing)}."
+
+
+def resume_hint(argv: list[str]) -> str:
+    """After a training run was interrupted: its newest checkpoint and how to go on from it."""
+    folder = Path((given_values(argv).get("output_dir") or ["trainer_output"])[0]).expanduser()  # Trainer's default
+    steps = [int(entry.name[11:]) for entry in _listed(folder) if re.fullmatch(r"checkpoint-\d+", entry.name)]
+    if not steps:
+        return "No checkpoint was saved (--save_strategy and --save_steps say when one is)."
+    return (
+        f"The newest checkpoint is {folder / f'checkpoint-{max(steps)}'}: the same command with "
+        "--resume_from_checkpoint True goes on from it."
+    )

@@ -3,6 +3,7 @@ importing the package, hf-vit's own flags and examples first, Trainer's ~110 beh
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,13 @@ def test_a_typo_in_a_flag_or_a_path_is_told_before_the_package_loads(command, ar
         ("pretrain", ["--preset", "r50-vit-small-patch16-224", "--patch_size", "8", "--image_size", "20"],
          "patch size 8 (--patch_size)"),
         ("pretrain", ["--dataset_name", "cats"], "--dataset_name cats: cats holds one class folder (tabby)"),
+        ("pretrain", ["--max_steps", "-5", "--num_train_epochs", "0"], "--num_train_epochs 0 trains nothing: give a "
+         "positive number of epochs (or --max_steps N)."),
+        ("finetune", ["--per_device_train_batch_size", "0"], "--per_device_train_batch_size 0: must be at least 1."),
+        ("pretrain", ["--learning_rate", "-0.1"], "--learning_rate -0.1: must be at least 0."),
+        ("pretrain", ["--image_size", "64", "-32"], "--image_size -32: must be at least 1."),
+        ("predict", ["--model", "run", "photos", "--output", "notes/todo.txt"], "--output notes/todo.txt exists: name "
+         "a new file"),
     ],
 )  # fmt: skip
 def test_what_needs_no_torch_is_told_before_torch_loads(tmp_path, command, argv, said):
@@ -176,6 +184,8 @@ def test_what_is_right_is_not_refused_before_the_package_loads(tmp_path, monkeyp
         ["--dataset_name", "labelled"],
         ["--max_steps", "1_000", "--seed", " 7", "--learning_rate", "1_0e-3"],  # as int() and float() read them
         ["--output_dir", "out", "--do_train", "False", "--do_eval"],  # measures a checkpoint: writes its results only
+        ["--num_train_epochs", "0", "--max_steps", "5"],  # the steps decide
+        ["--num_train_epochs", "0", "--do_train", "False"],
         ["--preset", "vit-tiny-patch16-22", "--image_size", "32", "--max_num_patches", "4", "--packed_sequence_length",
          "8"],
     ):  # fmt: skip
@@ -274,3 +284,24 @@ def test_a_hub_id_the_offline_cache_lacks_is_told_before_the_package_loads(tmp_p
     assert "Hub dataset" in early_problem("hf-vit-pretrain", ["--dataset_name", "someone/dog_photos"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # online: the Hub answers for it
     assert early_problem("hf-vit-finetune", ["--model_name_or_path", "my-run"]) is None
+
+
+def test_ctrl_c_ends_a_run_with_one_line_naming_the_checkpoint_to_resume_from(tmp_path, monkeypatch, capsys):
+    import hf_vit_cli
+
+    def interrupted():
+        (tmp_path / "out" / "checkpoint-12").mkdir(parents=True)  # saved before the interruption
+        (tmp_path / "out" / "checkpoint-4").mkdir()
+        raise KeyboardInterrupt
+
+    command = types.ModuleType("interrupted_command")
+    command.main = interrupted
+    monkeypatch.setitem(sys.modules, "interrupted_command", command)
+    monkeypatch.setitem(hf_vit_cli.COMMANDS, "hf-vit-finetune", ("interrupted_command", "main"))
+    assert hf_vit_cli.run("hf-vit-finetune", ["--output_dir", str(tmp_path / "out")]) == 130
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        f"interrupted. The newest checkpoint is {tmp_path / 'out' / 'checkpoint-12'}: the same command with "
+        "--resume_from_checkpoint True goes on from it."
+    ]
+    assert "No checkpoint was saved" in hf_vit_cli.early.resume_hint(["--output_dir", str(tmp_path / "none")])
