@@ -41,6 +41,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, datasets, hf_vit, the test modules: half a million objects)
+    lives as long as the process: frozen out of the garbage collector's sight, so that each full collection (Trainer
+    has accelerate run one at the end of every training run) scans only what the tests made since."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def digits_built_once():
     """`load_digits_dataset` builds the digits' splits anew on each call (1,797 images encoded), which a run on

@@ -33,9 +33,17 @@ def test_torch_export_is_right_at_every_size(classifier_type):
         torch.testing.assert_close(program(pixels), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_onnx_matches_pytorch_at_two_sizes_one_non_square(tmp_path):
+def test_onnx_matches_pytorch_at_two_sizes_one_non_square_and_replaces_a_file_only_when_told(tmp_path):
     model = classifier()
-    path = export(model, tmp_path / "vit.onnx")
+    existing = tmp_path / "vit.onnx"
+    existing.write_bytes(b"mine")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export(model, existing)
+    assert existing.read_bytes() == b"mine"
+    with pytest.raises(IsADirectoryError):
+        export(model, tmp_path)
+    path = export(model, existing, overwrite=True)
+    assert existing.read_bytes() != b"mine" and [p.name for p in tmp_path.iterdir()] == ["vit.onnx"]
     differences = check_onnx(path, model, [(32, 32), (48, 24)], batch=3)
     print("onnxruntime vs PyTorch:", differences)
     assert set(differences) == {"32x32", "48x24"} and max(differences.values()) < 1e-4
@@ -55,19 +63,6 @@ def test_onnx_of_the_encoder_outputs_tokens_and_pooled(tmp_path):
         expected = encoder(pixels, interpolate_pos_encoding=True)
     assert tokens.shape == (1, 1 + 5 * 3, 32)
     np.testing.assert_allclose(pooled, expected.pooler_output.numpy(), atol=1e-5)
-
-
-def test_export_keeps_an_existing_file_unless_told(tmp_path):
-    model = classifier()
-    existing = tmp_path / "vit.onnx"
-    existing.write_bytes(b"mine")
-    with pytest.raises(FileExistsError, match="--overwrite"):
-        export(model, existing)
-    assert existing.read_bytes() == b"mine"
-    with pytest.raises(IsADirectoryError):
-        export(model, tmp_path)
-    export(model, existing, overwrite=True)
-    assert existing.read_bytes() != b"mine" and [p.name for p in tmp_path.iterdir()] == ["vit.onnx"]
 
 
 def test_export_script(tmp_path, capsys):

@@ -230,15 +230,30 @@ def test_a_folder_saved_from_remote_code_holds_every_code_file_its_auto_map_name
     import shutil
 
     shutil.copytree(source, snapshot)
-    # the model loaded as remote code, by the class whose module imports the fewest of the files, then saved
-    without_hf_vit(
+    # in one fresh process without hf_vit (each start imports torch and transformers anew): the model loaded as remote
+    # code, by the class whose module imports the fewest of the files, then saved; then every Auto class of the saved
+    # folder loads (its code is its own: the folders' modules are named after the folders)
+    printed = without_hf_vit(
         f"""
+        import json, transformers, torch
         from transformers import AutoImageProcessor, AutoModelForImageClassification
         for where, out in (({str(source)!r}, "from_folder"), ("someone/tiny-vit", "from_hub")):
             model = AutoModelForImageClassification.from_pretrained(where, trust_remote_code=True)
             assert type(model).__module__.startswith("transformers_modules"), type(model).__module__
             model.save_pretrained(out)
             AutoImageProcessor.from_pretrained(where, trust_remote_code=True).save_pretrained(out)
+        folder = {str(tmp_path / "from_hub")!r}
+        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
+        for auto_class in [*json.load(open(folder + "/config.json"))["auto_map"], "AutoImageProcessor"]:
+            if auto_class == "AutoBackbone":  # its from_pretrained asks the Hub whether a local folder exists
+                loaded = transformers.AutoBackbone.from_config(config, trust_remote_code=True)
+            else:
+                loaded = getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=True)
+            assert type(loaded).__module__.startswith("transformers_modules.from_hub"), (auto_class, type(loaded))
+            print(auto_class, type(loaded).__name__)
+        model = transformers.AutoModelForMaskedImageModeling.from_pretrained(folder, trust_remote_code=True)
+        out = model(torch.randn(1, 3, 32, 32), bool_masked_pos=torch.ones(1, 16, dtype=torch.bool))
+        assert out.loss > 0 and out.reconstruction.shape == (1, 3, 32, 32)
         """,
         tmp_path,
         HF_HUB_CACHE=str(tmp_path / "hub"),
@@ -251,24 +266,5 @@ def test_a_folder_saved_from_remote_code_holds_every_code_file_its_auto_map_name
         assert {path.name for path in (tmp_path / out).glob("*.py")} == expected, out  # all of them, nothing else
         assert json.loads((tmp_path / out / "config.json").read_text())["auto_map"] == auto_map
     assert {path.name for path in source.glob("*.py")} == expected
-    # every Auto class of the folder loads in another process without hf_vit
-    printed = without_hf_vit(
-        f"""
-        import json, transformers, torch
-        folder = {str(tmp_path / "from_hub")!r}
-        config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=True)
-        for auto_class in [*json.load(open(folder + "/config.json"))["auto_map"], "AutoImageProcessor"]:
-            if auto_class == "AutoBackbone":  # its from_pretrained asks the Hub whether a local folder exists
-                loaded = transformers.AutoBackbone.from_config(config, trust_remote_code=True)
-            else:
-                loaded = getattr(transformers, auto_class).from_pretrained(folder, trust_remote_code=True)
-            assert type(loaded).__module__.startswith("transformers_modules"), (auto_class, type(loaded))
-            print(auto_class, type(loaded).__name__)
-        model = transformers.AutoModelForMaskedImageModeling.from_pretrained(folder, trust_remote_code=True)
-        out = model(torch.randn(1, 3, 32, 32), bool_masked_pos=torch.ones(1, 16, dtype=torch.bool))
-        assert out.loss > 0 and out.reconstruction.shape == (1, 3, 32, 32)
-        """,
-        tmp_path,
-    )
     assert "AutoModelForMaskedImageModeling VisionTransformerForMaskedImageModeling" in printed
     assert "AutoModelForPreTraining VisionTransformerForMaskedPatchPrediction" in printed

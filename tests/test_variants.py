@@ -21,9 +21,10 @@ COMMON += ["--per_device_train_batch_size", "32", "--per_device_eval_batch_size"
 
 
 def test_variant_at_one_and_a_half_times_the_resolution(tmp_path):
+    # 200 steps at 16x16 (about 0.38 test accuracy), then 100 at 24x24 from the variant (about 0.41)
     source, variant_dir, tuned_dir = tmp_path / "src", tmp_path / "variant", tmp_path / "tuned"
     pre = ["--output_dir", str(source), "--image_size", "16", "--patch_size", "4", "--config_overrides", TINY]
-    source_metrics = train("pretrain", *parse_args("pretrain", pre + COMMON + ["--max_steps", "300"]))
+    source_metrics = train("pretrain", *parse_args("pretrain", pre + COMMON + ["--max_steps", "200"]))
 
     variant = make_evaluated_variant(source, 24, variant_dir, repo_id="me/tiny-24", base_model="me/tiny-16")
     model = VisionTransformerForImageClassification.from_pretrained(variant_dir)
@@ -38,8 +39,8 @@ def test_variant_at_one_and_a_half_times_the_resolution(tmp_path):
     print(f"source {source_metrics['eval_accuracy']:.4f}, interpolated {variant['eval_accuracy']:.4f}", end=" ")
 
     short = ["--output_dir", str(tuned_dir), "--model_name_or_path", str(variant_dir), "--keep_head", "True"]
-    tuned = train("finetune", *parse_args("finetune", short + COMMON + ["--max_steps", "150"]))
-    print(f"after 150 steps at 24x24 {tuned['eval_accuracy']:.4f}")
+    tuned = train("finetune", *parse_args("finetune", short + COMMON + ["--max_steps", "100"]))
+    print(f"after 100 steps at 24x24 {tuned['eval_accuracy']:.4f}")
     assert tuned["eval_accuracy"] >= source_metrics["eval_accuracy"]
 
 
