@@ -41,18 +41,6 @@ from .augment.train_transform import kept_patch_count
 from .seeding import seeded_generator
 from .transforms import BatchSizes, CorruptImageError, decode_image, encoded_image
 
-__all__ = [
-    "CPU_PACKING_BREAK_EVEN",
-    "PackedBatchSampler",
-    "best_fit_decreasing",
-    "image_size",
-    "PADDING_SAMPLE_IMAGES",
-    "padding_line",
-    "padding_shares",
-    "planned_patches",
-    "training_patches",
-]
-
 # The padding share of padded native-aspect batches from which packed rows trained faster on CPU (measured with
 # benchmarks/packing_speed.py: docs/training.md, "When packing pays").
 CPU_PACKING_BREAK_EVEN = 0.15

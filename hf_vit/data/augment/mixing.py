@@ -179,16 +179,6 @@ def patch_box(
     return max(top, 0), min(top + side_h, rows), max(left, 0), min(left + side_w, cols)
 
 
-def grid_slots(
-    box: tuple[int, int, int, int], cols: int, other_cols: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The patch slots of the grid places in `box` (top, bottom, left, right) in an image `cols` wide and in its
-    partner, `other_cols` wide (each image's patches are laid out row by row of its own grid)."""
-    top, bottom, left, right = box
-    rows, columns = torch.arange(top, bottom)[:, None], torch.arange(left, right)[None, :]
-    return (rows * cols + columns).flatten().to(device), (rows * other_cols + columns).flatten().to(device)
-
-
 def mix_patches(
     patches: torch.Tensor,
     spatial_shapes: torch.Tensor,
@@ -209,7 +199,10 @@ def mix_patches(
         top, bottom, left, right = patch_box(*shared, lam, rng, minmax) if cutmix else (0, shared[0], 0, shared[1])
         if bottom <= top or right <= left:
             continue
-        own, theirs = grid_slots((top, bottom, left, right), cols, other_cols, patches.device)
+        # the box's slots in the image and in its partner (each image's patches row by row of its own grid)
+        places, columns = torch.arange(top, bottom)[:, None], torch.arange(left, right)[None, :]
+        own = (places * cols + columns).flatten().to(patches.device)
+        theirs = (places * other_cols + columns).flatten().to(patches.device)
         if cutmix:
             mixed[image, own] = partner[image, theirs]
             lams[image] = 1.0 - own.numel() / (rows * cols)

@@ -87,10 +87,8 @@ def make_train_transform(
             "training crops have no one size to be resized to: set do_center_crop with crop_size, or size to a "
             "height and width."
         )
-    augment_more = None
-    if rand_augment:
-        fill = tuple(round(255 * float(m)) for m in processor.image_mean)
-        augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
+    fill = tuple(round(255 * float(m)) for m in processor.image_mean)
+    augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample) if rand_augment else None
     check_random_erasing(reprob, remode, recount)
     if token_drop_rate and (processor.max_num_patches is None or not 0 <= token_drop_rate < 1):
         raise ValueError(
@@ -104,18 +102,8 @@ def make_train_transform(
         )
     erasing = RandomErasing(reprob, remode, recount) if reprob else None
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return _TrainTransform(
-        processor,
-        output_size,
-        scale,
-        ratio,
-        random_resized_crop,
-        hflip,
-        augment_more,
-        erasing,
-        token_drop_rate,
-        generator,
-    )
+    steps = (random_resized_crop, hflip, augment_more, erasing, token_drop_rate, generator)
+    return _TrainTransform(processor, output_size, scale, ratio, *steps)
 
 
 @dataclasses.dataclass
