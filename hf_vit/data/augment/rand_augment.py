@@ -205,20 +205,11 @@ def _sharpness(image: np.ndarray, factor: float) -> np.ndarray:
     return _blend(smooth.astype(np.float32), image, factor)
 
 
-def _solarize(image: np.ndarray, threshold: int) -> np.ndarray:
-    # 255 - x is x with every bit flipped: flip the pixels at or above the threshold.
-    return image ^ ((image >= threshold).view(np.uint8) * np.uint8(255))
-
-
 def _solarize_add(image: np.ndarray, add: int, threshold: int = 128) -> np.ndarray:
     below = (image < threshold).view(np.uint8)
     if threshold + add <= 256:  # no sum passes 255: uint8 arithmetic is exact
         return image + below * np.uint8(add)
     return np.minimum(image.astype(np.uint16) + below * np.uint16(add), 255).astype(np.uint8)
-
-
-def _posterize(image: np.ndarray, bits: int) -> np.ndarray:
-    return image if bits >= 8 else image & np.uint8(_posterize_mask(bits))
 
 
 # Pillow interpolates in float64 and truncates; float32 lands a whole-number value (a flat area, a pixel-aligned map)
@@ -365,8 +356,8 @@ _ARRAY_OPERATIONS: dict[str, Callable] = {
     "AutoContrast": lambda im, a, f, r: _via_pil(im, "AutoContrast", a, None, r),  # a histogram and a table each:
     "Equalize": lambda im, a, f, r: _via_pil(im, "Equalize", a, None, r),  # numpy's are no faster than Pillow's
     "Invert": lambda im, a, f, r: np.uint8(255) - im,
-    "Posterize": lambda im, a, f, r: _posterize(im, a),
-    "Solarize": lambda im, a, f, r: _solarize(im, a),
+    "Posterize": lambda im, a, f, r: im if a >= 8 else im & np.uint8(_posterize_mask(a)),
+    "Solarize": lambda im, a, f, r: im ^ ((im >= a).view(np.uint8) * np.uint8(255)),  # 255 - x: x's bits flipped
     "SolarizeAdd": lambda im, a, f, r: _solarize_add(im, a),
     "Color": lambda im, a, f, r: _color(im, a),
     "Contrast": lambda im, a, f, r: _contrast(im, a),
@@ -430,10 +421,6 @@ class RandAugment:
             magnitude = magnitude + policy.magnitude_std * normal
         return max(0.0, min(magnitude, policy.magnitude_max))
 
-    def _fill_for(self, channels: int) -> np.ndarray:
-        fill = (self.fill,) * channels if isinstance(self.fill, int) else tuple(self.fill)[:channels]
-        return np.asarray(fill * (channels // len(fill)), dtype=np.uint8)
-
     def apply(self, image, name: str, magnitude: float, sign=None, *, reference: bool = False):
         """One operation at `magnitude` on a uint8 [H, W, C] array or a PIL image (returned as the same kind); its
         sign, for the operations that take one, is - when `sign` (a uniform draw, or a generator to draw it from) is
@@ -442,7 +429,9 @@ class RandAugment:
         argument = level(magnitude, sign) if level is not None else None
         as_pil = isinstance(image, PIL.Image.Image)
         array = _pil_to_array(image) if as_pil else image
-        fill = self._fill_for(array.shape[2])
+        channels = array.shape[2]
+        fill = (self.fill,) * channels if isinstance(self.fill, int) else tuple(self.fill)[:channels]
+        fill = np.asarray(fill * (channels // len(fill)), dtype=np.uint8)
         if reference:
             result = _via_pil(array, operation, argument, _pil_fill(fill), self.resample)
         else:
