@@ -28,7 +28,6 @@ process `r` trains the `r`-th of every `P` consecutive batches, so the sampler y
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -39,7 +38,7 @@ import torch
 from ..model.image_processing_vit import best_fit_decreasing, grid_for_max_patches, load_images
 from .augment.train_transform import kept_patch_count
 from .seeding import seeded_generator
-from .transforms import BatchSizes, CorruptImageError, decode_image, encoded_image
+from .transforms import BatchSizes, CorruptImageError, decode_image, local_encoded
 
 # The padding share of padded native-aspect batches from which packed rows trained faster on CPU (measured with
 # benchmarks/packing_speed.py: docs/training.md, "When packing pays").
@@ -52,11 +51,11 @@ def image_size(image: Any) -> tuple[int, int]:
     An encoded image's EXIF orientation is not applied (a PNG's may sit after its pixels): turning an image swaps its
     grid's rows and columns, not its number of patches. Raises `CorruptImageError` naming the file when it cannot be
     opened."""
-    path, data = encoded_image(image)
-    if data is not None or (path is not None and "://" not in path):
-        source = path or f"{len(data)} bytes of image data"
+    found = local_encoded(image)
+    if found is not None:
+        file, source = found
         try:
-            with PIL.Image.open(io.BytesIO(data) if data is not None else path) as opened:
+            with PIL.Image.open(file) as opened:
                 height, width = opened.height, opened.width
         except (OSError, ValueError) as error:
             raise CorruptImageError(f"Cannot read the size of image {source}: {error}") from error

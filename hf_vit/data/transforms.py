@@ -10,12 +10,11 @@ them. Use them through `apply_transforms` and `collate_fn` (the Trainer's `data_
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,15 +108,23 @@ def encoded_image(image: Any) -> tuple[str | None, bytes | None]:
     return (image.get("path"), image.get("bytes")) if isinstance(image, Mapping) else (None, None)
 
 
+def local_encoded(image: Any) -> tuple[str | io.BytesIO, str] | None:
+    """(what `PIL.Image.open` reads, the name of the file for messages) of an encoded image on this machine (a path,
+    bytes or a data set's `{"path", "bytes"}` dict); None for decoded pixels and remote files."""
+    path, data = encoded_image(image)
+    if data is not None:
+        return io.BytesIO(data), path or f"{len(data)} bytes of image data"
+    return None if path is None or "://" in path else (path, path)
+
+
 def header_problem(image: Any) -> str | None:
     """What is wrong with a data set image (`{"path", "bytes"}` dict) that its header tells, its pixels undecoded:
     one line naming the file, or None (also for images the header cannot tell about: remote files, decoded pixels)."""
-    if not isinstance(image, Mapping) or (image.get("bytes") is None and "://" in str(image.get("path"))):
+    if not isinstance(image, Mapping) or (found := local_encoded(image)) is None:
         return None
-    path, data = image.get("path"), image.get("bytes")
-    source = path or f"{len(data or b'')} bytes of image data"
+    file, source = found
     try:
-        with PIL.Image.open(io.BytesIO(data) if data is not None else path) as opened:
+        with PIL.Image.open(file) as opened:
             width, height = opened.size
     except PIL.UnidentifiedImageError:
         return f"{source}: not an image file PIL can read"
@@ -180,19 +187,6 @@ def with_labels(pixel_values: torch.Tensor, batch: Mapping[str, Sequence[Any]]) 
     return output
 
 
-@contextlib.contextmanager
-def unhashable_transform_allowed() -> Iterator[None]:
-    """Quiets datasets' "couldn't be hashed properly" warning: a lazy `with_transform` caches nothing, so the random
-    fingerprint it warns about changes nothing for the user, who saw it in every run."""
-    fingerprint = logging.getLogger("datasets.fingerprint")
-    level = fingerprint.level
-    fingerprint.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        fingerprint.setLevel(level)
-
-
 def apply_transforms(
     ds: DatasetDict | IterableDatasetDict,
     train_transform: Transform,
@@ -207,17 +201,23 @@ def apply_transforms(
     `map(batched=True, batch_size=stream_batch_size)`. Images reach the transforms undecoded, so a corrupt image
     raises `CorruptImageError` with its file name.
     """
-    transformed = {}
-    for split, data in ds.items():
-        transform = train_transform if split == train_split else eval_transform
-        if isinstance(data, IterableDataset):
-            columns = data.column_names or ["image", "label"]
-            data = data.decode(False)
-            data = data.map(transform, batched=True, batch_size=stream_batch_size, remove_columns=columns)
-        else:
-            with unhashable_transform_allowed():
+    # datasets' "couldn't be hashed properly" warning kept quiet: a lazy `with_transform` caches nothing, so the random
+    # fingerprint it warns about changes nothing for the user, who saw it in every run
+    fingerprint = logging.getLogger("datasets.fingerprint")
+    level, transformed = fingerprint.level, {}
+    fingerprint.setLevel(logging.ERROR)
+    try:
+        for split, data in ds.items():
+            transform = train_transform if split == train_split else eval_transform
+            if isinstance(data, IterableDataset):
+                columns = data.column_names or ["image", "label"]
+                data = data.decode(False)
+                data = data.map(transform, batched=True, batch_size=stream_batch_size, remove_columns=columns)
+            else:
                 data = data.cast_column("image", datasets.Image(decode=False)).with_transform(transform)
-        transformed[split] = data
+            transformed[split] = data
+    finally:
+        fingerprint.setLevel(level)
     return type(ds)(transformed)
 
 

@@ -6,7 +6,6 @@ erasing and NaViT's token dropping. Only training imports it: serving never load
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,7 +26,7 @@ from ...model.image_processing_vit import (
     resize_images,
     to_resampling,
 )
-from ..transforms import Transform, decode_image, encoded_image, with_labels
+from ..transforms import Transform, decode_image, local_encoded, with_labels
 from .rand_augment import RandAugment
 from .random_erasing import RandomErasing, check_random_erasing
 
@@ -220,11 +219,11 @@ def drop_tokens(
 
 def _open_jpeg(image: Any) -> PIL.Image.Image | None:
     """`image` opened lazily (header read, pixels not decoded) when it is an encoded RGB or grey JPEG, else None."""
-    path, data = encoded_image(image)
-    if data is None and (path is None or "://" in path):
+    found = local_encoded(image)
+    if found is None:
         return None
     try:
-        opened = PIL.Image.open(io.BytesIO(data) if data is not None else path)
+        opened = PIL.Image.open(found[0])
     except (OSError, ValueError):
         return None  # decode_image names the file and the error
     if opened.format != "JPEG" or opened.mode not in ("RGB", "L") or 0 in opened.size:  # no pixels: decode_image says
