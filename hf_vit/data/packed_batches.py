@@ -20,10 +20,8 @@ So every image is in exactly one batch per epoch, each full batch is `rows` rows
 (`SeededAugmentation`) fetches image `index` at a patch budget of `budget` (its planned grid's patches: a random crop
 of it is resized to at most that many at the crop's own aspect ratio, so no image takes more slots than planned) and
 marks the example with its `row` in the batch, where the collator (`transforms.collate_fn` with `packed_rows`) packs
-it, padding the batch with empty rows to `rows`.
-
-Batches are dealt out whole, as accelerate's `BatchSamplerShard` does with a batch sampler without a batch size:
-process `r` trains the `r`-th of every `P` consecutive batches, so the sampler yields a multiple of `P` batches.
+it, padding the batch with empty rows to `rows`. Batches are dealt out whole, as accelerate's `BatchSamplerShard`
+deals a batch sampler without a batch size: process `r` trains the `r`-th of every `P` consecutive batches.
 """
 
 from __future__ import annotations
@@ -117,7 +115,7 @@ class PackedBatchSampler:
     batches when they are not full (their images then wait for another epoch) instead of training them partial."""
 
     batch_size = None  # the images per batch vary: accelerate deals such batches out whole, one per process
-    drop_last = True  # the number of batches is a multiple of the processes: nothing for accelerate to cycle in
+    drop_last = True  # the batches are a multiple of the processes: nothing for accelerate to cycle in
 
     def __init__(
         self,
@@ -148,9 +146,7 @@ class PackedBatchSampler:
         self.num_images = len(self.counts) if whole else None
 
     def _rows_per_batch(self) -> list[int]:
-        """How many rows each batch of an epoch holds: `rows` each, but for the last round of `num_processes`
-        batches, which share what is left as evenly as they can (taking from the rounds before when a batch would
-        be empty)."""
+        """How many rows each batch of an epoch holds (the last round's share what is left, evenly)."""
         processes, full = self.num_processes, self.rows
         if self.drop_partial:
             rounds = self.num_rows // (full * processes)

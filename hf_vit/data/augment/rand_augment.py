@@ -328,11 +328,8 @@ def _pil_to_array(image: PIL.Image.Image) -> np.ndarray:
     return array[..., None] if array.ndim == 2 else array
 
 
-def _pil_fill(fill: np.ndarray) -> int | tuple[int, ...]:
-    return tuple(int(v) for v in fill) if fill.size > 1 else int(fill[0])
-
-
-def _via_pil(image: np.ndarray, name: str, argument, fill, resample) -> np.ndarray:
+def _via_pil(image: np.ndarray, name: str, argument, fill: np.ndarray | None, resample) -> np.ndarray:
+    fill = fill if fill is None else tuple(int(v) for v in fill) if fill.size > 1 else int(fill[0])  # as PIL takes it
     return _pil_to_array(PIL_OPERATIONS[name](_array_to_pil(image), argument, fill, resample))
 
 
@@ -340,7 +337,7 @@ def _geometric(name: str) -> Callable:
     def operation(image: np.ndarray, argument: float, fill, resample) -> np.ndarray:
         # Bilinear shears and translations are computed here; rotations and the other filters by Pillow.
         if resample != PIL.Image.Resampling.BILINEAR or name == "Rotate":
-            return _via_pil(image, name, argument, _pil_fill(fill), resample)
+            return _via_pil(image, name, argument, fill, resample)
         height, width = image.shape[:2]
         if name == "TranslateXRel":
             return _translate_bilinear(image, argument * width, 1, fill)
@@ -433,7 +430,7 @@ class RandAugment:
         fill = (self.fill,) * channels if isinstance(self.fill, int) else tuple(self.fill)[:channels]
         fill = np.asarray(fill * (channels // len(fill)), dtype=np.uint8)
         if reference:
-            result = _via_pil(array, operation, argument, _pil_fill(fill), self.resample)
+            result = _via_pil(array, operation, argument, fill, self.resample)
         else:
             result = _ARRAY_OPERATIONS[operation](array, argument, fill, self.resample)
         return _array_to_pil(result) if as_pil else result

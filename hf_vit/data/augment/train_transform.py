@@ -68,9 +68,7 @@ def make_train_transform(
     least one), first in its row of `pixel_values`, their places in its grid in `patch_positions` (-1 after). With
     `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
     (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
-
-    Encoded RGB and grey JPEGs (bytes, paths, `{"path", "bytes"}` dicts) draw the same crop from the header's size
-    and are decoded at a reduction in the DCT domain where the crop allows (`decode_jpeg_crop`).
+    Encoded RGB and grey JPEGs draw the same crop from the header's size (`decode_jpeg_crop`).
     """
     if not (0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
         raise ValueError(f"Need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}.")
