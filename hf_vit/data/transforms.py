@@ -244,10 +244,7 @@ def collate_fn(
     (`best_fit_decreasing`), into as many rows as they need."""
     if "spatial_shapes" in examples[0]:
         native = [{key: torch.as_tensor(value) for key, value in example.items()} for example in examples]
-        if packed_sequence_length is None:
-            batch = _pad_native(native)
-        else:
-            batch = _pack_native(native, packed_sequence_length, packed_rows)
+        batch = _native_batch(native, packed_sequence_length, packed_rows)
     else:
         if packed_sequence_length is not None:
             raise ValueError("`packed_sequence_length` packs native-aspect examples (with `spatial_shapes`).")
@@ -258,19 +255,26 @@ def collate_fn(
     return batch
 
 
-def _pack_native(
-    examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence_length: int, packed_rows: int | None = None
+def _native_batch(
+    examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence_length: int | None, packed_rows: int | None = None
 ) -> dict:
-    """Native-aspect examples (patches, grid; the places kept after token dropping) packed by the image processor's
-    `pack_patches`: into the rows they carry (`PACKED_ROW`), padded to `packed_rows`, or largest first."""
+    """Native-aspect examples (patches, grid; the places kept after token dropping) padded to the longest (each one's
+    patches first, then zeros), or with `packed_sequence_length` packed by the image processor's `pack_patches`: into
+    the rows they carry (`PACKED_ROW`), padded to `packed_rows`, or largest first."""
     grids = [tuple(example["spatial_shapes"].tolist()) for example in examples]
     positions = None
     if "patch_positions" in examples[0]:  # token dropping: only the kept patches, with their places
+        if packed_sequence_length is None:
+            raise ValueError(
+                "Examples with dropped patches (`patch_positions`) are packed: give `packed_sequence_length`."
+            )
         positions = [example["patch_positions"][example["patch_positions"] >= 0] for example in examples]
         counts = [len(kept) for kept in positions]
     else:
         counts = [rows * cols for rows, cols in grids]
     patches = [example["pixel_values"][:count].float() for example, count in zip(examples, counts)]
+    if packed_sequence_length is None:
+        return pad_patches(patches, grids, max(len(example["pixel_values"]) for example in examples))
     rows = None
     if PACKED_ROW in examples[0]:
         planned = [int(example[PACKED_ROW]) for example in examples]
@@ -292,18 +296,7 @@ def pack_native_batch(batch: Mapping[str, torch.Tensor], packed_sequence_length:
         for values, grid in zip(batch["pixel_values"], batch["spatial_shapes"])
     ]
     others = {key: value for key, value in batch.items() if key not in ("pixel_values", "pixel_attention_mask")}
-    return {**others, **_pack_native(examples, packed_sequence_length)}
-
-
-def _pad_native(examples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Native-aspect examples padded to the longest: each one's patches (its grid's rows * cols) first, then zeros."""
-    if "patch_positions" in examples[0]:
-        raise ValueError(
-            "Examples with dropped patches (`patch_positions`) are packed: give `packed_sequence_length`."
-        )
-    grids = [tuple(example["spatial_shapes"].tolist()) for example in examples]
-    patches = [example["pixel_values"][: rows * cols].float() for example, (rows, cols) in zip(examples, grids)]
-    return pad_patches(patches, grids, max(len(example["pixel_values"]) for example in examples))
+    return {**others, **_native_batch(examples, packed_sequence_length)}
 
 
 def check_image_channels(raw, processor: VisionTransformerImageProcessor, num_channels: int, source: str) -> None:
