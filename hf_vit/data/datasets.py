@@ -283,13 +283,8 @@ def load_datasets(source: DataSource, seed: int):
     them (`recorded_splits`)."""
     if source.recorded_images is not None:
         return recorded_splits(source)
-    ds = _load_source(
-        source,
-        streaming=source.streaming,
-        validation_fraction=source.validation_fraction,
-        seed=seed,
-        shuffle_buffer_size=source.shuffle_buffer_size,
-    )
+    options = {name: getattr(source, name) for name in ("streaming", "validation_fraction", "shuffle_buffer_size")}
+    ds = _load_source(source, seed=seed, **options)
     if source.max_train_samples is not None and not source.streaming:
         ds["train"] = ds["train"].select(range(min(source.max_train_samples, len(ds["train"]))))
     return ds

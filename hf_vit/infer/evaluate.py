@@ -176,9 +176,7 @@ def measure_split(
 def evaluate_loaded(
     classifier, processor, source: DataSource, split: str | None = None, batch_size: int = 64, seed: int = 0
 ) -> tuple[dict[str, Any], np.ndarray | None]:
-    """The metrics of the objective of `classifier` (single- or multi-label classification) on `split` (default: the
-    run's final split, test or else validation) of `source`'s data set, and the confusion matrix: see
-    `measure_split`."""
+    """`measure_split` of `split` of `source`'s data set (`evaluation_split`: by default test, or else validation)."""
     prepared = evaluation_split(classifier.config, source, split, seed)
     return measure_split(classifier, processor, prepared, batch_size)
 

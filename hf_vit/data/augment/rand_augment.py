@@ -365,9 +365,7 @@ _ARRAY_OPERATIONS: dict[str, Callable] = {
 
 # Each level function maps (magnitude, sign draw) to the operation's argument, as timm's LEVEL_TO_ARG.
 _LEVELS: dict[str, Callable | None] = {
-    "AutoContrast": None,
-    "Equalize": None,
-    "Invert": None,
+    **dict.fromkeys(("AutoContrast", "Equalize", "Invert")),  # no argument
     "Rotate": _signed_level(30.0),
     "Posterize": lambda m, g: int(m / LEVEL_DENOM * 4),
     "PosterizeIncreasing": lambda m, g: 4 - int(m / LEVEL_DENOM * 4),
