@@ -258,19 +258,17 @@ def per_class_table(metrics: dict[str, Any], split: str, max_matrix_classes: int
         return None
     names = list(per_class)
     width = max(5, *(len(name) for name in names))
-    lines = [f"{'class':<{width}}  precision  recall      f1  support"]
-    for name, row in per_class.items():
-        lines.append(
-            f"{name:<{width}}  {row['precision']:9.4f}  {row['recall']:6.4f}  {row['f1']:6.4f}  {row['support']:7d}"
-        )
+    lines = [f"{'class':<{width}}  precision  recall      f1  support"] + [
+        f"{name:<{width}}  {row['precision']:9.4f}  {row['recall']:6.4f}  {row['f1']:6.4f}  {row['support']:7d}"
+        for name, row in per_class.items()
+    ]
     matrix = metrics[f"{split}_confusion_matrix"]
     if len(names) > max_matrix_classes:
         lines.append(f"confusion matrix ({len(names)} classes): in the JSON, {split}_confusion_matrix")
         return "\n".join(lines)
     cell = max(width, *(len(str(count)) for row in matrix for count in row))
-    lines.append("confusion matrix (rows: true class, columns: predicted):")
-    lines.append(" " * width + "".join(f"  {name:>{cell}}" for name in names))
-    for name, row in zip(names, matrix):
+    lines += ["confusion matrix (rows: true class, columns: predicted):"]
+    for name, row in [("", names), *zip(names, matrix)]:  # the header row, then a row per true class
         lines.append(f"{name:<{width}}" + "".join(f"  {count:>{cell}}" for count in row))
     return "\n".join(lines)
 
