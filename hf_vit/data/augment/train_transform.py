@@ -233,9 +233,8 @@ def _open_jpeg(image: Any) -> PIL.Image.Image | None:
 def _upright_size(image: PIL.Image.Image) -> tuple[int, int]:
     """(height, width) of `image` once turned upright by its EXIF orientation."""
     width, height = image.size
-    if image.getexif().get(_EXIF_ORIENTATION, 1) in _TRANSPOSING_ORIENTATIONS:
-        return width, height
-    return height, width
+    turned = image.getexif().get(_EXIF_ORIENTATION, 1) in _TRANSPOSING_ORIENTATIONS
+    return (width, height) if turned else (height, width)
 
 
 def draft_scale(crop_height: int, crop_width: int, output_size: tuple[int, int]) -> int:
@@ -243,10 +242,8 @@ def draft_scale(crop_height: int, crop_width: int, output_size: tuple[int, int])
 
     Decoding at 1/`scale` then never makes the crop smaller than the output, so the resize still only shrinks.
     """
-    for factor in DRAFT_SCALES:
-        if crop_height >= factor * output_size[0] and crop_width >= factor * output_size[1]:
-            return factor
-    return 1
+    fits = (f for f in DRAFT_SCALES if crop_height >= f * output_size[0] and crop_width >= f * output_size[1])
+    return next(fits, 1)
 
 
 def decode_jpeg_crop(
