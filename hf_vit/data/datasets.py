@@ -117,16 +117,14 @@ def load_image_dataset(
     splits = {"train": train_split, "validation": validation_split, "test": test_split}
     if train_split not in ds:
         raise ValueError(f"Data set {name!r} has no split {train_split!r} (it has {list(ds)}); choose train_split.")
-    for flag, chosen, default in (
-        ("validation_split", validation_split, "validation"),
-        ("test_split", test_split, "test"),
-    ):
-        if chosen != default and chosen not in ds:  # named, so never replaced by images carved out of train
+    for split, chosen in splits.items():
+        if split != "train" and chosen != split and chosen not in ds:  # named: never carved out of train
             renamed = (
                 " (the datasets library names an image folder's `val` folder `validation`)" if chosen == "val" else ""
             )
             raise ValueError(
-                f"Data set {name!r} has no split {chosen!r} (it has {list(ds)}){renamed}: choose --{flag} among them."
+                f"Data set {name!r} has no split {chosen!r} (it has {list(ds)}){renamed}: choose --{split}_split "
+                "among them."
             )
     ds = type(ds)({new: ds[old] for new, old in splits.items() if old in ds})
     ds = _standardize_columns(ds, name, image_column, label_column)
