@@ -408,12 +408,8 @@ class RandAugment:
     def magnitude(self, uniform: float, normal: float) -> float:
         """The policy's magnitude, with its noise (`normal` times mstd, or `uniform` times m when mstd is above 100),
         clipped to [0, mmax]."""
-        policy = self.policy
-        magnitude = policy.magnitude
-        if policy.magnitude_std == math.inf:
-            magnitude = uniform * magnitude
-        elif policy.magnitude_std > 0:
-            magnitude = magnitude + policy.magnitude_std * normal
+        policy, std = self.policy, self.policy.magnitude_std  # (m + 0 * normal is m, to the bit)
+        magnitude = uniform * policy.magnitude if std == math.inf else policy.magnitude + std * normal
         return max(0.0, min(magnitude, policy.magnitude_max))
 
     def apply(self, image, name: str, magnitude: float, sign=None, *, reference: bool = False):
