@@ -26,6 +26,7 @@ deals a batch sampler without a batch size: process `r` trains the `r`-th of eve
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -184,11 +185,8 @@ class PackedBatchSampler:
         while len(rows) < len(self.rows_per_batch):
             splittable = next(number for number in range(len(rows) - 1, -1, -1) if len(rows[number]) > 1)
             rows.append([rows[splittable].pop()])
-        batches, start = [], 0
-        for size in self.rows_per_batch:
-            batches.append(rows[start : start + size])
-            start += size
-        return batches
+        ends = itertools.accumulate(self.rows_per_batch)
+        return [rows[end - size : end] for size, end in zip(self.rows_per_batch, ends)]
 
     def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
         epoch = int(getattr(self.dataset, "epoch", 0))
