@@ -171,15 +171,9 @@ def _blend(degenerate: np.ndarray | float, image: np.ndarray, factor: float) -> 
     return out.astype(np.uint8)
 
 
-def _luminance(image: np.ndarray) -> np.ndarray:
-    """Pillow's grey of an RGB image, (299 R + 587 G + 114 B) / 1000 in its integer rounding, as [H, W, 1]."""
-    if image.shape[2] == 1:
-        return image
-    return np.asarray(_array_to_pil(image).convert("L"))[..., None]
-
-
 def _contrast(image: np.ndarray, factor: float) -> np.ndarray:
-    grey = _luminance(image)
+    # Pillow's grey of an RGB image: (299 R + 587 G + 114 B) / 1000 in its integer rounding
+    grey = image if image.shape[2] == 1 else np.asarray(_array_to_pil(image).convert("L"))
     mean = int(grey.sum(dtype=np.int64) / grey.size + 0.5)  # ImageStat's mean, rounded as ImageEnhance rounds it
     return _blend(np.float32(mean), image, factor)
 
