@@ -105,15 +105,6 @@ def recorded_source(model: str | os.PathLike, source: DataSource, given: dict[st
     return dataclasses.replace(source, **fields)
 
 
-def _in_memory(raw, split: str):
-    """A streamed data set with its `split` read into memory in the stream's order (the images' encoded bytes as
-    they are: nothing re-encoded); the train split, which labels the classes, stays a stream, unread."""
-    stream = raw[split].cast_column("image", datasets.Image(decode=False))
-    rows = list(stream)
-    data = datasets.Dataset.from_list(rows, features=stream.features).cast_column("image", datasets.Image())
-    return datasets.DatasetDict({"train": raw["train"], split: data})
-
-
 def evaluation_split(config: Any, source: DataSource, split: str | None = None, seed: int = 0) -> EvaluationSplit:
     """`split` (default: the run's final split, test or else validation) of `source`'s data set, labelled as the
     classification objective labels it; its classes checked against `config`'s. A streamed source (a run's record
@@ -124,9 +115,11 @@ def evaluation_split(config: Any, source: DataSource, split: str | None = None, 
         raise ValueError(f"--split {split}: the data set {source.dataset_name!r} has {', '.join(raw)}.")
     if isinstance(raw[split], datasets.Dataset) and len(raw[split]) == 0:  # the run's images all gone from the folder
         raise ValueError(f"--split {split}: {source.dataset_name!r} holds none of the images of that split.")
-    if source.streaming:
-        raw = _in_memory(raw, split)
-        source = dataclasses.replace(source, streaming=False)
+    if source.streaming:  # the split read into memory in the stream's order (its images' bytes as they are)
+        stream = raw[split].cast_column("image", datasets.Image(decode=False))
+        data = datasets.Dataset.from_list(list(stream), features=stream.features)
+        raw = datasets.DatasetDict({"train": raw["train"], split: data.cast_column("image", datasets.Image())})
+        source = dataclasses.replace(source, streaming=False)  # the train split, which labels the classes, unread
     model_names = [config.id2label[i] for i in range(config.num_labels)] if config.id2label else []
     data_names = label_names(raw)
     if data_names != model_names and sorted(data_names) == sorted(model_names):
