@@ -232,10 +232,6 @@ def recorded_images(raw: DatasetDict | IterableDatasetDict, root: Path) -> dict[
     return images
 
 
-def _named(names: list[str], limit: int = 10) -> str:
-    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
-
-
 def recorded_splits(source: DataSource) -> DatasetDict:
     """The splits of the run that recorded `source.recorded_images`, read from the image folder `source` names (moved
     or not): each split holds exactly the recorded images still there, a held-out one only with the bytes the run
@@ -259,7 +255,7 @@ def recorded_splits(source: DataSource) -> DatasetDict:
     removed = sorted(set(position) - set(names))
     added = sorted(set(names) - set(position))
     problems = [
-        f"{what}: {_named(found)}"
+        f"{what}: {', '.join(found[:10])}" + (f", ... ({len(found)} in all)" if len(found) > 10 else "")
         for what, found in (
             ("the run's images no longer there", removed),
             ("held-out images changed since the run read them (left out)", changed),
