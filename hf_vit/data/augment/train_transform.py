@@ -84,8 +84,10 @@ def make_train_transform(
             "training crops have no one size to be resized to: set do_center_crop with crop_size, or size to a "
             "height and width."
         )
-    fill = tuple(round(255 * float(m)) for m in processor.image_mean)
-    augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample) if rand_augment else None
+    augment_more = None
+    if rand_augment:  # the areas it uncovers filled with the processor's mean colour
+        fill = tuple(round(255 * float(m)) for m in processor.image_mean)
+        augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
     check_random_erasing(reprob, remode, recount)
     if token_drop_rate and (processor.max_num_patches is None or not 0 <= token_drop_rate < 1):
         raise ValueError(
