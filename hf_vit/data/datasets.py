@@ -104,13 +104,12 @@ def load_image_dataset(
         ds = datasets.load_from_disk(path)
         ds = DatasetDict({train_split: ds}) if isinstance(ds, Dataset) else ds
     elif os.path.isdir(path):
-        ds = datasets.load_dataset("imagefolder", data_dir=path, streaming=streaming, cache_dir=cache_dir)
+        folder = dict(data_dir=path, streaming=streaming, cache_dir=cache_dir)
+        ds = datasets.load_dataset("imagefolder", **folder)
         if label_column == "label" and "label" not in (next(iter(ds.values())).column_names or ["label"]):
             # The builder drops the labels of a folder with one class folder: read them, so that the run refuses one
             # class as such rather than as a missing column.
-            ds = datasets.load_dataset(
-                "imagefolder", data_dir=path, streaming=streaming, cache_dir=cache_dir, drop_labels=False
-            )
+            ds = datasets.load_dataset("imagefolder", **folder, drop_labels=False)
     else:
         ds = _load_from_hub(name, streaming=streaming, cache_dir=cache_dir)
 
