@@ -104,29 +104,26 @@ def load_image_dataset(
         ds = datasets.load_from_disk(path)
         ds = DatasetDict({train_split: ds}) if isinstance(ds, Dataset) else ds
     elif os.path.isdir(path):
-        ds = datasets.load_dataset("imagefolder", data_dir=path, streaming=streaming, cache_dir=cache_dir)
+        folder = dict(data_dir=path, streaming=streaming, cache_dir=cache_dir)
+        ds = datasets.load_dataset("imagefolder", **folder)
         if label_column == "label" and "label" not in (next(iter(ds.values())).column_names or ["label"]):
             # The builder drops the labels of a folder with one class folder: read them, so that the run refuses one
             # class as such rather than as a missing column.
-            ds = datasets.load_dataset(
-                "imagefolder", data_dir=path, streaming=streaming, cache_dir=cache_dir, drop_labels=False
-            )
+            ds = datasets.load_dataset("imagefolder", **folder, drop_labels=False)
     else:
         ds = _load_from_hub(name, streaming=streaming, cache_dir=cache_dir)
 
     splits = {"train": train_split, "validation": validation_split, "test": test_split}
     if train_split not in ds:
         raise ValueError(f"Data set {name!r} has no split {train_split!r} (it has {list(ds)}); choose train_split.")
-    for flag, chosen, default in (
-        ("validation_split", validation_split, "validation"),
-        ("test_split", test_split, "test"),
-    ):
-        if chosen != default and chosen not in ds:  # named, so never replaced by images carved out of train
+    for split, chosen in splits.items():
+        if split != "train" and chosen != split and chosen not in ds:  # named: never carved out of train
             renamed = (
                 " (the datasets library names an image folder's `val` folder `validation`)" if chosen == "val" else ""
             )
             raise ValueError(
-                f"Data set {name!r} has no split {chosen!r} (it has {list(ds)}){renamed}: choose --{flag} among them."
+                f"Data set {name!r} has no split {chosen!r} (it has {list(ds)}){renamed}: choose --{split}_split "
+                "among them."
             )
     ds = type(ds)({new: ds[old] for new, old in splits.items() if old in ds})
     ds = _standardize_columns(ds, name, image_column, label_column)
@@ -234,10 +231,6 @@ def recorded_images(raw: DatasetDict | IterableDatasetDict, root: Path) -> dict[
     return images
 
 
-def _named(names: list[str], limit: int = 10) -> str:
-    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
-
-
 def recorded_splits(source: DataSource) -> DatasetDict:
     """The splits of the run that recorded `source.recorded_images`, read from the image folder `source` names (moved
     or not): each split holds exactly the recorded images still there, a held-out one only with the bytes the run
@@ -261,7 +254,7 @@ def recorded_splits(source: DataSource) -> DatasetDict:
     removed = sorted(set(position) - set(names))
     added = sorted(set(names) - set(position))
     problems = [
-        f"{what}: {_named(found)}"
+        f"{what}: {', '.join(found[:10])}" + (f", ... ({len(found)} in all)" if len(found) > 10 else "")
         for what, found in (
             ("the run's images no longer there", removed),
             ("held-out images changed since the run read them (left out)", changed),
@@ -283,13 +276,8 @@ def load_datasets(source: DataSource, seed: int):
     them (`recorded_splits`)."""
     if source.recorded_images is not None:
         return recorded_splits(source)
-    ds = _load_source(
-        source,
-        streaming=source.streaming,
-        validation_fraction=source.validation_fraction,
-        seed=seed,
-        shuffle_buffer_size=source.shuffle_buffer_size,
-    )
+    options = {name: getattr(source, name) for name in ("streaming", "validation_fraction", "shuffle_buffer_size")}
+    ds = _load_source(source, seed=seed, **options)
     if source.max_train_samples is not None and not source.streaming:
         ds["train"] = ds["train"].select(range(min(source.max_train_samples, len(ds["train"]))))
     return ds

@@ -20,15 +20,13 @@ So every image is in exactly one batch per epoch, each full batch is `rows` rows
 (`SeededAugmentation`) fetches image `index` at a patch budget of `budget` (its planned grid's patches: a random crop
 of it is resized to at most that many at the crop's own aspect ratio, so no image takes more slots than planned) and
 marks the example with its `row` in the batch, where the collator (`transforms.collate_fn` with `packed_rows`) packs
-it, padding the batch with empty rows to `rows`.
-
-Batches are dealt out whole, as accelerate's `BatchSamplerShard` does with a batch sampler without a batch size:
-process `r` trains the `r`-th of every `P` consecutive batches, so the sampler yields a multiple of `P` batches.
+it, padding the batch with empty rows to `rows`. Batches are dealt out whole, as accelerate's `BatchSamplerShard`
+deals a batch sampler without a batch size: process `r` trains the `r`-th of every `P` consecutive batches.
 """
 
 from __future__ import annotations
 
-import io
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -39,19 +37,7 @@ import torch
 from ..model.image_processing_vit import best_fit_decreasing, grid_for_max_patches, load_images
 from .augment.train_transform import kept_patch_count
 from .seeding import seeded_generator
-from .transforms import BatchSizes, CorruptImageError, decode_image, encoded_image
-
-__all__ = [
-    "CPU_PACKING_BREAK_EVEN",
-    "PackedBatchSampler",
-    "best_fit_decreasing",
-    "image_size",
-    "PADDING_SAMPLE_IMAGES",
-    "padding_line",
-    "padding_shares",
-    "planned_patches",
-    "training_patches",
-]
+from .transforms import BatchSizes, CorruptImageError, decode_image, local_encoded
 
 # The padding share of padded native-aspect batches from which packed rows trained faster on CPU (measured with
 # benchmarks/packing_speed.py: docs/training.md, "When packing pays").
@@ -64,11 +50,11 @@ def image_size(image: Any) -> tuple[int, int]:
     An encoded image's EXIF orientation is not applied (a PNG's may sit after its pixels): turning an image swaps its
     grid's rows and columns, not its number of patches. Raises `CorruptImageError` naming the file when it cannot be
     opened."""
-    path, data = encoded_image(image)
-    if data is not None or (path is not None and "://" not in path):
-        source = path or f"{len(data)} bytes of image data"
+    found = local_encoded(image)
+    if found is not None:
+        file, source = found
         try:
-            with PIL.Image.open(io.BytesIO(data) if data is not None else path) as opened:
+            with PIL.Image.open(file) as opened:
                 height, width = opened.height, opened.width
         except (OSError, ValueError) as error:
             raise CorruptImageError(f"Cannot read the size of image {source}: {error}") from error
@@ -130,7 +116,7 @@ class PackedBatchSampler:
     batches when they are not full (their images then wait for another epoch) instead of training them partial."""
 
     batch_size = None  # the images per batch vary: accelerate deals such batches out whole, one per process
-    drop_last = True  # the number of batches is a multiple of the processes: nothing for accelerate to cycle in
+    drop_last = True  # the batches are a multiple of the processes: nothing for accelerate to cycle in
 
     def __init__(
         self,
@@ -161,9 +147,7 @@ class PackedBatchSampler:
         self.num_images = len(self.counts) if whole else None
 
     def _rows_per_batch(self) -> list[int]:
-        """How many rows each batch of an epoch holds: `rows` each, but for the last round of `num_processes`
-        batches, which share what is left as evenly as they can (taking from the rounds before when a batch would
-        be empty)."""
+        """How many rows each batch of an epoch holds (the last round's share what is left, evenly)."""
         processes, full = self.num_processes, self.rows
         if self.drop_partial:
             rounds = self.num_rows // (full * processes)
@@ -201,11 +185,8 @@ class PackedBatchSampler:
         while len(rows) < len(self.rows_per_batch):
             splittable = next(number for number in range(len(rows) - 1, -1, -1) if len(rows[number]) > 1)
             rows.append([rows[splittable].pop()])
-        batches, start = [], 0
-        for size in self.rows_per_batch:
-            batches.append(rows[start : start + size])
-            start += size
-        return batches
+        ends = itertools.accumulate(self.rows_per_batch)
+        return [rows[end - size : end] for size, end in zip(self.rows_per_batch, ends)]
 
     def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
         epoch = int(getattr(self.dataset, "epoch", 0))

@@ -10,12 +10,11 @@ them. Use them through `apply_transforms` and `collate_fn` (the Trainer's `data_
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,15 +108,23 @@ def encoded_image(image: Any) -> tuple[str | None, bytes | None]:
     return (image.get("path"), image.get("bytes")) if isinstance(image, Mapping) else (None, None)
 
 
+def local_encoded(image: Any) -> tuple[str | io.BytesIO, str] | None:
+    """(what `PIL.Image.open` reads, the name of the file for messages) of an encoded image on this machine (a path,
+    bytes or a data set's `{"path", "bytes"}` dict); None for decoded pixels and remote files."""
+    path, data = encoded_image(image)
+    if data is not None:
+        return io.BytesIO(data), path or f"{len(data)} bytes of image data"
+    return None if path is None or "://" in path else (path, path)
+
+
 def header_problem(image: Any) -> str | None:
     """What is wrong with a data set image (`{"path", "bytes"}` dict) that its header tells, its pixels undecoded:
     one line naming the file, or None (also for images the header cannot tell about: remote files, decoded pixels)."""
-    if not isinstance(image, Mapping) or (image.get("bytes") is None and "://" in str(image.get("path"))):
+    if not isinstance(image, Mapping) or (found := local_encoded(image)) is None:
         return None
-    path, data = image.get("path"), image.get("bytes")
-    source = path or f"{len(data or b'')} bytes of image data"
+    file, source = found
     try:
-        with PIL.Image.open(io.BytesIO(data) if data is not None else path) as opened:
+        with PIL.Image.open(file) as opened:
             width, height = opened.size
     except PIL.UnidentifiedImageError:
         return f"{source}: not an image file PIL can read"
@@ -180,19 +187,6 @@ def with_labels(pixel_values: torch.Tensor, batch: Mapping[str, Sequence[Any]]) 
     return output
 
 
-@contextlib.contextmanager
-def unhashable_transform_allowed() -> Iterator[None]:
-    """Quiets datasets' "couldn't be hashed properly" warning: a lazy `with_transform` caches nothing, so the random
-    fingerprint it warns about changes nothing for the user, who saw it in every run."""
-    fingerprint = logging.getLogger("datasets.fingerprint")
-    level = fingerprint.level
-    fingerprint.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        fingerprint.setLevel(level)
-
-
 def apply_transforms(
     ds: DatasetDict | IterableDatasetDict,
     train_transform: Transform,
@@ -207,17 +201,23 @@ def apply_transforms(
     `map(batched=True, batch_size=stream_batch_size)`. Images reach the transforms undecoded, so a corrupt image
     raises `CorruptImageError` with its file name.
     """
-    transformed = {}
-    for split, data in ds.items():
-        transform = train_transform if split == train_split else eval_transform
-        if isinstance(data, IterableDataset):
-            columns = data.column_names or ["image", "label"]
-            data = data.decode(False)
-            data = data.map(transform, batched=True, batch_size=stream_batch_size, remove_columns=columns)
-        else:
-            with unhashable_transform_allowed():
+    # datasets' "couldn't be hashed properly" warning kept quiet: a lazy `with_transform` caches nothing, so the random
+    # fingerprint it warns about changes nothing for the user, who saw it in every run
+    fingerprint = logging.getLogger("datasets.fingerprint")
+    level, transformed = fingerprint.level, {}
+    fingerprint.setLevel(logging.ERROR)
+    try:
+        for split, data in ds.items():
+            transform = train_transform if split == train_split else eval_transform
+            if isinstance(data, IterableDataset):
+                columns = data.column_names or ["image", "label"]
+                data = data.decode(False)
+                data = data.map(transform, batched=True, batch_size=stream_batch_size, remove_columns=columns)
+            else:
                 data = data.cast_column("image", datasets.Image(decode=False)).with_transform(transform)
-        transformed[split] = data
+            transformed[split] = data
+    finally:
+        fingerprint.setLevel(level)
     return type(ds)(transformed)
 
 
@@ -244,10 +244,7 @@ def collate_fn(
     (`best_fit_decreasing`), into as many rows as they need."""
     if "spatial_shapes" in examples[0]:
         native = [{key: torch.as_tensor(value) for key, value in example.items()} for example in examples]
-        if packed_sequence_length is None:
-            batch = _pad_native(native)
-        else:
-            batch = _pack_native(native, packed_sequence_length, packed_rows)
+        batch = _native_batch(native, packed_sequence_length, packed_rows)
     else:
         if packed_sequence_length is not None:
             raise ValueError("`packed_sequence_length` packs native-aspect examples (with `spatial_shapes`).")
@@ -258,19 +255,26 @@ def collate_fn(
     return batch
 
 
-def _pack_native(
-    examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence_length: int, packed_rows: int | None = None
+def _native_batch(
+    examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence_length: int | None, packed_rows: int | None = None
 ) -> dict:
-    """Native-aspect examples (patches, grid; the places kept after token dropping) packed by the image processor's
-    `pack_patches`: into the rows they carry (`PACKED_ROW`), padded to `packed_rows`, or largest first."""
+    """Native-aspect examples (patches, grid; the places kept after token dropping) padded to the longest (each one's
+    patches first, then zeros), or with `packed_sequence_length` packed by the image processor's `pack_patches`: into
+    the rows they carry (`PACKED_ROW`), padded to `packed_rows`, or largest first."""
     grids = [tuple(example["spatial_shapes"].tolist()) for example in examples]
     positions = None
     if "patch_positions" in examples[0]:  # token dropping: only the kept patches, with their places
+        if packed_sequence_length is None:
+            raise ValueError(
+                "Examples with dropped patches (`patch_positions`) are packed: give `packed_sequence_length`."
+            )
         positions = [example["patch_positions"][example["patch_positions"] >= 0] for example in examples]
         counts = [len(kept) for kept in positions]
     else:
         counts = [rows * cols for rows, cols in grids]
     patches = [example["pixel_values"][:count].float() for example, count in zip(examples, counts)]
+    if packed_sequence_length is None:
+        return pad_patches(patches, grids, max(len(example["pixel_values"]) for example in examples))
     rows = None
     if PACKED_ROW in examples[0]:
         planned = [int(example[PACKED_ROW]) for example in examples]
@@ -292,18 +296,7 @@ def pack_native_batch(batch: Mapping[str, torch.Tensor], packed_sequence_length:
         for values, grid in zip(batch["pixel_values"], batch["spatial_shapes"])
     ]
     others = {key: value for key, value in batch.items() if key not in ("pixel_values", "pixel_attention_mask")}
-    return {**others, **_pack_native(examples, packed_sequence_length)}
-
-
-def _pad_native(examples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Native-aspect examples padded to the longest: each one's patches (its grid's rows * cols) first, then zeros."""
-    if "patch_positions" in examples[0]:
-        raise ValueError(
-            "Examples with dropped patches (`patch_positions`) are packed: give `packed_sequence_length`."
-        )
-    grids = [tuple(example["spatial_shapes"].tolist()) for example in examples]
-    patches = [example["pixel_values"][: rows * cols].float() for example, (rows, cols) in zip(examples, grids)]
-    return pad_patches(patches, grids, max(len(example["pixel_values"]) for example in examples))
+    return {**others, **_native_batch(examples, packed_sequence_length)}
 
 
 def check_image_channels(raw, processor: VisionTransformerImageProcessor, num_channels: int, source: str) -> None:

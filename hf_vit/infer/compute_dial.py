@@ -48,19 +48,6 @@ def _row(series: str, patch_size: int, max_num_patches: int | None, split: str, 
     return {"series": series, "patch_size": patch_size, "max_num_patches": max_num_patches, "split": split, **measured}
 
 
-def resized_copy(classifier, patch_size: int):
-    """A copy of `classifier` at `patch_size` (`set_input_size`: the patch embedding resampled by the pseudo-inverse
-    of the resize); a LoRA model is merged into the copy first. `classifier` is left as it is."""
-    resized = copy.deepcopy(classifier)
-    if hasattr(resized, "merge_and_unload"):
-        resized = resized.merge_and_unload()
-    try:
-        resized.set_input_size(patch_size=patch_size)
-    except ValueError as error:
-        raise ValueError(f"--patch_size {patch_size}: {error}") from error
-    return resized.eval()
-
-
 def measure_dial(
     classifier,
     processor,
@@ -87,7 +74,13 @@ def measure_dial(
     # whole images of the processor's size (not packed), unless a number of patches is given
     whole = processor.with_options(max_num_patches=None, packed_sequence_length=None)
     for size in patch_sizes:
-        resized = classifier if size == config.patch_size else resized_copy(classifier, size)
+        resized = classifier
+        if size != config.patch_size:  # a copy, its patch embedding resampled by the pseudo-inverse of the resize
+            resized = copy.deepcopy(classifier)
+            try:
+                resized.set_input_size(patch_size=size)
+            except ValueError as error:
+                raise ValueError(f"--patch_size {size}: {error}") from error
         served = serving_processor(whole, resized.config, max_num_patches)
         metrics, _ = measure_split(resized, served, prepared, batch_size)
         rows.append(_row("patch_size", size, max_num_patches, prepared.name, metrics))

@@ -105,15 +105,6 @@ def recorded_source(model: str | os.PathLike, source: DataSource, given: dict[st
     return dataclasses.replace(source, **fields)
 
 
-def _in_memory(raw, split: str):
-    """A streamed data set with its `split` read into memory in the stream's order (the images' encoded bytes as
-    they are: nothing re-encoded); the train split, which labels the classes, stays a stream, unread."""
-    stream = raw[split].cast_column("image", datasets.Image(decode=False))
-    rows = list(stream)
-    data = datasets.Dataset.from_list(rows, features=stream.features).cast_column("image", datasets.Image())
-    return datasets.DatasetDict({"train": raw["train"], split: data})
-
-
 def evaluation_split(config: Any, source: DataSource, split: str | None = None, seed: int = 0) -> EvaluationSplit:
     """`split` (default: the run's final split, test or else validation) of `source`'s data set, labelled as the
     classification objective labels it; its classes checked against `config`'s. A streamed source (a run's record
@@ -124,9 +115,11 @@ def evaluation_split(config: Any, source: DataSource, split: str | None = None, 
         raise ValueError(f"--split {split}: the data set {source.dataset_name!r} has {', '.join(raw)}.")
     if isinstance(raw[split], datasets.Dataset) and len(raw[split]) == 0:  # the run's images all gone from the folder
         raise ValueError(f"--split {split}: {source.dataset_name!r} holds none of the images of that split.")
-    if source.streaming:
-        raw = _in_memory(raw, split)
-        source = dataclasses.replace(source, streaming=False)
+    if source.streaming:  # the split read into memory in the stream's order (its images' bytes as they are)
+        stream = raw[split].cast_column("image", datasets.Image(decode=False))
+        data = datasets.Dataset.from_list(list(stream), features=stream.features)
+        raw = datasets.DatasetDict({"train": raw["train"], split: data.cast_column("image", datasets.Image())})
+        source = dataclasses.replace(source, streaming=False)  # the train split, which labels the classes, unread
     model_names = [config.id2label[i] for i in range(config.num_labels)] if config.id2label else []
     data_names = label_names(raw)
     if data_names != model_names and sorted(data_names) == sorted(model_names):
@@ -176,9 +169,7 @@ def measure_split(
 def evaluate_loaded(
     classifier, processor, source: DataSource, split: str | None = None, batch_size: int = 64, seed: int = 0
 ) -> tuple[dict[str, Any], np.ndarray | None]:
-    """The metrics of the objective of `classifier` (single- or multi-label classification) on `split` (default: the
-    run's final split, test or else validation) of `source`'s data set, and the confusion matrix: see
-    `measure_split`."""
+    """`measure_split` of `split` of `source`'s data set (`evaluation_split`: by default test, or else validation)."""
     prepared = evaluation_split(classifier.config, source, split, seed)
     return measure_split(classifier, processor, prepared, batch_size)
 
@@ -260,19 +251,17 @@ def per_class_table(metrics: dict[str, Any], split: str, max_matrix_classes: int
         return None
     names = list(per_class)
     width = max(5, *(len(name) for name in names))
-    lines = [f"{'class':<{width}}  precision  recall      f1  support"]
-    for name, row in per_class.items():
-        lines.append(
-            f"{name:<{width}}  {row['precision']:9.4f}  {row['recall']:6.4f}  {row['f1']:6.4f}  {row['support']:7d}"
-        )
+    lines = [f"{'class':<{width}}  precision  recall      f1  support"] + [
+        f"{name:<{width}}  {row['precision']:9.4f}  {row['recall']:6.4f}  {row['f1']:6.4f}  {row['support']:7d}"
+        for name, row in per_class.items()
+    ]
     matrix = metrics[f"{split}_confusion_matrix"]
     if len(names) > max_matrix_classes:
         lines.append(f"confusion matrix ({len(names)} classes): in the JSON, {split}_confusion_matrix")
         return "\n".join(lines)
     cell = max(width, *(len(str(count)) for row in matrix for count in row))
-    lines.append("confusion matrix (rows: true class, columns: predicted):")
-    lines.append(" " * width + "".join(f"  {name:>{cell}}" for name in names))
-    for name, row in zip(names, matrix):
+    lines += ["confusion matrix (rows: true class, columns: predicted):"]
+    for name, row in [("", names), *zip(names, matrix)]:  # the header row, then a row per true class
         lines.append(f"{name:<{width}}" + "".join(f"  {count:>{cell}}" for count in row))
     return "\n".join(lines)
 

@@ -7,7 +7,6 @@ the model inputs of a processed batch.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -46,24 +45,22 @@ def load_model(
                 )
             finally:
                 transformers_logging.set_verbosity(verbosity)
-            check_has_head(model, classifier.config.num_labels, loading["missing_keys"])
+            # without a head a classifier gets a fresh random one (or, with no classes, gives its features as
+            # "logits"): its scores and metrics would mean nothing
+            if classifier.config.num_labels < 1 or any(
+                key.startswith("classifier.") for key in loading["missing_keys"]
+            ):
+                raise ValueError(
+                    f"--model {model} has no classification head (an encoder or backbone checkpoint): predicting or "
+                    "measuring classes needs a model trained to classify. Fine-tune it on your classes first: "
+                    f"hf-vit-finetune --model_name_or_path {model} --dataset_name YOUR_IMAGES --output_dir ..."
+                )
     except ValueError as error:
         if patch_size is None:
             raise
         raise ValueError(f"--patch_size {patch_size}: {error}") from error
     processor = VisionTransformerImageProcessor.from_pretrained(source)
     return classifier.eval(), serving_processor(processor, classifier.config, max_num_patches)
-
-
-def check_has_head(model: str | os.PathLike, num_labels: int, missing_keys: Iterable[str]) -> None:
-    """Refuse a checkpoint without a classification head: loaded as a classifier it would get a fresh random head
-    (or, with no classes, give its features as "logits"), whose scores and metrics mean nothing."""
-    if num_labels < 1 or any(key.startswith("classifier.") for key in missing_keys):
-        raise ValueError(
-            f"--model {model} has no classification head (an encoder or backbone checkpoint): predicting or "
-            "measuring classes needs a model trained to classify. Fine-tune it on your classes first: "
-            f"hf-vit-finetune --model_name_or_path {model} --dataset_name YOUR_IMAGES --output_dir ..."
-        )
 
 
 def check_serving_sizes(patch_size: int | None = None, max_num_patches: int | None = None) -> None:

@@ -36,14 +36,6 @@ def image_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     return found
 
 
-def scores(model, logits: torch.Tensor) -> torch.Tensor:
-    """The model's class scores: independent sigmoids for multi-label models, a softmax otherwise (as
-    `pipeline("image-classification")` gives them)."""
-    if model.config.problem_type == "multi_label_classification":
-        return logits.float().sigmoid()
-    return logits.float().softmax(-1)
-
-
 @torch.no_grad()
 def predict_files(
     model: str | os.PathLike,
@@ -64,12 +56,14 @@ def predict_files(
     classifier, processor = load_model(model, patch_size, max_num_patches)
     names = classifier.config.id2label
     top_k = min(top_k, classifier.config.num_labels)
+    multi_label = classifier.config.problem_type == "multi_label_classification"
     rows = []
     for start in range(0, len(files), batch_size):
         batch = files[start : start + batch_size]
         inputs = model_inputs(processor([decode_image(str(path)) for path in batch], return_tensors="pt"))
-        probabilities = scores(classifier, classifier(**inputs).logits)
-        best = probabilities.topk(top_k, dim=-1)
+        logits = classifier(**inputs).logits.float()
+        # independent sigmoids for multi-label models, a softmax otherwise (as `pipeline("image-classification")`)
+        best = (logits.sigmoid() if multi_label else logits.softmax(-1)).topk(top_k, dim=-1)
         for path, values, indices in zip(batch, best.values.tolist(), best.indices.tolist()):
             labels = [{"label": names[index], "score": value} for value, index in zip(values, indices)]
             rows.append({"image": str(path), "predictions": labels})

@@ -121,8 +121,7 @@ def cutmix_box(
 
 
 def smooth_targets(labels: torch.Tensor, num_classes: int, smoothing: float) -> torch.Tensor:
-    """Float32 [N, C] targets: class ids [N] one-hot, or multi-hot [N, C] as they are, with label smoothing
-    (`1 - s + s / C` for an image's classes, `s / C` for the others)."""
+    """Float32 [N, C] targets of class ids [N] or multi-hot [N, C] labels, smoothed (see the module docstring)."""
     if labels.ndim == 1:
         hot = torch.zeros(labels.shape[0], num_classes, device=labels.device)
         hot.scatter_(1, labels.long()[:, None], 1.0)
@@ -164,9 +163,7 @@ def mix_batch(
 def patch_box(
     rows: int, cols: int, lam: float, rng: np.random.Generator, minmax: tuple[float, float] | None = None
 ) -> tuple[int, int, int, int]:
-    """A CutMix box `(top, bottom, left, right)` of whole patches in a grid of `rows` x `cols`: sides
-    `round(rows * sqrt(1 - lam))` x `round(cols * sqrt(1 - lam))` centred on a random patch and clipped to the grid,
-    or with `minmax` sides drawn uniformly between those fractions of the grid's (rounded), placed inside it."""
+    """A CutMix box `(top, bottom, left, right)` of whole patches in a grid of `rows` x `cols` (module docstring)."""
     if minmax is not None:
         side_h = int(rng.integers(round(rows * minmax[0]), round(rows * minmax[1]) + 1))
         side_w = int(rng.integers(round(cols * minmax[0]), round(cols * minmax[1]) + 1))
@@ -179,16 +176,6 @@ def patch_box(
     return max(top, 0), min(top + side_h, rows), max(left, 0), min(left + side_w, cols)
 
 
-def grid_slots(
-    box: tuple[int, int, int, int], cols: int, other_cols: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The patch slots of the grid places in `box` (top, bottom, left, right) in an image `cols` wide and in its
-    partner, `other_cols` wide (each image's patches are laid out row by row of its own grid)."""
-    top, bottom, left, right = box
-    rows, columns = torch.arange(top, bottom)[:, None], torch.arange(left, right)[None, :]
-    return (rows * cols + columns).flatten().to(device), (rows * other_cols + columns).flatten().to(device)
-
-
 def mix_patches(
     patches: torch.Tensor,
     spatial_shapes: torch.Tensor,
@@ -197,9 +184,8 @@ def mix_patches(
     minmax: tuple[float, float] | None = None,
     cutmix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CutMix (`cutmix`) or Mixup of a native-aspect batch (see the module docstring): (the patches [N, K, P*P*C],
-    each image's box of whole patches replaced by image `N-1-i`'s at the same grid places, or its patches on the grid
-    it shares with image `N-1-i` blended with the partner's there; each image's corrected lam [N])."""
+    """CutMix (`cutmix`) or Mixup of a native-aspect batch, as the module docstring says: the mixed patches
+    [N, K, P*P*C] and each image's corrected lam [N]."""
     grids = [(int(rows), int(cols)) for rows, cols in spatial_shapes.tolist()]
     mixed, partner = patches.clone(), patches.flip(0)
     lams = torch.ones(len(grids))
@@ -209,7 +195,10 @@ def mix_patches(
         top, bottom, left, right = patch_box(*shared, lam, rng, minmax) if cutmix else (0, shared[0], 0, shared[1])
         if bottom <= top or right <= left:
             continue
-        own, theirs = grid_slots((top, bottom, left, right), cols, other_cols, patches.device)
+        # the box's slots in the image and in its partner (each image's patches row by row of its own grid)
+        places, columns = torch.arange(top, bottom)[:, None], torch.arange(left, right)[None, :]
+        own = (places * cols + columns).flatten().to(patches.device)
+        theirs = (places * other_cols + columns).flatten().to(patches.device)
         if cutmix:
             mixed[image, own] = partner[image, theirs]
             lams[image] = 1.0 - own.numel() / (rows * cols)

@@ -34,13 +34,9 @@ import PIL.Image
 import torch
 from PIL import ImageEnhance, ImageOps
 
-LEVEL_DENOM = 10.0
+from ...model.image_geometry import to_resampling
 
-RESAMPLING = {
-    "nearest": PIL.Image.Resampling.NEAREST,
-    "bilinear": PIL.Image.Resampling.BILINEAR,
-    "bicubic": PIL.Image.Resampling.BICUBIC,
-}
+LEVEL_DENOM = 10.0
 
 
 @dataclass(frozen=True)
@@ -94,13 +90,9 @@ def parse_rand_augment(text: str) -> RandAugmentPolicy:
     return RandAugmentPolicy(**fields)
 
 
-def _uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand((), generator=generator))
-
-
 def _signed(value: float, draw: float | torch.Generator | None) -> float:
     """`value` negated when the uniform `draw` (or one drawn from the generator `draw`) is above 1/2."""
-    return -value if (draw if isinstance(draw, float) else _uniform(draw)) > 0.5 else value
+    return -value if (draw if isinstance(draw, float) else float(torch.rand((), generator=draw))) > 0.5 else value
 
 
 def _signed_level(largest: float) -> Callable:
@@ -108,20 +100,12 @@ def _signed_level(largest: float) -> Callable:
     return lambda m, g: _signed(m / LEVEL_DENOM * largest, g)
 
 
-def _enhance_level(m, g):
-    return m / LEVEL_DENOM * 1.8 + 0.1
-
-
-def _enhance_increasing_level(m, g):
-    return max(0.1, 1.0 + _signed(m / LEVEL_DENOM * 0.9, g))
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Pillow's operations, the ones timm calls: the reference, and the road for resampling filters other than bilinear
 
 
 def _pil_affine(image: PIL.Image.Image, matrix: tuple[float, ...], fill, resample) -> PIL.Image.Image:
-    # PIL maps each output pixel (x, y) to the input pixel (a x + b y + c, d x + e y + f).
+    # PIL maps each output pixel centre (x, y) to the input point (a x + b y + c, d x + e y + f), matrix (a, ..., f).
     return image.transform(image.size, PIL.Image.Transform.AFFINE, matrix, resample=resample, fillcolor=fill)
 
 
@@ -132,11 +116,6 @@ def posterize(image: PIL.Image.Image, bits: int) -> PIL.Image.Image:
     if bits >= 8:
         return image
     return image.point([i & _posterize_mask(bits) for i in range(256)] * len(image.getbands()))
-
-
-def solarize_add(image: PIL.Image.Image, add: int, threshold: int = 128) -> PIL.Image.Image:
-    table = [min(255, i + add) if i < threshold else i for i in range(256)]
-    return image.point(table * len(image.getbands()))
 
 
 def _posterize_mask(bits: int) -> int:
@@ -151,31 +130,22 @@ PIL_OPERATIONS: dict[str, Callable] = {
     "Rotate": lambda im, a, f, r: im.rotate(a, resample=r, fillcolor=f),
     "Posterize": lambda im, a, f, r: posterize(im, a),
     "Solarize": lambda im, a, f, r: ImageOps.solarize(im, a),
-    "SolarizeAdd": lambda im, a, f, r: solarize_add(im, a),
+    "SolarizeAdd": lambda im, a, f, r: im.point(
+        [min(255, i + a) if i < 128 else i for i in range(256)] * len(im.getbands())
+    ),
     "Color": lambda im, a, f, r: ImageEnhance.Color(im).enhance(a),
     "Contrast": lambda im, a, f, r: ImageEnhance.Contrast(im).enhance(a),
     "Brightness": lambda im, a, f, r: ImageEnhance.Brightness(im).enhance(a),
     "Sharpness": lambda im, a, f, r: ImageEnhance.Sharpness(im).enhance(a),
-    "ShearX": lambda im, a, f, r: _pil_affine(im, _matrix("ShearX", a, *im.size), f, r),
-    "ShearY": lambda im, a, f, r: _pil_affine(im, _matrix("ShearY", a, *im.size), f, r),
-    "TranslateXRel": lambda im, a, f, r: _pil_affine(im, _matrix("TranslateXRel", a, *im.size), f, r),
-    "TranslateYRel": lambda im, a, f, r: _pil_affine(im, _matrix("TranslateYRel", a, *im.size), f, r),
+    "ShearX": lambda im, a, f, r: _pil_affine(im, (1.0, a, 0.0, 0.0, 1.0, 0.0), f, r),
+    "ShearY": lambda im, a, f, r: _pil_affine(im, (1.0, 0.0, 0.0, a, 1.0, 0.0), f, r),
+    "TranslateXRel": lambda im, a, f, r: _pil_affine(im, (1.0, 0.0, a * im.size[0], 0.0, 1.0, 0.0), f, r),
+    "TranslateYRel": lambda im, a, f, r: _pil_affine(im, (1.0, 0.0, 0.0, 0.0, 1.0, a * im.size[1]), f, r),
 }
 RAND_OPS = tuple(PIL_OPERATIONS)
 # The operations whose strength timm's increasing variants turn around (`inc1`).
 _INCREASING = ("Posterize", "Solarize", "Color", "Contrast", "Brightness", "Sharpness")
 RAND_INCREASING_OPS = tuple(f"{name}Increasing" if name in _INCREASING else name for name in RAND_OPS)
-
-
-def _matrix(name: str, argument: float, width: int, height: int) -> tuple[float, ...]:
-    """The affine map (a, b, c, d, e, f) of a shear or translation, as PIL takes it: output pixel centre (x, y) samples
-    the input at (a x + b y + c, d x + e y + f)."""
-    return {
-        "ShearX": (1.0, argument, 0.0, 0.0, 1.0, 0.0),
-        "ShearY": (1.0, 0.0, 0.0, argument, 1.0, 0.0),
-        "TranslateXRel": (1.0, 0.0, argument * width, 0.0, 1.0, 0.0),
-        "TranslateYRel": (1.0, 0.0, 0.0, 0.0, 1.0, argument * height),
-    }[name]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -201,15 +171,9 @@ def _blend(degenerate: np.ndarray | float, image: np.ndarray, factor: float) -> 
     return out.astype(np.uint8)
 
 
-def _luminance(image: np.ndarray) -> np.ndarray:
-    """Pillow's grey of an RGB image, (299 R + 587 G + 114 B) / 1000 in its integer rounding, as [H, W, 1]."""
-    if image.shape[2] == 1:
-        return image
-    return np.asarray(_array_to_pil(image).convert("L"))[..., None]
-
-
 def _contrast(image: np.ndarray, factor: float) -> np.ndarray:
-    grey = _luminance(image)
+    # Pillow's grey of an RGB image: (299 R + 587 G + 114 B) / 1000 in its integer rounding
+    grey = image if image.shape[2] == 1 else np.asarray(_array_to_pil(image).convert("L"))
     mean = int(grey.sum(dtype=np.int64) / grey.size + 0.5)  # ImageStat's mean, rounded as ImageEnhance rounds it
     return _blend(np.float32(mean), image, factor)
 
@@ -235,20 +199,11 @@ def _sharpness(image: np.ndarray, factor: float) -> np.ndarray:
     return _blend(smooth.astype(np.float32), image, factor)
 
 
-def _solarize(image: np.ndarray, threshold: int) -> np.ndarray:
-    # 255 - x is x with every bit flipped: flip the pixels at or above the threshold.
-    return image ^ ((image >= threshold).view(np.uint8) * np.uint8(255))
-
-
 def _solarize_add(image: np.ndarray, add: int, threshold: int = 128) -> np.ndarray:
     below = (image < threshold).view(np.uint8)
     if threshold + add <= 256:  # no sum passes 255: uint8 arithmetic is exact
         return image + below * np.uint8(add)
     return np.minimum(image.astype(np.uint16) + below * np.uint16(add), 255).astype(np.uint8)
-
-
-def _posterize(image: np.ndarray, bits: int) -> np.ndarray:
-    return image if bits >= 8 else image & np.uint8(_posterize_mask(bits))
 
 
 # Pillow interpolates in float64 and truncates; float32 lands a whole-number value (a flat area, a pixel-aligned map)
@@ -273,26 +228,21 @@ def _translate_bilinear(image: np.ndarray, offset: float, axis: int, fill: np.nd
     input pixels `i + k` and `i + k + 1` (k = floor(offset), edges clamped) in the proportion of offset's fraction,
     interpolated in float32; pixels whose centre `i + 0.5 + offset` falls outside (PIL's float64 test) take `fill`.
     The two input rows (or columns) come as slices of the image padded by its edge pixels."""
-    size = image.shape[axis]
-    centres = (np.arange(size) + 0.5) + offset
-    inside = np.flatnonzero((centres >= 0) & (centres < size))
     out = np.empty_like(image)
+    lines, source = np.moveaxis(out, axis, 0), np.moveaxis(image, axis, 0)  # views, the lines first
+    centres = (np.arange(len(source)) + 0.5) + offset
+    inside = np.flatnonzero((centres >= 0) & (centres < len(source)))
     if inside.size == 0:
         out[...] = fill
         return out
     first, last = int(inside[0]), int(inside[-1]) + 1
     whole = math.floor(offset)
-    edges = (image[:1], image[-1:]) if axis == 0 else (image[:, :1], image[:, -1:])
-    padded = np.concatenate([edges[0], image, edges[1]], axis=axis)  # padded[j] is image[clip(j - 1)]
+    padded = np.concatenate([image.take([0], axis), image, image.take([-1], axis)], axis)  # the image's layout
+    padded = np.moveaxis(padded, axis, 0)  # padded[j] is source[clip(j - 1)]
     start = first + whole + 1
-
-    def rows(array, begin, end):
-        return array[begin:end] if axis == 0 else array[:, begin:end]
-
-    lower, upper = rows(padded, start, start + last - first), rows(padded, start + 1, start + 1 + last - first)
-    rows(out, first, last)[...] = _interpolate(lower, upper, np.float32(offset - whole))
-    rows(out, 0, first)[...] = fill
-    rows(out, last, size)[...] = fill
+    lower, upper = padded[start : start + last - first], padded[start + 1 : start + 1 + last - first]
+    lines[first:last] = _interpolate(lower, upper, np.float32(offset - whole))
+    lines[:first] = lines[last:] = fill
     return out
 
 
@@ -372,11 +322,8 @@ def _pil_to_array(image: PIL.Image.Image) -> np.ndarray:
     return array[..., None] if array.ndim == 2 else array
 
 
-def _pil_fill(fill: np.ndarray) -> int | tuple[int, ...]:
-    return tuple(int(v) for v in fill) if fill.size > 1 else int(fill[0])
-
-
-def _via_pil(image: np.ndarray, name: str, argument, fill, resample) -> np.ndarray:
+def _via_pil(image: np.ndarray, name: str, argument, fill: np.ndarray | None, resample) -> np.ndarray:
+    fill = fill if fill is None else tuple(int(v) for v in fill) if fill.size > 1 else int(fill[0])  # as PIL takes it
     return _pil_to_array(PIL_OPERATIONS[name](_array_to_pil(image), argument, fill, resample))
 
 
@@ -384,7 +331,7 @@ def _geometric(name: str) -> Callable:
     def operation(image: np.ndarray, argument: float, fill, resample) -> np.ndarray:
         # Bilinear shears and translations are computed here; rotations and the other filters by Pillow.
         if resample != PIL.Image.Resampling.BILINEAR or name == "Rotate":
-            return _via_pil(image, name, argument, _pil_fill(fill), resample)
+            return _via_pil(image, name, argument, fill, resample)
         height, width = image.shape[:2]
         if name == "TranslateXRel":
             return _translate_bilinear(image, argument * width, 1, fill)
@@ -400,8 +347,8 @@ _ARRAY_OPERATIONS: dict[str, Callable] = {
     "AutoContrast": lambda im, a, f, r: _via_pil(im, "AutoContrast", a, None, r),  # a histogram and a table each:
     "Equalize": lambda im, a, f, r: _via_pil(im, "Equalize", a, None, r),  # numpy's are no faster than Pillow's
     "Invert": lambda im, a, f, r: np.uint8(255) - im,
-    "Posterize": lambda im, a, f, r: _posterize(im, a),
-    "Solarize": lambda im, a, f, r: _solarize(im, a),
+    "Posterize": lambda im, a, f, r: im if a >= 8 else im & np.uint8(_posterize_mask(a)),
+    "Solarize": lambda im, a, f, r: im ^ ((im >= a).view(np.uint8) * np.uint8(255)),  # 255 - x: x's bits flipped
     "SolarizeAdd": lambda im, a, f, r: _solarize_add(im, a),
     "Color": lambda im, a, f, r: _color(im, a),
     "Contrast": lambda im, a, f, r: _contrast(im, a),
@@ -412,17 +359,17 @@ _ARRAY_OPERATIONS: dict[str, Callable] = {
 
 # Each level function maps (magnitude, sign draw) to the operation's argument, as timm's LEVEL_TO_ARG.
 _LEVELS: dict[str, Callable | None] = {
-    "AutoContrast": None,
-    "Equalize": None,
-    "Invert": None,
+    **dict.fromkeys(("AutoContrast", "Equalize", "Invert")),  # no argument
     "Rotate": _signed_level(30.0),
     "Posterize": lambda m, g: int(m / LEVEL_DENOM * 4),
     "PosterizeIncreasing": lambda m, g: 4 - int(m / LEVEL_DENOM * 4),
     "Solarize": lambda m, g: int(m / LEVEL_DENOM * 256),
     "SolarizeIncreasing": lambda m, g: 256 - int(m / LEVEL_DENOM * 256),
     "SolarizeAdd": lambda m, g: int(m / LEVEL_DENOM * 110),
-    **{name: _enhance_level for name in _INCREASING[2:]},
-    **{f"{name}Increasing": _enhance_increasing_level for name in _INCREASING[2:]},
+    **{name: lambda m, g: m / LEVEL_DENOM * 1.8 + 0.1 for name in _INCREASING[2:]},
+    **{
+        f"{name}Increasing": lambda m, g: max(0.1, 1.0 + _signed(m / LEVEL_DENOM * 0.9, g)) for name in _INCREASING[2:]
+    },
     "ShearX": _signed_level(0.3),
     "ShearY": _signed_level(0.3),
     "TranslateXRel": _signed_level(0.45),
@@ -438,14 +385,10 @@ OPERATIONS: dict[str, tuple[Callable | None, str]] = {
 def _resampling(value: Any) -> PIL.Image.Resampling:
     """PIL's filter for `value` (a name or PIL's number); PIL's rotations and affine maps take nearest, bilinear and
     bicubic only, so others (e.g. lanczos, a processor's resize filter) become bilinear."""
-    if isinstance(value, str):
-        chosen = RESAMPLING.get(value.lower())
-    else:
-        try:
-            chosen = PIL.Image.Resampling(int(value))
-        except (TypeError, ValueError):
-            chosen = None
-    return chosen if chosen in RESAMPLING.values() else PIL.Image.Resampling.BILINEAR
+    try:
+        return PIL.Image.Resampling(int(to_resampling(value)))
+    except (TypeError, ValueError):
+        return PIL.Image.Resampling.BILINEAR
 
 
 class RandAugment:
@@ -459,17 +402,9 @@ class RandAugment:
     def magnitude(self, uniform: float, normal: float) -> float:
         """The policy's magnitude, with its noise (`normal` times mstd, or `uniform` times m when mstd is above 100),
         clipped to [0, mmax]."""
-        policy = self.policy
-        magnitude = policy.magnitude
-        if policy.magnitude_std == math.inf:
-            magnitude = uniform * magnitude
-        elif policy.magnitude_std > 0:
-            magnitude = magnitude + policy.magnitude_std * normal
+        policy, std = self.policy, self.policy.magnitude_std  # (m + 0 * normal is m, to the bit)
+        magnitude = uniform * policy.magnitude if std == math.inf else policy.magnitude + std * normal
         return max(0.0, min(magnitude, policy.magnitude_max))
-
-    def _fill_for(self, channels: int) -> np.ndarray:
-        fill = (self.fill,) * channels if isinstance(self.fill, int) else tuple(self.fill)[:channels]
-        return np.asarray(fill * (channels // len(fill)), dtype=np.uint8)
 
     def apply(self, image, name: str, magnitude: float, sign=None, *, reference: bool = False):
         """One operation at `magnitude` on a uint8 [H, W, C] array or a PIL image (returned as the same kind); its
@@ -479,9 +414,11 @@ class RandAugment:
         argument = level(magnitude, sign) if level is not None else None
         as_pil = isinstance(image, PIL.Image.Image)
         array = _pil_to_array(image) if as_pil else image
-        fill = self._fill_for(array.shape[2])
+        channels = array.shape[2]
+        fill = (self.fill,) * channels if isinstance(self.fill, int) else tuple(self.fill)[:channels]
+        fill = np.asarray(fill * (channels // len(fill)), dtype=np.uint8)
         if reference:
-            result = _via_pil(array, operation, argument, _pil_fill(fill), self.resample)
+            result = _via_pil(array, operation, argument, fill, self.resample)
         else:
             result = _ARRAY_OPERATIONS[operation](array, argument, fill, self.resample)
         return _array_to_pil(result) if as_pil else result
@@ -505,15 +442,12 @@ class RandAugment:
                 continue
             magnitude = self.magnitude(spread, normal)
             if image is None:  # the [C, H, W] tensor as an [H, W, C] array (no copy in the pixel path's layout)
-                image = np.ascontiguousarray(_to_uint8(pixels).permute(1, 2, 0).numpy())
+                # (images of more than 8 bits arrive as floats on the 0..255 scale: the operations are 8-bit ones)
+                uint8 = pixels if pixels.dtype == torch.uint8 else pixels.round().clamp(0, 255).to(torch.uint8)
+                image = np.ascontiguousarray(uint8.permute(1, 2, 0).numpy())
             image = self.apply(image, ops[index], magnitude, sign)
         if image is None:
             return pixels
         if not image.flags.writeable:  # an array Pillow handed back
             image = image.copy()
         return torch.from_numpy(image).permute(2, 0, 1)
-
-
-def _to_uint8(pixels: torch.Tensor) -> torch.Tensor:
-    # Images of more than 8 bits arrive as floats on the 0..255 scale: RandAugment's operations are 8-bit ones.
-    return pixels if pixels.dtype == torch.uint8 else pixels.round().clamp(0, 255).to(torch.uint8)

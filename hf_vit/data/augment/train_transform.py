@@ -6,7 +6,6 @@ erasing and NaViT's token dropping. Only training imports it: serving never load
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,7 +26,7 @@ from ...model.image_processing_vit import (
     resize_images,
     to_resampling,
 )
-from ..transforms import Transform, decode_image, encoded_image, with_labels
+from ..transforms import Transform, decode_image, local_encoded, with_labels
 from .rand_augment import RandAugment
 from .random_erasing import RandomErasing, check_random_erasing
 
@@ -69,9 +68,7 @@ def make_train_transform(
     least one), first in its row of `pixel_values`, their places in its grid in `patch_positions` (-1 after). With
     `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
     (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
-
-    Encoded RGB and grey JPEGs (bytes, paths, `{"path", "bytes"}` dicts) draw the same crop from the header's size
-    and are decoded at a reduction in the DCT domain where the crop allows (`decode_jpeg_crop`).
+    Encoded RGB and grey JPEGs draw the same crop from the header's size (`decode_jpeg_crop`).
     """
     if not (0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
         raise ValueError(f"Need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}.")
@@ -88,7 +85,7 @@ def make_train_transform(
             "height and width."
         )
     augment_more = None
-    if rand_augment:
+    if rand_augment:  # the areas it uncovers filled with the processor's mean colour
         fill = tuple(round(255 * float(m)) for m in processor.image_mean)
         augment_more = RandAugment(rand_augment, fill=fill, resample=processor.resample)
     check_random_erasing(reprob, remode, recount)
@@ -104,18 +101,8 @@ def make_train_transform(
         )
     erasing = RandomErasing(reprob, remode, recount) if reprob else None
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return _TrainTransform(
-        processor,
-        output_size,
-        scale,
-        ratio,
-        random_resized_crop,
-        hflip,
-        augment_more,
-        erasing,
-        token_drop_rate,
-        generator,
-    )
+    steps = (random_resized_crop, hflip, augment_more, erasing, token_drop_rate, generator)
+    return _TrainTransform(processor, output_size, scale, ratio, *steps)
 
 
 @dataclasses.dataclass
@@ -232,11 +219,11 @@ def drop_tokens(
 
 def _open_jpeg(image: Any) -> PIL.Image.Image | None:
     """`image` opened lazily (header read, pixels not decoded) when it is an encoded RGB or grey JPEG, else None."""
-    path, data = encoded_image(image)
-    if data is None and (path is None or "://" in path):
+    found = local_encoded(image)
+    if found is None:
         return None
     try:
-        opened = PIL.Image.open(io.BytesIO(data) if data is not None else path)
+        opened = PIL.Image.open(found[0])
     except (OSError, ValueError):
         return None  # decode_image names the file and the error
     if opened.format != "JPEG" or opened.mode not in ("RGB", "L") or 0 in opened.size:  # no pixels: decode_image says
@@ -248,9 +235,8 @@ def _open_jpeg(image: Any) -> PIL.Image.Image | None:
 def _upright_size(image: PIL.Image.Image) -> tuple[int, int]:
     """(height, width) of `image` once turned upright by its EXIF orientation."""
     width, height = image.size
-    if image.getexif().get(_EXIF_ORIENTATION, 1) in _TRANSPOSING_ORIENTATIONS:
-        return width, height
-    return height, width
+    turned = image.getexif().get(_EXIF_ORIENTATION, 1) in _TRANSPOSING_ORIENTATIONS
+    return (width, height) if turned else (height, width)
 
 
 def draft_scale(crop_height: int, crop_width: int, output_size: tuple[int, int]) -> int:
@@ -258,10 +244,8 @@ def draft_scale(crop_height: int, crop_width: int, output_size: tuple[int, int])
 
     Decoding at 1/`scale` then never makes the crop smaller than the output, so the resize still only shrinks.
     """
-    for factor in DRAFT_SCALES:
-        if crop_height >= factor * output_size[0] and crop_width >= factor * output_size[1]:
-            return factor
-    return 1
+    fits = (f for f in DRAFT_SCALES if crop_height >= f * output_size[0] and crop_width >= f * output_size[1])
+    return next(fits, 1)
 
 
 def decode_jpeg_crop(
