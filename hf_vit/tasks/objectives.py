@@ -10,6 +10,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import datasets
@@ -21,6 +22,8 @@ from ..data.datasets import is_multi_label, label_names, to_multi_hot
 from ..data.transforms import Transform, collate_fn, make_eval_transform
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
+from ..model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .model_setup import ModelSettings, build_classifier
 from .mpp import (
     build_mpp_model,
@@ -31,7 +34,6 @@ from .mpp import (
     refuse_drawn_sizes,
 )
 from .simmim import (
-    build_simmim_model,
     simmim_collate_fn,
     simmim_compute_metrics,
     simmim_eval_transform,
@@ -39,6 +41,8 @@ from .simmim import (
 )
 
 logger = logging.getLogger(__name__)
+
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
 
 
 @dataclass(frozen=True)
@@ -89,20 +93,10 @@ def binary_cross_entropy(logits, labels) -> float:
     return float(F.binary_cross_entropy_with_logits(torch.as_tensor(logits).float(), torch.as_tensor(labels).float()))
 
 
-def classification_eval_transform(processor: VisionTransformerImageProcessor, config: Any = None) -> Transform:
-    """The processor alone (as at inference)."""
-    return make_eval_transform(processor)
-
-
-def _class_labels(raw) -> tuple[Any, Labels]:
-    labels = Labels(dict(enumerate(label_names(raw))), "single_label_classification")
-    check_labels(raw, labels.id2label)
-    return raw, labels
-
-
-def _multi_hot_labels(raw) -> tuple[Any, Labels]:
-    labels = Labels(dict(enumerate(label_names(raw))), "multi_label_classification")
-    raw = to_multi_hot(raw, len(labels.id2label))
+def _class_labels(raw, multi_label: bool = False) -> tuple[Any, Labels]:
+    labels = Labels(dict(enumerate(label_names(raw))), PROBLEM_TYPES[multi_label])
+    if multi_label:
+        raw = to_multi_hot(raw, len(labels.id2label))
     check_labels(raw, labels.id2label)
     return raw, labels
 
@@ -111,12 +105,12 @@ def _no_labels(raw) -> tuple[Any, Labels]:
     return raw, Labels()
 
 
-def _masked_model(build: Callable[[ModelSettings], Any], name: str) -> Callable[[str, ModelSettings, Labels], Any]:
-    """A self-supervised objective's builder; the model's config names it, so `AutoModelForMaskedImageModeling` loads
-    the saved folder as this objective's model."""
+def _masked_model(model_class: type, name: str) -> Callable[[str, ModelSettings, Labels], Any]:
+    """A self-supervised objective's builder (`build_mpp_model`); the model's config names it, so
+    `AutoModelForMaskedImageModeling` loads the saved folder as this objective's model."""
 
     def build_model(task: str, settings: ModelSettings, labels: Labels):
-        model = build(settings)
+        model = build_mpp_model(settings, model_class)
         model.config.masked_image_modeling = name
         return model
 
@@ -127,7 +121,7 @@ def _masked_model(build: Callable[[ModelSettings], Any], name: str) -> Callable[
 _CLASSIFYING = dict(
     tasks=("pretrain", "finetune"),
     build_model=build_classifier,
-    eval_transform=classification_eval_transform,
+    eval_transform=lambda processor, config=None: make_eval_transform(processor),
     collator=collate_fn,
     compute_metrics=compute_metrics,
 )
@@ -142,14 +136,14 @@ OBJECTIVES: dict[str, Objective] = {
     "classification": Objective(name="classification", labels=_class_labels, loss=cross_entropy, **_CLASSIFYING),
     "multi_label_classification": Objective(
         name="multi_label_classification",
-        labels=_multi_hot_labels,
+        labels=partial(_class_labels, multi_label=True),
         streaming=False,
         loss=binary_cross_entropy,
         **_CLASSIFYING,
     ),
     "mpp": Objective(
         name="mpp",
-        build_model=_masked_model(build_mpp_model, "mpp"),
+        build_model=_masked_model(VisionTransformerForMaskedPatchPrediction, "mpp"),
         eval_transform=mpp_eval_transform,
         collator=mpp_collate_fn,
         compute_metrics=mpp_compute_metrics,
@@ -158,7 +152,7 @@ OBJECTIVES: dict[str, Objective] = {
     ),
     "simmim": Objective(
         name="simmim",
-        build_model=_masked_model(build_simmim_model, "simmim"),
+        build_model=_masked_model(VisionTransformerForMaskedImageModeling, "simmim"),
         eval_transform=simmim_eval_transform,
         collator=simmim_collate_fn,
         compute_metrics=simmim_compute_metrics,
@@ -167,8 +161,6 @@ OBJECTIVES: dict[str, Objective] = {
         **_SELF_SUPERVISED,
     ),
 }
-
-PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
 
 
 def select_objective(
