@@ -29,10 +29,9 @@ from .recipes import (
     NAMED_RECIPES,
     TASK_RECIPES,
     RecipeSettings,
-    get_recipe,
     given_flags,
+    learning_rate_for_images,
     mixing_for,
-    scaled_learning_rate,
 )
 
 if TYPE_CHECKING:  # the data settings' modules load the data set libraries: not before the flags are read
@@ -395,12 +394,12 @@ def parse_args(
     )
     if unknown:
         raise ValueError(unknown_flags_message(parser, unknown))
-    recipe = get_recipe(training_args.recipe) if training_args.recipe is not None else None
     passed = set(given)
     training_args.recipe_flags_given = sorted(passed)
-    if recipe is not None and recipe.base_batch is not None and "learning_rate" not in passed:
-        batch = training_args.per_device_train_batch_size * training_args.world_size
-        training_args.learning_rate = scaled_learning_rate(recipe, batch * training_args.gradient_accumulation_steps)
+    batch = training_args.per_device_train_batch_size * training_args.world_size
+    batch *= training_args.gradient_accumulation_steps
+    recipe = training_args.recipe_settings()
+    training_args.learning_rate = learning_rate_for_images(recipe, batch, training_args.learning_rate, log=False)
     check_recipe_flags(model_args, data_args, training_args, passed)
     check_model_flags(task, model_args, passed)
     check_packing_flags(model_args.objective, data_args, training_args)

@@ -268,8 +268,9 @@ def build_trainer(
             # leaving rows out, the mean per row's times the rows)
             per_batch = packed_sampler.images_per_batch() or packed_sampler.num_images_per_row() * rows
             images = per_batch * training_args.world_size * training_args.gradient_accumulation_steps
-            rate = learning_rate_for_images(recipe, images, log=training_args.process_index == 0)
-            training_args.learning_rate = training_args.learning_rate if rate is None else rate
+            training_args.learning_rate = learning_rate_for_images(
+                recipe, images, training_args.learning_rate, log=training_args.process_index == 0
+            )
             collator = partial(collator, packed_sequence_length=length, packed_rows=rows)
             message = (
                 "Packed sequences: each batch is %d rows of %d patch slots per device, holding as many whole images "
