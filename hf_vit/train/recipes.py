@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..data.augment.mixing import Mixing
-from ..outputs.cards import card_value
+from ..outputs.cards import card_value, training_recipe_text
 from .ema import EmaCallback
 
 if TYPE_CHECKING:  # the settings' modules load the data set libraries, which parsing the flags does without
@@ -356,28 +356,20 @@ def regularisation_text(recipe: RecipeSettings, augmentation: Augmentation, mode
     return ("Regularisation and augmentation: " + ", ".join(parts) + ".") if parts else ""
 
 
-def recipe_card_text(
-    optimiser_text: str,
-    recipe: RecipeSettings,
-    augmentation: Augmentation,
-    model: ModelSettings,
-    sizes: BatchSizes,
-    per_device_batch: int,
-    values: dict[str, Any],
-    streaming: bool = False,
-) -> str:
-    """The card's recipe line: the optimiser and schedule (`optimiser_text`), the regularisation, the sizes drawn
-    per step (`streaming`: whether the training split was streamed, which packs fixed numbers of images), and the
-    named recipe with the values it ran with (`values`: every flag's), if any."""
-    text = " ".join(filter(None, [optimiser_text, regularisation_text(recipe, augmentation, model)]))
-    text += drawn_sizes_text(sizes, per_device_batch, streaming)
+def recipe_card_text(run: Any, training_args: Any) -> str:
+    """The card's recipe line of `run` (a `training.Run`): the optimiser and schedule (`training_recipe_text`), the
+    regularisation, the sizes drawn per step, and the named recipe with the values it ran with, if any."""
+    recipe, augmentation = run.recipe, run.augmentation
+    optimiser_text = training_recipe_text(run.task, training_args)
+    text = " ".join(filter(None, [optimiser_text, regularisation_text(recipe, augmentation, run.model)]))
+    text += drawn_sizes_text(run.sizes, training_args.per_device_train_batch_size, run.source.streaming)
     if augmentation.token_drop_rate:
         text += (
             f" NaViT token dropping: each training image kept a random {1 - augmentation.token_drop_rate:g} of its "
             "patches (drawn per image and epoch); evaluation kept all."
         )
     if recipe.name is not None:
-        text += " Named " + recipe_summary(get_recipe(recipe.name), values, set(recipe.given))
+        text += " Named " + recipe_summary(get_recipe(recipe.name), run.values, set(recipe.given))
     return text
 
 
