@@ -141,7 +141,6 @@ class ModelArguments:
     )
 
     def settings(self) -> ModelSettings:
-        """The model stage's settings: which model, and how it is built or loaded."""
         return settings_of(ModelSettings, self)
 
     def lora(self) -> LoraSettings:
@@ -259,7 +258,6 @@ class DataArguments:
     )
 
     def source(self) -> DataSource:
-        """Where the images come from and how the splits are cut."""
         from ..data.datasets import DataSource
 
         return settings_of(DataSource, self)
@@ -272,7 +270,6 @@ class DataArguments:
         return settings_of(Augmentation, self, hflip=hflip)
 
     def sizes(self) -> BatchSizes:
-        """The sizes of the training batches: native aspect ratio and the sizes drawn per step."""
         from ..data.transforms import BatchSizes
 
         return settings_of(BatchSizes, self)
@@ -342,7 +339,6 @@ class VisionTransformerTrainingArguments(TrainingArguments):
     recipe_flags_given: list[str] = field(default_factory=list, init=False)
 
     def recipe_settings(self) -> RecipeSettings:
-        """The recipe's settings: the named recipe, layer decay, EMA, Mixup/CutMix and label smoothing."""
         minmax = tuple(self.cutmix_minmax) if self.cutmix_minmax else None
         given = frozenset(self.recipe_flags_given)
         smoothing = self.label_smoothing_factor
@@ -440,12 +436,11 @@ EVALUATION_FLAGS = frozenset(
 )  # fmt: skip
 
 
-def check_evaluation_flags(passed: set[str]) -> list[str]:
+def check_evaluation_flags(passed: set[str]) -> None:
     """What `--do_train False` (measure the checkpoint as it is) does with the other flags given: those that would
     change the measured model (the model's flags: its size, patch size, adapters, architecture) are refused by name;
     those that shape training only (the training batch, the schedule, checkpoints, augmentation) have no effect and
-    get one warning line naming them, so that a training command re-run with --do_train False evaluates. Returns the
-    flags warned about."""
+    get one warning line naming them, so that a training command re-run with --do_train False evaluates."""
     ignored = sorted(passed - EVALUATION_FLAGS)
     model_flags = {item.name for item in dataclasses.fields(ModelArguments)}
     changing = [name for name in ignored if name in model_flags]
@@ -458,41 +453,34 @@ def check_evaluation_flags(passed: set[str]) -> list[str]:
         )
     if ignored:
         warn_idle(ignored, "--do_train False: {flags} shape training only and have no effect here.")
-    return ignored
 
 
-def check_idle_flags(model_args: ModelArguments, data_args: DataArguments, passed: set[str]) -> list[str]:
+def check_idle_flags(model_args: ModelArguments, data_args: DataArguments, passed: set[str]) -> None:
     """Warn, one line each, about the flags given that this run's other flags leave without effect (a flag that would
-    change nothing is said, not refused: a command line reused with one flag changed still runs). Returns the flags
-    warned about. (Those the objective has no use for, and `--keep_head` from scratch, are said where the model is
-    built.)"""
-    idle: list[str] = []
-
-    def warn(names: set[str], message: str) -> None:
-        given = sorted(names & passed)
-        if given:
-            warn_idle(given, message)
-            idle.extend(given)
-
-    if not model_args.lora_rank:
-        warn(
+    change nothing is said, not refused: a command line reused with one flag changed still runs). (Those the
+    objective has no use for, and `--keep_head` from scratch, are said where the model is built.)"""
+    for idle, names, message in (
+        (
+            not model_args.lora_rank,
             {"lora_alpha", "lora_dropout", "lora_target_modules"},
             "{flags} shape LoRA adapters, but --lora_rank is 0 (none): every weight is trained and the full model "
             "saved; these have no effect (pass --lora_rank, e.g. 8, to train adapters).",
-        )
-    if not data_args.streaming:
-        warn(
+        ),
+        (
+            not data_args.streaming,
             {"shuffle_buffer_size"},
             "{flags} shuffles a streamed data set (--streaming); this run loads it and shuffles it whole, so it has "
             "no effect.",
-        )
-    if not data_args.random_resized_crop:
-        warn(
+        ),
+        (
+            not data_args.random_resized_crop,
             {"crop_scale_min"},
             "{flags} sets the smallest area of a random resized crop, which --no_random_resized_crop turns off: it "
             "has no effect.",
-        )
-    return idle
+        ),
+    ):
+        if idle and (given := sorted(names & passed)):
+            warn_idle(given, message)
 
 
 def check_model_flags(task: str, model_args: ModelArguments, passed: set[str]) -> None:

@@ -46,14 +46,9 @@ class SeededAugmentation(torch.utils.data.Dataset):
     This is what makes resuming exact: the data loader fetches batches ahead (accelerate one batch, workers
     several), so with the global stream an interrupted and an uninterrupted run augment the batches after the
     checkpoint with different numbers. The epoch lives in shared memory so that persistent workers see it change.
-    An `(index, max_num_patches)` key (from `flexible.SeqLenBatchSampler`) fetches example `index` at that number of
-    patches: the number travels with the key to the transform, which takes it as an argument. An `(index,
-    max_num_patches, row)` key (from `packed_batches.PackedBatchSampler`) also marks the example with the row of its
-    packed batch it was planned in (`transforms.PACKED_ROW`), for the collator.
-
-    With `transform` (a batch transform), `data` holds the raw rows and each is transformed here, as a batch of one
-    (as datasets' `with_transform` applies it), so that the transform can be given the key's number of patches;
-    without, `data[index]` is the example.
+    An `(index, max_num_patches[, row])` key (from `SeqLenBatchSampler`, `PackedBatchSampler`) fetches example `index`
+    at that number of patches, passed to `transform` (applied here to the raw row as a batch of one), and marks it
+    with the packed batch's row it was planned in (`transforms.PACKED_ROW`), for the collator.
     """
 
     def __init__(self, data, seed: int, transform: Callable | None = None) -> None:
@@ -99,19 +94,11 @@ class EpochToDataset(TrainerCallback):
 
 class VisionTransformerTrainer(Trainer):
     """`Trainer` with the guarantees the scripts promise and the recipes' parts, each Trainer method overridden once,
-    here, in the order a run calls them. What a run adds is given to the constructor: `layer_decay` (the optimiser's
-    groups from `recipes.layer_decay_param_groups`), `mixing` (each training batch mixed on its way into
-    `training_step`, seeded by the run's seed, the step and the batch's place in it, and learnt with soft-target
-    cross-entropy, or the sigmoid cross-entropy of multi-label models), `ema` (an `ema.EmaCallback`: evaluation during
-    training sees the average, and every checkpoint holds it, written before Trainer's state), `seq_len_sampler` and
-    `packed_sampler` (the training batches come from them), `patch_size_draw` (each step trains at the patch size it
-    draws) and `run_record` (the push of the output folder sends only what this run wrote there).
-
-    And always: every push sends exactly the files the project's upload plan lists (`hf_vit.outputs.push`), in one
-    commit each, and the token never reaches disk (it is taken out of the arguments Trainer pickles into every
-    checkpoint); evaluation does not consume the training's random numbers, so a checkpoint saved right before an
-    evaluation resumes to the same weights; a checkpoint that cannot be written (a full disk) stops the run with the
-    folder and the free space named. Private Trainer methods are overridden only where Trainer has no public hook.
+    in the order a run calls them. Training batches are mixed (`mixing`) seeded by the run's seed, the step and the
+    batch's place in it; evaluation sees the EMA's average (`ema`) and consumes none of the training's random
+    numbers; every push sends exactly the upload plan's files (`hf_vit.outputs.push`; of a run's folder, only what
+    `run_record` says it wrote), and the token never reaches the arguments Trainer pickles into checkpoints.
+    Private Trainer methods are overridden only where Trainer has no public hook.
     """
 
     def __init__(
@@ -123,7 +110,6 @@ class VisionTransformerTrainer(Trainer):
         seq_len_sampler: SeqLenBatchSampler | None = None,
         patch_size_draw: PatchSizeDraw | None = None,
         packed_sampler: PackedBatchSampler | None = None,
-        run_record: RunRecord | None = None,
         **kwargs: Any,
     ) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -133,7 +119,7 @@ class VisionTransformerTrainer(Trainer):
         self.layer_decay, self.mixing, self.ema = layer_decay, mixing, ema
         self.seq_len_sampler, self.patch_size_draw = seq_len_sampler, patch_size_draw
         self.packed_sampler = packed_sampler
-        self.run_record = run_record
+        self.run_record: RunRecord | None = None  # set by the run
         self._mixing_step: tuple[int, int] = (-1, 0)  # (optimisation step, batch within it) of the last mixing
         # Packed batches: (images per process, batches) of the optimisation step's accumulated batches (the images
         # the mean of all processes'), and the images trained.
