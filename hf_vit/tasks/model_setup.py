@@ -4,6 +4,7 @@ The objectives' model builders (`objectives`, `mpp`) use it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -168,12 +169,6 @@ def refuse_shape_changes(config: VisionTransformerConfig, fields: dict[str, Any]
         )
 
 
-def _differs(current: Any, wanted: Any) -> bool:
-    if isinstance(current, (list, tuple)) or isinstance(wanted, (list, tuple)):
-        return list(current) != list(wanted) if isinstance(current, (list, tuple)) else True
-    return current != wanted
-
-
 def build_classifier(task: str, settings: ModelSettings, labels: Any) -> VisionTransformerForImageClassification:
     """The classifier a run trains: fine-tuning loads `--model_name_or_path` with a new head for the data set's
     classes (`load_checkpoint`); pretraining builds `--preset` from scratch, or continues from a checkpoint. Its
@@ -267,6 +262,12 @@ def reorder_head(model: VisionTransformerForImageClassification, names: list[str
     model.config.label2id = {name: index for index, name in enumerate(names)}
 
 
+def _differs(current: Any, wanted: Any) -> bool:
+    if isinstance(current, (list, tuple)) or isinstance(wanted, (list, tuple)):
+        return list(current) != list(wanted) if isinstance(current, (list, tuple)) else True
+    return current != wanted
+
+
 def load_checkpoint(
     path: str | os.PathLike,
     id2label: dict[int, str] | None = None,
@@ -282,21 +283,10 @@ def load_checkpoint(
     **config_fields: Any,
 ):
     """The one way a run loads an hf-vit checkpoint: `model_class.from_pretrained(path)` with `config_fields` (those
-    that are not None: dropout rates, masked patch prediction's ratios, the classes' names), ready to train.
-
-    * the head: with `id2label`, the checkpoint's head (pre-logits and classifier) is replaced by one zero-initialised
-      linear layer for those classes, as the paper fine-tunes (after a new pre-logits layer of `representation_size`,
-      if given); `keep_head=True` keeps the checkpoint's head instead, and then the classes must be the checkpoint's.
-      Without `id2label` the model is the checkpoint's as it is (masked patch prediction, a classifier continued);
-    * `image_size`: another size resamples the position embeddings in 2D (`interpolation`, default bicubic) from the
-      checkpoint's; an `interpolation` given where nothing is resampled gets one warning line;
-    * `refuse`: fields the flags ask for that would change the shapes of the weights (a width, a depth...); any that
-      differs from the checkpoint's is refused in one line that names it, rather than ignored. Its `patch_size` (the
-      `--patch_size` flag) is taken instead: the patch embedding is resampled to it (FlexiViT's pseudo-inverse resize)
-      and the position grid follows;
-    * `names`: the classes' names the config takes as it loads (its `id2label` and `label2id`), e.g. to continue
-      training the checkpoint's own head under the data set's names.
-    """
+    that are not None) and `names` (the classes' names), ready to train. With `id2label`, the head is replaced by a
+    zero-initialised one for those classes, as the paper fine-tunes (`keep_head`: kept, the classes the checkpoint's);
+    another `image_size` resamples the position embeddings (`interpolation`); `refuse`: fields that would change the
+    weights' shapes, refused where they differ, except `patch_size`, resampled (FlexiViT's pseudo-inverse resize)."""
     fields = {k: v for k, v in config_fields.items() if v is not None}
     refuse = dict(refuse or {})
     patch_size = refuse.pop("patch_size", None)
@@ -352,23 +342,15 @@ def processor_for(
     max_num_patches: int | None = None,
     packed_sequence_length: int | None = None,
 ) -> VisionTransformerImageProcessor:
-    """The image processor of a run: the checkpoint's (its normalisation and geometry) or the default, making images
-    of the model's image size, converting to RGB only for 3-channel models (1-channel and 4-channel models get their
-    images' own channels, the mean and standard deviation repeated per channel); native aspect ratio with
-    `max_num_patches` patches of the model's patch size (packed into rows of `packed_sequence_length` slots, when
-    given: the folder then serves packed batches), whole images of that size without.
-
-    A checkpoint whose processor resizes then crops the centre (DINOv2's and CLIP's shorter side to 256 then 224,
-    DeiT's 256x256 then 224) keeps that geometry at the model's size: the crop becomes the model's size and the resize
-    keeps its ratio to the crop (DINOv2 at 448: shorter side 512, crop 448); one that resizes to a square (SigLIP's)
-    resizes to the model's size (`image_geometry.scaled_geometry`). The evaluation transform is this processor; the
-    training transform's random crops are resized to its output size."""
+    """The image processor of a run: the checkpoint's (its normalisation and geometry, scaled to the model's size by
+    `image_geometry.scaled_geometry`: DINOv2 at 448 resizes the shorter side to 512, then crops 448) or the default;
+    RGB only for 3-channel models (the others get their images' own channels, the mean and standard deviation
+    repeated per channel); native aspect ratio with `max_num_patches` patches (packed into rows of
+    `packed_sequence_length` slots, when given: the folder then serves packed batches)."""
     processor = None
     if model_name_or_path:
-        try:
+        with contextlib.suppress(OSError):
             processor = VisionTransformerImageProcessor.from_pretrained(model_name_or_path)
-        except OSError:
-            processor = None
     processor = processor or VisionTransformerImageProcessor()
     if max_num_patches is not None:
         positive_int(max_num_patches, "--max_num_patches", "number of patches per image")
