@@ -213,11 +213,8 @@ class VisionTransformerTrainer(Trainer):
         #
         # Packed batches hold a number of images that varies: the step's images are counted here, so that each image
         # weighs the same in the step's gradient whatever its batch holds (`compute_loss`).
-        if self.state.global_step == 0:
+        with nullcontext() if self.state.global_step == 0 else torch.random.fork_rng(devices=[]):
             fetched = super().get_batch_samples(epoch_iterator, num_batches, device)
-        else:
-            with torch.random.fork_rng(devices=[]):
-                fetched = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.packed_sampler is not None:
             batches, images = fetched[0], sum(_images_in(batch) for batch in fetched[0])
             if self.args.world_size > 1:  # DDP averages the processes' gradients: count every process's images
@@ -318,13 +315,13 @@ class VisionTransformerTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         # Private: the one place every save of the model passes (final, checkpoint, push) on the saving process.
         super()._save(output_dir, state_dict)
+        folder = output_dir or self.args.output_dir
         if self.args.should_save:  # peft's adapter file too, written as safetensors' private 0600
-            give_weights_the_umask_mode(output_dir or self.args.output_dir)
+            give_weights_the_umask_mode(folder)
         if self.args.should_save and hasattr(self.model, "peft_config"):
             # A LoRA checkpoint holds peft's adapter and, as the run's folder does, the fine-tuning model's config
             # (classes, size, head) it applies to: loadable and pushable on its own. peft's template card is no card
             # of this project's (the run writes its own at the end).
-            folder = output_dir or self.args.output_dir
             self.model.get_base_model().config.save_pretrained(folder)
             card = os.path.join(folder, CARD_FILE)
             if os.path.isfile(card) and not os.path.islink(card):

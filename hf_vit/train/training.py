@@ -186,7 +186,7 @@ def _run(
         "--num_channels" if run.model.num_channels else f"--model_name_or_path {run.model.model_name_or_path}"
     )
     check_image_channels(raw, processor, model.config.num_channels, channels_from)
-    model = adapt(model, run.lora, task, training_args.output_dir)
+    model = adapt(model, run.lora, training_args.output_dir)
     if objective.check_sizes is not None:
         objective.check_sizes(run.sizes.max_num_patches, run.sizes.seq_lens, run.sizes.patch_sizes)
     ds = training_splits(objective, raw, run.augmentation, processor, model.config)
