@@ -451,42 +451,28 @@ class RunSetupCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state, control, **kwargs: Any) -> None:
         if not state.is_world_process_zero:
             return
-        per_device = args.per_device_train_batch_size
-        accumulation = args.gradient_accumulation_steps
-        sampler = self.seq_len_sampler
+        per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+        scale = args.world_size * accumulation
+        epochs, batch = f"{state.num_train_epochs:g} epochs", f"batch {per_device} per device"
+        total: int | str | None = per_device * scale  # the global batch, said where it is one
+        sampler, packed = self.seq_len_sampler, self.packed_sampler
         if sampler is not None:
+            epochs += f" of {len(sampler.schedule)} steps"
             sizes = ", ".join(f"{sampler.batch_size_for(s)} at {s} patches" for s in sampler.seq_lens)
-            logger.info(
-                "Run set-up: %d training examples, %g epochs of %d steps, a sequence length drawn per step: batches "
-                "of %s per device (%d patches each) x %d process(es) x %d accumulation step(s), %d optimisation "
-                "steps.",
-                self.num_examples, state.num_train_epochs, len(sampler.schedule), sizes,
-                sampler.max_tokens_per_batch, args.world_size, accumulation, state.max_steps,
-            )  # fmt: skip
-            return
-        packed = self.packed_sampler
-        if packed is not None:
+            batch = f"a sequence length drawn per step: batches of {sizes} per device "
+            batch += f"({sampler.max_tokens_per_batch} patches each)"
+            total = None
+        elif packed is not None:
+            epochs += f" of {-(-len(packed) // args.world_size // accumulation)} steps"
             mean = packed.images_per_batch()
-            logger.info(
-                "Run set-up: %d training examples, %g epochs of %d steps, batch %d rows of %d patch slots per device "
-                "(%s) x %d process(es) x %d accumulation step(s) = global batch %d rows (%s), %d optimisation steps.",
-                self.num_examples, state.num_train_epochs, -(-len(packed) // args.world_size // accumulation),
-                per_device, packed.packed_sequence_length,
-                "a varying number of images" if mean is None else f"{mean:.1f} images on average",
-                args.world_size, accumulation, per_device * args.world_size * accumulation,
-                "images that vary" if mean is None else f"{mean * args.world_size * accumulation:.1f} images",
-                state.max_steps,
-            )  # fmt: skip
-            return
+            images = "a varying number of images" if mean is None else f"{mean:.1f} images on average"
+            batch = f"batch {per_device} rows of {packed.packed_sequence_length} patch slots per device ({images})"
+            total = f"{total} rows ({'images that vary' if mean is None else f'{mean * scale:.1f} images'})"
+        elif self.num_examples is None:  # Trainer counts a stream's epochs as sys.maxsize, and stops at --max_steps
+            epochs = "unknown (streamed) epochs"
         logger.info(
-            "Run set-up: %s training examples, %s epochs, batch %d per device x %d process(es) x %d accumulation "
-            "step(s) = global batch %d, %d optimisation steps.",
-            "unknown (streamed)" if self.num_examples is None else self.num_examples,
-            # A stream has no length: Trainer counts its epochs as sys.maxsize and stops at --max_steps.
-            "unknown (streamed)" if self.num_examples is None else f"{state.num_train_epochs:g}",
-            per_device,
-            args.world_size,
-            accumulation,
-            per_device * args.world_size * accumulation,
-            state.max_steps,
-        )
+            "Run set-up: %s training examples, %s, %s x %d process(es) x %d accumulation step(s)%s, %d optimisation "
+            "steps.",
+            "unknown (streamed)" if self.num_examples is None else self.num_examples, epochs, batch, args.world_size,
+            accumulation, "" if total is None else f" = global batch {total}", state.max_steps,
+        )  # fmt: skip
