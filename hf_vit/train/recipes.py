@@ -84,14 +84,11 @@ def layer_decay_param_groups(
 
 def describe_param_groups(groups: list[dict[str, Any]]) -> str:
     """One line per group for the run's set-up: layer, lr scale, weight decay, parameter count."""
-    lines = []
-    for group in groups:
-        count = sum(p.numel() for p in group["params"])
-        lines.append(
-            f"layer {group['layer']}: lr x {group['lr_scale']:.4g}, weight decay {group['weight_decay']:g}, "
-            f"{len(group['params'])} tensors ({count:,} values)"
-        )
-    return "; ".join(lines)
+    return "; ".join(
+        f"layer {group['layer']}: lr x {group['lr_scale']:.4g}, weight decay {group['weight_decay']:g}, "
+        f"{len(group['params'])} tensors ({sum(p.numel() for p in group['params']):,} values)"
+        for group in groups
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
