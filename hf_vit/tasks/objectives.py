@@ -101,10 +101,6 @@ def _class_labels(raw, multi_label: bool = False) -> tuple[Any, Labels]:
     return raw, labels
 
 
-def _no_labels(raw) -> tuple[Any, Labels]:
-    return raw, Labels()
-
-
 def _masked_model(model_class: type, name: str) -> Callable[[str, ModelSettings, Labels], Any]:
     """A self-supervised objective's builder (`build_mpp_model`); the model's config names it, so
     `AutoModelForMaskedImageModeling` loads the saved folder as this objective's model."""
@@ -127,7 +123,7 @@ _CLASSIFYING = dict(
 )
 _SELF_SUPERVISED = dict(
     tasks=("pretrain",),
-    labels=_no_labels,
+    labels=lambda raw: (raw, Labels()),
     augmentable=False,
     check_sizes=refuse_drawn_sizes,
     idle_flags=("representation_size", "problem_type", "keep_head"),

@@ -13,7 +13,6 @@ from ..data.augment.train_transform import make_train_transform
 from ..data.transforms import Augmentation, apply_transforms, make_eval_transform
 from ..model.image_processing_vit import VisionTransformerImageProcessor
 from .mpp import mpp_eval_transform
-from .objectives import Objective
 from .simmim import simmim_eval_transform
 
 
@@ -54,8 +53,3 @@ TRAINING_TRANSFORMS: dict[str, Callable[[Any, Augmentation, VisionTransformerIma
     "mpp": with_mpp_transforms,
     "simmim": partial(self_supervised_transforms, simmim_eval_transform),
 }
-
-
-def training_splits(objective: Objective, raw, augmentation: Augmentation, processor, config):
-    """`raw`'s splits as `objective` trains on them: see `TRAINING_TRANSFORMS`."""
-    return TRAINING_TRANSFORMS[objective.name](raw, augmentation, processor, config)

@@ -17,7 +17,6 @@ from torch import nn
 
 from ..data.augment.mixing import Mixing
 from ..outputs.cards import card_value, training_recipe_text
-from .ema import EmaCallback
 
 if TYPE_CHECKING:  # the settings' modules load the data set libraries, which parsing the flags does without
     from ..data.transforms import Augmentation, BatchSizes
@@ -294,10 +293,6 @@ def learning_rate_for_images(recipe: RecipeSettings, images: float, rate: float,
             rate, named.name, named.flags["learning_rate"], named.base_batch, images,
         )  # fmt: skip
     return rate
-
-
-def ema_callback(recipe: RecipeSettings) -> EmaCallback | None:
-    return None if recipe.ema_decay is None else EmaCallback(recipe.ema_decay, recipe.ema_warmup)
 
 
 def mixing_for(recipe: RecipeSettings, config: Any = None, enabled_only: bool = True) -> Mixing | None:

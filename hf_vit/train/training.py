@@ -39,15 +39,15 @@ from ..outputs.output_folders import (
 from ..outputs.run_record import RunRecord, remove_earlier_run_files
 from ..tasks.model_setup import ModelSettings, processor_for
 from ..tasks.objectives import Objective, select_objective
-from ..tasks.training_transforms import training_splits
+from ..tasks.training_transforms import TRAINING_TRANSFORMS
 from .arguments import DataArguments, ModelArguments, VisionTransformerTrainingArguments, flag_values, parse_args
 from .checkpoints import resolve_resume, resumable_checkpoint
+from .ema import EmaCallback
 from .evaluation import final_evaluation
 from .flexible import PatchSizeDraw, SeqLenBatchSampler, check_patch_sizes
 from .lora import LoraSettings, adapt, check_lora_arguments, lora_summary
 from .recipes import (
     RecipeSettings,
-    ema_callback,
     learning_rate_for_images,
     log_recipe,
     mixing_for,
@@ -189,7 +189,7 @@ def _run(
     model = adapt(model, run.lora, training_args.output_dir)
     if objective.check_sizes is not None:
         objective.check_sizes(run.sizes.max_num_patches, run.sizes.seq_lens, run.sizes.patch_sizes)
-    ds = training_splits(objective, raw, run.augmentation, processor, model.config)
+    ds = TRAINING_TRANSFORMS[objective.name](raw, run.augmentation, processor, model.config)
     trainer = build_trainer(run, objective, model, processor, ds, training_args, callbacks)
     run.values["learning_rate"] = training_args.learning_rate  # packed batches: scaled by their images
     if training_args.process_index == 0:
@@ -244,7 +244,8 @@ def build_trainer(
     if native and num_examples is not None and training_args.process_index == 0:
         _log_padding(ds["train"], processor, sizes, run.augmentation.token_drop_rate, packed_sampler, training_args)
     # The average goes into the model at the end of training before the caller's callbacks see it.
-    ema, setup = ema_callback(recipe), RunSetupCallback(num_examples, seq_len_sampler, packed_sampler)
+    ema = None if recipe.ema_decay is None else EmaCallback(recipe.ema_decay, recipe.ema_warmup)
+    setup = RunSetupCallback(num_examples, seq_len_sampler, packed_sampler)
     training_args.label_names = list(objective.label_names)
     return VisionTransformerTrainer(
         model=model,
