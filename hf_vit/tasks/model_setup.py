@@ -25,11 +25,7 @@ logger = logging.getLogger(__name__)
 # The resolutions the paper trains at: 224 (pre-training), 384, 512 and 518 (fine-tuning, Table 2).
 PAPER_RESOLUTIONS = (224, 384, 512, 518)
 # Fields a checkpoint takes as they are given: they change how it trains, not the shapes of its weights.
-TRAINING_FIELDS = (
-    "hidden_dropout_prob",
-    "attention_probs_dropout_prob",
-    "drop_path_rate",
-)
+TRAINING_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate")
 
 
 @dataclass(frozen=True)
@@ -110,13 +106,8 @@ def requested_fields(model: ModelSettings) -> dict[str, Any]:
     """The config fields the flags ask for: `--config_overrides`, then `--patch_size`, `--num_channels`, the dropout
     rates and `--image_size` (given flags win over the same field in the overrides)."""
     fields = parse_config_overrides(model.config_overrides)
-    given = {
-        "patch_size": model.patch_size,
-        "num_channels": model.num_channels,
-        "drop_path_rate": model.drop_path_rate,
-        "hidden_dropout_prob": model.hidden_dropout_prob,
-    }
-    fields.update({name: value for name, value in given.items() if value is not None})
+    given = ("patch_size", "num_channels", "drop_path_rate", "hidden_dropout_prob")
+    fields.update({name: value for name in given if (value := getattr(model, name)) is not None})
     if (size := parse_image_size(model.image_size)) is not None:
         fields["image_size"] = size
     return fields

@@ -138,14 +138,7 @@ def adapt(model: nn.Module, lora: LoraSettings, output_dir: str | os.PathLike) -
     if os.path.isdir(base):  # the adapter names it by its plain name: say where it is on this machine
         record = {"base_model_name_or_path": os.path.abspath(base)}
         write_beside(Path(output_dir) / LOCAL_BASE_FILE, json.dumps(record, indent=2) + "\n")
-    model = apply_lora(
-        model,
-        lora.rank,
-        lora.alpha,
-        lora.dropout,
-        lora.target_modules.split(","),
-        base_model_name_or_path=lora.base,
-    )
+    model = apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules.split(","), lora.base)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info("LoRA rank %d on %s: %d of %d parameters trained.", lora.rank, lora.target_modules, trained, total)

@@ -171,11 +171,8 @@ class VisionTransformerTrainer(Trainer):
     def create_optimizer(self, model=None):
         if self.layer_decay is None or self.optimizer is not None:
             return super().create_optimizer(model)
-        opt_model = self.model if model is None else model
-        if self.optimizer_cls_and_kwargs is not None:
-            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
-        else:
-            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        model = self.model if model is None else model
+        optimizer_cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
         if {"params", "model", "optimizer_dict"} & set(kwargs) or not isinstance(optimizer_cls, type):
             raise ValueError(
                 f"--layer_decay builds the optimiser's parameter groups, which --optim {self.args.optim} builds "
@@ -183,7 +180,7 @@ class VisionTransformerTrainer(Trainer):
             )
         kwargs = dict(kwargs)
         learning_rate = kwargs.pop("lr", self.args.learning_rate)
-        groups = layer_decay_param_groups(opt_model, learning_rate, self.args.weight_decay, self.layer_decay)
+        groups = layer_decay_param_groups(model, learning_rate, self.args.weight_decay, self.layer_decay)
         if self.args.process_index == 0:
             logger.info("Layer-wise learning-rate decay %g: %s.", self.layer_decay, describe_param_groups(groups))
         groups = [{key: value for key, value in g.items() if key != "param_names"} for g in groups]
