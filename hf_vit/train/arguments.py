@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
+from hf_vit_cli import DATA_LIKE_FLAGS  # the flags users guess for --dataset_name, as the commands say them
+
 from ..data.augment.rand_augment import parse_rand_augment
 from ..data.augment.random_erasing import check_random_erasing
 from ..flags import exit_on_error, parse_sizes, positive_int, warn_idle
@@ -646,11 +648,6 @@ def check_recipe_flags(model_args, data_args, training_args, passed: set[str]) -
         raise ValueError(
             f"--{idle[0]} says how images are erased, but --reprob is 0 (off): pass --reprob (e.g. 0.25) or drop it."
         )
-
-
-# Flags a user guesses for the data, all of them `--dataset_name` here.
-DATA_LIKE_FLAGS = ("train_dir", "data_dir", "dataset", "data", "dataset_dir", "image_dir", "images", "train_data",
-                   "data_path", "dataset_path", "train_folder", "folder", "root")  # fmt: skip
 
 
 def refuse_unknown_flags(parser: HfArgumentParser) -> None:
