@@ -185,7 +185,6 @@ def build_pretraining_model(
     classes (its rows reordered by class name where the data set numbers them otherwise) and for as many classes of
     other names (renamed); other classes (another number, or names shared at other places) get a new head, which
     `--keep_head` refuses."""
-    names = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
     if settings.model_name_or_path:
         representation = settings.representation_size or None
         new_head = settings.representation_size is not None  # a new head for a new pre-logits layer
@@ -229,7 +228,7 @@ def build_pretraining_model(
     if settings.keep_head:
         warn_idle(["keep_head"], "{flags} keeps a checkpoint's head, but this run pretrains --preset from scratch (no "
                   "--model_name_or_path): it has no effect.")  # fmt: skip
-    config = config_from_preset(settings, **names)
+    config = config_from_preset(settings, id2label=id2label, label2id={v: k for k, v in id2label.items()})
     representation = settings.representation_size
     config.representation_size = config.hidden_size if representation is None else (representation or None)
     config.validate_architecture()

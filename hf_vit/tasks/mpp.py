@@ -106,11 +106,8 @@ mpp_collate_fn = partial(stack_examples, keys=("pixel_values", "labels", "patch_
 
 
 def build_mpp_model(settings: ModelSettings, model_class: type = VisionTransformerForMaskedPatchPrediction):
-    """The model to pretrain by masked patch prediction, from the model flags' values: `preset` with `patch_size`,
-    `image_size`, `config_overrides`, `drop_path_rate` and `hidden_dropout_prob` from scratch (the paper's
-    initialisation), or `model_name_or_path` to continue from an hf-vit checkpoint (its head and [mask] embedding are
-    new if it has none) with the flags applied (`--image_size` resamples its position embeddings) or, where they would
-    change its weights' shapes, refused."""
+    """The model to pretrain by masked patch prediction (or SimMIM's, `model_class`): `--preset` from scratch, or
+    `--model_name_or_path` continued (its head and [mask] embedding new if it has none; see `load_checkpoint`)."""
     if settings.model_name_or_path:
         return load_requested(settings, model_class=model_class)
     return model_class(config_from_preset(settings))
