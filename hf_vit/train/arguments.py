@@ -1,9 +1,8 @@
 """A run's arguments, the edge of the run: the model, data and Trainer flags as `HfArgumentParser` dataclasses, with
 the paper's recipes (`recipes.TASK_RECIPES`) as the Trainer flags' defaults for each task; `--recipe` puts a named
-recipe's values in their place (both from the one table, `recipes.RECIPES`), and the recipes' flags are checked here,
-by name. Each dataclass unpacks itself into the settings the stages take (`ModelArguments.settings`, `.lora`;
-`DataArguments.source`, `.augmentation`, `.sizes`; `VisionTransformerTrainingArguments.recipe_settings`): no stage
-below reads the argument objects. Parsing imports no data set library: `--help` and bad flags answer at once."""
+recipe's values in their place, and the flags are checked here, by name. Each dataclass unpacks itself into the
+settings the stages take: no stage below reads the argument objects. Parsing imports no data set library: `--help`
+and bad flags answer at once."""
 
 from __future__ import annotations
 
