@@ -173,29 +173,23 @@ def select_objective(
     if objective not in ("classification", "mpp", "simmim"):
         raise ValueError(f"--objective must be classification, mpp or simmim, got {objective!r}.")
     name = objective
-    if name == "classification":
-        name = _problem_type(problem_type, is_multi_label(raw), dataset_name)
-        name = "classification" if name == "single_label_classification" else name
+    if objective == "classification":  # checked against the label column: lists of classes make it multi-label
+        if problem_type is not None and problem_type not in PROBLEM_TYPES:
+            raise ValueError(f"--problem_type must be one of {PROBLEM_TYPES}, got {problem_type!r}.")
+        lists = is_multi_label(raw)
+        if problem_type is not None and problem_type != PROBLEM_TYPES[lists]:
+            holds = "a list of classes" if lists else "one class"
+            raise ValueError(
+                f"--problem_type {problem_type}, but the label column of {dataset_name!r} holds {holds} per image. "
+                "For multi-label classification the label column must hold a list of classes per image."
+            )
+        name = PROBLEM_TYPES[1] if lists else "classification"
     chosen = OBJECTIVES[name]
     if task not in chosen.tasks:
         raise ValueError(f"--objective {objective} is a pretraining objective: use it with pretrain.py.")
     if streaming and not chosen.streaming:
         raise ValueError("Multi-label data sets are supported without --streaming only.")
     return chosen
-
-
-def _problem_type(requested: str | None, lists: bool, dataset_name: str) -> str:
-    """What the user asked for, checked against the label column (lists of classes make a multi-label data set)."""
-    if requested is not None and requested not in PROBLEM_TYPES:
-        raise ValueError(f"--problem_type must be one of {PROBLEM_TYPES}, got {requested!r}.")
-    found = PROBLEM_TYPES[1] if lists else PROBLEM_TYPES[0]
-    if requested is not None and requested != found:
-        holds = "a list of classes" if lists else "one class"
-        raise ValueError(
-            f"--problem_type {requested}, but the label column of {dataset_name!r} holds {holds} per image. For "
-            "multi-label classification the label column must hold a list of classes per image."
-        )
-    return found
 
 
 def check_labels(raw, id2label: dict[int, str]) -> None:
