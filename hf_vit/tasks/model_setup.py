@@ -287,8 +287,7 @@ def load_checkpoint(
         fields.update(id2label=names, label2id={name: index for index, name in names.items()})
     model = model_class.from_pretrained(path, attn_implementation=attn_implementation, **fields)
     config = model.config
-    if refuse:
-        refuse_shape_changes(config, refuse, str(path))
+    refuse_shape_changes(config, refuse, str(path))
     if id2label is not None and keep_head and config.id2label != id2label:
         raise ValueError(
             f"--keep_head needs the data set's classes to be the checkpoint's: {config.id2label} vs {id2label}."

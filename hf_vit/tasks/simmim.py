@@ -30,10 +30,6 @@ class SimMIMMasking:
     mask_patch_size: int = 32
     mask_ratio: float = 0.6
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.mask_ratio <= 1.0:
-            raise ValueError(f"`mask_ratio` must be in [0, 1], got {self.mask_ratio!r}.")
-
     def __call__(self, rows: int, cols: int, patch_size: int) -> torch.Tensor:
         """A mask `(rows * cols,)` of a `rows` x `cols` patch grid: True on the masked patches."""
         block = max(self.mask_patch_size // patch_size, 1)
@@ -46,10 +42,10 @@ class SimMIMMasking:
 
 
 class SimMIMTransform:
-    """`transform` (normalised `pixel_values`) with a `bool_masked_pos` per example, drawn by `masking`."""
+    """`transform` (normalised `pixel_values`) with a `bool_masked_pos` per example, drawn by SimMIM's masking."""
 
-    def __init__(self, transform: Transform, patch_size: int, masking: SimMIMMasking | None = None) -> None:
-        self.transform, self.patch_size, self.masking = transform, patch_size, masking or SimMIMMasking()
+    def __init__(self, transform: Transform, patch_size: int) -> None:
+        self.transform, self.patch_size, self.masking = transform, patch_size, SimMIMMasking()
 
     def __call__(self, batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
         pixel_values = self.transform(batch)["pixel_values"]
