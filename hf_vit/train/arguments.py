@@ -702,7 +702,4 @@ def parse_args_or_exit(task: str, argv: list[str] | None = None):
 
 def flag_values(*arguments: Any) -> dict[str, Any]:
     """Every flag's value in the parsed dataclasses `arguments`, by name: what a named recipe's summary reports."""
-    values: dict[str, Any] = {}
-    for parsed in arguments:
-        values.update({name: getattr(parsed, name) for name in parsed.__dataclass_fields__})
-    return values
+    return {name: getattr(parsed, name) for parsed in arguments for name in parsed.__dataclass_fields__}

@@ -65,20 +65,16 @@ class SeededAugmentation(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int | tuple[int, int] | tuple[int, int, int]):
         index, max_num_patches, *row = index if isinstance(index, tuple) else (index, None)
-        example = self._fetch(index, max_num_patches)
-        return {**example, PACKED_ROW: row[0]} if row else example
-
-    def _fetch(self, index: int, max_num_patches: int | None):
         with torch.random.fork_rng(devices=[]):
             # The CPU generator only, as fork_rng restores: `torch.manual_seed` would also queue (or, where CUDA is
             # up, do) a reseeding of every accelerator's generator per example, each call formatting a stack.
             torch.default_generator.manual_seed(seeded_int(self.seed, int(self.epoch), index))
-            if self.transform is None:
-                return self.data[index]
-            batch = {name: [value] for name, value in self.data[index].items()}
-            sizes = {} if max_num_patches is None else {"max_num_patches": max_num_patches}
-            batch = self.transform(batch, **sizes)
-            return {name: values[0] for name, values in batch.items()}
+            example = self.data[index]
+            if self.transform is not None:
+                sizes = {} if max_num_patches is None else {"max_num_patches": max_num_patches}
+                batch = self.transform({name: [value] for name, value in example.items()}, **sizes)
+                example = {name: values[0] for name, values in batch.items()}
+        return {**example, PACKED_ROW: row[0]} if row else example
 
 
 class EpochToDataset(TrainerCallback):
