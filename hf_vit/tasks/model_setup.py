@@ -160,6 +160,12 @@ def refuse_shape_changes(config: VisionTransformerConfig, fields: dict[str, Any]
         )
 
 
+def _differs(current: Any, wanted: Any) -> bool:
+    if isinstance(current, (list, tuple)) or isinstance(wanted, (list, tuple)):
+        return list(current) != list(wanted) if isinstance(current, (list, tuple)) else True
+    return current != wanted
+
+
 def build_classifier(task: str, settings: ModelSettings, labels: Any) -> VisionTransformerForImageClassification:
     """The classifier a run trains: fine-tuning loads `--model_name_or_path` with a new head for the data set's
     classes (`load_checkpoint`); pretraining builds `--preset` from scratch, or continues from a checkpoint. Its
@@ -250,12 +256,6 @@ def reorder_head(model: VisionTransformerForImageClassification, names: list[str
             layer.bias.copy_(layer.bias[order])
     model.config.id2label = dict(enumerate(names))
     model.config.label2id = {name: index for index, name in enumerate(names)}
-
-
-def _differs(current: Any, wanted: Any) -> bool:
-    if isinstance(current, (list, tuple)) or isinstance(wanted, (list, tuple)):
-        return list(current) != list(wanted) if isinstance(current, (list, tuple)) else True
-    return current != wanted
 
 
 def load_checkpoint(
