@@ -4,6 +4,7 @@ The objectives' model builders (`objectives`, `mpp`) use it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,11 +25,7 @@ logger = logging.getLogger(__name__)
 # The resolutions the paper trains at: 224 (pre-training), 384, 512 and 518 (fine-tuning, Table 2).
 PAPER_RESOLUTIONS = (224, 384, 512, 518)
 # Fields a checkpoint takes as they are given: they change how it trains, not the shapes of its weights.
-TRAINING_FIELDS = (
-    "hidden_dropout_prob",
-    "attention_probs_dropout_prob",
-    "drop_path_rate",
-)
+TRAINING_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob", "drop_path_rate")
 
 
 @dataclass(frozen=True)
@@ -109,13 +106,8 @@ def requested_fields(model: ModelSettings) -> dict[str, Any]:
     """The config fields the flags ask for: `--config_overrides`, then `--patch_size`, `--num_channels`, the dropout
     rates and `--image_size` (given flags win over the same field in the overrides)."""
     fields = parse_config_overrides(model.config_overrides)
-    given = {
-        "patch_size": model.patch_size,
-        "num_channels": model.num_channels,
-        "drop_path_rate": model.drop_path_rate,
-        "hidden_dropout_prob": model.hidden_dropout_prob,
-    }
-    fields.update({name: value for name, value in given.items() if value is not None})
+    given = ("patch_size", "num_channels", "drop_path_rate", "hidden_dropout_prob")
+    fields.update({name: value for name in given if (value := getattr(model, name)) is not None})
     if (size := parse_image_size(model.image_size)) is not None:
         fields["image_size"] = size
     return fields
@@ -199,7 +191,6 @@ def build_pretraining_model(
     classes (its rows reordered by class name where the data set numbers them otherwise) and for as many classes of
     other names (renamed); other classes (another number, or names shared at other places) get a new head, which
     `--keep_head` refuses."""
-    names = {"id2label": id2label, "label2id": {v: k for k, v in id2label.items()}}
     if settings.model_name_or_path:
         representation = settings.representation_size or None
         new_head = settings.representation_size is not None  # a new head for a new pre-logits layer
@@ -243,7 +234,7 @@ def build_pretraining_model(
     if settings.keep_head:
         warn_idle(["keep_head"], "{flags} keeps a checkpoint's head, but this run pretrains --preset from scratch (no "
                   "--model_name_or_path): it has no effect.")  # fmt: skip
-    config = config_from_preset(settings, **names)
+    config = config_from_preset(settings, id2label=id2label, label2id={v: k for k, v in id2label.items()})
     representation = settings.representation_size
     config.representation_size = config.hidden_size if representation is None else (representation or None)
     config.validate_architecture()
@@ -282,21 +273,10 @@ def load_checkpoint(
     **config_fields: Any,
 ):
     """The one way a run loads an hf-vit checkpoint: `model_class.from_pretrained(path)` with `config_fields` (those
-    that are not None: dropout rates, masked patch prediction's ratios, the classes' names), ready to train.
-
-    * the head: with `id2label`, the checkpoint's head (pre-logits and classifier) is replaced by one zero-initialised
-      linear layer for those classes, as the paper fine-tunes (after a new pre-logits layer of `representation_size`,
-      if given); `keep_head=True` keeps the checkpoint's head instead, and then the classes must be the checkpoint's.
-      Without `id2label` the model is the checkpoint's as it is (masked patch prediction, a classifier continued);
-    * `image_size`: another size resamples the position embeddings in 2D (`interpolation`, default bicubic) from the
-      checkpoint's; an `interpolation` given where nothing is resampled gets one warning line;
-    * `refuse`: fields the flags ask for that would change the shapes of the weights (a width, a depth...); any that
-      differs from the checkpoint's is refused in one line that names it, rather than ignored. Its `patch_size` (the
-      `--patch_size` flag) is taken instead: the patch embedding is resampled to it (FlexiViT's pseudo-inverse resize)
-      and the position grid follows;
-    * `names`: the classes' names the config takes as it loads (its `id2label` and `label2id`), e.g. to continue
-      training the checkpoint's own head under the data set's names.
-    """
+    that are not None) and `names` (the classes' names), ready to train. With `id2label`, the head is replaced by a
+    zero-initialised one for those classes, as the paper fine-tunes (`keep_head`: kept, the classes the checkpoint's);
+    another `image_size` resamples the position embeddings (`interpolation`); `refuse`: fields that would change the
+    weights' shapes, refused where they differ, except `patch_size`, resampled (FlexiViT's pseudo-inverse resize)."""
     fields = {k: v for k, v in config_fields.items() if v is not None}
     refuse = dict(refuse or {})
     patch_size = refuse.pop("patch_size", None)
@@ -307,8 +287,7 @@ def load_checkpoint(
         fields.update(id2label=names, label2id={name: index for index, name in names.items()})
     model = model_class.from_pretrained(path, attn_implementation=attn_implementation, **fields)
     config = model.config
-    if refuse:
-        refuse_shape_changes(config, refuse, str(path))
+    refuse_shape_changes(config, refuse, str(path))
     if id2label is not None and keep_head and config.id2label != id2label:
         raise ValueError(
             f"--keep_head needs the data set's classes to be the checkpoint's: {config.id2label} vs {id2label}."
@@ -352,23 +331,15 @@ def processor_for(
     max_num_patches: int | None = None,
     packed_sequence_length: int | None = None,
 ) -> VisionTransformerImageProcessor:
-    """The image processor of a run: the checkpoint's (its normalisation and geometry) or the default, making images
-    of the model's image size, converting to RGB only for 3-channel models (1-channel and 4-channel models get their
-    images' own channels, the mean and standard deviation repeated per channel); native aspect ratio with
-    `max_num_patches` patches of the model's patch size (packed into rows of `packed_sequence_length` slots, when
-    given: the folder then serves packed batches), whole images of that size without.
-
-    A checkpoint whose processor resizes then crops the centre (DINOv2's and CLIP's shorter side to 256 then 224,
-    DeiT's 256x256 then 224) keeps that geometry at the model's size: the crop becomes the model's size and the resize
-    keeps its ratio to the crop (DINOv2 at 448: shorter side 512, crop 448); one that resizes to a square (SigLIP's)
-    resizes to the model's size (`image_geometry.scaled_geometry`). The evaluation transform is this processor; the
-    training transform's random crops are resized to its output size."""
+    """The image processor of a run: the checkpoint's (its normalisation and geometry, scaled to the model's size by
+    `image_geometry.scaled_geometry`: DINOv2 at 448 resizes the shorter side to 512, then crops 448) or the default;
+    RGB only for 3-channel models (the others get their images' own channels, the mean and standard deviation
+    repeated per channel); native aspect ratio with `max_num_patches` patches (packed into rows of
+    `packed_sequence_length` slots, when given: the folder then serves packed batches)."""
     processor = None
     if model_name_or_path:
-        try:
+        with contextlib.suppress(OSError):
             processor = VisionTransformerImageProcessor.from_pretrained(model_name_or_path)
-        except OSError:
-            processor = None
     processor = processor or VisionTransformerImageProcessor()
     if max_num_patches is not None:
         positive_int(max_num_patches, "--max_num_patches", "number of patches per image")

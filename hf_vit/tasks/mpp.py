@@ -10,7 +10,8 @@ corrupted patch (`mean_color_classes`, from the pixels before normalisation). Th
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -89,26 +90,24 @@ def refuse_drawn_sizes(max_num_patches: int | None, seq_lens: str | None, patch_
         )
 
 
-def mpp_eval_transform(processor: VisionTransformerImageProcessor, config) -> Transform:
-    """Masked patch prediction's inputs from images resized by the processor only (no augmentation), the patches
-    corrupted with the paper's shares."""
-    return MaskedPatchPredictionTransform(make_eval_transform(unnormalized(processor)), processor, config)
+def mpp_eval_transform(processor: VisionTransformerImageProcessor, config, make: Callable = make_eval_transform):
+    """Masked patch prediction's inputs from `make` (by default the processor alone, no augmentation) on the
+    un-normalised pixels, the patches corrupted with the paper's shares."""
+    return MaskedPatchPredictionTransform(make(unnormalized(processor)), processor, config)
 
 
-def mpp_collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """Stack transformed examples: `pixel_values` (B, C, H, W), `labels` and `patch_corruption` (B, N)."""
-    return {
-        key: torch.stack([torch.as_tensor(example[key]) for example in examples])
-        for key in ("pixel_values", "labels", "patch_corruption")
-    }
+def stack_examples(examples: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The transformed examples' `keys` stacked along a new first dimension."""
+    return {key: torch.stack([torch.as_tensor(example[key]) for example in examples]) for key in keys}
+
+
+# `pixel_values` (B, C, H, W), `labels` and `patch_corruption` (B, N)
+mpp_collate_fn = partial(stack_examples, keys=("pixel_values", "labels", "patch_corruption"))
 
 
 def build_mpp_model(settings: ModelSettings, model_class: type = VisionTransformerForMaskedPatchPrediction):
-    """The model to pretrain by masked patch prediction, from the model flags' values: `preset` with `patch_size`,
-    `image_size`, `config_overrides`, `drop_path_rate` and `hidden_dropout_prob` from scratch (the paper's
-    initialisation), or `model_name_or_path` to continue from an hf-vit checkpoint (its head and [mask] embedding are
-    new if it has none) with the flags applied (`--image_size` resamples its position embeddings) or, where they would
-    change its weights' shapes, refused."""
+    """The model to pretrain by masked patch prediction (or SimMIM's, `model_class`): `--preset` from scratch, or
+    `--model_name_or_path` continued (its head and [mask] embedding new if it has none; see `load_checkpoint`)."""
     if settings.model_name_or_path:
         return load_requested(settings, model_class=model_class)
     return model_class(config_from_preset(settings))

@@ -10,6 +10,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import datasets
@@ -21,6 +22,8 @@ from ..data.datasets import is_multi_label, label_names, to_multi_hot
 from ..data.transforms import Transform, collate_fn, make_eval_transform
 from ..metrics import compute_metrics
 from ..model.image_processing_vit import VisionTransformerImageProcessor
+from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
+from ..model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .model_setup import ModelSettings, build_classifier
 from .mpp import (
     build_mpp_model,
@@ -31,7 +34,6 @@ from .mpp import (
     refuse_drawn_sizes,
 )
 from .simmim import (
-    build_simmim_model,
     simmim_collate_fn,
     simmim_compute_metrics,
     simmim_eval_transform,
@@ -39,6 +41,8 @@ from .simmim import (
 )
 
 logger = logging.getLogger(__name__)
+
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
 
 
 @dataclass(frozen=True)
@@ -89,34 +93,20 @@ def binary_cross_entropy(logits, labels) -> float:
     return float(F.binary_cross_entropy_with_logits(torch.as_tensor(logits).float(), torch.as_tensor(labels).float()))
 
 
-def classification_eval_transform(processor: VisionTransformerImageProcessor, config: Any = None) -> Transform:
-    """The processor alone (as at inference)."""
-    return make_eval_transform(processor)
-
-
-def _class_labels(raw) -> tuple[Any, Labels]:
-    labels = Labels(dict(enumerate(label_names(raw))), "single_label_classification")
+def _class_labels(raw, multi_label: bool = False) -> tuple[Any, Labels]:
+    labels = Labels(dict(enumerate(label_names(raw))), PROBLEM_TYPES[multi_label])
+    if multi_label:
+        raw = to_multi_hot(raw, len(labels.id2label))
     check_labels(raw, labels.id2label)
     return raw, labels
 
 
-def _multi_hot_labels(raw) -> tuple[Any, Labels]:
-    labels = Labels(dict(enumerate(label_names(raw))), "multi_label_classification")
-    raw = to_multi_hot(raw, len(labels.id2label))
-    check_labels(raw, labels.id2label)
-    return raw, labels
-
-
-def _no_labels(raw) -> tuple[Any, Labels]:
-    return raw, Labels()
-
-
-def _masked_model(build: Callable[[ModelSettings], Any], name: str) -> Callable[[str, ModelSettings, Labels], Any]:
-    """A self-supervised objective's builder; the model's config names it, so `AutoModelForMaskedImageModeling` loads
-    the saved folder as this objective's model."""
+def _masked_model(model_class: type, name: str) -> Callable[[str, ModelSettings, Labels], Any]:
+    """A self-supervised objective's builder (`build_mpp_model`); the model's config names it, so
+    `AutoModelForMaskedImageModeling` loads the saved folder as this objective's model."""
 
     def build_model(task: str, settings: ModelSettings, labels: Labels):
-        model = build(settings)
+        model = build_mpp_model(settings, model_class)
         model.config.masked_image_modeling = name
         return model
 
@@ -127,13 +117,13 @@ def _masked_model(build: Callable[[ModelSettings], Any], name: str) -> Callable[
 _CLASSIFYING = dict(
     tasks=("pretrain", "finetune"),
     build_model=build_classifier,
-    eval_transform=classification_eval_transform,
+    eval_transform=lambda processor, config=None: make_eval_transform(processor),
     collator=collate_fn,
     compute_metrics=compute_metrics,
 )
 _SELF_SUPERVISED = dict(
     tasks=("pretrain",),
-    labels=_no_labels,
+    labels=lambda raw: (raw, Labels()),
     augmentable=False,
     check_sizes=refuse_drawn_sizes,
     idle_flags=("representation_size", "problem_type", "keep_head"),
@@ -142,14 +132,14 @@ OBJECTIVES: dict[str, Objective] = {
     "classification": Objective(name="classification", labels=_class_labels, loss=cross_entropy, **_CLASSIFYING),
     "multi_label_classification": Objective(
         name="multi_label_classification",
-        labels=_multi_hot_labels,
+        labels=partial(_class_labels, multi_label=True),
         streaming=False,
         loss=binary_cross_entropy,
         **_CLASSIFYING,
     ),
     "mpp": Objective(
         name="mpp",
-        build_model=_masked_model(build_mpp_model, "mpp"),
+        build_model=_masked_model(VisionTransformerForMaskedPatchPrediction, "mpp"),
         eval_transform=mpp_eval_transform,
         collator=mpp_collate_fn,
         compute_metrics=mpp_compute_metrics,
@@ -158,7 +148,7 @@ OBJECTIVES: dict[str, Objective] = {
     ),
     "simmim": Objective(
         name="simmim",
-        build_model=_masked_model(build_simmim_model, "simmim"),
+        build_model=_masked_model(VisionTransformerForMaskedImageModeling, "simmim"),
         eval_transform=simmim_eval_transform,
         collator=simmim_collate_fn,
         compute_metrics=simmim_compute_metrics,
@@ -167,8 +157,6 @@ OBJECTIVES: dict[str, Objective] = {
         **_SELF_SUPERVISED,
     ),
 }
-
-PROBLEM_TYPES = ("single_label_classification", "multi_label_classification")
 
 
 def select_objective(
@@ -185,29 +173,23 @@ def select_objective(
     if objective not in ("classification", "mpp", "simmim"):
         raise ValueError(f"--objective must be classification, mpp or simmim, got {objective!r}.")
     name = objective
-    if name == "classification":
-        name = _problem_type(problem_type, is_multi_label(raw), dataset_name)
-        name = "classification" if name == "single_label_classification" else name
+    if objective == "classification":  # checked against the label column: lists of classes make it multi-label
+        if problem_type is not None and problem_type not in PROBLEM_TYPES:
+            raise ValueError(f"--problem_type must be one of {PROBLEM_TYPES}, got {problem_type!r}.")
+        lists = is_multi_label(raw)
+        if problem_type is not None and problem_type != PROBLEM_TYPES[lists]:
+            holds = "a list of classes" if lists else "one class"
+            raise ValueError(
+                f"--problem_type {problem_type}, but the label column of {dataset_name!r} holds {holds} per image. "
+                "For multi-label classification the label column must hold a list of classes per image."
+            )
+        name = PROBLEM_TYPES[1] if lists else "classification"
     chosen = OBJECTIVES[name]
     if task not in chosen.tasks:
         raise ValueError(f"--objective {objective} is a pretraining objective: use it with pretrain.py.")
     if streaming and not chosen.streaming:
         raise ValueError("Multi-label data sets are supported without --streaming only.")
     return chosen
-
-
-def _problem_type(requested: str | None, lists: bool, dataset_name: str) -> str:
-    """What the user asked for, checked against the label column (lists of classes make a multi-label data set)."""
-    if requested is not None and requested not in PROBLEM_TYPES:
-        raise ValueError(f"--problem_type must be one of {PROBLEM_TYPES}, got {requested!r}.")
-    found = PROBLEM_TYPES[1] if lists else PROBLEM_TYPES[0]
-    if requested is not None and requested != found:
-        holds = "a list of classes" if lists else "one class"
-        raise ValueError(
-            f"--problem_type {requested}, but the label column of {dataset_name!r} holds {holds} per image. For "
-            "multi-label classification the label column must hold a list of classes per image."
-        )
-    return found
 
 
 def check_labels(raw, id2label: dict[int, str]) -> None:

@@ -10,17 +10,16 @@ carry the L1 loss on the masked pixels as `loss` / `eval_loss`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..data.transforms import Transform, make_eval_transform
 from ..model.image_processing_vit import VisionTransformerImageProcessor
-from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
-from .model_setup import ModelSettings
-from .mpp import build_mpp_model
+from .mpp import stack_examples
 
 
 @dataclass(frozen=True)
@@ -30,10 +29,6 @@ class SimMIMMasking:
 
     mask_patch_size: int = 32
     mask_ratio: float = 0.6
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.mask_ratio <= 1.0:
-            raise ValueError(f"`mask_ratio` must be in [0, 1], got {self.mask_ratio!r}.")
 
     def __call__(self, rows: int, cols: int, patch_size: int) -> torch.Tensor:
         """A mask `(rows * cols,)` of a `rows` x `cols` patch grid: True on the masked patches."""
@@ -47,10 +42,10 @@ class SimMIMMasking:
 
 
 class SimMIMTransform:
-    """`transform` (normalised `pixel_values`) with a `bool_masked_pos` per example, drawn by `masking`."""
+    """`transform` (normalised `pixel_values`) with a `bool_masked_pos` per example, drawn by SimMIM's masking."""
 
-    def __init__(self, transform: Transform, patch_size: int, masking: SimMIMMasking | None = None) -> None:
-        self.transform, self.patch_size, self.masking = transform, patch_size, masking or SimMIMMasking()
+    def __init__(self, transform: Transform, patch_size: int) -> None:
+        self.transform, self.patch_size, self.masking = transform, patch_size, SimMIMMasking()
 
     def __call__(self, batch: Mapping[str, Sequence[Any]]) -> dict[str, torch.Tensor]:
         pixel_values = self.transform(batch)["pixel_values"]
@@ -60,16 +55,13 @@ class SimMIMTransform:
         return {"pixel_values": pixel_values, "bool_masked_pos": masks}
 
 
-def simmim_eval_transform(processor: VisionTransformerImageProcessor, config) -> Transform:
-    """SimMIM's inputs from images resized by the processor only (no augmentation)."""
-    return SimMIMTransform(make_eval_transform(processor), config.patch_size)
+def simmim_eval_transform(processor: VisionTransformerImageProcessor, config, make: Callable = make_eval_transform):
+    """SimMIM's inputs from `make` (by default the processor alone, no augmentation), a mask per example."""
+    return SimMIMTransform(make(processor), config.patch_size)
 
 
-def simmim_collate_fn(examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """Stack transformed examples: `pixel_values` (B, C, H, W) and `bool_masked_pos` (B, N), as `run_mim.py`."""
-    return {
-        key: torch.stack([torch.as_tensor(e[key]) for e in examples]) for key in ("pixel_values", "bool_masked_pos")
-    }
+# `pixel_values` (B, C, H, W) and `bool_masked_pos` (B, N), as `run_mim.py`
+simmim_collate_fn = partial(stack_examples, keys=("pixel_values", "bool_masked_pos"))
 
 
 def simmim_compute_metrics(eval_pred) -> dict[str, float]:
@@ -82,9 +74,3 @@ def simmim_preprocess_logits(outputs, labels) -> torch.Tensor:
     loss is the metric), but the images measured are counted."""
     reconstruction = outputs[0] if isinstance(outputs, (tuple, list)) else outputs
     return reconstruction.new_zeros(reconstruction.shape[0])
-
-
-def build_simmim_model(settings: ModelSettings) -> VisionTransformerForMaskedImageModeling:
-    """The model to pretrain by SimMIM, from the model flags, as `build_mpp_model` builds masked patch prediction's
-    (from scratch, or continuing from an hf-vit checkpoint, its decoder and [mask] embedding new if it has none)."""
-    return build_mpp_model(settings, VisionTransformerForMaskedImageModeling)

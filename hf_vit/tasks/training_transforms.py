@@ -6,15 +6,14 @@ the objective's evaluation transform. Only training imports this module (serving
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..data.augment.train_transform import make_train_transform
 from ..data.transforms import Augmentation, apply_transforms, make_eval_transform
 from ..model.image_processing_vit import VisionTransformerImageProcessor
-from ..model.modeling_mpp import PatchCorruption
-from .mpp import MaskedPatchPredictionTransform, unnormalized
-from .objectives import Objective
-from .simmim import SimMIMTransform
+from .mpp import mpp_eval_transform
+from .simmim import simmim_eval_transform
 
 
 def _crop_and_flip(augmentation: Augmentation) -> dict[str, Any]:
@@ -37,44 +36,20 @@ def classification_transforms(
     return apply_transforms(raw, train_transform, make_eval_transform(processor))
 
 
-def with_mpp_transforms(
-    raw,
-    augmentation: Augmentation,
-    processor: VisionTransformerImageProcessor,
-    config,
-    corruption: PatchCorruption | None = None,
-):
-    """`raw`'s splits with masked patch prediction's inputs: training images augmented as for supervised pretraining
-    (`augmentation`'s crop and flip; the rest of it changes colours and is refused for this objective), the other
-    splits resized by the processor only; the patches corrupted with `corruption`'s shares (the paper's by
-    default)."""
-    pixels = unnormalized(processor)
-    train = make_train_transform(pixels, **_crop_and_flip(augmentation))
-    return apply_transforms(
-        raw,
-        MaskedPatchPredictionTransform(train, processor, config, corruption),
-        MaskedPatchPredictionTransform(make_eval_transform(pixels), processor, config, corruption),
-    )
+def self_supervised_transforms(inputs: Callable, raw, augmentation: Augmentation, processor, config):
+    """`raw`'s splits with a self-supervised objective's `inputs` (`mpp_eval_transform`, `simmim_eval_transform`):
+    training images cropped and flipped as `augmentation` says (its colour changes are refused for these
+    objectives), the other splits resized by the processor only."""
+    train = inputs(processor, config, partial(make_train_transform, **_crop_and_flip(augmentation)))
+    return apply_transforms(raw, train, inputs(processor, config))
 
 
-def with_simmim_transforms(raw, augmentation: Augmentation, processor: VisionTransformerImageProcessor, config):
-    """`raw`'s splits with SimMIM's inputs: training images cropped and flipped as `augmentation` says (its colour
-    changes are refused for this objective), the other splits resized by the processor only; a mask per example."""
-    train = make_train_transform(processor, **_crop_and_flip(augmentation))
-    evaluation = make_eval_transform(processor)
-    return apply_transforms(
-        raw, SimMIMTransform(train, config.patch_size), SimMIMTransform(evaluation, config.patch_size)
-    )
+with_mpp_transforms = partial(self_supervised_transforms, mpp_eval_transform)
 
 
 TRAINING_TRANSFORMS: dict[str, Callable[[Any, Augmentation, VisionTransformerImageProcessor, Any], Any]] = {
     "classification": classification_transforms,
     "multi_label_classification": classification_transforms,
     "mpp": with_mpp_transforms,
-    "simmim": with_simmim_transforms,
+    "simmim": partial(self_supervised_transforms, simmim_eval_transform),
 }
-
-
-def training_splits(objective: Objective, raw, augmentation: Augmentation, processor, config):
-    """`raw`'s splits as `objective` trains on them: see `TRAINING_TRANSFORMS`."""
-    return TRAINING_TRANSFORMS[objective.name](raw, augmentation, processor, config)

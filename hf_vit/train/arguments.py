@@ -1,9 +1,8 @@
 """A run's arguments, the edge of the run: the model, data and Trainer flags as `HfArgumentParser` dataclasses, with
 the paper's recipes (`recipes.TASK_RECIPES`) as the Trainer flags' defaults for each task; `--recipe` puts a named
-recipe's values in their place (both from the one table, `recipes.RECIPES`), and the recipes' flags are checked here,
-by name. Each dataclass unpacks itself into the settings the stages take (`ModelArguments.settings`, `.lora`;
-`DataArguments.source`, `.augmentation`, `.sizes`; `VisionTransformerTrainingArguments.recipe_settings`): no stage
-below reads the argument objects. Parsing imports no data set library: `--help` and bad flags answer at once."""
+recipe's values in their place, and the flags are checked here, by name. Each dataclass unpacks itself into the
+settings the stages take: no stage below reads the argument objects. Parsing imports no data set library: `--help`
+and bad flags answer at once."""
 
 from __future__ import annotations
 
@@ -18,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
+from hf_vit_cli import DATA_LIKE_FLAGS  # the flags users guess for --dataset_name, as the commands say them
+
 from ..data.augment.rand_augment import parse_rand_augment
 from ..data.augment.random_erasing import check_random_erasing
 from ..flags import exit_on_error, parse_sizes, positive_int, warn_idle
@@ -29,10 +30,9 @@ from .recipes import (
     NAMED_RECIPES,
     TASK_RECIPES,
     RecipeSettings,
-    get_recipe,
     given_flags,
+    learning_rate_for_images,
     mixing_for,
-    scaled_learning_rate,
 )
 
 if TYPE_CHECKING:  # the data settings' modules load the data set libraries: not before the flags are read
@@ -142,7 +142,6 @@ class ModelArguments:
     )
 
     def settings(self) -> ModelSettings:
-        """The model stage's settings: which model, and how it is built or loaded."""
         return settings_of(ModelSettings, self)
 
     def lora(self) -> LoraSettings:
@@ -260,7 +259,6 @@ class DataArguments:
     )
 
     def source(self) -> DataSource:
-        """Where the images come from and how the splits are cut."""
         from ..data.datasets import DataSource
 
         return settings_of(DataSource, self)
@@ -273,7 +271,6 @@ class DataArguments:
         return settings_of(Augmentation, self, hflip=hflip)
 
     def sizes(self) -> BatchSizes:
-        """The sizes of the training batches: native aspect ratio and the sizes drawn per step."""
         from ..data.transforms import BatchSizes
 
         return settings_of(BatchSizes, self)
@@ -343,7 +340,6 @@ class VisionTransformerTrainingArguments(TrainingArguments):
     recipe_flags_given: list[str] = field(default_factory=list, init=False)
 
     def recipe_settings(self) -> RecipeSettings:
-        """The recipe's settings: the named recipe, layer decay, EMA, Mixup/CutMix and label smoothing."""
         minmax = tuple(self.cutmix_minmax) if self.cutmix_minmax else None
         given = frozenset(self.recipe_flags_given)
         smoothing = self.label_smoothing_factor
@@ -395,12 +391,12 @@ def parse_args(
     )
     if unknown:
         raise ValueError(unknown_flags_message(parser, unknown))
-    recipe = get_recipe(training_args.recipe) if training_args.recipe is not None else None
     passed = set(given)
     training_args.recipe_flags_given = sorted(passed)
-    if recipe is not None and recipe.base_batch is not None and "learning_rate" not in passed:
-        batch = training_args.per_device_train_batch_size * training_args.world_size
-        training_args.learning_rate = scaled_learning_rate(recipe, batch * training_args.gradient_accumulation_steps)
+    batch = training_args.per_device_train_batch_size * training_args.world_size
+    batch *= training_args.gradient_accumulation_steps
+    recipe = training_args.recipe_settings()
+    training_args.learning_rate = learning_rate_for_images(recipe, batch, training_args.learning_rate, log=False)
     check_recipe_flags(model_args, data_args, training_args, passed)
     check_model_flags(task, model_args, passed)
     check_packing_flags(model_args.objective, data_args, training_args)
@@ -441,12 +437,11 @@ EVALUATION_FLAGS = frozenset(
 )  # fmt: skip
 
 
-def check_evaluation_flags(passed: set[str]) -> list[str]:
+def check_evaluation_flags(passed: set[str]) -> None:
     """What `--do_train False` (measure the checkpoint as it is) does with the other flags given: those that would
     change the measured model (the model's flags: its size, patch size, adapters, architecture) are refused by name;
     those that shape training only (the training batch, the schedule, checkpoints, augmentation) have no effect and
-    get one warning line naming them, so that a training command re-run with --do_train False evaluates. Returns the
-    flags warned about."""
+    get one warning line naming them, so that a training command re-run with --do_train False evaluates."""
     ignored = sorted(passed - EVALUATION_FLAGS)
     model_flags = {item.name for item in dataclasses.fields(ModelArguments)}
     changing = [name for name in ignored if name in model_flags]
@@ -459,41 +454,34 @@ def check_evaluation_flags(passed: set[str]) -> list[str]:
         )
     if ignored:
         warn_idle(ignored, "--do_train False: {flags} shape training only and have no effect here.")
-    return ignored
 
 
-def check_idle_flags(model_args: ModelArguments, data_args: DataArguments, passed: set[str]) -> list[str]:
+def check_idle_flags(model_args: ModelArguments, data_args: DataArguments, passed: set[str]) -> None:
     """Warn, one line each, about the flags given that this run's other flags leave without effect (a flag that would
-    change nothing is said, not refused: a command line reused with one flag changed still runs). Returns the flags
-    warned about. (Those the objective has no use for, and `--keep_head` from scratch, are said where the model is
-    built.)"""
-    idle: list[str] = []
-
-    def warn(names: set[str], message: str) -> None:
-        given = sorted(names & passed)
-        if given:
-            warn_idle(given, message)
-            idle.extend(given)
-
-    if not model_args.lora_rank:
-        warn(
+    change nothing is said, not refused: a command line reused with one flag changed still runs). (Those the
+    objective has no use for, and `--keep_head` from scratch, are said where the model is built.)"""
+    for idle, names, message in (
+        (
+            not model_args.lora_rank,
             {"lora_alpha", "lora_dropout", "lora_target_modules"},
             "{flags} shape LoRA adapters, but --lora_rank is 0 (none): every weight is trained and the full model "
             "saved; these have no effect (pass --lora_rank, e.g. 8, to train adapters).",
-        )
-    if not data_args.streaming:
-        warn(
+        ),
+        (
+            not data_args.streaming,
             {"shuffle_buffer_size"},
             "{flags} shuffles a streamed data set (--streaming); this run loads it and shuffles it whole, so it has "
             "no effect.",
-        )
-    if not data_args.random_resized_crop:
-        warn(
+        ),
+        (
+            not data_args.random_resized_crop,
             {"crop_scale_min"},
             "{flags} sets the smallest area of a random resized crop, which --no_random_resized_crop turns off: it "
             "has no effect.",
-        )
-    return idle
+        ),
+    ):
+        if idle and (given := sorted(names & passed)):
+            warn_idle(given, message)
 
 
 def check_model_flags(task: str, model_args: ModelArguments, passed: set[str]) -> None:
@@ -661,11 +649,6 @@ def check_recipe_flags(model_args, data_args, training_args, passed: set[str]) -
         )
 
 
-# Flags a user guesses for the data, all of them `--dataset_name` here.
-DATA_LIKE_FLAGS = ("train_dir", "data_dir", "dataset", "data", "dataset_dir", "image_dir", "images", "train_data",
-                   "data_path", "dataset_path", "train_folder", "folder", "root")  # fmt: skip
-
-
 def refuse_unknown_flags(parser: HfArgumentParser) -> None:
     """Make `parser` say its errors as one `ValueError` (one `error:` line from the scripts), and take no
     abbreviation of a flag as the flag (`--data` is a guess to answer, not `--data_seed`)."""
@@ -719,7 +702,4 @@ def parse_args_or_exit(task: str, argv: list[str] | None = None):
 
 def flag_values(*arguments: Any) -> dict[str, Any]:
     """Every flag's value in the parsed dataclasses `arguments`, by name: what a named recipe's summary reports."""
-    values: dict[str, Any] = {}
-    for parsed in arguments:
-        values.update({name: getattr(parsed, name) for name in parsed.__dataclass_fields__})
-    return values
+    return {name: getattr(parsed, name) for parsed in arguments for name in parsed.__dataclass_fields__}

@@ -21,11 +21,8 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 def checkpoint_problems(path: str | os.PathLike) -> list[str]:
-    """What keeps the `checkpoint-N` folder `path` from being resumed exactly; empty when nothing does.
-
-    `Trainer` writes `trainer_state.json` last, so a folder without a readable one, or with truncated weights or
-    optimizer state, is what a run killed (or out of disk) while saving leaves behind.
-    """
+    """What keeps the `checkpoint-N` folder `path` from being resumed exactly (see the module); empty when nothing
+    does."""
     path = Path(path)
     problems = []
     state = path / "trainer_state.json"

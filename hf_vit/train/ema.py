@@ -83,28 +83,12 @@ class WeightAverage:
         """Put the averaged weights into the model for good (the end of a run: what it evaluates and saves)."""
         torch._foreach_copy_([p.detach() for p in self.params], self.averages)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: average.detach().cpu().contiguous() for name, average in zip(self.names, self.averages)}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor], source: str = "the EMA state") -> None:
-        if sorted(state) != sorted(self.names):
-            missing = sorted(set(self.names) - set(state))[:3]
-            extra = sorted(set(state) - set(self.names))[:3]
-            raise ValueError(
-                f"{source} does not average this model's trained parameters (missing {missing}, unknown {extra}): "
-                "it was written by a run of another model or adapter set-up. Resume with the flags of the run that "
-                "wrote it."
-            )
-        for name, average in zip(self.names, self.averages):
-            if state[name].shape != average.shape:
-                raise ValueError(f"{source}: {name} has shape {tuple(state[name].shape)}, the model {average.shape}.")
-            average.copy_(state[name])
-
     def save(self, folder: str | os.PathLike) -> None:
-        save_file(self.state_dict(), os.path.join(folder, EMA_FILE))
+        state = {name: average.detach().cpu().contiguous() for name, average in zip(self.names, self.averages)}
+        save_file(state, os.path.join(folder, EMA_FILE))
         give_weights_the_umask_mode(folder)
 
+    @torch.no_grad()
     def load(self, folder: str | os.PathLike) -> None:
         path = os.path.join(folder, EMA_FILE)
         if not os.path.isfile(path):
@@ -116,7 +100,18 @@ class WeightAverage:
             state = load_file(path, device=str(self.averages[0].device))
         except (OSError, SafetensorError) as error:
             raise ValueError(f"{path} is truncated or corrupted ({error}).") from error
-        self.load_state_dict(state, path)
+        if sorted(state) != sorted(self.names):
+            missing = sorted(set(self.names) - set(state))[:3]
+            extra = sorted(set(state) - set(self.names))[:3]
+            raise ValueError(
+                f"{path} does not average this model's trained parameters (missing {missing}, unknown {extra}): "
+                "it was written by a run of another model or adapter set-up. Resume with the flags of the run that "
+                "wrote it."
+            )
+        for name, average in zip(self.names, self.averages):
+            if state[name].shape != average.shape:
+                raise ValueError(f"{path}: {name} has shape {tuple(state[name].shape)}, the model {average.shape}.")
+            average.copy_(state[name])
 
 
 class EmaCallback(TrainerCallback):
@@ -126,8 +121,7 @@ class EmaCallback(TrainerCallback):
     Trainer writes `state_dict` beside them (`EMA_FILE`)."""
 
     def __init__(self, decay: float, warmup: bool = False) -> None:
-        check_ema_decay(decay, warmup)
-        self.decay, self.warmup = decay, warmup
+        self.decay, self.warmup = decay, warmup  # checked by `WeightAverage`
         self.average: WeightAverage | None = None
         self.resume_from: str | None = None
         self.finished = False

@@ -81,9 +81,7 @@ class PatchSizeDraw:
     def __init__(self, patch_sizes: Sequence[int], probabilities: Sequence[float] | None, seed: int) -> None:
         # `--patch_size_probs` is checked with the flags (`arguments.check_flexible_flags`)
         self.patch_sizes, self.seed = list(patch_sizes), seed
-        weights = torch.tensor(
-            probabilities if probabilities is not None else [1.0] * len(patch_sizes), dtype=torch.float64
-        )
+        weights = torch.tensor(probabilities or [1.0] * len(patch_sizes), dtype=torch.float64)
         self.cumulative = (weights / weights.sum()).cumsum(0).tolist()
 
     def __call__(self, step: int) -> int:

@@ -125,28 +125,20 @@ def check_lora_arguments(lora: LoraSettings, task: str) -> None:
         raise ValueError(PEFT_MISSING) from error
 
 
-def adapt(model: nn.Module, lora: LoraSettings, task: str, output_dir: str | os.PathLike) -> nn.Module:
+def adapt(model: nn.Module, lora: LoraSettings, output_dir: str | os.PathLike) -> nn.Module:
     """The run's adapter stage: with `--lora_rank`, `model` (the fine-tuning model, its problem type set) wrapped
     with LoRA adapters, its config written to `output_dir` first (what `load_lora_model` rebuilds on the base, with
     the interpolation its position embeddings were resampled with), the adapter naming its base as the user did.
-    Without `--lora_rank`, `model` as it is."""
+    Without `--lora_rank`, `model` as it is. (`check_lora_arguments` has checked the flags.)"""
     if not lora.rank:
         return model
-    check_lora_arguments(lora, task)
     model.config.position_interpolation = lora.interpolation
     model.config.save_pretrained(output_dir)  # the fine-tuning model the adapter belongs to
     base = os.path.expanduser(lora.base)
     if os.path.isdir(base):  # the adapter names it by its plain name: say where it is on this machine
         record = {"base_model_name_or_path": os.path.abspath(base)}
         write_beside(Path(output_dir) / LOCAL_BASE_FILE, json.dumps(record, indent=2) + "\n")
-    model = apply_lora(
-        model,
-        lora.rank,
-        lora.alpha,
-        lora.dropout,
-        lora.target_modules.split(","),
-        base_model_name_or_path=lora.base,
-    )
+    model = apply_lora(model, lora.rank, lora.alpha, lora.dropout, lora.target_modules.split(","), lora.base)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info("LoRA rank %d on %s: %d of %d parameters trained.", lora.rank, lora.target_modules, trained, total)

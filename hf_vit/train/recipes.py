@@ -10,15 +10,13 @@ from __future__ import annotations
 import argparse
 import logging
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from ..data.augment.mixing import Mixing
-from ..outputs.cards import card_value
-from .ema import EmaCallback
+from ..outputs.cards import card_value, training_recipe_text
 
 if TYPE_CHECKING:  # the settings' modules load the data set libraries, which parsing the flags does without
     from ..data.transforms import Augmentation, BatchSizes
@@ -50,11 +48,6 @@ def takes_weight_decay(name: str, parameter: nn.Parameter) -> bool:
     return parameter.ndim > 1 and not name.endswith(".bias") and name.rsplit(".", 1)[-1] not in NO_WEIGHT_DECAY_NAMES
 
 
-def count_blocks(names: Iterable[str]) -> int:
-    blocks = [int(m.group(1) or m.group(2)) for name in names if (m := _BLOCK.search(name))]
-    return max(blocks) + 1 if blocks else 0
-
-
 def layer_decay_param_groups(
     model: nn.Module, learning_rate: float, weight_decay: float, layer_decay: float
 ) -> list[dict[str, Any]]:
@@ -64,7 +57,8 @@ def layer_decay_param_groups(
     if not 0 < layer_decay <= 1:
         raise ValueError(f"--layer_decay must be in (0, 1] (e.g. 0.65 for ViT-B), got {layer_decay}.")
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    num_blocks = count_blocks(name for name, _ in model.named_parameters())
+    blocks = [int(m.group(1) or m.group(2)) for name, _ in model.named_parameters() if (m := _BLOCK.search(name))]
+    num_blocks = max(blocks, default=-1) + 1
     top = num_blocks + 1
     groups: dict[tuple[int, bool], dict[str, Any]] = {}
     for name, parameter in named:
@@ -89,14 +83,11 @@ def layer_decay_param_groups(
 
 def describe_param_groups(groups: list[dict[str, Any]]) -> str:
     """One line per group for the run's set-up: layer, lr scale, weight decay, parameter count."""
-    lines = []
-    for group in groups:
-        count = sum(p.numel() for p in group["params"])
-        lines.append(
-            f"layer {group['layer']}: lr x {group['lr_scale']:.4g}, weight decay {group['weight_decay']:g}, "
-            f"{len(group['params'])} tensors ({count:,} values)"
-        )
-    return "; ".join(lines)
+    return "; ".join(
+        f"layer {group['layer']}: lr x {group['lr_scale']:.4g}, weight decay {group['weight_decay']:g}, "
+        f"{len(group['params'])} tensors ({sum(p.numel() for p in group['params']):,} values)"
+        for group in groups
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -133,8 +124,7 @@ _DEIT_REGULARISATION = dict(
     recount=1,
 )
 RECIPES: dict[str, Recipe] = {
-    # The paper's section 4.1 and appendix B.1: Adam (beta1 0.9, beta2 0.999), weight decay 0.1, linear warmup then
-    # linear decay, clipping at global norm 1. Every value is only a default: any Trainer flag overrides it.
+    # Every value is only a default: any Trainer flag overrides it.
     "vit-pretrain": Recipe(
         name="vit-pretrain",
         source="Dosovitskiy et al. 2021, An Image is Worth 16x16 Words, section 4.1 and appendix B.1 (pretraining)",
@@ -148,7 +138,6 @@ RECIPES: dict[str, Recipe] = {
         ),
         selectable=False,
     ),
-    # The paper's fine-tuning: SGD with momentum 0.9, no weight decay, cosine decay, clipping at global norm 1.
     "vit-finetune": Recipe(
         name="vit-finetune",
         source="Dosovitskiy et al. 2021, An Image is Worth 16x16 Words, appendix B.1.1 (fine-tuning)",
@@ -163,9 +152,7 @@ RECIPES: dict[str, Recipe] = {
         ),
         selectable=False,
     ),
-    # Steiner et al. 2021, "How to train your ViT? Data, Augmentation, and Regularization in Vision Transformers":
-    # Adam, lr 1e-3 at batch 4096, decoupled weight decay 0.1, 10k of ~94k steps warmup then cosine, clipping at 1;
-    # the "medium1" augmentation (Mixup 0.2, RandAugment 2 ops at magnitude 15) with dropout and stochastic depth 0.1.
+    # AugReg: lr 1e-3 at batch 4096 (not scaled), 10k of ~94k steps warmup.
     "augreg": Recipe(
         name="augreg",
         source="Steiner et al. 2021, How to train your ViT? (AugReg), medium1 augmentation with regularisation 0.1",
@@ -184,10 +171,7 @@ RECIPES: dict[str, Recipe] = {
             rand_augment="rand-m15-n2-mmax15",
         ),
     ),
-    # Touvron et al. 2021, "Training data-efficient image transformers" (DeiT), table 9: AdamW, lr 5e-4 x batch/512,
-    # weight decay 0.05, cosine with 5 of 300 epochs warmup, label smoothing 0.1, stochastic depth 0.1, RandAugment
-    # rand-m9-mstd0.5-inc1, Mixup 0.8 and CutMix 1.0 (half each), random erasing 0.25 (one rectangle of per-pixel
-    # noise), EMA 0.99996, no clipping.
+    # DeiT: warmup 5 of 300 epochs.
     "deit": Recipe(
         name="deit",
         source="Touvron et al. 2021, Training data-efficient image transformers (DeiT), table 9",
@@ -205,10 +189,7 @@ RECIPES: dict[str, Recipe] = {
         left_out="repeated augmentation is not implemented; the EMA warms up (timm's "
         "ModelEmaV3 warmup) so that short runs do not average over their first steps",
     ),
-    # He et al. 2021, "Masked Autoencoders Are Scalable Vision Learners", appendix A.2 (end-to-end fine-tuning, after
-    # BEiT): AdamW (0.9, 0.999), lr 5e-4 x batch/256, weight decay 0.05, layer-wise decay 0.65 (ViT-B), 5 of 100
-    # epochs warmup then cosine, label smoothing 0.1, Mixup 0.8, CutMix 1.0, RandAugment (9, 0.5), random erasing
-    # 0.25, drop path 0.1.
+    # MAE's end-to-end fine-tuning (after BEiT): warmup 5 of 100 epochs.
     "finetune": Recipe(
         name="finetune",
         source="He et al. 2021, Masked Autoencoders Are Scalable Vision Learners, appendix A.2 (fine-tuning, ViT-B)",
@@ -297,13 +278,13 @@ class RecipeSettings:
     label_smoothing: float = 0.0
 
 
-def learning_rate_for_images(recipe: RecipeSettings, images: float, log: bool = True) -> float | None:
-    """A named recipe's learning rate for a global batch of `images` images, where the flags counted the batch in
-    something else (packed batches: rows; `images` is the mean a global batch holds); None where the run's rate is
-    not the recipe's scaled one (no named recipe, one without scaling, or `--learning_rate` given). `log`: say so."""
+def learning_rate_for_images(recipe: RecipeSettings, images: float, rate: float, log: bool = True) -> float:
+    """A named recipe's learning rate for a global batch of `images` images (packed batches: the mean a global batch
+    holds, not its rows); `rate` where the run's rate is not the recipe's scaled one (no named recipe, one without
+    scaling, or `--learning_rate` given). `log`: say so."""
     named = get_recipe(recipe.name) if recipe.name is not None else None
     if named is None or named.base_batch is None or "learning_rate" in recipe.given:
-        return None
+        return rate
     rate = scaled_learning_rate(named, images)
     if log:
         logger.info(
@@ -312,10 +293,6 @@ def learning_rate_for_images(recipe: RecipeSettings, images: float, log: bool = 
             rate, named.name, named.flags["learning_rate"], named.base_batch, images,
         )  # fmt: skip
     return rate
-
-
-def ema_callback(recipe: RecipeSettings) -> EmaCallback | None:
-    return None if recipe.ema_decay is None else EmaCallback(recipe.ema_decay, recipe.ema_warmup)
 
 
 def mixing_for(recipe: RecipeSettings, config: Any = None, enabled_only: bool = True) -> Mixing | None:
@@ -371,28 +348,20 @@ def regularisation_text(recipe: RecipeSettings, augmentation: Augmentation, mode
     return ("Regularisation and augmentation: " + ", ".join(parts) + ".") if parts else ""
 
 
-def recipe_card_text(
-    optimiser_text: str,
-    recipe: RecipeSettings,
-    augmentation: Augmentation,
-    model: ModelSettings,
-    sizes: BatchSizes,
-    per_device_batch: int,
-    values: dict[str, Any],
-    streaming: bool = False,
-) -> str:
-    """The card's recipe line: the optimiser and schedule (`optimiser_text`), the regularisation, the sizes drawn
-    per step (`streaming`: whether the training split was streamed, which packs fixed numbers of images), and the
-    named recipe with the values it ran with (`values`: every flag's), if any."""
-    text = " ".join(filter(None, [optimiser_text, regularisation_text(recipe, augmentation, model)]))
-    text += drawn_sizes_text(sizes, per_device_batch, streaming)
+def recipe_card_text(run: Any, training_args: Any) -> str:
+    """The card's recipe line of `run` (a `training.Run`): the optimiser and schedule (`training_recipe_text`), the
+    regularisation, the sizes drawn per step, and the named recipe with the values it ran with, if any."""
+    recipe, augmentation = run.recipe, run.augmentation
+    optimiser_text = training_recipe_text(run.task, training_args)
+    text = " ".join(filter(None, [optimiser_text, regularisation_text(recipe, augmentation, run.model)]))
+    text += drawn_sizes_text(run.sizes, training_args.per_device_train_batch_size, run.source.streaming)
     if augmentation.token_drop_rate:
         text += (
             f" NaViT token dropping: each training image kept a random {1 - augmentation.token_drop_rate:g} of its "
             "patches (drawn per image and epoch); evaluation kept all."
         )
     if recipe.name is not None:
-        text += " Named " + recipe_summary(get_recipe(recipe.name), values, set(recipe.given))
+        text += " Named " + recipe_summary(get_recipe(recipe.name), run.values, set(recipe.given))
     return text
 
 

@@ -46,14 +46,9 @@ class SeededAugmentation(torch.utils.data.Dataset):
     This is what makes resuming exact: the data loader fetches batches ahead (accelerate one batch, workers
     several), so with the global stream an interrupted and an uninterrupted run augment the batches after the
     checkpoint with different numbers. The epoch lives in shared memory so that persistent workers see it change.
-    An `(index, max_num_patches)` key (from `flexible.SeqLenBatchSampler`) fetches example `index` at that number of
-    patches: the number travels with the key to the transform, which takes it as an argument. An `(index,
-    max_num_patches, row)` key (from `packed_batches.PackedBatchSampler`) also marks the example with the row of its
-    packed batch it was planned in (`transforms.PACKED_ROW`), for the collator.
-
-    With `transform` (a batch transform), `data` holds the raw rows and each is transformed here, as a batch of one
-    (as datasets' `with_transform` applies it), so that the transform can be given the key's number of patches;
-    without, `data[index]` is the example.
+    An `(index, max_num_patches[, row])` key (from `SeqLenBatchSampler`, `PackedBatchSampler`) fetches example `index`
+    at that number of patches, passed to `transform` (applied here to the raw row as a batch of one), and marks it
+    with the packed batch's row it was planned in (`transforms.PACKED_ROW`), for the collator.
     """
 
     def __init__(self, data, seed: int, transform: Callable | None = None) -> None:
@@ -70,20 +65,16 @@ class SeededAugmentation(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int | tuple[int, int] | tuple[int, int, int]):
         index, max_num_patches, *row = index if isinstance(index, tuple) else (index, None)
-        example = self._fetch(index, max_num_patches)
-        return {**example, PACKED_ROW: row[0]} if row else example
-
-    def _fetch(self, index: int, max_num_patches: int | None):
         with torch.random.fork_rng(devices=[]):
             # The CPU generator only, as fork_rng restores: `torch.manual_seed` would also queue (or, where CUDA is
             # up, do) a reseeding of every accelerator's generator per example, each call formatting a stack.
             torch.default_generator.manual_seed(seeded_int(self.seed, int(self.epoch), index))
-            if self.transform is None:
-                return self.data[index]
-            batch = {name: [value] for name, value in self.data[index].items()}
-            sizes = {} if max_num_patches is None else {"max_num_patches": max_num_patches}
-            batch = self.transform(batch, **sizes)
-            return {name: values[0] for name, values in batch.items()}
+            example = self.data[index]
+            if self.transform is not None:
+                sizes = {} if max_num_patches is None else {"max_num_patches": max_num_patches}
+                batch = self.transform({name: [value] for name, value in example.items()}, **sizes)
+                example = {name: values[0] for name, values in batch.items()}
+        return {**example, PACKED_ROW: row[0]} if row else example
 
 
 class EpochToDataset(TrainerCallback):
@@ -99,19 +90,11 @@ class EpochToDataset(TrainerCallback):
 
 class VisionTransformerTrainer(Trainer):
     """`Trainer` with the guarantees the scripts promise and the recipes' parts, each Trainer method overridden once,
-    here, in the order a run calls them. What a run adds is given to the constructor: `layer_decay` (the optimiser's
-    groups from `recipes.layer_decay_param_groups`), `mixing` (each training batch mixed on its way into
-    `training_step`, seeded by the run's seed, the step and the batch's place in it, and learnt with soft-target
-    cross-entropy, or the sigmoid cross-entropy of multi-label models), `ema` (an `ema.EmaCallback`: evaluation during
-    training sees the average, and every checkpoint holds it, written before Trainer's state), `seq_len_sampler` and
-    `packed_sampler` (the training batches come from them), `patch_size_draw` (each step trains at the patch size it
-    draws) and `run_record` (the push of the output folder sends only what this run wrote there).
-
-    And always: every push sends exactly the files the project's upload plan lists (`hf_vit.outputs.push`), in one
-    commit each, and the token never reaches disk (it is taken out of the arguments Trainer pickles into every
-    checkpoint); evaluation does not consume the training's random numbers, so a checkpoint saved right before an
-    evaluation resumes to the same weights; a checkpoint that cannot be written (a full disk) stops the run with the
-    folder and the free space named. Private Trainer methods are overridden only where Trainer has no public hook.
+    in the order a run calls them. Training batches are mixed (`mixing`) seeded by the run's seed, the step and the
+    batch's place in it; evaluation sees the EMA's average (`ema`) and consumes none of the training's random
+    numbers; every push sends exactly the upload plan's files (`hf_vit.outputs.push`; of a run's folder, only what
+    `run_record` says it wrote), and the token never reaches the arguments Trainer pickles into checkpoints.
+    Private Trainer methods are overridden only where Trainer has no public hook.
     """
 
     def __init__(
@@ -123,7 +106,6 @@ class VisionTransformerTrainer(Trainer):
         seq_len_sampler: SeqLenBatchSampler | None = None,
         patch_size_draw: PatchSizeDraw | None = None,
         packed_sampler: PackedBatchSampler | None = None,
-        run_record: RunRecord | None = None,
         **kwargs: Any,
     ) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -133,7 +115,7 @@ class VisionTransformerTrainer(Trainer):
         self.layer_decay, self.mixing, self.ema = layer_decay, mixing, ema
         self.seq_len_sampler, self.patch_size_draw = seq_len_sampler, patch_size_draw
         self.packed_sampler = packed_sampler
-        self.run_record = run_record
+        self.run_record: RunRecord | None = None  # set by the run
         self._mixing_step: tuple[int, int] = (-1, 0)  # (optimisation step, batch within it) of the last mixing
         # Packed batches: (images per process, batches) of the optimisation step's accumulated batches (the images
         # the mean of all processes'), and the images trained.
@@ -185,11 +167,8 @@ class VisionTransformerTrainer(Trainer):
     def create_optimizer(self, model=None):
         if self.layer_decay is None or self.optimizer is not None:
             return super().create_optimizer(model)
-        opt_model = self.model if model is None else model
-        if self.optimizer_cls_and_kwargs is not None:
-            optimizer_cls, kwargs = self.optimizer_cls_and_kwargs
-        else:
-            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, opt_model)
+        model = self.model if model is None else model
+        optimizer_cls, kwargs = self.optimizer_cls_and_kwargs or self.get_optimizer_cls_and_kwargs(self.args, model)
         if {"params", "model", "optimizer_dict"} & set(kwargs) or not isinstance(optimizer_cls, type):
             raise ValueError(
                 f"--layer_decay builds the optimiser's parameter groups, which --optim {self.args.optim} builds "
@@ -197,7 +176,7 @@ class VisionTransformerTrainer(Trainer):
             )
         kwargs = dict(kwargs)
         learning_rate = kwargs.pop("lr", self.args.learning_rate)
-        groups = layer_decay_param_groups(opt_model, learning_rate, self.args.weight_decay, self.layer_decay)
+        groups = layer_decay_param_groups(model, learning_rate, self.args.weight_decay, self.layer_decay)
         if self.args.process_index == 0:
             logger.info("Layer-wise learning-rate decay %g: %s.", self.layer_decay, describe_param_groups(groups))
         groups = [{key: value for key, value in g.items() if key != "param_names"} for g in groups]
@@ -227,11 +206,8 @@ class VisionTransformerTrainer(Trainer):
         #
         # Packed batches hold a number of images that varies: the step's images are counted here, so that each image
         # weighs the same in the step's gradient whatever its batch holds (`compute_loss`).
-        if self.state.global_step == 0:
+        with nullcontext() if self.state.global_step == 0 else torch.random.fork_rng(devices=[]):
             fetched = super().get_batch_samples(epoch_iterator, num_batches, device)
-        else:
-            with torch.random.fork_rng(devices=[]):
-                fetched = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.packed_sampler is not None:
             batches, images = fetched[0], sum(_images_in(batch) for batch in fetched[0])
             if self.args.world_size > 1:  # DDP averages the processes' gradients: count every process's images
@@ -332,13 +308,13 @@ class VisionTransformerTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         # Private: the one place every save of the model passes (final, checkpoint, push) on the saving process.
         super()._save(output_dir, state_dict)
+        folder = output_dir or self.args.output_dir
         if self.args.should_save:  # peft's adapter file too, written as safetensors' private 0600
-            give_weights_the_umask_mode(output_dir or self.args.output_dir)
+            give_weights_the_umask_mode(folder)
         if self.args.should_save and hasattr(self.model, "peft_config"):
             # A LoRA checkpoint holds peft's adapter and, as the run's folder does, the fine-tuning model's config
             # (classes, size, head) it applies to: loadable and pushable on its own. peft's template card is no card
             # of this project's (the run writes its own at the end).
-            folder = output_dir or self.args.output_dir
             self.model.get_base_model().config.save_pretrained(folder)
             card = os.path.join(folder, CARD_FILE)
             if os.path.isfile(card) and not os.path.islink(card):
@@ -468,42 +444,28 @@ class RunSetupCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state, control, **kwargs: Any) -> None:
         if not state.is_world_process_zero:
             return
-        per_device = args.per_device_train_batch_size
-        accumulation = args.gradient_accumulation_steps
-        sampler = self.seq_len_sampler
+        per_device, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+        scale = args.world_size * accumulation
+        epochs, batch = f"{state.num_train_epochs:g} epochs", f"batch {per_device} per device"
+        total: int | str | None = per_device * scale  # the global batch, said where it is one
+        sampler, packed = self.seq_len_sampler, self.packed_sampler
         if sampler is not None:
+            epochs += f" of {len(sampler.schedule)} steps"
             sizes = ", ".join(f"{sampler.batch_size_for(s)} at {s} patches" for s in sampler.seq_lens)
-            logger.info(
-                "Run set-up: %d training examples, %g epochs of %d steps, a sequence length drawn per step: batches "
-                "of %s per device (%d patches each) x %d process(es) x %d accumulation step(s), %d optimisation "
-                "steps.",
-                self.num_examples, state.num_train_epochs, len(sampler.schedule), sizes,
-                sampler.max_tokens_per_batch, args.world_size, accumulation, state.max_steps,
-            )  # fmt: skip
-            return
-        packed = self.packed_sampler
-        if packed is not None:
+            batch = f"a sequence length drawn per step: batches of {sizes} per device "
+            batch += f"({sampler.max_tokens_per_batch} patches each)"
+            total = None
+        elif packed is not None:
+            epochs += f" of {-(-len(packed) // args.world_size // accumulation)} steps"
             mean = packed.images_per_batch()
-            logger.info(
-                "Run set-up: %d training examples, %g epochs of %d steps, batch %d rows of %d patch slots per device "
-                "(%s) x %d process(es) x %d accumulation step(s) = global batch %d rows (%s), %d optimisation steps.",
-                self.num_examples, state.num_train_epochs, -(-len(packed) // args.world_size // accumulation),
-                per_device, packed.packed_sequence_length,
-                "a varying number of images" if mean is None else f"{mean:.1f} images on average",
-                args.world_size, accumulation, per_device * args.world_size * accumulation,
-                "images that vary" if mean is None else f"{mean * args.world_size * accumulation:.1f} images",
-                state.max_steps,
-            )  # fmt: skip
-            return
+            images = "a varying number of images" if mean is None else f"{mean:.1f} images on average"
+            batch = f"batch {per_device} rows of {packed.packed_sequence_length} patch slots per device ({images})"
+            total = f"{total} rows ({'images that vary' if mean is None else f'{mean * scale:.1f} images'})"
+        elif self.num_examples is None:  # Trainer counts a stream's epochs as sys.maxsize, and stops at --max_steps
+            epochs = "unknown (streamed) epochs"
         logger.info(
-            "Run set-up: %s training examples, %s epochs, batch %d per device x %d process(es) x %d accumulation "
-            "step(s) = global batch %d, %d optimisation steps.",
-            "unknown (streamed)" if self.num_examples is None else self.num_examples,
-            # A stream has no length: Trainer counts its epochs as sys.maxsize and stops at --max_steps.
-            "unknown (streamed)" if self.num_examples is None else f"{state.num_train_epochs:g}",
-            per_device,
-            args.world_size,
-            accumulation,
-            per_device * args.world_size * accumulation,
-            state.max_steps,
-        )
+            "Run set-up: %s training examples, %s, %s x %d process(es) x %d accumulation step(s)%s, %d optimisation "
+            "steps.",
+            "unknown (streamed)" if self.num_examples is None else self.num_examples, epochs, batch, args.world_size,
+            accumulation, "" if total is None else f" = global batch {total}", state.max_steps,
+        )  # fmt: skip

@@ -27,7 +27,7 @@ from ..data.transforms import Augmentation, BatchSizes, check_eval_images, check
 from ..flags import exit_on_error, parse_sizes, warn_idle
 from ..infer.compute_dial import compute_dial_after_training
 from ..infer.evaluate import evaluate_checkpoint
-from ..outputs.cards import training_recipe_text, write_model_card
+from ..outputs.cards import write_model_card
 from ..outputs.output_folders import (
     check_not_the_base,
     check_outside_data_set,
@@ -39,15 +39,15 @@ from ..outputs.output_folders import (
 from ..outputs.run_record import RunRecord, remove_earlier_run_files
 from ..tasks.model_setup import ModelSettings, processor_for
 from ..tasks.objectives import Objective, select_objective
-from ..tasks.training_transforms import training_splits
+from ..tasks.training_transforms import TRAINING_TRANSFORMS
 from .arguments import DataArguments, ModelArguments, VisionTransformerTrainingArguments, flag_values, parse_args
 from .checkpoints import resolve_resume, resumable_checkpoint
+from .ema import EmaCallback
 from .evaluation import final_evaluation
 from .flexible import PatchSizeDraw, SeqLenBatchSampler, check_patch_sizes
 from .lora import LoraSettings, adapt, check_lora_arguments, lora_summary
 from .recipes import (
     RecipeSettings,
-    ema_callback,
     learning_rate_for_images,
     log_recipe,
     mixing_for,
@@ -186,14 +186,11 @@ def _run(
         "--num_channels" if run.model.num_channels else f"--model_name_or_path {run.model.model_name_or_path}"
     )
     check_image_channels(raw, processor, model.config.num_channels, channels_from)
-    model = adapt(model, run.lora, task, training_args.output_dir)
+    model = adapt(model, run.lora, training_args.output_dir)
     if objective.check_sizes is not None:
         objective.check_sizes(run.sizes.max_num_patches, run.sizes.seq_lens, run.sizes.patch_sizes)
-    ds = training_splits(objective, raw, run.augmentation, processor, model.config)
-    trainer = build_trainer(
-        objective, model, processor, ds, training_args, callbacks, run.sizes, run.recipe,
-        run.augmentation.token_drop_rate,
-    )  # fmt: skip
+    ds = TRAINING_TRANSFORMS[objective.name](raw, run.augmentation, processor, model.config)
+    trainer = build_trainer(run, objective, model, processor, ds, training_args, callbacks)
     run.values["learning_rate"] = training_args.learning_rate  # packed batches: scaled by their images
     if training_args.process_index == 0:
         log_recipe(run.recipe, run.values)
@@ -226,23 +223,11 @@ def _run(
 
 
 def build_trainer(
-    objective: Objective,
-    model,
-    processor,
-    ds,
-    training_args: TrainingArguments,
-    callbacks: list,
-    sizes: BatchSizes | None = None,
-    recipe: RecipeSettings | None = None,
-    token_drop_rate: float = 0.0,
+    run: Run, objective: Objective, model, processor, ds, training_args: TrainingArguments, callbacks: list
 ) -> VisionTransformerTrainer:
     """The run's Trainer: the objective's collator and metrics; an in-memory training split augmented reproducibly
-    (`SeededAugmentation`, told each epoch); the recipe's parts and the sizes drawn per step. With
-    `--packed_sequence_length`, the batches of an in-memory split are planned by `PackedBatchSampler`
-    (`--per_device_train_batch_size` rows of patch slots, as many whole images as fill them; `token_drop_rate`: the
-    share of each image's patches the training transform drops, planned for); a stream's batches of
-    `--per_device_train_batch_size` images are packed into as many rows as they need."""
-    sizes, recipe = sizes or BatchSizes(), recipe or RecipeSettings()
+    (`SeededAugmentation`, told each epoch); the recipe's parts, the sizes drawn per step and packed batches."""
+    sizes, recipe = run.sizes, run.recipe
     callbacks, num_examples = list(callbacks), None
     if not isinstance(ds["train"], datasets.IterableDataset):
         # The split's transform is applied by `SeededAugmentation`, which gives it each batch's own number of
@@ -254,38 +239,13 @@ def build_trainer(
     seq_len_sampler, patch_size_draw = flexible_sizes(ds["train"], model, sizes, training_args)
     collator, packed_sampler = objective.collator, None
     if sizes.packed_sequence_length is not None:  # the batch's images packed into rows (`collate_fn`)
-        length, rows = sizes.packed_sequence_length, training_args.per_device_train_batch_size
-        if num_examples is None:
-            collator = partial(collator, packed_sequence_length=length)
-            message = (
-                "Packed sequences on a stream (whose images' sizes are not known ahead): each batch's %d images (at "
-                "most %d patches each) packed whole into rows of %d patch slots; the number of rows varies per batch.",
-                rows, sizes.max_num_patches, length,
-            )  # fmt: skip
-        else:
-            packed_sampler = packed_batches(ds["train"], processor, sizes, token_drop_rate, training_args)
-            # A recipe's learning rate scales with a global batch's images (their mean; with --dataloader_drop_last
-            # leaving rows out, the mean per row's times the rows)
-            per_batch = packed_sampler.images_per_batch() or packed_sampler.num_images_per_row() * rows
-            images = per_batch * training_args.world_size * training_args.gradient_accumulation_steps
-            rate = learning_rate_for_images(recipe, images, log=training_args.process_index == 0)
-            training_args.learning_rate = training_args.learning_rate if rate is None else rate
-            collator = partial(collator, packed_sequence_length=length, packed_rows=rows)
-            message = (
-                "Packed sequences: each batch is %d rows of %d patch slots per device, holding as many whole images "
-                "(at most %d patches each%s) as fill them: %s, %d batch(es) per epoch.",
-                rows, length, sizes.max_num_patches, ", fewer kept by token dropping" if token_drop_rate else "",
-                "a number of images per batch that varies" if (mean := packed_sampler.images_per_batch()) is None
-                else f"{mean:.1f} images per batch on average, in every epoch", len(packed_sampler),
-            )  # fmt: skip
-        if training_args.process_index == 0:
-            logger.info(*message)
+        collator, packed_sampler = packed_batches(collator, ds["train"], processor, run, training_args)
     native = sizes.max_num_patches is not None and sizes.seq_lens is None and sizes.patch_sizes is None
     if native and num_examples is not None and training_args.process_index == 0:
-        _log_padding(ds["train"], processor, sizes, token_drop_rate, packed_sampler, training_args)
+        _log_padding(ds["train"], processor, sizes, run.augmentation.token_drop_rate, packed_sampler, training_args)
     # The average goes into the model at the end of training before the caller's callbacks see it.
-    ema = ema_callback(recipe)
-    ema_list = [ema] if ema else []
+    ema = None if recipe.ema_decay is None else EmaCallback(recipe.ema_decay, recipe.ema_warmup)
+    setup = RunSetupCallback(num_examples, seq_len_sampler, packed_sampler)
     training_args.label_names = list(objective.label_names)
     return VisionTransformerTrainer(
         model=model,
@@ -296,7 +256,7 @@ def build_trainer(
         compute_metrics=objective.compute_metrics,
         preprocess_logits_for_metrics=objective.preprocess_logits,
         processing_class=processor,
-        callbacks=[RunSetupCallback(num_examples, seq_len_sampler, packed_sampler), *ema_list, *callbacks],
+        callbacks=[setup, *([ema] if ema else []), *callbacks],
         layer_decay=recipe.layer_decay,
         mixing=mixing_for(recipe, model.config),
         ema=ema,
@@ -319,22 +279,46 @@ def _log_padding(train, processor, sizes: BatchSizes, token_drop_rate: float, pa
 
 
 def packed_batches(
-    train: SeededAugmentation, processor, sizes: BatchSizes, token_drop_rate: float, training_args: TrainingArguments
-) -> PackedBatchSampler:
-    """The batch sampler of a packed run on an in-memory split: each training image's patches read from its size
-    (`planned_patches`: the header of an encoded image), planned into batches of `--per_device_train_batch_size`
-    rows of `--packed_sequence_length` slots, dealt out to the run's processes."""
-    budgets, counts = training_patches(train, processor, sizes, token_drop_rate)
-    return PackedBatchSampler(
-        counts,
-        training_args.per_device_train_batch_size,
-        sizes.packed_sequence_length,
-        training_args.seed,
-        training_args.world_size,
-        budgets=budgets,
-        dataset=train,
-        drop_partial=training_args.dataloader_drop_last,
-    )
+    collator, train, processor, run: Run, training_args: TrainingArguments
+) -> tuple[partial, PackedBatchSampler | None]:
+    """`--packed_sequence_length`'s collator and batch sampler. An in-memory split's batches are planned by
+    `PackedBatchSampler` from each training image's patches (read from its size: `planned_patches`, the header of an
+    encoded image; token dropping's share planned for): `--per_device_train_batch_size` rows of patch slots, as many
+    whole images as fill them, dealt out to the run's processes. A stream's batches of `--per_device_train_batch_size`
+    images are packed into as many rows as they need (no sampler)."""
+    sizes, token_drop_rate = run.sizes, run.augmentation.token_drop_rate
+    length, rows = sizes.packed_sequence_length, training_args.per_device_train_batch_size
+    if isinstance(train, datasets.IterableDataset):
+        sampler, collator = None, partial(collator, packed_sequence_length=length)
+        message = (
+            "Packed sequences on a stream (whose images' sizes are not known ahead): each batch's %d images (at "
+            "most %d patches each) packed whole into rows of %d patch slots; the number of rows varies per batch.",
+            rows, sizes.max_num_patches, length,
+        )  # fmt: skip
+    else:
+        budgets, counts = training_patches(train, processor, sizes, token_drop_rate)
+        sampler = PackedBatchSampler(
+            counts, rows, length, training_args.seed, training_args.world_size, budgets=budgets, dataset=train,
+            drop_partial=training_args.dataloader_drop_last,
+        )  # fmt: skip
+        # A recipe's learning rate scales with a global batch's images (their mean; with --dataloader_drop_last
+        # leaving rows out, the mean per row's times the rows)
+        per_batch = sampler.images_per_batch() or sampler.num_images_per_row() * rows
+        images = per_batch * training_args.world_size * training_args.gradient_accumulation_steps
+        training_args.learning_rate = learning_rate_for_images(
+            run.recipe, images, training_args.learning_rate, log=training_args.process_index == 0
+        )
+        collator = partial(collator, packed_sequence_length=length, packed_rows=rows)
+        message = (
+            "Packed sequences: each batch is %d rows of %d patch slots per device, holding as many whole images "
+            "(at most %d patches each%s) as fill them: %s, %d batch(es) per epoch.",
+            rows, length, sizes.max_num_patches, ", fewer kept by token dropping" if token_drop_rate else "",
+            "a number of images per batch that varies" if (mean := sampler.images_per_batch()) is None
+            else f"{mean:.1f} images per batch on average, in every epoch", len(sampler),
+        )  # fmt: skip
+    if training_args.process_index == 0:
+        logger.info(*message)
+    return collator, sampler
 
 
 def flexible_sizes(
@@ -380,16 +364,7 @@ def write_outputs(trainer, run: Run, training_args: TrainingArguments, metrics: 
         repo_id=trainer.hub_model_id or training_args.hub_model_id,
         base_model=base if task == "finetune" else None,
         summary=lora_summary(run.lora.rank, run.lora.target_modules, base) if run.lora.rank else None,
-        recipe=recipe_card_text(
-            training_recipe_text(task, training_args),
-            run.recipe,
-            run.augmentation,
-            run.model,
-            run.sizes,
-            training_args.per_device_train_batch_size,
-            run.values,
-            run.source.streaming,
-        ),  # fmt: skip
+        recipe=recipe_card_text(run, training_args),
         compute_dial=dial.name if dial else None,
     )
     if trainer.run_record is not None:
