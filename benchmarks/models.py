@@ -18,12 +18,9 @@ from .timing import autocast, logits_of
 
 def hf_vit_config(settings: BenchmarkSettings, image_size: int | None = None) -> VisionTransformerConfig:
     """The preset's config with dropout off and a non-zero head (a zero head would make the logits check trivial)."""
-    fields = dict(num_labels=settings.num_labels, zero_init_head=False, hidden_dropout_prob=0.0)
-    fields.update(attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
-    if settings.num_hidden_layers is not None:
-        fields["num_hidden_layers"] = settings.num_hidden_layers
-    if image_size or settings.image_size:
-        fields["image_size"] = image_size or settings.image_size
+    fields = dict(num_labels=settings.num_labels, zero_init_head=False, hidden_dropout_prob=0.0, drop_path_rate=0.0)
+    sizes = dict(num_hidden_layers=settings.num_hidden_layers, image_size=image_size or settings.image_size)
+    fields.update({key: value for key, value in sizes.items() if value is not None}, attention_probs_dropout_prob=0.0)
     return VisionTransformerConfig.from_preset(settings.model, **fields)
 
 
@@ -51,10 +48,8 @@ def transformers_from_hf_vit(model: VisionTransformerForImageClassification) -> 
     same = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act")
     same += ("layer_norm_eps", "patch_size", "num_channels", "qkv_bias", "num_labels")
     fields = {name: getattr(config, name) for name in same}
-    reference_config = ViTConfig(
-        **fields, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, image_size=height
-    )
-    reference = ViTForImageClassification._from_config(reference_config, attn_implementation="sdpa")
+    fields.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, image_size=height)
+    reference = ViTForImageClassification._from_config(ViTConfig(**fields), attn_implementation="sdpa")
     state = hf_vit_to_transformers_module_state_dict(model.state_dict())
     reference.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=True)
     return reference.to(next(model.parameters()).device)

@@ -1,21 +1,25 @@
-"""Timing: alternating rounds, medians of the undisturbed samples, the machine's matmul peak, and the training and
-inference steps that are timed. On CUDA every sample is bracketed by `torch.cuda.synchronize`, so it measures the
-GPU's work and not only the launches; on CPU the other processes' CPU use during a sample marks it as disturbed."""
+"""Timing: alternating rounds, medians of the undisturbed samples, the machine's matmul peak, the training and
+inference steps that are timed, and their peak memory. On CUDA every sample is bracketed by `torch.cuda.synchronize`,
+so it measures the GPU's work and not only the launches; on CPU the other processes' CPU use during a sample marks it
+as disturbed. Peak memory: `torch.cuda.max_memory_allocated` on a GPU; on CPU the peak of torch's CPU tensor
+allocations (from the profiler's memory events) and, as a lower bound, the growth of the peak resident set. Where a
+training step's time goes, by category of op (torch.profiler; CUDA kernel time where on a GPU)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import os
+import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .memory import measure_memory
 from .settings import DTYPES
 
 
@@ -26,10 +30,7 @@ def synchronize(device: torch.device) -> None:
 
 def autocast(device: torch.device, dtype: str):
     """bf16 autocast (fp32 master weights), or nothing for fp32."""
-    target = DTYPES[dtype]
-    if target is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=target)
+    return torch.autocast(device.type, DTYPES[dtype]) if DTYPES[dtype] else contextlib.nullcontext()
 
 
 MODES = ("train", "infer")
@@ -117,21 +118,13 @@ def matmul_flops_per_s(device: torch.device, dtype: str, size: int, repeats: int
     return {**result, "disturbed_samples": len(sample["clean"]) - sum(sample["clean"])}
 
 
-SDPA_BACKENDS = {
-    "flash": "FLASH_ATTENTION",
-    "efficient": "EFFICIENT_ATTENTION",
-    "cudnn": "CUDNN_ATTENTION",
-    "math": "MATH",
-}
-
-
 def sdpa_backend(name: str | None):
     """A context restricting `scaled_dot_product_attention` to one backend (None: torch's own choice)."""
     if name is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
+    return sdpa_kernel(getattr(SDPBackend, "MATH" if name == "math" else f"{name.upper()}_ATTENTION"))
 
 
 def logits_of(output) -> torch.Tensor:
@@ -181,12 +174,11 @@ def benchmark_models(
     repeats: int,
     memory: bool,
     optimizers: dict[str, torch.optim.Optimizer],
-    modes: Sequence[str] = MODES,
 ) -> dict[str, dict]:
     """Training-step and inference seconds (samples per repeat) and optionally peak memory of every model."""
     device = pixel_values.device
     results: dict[str, dict] = {name: {} for name in models}
-    for mode in modes:
+    for mode in MODES:
         steps_fns = {
             name: make_train_step(model.train(), optimizers[name], pixel_values, labels, dtype)
             if mode == "train"
@@ -228,3 +220,158 @@ def budget_spent(budget_s: float | None, start: float) -> str | None:
         if budget_s is not None and elapsed > budget_s
         else None
     )
+
+
+def _proc_status_kib(field_name: str) -> int | None:
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        return next((int(line.split()[1]) for line in status if line.startswith(field_name + ":")), None)
+    return None
+
+
+def peak_rss_growth_mb(step: Callable[[], None]) -> float | None:
+    """Growth of the resident set (VmHWM, reset first via /proc/self/clear_refs, - VmRSS before) over one call, in MiB,
+    None where unsupported: pages newly taken from the OS only, so a lower bound after warm-up."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        return None
+    before = _proc_status_kib("VmRSS")
+    step()
+    peak = _proc_status_kib("VmHWM")
+    if before is None or peak is None:
+        return None
+    return max(peak - before, 0) / 1024
+
+
+def peak_tensor_memory_cpu_mb(step: Callable[[], None]) -> float | None:
+    """Peak of the CPU tensor bytes live during one call above those live before it, in MiB, from torch.profiler's
+    allocation events: the CPU counterpart of `torch.cuda.max_memory_allocated` (less what was live before)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:
+        return None
+    changes = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in events
+        if event.name() == "[memory]" and str(event.device_type()).endswith("CPU")
+    )
+    running = peak = 0
+    for _, nbytes in changes:
+        running += nbytes
+        peak = max(peak, running)
+    return peak / 2**20
+
+
+def measure_memory(step: Callable[[], None], device: torch.device) -> dict[str, float | None]:
+    """Peak memory of one call of `step` (which has run before, so optimiser state exists)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return {"peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+    return {"peak_mem_mb": peak_tensor_memory_cpu_mb(step), "peak_rss_growth_mb": peak_rss_growth_mb(step)}
+
+
+def memory_metric_description(device: torch.device) -> dict[str, str]:
+    if device.type == "cuda":
+        return {
+            "peak_mem_mb": "torch.cuda.max_memory_allocated over one step after reset_peak_memory_stats (MiB): "
+            "weights, gradients, optimiser state and activations",
+        }
+    return {
+        "peak_mem_mb": "peak CPU tensor memory allocated during one step above what was live before it (MiB), from "
+        "torch.profiler's allocation events (the CPU counterpart of max_memory_allocated less weights and "
+        "optimiser state)",
+        "rss_growth_lower_bound_mb": "(not compared) growth of the process's peak resident set (VmHWM after "
+        "resetting it via /proc/self/clear_refs) over one step after warm-up (MiB); malloc reuses memory it kept "
+        "from earlier steps, so this is a lower bound and often near zero",
+    }
+
+
+# ------------------------------------------------------------------- where one training step's time goes
+
+PROFILE_CATEGORIES = (
+    "matmul (linear layers)",
+    "attention (SDPA kernel, or bmm + softmax)",
+    "patch embedding (conv)",
+    "GELU",
+    "LayerNorm",
+    "copies/layout (clone, contiguous, cat, stack)",
+    "dtype casts (autocast)",
+    "optimizer (AdamW step, zero_grad)",
+    "other (elementwise, reductions, loss, framework)",
+)
+OP_PATTERNS = {0: r"^aten::(mm|addmm|matmul|linear|mv)$", 2: "convolution", 3: "gelu", 4: "layer_norm"}  # by category
+
+
+def _categorise(event) -> str:
+    name, ancestors = event.name, []
+    parent = event.cpu_parent
+    while parent is not None:
+        ancestors, parent = ancestors + [parent.name], parent.cpu_parent
+    if any(a.startswith(("Optimizer.step", "Optimizer.zero_grad")) for a in ancestors):
+        return PROFILE_CATEGORIES[7]
+    # the kernels, the helpers they call (zeros, empty, ...), and batched products and softmax (in these models only
+    # attention has them: hf-vit's matmul attention for CPU half-precision training, or an eager attention)
+    if (
+        re.search(r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention", name)
+        or any(re.search(r"scaled_dot_product|flash_attention", a) for a in ancestors)
+        or name in ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::_softmax_backward_data")
+    ):
+        return PROFILE_CATEGORIES[1]
+    for index, pattern in OP_PATTERNS.items():
+        if re.search(pattern, name):
+            return PROFILE_CATEGORIES[index]
+    if name in ("aten::copy_", "aten::_to_copy", "aten::to", "aten::empty_strided"):
+        # A copy made for a `.to(dtype)` is a cast; one made for `.contiguous()`, `clone`, `cat`... is a layout copy.
+        return PROFILE_CATEGORIES[6 if name != "aten::copy_" or "aten::_to_copy" in ancestors[:2] else 5]
+    if name in ("aten::clone", "aten::contiguous", "aten::cat", "aten::stack", "aten::_unsafe_view", "aten::reshape"):
+        return PROFILE_CATEGORIES[5]
+    return PROFILE_CATEGORIES[8]
+
+
+def profile_training_step(model: nn.Module, optimizer, pixel_values: torch.Tensor, labels, dtype: str, top: int = 12):
+    """Where one training step's time goes, by category (self CPU time of every op; on a GPU, self device time) and
+    the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.train()
+    step = make_train_step(model, optimizer, pixel_values, labels, dtype)
+    step()  # warm-up: optimiser state, allocator, kernels
+    # On a GPU the time that matters is the kernels' (the host only queues them): each op's own device time.
+    on_gpu = pixel_values.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    for _attempt in range(3):  # profile again when another process took CPU time during the step
+        ticks, start = _cpu_ticks(), time.perf_counter()
+        with profile(activities=activities) as prof:
+            step()
+            synchronize(pixel_values.device)
+        other = other_cpu_load(ticks, _cpu_ticks(), time.perf_counter() - start)
+        if other is None or other <= CONTENTION_LIMIT:
+            break
+    totals, per_op, calls = defaultdict(float), defaultdict(float), defaultdict(int)
+    for event in prof.events():
+        if event.name == "[memory]":
+            continue
+        self_us = event.self_device_time_total if on_gpu else event.self_cpu_time_total
+        totals[_categorise(event)] += self_us
+        per_op[event.name] += self_us
+        calls[event.name] += 1
+    total = sum(totals.values())
+    return {
+        "time": "self device (kernel) time" if on_gpu else "self CPU time",
+        "other_cpu": other,
+        "total_ms": total / 1e3,
+        "categories_ms": {name: totals.get(name, 0.0) / 1e3 for name in PROFILE_CATEGORIES},
+        "categories_pct": {name: 100 * totals.get(name, 0.0) / total for name in PROFILE_CATEGORIES},
+        "top_ops": [
+            {"op": name, "self_ms": us / 1e3, "pct": 100 * us / total, "calls": calls[name]}
+            for name, us in sorted(per_op.items(), key=lambda item: -item[1])[:top]
+        ],
+    }
