@@ -17,14 +17,13 @@ import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import torch
 
-from benchmarks.report import print_table
+from benchmarks.report import _markdown_table, print_table
 from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
@@ -93,6 +92,14 @@ def batches(args) -> tuple[dict, torch.Tensor, dict]:
     return dict(native), square, timm_batch
 
 
+def fused(model, implementation: str):
+    """timm's `model` with its attention as `implementation`: SDPA when fused, else its own matmul-softmax."""
+    for module in model.modules():
+        if hasattr(module, "fused_attn"):
+            module.fused_attn = implementation == "sdpa"
+    return model
+
+
 def measure(args) -> dict:
     native, square, timm_batch = batches(args)
     load_before = os.getloadavg()
@@ -100,34 +107,17 @@ def measure(args) -> dict:
     fns, checks = {}, {}
     for implementation in ("eager", "sdpa"):
         ours = hf_vit_from_timm(theirs, implementation) if theirs is not None else hf_vit_alone(args, implementation)
-
-        def mixed(model=ours):
-            model(**native)
-
-        def squared(model=ours):
-            model(square, interpolate_pos_encoding=True)
-
-        fns[f"hf-vit {implementation} mixed"] = mixed
-        fns[f"hf-vit {implementation} square"] = squared
+        fns[f"hf-vit {implementation} mixed"] = lambda model=ours: model(**native)
+        fns[f"hf-vit {implementation} square"] = lambda model=ours: model(square, interpolate_pos_encoding=True)
         if theirs is not None:
-            for module in theirs.modules():  # timm's attention: SDPA when fused, else its own matmul-softmax
-                if hasattr(module, "fused_attn"):
-                    module.fused_attn = implementation == "sdpa"
             with torch.no_grad():
-                difference = (ours(**native).logits - theirs(dict(timm_batch))).abs().max().item()
-            checks[implementation] = difference
+                logits = ours(**native).logits, fused(theirs, implementation)(dict(timm_batch))
+            difference = checks[implementation] = (logits[0] - logits[1]).abs().max().item()
             if difference > 1e-3:
                 raise SystemExit(f"hf-vit and timm disagree on the batch ({implementation}): {difference:.2e}")
-            timm_copy = timm_model(args)
+            timm_copy = fused(timm_model(args), implementation)
             timm_copy.load_state_dict(theirs.state_dict())
-            for module in timm_copy.modules():
-                if hasattr(module, "fused_attn"):
-                    module.fused_attn = implementation == "sdpa"
-
-            def timm_mixed(model=timm_copy):
-                model(dict(timm_batch))
-
-            fns[f"timm {implementation} mixed"] = timm_mixed
+            fns[f"timm {implementation} mixed"] = lambda model=timm_copy: model(dict(timm_batch))
     with torch.no_grad():
         seconds, load = timed_rounds(fns, args.steps, args.repeats)
     valid = int(native["spatial_shapes"].prod(-1).sum())
@@ -142,18 +132,15 @@ def measure(args) -> dict:
 
 
 def format_rows(result: dict, args) -> str:
-    rate = result["images_per_s"]
-    lines = [
-        "| attention | mixed-aspect K batch (images/s) | square batch, same K (images/s) | ratio (target >= 0.95) "
-        "| timm NaFlexVit, same batch (images/s) | hf-vit / timm (target >= 1.0) |",
-        "|---|---|---|---|---|---|",
-    ]
+    rate, rows = result["images_per_s"], []
     for implementation in ("eager", "sdpa"):
         mixed, square = rate[f"hf-vit {implementation} mixed"], rate[f"hf-vit {implementation} square"]
         timm_rate = rate.get(f"timm {implementation} mixed")
-        timm_cells = f"{timm_rate:.1f} | {mixed / timm_rate:.2f}x" if timm_rate else "- | -"
-        lines.append(f"| {implementation} | {mixed:.1f} | {square:.1f} | {mixed / square:.2f}x | {timm_cells} |")
-    load = result["load_average"]
+        timm_cells = [f"{timm_rate:.1f}", f"{mixed / timm_rate:.2f}x"] if timm_rate else ["-", "-"]
+        rows.append([implementation, f"{mixed:.1f}", f"{square:.1f}", f"{mixed / square:.2f}x", *timm_cells])
+    header = ["attention", "mixed-aspect K batch (images/s)", "square batch, same K (images/s)"]
+    header += ["ratio (target >= 0.95)", "timm NaFlexVit, same batch (images/s)", "hf-vit / timm (target >= 1.0)"]
+    lines, load = [_markdown_table(header, rows)], result["load_average"]
     checks = ", ".join(f"{k} {v:.1e}" for k, v in result["logits_difference"].items()) or "timm absent"
     lines += [
         "",

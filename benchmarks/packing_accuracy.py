@@ -26,9 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import PIL.Image
@@ -119,21 +118,16 @@ def next_batch(stream: Stream, run: str, processor: VisionTransformerImageProces
     """A step's batch of B x K patch slots: B images padded to K each, or as many images as best-fit-decreasing
     packs into B x K / L rows of L (the stream's next image that does not fit waits for the next step)."""
     images, labels, sizes = [], [], []
-    if run == "padded":
-        for _ in range(args.batch_size):
-            image, label, patches = stream.take()
-            images.append(image)
-            labels.append(label)
-            sizes.append(patches)
-        batch = dict(processor(images, return_tensors="pt"))
-    else:
-        rows = args.batch_size * args.max_num_patches // args.packed_sequence_length
-        while not images or len(best_fit_decreasing([*sizes, stream.peek()[2]], args.packed_sequence_length)) <= rows:
-            image, label, patches = stream.take()
-            images.append(image)
-            labels.append(label)
-            sizes.append(patches)
-        batch = dict(processor(images, packed_sequence_length=args.packed_sequence_length, return_tensors="pt"))
+    length, rows = args.packed_sequence_length, args.batch_size * args.max_num_patches // args.packed_sequence_length
+    while (
+        len(images) < args.batch_size
+        if run == "padded"
+        else not images or len(best_fit_decreasing([*sizes, stream.peek()[2]], length)) <= rows
+    ):
+        for items, item in zip((images, labels, sizes), stream.take()):
+            items.append(item)
+    extra = {} if run == "padded" else {"packed_sequence_length": length}
+    batch = dict(processor(images, return_tensors="pt", **extra))
     slots = batch["pixel_values"].shape[:2].numel()
     return {"inputs": batch, "labels": torch.tensor(labels), "images": len(images), "patches": sum(sizes),
             "slots": slots}  # fmt: skip
@@ -170,8 +164,6 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     split = load_digits_split(args.test_images, args.seed)
     (train_digits, train_labels, train_index), (test_digits, test_labels, test_index) = split["train"], split["test"]
-    if set(train_index.tolist()) & set(test_index.tolist()):
-        raise SystemExit("The held-out digits overlap the training digits.")
     # Digits that scikit-learn's set holds twice (the same 8x8 pixels under two indices) can fall on both sides
     train_pixels = {digit.tobytes() for digit in train_digits}
     duplicates = sum(digit.tobytes() in train_pixels for digit in test_digits)
@@ -180,11 +172,9 @@ def run(args) -> dict:
     )
     rng = np.random.default_rng((args.seed, TEST_SEED))
     test_images = [mixed_aspect_image(digit, rng, args) for digit in test_digits]
-    test = []
-    for start in range(0, len(test_images), args.eval_batch_size):
-        images = test_images[start : start + args.eval_batch_size]
-        test.append({"inputs": dict(processor(images, return_tensors="pt")),
-                     "labels": torch.tensor(test_labels[start : start + args.eval_batch_size])})  # fmt: skip
+    starts = range(0, len(test_images), size := args.eval_batch_size)
+    test = [{"inputs": dict(processor(test_images[i : i + size], return_tensors="pt")),
+             "labels": torch.tensor(test_labels[i : i + size])} for i in starts]  # fmt: skip
     if args.save_images:
         save_images(Path(args.save_images), train_digits, train_labels, test_images, test_labels, args)
 
@@ -208,8 +198,12 @@ def run(args) -> dict:
         warmup = max(1, round(args.warmup * args.steps))
         schedulers[name] = torch.optim.lr_scheduler.LambdaLR(optimizers[name], schedule(args.steps, warmup))
     totals = {name: {"seconds": 0.0, "images": 0, "patches": 0, "slots": 0} for name in RUNS}
-    curve = [{"step": 0, **{name: {"seconds": 0.0, "images": 0, "accuracy": evaluate(models[name], test)}
-                            for name in RUNS}}]  # fmt: skip
+
+    def evaluation(step: int) -> dict:
+        point = {name: {key: totals[name][key] for key in ("seconds", "images")} for name in RUNS}
+        return {"step": step, **{name: {**point[name], "accuracy": evaluate(models[name], test)} for name in RUNS}}
+
+    curve = [evaluation(0)]
     load_before = os.getloadavg()
     for step in range(args.steps):
         for name in RUNS if step % 2 == 0 else RUNS[::-1]:
@@ -227,9 +221,7 @@ def run(args) -> dict:
             for key in ("images", "patches", "slots"):
                 totals[name][key] += batch[key]
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            curve.append({"step": step + 1, **{
-                name: {"seconds": totals[name]["seconds"], "images": totals[name]["images"],
-                       "accuracy": evaluate(models[name], test)} for name in RUNS}})  # fmt: skip
+            curve.append(evaluation(step + 1))
     load_after = os.getloadavg()
     if any(set(train_index[sorted(streams[name].seen)].tolist()) & set(test_index.tolist()) for name in RUNS):
         raise SystemExit("A training batch held a held-out digit.")

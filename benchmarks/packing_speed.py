@@ -19,23 +19,23 @@ compiles anew for each of `--recompile_batches` packed batches of other images (
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import math
-import os
 import sys
 import time
+import types
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import torch
 
 from benchmarks.report import _markdown_table
 from benchmarks.settings import add_flags
-from benchmarks.timing import median_seconds, time_alternating
+from benchmarks.timing import median_seconds, time_alternating, timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.model.attention import ALL_ATTENTION_FUNCTIONS
 from hf_vit.model.image_processing_vit import best_fit_decreasing
@@ -50,12 +50,6 @@ PATHS = {
     "padded + mask": "padding masked as keys: one SDPA call",
     "packed + mask": "the model's path (CPU: each image gathered into a row of its own, padding masked as keys)",
 }
-
-
-class _Attention(torch.nn.Module):
-    """What the attention functions read from the model's attention module."""
-
-    is_causal = False
 
 
 def small_classifier(max_num_patches: int, width: int, depth: int, heads: int, seed: int, patch: int = PATCH):
@@ -162,59 +156,52 @@ def views(buffer: torch.Tensor) -> list[torch.Tensor]:
 def measure(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     shapes = layouts(args)
-    sizes = shapes["sizes"]
+    sizes, head_dim = shapes["sizes"], args.width // args.heads
     sdpa = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
-    module, scaling = _Attention().eval(), (args.width // args.heads) ** -0.5
+    module = types.SimpleNamespace(is_causal=False, training=False)  # what the attention functions read of it
     generator = torch.Generator().manual_seed(args.seed)
-    head_dim = args.width // args.heads
     tokens = [torch.randn(1 + size, 3, args.heads, head_dim, generator=generator) for size in sizes]
-    # Per row: its layout, and a (rows, tokens, 3, heads, d_h) buffer as the qkv projection leaves it (zero padding).
-    inputs, reference, difference = {}, None, 0.0
+    fns, reference, difference = {}, None, 0.0
     for name in ROWS:
         layout = shapes[name.split()[0]]["layout"]
-        per_image = tokens[0].new_zeros(layout.token_mask.shape[0], layout.token_mask.shape[1], *tokens[0].shape[1:])
-        for index in range(len(per_image)):
-            per_image[index, : len(tokens[index])] = tokens[index]
+        # a (rows, tokens, 3, heads, d_h) buffer as the qkv projection leaves it (zero padding)
+        per_image = tokens[0].new_zeros(*layout.token_mask.shape, *tokens[0].shape[1:])
+        for index, image in enumerate(tokens[: len(per_image)]):
+            per_image[index, : len(image)] = image
         buffer = layout.segments.to_blocks(per_image, layout.segments.blocks_shape)
-        inputs[name] = (layout, buffer)
-        # The rows compute the same function: the images they share have the same outputs before anything is timed.
-        output, _ = sdpa(
-            module, *[part.transpose(1, 2) for part in buffer.unbind(2)], layout.segments, scaling=scaling
-        )
-        output = layout.unpack(output)
-        shared = [output[index, : 1 + size] for index, size in enumerate(sizes[: args.batch_size])]
-        reference = reference or shared
-        difference = max([difference] + [(a - b).abs().max().item() for a, b in zip(shared, reference)])
-    if difference > 1e-4:
-        raise SystemExit(f"The attention rows disagree on the images' outputs: {difference:.2e}")
-    fns = {}
-    for name, (layout, buffer) in inputs.items():
         trainable = buffer.clone().requires_grad_()
         parts, trainable_parts = views(buffer), views(trainable)
 
-        def infer(parts=parts, mask=layout.segments):
-            with torch.no_grad():
-                sdpa(module, *parts, mask, scaling=scaling)
+        def attend(parts, segments=layout.segments):
+            return sdpa(module, *parts, segments, scaling=head_dim**-0.5)[0]
 
-        def train(parts=trainable_parts, mask=layout.segments, x=trainable):
-            sdpa(module, *parts, mask, scaling=scaling)[0].sum().backward()
+        # The rows compute the same function: the images they share have the same outputs before anything is timed.
+        output = layout.unpack(attend(parts))
+        shared = [output[index, : 1 + size] for index, size in enumerate(sizes[: args.batch_size])]
+        reference = reference or shared
+        difference = max([difference] + [(a - b).abs().max().item() for a, b in zip(shared, reference)])
+
+        def infer(parts=parts, attend=attend):
+            with torch.no_grad():
+                attend(parts)
+
+        def train(parts=trainable_parts, attend=attend, x=trainable):
+            attend(parts).sum().backward()
             x.grad = None
 
         fns[f"{name} | inference"], fns[f"{name} | training"] = infer, train
-    for fn in fns.values():  # warm-up
-        fn()
-    load_before = os.getloadavg()
-    samples = time_alternating(fns, args.steps, args.repeats, torch.device("cpu"))
-    load_after = os.getloadavg()
+    if difference > 1e-4:
+        raise SystemExit(f"The attention rows disagree on the images' outputs: {difference:.2e}")
+    seconds, load = timed_rounds(fns, args.steps, args.repeats)
     count = {"padded": args.batch_size, "packed": len(sizes)}
     return {
-        "images_per_s": {name: count[name.split()[0]] / median_seconds(sample) for name, sample in samples.items()},
+        "images_per_s": {name: count[name.split()[0]] / value for name, value in seconds.items()},
         "model": measure_model(args, shapes) if args.model_depth else None,
         "images": count,
         "padding_share": {name: shapes[name]["padding"] for name in count},
         "rows": {name: shapes[name]["rows"] for name in count},
         "max_difference": difference,
-        "load_average": [load_before[0], load_after[0]],
+        "load_average": load,
         "threads": torch.get_num_threads(),
     }
 
@@ -300,9 +287,7 @@ def recompile_check(args, model: torch.nn.Module) -> list[dict]:
         with torch.no_grad():
             compiled.eval()(**packed["batch"])
         recompiled = [code for code, seen in guard_failures.items() if len(seen) > failures_before.get(code, 0)]
-        by_file: dict[str, int] = {}
-        for code in recompiled:
-            by_file[Path(code.co_filename).name] = by_file.get(Path(code.co_filename).name, 0) + 1
+        by_file = dict(collections.Counter(Path(code.co_filename).name for code in recompiled))
         limit = torch._dynamo.config.recompile_limit  # a frame with this many graphs runs eagerly from then on
         at_limit = [f"{Path(code.co_filename).name}:{code.co_name}" for code in guard_failures]
         at_limit = sorted(name for name, code in zip(at_limit, guard_failures) if len(cache_entries(code)) >= limit)

@@ -22,9 +22,8 @@ import math
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import torch
@@ -146,12 +145,10 @@ def compare_resampling() -> list[dict]:
 
 def _erased_regions(erase, draws: int, size: int) -> list[torch.Tensor]:
     """`draws` constant images (every value 5), each after `erase` (in place)."""
-    out = []
-    for _ in range(draws):
-        image = torch.full((3, size, size), 5.0)
+    images = [torch.full((3, size, size), 5.0) for _ in range(draws)]
+    for image in images:
         erase(image)
-        out.append(image)
-    return out
+    return images
 
 
 def _ks_distance(a: np.ndarray, b: np.ndarray) -> float:
