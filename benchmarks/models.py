@@ -129,11 +129,9 @@ def vit_forward_flops(config: VisionTransformerConfig, image_size: int | None = 
     return parts
 
 
-# The analytic FLOPs behind the MFU rows: one image's forward pass costs 2 * MACs (`vit_forward_flops`, matrix
-# products only); a training step costs about 3x the forward (the backward computes the gradients of both the
-# activations and the weights, each as much as the forward). MFU = images/s * FLOPs per image / the dense bf16 peak.
+# A training step costs about 3x the forward (the backward computes the gradients of both the activations and the
+# weights, each as much as the forward).
 TRAIN_STEP_FORWARD_MULTIPLE = 3
-
 # Dense (not 2:4 sparse) bf16 tensor-core peaks from the vendors' data sheets, in TFLOP/s, by a substring of
 # `torch.cuda.get_device_name()`; the first match wins, so the more specific names come first.
 BF16_DENSE_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "B200": 2250.0}
@@ -149,8 +147,6 @@ def dense_bf16_peak(device_name: str | None, override_tflops: float | None = Non
     """{"flops_per_s", "source"}: the override, else the data-sheet peak of the named GPU, else None (e.g. a CPU)."""
     if override_tflops is not None:
         return {"flops_per_s": override_tflops * 1e12, "source": "--peak_tflops"}
-    if device_name:
-        for key, tflops in BF16_DENSE_PEAK_TFLOPS.items():
-            if key in device_name:
-                return {"flops_per_s": tflops * 1e12, "source": f"data sheet: {key} dense bf16 {tflops:g} TFLOP/s"}
-    return None
+    key = next((key for key in BF16_DENSE_PEAK_TFLOPS if key in (device_name or "")), None)
+    tflops = BF16_DENSE_PEAK_TFLOPS.get(key)
+    return key and {"flops_per_s": tflops * 1e12, "source": f"data sheet: {key} dense bf16 {tflops:g} TFLOP/s"}

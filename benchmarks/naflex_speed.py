@@ -75,21 +75,16 @@ def batches(args) -> tuple[dict, torch.Tensor, dict]:
     mixed batch as timm's NaFlex dict (patches, coordinates, validity)."""
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (*ASPECTS[i % len(ASPECTS)], 3), dtype=np.uint8) for i in range(args.batch_size)]
-    native = VisionTransformerImageProcessor(max_num_patches=args.max_num_patches, patch_size=16)(
-        images, return_tensors="pt"
-    )
+    processor = VisionTransformerImageProcessor(max_num_patches=args.max_num_patches, patch_size=16)
+    native = processor(images, return_tensors="pt")
     side = math.isqrt(args.max_num_patches)
     square = torch.randn(args.batch_size, 3, side * 16, side * 16, generator=torch.Generator().manual_seed(0))
     coords = torch.zeros(args.batch_size, args.max_num_patches, 2, dtype=torch.long)
     for row, (rows, cols) in enumerate(native["spatial_shapes"].tolist()):
         grid = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1).reshape(-1, 2)
         coords[row, : rows * cols] = grid
-    timm_batch = {
-        "patches": native["pixel_values"],
-        "patch_coord": coords,
-        "patch_valid": torch.arange(args.max_num_patches) < native["spatial_shapes"].prod(-1)[:, None],
-    }
-    return dict(native), square, timm_batch
+    valid = torch.arange(args.max_num_patches) < native["spatial_shapes"].prod(-1)[:, None]
+    return dict(native), square, {"patches": native["pixel_values"], "patch_coord": coords, "patch_valid": valid}
 
 
 def fused(model, implementation: str):

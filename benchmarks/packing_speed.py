@@ -23,7 +23,6 @@ import collections
 import contextlib
 import math
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 
 from benchmarks.report import _markdown_table
 from benchmarks.settings import add_flags
-from benchmarks.timing import median_seconds, time_alternating, timed_rounds
+from benchmarks.timing import median_seconds, time_alternating, timed_call, timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.model.attention import ALL_ATTENTION_FUNCTIONS
 from hf_vit.model.image_processing_vit import best_fit_decreasing
@@ -108,19 +107,15 @@ def layouts(args) -> dict[str, dict]:
     return result
 
 
-def square_batch(args) -> dict:
-    """B square images of exactly K patches each (K a square number), through the same processor: no padding."""
-    side = math.isqrt(args.max_num_patches)
-    rng = np.random.default_rng(args.seed)
-    images = [rng.integers(0, 256, (side * PATCH, side * PATCH, 3), dtype=np.uint8) for _ in range(args.batch_size)]
-    processor = VisionTransformerImageProcessor(max_num_patches=side * side, patch_size=PATCH, do_resize=False)
-    return dict(processor(images, return_tensors="pt"))
-
-
 def layout_batches(args, shapes: dict) -> tuple[dict, dict, dict]:
-    """Per layout ("square", "padded", "packed"): its batch, its images and its real patches."""
-    sizes, first = shapes["sizes"], args.batch_size
-    batches = {"square": square_batch(args), "padded": shapes["padded"]["batch"], "packed": shapes["packed"]["batch"]}
+    """Per layout ("square": B square images of exactly K patches, no padding; "padded", "packed"): its batch, its
+    images and its real patches."""
+    sizes, first, side = shapes["sizes"], args.batch_size, math.isqrt(args.max_num_patches)
+    rng = np.random.default_rng(args.seed)
+    square = [rng.integers(0, 256, (side * PATCH, side * PATCH, 3), dtype=np.uint8) for _ in range(first)]
+    processor = VisionTransformerImageProcessor(max_num_patches=side * side, patch_size=PATCH, do_resize=False)
+    batches = {"square": dict(processor(square, return_tensors="pt"))}
+    batches.update(padded=shapes["padded"]["batch"], packed=shapes["packed"]["batch"])
     patches = {"square": first * args.max_num_patches, "padded": sum(sizes[:first]), "packed": sum(sizes)}
     return batches, {"square": first, "padded": first, "packed": len(sizes)}, patches
 
@@ -240,9 +235,7 @@ def measure_model(args, shapes: dict) -> dict:
                 skipped[key] = f"not compiled, {spent:.0f} s of compilation spent (--compile_budget_s)"
                 continue
             fns[key] = calls[f"{name} | {mode}"]
-            begin = time.perf_counter()
-            fns[key]()  # warm-up; compiled: the compilation
-            first_call[key] = time.perf_counter() - begin
+            first_call[key] = timed_call(fns[key], torch.device("cpu"))  # warm-up; compiled: the compilation
             if variant == "compiled" and mode == "inference":
                 here = (logits_of(runner, name) - eager[name]).abs().max().item()
                 compiled_difference = max(compiled_difference, here)

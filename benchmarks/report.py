@@ -57,13 +57,10 @@ def format_table(report: dict) -> str:
 
 def format_profile(report: dict) -> str:
     """The per-category percentages of one training step, side by side for the models and dtypes profiled."""
-    columns = [(dtype, name) for dtype, per_model in report["profile"].items() for name in per_model]
-    header = ["category"] + [f"{name} {dtype}" for dtype, name in columns]
-    lines = []
-    for category in PROFILE_CATEGORIES:
-        lines.append([category] + [f"{report['profile'][d][n]['categories_pct'][category]:.1f}%" for d, n in columns])
-    lines.append(["step total (ms, profiled)"] + [f"{report['profile'][d][n]['total_ms']:.0f}" for d, n in columns])
-    return _markdown_table(header, lines)
+    profiles = {f"{name} {dtype}": got for dtype, models in report["profile"].items() for name, got in models.items()}
+    lines = [[c] + [f"{p['categories_pct'][c]:.1f}%" for p in profiles.values()] for c in PROFILE_CATEGORIES]
+    lines.append(["step total (ms, profiled)"] + [f"{p['total_ms']:.0f}" for p in profiles.values()])
+    return _markdown_table(["category", *profiles], lines)
 
 
 def merge_reports(old: dict, new: dict) -> dict:
@@ -316,14 +313,14 @@ def plot_sweep(rows: list[dict], path: str | os.PathLike, title: str = "") -> Pa
             axes[2].plot(tokens, [row[f"{mode}_ratio"] for row in selected], marker, label=f"{mode} {dtype}")
     sizes = sorted({(row["tokens"], row["image_size"]) for row in rows})
     titles = ("training step", "inference", "hf-vit / transformers")
-    for ax, label, y in zip(axes, titles, ("images / s", "images / s", "throughput ratio (higher: hf-vit faster)")):
+    labels = ("images / s", "images / s", "throughput ratio (higher: hf-vit faster)")
+    for ax, label, y, yscale in zip(axes, titles, labels, ("log", "log", "linear")):
         ax.set(xscale="log", xticks=[t for t, _ in sizes], xlabel="tokens (image size)", title=label, ylabel=y)
+        ax.set(yscale=yscale)
         ax.set_xticklabels([f"{t}\n({s}px)" for t, s in sizes], fontsize=8)
         ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    axes[0].set_yscale("log")
-    axes[1].set_yscale("log")
     axes[2].axhline(1.0, color="grey", lw=0.8)
     return save_figure(fig, path, title, dpi=110)
 

@@ -8,6 +8,7 @@ training step's time goes, by category of op (torch.profiler; CUDA kernel time w
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import re
@@ -26,6 +27,16 @@ from .settings import DTYPES
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_call(fn: Callable[[], object], device: torch.device, calls: int = 1) -> float:
+    """Seconds of `calls` calls of `fn`, bracketed by `synchronize`."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 def autocast(device: torch.device, dtype: str):
@@ -74,13 +85,8 @@ def time_alternating(
         if round_index >= repeats and all(sum(samples[name]["clean"]) >= repeats for name in names):
             break
         for name in names if round_index % 2 == 0 else names[::-1]:
-            synchronize(device)
             ticks = _cpu_ticks()
-            start = time.perf_counter()
-            for _ in range(steps):
-                fns[name]()
-            synchronize(device)
-            elapsed = time.perf_counter() - start
+            elapsed = timed_call(fns[name], device, steps)
             other = other_cpu_load(ticks, _cpu_ticks(), elapsed)
             samples[name]["seconds"].append(elapsed / steps)
             samples[name]["other_cpu"].append(other)
@@ -101,19 +107,10 @@ def matmul_flops_per_s(device: torch.device, dtype: str, size: int, repeats: int
     b = torch.randn(size, size, device=device, dtype=torch_dtype)
     out = torch.empty(size, size, device=device, dtype=torch_dtype)
     torch.matmul(a, b, out=out)  # warm-up (and library initialisation)
-    synchronize(device)
-    start = time.perf_counter()
-    torch.matmul(a, b, out=out)
-    synchronize(device)
-    single = max(time.perf_counter() - start, 1e-6)
+    single = max(timed_call(lambda: torch.matmul(a, b, out=out), device), 1e-6)
     calls = max(1, math.ceil(0.25 / single))  # at least a quarter second per sample
-
-    def product() -> None:
-        for _ in range(calls):
-            torch.matmul(a, b, out=out)
-
-    sample = time_alternating({"matmul": product}, 1, repeats, device)["matmul"]
-    seconds = median_seconds(sample) / calls
+    sample = time_alternating({"matmul": lambda: torch.matmul(a, b, out=out)}, calls, repeats, device)["matmul"]
+    seconds = median_seconds(sample)
     result = dict(size=size, dtype=dtype, flops_per_s=2 * size**3 / seconds, seconds=seconds)
     return {**result, "disturbed_samples": len(sample["clean"]) - sum(sample["clean"])}
 
@@ -186,13 +183,8 @@ def benchmark_models(
             for name, model in models.items()
         }
         for name, step in steps_fns.items():
-            for index in range(warmup):
-                synchronize(device)
-                start = time.perf_counter()
-                step()
-                synchronize(device)
-                if index == 0:
-                    results[name][f"{mode}_first_call_s"] = time.perf_counter() - start
+            for _ in range(warmup):  # the first call's seconds include compiling
+                results[name].setdefault(f"{mode}_first_call_s", timed_call(step, device))
         samples = time_alternating(steps_fns, steps, repeats, device)
         for name, seconds in samples.items():
             results[name][f"{mode}_seconds"] = seconds
@@ -239,9 +231,7 @@ def peak_rss_growth_mb(step: Callable[[], None]) -> float | None:
     before = _proc_status_kib("VmRSS")
     step()
     peak = _proc_status_kib("VmHWM")
-    if before is None or peak is None:
-        return None
-    return max(peak - before, 0) / 1024
+    return None if before is None or peak is None else max(peak - before, 0) / 1024
 
 
 def peak_tensor_memory_cpu_mb(step: Callable[[], None]) -> float | None:
@@ -255,16 +245,9 @@ def peak_tensor_memory_cpu_mb(step: Callable[[], None]) -> float | None:
         events = prof.profiler.kineto_results.events()
     except AttributeError:
         return None
-    changes = sorted(
-        (event.start_ns(), event.nbytes())
-        for event in events
-        if event.name() == "[memory]" and str(event.device_type()).endswith("CPU")
-    )
-    running = peak = 0
-    for _, nbytes in changes:
-        running += nbytes
-        peak = max(peak, running)
-    return peak / 2**20
+    cpu = [event for event in events if event.name() == "[memory]" and str(event.device_type()).endswith("CPU")]
+    changes = [event.nbytes() for event in sorted(cpu, key=lambda event: (event.start_ns(), event.nbytes()))]
+    return max([0, *itertools.accumulate(changes)]) / 2**20
 
 
 def measure_memory(step: Callable[[], None], device: torch.device) -> dict[str, float | None]:
