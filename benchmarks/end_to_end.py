@@ -50,8 +50,6 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
     Reuses a folder this function wrote with the same figures (`generated.json` says so); refuses a folder that has
     other files, to overwrite nothing of a user's.
     """
-    import io
-
     import numpy as np
     import PIL.Image
     from sklearn.datasets import load_sample_images
@@ -83,13 +81,10 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
             if rng.random() < 0.5:
                 image = image.transpose(PIL.Image.Transpose.FLIP_LEFT_RIGHT)
             pixels = np.asarray(image, dtype=np.float32) * rng.uniform(0.7, 1.3)
-            image = PIL.Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
-            buffer = io.BytesIO()
-            image.save(buffer, format="JPEG", quality=rng.choice([75, 85, 90, 95]))
             path = folder / "images" / split / f"class_{label:02d}" / f"{index:07d}.jpg"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(buffer.getvalue())
-            total_bytes += len(buffer.getvalue()) if split == "train" else 0
+            PIL.Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(path, quality=rng.choice([75, 85, 90, 95]))
+            total_bytes += path.stat().st_size if split == "train" else 0
     written = dict(spec, mean_jpeg_kib=total_bytes / images / 1024, dataset=str(folder / "images"))
     marker.write_text(json.dumps(written, indent=2) + "\n")
     return json.loads(marker.read_text())  # as a later call that reuses the folder returns it

@@ -171,11 +171,8 @@ def profile_input_pipeline(output_size: int, count: int = 48, top: int = 12) -> 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        pipelines[HF_VIT](files)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        pipelines[HF_VIT](files)
-        profiler.disable()
+        pipelines[HF_VIT](files)  # warm-up
+        (profiler := cProfile.Profile()).runcall(pipelines[HF_VIT], files)
     finally:
         torch.set_num_threads(threads)
     stats = pstats.Stats(profiler)

@@ -83,16 +83,16 @@ def worker(loader: str, repo_id: str) -> None:
     from huggingface_hub import hf_hub_download
 
     dinov2 = json.loads(Path(hf_hub_download(repo_id, "config.json")).read_text())["model_type"] == "dinov2"
-    forward = {}
     if loader == "hf-vit":
         import hf_vit
 
         model_class = hf_vit.VisionTransformerModel if dinov2 else hf_vit.VisionTransformerForImageClassification
-        forward = {"interpolate_pos_encoding": True} if dinov2 else {}  # transformers' DINOv2 always resamples
-    elif dinov2:
-        from transformers import Dinov2Model as model_class
     else:
-        from transformers import ViTForImageClassification as model_class
+        import transformers
+
+        model_class = transformers.Dinov2Model if dinov2 else transformers.ViTForImageClassification
+    # transformers' DINOv2 always resamples its position embeddings
+    forward = {"interpolate_pos_encoding": True} if dinov2 and loader == "hf-vit" else {}
     pixels = torch.randn(1, 3, 224, 224)
     base = rss_mb()
     start = time.perf_counter()

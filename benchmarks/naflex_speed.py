@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -97,7 +96,6 @@ def fused(model, implementation: str):
 
 def measure(args) -> dict:
     native, square, timm_batch = batches(args)
-    load_before = os.getloadavg()
     theirs = timm_model(args)
     fns, checks = {}, {}
     for implementation in ("eager", "sdpa"):
@@ -119,7 +117,7 @@ def measure(args) -> dict:
     return {
         "images_per_s": {name: args.batch_size / value for name, value in seconds.items()},
         "logits_difference": checks,
-        "load_average": [load_before[0], load[1]],
+        "load_average": load,
         "valid_share": valid / (args.batch_size * args.max_num_patches),
         "grids": native["spatial_shapes"].tolist(),
         "threads": torch.get_num_threads(),

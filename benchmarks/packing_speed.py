@@ -95,10 +95,8 @@ def layouts(args) -> dict[str, dict]:
     sizes = processor(images, return_tensors="pt")["spatial_shapes"].prod(1).tolist()
     count = packed_count(args, sizes)
     result = {"sizes": sizes[:count]}
-    for name, images_in, extra in (
-        ("padded", args.batch_size, {}),
-        ("packed", count, {"packed_sequence_length": args.packed_sequence_length}),
-    ):
+    packed = {"packed_sequence_length": args.packed_sequence_length}
+    for name, images_in, extra in (("padded", args.batch_size, {}), ("packed", count, packed)):
         batch = dict(processor(images[:images_in], return_tensors="pt", **extra))
         layout = BatchLayout.of(prefix=1, **batch)
         padding = 1 - sum(sizes[:images_in]) / batch["pixel_values"].shape[:2].numel()
@@ -206,13 +204,12 @@ def measure_model(args, shapes: dict) -> dict:
     (one call per sample): per row its attention path, padding share, images and real patches per call, seconds per
     inference call and per training step (forward, loss, backward), and the first (compiling) call's seconds."""
     model = small_classifier(args.max_num_patches, args.model_width, args.model_depth, args.model_heads, args.seed)
-    model.train()
     inputs, images, patches = layout_batches(args, shapes)
     padding = {"square": 0.0, "padded": shapes["padded"]["padding"], "packed": shapes["packed"]["padding"]}
     labels = {name: torch.zeros(count, dtype=torch.long) for name, count in images.items()}
-    variants = {"eager": model}
-    if not args.no_compile:
-        variants["compiled"] = torch.compile(model, backend=args.compile_backend)
+    variants = {"eager": model} | (
+        {} if args.no_compile else {"compiled": torch.compile(model, backend=args.compile_backend)}
+    )
 
     def logits_of(runner, name: str) -> torch.Tensor:
         with torch.no_grad():
@@ -246,8 +243,8 @@ def measure_model(args, shapes: dict) -> dict:
     for variant in variants:
         for name in MODEL_ROWS:
             layout = name.split()[0]
-            row = {"path": PATHS[name], "padding": padding[layout], "images": images[layout], "first_call_s": {}}
-            row["patches"] = patches[layout]
+            row = dict(path=PATHS[name], padding=padding[layout], images=images[layout], patches=patches[layout])
+            row["first_call_s"] = {}
             for mode in MODES:
                 key = f"{name} | {variant} | {mode}"
                 if key in samples:
@@ -376,18 +373,14 @@ def format_recompiles(checks: list[dict], args) -> str:
             + (f", {len(check['frames_at_recompile_limit'])} frames at the limit" if index > 2 else "")
         )
     recompiled = sum(check["recompiled_frames"] for check in others)
-    at_limit = checks[-1]["frames_at_recompile_limit"]
+    at_limit = ", ".join(checks[-1]["frames_at_recompile_limit"])
     return (
         f"Recompiles: packed batches of L = {args.packed_sequence_length} holding other images, one after another "
         f"through one compiled model (inference; Dynamo's eager backend, recompile_limit "
         f"{torch._dynamo.config.recompile_limit}): batch 1 ({first['images']} images, rows of "
         f"{first['row_tokens']} tokens) compiled {first['new_graphs']} graphs; {'; '.join(described)}. "
         + ("No recompiles." if recompiled == 0 else f"{recompiled} recompiled frames in all.")
-        + (
-            f" Frames at Dynamo's recompile limit, run uncompiled from then on: {', '.join(at_limit)}."
-            if at_limit
-            else ""
-        )
+        + (f" Frames at Dynamo's recompile limit, run uncompiled from then on: {at_limit}." if at_limit else "")
     )
 
 

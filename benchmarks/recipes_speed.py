@@ -75,14 +75,12 @@ def rand_augment_throughput(count: int, size: int, repeats: int, policy: str) ->
     images = sample_images(count, size)
     tensors = [torch.from_numpy(np.array(image)).permute(2, 0, 1) for image in images]
     ours = RandAugment(policy, fill=128, resample="bilinear")
-    generator = torch.Generator()
-    passes = {"hf_vit": 0}
+    generator, passes = torch.Generator(), itertools.count(1)
 
     def hf_vit() -> None:
-        passes["hf_vit"] += 1
+        seed = next(passes) * 100_003
         for index, pixels in enumerate(tensors):
-            generator.manual_seed(passes["hf_vit"] * 100_003 + index)
-            ours(pixels, generator)
+            ours(pixels, generator.manual_seed(seed + index))
 
     fns = {"hf_vit": hf_vit}
     try:

@@ -162,15 +162,7 @@ def make_infer_step(model: nn.Module, pixel_values: torch.Tensor, dtype: str) ->
 
 
 def benchmark_models(
-    models: dict[str, nn.Module],
-    pixel_values: torch.Tensor,
-    labels: torch.Tensor,
-    dtype: str,
-    steps: int,
-    warmup: int,
-    repeats: int,
-    memory: bool,
-    optimizers: dict[str, torch.optim.Optimizer],
+    models: dict, pixel_values, labels, dtype: str, steps: int, warmup: int, repeats: int, memory: bool, optimizers
 ) -> dict[str, dict]:
     """Training-step and inference seconds (samples per repeat) and optionally peak memory of every model."""
     device = pixel_values.device
@@ -207,11 +199,8 @@ def timed_rounds(fns: dict[str, Callable[[], object]], steps: int, repeats: int)
 def budget_spent(budget_s: float | None, start: float) -> str | None:
     """Why nothing more starts (`budget_s` seconds since `start` spent), or None."""
     elapsed = time.perf_counter() - start
-    return (
-        f"time budget of {budget_s:.0f} s spent ({elapsed:.0f} s)"
-        if budget_s is not None and elapsed > budget_s
-        else None
-    )
+    spent = budget_s is not None and elapsed > budget_s
+    return f"time budget of {budget_s:.0f} s spent ({elapsed:.0f} s)" if spent else None
 
 
 def _proc_status_kib(field_name: str) -> int | None:
