@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder, whose
-    sys.path[0] = str(Path(__file__).resolve().parents[1])  # modules (models, timing, ...) would shadow others
+if __package__ in (None, ""):  # run as a file: the root on the path, not this folder (its modules would shadow others)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 from transformers import HfArgumentParser
