@@ -7,13 +7,17 @@ python benchmarks/ab_revisions.py --before /tmp/before [--rounds 7]
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
-import statistics
 import sys
-import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import torch
+
+from benchmarks.timing import timed_rounds
 
 
 def load_package(root: Path, name: str):
@@ -61,21 +65,14 @@ def main() -> None:
 
     print(
         f"{args.model}, batch {args.batch_size}, {torch.get_num_threads()} threads, "
-        f"{torch.backends.cpu.get_cpu_capability()}; median of {args.rounds} alternating rounds of {args.steps} steps"
+        f"{torch.backends.cpu.get_cpu_capability()}; medians of {args.rounds} undisturbed alternating rounds of "
+        f"{args.steps} steps"
     )
     print(f"{'row':<16}{'before s/step':>14}{'after s/step':>14}{'after speed-up':>16}")
     for mode, step in (("inference", infer), ("training", train)):
         for dtype in ("fp32", "bf16"):
-            times = {"before": [], "after": []}
-            for model in (old, new):
-                step(model, dtype)  # warm-up
-            for _ in range(args.rounds):
-                for label, model in (("before", old), ("after", new)):
-                    start = time.perf_counter()
-                    for _ in range(args.steps):
-                        step(model, dtype)
-                    times[label].append((time.perf_counter() - start) / args.steps)
-            b, a = statistics.median(times["before"]), statistics.median(times["after"])
+            fns = {label: functools.partial(step, model, dtype) for label, model in (("before", old), ("after", new))}
+            b, a = timed_rounds(fns, args.steps, args.rounds)[0].values()
             print(f"{mode + ' ' + dtype:<16}{b:>14.3f}{a:>14.3f}{b / a:>15.3f}x")
 
 

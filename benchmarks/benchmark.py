@@ -21,26 +21,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder importable as a package
-    # ... and take this folder itself off the path, so that its modules (models, timing, memory, ...) cannot shadow
-    # top-level modules of the same names.
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the root on the path, not this folder (its modules would shadow others)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 from transformers import HfArgumentParser
 
-from benchmarks.report import (
-    format_input_pipeline,
-    format_onnxruntime,
-    format_profile,
-    format_sweep,
-    format_table,
-    merge_reports,
-    plot_sweep,
-    write_doc,
-    write_json,
-)
+from benchmarks.report import SECTIONS, format_table, merge_reports, plot_sweep, write_doc, write_json
 from benchmarks.runners import run_benchmark
 from benchmarks.settings import BenchmarkSettings, flag
 
@@ -98,22 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     if output.json:  # first: what was measured is kept even if printing or plotting fails
         print(f"json: {write_json(report, output.json)}")
     print(format_table(report))
-    if "input_pipeline" in report:
-        print("\nTraining input pipelines, one thread (JPEG bytes to a normalised batch):")
-        print(format_input_pipeline(report))
-    if "onnxruntime" in report:
-        print("\nonnxruntime against eager fp32 inference:")
-        print(format_onnxruntime(report))
-    if "profile" in report:
-        print("\nWhere one training step's time goes (self CPU time):")
-        print(format_profile(report))
-    if report.get("sweep"):
-        print("\nSize sweep (images/s):")
-        print(format_sweep(report))
-        if output.plot:
-            machine = report["machine"].get("gpu") or report["machine"].get("cpu", settings.device)
-            title = f"{settings.model} batch {report['sweep'][0]['batch_size']} on {machine}"
-            print(f"plot: {plot_sweep(report['sweep'], output.plot, title)}")
+    for key, title, render, _ in SECTIONS.values():
+        if title and report.get(key):
+            print(f"\n{title}:\n{render(report)}")
+    if output.plot and report.get("sweep"):
+        machine = report["machine"].get("gpu") or report["machine"].get("cpu", settings.device)
+        title = f"{settings.model} batch {report['sweep'][0]['batch_size']} on {machine}"
+        print(f"plot: {plot_sweep(report['sweep'], output.plot, title)}")
     if output.doc:
         print(f"doc: {write_doc(report, output.doc)}")
     return 0

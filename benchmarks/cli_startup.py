@@ -55,17 +55,12 @@ def main() -> None:
     parser.add_argument("--bin", action="append", help="a bin/ folder holding the hf-vit-* commands (repeatable)")
     args = parser.parse_args()
     bins = [Path(b).absolute() for b in (args.bin or [Path(sys.executable).parent])]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    os.environ.update(env)
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     with tempfile.TemporaryDirectory() as folder:
         script = Path(folder) / "baseline.py"
         script.write_text(BASELINE)
-        cases = [
-            (
-                "transformers' HfArgumentParser + TrainingArguments script --help",
-                [sys.executable, str(script), "--help"],
-            )
-        ]
+        baseline = "transformers' HfArgumentParser + TrainingArguments script --help"
+        cases = [(baseline, [sys.executable, str(script), "--help"])]
         for bin_dir in bins:
             label, finetune = f" ({bin_dir})" if len(bins) > 1 else "", str(bin_dir / "hf-vit-finetune")
             cases.append((f"hf-vit-finetune --help{label}", [finetune, "--help"]))
@@ -76,11 +71,9 @@ def main() -> None:
         os.chdir(folder)  # from another directory, as a user runs them
         print(f"{'command':<80} {'wall s':>8} {'CPU s':>8}  (medians of {args.repeats}, fresh processes)")
         for name, command in cases:
-            runs = [timed(command) for _ in range(args.repeats)]
-            wall = statistics.median(run[0] for run in runs)
-            cpu = statistics.median(run[1] for run in runs)
-            codes = sorted({run[2] for run in runs})
-            print(f"{name:<80} {wall:8.2f} {cpu:8.2f}  exit {codes}", flush=True)
+            walls, cpus, codes = zip(*(timed(command) for _ in range(args.repeats)))
+            wall, cpu = statistics.median(walls), statistics.median(cpus)
+            print(f"{name:<80} {wall:8.2f} {cpu:8.2f}  exit {sorted(set(codes))}", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ finetune.py (and, for `--bf16` / `--torch_compile`, to the model-only step).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -23,14 +24,14 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder importable as a package
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
+from benchmarks.report import write_json
 from benchmarks.settings import add_flags
-from benchmarks.timing import synchronize
+from benchmarks.timing import median_seconds, time_alternating
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +50,6 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
     Reuses a folder this function wrote with the same figures (`generated.json` says so); refuses a folder that has
     other files, to overwrite nothing of a user's.
     """
-    import io
-
     import numpy as np
     import PIL.Image
     from sklearn.datasets import load_sample_images
@@ -82,13 +81,10 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
             if rng.random() < 0.5:
                 image = image.transpose(PIL.Image.Transpose.FLIP_LEFT_RIGHT)
             pixels = np.asarray(image, dtype=np.float32) * rng.uniform(0.7, 1.3)
-            image = PIL.Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
-            buffer = io.BytesIO()
-            image.save(buffer, format="JPEG", quality=rng.choice([75, 85, 90, 95]))
             path = folder / "images" / split / f"class_{label:02d}" / f"{index:07d}.jpg"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(buffer.getvalue())
-            total_bytes += len(buffer.getvalue()) if split == "train" else 0
+            PIL.Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(path, quality=rng.choice([75, 85, 90, 95]))
+            total_bytes += path.stat().st_size if split == "train" else 0
     written = dict(spec, mean_jpeg_kib=total_bytes / images / 1024, dataset=str(folder / "images"))
     marker.write_text(json.dumps(written, indent=2) + "\n")
     return json.loads(marker.read_text())  # as a later call that reuses the folder returns it
@@ -125,30 +121,19 @@ def model_only_images_per_s(
 
     for _ in range(warmup):
         step()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    synchronize(device)
-    return batch_size * steps / (time.perf_counter() - start)
+    return batch_size / median_seconds(time_alternating({"step": step}, steps, 1, device)["step"])
 
 
 def finetune_command(model_dir, dataset, output_dir, batch_size: int, max_steps: int, extra=()) -> list[str]:
+    flags = dict(model_name_or_path=model_dir, dataset_name=dataset, output_dir=output_dir, max_steps=max_steps)
+    flags.update(per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size, eval_strategy="no")
+    flags.update(save_strategy="no", logging_steps=max(max_steps, 1), seed=0)
     return [
         sys.executable,
         str(FINETUNE),
-        "--model_name_or_path", str(model_dir),
-        "--dataset_name", str(dataset),
-        "--output_dir", str(output_dir),
-        "--per_device_train_batch_size", str(batch_size),
-        "--per_device_eval_batch_size", str(batch_size),
-        "--max_steps", str(max_steps),
-        "--eval_strategy", "no",
-        "--save_strategy", "no",
-        "--logging_steps", str(max(max_steps, 1)),
-        "--seed", "0",
+        *(f for key, value in flags.items() for f in (f"--{key}", str(value))),
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def finetune_runtime(command: list[str], log) -> float:
@@ -185,10 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    def log(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
+    log = functools.partial(print, file=sys.stderr, flush=True)
     start = time.perf_counter()
     data = generate_jpeg_folder(args.folder, args.images, args.classes)
     seconds = time.perf_counter() - start
@@ -203,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         model.save_pretrained(model_dir)
         VisionTransformerImageProcessor(size=model.config.image_hw[0]).save_pretrained(model_dir)
         speed = model_only_images_per_s(model, args.batch_size, args.steps, args.device, bf16, compile)
-        result["model_only_images_per_s"] = speed
-        log(f"model only: {result['model_only_images_per_s']:.1f} images/s")
+        log(f"model only: {speed:.1f} images/s")
         del model
         runtimes = {}
         for steps in (args.warmup_steps, args.warmup_steps + args.steps):
@@ -216,16 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     steady = runtimes[args.warmup_steps + args.steps] - runtimes[args.warmup_steps]
     if steady <= 0:
         raise RuntimeError(f"the longer run was not slower ({runtimes}); time more --steps")
-    result["end_to_end_images_per_s"] = args.batch_size * args.steps / steady
-    result["ratio_end_to_end_to_model_only"] = result["end_to_end_images_per_s"] / result["model_only_images_per_s"]
-    result["command"] = "python benchmarks/end_to_end.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    log(
-        f"end to end: {result['end_to_end_images_per_s']:.1f} images/s, "
-        f"{result['ratio_end_to_end_to_model_only']:.1%} of the model-only figure"
+    rate = args.batch_size * args.steps / steady
+    result.update(
+        model_only_images_per_s=speed, end_to_end_images_per_s=rate, ratio_end_to_end_to_model_only=rate / speed
     )
+    result["command"] = "python benchmarks/end_to_end.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    log(f"end to end: {rate:.1f} images/s, {rate / speed:.1%} of the model-only figure")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, args.json)
     print(json.dumps({k: v for k, v in result.items() if k != "data"}, indent=2))
     return 0
 

@@ -52,16 +52,11 @@ def compare_processors(image_size: int, count: int = 32, repeats: int = 5) -> di
     std = torch.tensor(processors[TRANSFORMERS].image_std, dtype=torch.float32).view(1, -1, 1, 1)
     # pixel_values = (x - mean) / std, so a difference in pixel_values times std is a difference of x in [0, 1].
     difference = (outputs[HF_VIT].float() - outputs[TRANSFORMERS].float()).abs() * std
-    return {
-        "images": count,
-        "image_sizes": sorted({f"{image.height}x{image.width}" for image in images}),
-        "output_size": image_size,
-        "seconds": samples,
-        "images_per_s": {name: count / median_seconds(sample) for name, sample in samples.items()},
-        "mean_abs_diff_01": difference.mean().item(),
-        "max_abs_diff_01": difference.max().item(),
-        "shapes_match": tuple(outputs[HF_VIT].shape) == tuple(outputs[TRANSFORMERS].shape),
-    }
+    result = dict(images=count, image_sizes=sorted({f"{image.height}x{image.width}" for image in images}))
+    result.update(output_size=image_size, seconds=samples)
+    result["images_per_s"] = {name: count / median_seconds(sample) for name, sample in samples.items()}
+    result.update(mean_abs_diff_01=difference.mean().item(), max_abs_diff_01=difference.max().item())
+    return {**result, "shapes_match": tuple(outputs[HF_VIT].shape) == tuple(outputs[TRANSFORMERS].shape)}
 
 
 PIPELINE_NAMES = {
@@ -176,11 +171,8 @@ def profile_input_pipeline(output_size: int, count: int = 48, top: int = 12) -> 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        pipelines[HF_VIT](files)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        pipelines[HF_VIT](files)
-        profiler.disable()
+        pipelines[HF_VIT](files)  # warm-up
+        (profiler := cProfile.Profile()).runcall(pipelines[HF_VIT], files)
     finally:
         torch.set_num_threads(threads)
     stats = pstats.Stats(profiler)

@@ -38,14 +38,7 @@ def write_snapshot(cache: Path, repo_id: str, sizes: dict) -> None:
     """`repo_id` in the Hub cache layout under `cache`: a transformers ViT classifier with random weights, or a
     DINOv2 encoder (DINOv2-B/14's 518x518 position table) when `sizes` has DINOv2's `mlp_ratio`."""
     import torch
-    from transformers import (
-        BitImageProcessor,
-        Dinov2Config,
-        Dinov2Model,
-        ViTConfig,
-        ViTForImageClassification,
-        ViTImageProcessor,
-    )
+    import transformers as tf
 
     repo = cache / f"models--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / COMMIT
@@ -55,22 +48,20 @@ def write_snapshot(cache: Path, repo_id: str, sizes: dict) -> None:
     (repo / "refs" / "main").write_text(COMMIT)
     snapshot.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    dinov2 = "mlp_ratio" in sizes
-    if dinov2:
-        config = Dinov2Config(image_size=518, patch_size=14, **sizes)
+    if "mlp_ratio" in sizes:  # DINOv2
+        config, model_class = tf.Dinov2Config(image_size=518, patch_size=14, **sizes), tf.Dinov2Model
+        processor = tf.BitImageProcessor(size={"shortest_edge": 256}, crop_size=224)
     else:
-        config = ViTConfig(image_size=224, patch_size=16, num_labels=1000, **sizes)
+        config = tf.ViTConfig(image_size=224, patch_size=16, num_labels=1000, **sizes)
+        model_class, processor = tf.ViTForImageClassification, tf.ViTImageProcessor(size={"height": 224, "width": 224})
     with torch.device("meta"):
-        model = Dinov2Model(config) if dinov2 else ViTForImageClassification(config)
+        model = model_class(config)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.normal_(std=0.02)
     model.save_pretrained(snapshot)
-    if dinov2:
-        BitImageProcessor(size={"shortest_edge": 256}, crop_size=224).save_pretrained(snapshot)
-    else:
-        ViTImageProcessor(size={"height": 224, "width": 224}).save_pretrained(snapshot)
+    processor.save_pretrained(snapshot)
 
 
 def rss_mb() -> float:
@@ -92,16 +83,16 @@ def worker(loader: str, repo_id: str) -> None:
     from huggingface_hub import hf_hub_download
 
     dinov2 = json.loads(Path(hf_hub_download(repo_id, "config.json")).read_text())["model_type"] == "dinov2"
-    forward = {}
     if loader == "hf-vit":
         import hf_vit
 
         model_class = hf_vit.VisionTransformerModel if dinov2 else hf_vit.VisionTransformerForImageClassification
-        forward = {"interpolate_pos_encoding": True} if dinov2 else {}  # transformers' DINOv2 always resamples
-    elif dinov2:
-        from transformers import Dinov2Model as model_class
     else:
-        from transformers import ViTForImageClassification as model_class
+        import transformers
+
+        model_class = transformers.Dinov2Model if dinov2 else transformers.ViTForImageClassification
+    # transformers' DINOv2 always resamples its position embeddings
+    forward = {"interpolate_pos_encoding": True} if dinov2 and loader == "hf-vit" else {}
     pixels = torch.randn(1, 3, 224, 224)
     base = rss_mb()
     start = time.perf_counter()
@@ -145,16 +136,13 @@ def main() -> None:
                     env=env, capture_output=True, text=True, check=True,
                 )  # fmt: skip
                 runs[loader].append(json.loads(done.stdout.strip().splitlines()[-1]))
-        for loader in LOADERS:
-            times = [run["seconds"] for run in runs[loader]]
-            seconds, peak = statistics.median(times), statistics.median(run["peak_mb"] for run in runs[loader])
-            load_seconds = statistics.median(run["load_seconds"] for run in runs[loader])
-            results[(name, loader)] = (seconds, peak)
-            print(
-                f"| {name} | {loader} | {seconds:.2f} | {min(times):.2f}-{max(times):.2f} | {load_seconds:.2f} "
-                f"| {peak:.0f} |",
-                flush=True,
+        for loader, done in runs.items():
+            seconds, load_seconds, peak = (
+                statistics.median(r[key] for r in done) for key in ("seconds", "load_seconds", "peak_mb")
             )
+            times, results[(name, loader)] = [r["seconds"] for r in done], (seconds, peak)
+            range_ = f"{min(times):.2f}-{max(times):.2f}"
+            print(f"| {name} | {loader} | {seconds:.2f} | {range_} | {load_seconds:.2f} | {peak:.0f} |", flush=True)
     for name in args.models:
         (t_seconds, t_peak), (h_seconds, h_peak) = results[(name, "transformers")], results[(name, "hf-vit")]
         print(f"{name}: hf-vit / transformers = {h_seconds / t_seconds:.2f}x time, {h_peak / t_peak:.2f}x memory")

@@ -24,13 +24,14 @@ COMMON += ["--overwrite_output_dir", "True", "--dataloader_num_workers", "0"]
 def finetune(argv: list[str]) -> dict:
     """Run in a child process: one fine-tune, its metrics, trainable parameters and peak RSS."""
     import torch
+    from transformers import TrainerCallback
 
     from hf_vit.train.arguments import parse_args
     from hf_vit.train.training import train
 
     trained = {}
 
-    class Count(__import__("transformers").TrainerCallback):
+    class Count(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             trained["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
             trained["total"] = sum(p.numel() for p in model.parameters())
@@ -67,8 +68,7 @@ def main() -> None:
         "LoRA r8 qkv": ["--learning_rate", "0.1", "--lora_rank", "8"],
         "LoRA r8 query,value": ["--learning_rate", "0.1", "--lora_rank", "8", "--lora_target_modules", "query,value"],
     }
-    steps = None
-    rows = {}
+    steps, rows = None, {}
     for name, flags in runs.items():
         out = args.output_dir / name.replace(" ", "-").replace(",", "-")
         argv = ["--model_name_or_path", str(pretrained), "--output_dir", str(out), "--image_size", "24"]

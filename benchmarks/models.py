@@ -18,12 +18,9 @@ from .timing import autocast, logits_of
 
 def hf_vit_config(settings: BenchmarkSettings, image_size: int | None = None) -> VisionTransformerConfig:
     """The preset's config with dropout off and a non-zero head (a zero head would make the logits check trivial)."""
-    fields = dict(num_labels=settings.num_labels, zero_init_head=False, hidden_dropout_prob=0.0)
-    fields.update(attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
-    if settings.num_hidden_layers is not None:
-        fields["num_hidden_layers"] = settings.num_hidden_layers
-    if image_size or settings.image_size:
-        fields["image_size"] = image_size or settings.image_size
+    fields = dict(num_labels=settings.num_labels, zero_init_head=False, hidden_dropout_prob=0.0, drop_path_rate=0.0)
+    sizes = dict(num_hidden_layers=settings.num_hidden_layers, image_size=image_size or settings.image_size)
+    fields.update({key: value for key, value in sizes.items() if value is not None}, attention_probs_dropout_prob=0.0)
     return VisionTransformerConfig.from_preset(settings.model, **fields)
 
 
@@ -51,10 +48,8 @@ def transformers_from_hf_vit(model: VisionTransformerForImageClassification) -> 
     same = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act")
     same += ("layer_norm_eps", "patch_size", "num_channels", "qkv_bias", "num_labels")
     fields = {name: getattr(config, name) for name in same}
-    reference_config = ViTConfig(
-        **fields, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, image_size=height
-    )
-    reference = ViTForImageClassification._from_config(reference_config, attn_implementation="sdpa")
+    fields.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, image_size=height)
+    reference = ViTForImageClassification._from_config(ViTConfig(**fields), attn_implementation="sdpa")
     state = hf_vit_to_transformers_module_state_dict(model.state_dict())
     reference.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=True)
     return reference.to(next(model.parameters()).device)
@@ -134,11 +129,9 @@ def vit_forward_flops(config: VisionTransformerConfig, image_size: int | None = 
     return parts
 
 
-# The analytic FLOPs behind the MFU rows: one image's forward pass costs 2 * MACs (`vit_forward_flops`, matrix
-# products only); a training step costs about 3x the forward (the backward computes the gradients of both the
-# activations and the weights, each as much as the forward). MFU = images/s * FLOPs per image / the dense bf16 peak.
+# A training step costs about 3x the forward (the backward computes the gradients of both the activations and the
+# weights, each as much as the forward).
 TRAIN_STEP_FORWARD_MULTIPLE = 3
-
 # Dense (not 2:4 sparse) bf16 tensor-core peaks from the vendors' data sheets, in TFLOP/s, by a substring of
 # `torch.cuda.get_device_name()`; the first match wins, so the more specific names come first.
 BF16_DENSE_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.0, "H200": 989.0, "B200": 2250.0}
@@ -154,8 +147,6 @@ def dense_bf16_peak(device_name: str | None, override_tflops: float | None = Non
     """{"flops_per_s", "source"}: the override, else the data-sheet peak of the named GPU, else None (e.g. a CPU)."""
     if override_tflops is not None:
         return {"flops_per_s": override_tflops * 1e12, "source": "--peak_tflops"}
-    if device_name:
-        for key, tflops in BF16_DENSE_PEAK_TFLOPS.items():
-            if key in device_name:
-                return {"flops_per_s": tflops * 1e12, "source": f"data sheet: {key} dense bf16 {tflops:g} TFLOP/s"}
-    return None
+    key = next((key for key in BF16_DENSE_PEAK_TFLOPS if key in (device_name or "")), None)
+    tflops = BF16_DENSE_PEAK_TFLOPS.get(key)
+    return key and {"flops_per_s": tflops * 1e12, "source": f"data sheet: {key} dense bf16 {tflops:g} TFLOP/s"}

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import torch
 
-from benchmarks.report import print_table
+from benchmarks.report import _markdown_table, print_table
 from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
@@ -76,65 +74,50 @@ def batches(args) -> tuple[dict, torch.Tensor, dict]:
     mixed batch as timm's NaFlex dict (patches, coordinates, validity)."""
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (*ASPECTS[i % len(ASPECTS)], 3), dtype=np.uint8) for i in range(args.batch_size)]
-    native = VisionTransformerImageProcessor(max_num_patches=args.max_num_patches, patch_size=16)(
-        images, return_tensors="pt"
-    )
+    processor = VisionTransformerImageProcessor(max_num_patches=args.max_num_patches, patch_size=16)
+    native = processor(images, return_tensors="pt")
     side = math.isqrt(args.max_num_patches)
     square = torch.randn(args.batch_size, 3, side * 16, side * 16, generator=torch.Generator().manual_seed(0))
     coords = torch.zeros(args.batch_size, args.max_num_patches, 2, dtype=torch.long)
     for row, (rows, cols) in enumerate(native["spatial_shapes"].tolist()):
         grid = torch.stack(torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij"), -1).reshape(-1, 2)
         coords[row, : rows * cols] = grid
-    timm_batch = {
-        "patches": native["pixel_values"],
-        "patch_coord": coords,
-        "patch_valid": torch.arange(args.max_num_patches) < native["spatial_shapes"].prod(-1)[:, None],
-    }
-    return dict(native), square, timm_batch
+    valid = torch.arange(args.max_num_patches) < native["spatial_shapes"].prod(-1)[:, None]
+    return dict(native), square, {"patches": native["pixel_values"], "patch_coord": coords, "patch_valid": valid}
+
+
+def fused(model, implementation: str):
+    """timm's `model` with its attention as `implementation`: SDPA when fused, else its own matmul-softmax."""
+    for module in model.modules():
+        if hasattr(module, "fused_attn"):
+            module.fused_attn = implementation == "sdpa"
+    return model
 
 
 def measure(args) -> dict:
     native, square, timm_batch = batches(args)
-    load_before = os.getloadavg()
     theirs = timm_model(args)
     fns, checks = {}, {}
     for implementation in ("eager", "sdpa"):
         ours = hf_vit_from_timm(theirs, implementation) if theirs is not None else hf_vit_alone(args, implementation)
-
-        def mixed(model=ours):
-            model(**native)
-
-        def squared(model=ours):
-            model(square, interpolate_pos_encoding=True)
-
-        fns[f"hf-vit {implementation} mixed"] = mixed
-        fns[f"hf-vit {implementation} square"] = squared
+        fns[f"hf-vit {implementation} mixed"] = lambda model=ours: model(**native)
+        fns[f"hf-vit {implementation} square"] = lambda model=ours: model(square, interpolate_pos_encoding=True)
         if theirs is not None:
-            for module in theirs.modules():  # timm's attention: SDPA when fused, else its own matmul-softmax
-                if hasattr(module, "fused_attn"):
-                    module.fused_attn = implementation == "sdpa"
             with torch.no_grad():
-                difference = (ours(**native).logits - theirs(dict(timm_batch))).abs().max().item()
-            checks[implementation] = difference
+                logits = ours(**native).logits, fused(theirs, implementation)(dict(timm_batch))
+            difference = checks[implementation] = (logits[0] - logits[1]).abs().max().item()
             if difference > 1e-3:
                 raise SystemExit(f"hf-vit and timm disagree on the batch ({implementation}): {difference:.2e}")
-            timm_copy = timm_model(args)
+            timm_copy = fused(timm_model(args), implementation)
             timm_copy.load_state_dict(theirs.state_dict())
-            for module in timm_copy.modules():
-                if hasattr(module, "fused_attn"):
-                    module.fused_attn = implementation == "sdpa"
-
-            def timm_mixed(model=timm_copy):
-                model(dict(timm_batch))
-
-            fns[f"timm {implementation} mixed"] = timm_mixed
+            fns[f"timm {implementation} mixed"] = lambda model=timm_copy: model(dict(timm_batch))
     with torch.no_grad():
         seconds, load = timed_rounds(fns, args.steps, args.repeats)
     valid = int(native["spatial_shapes"].prod(-1).sum())
     return {
         "images_per_s": {name: args.batch_size / value for name, value in seconds.items()},
         "logits_difference": checks,
-        "load_average": [load_before[0], load[1]],
+        "load_average": load,
         "valid_share": valid / (args.batch_size * args.max_num_patches),
         "grids": native["spatial_shapes"].tolist(),
         "threads": torch.get_num_threads(),
@@ -142,18 +125,15 @@ def measure(args) -> dict:
 
 
 def format_rows(result: dict, args) -> str:
-    rate = result["images_per_s"]
-    lines = [
-        "| attention | mixed-aspect K batch (images/s) | square batch, same K (images/s) | ratio (target >= 0.95) "
-        "| timm NaFlexVit, same batch (images/s) | hf-vit / timm (target >= 1.0) |",
-        "|---|---|---|---|---|---|",
-    ]
+    rate, rows = result["images_per_s"], []
     for implementation in ("eager", "sdpa"):
         mixed, square = rate[f"hf-vit {implementation} mixed"], rate[f"hf-vit {implementation} square"]
         timm_rate = rate.get(f"timm {implementation} mixed")
-        timm_cells = f"{timm_rate:.1f} | {mixed / timm_rate:.2f}x" if timm_rate else "- | -"
-        lines.append(f"| {implementation} | {mixed:.1f} | {square:.1f} | {mixed / square:.2f}x | {timm_cells} |")
-    load = result["load_average"]
+        timm_cells = [f"{timm_rate:.1f}", f"{mixed / timm_rate:.2f}x"] if timm_rate else ["-", "-"]
+        rows.append([implementation, f"{mixed:.1f}", f"{square:.1f}", f"{mixed / square:.2f}x", *timm_cells])
+    header = ["attention", "mixed-aspect K batch (images/s)", "square batch, same K (images/s)"]
+    header += ["ratio (target >= 0.95)", "timm NaFlexVit, same batch (images/s)", "hf-vit / timm (target >= 1.0)"]
+    lines, load = [_markdown_table(header, rows)], result["load_average"]
     checks = ", ".join(f"{k} {v:.1e}" for k, v in result["logits_difference"].items()) or "timm absent"
     lines += [
         "",

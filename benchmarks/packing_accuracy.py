@@ -26,9 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import PIL.Image
@@ -89,7 +88,6 @@ class Stream:
         self.digits, self.labels, self.args = digits, labels, args
         self.epoch, self.position, self.order = 0, 0, self._order(0)
         self.lookahead: tuple[np.ndarray, int, int] | None = None
-        self.seen: set[int] = set()  # the training set's positions this stream has given
 
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng((self.args.seed, epoch)).permutation(len(self.labels))
@@ -106,7 +104,6 @@ class Stream:
             image = mixed_aspect_image(self.digits[index], rng, self.args)
             patches = (image.shape[0] // self.args.patch_size) * (image.shape[1] // self.args.patch_size)
             self.lookahead = (image, int(self.labels[index]), patches)
-            self.seen.add(index)
         return self.lookahead
 
     def take(self) -> tuple[np.ndarray, int, int]:
@@ -119,21 +116,16 @@ def next_batch(stream: Stream, run: str, processor: VisionTransformerImageProces
     """A step's batch of B x K patch slots: B images padded to K each, or as many images as best-fit-decreasing
     packs into B x K / L rows of L (the stream's next image that does not fit waits for the next step)."""
     images, labels, sizes = [], [], []
-    if run == "padded":
-        for _ in range(args.batch_size):
-            image, label, patches = stream.take()
-            images.append(image)
-            labels.append(label)
-            sizes.append(patches)
-        batch = dict(processor(images, return_tensors="pt"))
-    else:
-        rows = args.batch_size * args.max_num_patches // args.packed_sequence_length
-        while not images or len(best_fit_decreasing([*sizes, stream.peek()[2]], args.packed_sequence_length)) <= rows:
-            image, label, patches = stream.take()
-            images.append(image)
-            labels.append(label)
-            sizes.append(patches)
-        batch = dict(processor(images, packed_sequence_length=args.packed_sequence_length, return_tensors="pt"))
+    length, rows = args.packed_sequence_length, args.batch_size * args.max_num_patches // args.packed_sequence_length
+    while (
+        len(images) < args.batch_size
+        if run == "padded"
+        else not images or len(best_fit_decreasing([*sizes, stream.peek()[2]], length)) <= rows
+    ):
+        for items, item in zip((images, labels, sizes), stream.take()):
+            items.append(item)
+    extra = {} if run == "padded" else {"packed_sequence_length": length}
+    batch = dict(processor(images, return_tensors="pt", **extra))
     slots = batch["pixel_values"].shape[:2].numel()
     return {"inputs": batch, "labels": torch.tensor(labels), "images": len(images), "patches": sum(sizes),
             "slots": slots}  # fmt: skip
@@ -169,9 +161,7 @@ def evaluate(model: torch.nn.Module, test: list[dict]) -> float:
 def run(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     split = load_digits_split(args.test_images, args.seed)
-    (train_digits, train_labels, train_index), (test_digits, test_labels, test_index) = split["train"], split["test"]
-    if set(train_index.tolist()) & set(test_index.tolist()):
-        raise SystemExit("The held-out digits overlap the training digits.")
+    (train_digits, train_labels, _), (test_digits, test_labels, _) = split["train"], split["test"]  # disjoint
     # Digits that scikit-learn's set holds twice (the same 8x8 pixels under two indices) can fall on both sides
     train_pixels = {digit.tobytes() for digit in train_digits}
     duplicates = sum(digit.tobytes() in train_pixels for digit in test_digits)
@@ -180,13 +170,9 @@ def run(args) -> dict:
     )
     rng = np.random.default_rng((args.seed, TEST_SEED))
     test_images = [mixed_aspect_image(digit, rng, args) for digit in test_digits]
-    test = []
-    for start in range(0, len(test_images), args.eval_batch_size):
-        images = test_images[start : start + args.eval_batch_size]
-        test.append({"inputs": dict(processor(images, return_tensors="pt")),
-                     "labels": torch.tensor(test_labels[start : start + args.eval_batch_size])})  # fmt: skip
-    if args.save_images:
-        save_images(Path(args.save_images), train_digits, train_labels, test_images, test_labels, args)
+    starts = range(0, len(test_images), size := args.eval_batch_size)
+    test = [{"inputs": dict(processor(test_images[i : i + size], return_tensors="pt")),
+             "labels": torch.tensor(test_labels[i : i + size])} for i in starts]  # fmt: skip
 
     models = {"padded": build_model(args)}
     models["packed"] = copy.deepcopy(models["padded"])  # the same initial weights
@@ -208,8 +194,12 @@ def run(args) -> dict:
         warmup = max(1, round(args.warmup * args.steps))
         schedulers[name] = torch.optim.lr_scheduler.LambdaLR(optimizers[name], schedule(args.steps, warmup))
     totals = {name: {"seconds": 0.0, "images": 0, "patches": 0, "slots": 0} for name in RUNS}
-    curve = [{"step": 0, **{name: {"seconds": 0.0, "images": 0, "accuracy": evaluate(models[name], test)}
-                            for name in RUNS}}]  # fmt: skip
+
+    def evaluation(step: int) -> dict:
+        point = {name: {key: totals[name][key] for key in ("seconds", "images")} for name in RUNS}
+        return {"step": step, **{name: {**point[name], "accuracy": evaluate(models[name], test)} for name in RUNS}}
+
+    curve = [evaluation(0)]
     load_before = os.getloadavg()
     for step in range(args.steps):
         for name in RUNS if step % 2 == 0 else RUNS[::-1]:
@@ -227,12 +217,8 @@ def run(args) -> dict:
             for key in ("images", "patches", "slots"):
                 totals[name][key] += batch[key]
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            curve.append({"step": step + 1, **{
-                name: {"seconds": totals[name]["seconds"], "images": totals[name]["images"],
-                       "accuracy": evaluate(models[name], test)} for name in RUNS}})  # fmt: skip
+            curve.append(evaluation(step + 1))
     load_after = os.getloadavg()
-    if any(set(train_index[sorted(streams[name].seen)].tolist()) & set(test_index.tolist()) for name in RUNS):
-        raise SystemExit("A training batch held a held-out digit.")
     return {
         "curve": curve,
         "totals": totals,
@@ -244,24 +230,6 @@ def run(args) -> dict:
         "load_average": [load_before[0], load_after[0]],
         "threads": torch.get_num_threads(),
     }
-
-
-def save_images(folder: Path, train_digits, train_labels, test_images, test_labels, args) -> None:
-    """The mixed-aspect set as an image folder (`train/<label>/`, the first epoch's draw, and `test/<label>/`)."""
-    train_images = []
-    for index, digit in enumerate(train_digits):
-        train_images.append(mixed_aspect_image(digit, np.random.default_rng((args.seed, TRAIN_SEED, 0, index)), args))
-    for split, images, labels in (("train", train_images, train_labels), ("test", test_images, test_labels)):
-        for index, (image, label) in enumerate(zip(images, labels)):
-            path = folder / split / str(label) / f"{index:04d}.png"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            PIL.Image.fromarray(image).save(path)
-
-
-def accuracy_at(curve: list[dict], name: str, seconds: float) -> tuple[float, int]:
-    """A run's accuracy at its last evaluation within `seconds` of training, and that evaluation's step."""
-    point = max((point for point in curve if point[name]["seconds"] <= seconds), key=lambda point: point["step"])
-    return point[name]["accuracy"], point["step"]
 
 
 def format_result(result: dict, args) -> str:
@@ -276,9 +244,9 @@ def format_result(result: dict, args) -> str:
     times = []
     for share in (0.25, 0.5, 0.75, 1.0):
         times.append([f"{share * horizon:.1f} s"])
-        for name in RUNS:
-            accuracy, step = accuracy_at(curve, name, share * horizon)
-            times[-1].append(f"{accuracy:.1%} ({step})")
+        for name in RUNS:  # the run's last evaluation within that much training
+            point = [point for point in curve if point[name]["seconds"] <= share * horizon][-1]
+            times[-1].append(f"{point[name]['accuracy']:.1%} ({point['step']})")
     header_times = ["training time"] + [f"{name}: held-out accuracy (step)" for name in RUNS]
     lines = [_markdown_table(header, table), "", _markdown_table(header_times, times)]
     rate = {name: totals[name]["images"] / totals[name]["seconds"] for name in RUNS}
@@ -337,7 +305,6 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": (0.1, "warm-up, as a share of the steps"), "clip": (1.0, "gradient norm clipping"),
         "threads": (0, "torch threads (0: torch's default)"), "seed": (0, None),
         "json": (None, "also write the result here"),
-        "save_images": (None, "also write the mixed-aspect set here as an image folder"),
         "quick": (False, "a tiny model, a few steps: seconds"),
     })  # fmt: skip
     args = parser.parse_args(argv)

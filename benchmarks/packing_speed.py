@@ -19,23 +19,22 @@ compiles anew for each of `--recompile_batches` packed batches of other images (
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import math
-import os
 import sys
-import time
+import types
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import torch
 
 from benchmarks.report import _markdown_table
 from benchmarks.settings import add_flags
-from benchmarks.timing import median_seconds, time_alternating
+from benchmarks.timing import median_seconds, time_alternating, timed_call, timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.model.attention import ALL_ATTENTION_FUNCTIONS
 from hf_vit.model.image_processing_vit import best_fit_decreasing
@@ -50,12 +49,6 @@ PATHS = {
     "padded + mask": "padding masked as keys: one SDPA call",
     "packed + mask": "the model's path (CPU: each image gathered into a row of its own, padding masked as keys)",
 }
-
-
-class _Attention(torch.nn.Module):
-    """What the attention functions read from the model's attention module."""
-
-    is_causal = False
 
 
 def small_classifier(max_num_patches: int, width: int, depth: int, heads: int, seed: int, patch: int = PATCH):
@@ -102,10 +95,8 @@ def layouts(args) -> dict[str, dict]:
     sizes = processor(images, return_tensors="pt")["spatial_shapes"].prod(1).tolist()
     count = packed_count(args, sizes)
     result = {"sizes": sizes[:count]}
-    for name, images_in, extra in (
-        ("padded", args.batch_size, {}),
-        ("packed", count, {"packed_sequence_length": args.packed_sequence_length}),
-    ):
+    packed = {"packed_sequence_length": args.packed_sequence_length}
+    for name, images_in, extra in (("padded", args.batch_size, {}), ("packed", count, packed)):
         batch = dict(processor(images[:images_in], return_tensors="pt", **extra))
         layout = BatchLayout.of(prefix=1, **batch)
         padding = 1 - sum(sizes[:images_in]) / batch["pixel_values"].shape[:2].numel()
@@ -114,19 +105,15 @@ def layouts(args) -> dict[str, dict]:
     return result
 
 
-def square_batch(args) -> dict:
-    """B square images of exactly K patches each (K a square number), through the same processor: no padding."""
-    side = math.isqrt(args.max_num_patches)
-    rng = np.random.default_rng(args.seed)
-    images = [rng.integers(0, 256, (side * PATCH, side * PATCH, 3), dtype=np.uint8) for _ in range(args.batch_size)]
-    processor = VisionTransformerImageProcessor(max_num_patches=side * side, patch_size=PATCH, do_resize=False)
-    return dict(processor(images, return_tensors="pt"))
-
-
 def layout_batches(args, shapes: dict) -> tuple[dict, dict, dict]:
-    """Per layout ("square", "padded", "packed"): its batch, its images and its real patches."""
-    sizes, first = shapes["sizes"], args.batch_size
-    batches = {"square": square_batch(args), "padded": shapes["padded"]["batch"], "packed": shapes["packed"]["batch"]}
+    """Per layout ("square": B square images of exactly K patches, no padding; "padded", "packed"): its batch, its
+    images and its real patches."""
+    sizes, first, side = shapes["sizes"], args.batch_size, math.isqrt(args.max_num_patches)
+    rng = np.random.default_rng(args.seed)
+    square = [rng.integers(0, 256, (side * PATCH, side * PATCH, 3), dtype=np.uint8) for _ in range(first)]
+    processor = VisionTransformerImageProcessor(max_num_patches=side * side, patch_size=PATCH, do_resize=False)
+    batches = {"square": dict(processor(square, return_tensors="pt"))}
+    batches.update(padded=shapes["padded"]["batch"], packed=shapes["packed"]["batch"])
     patches = {"square": first * args.max_num_patches, "padded": sum(sizes[:first]), "packed": sum(sizes)}
     return batches, {"square": first, "padded": first, "packed": len(sizes)}, patches
 
@@ -162,59 +149,52 @@ def views(buffer: torch.Tensor) -> list[torch.Tensor]:
 def measure(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     shapes = layouts(args)
-    sizes = shapes["sizes"]
+    sizes, head_dim = shapes["sizes"], args.width // args.heads
     sdpa = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
-    module, scaling = _Attention().eval(), (args.width // args.heads) ** -0.5
+    module = types.SimpleNamespace(is_causal=False, training=False)  # what the attention functions read of it
     generator = torch.Generator().manual_seed(args.seed)
-    head_dim = args.width // args.heads
     tokens = [torch.randn(1 + size, 3, args.heads, head_dim, generator=generator) for size in sizes]
-    # Per row: its layout, and a (rows, tokens, 3, heads, d_h) buffer as the qkv projection leaves it (zero padding).
-    inputs, reference, difference = {}, None, 0.0
+    fns, reference, difference = {}, None, 0.0
     for name in ROWS:
         layout = shapes[name.split()[0]]["layout"]
-        per_image = tokens[0].new_zeros(layout.token_mask.shape[0], layout.token_mask.shape[1], *tokens[0].shape[1:])
-        for index in range(len(per_image)):
-            per_image[index, : len(tokens[index])] = tokens[index]
+        # a (rows, tokens, 3, heads, d_h) buffer as the qkv projection leaves it (zero padding)
+        per_image = tokens[0].new_zeros(*layout.token_mask.shape, *tokens[0].shape[1:])
+        for index, image in enumerate(tokens[: len(per_image)]):
+            per_image[index, : len(image)] = image
         buffer = layout.segments.to_blocks(per_image, layout.segments.blocks_shape)
-        inputs[name] = (layout, buffer)
-        # The rows compute the same function: the images they share have the same outputs before anything is timed.
-        output, _ = sdpa(
-            module, *[part.transpose(1, 2) for part in buffer.unbind(2)], layout.segments, scaling=scaling
-        )
-        output = layout.unpack(output)
-        shared = [output[index, : 1 + size] for index, size in enumerate(sizes[: args.batch_size])]
-        reference = reference or shared
-        difference = max([difference] + [(a - b).abs().max().item() for a, b in zip(shared, reference)])
-    if difference > 1e-4:
-        raise SystemExit(f"The attention rows disagree on the images' outputs: {difference:.2e}")
-    fns = {}
-    for name, (layout, buffer) in inputs.items():
         trainable = buffer.clone().requires_grad_()
         parts, trainable_parts = views(buffer), views(trainable)
 
-        def infer(parts=parts, mask=layout.segments):
-            with torch.no_grad():
-                sdpa(module, *parts, mask, scaling=scaling)
+        def attend(parts, segments=layout.segments):
+            return sdpa(module, *parts, segments, scaling=head_dim**-0.5)[0]
 
-        def train(parts=trainable_parts, mask=layout.segments, x=trainable):
-            sdpa(module, *parts, mask, scaling=scaling)[0].sum().backward()
+        # The rows compute the same function: the images they share have the same outputs before anything is timed.
+        output = layout.unpack(attend(parts))
+        shared = [output[index, : 1 + size] for index, size in enumerate(sizes[: args.batch_size])]
+        reference = reference or shared
+        difference = max([difference] + [(a - b).abs().max().item() for a, b in zip(shared, reference)])
+
+        def infer(parts=parts, attend=attend):
+            with torch.no_grad():
+                attend(parts)
+
+        def train(parts=trainable_parts, attend=attend, x=trainable):
+            attend(parts).sum().backward()
             x.grad = None
 
         fns[f"{name} | inference"], fns[f"{name} | training"] = infer, train
-    for fn in fns.values():  # warm-up
-        fn()
-    load_before = os.getloadavg()
-    samples = time_alternating(fns, args.steps, args.repeats, torch.device("cpu"))
-    load_after = os.getloadavg()
+    if difference > 1e-4:
+        raise SystemExit(f"The attention rows disagree on the images' outputs: {difference:.2e}")
+    seconds, load = timed_rounds(fns, args.steps, args.repeats)
     count = {"padded": args.batch_size, "packed": len(sizes)}
     return {
-        "images_per_s": {name: count[name.split()[0]] / median_seconds(sample) for name, sample in samples.items()},
+        "images_per_s": {name: count[name.split()[0]] / value for name, value in seconds.items()},
         "model": measure_model(args, shapes) if args.model_depth else None,
         "images": count,
         "padding_share": {name: shapes[name]["padding"] for name in count},
         "rows": {name: shapes[name]["rows"] for name in count},
         "max_difference": difference,
-        "load_average": [load_before[0], load_after[0]],
+        "load_average": load,
         "threads": torch.get_num_threads(),
     }
 
@@ -224,13 +204,12 @@ def measure_model(args, shapes: dict) -> dict:
     (one call per sample): per row its attention path, padding share, images and real patches per call, seconds per
     inference call and per training step (forward, loss, backward), and the first (compiling) call's seconds."""
     model = small_classifier(args.max_num_patches, args.model_width, args.model_depth, args.model_heads, args.seed)
-    model.train()
     inputs, images, patches = layout_batches(args, shapes)
     padding = {"square": 0.0, "padded": shapes["padded"]["padding"], "packed": shapes["packed"]["padding"]}
     labels = {name: torch.zeros(count, dtype=torch.long) for name, count in images.items()}
-    variants = {"eager": model}
-    if not args.no_compile:
-        variants["compiled"] = torch.compile(model, backend=args.compile_backend)
+    variants = {"eager": model} | (
+        {} if args.no_compile else {"compiled": torch.compile(model, backend=args.compile_backend)}
+    )
 
     def logits_of(runner, name: str) -> torch.Tensor:
         with torch.no_grad():
@@ -253,9 +232,7 @@ def measure_model(args, shapes: dict) -> dict:
                 skipped[key] = f"not compiled, {spent:.0f} s of compilation spent (--compile_budget_s)"
                 continue
             fns[key] = calls[f"{name} | {mode}"]
-            begin = time.perf_counter()
-            fns[key]()  # warm-up; compiled: the compilation
-            first_call[key] = time.perf_counter() - begin
+            first_call[key] = timed_call(fns[key], torch.device("cpu"))  # warm-up; compiled: the compilation
             if variant == "compiled" and mode == "inference":
                 here = (logits_of(runner, name) - eager[name]).abs().max().item()
                 compiled_difference = max(compiled_difference, here)
@@ -266,8 +243,8 @@ def measure_model(args, shapes: dict) -> dict:
     for variant in variants:
         for name in MODEL_ROWS:
             layout = name.split()[0]
-            row = {"path": PATHS[name], "padding": padding[layout], "images": images[layout], "first_call_s": {}}
-            row["patches"] = patches[layout]
+            row = dict(path=PATHS[name], padding=padding[layout], images=images[layout], patches=patches[layout])
+            row["first_call_s"] = {}
             for mode in MODES:
                 key = f"{name} | {variant} | {mode}"
                 if key in samples:
@@ -300,9 +277,7 @@ def recompile_check(args, model: torch.nn.Module) -> list[dict]:
         with torch.no_grad():
             compiled.eval()(**packed["batch"])
         recompiled = [code for code, seen in guard_failures.items() if len(seen) > failures_before.get(code, 0)]
-        by_file: dict[str, int] = {}
-        for code in recompiled:
-            by_file[Path(code.co_filename).name] = by_file.get(Path(code.co_filename).name, 0) + 1
+        by_file = dict(collections.Counter(Path(code.co_filename).name for code in recompiled))
         limit = torch._dynamo.config.recompile_limit  # a frame with this many graphs runs eagerly from then on
         at_limit = [f"{Path(code.co_filename).name}:{code.co_name}" for code in guard_failures]
         at_limit = sorted(name for name, code in zip(at_limit, guard_failures) if len(cache_entries(code)) >= limit)
@@ -398,18 +373,14 @@ def format_recompiles(checks: list[dict], args) -> str:
             + (f", {len(check['frames_at_recompile_limit'])} frames at the limit" if index > 2 else "")
         )
     recompiled = sum(check["recompiled_frames"] for check in others)
-    at_limit = checks[-1]["frames_at_recompile_limit"]
+    at_limit = ", ".join(checks[-1]["frames_at_recompile_limit"])
     return (
         f"Recompiles: packed batches of L = {args.packed_sequence_length} holding other images, one after another "
         f"through one compiled model (inference; Dynamo's eager backend, recompile_limit "
         f"{torch._dynamo.config.recompile_limit}): batch 1 ({first['images']} images, rows of "
         f"{first['row_tokens']} tokens) compiled {first['new_graphs']} graphs; {'; '.join(described)}. "
         + ("No recompiles." if recompiled == 0 else f"{recompiled} recompiled frames in all.")
-        + (
-            f" Frames at Dynamo's recompile limit, run uncompiled from then on: {', '.join(at_limit)}."
-            if at_limit
-            else ""
-        )
+        + (f" Frames at Dynamo's recompile limit, run uncompiled from then on: {at_limit}." if at_limit else "")
     )
 
 

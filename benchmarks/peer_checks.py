@@ -22,9 +22,8 @@ import math
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import torch
@@ -146,19 +145,10 @@ def compare_resampling() -> list[dict]:
 
 def _erased_regions(erase, draws: int, size: int) -> list[torch.Tensor]:
     """`draws` constant images (every value 5), each after `erase` (in place)."""
-    out = []
-    for _ in range(draws):
-        image = torch.full((3, size, size), 5.0)
+    images = [torch.full((3, size, size), 5.0) for _ in range(draws)]
+    for image in images:
         erase(image)
-        out.append(image)
-    return out
-
-
-def _ks_distance(a: np.ndarray, b: np.ndarray) -> float:
-    """The two-sample Kolmogorov-Smirnov statistic: the largest gap between the empirical distribution functions."""
-    points = np.concatenate([a, b])
-    return float(np.abs(np.searchsorted(np.sort(a), points, "right") / len(a)
-                        - np.searchsorted(np.sort(b), points, "right") / len(b)).max())  # fmt: skip
+    return images
 
 
 def _erasing_statistics(images: list[torch.Tensor]) -> dict:
@@ -183,6 +173,7 @@ def compare_random_erasing(draws: int = 2000, size: int = 32, probability: float
     """hf-vit's `RandomErasing` against timm's over `draws` images: the same statistics of each, side by side."""
     import random
 
+    from scipy.stats import ks_2samp
     from timm.data.random_erasing import RandomErasing as TimmErasing
 
     from hf_vit.data.augment.random_erasing import RandomErasing
@@ -204,9 +195,11 @@ def compare_random_erasing(draws: int = 2000, size: int = 32, probability: float
         row.update(
             {key: (ours[key], theirs[key]) for key in ("erased", "mean_top", "mean_left", "fill_mean", "fill_std")}
         )
-        row["ks_area"] = _ks_distance(ours["areas"], theirs["areas"])
+        row["ks_area"] = float(ks_2samp(ours["areas"], theirs["areas"]).statistic)
         # with several rectangles the bounding box of their union says little about one rectangle's aspect
-        row["ks_log_aspect"] = _ks_distance(ours["log_aspects"], theirs["log_aspects"]) if count == 1 else None
+        row["ks_log_aspect"] = (
+            float(ks_2samp(ours["log_aspects"], theirs["log_aspects"]).statistic) if count == 1 else None
+        )
         row["ks_critical"] = critical
         row["within"] = bool(
             abs(ours["erased"] - theirs["erased"]) < 4 * share_sd

@@ -65,9 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output_dir", type=Path, default=Path("/tmp/recipes-digits"))
     parser.add_argument("--images", type=int, default=300, help="Fine-tuning images of the digits 5-9.")
-    parser.add_argument(
-        "--scratch_images", type=int, default=300, help="Training images (all ten digits) from scratch."
-    )
+    parser.add_argument("--scratch_images", type=int, default=300, help="Training images (all ten digits), scratch.")
     parser.add_argument("--pretrain_epochs", type=int, default=15)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch_size", type=int, default=32)
@@ -98,6 +96,10 @@ def main() -> None:
         pre += ["--learning_rate", "1e-3", "--crop_scale_min", "0.7"]
         train("pretrain", *parse_args("pretrain", pre + COMMON))
     rows = {**(RUNS if "recipes" in args.rows else {}), **(SCALED if "scaled" in args.rows else {})}
+    data = {  # per set-up: the model and data set
+        "finetune": ["--model_name_or_path", str(pretrained), "--dataset_name", str(finetuning)],
+        "scratch": ["--dataset_name", "digits", "--max_train_samples", str(args.scratch_images), *architecture],
+    }
     results: dict[tuple[str, str], list[dict]] = {}
     for setup in args.setups:
         for name, flags in rows.items():
@@ -106,17 +108,7 @@ def main() -> None:
                 tag = "-".join(part.strip("-") for part in name.split()) or "none"
                 out = args.output_dir / f"{setup}-{tag}-{seed}"
                 argv = ["--output_dir", str(out), "--seed", str(seed), "--num_train_epochs", str(args.epochs)]
-                argv += ["--per_device_train_batch_size", str(args.batch_size), *COMMON, *flags]
-                if setup == "finetune":
-                    argv += ["--model_name_or_path", str(pretrained), "--dataset_name", str(finetuning)]
-                else:
-                    argv += [
-                        "--dataset_name",
-                        "digits",
-                        "--max_train_samples",
-                        str(args.scratch_images),
-                        *architecture,
-                    ]
+                argv += ["--per_device_train_batch_size", str(args.batch_size), *COMMON, *flags, *data[setup]]
                 runs.append(argv)
             task = "finetune" if setup == "finetune" else "pretrain"
             plan = args.output_dir / f"{setup}-{tag}-runs.json"
@@ -141,11 +133,9 @@ def main() -> None:
 def table_row(setup: str, name: str, results: list[dict]) -> str:
     accuracies = [row["eval_accuracy"] for row in results]
     spread = statistics.stdev(accuracies) if len(accuracies) > 1 else 0.0
-    shown = " / ".join(f"{a:.3f}" for a in accuracies)
-    train_loss = statistics.mean(row["train_loss"] for row in results)
-    runtime = statistics.mean(row["train_runtime"] for row in results)
-    mean = statistics.mean(accuracies)
-    return f"| {setup} | {name} | {mean:.3f} ± {spread:.3f} | {shown} | {train_loss:.3f} | {runtime:.0f} |"
+    loss, runtime = (statistics.mean(row[key] for row in results) for key in ("train_loss", "train_runtime"))
+    shown = f"{statistics.mean(accuracies):.3f} ± {spread:.3f} | {' / '.join(f'{a:.3f}' for a in accuracies)}"
+    return f"| {setup} | {name} | {shown} | {loss:.3f} | {runtime:.0f} |"
 
 
 if __name__ == "__main__":

@@ -11,22 +11,24 @@ figures are medians of the rounds that other processes did not disturb (`timing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import numpy as np
+import PIL.Image
 import torch
 
-if __package__ in (None, ""):  # run as a script: import the benchmark's modules as a package
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
-
-from hf_vit.data.augment.rand_augment import RandAugment, posterize  # noqa: E402
-from hf_vit.train.ema import WeightAverage  # noqa: E402
-
-from .models import build_hf_vit, hf_vit_config  # noqa: E402
-from .settings import BenchmarkSettings, add_flags  # noqa: E402
-from .timing import make_optimizer, make_train_step, median_seconds, time_alternating  # noqa: E402
+from benchmarks.inputs import sample_photos
+from benchmarks.models import build_hf_vit, hf_vit_config
+from benchmarks.settings import BenchmarkSettings, add_flags
+from benchmarks.timing import make_optimizer, make_train_step, median_seconds, time_alternating
+from hf_vit.data.augment.rand_augment import RandAugment, posterize
+from hf_vit.train.ema import WeightAverage
 
 RAND_AUGMENT = "rand-m9-mstd0.5-inc1"
 
@@ -40,12 +42,10 @@ def ema_cost(batch_size: int, repeats: int, steps: int, device: str = "cpu", dty
     pixel_values = torch.randn(batch_size, 3, 224, 224).to(device)
     labels = torch.randint(1000, (batch_size,)).to(device)
     train_step = make_train_step(model, optimizer, pixel_values, labels, dtype)
-    average = WeightAverage(model, 0.9998, warmup=True)
-    counter = {"step": 1}
+    average, counter = WeightAverage(model, 0.9998, warmup=True), itertools.count(2)
 
     def update() -> None:
-        counter["step"] += 1
-        average.update(counter["step"])
+        average.update(next(counter))
 
     def step_with_ema() -> None:
         train_step()
@@ -56,21 +56,15 @@ def ema_cost(batch_size: int, repeats: int, steps: int, device: str = "cpu", dty
     fns = {"training step": train_step, "EMA update": update, "training step + EMA update": step_with_ema}
     samples = time_alternating(fns, steps, repeats, torch.device(device))
     seconds = {name: median_seconds(sample) for name, sample in samples.items()}
-    values = sum(p.numel() for p in average.params)
-    result = dict(model="vit-small-patch16-224", device=device, dtype=dtype, batch_size=batch_size)
-    result.update(
-        averaged_values=values, seconds=seconds, update_over_step=seconds["EMA update"] / seconds["training step"]
-    )
+    result = dict(model="vit-small-patch16-224", device=device, dtype=dtype, batch_size=batch_size, seconds=seconds)
+    result.update(averaged_values=sum(p.numel() for p in average.params))
+    result["update_over_step"] = seconds["EMA update"] / seconds["training step"]
     result["with_over_without"] = seconds["training step + EMA update"] / seconds["training step"]
     return {**result, "clean_samples": {name: sum(sample["clean"]) for name, sample in samples.items()}}
 
 
 def sample_images(count: int, size: int) -> list:
     """`count` real photo crops (scikit-learn's sample images) resized to `size` x `size`, as PIL images."""
-    import PIL.Image
-
-    from .inputs import sample_photos
-
     return [image.resize((size, size), PIL.Image.Resampling.BILINEAR) for image in sample_photos(count)]
 
 
@@ -78,23 +72,18 @@ def rand_augment_throughput(count: int, size: int, repeats: int, policy: str) ->
     """Images/s on one thread: hf-vit's `RandAugment` on uint8 [3, H, W] tensors (the training transform's pixel path)
     and timm's `rand_augment_transform` on PIL images (its transform's input), with the same policy, fill 128 and
     bilinear resampling. Each pass draws its operations afresh (hf-vit from a generator seeded per pass)."""
-    import numpy as np
-
     images = sample_images(count, size)
     tensors = [torch.from_numpy(np.array(image)).permute(2, 0, 1) for image in images]
     ours = RandAugment(policy, fill=128, resample="bilinear")
-    generator = torch.Generator()
-    passes = {"hf_vit": 0}
+    generator, passes = torch.Generator(), itertools.count(1)
 
     def hf_vit() -> None:
-        passes["hf_vit"] += 1
+        seed = next(passes) * 100_003
         for index, pixels in enumerate(tensors):
-            generator.manual_seed(passes["hf_vit"] * 100_003 + index)
-            ours(pixels, generator)
+            ours(pixels, generator.manual_seed(seed + index))
 
     fns = {"hf_vit": hf_vit}
     try:
-        import PIL.Image
         from timm.data import auto_augment
         from timm.data.auto_augment import rand_augment_transform
 
@@ -123,8 +112,6 @@ def rand_augment_parity(count: int, size: int, policy: str) -> dict:
     """hf-vit's operations against timm's own (`timm.data.auto_augment.NAME_TO_OP`, the functions its RandAugment
     calls) with the same argument (each operation's level at magnitudes 0..10 and both signs), on photo crops: the
     largest pixel difference and the share of pixels that differ, per operation."""
-    import numpy as np
-    import PIL.Image
     from timm.data import auto_augment
 
     from hf_vit.data.augment.rand_augment import OPERATIONS
@@ -158,13 +145,10 @@ def main() -> None:
     })  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results = {"torch_threads": torch.get_num_threads()}
     if args.only in (None, "rand_augment"):
-        results["rand_augment"] = rand_augment_throughput(args.images, args.image_size, args.repeats, args.policy)
-        print(json.dumps(results["rand_augment"]), flush=True)
+        print(json.dumps(rand_augment_throughput(args.images, args.image_size, args.repeats, args.policy)), flush=True)
     if args.only in (None, "ema"):
-        results["ema"] = ema_cost(args.batch_size, args.repeats, args.steps)
-        print(json.dumps(results["ema"]), flush=True)
+        print(json.dumps(ema_cost(args.batch_size, args.repeats, args.steps)), flush=True)
 
 
 if __name__ == "__main__":

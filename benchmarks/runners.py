@@ -1,6 +1,7 @@
 """The benchmark's sections, run one after another by `run_benchmark` over a shared `Run`: like timm's benchmark
 runners, each measures one thing the same way on CPU and CUDA (logits check, matmul peak, throughput with memory and
-the fractions of the matmul and bf16 peaks, image processors, input pipelines, onnxruntime, profile, size sweep)."""
+the fractions of the matmul and bf16 peaks, image processors, input pipelines, onnxruntime (CPU) on the exported ONNX
+file, profile, size sweep)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,20 @@ import functools
 import importlib
 import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from . import timing
 from .inputs import PHOTO_SIZES, compare_input_pipelines, compare_processors, profile_input_pipeline
-from .memory import memory_metric_description
 from .models import build_models, compare_logits, dense_bf16_peak, step_flops, vit_forward_flops
-from .onnx_runtime import compare_onnxruntime
-from .profiling import profile_training_step
 from .settings import HF_VIT, LOGITS_TOLERANCE, TIMM, TORCHVISION, TRANSFORMERS, BenchmarkSettings
-from .timing import MODES, benchmark_models, make_optimizer, matmul_flops_per_s, median_seconds, sdpa_backend
+from .timing import MODES, benchmark_models, make_optimizer, median_seconds, profile_training_step
 
 
 def machine_info(device: torch.device) -> dict:
@@ -33,12 +34,9 @@ def machine_info(device: torch.device) -> dict:
     for name in ("transformers", "timm"):
         with contextlib.suppress(ImportError):
             info[name] = importlib.import_module(name).__version__
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
+    with contextlib.suppress(OSError, StopIteration):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        info["cpu"] = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_memory_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30
@@ -52,9 +50,8 @@ def figure(metric, dtype, compiled, unit, higher_is_better, values, samples=None
     ours, theirs = present.get(HF_VIT), present.get(TRANSFORMERS)
     key = f"{metric}/{dtype}/{'compiled' if compiled else 'eager'}" if dtype else metric
     row = {"key": key, "metric": metric, "dtype": dtype, "compiled": compiled, "unit": unit}
-    row.update(
-        higher_is_better=higher_is_better, values=values, ratio=ours / theirs if ours is not None and theirs else None
-    )
+    row.update(higher_is_better=higher_is_better, values=values)
+    row["ratio"] = ours / theirs if ours is not None and theirs else None
     if TIMM in present and ours is not None and present[TIMM]:
         row["ratio_timm"] = ours / present[TIMM]
     if samples is None or HF_VIT not in samples or TRANSFORMERS not in samples:
@@ -74,8 +71,6 @@ def model_figures(results, dtype, compiled, batch_size, flops, matmul, peak) -> 
     for training and inference."""
     figures = []
     for mode in MODES:
-        if not any(f"{mode}_seconds" in result for result in results.values()):
-            continue
         seconds = {name: result[f"{mode}_seconds"] for name, result in results.items()}
         per_s = {name: batch_size / median_seconds(values) for name, values in seconds.items()}
         figures.append(figure(f"{mode}_images_per_s", dtype, compiled, "images/s", True, per_s, seconds))
@@ -91,48 +86,27 @@ def model_figures(results, dtype, compiled, batch_size, flops, matmul, peak) -> 
     return figures
 
 
-@dataclass
 class Run:
-    """What the sections share: the settings, the models with identical weights, one input batch, the optimisers,
-    and the report being filled."""
+    """What the sections share: the settings, the models with identical weights, one input batch, the optimisers, the
+    report being filled, its figures, and the (results, dtype, compiled) `throughput` timed."""
 
-    settings: BenchmarkSettings
-    log: Callable[[str], None]
-    device: torch.device = field(init=False)
-    report: dict = field(init=False)
-    models: dict[str, nn.Module] = field(init=False)
-    optimizers: dict[str, torch.optim.Optimizer] = field(init=False)
-    pixel_values: torch.Tensor = field(init=False)
-    labels: torch.Tensor = field(init=False)
-    figures: list[dict] = field(default_factory=list, init=False)
-    timed: list[tuple] = field(default_factory=list, init=False)  # (results, dtype, compiled) of `throughput`
-
-    def __post_init__(self) -> None:
-        settings = self.settings
-        self.device = torch.device(settings.device)
+    def __init__(self, settings: BenchmarkSettings, log: Callable[[str], None]) -> None:
+        self.settings, self.log, self.device = settings, log, torch.device(settings.device)
+        self.figures, self.timed = [], []
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for both models and the matmul peak
             torch.backends.cudnn.allow_tf32 = False
         self.report = {"settings": asdict(settings), "machine": machine_info(self.device)}
         self.models, self.report["skipped_models"] = build_models(settings, self.device)
-        config = self.config
-        self.log(
-            f"models: {', '.join(self.models)} ({settings.model} at {self.image_size}, batch {settings.batch_size}, "
-            f"{self.device})"
-        )
-        self.pixel_values, self.labels = random_batch(settings, config, settings.batch_size, self.device)
+        self.config = self.models[HF_VIT].config
+        self.image_size = self.config.image_hw[0]
+        where = f"{settings.model} at {self.image_size}, batch {settings.batch_size}, {self.device}"
+        log(f"models: {', '.join(self.models)} ({where})")
+        self.pixel_values, self.labels = random_batch(settings, self.config, settings.batch_size, self.device)
         self.optimizers = {
             name: make_optimizer(model, settings.fused_optimizer) for name, model in self.models.items()
         }
         self.report["optimizer"] = {"name": "AdamW", "lr": 1e-4, "fused": bool(settings.fused_optimizer)}
-
-    @property
-    def config(self):
-        return self.models[HF_VIT].config
-
-    @property
-    def image_size(self) -> int:
-        return self.config.image_hw[0]
 
     def finish(self) -> dict:
         self.report["figures"] = self.figures
@@ -154,32 +128,27 @@ def logits_check(run: Run) -> None:
         raise AssertionError(f"The models' fp32 logits differ by {worst:.2e} > {LOGITS_TOLERANCE}; not timing them.")
 
 
-def matmul_peak(run: Run, after: bool = False) -> None:
-    """The machine's throughput on one large matmul per dtype, the denominator of the matmul fractions. Measured
-    before and after the models; the better of the two counts (a neighbour's job can only slow it down). Also the
-    analytic FLOPs per image and the dense bf16 peak of the MFU rows."""
-    size, report = run.settings.matmul_size or (8192 if run.device.type == "cuda" else 2048), run.report
-    if not after:
-        flops = vit_forward_flops(run.config)
-        report["flops_per_image"] = {"forward": flops, "train_step": step_flops(flops["total"], "train")}
-        report["flops_formula"] = (
-            "forward FLOPs per image = 2 * multiply-adds of the matrix products (patch embedding, qkv, attention "
-            "scores and weighted sum, projection, MLP, head); a training step = 3 * forward; MFU = images/s * "
-            "FLOPs per image / dense bf16 peak"
-        )
-        report["bf16_dense_peak"] = dense_bf16_peak(report["machine"].get("gpu"), run.settings.peak_tflops)
-        report["matmul"] = {}
-        for dtype in run.settings.dtypes:
-            report["matmul"][dtype] = matmul_flops_per_s(run.device, dtype, size, run.settings.matmul_repeats)
-            run.log(f"matmul {size}^2 {dtype}: {report['matmul'][dtype]['flops_per_s'] / 1e12:.3f} TFLOP/s")
-        report["memory_metrics"] = memory_metric_description(run.device)
-        return
-    for dtype in run.settings.dtypes:
-        again = matmul_flops_per_s(run.device, dtype, size, run.settings.matmul_repeats)
-        first = report["matmul"][dtype]
-        run.log(f"matmul {size}^2 {dtype} after the models: {again['flops_per_s'] / 1e12:.3f} TFLOP/s")
-        report["matmul"][dtype] = max(first, again, key=lambda entry: entry["flops_per_s"])
-        report["matmul"][dtype]["samples_flops_per_s"] = [first["flops_per_s"], again["flops_per_s"]]
+def matmul_peak(run: Run) -> None:
+    """The machine's throughput on one large matmul per dtype, the denominator of the matmul fractions (measured
+    again after the models: `throughput_figures`); the analytic FLOPs per image and the dense bf16 peak of the MFU
+    rows."""
+    report, flops = run.report, vit_forward_flops(run.config)
+    report["flops_per_image"] = {"forward": flops, "train_step": step_flops(flops["total"], "train")}
+    report["flops_formula"] = (
+        "forward FLOPs per image = 2 * multiply-adds of the matrix products (patch embedding, qkv, attention "
+        "scores and weighted sum, projection, MLP, head); a training step = 3 * forward; MFU = images/s * "
+        "FLOPs per image / dense bf16 peak"
+    )
+    report["bf16_dense_peak"] = dense_bf16_peak(report["machine"].get("gpu"), run.settings.peak_tflops)
+    report["matmul"] = {dtype: _matmul(run, dtype, "") for dtype in run.settings.dtypes}
+    report["memory_metrics"] = timing.memory_metric_description(run.device)
+
+
+def _matmul(run: Run, dtype: str, when: str) -> dict:
+    size = run.settings.matmul_size or (8192 if run.device.type == "cuda" else 2048)
+    result = timing.matmul_flops_per_s(run.device, dtype, size, run.settings.matmul_repeats)
+    run.log(f"matmul {size}^2 {dtype}{when}: {result['flops_per_s'] / 1e12:.3f} TFLOP/s")
+    return result
 
 
 def throughput(run: Run) -> None:
@@ -188,7 +157,7 @@ def throughput(run: Run) -> None:
     settings = run.settings
     run.report["compile"] = {  # first_call_s includes compiling; the first model compiled pays for shared work
         "requested": settings.compile, "mode": settings.compile_mode, "backend": settings.compile_backend,
-        "modes": list(settings.compile_modes), "errors": {}, "first_call_s": {}, "blocks": settings.compile_blocks,
+        "modes": list(MODES), "errors": {}, "first_call_s": {}, "blocks": settings.compile_blocks,
     }  # fmt: skip
     for compiled in ([False] if settings.eager else []) + ([True] if settings.compile else []):
         models, undo = compile_models(run.models, settings) if compiled else (run.models, lambda: None)
@@ -205,10 +174,10 @@ def _time_models(run: Run, models: dict[str, nn.Module], dtype: str, compiled: b
     run.log(f"timing {dtype} {'compiled' if compiled else 'eager'} ...")
     start = time.perf_counter()
     try:
-        with sdpa_backend(settings.sdpa_backend):  # compiled models trace under it too
-            warmup, modes = (max(settings.warmup, 2), settings.compile_modes) if compiled else (settings.warmup, MODES)
+        with timing.sdpa_backend(settings.sdpa_backend):  # compiled models trace under it too
+            warmup = max(settings.warmup, 2) if compiled else settings.warmup
             inputs = (run.pixel_values, run.labels, dtype, settings.steps, warmup, settings.repeats)
-            results = benchmark_models(models, *inputs, settings.memory, run.optimizers, modes)
+            results = benchmark_models(models, *inputs, True, run.optimizers)
     except Exception as error:  # noqa: BLE001 - a failed compile drops its rows, not the whole benchmark
         if not compiled:
             raise
@@ -229,7 +198,12 @@ def _time_models(run: Run, models: dict[str, nn.Module], dtype: str, compiled: b
 
 
 def throughput_figures(run: Run) -> None:
-    """The throughput rows, against the matmul peak measured before and after the models."""
+    """The matmul peak measured again, the better of before and after the models counting (a neighbour's job can only
+    slow it down); the throughput rows against it."""
+    for dtype in run.settings.dtypes:
+        first, again = run.report["matmul"][dtype], _matmul(run, dtype, " after the models")
+        best = run.report["matmul"][dtype] = max(first, again, key=lambda entry: entry["flops_per_s"])
+        best["samples_flops_per_s"] = [first["flops_per_s"], again["flops_per_s"]]
     flops = run.report["flops_per_image"]["forward"]
     for results, dtype, compiled in run.timed:
         figures = (run.settings.batch_size, flops, run.report["matmul"], run.report["bf16_dense_peak"])
@@ -290,15 +264,50 @@ def input_pipelines(run: Run) -> None:
         run.figures.append(figure(metric, None, False, "images/s per core", True, *values))
 
 
+ONNX_TOLERANCE = 1e-3
+
+
 def onnx_runtime(run: Run) -> None:
-    settings = run.settings
+    """onnxruntime (CPU, as many threads as torch) on `hf_vit.export`'s ONNX file against eager PyTorch fp32
+    inference, the outputs compared first (max |logits difference| <= `ONNX_TOLERANCE`)."""
     try:
-        run.report["onnxruntime"] = compare_onnxruntime(
-            run.models[HF_VIT], settings.onnx_batch_sizes, settings.steps, settings.repeats, settings.seed
-        )
+        run.report["onnxruntime"] = compare_onnxruntime(run.models[HF_VIT].eval(), run.settings)
     except Exception as error:  # noqa: BLE001 - an export or session failure drops the rows, not the run
         run.report["onnxruntime"] = {"error": f"{type(error).__name__}: {error}"[:2000]}
         run.log(f"  onnxruntime failed: {run.report['onnxruntime']['error'][:300]}")
+
+
+def compare_onnxruntime(model: nn.Module, settings: BenchmarkSettings) -> dict:
+    import onnxruntime
+
+    from hf_vit.export import export
+
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        path = export(model, Path(folder) / "model.onnx", "onnx")
+        export_s = time.perf_counter() - start
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = torch.get_num_threads()
+        session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    result: dict = {"onnxruntime": onnxruntime.__version__, "export_s": export_s, "threads": torch.get_num_threads()}
+    generator = torch.Generator().manual_seed(settings.seed + 3)
+    for batch in settings.onnx_batch_sizes:
+        pixel_values = torch.randn(batch, model.config.num_channels, *model.config.image_hw, generator=generator)
+        inputs = {"pixel_values": pixel_values.numpy()}
+        with torch.no_grad():
+            expected = model(pixel_values).logits
+        difference = float((torch.from_numpy(session.run(None, inputs)[0]) - expected).abs().max())
+        if difference > ONNX_TOLERANCE:
+            raise AssertionError(
+                f"onnxruntime's logits differ by {difference:.2e} > {ONNX_TOLERANCE} at batch {batch}"
+            )
+        fns = {HF_VIT: timing.make_infer_step(model, pixel_values, "fp32")}
+        fns["onnxruntime"] = functools.partial(session.run, None, inputs)
+        samples = timing.time_alternating(fns, settings.steps, settings.repeats, torch.device("cpu"))
+        per_s = {name: batch / median_seconds(sample) for name, sample in samples.items()}
+        row = dict(batch_size=batch, max_abs_logits_diff=difference, seconds=samples, images_per_s=per_s)
+        result[f"batch_{batch}"] = {**row, "ratio_onnxruntime_to_eager": per_s["onnxruntime"] / per_s[HF_VIT]}
+    return result
 
 
 def profile(run: Run) -> None:
@@ -316,8 +325,6 @@ def size_sweep(run: Run) -> None:
     run.optimizers.clear()  # the main models' optimiser state is no longer needed
     settings, device = run.settings, run.device
     batch = settings.sweep_batch_size or settings.batch_size
-    steps = settings.sweep_steps or settings.steps
-    repeats = settings.sweep_repeats or settings.repeats
     run.report["sweep"] = rows = []
     for size in settings.sizes:
         models, _ = build_models(settings, device, size)
@@ -325,12 +332,11 @@ def size_sweep(run: Run) -> None:
         pixel_values, labels = random_batch(settings, config, batch, device)
         diffs = compare_logits(models, pixel_values[:2])
         optimizers = {name: make_optimizer(model, settings.fused_optimizer) for name, model in models.items()}
-        for dtype in settings.sweep_dtypes or settings.dtypes:
-            inputs = (pixel_values, labels, dtype, steps, max(settings.warmup, 1), repeats)
+        for dtype in settings.dtypes:
+            inputs = (pixel_values, labels, dtype, settings.steps, max(settings.warmup, 1), settings.repeats)
             results = benchmark_models(models, *inputs, False, optimizers)
             tokens = config.num_patches + config.num_prefix_tokens
-            row = {"image_size": size, "tokens": tokens, "dtype": dtype, "batch_size": batch}
-            row["max_abs_logits_diff"] = diffs
+            row = dict(image_size=size, tokens=tokens, dtype=dtype, batch_size=batch, max_abs_logits_diff=diffs)
             for mode in MODES:
                 samples = {name: result[f"{mode}_seconds"] for name, result in results.items()}
                 values = row[f"{mode}_images_per_s"] = {n: batch / median_seconds(s) for n, s in samples.items()}
@@ -357,8 +363,7 @@ def run_benchmark(settings: BenchmarkSettings, log: Callable[[str], None] = prin
         ("logits check", True, logits_check),
         ("matmul peak", True, matmul_peak),
         ("throughput", main, throughput),
-        ("matmul peak", True, functools.partial(matmul_peak, after=True)),
-        ("throughput figures", True, throughput_figures),
+        ("matmul peak again, the throughput figures", True, throughput_figures),
         ("image processors", s.processor and main, processors),
         ("input pipelines (one thread)", s.pipeline and main, input_pipelines),
         ("onnxruntime", s.onnx and main and torch.device(s.device).type == "cpu", onnx_runtime),

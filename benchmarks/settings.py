@@ -18,10 +18,6 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 LOGITS_TOLERANCE = 1e-4
 
 
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def add_flags(parser: argparse.ArgumentParser, flags: dict) -> None:
     """`--name` for each of `flags` (name: (default, help[, type])), typed as its default; `False`: a switch."""
     for name, (default, text, *kind) in flags.items():
@@ -48,7 +44,7 @@ class BenchmarkSettings:
     batch_size: int = 16
     num_labels: int = 1000
     num_hidden_layers: int | None = flag(None, "override the preset's depth")
-    device: str = field(default_factory=_default_device)
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
     dtypes: list[str] = flag(["fp32", "bf16"], choices=list(DTYPES))
     steps: int | None = flag(None, "timed steps per round (default 3 CPU, 20 GPU)")
     warmup: int | None = flag(None, "untimed steps per model (default 1 CPU, 5 GPU; compiled models at least 2)")
@@ -67,12 +63,6 @@ class BenchmarkSettings:
         "compilation, so compiling takes a fraction of the time",
     )
     compile_backend: str = flag("inductor", "torch.compile backend (aot_eager: traces without generating kernels)")
-    compile_modes: list[str] = flag(
-        ["train", "infer"],
-        "which rows to compile (on CPU compiling the backward takes minutes)",
-        choices=["train", "infer"],
-    )
-    memory: bool = flag(True, "measure peak memory")
     matmul_size: int | None = flag(None, "default 2048 on CPU, 8192 on GPU")
     matmul_repeats: int = flag(5, "rounds of at least 0.25 s each for the matmul peak")
     processor: bool = flag(True, "compare the image processors on real photos")
@@ -86,9 +76,6 @@ class BenchmarkSettings:
     profile: bool = flag(False, "profile one training step of each model, and the hf-vit input pipeline")
     sizes: list[int] = flag([], "image sizes of a throughput sweep")
     sweep_batch_size: int | None = flag(None, "default: --batch_size")
-    sweep_steps: int | None = flag(None, "default: --steps")
-    sweep_repeats: int | None = flag(None, "default: --repeats")
-    sweep_dtypes: list[str] | None = flag(None, "default: --dtypes", choices=list(DTYPES))
     sweep_only: bool = flag(False, "only the size sweep (with --sizes)")
     profile_only: bool = flag(False, "only the training-step profile, e.g. to redo one")
     timm: bool = flag(True, "add timm's ViT where timm is installed")
@@ -107,8 +94,7 @@ class BenchmarkSettings:
             self.steps = 20 if on_gpu else 3
         if self.warmup is None:
             self.warmup = 5 if on_gpu else 1
-        unknown = sorted((set(self.dtypes) | set(self.sweep_dtypes or ())) - set(DTYPES))
-        if unknown:
+        if unknown := sorted(set(self.dtypes) - set(DTYPES)):
             raise ValueError(f"Unknown dtype(s) {unknown}; use {sorted(DTYPES)}.")
         try:
             VisionTransformerConfig.from_preset(self.model)

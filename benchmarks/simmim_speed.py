@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import sys
 import tempfile
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 from transformers import ViTConfig, ViTForMaskedImageModeling
 
-from benchmarks.report import print_table
+from benchmarks.report import _markdown_table, print_table
 from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerForMaskedImageModeling
 
@@ -41,15 +41,10 @@ def the_two_models(args) -> tuple[torch.nn.Module, torch.nn.Module]:
     return theirs.train(), ours.train()
 
 
-def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict):
-    def step() -> float:
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return step
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> None:
+    model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def measure(args) -> dict:
@@ -73,7 +68,7 @@ def measure(args) -> dict:
             copied = copy.deepcopy(model)
             copied.set_attn_implementation(implementation)
             optimizer = torch.optim.AdamW(copied.parameters(), lr=1e-4)
-            steps[f"{name} {implementation}"] = training_step(copied, optimizer, batch)
+            steps[f"{name} {implementation}"] = functools.partial(training_step, copied, optimizer, batch)
     seconds, load = timed_rounds(steps, args.steps, args.repeats)  # after a warm-up: the optimizer's state
     return {
         "steps_per_s": {name: 1.0 / value for name, value in seconds.items()},
@@ -84,15 +79,12 @@ def measure(args) -> dict:
 
 
 def format_rows(result: dict, args) -> str:
-    rate = result["steps_per_s"]
-    lines = [
-        "| attention | transformers ViTForMaskedImageModeling (steps/s) | hf-vit SimMIM (steps/s) "
-        "| hf-vit / transformers (target >= 1.0) |",
-        "|---|---|---|---|",
-    ]
+    rate, rows = result["steps_per_s"], []
     for implementation in ("eager", "sdpa"):
         theirs, ours = rate[f"transformers {implementation}"], rate[f"hf-vit {implementation}"]
-        lines.append(f"| {implementation} | {theirs:.2f} | {ours:.2f} | {ours / theirs:.2f}x |")
+        rows.append([implementation, f"{theirs:.2f}", f"{ours:.2f}", f"{ours / theirs:.2f}x"])
+    header = ["attention", "transformers ViTForMaskedImageModeling (steps/s)", "hf-vit SimMIM (steps/s)"]
+    lines = [_markdown_table([*header, "hf-vit / transformers (target >= 1.0)"], rows)]
     load, difference = result["load_average"], result["difference"]
     lines += [
         "",

@@ -1,21 +1,26 @@
-"""Timing: alternating rounds, medians of the undisturbed samples, the machine's matmul peak, and the training and
-inference steps that are timed. On CUDA every sample is bracketed by `torch.cuda.synchronize`, so it measures the
-GPU's work and not only the launches; on CPU the other processes' CPU use during a sample marks it as disturbed."""
+"""Timing: alternating rounds, medians of the undisturbed samples, the machine's matmul peak, the training and
+inference steps that are timed, and their peak memory. On CUDA every sample is bracketed by `torch.cuda.synchronize`,
+so it measures the GPU's work and not only the launches; on CPU the other processes' CPU use during a sample marks it
+as disturbed. Peak memory: `torch.cuda.max_memory_allocated` on a GPU; on CPU the peak of torch's CPU tensor
+allocations (from the profiler's memory events) and, as a lower bound, the growth of the peak resident set. Where a
+training step's time goes, by category of op (torch.profiler; CUDA kernel time where on a GPU)."""
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
+import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .memory import measure_memory
 from .settings import DTYPES
 
 
@@ -24,12 +29,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_call(fn: Callable[[], object], device: torch.device, calls: int = 1) -> float:
+    """Seconds of `calls` calls of `fn`, bracketed by `synchronize`."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
 def autocast(device: torch.device, dtype: str):
     """bf16 autocast (fp32 master weights), or nothing for fp32."""
-    target = DTYPES[dtype]
-    if target is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=target)
+    return torch.autocast(device.type, DTYPES[dtype]) if DTYPES[dtype] else contextlib.nullcontext()
 
 
 MODES = ("train", "infer")
@@ -73,13 +85,8 @@ def time_alternating(
         if round_index >= repeats and all(sum(samples[name]["clean"]) >= repeats for name in names):
             break
         for name in names if round_index % 2 == 0 else names[::-1]:
-            synchronize(device)
             ticks = _cpu_ticks()
-            start = time.perf_counter()
-            for _ in range(steps):
-                fns[name]()
-            synchronize(device)
-            elapsed = time.perf_counter() - start
+            elapsed = timed_call(fns[name], device, steps)
             other = other_cpu_load(ticks, _cpu_ticks(), elapsed)
             samples[name]["seconds"].append(elapsed / steps)
             samples[name]["other_cpu"].append(other)
@@ -100,29 +107,12 @@ def matmul_flops_per_s(device: torch.device, dtype: str, size: int, repeats: int
     b = torch.randn(size, size, device=device, dtype=torch_dtype)
     out = torch.empty(size, size, device=device, dtype=torch_dtype)
     torch.matmul(a, b, out=out)  # warm-up (and library initialisation)
-    synchronize(device)
-    start = time.perf_counter()
-    torch.matmul(a, b, out=out)
-    synchronize(device)
-    single = max(time.perf_counter() - start, 1e-6)
+    single = max(timed_call(lambda: torch.matmul(a, b, out=out), device), 1e-6)
     calls = max(1, math.ceil(0.25 / single))  # at least a quarter second per sample
-
-    def product() -> None:
-        for _ in range(calls):
-            torch.matmul(a, b, out=out)
-
-    sample = time_alternating({"matmul": product}, 1, repeats, device)["matmul"]
-    seconds = median_seconds(sample) / calls
+    sample = time_alternating({"matmul": lambda: torch.matmul(a, b, out=out)}, calls, repeats, device)["matmul"]
+    seconds = median_seconds(sample)
     result = dict(size=size, dtype=dtype, flops_per_s=2 * size**3 / seconds, seconds=seconds)
     return {**result, "disturbed_samples": len(sample["clean"]) - sum(sample["clean"])}
-
-
-SDPA_BACKENDS = {
-    "flash": "FLASH_ATTENTION",
-    "efficient": "EFFICIENT_ATTENTION",
-    "cudnn": "CUDNN_ATTENTION",
-    "math": "MATH",
-}
 
 
 def sdpa_backend(name: str | None):
@@ -131,7 +121,7 @@ def sdpa_backend(name: str | None):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[name]))
+    return sdpa_kernel(getattr(SDPBackend, "MATH" if name == "math" else f"{name.upper()}_ATTENTION"))
 
 
 def logits_of(output) -> torch.Tensor:
@@ -172,21 +162,12 @@ def make_infer_step(model: nn.Module, pixel_values: torch.Tensor, dtype: str) ->
 
 
 def benchmark_models(
-    models: dict[str, nn.Module],
-    pixel_values: torch.Tensor,
-    labels: torch.Tensor,
-    dtype: str,
-    steps: int,
-    warmup: int,
-    repeats: int,
-    memory: bool,
-    optimizers: dict[str, torch.optim.Optimizer],
-    modes: Sequence[str] = MODES,
+    models: dict, pixel_values, labels, dtype: str, steps: int, warmup: int, repeats: int, memory: bool, optimizers
 ) -> dict[str, dict]:
     """Training-step and inference seconds (samples per repeat) and optionally peak memory of every model."""
     device = pixel_values.device
     results: dict[str, dict] = {name: {} for name in models}
-    for mode in modes:
+    for mode in MODES:
         steps_fns = {
             name: make_train_step(model.train(), optimizers[name], pixel_values, labels, dtype)
             if mode == "train"
@@ -194,13 +175,8 @@ def benchmark_models(
             for name, model in models.items()
         }
         for name, step in steps_fns.items():
-            for index in range(warmup):
-                synchronize(device)
-                start = time.perf_counter()
-                step()
-                synchronize(device)
-                if index == 0:
-                    results[name][f"{mode}_first_call_s"] = time.perf_counter() - start
+            for _ in range(warmup):  # the first call's seconds include compiling
+                results[name].setdefault(f"{mode}_first_call_s", timed_call(step, device))
         samples = time_alternating(steps_fns, steps, repeats, device)
         for name, seconds in samples.items():
             results[name][f"{mode}_seconds"] = seconds
@@ -223,8 +199,151 @@ def timed_rounds(fns: dict[str, Callable[[], object]], steps: int, repeats: int)
 def budget_spent(budget_s: float | None, start: float) -> str | None:
     """Why nothing more starts (`budget_s` seconds since `start` spent), or None."""
     elapsed = time.perf_counter() - start
-    return (
-        f"time budget of {budget_s:.0f} s spent ({elapsed:.0f} s)"
-        if budget_s is not None and elapsed > budget_s
-        else None
-    )
+    spent = budget_s is not None and elapsed > budget_s
+    return f"time budget of {budget_s:.0f} s spent ({elapsed:.0f} s)" if spent else None
+
+
+def _proc_status_kib(field_name: str) -> int | None:
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        return next((int(line.split()[1]) for line in status if line.startswith(field_name + ":")), None)
+    return None
+
+
+def peak_rss_growth_mb(step: Callable[[], None]) -> float | None:
+    """Growth of the resident set (VmHWM, reset first via /proc/self/clear_refs, - VmRSS before) over one call, in MiB,
+    None where unsupported: pages newly taken from the OS only, so a lower bound after warm-up."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        return None
+    before = _proc_status_kib("VmRSS")
+    step()
+    peak = _proc_status_kib("VmHWM")
+    return None if before is None or peak is None else max(peak - before, 0) / 1024
+
+
+def peak_tensor_memory_cpu_mb(step: Callable[[], None]) -> float | None:
+    """Peak of the CPU tensor bytes live during one call above those live before it, in MiB, from torch.profiler's
+    allocation events: the CPU counterpart of `torch.cuda.max_memory_allocated` (less what was live before)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    try:
+        events = prof.profiler.kineto_results.events()
+    except AttributeError:
+        return None
+    cpu = [event for event in events if event.name() == "[memory]" and str(event.device_type()).endswith("CPU")]
+    changes = [event.nbytes() for event in sorted(cpu, key=lambda event: (event.start_ns(), event.nbytes()))]
+    return max([0, *itertools.accumulate(changes)]) / 2**20
+
+
+def measure_memory(step: Callable[[], None], device: torch.device) -> dict[str, float | None]:
+    """Peak memory of one call of `step` (which has run before, so optimiser state exists)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return {"peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+    return {"peak_mem_mb": peak_tensor_memory_cpu_mb(step), "peak_rss_growth_mb": peak_rss_growth_mb(step)}
+
+
+def memory_metric_description(device: torch.device) -> dict[str, str]:
+    if device.type == "cuda":
+        return {
+            "peak_mem_mb": "torch.cuda.max_memory_allocated over one step after reset_peak_memory_stats (MiB): "
+            "weights, gradients, optimiser state and activations",
+        }
+    return {
+        "peak_mem_mb": "peak CPU tensor memory allocated during one step above what was live before it (MiB), from "
+        "torch.profiler's allocation events (the CPU counterpart of max_memory_allocated less weights and "
+        "optimiser state)",
+        "rss_growth_lower_bound_mb": "(not compared) growth of the process's peak resident set (VmHWM after "
+        "resetting it via /proc/self/clear_refs) over one step after warm-up (MiB); malloc reuses memory it kept "
+        "from earlier steps, so this is a lower bound and often near zero",
+    }
+
+
+# ------------------------------------------------------------------- where one training step's time goes
+
+PROFILE_CATEGORIES = (
+    "matmul (linear layers)",
+    "attention (SDPA kernel, or bmm + softmax)",
+    "patch embedding (conv)",
+    "GELU",
+    "LayerNorm",
+    "copies/layout (clone, contiguous, cat, stack)",
+    "dtype casts (autocast)",
+    "optimizer (AdamW step, zero_grad)",
+    "other (elementwise, reductions, loss, framework)",
+)
+OP_PATTERNS = {0: r"^aten::(mm|addmm|matmul|linear|mv)$", 2: "convolution", 3: "gelu", 4: "layer_norm"}  # by category
+
+
+def _categorise(event) -> str:
+    name, ancestors = event.name, []
+    parent = event.cpu_parent
+    while parent is not None:
+        ancestors, parent = ancestors + [parent.name], parent.cpu_parent
+    if any(a.startswith(("Optimizer.step", "Optimizer.zero_grad")) for a in ancestors):
+        return PROFILE_CATEGORIES[7]
+    # the kernels, the helpers they call (zeros, empty, ...), and batched products and softmax (in these models only
+    # attention has them: hf-vit's matmul attention for CPU half-precision training, or an eager attention)
+    if (
+        re.search(r"scaled_dot_product|flash_attention|efficient_attention|cudnn_attention", name)
+        or any(re.search(r"scaled_dot_product|flash_attention", a) for a in ancestors)
+        or name in ("aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::_softmax_backward_data")
+    ):
+        return PROFILE_CATEGORIES[1]
+    for index, pattern in OP_PATTERNS.items():
+        if re.search(pattern, name):
+            return PROFILE_CATEGORIES[index]
+    if name in ("aten::copy_", "aten::_to_copy", "aten::to", "aten::empty_strided"):
+        # A copy made for a `.to(dtype)` is a cast; one made for `.contiguous()`, `clone`, `cat`... is a layout copy.
+        return PROFILE_CATEGORIES[6 if name != "aten::copy_" or "aten::_to_copy" in ancestors[:2] else 5]
+    if name in ("aten::clone", "aten::contiguous", "aten::cat", "aten::stack", "aten::_unsafe_view", "aten::reshape"):
+        return PROFILE_CATEGORIES[5]
+    return PROFILE_CATEGORIES[8]
+
+
+def profile_training_step(model: nn.Module, optimizer, pixel_values: torch.Tensor, labels, dtype: str, top: int = 12):
+    """Where one training step's time goes, by category (self CPU time of every op; on a GPU, self device time) and
+    the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.train()
+    step = make_train_step(model, optimizer, pixel_values, labels, dtype)
+    step()  # warm-up: optimiser state, allocator, kernels
+    # On a GPU the time that matters is the kernels' (the host only queues them): each op's own device time.
+    on_gpu = pixel_values.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    for _attempt in range(3):  # profile again when another process took CPU time during the step
+        ticks, start = _cpu_ticks(), time.perf_counter()
+        with profile(activities=activities) as prof:
+            step()
+            synchronize(pixel_values.device)
+        other = other_cpu_load(ticks, _cpu_ticks(), time.perf_counter() - start)
+        if other is None or other <= CONTENTION_LIMIT:
+            break
+    totals, per_op, calls = defaultdict(float), defaultdict(float), defaultdict(int)
+    for event in prof.events():
+        if event.name == "[memory]":
+            continue
+        self_us = event.self_device_time_total if on_gpu else event.self_cpu_time_total
+        totals[_categorise(event)] += self_us
+        per_op[event.name] += self_us
+        calls[event.name] += 1
+    total = sum(totals.values())
+    return {
+        "time": "self device (kernel) time" if on_gpu else "self CPU time",
+        "other_cpu": other,
+        "total_ms": total / 1e3,
+        "categories_ms": {name: totals.get(name, 0.0) / 1e3 for name in PROFILE_CATEGORIES},
+        "categories_pct": {name: 100 * totals.get(name, 0.0) / total for name in PROFILE_CATEGORIES},
+        "top_ops": [
+            {"op": name, "self_ms": us / 1e3, "pct": 100 * us / total, "calls": calls[name]}
+            for name, us in sorted(per_op.items(), key=lambda item: -item[1])[:top]
+        ],
+    }

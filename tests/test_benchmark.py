@@ -27,9 +27,9 @@ from benchmarks.models import (  # noqa: E402
     hf_vit_config,
     vit_forward_flops,
 )
-from benchmarks.profiling import PROFILE_CATEGORIES  # noqa: E402
 from benchmarks.report import fill_markdown, markdown_sections, merge_reports  # noqa: E402
 from benchmarks.settings import HF_VIT, TRANSFORMERS, BenchmarkSettings  # noqa: E402
+from benchmarks.timing import PROFILE_CATEGORIES  # noqa: E402
 from hf_vit.convert.timm_vit import hf_vit_to_timm_state_dict  # noqa: E402
 from hf_vit.model.configuration_vit import VisionTransformerConfig  # noqa: E402
 
