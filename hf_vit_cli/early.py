@@ -260,7 +260,7 @@ def hub_cache_problem(flag: str, value: str, repo_type: str) -> str | None:
 
 
 # The least value of each flag a run can take (the command checks them again).
-LEAST = {"learning_rate": 0, "weight_decay": 0, "warmup_ratio": 0, "warmup_steps": 0, "label_smoothing_factor": 0}
+LEAST = {"learning_rate": 0, "weight_decay": 0, "warmup_steps": 0, "label_smoothing_factor": 0}
 LEAST |= dict.fromkeys(("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
                         "image_size", "patch_size", "max_num_patches", "packed_sequence_length"), 1)  # fmt: skip
 

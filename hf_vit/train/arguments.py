@@ -18,6 +18,7 @@ import torch
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_vit_cli import DATA_LIKE_FLAGS  # the flags users guess for --dataset_name, as the commands say them
+from hf_vit_cli.early import LEAST  # each flag's least value, checked there before torch loads
 
 from ..data.augment.rand_augment import parse_rand_augment
 from ..data.augment.random_erasing import check_random_erasing
@@ -391,6 +392,12 @@ def parse_args(
     )
     if unknown:
         raise ValueError(unknown_flags_message(parser, unknown))
+    for name, least in LEAST.items():
+        value = next(getattr(part, name) for part in (model_args, data_args, training_args) if hasattr(part, name))
+        values = value if isinstance(value, list) else [] if value is None else [value]
+        low = [number for number in values if number < least]
+        if low:
+            raise ValueError(f"--{name} {low[0]:g}: must be at least {least}.")
     passed = set(given)
     training_args.recipe_flags_given = sorted(passed)
     batch = training_args.per_device_train_batch_size * training_args.world_size
@@ -405,6 +412,11 @@ def parse_args(
         check_evaluation_flags(passed)
     else:
         check_idle_flags(model_args, data_args, passed)
+        if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
+            raise ValueError(
+                f"--num_train_epochs {training_args.num_train_epochs:g} trains nothing: give a positive number of "
+                "epochs (or --max_steps N)."
+            )
     if training_args.dataloader_num_workers == 0:
         training_args.dataloader_persistent_workers = False  # the default, meaningful with workers only
     launched = int(os.environ.get("WORLD_SIZE", "1"))
