@@ -70,21 +70,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "repeats": (3, "rounds per model; the figures are their medians"),
         "warmup": (3, "untimed steps per model (compiled: at least 2)"),
         "profile": (False, "also profile one training step of each model"),
-        "no_timm": (False, "leave timm's column out"),
         "peak_tflops": (None, "dense bf16 peak (default: by GPU name)", float),
         "time_budget_s": (None, "start no model after this many seconds", float),
         "threads": (0, "torch.set_num_threads"),
         "quick": (False, "the same path on a tiny model (2-block ViT-Ti/16 at 32, batch 2)"),
         "packing": (False, "also the packing rows (gpu_packing.py); on by default with --quick"),
-        "no_packing": (False, "--quick without the packing rows"),
         "packing_only": (False, "the packing rows alone, no model comparison"),
     })  # fmt: skip
     args = parser.parse_args(argv)
-    args.packing = (args.packing or args.packing_only or args.quick) and not args.no_packing
+    args.packing = args.packing or args.packing_only or args.quick
     if args.quick:  # one sample of each row, no warm-up: the path, not the figures
         args.steps, args.repeats, args.warmup = 1, 1, 0
-    if args.packing_only and args.no_packing:
-        parser.error("--packing_only with --no_packing leaves nothing to time")
     if args.quick and args.models:
         parser.error("--quick runs its own tiny model: drop --models")
     if args.batch_sizes and len(args.batch_sizes) != len(args.models or GPU_PRESETS):
@@ -105,7 +101,7 @@ def settings_for(args: argparse.Namespace) -> list[BenchmarkSettings]:
     compiled, no image processors, input pipelines or onnxruntime (those are CPU figures)."""
     same = ("device", "sdpa_backend", "compile_mode", "compile_backend", "compile_blocks", "steps", "repeats")
     common = {name: getattr(args, name) for name in (*same, "warmup", "profile", "peak_tflops")}
-    common.update(dtypes=["bf16"], compile=not args.no_compile, eager=not args.no_eager, timm=not args.no_timm)
+    common.update(dtypes=["bf16"], compile=not args.no_compile, eager=not args.no_eager)
     common.update(processor=False, pipeline=False, onnx=False)
     if args.quick:
         quick = dict(matmul_size=128, matmul_repeats=1, num_hidden_layers=2, image_size=32)

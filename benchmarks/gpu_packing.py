@@ -99,12 +99,11 @@ def host_sync_check(model: torch.nn.Module, batches: dict, labels: dict, device:
     if device.type != "cuda":
         return {"skipped": f"{device.type}: no device to synchronise with (set_sync_debug_mode is CUDA's)"}
     result = {}
+    calls = layout_calls(
+        model, batches, labels, ("padded", "packed"), lambda _: torch.autocast("cuda", torch.bfloat16)
+    )
     for layout in ("padded", "packed"):
-
-        def step(batch=batches[layout], target=labels[layout]):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                model.train()(**batch, labels=target).loss.backward()
-
+        step = calls[f"{layout} | training"]  # bf16 autocast, forward, loss, backward, gradients zeroed
         try:
             step()  # warm-up: lazy initialisation (cuBLAS handles, kernels) is not the forward's
             torch.cuda.synchronize(device)
@@ -116,7 +115,6 @@ def host_sync_check(model: torch.nn.Module, batches: dict, labels: dict, device:
             result[layout] = "ok"
         except Exception as exc:  # noqa: BLE001  (reported: the synchronising operation is the finding)
             result[layout] = _error(exc)
-        finally:
             model.zero_grad(set_to_none=True)
     return result
 
