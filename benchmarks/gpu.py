@@ -70,19 +70,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "repeats": (3, "rounds per model; the figures are their medians"),
         "warmup": (3, "untimed steps per model (compiled: at least 2)"),
         "profile": (False, "also profile one training step of each model"),
-        "no_timm": (False, "leave timm's column out"),
         "peak_tflops": (None, "dense bf16 peak (default: by GPU name)", float),
         "time_budget_s": (None, "start no model after this many seconds", float),
         "threads": (0, "torch.set_num_threads"),
         "quick": (False, "the same path on a tiny model (2-block ViT-Ti/16 at 32, batch 2)"),
         "packing": (False, "also the packing rows (gpu_packing.py); on by default with --quick"),
-        "no_packing": (False, "--quick without the packing rows"),
         "packing_only": (False, "the packing rows alone, no model comparison"),
     })  # fmt: skip
     args = parser.parse_args(argv)
-    args.packing = (args.packing or args.packing_only or args.quick) and not args.no_packing
-    if args.packing_only and args.no_packing:
-        parser.error("--packing_only with --no_packing leaves nothing to time")
+    args.packing = args.packing or args.packing_only or args.quick
+    if args.quick:  # one sample of each row, no warm-up: the path, not the figures
+        args.steps, args.repeats, args.warmup = 1, 1, 0
     if args.quick and args.models:
         parser.error("--quick runs its own tiny model: drop --models")
     if args.batch_sizes and len(args.batch_sizes) != len(args.models or GPU_PRESETS):
@@ -103,12 +101,11 @@ def settings_for(args: argparse.Namespace) -> list[BenchmarkSettings]:
     compiled, no image processors, input pipelines or onnxruntime (those are CPU figures)."""
     same = ("device", "sdpa_backend", "compile_mode", "compile_backend", "compile_blocks", "steps", "repeats")
     common = {name: getattr(args, name) for name in (*same, "warmup", "profile", "peak_tflops")}
-    common.update(dtypes=["bf16"], compile=not args.no_compile, eager=not args.no_eager, timm=not args.no_timm)
+    common.update(dtypes=["bf16"], compile=not args.no_compile, eager=not args.no_eager)
     common.update(processor=False, pipeline=False, onnx=False)
     if args.quick:
-        quick = dict(common, steps=1, repeats=1, warmup=0, matmul_size=128, matmul_repeats=1)
-        quick.update(num_hidden_layers=2, image_size=32)
-        return [BenchmarkSettings(model=QUICK_PRESET, batch_size=2, **quick)]
+        quick = dict(matmul_size=128, matmul_repeats=1, num_hidden_layers=2, image_size=32)
+        return [BenchmarkSettings(model=QUICK_PRESET, batch_size=2, **common, **quick)]
     models = args.models or list(GPU_PRESETS)
     batch_sizes = args.batch_sizes or [GPU_PRESETS.get(model, 128) for model in models]
     return [BenchmarkSettings(model=model, batch_size=batch, **common) for model, batch in zip(models, batch_sizes)]
@@ -206,56 +203,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    command = "python benchmarks/gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)
-    report: dict = {"command": command, "models": {}, "skipped": {}}
-    previous = json.loads(Path(args.json).read_text()) if args.merge_json and Path(args.json).is_file() else None
-    if previous is not None:  # models measured before keep their figures; a model measured again is merged
-        report["models"] = previous["models"]
+    report: dict = {"command": "python benchmarks/gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)}
+    previous = json.loads(Path(args.json).read_text()) if args.merge_json and Path(args.json).is_file() else {}
+    kept = ("models", "machine", "flops_formula", "bf16_dense_peak", "packing")  # a model measured again is merged
+    report.update({key: previous[key] for key in kept if key in previous}, skipped={})
+    report.setdefault("models", {})
+    if previous:
         report["runs"] = previous.get("runs", [previous["command"]]) + [report["command"]]
-        report.update(
-            {
-                key: previous[key]
-                for key in ("machine", "flops_formula", "bf16_dense_peak", "packing")
-                if key in previous
-            }
-        )
-    for settings in [] if args.packing_only else settings_for(args):
-        elapsed = time.perf_counter() - start
-        if spent := budget_spent(args.time_budget_s, start):
-            report["skipped"][settings.model] = spent
-            print(f"{settings.model}: skipped, {spent}", file=sys.stderr)
-            continue
-        run = run_benchmark(settings, log=lambda message: print(message, file=sys.stderr, flush=True))
-        run["seconds"] = time.perf_counter() - start - elapsed
-        if settings.model in report["models"]:
-            run = merge_reports(report["models"][settings.model], run)
-        report["models"][settings.model] = run
-        for key in ("machine", "flops_formula", "bf16_dense_peak"):
-            report.setdefault(key, run[key])
+
+    def save(packing: dict | None = None) -> None:  # after every model and packing variant: a run cut short keeps them
+        if packing is not None:
+            report["packing"] = merge_packing(previous.get("packing"), packing)
         report["summary"] = summary_rows(report)
-        if torch.cuda.is_available() and settings.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        if args.json:  # after every model: a run cut short keeps what it measured
+        if args.json:
             write_json(report, args.json)
-    if args.packing:
+
+    for part in ([] if args.packing_only else settings_for(args)) + (["packing"] if args.packing else []):
+        name, began = getattr(part, "model", part), time.perf_counter()
         if spent := budget_spent(args.time_budget_s, start):
-            report["skipped"]["packing"] = spent
-            print(f"packing: skipped, {spent}", file=sys.stderr)
-        else:
-            previous_packing = report.get("packing")
+            report["skipped"][name] = spent
+            log(f"{name}: skipped, {spent}")
+        elif part == "packing":
             report.setdefault("machine", machine_info(torch.device(args.device)))
-            report["summary"] = summary_rows(report)  # the models' rows, kept when merged from an earlier run
-
-            def save(packing: dict) -> None:  # after each variant, as after every model
-                report["packing"] = merge_packing(previous_packing, packing)
-                if args.json:
-                    write_json(report, args.json)
-
-            save(measure_packing(args, lambda message: print(message, file=sys.stderr, flush=True), start, save))
+            save(measure_packing(args, log, start, save))
+        else:
+            run = run_benchmark(part, log=log)
+            run["seconds"] = time.perf_counter() - began
+            report["models"][name] = merge_reports(report["models"][name], run) if name in report["models"] else run
+            for key in ("machine", "flops_formula", "bf16_dense_peak"):
+                report.setdefault(key, run[key])
+            if torch.cuda.is_available() and part.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            save()
     if not report["models"] and not report.get("packing"):
         print("error: no model was measured (the time budget was spent before the first)", file=sys.stderr)
         return 1
-    report["seconds"] = time.perf_counter() - start
+    report.update(seconds=time.perf_counter() - start, summary=summary_rows(report))
     if args.json:
         print(f"json: {write_json(report, args.json)}")
     print(format_summary(report) + "\n\n" + format_targets(report))
@@ -264,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc:
         print(f"doc: {write_doc(report, args.doc)}")
     return 0
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def write_doc(report: dict, path: str | os.PathLike) -> Path:

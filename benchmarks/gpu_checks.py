@@ -29,8 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder importable as a package
+    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
+from benchmarks.models import build_hf_vit
+from benchmarks.report import write_json
 from hf_vit import (
     VisionTransformerConfig,
     VisionTransformerForImageClassification,
@@ -49,12 +55,18 @@ ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attent
 BF16_RELATIVE_TOLERANCE = 3e-2
 FP32_TOLERANCE = 1e-4
 ONNX_TOLERANCE = 1e-3
-HUB_COMMIT = "5m0ke" * 8
+HUB_COMMIT = "5e0ce" * 8  # 40 hex digits: transformers resolves the revision, and takes anything else for a branch
 HUB_REPO_ID = "hf-vit-smoke/vit-tiny"
 
 
 class Skipped(Exception):
     """A check that cannot run here; the message is the reason."""
+
+
+def expect(holds, message: str) -> None:
+    """A check's assertion: fails the check with `message` unless `holds`."""
+    if not holds:
+        raise AssertionError(message)
 
 
 @dataclass
@@ -81,23 +93,14 @@ class Smoke:
         return VisionTransformerConfig(**{**tiny, "intermediate_size": 128, "num_labels": 10, **overrides})
 
     def classifier(self, config: VisionTransformerConfig) -> VisionTransformerForImageClassification:
-        """`config`'s classification model on the device, seeded and `randomised`."""
-        torch.manual_seed(0)
-        return randomised(VisionTransformerForImageClassification(config)).to(self.device)
+        """`config`'s classification model on the device, seeded, with non-trivial values everywhere (a zero head or
+        identity LayerNorms would make logit checks vacuous)."""
+        return build_hf_vit(config).to(self.device)
 
     def pixels(self, config: VisionTransformerConfig, batch: int = 4, size: tuple[int, int] | None = None):
         generator = torch.Generator().manual_seed(0)
         height, width = size or config.image_hw
         return torch.randn(batch, config.num_channels, height, width, generator=generator).to(self.device)
-
-
-def randomised(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
-    """Non-trivial values everywhere (a zero head or identity LayerNorms would make logit checks vacuous)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator).to(param.device) * 0.02)
-    return model
 
 
 def autocast_steps(smoke: Smoke, model: torch.nn.Module, steps: int, **inputs) -> list:
@@ -124,12 +127,14 @@ def relative_difference(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------------------------------------------ the checks
 
-CHECKS: dict[str, tuple[Callable[[Smoke], str], bool]] = {}
+CHECKS: dict[str, tuple[Callable[[Smoke], str], str | None]] = {}
 
 
-def check(cuda_only: bool = False):
+def check(needs_cuda: str | None = None):
+    """Registers a check; `needs_cuda`: why it is skipped off CUDA (`TRAINER`: unless --trainer_on_cpu)."""
+
     def register(function: Callable[[Smoke], str]) -> Callable[[Smoke], str]:
-        CHECKS[function.__name__] = (function, cuda_only)
+        CHECKS[function.__name__] = (function, needs_cuda)
         return function
 
     return register
@@ -138,19 +143,17 @@ def check(cuda_only: bool = False):
 @check()
 def attention_implementations(smoke: Smoke) -> str:
     """Every implementation that loads gives eager's logits (bf16 weights, relative tolerance 3e-2)."""
-    folder = smoke.scratch / "attention_model"
-    torch.manual_seed(0)
-    randomised(VisionTransformerForImageClassification(smoke.config())).save_pretrained(folder)
-    pixels = smoke.pixels(smoke.config()).to(torch.bfloat16)
-    shown = against_eager(smoke, folder, {"pixel_values": pixels}, "attention_implementations", "logits")
-    return f"against eager: {shown}"
+    config = smoke.config()
+    pixels = smoke.pixels(config).to(torch.bfloat16)
+    return "against eager: " + against_eager(smoke, config, {"pixel_values": pixels}, "attention_implementations")
 
 
-def against_eager(smoke: Smoke, folder: Path, inputs: dict[str, torch.Tensor], name: str, what: str) -> str:
-    """The saved classifier in every attention implementation that loads (bf16) on `inputs`, each against eager's
-    logits (relative tolerance `BF16_RELATIVE_TOLERANCE`); eager and SDPA must load. Records the differences and the
-    implementations that did not load under `smoke.details[name]`; returns them as text."""
-    logits, skipped = {}, {}
+def against_eager(smoke: Smoke, config: VisionTransformerConfig, inputs: dict, name: str, what: str = "logits") -> str:
+    """`config`'s classifier, saved and loaded in every attention implementation that loads (bf16), on `inputs`, each
+    against eager's logits (relative tolerance `BF16_RELATIVE_TOLERANCE`); eager and SDPA must load. Records the
+    differences and the implementations that did not load under `smoke.details[name]`; returns them as text."""
+    folder, logits, skipped = smoke.scratch / name, {}, {}
+    build_hf_vit(config).save_pretrained(folder)
     for implementation in ATTENTION_IMPLEMENTATIONS:
         try:
             model = VisionTransformerForImageClassification.from_pretrained(
@@ -164,8 +167,7 @@ def against_eager(smoke: Smoke, folder: Path, inputs: dict[str, torch.Tensor], n
             skipped[implementation] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     differences = {key: relative_difference(value, logits["eager"]) for key, value in logits.items()}
     bad = {key: value for key, value in differences.items() if value > BF16_RELATIVE_TOLERANCE}
-    if bad:
-        raise AssertionError(f"{what} differ from eager's beyond {BF16_RELATIVE_TOLERANCE}: {bad}")
+    expect(not bad, f"{what} differ from eager's beyond {BF16_RELATIVE_TOLERANCE}: {bad}")
     smoke.details[name] = {"relative_difference": differences, "skipped": skipped}
     shown = ", ".join(f"{key} {value:.1e}" for key, value in differences.items() if key != "eager")
     return shown + (f"; did not load: {', '.join(skipped)}" if skipped else "")
@@ -193,12 +195,13 @@ def gradient_checkpointing(smoke: Smoke) -> str:
         loss.backward()
         forwards.append(len(calls))
         results.append((loss.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}))
-    if forwards != [1, 2]:
-        raise AssertionError(f"the first block's MLP ran {forwards} times without / with checkpointing, not [1, 2]")
+    expect(forwards == [1, 2], f"the first block's MLP ran {forwards} times without / with checkpointing, not [1, 2]")
     (loss, plain), (loss_ckpt, ckpt) = results
     worst = max(relative_difference(ckpt[name], plain[name]) for name in plain)
-    if abs(float(loss - loss_ckpt)) > FP32_TOLERANCE or worst > 1e-3:
-        raise AssertionError(f"loss {float(loss):.6f} vs {float(loss_ckpt):.6f}, gradients differ by {worst:.1e}")
+    expect(
+        abs(float(loss - loss_ckpt)) <= FP32_TOLERANCE and worst <= 1e-3,
+        f"loss {float(loss):.6f} vs {float(loss_ckpt):.6f}, gradients differ by {worst:.1e}",
+    )
     return f"the block recomputed in the backward; {len(plain)} gradients equal within {worst:.1e} (relative)"
 
 
@@ -207,51 +210,49 @@ def interpolate_pos_encoding(smoke: Smoke) -> str:
     """A non-square input with interpolated position embeddings; at the native size interpolation is the identity."""
     config = smoke.config()
     model = smoke.classifier(config).eval()
-    patch = config.patch_size
     height, width = config.image_hw
-    size = (height + 2 * patch, width - patch)  # taller and narrower: a non-square grid
+    size = (height + 2 * config.patch_size, width - config.patch_size)  # taller and narrower: a non-square grid
+    native = smoke.pixels(config)
     with torch.no_grad():
         wide = model(smoke.pixels(config, size=size), interpolate_pos_encoding=True).logits
-        native = smoke.pixels(config)
         same = relative_difference(model(native, interpolate_pos_encoding=True).logits, model(native).logits)
         try:
             model(smoke.pixels(config, size=size))
+            refused = False
         except ValueError:
             refused = True
-        else:
-            refused = False
-    if tuple(wide.shape) != (4, config.num_labels) or not torch.isfinite(wide).all():
-        raise AssertionError(f"logits of shape {tuple(wide.shape)} at {size}, or not finite")
-    if same > FP32_TOLERANCE or not refused:
-        raise AssertionError(f"native size differs by {same:.1e}; other size refused without the flag: {refused}")
+    shape = tuple(wide.shape)
+    expect(shape == (4, config.num_labels) and torch.isfinite(wide).all(), f"logits {shape} at {size}, or not finite")
+    expect(
+        same <= FP32_TOLERANCE and refused,
+        f"native size differs by {same:.1e}; other size refused without the flag: {refused}",
+    )
     return f"{size[0]}x{size[1]} on a {height}x{width} model; identity at the native size ({same:.1e})"
 
 
 @check()
 def hybrid(smoke: Smoke) -> str:
     """A ResNet-stem hybrid trains one step in bf16 autocast and its bf16 logits follow the fp32 ones."""
-    overrides = dict(resnet_layers=[1, 1], resnet_width=32, patch_size=8) if not smoke.cuda else {}
     if smoke.cuda:
         config = VisionTransformerConfig.from_preset("r50-vit-base-patch16-224", num_hidden_layers=2, num_labels=10)
     else:
-        config = smoke.config(**overrides)
-    model = smoke.classifier(config)
+        config = smoke.config(resnet_layers=[1, 1], resnet_width=32, patch_size=8)
+    model = smoke.classifier(config).eval()
     pixels = smoke.pixels(config, batch=2)
-    labels = torch.tensor([0, 1], device=smoke.device)
-    model.eval()
     with torch.no_grad():
         fp32 = model(pixels).logits
         with torch.autocast(smoke.device.type, dtype=torch.bfloat16):
             bf16 = model(pixels).logits
-    model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = torch.optim.SGD(model.train().parameters(), lr=0.01, momentum=0.9)
     with torch.autocast(smoke.device.type, dtype=torch.bfloat16):
-        loss = model(pixels, labels=labels).loss
+        loss = model(pixels, labels=torch.tensor([0, 1], device=smoke.device)).loss
     loss.backward()
     optimizer.step()
     difference = relative_difference(bf16, fp32)
-    if not torch.isfinite(loss) or difference > BF16_RELATIVE_TOLERANCE:
-        raise AssertionError(f"loss {float(loss)}, bf16 logits differ by {difference:.1e}")
+    expect(
+        torch.isfinite(loss) and difference <= BF16_RELATIVE_TOLERANCE,
+        f"loss {loss.item()}, bf16 logits differ by {difference:.1e}",
+    )
     return f"stem {config.resnet_layers}, stride {config.stem_stride}; bf16 vs fp32 logits {difference:.1e}"
 
 
@@ -261,13 +262,12 @@ def masked_patch_prediction(smoke: Smoke) -> str:
     config = smoke.config()
     torch.manual_seed(0)
     model = VisionTransformerForMaskedPatchPrediction(config).to(smoke.device).train()
-    pixels = smoke.pixels(config, batch=8)
     patches = (config.image_hw[0] // config.patch_size) * (config.image_hw[1] // config.patch_size)
     generator = torch.Generator().manual_seed(1)
     labels = torch.randint(0, config.mpp_num_classes, (8, patches), generator=generator).to(smoke.device)
+    pixels = smoke.pixels(config, batch=8)
     losses = autocast_steps(smoke, model, 6, pixel_values=pixels, labels=labels, patch_corruption=None)
-    if not all(torch.isfinite(torch.tensor(losses))) or not losses[-1] < losses[0]:
-        raise AssertionError(f"losses {losses}")
+    expect(all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], f"losses {losses}")
     return f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps on one batch"
 
 
@@ -281,12 +281,13 @@ def attention_capture(smoke: Smoke) -> str:
     with torch.no_grad():
         returned = model(pixels, output_attentions=True).attentions
     last = config.num_hidden_layers - 1
-    if sorted(captured) != [0, last]:
-        raise AssertionError(f"captured layers {sorted(captured)}, expected [0, {last}]")
+    expect(sorted(captured) == [0, last], f"captured layers {sorted(captured)}, expected [0, {last}]")
     worst = max(float((captured[i].to(returned[i].device) - returned[i]).abs().max()) for i in (0, last))
     sums = float((captured[0].sum(-1) - 1).abs().max())
-    if worst > FP32_TOLERANCE or sums > FP32_TOLERANCE:
-        raise AssertionError(f"captured vs output_attentions differ by {worst:.1e}; rows sum to 1 within {sums:.1e}")
+    expect(
+        worst <= FP32_TOLERANCE and sums <= FP32_TOLERANCE,
+        f"captured vs output_attentions differ by {worst:.1e}; rows sum to 1 within {sums:.1e}",
+    )
     return f"layers 0 and {last}, shape {tuple(captured[0].shape)}, equal to output_attentions within {worst:.1e}"
 
 
@@ -298,21 +299,13 @@ def onnx_export_of_a_trained_model(smoke: Smoke) -> str:
     model = VisionTransformerForImageClassification(config).to(smoke.device).train()
     labels = torch.arange(8, device=smoke.device) % config.num_labels
     autocast_steps(smoke, model, 3, pixel_values=smoke.pixels(config, batch=8), labels=labels)
-    if float(model.classifier.weight.abs().max()) == 0:
-        raise AssertionError("training did not move the (zero-initialised) classifier")
-    model.eval()
-    path = export(model, smoke.scratch / "trained.onnx", "onnx")
-    height, width = config.image_hw
-    patch = config.patch_size
+    expect(model.classifier.weight.detach().abs().max() > 0, "training did not move the (zero-initialised) classifier")
+    path = export(model.eval(), smoke.scratch / "trained.onnx", "onnx")
+    (height, width), patch = config.image_hw, config.patch_size
     differences = check_onnx(path, model.cpu(), [(height, width), (height + patch, width - patch)])
-    if max(differences.values()) > ONNX_TOLERANCE:
-        raise AssertionError(f"onnxruntime differs from the model: {differences}")
-    return f"{path.stat().st_size / 2**20:.1f} MiB; onnxruntime vs PyTorch: " + ", ".join(
-        f"{size} {value:.1e}" for size, value in differences.items()
-    )
-
-
-# ------------------------------------------------------------------------------------------- Trainer on the GPU
+    expect(max(differences.values()) <= ONNX_TOLERANCE, f"onnxruntime differs from the model: {differences}")
+    shown = ", ".join(f"{size} {value:.1e}" for size, value in differences.items())
+    return f"{path.stat().st_size / 2**20:.1f} MiB; onnxruntime vs PyTorch: {shown}"
 
 
 @check()
@@ -320,23 +313,27 @@ def native_aspect_batches(smoke: Smoke) -> str:
     """A padded native-aspect batch (the processor's `max_num_patches`) gives eager's logits in every attention
     implementation that loads (bf16): flash attention takes the padding mask, flex attention a block mask."""
     config = smoke.config()
-    folder = smoke.scratch / "native_model"
-    smoke.classifier(config).save_pretrained(folder)
     generator = torch.Generator().manual_seed(0)
     shapes = [(224, 224), (120, 400), (500, 90), (64, 64)] if smoke.cuda else [(40, 40), (20, 80), (90, 30)]
     images = [torch.randint(0, 256, (3, *shape), generator=generator, dtype=torch.uint8) for shape in shapes]
     processor = VisionTransformerImageProcessor(max_num_patches=config.num_patches, patch_size=config.patch_size)
     inputs = {name: value.to(smoke.device) for name, value in processor(images, return_tensors="pt").items()}
-    if bool((inputs["spatial_shapes"].prod(-1) == inputs["pixel_values"].shape[1]).all()):
-        raise AssertionError("the batch has no padding: the check would not test the mask")
-    shown = against_eager(smoke, folder, inputs, "native_aspect_batches", "native-batch logits")
+    padded = not bool((inputs["spatial_shapes"].prod(-1) == inputs["pixel_values"].shape[1]).all())
+    expect(padded, "the batch has no padding: the check would not test the mask")
+    shown = against_eager(smoke, config, inputs, "native_aspect_batches", "native-batch logits")
     return f"grids {inputs['spatial_shapes'].tolist()}, against eager: {shown}"
 
 
-def hub_cache_with(smoke: Smoke, repo_id: str) -> Path:
-    """An offline Hub cache holding a tiny hf-vit checkpoint as `repo_id` (refs/main -> snapshots/<commit>)."""
+# ------------------------------------------------------------------------------------------- Trainer on the GPU
+
+TRAINER = "needs CUDA (no GPU here); --trainer_on_cpu runs it on CPU"  # a Trainer check's reason to be skipped
+
+
+def trainer_env(smoke: Smoke) -> dict[str, str]:
+    """The environment of a `finetune.py` run: offline, with an offline Hub cache holding a tiny hf-vit checkpoint as
+    `HUB_REPO_ID` (refs/main -> snapshots/<commit>)."""
     cache = smoke.scratch / "hub"
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    repo = cache / f"models--{HUB_REPO_ID.replace('/', '--')}"
     snapshot = repo / "snapshots" / HUB_COMMIT
     if not snapshot.is_dir():
         config = smoke.config()
@@ -345,16 +342,13 @@ def hub_cache_with(smoke: Smoke, repo_id: str) -> Path:
         VisionTransformerImageProcessor(size=config.image_hw[0]).save_pretrained(snapshot)
         (repo / "refs").mkdir(parents=True, exist_ok=True)
         (repo / "refs" / "main").write_text(HUB_COMMIT)
-    return cache
-
-
-def trainer_env(smoke: Smoke) -> dict[str, str]:
     offline = dict.fromkeys(("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"), "1")
-    return {**os.environ, "HF_HUB_CACHE": str(hub_cache_with(smoke, HUB_REPO_ID)), **offline}
+    return {**os.environ, "HF_HUB_CACHE": str(cache), **offline}
 
 
 def finetune_args(output_dir: Path, max_steps: int, extra=(), learning_rate: float = 0.03) -> list[str]:
     return [
+        str(FINETUNE),
         "--model_name_or_path", HUB_REPO_ID,
         "--dataset_name", "digits",
         "--output_dir", str(output_dir),
@@ -369,63 +363,55 @@ def finetune_args(output_dir: Path, max_steps: int, extra=(), learning_rate: flo
     ]  # fmt: skip
 
 
-def _trainer_skip(smoke: Smoke, cpu_ok: bool) -> None:
-    if not smoke.cuda and not (cpu_ok and smoke.trainer_on_cpu):
-        raise Skipped("needs CUDA (no GPU here)" + ("; --trainer_on_cpu runs it on CPU" if cpu_ok else ""))
+def run_logged(smoke: Smoke, command: list[str], env: dict[str, str], name: str) -> str:
+    """`command` in the repository's root, its output going to `<scratch>/<name>.log` as it comes (a run that stalls
+    leaves where it stopped); fails the check on a non-zero exit status. Returns the output."""
+    log = smoke.scratch / f"{name}.log"
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900, cwd=ROOT)
+    said = log.read_text()
+    expect(done.returncode == 0, f"exit status {done.returncode}: {said.strip()[-1500:]}")
+    return said
 
 
-def _run(command: list[str], env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
-    if done.returncode != 0:
-        raise AssertionError(f"exit status {done.returncode}: {done.stderr.strip()[-1500:]}")
-    return done
-
-
-def _final_metrics(output_dir: Path) -> dict:
+def final_metrics(output_dir: Path) -> dict:
     metrics = json.loads((output_dir / "all_results.json").read_text())
-    if not all(torch.isfinite(torch.tensor(float(metrics[key]))) for key in ("train_loss", "eval_accuracy")):
-        raise AssertionError(f"non-finite metrics: {metrics}")
+    finite = all(torch.isfinite(torch.tensor(float(metrics[key]))) for key in ("train_loss", "eval_accuracy"))
+    expect(finite, f"non-finite metrics: {metrics}")
     return metrics
 
 
-@check(cuda_only=True)
+@check(TRAINER)
 def finetune_bf16_compiled_from_hub_id(smoke: Smoke) -> str:
     """`finetune.py --bf16 --torch_compile --model_name_or_path <Hub id>` with the checkpoint in an offline cache."""
-    _trainer_skip(smoke, cpu_ok=True)
     output_dir = smoke.scratch / "finetune"
     extra = ["--bf16", "--torch_compile"] if smoke.cuda else ["--bf16"]
     start = time.perf_counter()
-    _run([sys.executable, str(FINETUNE), *finetune_args(output_dir, 40, extra)], trainer_env(smoke))
-    metrics = _final_metrics(output_dir)
-    loaded = VisionTransformerForImageClassification.from_pretrained(output_dir)
-    if loaded.config.num_labels != 10:
-        raise AssertionError(f"saved model has {loaded.config.num_labels} labels, digits has 10")
+    run_logged(smoke, [sys.executable, *finetune_args(output_dir, 40, extra)], trainer_env(smoke), "finetune")
+    metrics = final_metrics(output_dir)
+    labels = VisionTransformerForImageClassification.from_pretrained(output_dir).config.num_labels
+    expect(labels == 10, f"saved model has {labels} labels, digits has 10")
     return (
         f"{' '.join(extra)}: 40 steps in {time.perf_counter() - start:.0f} s, train loss {metrics['train_loss']:.3f}, "
         f"eval accuracy {metrics['eval_accuracy']:.3f}"
     )
 
 
-def _folder_and_steps(args: list[str]) -> tuple[Path, int]:
-    """The `--output_dir` and `--max_steps` of finetune.py's arguments."""
-    return Path(args[args.index("--output_dir") + 1]), int(args[args.index("--max_steps") + 1])
-
-
-def kill_after_a_checkpoint(smoke: Smoke, args: list[str], env: dict[str, str], name: str) -> int:
-    """Start `finetune.py args` and SIGKILL it once it has saved a checkpoint; returns the last checkpoint's step
-    (which must be before the run's end). Its output goes to `<scratch>/<name>-killed.log`."""
-    output_dir, max_steps = _folder_and_steps(args)
+def kill_and_resume(smoke: Smoke, args: list[str], env: dict[str, str], name: str) -> int:
+    """Start `finetune.py args`, SIGKILL it once it has saved a checkpoint (before the run's end), then run it again
+    with `--resume_from_checkpoint True`: it must say that it resumes from that checkpoint's step, and end at
+    `--max_steps`. Returns that step; the outputs go to `<scratch>/<name>-killed.log` and `<name>-resumed.log`."""
+    output_dir, max_steps = Path(args[args.index("--output_dir") + 1]), int(args[args.index("--max_steps") + 1])
     with open(smoke.scratch / f"{name}-killed.log", "w") as log:
         # Its own process group, killed whole as a scheduler kills a job: SIGKILL to the main process alone leaves
         # its DataLoader workers alive for a few seconds, holding the output folder's lock (inherited over fork).
         process = subprocess.Popen(
-            [sys.executable, str(FINETUNE), *args], stdout=log, stderr=log, env=env, cwd=ROOT, start_new_session=True
+            [sys.executable, *args], stdout=log, stderr=log, env=env, cwd=ROOT, start_new_session=True
         )
         try:
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and process.poll() is None:
-                saved = [p for p in output_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]
-                if saved:
+                if [p for p in output_dir.glob("checkpoint-*") if (p / "trainer_state.json").is_file()]:
                     time.sleep(1.0)  # let the checkpoint's files land
                     break
                 time.sleep(0.2)
@@ -436,52 +422,31 @@ def kill_after_a_checkpoint(smoke: Smoke, args: list[str], env: dict[str, str], 
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     killed_at = max(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
-    if killed_at >= max_steps:
-        raise AssertionError("the run finished before it could be killed")
+    expect(killed_at < max_steps, "the run finished before it could be killed")
+    # --log_level info: Trainer then says from which step it resumes (a --recipe deit resume on an H200 once did not
+    # end within 200 s: the log shows where it stopped).
+    again = [sys.executable, *args, "--resume_from_checkpoint", "True", "--log_level", "info"]
+    said = run_logged(smoke, again, env, f"{name}-resumed")
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    resumed = re.search(r"Resuming training from checkpoint with epoch \d+ and global step (\d+)", said)
+    expect(
+        resumed is not None and int(resumed[1]) == killed_at and state["global_step"] == max_steps,
+        f"the second run did not resume from checkpoint-{killed_at} ({resumed and resumed[0]!r}) or ended at step "
+        f"{state['global_step']}, not {max_steps}; its output is in {smoke.scratch / f'{name}-resumed.log'}",
+    )
     return killed_at
 
 
-def resume_to_the_end(smoke: Smoke, args: list[str], env: dict[str, str], killed_at: int, name: str) -> int:
-    """`finetune.py args --resume_from_checkpoint True`: it must say that it resumes from step `killed_at` and end
-    at `--max_steps`. Returns the step it resumed from; its output goes to `<scratch>/<name>-resumed.log`."""
-    output_dir, max_steps = _folder_and_steps(args)
-    # --log_level info: Trainer then says from which step it resumes. The output goes to the log as it comes, so that
-    # a run that stalls (a --recipe deit resume on an H200 did not end within 200 s) leaves where it stopped.
-    log = smoke.scratch / f"{name}-resumed.log"
-    command = [sys.executable, str(FINETUNE), *args, "--resume_from_checkpoint", "True", "--log_level", "info"]
-    with open(log, "w") as out:
-        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900, cwd=ROOT)
-    said = log.read_text()
-    if done.returncode != 0:
-        raise AssertionError(f"exit status {done.returncode}: {said.strip()[-1500:]}")
-    state = json.loads((output_dir / "trainer_state.json").read_text())
-    resumed = re.search(r"Resuming training from checkpoint with epoch \d+ and global step (\d+)", said)
-    if resumed is None or int(resumed[1]) != killed_at or state["global_step"] != max_steps:
-        raise AssertionError(
-            f"the second run did not resume from checkpoint-{killed_at} ({resumed and resumed[0]!r}) or ended at step "
-            f"{state['global_step']}, not {max_steps}; its output is in {log}"
-        )
-    return int(resumed[1])
-
-
-@check(cuda_only=True)
+@check(TRAINER)
 def resume_after_a_kill(smoke: Smoke) -> str:
     """Kill a run (SIGKILL) once it has saved a checkpoint; `--resume_from_checkpoint True` then finishes it."""
-    _trainer_skip(smoke, cpu_ok=True)
     max_steps = 60
-    args = finetune_args(smoke.scratch / "resume", max_steps, ["--save_strategy", "steps", "--save_steps", "10"])
-    args += ["--bf16"] if smoke.cuda else []
-    env = trainer_env(smoke)
-    killed_at = kill_after_a_checkpoint(smoke, args, env, "resume")
-    resumed = resume_to_the_end(smoke, args, env, killed_at, "resume")
-    _final_metrics(smoke.scratch / "resume")
-    return f"killed after checkpoint-{killed_at}, resumed from step {resumed} to {max_steps}"
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(path)
+    extra = ["--save_strategy", "steps", "--save_steps", "10"] + (["--bf16"] if smoke.cuda else [])
+    killed_at = kill_and_resume(
+        smoke, finetune_args(smoke.scratch / "resume", max_steps, extra), trainer_env(smoke), "resume"
+    )
+    final_metrics(smoke.scratch / "resume")
+    return f"killed after checkpoint-{killed_at}, resumed from step {killed_at} to {max_steps}"
 
 
 def _differing(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> list[str]:
@@ -496,7 +461,7 @@ def _differing(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) 
 RECIPE_STEPS = 60  # at 12 steps an H200 finished the run before the kill could land
 
 
-@check(cuda_only=True)
+@check(TRAINER)
 def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
     """`finetune.py --recipe deit --layer_decay 0.75 --bf16` (RandAugment, random erasing, Mixup/CutMix, label
     smoothing, stochastic depth, AdamW in layer-decay groups, EMA with warmup) for 60 steps, a checkpoint every 10:
@@ -504,42 +469,44 @@ def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
     killed after its first checkpoint and resumed, ends bit for bit as the first (model, raw weights and EMA).
     Eager attention and `--full_determinism`: SDPA's fused backward kernels may sum with atomics, cuDNN may choose
     non-deterministic kernels, so that two uninterrupted runs would differ in the last bits without them."""
-    _trainer_skip(smoke, cpu_ok=True)
+    from safetensors.torch import load_file
+
     from hf_vit.train.ema import EMA_FILE
 
     extra = ["--recipe", "deit", "--layer_decay", "0.75", "--save_strategy", "steps", "--save_steps", "10"]
-    extra += ["--attn_implementation", "eager", "--full_determinism", "True"]
-    extra += ["--bf16"] if smoke.cuda else []
+    extra += ["--attn_implementation", "eager", "--full_determinism", "True"] + (["--bf16"] if smoke.cuda else [])
     env = trainer_env(smoke)
     straight, killed = smoke.scratch / "deit", smoke.scratch / "deit_killed"
     start = time.perf_counter()
     args = finetune_args(straight, RECIPE_STEPS, extra, learning_rate=5e-4)
-    done = _run([sys.executable, str(FINETUNE), *args, "--log_level", "info"], env)
-    (smoke.scratch / "deit.log").write_text(done.stdout + done.stderr)
+    said = run_logged(smoke, [sys.executable, *args, "--log_level", "info"], env, "deit")
     seconds = time.perf_counter() - start
-    for said in ("Training with the recipe deit", "Layer-wise learning-rate decay 0.75"):
-        if said not in done.stderr:
-            raise AssertionError(f"the run's log does not say {said!r}: the recipe was not applied")
-    metrics = _final_metrics(straight)
+    for words in ("Training with the recipe deit", "Layer-wise learning-rate decay 0.75"):
+        expect(words in said, f"the run's log does not say {words!r}: the recipe was not applied")
+    metrics = final_metrics(straight)
     last = straight / f"checkpoint-{RECIPE_STEPS}"
     final, raw, average = (
-        _tensors(p) for p in (straight / "model.safetensors", last / "model.safetensors", last / EMA_FILE)
+        load_file(p) for p in (straight / "model.safetensors", last / "model.safetensors", last / EMA_FILE)
     )
-    if not average or not average.keys() <= final.keys():
-        raise AssertionError(f"{EMA_FILE} holds {len(average)} tensors, not a subset of the model's {len(final)}")
-    if _differing({k: final[k] for k in average}, average):
-        raise AssertionError("the saved model.safetensors is not the EMA state of the last checkpoint")
-    if not _differing({k: raw[k] for k in average}, average):
-        raise AssertionError("the EMA equals the raw weights: the average did not average (or was never updated)")
-    again = finetune_args(killed, RECIPE_STEPS, extra, learning_rate=5e-4)
-    killed_at = kill_after_a_checkpoint(smoke, again, env, "deit")
-    resume_to_the_end(smoke, again, env, killed_at, "deit")
+    expect(
+        average and average.keys() <= final.keys(),
+        f"{EMA_FILE} holds {len(average)} tensors, not a subset of the model's {len(final)}",
+    )
+    expect(
+        not _differing({k: final[k] for k in average}, average),
+        "the saved model.safetensors is not the EMA state of the last checkpoint",
+    )
+    expect(
+        _differing({k: raw[k] for k in average}, average),
+        "the EMA equals the raw weights: the average did not average (or was never updated)",
+    )
+    killed_at = kill_and_resume(smoke, finetune_args(killed, RECIPE_STEPS, extra, learning_rate=5e-4), env, "deit")
     differing = {}
     for name in (
         "model.safetensors",
         *(f"checkpoint-{RECIPE_STEPS}/{file}" for file in ("model.safetensors", EMA_FILE)),
     ):
-        first, again = _tensors(straight / name), _tensors(killed / name)
+        first, again = load_file(straight / name), load_file(killed / name)
         if names := _differing(first, again):
             gaps = [
                 float((first[n].float() - again[n].float()).abs().max()) for n in names if n in first and n in again
@@ -549,50 +516,44 @@ def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
         "straight_seconds": seconds, "killed_after": killed_at, "differing": differing,
         "train_loss": metrics["train_loss"], "eval_accuracy": metrics["eval_accuracy"],
     }  # fmt: skip
-    if differing:
-        raise AssertionError(f"the resumed run differs from the uninterrupted one: {differing}")
+    expect(not differing, f"the resumed run differs from the uninterrupted one: {differing}")
     return (
         f"{RECIPE_STEPS} steps in {seconds:.0f} s, eval accuracy {metrics['eval_accuracy']:.3f}; the model is the "
         f"EMA ({len(average)} tensors); killed after checkpoint-{killed_at}, resumed: equal bit for bit"
     )
 
 
-@check(cuda_only=True)
+@check(TRAINER)
 def ema_update_cost(smoke: Smoke) -> str:
     """The EMA update (`WeightAverage.update`) is one `_foreach_lerp_` over every trained tensor (on CUDA the
     multi-tensor kernels: far fewer launches than tensors), and its time as a fraction of a ViT-S/16 bf16 training
     step (`benchmarks/recipes_speed.py`'s `ema_cost` on the device, batch 256; on CPU batch 2, fp32)."""
-    _trainer_skip(smoke, cpu_ok=True)
     from torch.profiler import ProfilerActivity, profile
 
-    if str(ROOT) not in sys.path:  # run as `python benchmarks/gpu_checks.py`: the `benchmarks` package from the root
-        sys.path.insert(0, str(ROOT))
     from benchmarks.recipes_speed import ema_cost
     from benchmarks.timing import synchronize
     from hf_vit.train.ema import WeightAverage
 
-    model = smoke.classifier(smoke.config(num_hidden_layers=12) if smoke.cuda else smoke.config())
-    average = WeightAverage(model, 0.999)
+    average = WeightAverage(
+        smoke.classifier(smoke.config(num_hidden_layers=12) if smoke.cuda else smoke.config()), 0.999
+    )
     average.update(1)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if smoke.cuda else [])
-    with profile(activities=activities) as profiled:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if smoke.cuda else [])) as profiled:
         average.update(2)
         synchronize(smoke.device)
     events = profiled.events()
     calls = sum(event.name == "aten::_foreach_lerp_" for event in events)
     kernels = [event.name for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
     tensors = len(average.params)
-    if calls != 1:
-        raise AssertionError(f"the update made {calls} aten::_foreach_lerp_ calls, not 1")
-    if smoke.cuda and not (0 < len(kernels) < tensors / 4 and any("multi_tensor" in name for name in kernels)):
-        raise AssertionError(
-            f"the update launched {len(kernels)} kernels for {tensors} tensors ({sorted(set(kernels))[:3]}): not the "
-            "multi-tensor (foreach) path"
-        )
-    on = {str(a.device) for a in average.averages}
-    if on != {str(p.device) for p in average.params}:
-        raise AssertionError(f"the averages are on {on}, the weights on {[str(p.device) for p in average.params][:1]}")
-    del model, average
+    expect(calls == 1, f"the update made {calls} aten::_foreach_lerp_ calls, not 1")
+    expect(
+        not smoke.cuda or (0 < len(kernels) < tensors / 4 and any("multi_tensor" in name for name in kernels)),
+        f"the update launched {len(kernels)} kernels for {tensors} tensors ({sorted(set(kernels))[:3]}): not the "
+        "multi-tensor (foreach) path",
+    )
+    on, weights_on = {str(a.device) for a in average.averages}, [str(p.device) for p in average.params]
+    expect(on == set(weights_on), f"the averages are on {on}, the weights on {weights_on[:1]}")
+    del average
     batch = 256 if smoke.cuda else 2
     dtype, rounds = ("bf16", 5) if smoke.cuda else ("fp32", 2)
     cost = ema_cost(batch, repeats=rounds, steps=rounds if smoke.cuda else 1, device=str(smoke.device), dtype=dtype)
@@ -606,46 +567,40 @@ def ema_update_cost(smoke: Smoke) -> str:
     )
 
 
-@check(cuda_only=True)
+@check("needs CUDA: accelerate enables FSDP only for GPU process groups (finetune.py refuses --fsdp on CPU)")
 def fsdp_through_accelerate(smoke: Smoke) -> str:
     """`accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 1 scripts/finetune.py`: the
     checkpoints are FSDP's sharded ones (the wrapper was FSDP), the final model.safetensors is whole."""
-    if not smoke.cuda:
-        raise Skipped(
-            "needs CUDA: accelerate enables FSDP only for GPU process groups (finetune.py refuses --fsdp on CPU)"
-        )
     output_dir = smoke.scratch / "fsdp"
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
-    if accelerate is None:
-        raise AssertionError("the accelerate command is not installed")
-    command = [accelerate, "launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "1", str(FINETUNE)]
+    expect(accelerate is not None, "the accelerate command is not installed")
+    command = [accelerate, "launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "1"]
     command += finetune_args(output_dir, 20, ["--save_strategy", "steps", "--save_steps", "10", "--bf16"])
-    _run(command, trainer_env(smoke))
+    run_logged(smoke, command, trainer_env(smoke), "fsdp")
     checkpoints = sorted(output_dir.glob("checkpoint-*"))
-    if not checkpoints:
-        raise AssertionError("no checkpoint was saved")
-    sharded = [p.name for p in checkpoints[-1].iterdir() if p.name.startswith(("pytorch_model_fsdp", "optimizer_0"))]
-    if not sharded or (checkpoints[-1] / "optimizer.pt").exists():
-        raise AssertionError(
-            f"{checkpoints[-1].name} holds {sorted(p.name for p in checkpoints[-1].iterdir())}: not FSDP's sharded "
-            "state (pytorch_model_fsdp_0/, optimizer_0/)"
-        )
-    if not (output_dir / "model.safetensors").is_file():
-        held = sorted(p.name for p in output_dir.iterdir())
-        raise AssertionError(
-            f"no consolidated model.safetensors in {output_dir} (it holds {held}): Trainer.save_model writes the "
-            "whole model under FSDP only with FULL_STATE_DICT, and "
-            "configs/accelerate/fsdp.yaml asks for SHARDED_STATE_DICT (for the checkpoints)"
-        )
-    loaded = VisionTransformerForImageClassification.from_pretrained(output_dir)
-    reference = VisionTransformerForImageClassification(loaded.config)
-    shapes = {name: tuple(t.shape) for name, t in reference.state_dict().items()}
-    if {name: tuple(t.shape) for name, t in loaded.state_dict().items()} != shapes:
-        raise AssertionError("the saved model's tensors are not the whole model's (not consolidated)")
-    metrics = _final_metrics(output_dir)
-    return f"checkpoint {checkpoints[-1].name}: {sorted(sharded)}; consolidated model, eval accuracy " + (
-        f"{metrics['eval_accuracy']:.3f}"
+    expect(checkpoints, "no checkpoint was saved")
+    held = sorted(p.name for p in checkpoints[-1].iterdir())
+    sharded = [name for name in held if name.startswith(("pytorch_model_fsdp", "optimizer_0"))]
+    expect(
+        sharded and "optimizer.pt" not in held,
+        f"{checkpoints[-1].name} holds {held}: not FSDP's sharded state (pytorch_model_fsdp_0/, optimizer_0/)",
     )
+    expect(
+        (output_dir / "model.safetensors").is_file(),
+        f"no consolidated model.safetensors in {output_dir} (it holds {sorted(os.listdir(output_dir))}): "
+        "Trainer.save_model writes the whole model under FSDP only with FULL_STATE_DICT, and "
+        "configs/accelerate/fsdp.yaml asks for SHARDED_STATE_DICT (for the checkpoints)",
+    )
+    loaded = VisionTransformerForImageClassification.from_pretrained(output_dir)
+    shapes = {
+        name: tuple(t.shape) for name, t in VisionTransformerForImageClassification(loaded.config).state_dict().items()
+    }
+    expect(
+        {name: tuple(t.shape) for name, t in loaded.state_dict().items()} == shapes,
+        "the saved model's tensors are not the whole model's (not consolidated)",
+    )
+    accuracy = final_metrics(output_dir)["eval_accuracy"]
+    return f"checkpoint {checkpoints[-1].name}: {sorted(sharded)}; consolidated model, eval accuracy {accuracy:.3f}"
 
 
 # ------------------------------------------------------------------------------------------------------------ main
@@ -669,31 +624,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_checks(
-    smoke: Smoke, names: list[str], after_each: Callable[[dict[str, dict]], None] = lambda outcomes: None
-) -> dict[str, dict]:
-    """Run the named checks in order; `after_each` sees the outcomes so far (to keep them if the run is stopped)."""
-    outcomes = {}
-    for name in names:
-        function, _ = CHECKS[name]
-        start = time.perf_counter()
-        try:
-            detail = function(smoke)
-            status = "passed"
-        except Skipped as reason:
-            status, detail = "skipped", str(reason)
-        except Exception as error:  # noqa: BLE001 - a failing check is reported, and the others still run
-            status, detail = "failed", f"{type(error).__name__}: {error}"
-            if os.environ.get("HF_VIT_TRACEBACK"):
-                traceback.print_exc()
-        seconds = time.perf_counter() - start
-        outcomes[name] = {"status": status, "detail": detail, "seconds": seconds}
-        smoke.log(f"{status:7s} {name} ({seconds:.1f} s): {detail}")
-        after_each(outcomes)
-    return outcomes
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Run the checks in order, one line each; with --json, every outcome so far is written after each (a run stopped
+    by a time limit keeps them)."""
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -701,22 +634,29 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = False
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"hf-vit smoke checks on {device} ({where}), torch {torch.__version__}", flush=True)
+    outcomes: dict[str, dict] = {}
     with contextlib.ExitStack() as stack:
-        if args.keep:
-            scratch = Path(args.keep)
-            scratch.mkdir(parents=True, exist_ok=True)
-        else:
-            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hf-vit-smoke-")))
+        scratch = Path(args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="hf-vit-smoke-")))
+        scratch.mkdir(parents=True, exist_ok=True)
         smoke = Smoke(device, scratch, args.trainer_on_cpu, log=lambda line: print(line, flush=True))
-
-        def write(outcomes: dict[str, dict]) -> None:  # after every check: a run stopped by a time limit keeps them
+        for name in args.only or list(CHECKS):
+            function, needs_cuda = CHECKS[name]
+            start = time.perf_counter()
+            try:
+                if needs_cuda and not smoke.cuda and not (needs_cuda == TRAINER and smoke.trainer_on_cpu):
+                    raise Skipped(needs_cuda)
+                status, detail = "passed", function(smoke)
+            except Skipped as reason:
+                status, detail = "skipped", str(reason)
+            except Exception as error:  # noqa: BLE001 - a failing check is reported, and the others still run
+                status, detail = "failed", f"{type(error).__name__}: {error}"
+                if os.environ.get("HF_VIT_TRACEBACK"):
+                    traceback.print_exc()
+            outcomes[name] = {"status": status, "detail": detail, "seconds": time.perf_counter() - start}
+            smoke.log(f"{status:7s} {name} ({outcomes[name]['seconds']:.1f} s): {detail}")
             if args.json:
-                report = {"device": str(device), "name": where, "torch": torch.__version__, "checks": outcomes}
-                report["details"] = smoke.details
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
-
-        outcomes = run_checks(smoke, args.only or list(CHECKS), write)
+                report = dict(device=str(device), name=where, torch=torch.__version__, checks=outcomes)
+                write_json({**report, "details": smoke.details}, args.json)
     counts = {
         status: sum(o["status"] == status for o in outcomes.values()) for status in ("passed", "failed", "skipped")
     }

@@ -9,9 +9,10 @@ of `packing_speed.layouts`), bf16 autocast, eager and compiled, inference and a 
     packed + mask     the same packed rows with a block-diagonal mask (what `varlen_attn` saves over it)
 
 Checked first: the padded and packed batches' shared images get the same logits (fp32), and each layout's bf16
-logits and gradients against fp32 (`bf16_accuracy`). Each row records the attention path hf-vit chose, the kernels a
-profile of one call shows and how busy the GPU was; `host_sync_check` runs a forward and backward under
-`torch.cuda.set_sync_debug_mode("error")` (CUDA only). `--compile_blocks` compiles each block instead of the model.
+logits and gradients against fp32 (`accuracy_checks`). Each row records the attention path hf-vit chose, the kernels
+a profile of one call shows and how busy the GPU was; `host_sync_check` runs a forward and backward under
+`torch.cuda.set_sync_debug_mode("error")` (CUDA only). `--compile_blocks` (and `--quick`) compile each block instead
+of the model.
 """
 
 from __future__ import annotations
@@ -47,29 +48,16 @@ def packing_settings(quick: bool) -> argparse.Namespace:
     return argparse.Namespace(**(QUICK if quick else FULL), min_share=0.4, seed=0)
 
 
-@contextlib.contextmanager
-def _masked():
-    """Attention with a mask whatever the device and dtype (SDPA with it): the padding masked as keys where each row
-    holds one image, else block-diagonal; no variable-length attention."""
-    with mock.patch.object(attention, "segment_attention_path", lambda *args, **kwargs: "mask"):
-        yield
+def _mask(*args, **kwargs) -> str:
+    return "mask"
 
 
-# The model's own path (`varlen_attn` where it applies) for "padded + varlen" and "packed".
-CONTEXTS = {"padded + mask": _masked, "packed + mask": _masked}
-
-
-@contextlib.contextmanager
-def _recording_paths(paths: list[str]):
-    """Records every attention path `segment_attention_path` returns (eager calls only)."""
-    original = attention.segment_attention_path
-
-    def record(*args, **kwargs):
-        paths.append(original(*args, **kwargs))
-        return paths[-1]
-
-    with mock.patch.object(attention, "segment_attention_path", record):
-        yield
+def layout_context(layout: str):
+    """The masked rows: attention with a mask whatever the device and dtype (the padding masked as keys where each row
+    holds one image, else block-diagonal); the others take the model's own path."""
+    if layout.endswith("+ mask"):
+        return mock.patch.object(attention, "segment_attention_path", _mask)
+    return contextlib.nullcontext()
 
 
 def attention_path(layout: str, observed: list[str]) -> str:
@@ -78,14 +66,30 @@ def attention_path(layout: str, observed: list[str]) -> str:
     "flash")."""
     if layout == "square":
         return "sdpa, no mask"
-    path = sorted(set(observed))[0] if observed else "mask"
-    if path == "images" and layout.startswith("padded"):  # one image per row already: its padding masked as keys
+    path = min(observed, default="mask")
+    if layout.startswith("padded") and path in ("images", "mask"):  # one image per row: its padding masked as keys
         return "sdpa, padding mask"
-    if path == "images":
-        return "sdpa, each image in a row of its own"
-    if path == "mask":
-        return "sdpa, padding mask" if layout.startswith("padded") else "block-diagonal mask"
-    return path
+    return {"images": "sdpa, each image in a row of its own", "mask": "block-diagonal mask"}.get(path, path)
+
+
+def observed_paths(calls: dict, log) -> dict[str, str]:
+    """Per call ("layout | mode"), the attention path hf-vit's dispatch chose in one eager call of it (a masked row's
+    own patch wins: nothing is recorded, its path is the mask)."""
+    original, seen, paths = attention.segment_attention_path, [], {}
+
+    def record(*args, **kwargs):
+        seen.append(original(*args, **kwargs))
+        return seen[-1]
+
+    with mock.patch.object(attention, "segment_attention_path", record):
+        for key, fn in calls.items():
+            seen.clear()
+            try:  # a call that fails is reported with its error, and the other rows still run
+                fn()
+            except Exception as exc:  # noqa: BLE001
+                log(f"packing: {key}: {_error(exc)}")
+            paths[key] = attention_path(key.split(" | ")[0], seen)
+    return paths
 
 
 def host_sync_check(model: torch.nn.Module, batches: dict, labels: dict, device: torch.device) -> dict:
@@ -95,13 +99,11 @@ def host_sync_check(model: torch.nn.Module, batches: dict, labels: dict, device:
     if device.type != "cuda":
         return {"skipped": f"{device.type}: no device to synchronise with (set_sync_debug_mode is CUDA's)"}
     result = {}
+    calls = layout_calls(
+        model, batches, labels, ("padded", "packed"), lambda _: torch.autocast("cuda", torch.bfloat16)
+    )
     for layout in ("padded", "packed"):
-
-        def step(batch=batches[layout], target=labels[layout]):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model.train()(**batch, labels=target).loss
-            loss.backward()
-
+        step = calls[f"{layout} | training"]  # bf16 autocast, forward, loss, backward, gradients zeroed
         try:
             step()  # warm-up: lazy initialisation (cuBLAS handles, kernels) is not the forward's
             torch.cuda.synchronize(device)
@@ -113,7 +115,6 @@ def host_sync_check(model: torch.nn.Module, batches: dict, labels: dict, device:
             result[layout] = "ok"
         except Exception as exc:  # noqa: BLE001  (reported: the synchronising operation is the finding)
             result[layout] = _error(exc)
-        finally:
             model.zero_grad(set_to_none=True)
     return result
 
@@ -156,23 +157,30 @@ def _full_fp32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def bf16_accuracy(model, batches: dict, shape: argparse.Namespace, device: torch.device) -> dict:
-    """Per layout (but square), in bf16 autocast against the padded batch in fp32 (no TF32): the largest difference of
-    the logits of the images the batches share, and the relative difference (L2) of the gradients of a fixed linear
-    loss on those logits. The kernels of attention restricted to each image must be as close as the masked ones."""
+def accuracy_checks(model, batches: dict, shape: argparse.Namespace, device: torch.device) -> tuple[float, dict]:
+    """The largest difference of the fp32 (no TF32) logits of the images the padded and packed batches share (raises
+    beyond `LOGITS_TOLERANCE`); per layout but square, in bf16 autocast against the padded batch in fp32, the largest
+    difference of those logits and the relative difference (L2) of the gradients of a fixed linear loss on them."""
     generator = torch.Generator().manual_seed(shape.seed)
     weights = torch.randn(shape.batch_size, model.config.num_labels, generator=generator).to(device)
 
     def run(layout: str, precision) -> tuple[torch.Tensor, torch.Tensor]:
         model.zero_grad(set_to_none=True)
-        with CONTEXTS.get(layout, contextlib.nullcontext)(), precision:
+        with layout_context(layout), precision:
             logits = model.eval()(**batches[layout.split()[0]]).logits[: shape.batch_size].float()
         (logits * weights).sum().backward()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
         return logits.detach(), grads
 
     with _full_fp32():
-        logits, grads = run("padded + mask", contextlib.nullcontext())
+        fp32 = {layout: run(layout, contextlib.nullcontext()) for layout in LAYOUTS[1:]}
+    logits, grads = fp32["padded + mask"]
+    difference = max((value - logits).abs().max().item() for value, _ in fp32.values())
+    tolerance = LOGITS_TOLERANCE[device.type == "cpu"]
+    if difference > tolerance:
+        raise RuntimeError(
+            f"The padded and packed batches disagree on the images' logits: {difference:.2e} > {tolerance:g}"
+        )
     result = {}
     for layout in LAYOUTS[1:]:
         try:
@@ -185,7 +193,7 @@ def bf16_accuracy(model, batches: dict, shape: argparse.Namespace, device: torch
             "gradients_relative_difference": ((low_grads - grads).norm() / grads.norm()).item(),
         }
     model.zero_grad(set_to_none=True)
-    return result
+    return difference, result
 
 
 def _error(exc: Exception) -> str:
@@ -198,120 +206,91 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     after each variant."""
     start = time.perf_counter() if start is None else start
     device, shape = torch.device(args.device), packing_settings(args.quick)
-    shapes, first = layouts(shape), shape.batch_size
+    shapes = layouts(shape)
     batches, images, patches = layout_batches(shape, shapes)
     batches = {name: {key: value.to(device) for key, value in batch.items()} for name, batch in batches.items()}
     model = small_classifier(shape.max_num_patches, shape.width, shape.depth, shape.heads, shape.seed).to(device)
     labels = {name: torch.zeros(count, dtype=torch.long, device=device) for name, count in images.items()}
     # The padded rows and the packed batch give the images they share the same logits, before anything is timed.
-    with torch.no_grad(), _full_fp32():
-        logits = {}
-        for layout in LAYOUTS[1:]:
-            with CONTEXTS.get(layout, contextlib.nullcontext)():
-                logits[layout] = model.eval()(**batches[layout.split()[0]]).logits[:first].float()
-    difference = max((value - logits["padded + mask"]).abs().max().item() for value in logits.values())
-    tolerance = LOGITS_TOLERANCE[device.type == "cpu"]
-    if difference > tolerance:
-        raise RuntimeError(
-            f"The padded and packed batches disagree on the images' logits: {difference:.2e} > {tolerance:g}"
-        )
-    accuracy = bf16_accuracy(model, batches, shape, device)
+    difference, accuracy = accuracy_checks(model, batches, shape, device)
     for layout, figures in accuracy.items():
         log(f"packing bf16 against fp32: {layout}: {figures}")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    host_sync = host_sync_check(model, batches, labels, device)
+    log(f"packing host synchronisation check: {host_sync}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
     @contextlib.contextmanager
     def context(layout: str):  # bf16 autocast, the layout's attention path, the SDPA backend asked for
-        with autocast, CONTEXTS.get(layout, contextlib.nullcontext)(), sdpa_backend(args.sdpa_backend):
+        with (
+            torch.autocast(device.type, dtype=torch.bfloat16),
+            layout_context(layout),
+            sdpa_backend(args.sdpa_backend),
+        ):
             yield
 
-    host_sync = host_sync_check(model, batches, labels, device)
-    log(f"packing host synchronisation check: {host_sync}")
-    # The path hf-vit's dispatch chooses for each call, observed in one eager call (a compiled graph takes the same).
-    observed: dict[str, list[str]] = {}
-    for key, fn in layout_calls(model, batches, labels, LAYOUTS, context, optimizer).items():
-        observed[key] = []
-        try:  # a call that fails is reported with its error below, and the other rows still run
-            with _recording_paths(observed[key]):
-                fn()
-        except Exception as exc:  # noqa: BLE001
-            log(f"packing: {key}: {_error(exc)}")
-    rows, skipped = {}, {}
-    figures = dict(images=images, patches=patches, max_logits_difference=difference, bf16_accuracy=accuracy)
-    figures.update(host_sync=host_sync, rows=rows, skipped=skipped)
-
-    def spent() -> str | None:  # no compilation starts after the budget: the rows compiled so far are still timed
-        return budget_spent(args.time_budget_s, start)
-
+    paths = observed_paths(layout_calls(model, batches, labels, LAYOUTS, context, optimizer), log)
+    blocks = args.compile_blocks or (args.quick and not args.no_compile)  # --quick: as `gpu_session.sh packing`
+    settings = {**vars(shape), "dtype": "bf16 autocast", "device": str(device), "steps": args.steps}
+    settings.update(repeats=args.repeats, compile_backend=args.compile_backend, compile_mode=args.compile_mode)
+    settings.update(sdpa_backend=args.sdpa_backend, compile_blocks=blocks)
+    result = {
+        "settings": settings, "images": images, "patches": patches,
+        "padding_share": {"square": 0.0, "padded": shapes["padded"]["padding"], "packed": shapes["packed"]["padding"]},
+        "rows_per_batch": {"square": shape.batch_size, "padded": shape.batch_size, "packed": shapes["packed"]["rows"]},
+        "max_logits_difference": difference, "logits_tolerance": LOGITS_TOLERANCE[device.type == "cpu"],
+        "bf16_accuracy": accuracy, "host_sync": host_sync, "sdpa": sdpa_backends(device), "rows": {}, "skipped": {},
+    }  # fmt: skip
     for variant in ([] if args.no_eager else ["eager"]) + ([] if args.no_compile else ["compiled"]):
-        if variant == "compiled" and spent():
-            skipped[variant] = spent()
-            log(f"packing {variant}: skipped, {skipped[variant]}")
+        if variant == "compiled" and budget_spent(args.time_budget_s, start):
+            result["skipped"][variant] = budget_spent(args.time_budget_s, start)
+            log(f"packing {variant}: skipped, {result['skipped'][variant]}")
             continue
-        runner = compile_models({"model": model}, args)[0]["model"] if variant == "compiled" else model
-        fns = {}
-        for key, fn in layout_calls(runner, batches, labels, LAYOUTS, context, optimizer).items():
-            if variant == "compiled" and spent():
-                skipped[f"{key} | {variant}"] = spent().split(" (")[0]
-                continue
-            try:
-                fn()  # warm-up (compiled: the compilation)
-                fn()
-            except Exception as exc:  # noqa: BLE001  (one failing row leaves the others measured)
-                skipped[f"{key} | {variant}"] = _error(exc)
-                log(f"packing {variant}: {key}: {_error(exc)}")
-                continue
-            fns[key] = fn
-            log(f"packing {variant}: {key} ready ({time.perf_counter() - start:.0f} s)")
-        samples = time_alternating(fns, args.steps, args.repeats, device)
-        for key, fn in fns.items():
-            seconds, profiled = median_seconds(samples[key]), profile_call(fn, device)
-            layout, mode = key.split(" | ")
-            name = layout.split()[0]
-            rows[f"{key} | {variant}"] = {
-                "layout": layout, "mode": mode, "variant": variant, "images_per_s": images[name] / seconds,
-                "patches_per_s": patches[name] / seconds, "attention_path": attention_path(layout, observed[key]),
-                "attention_kernels": profiled["attention_kernels"] if mode == "inference" else None,
-                # the kernels' time over the call's: below 1, the GPU waited for the host
-                "gpu_busy": None if profiled["kernel_seconds"] is None else profiled["kernel_seconds"] / seconds,
-                "longest_kernels": profiled["longest_kernels"],
-            }  # fmt: skip
+        compiling = argparse.Namespace(**{**vars(args), "compile_blocks": blocks})
+        runner = compile_models({"model": model}, compiling)[0]["model"] if variant == "compiled" else model
+        calls = layout_calls(runner, batches, labels, LAYOUTS, context, optimizer)
+        time_rows(args, variant, calls, result, paths, log, start)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if save is not None:  # after each variant: a run stopped by a time limit keeps the rows measured
-            save(_packing_result(args, shape, shapes, device, figures))
-    return _packing_result(args, shape, shapes, device, figures)
+            save(result)
+    return result
 
 
-def _packing_result(args, shape, shapes, device, figures: dict) -> dict:
-    settings = dict(dtype="bf16 autocast", device=str(device), steps=args.steps, repeats=args.repeats)
-    settings.update(
-        {key: getattr(args, key) for key in ("compile_backend", "compile_mode", "sdpa_backend", "compile_blocks")}
-    )
-    return {
-        "settings": {**vars(shape), **settings},
-        "images": figures["images"],
-        "patches": figures["patches"],
-        "padding_share": {"square": 0.0, "padded": shapes["padded"]["padding"], "packed": shapes["packed"]["padding"]},
-        "rows_per_batch": {"square": shape.batch_size, "padded": shape.batch_size, "packed": shapes["packed"]["rows"]},
-        "max_logits_difference": figures["max_logits_difference"],
-        "logits_tolerance": LOGITS_TOLERANCE[device.type == "cpu"],
-        "bf16_accuracy": figures["bf16_accuracy"],
-        "host_sync": figures["host_sync"],
-        "sdpa": sdpa_backends(device),
-        "rows": figures["rows"],
-        "skipped": figures["skipped"],
-    }
+def time_rows(args, variant: str, calls: dict, result: dict, paths: dict, log, start: float) -> None:
+    """Each call warmed up (compiled: the compilation, none started once the time budget is spent), timed in
+    alternating rounds and profiled once, into `result["rows"]`; a call that fails goes to `result["skipped"]`."""
+    device, fns = torch.device(args.device), {}
+    for key, fn in calls.items():
+        if variant == "compiled" and (spent := budget_spent(args.time_budget_s, start)):
+            result["skipped"][f"{key} | {variant}"] = spent.split(" (")[0]
+            continue
+        try:
+            fn()  # warm-up (compiled: the compilation)
+            fn()
+        except Exception as exc:  # noqa: BLE001  (one failing row leaves the others measured)
+            result["skipped"][f"{key} | {variant}"] = _error(exc)
+            log(f"packing {variant}: {key}: {_error(exc)}")
+            continue
+        fns[key] = fn
+        log(f"packing {variant}: {key} ready ({time.perf_counter() - start:.0f} s)")
+    samples = time_alternating(fns, args.steps, args.repeats, device)
+    for key, fn in fns.items():
+        seconds, profiled = median_seconds(samples[key]), profile_call(fn, device)
+        layout, mode = key.split(" | ")
+        name = layout.split()[0]
+        result["rows"][f"{key} | {variant}"] = {
+            "layout": layout, "mode": mode, "variant": variant, "images_per_s": result["images"][name] / seconds,
+            "patches_per_s": result["patches"][name] / seconds, "attention_path": paths[key],
+            "attention_kernels": profiled["attention_kernels"] if mode == "inference" else None,
+            # the kernels' time over the call's: below 1, the GPU waited for the host
+            "gpu_busy": None if profiled["kernel_seconds"] is None else profiled["kernel_seconds"] / seconds,
+            "longest_kernels": profiled["longest_kernels"],
+        }  # fmt: skip
 
 
 def merge_packing(previous: dict | None, current: dict) -> dict:
     """A later run's rows replace the earlier ones of the same key; the rest are kept."""
-    if not previous:
-        return current
-    merged = dict(current)
-    merged["rows"] = {**previous.get("rows", {}), **current["rows"]}
-    return merged
+    return {**current, "rows": {**(previous or {}).get("rows", {}), **current["rows"]}}
 
 
 def format_packing(report: dict) -> str:
@@ -348,8 +327,7 @@ def format_packing(report: dict) -> str:
         + (", ".join(name for name, on in sdpa.items() if name != "cudnn" and on) or "-")
         + ".",
     ]
-    accuracy = packing.get("bf16_accuracy", {})
-    if accuracy:
+    if accuracy := packing.get("bf16_accuracy", {}):
         lines.append(
             "bf16 autocast against fp32, the images the batches share (largest logits difference; relative difference "
             "of the gradients): "

@@ -330,7 +330,8 @@ def test_default_run_is_bounded():
 @pytest.fixture(scope="module")
 def gpu_quick(tmp_path_factory):
     """benchmarks/gpu.py --quick on CPU: the GPU path (bf16, train and infer, eager and compiled, MFU, the JSON and
-    the doc blocks) on a tiny model; aot_eager compiles through dynamo and AOTAutograd without generating kernels."""
+    the doc blocks) on a tiny model, one timed call per row; aot_eager compiles through dynamo and AOTAutograd without
+    generating kernels (the models whole, the packing rows per block, as `gpu_session.sh packing` compiles them)."""
     folder = tmp_path_factory.mktemp("gpu")
     doc = folder / "gpu.md"
     doc.write_text("# GPU\n\n<!-- benchmark-gpu:summary -->\nstale\n<!-- /benchmark-gpu:summary -->\n\n"
@@ -414,6 +415,9 @@ def test_gpu_benchmark_quick_run_has_the_packing_rows(gpu_quick):
     assert packing["max_logits_difference"] <= 1e-4 and packing["skipped"] == {}
     assert packing["padding_share"]["padded"] > 0 and packing["images"]["packed"] >= packing["images"]["padded"]
     assert packing["sdpa"] == {"cudnn": None} and packing["settings"]["dtype"] == "bf16 autocast"
+    settings = packing["settings"]
+    assert settings["compile_blocks"] and settings["steps"] == settings["repeats"] == 1  # --quick: one call per row
+    assert "Compiled: each transformer block (fullgraph), the embeddings and heads eager." in text
     # the host synchronisation check is CUDA's: skipped on CPU, and said so
     assert set(packing["host_sync"]) == {"skipped"} and "cpu" in packing["host_sync"]["skipped"]
     assert "Host synchronisation check (forward + backward): skipped, cpu" in text
