@@ -362,20 +362,21 @@ def set_label_names(config: VisionTransformerConfig, labels: Any) -> None:
         config.label2id = {name: i for i, name in enumerate(labels)}
 
 
-def load_preset(preset: str) -> VisionTransformerConfig:
-    """The config of a named preset, its errors as `ConversionError`."""
-    try:
-        return VisionTransformerConfig.from_preset(preset)
-    except ValueError as error:
-        raise ConversionError(str(error)) from error
+def _conversion_errors(function: Callable) -> Callable:
+    """`function` with its `ValueError`s raised as `ConversionError`s."""
+
+    @functools.wraps(function)
+    def call(*args: Any) -> Any:
+        try:
+            return function(*args)
+        except ValueError as error:
+            raise ConversionError(str(error)) from error
+
+    return call
 
 
-def image_size_field(image_size: int | Sequence[int]) -> int | list[int]:
-    """`image_size` as a config field, errors as `ConversionError`."""
-    try:
-        return config_image_size(image_size)
-    except ValueError as error:
-        raise ConversionError(str(error)) from error
+load_preset = _conversion_errors(VisionTransformerConfig.from_preset)
+image_size_field = _conversion_errors(config_image_size)
 
 
 def preset_mismatches(fields: Mapping[str, object], preset_config: VisionTransformerConfig, preset: str) -> list[str]:
@@ -412,48 +413,29 @@ def build_config(
 def convert_checkpoint(
     read: Callable[[], tuple], source: str | os.PathLike, output_dir, overwrite: bool, what: str, base_model
 ):
-    """Check `output_dir` before any loading, then write `read()`'s `(config, state_dict, processor)` there."""
-    check_output_dir(output_dir, overwrite, [source])
+    """Check `output_dir` before any loading, then build the model of `read()`'s `(config, state_dict, processor)`
+    (SimMIM's with a decoder), load the weights strictly and write it with the processor and a card there only if
+    all of that succeeded; returns the model in eval mode. The card's base model is `base_model`, else `source`'s
+    name."""
+    target = check_output_dir(output_dir, overwrite, [source])
     config, state_dict, processor = read()
-    return save_converted_model(
-        config, state_dict, processor, output_dir, overwrite, source=source, source_format=what, base_model=base_model
-    )
-
-
-def save_converted_model(
-    config: VisionTransformerConfig,
-    state_dict: Mapping[str, torch.Tensor],
-    processor,
-    output_dir: str | os.PathLike,
-    overwrite: bool = False,
-    *,
-    source: str | os.PathLike | None = None,
-    source_format: str = "another layout",
-    base_model: str | None = None,
-):
-    """Build `config`'s model (SimMIM's with a decoder), load `state_dict` strictly and write it with `processor`
-    and a card to `output_dir` only if all of that succeeded; returns the model in eval mode. The output may not
-    overlap `source`, whose name is the card's base model unless `base_model` is given."""
-    inputs = [source] if source is not None else []
-    target = check_output_dir(output_dir, overwrite, inputs)  # fail before building anything
     check_state_dict(state_dict, config)
     model = converted_model_class(state_dict)(config)
     model.load_state_dict(state_dict, strict=True)
     model.eval()
-    base_model = base_model or (Path(source).expanduser().resolve().name if source is not None else None)
+    base_model = base_model or Path(source).expanduser().resolve().name
 
     def save(folder: Path) -> None:
         model.save_pretrained(folder)
         processor.save_pretrained(folder)
-        if base_model:
-            write_card(
-                folder,
-                model,
-                base_model=base_model,
-                output_name=target.name,
-                summary=f"`{base_model}` converted from {source_format} to hf-vit; the weights are unchanged.",
-                recipe=f"not trained by hf-vit: the weights are those of `{base_model}`, renamed to hf-vit's layout.",
-            )
+        write_card(
+            folder,
+            model,
+            base_model=base_model,
+            output_name=target.name,
+            summary=f"`{base_model}` converted from {what} to hf-vit; the weights are unchanged.",
+            recipe=f"not trained by hf-vit: the weights are those of `{base_model}`, renamed to hf-vit's layout.",
+        )
 
-    write_converted_folder(save, target, overwrite=overwrite, inputs=inputs)
+    write_converted_folder(save, target, overwrite=overwrite, inputs=[source])
     return model
