@@ -29,11 +29,29 @@ POSITION_TABLE = Transform(lambda x: x.unsqueeze(0), lambda t, config: (t[0].clo
 
 
 def _vit_block(prefix: str) -> list[tuple]:
-    """The rows of transformers' ViT-style block (DeiT's, and DINOv2's attention) under `prefix`."""
+    """The rows of transformers' ViT-style attention (ViT's, DeiT's, DINOv2's) under `prefix`."""
     qkv = tuple(f"{prefix}attention.attention.{part}.{{p}}" for part in ("query", "key", "value"))
     return [
         (qkv, _H + "attention.qkv.{p}", FUSED_QKV),
         (prefix + "attention.output.dense.{p}", _H + "attention.proj.{p}"),
+    ]
+
+
+def vit_rows(model: str) -> list[tuple]:
+    """The rows of transformers' ViT (`model="vit"`) and of DeiT (`"deit"`), which kept its names under its prefix."""
+    block = model + ".encoder.layer.{i}."
+    return [
+        (model + ".embeddings.cls_token", "vit.embeddings.cls_token"),
+        (model + ".embeddings.position_embeddings", "vit.embeddings.position_embedding"),
+        (model + ".embeddings.patch_embeddings.projection.{p}", "vit.embeddings.patch_embedding.{p}"),
+        (block + "layernorm_before.{p}", _H + "norm1.{p}"),
+        *_vit_block(block),
+        (block + "layernorm_after.{p}", _H + "norm2.{p}"),
+        (block + "intermediate.dense.{p}", _H + "mlp.fc1.{p}"),
+        (block + "output.dense.{p}", _H + "mlp.fc2.{p}"),
+        (model + ".layernorm.{p}", "vit.norm.{p}"),
+        (model + ".pooler.dense.{p}", "pre_logits.{p}"),
+        ("classifier.{p}", "classifier.{p}"),  # DeiTForImageClassification's, or the teacher model's cls_classifier
     ]
 
 
@@ -55,22 +73,11 @@ DINOV2_LAYOUT = Layout(
         ("layernorm.{p}", "vit.norm.{p}"),
     ],
 )
-_T = "deit.encoder.layer.{i}."
 DEIT_LAYOUT = Layout(
     "transformers DeiT checkpoint",
     [
-        ("deit.embeddings.cls_token", "vit.embeddings.cls_token"),
+        *vit_rows("deit"),
         ("deit.embeddings.distillation_token", "vit.embeddings.distillation_token"),
-        ("deit.embeddings.position_embeddings", "vit.embeddings.position_embedding"),
-        ("deit.embeddings.patch_embeddings.projection.{p}", "vit.embeddings.patch_embedding.{p}"),
-        (_T + "layernorm_before.{p}", _H + "norm1.{p}"),
-        *_vit_block(_T),
-        (_T + "layernorm_after.{p}", _H + "norm2.{p}"),
-        (_T + "intermediate.dense.{p}", _H + "mlp.fc1.{p}"),
-        (_T + "output.dense.{p}", _H + "mlp.fc2.{p}"),
-        ("deit.layernorm.{p}", "vit.norm.{p}"),
-        ("deit.pooler.dense.{p}", "pre_logits.{p}"),
-        ("classifier.{p}", "classifier.{p}"),  # DeiTForImageClassification's, or the teacher model's cls_classifier
         ("distillation_classifier.{p}", "distillation_classifier.{p}"),
     ],
 )

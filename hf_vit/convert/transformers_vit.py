@@ -18,7 +18,6 @@ import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
 from .common import (
-    FUSED_QKV,
     POINTWISE_CONV,
     ConversionError,
     Layout,
@@ -28,26 +27,14 @@ from .common import (
     read_safetensors,
     resample_positions,
 )
+from .transformers_families import vit_rows
 
 logger = logging.getLogger(__name__)
 
-_L, _H = "vit.encoder.layer.{i}.", "vit.layers.{i}."
-_QKV = tuple(f"{_L}attention.attention.{part}.{{p}}" for part in ("query", "key", "value"))
 TRANSFORMERS_LAYOUT = Layout(  # the saved layout
     "transformers ViT checkpoint",
     [
-        ("vit.embeddings.cls_token", "vit.embeddings.cls_token"),
-        ("vit.embeddings.position_embeddings", "vit.embeddings.position_embedding"),
-        ("vit.embeddings.patch_embeddings.projection.{p}", "vit.embeddings.patch_embedding.{p}"),
-        (_L + "layernorm_before.{p}", _H + "norm1.{p}"),
-        (_QKV, _H + "attention.qkv.{p}", FUSED_QKV),
-        (_L + "attention.output.dense.{p}", _H + "attention.proj.{p}"),
-        (_L + "layernorm_after.{p}", _H + "norm2.{p}"),
-        (_L + "intermediate.dense.{p}", _H + "mlp.fc1.{p}"),
-        (_L + "output.dense.{p}", _H + "mlp.fc2.{p}"),
-        ("vit.layernorm.{p}", "vit.norm.{p}"),
-        ("vit.pooler.dense.{p}", "pre_logits.{p}"),
-        ("classifier.{p}", "classifier.{p}"),
+        *vit_rows("vit"),
         # ViTForMaskedImageModeling (SimMIM): the [mask] embedding, and the decoder's 1x1 convolution as a linear map
         ("vit.embeddings.mask_token", "vit.embeddings.mask_token"),
         ("decoder.0.weight", "decoder.weight", POINTWISE_CONV),
