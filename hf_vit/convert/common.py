@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 import os
 import re
@@ -55,6 +56,17 @@ def read_safetensors(files: list[Path], header_only: bool = True) -> dict[str, t
         except SafetensorError as error:
             raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
     return out
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`, or a `ConversionError` naming the file and what is wrong with it."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConversionError(f"{path} is not readable JSON: {error}. Fix or replace the file.") from error
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path} holds a JSON {type(value).__name__}, not an object; fix or replace the file.")
+    return value
 
 
 def raise_problems(what: str, problems: Sequence[str]) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from ..hub_access import HubLookupError, hub_file
 from ..model.configuration_vit import VisionTransformerConfig
-from .common import SAFETENSORS_DTYPES, ConversionError, check_grid_size, image_size_field, read_safetensors
+from .common import SAFETENSORS_DTYPES, ConversionError, check_grid_size, image_size_field, read_json, read_safetensors
 from .transformers_families import FAMILIES
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def _fetch(source: str, filename: str, hub: dict[str, Any], required: bool = Tru
     return found
 
 
-def _safetensors_files(source: str, hub: dict[str, Any]) -> list[Path] | None:
+def safetensors_files(source: str, hub: dict[str, Any]) -> list[Path] | None:
     """The safetensors files of `source` (one, or the shards of an index), fetched; None when it has none."""
     single = _fetch(source, "model.safetensors", hub, required=False)
     if single is not None:
@@ -156,7 +156,7 @@ class ForeignCheckpoint:
         return ConversionError(f"Cannot load {self.source} ({DESCRIPTIONS[self.layout]}): {error}")
 
     def _weight_files(self) -> list[Path]:
-        files = _safetensors_files(self.source, self.hub)
+        files = safetensors_files(self.source, self.hub)
         if files is not None:
             return files
         if self.layout in ("timm", "timm_naflex"):  # older timm repositories hold a torch file only
@@ -215,7 +215,6 @@ class ForeignCheckpoint:
                     )
             elif self.layout in FAMILIES:
                 from .transformers_families import family_config, family_state_dict
-                from .transformers_vit import read_json
 
                 config_json = read_json(self.folder / "config.json")
                 family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
@@ -256,13 +255,12 @@ class ForeignCheckpoint:
         """The source's image processor: its size, crop, mean/std and resampling."""
         try:
             if self.layout == "transformers":
-                from .transformers_vit import read_json, transformers_config_to_hf_vit, transformers_processor
+                from .transformers_vit import transformers_config_to_hf_vit, transformers_processor
 
                 image_hw = transformers_config_to_hf_vit(read_json(self.folder / "config.json")).image_hw
                 return transformers_processor(self.folder, image_hw)
             if self.layout in FAMILIES:
                 from .transformers_families import family_processor
-                from .transformers_vit import read_json
 
                 config_json = read_json(self.folder / "config.json")
                 return family_processor(self.folder, config_json, read_safetensors(self._weight_files()))

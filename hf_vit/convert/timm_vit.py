@@ -11,7 +11,6 @@ backbone, a multi-layer head. A state dict records neither `global_pool` (a clas
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -27,6 +26,7 @@ from .common import (
     image_size_field,
     load_preset,
     preset_mismatches,
+    read_json,
     resample_positions,
     set_label_names,
     square_side,
@@ -291,13 +291,7 @@ def timm_processor(
 def read_timm_config(folder: Path) -> dict | None:
     """timm's `config.json` in `folder`, or None without one."""
     path = folder / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConversionError(f"{path} is not valid JSON: {error}") from error
-    return config if isinstance(config, dict) else None
+    return read_json(path) if path.is_file() else None
 
 
 def read_timm_checkpoint(

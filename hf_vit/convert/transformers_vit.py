@@ -6,7 +6,6 @@ v5 renames these in memory to `vit.layers.{i}.attention.q_proj.weight`. Both are
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Collection
@@ -24,9 +23,11 @@ from .common import (
     check_grid_size,
     convert_checkpoint,
     grid_mismatch,
+    read_json,
     read_safetensors,
     resample_positions,
 )
+from .sources import safetensors_files
 from .transformers_families import vit_rows
 
 logger = logging.getLogger(__name__)
@@ -125,30 +126,6 @@ def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) ->
     return VisionTransformerConfig(classifier="token", zero_init_head=False, **fields)
 
 
-def read_json(path: Path) -> dict:
-    """A JSON object from `path`, or a `ConversionError` naming the file and what is wrong with it."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConversionError(f"{path} is not readable JSON: {error}. Fix or replace the file.") from error
-    if not isinstance(value, dict):
-        raise ConversionError(f"{path} holds a JSON {type(value).__name__}, not an object; fix or replace the file.")
-    return value
-
-
-def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    index = folder / "model.safetensors.index.json"
-    if (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    elif index.is_file():
-        files = [folder / shard for shard in sorted(set(read_json(index)["weight_map"].values()))]
-    else:
-        raise ConversionError(
-            f"{folder} has no model.safetensors (or sharded index); only safetensors weights are read."
-        )
-    return read_safetensors(files, header_only=False)
-
-
 def transformers_processor(folder: Path, image_size: tuple[int, int], default_to_square: bool = True):
     """The hf-vit processor of a folder's `preprocessor_config.json` (the model's size without one): its resize,
     centre crop, rescaling and normalisation; other settings are refused by name. `default_to_square`: whether a
@@ -227,7 +204,12 @@ def read_transformers_checkpoint(input_dir: str | os.PathLike):
     input_dir = Path(input_dir)
     if not (input_dir / "config.json").is_file():
         raise ConversionError(f"{input_dir} has no config.json; pass the folder of a saved transformers ViT model.")
-    source = _load_state_dict(input_dir)
+    files = safetensors_files(str(input_dir), {})
+    if files is None:
+        raise ConversionError(
+            f"{input_dir} has no model.safetensors (or sharded index); only safetensors weights are read."
+        )
+    source = read_safetensors(files, header_only=False)
     config = transformers_config(input_dir, source)
     state_dict = transformers_state_dict(source, config)
     return config, state_dict, transformers_processor(input_dir, config.image_hw)
