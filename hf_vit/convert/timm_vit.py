@@ -303,20 +303,15 @@ def read_timm_checkpoint(
     num_attention_heads: int | None = None,
     resize_mode: str = "bicubic",
 ):
-    """`(config, state_dict, processor)` of timm ViT weights (a file or folder), without writing."""
+    """`(config, state_dict, processor)` of timm ViT weights (a file or folder), without writing; for a NaFlexViT a
+    preset or another resampling mode is refused."""
     input_path = Path(input_path)
     state_dict = load_timm_state_dict(input_path)
     settings = read_timm_config(input_path if input_path.is_dir() else input_path.parent)
-    if settings is not None and str(settings.get("architecture", "")).startswith("naflexvit"):
-        options = (preset, image_size, image_mean, image_std, num_attention_heads, resize_mode)
-        return _read_naflex(state_dict, settings, *options)
-    config = timm_config(state_dict, settings, preset, image_size, num_attention_heads)
-    converted = timm_to_hf_vit_state_dict(state_dict, config, resize_mode=resize_mode)
-    return config, converted, timm_processor(config, settings, image_mean, image_std)
-
-
-def _read_naflex(state_dict, settings, preset, image_size, image_mean, image_std, num_attention_heads, resize_mode):
-    """`read_timm_checkpoint` of a NaFlexViT: a preset or another resampling mode is refused."""
+    if settings is None or not str(settings.get("architecture", "")).startswith("naflexvit"):
+        config = timm_config(state_dict, settings, preset, image_size, num_attention_heads)
+        converted = timm_to_hf_vit_state_dict(state_dict, config, resize_mode=resize_mode)
+        return config, converted, timm_processor(config, settings, image_mean, image_std)
     from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
 
     if preset is not None:
