@@ -18,6 +18,7 @@ import os
 import sys
 import textwrap
 from pathlib import Path
+from unittest import mock
 
 from hf_vit_cli import COMMANDS, PRESETS_FILE, flags_file
 
@@ -57,18 +58,9 @@ TRAINING = {
 }
 
 
-@contextlib.contextmanager
 def _wrapped_at(width: int):
     """argparse wraps help at the terminal's width (`COLUMNS`): fixed here, so the saved text is one text."""
-    saved = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = str(width)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = saved
+    return mock.patch.dict(os.environ, {"COLUMNS": str(width)})
 
 
 def own_flags(cls: type) -> list[str]:
