@@ -14,6 +14,7 @@ patches and checked with onnxruntime at K and at a smaller and a larger count.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -88,15 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _missing_onnx_packages() -> list[str]:
     """The ONNX packages not installed (torch.onnx needs them deep inside the export)."""
-    import importlib
-
-    missing = []
-    for name in ("onnx", "onnxscript", "onnxruntime"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
-    return missing
+    return [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
 
 
 def _report(path: Path, model, args) -> None:
