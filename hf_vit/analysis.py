@@ -111,11 +111,7 @@ def capture_attention(
     `{layer: (B, heads, N, N)}` float32 (keys non-negative), as `output_attentions=True` returns them; the model's
     own attention path is untouched. Each forward replaces the previous one's entries."""
     captured: dict[int, torch.Tensor] = {}
-
-    def store(index: int, probs: torch.Tensor) -> None:
-        captured[index] = probs
-
-    with _attention_hooks(model, layers, store):
+    with _attention_hooks(model, layers, captured.__setitem__):
         yield captured
 
 
@@ -204,29 +200,8 @@ def rollout_maps(
     discard_ratio: float = 0.0,
     interpolate_pos_encoding: bool | None = None,
 ) -> torch.Tensor:
-    """Attention rollout of `model` on `pixel_values` as `(B, rows, cols)` maps (Figure 6)."""
-    return _rollout_and_distances(model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding)[0]
-
-
-def _rollout_and_distances(
-    model, pixel_values, head_fusion: str, discard_ratio: float, interpolate_pos_encoding, distances: bool = False
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The rollout maps of one forward and, with `distances`, each layer's per-image mean attention distances."""
-    _fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)  # reject a bad fusion name before running the model
-    config = _encoder(model).config
-    grid = _grid(model, pixel_values)
-    state: dict[str, torch.Tensor] = {}
-    found: list[torch.Tensor] = []
-
-    def accumulate(index: int, probs: torch.Tensor) -> None:
-        if distances:
-            found.append(mean_attention_distance(probs, grid, config.patch_size, config.num_prefix_tokens).cpu())
-        layer = _rollout_layer(probs, head_fusion, discard_ratio)
-        state["rollout"] = layer if "rollout" not in state else torch.bmm(layer, state["rollout"])
-
-    with _attention_hooks(model, None, accumulate):
-        _forward(model, pixel_values, interpolate_pos_encoding)
-    return rollout_map(state["rollout"], grid, config.num_prefix_tokens, config.classifier == "token"), found
+    """Attention rollout of `model` on `pixel_values` as `(B, rows, cols)` maps on the CPU (Figure 6)."""
+    return attention_summary(model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding).rollout
 
 
 def upsample_maps(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -294,9 +269,20 @@ def attention_summary(
     interpolate_pos_encoding: bool | None = None,
 ) -> AttentionSummary:
     """`rollout_maps` and the per-image `mean_attention_distance` of every layer from a single forward."""
-    maps, distances = _rollout_and_distances(
-        model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding, distances=True
-    )
+    _fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)  # reject a bad fusion name before running the model
+    config = _encoder(model).config
+    grid = _grid(model, pixel_values)
+    state: dict[str, torch.Tensor] = {}
+    distances: list[torch.Tensor] = []
+
+    def accumulate(index: int, probs: torch.Tensor) -> None:
+        distances.append(mean_attention_distance(probs, grid, config.patch_size, config.num_prefix_tokens).cpu())
+        layer = _rollout_layer(probs, head_fusion, discard_ratio)
+        state["rollout"] = layer if "rollout" not in state else torch.bmm(layer, state["rollout"])
+
+    with _attention_hooks(model, None, accumulate):
+        _forward(model, pixel_values, interpolate_pos_encoding)
+    maps = rollout_map(state["rollout"], grid, config.num_prefix_tokens, config.classifier == "token")
     return AttentionSummary(maps.cpu(), torch.stack(distances, dim=1))
 
 
