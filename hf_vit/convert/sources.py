@@ -22,7 +22,7 @@ import torch
 from ..hub_access import HubLookupError, hub_file
 from ..model.configuration_vit import VisionTransformerConfig
 from .common import SAFETENSORS_DTYPES, ConversionError, check_grid_size, image_size_field, read_json, read_safetensors
-from .transformers_families import FAMILIES
+from .transformers_families import FAMILIES, family_config, family_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -214,8 +214,6 @@ class ForeignCheckpoint:
                         self._slices(files), config, shapes, resample=image_size is not None
                     )
             elif self.layout in FAMILIES:
-                from .transformers_families import family_config, family_state_dict
-
                 config_json = read_json(self.folder / "config.json")
                 family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
                 files = self._weight_files()
@@ -253,17 +251,9 @@ class ForeignCheckpoint:
 
     def processor(self):
         """The source's image processor: its size, crop, mean/std and resampling."""
+        if self.layout == "jax":
+            return self.convert({})[2]
         try:
-            if self.layout == "transformers":
-                from .transformers_vit import transformers_config_to_hf_vit, transformers_processor
-
-                image_hw = transformers_config_to_hf_vit(read_json(self.folder / "config.json")).image_hw
-                return transformers_processor(self.folder, image_hw)
-            if self.layout in FAMILIES:
-                from .transformers_families import family_processor
-
-                config_json = read_json(self.folder / "config.json")
-                return family_processor(self.folder, config_json, read_safetensors(self._weight_files()))
             if self.layout in ("timm", "timm_naflex"):
                 from .timm_naflex import naflex_config
                 from .timm_vit import read_timm_config, timm_config, timm_processor
@@ -274,9 +264,17 @@ class ForeignCheckpoint:
                 read = naflex_config if self.layout == "timm_naflex" else timm_config
                 config = read(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
                 return timm_processor(config, settings)
+            from .transformers_vit import transformers_config_to_hf_vit, transformers_processor
+
+            config_json = read_json(self.folder / "config.json")
+            if self.layout == "transformers":
+                return transformers_processor(self.folder, transformers_config_to_hf_vit(config_json).image_hw)
+            config = family_config(config_json, read_safetensors(self._weight_files()))
+            return transformers_processor(
+                self.folder, config.image_hw, default_to_square=FAMILIES[self.layout].square_size
+            )
         except ConversionError as error:
             raise self._fail(error) from error
-        return self.convert({})[2]
 
     def _verify(self, state_dict: Any) -> None:
         """Raise the report of what does not fit the model, for weights read lazily (`LazyStateDict.verify`)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Collection, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -338,12 +337,3 @@ def family_state_dict(
         else:
             problems += grid_mismatch(found, config)
     return family.layout.to_hf_lazy(source, shapes, config, problems)
-
-
-def family_processor(folder: Path, config_json: dict, keys: Collection[str]):
-    """The hf-vit processor of a family checkpoint in `folder`, as its `preprocessor_config.json` says."""
-    from .transformers_vit import transformers_processor
-
-    family = FAMILIES[config_json["model_type"]]
-    config = family_config(config_json, keys)
-    return transformers_processor(folder, config.image_hw, default_to_square=family.square_size)
