@@ -227,7 +227,7 @@ class ForeignCheckpoint:
                     )
             else:  # timm's ViT or NaFlexViT
                 from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
-                from .timm_vit import read_timm_config, timm_config, timm_to_hf_vit_state_dict
+                from .timm_vit import infer_config_from_timm, read_timm_config, timm_to_hf_vit_state_dict
 
                 settings, heads = read_timm_config(self.folder) or {}, options.get("num_attention_heads")
                 arrays = self._timm_arrays(header_only=not weights)
@@ -235,7 +235,7 @@ class ForeignCheckpoint:
                     config = naflex_config(arrays, settings, image_size, heads)
                     state_dict = naflex_to_hf_vit_state_dict(arrays, settings, config) if weights else None
                 else:
-                    config = timm_config(arrays, settings, image_size=image_size, num_attention_heads=heads)
+                    config = infer_config_from_timm(arrays, None, image_size, heads, settings)
                     state_dict = timm_to_hf_vit_state_dict(arrays, config) if weights else None
         except ConversionError as error:
             raise self._fail(error) from error
@@ -256,13 +256,16 @@ class ForeignCheckpoint:
         try:
             if self.layout in ("timm", "timm_naflex"):
                 from .timm_naflex import naflex_config
-                from .timm_vit import read_timm_config, timm_config, timm_processor
+                from .timm_vit import infer_config_from_timm, read_timm_config, timm_processor
 
                 settings = read_timm_config(self.folder) or {}
                 # The processor takes the image size and normalisation only: the heads, which a timm state dict does
                 # not record (and the model loading asks for), play no part in it.
-                read = naflex_config if self.layout == "timm_naflex" else timm_config
-                config = read(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
+                arrays = self._timm_arrays(header_only=True)
+                if self.layout == "timm_naflex":
+                    config = naflex_config(arrays, settings, num_attention_heads=1)
+                else:
+                    config = infer_config_from_timm(arrays, num_attention_heads=1, timm_config=settings)
                 return timm_processor(config, settings)
             from .transformers_vit import transformers_config_to_hf_vit, transformers_processor
 

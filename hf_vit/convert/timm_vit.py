@@ -160,7 +160,8 @@ def infer_config_from_timm(
     num_attention_heads: int | None = None,
     timm_config: Mapping | None = None,
 ) -> VisionTransformerConfig:
-    """The hf-vit config of a timm ViT state dict and its `config.json` (`timm_config`)."""
+    """The hf-vit config of a timm ViT state dict (meta tensors do) and its `config.json` (`timm_config`: the
+    pooling, heads, input size and class names)."""
     timm_problems, _ = _timm_problems(state_dict)
     problems = list(timm_problems)
     fc_norm = "fc_norm.weight" in state_dict and "norm.weight" not in state_dict
@@ -210,7 +211,9 @@ def infer_config_from_timm(
 
     if preset_config is not None:
         problems += preset_mismatches(fields, preset_config, preset)
-    return build_config(TIMM_DEFAULTS, fields, problems, "timm checkpoint")
+    config = build_config(TIMM_DEFAULTS, fields, problems, "timm checkpoint")
+    set_label_names(config, (timm_config or {}).get("label_names"))
+    return config
 
 
 def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -246,19 +249,6 @@ def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise ConversionError(f"{path} does not hold a state dict of tensors.")
     return dict(loaded)
-
-
-def timm_config(
-    state_dict: Mapping[str, torch.Tensor],
-    timm_config: Mapping | None,
-    preset: str | None = None,
-    image_size: int | Sequence[int] | None = None,
-    num_attention_heads: int | None = None,
-) -> VisionTransformerConfig:
-    """`infer_config_from_timm` with the class names of timm's `config.json`; meta tensors do."""
-    config = infer_config_from_timm(state_dict, preset, image_size, num_attention_heads, timm_config)
-    set_label_names(config, (timm_config or {}).get("label_names"))
-    return config
 
 
 def timm_processor(
@@ -309,7 +299,7 @@ def read_timm_checkpoint(
     state_dict = load_timm_state_dict(input_path)
     settings = read_timm_config(input_path if input_path.is_dir() else input_path.parent)
     if settings is None or not str(settings.get("architecture", "")).startswith("naflexvit"):
-        config = timm_config(state_dict, settings, preset, image_size, num_attention_heads)
+        config = infer_config_from_timm(state_dict, preset, image_size, num_attention_heads, settings)
         converted = timm_to_hf_vit_state_dict(state_dict, config, resize_mode=resize_mode)
         return config, converted, timm_processor(config, settings, image_mean, image_std)
     from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
