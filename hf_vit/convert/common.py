@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import json
 import math
 import os
@@ -423,14 +424,15 @@ def build_config(
 
 
 def convert_checkpoint(
-    read: Callable[[], tuple], source: str | os.PathLike, output_dir, overwrite: bool, what: str, base_model
+    read: Callable[..., tuple], source: str | os.PathLike, output_dir, overwrite: bool, what: str, base_model, options
 ):
-    """Check `output_dir` before any loading, then build the model of `read()`'s `(config, state_dict, processor)`
-    (SimMIM's with a decoder), load the weights strictly and write it with the processor and a card there only if
-    all of that succeeded; returns the model in eval mode. The card's base model is `base_model`, else `source`'s
-    name."""
+    """Check `options` and `output_dir` before any loading, then build the model of `read(source, **options)`'s
+    `(config, state_dict, processor)` (SimMIM's with a decoder), load the weights strictly and write it with the
+    processor and a card there only if all of that succeeded; returns the model in eval mode. The card's base model
+    is `base_model`, else `source`'s name."""
+    inspect.signature(read).bind(source, **options)  # a misspelt option is a TypeError before any work
     target = check_output_dir(output_dir, overwrite, [source])
-    config, state_dict, processor = read()
+    config, state_dict, processor = read(source, **options)
     check_state_dict(state_dict, config)
     model = converted_model_class(state_dict)(config)
     model.load_state_dict(state_dict, strict=True)

@@ -19,7 +19,6 @@ import re
 import zipfile
 import zlib
 from collections.abc import Mapping, Sequence
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -291,18 +290,10 @@ def read_jax_checkpoint(
 
 
 def convert_jax_checkpoint(
-    input_path: str | os.PathLike,
-    output_dir: str | os.PathLike,
-    preset: str | None = None,
-    image_size: int | Sequence[int] | None = None,
-    overwrite: bool = False,
-    labels: Sequence[str] | None = None,
-    hidden_act: str = "gelu_pytorch_tanh",
-    resize_mode: str = "bilinear",
-    base_model: str | None = None,
+    input_path: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False, base_model=None, **options
 ):
-    """Convert an authors' `.npz` checkpoint into a complete hf-vit folder (see `read_jax_checkpoint`); `labels`
-    names the classes in order, the card names `base_model` (default: the file's name). Returns the model; nothing is
-    written unless everything succeeded."""
-    read = partial(read_jax_checkpoint, input_path, preset, image_size, labels, hidden_act, resize_mode)
-    return convert_checkpoint(read, input_path, output_dir, overwrite, "the authors' JAX .npz layout", base_model)
+    """Convert an authors' `.npz` checkpoint into a complete hf-vit folder; `options` are `read_jax_checkpoint`'s
+    (`labels` names the classes in order). The card names `base_model` (default: the file's name). Returns the model;
+    nothing is written unless everything succeeded."""
+    what = "the authors' JAX .npz layout"
+    return convert_checkpoint(read_jax_checkpoint, input_path, output_dir, overwrite, what, base_model, options)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -322,18 +321,9 @@ def read_timm_checkpoint(
 
 
 def convert_timm_checkpoint(
-    input_path: str | os.PathLike,
-    output_dir: str | os.PathLike,
-    preset: str | None = None,
-    image_size: int | Sequence[int] | None = None,
-    overwrite: bool = False,
-    image_mean: Sequence[float] | None = None,
-    image_std: Sequence[float] | None = None,
-    num_attention_heads: int | None = None,
-    resize_mode: str = "bicubic",
-    base_model: str | None = None,
+    input_path: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False, base_model=None, **options
 ):
-    """Convert timm ViT weights into a complete hf-vit folder; returns the model."""
-    options = (preset, image_size, image_mean, image_std, num_attention_heads, resize_mode)
-    read = partial(read_timm_checkpoint, input_path, *options)
-    return convert_checkpoint(read, input_path, output_dir, overwrite, "timm's layout", base_model)
+    """Convert timm ViT weights into a complete hf-vit folder (`options`: `read_timm_checkpoint`'s); returns the
+    model."""
+    read = read_timm_checkpoint
+    return convert_checkpoint(read, input_path, output_dir, overwrite, "timm's layout", base_model, options)

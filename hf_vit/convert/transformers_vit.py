@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Collection
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -216,13 +215,10 @@ def read_transformers_checkpoint(input_dir: str | os.PathLike):
 
 
 def convert_transformers_checkpoint(
-    input_dir: str | os.PathLike,
-    output_dir: str | os.PathLike,
-    overwrite: bool = False,
-    base_model: str | None = None,
+    input_dir: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False, base_model: str | None = None
 ):
     """Convert a saved transformers ViT folder into a complete hf-vit folder; a `ViTModel`'s pooler becomes the
     pre-logits layer of a model without classes. The card names `base_model` (default: the folder's name). Returns
     the model."""
-    read = partial(read_transformers_checkpoint, input_dir)
-    return convert_checkpoint(read, input_dir, output_dir, overwrite, "transformers' ViT layout", base_model)
+    read, what = read_transformers_checkpoint, "transformers' ViT layout"
+    return convert_checkpoint(read, input_dir, output_dir, overwrite, what, base_model, {})
