@@ -17,26 +17,6 @@ from torch import nn
 
 from .model.resolution import grid_for
 
-__all__ = [
-    "HEAD_FUSIONS",
-    "AttentionSummary",
-    "attention_summary",
-    "PrincipalComponents",
-    "attention_probabilities",
-    "attention_rollout",
-    "capture_attention",
-    "components_as_images",
-    "mean_attention_distance",
-    "mean_attention_distances",
-    "patch_distances",
-    "patch_embedding_components",
-    "position_embedding_similarity",
-    "rollout_map",
-    "rollout_maps",
-    "upsample_maps",
-    "write_analysis_figures",
-]
-
 IMAGES_PER_FIGURE = 8
 
 HEAD_FUSIONS = ("mean", "max", "min")
