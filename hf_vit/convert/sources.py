@@ -267,12 +267,11 @@ class ForeignCheckpoint:
                 else:
                     config = infer_config_from_timm(arrays, num_attention_heads=1, timm_config=settings)
                 return timm_processor(config, settings)
-            from .transformers_vit import transformers_config_to_hf_vit, transformers_processor
+            from .transformers_vit import transformers_config, transformers_processor
 
-            config_json = read_json(self.folder / "config.json")
             if self.layout == "transformers":
-                return transformers_processor(self.folder, transformers_config_to_hf_vit(config_json).image_hw)
-            config = family_config(config_json, read_safetensors(self._weight_files()))
+                return transformers_processor(self.folder, transformers_config(self.folder, ()).image_hw)
+            config = family_config(read_json(self.folder / "config.json"), read_safetensors(self._weight_files()))
             return transformers_processor(
                 self.folder, config.image_hw, default_to_square=FAMILIES[self.layout].square_size
             )

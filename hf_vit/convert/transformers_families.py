@@ -179,15 +179,17 @@ def _dinov2(config: dict, keys: Collection[str]) -> dict[str, Any]:
     return fields
 
 
-def _deit(config: dict, keys: Collection[str]) -> dict[str, Any]:
-    source = _transformers_config("deit", config)
+def vit_fields(config: dict, keys: Collection[str]) -> dict[str, Any]:
+    """The fields of transformers' ViT or DeiT (`config["model_type"]`) whose weights are named `keys`: a classifier's
+    labels, else no classes and the pooler (dense + tanh on the class token) as the pre-logits layer; a classifier
+    ignores a pooler, as `ViTForImageClassification` does."""
+    model = config["model_type"]
+    source = _transformers_config(model, config)
     fields = _fields(
         source, intermediate_size="intermediate_size", hidden_dropout_prob="hidden_dropout_prob",
         attention_probs_dropout_prob="attention_probs_dropout_prob", qkv_bias="qkv_bias",
     )  # fmt: skip
-    fields["use_distillation_token"] = True
     if "classifier.weight" in keys:
-        fields["distillation_head"] = "distillation_classifier.weight" in keys
         labels = source.id2label or {}
         fields["id2label"] = {int(k): v for k, v in labels.items()}
         fields["label2id"] = {v: int(k) for k, v in labels.items()}
@@ -195,13 +197,22 @@ def _deit(config: dict, keys: Collection[str]) -> dict[str, Any]:
             fields["problem_type"] = source.problem_type
     else:
         fields["num_labels"] = 0
-        if "deit.pooler.dense.weight" in keys:
+        if f"{model}.pooler.dense.weight" in keys:
             if source.pooler_act != "tanh":
+                name = {"vit": "ViT", "deit": "DeiT"}[model]
                 raise ConversionError(
-                    f"pooler_act={source.pooler_act!r}: hf-vit's pre-logits layer (DeiT's pooler) is dense + tanh, so "
-                    "this pooler would compute another function; load it with transformers' DeiTModel"
+                    f"pooler_act={source.pooler_act!r}: hf-vit's pre-logits layer ({name}'s pooler) is dense + tanh, "
+                    f"so this pooler would compute another function; load it with transformers' {name}Model"
                 )
             fields["representation_size"] = source.pooler_output_size or source.hidden_size
+    return fields
+
+
+def _deit(config: dict, keys: Collection[str]) -> dict[str, Any]:
+    fields = vit_fields(config, keys)
+    fields["use_distillation_token"] = True
+    if "classifier.weight" in keys:
+        fields["distillation_head"] = "distillation_classifier.weight" in keys
     return fields
 
 

@@ -27,7 +27,7 @@ from .common import (
     resample_positions,
 )
 from .sources import safetensors_files
-from .transformers_families import vit_rows
+from .transformers_families import vit_fields, vit_rows
 
 logger = logging.getLogger(__name__)
 
@@ -90,41 +90,6 @@ def hf_vit_to_transformers_module_state_dict(state_dict: dict[str, torch.Tensor]
     return out
 
 
-_SHARED_CONFIG_FIELDS = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-    "hidden_dropout_prob", "attention_probs_dropout_prob", "layer_norm_eps", "image_size", "patch_size",
-    "num_channels", "qkv_bias", "initializer_range",
-)  # fmt: skip
-
-
-def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) -> VisionTransformerConfig:
-    """An hf-vit config computing what a transformers `ViTConfig` (a dict) computes."""
-    if config.get("model_type") not in (None, "vit"):
-        raise ConversionError(
-            f"Expected a transformers ViT config (model_type 'vit'), got {config.get('model_type')!r}."
-        )
-    fields = {name: config[name] for name in _SHARED_CONFIG_FIELDS if name in config}
-    fields["layer_norm_eps"] = config.get("layer_norm_eps", 1e-12)  # transformers' ViT default
-    if with_pooler:
-        # transformers' pooler (dense + pooler_act on the class token) is the paper's pre-logits layer (dense + tanh).
-        activation = config.get("pooler_act", "tanh")
-        if activation != "tanh":
-            raise ConversionError(
-                f"pooler_act={activation!r}: hf-vit's pre-logits layer (transformers' pooler) is dense + tanh, so "
-                "this pooler would compute another function. Load the checkpoint with transformers' ViTModel."
-            )
-        fields["representation_size"] = config.get("pooler_output_size") or config.get("hidden_size", 768)
-    if "id2label" in config:
-        fields["id2label"] = {int(k): v for k, v in config["id2label"].items()}
-        fields["label2id"] = {v: int(k) for k, v in config["id2label"].items()}
-    if config.get("problem_type") is not None:
-        fields["problem_type"] = config["problem_type"]
-    dtype = config.get("dtype", config.get("torch_dtype"))
-    if dtype is not None:
-        fields["dtype"] = dtype
-    return VisionTransformerConfig(classifier="token", zero_init_head=False, **fields)
-
-
 def transformers_processor(folder: Path, image_size: tuple[int, int], default_to_square: bool = True):
     """The hf-vit processor of a folder's `preprocessor_config.json` (the model's size without one): its resize,
     centre crop, rescaling and normalisation; other settings are refused by name. `default_to_square`: whether a
@@ -148,24 +113,23 @@ def transformers_processor(folder: Path, image_size: tuple[int, int], default_to
 
 
 def transformers_config(folder: Path, keys: Collection[str]) -> VisionTransformerConfig:
-    """The hf-vit config of a transformers ViT folder whose weights are named `keys`."""
+    """The hf-vit config of a transformers ViT folder whose weights are named `keys` (`transformers_families`'
+    `vit_fields`)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ConversionError(f"{folder} has no config.json; pass the folder of a saved transformers ViT model.")
-    source_config = read_json(config_path)
-    keys = set(_saved_layout(dict.fromkeys(keys)))
-    has_classifier = "classifier.weight" in keys
-    # ViTForImageClassification ignores a pooler: so does the conversion, to compute the same function.
-    with_pooler = "vit.pooler.dense.weight" in keys and not has_classifier
+    config_json = read_json(config_path)
+    if config_json.get("model_type") not in (None, "vit"):
+        raise ConversionError(
+            f"Expected a transformers ViT config (model_type 'vit'), got {config_json.get('model_type')!r}."
+        )
+    fields = vit_fields({**config_json, "model_type": "vit"}, set(_saved_layout(dict.fromkeys(keys))))
+    dtype = config_json.get("dtype", config_json.get("torch_dtype"))
     try:
-        config = transformers_config_to_hf_vit(source_config, with_pooler=with_pooler)
-    except (TypeError, ValueError, AttributeError) as error:
-        if isinstance(error, ConversionError):
-            raise
+        config = VisionTransformerConfig(zero_init_head=False, **fields, **({"dtype": dtype} if dtype else {}))
+    except ValueError as error:
         raise ConversionError(f"{config_path} does not describe a model hf-vit can build: {error}") from error
     check_grid_size(config, str(config_path))
-    if not has_classifier:
-        config.num_labels = 0
     return config
 
 
