@@ -321,6 +321,28 @@ def family_config(
     return config
 
 
+def positions_problems(source: dict, shapes: dict | None, key: str, config: VisionTransformerConfig, resample: bool):
+    """Resample the position table `source[key]` (`(1, N, D)` or `(N, D)`, of a square grid) to `config`'s grid in
+    place when `resample`; the problem of a grid that is not `config`'s otherwise (`shapes`: `source` as meta tensors,
+    read lazily)."""
+    positions, prefix = (shapes if shapes is not None else source).get(key), config.num_position_prefix_tokens
+    if positions is None or positions.ndim not in (2, 3):
+        return []
+    found = positions.shape[-2] - prefix
+    side = square_side(found)
+    if not (resample and side and found != config.num_patches):
+        return grid_mismatch(found, config)
+    array = source[key] if isinstance(source[key], torch.Tensor) else source[key][...]  # one small array, read now
+    table = array if array.ndim == 3 else array[None]
+    table = resample_position_embeddings(
+        table, (side, side), config.grid_size, prefix, config.interpolation_mode, config.interpolation_antialias
+    ).contiguous()
+    source[key] = table if array.ndim == 3 else table[0]
+    if shapes is not None:
+        shapes[key] = source[key].to("meta")
+    return []
+
+
 def family_state_dict(
     model_type: str,
     config: VisionTransformerConfig,
@@ -331,20 +353,5 @@ def family_state_dict(
     """A family checkpoint's weights for `config`, lazily; `resample`: another grid resampled, else refused."""
     family = FAMILIES[model_type]
     source, shapes = family.names(source), family.names(shapes)
-    key, problems, prefix = family.positions, [], config.num_position_prefix_tokens
-    positions = shapes.get(key)
-    if positions is not None and positions.ndim in (2, 3):
-        found = positions.shape[-2] - prefix
-        side = square_side(found)
-        if resample and side and found != config.num_patches:
-            array = source[key] if isinstance(source[key], torch.Tensor) else source[key][...]
-            table = array if array.ndim == 3 else array[None]
-            table = resample_position_embeddings(
-                table, (side, side), config.grid_size, prefix, config.interpolation_mode,
-                config.interpolation_antialias,
-            ).contiguous()  # fmt: skip
-            source[key] = table if array.ndim == 3 else table[0]
-            shapes[key] = source[key].to("meta")
-        else:
-            problems += grid_mismatch(found, config)
+    problems = positions_problems(source, shapes, family.positions, config, resample)
     return family.layout.to_hf_lazy(source, shapes, config, problems)

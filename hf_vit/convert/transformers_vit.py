@@ -21,13 +21,11 @@ from .common import (
     Layout,
     check_grid_size,
     convert_checkpoint,
-    grid_mismatch,
     read_json,
     read_safetensors,
-    resample_positions,
 )
 from .sources import safetensors_files
-from .transformers_families import vit_fields, vit_rows
+from .transformers_families import positions_problems, vit_fields, vit_rows
 
 logger = logging.getLogger(__name__)
 
@@ -147,16 +145,7 @@ def transformers_state_dict(
     if config.representation_size is None:
         source = {k: v for k, v in source.items() if not k.startswith("vit.pooler.")}
         shapes = {k: v for k, v in shapes.items() if not k.startswith("vit.pooler.")} if shapes is not None else None
-    key, problems = "vit.embeddings.position_embeddings", []
-    positions = (shapes if shapes is not None else source).get(key)
-    if resample and key in source:
-        if not isinstance(source[key], torch.Tensor):
-            source[key] = source[key][...]  # one small array, read now
-        source = resample_positions(source, key, config, "bicubic")
-        if shapes is not None:
-            shapes[key] = source[key].to("meta")
-    elif positions is not None and positions.ndim == 3:
-        problems += grid_mismatch(positions.shape[1] - config.num_position_prefix_tokens, config)
+    problems = positions_problems(source, shapes, "vit.embeddings.position_embeddings", config, resample)
     if shapes is None:
         return TRANSFORMERS_LAYOUT.to_hf(source, config, problems)
     return TRANSFORMERS_LAYOUT.to_hf_lazy(source, shapes, config, problems)
