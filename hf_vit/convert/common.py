@@ -151,10 +151,6 @@ class Layout:
                     return index, part, match.groupdict()
         return None
 
-    def places(self, key: str) -> bool:
-        """Whether a row of the table matches the source key `key`."""
-        return self._find(key) is not None
-
     def to_hf(
         self,
         source: Mapping[str, torch.Tensor],
@@ -302,7 +298,7 @@ def check_state_dict(
         expected = converted_model_class(state_dict, layout)(config).state_dict()
     if layout is not None:
         expected = layout.from_hf(expected, config)
-    placed = {key for key in state_dict if layout is None or layout.places(key)}
+    placed = {key for key in state_dict if layout is None or layout._find(key) is not None}
     lines = [*problems, *_listing(set(state_dict) - placed, set(expected) - set(state_dict), placed - set(expected))]
     for key in sorted(placed & set(expected)):
         value, shape = state_dict[key], tuple(expected[key].shape)

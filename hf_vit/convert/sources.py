@@ -54,10 +54,6 @@ def layout_of(config: dict) -> str | None:
     return None
 
 
-def is_npz(source: str | os.PathLike) -> bool:
-    return os.fspath(source).lower().endswith(".npz")
-
-
 def _fetch(source: str, filename: str, hub: dict[str, Any], required: bool = True) -> Path | None:
     """`filename` of the folder or Hub repository `source` (a Hub that cannot be reached fails at once)."""
     folder = Path(source).expanduser()
@@ -323,7 +319,7 @@ class ForeignCheckpoint:
 def read_source(source: str, kwargs: dict[str, Any]) -> ForeignCheckpoint | None:
     """The core's loading hook: a `ForeignCheckpoint` for a foreign source, None for anything else."""
     hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}
-    if is_npz(source):
+    if os.fspath(source).lower().endswith(".npz"):
         return ForeignCheckpoint(source, "jax", hub)
     if os.path.isfile(source):
         return None  # a local file that is no checkpoint: from_pretrained names it, no Hub id is looked up
