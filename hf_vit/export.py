@@ -175,12 +175,21 @@ def export(
 
 
 @torch.no_grad()
-def _onnx_differences(
-    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, cases: dict
+def check_onnx(
+    path: str | os.PathLike,
+    model: VisionTransformerPreTrainedModel,
+    sizes: Sequence[tuple[int, int]] = (),
+    batch: int = 2,
+    patch_counts: Sequence[int] = (),
 ) -> dict[str, float]:
-    """The largest difference of the first output, onnxruntime vs PyTorch, for each case's inputs."""
+    """The largest difference of the first output, onnxruntime vs PyTorch, per image size ("HxW") or, for a
+    native-aspect graph, per number of patches ("N patches")."""
     import onnxruntime
 
+    generator = torch.Generator().manual_seed(0)
+    channels = model.config.num_channels
+    cases = {f"{h}x{w}": (torch.randn(batch, channels, h, w, generator=generator),) for h, w in sizes}
+    cases.update({f"{n} patches": native_example(model, n, batch, seed) for seed, n in enumerate(patch_counts)})
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     graph, differences = _GraphModel(model.eval()), {}
     for label, inputs in cases.items():
@@ -189,21 +198,3 @@ def _onnx_differences(
         got = session.run(None, dict(zip(NATIVE_INPUTS, (tensor.cpu().numpy() for tensor in inputs))))[0]
         differences[label] = float(np.abs(got - expected.float().cpu().numpy()).max())
     return differences
-
-
-def check_onnx(
-    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, sizes: Sequence[tuple[int, int]], batch: int = 2
-) -> dict[str, float]:
-    """The largest difference of the first output, onnxruntime vs PyTorch, per size ("HxW")."""
-    generator = torch.Generator().manual_seed(0)
-    channels = model.config.num_channels
-    cases = {f"{h}x{w}": (torch.randn(batch, channels, h, w, generator=generator),) for h, w in sizes}
-    return _onnx_differences(path, model, cases)
-
-
-def check_native_onnx(
-    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, patch_counts: Sequence[int], batch: int = 3
-) -> dict[str, float]:
-    """The largest difference of the first output, onnxruntime vs PyTorch, per patch count."""
-    cases = {f"{n} patches": native_example(model, n, batch, seed) for seed, n in enumerate(patch_counts)}
-    return _onnx_differences(path, model, cases)

@@ -23,7 +23,7 @@ from transformers.utils import logging as transformers_logging
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerModel
 from hf_vit.commands import CommandParser
-from hf_vit.export import FORMATS, check_export_output, check_native_onnx, check_onnx, export
+from hf_vit.export import FORMATS, check_export_output, check_onnx, export
 from hf_vit.flags import error_status
 
 
@@ -102,7 +102,7 @@ def _report(path: Path, model, args) -> None:
             return
         counts = [args.max_num_patches, max(2, args.max_num_patches // 3), args.max_num_patches * 2]
         with torch.no_grad():
-            differences = check_native_onnx(path, model, counts)
+            differences = check_onnx(path, model, batch=3, patch_counts=counts)
     else:
         print(f"wrote {path}: {type(model).__name__} as {args.format}, dynamic batch, height and width")
         if args.format != "onnx":
