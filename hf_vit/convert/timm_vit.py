@@ -122,13 +122,6 @@ def hf_vit_to_timm_state_dict(
     return TIMM_LAYOUT.from_hf(state_dict, config)
 
 
-def _global_pool(timm_config: Mapping | None) -> str | None:
-    if not timm_config:
-        return None
-    model_args = timm_config.get("model_args") or {}
-    return model_args.get("global_pool", timm_config.get("global_pool"))
-
-
 def _timm_classifier(state_dict: Mapping[str, torch.Tensor], pool: str | None, problems: list[str]) -> str | None:
     """hf-vit's `classifier` for timm's attention pooling weights or its `global_pool` (None: read from the tokens)."""
     has_class_token = "cls_token" in state_dict
@@ -176,7 +169,8 @@ def infer_config_from_timm(
     fields["fc_norm"] = fc_norm
     if "blocks.0.ls1.gamma" in state_dict:  # the values are loaded; the initial value matters for a re-initialisation
         fields["layer_scale_init_value"] = model_args.get("init_values") or 1e-5
-    fields["classifier"] = _timm_classifier(state_dict, _global_pool(timm_config), problems)
+    pool = model_args.get("global_pool", (timm_config or {}).get("global_pool"))
+    fields["classifier"] = _timm_classifier(state_dict, pool, problems)
     pre_logits = state_dict.get("pre_logits.fc.weight")
     fields["representation_size"] = pre_logits.shape[0] if pre_logits is not None else None
     head = state_dict.get("head.weight")
