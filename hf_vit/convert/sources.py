@@ -14,6 +14,7 @@ import json
 import logging
 import mmap
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -195,32 +196,23 @@ class ForeignCheckpoint:
                 return read_jax_checkpoint(
                     self.source, image_size=image_size, hidden_act=hidden_act or "gelu_pytorch_tanh"
                 )
-            if self.layout == "transformers":
+            if self.layout not in ("timm", "timm_naflex"):  # transformers' ViT or one of the families
                 from .transformers_vit import transformers_config, transformers_state_dict
 
-                files = self._weight_files()
-                shapes = read_safetensors(files)
-                config = transformers_config(self.folder, shapes)
-                state_dict = None
-                if image_size is not None:
-                    config.image_size = image_size_field(image_size)
-                    check_grid_size(config)
-                if weights:
-                    state_dict = transformers_state_dict(
-                        self._slices(files), config, shapes, resample=image_size is not None
-                    )
-            elif self.layout in FAMILIES:
-                config_json = read_json(self.folder / "config.json")
-                family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
-                files = self._weight_files()
-                shapes = read_safetensors(files)
                 size = image_size_field(image_size) if image_size is not None else None
-                config = family_config(config_json, shapes, size)
-                state_dict = None
-                if weights:
-                    state_dict = family_state_dict(
-                        self.layout, config, self._slices(files), shapes, resample=image_size is not None
-                    )
+                if self.layout in FAMILIES:
+                    config_json = read_json(self.folder / "config.json")
+                    family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
+                files = self._weight_files()
+                shapes = read_safetensors(files)
+                if self.layout in FAMILIES:
+                    config, read = family_config(config_json, shapes, size), partial(family_state_dict, self.layout)
+                else:
+                    config, read = transformers_config(self.folder, shapes), transformers_state_dict
+                    if size is not None:
+                        config.image_size = size
+                        check_grid_size(config)
+                state_dict = read(self._slices(files), config, shapes, resample=size is not None) if weights else None
             else:  # timm's ViT or NaFlexViT
                 from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
                 from .timm_vit import infer_config_from_timm, read_timm_config, timm_to_hf_vit_state_dict

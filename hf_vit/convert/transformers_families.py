@@ -345,8 +345,8 @@ def positions_problems(source: dict, shapes: dict | None, key: str, config: Visi
 
 def family_state_dict(
     model_type: str,
-    config: VisionTransformerConfig,
     source: Mapping[str, Any],
+    config: VisionTransformerConfig,
     shapes: Mapping[str, torch.Tensor],
     resample: bool = False,
 ):
