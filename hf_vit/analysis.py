@@ -115,10 +115,6 @@ def attention_probabilities(
     return dict(probs)
 
 
-def _grid(model: nn.Module, pixel_values: torch.Tensor) -> tuple[int, int]:
-    return grid_for(tuple(pixel_values.shape[-2:]), _encoder(model).config.patch_size)
-
-
 def _fuse_heads(probs: torch.Tensor, head_fusion: str) -> torch.Tensor:
     if head_fusion not in HEAD_FUSIONS:
         raise ValueError(f"`head_fusion` must be one of {HEAD_FUSIONS}, got {head_fusion!r}.")
@@ -222,7 +218,7 @@ def mean_attention_distances(
 ) -> torch.Tensor:
     """Mean attention distance in pixels per chosen layer and head: `(layers, heads)`."""
     config = _encoder(model).config
-    grid = _grid(model, pixel_values)
+    grid = grid_for(tuple(pixel_values.shape[-2:]), config.patch_size)
     results: dict[int, torch.Tensor] = {}
 
     def reduce(index: int, probs: torch.Tensor) -> None:
@@ -251,7 +247,7 @@ def attention_summary(
     """`rollout_maps` and the per-image `mean_attention_distance` of every layer from a single forward."""
     _fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)  # reject a bad fusion name before running the model
     config = _encoder(model).config
-    grid = _grid(model, pixel_values)
+    grid = grid_for(tuple(pixel_values.shape[-2:]), config.patch_size)
     state: dict[str, torch.Tensor] = {}
     distances: list[torch.Tensor] = []
 
