@@ -260,9 +260,7 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
         for name in archive.files:
             try:
                 arrays[name] = archive[name]
-            except damaged as error:
-                raise ConversionError(f"Could not read the array {name!r} of {path}: {cut} ({error}).") from error
-            except ValueError as error:  # an object array: np.load refuses it without allow_pickle
+            except (*damaged, ValueError) as error:  # a ValueError naming allow_pickle: an object array
                 if "allow_pickle" not in str(error):
                     raise ConversionError(f"Could not read the array {name!r} of {path}: {cut} ({error}).") from error
                 pickled.append(name)
