@@ -14,7 +14,6 @@ import json
 import logging
 import mmap
 import os
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 
 from ..hub_access import HubLookupError, hub_file
 from ..model.configuration_vit import VisionTransformerConfig
-from .common import SAFETENSORS_DTYPES, ConversionError, check_grid_size, image_size_field, read_json, read_safetensors
+from .common import SAFETENSORS_DTYPES, ConversionError, image_size_field, read_json, read_safetensors
 from .transformers_families import FAMILIES, family_config, family_state_dict
 
 logger = logging.getLogger(__name__)
@@ -34,7 +33,6 @@ HUB_ARGUMENTS = ("cache_dir", "revision", "token", "local_files_only", "force_do
 CONVERSION_ARGUMENTS = ("image_size", "hidden_act", "num_attention_heads")
 DESCRIPTIONS = {
     "jax": "the authors' .npz layout",
-    "transformers": "transformers' ViT layout",
     "timm": "timm's ViT layout",
     "timm_naflex": "timm's NaFlexViT layout",
     **{model_type: family.name for model_type, family in FAMILIES.items()},
@@ -46,8 +44,6 @@ def layout_of(config: dict) -> str | None:
     model_type = config.get("model_type")
     if model_type == "hf_vit":
         return "hf_vit"
-    if model_type == "vit":
-        return "transformers"
     if model_type in FAMILIES:
         return model_type
     if model_type is None and "architecture" in config and ("pretrained_cfg" in config or "num_classes" in config):
@@ -197,22 +193,15 @@ class ForeignCheckpoint:
                     self.source, image_size=image_size, hidden_act=hidden_act or "gelu_pytorch_tanh"
                 )
             if self.layout not in ("timm", "timm_naflex"):  # transformers' ViT or one of the families
-                from .transformers_vit import transformers_config, transformers_state_dict
-
-                size = image_size_field(image_size) if image_size is not None else None
-                if self.layout in FAMILIES:
-                    config_json = read_json(self.folder / "config.json")
-                    family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
+                config_json = read_json(self.folder / "config.json")
+                family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
                 files = self._weight_files()
                 shapes = read_safetensors(files)
-                if self.layout in FAMILIES:
-                    config, read = family_config(config_json, shapes, size), partial(family_state_dict, self.layout)
-                else:
-                    config, read = transformers_config(self.folder, shapes), transformers_state_dict
-                    if size is not None:
-                        config.image_size = size
-                        check_grid_size(config)
-                state_dict = read(self._slices(files), config, shapes, resample=size is not None) if weights else None
+                size = image_size_field(image_size) if image_size is not None else None
+                config = family_config(config_json, shapes, size)
+                state_dict = None
+                if weights:
+                    state_dict = family_state_dict(self.layout, self._slices(files), config, shapes, size is not None)
             else:  # timm's ViT or NaFlexViT
                 from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
                 from .timm_vit import infer_config_from_timm, read_timm_config, timm_to_hf_vit_state_dict
@@ -255,14 +244,12 @@ class ForeignCheckpoint:
                 else:
                     config = infer_config_from_timm(arrays, num_attention_heads=1, timm_config=settings)
                 return timm_processor(config, settings)
-            from .transformers_vit import transformers_config, transformers_processor
+            from .transformers_vit import transformers_processor
 
-            if self.layout == "transformers":
-                return transformers_processor(self.folder, transformers_config(self.folder, ()).image_hw)
-            config = family_config(read_json(self.folder / "config.json"), read_safetensors(self._weight_files()))
-            return transformers_processor(
-                self.folder, config.image_hw, default_to_square=FAMILIES[self.layout].square_size
-            )
+            keys = () if self.layout == "vit" else read_safetensors(self._weight_files())  # ViT's size: its config
+            config = family_config(read_json(self.folder / "config.json"), keys)
+            square = FAMILIES[self.layout].square_size
+            return transformers_processor(self.folder, config.image_hw, default_to_square=square)
         except ConversionError as error:
             raise self._fail(error) from error
 

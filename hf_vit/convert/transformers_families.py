@@ -19,7 +19,16 @@ import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.resolution import resample_position_embeddings
-from .common import FUSED_QKV, ConversionError, Layout, Transform, check_grid_size, grid_mismatch, square_side
+from .common import (
+    FUSED_QKV,
+    POINTWISE_CONV,
+    ConversionError,
+    Layout,
+    Transform,
+    check_grid_size,
+    grid_mismatch,
+    square_side,
+)
 
 _H = "vit.layers.{i}."
 # CLIP and SigLIP store the class token as (D,) and the positions as an nn.Embedding table (N, D).
@@ -52,6 +61,38 @@ def vit_rows(model: str) -> list[tuple]:
         (model + ".pooler.dense.{p}", "pre_logits.{p}"),
         ("classifier.{p}", "classifier.{p}"),  # DeiTForImageClassification's, or the teacher model's cls_classifier
     ]
+
+
+TRANSFORMERS_LAYOUT = Layout(  # the saved layout
+    "transformers ViT checkpoint",
+    [
+        *vit_rows("vit"),
+        # ViTForMaskedImageModeling (SimMIM): the [mask] embedding, and the decoder's 1x1 convolution as a linear map
+        ("vit.embeddings.mask_token", "vit.embeddings.mask_token"),
+        ("decoder.0.weight", "decoder.weight", POINTWISE_CONV),
+        ("decoder.0.bias", "decoder.bias"),
+    ],
+)
+# transformers v5 renames these fragments of the saved names in memory (`ViTForImageClassification.state_dict()`);
+# applied in this order, each direction is one pass.
+IN_MEMORY_NAMES = (
+    ("vit.encoder.layer.", "vit.layers."),
+    ("attention.attention.query.", "attention.q_proj."),
+    ("attention.attention.key.", "attention.k_proj."),
+    ("attention.attention.value.", "attention.v_proj."),
+    ("attention.output.dense.", "attention.o_proj."),
+    ("intermediate.dense.", "mlp.fc1."),
+    ("output.dense.", "mlp.fc2."),
+)
+
+
+def _vit_name(key: str) -> str:
+    """A transformers ViT weight's name in the saved layout, whichever names it came with."""
+    if not key.startswith(("vit.", "classifier.", "decoder.")):
+        key = f"vit.{key}"  # a bare ViTModel saves without the prefix
+    for saved, in_memory in IN_MEMORY_NAMES:
+        key = key.replace(in_memory, saved)
+    return key
 
 
 _D = "encoder.layer.{i}."
@@ -288,6 +329,14 @@ _SIGLIP = Family(
     "embeddings.position_embedding.weight",
 )  # fmt: skip
 FAMILIES: dict[str, Family] = {
+    "vit": Family(
+        "transformers' ViT layout",
+        TRANSFORMERS_LAYOUT,
+        vit_fields,
+        _vit_name,
+        r"$^",
+        "vit.embeddings.position_embeddings",
+    ),
     "dinov2": _DINOV2,
     "dinov2_with_registers": _DINOV2,
     "deit": Family(
@@ -299,9 +348,14 @@ FAMILIES: dict[str, Family] = {
 
 
 def family_config(
-    config_json: dict, keys: Collection[str], image_size: Any = None, check_only: bool = False
+    config_json: dict,
+    keys: Collection[str],
+    image_size: Any = None,
+    check_only: bool = False,
+    where: str | None = None,
 ) -> VisionTransformerConfig | None:
-    """The hf-vit config of a family checkpoint; `check_only`: refuse what `config.json` alone rules out."""
+    """The hf-vit config of a family checkpoint; `check_only`: refuse what `config.json` alone rules out (`where`:
+    its path, for errors)."""
     family = FAMILIES[config_json["model_type"]]
     if check_only:
         family.config_fields(config_json, ())
@@ -316,8 +370,10 @@ def family_config(
     try:
         config = VisionTransformerConfig(zero_init_head=False, **fields)
     except ValueError as error:
-        raise ConversionError(f"config.json does not describe a model hf-vit can build: {error}") from error
-    check_grid_size(config)
+        raise ConversionError(
+            f"{where or 'config.json'} does not describe a model hf-vit can build: {error}"
+        ) from error
+    check_grid_size(config, where)
     return config
 
 
@@ -347,11 +403,17 @@ def family_state_dict(
     model_type: str,
     source: Mapping[str, Any],
     config: VisionTransformerConfig,
-    shapes: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, torch.Tensor] | None = None,
     resample: bool = False,
 ):
-    """A family checkpoint's weights for `config`, lazily; `resample`: another grid resampled, else refused."""
+    """A family checkpoint's weights for `config`; with `shapes` (meta tensors) lazily as loading reads them
+    (`Layout.to_hf_lazy`). `resample`: another grid resampled, else refused (as transformers refuses it)."""
     family = FAMILIES[model_type]
-    source, shapes = family.names(source), family.names(shapes)
+    source, shapes = family.names(source), family.names(shapes) if shapes is not None else None
+    if config.representation_size is None:  # a classifier ignores a pooler, as ViTForImageClassification does
+        source = {k: v for k, v in source.items() if ".pooler." not in k}
+        shapes = {k: v for k, v in shapes.items() if ".pooler." not in k} if shapes is not None else None
     problems = positions_problems(source, shapes, family.positions, config, resample)
+    if shapes is None:
+        return family.layout.to_hf(source, config, problems)
     return family.layout.to_hf_lazy(source, shapes, config, problems)

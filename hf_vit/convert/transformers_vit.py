@@ -10,58 +10,20 @@ import logging
 import os
 from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
 from .common import (
-    POINTWISE_CONV,
     ConversionError,
-    Layout,
-    check_grid_size,
     convert_checkpoint,
     read_json,
     read_safetensors,
 )
 from .sources import safetensors_files
-from .transformers_families import positions_problems, vit_fields, vit_rows
+from .transformers_families import FAMILIES, IN_MEMORY_NAMES, TRANSFORMERS_LAYOUT, family_config, family_state_dict
 
 logger = logging.getLogger(__name__)
-
-TRANSFORMERS_LAYOUT = Layout(  # the saved layout
-    "transformers ViT checkpoint",
-    [
-        *vit_rows("vit"),
-        # ViTForMaskedImageModeling (SimMIM): the [mask] embedding, and the decoder's 1x1 convolution as a linear map
-        ("vit.embeddings.mask_token", "vit.embeddings.mask_token"),
-        ("decoder.0.weight", "decoder.weight", POINTWISE_CONV),
-        ("decoder.0.bias", "decoder.bias"),
-    ],
-)
-# transformers v5 renames these fragments of the saved names in memory (`ViTForImageClassification.state_dict()`);
-# applied in this order, each direction is one pass.
-_IN_MEMORY_NAMES = (
-    ("vit.encoder.layer.", "vit.layers."),
-    ("attention.attention.query.", "attention.q_proj."),
-    ("attention.attention.key.", "attention.k_proj."),
-    ("attention.attention.value.", "attention.v_proj."),
-    ("attention.output.dense.", "attention.o_proj."),
-    ("intermediate.dense.", "mlp.fc1."),
-    ("output.dense.", "mlp.fc2."),
-)
-
-
-def _saved_layout(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transformers ViT state dict under the saved layout's names, whichever names it came with."""
-    out = {}
-    for key, value in state_dict.items():
-        if not key.startswith(("vit.", "classifier.", "decoder.")):
-            key = f"vit.{key}"  # a bare ViTModel saves without the prefix
-        for saved, in_memory in _IN_MEMORY_NAMES:
-            key = key.replace(in_memory, saved)
-        out[key] = value
-    return out
 
 
 def transformers_to_hf_vit_state_dict(
@@ -70,7 +32,7 @@ def transformers_to_hf_vit_state_dict(
     """A transformers ViT state dict (saved or v5 in-memory names) under hf-vit names, `qkv` fused; one
     `ConversionError` lists every unplaced array and missing part (with `config`: every missing or misshapen
     weight)."""
-    return TRANSFORMERS_LAYOUT.to_hf(_saved_layout(state_dict), config)
+    return TRANSFORMERS_LAYOUT.to_hf(FAMILIES["vit"].names(state_dict), config)
 
 
 def hf_vit_to_transformers_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,7 +44,7 @@ def hf_vit_to_transformers_module_state_dict(state_dict: dict[str, torch.Tensor]
     """hf-vit weights under the names a transformers v5 `ViTForImageClassification` module has in memory."""
     out = {}
     for key, value in hf_vit_to_transformers_state_dict(state_dict).items():
-        for saved, in_memory in _IN_MEMORY_NAMES:
+        for saved, in_memory in IN_MEMORY_NAMES:
             key = key.replace(saved, in_memory)
         out[key] = value
     return out
@@ -111,8 +73,7 @@ def transformers_processor(folder: Path, image_size: tuple[int, int], default_to
 
 
 def transformers_config(folder: Path, keys: Collection[str]) -> VisionTransformerConfig:
-    """The hf-vit config of a transformers ViT folder whose weights are named `keys` (`transformers_families`'
-    `vit_fields`)."""
+    """The hf-vit config of a transformers ViT folder whose weights are named `keys` (`vit_fields`)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ConversionError(f"{folder} has no config.json; pass the folder of a saved transformers ViT model.")
@@ -121,34 +82,7 @@ def transformers_config(folder: Path, keys: Collection[str]) -> VisionTransforme
         raise ConversionError(
             f"Expected a transformers ViT config (model_type 'vit'), got {config_json.get('model_type')!r}."
         )
-    fields = vit_fields({**config_json, "model_type": "vit"}, set(_saved_layout(dict.fromkeys(keys))))
-    dtype = config_json.get("dtype", config_json.get("torch_dtype"))
-    try:
-        config = VisionTransformerConfig(zero_init_head=False, **fields, **({"dtype": dtype} if dtype else {}))
-    except ValueError as error:
-        raise ConversionError(f"{config_path} does not describe a model hf-vit can build: {error}") from error
-    check_grid_size(config, str(config_path))
-    return config
-
-
-def transformers_state_dict(
-    source: dict[str, Any],
-    config: VisionTransformerConfig,
-    shapes: dict[str, torch.Tensor] | None = None,
-    resample: bool = False,
-) -> dict:
-    """A transformers ViT folder's weights converted for `config`; with `shapes` (meta tensors) lazily as loading
-    reads them (`Layout.to_hf_lazy`). `resample`: positions of another grid are resampled to `config`'s, else
-    refused as transformers refuses them."""
-    source = _saved_layout(source)
-    shapes = _saved_layout(shapes) if shapes is not None else None
-    if config.representation_size is None:
-        source = {k: v for k, v in source.items() if not k.startswith("vit.pooler.")}
-        shapes = {k: v for k, v in shapes.items() if not k.startswith("vit.pooler.")} if shapes is not None else None
-    problems = positions_problems(source, shapes, "vit.embeddings.position_embeddings", config, resample)
-    if shapes is None:
-        return TRANSFORMERS_LAYOUT.to_hf(source, config, problems)
-    return TRANSFORMERS_LAYOUT.to_hf_lazy(source, shapes, config, problems)
+    return family_config({**config_json, "model_type": "vit"}, keys, where=str(config_path))
 
 
 def read_transformers_checkpoint(input_dir: str | os.PathLike):
@@ -163,7 +97,7 @@ def read_transformers_checkpoint(input_dir: str | os.PathLike):
         )
     source = read_safetensors(files, header_only=False)
     config = transformers_config(input_dir, source)
-    state_dict = transformers_state_dict(source, config)
+    state_dict = family_state_dict("vit", source, config)
     return config, state_dict, transformers_processor(input_dir, config.image_hw)
 
 
