@@ -6,7 +6,6 @@ v5 renames these in memory to `vit.layers.{i}.attention.q_proj.weight`. Both are
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Collection
 from pathlib import Path
@@ -14,16 +13,9 @@ from pathlib import Path
 import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
-from .common import (
-    ConversionError,
-    convert_checkpoint,
-    read_json,
-    read_safetensors,
-)
+from .common import ConversionError, convert_checkpoint, read_json, read_safetensors
 from .sources import safetensors_files
 from .transformers_families import FAMILIES, IN_MEMORY_NAMES, TRANSFORMERS_LAYOUT, family_config, family_state_dict
-
-logger = logging.getLogger(__name__)
 
 
 def transformers_to_hf_vit_state_dict(

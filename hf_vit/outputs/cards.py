@@ -4,7 +4,6 @@ for a run's folder (`write_model_card`) and for a folder the project made from a
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -18,9 +17,6 @@ from ..metrics import few_images_warning, images_text
 from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
 from ..model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .files import CARD_TEMPLATE, remote_code_files, write_beside
-
-logger = logging.getLogger(__name__)
-
 
 HOMEPAGE = "https://github.com/hf-vit/hf-vit"
 DATASET_DESCRIPTIONS = {
