@@ -194,7 +194,7 @@ class ForeignCheckpoint:
                 )
             if self.layout not in ("timm", "timm_naflex"):  # transformers' ViT or one of the families
                 config_json = read_json(self.folder / "config.json")
-                family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
+                FAMILIES[self.layout].config_fields(config_json, ())  # a text tower is refused before any weights
                 files = self._weight_files()
                 shapes = read_safetensors(files)
                 size = image_size_field(image_size) if image_size is not None else None

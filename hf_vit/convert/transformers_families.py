@@ -351,15 +351,10 @@ def family_config(
     config_json: dict,
     keys: Collection[str],
     image_size: Any = None,
-    check_only: bool = False,
     where: str | None = None,
-) -> VisionTransformerConfig | None:
-    """The hf-vit config of a family checkpoint; `check_only`: refuse what `config.json` alone rules out (`where`:
-    its path, for errors)."""
+) -> VisionTransformerConfig:
+    """The hf-vit config of a family checkpoint (`where`: its config.json's path, for errors)."""
     family = FAMILIES[config_json["model_type"]]
-    if check_only:
-        family.config_fields(config_json, ())
-        return None
     names = family.names(dict.fromkeys(keys))
     fields = family.config_fields(config_json, names)
     if image_size is not None:
