@@ -281,8 +281,9 @@ def read_jax_checkpoint(
     hidden_act: str = "gelu_pytorch_tanh",
     resize_mode: str = "bilinear",
 ):
-    """`(config, state_dict, processor)` of an authors' `.npz` checkpoint (mean = std = 0.5)."""
-    from ..model.image_processing_vit import VisionTransformerImageProcessor
+    """`(config, state_dict, processor)` of an authors' `.npz` checkpoint (mean = std = 0.5, bilinear: the processor
+    timm gives a checkpoint without settings)."""
+    from .timm_vit import timm_processor
 
     arrays = load_npz(input_path)
     config = infer_config_from_npz(arrays, preset=preset, image_size=image_size, hidden_act=hidden_act)
@@ -292,12 +293,7 @@ def read_jax_checkpoint(
             raise ConversionError(f"{len(labels)} labels given for a head of {config.num_labels} classes.")
         set_label_names(config, labels)
     state_dict = npz_to_hf_vit_state_dict(arrays, config, resize_mode=resize_mode)
-    height, width = config.image_hw
-    half = [0.5] * config.num_channels
-    processor = VisionTransformerImageProcessor(
-        size={"height": height, "width": width}, image_mean=half, image_std=half
-    )
-    return config, state_dict, processor
+    return config, state_dict, timm_processor(config, None)
 
 
 def convert_jax_checkpoint(
