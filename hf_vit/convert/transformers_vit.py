@@ -6,6 +6,7 @@ v5 renames these in memory to `vit.layers.{i}.attention.q_proj.weight`. Both are
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Collection
 from pathlib import Path
@@ -34,12 +35,8 @@ def hf_vit_to_transformers_state_dict(state_dict: dict[str, torch.Tensor]) -> di
 
 def hf_vit_to_transformers_module_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """hf-vit weights under the names a transformers v5 `ViTForImageClassification` module has in memory."""
-    out = {}
-    for key, value in hf_vit_to_transformers_state_dict(state_dict).items():
-        for saved, in_memory in IN_MEMORY_NAMES:
-            key = key.replace(saved, in_memory)
-        out[key] = value
-    return out
+    saved = hf_vit_to_transformers_state_dict(state_dict)
+    return {functools.reduce(lambda k, names: k.replace(*names), IN_MEMORY_NAMES, key): v for key, v in saved.items()}
 
 
 def transformers_processor(folder: Path, image_size: tuple[int, int], default_to_square: bool = True):
