@@ -192,11 +192,8 @@ class Layout:
         """`to_hf` computed tensor by tensor as transformers' loading reads it (`source`: safetensors slices or
         tensors, `shapes`: them as meta tensors). What needs no model is checked now; the check against `config`'s
         model is the result's `verify()`, run when loading reports a problem (measured: docs/benchmarks.md)."""
-        snapshot = copy.deepcopy(config)  # the caller may change `config` before it loads (a new head, labels)
-
-        def verify() -> None:
-            self.to_hf(shapes, snapshot, problems)
-
+        # `config` copied: the caller may change it before it loads (a new head, labels)
+        verify = functools.partial(self.to_hf, shapes, copy.deepcopy(config), problems)
         plan: dict[str, tuple[Transform, list]] = {}
         unusual = bool(problems)
         for key, shape in shapes.items():
