@@ -11,6 +11,7 @@ refused by name (DINOv2's SwiGLU and classification head, the text towers).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -90,9 +91,7 @@ def _vit_name(key: str) -> str:
     """A transformers ViT weight's name in the saved layout, whichever names it came with."""
     if not key.startswith(("vit.", "classifier.", "decoder.")):
         key = f"vit.{key}"  # a bare ViTModel saves without the prefix
-    for saved, in_memory in IN_MEMORY_NAMES:
-        key = key.replace(in_memory, saved)
-    return key
+    return functools.reduce(lambda k, names: k.replace(names[1], names[0]), IN_MEMORY_NAMES, key)
 
 
 _D = "encoder.layer.{i}."
