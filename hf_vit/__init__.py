@@ -45,28 +45,23 @@ __all__ = [
 ]
 
 AutoConfig.register(VisionTransformerConfig.model_type, VisionTransformerConfig, exist_ok=True)
-AutoModel.register(VisionTransformerConfig, VisionTransformerModel, exist_ok=True)
-AutoModelForImageClassification.register(
-    VisionTransformerConfig, VisionTransformerForImageClassification, exist_ok=True
-)
-AutoBackbone.register(VisionTransformerConfig, VisionTransformerBackbone, exist_ok=True)
-AutoModelForPreTraining.register(VisionTransformerConfig, VisionTransformerForMaskedPatchPrediction, exist_ok=True)
-# SimMIM, or masked patch prediction where the config's `masked_image_modeling` says so (the class chooses)
-AutoModelForMaskedImageModeling.register(
-    VisionTransformerConfig, VisionTransformerForMaskedImageModeling, exist_ok=True
-)
+# Saving copies the code files beside the weights and records them in `auto_map`. SimMIM's class answers for masked
+# image modeling, or masked patch prediction where the config's `masked_image_modeling` says so (the class chooses).
+for _auto, _model in (
+    (AutoModel, VisionTransformerModel),
+    (AutoModelForImageClassification, VisionTransformerForImageClassification),
+    (AutoBackbone, VisionTransformerBackbone),
+    (AutoModelForPreTraining, VisionTransformerForMaskedPatchPrediction),
+    (AutoModelForMaskedImageModeling, VisionTransformerForMaskedImageModeling),
+):
+    _auto.register(VisionTransformerConfig, _model, exist_ok=True)
+    _model.register_for_auto_class(_auto.__name__)
 # One torch implementation serves both of transformers' backend slots, so no "backend unavailable" fallback happens.
 AutoImageProcessor.register(
     VisionTransformerConfig,
     image_processor_classes={"torchvision": VisionTransformerImageProcessor, "pil": VisionTransformerImageProcessor},
     exist_ok=True,
 )
-
-# Saving copies the code files beside the weights and records them in `auto_map`.
 VisionTransformerConfig.register_for_auto_class()
-VisionTransformerModel.register_for_auto_class("AutoModel")
-VisionTransformerForImageClassification.register_for_auto_class("AutoModelForImageClassification")
-VisionTransformerBackbone.register_for_auto_class("AutoBackbone")
-VisionTransformerForMaskedPatchPrediction.register_for_auto_class("AutoModelForPreTraining")
-VisionTransformerForMaskedImageModeling.register_for_auto_class("AutoModelForMaskedImageModeling")
 VisionTransformerImageProcessor.register_for_auto_class("AutoImageProcessor")
+del _auto, _model

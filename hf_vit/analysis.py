@@ -17,26 +17,6 @@ from torch import nn
 
 from .model.resolution import grid_for
 
-__all__ = [
-    "HEAD_FUSIONS",
-    "AttentionSummary",
-    "attention_summary",
-    "PrincipalComponents",
-    "attention_probabilities",
-    "attention_rollout",
-    "capture_attention",
-    "components_as_images",
-    "mean_attention_distance",
-    "mean_attention_distances",
-    "patch_distances",
-    "patch_embedding_components",
-    "position_embedding_similarity",
-    "rollout_map",
-    "rollout_maps",
-    "upsample_maps",
-    "write_analysis_figures",
-]
-
 IMAGES_PER_FIGURE = 8
 
 HEAD_FUSIONS = ("mean", "max", "min")
@@ -111,11 +91,7 @@ def capture_attention(
     `{layer: (B, heads, N, N)}` float32 (keys non-negative), as `output_attentions=True` returns them; the model's
     own attention path is untouched. Each forward replaces the previous one's entries."""
     captured: dict[int, torch.Tensor] = {}
-
-    def store(index: int, probs: torch.Tensor) -> None:
-        captured[index] = probs
-
-    with _attention_hooks(model, layers, store):
+    with _attention_hooks(model, layers, captured.__setitem__):
         yield captured
 
 
@@ -137,10 +113,6 @@ def attention_probabilities(
     with capture_attention(model, layers) as probs:
         _forward(model, pixel_values, interpolate_pos_encoding)
     return dict(probs)
-
-
-def _grid(model: nn.Module, pixel_values: torch.Tensor) -> tuple[int, int]:
-    return grid_for(tuple(pixel_values.shape[-2:]), _encoder(model).config.patch_size)
 
 
 def _fuse_heads(probs: torch.Tensor, head_fusion: str) -> torch.Tensor:
@@ -204,29 +176,8 @@ def rollout_maps(
     discard_ratio: float = 0.0,
     interpolate_pos_encoding: bool | None = None,
 ) -> torch.Tensor:
-    """Attention rollout of `model` on `pixel_values` as `(B, rows, cols)` maps (Figure 6)."""
-    return _rollout_and_distances(model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding)[0]
-
-
-def _rollout_and_distances(
-    model, pixel_values, head_fusion: str, discard_ratio: float, interpolate_pos_encoding, distances: bool = False
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The rollout maps of one forward and, with `distances`, each layer's per-image mean attention distances."""
-    _fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)  # reject a bad fusion name before running the model
-    config = _encoder(model).config
-    grid = _grid(model, pixel_values)
-    state: dict[str, torch.Tensor] = {}
-    found: list[torch.Tensor] = []
-
-    def accumulate(index: int, probs: torch.Tensor) -> None:
-        if distances:
-            found.append(mean_attention_distance(probs, grid, config.patch_size, config.num_prefix_tokens).cpu())
-        layer = _rollout_layer(probs, head_fusion, discard_ratio)
-        state["rollout"] = layer if "rollout" not in state else torch.bmm(layer, state["rollout"])
-
-    with _attention_hooks(model, None, accumulate):
-        _forward(model, pixel_values, interpolate_pos_encoding)
-    return rollout_map(state["rollout"], grid, config.num_prefix_tokens, config.classifier == "token"), found
+    """Attention rollout of `model` on `pixel_values` as `(B, rows, cols)` maps on the CPU (Figure 6)."""
+    return attention_summary(model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding).rollout
 
 
 def upsample_maps(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -267,7 +218,7 @@ def mean_attention_distances(
 ) -> torch.Tensor:
     """Mean attention distance in pixels per chosen layer and head: `(layers, heads)`."""
     config = _encoder(model).config
-    grid = _grid(model, pixel_values)
+    grid = grid_for(tuple(pixel_values.shape[-2:]), config.patch_size)
     results: dict[int, torch.Tensor] = {}
 
     def reduce(index: int, probs: torch.Tensor) -> None:
@@ -294,9 +245,20 @@ def attention_summary(
     interpolate_pos_encoding: bool | None = None,
 ) -> AttentionSummary:
     """`rollout_maps` and the per-image `mean_attention_distance` of every layer from a single forward."""
-    maps, distances = _rollout_and_distances(
-        model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding, distances=True
-    )
+    _fuse_heads(torch.zeros(1, 1, 1, 1), head_fusion)  # reject a bad fusion name before running the model
+    config = _encoder(model).config
+    grid = grid_for(tuple(pixel_values.shape[-2:]), config.patch_size)
+    state: dict[str, torch.Tensor] = {}
+    distances: list[torch.Tensor] = []
+
+    def accumulate(index: int, probs: torch.Tensor) -> None:
+        distances.append(mean_attention_distance(probs, grid, config.patch_size, config.num_prefix_tokens).cpu())
+        layer = _rollout_layer(probs, head_fusion, discard_ratio)
+        state["rollout"] = layer if "rollout" not in state else torch.bmm(layer, state["rollout"])
+
+    with _attention_hooks(model, None, accumulate):
+        _forward(model, pixel_values, interpolate_pos_encoding)
+    maps = rollout_map(state["rollout"], grid, config.num_prefix_tokens, config.classifier == "token")
     return AttentionSummary(maps.cpu(), torch.stack(distances, dim=1))
 
 

@@ -77,53 +77,28 @@ def native_example(model: VisionTransformerPreTrainedModel, max_num_patches: int
     return pixel_values.to(parameter.device, parameter.dtype) * mask[..., None], mask, shapes
 
 
-def output_names(model: VisionTransformerPreTrainedModel) -> list[str]:
-    if isinstance(model, VisionTransformerForImageClassification):
-        return ["logits"]
-    return ["last_hidden_state", "pooler_output"]
-
-
-def dynamic_shapes(model: VisionTransformerPreTrainedModel) -> dict:
-    """Batch, height and width free, height and width multiples of the patch size."""
-    patch = model.config.patch_size
-    side = int(MAX_PATCH_POSITIONS**0.5)
-    rows = torch.export.Dim("patch_rows", min=1, max=side)
-    cols = torch.export.Dim("patch_cols", min=1, max=side)
-    batch = torch.export.Dim("batch", min=1, max=4096)
-    return {"pixel_values": {0: batch, 2: patch * rows, 3: patch * cols}}
-
-
-def example_input(model: VisionTransformerPreTrainedModel) -> torch.Tensor:
-    # batch 2 and a grid of at least 2x2: dimensions of size 0 or 1 would be specialised by the tracer
-    rows, cols = (max(2, n) for n in model.config.grid_size)
-    patch = model.config.patch_size
-    parameter = next(model.parameters())
-    return torch.zeros(
-        2, model.config.num_channels, rows * patch, cols * patch, dtype=parameter.dtype, device=parameter.device
-    )
-
-
-def native_dynamic_shapes() -> dict:
-    """Batch and number of patches free; the patch width and the grids' 2 fixed."""
-    batch = torch.export.Dim("batch", min=1, max=4096)
-    patches = torch.export.Dim("patches", min=1, max=MAX_PATCH_POSITIONS)
-    return {
-        "pixel_values": {0: batch, 1: patches},
-        "pixel_attention_mask": {0: batch, 1: patches},
-        "spatial_shapes": {0: batch},
-    }
-
-
 def export_program(
     model: VisionTransformerPreTrainedModel, max_num_patches: int | None = None
 ) -> torch.export.ExportedProgram:
-    """`torch.export` of `model` with dynamic sizes (native-aspect with `max_num_patches`)."""
-    if max_num_patches is None:
-        graph = _GraphModel(model.eval())
-        return torch.export.export(graph, (example_input(model),), dynamic_shapes=dynamic_shapes(model))
-    check_native_export(model, max_num_patches)
-    example = native_example(model, max_num_patches)
-    return torch.export.export(_GraphModel(model.eval()), example, dynamic_shapes=native_dynamic_shapes())
+    """`torch.export` of `model`: batch, height and width free, multiples of the patch size; with
+    `max_num_patches`, a native-aspect batch of any batch and number of patches (the patch width and the grids' 2
+    fixed), traced at that many patches."""
+    graph, config = _GraphModel(model.eval()), model.config
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    if max_num_patches is not None:
+        check_native_export(model, max_num_patches)
+        patches = torch.export.Dim("patches", min=1, max=MAX_PATCH_POSITIONS)
+        shapes = {"pixel_values": {0: batch, 1: patches}, "pixel_attention_mask": {0: batch, 1: patches}}
+        example = native_example(model, max_num_patches)
+        return torch.export.export(graph, example, dynamic_shapes={**shapes, "spatial_shapes": {0: batch}})
+    side, patch = int(MAX_PATCH_POSITIONS**0.5), config.patch_size
+    rows, cols = (torch.export.Dim(f"patch_{name}", min=1, max=side) for name in ("rows", "cols"))
+    # batch 2 and a grid of at least 2x2: dimensions of size 0 or 1 would be specialised by the tracer
+    height, width = (max(2, n) * patch for n in config.grid_size)
+    parameter = next(model.parameters())
+    example = torch.zeros(2, config.num_channels, height, width, dtype=parameter.dtype, device=parameter.device)
+    dynamic = {"pixel_values": {0: batch, 2: patch * rows, 3: patch * cols}}
+    return torch.export.export(graph, (example,), dynamic_shapes=dynamic)
 
 
 def check_export_output(output: str | os.PathLike, format: str, source: str | os.PathLike | None = None) -> Path:
@@ -186,7 +161,9 @@ def export(
                 program,
                 dynamo=True,
                 input_names=NATIVE_INPUTS if max_num_patches is not None else ["pixel_values"],
-                output_names=output_names(model),
+                output_names=["logits"]
+                if isinstance(model, VisionTransformerForImageClassification)
+                else ["last_hidden_state", "pooler_output"],
                 external_data=False,
                 verbose=False,  # no progress lines of its own
             )
@@ -198,12 +175,21 @@ def export(
 
 
 @torch.no_grad()
-def _onnx_differences(
-    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, cases: dict
+def check_onnx(
+    path: str | os.PathLike,
+    model: VisionTransformerPreTrainedModel,
+    sizes: Sequence[tuple[int, int]] = (),
+    batch: int = 2,
+    patch_counts: Sequence[int] = (),
 ) -> dict[str, float]:
-    """The largest difference of the first output, onnxruntime vs PyTorch, for each case's inputs."""
+    """The largest difference of the first output, onnxruntime vs PyTorch, per image size ("HxW") or, for a
+    native-aspect graph, per number of patches ("N patches")."""
     import onnxruntime
 
+    generator = torch.Generator().manual_seed(0)
+    channels = model.config.num_channels
+    cases = {f"{h}x{w}": (torch.randn(batch, channels, h, w, generator=generator),) for h, w in sizes}
+    cases.update({f"{n} patches": native_example(model, n, batch, seed) for seed, n in enumerate(patch_counts)})
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     graph, differences = _GraphModel(model.eval()), {}
     for label, inputs in cases.items():
@@ -212,21 +198,3 @@ def _onnx_differences(
         got = session.run(None, dict(zip(NATIVE_INPUTS, (tensor.cpu().numpy() for tensor in inputs))))[0]
         differences[label] = float(np.abs(got - expected.float().cpu().numpy()).max())
     return differences
-
-
-def check_onnx(
-    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, sizes: Sequence[tuple[int, int]], batch: int = 2
-) -> dict[str, float]:
-    """The largest difference of the first output, onnxruntime vs PyTorch, per size ("HxW")."""
-    generator = torch.Generator().manual_seed(0)
-    channels = model.config.num_channels
-    cases = {f"{h}x{w}": (torch.randn(batch, channels, h, w, generator=generator),) for h, w in sizes}
-    return _onnx_differences(path, model, cases)
-
-
-def check_native_onnx(
-    path: str | os.PathLike, model: VisionTransformerPreTrainedModel, patch_counts: Sequence[int], batch: int = 3
-) -> dict[str, float]:
-    """The largest difference of the first output, onnxruntime vs PyTorch, per patch count."""
-    cases = {f"{n} patches": native_example(model, n, batch, seed) for seed, n in enumerate(patch_counts)}
-    return _onnx_differences(path, model, cases)

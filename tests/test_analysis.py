@@ -202,7 +202,8 @@ def test_mean_attention_distance_matches_numpy_on_captured_probabilities():
     torch.testing.assert_close(distances, torch.stack([d.mean(0) for d in per_image]))
     summary = attention_summary(model, x, interpolate_pos_encoding=True)
     torch.testing.assert_close(summary.mean_distances, torch.stack(per_image, dim=1))
-    torch.testing.assert_close(summary.rollout, rollout_maps(model, x, interpolate_pos_encoding=True))
+    rollout = attention_rollout([probs[layer] for layer in range(3)])  # the same forward's probabilities, rolled out
+    torch.testing.assert_close(summary.rollout, rollout_map(rollout, (3, 5), config.num_prefix_tokens))
 
 
 @pytest.mark.parametrize("classifier, image_size", [("token", 32), ("gap", [16, 32])])

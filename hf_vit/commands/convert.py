@@ -56,24 +56,22 @@ def main(argv: list[str] | None = None) -> int:
         help="jax: the MLP activation; default gelu_pytorch_tanh, the tanh GELU the authors' Flax code computes",
     )
     args = parser.parse_args(argv)
+    given = " and ".join(f"--{name}" for name in ("preset", "image_size") if getattr(args, name) is not None)
+    refusal = None
     if args.hidden_act is not None and args.source != "jax":
-        print(
-            f"error: --hidden_act is for --source jax; {args.source} checkpoints keep the exact GELU their own "
-            "models use.",
-            file=sys.stderr,
+        refusal = (
+            f"--hidden_act is for --source jax; {args.source} checkpoints keep the exact GELU their own models use."
         )
+    elif given and args.source == "transformers":
+        refusal = (
+            f"{given} cannot be used with --source transformers: the folder's config.json describes the model. "
+            "Convert first, then change the resolution with hf-vit-resize."
+        )
+    if refusal is not None:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     kwargs = {"overwrite": args.overwrite, "base_model": args.base_model}
-    if args.source == "transformers":
-        given = [f"--{name}" for name in ("preset", "image_size") if getattr(args, name) is not None]
-        if given:
-            print(
-                f"error: {' and '.join(given)} cannot be used with --source transformers: the folder's config.json "
-                "describes the model. Convert first, then change the resolution with hf-vit-resize.",
-                file=sys.stderr,
-            )
-            return 2
-    else:
+    if args.source != "transformers":
         kwargs.update(preset=args.preset, image_size=args.image_size)
     if args.hidden_act is not None:
         kwargs["hidden_act"] = args.hidden_act

@@ -14,15 +14,15 @@ patches and checked with onnxruntime at K and at a smaller and a larger count.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
-import torch
 from transformers.utils import logging as transformers_logging
 
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerModel
 from hf_vit.commands import CommandParser
-from hf_vit.export import FORMATS, check_export_output, check_native_onnx, check_onnx, export
+from hf_vit.export import FORMATS, check_export_output, check_onnx, export
 from hf_vit.flags import error_status
 
 
@@ -82,42 +82,27 @@ def main(argv: list[str] | None = None) -> int:
         path = export(model, args.output, args.format, overwrite=args.overwrite, max_num_patches=args.max_num_patches)
     except (OSError, ValueError) as error:
         return error_status(error)
-    _report(path, model, args)
+    _report(path, model, args, pairs)
     return 0
 
 
 def _missing_onnx_packages() -> list[str]:
     """The ONNX packages not installed (torch.onnx needs them deep inside the export)."""
-    import importlib
-
-    missing = []
-    for name in ("onnx", "onnxscript", "onnxruntime"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
-    return missing
+    return [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
 
 
-def _report(path: Path, model, args) -> None:
+def _report(path: Path, model, args, pairs: list[tuple[int, int]]) -> None:
     """Say what was written and, for ONNX, how far onnxruntime is from PyTorch on the sizes checked."""
-    config, patch = model.config, model.config.patch_size
-    if args.max_num_patches is not None:
-        print(f"wrote {path}: {type(model).__name__} as {args.format} on native-aspect batches, dynamic batch and "
-              "number of patches")  # fmt: skip
-        if args.format != "onnx":
-            return
-        counts = [args.max_num_patches, max(2, args.max_num_patches // 3), args.max_num_patches * 2]
-        with torch.no_grad():
-            differences = check_native_onnx(path, model, counts)
+    (height, width), patch, count = model.config.image_hw, model.config.patch_size, args.max_num_patches
+    written = f"wrote {path}: {type(model).__name__} as {args.format}"
+    if count is not None:
+        print(f"{written} on native-aspect batches, dynamic batch and number of patches")
+        sizes, counts = (), [count, max(2, count // 3), count * 2]
     else:
-        print(f"wrote {path}: {type(model).__name__} as {args.format}, dynamic batch, height and width")
-        if args.format != "onnx":
-            return
-        height, width = config.image_hw
-        sizes = list(zip(args.check_sizes[::2], args.check_sizes[1::2])) if args.check_sizes else None
-        sizes = sizes or [(height, width), (height + 2 * patch, max(patch, width - patch))]
-        with torch.no_grad():
-            differences = check_onnx(path, model, sizes)
+        print(f"{written}, dynamic batch, height and width")
+        sizes, counts = pairs or [(height, width), (height + 2 * patch, max(patch, width - patch))], ()
+    if args.format != "onnx":
+        return
+    differences = check_onnx(path, model, sizes, 3 if counts else 2, counts)
     print("onnxruntime vs PyTorch, largest absolute difference: "
           + ", ".join(f"{k}: {v:.1e}" for k, v in differences.items()))  # fmt: skip

@@ -18,11 +18,13 @@ import os
 import sys
 import textwrap
 from pathlib import Path
+from unittest import mock
 
 from hf_vit_cli import COMMANDS, PRESETS_FILE, flags_file
 
 HELP_FOLDER = Path(__file__).parent / "help"
 WIDTH = 119  # the help is saved, so its lines are wrapped at one width, not at the terminal's
+COLUMNS = mock.patch.dict(os.environ, {"COLUMNS": str(WIDTH)})  # the width argparse wraps at, while help is written
 
 TRAINING = {
     "hf-vit-pretrain": (
@@ -57,20 +59,6 @@ TRAINING = {
 }
 
 
-@contextlib.contextmanager
-def _wrapped_at(width: int):
-    """argparse wraps help at the terminal's width (`COLUMNS`): fixed here, so the saved text is one text."""
-    saved = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = str(width)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("COLUMNS", None)
-        else:
-            os.environ["COLUMNS"] = saved
-
-
 def own_flags(cls: type) -> list[str]:
     """The flags a dataclass of hf-vit's adds (to `TrainingArguments`'s for its subclasses)."""
     from transformers import TrainingArguments
@@ -101,7 +89,7 @@ def training_help(command: str) -> str:
         ("the data", DataArguments),
         ("the run and its recipe (beside Trainer's own flags)", VisionTransformerTrainingArguments),
     )
-    with _wrapped_at(WIDTH):
+    with COLUMNS:
         formatter = parser.formatter_class(prog=command)
         for title, cls in sections:
             names = set(own_flags(cls)) - left_out
@@ -178,7 +166,7 @@ def command_help(command: str) -> str:
         return training_help(command)
     module, function = COMMANDS[command]
     out = io.StringIO()
-    with _wrapped_at(WIDTH), contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
+    with COLUMNS, contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
         argv, sys.argv = sys.argv, [command, "--help"]
         try:
             getattr(importlib.import_module(module), function)()

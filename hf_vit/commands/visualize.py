@@ -108,13 +108,12 @@ def _visualize(args: VisualizeArguments) -> list[Path]:
         # by a native-aspect run (packed or not) is drawn from whole images at its size, as --image_size draws them
         # at another.
         processor = processor.with_options(max_num_patches=None, packed_sequence_length=None)
-    if args.image_size is not None:
-        height, width = (args.image_size * 2)[:2]
-        if height % config.patch_size or width % config.patch_size:
-            raise ValueError(
-                f"--image_size {' '.join(map(str, args.image_size))}: the model's patches are {config.patch_size}x"
-                f"{config.patch_size}; pass sizes divisible by {config.patch_size}."
-            )
+    size = None if args.image_size is None else tuple((args.image_size * 2)[:2])
+    if size is not None and (size[0] % config.patch_size or size[1] % config.patch_size):
+        raise ValueError(
+            f"--image_size {' '.join(map(str, args.image_size))}: the model's patches are {config.patch_size}x"
+            f"{config.patch_size}; pass sizes divisible by {config.patch_size}."
+        )
     images, captions = load_inputs(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # The classification class loads encoder-only folders too (only a head may be missing), without a load report.
@@ -127,7 +126,7 @@ def _visualize(args: VisualizeArguments) -> list[Path]:
         images,
         args.output,
         captions=captions,
-        image_size=None if args.image_size is None else tuple((args.image_size * 2)[:2]),
+        image_size=size,
         head_fusion=args.head_fusion,
         discard_ratio=args.discard_ratio,
         num_components=args.num_components,

@@ -12,31 +12,12 @@ position embeddings and stacked blocks (`scan=True`) are refused by name.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import numpy as np
-import torch
 
-from ..model.configuration_vit import VisionTransformerConfig
-from .common import (
-    ConversionError,
-    Layout,
-    build_config,
-    load_preset,
-    preset_mismatches,
-    resample_positions,
-)
-from .flax_layout import (
-    CONV,
-    DENSE,
-    SCAN_ERROR,
-    _tensor,
-    attention_rows,
-    mlp_rows,
-    norm_rows,
-    read_image_size,
-    read_sizes,
-)
+from .common import ConversionError, Layout
+from .flax_layout import CONV, DENSE, SCAN_ERROR, attention_rows, mlp_rows, norm_rows
 
 _B, _H = "Transformer/encoderblock_{i}/", "vit.layers.{i}."
 _MAP, _HMAP = "MAPHead_0/", "vit.attention_pool."
@@ -109,37 +90,3 @@ def big_vision_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]
     if "cls" in out and isinstance(pos, np.ndarray) and pos.ndim == 3:
         out["pos_embedding"] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)
     return out
-
-
-def infer_config_from_big_vision(
-    arrays: Mapping[str, np.ndarray],
-    preset: str | None = None,
-    image_size: int | Sequence[int] | None = None,
-    hidden_act: str | None = None,
-) -> VisionTransformerConfig:
-    """The hf-vit config of a big_vision `.npz` checkpoint, read from its array shapes (`flax_layout.read_sizes`),
-    pooling from `cls` ("token"), `MAPHead_0` ("map") or neither ("gap"), the image size from the (square) position
-    grid unless given; `preset`'s sizes must match the arrays."""
-    source = big_vision_arrays(arrays)
-    problems: list[str] = []
-    fields = read_sizes(
-        source, _B.format(i=0) + "MultiHeadDotProductAttention_0/", _B.format(i=0) + "MlpBlock_0/", problems
-    )
-    fields["classifier"] = "token" if "cls" in source else "map" if _MAP + "probe" in source else "gap"
-    if "cls" in source and _MAP + "probe" in source:
-        problems.append("the checkpoint has both a class token (cls) and attention pooling (MAPHead_0)")
-    read_image_size(source, "pos_embedding", fields, image_size, problems)
-    if preset is not None:
-        problems += preset_mismatches(fields, load_preset(preset), preset)
-    base = dict(BIG_VISION_DEFAULTS, **({"hidden_act": hidden_act} if hidden_act else {}))
-    return build_config(base, fields, problems, "big_vision checkpoint")
-
-
-def big_vision_to_hf_vit_state_dict(
-    arrays: Mapping[str, np.ndarray], config: VisionTransformerConfig, resize_mode: str | None = None
-) -> dict[str, torch.Tensor]:
-    """A big_vision checkpoint's arrays under hf-vit's names, checked, the grid resampled."""
-    source = {key: _tensor(value) for key, value in big_vision_arrays(arrays).items()}
-    mode = resize_mode or config.interpolation_mode
-    source = resample_positions(source, "pos_embedding", config, mode, config.interpolation_antialias)
-    return BIG_VISION_LAYOUT.to_hf(source, config)

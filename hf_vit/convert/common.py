@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
+import json
 import math
 import os
 import re
@@ -55,6 +57,17 @@ def read_safetensors(files: list[Path], header_only: bool = True) -> dict[str, t
         except SafetensorError as error:
             raise ConversionError(f"{path} is truncated or corrupted ({error}); download or save it again.") from error
     return out
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from `path`, or a `ConversionError` naming the file and what is wrong with it."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConversionError(f"{path} is not readable JSON: {error}. Fix or replace the file.") from error
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path} holds a JSON {type(value).__name__}, not an object; fix or replace the file.")
+    return value
 
 
 def raise_problems(what: str, problems: Sequence[str]) -> None:
@@ -138,10 +151,6 @@ class Layout:
                     return index, part, match.groupdict()
         return None
 
-    def places(self, key: str) -> bool:
-        """Whether a row of the table matches the source key `key`."""
-        return self._find(key) is not None
-
     def to_hf(
         self,
         source: Mapping[str, torch.Tensor],
@@ -183,11 +192,8 @@ class Layout:
         """`to_hf` computed tensor by tensor as transformers' loading reads it (`source`: safetensors slices or
         tensors, `shapes`: them as meta tensors). What needs no model is checked now; the check against `config`'s
         model is the result's `verify()`, run when loading reports a problem (measured: docs/benchmarks.md)."""
-        snapshot = copy.deepcopy(config)  # the caller may change `config` before it loads (a new head, labels)
-
-        def verify() -> None:
-            self.to_hf(shapes, snapshot, problems)
-
+        # `config` copied: the caller may change it before it loads (a new head, labels)
+        verify = functools.partial(self.to_hf, shapes, copy.deepcopy(config), problems)
         plan: dict[str, tuple[Transform, list]] = {}
         unusual = bool(problems)
         for key, shape in shapes.items():
@@ -289,7 +295,7 @@ def check_state_dict(
         expected = converted_model_class(state_dict, layout)(config).state_dict()
     if layout is not None:
         expected = layout.from_hf(expected, config)
-    placed = {key for key in state_dict if layout is None or layout.places(key)}
+    placed = {key for key in state_dict if layout is None or layout._find(key) is not None}
     lines = [*problems, *_listing(set(state_dict) - placed, set(expected) - set(state_dict), placed - set(expected))]
     for key in sorted(placed & set(expected)):
         value, shape = state_dict[key], tuple(expected[key].shape)
@@ -362,20 +368,21 @@ def set_label_names(config: VisionTransformerConfig, labels: Any) -> None:
         config.label2id = {name: i for i, name in enumerate(labels)}
 
 
-def load_preset(preset: str) -> VisionTransformerConfig:
-    """The config of a named preset, its errors as `ConversionError`."""
-    try:
-        return VisionTransformerConfig.from_preset(preset)
-    except ValueError as error:
-        raise ConversionError(str(error)) from error
+def _conversion_errors(function: Callable) -> Callable:
+    """`function` with its `ValueError`s raised as `ConversionError`s."""
+
+    @functools.wraps(function)
+    def call(*args: Any) -> Any:
+        try:
+            return function(*args)
+        except ValueError as error:
+            raise ConversionError(str(error)) from error
+
+    return call
 
 
-def image_size_field(image_size: int | Sequence[int]) -> int | list[int]:
-    """`image_size` as a config field, errors as `ConversionError`."""
-    try:
-        return config_image_size(image_size)
-    except ValueError as error:
-        raise ConversionError(str(error)) from error
+load_preset = _conversion_errors(VisionTransformerConfig.from_preset)
+image_size_field = _conversion_errors(config_image_size)
 
 
 def preset_mismatches(fields: Mapping[str, object], preset_config: VisionTransformerConfig, preset: str) -> list[str]:
@@ -410,50 +417,32 @@ def build_config(
 
 
 def convert_checkpoint(
-    read: Callable[[], tuple], source: str | os.PathLike, output_dir, overwrite: bool, what: str, base_model
+    read: Callable[..., tuple], source: str | os.PathLike, output_dir, overwrite: bool, what: str, base_model, options
 ):
-    """Check `output_dir` before any loading, then write `read()`'s `(config, state_dict, processor)` there."""
-    check_output_dir(output_dir, overwrite, [source])
-    config, state_dict, processor = read()
-    return save_converted_model(
-        config, state_dict, processor, output_dir, overwrite, source=source, source_format=what, base_model=base_model
-    )
-
-
-def save_converted_model(
-    config: VisionTransformerConfig,
-    state_dict: Mapping[str, torch.Tensor],
-    processor,
-    output_dir: str | os.PathLike,
-    overwrite: bool = False,
-    *,
-    source: str | os.PathLike | None = None,
-    source_format: str = "another layout",
-    base_model: str | None = None,
-):
-    """Build `config`'s model (SimMIM's with a decoder), load `state_dict` strictly and write it with `processor`
-    and a card to `output_dir` only if all of that succeeded; returns the model in eval mode. The output may not
-    overlap `source`, whose name is the card's base model unless `base_model` is given."""
-    inputs = [source] if source is not None else []
-    target = check_output_dir(output_dir, overwrite, inputs)  # fail before building anything
+    """Check `options` and `output_dir` before any loading, then build the model of `read(source, **options)`'s
+    `(config, state_dict, processor)` (SimMIM's with a decoder), load the weights strictly and write it with the
+    processor and a card there only if all of that succeeded; returns the model in eval mode. The card's base model
+    is `base_model`, else `source`'s name."""
+    inspect.signature(read).bind(source, **options)  # a misspelt option is a TypeError before any work
+    target = check_output_dir(output_dir, overwrite, [source])
+    config, state_dict, processor = read(source, **options)
     check_state_dict(state_dict, config)
     model = converted_model_class(state_dict)(config)
     model.load_state_dict(state_dict, strict=True)
     model.eval()
-    base_model = base_model or (Path(source).expanduser().resolve().name if source is not None else None)
+    base_model = base_model or Path(source).expanduser().resolve().name
 
     def save(folder: Path) -> None:
         model.save_pretrained(folder)
         processor.save_pretrained(folder)
-        if base_model:
-            write_card(
-                folder,
-                model,
-                base_model=base_model,
-                output_name=target.name,
-                summary=f"`{base_model}` converted from {source_format} to hf-vit; the weights are unchanged.",
-                recipe=f"not trained by hf-vit: the weights are those of `{base_model}`, renamed to hf-vit's layout.",
-            )
+        write_card(
+            folder,
+            model,
+            base_model=base_model,
+            output_name=target.name,
+            summary=f"`{base_model}` converted from {what} to hf-vit; the weights are unchanged.",
+            recipe=f"not trained by hf-vit: the weights are those of `{base_model}`, renamed to hf-vit's layout.",
+        )
 
-    write_converted_folder(save, target, overwrite=overwrite, inputs=inputs)
+    write_converted_folder(save, target, overwrite=overwrite, inputs=[source])
     return model

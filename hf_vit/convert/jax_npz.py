@@ -19,7 +19,6 @@ import re
 import zipfile
 import zlib
 from collections.abc import Mapping, Sequence
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -144,18 +143,21 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 def npz_to_hf_vit_state_dict(
     arrays: Mapping[str, np.ndarray], config: VisionTransformerConfig, resize_mode: str = "bilinear"
 ) -> dict[str, torch.Tensor]:
-    """The arrays of an authors' `.npz` checkpoint as the state dict of `config`'s classification model (every
-    array placed, every weight found with its shape, else one `ConversionError`); the position grid resampled to
-    `config`'s with `resize_mode`."""
-    from .big_vision_npz import big_vision_to_hf_vit_state_dict, is_big_vision
+    """The arrays of an authors' (or big_vision's) `.npz` checkpoint as the state dict of `config`'s classification
+    model (every array placed, every weight found with its shape, else one `ConversionError`); the position grid
+    resampled to `config`'s with `resize_mode`."""
+    from .big_vision_npz import BIG_VISION_LAYOUT, big_vision_arrays, is_big_vision
 
-    if is_big_vision(arrays):
-        return big_vision_to_hf_vit_state_dict(arrays, config, resize_mode)
-    source = {key: _tensor(value) for key, value in canonical_arrays(arrays).items()}
-    source = resample_positions(source, POS_KEY, config, resize_mode)
-    hints = [hint for pattern, hint in _FOREIGN_HINTS if any(pattern in key for key in source)]
-    problems = [f"some arrays look like {'; '.join(hints)}"] if hints else []
-    return JAX_LAYOUT.to_hf(source, config, problems)
+    if is_big_vision(arrays):  # a MAP head is big_vision's own
+        layout, pos_key, source, problems = BIG_VISION_LAYOUT, "pos_embedding", big_vision_arrays(arrays), []
+    else:
+        layout, pos_key, source = JAX_LAYOUT, POS_KEY, canonical_arrays(arrays)
+        hints = [hint for pattern, hint in _FOREIGN_HINTS if any(pattern in key for key in source)]
+        problems = [f"some arrays look like {'; '.join(hints)}"] if hints else []
+    source = {key: _tensor(value) for key, value in source.items()}
+    mode = resize_mode or config.interpolation_mode
+    source = resample_positions(source, pos_key, config, mode, config.interpolation_antialias)
+    return layout.to_hf(source, config, problems)
 
 
 def hf_vit_to_npz_arrays(
@@ -198,25 +200,35 @@ def infer_config_from_npz(
     hidden_act: str = "gelu_pytorch_tanh",
 ) -> VisionTransformerConfig:
     """The hf-vit config of an `.npz` checkpoint, read from its array shapes (`flax_layout.read_sizes`; a hybrid's
-    stem from `conv_root` and the `block{s}/unit{u}` names), the classifier "token" with `cls` else "gap", the image
-    size from the position grid unless `image_size` is given. The rest comes from `preset` (its sizes must match the
-    arrays; its resolution is not used) or the paper's defaults."""
-    from .big_vision_npz import infer_config_from_big_vision, is_big_vision
+    stem from `conv_root` and the `block{s}/unit{u}` names), the classifier "token" with `cls`, "map" with big_vision's
+    `MAPHead_0`, else "gap", the image size from the position grid unless `image_size` is given. The rest comes from
+    `preset` (its sizes must match the arrays; its resolution is not used) or the paper's (big_vision's) defaults."""
+    from .big_vision_npz import BIG_VISION_DEFAULTS, big_vision_arrays, is_big_vision
 
+    problems: list[str] = []
     if is_big_vision(arrays):
-        return infer_config_from_big_vision(arrays, preset, image_size, hidden_act)
-    source = canonical_arrays(arrays)
-    problems = []
-    hybrid = (lambda kernel: _hybrid_fields(source, kernel, problems)) if "conv_root/kernel" in source else None
-    fields = read_sizes(source, _ATTN.format(i=0), _MLP.format(i=0), problems, hybrid)
-    fields["classifier"] = "token" if "cls" in source else "gap"
-    read_image_size(source, POS_KEY, fields, image_size, problems)
-    base = dict(PAPER_DEFAULTS, hidden_act=hidden_act)
+        source, pos_key, block = big_vision_arrays(arrays), "pos_embedding", "Transformer/encoderblock_0/"
+        fields = read_sizes(source, block + "MultiHeadDotProductAttention_0/", block + "MlpBlock_0/", problems)
+        pooled = "MAPHead_0/probe" in source
+        fields["classifier"] = "token" if "cls" in source else "map" if pooled else "gap"
+        if "cls" in source and pooled:
+            problems.append("the checkpoint has both a class token (cls) and attention pooling (MAPHead_0)")
+        base, what = dict(BIG_VISION_DEFAULTS, **({"hidden_act": hidden_act} if hidden_act else {})), "big_vision "
+    else:
+        source, pos_key = canonical_arrays(arrays), POS_KEY
+        hybrid = (lambda kernel: _hybrid_fields(source, kernel, problems)) if "conv_root/kernel" in source else None
+        fields = read_sizes(source, _ATTN.format(i=0), _MLP.format(i=0), problems, hybrid)
+        fields["classifier"] = "token" if "cls" in source else "gap"
+        base, what = dict(PAPER_DEFAULTS, hidden_act=hidden_act), ""
+    read_image_size(source, pos_key, fields, image_size, problems)
     if preset is not None:
         preset_config = load_preset(preset)
         problems += preset_mismatches(fields, preset_config, preset)
-        base.update({k: v for k, v in preset_config.to_dict().items() if k in ("layer_norm_eps", "initializer_range")})
-    return build_config(base, fields, problems, "checkpoint")
+        if not what:  # the authors' files take the preset's norm epsilon and initialiser range
+            base.update(
+                {k: v for k, v in preset_config.to_dict().items() if k in ("layer_norm_eps", "initializer_range")}
+            )
+    return build_config(base, fields, problems, what + "checkpoint")
 
 
 def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -248,9 +260,7 @@ def load_npz(path: str | os.PathLike) -> dict[str, np.ndarray]:
         for name in archive.files:
             try:
                 arrays[name] = archive[name]
-            except damaged as error:
-                raise ConversionError(f"Could not read the array {name!r} of {path}: {cut} ({error}).") from error
-            except ValueError as error:  # an object array: np.load refuses it without allow_pickle
+            except (*damaged, ValueError) as error:  # a ValueError naming allow_pickle: an object array
                 if "allow_pickle" not in str(error):
                     raise ConversionError(f"Could not read the array {name!r} of {path}: {cut} ({error}).") from error
                 pickled.append(name)
@@ -271,8 +281,9 @@ def read_jax_checkpoint(
     hidden_act: str = "gelu_pytorch_tanh",
     resize_mode: str = "bilinear",
 ):
-    """`(config, state_dict, processor)` of an authors' `.npz` checkpoint (mean = std = 0.5)."""
-    from ..model.image_processing_vit import VisionTransformerImageProcessor
+    """`(config, state_dict, processor)` of an authors' `.npz` checkpoint (mean = std = 0.5, bilinear: the processor
+    timm gives a checkpoint without settings)."""
+    from .timm_vit import timm_processor
 
     arrays = load_npz(input_path)
     config = infer_config_from_npz(arrays, preset=preset, image_size=image_size, hidden_act=hidden_act)
@@ -282,27 +293,14 @@ def read_jax_checkpoint(
             raise ConversionError(f"{len(labels)} labels given for a head of {config.num_labels} classes.")
         set_label_names(config, labels)
     state_dict = npz_to_hf_vit_state_dict(arrays, config, resize_mode=resize_mode)
-    height, width = config.image_hw
-    half = [0.5] * config.num_channels
-    processor = VisionTransformerImageProcessor(
-        size={"height": height, "width": width}, image_mean=half, image_std=half
-    )
-    return config, state_dict, processor
+    return config, state_dict, timm_processor(config, None)
 
 
 def convert_jax_checkpoint(
-    input_path: str | os.PathLike,
-    output_dir: str | os.PathLike,
-    preset: str | None = None,
-    image_size: int | Sequence[int] | None = None,
-    overwrite: bool = False,
-    labels: Sequence[str] | None = None,
-    hidden_act: str = "gelu_pytorch_tanh",
-    resize_mode: str = "bilinear",
-    base_model: str | None = None,
+    input_path: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False, base_model=None, **options
 ):
-    """Convert an authors' `.npz` checkpoint into a complete hf-vit folder (see `read_jax_checkpoint`); `labels`
-    names the classes in order, the card names `base_model` (default: the file's name). Returns the model; nothing is
-    written unless everything succeeded."""
-    read = partial(read_jax_checkpoint, input_path, preset, image_size, labels, hidden_act, resize_mode)
-    return convert_checkpoint(read, input_path, output_dir, overwrite, "the authors' JAX .npz layout", base_model)
+    """Convert an authors' `.npz` checkpoint into a complete hf-vit folder; `options` are `read_jax_checkpoint`'s
+    (`labels` names the classes in order). The card names `base_model` (default: the file's name). Returns the model;
+    nothing is written unless everything succeeded."""
+    what = "the authors' JAX .npz layout"
+    return convert_checkpoint(read_jax_checkpoint, input_path, output_dir, overwrite, what, base_model, options)

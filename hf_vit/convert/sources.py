@@ -21,8 +21,8 @@ import torch
 
 from ..hub_access import HubLookupError, hub_file
 from ..model.configuration_vit import VisionTransformerConfig
-from .common import SAFETENSORS_DTYPES, ConversionError, check_grid_size, image_size_field, read_safetensors
-from .transformers_families import FAMILIES
+from .common import SAFETENSORS_DTYPES, ConversionError, image_size_field, read_json, read_safetensors
+from .transformers_families import FAMILIES, family_config, family_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,6 @@ HUB_ARGUMENTS = ("cache_dir", "revision", "token", "local_files_only", "force_do
 CONVERSION_ARGUMENTS = ("image_size", "hidden_act", "num_attention_heads")
 DESCRIPTIONS = {
     "jax": "the authors' .npz layout",
-    "transformers": "transformers' ViT layout",
     "timm": "timm's ViT layout",
     "timm_naflex": "timm's NaFlexViT layout",
     **{model_type: family.name for model_type, family in FAMILIES.items()},
@@ -45,17 +44,11 @@ def layout_of(config: dict) -> str | None:
     model_type = config.get("model_type")
     if model_type == "hf_vit":
         return "hf_vit"
-    if model_type == "vit":
-        return "transformers"
     if model_type in FAMILIES:
         return model_type
     if model_type is None and "architecture" in config and ("pretrained_cfg" in config or "num_classes" in config):
         return "timm_naflex" if str(config["architecture"]).startswith("naflexvit") else "timm"
     return None
-
-
-def is_npz(source: str | os.PathLike) -> bool:
-    return os.fspath(source).lower().endswith(".npz")
 
 
 def _fetch(source: str, filename: str, hub: dict[str, Any], required: bool = True) -> Path | None:
@@ -78,7 +71,7 @@ def _fetch(source: str, filename: str, hub: dict[str, Any], required: bool = Tru
     return found
 
 
-def _safetensors_files(source: str, hub: dict[str, Any]) -> list[Path] | None:
+def safetensors_files(source: str, hub: dict[str, Any]) -> list[Path] | None:
     """The safetensors files of `source` (one, or the shards of an index), fetched; None when it has none."""
     single = _fetch(source, "model.safetensors", hub, required=False)
     if single is not None:
@@ -156,7 +149,7 @@ class ForeignCheckpoint:
         return ConversionError(f"Cannot load {self.source} ({DESCRIPTIONS[self.layout]}): {error}")
 
     def _weight_files(self) -> list[Path]:
-        files = _safetensors_files(self.source, self.hub)
+        files = safetensors_files(self.source, self.hub)
         if files is not None:
             return files
         if self.layout in ("timm", "timm_naflex"):  # older timm repositories hold a torch file only
@@ -199,38 +192,19 @@ class ForeignCheckpoint:
                 return read_jax_checkpoint(
                     self.source, image_size=image_size, hidden_act=hidden_act or "gelu_pytorch_tanh"
                 )
-            if self.layout == "transformers":
-                from .transformers_vit import transformers_config, transformers_state_dict
-
-                files = self._weight_files()
-                shapes = read_safetensors(files)
-                config = transformers_config(self.folder, shapes)
-                state_dict = None
-                if image_size is not None:
-                    config.image_size = image_size_field(image_size)
-                    check_grid_size(config)
-                if weights:
-                    state_dict = transformers_state_dict(
-                        self._slices(files), config, shapes, resample=image_size is not None
-                    )
-            elif self.layout in FAMILIES:
-                from .transformers_families import family_config, family_state_dict
-                from .transformers_vit import read_json
-
+            if self.layout not in ("timm", "timm_naflex"):  # transformers' ViT or one of the families
                 config_json = read_json(self.folder / "config.json")
-                family_config(config_json, (), check_only=True)  # a text tower is refused before any weights
+                FAMILIES[self.layout].config_fields(config_json, ())  # a text tower is refused before any weights
                 files = self._weight_files()
                 shapes = read_safetensors(files)
                 size = image_size_field(image_size) if image_size is not None else None
                 config = family_config(config_json, shapes, size)
                 state_dict = None
                 if weights:
-                    state_dict = family_state_dict(
-                        self.layout, config, self._slices(files), shapes, resample=image_size is not None
-                    )
+                    state_dict = family_state_dict(self.layout, self._slices(files), config, shapes, size is not None)
             else:  # timm's ViT or NaFlexViT
                 from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
-                from .timm_vit import read_timm_config, timm_config, timm_to_hf_vit_state_dict
+                from .timm_vit import infer_config_from_timm, read_timm_config, timm_to_hf_vit_state_dict
 
                 settings, heads = read_timm_config(self.folder) or {}, options.get("num_attention_heads")
                 arrays = self._timm_arrays(header_only=not weights)
@@ -238,7 +212,7 @@ class ForeignCheckpoint:
                     config = naflex_config(arrays, settings, image_size, heads)
                     state_dict = naflex_to_hf_vit_state_dict(arrays, settings, config) if weights else None
                 else:
-                    config = timm_config(arrays, settings, image_size=image_size, num_attention_heads=heads)
+                    config = infer_config_from_timm(arrays, None, image_size, heads, settings)
                     state_dict = timm_to_hf_vit_state_dict(arrays, config) if weights else None
         except ConversionError as error:
             raise self._fail(error) from error
@@ -254,31 +228,30 @@ class ForeignCheckpoint:
 
     def processor(self):
         """The source's image processor: its size, crop, mean/std and resampling."""
+        if self.layout == "jax":
+            return self.convert({})[2]
         try:
-            if self.layout == "transformers":
-                from .transformers_vit import read_json, transformers_config_to_hf_vit, transformers_processor
-
-                image_hw = transformers_config_to_hf_vit(read_json(self.folder / "config.json")).image_hw
-                return transformers_processor(self.folder, image_hw)
-            if self.layout in FAMILIES:
-                from .transformers_families import family_processor
-                from .transformers_vit import read_json
-
-                config_json = read_json(self.folder / "config.json")
-                return family_processor(self.folder, config_json, read_safetensors(self._weight_files()))
             if self.layout in ("timm", "timm_naflex"):
                 from .timm_naflex import naflex_config
-                from .timm_vit import read_timm_config, timm_config, timm_processor
+                from .timm_vit import infer_config_from_timm, read_timm_config, timm_processor
 
                 settings = read_timm_config(self.folder) or {}
                 # The processor takes the image size and normalisation only: the heads, which a timm state dict does
                 # not record (and the model loading asks for), play no part in it.
-                read = naflex_config if self.layout == "timm_naflex" else timm_config
-                config = read(self._timm_arrays(header_only=True), settings, num_attention_heads=1)
+                arrays = self._timm_arrays(header_only=True)
+                if self.layout == "timm_naflex":
+                    config = naflex_config(arrays, settings, num_attention_heads=1)
+                else:
+                    config = infer_config_from_timm(arrays, num_attention_heads=1, timm_config=settings)
                 return timm_processor(config, settings)
+            from .transformers_vit import transformers_processor
+
+            keys = () if self.layout == "vit" else read_safetensors(self._weight_files())  # ViT's size: its config
+            config = family_config(read_json(self.folder / "config.json"), keys)
+            square = FAMILIES[self.layout].square_size
+            return transformers_processor(self.folder, config.image_hw, default_to_square=square)
         except ConversionError as error:
             raise self._fail(error) from error
-        return self.convert({})[2]
 
     def _verify(self, state_dict: Any) -> None:
         """Raise the report of what does not fit the model, for weights read lazily (`LazyStateDict.verify`)."""
@@ -325,7 +298,7 @@ class ForeignCheckpoint:
 def read_source(source: str, kwargs: dict[str, Any]) -> ForeignCheckpoint | None:
     """The core's loading hook: a `ForeignCheckpoint` for a foreign source, None for anything else."""
     hub = {name: kwargs[name] for name in HUB_ARGUMENTS if name in kwargs}
-    if is_npz(source):
+    if os.fspath(source).lower().endswith(".npz"):
         return ForeignCheckpoint(source, "jax", hub)
     if os.path.isfile(source):
         return None  # a local file that is no checkpoint: from_pretrained names it, no Hub id is looked up

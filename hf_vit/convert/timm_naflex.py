@@ -39,6 +39,7 @@ NAFLEX_ARCHITECTURES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 # timm's activation names -> transformers' (ACT2FN) for the same function.
 _ACTIVATIONS = {None: "gelu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "quick_gelu": "quick_gelu"}
+_POOLS = {"map": "map", "avg": "gap", "token": "token"}  # NaFlexVitCfg's default first
 # What these settings must be for hf-vit to compute timm's function, and why not otherwise.
 _REQUIRED = (
     ("pos_embed", "learned", "hf-vit has one learned position table (no factorized, rotary or missing positions)"),
@@ -58,14 +59,17 @@ _REQUIRED = (
     ("mlp_layer", None, "another MLP implementation"),
     ("attn_layer", None, "another attention implementation"),
     ("final_norm", True, "no final LayerNorm (hf-vit always has one, on the tokens or after the pooling)"),
+    ("pos_embed_interp_mode", ("bicubic", "bilinear"), "hf-vit resamples positions bicubic or bilinear"),
+    ("act_layer", tuple(_ACTIVATIONS), f"hf-vit knows {sorted(map(str, _ACTIVATIONS))}"),
+    ("global_pool", tuple(_POOLS), "hf-vit pools with the class token ('token'), the average of the patch tokens "
+     "('avg') or attention pooling ('map')"),
 )  # fmt: skip
 # `NaFlexVitCfg`'s defaults for the settings read here: those of `_REQUIRED` are its allowed (first) values.
 NAFLEX_DEFAULTS: dict[str, Any] = {
     **{name: allowed[0] if isinstance(allowed, tuple) else allowed for name, allowed, _ in _REQUIRED},
-    "global_pool": "map", "pool_include_prefix": False, "pos_embed_interp_mode": "bicubic",
-    "patchify_channels_last": True, "act_layer": None, "attn_pool_num_heads": None, "attn_pool_mlp_ratio": None,
+    "pool_include_prefix": False, "patchify_channels_last": True, "attn_pool_num_heads": None,
+    "attn_pool_mlp_ratio": None,
 }  # fmt: skip
-_POOLS = {"avg": "gap", "token": "token", "map": "map"}
 
 
 def naflex_settings(timm_config: Mapping) -> dict[str, Any]:
@@ -91,18 +95,6 @@ def _setting_problems(settings: Mapping[str, Any]) -> list[str]:
         value = settings.get(name)
         if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
             problems.append(f"{name}={value!r}: {why}")
-    if settings["pos_embed_interp_mode"] not in ("bicubic", "bilinear"):
-        problems.append(
-            f"pos_embed_interp_mode={settings['pos_embed_interp_mode']!r}: hf-vit resamples positions bicubic or "
-            "bilinear"
-        )
-    if settings["act_layer"] not in _ACTIVATIONS:
-        problems.append(f"act_layer={settings['act_layer']!r}: hf-vit knows {sorted(map(str, _ACTIVATIONS))}")
-    if settings["global_pool"] not in _POOLS:
-        problems.append(
-            f"global_pool={settings['global_pool']!r}: hf-vit pools with the class token ('token'), the average of "
-            "the patch tokens ('avg') or attention pooling ('map')"
-        )
     return problems
 
 

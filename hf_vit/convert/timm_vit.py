@@ -11,10 +11,8 @@ backbone, a multi-layer head. A state dict records neither `global_pool` (a clas
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ from .common import (
     image_size_field,
     load_preset,
     preset_mismatches,
+    read_json,
     resample_positions,
     set_label_names,
     square_side,
@@ -123,13 +122,6 @@ def hf_vit_to_timm_state_dict(
     return TIMM_LAYOUT.from_hf(state_dict, config)
 
 
-def _global_pool(timm_config: Mapping | None) -> str | None:
-    if not timm_config:
-        return None
-    model_args = timm_config.get("model_args") or {}
-    return model_args.get("global_pool", timm_config.get("global_pool"))
-
-
 def _timm_classifier(state_dict: Mapping[str, torch.Tensor], pool: str | None, problems: list[str]) -> str | None:
     """hf-vit's `classifier` for timm's attention pooling weights or its `global_pool` (None: read from the tokens)."""
     has_class_token = "cls_token" in state_dict
@@ -160,7 +152,8 @@ def infer_config_from_timm(
     num_attention_heads: int | None = None,
     timm_config: Mapping | None = None,
 ) -> VisionTransformerConfig:
-    """The hf-vit config of a timm ViT state dict and its `config.json` (`timm_config`)."""
+    """The hf-vit config of a timm ViT state dict (meta tensors do) and its `config.json` (`timm_config`: the
+    pooling, heads, input size and class names)."""
     timm_problems, _ = _timm_problems(state_dict)
     problems = list(timm_problems)
     fc_norm = "fc_norm.weight" in state_dict and "norm.weight" not in state_dict
@@ -176,7 +169,8 @@ def infer_config_from_timm(
     fields["fc_norm"] = fc_norm
     if "blocks.0.ls1.gamma" in state_dict:  # the values are loaded; the initial value matters for a re-initialisation
         fields["layer_scale_init_value"] = model_args.get("init_values") or 1e-5
-    fields["classifier"] = _timm_classifier(state_dict, _global_pool(timm_config), problems)
+    pool = model_args.get("global_pool", (timm_config or {}).get("global_pool"))
+    fields["classifier"] = _timm_classifier(state_dict, pool, problems)
     pre_logits = state_dict.get("pre_logits.fc.weight")
     fields["representation_size"] = pre_logits.shape[0] if pre_logits is not None else None
     head = state_dict.get("head.weight")
@@ -210,7 +204,9 @@ def infer_config_from_timm(
 
     if preset_config is not None:
         problems += preset_mismatches(fields, preset_config, preset)
-    return build_config(TIMM_DEFAULTS, fields, problems, "timm checkpoint")
+    config = build_config(TIMM_DEFAULTS, fields, problems, "timm checkpoint")
+    set_label_names(config, (timm_config or {}).get("label_names"))
+    return config
 
 
 def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -248,19 +244,6 @@ def load_timm_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     return dict(loaded)
 
 
-def timm_config(
-    state_dict: Mapping[str, torch.Tensor],
-    timm_config: Mapping | None,
-    preset: str | None = None,
-    image_size: int | Sequence[int] | None = None,
-    num_attention_heads: int | None = None,
-) -> VisionTransformerConfig:
-    """`infer_config_from_timm` with the class names of timm's `config.json`; meta tensors do."""
-    config = infer_config_from_timm(state_dict, preset, image_size, num_attention_heads, timm_config)
-    set_label_names(config, (timm_config or {}).get("label_names"))
-    return config
-
-
 def timm_processor(
     config: VisionTransformerConfig,
     timm_config: Mapping | None,
@@ -291,13 +274,7 @@ def timm_processor(
 def read_timm_config(folder: Path) -> dict | None:
     """timm's `config.json` in `folder`, or None without one."""
     path = folder / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConversionError(f"{path} is not valid JSON: {error}") from error
-    return config if isinstance(config, dict) else None
+    return read_json(path) if path.is_file() else None
 
 
 def read_timm_checkpoint(
@@ -309,20 +286,15 @@ def read_timm_checkpoint(
     num_attention_heads: int | None = None,
     resize_mode: str = "bicubic",
 ):
-    """`(config, state_dict, processor)` of timm ViT weights (a file or folder), without writing."""
+    """`(config, state_dict, processor)` of timm ViT weights (a file or folder), without writing; for a NaFlexViT a
+    preset or another resampling mode is refused."""
     input_path = Path(input_path)
     state_dict = load_timm_state_dict(input_path)
     settings = read_timm_config(input_path if input_path.is_dir() else input_path.parent)
-    if settings is not None and str(settings.get("architecture", "")).startswith("naflexvit"):
-        options = (preset, image_size, image_mean, image_std, num_attention_heads, resize_mode)
-        return _read_naflex(state_dict, settings, *options)
-    config = timm_config(state_dict, settings, preset, image_size, num_attention_heads)
-    converted = timm_to_hf_vit_state_dict(state_dict, config, resize_mode=resize_mode)
-    return config, converted, timm_processor(config, settings, image_mean, image_std)
-
-
-def _read_naflex(state_dict, settings, preset, image_size, image_mean, image_std, num_attention_heads, resize_mode):
-    """`read_timm_checkpoint` of a NaFlexViT: a preset or another resampling mode is refused."""
+    if settings is None or not str(settings.get("architecture", "")).startswith("naflexvit"):
+        config = infer_config_from_timm(state_dict, preset, image_size, num_attention_heads, settings)
+        converted = timm_to_hf_vit_state_dict(state_dict, config, resize_mode=resize_mode)
+        return config, converted, timm_processor(config, settings, image_mean, image_std)
     from .timm_naflex import naflex_config, naflex_to_hf_vit_state_dict
 
     if preset is not None:
@@ -343,18 +315,9 @@ def _read_naflex(state_dict, settings, preset, image_size, image_mean, image_std
 
 
 def convert_timm_checkpoint(
-    input_path: str | os.PathLike,
-    output_dir: str | os.PathLike,
-    preset: str | None = None,
-    image_size: int | Sequence[int] | None = None,
-    overwrite: bool = False,
-    image_mean: Sequence[float] | None = None,
-    image_std: Sequence[float] | None = None,
-    num_attention_heads: int | None = None,
-    resize_mode: str = "bicubic",
-    base_model: str | None = None,
+    input_path: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False, base_model=None, **options
 ):
-    """Convert timm ViT weights into a complete hf-vit folder; returns the model."""
-    options = (preset, image_size, image_mean, image_std, num_attention_heads, resize_mode)
-    read = partial(read_timm_checkpoint, input_path, *options)
-    return convert_checkpoint(read, input_path, output_dir, overwrite, "timm's layout", base_model)
+    """Convert timm ViT weights into a complete hf-vit folder (`options`: `read_timm_checkpoint`'s); returns the
+    model."""
+    read = read_timm_checkpoint
+    return convert_checkpoint(read, input_path, output_dir, overwrite, "timm's layout", base_model, options)

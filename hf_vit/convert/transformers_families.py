@@ -11,16 +11,25 @@ refused by name (DINOv2's SwiGLU and classification head, the text towers).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Collection, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
 from ..model.resolution import resample_position_embeddings
-from .common import FUSED_QKV, ConversionError, Layout, Transform, check_grid_size, grid_mismatch, square_side
+from .common import (
+    FUSED_QKV,
+    POINTWISE_CONV,
+    ConversionError,
+    Layout,
+    Transform,
+    check_grid_size,
+    grid_mismatch,
+    square_side,
+)
 
 _H = "vit.layers.{i}."
 # CLIP and SigLIP store the class token as (D,) and the positions as an nn.Embedding table (N, D).
@@ -29,12 +38,60 @@ POSITION_TABLE = Transform(lambda x: x.unsqueeze(0), lambda t, config: (t[0].clo
 
 
 def _vit_block(prefix: str) -> list[tuple]:
-    """The rows of transformers' ViT-style block (DeiT's, and DINOv2's attention) under `prefix`."""
+    """The rows of transformers' ViT-style attention (ViT's, DeiT's, DINOv2's) under `prefix`."""
     qkv = tuple(f"{prefix}attention.attention.{part}.{{p}}" for part in ("query", "key", "value"))
     return [
         (qkv, _H + "attention.qkv.{p}", FUSED_QKV),
         (prefix + "attention.output.dense.{p}", _H + "attention.proj.{p}"),
     ]
+
+
+def vit_rows(model: str) -> list[tuple]:
+    """The rows of transformers' ViT (`model="vit"`) and of DeiT (`"deit"`), which kept its names under its prefix."""
+    block = model + ".encoder.layer.{i}."
+    return [
+        (model + ".embeddings.cls_token", "vit.embeddings.cls_token"),
+        (model + ".embeddings.position_embeddings", "vit.embeddings.position_embedding"),
+        (model + ".embeddings.patch_embeddings.projection.{p}", "vit.embeddings.patch_embedding.{p}"),
+        (block + "layernorm_before.{p}", _H + "norm1.{p}"),
+        *_vit_block(block),
+        (block + "layernorm_after.{p}", _H + "norm2.{p}"),
+        (block + "intermediate.dense.{p}", _H + "mlp.fc1.{p}"),
+        (block + "output.dense.{p}", _H + "mlp.fc2.{p}"),
+        (model + ".layernorm.{p}", "vit.norm.{p}"),
+        (model + ".pooler.dense.{p}", "pre_logits.{p}"),
+        ("classifier.{p}", "classifier.{p}"),  # DeiTForImageClassification's, or the teacher model's cls_classifier
+    ]
+
+
+TRANSFORMERS_LAYOUT = Layout(  # the saved layout
+    "transformers ViT checkpoint",
+    [
+        *vit_rows("vit"),
+        # ViTForMaskedImageModeling (SimMIM): the [mask] embedding, and the decoder's 1x1 convolution as a linear map
+        ("vit.embeddings.mask_token", "vit.embeddings.mask_token"),
+        ("decoder.0.weight", "decoder.weight", POINTWISE_CONV),
+        ("decoder.0.bias", "decoder.bias"),
+    ],
+)
+# transformers v5 renames these fragments of the saved names in memory (`ViTForImageClassification.state_dict()`);
+# applied in this order, each direction is one pass.
+IN_MEMORY_NAMES = (
+    ("vit.encoder.layer.", "vit.layers."),
+    ("attention.attention.query.", "attention.q_proj."),
+    ("attention.attention.key.", "attention.k_proj."),
+    ("attention.attention.value.", "attention.v_proj."),
+    ("attention.output.dense.", "attention.o_proj."),
+    ("intermediate.dense.", "mlp.fc1."),
+    ("output.dense.", "mlp.fc2."),
+)
+
+
+def _vit_name(key: str) -> str:
+    """A transformers ViT weight's name in the saved layout, whichever names it came with."""
+    if not key.startswith(("vit.", "classifier.", "decoder.")):
+        key = f"vit.{key}"  # a bare ViTModel saves without the prefix
+    return functools.reduce(lambda k, names: k.replace(names[1], names[0]), IN_MEMORY_NAMES, key)
 
 
 _D = "encoder.layer.{i}."
@@ -55,22 +112,11 @@ DINOV2_LAYOUT = Layout(
         ("layernorm.{p}", "vit.norm.{p}"),
     ],
 )
-_T = "deit.encoder.layer.{i}."
 DEIT_LAYOUT = Layout(
     "transformers DeiT checkpoint",
     [
-        ("deit.embeddings.cls_token", "vit.embeddings.cls_token"),
+        *vit_rows("deit"),
         ("deit.embeddings.distillation_token", "vit.embeddings.distillation_token"),
-        ("deit.embeddings.position_embeddings", "vit.embeddings.position_embedding"),
-        ("deit.embeddings.patch_embeddings.projection.{p}", "vit.embeddings.patch_embedding.{p}"),
-        (_T + "layernorm_before.{p}", _H + "norm1.{p}"),
-        *_vit_block(_T),
-        (_T + "layernorm_after.{p}", _H + "norm2.{p}"),
-        (_T + "intermediate.dense.{p}", _H + "mlp.fc1.{p}"),
-        (_T + "output.dense.{p}", _H + "mlp.fc2.{p}"),
-        ("deit.layernorm.{p}", "vit.norm.{p}"),
-        ("deit.pooler.dense.{p}", "pre_logits.{p}"),
-        ("classifier.{p}", "classifier.{p}"),  # DeiTForImageClassification's, or the teacher model's cls_classifier
         ("distillation_classifier.{p}", "distillation_classifier.{p}"),
     ],
 )
@@ -173,15 +219,17 @@ def _dinov2(config: dict, keys: Collection[str]) -> dict[str, Any]:
     return fields
 
 
-def _deit(config: dict, keys: Collection[str]) -> dict[str, Any]:
-    source = _transformers_config("deit", config)
+def vit_fields(config: dict, keys: Collection[str]) -> dict[str, Any]:
+    """The fields of transformers' ViT or DeiT (`config["model_type"]`) whose weights are named `keys`: a classifier's
+    labels, else no classes and the pooler (dense + tanh on the class token) as the pre-logits layer; a classifier
+    ignores a pooler, as `ViTForImageClassification` does."""
+    model = config["model_type"]
+    source = _transformers_config(model, config)
     fields = _fields(
         source, intermediate_size="intermediate_size", hidden_dropout_prob="hidden_dropout_prob",
         attention_probs_dropout_prob="attention_probs_dropout_prob", qkv_bias="qkv_bias",
     )  # fmt: skip
-    fields["use_distillation_token"] = True
     if "classifier.weight" in keys:
-        fields["distillation_head"] = "distillation_classifier.weight" in keys
         labels = source.id2label or {}
         fields["id2label"] = {int(k): v for k, v in labels.items()}
         fields["label2id"] = {v: int(k) for k, v in labels.items()}
@@ -189,13 +237,22 @@ def _deit(config: dict, keys: Collection[str]) -> dict[str, Any]:
             fields["problem_type"] = source.problem_type
     else:
         fields["num_labels"] = 0
-        if "deit.pooler.dense.weight" in keys:
+        if f"{model}.pooler.dense.weight" in keys:
             if source.pooler_act != "tanh":
+                name = {"vit": "ViT", "deit": "DeiT"}[model]
                 raise ConversionError(
-                    f"pooler_act={source.pooler_act!r}: hf-vit's pre-logits layer (DeiT's pooler) is dense + tanh, so "
-                    "this pooler would compute another function; load it with transformers' DeiTModel"
+                    f"pooler_act={source.pooler_act!r}: hf-vit's pre-logits layer ({name}'s pooler) is dense + tanh, "
+                    f"so this pooler would compute another function; load it with transformers' {name}Model"
                 )
             fields["representation_size"] = source.pooler_output_size or source.hidden_size
+    return fields
+
+
+def _deit(config: dict, keys: Collection[str]) -> dict[str, Any]:
+    fields = vit_fields(config, keys)
+    fields["use_distillation_token"] = True
+    if "classifier.weight" in keys:
+        fields["distillation_head"] = "distillation_classifier.weight" in keys
     return fields
 
 
@@ -271,6 +328,14 @@ _SIGLIP = Family(
     "embeddings.position_embedding.weight",
 )  # fmt: skip
 FAMILIES: dict[str, Family] = {
+    "vit": Family(
+        "transformers' ViT layout",
+        TRANSFORMERS_LAYOUT,
+        vit_fields,
+        _vit_name,
+        r"$^",
+        "vit.embeddings.position_embeddings",
+    ),
     "dinov2": _DINOV2,
     "dinov2_with_registers": _DINOV2,
     "deit": Family(
@@ -282,13 +347,13 @@ FAMILIES: dict[str, Family] = {
 
 
 def family_config(
-    config_json: dict, keys: Collection[str], image_size: Any = None, check_only: bool = False
-) -> VisionTransformerConfig | None:
-    """The hf-vit config of a family checkpoint; `check_only`: refuse what `config.json` alone rules out."""
+    config_json: dict,
+    keys: Collection[str],
+    image_size: Any = None,
+    where: str | None = None,
+) -> VisionTransformerConfig:
+    """The hf-vit config of a family checkpoint (`where`: its config.json's path, for errors)."""
     family = FAMILIES[config_json["model_type"]]
-    if check_only:
-        family.config_fields(config_json, ())
-        return None
     names = family.names(dict.fromkeys(keys))
     fields = family.config_fields(config_json, names)
     if image_size is not None:
@@ -299,44 +364,50 @@ def family_config(
     try:
         config = VisionTransformerConfig(zero_init_head=False, **fields)
     except ValueError as error:
-        raise ConversionError(f"config.json does not describe a model hf-vit can build: {error}") from error
-    check_grid_size(config)
+        raise ConversionError(
+            f"{where or 'config.json'} does not describe a model hf-vit can build: {error}"
+        ) from error
+    check_grid_size(config, where)
     return config
+
+
+def positions_problems(source: dict, shapes: dict | None, key: str, config: VisionTransformerConfig, resample: bool):
+    """Resample the position table `source[key]` (`(1, N, D)` or `(N, D)`, of a square grid) to `config`'s grid in
+    place when `resample`; the problem of a grid that is not `config`'s otherwise (`shapes`: `source` as meta tensors,
+    read lazily)."""
+    positions, prefix = (shapes if shapes is not None else source).get(key), config.num_position_prefix_tokens
+    if positions is None or positions.ndim not in (2, 3):
+        return []
+    found = positions.shape[-2] - prefix
+    side = square_side(found)
+    if not (resample and side and found != config.num_patches):
+        return grid_mismatch(found, config)
+    array = source[key] if isinstance(source[key], torch.Tensor) else source[key][...]  # one small array, read now
+    table = array if array.ndim == 3 else array[None]
+    table = resample_position_embeddings(
+        table, (side, side), config.grid_size, prefix, config.interpolation_mode, config.interpolation_antialias
+    ).contiguous()
+    source[key] = table if array.ndim == 3 else table[0]
+    if shapes is not None:
+        shapes[key] = source[key].to("meta")
+    return []
 
 
 def family_state_dict(
     model_type: str,
-    config: VisionTransformerConfig,
     source: Mapping[str, Any],
-    shapes: Mapping[str, torch.Tensor],
+    config: VisionTransformerConfig,
+    shapes: Mapping[str, torch.Tensor] | None = None,
     resample: bool = False,
 ):
-    """A family checkpoint's weights for `config`, lazily; `resample`: another grid resampled, else refused."""
+    """A family checkpoint's weights for `config`; with `shapes` (meta tensors) lazily as loading reads them
+    (`Layout.to_hf_lazy`). `resample`: another grid resampled, else refused (as transformers refuses it)."""
     family = FAMILIES[model_type]
-    source, shapes = family.names(source), family.names(shapes)
-    key, problems, prefix = family.positions, [], config.num_position_prefix_tokens
-    positions = shapes.get(key)
-    if positions is not None and positions.ndim in (2, 3):
-        found = positions.shape[-2] - prefix
-        side = square_side(found)
-        if resample and side and found != config.num_patches:
-            array = source[key] if isinstance(source[key], torch.Tensor) else source[key][...]
-            table = array if array.ndim == 3 else array[None]
-            table = resample_position_embeddings(
-                table, (side, side), config.grid_size, prefix, config.interpolation_mode,
-                config.interpolation_antialias,
-            ).contiguous()  # fmt: skip
-            source[key] = table if array.ndim == 3 else table[0]
-            shapes[key] = source[key].to("meta")
-        else:
-            problems += grid_mismatch(found, config)
+    source, shapes = family.names(source), family.names(shapes) if shapes is not None else None
+    if config.representation_size is None:  # a classifier ignores a pooler, as ViTForImageClassification does
+        source = {k: v for k, v in source.items() if ".pooler." not in k}
+        shapes = {k: v for k, v in shapes.items() if ".pooler." not in k} if shapes is not None else None
+    problems = positions_problems(source, shapes, family.positions, config, resample)
+    if shapes is None:
+        return family.layout.to_hf(source, config, problems)
     return family.layout.to_hf_lazy(source, shapes, config, problems)
-
-
-def family_processor(folder: Path, config_json: dict, keys: Collection[str]):
-    """The hf-vit processor of a family checkpoint in `folder`, as its `preprocessor_config.json` says."""
-    from .transformers_vit import transformers_processor
-
-    family = FAMILIES[config_json["model_type"]]
-    config = family_config(config_json, keys)
-    return transformers_processor(folder, config.image_hw, default_to_square=family.square_size)

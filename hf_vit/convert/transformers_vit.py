@@ -6,77 +6,17 @@ v5 renames these in memory to `vit.layers.{i}.attention.q_proj.weight`. Both are
 
 from __future__ import annotations
 
-import json
-import logging
+import functools
 import os
 from collections.abc import Collection
-from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
-from .common import (
-    FUSED_QKV,
-    POINTWISE_CONV,
-    ConversionError,
-    Layout,
-    check_grid_size,
-    convert_checkpoint,
-    grid_mismatch,
-    read_safetensors,
-    resample_positions,
-)
-
-logger = logging.getLogger(__name__)
-
-_L, _H = "vit.encoder.layer.{i}.", "vit.layers.{i}."
-_QKV = tuple(f"{_L}attention.attention.{part}.{{p}}" for part in ("query", "key", "value"))
-TRANSFORMERS_LAYOUT = Layout(  # the saved layout
-    "transformers ViT checkpoint",
-    [
-        ("vit.embeddings.cls_token", "vit.embeddings.cls_token"),
-        ("vit.embeddings.position_embeddings", "vit.embeddings.position_embedding"),
-        ("vit.embeddings.patch_embeddings.projection.{p}", "vit.embeddings.patch_embedding.{p}"),
-        (_L + "layernorm_before.{p}", _H + "norm1.{p}"),
-        (_QKV, _H + "attention.qkv.{p}", FUSED_QKV),
-        (_L + "attention.output.dense.{p}", _H + "attention.proj.{p}"),
-        (_L + "layernorm_after.{p}", _H + "norm2.{p}"),
-        (_L + "intermediate.dense.{p}", _H + "mlp.fc1.{p}"),
-        (_L + "output.dense.{p}", _H + "mlp.fc2.{p}"),
-        ("vit.layernorm.{p}", "vit.norm.{p}"),
-        ("vit.pooler.dense.{p}", "pre_logits.{p}"),
-        ("classifier.{p}", "classifier.{p}"),
-        # ViTForMaskedImageModeling (SimMIM): the [mask] embedding, and the decoder's 1x1 convolution as a linear map
-        ("vit.embeddings.mask_token", "vit.embeddings.mask_token"),
-        ("decoder.0.weight", "decoder.weight", POINTWISE_CONV),
-        ("decoder.0.bias", "decoder.bias"),
-    ],
-)
-# transformers v5 renames these fragments of the saved names in memory (`ViTForImageClassification.state_dict()`);
-# applied in this order, each direction is one pass.
-_IN_MEMORY_NAMES = (
-    ("vit.encoder.layer.", "vit.layers."),
-    ("attention.attention.query.", "attention.q_proj."),
-    ("attention.attention.key.", "attention.k_proj."),
-    ("attention.attention.value.", "attention.v_proj."),
-    ("attention.output.dense.", "attention.o_proj."),
-    ("intermediate.dense.", "mlp.fc1."),
-    ("output.dense.", "mlp.fc2."),
-)
-
-
-def _saved_layout(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A transformers ViT state dict under the saved layout's names, whichever names it came with."""
-    out = {}
-    for key, value in state_dict.items():
-        if not key.startswith(("vit.", "classifier.", "decoder.")):
-            key = f"vit.{key}"  # a bare ViTModel saves without the prefix
-        for saved, in_memory in _IN_MEMORY_NAMES:
-            key = key.replace(in_memory, saved)
-        out[key] = value
-    return out
+from .common import ConversionError, convert_checkpoint, read_json, read_safetensors
+from .sources import safetensors_files
+from .transformers_families import FAMILIES, IN_MEMORY_NAMES, TRANSFORMERS_LAYOUT, family_config, family_state_dict
 
 
 def transformers_to_hf_vit_state_dict(
@@ -85,7 +25,7 @@ def transformers_to_hf_vit_state_dict(
     """A transformers ViT state dict (saved or v5 in-memory names) under hf-vit names, `qkv` fused; one
     `ConversionError` lists every unplaced array and missing part (with `config`: every missing or misshapen
     weight)."""
-    return TRANSFORMERS_LAYOUT.to_hf(_saved_layout(state_dict), config)
+    return TRANSFORMERS_LAYOUT.to_hf(FAMILIES["vit"].names(state_dict), config)
 
 
 def hf_vit_to_transformers_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -95,71 +35,8 @@ def hf_vit_to_transformers_state_dict(state_dict: dict[str, torch.Tensor]) -> di
 
 def hf_vit_to_transformers_module_state_dict(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """hf-vit weights under the names a transformers v5 `ViTForImageClassification` module has in memory."""
-    out = {}
-    for key, value in hf_vit_to_transformers_state_dict(state_dict).items():
-        for saved, in_memory in _IN_MEMORY_NAMES:
-            key = key.replace(saved, in_memory)
-        out[key] = value
-    return out
-
-
-_SHARED_CONFIG_FIELDS = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
-    "hidden_dropout_prob", "attention_probs_dropout_prob", "layer_norm_eps", "image_size", "patch_size",
-    "num_channels", "qkv_bias", "initializer_range",
-)  # fmt: skip
-
-
-def transformers_config_to_hf_vit(config: dict, *, with_pooler: bool = False) -> VisionTransformerConfig:
-    """An hf-vit config computing what a transformers `ViTConfig` (a dict) computes."""
-    if config.get("model_type") not in (None, "vit"):
-        raise ConversionError(
-            f"Expected a transformers ViT config (model_type 'vit'), got {config.get('model_type')!r}."
-        )
-    fields = {name: config[name] for name in _SHARED_CONFIG_FIELDS if name in config}
-    fields["layer_norm_eps"] = config.get("layer_norm_eps", 1e-12)  # transformers' ViT default
-    if with_pooler:
-        # transformers' pooler (dense + pooler_act on the class token) is the paper's pre-logits layer (dense + tanh).
-        activation = config.get("pooler_act", "tanh")
-        if activation != "tanh":
-            raise ConversionError(
-                f"pooler_act={activation!r}: hf-vit's pre-logits layer (transformers' pooler) is dense + tanh, so "
-                "this pooler would compute another function. Load the checkpoint with transformers' ViTModel."
-            )
-        fields["representation_size"] = config.get("pooler_output_size") or config.get("hidden_size", 768)
-    if "id2label" in config:
-        fields["id2label"] = {int(k): v for k, v in config["id2label"].items()}
-        fields["label2id"] = {v: int(k) for k, v in config["id2label"].items()}
-    if config.get("problem_type") is not None:
-        fields["problem_type"] = config["problem_type"]
-    dtype = config.get("dtype", config.get("torch_dtype"))
-    if dtype is not None:
-        fields["dtype"] = dtype
-    return VisionTransformerConfig(classifier="token", zero_init_head=False, **fields)
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from `path`, or a `ConversionError` naming the file and what is wrong with it."""
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConversionError(f"{path} is not readable JSON: {error}. Fix or replace the file.") from error
-    if not isinstance(value, dict):
-        raise ConversionError(f"{path} holds a JSON {type(value).__name__}, not an object; fix or replace the file.")
-    return value
-
-
-def _load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    index = folder / "model.safetensors.index.json"
-    if (folder / "model.safetensors").is_file():
-        files = [folder / "model.safetensors"]
-    elif index.is_file():
-        files = [folder / shard for shard in sorted(set(read_json(index)["weight_map"].values()))]
-    else:
-        raise ConversionError(
-            f"{folder} has no model.safetensors (or sharded index); only safetensors weights are read."
-        )
-    return read_safetensors(files, header_only=False)
+    saved = hf_vit_to_transformers_state_dict(state_dict)
+    return {functools.reduce(lambda k, names: k.replace(*names), IN_MEMORY_NAMES, key): v for key, v in saved.items()}
 
 
 def transformers_processor(folder: Path, image_size: tuple[int, int], default_to_square: bool = True):
@@ -185,54 +62,16 @@ def transformers_processor(folder: Path, image_size: tuple[int, int], default_to
 
 
 def transformers_config(folder: Path, keys: Collection[str]) -> VisionTransformerConfig:
-    """The hf-vit config of a transformers ViT folder whose weights are named `keys`."""
+    """The hf-vit config of a transformers ViT folder whose weights are named `keys` (`vit_fields`)."""
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ConversionError(f"{folder} has no config.json; pass the folder of a saved transformers ViT model.")
-    source_config = read_json(config_path)
-    keys = set(_saved_layout(dict.fromkeys(keys)))
-    has_classifier = "classifier.weight" in keys
-    # ViTForImageClassification ignores a pooler: so does the conversion, to compute the same function.
-    with_pooler = "vit.pooler.dense.weight" in keys and not has_classifier
-    try:
-        config = transformers_config_to_hf_vit(source_config, with_pooler=with_pooler)
-    except (TypeError, ValueError, AttributeError) as error:
-        if isinstance(error, ConversionError):
-            raise
-        raise ConversionError(f"{config_path} does not describe a model hf-vit can build: {error}") from error
-    check_grid_size(config, str(config_path))
-    if not has_classifier:
-        config.num_labels = 0
-    return config
-
-
-def transformers_state_dict(
-    source: dict[str, Any],
-    config: VisionTransformerConfig,
-    shapes: dict[str, torch.Tensor] | None = None,
-    resample: bool = False,
-) -> dict:
-    """A transformers ViT folder's weights converted for `config`; with `shapes` (meta tensors) lazily as loading
-    reads them (`Layout.to_hf_lazy`). `resample`: positions of another grid are resampled to `config`'s, else
-    refused as transformers refuses them."""
-    source = _saved_layout(source)
-    shapes = _saved_layout(shapes) if shapes is not None else None
-    if config.representation_size is None:
-        source = {k: v for k, v in source.items() if not k.startswith("vit.pooler.")}
-        shapes = {k: v for k, v in shapes.items() if not k.startswith("vit.pooler.")} if shapes is not None else None
-    key, problems = "vit.embeddings.position_embeddings", []
-    positions = (shapes if shapes is not None else source).get(key)
-    if resample and key in source:
-        if not isinstance(source[key], torch.Tensor):
-            source[key] = source[key][...]  # one small array, read now
-        source = resample_positions(source, key, config, "bicubic")
-        if shapes is not None:
-            shapes[key] = source[key].to("meta")
-    elif positions is not None and positions.ndim == 3:
-        problems += grid_mismatch(positions.shape[1] - config.num_position_prefix_tokens, config)
-    if shapes is None:
-        return TRANSFORMERS_LAYOUT.to_hf(source, config, problems)
-    return TRANSFORMERS_LAYOUT.to_hf_lazy(source, shapes, config, problems)
+    config_json = read_json(config_path)
+    if config_json.get("model_type") not in (None, "vit"):
+        raise ConversionError(
+            f"Expected a transformers ViT config (model_type 'vit'), got {config_json.get('model_type')!r}."
+        )
+    return family_config({**config_json, "model_type": "vit"}, keys, where=str(config_path))
 
 
 def read_transformers_checkpoint(input_dir: str | os.PathLike):
@@ -240,20 +79,22 @@ def read_transformers_checkpoint(input_dir: str | os.PathLike):
     input_dir = Path(input_dir)
     if not (input_dir / "config.json").is_file():
         raise ConversionError(f"{input_dir} has no config.json; pass the folder of a saved transformers ViT model.")
-    source = _load_state_dict(input_dir)
+    files = safetensors_files(str(input_dir), {})
+    if files is None:
+        raise ConversionError(
+            f"{input_dir} has no model.safetensors (or sharded index); only safetensors weights are read."
+        )
+    source = read_safetensors(files, header_only=False)
     config = transformers_config(input_dir, source)
-    state_dict = transformers_state_dict(source, config)
+    state_dict = family_state_dict("vit", source, config)
     return config, state_dict, transformers_processor(input_dir, config.image_hw)
 
 
 def convert_transformers_checkpoint(
-    input_dir: str | os.PathLike,
-    output_dir: str | os.PathLike,
-    overwrite: bool = False,
-    base_model: str | None = None,
+    input_dir: str | os.PathLike, output_dir: str | os.PathLike, overwrite: bool = False, base_model: str | None = None
 ):
     """Convert a saved transformers ViT folder into a complete hf-vit folder; a `ViTModel`'s pooler becomes the
     pre-logits layer of a model without classes. The card names `base_model` (default: the folder's name). Returns
     the model."""
-    read = partial(read_transformers_checkpoint, input_dir)
-    return convert_checkpoint(read, input_dir, output_dir, overwrite, "transformers' ViT layout", base_model)
+    read, what = read_transformers_checkpoint, "transformers' ViT layout"
+    return convert_checkpoint(read, input_dir, output_dir, overwrite, what, base_model, {})

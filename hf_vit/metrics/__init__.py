@@ -14,10 +14,8 @@ import numpy as np
 if TYPE_CHECKING:
     import evaluate
 
-ACCURACY_PATH = str(Path(__file__).resolve().parent / "accuracy")
-"""Local path of the accuracy metric module (a directory holding `accuracy.py`)."""
+ACCURACY_PATH = str(Path(__file__).resolve().parent / "accuracy")  # the folders of the local metric modules
 MULTILABEL_PATH = str(Path(__file__).resolve().parent / "multilabel")
-"""Local path of the multi-label metric module (mean average precision, F1)."""
 
 FEW_IMAGES = 50
 """Below this many images a measured figure is said with a warning: one image moves an accuracy by over 2 points."""

@@ -4,7 +4,6 @@ for a run's folder (`write_model_card`) and for a folder the project made from a
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -18,9 +17,6 @@ from ..metrics import few_images_warning, images_text
 from ..model.modeling_mim import VisionTransformerForMaskedImageModeling
 from ..model.modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .files import CARD_TEMPLATE, remote_code_files, write_beside
-
-logger = logging.getLogger(__name__)
-
 
 HOMEPAGE = "https://github.com/hf-vit/hf-vit"
 DATASET_DESCRIPTIONS = {
@@ -157,7 +153,7 @@ def resolution_text(config: Any, max_num_patches: int | None = None) -> str:
     )
 
 
-def _card_data(repo_id, license, adapter, pretraining, base, data, split, results) -> ModelCardData:
+def _card_data(repo_id, adapter, pretraining, base, data, split, results) -> ModelCardData:
     """The card's Hub metadata (`pretraining`: the self-supervised objective's tag, or None)."""
     mpp = pretraining is not None
     eval_results = [
@@ -177,7 +173,7 @@ def _card_data(repo_id, license, adapter, pretraining, base, data, split, result
     return ModelCardData(
         library_name="peft" if adapter else "transformers",
         pipeline_tag="image-feature-extraction" if mpp else "image-classification",
-        license=license,
+        license="apache-2.0",
         tags=[
             "hf-vit",
             "vision-transformer",
@@ -235,7 +231,6 @@ def render_model_card(
     summary: str | None = None,
     recipe: str | None = None,
     results_note: str = "Measured by the training run that produced these weights.",
-    license: str = "apache-2.0",
     compute_dial: str | None = None,
     max_num_patches: int | None = None,
 ) -> ModelCard:
@@ -264,7 +259,7 @@ def render_model_card(
         and any(key in name for key in ("accuracy", "mean_average_precision", "f1_"))
     ]
     pretraining = "simmim" if simmim else "masked-patch-prediction" if mpp else None
-    card_data = _card_data(repo_id, license, adapter, pretraining, base, data, split, results)
+    card_data = _card_data(repo_id, adapter, pretraining, base, data, split, results)
     labels = list(config.id2label.values())
     return ModelCard.from_template(
         card_data,

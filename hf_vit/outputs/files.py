@@ -52,15 +52,10 @@ def remote_code_files() -> tuple[str, ...]:
     return tuple(sorted(path.name for path in MODEL_CODE.glob("*.py") if path.name != "__init__.py"))
 
 
-@lru_cache(maxsize=1)
-def model_file_names() -> frozenset[str]:
-    """The fixed names of a saved model folder: config, weights (not shards, see `is_model_file`), processor, code."""
-    fixed = (CONFIG_FILE, PROCESSOR_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, ADAPTER_FILE, ADAPTER_CONFIG)
-    return frozenset((*fixed, *remote_code_files()))
-
-
 def is_model_file(name: str) -> bool:
-    return name in model_file_names() or bool(SHARD_NAME.fullmatch(name))
+    """Whether `name` is a file of a saved model folder: config, weights (shards too), processor, code."""
+    fixed = (CONFIG_FILE, PROCESSOR_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, ADAPTER_FILE, ADAPTER_CONFIG)
+    return name in fixed or name in remote_code_files() or bool(SHARD_NAME.fullmatch(name))
 
 
 def is_run_file(name: str) -> bool:

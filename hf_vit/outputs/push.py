@@ -211,20 +211,16 @@ def plan_checkpoint_upload(checkpoint: str | os.PathLike, path_in_repo: str) -> 
     return plan
 
 
-def _one_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else 'no message'}"
-
-
 def _hub_call(what: str, repo_id: str, call):
     """Run a call to the Hub; a network or Hub error becomes one `HubPushError` line naming the repository."""
     try:
         return call()
     except Exception as error:  # httpx / huggingface_hub errors have no common base but Exception
         offline = " HF_HUB_OFFLINE=1 is set in this environment." if os.environ.get("HF_HUB_OFFLINE") else ""
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "no message")
         raise HubPushError(
-            f"could not {what} {repo_id} on the Hugging Face Hub ({_one_line(error)}).{offline} Check the network "
-            "and the token (--hub_token or `hf auth login`), then push the folder again with "
+            f"could not {what} {repo_id} on the Hugging Face Hub ({type(error).__name__}: {first}).{offline} Check "
+            "the network and the token (--hub_token or `hf auth login`), then push the folder again with "
             "`hf-vit-push --model <folder> --hub_model_id <org>/<name>`."
         ) from error
 

@@ -88,13 +88,13 @@ class RunRecord:
         self.splits = splits
         earlier = read_record(self.folder) if resuming else None
         self._earlier_files = set(earlier["files"]) if earlier else set()
-        self._earlier_found = set(earlier.get("found", ())) if earlier else None
+        self._found = set(earlier.get("found", ())) if earlier else None  # what the first run found there
         self._before: dict[str, _Signature] = {}
 
     def start(self) -> None:
         self._before = _project_files(self.folder)
-        found = self._earlier_found if self._earlier_found is not None else set(self._before)
-        self._write(sorted(self._earlier_files), sorted(found))
+        self._found = set(self._before) if self._found is None else self._found
+        self._write(sorted(self._earlier_files), sorted(self._found))
 
     def written(self) -> list[str]:
         """The files (under names hf-vit writes) this run has written into its folder since `start`."""
@@ -103,8 +103,7 @@ class RunRecord:
 
     def finish(self) -> list[str]:
         files = sorted(self._earlier_files | set(self.written()))
-        found = self._earlier_found if self._earlier_found is not None else set(self._before)
-        self._write(files, sorted(found - set(files)))
+        self._write(files, sorted(self._found - set(files)))
         return files
 
     def _write(self, files: Iterable[str], found: Iterable[str]) -> None:
