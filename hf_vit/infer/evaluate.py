@@ -1,11 +1,5 @@
-"""A saved model's metrics on a data set's split without training (`evaluate_saved_model`, with per-class precision,
-recall and F1, a confusion matrix and a results file; `evaluate_checkpoint` for `--do_train False`; `evaluate_loaded`
-for a loaded model).
-
-The evaluation is the run's: the objective's transforms, collator, metrics and loss (`hf_vit.tasks.objectives`), on
-the splits the run would see (`hf_vit.data.datasets`); the checkpoint's head is used as it is, so its classes must be
-the data set's.
-"""
+"""A saved model's metrics on a data set's split without training: the run's objective (transforms, collator, metrics,
+loss) on the splits the run would see, the checkpoint's head as it is (its classes must be the data set's)."""
 
 from __future__ import annotations
 
@@ -169,7 +163,6 @@ def measure_split(
 def evaluate_loaded(
     classifier, processor, source: DataSource, split: str | None = None, batch_size: int = 64, seed: int = 0
 ) -> tuple[dict[str, Any], np.ndarray | None]:
-    """`measure_split` of `split` of `source`'s data set (`evaluation_split`: by default test, or else validation)."""
     prepared = evaluation_split(classifier.config, source, split, seed)
     return measure_split(classifier, processor, prepared, batch_size)
 
@@ -197,11 +190,9 @@ def evaluate_saved_model(
     max_num_patches: int | None = None,
     patch_size: int | None = None,
 ) -> dict[str, Any]:
-    """Evaluate the model at `model` on `split` of `dataset_name` (see `evaluate_loaded`; `max_num_patches` and
-    `patch_size` as for `load_model`); with `output_dir`, write `<split>_results.json` and, for single-label data,
-    `<split>_confusion_matrix.png` there (matplotlib needed: without it the plot is skipped and said so). Existing
-    files of those names are refused, never overwritten. `source`: the data set's columns and splits, when not the
-    defaults; a run's folder on its own data set is measured on the run's splits (`recorded_source`)."""
+    """`model` (`max_num_patches`, `patch_size`: as for `load_model`) measured on `split` of `dataset_name` (`source`:
+    its columns and splits when not the defaults; a run's own data set on the run's splits, `recorded_source`), the
+    results written to `output_dir` by `write_evaluation`."""
     source = recorded_source(model, source or DataSource(dataset_name=dataset_name))
     classifier, processor = load_model(model, patch_size, max_num_patches)
     metrics, confusion = evaluate_loaded(classifier, processor, source, split)
@@ -318,9 +309,8 @@ def evaluate_checkpoint(
     batch_size: int = 64,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """`--do_train False`: the checkpoint `model_name_or_path`, head and all, measured on the validation split
-    (`do_eval`) and the test split (`do_predict`); `<split>_results.json` (and the confusion matrix) go to
-    `output_dir`. No model is written."""
+    """`--do_train False`: the checkpoint, head and all, measured on the validation (`do_eval`) and test
+    (`do_predict`) splits, the results written to `output_dir`; no model is written."""
     if not model_name_or_path:
         raise ValueError(
             f"--do_train False evaluates a saved model: pass --model_name_or_path (hf-vit-{task} trains nothing "
