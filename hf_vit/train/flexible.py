@@ -22,9 +22,10 @@ class SeqLenBatchSampler:
     """Batches of `(index, seq_len)` keys for a `SeededAugmentation` split (see the module docstring).
 
     `dataset`: the training split (its shared `epoch`, set by `EpochToDataset` as each epoch begins, chooses the
-    epoch's order); `max_tokens_per_batch`: the patches one process's batch may hold, its batch size at length `s`
-    being `max_tokens_per_batch // s` (at least 1); `num_processes`: the processes the batches are dealt to. An
-    epoch's last step fills its batches from the epoch's first examples, so every process's batch is full."""
+    epoch's order); `max_tokens_per_batch`: the patches one process's batch may hold (at least the longest length, as
+    the flags check), its batch size at length `s` being `max_tokens_per_batch // s`; `num_processes`: the processes
+    the batches are dealt to. An epoch's last step fills its batches from the epoch's first examples, so every
+    process's batch is full."""
 
     batch_size = None  # varies per batch: accelerate deals such batches out whole, one per process
     drop_last = True  # every batch is full: nothing is left over for accelerate to cycle in
@@ -32,11 +33,6 @@ class SeqLenBatchSampler:
     def __init__(
         self, dataset: Any, seq_lens: Sequence[int], max_tokens_per_batch: int, seed: int, num_processes: int = 1
     ) -> None:
-        if max_tokens_per_batch < max(seq_lens):
-            raise ValueError(
-                f"--max_tokens_per_batch {max_tokens_per_batch} is below the longest of --seq_lens "
-                f"{list(seq_lens)}: a batch of one image could not hold its patches; raise it or drop the longer ones."
-            )
         self.dataset, self.seq_lens = dataset, list(seq_lens)
         self.max_tokens_per_batch, self.seed, self.num_processes = max_tokens_per_batch, seed, num_processes
         self.num_examples = len(dataset)
