@@ -1,10 +1,6 @@
-"""A pretraining or fine-tuning run, as stages: data, objective, model, adapters, trainer, training, final evaluation
-and outputs. Each stage lives in its own package or module (`hf_vit.data`, `hf_vit.tasks`, `hf_vit.train`, ...); this
-one unpacks the flags into their settings and puts the stages in order.
-
-`scripts/pretrain.py` and `scripts/finetune.py` are `main(task)`; both run unchanged under `python`, `torchrun` and
-`accelerate launch`, because `Trainer` does the distribution.
-"""
+"""A pretraining or fine-tuning run, as stages (data, objective, model, adapters, trainer, training, final evaluation,
+outputs), each in its own module; this one unpacks the flags into their settings and puts the stages in order. The
+scripts' `main(task)` runs unchanged under `python`, `torchrun` and `accelerate launch` (`Trainer` distributes)."""
 
 from __future__ import annotations
 
@@ -80,14 +76,8 @@ def train(
     training_args: VisionTransformerTrainingArguments,
     callbacks: list | None = None,
 ) -> dict[str, Any]:
-    """Pretrain or fine-tune, save the model, evaluate it, and save the metrics, curves and model card.
-
-    The final metrics (`eval_*` in `all_results.json`) are measured on the test split when the data set has one,
-    on the validation split otherwise; validation metrics during training are in `trainer_state.json`. The model is
-    saved before that final evaluation, so an error there loses no training.
-
-    This is the run's edge: the parsed flags are unpacked here into the settings each stage takes.
-    """
+    """Pretrain or fine-tune, save the model (before the final evaluation: an error there loses no training),
+    evaluate it (`final_evaluation`), and save the metrics, curves and model card."""
     transformers.set_seed(training_args.seed)
     check_outside_data_set(training_args.output_dir, data_args.dataset_name)
     source = data_args.source()
@@ -225,8 +215,6 @@ def _run(
 def build_trainer(
     run: Run, objective: Objective, model, processor, ds, training_args: TrainingArguments, callbacks: list
 ) -> VisionTransformerTrainer:
-    """The run's Trainer: the objective's collator and metrics; an in-memory training split augmented reproducibly
-    (`SeededAugmentation`, told each epoch); the recipe's parts, the sizes drawn per step and packed batches."""
     sizes, recipe = run.sizes, run.recipe
     callbacks, num_examples = list(callbacks), None
     if not isinstance(ds["train"], datasets.IterableDataset):
@@ -324,8 +312,7 @@ def packed_batches(
 def flexible_sizes(
     train, model, sizes: BatchSizes, training_args: TrainingArguments
 ) -> tuple[SeqLenBatchSampler | None, PatchSizeDraw | None]:
-    """The sizes a run draws per batch (`flexible.py`): the sequence lengths' batch sampler (`--seq_lens`) and the
-    patch sizes' draw (`--patch_sizes`), or None for those not asked for."""
+    """`--seq_lens`' batch sampler and `--patch_sizes`' draw (`flexible.py`), None for those not asked for."""
     sampler = draw = None
     seq_lens = parse_sizes(sizes.seq_lens, "--seq_lens")
     if seq_lens is not None:
