@@ -1,12 +1,6 @@
-"""Torch-only transforms from a data set's images to model inputs: the evaluation pixel path, which serving uses too.
-
-`make_eval_transform(processor)` maps a batch `{"image": [...], "label": [...]}` to `{"pixel_values": float32 [N, 3, H,
-W], "labels": int64 [N]}` by the image processor's own pixel path; the training transform
-(`hf_vit.data.augment.train_transform`) adds its augmentations to the same path, apart, so that serving never loads
-them. Use them through `apply_transforms` and `collate_fn` (the Trainer's `data_collator`, with
-`remove_unused_columns=False`). A corrupt image is never dropped silently (that would change the data set): it raises
-`CorruptImageError` naming its file and its place in the batch, chaining PIL's error.
-"""
+"""A data set's images to model inputs by the image processor's own pixel path (serving uses it too; the training
+transform adds its augmentations apart, in `augment/`), then to batches (`collate_fn`). A corrupt image is never
+dropped silently (that would change the data set): it raises `CorruptImageError` naming its file."""
 
 from __future__ import annotations
 
@@ -74,11 +68,8 @@ class CorruptImageError(ValueError):
 
 
 def decode_image(image: Any, index: int | None = None) -> PIL.Image.Image | np.ndarray | torch.Tensor:
-    """Decode a data set image (`{"path", "bytes"}` dict, path or bytes) with the image processor's `open_image`.
-
-    PIL images, numpy arrays and tensors are returned as they are: the processor's `load_images` converts them.
-    Raises `CorruptImageError` naming the file (and `index`, its position in the batch), chaining PIL's error.
-    """
+    """A data set image (`{"path", "bytes"}` dict, path or bytes) decoded by the processor's `open_image`; decoded
+    pixels as they are. A `CorruptImageError` names the file (and `index`, its place in the batch)."""
     where = "" if index is None else f" (image {index} of the batch)"
     if isinstance(image, (PIL.Image.Image, np.ndarray, torch.Tensor)):
         return _checked_pixels(image, f"{type(image).__name__}{where}")
@@ -151,11 +142,7 @@ def _checked_pixels(image: Any, source: str) -> Any:
 
 
 def decode_rgb(image: Any, index: int | None = None) -> PIL.Image.Image:
-    """Return `image` (PIL image, `{"path", "bytes"}` dict, path, bytes or array) as an RGB PIL image.
-
-    The pixels are those the image processor uses (EXIF orientation, transparency on white, 16-bit scaling).
-    Raises `CorruptImageError` naming the file (and `index`, its position in the batch) when it cannot be decoded.
-    """
+    """`decode_image`'s image as an RGB PIL image of the processor's pixels (`load_images`)."""
     (pixels,) = load_images(decode_image(image, index))
     if pixels.is_floating_point():
         pixels = pixels.round().clamp(0, 255).to(torch.uint8)
@@ -195,12 +182,8 @@ def apply_transforms(
     train_split: str = "train",
     stream_batch_size: int = 32,
 ) -> DatasetDict | IterableDatasetDict:
-    """Return `ds` with `train_transform` on `train_split` and `eval_transform` on the other splits.
-
-    In-memory splits get the transform lazily with `with_transform`; streamed splits with
-    `map(batched=True, batch_size=stream_batch_size)`. Images reach the transforms undecoded, so a corrupt image
-    raises `CorruptImageError` with its file name.
-    """
+    """`ds` with `train_transform` on `train_split` and `eval_transform` on the others, the images undecoded (so
+    that a corrupt one is named by its file)."""
     # datasets' "couldn't be hashed properly" warning kept quiet: a lazy `with_transform` caches nothing, so the random
     # fingerprint it warns about changes nothing for the user, who saw it in every run
     fingerprint = logging.getLogger("datasets.fingerprint")
@@ -233,15 +216,8 @@ def collate_fn(
     packed_rows: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Stack transformed examples into a batch: `pixel_values` [N, 3, H, W] and, when present, `labels` [N] (class
-    ids) or [N, C] (multi-hot). Native-aspect examples (with `spatial_shapes`) are flattened patches [K_i, P*P*C]:
-    they are padded to the longest with zeros, and `pixel_attention_mask` [N, K] marks each one's own patches; with
-    `packed_sequence_length`, they are packed whole into rows of that many patch slots instead (the image processor's
-    `pack_patches`: `pixel_values` [rows, L, P*P*C], `image_slot_index` [N, K]), the labels still one per image.
-
-    Examples that carry their row (`PACKED_ROW`, from a planned batch: `packed_batches.PackedBatchSampler`) go into
-    that row, and with `packed_rows` the batch is padded with empty rows (all padding, no image's slots) to
-    exactly that many: every such batch is `[packed_rows, L]`. Others are packed largest first
-    (`best_fit_decreasing`), into as many rows as they need."""
+    ids) or [N, C] (multi-hot), one per image. Native-aspect examples (flattened patches [K_i, P*P*C]) are padded or
+    packed by `_native_batch`; with `packed_rows`, a planned batch is padded with empty rows to exactly that many."""
     if "spatial_shapes" in examples[0]:
         native = [{key: torch.as_tensor(value) for key, value in example.items()} for example in examples]
         batch = _native_batch(native, packed_sequence_length, packed_rows)
@@ -259,8 +235,9 @@ def _native_batch(
     examples: Sequence[Mapping[str, torch.Tensor]], packed_sequence_length: int | None, packed_rows: int | None = None
 ) -> dict:
     """Native-aspect examples (patches, grid; the places kept after token dropping) padded to the longest (each one's
-    patches first, then zeros), or with `packed_sequence_length` packed by the image processor's `pack_patches`: into
-    the rows they carry (`PACKED_ROW`), padded to `packed_rows`, or largest first."""
+    patches first, then zeros; `pixel_attention_mask` [N, K] marks them), or with `packed_sequence_length` packed by
+    the image processor's `pack_patches` (rows of that many slots): into the rows they carry (`PACKED_ROW`, planned by
+    `PackedBatchSampler`), padded to `packed_rows`, or largest first."""
     grids = [tuple(example["spatial_shapes"].tolist()) for example in examples]
     positions = None
     if "patch_positions" in examples[0]:  # token dropping: only the kept patches, with their places
