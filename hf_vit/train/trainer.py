@@ -1,7 +1,5 @@
-"""The Trainer of a run (one subclass, `VisionTransformerTrainer`) and its callbacks: reproducible augmentation across
-resumption, evaluation that leaves the training's random numbers alone, the recipes' parts (layer-wise decay,
-Mixup/CutMix, the weights' EMA), sizes drawn per step, pushes of exactly the project's files, clear errors when a
-checkpoint cannot be written, and the run's set-up line."""
+"""The Trainer of a run (one subclass, `VisionTransformerTrainer`), the training split it augments reproducibly, its
+callbacks and its errors when a checkpoint cannot be written."""
 
 from __future__ import annotations
 
@@ -89,13 +87,11 @@ class EpochToDataset(TrainerCallback):
 
 
 class VisionTransformerTrainer(Trainer):
-    """`Trainer` with the guarantees the scripts promise and the recipes' parts, each Trainer method overridden once,
-    in the order a run calls them. Training batches are mixed (`mixing`) seeded by the run's seed, the step and the
-    batch's place in it; evaluation sees the EMA's average (`ema`) and consumes none of the training's random
-    numbers; every push sends exactly the upload plan's files (`hf_vit.outputs.push`; of a run's folder, only what
-    `run_record` says it wrote), and the token never reaches the arguments Trainer pickles into checkpoints.
-    Private Trainer methods are overridden only where Trainer has no public hook.
-    """
+    """`Trainer` with the recipes' parts (layer-wise decay, Mixup/CutMix seeded by the run's seed, the step and the
+    batch's place in it, the EMA's average), sizes drawn per step and packed batches; evaluation consumes none of the
+    training's random numbers; every push sends exactly the upload plan's files (`hf_vit.outputs.push`), and the token
+    never reaches the arguments Trainer pickles into checkpoints. Each Trainer method is overridden once, in the order
+    a run calls them; private ones only where Trainer has no public hook."""
 
     def __init__(
         self,
