@@ -50,26 +50,15 @@ def make_train_transform(
     recount: int = 1,
     token_drop_rate: float = 0.0,
 ) -> Transform:
-    """Batch transform for training: random resized crop, random horizontal flip, then the processor's normalisation.
-
-    Images are decoded and converted exactly as by `processor` (its `load_images`: EXIF orientation, transparency on
-    white, 16-bit scaling). The crop covers a random fraction `scale` of the image area with an aspect ratio
-    log-uniform in `ratio` (Inception-style; a central crop after 10 failed draws); it is cut from the uint8 image and
-    resized with the processor's `resize_images` and `resample` to the processor's output size (`crop_size` when it
-    centre-crops, else `size`; a shorter-side `size` needs the crop, which gives the one output size). Without
-    `random_resized_crop`, the image goes through the processor's own resize and centre crop, so with `hflip=False`
-    the output equals `processor(images)`. The flip (probability 1/2, when `hflip`; keep it off for digits and text)
-    comes next, then RandAugment when `rand_augment` gives its policy in timm's notation (`rand_augment.RandAugment`:
-    on the uint8 image, areas it uncovers filled with the processor's mean colour), and the processor's
-    `normalize_batch`, once per batch; last, with `reprob` > 0, random erasing (`random_erasing.RandomErasing` with
-    `remode` and `recount`) of each normalised image in turn, a native-aspect image within its own size before it is
-    cut into patches. With `token_drop_rate` (native-aspect batches, to be
-    packed: `collate_fn`), NaViT's token dropping: each image keeps a random `1 - token_drop_rate` of its patches (at
-    least one), first in its row of `pixel_values`, their places in its grid in `patch_positions` (-1 after). With
-    `seed`, the transform draws from its own generator (reproducible); otherwise, and always inside DataLoader workers
-    (so they don't repeat each other), from torch's global generator, which the DataLoader seeds per worker and epoch.
-    Encoded RGB and grey JPEGs draw the same crop from the header's size (`decode_jpeg_crop`).
-    """
+    """Batch transform for training, per image in this order: an Inception-style random resized crop (a random
+    fraction `scale` of the area at an aspect ratio log-uniform in `ratio`; a central crop after 10 failed draws) of
+    the image as `processor` loads it, resized by the processor's `resize_images` to its output size (encoded RGB and
+    grey JPEGs: `decode_jpeg_crop`); without `random_resized_crop`, the processor's own resize and centre crop (so with
+    `hflip=False` the output equals `processor(images)`); the flip (probability 1/2); RandAugment (`rand_augment`, on
+    the uint8 image); the processor's `normalize_batch`; random erasing (`reprob`, `remode`, `recount`), within a
+    native-aspect image's own size; NaViT's token dropping (`token_drop_rate`: `drop_tokens`). With `seed`, it draws
+    from its own generator; otherwise, and always in DataLoader workers, from torch's global one (seeded per worker
+    and epoch)."""
     if not (0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1]):
         raise ValueError(f"Need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], got {scale}, {ratio}.")
     if not hasattr(processor, "normalize_batch"):
@@ -240,10 +229,8 @@ def _upright_size(image: PIL.Image.Image) -> tuple[int, int]:
 
 
 def draft_scale(crop_height: int, crop_width: int, output_size: tuple[int, int]) -> int:
-    """The largest JPEG reduction (8, 4, 2, else 1) that keeps a crop at or above `output_size` in both directions.
-
-    Decoding at 1/`scale` then never makes the crop smaller than the output, so the resize still only shrinks.
-    """
+    """The largest JPEG reduction (8, 4, 2, else 1) that keeps a crop at or above `output_size` in both directions
+    (so the resize after decoding at that scale still only shrinks)."""
     fits = (f for f in DRAFT_SCALES if crop_height >= f * output_size[0] and crop_width >= f * output_size[1])
     return next(fits, 1)
 
