@@ -44,12 +44,8 @@ _DIGITS_SPLIT_SEED = 0
 
 
 def load_digits_dataset(seed: int = 0) -> DatasetDict:
-    """scikit-learn's handwritten digits as a `DatasetDict` with fixed stratified train/validation/test splits.
-
-    Images are 8x8 grayscale (`L`) PIL images, scaled from 0..16 to 0..255; labels are `ClassLabel` "0".."9".
-    Which images go to which split never changes (sizes in `DIGITS_SPLIT_SIZES`, every split has the class
-    proportions of the whole set); `seed` only shuffles the order of the rows inside each split.
-    """
+    """scikit-learn's digits (8x8 grey, 0..16 scaled to 0..255) in fixed stratified splits of `DIGITS_SPLIT_SIZES`;
+    `seed` only shuffles the rows inside each split."""
     # scikit-learn is imported here, not with the module: it costs every process that trains on other data a second
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -87,14 +83,9 @@ def load_image_dataset(
     cache_dir: str | None = None,
     shuffle_buffer_size: int = 1000,
 ) -> DatasetDict | IterableDatasetDict:
-    """Load an image classification data set: splits `train`, `validation` (and `test`), columns `image`, `label`.
-
-    See the module docstring for the accepted `name`s. `image_column`/`label_column` name the source columns
-    (renamed to `image`/`label`, other columns are dropped); `*_split` name the source splits. String labels become
-    `ClassLabel` ids in sorted name order, integer labels without names get the names "0".."max" (negative
-    integers are refused). A streamed train split is shuffled with a buffer of `shuffle_buffer_size` examples (0:
-    read in the source's order).
-    """
+    """The data set `name` (see the module docstring), its source columns and splits renamed and the others dropped.
+    String labels become `ClassLabel` ids in sorted name order, integer labels without names get the names "0".."max"
+    (negative integers are refused)."""
     if shuffle_buffer_size < 0:
         raise ValueError(f"--shuffle_buffer_size must be 0 (no shuffling) or positive, got {shuffle_buffer_size}.")
     path = os.path.expanduser(name)
