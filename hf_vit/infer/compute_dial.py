@@ -1,11 +1,7 @@
 """The compute dial of one checkpoint: its accuracy against the tokens each image is seen as (native-aspect batches of
 at most K patches, NaFlex) and against the patch size (the patch embedding resampled, FlexiViT), measured on a data
-set's split; written as `compute_dial.json` and `compute_dial.png`.
-
-A run that trained with native-aspect batches (`--max_num_patches`, `--seq_lens`) or with patch sizes drawn per batch
-(`--patch_sizes`) measures it at its end (`compute_dial_after_training`, one call in the run's last stage) and links it
-in the model card; `hf-vit-evaluate --max_num_patches 16,64,144` (or `--patch_size 8,16,32`) measures it on demand.
-"""
+set's split at the end of a run (`compute_dial_after_training`) or on demand (`hf-vit-evaluate --max_num_patches
+16,64,144`, `--patch_size 8,16,32`); written as `compute_dial.json` and `compute_dial.png`."""
 
 from __future__ import annotations
 
@@ -116,11 +112,10 @@ def evaluate_dial(
     patch_sizes: Sequence[int] = (),
     batch_size: int = 64,
 ) -> list[dict[str, Any]]:
-    """The dial of the checkpoint at `model` (as `load_model` loads it) on `split` of `source`'s data set (default:
-    test, or validation without one), written to `output_dir` when given. A list of several `token_counts` is the
-    tokens series (at the one patch size of `patch_sizes` when it names one, else at the model's); several
-    `patch_sizes`, the patch size series (at the one number of patches of `token_counts` when it names one, else on
-    whole images)."""
+    """The dial of the checkpoint at `model` on `split` of `source`'s data set, written to `output_dir` when given.
+    Several `token_counts` are the tokens series (at the one patch size of `patch_sizes` when it names one, else at the
+    model's); several `patch_sizes`, the patch size series (at the one number of patches of `token_counts` when it
+    names one, else on whole images)."""
     counts, sizes = list(token_counts), list(patch_sizes)
     if len(counts) < 2 and len(sizes) < 2:
         raise ValueError("A compute dial needs several --max_num_patches or several --patch_size values.")

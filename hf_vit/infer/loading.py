@@ -1,8 +1,4 @@
-"""A saved model ready to serve: the classifier and its image processor from what a run or a user has (an hf-vit
-folder, a foreign checkpoint by Hub id or folder, converted on load, or a LoRA run's folder, merged on load by
-`hf_vit.lora`), optionally at another patch size (FlexiViT) or on native-aspect batches of at most K patches; and
-the model inputs of a processed batch.
-"""
+"""A saved model ready to serve (`load_model`), and the model inputs of a processed batch."""
 
 from __future__ import annotations
 
