@@ -13,14 +13,10 @@ from ..infer.evaluate import final_split
 def evaluate_split(
     trainer: Trainer, dataset, split: str, loss: Callable[[Any, Any], float] | None = None
 ) -> dict[str, float]:
-    """`trainer`'s metrics of `dataset` (the split `split`), logged as `<split>_*` (so that the curves keep
-    validation and test apart).
-
-    The data set gets a data loader built for it: `Trainer.evaluate` hands back the loader it cached for the
-    validation split whenever the data loader's workers persist (the scripts' default), whatever data set it is given,
-    so the "test" metrics would be the validation split's. With `loss` (the objective's loss of predictions and
-    labels), the loss is that of the gathered predictions: Trainer's mean of the processes' batch losses counts the
-    examples that pad a streamed split's last batch across processes."""
+    """`trainer`'s metrics of `dataset` as `<split>_*`, by `predict` (`Trainer.evaluate` hands back the loader it
+    cached for the validation split whenever the workers persist, whatever data set it is given). With `loss` (the
+    objective's), the loss is that of the gathered predictions: Trainer's mean of the processes' batch losses counts
+    the examples that pad a streamed split's last batch across processes."""
     output = trainer.predict(dataset, metric_key_prefix=split)
     metrics = dict(output.metrics)
     predictions = output.predictions[0] if isinstance(output.predictions, tuple) else output.predictions
