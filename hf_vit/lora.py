@@ -1,9 +1,7 @@
-"""LoRA run folders as models: a peft adapter beside the fine-tuning config, loaded as the merged classifier.
-
-`load_lora_model(folder)` rebuilds the run's fine-tuning model from the base the adapter names (a Hub id, or a local
-folder by its plain name, its path kept in `LOCAL_BASE_FILE`, never pushed; elsewhere pass `base=`), applies the
-adapter and merges it; `save_merged_model` writes it as a plain folder; `read_lora_folder` is the loading hook that
-makes `from_pretrained(folder)` and `pipeline(model=folder)` work. Imports neither serving nor training."""
+"""LoRA run folders as models: a peft adapter beside the fine-tuning config, loaded as the merged classifier (its
+base a Hub id, or a local folder by its plain name, its path kept in `LOCAL_BASE_FILE`, never pushed; elsewhere pass
+`base=`); `read_lora_folder` makes `from_pretrained(folder)` and `pipeline(model=folder)` load it. Imports neither
+serving nor training."""
 
 from __future__ import annotations
 

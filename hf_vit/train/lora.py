@@ -126,10 +126,8 @@ def check_lora_arguments(lora: LoraSettings, task: str) -> None:
 
 
 def adapt(model: nn.Module, lora: LoraSettings, output_dir: str | os.PathLike) -> nn.Module:
-    """The run's adapter stage: with `--lora_rank`, `model` (the fine-tuning model, its problem type set) wrapped
-    with LoRA adapters, its config written to `output_dir` first (what `load_lora_model` rebuilds on the base, with
-    the interpolation its position embeddings were resampled with), the adapter naming its base as the user did.
-    Without `--lora_rank`, `model` as it is. (`check_lora_arguments` has checked the flags.)"""
+    """With `--lora_rank` (checked by `check_lora_arguments`), `model` wrapped with LoRA adapters, its config written
+    to `output_dir` first (what `load_lora_model` rebuilds on the base); else `model` as it is."""
     if not lora.rank:
         return model
     model.config.position_interpolation = lora.interpolation
