@@ -341,10 +341,9 @@ def processor_for(
         with contextlib.suppress(OSError):
             processor = VisionTransformerImageProcessor.from_pretrained(model_name_or_path)
     processor = processor or VisionTransformerImageProcessor()
-    if max_num_patches is not None:
-        positive_int(max_num_patches, "--max_num_patches", "number of patches per image")
     sizes = dict(max_num_patches=max_num_patches, patch_size=config.patch_size)
     if max_num_patches is not None:  # a native-aspect image is kept whole
+        positive_int(max_num_patches, "--max_num_patches", "number of patches per image")
         sizes.update(do_center_crop=False, size=dict(zip(("height", "width"), config.image_hw)))
     processor = processor.with_options(**sizes, packed_sequence_length=packed_sequence_length)
     if max_num_patches is None:
