@@ -39,15 +39,10 @@ logger = logging.getLogger(__name__)
 
 class SeededAugmentation(torch.utils.data.Dataset):
     """A training split whose random augmentation of example `i` in epoch `e` is drawn from a generator seeded by
-    `(seed, e, i)`, not from the global random stream at the moment the example is fetched.
-
-    This is what makes resuming exact: the data loader fetches batches ahead (accelerate one batch, workers
-    several), so with the global stream an interrupted and an uninterrupted run augment the batches after the
-    checkpoint with different numbers. The epoch lives in shared memory so that persistent workers see it change.
-    An `(index, max_num_patches[, row])` key (from `SeqLenBatchSampler`, `PackedBatchSampler`) fetches example `index`
-    at that number of patches, passed to `transform` (applied here to the raw row as a batch of one), and marks it
-    with the packed batch's row it was planned in (`transforms.PACKED_ROW`), for the collator.
-    """
+    `(seed, e, i)`, not from the global stream when the example is fetched: the data loader fetches ahead, so only
+    then do an interrupted and an uninterrupted run augment alike. The epoch lives in shared memory so that persistent
+    workers see it change. An `(index, max_num_patches[, row])` key (the samplers') fetches example `index` at that
+    number of patches, marked with its planned row in a packed batch (`PACKED_ROW`)."""
 
     def __init__(self, data, seed: int, transform: Callable | None = None) -> None:
         self.data = data
