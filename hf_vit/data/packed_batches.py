@@ -45,11 +45,9 @@ CPU_PACKING_BREAK_EVEN = 0.15
 
 
 def image_size(image: Any) -> tuple[int, int]:
-    """`(height, width)` of a data set image, read cheaply: an encoded image (`{"path", "bytes"}` dict, path or bytes)
-    by its header, without decoding its pixels; a PIL image, array or tensor by converting it as the processor does.
-    An encoded image's EXIF orientation is not applied (a PNG's may sit after its pixels): turning an image swaps its
-    grid's rows and columns, not its number of patches. Raises `CorruptImageError` naming the file when it cannot be
-    opened."""
+    """`(height, width)` of a data set image: an encoded one's from its header (its EXIF orientation not applied: a
+    PNG's may sit after its pixels, and turning swaps a grid's rows and columns, not its number of patches), decoded
+    pixels as the processor converts them. A `CorruptImageError` names a file that cannot be opened."""
     found = local_encoded(image)
     if found is not None:
         file, source = found
@@ -106,14 +104,9 @@ def padding_shares(
 
 
 class PackedBatchSampler:
-    """Batches of `rows` rows of `packed_sequence_length` patch slots, each holding as many whole images as fill it
-    (see the module docstring): keys `(index, budget, row)` for a training split that takes them
-    (`SeededAugmentation`).
-
-    `counts`: the slots each image takes; `budgets`: the patch budget each is fetched at (default: `counts`);
-    `dataset`: the training split, whose `epoch` (shared with its workers, set as each epoch begins) chooses the
-    epoch's plan; `num_processes`: the processes the batches are dealt to; `drop_partial`: leave out the epoch's last
-    batches when they are not full (their images then wait for another epoch) instead of training them partial."""
+    """The module docstring's plan. `counts`: the slots each image takes; `budgets`: the patch budget each is fetched
+    at (default: `counts`); `dataset`: the training split, whose shared `epoch` chooses the epoch's plan;
+    `drop_partial`: leave out the epoch's last batches when they are not full (their images wait for another epoch)."""
 
     batch_size = None  # the images per batch vary: accelerate deals such batches out whole, one per process
     drop_last = True  # the batches are a multiple of the processes: nothing for accelerate to cycle in
