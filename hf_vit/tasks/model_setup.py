@@ -186,10 +186,8 @@ def build_classifier(task: str, settings: ModelSettings, labels: Any) -> VisionT
 def build_pretraining_model(
     settings: ModelSettings, id2label: dict[int, str]
 ) -> VisionTransformerForImageClassification:
-    """A model to pretrain: `preset` from scratch (the paper's initialisation) or `model_name_or_path` to continue
-    (with the flags applied or refused, see `load_checkpoint`). A continued checkpoint keeps its head for the same
-    classes (its rows reordered by class name where the data set numbers them otherwise) and for as many classes of
-    other names (renamed); other classes (another number, or names shared at other places) get a new head, which
+    """A model to pretrain: `preset` from scratch or `model_name_or_path` continued, keeping its head for the same
+    classes (rows reordered by name) or as many of other names (renamed); other classes get a new head, which
     `--keep_head` refuses."""
     if settings.model_name_or_path:
         representation = settings.representation_size or None
