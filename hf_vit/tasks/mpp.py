@@ -3,13 +3,10 @@ pieces for `Trainer`. The paper corrupts 50% of the patch embeddings (80% of the
 embedding, 10% by another patch's embedding, 10% kept) and predicts the 3-bit mean colour (512 classes) of every
 corrupted patch (`mean_color_classes`, from the pixels before normalisation). The model
 (`VisionTransformerForMaskedPatchPrediction`) applies the corruption in its embeddings; this module makes its inputs
-(`MaskedPatchPredictionTransform`) and what `Trainer` needs (the training transform:
-`training_transforms.with_mpp_transforms`); the image labels of the data set are not used.
-"""
+and what `Trainer` needs; the image labels of the data set are not used."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -33,10 +30,7 @@ from .model_setup import ModelSettings, config_from_preset, load_requested
 def unnormalized(processor: VisionTransformerImageProcessor) -> VisionTransformerImageProcessor:
     """A copy of `processor` that stops before rescaling and normalising, for transforms whose pixels give the
     targets; `MaskedPatchPredictionTransform` then applies `processor`'s own `normalize_batch`."""
-    raw = copy.deepcopy(processor)
-    raw.do_rescale = False
-    raw.do_normalize = False
-    return raw
+    return processor.with_options(do_rescale=False, do_normalize=False)
 
 
 class MaskedPatchPredictionTransform:
