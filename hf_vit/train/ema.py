@@ -1,9 +1,7 @@
-"""An exponential moving average (EMA) of the weights a run trains, with timm's meanings (`ModelEmaV3`): after every
-optimiser step, each trained parameter's average moves towards the parameter, in place on the weights' device, with
-the decay of `ema_decay_at`. Only parameters that train are averaged: with LoRA, the adapters and the new head. The
-averaged weights are what a run evaluates and saves as its model; every checkpoint keeps them (`EMA_FILE`), so a
-resumed run continues the same average bit for bit.
-"""
+"""An exponential moving average (EMA) of the weights a run trains, with timm's meanings (`ModelEmaV3`), moved after
+every optimiser step (with LoRA: the adapters and the new head). The averaged weights are what a run evaluates and
+saves as its model; every checkpoint keeps them (`EMA_FILE`) beside its own, so a resumed run continues the same
+average bit for bit."""
 
 from __future__ import annotations
 
@@ -115,10 +113,8 @@ class WeightAverage:
 
 
 class EmaCallback(TrainerCallback):
-    """Keeps a run's `WeightAverage`: made from the model when training begins (and loaded from the checkpoint a run
-    resumes, `resume_from`), moved after every optimiser step, and put into the model when training ends, before any
-    other callback, the final save and the final evaluation see it. Checkpoints keep the model's own weights; the
-    Trainer writes `state_dict` beside them (`EMA_FILE`)."""
+    """Keeps a run's `WeightAverage` (loaded from `resume_from`, the checkpoint a run resumes), put into the model
+    when training ends, before the other callbacks, the final save and the final evaluation see it."""
 
     def __init__(self, decay: float, warmup: bool = False) -> None:
         self.decay, self.warmup = decay, warmup  # checked by `WeightAverage`
