@@ -1,11 +1,8 @@
 """SimMIM (Xie et al., 2022): the data side of masked image modeling and its run's pieces for `Trainer`.
 
 The model (`VisionTransformerForMaskedImageModeling`) replaces the masked patches by its [mask] embedding and
-reconstructs their pixels; this module makes its inputs as transformers' `run_mim.py` does: the normalised
-`pixel_values` of the (cropped, flipped) images, and `bool_masked_pos`, a random mask drawn per example in square
-blocks of patches (`SimMIMMasking`: SimMIM's 32-pixel blocks, 60% of them). The image labels are not used; the logs
-carry the L1 loss on the masked pixels as `loss` / `eval_loss`.
-"""
+reconstructs their pixels; this module makes its inputs as transformers' `run_mim.py` does (`SimMIMMasking`: SimMIM's
+32-pixel blocks, 60% of them). The image labels are not used; the logs carry the L1 loss on the masked pixels."""
 
 from __future__ import annotations
 
