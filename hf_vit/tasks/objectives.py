@@ -1,8 +1,6 @@
-"""What a run learns, as a table (`OBJECTIVES`, looked up by `select_objective`): each objective gives its labels,
-model builder, evaluation transform, collator and metrics (its training transform, which loads the augmentations, is
-looked up by its name in `training_transforms`). A run calls these parts; it never branches on which objective it
-trains, as big_vision's trainer loads its model module by name.
-"""
+"""What a run learns, as a table (`OBJECTIVES`, looked up by `select_objective`) of the parts a run calls instead of
+branching on the objective, as big_vision's trainer loads its model module by name. An objective's training transform,
+which loads the augmentations, is looked up by its name in `training_transforms`."""
 
 from __future__ import annotations
 
@@ -61,8 +59,7 @@ class Objective:
     tasks: tuple[str, ...]  # the scripts that train it
     labels: Callable[[Any], tuple[Any, Labels]]  # raw splits -> (splits with targets, Labels)
     build_model: Callable[[str, ModelSettings, Labels], Any]  # (task, model settings, labels) -> model
-    # (processor, config) -> the transform of the splits it is evaluated on (its training transform, which loads the
-    # augmentations: `training_transforms.TRAINING_TRANSFORMS`, by its name)
+    # (processor, config) -> the transform of the splits it is evaluated on (training's: see the module docstring)
     eval_transform: Callable[[VisionTransformerImageProcessor, Any], Transform]
     collator: Callable
     compute_metrics: Callable
