@@ -96,15 +96,14 @@ def summarize_run(
     lines."""
     output_dir = os.path.abspath(os.fspath(output_dir))
     lines = [f"hf-vit {task}: the model is in {output_dir}"]
-    found = headline(metrics)
+    found, split = headline(metrics), metrics.get("eval_split", "validation")
     if found is not None:
         name, value = found
-        split, count = metrics.get("eval_split", "validation"), metrics.get("eval_samples")
+        count = metrics.get("eval_samples")
         lines.append(f"  {name} on the {split} split: {value:.4f} ({images_text(count)})")
         if few := few_images_warning(count):
             lines.append(f"  WARNING: {few}")
     lines.append("  next:")
-    split = metrics.get("eval_split", "validation")
     lines.extend(
         f"    {command}" for command in next_commands(output_dir, dataset_name, task, split, validation_fraction)
     )
