@@ -419,10 +419,8 @@ def to_multi_hot(ds: DatasetDict, num_classes: int) -> DatasetDict:
 
 
 def _carve_validation(ds, fraction: float):
-    """Split `fraction` of train off as validation (stratified by label where possible).
-
-    The carve is drawn from `HELD_OUT_SEED`, never from a run's `--seed`: the images a run holds out must be the ones
-    every later command (evaluate, resize) measures as "validation", whatever seed trained the model."""
+    """Split `fraction` of train off as validation (stratified by label where possible), drawn from `HELD_OUT_SEED`,
+    never a run's `--seed`: every later command (evaluate, resize) measures the images the run held out."""
     if not 0 < fraction < 1:
         raise ValueError(
             f"There is no validation split to use; validation_fraction must be in (0, 1), not {fraction}."
