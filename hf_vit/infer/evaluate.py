@@ -66,12 +66,10 @@ def _same_data_set(splits: dict[str, Any], dataset_name: str) -> bool:
 
 
 def recorded_source(model: str | os.PathLike, source: DataSource, given: dict[str, Any] | None = None) -> DataSource:
-    """`source` with its splits made as the run that trained `model` made them (the run's record in its folder,
-    `hf_vit.outputs.run_record`), when `source` names the data set of that run: "validation" is then the images the
-    run held out (an image folder's by their paths and bytes, wherever it moved; else its `--validation_split`, or the
-    share of train it carved out, in memory or from a stream), never images it trained on. `given`: the split flags a
-    user passed (name -> value, None for not passed); one that contradicts the record is refused by name. Without a
-    record, or for another data set, `source` as it is."""
+    """`source` with its splits made as the run that trained `model` made them (its record,
+    `hf_vit.outputs.run_record`) when `source` names that run's data set, so that "validation" is the images the run
+    held out; else `source` as it is. `given`: the split flags a user passed (None: not passed); one that contradicts
+    the record is refused by name."""
     record = read_record(model) if Path(model).is_dir() else None
     splits = record.get("splits") if record else None
     if not isinstance(splits, dict) or not _same_data_set(splits, source.dataset_name):
