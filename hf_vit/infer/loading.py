@@ -20,10 +20,8 @@ def load_model(
     model: str | os.PathLike, patch_size: int | None = None, max_num_patches: int | None = None
 ) -> tuple[VisionTransformerForImageClassification, Any]:
     """The classifier and image processor saved at `model` (an hf-vit folder, a foreign checkpoint by Hub id or
-    folder, or a LoRA run's folder, merged), in eval mode. `patch_size`: the checkpoint loaded at another patch size
-    (FlexiViT: `from_pretrained(..., patch_size=)`, the patch embedding resampled by the pseudo-inverse of the
-    resize). `max_num_patches`: the processor returns native-aspect batches of at most that many patches per image
-    (see `serving_processor`)."""
+    folder, converted, or a LoRA run's folder, merged), in eval mode, at another `patch_size` (FlexiViT's resize) and
+    on native-aspect batches of at most `max_num_patches` patches (`serving_processor`) when given."""
     check_serving_sizes(patch_size, max_num_patches)
     source = model_source(model)
     try:
