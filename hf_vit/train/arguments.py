@@ -469,9 +469,8 @@ def check_evaluation_flags(passed: set[str]) -> None:
 
 
 def check_idle_flags(model_args: ModelArguments, data_args: DataArguments, passed: set[str]) -> None:
-    """Warn, one line each, about the flags given that this run's other flags leave without effect (a flag that would
-    change nothing is said, not refused: a command line reused with one flag changed still runs). (Those the
-    objective has no use for, and `--keep_head` from scratch, are said where the model is built.)"""
+    """Warn, one line each, about the flags given that this run's other flags leave without effect (said, not refused:
+    a command line reused with one flag changed still runs)."""
     for idle, names, message in (
         (
             not model_args.lora_rank,
