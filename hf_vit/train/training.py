@@ -269,11 +269,9 @@ def _log_padding(train, processor, sizes: BatchSizes, token_drop_rate: float, pa
 def packed_batches(
     collator, train, processor, run: Run, training_args: TrainingArguments
 ) -> tuple[partial, PackedBatchSampler | None]:
-    """`--packed_sequence_length`'s collator and batch sampler. An in-memory split's batches are planned by
-    `PackedBatchSampler` from each training image's patches (read from its size: `planned_patches`, the header of an
-    encoded image; token dropping's share planned for): `--per_device_train_batch_size` rows of patch slots, as many
-    whole images as fill them, dealt out to the run's processes. A stream's batches of `--per_device_train_batch_size`
-    images are packed into as many rows as they need (no sampler)."""
+    """`--packed_sequence_length`'s collator and batch sampler: an in-memory split's batches planned by
+    `PackedBatchSampler` from each training image's patches (`training_patches`), a stream's packed as they come (no
+    sampler)."""
     sizes, token_drop_rate = run.sizes, run.augmentation.token_drop_rate
     length, rows = sizes.packed_sequence_length, training_args.per_device_train_batch_size
     if isinstance(train, datasets.IterableDataset):
