@@ -450,10 +450,8 @@ EVALUATION_FLAGS = frozenset(
 
 
 def check_evaluation_flags(passed: set[str]) -> None:
-    """What `--do_train False` (measure the checkpoint as it is) does with the other flags given: those that would
-    change the measured model (the model's flags: its size, patch size, adapters, architecture) are refused by name;
-    those that shape training only (the training batch, the schedule, checkpoints, augmentation) have no effect and
-    get one warning line naming them, so that a training command re-run with --do_train False evaluates."""
+    """`--do_train False` with the other flags given: the model's flags are refused by name, those that shape
+    training only get one warning line, so that a training command re-run with --do_train False evaluates."""
     ignored = sorted(passed - EVALUATION_FLAGS)
     model_flags = {item.name for item in dataclasses.fields(ModelArguments)}
     changing = [name for name in ignored if name in model_flags]
