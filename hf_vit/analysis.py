@@ -139,19 +139,6 @@ def _rollout_layer(probs: torch.Tensor, head_fusion: str, discard_ratio: float) 
     return joint / joint.sum(dim=-1, keepdim=True)
 
 
-def attention_rollout(
-    attentions: Sequence[torch.Tensor], head_fusion: str = "mean", discard_ratio: float = 0.0
-) -> torch.Tensor:
-    """Attention rollout (Abnar & Zuidema, 2020) of per-layer probabilities, `(B, N, N)`."""
-    if not attentions:
-        raise ValueError("`attentions` is empty: pass at least one layer's probabilities.")
-    rollout = None
-    for probs in attentions:
-        layer = _rollout_layer(probs, head_fusion, discard_ratio)
-        rollout = layer if rollout is None else torch.bmm(layer, rollout)
-    return rollout
-
-
 def rollout_map(
     rollout: torch.Tensor, grid_size: tuple[int, int], num_prefix_tokens: int, class_token: bool | None = None
 ) -> torch.Tensor:
