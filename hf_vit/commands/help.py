@@ -178,14 +178,11 @@ def command_help(command: str) -> str:
 def main() -> int:
     """Write every command's help into `HELP_FOLDER`."""
     HELP_FOLDER.mkdir(exist_ok=True)
-    for command in COMMANDS:
-        (HELP_FOLDER / f"{command}.txt").write_text(command_help(command), encoding="utf-8")
-        print(f"wrote {HELP_FOLDER / f'{command}.txt'}")
-    (HELP_FOLDER / PRESETS_FILE).write_text(presets_text(), encoding="utf-8")
-    print(f"wrote {HELP_FOLDER / PRESETS_FILE}")
-    for command in TRAINING:
-        (HELP_FOLDER / flags_file(command)).write_text(all_flags(command), encoding="utf-8")
-        print(f"wrote {HELP_FOLDER / flags_file(command)}")
+    texts = {f"{command}.txt": command_help(command) for command in COMMANDS}
+    texts |= {PRESETS_FILE: presets_text()} | {flags_file(command): all_flags(command) for command in TRAINING}
+    for name, text in texts.items():
+        (HELP_FOLDER / name).write_text(text, encoding="utf-8")
+        print(f"wrote {HELP_FOLDER / name}")
     return 0
 
 
