@@ -203,18 +203,10 @@ def mean_attention_distances(
     layers: int | Sequence[int] | None = None,
     interpolate_pos_encoding: bool | None = None,
 ) -> torch.Tensor:
-    """Mean attention distance in pixels per chosen layer and head: `(layers, heads)`."""
-    config = _encoder(model).config
-    grid = grid_for(tuple(pixel_values.shape[-2:]), config.patch_size)
-    results: dict[int, torch.Tensor] = {}
-
-    def reduce(index: int, probs: torch.Tensor) -> None:
-        distance = mean_attention_distance(probs, grid, config.patch_size, config.num_prefix_tokens)
-        results[index] = distance.mean(dim=0).cpu()
-
-    with _attention_hooks(model, layers, reduce) as indices:
-        _forward(model, pixel_values, interpolate_pos_encoding)
-    return torch.stack([results[index] for index in indices])
+    """Mean attention distance in pixels per chosen layer and head: `(layers, heads)`, over the images."""
+    indices = _layer_indices(len(_encoder(model).layers), layers)
+    summary = attention_summary(model, pixel_values, interpolate_pos_encoding=interpolate_pos_encoding)
+    return summary.mean_distances.mean(dim=0)[indices]
 
 
 class AttentionSummary(NamedTuple):
