@@ -112,11 +112,8 @@ def training_help(command: str) -> str:
         f"defaults for the paper's recipe: {shown}. `{command} --help_trainer` lists them all.",
         "",
     ]
-    return "\n".join(lines) + "\n" + text.rstrip("\n") + "\n" + "\n".join(_wrap(line) for line in tail)
-
-
-def _wrap(line: str) -> str:
-    return "\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="    ")) if len(line) > WIDTH else line
+    wrapped = ("\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="    ")) for line in tail)
+    return "\n".join(lines) + "\n" + text.rstrip("\n") + "\n" + "\n".join(wrapped)
 
 
 def all_flags(command: str) -> str:
