@@ -62,14 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:  # before anything is loaded: the file's name and place
-        check_export_output(args.output, args.format, args.model)
-    except ValueError as error:
+        check_export_output(args.output, args.format, args.model, args.overwrite)
+    except (ValueError, OSError) as error:
         return error_status(error)
-    if Path(args.output).exists() and not args.overwrite:
-        print(
-            f"error: {args.output} exists; choose another --output or pass --overwrite to replace it.", file=sys.stderr
-        )
-        return 2
     transformers_logging.disable_progress_bar()  # the weights' loading bar: the command prints only its own lines
     try:
         config = VisionTransformerConfig.from_pretrained(args.model)
