@@ -167,13 +167,6 @@ def rollout_maps(
     return attention_summary(model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding).rollout
 
 
-def upsample_maps(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Patch-grid maps `(B, rows, cols)` resized bilinearly to the image `size=(height, width)`, for overlays."""
-    return torch.nn.functional.interpolate(maps[:, None].float(), size=size, mode="bilinear", align_corners=False)[
-        :, 0
-    ]
-
-
 def patch_distances(grid_size: tuple[int, int], patch_size: int) -> torch.Tensor:
     """Euclidean distances in pixels between the centres of the patches of a row-major grid, `(N, N)` float32."""
     rows, cols = grid_size
@@ -346,7 +339,9 @@ def write_analysis_figures(
         pixel_values = processor(list(images[start : start + batch_size]), return_tensors="pt", **options)
         pixel_values = pixel_values["pixel_values"]
         summary = attention_summary(model, pixel_values, head_fusion, discard_ratio, interpolate)
-        maps.append(upsample_maps(summary.rollout, pixel_values.shape[-2:]))
+        # the patch grid's maps resized bilinearly to the image, for the overlays
+        upsampled = nn.functional.interpolate(summary.rollout[:, None], pixel_values.shape[-2:], mode="bilinear")
+        maps.append(upsampled[:, 0])
         shown.append(_displayable(pixel_values, processor))
         distances.append(summary.mean_distances)
     shown, maps = torch.cat(shown), torch.cat(maps)
