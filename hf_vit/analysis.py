@@ -139,19 +139,6 @@ def _rollout_layer(probs: torch.Tensor, head_fusion: str, discard_ratio: float) 
     return joint / joint.sum(dim=-1, keepdim=True)
 
 
-def attention_rollout(
-    attentions: Sequence[torch.Tensor], head_fusion: str = "mean", discard_ratio: float = 0.0
-) -> torch.Tensor:
-    """Attention rollout (Abnar & Zuidema, 2020) of per-layer probabilities, `(B, N, N)`."""
-    if not attentions:
-        raise ValueError("`attentions` is empty: pass at least one layer's probabilities.")
-    rollout = None
-    for probs in attentions:
-        layer = _rollout_layer(probs, head_fusion, discard_ratio)
-        rollout = layer if rollout is None else torch.bmm(layer, rollout)
-    return rollout
-
-
 def rollout_map(
     rollout: torch.Tensor, grid_size: tuple[int, int], num_prefix_tokens: int, class_token: bool | None = None
 ) -> torch.Tensor:
@@ -178,13 +165,6 @@ def rollout_maps(
 ) -> torch.Tensor:
     """Attention rollout of `model` on `pixel_values` as `(B, rows, cols)` maps on the CPU (Figure 6)."""
     return attention_summary(model, pixel_values, head_fusion, discard_ratio, interpolate_pos_encoding).rollout
-
-
-def upsample_maps(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Patch-grid maps `(B, rows, cols)` resized bilinearly to the image `size=(height, width)`, for overlays."""
-    return torch.nn.functional.interpolate(maps[:, None].float(), size=size, mode="bilinear", align_corners=False)[
-        :, 0
-    ]
 
 
 def patch_distances(grid_size: tuple[int, int], patch_size: int) -> torch.Tensor:
@@ -216,18 +196,10 @@ def mean_attention_distances(
     layers: int | Sequence[int] | None = None,
     interpolate_pos_encoding: bool | None = None,
 ) -> torch.Tensor:
-    """Mean attention distance in pixels per chosen layer and head: `(layers, heads)`."""
-    config = _encoder(model).config
-    grid = grid_for(tuple(pixel_values.shape[-2:]), config.patch_size)
-    results: dict[int, torch.Tensor] = {}
-
-    def reduce(index: int, probs: torch.Tensor) -> None:
-        distance = mean_attention_distance(probs, grid, config.patch_size, config.num_prefix_tokens)
-        results[index] = distance.mean(dim=0).cpu()
-
-    with _attention_hooks(model, layers, reduce) as indices:
-        _forward(model, pixel_values, interpolate_pos_encoding)
-    return torch.stack([results[index] for index in indices])
+    """Mean attention distance in pixels per chosen layer and head: `(layers, heads)`, over the images."""
+    indices = _layer_indices(len(_encoder(model).layers), layers)
+    summary = attention_summary(model, pixel_values, interpolate_pos_encoding=interpolate_pos_encoding)
+    return summary.mean_distances.mean(dim=0)[indices]
 
 
 class AttentionSummary(NamedTuple):
@@ -367,7 +339,9 @@ def write_analysis_figures(
         pixel_values = processor(list(images[start : start + batch_size]), return_tensors="pt", **options)
         pixel_values = pixel_values["pixel_values"]
         summary = attention_summary(model, pixel_values, head_fusion, discard_ratio, interpolate)
-        maps.append(upsample_maps(summary.rollout, pixel_values.shape[-2:]))
+        # the patch grid's maps resized bilinearly to the image, for the overlays
+        upsampled = nn.functional.interpolate(summary.rollout[:, None], pixel_values.shape[-2:], mode="bilinear")
+        maps.append(upsampled[:, 0])
         shown.append(_displayable(pixel_values, processor))
         distances.append(summary.mean_distances)
     shown, maps = torch.cat(shown), torch.cat(maps)

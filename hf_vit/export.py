@@ -101,8 +101,11 @@ def export_program(
     return torch.export.export(graph, (example,), dynamic_shapes=dynamic)
 
 
-def check_export_output(output: str | os.PathLike, format: str, source: str | os.PathLike | None = None) -> Path:
-    """`output` as a Path; refused for another extension or a place inside `source`."""
+def check_export_output(
+    output: str | os.PathLike, format: str, source: str | os.PathLike | None = None, overwrite: bool = False
+) -> Path:
+    """`output` as a Path; refused for another extension, a place inside `source`, or an existing file without
+    `overwrite`."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}.")
     output = Path(output)
@@ -118,6 +121,8 @@ def check_export_output(output: str | os.PathLike, format: str, source: str | os
                 f"--output {output} {problem} ({source}): exporting there could destroy the model. Choose an "
                 "--output outside the model folder."
             )
+    if output.exists() and not overwrite:
+        raise FileExistsError(f"{output} exists; choose another --output or pass --overwrite to replace it.")
     return output
 
 
@@ -149,9 +154,7 @@ def export(
         raise IsADirectoryError(
             f"--output {output} is a folder; name the file to write, e.g. {Path(output) / 'model.onnx'}."
         )
-    output = check_not_a_link(check_export_output(output, format))
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"{output} exists; choose another --output or pass --overwrite to replace it.")
+    output = check_not_a_link(check_export_output(output, format, overwrite=overwrite))
     output.parent.mkdir(parents=True, exist_ok=True)
     with quiet_exporters(), tempfile.TemporaryDirectory(prefix=f".{output.name}.", dir=output.parent) as staging:
         program = export_program(model, max_num_patches)

@@ -31,27 +31,21 @@ def offline_mode() -> bool:
     return bool(constants.HF_HUB_OFFLINE)
 
 
-def _probe(endpoint: str, timeout: float) -> str | None:
-    from huggingface_hub.utils import get_session
-
-    try:
-        get_session().head(endpoint, timeout=timeout, follow_redirects=False)
-    except Exception as error:  # noqa: BLE001 - the client's transport errors (httpx's or httpx2's, by version)
-        return f"{endpoint}: {type(error).__name__}: {error}"
-    return None  # any HTTP answer, even an error status, means the Hub can be reached
-
-
 def hub_unreachable_reason() -> str | None:
     """Why the Hub cannot be reached, or None; asked once per process, one request."""
     from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
 
     endpoint = constants.ENDPOINT
     if endpoint in _UNREACHABLE:
         return _UNREACHABLE[endpoint]
     if constants.HF_HUB_OFFLINE:
         return None
-    reason = _probe(endpoint, float(constants.HF_HUB_ETAG_TIMEOUT))
-    if reason is not None:
+    try:  # any HTTP answer, even an error status, means the Hub can be reached
+        get_session().head(endpoint, timeout=float(constants.HF_HUB_ETAG_TIMEOUT), follow_redirects=False)
+        return None
+    except Exception as error:  # noqa: BLE001 - the client's transport errors (httpx's or httpx2's, by version)
+        reason = f"{endpoint}: {type(error).__name__}: {error}"
         _UNREACHABLE[endpoint] = reason
         # Every later look-up of this process (transformers' included, which asks for files a repository may not
         # have) would otherwise retry the network for about 25 seconds before trying the cache.

@@ -21,15 +21,6 @@ PRESET_NAME = re.compile(r"(?:(?P<stem>r\d+)-)?vit-(?P<size>[a-z]+)-patch(?P<pat
 BOOKKEEPING = re.compile(r"\..*|hf_vit_run\.json.*")
 
 
-def flag_kinds(listed: str) -> dict[str, str]:
-    """`--flag kind` lines (the saved flag lists) as {flag name with underscores: kind}."""
-    kinds = {}
-    for line in listed.splitlines():
-        flag, _, kind = line.partition(" ")
-        kinds[flag[2:].replace("-", "_")] = kind
-    return kinds
-
-
 def given_values(argv: list[str]) -> dict[str, list[str]]:
     """Each flag of `argv` (with underscores) and the words after it up to the next flag (`--flag=value`: value)."""
     given: dict[str, list[str]] = {}
@@ -280,7 +271,11 @@ def range_problem(given: dict[str, list[str]]) -> str | None:
 def training_problem(argv: list[str], listed: str, presets: str) -> str | None:
     """The first thing wrong with a training command line (`listed`: its saved flag list; `presets`: the presets'
     text) that can be told here, or None."""
-    kinds, given = flag_kinds(listed), given_values(argv)
+    given = given_values(argv)
+    # `listed`'s `--flag kind` lines as {flag name with underscores: kind}
+    kinds = {
+        flag[2:].replace("-", "_"): kind for flag, _, kind in (line.partition(" ") for line in listed.splitlines())
+    }
     for flag, values in given.items():
         if problem := value_problem(flag, values, kinds.get(flag, "")):
             return problem

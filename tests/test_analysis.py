@@ -14,7 +14,6 @@ from torch import nn
 from hf_vit import VisionTransformerForImageClassification, VisionTransformerModel
 from hf_vit.analysis import (
     attention_probabilities,
-    attention_rollout,
     attention_summary,
     capture_attention,
     components_as_images,
@@ -141,13 +140,15 @@ def numpy_rollout(attentions, fusion="mean", discard=0.0):
 
 
 @pytest.mark.parametrize("fusion, discard", [("mean", 0.0), ("max", 0.0), ("min", 0.0), ("mean", 0.9)])
-def test_rollout_matches_numpy_and_its_rows_sum_to_one(fusion, discard):
-    attentions = [torch.softmax(torch.randn(2, 3, 10, 10) * 3, dim=-1) for _ in range(4)]
-    rollout = attention_rollout(attentions, head_fusion=fusion, discard_ratio=discard)
-    np.testing.assert_allclose(rollout.numpy(), numpy_rollout(attentions, fusion, discard), atol=1e-5)
-    torch.testing.assert_close(rollout.sum(-1), torch.ones(2, 10))
+def test_rollout_matches_numpy(fusion, discard):
+    config = tiny_config(num_hidden_layers=3)
+    model, x = model_for(config), pixels(height=24, width=40)
+    probs = attention_probabilities(model, x, interpolate_pos_encoding=True)  # the probabilities the rollout reads
+    reference = numpy_rollout([probs[layer] for layer in range(3)], fusion, discard)
+    maps = rollout_maps(model, x, head_fusion=fusion, discard_ratio=discard, interpolate_pos_encoding=True)
+    np.testing.assert_allclose(maps.numpy(), reference[:, 0, 1:].reshape(2, 3, 5), atol=1e-5)
     with pytest.raises(ValueError, match="head_fusion"):
-        attention_rollout(attentions, head_fusion="median")
+        rollout_maps(model, x, head_fusion="median")
 
 
 @pytest.mark.parametrize("classifier, registers", [("token", 0), ("gap", 0), ("token", 4), ("gap", 4)])
@@ -166,7 +167,7 @@ def test_model_rollout_is_the_class_tokens_row_or_the_patch_rows_mean(classifier
     maps = rollout_maps(model, x, interpolate_pos_encoding=True)
     assert maps.shape == (2, 3, 5)
     np.testing.assert_allclose(maps.numpy(), expected.reshape(2, 3, 5), atol=1e-5)
-    computed = rollout_map(attention_rollout(eager), (3, 5), prefix, class_token=token)
+    computed = rollout_map(torch.from_numpy(reference).float(), (3, 5), prefix, class_token=token)
     torch.testing.assert_close(computed, maps, atol=1e-5, rtol=0)
 
 
@@ -202,8 +203,9 @@ def test_mean_attention_distance_matches_numpy_on_captured_probabilities():
     torch.testing.assert_close(distances, torch.stack([d.mean(0) for d in per_image]))
     summary = attention_summary(model, x, interpolate_pos_encoding=True)
     torch.testing.assert_close(summary.mean_distances, torch.stack(per_image, dim=1))
-    rollout = attention_rollout([probs[layer] for layer in range(3)])  # the same forward's probabilities, rolled out
-    torch.testing.assert_close(summary.rollout, rollout_map(rollout, (3, 5), config.num_prefix_tokens))
+    rollout = numpy_rollout([probs[layer] for layer in range(3)])  # the same forward's probabilities, rolled out
+    expected = rollout_map(torch.from_numpy(rollout).float(), (3, 5), config.num_prefix_tokens)
+    torch.testing.assert_close(summary.rollout, expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("classifier, image_size", [("token", 32), ("gap", [16, 32])])

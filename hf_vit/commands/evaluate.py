@@ -32,35 +32,6 @@ from hf_vit.commands import CommandParser
 from hf_vit.flags import error_status
 
 
-def _parser() -> CommandParser:
-    parser = CommandParser("hf-vit-evaluate", __doc__)
-    parser.add_argument("--model", required=True, help="hf-vit folder, LoRA run folder or Hub id")
-    parser.add_argument(
-        "--dataset_name", required=True, help="'digits', an image folder, a save_to_disk folder or a Hub data set"
-    )
-    parser.add_argument("--split", help="split to measure (default: test, or validation without one)")
-    parser.add_argument(
-        "--validation_fraction",
-        type=float,
-        help="share of train held out as validation when the data set has none (default: the run's, else 0.1)",
-    )
-    for split in ("train", "validation", "test"):
-        parser.add_argument(
-            f"--{split}_split", help=f"the data set's {split} split (default: the run's, else {split})"
-        )
-    parser.add_argument("--image_column_name", default="image")
-    parser.add_argument("--label_column_name", default="label")
-    parser.add_argument(
-        "--output_dir",
-        help="where the results JSON and the confusion matrix are written; without it they are only printed (JSON)",
-    )
-    parser.add_argument(
-        "--max_num_patches", metavar="K[,K...]", help="native aspect ratio: at most K patches an image"
-    )
-    parser.add_argument("--patch_size", metavar="P[,P...]", help="the checkpoint resampled to P-pixel patches")
-    return parser
-
-
 def _report(metrics: dict, printed_only: bool) -> None:
     """The metrics as JSON on stdout; the headline, warnings and per-class table on stderr."""
     from hf_vit.infer.evaluate import per_class_table
@@ -86,7 +57,32 @@ def _report(metrics: dict, printed_only: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = CommandParser("hf-vit-evaluate", __doc__)
+    parser.add_argument("--model", required=True, help="hf-vit folder, LoRA run folder or Hub id")
+    parser.add_argument(
+        "--dataset_name", required=True, help="'digits', an image folder, a save_to_disk folder or a Hub data set"
+    )
+    parser.add_argument("--split", help="split to measure (default: test, or validation without one)")
+    parser.add_argument(
+        "--validation_fraction",
+        type=float,
+        help="share of train held out as validation when the data set has none (default: the run's, else 0.1)",
+    )
+    for split in ("train", "validation", "test"):
+        parser.add_argument(
+            f"--{split}_split", help=f"the data set's {split} split (default: the run's, else {split})"
+        )
+    parser.add_argument("--image_column_name", default="image")
+    parser.add_argument("--label_column_name", default="label")
+    parser.add_argument(
+        "--output_dir",
+        help="where the results JSON and the confusion matrix are written; without it they are only printed (JSON)",
+    )
+    parser.add_argument(
+        "--max_num_patches", metavar="K[,K...]", help="native aspect ratio: at most K patches an image"
+    )
+    parser.add_argument("--patch_size", metavar="P[,P...]", help="the checkpoint resampled to P-pixel patches")
+    args = parser.parse_args(argv)
     # The heavy imports (torch, transformers' models, datasets) come after the flags are read.
     import logging
 

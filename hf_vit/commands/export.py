@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_num_patches is not None and args.max_num_patches < 2:
         parser.error(f"--max_num_patches must be at least 2 patches (the count the graph is traced at), got "
                      f"{args.max_num_patches}")  # fmt: skip
-    if args.format == "onnx" and (missing := _missing_onnx_packages()):
+    # torch.onnx needs these deep inside the export: told before anything loads
+    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
+    if args.format == "onnx" and missing:
         print(
             f'error: --format onnx needs {", ".join(missing)}, not installed: pip install "hf-vit[export]" '
             "(or --format torch_export, which needs nothing more).",
@@ -60,14 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:  # before anything is loaded: the file's name and place
-        check_export_output(args.output, args.format, args.model)
-    except ValueError as error:
+        check_export_output(args.output, args.format, args.model, args.overwrite)
+    except (ValueError, OSError) as error:
         return error_status(error)
-    if Path(args.output).exists() and not args.overwrite:
-        print(
-            f"error: {args.output} exists; choose another --output or pass --overwrite to replace it.", file=sys.stderr
-        )
-        return 2
     transformers_logging.disable_progress_bar()  # the weights' loading bar: the command prints only its own lines
     try:
         config = VisionTransformerConfig.from_pretrained(args.model)
@@ -84,11 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         return error_status(error)
     _report(path, model, args, pairs)
     return 0
-
-
-def _missing_onnx_packages() -> list[str]:
-    """The ONNX packages not installed (torch.onnx needs them deep inside the export)."""
-    return [name for name in ("onnx", "onnxscript", "onnxruntime") if importlib.util.find_spec(name) is None]
 
 
 def _report(path: Path, model, args, pairs: list[tuple[int, int]]) -> None:

@@ -112,11 +112,8 @@ def training_help(command: str) -> str:
         f"defaults for the paper's recipe: {shown}. `{command} --help_trainer` lists them all.",
         "",
     ]
-    return "\n".join(lines) + "\n" + text.rstrip("\n") + "\n" + "\n".join(_wrap(line) for line in tail)
-
-
-def _wrap(line: str) -> str:
-    return "\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="    ")) if len(line) > WIDTH else line
+    wrapped = ("\n".join(textwrap.wrap(line, WIDTH, subsequent_indent="    ")) for line in tail)
+    return "\n".join(lines) + "\n" + text.rstrip("\n") + "\n" + "\n".join(wrapped)
 
 
 def all_flags(command: str) -> str:
@@ -178,14 +175,11 @@ def command_help(command: str) -> str:
 def main() -> int:
     """Write every command's help into `HELP_FOLDER`."""
     HELP_FOLDER.mkdir(exist_ok=True)
-    for command in COMMANDS:
-        (HELP_FOLDER / f"{command}.txt").write_text(command_help(command), encoding="utf-8")
-        print(f"wrote {HELP_FOLDER / f'{command}.txt'}")
-    (HELP_FOLDER / PRESETS_FILE).write_text(presets_text(), encoding="utf-8")
-    print(f"wrote {HELP_FOLDER / PRESETS_FILE}")
-    for command in TRAINING:
-        (HELP_FOLDER / flags_file(command)).write_text(all_flags(command), encoding="utf-8")
-        print(f"wrote {HELP_FOLDER / flags_file(command)}")
+    texts = {f"{command}.txt": command_help(command) for command in COMMANDS}
+    texts |= {PRESETS_FILE: presets_text()} | {flags_file(command): all_flags(command) for command in TRAINING}
+    for name, text in texts.items():
+        (HELP_FOLDER / name).write_text(text, encoding="utf-8")
+        print(f"wrote {HELP_FOLDER / name}")
     return 0
 
 

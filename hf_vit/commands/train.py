@@ -18,7 +18,6 @@ def finetune() -> int:
 
 
 def _train(task: str) -> int:
-    """The flags first (`--help` and a bad flag answer at once), then the run's imports (datasets, Trainer...)."""
     from ..train.arguments import build_parser, parse_args_or_exit
 
     if "--list_presets" in sys.argv[1:]:

@@ -230,20 +230,14 @@ class ForeignCheckpoint:
         """The source's image processor: its size, crop, mean/std and resampling."""
         if self.layout == "jax":
             return self.convert({})[2]
-        try:
-            if self.layout in ("timm", "timm_naflex"):
-                from .timm_naflex import naflex_config
-                from .timm_vit import infer_config_from_timm, read_timm_config, timm_processor
+        if self.layout in ("timm", "timm_naflex"):
+            from .timm_vit import read_timm_config, timm_processor
 
-                settings = read_timm_config(self.folder) or {}
-                # The processor takes the image size and normalisation only: the heads, which a timm state dict does
-                # not record (and the model loading asks for), play no part in it.
-                arrays = self._timm_arrays(header_only=True)
-                if self.layout == "timm_naflex":
-                    config = naflex_config(arrays, settings, num_attention_heads=1)
-                else:
-                    config = infer_config_from_timm(arrays, num_attention_heads=1, timm_config=settings)
-                return timm_processor(config, settings)
+            # The processor takes the image size and normalisation only: the heads, which a timm state dict does not
+            # record (and the model loading asks for), play no part in it.
+            config = self.convert({"num_attention_heads": 1}, weights=False)[0]
+            return timm_processor(config, read_timm_config(self.folder) or {})
+        try:
             from .transformers_vit import transformers_processor
 
             keys = () if self.layout == "vit" else read_safetensors(self._weight_files())  # ViT's size: its config

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -61,31 +60,24 @@ def transformers_processor(folder: Path, image_size: tuple[int, int], default_to
         raise ConversionError(f"{path} has settings hf-vit cannot use: {error}") from error
 
 
-def transformers_config(folder: Path, keys: Collection[str]) -> VisionTransformerConfig:
-    """The hf-vit config of a transformers ViT folder whose weights are named `keys` (`vit_fields`)."""
-    config_path = folder / "config.json"
+def read_transformers_checkpoint(input_dir: str | os.PathLike):
+    """`(config, state_dict, processor)` of a saved transformers ViT folder, in hf-vit's terms, without writing."""
+    input_dir = Path(input_dir)
+    config_path = input_dir / "config.json"
     if not config_path.is_file():
-        raise ConversionError(f"{folder} has no config.json; pass the folder of a saved transformers ViT model.")
+        raise ConversionError(f"{input_dir} has no config.json; pass the folder of a saved transformers ViT model.")
     config_json = read_json(config_path)
     if config_json.get("model_type") not in (None, "vit"):
         raise ConversionError(
             f"Expected a transformers ViT config (model_type 'vit'), got {config_json.get('model_type')!r}."
         )
-    return family_config({**config_json, "model_type": "vit"}, keys, where=str(config_path))
-
-
-def read_transformers_checkpoint(input_dir: str | os.PathLike):
-    """`(config, state_dict, processor)` of a saved transformers ViT folder, in hf-vit's terms, without writing."""
-    input_dir = Path(input_dir)
-    if not (input_dir / "config.json").is_file():
-        raise ConversionError(f"{input_dir} has no config.json; pass the folder of a saved transformers ViT model.")
     files = safetensors_files(str(input_dir), {})
     if files is None:
         raise ConversionError(
             f"{input_dir} has no model.safetensors (or sharded index); only safetensors weights are read."
         )
     source = read_safetensors(files, header_only=False)
-    config = transformers_config(input_dir, source)
+    config = family_config({**config_json, "model_type": "vit"}, source, where=str(config_path))
     state_dict = family_state_dict("vit", source, config)
     return config, state_dict, transformers_processor(input_dir, config.image_hw)
 

@@ -6,6 +6,7 @@ Hugging Face Hub (it works with `HF_HUB_OFFLINE=1`). `compute_metrics` plugs it 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,22 +21,22 @@ MULTILABEL_PATH = str(Path(__file__).resolve().parent / "multilabel")
 FEW_IMAGES = 50
 """Below this many images a measured figure is said with a warning: one image moves an accuracy by over 2 points."""
 
-_accuracy: evaluate.EvaluationModule | None = None
-_multilabel: evaluate.EvaluationModule | None = None
 
-
-def load_accuracy(**kwargs) -> evaluate.EvaluationModule:
-    """Return `evaluate.load(ACCURACY_PATH, **kwargs)`: top-1 and top-k accuracy, loaded from the local file."""
+def load_accuracy(path: str = ACCURACY_PATH, **kwargs) -> evaluate.EvaluationModule:
+    """Return `evaluate.load(path, **kwargs)` of a local metric module: top-1 and top-k accuracy by default,
+    `MULTILABEL_PATH` for mean average precision and F1."""
     import evaluate  # imported here: `import evaluate` takes seconds (it imports transformers' pipelines)
 
-    return evaluate.load(ACCURACY_PATH, **kwargs)
+    return evaluate.load(path, **kwargs)
 
 
-def load_multilabel(**kwargs) -> evaluate.EvaluationModule:
-    """Return `evaluate.load(MULTILABEL_PATH, **kwargs)`: mean average precision and F1, from the local file."""
-    import evaluate
+load_multilabel = functools.partial(load_accuracy, MULTILABEL_PATH)
 
-    return evaluate.load(MULTILABEL_PATH, **kwargs)
+
+@functools.cache
+def _metric(path: str) -> evaluate.EvaluationModule:
+    """The metric module at `path`, loaded once per process for `compute_metrics`."""
+    return load_accuracy(path, keep_in_memory=True)
 
 
 def compute_metrics(eval_pred) -> dict[str, float]:
@@ -45,7 +46,6 @@ def compute_metrics(eval_pred) -> dict[str, float]:
     `top5_accuracy` is reported only when C >= 5. `eval_pred` is a `transformers.EvalPrediction` (or a
     `(predictions, label_ids)` pair); when the model returns several outputs, the first one is taken as the logits.
     """
-    global _accuracy, _multilabel
     logits, labels = eval_pred[0], eval_pred[1]
     if isinstance(logits, (tuple, list)):
         logits = logits[0]
@@ -53,14 +53,11 @@ def compute_metrics(eval_pred) -> dict[str, float]:
     if logits.ndim != 2:
         raise ValueError(f"compute_metrics expects logits of shape [N, C], got shape {logits.shape}")
     if np.ndim(labels) == 2:
-        if _multilabel is None:
-            _multilabel = load_multilabel(keep_in_memory=True)
-        return _multilabel.compute(predictions=logits, references=np.asarray(labels).round().astype(np.int64))
-    if _accuracy is None:
-        _accuracy = load_accuracy(keep_in_memory=True)
+        labels = np.asarray(labels).round().astype(np.int64)
+        return _metric(MULTILABEL_PATH).compute(predictions=logits, references=labels)
     top_k = (1, 5) if logits.shape[1] >= 5 else (1,)
     logits, labels = _keep_top_classes(logits, np.asarray(labels, dtype=np.int64), max(top_k))
-    return _accuracy.compute(predictions=logits, references=labels, top_k=top_k)
+    return _metric(ACCURACY_PATH).compute(predictions=logits, references=labels, top_k=top_k)
 
 
 def _keep_top_classes(logits: np.ndarray, labels: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -51,16 +51,15 @@ def plot_training_curves(
         return [s for s, _ in points], [v for _, v in points]
 
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, label in (("loss", "train loss"), ("eval_loss", "validation loss")):
-        steps, values = series(key)
-        if steps:
-            loss_ax.plot(steps, values, marker="." if key == "eval_loss" else None, label=label)
+    curves = (
+        (loss_ax, "loss", None, "train loss"), (loss_ax, "eval_loss", ".", "validation loss"),
+        (acc_ax, "eval_accuracy", ".", "validation top-1"), (acc_ax, "eval_top5_accuracy", ".", "validation top-5"),
+    )  # fmt: skip
+    for ax, key, marker, label in curves:
+        if (points := series(key))[0]:
+            ax.plot(*points, marker=marker, label=label)
     loss_ax.set(xlabel="step", ylabel="cross-entropy", title="loss")
     _legend_or_note(loss_ax, "no loss logged")
-    for key, label in (("eval_accuracy", "top-1"), ("eval_top5_accuracy", "top-5")):
-        steps, values = series(key)
-        if steps:
-            acc_ax.plot(steps, values, marker=".", label=f"validation {label}")
     acc_ax.set(xlabel="step", ylabel="accuracy", title="accuracy", ylim=(0, 1.01))
     _legend_or_note(acc_ax, "no evaluation logged")
     return save_figure(fig, path, title)
