@@ -25,16 +25,8 @@ device to know it.
 
 `BatchLayout.of` turns a batch into the layout the model runs, with tensor operations only: no `.item()`, `.tolist()`,
 `nonzero` or branch on a value, so a forward on a GPU never waits for the device, and a compiled model takes every
-batch of one shape in one graph. It needs the number of prefix tokens (class, distillation, registers), which the
-model knows and the processor does not. The blocks run a padded batch's rows as they are, each image's prefix tokens
-then its patches; a packed batch's slots as they lie, as one stream of `R * L + N * prefix` tokens, each image's
-prefix tokens placed just before its first slot. The values of every batch are checked on the device, without a
-synchronisation (`_check_on_device`): a batch whose fields disagree with each other or with the pixels is refused,
-the message naming the field.
-
-What the layout holds, for the embeddings (equation 1: each image on its own grid, its own prefix tokens), the blocks
-(attention within each image: `AttentionSegments`), the pooling and every head (the valid tokens of each image, one
-image per row): moving tokens is exact, and the blocks act on each token alone except in attention, so each image's
+batch of one shape in one graph; the values are checked on the device (`_check_on_device`). Moving tokens is exact,
+and the blocks act on each token alone except in attention (within each image: `AttentionSegments`), so each image's
 outputs are those it has alone at its own size.
 """
 
@@ -231,11 +223,6 @@ def take_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return padded.index_select(0, torch.where(index < 0, values.shape[0], index).to(values.device))
 
 
-def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
-    """The boundaries `(runs + 1,)` int32 of runs of `lengths` tokens, flattened row after row."""
-    return F.pad(lengths.flatten().cumsum(0), (1, 0)).to(torch.int32)
-
-
 def check_native_batch(pixel_values: torch.Tensor, spatial_shapes: torch.Tensor, config, images: int) -> None:
     """Refuse, by their shapes and types, inputs the model cannot embed as a native-aspect batch of `images` images,
     with the fix (the values are checked on the device: see the module's docstring)."""
@@ -284,9 +271,9 @@ def _padded(
             "`spatial_shapes`) and nothing else, as the image processor returns it.",
         )
     token_mask = F.pad(patch_mask, (prefix, 0), value=True)
-    # each row: its image's tokens, then its padding (an empty run where it has none)
-    segments = AttentionSegments(_cumulative(torch.stack([prefix + sizes, patches - sizes], 1)), prefix + patches,
-                                 token_mask)  # fmt: skip
+    # each row: its image's tokens, then its padding (an empty run where it has none); the runs' boundaries
+    bounds = F.pad(torch.stack([prefix + sizes, patches - sizes], 1).flatten().cumsum(0), (1, 0)).to(torch.int32)
+    segments = AttentionSegments(bounds, prefix + patches, token_mask)
     return BatchLayout(grids, prefix, segments, slot_grids=grids[:, None], slot_places=places[None])
 
 
