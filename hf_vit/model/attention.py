@@ -91,11 +91,8 @@ MATMUL_ATTENTION_MAX_TOKENS = 1024
 
 
 def prefers_matmul_attention(query: torch.Tensor, training: bool) -> bool:
-    """Whether `matmul_attention_forward` beats SDPA's kernels for `query`: CPU, half precision, training.
-
-    On CPU in half precision SDPA's math kernel is the slower of the two for training; without autograd, and in
-    fp32, SDPA is faster (measured: docs/benchmarks.md, "Measurements behind choices in the code"). GPUs keep
-    SDPA's fused kernels.
+    """Whether `matmul_attention_forward` beats SDPA's kernels for `query`: CPU, half precision, training (without
+    autograd, and in fp32, SDPA is faster: docs/benchmarks.md, "Measurements behind choices in the code").
 
     "Training" is the module's mode or autograd being on: reentrant activation checkpointing runs the forward without
     autograd and recomputes it with autograd, and both passes must take the same path.
@@ -253,6 +250,5 @@ class _SegmentAwareAttentionInterface(AttentionInterface):
         return forward
 
 
-# transformers' attention functions, with "sdpa" overridden for this model only.
 ALL_ATTENTION_FUNCTIONS = _SegmentAwareAttentionInterface()
 ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_or_matmul_attention_forward

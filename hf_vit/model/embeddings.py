@@ -85,8 +85,7 @@ class VisionTransformerEmbeddings(nn.Module):
         """A native-aspect batch's slots `(R, L, P * P * C)` embedded where they lie: x_p^i E, the corruption, each
         slot's position embedding at its place of its own grid; then each image's prefix tokens placed before its
         patches (`BatchLayout.blocks_input`)."""
-        # The convolution's kernel `(D, C, P, P)` is the linear map it applies to each patch, its inputs laid out in
-        # the processor's (patch row, patch column, channel) order.
+        # E `(D, C, P, P)` as a linear map of patches in the processor's (patch row, patch column, channel) order
         weight = self.patch_embedding.weight.permute(0, 2, 3, 1).flatten(1)
         tokens = F.linear(pixel_values, weight, self.patch_embedding.bias)
         if bool_masked_pos is not None:  # given per image patch, as the outputs: moved to the slots
