@@ -167,7 +167,7 @@ class BatchLayout:
         pixel_attention_mask: torch.Tensor | None = None,
         image_slot_index: torch.Tensor | None = None,
     ) -> BatchLayout:
-        """The layout of a padded batch, or of a packed one (`image_slot_index` given); see the module's docstring."""
+        """The layout of a padded batch, or of a packed one (`image_slot_index` given)."""
         if image_slot_index is None:
             return _padded(pixel_values, spatial_shapes, prefix, pixel_attention_mask)
         return _packed(pixel_values, spatial_shapes, prefix, image_slot_index, pixel_attention_mask)
@@ -370,11 +370,9 @@ def _check_packed(
     slots: tuple[int, int],
     pixel_attention_mask: torch.Tensor | None,
 ) -> None:
-    """Refuse, on the device (`_check_on_device`), a packed batch whose fields disagree with each other or with the
-    pixels' rows (`slots`: R rows of L patch slots): every slot of `image_slot_index` in the batch, each image's
-    patches at places of its grid (`spatial_shapes`), in one run of consecutive slots of one row, no slot holding two
-    patches, the padding of each row after its images; `pixel_attention_mask` marks exactly the images' slots. The
-    first failed check names its field; the messages name no size (a compiled model would take it as a constant)."""
+    """Refuse, on the device (`_check_on_device`), a packed batch of `slots` (R rows of L patch slots) whose fields
+    disagree with each other or with the pixels. The messages name no size (a compiled model would take it as a
+    constant)."""
     rows, length = slots
     total = rows * length
     _check_on_device(
@@ -406,10 +404,9 @@ def _check_packed(
 
 
 def _check_on_device(condition: torch.Tensor, message: str) -> None:
-    """Refuse the batch with `message` where `condition` (a one-value bool tensor) is False, checked on its device:
-    a failed check stops the run where the device reports it, and no read waits for it. torch has no public
-    asynchronous assert: where its `_assert_async` is missing (a later torch), the processor's checks are the only
-    ones, and the forward runs on."""
+    """Refuse the batch with `message` where `condition` (a one-value bool tensor) is False, checked on its device
+    without a read waiting for it. torch has no public asynchronous assert: where its `_assert_async` is missing (a
+    later torch), the processor's checks are the only ones."""
     assert_async = getattr(torch, "_assert_async", None)
     if assert_async is not None:
         assert_async(condition, message)
