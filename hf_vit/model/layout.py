@@ -43,8 +43,6 @@ __all__ = [
     "BatchLayout",
     "batch_fields",
     "check_native_batch",
-    "check_slot_index",
-    "masked_mean",
     "take_rows",
     "patch_grid_maps",
     "slot_image_index",
@@ -223,9 +221,11 @@ def take_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return padded.index_select(0, torch.where(index < 0, values.shape[0], index).to(values.device))
 
 
-def check_native_batch(pixel_values: torch.Tensor, spatial_shapes: torch.Tensor, config, images: int) -> None:
-    """Refuse, by their shapes and types, inputs the model cannot embed as a native-aspect batch of `images` images,
-    with the fix (the values are checked on the device: see the module's docstring)."""
+def check_native_batch(
+    pixel_values: torch.Tensor, spatial_shapes: torch.Tensor, config, images: int, image_slot_index=None
+) -> None:
+    """Refuse, by their shapes and types, inputs the model cannot embed as a native-aspect batch of `images` images
+    (packed with an `image_slot_index`), with the fix (the values are checked on the device: `_check_on_device`)."""
     if config.resnet_layers is not None:
         raise ValueError(
             "A hybrid model (ResNet stem) takes whole images, not flattened patches: process the images without "
@@ -246,6 +246,15 @@ def check_native_batch(pixel_values: torch.Tensor, spatial_shapes: torch.Tensor,
         raise ValueError(
             f"`spatial_shapes` must be an ({images}, 2) tensor of each image's patch grid (rows, columns); got "
             f"{_describe(spatial_shapes)}."
+        )
+    slots = image_slot_index
+    if slots is not None and (
+        not isinstance(slots, torch.Tensor) or slots.ndim != 2 or slots.is_floating_point() or slots.is_complex()
+        or slots.dtype == torch.bool or slots.shape[0] != images
+    ):  # fmt: skip
+        raise ValueError(
+            f"`image_slot_index` must be an ({images}, K) integer tensor (the slot of each image's patch k, -1 for "
+            f"none), one row per image of `spatial_shapes`, as the image processor returns it; got {_describe(slots)}."
         )
 
 
@@ -347,20 +356,6 @@ def _check_mask_shape(mask: torch.Tensor | None, shape: tuple[int, int], rows: s
         )
 
 
-def check_slot_index(image_slot_index, images: int) -> None:
-    """Refuse, by its shape and type, an `image_slot_index` that is no `(images, K)` integer tensor."""
-    if (
-        not isinstance(image_slot_index, torch.Tensor) or image_slot_index.ndim != 2
-        or image_slot_index.is_floating_point() or image_slot_index.is_complex()
-        or image_slot_index.dtype == torch.bool or image_slot_index.shape[0] != images
-    ):  # fmt: skip
-        raise ValueError(
-            f"`image_slot_index` must be an ({images}, K) integer tensor (the slot of each image's patch k, -1 for "
-            f"none), one row per image of `spatial_shapes`, as the image processor returns it; got "
-            f"{_describe(image_slot_index)}."
-        )
-
-
 def _check_packed(
     index: torch.Tensor,
     grids: torch.Tensor,
@@ -416,12 +411,6 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return type(value).__name__
-
-
-def masked_mean(hidden_states: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-    """The average of `(B, N, D)` tokens over those `token_mask` `(B, N)` marks."""
-    weights = token_mask.to(hidden_states.dtype)[..., None]
-    return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1)
 
 
 def patch_grid_maps(tokens: torch.Tensor, spatial_shapes: torch.Tensor) -> torch.Tensor:

@@ -41,8 +41,6 @@ from .layout import (
     BatchLayout,
     batch_fields,
     check_native_batch,
-    check_slot_index,
-    masked_mean,
     patch_grid_maps,
 )
 from .loading import (
@@ -349,9 +347,7 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         counted = pixel_values if slots is None else spatial_shapes
         counted = counted if isinstance(counted, torch.Tensor) and counted.ndim else slots
         images = counted.shape[0] if isinstance(counted, torch.Tensor) and counted.ndim else 0
-        check_native_batch(pixel_values, spatial_shapes, self.config, images)
-        if slots is not None:
-            check_slot_index(slots, images)
+        check_native_batch(pixel_values, spatial_shapes, self.config, images, slots)
         return BatchLayout.of(pixel_values, prefix=self.config.num_prefix_tokens, **fields)
 
     def pool(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -363,9 +359,10 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         if self.config.classifier == "map":
             return self.attention_pool(tokens, token_mask)
         prefix = self.config.num_prefix_tokens
-        if token_mask is not None:
-            return masked_mean(tokens[:, prefix:], token_mask[:, prefix:])
-        return tokens[:, prefix:].mean(dim=1)
+        if token_mask is None:
+            return tokens[:, prefix:].mean(dim=1)
+        weights = token_mask[:, prefix:].to(tokens.dtype)[..., None]
+        return (tokens[:, prefix:] * weights).sum(dim=1) / weights.sum(dim=1)
 
     def forward_intermediates(
         self,
@@ -471,11 +468,8 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
 
 
 class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
-    """ViT with a linear classifier on `y`, optionally after the pre-logits layer (dense + tanh) of pretraining.
-
-    With DeiT's distillation token (and `distillation_head`), a second linear classifier reads that token's final
-    state: `logits` are the average of the two heads', and the loss is the average of both heads' losses against the
-    labels (each head is trained on the labels, as when fine-tuning a distilled DeiT)."""
+    """ViT with a linear classifier on `y`, optionally after the pre-logits layer (dense + tanh) of pretraining, and
+    with DeiT's distillation token a second one on that token (`distillation_head` in the config)."""
 
     def __init__(self, config: VisionTransformerConfig) -> None:
         super().__init__(config)
@@ -485,7 +479,6 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
         self.post_init()
 
     def _build_head(self) -> None:
-        """The pre-logits layer (dense + tanh, when `representation_size` is set) and the linear classifier."""
         config, width = self.config, self.config.hidden_size
         self.pre_logits = None
         if config.representation_size is not None:
