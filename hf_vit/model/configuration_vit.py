@@ -341,8 +341,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """transformers' reading of `config.json`, foreign checkpoints converted on the way (`loading.open_foreign`),
-        refusing what would silently build another model: a folder without `config.json` (transformers would use the
-        defaults) or the config of another model type (whose weights would not load)."""
+        refusing a folder without one (transformers would use the defaults) and the config of another model type."""
         source = pretrained_model_name_or_path
         foreign = open_foreign(source, kwargs)
         if foreign is not None:
