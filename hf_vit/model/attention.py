@@ -3,12 +3,8 @@ with `"sdpa"` overridden locally, as transformers' `AttentionInterface` is meant
 batched matmuls where they beat torch's SDPA kernels (CPU training in half precision).
 
 Every function it returns also takes, in place of a mask, `AttentionSegments` (`layout.py`): runs of consecutive
-tokens that attend only among themselves (the images of a padded or packed batch, each row's padding its own run).
-Each implementation runs them its own way (`segment_attention_path`): flash attention through transformers'
-variable-length path (`cu_seq_lens_q/k`), SDPA on a CUDA GPU in half precision through torch's `varlen_attn`, and
-everything else (SDPA on CPU, or on a GPU in fp32 or with dropout; eager, the implementation that returns
-probabilities) with each image's tokens in a row of its own (a packed batch's gathered there and back) and the rest
-masked as keys. flex attention hands such batches to the SDPA path. The runs are data and the longest is bounded by a
+tokens that attend only among themselves (the images of a padded or packed batch, each row's padding its own run),
+run each implementation's own way (`segment_attention_path`). The runs are data and the longest is bounded by a
 shape: nothing here reads a value back from the device, and a compiled model takes every batch of one shape in one
 graph.
 """
@@ -95,11 +91,8 @@ MATMUL_ATTENTION_MAX_TOKENS = 1024
 
 
 def prefers_matmul_attention(query: torch.Tensor, training: bool) -> bool:
-    """Whether `matmul_attention_forward` beats SDPA's kernels for `query`: CPU, half precision, training.
-
-    On CPU in half precision SDPA's math kernel is the slower of the two for training; without autograd, and in
-    fp32, SDPA is faster (measured: docs/benchmarks.md, "Measurements behind choices in the code"). GPUs keep
-    SDPA's fused kernels.
+    """Whether `matmul_attention_forward` beats SDPA's kernels for `query`: CPU, half precision, training (without
+    autograd, and in fp32, SDPA is faster: docs/benchmarks.md, "Measurements behind choices in the code").
 
     "Training" is the module's mode or autograd being on: reentrant activation checkpointing runs the forward without
     autograd and recomputes it with autograd, and both passes must take the same path.
@@ -232,35 +225,30 @@ def _key_mask(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _SegmentAwareAttentionInterface(AttentionInterface):
     """transformers' `AttentionInterface` whose functions also take `AttentionSegments` in place of a mask."""
 
+    # One wrapper per (implementation, function), in a plain dict: torch.compile traces a dict lookup, where it warns
+    # at every compilation about an lru_cache it cannot see through.
+    _segment_aware: dict[tuple[str, Callable], Callable] = {}
+
     def get_interface(self, attn_implementation: str, default: Callable) -> Callable:
         function = super().get_interface(attn_implementation, default)
-        return _taking_segments(attn_implementation or "eager", function)
+        implementation = attn_implementation or "eager"
+        cached = (implementation, function)
+        if cached in self._segment_aware:
+            return self._segment_aware[cached]
 
-
-# One wrapper per (implementation, function), in a plain dict: torch.compile traces a dict lookup, where it warns at
-# every compilation about an lru_cache it cannot see through.
-_SEGMENT_AWARE: dict[tuple[str, Callable], Callable] = {}
-
-
-def _taking_segments(implementation: str, function: Callable) -> Callable:
-    key = (implementation, function)
-    if key not in _SEGMENT_AWARE:
-        _SEGMENT_AWARE[key] = _segment_aware(implementation, function)
-    return _SEGMENT_AWARE[key]
-
-
-def _segment_aware(implementation: str, function: Callable) -> Callable:
-    @functools.wraps(function)
-    def forward(module, query, key, value, attention_mask, *args, scaling=None, dropout=0.0, **kwargs):
-        if isinstance(attention_mask, AttentionSegments):
-            return segment_attention_forward(
-                implementation, function, module, query, key, value, attention_mask, scaling, dropout, **kwargs
+        @functools.wraps(function)
+        def forward(module, query, key, value, attention_mask, *args, scaling=None, dropout=0.0, **kwargs):
+            if isinstance(attention_mask, AttentionSegments):
+                return segment_attention_forward(
+                    implementation, function, module, query, key, value, attention_mask, scaling, dropout, **kwargs
+                )
+            return function(
+                module, query, key, value, attention_mask, *args, scaling=scaling, dropout=dropout, **kwargs
             )
-        return function(module, query, key, value, attention_mask, *args, scaling=scaling, dropout=dropout, **kwargs)
 
-    return forward
+        self._segment_aware[cached] = forward
+        return forward
 
 
-# transformers' attention functions, with "sdpa" overridden for this model only.
 ALL_ATTENTION_FUNCTIONS = _SegmentAwareAttentionInterface()
 ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_or_matmul_attention_forward

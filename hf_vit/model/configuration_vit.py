@@ -138,8 +138,7 @@ FIELD_RULES: dict[str, tuple[Any, str]] = {
 
 
 def resnet_stride(resnet_layers: list[int] | None) -> int:
-    """Downsampling of a ResNet stem of these stage depths: 4 for the root, 2 for each stage after the first; 1
-    without a stem (`None`)."""
+    """Downsampling of a ResNet stem of these stage depths: 4 for the root, 2 per later stage; 1 without a stem."""
     if resnet_layers is None:
         return 1
     return 4 * 2 ** max(len(resnet_layers) - 1, 0)
@@ -169,8 +168,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
         initializer_range: standard deviation of the position embeddings at initialisation.
         zero_init_head: initialise the classifier's weights and bias to zero, as the paper does.
         resnet_layers: stage depths of the hybrid's ResNet stem (section 3.1, `hybrid.py`), e.g. `[3, 4, 9]` for the
-            paper's R50 hybrid; `None` (the default) for the plain ViT. Its stride is `4 * 2 ** (stages - 1)`; an
-            empty list is the root alone (stride 4).
+            paper's R50 hybrid (`resnet_stride`); `None` (the default) for the plain ViT, `[]` for the root alone.
         resnet_width: channels of the stem's root (64 times the authors' width factor); stage `i` (from 0) has
             bottlenecks of `resnet_width * 2**i` channels and outputs four times that.
         mpp_color_bits: masked patch prediction (section 4.6): bits per channel of the mean colour the model
@@ -343,8 +341,7 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
     @classmethod
     def get_config_dict(cls, pretrained_model_name_or_path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """transformers' reading of `config.json`, foreign checkpoints converted on the way (`loading.open_foreign`),
-        refusing what would silently build another model: a folder without `config.json` (transformers would use the
-        defaults) or the config of another model type (whose weights would not load)."""
+        refusing a folder without one (transformers would use the defaults) and the config of another model type."""
         source = pretrained_model_name_or_path
         foreign = open_foreign(source, kwargs)
         if foreign is not None:

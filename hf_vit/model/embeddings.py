@@ -53,8 +53,10 @@ class VisionTransformerEmbeddings(nn.Module):
         pixel_values = pixel_values.to(self.patch_embedding.weight.dtype)
         if layout is not None:
             return self.dropout(self.embed_slots(pixel_values, layout, bool_masked_pos, patch_sources))
-        tokens, grid = self.embed_patches(pixel_values)  # (B, N, D): x_p^i E
-        tokens = self.corrupt(tokens, bool_masked_pos, patch_sources)
+        # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
+        patches = self.patch_embedding(pixel_values if self.stem is None else self.stem(pixel_values))
+        grid = tuple(patches.shape[2:])  # (B, D, H/P, W/P) -> (B, N, D): x_p^i E
+        tokens = self.corrupt(patches.flatten(2).transpose(1, 2), bool_masked_pos, patch_sources)
         config, positioned = self.config, self.config.num_position_prefix_tokens
         # E_pos, resampled in 2D when the grid is not the one the model was trained on
         position_embedding = resample_position_embeddings(
@@ -83,8 +85,7 @@ class VisionTransformerEmbeddings(nn.Module):
         """A native-aspect batch's slots `(R, L, P * P * C)` embedded where they lie: x_p^i E, the corruption, each
         slot's position embedding at its place of its own grid; then each image's prefix tokens placed before its
         patches (`BatchLayout.blocks_input`)."""
-        # The convolution's kernel `(D, C, P, P)` is the linear map it applies to each patch, its inputs laid out in
-        # the processor's (patch row, patch column, channel) order.
+        # E `(D, C, P, P)` as a linear map of patches in the processor's (patch row, patch column, channel) order
         weight = self.patch_embedding.weight.permute(0, 2, 3, 1).flatten(1)
         tokens = F.linear(pixel_values, weight, self.patch_embedding.bias)
         if bool_masked_pos is not None:  # given per image patch, as the outputs: moved to the slots
@@ -99,13 +100,6 @@ class VisionTransformerEmbeddings(nn.Module):
         )  # fmt: skip
         tokens = tokens + positions.view_as(tokens)
         return layout.blocks_input(self.prefix_tokens(self.position_embedding[:, :positioned]), tokens)
-
-    def embed_patches(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-        """x_p^i E `(B, N, D)` of whole images and the grid of the patches `(rows, cols)`."""
-        # x_p are the image's patches, or the hybrid's patches of the ResNet feature map (section 3.1)
-        features = pixel_values if self.stem is None else self.stem(pixel_values)
-        patches = self.patch_embedding(features)  # (B, D, H/P, W/P)
-        return patches.flatten(2).transpose(1, 2), tuple(patches.shape[2:])
 
     def corrupt(
         self, tokens: torch.Tensor, bool_masked_pos: torch.Tensor | None, patch_sources: torch.Tensor | None

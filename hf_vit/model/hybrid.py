@@ -1,11 +1,7 @@
 """The ResNet stem of the hybrid architecture (section 3.1): the patch embedding reads its feature map, not the image.
 
 The stem is the one of the authors' code (`vit_jax`), so that their hybrid checkpoints (R50+ViT-B/16, R26+ViT-S/32,
-...) compute here what they compute there:
-
-* bias-free convolutions whose kernels are weight-standardised on every call, each followed by GroupNorm;
-* a 7x7 stride-2 root convolution, GroupNorm, ReLU and a 3x3 stride-2 max pooling;
-* stages of post-activation bottleneck units (`ResNetUnit`), the first stage at stride 1, each later one at stride 2.
+...) compute here what they compute there.
 
 Padding is Flax's "SAME", which is asymmetric for strided layers: a 7x7 stride-2 convolution pads 2 before and 3
 after, a 3x3 stride-2 one 0 and 1, where PyTorch's symmetric padding would shift every feature map by a pixel. The

@@ -1,8 +1,5 @@
-"""The geometry of the one pixel path: the size an image is resized to, the resize itself and the centre crop.
-
-`size` is a height and width, or (as transformers' DINOv2 and CLIP processors say it, `{"shortest_edge": N}`) the
-shorter side, the longer one following the image's aspect ratio; the centre crop then cuts `crop_size` out of the
-middle. The image is resized once, straight to its output size, antialiased like PIL.
+"""The geometry of the one pixel path: the size an image is resized to (once, straight to its output size), the
+resize itself (antialiased like PIL) and the centre crop.
 """
 
 from collections.abc import Mapping, Sequence

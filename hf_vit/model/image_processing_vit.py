@@ -53,8 +53,7 @@ def rescale_and_normalize(
     if (mean is None) != (std is None):
         raise ValueError("Give both `mean` and `std` to normalise, or neither.")
     if mean is not None:
-        _check_mean_std(mean, std, "mean", "std")
-        mean_t, std_t = (_per_channel(v, num_channels, name) for v, name in ((mean, "mean"), (std, "std")))
+        mean_t, std_t = _mean_std(mean, std, ("mean", "std"), num_channels)
         scale, shift = scale / std_t, -mean_t / std_t
     if rescale_factor is None and mean is None:
         return images
@@ -63,40 +62,33 @@ def rescale_and_normalize(
     return torch.addcmul(shift, images, scale, out=images)
 
 
-def _per_channel(value: float | Sequence[float], num_channels: int, name: str) -> torch.Tensor:
-    values = torch.as_tensor(value, dtype=torch.float64).flatten()
-    if values.numel() == 1:
-        return values.expand(num_channels)
-    if values.numel() != num_channels:
-        raise ValueError(f"Image {name} has {values.numel()} values but the images have {num_channels} channels.")
-    return values
-
-
-def _check_mean_std(
-    mean: float | Sequence[float], std: float | Sequence[float], mean_name: str, std_name: str
-) -> None:
-    for name, value in ((mean_name, mean), (std_name, std)):
+def _mean_std(
+    mean: float | Sequence[float], std: float | Sequence[float], names: tuple[str, str], channels: int | None = None
+) -> list[torch.Tensor]:
+    """`mean` and `std` checked (finite, `std` positive) as float64 tensors, with `channels` one value per channel."""
+    tensors = []
+    for name, value in zip(names, (mean, std)):
         values = torch.as_tensor(value, dtype=torch.float64).flatten()
         if values.numel() == 0 or not bool(torch.isfinite(values).all()):
             raise ValueError(f"`{name}` must be one finite number or one per channel, got {value!r}.")
-    if bool((torch.as_tensor(std, dtype=torch.float64) <= 0).any()):
-        raise ValueError(f"`{std_name}` must be positive (it divides the pixel values), got {std!r}.")
-
-
-def _float_or_list(value: float | Sequence[float]) -> float | list[float]:
-    return float(value) if isinstance(value, numbers.Real) else [float(v) for v in value]
+        if channels is not None and values.numel() not in (1, channels):
+            raise ValueError(f"Image {name} has {values.numel()} values but the images have {channels} channels.")
+        tensors.append(values if channels is None else values.expand(channels))
+    if bool((tensors[1] <= 0).any()):
+        raise ValueError(f"`{names[1]}` must be positive (it divides the pixel values), got {std!r}.")
+    return tensors
 
 
 def _checked_options(o: dict[str, Any]) -> dict[str, Any]:
     """The processor's options `o` checked and normalised: sizes as dicts, `resample` as a filter, floats."""
-    sizes = {"size": size_dict(o["size"], "size", shortest_edge=True), "resample": to_resampling(o["resample"])}
-    sizes["crop_size"] = size_dict(o["crop_size"], "crop_size")
+    checked = {"size": size_dict(o["size"], "size", shortest_edge=True), "resample": to_resampling(o["resample"])}
+    checked["crop_size"] = size_dict(o["crop_size"], "crop_size")
     rescale_factor = o["rescale_factor"]
     if isinstance(rescale_factor, bool) or not isinstance(rescale_factor, numbers.Real):
         raise ValueError(f"`rescale_factor` must be a number, got {rescale_factor!r}.")
     if not (math.isfinite(rescale_factor) and rescale_factor > 0):
         raise ValueError(f"`rescale_factor` must be a positive finite number, got {rescale_factor!r}.")
-    _check_mean_std(o["image_mean"], o["image_std"], "image_mean", "image_std")
+    _mean_std(o["image_mean"], o["image_std"], ("image_mean", "image_std"))
     native, packed = o["max_num_patches"], o["packed_sequence_length"]
     if native is not None:
         check_positive_int("max_num_patches", native)
@@ -118,13 +110,9 @@ def _checked_options(o: dict[str, Any]) -> dict[str, Any]:
                 f"`packed_sequence_length` ({packed}) must be at least `max_num_patches` ({native}): a row must hold "
                 "the largest image."
             )
-    return {
-        **o,
-        **sizes,
-        "rescale_factor": float(o["rescale_factor"]),
-        "image_mean": _float_or_list(o["image_mean"]),
-        "image_std": _float_or_list(o["image_std"]),
-    }
+    for name in ("image_mean", "image_std"):
+        checked[name] = float(o[name]) if isinstance(o[name], numbers.Real) else [float(v) for v in o[name]]
+    return {**o, **checked, "rescale_factor": float(o["rescale_factor"])}
 
 
 def open_image(source: bytes | bytearray | memoryview | str | os.PathLike) -> PIL.Image.Image:
@@ -233,11 +221,9 @@ def _check_values(tensor: torch.Tensor, index: int) -> torch.Tensor:
 def load_images(
     images: Any, do_convert_rgb: bool = True, input_data_format: str | ChannelDimension | None = None
 ) -> list[torch.Tensor]:
-    """Decode and convert `images` into a flat list of `[C, H, W]` tensors: the first step of the one pixel path,
-    for training transforms too. PIL images are turned upright (EXIF). With `do_convert_rgb`, images come back with 3
-    channels, or 1 for grey (expand it after resizing, which is cheaper), transparency composited onto white. 16-bit
-    data is scaled to uint8 (`sixteen_to_eight_bit`); other integers must hold 0..255 (uint8); floats become float32
-    and must be finite. Error messages number the images in the flattened order."""
+    """Decode and convert `images` into a flat list of `[C, H, W]` uint8 or float32 tensors: the first step of the
+    one pixel path, for training transforms too. With `do_convert_rgb`, images come back with 3 channels, or 1 for
+    grey (expand it after resizing, which is cheaper). Error messages number the images in the flattened order."""
     tensors = []
     pending = [images]
     while pending:
@@ -434,11 +420,10 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
         device: str | torch.device | None = None,
         **kwargs: Any,
     ) -> BatchFeature:
-        """Preprocess an image or a batch of images into `pixel_values`; `kwargs` are this processor's options (see the
-        class docstring), those left out or None taking its values.
+        """Preprocess an image or a batch of images (see the class docstring) into `pixel_values`; `kwargs` are this
+        processor's options, those left out or None taking its values.
 
         Args:
-            images: one image or a (nested) list of images, in any form listed in the class docstring.
             return_tensors (`"pt"`, `"np"` or None): return a `[N, C, H, W]` torch tensor, a numpy array, or (None)
                 a list of `[C, H, W]` numpy arrays.
             input_data_format (`"channels_first"`, `"channels_last"` or None): layout of array/tensor inputs,
@@ -486,7 +471,7 @@ class VisionTransformerImageProcessor(BaseImageProcessor):
                     processed[index] = batch[position]
 
         if o["max_num_patches"] is None:
-            return _whole_image_batch(processed, return_tensors)
+            return _batch_feature({"pixel_values": processed}, return_tensors)
         grids, patches = _native_patches(processed, o["patch_size"], o["max_num_patches"])
         if o["packed_sequence_length"] is not None and len(processed) > 1:  # one image alone is the padded batch
             return _batch_feature(pack_patches(patches, grids, o["packed_sequence_length"]), return_tensors)
@@ -505,21 +490,6 @@ def _rescale_and_normalize_as(o: dict[str, Any], images: torch.Tensor) -> torch.
     return rescale_and_normalize(
         images, rescale_factor, *(o[name] if normalize else None for name in ("image_mean", "image_std"))
     )
-
-
-def _whole_image_batch(
-    processed: torch.Tensor | list[torch.Tensor], return_tensors: TensorType | None
-) -> BatchFeature:
-    """Whole images as `pixel_values`: a list of `[C, H, W]` arrays (`return_tensors` None), or one stacked batch."""
-    if return_tensors is not None and not isinstance(processed, torch.Tensor):
-        shapes = {tuple(image.shape) for image in processed}
-        if len(shapes) > 1:
-            raise ValueError(
-                f"Cannot batch images of different shapes {sorted(shapes)}: enable do_center_crop (or do_resize to a "
-                "height and width) so all images get the same size, or pass return_tensors=None to get a list."
-            )
-        processed = torch.stack(processed)
-    return _batch_feature({"pixel_values": processed}, return_tensors)
 
 
 def _native_patches(
@@ -545,10 +515,19 @@ def _native_patches(
 def _batch_feature(
     data: dict[str, torch.Tensor | list[torch.Tensor]], return_tensors: str | TensorType | None
 ) -> BatchFeature:
-    """`data` as `return_tensors` asks: torch or numpy batches, or (None) lists of numpy arrays, one per image."""
+    """`data` as `return_tensors` asks: torch or numpy batches (a list of whole images stacked), or (None) lists of
+    numpy arrays, one per image."""
     return_tensors = None if return_tensors is None else TensorType(return_tensors)
     if return_tensors is None:
         return BatchFeature({name: [one.cpu().numpy() for one in value] for name, value in data.items()})
+    if isinstance(data["pixel_values"], list):
+        shapes = {tuple(image.shape) for image in data["pixel_values"]}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"Cannot batch images of different shapes {sorted(shapes)}: enable do_center_crop (or do_resize to "
+                "a height and width) so all images get the same size, or pass return_tensors=None to get a list."
+            )
+        data = {"pixel_values": torch.stack(data["pixel_values"])}
     if return_tensors == TensorType.NUMPY:
         data = {name: value.cpu().numpy() for name, value in data.items()}
     return BatchFeature(data, tensor_type=return_tensors)

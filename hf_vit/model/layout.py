@@ -25,16 +25,8 @@ device to know it.
 
 `BatchLayout.of` turns a batch into the layout the model runs, with tensor operations only: no `.item()`, `.tolist()`,
 `nonzero` or branch on a value, so a forward on a GPU never waits for the device, and a compiled model takes every
-batch of one shape in one graph. It needs the number of prefix tokens (class, distillation, registers), which the
-model knows and the processor does not. The blocks run a padded batch's rows as they are, each image's prefix tokens
-then its patches; a packed batch's slots as they lie, as one stream of `R * L + N * prefix` tokens, each image's
-prefix tokens placed just before its first slot. The values of every batch are checked on the device, without a
-synchronisation (`_check_on_device`): a batch whose fields disagree with each other or with the pixels is refused,
-the message naming the field.
-
-What the layout holds, for the embeddings (equation 1: each image on its own grid, its own prefix tokens), the blocks
-(attention within each image: `AttentionSegments`), the pooling and every head (the valid tokens of each image, one
-image per row): moving tokens is exact, and the blocks act on each token alone except in attention, so each image's
+batch of one shape in one graph; the values are checked on the device (`_check_on_device`). Moving tokens is exact,
+and the blocks act on each token alone except in attention (within each image: `AttentionSegments`), so each image's
 outputs are those it has alone at its own size.
 """
 
@@ -51,8 +43,6 @@ __all__ = [
     "BatchLayout",
     "batch_fields",
     "check_native_batch",
-    "check_slot_index",
-    "masked_mean",
     "take_rows",
     "patch_grid_maps",
     "slot_image_index",
@@ -175,7 +165,7 @@ class BatchLayout:
         pixel_attention_mask: torch.Tensor | None = None,
         image_slot_index: torch.Tensor | None = None,
     ) -> BatchLayout:
-        """The layout of a padded batch, or of a packed one (`image_slot_index` given); see the module's docstring."""
+        """The layout of a padded batch, or of a packed one (`image_slot_index` given)."""
         if image_slot_index is None:
             return _padded(pixel_values, spatial_shapes, prefix, pixel_attention_mask)
         return _packed(pixel_values, spatial_shapes, prefix, image_slot_index, pixel_attention_mask)
@@ -231,14 +221,11 @@ def take_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return padded.index_select(0, torch.where(index < 0, values.shape[0], index).to(values.device))
 
 
-def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
-    """The boundaries `(runs + 1,)` int32 of runs of `lengths` tokens, flattened row after row."""
-    return F.pad(lengths.flatten().cumsum(0), (1, 0)).to(torch.int32)
-
-
-def check_native_batch(pixel_values: torch.Tensor, spatial_shapes: torch.Tensor, config, images: int) -> None:
-    """Refuse, by their shapes and types, inputs the model cannot embed as a native-aspect batch of `images` images,
-    with the fix (the values are checked on the device: see the module's docstring)."""
+def check_native_batch(
+    pixel_values: torch.Tensor, spatial_shapes: torch.Tensor, config, images: int, image_slot_index=None
+) -> None:
+    """Refuse, by their shapes and types, inputs the model cannot embed as a native-aspect batch of `images` images
+    (packed with an `image_slot_index`), with the fix (the values are checked on the device: `_check_on_device`)."""
     if config.resnet_layers is not None:
         raise ValueError(
             "A hybrid model (ResNet stem) takes whole images, not flattened patches: process the images without "
@@ -259,6 +246,15 @@ def check_native_batch(pixel_values: torch.Tensor, spatial_shapes: torch.Tensor,
         raise ValueError(
             f"`spatial_shapes` must be an ({images}, 2) tensor of each image's patch grid (rows, columns); got "
             f"{_describe(spatial_shapes)}."
+        )
+    slots = image_slot_index
+    if slots is not None and (
+        not isinstance(slots, torch.Tensor) or slots.ndim != 2 or slots.is_floating_point() or slots.is_complex()
+        or slots.dtype == torch.bool or slots.shape[0] != images
+    ):  # fmt: skip
+        raise ValueError(
+            f"`image_slot_index` must be an ({images}, K) integer tensor (the slot of each image's patch k, -1 for "
+            f"none), one row per image of `spatial_shapes`, as the image processor returns it; got {_describe(slots)}."
         )
 
 
@@ -284,9 +280,9 @@ def _padded(
             "`spatial_shapes`) and nothing else, as the image processor returns it.",
         )
     token_mask = F.pad(patch_mask, (prefix, 0), value=True)
-    # each row: its image's tokens, then its padding (an empty run where it has none)
-    segments = AttentionSegments(_cumulative(torch.stack([prefix + sizes, patches - sizes], 1)), prefix + patches,
-                                 token_mask)  # fmt: skip
+    # each row: its image's tokens, then its padding (an empty run where it has none); the runs' boundaries
+    bounds = F.pad(torch.stack([prefix + sizes, patches - sizes], 1).flatten().cumsum(0), (1, 0)).to(torch.int32)
+    segments = AttentionSegments(bounds, prefix + patches, token_mask)
     return BatchLayout(grids, prefix, segments, slot_grids=grids[:, None], slot_places=places[None])
 
 
@@ -360,20 +356,6 @@ def _check_mask_shape(mask: torch.Tensor | None, shape: tuple[int, int], rows: s
         )
 
 
-def check_slot_index(image_slot_index, images: int) -> None:
-    """Refuse, by its shape and type, an `image_slot_index` that is no `(images, K)` integer tensor."""
-    if (
-        not isinstance(image_slot_index, torch.Tensor) or image_slot_index.ndim != 2
-        or image_slot_index.is_floating_point() or image_slot_index.is_complex()
-        or image_slot_index.dtype == torch.bool or image_slot_index.shape[0] != images
-    ):  # fmt: skip
-        raise ValueError(
-            f"`image_slot_index` must be an ({images}, K) integer tensor (the slot of each image's patch k, -1 for "
-            f"none), one row per image of `spatial_shapes`, as the image processor returns it; got "
-            f"{_describe(image_slot_index)}."
-        )
-
-
 def _check_packed(
     index: torch.Tensor,
     grids: torch.Tensor,
@@ -383,11 +365,9 @@ def _check_packed(
     slots: tuple[int, int],
     pixel_attention_mask: torch.Tensor | None,
 ) -> None:
-    """Refuse, on the device (`_check_on_device`), a packed batch whose fields disagree with each other or with the
-    pixels' rows (`slots`: R rows of L patch slots): every slot of `image_slot_index` in the batch, each image's
-    patches at places of its grid (`spatial_shapes`), in one run of consecutive slots of one row, no slot holding two
-    patches, the padding of each row after its images; `pixel_attention_mask` marks exactly the images' slots. The
-    first failed check names its field; the messages name no size (a compiled model would take it as a constant)."""
+    """Refuse, on the device (`_check_on_device`), a packed batch of `slots` (R rows of L patch slots) whose fields
+    disagree with each other or with the pixels. The messages name no size (a compiled model would take it as a
+    constant)."""
     rows, length = slots
     total = rows * length
     _check_on_device(
@@ -419,10 +399,9 @@ def _check_packed(
 
 
 def _check_on_device(condition: torch.Tensor, message: str) -> None:
-    """Refuse the batch with `message` where `condition` (a one-value bool tensor) is False, checked on its device:
-    a failed check stops the run where the device reports it, and no read waits for it. torch has no public
-    asynchronous assert: where its `_assert_async` is missing (a later torch), the processor's checks are the only
-    ones, and the forward runs on."""
+    """Refuse the batch with `message` where `condition` (a one-value bool tensor) is False, checked on its device
+    without a read waiting for it. torch has no public asynchronous assert: where its `_assert_async` is missing (a
+    later torch), the processor's checks are the only ones."""
     assert_async = getattr(torch, "_assert_async", None)
     if assert_async is not None:
         assert_async(condition, message)
@@ -432,12 +411,6 @@ def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     return type(value).__name__
-
-
-def masked_mean(hidden_states: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-    """The average of `(B, N, D)` tokens over those `token_mask` `(B, N)` marks."""
-    weights = token_mask.to(hidden_states.dtype)[..., None]
-    return (hidden_states * weights).sum(dim=1) / weights.sum(dim=1)
 
 
 def patch_grid_maps(tokens: torch.Tensor, spatial_shapes: torch.Tensor) -> torch.Tensor:

@@ -95,11 +95,10 @@ _LOCATION_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", 
 
 
 def resize_asked_by_config(source: Any, kwargs: dict[str, Any]) -> list[Any] | None:
-    """`[image_size, patch_size]` when `kwargs["config"]` asks for another patch size than the checkpoint at `source`
-    was saved with, or (an hf-vit checkpoint) another image size, else None; `kwargs["config"]` is then replaced by a
-    copy with the checkpoint's own sizes, so that the weights load, and the caller resamples the model to the sizes
-    returned (`set_input_size`). (`AutoModel.from_pretrained(folder, patch_size=P)` writes `patch_size=P` onto the
-    config it hands the model class; a foreign checkpoint's conversion resamples its positions itself.)"""
+    """`[image_size, patch_size]` when `kwargs["config"]` (which `AutoModel.from_pretrained(folder, patch_size=P)`
+    writes the sizes onto) asks for another patch size than the checkpoint at `source` was saved with, or (an hf-vit
+    checkpoint) another image size, else None; `kwargs["config"]` is then replaced by a copy with the checkpoint's
+    own sizes, so that the weights load, and the caller resamples the model to the sizes returned."""
     config = kwargs.get("config")
     if not isinstance(source, (str, os.PathLike)) or not hasattr(config, "patch_size"):
         return None

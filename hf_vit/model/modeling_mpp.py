@@ -1,7 +1,5 @@
 """Masked patch prediction (the paper's section 4.6 and appendix B.1.2): some patch embeddings x_p^i E are corrupted
-before the position embeddings are added (given to the encoder as data: `bool_masked_pos`, the patches the [mask]
-embedding replaces, and `patch_sources`, those another patch's embedding replaces), and a head predicts the mean
-colour of each corrupted patch.
+before the position embeddings are added, and a head predicts the mean colour of each corrupted patch.
 """
 
 from __future__ import annotations

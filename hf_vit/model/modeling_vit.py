@@ -12,10 +12,8 @@ steps: a distillation token beside x_class and register tokens after them (1), a
 LayerScale on the residual branches of (2) and (3) (`layer_scale.py`), and in (4) the average of the patch tokens or
 attention pooling (`pooling.py`) instead of the class token, with the LayerNorm after the pooling (`fc_norm`).
 
-The hybrid architecture (section 3.1) takes the patches x_p from the feature map of a ResNet stem (`hybrid.py`)
-instead of the image; masked patch prediction (section 4.6, `modeling_mpp.py`) corrupts some of the x_p^i E before the
-positions are added, given as data: `bool_masked_pos` (the patches replaced by the [mask] embedding, as in
-transformers' `ViTForMaskedImageModeling`) and `patch_sources` (the patches replaced by another one's embedding).
+The hybrid architecture (section 3.1) takes the patches x_p from the feature map of a ResNet stem (`hybrid.py`);
+masked patch prediction (section 4.6, `modeling_mpp.py`) corrupts some of the x_p^i E before the positions are added.
 """
 
 from __future__ import annotations
@@ -43,8 +41,6 @@ from .layout import (
     BatchLayout,
     batch_fields,
     check_native_batch,
-    check_slot_index,
-    masked_mean,
     patch_grid_maps,
 )
 from .loading import (
@@ -207,13 +203,10 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """transformers' `from_pretrained`, taking also the checkpoints users have (transformers' and timm's ViT as Hub
-        ids or folders, the authors' `.npz` files; converted in memory by the reader `hf_vit.convert` registers), and
-        strict: weights that leave part of the encoder randomly initialised are an error (only a classification head
-        may be new), and unreadable weights or folders are named: see `loading.py`. `patch_size=P` or `image_size=N`
-        (of an hf-vit checkpoint; foreign ones are resampled as their conversion reads them) loads the checkpoint as it
-        is, then resamples it to that size with `set_input_size` (the position embeddings as the config says, the
-        patch embedding as FlexiViT does), also when the Auto classes pass the sizes written onto the config."""
+        """transformers' `from_pretrained`, also for foreign checkpoints (converted in memory), and strict: see
+        `loading.py`. `patch_size=P` or `image_size=N` (of an hf-vit checkpoint; foreign ones are resampled as their
+        conversion reads them) loads the checkpoint as it is, then resamples it with `set_input_size`, also when the
+        Auto classes pass the sizes written onto the config."""
         source = pretrained_model_name_or_path
         resize = None
         if "patch_size" in kwargs or ("image_size" in kwargs and open_foreign(source, dict(kwargs)) is None):
@@ -239,10 +232,8 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         patch_size: int | None = None,
     ) -> None:
         """Change the model's resolution in place (the paper's fine-tuning at higher resolution): the position
-        embeddings are resampled in 2D to the new patch grid (`mode`, by default the config's `interpolation_mode`),
-        and the config says the new size, so the model runs there without `interpolate_pos_encoding`. `patch_size`
-        also changes the patch size (FlexiViT): the patch embedding is resampled by `resample_patch_embedding`;
-        `image_size` left out keeps the current one."""
+        embeddings resampled to the new grid (`mode`, by default the config's), the config saying the new size;
+        `patch_size` resamples the patch embedding too (FlexiViT, `resample_patch_embedding`)."""
         config = self.config
         image_size = config.image_hw if image_size is None else image_size
         patch_size = config.patch_size if patch_size is None else patch_size
@@ -262,16 +253,13 @@ class VisionTransformerPreTrainedModel(PreTrainedModel):
         self.config.image_size = image_size_field(image_size)
 
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
-        # transformers skips parameter-less containers (attention, MLP, the classifier model) for custom code, but
-        # those are where the roles of their linear layers are known. Every initialiser below leaves parameters loaded
-        # from a checkpoint untouched, so the shortcut is not needed.
+        # transformers skips parameter-less containers for custom code, but `INITIALISERS` needs them; each leaves
+        # parameters loaded from a checkpoint untouched.
         super()._initialize_weights(module, is_custom_code=False)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """The initialisation of the authors' code (vit_jax), one named function per kind of module
-        (`INITIALISERS`): Xavier-uniform kernels, near-zero MLP biases, LeCun-normal patch embedding, normal(0.02)
-        positions, zero class token and zero classifier."""
+        """The initialisation of the authors' code (vit_jax), one function per kind of module (`INITIALISERS`)."""
         for kind in type(module).__mro__:  # the most specific kind that has an initialiser
             if kind in INITIALISERS:
                 INITIALISERS[kind](module, self.config)
@@ -285,7 +273,6 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         super().__init__(config)
         self.embeddings = VisionTransformerEmbeddings(config, use_mask_token)
         depth = config.num_hidden_layers
-        # Stochastic depth grows linearly with depth, from 0 at the first block to drop_path_rate at the last.
         rates = [config.drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.layers = nn.ModuleList(VisionTransformerBlock(config, rate) for rate in rates)
         width, eps = config.hidden_size, config.layer_norm_eps
@@ -311,19 +298,14 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         layout: BatchLayout | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPooling:
-        """`bool_masked_pos` `(B, N)`: the patches whose embeddings the [mask] embedding replaces (a model built
-        with `use_mask_token=True`); `patch_sources` `(B, N)`: the patches that take another's embedding instead
-        (masked patch prediction, see `VisionTransformerEmbeddings.corrupt` and `modeling_mpp.py`).
-        The batch's layout fields come in `kwargs` as the image processor returns them (`layout.BATCH_FIELDS`):
-        `spatial_shapes` (with `pixel_attention_mask`): a native-aspect batch of flattened patches, each image on its
-        own grid; with `image_slot_index`, a packed batch, several whole images per row (see `layout.py`): the
-        outputs are per image (in the order of `spatial_shapes`), as for the native-aspect batch of the same images,
-        which is also the layout `bool_masked_pos` and `patch_sources` are given in; `hidden_states` are of the
-        blocks' tokens (`BatchLayout.unpack` gives them per image), `attentions` per image. `layout`: the batch's
-        layout (`batch_layout`), where a head has already made it."""
+        """`bool_masked_pos` and `patch_sources` `(B, N)`: masked patch prediction's corruption
+        (`VisionTransformerEmbeddings.corrupt`). The batch's layout fields come in `kwargs` as the image processor
+        returns them (`layout.BATCH_FIELDS`, see `layout.py`): the outputs of a packed batch are per image, as for the
+        native-aspect batch of the same images (the layout the corruption is given in); its `hidden_states` are of
+        the blocks' tokens (`BatchLayout.unpack` gives them per image), its `attentions` per image. `layout`: the
+        batch's layout (`batch_layout`), where a head has already made it."""
         if pixel_values is None:
             raise ValueError("`pixel_values` is required: a float tensor (batch, channels, height, width).")
-        # Only the eager attention returns the probabilities: asked for them, the blocks use it.
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         fields = batch_fields(kwargs)
         if layout is None:
@@ -365,9 +347,7 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         counted = pixel_values if slots is None else spatial_shapes
         counted = counted if isinstance(counted, torch.Tensor) and counted.ndim else slots
         images = counted.shape[0] if isinstance(counted, torch.Tensor) and counted.ndim else 0
-        check_native_batch(pixel_values, spatial_shapes, self.config, images)
-        if slots is not None:
-            check_slot_index(slots, images)
+        check_native_batch(pixel_values, spatial_shapes, self.config, images, slots)
         return BatchLayout.of(pixel_values, prefix=self.config.num_prefix_tokens, **fields)
 
     def pool(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -379,9 +359,10 @@ class VisionTransformerModel(VisionTransformerPreTrainedModel):
         if self.config.classifier == "map":
             return self.attention_pool(tokens, token_mask)
         prefix = self.config.num_prefix_tokens
-        if token_mask is not None:
-            return masked_mean(tokens[:, prefix:], token_mask[:, prefix:])
-        return tokens[:, prefix:].mean(dim=1)
+        if token_mask is None:
+            return tokens[:, prefix:].mean(dim=1)
+        weights = token_mask[:, prefix:].to(tokens.dtype)[..., None]
+        return (tokens[:, prefix:] * weights).sum(dim=1) / weights.sum(dim=1)
 
     def forward_intermediates(
         self,
@@ -487,11 +468,8 @@ class VisionTransformerBackbone(BackboneMixin, VisionTransformerModel):
 
 
 class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
-    """ViT with a linear classifier on `y`, optionally after the pre-logits layer (dense + tanh) of pretraining.
-
-    With DeiT's distillation token (and `distillation_head`), a second linear classifier reads that token's final
-    state: `logits` are the average of the two heads', and the loss is the average of both heads' losses against the
-    labels (each head is trained on the labels, as when fine-tuning a distilled DeiT)."""
+    """ViT with a linear classifier on `y`, optionally after the pre-logits layer (dense + tanh) of pretraining, and
+    with DeiT's distillation token a second one on that token (`distillation_head` in the config)."""
 
     def __init__(self, config: VisionTransformerConfig) -> None:
         super().__init__(config)
@@ -501,7 +479,6 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
         self.post_init()
 
     def _build_head(self) -> None:
-        """The pre-logits layer (dense + tanh, when `representation_size` is set) and the linear classifier."""
         config, width = self.config, self.config.hidden_size
         self.pre_logits = None
         if config.representation_size is not None:
@@ -555,8 +532,8 @@ class VisionTransformerForImageClassification(VisionTransformerPreTrainedModel):
         )
 
 
-# The initialiser of each kind of module (`VisionTransformerPreTrainedModel._init_weights`); the modules' own
-# parameter-less containers are listed because the roles of their layers are known there.
+# The initialiser of each kind of module (`VisionTransformerPreTrainedModel._init_weights`), containers included: the
+# roles of their layers are known there.
 INITIALISERS: dict[type[nn.Module], Callable[[nn.Module, VisionTransformerConfig], None]] = {
     VisionTransformerEmbeddings: init_embeddings,
     StdConv2d: init_std_conv,

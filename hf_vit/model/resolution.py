@@ -126,14 +126,9 @@ def position_embeddings_at(
 def position_taps(
     grids: torch.Tensor, places: torch.Tensor, old_grid: tuple[int, int], mode: str, antialias: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The taps of patches at `places` `(...)` (row-major) of their grids `grids` `(..., 2)` (broadcast together) on
-    the stored `old_grid`: indices `(..., T)` into its `in_rows * in_cols` positions and their weights `(..., T)`
-    (float32) such that the weighted sums are `F.interpolate(mode=mode, antialias=antialias, align_corners=False)` of
-    the grid to each patch's. T is the product of the taps per axis: 2 (bilinear) or 4 (bicubic) with the edges
-    repeated; with antialias, the whole axis, the taps outside each filter's window weighted 0 (a downsampled axis
-    widens the filter by the scale, up to the whole axis for a grid one patch wide). A place outside its grid (the
-    padding) weighs 0. The weights are computed in float64 (float32 on MPS, which has none), so the sums are the
-    resize up to float32's rounding."""
+    """The taps of `position_embeddings_at` on the stored `old_grid`: indices `(..., T)` into its `in_rows * in_cols`
+    positions and their float32 weights `(..., T)`, T the product of the taps per axis (`_axis_taps`). The weights
+    are computed in float64 (float32 on MPS, which has none), so the sums are the resize up to float32's rounding."""
     in_rows, in_cols = old_grid
     grids = grids.to(torch.float32 if grids.device.type == "mps" else torch.float64)
     rows, cols = grids[..., 0], grids[..., 1]
@@ -154,8 +149,9 @@ def _axis_taps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The input indices `(..., A)` and weights `(..., A)` that one axis's interpolation gives output `index` of an
     axis resized from `in_size` to `out_size`: 2 (bilinear) or 4 (bicubic, Keys' cubic with a = -0.75) taps with the
-    edges repeated; with antialias, every input (`_antialiased_weights`)."""
-    if antialias:  # the filter's window depends on the scale: every input, weighted 0 outside the window
+    edges repeated; with antialias, every input, weighted 0 outside the filter's window (`_antialiased_weights`: a
+    downsampled axis widens the filter by the scale)."""
+    if antialias:
         weights = _antialiased_weights(index, out_size, in_size, mode)
         inputs = torch.arange(in_size, device=index.device).expand(weights.shape)
         return inputs, weights
@@ -256,17 +252,13 @@ def check_pixel_values(pixel_values: torch.Tensor, config, interpolate_pos_encod
         raise TypeError(f"`pixel_values` must be a torch.Tensor, got {type(pixel_values).__name__}.")
     patch_width = config.patch_size**2 * config.num_channels
     if pixel_values.ndim == 3 and pixel_values.shape[-1] == patch_width:
-        one_image = pixel_values.shape[0] == config.num_channels
+        one_image = " If it is one image (channels, height, width), add a batch dimension with `pixel_values[None]`."
         raise ValueError(
             f"`pixel_values` of shape {tuple(pixel_values.shape)} is a native-aspect batch of flattened patches "
             f"(batch, patches, {config.patch_size} * {config.patch_size} * {config.num_channels}), given without "
             "`spatial_shapes`: pass each image's patch grid as `spatial_shapes` (batch, 2), with "
             "`pixel_attention_mask`, as the image processor returns them with `max_num_patches`."
-            + (
-                " If it is one image (channels, height, width), add a batch dimension with `pixel_values[None]`."
-                if one_image
-                else ""
-            )
+            + (one_image if pixel_values.shape[0] == config.num_channels else "")
         )
     if pixel_values.ndim != 4:
         raise ValueError(
@@ -282,12 +274,8 @@ def check_pixel_values(pixel_values: torch.Tensor, config, interpolate_pos_encod
             "or convert integer pixels with `.float() / 255` and normalise them."
         )
     if channels != config.num_channels:
-        hint = (
-            " The image processor converts images to RGB by default: build it with `do_convert_rgb=False` to keep "
-            f"{config.num_channels} channels (e.g. RGB + infrared)."
-            if channels == 3
-            else ""
-        )
+        hint = " The image processor converts images to RGB by default: build it with `do_convert_rgb=False` to keep"
+        hint = f"{hint} {config.num_channels} channels (e.g. RGB + infrared)." if channels == 3 else ""
         raise ValueError(
             f"`pixel_values` has {channels} channels but the model expects {config.num_channels} "
             f"(shape {tuple(pixel_values.shape)}; the layout is channels first: batch, channels, height, width).{hint}"
