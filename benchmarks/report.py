@@ -284,12 +284,13 @@ def fill_markdown(text: str, sections: dict[str, str], tag: str = "benchmark") -
     return marker.sub(lambda match: match[1] + sections[match[2]] + "\n" + match[3], text)
 
 
-def write_doc(report: dict, path: str | os.PathLike) -> Path:
-    """Rewrite the generated blocks of the markdown file at `path`; the rest of it is left as written."""
+def write_doc(report: dict, path: str | os.PathLike, sections=None, tag: str = "benchmark") -> Path:
+    """Rewrite the generated blocks (`sections(report)`, default `markdown_sections`) of the markdown file at `path`;
+    the rest of it is left as written."""
     doc = Path(path)
     if not doc.is_file():
-        raise FileNotFoundError(f"--doc {path} does not exist; create it with <!-- benchmark:table --> blocks first.")
-    doc.write_text(fill_markdown(doc.read_text(), markdown_sections(report)))
+        raise FileNotFoundError(f"--doc {path} does not exist; create it with <!-- {tag}:table --> blocks first.")
+    doc.write_text(fill_markdown(doc.read_text(), (sections or markdown_sections)(report), tag=tag))
     return doc
 
 
