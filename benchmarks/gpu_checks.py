@@ -630,8 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons mean fp32
-        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 comparisons: fp32
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"hf-vit smoke checks on {device} ({where}), torch {torch.__version__}", flush=True)
     outcomes: dict[str, dict] = {}
