@@ -64,7 +64,6 @@ class Skipped(Exception):
 
 
 def expect(holds, message: str) -> None:
-    """A check's assertion: fails the check with `message` unless `holds`."""
     if not holds:
         raise AssertionError(message)
 

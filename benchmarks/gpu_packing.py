@@ -281,7 +281,6 @@ def time_rows(args, variant: str, calls: dict, result: dict, paths: dict, log, s
 
 
 def merge_packing(previous: dict | None, current: dict) -> dict:
-    """A later run's rows replace the earlier ones of the same key; the rest are kept."""
     return {**current, "rows": {**(previous or {}).get("rows", {}), **current["rows"]}}
 
 

@@ -147,7 +147,6 @@ def schedule(steps: int, warmup: int):
 
 
 def evaluate(model: torch.nn.Module, test: list[dict]) -> float:
-    """Accuracy on the held-out images (their fixed padded batches)."""
     correct = total = 0
     model.eval()
     with torch.no_grad():

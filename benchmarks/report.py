@@ -97,7 +97,6 @@ def merge_reports(old: dict, new: dict) -> dict:
 
 
 def write_json(report: dict, path: str | os.PathLike) -> Path:
-    """Write `report` as indented JSON, creating the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -158,7 +157,6 @@ def format_sweep(report: dict) -> str:
 
 
 def format_machine(report: dict) -> str:
-    """Where and with what the figures were measured."""
     machine = report["machine"]
     peaks = [f"{dtype} {entry['flops_per_s'] / 1e12:.3f} TFLOP/s" for dtype, entry in report.get("matmul", {}).items()]
     size = next((entry.get("size") for entry in report.get("matmul", {}).values()), None) or "?"
@@ -257,7 +255,6 @@ SECTIONS = {
 
 
 def markdown_sections(report: dict) -> dict[str, str]:
-    """The generated blocks of docs/benchmarks.md, by marker name."""
     sections = {name: (render(report) if key is None or report.get(key) else missing)
                 for name, (key, _, render, missing) in SECTIONS.items()}  # fmt: skip
     return {name: text for name, text in sections.items() if text is not None}
