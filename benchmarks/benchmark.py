@@ -34,8 +34,6 @@ from benchmarks.settings import BenchmarkSettings, flag
 
 @dataclass
 class OutputArguments:
-    """Where the figures go."""
-
     json: str | None = flag(None, "write every figure and ratio here")
     doc: str | None = flag(
         None,

@@ -90,13 +90,6 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
     return json.loads(marker.read_text())  # as a later call that reuses the folder returns it
 
 
-def make_model(preset: str, classes: int, image_size: int | None, num_hidden_layers: int | None):
-    fields = {"num_labels": classes, "image_size": image_size, "num_hidden_layers": num_hidden_layers}
-    fields = {key: value for key, value in fields.items() if value}
-    torch.manual_seed(0)
-    return VisionTransformerForImageClassification(VisionTransformerConfig.from_preset(preset, **fields))
-
-
 def model_only_images_per_s(
     model: torch.nn.Module, batch_size: int, steps: int, device: str, bf16: bool, compile: bool, warmup: int = 3
 ) -> float:
@@ -179,8 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
     result = dict(preset=args.preset, batch_size=args.batch_size, device=args.device, gpu=gpu)
     result.update(cpu_count=os.cpu_count(), finetune_flags=extra, data=data)
+    fields = {"image_size": args.image_size, "num_hidden_layers": args.num_hidden_layers, "num_labels": args.classes}
+    fields = {key: value for key, value in fields.items() if value}
+    torch.manual_seed(0)
+    model = VisionTransformerForImageClassification(VisionTransformerConfig.from_preset(args.preset, **fields))
     with tempfile.TemporaryDirectory() as scratch:
-        model = make_model(args.preset, args.classes, args.image_size, args.num_hidden_layers)
         model_dir = Path(scratch) / "model"
         model.save_pretrained(model_dir)
         VisionTransformerImageProcessor(size=model.config.image_hw[0]).save_pretrained(model_dir)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import shlex
 import sys
 import time
@@ -30,7 +29,7 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder imp
 import torch
 
 from benchmarks.gpu_packing import format_packing, measure_packing, merge_packing
-from benchmarks.report import _markdown_table, fill_markdown, merge_reports, write_json
+from benchmarks.report import _markdown_table, merge_reports, write_doc, write_json
 from benchmarks.runners import machine_info, run_benchmark
 from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags
 from benchmarks.timing import budget_spent
@@ -44,6 +43,7 @@ QUICK_PRESET = "vit-tiny-patch16-224"
 RATIO_TARGET = 1.05
 MFU_TARGETS = {("vit-base-patch16-224", "train"): 0.40, ("vit-base-patch16-224", "infer"): 0.50}
 PEERS = (TRANSFORMERS, TIMM)
+TAG = "benchmark-gpu"  # of the generated blocks in the docs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -198,7 +198,7 @@ def markdown_sections(report: dict) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.doc_only:
-        print(f"doc: {write_doc(json.loads(Path(args.json).read_text()), args.doc)}")
+        print(f"doc: {write_doc(json.loads(Path(args.json).read_text()), args.doc, markdown_sections, TAG)}")
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -245,19 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     if report.get("packing"):
         print("\n" + format_packing(report))
     if args.doc:
-        print(f"doc: {write_doc(report, args.doc)}")
+        print(f"doc: {write_doc(report, args.doc, markdown_sections, TAG)}")
     return 0
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def write_doc(report: dict, path: str | os.PathLike) -> Path:
-    """Fill the `<!-- benchmark-gpu:NAME -->` blocks (machine, summary, targets) of the markdown file at `path`."""
-    doc = Path(path)
-    doc.write_text(fill_markdown(doc.read_text(), markdown_sections(report), tag="benchmark-gpu"))
-    return doc
 
 
 if __name__ == "__main__":

@@ -64,7 +64,6 @@ class Skipped(Exception):
 
 
 def expect(holds, message: str) -> None:
-    """A check's assertion: fails the check with `message` unless `holds`."""
     if not holds:
         raise AssertionError(message)
 
@@ -91,11 +90,6 @@ class Smoke:
             )
         tiny = dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
         return VisionTransformerConfig(**{**tiny, "intermediate_size": 128, "num_labels": 10, **overrides})
-
-    def classifier(self, config: VisionTransformerConfig) -> VisionTransformerForImageClassification:
-        """`config`'s classification model on the device, seeded, with non-trivial values everywhere (a zero head or
-        identity LayerNorms would make logit checks vacuous)."""
-        return build_hf_vit(config).to(self.device)
 
     def pixels(self, config: VisionTransformerConfig, batch: int = 4, size: tuple[int, int] | None = None):
         generator = torch.Generator().manual_seed(0)
@@ -177,7 +171,7 @@ def against_eager(smoke: Smoke, config: VisionTransformerConfig, inputs: dict, n
 def gradient_checkpointing(smoke: Smoke) -> str:
     """The same loss and gradients with and without checkpointing (fp32, dropout off, attention sdpa)."""
     config = smoke.config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
-    model = smoke.classifier(config).train()
+    model = build_hf_vit(config).to(smoke.device).train()
     pixels = smoke.pixels(config)
     labels = torch.arange(pixels.shape[0], device=smoke.device) % config.num_labels
     # A checkpointed block runs again during the backward: count the forwards of the first block's MLP.
@@ -209,7 +203,7 @@ def gradient_checkpointing(smoke: Smoke) -> str:
 def interpolate_pos_encoding(smoke: Smoke) -> str:
     """A non-square input with interpolated position embeddings; at the native size interpolation is the identity."""
     config = smoke.config()
-    model = smoke.classifier(config).eval()
+    model = build_hf_vit(config).to(smoke.device).eval()
     height, width = config.image_hw
     size = (height + 2 * config.patch_size, width - config.patch_size)  # taller and narrower: a non-square grid
     native = smoke.pixels(config)
@@ -237,7 +231,7 @@ def hybrid(smoke: Smoke) -> str:
         config = VisionTransformerConfig.from_preset("r50-vit-base-patch16-224", num_hidden_layers=2, num_labels=10)
     else:
         config = smoke.config(resnet_layers=[1, 1], resnet_width=32, patch_size=8)
-    model = smoke.classifier(config).eval()
+    model = build_hf_vit(config).to(smoke.device).eval()
     pixels = smoke.pixels(config, batch=2)
     with torch.no_grad():
         fp32 = model(pixels).logits
@@ -275,7 +269,7 @@ def masked_patch_prediction(smoke: Smoke) -> str:
 def attention_capture(smoke: Smoke) -> str:
     """`hf_vit.analysis.attention_probabilities` on an SDPA model equals `output_attentions=True` (eager)."""
     config = smoke.config()
-    model = smoke.classifier(config).eval()
+    model = build_hf_vit(config).to(smoke.device).eval()
     pixels = smoke.pixels(config, batch=2)
     captured = attention_probabilities(model, pixels, layers=[0, -1])
     with torch.no_grad():
@@ -535,7 +529,7 @@ def ema_update_cost(smoke: Smoke) -> str:
     from hf_vit.train.ema import WeightAverage
 
     average = WeightAverage(
-        smoke.classifier(smoke.config(num_hidden_layers=12) if smoke.cuda else smoke.config()), 0.999
+        build_hf_vit(smoke.config(num_hidden_layers=12) if smoke.cuda else smoke.config()).to(smoke.device), 0.999
     )
     average.update(1)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if smoke.cuda else [])) as profiled:
@@ -630,8 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons mean fp32
-        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 comparisons: fp32
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"hf-vit smoke checks on {device} ({where}), torch {torch.__version__}", flush=True)
     outcomes: dict[str, dict] = {}

@@ -43,20 +43,11 @@ LOGITS_TOLERANCE = {True: 1e-4, False: 1e-3}
 KERNEL_NAMES = re.compile(r"attention|attn|fmha|flash|cudnn|softmax|bmm", re.IGNORECASE)
 
 
-def packing_settings(quick: bool) -> argparse.Namespace:
-    """What `packing_speed.layouts` reads, and the model's size."""
-    return argparse.Namespace(**(QUICK if quick else FULL), min_share=0.4, seed=0)
-
-
-def _mask(*args, **kwargs) -> str:
-    return "mask"
-
-
 def layout_context(layout: str):
     """The masked rows: attention with a mask whatever the device and dtype (the padding masked as keys where each row
     holds one image, else block-diagonal); the others take the model's own path."""
     if layout.endswith("+ mask"):
-        return mock.patch.object(attention, "segment_attention_path", _mask)
+        return mock.patch.object(attention, "segment_attention_path", lambda *args, **kwargs: "mask")
     return contextlib.nullcontext()
 
 
@@ -205,7 +196,8 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     No compilation starts once `args.time_budget_s` is spent (counted from `start`); `save` gets the result so far
     after each variant."""
     start = time.perf_counter() if start is None else start
-    device, shape = torch.device(args.device), packing_settings(args.quick)
+    device = torch.device(args.device)
+    shape = argparse.Namespace(**(QUICK if args.quick else FULL), min_share=0.4, seed=0)  # what `layouts` reads
     shapes = layouts(shape)
     batches, images, patches = layout_batches(shape, shapes)
     batches = {name: {key: value.to(device) for key, value in batch.items()} for name, batch in batches.items()}
@@ -289,7 +281,6 @@ def time_rows(args, variant: str, calls: dict, result: dict, paths: dict, log, s
 
 
 def merge_packing(previous: dict | None, current: dict) -> dict:
-    """A later run's rows replace the earlier ones of the same key; the rest are kept."""
     return {**current, "rows": {**(previous or {}).get("rows", {}), **current["rows"]}}
 
 

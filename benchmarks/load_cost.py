@@ -69,14 +69,9 @@ def rss_mb() -> float:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def peak_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def worker(loader: str, repo_id: str) -> None:
     """One load in this process: prints `{"seconds", "peak_mb"}` above the imports as one JSON line."""
+    import resource
     import time
 
     import torch
@@ -102,7 +97,8 @@ def worker(loader: str, repo_id: str) -> None:
         model(pixels, **forward)
     seconds = time.perf_counter() - start
     code = sys.modules[model_class.__module__].__file__
-    print(json.dumps({"seconds": seconds, "load_seconds": loaded - start, "peak_mb": peak_mb() - base, "code": code}))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base
+    print(json.dumps({"seconds": seconds, "load_seconds": loaded - start, "peak_mb": peak, "code": code}))
 
 
 def main() -> None:

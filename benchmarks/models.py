@@ -94,7 +94,6 @@ def build_models(
 
 @torch.no_grad()
 def compare_logits(models: dict[str, nn.Module], pixel_values: torch.Tensor, dtype: str = "fp32") -> dict[str, float]:
-    """Max |logits - hf-vit logits| of every other model, in eval mode."""
     logits = {}
     for name, model in models.items():
         model.eval()

@@ -36,7 +36,7 @@ import torch
 from benchmarks.packing_speed import check_packing_flags, small_classifier
 from benchmarks.report import _markdown_table
 from benchmarks.settings import add_flags
-from hf_vit import VisionTransformerForImageClassification, VisionTransformerImageProcessor
+from hf_vit import VisionTransformerImageProcessor
 from hf_vit.model.image_processing_vit import best_fit_decreasing
 
 RUNS = ("padded", "packed")
@@ -131,10 +131,6 @@ def next_batch(stream: Stream, run: str, processor: VisionTransformerImageProces
             "slots": slots}  # fmt: skip
 
 
-def build_model(args) -> VisionTransformerForImageClassification:
-    return small_classifier(args.max_num_patches, args.width, args.depth, args.heads, args.seed, args.patch_size)
-
-
 def schedule(steps: int, warmup: int):
     """Linear warm-up over `warmup` steps, then cosine decay to zero at `steps`: the learning rate's factor."""
 
@@ -147,7 +143,6 @@ def schedule(steps: int, warmup: int):
 
 
 def evaluate(model: torch.nn.Module, test: list[dict]) -> float:
-    """Accuracy on the held-out images (their fixed padded batches)."""
     correct = total = 0
     model.eval()
     with torch.no_grad():
@@ -174,7 +169,8 @@ def run(args) -> dict:
     test = [{"inputs": dict(processor(test_images[i : i + size], return_tensors="pt")),
              "labels": torch.tensor(test_labels[i : i + size])} for i in starts]  # fmt: skip
 
-    models = {"padded": build_model(args)}
+    model = small_classifier(args.max_num_patches, args.width, args.depth, args.heads, args.seed, args.patch_size)
+    models = {"padded": model}
     models["packed"] = copy.deepcopy(models["padded"])  # the same initial weights
     # The two layouts compute the same function: the same images padded and packed get the same logits.
     images = test_images[: args.batch_size]

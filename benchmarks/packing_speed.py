@@ -76,15 +76,6 @@ def native_images(args, count: int) -> list[np.ndarray]:
     return images
 
 
-def packed_count(args, sizes: list[int]) -> int:
-    """How many of the images (of `sizes` patches, in order) best-fit-decreasing packs into B * K / L rows of L."""
-    rows = args.batch_size * args.max_num_patches // args.packed_sequence_length
-    count = args.batch_size
-    while count < len(sizes) and len(best_fit_decreasing(sizes[: count + 1], args.packed_sequence_length)) <= rows:
-        count += 1
-    return count
-
-
 def layouts(args) -> dict[str, dict]:
     """Per layout ("padded", "packed"): the processor's batch, the model's `BatchLayout` of it (a class token per
     image), its rows, their length in tokens and its padding share; "sizes": the packed images' patches."""
@@ -93,7 +84,10 @@ def layouts(args) -> dict[str, dict]:
     )
     images = native_images(args, 4 * args.batch_size)
     sizes = processor(images, return_tensors="pt")["spatial_shapes"].prod(1).tolist()
-    count = packed_count(args, sizes)
+    count, rows = args.batch_size, args.batch_size * args.max_num_patches // args.packed_sequence_length
+    # as many of the images as best-fit-decreasing packs into B * K / L rows of L
+    while count < len(sizes) and len(best_fit_decreasing(sizes[: count + 1], args.packed_sequence_length)) <= rows:
+        count += 1
     result = {"sizes": sizes[:count]}
     packed = {"packed_sequence_length": args.packed_sequence_length}
     for name, images_in, extra in (("padded", args.batch_size, {}), ("packed", count, packed)):

@@ -143,15 +143,11 @@ def compare_resampling() -> list[dict]:
     return rows
 
 
-def _erased_regions(erase, draws: int, size: int) -> list[torch.Tensor]:
-    """`draws` constant images (every value 5), each after `erase` (in place)."""
+def _erasing_statistics(erase, draws: int, size: int) -> dict:
+    """The statistics of what `erase` (in place) did to `draws` constant images (every value 5)."""
     images = [torch.full((3, size, size), 5.0) for _ in range(draws)]
     for image in images:
         erase(image)
-    return images
-
-
-def _erasing_statistics(images: list[torch.Tensor]) -> dict:
     erased = [image for image in images if (image != 5.0).any()]
     masks = [(image != 5.0).any(0) for image in erased]
     areas, aspects, tops, lefts, fills = [], [], [], [], []
@@ -183,11 +179,11 @@ def compare_random_erasing(draws: int = 2000, size: int = 32, probability: float
         random.seed(0)
         torch.manual_seed(0)
         timm_erase = TimmErasing(probability, mode=mode, max_count=count, device="cpu")
-        theirs = _erasing_statistics(_erased_regions(timm_erase, draws, size))
+        theirs = _erasing_statistics(timm_erase, draws, size)
         ours_erase = functools.partial(
             RandomErasing(probability, mode, count), generator=torch.Generator().manual_seed(0)
         )
-        ours = _erasing_statistics(_erased_regions(ours_erase, draws, size))
+        ours = _erasing_statistics(ours_erase, draws, size)
         n, m = len(ours["areas"]), len(theirs["areas"])
         critical = 1.95 * math.sqrt((n + m) / (n * m))  # the KS distance's critical value at the 0.1% level
         share_sd = math.sqrt(probability * (1 - probability) * 2 / draws)

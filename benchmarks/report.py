@@ -97,7 +97,6 @@ def merge_reports(old: dict, new: dict) -> dict:
 
 
 def write_json(report: dict, path: str | os.PathLike) -> Path:
-    """Write `report` as indented JSON, creating the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -158,7 +157,6 @@ def format_sweep(report: dict) -> str:
 
 
 def format_machine(report: dict) -> str:
-    """Where and with what the figures were measured."""
     machine = report["machine"]
     peaks = [f"{dtype} {entry['flops_per_s'] / 1e12:.3f} TFLOP/s" for dtype, entry in report.get("matmul", {}).items()]
     size = next((entry.get("size") for entry in report.get("matmul", {}).values()), None) or "?"
@@ -257,7 +255,6 @@ SECTIONS = {
 
 
 def markdown_sections(report: dict) -> dict[str, str]:
-    """The generated blocks of docs/benchmarks.md, by marker name."""
     sections = {name: (render(report) if key is None or report.get(key) else missing)
                 for name, (key, _, render, missing) in SECTIONS.items()}  # fmt: skip
     return {name: text for name, text in sections.items() if text is not None}
@@ -284,12 +281,13 @@ def fill_markdown(text: str, sections: dict[str, str], tag: str = "benchmark") -
     return marker.sub(lambda match: match[1] + sections[match[2]] + "\n" + match[3], text)
 
 
-def write_doc(report: dict, path: str | os.PathLike) -> Path:
-    """Rewrite the generated blocks of the markdown file at `path`; the rest of it is left as written."""
+def write_doc(report: dict, path: str | os.PathLike, sections=None, tag: str = "benchmark") -> Path:
+    """Rewrite the generated blocks (`sections(report)`, default `markdown_sections`) of the markdown file at `path`;
+    the rest of it is left as written."""
     doc = Path(path)
     if not doc.is_file():
-        raise FileNotFoundError(f"--doc {path} does not exist; create it with <!-- benchmark:table --> blocks first.")
-    doc.write_text(fill_markdown(doc.read_text(), markdown_sections(report)))
+        raise FileNotFoundError(f"--doc {path} does not exist; create it with <!-- {tag}:table --> blocks first.")
+    doc.write_text(fill_markdown(doc.read_text(), (sections or markdown_sections)(report), tag=tag))
     return doc
 
 

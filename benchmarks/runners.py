@@ -94,8 +94,7 @@ class Run:
         self.settings, self.log, self.device = settings, log, torch.device(settings.device)
         self.figures, self.timed = [], []
         if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 for both models and the matmul peak
-            torch.backends.cudnn.allow_tf32 = False
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 means fp32
         self.report = {"settings": asdict(settings), "machine": machine_info(self.device)}
         self.models, self.report["skipped_models"] = build_models(settings, self.device)
         self.config = self.models[HF_VIT].config

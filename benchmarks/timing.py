@@ -30,7 +30,6 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed_call(fn: Callable[[], object], device: torch.device, calls: int = 1) -> float:
-    """Seconds of `calls` calls of `fn`, bracketed by `synchronize`."""
     synchronize(device)
     start = time.perf_counter()
     for _ in range(calls):
