@@ -185,7 +185,7 @@ def test_a_packed_run_trains_reloads_and_serves_packed_batches(tmp_path, capsys,
     [
         (["--packed_sequence_length", "9"], "--max_num_patches"),
         (["--max_num_patches", "6", "--packed_sequence_length", "4"], "below --max_num_patches"),
-        (["--max_num_patches", "6", "--packed_sequence_length", "0"], "--packed_sequence_length must be a positive"),
+        (["--max_num_patches", "6", "--packed_sequence_length", "0"], "--packed_sequence_length 0: must be at least"),
         (["--seq_lens", "4,6", "--packed_sequence_length", "9"], "--seq_lens"),
         (["--patch_sizes", "2,4", "--packed_sequence_length", "9"], "--patch_sizes"),
         (["--max_num_patches", "6", "--packed_sequence_length", "9", "--mixup_alpha", "0.8"], "--mixup_alpha"),

@@ -22,7 +22,7 @@ import torch
 from ..hub_access import HubLookupError, hub_file
 from ..model.configuration_vit import VisionTransformerConfig
 from .common import SAFETENSORS_DTYPES, ConversionError, image_size_field, read_json, read_safetensors
-from .transformers_families import FAMILIES, family_config, family_state_dict
+from .transformers_families import FAMILIES, family_config, family_state_dict, transformers_processor
 
 logger = logging.getLogger(__name__)
 
@@ -238,8 +238,6 @@ class ForeignCheckpoint:
             config = self.convert({"num_attention_heads": 1}, weights=False)[0]
             return timm_processor(config, read_timm_config(self.folder) or {})
         try:
-            from .transformers_vit import transformers_processor
-
             keys = () if self.layout == "vit" else read_safetensors(self._weight_files())  # ViT's size: its config
             config = family_config(read_json(self.folder / "config.json"), keys)
             square = FAMILIES[self.layout].square_size

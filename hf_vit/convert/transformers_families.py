@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from .common import (
     Transform,
     check_grid_size,
     grid_mismatch,
+    read_json,
     square_side,
 )
 
@@ -411,3 +413,25 @@ def family_state_dict(
     if shapes is None:
         return family.layout.to_hf(source, config, problems)
     return family.layout.to_hf_lazy(source, shapes, config, problems)
+
+
+def transformers_processor(folder: Path, image_size: tuple[int, int], default_to_square: bool = True):
+    """The hf-vit processor of a folder's `preprocessor_config.json` (the model's size without one): its resize,
+    centre crop, rescaling and normalisation; other settings are refused by name. `default_to_square`: whether a
+    `size` saved as one number is a square or the shorter side (DINOv2's, CLIP's)."""
+    from ..model.image_processing_vit import VisionTransformerImageProcessor
+
+    path = folder / "preprocessor_config.json"
+    settings = read_json(path) if path.is_file() else {}
+    keep = (
+        "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
+        "do_normalize", "image_mean", "image_std", "do_convert_rgb",
+    )  # fmt: skip
+    kwargs = {k: settings[k] for k in keep if settings.get(k) is not None}
+    kwargs.setdefault("size", {"height": image_size[0], "width": image_size[1]})
+    if not default_to_square and isinstance(kwargs["size"], int) and not isinstance(kwargs["size"], bool):
+        kwargs["size"] = {"shortest_edge": kwargs["size"]}
+    try:
+        return VisionTransformerImageProcessor(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ConversionError(f"{path} has settings hf-vit cannot use: {error}") from error

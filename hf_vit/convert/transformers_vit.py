@@ -15,7 +15,14 @@ import torch
 from ..model.configuration_vit import VisionTransformerConfig
 from .common import ConversionError, convert_checkpoint, read_json, read_safetensors
 from .sources import safetensors_files
-from .transformers_families import FAMILIES, IN_MEMORY_NAMES, TRANSFORMERS_LAYOUT, family_config, family_state_dict
+from .transformers_families import (
+    FAMILIES,
+    IN_MEMORY_NAMES,
+    TRANSFORMERS_LAYOUT,
+    family_config,
+    family_state_dict,
+    transformers_processor,
+)
 
 
 def transformers_to_hf_vit_state_dict(
@@ -36,28 +43,6 @@ def hf_vit_to_transformers_module_state_dict(state_dict: dict[str, torch.Tensor]
     """hf-vit weights under the names a transformers v5 `ViTForImageClassification` module has in memory."""
     saved = hf_vit_to_transformers_state_dict(state_dict)
     return {functools.reduce(lambda k, names: k.replace(*names), IN_MEMORY_NAMES, key): v for key, v in saved.items()}
-
-
-def transformers_processor(folder: Path, image_size: tuple[int, int], default_to_square: bool = True):
-    """The hf-vit processor of a folder's `preprocessor_config.json` (the model's size without one): its resize,
-    centre crop, rescaling and normalisation; other settings are refused by name. `default_to_square`: whether a
-    `size` saved as one number is a square or the shorter side (DINOv2's, CLIP's)."""
-    from ..model.image_processing_vit import VisionTransformerImageProcessor
-
-    path = folder / "preprocessor_config.json"
-    settings = read_json(path) if path.is_file() else {}
-    keep = (
-        "do_resize", "size", "resample", "do_center_crop", "crop_size", "do_rescale", "rescale_factor",
-        "do_normalize", "image_mean", "image_std", "do_convert_rgb",
-    )  # fmt: skip
-    kwargs = {k: settings[k] for k in keep if settings.get(k) is not None}
-    kwargs.setdefault("size", {"height": image_size[0], "width": image_size[1]})
-    if not default_to_square and isinstance(kwargs["size"], int) and not isinstance(kwargs["size"], bool):
-        kwargs["size"] = {"shortest_edge": kwargs["size"]}
-    try:
-        return VisionTransformerImageProcessor(**kwargs)
-    except (TypeError, ValueError) as error:
-        raise ConversionError(f"{path} has settings hf-vit cannot use: {error}") from error
 
 
 def read_transformers_checkpoint(input_dir: str | os.PathLike):
