@@ -149,13 +149,9 @@ def run_folder_ways(folder: Path) -> list[str] | None:
     written last, readable) holds its optimizer's state, overwriting where an earlier run's record claims the files
     under hf-vit's names (or there are none). None where an entry blocks the run (a link under a name it writes, a
     checkpoint-N that is not one)."""
-    spec = importlib.util.find_spec("hf_vit")
-    path = Path(spec.origin).parent / "outputs" / "files.py" if spec and spec.origin else None
-    if path is None or not path.is_file():
+    files = _files_module()
+    if files is None:
         return []
-    loader = importlib.util.spec_from_file_location("hf_vit_cli._files", path)
-    files = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(files)
     named, checkpoints = [], []
     for entry in folder.iterdir():
         checkpoint = files.CHECKPOINT_FOLDER.fullmatch(entry.name)
@@ -170,12 +166,8 @@ def run_folder_ways(folder: Path) -> list[str] | None:
     except (OSError, ValueError):
         record = None
     recorded = isinstance(record, dict) and isinstance(record.get("files"), list)
-    weights = ("model.safetensors", "adapter_model.safetensors", "model-*-of-*.safetensors", "pytorch_model_fsdp_*")
-    complete = [
-        checkpoint
-        for checkpoint in sorted(checkpoints, key=lambda path: int(path.name.split("-")[1]))
-        if _reads(checkpoint / files.TRAINER_STATE_FILE) and any(any(checkpoint.glob(name)) for name in weights)
-    ]  # the newest is resumed, where it has its optimizer's state (not saved with --save_only_model)
+    complete = _complete_checkpoints(checkpoints, files)
+    # the newest is resumed, where it has its optimizer's state (not saved with --save_only_model)
     resumable = complete and any(any(complete[-1].glob(name)) for name in ("optimizer.pt", "optimizer_0"))
     ways = ["pass --resume_from_checkpoint True to continue the run whose checkpoints it holds"] * bool(resumable)
     unclaimed = sorted(set(named) - {files.RUN_RECORD_FILE})
@@ -186,6 +178,30 @@ def run_folder_ways(folder: Path) -> list[str] | None:
         ways.append(f"move {', '.join(unclaimed)} away (no {files.RUN_RECORD_FILE} says an hf-vit run wrote them, so "
                     "--overwrite_output_dir keeps them and refuses)")  # fmt: skip
     return ways
+
+
+def _files_module():
+    """The project's list of the files it writes (`hf_vit/outputs/files.py`, standard library only), read by its path
+    without importing the package; None where it is missing."""
+    spec = importlib.util.find_spec("hf_vit")
+    path = Path(spec.origin).parent / "outputs" / "files.py" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        return None
+    loader = importlib.util.spec_from_file_location("hf_vit_cli._files", path)
+    files = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(files)
+    return files
+
+
+def _complete_checkpoints(checkpoints: list[Path], files) -> list[Path]:
+    """The checkpoint folders that finished saving (weights there, their trainer_state.json, written last, readable),
+    oldest first."""
+    weights = ("model.safetensors", "adapter_model.safetensors", "model-*-of-*.safetensors", "pytorch_model_fsdp_*")
+    return [
+        checkpoint
+        for checkpoint in sorted(checkpoints, key=lambda path: int(path.name.split("-")[1]))
+        if _reads(checkpoint / files.TRAINER_STATE_FILE) and any(any(checkpoint.glob(name)) for name in weights)
+    ]
 
 
 def _reads(path: Path) -> bool:
@@ -318,10 +334,12 @@ def predict_problem(argv: list[str]) -> str | None:
 def resume_hint(argv: list[str]) -> str:
     """After a training run was interrupted: its newest checkpoint and how to go on from it."""
     folder = Path((given_values(argv).get("output_dir") or ["trainer_output"])[0]).expanduser()  # Trainer's default
-    steps = [int(entry.name[11:]) for entry in _listed(folder) if re.fullmatch(r"checkpoint-\d+", entry.name)]
-    if not steps:
-        return "No checkpoint was saved (--save_strategy and --save_steps say when one is)."
+    files = _files_module()
+    listed = [entry for entry in _listed(folder) if files and files.CHECKPOINT_FOLDER.fullmatch(entry.name)]
+    complete = _complete_checkpoints(listed, files) if files else []
+    if not complete:  # none, or the one being saved when the run stopped
+        return "No complete checkpoint was saved (--save_strategy and --save_steps say when one is)."
     return (
-        f"The newest checkpoint is {folder / f'checkpoint-{max(steps)}'}: the same command with "
-        "--resume_from_checkpoint True goes on from it."
+        f"The newest checkpoint is {complete[-1]}: the same command with --resume_from_checkpoint True goes on "
+        "from it."
     )

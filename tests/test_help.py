@@ -290,8 +290,11 @@ def test_ctrl_c_ends_a_run_with_one_line_naming_the_checkpoint_to_resume_from(tm
     import hf_vit_cli
 
     def interrupted():
-        (tmp_path / "out" / "checkpoint-12").mkdir(parents=True)  # saved before the interruption
-        (tmp_path / "out" / "checkpoint-4").mkdir()
+        for step in (4, 12, 13):  # 12 saved before the interruption, 13 being saved when it came (no state yet)
+            (tmp_path / "out" / f"checkpoint-{step}").mkdir(parents=True)
+            (tmp_path / "out" / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"")
+        for step in (4, 12):
+            (tmp_path / "out" / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
         raise KeyboardInterrupt
 
     command = types.ModuleType("interrupted_command")
@@ -304,4 +307,4 @@ def test_ctrl_c_ends_a_run_with_one_line_naming_the_checkpoint_to_resume_from(tm
         f"interrupted. The newest checkpoint is {tmp_path / 'out' / 'checkpoint-12'}: the same command with "
         "--resume_from_checkpoint True goes on from it."
     ]
-    assert "No checkpoint was saved" in hf_vit_cli.early.resume_hint(["--output_dir", str(tmp_path / "none")])
+    assert "No complete checkpoint was saved" in hf_vit_cli.early.resume_hint(["--output_dir", str(tmp_path / "none")])
