@@ -47,7 +47,7 @@ MODES = ("inference", "training")
 PATHS = {
     "square": "no mask (no padding)",
     "padded + mask": "padding masked as keys: one SDPA call",
-    "packed + mask": "the model's path (CPU: each image gathered into a row of its own, padding masked as keys)",
+    "packed + mask": "the model's path (CPU: SDPA on each image's run alone)",
 }
 
 

@@ -16,6 +16,7 @@ from hf_vit import (
     VisionTransformerImageProcessor,
     VisionTransformerModel,
 )
+from hf_vit.model import attention
 from hf_vit.model.image_processing_vit import best_fit_decreasing, native_patch_batch, pack_patches
 from hf_vit.model.layout import patch_grid_maps
 from hf_vit.model.modeling_mpp import PATCH_MASKED, PATCH_RANDOM
@@ -124,7 +125,7 @@ def forward_backward(model, batch):
 @pytest.mark.parametrize("kind", ["classifier", "mpp", "base"])
 @pytest.mark.parametrize("form", ["padded", "packed", "packed, dropping"])
 @pytest.mark.parametrize("family", ["plain", "registers + map"])
-def test_forward_and_backward_read_no_value_back(kind, form, family):
+def test_forward_and_backward_read_no_value_back(kind, form, family, monkeypatch):
     fields = {} if family == "plain" else dict(num_register_tokens=2, classifier="map", use_class_token=False)
     if kind == "mpp" and family != "plain":
         fields["classifier"] = "gap"
@@ -132,6 +133,14 @@ def test_forward_and_backward_read_no_value_back(kind, form, family):
     batch = padded_batch(5) if form == "padded" else packed_batch(5, drop="dropping" in form)
     batch = {name: value for name, value in batch.items()}
     forward_backward(model, batch)  # the first call: one-time work (logs) aside
+    # on CPU a packed batch's runs are attended one by one, their lengths read once from host memory (no device)
+    with counting_host_reads() as reads:
+        forward_backward(model, batch)
+    assert reads == ([] if form == "padded" else ["tolist"])
+    # the paths a GPU takes read nothing: each image in a row of its own (or varlen_attn, the runs as data)
+    path = attention.segment_attention_path
+    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: path(*args[:5], packed=False))
+    forward_backward(model, batch)
     with counting_host_reads() as reads:
         forward_backward(model, batch)
     assert reads == []
@@ -342,9 +351,9 @@ def test_the_processors_own_options_load_as_options_and_a_row_too_short_is_refus
         VisionTransformerImageProcessor.from_pretrained(tmp_path, max_num_patches=64)
 
 
-def test_on_cpu_each_packed_image_attends_in_a_row_of_its_own(monkeypatch):
-    """SDPA on CPU gathers a packed batch's tokens to one image per row (no score between two images): the outputs
-    and gradients of the padded batch of the same images, whose rows are the images."""
+def test_on_cpu_each_packed_image_attends_alone(monkeypatch):
+    """SDPA on CPU attends to each of a packed batch's runs alone (no score between two images, none on padding):
+    the outputs and gradients of the padded batch of the same images, whose rows are the images."""
     results = []
     for batch in (packed_batch(7, seed=2), padded_batch(7, seed=2)):
         model = model_of("classifier", num_register_tokens=1)
@@ -359,7 +368,9 @@ def test_on_cpu_each_packed_image_attends_in_a_row_of_its_own(monkeypatch):
         monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
         results.append((outputs.logits, [p.grad for p in model.parameters()], shapes))
     (packed, packed_grads, packed_shapes), (padded, padded_grads, padded_shapes) = results
-    assert {shape[0] for shape in packed_shapes} == {7}  # a row per image
+    assert {shape[0] for shape in padded_shapes} == {7} and {shape[0] for shape in packed_shapes} == {1}
+    tokens = 2 + packed_batch(7, seed=2)["spatial_shapes"].prod(-1)  # a class token, a register, the patches
+    assert set(tokens.tolist()) <= {shape[2] for shape in packed_shapes}  # each image's run
     torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
     for ours, theirs in zip(packed_grads, padded_grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

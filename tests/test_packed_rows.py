@@ -90,8 +90,12 @@ def valid(runs=RUNS, row_length=ROW):
     return torch.tensor([[slot < sum(row) for row in runs for slot in range(row_length)]])
 
 
-@pytest.mark.parametrize("implementation", ["sdpa", "eager", "flex_attention"])
-def test_each_run_attends_only_to_itself_and_gradients_match(implementation):
+@pytest.mark.parametrize("implementation", ["sdpa", "sdpa, each image in a row", "eager", "flex_attention"])
+def test_each_run_attends_only_to_itself_and_gradients_match(implementation, monkeypatch):
+    if implementation != "sdpa":  # CPU runs SDPA over each run alone; the rest (and a GPU in fp32) image rows
+        path = segment_attention_path
+        monkeypatch.setattr(attention, "segment_attention_path", lambda *args: path(*args[:5], packed=False))
+        implementation = implementation.split(",")[0]
     buffer, (query, key, value) = qkv()
     function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
     output, probs = function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=4**-0.5)
@@ -138,8 +142,12 @@ def test_the_path_follows_the_implementation_device_and_dtype(monkeypatch):
     assert path("sdpa", cuda, torch.bfloat16, 0.1, 64) == "images"  # varlen_attn has no dropout
     assert path("sdpa", cuda, torch.bfloat16, 0.0, 6) == "images"  # a head size flash kernels refuse
     assert path("flex_attention", cuda, torch.float32, 0.0, 64) == "images"
-    assert path("sdpa", cpu, torch.bfloat16, 0.0, 64) == "images"  # CPU: each image in a row of its own
-    assert path("flex_attention", cpu, torch.float32, 0.0, 64) == "images"
+    # CPU: a packed batch's runs one by one (their lengths in host memory), a padded one's rows as they are
+    assert path("sdpa", cpu, torch.bfloat16, 0.0, 64, packed=True) == "runs"
+    assert path("flex_attention", cpu, torch.float32, 0.0, 64, packed=True) == "runs"
+    assert path("eager", cpu, torch.float32, 0.0, 64, packed=True) == "images"  # it returns the probabilities
+    assert path("sdpa", cpu, torch.bfloat16, 0.0, 64) == "images"
+    assert path("sdpa", cuda, torch.float32, 0.0, 64, packed=True) == "images"
     assert path("flash_attention_2", cuda, torch.bfloat16, 0.0, 64) == "flash"
     assert path("flash_attention_3", cuda, torch.bfloat16, 0.0, 64) == "flash"
     assert path("eager", cuda, torch.bfloat16, 0.0, 64) == "images"
@@ -201,7 +209,7 @@ def test_segments_must_describe_the_batch_and_the_choice_is_logged_once(monkeypa
     for _ in range(3):
         function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=0.5)
     assert len(logged["warning"]) == 1 and "flex_attention" in logged["warning"][0]
-    assert logged["info"] == ["Attention restricted to each image: flex_attention runs it as 'images'."]
+    assert logged["info"] == ["Attention restricted to each image: flex_attention runs it as 'runs'."]
 
 
 def test_plain_masks_still_reach_the_implementation_unchanged():

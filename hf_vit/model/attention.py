@@ -5,8 +5,8 @@ batched matmuls where they beat torch's SDPA kernels (CPU training in half preci
 Every function it returns also takes, in place of a mask, `AttentionSegments` (`layout.py`): runs of consecutive
 tokens that attend only among themselves (the images of a padded or packed batch, each row's padding its own run),
 run each implementation's own way (`segment_attention_path`). The runs are data and the longest is bounded by a
-shape: nothing here reads a value back from the device, and a compiled model takes every batch of one shape in one
-graph.
+shape: nothing here reads a value back from a GPU (on CPU, a packed batch's run lengths are read from host memory),
+and a compiled model takes every batch of one shape in one graph.
 """
 
 from __future__ import annotations
@@ -135,17 +135,19 @@ def _flash_capable(device_index: int | None) -> bool:
 
 
 def segment_attention_path(
-    implementation: str, device: torch.device, dtype: torch.dtype, dropout: float, head_dim: int
+    implementation: str, device: torch.device, dtype: torch.dtype, dropout: float, head_dim: int, packed: bool = False
 ) -> str:
     """How attention restricted to runs (`AttentionSegments`) runs for `implementation` on `device` and `dtype`:
 
     - "flash": transformers' flash attention over the runs (`cu_seq_lens_q/k`, `max_length_q/k`);
     - "varlen": torch's `varlen_attn` (SDPA or flex attention asked for; CUDA, half precision, no dropout, a head
       size flash kernels take);
-    - "images": everything else (SDPA on CPU, or on a GPU in fp32 or with dropout; flex attention by SDPA; eager,
-      which returns the probabilities; attention functions registered by others): each image's tokens in a row of
-      their own (a packed batch's gathered there and back), the rest masked as keys: no score is computed between
-      two images.
+    - "runs": a `packed` batch's SDPA (or flex attention) on CPU, in eager mode: the stream split into its runs
+      (views), each attended alone, their lengths read from host memory (no device to wait for) once per forward;
+    - "images": everything else (a padded batch's SDPA on CPU, or on a GPU in fp32 or with dropout; flex attention by
+      SDPA; eager, which returns the probabilities; compiled; attention functions registered by others): each
+      image's tokens in a row of their own (a packed batch's gathered there and back), the rest masked as keys.
+    No path computes a score between two images.
     """
     if "flash" in implementation:  # transformers' test for its flash implementations, kernels from the Hub included
         return "flash"
@@ -160,6 +162,8 @@ def segment_attention_path(
         and _flash_capable(device.index)
     ):
         return "varlen"
+    if packed and device.type == "cpu" and implementation in ("sdpa", "flex_attention"):
+        return "runs" if not torch.compiler.is_compiling() else "images"
     return "images"
 
 
@@ -184,7 +188,9 @@ def segment_attention_forward(
             f"The attention segments describe {blocks[0]} rows of {blocks[1]} tokens, but the queries are {batch} "
             f"rows of {tokens}."
         )
-    path = segment_attention_path(implementation, query.device, query.dtype, dropout, head_dim)
+    path = segment_attention_path(
+        implementation, query.device, query.dtype, dropout, head_dim, segments.image_tokens is not None
+    )
     if not torch.compiler.is_compiling():  # the logs are printed before compiling, at the first call
         if implementation == "flex_attention":
             logger.warning_once(
@@ -206,6 +212,14 @@ def segment_attention_forward(
         return output.view(batch, tokens, heads, head_dim), None
     if implementation == "flex_attention":  # handed to SDPA: a block mask would be built for every batch
         function = sdpa_or_matmul_attention_forward
+    if path == "runs":
+        sizes = segments.run_lengths()
+        runs = zip(*(tensor.split(sizes, dim=2) for tensor in (query, key, value)))
+        outputs = [
+            function(module, *run, None, scaling=scaling, dropout=dropout)[0] if size else run[0].transpose(1, 2)
+            for size, run in zip(sizes, runs)
+        ]
+        return torch.cat(outputs, dim=1).view(batch, tokens, heads, head_dim), None
     # each image's tokens in a row of their own (a view where the rows are the images), the rest masked as keys
     per_image = [
         segments.to_images(tensor.transpose(1, 2), masked=True).transpose(1, 2) for tensor in (query, key, value)

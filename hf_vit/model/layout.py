@@ -114,6 +114,12 @@ class AttentionSegments:
         places = torch.where(self.image_tokens >= 0, self.image_tokens, total)  # the spare row takes the rest
         return flat.new_zeros(total + 1, *flat.shape[1:]).index_copy(0, places, flat)[:total].unflatten(0, shape)
 
+    def run_lengths(self) -> list[int]:
+        """The runs' lengths, read once (on CPU, where the values are in host memory: no device to wait for)."""
+        if "_run_lengths" not in self.__dict__:
+            self.__dict__["_run_lengths"] = self.cu_seqlens.diff().tolist()
+        return self.__dict__["_run_lengths"]
+
     def token_images(self) -> torch.Tensor | None:
         """`(tokens,)`: the image of each of a packed batch's blocks' tokens, N (one past the last) on the padding."""
         if self.image_tokens is None:
