@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""End to end: `scripts/finetune.py` on a folder of generated ImageNet-sized JPEGs, with the project's data loader,
 against the model-only throughput of the same training step (SGD momentum 0.9, clipping 1, dtype and compile as given)
 on one batch kept on the device. The end-to-end figure is the difference of two finetune.py runs' `train_runtime`

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""NaFlex rows of the benchmark: inference on a native-aspect batch of K patches per image (mixed aspect ratios,
 padded) against a square batch of the same K (the ordinary path), and against timm's NaFlexVit on the same batch with
 the same weights (where timm imports; hf-vit's copy converted by `hf_vit.convert.timm_naflex` and checked against its

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""Packing against padding in training: held-out accuracy against training time, at the same patch slots per step.
 
 scikit-learn's 1797 digits (no download) made mixed-aspect: each digit, scaled to the short side, at a random place of

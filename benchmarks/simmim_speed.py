@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""SimMIM row of the benchmark: a training step of hf-vit's `VisionTransformerForMaskedImageModeling` against
 transformers' `ViTForMaskedImageModeling` with the same weights (checked to give its loss and reconstruction first),
 on the same batch and mask, eager and SDPA, in alternating rounds. `--doc` rewrites the `<!-- simmim:table -->` block.

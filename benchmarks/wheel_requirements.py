@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""Whether the packages brought as wheels (installed with `--no-deps`) find what they require, in the Python that
 runs this: one line per unmet requirement (`datasets requires pyarrow>=24.0.0; found 23.0.1`), exit status 1 if any.
 
