@@ -107,12 +107,6 @@ class Run:
         }
         self.report["optimizer"] = {"name": "AdamW", "lr": 1e-4, "fused": bool(settings.fused_optimizer)}
 
-    def finish(self) -> dict:
-        self.report["figures"] = self.figures
-        with contextlib.suppress(OSError, AttributeError):
-            self.report["machine"]["load_average_at_end"] = os.getloadavg()
-        return self.report
-
 
 def logits_check(run: Run) -> None:
     """The models must compute the same function before their speed is compared."""
@@ -374,4 +368,7 @@ def run_benchmark(settings: BenchmarkSettings, log: Callable[[str], None] = prin
         if wanted:
             log(f"{name} ...")
             section(run)
-    return run.finish()
+    run.report["figures"] = run.figures
+    with contextlib.suppress(OSError, AttributeError):
+        run.report["machine"]["load_average_at_end"] = os.getloadavg()
+    return run.report
