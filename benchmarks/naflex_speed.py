@@ -10,7 +10,6 @@ width. `--doc` rewrites the `<!-- naflex:table -->` block of docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: the repository's root on the pat
 import numpy as np
 import torch
 
-from benchmarks.report import _markdown_table, print_table
+from benchmarks.report import _markdown_table, print_table, speed_parser
 from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
@@ -146,15 +145,7 @@ def format_rows(result: dict, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max_num_patches", type=int, default=196, help="K, a square number (default 196)")
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--width", type=int, default=192)
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=2, help="calls per timed sample")
-    parser.add_argument("--repeats", type=int, default=5, help="undisturbed samples per row")
-    parser.add_argument("--doc", type=Path, help="markdown file whose <!-- naflex:table --> block is rewritten")
+    parser = speed_parser(__doc__, "naflex", {"max_num_patches": (196, "K, a square number (default 196)")})
     args = parser.parse_args(argv)
     if math.isqrt(args.max_num_patches) ** 2 != args.max_num_patches:
         parser.error(f"--max_num_patches must be a square number (a square grid), not {args.max_num_patches}")

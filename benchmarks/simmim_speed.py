@@ -8,7 +8,6 @@ on the same batch and mask, eager and SDPA, in alternating rounds. `--doc` rewri
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import sys
@@ -21,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: the repository's root on the pat
 import torch
 from transformers import ViTConfig, ViTForMaskedImageModeling
 
-from benchmarks.report import _markdown_table, print_table
+from benchmarks.report import _markdown_table, print_table, speed_parser
 from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerForMaskedImageModeling
 
@@ -97,17 +96,8 @@ def format_rows(result: dict, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--image_size", type=int, default=224)
-    parser.add_argument("--patch_size", type=int, default=16)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--width", type=int, default=192)
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--steps", type=int, default=2, help="training steps per timed sample")
-    parser.add_argument("--repeats", type=int, default=5, help="undisturbed samples per row")
-    parser.add_argument("--doc", type=Path, help="markdown file whose <!-- simmim:table --> block is rewritten")
+    threads = (None, "torch threads (default: torch's)", int)
+    parser = speed_parser(__doc__, "simmim", {"image_size": (224, None), "patch_size": (16, None), "threads": threads})
     args = parser.parse_args(argv)
     if args.image_size % args.patch_size:
         parser.error(f"--image_size {args.image_size} must be a multiple of --patch_size {args.patch_size}")
