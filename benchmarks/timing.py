@@ -137,10 +137,9 @@ def make_train_step(
 ) -> Callable[[], None]:
     """Forward, cross-entropy (fp32, outside the model), backward, AdamW step; nothing read back to the host, so on a
     GPU the steps queue up and the timer synchronises once per sample."""
-    device = pixel_values.device
 
     def step() -> None:
-        with autocast(device, dtype):
+        with autocast(pixel_values.device, dtype):
             logits = logits_of(model(pixel_values))
         loss = F.cross_entropy(logits.float(), labels)
         loss.backward()
@@ -151,10 +150,8 @@ def make_train_step(
 
 
 def make_infer_step(model: nn.Module, pixel_values: torch.Tensor, dtype: str) -> Callable[[], None]:
-    device = pixel_values.device
-
     def step() -> None:
-        with torch.no_grad(), autocast(device, dtype):
+        with torch.no_grad(), autocast(pixel_values.device, dtype):
             model(pixel_values)
 
     return step
