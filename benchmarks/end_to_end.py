@@ -33,12 +33,10 @@ from benchmarks.settings import add_flags
 from benchmarks.timing import median_seconds, time_alternating
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
-ROOT = Path(__file__).resolve().parents[1]
-FINETUNE = ROOT / "scripts" / "finetune.py"
+FINETUNE = Path(__file__).resolve().parents[1] / "scripts" / "finetune.py"
 # Sizes (width, height) typical of ImageNet-1k's training images (most are 500 pixels on the long side; the mean is
 # about 400x350), in turn.
 IMAGENET_SIZES = [(500, 375), (500, 333), (375, 500), (500, 500), (333, 500), (640, 480), (500, 400), (400, 300)]
-MARKER = "generated.json"
 
 
 def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 10, seed: int = 0) -> dict:
@@ -55,7 +53,7 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
 
     folder = Path(folder)
     spec = {"images": images, "classes": classes, "seed": seed, "sizes": IMAGENET_SIZES}
-    marker = folder / MARKER
+    marker = folder / "generated.json"
     if marker.is_file():
         written = json.loads(marker.read_text())
         if {key: written.get(key) for key in spec} == json.loads(json.dumps(spec)):
