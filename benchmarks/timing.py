@@ -69,18 +69,17 @@ def other_cpu_load(before: tuple[int, int] | None, after: tuple[int, int] | None
 
 
 def time_alternating(
-    fns: dict[str, Callable[[], object]], steps: int, repeats: int, device: torch.device, max_rounds: int | None = None
+    fns: dict[str, Callable[[], object]], steps: int, repeats: int, device: torch.device
 ) -> dict[str, dict[str, list]]:
     """Seconds per call of each function, one sample per round; the order of the functions reverses every round.
 
     A sample during which other processes used more than `CONTENTION_LIMIT` cores (read from /proc/stat) is marked
-    disturbed, and rounds go on (up to `max_rounds`, default twice `repeats`) until every function has `repeats`
-    undisturbed samples. Returns, per function, "seconds", "other_cpu" (cores, None where unknown) and "clean".
+    disturbed, and rounds go on (up to twice `repeats`) until every function has `repeats` undisturbed samples.
+    Returns, per function, "seconds", "other_cpu" (cores, None where unknown) and "clean".
     """
     names = list(fns)
-    max_rounds = max(max_rounds or 2 * repeats, repeats)
     samples: dict[str, dict[str, list]] = {name: {"seconds": [], "other_cpu": [], "clean": []} for name in names}
-    for round_index in range(max_rounds):
+    for round_index in range(2 * repeats):
         if round_index >= repeats and all(sum(samples[name]["clean"]) >= repeats for name in names):
             break
         for name in names if round_index % 2 == 0 else names[::-1]:
