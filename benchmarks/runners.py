@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import timing
-from .inputs import PHOTO_SIZES, compare_input_pipelines, compare_processors, profile_input_pipeline
+from .inputs import PHOTO_SIZES, compare_input_pipelines, compare_processors
 from .models import build_models, compare_logits, dense_bf16_peak, step_flops, vit_forward_flops
 from .settings import HF_VIT, LOGITS_TOLERANCE, TIMM, TORCHVISION, TRANSFORMERS, BenchmarkSettings
 from .timing import MODES, benchmark_models, make_optimizer, median_seconds, profile_training_step
@@ -242,9 +242,8 @@ def processors(run: Run) -> None:
 
 def input_pipelines(run: Run) -> None:
     settings = run.settings
-    pipeline = compare_input_pipelines(run.image_size, settings.pipeline_images, settings.pipeline_repeats)
-    if settings.profile:
-        pipeline["profile"] = profile_input_pipeline(run.image_size, settings.pipeline_images)
+    what = (settings.pipeline_images, settings.pipeline_repeats, settings.profile)  # images, rounds, cProfile too
+    pipeline = compare_input_pipelines(run.image_size, *what)
     run.report["input_pipeline"] = pipeline
     run.log(f"  skipped: {pipeline['skipped']}" if pipeline["skipped"] else "  done")
     if TORCHVISION not in pipeline["photo"]["images_per_s"]:  # the transformers column is its example's pipeline
