@@ -31,20 +31,16 @@ def wheel_requirements(wheel: Path) -> tuple[str, list[Requirement]]:
     return name, [r for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})]
 
 
-def installed_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def unmet(wheels: list[Path]) -> list[tuple[str, Requirement, str | None]]:
     """(wheel's package, requirement, version found or None) for each requirement the environment does not meet."""
     missing = []
     for wheel in wheels:
         name, requirements = wheel_requirements(wheel)
         for requirement in requirements:
-            found = installed_version(requirement.name)
+            try:
+                found = importlib.metadata.version(requirement.name)
+            except importlib.metadata.PackageNotFoundError:
+                found = None
             if found is None or not requirement.specifier.contains(found, prereleases=True):
                 missing.append((str(name), requirement, found))
     return missing
