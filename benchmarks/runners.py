@@ -1,7 +1,5 @@
 """The benchmark's sections, run one after another by `run_benchmark` over a shared `Run`: like timm's benchmark
-runners, each measures one thing the same way on CPU and CUDA (logits check, matmul peak, throughput with memory and
-the fractions of the matmul and bf16 peaks, image processors, input pipelines, onnxruntime (CPU) on the exported ONNX
-file, profile, size sweep)."""
+runners, each measures one thing (the list is `run_benchmark`'s) the same way on CPU and CUDA."""
 
 from __future__ import annotations
 
@@ -243,8 +241,7 @@ def processors(run: Run) -> None:
 def input_pipelines(run: Run) -> None:
     settings = run.settings
     what = (settings.pipeline_images, settings.pipeline_repeats, settings.profile)  # images, rounds, cProfile too
-    pipeline = compare_input_pipelines(run.image_size, *what)
-    run.report["input_pipeline"] = pipeline
+    pipeline = run.report["input_pipeline"] = compare_input_pipelines(run.image_size, *what)
     run.log(f"  skipped: {pipeline['skipped']}" if pipeline["skipped"] else "  done")
     if TORCHVISION not in pipeline["photo"]["images_per_s"]:  # the transformers column is its example's pipeline
         return

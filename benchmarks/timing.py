@@ -1,9 +1,5 @@
-"""Timing: alternating rounds, medians of the undisturbed samples, the machine's matmul peak, the training and
-inference steps that are timed, and their peak memory. On CUDA every sample is bracketed by `torch.cuda.synchronize`,
-so it measures the GPU's work and not only the launches; on CPU the other processes' CPU use during a sample marks it
-as disturbed. Peak memory: `torch.cuda.max_memory_allocated` on a GPU; on CPU the peak of torch's CPU tensor
-allocations (from the profiler's memory events) and, as a lower bound, the growth of the peak resident set. Where a
-training step's time goes, by category of op (torch.profiler; CUDA kernel time where on a GPU)."""
+"""Timing: alternating rounds and the medians of their undisturbed samples, CUDA-synchronised calls, the machine's
+matmul peak, the timed training and inference steps, their peak memory, and where a training step's time goes."""
 
 from __future__ import annotations
 
@@ -30,6 +26,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed_call(fn: Callable[[], object], device: torch.device, calls: int = 1) -> float:
+    """Seconds of `calls` calls of `fn` between two CUDA synchronisations: the GPU's work, not only its launches."""
     synchronize(device)
     start = time.perf_counter()
     for _ in range(calls):
