@@ -131,17 +131,15 @@ def format_rows(result: dict, args) -> str:
         rows.append([implementation, f"{mixed:.1f}", f"{square:.1f}", f"{mixed / square:.2f}x", *timm_cells])
     header = ["attention", "mixed-aspect K batch (images/s)", "square batch, same K (images/s)"]
     header += ["ratio (target >= 0.95)", "timm NaFlexVit, same batch (images/s)", "hf-vit / timm (target >= 1.0)"]
-    lines, load = [_markdown_table(header, rows)], result["load_average"]
+    load = result["load_average"]
     checks = ", ".join(f"{k} {v:.1e}" for k, v in result["logits_difference"].items()) or "timm absent"
-    lines += [
-        "",
-        f"ViT-Ti/16 width {args.width}, depth {args.depth}, {args.heads} heads (timm's naflexvit_base_patch16_gap "
+    return _markdown_table(header, rows) + (
+        f"\n\nViT-Ti/16 width {args.width}, depth {args.depth}, {args.heads} heads (timm's naflexvit_base_patch16_gap "
         f"blocks), batch {args.batch_size}, K = {args.max_num_patches}, fp32 inference, {result['threads']} threads; "
         f"{result['valid_share']:.0%} of the mixed batch's patches are images (the rest padding); grids "
         f"{result['grids']}. 1-minute load average {load[0]:.2f} before, {load[1]:.2f} after. Max |logits hf-vit - "
-        f"timm| on the batch: {checks}.",
-    ]
-    return "\n".join(lines)
+        f"timm| on the batch: {checks}."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,17 +82,14 @@ def format_rows(result: dict, args) -> str:
         theirs, ours = rate[f"transformers {implementation}"], rate[f"hf-vit {implementation}"]
         rows.append([implementation, f"{theirs:.2f}", f"{ours:.2f}", f"{ours / theirs:.2f}x"])
     header = ["attention", "transformers ViTForMaskedImageModeling (steps/s)", "hf-vit SimMIM (steps/s)"]
-    lines = [_markdown_table([*header, "hf-vit / transformers (target >= 1.0)"], rows)]
     load, difference = result["load_average"], result["difference"]
-    lines += [
-        "",
-        f"Width {args.width}, depth {args.depth}, {args.heads} heads, {args.image_size}px images, patch "
+    return _markdown_table([*header, "hf-vit / transformers (target >= 1.0)"], rows) + (
+        f"\n\nWidth {args.width}, depth {args.depth}, {args.heads} heads, {args.image_size}px images, patch "
         f"{args.patch_size}, batch {args.batch_size}, 60% of the patches masked; fp32 training step (forward, loss, "
         f"backward, AdamW), {result['threads']} threads. 1-minute load average {load[0]:.2f} before, {load[1]:.2f} "
         f"after. Same weights: max |difference| loss {difference['loss']:.1e}, reconstruction "
-        f"{difference['reconstruction']:.1e}.",
-    ]
-    return "\n".join(lines)
+        f"{difference['reconstruction']:.1e}."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
