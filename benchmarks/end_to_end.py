@@ -83,8 +83,7 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
             PIL.Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(path, quality=rng.choice([75, 85, 90, 95]))
             total_bytes += path.stat().st_size if split == "train" else 0
     written = dict(spec, mean_jpeg_kib=total_bytes / images / 1024, dataset=str(folder / "images"))
-    marker.write_text(json.dumps(written, indent=2) + "\n")
-    return json.loads(marker.read_text())  # as a later call that reuses the folder returns it
+    return json.loads(write_json(written, marker).read_text())  # as a later call that reuses the folder returns it
 
 
 def model_only_images_per_s(
