@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""Benchmark hf-vit's VisionTransformerForImageClassification against transformers' ViTForImageClassification
 (and timm's VisionTransformer where it imports, e.g. in `bash benchmarks/peer_env.sh`'s environment) with identical
 weights, in one process: training-step and inference throughput, peak memory and the fraction of the machine's matmul

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """How long the commands take before their first word: `hf-vit-finetune --help`, an argument error, and the
 inference commands' `--help`, against transformers' own example-like script (an `HfArgumentParser` over a model
 dataclass and `TrainingArguments`, as transformers' `run_image_classification.py` starts) answering `--help`.

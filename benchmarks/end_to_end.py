@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""End to end: `scripts/finetune.py` on a folder of generated ImageNet-sized JPEGs, with the project's data loader,
 against the model-only throughput of the same training step (SGD momentum 0.9, clipping 1, dtype and compile as given)
 on one batch kept on the device. The end-to-end figure is the difference of two finetune.py runs' `train_runtime`
@@ -34,12 +33,10 @@ from benchmarks.settings import add_flags
 from benchmarks.timing import median_seconds, time_alternating
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
-ROOT = Path(__file__).resolve().parents[1]
-FINETUNE = ROOT / "scripts" / "finetune.py"
+FINETUNE = Path(__file__).resolve().parents[1] / "scripts" / "finetune.py"
 # Sizes (width, height) typical of ImageNet-1k's training images (most are 500 pixels on the long side; the mean is
 # about 400x350), in turn.
 IMAGENET_SIZES = [(500, 375), (500, 333), (375, 500), (500, 500), (333, 500), (640, 480), (500, 400), (400, 300)]
-MARKER = "generated.json"
 
 
 def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 10, seed: int = 0) -> dict:
@@ -56,7 +53,7 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
 
     folder = Path(folder)
     spec = {"images": images, "classes": classes, "seed": seed, "sizes": IMAGENET_SIZES}
-    marker = folder / MARKER
+    marker = folder / "generated.json"
     if marker.is_file():
         written = json.loads(marker.read_text())
         if {key: written.get(key) for key in spec} == json.loads(json.dumps(spec)):
@@ -86,8 +83,7 @@ def generate_jpeg_folder(folder: str | os.PathLike, images: int, classes: int = 
             PIL.Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(path, quality=rng.choice([75, 85, 90, 95]))
             total_bytes += path.stat().st_size if split == "train" else 0
     written = dict(spec, mean_jpeg_kib=total_bytes / images / 1024, dataset=str(folder / "images"))
-    marker.write_text(json.dumps(written, indent=2) + "\n")
-    return json.loads(marker.read_text())  # as a later call that reuses the folder returns it
+    return json.loads(write_json(written, marker).read_text())  # as a later call that reuses the folder returns it
 
 
 def model_only_images_per_s(

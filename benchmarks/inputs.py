@@ -125,9 +125,10 @@ def input_pipelines(output_size: int) -> tuple[dict[str, Callable[[list[bytes]],
     return pipelines, skipped
 
 
-def compare_input_pipelines(output_size: int, count: int = 48, repeats: int = 5) -> dict:
+def compare_input_pipelines(output_size: int, count: int = 48, repeats: int = 5, profile: bool = False) -> dict:
     """Images/s per core of the training input pipelines on JPEG photos of the sizes in `PHOTO_SIZES`: one torch
-    thread (as in a DataLoader worker), the pipelines alternating round by round like the models."""
+    thread (as in a DataLoader worker), the pipelines alternating round by round like the models; with `profile`,
+    where hf-vit's transform spends its time on the photos, by Python function (cProfile, self time)."""
     pipelines, skipped = input_pipelines(output_size)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -156,27 +157,21 @@ def compare_input_pipelines(output_size: int, count: int = 48, repeats: int = 5)
                 "seconds": samples,
                 "images_per_s": {name: len(files) / median_seconds(sample) for name, sample in samples.items()},
             }
+        if profile:
+            result["profile"] = _profile(pipelines[HF_VIT], jpeg_photos(count, PHOTO_SIZES["photo"]))
     finally:
         torch.set_num_threads(threads)
     return result
 
 
-def profile_input_pipeline(output_size: int, count: int = 48, top: int = 12) -> dict:
-    """Where hf-vit's training transform spends its time on the photos, by Python function (cProfile, one thread)."""
+def _profile(pipeline: Callable[[list[bytes]], object], files: list[bytes], top: int = 12) -> dict:
     import cProfile
     import pstats
 
-    pipelines, _ = input_pipelines(output_size)
-    files = jpeg_photos(count, PHOTO_SIZES["photo"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        pipelines[HF_VIT](files)  # warm-up
-        (profiler := cProfile.Profile()).runcall(pipelines[HF_VIT], files)
-    finally:
-        torch.set_num_threads(threads)
+    pipeline(files)  # warm-up
+    (profiler := cProfile.Profile()).runcall(pipeline, files)
     stats = pstats.Stats(profiler)
-    total = stats.total_tt
+    total, count = stats.total_tt, len(files)
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:top]  # by own (self) time
     functions = []
     for (file, line, name), (_, _, own, _, _) in rows:

@@ -30,7 +30,6 @@ MODELS = {
     "DINOv2-B/14": ("facebook/dinov2-base", dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                                  mlp_ratio=4)),
 }  # fmt: skip
-DEFAULT_MODELS = ("ViT-B/16", "ViT-L/16")
 LOADERS = ("transformers", "hf-vit")
 
 
@@ -64,11 +63,6 @@ def write_snapshot(cache: Path, repo_id: str, sizes: dict) -> None:
     processor.save_pretrained(snapshot)
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def worker(loader: str, repo_id: str) -> None:
     """One load in this process: prints `{"seconds", "peak_mb"}` above the imports as one JSON line."""
     import resource
@@ -89,7 +83,8 @@ def worker(loader: str, repo_id: str) -> None:
     # transformers' DINOv2 always resamples its position embeddings
     forward = {"interpolate_pos_encoding": True} if dinov2 and loader == "hf-vit" else {}
     pixels = torch.randn(1, 3, 224, 224)
-    base = rss_mb()
+    with open("/proc/self/statm") as statm:  # the resident set after the imports, in MiB
+        base = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     start = time.perf_counter()
     model = model_class.from_pretrained(repo_id)
     loaded = time.perf_counter()
@@ -105,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", default="/tmp/hf-vit-load-cost-hub", help="Hub cache folder the benchmark fills")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["ViT-B/16", "ViT-L/16"], choices=list(MODELS))
     parser.add_argument("--code", help="load hf-vit from this checkout instead of the installed one")
     parser.add_argument("--worker", nargs=2, metavar=("LOADER", "REPO_ID"), help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""NaFlex rows of the benchmark: inference on a native-aspect batch of K patches per image (mixed aspect ratios,
 padded) against a square batch of the same K (the ordinary path), and against timm's NaFlexVit on the same batch with
 the same weights (where timm imports; hf-vit's copy converted by `hf_vit.convert.timm_naflex` and checked against its
@@ -11,7 +10,6 @@ width. `--doc` rewrites the `<!-- naflex:table -->` block of docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -22,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: the repository's root on the pat
 import numpy as np
 import torch
 
-from benchmarks.report import _markdown_table, print_table
+from benchmarks.report import _markdown_table, print_table, speed_parser
 from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
@@ -133,29 +131,19 @@ def format_rows(result: dict, args) -> str:
         rows.append([implementation, f"{mixed:.1f}", f"{square:.1f}", f"{mixed / square:.2f}x", *timm_cells])
     header = ["attention", "mixed-aspect K batch (images/s)", "square batch, same K (images/s)"]
     header += ["ratio (target >= 0.95)", "timm NaFlexVit, same batch (images/s)", "hf-vit / timm (target >= 1.0)"]
-    lines, load = [_markdown_table(header, rows)], result["load_average"]
+    load = result["load_average"]
     checks = ", ".join(f"{k} {v:.1e}" for k, v in result["logits_difference"].items()) or "timm absent"
-    lines += [
-        "",
-        f"ViT-Ti/16 width {args.width}, depth {args.depth}, {args.heads} heads (timm's naflexvit_base_patch16_gap "
+    return _markdown_table(header, rows) + (
+        f"\n\nViT-Ti/16 width {args.width}, depth {args.depth}, {args.heads} heads (timm's naflexvit_base_patch16_gap "
         f"blocks), batch {args.batch_size}, K = {args.max_num_patches}, fp32 inference, {result['threads']} threads; "
         f"{result['valid_share']:.0%} of the mixed batch's patches are images (the rest padding); grids "
         f"{result['grids']}. 1-minute load average {load[0]:.2f} before, {load[1]:.2f} after. Max |logits hf-vit - "
-        f"timm| on the batch: {checks}.",
-    ]
-    return "\n".join(lines)
+        f"timm| on the batch: {checks}."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max_num_patches", type=int, default=196, help="K, a square number (default 196)")
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--width", type=int, default=192)
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=2, help="calls per timed sample")
-    parser.add_argument("--repeats", type=int, default=5, help="undisturbed samples per row")
-    parser.add_argument("--doc", type=Path, help="markdown file whose <!-- naflex:table --> block is rewritten")
+    parser = speed_parser(__doc__, "naflex", {"max_num_patches": (196, "K, a square number (default 196)")})
     args = parser.parse_args(argv)
     if math.isqrt(args.max_num_patches) ** 2 != args.max_num_patches:
         parser.error(f"--max_num_patches must be a square number (a square grid), not {args.max_num_patches}")

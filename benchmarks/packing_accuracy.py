@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""Packing against padding in training: held-out accuracy against training time, at the same patch slots per step.
 
 scikit-learn's 1797 digits (no download) made mixed-aspect: each digit, scaled to the short side, at a random place of
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import sys
@@ -34,7 +32,7 @@ import PIL.Image
 import torch
 
 from benchmarks.packing_speed import check_packing_flags, small_classifier
-from benchmarks.report import _markdown_table
+from benchmarks.report import _markdown_table, write_json
 from benchmarks.settings import add_flags
 from hf_vit import VisionTransformerImageProcessor
 from hf_vit.model.image_processing_vit import best_fit_decreasing
@@ -170,8 +168,7 @@ def run(args) -> dict:
              "labels": torch.tensor(test_labels[i : i + size])} for i in starts]  # fmt: skip
 
     model = small_classifier(args.max_num_patches, args.width, args.depth, args.heads, args.seed, args.patch_size)
-    models = {"padded": model}
-    models["packed"] = copy.deepcopy(models["padded"])  # the same initial weights
+    models = {"padded": model, "packed": copy.deepcopy(model)}  # the same initial weights
     # The two layouts compute the same function: the same images padded and packed get the same logits.
     images = test_images[: args.batch_size]
     padded = dict(processor(images, return_tensors="pt"))
@@ -316,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print(format_result(result, args))
     if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), **result}, indent=1))
+        write_json({"settings": vars(args), **result}, args.json)
     return 0
 
 

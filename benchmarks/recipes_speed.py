@@ -26,7 +26,7 @@ import torch
 from benchmarks.inputs import sample_photos
 from benchmarks.models import build_hf_vit, hf_vit_config
 from benchmarks.settings import BenchmarkSettings, add_flags
-from benchmarks.timing import make_optimizer, make_train_step, median_seconds, time_alternating
+from benchmarks.timing import make_optimizer, make_train_step, median_seconds, time_alternating, timed_rounds
 from hf_vit.data.augment.rand_augment import RandAugment, posterize
 from hf_vit.train.ema import WeightAverage
 
@@ -97,10 +97,7 @@ def rand_augment_throughput(count: int, size: int, repeats: int, policy: str) ->
         fns["timm"] = lambda: [theirs(image) for image in images]
     except ImportError as error:
         print(f"timm is not importable ({error}): hf-vit's row only", file=sys.stderr)
-    for fn in fns.values():  # warm-up
-        fn()
-    samples = time_alternating(fns, 1, repeats, torch.device("cpu"))
-    rates = {name: count / median_seconds(sample) for name, sample in samples.items()}
+    rates = {name: count / seconds for name, seconds in timed_rounds(fns, 1, repeats)[0].items()}
     result = {"policy": policy, "images": count, "size": size, "images_per_s": rates}
     if "timm" in rates:
         result["hf_vit_over_timm"] = rates["hf_vit"] / rates["timm"]

@@ -3,6 +3,7 @@ generated blocks of docs/benchmarks.md."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -11,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .settings import DTYPES, HF_VIT, PIL_DECODE, TIMM, TORCHVISION, TRANSFORMERS
+from .settings import DTYPES, HF_VIT, PIL_DECODE, TIMM, TORCHVISION, TRANSFORMERS, add_flags
 from .timing import PROFILE_CATEGORIES
 
 
@@ -321,6 +322,22 @@ def plot_sweep(rows: list[dict], path: str | os.PathLike, title: str = "") -> Pa
         ax.legend(fontsize=8)
     axes[2].axhline(1.0, color="grey", lw=0.8)
     return save_figure(fig, path, title, dpi=110)
+
+
+# The flags of naflex_speed.py and simmim_speed.py beside their own: name: (default, help), as `add_flags` takes them.
+SPEED_FLAGS = {
+    "batch_size": (8, None), "width": (192, None), "depth": (12, None), "heads": (3, None),
+    "steps": (2, "calls per timed sample"), "repeats": (5, "undisturbed samples per row"),
+}  # fmt: skip
+
+
+def speed_parser(doc: str, tag: str, flags: dict) -> argparse.ArgumentParser:
+    """The command line of a speed table: `flags`, `SPEED_FLAGS` and --doc, the file whose TAG block `print_table`
+    rewrites."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rewritten = f"markdown file whose <!-- {tag}:table --> block is rewritten"
+    add_flags(parser, {**flags, **SPEED_FLAGS, "doc": (None, rewritten, Path)})
+    return parser
 
 
 def print_table(table: str, doc: Path | None, script: str, argv: list[str] | None, tag: str) -> None:

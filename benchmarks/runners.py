@@ -1,7 +1,5 @@
 """The benchmark's sections, run one after another by `run_benchmark` over a shared `Run`: like timm's benchmark
-runners, each measures one thing the same way on CPU and CUDA (logits check, matmul peak, throughput with memory and
-the fractions of the matmul and bf16 peaks, image processors, input pipelines, onnxruntime (CPU) on the exported ONNX
-file, profile, size sweep)."""
+runners, each measures one thing (the list is `run_benchmark`'s) the same way on CPU and CUDA."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ import torch
 from torch import nn
 
 from . import timing
-from .inputs import PHOTO_SIZES, compare_input_pipelines, compare_processors, profile_input_pipeline
+from .inputs import PHOTO_SIZES, compare_input_pipelines, compare_processors
 from .models import build_models, compare_logits, dense_bf16_peak, step_flops, vit_forward_flops
 from .settings import HF_VIT, LOGITS_TOLERANCE, TIMM, TORCHVISION, TRANSFORMERS, BenchmarkSettings
 from .timing import MODES, benchmark_models, make_optimizer, median_seconds, profile_training_step
@@ -106,12 +104,6 @@ class Run:
             name: make_optimizer(model, settings.fused_optimizer) for name, model in self.models.items()
         }
         self.report["optimizer"] = {"name": "AdamW", "lr": 1e-4, "fused": bool(settings.fused_optimizer)}
-
-    def finish(self) -> dict:
-        self.report["figures"] = self.figures
-        with contextlib.suppress(OSError, AttributeError):
-            self.report["machine"]["load_average_at_end"] = os.getloadavg()
-        return self.report
 
 
 def logits_check(run: Run) -> None:
@@ -248,10 +240,8 @@ def processors(run: Run) -> None:
 
 def input_pipelines(run: Run) -> None:
     settings = run.settings
-    pipeline = compare_input_pipelines(run.image_size, settings.pipeline_images, settings.pipeline_repeats)
-    if settings.profile:
-        pipeline["profile"] = profile_input_pipeline(run.image_size, settings.pipeline_images)
-    run.report["input_pipeline"] = pipeline
+    what = (settings.pipeline_images, settings.pipeline_repeats, settings.profile)  # images, rounds, cProfile too
+    pipeline = run.report["input_pipeline"] = compare_input_pipelines(run.image_size, *what)
     run.log(f"  skipped: {pipeline['skipped']}" if pipeline["skipped"] else "  done")
     if TORCHVISION not in pipeline["photo"]["images_per_s"]:  # the transformers column is its example's pipeline
         return
@@ -374,4 +364,7 @@ def run_benchmark(settings: BenchmarkSettings, log: Callable[[str], None] = prin
         if wanted:
             log(f"{name} ...")
             section(run)
-    return run.finish()
+    run.report["figures"] = run.figures
+    with contextlib.suppress(OSError, AttributeError):
+        run.report["machine"]["load_average_at_end"] = os.getloadavg()
+    return run.report

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""SimMIM row of the benchmark: a training step of hf-vit's `VisionTransformerForMaskedImageModeling` against
 transformers' `ViTForMaskedImageModeling` with the same weights (checked to give its loss and reconstruction first),
 on the same batch and mask, eager and SDPA, in alternating rounds. `--doc` rewrites the `<!-- simmim:table -->` block.
@@ -9,7 +8,6 @@ on the same batch and mask, eager and SDPA, in alternating rounds. `--doc` rewri
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import sys
@@ -22,7 +20,7 @@ if __package__ in (None, ""):  # run as a file: the repository's root on the pat
 import torch
 from transformers import ViTConfig, ViTForMaskedImageModeling
 
-from benchmarks.report import _markdown_table, print_table
+from benchmarks.report import _markdown_table, print_table, speed_parser
 from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerForMaskedImageModeling
 
@@ -84,31 +82,19 @@ def format_rows(result: dict, args) -> str:
         theirs, ours = rate[f"transformers {implementation}"], rate[f"hf-vit {implementation}"]
         rows.append([implementation, f"{theirs:.2f}", f"{ours:.2f}", f"{ours / theirs:.2f}x"])
     header = ["attention", "transformers ViTForMaskedImageModeling (steps/s)", "hf-vit SimMIM (steps/s)"]
-    lines = [_markdown_table([*header, "hf-vit / transformers (target >= 1.0)"], rows)]
     load, difference = result["load_average"], result["difference"]
-    lines += [
-        "",
-        f"Width {args.width}, depth {args.depth}, {args.heads} heads, {args.image_size}px images, patch "
+    return _markdown_table([*header, "hf-vit / transformers (target >= 1.0)"], rows) + (
+        f"\n\nWidth {args.width}, depth {args.depth}, {args.heads} heads, {args.image_size}px images, patch "
         f"{args.patch_size}, batch {args.batch_size}, 60% of the patches masked; fp32 training step (forward, loss, "
         f"backward, AdamW), {result['threads']} threads. 1-minute load average {load[0]:.2f} before, {load[1]:.2f} "
         f"after. Same weights: max |difference| loss {difference['loss']:.1e}, reconstruction "
-        f"{difference['reconstruction']:.1e}.",
-    ]
-    return "\n".join(lines)
+        f"{difference['reconstruction']:.1e}."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--image_size", type=int, default=224)
-    parser.add_argument("--patch_size", type=int, default=16)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--width", type=int, default=192)
-    parser.add_argument("--depth", type=int, default=12)
-    parser.add_argument("--heads", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--steps", type=int, default=2, help="training steps per timed sample")
-    parser.add_argument("--repeats", type=int, default=5, help="undisturbed samples per row")
-    parser.add_argument("--doc", type=Path, help="markdown file whose <!-- simmim:table --> block is rewritten")
+    threads = (None, "torch threads (default: torch's)", int)
+    parser = speed_parser(__doc__, "simmim", {"image_size": (224, None), "patch_size": (16, None), "threads": threads})
     args = parser.parse_args(argv)
     if args.image_size % args.patch_size:
         parser.error(f"--image_size {args.image_size} must be a multiple of --patch_size {args.patch_size}")

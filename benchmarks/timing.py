@@ -1,9 +1,5 @@
-"""Timing: alternating rounds, medians of the undisturbed samples, the machine's matmul peak, the training and
-inference steps that are timed, and their peak memory. On CUDA every sample is bracketed by `torch.cuda.synchronize`,
-so it measures the GPU's work and not only the launches; on CPU the other processes' CPU use during a sample marks it
-as disturbed. Peak memory: `torch.cuda.max_memory_allocated` on a GPU; on CPU the peak of torch's CPU tensor
-allocations (from the profiler's memory events) and, as a lower bound, the growth of the peak resident set. Where a
-training step's time goes, by category of op (torch.profiler; CUDA kernel time where on a GPU)."""
+"""Timing: alternating rounds and the medians of their undisturbed samples, CUDA-synchronised calls, the machine's
+matmul peak, the timed training and inference steps, their peak memory, and where a training step's time goes."""
 
 from __future__ import annotations
 
@@ -30,6 +26,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed_call(fn: Callable[[], object], device: torch.device, calls: int = 1) -> float:
+    """Seconds of `calls` calls of `fn` between two CUDA synchronisations: the GPU's work, not only its launches."""
     synchronize(device)
     start = time.perf_counter()
     for _ in range(calls):
@@ -69,18 +66,17 @@ def other_cpu_load(before: tuple[int, int] | None, after: tuple[int, int] | None
 
 
 def time_alternating(
-    fns: dict[str, Callable[[], object]], steps: int, repeats: int, device: torch.device, max_rounds: int | None = None
+    fns: dict[str, Callable[[], object]], steps: int, repeats: int, device: torch.device
 ) -> dict[str, dict[str, list]]:
     """Seconds per call of each function, one sample per round; the order of the functions reverses every round.
 
     A sample during which other processes used more than `CONTENTION_LIMIT` cores (read from /proc/stat) is marked
-    disturbed, and rounds go on (up to `max_rounds`, default twice `repeats`) until every function has `repeats`
-    undisturbed samples. Returns, per function, "seconds", "other_cpu" (cores, None where unknown) and "clean".
+    disturbed, and rounds go on (up to twice `repeats`) until every function has `repeats` undisturbed samples.
+    Returns, per function, "seconds", "other_cpu" (cores, None where unknown) and "clean".
     """
     names = list(fns)
-    max_rounds = max(max_rounds or 2 * repeats, repeats)
     samples: dict[str, dict[str, list]] = {name: {"seconds": [], "other_cpu": [], "clean": []} for name in names}
-    for round_index in range(max_rounds):
+    for round_index in range(2 * repeats):
         if round_index >= repeats and all(sum(samples[name]["clean"]) >= repeats for name in names):
             break
         for name in names if round_index % 2 == 0 else names[::-1]:
@@ -137,10 +133,9 @@ def make_train_step(
 ) -> Callable[[], None]:
     """Forward, cross-entropy (fp32, outside the model), backward, AdamW step; nothing read back to the host, so on a
     GPU the steps queue up and the timer synchronises once per sample."""
-    device = pixel_values.device
 
     def step() -> None:
-        with autocast(device, dtype):
+        with autocast(pixel_values.device, dtype):
             logits = logits_of(model(pixel_values))
         loss = F.cross_entropy(logits.float(), labels)
         loss.backward()
@@ -151,10 +146,8 @@ def make_train_step(
 
 
 def make_infer_step(model: nn.Module, pixel_values: torch.Tensor, dtype: str) -> Callable[[], None]:
-    device = pixel_values.device
-
     def step() -> None:
-        with torch.no_grad(), autocast(device, dtype):
+        with torch.no_grad(), autocast(pixel_values.device, dtype):
             model(pixel_values)
 
     return step

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""Whether the packages brought as wheels (installed with `--no-deps`) find what they require, in the Python that
 runs this: one line per unmet requirement (`datasets requires pyarrow>=24.0.0; found 23.0.1`), exit status 1 if any.
 
@@ -32,20 +31,16 @@ def wheel_requirements(wheel: Path) -> tuple[str, list[Requirement]]:
     return name, [r for r in requirements if r.marker is None or r.marker.evaluate({"extra": ""})]
 
 
-def installed_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def unmet(wheels: list[Path]) -> list[tuple[str, Requirement, str | None]]:
     """(wheel's package, requirement, version found or None) for each requirement the environment does not meet."""
     missing = []
     for wheel in wheels:
         name, requirements = wheel_requirements(wheel)
         for requirement in requirements:
-            found = installed_version(requirement.name)
+            try:
+                found = importlib.metadata.version(requirement.name)
+            except importlib.metadata.PackageNotFoundError:
+                found = None
             if found is None or not requirement.specifier.contains(found, prereleases=True):
                 missing.append((str(name), requirement, found))
     return missing
