@@ -71,14 +71,6 @@ from .weight_init import (
     lecun_normal_,  # noqa: F401  (heads beside this file import it from here too)
 )
 
-__all__ = [
-    "VisionTransformerBackbone",
-    "VisionTransformerForImageClassification",
-    "VisionTransformerIntermediates",
-    "VisionTransformerModel",
-    "VisionTransformerPreTrainedModel",
-]
-
 
 class VisionTransformerAttention(nn.Module):
     """Multi-head self-attention (MSA) with one fused projection for queries, keys and values."""
