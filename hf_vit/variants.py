@@ -116,9 +116,10 @@ def make_resolution_variant(
 
 def _measured(folder: Path, model, processor, data_source: DataSource) -> dict:
     """The variant's metrics as `eval_*`, as hf-vit-evaluate measures them."""
-    from .infer.evaluate import evaluate_loaded, recorded_source  # loads the data set libraries: only to measure
+    from .infer import evaluate  # loads the data set libraries: only to measure
 
-    measured, _ = evaluate_loaded(model.eval(), processor, recorded_source(folder, data_source))
+    prepared = evaluate.evaluation_split(model.config, evaluate.recorded_source(folder, data_source))
+    measured, _ = evaluate.measure_split(model.eval(), processor, prepared)
     split = next(key for key in measured if key.endswith("_samples")).removesuffix("_samples")
     return {**{f"eval_{key.removeprefix(split + '_')}": value for key, value in measured.items()}, "eval_split": split}
 
