@@ -21,16 +21,9 @@ from . import early
 
 TRAINING = ("hf-vit-pretrain", "hf-vit-finetune")
 # Command name -> (module of hf_vit.commands, function): the same table as [project.scripts].
-COMMANDS = {
-    "hf-vit-pretrain": ("hf_vit.commands.train", "pretrain"),
-    "hf-vit-finetune": ("hf_vit.commands.train", "finetune"),
-    "hf-vit-convert": ("hf_vit.commands.convert", "main"),
-    "hf-vit-resize": ("hf_vit.commands.resize", "main"),
-    "hf-vit-export": ("hf_vit.commands.export", "main"),
-    "hf-vit-visualize": ("hf_vit.commands.visualize", "main"),
-    "hf-vit-push": ("hf_vit.commands.push", "main"),
-    "hf-vit-evaluate": ("hf_vit.commands.evaluate", "main"),
-    "hf-vit-predict": ("hf_vit.commands.predict", "main"),
+COMMANDS = {f"hf-vit-{task}": ("hf_vit.commands.train", task) for task in ("pretrain", "finetune")} | {
+    f"hf-vit-{name}": (f"hf_vit.commands.{name}", "main")
+    for name in ("convert", "resize", "export", "visualize", "push", "evaluate", "predict")
 }
 HELP_FLAGS = ("-h", "--help")
 PRESETS_FILE = "presets.txt"  # what `--list_presets` prints, saved beside the help texts
@@ -131,12 +124,6 @@ def early_problem(command: str, argv: list[str]) -> str | None:
 
 
 # One function per command: `hf_vit_cli:finetune` and the others are what [project.scripts] names.
-pretrain = partial(run, "hf-vit-pretrain")
-finetune = partial(run, "hf-vit-finetune")
-convert = partial(run, "hf-vit-convert")
-resize = partial(run, "hf-vit-resize")
-export = partial(run, "hf-vit-export")
-visualize = partial(run, "hf-vit-visualize")
-push = partial(run, "hf-vit-push")
-evaluate = partial(run, "hf-vit-evaluate")
-predict = partial(run, "hf-vit-predict")
+for _command in COMMANDS:
+    globals()[_command.removeprefix("hf-vit-")] = partial(run, _command)
+del _command
