@@ -68,7 +68,6 @@ from .weight_init import (
     init_norm,
     init_resnet_unit,
     init_std_conv,
-    lecun_normal_,  # noqa: F401  (heads beside this file import it from here too)
 )
 
 
