@@ -321,16 +321,17 @@ def converted_model_class(state_dict: Mapping[str, Any], layout: Layout | None =
 
 
 def resample_positions(
-    source: Mapping[str, torch.Tensor], key: str, config: VisionTransformerConfig, mode: str, antialias: bool = False
+    source: Mapping[str, torch.Tensor], key: str, config: VisionTransformerConfig, mode: str, antialias, grid=None
 ) -> dict[str, torch.Tensor]:
-    """`source` with its positions `source[key]` resampled to `config`'s grid from another square one."""
+    """`source` with its positions `source[key]` resampled to `config`'s grid from `grid` (default: a square one)."""
     out = dict(source)
     pos, prefix = out.get(key), config.num_position_prefix_tokens
     if isinstance(pos, torch.Tensor) and pos.ndim == 3 and pos.shape[0] == 1 and pos.shape[2] == config.hidden_size:
         side = square_side(pos.shape[1] - prefix)
-        if side and pos.shape[1] != prefix + config.num_patches:
-            grid = grid_for(config.image_size, config.patch_size)
-            out[key] = resample_position_embeddings(pos, (side, side), grid, prefix, mode, antialias).contiguous()
+        if grid is None and side and pos.shape[1] != prefix + config.num_patches:
+            grid = (side, side)
+        if grid is not None and tuple(grid) != config.grid_size:
+            out[key] = resample_position_embeddings(pos, grid, config.grid_size, prefix, mode, antialias).contiguous()
     return out
 
 
