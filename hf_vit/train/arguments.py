@@ -22,7 +22,7 @@ from hf_vit_cli.early import LEAST  # each flag's least value, checked there bef
 
 from ..data.augment.rand_augment import parse_rand_augment
 from ..data.augment.random_erasing import check_random_erasing
-from ..flags import exit_on_error, parse_sizes, positive_int, warn_idle
+from ..flags import exit_on_error, parse_sizes, warn_idle
 from ..model.resolution import MAX_PATCH_POSITIONS
 from ..tasks.model_setup import ModelSettings
 from .ema import check_ema_decay
@@ -529,7 +529,6 @@ def check_packing_flags(objective: str, data_args: DataArguments, training_args:
                 "--max_num_patches), or drop it."
             )
         return
-    positive_int(length, "--packed_sequence_length", "number of patch slots per row")
     if data_args.seq_lens is not None:
         raise ValueError(
             "--packed_sequence_length with --seq_lens: packing keeps one --max_num_patches per run, a length drawn "
