@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
-from ..model.resolution import grid_for, resample_position_embeddings
 from ..model.resolution import image_size_field as config_image_size
+from ..model.resolution import resample_position_embeddings
 from ..outputs.cards import write_card
 from ..outputs.output_folders import check_output_dir, write_converted_folder
 
@@ -395,14 +395,6 @@ def preset_mismatches(fields: Mapping[str, object], preset_config: VisionTransfo
     ]
 
 
-def check_grid_size(config: VisionTransformerConfig, where: str | None = None) -> None:
-    """Refuse a patch grid `grid_for` refuses before anything of that size is allocated (`where`: the file)."""
-    try:
-        grid_for(config.image_size, config.patch_size)
-    except ValueError as error:
-        raise ConversionError(f"{where}: {error}" if where else str(error)) from error
-
-
 def build_config(
     base: Mapping[str, object], fields: Mapping[str, object], problems: Sequence[str], source: str
 ) -> VisionTransformerConfig:
@@ -413,7 +405,6 @@ def build_config(
         config = VisionTransformerConfig(**base, **fields)
     except ValueError as error:
         raise ConversionError(f"The checkpoint's shapes do not make a valid model: {error}") from error
-    check_grid_size(config)
     return config
 
 

@@ -26,7 +26,6 @@ from .common import (
     ConversionError,
     Layout,
     Transform,
-    check_grid_size,
     grid_mismatch,
     read_json,
     resample_positions,
@@ -369,7 +368,6 @@ def family_config(
         raise ConversionError(
             f"{where or 'config.json'} does not describe a model hf-vit can build: {error}"
         ) from error
-    check_grid_size(config, where)
     return config
 
 
