@@ -147,14 +147,8 @@ class ModelArguments:
 
     def lora(self) -> LoraSettings:
         """The adapter stage's settings (`--lora_rank` 0: none)."""
-        return LoraSettings(
-            rank=self.lora_rank,
-            alpha=self.lora_alpha,
-            dropout=self.lora_dropout,
-            target_modules=self.lora_target_modules,
-            base=self.model_name_or_path,
-            interpolation=self.interpolation or "bicubic",
-        )
+        lora = {name: getattr(self, f"lora_{name}") for name in ("rank", "alpha", "dropout", "target_modules")}
+        return LoraSettings(**lora, base=self.model_name_or_path, interpolation=self.interpolation or "bicubic")
 
 
 @dataclass
