@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .infer.loading import check_native_model, check_serving_sizes
 from .model.image_processing_vit import grid_for_max_patches
 from .model.modeling_vit import VisionTransformerForImageClassification, VisionTransformerPreTrainedModel
 from .model.resolution import MAX_PATCH_POSITIONS
@@ -45,19 +46,13 @@ class _GraphModel(nn.Module):
 
 def check_native_export(model: VisionTransformerPreTrainedModel, max_num_patches: int) -> None:
     """Refuse, naming `--max_num_patches`, a native-aspect export the model cannot take."""
-    config = model.config
     if isinstance(max_num_patches, bool) or not isinstance(max_num_patches, int) or max_num_patches < 2:
         raise ValueError(
             f"--max_num_patches must be a number of patches per image of at least 2 (the graph is traced on it and "
             f"takes any number after), got {max_num_patches!r}."
         )
-    if max_num_patches > MAX_PATCH_POSITIONS:
-        raise ValueError(f"--max_num_patches {max_num_patches} is over the {MAX_PATCH_POSITIONS} patches hf-vit takes")
-    if config.resnet_layers is not None:
-        raise ValueError(
-            "--max_num_patches: native-aspect batches need a model without a ResNet stem (this one: "
-            f"resnet_layers={config.resnet_layers}); export it without --max_num_patches."
-        )
+    check_serving_sizes(None, max_num_patches)
+    check_native_model(model.config)
 
 
 def native_example(model: VisionTransformerPreTrainedModel, max_num_patches: int, batch: int = 2, seed: int = 0):

@@ -12,8 +12,6 @@ from typing import Any
 
 from .outputs.files import LOCAL_BASE_FILE  # where a local base lives on this machine: never pushed
 
-__all__ = ["base_model_name", "is_lora_folder", "load_lora_model", "read_lora_folder", "save_merged_model"]
-
 
 def base_model_name(model_name_or_path: str) -> str:
     """How an adapter names its base: a Hub id as it is, a local folder by its plain name."""

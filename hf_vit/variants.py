@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .convert.common import read_safetensors
 from .flags import positive_int
 from .infer.loading import serving_processor
 from .model.configuration_vit import VisionTransformerConfig
@@ -29,16 +30,14 @@ POSITION_KEY = "embeddings.position_embedding"
 
 def _check_checkpoint_positions(folder: Path, config: VisionTransformerConfig) -> None:
     """Fail clearly when a saved folder's position embeddings do not fit its own config."""
-    from safetensors import safe_open
-
     weights = folder / "model.safetensors"
     if not weights.is_file():
         return  # sharded or missing weights: from_pretrained reports those itself
-    with safe_open(weights, "pt") as f:
-        key = next((k for k in f.keys() if k == POSITION_KEY or k.endswith("." + POSITION_KEY)), None)
-        if key is None:
-            raise ValueError(f"{weights} has no position embeddings ({POSITION_KEY}); is it an hf-vit checkpoint?")
-        shape = tuple(f.get_slice(key).get_shape())
+    shapes = read_safetensors([weights])  # the header's shapes
+    key = next((k for k in shapes if k == POSITION_KEY or k.endswith("." + POSITION_KEY)), None)
+    if key is None:
+        raise ValueError(f"{weights} has no position embeddings ({POSITION_KEY}); is it an hf-vit checkpoint?")
+    shape = tuple(shapes[key].shape)
     expected = config.num_position_prefix_tokens + config.num_patches
     if len(shape) != 3 or shape[1] != expected or shape[2] != config.hidden_size:
         rows, cols = config.grid_size
@@ -116,9 +115,10 @@ def make_resolution_variant(
 
 def _measured(folder: Path, model, processor, data_source: DataSource) -> dict:
     """The variant's metrics as `eval_*`, as hf-vit-evaluate measures them."""
-    from .infer.evaluate import evaluate_loaded, recorded_source  # loads the data set libraries: only to measure
+    from .infer import evaluate  # loads the data set libraries: only to measure
 
-    measured, _ = evaluate_loaded(model.eval(), processor, recorded_source(folder, data_source))
+    prepared = evaluate.evaluation_split(model.config, evaluate.recorded_source(folder, data_source))
+    measured, _ = evaluate.measure_split(model.eval(), processor, prepared)
     split = next(key for key in measured if key.endswith("_samples")).removesuffix("_samples")
     return {**{f"eval_{key.removeprefix(split + '_')}": value for key, value in measured.items()}, "eval_split": split}
 

@@ -21,16 +21,9 @@ from . import early
 
 TRAINING = ("hf-vit-pretrain", "hf-vit-finetune")
 # Command name -> (module of hf_vit.commands, function): the same table as [project.scripts].
-COMMANDS = {
-    "hf-vit-pretrain": ("hf_vit.commands.train", "pretrain"),
-    "hf-vit-finetune": ("hf_vit.commands.train", "finetune"),
-    "hf-vit-convert": ("hf_vit.commands.convert", "main"),
-    "hf-vit-resize": ("hf_vit.commands.resize", "main"),
-    "hf-vit-export": ("hf_vit.commands.export", "main"),
-    "hf-vit-visualize": ("hf_vit.commands.visualize", "main"),
-    "hf-vit-push": ("hf_vit.commands.push", "main"),
-    "hf-vit-evaluate": ("hf_vit.commands.evaluate", "main"),
-    "hf-vit-predict": ("hf_vit.commands.predict", "main"),
+COMMANDS = {f"hf-vit-{task}": ("hf_vit.commands.train", task) for task in ("pretrain", "finetune")} | {
+    f"hf-vit-{name}": (f"hf_vit.commands.{name}", "main")
+    for name in ("convert", "resize", "export", "visualize", "push", "evaluate", "predict")
 }
 HELP_FLAGS = ("-h", "--help")
 PRESETS_FILE = "presets.txt"  # what `--list_presets` prints, saved beside the help texts
@@ -90,6 +83,17 @@ def known_flags(command: str) -> set[str] | None:
     return set(re.findall(r"--[A-Za-z0-9][A-Za-z0-9_-]*", listed)) | {"--help", "--list_presets", "--help_trainer"}
 
 
+def flag_hint(flag: str, known: list[str]) -> str:
+    """What an unknown `flag` (`--name[=value]`) may mean among `known` (names without dashes): `--dataset_name` for
+    the data-like names users guess, where it is known, else the nearest name."""
+    name = flag.lstrip("-").split("=", 1)[0].replace("-", "_")
+    if name in DATA_LIKE_FLAGS and "dataset_name" in known:
+        return (f"{flag}: the data set is --dataset_name (an image folder root/<label>/*.png, a save_to_disk folder, "
+                "a Hub data set or 'digits')")  # fmt: skip
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f"{flag}: did you mean --{close[0]}?" if close else f"{flag}: no such flag"
+
+
 def early_problem(command: str, argv: list[str]) -> str | None:
     """What can be told of `argv` without importing the package: a flag `command` does not take (with the nearest
     one), a local-looking path given to a path flag that does not exist, and what `early` checks (values, presets,
@@ -105,12 +109,7 @@ def early_problem(command: str, argv: list[str]) -> str | None:
                 continue
             if command not in TRAINING and sum(name.startswith(flag) for name in known) == 1:
                 continue  # argparse takes an unambiguous abbreviation there (the training commands take none)
-            if flag[2:].replace("-", "_") in DATA_LIKE_FLAGS and "--dataset_name" in known:
-                hints.append(f"{flag}: the data set is --dataset_name (an image folder root/<label>/*.png, a "
-                             "save_to_disk folder, a Hub data set or 'digits')")  # fmt: skip
-                continue
-            close = difflib.get_close_matches(flag.replace("-", "_")[2:], [k[2:] for k in known], n=1, cutoff=0.6)
-            hints.append(f"{flag}: did you mean --{close[0]}?" if close else f"{flag}: no such flag")
+            hints.append(flag_hint(flag, [name[2:] for name in known]))
         if hints:
             more = ", --help_trainer every flag" if command in TRAINING else ""
             return f"Unknown flag(s): {'; '.join(hints)} (--help lists {command}'s flags{more})"
@@ -131,12 +130,6 @@ def early_problem(command: str, argv: list[str]) -> str | None:
 
 
 # One function per command: `hf_vit_cli:finetune` and the others are what [project.scripts] names.
-pretrain = partial(run, "hf-vit-pretrain")
-finetune = partial(run, "hf-vit-finetune")
-convert = partial(run, "hf-vit-convert")
-resize = partial(run, "hf-vit-resize")
-export = partial(run, "hf-vit-export")
-visualize = partial(run, "hf-vit-visualize")
-push = partial(run, "hf-vit-push")
-evaluate = partial(run, "hf-vit-evaluate")
-predict = partial(run, "hf-vit-predict")
+for _command in COMMANDS:
+    globals()[_command.removeprefix("hf-vit-")] = partial(run, _command)
+del _command

@@ -30,7 +30,6 @@ from hf_vit.tasks.mpp import (
     mpp_collate_fn,
     mpp_compute_metrics,
     mpp_preprocess_logits,
-    unnormalized,
 )
 from hf_vit.tasks.training_transforms import with_mpp_transforms
 
@@ -169,9 +168,10 @@ def test_pipeline_pixels_are_the_supervised_ones_and_labels_follow_the_corruptio
     config = mpp_config()
     batch = {"image": list(digits["image"]), "label": list(digits["label"])}
     supervised = make_eval_transform(processor)(batch)
-    mpp = MaskedPatchPredictionTransform(make_eval_transform(unnormalized(processor)), processor, config)(batch)
+    unnormalized = make_eval_transform(processor.with_options(do_rescale=False, do_normalize=False))
+    mpp = MaskedPatchPredictionTransform(unnormalized, processor, config)(batch)
     assert torch.equal(mpp["pixel_values"], supervised["pixel_values"])
-    raw = make_eval_transform(unnormalized(processor))(batch)["pixel_values"] / 255
+    raw = unnormalized(batch)["pixel_values"] / 255
     targets = mean_color_classes(raw, 4)
     corrupted = mpp["patch_corruption"] != PATCH_CLEAN
     assert torch.equal(mpp["labels"][corrupted], targets[corrupted]) and (mpp["labels"][~corrupted] == -100).all()

@@ -102,12 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     datasets.utils.logging.disable_propagation()  # datasets prints through its own handler: not twice
     given = {name: getattr(args, name) for name in ("train_split", "validation_split", "test_split")}
     given["validation_fraction"] = args.validation_fraction
-    source = DataSource(
-        dataset_name=args.dataset_name,
-        image_column_name=args.image_column_name,
-        label_column_name=args.label_column_name,
-        **{flag: value for flag, value in given.items() if value is not None},
-    )
+    columns = {name: getattr(args, name) for name in ("dataset_name", "image_column_name", "label_column_name")}
+    source = DataSource(**columns, **{flag: value for flag, value in given.items() if value is not None})
     try:
         source = recorded_source(args.model, source, given)  # the splits as the run that trained --model made them
         if args.output_dir is not None:

@@ -127,9 +127,6 @@ def _visualize(args: VisualizeArguments) -> list[Path]:
         args.output,
         captions=captions,
         image_size=size,
-        head_fusion=args.head_fusion,
-        discard_ratio=args.discard_ratio,
-        num_components=args.num_components,
-        batch_size=args.batch_size,
         name=Path(args.model).name,
+        **{name: getattr(args, name) for name in ("head_fusion", "discard_ratio", "num_components", "batch_size")},
     )

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .common import ConversionError, Layout
-from .flax_layout import CONV, DENSE, SCAN_ERROR, attention_rows, mlp_rows, norm_rows
+from .common import Layout
+from .flax_layout import CONV, DENSE, attention_rows, mlp_rows, norm_rows
 
 _B, _H = "Transformer/encoderblock_{i}/", "vit.layers.{i}."
 _MAP, _HMAP = "MAPHead_0/", "vit.attention_pool."
@@ -59,34 +59,6 @@ BIG_VISION_DEFAULTS = {
 }
 
 
-def _strip(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The parameters without a `params/` prefix; the optimizer state beside them (`opt/`) left out."""
-    prefixed = any(key.startswith("params/") for key in arrays)
-    return {
-        key.removeprefix("params/"): value
-        for key, value in arrays.items()
-        if not key.startswith("opt/") and (key.startswith("params/") or not prefixed)
-    }
-
-
 def is_big_vision(arrays: Mapping[str, np.ndarray]) -> bool:
     """Whether an `.npz` checkpoint's arrays carry big_vision's names (see the module docstring)."""
-    return any(_BIG_VISION_KEY.match(key) for key in _strip(arrays))
-
-
-def big_vision_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`arrays` as `BIG_VISION_LAYOUT` reads them: unprefixed, a zero class position prepended."""
-    out = _strip(arrays)
-    if "Transformer/pos_embedding" in out and "pos_embedding" not in out:  # its place before 2022
-        out["pos_embedding"] = out.pop("Transformer/pos_embedding")
-    if any(key.startswith("Transformer/encoderblock/") for key in out):
-        raise ConversionError(SCAN_ERROR)
-    if "embedding/kernel" in out and "pos_embedding" not in out:
-        raise ConversionError(
-            "The checkpoint has no 'pos_embedding': big_vision's fixed sin-cos position embeddings "
-            "(posemb='sincos2d'), which hf-vit does not have (it learns its position table)."
-        )
-    pos = out.get("pos_embedding")
-    if "cls" in out and isinstance(pos, np.ndarray) and pos.ndim == 3:
-        out["pos_embedding"] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)
-    return out
+    return any(_BIG_VISION_KEY.match(key.removeprefix("params/")) for key in arrays)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
-from ..model.resolution import grid_for, resample_position_embeddings
 from ..model.resolution import image_size_field as config_image_size
+from ..model.resolution import resample_position_embeddings
 from ..outputs.cards import write_card
 from ..outputs.output_folders import check_output_dir, write_converted_folder
 
@@ -321,16 +321,17 @@ def converted_model_class(state_dict: Mapping[str, Any], layout: Layout | None =
 
 
 def resample_positions(
-    source: Mapping[str, torch.Tensor], key: str, config: VisionTransformerConfig, mode: str, antialias: bool = False
+    source: Mapping[str, torch.Tensor], key: str, config: VisionTransformerConfig, mode: str, antialias, grid=None
 ) -> dict[str, torch.Tensor]:
-    """`source` with its positions `source[key]` resampled to `config`'s grid from another square one."""
+    """`source` with its positions `source[key]` resampled to `config`'s grid from `grid` (default: a square one)."""
     out = dict(source)
     pos, prefix = out.get(key), config.num_position_prefix_tokens
     if isinstance(pos, torch.Tensor) and pos.ndim == 3 and pos.shape[0] == 1 and pos.shape[2] == config.hidden_size:
         side = square_side(pos.shape[1] - prefix)
-        if side and pos.shape[1] != prefix + config.num_patches:
-            grid = grid_for(config.image_size, config.patch_size)
-            out[key] = resample_position_embeddings(pos, (side, side), grid, prefix, mode, antialias).contiguous()
+        if grid is None and side and pos.shape[1] != prefix + config.num_patches:
+            grid = (side, side)
+        if grid is not None and tuple(grid) != config.grid_size:
+            out[key] = resample_position_embeddings(pos, grid, config.grid_size, prefix, mode, antialias).contiguous()
     return out
 
 
@@ -394,14 +395,6 @@ def preset_mismatches(fields: Mapping[str, object], preset_config: VisionTransfo
     ]
 
 
-def check_grid_size(config: VisionTransformerConfig, where: str | None = None) -> None:
-    """Refuse a patch grid `grid_for` refuses before anything of that size is allocated (`where`: the file)."""
-    try:
-        grid_for(config.image_size, config.patch_size)
-    except ValueError as error:
-        raise ConversionError(f"{where}: {error}" if where else str(error)) from error
-
-
 def build_config(
     base: Mapping[str, object], fields: Mapping[str, object], problems: Sequence[str], source: str
 ) -> VisionTransformerConfig:
@@ -412,7 +405,6 @@ def build_config(
         config = VisionTransformerConfig(**base, **fields)
     except ValueError as error:
         raise ConversionError(f"The checkpoint's shapes do not make a valid model: {error}") from error
-    check_grid_size(config)
     return config
 
 

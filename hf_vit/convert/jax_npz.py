@@ -52,6 +52,7 @@ from .flax_layout import (
 )
 
 POS_KEY = "Transformer/posembed_input/pos_embedding"
+POS_KEYS = {False: POS_KEY, True: "pos_embedding"}  # the position table of vit_jax, of big_vision (top level)
 
 
 _B, _H = "Transformer/encoderblock_{i}/", "vit.layers.{i}."
@@ -89,12 +90,6 @@ JAX_LAYOUT = Layout(
 
 # The paper's defaults for what the arrays do not say.
 PAPER_DEFAULTS = {"layer_norm_eps": 1e-6, "hidden_act": "gelu", "hidden_dropout_prob": 0.0}
-# Hints for arrays of other models, shown when they are found.
-_FOREIGN_HINTS = (
-    ("MAPHead_0/", "an attention-pooling (MAP) head, which hf-vit does not have"),
-    ("Transformer/encoderblock/", "blocks stacked by `nn.scan` (big_vision scan=True), not supported: unstack them"),
-    ("LayerScale", "LayerScale, which hf-vit does not have"),
-)
 
 
 def _not_a_vit(keys: Sequence[str]) -> ConversionError:
@@ -114,8 +109,9 @@ def _not_a_vit(keys: Sequence[str]) -> ConversionError:
     )
 
 
-def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`arrays` under the `vit_jax` names, a zero class position added where needed; non-ViTs refused."""
+def canonical_arrays(arrays: Mapping[str, np.ndarray], big_vision: bool = False) -> dict[str, np.ndarray]:
+    """`arrays` without a prefix, the position table at `POS_KEYS[big_vision]` (big_vision's other names kept for
+    `BIG_VISION_LAYOUT`), a zero class position added where needed; non-ViTs and stacked blocks refused."""
     prefix = next((p for p in ("", "opt/target/", "params/") if f"{p}embedding/kernel" in arrays), None)
     if prefix is None:
         raise _not_a_vit(list(arrays))
@@ -125,18 +121,24 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             out[key[len(prefix) :]] = value
         elif not key.startswith("opt/"):  # under a prefix, opt/ holds the optimizer state: not weights
             out[key] = value
+    if any(k.startswith("Transformer/encoderblock/") for k in out):
+        raise ConversionError(SCAN_ERROR)
     if not any(BLOCK_KEY.match(k) for k in out):
-        if any(k.startswith("Transformer/encoderblock/") for k in out):
-            raise ConversionError(SCAN_ERROR)
         raise _not_a_vit(list(arrays))
+    pos_key = POS_KEYS[big_vision]
     for old in ("pos_embedding", "Transformer/pos_embedding"):  # big_vision, and its pre-2022 place
-        if old in out and POS_KEY not in out:
-            out[POS_KEY] = out.pop(old)
-    pos = out.get(POS_KEY)
+        if old in out and pos_key not in out:
+            out[pos_key] = out.pop(old)
+    if big_vision and pos_key not in out:
+        raise ConversionError(
+            "The checkpoint has no 'pos_embedding': big_vision's fixed sin-cos position embeddings "
+            "(posemb='sincos2d'), which hf-vit does not have (it learns its position table)."
+        )
+    pos = out.get(pos_key)
     if "cls" in out and isinstance(pos, np.ndarray) and pos.ndim == 3:
         if square_side(pos.shape[1]) and not square_side(pos.shape[1] - 1):
             # The class token was added after the position embedding: give it a zero position (exact).
-            out[POS_KEY] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)
+            out[pos_key] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)
     return out
 
 
@@ -146,17 +148,16 @@ def npz_to_hf_vit_state_dict(
     """The arrays of an authors' (or big_vision's) `.npz` checkpoint as the state dict of `config`'s classification
     model (every array placed, every weight found with its shape, else one `ConversionError`); the position grid
     resampled to `config`'s with `resize_mode`."""
-    from .big_vision_npz import BIG_VISION_LAYOUT, big_vision_arrays, is_big_vision
+    from .big_vision_npz import BIG_VISION_LAYOUT, is_big_vision
 
-    if is_big_vision(arrays):  # a MAP head is big_vision's own
-        layout, pos_key, source, problems = BIG_VISION_LAYOUT, "pos_embedding", big_vision_arrays(arrays), []
-    else:
-        layout, pos_key, source = JAX_LAYOUT, POS_KEY, canonical_arrays(arrays)
-        hints = [hint for pattern, hint in _FOREIGN_HINTS if any(pattern in key for key in source)]
-        problems = [f"some arrays look like {'; '.join(hints)}"] if hints else []
+    big_vision = is_big_vision(arrays)  # a MAP head is big_vision's own
+    source = canonical_arrays(arrays, big_vision)
+    layer_scale = not big_vision and any("LayerScale" in key for key in source)
+    problems = ["some arrays look like LayerScale, which hf-vit does not have"] if layer_scale else []
     source = {key: _tensor(value) for key, value in source.items()}
     mode = resize_mode or config.interpolation_mode
-    source = resample_positions(source, pos_key, config, mode, config.interpolation_antialias)
+    source = resample_positions(source, POS_KEYS[big_vision], config, mode, config.interpolation_antialias)
+    layout = BIG_VISION_LAYOUT if big_vision else JAX_LAYOUT
     return layout.to_hf(source, config, problems)
 
 
@@ -203,11 +204,13 @@ def infer_config_from_npz(
     stem from `conv_root` and the `block{s}/unit{u}` names), the classifier "token" with `cls`, "map" with big_vision's
     `MAPHead_0`, else "gap", the image size from the position grid unless `image_size` is given. The rest comes from
     `preset` (its sizes must match the arrays; its resolution is not used) or the paper's (big_vision's) defaults."""
-    from .big_vision_npz import BIG_VISION_DEFAULTS, big_vision_arrays, is_big_vision
+    from .big_vision_npz import BIG_VISION_DEFAULTS, is_big_vision
 
     problems: list[str] = []
-    if is_big_vision(arrays):
-        source, pos_key, block = big_vision_arrays(arrays), "pos_embedding", "Transformer/encoderblock_0/"
+    big_vision = is_big_vision(arrays)
+    source = canonical_arrays(arrays, big_vision)
+    if big_vision:
+        block = "Transformer/encoderblock_0/"
         fields = read_sizes(source, block + "MultiHeadDotProductAttention_0/", block + "MlpBlock_0/", problems)
         pooled = "MAPHead_0/probe" in source
         fields["classifier"] = "token" if "cls" in source else "map" if pooled else "gap"
@@ -215,12 +218,11 @@ def infer_config_from_npz(
             problems.append("the checkpoint has both a class token (cls) and attention pooling (MAPHead_0)")
         base, what = dict(BIG_VISION_DEFAULTS, **({"hidden_act": hidden_act} if hidden_act else {})), "big_vision "
     else:
-        source, pos_key = canonical_arrays(arrays), POS_KEY
         hybrid = (lambda kernel: _hybrid_fields(source, kernel, problems)) if "conv_root/kernel" in source else None
         fields = read_sizes(source, _ATTN.format(i=0), _MLP.format(i=0), problems, hybrid)
         fields["classifier"] = "token" if "cls" in source else "gap"
         base, what = dict(PAPER_DEFAULTS, hidden_act=hidden_act), ""
-    read_image_size(source, pos_key, fields, image_size, problems)
+    read_image_size(source, POS_KEYS[big_vision], fields, image_size, problems)
     if preset is not None:
         preset_config = load_preset(preset)
         problems += preset_mismatches(fields, preset_config, preset)

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
-from ..model.resolution import grid_for, resample_position_embeddings
-from .common import ConversionError, Layout, build_config, image_size_field
+from .common import ConversionError, Layout, build_config, image_size_field, resample_positions
 from .timm_layout import TIMM_LAYOUT, _timm_problems, timm_block_fields
 
 # What `models/naflexvit.py`'s registered architectures set beyond `NaFlexVitCfg`'s defaults and the weights do not
@@ -218,13 +217,8 @@ def naflex_to_hf_vit_state_dict(
 ) -> dict[str, torch.Tensor]:
     """A NaFlexViT state dict in hf-vit's names, checked against `config`'s model, its grid resampled to `config`'s."""
     arrays, _, problems, grid = naflex_canonical(state_dict, timm_config)
-    pos = arrays.get("embeds.pos_embed")
-    if grid is not None and pos is not None and tuple(grid) != config.grid_size:
-        grid_for(config.image_size, config.patch_size)
-        arrays["embeds.pos_embed"] = resample_position_embeddings(
-            pos, grid, config.grid_size, config.num_position_prefix_tokens,
-            config.interpolation_mode, config.interpolation_antialias,
-        ).contiguous()  # fmt: skip
+    mode, antialias = config.interpolation_mode, config.interpolation_antialias
+    arrays = resample_positions(arrays, "embeds.pos_embed", config, mode, antialias, grid or config.grid_size)
     return NAFLEX_LAYOUT.to_hf(arrays, config, problems)
 
 

@@ -20,16 +20,15 @@ from typing import Any
 import torch
 
 from ..model.configuration_vit import VisionTransformerConfig
-from ..model.resolution import resample_position_embeddings
 from .common import (
     FUSED_QKV,
     POINTWISE_CONV,
     ConversionError,
     Layout,
     Transform,
-    check_grid_size,
     grid_mismatch,
     read_json,
+    resample_positions,
     square_side,
 )
 
@@ -369,7 +368,6 @@ def family_config(
         raise ConversionError(
             f"{where or 'config.json'} does not describe a model hf-vit can build: {error}"
         ) from error
-    check_grid_size(config, where)
     return config
 
 
@@ -385,11 +383,9 @@ def positions_problems(source: dict, shapes: dict | None, key: str, config: Visi
     if not (resample and side and found != config.num_patches):
         return grid_mismatch(found, config)
     array = source[key] if isinstance(source[key], torch.Tensor) else source[key][...]  # one small array, read now
-    table = array if array.ndim == 3 else array[None]
-    table = resample_position_embeddings(
-        table, (side, side), config.grid_size, prefix, config.interpolation_mode, config.interpolation_antialias
-    ).contiguous()
-    source[key] = table if array.ndim == 3 else table[0]
+    resampling = config.interpolation_mode, config.interpolation_antialias
+    resampled = resample_positions({key: array if array.ndim == 3 else array[None]}, key, config, *resampling)[key]
+    source[key] = resampled if array.ndim == 3 else resampled[0]
     if shapes is not None:
         shapes[key] = source[key].to("meta")
     return []

@@ -31,13 +31,12 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-import PIL.Image
 import torch
 
 from ..model.image_processing_vit import best_fit_decreasing, grid_for_max_patches, load_images
 from .augment.train_transform import kept_patch_count
 from .seeding import seeded_generator
-from .transforms import BatchSizes, CorruptImageError, decode_image, local_encoded
+from .transforms import BatchSizes, decode_image, header_size
 
 # The padding share of padded native-aspect batches from which packed rows trained faster on CPU (measured with
 # benchmarks/packing_speed.py: docs/training.md, "When packing pays").
@@ -48,17 +47,8 @@ def image_size(image: Any) -> tuple[int, int]:
     """`(height, width)` of a data set image: an encoded one's from its header (its EXIF orientation not applied: a
     PNG's may sit after its pixels, and turning swaps a grid's rows and columns, not its number of patches), decoded
     pixels as the processor converts them. A `CorruptImageError` names a file that cannot be opened."""
-    found = local_encoded(image)
-    if found is not None:
-        file, source = found
-        try:
-            with PIL.Image.open(file) as opened:
-                height, width = opened.height, opened.width
-        except (OSError, ValueError) as error:
-            raise CorruptImageError(f"Cannot read the size of image {source}: {error}") from error
-        if height == 0 or width == 0:
-            raise CorruptImageError(f"Image {source} has no pixels ({width}x{height}): remove it from the data set.")
-        return height, width
+    if (size := header_size(image)) is not None:
+        return size
     (pixels,) = load_images(decode_image(image), do_convert_rgb=False)  # decoded images, and remote files
     return int(pixels.shape[1]), int(pixels.shape[2])
 

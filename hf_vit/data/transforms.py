@@ -108,20 +108,23 @@ def local_encoded(image: Any) -> tuple[str | io.BytesIO, str] | None:
     return None if path is None or "://" in path else (path, path)
 
 
-def header_problem(image: Any) -> str | None:
-    """What is wrong with a data set image (`{"path", "bytes"}` dict) that its header tells, its pixels undecoded:
-    one line naming the file, or None (also for images the header cannot tell about: remote files, decoded pixels)."""
-    if not isinstance(image, Mapping) or (found := local_encoded(image)) is None:
+def header_size(image: Any) -> tuple[int, int] | None:
+    """`(height, width)` of an encoded image on this machine from its header, its pixels undecoded (its EXIF
+    orientation not applied); None for decoded pixels and remote files. A `CorruptImageError` names a file whose
+    header cannot be read or has no pixels."""
+    if (found := local_encoded(image)) is None:
         return None
     file, source = found
     try:
         with PIL.Image.open(file) as opened:
             width, height = opened.size
-    except PIL.UnidentifiedImageError:
-        return f"{source}: not an image file PIL can read"
+    except PIL.UnidentifiedImageError as error:
+        raise CorruptImageError(f"{source}: not an image file PIL can read") from error
     except (OSError, ValueError) as error:
-        return f"{source}: {getattr(error, 'strerror', None) or error}"
-    return f"{source}: has no pixels ({width}x{height})" if not width or not height else None
+        raise CorruptImageError(f"{source}: {getattr(error, 'strerror', None) or error}") from error
+    if not width or not height:
+        raise CorruptImageError(f"Image {source} has no pixels ({width}x{height}): remove it from the data set.")
+    return height, width
 
 
 def _checked_pixels(image: Any, source: str) -> Any:
@@ -314,7 +317,7 @@ def check_eval_images(raw) -> None:
         undecoded = data.cast_column("image", datasets.Image(decode=False))
         for start in range(0, len(undecoded), 256):
             for image in undecoded[start : start + 256]["image"]:
-                problem = header_problem(image) if split == "train" else decoding_problem(image)
+                problem = image_problem(header_size if split == "train" else decode_rgb, image)
                 problems += [f"{split}: {problem}"] if problem else []
     if problems:
         raise CorruptImageError(
@@ -323,10 +326,10 @@ def check_eval_images(raw) -> None:
         )
 
 
-def decoding_problem(image) -> str | None:
-    """`decode_rgb`'s error for `image` as one line, or None when it decodes."""
+def image_problem(read: Callable[[Any], Any], image: Any) -> str | None:
+    """`read`'s (`header_size`'s, `decode_rgb`'s) error for `image` as one line, or None when it reads."""
     try:
-        decode_rgb(image)
+        read(image)
     except CorruptImageError as error:
         return str(error).replace("\n", " ")
     return None

@@ -17,7 +17,7 @@ from ..data.datasets import DataSource
 from ..data.transforms import BatchSizes, decode_rgb
 from ..flags import parse_sizes
 from .evaluate import EvaluationSplit, evaluation_split, measure_split, write_results
-from .loading import check_native_model, check_serving_sizes, load_model, serving_processor
+from .loading import check_serving_sizes, load_model, serving_processor
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,7 @@ def measure_dial(
     for size in patch_sizes:
         check_serving_sizes(size, None)
     config, rows = classifier.config, []
-    if token_counts:
-        check_native_model(config)
-    for count in token_counts:
+    for count in token_counts:  # serving_processor refuses a model that cannot take native-aspect batches
         metrics, _ = measure_split(classifier, serving_processor(processor, config, count), prepared, batch_size)
         rows.append(_row("tokens", config.patch_size, count, prepared.name, metrics))
     # whole images of the processor's size (not packed), unless a number of patches is given

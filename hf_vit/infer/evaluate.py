@@ -158,13 +158,6 @@ def measure_split(
     return metrics, confusion
 
 
-def evaluate_loaded(
-    classifier, processor, source: DataSource, split: str | None = None, batch_size: int = 64, seed: int = 0
-) -> tuple[dict[str, Any], np.ndarray | None]:
-    prepared = evaluation_split(classifier.config, source, split, seed)
-    return measure_split(classifier, processor, prepared, batch_size)
-
-
 def check_classes(config: Any, id2label: dict[int, str], dataset_name: str) -> None:
     """A checkpoint's head is evaluated as it is: its classes must be the data set's (numbered alike: see
     `evaluation_split`, which maps the data set's labels to the model's ids by name). A head saved without class
@@ -193,7 +186,7 @@ def evaluate_saved_model(
     results written to `output_dir` by `write_evaluation`."""
     source = recorded_source(model, source or DataSource(dataset_name=dataset_name))
     classifier, processor = load_model(model, patch_size, max_num_patches)
-    metrics, confusion = evaluate_loaded(classifier, processor, source, split)
+    metrics, confusion = measure_split(classifier, processor, evaluation_split(classifier.config, source, split))
     split = next(key for key in metrics if key.endswith("_samples")).removesuffix("_samples")
     served = {"patch_size": classifier.config.patch_size, "max_num_patches": processor.max_num_patches}
     metrics = {"model": os.fspath(model), "dataset_name": dataset_name, "split": split, **served, **metrics}
@@ -320,7 +313,8 @@ def evaluate_checkpoint(
     classifier, processor = load_model(model_name_or_path)
     results: dict[str, Any] = {"model": model_name_or_path, "dataset_name": source.dataset_name}
     for split in splits:
-        metrics, confusion = evaluate_loaded(classifier, processor, source, split, batch_size, seed)
+        prepared = evaluation_split(classifier.config, source, split, seed)
+        metrics, confusion = measure_split(classifier, processor, prepared, batch_size)
         metrics = with_per_class(metrics, split, confusion, classifier.config.id2label)
         write_evaluation(Path(output_dir), split, {**results, "split": split, **metrics}, confusion,
                          classifier.config.id2label)  # fmt: skip

@@ -13,8 +13,8 @@ from transformers.activations import ACT2FN
 from transformers.backbone_utils import BackboneConfigMixin
 
 from .loading import open_foreign
-from .resolution import MAX_PATCH_POSITIONS, height_width
 from .resolution import MODES as INTERPOLATION_MODES  # how position embeddings are resampled to another grid
+from .resolution import grid_for, height_width
 
 # Width, depth, MLP size and heads of the paper's Table 1 (Base, Large, Huge) and of the DeiT/AugReg Tiny and Small.
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -295,18 +295,10 @@ class VisionTransformerConfig(BackboneConfigMixin, PretrainedConfig):
                 f"stride ({self.stem_stride} for {len(self.resnet_layers)} stage(s)): the embedding cuts the stem's "
                 "feature map into patch_size / stride patches."
             )
-        if height % self.patch_size or width % self.patch_size:
-            raise ValueError(
-                f"`image_size` ({height}x{width}) must be divisible by `patch_size` ({self.patch_size}) "
-                "in both height and width."
-            )
-        rows, cols = height // self.patch_size, width // self.patch_size
-        if rows * cols > MAX_PATCH_POSITIONS:  # a step at 100,000 patches took minutes before running out of memory
-            raise ValueError(
-                f"`image_size` ({height}x{width}) at `patch_size` {self.patch_size} gives {rows * cols} patch "
-                f"positions; hf-vit accepts at most {MAX_PATCH_POSITIONS} patch positions (a 256x256 grid). Choose a "
-                "smaller image_size or a larger patch_size."
-            )
+        try:  # a whole grid of patches, of at most MAX_PATCH_POSITIONS (100,000 took minutes to run out of memory)
+            grid_for(self.image_size, self.patch_size)
+        except ValueError as error:
+            raise ValueError("`image_size`" + str(error).removeprefix("image_size")) from None
         if self.classifier == "token" and not self.use_class_token:
             raise ValueError(
                 "`use_class_token` is False but `classifier` is 'token', which pools the class token: choose "

@@ -11,8 +11,6 @@ from .hybrid import ResNetStem
 from .layout import BatchLayout
 from .resolution import position_embeddings_at, resample_position_embeddings
 
-__all__ = ["VisionTransformerEmbeddings"]
-
 
 class VisionTransformerEmbeddings(nn.Module):
     """Equation (1): linear patch embedding `E`, the class token, and learned 1D position embeddings `E_pos`; DeiT's

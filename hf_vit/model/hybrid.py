@@ -21,8 +21,6 @@ from .configuration_vit import RESNET_GROUPS, VisionTransformerConfig
 GROUP_NORM_EPS = 1e-6  # flax.linen.GroupNorm's default
 WEIGHT_STANDARDIZATION_EPS = 1e-5  # the authors' StdConv
 
-__all__ = ["ResNetStage", "ResNetStem", "ResNetUnit", "StdConv2d", "same_padding"]
-
 
 def same_padding(kernel_size: int, stride: int) -> tuple[int, int]:
     """Flax/TensorFlow "SAME" padding `(before, after)` of one side divisible by `stride`: `kernel - stride` pixels

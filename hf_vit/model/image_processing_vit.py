@@ -644,21 +644,3 @@ def pack_patches(
         "spatial_shapes": torch.tensor([list(grid) for grid in grids], dtype=torch.long, device=device),
         "image_slot_index": image_slot_index.to(device),
     }
-
-
-__all__ = [
-    "VisionTransformerImageProcessor",
-    "center_crop_images",
-    "exif_transpose",
-    "best_fit_decreasing",
-    "grid_for_max_patches",
-    "load_images",
-    "native_patch_batch",
-    "open_image",
-    "pack_patches",
-    "pad_patches",
-    "rescale_and_normalize",
-    "resize_images",
-    "sixteen_to_eight_bit",
-    "to_resampling",
-]

@@ -17,8 +17,6 @@ from .modeling_mpp import VisionTransformerForMaskedPatchPrediction
 from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedModel
 from .pixel_targets import patches_of
 
-__all__ = ["VisionTransformerForMaskedImageModeling"]
-
 
 class VisionTransformerForMaskedImageModeling(VisionTransformerPreTrainedModel):
     """ViT pretrained by SimMIM: the patches `bool_masked_pos` marks are replaced by the [mask] embedding, a linear

@@ -18,18 +18,6 @@ from .modeling_vit import VisionTransformerModel, VisionTransformerPreTrainedMod
 from .pixel_targets import mean_color_classes, unnormalized_pixels
 from .weight_init import lecun_normal_
 
-__all__ = [
-    "PATCH_CLEAN",
-    "PATCH_KEPT",
-    "PATCH_MASKED",
-    "PATCH_RANDOM",
-    "MaskedPatchPredictionOutput",
-    "VisionTransformerForMaskedPatchPrediction",
-    "PatchCorruption",
-    "draw_patch_corruption",
-    "draw_patch_sources",
-]
-
 # What masked patch prediction does to each patch embedding (a `patch_corruption` tensor holds these codes): left
 # alone, replaced by the [mask] embedding, replaced by another patch's embedding, or kept but predicted all the same.
 PATCH_CLEAN, PATCH_MASKED, PATCH_RANDOM, PATCH_KEPT = 0, 1, 2, 3

@@ -68,16 +68,7 @@ from .weight_init import (
     init_norm,
     init_resnet_unit,
     init_std_conv,
-    lecun_normal_,  # noqa: F401  (heads beside this file import it from here too)
 )
-
-__all__ = [
-    "VisionTransformerBackbone",
-    "VisionTransformerForImageClassification",
-    "VisionTransformerIntermediates",
-    "VisionTransformerModel",
-    "VisionTransformerPreTrainedModel",
-]
 
 
 class VisionTransformerAttention(nn.Module):

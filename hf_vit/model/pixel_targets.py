@@ -8,8 +8,6 @@ import torch
 
 from .configuration_vit import VisionTransformerConfig
 
-__all__ = ["mean_color_classes", "patches_of", "unnormalized_pixels"]
-
 # Float error allowance when binning a mean colour: a mean on a bin edge (k / 2**bits) goes to the upper bin as exact
 # arithmetic puts it. For 8-bit images a mean is at least 1 / (255 * pixels) away from an edge otherwise, far more.
 _EDGE_TOLERANCE = 1e-6

@@ -126,7 +126,6 @@ def config_from_preset(model: ModelSettings, **fields: Any) -> VisionTransformer
             "it; --image_size sets a resolution without this warning.",
             model.preset, resolution, resolution, ", ".join(map(str, PAPER_RESOLUTIONS)),
         )  # fmt: skip
-    config.validate_architecture()
     return config
 
 

@@ -27,16 +27,10 @@ from ..model.pixel_targets import mean_color_classes
 from .model_setup import ModelSettings, config_from_preset, load_requested
 
 
-def unnormalized(processor: VisionTransformerImageProcessor) -> VisionTransformerImageProcessor:
-    """A copy of `processor` that stops before rescaling and normalising, for transforms whose pixels give the
-    targets; `MaskedPatchPredictionTransform` then applies `processor`'s own `normalize_batch`."""
-    return processor.with_options(do_rescale=False, do_normalize=False)
-
-
 class MaskedPatchPredictionTransform:
-    """`transform` (un-normalised pixels, see `unnormalized`) -> `pixel_values` normalised by `processor`, mean-colour
-    `labels` (-100 on clean patches) and `patch_corruption` codes drawn from torch's generator (with `corruption`'s
-    shares), per example."""
+    """`transform` (un-normalised pixels: its processor `with_options(do_rescale=False, do_normalize=False)`) ->
+    `pixel_values` normalised by `processor`, mean-colour `labels` (-100 on clean patches) and `patch_corruption`
+    codes drawn from torch's generator (with `corruption`'s shares), per example."""
 
     def __init__(
         self,
@@ -87,7 +81,8 @@ def refuse_drawn_sizes(max_num_patches: int | None, seq_lens: str | None, patch_
 def mpp_eval_transform(processor: VisionTransformerImageProcessor, config, make: Callable = make_eval_transform):
     """Masked patch prediction's inputs from `make` (by default the processor alone, no augmentation) on the
     un-normalised pixels, the patches corrupted with the paper's shares."""
-    return MaskedPatchPredictionTransform(make(unnormalized(processor)), processor, config)
+    raw = make(processor.with_options(do_rescale=False, do_normalize=False))  # the targets' pixels
+    return MaskedPatchPredictionTransform(raw, processor, config)
 
 
 def stack_examples(examples: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, torch.Tensor]:

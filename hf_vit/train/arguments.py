@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from hf_vit_cli import DATA_LIKE_FLAGS  # the flags users guess for --dataset_name, as the commands say them
+from hf_vit_cli import flag_hint  # an unknown flag's nearest (--dataset_name for the data-like), as the commands say
 from hf_vit_cli.early import LEAST  # each flag's least value, checked there before torch loads
 
 from ..data.augment.rand_augment import parse_rand_augment
 from ..data.augment.random_erasing import check_random_erasing
-from ..flags import exit_on_error, parse_sizes, positive_int, warn_idle
+from ..flags import exit_on_error, parse_sizes, warn_idle
 from ..model.resolution import MAX_PATCH_POSITIONS
 from ..tasks.model_setup import ModelSettings
 from .ema import check_ema_decay
@@ -147,14 +147,8 @@ class ModelArguments:
 
     def lora(self) -> LoraSettings:
         """The adapter stage's settings (`--lora_rank` 0: none)."""
-        return LoraSettings(
-            rank=self.lora_rank,
-            alpha=self.lora_alpha,
-            dropout=self.lora_dropout,
-            target_modules=self.lora_target_modules,
-            base=self.model_name_or_path,
-            interpolation=self.interpolation or "bicubic",
-        )
+        lora = {name: getattr(self, f"lora_{name}") for name in ("rank", "alpha", "dropout", "target_modules")}
+        return LoraSettings(**lora, base=self.model_name_or_path, interpolation=self.interpolation or "bicubic")
 
 
 @dataclass
@@ -529,7 +523,6 @@ def check_packing_flags(objective: str, data_args: DataArguments, training_args:
                 "--max_num_patches), or drop it."
             )
         return
-    positive_int(length, "--packed_sequence_length", "number of patch slots per row")
     if data_args.seq_lens is not None:
         raise ValueError(
             "--packed_sequence_length with --seq_lens: packing keeps one --max_num_patches per run, a length drawn "
@@ -682,21 +675,11 @@ def describe_negations(parser: HfArgumentParser) -> None:
 def unknown_flags_message(parser: HfArgumentParser, unknown: list[str]) -> str:
     """What the unknown command-line words are, each flag with the nearest known flag (or `--dataset_name` for the
     data-like names users guess)."""
-    import difflib
-
     known = sorted(
         {option[2:] for action in parser._actions for option in action.option_strings if option[:2] == "--"}
     )
     flags = [word for word in unknown if word.startswith("-")]
-    hints = []
-    for flag in flags:
-        name = flag.lstrip("-").split("=", 1)[0]
-        if name.replace("-", "_") in DATA_LIKE_FLAGS:
-            hints.append(f"{flag}: the data set is --dataset_name (an image folder root/<label>/*.png, a "
-                         "save_to_disk folder, a Hub data set or 'digits')")  # fmt: skip
-            continue
-        close = difflib.get_close_matches(name.replace("-", "_"), known, n=1, cutoff=0.6)
-        hints.append(f"{flag}: did you mean --{close[0]}?" if close else f"{flag}: no such flag")
+    hints = [flag_hint(flag, known) for flag in flags]
     if not flags:
         return f"Unexpected argument(s) {' '.join(unknown)}: every value follows its flag (--flag value)."
     return f"Unknown flag(s): {'; '.join(hints)}. --help lists hf-vit's flags, --help_trainer every flag."

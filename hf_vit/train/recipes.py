@@ -298,15 +298,13 @@ def learning_rate_for_images(recipe: RecipeSettings, images: float, rate: float,
 def mixing_for(recipe: RecipeSettings, config: Any = None, enabled_only: bool = True) -> Mixing | None:
     """The run's `Mixing` of its training batches for a classifier with `config` (None when off, with
     `enabled_only`)."""
+    named = ("mixup_alpha", "cutmix_alpha", "cutmix_minmax", "label_smoothing")  # the same names in Mixing
     mixing = Mixing(
         num_classes=max(int(getattr(config, "num_labels", 0)), 2),
-        mixup_alpha=recipe.mixup_alpha,
-        cutmix_alpha=recipe.cutmix_alpha,
-        cutmix_minmax=recipe.cutmix_minmax,
         prob=recipe.mixup_prob,
         switch_prob=recipe.mixup_switch_prob,
-        label_smoothing=recipe.label_smoothing,
         multi_label=getattr(config, "problem_type", None) == "multi_label_classification",
+        **{name: getattr(recipe, name) for name in named},
     )
     return mixing if mixing.enabled or not enabled_only else None
 
