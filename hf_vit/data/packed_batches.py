@@ -40,7 +40,7 @@ from .transforms import BatchSizes, decode_image, header_size
 
 # The padding share of padded native-aspect batches from which packed rows trained faster on CPU (measured with
 # benchmarks/packing_speed.py: docs/training.md, "When packing pays").
-CPU_PACKING_BREAK_EVEN = 0.15
+CPU_PACKING_BREAK_EVEN = 0.05
 
 
 def image_size(image: Any) -> tuple[int, int]:
