@@ -59,10 +59,6 @@ HUB_COMMIT = "5e0ce" * 8  # 40 hex digits: transformers resolves the revision, a
 HUB_REPO_ID = "hf-vit-smoke/vit-tiny"
 
 
-class Skipped(Exception):
-    """A check that cannot run here; the message is the reason."""
-
-
 def expect(holds, message: str) -> None:
     if not holds:
         raise AssertionError(message)
@@ -75,7 +71,6 @@ class Smoke:
     device: torch.device
     scratch: Path
     trainer_on_cpu: bool = False
-    log: Callable[[str], None] = print
     details: dict = field(default_factory=dict)
 
     @property
@@ -631,22 +626,19 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         scratch = Path(args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="hf-vit-smoke-")))
         scratch.mkdir(parents=True, exist_ok=True)
-        smoke = Smoke(device, scratch, args.trainer_on_cpu, log=lambda line: print(line, flush=True))
+        smoke = Smoke(device, scratch, args.trainer_on_cpu)
         for name in args.only or list(CHECKS):
             function, needs_cuda = CHECKS[name]
             start = time.perf_counter()
+            skip = needs_cuda and not smoke.cuda and not (needs_cuda == TRAINER and smoke.trainer_on_cpu)
             try:
-                if needs_cuda and not smoke.cuda and not (needs_cuda == TRAINER and smoke.trainer_on_cpu):
-                    raise Skipped(needs_cuda)
-                status, detail = "passed", function(smoke)
-            except Skipped as reason:
-                status, detail = "skipped", str(reason)
+                status, detail = ("skipped", needs_cuda) if skip else ("passed", function(smoke))
             except Exception as error:  # noqa: BLE001 - a failing check is reported, and the others still run
                 status, detail = "failed", f"{type(error).__name__}: {error}"
                 if os.environ.get("HF_VIT_TRACEBACK"):
                     traceback.print_exc()
             outcomes[name] = {"status": status, "detail": detail, "seconds": time.perf_counter() - start}
-            smoke.log(f"{status:7s} {name} ({outcomes[name]['seconds']:.1f} s): {detail}")
+            print(f"{status:7s} {name} ({outcomes[name]['seconds']:.1f} s): {detail}", flush=True)
             if args.json:
                 report = dict(device=str(device), name=where, torch=torch.__version__, checks=outcomes)
                 write_json({**report, "details": smoke.details}, args.json)
