@@ -331,20 +331,10 @@ def trainer_env(smoke: Smoke) -> dict[str, str]:
 
 
 def finetune_args(output_dir: Path, max_steps: int, extra=(), learning_rate: float = 0.03) -> list[str]:
-    return [
-        str(FINETUNE),
-        "--model_name_or_path", HUB_REPO_ID,
-        "--dataset_name", "digits",
-        "--output_dir", str(output_dir),
-        "--max_steps", str(max_steps),
-        "--per_device_train_batch_size", "32",
-        "--per_device_eval_batch_size", "64",
-        "--learning_rate", str(learning_rate),
-        "--eval_strategy", "no",
-        "--logging_steps", "5",
-        "--seed", "0",
-        *extra,
-    ]  # fmt: skip
+    fixed = f"--model_name_or_path {HUB_REPO_ID} --dataset_name digits --per_device_train_batch_size 32"
+    fixed += " --per_device_eval_batch_size 64 --eval_strategy no --logging_steps 5 --seed 0"
+    mine = ["--output_dir", str(output_dir), "--max_steps", str(max_steps), "--learning_rate", str(learning_rate)]
+    return [str(FINETUNE), *fixed.split(), *mine, *extra]
 
 
 def run_logged(smoke: Smoke, command: list[str], env: dict[str, str], name: str) -> str:
