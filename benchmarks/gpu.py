@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder imp
 
 import torch
 
-from benchmarks.gpu_packing import format_packing, measure_packing, merge_packing
+from benchmarks.gpu_packing import format_packing, measure_packing
 from benchmarks.report import _markdown_table, merge_reports, write_doc, write_json
 from benchmarks.runners import machine_info, run_benchmark
 from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(packing: dict | None = None) -> None:  # after every model and packing variant: a run cut short keeps them
         if packing is not None:
-            report["packing"] = merge_packing(previous.get("packing"), packing)
+            report["packing"] = {**packing, "rows": {**previous.get("packing", {}).get("rows", {}), **packing["rows"]}}
         report["summary"] = summary_rows(report)
         if args.json:
             write_json(report, args.json)

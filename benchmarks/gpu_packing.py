@@ -191,11 +191,10 @@ def _error(exc: Exception) -> str:
     return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
-def measure_packing(args: argparse.Namespace, log=print, start: float | None = None, save=None) -> dict:
+def measure_packing(args: argparse.Namespace, log, start: float, save) -> dict:
     """The packing rows: per layout, mode and variant, images/s and real patches/s, the attention path and kernels.
     No compilation starts once `args.time_budget_s` is spent (counted from `start`); `save` gets the result so far
     after each variant."""
-    start = time.perf_counter() if start is None else start
     device = torch.device(args.device)
     shape = argparse.Namespace(**(QUICK if args.quick else FULL), min_share=0.4, seed=0)  # what `layouts` reads
     shapes = layouts(shape)
@@ -243,8 +242,7 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
         time_rows(args, variant, calls, result, paths, log, start)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if save is not None:  # after each variant: a run stopped by a time limit keeps the rows measured
-            save(result)
+        save(result)  # after each variant: a run stopped by a time limit keeps the rows measured
     return result
 
 
@@ -278,10 +276,6 @@ def time_rows(args, variant: str, calls: dict, result: dict, paths: dict, log, s
             "gpu_busy": None if profiled["kernel_seconds"] is None else profiled["kernel_seconds"] / seconds,
             "longest_kernels": profiled["longest_kernels"],
         }  # fmt: skip
-
-
-def merge_packing(previous: dict | None, current: dict) -> dict:
-    return {**current, "rows": {**(previous or {}).get("rows", {}), **current["rows"]}}
 
 
 def format_packing(report: dict) -> str:
