@@ -313,16 +313,12 @@ def format_packing(report: dict) -> str:
         + ".",
     ]
     if accuracy := packing.get("bf16_accuracy", {}):
-        lines.append(
-            "bf16 autocast against fp32, the images the batches share (largest logits difference; relative difference "
-            "of the gradients): "
-            + "; ".join(
-                f"{layout}: {figures['error']}" if "error" in figures else
-                f"{layout}: {figures['logits_max_difference']:.1e}; {figures['gradients_relative_difference']:.1e}"
-                for layout, figures in accuracy.items()
-            )
-            + "."
-        )  # fmt: skip
+        shown = []
+        for layout, f in accuracy.items():
+            figures = "error" in f or f"{f['logits_max_difference']:.1e}; {f['gradients_relative_difference']:.1e}"
+            shown.append(f"{layout}: {f.get('error') or figures}")
+        said = "bf16 autocast against fp32, the images the batches share (largest logits difference; relative"
+        lines.append(f"{said} difference of the gradients): {'; '.join(shown)}.")
     host_sync = packing.get("host_sync")
     if host_sync and "skipped" in host_sync:
         lines.append(f"Host synchronisation check (forward + backward): skipped, {host_sync['skipped']}.")
