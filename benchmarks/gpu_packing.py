@@ -119,10 +119,10 @@ def sdpa_backends(device: torch.device) -> dict:
     return {"cudnn": torch.backends.cudnn.version(), **enabled}
 
 
-def profile_call(fn, device: torch.device) -> dict:
-    """A profile of one call of `fn`: the attention-related ops and kernels it shows, and on CUDA the kernels' total
-    time (seconds; divided by the call's timed seconds, how busy the GPU was: the rest is time it waited for the
-    host) and the five longest kernels."""
+def profile_call(fn, device: torch.device, seconds: float) -> dict:
+    """A profile of one call of `fn`: the attention-related ops and kernels it shows, and on CUDA how busy the GPU
+    was (the kernels' time over the call's timed `seconds`: below 1, the GPU waited for the host) and the five longest
+    kernels (name, ms)."""
     profiler = torch.profiler.ProfilerActivity
     activities = [profiler.CPU] + ([profiler.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as profile:
@@ -131,10 +131,10 @@ def profile_call(fn, device: torch.device) -> dict:
     events = profile.key_averages()
     kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
     longest = sorted(kernels, key=lambda event: -event.self_device_time_total)[:5]
-    longest = [(event.key[:90], round(event.self_device_time_total / 1e3, 3)) for event in longest]  # (name, ms)
-    seconds = sum(event.self_device_time_total for event in kernels) / 1e6 if kernels else None
+    longest = [(event.key[:90], round(event.self_device_time_total / 1e3, 3)) for event in longest]
+    busy = sum(event.self_device_time_total for event in kernels) / 1e6 / seconds if kernels else None
     attention_kernels = sorted({event.key for event in events if KERNEL_NAMES.search(event.key)})[:20]
-    return {"attention_kernels": attention_kernels, "kernel_seconds": seconds, "longest_kernels": longest}
+    return {"attention_kernels": attention_kernels, "gpu_busy": busy, "longest_kernels": longest}
 
 
 @contextlib.contextmanager
@@ -265,17 +265,16 @@ def time_rows(args, variant: str, calls: dict, result: dict, paths: dict, log, s
         log(f"packing {variant}: {key} ready ({time.perf_counter() - start:.0f} s)")
     samples = time_alternating(fns, args.steps, args.repeats, device)
     for key, fn in fns.items():
-        seconds, profiled = median_seconds(samples[key]), profile_call(fn, device)
+        seconds = median_seconds(samples[key])
         layout, mode = key.split(" | ")
         name = layout.split()[0]
-        result["rows"][f"{key} | {variant}"] = {
+        row = result["rows"][f"{key} | {variant}"] = {
             "layout": layout, "mode": mode, "variant": variant, "images_per_s": result["images"][name] / seconds,
             "patches_per_s": result["patches"][name] / seconds, "attention_path": paths[key],
-            "attention_kernels": profiled["attention_kernels"] if mode == "inference" else None,
-            # the kernels' time over the call's: below 1, the GPU waited for the host
-            "gpu_busy": None if profiled["kernel_seconds"] is None else profiled["kernel_seconds"] / seconds,
-            "longest_kernels": profiled["longest_kernels"],
+            **profile_call(fn, device, seconds),
         }  # fmt: skip
+        if mode == "training":
+            row["attention_kernels"] = None
 
 
 def format_packing(report: dict) -> str:
