@@ -81,14 +81,12 @@ def build_models(
     and for those left out, why."""
     ours = build_hf_vit(hf_vit_config(settings, image_size), settings.seed)
     models = {HF_VIT: ours.to(device), TRANSFORMERS: transformers_from_hf_vit(ours)}
-    skipped = {}
+    skipped = {} if settings.timm else {TIMM: "not requested"}
     if settings.timm:
         try:
             models[TIMM] = timm_from_hf_vit(ours)
         except Exception as error:  # noqa: BLE001 - timm is optional; any failure only drops its column
             skipped[TIMM] = f"{type(error).__name__}: {error}"
-    else:
-        skipped[TIMM] = "not requested"
     return models, skipped
 
 
