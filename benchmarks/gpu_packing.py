@@ -202,7 +202,6 @@ def measure_packing(args: argparse.Namespace, log, start: float, save) -> dict:
     batches = {name: {key: value.to(device) for key, value in batch.items()} for name, batch in batches.items()}
     model = small_classifier(shape.max_num_patches, shape.width, shape.depth, shape.heads, shape.seed).to(device)
     labels = {name: torch.zeros(count, dtype=torch.long, device=device) for name, count in images.items()}
-    # The padded rows and the packed batch give the images they share the same logits, before anything is timed.
     difference, accuracy = accuracy_checks(model, batches, shape, device)
     for layout, figures in accuracy.items():
         log(f"packing bf16 against fp32: {layout}: {figures}")
