@@ -127,9 +127,8 @@ def summary_rows(report: dict) -> list[dict]:
             )
             for name in ("mfu", "peak_mem_mb"):
                 row[name] = figures.get(f"{mode}_{name}/bf16/{variant}", {}).get("values", {})
-            target = MFU_TARGETS.get((model, mode)) if variant == "compiled" else None
-            if target is not None:
-                row["mfu_target"] = target
+            if variant == "compiled" and (model, mode) in MFU_TARGETS:
+                row["mfu_target"] = MFU_TARGETS[model, mode]
             rows.append(row)
     return rows
 
