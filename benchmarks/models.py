@@ -94,9 +94,8 @@ def build_models(
 def compare_logits(models: dict[str, nn.Module], pixel_values: torch.Tensor, dtype: str = "fp32") -> dict[str, float]:
     logits = {}
     for name, model in models.items():
-        model.eval()
         with autocast(pixel_values.device, dtype):
-            logits[name] = logits_of(model(pixel_values)).float()
+            logits[name] = logits_of(model.eval()(pixel_values)).float()
     reference = logits[HF_VIT]
     return {name: (value - reference).abs().max().item() for name, value in logits.items() if name != HF_VIT}
 
