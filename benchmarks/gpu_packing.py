@@ -89,11 +89,9 @@ def host_sync_check(model: torch.nn.Module, batches: dict, labels: dict, device:
     naming the operation), after one unchecked warm-up call. CUDA only: on another device, the reason it is skipped."""
     if device.type != "cuda":
         return {"skipped": f"{device.type}: no device to synchronise with (set_sync_debug_mode is CUDA's)"}
-    result = {}
-    calls = layout_calls(
-        model, batches, labels, ("padded", "packed"), lambda _: torch.autocast("cuda", torch.bfloat16)
-    )
-    for layout in ("padded", "packed"):
+    result, layouts = {}, ("padded", "packed")
+    calls = layout_calls(model, batches, labels, layouts, lambda _: torch.autocast("cuda", torch.bfloat16))
+    for layout in layouts:
         step = calls[f"{layout} | training"]  # bf16 autocast, forward, loss, backward, gradients zeroed
         try:
             step()  # warm-up: lazy initialisation (cuBLAS handles, kernels) is not the forward's
