@@ -102,20 +102,16 @@ def write_fixture(folder: Path, name: str, seed: int) -> dict:
     outputs, generator = {}, torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for index, (height, width) in enumerate(sizes):
-            images = torch.randn(2, 3, height, width, generator=generator)
-            outputs[f"images_{index}"] = images
+            outputs[f"images_{index}"] = images = torch.randn(2, 3, height, width, generator=generator)
             outputs[f"logits_{index}"] = model(images)
         batch = naflex_batch(model_args["patch_size"], max_seq_len, seed)
-        outputs.update(batch)
-        outputs["naflex_logits"] = model(dict(batch))
+        outputs.update(batch, naflex_logits=model(dict(batch)))
     valid = batch["patch_valid"]
     grids = [(int(c[v][:, 0].max()) + 1, int(c[v][:, 1].max()) + 1) for c, v in zip(batch["patch_coord"], valid)]
     outputs["spatial_shapes"] = torch.tensor(grids)
     save_file({k: v.contiguous() for k, v in outputs.items()}, folder / "outputs.safetensors")
     record = dict(architecture=architecture, model_args=model_args, timm=timm.__version__, torch=torch.__version__)
-    record.update(
-        image_sizes=[list(size) for size in sizes], naflex_grids=[list(grid) for grid in grids], command=COMMAND
-    )
+    record.update(image_sizes=[list(s) for s in sizes], naflex_grids=[list(g) for g in grids], command=COMMAND)
     (folder / "outputs.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
 
