@@ -16,7 +16,6 @@ recorded for the tests, which cannot import it.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import sys
@@ -139,11 +138,11 @@ def compare_resampling() -> list[dict]:
     return rows
 
 
-def _erasing_statistics(erase, draws: int, size: int) -> dict:
-    """The statistics of what `erase` (in place) did to `draws` constant images (every value 5)."""
+def _erasing_statistics(erase, draws: int, size: int, **options) -> dict:
+    """The statistics of what `erase(image, **options)` (in place) did to `draws` constant images (every value 5)."""
     images = [torch.full((3, size, size), 5.0) for _ in range(draws)]
     for image in images:
-        erase(image)
+        erase(image, **options)
     erased = [image for image in images if (image != 5.0).any()]
     masks = [(image != 5.0).any(0) for image in erased]
     areas, aspects, tops, lefts, fills = [], [], [], [], []
@@ -157,7 +156,7 @@ def _erasing_statistics(erase, draws: int, size: int) -> dict:
         fills.append(image[:, mask])
     fill = torch.cat(fills, 1) if fills else torch.zeros(3, 0)
     statistics = dict(erased=len(erased) / len(images), areas=np.array(areas), log_aspects=np.array(aspects))
-    statistics.update(mean_top=float(np.mean(tops)), mean_left=float(np.mean(lefts)))
+    statistics.update(mean_area=float(np.mean(areas)), mean_top=float(np.mean(tops)), mean_left=float(np.mean(lefts)))
     return dict(statistics, fill_mean=fill.mean().item(), fill_std=fill.std().item())
 
 
@@ -174,19 +173,14 @@ def compare_random_erasing(draws: int = 2000, size: int = 32, probability: float
     for mode, count in (("pixel", 1), ("pixel", 3), ("rand", 1)):
         random.seed(0)
         torch.manual_seed(0)
-        timm_erase = TimmErasing(probability, mode=mode, max_count=count, device="cpu")
-        theirs = _erasing_statistics(timm_erase, draws, size)
-        ours_erase = functools.partial(
-            RandomErasing(probability, mode, count), generator=torch.Generator().manual_seed(0)
-        )
-        ours = _erasing_statistics(ours_erase, draws, size)
+        theirs = _erasing_statistics(TimmErasing(probability, mode=mode, max_count=count, device="cpu"), draws, size)
+        generator = torch.Generator().manual_seed(0)
+        ours = _erasing_statistics(RandomErasing(probability, mode, count), draws, size, generator=generator)
         n, m = len(ours["areas"]), len(theirs["areas"])
         critical = 1.95 * math.sqrt((n + m) / (n * m))  # the KS distance's critical value at the 0.1% level
         share_sd = math.sqrt(probability * (1 - probability) * 2 / draws)
-        row = dict(mode=mode, count=count, mean_area=(float(ours["areas"].mean()), float(theirs["areas"].mean())))
-        row.update(
-            {key: (ours[key], theirs[key]) for key in ("erased", "mean_top", "mean_left", "fill_mean", "fill_std")}
-        )
+        paired = ("erased", "mean_area", "mean_top", "mean_left", "fill_mean", "fill_std")
+        row = dict(mode=mode, count=count, **{key: (ours[key], theirs[key]) for key in paired})
         row["ks_area"] = float(ks_2samp(ours["areas"], theirs["areas"]).statistic)
         # with several rectangles the bounding box of their union says little about one rectangle's aspect
         row["ks_log_aspect"] = (
@@ -203,7 +197,7 @@ def compare_random_erasing(draws: int = 2000, size: int = 32, probability: float
         print(
             f"random erasing {mode} count<={count}, {draws} draws of {size}x{size} at p={probability} "
             f"(hf-vit / timm): erased {ours['erased']:.3f} / {theirs['erased']:.3f}, mean erased area "
-            f"{row['mean_area'][0]:.4f} / {row['mean_area'][1]:.4f}, KS area {row['ks_area']:.3f}{aspect} "
+            f"{ours['mean_area']:.4f} / {theirs['mean_area']:.4f}, KS area {row['ks_area']:.3f}{aspect} "
             f"(critical {critical:.3f}), mean top {ours['mean_top']:.2f} / {theirs['mean_top']:.2f}, mean left "
             f"{ours['mean_left']:.2f} / {theirs['mean_left']:.2f}, fill mean {ours['fill_mean']:.3f} / "
             f"{theirs['fill_mean']:.3f}, fill std {ours['fill_std']:.3f} / {theirs['fill_std']:.3f}: "
