@@ -115,27 +115,22 @@ def write_fixture(folder: Path, name: str, seed: int) -> dict:
     return record
 
 
-def compare_resampling() -> list[dict]:
-    """hf-vit's `resample_patch_embedding` against timm's `resample_patch_embed` on the same random kernel."""
+def compare_resampling() -> None:
+    """Prints hf-vit's `resample_patch_embedding` against timm's `resample_patch_embed` on the same random kernel."""
     from timm.layers import resample_patch_embed
 
     from hf_vit.model.resolution import resample_patch_embedding
 
-    rows = []
     generator = torch.Generator().manual_seed(0)
     for old, new in ((16, 8), (16, 24), (16, 32), (8, 16), (32, 16), (14, 16)):
         weight = torch.randn(64, 3, old, old, generator=generator)
         for antialias in (True, False):
             ours = resample_patch_embedding(weight, new, "bicubic", antialias)
             theirs = resample_patch_embed(weight, [new, new], interpolation="bicubic", antialias=antialias)
-            difference = (ours - theirs).abs().max().item()
-            scale = theirs.abs().max().item()
-            rows.append(dict(old=old, new=new, antialias=antialias, max_difference=difference, max_value=scale))
             print(
                 f"resample_patch_embedding {old}->{new} bicubic antialias={antialias}: max |hf-vit - timm| "
-                f"{difference:.2e} (largest weight {scale:.2f})"
+                f"{(ours - theirs).abs().max().item():.2e} (largest weight {theirs.abs().max().item():.2f})"
             )
-    return rows
 
 
 def _erasing_statistics(erase, draws: int, size: int, **options) -> dict:
@@ -180,13 +175,12 @@ def compare_random_erasing(draws: int = 2000, size: int = 32, probability: float
         critical = 1.95 * math.sqrt((n + m) / (n * m))  # the KS distance's critical value at the 0.1% level
         share_sd = math.sqrt(probability * (1 - probability) * 2 / draws)
         paired = ("erased", "mean_area", "mean_top", "mean_left", "fill_mean", "fill_std")
-        row = dict(mode=mode, count=count, **{key: (ours[key], theirs[key]) for key in paired})
+        row = dict(mode=mode, count=count, ks_critical=critical, **{key: (ours[key], theirs[key]) for key in paired})
         row["ks_area"] = float(ks_2samp(ours["areas"], theirs["areas"]).statistic)
         # with several rectangles the bounding box of their union says little about one rectangle's aspect
         row["ks_log_aspect"] = (
             float(ks_2samp(ours["log_aspects"], theirs["log_aspects"]).statistic) if count == 1 else None
         )
-        row["ks_critical"] = critical
         row["within"] = bool(
             abs(ours["erased"] - theirs["erased"]) < 4 * share_sd
             and row["ks_area"] < critical
