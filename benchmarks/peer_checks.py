@@ -215,11 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fixture {args.fixtures / name}: {record['architecture']}, NaFlex grids {record['naflex_grids']}")
     if args.resample:
         compare_resampling()
-    if args.erasing:
-        rows = compare_random_erasing()
-        if not all(row["within"] for row in rows):
-            return 1
-    return 0
+    return 1 if args.erasing and not all(row["within"] for row in compare_random_erasing()) else 0
 
 
 if __name__ == "__main__":
