@@ -51,22 +51,13 @@ def layout_context(layout: str):
     return contextlib.nullcontext()
 
 
-def attention_path(layout: str, observed: list[str]) -> str:
-    """The attention path hf-vit ran (observed eager; a compiled graph takes the same one): no mask, the padding
+def observed_paths(calls: dict, log) -> dict[str, str]:
+    """Per call ("layout | mode"), the attention path hf-vit's dispatch chose in one eager call of it (a compiled graph
+    takes the same one; a masked row's own patch wins: nothing is recorded, its path is the mask): no mask, the padding
     masked as keys, each image in a row of its own (CPU), a block-diagonal mask, or the runs' kernel ("varlen",
     "flash")."""
-    if layout == "square":
-        return "sdpa, no mask"
-    path = min(observed, default="mask")
-    if layout.startswith("padded") and path in ("images", "mask"):  # one image per row: its padding masked as keys
-        return "sdpa, padding mask"
-    return {"images": "sdpa, each image in a row of its own", "mask": "block-diagonal mask"}.get(path, path)
-
-
-def observed_paths(calls: dict, log) -> dict[str, str]:
-    """Per call ("layout | mode"), the attention path hf-vit's dispatch chose in one eager call of it (a masked row's
-    own patch wins: nothing is recorded, its path is the mask)."""
     original, seen, paths = attention.segment_attention_path, [], {}
+    names = {"images": "sdpa, each image in a row of its own", "mask": "block-diagonal mask"}
 
     def record(*args, **kwargs):
         seen.append(original(*args, **kwargs))
@@ -79,7 +70,10 @@ def observed_paths(calls: dict, log) -> dict[str, str]:
                 fn()
             except Exception as exc:  # noqa: BLE001
                 log(f"packing: {key}: {_error(exc)}")
-            paths[key] = attention_path(key.split(" | ")[0], seen)
+            path = min(seen, default="mask")
+            if key.startswith("padded") and path in ("images", "mask"):  # one image per row: its padding as keys
+                path = "sdpa, padding mask"
+            paths[key] = "sdpa, no mask" if key.startswith("square") else names.get(path, path)
     return paths
 
 
