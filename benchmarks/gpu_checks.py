@@ -121,13 +121,9 @@ CHECKS: dict[str, tuple[Callable[[Smoke], str], str | None]] = {}
 
 
 def check(needs_cuda: str | None = None):
-    """Registers a check; `needs_cuda`: why it is skipped off CUDA (`TRAINER`: unless --trainer_on_cpu)."""
-
-    def register(function: Callable[[Smoke], str]) -> Callable[[Smoke], str]:
-        CHECKS[function.__name__] = (function, needs_cuda)
-        return function
-
-    return register
+    """Registers a check (returned as it is); `needs_cuda`: why it is skipped off CUDA (`TRAINER`: unless
+    --trainer_on_cpu)."""
+    return lambda function: CHECKS.setdefault(function.__name__, (function, needs_cuda))[0]
 
 
 @check()
