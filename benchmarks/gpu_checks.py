@@ -71,7 +71,6 @@ class Smoke:
 
     device: torch.device
     scratch: Path
-    trainer_on_cpu: bool = False
     details: dict = field(default_factory=dict)
 
     @property
@@ -598,11 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         scratch = Path(args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="hf-vit-smoke-")))
         scratch.mkdir(parents=True, exist_ok=True)
-        smoke = Smoke(device, scratch, args.trainer_on_cpu)
+        smoke = Smoke(device, scratch)
         for name in args.only or list(CHECKS):
             function, needs_cuda = CHECKS[name]
             start = time.perf_counter()
-            skip = needs_cuda and not smoke.cuda and not (needs_cuda == TRAINER and smoke.trainer_on_cpu)
+            skip = needs_cuda and not smoke.cuda and not (needs_cuda == TRAINER and args.trainer_on_cpu)
             try:
                 status, detail = ("skipped", needs_cuda) if skip else ("passed", function(smoke))
             except Exception as error:  # noqa: BLE001 - a failing check is reported, and the others still run
