@@ -343,8 +343,7 @@ def run_logged(smoke: Smoke, command: list[str], env: dict[str, str], name: str)
 
 def final_metrics(output_dir: Path) -> dict:
     metrics = json.loads((output_dir / "all_results.json").read_text())
-    finite = all(torch.isfinite(torch.tensor(float(metrics[key]))) for key in ("train_loss", "eval_accuracy"))
-    expect(finite, f"non-finite metrics: {metrics}")
+    expect(all(math.isfinite(metrics[k]) for k in ("train_loss", "eval_accuracy")), f"non-finite metrics: {metrics}")
     return metrics
 
 
@@ -576,8 +575,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write every check's outcome and details here")
     parser.add_argument("--keep", default=None, help="scratch folder to keep (default: a temporary one, removed)")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.only or ()) - set(CHECKS))
-    if unknown:
+    if unknown := sorted(set(args.only or ()) - set(CHECKS)):
         parser.error(f"unknown check(s) {unknown}; the checks are {list(CHECKS)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}, but CUDA is not available here; use --device cpu")
