@@ -26,14 +26,13 @@ from unittest import mock
 
 import torch
 
-from benchmarks.packing_speed import layout_batches, layout_calls, layouts, small_classifier
+from benchmarks.packing_speed import MODES, layout_batches, layout_calls, layouts, small_classifier
 from benchmarks.report import _markdown_table
 from benchmarks.runners import compile_models
 from benchmarks.timing import budget_spent, median_seconds, sdpa_backend, synchronize, time_alternating
 from hf_vit.model import attention
 
 LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed", "packed + mask")
-MODES = ("inference", "training")
 # The full run: ViT-B width, 12 blocks, batch 128, K = 256 patches per image, packed rows of L = 1024.
 FULL = dict(max_num_patches=256, packed_sequence_length=1024, batch_size=128, width=768, depth=12, heads=12)
 QUICK = dict(max_num_patches=16, packed_sequence_length=32, batch_size=6, width=32, depth=1, heads=2)
