@@ -15,6 +15,7 @@ model, so a run stopped by a time limit keeps what it measured; `--time_budget_s
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import shlex
@@ -28,7 +29,7 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder imp
 
 import torch
 
-from benchmarks.gpu_packing import format_packing, measure_packing, merge_packing
+from benchmarks.gpu_packing import format_packing, measure_packing
 from benchmarks.report import _markdown_table, merge_reports, write_doc, write_json
 from benchmarks.runners import machine_info, run_benchmark
 from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags
@@ -44,21 +45,20 @@ RATIO_TARGET = 1.05
 MFU_TARGETS = {("vit-base-patch16-224", "train"): 0.40, ("vit-base-patch16-224", "infer"): 0.50}
 PEERS = (TRANSFORMERS, TIMM)
 TAG = "benchmark-gpu"  # of the generated blocks in the docs
+log = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_flags(parser, {
-        "json": (None, "write the figures here (e.g. docs/benchmarks_gpu.json)"),
-        "doc": (None, "markdown file whose <!-- benchmark-gpu:NAME --> blocks to fill"),
-    })  # fmt: skip
     parser.add_argument("--models", nargs="+", default=None, help=f"presets (default: {', '.join(GPU_PRESETS)})")
     parser.add_argument("--batch_sizes", nargs="+", type=int, default=None, help="one per --models")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--sdpa_backend", choices=["flash", "efficient", "cudnn", "math"], help="one SDPA backend only"
     )
     add_flags(parser, {
+        "json": (None, "write the figures here (e.g. docs/benchmarks_gpu.json)"),
+        "doc": (None, "markdown file whose <!-- benchmark-gpu:NAME --> blocks to fill"),
+        "device": ("cuda" if torch.cuda.is_available() else "cpu", "cuda or cpu"),
         "no_compile": (False, "eager rows only"),
         "no_eager": (False, "compiled rows only (e.g. a second run, merged)"),
         "doc_only": (False, "measure nothing: fill --doc's blocks from the existing --json file"),
@@ -127,19 +127,14 @@ def summary_rows(report: dict) -> list[dict]:
             )
             for name in ("mfu", "peak_mem_mb"):
                 row[name] = figures.get(f"{mode}_{name}/bf16/{variant}", {}).get("values", {})
-            target = MFU_TARGETS.get((model, mode)) if variant == "compiled" else None
-            if target is not None:
-                row["mfu_target"] = target
+            if variant == "compiled" and (model, mode) in MFU_TARGETS:
+                row["mfu_target"] = MFU_TARGETS[model, mode]
             rows.append(row)
     return rows
 
 
-def _percent(value) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
-
-
-def _number(value, digits: int = 0) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
+def _cell(value, spec: str = ",.0f", divisor: float = 1) -> str:
+    return "-" if value is None else format(value / divisor, spec)
 
 
 def format_summary(report: dict) -> str:
@@ -151,10 +146,10 @@ def format_summary(report: dict) -> str:
     for row in report["summary"]:
         speed, ratio, mfu, memory = row["images_per_s"], row["ratio"], row["mfu"], row["peak_mem_mb"]
         cells = [row["model"], row["batch_size"], row["mode"], row["variant"]]
-        cells += [_number(speed.get(name)) for name in (HF_VIT, *PEERS)]
+        cells += [_cell(speed.get(name)) for name in (HF_VIT, *PEERS)]
         cells += ["-" if ratio.get(name) is None else f"{ratio[name]:.3f}" for name in PEERS]
-        cells += [_percent(mfu.get(name)) for name in (HF_VIT, *PEERS)]
-        cells += [_number(None if memory.get(name) is None else memory[name] / 1024, 2) for name in (HF_VIT, *PEERS)]
+        cells += [_cell(mfu.get(name), ".1%") for name in (HF_VIT, *PEERS)]
+        cells += [_cell(memory.get(name), ",.2f", 1024) for name in (HF_VIT, *PEERS)]
         lines.append(cells)
     return _markdown_table(header, lines)
 
@@ -172,7 +167,7 @@ def format_targets(report: dict) -> str:
         if "mfu_target" in row:
             value = row["mfu"].get(HF_VIT)
             met = "**met**" if value is not None and value >= row["mfu_target"] else "not met"
-            lines.append(head + ["MFU", f"{row['mfu_target']:.0%}", _percent(value), met])
+            lines.append(head + ["MFU", f"{row['mfu_target']:.0%}", _cell(value, ".1%"), met])
     return _markdown_table(["model", "mode", "variant", "figure", "target", "measured", ""], lines)
 
 
@@ -213,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save(packing: dict | None = None) -> None:  # after every model and packing variant: a run cut short keeps them
         if packing is not None:
-            report["packing"] = merge_packing(previous.get("packing"), packing)
+            report["packing"] = {**packing, "rows": {**previous.get("packing", {}).get("rows", {}), **packing["rows"]}}
         report["summary"] = summary_rows(report)
         if args.json:
             write_json(report, args.json)
@@ -247,10 +242,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc:
         print(f"doc: {write_doc(report, args.doc, markdown_sections, TAG)}")
     return 0
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

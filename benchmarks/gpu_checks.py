@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -59,10 +60,6 @@ HUB_COMMIT = "5e0ce" * 8  # 40 hex digits: transformers resolves the revision, a
 HUB_REPO_ID = "hf-vit-smoke/vit-tiny"
 
 
-class Skipped(Exception):
-    """A check that cannot run here; the message is the reason."""
-
-
 def expect(holds, message: str) -> None:
     if not holds:
         raise AssertionError(message)
@@ -74,8 +71,6 @@ class Smoke:
 
     device: torch.device
     scratch: Path
-    trainer_on_cpu: bool = False
-    log: Callable[[str], None] = print
     details: dict = field(default_factory=dict)
 
     @property
@@ -125,13 +120,9 @@ CHECKS: dict[str, tuple[Callable[[Smoke], str], str | None]] = {}
 
 
 def check(needs_cuda: str | None = None):
-    """Registers a check; `needs_cuda`: why it is skipped off CUDA (`TRAINER`: unless --trainer_on_cpu)."""
-
-    def register(function: Callable[[Smoke], str]) -> Callable[[Smoke], str]:
-        CHECKS[function.__name__] = (function, needs_cuda)
-        return function
-
-    return register
+    """Registers a check (returned as it is); `needs_cuda`: why it is skipped off CUDA (`TRAINER`: unless
+    --trainer_on_cpu)."""
+    return lambda function: CHECKS.setdefault(function.__name__, (function, needs_cuda))[0]
 
 
 @check()
@@ -143,9 +134,8 @@ def attention_implementations(smoke: Smoke) -> str:
 
 
 def against_eager(smoke: Smoke, config: VisionTransformerConfig, inputs: dict, name: str, what: str = "logits") -> str:
-    """`config`'s classifier, saved and loaded in every attention implementation that loads (bf16), on `inputs`, each
-    against eager's logits (relative tolerance `BF16_RELATIVE_TOLERANCE`); eager and SDPA must load. Records the
-    differences and the implementations that did not load under `smoke.details[name]`; returns them as text."""
+    """`config`'s classifier loaded in each attention implementation (bf16; eager and SDPA must load) on `inputs`;
+    records the differences and the implementations that did not load under `smoke.details[name]`."""
     folder, logits, skipped = smoke.scratch / name, {}, {}
     build_hf_vit(config).save_pretrained(folder)
     for implementation in ATTENTION_IMPLEMENTATIONS:
@@ -178,11 +168,10 @@ def gradient_checkpointing(smoke: Smoke) -> str:
     mlp = next(module for module in model.modules() if type(module).__name__ == "VisionTransformerMLP")
     calls = []
     mlp.register_forward_pre_hook(lambda *_: calls.append(1))  # at entry: the recompute may stop early
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     results, forwards = [], []
     for enabled in (False, True):
         if enabled:
-            enable()
+            model.gradient_checkpointing_enable()
         model.zero_grad(set_to_none=True)
         calls.clear()
         loss = model(pixels, labels=labels).loss
@@ -210,11 +199,10 @@ def interpolate_pos_encoding(smoke: Smoke) -> str:
     with torch.no_grad():
         wide = model(smoke.pixels(config, size=size), interpolate_pos_encoding=True).logits
         same = relative_difference(model(native, interpolate_pos_encoding=True).logits, model(native).logits)
-        try:
+        refused = True
+        with contextlib.suppress(ValueError):
             model(smoke.pixels(config, size=size))
             refused = False
-        except ValueError:
-            refused = True
     shape = tuple(wide.shape)
     expect(shape == (4, config.num_labels) and torch.isfinite(wide).all(), f"logits {shape} at {size}, or not finite")
     expect(
@@ -237,15 +225,11 @@ def hybrid(smoke: Smoke) -> str:
         fp32 = model(pixels).logits
         with torch.autocast(smoke.device.type, dtype=torch.bfloat16):
             bf16 = model(pixels).logits
-    optimizer = torch.optim.SGD(model.train().parameters(), lr=0.01, momentum=0.9)
-    with torch.autocast(smoke.device.type, dtype=torch.bfloat16):
-        loss = model(pixels, labels=torch.tensor([0, 1], device=smoke.device)).loss
-    loss.backward()
-    optimizer.step()
+    (loss,) = autocast_steps(smoke, model.train(), 1, pixel_values=pixels, labels=torch.arange(2, device=smoke.device))
     difference = relative_difference(bf16, fp32)
     expect(
-        torch.isfinite(loss) and difference <= BF16_RELATIVE_TOLERANCE,
-        f"loss {loss.item()}, bf16 logits differ by {difference:.1e}",
+        math.isfinite(loss) and difference <= BF16_RELATIVE_TOLERANCE,
+        f"loss {loss}, bf16 logits differ by {difference:.1e}",
     )
     return f"stem {config.resnet_layers}, stride {config.stem_stride}; bf16 vs fp32 logits {difference:.1e}"
 
@@ -256,12 +240,11 @@ def masked_patch_prediction(smoke: Smoke) -> str:
     config = smoke.config()
     torch.manual_seed(0)
     model = VisionTransformerForMaskedPatchPrediction(config).to(smoke.device).train()
-    patches = (config.image_hw[0] // config.patch_size) * (config.image_hw[1] // config.patch_size)
     generator = torch.Generator().manual_seed(1)
-    labels = torch.randint(0, config.mpp_num_classes, (8, patches), generator=generator).to(smoke.device)
+    labels = torch.randint(0, config.mpp_num_classes, (8, config.num_patches), generator=generator).to(smoke.device)
     pixels = smoke.pixels(config, batch=8)
     losses = autocast_steps(smoke, model, 6, pixel_values=pixels, labels=labels, patch_corruption=None)
-    expect(all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], f"losses {losses}")
+    expect(all(map(math.isfinite, losses)) and losses[-1] < losses[0], f"losses {losses}")
     return f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps on one batch"
 
 
@@ -341,20 +324,10 @@ def trainer_env(smoke: Smoke) -> dict[str, str]:
 
 
 def finetune_args(output_dir: Path, max_steps: int, extra=(), learning_rate: float = 0.03) -> list[str]:
-    return [
-        str(FINETUNE),
-        "--model_name_or_path", HUB_REPO_ID,
-        "--dataset_name", "digits",
-        "--output_dir", str(output_dir),
-        "--max_steps", str(max_steps),
-        "--per_device_train_batch_size", "32",
-        "--per_device_eval_batch_size", "64",
-        "--learning_rate", str(learning_rate),
-        "--eval_strategy", "no",
-        "--logging_steps", "5",
-        "--seed", "0",
-        *extra,
-    ]  # fmt: skip
+    fixed = f"--model_name_or_path {HUB_REPO_ID} --dataset_name digits --per_device_train_batch_size 32"
+    fixed += " --per_device_eval_batch_size 64 --eval_strategy no --logging_steps 5 --seed 0"
+    mine = ["--output_dir", str(output_dir), "--max_steps", str(max_steps), "--learning_rate", str(learning_rate)]
+    return [str(FINETUNE), *fixed.split(), *mine, *extra]
 
 
 def run_logged(smoke: Smoke, command: list[str], env: dict[str, str], name: str) -> str:
@@ -370,8 +343,7 @@ def run_logged(smoke: Smoke, command: list[str], env: dict[str, str], name: str)
 
 def final_metrics(output_dir: Path) -> dict:
     metrics = json.loads((output_dir / "all_results.json").read_text())
-    finite = all(torch.isfinite(torch.tensor(float(metrics[key]))) for key in ("train_loss", "eval_accuracy"))
-    expect(finite, f"non-finite metrics: {metrics}")
+    expect(all(math.isfinite(metrics[k]) for k in ("train_loss", "eval_accuracy")), f"non-finite metrics: {metrics}")
     return metrics
 
 
@@ -443,13 +415,13 @@ def resume_after_a_kill(smoke: Smoke) -> str:
     return f"killed after checkpoint-{killed_at}, resumed from step {killed_at} to {max_steps}"
 
 
-def _differing(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> list[str]:
-    """The names whose tensors are not bit for bit equal (or missing from one side)."""
-    return sorted(
-        name
-        for name in first.keys() | second.keys()
-        if name not in first or name not in second or not torch.equal(first[name], second[name])
-    )
+def _differing(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The largest difference of each tensor that is not bit for bit equal (inf: missing from one side)."""
+    differing = dict.fromkeys(first.keys() ^ second.keys(), math.inf)
+    for name in first.keys() & second.keys():
+        if not torch.equal(first[name], second[name]):
+            differing[name] = float((first[name].float() - second[name].float()).abs().max())
+    return differing
 
 
 RECIPE_STEPS = 60  # at 12 steps an H200 finished the run before the kill could land
@@ -500,12 +472,8 @@ def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
         "model.safetensors",
         *(f"checkpoint-{RECIPE_STEPS}/{file}" for file in ("model.safetensors", EMA_FILE)),
     ):
-        first, again = load_file(straight / name), load_file(killed / name)
-        if names := _differing(first, again):
-            gaps = [
-                float((first[n].float() - again[n].float()).abs().max()) for n in names if n in first and n in again
-            ]
-            differing[name] = {"tensors": len(names), "largest": max(gaps)}
+        if gaps := _differing(load_file(straight / name), load_file(killed / name)):
+            differing[name] = {"tensors": len(gaps), "largest": max(gaps.values())}
     smoke.details["recipe_deit_resumes_bit_for_bit"] = {
         "straight_seconds": seconds, "killed_after": killed_at, "differing": differing,
         "train_loss": metrics["train_loss"], "eval_accuracy": metrics["eval_accuracy"],
@@ -548,8 +516,7 @@ def ema_update_cost(smoke: Smoke) -> str:
     on, weights_on = {str(a.device) for a in average.averages}, [str(p.device) for p in average.params]
     expect(on == set(weights_on), f"the averages are on {on}, the weights on {weights_on[:1]}")
     del average
-    batch = 256 if smoke.cuda else 2
-    dtype, rounds = ("bf16", 5) if smoke.cuda else ("fp32", 2)
+    batch, dtype, rounds = (256, "bf16", 5) if smoke.cuda else (2, "fp32", 2)
     cost = ema_cost(batch, repeats=rounds, steps=rounds if smoke.cuda else 1, device=str(smoke.device), dtype=dtype)
     smoke.details["ema_update_cost"] = cost = {**cost, "kernels_per_update": len(kernels), "tensors": tensors}
     seconds = cost["seconds"]
@@ -586,11 +553,9 @@ def fsdp_through_accelerate(smoke: Smoke) -> str:
         "configs/accelerate/fsdp.yaml asks for SHARDED_STATE_DICT (for the checkpoints)",
     )
     loaded = VisionTransformerForImageClassification.from_pretrained(output_dir)
-    shapes = {
-        name: tuple(t.shape) for name, t in VisionTransformerForImageClassification(loaded.config).state_dict().items()
-    }
+    whole = VisionTransformerForImageClassification(loaded.config).state_dict()
     expect(
-        {name: tuple(t.shape) for name, t in loaded.state_dict().items()} == shapes,
+        {name: t.shape for name, t in loaded.state_dict().items()} == {name: t.shape for name, t in whole.items()},
         "the saved model's tensors are not the whole model's (not consolidated)",
     )
     accuracy = final_metrics(output_dir)["eval_accuracy"]
@@ -610,8 +575,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write every check's outcome and details here")
     parser.add_argument("--keep", default=None, help="scratch folder to keep (default: a temporary one, removed)")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.only or ()) - set(CHECKS))
-    if unknown:
+    if unknown := sorted(set(args.only or ()) - set(CHECKS)):
         parser.error(f"unknown check(s) {unknown}; the checks are {list(CHECKS)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}, but CUDA is not available here; use --device cpu")
@@ -631,30 +595,25 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         scratch = Path(args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="hf-vit-smoke-")))
         scratch.mkdir(parents=True, exist_ok=True)
-        smoke = Smoke(device, scratch, args.trainer_on_cpu, log=lambda line: print(line, flush=True))
+        smoke = Smoke(device, scratch)
         for name in args.only or list(CHECKS):
             function, needs_cuda = CHECKS[name]
             start = time.perf_counter()
+            skip = needs_cuda and not smoke.cuda and not (needs_cuda == TRAINER and args.trainer_on_cpu)
             try:
-                if needs_cuda and not smoke.cuda and not (needs_cuda == TRAINER and smoke.trainer_on_cpu):
-                    raise Skipped(needs_cuda)
-                status, detail = "passed", function(smoke)
-            except Skipped as reason:
-                status, detail = "skipped", str(reason)
+                status, detail = ("skipped", needs_cuda) if skip else ("passed", function(smoke))
             except Exception as error:  # noqa: BLE001 - a failing check is reported, and the others still run
                 status, detail = "failed", f"{type(error).__name__}: {error}"
                 if os.environ.get("HF_VIT_TRACEBACK"):
                     traceback.print_exc()
             outcomes[name] = {"status": status, "detail": detail, "seconds": time.perf_counter() - start}
-            smoke.log(f"{status:7s} {name} ({outcomes[name]['seconds']:.1f} s): {detail}")
+            print(f"{status:7s} {name} ({outcomes[name]['seconds']:.1f} s): {detail}", flush=True)
             if args.json:
                 report = dict(device=str(device), name=where, torch=torch.__version__, checks=outcomes)
                 write_json({**report, "details": smoke.details}, args.json)
-    counts = {
-        status: sum(o["status"] == status for o in outcomes.values()) for status in ("passed", "failed", "skipped")
-    }
-    print(", ".join(f"{count} {status}" for status, count in counts.items()))
-    return 1 if counts["failed"] else 0
+    statuses = [outcome["status"] for outcome in outcomes.values()]
+    print(", ".join(f"{statuses.count(status)} {status}" for status in ("passed", "failed", "skipped")))
+    return 1 if "failed" in statuses else 0
 
 
 if __name__ == "__main__":

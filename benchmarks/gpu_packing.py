@@ -26,14 +26,13 @@ from unittest import mock
 
 import torch
 
-from benchmarks.packing_speed import layout_batches, layout_calls, layouts, small_classifier
+from benchmarks.packing_speed import MODES, layout_batches, layout_calls, layouts, small_classifier
 from benchmarks.report import _markdown_table
 from benchmarks.runners import compile_models
 from benchmarks.timing import budget_spent, median_seconds, sdpa_backend, synchronize, time_alternating
 from hf_vit.model import attention
 
 LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed", "packed + mask")
-MODES = ("inference", "training")
 # The full run: ViT-B width, 12 blocks, batch 128, K = 256 patches per image, packed rows of L = 1024.
 FULL = dict(max_num_patches=256, packed_sequence_length=1024, batch_size=128, width=768, depth=12, heads=12)
 QUICK = dict(max_num_patches=16, packed_sequence_length=32, batch_size=6, width=32, depth=1, heads=2)
@@ -51,22 +50,13 @@ def layout_context(layout: str):
     return contextlib.nullcontext()
 
 
-def attention_path(layout: str, observed: list[str]) -> str:
-    """The attention path hf-vit ran (observed eager; a compiled graph takes the same one): no mask, the padding
+def observed_paths(calls: dict, log) -> dict[str, str]:
+    """Per call ("layout | mode"), the attention path hf-vit's dispatch chose in one eager call of it (a compiled graph
+    takes the same one; a masked row's own patch wins: nothing is recorded, its path is the mask): no mask, the padding
     masked as keys, each image in a row of its own (CPU), a block-diagonal mask, or the runs' kernel ("varlen",
     "flash")."""
-    if layout == "square":
-        return "sdpa, no mask"
-    path = min(observed, default="mask")
-    if layout.startswith("padded") and path in ("images", "mask"):  # one image per row: its padding masked as keys
-        return "sdpa, padding mask"
-    return {"images": "sdpa, each image in a row of its own", "mask": "block-diagonal mask"}.get(path, path)
-
-
-def observed_paths(calls: dict, log) -> dict[str, str]:
-    """Per call ("layout | mode"), the attention path hf-vit's dispatch chose in one eager call of it (a masked row's
-    own patch wins: nothing is recorded, its path is the mask)."""
     original, seen, paths = attention.segment_attention_path, [], {}
+    names = {"images": "sdpa, each image in a row of its own", "mask": "block-diagonal mask"}
 
     def record(*args, **kwargs):
         seen.append(original(*args, **kwargs))
@@ -79,7 +69,10 @@ def observed_paths(calls: dict, log) -> dict[str, str]:
                 fn()
             except Exception as exc:  # noqa: BLE001
                 log(f"packing: {key}: {_error(exc)}")
-            paths[key] = attention_path(key.split(" | ")[0], seen)
+            path = min(seen, default="mask")
+            if key.startswith("padded") and path in ("images", "mask"):  # one image per row: its padding as keys
+                path = "sdpa, padding mask"
+            paths[key] = "sdpa, no mask" if key.startswith("square") else names.get(path, path)
     return paths
 
 
@@ -89,11 +82,9 @@ def host_sync_check(model: torch.nn.Module, batches: dict, labels: dict, device:
     naming the operation), after one unchecked warm-up call. CUDA only: on another device, the reason it is skipped."""
     if device.type != "cuda":
         return {"skipped": f"{device.type}: no device to synchronise with (set_sync_debug_mode is CUDA's)"}
-    result = {}
-    calls = layout_calls(
-        model, batches, labels, ("padded", "packed"), lambda _: torch.autocast("cuda", torch.bfloat16)
-    )
-    for layout in ("padded", "packed"):
+    result, layouts = {}, ("padded", "packed")
+    calls = layout_calls(model, batches, labels, layouts, lambda _: torch.autocast("cuda", torch.bfloat16))
+    for layout in layouts:
         step = calls[f"{layout} | training"]  # bf16 autocast, forward, loss, backward, gradients zeroed
         try:
             step()  # warm-up: lazy initialisation (cuBLAS handles, kernels) is not the forward's
@@ -119,10 +110,10 @@ def sdpa_backends(device: torch.device) -> dict:
     return {"cudnn": torch.backends.cudnn.version(), **enabled}
 
 
-def profile_call(fn, device: torch.device) -> dict:
-    """A profile of one call of `fn`: the attention-related ops and kernels it shows, and on CUDA the kernels' total
-    time (seconds; divided by the call's timed seconds, how busy the GPU was: the rest is time it waited for the
-    host) and the five longest kernels."""
+def profile_call(fn, device: torch.device, seconds: float) -> dict:
+    """A profile of one call of `fn`: the attention-related ops and kernels it shows, and on CUDA how busy the GPU
+    was (the kernels' time over the call's timed `seconds`: below 1, the GPU waited for the host) and the five longest
+    kernels (name, ms)."""
     profiler = torch.profiler.ProfilerActivity
     activities = [profiler.CPU] + ([profiler.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as profile:
@@ -131,10 +122,10 @@ def profile_call(fn, device: torch.device) -> dict:
     events = profile.key_averages()
     kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
     longest = sorted(kernels, key=lambda event: -event.self_device_time_total)[:5]
-    longest = [(event.key[:90], round(event.self_device_time_total / 1e3, 3)) for event in longest]  # (name, ms)
-    seconds = sum(event.self_device_time_total for event in kernels) / 1e6 if kernels else None
+    longest = [(event.key[:90], round(event.self_device_time_total / 1e3, 3)) for event in longest]
+    busy = sum(event.self_device_time_total for event in kernels) / 1e6 / seconds if kernels else None
     attention_kernels = sorted({event.key for event in events if KERNEL_NAMES.search(event.key)})[:20]
-    return {"attention_kernels": attention_kernels, "kernel_seconds": seconds, "longest_kernels": longest}
+    return {"attention_kernels": attention_kernels, "gpu_busy": busy, "longest_kernels": longest}
 
 
 @contextlib.contextmanager
@@ -191,11 +182,10 @@ def _error(exc: Exception) -> str:
     return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
-def measure_packing(args: argparse.Namespace, log=print, start: float | None = None, save=None) -> dict:
+def measure_packing(args: argparse.Namespace, log, start: float, save) -> dict:
     """The packing rows: per layout, mode and variant, images/s and real patches/s, the attention path and kernels.
     No compilation starts once `args.time_budget_s` is spent (counted from `start`); `save` gets the result so far
     after each variant."""
-    start = time.perf_counter() if start is None else start
     device = torch.device(args.device)
     shape = argparse.Namespace(**(QUICK if args.quick else FULL), min_share=0.4, seed=0)  # what `layouts` reads
     shapes = layouts(shape)
@@ -203,7 +193,6 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
     batches = {name: {key: value.to(device) for key, value in batch.items()} for name, batch in batches.items()}
     model = small_classifier(shape.max_num_patches, shape.width, shape.depth, shape.heads, shape.seed).to(device)
     labels = {name: torch.zeros(count, dtype=torch.long, device=device) for name, count in images.items()}
-    # The padded rows and the packed batch give the images they share the same logits, before anything is timed.
     difference, accuracy = accuracy_checks(model, batches, shape, device)
     for layout, figures in accuracy.items():
         log(f"packing bf16 against fp32: {layout}: {figures}")
@@ -243,8 +232,7 @@ def measure_packing(args: argparse.Namespace, log=print, start: float | None = N
         time_rows(args, variant, calls, result, paths, log, start)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if save is not None:  # after each variant: a run stopped by a time limit keeps the rows measured
-            save(result)
+        save(result)  # after each variant: a run stopped by a time limit keeps the rows measured
     return result
 
 
@@ -267,21 +255,16 @@ def time_rows(args, variant: str, calls: dict, result: dict, paths: dict, log, s
         log(f"packing {variant}: {key} ready ({time.perf_counter() - start:.0f} s)")
     samples = time_alternating(fns, args.steps, args.repeats, device)
     for key, fn in fns.items():
-        seconds, profiled = median_seconds(samples[key]), profile_call(fn, device)
+        seconds = median_seconds(samples[key])
         layout, mode = key.split(" | ")
         name = layout.split()[0]
-        result["rows"][f"{key} | {variant}"] = {
+        row = result["rows"][f"{key} | {variant}"] = {
             "layout": layout, "mode": mode, "variant": variant, "images_per_s": result["images"][name] / seconds,
             "patches_per_s": result["patches"][name] / seconds, "attention_path": paths[key],
-            "attention_kernels": profiled["attention_kernels"] if mode == "inference" else None,
-            # the kernels' time over the call's: below 1, the GPU waited for the host
-            "gpu_busy": None if profiled["kernel_seconds"] is None else profiled["kernel_seconds"] / seconds,
-            "longest_kernels": profiled["longest_kernels"],
+            **profile_call(fn, device, seconds),
         }  # fmt: skip
-
-
-def merge_packing(previous: dict | None, current: dict) -> dict:
-    return {**current, "rows": {**(previous or {}).get("rows", {}), **current["rows"]}}
+        if mode == "training":
+            row["attention_kernels"] = None
 
 
 def format_packing(report: dict) -> str:
@@ -319,16 +302,12 @@ def format_packing(report: dict) -> str:
         + ".",
     ]
     if accuracy := packing.get("bf16_accuracy", {}):
-        lines.append(
-            "bf16 autocast against fp32, the images the batches share (largest logits difference; relative difference "
-            "of the gradients): "
-            + "; ".join(
-                f"{layout}: {figures['error']}" if "error" in figures else
-                f"{layout}: {figures['logits_max_difference']:.1e}; {figures['gradients_relative_difference']:.1e}"
-                for layout, figures in accuracy.items()
-            )
-            + "."
-        )  # fmt: skip
+        shown = []
+        for layout, f in accuracy.items():
+            figures = "error" in f or f"{f['logits_max_difference']:.1e}; {f['gradients_relative_difference']:.1e}"
+            shown.append(f"{layout}: {f.get('error') or figures}")
+        said = "bf16 autocast against fp32, the images the batches share (largest logits difference; relative"
+        lines.append(f"{said} difference of the gradients): {'; '.join(shown)}.")
     host_sync = packing.get("host_sync")
     if host_sync and "skipped" in host_sync:
         lines.append(f"Host synchronisation check (forward + backward): skipped, {host_sync['skipped']}.")

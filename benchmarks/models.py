@@ -81,14 +81,12 @@ def build_models(
     and for those left out, why."""
     ours = build_hf_vit(hf_vit_config(settings, image_size), settings.seed)
     models = {HF_VIT: ours.to(device), TRANSFORMERS: transformers_from_hf_vit(ours)}
-    skipped = {}
+    skipped = {} if settings.timm else {TIMM: "not requested"}
     if settings.timm:
         try:
             models[TIMM] = timm_from_hf_vit(ours)
         except Exception as error:  # noqa: BLE001 - timm is optional; any failure only drops its column
             skipped[TIMM] = f"{type(error).__name__}: {error}"
-    else:
-        skipped[TIMM] = "not requested"
     return models, skipped
 
 
@@ -96,9 +94,8 @@ def build_models(
 def compare_logits(models: dict[str, nn.Module], pixel_values: torch.Tensor, dtype: str = "fp32") -> dict[str, float]:
     logits = {}
     for name, model in models.items():
-        model.eval()
         with autocast(pixel_values.device, dtype):
-            logits[name] = logits_of(model(pixel_values)).float()
+            logits[name] = logits_of(model.eval()(pixel_values)).float()
     reference = logits[HF_VIT]
     return {name: (value - reference).abs().max().item() for name, value in logits.items() if name != HF_VIT}
 
