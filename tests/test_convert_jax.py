@@ -441,3 +441,15 @@ def test_command_line(tmp_path, capsys):
     assert code == 0 and json.loads((tmp_path / "o3" / "config.json").read_text())["image_size"] == 24
     code = run_cli("--source", "transformers", "--input", tmp_path, "--output", tmp_path / "o4", "--image_size", 64)
     assert code == 2 and "--image_size cannot be used with --source transformers" in capsys.readouterr().err
+
+
+def test_big_vision_class_token_without_position_on_a_grid_that_is_not_square(tmp_path):
+    """big_vision adds the class token after the positions whatever the grid: a 3x4 one gets a zero class position."""
+    spec = SPECS["token"]
+    w = random_npz(**spec, seed=3)
+    w[POS] = np.random.default_rng(0).standard_normal((1, 1 + 12, spec["width"])).astype(np.float32)
+    arrays = to_big_vision(w)  # drops the class position: a (1, 12, D) table
+    model = convert_jax_checkpoint(save_npz(tmp_path / "bv.npz", arrays), tmp_path / "out", image_size=(24, 32))
+    table = model.vit.embeddings.position_embedding.detach().numpy()
+    expected = np.concatenate([np.zeros((1, 1, spec["width"]), np.float32), arrays["params/pos_embedding"]], axis=1)
+    np.testing.assert_array_equal(table, expected)

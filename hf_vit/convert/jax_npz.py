@@ -136,8 +136,9 @@ def canonical_arrays(arrays: Mapping[str, np.ndarray], big_vision: bool = False)
         )
     pos = out.get(pos_key)
     if "cls" in out and isinstance(pos, np.ndarray) and pos.ndim == 3:
-        if square_side(pos.shape[1]) and not square_side(pos.shape[1] - 1):
-            # The class token was added after the position embedding: give it a zero position (exact).
+        # big_vision adds the class token after the positions (a grid of any shape); vit_jax's table without a class
+        # position is told by its square grid. The class token then gets a zero position (exact).
+        if big_vision or (square_side(pos.shape[1]) and not square_side(pos.shape[1] - 1)):
             out[pos_key] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)
     return out
 
