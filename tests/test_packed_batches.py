@@ -181,4 +181,4 @@ def test_the_runs_padding_line_says_whether_packing_pays(packed_length):
         assert "packing would not pay" in full and "--packed_sequence_length would pay" in sparse
     else:
         assert "leave out --packed_sequence_length" in full and "packing pays" in sparse
-    assert "5% padding" in full and "When packing pays" in full
+    assert "from about 5% padding" in full and "When packing pays" in full  # not 15%
