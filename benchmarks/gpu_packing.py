@@ -3,10 +3,11 @@ of `packing_speed.layouts`), bf16 autocast, eager and compiled, inference and a 
 
     square            B square images of K patches each: no padding, no mask
     padded + mask     B native-resolution images, one per row of K slots, the padding masked as keys
-                      (`segment_attention_path` patched to "mask")
+                      (`segment_attention_path` patched to "images")
     padded + varlen   the same batch as the model runs it (`varlen_attn` on CUDA in half precision, else a key mask)
     packed            the same images and the next ones, whole, in B * K / L rows of L slots, as the model runs them
-    packed + mask     the same packed rows with a block-diagonal mask (what `varlen_attn` saves over it)
+    packed + mask     the same packed rows, each image gathered into a row of its own, its padding masked as keys
+                      (what `varlen_attn` saves over it)
 
 Checked first: the padded and packed batches' shared images get the same logits (fp32), and each layout's bf16
 logits and gradients against fp32 (`accuracy_checks`). Each row records the attention path hf-vit chose, the kernels
@@ -39,24 +40,24 @@ QUICK = dict(max_num_patches=16, packed_sequence_length=32, batch_size=6, width=
 # fp32 logits of the images the padded and packed batches share: equal to this (a GPU's kernels differ with the
 # batch's shape more than CPU ones), before anything is timed.
 LOGITS_TOLERANCE = {True: 1e-4, False: 1e-3}
+PATH_NAMES = {"images": "sdpa, each image in a row of its own", "runs": "sdpa, each image's run alone"}
 KERNEL_NAMES = re.compile(r"attention|attn|fmha|flash|cudnn|softmax|bmm", re.IGNORECASE)
 
 
 def layout_context(layout: str):
-    """The masked rows: attention with a mask whatever the device and dtype (the padding masked as keys where each row
-    holds one image, else block-diagonal); the others take the model's own path."""
+    """The masked rows: each image in a row of its own, its padding masked as keys, whatever the device and dtype;
+    the others take the model's own path."""
     if layout.endswith("+ mask"):
-        return mock.patch.object(attention, "segment_attention_path", lambda *args, **kwargs: "mask")
+        return mock.patch.object(attention, "segment_attention_path", lambda *args, **kwargs: "images")
     return contextlib.nullcontext()
 
 
 def observed_paths(calls: dict, log) -> dict[str, str]:
-    """Per call ("layout | mode"), the attention path hf-vit's dispatch chose in one eager call of it (a compiled graph
-    takes the same one; a masked row's own patch wins: nothing is recorded, its path is the mask): no mask, the padding
-    masked as keys, each image in a row of its own (CPU), a block-diagonal mask, or the runs' kernel ("varlen",
-    "flash")."""
+    """Per call ("layout | mode"), the attention path hf-vit's dispatch chose in one eager call of it (a masked row's
+    own patch wins: nothing is recorded, its path is "images"): no mask, the padding masked as keys, each image in a
+    row of its own, each image's run alone (CPU, eager only), or the runs' kernel
+    ("varlen", "flash")."""
     original, seen, paths = attention.segment_attention_path, [], {}
-    names = {"images": "sdpa, each image in a row of its own", "mask": "block-diagonal mask"}
 
     def record(*args, **kwargs):
         seen.append(original(*args, **kwargs))
@@ -69,10 +70,10 @@ def observed_paths(calls: dict, log) -> dict[str, str]:
                 fn()
             except Exception as exc:  # noqa: BLE001
                 log(f"packing: {key}: {_error(exc)}")
-            path = min(seen, default="mask")
-            if key.startswith("padded") and path in ("images", "mask"):  # one image per row: its padding as keys
+            path = min(seen, default="images")
+            if key.startswith("padded") and path == "images":  # one image per row: its padding as keys
                 path = "sdpa, padding mask"
-            paths[key] = "sdpa, no mask" if key.startswith("square") else names.get(path, path)
+            paths[key] = "sdpa, no mask" if key.startswith("square") else PATH_NAMES.get(path, path)
     return paths
 
 
@@ -257,10 +258,12 @@ def time_rows(args, variant: str, calls: dict, result: dict, paths: dict, log, s
     for key, fn in fns.items():
         seconds = median_seconds(samples[key])
         layout, mode = key.split(" | ")
-        name = layout.split()[0]
+        name, path = layout.split()[0], paths[key]
+        if variant == "compiled" and path == PATH_NAMES["runs"]:  # eager only: a compiled graph gathers each image
+            path = PATH_NAMES["images"]
         row = result["rows"][f"{key} | {variant}"] = {
             "layout": layout, "mode": mode, "variant": variant, "images_per_s": result["images"][name] / seconds,
-            "patches_per_s": result["patches"][name] / seconds, "attention_path": paths[key],
+            "patches_per_s": result["patches"][name] / seconds, "attention_path": path,
             **profile_call(fn, device, seconds),
         }  # fmt: skip
         if mode == "training":

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 r"""Packing rows of the benchmark: what padding costs on CPU, and what packing the images saves.
 
 Images at native resolution (each a grid of between `--min_share` x K and K patches) through hf-vit's processor at
@@ -6,11 +5,12 @@ equal patch slots: padded, B images one per row of K patches (`max_num_patches`)
 next ones, whole, into B * K / L rows of L slots (`packed_sequence_length`), as many as fit. First their attention, as
 the model runs it on CPU (`ALL_ATTENTION_FUNCTIONS` with the segments of the model's `BatchLayout`, a class token per
 image), inference and a training step, in alternating rounds: "padded + mask" (the padding masked as keys) and
-"packed + mask" (a block-diagonal mask). Then the whole classifier (`--model_width`, `--model_depth`) on a square
-batch (B images of exactly K patches), the padded and the packed batch, eager and under `torch.compile` (no compiled
-row starts once `--compile_budget_s` of compilation is spent, the square rows last), with each row's padding share and
-real patches per second; the batches' shared images get the same logits first. Last, the frames and graphs Dynamo
-compiles anew for each of `--recompile_batches` packed batches of other images (eager backend: guards decide it).
+"packed + mask" (the model's packed path: on CPU each image's run attended alone). Then the whole classifier
+(`--model_width`, `--model_depth`) on a square batch (B images of exactly K patches), the padded and the packed batch,
+eager and under `torch.compile` (no compiled row starts once `--compile_budget_s` of compilation is spent, the square
+rows last), with each row's padding share and real patches per second; the batches' shared images get the same
+logits first. Last, the frames and graphs Dynamo compiles anew for each of `--recompile_batches` packed batches of
+other images (eager backend: guards decide it).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/packing_speed.py --threads 1 [--no_compile] [--min_share 0.95]
     PYTHONPATH=. python benchmarks/packing_speed.py --quick   # seconds: a tiny batch, compiled with Dynamo's eager
@@ -47,7 +47,7 @@ MODES = ("inference", "training")
 PATHS = {
     "square": "no mask (no padding)",
     "padded + mask": "padding masked as keys: one SDPA call",
-    "packed + mask": "the model's path (CPU: SDPA on each image's run alone)",
+    "packed + mask": "the model's path (CPU: each image's run alone; compiled: each image in a row of its own)",
 }
 
 

@@ -398,13 +398,13 @@ def test_gpu_benchmark_quick_run_has_the_packing_rows(gpu_quick):
     paths = {key: row["attention_path"] for key, row in packing["rows"].items()}
     assert paths["square | training | eager"] == "sdpa, no mask"
     assert paths["padded + mask | inference | compiled"] == "sdpa, padding mask"
-    # CPU: the model's own path (varlen_attn is CUDA's): the padding masked as keys, each packed image gathered into a
-    # row of its own; the masked rows force the block-diagonal mask
+    # CPU: the model's own path (varlen_attn is CUDA's): the padding masked as keys, each packed image's run alone
+    # (eager) or gathered into a row of its own (compiled); the masked rows force the gather
     assert paths["padded + varlen | training | eager"] == paths["padded + varlen | inference | compiled"]
     assert paths["padded + varlen | training | eager"] == "sdpa, padding mask"
-    assert paths["packed | inference | eager"] == paths["packed | training | compiled"]
-    assert paths["packed | inference | eager"] == "sdpa, each image in a row of its own"
-    assert paths["packed + mask | inference | eager"] == "block-diagonal mask"
+    assert paths["packed | inference | eager"] == "sdpa, each image's run alone"
+    assert paths["packed | training | compiled"] == "sdpa, each image in a row of its own"
+    assert paths["packed + mask | inference | eager"] == "sdpa, each image in a row of its own"
     # bf16 against fp32 on the images the batches share: every layout as close as the masked padded batch
     accuracy = packing["bf16_accuracy"]
     assert set(accuracy) == set(layouts[1:])
@@ -612,8 +612,8 @@ def test_packing_rows_quick_mode_prints_every_row_and_ratio(capsys):
     ]  # fmt: skip
     assert all(len(re.findall(r"\d+\.\d\dx", row)) == 2 for row in model_rows)
     assert [row.split(" | ")[2] for row in model_rows][:2] == ["0%", "19%"]  # the square batch has no padding
-    # on CPU the model masks the padding as keys; each packed image runs in a row of its own (compiled the same)
-    assert "padding masked as keys" in model_rows[1] and "each image gathered into a row of its own" in model_rows[-1]
+    # on CPU the model masks the padding as keys; each packed image's run attends alone (compiled: a row of its own)
+    assert "padding masked as keys" in model_rows[1] and "each image's run alone" in model_rows[-1]
     assert "torch.compile(backend='eager'), logits within" in out and "Compiled / eager speed:" in out
     assert re.search(r"Recompiles: .* batch 2 \(\d+ images, rows of \d+ tokens\): \d+ frames recompiled", out)
     with pytest.raises(SystemExit):
