@@ -2,18 +2,19 @@
 
 Factors: source (a preset from scratch, an hf-vit folder, transformers' and timm's layouts by Hub id through a cache
 the test fills, the authors' .npz) x adaptation (full, LoRA on the fused qkv, LoRA on query,value) x labels (single,
-multi-label) x data (in memory, streamed) x processes (1, 2 with torchrun). `COMBINATIONS` covers every pair of values
-of the first four factors (a preset trains in full only, and multi-label data does not stream: that pair is checked to
-be refused); three of them run with two processes, covering two processes with every adaptation, both label kinds and
-both data kinds, from a preset, an hf-vit folder and a Hub id converted on load in each process. `FAMILY_ROWS` add one
-row for each of the family that followed, by Hub id (DINOv2 with registers, SigLIP's vision tower, DeiT with its
-distillation head), together covering every adaptation. Sizes drawn per batch ride on rows as extra flags: `--seq_lens`
-with two processes, multi-label and native-aspect batches (each step's length alike on both processes, checked from
-each one's batches) and across a kill (exact resumption); `--patch_sizes` with LoRA and with a stream; packed
-sequences (`--max_num_patches` with `--packed_sequence_length`) with LoRA, with a stream, and with two processes and
-multi-label data (in memory, each batch a fixed number of rows of patch slots holding as many images as fill them; on
-a stream, a fixed number of images); native-aspect batches (`--max_num_patches`) with DeiT's recipe (Mixup and
-CutMix of patches on the images' grids).
+multi-label) x data (in memory, streamed) x processes (1, 2 with torchrun: one launch trains every two-process run, one
+after the other in the same two processes). `COMBINATIONS` covers every pair of values of the first four factors (a
+preset trains in full only, and multi-label data does not stream: that pair is checked to be refused); three of them
+run with two processes, covering two processes with every adaptation, both label kinds and both data kinds, from a
+preset, an hf-vit folder and a Hub id converted on load in each process. `FAMILY_ROWS` add one row for each of the
+family that followed, by Hub id (DINOv2 with registers, SigLIP's vision tower, DeiT with its distillation head),
+together covering every adaptation. Sizes drawn per batch ride on rows as extra flags: `--seq_lens` with two processes,
+multi-label and native-aspect batches (each step's length alike on both processes, checked from each one's batches) and
+across a kill (exact resumption); `--patch_sizes` with LoRA and with a stream; packed sequences (`--max_num_patches`
+with `--packed_sequence_length`) with LoRA, with a stream, and with two processes and multi-label data (in memory, each
+batch a fixed number of rows of patch slots holding as many images as fill them; on a stream, a fixed number of
+images); native-aspect batches (`--max_num_patches`) with DeiT's recipe (Mixup and CutMix of patches on the images'
+grids).
 
 Invariants on every run:
 1. the run's folder (for LoRA: the merged model, saved) reloads with the Auto classes and predicts what the trained
