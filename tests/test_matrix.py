@@ -510,7 +510,8 @@ def test_killed_lora_run_resumes_to_the_same_weights(world, two_process_runs, tm
     assert (folder / "checkpoint-4" / "adapter_model.safetensors").is_file() and not (folder / "checkpoint-6").exists()
     task, flags = resumable_flags(world, folder, "--resume_from_checkpoint", "True")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_CACHE": str(world.cache)}
-    done = subprocess.run([*torchrun_command(), str(WORKER), task, *flags], capture_output=True, text=True, env=env)
+    command = [*torchrun_command(), str(WORKER), task, *flags]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     assert f"Resuming from {folder / 'checkpoint-4'}" in done.stderr and "incomplete" not in done.stderr
     resumed = load_file(folder / "rank0.safetensors")
