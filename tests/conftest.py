@@ -23,11 +23,12 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, tor
 # last, the workers finish together. (pytest-xdist's own order, by number of tests, left a few slow files of few tests
 # for the end, run by one worker while the other had nothing left.)
 SLOWEST_FILES = (
-    "test_benchmark.py", "test_matrix.py", "test_families.py", "test_training.py", "test_training_edges.py",
-    "test_analysis.py", "test_distributed.py", "test_recipes.py", "test_inference.py", "test_wheel.py",
-    "test_export.py", "test_packed_training.py", "test_output_folders.py", "test_native_aspect.py",
-    "test_hub_training.py", "test_examples.py", "test_layout.py", "test_image_processing.py", "test_data.py",
-    "test_packed_rows.py",
+    "test_benchmark.py", "test_families.py", "test_distributed.py", "test_training.py", "test_matrix.py",
+    "test_wheel.py", "test_export.py", "test_training_edges.py", "test_recipes.py", "test_packed_rows.py",
+    "test_packed_training.py", "test_gpu_checks.py", "test_variants.py", "test_summary.py", "test_inference.py",
+    "test_hub_training.py", "test_layout.py", "test_output_folders.py", "test_hub_access.py", "test_native_aspect.py",
+    "test_examples.py", "test_image_processing.py", "test_auto.py", "test_convert_transformers.py",
+    "test_architecture.py", "test_mim.py", "test_data.py",
 )  # fmt: skip
 
 

@@ -2,18 +2,19 @@
 
 Factors: source (a preset from scratch, an hf-vit folder, transformers' and timm's layouts by Hub id through a cache
 the test fills, the authors' .npz) x adaptation (full, LoRA on the fused qkv, LoRA on query,value) x labels (single,
-multi-label) x data (in memory, streamed) x processes (1, 2 with torchrun). `COMBINATIONS` covers every pair of values
-of the first four factors (a preset trains in full only, and multi-label data does not stream: that pair is checked to
-be refused); three of them run with two processes, covering two processes with every adaptation, both label kinds and
-both data kinds, from a preset, an hf-vit folder and a Hub id converted on load in each process. `FAMILY_ROWS` add one
-row for each of the family that followed, by Hub id (DINOv2 with registers, SigLIP's vision tower, DeiT with its
-distillation head), together covering every adaptation. Sizes drawn per batch ride on rows as extra flags: `--seq_lens`
-with two processes, multi-label and native-aspect batches (each step's length alike on both processes, checked from
-each one's batches) and across a kill (exact resumption); `--patch_sizes` with LoRA and with a stream; packed
-sequences (`--max_num_patches` with `--packed_sequence_length`) with LoRA, with a stream, and with two processes and
-multi-label data (in memory, each batch a fixed number of rows of patch slots holding as many images as fill them; on
-a stream, a fixed number of images); native-aspect batches (`--max_num_patches`) with DeiT's recipe (Mixup and
-CutMix of patches on the images' grids).
+multi-label) x data (in memory, streamed) x processes (1, 2 with torchrun: one launch trains every two-process run, one
+after the other in the same two processes). `COMBINATIONS` covers every pair of values of the first four factors (a
+preset trains in full only, and multi-label data does not stream: that pair is checked to be refused); three of them
+run with two processes, covering two processes with every adaptation, both label kinds and both data kinds, from a
+preset, an hf-vit folder and a Hub id converted on load in each process. `FAMILY_ROWS` add one row for each of the
+family that followed, by Hub id (DINOv2 with registers, SigLIP's vision tower, DeiT with its distillation head),
+together covering every adaptation. Sizes drawn per batch ride on rows as extra flags: `--seq_lens` with two processes,
+multi-label and native-aspect batches (each step's length alike on both processes, checked from each one's batches) and
+across a kill (exact resumption); `--patch_sizes` with LoRA and with a stream; packed sequences (`--max_num_patches`
+with `--packed_sequence_length`) with LoRA, with a stream, and with two processes and multi-label data (in memory, each
+batch a fixed number of rows of patch slots holding as many images as fill them; on a stream, a fixed number of
+images); native-aspect batches (`--max_num_patches`) with DeiT's recipe (Mixup and CutMix of patches on the images'
+grids).
 
 Invariants on every run:
 1. the run's folder (for LoRA: the merged model, saved) reloads with the Auto classes and predicts what the trained
@@ -29,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -282,29 +282,96 @@ def run_flags(world: World, combination: Combination, output_dir: Path) -> tuple
     return task, flags
 
 
-def trained_in_memory(world, combination, output_dir, task, flags, caplog, batches):
-    """Run the combination; returns the model as training left it, and the run's log. `batches` receives each
-    training batch's (rows, patch slots, images) of packed runs (rank 0's on two processes)."""
-    if combination.processes == 1:
-        from hf_vit.train.trainer import VisionTransformerTrainer
+def trained_in_memory(combination, task, flags, caplog, batches):
+    """Run the combination in this process; returns the model as training left it, and the run's log. `batches`
+    receives each training batch's (rows, patch slots, images) of packed runs."""
+    from hf_vit.train.trainer import VisionTransformerTrainer
 
-        keep, step = KeepModel(), VisionTransformerTrainer.training_step
+    keep, step = KeepModel(), VisionTransformerTrainer.training_step
 
-        def recording(self, model, inputs, num_items_in_batch=None):
-            if "image_slot_index" in inputs:
-                batches.append((*inputs["pixel_values"].shape[:2], len(inputs["spatial_shapes"])))
-            return step(self, model, inputs, num_items_in_batch)
+    def recording(self, model, inputs, num_items_in_batch=None):
+        if "image_slot_index" in inputs:
+            batches.append((*inputs["pixel_values"].shape[:2], len(inputs["spatial_shapes"])))
+        return step(self, model, inputs, num_items_in_batch)
 
-        with caplog.at_level("INFO", logger="hf_vit"), pytest.MonkeyPatch.context() as patch:
-            patch.setattr(VisionTransformerTrainer, "training_step", recording)
-            train(task, *parse_args(task, flags), callbacks=[keep])
-        return keep.model.eval(), caplog.text
-    torchrun = torchrun_command()
+    with caplog.at_level("INFO", logger="hf_vit"), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(VisionTransformerTrainer, "training_step", recording)
+        train(task, *parse_args(task, flags), callbacks=[keep])
+    return keep.model.eval(), caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The two-process runs: one torchrun launch trains them all, one after the other in the same two processes (each
+# process started once: its imports are most of a short run's time), and each test checks its own run.
+
+
+@dataclass
+class TwoProcessRun:
+    output_dir: Path
+    log: str  # both ranks' logs of this run
+    weights: dict[str, torch.Tensor] | None = None  # rank 0's at the end of training (None: the run did not end)
+    records: list[dict] | None = None  # each rank's world size and training batches
+    launch: str = ""  # the end of the launch's output, to say why a run did not end
+
+
+def resumable_flags(world: World, output_dir: Path, *more: str) -> tuple[str, list[str]]:
+    """The killed-and-resumed LoRA row: 6 steps on lengths drawn per step, a checkpoint every 2."""
+    task, flags = run_flags(world, Combination("folder", "qkv", "single", "memory", processes=2), output_dir)
+    flags[flags.index("--save_strategy") + 1] = "steps"
+    flags[flags.index("--max_steps") + 1] = "6"
+    flags += ["--save_steps", "2", "--eval_strategy", "no", "--dataloader_num_workers", "0"]
+    return task, [*flags, *SEQ_LENS, *more]
+
+
+def two_process_plan(world: World, root: Path, items) -> dict[str, tuple[str, list[str]]]:
+    """The two-process runs of this file's tests selected: each row's, then the killed row's uninterrupted run and its
+    killed run (last: it ends the processes)."""
+    plan, tests = {}, [item for item in items if item.path == Path(__file__)]
+    for item in tests:
+        if item.originalname == "test_combination" and item.callspec.params["combination"].processes == 2:
+            combination = item.callspec.params["combination"]
+            plan[str(combination)] = run_flags(world, combination, root / str(combination) / "run")
+    if any(item.originalname == "test_killed_lora_run_resumes_to_the_same_weights" for item in tests):
+        plan["straight"] = resumable_flags(world, root / "straight" / "run")
+        plan["killed"] = resumable_flags(world, root / "killed" / "run", "--kill_at_step", "5")
+    return plan
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(world, request, tmp_path_factory) -> dict[str, TwoProcessRun]:
+    root = tmp_path_factory.mktemp("two-processes")
+    plan = two_process_plan(world, root, request.session.items)
+    runs = [dict(task=task, flags=flags, log=str(root / name / "run.log")) for name, (task, flags) in plan.items()]
+    for name in plan:
+        (root / name).mkdir()
+    (root / "runs.json").write_text(json.dumps(runs))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_CACHE": str(world.cache)}
-    done = subprocess.run(torchrun + [str(WORKER), task, *flags], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    weights = load_file(output_dir / "rank0.safetensors")
-    records = [json.loads((output_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    command = [*torchrun_command(), str(WORKER), "--runs", str(root / "runs.json")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
+    # the killed run, last, ends the launch with its exit status; any other way of ending fails the test
+    assert (done.returncode == 0) == ("killed" not in plan), done.stderr[-4000:]
+    results = {}
+    for name, (_, flags) in plan.items():
+        output_dir = Path(flags[flags.index("--output_dir") + 1])
+        logs = [output_dir.parent / f"run.log{rank}" for rank in (0, 1)]
+        run = TwoProcessRun(output_dir, "".join(log.read_text() for log in logs if log.is_file()))
+        run.launch = done.stderr[-4000:]
+        if (output_dir / "rank1.json").is_file():
+            run.weights = load_file(output_dir / "rank0.safetensors")
+            run.records = [json.loads((output_dir / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+            for rank in (0, 1):  # the test hooks' files, not the run's
+                (output_dir / f"rank{rank}.safetensors").unlink()
+                (output_dir / f"rank{rank}.json").unlink()
+        results[name] = run
+    return results
+
+
+def trained_on_two_processes(world, combination, run: TwoProcessRun, batches):
+    """The model rank 0 held at the end of the row's two-process run, and the run's log; `batches` as above (rank
+    0's)."""
+    assert run.weights is not None, f"the run did not end:\n{run.launch}"
+    records, (_, flags) = run.records, run_flags(world, combination, run.output_dir)
+    assert [record["world_size"] for record in records] == [2, 2]
     if "--seq_lens" in flags:  # every step drew one length for both processes: the same batch size, within it
         assert len(records[0]["batches"]) == len(records[1]["batches"]) == 3
         for (images, patches), (other_images, other_patches) in zip(*(record["batches"] for record in records)):
@@ -312,10 +379,7 @@ def trained_in_memory(world, combination, output_dir, task, flags, caplog, batch
     if "--packed_sequence_length" in flags:
         slots = int(flags[flags.index("--packed_sequence_length") + 1])
         batches += [(rows, slots, images) for (rows, _), images in zip(records[0]["batches"], records[0]["images"])]
-    for rank in (0, 1):
-        (output_dir / f"rank{rank}.safetensors").unlink()
-        (output_dir / f"rank{rank}.json").unlink()
-    config = VisionTransformerConfig.from_pretrained(output_dir)
+    config = VisionTransformerConfig.from_pretrained(run.output_dir)
     if combination.adaptation == "full":
         model = VisionTransformerForImageClassification(config)
     else:  # the run's fine-tuning model with the same adapters, to take rank 0's weights
@@ -323,8 +387,8 @@ def trained_in_memory(world, combination, output_dir, task, flags, caplog, batch
         base.config.problem_type = config.problem_type
         targets = ["qkv"] if combination.adaptation == "qkv" else ["query", "value"]
         model = apply_lora(base, 2, target_modules=targets)
-    model.load_state_dict(weights)
-    return model.eval(), done.stdout + done.stderr
+    model.load_state_dict(run.weights)
+    return model.eval(), run.log
 
 
 def test_pairs_that_cannot_go_together_are_refused(world, tmp_path):
@@ -337,11 +401,15 @@ def test_pairs_that_cannot_go_together_are_refused(world, tmp_path):
 
 
 @pytest.mark.parametrize("combination", COMBINATIONS + FAMILY_ROWS, ids=str)
-def test_combination(world, combination, tmp_path, caplog):
-    out = tmp_path / "run"
-    task, flags = run_flags(world, combination, out)
+def test_combination(world, combination, tmp_path, caplog, request):
     batches = []
-    in_memory, log = trained_in_memory(world, combination, out, task, flags, caplog, batches)
+    if combination.processes == 1:
+        out = tmp_path / "run"
+        in_memory, log = trained_in_memory(combination, *run_flags(world, combination, out), caplog, batches)
+    else:
+        run = request.getfixturevalue("two_process_runs")[str(combination)]
+        out = run.output_dir
+        in_memory, log = trained_on_two_processes(world, combination, run, batches)
 
     # 1. the saved run reloads with the Auto classes and predicts what the trained model predicted
     folder = out
@@ -383,7 +451,7 @@ def test_combination(world, combination, tmp_path, caplog):
         for path in folder_written.rglob("*"):
             if path.is_file() and not path.name.endswith(BINARY) and path.name != LOCAL_BASE_FILE:
                 text = path.read_text(errors="replace")
-                for local in (str(world.root), str(tmp_path)):
+                for local in (str(world.root), str(tmp_path), str(out.parent)):
                     assert local not in text, f"{path.name} names {local}"
 
     # 4. the push plan lists only the project's files
@@ -432,31 +500,23 @@ def test_combination(world, combination, tmp_path, caplog):
 # uninterrupted run's weights
 
 
-@pytest.mark.parametrize("processes", [2])  # the one-process path is the same code, without the ranks
-def test_killed_lora_run_resumes_to_the_same_weights(world, processes, tmp_path):
-    combination = Combination("folder", "qkv", "single", "memory", processes=processes)
-
-    def launch(output_dir, *more, expect=0):
-        task, flags = run_flags(world, combination, output_dir)
-        flags[flags.index("--save_strategy") + 1] = "steps"
-        flags[flags.index("--max_steps") + 1] = "6"
-        flags += ["--save_steps", "2", "--eval_strategy", "no", "--dataloader_num_workers", "0", *SEQ_LENS, *more]
-        launcher = torchrun_command(processes) if processes > 1 else [sys.executable]
-        command = [*launcher, str(WORKER), task, *flags]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_CACHE": str(world.cache)}
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-        assert (done.returncode == 0) == (expect == 0), done.stderr[-4000:]
-        return done.stderr
-
-    launch(tmp_path / "straight")
-    killed = tmp_path / "killed"
-    launch(killed, "--kill_at_step", "5", expect=17)
-    assert (killed / "checkpoint-4" / "adapter_model.safetensors").is_file() and not (killed / "checkpoint-6").exists()
-    log = launch(killed, "--resume_from_checkpoint", "True")
-    assert f"Resuming from {killed / 'checkpoint-4'}" in log and "incomplete" not in log
-    straight, resumed = load_file(tmp_path / "straight" / "rank0.safetensors"), load_file(killed / "rank0.safetensors")
-    assert straight.keys() == resumed.keys() and any("lora_" in k for k in straight)
-    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+def test_killed_lora_run_resumes_to_the_same_weights(world, two_process_runs, tmp_path):
+    # two processes (the one-process path is the same code, without the ranks); the uninterrupted run and the killed
+    # one ran in the shared launch, the killed one last
+    straight, killed = two_process_runs["straight"], two_process_runs["killed"]
+    assert straight.weights is not None and killed.weights is None, straight.launch
+    assert "Killed at step 5" in killed.log
+    folder = killed.output_dir
+    assert (folder / "checkpoint-4" / "adapter_model.safetensors").is_file() and not (folder / "checkpoint-6").exists()
+    task, flags = resumable_flags(world, folder, "--resume_from_checkpoint", "True")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_CACHE": str(world.cache)}
+    command = [*torchrun_command(), str(WORKER), task, *flags]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"Resuming from {folder / 'checkpoint-4'}" in done.stderr and "incomplete" not in done.stderr
+    resumed = load_file(folder / "rank0.safetensors")
+    assert straight.weights.keys() == resumed.keys() and any("lora_" in k for k in resumed)
+    assert all(torch.equal(straight.weights[k], resumed[k]) for k in resumed)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

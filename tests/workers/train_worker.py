@@ -3,6 +3,10 @@
 
     python tests/workers/train_worker.py finetune [--kill_at_step N] <script flags>
     torchrun --nproc_per_node 2 tests/workers/train_worker.py finetune <script flags>
+    torchrun --nproc_per_node 2 tests/workers/train_worker.py --runs runs.json
+
+`--runs`: the runs one after the other in the same processes (one launch, one start of each process), from a JSON list
+of `{"task", "flags", "log"}`; each rank writes each run's log to `log` + its rank (`run.log0`, `run.log1`).
 """
 
 import json
@@ -50,15 +54,37 @@ class KillAt(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
+            logging.getLogger("train_worker").warning("Killed at step %d", self.step)
             os._exit(17)  # no cleanup, no final save: as if the job was killed
 
 
-if __name__ == "__main__":
-    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)  # as the scripts log
-    task, argv = sys.argv[1], sys.argv[2:]
+def run(task: str, argv: list[str], log: str | None = None) -> None:
+    if dist.is_initialized():  # the ranks start each run together, as a launch's rendezvous starts the first
+        dist.barrier()
+    BATCHES.clear()
+    IMAGES.clear()
     callbacks = [DumpWeights()]
     if "--kill_at_step" in argv:
         i = argv.index("--kill_at_step")
         callbacks.append(KillAt(int(argv[i + 1])))
         argv = argv[:i] + argv[i + 2 :]
-    train(task, *parse_args(task, argv), callbacks=callbacks)
+    handler = None if log is None else logging.FileHandler(log + os.environ.get("RANK", "0"))
+    if handler is not None:
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(handler)
+    try:
+        train(task, *parse_args(task, argv), callbacks=callbacks)
+    finally:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.INFO)  # as the scripts log
+    if sys.argv[1] == "--runs":
+        with open(sys.argv[2]) as f:
+            for one in json.load(f):
+                run(one["task"], one["flags"], one["log"])
+    else:
+        run(sys.argv[1], sys.argv[2:])
