@@ -335,8 +335,16 @@ def speed_parser(doc: str, tag: str, flags: dict) -> argparse.ArgumentParser:
     """The command line of a speed table: `flags`, `SPEED_FLAGS` and --doc, the file whose TAG block `print_table`
     rewrites."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    rewritten = f"markdown file whose <!-- {tag}:table --> block is rewritten"
-    add_flags(parser, {**flags, **SPEED_FLAGS, "doc": (None, rewritten, Path)})
+    block = f"<!-- {tag}:table -->"
+
+    def doc_file(text: str) -> Path:  # refused before anything is measured
+        if not Path(text).is_file() or block not in Path(text).read_text():
+            raise argparse.ArgumentTypeError(f"{text} is not a markdown file with a {block} block to rewrite")
+        return Path(text)
+
+    add_flags(
+        parser, {**flags, **SPEED_FLAGS, "doc": (None, f"markdown file whose {block} block is rewritten", doc_file)}
+    )
     return parser
 
 

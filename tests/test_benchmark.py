@@ -575,6 +575,9 @@ def test_naflex_rows_fill_their_doc_block(tmp_path, capsys):
     with pytest.raises(SystemExit):
         naflex_speed.main(["--max_num_patches", "5"])  # not a square: refused by name
     assert "--max_num_patches must be a square number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a --doc without the block: refused before anything is measured
+        naflex_speed.main(["--doc", str(tmp_path / "missing.md")])
+    assert "missing.md is not a markdown file with a <!-- naflex:table --> block" in capsys.readouterr().err
 
 
 def test_simmim_rows_time_both_models_with_the_same_weights(tmp_path, capsys):
