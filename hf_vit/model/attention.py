@@ -213,12 +213,9 @@ def segment_attention_forward(
     if implementation == "flex_attention":  # handed to SDPA: a block mask would be built for every batch
         function = sdpa_or_matmul_attention_forward
     if path == "runs":
-        sizes = segments.run_lengths()
-        runs = zip(*(tensor.split(sizes, dim=2) for tensor in (query, key, value)))
-        outputs = [
-            function(module, *run, None, scaling=scaling, dropout=dropout)[0] if size else run[0].transpose(1, 2)
-            for size, run in zip(sizes, runs)
-        ]
+        sizes = segments.run_lengths
+        runs = zip(sizes, *(tensor.split(sizes, dim=2) for tensor in (query, key, value)))
+        outputs = [function(module, *run, None, scaling=scaling, dropout=dropout)[0] for size, *run in runs if size]
         return torch.cat(outputs, dim=1).view(batch, tokens, heads, head_dim), None
     # each image's tokens in a row of their own (a view where the rows are the images), the rest masked as keys
     per_image = [

@@ -32,6 +32,7 @@ outputs are those it has alone at its own size.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -114,11 +115,10 @@ class AttentionSegments:
         places = torch.where(self.image_tokens >= 0, self.image_tokens, total)  # the spare row takes the rest
         return flat.new_zeros(total + 1, *flat.shape[1:]).index_copy(0, places, flat)[:total].unflatten(0, shape)
 
+    @functools.cached_property
     def run_lengths(self) -> list[int]:
         """The runs' lengths, read once (on CPU, where the values are in host memory: no device to wait for)."""
-        if "_run_lengths" not in self.__dict__:
-            self.__dict__["_run_lengths"] = self.cu_seqlens.diff().tolist()
-        return self.__dict__["_run_lengths"]
+        return self.cu_seqlens.diff().tolist()
 
     def token_images(self) -> torch.Tensor | None:
         """`(tokens,)`: the image of each of a packed batch's blocks' tokens, N (one past the last) on the padding."""
