@@ -16,7 +16,7 @@ from hf_vit import (
     VisionTransformerImageProcessor,
     VisionTransformerModel,
 )
-from hf_vit.model import attention
+from hf_vit.model import layout
 from hf_vit.model.image_processing_vit import best_fit_decreasing, native_patch_batch, pack_patches
 from hf_vit.model.layout import patch_grid_maps
 from hf_vit.model.modeling_mpp import PATCH_MASKED, PATCH_RANDOM
@@ -133,13 +133,14 @@ def test_forward_and_backward_read_no_value_back(kind, form, family, monkeypatch
     batch = padded_batch(5) if form == "padded" else packed_batch(5, drop="dropping" in form)
     batch = {name: value for name, value in batch.items()}
     forward_backward(model, batch)  # the first call: one-time work (logs) aside
-    # on CPU a packed batch's runs are attended one by one, their lengths read once from host memory (no device)
+    # on CPU a packed batch's stream leaves out its padding and its runs are attended one by one: their lengths
+    # read once from host memory (no device)
     with counting_host_reads() as reads:
         forward_backward(model, batch)
     assert reads == ([] if form == "padded" else ["tolist"])
-    # the paths a GPU takes read nothing: each image in a row of its own (or varlen_attn, the runs as data)
-    path = attention.segment_attention_path
-    monkeypatch.setattr(attention, "segment_attention_path", lambda *args: path(*args[:5], packed=False))
+    # the paths a GPU takes read nothing: the padding in the stream, each image in a row of its own (or varlen_attn,
+    # the runs as data)
+    monkeypatch.setattr(layout, "values_on_host", lambda device: False)
     forward_backward(model, batch)
     with counting_host_reads() as reads:
         forward_backward(model, batch)

@@ -3,6 +3,7 @@ processor's packing of several images into rows of a fixed number of patch slots
 
 import json
 import logging
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from conftest import tiny_config
 from torch.nn import functional as F
 
 import hf_vit.model.attention as attention
+import hf_vit.model.layout as layout_module
 from hf_vit import (
     VisionTransformerBackbone,
     VisionTransformerForImageClassification,
@@ -59,9 +61,9 @@ def each_run_alone(query, key, value, runs=RUNS, row_length=ROW):
     return output
 
 
-def attention_segments(runs=RUNS, row_length=ROW, prefix=0):
+def attention_segments(runs=RUNS, row_length=ROW, prefix=0, on_host=False):
     """The segments of a packed batch of rows of `row_length` slots holding images of `runs[row]` patches (1 x n
-    grids), in that order."""
+    grids), in that order: as a GPU has them (the stream with its padding), or `on_host` as a CPU has them."""
     sizes = [size for row in runs for size in row]
     plan, first = [], 0
     for row in runs:
@@ -70,7 +72,7 @@ def attention_segments(runs=RUNS, row_length=ROW, prefix=0):
     batch = pack_patches(
         [torch.zeros(size, 3) for size in sizes], [(1, size) for size in sizes], row_length, rows=plan
     )
-    return layout_of(batch, prefix).segments
+    return layout_of(batch, prefix, on_host).segments
 
 
 def per_run(flat, lengths, scale):
@@ -91,16 +93,19 @@ def valid(runs=RUNS, row_length=ROW):
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "sdpa, each image in a row", "eager", "flex_attention"])
-def test_each_run_attends_only_to_itself_and_gradients_match(implementation, monkeypatch):
-    if implementation != "sdpa":  # CPU runs SDPA over each run alone; the rest (and a GPU in fp32) image rows
-        path = segment_attention_path
-        monkeypatch.setattr(attention, "segment_attention_path", lambda *args: path(*args[:5], packed=False))
-        implementation = implementation.split(",")[0]
+def test_each_run_attends_only_to_itself_and_gradients_match(implementation):
+    # CPU runs SDPA over each run alone, its stream without padding; the rest (and a GPU in fp32) image rows
+    on_host = implementation == "sdpa"
+    implementation = implementation.split(",")[0]
     buffer, (query, key, value) = qkv()
-    function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
-    output, probs = function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=4**-0.5)
-    reference = each_run_alone(query, key, value)
     keep = valid()
+    inputs = [part[:, :, keep[0]] for part in (query, key, value)] if on_host else (query, key, value)
+    function = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager_attention_forward)
+    segments = attention_segments(RUNS, ROW, on_host=on_host)
+    output, probs = function(Attention(), *inputs, segments, scaling=4**-0.5)
+    if on_host:  # the outputs back in their slots
+        output = output.new_zeros(keep.shape[1], *output.shape[2:]).index_put((keep[0],), output[0])[None]
+    reference = each_run_alone(query, key, value)
     tolerance = 1e-6 if implementation == "eager" else 1e-12  # eager's softmax runs in fp32
     torch.testing.assert_close(output[keep], reference[keep], atol=tolerance, rtol=tolerance)
     grad = torch.randn_like(output) * keep[..., None, None]  # the padding's outputs feed nothing
@@ -115,9 +120,9 @@ def test_each_run_attends_only_to_itself_and_gradients_match(implementation, mon
 
 
 def test_cpu_bf16_training_on_runs_matches_fp32():
-    buffer, (query, key, value) = qkv(dtype=torch.float32)
+    buffer, (query, key, value) = qkv(tokens=sum(map(sum, RUNS)), dtype=torch.float32)
     module = Attention().train()
-    segments = attention_segments(RUNS, ROW)
+    segments = attention_segments(RUNS, ROW, on_host=True)
     low = [part.to(torch.bfloat16) for part in (query, key, value)]
     output, _ = segment_attention_forward(
         "sdpa", attention.sdpa_or_matmul_attention_forward, module, *low, segments, 0.5
@@ -125,8 +130,7 @@ def test_cpu_bf16_training_on_runs_matches_fp32():
     reference, _ = segment_attention_forward(
         "sdpa", attention.sdpa_or_matmul_attention_forward, module, query, key, value, segments, 0.5
     )
-    keep = valid()
-    torch.testing.assert_close(output[keep].float(), reference[keep], atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(output.float(), reference, atol=3e-2, rtol=3e-2)
 
 
 def test_the_path_follows_the_implementation_device_and_dtype(monkeypatch):
@@ -142,12 +146,12 @@ def test_the_path_follows_the_implementation_device_and_dtype(monkeypatch):
     assert path("sdpa", cuda, torch.bfloat16, 0.1, 64) == "images"  # varlen_attn has no dropout
     assert path("sdpa", cuda, torch.bfloat16, 0.0, 6) == "images"  # a head size flash kernels refuse
     assert path("flex_attention", cuda, torch.float32, 0.0, 64) == "images"
-    # CPU: a packed batch's runs one by one (their lengths in host memory), a padded one's rows as they are
-    assert path("sdpa", cpu, torch.bfloat16, 0.0, 64, packed=True) == "runs"
-    assert path("flex_attention", cpu, torch.float32, 0.0, 64, packed=True) == "runs"
-    assert path("eager", cpu, torch.float32, 0.0, 64, packed=True) == "images"  # it returns the probabilities
+    # CPU: a packed batch's runs one by one (their lengths read from host memory), a padded one's rows as they are
+    assert path("sdpa", cpu, torch.bfloat16, 0.0, 64, runs=True) == "runs"
+    assert path("flex_attention", cpu, torch.float32, 0.0, 64, runs=True) == "runs"
+    assert path("eager", cpu, torch.float32, 0.0, 64, runs=True) == "images"  # it returns the probabilities
     assert path("sdpa", cpu, torch.bfloat16, 0.0, 64) == "images"
-    assert path("sdpa", cuda, torch.float32, 0.0, 64, packed=True) == "images"
+    assert layout_module.values_on_host(cpu) and not layout_module.values_on_host(cuda)  # a GPU's runs are data
     assert path("flash_attention_2", cuda, torch.bfloat16, 0.0, 64) == "flash"
     assert path("flash_attention_3", cuda, torch.bfloat16, 0.0, 64) == "flash"
     assert path("eager", cuda, torch.bfloat16, 0.0, 64) == "images"
@@ -206,8 +210,9 @@ def test_segments_must_describe_the_batch_and_the_choice_is_logged_once(monkeypa
     logging.Logger.warning_once.cache_clear()  # transformers' once-per-process caches (shared by all loggers)
     logging.Logger.info_once.cache_clear()
     function = ALL_ATTENTION_FUNCTIONS.get_interface("flex_attention", None)
+    _, on_host = qkv(tokens=sum(map(sum, RUNS)))
     for _ in range(3):
-        function(Attention(), query, key, value, attention_segments(RUNS, ROW), scaling=0.5)
+        function(Attention(), *on_host, attention_segments(RUNS, ROW, on_host=True), scaling=0.5)
     assert len(logged["warning"]) == 1 and "flex_attention" in logged["warning"][0]
     assert logged["info"] == ["Attention restricted to each image: flex_attention runs it as 'runs'."]
 
@@ -506,10 +511,12 @@ def test_a_packed_layouts_slots_must_match_the_pixels():
         layout.to_slots(torch.zeros(1, 4, dtype=torch.bool), False)
 
 
-def layout_of(batch, prefix):
-    """The model's layout of a processor's packed batch."""
-    return BatchLayout.of(batch["pixel_values"], batch["spatial_shapes"], prefix, batch.get("pixel_attention_mask"),
-                          batch.get("image_slot_index"))  # fmt: skip
+def layout_of(batch, prefix, on_host=False):
+    """The model's layout of a processor's packed batch, as a GPU has it (the stream with its padding) or `on_host`
+    as a CPU in eager mode has it (without)."""
+    with mock.patch.object(layout_module, "values_on_host", lambda device: on_host):
+        return BatchLayout.of(batch["pixel_values"], batch["spatial_shapes"], prefix,
+                              batch.get("pixel_attention_mask"), batch.get("image_slot_index"))  # fmt: skip
 
 
 # ---- the model on packed batches ----
@@ -796,8 +803,9 @@ def test_dropped_tokens_take_no_part_and_the_kept_ones_keep_their_places(classif
         torch.testing.assert_close(model(**shuffled).pooler_output, model(**whole).pooler_output, atol=1e-5, rtol=1e-4)
 
 
-def reference_layout(slots: torch.Tensor, length: int, grids: list, prefix: int) -> dict:
-    """The packed layout's stream computed image by image (the reference for `BatchLayout`'s tensor bookkeeping)."""
+def reference_layout(slots: torch.Tensor, length: int, grids: list, prefix: int, on_host: bool) -> dict:
+    """The packed layout's stream computed image by image (the reference for `BatchLayout`'s tensor bookkeeping);
+    `on_host`: the stream without its padding."""
     rows = -(-int(slots.max()) // length) if len(slots) else 0
     first = {image: int(row[row >= 0].min()) for image, row in enumerate(slots)}
     order = sorted(first, key=first.__getitem__)
@@ -813,15 +821,17 @@ def reference_layout(slots: torch.Tensor, length: int, grids: list, prefix: int)
             ]
             position += prefix + kept
             slot += kept
-        stream += [("slot", s) for s in range(slot, (row + 1) * length)]
-        runs.append((row + 1) * length - slot)
-        position += (row + 1) * length - slot
+        if not on_host:
+            stream += [("slot", s) for s in range(slot, (row + 1) * length)]
+            runs.append((row + 1) * length - slot)
+            position += (row + 1) * length - slot
     return dict(stream=stream, image_tokens=[image_tokens[image] for image in range(len(slots))], runs=runs)
 
 
 @pytest.mark.parametrize("prefix", [0, 1, 3])
 @pytest.mark.parametrize("dropping", [False, True])
-def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping):
+@pytest.mark.parametrize("on_host", [False, True])
+def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping, on_host):
     # random batches: images of random grids best-fit-decreasing into rows; with token dropping each image keeps a
     # random subset of its places in a random order
 
@@ -836,8 +846,8 @@ def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping):
             positions = [places[: max(1, int(len(places) * 0.6))] for places in positions]
             images = [image[: len(places)] for image, places in zip(images, positions)]
         batch = pack_patches(images, grids, 20, positions)
-        layout = layout_of(batch, prefix)
-        expected = reference_layout(batch["image_slot_index"], 20, grids, prefix)
+        layout = layout_of(batch, prefix, on_host)
+        expected = reference_layout(batch["image_slot_index"], 20, grids, prefix, on_host)
         every = [("prefix", image, j) for image in range(count) for j in range(prefix)]
         every += [("slot", s) for s in range(batch["pixel_values"].shape[0] * 20)]
         assert [every[i] for i in layout.block_source.tolist()] == expected["stream"], trial
@@ -847,6 +857,7 @@ def test_packed_layouts_equal_the_image_by_image_reference(prefix, dropping):
         # the runs: each row's images in order, then its padding (the empty runs aside)
         runs = torch.diff(layout.segments.cu_seqlens).tolist()
         assert [n for n in runs if n] == [n for n in expected["runs"] if n], trial
+        assert layout.segments.run_lengths == (tuple(expected["runs"]) if on_host else None)
 
 
 def test_stochastic_depth_drops_each_packed_image_whole_and_never_a_row_of_images_together():

@@ -135,15 +135,15 @@ def _flash_capable(device_index: int | None) -> bool:
 
 
 def segment_attention_path(
-    implementation: str, device: torch.device, dtype: torch.dtype, dropout: float, head_dim: int, packed: bool = False
+    implementation: str, device: torch.device, dtype: torch.dtype, dropout: float, head_dim: int, runs: bool = False
 ) -> str:
     """How attention restricted to runs (`AttentionSegments`) runs for `implementation` on `device` and `dtype`:
 
     - "flash": transformers' flash attention over the runs (`cu_seq_lens_q/k`, `max_length_q/k`);
     - "varlen": torch's `varlen_attn` (SDPA or flex attention asked for; CUDA, half precision, no dropout, a head
       size flash kernels take);
-    - "runs": a `packed` batch's SDPA (or flex attention) on CPU, in eager mode: the stream split into its runs
-      (views), each attended alone, their lengths read from host memory (no device to wait for) once per forward;
+    - "runs": SDPA (or flex attention) where the `runs`' lengths were read from host memory (a packed batch on CPU,
+      `layout.values_on_host`), in eager mode: the stream split into its runs (views), each attended alone;
     - "images": everything else (a padded batch's SDPA on CPU, or on a GPU in fp32 or with dropout; flex attention by
       SDPA; eager, which returns the probabilities; compiled; attention functions registered by others): each
       image's tokens in a row of their own (a packed batch's gathered there and back), the rest masked as keys.
@@ -162,8 +162,8 @@ def segment_attention_path(
         and _flash_capable(device.index)
     ):
         return "varlen"
-    if packed and device.type == "cpu" and implementation in ("sdpa", "flex_attention"):
-        return "runs" if not torch.compiler.is_compiling() else "images"
+    if runs and implementation in ("sdpa", "flex_attention") and not torch.compiler.is_compiling():
+        return "runs"
     return "images"
 
 
@@ -189,7 +189,7 @@ def segment_attention_forward(
             f"rows of {tokens}."
         )
     path = segment_attention_path(
-        implementation, query.device, query.dtype, dropout, head_dim, segments.image_tokens is not None
+        implementation, query.device, query.dtype, dropout, head_dim, segments.run_lengths is not None
     )
     if not torch.compiler.is_compiling():  # the logs are printed before compiling, at the first call
         if implementation == "flex_attention":
@@ -214,8 +214,8 @@ def segment_attention_forward(
         function = sdpa_or_matmul_attention_forward
     if path == "runs":
         sizes = segments.run_lengths
-        runs = zip(sizes, *(tensor.split(sizes, dim=2) for tensor in (query, key, value)))
-        outputs = [function(module, *run, None, scaling=scaling, dropout=dropout)[0] for size, *run in runs if size]
+        runs = zip(*(tensor.split(sizes, dim=2) for tensor in (query, key, value)))
+        outputs = [function(module, *run, None, scaling=scaling, dropout=dropout)[0] for run in runs]
         return torch.cat(outputs, dim=1).view(batch, tokens, heads, head_dim), None
     # each image's tokens in a row of their own (a view where the rows are the images), the rest masked as keys
     per_image = [

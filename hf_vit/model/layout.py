@@ -32,7 +32,6 @@ outputs are those it has alone at its own size.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -81,13 +80,15 @@ class AttentionSegments:
       within each image's row with the rest masked as keys;
     - for a packed batch, the gather from the blocks' `stream` tokens (one row) to one image per row: `image_tokens`
       `(N * (prefix + K),)` the blocks' token of each image token, -1 for none; without it the blocks' rows are the
-      images."""
+      images;
+    - `run_lengths`: the runs' lengths as numbers, where they were read from host memory (`values_on_host`)."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     token_mask: torch.Tensor
     image_tokens: torch.Tensor | None = None
     stream: int | None = None
+    run_lengths: tuple[int, ...] | None = None
 
     @property
     def blocks_shape(self) -> tuple[int, int]:
@@ -114,11 +115,6 @@ class AttentionSegments:
         total, flat = shape[0] * shape[1], values.reshape(-1, *values.shape[2:])
         places = torch.where(self.image_tokens >= 0, self.image_tokens, total)  # the spare row takes the rest
         return flat.new_zeros(total + 1, *flat.shape[1:]).index_copy(0, places, flat)[:total].unflatten(0, shape)
-
-    @functools.cached_property
-    def run_lengths(self) -> list[int]:
-        """The runs' lengths, read once (on CPU, where the values are in host memory: no device to wait for)."""
-        return self.cu_seqlens.diff().tolist()
 
     def token_images(self) -> torch.Tensor | None:
         """`(tokens,)`: the image of each of a packed batch's blocks' tokens, N (one past the last) on the padding."""
@@ -221,6 +217,13 @@ class BatchLayout:
         return self.segments.to_images(tokens)
 
 
+def values_on_host(device: torch.device) -> bool:
+    """Whether reading a value of the batch costs no wait: on CPU in eager mode (not in a compiled graph or an export,
+    whose shapes must not depend on values). There a packed batch's stream leaves its padding out (its length is a
+    value) and its attention takes each image's run alone (their lengths)."""
+    return device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def take_rows(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`values[index]` along the first dimension, zeros where `index` is -1 (an appended zero row)."""
     padded = torch.cat([values, values.new_zeros(1, *values.shape[1:])])
@@ -319,16 +322,27 @@ def _packed(
     block_source = torch.zeros(stream, dtype=torch.long, device=device).scatter(
         0, torch.cat([prefix_at.flatten(), slot_tokens]), torch.arange(stream, device=device)
     )  # (prefix tokens, then slots) -> the stream
-    # the runs: each image's, and each row's padding after its images (empty runs where boundaries meet)
-    row_slot = torch.arange(rows, device=device) * length
-    row_first = slot_tokens[row_slot] - prefix * starts[row_slot]
-    bounds = torch.cat([image_first, image_first + prefix + kept, row_first, row_first.new_full((1,), stream)])
-    segments = AttentionSegments(
-        bounds.sort().values.to(torch.int32), length + prefix, F.pad(present, (prefix, 0), value=True),
-        image_tokens=image_tokens.flatten(), stream=stream,
-    )  # fmt: skip
     slot_patches = _slot_patches(held, total)
     slot_images, slot_places = slot_patches.div(patches, rounding_mode="floor"), slot_patches % patches
+    run_lengths = None
+    if values_on_host(device):  # the stream without its padding: each image's tokens back to back
+        valid = torch.cat([block_source.new_ones(images * prefix, dtype=torch.bool), slot_patches >= 0])[block_source]
+        place = valid.cumsum(0) - 1  # each stream token's place without the padding
+        bounds = F.pad((prefix + kept)[image_first.argsort()].cumsum(0), (1, 0))
+        *_, stream = read = bounds.tolist()  # the one read: the runs' lengths
+        run_lengths = tuple(end - start for start, end in zip(read, read[1:]))
+        image_tokens = torch.where(image_tokens >= 0, place[image_tokens.clamp(min=0)], -1)
+        spare = block_source.new_zeros(stream + 1)  # the place beyond the last takes the padding
+        block_source = spare.scatter(0, torch.where(valid, place, stream), block_source)[:stream]
+    else:  # the runs: each image's, and each row's padding after its images (empty runs where boundaries meet)
+        row_slot = torch.arange(rows, device=device) * length
+        row_first = slot_tokens[row_slot] - prefix * starts[row_slot]
+        bounds = torch.cat([image_first, image_first + prefix + kept, row_first, row_first.new_full((1,), stream)])
+        bounds = bounds.sort().values
+    segments = AttentionSegments(
+        bounds.to(torch.int32), length + prefix, F.pad(present, (prefix, 0), value=True),
+        image_tokens=image_tokens.flatten(), stream=stream, run_lengths=run_lengths,
+    )  # fmt: skip
     return BatchLayout(
         grids, prefix, segments, slot_grids=grids[slot_images.clamp(min=0)],
         slot_places=torch.where(slot_patches >= 0, slot_places, -1), image_slot_index=index, slots=(rows, length),
