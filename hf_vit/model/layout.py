@@ -25,7 +25,9 @@ device to know it.
 
 `BatchLayout.of` turns a batch into the layout the model runs, with tensor operations only: no `.item()`, `.tolist()`,
 `nonzero` or branch on a value, so a forward on a GPU never waits for the device, and a compiled model takes every
-batch of one shape in one graph; the values are checked on the device (`_check_on_device`). Moving tokens is exact,
+batch of one shape in one graph; the values are checked on the device (`_check_on_device`). On CPU in eager mode
+(`values_on_host`), where a value costs no wait, a packed batch's layout reads its images' lengths once: its stream
+leaves the padding out, and attention takes each image's run alone. Moving tokens is exact,
 and the blocks act on each token alone except in attention (within each image: `AttentionSegments`), so each image's
 outputs are those it has alone at its own size.
 """
@@ -132,7 +134,7 @@ class BatchLayout:
 
     The images one per row (the pooling, the heads) are `(N, prefix + K)` tokens. The blocks run a padded batch's
     rows `(B, prefix + K)`, a packed one's stream `(1, R * L + N * prefix)`: each image's prefix tokens, then its
-    patches, consecutive. Per slot (`slot_grids`, `slot_places`), each patch's grid and place in it, for its position
+    patches, consecutive (on CPU in eager mode without the padding: `(1, N * prefix + the images' patches)`). Per slot (`slot_grids`, `slot_places`), each patch's grid and place in it, for its position
     embedding."""
 
     grids: torch.Tensor  # (N, 2): each image's grid
