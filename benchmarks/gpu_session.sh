@@ -3,7 +3,7 @@
 # machines that limit how long one command runs); see benchmarks/README.md for bringing the packages the machine
 # lacks as wheels (.whl/) and for carrying the results from one part to the next.
 #
-#   bash benchmarks/gpu_session.sh 1   the smoke checks (benchmarks/gpu_checks.py) and the end-to-end runs (ViT-B/16, S/16)
+#   bash benchmarks/gpu_session.sh 1   the smoke checks (tests/test_device.py) and the end-to-end runs (ViT-B/16, S/16)
 #   bash benchmarks/gpu_session.sh smoke   part 1's smoke checks alone (for a short device budget)
 #   bash benchmarks/gpu_session.sh 2   eager rows of ViT-S/16, B/16 and L/16, then compiled rows of ViT-S/16
 #   bash benchmarks/gpu_session.sh 3   compiled rows of ViT-B/16 (with a profile of its training step)
@@ -63,16 +63,30 @@ print('imported:', *(f'{m.__name__} {m.__version__}' for m in (torch, transforme
 print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')" 2>&1 \
     | tee -a "$OUT/packages.txt"
 
+# The smoke checks: tests/test_device.py on the GPU (on CPU where torch sees none), each test's result line in
+# smoke.log and in smoke.xml's junit properties. SMOKE_ONLY="check ..." runs some of them (pytest -k: a rerun of those
+# that failed); SMOKE_KEEP=/tmp/smoke keeps their scratch folder (the training runs' logs): pytest's --basetemp, which
+# empties the folder first.
+device=cpu
+grep -q "^cuda True" "$OUT/packages.txt" && device=cuda
+smoke=(-m pytest -p no:cacheprovider -q -s -rA tests/test_device.py --device "$device" --junitxml "$OUT/smoke.xml"
+    -o junit_family=xunit1)  # xunit1: the junit file keeps each test's properties
+[ -z "${SMOKE_ONLY:-}" ] || smoke+=(-k "${SMOKE_ONLY// / or }")
+if [ -n "${SMOKE_KEEP:-}" ]; then
+    if [ -n "$(ls -A "$SMOKE_KEEP" 2>/dev/null)" ] && [ ! -d "$SMOKE_KEEP/smoke" ]; then
+        echo "SMOKE_KEEP=$SMOKE_KEEP holds files of its own, which pytest --basetemp would delete: name another" >&2
+        exit 2
+    fi
+    smoke+=(--basetemp "$SMOKE_KEEP")
+fi
+
 case "$part" in
-smoke)  # SMOKE_ONLY="check ..." runs some of the checks (a rerun of those that failed)
-    # shellcheck disable=SC2086
-    step 330 smoke "$PY" benchmarks/gpu_checks.py --json "$OUT/smoke.json" ${SMOKE_KEEP:+--keep "$SMOKE_KEEP"} \
-        ${SMOKE_ONLY:+--only $SMOKE_ONLY}
+smoke)
+    step 330 smoke "$PY" "${smoke[@]}"
     ;;
 1)
-    # SMOKE_KEEP=/tmp/smoke keeps the checks' scratch folder (the training runs' logs) to look into afterwards.
     # About 280 s on an H100 by estimate (not yet measured): 330 s leaves room.
-    step 330 smoke "$PY" benchmarks/gpu_checks.py --json "$OUT/smoke.json" ${SMOKE_KEEP:+--keep "$SMOKE_KEEP"}
+    step 330 smoke "$PY" "${smoke[@]}"
     step 145 end_to_end_b16 "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs --images 768 \
         --preset vit-base-patch16-224 --batch_size 256 --steps 8 --warmup_steps 3 --json "$OUT/end_to_end_b16.json" \
         -- --bf16
@@ -106,7 +120,7 @@ packing)
         --json "$OUT/benchmarks_gpu.json"
     ;;
 quick)
-    step 120 smoke "$PY" benchmarks/gpu_checks.py --json "$OUT/smoke.json"
+    step 120 smoke "$PY" "${smoke[@]}"
     step 120 end_to_end "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs-quick --images 64 \
         --preset vit-tiny-patch16-224 --num_hidden_layers 2 --image_size 64 --batch_size 8 --steps 8 \
         --warmup_steps 2 --json "$OUT/end_to_end.json"

@@ -25,14 +25,26 @@ torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, tor
 SLOWEST_FILES = (
     "test_benchmark.py", "test_families.py", "test_distributed.py", "test_training.py", "test_matrix.py",
     "test_wheel.py", "test_export.py", "test_training_edges.py", "test_recipes.py", "test_packed_rows.py",
-    "test_packed_training.py", "test_gpu_checks.py", "test_variants.py", "test_summary.py", "test_inference.py",
+    "test_packed_training.py", "test_device.py", "test_variants.py", "test_summary.py", "test_inference.py",
     "test_hub_training.py", "test_layout.py", "test_output_folders.py", "test_hub_access.py", "test_native_aspect.py",
     "test_examples.py", "test_image_processing.py", "test_auto.py", "test_convert_transformers.py",
     "test_architecture.py", "test_mim.py", "test_data.py",
 )  # fmt: skip
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", help="where tests/test_device.py runs its checks: cpu or cuda[:N]")
+    parser.addoption("--trainer_on_cpu", action="store_true", help="tests/test_device.py's Trainer checks on CPU too")
+
+
 def pytest_configure(config):
+    device = config.getoption("--device")
+    try:
+        cuda = torch.device(device).type == "cuda"
+    except RuntimeError as error:
+        raise pytest.UsageError(f"--device {device}: {error}; use --device cpu or --device cuda") from None
+    if cuda and not torch.cuda.is_available():
+        raise pytest.UsageError(f"--device {device}, but CUDA is not available here; use --device cpu")
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False  # keep the order below
 

@@ -1,19 +1,16 @@
-#!/usr/bin/env python
-r"""Every path of hf-vit on the GPU, one line per check: passed, failed, or skipped with the reason.
+"""Every path of hf-vit on a device, one test each, saying its one-line result: on CPU (the default) with tiny models
+in the normal suite, on a GPU with real kernel shapes (a few minutes):
 
-    python benchmarks/gpu_checks.py                  # on a GPU machine: every check (a few minutes)
-    python benchmarks/gpu_checks.py --device cpu     # the checks that can run on CPU, with tiny models (seconds)
-    python benchmarks/gpu_checks.py --only attention_implementations onnx_export_of_a_trained_model
+    pytest tests/test_device.py -q -s -rA --device cuda --junitxml smoke.xml -o junit_family=xunit1
+    pytest tests/test_device.py -q -s --device cpu --trainer_on_cpu -k resume    # a Trainer check on CPU (minutes)
 
-The checks are the functions marked `@check` below (their docstrings say what each asserts); those marked CUDA-only
-(the Trainer runs: a Hub id from an offline cache, resuming after a kill, the DeiT recipe bit for bit, the EMA
-update's cost, FSDP through `accelerate launch`) are skipped elsewhere with the reason, and `--trainer_on_cpu` runs
-all but FSDP on CPU too (minutes). Exit status 1 when any check failed; tests/test_gpu_checks.py runs the CPU part.
+The Trainer runs (a Hub id from an offline cache, resuming after a kill, the DeiT recipe bit for bit, the EMA update's
+cost, FSDP through `accelerate launch`) are skipped off CUDA with the reason; `--trainer_on_cpu` runs all but FSDP on
+CPU too. Each test records its result as the junit property "detail".
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -23,31 +20,26 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder importable as a package
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+import pytest
 import torch
 
-from benchmarks.models import build_hf_vit
-from benchmarks.report import write_json
-from hf_vit import (
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # benchmarks/ is not installed with hf_vit
+
+from benchmarks.models import build_hf_vit  # noqa: E402
+from hf_vit import (  # noqa: E402
     VisionTransformerConfig,
     VisionTransformerForImageClassification,
     VisionTransformerForMaskedPatchPrediction,
     VisionTransformerImageProcessor,
 )
-from hf_vit.analysis import attention_probabilities
-from hf_vit.export import check_onnx, export
+from hf_vit.analysis import attention_probabilities  # noqa: E402
+from hf_vit.export import check_onnx, export  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 FINETUNE = ROOT / "scripts" / "finetune.py"
 FSDP_CONFIG = ROOT / "configs" / "accelerate" / "fsdp.yaml"
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -58,11 +50,8 @@ FP32_TOLERANCE = 1e-4
 ONNX_TOLERANCE = 1e-3
 HUB_COMMIT = "5e0ce" * 8  # 40 hex digits: transformers resolves the revision, and takes anything else for a branch
 HUB_REPO_ID = "hf-vit-smoke/vit-tiny"
-
-
-def expect(holds, message: str) -> None:
-    if not holds:
-        raise AssertionError(message)
+TRAINER = "needs CUDA (no GPU here); --trainer_on_cpu runs it on CPU"  # a Trainer check's reason to be skipped
+FSDP = "needs CUDA: accelerate enables FSDP only for GPU process groups (finetune.py refuses --fsdp on CPU)"
 
 
 @dataclass
@@ -71,7 +60,6 @@ class Smoke:
 
     device: torch.device
     scratch: Path
-    details: dict = field(default_factory=dict)
 
     @property
     def cuda(self) -> bool:
@@ -90,6 +78,38 @@ class Smoke:
         generator = torch.Generator().manual_seed(0)
         height, width = size or config.image_hw
         return torch.randn(batch, config.num_channels, height, width, generator=generator).to(self.device)
+
+
+@pytest.fixture(scope="module")
+def smoke(request, tmp_path_factory, record_testsuite_property) -> Smoke:
+    """`--device` (default cpu) and a scratch folder the checks share (`--basetemp` keeps it: the Trainer logs)."""
+    device = torch.device(request.config.getoption("--device"))
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 comparisons: fp32
+    record_testsuite_property("device", f"{device} ({where}), torch {torch.__version__}")
+    print(f"\nhf-vit device checks on {device} ({where}), torch {torch.__version__}")
+    return Smoke(device, tmp_path_factory.mktemp("smoke", numbered=False))
+
+
+@pytest.fixture
+def trainer_smoke(smoke, request) -> Smoke:
+    """`smoke` for a Trainer check: skipped off CUDA unless --trainer_on_cpu."""
+    if not smoke.cuda and not request.config.getoption("--trainer_on_cpu"):
+        pytest.skip(TRAINER)
+    return smoke
+
+
+@pytest.fixture
+def say(record_property):
+    """Prints a check's one-line result and records it (and any other `details`) as junit properties."""
+
+    def say(detail: str, **details) -> None:
+        print(f" {detail}", flush=True)
+        for name, value in {"detail": detail, **details}.items():
+            record_property(name, value)
+
+    return say
 
 
 def autocast_steps(smoke: Smoke, model: torch.nn.Module, steps: int, **inputs) -> list:
@@ -114,28 +134,19 @@ def relative_difference(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float((value.float() - reference).abs().max() / reference.abs().max().clamp(min=1e-6))
 
 
-# ------------------------------------------------------------------------------------------------------ the checks
-
-CHECKS: dict[str, tuple[Callable[[Smoke], str], str | None]] = {}
-
-
-def check(needs_cuda: str | None = None):
-    """Registers a check (returned as it is); `needs_cuda`: why it is skipped off CUDA (`TRAINER`: unless
-    --trainer_on_cpu)."""
-    return lambda function: CHECKS.setdefault(function.__name__, (function, needs_cuda))[0]
-
-
-@check()
-def attention_implementations(smoke: Smoke) -> str:
+def test_attention_implementations(smoke, say):
     """Every implementation that loads gives eager's logits (bf16 weights, relative tolerance 3e-2)."""
     config = smoke.config()
     pixels = smoke.pixels(config).to(torch.bfloat16)
-    return "against eager: " + against_eager(smoke, config, {"pixel_values": pixels}, "attention_implementations")
+    shown, differences, skipped = against_eager(smoke, config, {"pixel_values": pixels}, "attention_implementations")
+    assert "sdpa" in differences and differences["eager"] == 0.0, differences
+    assert smoke.cuda or skipped.get("flash_attention_2"), f"flash attention loaded on CPU: {skipped}"
+    say("against eager: " + shown, relative_difference=differences, skipped=skipped)
 
 
-def against_eager(smoke: Smoke, config: VisionTransformerConfig, inputs: dict, name: str, what: str = "logits") -> str:
-    """`config`'s classifier loaded in each attention implementation (bf16; eager and SDPA must load) on `inputs`;
-    records the differences and the implementations that did not load under `smoke.details[name]`."""
+def against_eager(smoke: Smoke, config: VisionTransformerConfig, inputs: dict, name: str, what: str = "logits"):
+    """`config`'s classifier loaded in each attention implementation (bf16; eager and SDPA must load) on `inputs`:
+    the result line, the differences from eager and the implementations that did not load (with their errors)."""
     folder, logits, skipped = smoke.scratch / name, {}, {}
     build_hf_vit(config).save_pretrained(folder)
     for implementation in ATTENTION_IMPLEMENTATIONS:
@@ -151,14 +162,12 @@ def against_eager(smoke: Smoke, config: VisionTransformerConfig, inputs: dict, n
             skipped[implementation] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     differences = {key: relative_difference(value, logits["eager"]) for key, value in logits.items()}
     bad = {key: value for key, value in differences.items() if value > BF16_RELATIVE_TOLERANCE}
-    expect(not bad, f"{what} differ from eager's beyond {BF16_RELATIVE_TOLERANCE}: {bad}")
-    smoke.details[name] = {"relative_difference": differences, "skipped": skipped}
+    assert not bad, f"{what} differ from eager's beyond {BF16_RELATIVE_TOLERANCE}: {bad}"
     shown = ", ".join(f"{key} {value:.1e}" for key, value in differences.items() if key != "eager")
-    return shown + (f"; did not load: {', '.join(skipped)}" if skipped else "")
+    return shown + (f"; did not load: {', '.join(skipped)}" if skipped else ""), differences, skipped
 
 
-@check()
-def gradient_checkpointing(smoke: Smoke) -> str:
+def test_gradient_checkpointing(smoke, say):
     """The same loss and gradients with and without checkpointing (fp32, dropout off, attention sdpa)."""
     config = smoke.config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
     model = build_hf_vit(config).to(smoke.device).train()
@@ -178,18 +187,16 @@ def gradient_checkpointing(smoke: Smoke) -> str:
         loss.backward()
         forwards.append(len(calls))
         results.append((loss.detach(), {name: p.grad.detach().clone() for name, p in model.named_parameters()}))
-    expect(forwards == [1, 2], f"the first block's MLP ran {forwards} times without / with checkpointing, not [1, 2]")
+    assert forwards == [1, 2], f"the first block's MLP ran {forwards} times without / with checkpointing, not [1, 2]"
     (loss, plain), (loss_ckpt, ckpt) = results
     worst = max(relative_difference(ckpt[name], plain[name]) for name in plain)
-    expect(
-        abs(float(loss - loss_ckpt)) <= FP32_TOLERANCE and worst <= 1e-3,
-        f"loss {float(loss):.6f} vs {float(loss_ckpt):.6f}, gradients differ by {worst:.1e}",
+    assert abs(float(loss - loss_ckpt)) <= FP32_TOLERANCE and worst <= 1e-3, (
+        f"loss {float(loss):.6f} vs {float(loss_ckpt):.6f}, gradients differ by {worst:.1e}"
     )
-    return f"the block recomputed in the backward; {len(plain)} gradients equal within {worst:.1e} (relative)"
+    say(f"the block recomputed in the backward; {len(plain)} gradients equal within {worst:.1e} (relative)")
 
 
-@check()
-def interpolate_pos_encoding(smoke: Smoke) -> str:
+def test_interpolate_pos_encoding(smoke, say):
     """A non-square input with interpolated position embeddings; at the native size interpolation is the identity."""
     config = smoke.config()
     model = build_hf_vit(config).to(smoke.device).eval()
@@ -204,16 +211,14 @@ def interpolate_pos_encoding(smoke: Smoke) -> str:
             model(smoke.pixels(config, size=size))
             refused = False
     shape = tuple(wide.shape)
-    expect(shape == (4, config.num_labels) and torch.isfinite(wide).all(), f"logits {shape} at {size}, or not finite")
-    expect(
-        same <= FP32_TOLERANCE and refused,
-        f"native size differs by {same:.1e}; other size refused without the flag: {refused}",
+    assert shape == (4, config.num_labels) and torch.isfinite(wide).all(), f"logits {shape} at {size}, or not finite"
+    assert same <= FP32_TOLERANCE and refused, (
+        f"native size differs by {same:.1e}; other size refused without the flag: {refused}"
     )
-    return f"{size[0]}x{size[1]} on a {height}x{width} model; identity at the native size ({same:.1e})"
+    say(f"{size[0]}x{size[1]} on a {height}x{width} model; identity at the native size ({same:.1e})")
 
 
-@check()
-def hybrid(smoke: Smoke) -> str:
+def test_hybrid(smoke, say):
     """A ResNet-stem hybrid trains one step in bf16 autocast and its bf16 logits follow the fp32 ones."""
     if smoke.cuda:
         config = VisionTransformerConfig.from_preset("r50-vit-base-patch16-224", num_hidden_layers=2, num_labels=10)
@@ -227,15 +232,13 @@ def hybrid(smoke: Smoke) -> str:
             bf16 = model(pixels).logits
     (loss,) = autocast_steps(smoke, model.train(), 1, pixel_values=pixels, labels=torch.arange(2, device=smoke.device))
     difference = relative_difference(bf16, fp32)
-    expect(
-        math.isfinite(loss) and difference <= BF16_RELATIVE_TOLERANCE,
-        f"loss {loss}, bf16 logits differ by {difference:.1e}",
+    assert math.isfinite(loss) and difference <= BF16_RELATIVE_TOLERANCE, (
+        f"loss {loss}, bf16 logits differ by {difference:.1e}"
     )
-    return f"stem {config.resnet_layers}, stride {config.stem_stride}; bf16 vs fp32 logits {difference:.1e}"
+    say(f"stem {config.resnet_layers}, stride {config.stem_stride}; bf16 vs fp32 logits {difference:.1e}")
 
 
-@check()
-def masked_patch_prediction(smoke: Smoke) -> str:
+def test_masked_patch_prediction(smoke, say):
     """The self-supervised objective: corrupted patches drawn in training, a finite loss that falls over steps."""
     config = smoke.config()
     torch.manual_seed(0)
@@ -244,12 +247,11 @@ def masked_patch_prediction(smoke: Smoke) -> str:
     labels = torch.randint(0, config.mpp_num_classes, (8, config.num_patches), generator=generator).to(smoke.device)
     pixels = smoke.pixels(config, batch=8)
     losses = autocast_steps(smoke, model, 6, pixel_values=pixels, labels=labels, patch_corruption=None)
-    expect(all(map(math.isfinite, losses)) and losses[-1] < losses[0], f"losses {losses}")
-    return f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps on one batch"
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0], f"losses {losses}"
+    say(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps on one batch")
 
 
-@check()
-def attention_capture(smoke: Smoke) -> str:
+def test_attention_capture(smoke, say):
     """`hf_vit.analysis.attention_probabilities` on an SDPA model equals `output_attentions=True` (eager)."""
     config = smoke.config()
     model = build_hf_vit(config).to(smoke.device).eval()
@@ -258,35 +260,32 @@ def attention_capture(smoke: Smoke) -> str:
     with torch.no_grad():
         returned = model(pixels, output_attentions=True).attentions
     last = config.num_hidden_layers - 1
-    expect(sorted(captured) == [0, last], f"captured layers {sorted(captured)}, expected [0, {last}]")
+    assert sorted(captured) == [0, last], f"captured layers {sorted(captured)}, expected [0, {last}]"
     worst = max(float((captured[i].to(returned[i].device) - returned[i]).abs().max()) for i in (0, last))
     sums = float((captured[0].sum(-1) - 1).abs().max())
-    expect(
-        worst <= FP32_TOLERANCE and sums <= FP32_TOLERANCE,
-        f"captured vs output_attentions differ by {worst:.1e}; rows sum to 1 within {sums:.1e}",
+    assert worst <= FP32_TOLERANCE and sums <= FP32_TOLERANCE, (
+        f"captured vs output_attentions differ by {worst:.1e}; rows sum to 1 within {sums:.1e}"
     )
-    return f"layers 0 and {last}, shape {tuple(captured[0].shape)}, equal to output_attentions within {worst:.1e}"
+    say(f"layers 0 and {last}, shape {tuple(captured[0].shape)}, equal to output_attentions within {worst:.1e}")
 
 
-@check()
-def onnx_export_of_a_trained_model(smoke: Smoke) -> str:
+def test_onnx_export_of_a_trained_model(smoke, say):
     """Train a few steps on the device, export to ONNX, and compare onnxruntime with the model at two sizes."""
     config = smoke.config()
     torch.manual_seed(0)
     model = VisionTransformerForImageClassification(config).to(smoke.device).train()
     labels = torch.arange(8, device=smoke.device) % config.num_labels
     autocast_steps(smoke, model, 3, pixel_values=smoke.pixels(config, batch=8), labels=labels)
-    expect(model.classifier.weight.detach().abs().max() > 0, "training did not move the (zero-initialised) classifier")
+    assert model.classifier.weight.detach().abs().max() > 0, "training did not move the (zero-initialised) classifier"
     path = export(model.eval(), smoke.scratch / "trained.onnx", "onnx")
     (height, width), patch = config.image_hw, config.patch_size
     differences = check_onnx(path, model.cpu(), [(height, width), (height + patch, width - patch)])
-    expect(max(differences.values()) <= ONNX_TOLERANCE, f"onnxruntime differs from the model: {differences}")
+    assert max(differences.values()) <= ONNX_TOLERANCE, f"onnxruntime differs from the model: {differences}"
     shown = ", ".join(f"{size} {value:.1e}" for size, value in differences.items())
-    return f"{path.stat().st_size / 2**20:.1f} MiB; onnxruntime vs PyTorch: {shown}"
+    say(f"{path.stat().st_size / 2**20:.1f} MiB; onnxruntime vs PyTorch: {shown}")
 
 
-@check()
-def native_aspect_batches(smoke: Smoke) -> str:
+def test_native_aspect_batches(smoke, say):
     """A padded native-aspect batch (the processor's `max_num_patches`) gives eager's logits in every attention
     implementation that loads (bf16): flash attention takes the padding mask, flex attention a block mask."""
     config = smoke.config()
@@ -296,14 +295,13 @@ def native_aspect_batches(smoke: Smoke) -> str:
     processor = VisionTransformerImageProcessor(max_num_patches=config.num_patches, patch_size=config.patch_size)
     inputs = {name: value.to(smoke.device) for name, value in processor(images, return_tensors="pt").items()}
     padded = not bool((inputs["spatial_shapes"].prod(-1) == inputs["pixel_values"].shape[1]).all())
-    expect(padded, "the batch has no padding: the check would not test the mask")
-    shown = against_eager(smoke, config, inputs, "native_aspect_batches", "native-batch logits")
-    return f"grids {inputs['spatial_shapes'].tolist()}, against eager: {shown}"
+    assert padded, "the batch has no padding: the check would not test the mask"
+    shown, differences, skipped = against_eager(smoke, config, inputs, "native_aspect_batches", "native-batch logits")
+    grids = inputs["spatial_shapes"].tolist()
+    say(f"grids {grids}, against eager: {shown}", relative_difference=differences, skipped=skipped)
 
 
-# ------------------------------------------------------------------------------------------- Trainer on the GPU
-
-TRAINER = "needs CUDA (no GPU here); --trainer_on_cpu runs it on CPU"  # a Trainer check's reason to be skipped
+# ------------------------------------------------------------------------------------------------- Trainer runs
 
 
 def trainer_env(smoke: Smoke) -> dict[str, str]:
@@ -337,27 +335,26 @@ def run_logged(smoke: Smoke, command: list[str], env: dict[str, str], name: str)
     with open(log, "w") as out:
         done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900, cwd=ROOT)
     said = log.read_text()
-    expect(done.returncode == 0, f"exit status {done.returncode}: {said.strip()[-1500:]}")
+    assert done.returncode == 0, f"exit status {done.returncode}: {said.strip()[-1500:]}"
     return said
 
 
 def final_metrics(output_dir: Path) -> dict:
     metrics = json.loads((output_dir / "all_results.json").read_text())
-    expect(all(math.isfinite(metrics[k]) for k in ("train_loss", "eval_accuracy")), f"non-finite metrics: {metrics}")
+    assert all(math.isfinite(metrics[k]) for k in ("train_loss", "eval_accuracy")), f"non-finite metrics: {metrics}"
     return metrics
 
 
-@check(TRAINER)
-def finetune_bf16_compiled_from_hub_id(smoke: Smoke) -> str:
+def test_finetune_bf16_compiled_from_hub_id(trainer_smoke, say):
     """`finetune.py --bf16 --torch_compile --model_name_or_path <Hub id>` with the checkpoint in an offline cache."""
-    output_dir = smoke.scratch / "finetune"
+    smoke, output_dir = trainer_smoke, trainer_smoke.scratch / "finetune"
     extra = ["--bf16", "--torch_compile"] if smoke.cuda else ["--bf16"]
     start = time.perf_counter()
     run_logged(smoke, [sys.executable, *finetune_args(output_dir, 40, extra)], trainer_env(smoke), "finetune")
     metrics = final_metrics(output_dir)
     labels = VisionTransformerForImageClassification.from_pretrained(output_dir).config.num_labels
-    expect(labels == 10, f"saved model has {labels} labels, digits has 10")
-    return (
+    assert labels == 10, f"saved model has {labels} labels, digits has 10"
+    say(
         f"{' '.join(extra)}: 40 steps in {time.perf_counter() - start:.0f} s, train loss {metrics['train_loss']:.3f}, "
         f"eval accuracy {metrics['eval_accuracy']:.3f}"
     )
@@ -388,31 +385,29 @@ def kill_and_resume(smoke: Smoke, args: list[str], env: dict[str, str], name: st
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     killed_at = max(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
-    expect(killed_at < max_steps, "the run finished before it could be killed")
+    assert killed_at < max_steps, "the run finished before it could be killed"
     # --log_level info: Trainer then says from which step it resumes (a --recipe deit resume on an H200 once did not
     # end within 200 s: the log shows where it stopped).
     again = [sys.executable, *args, "--resume_from_checkpoint", "True", "--log_level", "info"]
     said = run_logged(smoke, again, env, f"{name}-resumed")
     state = json.loads((output_dir / "trainer_state.json").read_text())
     resumed = re.search(r"Resuming training from checkpoint with epoch \d+ and global step (\d+)", said)
-    expect(
-        resumed is not None and int(resumed[1]) == killed_at and state["global_step"] == max_steps,
+    assert resumed is not None and int(resumed[1]) == killed_at and state["global_step"] == max_steps, (
         f"the second run did not resume from checkpoint-{killed_at} ({resumed and resumed[0]!r}) or ended at step "
-        f"{state['global_step']}, not {max_steps}; its output is in {smoke.scratch / f'{name}-resumed.log'}",
+        f"{state['global_step']}, not {max_steps}; its output is in {smoke.scratch / f'{name}-resumed.log'}"
     )
     return killed_at
 
 
-@check(TRAINER)
-def resume_after_a_kill(smoke: Smoke) -> str:
+def test_resume_after_a_kill(trainer_smoke, say):
     """Kill a run (SIGKILL) once it has saved a checkpoint; `--resume_from_checkpoint True` then finishes it."""
-    max_steps = 60
+    smoke, max_steps = trainer_smoke, 60
     extra = ["--save_strategy", "steps", "--save_steps", "10"] + (["--bf16"] if smoke.cuda else [])
     killed_at = kill_and_resume(
         smoke, finetune_args(smoke.scratch / "resume", max_steps, extra), trainer_env(smoke), "resume"
     )
     final_metrics(smoke.scratch / "resume")
-    return f"killed after checkpoint-{killed_at}, resumed from step {killed_at} to {max_steps}"
+    say(f"killed after checkpoint-{killed_at}, resumed from step {killed_at} to {max_steps}")
 
 
 def _differing(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -427,8 +422,7 @@ def _differing(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) 
 RECIPE_STEPS = 60  # at 12 steps an H200 finished the run before the kill could land
 
 
-@check(TRAINER)
-def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
+def test_recipe_deit_resumes_bit_for_bit(trainer_smoke, say):
     """`finetune.py --recipe deit --layer_decay 0.75 --bf16` (RandAugment, random erasing, Mixup/CutMix, label
     smoothing, stochastic depth, AdamW in layer-decay groups, EMA with warmup) for 60 steps, a checkpoint every 10:
     the saved model is the EMA, equal to the last checkpoint's EMA state and not to its raw weights; a second run,
@@ -439,6 +433,7 @@ def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
 
     from hf_vit.train.ema import EMA_FILE
 
+    smoke = trainer_smoke
     extra = ["--recipe", "deit", "--layer_decay", "0.75", "--save_strategy", "steps", "--save_steps", "10"]
     extra += ["--attn_implementation", "eager", "--full_determinism", "True"] + (["--bf16"] if smoke.cuda else [])
     env = trainer_env(smoke)
@@ -448,23 +443,20 @@ def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
     said = run_logged(smoke, [sys.executable, *args, "--log_level", "info"], env, "deit")
     seconds = time.perf_counter() - start
     for words in ("Training with the recipe deit", "Layer-wise learning-rate decay 0.75"):
-        expect(words in said, f"the run's log does not say {words!r}: the recipe was not applied")
+        assert words in said, f"the run's log does not say {words!r}: the recipe was not applied"
     metrics = final_metrics(straight)
     last = straight / f"checkpoint-{RECIPE_STEPS}"
     final, raw, average = (
         load_file(p) for p in (straight / "model.safetensors", last / "model.safetensors", last / EMA_FILE)
     )
-    expect(
-        average and average.keys() <= final.keys(),
-        f"{EMA_FILE} holds {len(average)} tensors, not a subset of the model's {len(final)}",
+    assert average and average.keys() <= final.keys(), (
+        f"{EMA_FILE} holds {len(average)} tensors, not a subset of the model's {len(final)}"
     )
-    expect(
-        not _differing({k: final[k] for k in average}, average),
-        "the saved model.safetensors is not the EMA state of the last checkpoint",
+    assert not _differing({k: final[k] for k in average}, average), (
+        "the saved model.safetensors is not the EMA state of the last checkpoint"
     )
-    expect(
-        _differing({k: raw[k] for k in average}, average),
-        "the EMA equals the raw weights: the average did not average (or was never updated)",
+    assert _differing({k: raw[k] for k in average}, average), (
+        "the EMA equals the raw weights: the average did not average (or was never updated)"
     )
     killed_at = kill_and_resume(smoke, finetune_args(killed, RECIPE_STEPS, extra, learning_rate=5e-4), env, "deit")
     differing = {}
@@ -474,19 +466,15 @@ def recipe_deit_resumes_bit_for_bit(smoke: Smoke) -> str:
     ):
         if gaps := _differing(load_file(straight / name), load_file(killed / name)):
             differing[name] = {"tensors": len(gaps), "largest": max(gaps.values())}
-    smoke.details["recipe_deit_resumes_bit_for_bit"] = {
-        "straight_seconds": seconds, "killed_after": killed_at, "differing": differing,
-        "train_loss": metrics["train_loss"], "eval_accuracy": metrics["eval_accuracy"],
-    }  # fmt: skip
-    expect(not differing, f"the resumed run differs from the uninterrupted one: {differing}")
-    return (
+    assert not differing, f"the resumed run differs from the uninterrupted one: {differing}"
+    say(
         f"{RECIPE_STEPS} steps in {seconds:.0f} s, eval accuracy {metrics['eval_accuracy']:.3f}; the model is the "
-        f"EMA ({len(average)} tensors); killed after checkpoint-{killed_at}, resumed: equal bit for bit"
+        f"EMA ({len(average)} tensors); killed after checkpoint-{killed_at}, resumed: equal bit for bit",
+        train_loss=metrics["train_loss"],
     )
 
 
-@check(TRAINER)
-def ema_update_cost(smoke: Smoke) -> str:
+def test_ema_update_cost(trainer_smoke, say):
     """The EMA update (`WeightAverage.update`) is one `_foreach_lerp_` over every trained tensor (on CUDA the
     multi-tensor kernels: far fewer launches than tensors), and its time as a fraction of a ViT-S/16 bf16 training
     step (`benchmarks/recipes_speed.py`'s `ema_cost` on the device, batch 256; on CPU batch 2, fp32)."""
@@ -496,6 +484,7 @@ def ema_update_cost(smoke: Smoke) -> str:
     from benchmarks.timing import synchronize
     from hf_vit.train.ema import WeightAverage
 
+    smoke = trainer_smoke
     average = WeightAverage(
         build_hf_vit(smoke.config(num_hidden_layers=12) if smoke.cuda else smoke.config()).to(smoke.device), 0.999
     )
@@ -507,114 +496,53 @@ def ema_update_cost(smoke: Smoke) -> str:
     calls = sum(event.name == "aten::_foreach_lerp_" for event in events)
     kernels = [event.name for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
     tensors = len(average.params)
-    expect(calls == 1, f"the update made {calls} aten::_foreach_lerp_ calls, not 1")
-    expect(
-        not smoke.cuda or (0 < len(kernels) < tensors / 4 and any("multi_tensor" in name for name in kernels)),
+    assert calls == 1, f"the update made {calls} aten::_foreach_lerp_ calls, not 1"
+    assert not smoke.cuda or (0 < len(kernels) < tensors / 4 and any("multi_tensor" in name for name in kernels)), (
         f"the update launched {len(kernels)} kernels for {tensors} tensors ({sorted(set(kernels))[:3]}): not the "
-        "multi-tensor (foreach) path",
+        "multi-tensor (foreach) path"
     )
     on, weights_on = {str(a.device) for a in average.averages}, [str(p.device) for p in average.params]
-    expect(on == set(weights_on), f"the averages are on {on}, the weights on {weights_on[:1]}")
+    assert on == set(weights_on), f"the averages are on {on}, the weights on {weights_on[:1]}"
     del average
     batch, dtype, rounds = (256, "bf16", 5) if smoke.cuda else (2, "fp32", 2)
     cost = ema_cost(batch, repeats=rounds, steps=rounds if smoke.cuda else 1, device=str(smoke.device), dtype=dtype)
-    smoke.details["ema_update_cost"] = cost = {**cost, "kernels_per_update": len(kernels), "tensors": tensors}
     seconds = cost["seconds"]
-    return (
+    say(
         f"{tensors} tensors, {len(kernels)} kernels per update on {sorted(on)}; "
         f"ViT-S/16 {cost['dtype']} batch {batch}: "
         f"step {seconds['training step'] * 1e3:.1f} ms, EMA update {seconds['EMA update'] * 1e3:.2f} ms "
-        f"({cost['update_over_step']:.2%} of the step; step + update / step {cost['with_over_without']:.3f})"
+        f"({cost['update_over_step']:.2%} of the step; step + update / step {cost['with_over_without']:.3f})",
+        ema_cost=cost,
     )
 
 
-@check("needs CUDA: accelerate enables FSDP only for GPU process groups (finetune.py refuses --fsdp on CPU)")
-def fsdp_through_accelerate(smoke: Smoke) -> str:
+def test_fsdp_through_accelerate(smoke, say):
     """`accelerate launch --config_file configs/accelerate/fsdp.yaml --num_processes 1 scripts/finetune.py`: the
     checkpoints are FSDP's sharded ones (the wrapper was FSDP), the final model.safetensors is whole."""
+    if not smoke.cuda:
+        pytest.skip(FSDP)
     output_dir = smoke.scratch / "fsdp"
     accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent)) or shutil.which("accelerate")
-    expect(accelerate is not None, "the accelerate command is not installed")
+    assert accelerate is not None, "the accelerate command is not installed"
     command = [accelerate, "launch", "--config_file", str(FSDP_CONFIG), "--num_processes", "1"]
     command += finetune_args(output_dir, 20, ["--save_strategy", "steps", "--save_steps", "10", "--bf16"])
     run_logged(smoke, command, trainer_env(smoke), "fsdp")
     checkpoints = sorted(output_dir.glob("checkpoint-*"))
-    expect(checkpoints, "no checkpoint was saved")
+    assert checkpoints, "no checkpoint was saved"
     held = sorted(p.name for p in checkpoints[-1].iterdir())
     sharded = [name for name in held if name.startswith(("pytorch_model_fsdp", "optimizer_0"))]
-    expect(
-        sharded and "optimizer.pt" not in held,
-        f"{checkpoints[-1].name} holds {held}: not FSDP's sharded state (pytorch_model_fsdp_0/, optimizer_0/)",
+    assert sharded and "optimizer.pt" not in held, (
+        f"{checkpoints[-1].name} holds {held}: not FSDP's sharded state (pytorch_model_fsdp_0/, optimizer_0/)"
     )
-    expect(
-        (output_dir / "model.safetensors").is_file(),
+    assert (output_dir / "model.safetensors").is_file(), (
         f"no consolidated model.safetensors in {output_dir} (it holds {sorted(os.listdir(output_dir))}): "
         "Trainer.save_model writes the whole model under FSDP only with FULL_STATE_DICT, and "
-        "configs/accelerate/fsdp.yaml asks for SHARDED_STATE_DICT (for the checkpoints)",
+        "configs/accelerate/fsdp.yaml asks for SHARDED_STATE_DICT (for the checkpoints)"
     )
     loaded = VisionTransformerForImageClassification.from_pretrained(output_dir)
     whole = VisionTransformerForImageClassification(loaded.config).state_dict()
-    expect(
-        {name: t.shape for name, t in loaded.state_dict().items()} == {name: t.shape for name, t in whole.items()},
-        "the saved model's tensors are not the whole model's (not consolidated)",
-    )
+    assert {name: t.shape for name, t in loaded.state_dict().items()} == {
+        name: t.shape for name, t in whole.items()
+    }, "the saved model's tensors are not the whole model's (not consolidated)"
     accuracy = final_metrics(output_dir)["eval_accuracy"]
-    return f"checkpoint {checkpoints[-1].name}: {sorted(sharded)}; consolidated model, eval accuracy {accuracy:.3f}"
-
-
-# ------------------------------------------------------------------------------------------------------------ main
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--only", nargs="+", default=None, metavar="CHECK", help=f"some of: {', '.join(CHECKS)}")
-    parser.add_argument(
-        "--trainer_on_cpu", action="store_true", help="run the Hub-id, resume, recipe and EMA checks on CPU too"
-    )
-    parser.add_argument("--json", default=None, help="write every check's outcome and details here")
-    parser.add_argument("--keep", default=None, help="scratch folder to keep (default: a temporary one, removed)")
-    args = parser.parse_args(argv)
-    if unknown := sorted(set(args.only or ()) - set(CHECKS)):
-        parser.error(f"unknown check(s) {unknown}; the checks are {list(CHECKS)}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}, but CUDA is not available here; use --device cpu")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the checks in order, one line each; with --json, every outcome so far is written after each (a run stopped
-    by a time limit keeps them)."""
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # fp32 comparisons: fp32
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"hf-vit smoke checks on {device} ({where}), torch {torch.__version__}", flush=True)
-    outcomes: dict[str, dict] = {}
-    with contextlib.ExitStack() as stack:
-        scratch = Path(args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="hf-vit-smoke-")))
-        scratch.mkdir(parents=True, exist_ok=True)
-        smoke = Smoke(device, scratch)
-        for name in args.only or list(CHECKS):
-            function, needs_cuda = CHECKS[name]
-            start = time.perf_counter()
-            skip = needs_cuda and not smoke.cuda and not (needs_cuda == TRAINER and args.trainer_on_cpu)
-            try:
-                status, detail = ("skipped", needs_cuda) if skip else ("passed", function(smoke))
-            except Exception as error:  # noqa: BLE001 - a failing check is reported, and the others still run
-                status, detail = "failed", f"{type(error).__name__}: {error}"
-                if os.environ.get("HF_VIT_TRACEBACK"):
-                    traceback.print_exc()
-            outcomes[name] = {"status": status, "detail": detail, "seconds": time.perf_counter() - start}
-            print(f"{status:7s} {name} ({outcomes[name]['seconds']:.1f} s): {detail}", flush=True)
-            if args.json:
-                report = dict(device=str(device), name=where, torch=torch.__version__, checks=outcomes)
-                write_json({**report, "details": smoke.details}, args.json)
-    statuses = [outcome["status"] for outcome in outcomes.values()]
-    print(", ".join(f"{statuses.count(status)} {status}" for status in ("passed", "failed", "skipped")))
-    return 1 if "failed" in statuses else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    say(f"checkpoint {checkpoints[-1].name}: {sorted(sharded)}; consolidated model, eval accuracy {accuracy:.3f}")
