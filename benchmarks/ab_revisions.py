@@ -72,7 +72,7 @@ def main() -> None:
     for mode, step in (("inference", infer), ("training", train)):
         for dtype in ("fp32", "bf16"):
             fns = {label: functools.partial(step, model, dtype) for label, model in (("before", old), ("after", new))}
-            b, a = timed_rounds(fns, args.steps, args.rounds)[0].values()
+            b, a = timed_rounds(fns, args.steps, args.rounds)["seconds"].values()
             print(f"{mode + ' ' + dtype:<16}{b:>14.3f}{a:>14.3f}{b / a:>15.3f}x")
 
 

@@ -26,7 +26,15 @@ if __package__ in (None, ""):  # run as a file: the root on the path, not this f
 import torch
 from transformers import HfArgumentParser
 
-from benchmarks.report import SECTIONS, format_table, merge_reports, plot_sweep, write_doc, write_json
+from benchmarks.report import (
+    SECTIONS,
+    check_output_flags,
+    format_table,
+    merge_reports,
+    plot_sweep,
+    write_doc,
+    write_json,
+)
 from benchmarks.runners import run_benchmark
 from benchmarks.settings import BenchmarkSettings, flag
 
@@ -55,15 +63,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkSettings, Output
         parser.error(str(error))
     if output.plot and not settings.sizes:
         parser.error("--plot needs --sizes")
-    if output.merge_json and not output.json:
-        parser.error("--merge_json needs --json")
-    if output.doc_only and not (output.doc and output.json and Path(output.json).is_file()):
-        parser.error("--doc_only needs --doc and an existing --json file to take the figures from")
     if output.doc and not settings.main_rows and not output.merge_json and not output.doc_only:
         parser.error(
             "--doc with --sweep_only/--profile_only would rewrite the page from a partial run: add --merge_json "
             "(and --json) to merge this run into the full figures first"
         )
+    check_output_flags(parser, output, "benchmark")
     return settings, output
 
 

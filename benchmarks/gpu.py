@@ -23,14 +23,13 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder importable as a package
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 
 from benchmarks.gpu_packing import format_packing, measure_packing
-from benchmarks.report import _markdown_table, merge_reports, write_doc, write_json
+from benchmarks.report import _markdown_table, cell, check_output_flags, merge_reports, write_doc, write_json
 from benchmarks.runners import machine_info, run_benchmark
 from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags
 from benchmarks.timing import budget_spent
@@ -87,12 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--batch_sizes needs one batch size per model")
     if args.no_eager and args.no_compile:
         parser.error("--no_eager with --no_compile leaves nothing to time")
-    if args.doc_only and not (args.doc and args.json and Path(args.json).is_file()):
-        parser.error("--doc_only needs --doc and an existing --json file to take the figures from")
-    if args.merge_json and not args.json:
-        parser.error("--merge_json needs --json")
-    if args.doc and not Path(args.doc).is_file():
-        parser.error(f"--doc {args.doc} does not exist; create it with <!-- benchmark-gpu:summary --> blocks first")
+    check_output_flags(parser, args, TAG)
     return args
 
 
@@ -133,10 +127,6 @@ def summary_rows(report: dict) -> list[dict]:
     return rows
 
 
-def _cell(value, spec: str = ",.0f", divisor: float = 1) -> str:
-    return "-" if value is None else format(value / divisor, spec)
-
-
 def format_summary(report: dict) -> str:
     """The GPU table: images/s, hf-vit / peer ratios (target 1.05), MFU and peak memory of every row."""
     header = ["model", "batch", "mode", "variant", "hf-vit (images/s)", "transformers", "timm"]
@@ -146,10 +136,10 @@ def format_summary(report: dict) -> str:
     for row in report["summary"]:
         speed, ratio, mfu, memory = row["images_per_s"], row["ratio"], row["mfu"], row["peak_mem_mb"]
         cells = [row["model"], row["batch_size"], row["mode"], row["variant"]]
-        cells += [_cell(speed.get(name)) for name in (HF_VIT, *PEERS)]
-        cells += ["-" if ratio.get(name) is None else f"{ratio[name]:.3f}" for name in PEERS]
-        cells += [_cell(mfu.get(name), ".1%") for name in (HF_VIT, *PEERS)]
-        cells += [_cell(memory.get(name), ",.2f", 1024) for name in (HF_VIT, *PEERS)]
+        cells += [cell(speed.get(name)) for name in (HF_VIT, *PEERS)]
+        cells += [cell(ratio.get(name), ".3f") for name in PEERS]
+        cells += [cell(mfu.get(name), ".1%") for name in (HF_VIT, *PEERS)]
+        cells += [cell(memory.get(name), ",.2f", 1024) for name in (HF_VIT, *PEERS)]
         lines.append(cells)
     return _markdown_table(header, lines)
 
@@ -167,7 +157,7 @@ def format_targets(report: dict) -> str:
         if "mfu_target" in row:
             value = row["mfu"].get(HF_VIT)
             met = "**met**" if value is not None and value >= row["mfu_target"] else "not met"
-            lines.append(head + ["MFU", f"{row['mfu_target']:.0%}", _cell(value, ".1%"), met])
+            lines.append(head + ["MFU", f"{row['mfu_target']:.0%}", cell(value, ".1%"), met])
     return _markdown_table(["model", "mode", "variant", "figure", "target", "measured", ""], lines)
 
 

@@ -99,7 +99,7 @@ class Run:
         self.image_size = self.config.image_hw[0]
         where = f"{settings.model} at {self.image_size}, batch {settings.batch_size}, {self.device}"
         log(f"models: {', '.join(self.models)} ({where})")
-        self.pixel_values, self.labels = random_batch(settings, self.config, settings.batch_size, self.device)
+        self.pixel_values, self.labels = random_batch(self.config, settings.batch_size, self.device, settings.seed)
         self.optimizers = {
             name: make_optimizer(model, settings.fused_optimizer) for name, model in self.models.items()
         }
@@ -318,7 +318,7 @@ def size_sweep(run: Run) -> None:
     for size in settings.sizes:
         models, _ = build_models(settings, device, size)
         config = models[HF_VIT].config
-        pixel_values, labels = random_batch(settings, config, batch, device)
+        pixel_values, labels = random_batch(config, batch, device, settings.seed)
         diffs = compare_logits(models, pixel_values[:2])
         optimizers = {name: make_optimizer(model, settings.fused_optimizer) for name, model in models.items()}
         for dtype in settings.dtypes:
@@ -335,11 +335,11 @@ def size_sweep(run: Run) -> None:
         del models, optimizers
 
 
-def random_batch(settings: BenchmarkSettings, config, batch: int, device: torch.device):
+def random_batch(config, batch: int, device: torch.device, seed: int = 0):
     """`batch` random images of `config`'s size and random labels, on `device` (the same for the same seed)."""
-    generator = torch.Generator().manual_seed(settings.seed + 2)
+    generator = torch.Generator().manual_seed(seed + 2)
     pixel_values = torch.randn(batch, config.num_channels, *config.image_hw, generator=generator)
-    labels = torch.randint(0, settings.num_labels, (batch,), generator=generator)
+    labels = torch.randint(0, config.num_labels, (batch,), generator=generator)
     return pixel_values.to(device), labels.to(device)
 
 

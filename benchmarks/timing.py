@@ -41,6 +41,7 @@ def autocast(device: torch.device, dtype: str):
 
 
 MODES = ("train", "infer")
+CPU = torch.device("cpu")
 CONTENTION_LIMIT = 0.15  # CPU cores used by other processes during a sample above which it counts as disturbed
 
 
@@ -101,11 +102,8 @@ def matmul_flops_per_s(device: torch.device, dtype: str, size: int, repeats: int
     a = torch.randn(size, size, device=device, dtype=torch_dtype)
     b = torch.randn(size, size, device=device, dtype=torch_dtype)
     out = torch.empty(size, size, device=device, dtype=torch_dtype)
-    torch.matmul(a, b, out=out)  # warm-up (and library initialisation)
-    single = max(timed_call(lambda: torch.matmul(a, b, out=out), device), 1e-6)
-    calls = max(1, math.ceil(0.25 / single))  # at least a quarter second per sample
-    sample = time_alternating({"matmul": lambda: torch.matmul(a, b, out=out)}, calls, repeats, device)["matmul"]
-    seconds = median_seconds(sample)
+    timed = timed_rounds({"matmul": lambda: torch.matmul(a, b, out=out)}, None, repeats, device, warmup=2)
+    sample, seconds = timed["samples"]["matmul"], timed["seconds"]["matmul"]
     result = dict(size=size, dtype=dtype, flops_per_s=2 * size**3 / seconds, seconds=seconds)
     return {**result, "disturbed_samples": len(sample["clean"]) - sum(sample["clean"])}
 
@@ -128,17 +126,18 @@ def make_optimizer(model: nn.Module, fused: bool = False) -> torch.optim.Optimiz
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if fused else None)
 
 
-def make_train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, pixel_values: torch.Tensor, labels: torch.Tensor, dtype: str
-) -> Callable[[], None]:
-    """Forward, cross-entropy (fp32, outside the model), backward, AdamW step; nothing read back to the host, so on a
-    GPU the steps queue up and the timer synchronises once per sample."""
+def make_train_step(model: nn.Module, optimizer, inputs, labels, dtype: str, clip=None) -> Callable[[], None]:
+    """Forward (of `inputs`: pixel values, or a processor's batch), cross-entropy (fp32, outside the model), backward,
+    the gradients' norm clipped at `clip` (if any), the optimiser's step; nothing read back to the host, so on a GPU
+    the steps queue up and the timer synchronises once per sample."""
 
     def step() -> None:
-        with autocast(pixel_values.device, dtype):
-            logits = logits_of(model(pixel_values))
+        with autocast(labels.device, dtype):
+            logits = logits_of(model(**inputs) if isinstance(inputs, dict) else model(inputs))
         loss = F.cross_entropy(logits.float(), labels)
         loss.backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -166,11 +165,10 @@ def benchmark_models(
             else make_infer_step(model.eval(), pixel_values, dtype)
             for name, model in models.items()
         }
-        for name, step in steps_fns.items():
-            for _ in range(warmup):  # the first call's seconds include compiling
-                results[name].setdefault(f"{mode}_first_call_s", timed_call(step, device))
-        samples = time_alternating(steps_fns, steps, repeats, device)
-        for name, seconds in samples.items():
+        timed = timed_rounds(steps_fns, steps, repeats, device, warmup)  # a first call's seconds include compiling
+        for name, seconds in timed["first_call_s"].items():
+            results[name][f"{mode}_first_call_s"] = seconds
+        for name, seconds in timed["samples"].items():
             results[name][f"{mode}_seconds"] = seconds
             if memory:
                 for key, value in measure_memory(steps_fns[name], device).items():
@@ -178,14 +176,37 @@ def benchmark_models(
     return results
 
 
-def timed_rounds(fns: dict[str, Callable[[], object]], steps: int, repeats: int) -> tuple[dict[str, float], list]:
-    """One warm-up call each, then `time_alternating` on CPU: the median seconds per call of each function, and the
-    1-minute load average before and after."""
-    for fn in fns.values():
-        fn()
+def timed_rounds(fns: dict[str, Callable[[], object]], steps: int, repeats: int, device=CPU, warmup=1, skip=None):
+    """`warmup` calls of each function (the first timed: a compiled one's compilation), then `time_alternating` (with
+    `steps` None, as many calls per sample as a quarter second takes); with `skip`, one that `skip(name, first calls
+    so far)` gives a reason for, or that raises, is left out ("skipped"). Per function the median seconds per call,
+    the samples, the first call's seconds; the 1-minute load average before and after."""
+    first_call, fastest, skipped = {}, {}, {}
+    for name, fn in fns.items():
+        if skip is not None and (reason := skip(name, first_call)):
+            skipped[name] = reason
+            continue
+        try:
+            for _ in range(warmup):
+                seconds = timed_call(fn, device)
+                first_call.setdefault(name, seconds)
+                fastest[name] = min(seconds, fastest.get(name, seconds))
+        except Exception as exc:  # noqa: BLE001  (with `skip`: one failing function leaves the others measured)
+            if skip is None:
+                raise
+            skipped[name] = error_line(exc)
+    if steps is None:  # so that other processes' CPU use during a sample can be read (`other_cpu_load`)
+        steps = max(1, math.ceil(0.25 / max(min(fastest.values()), 1e-6)))
     before = os.getloadavg()[0]
-    samples = time_alternating(fns, steps, repeats, torch.device("cpu"))
-    return {name: median_seconds(sample) for name, sample in samples.items()}, [before, os.getloadavg()[0]]
+    samples = time_alternating({name: fns[name] for name in fns if name not in skipped}, steps, repeats, device)
+    load = [before, os.getloadavg()[0]]
+    seconds = {name: median_seconds(sample) for name, sample in samples.items()}
+    return dict(seconds=seconds, samples=samples, first_call_s=first_call, skipped=skipped, load_average=load)
+
+
+def error_line(exc: Exception) -> str:
+    """An exception as one short line of a report."""
+    return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
 def budget_spent(budget_s: float | None, start: float) -> str | None:
