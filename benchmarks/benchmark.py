@@ -17,7 +17,6 @@ import argparse
 import json
 import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: the root on the path, not this folder (its modules would shadow others)
@@ -26,37 +25,17 @@ if __package__ in (None, ""):  # run as a file: the root on the path, not this f
 import torch
 from transformers import HfArgumentParser
 
-from benchmarks.report import (
-    SECTIONS,
-    check_output_flags,
-    format_table,
-    merge_reports,
-    plot_sweep,
-    write_doc,
-    write_json,
-)
+from benchmarks.report import SECTIONS, format_table, merge_reports, plot_sweep, write_doc, write_json
 from benchmarks.runners import run_benchmark
-from benchmarks.settings import BenchmarkSettings, flag
+from benchmarks.settings import OUTPUT_FLAGS, BenchmarkSettings, add_flags, check_outputs
 
 
-@dataclass
-class OutputArguments:
-    json: str | None = flag(None, "write every figure and ratio here")
-    doc: str | None = flag(
-        None,
-        "markdown file whose <!-- benchmark:NAME --> blocks (machine, table, targets, sweep, profile) are rewritten "
-        "from this run's figures (after --merge_json)",
-    )
-    doc_only: bool = flag(False, "measure nothing: rewrite --doc from the --json figures")
-    merge_json: bool = flag(False, "update an existing --json file with this run's figures instead of replacing it")
-    plot: str | None = flag(None, "PNG of the size sweep")
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkSettings, OutputArguments]:
+def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkSettings, argparse.Namespace]:
     """The settings and outputs from the command line; inconsistent flags exit with a one-line usage error."""
     parser = HfArgumentParser(
-        (BenchmarkSettings, OutputArguments), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        BenchmarkSettings, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_flags(parser, {**OUTPUT_FLAGS, "plot": (None, "PNG of the size sweep")})
     try:
         settings, output = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as error:  # BenchmarkSettings.__post_init__ names the flags
@@ -68,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkSettings, Output
             "--doc with --sweep_only/--profile_only would rewrite the page from a partial run: add --merge_json "
             "(and --json) to merge this run into the full figures first"
         )
-    check_output_flags(parser, output, "benchmark")
+    check_outputs(parser, output, "benchmark")
     return settings, output
 
 

@@ -29,9 +29,9 @@ if __package__ in (None, ""):  # run as a file: the repository's root on the pat
 import torch
 
 from benchmarks.gpu_packing import format_packing, measure_packing
-from benchmarks.report import _markdown_table, cell, check_output_flags, merge_reports, write_doc, write_json
+from benchmarks.report import _markdown_table, cell, merge_reports, write_doc, write_json
 from benchmarks.runners import machine_info, run_benchmark
-from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags
+from benchmarks.settings import HF_VIT, OUTPUT_FLAGS, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags, check_outputs
 from benchmarks.timing import budget_spent
 
 # The presets and the training batch sizes practitioners use on one 80 GB GPU (inference uses the same batch).
@@ -55,13 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sdpa_backend", choices=["flash", "efficient", "cudnn", "math"], help="one SDPA backend only"
     )
     add_flags(parser, {
-        "json": (None, "write the figures here (e.g. docs/benchmarks_gpu.json)"),
-        "doc": (None, "markdown file whose <!-- benchmark-gpu:NAME --> blocks to fill"),
+        **OUTPUT_FLAGS,
         "device": ("cuda" if torch.cuda.is_available() else "cpu", "cuda or cpu"),
         "no_compile": (False, "eager rows only"),
         "no_eager": (False, "compiled rows only (e.g. a second run, merged)"),
-        "doc_only": (False, "measure nothing: fill --doc's blocks from the existing --json file"),
-        "merge_json": (False, "merge this run into the existing --json file (figures replaced by key, others kept)"),
         "compile_mode": (None, "torch.compile mode (default: torch's default)"),
         "compile_blocks": (False, "compile each transformer block (fullgraph) instead of the model"),
         "compile_backend": ("inductor", "torch.compile backend"),
@@ -86,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--batch_sizes needs one batch size per model")
     if args.no_eager and args.no_compile:
         parser.error("--no_eager with --no_compile leaves nothing to time")
-    check_output_flags(parser, args, TAG)
+    check_outputs(parser, args, TAG)
     return args
 
 

@@ -283,17 +283,6 @@ def fill_markdown(text: str, sections: dict[str, str], tag: str = "benchmark") -
     return marker.sub(lambda match: match[1] + sections[match[2]] + "\n" + match[3], text)
 
 
-def check_output_flags(parser: argparse.ArgumentParser, args, tag: str) -> None:
-    """--merge_json and --doc_only need --json (--doc_only an existing one, and --doc); --doc must exist: refused
-    before anything is measured."""
-    if args.merge_json and not args.json:
-        parser.error("--merge_json needs --json")
-    if args.doc_only and not (args.doc and args.json and Path(args.json).is_file()):
-        parser.error("--doc_only needs --doc and an existing --json file to take the figures from")
-    if args.doc and not Path(args.doc).is_file():
-        parser.error(f"--doc {args.doc} does not exist; create it with <!-- {tag}:NAME --> blocks first")
-
-
 def write_doc(report: dict, path: str | os.PathLike, sections=None, tag: str = "benchmark") -> Path:
     """Rewrite the generated blocks (`sections(report)`, default `markdown_sections`) of the markdown file at `path`;
     the rest of it is left as written."""
