@@ -19,9 +19,6 @@ import shlex
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: the root on the path, not this folder (its modules would shadow others)
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 import torch
 from transformers import HfArgumentParser
 

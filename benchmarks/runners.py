@@ -292,9 +292,9 @@ def compare_onnxruntime(model: nn.Module, settings: BenchmarkSettings) -> dict:
             )
         fns = {HF_VIT: timing.make_infer_step(model, pixel_values, "fp32")}
         fns["onnxruntime"] = functools.partial(session.run, None, inputs)
-        samples = timing.time_alternating(fns, settings.steps, settings.repeats, torch.device("cpu"))
-        per_s = {name: batch / median_seconds(sample) for name, sample in samples.items()}
-        row = dict(batch_size=batch, max_abs_logits_diff=difference, seconds=samples, images_per_s=per_s)
+        timed = timing.timed_rounds(fns, settings.steps, settings.repeats)  # after a warm-up call each
+        per_s = {name: batch / seconds for name, seconds in timed["seconds"].items()}
+        row = dict(batch_size=batch, max_abs_logits_diff=difference, seconds=timed["samples"], images_per_s=per_s)
         result[f"batch_{batch}"] = {**row, "ratio_onnxruntime_to_eager": per_s["onnxruntime"] / per_s[HF_VIT]}
     return result
 

@@ -12,10 +12,6 @@ import copy
 import functools
 import sys
 import tempfile
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 from transformers import ViTConfig, ViTForMaskedImageModeling

@@ -128,8 +128,8 @@ def make_optimizer(model: nn.Module, fused: bool = False) -> torch.optim.Optimiz
 
 def make_train_step(model: nn.Module, optimizer, inputs, labels, dtype: str, clip=None) -> Callable[[], None]:
     """Forward (of `inputs`: pixel values, or a processor's batch), cross-entropy (fp32, outside the model), backward,
-    the gradients' norm clipped at `clip` (if any), the optimiser's step; nothing read back to the host, so on a GPU
-    the steps queue up and the timer synchronises once per sample."""
+    the gradients' norm clipped at `clip` (if any), the optimiser's step (if any); nothing read back to the host, so
+    on a GPU the steps queue up and the timer synchronises once per sample."""
 
     def step() -> None:
         with autocast(labels.device, dtype):
@@ -138,8 +138,9 @@ def make_train_step(model: nn.Module, optimizer, inputs, labels, dtype: str, cli
         loss.backward()
         if clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.step()
+        (optimizer or model).zero_grad(set_to_none=True)
 
     return step
 
