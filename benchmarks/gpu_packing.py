@@ -30,7 +30,7 @@ import torch
 from benchmarks.packing_speed import MODES, QUICK, layout_calls, layouts, small_classifier
 from benchmarks.report import _markdown_table, cell
 from benchmarks.runners import compile_models
-from benchmarks.timing import budget_spent, error_line, sdpa_backend, synchronize, timed_rounds
+from benchmarks.timing import budget_spent, error_line, profiled, sdpa_backend, timed_rounds
 from hf_vit.model import attention
 
 LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed", "packed + mask")
@@ -114,12 +114,7 @@ def profile_call(fn, device: torch.device, seconds: float) -> dict:
     """A profile of one call of `fn`: the attention-related ops and kernels it shows, and on CUDA how busy the GPU
     was (the kernels' time over the call's timed `seconds`: below 1, the GPU waited for the host) and the five longest
     kernels (name, ms)."""
-    profiler = torch.profiler.ProfilerActivity
-    activities = [profiler.CPU] + ([profiler.CUDA] if device.type == "cuda" else [])
-    with torch.profiler.profile(activities=activities) as profile:
-        fn()
-        synchronize(device)
-    events = profile.key_averages()
+    events = profiled(fn, device).key_averages()
     kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
     longest = sorted(kernels, key=lambda event: -event.self_device_time_total)[:5]
     longest = [(event.key[:90], round(event.self_device_time_total / 1e3, 3)) for event in longest]

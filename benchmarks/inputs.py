@@ -12,7 +12,7 @@ import torch
 from hf_vit import VisionTransformerImageProcessor
 
 from .settings import HF_VIT, PIL_DECODE, TIMM, TORCHVISION, TRANSFORMERS
-from .timing import median_seconds, time_alternating, timed_rounds
+from .timing import timed_rounds
 
 
 def sample_photos(count: int = 32) -> list:
@@ -46,13 +46,13 @@ def compare_processors(image_size: int, count: int = 32, repeats: int = 5) -> di
     }
     fns = {name: functools.partial(processor, images, return_tensors="pt") for name, processor in processors.items()}
     outputs = {name: fn()["pixel_values"] for name, fn in fns.items()}  # warm-up and the outputs to compare
-    samples = time_alternating(fns, 1, repeats, torch.device("cpu"))
+    timed = timed_rounds(fns, 1, repeats, warmup=0)
     std = torch.tensor(processors[TRANSFORMERS].image_std, dtype=torch.float32).view(1, -1, 1, 1)
     # pixel_values = (x - mean) / std, so a difference in pixel_values times std is a difference of x in [0, 1].
     difference = (outputs[HF_VIT].float() - outputs[TRANSFORMERS].float()).abs() * std
     result = dict(images=count, image_sizes=sorted({f"{image.height}x{image.width}" for image in images}))
-    result.update(output_size=image_size, seconds=samples)
-    result["images_per_s"] = {name: count / median_seconds(sample) for name, sample in samples.items()}
+    result.update(output_size=image_size, seconds=timed["samples"])
+    result["images_per_s"] = {name: count / seconds for name, seconds in timed["seconds"].items()}
     result.update(mean_abs_diff_01=difference.mean().item(), max_abs_diff_01=difference.max().item())
     return {**result, "shapes_match": tuple(outputs[HF_VIT].shape) == tuple(outputs[TRANSFORMERS].shape)}
 

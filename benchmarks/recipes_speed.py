@@ -5,7 +5,7 @@ throughput against timm's `rand_augment_transform` (when timm is importable: the
     PYTHONPATH=. ~/.cache/hfvit-peer-env/bin/python benchmarks/recipes_speed.py --only rand_augment
 
 Both run in one process with one torch thread, alternating what they compare (the order reverses every round); the
-figures are medians of the rounds that other processes did not disturb (`timing.time_alternating`).
+figures are medians of the rounds that other processes did not disturb (`timing.timed_rounds`).
 """
 
 from __future__ import annotations

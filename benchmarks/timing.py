@@ -35,6 +35,16 @@ def timed_call(fn: Callable[[], object], device: torch.device, calls: int = 1) -
     return time.perf_counter() - start
 
 
+def profiled(fn: Callable[[], object], device: torch.device, **options) -> torch.profiler.profile:
+    """torch.profiler over one call of `fn`: the host's ops, and on CUDA the kernels, until they finish."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    activities += [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+    with torch.profiler.profile(activities=activities, **options) as profile:
+        fn()
+        synchronize(device)
+    return profile
+
+
 def autocast(device: torch.device, dtype: str):
     """bf16 autocast (fp32 master weights), or nothing for fp32."""
     return torch.autocast(device.type, DTYPES[dtype]) if DTYPES[dtype] else contextlib.nullcontext()
@@ -64,30 +74,6 @@ def other_cpu_load(before: tuple[int, int] | None, after: tuple[int, int] | None
         return None
     busy, own = after[0] - before[0], after[1] - before[1]
     return max(busy - own, 0) / os.sysconf("SC_CLK_TCK") / seconds
-
-
-def time_alternating(
-    fns: dict[str, Callable[[], object]], steps: int, repeats: int, device: torch.device
-) -> dict[str, dict[str, list]]:
-    """Seconds per call of each function, one sample per round; the order of the functions reverses every round.
-
-    A sample during which other processes used more than `CONTENTION_LIMIT` cores (read from /proc/stat) is marked
-    disturbed, and rounds go on (up to twice `repeats`) until every function has `repeats` undisturbed samples.
-    Returns, per function, "seconds", "other_cpu" (cores, None where unknown) and "clean".
-    """
-    names = list(fns)
-    samples: dict[str, dict[str, list]] = {name: {"seconds": [], "other_cpu": [], "clean": []} for name in names}
-    for round_index in range(2 * repeats):
-        if round_index >= repeats and all(sum(samples[name]["clean"]) >= repeats for name in names):
-            break
-        for name in names if round_index % 2 == 0 else names[::-1]:
-            ticks = _cpu_ticks()
-            elapsed = timed_call(fns[name], device, steps)
-            other = other_cpu_load(ticks, _cpu_ticks(), elapsed)
-            samples[name]["seconds"].append(elapsed / steps)
-            samples[name]["other_cpu"].append(other)
-            samples[name]["clean"].append(other is None or other <= CONTENTION_LIMIT)
-    return samples
 
 
 def median_seconds(sample: dict[str, list]) -> float:
@@ -178,10 +164,16 @@ def benchmark_models(
 
 
 def timed_rounds(fns: dict[str, Callable[[], object]], steps: int, repeats: int, device=CPU, warmup=1, skip=None):
-    """`warmup` calls of each function (the first timed: a compiled one's compilation), then `time_alternating` (with
-    `steps` None, as many calls per sample as a quarter second takes); with `skip`, one that `skip(name, first calls
-    so far)` gives a reason for, or that raises, is left out ("skipped"). Per function the median seconds per call,
-    the samples, the first call's seconds; the 1-minute load average before and after."""
+    """Seconds per call of each function, one sample (of `steps` calls; None: as many as a quarter second takes) per
+    round, the order of the functions reversed every round, after `warmup` calls of each (the first timed: a compiled
+    function's compilation); with `skip`, one that `skip(name, first calls so far)` gives a reason for, or that
+    raises, is left out ("skipped").
+
+    A sample during which other processes used more than `CONTENTION_LIMIT` cores (read from /proc/stat) is marked
+    disturbed, and rounds go on (up to twice `repeats`) until every function has `repeats` undisturbed samples.
+    Returns, per function, its "samples" ("seconds", "other_cpu": cores, None where unknown, "clean"), the median
+    "seconds" per call (`median_seconds`) and "first_call_s"; and the 1-minute "load_average" before and after.
+    """
     first_call, fastest, skipped = {}, {}, {}
     for name, fn in fns.items():
         if skip is not None and (reason := skip(name, first_call)):
@@ -189,17 +181,28 @@ def timed_rounds(fns: dict[str, Callable[[], object]], steps: int, repeats: int,
             continue
         try:
             for _ in range(warmup):
-                seconds = timed_call(fn, device)
-                first_call.setdefault(name, seconds)
-                fastest[name] = min(seconds, fastest.get(name, seconds))
+                elapsed = timed_call(fn, device)
+                first_call.setdefault(name, elapsed)
+                fastest[name] = min(elapsed, fastest.get(name, elapsed))
         except Exception as exc:  # noqa: BLE001  (with `skip`: one failing function leaves the others measured)
             if skip is None:
                 raise
             skipped[name] = error_line(exc)
     if steps is None:  # so that other processes' CPU use during a sample can be read (`other_cpu_load`)
         steps = max(1, math.ceil(0.25 / max(min(fastest.values()), 1e-6)))
+    names = [name for name in fns if name not in skipped]
     before = os.getloadavg()[0]
-    samples = time_alternating({name: fns[name] for name in fns if name not in skipped}, steps, repeats, device)
+    samples: dict[str, dict[str, list]] = {name: {"seconds": [], "other_cpu": [], "clean": []} for name in names}
+    for round_index in range(2 * repeats):
+        if round_index >= repeats and all(sum(samples[name]["clean"]) >= repeats for name in names):
+            break
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            ticks = _cpu_ticks()
+            elapsed = timed_call(fns[name], device, steps)
+            other = other_cpu_load(ticks, _cpu_ticks(), elapsed)
+            samples[name]["seconds"].append(elapsed / steps)
+            samples[name]["other_cpu"].append(other)
+            samples[name]["clean"].append(other is None or other <= CONTENTION_LIMIT)
     load = [before, os.getloadavg()[0]]
     seconds = {name: median_seconds(sample) for name, sample in samples.items()}
     return dict(seconds=seconds, samples=samples, first_call_s=first_call, skipped=skipped, load_average=load)
@@ -240,10 +243,7 @@ def peak_rss_growth_mb(step: Callable[[], None]) -> float | None:
 def peak_tensor_memory_cpu_mb(step: Callable[[], None]) -> float | None:
     """Peak of the CPU tensor bytes live during one call above those live before it, in MiB, from torch.profiler's
     allocation events: the CPU counterpart of `torch.cuda.max_memory_allocated` (less what was live before)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+    prof = profiled(step, CPU, profile_memory=True)
     try:
         events = prof.profiler.kineto_results.events()
     except AttributeError:
@@ -325,19 +325,14 @@ def _categorise(event) -> str:
 def profile_training_step(model: nn.Module, optimizer, pixel_values: torch.Tensor, labels, dtype: str, top: int = 12):
     """Where one training step's time goes, by category (self CPU time of every op; on a GPU, self device time) and
     the top ops."""
-    from torch.profiler import ProfilerActivity, profile
-
     model.train()
     step = make_train_step(model, optimizer, pixel_values, labels, dtype)
     step()  # warm-up: optimiser state, allocator, kernels
     # On a GPU the time that matters is the kernels' (the host only queues them): each op's own device time.
     on_gpu = pixel_values.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     for _attempt in range(3):  # profile again when another process took CPU time during the step
         ticks, start = _cpu_ticks(), time.perf_counter()
-        with profile(activities=activities) as prof:
-            step()
-            synchronize(pixel_values.device)
+        prof = profiled(step, pixel_values.device)
         other = other_cpu_load(ticks, _cpu_ticks(), time.perf_counter() - start)
         if other is None or other <= CONTENTION_LIMIT:
             break
