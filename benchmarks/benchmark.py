@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import HfArgumentParser
 
-from benchmarks.report import SECTIONS, format_table, merge_reports, plot_sweep, write_doc, write_json
+from benchmarks.report import SECTIONS, format_table, log, merge_reports, plot_sweep, write_doc, write_json
 from benchmarks.runners import run_benchmark
 from benchmarks.settings import OUTPUT_FLAGS, BenchmarkSettings, add_flags, check_outputs
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    report = run_benchmark(settings, log=lambda message: print(message, file=sys.stderr, flush=True))
+    report = run_benchmark(settings, log=log)
     report["command"] = "python benchmarks/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if output.merge_json and Path(output.json).is_file():
         # Figures, sweep points and sections this run redid replace the file's; the rest stays (and is plotted).

@@ -13,7 +13,6 @@ finetune.py (and, for `--bf16` / `--torch_compile`, to the model-only step).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import random
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.report import write_json
+from benchmarks.report import log, write_json
 from benchmarks.runners import random_batch
 from benchmarks.settings import add_flags
 from benchmarks.timing import make_train_step, timed_rounds
@@ -105,7 +104,7 @@ def finetune_command(model_dir, dataset, output_dir, batch_size: int, max_steps:
     return [sys.executable, str(FINETUNE), *argv, *extra]
 
 
-def finetune_runtime(model_dir, dataset, output_dir: Path, batch_size: int, max_steps: int, extra, log) -> float:
+def finetune_runtime(model_dir, dataset, output_dir: Path, batch_size: int, max_steps: int, extra) -> float:
     """Run finetune.py; its `train_runtime` (seconds in `trainer.train`) from all_results.json."""
     command = finetune_command(model_dir, dataset, output_dir, batch_size, max_steps, extra)
     start = time.perf_counter()
@@ -139,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    log = functools.partial(print, file=sys.stderr, flush=True)
     start = time.perf_counter()
     data = generate_jpeg_folder(args.folder, args.images, args.classes)
     seconds = time.perf_counter() - start
@@ -162,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         runtimes = {}
         for steps in (args.warmup_steps, args.warmup_steps + args.steps):
             run = (model_dir, data["dataset"], Path(scratch) / f"run{steps}", args.batch_size, steps, extra)
-            runtimes[steps] = finetune_runtime(*run, log)
+            runtimes[steps] = finetune_runtime(*run)
     result["finetune_train_runtime_s"] = {str(steps): value for steps, value in runtimes.items()}
     steady = runtimes[args.warmup_steps + args.steps] - runtimes[args.warmup_steps]
     if steady <= 0:

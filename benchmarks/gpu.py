@@ -15,7 +15,6 @@ model, so a run stopped by a time limit keeps what it measured; `--time_budget_s
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import shlex
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_packing import format_packing, measure_packing
-from benchmarks.report import _markdown_table, cell, merge_reports, write_doc, write_json
+from benchmarks.report import _markdown_table, cell, log, merge_reports, write_doc, write_json
 from benchmarks.runners import machine_info, run_benchmark
 from benchmarks.settings import HF_VIT, OUTPUT_FLAGS, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags, check_outputs
 from benchmarks.timing import budget_spent
@@ -41,7 +40,6 @@ RATIO_TARGET = 1.05
 MFU_TARGETS = {("vit-base-patch16-224", "train"): 0.40, ("vit-base-patch16-224", "infer"): 0.50}
 PEERS = (TRANSFORMERS, TIMM)
 TAG = "benchmark-gpu"  # of the generated blocks in the docs
-log = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,15 +124,13 @@ def format_summary(report: dict) -> str:
     header = ["model", "batch", "mode", "variant", "hf-vit (images/s)", "transformers", "timm"]
     header += ["hf-vit / transformers", "hf-vit / timm", "MFU hf-vit", "MFU transformers", "MFU timm"]
     header += ["peak memory hf-vit (GiB)", "transformers", "timm"]
+    # the summary row's field, the libraries it has a value for, their format (and divisor: MiB to GiB)
+    groups = [("images_per_s", (HF_VIT, *PEERS), ",.0f", 1), ("ratio", PEERS, ".3f", 1)]
+    groups += [("mfu", (HF_VIT, *PEERS), ".1%", 1), ("peak_mem_mb", (HF_VIT, *PEERS), ",.2f", 1024)]
     lines = []
     for row in report["summary"]:
-        speed, ratio, mfu, memory = row["images_per_s"], row["ratio"], row["mfu"], row["peak_mem_mb"]
-        cells = [row["model"], row["batch_size"], row["mode"], row["variant"]]
-        cells += [cell(speed.get(name)) for name in (HF_VIT, *PEERS)]
-        cells += [cell(ratio.get(name), ".3f") for name in PEERS]
-        cells += [cell(mfu.get(name), ".1%") for name in (HF_VIT, *PEERS)]
-        cells += [cell(memory.get(name), ",.2f", 1024) for name in (HF_VIT, *PEERS)]
-        lines.append(cells)
+        cells = [cell(row[field].get(name), *spec) for field, names, *spec in groups for name in names]
+        lines.append([row["model"], row["batch_size"], row["mode"], row["variant"], *cells])
     return _markdown_table(header, lines)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.report import _markdown_table
+from benchmarks.report import SPEED_FLAGS, _markdown_table
 from benchmarks.settings import add_flags
 from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
@@ -375,8 +375,7 @@ FLAGS = {  # name: (default, help); the type is the default's
     "batch_size": (32, "images of the padded batch"),
     "width": (768, None),
     "heads": (12, None),
-    "steps": (2, "calls per timed sample"),
-    "repeats": (5, "undisturbed samples per row"),
+    **{name: SPEED_FLAGS[name] for name in ("steps", "repeats")},  # as naflex_speed.py's and simmim_speed.py's
     "model_width": (192, None),
     "model_depth": (4, "blocks of the model rows (0: no model rows)"),
     "model_heads": (3, None),

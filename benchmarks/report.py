@@ -4,6 +4,7 @@ generated blocks of docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -14,6 +15,8 @@ from pathlib import Path
 
 from .settings import DTYPES, HF_VIT, PIL_DECODE, TIMM, TORCHVISION, TRANSFORMERS, add_flags
 from .timing import PROFILE_CATEGORIES
+
+log = functools.partial(print, file=sys.stderr, flush=True)  # a line of progress: stderr, the tables going to stdout
 
 
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
