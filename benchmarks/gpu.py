@@ -108,9 +108,8 @@ def summary_rows(report: dict) -> list[dict]:
             if speed is None:
                 continue
             row = dict(model=model, batch_size=run["settings"]["batch_size"], mode=mode, variant=variant)
-            row.update(
-                images_per_s=speed["values"], ratio={TRANSFORMERS: speed.get("ratio"), TIMM: speed.get("ratio_timm")}
-            )
+            ratio = {TRANSFORMERS: speed.get("ratio"), TIMM: speed.get("ratio_timm")}
+            row.update(images_per_s=speed["values"], ratio=ratio)
             for name in ("mfu", "peak_mem_mb"):
                 row[name] = figures.get(f"{mode}_{name}/bf16/{variant}", {}).get("values", {})
             if variant == "compiled" and (model, mode) in MFU_TARGETS:

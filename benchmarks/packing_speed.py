@@ -89,7 +89,8 @@ def layouts(args) -> dict[str, dict]:
     # as many of the images as best-fit-decreasing packs into B * K / L rows of L
     while count < len(sizes) and len(best_fit_decreasing(sizes[: count + 1], args.packed_sequence_length)) <= rows:
         count += 1
-    side, rng = math.isqrt(args.max_num_patches) * PATCH, np.random.default_rng(args.seed)
+    side = math.isqrt(args.max_num_patches) * PATCH
+    rng = np.random.default_rng(args.seed)
     square = [rng.integers(0, 256, (side, side, 3), dtype=np.uint8) for _ in range(args.batch_size)]
     packed = {"packed_sequence_length": args.packed_sequence_length}
     chosen = {"square": (square, {}), "padded": (images[: args.batch_size], {}), "packed": (images[:count], packed)}
@@ -219,8 +220,8 @@ def measure_model(args, shapes: dict) -> dict:
         return None
 
     timed = timed_rounds(calls, args.model_steps, args.repeats, skip=budget)
-    compiled = [name for name in MODEL_ROWS if f"{name} | compiled | inference" in timed["first_call_s"]]
-    differences = [(logits_of(variants["compiled"], name) - eager[name]).abs().max().item() for name in compiled]
+    compiled_rows = [name for name in MODEL_ROWS if f"{name} | compiled | inference" in timed["first_call_s"]]
+    differences = [(logits_of(variants["compiled"], name) - eager[name]).abs().max().item() for name in compiled_rows]
     if max(differences, default=0.0) > 1e-3:
         raise SystemExit(f"The compiled model's logits differ from the eager model's by {max(differences):.2e}")
     rows = {}

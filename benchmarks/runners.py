@@ -304,9 +304,8 @@ def profile(run: Run) -> None:
     for dtype in run.settings.dtypes:
         for name in (HF_VIT, TRANSFORMERS):
             run.log(f"  {name} {dtype} ...")
-            run.report["profile"].setdefault(dtype, {})[name] = profile_training_step(
-                run.models[name], run.optimizers[name], run.pixel_values, run.labels, dtype
-            )
+            step = (run.models[name], run.optimizers[name], run.pixel_values, run.labels, dtype)
+            run.report["profile"].setdefault(dtype, {})[name] = profile_training_step(*step)
 
 
 def size_sweep(run: Run) -> None:
