@@ -32,7 +32,7 @@ def add_flags(parser: argparse.ArgumentParser, flags: dict) -> None:
 # Where benchmark.py's and gpu.py's figures go: name: (default, help), as `add_flags` takes them.
 OUTPUT_FLAGS = {
     "json": (None, "write every figure and ratio here"),
-    "doc": (None, "markdown file whose generated blocks are rewritten from this run's figures (after --merge_json)"),
+    "doc": (None, "markdown file whose <!-- benchmark[-gpu]:NAME --> blocks take the figures (after --merge_json)"),
     "doc_only": (False, "measure nothing: rewrite --doc from the --json figures"),
     "merge_json": (False, "update an existing --json file with this run's figures instead of replacing it"),
 }
