@@ -7,17 +7,14 @@ python benchmarks/ab_revisions.py --before /tmp/before [--rounds 7]
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 import torch
 
-from benchmarks.timing import timed_rounds
+from benchmarks.runners import random_batch
+from benchmarks.timing import make_infer_step, make_train_step, timed_rounds
 
 
 def load_package(root: Path, name: str):
@@ -46,22 +43,14 @@ def main() -> None:
     new = after.VisionTransformerForImageClassification(config)
     old = before.VisionTransformerForImageClassification(before.VisionTransformerConfig(**config.to_dict()))
     old.load_state_dict(new.state_dict())
-    x = torch.randn(args.batch_size, 3, *config.image_hw)
-    labels = torch.randint(0, 10, (args.batch_size,))
+    x, labels = random_batch(config, args.batch_size, torch.device("cpu"))
     with torch.no_grad():
         assert torch.equal(old.eval()(x).logits, new.eval()(x).logits), "the revisions compute different logits"
 
-    def infer(model, dtype):
-        model.eval()
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            model(x)
-
-    def train(model, dtype):
-        model.train()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            loss = model(x, labels=labels).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
+    steps = {  # one model's step in one dtype (training: forward, loss and backward, no optimiser)
+        "inference": lambda model, dtype: make_infer_step(model.eval(), x, dtype),
+        "training": lambda model, dtype: make_train_step(model.train(), None, x, labels, dtype),
+    }
 
     print(
         f"{args.model}, batch {args.batch_size}, {torch.get_num_threads()} threads, "
@@ -69,10 +58,10 @@ def main() -> None:
         f"{args.steps} steps"
     )
     print(f"{'row':<16}{'before s/step':>14}{'after s/step':>14}{'after speed-up':>16}")
-    for mode, step in (("inference", infer), ("training", train)):
+    for mode, step in steps.items():
         for dtype in ("fp32", "bf16"):
-            fns = {label: functools.partial(step, model, dtype) for label, model in (("before", old), ("after", new))}
-            b, a = timed_rounds(fns, args.steps, args.rounds)[0].values()
+            fns = {label: step(model, dtype) for label, model in (("before", old), ("after", new))}
+            b, a = timed_rounds(fns, args.steps, args.rounds)["seconds"].values()
             print(f"{mode + ' ' + dtype:<16}{b:>14.3f}{a:>14.3f}{b / a:>15.3f}x")
 
 

@@ -17,53 +17,34 @@ import argparse
 import json
 import shlex
 import sys
-from dataclasses import dataclass
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: the root on the path, not this folder (its modules would shadow others)
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 from transformers import HfArgumentParser
 
-from benchmarks.report import SECTIONS, format_table, merge_reports, plot_sweep, write_doc, write_json
+from benchmarks.report import SECTIONS, format_table, log, merge_reports, plot_sweep, write_doc, write_json
 from benchmarks.runners import run_benchmark
-from benchmarks.settings import BenchmarkSettings, flag
+from benchmarks.settings import OUTPUT_FLAGS, BenchmarkSettings, add_flags, check_outputs
 
 
-@dataclass
-class OutputArguments:
-    json: str | None = flag(None, "write every figure and ratio here")
-    doc: str | None = flag(
-        None,
-        "markdown file whose <!-- benchmark:NAME --> blocks (machine, table, targets, sweep, profile) are rewritten "
-        "from this run's figures (after --merge_json)",
-    )
-    doc_only: bool = flag(False, "measure nothing: rewrite --doc from the --json figures")
-    merge_json: bool = flag(False, "update an existing --json file with this run's figures instead of replacing it")
-    plot: str | None = flag(None, "PNG of the size sweep")
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkSettings, OutputArguments]:
+def parse_args(argv: list[str] | None = None) -> tuple[BenchmarkSettings, argparse.Namespace]:
     """The settings and outputs from the command line; inconsistent flags exit with a one-line usage error."""
     parser = HfArgumentParser(
-        (BenchmarkSettings, OutputArguments), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        BenchmarkSettings, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add_flags(parser, {**OUTPUT_FLAGS, "plot": (None, "PNG of the size sweep")})
     try:
         settings, output = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as error:  # BenchmarkSettings.__post_init__ names the flags
         parser.error(str(error))
     if output.plot and not settings.sizes:
         parser.error("--plot needs --sizes")
-    if output.merge_json and not output.json:
-        parser.error("--merge_json needs --json")
-    if output.doc_only and not (output.doc and output.json and Path(output.json).is_file()):
-        parser.error("--doc_only needs --doc and an existing --json file to take the figures from")
     if output.doc and not settings.main_rows and not output.merge_json and not output.doc_only:
         parser.error(
             "--doc with --sweep_only/--profile_only would rewrite the page from a partial run: add --merge_json "
             "(and --json) to merge this run into the full figures first"
         )
+    check_outputs(parser, output, "benchmark")
     return settings, output
 
 
@@ -74,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if settings.threads:
         torch.set_num_threads(settings.threads)
-    report = run_benchmark(settings, log=lambda message: print(message, file=sys.stderr, flush=True))
+    report = run_benchmark(settings, log=log)
     report["command"] = "python benchmarks/benchmark.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     if output.merge_json and Path(output.json).is_file():
         # Figures, sweep points and sections this run redid replace the file's; the rest stays (and is plotted).

@@ -13,7 +13,6 @@ finetune.py (and, for `--bf16` / `--torch_compile`, to the model-only step).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import random
@@ -23,14 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 import torch
 
-from benchmarks.report import write_json
+from benchmarks.report import log, write_json
+from benchmarks.runners import random_batch
 from benchmarks.settings import add_flags
-from benchmarks.timing import median_seconds, time_alternating
+from benchmarks.timing import make_train_step, timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 
 FINETUNE = Path(__file__).resolve().parents[1] / "scripts" / "finetune.py"
@@ -92,47 +89,29 @@ def model_only_images_per_s(
     """Images/s of finetune.py's training step (SGD momentum 0.9, clipping at 1) on one batch kept on `device`."""
     device = torch.device(device)
     model = model.to(device).train()
-    config = model.config
-    generator = torch.Generator().manual_seed(0)
-    pixel_values = torch.randn(batch_size, config.num_channels, *config.image_hw, generator=generator).to(device)
-    labels = torch.randint(0, config.num_labels, (batch_size,), generator=generator).to(device)
+    pixel_values, labels = random_batch(model.config, batch_size, device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     forward = torch.compile(model) if compile else model
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-
-    def step() -> None:
-        with autocast:
-            loss = forward(pixel_values, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    for _ in range(warmup):
-        step()
-    return batch_size / median_seconds(time_alternating({"step": step}, steps, 1, device)["step"])
+    step = make_train_step(forward, optimizer, pixel_values, labels, "bf16" if bf16 else "fp32", clip=1.0)
+    return batch_size / timed_rounds({"step": step}, steps, 1, device, warmup)["seconds"]["step"]
 
 
 def finetune_command(model_dir, dataset, output_dir, batch_size: int, max_steps: int, extra=()) -> list[str]:
     flags = dict(model_name_or_path=model_dir, dataset_name=dataset, output_dir=output_dir, max_steps=max_steps)
     flags.update(per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size, eval_strategy="no")
     flags.update(save_strategy="no", logging_steps=max(max_steps, 1), seed=0)
-    return [
-        sys.executable,
-        str(FINETUNE),
-        *(f for key, value in flags.items() for f in (f"--{key}", str(value))),
-        *extra,
-    ]
+    argv = [word for key, value in flags.items() for word in (f"--{key}", str(value))]
+    return [sys.executable, str(FINETUNE), *argv, *extra]
 
 
-def finetune_runtime(command: list[str], log) -> float:
+def finetune_runtime(model_dir, dataset, output_dir: Path, batch_size: int, max_steps: int, extra) -> float:
     """Run finetune.py; its `train_runtime` (seconds in `trainer.train`) from all_results.json."""
-    output_dir = Path(command[command.index("--output_dir") + 1])
+    command = finetune_command(model_dir, dataset, output_dir, batch_size, max_steps, extra)
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"finetune.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    log(f"  finetune.py --max_steps {command[command.index('--max_steps') + 1]}: {time.perf_counter() - start:.1f} s")
+    log(f"  finetune.py --max_steps {max_steps}: {time.perf_counter() - start:.1f} s")
     return float(json.loads((output_dir / "all_results.json").read_text())["train_runtime"])
 
 
@@ -159,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    log = functools.partial(print, file=sys.stderr, flush=True)
     start = time.perf_counter()
     data = generate_jpeg_folder(args.folder, args.images, args.classes)
     seconds = time.perf_counter() - start
@@ -181,10 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         del model
         runtimes = {}
         for steps in (args.warmup_steps, args.warmup_steps + args.steps):
-            output_dir = Path(scratch) / f"run{steps}"
-            runtimes[steps] = finetune_runtime(
-                finetune_command(model_dir, data["dataset"], output_dir, args.batch_size, steps, extra), log
-            )
+            run = (model_dir, data["dataset"], Path(scratch) / f"run{steps}", args.batch_size, steps, extra)
+            runtimes[steps] = finetune_runtime(*run)
     result["finetune_train_runtime_s"] = {str(steps): value for steps, value in runtimes.items()}
     steady = runtimes[args.warmup_steps + args.steps] - runtimes[args.warmup_steps]
     if steady <= 0:

@@ -15,7 +15,6 @@ model, so a run stopped by a time limit keeps what it measured; `--time_budget_s
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import shlex
@@ -23,16 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: make the `benchmarks` folder importable as a package
-    sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
 
 from benchmarks.gpu_packing import format_packing, measure_packing
-from benchmarks.report import _markdown_table, merge_reports, write_doc, write_json
+from benchmarks.report import _markdown_table, cell, log, merge_reports, write_doc, write_json
 from benchmarks.runners import machine_info, run_benchmark
-from benchmarks.settings import HF_VIT, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags
+from benchmarks.settings import HF_VIT, OUTPUT_FLAGS, TIMM, TRANSFORMERS, BenchmarkSettings, add_flags, check_outputs
 from benchmarks.timing import budget_spent
 
 # The presets and the training batch sizes practitioners use on one 80 GB GPU (inference uses the same batch).
@@ -45,7 +40,6 @@ RATIO_TARGET = 1.05
 MFU_TARGETS = {("vit-base-patch16-224", "train"): 0.40, ("vit-base-patch16-224", "infer"): 0.50}
 PEERS = (TRANSFORMERS, TIMM)
 TAG = "benchmark-gpu"  # of the generated blocks in the docs
-log = functools.partial(print, file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,13 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sdpa_backend", choices=["flash", "efficient", "cudnn", "math"], help="one SDPA backend only"
     )
     add_flags(parser, {
-        "json": (None, "write the figures here (e.g. docs/benchmarks_gpu.json)"),
-        "doc": (None, "markdown file whose <!-- benchmark-gpu:NAME --> blocks to fill"),
+        **OUTPUT_FLAGS,
         "device": ("cuda" if torch.cuda.is_available() else "cpu", "cuda or cpu"),
         "no_compile": (False, "eager rows only"),
         "no_eager": (False, "compiled rows only (e.g. a second run, merged)"),
-        "doc_only": (False, "measure nothing: fill --doc's blocks from the existing --json file"),
-        "merge_json": (False, "merge this run into the existing --json file (figures replaced by key, others kept)"),
         "compile_mode": (None, "torch.compile mode (default: torch's default)"),
         "compile_blocks": (False, "compile each transformer block (fullgraph) instead of the model"),
         "compile_backend": ("inductor", "torch.compile backend"),
@@ -87,12 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--batch_sizes needs one batch size per model")
     if args.no_eager and args.no_compile:
         parser.error("--no_eager with --no_compile leaves nothing to time")
-    if args.doc_only and not (args.doc and args.json and Path(args.json).is_file()):
-        parser.error("--doc_only needs --doc and an existing --json file to take the figures from")
-    if args.merge_json and not args.json:
-        parser.error("--merge_json needs --json")
-    if args.doc and not Path(args.doc).is_file():
-        parser.error(f"--doc {args.doc} does not exist; create it with <!-- benchmark-gpu:summary --> blocks first")
+    check_outputs(parser, args, TAG)
     return args
 
 
@@ -122,9 +108,8 @@ def summary_rows(report: dict) -> list[dict]:
             if speed is None:
                 continue
             row = dict(model=model, batch_size=run["settings"]["batch_size"], mode=mode, variant=variant)
-            row.update(
-                images_per_s=speed["values"], ratio={TRANSFORMERS: speed.get("ratio"), TIMM: speed.get("ratio_timm")}
-            )
+            ratio = {TRANSFORMERS: speed.get("ratio"), TIMM: speed.get("ratio_timm")}
+            row.update(images_per_s=speed["values"], ratio=ratio)
             for name in ("mfu", "peak_mem_mb"):
                 row[name] = figures.get(f"{mode}_{name}/bf16/{variant}", {}).get("values", {})
             if variant == "compiled" and (model, mode) in MFU_TARGETS:
@@ -133,24 +118,18 @@ def summary_rows(report: dict) -> list[dict]:
     return rows
 
 
-def _cell(value, spec: str = ",.0f", divisor: float = 1) -> str:
-    return "-" if value is None else format(value / divisor, spec)
-
-
 def format_summary(report: dict) -> str:
     """The GPU table: images/s, hf-vit / peer ratios (target 1.05), MFU and peak memory of every row."""
     header = ["model", "batch", "mode", "variant", "hf-vit (images/s)", "transformers", "timm"]
     header += ["hf-vit / transformers", "hf-vit / timm", "MFU hf-vit", "MFU transformers", "MFU timm"]
     header += ["peak memory hf-vit (GiB)", "transformers", "timm"]
+    # the summary row's field, the libraries it has a value for, their format (and divisor: MiB to GiB)
+    groups = [("images_per_s", (HF_VIT, *PEERS), ",.0f", 1), ("ratio", PEERS, ".3f", 1)]
+    groups += [("mfu", (HF_VIT, *PEERS), ".1%", 1), ("peak_mem_mb", (HF_VIT, *PEERS), ",.2f", 1024)]
     lines = []
     for row in report["summary"]:
-        speed, ratio, mfu, memory = row["images_per_s"], row["ratio"], row["mfu"], row["peak_mem_mb"]
-        cells = [row["model"], row["batch_size"], row["mode"], row["variant"]]
-        cells += [_cell(speed.get(name)) for name in (HF_VIT, *PEERS)]
-        cells += ["-" if ratio.get(name) is None else f"{ratio[name]:.3f}" for name in PEERS]
-        cells += [_cell(mfu.get(name), ".1%") for name in (HF_VIT, *PEERS)]
-        cells += [_cell(memory.get(name), ",.2f", 1024) for name in (HF_VIT, *PEERS)]
-        lines.append(cells)
+        cells = [cell(row[field].get(name), *spec) for field, names, *spec in groups for name in names]
+        lines.append([row["model"], row["batch_size"], row["mode"], row["variant"], *cells])
     return _markdown_table(header, lines)
 
 
@@ -167,7 +146,7 @@ def format_targets(report: dict) -> str:
         if "mfu_target" in row:
             value = row["mfu"].get(HF_VIT)
             met = "**met**" if value is not None and value >= row["mfu_target"] else "not met"
-            lines.append(head + ["MFU", f"{row['mfu_target']:.0%}", _cell(value, ".1%"), met])
+            lines.append(head + ["MFU", f"{row['mfu_target']:.0%}", cell(value, ".1%"), met])
     return _markdown_table(["model", "mode", "variant", "figure", "target", "measured", ""], lines)
 
 

@@ -27,16 +27,15 @@ from unittest import mock
 
 import torch
 
-from benchmarks.packing_speed import MODES, layout_batches, layout_calls, layouts, small_classifier
-from benchmarks.report import _markdown_table
+from benchmarks.packing_speed import MODES, QUICK, layout_calls, layouts, small_classifier
+from benchmarks.report import _markdown_table, cell
 from benchmarks.runners import compile_models
-from benchmarks.timing import budget_spent, median_seconds, sdpa_backend, synchronize, time_alternating
+from benchmarks.timing import budget_spent, error_line, profiled, sdpa_backend, timed_rounds
 from hf_vit.model import attention
 
 LAYOUTS = ("square", "padded + mask", "padded + varlen", "packed", "packed + mask")
 # The full run: ViT-B width, 12 blocks, batch 128, K = 256 patches per image, packed rows of L = 1024.
 FULL = dict(max_num_patches=256, packed_sequence_length=1024, batch_size=128, width=768, depth=12, heads=12)
-QUICK = dict(max_num_patches=16, packed_sequence_length=32, batch_size=6, width=32, depth=1, heads=2)
 # fp32 logits of the images the padded and packed batches share: equal to this (a GPU's kernels differ with the
 # batch's shape more than CPU ones), before anything is timed.
 LOGITS_TOLERANCE = {True: 1e-4, False: 1e-3}
@@ -69,7 +68,7 @@ def observed_paths(calls: dict, log) -> dict[str, str]:
             try:  # a call that fails is reported with its error, and the other rows still run
                 fn()
             except Exception as exc:  # noqa: BLE001
-                log(f"packing: {key}: {_error(exc)}")
+                log(f"packing: {key}: {error_line(exc)}")
             path = min(seen, default="images")
             if key.startswith("padded") and path == "images":  # one image per row: its padding as keys
                 path = "sdpa, padding mask"
@@ -77,14 +76,14 @@ def observed_paths(calls: dict, log) -> dict[str, str]:
     return paths
 
 
-def host_sync_check(model: torch.nn.Module, batches: dict, labels: dict, device: torch.device) -> dict:
+def host_sync_check(model: torch.nn.Module, batches: dict, device: torch.device) -> dict:
     """Per layout ("padded", "packed"): whether a forward and backward (bf16 autocast, the model's own attention path)
     runs under `torch.cuda.set_sync_debug_mode("error")` without synchronising with the host ("ok", or the error
     naming the operation), after one unchecked warm-up call. CUDA only: on another device, the reason it is skipped."""
     if device.type != "cuda":
         return {"skipped": f"{device.type}: no device to synchronise with (set_sync_debug_mode is CUDA's)"}
     result, layouts = {}, ("padded", "packed")
-    calls = layout_calls(model, batches, labels, layouts, lambda _: torch.autocast("cuda", torch.bfloat16))
+    calls = layout_calls(model, batches, layouts, lambda _: torch.autocast("cuda", torch.bfloat16))
     for layout in layouts:
         step = calls[f"{layout} | training"]  # bf16 autocast, forward, loss, backward, gradients zeroed
         try:
@@ -97,7 +96,7 @@ def host_sync_check(model: torch.nn.Module, batches: dict, labels: dict, device:
                 torch.cuda.set_sync_debug_mode("default")
             result[layout] = "ok"
         except Exception as exc:  # noqa: BLE001  (reported: the synchronising operation is the finding)
-            result[layout] = _error(exc)
+            result[layout] = error_line(exc)
             model.zero_grad(set_to_none=True)
     return result
 
@@ -115,29 +114,13 @@ def profile_call(fn, device: torch.device, seconds: float) -> dict:
     """A profile of one call of `fn`: the attention-related ops and kernels it shows, and on CUDA how busy the GPU
     was (the kernels' time over the call's timed `seconds`: below 1, the GPU waited for the host) and the five longest
     kernels (name, ms)."""
-    profiler = torch.profiler.ProfilerActivity
-    activities = [profiler.CPU] + ([profiler.CUDA] if device.type == "cuda" else [])
-    with torch.profiler.profile(activities=activities) as profile:
-        fn()
-        synchronize(device)
-    events = profile.key_averages()
+    events = profiled(fn, device).key_averages()
     kernels = [event for event in events if event.device_type == torch.autograd.DeviceType.CUDA]
     longest = sorted(kernels, key=lambda event: -event.self_device_time_total)[:5]
     longest = [(event.key[:90], round(event.self_device_time_total / 1e3, 3)) for event in longest]
     busy = sum(event.self_device_time_total for event in kernels) / 1e6 / seconds if kernels else None
     attention_kernels = sorted({event.key for event in events if KERNEL_NAMES.search(event.key)})[:20]
     return {"attention_kernels": attention_kernels, "gpu_busy": busy, "longest_kernels": longest}
-
-
-@contextlib.contextmanager
-def _full_fp32():
-    """fp32 without TF32 (cuDNN's convolutions default to it) for the logits check."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def accuracy_checks(model, batches: dict, shape: argparse.Namespace, device: torch.device) -> tuple[float, dict]:
@@ -155,8 +138,9 @@ def accuracy_checks(model, batches: dict, shape: argparse.Namespace, device: tor
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
         return logits.detach(), grads
 
-    with _full_fp32():
-        fp32 = {layout: run(layout, contextlib.nullcontext()) for layout in LAYOUTS[1:]}
+    # fp32 means fp32, as in the models' rows (`runners.Run`): no TF32 (cuDNN's convolutions default to it)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    fp32 = {layout: run(layout, contextlib.nullcontext()) for layout in LAYOUTS[1:]}
     logits, grads = fp32["padded + mask"]
     difference = max((value - logits).abs().max().item() for value, _ in fp32.values())
     tolerance = LOGITS_TOLERANCE[device.type == "cpu"]
@@ -169,7 +153,7 @@ def accuracy_checks(model, batches: dict, shape: argparse.Namespace, device: tor
         try:
             low_logits, low_grads = run(layout, torch.autocast(device.type, dtype=torch.bfloat16))
         except Exception as exc:  # noqa: BLE001  (reported; the rows are still measured)
-            result[layout] = {"error": _error(exc)}
+            result[layout] = {"error": error_line(exc)}
             continue
         result[layout] = {
             "logits_max_difference": (low_logits - logits).abs().max().item(),
@@ -179,10 +163,6 @@ def accuracy_checks(model, batches: dict, shape: argparse.Namespace, device: tor
     return difference, result
 
 
-def _error(exc: Exception) -> str:
-    return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-
-
 def measure_packing(args: argparse.Namespace, log, start: float, save) -> dict:
     """The packing rows: per layout, mode and variant, images/s and real patches/s, the attention path and kernels.
     No compilation starts once `args.time_budget_s` is spent (counted from `start`); `save` gets the result so far
@@ -190,14 +170,13 @@ def measure_packing(args: argparse.Namespace, log, start: float, save) -> dict:
     device = torch.device(args.device)
     shape = argparse.Namespace(**(QUICK if args.quick else FULL), min_share=0.4, seed=0)  # what `layouts` reads
     shapes = layouts(shape)
-    batches, images, patches = layout_batches(shape, shapes)
-    batches = {name: {key: value.to(device) for key, value in batch.items()} for name, batch in batches.items()}
+    names = ("square", "padded", "packed")
+    batches = {name: {key: value.to(device) for key, value in shapes[name]["batch"].items()} for name in names}
     model = small_classifier(shape.max_num_patches, shape.width, shape.depth, shape.heads, shape.seed).to(device)
-    labels = {name: torch.zeros(count, dtype=torch.long, device=device) for name, count in images.items()}
     difference, accuracy = accuracy_checks(model, batches, shape, device)
     for layout, figures in accuracy.items():
         log(f"packing bf16 against fp32: {layout}: {figures}")
-    host_sync = host_sync_check(model, batches, labels, device)
+    host_sync = host_sync_check(model, batches, device)
     log(f"packing host synchronisation check: {host_sync}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
@@ -210,15 +189,14 @@ def measure_packing(args: argparse.Namespace, log, start: float, save) -> dict:
         ):
             yield
 
-    paths = observed_paths(layout_calls(model, batches, labels, LAYOUTS, context, optimizer), log)
+    paths = observed_paths(layout_calls(model, batches, LAYOUTS, context, optimizer), log)
     blocks = args.compile_blocks or (args.quick and not args.no_compile)  # --quick: as `gpu_session.sh packing`
     settings = {**vars(shape), "dtype": "bf16 autocast", "device": str(device), "steps": args.steps}
     settings.update(repeats=args.repeats, compile_backend=args.compile_backend, compile_mode=args.compile_mode)
     settings.update(sdpa_backend=args.sdpa_backend, compile_blocks=blocks)
+    fields = {"images": "images", "patches": "patches", "padding_share": "padding", "rows_per_batch": "rows"}
     result = {
-        "settings": settings, "images": images, "patches": patches,
-        "padding_share": {"square": 0.0, "padded": shapes["padded"]["padding"], "packed": shapes["packed"]["padding"]},
-        "rows_per_batch": {"square": shape.batch_size, "padded": shape.batch_size, "packed": shapes["packed"]["rows"]},
+        "settings": settings, **{field: {name: shapes[name][key] for name in names} for field, key in fields.items()},
         "max_logits_difference": difference, "logits_tolerance": LOGITS_TOLERANCE[device.type == "cpu"],
         "bf16_accuracy": accuracy, "host_sync": host_sync, "sdpa": sdpa_backends(device), "rows": {}, "skipped": {},
     }  # fmt: skip
@@ -229,7 +207,7 @@ def measure_packing(args: argparse.Namespace, log, start: float, save) -> dict:
             continue
         compiling = argparse.Namespace(**{**vars(args), "compile_blocks": blocks})
         runner = compile_models({"model": model}, compiling)[0]["model"] if variant == "compiled" else model
-        calls = layout_calls(runner, batches, labels, LAYOUTS, context, optimizer)
+        calls = layout_calls(runner, batches, LAYOUTS, context, optimizer)
         time_rows(args, variant, calls, result, paths, log, start)
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -238,25 +216,20 @@ def measure_packing(args: argparse.Namespace, log, start: float, save) -> dict:
 
 
 def time_rows(args, variant: str, calls: dict, result: dict, paths: dict, log, start: float) -> None:
-    """Each call warmed up (compiled: the compilation, none started once the time budget is spent), timed in
+    """Each call warmed up twice (compiled: the compilation, none started once the time budget is spent), timed in
     alternating rounds and profiled once, into `result["rows"]`; a call that fails goes to `result["skipped"]`."""
-    device, fns = torch.device(args.device), {}
-    for key, fn in calls.items():
-        if variant == "compiled" and (spent := budget_spent(args.time_budget_s, start)):
-            result["skipped"][f"{key} | {variant}"] = spent.split(" (")[0]
-            continue
-        try:
-            fn()  # warm-up (compiled: the compilation)
-            fn()
-        except Exception as exc:  # noqa: BLE001  (one failing row leaves the others measured)
-            result["skipped"][f"{key} | {variant}"] = _error(exc)
-            log(f"packing {variant}: {key}: {_error(exc)}")
-            continue
-        fns[key] = fn
-        log(f"packing {variant}: {key} ready ({time.perf_counter() - start:.0f} s)")
-    samples = time_alternating(fns, args.steps, args.repeats, device)
-    for key, fn in fns.items():
-        seconds = median_seconds(samples[key])
+    device = torch.device(args.device)
+
+    def budget(key: str, _) -> str | None:  # a call that fails is left out too, with its error
+        log(f"packing {variant}: {key} ({time.perf_counter() - start:.0f} s)")
+        spent = variant == "compiled" and budget_spent(args.time_budget_s, start)
+        return spent.split(" (")[0] if spent else None
+
+    timed = timed_rounds(calls, args.steps, args.repeats, device, warmup=2, skip=budget)
+    for key, reason in timed["skipped"].items():
+        result["skipped"][f"{key} | {variant}"] = reason
+        log(f"packing {variant}: {key}: {reason}")
+    for key, seconds in timed["seconds"].items():
         layout, mode = key.split(" | ")
         name, path = layout.split()[0], paths[key]
         if variant == "compiled" and path == PATH_NAMES["runs"]:  # eager only: a compiled graph gathers each image
@@ -264,7 +237,7 @@ def time_rows(args, variant: str, calls: dict, result: dict, paths: dict, log, s
         row = result["rows"][f"{key} | {variant}"] = {
             "layout": layout, "mode": mode, "variant": variant, "images_per_s": result["images"][name] / seconds,
             "patches_per_s": result["patches"][name] / seconds, "attention_path": path,
-            **profile_call(fn, device, seconds),
+            **profile_call(calls[key], device, seconds),
         }  # fmt: skip
         if mode == "training":
             row["attention_kernels"] = None
@@ -286,7 +259,7 @@ def format_packing(report: dict) -> str:
             layout, mode, variant, f"{row['images_per_s']:,.1f}", f"{row['patches_per_s']:,.0f}",
             f"{row['patches_per_s'] / square['patches_per_s']:.3f}x" if square else "-",
             f"{row['images_per_s'] / padded['images_per_s']:.3f}x" if padded else "-",
-            f"{row['gpu_busy']:.0%}" if row.get("gpu_busy") is not None else "-", row["attention_path"],
+            cell(row.get("gpu_busy"), ".0%"), row["attention_path"],
             ", ".join(f"`{name}`" for name in row["attention_kernels"] or []) or "-",
         ])  # fmt: skip
     header = ["layout", "mode", "variant", "images/s", "real patches/s", "patches/s vs square"]

@@ -4,8 +4,6 @@ pipelines (hf-vit, torchvision as in transformers' example, timm) per core on JP
 from __future__ import annotations
 
 import functools
-import math
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import torch
 from hf_vit import VisionTransformerImageProcessor
 
 from .settings import HF_VIT, PIL_DECODE, TIMM, TORCHVISION, TRANSFORMERS
-from .timing import median_seconds, time_alternating
+from .timing import timed_rounds
 
 
 def sample_photos(count: int = 32) -> list:
@@ -48,13 +46,13 @@ def compare_processors(image_size: int, count: int = 32, repeats: int = 5) -> di
     }
     fns = {name: functools.partial(processor, images, return_tensors="pt") for name, processor in processors.items()}
     outputs = {name: fn()["pixel_values"] for name, fn in fns.items()}  # warm-up and the outputs to compare
-    samples = time_alternating(fns, 1, repeats, torch.device("cpu"))
+    timed = timed_rounds(fns, 1, repeats, warmup=0)
     std = torch.tensor(processors[TRANSFORMERS].image_std, dtype=torch.float32).view(1, -1, 1, 1)
     # pixel_values = (x - mean) / std, so a difference in pixel_values times std is a difference of x in [0, 1].
     difference = (outputs[HF_VIT].float() - outputs[TRANSFORMERS].float()).abs() * std
     result = dict(images=count, image_sizes=sorted({f"{image.height}x{image.width}" for image in images}))
-    result.update(output_size=image_size, seconds=samples)
-    result["images_per_s"] = {name: count / median_seconds(sample) for name, sample in samples.items()}
+    result.update(output_size=image_size, seconds=timed["samples"])
+    result["images_per_s"] = {name: count / seconds for name, seconds in timed["seconds"].items()}
     result.update(mean_abs_diff_01=difference.mean().item(), max_abs_diff_01=difference.max().item())
     return {**result, "shapes_match": tuple(outputs[HF_VIT].shape) == tuple(outputs[TRANSFORMERS].shape)}
 
@@ -137,25 +135,20 @@ def compare_input_pipelines(output_size: int, count: int = 48, repeats: int = 5,
         for kind, sizes in PHOTO_SIZES.items():
             files = jpeg_photos(count if kind == "photo" else max(count // 4, 4), sizes)
             fns = {name: functools.partial(pipeline, files) for name, pipeline in pipelines.items()}
-            durations = []
-            for name, fn in fns.items():  # warm-up, and every pipeline must give the same kind of batch
-                start = time.perf_counter()
-                output = fn()
-                durations.append(time.perf_counter() - start)
+            for name, fn in fns.items():  # every pipeline must give the same kind of batch
                 if name != PIL_DECODE:
+                    output = fn()
                     pixels = output["pixel_values"] if isinstance(output, dict) else output
                     expected = (len(files), 3, output_size, output_size)
                     if tuple(pixels.shape) != expected or pixels.dtype != torch.float32:
                         raise AssertionError(f"{name} gave {tuple(pixels.shape)} {pixels.dtype}, not {expected}")
-            # At least a quarter second per sample, so that other processes' CPU use during it can be read.
-            steps = max(1, math.ceil(0.25 / max(min(durations), 1e-3)))
-            samples = time_alternating(fns, steps, repeats, torch.device("cpu"))
+            timed = timed_rounds(fns, None, repeats)  # at least a quarter second per sample
             result[kind] = {
                 "images": len(files),
                 "image_sizes": [f"{width}x{height}" for width, height in sizes],
                 "jpeg_kib": sum(len(data) for data in files) / len(files) / 1024,
-                "seconds": samples,
-                "images_per_s": {name: len(files) / median_seconds(sample) for name, sample in samples.items()},
+                "seconds": timed["samples"],
+                "images_per_s": {name: len(files) / seconds for name, seconds in timed["seconds"].items()},
             }
         if profile:
             result["profile"] = _profile(pipelines[HF_VIT], jpeg_photos(count, PHOTO_SIZES["photo"]))

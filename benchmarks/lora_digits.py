@@ -15,19 +15,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.recipes_digits import QUIET, run_training
+
 ARCHITECTURE = "hidden_size=96,num_hidden_layers=4,num_attention_heads=3,intermediate_size=384"
-COMMON = ["--dataset_name", "digits", "--per_device_eval_batch_size", "256", "--save_strategy", "no"]
-COMMON += ["--crop_scale_min", "0.7", "--eval_strategy", "no", "--report_to", "none", "--disable_tqdm", "True"]
-COMMON += ["--overwrite_output_dir", "True", "--dataloader_num_workers", "0"]
+COMMON = ["--dataset_name", "digits", "--crop_scale_min", "0.7", *QUIET]
 
 
 def finetune(argv: list[str]) -> dict:
     """Run in a child process: one fine-tune, its metrics, trainable parameters and peak RSS."""
     import torch
     from transformers import TrainerCallback
-
-    from hf_vit.train.arguments import parse_args
-    from hf_vit.train.training import train
 
     trained = {}
 
@@ -37,7 +34,7 @@ def finetune(argv: list[str]) -> dict:
             trained["total"] = sum(p.numel() for p in model.parameters())
 
     torch.manual_seed(0)
-    metrics = train("finetune", *parse_args("finetune", argv), callbacks=[Count()])
+    metrics = run_training("finetune", argv, callbacks=[Count()])
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {**trained, "peak_rss_mb": peak_mb, **{k: metrics[k] for k in ("eval_accuracy", "train_runtime")}}
 
@@ -55,14 +52,11 @@ def main() -> None:
         return
     pretrained = args.pretrained
     if pretrained is None:
-        from hf_vit.train.arguments import parse_args
-        from hf_vit.train.training import train
-
         pretrained = args.output_dir / "pretrain"
         pre = ["--output_dir", str(pretrained), "--patch_size", "4", "--image_size", "16"]
         pre += ["--config_overrides", ARCHITECTURE, "--num_train_epochs", str(args.pretrain_epochs)]
         pre += ["--per_device_train_batch_size", "64", "--learning_rate", "1e-3"]
-        train("pretrain", *parse_args("pretrain", pre + COMMON))
+        run_training("pretrain", pre + COMMON)
     runs = {
         "full fine-tuning": ["--learning_rate", "0.03"],
         "LoRA r8 qkv": ["--learning_rate", "0.1", "--lora_rank", "8"],

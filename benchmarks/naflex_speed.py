@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import torch
@@ -110,12 +106,12 @@ def measure(args) -> dict:
             timm_copy.load_state_dict(theirs.state_dict())
             fns[f"timm {implementation} mixed"] = lambda model=timm_copy: model(dict(timm_batch))
     with torch.no_grad():
-        seconds, load = timed_rounds(fns, args.steps, args.repeats)
+        timed = timed_rounds(fns, args.steps, args.repeats)
     valid = int(native["spatial_shapes"].prod(-1).sum())
     return {
-        "images_per_s": {name: args.batch_size / value for name, value in seconds.items()},
+        "images_per_s": {name: args.batch_size / value for name, value in timed["seconds"].items()},
         "logits_difference": checks,
-        "load_average": load,
+        "load_average": timed["load_average"],
         "valid_share": valid / (args.batch_size * args.max_num_patches),
         "grids": native["spatial_shapes"].tolist(),
         "threads": torch.get_num_threads(),

@@ -21,11 +21,6 @@ import copy
 import math
 import os
 import sys
-import time
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import PIL.Image
@@ -34,6 +29,7 @@ import torch
 from benchmarks.packing_speed import check_packing_flags, small_classifier
 from benchmarks.report import _markdown_table, write_json
 from benchmarks.settings import add_flags
+from benchmarks.timing import CPU, make_train_step, timed_call
 from hf_vit import VisionTransformerImageProcessor
 from hf_vit.model.image_processing_vit import best_fit_decreasing
 
@@ -197,16 +193,10 @@ def run(args) -> dict:
     for step in range(args.steps):
         for name in RUNS if step % 2 == 0 else RUNS[::-1]:
             batch = next_batch(streams[name], name, processor, args)  # made before the clock starts
-            model, optimizer = models[name], optimizers[name]
-            start = time.perf_counter()
-            model.train()
-            loss = model(**batch["inputs"], labels=batch["labels"]).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            model, optimizer = models[name].train(), optimizers[name]
+            train_step = make_train_step(model, optimizer, batch["inputs"], batch["labels"], "fp32", args.clip)
+            totals[name]["seconds"] += timed_call(train_step, CPU)
             schedulers[name].step()
-            totals[name]["seconds"] += time.perf_counter() - start
             for key in ("images", "patches", "slots"):
                 totals[name][key] += batch[key]
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:

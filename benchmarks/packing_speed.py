@@ -26,15 +26,12 @@ import sys
 import types
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 import numpy as np
 import torch
 
-from benchmarks.report import _markdown_table
+from benchmarks.report import SPEED_FLAGS, _markdown_table
 from benchmarks.settings import add_flags
-from benchmarks.timing import median_seconds, time_alternating, timed_call, timed_rounds
+from benchmarks.timing import timed_rounds
 from hf_vit import VisionTransformerConfig, VisionTransformerForImageClassification, VisionTransformerImageProcessor
 from hf_vit.model.attention import ALL_ATTENTION_FUNCTIONS
 from hf_vit.model.image_processing_vit import best_fit_decreasing
@@ -44,6 +41,8 @@ PATCH = 16
 ROWS = ("padded + mask", "packed + mask")
 MODEL_ROWS = ("square", "padded + mask", "packed + mask")
 MODES = ("inference", "training")
+# --quick, here and in the GPU benchmark's packing rows (`gpu_packing`): seconds on a CPU
+QUICK = dict(max_num_patches=16, packed_sequence_length=32, batch_size=6, width=32, depth=1, heads=2)
 PATHS = {
     "square": "no mask (no padding)",
     "padded + mask": "padding masked as keys: one SDPA call",
@@ -77,8 +76,10 @@ def native_images(args, count: int) -> list[np.ndarray]:
 
 
 def layouts(args) -> dict[str, dict]:
-    """Per layout ("padded", "packed"): the processor's batch, the model's `BatchLayout` of it (a class token per
-    image), its rows, their length in tokens and its padding share; "sizes": the packed images' patches."""
+    """Per layout ("square": B square images of exactly K patches; "padded": B native-resolution images, one per row
+    of K slots; "packed": those and the next ones, whole, in B * K / L rows of L): the processor's batch, the model's
+    `BatchLayout` of it (a class token per image), its images and real patches, its rows, their length in tokens and
+    its padding share; "sizes": the packed images' patches."""
     processor = VisionTransformerImageProcessor(
         max_num_patches=args.max_num_patches, patch_size=PATCH, do_resize=False
     )
@@ -88,36 +89,29 @@ def layouts(args) -> dict[str, dict]:
     # as many of the images as best-fit-decreasing packs into B * K / L rows of L
     while count < len(sizes) and len(best_fit_decreasing(sizes[: count + 1], args.packed_sequence_length)) <= rows:
         count += 1
-    result = {"sizes": sizes[:count]}
+    side = math.isqrt(args.max_num_patches) * PATCH
+    rng = np.random.default_rng(args.seed)
+    square = [rng.integers(0, 256, (side, side, 3), dtype=np.uint8) for _ in range(args.batch_size)]
     packed = {"packed_sequence_length": args.packed_sequence_length}
-    for name, images_in, extra in (("padded", args.batch_size, {}), ("packed", count, packed)):
-        batch = dict(processor(images[:images_in], return_tensors="pt", **extra))
-        layout = BatchLayout.of(prefix=1, **batch)
-        padding = 1 - sum(sizes[:images_in]) / batch["pixel_values"].shape[:2].numel()
+    chosen = {"square": (square, {}), "padded": (images[: args.batch_size], {}), "packed": (images[:count], packed)}
+    result = {"sizes": sizes[:count]}
+    for name, (batch_images, extra) in chosen.items():
+        batch = dict(processor(batch_images, return_tensors="pt", **extra))
         rows, length = batch["pixel_values"].shape[:2]  # rows of patch slots
-        result[name] = {"batch": batch, "layout": layout, "rows": rows, "length": length, "padding": padding}
+        patches = int(batch["spatial_shapes"].prod(1).sum())
+        result[name] = dict(batch=batch, layout=BatchLayout.of(prefix=1, **batch), rows=rows, length=length)
+        result[name].update(images=len(batch_images), patches=patches, padding=1 - patches / (rows * length))
     return result
 
 
-def layout_batches(args, shapes: dict) -> tuple[dict, dict, dict]:
-    """Per layout ("square": B square images of exactly K patches, no padding; "padded", "packed"): its batch, its
-    images and its real patches."""
-    sizes, first, side = shapes["sizes"], args.batch_size, math.isqrt(args.max_num_patches)
-    rng = np.random.default_rng(args.seed)
-    square = [rng.integers(0, 256, (side * PATCH, side * PATCH, 3), dtype=np.uint8) for _ in range(first)]
-    processor = VisionTransformerImageProcessor(max_num_patches=side * side, patch_size=PATCH, do_resize=False)
-    batches = {"square": dict(processor(square, return_tensors="pt"))}
-    batches.update(padded=shapes["padded"]["batch"], packed=shapes["packed"]["batch"])
-    patches = {"square": first * args.max_num_patches, "padded": sum(sizes[:first]), "packed": sum(sizes)}
-    return batches, {"square": first, "padded": first, "packed": len(sizes)}, patches
-
-
-def layout_calls(runner, batches: dict, labels: dict, rows, context=contextlib.nullcontext, optimizer=None):
+def layout_calls(runner, batches: dict, rows, context=contextlib.nullcontext, optimizer=None):
     """ "row | mode" -> one call of `runner` on that row's batch (the row's first word) under `context(row)`:
-    inference, or a training step (forward and loss, backward, the `optimizer`'s step if any, gradients zeroed)."""
+    inference, or a training step (forward and loss on label 0 for every image, backward, the `optimizer`'s step if
+    any, gradients zeroed)."""
     fns = {}
     for row in rows:
-        batch, target = batches[row.split()[0]], labels[row.split()[0]]
+        batch = batches[row.split()[0]]
+        target = torch.zeros(len(batch["spatial_shapes"]), dtype=torch.long, device=batch["pixel_values"].device)
 
         def infer(batch=batch, row=row):
             with torch.no_grad(), context(row):
@@ -179,16 +173,16 @@ def measure(args) -> dict:
         fns[f"{name} | inference"], fns[f"{name} | training"] = infer, train
     if difference > 1e-4:
         raise SystemExit(f"The attention rows disagree on the images' outputs: {difference:.2e}")
-    seconds, load = timed_rounds(fns, args.steps, args.repeats)
+    timed = timed_rounds(fns, args.steps, args.repeats)
     count = {"padded": args.batch_size, "packed": len(sizes)}
     return {
-        "images_per_s": {name: count[name.split()[0]] / value for name, value in seconds.items()},
+        "images_per_s": {name: count[name.split()[0]] / value for name, value in timed["seconds"].items()},
         "model": measure_model(args, shapes) if args.model_depth else None,
         "images": count,
         "padding_share": {name: shapes[name]["padding"] for name in count},
         "rows": {name: shapes[name]["rows"] for name in count},
         "max_difference": difference,
-        "load_average": load,
+        "load_average": timed["load_average"],
         "threads": torch.get_num_threads(),
     }
 
@@ -198,9 +192,7 @@ def measure_model(args, shapes: dict) -> dict:
     (one call per sample): per row its attention path, padding share, images and real patches per call, seconds per
     inference call and per training step (forward, loss, backward), and the first (compiling) call's seconds."""
     model = small_classifier(args.max_num_patches, args.model_width, args.model_depth, args.model_heads, args.seed)
-    inputs, images, patches = layout_batches(args, shapes)
-    padding = {"square": 0.0, "padded": shapes["padded"]["padding"], "packed": shapes["packed"]["padding"]}
-    labels = {name: torch.zeros(count, dtype=torch.long) for name, count in images.items()}
+    inputs = {name: shape["batch"] for name, shape in shapes.items() if name != "sizes"}
     variants = {"eager": model} | (
         {} if args.no_compile else {"compiled": torch.compile(model, backend=args.compile_backend)}
     )
@@ -215,41 +207,40 @@ def measure_model(args, shapes: dict) -> dict:
     difference = max((value - shared[0]).abs().max().item() for value in shared)
     if difference > 1e-4:
         raise SystemExit(f"The model rows disagree on the images' logits: {difference:.2e}")
-    fns, first_call, skipped, compiled_difference = {}, {}, {}, 0.0
+    calls = {}
     order = [(name, mode) for group in (MODEL_ROWS[1:], MODEL_ROWS[:1]) for mode in MODES for name in group]
     for variant, runner in variants.items():  # the square rows last: a spent compile budget leaves them out first
-        calls = layout_calls(runner, inputs, labels, MODEL_ROWS)
-        for name, mode in order:
-            key = f"{name} | {variant} | {mode}"
-            spent = sum(seconds for call, seconds in first_call.items() if " | compiled | " in call)
-            if variant == "compiled" and spent > args.compile_budget_s:
-                skipped[key] = f"not compiled, {spent:.0f} s of compilation spent (--compile_budget_s)"
-                continue
-            fns[key] = calls[f"{name} | {mode}"]
-            first_call[key] = timed_call(fns[key], torch.device("cpu"))  # warm-up; compiled: the compilation
-            if variant == "compiled" and mode == "inference":
-                here = (logits_of(runner, name) - eager[name]).abs().max().item()
-                compiled_difference = max(compiled_difference, here)
-    if compiled_difference > 1e-3:
-        raise SystemExit(f"The compiled model's logits differ from the eager model's by {compiled_difference:.2e}")
-    samples = time_alternating(fns, args.model_steps, args.repeats, torch.device("cpu"))
+        by_row = layout_calls(runner, inputs, MODEL_ROWS)
+        calls.update({f"{name} | {variant} | {mode}": by_row[f"{name} | {mode}"] for name, mode in order})
+
+    def budget(key: str, first_call: dict) -> str | None:  # the first calls of the compiled rows: their compilation
+        spent = sum(seconds for call, seconds in first_call.items() if " | compiled | " in call)
+        if " | compiled | " in key and spent > args.compile_budget_s:
+            return f"not compiled, {spent:.0f} s of compilation spent (--compile_budget_s)"
+        return None
+
+    timed = timed_rounds(calls, args.model_steps, args.repeats, skip=budget)
+    compiled_rows = [name for name in MODEL_ROWS if f"{name} | compiled | inference" in timed["first_call_s"]]
+    differences = [(logits_of(variants["compiled"], name) - eager[name]).abs().max().item() for name in compiled_rows]
+    if max(differences, default=0.0) > 1e-3:
+        raise SystemExit(f"The compiled model's logits differ from the eager model's by {max(differences):.2e}")
     rows = {}
     for variant in variants:
         for name in MODEL_ROWS:
             layout = name.split()[0]
-            row = dict(path=PATHS[name], padding=padding[layout], images=images[layout], patches=patches[layout])
+            row = dict(path=PATHS[name], **{key: shapes[layout][key] for key in ("padding", "images", "patches")})
             row["first_call_s"] = {}
             for mode in MODES:
                 key = f"{name} | {variant} | {mode}"
-                if key in samples:
-                    row[f"{mode}_s"], row["first_call_s"][mode] = median_seconds(samples[key]), first_call[key]
+                if key in timed["seconds"]:
+                    row[f"{mode}_s"], row["first_call_s"][mode] = timed["seconds"][key], timed["first_call_s"][key]
             rows[f"{name} | {variant}"] = row
     compiled = "compiled" in variants
     return {
         "rows": rows,
-        "skipped": skipped,
+        "skipped": timed["skipped"],
         "max_difference": difference,
-        "compiled_difference": compiled_difference if compiled else None,
+        "compiled_difference": max(differences, default=0.0) if compiled else None,
         "recompiles": recompile_check(args, model) if compiled and args.recompile_batches > 1 else None,
     }
 
@@ -385,8 +376,7 @@ FLAGS = {  # name: (default, help); the type is the default's
     "batch_size": (32, "images of the padded batch"),
     "width": (768, None),
     "heads": (12, None),
-    "steps": (2, "calls per timed sample"),
-    "repeats": (5, "undisturbed samples per row"),
+    **{name: SPEED_FLAGS[name] for name in ("steps", "repeats")},  # as naflex_speed.py's and simmim_speed.py's
     "model_width": (192, None),
     "model_depth": (4, "blocks of the model rows (0: no model rows)"),
     "model_heads": (3, None),
@@ -395,23 +385,20 @@ FLAGS = {  # name: (default, help); the type is the default's
     "recompile_batches": (10, "packed batches of the recompile check (0: no check)"),
     "threads": (0, "torch threads (0: torch's default)"),
     "seed": (0, None),
+    "no_compile": (False, "leave the compiled model rows out"),
+    "compile_backend": (None, "torch.compile's backend (default inductor)"),
+    "quick": (False, "a tiny batch, one sample per row, compiled with Dynamo's eager backend"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_flags(parser, FLAGS)
-    add_flags(parser, {
-        "no_compile": (False, "leave the compiled model rows out"),
-        "compile_backend": (None, "torch.compile's backend (default inductor)"),
-        "quick": (False, "a tiny batch, one sample per row, compiled with Dynamo's eager backend"),
-    })  # fmt: skip
     args = parser.parse_args(argv)
-    if args.quick:
-        args.max_num_patches, args.packed_sequence_length, args.batch_size = 16, 32, 6
-        args.width, args.heads, args.steps, args.repeats = 32, 2, 1, 1
-        args.model_width, args.model_depth, args.model_heads = 32, 1, 2
-        args.compile_backend, args.recompile_batches = args.compile_backend or "eager", min(args.recompile_batches, 2)
+    if args.quick:  # the tiny shapes for the attention and the model rows alike
+        model = {f"model_{key}": QUICK[key] for key in ("width", "depth", "heads")}
+        vars(args).update(QUICK, **model, steps=1, repeats=1, compile_backend=args.compile_backend or "eager")
+        args.recompile_batches = min(args.recompile_batches, 2)
     args.compile_backend = args.compile_backend or "inductor"
     if args.batch_size * args.max_num_patches < args.packed_sequence_length:
         parser.error("--batch_size x --max_num_patches must be at least --packed_sequence_length (one packed row)")

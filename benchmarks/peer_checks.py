@@ -21,9 +21,6 @@ import math
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
-
 import numpy as np
 import torch
 

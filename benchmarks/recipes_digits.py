@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 
 ARCHITECTURE = "hidden_size=64,num_hidden_layers=4,num_attention_heads=2,intermediate_size=256"
-COMMON = ["--per_device_eval_batch_size", "256", "--save_strategy", "no", "--eval_strategy", "no"]
-COMMON += ["--report_to", "none", "--disable_tqdm", "True", "--overwrite_output_dir", "True"]
-COMMON += ["--dataloader_num_workers", "0", "--hflip", "False", "--image_size", "16"]
+QUIET = ["--per_device_eval_batch_size", "256", "--save_strategy", "no", "--eval_strategy", "no"]
+QUIET += ["--report_to", "none", "--disable_tqdm", "True", "--overwrite_output_dir", "True"]
+QUIET += ["--dataloader_num_workers", "0"]
+COMMON = [*QUIET, "--hflip", "False", "--image_size", "16"]
 RUNS = {"no recipe": [], **{name: name.split() for name in ("--recipe augreg", "--recipe deit", "--recipe finetune")}}
 # The recipes' augmentation and regularisation at a learning rate for short runs of small batches (the papers scale
 # theirs down with the batch: DeiT's 5e-4 at 512 is 3.1e-5 at 32).
@@ -46,17 +47,22 @@ def split_digits(folder: Path, images: int) -> tuple[Path, Path]:
     return folder / "digits-0-4", folder / "digits-5-9"
 
 
+def run_training(task: str, argv: list[str], **options) -> dict:
+    """hf-vit's `task` ("pretrain", "finetune") run in this process from its command line `argv`: its metrics."""
+    from hf_vit.train.arguments import parse_args
+    from hf_vit.train.training import train
+
+    return train(task, *parse_args(task, argv), **options)
+
+
 def run_seeds(task: str, runs: list[list[str]]) -> list[dict]:
     """Run in a child process: one training run per argv (one per seed), and each one's test metrics."""
     import torch
 
-    from hf_vit.train.arguments import parse_args
-    from hf_vit.train.training import train
-
     torch.set_num_threads(1)
     results = []
     for argv in runs:
-        metrics = train(task, *parse_args(task, argv))
+        metrics = run_training(task, argv)
         results.append({k: metrics[k] for k in ("eval_accuracy", "eval_loss", "train_loss", "train_runtime")})
     return results
 
@@ -82,9 +88,6 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from hf_vit.train.arguments import parse_args
-    from hf_vit.train.training import train
-
     pretraining, finetuning = split_digits(args.output_dir, args.images)
     pretrained = args.output_dir / "pretrain"
     architecture = ["--patch_size", "4", "--config_overrides", ARCHITECTURE]
@@ -94,7 +97,7 @@ def main() -> None:
         pre = ["--output_dir", str(pretrained), "--dataset_name", str(pretraining), *architecture]
         pre += ["--num_train_epochs", str(args.pretrain_epochs), "--per_device_train_batch_size", "64"]
         pre += ["--learning_rate", "1e-3", "--crop_scale_min", "0.7"]
-        train("pretrain", *parse_args("pretrain", pre + COMMON))
+        run_training("pretrain", pre + COMMON)
     rows = {**(RUNS if "recipes" in args.rows else {}), **(SCALED if "scaled" in args.rows else {})}
     data = {  # per set-up: the model and data set
         "finetune": ["--model_name_or_path", str(pretrained), "--dataset_name", str(finetuning)],

@@ -5,7 +5,7 @@ throughput against timm's `rand_augment_transform` (when timm is importable: the
     PYTHONPATH=. ~/.cache/hfvit-peer-env/bin/python benchmarks/recipes_speed.py --only rand_augment
 
 Both run in one process with one torch thread, alternating what they compare (the order reverses every round); the
-figures are medians of the rounds that other processes did not disturb (`timing.time_alternating`).
+figures are medians of the rounds that other processes did not disturb (`timing.timed_rounds`).
 """
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ import argparse
 import itertools
 import json
 import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import numpy as np
 import PIL.Image
@@ -25,8 +21,9 @@ import torch
 
 from benchmarks.inputs import sample_photos
 from benchmarks.models import build_hf_vit, hf_vit_config
+from benchmarks.runners import random_batch
 from benchmarks.settings import BenchmarkSettings, add_flags
-from benchmarks.timing import make_optimizer, make_train_step, median_seconds, time_alternating, timed_rounds
+from benchmarks.timing import make_optimizer, make_train_step, timed_rounds
 from hf_vit.data.augment.rand_augment import RandAugment, posterize
 from hf_vit.train.ema import WeightAverage
 
@@ -39,8 +36,7 @@ def ema_cost(batch_size: int, repeats: int, steps: int, device: str = "cpu", dty
     settings = BenchmarkSettings(batch_size=batch_size, device=device, dtypes=[dtype])
     model = build_hf_vit(hf_vit_config(settings)).to(device).train()
     optimizer = make_optimizer(model)
-    pixel_values = torch.randn(batch_size, 3, 224, 224).to(device)
-    labels = torch.randint(1000, (batch_size,)).to(device)
+    pixel_values, labels = random_batch(model.config, batch_size, torch.device(device))
     train_step = make_train_step(model, optimizer, pixel_values, labels, dtype)
     average, counter = WeightAverage(model, 0.9998, warmup=True), itertools.count(2)
 
@@ -51,16 +47,14 @@ def ema_cost(batch_size: int, repeats: int, steps: int, device: str = "cpu", dty
         train_step()
         update()
 
-    train_step()  # warm-up: the optimiser's state
-    update()
     fns = {"training step": train_step, "EMA update": update, "training step + EMA update": step_with_ema}
-    samples = time_alternating(fns, steps, repeats, torch.device(device))
-    seconds = {name: median_seconds(sample) for name, sample in samples.items()}
+    timed = timed_rounds(fns, steps, repeats, torch.device(device))  # after a warm-up: the optimiser's state
+    seconds = timed["seconds"]
     result = dict(model="vit-small-patch16-224", device=device, dtype=dtype, batch_size=batch_size, seconds=seconds)
     result.update(averaged_values=sum(p.numel() for p in average.params))
     result["update_over_step"] = seconds["EMA update"] / seconds["training step"]
     result["with_over_without"] = seconds["training step + EMA update"] / seconds["training step"]
-    return {**result, "clean_samples": {name: sum(sample["clean"]) for name, sample in samples.items()}}
+    return {**result, "clean_samples": {name: sum(sample["clean"]) for name, sample in timed["samples"].items()}}
 
 
 def sample_images(count: int, size: int) -> list:
@@ -97,7 +91,7 @@ def rand_augment_throughput(count: int, size: int, repeats: int, policy: str) ->
         fns["timm"] = lambda: [theirs(image) for image in images]
     except ImportError as error:
         print(f"timm is not importable ({error}): hf-vit's row only", file=sys.stderr)
-    rates = {name: count / seconds for name, seconds in timed_rounds(fns, 1, repeats)[0].items()}
+    rates = {name: count / seconds for name, seconds in timed_rounds(fns, 1, repeats)["seconds"].items()}
     result = {"policy": policy, "images": count, "size": size, "images_per_s": rates}
     if "timm" in rates:
         result["hf_vit_over_timm"] = rates["hf_vit"] / rates["timm"]

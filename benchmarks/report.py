@@ -4,6 +4,7 @@ generated blocks of docs/benchmarks.md."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -15,17 +16,22 @@ from pathlib import Path
 from .settings import DTYPES, HF_VIT, PIL_DECODE, TIMM, TORCHVISION, TRANSFORMERS, add_flags
 from .timing import PROFILE_CATEGORIES
 
+log = functools.partial(print, file=sys.stderr, flush=True)  # a line of progress: stderr, the tables going to stdout
+
 
 def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return "\n".join(lines + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
 
 
+def cell(value, spec: str = ",.0f", divisor: float = 1, missing: str = "-") -> str:
+    """A table's cell: `value / divisor` in `spec`, or `missing` where there is no value."""
+    return missing if value is None else format(value / divisor, spec)
+
+
 def _format_value(value, unit: str) -> str:
-    if value is None:
-        return "-"
-    if unit in ("of matmul peak", "of bf16 dense peak"):
-        return f"{100 * value:.1f}%"
+    if value is None or unit in ("of matmul peak", "of bf16 dense peak"):
+        return cell(value, ".1%")
     if abs(value) >= 100:
         return f"{value:.0f}"
     return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"
@@ -44,9 +50,8 @@ def format_table(report: dict) -> str:
     for row in report["figures"]:
         cells = [row["metric"], row["dtype"] or "", _mode(row)]
         cells += [_format_value(row["values"].get(name), row["unit"]) for name in (HF_VIT, TRANSFORMERS, *timm)]
-        cells.append("-" if row["ratio"] is None else f"{row['ratio']:.3f}")
-        cells.append(f"{row['ratio_best']:.3f}" if row.get("ratio_best") is not None else "")
-        cells += ["-" if row.get("ratio_timm") is None else f"{row['ratio_timm']:.3f}" for _ in timm]
+        cells += [cell(row["ratio"], ".3f"), cell(row.get("ratio_best"), ".3f", missing="")]
+        cells += [cell(row.get("ratio_timm"), ".3f") for _ in timm]
         lines.append(cells + ["higher" if row["higher_is_better"] else "lower"])
     if "processor" in report:
         difference, blank = f"{report['processor']['mean_abs_diff_01']:.2e}", [""] * len(timm)
@@ -132,9 +137,8 @@ def format_targets(report: dict) -> str:
             difference = report["processor"]["mean_abs_diff_01"]
             met = met and difference <= PROCESSOR_MAX_MEAN_ABS_DIFF
             measured += f" at a mean absolute difference of {difference:.1e} (limit {PROCESSOR_MAX_MEAN_ABS_DIFF:.1e})"
-        best = f"{row['ratio_best']:.3f}" if row.get("ratio_best") is not None else ""
-        head = [row["metric"], row["dtype"] or "", _mode(row)]
-        rows.append(head + ["hf-vit / transformers", f"{target:.2f}", measured, best, "**met**" if met else "not met"])
+        head = [row["metric"], row["dtype"] or "", _mode(row), "hf-vit / transformers", f"{target:.2f}", measured]
+        rows.append(head + [cell(row.get("ratio_best"), ".3f", missing=""), "**met**" if met else "not met"])
     return _markdown_table(["figure", "dtype", "mode", "against", "target", "measured", "(best runs)", ""], rows)
 
 
@@ -286,8 +290,6 @@ def write_doc(report: dict, path: str | os.PathLike, sections=None, tag: str = "
     """Rewrite the generated blocks (`sections(report)`, default `markdown_sections`) of the markdown file at `path`;
     the rest of it is left as written."""
     doc = Path(path)
-    if not doc.is_file():
-        raise FileNotFoundError(f"--doc {path} does not exist; create it with <!-- {tag}:table --> blocks first.")
     doc.write_text(fill_markdown(doc.read_text(), (sections or markdown_sections)(report), tag=tag))
     return doc
 

@@ -99,7 +99,7 @@ class Run:
         self.image_size = self.config.image_hw[0]
         where = f"{settings.model} at {self.image_size}, batch {settings.batch_size}, {self.device}"
         log(f"models: {', '.join(self.models)} ({where})")
-        self.pixel_values, self.labels = random_batch(settings, self.config, settings.batch_size, self.device)
+        self.pixel_values, self.labels = random_batch(self.config, settings.batch_size, self.device, settings.seed)
         self.optimizers = {
             name: make_optimizer(model, settings.fused_optimizer) for name, model in self.models.items()
         }
@@ -292,9 +292,9 @@ def compare_onnxruntime(model: nn.Module, settings: BenchmarkSettings) -> dict:
             )
         fns = {HF_VIT: timing.make_infer_step(model, pixel_values, "fp32")}
         fns["onnxruntime"] = functools.partial(session.run, None, inputs)
-        samples = timing.time_alternating(fns, settings.steps, settings.repeats, torch.device("cpu"))
-        per_s = {name: batch / median_seconds(sample) for name, sample in samples.items()}
-        row = dict(batch_size=batch, max_abs_logits_diff=difference, seconds=samples, images_per_s=per_s)
+        timed = timing.timed_rounds(fns, settings.steps, settings.repeats)  # after a warm-up call each
+        per_s = {name: batch / seconds for name, seconds in timed["seconds"].items()}
+        row = dict(batch_size=batch, max_abs_logits_diff=difference, seconds=timed["samples"], images_per_s=per_s)
         result[f"batch_{batch}"] = {**row, "ratio_onnxruntime_to_eager": per_s["onnxruntime"] / per_s[HF_VIT]}
     return result
 
@@ -304,9 +304,8 @@ def profile(run: Run) -> None:
     for dtype in run.settings.dtypes:
         for name in (HF_VIT, TRANSFORMERS):
             run.log(f"  {name} {dtype} ...")
-            run.report["profile"].setdefault(dtype, {})[name] = profile_training_step(
-                run.models[name], run.optimizers[name], run.pixel_values, run.labels, dtype
-            )
+            step = (run.models[name], run.optimizers[name], run.pixel_values, run.labels, dtype)
+            run.report["profile"].setdefault(dtype, {})[name] = profile_training_step(*step)
 
 
 def size_sweep(run: Run) -> None:
@@ -318,7 +317,7 @@ def size_sweep(run: Run) -> None:
     for size in settings.sizes:
         models, _ = build_models(settings, device, size)
         config = models[HF_VIT].config
-        pixel_values, labels = random_batch(settings, config, batch, device)
+        pixel_values, labels = random_batch(config, batch, device, settings.seed)
         diffs = compare_logits(models, pixel_values[:2])
         optimizers = {name: make_optimizer(model, settings.fused_optimizer) for name, model in models.items()}
         for dtype in settings.dtypes:
@@ -335,11 +334,11 @@ def size_sweep(run: Run) -> None:
         del models, optimizers
 
 
-def random_batch(settings: BenchmarkSettings, config, batch: int, device: torch.device):
+def random_batch(config, batch: int, device: torch.device, seed: int = 0):
     """`batch` random images of `config`'s size and random labels, on `device` (the same for the same seed)."""
-    generator = torch.Generator().manual_seed(settings.seed + 2)
+    generator = torch.Generator().manual_seed(seed + 2)
     pixel_values = torch.randn(batch, config.num_channels, *config.image_hw, generator=generator)
-    labels = torch.randint(0, settings.num_labels, (batch,), generator=generator)
+    labels = torch.randint(0, config.num_labels, (batch,), generator=generator)
     return pixel_values.to(device), labels.to(device)
 
 

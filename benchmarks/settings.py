@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,26 @@ def add_flags(parser: argparse.ArgumentParser, flags: dict) -> None:
         else:
             kind = kind[0] if kind else None if default is None else type(default)
             parser.add_argument(f"--{name}", type=kind, default=default, help=text)
+
+
+# Where benchmark.py's and gpu.py's figures go: name: (default, help), as `add_flags` takes them.
+OUTPUT_FLAGS = {
+    "json": (None, "write every figure and ratio here"),
+    "doc": (None, "markdown file whose <!-- benchmark[-gpu]:NAME --> blocks take the figures (after --merge_json)"),
+    "doc_only": (False, "measure nothing: rewrite --doc from the --json figures"),
+    "merge_json": (False, "update an existing --json file with this run's figures instead of replacing it"),
+}
+
+
+def check_outputs(parser: argparse.ArgumentParser, args, tag: str) -> None:
+    """--merge_json and --doc_only need --json (--doc_only an existing one, and --doc); --doc must exist: refused
+    before anything is measured."""
+    if args.merge_json and not args.json:
+        parser.error("--merge_json needs --json")
+    if args.doc_only and not (args.doc and args.json and Path(args.json).is_file()):
+        parser.error("--doc_only needs --doc and an existing --json file to take the figures from")
+    if args.doc and not Path(args.doc).is_file():
+        parser.error(f"--doc {args.doc} does not exist; create it with <!-- {tag}:NAME --> blocks first")
 
 
 def flag(default, text: str = "", **extra):

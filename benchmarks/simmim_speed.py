@@ -12,10 +12,6 @@ import copy
 import functools
 import sys
 import tempfile
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a file: the repository's root on the path instead of this folder
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch
 from transformers import ViTConfig, ViTForMaskedImageModeling
@@ -67,11 +63,11 @@ def measure(args) -> dict:
             copied.set_attn_implementation(implementation)
             optimizer = torch.optim.AdamW(copied.parameters(), lr=1e-4)
             steps[f"{name} {implementation}"] = functools.partial(training_step, copied, optimizer, batch)
-    seconds, load = timed_rounds(steps, args.steps, args.repeats)  # after a warm-up: the optimizer's state
+    timed = timed_rounds(steps, args.steps, args.repeats)  # after a warm-up: the optimizer's state
     return {
-        "steps_per_s": {name: 1.0 / value for name, value in seconds.items()},
+        "steps_per_s": {name: 1.0 / value for name, value in timed["seconds"].items()},
         "difference": difference,
-        "load_average": load,
+        "load_average": timed["load_average"],
         "threads": torch.get_num_threads(),
     }
 

@@ -35,12 +35,23 @@ def timed_call(fn: Callable[[], object], device: torch.device, calls: int = 1) -
     return time.perf_counter() - start
 
 
+def profiled(fn: Callable[[], object], device: torch.device, **options) -> torch.profiler.profile:
+    """torch.profiler over one call of `fn`: the host's ops, and on CUDA the kernels, until they finish."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    activities += [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else []
+    with torch.profiler.profile(activities=activities, **options) as profile:
+        fn()
+        synchronize(device)
+    return profile
+
+
 def autocast(device: torch.device, dtype: str):
     """bf16 autocast (fp32 master weights), or nothing for fp32."""
     return torch.autocast(device.type, DTYPES[dtype]) if DTYPES[dtype] else contextlib.nullcontext()
 
 
 MODES = ("train", "infer")
+CPU = torch.device("cpu")
 CONTENTION_LIMIT = 0.15  # CPU cores used by other processes during a sample above which it counts as disturbed
 
 
@@ -65,30 +76,6 @@ def other_cpu_load(before: tuple[int, int] | None, after: tuple[int, int] | None
     return max(busy - own, 0) / os.sysconf("SC_CLK_TCK") / seconds
 
 
-def time_alternating(
-    fns: dict[str, Callable[[], object]], steps: int, repeats: int, device: torch.device
-) -> dict[str, dict[str, list]]:
-    """Seconds per call of each function, one sample per round; the order of the functions reverses every round.
-
-    A sample during which other processes used more than `CONTENTION_LIMIT` cores (read from /proc/stat) is marked
-    disturbed, and rounds go on (up to twice `repeats`) until every function has `repeats` undisturbed samples.
-    Returns, per function, "seconds", "other_cpu" (cores, None where unknown) and "clean".
-    """
-    names = list(fns)
-    samples: dict[str, dict[str, list]] = {name: {"seconds": [], "other_cpu": [], "clean": []} for name in names}
-    for round_index in range(2 * repeats):
-        if round_index >= repeats and all(sum(samples[name]["clean"]) >= repeats for name in names):
-            break
-        for name in names if round_index % 2 == 0 else names[::-1]:
-            ticks = _cpu_ticks()
-            elapsed = timed_call(fns[name], device, steps)
-            other = other_cpu_load(ticks, _cpu_ticks(), elapsed)
-            samples[name]["seconds"].append(elapsed / steps)
-            samples[name]["other_cpu"].append(other)
-            samples[name]["clean"].append(other is None or other <= CONTENTION_LIMIT)
-    return samples
-
-
 def median_seconds(sample: dict[str, list]) -> float:
     """Median of the undisturbed samples, or of all of them when fewer than half were undisturbed."""
     clean = [seconds for seconds, ok in zip(sample["seconds"], sample["clean"]) if ok]
@@ -101,11 +88,8 @@ def matmul_flops_per_s(device: torch.device, dtype: str, size: int, repeats: int
     a = torch.randn(size, size, device=device, dtype=torch_dtype)
     b = torch.randn(size, size, device=device, dtype=torch_dtype)
     out = torch.empty(size, size, device=device, dtype=torch_dtype)
-    torch.matmul(a, b, out=out)  # warm-up (and library initialisation)
-    single = max(timed_call(lambda: torch.matmul(a, b, out=out), device), 1e-6)
-    calls = max(1, math.ceil(0.25 / single))  # at least a quarter second per sample
-    sample = time_alternating({"matmul": lambda: torch.matmul(a, b, out=out)}, calls, repeats, device)["matmul"]
-    seconds = median_seconds(sample)
+    timed = timed_rounds({"matmul": lambda: torch.matmul(a, b, out=out)}, None, repeats, device, warmup=2)
+    sample, seconds = timed["samples"]["matmul"], timed["seconds"]["matmul"]
     result = dict(size=size, dtype=dtype, flops_per_s=2 * size**3 / seconds, seconds=seconds)
     return {**result, "disturbed_samples": len(sample["clean"]) - sum(sample["clean"])}
 
@@ -128,19 +112,21 @@ def make_optimizer(model: nn.Module, fused: bool = False) -> torch.optim.Optimiz
     return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if fused else None)
 
 
-def make_train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, pixel_values: torch.Tensor, labels: torch.Tensor, dtype: str
-) -> Callable[[], None]:
-    """Forward, cross-entropy (fp32, outside the model), backward, AdamW step; nothing read back to the host, so on a
-    GPU the steps queue up and the timer synchronises once per sample."""
+def make_train_step(model: nn.Module, optimizer, inputs, labels, dtype: str, clip=None) -> Callable[[], None]:
+    """Forward (of `inputs`: pixel values, or a processor's batch), cross-entropy (fp32, outside the model), backward,
+    the gradients' norm clipped at `clip` (if any), the optimiser's step (if any); nothing read back to the host, so
+    on a GPU the steps queue up and the timer synchronises once per sample."""
 
     def step() -> None:
-        with autocast(pixel_values.device, dtype):
-            logits = logits_of(model(pixel_values))
+        with autocast(labels.device, dtype):
+            logits = logits_of(model(**inputs) if isinstance(inputs, dict) else model(inputs))
         loss = F.cross_entropy(logits.float(), labels)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if optimizer is not None:
+            optimizer.step()
+        (optimizer or model).zero_grad(set_to_none=True)
 
     return step
 
@@ -166,11 +152,10 @@ def benchmark_models(
             else make_infer_step(model.eval(), pixel_values, dtype)
             for name, model in models.items()
         }
-        for name, step in steps_fns.items():
-            for _ in range(warmup):  # the first call's seconds include compiling
-                results[name].setdefault(f"{mode}_first_call_s", timed_call(step, device))
-        samples = time_alternating(steps_fns, steps, repeats, device)
-        for name, seconds in samples.items():
+        timed = timed_rounds(steps_fns, steps, repeats, device, warmup)  # a first call's seconds include compiling
+        for name, seconds in timed["first_call_s"].items():
+            results[name][f"{mode}_first_call_s"] = seconds
+        for name, seconds in timed["samples"].items():
             results[name][f"{mode}_seconds"] = seconds
             if memory:
                 for key, value in measure_memory(steps_fns[name], device).items():
@@ -178,14 +163,54 @@ def benchmark_models(
     return results
 
 
-def timed_rounds(fns: dict[str, Callable[[], object]], steps: int, repeats: int) -> tuple[dict[str, float], list]:
-    """One warm-up call each, then `time_alternating` on CPU: the median seconds per call of each function, and the
-    1-minute load average before and after."""
-    for fn in fns.values():
-        fn()
+def timed_rounds(fns: dict[str, Callable[[], object]], steps: int, repeats: int, device=CPU, warmup=1, skip=None):
+    """Seconds per call of each function, one sample (of `steps` calls; None: as many as a quarter second takes) per
+    round, the order of the functions reversed every round, after `warmup` calls of each (the first timed: a compiled
+    function's compilation); with `skip`, one that `skip(name, first calls so far)` gives a reason for, or that
+    raises, is left out ("skipped").
+
+    A sample during which other processes used more than `CONTENTION_LIMIT` cores (read from /proc/stat) is marked
+    disturbed, and rounds go on (up to twice `repeats`) until every function has `repeats` undisturbed samples.
+    Returns, per function, its "samples" ("seconds", "other_cpu": cores, None where unknown, "clean"), the median
+    "seconds" per call (`median_seconds`) and "first_call_s"; and the 1-minute "load_average" before and after.
+    """
+    first_call, fastest, skipped = {}, {}, {}
+    for name, fn in fns.items():
+        if skip is not None and (reason := skip(name, first_call)):
+            skipped[name] = reason
+            continue
+        try:
+            for _ in range(warmup):
+                elapsed = timed_call(fn, device)
+                first_call.setdefault(name, elapsed)
+                fastest[name] = min(elapsed, fastest.get(name, elapsed))
+        except Exception as exc:  # noqa: BLE001  (with `skip`: one failing function leaves the others measured)
+            if skip is None:
+                raise
+            skipped[name] = error_line(exc)
+    if steps is None:  # so that other processes' CPU use during a sample can be read (`other_cpu_load`)
+        steps = max(1, math.ceil(0.25 / max(min(fastest.values()), 1e-6)))
+    names = [name for name in fns if name not in skipped]
     before = os.getloadavg()[0]
-    samples = time_alternating(fns, steps, repeats, torch.device("cpu"))
-    return {name: median_seconds(sample) for name, sample in samples.items()}, [before, os.getloadavg()[0]]
+    samples: dict[str, dict[str, list]] = {name: {"seconds": [], "other_cpu": [], "clean": []} for name in names}
+    for round_index in range(2 * repeats):
+        if round_index >= repeats and all(sum(samples[name]["clean"]) >= repeats for name in names):
+            break
+        for name in names if round_index % 2 == 0 else names[::-1]:
+            ticks = _cpu_ticks()
+            elapsed = timed_call(fns[name], device, steps)
+            other = other_cpu_load(ticks, _cpu_ticks(), elapsed)
+            samples[name]["seconds"].append(elapsed / steps)
+            samples[name]["other_cpu"].append(other)
+            samples[name]["clean"].append(other is None or other <= CONTENTION_LIMIT)
+    load = [before, os.getloadavg()[0]]
+    seconds = {name: median_seconds(sample) for name, sample in samples.items()}
+    return dict(seconds=seconds, samples=samples, first_call_s=first_call, skipped=skipped, load_average=load)
+
+
+def error_line(exc: Exception) -> str:
+    """An exception as one short line of a report."""
+    return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
 
 
 def budget_spent(budget_s: float | None, start: float) -> str | None:
@@ -218,10 +243,7 @@ def peak_rss_growth_mb(step: Callable[[], None]) -> float | None:
 def peak_tensor_memory_cpu_mb(step: Callable[[], None]) -> float | None:
     """Peak of the CPU tensor bytes live during one call above those live before it, in MiB, from torch.profiler's
     allocation events: the CPU counterpart of `torch.cuda.max_memory_allocated` (less what was live before)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+    prof = profiled(step, CPU, profile_memory=True)
     try:
         events = prof.profiler.kineto_results.events()
     except AttributeError:
@@ -303,19 +325,14 @@ def _categorise(event) -> str:
 def profile_training_step(model: nn.Module, optimizer, pixel_values: torch.Tensor, labels, dtype: str, top: int = 12):
     """Where one training step's time goes, by category (self CPU time of every op; on a GPU, self device time) and
     the top ops."""
-    from torch.profiler import ProfilerActivity, profile
-
     model.train()
     step = make_train_step(model, optimizer, pixel_values, labels, dtype)
     step()  # warm-up: optimiser state, allocator, kernels
     # On a GPU the time that matters is the kernels' (the host only queues them): each op's own device time.
     on_gpu = pixel_values.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     for _attempt in range(3):  # profile again when another process took CPU time during the step
         ticks, start = _cpu_ticks(), time.perf_counter()
-        with profile(activities=activities) as prof:
-            step()
-            synchronize(pixel_values.device)
+        prof = profiled(step, pixel_values.device)
         other = other_cpu_load(ticks, _cpu_ticks(), time.perf_counter() - start)
         if other is None or other <= CONTENTION_LIMIT:
             break
