@@ -134,8 +134,8 @@ class BatchLayout:
 
     The images one per row (the pooling, the heads) are `(N, prefix + K)` tokens. The blocks run a padded batch's
     rows `(B, prefix + K)`, a packed one's stream `(1, R * L + N * prefix)`: each image's prefix tokens, then its
-    patches, consecutive (on CPU in eager mode without the padding: `(1, N * prefix + the images' patches)`). Per slot (`slot_grids`, `slot_places`), each patch's grid and place in it, for its position
-    embedding."""
+    patches, consecutive (on CPU in eager mode without the padding: `(1, N * prefix + the images' patches)`). Per
+    slot (`slot_grids`, `slot_places`), each patch's grid and place in it, for its position embedding."""
 
     grids: torch.Tensor  # (N, 2): each image's grid
     prefix: int  # the prefix tokens of each image
