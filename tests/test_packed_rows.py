@@ -392,6 +392,27 @@ def test_compiled_attention_takes_batches_of_other_runs_in_two_graphs():
     assert counters["stats"]["unique_graphs"] <= 2  # the first, then one whose number of images is dynamic
 
 
+def test_compiled_attention_takes_cpu_packed_batches_of_other_image_counts_in_two_graphs():
+    # a block compiled alone gets the segments of a layout made in eager mode on CPU (the runs' lengths read, the
+    # stream without its padding): in the graph they take the path a GPU takes, never a guard on the runs' count
+    from torch._dynamo.utils import counters
+
+    function = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
+
+    def attend(query, segments):
+        return function(Attention(), query, query, query, segments, scaling=0.5)[0]
+
+    counters.clear()
+    compiled = torch.compile(attend, backend="eager", fullgraph=True)
+    for runs in (RUNS, [[4, 4], [6, 3], [1], [9]], [[9], [8], [2, 7], [3]], [[9], [9], [9], [5, 4]]):
+        query = torch.randn(1, 2, sum(map(sum, runs)), 4)
+        segments = attention_segments(runs, ROW, on_host=True)
+        assert len(segments.run_lengths) == sum(map(len, runs))
+        reference = per_run([query[0].transpose(0, 1)] * 3, segments.run_lengths, 0.5)
+        torch.testing.assert_close(compiled(query, segments)[0], reference)
+    assert counters["stats"]["unique_graphs"] <= 2  # the first, then one whose number of tokens is dynamic
+
+
 @torch.library.custom_op("hf_vit_tests::varlen_reference", mutates_args=())
 def _varlen_reference(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor, max_q: int, scale: float
