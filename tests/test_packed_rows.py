@@ -392,27 +392,6 @@ def test_compiled_attention_takes_batches_of_other_runs_in_two_graphs():
     assert counters["stats"]["unique_graphs"] <= 2  # the first, then one whose number of images is dynamic
 
 
-def test_compiled_attention_takes_cpu_packed_batches_of_other_image_counts_in_two_graphs():
-    # a block compiled alone gets the segments of a layout made in eager mode on CPU (the runs' lengths read, the
-    # stream without its padding): in the graph they take the path a GPU takes, never a guard on the runs' count
-    from torch._dynamo.utils import counters
-
-    function = ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None)
-
-    def attend(query, segments):
-        return function(Attention(), query, query, query, segments, scaling=0.5)[0]
-
-    counters.clear()
-    compiled = torch.compile(attend, backend="eager", fullgraph=True)
-    for runs in (RUNS, [[4, 4], [6, 3], [1], [9]], [[9], [8], [2, 7], [3]], [[9], [9], [9], [5, 4]]):
-        query = torch.randn(1, 2, sum(map(sum, runs)), 4)
-        segments = attention_segments(runs, ROW, on_host=True)
-        assert len(segments.run_lengths) == sum(map(len, runs))
-        reference = per_run([query[0].transpose(0, 1)] * 3, segments.run_lengths, 0.5)
-        torch.testing.assert_close(compiled(query, segments)[0], reference)
-    assert counters["stats"]["unique_graphs"] <= 2  # the first, then one whose number of tokens is dynamic
-
-
 @torch.library.custom_op("hf_vit_tests::varlen_reference", mutates_args=())
 def _varlen_reference(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_q: torch.Tensor, max_q: int, scale: float
@@ -760,6 +739,27 @@ def test_packed_batches_train_with_activation_checkpointing_and_bf16_autocast(us
         assert low.logits.shape == (len(PACKED_SIZES), config.num_labels) and torch.isfinite(low.loss)
     for plain, recomputed in zip(*grads):
         torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-5)
+
+
+def test_blocks_compiled_alone_take_cpu_packed_batches_of_any_image_count_in_the_same_graphs():
+    # the layout made in eager mode on CPU (the stream without its padding, the runs' lengths read), the blocks
+    # compiled alone (as the benchmarks' --compile_blocks): a graph must not depend on the number of images
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8, packed_sequence_length=24)
+    batches = [processor(images(PACKED_SIZES[:count]), return_tensors="pt") for count in (6, 2, 3, 4, 5)]
+    with torch.no_grad():
+        eager = [model(**batch).pooler_output for batch in batches]
+        counters.clear()
+        for block in model.layers:
+            block.compile(backend="eager")
+        graphs = []
+        for batch, expected in zip(batches, eager):
+            torch.testing.assert_close(model(**batch).pooler_output, expected, atol=1e-5, rtol=1e-5)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[2] == graphs[-1], graphs  # none after the first sizes: the runs' count is no guard
 
 
 def test_the_model_through_the_varlen_branch_equals_the_images_alone(monkeypatch):
