@@ -66,27 +66,33 @@ print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.c
 # The smoke checks: tests/test_device.py on the GPU (on CPU where torch sees none), each test's result line in
 # smoke.log and in smoke.xml's junit properties. SMOKE_ONLY="check ..." runs some of them (pytest -k: a rerun of those
 # that failed); SMOKE_KEEP=/tmp/smoke keeps their scratch folder (the training runs' logs): pytest's --basetemp, which
-# empties the folder first.
+# empties the folder first, so it must be new, empty, or marked by an earlier run as the checks' own.
 device=cpu
 grep -q "^cuda True" "$OUT/packages.txt" && device=cuda
 smoke=(-m pytest -p no:cacheprovider -q -s -rA tests/test_device.py --device "$device" --junitxml "$OUT/smoke.xml"
     -o junit_family=xunit1)  # xunit1: the junit file keeps each test's properties
 [ -z "${SMOKE_ONLY:-}" ] || smoke+=(-k "${SMOKE_ONLY// / or }")
+KEPT=.hf-vit-smoke  # written in $SMOKE_KEEP after each run: the folder is the smoke checks' scratch
 if [ -n "${SMOKE_KEEP:-}" ]; then
-    if [ -n "$(ls -A "$SMOKE_KEEP" 2>/dev/null)" ] && [ ! -d "$SMOKE_KEEP/smoke" ]; then
-        echo "SMOKE_KEEP=$SMOKE_KEEP holds files of its own, which pytest --basetemp would delete: name another" >&2
+    if [ -n "$(ls -A "$SMOKE_KEEP" 2>/dev/null)" ] && [ ! -f "$SMOKE_KEEP/$KEPT" ]; then
+        echo "SMOKE_KEEP=$SMOKE_KEEP holds files the smoke checks did not write, which pytest --basetemp would" \
+            "delete: name a new or empty folder" >&2
         exit 2
     fi
     smoke+=(--basetemp "$SMOKE_KEEP")
 fi
+smoke_step() {  # smoke_step SECONDS: the smoke checks, their kept scratch folder marked as theirs
+    step "$1" smoke "$PY" "${smoke[@]}"
+    [ -z "${SMOKE_KEEP:-}" ] || [ ! -d "$SMOKE_KEEP" ] || : >"$SMOKE_KEEP/$KEPT"
+}
 
 case "$part" in
 smoke)
-    step 330 smoke "$PY" "${smoke[@]}"
+    smoke_step 330
     ;;
 1)
     # About 280 s on an H100 by estimate (not yet measured): 330 s leaves room.
-    step 330 smoke "$PY" "${smoke[@]}"
+    smoke_step 330
     step 145 end_to_end_b16 "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs --images 768 \
         --preset vit-base-patch16-224 --batch_size 256 --steps 8 --warmup_steps 3 --json "$OUT/end_to_end_b16.json" \
         -- --bf16
@@ -120,7 +126,7 @@ packing)
         --json "$OUT/benchmarks_gpu.json"
     ;;
 quick)
-    step 120 smoke "$PY" "${smoke[@]}"
+    smoke_step 120
     step 120 end_to_end "$PY" benchmarks/end_to_end.py --folder /tmp/hf-vit-jpegs-quick --images 64 \
         --preset vit-tiny-patch16-224 --num_hidden_layers 2 --image_size 64 --batch_size 8 --steps 8 \
         --warmup_steps 2 --json "$OUT/end_to_end.json"

@@ -741,6 +741,27 @@ def test_packed_batches_train_with_activation_checkpointing_and_bf16_autocast(us
         torch.testing.assert_close(recomputed, plain, atol=1e-6, rtol=1e-5)
 
 
+def test_blocks_compiled_alone_take_cpu_packed_batches_of_any_image_count_in_the_same_graphs():
+    # the layout made in eager mode on CPU (the stream without its padding, the runs' lengths read), the blocks
+    # compiled alone (as the benchmarks' --compile_blocks): a graph must not depend on the number of images
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = VisionTransformerModel(tiny_config(attn_implementation="sdpa")).eval()
+    processor = VisionTransformerImageProcessor(max_num_patches=12, patch_size=8, packed_sequence_length=24)
+    batches = [processor(images(PACKED_SIZES[:count]), return_tensors="pt") for count in (6, 2, 3, 4, 5)]
+    with torch.no_grad():
+        eager = [model(**batch).pooler_output for batch in batches]
+        counters.clear()
+        for block in model.layers:
+            block.compile(backend="eager")
+        graphs = []
+        for batch, expected in zip(batches, eager):
+            torch.testing.assert_close(model(**batch).pooler_output, expected, atol=1e-5, rtol=1e-5)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[2] == graphs[-1], graphs  # none after the first sizes: the runs' count is no guard
+
+
 def test_the_model_through_the_varlen_branch_equals_the_images_alone(monkeypatch):
     # The CUDA branch's data flow on CPU: the model's qkv views flattened to (tokens, heads, d_h), the runs' cumulative
     # lengths and host maxima handed to varlen_attn (here a reference computing attention per run), the output viewed

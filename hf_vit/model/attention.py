@@ -188,9 +188,9 @@ def segment_attention_forward(
             f"The attention segments describe {blocks[0]} rows of {blocks[1]} tokens, but the queries are {batch} "
             f"rows of {tokens}."
         )
-    path = segment_attention_path(
-        implementation, query.device, query.dtype, dropout, head_dim, segments.run_lengths is not None
-    )
+    # the runs' lengths are read in eager mode only: a graph would guard on their count (one graph per count)
+    runs = not torch.compiler.is_compiling() and segments.run_lengths is not None
+    path = segment_attention_path(implementation, query.device, query.dtype, dropout, head_dim, runs)
     if not torch.compiler.is_compiling():  # the logs are printed before compiling, at the first call
         if implementation == "flex_attention":
             logger.warning_once(
