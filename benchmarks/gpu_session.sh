@@ -70,7 +70,7 @@ print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.c
 device=cpu
 grep -q "^cuda True" "$OUT/packages.txt" && device=cuda
 smoke=(-m pytest -p no:cacheprovider -q -s -rA tests/test_device.py --device "$device" --junitxml "$OUT/smoke.xml"
-    -o junit_family=xunit1)  # xunit1: the junit file keeps each test's properties
+    -o junit_family=xunit1 -o log_level=WARNING)  # xunit1: the junit file keeps the properties; no debug logs
 [ -z "${SMOKE_ONLY:-}" ] || smoke+=(-k "${SMOKE_ONLY// / or }")
 KEPT=.hf-vit-smoke  # written in $SMOKE_KEEP after each run: the folder is the smoke checks' scratch
 if [ -n "${SMOKE_KEEP:-}" ]; then
