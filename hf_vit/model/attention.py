@@ -143,7 +143,7 @@ def segment_attention_path(
     - "varlen": torch's `varlen_attn` (SDPA or flex attention asked for; CUDA, half precision, no dropout, a head
       size flash kernels take);
     - "runs": SDPA (or flex attention) where the `runs`' lengths were read from host memory (a packed batch on CPU,
-      `layout.values_on_host`), in eager mode: the stream split into its runs (views), each attended alone;
+      `layout.values_on_host`) and are used in eager mode: the stream split into its runs (views), each attended alone;
     - "images": everything else (a padded batch's SDPA on CPU, or on a GPU in fp32 or with dropout; flex attention by
       SDPA; eager, which returns the probabilities; compiled; attention functions registered by others): each
       image's tokens in a row of their own (a packed batch's gathered there and back), the rest masked as keys.
@@ -162,7 +162,7 @@ def segment_attention_path(
         and _flash_capable(device.index)
     ):
         return "varlen"
-    if runs and implementation in ("sdpa", "flex_attention") and not torch.compiler.is_compiling():
+    if runs and implementation in ("sdpa", "flex_attention"):
         return "runs"
     return "images"
 
